@@ -1,0 +1,916 @@
+/* libkvblend — client of kvblendd; see include/kvblend.h for the contract. */
+#include "kvblend.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <sodium.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+#include <zmq.h>
+
+#include "../proto/wire.h"
+
+#define DEFAULT_TIMEOUT_MS 5000
+#define DEFAULT_SHM (64u << 20)
+#define DEFAULT_ENDPOINT "ipc:///run/kvblend/kvblend.sock"
+
+struct kvb_client {
+	void *ctx;
+	void *sock;
+	char endpoint[512];
+	int timeout_ms;
+	uint64_t next_id;
+	char err[512];
+	/* Payload frames ZeroMQ still reads from the caller's memory (zero-copy sends). */
+	atomic_int in_flight;
+	/* shared memory */
+	bool shm_ok; /* may try shared memory */
+	uint64_t shm_id;
+	void *shm_base;
+	size_t shm_size;
+	size_t shm_initial;
+};
+
+struct call {
+	struct kvbp_request req;
+	const void *const *payload; /* frames to send after the header */
+	const size_t *payload_len;
+	size_t n_payload;
+	struct kvbp_reply rep;
+	zmq_msg_t *frames; /* received payload frames; freed by call_done() */
+	size_t n_frames;
+};
+
+_Static_assert(KVB_E_BAD_SHM == -1000 - KVBP_BAD_SHM, "client codes drifted from the wire");
+
+__attribute__((format(printf, 3, 4))) static int set_err(kvb_client *c, int rc, const char *fmt,
+							 ...)
+{
+	va_list ap;
+
+	va_start(ap, fmt);
+	vsnprintf(c->err, sizeof(c->err), fmt, ap);
+	va_end(ap);
+	return rc;
+}
+
+const char *kvb_last_error(const kvb_client *c)
+{
+	return c ? c->err : "";
+}
+
+const char *kvb_strerror(int code)
+{
+	static const char *const server[] = {
+		[KVBP_BAD_REQUEST] = "bad request",
+		[KVBP_BAD_VERSION] = "protocol version not supported",
+		[KVBP_UNKNOWN_OP] = "unknown operation",
+		[KVBP_BAD_SHAPE] = "bad shape",
+		[KVBP_UNKNOWN_MODEL] = "unknown model",
+		[KVBP_DTYPE_MISMATCH] = "dtype mismatch",
+		[KVBP_BAD_FRAMES] = "wrong number of frames",
+		[KVBP_TOO_LARGE] = "message too large",
+		[KVBP_MODEL_CONFLICT] = "model exists with another layout",
+		[KVBP_NOT_FOUND] = "not found",
+		[KVBP_CORRUPT] = "stored chunk corrupt",
+		[KVBP_FULL] = "store full",
+		[KVBP_LIMIT] = "daemon resource limit reached",
+		[KVBP_INTERNAL] = "internal daemon error",
+		[KVBP_BAD_ARGUMENT] = "bad argument",
+		[KVBP_BAD_SHM] = "bad shared-memory reference",
+	};
+
+	if (code == 0)
+		return "success";
+	if (code == KVB_E_PROTOCOL)
+		return "unreadable reply";
+	if (code <= -1001 && code > -1000 - KVBP_CODE_COUNT)
+		return server[-code - 1000];
+	return strerror(-code);
+}
+
+const char *kvb_default_endpoint(void)
+{
+	const char *e = getenv("KVBLEND_ENDPOINT");
+
+	return e && *e ? e : DEFAULT_ENDPOINT;
+}
+
+size_t kvb_dtype_size(enum kvb_dtype dtype)
+{
+	return kvbp_dtype_size((uint32_t)dtype);
+}
+
+const char *kvb_dtype_name(enum kvb_dtype dtype)
+{
+	return kvbp_dtype_name((uint32_t)dtype);
+}
+
+enum kvb_dtype kvb_dtype_parse(const char *s)
+{
+	if (!strcmp(s, "f16") || !strcmp(s, "float16"))
+		return KVB_F16;
+	if (!strcmp(s, "bf16") || !strcmp(s, "bfloat16"))
+		return KVB_BF16;
+	if (!strcmp(s, "f32") || !strcmp(s, "float32"))
+		return KVB_F32;
+	return 0;
+}
+
+void kvb_chunk_hash(const uint32_t *ids, size_t n, uint8_t out[KVB_HASH_LEN])
+{
+	crypto_generichash_state st;
+	uint8_t le[4 * 256];
+
+	/* Hash little-endian bytes whatever the host order, 256 ids at a time. */
+	crypto_generichash_init(&st, NULL, 0, KVB_HASH_LEN);
+	while (n) {
+		size_t k = n < 256 ? n : 256;
+
+		for (size_t i = 0; i < k; i++) {
+			le[4 * i] = (uint8_t)ids[i];
+			le[4 * i + 1] = (uint8_t)(ids[i] >> 8);
+			le[4 * i + 2] = (uint8_t)(ids[i] >> 16);
+			le[4 * i + 3] = (uint8_t)(ids[i] >> 24);
+		}
+		crypto_generichash_update(&st, le, 4 * k);
+		ids += k;
+		n -= k;
+	}
+	crypto_generichash_final(&st, out, KVB_HASH_LEN);
+}
+
+int kvb_hash_parse(const char *hex, uint8_t out[KVB_HASH_LEN])
+{
+	uint8_t h[KVB_HASH_LEN];
+
+	if (!hex || strlen(hex) != 2 * KVB_HASH_LEN)
+		return -EINVAL;
+	for (int i = 0; i < 2 * KVB_HASH_LEN; i++) {
+		int c = hex[i], v;
+
+		if (c >= '0' && c <= '9')
+			v = c - '0';
+		else if (c >= 'a' && c <= 'f')
+			v = c - 'a' + 10;
+		else if (c >= 'A' && c <= 'F')
+			v = c - 'A' + 10;
+		else
+			return -EINVAL;
+		if (i % 2)
+			h[i / 2] = (uint8_t)(h[i / 2] | v);
+		else
+			h[i / 2] = (uint8_t)(v << 4);
+	}
+	memcpy(out, h, KVB_HASH_LEN);
+	return 0;
+}
+
+void kvb_hash_format(const uint8_t hash[KVB_HASH_LEN], char out[2 * KVB_HASH_LEN + 1])
+{
+	static const char digits[] = "0123456789abcdef";
+
+	for (int i = 0; i < KVB_HASH_LEN; i++) {
+		out[2 * i] = digits[hash[i] >> 4];
+		out[2 * i + 1] = digits[hash[i] & 15];
+	}
+	out[2 * KVB_HASH_LEN] = 0;
+}
+
+static int parse_doubles(const char *s, double *v, int max)
+{
+	int n = 0;
+
+	while (*s && n < max) {
+		char *end;
+
+		errno = 0;
+		v[n++] = strtod(s, &end);
+		if (errno || end == s)
+			return -1;
+		if (*end == ',')
+			end++;
+		else if (*end)
+			return -1;
+		s = end;
+	}
+	return *s ? -1 : n;
+}
+
+int kvb_rope_scaling_parse(const char *spec, struct kvb_model *m)
+{
+	const char *colon = strchr(spec, ':');
+	size_t kind_len = colon ? (size_t)(colon - spec) : strlen(spec);
+	double v[4];
+	int n = colon ? parse_doubles(colon + 1, v, 4) : 0;
+	struct kvb_model t = *m;
+
+	t.scaling = KVB_SCALING_NONE;
+	t.factor = t.low_freq_factor = t.high_freq_factor = t.beta_fast = t.beta_slow = 0;
+	t.original_max_pos = t.max_pos = 0;
+	if (n < 0)
+		return -EINVAL;
+	if (kind_len == 4 && !strncmp(spec, "none", 4) && !colon) {
+		/* nothing to set */
+	} else if (kind_len == 6 && !strncmp(spec, "linear", 6) && n == 1 && v[0] > 0) {
+		t.scaling = KVB_SCALING_LINEAR;
+		t.factor = v[0];
+	} else if (kind_len == 6 && !strncmp(spec, "llama3", 6) && n == 4 && v[0] > 0 &&
+		   v[1] > 0 && v[2] > v[1] && v[3] >= 1 && v[3] <= UINT32_MAX) {
+		t.scaling = KVB_SCALING_LLAMA3;
+		t.factor = v[0];
+		t.low_freq_factor = v[1];
+		t.high_freq_factor = v[2];
+		t.original_max_pos = (uint32_t)v[3];
+	} else if (kind_len == 4 && !strncmp(spec, "yarn", 4) && (n == 2 || n == 4) && v[0] > 0 &&
+		   v[1] >= 1 && v[1] <= UINT32_MAX) {
+		t.scaling = KVB_SCALING_YARN;
+		t.factor = v[0];
+		t.original_max_pos = (uint32_t)v[1];
+		t.beta_fast = n == 4 ? v[2] : 32;
+		t.beta_slow = n == 4 ? v[3] : 1;
+		if (!(t.beta_fast > t.beta_slow && t.beta_slow > 0))
+			return -EINVAL;
+	} else if (kind_len == 7 && !strncmp(spec, "dynamic", 7) && n == 2 && v[0] > 0 &&
+		   v[1] >= 1 && v[1] <= UINT32_MAX) {
+		t.scaling = KVB_SCALING_DYNAMIC;
+		t.factor = v[0];
+		t.max_pos = (uint32_t)v[1];
+	} else {
+		return -EINVAL;
+	}
+	*m = t;
+	return 0;
+}
+
+void kvb_rope_scaling_format(const struct kvb_model *m, char *buf, size_t len)
+{
+	switch (m->scaling) {
+	case KVB_SCALING_LINEAR:
+		snprintf(buf, len, "linear:%g", m->factor);
+		break;
+	case KVB_SCALING_LLAMA3:
+		snprintf(buf, len, "llama3:%g,%g,%g,%" PRIu32, m->factor, m->low_freq_factor,
+			 m->high_freq_factor, m->original_max_pos);
+		break;
+	case KVB_SCALING_YARN:
+		snprintf(buf, len, "yarn:%g,%" PRIu32 ",%g,%g", m->factor, m->original_max_pos,
+			 m->beta_fast, m->beta_slow);
+		break;
+	case KVB_SCALING_DYNAMIC:
+		snprintf(buf, len, "dynamic:%g,%" PRIu32, m->factor, m->max_pos);
+		break;
+	default:
+		snprintf(buf, len, "none");
+		break;
+	}
+}
+
+static void model_to_wire(const struct kvb_model *m, struct kvbp_model *w)
+{
+	memset(w, 0, sizeof(*w));
+	snprintf(w->name, sizeof(w->name), "%s", m->name);
+	w->num_layers = m->num_layers;
+	w->num_kv_heads = m->num_kv_heads;
+	w->head_dim = m->head_dim;
+	w->dtype = (uint32_t)m->dtype;
+	w->rope_theta = m->rope_theta;
+	w->rope_style = (uint32_t)m->rope_style;
+	w->rotary_dim = m->rotary_dim;
+	w->scaling = (uint32_t)m->scaling;
+	w->factor = m->factor;
+	w->low_freq_factor = m->low_freq_factor;
+	w->high_freq_factor = m->high_freq_factor;
+	w->original_max_pos = m->original_max_pos;
+	w->beta_fast = m->beta_fast;
+	w->beta_slow = m->beta_slow;
+	w->max_pos = m->max_pos;
+	w->k_pre_rope = m->k_pre_rope != 0;
+}
+
+static void model_from_wire(const struct kvbp_model *w, struct kvb_model *m)
+{
+	memset(m, 0, sizeof(*m));
+	snprintf(m->name, sizeof(m->name), "%s", w->name);
+	m->num_layers = w->num_layers;
+	m->num_kv_heads = w->num_kv_heads;
+	m->head_dim = w->head_dim;
+	m->dtype = (enum kvb_dtype)w->dtype;
+	m->rope_theta = w->rope_theta;
+	m->rope_style = (enum kvb_rope_style)w->rope_style;
+	m->rotary_dim = w->rotary_dim;
+	m->scaling = (enum kvb_rope_scaling)w->scaling;
+	m->factor = w->factor;
+	m->low_freq_factor = w->low_freq_factor;
+	m->high_freq_factor = w->high_freq_factor;
+	m->original_max_pos = w->original_max_pos;
+	m->beta_fast = w->beta_fast;
+	m->beta_slow = w->beta_slow;
+	m->max_pos = w->max_pos;
+	m->k_pre_rope = w->k_pre_rope;
+}
+
+static void chunk_from_wire(const struct kvbp_chunk *w, struct kvb_chunk_info *c)
+{
+	memcpy(c->hash, w->hash, KVB_HASH_LEN);
+	c->found = w->found;
+	c->num_tokens = w->num_tokens;
+	c->base_pos = w->base_pos;
+	c->num_layers = w->num_layers;
+	c->raw_bytes = w->raw_bytes;
+	c->stored_bytes = w->stored_bytes;
+}
+
+static int open_socket(kvb_client *c)
+{
+	int zero = 0;
+
+	c->sock = zmq_socket(c->ctx, ZMQ_DEALER);
+	if (!c->sock)
+		return -errno;
+	zmq_setsockopt(c->sock, ZMQ_LINGER, &zero, sizeof(zero));
+	if (zmq_connect(c->sock, c->endpoint)) {
+		int e = errno;
+
+		zmq_close(c->sock);
+		c->sock = NULL;
+		return -e;
+	}
+	return 0;
+}
+
+static void payload_sent(void *data, void *hint)
+{
+	(void)data;
+	atomic_fetch_sub(&((kvb_client *)hint)->in_flight, 1);
+}
+
+/* Wait until ZeroMQ has let go of every zero-copy payload, so the caller may reuse it. */
+static void wait_payloads(kvb_client *c)
+{
+	for (int i = 0; atomic_load(&c->in_flight) > 0 && i < 100000; i++) {
+		struct timespec ts = { 0, 100000 };
+
+		nanosleep(&ts, NULL);
+	}
+}
+
+/* After a timeout: drop the socket so a late reply cannot answer the next request. */
+static void reset_socket(kvb_client *c)
+{
+	if (c->sock)
+		zmq_close(c->sock);
+	c->sock = NULL;
+	wait_payloads(c);
+	open_socket(c);
+}
+
+static void call_done(struct call *k)
+{
+	for (size_t i = 0; i < k->n_frames; i++)
+		zmq_msg_close(&k->frames[i]);
+	free(k->frames);
+	k->frames = NULL;
+	k->n_frames = 0;
+	kvbp_reply_clear(&k->rep);
+	kvbp_request_clear(&k->req);
+}
+
+static int recv_reply(kvb_client *c, struct call *k, int64_t deadline_ms)
+{
+	for (;;) {
+		zmq_msg_t parts[3];
+		size_t np = 0, cap = 0;
+		struct timespec now;
+		int64_t left;
+		zmq_pollitem_t it = { c->sock, 0, ZMQ_POLLIN, 0 };
+		int more = 1, rc;
+		char derr[256];
+
+		clock_gettime(CLOCK_MONOTONIC, &now);
+		left = deadline_ms - (now.tv_sec * 1000 + now.tv_nsec / 1000000);
+		if (left <= 0)
+			return -ETIMEDOUT;
+		rc = zmq_poll(&it, 1, (long)left);
+		if (rc < 0 && errno == EINTR)
+			continue;
+		if (rc < 0)
+			return -EIO;
+		if (rc == 0)
+			return -ETIMEDOUT;
+		/* delimiter, header, then payload frames */
+		for (; more && np < 2; np++) {
+			zmq_msg_init(&parts[np]);
+			if (zmq_msg_recv(&parts[np], c->sock, 0) < 0)
+				return -EIO;
+			more = zmq_msg_more(&parts[np]);
+		}
+		while (more) {
+			if (k->n_frames == cap) {
+				size_t ncap = cap ? 2 * cap : 16;
+				zmq_msg_t *p = realloc(k->frames, ncap * sizeof(*p));
+
+				if (!p)
+					return -ENOMEM;
+				k->frames = p;
+				cap = ncap;
+			}
+			zmq_msg_init(&k->frames[k->n_frames]);
+			if (zmq_msg_recv(&k->frames[k->n_frames], c->sock, 0) < 0)
+				return -EIO;
+			more = zmq_msg_more(&k->frames[k->n_frames++]);
+		}
+		rc = np == 2 && zmq_msg_size(&parts[0]) == 0
+			     ? kvbp_reply_decode(zmq_msg_data(&parts[1]), zmq_msg_size(&parts[1]),
+						 &k->rep, derr, sizeof(derr))
+			     : KVBP_BAD_REQUEST;
+		for (size_t i = 0; i < np; i++)
+			zmq_msg_close(&parts[i]);
+		if (rc)
+			return set_err(c, KVB_E_PROTOCOL, "unreadable reply from %s", c->endpoint);
+		if (k->rep.request_id == k->req.request_id)
+			return 0;
+		/* A late reply to an earlier request: drop it, keep waiting. */
+		kvbp_reply_clear(&k->rep);
+		for (size_t i = 0; i < k->n_frames; i++)
+			zmq_msg_close(&k->frames[i]);
+		k->n_frames = 0;
+	}
+}
+
+/* Send k->req with its payload and wait for the matching reply. */
+static int call(kvb_client *c, struct call *k)
+{
+	struct timespec now;
+	uint8_t *hdr = NULL;
+	size_t len;
+	int rc;
+
+	c->err[0] = 0;
+	if (!c->sock && open_socket(c))
+		return set_err(c, -EIO, "cannot open a socket to %s", c->endpoint);
+	k->req.version = KVBP_VERSION;
+	k->req.request_id = ++c->next_id;
+	k->req.payload_frames = (uint32_t)k->n_payload;
+	if (kvbp_request_encode(&k->req, &hdr, &len))
+		return set_err(c, -ENOMEM, "out of memory encoding a request");
+	rc = zmq_send(c->sock, "", 0, ZMQ_SNDMORE) < 0 ||
+	     zmq_send(c->sock, hdr, len, k->n_payload ? ZMQ_SNDMORE : 0) < 0;
+	free(hdr);
+	for (size_t i = 0; !rc && i < k->n_payload; i++) {
+		zmq_msg_t m;
+
+		atomic_fetch_add(&c->in_flight, 1);
+		zmq_msg_init_data(&m, (void *)k->payload[i], k->payload_len[i], payload_sent, c);
+		if (zmq_msg_send(&m, c->sock, i + 1 < k->n_payload ? ZMQ_SNDMORE : 0) < 0) {
+			zmq_msg_close(&m);
+			rc = 1;
+		}
+	}
+	if (rc) {
+		reset_socket(c);
+		return set_err(c, -EIO, "cannot send to %s: %s", c->endpoint,
+			       zmq_strerror(zmq_errno()));
+	}
+	clock_gettime(CLOCK_MONOTONIC, &now);
+	rc = recv_reply(c, k, now.tv_sec * 1000 + now.tv_nsec / 1000000 + c->timeout_ms);
+	if (rc == -ETIMEDOUT) {
+		reset_socket(c);
+		return set_err(c, rc, "no reply from kvblendd at %s within %d ms", c->endpoint,
+			       c->timeout_ms);
+	}
+	wait_payloads(c);
+	if (rc)
+		return c->err[0] ? rc : set_err(c, rc, "receive from %s failed", c->endpoint);
+	if (k->rep.code)
+		return set_err(c, -1000 - (int)k->rep.code, "%s", k->rep.message);
+	return 0;
+}
+
+int kvb_connect(const char *endpoint, const struct kvb_connect_opts *opts, kvb_client **out,
+		char *err, size_t errlen)
+{
+	kvb_client *c;
+	int rc;
+
+	*out = NULL;
+	if (!endpoint)
+		endpoint = kvb_default_endpoint();
+	if ((strncmp(endpoint, "ipc://", 6) && strncmp(endpoint, "tcp://", 6)) ||
+	    strlen(endpoint) >= sizeof(c->endpoint)) {
+		if (err)
+			snprintf(err, errlen, "invalid endpoint '%s'; expected ipc://PATH or "
+				 "tcp://HOST:PORT", endpoint);
+		return -EINVAL;
+	}
+	if (sodium_init() < 0) {
+		if (err)
+			snprintf(err, errlen, "libsodium failed to initialise");
+		return -EIO;
+	}
+	c = calloc(1, sizeof(*c));
+	if (!c)
+		return -ENOMEM;
+	snprintf(c->endpoint, sizeof(c->endpoint), "%s", endpoint);
+	c->timeout_ms = opts && opts->timeout_ms > 0 ? opts->timeout_ms : DEFAULT_TIMEOUT_MS;
+	c->shm_ok = !strncmp(endpoint, "ipc://", 6) && !(opts && opts->no_shm);
+	c->shm_initial = opts && opts->shm_size ? opts->shm_size : DEFAULT_SHM;
+	c->ctx = zmq_ctx_new();
+	rc = c->ctx ? open_socket(c) : -ENOMEM;
+	if (rc) {
+		if (err)
+			snprintf(err, errlen, "cannot connect to %s: %s", endpoint, zmq_strerror(-rc));
+		kvb_close(&c);
+		return rc;
+	}
+	rc = kvb_ping(c, NULL, 0);
+	if (rc) {
+		if (err)
+			snprintf(err, errlen, "%s", rc == -ETIMEDOUT ? c->err : c->err);
+		kvb_close(&c);
+		return rc;
+	}
+	*out = c;
+	return 0;
+}
+
+static void shm_unmap(kvb_client *c, bool tell)
+{
+	if (!c->shm_base)
+		return;
+	munmap(c->shm_base, c->shm_size);
+	if (tell) {
+		struct call k = { .req = { .op = KVBP_OP_SHM_DETACH, .has_shm = true,
+					   .shm_id = c->shm_id } };
+
+		call(c, &k);
+		call_done(&k);
+	}
+	c->shm_base = NULL;
+	c->shm_size = 0;
+	c->shm_id = 0;
+}
+
+void kvb_close(kvb_client **cp)
+{
+	kvb_client *c = cp ? *cp : NULL;
+
+	if (!c)
+		return;
+	if (c->sock)
+		shm_unmap(c, true);
+	if (c->sock)
+		zmq_close(c->sock);
+	wait_payloads(c);
+	if (c->ctx)
+		zmq_ctx_term(c->ctx);
+	free(c);
+	*cp = NULL;
+}
+
+/* Make sure a segment of at least size bytes is mapped; false if shared memory is unusable. */
+static bool shm_ensure(kvb_client *c, size_t size)
+{
+	struct call k = { .req = { .op = KVBP_OP_SHM_ATTACH } };
+	size_t want;
+	void *base;
+	int fd, rc;
+	struct stat st;
+
+	if (!c->shm_ok)
+		return false;
+	if (c->shm_base && c->shm_size >= size)
+		return true;
+	want = size > c->shm_initial ? size : c->shm_initial;
+	want = (want + (1u << 20) - 1) & ~(size_t)((1u << 20) - 1);
+	shm_unmap(c, true);
+	k.req.shm_size = want;
+	rc = call(c, &k);
+	if (rc) {
+		/* The daemon refuses this size (or any): fall back to frames for it. */
+		if (rc != KVB_E_BAD_ARGUMENT && rc != KVB_E_LIMIT)
+			c->shm_ok = false;
+		call_done(&k);
+		return false;
+	}
+	fd = shm_open(k.rep.shm_name, O_RDWR, 0);
+	if (fd < 0 || fstat(fd, &st) || (uint64_t)st.st_size < want) {
+		if (fd >= 0)
+			close(fd);
+		c->shm_ok = false; /* e.g. another user without access: use the socket */
+		call_done(&k);
+		return false;
+	}
+	base = mmap(NULL, want, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+	close(fd);
+	if (base == MAP_FAILED) {
+		c->shm_ok = false;
+		call_done(&k);
+		return false;
+	}
+	c->shm_base = base;
+	c->shm_size = want;
+	c->shm_id = k.rep.shm_id;
+	call_done(&k);
+	return true;
+}
+
+void *kvb_shared_buffer(kvb_client *c, size_t size)
+{
+	return shm_ensure(c, size) ? c->shm_base : NULL;
+}
+
+static bool in_shm(const kvb_client *c, const void *p, size_t len)
+{
+	const uint8_t *b = c->shm_base, *q = p;
+
+	return b && q >= b && len <= c->shm_size && (size_t)(q - b) <= c->shm_size - len;
+}
+
+int kvb_ping(kvb_client *c, char *version, size_t len)
+{
+	struct call k = { .req = { .op = KVBP_OP_HELLO } };
+	int rc = call(c, &k);
+
+	if (!rc && version && len)
+		snprintf(version, len, "%s", k.rep.server_version);
+	call_done(&k);
+	return rc;
+}
+
+static int set_name(kvb_client *c, struct call *k, const char *model)
+{
+	if (!model || !*model || strlen(model) > KVB_NAME_MAX)
+		return set_err(c, -EINVAL, "model name must be 1..%d bytes", KVB_NAME_MAX);
+	snprintf(k->req.model_name, sizeof(k->req.model_name), "%s", model);
+	return 0;
+}
+
+int kvb_model_register(kvb_client *c, const struct kvb_model *m, int *existed)
+{
+	struct call k = { .req = { .op = KVBP_OP_MODEL_REGISTER, .has_model = true } };
+	int rc;
+
+	if (strnlen(m->name, sizeof(m->name)) > KVB_NAME_MAX)
+		return set_err(c, -EINVAL, "model name longer than %d bytes", KVB_NAME_MAX);
+	model_to_wire(m, &k.req.model);
+	rc = call(c, &k);
+	if (!rc && existed)
+		*existed = k.rep.existed;
+	call_done(&k);
+	return rc;
+}
+
+int kvb_model_list(kvb_client *c, struct kvb_model **models, size_t *n)
+{
+	struct call k = { .req = { .op = KVBP_OP_MODEL_LIST } };
+	int rc = call(c, &k);
+
+	if (!rc) {
+		*models = calloc(k.rep.n_models ? k.rep.n_models : 1, sizeof(**models));
+		if (!*models)
+			rc = set_err(c, -ENOMEM, "out of memory");
+		for (size_t i = 0; !rc && i < k.rep.n_models; i++)
+			model_from_wire(&k.rep.models[i], &(*models)[i]);
+		*n = rc ? 0 : k.rep.n_models;
+	}
+	call_done(&k);
+	return rc;
+}
+
+int kvb_model_get(kvb_client *c, const char *name, struct kvb_model *out)
+{
+	struct kvb_model *ms;
+	size_t n;
+	int rc = kvb_model_list(c, &ms, &n);
+
+	if (rc)
+		return rc;
+	rc = set_err(c, KVB_E_UNKNOWN_MODEL, "unknown model '%s'", name);
+	for (size_t i = 0; i < n; i++)
+		if (!strcmp(ms[i].name, name)) {
+			*out = ms[i];
+			c->err[0] = 0;
+			rc = 0;
+			break;
+		}
+	free(ms);
+	return rc;
+}
+
+int kvb_put(kvb_client *c, const char *model, const uint8_t hash[KVB_HASH_LEN],
+	    enum kvb_dtype dtype, uint32_t num_tokens, uint32_t base_pos, const void *kv,
+	    size_t kv_bytes, int *existed)
+{
+	struct call k = { .req = { .op = KVBP_OP_PUT, .has_hash = true, .dtype = (uint32_t)dtype,
+				   .num_tokens = num_tokens, .base_pos = base_pos } };
+	const void **ptrs = NULL;
+	size_t *lens = NULL, esize = kvb_dtype_size(dtype), per_tokens;
+	int rc;
+
+	if ((rc = set_name(c, &k, model)))
+		return rc;
+	if (!esize)
+		return set_err(c, -EINVAL, "unknown dtype %d", (int)dtype);
+	if (!num_tokens || !kv_bytes || kv_bytes % (2 * (size_t)num_tokens * esize))
+		return set_err(c, -EINVAL, "%zu bytes cannot hold K and V of %" PRIu32 " tokens "
+			       "of %zu-byte elements", kv_bytes, num_tokens, esize);
+	memcpy(k.req.hash, hash, KVB_HASH_LEN);
+	if (in_shm(c, kv, kv_bytes) || (c->shm_ok && shm_ensure(c, kv_bytes))) {
+		if (!in_shm(c, kv, kv_bytes))
+			memcpy(c->shm_base, kv, kv_bytes);
+		k.req.has_shm = true;
+		k.req.shm_id = c->shm_id;
+		k.req.shm_offset = in_shm(c, kv, kv_bytes)
+					   ? (uint64_t)((const uint8_t *)kv - (uint8_t *)c->shm_base)
+					   : 0;
+		k.req.shm_length = kv_bytes;
+		rc = call(c, &k);
+	} else {
+		/* Without a model lookup we do not know the layer count; the daemon checks it.
+		 * Frames are split per tensor: one K and one V per layer. */
+		struct kvb_model m;
+
+		rc = kvb_model_get(c, model, &m);
+		if (rc)
+			goto out;
+		per_tokens = (size_t)num_tokens * m.num_kv_heads * m.head_dim * esize;
+		if (kv_bytes != per_tokens * 2 * m.num_layers) {
+			rc = set_err(c, -EINVAL, "%zu bytes do not hold %" PRIu32 " layers x 2 x %"
+				     PRIu32 " tokens x %" PRIu32 " heads x %" PRIu32 " dims",
+				     kv_bytes, m.num_layers, num_tokens, m.num_kv_heads, m.head_dim);
+			goto out;
+		}
+		k.n_payload = 2 * (size_t)m.num_layers;
+		ptrs = calloc(k.n_payload, sizeof(*ptrs));
+		lens = calloc(k.n_payload, sizeof(*lens));
+		if (!ptrs || !lens) {
+			rc = set_err(c, -ENOMEM, "out of memory");
+			goto out;
+		}
+		for (size_t i = 0; i < k.n_payload; i++) {
+			ptrs[i] = (const uint8_t *)kv + i * per_tokens;
+			lens[i] = per_tokens;
+		}
+		k.payload = ptrs;
+		k.payload_len = lens;
+		rc = call(c, &k);
+	}
+	if (!rc && existed)
+		*existed = k.rep.existed;
+out:
+	free(ptrs);
+	free(lens);
+	call_done(&k);
+	return rc;
+}
+
+int kvb_get(kvb_client *c, const char *model, const uint8_t hash[KVB_HASH_LEN],
+	    uint32_t layer_begin, uint32_t layer_end, void *out, size_t out_bytes,
+	    struct kvb_chunk_info *info)
+{
+	struct call k = { .req = { .op = KVBP_OP_GET, .has_hash = true, .layer_begin = layer_begin,
+				   .layer_end = layer_end } };
+	bool direct = in_shm(c, out, out_bytes);
+	uint8_t *dst = out;
+	size_t got = 0;
+	int rc;
+
+	if ((rc = set_name(c, &k, model)))
+		return rc;
+	memcpy(k.req.hash, hash, KVB_HASH_LEN);
+	if (direct || (c->shm_ok && shm_ensure(c, out_bytes))) {
+		k.req.has_shm = true;
+		k.req.shm_id = c->shm_id;
+		k.req.shm_offset = direct ? (uint64_t)(dst - (uint8_t *)c->shm_base) : 0;
+		k.req.shm_length = out_bytes;
+	}
+	rc = call(c, &k);
+	if (rc == KVB_E_BAD_SHM && k.rep.n_chunks == 0 && strstr(c->err, "too small")) {
+		rc = set_err(c, -ENOBUFS, "buffer of %zu bytes does not match the chunk", out_bytes);
+		goto out;
+	}
+	if (rc)
+		goto out;
+	if (k.rep.n_chunks != 1) {
+		rc = set_err(c, KVB_E_PROTOCOL, "get reply without chunk info");
+		goto out;
+	}
+	if (info)
+		chunk_from_wire(&k.rep.chunks[0], info);
+	if (k.req.has_shm) {
+		/* The daemon filled the span it needed; it must be all of out. */
+		uint64_t need = k.rep.chunks[0].raw_bytes / (k.rep.chunks[0].num_layers
+							      ? k.rep.chunks[0].num_layers : 1) *
+				(k.rep.layer_end - k.rep.layer_begin);
+
+		if (need != out_bytes) {
+			rc = set_err(c, -ENOBUFS, "buffer of %zu bytes does not match the %" PRIu64
+				     " bytes of the requested layers", out_bytes, need);
+			goto out;
+		}
+		if (!direct)
+			memcpy(dst, c->shm_base, out_bytes);
+		goto out;
+	}
+	for (size_t i = 0; i < k.n_frames; i++)
+		got += zmq_msg_size(&k.frames[i]);
+	if (got != out_bytes) {
+		rc = set_err(c, -ENOBUFS, "buffer of %zu bytes does not match the %zu bytes of the "
+			     "requested layers", out_bytes, got);
+		goto out;
+	}
+	for (size_t i = 0; i < k.n_frames; i++) {
+		memcpy(dst, zmq_msg_data(&k.frames[i]), zmq_msg_size(&k.frames[i]));
+		dst += zmq_msg_size(&k.frames[i]);
+	}
+out:
+	call_done(&k);
+	return rc;
+}
+
+int kvb_lookup(kvb_client *c, const char *model, const uint8_t (*hashes)[KVB_HASH_LEN], size_t n,
+	       struct kvb_chunk_info *out)
+{
+	struct call k = { .req = { .op = KVBP_OP_LOOKUP } };
+	int rc;
+
+	if ((rc = set_name(c, &k, model)))
+		return rc;
+	if (!n)
+		return set_err(c, -EINVAL, "lookup of no hashes");
+	k.req.hashes = malloc(n * KVB_HASH_LEN);
+	if (!k.req.hashes)
+		return set_err(c, -ENOMEM, "out of memory");
+	memcpy(k.req.hashes, hashes, n * KVB_HASH_LEN);
+	k.req.n_hashes = n;
+	rc = call(c, &k);
+	if (!rc && k.rep.n_chunks != n)
+		rc = set_err(c, KVB_E_PROTOCOL, "lookup of %zu hashes answered with %zu", n,
+			     k.rep.n_chunks);
+	for (size_t i = 0; !rc && i < n; i++)
+		chunk_from_wire(&k.rep.chunks[i], &out[i]);
+	call_done(&k);
+	return rc;
+}
+
+int kvb_delete(kvb_client *c, const char *model, const uint8_t hash[KVB_HASH_LEN])
+{
+	struct call k = { .req = { .op = KVBP_OP_DELETE, .has_hash = true } };
+	int rc;
+
+	if ((rc = set_name(c, &k, model)))
+		return rc;
+	memcpy(k.req.hash, hash, KVB_HASH_LEN);
+	rc = call(c, &k);
+	call_done(&k);
+	return rc;
+}
+
+int kvb_list(kvb_client *c, const char *model, struct kvb_chunk_info **out, size_t *n)
+{
+	struct call k = { .req = { .op = KVBP_OP_LIST } };
+	int rc;
+
+	if ((rc = set_name(c, &k, model)))
+		return rc;
+	rc = call(c, &k);
+	if (!rc) {
+		*out = calloc(k.rep.n_chunks ? k.rep.n_chunks : 1, sizeof(**out));
+		if (!*out)
+			rc = set_err(c, -ENOMEM, "out of memory");
+		for (size_t i = 0; !rc && i < k.rep.n_chunks; i++)
+			chunk_from_wire(&k.rep.chunks[i], &(*out)[i]);
+		*n = rc ? 0 : k.rep.n_chunks;
+	}
+	call_done(&k);
+	return rc;
+}
+
+int kvb_stats(kvb_client *c, struct kvb_stat **out, size_t *n)
+{
+	struct call k = { .req = { .op = KVBP_OP_STATS } };
+	int rc = call(c, &k);
+
+	if (!rc) {
+		*out = calloc(k.rep.n_stats ? k.rep.n_stats : 1, sizeof(**out));
+		if (!*out)
+			rc = set_err(c, -ENOMEM, "out of memory");
+		for (size_t i = 0; !rc && i < k.rep.n_stats; i++) {
+			snprintf((*out)[i].name, sizeof((*out)[i].name), "%s", k.rep.stats[i].name);
+			(*out)[i].value = k.rep.stats[i].value;
+		}
+		*n = rc ? 0 : k.rep.n_stats;
+	}
+	call_done(&k);
+	return rc;
+}

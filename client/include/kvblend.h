@@ -1,0 +1,212 @@
+/*
+ * kvblend.h — C client library for kvblendd, the kvblend KV-cache daemon.
+ *
+ * A client holds one connection to one daemon (ZeroMQ, ipc:// or tcp://). All
+ * calls are synchronous, wait at most the connection's timeout, and return 0 on
+ * success or a negative code: a negative errno for local failures (-EINVAL bad
+ * argument, -ENOMEM, -ETIMEDOUT no reply in time, -EIO socket error), or a
+ * KVB_E_* code for an error the daemon replied with. kvb_last_error() then
+ * holds a message naming the problem.
+ *
+ * Thread-safety: a kvb_client must not be used by two threads at once; use one
+ * client per thread (they are cheap). Functions without a client are
+ * thread-safe.
+ *
+ * Tensors are little-endian, laid out [layers, 2, tokens, kv_heads, head_dim]
+ * with K before V, in the model's dtype (bfloat16 as raw 16-bit patterns).
+ *
+ * Shared memory: on an ipc:// endpoint the client maps a shared-memory segment
+ * of the daemon's, and bulk tensors cross through it instead of the socket.
+ * Data placed in kvb_shared_buffer() crosses with no client-side copy at all.
+ */
+#ifndef KVBLEND_H
+#define KVBLEND_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define KVB_HASH_LEN 32
+#define KVB_NAME_MAX 64
+#define KVB_PROTOCOL_VERSION 1
+
+enum kvb_dtype { KVB_F16 = 1, KVB_BF16 = 2, KVB_F32 = 3 };
+enum kvb_rope_style { KVB_ROPE_NEOX = 0, KVB_ROPE_GPTJ = 1 };
+enum kvb_rope_scaling {
+	KVB_SCALING_NONE = 0,
+	KVB_SCALING_LINEAR = 1,
+	KVB_SCALING_LLAMA3 = 2,
+	KVB_SCALING_YARN = 3,
+	KVB_SCALING_DYNAMIC = 4,
+};
+
+/* Errors the daemon replies with: -(1000 + wire code). */
+enum kvb_error {
+	KVB_E_BAD_REQUEST = -1001,    /* header frame missing, empty or not a request */
+	KVB_E_BAD_VERSION = -1002,    /* protocol version not spoken by the daemon */
+	KVB_E_UNKNOWN_OP = -1003,     /* operation not known */
+	KVB_E_BAD_SHAPE = -1004,      /* sizes or dimensions wrong, zero, too big or overflowing */
+	KVB_E_UNKNOWN_MODEL = -1005,  /* no model of that name */
+	KVB_E_DTYPE_MISMATCH = -1006, /* payload dtype differs from the model's */
+	KVB_E_BAD_FRAMES = -1007,     /* wrong number of payload frames */
+	KVB_E_TOO_LARGE = -1008,      /* message above the daemon's max_message */
+	KVB_E_MODEL_CONFLICT = -1009, /* model name taken by a different layout */
+	KVB_E_NOT_FOUND = -1010,      /* no such chunk */
+	KVB_E_CORRUPT = -1011,	      /* stored chunk failed its checksum; removed, treat as a miss */
+	KVB_E_FULL = -1012,	      /* store full */
+	KVB_E_LIMIT = -1013,	      /* a resource limit of the daemon was reached */
+	KVB_E_INTERNAL = -1014,	      /* daemon-side failure */
+	KVB_E_BAD_ARGUMENT = -1015,   /* a field is missing or out of range */
+	KVB_E_BAD_SHM = -1016,	      /* shared-memory reference unknown, expired or out of range */
+	KVB_E_PROTOCOL = -1100,	      /* the reply could not be understood */
+};
+
+struct kvb_model {
+	char name[KVB_NAME_MAX + 1];
+	uint32_t num_layers;
+	uint32_t num_kv_heads;
+	uint32_t head_dim;
+	enum kvb_dtype dtype;
+	double rope_theta;
+	enum kvb_rope_style rope_style;
+	uint32_t rotary_dim; /* 0 = head_dim */
+	enum kvb_rope_scaling scaling;
+	double factor;		   /* linear, llama3, yarn, dynamic */
+	double low_freq_factor;	   /* llama3 */
+	double high_freq_factor;   /* llama3 */
+	uint32_t original_max_pos; /* llama3, yarn */
+	double beta_fast;	   /* yarn (0 and 0 = defaults 32 and 1) */
+	double beta_slow;	   /* yarn */
+	uint32_t max_pos;	   /* dynamic */
+	int k_pre_rope;		   /* keys are stored before RoPE */
+};
+
+struct kvb_chunk_info {
+	uint8_t hash[KVB_HASH_LEN];
+	int found;
+	uint32_t num_tokens;
+	uint32_t base_pos; /* position of the chunk's first token when its keys were rotated */
+	uint32_t num_layers;
+	uint64_t raw_bytes;
+	uint64_t stored_bytes;
+};
+
+struct kvb_stat {
+	char name[64];
+	double value;
+};
+
+struct kvb_connect_opts {
+	int timeout_ms;	   /* per call; 0 = 5000 */
+	int no_shm;	   /* never use shared memory */
+	uint64_t shm_size; /* initial segment size; 0 = 64 MiB; grows on demand */
+};
+
+typedef struct kvb_client kvb_client;
+
+/*
+ * Connect to endpoint (NULL: $KVBLEND_ENDPOINT, else the default socket) and
+ * check that a daemon answers within the timeout. opts may be NULL.
+ * Returns 0 and *out; -ETIMEDOUT when no daemon answered; -EINVAL for a bad
+ * endpoint; or a KVB_E_* code. On failure *out is NULL and, if err is not
+ * NULL, err (errlen bytes) holds the reason.
+ */
+int kvb_connect(const char *endpoint, const struct kvb_connect_opts *opts, kvb_client **out,
+		char *err, size_t errlen);
+
+/* Close the connection and release its shared memory. Accepts NULL; sets *c to NULL. */
+void kvb_close(kvb_client **c);
+
+/* Message of the client's last failed call ("" after a success). Owned by the client. */
+const char *kvb_last_error(const kvb_client *c);
+
+/* Static description of a code returned by any call. */
+const char *kvb_strerror(int code);
+
+/* The endpoint a NULL endpoint resolves to. Static storage. */
+const char *kvb_default_endpoint(void);
+
+/* Server version string into buf. */
+int kvb_ping(kvb_client *c, char *version, size_t len);
+
+/* Register a model. *existed (may be NULL) is 1 when an identical model was there. */
+int kvb_model_register(kvb_client *c, const struct kvb_model *m, int *existed);
+
+/* All models, in a malloc'd array the caller frees with free(). */
+int kvb_model_list(kvb_client *c, struct kvb_model **models, size_t *n);
+
+/* One model by name; KVB_E_UNKNOWN_MODEL if there is none. */
+int kvb_model_get(kvb_client *c, const char *name, struct kvb_model *out);
+
+/*
+ * Store a chunk of num_tokens tokens whose keys were rotated at positions
+ * base_pos.. . kv holds kv_bytes = layers x 2 x T x heads x head_dim x
+ * dtype size bytes. *existed (may be NULL) is 1 when the chunk was already
+ * stored (nothing is written: chunks are immutable).
+ */
+int kvb_put(kvb_client *c, const char *model, const uint8_t hash[KVB_HASH_LEN],
+	    enum kvb_dtype dtype, uint32_t num_tokens, uint32_t base_pos, const void *kv,
+	    size_t kv_bytes, int *existed);
+
+/*
+ * Read layers [layer_begin, layer_end) of a chunk (layer_end 0 = all) into out,
+ * which must be exactly the size of those layers; use kvb_lookup() to learn
+ * num_tokens first. *info (may be NULL) describes the chunk.
+ * KVB_E_NOT_FOUND if absent; KVB_E_CORRUPT if it failed its checksum (the
+ * daemon removed it). -ENOBUFS when out_bytes does not match (info is filled).
+ */
+int kvb_get(kvb_client *c, const char *model, const uint8_t hash[KVB_HASH_LEN],
+	    uint32_t layer_begin, uint32_t layer_end, void *out, size_t out_bytes,
+	    struct kvb_chunk_info *info);
+
+/* Which of n hashes are stored: out[i].found, with sizes for those that are. */
+int kvb_lookup(kvb_client *c, const char *model, const uint8_t (*hashes)[KVB_HASH_LEN], size_t n,
+	       struct kvb_chunk_info *out);
+
+/* Delete a chunk; KVB_E_NOT_FOUND if absent. */
+int kvb_delete(kvb_client *c, const char *model, const uint8_t hash[KVB_HASH_LEN]);
+
+/* All chunks of a model, in a malloc'd array the caller frees with free(). */
+int kvb_list(kvb_client *c, const char *model, struct kvb_chunk_info **out, size_t *n);
+
+/* Daemon counters, in a malloc'd array the caller frees with free(). */
+int kvb_stats(kvb_client *c, struct kvb_stat **out, size_t *n);
+
+/*
+ * A buffer of at least size bytes inside the shared-memory segment, valid until
+ * the next call on c that needs a larger one, or kvb_close(). Tensors passed to
+ * kvb_put() or kvb_get() from here cross without a client-side copy. NULL when
+ * shared memory is not available (tcp endpoint, disabled, or too large).
+ */
+void *kvb_shared_buffer(kvb_client *c, size_t size);
+
+/* Default chunk hash: BLAKE2b-256 over the token ids as little-endian uint32. */
+void kvb_chunk_hash(const uint32_t *token_ids, size_t n, uint8_t out[KVB_HASH_LEN]);
+
+/* Hex (64 lowercase digits, NUL-terminated) to and from hashes. parse returns 0 or -EINVAL. */
+int kvb_hash_parse(const char *hex, uint8_t out[KVB_HASH_LEN]);
+void kvb_hash_format(const uint8_t hash[KVB_HASH_LEN], char out[2 * KVB_HASH_LEN + 1]);
+
+/* Bytes per element; 0 for an unknown dtype. */
+size_t kvb_dtype_size(enum kvb_dtype dtype);
+/* "f16", "bf16", "f32"; parse returns the dtype or 0. */
+const char *kvb_dtype_name(enum kvb_dtype dtype);
+enum kvb_dtype kvb_dtype_parse(const char *s);
+
+/*
+ * Parse a RoPE scaling SPEC into m's scaling fields: none | linear:FACTOR |
+ * llama3:FACTOR,LOW,HIGH,ORIGINAL_MAX_POS | yarn:FACTOR,ORIGINAL_MAX_POS[,BETA_FAST,BETA_SLOW]
+ * | dynamic:FACTOR,MAX_POS. Returns 0 or -EINVAL (m untouched).
+ */
+int kvb_rope_scaling_parse(const char *spec, struct kvb_model *m);
+/* The inverse, into buf. */
+void kvb_rope_scaling_format(const struct kvb_model *m, char *buf, size_t len);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

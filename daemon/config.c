@@ -1,0 +1,363 @@
+/* config — table-driven settings for kvblendd; see config.h. */
+#include "config.h"
+
+#include <errno.h>
+#include <ini.h>
+#include <inttypes.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "log.h"
+
+enum key_type { T_PATH, T_LISTEN, T_UINT, T_SIZE, T_OCTAL, T_BOOL, T_LEVEL };
+
+struct key {
+	const char *name;
+	enum key_type type;
+	size_t offset;
+	uint64_t min, max;
+	const char *def; /* shown in --help; NULL: computed at start */
+	const char *help;
+};
+
+#define OFF(f) offsetof(struct config, f)
+#define KiB (1ull << 10)
+#define MiB (1ull << 20)
+#define GiB (1ull << 30)
+#define TiB (1ull << 40)
+
+static const struct key keys[] = {
+	{ "data_dir", T_PATH, OFF(data_dir), 0, 0, NULL,
+	  "LMDB environment directory (default: $STATE_DIRECTORY, /var/lib/kvblend as root, "
+	  "else $XDG_STATE_HOME/kvblend or ~/.local/state/kvblend)" },
+	{ "listen", T_LISTEN, OFF(listen), 1, CONFIG_MAX_LISTEN, NULL,
+	  "endpoint to bind, repeatable or comma-separated: ipc://PATH or tcp://HOST:PORT "
+	  "(default: ipc://$RUNTIME_DIRECTORY/kvblend.sock, ipc:///run/kvblend/kvblend.sock as "
+	  "root, else ipc://$XDG_RUNTIME_DIR/kvblend.sock)" },
+	{ "workers", T_UINT, OFF(workers), 0, 256, "0",
+	  "request worker threads; 0 = number of CPUs (at least 2)" },
+	{ "map_size", T_SIZE, OFF(map_size), 16 * MiB, 64 * TiB, "256G",
+	  "LMDB map size: the most the store can hold (sparse, costs no disk up front)" },
+	{ "max_message", T_SIZE, OFF(max_message), 1 * MiB, 64 * GiB, "1G",
+	  "largest request or reply payload; larger requests get a too_large error" },
+	{ "max_tokens", T_UINT, OFF(max_tokens), 1, 1u << 24, "262144",
+	  "most tokens in one chunk" },
+	{ "max_layers", T_UINT, OFF(max_layers), 1, 4096, "1024", "most layers in a model" },
+	{ "max_kv_heads", T_UINT, OFF(max_kv_heads), 1, 4096, "1024",
+	  "most KV heads in a model" },
+	{ "max_head_dim", T_UINT, OFF(max_head_dim), 2, 65536, "1024",
+	  "largest head dimension in a model" },
+	{ "compress_min_saving", T_UINT, OFF(compress_min_saving), 0, 100, "10",
+	  "percent a tensor must shrink by to be stored compressed; 100 = never compress" },
+	{ "socket_mode", T_OCTAL, OFF(socket_mode), 0, 0777, "0660",
+	  "permissions of IPC socket files and shared-memory segments" },
+	{ "no_sync", T_BOOL, OFF(no_sync), 0, 1, "false",
+	  "skip fsync at each commit: faster PUTs; a power failure loses recent chunks "
+	  "(a process crash loses nothing)" },
+	{ "shm_max", T_SIZE, OFF(shm_max), 1 * MiB, 64 * GiB, "1G",
+	  "largest shared-memory segment one local client may attach" },
+	{ "shm_total", T_SIZE, OFF(shm_total), 0, 1024 * GiB, "8G",
+	  "all shared-memory segments together; 0 disables shared memory" },
+	{ "shm_idle", T_UINT, OFF(shm_idle), 1, 7 * 86400, "600",
+	  "seconds an unused shared-memory segment lives before it is released" },
+	{ "max_readers", T_UINT, OFF(max_readers), 8, 65536, "512",
+	  "LMDB reader slots (concurrent read transactions)" },
+	{ "log_level", T_LEVEL, OFF(log_level), 0, 3, "info", "error, warn, info or debug" },
+};
+
+#define N_KEYS (sizeof(keys) / sizeof(keys[0]))
+
+static const struct key *find_key(const char *name)
+{
+	char norm[64];
+	size_t i;
+
+	for (i = 0; name[i] && i < sizeof(norm) - 1; i++)
+		norm[i] = name[i] == '-' ? '_' : name[i];
+	norm[i] = 0;
+	for (i = 0; i < N_KEYS; i++)
+		if (!strcmp(keys[i].name, norm))
+			return &keys[i];
+	return NULL;
+}
+
+bool config_key_is_bool(const char *key)
+{
+	const struct key *k = find_key(key);
+
+	return k && k->type == T_BOOL;
+}
+
+int config_parse_size(const char *s, uint64_t *out)
+{
+	char *end;
+	uint64_t v, mul = 1;
+
+	if (!*s || *s == '-')
+		return -EINVAL;
+	errno = 0;
+	v = strtoull(s, &end, 10);
+	if (errno || end == s)
+		return -EINVAL;
+	switch (*end) {
+	case 'k': case 'K': mul = KiB; end++; break;
+	case 'm': case 'M': mul = MiB; end++; break;
+	case 'g': case 'G': mul = GiB; end++; break;
+	case 't': case 'T': mul = TiB; end++; break;
+	default: break;
+	}
+	if (*end == 'i' || *end == 'B')
+		end += *end == 'i' ? 1 : 0;
+	if (*end == 'B')
+		end++;
+	if (*end)
+		return -EINVAL;
+	if (__builtin_mul_overflow(v, mul, out))
+		return -ERANGE;
+	return 0;
+}
+
+static int range_err(const struct key *k, const char *value, char *err, size_t errlen, int rc)
+{
+	if (k->type == T_SIZE)
+		snprintf(err, errlen, "%s: invalid value '%s'; expected a size from %" PRIu64
+			 " to %" PRIu64 " bytes (suffixes K, M, G, T)", k->name, value, k->min,
+			 k->max);
+	else if (k->type == T_OCTAL)
+		snprintf(err, errlen, "%s: invalid value '%s'; expected octal permissions 0000..0777",
+			 k->name, value);
+	else
+		snprintf(err, errlen, "%s: invalid value '%s'; expected an integer from %" PRIu64
+			 " to %" PRIu64, k->name, value, k->min, k->max);
+	return rc;
+}
+
+static int add_listen(struct config *c, const struct key *k, const char *value,
+		      enum config_source src, char *err, size_t errlen)
+{
+	char buf[CONFIG_MAX_LISTEN * CONFIG_ENDPOINT_MAX];
+	char *save = NULL, *tok;
+
+	if ((int)src > c->listen_layer) {
+		c->n_listen = 0;
+		c->listen_layer = (int)src;
+	}
+	snprintf(buf, sizeof(buf), "%s", value);
+	for (tok = strtok_r(buf, ", \t", &save); tok; tok = strtok_r(NULL, ", \t", &save)) {
+		if (strncmp(tok, "ipc://", 6) && strncmp(tok, "tcp://", 6)) {
+			snprintf(err, errlen, "%s: invalid endpoint '%s'; expected ipc://PATH or "
+				 "tcp://HOST:PORT", k->name, tok);
+			return -EINVAL;
+		}
+		if (strlen(tok) >= CONFIG_ENDPOINT_MAX || strlen(tok) <= 6) {
+			snprintf(err, errlen, "%s: endpoint '%s' is empty or longer than %d bytes",
+				 k->name, tok, CONFIG_ENDPOINT_MAX - 1);
+			return -EINVAL;
+		}
+		if (c->n_listen == CONFIG_MAX_LISTEN) {
+			snprintf(err, errlen, "%s: more than %d endpoints", k->name,
+				 CONFIG_MAX_LISTEN);
+			return -ERANGE;
+		}
+		snprintf(c->listen[c->n_listen++], CONFIG_ENDPOINT_MAX, "%s", tok);
+	}
+	if (!c->n_listen) {
+		snprintf(err, errlen, "%s: no endpoint given", k->name);
+		return -EINVAL;
+	}
+	return 0;
+}
+
+int config_set(struct config *c, const char *key, const char *value, enum config_source src,
+	       char *err, size_t errlen)
+{
+	const struct key *k = find_key(key);
+	void *field;
+	uint64_t v = 0;
+	char *end;
+	int rc;
+
+	if (!k) {
+		snprintf(err, errlen, "unknown setting '%s' (see kvblendd --help)", key);
+		return -ENOENT;
+	}
+	field = (char *)c + k->offset;
+	switch (k->type) {
+	case T_PATH:
+		if (!*value || strlen(value) >= PATH_MAX) {
+			snprintf(err, errlen, "%s: path is empty or too long", k->name);
+			return -EINVAL;
+		}
+		snprintf(field, PATH_MAX, "%s", value);
+		return 0;
+	case T_LISTEN:
+		return add_listen(c, k, value, src, err, errlen);
+	case T_BOOL:
+		if (!strcmp(value, "true") || !strcmp(value, "yes") || !strcmp(value, "1"))
+			*(bool *)field = true;
+		else if (!strcmp(value, "false") || !strcmp(value, "no") || !strcmp(value, "0"))
+			*(bool *)field = false;
+		else {
+			snprintf(err, errlen, "%s: invalid value '%s'; expected true or false",
+				 k->name, value);
+			return -EINVAL;
+		}
+		return 0;
+	case T_LEVEL:
+		rc = log_level_parse(value);
+		if (rc < 0) {
+			snprintf(err, errlen, "%s: invalid value '%s'; expected error, warn, info "
+				 "or debug", k->name, value);
+			return -EINVAL;
+		}
+		*(int *)field = rc;
+		return 0;
+	case T_SIZE:
+		rc = config_parse_size(value, &v);
+		if (rc)
+			return range_err(k, value, err, errlen, rc);
+		break;
+	case T_OCTAL:
+	case T_UINT:
+		if (!*value || *value == '-')
+			return range_err(k, value, err, errlen, -EINVAL);
+		errno = 0;
+		v = strtoull(value, &end, k->type == T_OCTAL ? 8 : 10);
+		if (errno || *end)
+			return range_err(k, value, err, errlen, -EINVAL);
+		break;
+	}
+	if (v < k->min || v > k->max)
+		return range_err(k, value, err, errlen, -ERANGE);
+	*(uint64_t *)field = v;
+	return 0;
+}
+
+void config_defaults(struct config *c)
+{
+	const char *state = getenv("STATE_DIRECTORY"), *run = getenv("RUNTIME_DIRECTORY");
+	const char *home = getenv("HOME"), *xdg_state = getenv("XDG_STATE_HOME");
+	const char *xdg_run = getenv("XDG_RUNTIME_DIR");
+	char err[256];
+	bool root = geteuid() == 0;
+
+	memset(c, 0, sizeof(*c));
+	for (size_t i = 0; i < N_KEYS; i++)
+		if (keys[i].def)
+			config_set(c, keys[i].name, keys[i].def, CONFIG_DEFAULT, err, sizeof(err));
+	/* systemd may pass several directories separated by ':'; use the first. */
+	if (state && *state)
+		snprintf(c->data_dir, sizeof(c->data_dir), "%.*s", (int)strcspn(state, ":"), state);
+	else if (root)
+		snprintf(c->data_dir, sizeof(c->data_dir), "/var/lib/kvblend");
+	else if (xdg_state && *xdg_state)
+		snprintf(c->data_dir, sizeof(c->data_dir), "%s/kvblend", xdg_state);
+	else
+		snprintf(c->data_dir, sizeof(c->data_dir), "%s/.local/state/kvblend",
+			 home ? home : "/tmp");
+	if (run && *run)
+		snprintf(c->listen[0], CONFIG_ENDPOINT_MAX, "ipc://%.*s/kvblend.sock",
+			 (int)strcspn(run, ":"), run);
+	else if (root || !xdg_run || !*xdg_run)
+		snprintf(c->listen[0], CONFIG_ENDPOINT_MAX, "ipc:///run/kvblend/kvblend.sock");
+	else
+		snprintf(c->listen[0], CONFIG_ENDPOINT_MAX, "ipc://%s/kvblend.sock", xdg_run);
+	c->n_listen = 1;
+	c->listen_layer = CONFIG_DEFAULT;
+}
+
+struct ini_ctx {
+	struct config *c;
+	char *err;
+	size_t errlen;
+	int rc;
+};
+
+static int on_ini_line(void *user, const char *section, const char *name, const char *value)
+{
+	struct ini_ctx *x = user;
+
+	if (*section && strcmp(section, "kvblendd")) {
+		snprintf(x->err, x->errlen, "unknown section [%s]; settings go at the top or in "
+			 "[kvblendd]", section);
+		x->rc = -EINVAL;
+		return 0;
+	}
+	x->rc = config_set(x->c, name, value, CONFIG_FILE, x->err, x->errlen);
+	return x->rc == 0;
+}
+
+int config_load_file(struct config *c, const char *path, char *err, size_t errlen)
+{
+	struct ini_ctx x = { c, err, errlen, 0 };
+	char inner[256] = "";
+	FILE *f = fopen(path, "r");
+	int line;
+
+	if (!f) {
+		int e = errno;
+
+		snprintf(err, errlen, "cannot read config file %s: %s", path, strerror(e));
+		return -e;
+	}
+	x.err = inner;
+	x.errlen = sizeof(inner);
+	line = ini_parse_file(f, on_ini_line, &x);
+	fclose(f);
+	if (line) {
+		snprintf(err, errlen, "%s:%d: %s", path, line,
+			 *inner ? inner : "syntax error (expected KEY = VALUE)");
+		return x.rc ? x.rc : -EINVAL;
+	}
+	return 0;
+}
+
+void config_print_help(FILE *f)
+{
+	for (size_t i = 0; i < N_KEYS; i++) {
+		const struct key *k = &keys[i];
+		char flag[64];
+
+		snprintf(flag, sizeof(flag), "--%s", k->name);
+		for (char *p = flag + 2; *p; p++)
+			if (*p == '_')
+				*p = '-';
+		fprintf(f, "  %-24s %s", flag, k->help);
+		if (k->def)
+			fprintf(f, " [default %s]", k->def);
+		if (k->type == T_UINT || k->type == T_SIZE)
+			fprintf(f, " (range %" PRIu64 "..%" PRIu64 ")", k->min, k->max);
+		fputc('\n', f);
+	}
+}
+
+void config_print(FILE *f, const struct config *c)
+{
+	for (size_t i = 0; i < N_KEYS; i++) {
+		const struct key *k = &keys[i];
+		const void *field = (const char *)c + k->offset;
+
+		switch (k->type) {
+		case T_PATH:
+			fprintf(f, "%s = %s\n", k->name, (const char *)field);
+			break;
+		case T_LISTEN:
+			for (unsigned j = 0; j < c->n_listen; j++)
+				fprintf(f, "%s = %s\n", k->name, c->listen[j]);
+			break;
+		case T_BOOL:
+			fprintf(f, "%s = %s\n", k->name, *(const bool *)field ? "true" : "false");
+			break;
+		case T_LEVEL:
+			fprintf(f, "%s = %s\n", k->name, log_level_name(*(const int *)field));
+			break;
+		case T_OCTAL:
+			fprintf(f, "%s = %04" PRIo64 "\n", k->name, *(const uint64_t *)field);
+			break;
+		default:
+			fprintf(f, "%s = %" PRIu64 "\n", k->name, *(const uint64_t *)field);
+			break;
+		}
+	}
+}

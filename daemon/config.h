@@ -1,0 +1,67 @@
+/*
+ * config — kvblendd settings: one table of keys with types, defaults, ranges
+ * and help, read from built-in defaults, then an INI file (--config), then
+ * command-line flags (--KEY VALUE, dashes or underscores). Every key of the
+ * file is also a flag. A bad value names the key and the allowed range.
+ */
+#ifndef KVBLEND_DAEMON_CONFIG_H
+#define KVBLEND_DAEMON_CONFIG_H
+
+#include <limits.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#define CONFIG_MAX_LISTEN 8
+#define CONFIG_ENDPOINT_MAX 256
+
+struct config {
+	char data_dir[PATH_MAX];
+	char listen[CONFIG_MAX_LISTEN][CONFIG_ENDPOINT_MAX];
+	unsigned n_listen;
+	int listen_layer; /* which source set listen: later sources replace, not append */
+	uint64_t workers;
+	uint64_t map_size;
+	uint64_t max_message;
+	uint64_t max_tokens;
+	uint64_t max_layers;
+	uint64_t max_kv_heads;
+	uint64_t max_head_dim;
+	uint64_t compress_min_saving; /* percent */
+	uint64_t socket_mode;	      /* octal */
+	bool no_sync;
+	uint64_t shm_max;
+	uint64_t shm_total;
+	uint64_t shm_idle;
+	uint64_t max_readers;
+	int log_level;
+};
+
+enum config_source { CONFIG_DEFAULT = 0, CONFIG_FILE = 1, CONFIG_FLAG = 2 };
+
+/* Fill *c with the built-in defaults (data dir and socket depend on uid and
+ * the systemd STATE_DIRECTORY / RUNTIME_DIRECTORY variables). */
+void config_defaults(struct config *c);
+
+/*
+ * Set key (dashes or underscores) to value. Returns 0, -ENOENT for an unknown
+ * key, -EINVAL or -ERANGE with a message in err naming the key and range.
+ */
+int config_set(struct config *c, const char *key, const char *value, enum config_source src,
+	       char *err, size_t errlen);
+
+/* Is key a boolean (a flag that may stand without a value)? */
+bool config_key_is_bool(const char *key);
+
+/* Read an INI file (keys at top level or in [kvblendd]). Returns 0 or -errno / -EINVAL. */
+int config_load_file(struct config *c, const char *path, char *err, size_t errlen);
+
+/* Print the key table (flags, defaults, ranges, help) and the current values. */
+void config_print_help(FILE *f);
+void config_print(FILE *f, const struct config *c);
+
+/* Parse "64M", "1G", "4096" (suffixes K M G T, powers of 1024). Returns 0 or -EINVAL/-ERANGE. */
+int config_parse_size(const char *s, uint64_t *out);
+
+#endif

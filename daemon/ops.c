@@ -1,0 +1,783 @@
+/* ops — request handlers of kvblendd; see ops.h. */
+#include "ops.h"
+
+#include <ctype.h>
+#include <errno.h>
+#include <inttypes.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "log.h"
+
+#ifndef KVBLEND_VERSION
+#define KVBLEND_VERSION "0.0.0"
+#endif
+
+struct req {
+	struct server *srv;
+	struct kvbp_request h;
+	zmq_msg_t *payload;
+	size_t n_payload;
+	struct reply_out *out;
+};
+
+/* A reply payload buffer shared by several frames, freed when ZeroMQ drops the last. */
+struct shared_buf {
+	atomic_int refs;
+	size_t len;
+	_Alignas(64) uint8_t data[];
+};
+
+static void shared_buf_unref(void *data, void *hint)
+{
+	struct shared_buf *b = hint;
+
+	(void)data;
+	if (atomic_fetch_sub(&b->refs, 1) == 1)
+		free(b);
+}
+
+__attribute__((format(printf, 3, 4))) static int fail(struct req *q, uint32_t code,
+						      const char *fmt, ...)
+{
+	va_list ap;
+
+	q->out->rep.code = code;
+	va_start(ap, fmt);
+	vsnprintf(q->out->rep.message, sizeof(q->out->rep.message), fmt, ap);
+	va_end(ap);
+	return -1;
+}
+
+static void hex(const uint8_t *h, char *out)
+{
+	for (int i = 0; i < KVBP_HASH_LEN; i++)
+		sprintf(out + 2 * i, "%02x", h[i]);
+}
+
+/* Translate a store errno into a reply; the one place store errors meet the wire. */
+static int fail_store(struct req *q, int rc, const char *what)
+{
+	switch (rc) {
+	case -ENOENT:
+		return fail(q, KVBP_NOT_FOUND, "%s: not found", what);
+	case -ENOSPC:
+		return fail(q, KVBP_FULL, "%s: store full (LMDB map of %" PRIu64 " bytes)", what,
+			    q->srv->cfg->map_size);
+	case -EBADMSG:
+		return fail(q, KVBP_CORRUPT, "%s: stored data is corrupt", what);
+	case -EAGAIN:
+		return fail(q, KVBP_LIMIT, "%s: too many concurrent readers; retry", what);
+	case -ENOMEM:
+		return fail(q, KVBP_LIMIT, "%s: out of memory", what);
+	default:
+		return fail(q, KVBP_INTERNAL, "%s: %s", what, strerror(-rc));
+	}
+}
+
+static int need_model(struct req *q, struct store_model *m)
+{
+	int rc;
+
+	if (!q->h.model_name[0])
+		return fail(q, KVBP_BAD_ARGUMENT, "%s needs a model name", kvbp_op_name(q->h.op));
+	rc = store_model_find(q->srv->store, q->h.model_name, m);
+	if (rc == -ENOENT)
+		return fail(q, KVBP_UNKNOWN_MODEL, "unknown model '%s'", q->h.model_name);
+	if (rc)
+		return fail_store(q, rc, "model lookup");
+	return 0;
+}
+
+static int need_hash(struct req *q)
+{
+	if (!q->h.has_hash)
+		return fail(q, KVBP_BAD_ARGUMENT, "%s needs a 32-byte chunk hash",
+			    kvbp_op_name(q->h.op));
+	return 0;
+}
+
+static int no_payload(struct req *q)
+{
+	if (q->n_payload || q->h.payload_frames)
+		return fail(q, KVBP_BAD_FRAMES, "%s takes no payload frames; got %zu",
+			    kvbp_op_name(q->h.op), q->n_payload);
+	return 0;
+}
+
+static void model_from_store(const struct store_model *s, struct kvbp_model *m)
+{
+	memset(m, 0, sizeof(*m));
+	snprintf(m->name, sizeof(m->name), "%s", s->name);
+	m->num_layers = s->num_layers;
+	m->num_kv_heads = s->num_kv_heads;
+	m->head_dim = s->head_dim;
+	m->dtype = s->dtype;
+	m->rope_theta = s->rope_theta;
+	m->rope_style = s->rope_style;
+	m->rotary_dim = s->rotary_dim;
+	m->scaling = s->scaling;
+	m->factor = s->factor;
+	m->low_freq_factor = s->low_freq_factor;
+	m->high_freq_factor = s->high_freq_factor;
+	m->original_max_pos = s->original_max_pos;
+	m->beta_fast = s->beta_fast;
+	m->beta_slow = s->beta_slow;
+	m->max_pos = s->max_pos;
+	m->k_pre_rope = s->k_pre_rope;
+}
+
+static void model_to_store(const struct kvbp_model *m, struct store_model *s)
+{
+	memset(s, 0, sizeof(*s));
+	snprintf(s->name, sizeof(s->name), "%s", m->name);
+	s->num_layers = m->num_layers;
+	s->num_kv_heads = m->num_kv_heads;
+	s->head_dim = m->head_dim;
+	s->dtype = m->dtype;
+	s->rope_theta = m->rope_theta;
+	s->rope_style = m->rope_style;
+	s->rotary_dim = m->rotary_dim;
+	s->scaling = m->scaling;
+	s->factor = m->factor;
+	s->low_freq_factor = m->low_freq_factor;
+	s->high_freq_factor = m->high_freq_factor;
+	s->original_max_pos = m->original_max_pos;
+	s->beta_fast = m->beta_fast;
+	s->beta_slow = m->beta_slow;
+	s->max_pos = m->max_pos;
+	s->k_pre_rope = m->k_pre_rope;
+}
+
+static bool positive(double x)
+{
+	return isfinite(x) && x > 0;
+}
+
+/* Check a model description and fill in the defaults, so equal models compare equal. */
+static int model_check(struct req *q, struct kvbp_model *m)
+{
+	const struct config *c = q->srv->cfg;
+
+	for (const char *p = m->name; *p; p++)
+		if (!isalnum((unsigned char)*p) && !strchr("._-:/@+", *p))
+			return fail(q, KVBP_BAD_ARGUMENT, "model name '%s' has character 0x%02x; "
+				    "allowed are letters, digits and ._-:/@+", m->name,
+				    (unsigned char)*p);
+	if (!m->name[0])
+		return fail(q, KVBP_BAD_ARGUMENT, "model name is empty");
+	if (m->num_layers < 1 || m->num_layers > c->max_layers)
+		return fail(q, KVBP_BAD_SHAPE, "num_layers %" PRIu32 " out of range 1..%" PRIu64,
+			    m->num_layers, c->max_layers);
+	if (m->num_kv_heads < 1 || m->num_kv_heads > c->max_kv_heads)
+		return fail(q, KVBP_BAD_SHAPE, "num_kv_heads %" PRIu32 " out of range 1..%" PRIu64,
+			    m->num_kv_heads, c->max_kv_heads);
+	if (m->head_dim < 2 || m->head_dim > c->max_head_dim || m->head_dim % 2)
+		return fail(q, KVBP_BAD_SHAPE, "head_dim %" PRIu32 " must be even and in 2..%" PRIu64,
+			    m->head_dim, c->max_head_dim);
+	if (!kvbp_dtype_size(m->dtype))
+		return fail(q, KVBP_BAD_ARGUMENT, "dtype %" PRIu32 " unknown; expected f16, bf16 "
+			    "or f32", m->dtype);
+	if (!positive(m->rope_theta))
+		return fail(q, KVBP_BAD_ARGUMENT, "rope_theta must be a positive number");
+	if (m->rope_style > 1)
+		return fail(q, KVBP_BAD_ARGUMENT, "rope_style %" PRIu32 " unknown; expected neox "
+			    "or gptj", m->rope_style);
+	if (m->rotary_dim == 0)
+		m->rotary_dim = m->head_dim;
+	if (m->rotary_dim > m->head_dim || m->rotary_dim % 2)
+		return fail(q, KVBP_BAD_ARGUMENT, "rotary_dim %" PRIu32 " must be even and at most "
+			    "head_dim %" PRIu32, m->rotary_dim, m->head_dim);
+	switch (m->scaling) {
+	case 0:
+		break;
+	case 1:
+		if (!positive(m->factor))
+			return fail(q, KVBP_BAD_ARGUMENT, "linear rope scaling needs factor > 0");
+		break;
+	case 2:
+		if (!positive(m->factor) || !positive(m->low_freq_factor) ||
+		    !(m->high_freq_factor > m->low_freq_factor) || !isfinite(m->high_freq_factor) ||
+		    !m->original_max_pos)
+			return fail(q, KVBP_BAD_ARGUMENT, "llama3 rope scaling needs factor > 0, "
+				    "0 < low_freq_factor < high_freq_factor, original_max_pos > 0");
+		break;
+	case 3:
+		if (m->beta_fast == 0 && m->beta_slow == 0) {
+			m->beta_fast = 32;
+			m->beta_slow = 1;
+		}
+		if (!positive(m->factor) || !m->original_max_pos || !positive(m->beta_slow) ||
+		    !(m->beta_fast > m->beta_slow) || !isfinite(m->beta_fast))
+			return fail(q, KVBP_BAD_ARGUMENT, "yarn rope scaling needs factor > 0, "
+				    "original_max_pos > 0, beta_fast > beta_slow > 0");
+		break;
+	case 4:
+		if (!positive(m->factor) || !m->max_pos)
+			return fail(q, KVBP_BAD_ARGUMENT, "dynamic rope scaling needs factor > 0 and "
+				    "max_pos > 0");
+		break;
+	default:
+		return fail(q, KVBP_BAD_ARGUMENT, "rope scaling %" PRIu32 " unknown", m->scaling);
+	}
+	return 0;
+}
+
+static void op_hello(struct req *q)
+{
+	if (no_payload(q))
+		return;
+	snprintf(q->out->rep.server_version, sizeof(q->out->rep.server_version), "%s",
+		 KVBLEND_VERSION);
+}
+
+static void op_model_register(struct req *q)
+{
+	struct store_model sm;
+	int rc;
+
+	if (no_payload(q))
+		return;
+	if (!q->h.has_model) {
+		fail(q, KVBP_BAD_ARGUMENT, "model_register needs a model");
+		return;
+	}
+	if (model_check(q, &q->h.model))
+		return;
+	model_to_store(&q->h.model, &sm);
+	rc = store_model_register(q->srv->store, &sm);
+	if (rc == -EEXIST) {
+		fail(q, KVBP_MODEL_CONFLICT, "model '%s' exists with a different layout or RoPE "
+		     "configuration", sm.name);
+		return;
+	}
+	if (rc < 0) {
+		fail_store(q, rc, "model_register");
+		return;
+	}
+	q->out->rep.existed = rc == 1;
+	q->out->rep.models = calloc(1, sizeof(struct kvbp_model));
+	if (!q->out->rep.models) {
+		fail(q, KVBP_LIMIT, "out of memory");
+		return;
+	}
+	model_from_store(&sm, q->out->rep.models);
+	q->out->rep.n_models = 1;
+	if (rc == 0)
+		log_info("model '%s' registered: %u layers, %u kv heads, head_dim %u, %s", sm.name,
+			 sm.num_layers, sm.num_kv_heads, sm.head_dim, kvbp_dtype_name(sm.dtype));
+}
+
+static void op_model_list(struct req *q)
+{
+	struct store_model *ms = NULL;
+	size_t n = 0;
+	int rc;
+
+	if (no_payload(q))
+		return;
+	rc = store_model_list(q->srv->store, &ms, &n);
+	if (rc) {
+		fail_store(q, rc, "model_list");
+		return;
+	}
+	if (n) {
+		q->out->rep.models = calloc(n, sizeof(struct kvbp_model));
+		if (!q->out->rep.models) {
+			free(ms);
+			fail(q, KVBP_LIMIT, "out of memory");
+			return;
+		}
+		for (size_t i = 0; i < n; i++)
+			model_from_store(&ms[i], &q->out->rep.models[i]);
+		q->out->rep.n_models = n;
+	}
+	free(ms);
+}
+
+static void chunk_out(struct kvbp_chunk *c, const uint8_t *hash, bool found,
+		      const struct store_chunk_info *ci)
+{
+	memcpy(c->hash, hash, KVBP_HASH_LEN);
+	c->found = found;
+	c->num_tokens = ci->num_tokens;
+	c->base_pos = ci->base_pos;
+	c->num_layers = ci->num_layers;
+	c->raw_bytes = ci->raw_bytes;
+	c->stored_bytes = ci->stored_bytes;
+}
+
+static int one_chunk_reply(struct req *q, const uint8_t *hash, const struct store_chunk_info *ci)
+{
+	q->out->rep.chunks = calloc(1, sizeof(struct kvbp_chunk));
+	if (!q->out->rep.chunks)
+		return fail(q, KVBP_LIMIT, "out of memory");
+	q->out->rep.n_chunks = 1;
+	chunk_out(q->out->rep.chunks, hash, true, ci);
+	return 0;
+}
+
+/* Bytes of K and V for `layers` layers of a chunk, or a reply naming the problem. */
+static int chunk_bytes(struct req *q, const struct store_model *m, uint32_t tokens,
+		       uint32_t layers, uint64_t *tensor_bytes, uint64_t *total)
+{
+	const struct config *c = q->srv->cfg;
+	uint64_t tb, t;
+
+	if (tokens == 0)
+		return fail(q, KVBP_BAD_SHAPE, "num_tokens is 0");
+	if (tokens > c->max_tokens)
+		return fail(q, KVBP_BAD_SHAPE, "num_tokens %" PRIu32 " exceeds max_tokens %" PRIu64,
+			    tokens, c->max_tokens);
+	tb = store_tensor_bytes(m, tokens);
+	if (!tb || __builtin_mul_overflow(tb, 2 * (uint64_t)layers, &t))
+		return fail(q, KVBP_BAD_SHAPE, "chunk size overflows: %" PRIu32 " tokens x %" PRIu32
+			    " heads x %" PRIu32 " dims x %" PRIu32 " layers", tokens,
+			    m->num_kv_heads, m->head_dim, layers);
+	if (t > c->max_message)
+		return fail(q, KVBP_TOO_LARGE, "chunk payload of %" PRIu64 " bytes exceeds "
+			    "max_message %" PRIu64, t, c->max_message);
+	*tensor_bytes = tb;
+	*total = t;
+	return 0;
+}
+
+static void remove_corrupt(struct req *q, const struct store_model *m)
+{
+	char h[2 * KVBP_HASH_LEN + 1];
+
+	hex(q->h.hash, h);
+	log_err("chunk %s of model '%s' failed its checksum; removing it", h, m->name);
+	if (store_chunk_delete(q->srv->store, m, q->h.hash) == 0)
+		atomic_fetch_add(&q->srv->stats.corrupt_removed, 1);
+	fail(q, KVBP_CORRUPT, "chunk %s failed its checksum and was removed; treat it as a miss",
+	     h);
+}
+
+static void op_put(struct req *q)
+{
+	struct store_model m;
+	struct store_chunk_info ci;
+	const void **tensors = NULL;
+	uint64_t tb, total;
+	void *shm = NULL;
+	int rc;
+
+	if (need_model(q, &m) || need_hash(q))
+		return;
+	if (q->h.dtype && q->h.dtype != m.dtype) {
+		fail(q, KVBP_DTYPE_MISMATCH, "payload dtype %s does not match model '%s' dtype %s",
+		     kvbp_dtype_name(q->h.dtype), m.name, kvbp_dtype_name(m.dtype));
+		return;
+	}
+	if (chunk_bytes(q, &m, q->h.num_tokens, m.num_layers, &tb, &total))
+		return;
+	if (q->h.payload_frames != q->n_payload) {
+		fail(q, KVBP_BAD_FRAMES, "header declares %" PRIu32 " payload frames; the message "
+		     "has %zu", q->h.payload_frames, q->n_payload);
+		return;
+	}
+	tensors = calloc(2 * (size_t)m.num_layers, sizeof(*tensors));
+	if (!tensors) {
+		fail(q, KVBP_LIMIT, "out of memory");
+		return;
+	}
+	if (q->h.has_shm) {
+		if (q->n_payload) {
+			fail(q, KVBP_BAD_FRAMES, "put with a shared-memory payload takes no payload "
+			     "frames; got %zu", q->n_payload);
+			goto out;
+		}
+		if (q->h.shm_length != total) {
+			fail(q, KVBP_BAD_SHAPE, "shared-memory payload is %" PRIu64 " bytes; expected "
+			     "%" PRIu64, q->h.shm_length, total);
+			goto out;
+		}
+		rc = shm_acquire(q->srv->shm, q->h.shm_id, q->h.shm_offset, total, &shm);
+		if (rc) {
+			fail(q, KVBP_BAD_SHM, "shared-memory segment %" PRIu64 ": %s", q->h.shm_id,
+			     rc == -ENOENT ? "unknown or expired" : "span outside the segment");
+			goto out;
+		}
+		for (size_t i = 0; i < 2 * (size_t)m.num_layers; i++)
+			tensors[i] = (const uint8_t *)shm + i * tb;
+	} else {
+		if (q->n_payload != 2 * (size_t)m.num_layers) {
+			fail(q, KVBP_BAD_FRAMES, "put for a %" PRIu32 "-layer model needs %" PRIu32
+			     " payload frames (K and V per layer); got %zu", m.num_layers,
+			     2 * m.num_layers, q->n_payload);
+			goto out;
+		}
+		for (size_t i = 0; i < q->n_payload; i++) {
+			size_t sz = zmq_msg_size(&q->payload[i]);
+
+			if (sz != tb) {
+				fail(q, KVBP_BAD_SHAPE, "payload frame %zu is %zu bytes; expected %"
+				     PRIu64 " (%" PRIu32 " tokens x %" PRIu32 " heads x %" PRIu32
+				     " dims x %" PRIu32 " bytes)", i + 1, sz, tb, q->h.num_tokens,
+				     m.num_kv_heads, m.head_dim, m.elem_size);
+				goto out;
+			}
+			tensors[i] = zmq_msg_data(&q->payload[i]);
+		}
+	}
+	rc = store_chunk_put(q->srv->store, &m, q->h.hash, q->h.num_tokens, q->h.base_pos,
+			     tensors, &ci);
+	if (rc < 0) {
+		fail_store(q, rc, "put");
+		goto out;
+	}
+	q->out->rep.existed = rc == 1;
+	if (rc == 1)
+		snprintf(q->out->rep.message, sizeof(q->out->rep.message),
+			 "chunk already stored; nothing written");
+	one_chunk_reply(q, q->h.hash, &ci);
+out:
+	if (shm)
+		shm_release(q->srv->shm, q->h.shm_id);
+	free(tensors);
+}
+
+static void op_get(struct req *q)
+{
+	struct store_model m;
+	struct store_chunk_info ci;
+	struct shared_buf *buf = NULL;
+	uint32_t lb = q->h.layer_begin, le = q->h.layer_end;
+	uint64_t tb, total;
+	bool found;
+	void *dst = NULL;
+	int rc;
+
+	if (need_model(q, &m) || need_hash(q) || no_payload(q))
+		return;
+	if (le == 0)
+		le = m.num_layers;
+	if (lb >= le || le > m.num_layers) {
+		fail(q, KVBP_BAD_ARGUMENT, "layer range %" PRIu32 ":%" PRIu32 " invalid for a %"
+		     PRIu32 "-layer model", lb, le, m.num_layers);
+		return;
+	}
+	rc = store_chunk_lookup(q->srv->store, &m, (const uint8_t(*)[KVBP_HASH_LEN])q->h.hash, 1,
+				&ci, &found);
+	if (rc || !found) {
+		fail_store(q, rc ? rc : -ENOENT, "get");
+		return;
+	}
+	if (chunk_bytes(q, &m, ci.num_tokens, le - lb, &tb, &total))
+		return;
+	if (q->h.has_shm) {
+		if (q->h.shm_length < total) {
+			fail(q, KVBP_BAD_SHM, "shared-memory span of %" PRIu64 " bytes is too small; "
+			     "the chunk needs %" PRIu64, q->h.shm_length, total);
+			return;
+		}
+		rc = shm_acquire(q->srv->shm, q->h.shm_id, q->h.shm_offset, total, &dst);
+		if (rc) {
+			fail(q, KVBP_BAD_SHM, "shared-memory segment %" PRIu64 ": %s", q->h.shm_id,
+			     rc == -ENOENT ? "unknown or expired" : "span outside the segment");
+			return;
+		}
+	} else {
+		buf = aligned_alloc(64, (sizeof(*buf) + total + 63) & ~(size_t)63);
+		if (!buf) {
+			fail(q, KVBP_LIMIT, "out of memory for a %" PRIu64 "-byte reply", total);
+			return;
+		}
+		atomic_init(&buf->refs, 1);
+		buf->len = total;
+		dst = buf->data;
+	}
+	rc = store_chunk_get(q->srv->store, &m, q->h.hash, lb, le, dst, total, &ci);
+	if (q->h.has_shm)
+		shm_release(q->srv->shm, q->h.shm_id);
+	if (rc == -EBADMSG) {
+		remove_corrupt(q, &m);
+	} else if (rc == -ENOBUFS) {
+		fail(q, KVBP_NOT_FOUND, "chunk changed while it was read; retry");
+	} else if (rc) {
+		fail_store(q, rc, "get");
+	} else if (one_chunk_reply(q, q->h.hash, &ci) == 0) {
+		q->out->rep.layer_begin = lb;
+		q->out->rep.layer_end = le;
+		if (buf) {
+			size_t n = 2 * (size_t)(le - lb);
+
+			q->out->payload = calloc(n, sizeof(zmq_msg_t));
+			if (!q->out->payload) {
+				fail(q, KVBP_LIMIT, "out of memory");
+				goto out;
+			}
+			for (size_t i = 0; i < n; i++) {
+				atomic_fetch_add(&buf->refs, 1);
+				zmq_msg_init_data(&q->out->payload[i], buf->data + i * tb, tb,
+						  shared_buf_unref, buf);
+			}
+			q->out->n_payload = n;
+			q->out->rep.payload_frames = (uint32_t)n;
+		}
+	}
+out:
+	if (buf)
+		shared_buf_unref(NULL, buf);
+}
+
+static void op_lookup(struct req *q)
+{
+	struct store_model m;
+	struct store_chunk_info *infos;
+	bool *found;
+	int rc;
+
+	if (need_model(q, &m) || no_payload(q))
+		return;
+	if (!q->h.n_hashes) {
+		fail(q, KVBP_BAD_ARGUMENT, "lookup needs at least one hash");
+		return;
+	}
+	infos = calloc(q->h.n_hashes, sizeof(*infos));
+	found = calloc(q->h.n_hashes, sizeof(*found));
+	q->out->rep.chunks = calloc(q->h.n_hashes, sizeof(struct kvbp_chunk));
+	if (!infos || !found || !q->out->rep.chunks) {
+		fail(q, KVBP_LIMIT, "out of memory");
+		goto out;
+	}
+	rc = store_chunk_lookup(q->srv->store, &m, (const uint8_t(*)[KVBP_HASH_LEN])q->h.hashes,
+				q->h.n_hashes, infos, found);
+	if (rc) {
+		fail_store(q, rc, "lookup");
+		goto out;
+	}
+	for (size_t i = 0; i < q->h.n_hashes; i++) {
+		chunk_out(&q->out->rep.chunks[i], q->h.hashes[i], found[i], &infos[i]);
+		atomic_fetch_add(found[i] ? &q->srv->stats.lookup_hits : &q->srv->stats.lookup_misses,
+				 1);
+	}
+	q->out->rep.n_chunks = q->h.n_hashes;
+out:
+	free(infos);
+	free(found);
+}
+
+static void op_delete(struct req *q)
+{
+	struct store_model m;
+	int rc;
+
+	if (need_model(q, &m) || need_hash(q) || no_payload(q))
+		return;
+	rc = store_chunk_delete(q->srv->store, &m, q->h.hash);
+	if (rc)
+		fail_store(q, rc, "delete");
+}
+
+static void op_list(struct req *q)
+{
+	struct store_model m;
+	struct store_chunk_entry *e = NULL;
+	size_t n = 0;
+	int rc;
+
+	if (need_model(q, &m) || no_payload(q))
+		return;
+	rc = store_chunk_list(q->srv->store, &m, &e, &n);
+	if (rc) {
+		fail_store(q, rc, "list");
+		return;
+	}
+	if (n) {
+		q->out->rep.chunks = calloc(n, sizeof(struct kvbp_chunk));
+		if (!q->out->rep.chunks) {
+			fail(q, KVBP_LIMIT, "out of memory");
+			free(e);
+			return;
+		}
+		for (size_t i = 0; i < n; i++)
+			chunk_out(&q->out->rep.chunks[i], e[i].hash, true, &e[i].info);
+		q->out->rep.n_chunks = n;
+	}
+	free(e);
+}
+
+static void op_stats(struct req *q)
+{
+	struct server *srv = q->srv;
+	struct store_totals t;
+	struct timespec now;
+	uint64_t shm_n, shm_bytes;
+	struct kvbp_stat *s;
+	size_t n = 0, cap = 24 + KVBP_OP_COUNT + KVBP_CODE_COUNT;
+	int rc;
+
+	if (no_payload(q))
+		return;
+	rc = store_totals(srv->store, &t);
+	if (rc) {
+		fail_store(q, rc, "stats");
+		return;
+	}
+	s = calloc(cap, sizeof(*s));
+	if (!s) {
+		fail(q, KVBP_LIMIT, "out of memory");
+		return;
+	}
+	shm_usage(srv->shm, &shm_n, &shm_bytes);
+	clock_gettime(CLOCK_MONOTONIC, &now);
+#define STAT(nm, v)                                                        \
+	do {                                                               \
+		snprintf(s[n].name, sizeof(s[n].name), "%s", nm);          \
+		s[n++].value = (double)(v);                                \
+	} while (0)
+	STAT("uptime_seconds", (double)(now.tv_sec - srv->started.tv_sec) +
+				       (now.tv_nsec - srv->started.tv_nsec) / 1e9);
+	STAT("workers", srv->n_workers);
+	STAT("models", t.models);
+	STAT("chunks", t.chunks);
+	STAT("raw_bytes", t.raw_bytes);
+	STAT("stored_bytes", t.stored_bytes);
+	STAT("compression_ratio", t.stored_bytes ? (double)t.raw_bytes / t.stored_bytes : 1.0);
+	STAT("map_size_bytes", t.map_size);
+	STAT("map_used_bytes", t.map_used);
+	STAT("shm_segments", shm_n);
+	STAT("shm_bytes", shm_bytes);
+	STAT("bytes_in", atomic_load(&srv->stats.bytes_in));
+	STAT("bytes_out", atomic_load(&srv->stats.bytes_out));
+	STAT("lookup_hits", atomic_load(&srv->stats.lookup_hits));
+	STAT("lookup_misses", atomic_load(&srv->stats.lookup_misses));
+	STAT("corrupt_removed", atomic_load(&srv->stats.corrupt_removed));
+	for (uint32_t op = 1; op <= KVBP_OP_COUNT; op++) {
+		char nm[64];
+
+		snprintf(nm, sizeof(nm), "requests_%s",
+			 op < KVBP_OP_COUNT ? kvbp_op_name(op) : "unknown");
+		STAT(nm, atomic_load(&srv->stats.requests[op]));
+	}
+	for (uint32_t c = 1; c < KVBP_CODE_COUNT; c++) {
+		char nm[64];
+
+		snprintf(nm, sizeof(nm), "errors_%s", kvbp_code_name(c));
+		STAT(nm, atomic_load(&srv->stats.errors[c]));
+	}
+#undef STAT
+	q->out->rep.stats = s;
+	q->out->rep.n_stats = n;
+}
+
+static void op_shm_attach(struct req *q)
+{
+	char name[64];
+	uint64_t id;
+	int rc;
+
+	if (no_payload(q))
+		return;
+	rc = shm_create(q->srv->shm, q->h.shm_size, &id, name, sizeof(name));
+	if (rc == -E2BIG) {
+		fail(q, KVBP_BAD_ARGUMENT, "shared-memory size %" PRIu64 " out of range 1..%" PRIu64
+		     " (shm_max)", q->h.shm_size, q->srv->cfg->shm_max);
+		return;
+	}
+	if (rc == -ENOSPC) {
+		fail(q, KVBP_LIMIT, "shared memory exhausted (shm_total %" PRIu64 " bytes)",
+		     q->srv->cfg->shm_total);
+		return;
+	}
+	if (rc) {
+		fail(q, KVBP_INTERNAL, "cannot create shared memory: %s", strerror(-rc));
+		return;
+	}
+	q->out->rep.shm_id = id;
+	q->out->rep.shm_size = q->h.shm_size;
+	snprintf(q->out->rep.shm_name, sizeof(q->out->rep.shm_name), "%s", name);
+}
+
+static void op_shm_detach(struct req *q)
+{
+	if (no_payload(q))
+		return;
+	if (!q->h.has_shm) {
+		fail(q, KVBP_BAD_ARGUMENT, "shm_detach needs a shared-memory reference");
+		return;
+	}
+	if (shm_detach(q->srv->shm, q->h.shm_id))
+		fail(q, KVBP_BAD_SHM, "shared-memory segment %" PRIu64 " unknown or expired",
+		     q->h.shm_id);
+}
+
+typedef void (*op_fn)(struct req *q);
+
+static const op_fn handlers[KVBP_OP_COUNT] = {
+	[KVBP_OP_HELLO] = op_hello,	    [KVBP_OP_MODEL_REGISTER] = op_model_register,
+	[KVBP_OP_MODEL_LIST] = op_model_list, [KVBP_OP_PUT] = op_put,
+	[KVBP_OP_GET] = op_get,		    [KVBP_OP_LOOKUP] = op_lookup,
+	[KVBP_OP_DELETE] = op_delete,	    [KVBP_OP_STATS] = op_stats,
+	[KVBP_OP_LIST] = op_list,	    [KVBP_OP_SHM_ATTACH] = op_shm_attach,
+	[KVBP_OP_SHM_DETACH] = op_shm_detach,
+};
+
+void ops_handle(struct server *srv, zmq_msg_t *frames, size_t n, size_t extra_frames,
+		struct reply_out *out)
+{
+	struct req q = { .srv = srv, .out = out };
+	uint64_t total = 0;
+	char err[KVBP_MESSAGE_MAX];
+	int rc;
+
+	memset(out, 0, sizeof(*out));
+	out->rep.version = KVBP_VERSION;
+	out->op = KVBP_OP_COUNT;
+	for (size_t i = 0; i < n; i++)
+		total += zmq_msg_size(&frames[i]);
+	atomic_fetch_add(&srv->stats.bytes_in, total);
+	rc = kvbp_request_decode(zmq_msg_data(&frames[0]), zmq_msg_size(&frames[0]), &q.h, err,
+				 sizeof(err));
+	if (rc) {
+		fail(&q, (uint32_t)rc, "%s", err);
+		goto done;
+	}
+	out->rep.request_id = q.h.request_id;
+	out->op = q.h.op < KVBP_OP_COUNT ? q.h.op : KVBP_OP_COUNT;
+	if (q.h.version != KVBP_VERSION) {
+		fail(&q, KVBP_BAD_VERSION, "protocol version %" PRIu32 " not supported; this server "
+		     "speaks version %d", q.h.version, KVBP_VERSION);
+		goto done;
+	}
+	if (q.h.op >= KVBP_OP_COUNT || !handlers[q.h.op]) {
+		fail(&q, KVBP_UNKNOWN_OP, "unknown operation %" PRIu32, q.h.op);
+		goto done;
+	}
+	if (extra_frames) {
+		fail(&q, KVBP_BAD_FRAMES, "message has %zu frames; at most %zu are accepted",
+		     n + extra_frames, n);
+		goto done;
+	}
+	if (total > srv->cfg->max_message + (1u << 20)) {
+		fail(&q, KVBP_TOO_LARGE, "message of %" PRIu64 " bytes exceeds max_message %" PRIu64,
+		     total, srv->cfg->max_message);
+		goto done;
+	}
+	q.payload = frames + 1;
+	q.n_payload = n - 1;
+	handlers[q.h.op](&q);
+done:
+	atomic_fetch_add(&srv->stats.requests[out->op], 1);
+	if (out->rep.code && out->rep.code < KVBP_CODE_COUNT)
+		atomic_fetch_add(&srv->stats.errors[out->rep.code], 1);
+	if (out->rep.code)
+		log_debug("request %" PRIu64 " (%s) failed: %s: %s", q.h.request_id,
+			  kvbp_op_name(q.h.op), kvbp_code_name(out->rep.code), out->rep.message);
+	kvbp_request_clear(&q.h);
+}
+
+void reply_out_clear(struct reply_out *out)
+{
+	for (size_t i = 0; i < out->n_payload; i++)
+		zmq_msg_close(&out->payload[i]);
+	free(out->payload);
+	out->payload = NULL;
+	out->n_payload = 0;
+	kvbp_reply_clear(&out->rep);
+}

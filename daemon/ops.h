@@ -1,0 +1,33 @@
+/*
+ * ops — what kvblendd does with one request: decode and check the header,
+ * check every size before use, run it against the store and build the reply.
+ * Every failure becomes a reply with a code and a message naming the problem.
+ */
+#ifndef KVBLEND_DAEMON_OPS_H
+#define KVBLEND_DAEMON_OPS_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <zmq.h>
+
+#include "server.h"
+
+struct reply_out {
+	struct kvbp_reply rep;
+	zmq_msg_t *payload; /* initialised frames to send after the header; owned */
+	size_t n_payload;
+	uint64_t op; /* for stats */
+};
+
+/*
+ * Handle frames[0..n): frames[0] is the header, the rest payloads.
+ * extra_frames counts frames beyond n that were received and dropped.
+ * Fills *out; the caller sends it and calls reply_out_clear().
+ */
+void ops_handle(struct server *srv, zmq_msg_t *frames, size_t n, size_t extra_frames,
+		struct reply_out *out);
+
+/* Close unsent payload frames and free the reply's arrays. */
+void reply_out_clear(struct reply_out *out);
+
+#endif

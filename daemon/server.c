@@ -1,0 +1,343 @@
+/* server — sockets, workers and the main loop of kvblendd; see server.h. */
+#include "server.h"
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+#include <zmq.h>
+
+#include "log.h"
+#include "ops.h"
+
+#define WORKER_ENDPOINT "inproc://kvblend-workers"
+#define POLL_MS 200
+#define DRAIN_MS 10000
+
+static int mkdir_parents(const char *path, mode_t mode)
+{
+	char buf[PATH_MAX];
+
+	snprintf(buf, sizeof(buf), "%s", path);
+	for (char *p = buf + 1; *p; p++) {
+		if (*p != '/')
+			continue;
+		*p = 0;
+		if (mkdir(buf, mode) && errno != EEXIST)
+			return -errno;
+		*p = '/';
+	}
+	return 0;
+}
+
+/* Is a process already accepting on this IPC path? Then we must not steal it. */
+static bool ipc_in_use(const char *path)
+{
+	struct sockaddr_un a = { .sun_family = AF_UNIX };
+	int fd, rc;
+
+	if (strlen(path) >= sizeof(a.sun_path))
+		return false;
+	strcpy(a.sun_path, path);
+	fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+	if (fd < 0)
+		return false;
+	rc = connect(fd, (struct sockaddr *)&a, sizeof(a));
+	close(fd);
+	return rc == 0;
+}
+
+static bool tcp_is_loopback(const char *ep)
+{
+	const char *host = ep + 6;
+
+	return !strncmp(host, "127.", 4) || !strncmp(host, "localhost:", 10) ||
+	       !strncmp(host, "[::1]:", 6);
+}
+
+static int bind_endpoint(struct server *srv, const char *ep)
+{
+	const struct config *cfg = srv->cfg;
+
+	if (!strncmp(ep, "ipc://", 6)) {
+		const char *path = ep + 6;
+		int rc = mkdir_parents(path, 0755);
+
+		if (rc) {
+			log_err("cannot create the directory of %s: %s", path, strerror(-rc));
+			return rc;
+		}
+		if (ipc_in_use(path)) {
+			log_err("another process is serving %s; is kvblendd already running?", ep);
+			return -EADDRINUSE;
+		}
+	} else if (!tcp_is_loopback(ep)) {
+		log_warn("%s is not a loopback address and traffic on it is not encrypted; "
+			 "restrict it with a firewall", ep);
+	}
+	if (zmq_bind(srv->frontend, ep)) {
+		int e = errno;
+
+		log_err("cannot bind %s: %s", ep, zmq_strerror(e));
+		return -e;
+	}
+	if (!strncmp(ep, "ipc://", 6) && chmod(ep + 6, (mode_t)cfg->socket_mode)) {
+		int e = errno;
+
+		log_err("cannot set mode %04o on %s: %s", (unsigned)cfg->socket_mode, ep + 6,
+			strerror(e));
+		return -e;
+	}
+	log_info("listening on %s", ep);
+	return 0;
+}
+
+/* Receive one whole message, keeping at most cap frames; counts the rest in *extra. */
+static int recv_frames(void *sock, zmq_msg_t *frames, size_t cap, size_t *n, size_t *extra)
+{
+	int more = 1;
+
+	*n = 0;
+	*extra = 0;
+	while (more) {
+		zmq_msg_t tmp, *m = *n < cap ? &frames[*n] : &tmp;
+
+		zmq_msg_init(m);
+		if (zmq_msg_recv(m, sock, 0) < 0) {
+			zmq_msg_close(m);
+			for (size_t i = 0; i < *n; i++)
+				zmq_msg_close(&frames[i]);
+			return -errno;
+		}
+		more = zmq_msg_more(m);
+		if (m == &tmp) {
+			zmq_msg_close(m);
+			(*extra)++;
+		} else {
+			(*n)++;
+		}
+	}
+	return 0;
+}
+
+static void send_reply(struct server *srv, void *sock, struct reply_out *out)
+{
+	uint8_t *hdr = NULL;
+	size_t len = 0;
+	uint64_t bytes = 0;
+	bool payload = out->rep.code == KVBP_OK && out->n_payload;
+
+	if (!payload)
+		out->rep.payload_frames = 0;
+	if (kvbp_reply_encode(&out->rep, &hdr, &len)) {
+		/* Out of memory: a REP socket must answer; send an empty frame rather than hang. */
+		zmq_send(sock, "", 0, 0);
+		return;
+	}
+	zmq_send(sock, hdr, len, payload ? ZMQ_SNDMORE : 0);
+	bytes += len;
+	free(hdr);
+	for (size_t i = 0; payload && i < out->n_payload; i++) {
+		bytes += zmq_msg_size(&out->payload[i]);
+		zmq_msg_send(&out->payload[i], sock, i + 1 < out->n_payload ? ZMQ_SNDMORE : 0);
+	}
+	atomic_fetch_add(&srv->stats.bytes_out, bytes);
+}
+
+static void *worker_main(void *arg)
+{
+	struct server *srv = arg;
+	size_t cap = 2 * (size_t)srv->cfg->max_layers + 1;
+	zmq_msg_t *frames = calloc(cap, sizeof(*frames));
+	void *sock = zmq_socket(srv->zctx, ZMQ_REP);
+	int linger = 0;
+
+	if (!frames || !sock || zmq_setsockopt(sock, ZMQ_LINGER, &linger, sizeof(linger)) ||
+	    zmq_connect(sock, WORKER_ENDPOINT)) {
+		log_err("worker failed to start: %s", frames ? zmq_strerror(errno) : "no memory");
+		goto out;
+	}
+	while (!atomic_load(&srv->stop_workers)) {
+		zmq_pollitem_t it = { sock, 0, ZMQ_POLLIN, 0 };
+		struct reply_out out;
+		size_t n, extra;
+
+		if (zmq_poll(&it, 1, POLL_MS) <= 0 || !(it.revents & ZMQ_POLLIN))
+			continue;
+		if (recv_frames(sock, frames, cap, &n, &extra))
+			continue;
+		ops_handle(srv, frames, n, extra, &out);
+		for (size_t i = 0; i < n; i++)
+			zmq_msg_close(&frames[i]);
+		send_reply(srv, sock, &out);
+		reply_out_clear(&out);
+	}
+out:
+	if (sock)
+		zmq_close(sock);
+	free(frames);
+	atomic_fetch_sub(&srv->running_workers, 1);
+	return NULL;
+}
+
+/* Move one multipart message from one socket to another without copying its frames. */
+static int forward(void *from, void *to)
+{
+	int more = 1;
+
+	while (more) {
+		zmq_msg_t m;
+
+		zmq_msg_init(&m);
+		if (zmq_msg_recv(&m, from, ZMQ_DONTWAIT) < 0) {
+			zmq_msg_close(&m);
+			return -errno;
+		}
+		more = zmq_msg_more(&m);
+		if (zmq_msg_send(&m, to, more ? ZMQ_SNDMORE : 0) < 0)
+			zmq_msg_close(&m);
+	}
+	return 0;
+}
+
+int server_start(struct server *srv, const struct config *cfg, struct store *store)
+{
+	unsigned n_workers = (unsigned)cfg->workers;
+	int zero = 0, rc;
+	int64_t maxmsg;
+	sigset_t all, old;
+
+	memset(srv, 0, sizeof(*srv));
+	srv->cfg = cfg;
+	srv->store = store;
+	clock_gettime(CLOCK_MONOTONIC, &srv->started);
+	rc = shm_table_new(cfg->shm_max, cfg->shm_total, cfg->shm_idle, (unsigned)cfg->socket_mode,
+			   &srv->shm);
+	if (rc)
+		return rc;
+	srv->zctx = zmq_ctx_new();
+	if (!srv->zctx)
+		return -errno;
+	srv->frontend = zmq_socket(srv->zctx, ZMQ_ROUTER);
+	srv->backend = zmq_socket(srv->zctx, ZMQ_DEALER);
+	if (!srv->frontend || !srv->backend)
+		return -errno;
+	/* A hard cap per frame, above the soft max_message that gets a proper error reply,
+	 * so that a peer cannot make us buffer unbounded memory. */
+	maxmsg = cfg->max_message > INT64_MAX / 2 ? INT64_MAX : (int64_t)(cfg->max_message * 2);
+	zmq_setsockopt(srv->frontend, ZMQ_MAXMSGSIZE, &maxmsg, sizeof(maxmsg));
+	zmq_setsockopt(srv->frontend, ZMQ_LINGER, &zero, sizeof(zero));
+	zmq_setsockopt(srv->frontend, ZMQ_ROUTER_MANDATORY, &zero, sizeof(zero));
+	zmq_setsockopt(srv->backend, ZMQ_LINGER, &zero, sizeof(zero));
+	for (unsigned i = 0; i < cfg->n_listen; i++) {
+		rc = bind_endpoint(srv, cfg->listen[i]);
+		if (rc)
+			return rc;
+		srv->n_bound++;
+	}
+	if (zmq_bind(srv->backend, WORKER_ENDPOINT))
+		return -errno;
+	if (!n_workers) {
+		long c = sysconf(_SC_NPROCESSORS_ONLN);
+
+		n_workers = c < 2 ? 2 : (unsigned)c;
+	}
+	srv->threads = calloc(n_workers, sizeof(*srv->threads));
+	if (!srv->threads)
+		return -ENOMEM;
+	/* Threads start with signals blocked; only the main thread takes them. */
+	sigfillset(&all);
+	pthread_sigmask(SIG_BLOCK, &all, &old);
+	for (unsigned i = 0; i < n_workers; i++) {
+		atomic_fetch_add(&srv->running_workers, 1);
+		rc = pthread_create(&srv->threads[i], NULL, worker_main, srv);
+		if (rc) {
+			atomic_fetch_sub(&srv->running_workers, 1);
+			break;
+		}
+		srv->n_workers++;
+	}
+	pthread_sigmask(SIG_SETMASK, &old, NULL);
+	if (rc) {
+		log_err("cannot start worker threads: %s", strerror(rc));
+		return -rc;
+	}
+	log_info("%u workers started", n_workers);
+	return 0;
+}
+
+int server_run(struct server *srv, volatile int *stop, void (*tick)(struct server *))
+{
+	zmq_pollitem_t items[2] = { { srv->frontend, 0, ZMQ_POLLIN, 0 },
+				    { srv->backend, 0, ZMQ_POLLIN, 0 } };
+	struct timespec last = { 0 }, now;
+
+	while (!*stop) {
+		int rc = zmq_poll(items, 2, POLL_MS);
+
+		if (rc < 0 && errno != EINTR)
+			log_warn("poll: %s", zmq_strerror(errno));
+		if (rc > 0 && (items[0].revents & ZMQ_POLLIN))
+			forward(srv->frontend, srv->backend);
+		if (rc > 0 && (items[1].revents & ZMQ_POLLIN))
+			forward(srv->backend, srv->frontend);
+		clock_gettime(CLOCK_MONOTONIC, &now);
+		if (now.tv_sec != last.tv_sec) {
+			unsigned n = shm_expire(srv->shm);
+
+			if (n)
+				log_info("released %u idle shared-memory segments", n);
+			if (tick)
+				tick(srv);
+			last = now;
+		}
+	}
+	return 0;
+}
+
+void server_stop(struct server *srv)
+{
+	struct timespec start, now;
+
+	if (srv->frontend && srv->backend && srv->n_workers) {
+		/* Stop taking requests; deliver the replies of those in progress. */
+		for (unsigned i = 0; i < srv->n_bound; i++)
+			zmq_unbind(srv->frontend, srv->cfg->listen[i]);
+		atomic_store(&srv->stop_workers, true);
+		clock_gettime(CLOCK_MONOTONIC, &start);
+		do {
+			zmq_pollitem_t it = { srv->backend, 0, ZMQ_POLLIN, 0 };
+
+			if (zmq_poll(&it, 1, 50) > 0)
+				forward(srv->backend, srv->frontend);
+			clock_gettime(CLOCK_MONOTONIC, &now);
+		} while (atomic_load(&srv->running_workers) &&
+			 (now.tv_sec - start.tv_sec) * 1000 < DRAIN_MS);
+		/* Replies produced in the last moments. */
+		while (forward(srv->backend, srv->frontend) == 0)
+			;
+	}
+	atomic_store(&srv->stop_workers, true);
+	for (unsigned i = 0; i < srv->n_workers; i++)
+		pthread_join(srv->threads[i], NULL);
+	free(srv->threads);
+	srv->threads = NULL;
+	srv->n_workers = 0;
+	if (srv->frontend)
+		zmq_close(srv->frontend);
+	if (srv->backend)
+		zmq_close(srv->backend);
+	srv->frontend = srv->backend = NULL;
+	if (srv->zctx)
+		zmq_ctx_term(srv->zctx);
+	srv->zctx = NULL;
+	for (unsigned i = 0; i < srv->n_bound; i++)
+		if (!strncmp(srv->cfg->listen[i], "ipc://", 6))
+			unlink(srv->cfg->listen[i] + 6);
+	shm_table_free(&srv->shm);
+}

@@ -1,0 +1,61 @@
+/*
+ * server — kvblendd's sockets, worker threads and main loop.
+ *
+ * One ROUTER socket bound to every configured endpoint; the main thread moves
+ * messages between it and an inproc DEALER that load-balances over worker
+ * threads (REP sockets). The main thread also acts on signal flags, expires
+ * shared-memory segments and pings the systemd watchdog. Workers decode a
+ * request, run it (ops.c) and reply.
+ */
+#ifndef KVBLEND_DAEMON_SERVER_H
+#define KVBLEND_DAEMON_SERVER_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <time.h>
+
+#include "config.h"
+#include "shm.h"
+#include "../proto/wire.h"
+#include "../store/store.h"
+
+struct server_stats {
+	atomic_uint_fast64_t requests[KVBP_OP_COUNT + 1]; /* last: unknown ops */
+	atomic_uint_fast64_t errors[KVBP_CODE_COUNT];
+	atomic_uint_fast64_t bytes_in;
+	atomic_uint_fast64_t bytes_out;
+	atomic_uint_fast64_t lookup_hits;
+	atomic_uint_fast64_t lookup_misses;
+	atomic_uint_fast64_t corrupt_removed;
+};
+
+struct server {
+	const struct config *cfg;
+	struct store *store;
+	struct shm_table *shm;
+	void *zctx;
+	void *frontend; /* ROUTER, bound to cfg->listen */
+	void *backend;	/* DEALER, inproc, workers connect */
+	pthread_t *threads;
+	unsigned n_workers;
+	unsigned n_bound; /* endpoints of cfg->listen bound so far */
+	atomic_uint running_workers;
+	atomic_bool stop_workers;
+	struct server_stats stats;
+	struct timespec started;
+};
+
+/* Bind sockets and start workers. Returns 0 or a negative errno with a message logged. */
+int server_start(struct server *srv, const struct config *cfg, struct store *store);
+
+/*
+ * Serve until *stop becomes non-zero (set from a signal handler). Returns 0.
+ * tick() is called about once a second from the main loop (watchdog, status).
+ */
+int server_run(struct server *srv, volatile int *stop, void (*tick)(struct server *));
+
+/* Stop accepting, drain workers, close sockets and the ZeroMQ context. Accepts a half-started server. */
+void server_stop(struct server *srv);
+
+#endif

@@ -1,0 +1,482 @@
+/* wire — protobuf-c glue for the kvblend header frame; see wire.h. */
+#include "wire.h"
+
+#include <errno.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvblend.pb-c.h"
+
+_Static_assert((int)KVBLEND__OP__SHM_DETACH == (int)KVBP_OP_SHM_DETACH, "op numbering drifted");
+_Static_assert((int)KVBLEND__CODE__BAD_SHM == (int)KVBP_BAD_SHM, "code numbering drifted");
+_Static_assert(KVBLEND__DTYPE__F32 == 3, "dtype numbering drifted");
+
+static const char *const op_names[KVBP_OP_COUNT] = {
+	[KVBP_OP_NONE] = "none",	       [KVBP_OP_HELLO] = "hello",
+	[KVBP_OP_MODEL_REGISTER] = "model_register", [KVBP_OP_MODEL_LIST] = "model_list",
+	[KVBP_OP_PUT] = "put",		       [KVBP_OP_GET] = "get",
+	[KVBP_OP_LOOKUP] = "lookup",	       [KVBP_OP_DELETE] = "delete",
+	[KVBP_OP_STATS] = "stats",	       [KVBP_OP_LIST] = "list",
+	[KVBP_OP_SHM_ATTACH] = "shm_attach",   [KVBP_OP_SHM_DETACH] = "shm_detach",
+};
+
+static const char *const code_names[KVBP_CODE_COUNT] = {
+	[KVBP_OK] = "ok",
+	[KVBP_BAD_REQUEST] = "bad_request",
+	[KVBP_BAD_VERSION] = "bad_version",
+	[KVBP_UNKNOWN_OP] = "unknown_op",
+	[KVBP_BAD_SHAPE] = "bad_shape",
+	[KVBP_UNKNOWN_MODEL] = "unknown_model",
+	[KVBP_DTYPE_MISMATCH] = "dtype_mismatch",
+	[KVBP_BAD_FRAMES] = "bad_frames",
+	[KVBP_TOO_LARGE] = "too_large",
+	[KVBP_MODEL_CONFLICT] = "model_conflict",
+	[KVBP_NOT_FOUND] = "not_found",
+	[KVBP_CORRUPT] = "corrupt",
+	[KVBP_FULL] = "full",
+	[KVBP_LIMIT] = "limit",
+	[KVBP_INTERNAL] = "internal",
+	[KVBP_BAD_ARGUMENT] = "bad_argument",
+	[KVBP_BAD_SHM] = "bad_shm",
+};
+
+const char *kvbp_op_name(uint32_t op)
+{
+	return op < KVBP_OP_COUNT ? op_names[op] : "unknown";
+}
+
+const char *kvbp_code_name(uint32_t code)
+{
+	return code < KVBP_CODE_COUNT ? code_names[code] : "unknown";
+}
+
+size_t kvbp_dtype_size(uint32_t dtype)
+{
+	switch (dtype) {
+	case KVBLEND__DTYPE__F16:
+	case KVBLEND__DTYPE__BF16:
+		return 2;
+	case KVBLEND__DTYPE__F32:
+		return 4;
+	default:
+		return 0;
+	}
+}
+
+const char *kvbp_dtype_name(uint32_t dtype)
+{
+	switch (dtype) {
+	case KVBLEND__DTYPE__F16:
+		return "f16";
+	case KVBLEND__DTYPE__BF16:
+		return "bf16";
+	case KVBLEND__DTYPE__F32:
+		return "f32";
+	default:
+		return "unknown";
+	}
+}
+
+static void set_err(char *err, size_t errlen, const char *fmt, ...)
+{
+	va_list ap;
+
+	if (!err || !errlen)
+		return;
+	va_start(ap, fmt);
+	vsnprintf(err, errlen, fmt, ap);
+	va_end(ap);
+}
+
+static void model_to_pb(const struct kvbp_model *m, Kvblend__Model *pb)
+{
+	pb->name = (char *)m->name;
+	pb->num_layers = m->num_layers;
+	pb->num_kv_heads = m->num_kv_heads;
+	pb->head_dim = m->head_dim;
+	pb->dtype = (Kvblend__Dtype)m->dtype;
+	pb->rope_theta = m->rope_theta;
+	pb->rope_style = (Kvblend__RopeStyle)m->rope_style;
+	pb->rotary_dim = m->rotary_dim;
+	pb->scaling = (Kvblend__RopeScaling)m->scaling;
+	pb->factor = m->factor;
+	pb->low_freq_factor = m->low_freq_factor;
+	pb->high_freq_factor = m->high_freq_factor;
+	pb->original_max_pos = m->original_max_pos;
+	pb->beta_fast = m->beta_fast;
+	pb->beta_slow = m->beta_slow;
+	pb->max_pos = m->max_pos;
+	pb->k_pre_rope = m->k_pre_rope;
+}
+
+static int copy_name(char *dst, const char *src, const char *what, char *err, size_t errlen)
+{
+	size_t n = src ? strlen(src) : 0;
+
+	if (n > KVBP_NAME_MAX) {
+		set_err(err, errlen, "%s is %zu bytes long; the limit is %d", what, n,
+			KVBP_NAME_MAX);
+		return KVBP_BAD_ARGUMENT;
+	}
+	memcpy(dst, src ? src : "", n + 1);
+	return KVBP_OK;
+}
+
+static int model_from_pb(const Kvblend__Model *pb, struct kvbp_model *m, char *err, size_t errlen)
+{
+	int rc = copy_name(m->name, pb->name, "model name", err, errlen);
+
+	if (rc)
+		return rc;
+	m->num_layers = pb->num_layers;
+	m->num_kv_heads = pb->num_kv_heads;
+	m->head_dim = pb->head_dim;
+	m->dtype = pb->dtype;
+	m->rope_theta = pb->rope_theta;
+	m->rope_style = pb->rope_style;
+	m->rotary_dim = pb->rotary_dim;
+	m->scaling = pb->scaling;
+	m->factor = pb->factor;
+	m->low_freq_factor = pb->low_freq_factor;
+	m->high_freq_factor = pb->high_freq_factor;
+	m->original_max_pos = pb->original_max_pos;
+	m->beta_fast = pb->beta_fast;
+	m->beta_slow = pb->beta_slow;
+	m->max_pos = pb->max_pos;
+	m->k_pre_rope = pb->k_pre_rope;
+	return KVBP_OK;
+}
+
+static int pack_message(const ProtobufCMessage *msg, uint8_t **buf, size_t *len)
+{
+	size_t n = protobuf_c_message_get_packed_size(msg);
+	/* malloc(0) may return NULL; an empty header is legal (all defaults). */
+	uint8_t *b = malloc(n ? n : 1);
+
+	if (!b)
+		return -ENOMEM;
+	*len = protobuf_c_message_pack(msg, b);
+	*buf = b;
+	return 0;
+}
+
+int kvbp_request_encode(const struct kvbp_request *req, uint8_t **buf, size_t *len)
+{
+	Kvblend__Request pb = KVBLEND__REQUEST__INIT;
+	Kvblend__Model model = KVBLEND__MODEL__INIT;
+	Kvblend__ShmRef shm = KVBLEND__SHM_REF__INIT;
+	ProtobufCBinaryData *hashes = NULL;
+	int rc;
+
+	pb.version = req->version;
+	pb.request_id = req->request_id;
+	pb.op = (Kvblend__Op)req->op;
+	if (req->has_model) {
+		model_to_pb(&req->model, &model);
+		pb.model = &model;
+	}
+	pb.model_name = (char *)req->model_name;
+	if (req->has_hash) {
+		pb.hash.data = (uint8_t *)req->hash;
+		pb.hash.len = KVBP_HASH_LEN;
+	}
+	pb.num_tokens = req->num_tokens;
+	pb.base_pos = req->base_pos;
+	pb.layer_begin = req->layer_begin;
+	pb.layer_end = req->layer_end;
+	pb.payload_frames = req->payload_frames;
+	pb.dtype = (Kvblend__Dtype)req->dtype;
+	pb.shm_size = req->shm_size;
+	if (req->has_shm) {
+		shm.shm_id = req->shm_id;
+		shm.offset = req->shm_offset;
+		shm.length = req->shm_length;
+		pb.shm = &shm;
+	}
+	if (req->n_hashes) {
+		hashes = calloc(req->n_hashes, sizeof(*hashes));
+		if (!hashes)
+			return -ENOMEM;
+		for (size_t i = 0; i < req->n_hashes; i++) {
+			hashes[i].data = req->hashes[i];
+			hashes[i].len = KVBP_HASH_LEN;
+		}
+		pb.hashes = hashes;
+		pb.n_hashes = req->n_hashes;
+	}
+	rc = pack_message(&pb.base, buf, len);
+	free(hashes);
+	return rc;
+}
+
+int kvbp_request_decode(const void *buf, size_t len, struct kvbp_request *out, char *err,
+			size_t errlen)
+{
+	Kvblend__Request *pb;
+	struct kvbp_request r;
+	int rc = KVBP_OK;
+
+	memset(&r, 0, sizeof(r));
+	if (len == 0) {
+		set_err(err, errlen, "empty request header frame");
+		return KVBP_BAD_REQUEST;
+	}
+	pb = kvblend__request__unpack(NULL, len, buf);
+	if (!pb) {
+		set_err(err, errlen, "request header frame (%zu bytes) is not a valid protobuf Request",
+			len);
+		return KVBP_BAD_REQUEST;
+	}
+	r.version = pb->version;
+	r.request_id = pb->request_id;
+	r.op = pb->op;
+	if (pb->model) {
+		r.has_model = true;
+		rc = model_from_pb(pb->model, &r.model, err, errlen);
+		if (rc)
+			goto out;
+	}
+	rc = copy_name(r.model_name, pb->model_name, "model name", err, errlen);
+	if (rc)
+		goto out;
+	if (pb->hash.len) {
+		if (pb->hash.len != KVBP_HASH_LEN) {
+			set_err(err, errlen, "chunk hash is %zu bytes; it must be %d", pb->hash.len,
+				KVBP_HASH_LEN);
+			rc = KVBP_BAD_ARGUMENT;
+			goto out;
+		}
+		r.has_hash = true;
+		memcpy(r.hash, pb->hash.data, KVBP_HASH_LEN);
+	}
+	r.num_tokens = pb->num_tokens;
+	r.base_pos = pb->base_pos;
+	r.layer_begin = pb->layer_begin;
+	r.layer_end = pb->layer_end;
+	r.payload_frames = pb->payload_frames;
+	r.dtype = pb->dtype;
+	r.shm_size = pb->shm_size;
+	if (pb->shm) {
+		r.has_shm = true;
+		r.shm_id = pb->shm->shm_id;
+		r.shm_offset = pb->shm->offset;
+		r.shm_length = pb->shm->length;
+	}
+	if (pb->n_hashes) {
+		if (pb->n_hashes > KVBP_LOOKUP_MAX) {
+			set_err(err, errlen, "%zu hashes in one request; the limit is %d",
+				pb->n_hashes, KVBP_LOOKUP_MAX);
+			rc = KVBP_TOO_LARGE;
+			goto out;
+		}
+		r.hashes = malloc(pb->n_hashes * KVBP_HASH_LEN);
+		if (!r.hashes) {
+			set_err(err, errlen, "out of memory for %zu hashes", pb->n_hashes);
+			rc = KVBP_INTERNAL;
+			goto out;
+		}
+		for (size_t i = 0; i < pb->n_hashes; i++) {
+			if (pb->hashes[i].len != KVBP_HASH_LEN) {
+				set_err(err, errlen, "hash %zu is %zu bytes; it must be %d", i,
+					pb->hashes[i].len, KVBP_HASH_LEN);
+				rc = KVBP_BAD_ARGUMENT;
+				goto out;
+			}
+			memcpy(r.hashes[i], pb->hashes[i].data, KVBP_HASH_LEN);
+		}
+		r.n_hashes = pb->n_hashes;
+	}
+out:
+	kvblend__request__free_unpacked(pb, NULL);
+	if (rc) {
+		free(r.hashes);
+		return rc;
+	}
+	*out = r;
+	return KVBP_OK;
+}
+
+void kvbp_request_clear(struct kvbp_request *req)
+{
+	if (!req)
+		return;
+	free(req->hashes);
+	req->hashes = NULL;
+	req->n_hashes = 0;
+}
+
+int kvbp_reply_encode(const struct kvbp_reply *rep, uint8_t **buf, size_t *len)
+{
+	Kvblend__Reply pb = KVBLEND__REPLY__INIT;
+	Kvblend__Model *models = NULL, **model_ptrs = NULL;
+	Kvblend__ChunkInfo *chunks = NULL, **chunk_ptrs = NULL;
+	Kvblend__Stat *stats = NULL, **stat_ptrs = NULL;
+	int rc = -ENOMEM;
+
+	pb.version = rep->version;
+	pb.request_id = rep->request_id;
+	pb.code = (Kvblend__Code)rep->code;
+	pb.message = (char *)rep->message;
+	pb.server_version = (char *)rep->server_version;
+	pb.existed = rep->existed;
+	pb.payload_frames = rep->payload_frames;
+	pb.layer_begin = rep->layer_begin;
+	pb.layer_end = rep->layer_end;
+	pb.shm_id = rep->shm_id;
+	pb.shm_size = rep->shm_size;
+	pb.shm_name = (char *)rep->shm_name;
+	if (rep->n_models) {
+		models = calloc(rep->n_models, sizeof(*models));
+		model_ptrs = calloc(rep->n_models, sizeof(*model_ptrs));
+		if (!models || !model_ptrs)
+			goto out;
+		for (size_t i = 0; i < rep->n_models; i++) {
+			kvblend__model__init(&models[i]);
+			model_to_pb(&rep->models[i], &models[i]);
+			model_ptrs[i] = &models[i];
+		}
+		pb.models = model_ptrs;
+		pb.n_models = rep->n_models;
+	}
+	if (rep->n_chunks) {
+		chunks = calloc(rep->n_chunks, sizeof(*chunks));
+		chunk_ptrs = calloc(rep->n_chunks, sizeof(*chunk_ptrs));
+		if (!chunks || !chunk_ptrs)
+			goto out;
+		for (size_t i = 0; i < rep->n_chunks; i++) {
+			const struct kvbp_chunk *c = &rep->chunks[i];
+
+			kvblend__chunk_info__init(&chunks[i]);
+			chunks[i].hash.data = (uint8_t *)c->hash;
+			chunks[i].hash.len = KVBP_HASH_LEN;
+			chunks[i].found = c->found;
+			chunks[i].num_tokens = c->num_tokens;
+			chunks[i].base_pos = c->base_pos;
+			chunks[i].num_layers = c->num_layers;
+			chunks[i].raw_bytes = c->raw_bytes;
+			chunks[i].stored_bytes = c->stored_bytes;
+			chunk_ptrs[i] = &chunks[i];
+		}
+		pb.chunks = chunk_ptrs;
+		pb.n_chunks = rep->n_chunks;
+	}
+	if (rep->n_stats) {
+		stats = calloc(rep->n_stats, sizeof(*stats));
+		stat_ptrs = calloc(rep->n_stats, sizeof(*stat_ptrs));
+		if (!stats || !stat_ptrs)
+			goto out;
+		for (size_t i = 0; i < rep->n_stats; i++) {
+			kvblend__stat__init(&stats[i]);
+			stats[i].name = (char *)rep->stats[i].name;
+			stats[i].value = rep->stats[i].value;
+			stat_ptrs[i] = &stats[i];
+		}
+		pb.stats = stat_ptrs;
+		pb.n_stats = rep->n_stats;
+	}
+	rc = pack_message(&pb.base, buf, len);
+out:
+	free(models);
+	free(model_ptrs);
+	free(chunks);
+	free(chunk_ptrs);
+	free(stats);
+	free(stat_ptrs);
+	return rc;
+}
+
+int kvbp_reply_decode(const void *buf, size_t len, struct kvbp_reply *out, char *err,
+		      size_t errlen)
+{
+	Kvblend__Reply *pb;
+	struct kvbp_reply r;
+	int rc = KVBP_OK;
+
+	memset(&r, 0, sizeof(r));
+	pb = kvblend__reply__unpack(NULL, len, buf);
+	if (!pb) {
+		set_err(err, errlen, "reply header frame (%zu bytes) is not a valid protobuf Reply",
+			len);
+		return KVBP_BAD_REQUEST;
+	}
+	r.version = pb->version;
+	r.request_id = pb->request_id;
+	r.code = pb->code;
+	snprintf(r.message, sizeof(r.message), "%s", pb->message ? pb->message : "");
+	snprintf(r.server_version, sizeof(r.server_version), "%s",
+		 pb->server_version ? pb->server_version : "");
+	snprintf(r.shm_name, sizeof(r.shm_name), "%s", pb->shm_name ? pb->shm_name : "");
+	r.existed = pb->existed;
+	r.payload_frames = pb->payload_frames;
+	r.layer_begin = pb->layer_begin;
+	r.layer_end = pb->layer_end;
+	r.shm_id = pb->shm_id;
+	r.shm_size = pb->shm_size;
+	if (pb->n_models) {
+		r.models = calloc(pb->n_models, sizeof(*r.models));
+		if (!r.models)
+			goto nomem;
+		r.n_models = pb->n_models;
+		for (size_t i = 0; i < pb->n_models; i++) {
+			rc = model_from_pb(pb->models[i], &r.models[i], err, errlen);
+			if (rc)
+				goto out;
+		}
+	}
+	if (pb->n_chunks) {
+		r.chunks = calloc(pb->n_chunks, sizeof(*r.chunks));
+		if (!r.chunks)
+			goto nomem;
+		r.n_chunks = pb->n_chunks;
+		for (size_t i = 0; i < pb->n_chunks; i++) {
+			const Kvblend__ChunkInfo *c = pb->chunks[i];
+
+			if (c->hash.len == KVBP_HASH_LEN)
+				memcpy(r.chunks[i].hash, c->hash.data, KVBP_HASH_LEN);
+			r.chunks[i].found = c->found;
+			r.chunks[i].num_tokens = c->num_tokens;
+			r.chunks[i].base_pos = c->base_pos;
+			r.chunks[i].num_layers = c->num_layers;
+			r.chunks[i].raw_bytes = c->raw_bytes;
+			r.chunks[i].stored_bytes = c->stored_bytes;
+		}
+	}
+	if (pb->n_stats) {
+		r.stats = calloc(pb->n_stats, sizeof(*r.stats));
+		if (!r.stats)
+			goto nomem;
+		r.n_stats = pb->n_stats;
+		for (size_t i = 0; i < pb->n_stats; i++) {
+			snprintf(r.stats[i].name, sizeof(r.stats[i].name), "%s",
+				 pb->stats[i]->name ? pb->stats[i]->name : "");
+			r.stats[i].value = pb->stats[i]->value;
+		}
+	}
+	goto out;
+nomem:
+	set_err(err, errlen, "out of memory decoding reply");
+	rc = KVBP_INTERNAL;
+out:
+	kvblend__reply__free_unpacked(pb, NULL);
+	if (rc) {
+		kvbp_reply_clear(&r);
+		return rc;
+	}
+	*out = r;
+	return KVBP_OK;
+}
+
+void kvbp_reply_clear(struct kvbp_reply *rep)
+{
+	if (!rep)
+		return;
+	free(rep->models);
+	free(rep->chunks);
+	free(rep->stats);
+	rep->models = NULL;
+	rep->chunks = NULL;
+	rep->stats = NULL;
+	rep->n_models = rep->n_chunks = rep->n_stats = 0;
+}

@@ -1,0 +1,170 @@
+/*
+ * wire — encode and decode the header frame of kvblend messages.
+ *
+ * Frame 1 of every request and reply is a protobuf message (proto/kvblend.proto).
+ * This module converts between those bytes and the plain C structs below, so
+ * that protobuf-c types never leave wire.c. Payload frames are not handled here.
+ */
+#ifndef KVBLEND_PROTO_WIRE_H
+#define KVBLEND_PROTO_WIRE_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#define KVBP_VERSION 1
+#define KVBP_HASH_LEN 32
+#define KVBP_NAME_MAX 64
+#define KVBP_MESSAGE_MAX 256
+/* Upper bound on hashes in one LOOKUP; the message size limit applies too. */
+#define KVBP_LOOKUP_MAX 65536
+
+enum kvbp_op {
+	KVBP_OP_NONE = 0,
+	KVBP_OP_HELLO = 1,
+	KVBP_OP_MODEL_REGISTER = 2,
+	KVBP_OP_MODEL_LIST = 3,
+	KVBP_OP_PUT = 4,
+	KVBP_OP_GET = 5,
+	KVBP_OP_LOOKUP = 6,
+	KVBP_OP_DELETE = 7,
+	KVBP_OP_STATS = 8,
+	KVBP_OP_LIST = 9,
+	KVBP_OP_SHM_ATTACH = 10,
+	KVBP_OP_SHM_DETACH = 11,
+	KVBP_OP_COUNT
+};
+
+/* Reply codes, as on the wire (enum Code in kvblend.proto). */
+enum kvbp_code {
+	KVBP_OK = 0,
+	KVBP_BAD_REQUEST = 1,
+	KVBP_BAD_VERSION = 2,
+	KVBP_UNKNOWN_OP = 3,
+	KVBP_BAD_SHAPE = 4,
+	KVBP_UNKNOWN_MODEL = 5,
+	KVBP_DTYPE_MISMATCH = 6,
+	KVBP_BAD_FRAMES = 7,
+	KVBP_TOO_LARGE = 8,
+	KVBP_MODEL_CONFLICT = 9,
+	KVBP_NOT_FOUND = 10,
+	KVBP_CORRUPT = 11,
+	KVBP_FULL = 12,
+	KVBP_LIMIT = 13,
+	KVBP_INTERNAL = 14,
+	KVBP_BAD_ARGUMENT = 15,
+	KVBP_BAD_SHM = 16,
+	KVBP_CODE_COUNT
+};
+
+struct kvbp_model {
+	char name[KVBP_NAME_MAX + 1];
+	uint32_t num_layers;
+	uint32_t num_kv_heads;
+	uint32_t head_dim;
+	uint32_t dtype; /* 1 f16, 2 bf16, 3 f32 */
+	double rope_theta;
+	uint32_t rope_style; /* 0 neox, 1 gptj */
+	uint32_t rotary_dim;
+	uint32_t scaling; /* 0 none, 1 linear, 2 llama3, 3 yarn, 4 dynamic */
+	double factor;
+	double low_freq_factor;
+	double high_freq_factor;
+	uint32_t original_max_pos;
+	double beta_fast;
+	double beta_slow;
+	uint32_t max_pos;
+	bool k_pre_rope;
+};
+
+struct kvbp_chunk {
+	uint8_t hash[KVBP_HASH_LEN];
+	bool found;
+	uint32_t num_tokens;
+	uint32_t base_pos;
+	uint32_t num_layers;
+	uint64_t raw_bytes;
+	uint64_t stored_bytes;
+};
+
+struct kvbp_stat {
+	char name[64];
+	double value;
+};
+
+struct kvbp_request {
+	uint32_t version;
+	uint64_t request_id;
+	uint32_t op;
+	bool has_model;
+	struct kvbp_model model;
+	char model_name[KVBP_NAME_MAX + 1];
+	bool has_hash;
+	uint8_t hash[KVBP_HASH_LEN];
+	uint32_t num_tokens;
+	uint32_t base_pos;
+	uint32_t layer_begin;
+	uint32_t layer_end;
+	uint32_t payload_frames;
+	uint32_t dtype;
+	uint8_t (*hashes)[KVBP_HASH_LEN]; /* owned, freed by kvbp_request_clear() */
+	size_t n_hashes;
+	bool has_shm;
+	uint64_t shm_id;
+	uint64_t shm_offset;
+	uint64_t shm_length;
+	uint64_t shm_size;
+};
+
+struct kvbp_reply {
+	uint32_t version;
+	uint64_t request_id;
+	uint32_t code;
+	char message[KVBP_MESSAGE_MAX];
+	char server_version[32];
+	struct kvbp_model *models; /* owned arrays, freed by kvbp_reply_clear() */
+	size_t n_models;
+	struct kvbp_chunk *chunks;
+	size_t n_chunks;
+	struct kvbp_stat *stats;
+	size_t n_stats;
+	bool existed;
+	uint32_t payload_frames;
+	uint32_t layer_begin;
+	uint32_t layer_end;
+	uint64_t shm_id;
+	uint64_t shm_size;
+	char shm_name[64];
+};
+
+/*
+ * Encode into a freshly malloc'd buffer (*buf, *len); the caller frees it.
+ * Returns 0, or -ENOMEM.
+ */
+int kvbp_request_encode(const struct kvbp_request *req, uint8_t **buf, size_t *len);
+int kvbp_reply_encode(const struct kvbp_reply *rep, uint8_t **buf, size_t *len);
+
+/*
+ * Decode len bytes into *out (zeroed first). Returns KVBP_OK, or a positive
+ * kvbp_code (KVBP_BAD_REQUEST for bytes that are not a header, KVBP_BAD_ARGUMENT
+ * for a field out of range) with a message naming the problem written to err.
+ * On failure *out holds nothing that needs clearing.
+ */
+int kvbp_request_decode(const void *buf, size_t len, struct kvbp_request *out, char *err,
+			size_t errlen);
+int kvbp_reply_decode(const void *buf, size_t len, struct kvbp_reply *out, char *err,
+		      size_t errlen);
+
+/* Free the arrays a decoded or hand-built message owns. Accept NULL. */
+void kvbp_request_clear(struct kvbp_request *req);
+void kvbp_reply_clear(struct kvbp_reply *rep);
+
+/* Name of an operation or a code, for logs and stats ("put", "not_found"). */
+const char *kvbp_op_name(uint32_t op);
+const char *kvbp_code_name(uint32_t code);
+
+/* Bytes per element of a wire dtype, 0 for an unknown one. */
+size_t kvbp_dtype_size(uint32_t dtype);
+const char *kvbp_dtype_name(uint32_t dtype);
+
+#endif

@@ -1,0 +1,179 @@
+/* codec — bitshuffle+LZ4 or raw tensor encoding with checksums; see codec.h. */
+#include "codec.h"
+
+#include <blosc.h>
+#include <errno.h>
+#include <string.h>
+#include <xxhash.h>
+
+#define CODEC_MAGIC 0x5442564bu /* "KVBT" little-endian */
+/* Tensors larger than this are judged on a sample before a full attempt. */
+#define SAMPLE_THRESHOLD (1u << 20)
+#define SAMPLE_SIZE (256u << 10)
+/* LZ4 at a low level: the point is speed; higher levels buy little on KV. */
+#define CLEVEL 1
+
+static void put_u32(uint8_t *p, uint32_t v)
+{
+	for (int i = 0; i < 4; i++)
+		p[i] = (uint8_t)(v >> (8 * i));
+}
+
+static void put_u64(uint8_t *p, uint64_t v)
+{
+	for (int i = 0; i < 8; i++)
+		p[i] = (uint8_t)(v >> (8 * i));
+}
+
+static uint32_t get_u32(const uint8_t *p)
+{
+	uint32_t v = 0;
+
+	for (int i = 3; i >= 0; i--)
+		v = v << 8 | p[i];
+	return v;
+}
+
+static uint64_t get_u64(const uint8_t *p)
+{
+	uint64_t v = 0;
+
+	for (int i = 7; i >= 0; i--)
+		v = v << 8 | p[i];
+	return v;
+}
+
+uint64_t codec_checksum(const void *buf, size_t len)
+{
+	return XXH3_64bits(buf, len);
+}
+
+size_t codec_bound(size_t raw_size)
+{
+	size_t n;
+
+	if (__builtin_add_overflow(raw_size, (size_t)CODEC_HEADER_SIZE + BLOSC_MAX_OVERHEAD, &n))
+		return 0;
+	return n;
+}
+
+static void write_header(uint8_t *dst, const struct codec_header *h)
+{
+	memset(dst, 0, CODEC_HEADER_SIZE);
+	put_u32(dst, CODEC_MAGIC);
+	dst[4] = h->version;
+	dst[5] = h->kind;
+	dst[6] = h->elem_size;
+	put_u64(dst + 8, h->raw_size);
+	put_u64(dst + 16, h->stored_size);
+	put_u64(dst + 24, h->checksum);
+}
+
+/* Would compressing save at least min_saving? Decided on a slice of the middle. */
+static int sample_worth_it(const uint8_t *src, size_t raw_size, unsigned elem_size,
+			   double min_saving, uint8_t *scratch, size_t scratch_cap)
+{
+	size_t off = (raw_size / 2) & ~(size_t)(elem_size - 1);
+	size_t n = SAMPLE_SIZE;
+	int c;
+
+	if (off + n > raw_size)
+		off = raw_size - n;
+	off &= ~(size_t)(elem_size - 1);
+	if (scratch_cap < n + BLOSC_MAX_OVERHEAD)
+		return 1;
+	c = blosc_compress_ctx(CLEVEL, BLOSC_BITSHUFFLE, elem_size, n, src + off, scratch,
+			       n + BLOSC_MAX_OVERHEAD, "lz4", 0, 1);
+	/* Demand half the margin on the sample: samples vary, full attempts are cheap. */
+	return c > 0 && (double)c <= (double)n * (1.0 - min_saving / 2);
+}
+
+int codec_encode(const void *src, size_t raw_size, unsigned elem_size, double min_saving,
+		 void *dst, size_t dst_cap, size_t *out_len)
+{
+	struct codec_header h = { .version = CODEC_FORMAT_VERSION, .elem_size = (uint8_t)elem_size,
+				  .raw_size = raw_size };
+	uint8_t *out = dst;
+	size_t bound = codec_bound(raw_size);
+	int try_compress;
+
+	if (elem_size != 1 && elem_size != 2 && elem_size != 4)
+		return -EINVAL;
+	if (!bound || dst_cap < bound)
+		return -ENOBUFS;
+	h.checksum = codec_checksum(src, raw_size);
+	try_compress = min_saving < 1.0 && raw_size >= 64 && raw_size <= BLOSC_MAX_BUFFERSIZE &&
+		       raw_size % elem_size == 0;
+	if (try_compress && raw_size > SAMPLE_THRESHOLD)
+		try_compress = sample_worth_it(src, raw_size, elem_size, min_saving,
+					       out + CODEC_HEADER_SIZE, dst_cap - CODEC_HEADER_SIZE);
+	if (try_compress) {
+		int c = blosc_compress_ctx(CLEVEL, BLOSC_BITSHUFFLE, elem_size, raw_size, src,
+					   out + CODEC_HEADER_SIZE, raw_size + BLOSC_MAX_OVERHEAD,
+					   "lz4", 0, 1);
+
+		if (c > 0 && (double)c <= (double)raw_size * (1.0 - min_saving)) {
+			h.kind = CODEC_BSLZ4;
+			h.stored_size = (uint64_t)c;
+		}
+	}
+	if (h.kind == CODEC_RAW) {
+		memcpy(out + CODEC_HEADER_SIZE, src, raw_size);
+		h.stored_size = raw_size;
+	}
+	write_header(out, &h);
+	*out_len = CODEC_HEADER_SIZE + h.stored_size;
+	return 0;
+}
+
+int codec_peek(const void *src, size_t src_len, struct codec_header *h)
+{
+	const uint8_t *p = src;
+	struct codec_header t;
+
+	if (src_len < CODEC_HEADER_SIZE || get_u32(p) != CODEC_MAGIC)
+		return -EBADMSG;
+	t.version = p[4];
+	t.kind = p[5];
+	t.elem_size = p[6];
+	t.raw_size = get_u64(p + 8);
+	t.stored_size = get_u64(p + 16);
+	t.checksum = get_u64(p + 24);
+	if (t.version != CODEC_FORMAT_VERSION || t.kind > CODEC_BSLZ4 ||
+	    t.stored_size > src_len - CODEC_HEADER_SIZE)
+		return -EBADMSG;
+	if (t.kind == CODEC_RAW && t.stored_size != t.raw_size)
+		return -EBADMSG;
+	*h = t;
+	return 0;
+}
+
+int codec_decode(const void *src, size_t src_len, void *dst, size_t dst_len, size_t *consumed)
+{
+	const uint8_t *payload = (const uint8_t *)src + CODEC_HEADER_SIZE;
+	struct codec_header h;
+	int rc = codec_peek(src, src_len, &h);
+
+	if (rc)
+		return rc;
+	if (h.raw_size != dst_len)
+		return -EINVAL;
+	if (h.kind == CODEC_RAW) {
+		memcpy(dst, payload, dst_len);
+	} else {
+		size_t nbytes = 0;
+		int d;
+
+		if (blosc_cbuffer_validate(payload, h.stored_size, &nbytes) < 0 ||
+		    nbytes != h.raw_size)
+			return -EBADMSG;
+		d = blosc_decompress_ctx(payload, dst, dst_len, 1);
+		if (d < 0 || (size_t)d != dst_len)
+			return -EBADMSG;
+	}
+	if (codec_checksum(dst, dst_len) != h.checksum)
+		return -EBADMSG;
+	if (consumed)
+		*consumed = CODEC_HEADER_SIZE + h.stored_size;
+	return 0;
+}

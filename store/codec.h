@@ -1,0 +1,64 @@
+/*
+ * codec — lossless encoding of one tensor for the store.
+ *
+ * A tensor is either bitshuffled and LZ4-compressed (c-blosc) or kept raw when
+ * compression would save less than a configured share: fp16 KV compresses by
+ * only ~1.1x, and raw tensors read back at memory speed. Every encoded tensor
+ * starts with a fixed header that records the codec and an XXH3-64 checksum of
+ * the raw bytes, verified on every decode.
+ */
+#ifndef KVBLEND_STORE_CODEC_H
+#define KVBLEND_STORE_CODEC_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define CODEC_HEADER_SIZE 32
+#define CODEC_FORMAT_VERSION 1
+
+enum codec_kind {
+	CODEC_RAW = 0,
+	CODEC_BSLZ4 = 1,
+};
+
+struct codec_header {
+	uint8_t version;
+	uint8_t kind;	   /* enum codec_kind */
+	uint8_t elem_size; /* 2 or 4 */
+	uint64_t raw_size;
+	uint64_t stored_size; /* payload bytes after the header */
+	uint64_t checksum;    /* XXH3-64 of the raw bytes */
+};
+
+/* Largest encoding of raw_size bytes, header included. 0 if that overflows. */
+size_t codec_bound(size_t raw_size);
+
+/*
+ * Encode raw_size bytes of elem_size-byte elements (1, 2 or 4) from src into
+ * dst (capacity dst_cap, at least codec_bound(raw_size)). The tensor is stored
+ * compressed only if that saves at least min_saving (0..1) of raw_size.
+ * Returns 0 and the encoded length in *out_len, or -EINVAL (bad elem_size),
+ * -ENOBUFS (dst_cap too small). Thread-safe; uses no global state.
+ */
+int codec_encode(const void *src, size_t raw_size, unsigned elem_size, double min_saving,
+		 void *dst, size_t dst_cap, size_t *out_len);
+
+/*
+ * Parse and check the header at src (src_len bytes available). Returns 0 and
+ * fills *h, or -EBADMSG if the bytes are not a well-formed encoded tensor.
+ */
+int codec_peek(const void *src, size_t src_len, struct codec_header *h);
+
+/*
+ * Decode the tensor at src into dst, which must hold exactly raw_size bytes
+ * (dst_len == header raw_size). Verifies the checksum. Returns 0, -EBADMSG when
+ * the bytes are corrupt or the checksum fails (dst then holds garbage, never to
+ * be served), or -EINVAL when dst_len differs from the recorded raw size.
+ * *consumed (may be NULL) receives the encoded length read.
+ */
+int codec_decode(const void *src, size_t src_len, void *dst, size_t dst_len, size_t *consumed);
+
+/* XXH3-64 of a buffer: the checksum the header records. */
+uint64_t codec_checksum(const void *buf, size_t len);
+
+#endif

@@ -1,0 +1,141 @@
+/*
+ * store — the chunk store: models and per-layer KV chunks in one LMDB environment.
+ *
+ * A chunk is keyed by (model, 32-byte hash) and holds T tokens of K and V per
+ * layer. All layers and the chunk record are written in one LMDB write
+ * transaction, so a chunk is visible whole or not at all. Chunks are immutable.
+ * Every tensor is encoded by codec.h and its checksum verified on every read.
+ *
+ * Thread-safety: one struct store may be used from any number of threads.
+ * Errors are negative errno values; LMDB codes never leave store.c:
+ *   -ENOENT  no such model or chunk       -EEXIST  model name taken by another layout
+ *   -ENOSPC  the LMDB map is full         -EBADMSG a stored record failed its checks (corrupt)
+ *   -EINVAL  bad argument                 -ENOBUFS destination size does not match the chunk
+ *   -ENOMEM, -EIO, -EAGAIN (reader table full or map resized by another process)
+ */
+#ifndef KVBLEND_STORE_STORE_H
+#define KVBLEND_STORE_STORE_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#define STORE_HASH_LEN 32
+#define STORE_NAME_MAX 64
+
+struct store;
+
+struct store_opts {
+	const char *dir;      /* LMDB environment directory; created (0750) if missing */
+	uint64_t map_size;    /* bytes; a sparse upper bound on the data file */
+	unsigned max_readers; /* concurrent read transactions */
+	double min_saving;    /* codec: store compressed only if it saves this share (0..1) */
+	bool no_sync;	      /* skip fsync at commit (faster, loses recent chunks on power loss) */
+};
+
+/* A model: KV layout and RoPE configuration. The store keeps the RoPE fields as given. */
+struct store_model {
+	uint32_t id; /* assigned by store_model_register() */
+	char name[STORE_NAME_MAX + 1];
+	uint32_t num_layers;
+	uint32_t num_kv_heads;
+	uint32_t head_dim;
+	uint32_t dtype;	    /* 1 f16, 2 bf16, 3 f32 */
+	uint32_t elem_size; /* bytes per element, derived from dtype */
+	double rope_theta;
+	uint32_t rope_style;
+	uint32_t rotary_dim;
+	uint32_t scaling;
+	double factor;
+	double low_freq_factor;
+	double high_freq_factor;
+	uint32_t original_max_pos;
+	double beta_fast;
+	double beta_slow;
+	uint32_t max_pos;
+	bool k_pre_rope;
+};
+
+struct store_chunk_info {
+	uint32_t num_tokens;
+	uint32_t base_pos;
+	uint32_t num_layers;
+	uint64_t raw_bytes;    /* K and V of all layers, decoded */
+	uint64_t stored_bytes; /* encoded, headers included */
+	uint64_t created;      /* unix seconds */
+};
+
+struct store_chunk_entry {
+	uint8_t hash[STORE_HASH_LEN];
+	struct store_chunk_info info;
+};
+
+struct store_totals {
+	uint64_t models;
+	uint64_t chunks;
+	uint64_t raw_bytes;
+	uint64_t stored_bytes;
+	uint64_t map_size;
+	uint64_t map_used; /* bytes of the map in use (last page number x page size) */
+};
+
+/* Open (creating if needed) the environment. Returns 0 and *out, or a negative errno. */
+int store_open(const struct store_opts *opts, struct store **out);
+
+/* Close; commits nothing pending (there is nothing pending between calls). Accepts NULL. */
+void store_close(struct store **s);
+
+/* Bytes of one K or V tensor of a chunk: T x heads x head_dim x elem_size; 0 on overflow. */
+uint64_t store_tensor_bytes(const struct store_model *m, uint32_t num_tokens);
+
+/*
+ * Register model m (m->id ignored on input). Returns 0 when it was created,
+ * 1 when an identical model of that name existed, in both cases with m->id
+ * set; -EEXIST when the name is taken by a different layout or RoPE setup.
+ */
+int store_model_register(struct store *s, struct store_model *m);
+
+/* Find a model by name. Returns 0 and *out, or -ENOENT. */
+int store_model_find(struct store *s, const char *name, struct store_model *out);
+
+/* All models, sorted by name, in a malloc'd array the caller frees. */
+int store_model_list(struct store *s, struct store_model **out, size_t *n);
+
+/*
+ * Store a chunk of num_tokens tokens. tensors[2*l] and tensors[2*l+1] point to
+ * layer l's K and V, each store_tensor_bytes() long. Returns 0 when stored, 1
+ * when the chunk already existed (nothing written), -ENOSPC when the map is
+ * full (nothing written). *info (may be NULL) describes the chunk as stored.
+ */
+int store_chunk_put(struct store *s, const struct store_model *m,
+		    const uint8_t hash[STORE_HASH_LEN], uint32_t num_tokens, uint32_t base_pos,
+		    const void *const tensors[], struct store_chunk_info *info);
+
+/*
+ * Decode layers [layer_begin, layer_end) into dst, laid out as
+ * [layers, 2, T, heads, head_dim]; dst_len must equal
+ * (layer_end - layer_begin) * 2 * store_tensor_bytes(). Returns 0; -ENOENT;
+ * -ENOBUFS with *info filled when dst_len does not match; -EINVAL for a bad
+ * layer range; -EBADMSG when a record is missing or fails its checksum (dst
+ * must then not be used). *info may be NULL.
+ */
+int store_chunk_get(struct store *s, const struct store_model *m,
+		    const uint8_t hash[STORE_HASH_LEN], uint32_t layer_begin, uint32_t layer_end,
+		    void *dst, uint64_t dst_len, struct store_chunk_info *info);
+
+/* Look up n hashes in one read transaction; found[i] says which exist. */
+int store_chunk_lookup(struct store *s, const struct store_model *m,
+		       const uint8_t (*hashes)[STORE_HASH_LEN], size_t n,
+		       struct store_chunk_info *infos, bool *found);
+
+/* Delete a chunk and all its layers. Returns 0 or -ENOENT. */
+int store_chunk_delete(struct store *s, const struct store_model *m,
+		       const uint8_t hash[STORE_HASH_LEN]);
+
+/* Chunks of a model, in hash order, in a malloc'd array the caller frees. */
+int store_chunk_list(struct store *s, const struct store_model *m,
+		     struct store_chunk_entry **out, size_t *n);
+
+int store_totals(struct store *s, struct store_totals *out);
+
+#endif
