@@ -97,7 +97,11 @@ static int bind_endpoint(struct server *srv, const char *ep)
 	return 0;
 }
 
-/* Receive one whole message, keeping at most cap frames; counts the rest in *extra. */
+/* Frames of the routing envelope we keep to address the reply (ROUTER id, delimiter). */
+#define ENVELOPE_MAX 8
+
+/* Receive one whole message, keeping at most cap frames; counts the rest in *extra.
+ * The parts of a multipart message arrive together, so no call here blocks. */
 static int recv_frames(void *sock, zmq_msg_t *frames, size_t cap, size_t *n, size_t *extra)
 {
 	int more = 1;
@@ -108,11 +112,13 @@ static int recv_frames(void *sock, zmq_msg_t *frames, size_t cap, size_t *n, siz
 		zmq_msg_t tmp, *m = *n < cap ? &frames[*n] : &tmp;
 
 		zmq_msg_init(m);
-		if (zmq_msg_recv(m, sock, 0) < 0) {
+		if (zmq_msg_recv(m, sock, ZMQ_DONTWAIT) < 0) {
+			int e = errno;
+
 			zmq_msg_close(m);
 			for (size_t i = 0; i < *n; i++)
 				zmq_msg_close(&frames[i]);
-			return -errno;
+			return -e;
 		}
 		more = zmq_msg_more(m);
 		if (m == &tmp) {
@@ -125,7 +131,21 @@ static int recv_frames(void *sock, zmq_msg_t *frames, size_t cap, size_t *n, siz
 	return 0;
 }
 
-static void send_reply(struct server *srv, void *sock, struct reply_out *out)
+/*
+ * Split a message from the ROUTER into envelope and body. A client that sends
+ * like REQ puts an empty delimiter after the routing id; one that does not is
+ * answered without it. Returns the number of envelope frames.
+ */
+static size_t envelope_len(zmq_msg_t *frames, size_t n)
+{
+	for (size_t i = 1; i < n && i < ENVELOPE_MAX; i++)
+		if (zmq_msg_size(&frames[i]) == 0)
+			return i + 1;
+	return n ? 1 : 0;
+}
+
+static void send_reply(struct server *srv, void *sock, zmq_msg_t *env, size_t n_env,
+		       struct reply_out *out)
 {
 	uint8_t *hdr = NULL;
 	size_t len = 0;
@@ -134,8 +154,11 @@ static void send_reply(struct server *srv, void *sock, struct reply_out *out)
 
 	if (!payload)
 		out->rep.payload_frames = 0;
+	for (size_t i = 0; i < n_env; i++)
+		if (zmq_msg_send(&env[i], sock, ZMQ_SNDMORE) < 0)
+			zmq_msg_close(&env[i]);
 	if (kvbp_reply_encode(&out->rep, &hdr, &len)) {
-		/* Out of memory: a REP socket must answer; send an empty frame rather than hang. */
+		/* Out of memory: still answer, with an empty frame, rather than leave a hang. */
 		zmq_send(sock, "", 0, 0);
 		return;
 	}
@@ -152,9 +175,9 @@ static void send_reply(struct server *srv, void *sock, struct reply_out *out)
 static void *worker_main(void *arg)
 {
 	struct server *srv = arg;
-	size_t cap = 2 * (size_t)srv->cfg->max_layers + 1;
+	size_t cap = 2 * (size_t)srv->cfg->max_layers + 1 + ENVELOPE_MAX;
 	zmq_msg_t *frames = calloc(cap, sizeof(*frames));
-	void *sock = zmq_socket(srv->zctx, ZMQ_REP);
+	void *sock = zmq_socket(srv->zctx, ZMQ_DEALER);
 	int linger = 0;
 
 	if (!frames || !sock || zmq_setsockopt(sock, ZMQ_LINGER, &linger, sizeof(linger)) ||
@@ -165,16 +188,25 @@ static void *worker_main(void *arg)
 	while (!atomic_load(&srv->stop_workers)) {
 		zmq_pollitem_t it = { sock, 0, ZMQ_POLLIN, 0 };
 		struct reply_out out;
-		size_t n, extra;
+		size_t n, extra, env;
+		zmq_msg_t empty;
 
 		if (zmq_poll(&it, 1, POLL_MS) <= 0 || !(it.revents & ZMQ_POLLIN))
 			continue;
 		if (recv_frames(sock, frames, cap, &n, &extra))
 			continue;
-		ops_handle(srv, frames, n, extra, &out);
-		for (size_t i = 0; i < n; i++)
+		env = envelope_len(frames, n);
+		if (env == n) {
+			/* No header frame at all: answer as for an empty one. */
+			zmq_msg_init(&empty);
+			ops_handle(srv, &empty, 1, extra, &out);
+			zmq_msg_close(&empty);
+		} else {
+			ops_handle(srv, frames + env, n - env, extra, &out);
+		}
+		for (size_t i = env; i < n; i++)
 			zmq_msg_close(&frames[i]);
-		send_reply(srv, sock, &out);
+		send_reply(srv, sock, frames, env, &out);
 		reply_out_clear(&out);
 	}
 out:

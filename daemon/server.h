@@ -3,7 +3,7 @@
  *
  * One ROUTER socket bound to every configured endpoint; the main thread moves
  * messages between it and an inproc DEALER that load-balances over worker
- * threads (REP sockets). The main thread also acts on signal flags, expires
+ * threads (DEALER sockets that keep the routing envelope). The main thread also acts on signal flags, expires
  * shared-memory segments and pings the systemd watchdog. Workers decode a
  * request, run it (ops.c) and reply.
  */

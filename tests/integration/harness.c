@@ -1,0 +1,143 @@
+/* harness — real kvblendd for integration tests; see harness.h. */
+#include "harness.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <setjmp.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+
+static void spawn(struct daemon *d, const char *const *extra)
+{
+	const char *argv[64];
+	int n = 0;
+
+	argv[n++] = KVBLENDD_PATH;
+	argv[n++] = "--data-dir";
+	argv[n++] = d->data_dir;
+	argv[n++] = "--listen";
+	argv[n++] = d->endpoint;
+	argv[n++] = "--map-size";
+	argv[n++] = "1G";
+	argv[n++] = "--workers";
+	argv[n++] = "3";
+	argv[n++] = "--log-level";
+	argv[n++] = "debug";
+	for (int i = 0; extra && extra[i] && n < 62; i++)
+		argv[n++] = extra[i];
+	argv[n] = NULL;
+	d->pid = fork();
+	assert_true(d->pid >= 0);
+	if (d->pid == 0) {
+		int fd = open(d->log_path, O_WRONLY | O_CREAT | O_APPEND, 0644);
+
+		if (fd >= 0) {
+			dup2(fd, 2);
+			dup2(fd, 1);
+		}
+		execv(KVBLENDD_PATH, (char *const *)argv);
+		_exit(127);
+	}
+	/* Ready when a ping through the real client succeeds. */
+	for (int i = 0; i < 200; i++) {
+		struct kvb_connect_opts o = { .timeout_ms = 200 };
+		kvb_client *c = NULL;
+		int status;
+
+		if (kvb_connect(d->endpoint, &o, &c, NULL, 0) == 0) {
+			kvb_close(&c);
+			return;
+		}
+		if (waitpid(d->pid, &status, WNOHANG) == d->pid) {
+			d->pid = 0;
+			fail_msg("kvblendd exited during start-up; see %s", d->log_path);
+		}
+		usleep(50000);
+	}
+	fail_msg("kvblendd did not answer within 10 s; see %s", d->log_path);
+}
+
+void daemon_start(struct daemon *d, const char *const *extra)
+{
+	char tmpl[] = "/tmp/kvb-test-XXXXXX";
+
+	memset(d, 0, sizeof(*d));
+	assert_non_null(mkdtemp(tmpl));
+	snprintf(d->dir, sizeof(d->dir), "%s", tmpl);
+	snprintf(d->data_dir, sizeof(d->data_dir), "%s/data", d->dir);
+	snprintf(d->endpoint, sizeof(d->endpoint), "ipc://%s/kvblend.sock", d->dir);
+	snprintf(d->log_path, sizeof(d->log_path), "%s/kvblendd.log", d->dir);
+	spawn(d, extra);
+}
+
+void daemon_restart(struct daemon *d, const char *const *extra)
+{
+	daemon_stop(d);
+	spawn(d, extra);
+}
+
+void daemon_stop(struct daemon *d)
+{
+	int status = 0;
+
+	if (!d->pid)
+		return;
+	kill(d->pid, SIGTERM);
+	for (int i = 0; i < 600; i++) {
+		if (waitpid(d->pid, &status, WNOHANG) == d->pid)
+			break;
+		usleep(50000);
+		if (i == 599) {
+			kill(d->pid, SIGKILL);
+			waitpid(d->pid, &status, 0);
+			d->pid = 0;
+			fail_msg("kvblendd did not stop within 30 s of SIGTERM");
+		}
+	}
+	d->pid = 0;
+	if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+		char cmd[400];
+
+		snprintf(cmd, sizeof(cmd), "tail -n 40 %s >&2", d->log_path);
+		if (system(cmd) < 0)
+			perror("system");
+		fail_msg("kvblendd exited with status 0x%x (sanitizer finding or crash?)", status);
+	}
+}
+
+void daemon_cleanup(struct daemon *d)
+{
+	char cmd[300];
+
+	if (d->pid) {
+		kill(d->pid, SIGKILL);
+		waitpid(d->pid, NULL, 0);
+		d->pid = 0;
+	}
+	if (d->dir[0] && !getenv("KVB_KEEP_TMP")) {
+		snprintf(cmd, sizeof(cmd), "rm -rf '%s'", d->dir);
+		if (system(cmd) < 0)
+			perror("system");
+	}
+}
+
+kvb_client *daemon_client(const struct daemon *d, int no_shm)
+{
+	struct kvb_connect_opts o = { .timeout_ms = 10000, .no_shm = no_shm };
+	kvb_client *c = NULL;
+	char err[512];
+	int rc = kvb_connect(d->endpoint, &o, &c, err, sizeof(err));
+
+	if (rc)
+		fail_msg("connect: %s", err);
+	return c;
+}

@@ -1,0 +1,32 @@
+/*
+ * harness — start and stop a real kvblendd for integration tests: a fresh
+ * temporary data directory and IPC socket, extra flags as given, readiness
+ * checked by a real ping through libkvblend.
+ */
+#ifndef KVBLEND_TESTS_HARNESS_H
+#define KVBLEND_TESTS_HARNESS_H
+
+#include <sys/types.h>
+
+#include "kvblend.h"
+
+struct daemon {
+	pid_t pid;
+	char dir[256];
+	char data_dir[300];
+	char endpoint[320];
+	char log_path[300];
+};
+
+/* Start kvblendd with the given extra arguments (NULL-terminated); asserts it answers. */
+void daemon_start(struct daemon *d, const char *const *extra_args);
+/* Start again on the same data directory and endpoint. */
+void daemon_restart(struct daemon *d, const char *const *extra_args);
+/* SIGTERM and wait; asserts a clean exit (status 0: no sanitizer findings). */
+void daemon_stop(struct daemon *d);
+/* Stop (if running) and remove the temporary directory. */
+void daemon_cleanup(struct daemon *d);
+/* A client connected to d; asserts success. */
+kvb_client *daemon_client(const struct daemon *d, int no_shm);
+
+#endif

@@ -1,0 +1,686 @@
+/*
+ * Integration tests: the real kvblendd on a temporary data directory and IPC
+ * socket, driven through libkvblend and, for malformed input, through a raw
+ * ZeroMQ socket that sends exactly the bytes under test.
+ */
+#include <errno.h>
+#include <lmdb.h>
+#include <pthread.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <zmq.h>
+
+#include <cmocka.h>
+
+#include "harness.h"
+#include "wire.h"
+
+static const struct kvb_model tiny = { .name = "tiny", .num_layers = 3, .num_kv_heads = 2,
+				       .head_dim = 8, .dtype = KVB_F16, .rope_theta = 10000 };
+
+static size_t chunk_bytes(const struct kvb_model *m, uint32_t t)
+{
+	return (size_t)m->num_layers * 2 * t * m->num_kv_heads * m->head_dim *
+	       kvb_dtype_size(m->dtype);
+}
+
+static void fill(void *buf, size_t len, uint32_t seed)
+{
+	uint8_t *p = buf;
+	uint32_t x = seed * 2654435761u + 1;
+
+	for (size_t i = 0; i < len; i++) {
+		x = x * 1103515245u + 12345u;
+		p[i] = (uint8_t)(x >> 16);
+	}
+}
+
+static void hash_of(uint32_t seed, uint8_t h[KVB_HASH_LEN])
+{
+	uint32_t ids[4] = { seed, seed + 1, seed + 2, 7 };
+
+	kvb_chunk_hash(ids, 4, h);
+}
+
+static uint64_t stat_value(kvb_client *c, const char *name)
+{
+	struct kvb_stat *s;
+	size_t n;
+	double v = -1;
+
+	assert_int_equal(kvb_stats(c, &s, &n), 0);
+	for (size_t i = 0; i < n; i++)
+		if (!strcmp(s[i].name, name))
+			v = s[i].value;
+	free(s);
+	if (v < 0)
+		fail_msg("no stat %s", name);
+	return (uint64_t)v;
+}
+
+static int setup(void **state)
+{
+	struct daemon *d = calloc(1, sizeof(*d));
+	const char *args[] = { "--max-message", "4M", "--max-tokens", "4096", NULL };
+
+	daemon_start(d, args);
+	*state = d;
+	return 0;
+}
+
+static int teardown(void **state)
+{
+	struct daemon *d = *state;
+
+	daemon_stop(d);
+	daemon_cleanup(d);
+	free(d);
+	return 0;
+}
+
+static void register_tiny(kvb_client *c)
+{
+	int existed = -1;
+
+	assert_int_equal(kvb_model_register(c, &tiny, &existed), 0);
+}
+
+static void roundtrip(struct daemon *d, int no_shm)
+{
+	kvb_client *c = daemon_client(d, no_shm);
+	uint8_t h[3][KVB_HASH_LEN], missing[KVB_HASH_LEN];
+	uint32_t tokens[3] = { 1, 17, 300 };
+	struct kvb_chunk_info info[4];
+	uint8_t q[4][KVB_HASH_LEN];
+	int existed;
+
+	register_tiny(c);
+	for (int i = 0; i < 3; i++) {
+		size_t n = chunk_bytes(&tiny, tokens[i]);
+		uint8_t *kv = malloc(n), *back = malloc(n), *again = malloc(n);
+
+		hash_of((uint32_t)(100 * no_shm + i), h[i]);
+		fill(kv, n, (uint32_t)i);
+		assert_int_equal(kvb_put(c, "tiny", h[i], KVB_F16, tokens[i], 5, kv, n, &existed), 0);
+		assert_int_equal(existed, 0);
+		assert_int_equal(kvb_get(c, "tiny", h[i], 0, 0, back, n, &info[0]), 0);
+		assert_memory_equal(kv, back, n);
+		assert_int_equal(info[0].num_tokens, tokens[i]);
+		assert_int_equal(info[0].base_pos, 5);
+		assert_int_equal(info[0].raw_bytes, n);
+		/* Immutable: a second put with other bytes is a no-op reported as such. */
+		fill(again, n, 99);
+		assert_int_equal(kvb_put(c, "tiny", h[i], KVB_F16, tokens[i], 9, again, n, &existed),
+				 0);
+		assert_int_equal(existed, 1);
+		assert_int_equal(kvb_get(c, "tiny", h[i], 0, 0, back, n, NULL), 0);
+		assert_memory_equal(kv, back, n);
+		/* A layer range: layers 1..2 only. */
+		assert_int_equal(kvb_get(c, "tiny", h[i], 1, 3, back, n / 3 * 2, NULL), 0);
+		assert_memory_equal(kv + n / 3, back, n / 3 * 2);
+		/* A buffer of the wrong size is refused, not overrun. */
+		assert_int_equal(kvb_get(c, "tiny", h[i], 0, 0, back, n - 2, NULL), -ENOBUFS);
+		free(kv);
+		free(back);
+		free(again);
+	}
+	hash_of(777, missing);
+	memcpy(q[0], h[0], KVB_HASH_LEN);
+	memcpy(q[1], missing, KVB_HASH_LEN);
+	memcpy(q[2], h[2], KVB_HASH_LEN);
+	memcpy(q[3], h[1], KVB_HASH_LEN);
+	assert_int_equal(kvb_lookup(c, "tiny", (const uint8_t(*)[KVB_HASH_LEN])q, 4, info), 0);
+	assert_true(info[0].found && !info[1].found && info[2].found && info[3].found);
+	assert_int_equal(info[2].num_tokens, 300);
+	assert_int_equal(info[3].num_tokens, 17);
+	assert_int_equal(kvb_delete(c, "tiny", h[1]), 0);
+	assert_int_equal(kvb_delete(c, "tiny", h[1]), KVB_E_NOT_FOUND);
+	{
+		size_t n = chunk_bytes(&tiny, 17);
+		void *b = malloc(n);
+
+		assert_int_equal(kvb_get(c, "tiny", h[1], 0, 0, b, n, NULL), KVB_E_NOT_FOUND);
+		free(b);
+	}
+	kvb_close(&c);
+}
+
+static void test_roundtrip_shm(void **state)
+{
+	roundtrip(*state, 0);
+}
+
+static void test_roundtrip_frames(void **state)
+{
+	roundtrip(*state, 1);
+}
+
+static void test_shared_buffer(void **state)
+{
+	kvb_client *c = daemon_client(*state, 0);
+	size_t n = chunk_bytes(&tiny, 64);
+	uint8_t h[KVB_HASH_LEN], *ref = malloc(n);
+	uint8_t *buf;
+
+	register_tiny(c);
+	buf = kvb_shared_buffer(c, n);
+	assert_non_null(buf);
+	fill(buf, n, 42);
+	memcpy(ref, buf, n);
+	hash_of(4242, h);
+	assert_int_equal(kvb_put(c, "tiny", h, KVB_F16, 64, 0, buf, n, NULL), 0);
+	memset(buf, 0, n);
+	assert_int_equal(kvb_get(c, "tiny", h, 0, 0, buf, n, NULL), 0);
+	assert_memory_equal(ref, buf, n);
+	assert_true(stat_value(c, "shm_segments") >= 1);
+	free(ref);
+	kvb_close(&c);
+}
+
+static void test_models(void **state)
+{
+	kvb_client *c = daemon_client(*state, 0);
+	struct kvb_model m = tiny, got;
+	int existed = -1;
+
+	register_tiny(c);
+	assert_int_equal(kvb_model_register(c, &tiny, &existed), 0);
+	assert_int_equal(existed, 1);
+	m.head_dim = 16;
+	assert_int_equal(kvb_model_register(c, &m, NULL), KVB_E_MODEL_CONFLICT);
+	assert_non_null(strstr(kvb_last_error(c), "different layout"));
+	m = tiny;
+	m.num_layers = 0;
+	snprintf(m.name, sizeof(m.name), "zero-layers");
+	assert_int_equal(kvb_model_register(c, &m, NULL), KVB_E_BAD_SHAPE);
+	assert_non_null(strstr(kvb_last_error(c), "num_layers 0"));
+	m = tiny;
+	snprintf(m.name, sizeof(m.name), "absurd");
+	m.num_kv_heads = 1u << 30;
+	assert_int_equal(kvb_model_register(c, &m, NULL), KVB_E_BAD_SHAPE);
+	assert_non_null(strstr(kvb_last_error(c), "num_kv_heads"));
+	m = tiny;
+	snprintf(m.name, sizeof(m.name), "odd-dim");
+	m.head_dim = 7;
+	assert_int_equal(kvb_model_register(c, &m, NULL), KVB_E_BAD_SHAPE);
+	m = tiny;
+	snprintf(m.name, sizeof(m.name), "bad name");
+	assert_int_equal(kvb_model_register(c, &m, NULL), KVB_E_BAD_ARGUMENT);
+	m = tiny;
+	snprintf(m.name, sizeof(m.name), "llama3-bad");
+	m.scaling = KVB_SCALING_LLAMA3;
+	m.factor = 8;
+	assert_int_equal(kvb_model_register(c, &m, NULL), KVB_E_BAD_ARGUMENT);
+	assert_int_equal(kvb_rope_scaling_parse("yarn:4,32768", &m), 0);
+	snprintf(m.name, sizeof(m.name), "yarn-ok");
+	assert_int_equal(kvb_model_register(c, &m, NULL), 0);
+	assert_int_equal(kvb_model_get(c, "yarn-ok", &got), 0);
+	assert_int_equal(got.scaling, KVB_SCALING_YARN);
+	assert_true(got.beta_fast == 32 && got.beta_slow == 1 && got.original_max_pos == 32768);
+	assert_int_equal(got.rotary_dim, tiny.head_dim); /* 0 means head_dim */
+	assert_int_equal(kvb_model_get(c, "nope", &got), KVB_E_UNKNOWN_MODEL);
+	kvb_close(&c);
+}
+
+/* ---- raw protocol: exactly the bytes under test ---- */
+
+struct raw {
+	void *ctx, *sock;
+};
+
+static void raw_open(struct raw *r, const struct daemon *d)
+{
+	int zero = 0, timeout = 10000;
+
+	r->ctx = zmq_ctx_new();
+	r->sock = zmq_socket(r->ctx, ZMQ_DEALER);
+	zmq_setsockopt(r->sock, ZMQ_LINGER, &zero, sizeof(zero));
+	zmq_setsockopt(r->sock, ZMQ_RCVTIMEO, &timeout, sizeof(timeout));
+	assert_int_equal(zmq_connect(r->sock, d->endpoint), 0);
+}
+
+static void raw_close(struct raw *r)
+{
+	zmq_close(r->sock);
+	zmq_ctx_term(r->ctx);
+}
+
+/* Send frames (after the delimiter) and return the reply's code; message into msg. */
+static uint32_t raw_send(struct raw *r, const void *const *frames, const size_t *lens, size_t n,
+			 char *msg, size_t msglen)
+{
+	struct kvbp_reply rep;
+	zmq_msg_t m;
+	char err[256];
+	int more;
+
+	assert_int_equal(zmq_send(r->sock, "", 0, n ? ZMQ_SNDMORE : 0), 0);
+	for (size_t i = 0; i < n; i++)
+		assert_true(zmq_send(r->sock, frames[i], lens[i], i + 1 < n ? ZMQ_SNDMORE : 0) >= 0);
+	zmq_msg_init(&m);
+	assert_true(zmq_msg_recv(&m, r->sock, 0) >= 0); /* delimiter */
+	assert_int_equal(zmq_msg_size(&m), 0);
+	assert_true(zmq_msg_recv(&m, r->sock, 0) >= 0);
+	more = zmq_msg_more(&m);
+	assert_int_equal(kvbp_reply_decode(zmq_msg_data(&m), zmq_msg_size(&m), &rep, err,
+					   sizeof(err)), 0);
+	while (more) {
+		assert_true(zmq_msg_recv(&m, r->sock, 0) >= 0);
+		more = zmq_msg_more(&m);
+	}
+	zmq_msg_close(&m);
+	snprintf(msg, msglen, "%s", rep.message);
+	kvbp_reply_clear(&rep);
+	return rep.code;
+}
+
+static uint32_t raw_request(struct raw *r, struct kvbp_request *req, const void *const *payload,
+			    const size_t *lens, size_t n, char *msg, size_t msglen)
+{
+	const void *frames[64];
+	size_t flens[64];
+	uint8_t *hdr;
+	size_t hlen;
+	uint32_t code;
+
+	assert_true(n < 63);
+	assert_int_equal(kvbp_request_encode(req, &hdr, &hlen), 0);
+	frames[0] = hdr;
+	flens[0] = hlen;
+	for (size_t i = 0; i < n; i++) {
+		frames[i + 1] = payload[i];
+		flens[i + 1] = lens[i];
+	}
+	code = raw_send(r, frames, flens, n + 1, msg, msglen);
+	free(hdr);
+	return code;
+}
+
+static struct kvbp_request put_req(uint32_t tokens, uint32_t frames, const uint8_t *hash)
+{
+	struct kvbp_request q = { .version = KVBP_VERSION, .request_id = 7, .op = KVBP_OP_PUT,
+				  .has_hash = true, .num_tokens = tokens, .payload_frames = frames,
+				  .dtype = 1 /* f16 */ };
+
+	snprintf(q.model_name, sizeof(q.model_name), "tiny");
+	memcpy(q.hash, hash, KVBP_HASH_LEN);
+	return q;
+}
+
+static void expect_serving(kvb_client *c, uint64_t chunks_before)
+{
+	char v[32];
+
+	assert_int_equal(kvb_ping(c, v, sizeof(v)), 0);
+	assert_int_equal(stat_value(c, "chunks"), chunks_before);
+}
+
+#define EXPECT(code_, substr_)                                                              \
+	do {                                                                                \
+		if (code != (code_) || !strstr(msg, substr_))                               \
+			fail_msg("line %d: got %s '%s', expected %s '...%s...'", __LINE__,   \
+				 kvbp_code_name(code), msg, kvbp_code_name(code_), substr_); \
+		expect_serving(c, chunks);                                                  \
+	} while (0)
+
+static void test_bad_input(void **state)
+{
+	struct daemon *d = *state;
+	kvb_client *c = daemon_client(d, 1);
+	struct raw r;
+	char msg[512];
+	uint32_t code;
+	uint64_t chunks;
+	uint8_t h[KVBP_HASH_LEN];
+	size_t tb = 4 * 2 * 8 * 2; /* 4 tokens x 2 heads x 8 dims x f16 */
+	uint8_t *t = calloc(1, 8 << 20);
+	const void *p[8] = { t, t, t, t, t, t, t, t };
+	size_t lens[8] = { tb, tb, tb, tb, tb, tb, tb, tb };
+	struct kvbp_request q;
+
+	register_tiny(c);
+	chunks = stat_value(c, "chunks");
+	hash_of(555, h);
+	raw_open(&r, d);
+
+	/* garbage and empty frames */
+	{
+		const void *f[1] = { "\xff\xff\xff garbage \x01" };
+		size_t l[1] = { 13 };
+
+		code = raw_send(&r, f, l, 1, msg, sizeof(msg));
+		EXPECT(KVBP_BAD_REQUEST, "not a valid protobuf");
+		l[0] = 0;
+		code = raw_send(&r, f, l, 1, msg, sizeof(msg));
+		EXPECT(KVBP_BAD_REQUEST, "empty request header");
+		code = raw_send(&r, f, l, 0, msg, sizeof(msg));
+		EXPECT(KVBP_BAD_REQUEST, "empty request header");
+	}
+	/* a truncated protobuf: a valid header cut short */
+	{
+		uint8_t *hdr;
+		size_t hlen;
+		const void *f[1];
+		size_t l[1];
+
+		q = put_req(4, 6, h);
+		assert_int_equal(kvbp_request_encode(&q, &hdr, &hlen), 0);
+		f[0] = hdr;
+		l[0] = hlen - 5;
+		code = raw_send(&r, f, l, 1, msg, sizeof(msg));
+		free(hdr);
+		EXPECT(KVBP_BAD_REQUEST, "not a valid protobuf");
+	}
+	/* unknown protocol version, unknown operation */
+	q = put_req(4, 6, h);
+	q.version = 99;
+	code = raw_request(&r, &q, p, lens, 6, msg, sizeof(msg));
+	EXPECT(KVBP_BAD_VERSION, "protocol version 99 not supported");
+	q = put_req(4, 0, h);
+	q.op = 77;
+	code = raw_request(&r, &q, NULL, NULL, 0, msg, sizeof(msg));
+	EXPECT(KVBP_UNKNOWN_OP, "unknown operation 77");
+	/* payload bytes that do not match the declared shape */
+	q = put_req(4, 6, h);
+	lens[3] = tb - 2;
+	code = raw_request(&r, &q, p, lens, 6, msg, sizeof(msg));
+	lens[3] = tb;
+	EXPECT(KVBP_BAD_SHAPE, "payload frame 4 is 126 bytes; expected 128");
+	/* a shape whose byte count overflows; zero and absurd token counts */
+	q = put_req(4000000000u, 6, h);
+	code = raw_request(&r, &q, p, lens, 6, msg, sizeof(msg));
+	EXPECT(KVBP_BAD_SHAPE, "exceeds max_tokens");
+	q = put_req(0, 6, h);
+	code = raw_request(&r, &q, p, lens, 6, msg, sizeof(msg));
+	EXPECT(KVBP_BAD_SHAPE, "num_tokens is 0");
+	/* unknown model, dtype mismatch */
+	q = put_req(4, 6, h);
+	snprintf(q.model_name, sizeof(q.model_name), "no-such-model");
+	code = raw_request(&r, &q, p, lens, 6, msg, sizeof(msg));
+	EXPECT(KVBP_UNKNOWN_MODEL, "unknown model 'no-such-model'");
+	q = put_req(4, 6, h);
+	q.dtype = 3;
+	code = raw_request(&r, &q, p, lens, 6, msg, sizeof(msg));
+	EXPECT(KVBP_DTYPE_MISMATCH, "payload dtype f32 does not match model 'tiny' dtype f16");
+	/* more frames than declared, and the right count declared but wrong for the model */
+	q = put_req(4, 6, h);
+	code = raw_request(&r, &q, p, lens, 7, msg, sizeof(msg));
+	EXPECT(KVBP_BAD_FRAMES, "header declares 6 payload frames; the message has 7");
+	q = put_req(4, 4, h);
+	code = raw_request(&r, &q, p, lens, 4, msg, sizeof(msg));
+	EXPECT(KVBP_BAD_FRAMES, "needs 6 payload frames");
+	/* a get of a bad layer range, a lookup of nothing */
+	{
+		q = put_req(4, 0, h);
+		q.op = KVBP_OP_GET;
+		q.layer_begin = 2;
+		q.layer_end = 9;
+		code = raw_request(&r, &q, NULL, NULL, 0, msg, sizeof(msg));
+		EXPECT(KVBP_BAD_ARGUMENT, "layer range 2:9 invalid for a 3-layer model");
+		q = put_req(4, 0, h);
+		q.op = KVBP_OP_LOOKUP;
+		code = raw_request(&r, &q, NULL, NULL, 0, msg, sizeof(msg));
+		EXPECT(KVBP_BAD_ARGUMENT, "lookup needs at least one hash");
+	}
+	/* a shared-memory reference to a segment that does not exist */
+	q = put_req(4, 0, h);
+	q.has_shm = true;
+	q.shm_id = 12345;
+	q.shm_length = 6 * tb;
+	code = raw_request(&r, &q, NULL, NULL, 0, msg, sizeof(msg));
+	EXPECT(KVBP_BAD_SHM, "unknown or expired");
+	/* Nothing of all that was stored: */
+	{
+		struct kvb_chunk_info ci;
+
+		assert_int_equal(kvb_lookup(c, "tiny", (const uint8_t(*)[KVB_HASH_LEN])h, 1, &ci), 0);
+		assert_false(ci.found);
+	}
+	/* ...and a well-formed put on the same raw socket works. */
+	q = put_req(4, 6, h);
+	code = raw_request(&r, &q, p, lens, 6, msg, sizeof(msg));
+	assert_int_equal(code, KVBP_OK);
+	assert_int_equal(stat_value(c, "chunks"), chunks + 1);
+	assert_true(stat_value(c, "errors_bad_request") >= 4);
+	raw_close(&r);
+	free(t);
+	kvb_close(&c);
+}
+
+static void test_message_too_large(void **state)
+{
+	struct daemon *d = *state;
+	kvb_client *c = daemon_client(d, 1);
+	struct raw r;
+	char msg[512];
+	uint32_t code;
+	uint64_t chunks;
+	uint8_t h[KVBP_HASH_LEN], *t = calloc(1, 1 << 20);
+	const void *p[6] = { t, t, t, t, t, t };
+	size_t lens[6];
+	struct kvbp_request q;
+	/* 4096 tokens x 2 heads x 8 dims x 2 bytes = 128 KiB a tensor, 768 KiB in all: fits;
+	 * the frames below carry 1 MiB each, 6 MiB against the 4 MiB limit. */
+
+	register_tiny(c);
+	chunks = stat_value(c, "chunks");
+	hash_of(556, h);
+	raw_open(&r, d);
+	for (int i = 0; i < 6; i++)
+		lens[i] = 1u << 20;
+	q = put_req(4096, 6, h);
+	code = raw_request(&r, &q, p, lens, 6, msg, sizeof(msg));
+	EXPECT(KVBP_TOO_LARGE, "exceeds max_message 4194304");
+	raw_close(&r);
+	free(t);
+	kvb_close(&c);
+}
+
+/* A shape whose byte count overflows 64 bits, with every limit raised to its maximum. */
+static void test_shape_overflow(void **state)
+{
+	struct daemon d;
+	const char *args[] = { "--max-tokens", "16777216", "--max-kv-heads", "4096",
+			       "--max-head-dim", "65536", "--max-layers", "4096", NULL };
+	struct kvb_model huge = { .name = "huge", .num_layers = 4096, .num_kv_heads = 4096,
+				  .head_dim = 65536, .dtype = KVB_F32, .rope_theta = 10000 };
+	kvb_client *c;
+	struct raw r;
+	struct kvbp_request q;
+	uint8_t h[KVBP_HASH_LEN];
+	char msg[512];
+	uint32_t code;
+	uint64_t chunks;
+
+	(void)state;
+	daemon_start(&d, args);
+	c = daemon_client(&d, 1);
+	assert_int_equal(kvb_model_register(c, &huge, NULL), 0);
+	chunks = stat_value(c, "chunks");
+	raw_open(&r, &d);
+	hash_of(1, h);
+	q = put_req(16777216, 0, h);
+	snprintf(q.model_name, sizeof(q.model_name), "huge");
+	q.dtype = 3;
+	code = raw_request(&r, &q, NULL, NULL, 0, msg, sizeof(msg));
+	EXPECT(KVBP_BAD_SHAPE, "chunk size overflows");
+	raw_close(&r);
+	kvb_close(&c);
+	daemon_stop(&d);
+	daemon_cleanup(&d);
+}
+
+static void test_restart_keeps_chunks(void **state)
+{
+	struct daemon *d = *state;
+	const char *args[] = { "--max-message", "4M", "--max-tokens", "4096", NULL };
+	kvb_client *c = daemon_client(d, 0);
+	size_t n = chunk_bytes(&tiny, 33);
+	uint8_t h[5][KVB_HASH_LEN], *kv = malloc(n), *back = malloc(n);
+
+	register_tiny(c);
+	for (uint32_t i = 0; i < 5; i++) {
+		hash_of(9000 + i, h[i]);
+		fill(kv, n, 9000 + i);
+		assert_int_equal(kvb_put(c, "tiny", h[i], KVB_F16, 33, i, kv, n, NULL), 0);
+	}
+	kvb_close(&c);
+	daemon_restart(d, args);
+	c = daemon_client(d, 0);
+	for (uint32_t i = 0; i < 5; i++) {
+		struct kvb_chunk_info ci;
+
+		fill(kv, n, 9000 + i);
+		assert_int_equal(kvb_get(c, "tiny", h[i], 0, 0, back, n, &ci), 0);
+		assert_memory_equal(kv, back, n);
+		assert_int_equal(ci.base_pos, i);
+	}
+	free(kv);
+	free(back);
+	kvb_close(&c);
+}
+
+/* Flip one byte in the stored payload of one layer, with the daemon stopped. */
+static void corrupt_layer(const char *data_dir)
+{
+	MDB_env *env;
+	MDB_txn *txn;
+	MDB_dbi dbi;
+	MDB_cursor *cur;
+	MDB_val k, v;
+	uint8_t *copy;
+
+	assert_int_equal(mdb_env_create(&env), 0);
+	assert_int_equal(mdb_env_set_maxdbs(env, 8), 0);
+	assert_int_equal(mdb_env_set_mapsize(env, 1u << 30), 0);
+	assert_int_equal(mdb_env_open(env, data_dir, 0, 0640), 0);
+	assert_int_equal(mdb_txn_begin(env, NULL, 0, &txn), 0);
+	assert_int_equal(mdb_dbi_open(txn, "layers", 0, &dbi), 0);
+	assert_int_equal(mdb_cursor_open(txn, dbi, &cur), 0);
+	assert_int_equal(mdb_cursor_get(cur, &k, &v, MDB_FIRST), 0);
+	copy = malloc(v.mv_size);
+	memcpy(copy, v.mv_data, v.mv_size);
+	copy[v.mv_size - 1] ^= 0x40; /* a payload byte of V, past every header */
+	v.mv_data = copy;
+	assert_int_equal(mdb_cursor_put(cur, &k, &v, MDB_CURRENT), 0);
+	mdb_cursor_close(cur);
+	assert_int_equal(mdb_txn_commit(txn), 0);
+	mdb_env_close(env);
+	free(copy);
+}
+
+static void test_corrupt_chunk_removed(void **state)
+{
+	struct daemon *d = *state;
+	const char *args[] = { "--max-message", "4M", "--max-tokens", "4096", NULL };
+	kvb_client *c = daemon_client(d, 0);
+	size_t n = chunk_bytes(&tiny, 8);
+	uint8_t h[KVB_HASH_LEN], *kv = malloc(n);
+	struct kvb_chunk_info ci;
+
+	register_tiny(c);
+	hash_of(31337, h);
+	fill(kv, n, 31337);
+	assert_int_equal(kvb_put(c, "tiny", h, KVB_F16, 8, 0, kv, n, NULL), 0);
+	kvb_close(&c);
+	daemon_stop(d);
+	corrupt_layer(d->data_dir);
+	daemon_restart(d, args);
+	c = daemon_client(d, 0);
+	memset(kv, 0, n);
+	assert_int_equal(kvb_get(c, "tiny", h, 0, 0, kv, n, NULL), KVB_E_CORRUPT);
+	assert_non_null(strstr(kvb_last_error(c), "failed its checksum and was removed"));
+	assert_int_equal(kvb_lookup(c, "tiny", (const uint8_t(*)[KVB_HASH_LEN])h, 1, &ci), 0);
+	assert_false(ci.found);
+	assert_int_equal(stat_value(c, "corrupt_removed"), 1);
+	free(kv);
+	kvb_close(&c);
+}
+
+struct worker_arg {
+	struct daemon *d;
+	int id;
+	int failures;
+};
+
+static void *worker(void *p)
+{
+	struct worker_arg *a = p;
+	kvb_client *c = daemon_client(a->d, a->id % 2);
+	size_t n = chunk_bytes(&tiny, 50);
+	uint8_t *kv = malloc(n), *back = malloc(n), h[KVB_HASH_LEN];
+
+	for (uint32_t i = 0; i < 25; i++) {
+		uint32_t seed = (uint32_t)a->id * 1000 + i;
+
+		hash_of(50000 + seed, h);
+		fill(kv, n, seed);
+		if (kvb_put(c, "tiny", h, KVB_F16, 50, 0, kv, n, NULL) ||
+		    kvb_get(c, "tiny", h, 0, 0, back, n, NULL) || memcmp(kv, back, n))
+			a->failures++;
+	}
+	free(kv);
+	free(back);
+	kvb_close(&c);
+	return NULL;
+}
+
+static void test_concurrent_clients(void **state)
+{
+	struct daemon *d = *state;
+	kvb_client *c = daemon_client(d, 0);
+	pthread_t t[6];
+	struct worker_arg a[6];
+	uint64_t before;
+
+	register_tiny(c);
+	before = stat_value(c, "chunks");
+	for (int i = 0; i < 6; i++) {
+		a[i] = (struct worker_arg){ d, i, 0 };
+		pthread_create(&t[i], NULL, worker, &a[i]);
+	}
+	for (int i = 0; i < 6; i++) {
+		pthread_join(t[i], NULL);
+		assert_int_equal(a[i].failures, 0);
+	}
+	assert_int_equal(stat_value(c, "chunks"), before + 150);
+	kvb_close(&c);
+}
+
+static void test_unreachable(void **state)
+{
+	struct kvb_connect_opts o = { .timeout_ms = 300 };
+	kvb_client *c = NULL;
+	char err[256];
+
+	(void)state;
+	assert_int_equal(kvb_connect("ipc:///tmp/kvb-no-such-daemon.sock", &o, &c, err,
+				     sizeof(err)), -ETIMEDOUT);
+	assert_null(c);
+	assert_non_null(strstr(err, "no reply from kvblendd"));
+	assert_int_equal(kvb_connect("http://x", &o, &c, err, sizeof(err)), -EINVAL);
+}
+
+int main(void)
+{
+	const struct CMUnitTest tests[] = {
+		cmocka_unit_test_setup_teardown(test_roundtrip_shm, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_roundtrip_frames, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_shared_buffer, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_models, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_bad_input, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_message_too_large, setup, teardown),
+		cmocka_unit_test(test_shape_overflow),
+		cmocka_unit_test_setup_teardown(test_restart_keeps_chunks, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_corrupt_chunk_removed, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_concurrent_clients, setup, teardown),
+		cmocka_unit_test(test_unreachable),
+	};
+
+	return cmocka_run_group_tests(tests, NULL, NULL);
+}

@@ -1,0 +1,184 @@
+/* Unit tests of proto/wire: round trips, malformed headers, limits, code numbering. */
+#include <errno.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "kvblend.h"
+#include "wire.h"
+
+static void test_request_roundtrip(void **state)
+{
+	struct kvbp_request q = { .version = 1, .request_id = 1ull << 40, .op = KVBP_OP_PUT,
+				  .has_model = true, .has_hash = true, .num_tokens = 77,
+				  .base_pos = 5, .layer_begin = 1, .layer_end = 3,
+				  .payload_frames = 6, .dtype = 2, .has_shm = true, .shm_id = 9,
+				  .shm_offset = 4096, .shm_length = 1 << 20 };
+	struct kvbp_request d;
+	uint8_t *buf, hashes[2][KVBP_HASH_LEN];
+	size_t len;
+	char err[256];
+
+	(void)state;
+	snprintf(q.model_name, sizeof(q.model_name), "llama-3-8b");
+	snprintf(q.model.name, sizeof(q.model.name), "llama-3-8b");
+	q.model.num_layers = 32;
+	q.model.rope_theta = 500000;
+	q.model.scaling = 2;
+	q.model.high_freq_factor = 4;
+	q.model.k_pre_rope = true;
+	for (int i = 0; i < KVBP_HASH_LEN; i++)
+		q.hash[i] = (uint8_t)i;
+	memset(hashes, 0xab, sizeof(hashes));
+	q.hashes = hashes;
+	q.n_hashes = 2;
+	assert_int_equal(kvbp_request_encode(&q, &buf, &len), 0);
+	assert_int_equal(kvbp_request_decode(buf, len, &d, err, sizeof(err)), KVBP_OK);
+	assert_int_equal(d.request_id, q.request_id);
+	assert_int_equal(d.op, KVBP_OP_PUT);
+	assert_string_equal(d.model_name, "llama-3-8b");
+	assert_true(d.has_model && d.model.num_layers == 32 && d.model.rope_theta == 500000);
+	assert_true(d.model.scaling == 2 && d.model.high_freq_factor == 4 && d.model.k_pre_rope);
+	assert_true(d.has_hash);
+	assert_memory_equal(d.hash, q.hash, KVBP_HASH_LEN);
+	assert_int_equal(d.n_hashes, 2);
+	assert_memory_equal(d.hashes, hashes, sizeof(hashes));
+	assert_true(d.has_shm && d.shm_id == 9 && d.shm_offset == 4096 && d.shm_length == 1 << 20);
+	assert_int_equal(d.dtype, 2);
+	kvbp_request_clear(&d);
+	assert_null(d.hashes);
+	/* Every proper prefix is either rejected or decodes to something else, never a crash. */
+	for (size_t cut = 1; cut < len; cut++) {
+		int rc = kvbp_request_decode(buf, cut, &d, err, sizeof(err));
+
+		if (rc == KVBP_OK)
+			kvbp_request_clear(&d);
+		else
+			assert_true(rc == KVBP_BAD_REQUEST || rc == KVBP_BAD_ARGUMENT);
+	}
+	free(buf);
+}
+
+static void test_request_malformed(void **state)
+{
+	struct kvbp_request q = { .version = 1, .op = KVBP_OP_GET }, d;
+	uint8_t *buf;
+	size_t len;
+	char err[256];
+
+	(void)state;
+	assert_int_equal(kvbp_request_decode("", 0, &d, err, sizeof(err)), KVBP_BAD_REQUEST);
+	assert_string_equal(err, "empty request header frame");
+	assert_int_equal(kvbp_request_decode("\xff\xff\xff\xff", 4, &d, err, sizeof(err)),
+			 KVBP_BAD_REQUEST);
+	assert_non_null(strstr(err, "not a valid protobuf Request"));
+	/* A 65-byte model name: too long. Built by hand, since the struct cannot hold it. */
+	{
+		uint8_t raw[2 + 65];
+
+		raw[0] = (5 << 3) | 2; /* field 5 (model_name), length-delimited */
+		raw[1] = 65;
+		memset(raw + 2, 'a', 65);
+		assert_int_equal(kvbp_request_decode(raw, sizeof(raw), &d, err, sizeof(err)),
+				 KVBP_BAD_ARGUMENT);
+		assert_string_equal(err, "model name is 65 bytes long; the limit is 64");
+	}
+	/* A 31-byte hash. */
+	{
+		uint8_t raw[2 + 31] = { (6 << 3) | 2, 31 };
+
+		assert_int_equal(kvbp_request_decode(raw, sizeof(raw), &d, err, sizeof(err)),
+				 KVBP_BAD_ARGUMENT);
+		assert_string_equal(err, "chunk hash is 31 bytes; it must be 32");
+	}
+	assert_int_equal(kvbp_request_encode(&q, &buf, &len), 0);
+	assert_int_equal(kvbp_request_decode(buf, len, &d, err, sizeof(err)), KVBP_OK);
+	assert_false(d.has_hash);
+	assert_false(d.has_model);
+	assert_false(d.has_shm);
+	free(buf);
+}
+
+static void test_reply_roundtrip(void **state)
+{
+	struct kvbp_reply r = { .version = 1, .request_id = 3, .code = KVBP_NOT_FOUND,
+				.existed = true, .payload_frames = 4, .shm_id = 2,
+				.shm_size = 1 << 26 };
+	struct kvbp_reply d;
+	struct kvbp_model m = { .name = "x", .num_layers = 2 };
+	struct kvbp_chunk ch[2] = { { .found = true, .num_tokens = 9 }, { .found = false } };
+	struct kvbp_stat st = { .name = "chunks", .value = 12 };
+	uint8_t *buf;
+	size_t len;
+	char err[256];
+
+	(void)state;
+	snprintf(r.message, sizeof(r.message), "get: not found");
+	snprintf(r.shm_name, sizeof(r.shm_name), "/kvblend-1-2-abc");
+	r.models = &m;
+	r.n_models = 1;
+	r.chunks = ch;
+	r.n_chunks = 2;
+	r.stats = &st;
+	r.n_stats = 1;
+	assert_int_equal(kvbp_reply_encode(&r, &buf, &len), 0);
+	assert_int_equal(kvbp_reply_decode(buf, len, &d, err, sizeof(err)), KVBP_OK);
+	assert_int_equal(d.code, KVBP_NOT_FOUND);
+	assert_string_equal(d.message, "get: not found");
+	assert_string_equal(d.shm_name, "/kvblend-1-2-abc");
+	assert_int_equal(d.n_models, 1);
+	assert_string_equal(d.models[0].name, "x");
+	assert_int_equal(d.n_chunks, 2);
+	assert_true(d.chunks[0].found && d.chunks[0].num_tokens == 9 && !d.chunks[1].found);
+	assert_int_equal(d.n_stats, 1);
+	assert_true(d.stats[0].value == 12);
+	assert_true(d.existed);
+	kvbp_reply_clear(&d);
+	kvbp_reply_clear(NULL);
+	free(buf);
+}
+
+/* The client's KVB_E_* values are -(1000 + wire code), for every code. */
+static void test_code_numbering(void **state)
+{
+	(void)state;
+	assert_int_equal(KVB_E_BAD_REQUEST, -1000 - KVBP_BAD_REQUEST);
+	assert_int_equal(KVB_E_BAD_VERSION, -1000 - KVBP_BAD_VERSION);
+	assert_int_equal(KVB_E_UNKNOWN_OP, -1000 - KVBP_UNKNOWN_OP);
+	assert_int_equal(KVB_E_BAD_SHAPE, -1000 - KVBP_BAD_SHAPE);
+	assert_int_equal(KVB_E_UNKNOWN_MODEL, -1000 - KVBP_UNKNOWN_MODEL);
+	assert_int_equal(KVB_E_DTYPE_MISMATCH, -1000 - KVBP_DTYPE_MISMATCH);
+	assert_int_equal(KVB_E_BAD_FRAMES, -1000 - KVBP_BAD_FRAMES);
+	assert_int_equal(KVB_E_TOO_LARGE, -1000 - KVBP_TOO_LARGE);
+	assert_int_equal(KVB_E_MODEL_CONFLICT, -1000 - KVBP_MODEL_CONFLICT);
+	assert_int_equal(KVB_E_NOT_FOUND, -1000 - KVBP_NOT_FOUND);
+	assert_int_equal(KVB_E_CORRUPT, -1000 - KVBP_CORRUPT);
+	assert_int_equal(KVB_E_FULL, -1000 - KVBP_FULL);
+	assert_int_equal(KVB_E_LIMIT, -1000 - KVBP_LIMIT);
+	assert_int_equal(KVB_E_INTERNAL, -1000 - KVBP_INTERNAL);
+	assert_int_equal(KVB_E_BAD_ARGUMENT, -1000 - KVBP_BAD_ARGUMENT);
+	assert_int_equal(KVB_E_BAD_SHM, -1000 - KVBP_BAD_SHM);
+	assert_string_equal(kvbp_code_name(KVBP_CORRUPT), "corrupt");
+	assert_string_equal(kvbp_op_name(KVBP_OP_LOOKUP), "lookup");
+	assert_string_equal(kvbp_op_name(999), "unknown");
+	assert_int_equal(kvbp_dtype_size(3), 4);
+	assert_int_equal(kvbp_dtype_size(7), 0);
+}
+
+int main(void)
+{
+	const struct CMUnitTest tests[] = {
+		cmocka_unit_test(test_request_roundtrip),
+		cmocka_unit_test(test_request_malformed),
+		cmocka_unit_test(test_reply_roundtrip),
+		cmocka_unit_test(test_code_numbering),
+	};
+
+	return cmocka_run_group_tests(tests, NULL, NULL);
+}
