@@ -4,12 +4,13 @@
 #include <blosc.h>
 #include <errno.h>
 #include <string.h>
-#include <xxhash.h>
+
+#include "checksum.h"
 
 #define CODEC_MAGIC 0x5442564bu /* "KVBT" little-endian */
-/* Tensors larger than this are judged on a sample before a full attempt. */
-#define SAMPLE_THRESHOLD (1u << 20)
-#define SAMPLE_SIZE (256u << 10)
+/* Tensors this large are judged on a sample before a full attempt. */
+#define SAMPLE_THRESHOLD (256u << 10)
+#define SAMPLE_SIZE (64u << 10)
 /* LZ4 at a low level: the point is speed; higher levels buy little on KV. */
 #define CLEVEL 1
 
@@ -43,11 +44,6 @@ static uint64_t get_u64(const uint8_t *p)
 	return v;
 }
 
-uint64_t codec_checksum(const void *buf, size_t len)
-{
-	return XXH3_64bits(buf, len);
-}
-
 size_t codec_bound(size_t raw_size)
 {
 	size_t n;
@@ -73,13 +69,9 @@ static void write_header(uint8_t *dst, const struct codec_header *h)
 static int sample_worth_it(const uint8_t *src, size_t raw_size, unsigned elem_size,
 			   double min_saving, uint8_t *scratch, size_t scratch_cap)
 {
-	size_t off = (raw_size / 2) & ~(size_t)(elem_size - 1);
-	size_t n = SAMPLE_SIZE;
+	size_t n = SAMPLE_SIZE, off = ((raw_size - n) / 2) & ~(size_t)(elem_size - 1);
 	int c;
 
-	if (off + n > raw_size)
-		off = raw_size - n;
-	off &= ~(size_t)(elem_size - 1);
 	if (scratch_cap < n + BLOSC_MAX_OVERHEAD)
 		return 1;
 	c = blosc_compress_ctx(CLEVEL, BLOSC_BITSHUFFLE, elem_size, n, src + off, scratch,
@@ -88,41 +80,68 @@ static int sample_worth_it(const uint8_t *src, size_t raw_size, unsigned elem_si
 	return c > 0 && (double)c <= (double)n * (1.0 - min_saving / 2);
 }
 
-int codec_encode(const void *src, size_t raw_size, unsigned elem_size, double min_saving,
-		 void *dst, size_t dst_cap, size_t *out_len)
+int codec_plan(const void *src, size_t raw_size, unsigned elem_size, double min_saving,
+	       void *scratch, size_t scratch_cap, struct codec_plan *p)
 {
-	struct codec_header h = { .version = CODEC_FORMAT_VERSION, .elem_size = (uint8_t)elem_size,
-				  .raw_size = raw_size };
-	uint8_t *out = dst;
-	size_t bound = codec_bound(raw_size);
+	struct codec_plan t = { .kind = CODEC_RAW, .elem_size = (uint8_t)elem_size,
+				.raw_size = raw_size, .encoded_len = CODEC_HEADER_SIZE + raw_size };
 	int try_compress;
 
 	if (elem_size != 1 && elem_size != 2 && elem_size != 4)
 		return -EINVAL;
-	if (!bound || dst_cap < bound)
-		return -ENOBUFS;
-	h.checksum = codec_checksum(src, raw_size);
 	try_compress = min_saving < 1.0 && raw_size >= 64 && raw_size <= BLOSC_MAX_BUFFERSIZE &&
 		       raw_size % elem_size == 0;
-	if (try_compress && raw_size > SAMPLE_THRESHOLD)
-		try_compress = sample_worth_it(src, raw_size, elem_size, min_saving,
-					       out + CODEC_HEADER_SIZE, dst_cap - CODEC_HEADER_SIZE);
+	if (try_compress && scratch_cap < raw_size + BLOSC_MAX_OVERHEAD)
+		return -ENOBUFS;
+	if (try_compress && raw_size >= SAMPLE_THRESHOLD)
+		try_compress = sample_worth_it(src, raw_size, elem_size, min_saving, scratch,
+					       scratch_cap);
 	if (try_compress) {
 		int c = blosc_compress_ctx(CLEVEL, BLOSC_BITSHUFFLE, elem_size, raw_size, src,
-					   out + CODEC_HEADER_SIZE, raw_size + BLOSC_MAX_OVERHEAD,
-					   "lz4", 0, 1);
+					   scratch, raw_size + BLOSC_MAX_OVERHEAD, "lz4", 0, 1);
 
 		if (c > 0 && (double)c <= (double)raw_size * (1.0 - min_saving)) {
-			h.kind = CODEC_BSLZ4;
-			h.stored_size = (uint64_t)c;
+			t.kind = CODEC_BSLZ4;
+			t.compressed = scratch;
+			t.encoded_len = CODEC_HEADER_SIZE + (size_t)c;
+			t.checksum = checksum(src, raw_size);
 		}
 	}
-	if (h.kind == CODEC_RAW) {
-		memcpy(out + CODEC_HEADER_SIZE, src, raw_size);
-		h.stored_size = raw_size;
-	}
+	*p = t;
+	return 0;
+}
+
+void codec_write(const struct codec_plan *p, const void *src, void *dst)
+{
+	struct codec_header h = { .version = CODEC_FORMAT_VERSION, .kind = p->kind,
+				  .elem_size = p->elem_size, .raw_size = p->raw_size,
+				  .stored_size = p->encoded_len - CODEC_HEADER_SIZE,
+				  .checksum = p->checksum };
+	uint8_t *out = dst;
+
+	if (p->kind == CODEC_RAW)
+		h.checksum = checksum_copy(out + CODEC_HEADER_SIZE, src, p->raw_size);
+	else if (p->compressed != out + CODEC_HEADER_SIZE)
+		memmove(out + CODEC_HEADER_SIZE, p->compressed, h.stored_size);
 	write_header(out, &h);
-	*out_len = CODEC_HEADER_SIZE + h.stored_size;
+}
+
+int codec_encode(const void *src, size_t raw_size, unsigned elem_size, double min_saving,
+		 void *dst, size_t dst_cap, size_t *out_len)
+{
+	struct codec_plan p;
+	size_t bound = codec_bound(raw_size);
+	int rc;
+
+	if (!bound || dst_cap < bound)
+		return -ENOBUFS;
+	/* Compress straight into place after the header. */
+	rc = codec_plan(src, raw_size, elem_size, min_saving, (uint8_t *)dst + CODEC_HEADER_SIZE,
+			dst_cap - CODEC_HEADER_SIZE, &p);
+	if (rc)
+		return rc;
+	codec_write(&p, src, dst);
+	*out_len = p.encoded_len;
 	return 0;
 }
 
@@ -159,7 +178,9 @@ int codec_decode(const void *src, size_t src_len, void *dst, size_t dst_len, siz
 	if (h.raw_size != dst_len)
 		return -EINVAL;
 	if (h.kind == CODEC_RAW) {
-		memcpy(dst, payload, dst_len);
+		/* Hash the source as it is copied: one pass; equal hashes make dst correct. */
+		if (checksum_copy(dst, payload, dst_len) != h.checksum)
+			return -EBADMSG;
 	} else {
 		size_t nbytes = 0;
 		int d;
@@ -168,11 +189,9 @@ int codec_decode(const void *src, size_t src_len, void *dst, size_t dst_len, siz
 		    nbytes != h.raw_size)
 			return -EBADMSG;
 		d = blosc_decompress_ctx(payload, dst, dst_len, 1);
-		if (d < 0 || (size_t)d != dst_len)
+		if (d < 0 || (size_t)d != dst_len || checksum(dst, dst_len) != h.checksum)
 			return -EBADMSG;
 	}
-	if (codec_checksum(dst, dst_len) != h.checksum)
-		return -EBADMSG;
 	if (consumed)
 		*consumed = CODEC_HEADER_SIZE + h.stored_size;
 	return 0;

@@ -30,6 +30,16 @@ struct codec_header {
 	uint64_t checksum;    /* XXH3-64 of the raw bytes */
 };
 
+/* How one tensor will be stored: decided (and compressed, if so) before it is written. */
+struct codec_plan {
+	uint8_t kind;
+	uint8_t elem_size;
+	uint64_t raw_size;
+	size_t encoded_len;	/* header + payload */
+	const void *compressed; /* CODEC_BSLZ4: the payload, in the caller's scratch */
+	uint64_t checksum;	/* CODEC_BSLZ4 only; raw tensors are hashed while written */
+};
+
 /* Largest encoding of raw_size bytes, header included. 0 if that overflows. */
 size_t codec_bound(size_t raw_size);
 
@@ -42,6 +52,22 @@ size_t codec_bound(size_t raw_size);
  */
 int codec_encode(const void *src, size_t raw_size, unsigned elem_size, double min_saving,
 		 void *dst, size_t dst_cap, size_t *out_len);
+
+/*
+ * Decide how to store raw_size bytes at src: compressed into scratch (capacity
+ * scratch_cap >= codec_bound(raw_size)) if that saves at least min_saving,
+ * else raw. Large tensors are judged on a sample first, so incompressible KV
+ * costs little to reject. Returns 0, -EINVAL (bad elem_size) or -ENOBUFS.
+ * Thread-safe.
+ */
+int codec_plan(const void *src, size_t raw_size, unsigned elem_size, double min_saving,
+	       void *scratch, size_t scratch_cap, struct codec_plan *p);
+
+/*
+ * Write the planned encoding (p->encoded_len bytes) of src to dst: one pass over
+ * the data (raw tensors are hashed as they are copied).
+ */
+void codec_write(const struct codec_plan *p, const void *src, void *dst);
 
 /*
  * Parse and check the header at src (src_len bytes available). Returns 0 and
@@ -58,7 +84,5 @@ int codec_peek(const void *src, size_t src_len, struct codec_header *h);
  */
 int codec_decode(const void *src, size_t src_len, void *dst, size_t dst_len, size_t *consumed);
 
-/* XXH3-64 of a buffer: the checksum the header records. */
-uint64_t codec_checksum(const void *buf, size_t len);
 
 #endif

@@ -553,39 +553,38 @@ int store_chunk_put(struct store *s, const struct store_model *m,
 		    const void *const tensors[], struct store_chunk_info *info)
 {
 	uint64_t tb = store_tensor_bytes(m, num_tokens);
-	size_t bound = codec_bound(tb), stride, total, *lens = NULL;
-	uint8_t key[LAYER_KEY_LEN], rec[CHUNK_REC_LEN], *enc = NULL;
+	size_t bound = codec_bound(tb), n_tensors = 2 * (size_t)m->num_layers, total;
+	uint8_t key[LAYER_KEY_LEN], rec[CHUNK_REC_LEN], *scratch = NULL;
 	struct store_chunk_info ci = { .num_tokens = num_tokens, .base_pos = base_pos,
 				       .num_layers = m->num_layers };
+	struct codec_plan *plans = NULL;
 	struct totals_rec tot;
 	MDB_txn *txn = NULL;
 	MDB_val k, v;
 	int rc;
 
-	if (!num_tokens || !tb || !bound || !m->num_layers || tb > SIZE_MAX / 2 ||
-	    __builtin_mul_overflow(2 * bound, (size_t)m->num_layers, &total))
+	if (!num_tokens || !tb || !bound || !m->num_layers ||
+	    __builtin_mul_overflow(bound, n_tensors, &total))
 		return -EINVAL;
-	stride = 2 * bound;
 	chunk_key(key, m->id, hash);
 	rc = chunk_exists(s, key);
 	if (rc)
 		goto exists_or_fail;
-	/* Encode outside the write transaction: writers are serialised, encoding is not. */
-	enc = malloc(total);
-	lens = calloc(2 * (size_t)m->num_layers, sizeof(*lens));
-	if (!enc || !lens) {
+	/*
+	 * Decide each tensor's codec (and compress those worth it) outside the write
+	 * transaction: writers are serialised, this is not. Scratch pages that no
+	 * compression touches are never faulted in.
+	 */
+	scratch = malloc(total);
+	plans = calloc(n_tensors, sizeof(*plans));
+	if (!scratch || !plans) {
 		rc = -ENOMEM;
 		goto out;
 	}
-	for (uint32_t l = 0; l < m->num_layers && !rc; l++) {
-		uint8_t *p = enc + l * stride;
-
-		rc = codec_encode(tensors[2 * l], tb, m->elem_size, s->min_saving, p, bound,
-				  &lens[2 * l]);
-		if (!rc)
-			rc = codec_encode(tensors[2 * l + 1], tb, m->elem_size, s->min_saving,
-					  p + lens[2 * l], stride - lens[2 * l], &lens[2 * l + 1]);
-		ci.stored_bytes += lens[2 * l] + lens[2 * l + 1];
+	for (size_t i = 0; i < n_tensors && !rc; i++) {
+		rc = codec_plan(tensors[i], tb, m->elem_size, s->min_saving, scratch + i * bound,
+				bound, &plans[i]);
+		ci.stored_bytes += plans[i].encoded_len;
 	}
 	if (rc)
 		goto out;
@@ -600,12 +599,19 @@ int store_chunk_put(struct store *s, const struct store_model *m,
 		goto out;
 	}
 	rc = 0;
+	/* MDB_RESERVE: encode straight into LMDB's pages, one copy of the data. */
 	for (uint32_t l = 0; l < m->num_layers && !rc; l++) {
+		const struct codec_plan *pk = &plans[2 * l], *pv = &plans[2 * l + 1];
+
 		layer_key(key, m->id, hash, l);
 		k.mv_size = LAYER_KEY_LEN;
-		v.mv_size = lens[2 * l] + lens[2 * l + 1];
-		v.mv_data = enc + l * stride;
-		rc = err_from_mdb(mdb_put(txn, s->layers, &k, &v, 0));
+		v.mv_size = pk->encoded_len + pv->encoded_len;
+		v.mv_data = NULL;
+		rc = err_from_mdb(mdb_put(txn, s->layers, &k, &v, MDB_RESERVE));
+		if (rc)
+			break;
+		codec_write(pk, tensors[2 * l], v.mv_data);
+		codec_write(pv, tensors[2 * l + 1], (uint8_t *)v.mv_data + pk->encoded_len);
 	}
 	if (rc)
 		goto out;
@@ -633,8 +639,8 @@ int store_chunk_put(struct store *s, const struct store_model *m,
 out:
 	if (txn)
 		mdb_txn_abort(txn);
-	free(enc);
-	free(lens);
+	free(scratch);
+	free(plans);
 exists_or_fail:
 	if (rc == 1 && info) {
 		bool found;

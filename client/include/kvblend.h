@@ -29,6 +29,13 @@
 extern "C" {
 #endif
 
+/* Only the functions below are exported from libkvblend.so. */
+#if defined(__GNUC__)
+#define KVB_API __attribute__((visibility("default")))
+#else
+#define KVB_API
+#endif
+
 #define KVB_HASH_LEN 32
 #define KVB_NAME_MAX 64
 #define KVB_PROTOCOL_VERSION 1
@@ -114,32 +121,32 @@ typedef struct kvb_client kvb_client;
  * endpoint; or a KVB_E_* code. On failure *out is NULL and, if err is not
  * NULL, err (errlen bytes) holds the reason.
  */
-int kvb_connect(const char *endpoint, const struct kvb_connect_opts *opts, kvb_client **out,
+KVB_API int kvb_connect(const char *endpoint, const struct kvb_connect_opts *opts, kvb_client **out,
 		char *err, size_t errlen);
 
 /* Close the connection and release its shared memory. Accepts NULL; sets *c to NULL. */
-void kvb_close(kvb_client **c);
+KVB_API void kvb_close(kvb_client **c);
 
 /* Message of the client's last failed call ("" after a success). Owned by the client. */
-const char *kvb_last_error(const kvb_client *c);
+KVB_API const char *kvb_last_error(const kvb_client *c);
 
 /* Static description of a code returned by any call. */
-const char *kvb_strerror(int code);
+KVB_API const char *kvb_strerror(int code);
 
 /* The endpoint a NULL endpoint resolves to. Static storage. */
-const char *kvb_default_endpoint(void);
+KVB_API const char *kvb_default_endpoint(void);
 
 /* Server version string into buf. */
-int kvb_ping(kvb_client *c, char *version, size_t len);
+KVB_API int kvb_ping(kvb_client *c, char *version, size_t len);
 
 /* Register a model. *existed (may be NULL) is 1 when an identical model was there. */
-int kvb_model_register(kvb_client *c, const struct kvb_model *m, int *existed);
+KVB_API int kvb_model_register(kvb_client *c, const struct kvb_model *m, int *existed);
 
 /* All models, in a malloc'd array the caller frees with free(). */
-int kvb_model_list(kvb_client *c, struct kvb_model **models, size_t *n);
+KVB_API int kvb_model_list(kvb_client *c, struct kvb_model **models, size_t *n);
 
 /* One model by name; KVB_E_UNKNOWN_MODEL if there is none. */
-int kvb_model_get(kvb_client *c, const char *name, struct kvb_model *out);
+KVB_API int kvb_model_get(kvb_client *c, const char *name, struct kvb_model *out);
 
 /*
  * Store a chunk of num_tokens tokens whose keys were rotated at positions
@@ -147,7 +154,7 @@ int kvb_model_get(kvb_client *c, const char *name, struct kvb_model *out);
  * dtype size bytes. *existed (may be NULL) is 1 when the chunk was already
  * stored (nothing is written: chunks are immutable).
  */
-int kvb_put(kvb_client *c, const char *model, const uint8_t hash[KVB_HASH_LEN],
+KVB_API int kvb_put(kvb_client *c, const char *model, const uint8_t hash[KVB_HASH_LEN],
 	    enum kvb_dtype dtype, uint32_t num_tokens, uint32_t base_pos, const void *kv,
 	    size_t kv_bytes, int *existed);
 
@@ -158,22 +165,22 @@ int kvb_put(kvb_client *c, const char *model, const uint8_t hash[KVB_HASH_LEN],
  * KVB_E_NOT_FOUND if absent; KVB_E_CORRUPT if it failed its checksum (the
  * daemon removed it). -ENOBUFS when out_bytes does not match (info is filled).
  */
-int kvb_get(kvb_client *c, const char *model, const uint8_t hash[KVB_HASH_LEN],
+KVB_API int kvb_get(kvb_client *c, const char *model, const uint8_t hash[KVB_HASH_LEN],
 	    uint32_t layer_begin, uint32_t layer_end, void *out, size_t out_bytes,
 	    struct kvb_chunk_info *info);
 
 /* Which of n hashes are stored: out[i].found, with sizes for those that are. */
-int kvb_lookup(kvb_client *c, const char *model, const uint8_t (*hashes)[KVB_HASH_LEN], size_t n,
+KVB_API int kvb_lookup(kvb_client *c, const char *model, const uint8_t (*hashes)[KVB_HASH_LEN], size_t n,
 	       struct kvb_chunk_info *out);
 
 /* Delete a chunk; KVB_E_NOT_FOUND if absent. */
-int kvb_delete(kvb_client *c, const char *model, const uint8_t hash[KVB_HASH_LEN]);
+KVB_API int kvb_delete(kvb_client *c, const char *model, const uint8_t hash[KVB_HASH_LEN]);
 
 /* All chunks of a model, in a malloc'd array the caller frees with free(). */
-int kvb_list(kvb_client *c, const char *model, struct kvb_chunk_info **out, size_t *n);
+KVB_API int kvb_list(kvb_client *c, const char *model, struct kvb_chunk_info **out, size_t *n);
 
 /* Daemon counters, in a malloc'd array the caller frees with free(). */
-int kvb_stats(kvb_client *c, struct kvb_stat **out, size_t *n);
+KVB_API int kvb_stats(kvb_client *c, struct kvb_stat **out, size_t *n);
 
 /*
  * A buffer of at least size bytes inside the shared-memory segment, valid until
@@ -181,29 +188,29 @@ int kvb_stats(kvb_client *c, struct kvb_stat **out, size_t *n);
  * kvb_put() or kvb_get() from here cross without a client-side copy. NULL when
  * shared memory is not available (tcp endpoint, disabled, or too large).
  */
-void *kvb_shared_buffer(kvb_client *c, size_t size);
+KVB_API void *kvb_shared_buffer(kvb_client *c, size_t size);
 
 /* Default chunk hash: BLAKE2b-256 over the token ids as little-endian uint32. */
-void kvb_chunk_hash(const uint32_t *token_ids, size_t n, uint8_t out[KVB_HASH_LEN]);
+KVB_API void kvb_chunk_hash(const uint32_t *token_ids, size_t n, uint8_t out[KVB_HASH_LEN]);
 
 /* Hex (64 lowercase digits, NUL-terminated) to and from hashes. parse returns 0 or -EINVAL. */
-int kvb_hash_parse(const char *hex, uint8_t out[KVB_HASH_LEN]);
-void kvb_hash_format(const uint8_t hash[KVB_HASH_LEN], char out[2 * KVB_HASH_LEN + 1]);
+KVB_API int kvb_hash_parse(const char *hex, uint8_t out[KVB_HASH_LEN]);
+KVB_API void kvb_hash_format(const uint8_t hash[KVB_HASH_LEN], char out[2 * KVB_HASH_LEN + 1]);
 
 /* Bytes per element; 0 for an unknown dtype. */
-size_t kvb_dtype_size(enum kvb_dtype dtype);
+KVB_API size_t kvb_dtype_size(enum kvb_dtype dtype);
 /* "f16", "bf16", "f32"; parse returns the dtype or 0. */
-const char *kvb_dtype_name(enum kvb_dtype dtype);
-enum kvb_dtype kvb_dtype_parse(const char *s);
+KVB_API const char *kvb_dtype_name(enum kvb_dtype dtype);
+KVB_API enum kvb_dtype kvb_dtype_parse(const char *s);
 
 /*
  * Parse a RoPE scaling SPEC into m's scaling fields: none | linear:FACTOR |
  * llama3:FACTOR,LOW,HIGH,ORIGINAL_MAX_POS | yarn:FACTOR,ORIGINAL_MAX_POS[,BETA_FAST,BETA_SLOW]
  * | dynamic:FACTOR,MAX_POS. Returns 0 or -EINVAL (m untouched).
  */
-int kvb_rope_scaling_parse(const char *spec, struct kvb_model *m);
+KVB_API int kvb_rope_scaling_parse(const char *spec, struct kvb_model *m);
 /* The inverse, into buf. */
-void kvb_rope_scaling_format(const struct kvb_model *m, char *buf, size_t len);
+KVB_API void kvb_rope_scaling_format(const struct kvb_model *m, char *buf, size_t len);
 
 #ifdef __cplusplus
 }

@@ -1,0 +1,318 @@
+/*
+ * bench_io — PUT and GET throughput of kvblendd over IPC, the codec's speed and
+ * ratio, and memcpy of the same bytes in the same run, as GB/s and as ratios
+ * to memcpy. Starts its own kvblendd on a temporary directory.
+ *
+ * usage: bench_io [--daemon PATH] [--sync] [--seconds S] [--sizes 1,8,32]
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <math.h>
+#include <signal.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "codec.h"
+#include "kvblend.h"
+
+/* Mistral-7B-shaped KV: 32 layers, 8 KV heads, head_dim 128, f16: 128 KiB a token. */
+static const struct kvb_model model = { .name = "bench-mistral", .num_layers = 32,
+					.num_kv_heads = 8, .head_dim = 128, .dtype = KVB_F16,
+					.rope_theta = 1e6 };
+
+static double now_s(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return ts.tv_sec + ts.tv_nsec / 1e9;
+}
+
+static uint16_t f16_from_f32(float f)
+{
+	uint32_t x, sign, exp, man;
+
+	memcpy(&x, &f, 4);
+	sign = (x >> 16) & 0x8000;
+	exp = (x >> 23) & 0xff;
+	man = x & 0x7fffff;
+	if (exp == 0xff)
+		return (uint16_t)(sign | 0x7c00 | (man ? 0x200 : 0));
+	if (exp > 142)
+		return (uint16_t)(sign | 0x7c00);
+	if (exp < 103)
+		return (uint16_t)sign;
+	if (exp < 113) { /* subnormal */
+		man |= 0x800000;
+		return (uint16_t)(sign | (man >> (126 - exp)));
+	}
+	/* round to nearest even */
+	{
+		uint32_t h = sign | (exp - 112) << 10 | man >> 13;
+		uint32_t rem = man & 0x1fff;
+
+		if (rem > 0x1000 || (rem == 0x1000 && (h & 1)))
+			h++;
+		return (uint16_t)h;
+	}
+}
+
+/* Roughly Gaussian values, with a few channels of large magnitude, like real K and V. */
+static void fill_kv(uint16_t *p, size_t n, uint64_t seed)
+{
+	uint64_t x = seed * 0x9e3779b97f4a7c15ull + 1;
+
+	for (size_t i = 0; i < n; i += 2) {
+		double u1, u2, r;
+
+		x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+		u1 = ((x >> 11) + 1) / 9007199254740993.0;
+		x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+		u2 = (x >> 11) / 9007199254740992.0;
+		r = sqrt(-2 * log(u1));
+		for (int k = 0; k < 2 && i + k < n; k++) {
+			double g = r * (k ? sin(2 * M_PI * u2) : cos(2 * M_PI * u2));
+			size_t ch = (i + k) % model.head_dim;
+
+			p[i + k] = f16_from_f32((float)(g * (ch < 4 ? 20.0 : 1.0)));
+		}
+	}
+}
+
+static pid_t start_daemon(const char *path, const char *dir, const char *ep, bool sync)
+{
+	char data[300];
+	pid_t pid;
+
+	snprintf(data, sizeof(data), "%s/data", dir);
+	pid = fork();
+	if (pid == 0) {
+		const char *argv[] = { path, "--data-dir", data, "--listen", ep, "--map-size", "64G",
+				       "--max-message", "1G", "--log-level", "warn",
+				       sync ? NULL : "--no-sync", NULL };
+
+		execv(path, (char *const *)argv);
+		_exit(127);
+	}
+	for (int i = 0; i < 100; i++) {
+		struct kvb_connect_opts o = { .timeout_ms = 200 };
+		kvb_client *c;
+
+		if (kvb_connect(ep, &o, &c, NULL, 0) == 0) {
+			kvb_close(&c);
+			return pid;
+		}
+		usleep(50000);
+	}
+	fprintf(stderr, "bench_io: kvblendd did not start\n");
+	kill(pid, SIGKILL);
+	exit(1);
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+	double x = *(const double *)a, y = *(const double *)b;
+
+	return x < y ? -1 : x > y;
+}
+
+/*
+ * Each run times the operation and, right before it, the peer (memcpy of the
+ * same bytes, or a file write): the machines are shared and noisy, so a ratio
+ * of two neighbours is steadier than two separate bests. Reports the median
+ * rate and the median ratio over at least 5 runs and min_s seconds.
+ */
+struct cell {
+	double gbps, ratio;
+};
+
+#define MAX_RUNS 4096
+#define MEASURE(cell, bytes, min_s, peer, ...)                                         \
+	do {                                                                           \
+		static double rates_[MAX_RUNS], ratios_[MAX_RUNS];                     \
+		double t_end_ = now_s() + (min_s);                                     \
+		int runs_ = 0;                                                         \
+		while ((runs_ < 5 || now_s() < t_end_) && runs_ < MAX_RUNS) {          \
+			double t0_ = now_s(), tp_, to_;                                \
+			peer;                                                          \
+			tp_ = now_s() - t0_;                                           \
+			t0_ = now_s();                                                 \
+			__VA_ARGS__;                                                   \
+			to_ = now_s() - t0_;                                           \
+			rates_[runs_] = (bytes) / to_ / 1e9;                           \
+			ratios_[runs_++] = tp_ / to_;                                  \
+		}                                                                      \
+		qsort(rates_, (size_t)runs_, sizeof(double), cmp_double);              \
+		qsort(ratios_, (size_t)runs_, sizeof(double), cmp_double);             \
+		(cell).gbps = rates_[runs_ / 2];                                       \
+		(cell).ratio = ratios_[runs_ / 2];                                     \
+	} while (0)
+
+int main(int argc, char **argv)
+{
+	char daemon_path[512], dir[] = "/tmp/kvb-bench-XXXXXX", ep[300];
+	unsigned sizes_mib[8] = { 1, 8, 32 }, n_sizes = 3;
+	double seconds = 1.0;
+	bool sync = false;
+	pid_t pid;
+	kvb_client *shm_c, *frame_c;
+	struct kvb_connect_opts o_shm = { .timeout_ms = 60000 }, o_fr = { .timeout_ms = 60000,
+									 .no_shm = 1 };
+	uint64_t seq = 1;
+	int status;
+
+	snprintf(daemon_path, sizeof(daemon_path), "%s", argv[0]);
+	{
+		char *slash = strrchr(daemon_path, '/');
+
+		snprintf(slash ? slash + 1 : daemon_path,
+			 sizeof(daemon_path) - (size_t)(slash ? slash + 1 - daemon_path : 0),
+			 "kvblendd");
+	}
+	for (int i = 1; i < argc; i++) {
+		if (!strcmp(argv[i], "--daemon") && i + 1 < argc)
+			snprintf(daemon_path, sizeof(daemon_path), "%s", argv[++i]);
+		else if (!strcmp(argv[i], "--sync"))
+			sync = true;
+		else if (!strcmp(argv[i], "--seconds") && i + 1 < argc)
+			seconds = atof(argv[++i]);
+		else if (!strcmp(argv[i], "--sizes") && i + 1 < argc) {
+			char *s = argv[++i], *tok, *save;
+
+			n_sizes = 0;
+			for (tok = strtok_r(s, ",", &save); tok && n_sizes < 8;
+			     tok = strtok_r(NULL, ",", &save))
+				sizes_mib[n_sizes++] = (unsigned)atoi(tok);
+		} else {
+			fprintf(stderr, "usage: bench_io [--daemon PATH] [--sync] [--seconds S] "
+					"[--sizes 1,8,32]\n");
+			return 2;
+		}
+	}
+	if (!mkdtemp(dir))
+		return 1;
+	snprintf(ep, sizeof(ep), "ipc://%s/kvblend.sock", dir);
+	pid = start_daemon(daemon_path, dir, ep, sync);
+	if (kvb_connect(ep, &o_shm, &shm_c, NULL, 0) || kvb_connect(ep, &o_fr, &frame_c, NULL, 0) ||
+	    kvb_model_register(shm_c, &model, NULL)) {
+		fprintf(stderr, "bench_io: cannot set up the client\n");
+		kill(pid, SIGKILL);
+		return 1;
+	}
+	printf("kvblend bench_io: model %u layers x %u kv heads x head_dim %u f16 (%u KiB/token); "
+	       "%s commits; >= %.1f s per cell\n", model.num_layers, model.num_kv_heads,
+	       model.head_dim, 2 * model.num_layers * model.num_kv_heads * model.head_dim * 2 / 1024,
+	       sync ? "fsync'd" : "no-sync", seconds);
+	printf("GB/s, and in parentheses the median ratio to memcpy of the same bytes timed "
+	       "just before each run\n\n");
+	printf("| chunk | memcpy | file write | PUT shm | PUT frames | GET shm | GET shm-buf | "
+	       "GET frames | codec compress | codec decompress | codec ratio |\n");
+	printf("|---|---|---|---|---|---|---|---|---|---|---|\n");
+	for (unsigned s = 0; s < n_sizes; s++) {
+		size_t bytes = (size_t)sizes_mib[s] << 20;
+		size_t tok_bytes = (size_t)2 * model.num_layers * model.num_kv_heads * model.head_dim * 2;
+		uint32_t tokens = (uint32_t)(bytes / tok_bytes);
+		size_t tb = bytes / model.num_layers / 2;
+		uint16_t *src = malloc(bytes), *dst = malloc(bytes);
+		uint8_t *enc = malloc(codec_bound(tb)), h[KVB_HASH_LEN];
+		struct cell c_memcpy, c_write, c_put, c_put_fr, c_get, c_get_direct, c_get_fr, c_comp,
+			c_decomp;
+		size_t enc_total = 0, len = 0;
+		char wpath[400];
+		int wfd;
+		void *sbuf;
+
+		snprintf(wpath, sizeof(wpath), "%s/data/write-peer", dir);
+		fill_kv(src, bytes / 2, s + 1);
+		memset(dst, 1, bytes);
+		MEASURE(c_memcpy, bytes, seconds, memcpy(dst, src, bytes), memcpy(dst, src, bytes));
+		/* The disk's own sustained speed for the same bytes: appended to a file in the
+		 * data directory (and fsync'd with --sync), kept until the cell ends so that
+		 * writeback throttles it as it throttles LMDB. The peer of PUT. */
+		wfd = open(wpath, O_WRONLY | O_CREAT | O_TRUNC | O_APPEND, 0600);
+		MEASURE(c_write, bytes, seconds, (void)0, {
+			if (wfd < 0 || write(wfd, src, bytes) != (ssize_t)bytes || (sync && fsync(wfd)))
+				perror("write peer");
+		});
+		close(wfd);
+		unlink(wpath);
+		/* codec alone, forced to compress (min_saving 0), on each tensor */
+		MEASURE(c_comp, bytes, seconds, memcpy(dst, src, bytes), {
+			enc_total = 0;
+			for (unsigned t = 0; t < 2 * model.num_layers; t++) {
+				codec_encode((uint8_t *)src + t * tb, tb, 2, 0.0, enc, codec_bound(tb),
+					     &len);
+				enc_total += len;
+			}
+		});
+		codec_encode(src, tb, 2, 0.0, enc, codec_bound(tb), &len);
+		MEASURE(c_decomp, bytes, seconds, memcpy(dst, src, bytes), {
+			for (unsigned t = 0; t < 2 * model.num_layers; t++)
+				codec_decode(enc, len, (uint8_t *)dst + t * tb, tb, NULL);
+		});
+		MEASURE(c_put, bytes, seconds, memcpy(dst, src, bytes), {
+			uint32_t id[2] = { (uint32_t)seq, (uint32_t)(seq >> 32) };
+
+			seq++;
+			kvb_chunk_hash(id, 2, h);
+			if (kvb_put(shm_c, model.name, h, KVB_F16, tokens, 0, src, bytes, NULL))
+				fprintf(stderr, "put: %s\n", kvb_last_error(shm_c));
+		});
+		MEASURE(c_put_fr, bytes, seconds, memcpy(dst, src, bytes), {
+			uint32_t id[2] = { (uint32_t)seq, (uint32_t)(seq >> 32) };
+
+			seq++;
+			kvb_chunk_hash(id, 2, h);
+			if (kvb_put(frame_c, model.name, h, KVB_F16, tokens, 0, src, bytes, NULL))
+				fprintf(stderr, "put: %s\n", kvb_last_error(frame_c));
+		});
+		MEASURE(c_get, bytes, seconds, memcpy(dst, src, bytes), {
+			if (kvb_get(shm_c, model.name, h, 0, 0, dst, bytes, NULL))
+				fprintf(stderr, "get: %s\n", kvb_last_error(shm_c));
+		});
+		if (memcmp(src, dst, bytes))
+			fprintf(stderr, "bench_io: GET returned different bytes!\n");
+		sbuf = kvb_shared_buffer(shm_c, bytes);
+		MEASURE(c_get_direct, bytes, seconds, memcpy(dst, src, bytes), {
+			if (kvb_get(shm_c, model.name, h, 0, 0, sbuf, bytes, NULL))
+				fprintf(stderr, "get: %s\n", kvb_last_error(shm_c));
+		});
+		MEASURE(c_get_fr, bytes, seconds, memcpy(dst, src, bytes), {
+			if (kvb_get(frame_c, model.name, h, 0, 0, dst, bytes, NULL))
+				fprintf(stderr, "get: %s\n", kvb_last_error(frame_c));
+		});
+		printf("| %3u MiB | %5.2f | %5.2f | %5.2f (%.2fx, %.2fx of write) | %5.2f (%.2fx) | "
+		       "%5.2f (%.2fx) | %5.2f (%.2fx) | %5.2f (%.2fx) | %5.2f (%.2fx) | %5.2f (%.2fx) "
+		       "| %.3fx |\n",
+		       sizes_mib[s], c_memcpy.gbps, c_write.gbps, c_put.gbps, c_put.ratio,
+		       c_put.gbps / c_write.gbps, c_put_fr.gbps, c_put_fr.ratio, c_get.gbps,
+		       c_get.ratio, c_get_direct.gbps, c_get_direct.ratio, c_get_fr.gbps,
+		       c_get_fr.ratio, c_comp.gbps, c_comp.ratio, c_decomp.gbps, c_decomp.ratio,
+		       (double)bytes / (double)enc_total);
+		fflush(stdout);
+		free(src);
+		free(dst);
+		free(enc);
+	}
+	kvb_close(&shm_c);
+	kvb_close(&frame_c);
+	kill(pid, SIGTERM);
+	waitpid(pid, &status, 0);
+	{
+		char cmd[64];
+
+		snprintf(cmd, sizeof(cmd), "rm -rf %s", dir);
+		if (system(cmd) < 0)
+			perror("system");
+	}
+	printf("\nshm: through the client's shared-memory segment (the default on ipc://); "
+	       "shm-buf: into kvb_shared_buffer(), no client-side copy; frames: ZeroMQ payload "
+	       "frames (the tcp:// path). PUT is also given as a ratio to the file write.\n");
+	return 0;
+}

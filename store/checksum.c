@@ -1,0 +1,35 @@
+/* checksum — XXH3-64 with run-time SIMD choice; see checksum.h. */
+#include "checksum.h"
+
+#define CHECKSUM_SUFFIX sse2
+#include "checksum_impl.h"
+
+uint64_t checksum_avx2(const void *buf, size_t len);
+uint64_t checksum_copy_avx2(void *dst, const void *src, size_t n);
+
+static int have_avx2(void)
+{
+	static int cached = -1;
+
+	/* A benign race: every thread computes the same answer. */
+	if (cached < 0) {
+		__builtin_cpu_init();
+		cached = __builtin_cpu_supports("avx2") != 0;
+	}
+	return cached;
+}
+
+uint64_t checksum(const void *buf, size_t len)
+{
+	return have_avx2() ? checksum_avx2(buf, len) : checksum_sse2(buf, len);
+}
+
+uint64_t checksum_copy(void *dst, const void *src, size_t n)
+{
+	return have_avx2() ? checksum_copy_avx2(dst, src, n) : checksum_copy_sse2(dst, src, n);
+}
+
+const char *checksum_impl(void)
+{
+	return have_avx2() ? "avx2" : "sse2";
+}
