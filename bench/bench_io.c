@@ -123,35 +123,23 @@ static int cmp_double(const void *a, const void *b)
 }
 
 /*
- * Each run times the operation and, right before it, the peer (memcpy of the
- * same bytes, or a file write): the machines are shared and noisy, so a ratio
- * of two neighbours is steadier than two separate bests. Reports the median
- * rate and the median ratio over at least 5 runs and min_s seconds.
+ * Repeat the operation for at least 5 runs and min_s seconds; the median rate in
+ * GB/s. Every figure of one size is measured in the same run as its memcpy, so
+ * ratios compare neighbours on a shared, noisy machine.
  */
-struct cell {
-	double gbps, ratio;
-};
-
 #define MAX_RUNS 4096
-#define MEASURE(cell, bytes, min_s, peer, ...)                                         \
+#define MEASURE(gbps, bytes, min_s, ...)                                               \
 	do {                                                                           \
-		static double rates_[MAX_RUNS], ratios_[MAX_RUNS];                     \
+		static double rates_[MAX_RUNS];                                        \
 		double t_end_ = now_s() + (min_s);                                     \
 		int runs_ = 0;                                                         \
 		while ((runs_ < 5 || now_s() < t_end_) && runs_ < MAX_RUNS) {          \
-			double t0_ = now_s(), tp_, to_;                                \
-			peer;                                                          \
-			tp_ = now_s() - t0_;                                           \
-			t0_ = now_s();                                                 \
+			double t0_ = now_s();                                          \
 			__VA_ARGS__;                                                   \
-			to_ = now_s() - t0_;                                           \
-			rates_[runs_] = (bytes) / to_ / 1e9;                           \
-			ratios_[runs_++] = tp_ / to_;                                  \
+			rates_[runs_++] = (bytes) / (now_s() - t0_) / 1e9;             \
 		}                                                                      \
 		qsort(rates_, (size_t)runs_, sizeof(double), cmp_double);              \
-		qsort(ratios_, (size_t)runs_, sizeof(double), cmp_double);             \
-		(cell).gbps = rates_[runs_ / 2];                                       \
-		(cell).ratio = ratios_[runs_ / 2];                                     \
+		(gbps) = rates_[runs_ / 2];                                            \
 	} while (0)
 
 int main(int argc, char **argv)
@@ -209,8 +197,8 @@ int main(int argc, char **argv)
 	       "%s commits; >= %.1f s per cell\n", model.num_layers, model.num_kv_heads,
 	       model.head_dim, 2 * model.num_layers * model.num_kv_heads * model.head_dim * 2 / 1024,
 	       sync ? "fsync'd" : "no-sync", seconds);
-	printf("GB/s, and in parentheses the median ratio to memcpy of the same bytes timed "
-	       "just before each run\n\n");
+	printf("median GB/s, and in parentheses the ratio to memcpy of the same bytes in this "
+	       "run\n\n");
 	printf("| chunk | memcpy | file write | PUT shm | PUT frames | GET shm | GET shm-buf | "
 	       "GET frames | codec compress | codec decompress | codec ratio |\n");
 	printf("|---|---|---|---|---|---|---|---|---|---|---|\n");
@@ -221,7 +209,7 @@ int main(int argc, char **argv)
 		size_t tb = bytes / model.num_layers / 2;
 		uint16_t *src = malloc(bytes), *dst = malloc(bytes);
 		uint8_t *enc = malloc(codec_bound(tb)), h[KVB_HASH_LEN];
-		struct cell c_memcpy, c_write, c_put, c_put_fr, c_get, c_get_direct, c_get_fr, c_comp,
+		double c_memcpy, c_write, c_put, c_put_fr, c_get, c_get_direct, c_get_fr, c_comp,
 			c_decomp;
 		size_t enc_total = 0, len = 0;
 		char wpath[400];
@@ -231,19 +219,19 @@ int main(int argc, char **argv)
 		snprintf(wpath, sizeof(wpath), "%s/data/write-peer", dir);
 		fill_kv(src, bytes / 2, s + 1);
 		memset(dst, 1, bytes);
-		MEASURE(c_memcpy, bytes, seconds, memcpy(dst, src, bytes), memcpy(dst, src, bytes));
+		MEASURE(c_memcpy, bytes, seconds, memcpy(dst, src, bytes));
 		/* The disk's own sustained speed for the same bytes: appended to a file in the
 		 * data directory (and fsync'd with --sync), kept until the cell ends so that
 		 * writeback throttles it as it throttles LMDB. The peer of PUT. */
 		wfd = open(wpath, O_WRONLY | O_CREAT | O_TRUNC | O_APPEND, 0600);
-		MEASURE(c_write, bytes, seconds, (void)0, {
+		MEASURE(c_write, bytes, seconds, {
 			if (wfd < 0 || write(wfd, src, bytes) != (ssize_t)bytes || (sync && fsync(wfd)))
 				perror("write peer");
 		});
 		close(wfd);
 		unlink(wpath);
 		/* codec alone, forced to compress (min_saving 0), on each tensor */
-		MEASURE(c_comp, bytes, seconds, memcpy(dst, src, bytes), {
+		MEASURE(c_comp, bytes, seconds, {
 			enc_total = 0;
 			for (unsigned t = 0; t < 2 * model.num_layers; t++) {
 				codec_encode((uint8_t *)src + t * tb, tb, 2, 0.0, enc, codec_bound(tb),
@@ -252,11 +240,11 @@ int main(int argc, char **argv)
 			}
 		});
 		codec_encode(src, tb, 2, 0.0, enc, codec_bound(tb), &len);
-		MEASURE(c_decomp, bytes, seconds, memcpy(dst, src, bytes), {
+		MEASURE(c_decomp, bytes, seconds, {
 			for (unsigned t = 0; t < 2 * model.num_layers; t++)
 				codec_decode(enc, len, (uint8_t *)dst + t * tb, tb, NULL);
 		});
-		MEASURE(c_put, bytes, seconds, memcpy(dst, src, bytes), {
+		MEASURE(c_put, bytes, seconds, {
 			uint32_t id[2] = { (uint32_t)seq, (uint32_t)(seq >> 32) };
 
 			seq++;
@@ -264,7 +252,7 @@ int main(int argc, char **argv)
 			if (kvb_put(shm_c, model.name, h, KVB_F16, tokens, 0, src, bytes, NULL))
 				fprintf(stderr, "put: %s\n", kvb_last_error(shm_c));
 		});
-		MEASURE(c_put_fr, bytes, seconds, memcpy(dst, src, bytes), {
+		MEASURE(c_put_fr, bytes, seconds, {
 			uint32_t id[2] = { (uint32_t)seq, (uint32_t)(seq >> 32) };
 
 			seq++;
@@ -272,28 +260,28 @@ int main(int argc, char **argv)
 			if (kvb_put(frame_c, model.name, h, KVB_F16, tokens, 0, src, bytes, NULL))
 				fprintf(stderr, "put: %s\n", kvb_last_error(frame_c));
 		});
-		MEASURE(c_get, bytes, seconds, memcpy(dst, src, bytes), {
+		MEASURE(c_get, bytes, seconds, {
 			if (kvb_get(shm_c, model.name, h, 0, 0, dst, bytes, NULL))
 				fprintf(stderr, "get: %s\n", kvb_last_error(shm_c));
 		});
 		if (memcmp(src, dst, bytes))
 			fprintf(stderr, "bench_io: GET returned different bytes!\n");
 		sbuf = kvb_shared_buffer(shm_c, bytes);
-		MEASURE(c_get_direct, bytes, seconds, memcpy(dst, src, bytes), {
+		MEASURE(c_get_direct, bytes, seconds, {
 			if (kvb_get(shm_c, model.name, h, 0, 0, sbuf, bytes, NULL))
 				fprintf(stderr, "get: %s\n", kvb_last_error(shm_c));
 		});
-		MEASURE(c_get_fr, bytes, seconds, memcpy(dst, src, bytes), {
+		MEASURE(c_get_fr, bytes, seconds, {
 			if (kvb_get(frame_c, model.name, h, 0, 0, dst, bytes, NULL))
 				fprintf(stderr, "get: %s\n", kvb_last_error(frame_c));
 		});
-		printf("| %3u MiB | %5.2f | %5.2f | %5.2f (%.2fx, %.2fx of write) | %5.2f (%.2fx) | "
+		printf("| %3u MiB | %5.2f | %5.2f | %5.2f (%.2fx; %.2fx of write) | %5.2f (%.2fx) | "
 		       "%5.2f (%.2fx) | %5.2f (%.2fx) | %5.2f (%.2fx) | %5.2f (%.2fx) | %5.2f (%.2fx) "
 		       "| %.3fx |\n",
-		       sizes_mib[s], c_memcpy.gbps, c_write.gbps, c_put.gbps, c_put.ratio,
-		       c_put.gbps / c_write.gbps, c_put_fr.gbps, c_put_fr.ratio, c_get.gbps,
-		       c_get.ratio, c_get_direct.gbps, c_get_direct.ratio, c_get_fr.gbps,
-		       c_get_fr.ratio, c_comp.gbps, c_comp.ratio, c_decomp.gbps, c_decomp.ratio,
+		       sizes_mib[s], c_memcpy, c_write, c_put, c_put / c_memcpy, c_put / c_write,
+		       c_put_fr, c_put_fr / c_memcpy, c_get, c_get / c_memcpy, c_get_direct,
+		       c_get_direct / c_memcpy, c_get_fr, c_get_fr / c_memcpy, c_comp,
+		       c_comp / c_memcpy, c_decomp, c_decomp / c_memcpy,
 		       (double)bytes / (double)enc_total);
 		fflush(stdout);
 		free(src);

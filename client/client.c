@@ -100,9 +100,16 @@ const char *kvb_strerror(int code)
 
 const char *kvb_default_endpoint(void)
 {
-	const char *e = getenv("KVBLEND_ENDPOINT");
+	static __thread char buf[300];
+	const char *e = getenv("KVBLEND_ENDPOINT"), *xdg = getenv("XDG_RUNTIME_DIR");
 
-	return e && *e ? e : DEFAULT_ENDPOINT;
+	if (e && *e)
+		return e;
+	/* Mirror kvblendd's default: the system socket, else the user's runtime dir. */
+	if (access(DEFAULT_ENDPOINT + 6, F_OK) == 0 || !xdg || !*xdg || geteuid() == 0)
+		return DEFAULT_ENDPOINT;
+	snprintf(buf, sizeof(buf), "ipc://%s/kvblend.sock", xdg);
+	return buf;
 }
 
 size_t kvb_dtype_size(enum kvb_dtype dtype)

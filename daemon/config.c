@@ -37,6 +37,9 @@ static const struct key keys[] = {
 	  "root, else ipc://$XDG_RUNTIME_DIR/kvblend.sock)" },
 	{ "workers", T_UINT, OFF(workers), 0, 256, "0",
 	  "request worker threads; 0 = number of CPUs (at least 2)" },
+	{ "bulk_threads", T_UINT, OFF(bulk_threads), 0, 256, "0",
+	  "threads that share one large request's decoding and merging, its worker included; "
+	  "0 = number of CPUs, 1 = never split" },
 	{ "map_size", T_SIZE, OFF(map_size), 16 * MiB, 64 * TiB, "256G",
 	  "LMDB map size: the most the store can hold (sparse, costs no disk up front)" },
 	{ "max_message", T_SIZE, OFF(max_message), 1 * MiB, 64 * GiB, "1G",

@@ -22,6 +22,7 @@ struct config {
 	unsigned n_listen;
 	int listen_layer; /* which source set listen: later sources replace, not append */
 	uint64_t workers;
+	uint64_t bulk_threads;
 	uint64_t map_size;
 	uint64_t max_message;
 	uint64_t max_tokens;

@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "log.h"
+#include "pool.h"
 
 #ifndef KVBLEND_VERSION
 #define KVBLEND_VERSION "0.0.0"
@@ -441,6 +442,43 @@ out:
 	free(tensors);
 }
 
+/* A large GET is decoded by several threads, each taking a contiguous run of layers. */
+struct get_split {
+	struct store *store;
+	const struct store_model *m;
+	const uint8_t *hash;
+	uint32_t lb, le, parts;
+	uint8_t *dst;
+	uint64_t tb;
+};
+
+static int get_part(void *arg, size_t i)
+{
+	const struct get_split *g = arg;
+	uint32_t n = g->le - g->lb;
+	uint32_t a = g->lb + (uint32_t)((uint64_t)n * i / g->parts);
+	uint32_t b = g->lb + (uint32_t)((uint64_t)n * (i + 1) / g->parts);
+
+	if (a == b)
+		return 0;
+	return store_chunk_get(g->store, g->m, g->hash, a, b, g->dst + (uint64_t)(a - g->lb) * 2 * g->tb,
+			       (uint64_t)(b - a) * 2 * g->tb, NULL);
+}
+
+/* Below this a GET is not worth splitting: thread hand-offs cost more than they save. */
+#define SPLIT_MIN_BYTES (4u << 20)
+
+static int chunk_get_parallel(struct req *q, const struct store_model *m, uint32_t lb, uint32_t le,
+			      void *dst, uint64_t tb, uint64_t total)
+{
+	struct get_split g = { q->srv->store, m, q->h.hash, lb, le, 1, dst, tb };
+	unsigned threads = pool_threads(q->srv->pool) + 1;
+
+	if (total >= SPLIT_MIN_BYTES && threads > 1)
+		g.parts = le - lb < threads ? le - lb : threads;
+	return pool_run(q->srv->pool, g.parts, get_part, &g);
+}
+
 static void op_get(struct req *q)
 {
 	struct store_model m;
@@ -491,7 +529,7 @@ static void op_get(struct req *q)
 		buf->len = total;
 		dst = buf->data;
 	}
-	rc = store_chunk_get(q->srv->store, &m, q->h.hash, lb, le, dst, total, &ci);
+	rc = chunk_get_parallel(q, &m, lb, le, dst, tb, total);
 	if (q->h.has_shm)
 		shm_release(q->srv->shm, q->h.shm_id);
 	if (rc == -EBADMSG) {

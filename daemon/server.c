@@ -14,6 +14,7 @@
 
 #include "log.h"
 #include "ops.h"
+#include "pool.h"
 
 #define WORKER_ENDPOINT "inproc://kvblend-workers"
 #define POLL_MS 200
@@ -274,10 +275,17 @@ int server_start(struct server *srv, const struct config *cfg, struct store *sto
 	}
 	if (zmq_bind(srv->backend, WORKER_ENDPOINT))
 		return -errno;
-	if (!n_workers) {
+	{
 		long c = sysconf(_SC_NPROCESSORS_ONLN);
+		unsigned bulk = (unsigned)cfg->bulk_threads;
 
-		n_workers = c < 2 ? 2 : (unsigned)c;
+		if (!n_workers)
+			n_workers = c < 2 ? 2 : (unsigned)c;
+		if (!bulk)
+			bulk = c < 1 ? 1 : (unsigned)c;
+		rc = pool_new(bulk - 1, &srv->pool);
+		if (rc)
+			return rc;
 	}
 	srv->threads = calloc(n_workers, sizeof(*srv->threads));
 	if (!srv->threads)
@@ -372,4 +380,5 @@ void server_stop(struct server *srv)
 		if (!strncmp(srv->cfg->listen[i], "ipc://", 6))
 			unlink(srv->cfg->listen[i] + 6);
 	shm_table_free(&srv->shm);
+	pool_free(&srv->pool);
 }

@@ -34,6 +34,7 @@ struct server {
 	const struct config *cfg;
 	struct store *store;
 	struct shm_table *shm;
+	struct pool *pool; /* helpers that split one request's bulk work */
 	void *zctx;
 	void *frontend; /* ROUTER, bound to cfg->listen */
 	void *backend;	/* DEALER, inproc, workers connect */

@@ -133,7 +133,9 @@ KVB_API const char *kvb_last_error(const kvb_client *c);
 /* Static description of a code returned by any call. */
 KVB_API const char *kvb_strerror(int code);
 
-/* The endpoint a NULL endpoint resolves to. Static storage. */
+/* The endpoint a NULL endpoint resolves to: $KVBLEND_ENDPOINT, else
+ * ipc:///run/kvblend/kvblend.sock, else (not root, and that socket absent)
+ * ipc://$XDG_RUNTIME_DIR/kvblend.sock. Thread-local storage, valid until the next call. */
 KVB_API const char *kvb_default_endpoint(void);
 
 /* Server version string into buf. */
