@@ -50,7 +50,7 @@ struct call {
 	size_t n_frames;
 };
 
-_Static_assert(KVB_E_BAD_SHM == -1000 - KVBP_BAD_SHM, "client codes drifted from the wire");
+_Static_assert(KVB_E_BUSY == -1000 - KVBP_BUSY, "client codes drifted from the wire");
 
 __attribute__((format(printf, 3, 4))) static int set_err(kvb_client *c, int rc, const char *fmt,
 							 ...)
@@ -87,6 +87,8 @@ const char *kvb_strerror(int code)
 		[KVBP_INTERNAL] = "internal daemon error",
 		[KVBP_BAD_ARGUMENT] = "bad argument",
 		[KVBP_BAD_SHM] = "bad shared-memory reference",
+		[KVBP_UNKNOWN_SESSION] = "unknown fuse session",
+		[KVBP_BUSY] = "chunk in use by a fuse session",
 	};
 
 	if (code == 0)
@@ -476,8 +478,13 @@ static int call(kvb_client *c, struct call *k)
 	for (size_t i = 0; !rc && i < k->n_payload; i++) {
 		zmq_msg_t m;
 
-		atomic_fetch_add(&c->in_flight, 1);
-		zmq_msg_init_data(&m, (void *)k->payload[i], k->payload_len[i], payload_sent, c);
+		if (k->payload_len[i] == 0) {
+			zmq_msg_init(&m);
+		} else {
+			atomic_fetch_add(&c->in_flight, 1);
+			zmq_msg_init_data(&m, (void *)k->payload[i], k->payload_len[i], payload_sent,
+					  c);
+		}
 		if (zmq_msg_send(&m, c->sock, i + 1 < k->n_payload ? ZMQ_SNDMORE : 0) < 0) {
 			zmq_msg_close(&m);
 			rc = 1;
@@ -781,12 +788,13 @@ out:
 	return rc;
 }
 
-int kvb_get(kvb_client *c, const char *model, const uint8_t hash[KVB_HASH_LEN],
-	    uint32_t layer_begin, uint32_t layer_end, void *out, size_t out_bytes,
-	    struct kvb_chunk_info *info)
+static int get_common(kvb_client *c, const char *model, const uint8_t hash[KVB_HASH_LEN],
+		      uint32_t layer_begin, uint32_t layer_end, bool rerotate, uint32_t pos,
+		      void *out, size_t out_bytes, struct kvb_chunk_info *info)
 {
 	struct call k = { .req = { .op = KVBP_OP_GET, .has_hash = true, .layer_begin = layer_begin,
-				   .layer_end = layer_end } };
+				   .layer_end = layer_end, .rerotate = rerotate,
+				   .target_pos = pos } };
 	bool direct = in_shm(c, out, out_bytes);
 	uint8_t *dst = out;
 	size_t got = 0;
@@ -842,6 +850,212 @@ int kvb_get(kvb_client *c, const char *model, const uint8_t hash[KVB_HASH_LEN],
 	}
 out:
 	call_done(&k);
+	return rc;
+}
+
+int kvb_get(kvb_client *c, const char *model, const uint8_t hash[KVB_HASH_LEN],
+	    uint32_t layer_begin, uint32_t layer_end, void *out, size_t out_bytes,
+	    struct kvb_chunk_info *info)
+{
+	return get_common(c, model, hash, layer_begin, layer_end, false, 0, out, out_bytes, info);
+}
+
+int kvb_get_rerotated(kvb_client *c, const char *model, const uint8_t hash[KVB_HASH_LEN],
+		      uint32_t layer_begin, uint32_t layer_end, uint32_t pos, void *out,
+		      size_t out_bytes, struct kvb_chunk_info *info)
+{
+	return get_common(c, model, hash, layer_begin, layer_end, true, pos, out, out_bytes, info);
+}
+
+struct kvb_fuse {
+	uint64_t id;
+	uint32_t tokens;
+	uint32_t next_layer;
+	uint32_t first_check;
+	size_t row_bytes;
+	int32_t *rows; /* tokens of the next call: all at first, the selection after */
+	size_t n_rows;
+};
+
+int kvb_fuse_open(kvb_client *c, const char *model, const struct kvb_segment *segs,
+		  size_t n_segs, const struct kvb_fuse_params *p, kvb_fuse **out,
+		  uint8_t (**missing)[KVB_HASH_LEN], size_t *n_missing)
+{
+	struct call k = { .req = { .op = KVBP_OP_FUSE_OPEN } };
+	struct kvb_model m;
+	kvb_fuse *f = NULL;
+	int rc;
+
+	*out = NULL;
+	if (missing)
+		*missing = NULL;
+	if (n_missing)
+		*n_missing = 0;
+	if ((rc = set_name(c, &k, model)))
+		return rc;
+	if (!n_segs || !p || !p->n_checks)
+		return set_err(c, -EINVAL, "a fuse needs segments and at least one check layer");
+	/* The row size, for the layer calls to check their buffers against. */
+	rc = kvb_model_get(c, model, &m);
+	if (rc)
+		return rc;
+	k.req.segments = calloc(n_segs, sizeof(*k.req.segments));
+	k.req.check_layers = malloc(p->n_checks * sizeof(uint32_t));
+	k.req.ratios = malloc(p->n_checks * sizeof(double));
+	if (!k.req.segments || !k.req.check_layers || !k.req.ratios) {
+		rc = set_err(c, -ENOMEM, "out of memory");
+		goto out;
+	}
+	for (size_t i = 0; i < n_segs; i++) {
+		k.req.segments[i].fresh = segs[i].fresh != 0;
+		memcpy(k.req.segments[i].hash, segs[i].hash, KVB_HASH_LEN);
+		k.req.segments[i].pos = segs[i].pos;
+		k.req.segments[i].count = segs[i].fresh ? segs[i].count : 0;
+	}
+	k.req.n_segments = n_segs;
+	memcpy(k.req.check_layers, p->check_layers, p->n_checks * sizeof(uint32_t));
+	memcpy(k.req.ratios, p->ratios, p->n_checks * sizeof(double));
+	k.req.n_checks = k.req.n_ratios = p->n_checks;
+	k.req.metric = (uint32_t)p->metric;
+	rc = call(c, &k);
+	if (rc == KVB_E_NOT_FOUND && missing && n_missing && k.rep.n_chunks) {
+		*missing = malloc(k.rep.n_chunks * KVB_HASH_LEN);
+		if (*missing) {
+			for (size_t i = 0; i < k.rep.n_chunks; i++)
+				memcpy((*missing)[i], k.rep.chunks[i].hash, KVB_HASH_LEN);
+			*n_missing = k.rep.n_chunks;
+		}
+	}
+	if (rc)
+		goto out;
+	f = calloc(1, sizeof(*f));
+	if (f)
+		f->rows = malloc(((size_t)k.rep.num_tokens + 1) * sizeof(int32_t));
+	if (!f || !f->rows) {
+		free(f);
+		f = NULL;
+		rc = set_err(c, -ENOMEM, "out of memory");
+		goto out;
+	}
+	f->id = k.rep.session_id;
+	f->tokens = k.rep.num_tokens;
+	f->next_layer = f->first_check = k.rep.next_layer;
+	f->row_bytes = (size_t)m.num_kv_heads * m.head_dim * kvb_dtype_size(m.dtype);
+	for (uint32_t i = 0; i < f->tokens; i++)
+		f->rows[i] = (int32_t)i;
+	f->n_rows = f->tokens;
+	*out = f;
+out:
+	call_done(&k);
+	return rc;
+}
+
+uint32_t kvb_fuse_tokens(const kvb_fuse *f)
+{
+	return f->tokens;
+}
+
+uint32_t kvb_fuse_next_layer(const kvb_fuse *f)
+{
+	return f->next_layer;
+}
+
+size_t kvb_fuse_rows(const kvb_fuse *f, const int32_t **tokens)
+{
+	if (tokens)
+		*tokens = f->rows;
+	return f->n_rows;
+}
+
+int kvb_fuse_layer(kvb_client *c, kvb_fuse *f, uint32_t layer, const void *k_in, const void *v_in,
+		   void *k_out, void *v_out, int *fused)
+{
+	struct call k = { .req = { .op = KVBP_OP_FUSE_LAYER, .session_id = f->id, .layer = layer,
+				   .rows = (uint32_t)f->n_rows } };
+	size_t in_bytes = f->n_rows * f->row_bytes, out_bytes = (size_t)f->tokens * f->row_bytes;
+	const void *ptrs[2] = { k_in, v_in };
+	size_t lens[2] = { in_bytes, in_bytes };
+	bool shm = c->shm_ok && shm_ensure(c, 2 * in_bytes + 2 * out_bytes);
+	int rc;
+
+	if (fused)
+		*fused = 0;
+	if (shm) {
+		/* Fresh rows at the start of the segment, fused output after them. */
+		if (in_bytes) {
+			memcpy(c->shm_base, k_in, in_bytes);
+			memcpy((uint8_t *)c->shm_base + in_bytes, v_in, in_bytes);
+		}
+		k.req.has_shm = k.req.has_shm_out = true;
+		k.req.shm_id = k.req.shm_out_id = c->shm_id;
+		k.req.shm_offset = 0;
+		k.req.shm_length = 2 * in_bytes;
+		k.req.shm_out_offset = 2 * in_bytes;
+		k.req.shm_out_length = 2 * out_bytes;
+	} else {
+		k.payload = ptrs;
+		k.payload_len = lens;
+		k.n_payload = 2;
+	}
+	rc = call(c, &k);
+	if (rc)
+		goto out;
+	if (k.rep.has_fused) {
+		if (shm) {
+			memcpy(k_out, (uint8_t *)c->shm_base + 2 * in_bytes, out_bytes);
+			memcpy(v_out, (uint8_t *)c->shm_base + 2 * in_bytes + out_bytes, out_bytes);
+		} else if (k.n_frames == 2 && zmq_msg_size(&k.frames[0]) == out_bytes &&
+			   zmq_msg_size(&k.frames[1]) == out_bytes) {
+			memcpy(k_out, zmq_msg_data(&k.frames[0]), out_bytes);
+			memcpy(v_out, zmq_msg_data(&k.frames[1]), out_bytes);
+		} else {
+			rc = set_err(c, KVB_E_PROTOCOL, "fused layer reply of unexpected size");
+			goto out;
+		}
+		if (fused)
+			*fused = 1;
+	}
+	if (k.rep.has_selection) {
+		if (k.rep.n_selection > f->tokens) {
+			rc = set_err(c, KVB_E_PROTOCOL, "selection larger than the session");
+			goto out;
+		}
+		if (k.rep.n_selection)
+			memcpy(f->rows, k.rep.selection, k.rep.n_selection * sizeof(int32_t));
+		f->n_rows = k.rep.n_selection;
+	}
+	f->next_layer = k.rep.next_layer;
+out:
+	call_done(&k);
+	return rc;
+}
+
+int kvb_fuse_close(kvb_client *c, kvb_fuse **fp, struct kvb_stat **stats, size_t *n_stats)
+{
+	kvb_fuse *f = fp ? *fp : NULL;
+	struct call k = { .req = { .op = KVBP_OP_FUSE_CLOSE } };
+	int rc;
+
+	if (stats)
+		*stats = NULL;
+	if (n_stats)
+		*n_stats = 0;
+	if (!f)
+		return 0;
+	k.req.session_id = f->id;
+	rc = call(c, &k);
+	if (!rc && stats && n_stats && k.rep.n_stats) {
+		*stats = calloc(k.rep.n_stats, sizeof(**stats));
+		for (size_t i = 0; *stats && i < k.rep.n_stats; i++) {
+			snprintf((*stats)[i].name, sizeof((*stats)[i].name), "%s", k.rep.stats[i].name);
+			(*stats)[i].value = k.rep.stats[i].value;
+		}
+		*n_stats = *stats ? k.rep.n_stats : 0;
+	}
+	call_done(&k);
+	free(f->rows);
+	free(f);
+	*fp = NULL;
 	return rc;
 }
 

@@ -66,6 +66,16 @@ static const struct key keys[] = {
 	  "seconds an unused shared-memory segment lives before it is released" },
 	{ "max_readers", T_UINT, OFF(max_readers), 8, 65536, "512",
 	  "LMDB reader slots (concurrent read transactions)" },
+	{ "fuse_max_sessions", T_UINT, OFF(fuse_max_sessions), 1, 65536, "64",
+	  "fuse sessions open at once" },
+	{ "fuse_max_tokens", T_UINT, OFF(fuse_max_tokens), 1, 1u << 24, "131072",
+	  "most tokens in one fuse session" },
+	{ "fuse_max_bytes", T_SIZE, OFF(fuse_max_bytes), 1 * MiB, 1024 * GiB, "4G",
+	  "memory all fuse sessions may hold for layers loaded ahead" },
+	{ "fuse_ring", T_UINT, OFF(fuse_ring), 1, 64, "3",
+	  "layers of a fuse session loaded (read, decoded, re-rotated) ahead of the node" },
+	{ "fuse_idle", T_UINT, OFF(fuse_idle), 1, 86400, "60",
+	  "seconds an idle fuse session lives before it is closed and its memory freed" },
 	{ "log_level", T_LEVEL, OFF(log_level), 0, 3, "info", "error, warn, info or debug" },
 };
 

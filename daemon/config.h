@@ -36,6 +36,11 @@ struct config {
 	uint64_t shm_total;
 	uint64_t shm_idle;
 	uint64_t max_readers;
+	uint64_t fuse_max_sessions;
+	uint64_t fuse_max_tokens;
+	uint64_t fuse_max_bytes;
+	uint64_t fuse_ring;
+	uint64_t fuse_idle;
 	int log_level;
 };
 

@@ -12,6 +12,7 @@
 
 #include "log.h"
 #include "pool.h"
+#include "rope.h"
 
 #ifndef KVBLEND_VERSION
 #define KVBLEND_VERSION "0.0.0"
@@ -352,7 +353,7 @@ static void remove_corrupt(struct req *q, const struct store_model *m)
 
 	hex(q->h.hash, h);
 	log_err("chunk %s of model '%s' failed its checksum; removing it", h, m->name);
-	if (store_chunk_delete(q->srv->store, m, q->h.hash) == 0)
+	if (fuse_delete_chunk(q->srv->fuse, m, q->h.hash) == 0)
 		atomic_fetch_add(&q->srv->stats.corrupt_removed, 1);
 	fail(q, KVBP_CORRUPT, "chunk %s failed its checksum and was removed; treat it as a miss",
 	     h);
@@ -450,6 +451,11 @@ struct get_split {
 	uint32_t lb, le, parts;
 	uint8_t *dst;
 	uint64_t tb;
+	/* GET re-rotated: keys moved to a new position after decoding */
+	const struct blend_backend *be;
+	const struct rope_table *rot;
+	struct blend_shape shape;
+	uint32_t tokens;
 };
 
 static int get_part(void *arg, size_t i)
@@ -459,19 +465,28 @@ static int get_part(void *arg, size_t i)
 	uint32_t a = g->lb + (uint32_t)((uint64_t)n * i / g->parts);
 	uint32_t b = g->lb + (uint32_t)((uint64_t)n * (i + 1) / g->parts);
 
+	uint8_t *dst = g->dst + (uint64_t)(a - g->lb) * 2 * g->tb;
+	int rc;
+
 	if (a == b)
 		return 0;
-	return store_chunk_get(g->store, g->m, g->hash, a, b, g->dst + (uint64_t)(a - g->lb) * 2 * g->tb,
-			       (uint64_t)(b - a) * 2 * g->tb, NULL);
+	rc = store_chunk_get(g->store, g->m, g->hash, a, b, dst, (uint64_t)(b - a) * 2 * g->tb, NULL);
+	for (uint32_t l = a; !rc && g->rot && l < b; l++, dst += 2 * g->tb)
+		g->be->rotate(&g->shape, g->rot, dst, dst, 0, g->tokens);
+	return rc;
 }
 
 /* Below this a GET is not worth splitting: thread hand-offs cost more than they save. */
 #define SPLIT_MIN_BYTES (4u << 20)
 
 static int chunk_get_parallel(struct req *q, const struct store_model *m, uint32_t lb, uint32_t le,
-			      void *dst, uint64_t tb, uint64_t total)
+			      void *dst, uint64_t tb, uint64_t total, const struct rope_table *rot,
+			      uint32_t tokens)
 {
-	struct get_split g = { q->srv->store, m, q->h.hash, lb, le, 1, dst, tb };
+	struct get_split g = { q->srv->store, m, q->h.hash, lb, le, 1, dst, tb, q->srv->blend, rot,
+			       { m->num_kv_heads, m->head_dim, m->rotary_dim ? m->rotary_dim : m->head_dim,
+				 m->rope_style ? ROPE_GPTJ : ROPE_NEOX, (enum blend_dtype)m->dtype },
+			       tokens };
 	unsigned threads = pool_threads(q->srv->pool) + 1;
 
 	if (total >= SPLIT_MIN_BYTES && threads > 1)
@@ -484,6 +499,7 @@ static void op_get(struct req *q)
 	struct store_model m;
 	struct store_chunk_info ci;
 	struct shared_buf *buf = NULL;
+	struct rope_table rot = { 0 };
 	uint32_t lb = q->h.layer_begin, le = q->h.layer_end;
 	uint64_t tb, total;
 	bool found;
@@ -507,29 +523,48 @@ static void op_get(struct req *q)
 	}
 	if (chunk_bytes(q, &m, ci.num_tokens, le - lb, &tb, &total))
 		return;
+	if (q->h.rerotate) {
+		struct rope_config rc_cfg;
+
+		/* A chunk alone at target_pos: dynamic NTK sees target_pos + T positions. */
+		fuse_rope_config(&m, &rc_cfg);
+		if ((uint64_t)q->h.target_pos + ci.num_tokens > UINT32_MAX) {
+			fail(q, KVBP_BAD_ARGUMENT, "target position %" PRIu32 " + %" PRIu32 " tokens "
+			     "overflows", q->h.target_pos, ci.num_tokens);
+			return;
+		}
+		rc = rope_table_build(&rc_cfg, m.k_pre_rope, ci.num_tokens, ci.base_pos,
+				      (uint64_t)ci.base_pos + ci.num_tokens, q->h.target_pos,
+				      (uint64_t)q->h.target_pos + ci.num_tokens, &rot);
+		if (rc) {
+			fail(q, KVBP_INTERNAL, "rotation table: %s", strerror(-rc));
+			return;
+		}
+	}
 	if (q->h.has_shm) {
 		if (q->h.shm_length < total) {
 			fail(q, KVBP_BAD_SHM, "shared-memory span of %" PRIu64 " bytes is too small; "
 			     "the chunk needs %" PRIu64, q->h.shm_length, total);
-			return;
+			goto out;
 		}
 		rc = shm_acquire(q->srv->shm, q->h.shm_id, q->h.shm_offset, total, &dst);
 		if (rc) {
 			fail(q, KVBP_BAD_SHM, "shared-memory segment %" PRIu64 ": %s", q->h.shm_id,
 			     rc == -ENOENT ? "unknown or expired" : "span outside the segment");
-			return;
+			goto out;
 		}
 	} else {
 		buf = aligned_alloc(64, (sizeof(*buf) + total + 63) & ~(size_t)63);
 		if (!buf) {
 			fail(q, KVBP_LIMIT, "out of memory for a %" PRIu64 "-byte reply", total);
-			return;
+			goto out;
 		}
 		atomic_init(&buf->refs, 1);
 		buf->len = total;
 		dst = buf->data;
 	}
-	rc = chunk_get_parallel(q, &m, lb, le, dst, tb, total);
+	rc = chunk_get_parallel(q, &m, lb, le, dst, tb, total, q->h.rerotate ? &rot : NULL,
+				ci.num_tokens);
 	if (q->h.has_shm)
 		shm_release(q->srv->shm, q->h.shm_id);
 	if (rc == -EBADMSG) {
@@ -561,6 +596,7 @@ static void op_get(struct req *q)
 out:
 	if (buf)
 		shared_buf_unref(NULL, buf);
+	rope_table_free(&rot);
 }
 
 static void op_lookup(struct req *q)
@@ -607,8 +643,11 @@ static void op_delete(struct req *q)
 
 	if (need_model(q, &m) || need_hash(q) || no_payload(q))
 		return;
-	rc = store_chunk_delete(q->srv->store, &m, q->h.hash);
-	if (rc)
+	rc = fuse_delete_chunk(q->srv->fuse, &m, q->h.hash);
+	if (rc == -EBUSY)
+		fail(q, KVBP_BUSY, "chunk is in use by an open fuse session; delete it after the "
+		     "session closes");
+	else if (rc)
 		fail_store(q, rc, "delete");
 }
 
@@ -647,7 +686,7 @@ static void op_stats(struct req *q)
 	struct timespec now;
 	uint64_t shm_n, shm_bytes;
 	struct kvbp_stat *s;
-	size_t n = 0, cap = 24 + KVBP_OP_COUNT + KVBP_CODE_COUNT;
+	size_t n = 0, cap = 32 + KVBP_OP_COUNT + KVBP_CODE_COUNT;
 	int rc;
 
 	if (no_payload(q))
@@ -686,6 +725,14 @@ static void op_stats(struct req *q)
 	STAT("lookup_hits", atomic_load(&srv->stats.lookup_hits));
 	STAT("lookup_misses", atomic_load(&srv->stats.lookup_misses));
 	STAT("corrupt_removed", atomic_load(&srv->stats.corrupt_removed));
+	{
+		uint64_t fs, fb, fp;
+
+		fuse_usage(srv->fuse, &fs, &fb, &fp);
+		STAT("fuse_sessions", fs);
+		STAT("fuse_ring_bytes", fb);
+		STAT("fuse_pinned_chunks", fp);
+	}
 	for (uint32_t op = 1; op <= KVBP_OP_COUNT; op++) {
 		char nm[64];
 
@@ -745,6 +792,171 @@ static void op_shm_detach(struct req *q)
 		     q->h.shm_id);
 }
 
+static void op_fuse_open(struct req *q)
+{
+	struct fuse_open_result r;
+	struct store_model m;
+	char err[KVBP_MESSAGE_MAX];
+	uint32_t code;
+
+	if (need_model(q, &m) || no_payload(q))
+		return;
+	code = fuse_open(q->srv->fuse, &m, &q->h, &r, err, sizeof(err));
+	if (code) {
+		fail(q, code, "%s", err);
+		if (r.n_missing) {
+			q->out->rep.chunks = calloc(r.n_missing, sizeof(struct kvbp_chunk));
+			for (size_t i = 0; q->out->rep.chunks && i < r.n_missing; i++)
+				memcpy(q->out->rep.chunks[i].hash, r.missing[i], KVBP_HASH_LEN);
+			q->out->rep.n_chunks = q->out->rep.chunks ? r.n_missing : 0;
+		}
+		free(r.missing);
+		return;
+	}
+	q->out->rep.session_id = r.id;
+	q->out->rep.num_tokens = r.num_tokens;
+	q->out->rep.next_layer = r.next_layer;
+	q->out->rep.rows_next = r.rows_next;
+	q->out->prefetch_session = r.id;
+	log_debug("fuse session %016" PRIx64 " opened: %" PRIu32 " tokens, model '%s'", r.id,
+		  r.num_tokens, m.name);
+}
+
+static void op_fuse_layer(struct req *q)
+{
+	struct fuse_layer_plan plan;
+	struct fuse_layer_result res = { 0 };
+	struct fuse_session *s;
+	struct shared_buf *buf = NULL;
+	char err[KVBP_MESSAGE_MAX];
+	const uint8_t *k_in, *v_in;
+	uint8_t *out = NULL;
+	void *in_shm = NULL, *out_shm = NULL;
+	uint64_t in_bytes, out_bytes;
+	uint32_t code;
+
+	code = fuse_layer_begin(q->srv->fuse, q->h.session_id, q->h.layer, &s, &plan, err,
+				sizeof(err));
+	if (code) {
+		fail(q, code, "%s", err);
+		return;
+	}
+	in_bytes = (uint64_t)plan.rows_in * plan.row_bytes;
+	out_bytes = (uint64_t)plan.num_tokens * plan.row_bytes;
+	if (q->h.rows != plan.rows_in) {
+		fail(q, KVBP_BAD_SHAPE, "layer %" PRIu32 " takes fresh K and V for %" PRIu32 " tokens "
+		     "(%s); the request declares %" PRIu32, q->h.layer, plan.rows_in,
+		     plan.rows_in == plan.num_tokens ? "all of them" : "the current selection",
+		     q->h.rows);
+		goto out;
+	}
+	if (q->h.has_shm) {
+		if (q->n_payload || q->h.shm_length != 2 * in_bytes) {
+			fail(q, KVBP_BAD_SHAPE, "shared-memory input is %" PRIu64 " bytes in %zu frames; "
+			     "expected %" PRIu64 " (K then V of %" PRIu32 " rows) and no frames",
+			     q->h.shm_length, q->n_payload, 2 * in_bytes, plan.rows_in);
+			goto out;
+		}
+		if (shm_acquire(q->srv->shm, q->h.shm_id, q->h.shm_offset, 2 * in_bytes, &in_shm)) {
+			fail(q, KVBP_BAD_SHM, "shared-memory segment %" PRIu64 ": unknown, expired or "
+			     "span outside it", q->h.shm_id);
+			goto out;
+		}
+		k_in = in_shm;
+		v_in = k_in + in_bytes;
+	} else {
+		if (q->n_payload != 2 || q->h.payload_frames != 2) {
+			fail(q, KVBP_BAD_FRAMES, "fuse_layer takes 2 payload frames (fresh K, fresh V); "
+			     "got %zu", q->n_payload);
+			goto out;
+		}
+		for (int i = 0; i < 2; i++)
+			if (zmq_msg_size(&q->payload[i]) != in_bytes) {
+				fail(q, KVBP_BAD_SHAPE, "fresh %c is %zu bytes; expected %" PRIu64 " (%"
+				     PRIu32 " rows x %zu bytes)", i ? 'V' : 'K',
+				     zmq_msg_size(&q->payload[i]), in_bytes, plan.rows_in,
+				     plan.row_bytes);
+				goto out;
+			}
+		k_in = zmq_msg_data(&q->payload[0]);
+		v_in = zmq_msg_data(&q->payload[1]);
+	}
+	if (plan.fused_out) {
+		if (q->h.has_shm_out) {
+			if (q->h.shm_out_length < 2 * out_bytes ||
+			    shm_acquire(q->srv->shm, q->h.shm_out_id, q->h.shm_out_offset, 2 * out_bytes,
+					&out_shm)) {
+				fail(q, KVBP_BAD_SHM, "shared-memory output: segment %" PRIu64 " unknown, "
+				     "or span smaller than the %" PRIu64 " bytes of fused K and V",
+				     q->h.shm_out_id, 2 * out_bytes);
+				goto out;
+			}
+			out = out_shm;
+		} else {
+			buf = aligned_alloc(64, (sizeof(*buf) + 2 * out_bytes + 63) & ~(size_t)63);
+			if (!buf) {
+				fail(q, KVBP_LIMIT, "out of memory for the fused layer");
+				goto out;
+			}
+			atomic_init(&buf->refs, 1);
+			buf->len = 2 * out_bytes;
+			out = buf->data;
+		}
+	}
+	code = fuse_layer_run(q->srv->fuse, s, k_in, v_in, out, out ? out + out_bytes : NULL, &res,
+			      err, sizeof(err));
+	if (code) {
+		fail(q, code, "%s", err);
+		goto out;
+	}
+	q->out->rep.num_tokens = plan.num_tokens;
+	q->out->rep.next_layer = res.next_layer;
+	q->out->rep.rows_next = res.rows_next;
+	q->out->rep.has_selection = plan.selection_out;
+	q->out->rep.selection = res.selection;
+	q->out->rep.n_selection = res.n_selection;
+	res.selection = NULL;
+	q->out->rep.has_fused = plan.fused_out;
+	if (buf) {
+		q->out->payload = calloc(2, sizeof(zmq_msg_t));
+		if (!q->out->payload) {
+			fail(q, KVBP_LIMIT, "out of memory");
+			goto out;
+		}
+		for (int i = 0; i < 2; i++) {
+			atomic_fetch_add(&buf->refs, 1);
+			zmq_msg_init_data(&q->out->payload[i], buf->data + i * out_bytes, out_bytes,
+					  shared_buf_unref, buf);
+		}
+		q->out->n_payload = 2;
+		q->out->rep.payload_frames = 2;
+	}
+	if (!res.done)
+		q->out->prefetch_session = q->h.session_id;
+out:
+	fuse_layer_end(q->srv->fuse, s);
+	if (in_shm)
+		shm_release(q->srv->shm, q->h.shm_id);
+	if (out_shm)
+		shm_release(q->srv->shm, q->h.shm_out_id);
+	if (buf)
+		shared_buf_unref(NULL, buf);
+	free(res.selection);
+}
+
+static void op_fuse_close(struct req *q)
+{
+	char err[KVBP_MESSAGE_MAX];
+	uint32_t code;
+
+	if (no_payload(q))
+		return;
+	code = fuse_close(q->srv->fuse, q->h.session_id, &q->out->rep.stats, &q->out->rep.n_stats,
+			  err, sizeof(err));
+	if (code)
+		fail(q, code, "%s", err);
+}
+
 typedef void (*op_fn)(struct req *q);
 
 static const op_fn handlers[KVBP_OP_COUNT] = {
@@ -753,7 +965,8 @@ static const op_fn handlers[KVBP_OP_COUNT] = {
 	[KVBP_OP_GET] = op_get,		    [KVBP_OP_LOOKUP] = op_lookup,
 	[KVBP_OP_DELETE] = op_delete,	    [KVBP_OP_STATS] = op_stats,
 	[KVBP_OP_LIST] = op_list,	    [KVBP_OP_SHM_ATTACH] = op_shm_attach,
-	[KVBP_OP_SHM_DETACH] = op_shm_detach,
+	[KVBP_OP_SHM_DETACH] = op_shm_detach, [KVBP_OP_FUSE_OPEN] = op_fuse_open,
+	[KVBP_OP_FUSE_LAYER] = op_fuse_layer, [KVBP_OP_FUSE_CLOSE] = op_fuse_close,
 };
 
 void ops_handle(struct server *srv, zmq_msg_t *frames, size_t n, size_t extra_frames,

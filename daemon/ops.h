@@ -17,6 +17,7 @@ struct reply_out {
 	zmq_msg_t *payload; /* initialised frames to send after the header; owned */
 	size_t n_payload;
 	uint64_t op; /* for stats */
+	uint64_t prefetch_session; /* after the reply is sent: load ahead for this fuse session */
 };
 
 /*

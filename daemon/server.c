@@ -208,6 +208,9 @@ static void *worker_main(void *arg)
 		for (size_t i = env; i < n; i++)
 			zmq_msg_close(&frames[i]);
 		send_reply(srv, sock, frames, env, &out);
+		/* Work the node waits on next: load a fuse session's coming layers now. */
+		if (out.prefetch_session)
+			fuse_prefetch(srv->fuse, out.prefetch_session);
 		reply_out_clear(&out);
 	}
 out:
@@ -287,6 +290,16 @@ int server_start(struct server *srv, const struct config *cfg, struct store *sto
 		if (rc)
 			return rc;
 	}
+	srv->blend = blend_cpu_backend();
+	{
+		struct fuse_limits fl = { cfg->fuse_max_sessions, cfg->fuse_max_tokens,
+					  cfg->fuse_max_bytes, cfg->fuse_ring, cfg->fuse_idle };
+
+		rc = fuse_table_new(&fl, store, srv->pool, srv->blend, &srv->fuse);
+		if (rc)
+			return rc;
+	}
+	log_info("fuse backend %s", srv->blend->name);
 	srv->threads = calloc(n_workers, sizeof(*srv->threads));
 	if (!srv->threads)
 		return -ENOMEM;
@@ -332,6 +345,7 @@ int server_run(struct server *srv, volatile int *stop, void (*tick)(struct serve
 
 			if (n)
 				log_info("released %u idle shared-memory segments", n);
+			fuse_expire(srv->fuse);
 			if (tick)
 				tick(srv);
 			last = now;
@@ -379,6 +393,7 @@ void server_stop(struct server *srv)
 	for (unsigned i = 0; i < srv->n_bound; i++)
 		if (!strncmp(srv->cfg->listen[i], "ipc://", 6))
 			unlink(srv->cfg->listen[i] + 6);
+	fuse_table_free(&srv->fuse);
 	shm_table_free(&srv->shm);
 	pool_free(&srv->pool);
 }

@@ -16,6 +16,7 @@
 #include <time.h>
 
 #include "config.h"
+#include "fuse.h"
 #include "shm.h"
 #include "../proto/wire.h"
 #include "../store/store.h"
@@ -35,6 +36,8 @@ struct server {
 	struct store *store;
 	struct shm_table *shm;
 	struct pool *pool; /* helpers that split one request's bulk work */
+	struct fuse_table *fuse;
+	const struct blend_backend *blend; /* fuse compute backend */
 	void *zctx;
 	void *frontend; /* ROUTER, bound to cfg->listen */
 	void *backend;	/* DEALER, inproc, workers connect */

@@ -10,7 +10,8 @@
 #include "kvblend.pb-c.h"
 
 _Static_assert((int)KVBLEND__OP__SHM_DETACH == (int)KVBP_OP_SHM_DETACH, "op numbering drifted");
-_Static_assert((int)KVBLEND__CODE__BAD_SHM == (int)KVBP_BAD_SHM, "code numbering drifted");
+_Static_assert((int)KVBLEND__CODE__BUSY == (int)KVBP_BUSY, "code numbering drifted");
+_Static_assert((int)KVBLEND__OP__FUSE_CLOSE == (int)KVBP_OP_FUSE_CLOSE, "op numbering drifted");
 _Static_assert(KVBLEND__DTYPE__F32 == 3, "dtype numbering drifted");
 
 static const char *const op_names[KVBP_OP_COUNT] = {
@@ -20,6 +21,8 @@ static const char *const op_names[KVBP_OP_COUNT] = {
 	[KVBP_OP_LOOKUP] = "lookup",	       [KVBP_OP_DELETE] = "delete",
 	[KVBP_OP_STATS] = "stats",	       [KVBP_OP_LIST] = "list",
 	[KVBP_OP_SHM_ATTACH] = "shm_attach",   [KVBP_OP_SHM_DETACH] = "shm_detach",
+	[KVBP_OP_FUSE_OPEN] = "fuse_open",     [KVBP_OP_FUSE_LAYER] = "fuse_layer",
+	[KVBP_OP_FUSE_CLOSE] = "fuse_close",
 };
 
 static const char *const code_names[KVBP_CODE_COUNT] = {
@@ -40,6 +43,8 @@ static const char *const code_names[KVBP_CODE_COUNT] = {
 	[KVBP_INTERNAL] = "internal",
 	[KVBP_BAD_ARGUMENT] = "bad_argument",
 	[KVBP_BAD_SHM] = "bad_shm",
+	[KVBP_UNKNOWN_SESSION] = "unknown_session",
+	[KVBP_BUSY] = "busy",
 };
 
 const char *kvbp_op_name(uint32_t op)
@@ -166,7 +171,8 @@ int kvbp_request_encode(const struct kvbp_request *req, uint8_t **buf, size_t *l
 {
 	Kvblend__Request pb = KVBLEND__REQUEST__INIT;
 	Kvblend__Model model = KVBLEND__MODEL__INIT;
-	Kvblend__ShmRef shm = KVBLEND__SHM_REF__INIT;
+	Kvblend__ShmRef shm = KVBLEND__SHM_REF__INIT, shm_out = KVBLEND__SHM_REF__INIT;
+	Kvblend__Segment *segs = NULL, **seg_ptrs = NULL;
 	ProtobufCBinaryData *hashes = NULL;
 	int rc;
 
@@ -195,10 +201,50 @@ int kvbp_request_encode(const struct kvbp_request *req, uint8_t **buf, size_t *l
 		shm.length = req->shm_length;
 		pb.shm = &shm;
 	}
+	pb.metric = req->metric;
+	pb.session_id = req->session_id;
+	pb.layer = req->layer;
+	pb.rows = req->rows;
+	pb.rerotate = req->rerotate;
+	pb.target_pos = req->target_pos;
+	if (req->has_shm_out) {
+		shm_out.shm_id = req->shm_out_id;
+		shm_out.offset = req->shm_out_offset;
+		shm_out.length = req->shm_out_length;
+		pb.shm_out = &shm_out;
+	}
+	pb.check_layers = (uint32_t *)req->check_layers;
+	pb.n_check_layers = req->n_checks;
+	pb.ratios = (double *)req->ratios;
+	pb.n_ratios = req->n_ratios;
+	if (req->n_segments) {
+		segs = calloc(req->n_segments, sizeof(*segs));
+		seg_ptrs = calloc(req->n_segments, sizeof(*seg_ptrs));
+		if (!segs || !seg_ptrs) {
+			free(segs);
+			free(seg_ptrs);
+			return -ENOMEM;
+		}
+		for (size_t i = 0; i < req->n_segments; i++) {
+			kvblend__segment__init(&segs[i]);
+			if (!req->segments[i].fresh) {
+				segs[i].hash.data = (uint8_t *)req->segments[i].hash;
+				segs[i].hash.len = KVBP_HASH_LEN;
+			}
+			segs[i].pos = req->segments[i].pos;
+			segs[i].count = req->segments[i].count;
+			seg_ptrs[i] = &segs[i];
+		}
+		pb.segments = seg_ptrs;
+		pb.n_segments = req->n_segments;
+	}
 	if (req->n_hashes) {
 		hashes = calloc(req->n_hashes, sizeof(*hashes));
-		if (!hashes)
+		if (!hashes) {
+			free(segs);
+			free(seg_ptrs);
 			return -ENOMEM;
+		}
 		for (size_t i = 0; i < req->n_hashes; i++) {
 			hashes[i].data = req->hashes[i];
 			hashes[i].len = KVBP_HASH_LEN;
@@ -208,6 +254,8 @@ int kvbp_request_encode(const struct kvbp_request *req, uint8_t **buf, size_t *l
 	}
 	rc = pack_message(&pb.base, buf, len);
 	free(hashes);
+	free(segs);
+	free(seg_ptrs);
 	return rc;
 }
 
@@ -264,6 +312,65 @@ int kvbp_request_decode(const void *buf, size_t len, struct kvbp_request *out, c
 		r.shm_offset = pb->shm->offset;
 		r.shm_length = pb->shm->length;
 	}
+	r.metric = pb->metric;
+	r.session_id = pb->session_id;
+	r.layer = pb->layer;
+	r.rows = pb->rows;
+	r.rerotate = pb->rerotate;
+	r.target_pos = pb->target_pos;
+	if (pb->shm_out) {
+		r.has_shm_out = true;
+		r.shm_out_id = pb->shm_out->shm_id;
+		r.shm_out_offset = pb->shm_out->offset;
+		r.shm_out_length = pb->shm_out->length;
+	}
+	if (pb->n_check_layers > KVBP_CHECKS_MAX || pb->n_ratios > KVBP_CHECKS_MAX) {
+		set_err(err, errlen, "%zu check layers and %zu ratios; the limit is %d",
+			pb->n_check_layers, pb->n_ratios, KVBP_CHECKS_MAX);
+		rc = KVBP_TOO_LARGE;
+		goto out;
+	}
+	if (pb->n_segments > KVBP_SEGMENTS_MAX) {
+		set_err(err, errlen, "%zu segments in one request; the limit is %d", pb->n_segments,
+			KVBP_SEGMENTS_MAX);
+		rc = KVBP_TOO_LARGE;
+		goto out;
+	}
+	if (pb->n_check_layers) {
+		r.check_layers = malloc(pb->n_check_layers * sizeof(uint32_t));
+		if (!r.check_layers)
+			goto nomem;
+		memcpy(r.check_layers, pb->check_layers, pb->n_check_layers * sizeof(uint32_t));
+		r.n_checks = pb->n_check_layers;
+	}
+	if (pb->n_ratios) {
+		r.ratios = malloc(pb->n_ratios * sizeof(double));
+		if (!r.ratios)
+			goto nomem;
+		memcpy(r.ratios, pb->ratios, pb->n_ratios * sizeof(double));
+		r.n_ratios = pb->n_ratios;
+	}
+	if (pb->n_segments) {
+		r.segments = calloc(pb->n_segments, sizeof(*r.segments));
+		if (!r.segments)
+			goto nomem;
+		r.n_segments = pb->n_segments;
+		for (size_t i = 0; i < pb->n_segments; i++) {
+			const Kvblend__Segment *g = pb->segments[i];
+
+			if (g->hash.len && g->hash.len != KVBP_HASH_LEN) {
+				set_err(err, errlen, "segment %zu: chunk hash is %zu bytes; it must be %d",
+					i, g->hash.len, KVBP_HASH_LEN);
+				rc = KVBP_BAD_ARGUMENT;
+				goto out;
+			}
+			r.segments[i].fresh = g->hash.len == 0;
+			if (g->hash.len)
+				memcpy(r.segments[i].hash, g->hash.data, KVBP_HASH_LEN);
+			r.segments[i].pos = g->pos;
+			r.segments[i].count = g->count;
+		}
+	}
 	if (pb->n_hashes) {
 		if (pb->n_hashes > KVBP_LOOKUP_MAX) {
 			set_err(err, errlen, "%zu hashes in one request; the limit is %d",
@@ -288,10 +395,14 @@ int kvbp_request_decode(const void *buf, size_t len, struct kvbp_request *out, c
 		}
 		r.n_hashes = pb->n_hashes;
 	}
+	goto out;
+nomem:
+	set_err(err, errlen, "out of memory decoding a request");
+	rc = KVBP_INTERNAL;
 out:
 	kvblend__request__free_unpacked(pb, NULL);
 	if (rc) {
-		free(r.hashes);
+		kvbp_request_clear(&r);
 		return rc;
 	}
 	*out = r;
@@ -303,8 +414,14 @@ void kvbp_request_clear(struct kvbp_request *req)
 	if (!req)
 		return;
 	free(req->hashes);
+	free(req->segments);
+	free(req->check_layers);
+	free(req->ratios);
 	req->hashes = NULL;
-	req->n_hashes = 0;
+	req->segments = NULL;
+	req->check_layers = NULL;
+	req->ratios = NULL;
+	req->n_hashes = req->n_segments = req->n_checks = req->n_ratios = 0;
 }
 
 int kvbp_reply_encode(const struct kvbp_reply *rep, uint8_t **buf, size_t *len)
@@ -327,6 +444,14 @@ int kvbp_reply_encode(const struct kvbp_reply *rep, uint8_t **buf, size_t *len)
 	pb.shm_id = rep->shm_id;
 	pb.shm_size = rep->shm_size;
 	pb.shm_name = (char *)rep->shm_name;
+	pb.session_id = rep->session_id;
+	pb.num_tokens = rep->num_tokens;
+	pb.selection = rep->selection;
+	pb.n_selection = rep->n_selection;
+	pb.has_selection = rep->has_selection;
+	pb.has_fused = rep->has_fused;
+	pb.next_layer = rep->next_layer;
+	pb.rows_next = rep->rows_next;
 	if (rep->n_models) {
 		models = calloc(rep->n_models, sizeof(*models));
 		model_ptrs = calloc(rep->n_models, sizeof(*model_ptrs));
@@ -414,6 +539,19 @@ int kvbp_reply_decode(const void *buf, size_t len, struct kvbp_reply *out, char 
 	r.layer_end = pb->layer_end;
 	r.shm_id = pb->shm_id;
 	r.shm_size = pb->shm_size;
+	r.session_id = pb->session_id;
+	r.num_tokens = pb->num_tokens;
+	r.has_selection = pb->has_selection;
+	r.has_fused = pb->has_fused;
+	r.next_layer = pb->next_layer;
+	r.rows_next = pb->rows_next;
+	if (pb->n_selection) {
+		r.selection = malloc(pb->n_selection * sizeof(int32_t));
+		if (!r.selection)
+			goto nomem;
+		memcpy(r.selection, pb->selection, pb->n_selection * sizeof(int32_t));
+		r.n_selection = pb->n_selection;
+	}
 	if (pb->n_models) {
 		r.models = calloc(pb->n_models, sizeof(*r.models));
 		if (!r.models)
@@ -475,8 +613,10 @@ void kvbp_reply_clear(struct kvbp_reply *rep)
 	free(rep->models);
 	free(rep->chunks);
 	free(rep->stats);
+	free(rep->selection);
 	rep->models = NULL;
 	rep->chunks = NULL;
 	rep->stats = NULL;
-	rep->n_models = rep->n_chunks = rep->n_stats = 0;
+	rep->selection = NULL;
+	rep->n_models = rep->n_chunks = rep->n_stats = rep->n_selection = 0;
 }

@@ -18,6 +18,10 @@
 #define KVBP_MESSAGE_MAX 256
 /* Upper bound on hashes in one LOOKUP; the message size limit applies too. */
 #define KVBP_LOOKUP_MAX 65536
+/* Upper bounds on a fuse request's segments and check layers. */
+#define KVBP_SEGMENTS_MAX 4096
+#define KVBP_CHECKS_MAX 64
+#define KVBP_SELECTION_MAX (1u << 24)
 
 enum kvbp_op {
 	KVBP_OP_NONE = 0,
@@ -32,6 +36,9 @@ enum kvbp_op {
 	KVBP_OP_LIST = 9,
 	KVBP_OP_SHM_ATTACH = 10,
 	KVBP_OP_SHM_DETACH = 11,
+	KVBP_OP_FUSE_OPEN = 12,
+	KVBP_OP_FUSE_LAYER = 13,
+	KVBP_OP_FUSE_CLOSE = 14,
 	KVBP_OP_COUNT
 };
 
@@ -54,6 +61,8 @@ enum kvbp_code {
 	KVBP_INTERNAL = 14,
 	KVBP_BAD_ARGUMENT = 15,
 	KVBP_BAD_SHM = 16,
+	KVBP_UNKNOWN_SESSION = 17,
+	KVBP_BUSY = 18,
 	KVBP_CODE_COUNT
 };
 
@@ -92,6 +101,13 @@ struct kvbp_stat {
 	double value;
 };
 
+struct kvbp_segment {
+	bool fresh; /* no hash: count fresh tokens */
+	uint8_t hash[KVBP_HASH_LEN];
+	uint32_t pos;
+	uint32_t count;
+};
+
 struct kvbp_request {
 	uint32_t version;
 	uint64_t request_id;
@@ -114,6 +130,23 @@ struct kvbp_request {
 	uint64_t shm_offset;
 	uint64_t shm_length;
 	uint64_t shm_size;
+	/* fuse */
+	struct kvbp_segment *segments; /* owned */
+	size_t n_segments;
+	uint32_t *check_layers; /* owned */
+	size_t n_checks;
+	double *ratios; /* owned, n_ratios may differ from n_checks: checked by the handler */
+	size_t n_ratios;
+	uint32_t metric;
+	uint64_t session_id;
+	uint32_t layer;
+	uint32_t rows;
+	bool has_shm_out;
+	uint64_t shm_out_id;
+	uint64_t shm_out_offset;
+	uint64_t shm_out_length;
+	bool rerotate;
+	uint32_t target_pos;
 };
 
 struct kvbp_reply {
@@ -135,6 +168,14 @@ struct kvbp_reply {
 	uint64_t shm_id;
 	uint64_t shm_size;
 	char shm_name[64];
+	uint64_t session_id;
+	uint32_t num_tokens;
+	int32_t *selection; /* owned */
+	size_t n_selection;
+	bool has_selection;
+	bool has_fused;
+	uint32_t next_layer;
+	uint32_t rows_next;
 };
 
 /*

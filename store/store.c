@@ -716,6 +716,49 @@ out:
 	return rc;
 }
 
+int store_chunk_get_layer(struct store *s, const struct store_model *m,
+			  const uint8_t hash[STORE_HASH_LEN], uint32_t layer, void *k_dst,
+			  void *v_dst, uint64_t tensor_bytes)
+{
+	struct store_chunk_info ci;
+	uint8_t key[LAYER_KEY_LEN];
+	MDB_val k = { LAYER_KEY_LEN, key }, v;
+	size_t used = 0;
+	MDB_txn *txn;
+	int rc;
+
+	if (layer >= m->num_layers)
+		return -EINVAL;
+	rc = rtxn_begin(s, &txn);
+	if (rc)
+		return rc;
+	rc = chunk_info_txn(s, txn, m->id, hash, &ci);
+	if (rc)
+		goto out;
+	if (ci.num_layers != m->num_layers) {
+		rc = -EBADMSG;
+		goto out;
+	}
+	if (store_tensor_bytes(m, ci.num_tokens) != tensor_bytes) {
+		rc = -ENOBUFS;
+		goto out;
+	}
+	layer_key(key, m->id, hash, layer);
+	rc = err_from_mdb(mdb_get(txn, s->layers, &k, &v));
+	if (rc == -ENOENT)
+		rc = -EBADMSG;
+	if (!rc)
+		rc = codec_decode(v.mv_data, v.mv_size, k_dst, tensor_bytes, &used);
+	if (!rc)
+		rc = codec_decode((const uint8_t *)v.mv_data + used, v.mv_size - used, v_dst,
+				  tensor_bytes, NULL);
+	if (rc == -EINVAL)
+		rc = -EBADMSG;
+out:
+	rtxn_end(s, txn);
+	return rc;
+}
+
 int store_chunk_lookup(struct store *s, const struct store_model *m,
 		       const uint8_t (*hashes)[STORE_HASH_LEN], size_t n,
 		       struct store_chunk_info *infos, bool *found)

@@ -123,6 +123,15 @@ int store_chunk_get(struct store *s, const struct store_model *m,
 		    const uint8_t hash[STORE_HASH_LEN], uint32_t layer_begin, uint32_t layer_end,
 		    void *dst, uint64_t dst_len, struct store_chunk_info *info);
 
+/*
+ * Decode one layer's K into k_dst and V into v_dst, each tensor_bytes =
+ * store_tensor_bytes() long (checked against the chunk). Same errors as
+ * store_chunk_get().
+ */
+int store_chunk_get_layer(struct store *s, const struct store_model *m,
+			  const uint8_t hash[STORE_HASH_LEN], uint32_t layer, void *k_dst,
+			  void *v_dst, uint64_t tensor_bytes);
+
 /* Look up n hashes in one read transaction; found[i] says which exist. */
 int store_chunk_lookup(struct store *s, const struct store_model *m,
 		       const uint8_t (*hashes)[STORE_HASH_LEN], size_t n,

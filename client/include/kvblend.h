@@ -68,6 +68,8 @@ enum kvb_error {
 	KVB_E_INTERNAL = -1014,	      /* daemon-side failure */
 	KVB_E_BAD_ARGUMENT = -1015,   /* a field is missing or out of range */
 	KVB_E_BAD_SHM = -1016,	      /* shared-memory reference unknown, expired or out of range */
+	KVB_E_UNKNOWN_SESSION = -1017, /* no open fuse session of that id (closed or expired) */
+	KVB_E_BUSY = -1018,	      /* the chunk is in use by an open fuse session */
 	KVB_E_PROTOCOL = -1100,	      /* the reply could not be understood */
 };
 
@@ -191,6 +193,77 @@ KVB_API int kvb_stats(kvb_client *c, struct kvb_stat **out, size_t *n);
  * shared memory is not available (tcp endpoint, disabled, or too large).
  */
 KVB_API void *kvb_shared_buffer(kvb_client *c, size_t size);
+
+/*
+ * Like kvb_get(), with the keys re-rotated from the positions they were stored
+ * at to positions pos.. (exact RoPE delta rotation, as the model's configuration
+ * says): for nodes that blend themselves.
+ */
+KVB_API int kvb_get_rerotated(kvb_client *c, const char *model, const uint8_t hash[KVB_HASH_LEN],
+			      uint32_t layer_begin, uint32_t layer_end, uint32_t pos, void *out,
+			      size_t out_bytes, struct kvb_chunk_info *info);
+
+/* ---- Fuse sessions (CacheBlend) ----
+ *
+ * A session fuses the KV of stored chunks into a new prompt. The node opens it
+ * with the ordered segments of the prompt (stored chunks at their new
+ * positions, fresh tokens such as the question), prefills the layers before
+ * the first check layer itself, then calls kvb_fuse_layer() for every layer
+ * from the first check layer on, in order, with fresh K and V for the tokens
+ * kvb_fuse_rows() names: all tokens at the first check layer, the selected
+ * (HKVD) tokens after it. At the first check layer the daemon selects tokens
+ * and returns no KV (fused = the fresh KV the node has); at every later layer
+ * it returns the fused K and V of all tokens: fresh for the selected ones,
+ * stored and re-rotated for the rest. Later check layers narrow the selection.
+ */
+enum kvb_metric { KVB_METRIC_VALUE = 0, KVB_METRIC_KEY = 1 };
+
+struct kvb_segment {
+	int fresh;		    /* 1: count fresh tokens; 0: the stored chunk `hash` */
+	uint8_t hash[KVB_HASH_LEN]; /* chunk segments */
+	uint32_t pos;		    /* absolute position of the segment's first token */
+	uint32_t count;		    /* fresh segments: how many tokens */
+};
+
+struct kvb_fuse_params {
+	const uint32_t *check_layers; /* increasing */
+	const double *ratios;	      /* one per check layer, in [0, 1], not increasing */
+	size_t n_checks;
+	enum kvb_metric metric;
+};
+
+typedef struct kvb_fuse kvb_fuse;
+
+/*
+ * Open a session. On KVB_E_NOT_FOUND, *missing (if not NULL) receives the
+ * hashes of the chunks that are not stored (malloc'd, *n_missing of them; the
+ * caller frees it): prefill and store them, then open again.
+ */
+KVB_API int kvb_fuse_open(kvb_client *c, const char *model, const struct kvb_segment *segs,
+			  size_t n_segs, const struct kvb_fuse_params *p, kvb_fuse **out,
+			  uint8_t (**missing)[KVB_HASH_LEN], size_t *n_missing);
+
+/* Tokens in the session (the sum of its segments). */
+KVB_API uint32_t kvb_fuse_tokens(const kvb_fuse *f);
+/* The layer the next kvb_fuse_layer() call must be for. */
+KVB_API uint32_t kvb_fuse_next_layer(const kvb_fuse *f);
+/* The tokens (sorted indices into the prompt) whose fresh K and V that call carries. */
+KVB_API size_t kvb_fuse_rows(const kvb_fuse *f, const int32_t **tokens);
+
+/*
+ * Serve one layer. k and v hold the fresh rows for kvb_fuse_rows(), each
+ * [rows, kv_heads, head_dim]. k_out and v_out receive the fused K and V of all
+ * tokens ([tokens, kv_heads, head_dim]) when *fused is set to 1; at the first
+ * check layer *fused is 0 and they are untouched. A failed call leaves the
+ * session as it was (retry with the right layer or rows).
+ */
+KVB_API int kvb_fuse_layer(kvb_client *c, kvb_fuse *f, uint32_t layer, const void *k,
+			   const void *v, void *k_out, void *v_out, int *fused);
+
+/* Close the session and free f. *stats (if not NULL) gets timings and byte
+ * counts, malloc'd, *n_stats of them. Accepts *f == NULL. */
+KVB_API int kvb_fuse_close(kvb_client *c, kvb_fuse **f, struct kvb_stat **stats,
+			   size_t *n_stats);
 
 /* Default chunk hash: BLAKE2b-256 over the token ids as little-endian uint32. */
 KVB_API void kvb_chunk_hash(const uint32_t *token_ids, size_t n, uint8_t out[KVB_HASH_LEN]);

@@ -164,6 +164,9 @@ static void test_code_numbering(void **state)
 	assert_int_equal(KVB_E_INTERNAL, -1000 - KVBP_INTERNAL);
 	assert_int_equal(KVB_E_BAD_ARGUMENT, -1000 - KVBP_BAD_ARGUMENT);
 	assert_int_equal(KVB_E_BAD_SHM, -1000 - KVBP_BAD_SHM);
+	assert_int_equal(KVB_E_UNKNOWN_SESSION, -1000 - KVBP_UNKNOWN_SESSION);
+	assert_int_equal(KVB_E_BUSY, -1000 - KVBP_BUSY);
+	assert_int_equal(KVBP_CODE_COUNT, 19);
 	assert_string_equal(kvbp_code_name(KVBP_CORRUPT), "corrupt");
 	assert_string_equal(kvbp_op_name(KVBP_OP_LOOKUP), "lookup");
 	assert_string_equal(kvbp_op_name(999), "unknown");

@@ -1,0 +1,66 @@
+/*
+ * backend — the table of functions a compute backend implements for the fuse:
+ * re-rotating stored keys, measuring per-token KV deviation, and merging fresh
+ * rows into stored ones. The CPU backend (cpu.c) is always built and is the
+ * reference; a CUDA backend implements the same table on device memory.
+ *
+ * Tensors are row-major [rows, heads, head_dim] in the model's dtype. Every
+ * function works on a range of rows so that callers can split work across
+ * threads; none allocates, logs or fails.
+ */
+#ifndef KVBLEND_BLEND_BACKEND_H
+#define KVBLEND_BLEND_BACKEND_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "rope.h"
+
+enum blend_dtype { BLEND_F16 = 1, BLEND_BF16 = 2, BLEND_F32 = 3 };
+
+/* Bytes per element of a dtype; 0 for an unknown one. */
+size_t blend_dtype_size(enum blend_dtype dt);
+
+struct blend_shape {
+	uint32_t heads;
+	uint32_t head_dim;
+	uint32_t rotary_dim;
+	enum rope_style style;
+	enum blend_dtype dtype;
+};
+
+struct blend_backend {
+	const char *name;
+	/*
+	 * Rotate rows [row0, row0 + n) of a chunk's keys: dst[r] = rotate(src[r]) by
+	 * table row (t->rows == 1 ? 0 : row0 + r), scaled by t->scale; dims from
+	 * rotary_dim on are copied unchanged. src and dst point at row row0 and may
+	 * be the same memory. Arithmetic in fp32, stored rounded to nearest even.
+	 */
+	void (*rotate)(const struct blend_shape *s, const struct rope_table *t, const void *src,
+		       void *dst, uint32_t row0, uint32_t n);
+	/*
+	 * out[i] = sum over heads x head_dim of (fresh[i] - stored[idx[i]])^2, in
+	 * fp32, for i in [0, n): fresh rows are consecutive, stored rows are picked
+	 * by idx from an array of rows.
+	 */
+	void (*deviation)(const struct blend_shape *s, const void *fresh, const void *stored,
+			  const int32_t *idx, size_t n, float *out);
+	/*
+	 * out rows [row0, row0 + n) of the fused layer: row t is fresh[j] where
+	 * sel[j] == t (sel sorted ascending, n_sel entries), else stored[t]. out,
+	 * stored point at row 0 of their arrays; fresh at the row of sel[0].
+	 */
+	void (*merge)(const struct blend_shape *s, const void *stored, const void *fresh,
+		      const int32_t *sel, size_t n_sel, void *out, size_t row0, size_t n);
+};
+
+/* The CPU backend with the widest SIMD this CPU has (AVX-512, AVX2+F16C, or the
+ * baseline). All give bit-identical results. Its name says which ("cpu-avx2"). */
+const struct blend_backend *blend_cpu_backend(void);
+
+/* The CPU backend built for one instruction set ("avx512", "avx2", "baseline"), or
+ * NULL when this CPU lacks it. For tests and benchmarks. */
+const struct blend_backend *blend_cpu_backend_isa(const char *isa);
+
+#endif

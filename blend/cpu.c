@@ -1,0 +1,94 @@
+/* cpu — the CPU blend backend: kernel dispatch by instruction set, and merge; see backend.h. */
+#include "backend.h"
+
+#include <stdbool.h>
+#include <string.h>
+
+#define DECLARE(isa)                                                                       \
+	void blend_rotate_##isa(const struct blend_shape *s, const struct rope_table *t,   \
+				const void *src, void *dst, uint32_t row0, uint32_t n);    \
+	void blend_deviation_##isa(const struct blend_shape *s, const void *fresh,         \
+				   const void *stored, const int32_t *idx, size_t n, float *out);
+DECLARE(baseline)
+DECLARE(avx2)
+DECLARE(avx512)
+
+size_t blend_dtype_size(enum blend_dtype dt)
+{
+	return dt == BLEND_F32 ? 4 : (dt == BLEND_F16 || dt == BLEND_BF16) ? 2 : 0;
+}
+
+static void merge_rows(const struct blend_shape *s, const void *stored, const void *fresh,
+		       const int32_t *sel, size_t n_sel, void *out, size_t row0, size_t n)
+{
+	size_t rb = (size_t)s->heads * s->head_dim * blend_dtype_size(s->dtype);
+	const uint8_t *st = stored, *fr = fresh;
+	uint8_t *o = out;
+	size_t t = row0, end = row0 + n, j = 0;
+
+	/* The first selected row at or after row0 (sel is sorted). */
+	{
+		size_t lo = 0, hi = n_sel;
+
+		while (lo < hi) {
+			size_t mid = (lo + hi) / 2;
+
+			if ((size_t)sel[mid] < row0)
+				lo = mid + 1;
+			else
+				hi = mid;
+		}
+		j = lo;
+	}
+	/* Copy runs: stored rows up to the next selected one, then that fresh row. */
+	while (t < end) {
+		size_t next = j < n_sel && (size_t)sel[j] < end ? (size_t)sel[j] : end;
+
+		if (next > t) {
+			memcpy(o + t * rb, st + t * rb, (next - t) * rb);
+			t = next;
+		}
+		if (t < end) {
+			memcpy(o + t * rb, fr + j * rb, rb);
+			t++;
+			j++;
+		}
+	}
+}
+
+static const struct blend_backend backends[] = {
+	{ "cpu-baseline", blend_rotate_baseline, blend_deviation_baseline, merge_rows },
+	{ "cpu-avx2", blend_rotate_avx2, blend_deviation_avx2, merge_rows },
+	{ "cpu-avx512", blend_rotate_avx512, blend_deviation_avx512, merge_rows },
+};
+
+static bool supports(size_t i)
+{
+	/* Reads the CPU model libgcc filled in at start-up: cheap, no state of ours. */
+	switch (i) {
+	case 2:
+		return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+		       __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx2");
+	case 1:
+		return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+	default:
+		return true;
+	}
+}
+
+const struct blend_backend *blend_cpu_backend(void)
+{
+	size_t i = sizeof(backends) / sizeof(backends[0]) - 1;
+
+	while (!supports(i))
+		i--;
+	return &backends[i];
+}
+
+const struct blend_backend *blend_cpu_backend_isa(const char *isa)
+{
+	for (size_t i = 0; i < sizeof(backends) / sizeof(backends[0]); i++)
+		if (!strcmp(backends[i].name + 4, isa))
+			return supports(i) ? &backends[i] : NULL;
+	return NULL;
+}

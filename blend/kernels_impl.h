@@ -1,0 +1,156 @@
+/*
+ * kernels_impl.h — the CPU kernels of the blend backend, compiled once per
+ * instruction set (cpu_baseline.c, cpu_avx2.c, cpu_avx512.c include it with
+ * different target flags and KERNEL_SUFFIX). All builds use
+ * -ffp-contract=off and the same operation order, so they agree bit for bit.
+ * Not a public header.
+ */
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#include "backend.h"
+#include "half.h"
+
+#define KCAT_(a, b) a##b
+#define KCAT(a, b) KCAT_(a, b)
+#define KFN(name) KCAT(name##_, KERNEL_SUFFIX)
+
+/* Largest head_dim the kernels take on the stack. */
+#define KMAX_DIM 4096
+
+void KFN(blend_rotate)(const struct blend_shape *s, const struct rope_table *t, const void *src,
+		       void *dst, uint32_t row0, uint32_t n);
+void KFN(blend_deviation)(const struct blend_shape *s, const void *fresh, const void *stored,
+			  const int32_t *idx, size_t n, float *out);
+
+static void KFN(load)(enum blend_dtype dt, const void *src, float *restrict out, size_t n)
+{
+	size_t i = 0;
+
+	if (dt == BLEND_F32) {
+		memcpy(out, src, n * 4);
+		return;
+	}
+	if (dt == BLEND_BF16) {
+		const uint16_t *p = src;
+
+		for (; i < n; i++)
+			out[i] = f32_from_bits((uint32_t)p[i] << 16);
+		return;
+	}
+#if defined(__F16C__)
+	for (; i + 8 <= n; i += 8)
+		_mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(
+						  (const __m128i *)((const uint16_t *)src + i))));
+#endif
+	for (; i < n; i++)
+		out[i] = f16_to_f32(((const uint16_t *)src)[i]);
+}
+
+static void KFN(store)(enum blend_dtype dt, const float *restrict in, void *dst, size_t n)
+{
+	size_t i = 0;
+
+	if (dt == BLEND_F32) {
+		memcpy(dst, in, n * 4);
+		return;
+	}
+	if (dt == BLEND_BF16) {
+		uint16_t *p = dst;
+
+		for (; i < n; i++)
+			p[i] = f32_to_bf16(in[i]);
+		return;
+	}
+#if defined(__F16C__)
+	for (; i + 8 <= n; i += 8)
+		_mm_storeu_si128((__m128i *)((uint16_t *)dst + i),
+				 _mm256_cvtps_ph(_mm256_loadu_ps(in + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
+	for (; i < n; i++)
+		((uint16_t *)dst)[i] = f32_to_f16(in[i]);
+}
+
+void KFN(blend_rotate)(const struct blend_shape *s, const struct rope_table *t, const void *src,
+		       void *dst, uint32_t row0, uint32_t n)
+{
+	size_t es = blend_dtype_size(s->dtype), hd = s->head_dim, half = s->rotary_dim / 2;
+	float x[KMAX_DIM], y[KMAX_DIM], a[KMAX_DIM / 2], b[KMAX_DIM / 2];
+	const float sc = t->scale;
+
+	for (uint32_t r = 0; r < n; r++) {
+		size_t trow = t->rows == 1 ? 0 : (size_t)(row0 + r);
+		const float *restrict c = t->cos + trow * half, *restrict sn = t->sin + trow * half;
+
+		for (uint32_t h = 0; h < s->heads; h++) {
+			size_t off = ((size_t)r * s->heads + h) * hd * es;
+
+			KFN(load)(s->dtype, (const uint8_t *)src + off, x, hd);
+			if (s->style == ROPE_NEOX) {
+				const float *restrict x1 = x, *restrict x2 = x + half;
+				float *restrict y1 = y, *restrict y2 = y + half;
+
+				for (size_t j = 0; j < half; j++) {
+					float p = x1[j] * c[j], q = x2[j] * sn[j];
+					float u = x2[j] * c[j], v = x1[j] * sn[j];
+
+					y1[j] = (p - q) * sc;
+					y2[j] = (u + v) * sc;
+				}
+			} else {
+				/* Deinterleave, rotate, interleave: keeps the arithmetic identical. */
+				for (size_t j = 0; j < half; j++) {
+					a[j] = x[2 * j];
+					b[j] = x[2 * j + 1];
+				}
+				for (size_t j = 0; j < half; j++) {
+					float p = a[j] * c[j], q = b[j] * sn[j];
+					float u = b[j] * c[j], v = a[j] * sn[j];
+
+					y[2 * j] = (p - q) * sc;
+					y[2 * j + 1] = (u + v) * sc;
+				}
+			}
+			for (size_t j = 2 * half; j < hd; j++)
+				y[j] = x[j];
+			KFN(store)(s->dtype, y, (uint8_t *)dst + off, hd);
+		}
+	}
+}
+
+void KFN(blend_deviation)(const struct blend_shape *s, const void *fresh, const void *stored,
+			  const int32_t *idx, size_t n, float *out)
+{
+	size_t es = blend_dtype_size(s->dtype), row = (size_t)s->heads * s->head_dim;
+	float x[KMAX_DIM], y[KMAX_DIM];
+
+	for (size_t i = 0; i < n; i++) {
+		const uint8_t *f = (const uint8_t *)fresh + i * row * es;
+		const uint8_t *o = (const uint8_t *)stored + (size_t)idx[i] * row * es;
+		/* Eight partial sums, then a fixed tree: the same order at every SIMD width. */
+		float acc[8] = { 0 };
+
+		for (size_t h = 0; h < s->heads; h++) {
+			size_t d = s->head_dim, j;
+
+			KFN(load)(s->dtype, f + h * d * es, x, d);
+			KFN(load)(s->dtype, o + h * d * es, y, d);
+			for (j = 0; j + 8 <= d; j += 8)
+				for (int k = 0; k < 8; k++) {
+					float e = x[j + k] - y[j + k];
+
+					acc[k] += e * e;
+				}
+			for (; j < d; j++) {
+				float e = x[j] - y[j];
+
+				acc[j % 8] += e * e;
+			}
+		}
+		out[i] = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+	}
+}

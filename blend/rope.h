@@ -1,0 +1,79 @@
+/*
+ * rope — rotary position embedding: inverse frequencies for every scaling
+ * variant, and the rotation tables that move stored keys from the positions
+ * they were rotated at to the positions where a chunk now sits.
+ *
+ * Angles are computed in double precision, applied in fp32 by the backends
+ * (backend.h), and stored in the model's dtype. A library: no I/O, no globals.
+ * Errors: -EINVAL for a configuration outside the documented ranges, -ENOMEM.
+ */
+#ifndef KVBLEND_BLEND_ROPE_H
+#define KVBLEND_BLEND_ROPE_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+enum rope_style {
+	ROPE_NEOX = 0, /* pairs (j, j + rotary_dim/2): GPT-NeoX, Llama "rotate_half" */
+	ROPE_GPTJ = 1, /* pairs (2j, 2j + 1): GPT-J, interleaved */
+};
+
+enum rope_scaling {
+	ROPE_SCALING_NONE = 0,
+	ROPE_SCALING_LINEAR = 1,
+	ROPE_SCALING_LLAMA3 = 2,
+	ROPE_SCALING_YARN = 3,
+	ROPE_SCALING_DYNAMIC = 4,
+};
+
+struct rope_config {
+	uint32_t head_dim;
+	uint32_t rotary_dim; /* even, <= head_dim; dims from rotary_dim on are not rotated */
+	enum rope_style style;
+	double theta;
+	enum rope_scaling scaling;
+	double factor;		   /* linear, llama3, yarn, dynamic */
+	double low_freq_factor;	   /* llama3 */
+	double high_freq_factor;   /* llama3 */
+	uint32_t original_max_pos; /* llama3, yarn */
+	double beta_fast;	   /* yarn */
+	double beta_slow;	   /* yarn */
+	uint32_t max_pos;	   /* dynamic: max_position_embeddings */
+};
+
+/* Check c; returns 0 or -EINVAL. */
+int rope_config_check(const struct rope_config *c);
+
+/*
+ * The rotary_dim/2 inverse frequencies of c into inv_freq, and the attention
+ * factor (YaRN's magnitude, 1 otherwise) into *attention_factor (may be NULL).
+ * seq_len matters only for dynamic scaling: the length of the sequence the
+ * rotation was (or will be) computed for. Returns 0 or -EINVAL.
+ */
+int rope_inv_freq(const struct rope_config *c, uint64_t seq_len, double *inv_freq,
+		  double *attention_factor);
+
+/*
+ * A rotation table for one chunk of `tokens` keys: token t moves from position
+ * old_pos + t (under the configuration as it was for old_seq_len) to new_pos + t
+ * (for new_seq_len). When the angle does not depend on t (post-RoPE keys, same
+ * frequencies on both sides) the table has one row; otherwise one per token.
+ * For pre-RoPE keys (pre_rope) there is nothing to undo: the table rotates from
+ * zero to new_pos + t and applies the attention factor once.
+ */
+struct rope_table {
+	uint32_t rows; /* 1, or tokens */
+	uint32_t half; /* rotary_dim / 2 */
+	float *cos;    /* [rows][half] */
+	float *sin;    /* [rows][half] */
+	float scale;   /* magnitude: attention factor ratio (1 unless it changes) */
+};
+
+int rope_table_build(const struct rope_config *c, bool pre_rope, uint32_t tokens, uint32_t old_pos,
+		     uint64_t old_seq_len, uint32_t new_pos, uint64_t new_seq_len,
+		     struct rope_table *out);
+
+/* Free a table's arrays. Accepts NULL and zeroed tables. */
+void rope_table_free(struct rope_table *t);
+
+#endif

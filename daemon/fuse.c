@@ -1,0 +1,933 @@
+/* fuse — CacheBlend fuse sessions; see fuse.h. */
+#include "fuse.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+#include <time.h>
+
+#include "hkvd.h"
+#include "log.h"
+
+enum slot_state { SLOT_EMPTY = 0, SLOT_LOADING, SLOT_READY, SLOT_FAILED };
+
+struct slot {
+	int64_t layer; /* -1: none */
+	enum slot_state state;
+	int err;    /* store errno when SLOT_FAILED */
+	uint8_t *k; /* [N, heads, head_dim]: re-rotated stored keys; fresh rows zero */
+	uint8_t *v;
+};
+
+struct chunk_ref {
+	uint8_t hash[KVBP_HASH_LEN];
+	uint32_t off; /* first row in the session's token order */
+	uint32_t tokens;
+	uint32_t base_pos; /* where its keys were rotated when stored */
+	struct rope_table rot;
+};
+
+struct fuse_session {
+	uint64_t id;
+	pthread_mutex_t lock;
+	pthread_cond_t cond; /* a slot finished loading, or the session became free */
+	unsigned refs;	     /* under the table lock */
+	bool busy;	     /* a layer request holds the session */
+	bool closed;	     /* removed from the table; freed by the last ref */
+	bool ready;	     /* published in the table: findable by id (under the table lock) */
+	struct store_model m;
+	struct blend_shape shape;
+	size_t row_bytes;
+	uint32_t n;	   /* tokens */
+	uint32_t n_cached; /* tokens from stored chunks */
+	int32_t *fresh;	   /* sorted token indices of fresh tokens */
+	uint32_t n_fresh;
+	struct chunk_ref *chunks;
+	size_t n_chunks;
+	uint32_t checks[KVBP_CHECKS_MAX];
+	double ratios[KVBP_CHECKS_MAX];
+	size_t n_checks;
+	uint32_t metric; /* 0 value, 1 key */
+	int32_t *sel;	 /* current selection, sorted; room for n */
+	size_t n_sel;
+	uint32_t next_layer;
+	size_t next_check; /* index into checks of the next check layer */
+	struct slot *ring;
+	uint32_t n_ring;
+	uint64_t bytes; /* ring memory */
+	struct timespec last_used;
+	struct timespec opened;
+	uint64_t layers_served, ns_load, ns_compute, bytes_in, bytes_out;
+};
+
+struct pin {
+	uint32_t model_id;
+	uint8_t hash[KVBP_HASH_LEN];
+	uint32_t count;
+};
+
+struct fuse_table {
+	struct fuse_limits lim;
+	struct store *store;
+	struct pool *pool;
+	const struct blend_backend *be;
+	pthread_mutex_t lock; /* sessions, bytes, pins */
+	struct fuse_session **sessions;
+	uint64_t bytes;
+	struct pin *pins;
+	size_t n_pins, cap_pins;
+};
+
+__attribute__((format(printf, 4, 5))) static uint32_t fail(char *err, size_t errlen,
+							   uint32_t code, const char *fmt, ...)
+{
+	va_list ap;
+
+	va_start(ap, fmt);
+	vsnprintf(err, errlen, fmt, ap);
+	va_end(ap);
+	return code;
+}
+
+static uint64_t ns_since(const struct timespec *t0)
+{
+	struct timespec now;
+
+	clock_gettime(CLOCK_MONOTONIC, &now);
+	return (uint64_t)(now.tv_sec - t0->tv_sec) * 1000000000u + (uint64_t)now.tv_nsec -
+	       (uint64_t)t0->tv_nsec;
+}
+
+void fuse_rope_config(const struct store_model *m, struct rope_config *c)
+{
+	memset(c, 0, sizeof(*c));
+	c->head_dim = m->head_dim;
+	c->rotary_dim = m->rotary_dim ? m->rotary_dim : m->head_dim;
+	c->style = m->rope_style ? ROPE_GPTJ : ROPE_NEOX;
+	c->theta = m->rope_theta;
+	c->scaling = (enum rope_scaling)m->scaling;
+	c->factor = m->factor;
+	c->low_freq_factor = m->low_freq_factor;
+	c->high_freq_factor = m->high_freq_factor;
+	c->original_max_pos = m->original_max_pos;
+	c->beta_fast = m->beta_fast;
+	c->beta_slow = m->beta_slow;
+	c->max_pos = m->max_pos;
+}
+
+int fuse_table_new(const struct fuse_limits *l, struct store *store, struct pool *pool,
+		   const struct blend_backend *backend, struct fuse_table **out)
+{
+	struct fuse_table *t = calloc(1, sizeof(*t));
+
+	if (!t)
+		return -ENOMEM;
+	t->sessions = calloc(l->max_sessions ? l->max_sessions : 1, sizeof(*t->sessions));
+	if (!t->sessions) {
+		free(t);
+		return -ENOMEM;
+	}
+	t->lim = *l;
+	t->store = store;
+	t->pool = pool;
+	t->be = backend;
+	pthread_mutex_init(&t->lock, NULL);
+	*out = t;
+	return 0;
+}
+
+/* ---- pins (under the table lock) ---- */
+
+static struct pin *pin_find(struct fuse_table *t, uint32_t model_id, const uint8_t *hash)
+{
+	for (size_t i = 0; i < t->n_pins; i++)
+		if (t->pins[i].model_id == model_id && !memcmp(t->pins[i].hash, hash, KVBP_HASH_LEN))
+			return &t->pins[i];
+	return NULL;
+}
+
+static int pin_add(struct fuse_table *t, uint32_t model_id, const uint8_t *hash)
+{
+	struct pin *p = pin_find(t, model_id, hash);
+
+	if (p) {
+		p->count++;
+		return 0;
+	}
+	if (t->n_pins == t->cap_pins) {
+		size_t cap = t->cap_pins ? 2 * t->cap_pins : 64;
+		struct pin *np = realloc(t->pins, cap * sizeof(*np));
+
+		if (!np)
+			return -ENOMEM;
+		t->pins = np;
+		t->cap_pins = cap;
+	}
+	p = &t->pins[t->n_pins++];
+	p->model_id = model_id;
+	memcpy(p->hash, hash, KVBP_HASH_LEN);
+	p->count = 1;
+	return 0;
+}
+
+static void pin_drop(struct fuse_table *t, uint32_t model_id, const uint8_t *hash)
+{
+	struct pin *p = pin_find(t, model_id, hash);
+
+	if (p && --p->count == 0)
+		*p = t->pins[--t->n_pins];
+}
+
+int fuse_delete_chunk(struct fuse_table *t, const struct store_model *m, const uint8_t *hash)
+{
+	int rc;
+
+	/* Under the lock, so that no session pins the chunk between the check and the delete. */
+	pthread_mutex_lock(&t->lock);
+	rc = pin_find(t, m->id, hash) ? -EBUSY : store_chunk_delete(t->store, m, hash);
+	pthread_mutex_unlock(&t->lock);
+	return rc;
+}
+
+/* ---- sessions ---- */
+
+static void session_free(struct fuse_session *s)
+{
+	if (!s)
+		return;
+	for (uint32_t i = 0; s->ring && i < s->n_ring; i++) {
+		free(s->ring[i].k);
+		free(s->ring[i].v);
+	}
+	for (size_t i = 0; s->chunks && i < s->n_chunks; i++)
+		rope_table_free(&s->chunks[i].rot);
+	free(s->ring);
+	free(s->chunks);
+	free(s->fresh);
+	free(s->sel);
+	pthread_cond_destroy(&s->cond);
+	pthread_mutex_destroy(&s->lock);
+	free(s);
+}
+
+/* Take session s out of the table (under the table lock): unpin, release its memory budget. */
+static void session_remove(struct fuse_table *t, size_t slot)
+{
+	struct fuse_session *s = t->sessions[slot];
+
+	t->sessions[slot] = NULL;
+	for (size_t i = 0; i < s->n_chunks; i++)
+		pin_drop(t, s->m.id, s->chunks[i].hash);
+	t->bytes -= s->bytes;
+	s->closed = true;
+}
+
+void fuse_table_free(struct fuse_table **tp)
+{
+	struct fuse_table *t = tp ? *tp : NULL;
+
+	if (!t)
+		return;
+	for (uint64_t i = 0; i < t->lim.max_sessions; i++)
+		if (t->sessions[i]) {
+			struct fuse_session *s = t->sessions[i];
+
+			session_remove(t, i);
+			session_free(s);
+		}
+	free(t->sessions);
+	free(t->pins);
+	pthread_mutex_destroy(&t->lock);
+	free(t);
+	*tp = NULL;
+}
+
+/* Find session id and take a reference (the table lock protects refs). */
+static struct fuse_session *session_get(struct fuse_table *t, uint64_t id)
+{
+	struct fuse_session *s = NULL;
+
+	pthread_mutex_lock(&t->lock);
+	for (uint64_t i = 0; i < t->lim.max_sessions && !s; i++)
+		if (t->sessions[i] && t->sessions[i]->ready && t->sessions[i]->id == id)
+			s = t->sessions[i];
+	if (s)
+		s->refs++;
+	pthread_mutex_unlock(&t->lock);
+	return s;
+}
+
+static void session_put(struct fuse_table *t, struct fuse_session *s)
+{
+	bool last;
+
+	pthread_mutex_lock(&t->lock);
+	last = --s->refs == 0 && s->closed;
+	clock_gettime(CLOCK_MONOTONIC, &s->last_used);
+	pthread_mutex_unlock(&t->lock);
+	if (last)
+		session_free(s);
+}
+
+uint32_t fuse_open(struct fuse_table *t, const struct store_model *m, const struct kvbp_request *q,
+		   struct fuse_open_result *r, char *err, size_t errlen)
+{
+	struct fuse_session *s = NULL;
+	struct rope_config rc_cfg;
+	uint64_t n = 0, max_pos_end = 0, ring_bytes;
+	size_t n_chunks = 0, slot_i = SIZE_MAX;
+	uint32_t code = KVBP_OK;
+	bool pinned = false;
+	int rc;
+
+	memset(r, 0, sizeof(*r));
+	/* The request itself. */
+	if (!q->n_segments)
+		return fail(err, errlen, KVBP_BAD_ARGUMENT, "fuse_open needs at least one segment");
+	if (!q->n_checks)
+		return fail(err, errlen, KVBP_BAD_ARGUMENT, "fuse_open needs at least one check layer");
+	if (q->n_ratios != q->n_checks)
+		return fail(err, errlen, KVBP_BAD_ARGUMENT, "%zu check layers but %zu ratios; give one "
+			    "ratio per check layer", q->n_checks, q->n_ratios);
+	for (size_t i = 0; i < q->n_checks; i++) {
+		if (q->check_layers[i] >= m->num_layers)
+			return fail(err, errlen, KVBP_BAD_ARGUMENT, "check layer %" PRIu32 " is not a "
+				    "layer of the %" PRIu32 "-layer model", q->check_layers[i],
+				    m->num_layers);
+		if (i && q->check_layers[i] <= q->check_layers[i - 1])
+			return fail(err, errlen, KVBP_BAD_ARGUMENT, "check layers must increase; got "
+				    "%" PRIu32 " after %" PRIu32, q->check_layers[i],
+				    q->check_layers[i - 1]);
+		if (!(q->ratios[i] >= 0 && q->ratios[i] <= 1))
+			return fail(err, errlen, KVBP_BAD_ARGUMENT, "ratio %g is not in [0, 1]",
+				    q->ratios[i]);
+		if (i && q->ratios[i] > q->ratios[i - 1])
+			return fail(err, errlen, KVBP_BAD_ARGUMENT, "ratios must not increase; got %g "
+				    "after %g", q->ratios[i], q->ratios[i - 1]);
+	}
+	if (q->metric > 1)
+		return fail(err, errlen, KVBP_BAD_ARGUMENT, "metric %" PRIu32 " unknown; expected 0 "
+			    "(value) or 1 (key)", q->metric);
+	for (size_t i = 0; i < q->n_segments; i++) {
+		const struct kvbp_segment *g = &q->segments[i];
+
+		if (g->fresh && !g->count)
+			return fail(err, errlen, KVBP_BAD_SHAPE, "segment %zu: fresh segment of 0 "
+				    "tokens", i);
+		if (!g->fresh && g->count)
+			return fail(err, errlen, KVBP_BAD_ARGUMENT, "segment %zu: a chunk segment "
+				    "takes its token count from the chunk; count must be 0", i);
+		n_chunks += !g->fresh;
+	}
+	s = calloc(1, sizeof(*s));
+	if (!s)
+		return fail(err, errlen, KVBP_LIMIT, "out of memory");
+	pthread_mutex_init(&s->lock, NULL);
+	pthread_cond_init(&s->cond, NULL);
+	s->m = *m;
+	s->metric = q->metric;
+	s->n_checks = q->n_checks;
+	memcpy(s->checks, q->check_layers, q->n_checks * sizeof(uint32_t));
+	memcpy(s->ratios, q->ratios, q->n_checks * sizeof(double));
+	s->next_layer = s->checks[0];
+	s->chunks = calloc(n_chunks ? n_chunks : 1, sizeof(*s->chunks));
+	r->missing = calloc(n_chunks ? n_chunks : 1, KVBP_HASH_LEN);
+	if (!s->chunks || !r->missing) {
+		code = fail(err, errlen, KVBP_LIMIT, "out of memory");
+		goto fail;
+	}
+	/* Pin first, then look up: a chunk deleted in between shows as missing. */
+	pthread_mutex_lock(&t->lock);
+	rc = 0;
+	for (size_t i = 0; i < q->n_segments && !rc; i++)
+		if (!q->segments[i].fresh)
+			rc = pin_add(t, m->id, q->segments[i].hash);
+	if (rc) {
+		for (size_t i = 0; i < q->n_segments; i++)
+			if (!q->segments[i].fresh)
+				pin_drop(t, m->id, q->segments[i].hash);
+	}
+	pthread_mutex_unlock(&t->lock);
+	if (rc) {
+		code = fail(err, errlen, KVBP_LIMIT, "out of memory");
+		goto fail;
+	}
+	pinned = true;
+	for (size_t i = 0; i < q->n_segments; i++) {
+		const struct kvbp_segment *g = &q->segments[i];
+		uint64_t count = g->count;
+
+		if (!g->fresh) {
+			struct store_chunk_info ci;
+			bool found = false;
+
+			rc = store_chunk_lookup(t->store, m,
+						(const uint8_t(*)[STORE_HASH_LEN])g->hash, 1, &ci,
+						&found);
+			if (rc) {
+				code = fail(err, errlen, KVBP_INTERNAL, "lookup failed: %s",
+					    strerror(-rc));
+				goto fail;
+			}
+			if (!found) {
+				memcpy(r->missing[r->n_missing++], g->hash, KVBP_HASH_LEN);
+				continue;
+			}
+			count = ci.num_tokens;
+			memcpy(s->chunks[s->n_chunks].hash, g->hash, KVBP_HASH_LEN);
+			s->chunks[s->n_chunks].off = (uint32_t)n;
+			s->chunks[s->n_chunks].tokens = ci.num_tokens;
+			s->chunks[s->n_chunks].base_pos = ci.base_pos;
+			s->n_chunks++;
+			s->n_cached += ci.num_tokens;
+		}
+		if ((uint64_t)g->pos + count > UINT32_MAX) {
+			code = fail(err, errlen, KVBP_BAD_SHAPE, "segment %zu: positions %" PRIu32
+				    "+%" PRIu64 " overflow", i, g->pos, count);
+			goto fail;
+		}
+		if (g->pos + count > max_pos_end)
+			max_pos_end = g->pos + count;
+		n += count;
+		if (n > t->lim.max_tokens) {
+			code = fail(err, errlen, KVBP_LIMIT, "the session would hold more than "
+				    "fuse_max_tokens %" PRIu64 " tokens", t->lim.max_tokens);
+			goto fail;
+		}
+	}
+	if (r->n_missing) {
+		code = fail(err, errlen, KVBP_NOT_FOUND, "%zu of %zu chunks are not stored; prefill "
+			    "and store them, then open again", r->n_missing, n_chunks);
+		goto fail;
+	}
+	s->n = (uint32_t)n;
+	s->shape.heads = m->num_kv_heads;
+	s->shape.head_dim = m->head_dim;
+	s->shape.rotary_dim = m->rotary_dim ? m->rotary_dim : m->head_dim;
+	s->shape.style = m->rope_style ? ROPE_GPTJ : ROPE_NEOX;
+	s->shape.dtype = (enum blend_dtype)m->dtype;
+	s->row_bytes = (size_t)m->num_kv_heads * m->head_dim * m->elem_size;
+	/* Rotation tables; chunk i's token t sits at the position of its segment plus t. */
+	fuse_rope_config(m, &rc_cfg);
+	{
+		size_t ci = 0;
+
+		s->fresh = malloc((n - s->n_cached + 1) * sizeof(int32_t));
+		s->sel = malloc((n + 1) * sizeof(int32_t));
+		if (!s->fresh || !s->sel) {
+			code = fail(err, errlen, KVBP_LIMIT, "out of memory");
+			goto fail;
+		}
+		for (size_t i = 0, row = 0; i < q->n_segments; i++) {
+			const struct kvbp_segment *g = &q->segments[i];
+
+			if (g->fresh) {
+				for (uint32_t k = 0; k < g->count; k++)
+					s->fresh[s->n_fresh++] = (int32_t)(row + k);
+				row += g->count;
+				continue;
+			}
+			{
+				struct chunk_ref *c = &s->chunks[ci++];
+
+				/* Dynamic NTK: the chunk was prefilled alone (a sequence of
+				 * base_pos + T positions); the fused prompt spans max_pos_end. */
+				rc = rope_table_build(&rc_cfg, m->k_pre_rope, c->tokens, c->base_pos,
+						      (uint64_t)c->base_pos + c->tokens, g->pos,
+						      max_pos_end, &c->rot);
+				if (rc) {
+					code = fail(err, errlen, KVBP_INTERNAL, "rotation table: %s",
+						    strerror(-rc));
+					goto fail;
+				}
+				row += c->tokens;
+			}
+		}
+	}
+	/* The ring: re-rotated stored K and V of a few layers, all tokens each. */
+	s->n_ring = (uint32_t)(t->lim.ring < m->num_layers - s->checks[0]
+				       ? t->lim.ring
+				       : m->num_layers - s->checks[0]);
+	ring_bytes = (uint64_t)s->n_ring * 2 * n * s->row_bytes;
+	pthread_mutex_lock(&t->lock);
+	if (t->bytes + ring_bytes > t->lim.max_bytes) {
+		pthread_mutex_unlock(&t->lock);
+		code = fail(err, errlen, KVBP_LIMIT, "fuse sessions would hold %" PRIu64 " bytes; "
+			    "fuse_max_bytes is %" PRIu64, t->bytes + ring_bytes, t->lim.max_bytes);
+		goto fail;
+	}
+	for (uint64_t i = 0; i < t->lim.max_sessions && slot_i == SIZE_MAX; i++)
+		if (!t->sessions[i])
+			slot_i = i;
+	if (slot_i == SIZE_MAX) {
+		pthread_mutex_unlock(&t->lock);
+		code = fail(err, errlen, KVBP_LIMIT, "%" PRIu64 " fuse sessions are open; that is "
+			    "fuse_max_sessions", t->lim.max_sessions);
+		goto fail;
+	}
+	t->bytes += ring_bytes;
+	s->bytes = ring_bytes;
+	t->sessions[slot_i] = s; /* reserved; not findable until it has an id */
+	pthread_mutex_unlock(&t->lock);
+	s->ring = calloc(s->n_ring, sizeof(*s->ring));
+	for (uint32_t i = 0; s->ring && i < s->n_ring; i++) {
+		s->ring[i].layer = -1;
+		/* zeroed: fresh tokens' rows are read by deviation but never selected */
+		s->ring[i].k = calloc(n ? n : 1, s->row_bytes);
+		s->ring[i].v = calloc(n ? n : 1, s->row_bytes);
+		if (!s->ring[i].k || !s->ring[i].v)
+			break;
+	}
+	for (uint32_t i = 0; s->ring && i < s->n_ring; i++)
+		if (!s->ring[i].k || !s->ring[i].v) {
+			free(s->ring[i].k);
+			free(s->ring[i].v);
+			s->ring[i].k = s->ring[i].v = NULL;
+			code = KVBP_LIMIT;
+		}
+	if (!s->ring || code) {
+		pthread_mutex_lock(&t->lock);
+		t->sessions[slot_i] = NULL;
+		t->bytes -= ring_bytes;
+		pthread_mutex_unlock(&t->lock);
+		code = fail(err, errlen, KVBP_LIMIT, "out of memory for the session ring");
+		goto fail;
+	}
+	clock_gettime(CLOCK_MONOTONIC, &s->opened);
+	s->last_used = s->opened;
+	{
+		uint64_t id = 0;
+
+		/* Unguessable, so that one client cannot drive another's session. */
+		if (getrandom(&id, sizeof(id), 0) != sizeof(id) || !id)
+			id = (uint64_t)(uintptr_t)s ^ ((uint64_t)s->opened.tv_nsec << 20) ^ 1;
+		pthread_mutex_lock(&t->lock);
+		s->id = id;
+		s->ready = true;
+		pthread_mutex_unlock(&t->lock);
+	}
+	r->id = s->id;
+	r->num_tokens = s->n;
+	r->next_layer = s->next_layer;
+	r->rows_next = s->n;
+	free(r->missing);
+	r->missing = NULL;
+	return KVBP_OK;
+fail:
+	if (pinned) {
+		pthread_mutex_lock(&t->lock);
+		for (size_t i = 0; i < q->n_segments; i++)
+			if (!q->segments[i].fresh)
+				pin_drop(t, m->id, q->segments[i].hash);
+		pthread_mutex_unlock(&t->lock);
+	}
+	if (!r->n_missing) {
+		free(r->missing);
+		r->missing = NULL;
+	}
+	session_free(s);
+	return code;
+}
+
+/* ---- loading a layer into the ring ---- */
+
+struct load_job {
+	struct fuse_table *t;
+	struct fuse_session *s;
+	struct slot *slot;
+	uint32_t layer;
+	int err;
+};
+
+static int load_chunk(void *arg, size_t i)
+{
+	struct load_job *j = arg;
+	struct fuse_session *s = j->s;
+	struct chunk_ref *c = &s->chunks[i];
+	uint8_t *k = j->slot->k + (size_t)c->off * s->row_bytes;
+	uint8_t *v = j->slot->v + (size_t)c->off * s->row_bytes;
+	int rc = store_chunk_get_layer(j->t->store, &s->m, c->hash, j->layer, k, v,
+				       (uint64_t)c->tokens * s->row_bytes);
+
+	if (rc)
+		return rc;
+	j->t->be->rotate(&s->shape, &c->rot, k, k, 0, c->tokens);
+	return 0;
+}
+
+/* Load layer into slot; called without the session lock, with the slot marked LOADING. */
+static int load_layer(struct fuse_table *t, struct fuse_session *s, struct slot *slot,
+		      uint32_t layer)
+{
+	struct load_job j = { t, s, slot, layer, 0 };
+
+	return pool_run(t->pool, s->n_chunks, load_chunk, &j);
+}
+
+/* Make layer's slot READY (loading it here if nobody is); with the session lock held. */
+static int ensure_layer(struct fuse_table *t, struct fuse_session *s, uint32_t layer,
+			struct slot **out)
+{
+	struct slot *sl = &s->ring[(layer - s->checks[0]) % s->n_ring];
+
+	for (;;) {
+		if (sl->layer == layer && sl->state == SLOT_READY)
+			break;
+		if (sl->layer == layer && sl->state == SLOT_LOADING) {
+			pthread_cond_wait(&s->cond, &s->lock);
+			continue;
+		}
+		if (sl->state == SLOT_LOADING) { /* a prefetch of another layer: wait it out */
+			pthread_cond_wait(&s->cond, &s->lock);
+			continue;
+		}
+		{
+			struct timespec t0;
+			int rc;
+
+			sl->layer = layer;
+			sl->state = SLOT_LOADING;
+			pthread_mutex_unlock(&s->lock);
+			clock_gettime(CLOCK_MONOTONIC, &t0);
+			rc = load_layer(t, s, sl, layer);
+			pthread_mutex_lock(&s->lock);
+			s->ns_load += ns_since(&t0);
+			sl->state = rc ? SLOT_FAILED : SLOT_READY;
+			sl->err = rc;
+			pthread_cond_broadcast(&s->cond);
+			if (rc)
+				break;
+		}
+	}
+	*out = sl;
+	if (sl->state == SLOT_FAILED) {
+		int rc = sl->err;
+
+		sl->layer = -1;
+		sl->state = SLOT_EMPTY;
+		return rc;
+	}
+	return 0;
+}
+
+void fuse_prefetch(struct fuse_table *t, uint64_t id)
+{
+	struct fuse_session *s = session_get(t, id);
+
+	if (!s)
+		return;
+	pthread_mutex_lock(&s->lock);
+	for (uint32_t l = s->next_layer; !s->closed && l < s->m.num_layers &&
+					 l < s->next_layer + s->n_ring; l++) {
+		struct slot *sl = &s->ring[(l - s->checks[0]) % s->n_ring];
+		struct timespec t0;
+		int rc;
+
+		if (sl->layer == l || sl->state == SLOT_LOADING)
+			continue;
+		sl->layer = l;
+		sl->state = SLOT_LOADING;
+		pthread_mutex_unlock(&s->lock);
+		clock_gettime(CLOCK_MONOTONIC, &t0);
+		rc = load_layer(t, s, sl, l);
+		pthread_mutex_lock(&s->lock);
+		s->ns_load += ns_since(&t0);
+		sl->state = rc ? SLOT_FAILED : SLOT_READY;
+		sl->err = rc;
+		pthread_cond_broadcast(&s->cond);
+		if (rc)
+			break;
+	}
+	pthread_mutex_unlock(&s->lock);
+	session_put(t, s);
+}
+
+/* ---- one layer ---- */
+
+uint32_t fuse_layer_begin(struct fuse_table *t, uint64_t id, uint32_t layer,
+			  struct fuse_session **sp, struct fuse_layer_plan *plan, char *err,
+			  size_t errlen)
+{
+	struct fuse_session *s = session_get(t, id);
+	bool is_check;
+
+	if (!s)
+		return fail(err, errlen, KVBP_UNKNOWN_SESSION, "fuse session %016" PRIx64 " is not "
+			    "open (closed, expired, or never opened)", id);
+	pthread_mutex_lock(&s->lock);
+	while (s->busy)
+		pthread_cond_wait(&s->cond, &s->lock);
+	if (layer < s->checks[0]) {
+		pthread_mutex_unlock(&s->lock);
+		session_put(t, s);
+		return fail(err, errlen, KVBP_BAD_ARGUMENT, "layer %" PRIu32 " comes before the first "
+			    "check layer %" PRIu32 ": the node prefills it alone", layer, s->checks[0]);
+	}
+	if (s->next_layer >= s->m.num_layers) {
+		pthread_mutex_unlock(&s->lock);
+		session_put(t, s);
+		return fail(err, errlen, KVBP_BAD_ARGUMENT, "every layer has been served; close the "
+			    "session");
+	}
+	if (layer != s->next_layer) {
+		uint32_t want = s->next_layer;
+
+		pthread_mutex_unlock(&s->lock);
+		session_put(t, s);
+		return fail(err, errlen, KVBP_BAD_ARGUMENT, "layer %" PRIu32 " out of order; the "
+			    "session expects layer %" PRIu32, layer, want);
+	}
+	s->busy = true;
+	is_check = s->next_check < s->n_checks && s->checks[s->next_check] == layer;
+	plan->rows_in = s->next_check == 0 ? s->n : (uint32_t)s->n_sel;
+	plan->row_bytes = s->row_bytes;
+	plan->num_tokens = s->n;
+	plan->selection_out = is_check;
+	plan->fused_out = !(is_check && s->next_check == 0);
+	pthread_mutex_unlock(&s->lock);
+	*sp = s;
+	return KVBP_OK;
+}
+
+struct dev_job {
+	const struct blend_backend *be;
+	const struct blend_shape *shape;
+	const uint8_t *fresh;
+	const uint8_t *stored;
+	const int32_t *idx;
+	size_t n, parts, row_bytes;
+	float *out;
+};
+
+static int dev_part(void *arg, size_t i)
+{
+	const struct dev_job *j = arg;
+	size_t a = j->n * i / j->parts, b = j->n * (i + 1) / j->parts;
+
+	if (b > a)
+		j->be->deviation(j->shape, j->fresh + a * j->row_bytes, j->stored, j->idx + a, b - a,
+				 j->out + a);
+	return 0;
+}
+
+struct merge_job {
+	const struct blend_backend *be;
+	const struct blend_shape *shape;
+	const void *stored, *fresh;
+	const int32_t *sel;
+	size_t n_sel, n, parts;
+	void *out;
+};
+
+static int merge_part(void *arg, size_t i)
+{
+	const struct merge_job *j = arg;
+	size_t a = j->n * i / j->parts, b = j->n * (i + 1) / j->parts;
+
+	if (b > a)
+		j->be->merge(j->shape, j->stored, j->fresh, j->sel, j->n_sel, j->out, a, b - a);
+	return 0;
+}
+
+static size_t parts_for(struct fuse_table *t, size_t bytes)
+{
+	size_t threads = pool_threads(t->pool) + 1;
+
+	/* Below a few hundred KiB a hand-off costs more than it saves. */
+	return bytes < (256u << 10) ? 1 : threads;
+}
+
+static void merge_all(struct fuse_table *t, struct fuse_session *s, const struct slot *sl,
+		      const void *k_in, const void *v_in, void *k_out, void *v_out)
+{
+	struct merge_job j = { t->be, &s->shape, sl->k, k_in, s->sel, s->n_sel, s->n, 1, k_out };
+
+	j.parts = parts_for(t, (size_t)s->n * s->row_bytes);
+	pool_run(t->pool, j.parts, merge_part, &j);
+	j.stored = sl->v;
+	j.fresh = v_in;
+	j.out = v_out;
+	pool_run(t->pool, j.parts, merge_part, &j);
+}
+
+uint32_t fuse_layer_run(struct fuse_table *t, struct fuse_session *s, const void *k_in,
+			const void *v_in, void *k_out, void *v_out, struct fuse_layer_result *r,
+			char *err, size_t errlen)
+{
+	uint32_t layer = s->next_layer, code = KVBP_OK;
+	bool is_check = s->next_check < s->n_checks && s->checks[s->next_check] == layer;
+	bool first_check = is_check && s->next_check == 0;
+	uint64_t rows_in = first_check ? s->n : s->n_sel;
+	struct timespec t0;
+	struct slot *sl;
+	int rc;
+
+	memset(r, 0, sizeof(*r));
+	pthread_mutex_lock(&s->lock);
+	rc = ensure_layer(t, s, layer, &sl);
+	pthread_mutex_unlock(&s->lock);
+	if (rc)
+		return fail(err, errlen, rc == -EBADMSG ? KVBP_CORRUPT : KVBP_INTERNAL,
+			    "layer %" PRIu32 ": cannot read stored chunks: %s", layer,
+			    rc == -EBADMSG ? "a chunk failed its checksum" : strerror(-rc));
+	clock_gettime(CLOCK_MONOTONIC, &t0);
+	if (is_check) {
+		/* Deviation of every row sent against the stored row of the same token. */
+		size_t rows = s->next_check == 0 ? s->n : s->n_sel, n_cand = 0, fi = 0;
+		int32_t *idx = malloc((rows + 1) * sizeof(int32_t));
+		int32_t *cand = malloc((rows + 1) * sizeof(int32_t));
+		float *dev = malloc((rows + 1) * sizeof(float));
+		int32_t *sel = malloc((s->n + 1) * sizeof(int32_t));
+		struct dev_job dj;
+		long n_sel;
+
+		if (!idx || !cand || !dev || !sel) {
+			free(idx);
+			free(cand);
+			free(dev);
+			free(sel);
+			return fail(err, errlen, KVBP_LIMIT, "out of memory");
+		}
+		for (size_t i = 0; i < rows; i++)
+			idx[i] = s->next_check == 0 ? (int32_t)i : s->sel[i];
+		dj = (struct dev_job){ t->be, &s->shape, s->metric ? k_in : v_in,
+				       s->metric ? sl->k : sl->v, idx, rows, 1, s->row_bytes, dev };
+		dj.parts = parts_for(t, rows * s->row_bytes);
+		pool_run(t->pool, dj.parts, dev_part, &dj);
+		/* Candidates: the cached tokens among the rows (fresh ones are always kept). */
+		for (size_t i = 0; i < rows; i++) {
+			while (fi < s->n_fresh && s->fresh[fi] < idx[i])
+				fi++;
+			if (fi < s->n_fresh && s->fresh[fi] == idx[i])
+				continue;
+			dev[n_cand] = dev[i];
+			cand[n_cand++] = idx[i];
+		}
+		n_sel = hkvd_select(cand, dev, n_cand,
+				    hkvd_count(s->ratios[s->next_check], s->n_cached), s->fresh,
+				    s->n_fresh, sel);
+		free(idx);
+		free(cand);
+		free(dev);
+		if (n_sel < 0) {
+			free(sel);
+			return fail(err, errlen, KVBP_LIMIT, "out of memory");
+		}
+		/* At later check layers the fused output still uses the selection before it narrows. */
+		if (s->next_check > 0)
+			merge_all(t, s, sl, k_in, v_in, k_out, v_out);
+		memcpy(s->sel, sel, (size_t)n_sel * sizeof(int32_t));
+		s->n_sel = (size_t)n_sel;
+		r->selection = sel;
+		r->n_selection = (size_t)n_sel;
+		s->next_check++;
+	} else {
+		merge_all(t, s, sl, k_in, v_in, k_out, v_out);
+	}
+	pthread_mutex_lock(&s->lock);
+	s->ns_compute += ns_since(&t0);
+	s->layers_served++;
+	s->bytes_in += 2 * rows_in * s->row_bytes;
+	s->bytes_out += first_check ? 0 : 2 * (uint64_t)s->n * s->row_bytes;
+	s->next_layer++;
+	/* The slot is consumed; a prefetch may reuse it. */
+	sl->layer = -1;
+	sl->state = SLOT_EMPTY;
+	r->next_layer = s->next_layer;
+	r->rows_next = (uint32_t)s->n_sel;
+	r->done = s->next_layer >= s->m.num_layers;
+	pthread_mutex_unlock(&s->lock);
+	return code;
+}
+
+void fuse_layer_end(struct fuse_table *t, struct fuse_session *s)
+{
+	pthread_mutex_lock(&s->lock);
+	s->busy = false;
+	pthread_cond_broadcast(&s->cond);
+	pthread_mutex_unlock(&s->lock);
+	session_put(t, s);
+}
+
+uint32_t fuse_close(struct fuse_table *t, uint64_t id, struct kvbp_stat **stats, size_t *n,
+		    char *err, size_t errlen)
+{
+	struct fuse_session *s = NULL;
+	struct kvbp_stat *st;
+	bool free_now = false;
+	size_t k = 0;
+
+	*stats = NULL;
+	*n = 0;
+	pthread_mutex_lock(&t->lock);
+	for (uint64_t i = 0; i < t->lim.max_sessions && !s; i++)
+		if (t->sessions[i] && t->sessions[i]->ready && t->sessions[i]->id == id) {
+			s = t->sessions[i];
+			session_remove(t, i);
+			free_now = s->refs == 0;
+		}
+	pthread_mutex_unlock(&t->lock);
+	if (!s)
+		return fail(err, errlen, KVBP_UNKNOWN_SESSION, "fuse session %016" PRIx64 " is not "
+			    "open (closed, expired, or never opened)", id);
+	st = calloc(10, sizeof(*st));
+	if (st) {
+#define STAT(nm, v) (snprintf(st[k].name, sizeof(st[k].name), "%s", nm), st[k++].value = (double)(v))
+		STAT("tokens", s->n);
+		STAT("cached_tokens", s->n_cached);
+		STAT("selected_tokens", s->n_sel);
+		STAT("layers_served", s->layers_served);
+		STAT("load_ms", s->ns_load / 1e6);
+		STAT("compute_ms", s->ns_compute / 1e6);
+		STAT("open_ms", ns_since(&s->opened) / 1e6);
+		STAT("ring_bytes", s->bytes);
+		STAT("bytes_in", s->bytes_in);
+		STAT("bytes_out", s->bytes_out);
+#undef STAT
+		*stats = st;
+		*n = k;
+	}
+	if (free_now)
+		session_free(s);
+	return KVBP_OK;
+}
+
+unsigned fuse_expire(struct fuse_table *t)
+{
+	struct timespec now;
+	unsigned n = 0;
+
+	clock_gettime(CLOCK_MONOTONIC, &now);
+	pthread_mutex_lock(&t->lock);
+	for (uint64_t i = 0; i < t->lim.max_sessions; i++) {
+		struct fuse_session *s = t->sessions[i];
+
+		if (!s || !s->ready || s->refs || (uint64_t)(now.tv_sec - s->last_used.tv_sec) < t->lim.idle_s)
+			continue;
+		log_info("fuse session %016" PRIx64 " idle for %" PRIu64 " s: released", s->id,
+			 (uint64_t)(now.tv_sec - s->last_used.tv_sec));
+		session_remove(t, i);
+		session_free(s);
+		n++;
+	}
+	pthread_mutex_unlock(&t->lock);
+	return n;
+}
+
+void fuse_usage(struct fuse_table *t, uint64_t *sessions, uint64_t *bytes, uint64_t *pins)
+{
+	uint64_t n = 0;
+
+	pthread_mutex_lock(&t->lock);
+	for (uint64_t i = 0; i < t->lim.max_sessions; i++)
+		n += t->sessions[i] && t->sessions[i]->ready;
+	*sessions = n;
+	*bytes = t->bytes;
+	*pins = t->n_pins;
+	pthread_mutex_unlock(&t->lock);
+}

@@ -1,0 +1,113 @@
+/*
+ * fuse — CacheBlend fuse sessions: a serving node opens a session over an
+ * ordered list of stored chunks and fresh tokens, then sends, layer by layer,
+ * fresh K and V for the tokens the protocol asks for; the daemon answers with
+ * the HKVD selection at check layers and with the fused KV of all tokens
+ * otherwise (semantics in shared/DESIGN.md, "Fuse semantics").
+ *
+ * Memory per session is a ring of a few layers of re-rotated stored KV, loaded
+ * ahead of the node (fuse_prefetch after each reply), independent of the layer
+ * count. Chunks of an open session are pinned: DELETE refuses them. Sessions
+ * idle longer than idle_s are freed. Thread-safe; one layer request per
+ * session runs at a time.
+ *
+ * Functions that can fail with a reason for the client return a kvbp_code
+ * (wire.h; 0 = ok) and write a message to err.
+ */
+#ifndef KVBLEND_DAEMON_FUSE_H
+#define KVBLEND_DAEMON_FUSE_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "../proto/wire.h"
+#include "../store/store.h"
+#include "backend.h"
+#include "pool.h"
+
+struct fuse_limits {
+	uint64_t max_sessions;
+	uint64_t max_tokens; /* per session */
+	uint64_t max_bytes;  /* ring memory of all sessions together */
+	uint64_t ring;	     /* layers loaded ahead per session */
+	uint64_t idle_s;
+};
+
+struct fuse_table;
+struct fuse_session;
+
+int fuse_table_new(const struct fuse_limits *l, struct store *store, struct pool *pool,
+		   const struct blend_backend *backend, struct fuse_table **out);
+/* Free every session (unpinning its chunks). Accepts NULL. */
+void fuse_table_free(struct fuse_table **t);
+
+/* Delete a chunk unless an open session pins it: 0, -EBUSY, or a store errno. */
+int fuse_delete_chunk(struct fuse_table *t, const struct store_model *m, const uint8_t *hash);
+
+struct fuse_open_result {
+	uint64_t id;
+	uint32_t num_tokens;
+	uint32_t next_layer; /* the first check layer */
+	uint32_t rows_next;  /* rows the next layer request carries (all tokens) */
+	uint8_t (*missing)[KVBP_HASH_LEN]; /* malloc'd on KVBP_NOT_FOUND; caller frees */
+	size_t n_missing;
+};
+
+/* Open a session for model m over request q's segments and check layers. */
+uint32_t fuse_open(struct fuse_table *t, const struct store_model *m, const struct kvbp_request *q,
+		   struct fuse_open_result *r, char *err, size_t errlen);
+
+/* What one layer request of a session takes and gives, known before it runs. */
+struct fuse_layer_plan {
+	uint32_t rows_in;  /* fresh rows expected, K and V each */
+	size_t row_bytes;  /* bytes of one row: heads x head_dim x dtype size */
+	uint32_t num_tokens;
+	bool fused_out;	   /* the reply carries fused K and V of all tokens */
+	bool selection_out;
+};
+
+/*
+ * Begin a layer request: find and lock session id, check that layer is the one
+ * expected. On success *s is held until fuse_layer_end().
+ */
+uint32_t fuse_layer_begin(struct fuse_table *t, uint64_t id, uint32_t layer,
+			  struct fuse_session **s, struct fuse_layer_plan *plan, char *err,
+			  size_t errlen);
+
+struct fuse_layer_result {
+	int32_t *selection; /* malloc'd when the layer was a check layer; caller frees */
+	size_t n_selection;
+	uint32_t next_layer;
+	uint32_t rows_next;
+	bool done; /* the last layer was served */
+};
+
+/*
+ * Run it: k_in/v_in hold plan.rows_in rows each; k_out/v_out room for all
+ * tokens when plan.fused_out (else NULL). On failure the session is unchanged
+ * and usable.
+ */
+uint32_t fuse_layer_run(struct fuse_table *t, struct fuse_session *s, const void *k_in,
+			const void *v_in, void *k_out, void *v_out, struct fuse_layer_result *r,
+			char *err, size_t errlen);
+
+void fuse_layer_end(struct fuse_table *t, struct fuse_session *s);
+
+/* Load the layers ahead of session id into its ring. Called after a reply is sent. */
+void fuse_prefetch(struct fuse_table *t, uint64_t id);
+
+/* Close session id; stats (a malloc'd array of n name/value pairs) describe it. */
+uint32_t fuse_close(struct fuse_table *t, uint64_t id, struct kvbp_stat **stats, size_t *n,
+		    char *err, size_t errlen);
+
+/* Free sessions idle longer than idle_s; returns how many. */
+unsigned fuse_expire(struct fuse_table *t);
+
+/* Open sessions, ring bytes held, chunks pinned. */
+void fuse_usage(struct fuse_table *t, uint64_t *sessions, uint64_t *bytes, uint64_t *pins);
+
+/* The RoPE configuration of a stored model. */
+void fuse_rope_config(const struct store_model *m, struct rope_config *c);
+
+#endif

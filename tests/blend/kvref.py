@@ -1,0 +1,107 @@
+"""Independent NumPy reference of kvblend's blend computations, in float64: RoPE inverse
+frequencies for every scaling type (from the papers and the Hugging Face transformers
+formulas), rotation, dtype rounding, and HKVD selection. Shared by the blend and fuse tests.
+"""
+import math
+
+import numpy as np
+
+# ---------- reference RoPE ----------
+
+def parse_scaling(spec):
+    kind, _, rest = spec.partition(":")
+    vals = [float(v) for v in rest.split(",")] if rest else []
+    return kind, vals
+
+
+def ref_inv_freq(dim, theta, spec, seq_len):
+    """inv_freq over rotary dim `dim`, and the attention factor."""
+    kind, v = parse_scaling(spec)
+    j = np.arange(0, dim, 2, dtype=np.float64)
+    base = theta
+    if kind == "dynamic":
+        factor, max_pos = v
+        L = max(seq_len, max_pos)
+        base = theta * ((factor * L / max_pos) - (factor - 1)) ** (dim / (dim - 2))
+    inv = 1.0 / (base ** (j / dim))
+    af = 1.0
+    if kind == "linear":
+        inv = inv / v[0]
+    elif kind == "llama3":
+        factor, low, high, old = v
+        wavelen = 2 * math.pi / inv
+        low_wl, high_wl = old / low, old / high
+        out = np.where(wavelen > low_wl, inv / factor, inv)
+        smooth = (old / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * out / factor + smooth * out
+        medium = (wavelen >= high_wl) & (wavelen <= low_wl)
+        inv = np.where(medium, smoothed, out)
+    elif kind == "yarn":
+        factor, orig = v[0], v[1]
+        beta_fast, beta_slow = (v[2], v[3]) if len(v) == 4 else (32.0, 1.0)
+
+        def corr(rot):
+            return (dim * math.log(orig / (rot * 2 * math.pi))) / (2 * math.log(theta))
+        low = max(math.floor(corr(beta_fast)), 0)
+        high = min(math.ceil(corr(beta_slow)), dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+        extra = 1 - ramp
+        inv = (inv / factor) * (1 - extra) + inv * extra
+        af = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+    return inv, af
+
+
+def pair_index(D, R, style):
+    half = R // 2
+    if style == "neox":
+        return np.arange(half), np.arange(half) + half
+    return np.arange(half) * 2, np.arange(half) * 2 + 1
+
+
+def ref_rotate(x, angles, scale, R, style):
+    """x: [T, H, D] float64; angles: [T, R/2]. Rotate pairs by angle, times scale."""
+    i1, i2 = pair_index(x.shape[2], R, style)
+    out = x.copy()
+    c = np.cos(angles)[:, None, :]
+    s = np.sin(angles)[:, None, :]
+    a, b = x[:, :, i1], x[:, :, i2]
+    out[:, :, i1] = (a * c - b * s) * scale
+    out[:, :, i2] = (b * c + a * s) * scale
+    return out
+
+
+# ---------- dtypes ----------
+
+EPS = {"f16": 2.0 ** -10, "bf16": 2.0 ** -7, "f32": 2.0 ** -23}
+
+
+def to_dtype(x, dt):
+    x32 = np.asarray(x, dtype=np.float32)
+    if dt == "f16":
+        return x32.astype("<f2")
+    if dt == "f32":
+        return x32.astype("<f4")
+    bits = x32.view("<u4").astype(np.uint64)
+    r = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype("<u2")
+    return r
+
+
+def from_dtype(a, dt):
+    if dt == "bf16":
+        return (a.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    return a.astype(np.float64)
+
+
+def ref_select(cand, dev, ratio, n_cached, always):
+    k = 0
+    if ratio > 0 and n_cached > 0:
+        k = max(1, math.floor(ratio * n_cached))
+        k = min(k, n_cached)
+    k = min(k, len(cand))
+    order = sorted(range(len(cand)), key=lambda i: (-dev[i], cand[i]))
+    return np.array(sorted([int(cand[i]) for i in order[:k]] + [int(a) for a in always]),
+                    dtype=np.int32)
+
+

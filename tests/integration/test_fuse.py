@@ -1,0 +1,242 @@
+#!/usr/bin/env python3
+"""End-to-end fuse through the real kvblendd and the kvblend CLI, checked against a
+NumPy reference of CacheBlend's fuse (shared/DESIGN.md, "Fuse semantics"): RoPE
+re-rotation, HKVD selection with gradual filtering, merge; and get-rerotated.
+
+usage: test_fuse.py KVBLENDD KVBLEND REFERENCE_DIR
+"""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+KVBLENDD, KVBLEND = sys.argv[1], sys.argv[2]
+sys.path.insert(0, sys.argv[3])
+from kvref import EPS, from_dtype, ref_inv_freq, ref_rotate, ref_select, to_dtype  # noqa: E402
+
+TMP = tempfile.mkdtemp(prefix="kvb-fuse-")
+EP = f"ipc://{TMP}/kvblend.sock"
+passed = failed = 0
+
+
+def check(name, cond, detail=""):
+    global passed, failed
+    if cond:
+        passed += 1
+        print(f"ok - {name}")
+    else:
+        failed += 1
+        print(f"not ok - {name} {detail}")
+
+
+def cli(*args, ok=True):
+    r = subprocess.run([KVBLEND, "--endpoint", EP, *map(str, args)], capture_output=True,
+                       text=True)
+    if ok and r.returncode != 0:
+        raise RuntimeError(f"kvblend {' '.join(map(str, args))}: {r.stderr}")
+    return r
+
+
+MODELS = [
+    # name, layers, kv heads, head_dim, dtype, theta, style, rotary_dim, scaling, keys pre-RoPE
+    ("neox-f16", 6, 2, 16, "f16", 10000.0, "neox", 16, "none", False),
+    ("gptj-bf16-llama3", 5, 2, 16, "bf16", 500000.0, "gptj", 16, "llama3:8,1,4,64", False),
+    ("partial-f32-yarn", 5, 3, 16, "f32", 10000.0, "neox", 8, "yarn:4,64", False),
+    ("dyn-f16-prerope", 5, 2, 16, "f16", 10000.0, "neox", 16, "dynamic:2,64", True),
+]
+
+
+class Model:
+    def __init__(self, row, rng):
+        (self.name, self.L, self.H, self.D, self.dt, self.theta, self.style, self.R,
+         self.scaling, self.pre) = row
+        args = ["model", "add", self.name, "--layers", self.L, "--kv-heads", self.H,
+                "--head-dim", self.D, "--dtype", self.dt, "--rope-theta", self.theta,
+                "--rope-style", self.style, "--rotary-dim", self.R, "--rope-scaling",
+                self.scaling]
+        cli(*(args + (["--k-pre-rope"] if self.pre else [])))
+        # Chunks as a node stores them: prefilled alone, keys rotated at base_pos..
+        self.chunks = []
+        for ci, (T, base) in enumerate([(23, 0), (17, 5), (31, 0)]):
+            k0 = rng.standard_normal((self.L, T, self.H, self.D))
+            v = rng.standard_normal((self.L, T, self.H, self.D))
+            ks = k0 if self.pre else np.stack(
+                [self.rope(k0[l], base, base + T) for l in range(self.L)])
+            kv = np.stack([to_dtype(ks, self.dt), to_dtype(v, self.dt)], axis=1)
+            np.save(f"{TMP}/c{ci}.npy", kv)
+            np.save(f"{TMP}/ids{ci}.npy", np.arange(1000 * (ci + 1), 1000 * (ci + 1) + T))
+            h = cli("put", "--model", self.name, "--kv", f"{TMP}/c{ci}.npy", "--tokens",
+                    f"{TMP}/ids{ci}.npy", "--pos", base).stdout.split()[0]
+            self.chunks.append(dict(T=T, base=base, kv=kv, hash=h))
+
+    def rope(self, x, pos0, seq_len):
+        inv, af = ref_inv_freq(self.R, self.theta, self.scaling, seq_len)
+        t = np.arange(x.shape[0], dtype=np.float64)[:, None]
+        return ref_rotate(x, (pos0 + t) * inv[None, :], af, self.R, self.style)
+
+    def rerotated(self, c, l, pos, seq_len):
+        """Chunk c's layer-l stored keys moved to pos.., in float64, from the stored values."""
+        sk = from_dtype(c["kv"][l, 0], self.dt)
+        inv_o, af_o = ref_inv_freq(self.R, self.theta, self.scaling, c["base"] + c["T"])
+        inv_n, af_n = ref_inv_freq(self.R, self.theta, self.scaling, seq_len)
+        t = np.arange(c["T"], dtype=np.float64)[:, None]
+        if self.pre:
+            return ref_rotate(sk, (pos + t) * inv_n[None, :], af_n, self.R, self.style)
+        ang = (pos + t) * inv_n[None, :] - (c["base"] + t) * inv_o[None, :]
+        return ref_rotate(sk, ang, af_n / af_o, self.R, self.style)
+
+
+class Prompt:
+    """A layout: ("c", chunk index, pos) and ("f", count, pos) segments, in token order."""
+
+    def __init__(self, m, layout, rng):
+        self.m, self.layout = m, layout
+        self.seq_len = max(p + (m.chunks[i]["T"] if k == "c" else i) for k, i, p in layout)
+        self.cached, self.fresh, self.spans = [], [], []
+        n = 0
+        for k, i, p in layout:
+            cnt = m.chunks[i]["T"] if k == "c" else i
+            (self.cached if k == "c" else self.fresh).extend(range(n, n + cnt))
+            if k == "c":
+                self.spans.append((m.chunks[i], n, p))
+            n += cnt
+        self.N = n
+        # The node's fresh KV: stored KV plus noise whose size differs per token, so that
+        # deviations lie far apart (no near-ties); fresh tokens random.
+        scale = rng.permutation(n).astype(np.float64) * 0.02 + 0.05
+        new = np.zeros((m.L, 2, n, m.H, m.D))
+        for l in range(m.L):
+            K, V = self.stored(l)
+            noise = rng.standard_normal((2, n, m.H, m.D)) * scale[None, :, None, None]
+            new[l, 0] = K + noise[0]
+            new[l, 1] = V + noise[1] * (1.0 + 0.3 * l)
+            for j in self.fresh:
+                new[l, :, j] = rng.standard_normal((2, m.H, m.D))
+        self.newq = to_dtype(new, m.dt)
+        self.new = from_dtype(self.newq, m.dt)
+
+    def stored(self, l):
+        m = self.m
+        K = np.zeros((self.N, m.H, m.D))
+        V = np.zeros((self.N, m.H, m.D))
+        for c, off, p in self.spans:
+            K[off:off + c["T"]] = m.rerotated(c, l, p, self.seq_len)
+            V[off:off + c["T"]] = from_dtype(c["kv"][l, 1], m.dt)
+        return K, V
+
+    def args(self):
+        a = []
+        for k, i, p in self.layout:
+            a += ["--chunk", f"{self.m.chunks[i]['hash']}@{p}"] if k == "c" else \
+                ["--fresh", f"{i}@{p}"]
+        return a
+
+    def reference(self, checks, ratios, metric):
+        m, S, out, sel = self.m, list(range(self.N)), self.new.copy(), None
+        for l in range(checks[0], m.L):
+            K, V = self.stored(l)
+            if l > checks[0]:
+                keep = np.ones(self.N, bool)
+                keep[S] = False
+                out[l, 0, keep] = K[keep]
+                out[l, 1, keep] = V[keep]
+            if l in checks:
+                i = checks.index(l)
+                a = self.new[l, 1 if metric == "value" else 0]
+                # the stored side as the daemon holds it: rounded to the dtype
+                b = from_dtype(to_dtype(V if metric == "value" else K, m.dt), m.dt)
+                dev = ((a - b) ** 2).sum(axis=(1, 2))
+                cand = np.array([j for j in S if j not in self.fresh], dtype=np.int64)
+                S = list(ref_select(cand, dev[cand], ratios[i], len(self.cached),
+                                    np.array(self.fresh, dtype=np.int64)))
+                sel = S
+        return out, np.array(sel, dtype=np.int32)
+
+    def fuse(self, tag, checks, ratios, metric="value"):
+        m = self.m
+        np.save(f"{TMP}/new.npy", self.newq)
+        r = cli("fuse", "--model", m.name, *self.args(), "--new", f"{TMP}/new.npy", "--ratio",
+                ",".join(map(str, ratios)), "--check-layers", ",".join(map(str, checks)),
+                "--metric", metric, "--out", f"{TMP}/fused.npy", "--selected",
+                f"{TMP}/sel.npy", "--json")
+        j = json.loads(r.stdout)
+        raw = np.load(f"{TMP}/fused.npy")
+        got, sel = from_dtype(raw, m.dt), np.load(f"{TMP}/sel.npy")
+        want, want_sel = self.reference(checks, ratios, metric)
+        name = f"{m.name} {tag}"
+        check(f"{name}: selection", np.array_equal(sel, want_sel),
+              f"got {sel.tolist()} want {want_sel.tolist()}")
+        check(f"{name}: --json", j["tokens"] == self.N and j["selected"] == len(want_sel) and
+              j["daemon"]["layers_served"] == m.L - checks[0], r.stdout)
+        check(f"{name}: layers to the first check layer are NEW",
+              np.array_equal(raw[:checks[0] + 1], self.newq[:checks[0] + 1]))
+        # Rows taken from NEW are exact; re-rotated rows are within the dtype's rounding.
+        tol = 2 * EPS[m.dt] * (np.abs(want) + 1) + 1e-6
+        bad = np.abs(got - want) > tol
+        check(f"{name}: fused KV", not bad.any(),
+              f"{bad.sum()} elements off, worst {np.max(np.abs(got - want) / tol):.3g}")
+        return raw, sel
+
+
+def run_model(m, rng):
+    p = Prompt(m, [("c", 1, 3), ("f", 4, 20), ("c", 0, 24), ("c", 2, 47), ("f", 6, 78)], rng)
+    p.fuse("two check layers", [2, 3], [0.3, 0.15])
+    p.fuse("key metric", [1], [0.25], "key")
+    raw, _ = p.fuse("r = 1", [2], [1.0])
+    check(f"{m.name} r = 1: fused equals NEW", np.array_equal(raw, p.newq))
+    # r = 0 and no fresh tokens: every layer after the check layer is the stored KV.
+    q = Prompt(m, [("c", 2, 0), ("c", 0, 31), ("c", 1, 54)], rng)
+    raw, sel = q.fuse("r = 0", [1], [0.0])
+    got = from_dtype(raw, m.dt)
+    ok = len(sel) == 0
+    for l in range(2, m.L):
+        K, V = q.stored(l)
+        tol = 2 * EPS[m.dt] * (np.abs(K) + 1)
+        ok = ok and np.all(np.abs(got[l, 0] - K) <= tol) and np.array_equal(
+            raw[l, 1], to_dtype(V, m.dt))
+    check(f"{m.name} r = 0: fused is the re-rotated stored KV", ok)
+    # get-rerotated: chunk 2's keys moved to position 400; values untouched.
+    c = m.chunks[2]
+    cli("get-rerotated", "--model", m.name, "--hash", c["hash"], "--pos", 400, "--out",
+        f"{TMP}/rr.npy")
+    rr = np.load(f"{TMP}/rr.npy")
+    ok = True
+    for l in range(m.L):
+        want = m.rerotated(c, l, 400, 400 + c["T"])
+        ok = ok and np.all(np.abs(from_dtype(rr[l, 0], m.dt) - want) <=
+                           2 * EPS[m.dt] * (np.abs(want) + 1))
+        ok = ok and np.array_equal(rr[l, 1], c["kv"][l, 1])
+    check(f"{m.name} get-rerotated", ok)
+
+
+daemon = subprocess.Popen([KVBLENDD, "--data-dir", f"{TMP}/data", "--listen", EP,
+                           "--map-size", "1G", "--log-level", "debug"],
+                          stderr=open(f"{TMP}/kvblendd.log", "w"))
+try:
+    for _ in range(100):
+        if cli("--timeout", "200", "ping", ok=False).returncode == 0:
+            break
+        time.sleep(0.1)
+    rng = np.random.default_rng(11)
+    for row in MODELS:
+        run_model(Model(row, rng), rng)
+    # Errors the CLI reports in one line: a missing chunk, a NEW of the wrong shape.
+    r = cli("fuse", "--model", "neox-f16", "--chunk", "ab" * 32 + "@0", "--new",
+            f"{TMP}/new.npy", "--ratio", "0.2", "--check-layers", "1", "--out",
+            f"{TMP}/x.npy", ok=False)
+    check("fuse of a missing chunk", r.returncode == 1 and "not stored" in r.stderr and
+          r.stderr.count("\n") == 1, r.stderr)
+finally:
+    daemon.terminate()
+    rc = daemon.wait(30)
+    check("daemon exits 0", rc == 0, f"status {rc}")
+    if failed:
+        print(open(f"{TMP}/kvblendd.log").read()[-3000:])
+    if not os.environ.get("KVB_KEEP_TMP"):
+        subprocess.run(["rm", "-rf", TMP])
+print(f"{passed} passed, {failed} failed")
+sys.exit(1 if failed else 0)

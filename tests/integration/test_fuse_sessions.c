@@ -1,0 +1,454 @@
+/*
+ * Fuse sessions through the real kvblendd and libkvblend: every error of the
+ * protocol (with the session still usable afterwards), limits, pinning, an
+ * abandoned session that expires and frees its memory, and concurrent sessions
+ * from several clients that must all get the same answer.
+ */
+#include <errno.h>
+#include <pthread.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+
+#include <zmq.h>
+
+#include "harness.h"
+#include "wire.h"
+
+#define L 4
+#define H 2
+#define D 8
+#define ROW (H * D * 2)
+
+static const struct kvb_model model = { .name = "fm", .num_layers = L, .num_kv_heads = H,
+					.head_dim = D, .dtype = KVB_F16, .rope_theta = 10000 };
+
+struct fixture {
+	struct daemon d;
+	kvb_client *c;
+	uint8_t hash[3][KVB_HASH_LEN];
+	uint32_t tokens[3];
+};
+
+static void fill(uint16_t *p, size_t n, uint32_t seed)
+{
+	uint32_t x = seed * 2654435761u + 7;
+
+	for (size_t i = 0; i < n; i++) {
+		x = x * 1103515245u + 12345u;
+		/* small normal f16 values: sign, exponent 13..16, random mantissa */
+		p[i] = (uint16_t)((x >> 31) << 15 | (13 + (x >> 28 & 3)) << 10 | (x >> 8 & 0x3ff));
+	}
+}
+
+static uint64_t stat_of(kvb_client *c, const char *name)
+{
+	struct kvb_stat *s;
+	size_t n;
+	double v = -1;
+
+	assert_int_equal(kvb_stats(c, &s, &n), 0);
+	for (size_t i = 0; i < n; i++)
+		if (!strcmp(s[i].name, name))
+			v = s[i].value;
+	free(s);
+	assert_true(v >= 0);
+	return (uint64_t)v;
+}
+
+static int setup(void **state)
+{
+	struct fixture *f = calloc(1, sizeof(*f));
+	const char *args[] = { "--fuse-max-sessions", "3", "--fuse-idle", "2", "--fuse-max-tokens",
+			       "1000", NULL };
+
+	daemon_start(&f->d, args);
+	f->c = daemon_client(&f->d, 0);
+	assert_int_equal(kvb_model_register(f->c, &model, NULL), 0);
+	for (uint32_t i = 0; i < 3; i++) {
+		uint32_t ids[2] = { 77, i };
+		size_t n;
+		uint16_t *kv;
+
+		f->tokens[i] = 10 + 7 * i;
+		n = (size_t)L * 2 * f->tokens[i] * H * D;
+		kv = malloc(n * 2);
+		fill(kv, n, i + 1);
+		kvb_chunk_hash(ids, 2, f->hash[i]);
+		assert_int_equal(kvb_put(f->c, "fm", f->hash[i], KVB_F16, f->tokens[i], 0, kv, n * 2,
+					 NULL), 0);
+		free(kv);
+	}
+	*state = f;
+	return 0;
+}
+
+static int teardown(void **state)
+{
+	struct fixture *f = *state;
+
+	kvb_close(&f->c);
+	daemon_stop(&f->d);
+	daemon_cleanup(&f->d);
+	free(f);
+	return 0;
+}
+
+/* chunk 0 at 0, 3 fresh at 10, chunk 1 at 13 (17 tokens): 30 tokens */
+static size_t segments(struct fixture *f, struct kvb_segment *s)
+{
+	memset(s, 0, 3 * sizeof(*s));
+	memcpy(s[0].hash, f->hash[0], KVB_HASH_LEN);
+	s[0].pos = 0;
+	s[1].fresh = 1;
+	s[1].count = 3;
+	s[1].pos = 10;
+	memcpy(s[2].hash, f->hash[1], KVB_HASH_LEN);
+	s[2].pos = 13;
+	return 3;
+}
+
+static const uint32_t checks[2] = { 1, 2 };
+static const double ratios[2] = { 0.5, 0.25 };
+
+/* Run every layer of f with rows taken from a deterministic "fresh KV"; return fused layers. */
+static int drive(kvb_client *c, kvb_fuse *fu, uint8_t *out_all, int32_t *sel_out, size_t *n_sel)
+{
+	uint32_t n = kvb_fuse_tokens(fu);
+	uint8_t *k = malloc((size_t)n * ROW), *v = malloc((size_t)n * ROW);
+	uint16_t *fresh = malloc((size_t)L * 2 * n * ROW);
+	int rc = 0;
+
+	fill(fresh, (size_t)L * 2 * n * H * D, 999);
+	for (uint32_t l = kvb_fuse_next_layer(fu); l < L && !rc; l++) {
+		const int32_t *rows;
+		size_t nr = kvb_fuse_rows(fu, &rows);
+		int fused = 0;
+
+		for (size_t i = 0; i < nr; i++) {
+			memcpy(k + i * ROW, (uint8_t *)fresh + ((size_t)l * 2 * n + rows[i]) * ROW, ROW);
+			memcpy(v + i * ROW, (uint8_t *)fresh + ((size_t)(l * 2 + 1) * n + rows[i]) * ROW,
+			       ROW);
+		}
+		rc = kvb_fuse_layer(c, fu, l, k, v, out_all + (size_t)l * 2 * n * ROW,
+				    out_all + ((size_t)l * 2 + 1) * n * ROW, &fused);
+	}
+	if (!rc) {
+		const int32_t *sel;
+
+		*n_sel = kvb_fuse_rows(fu, &sel);
+		memcpy(sel_out, sel, *n_sel * sizeof(int32_t));
+	}
+	free(k);
+	free(v);
+	free(fresh);
+	return rc;
+}
+
+static void test_protocol_errors(void **state)
+{
+	struct fixture *f = *state;
+	struct kvb_segment s[3];
+	struct kvb_fuse_params p = { checks, ratios, 2, KVB_METRIC_VALUE };
+	kvb_fuse *fu;
+	uint8_t buf[64 * ROW], out[64 * ROW], out2[64 * ROW];
+	uint8_t *all = calloc(L * 2 * 30, ROW);
+	int32_t sel[64];
+	size_t n_sel;
+	int fused;
+
+	assert_int_equal(kvb_fuse_open(f->c, "fm", s, segments(f, s), &p, &fu, NULL, NULL), 0);
+	assert_int_equal(kvb_fuse_tokens(fu), 30);
+	assert_int_equal(kvb_fuse_next_layer(fu), 1);
+	memset(buf, 0, sizeof(buf));
+	/* a layer before the first check layer */
+	assert_int_equal(kvb_fuse_layer(f->c, fu, 0, buf, buf, out, out2, &fused),
+			 KVB_E_BAD_ARGUMENT);
+	assert_non_null(strstr(kvb_last_error(f->c), "before the first check layer 1"));
+	/* out of order */
+	assert_int_equal(kvb_fuse_layer(f->c, fu, 3, buf, buf, out, out2, &fused),
+			 KVB_E_BAD_ARGUMENT);
+	assert_non_null(strstr(kvb_last_error(f->c), "layer 3 out of order; the session expects "
+							 "layer 1"));
+	/* the session is still usable: the whole fuse runs, and gives 30 tokens' worth */
+	assert_int_equal(drive(f->c, fu, all, sel, &n_sel), 0);
+	/* 27 cached tokens: 0.5 -> 13, then 0.25 -> floor(6.75) = 6 cached, plus 3 fresh */
+	assert_int_equal(n_sel, 6 + 3);
+	assert_int_equal(sel[0] <= sel[1], 1);
+	/* every layer served: another is refused */
+	assert_int_equal(kvb_fuse_layer(f->c, fu, 4, buf, buf, out, out2, &fused),
+			 KVB_E_BAD_ARGUMENT);
+	assert_int_equal(kvb_fuse_close(f->c, &fu, NULL, NULL), 0);
+	assert_null(fu);
+	free(all);
+}
+
+/* Send a request on a raw DEALER socket; return the reply's code, message and session id. */
+static uint32_t raw_call(void *sock, struct kvbp_request *q, const void *const *pl,
+			 const size_t *len, size_t n, char *msg, uint64_t *session)
+{
+	struct kvbp_reply rep;
+	uint8_t *hdr;
+	size_t hlen;
+	zmq_msg_t m;
+	char err[256];
+	int more;
+
+	q->version = KVBP_VERSION;
+	q->payload_frames = (uint32_t)n;
+	assert_int_equal(kvbp_request_encode(q, &hdr, &hlen), 0);
+	assert_int_equal(zmq_send(sock, "", 0, ZMQ_SNDMORE), 0);
+	assert_true(zmq_send(sock, hdr, hlen, n ? ZMQ_SNDMORE : 0) >= 0);
+	for (size_t i = 0; i < n; i++)
+		assert_true(zmq_send(sock, pl[i], len[i], i + 1 < n ? ZMQ_SNDMORE : 0) >= 0);
+	free(hdr);
+	zmq_msg_init(&m);
+	assert_true(zmq_msg_recv(&m, sock, 0) >= 0);
+	assert_true(zmq_msg_recv(&m, sock, 0) >= 0);
+	more = zmq_msg_more(&m);
+	assert_int_equal(kvbp_reply_decode(zmq_msg_data(&m), zmq_msg_size(&m), &rep, err,
+					   sizeof(err)), 0);
+	while (more) {
+		assert_true(zmq_msg_recv(&m, sock, 0) >= 0);
+		more = zmq_msg_more(&m);
+	}
+	zmq_msg_close(&m);
+	snprintf(msg, 256, "%s", rep.message);
+	if (session && rep.session_id)
+		*session = rep.session_id;
+	kvbp_reply_clear(&rep);
+	return rep.code;
+}
+
+/* Wrong numbers of fresh rows and frames, sent as raw requests: clear errors, session usable. */
+static void test_wrong_rows(void **state)
+{
+	struct fixture *f = *state;
+	void *ctx = zmq_ctx_new(), *sock = zmq_socket(ctx, ZMQ_DEALER);
+	struct kvbp_segment segs[3] = { 0 };
+	uint32_t ck[1] = { 1 };
+	double rt[1] = { 0.5 };
+	struct kvbp_request q = { .op = KVBP_OP_FUSE_OPEN, .segments = segs, .n_segments = 3,
+				  .check_layers = ck, .n_checks = 1, .ratios = rt, .n_ratios = 1 };
+	uint8_t *zeros = calloc(30, ROW);
+	const void *pl[2] = { zeros, zeros };
+	size_t len[2] = { 30 * ROW, 30 * ROW };
+	uint64_t sid = 0;
+	char msg[256];
+	int zero = 0, timeout = 10000;
+
+	zmq_setsockopt(sock, ZMQ_LINGER, &zero, sizeof(zero));
+	zmq_setsockopt(sock, ZMQ_RCVTIMEO, &timeout, sizeof(timeout));
+	assert_int_equal(zmq_connect(sock, f->d.endpoint), 0);
+	memcpy(segs[0].hash, f->hash[0], KVB_HASH_LEN);
+	segs[1].fresh = true;
+	segs[1].count = 3;
+	segs[1].pos = 10;
+	memcpy(segs[2].hash, f->hash[1], KVB_HASH_LEN);
+	segs[2].pos = 13;
+	snprintf(q.model_name, sizeof(q.model_name), "fm");
+	assert_int_equal(raw_call(sock, &q, NULL, NULL, 0, msg, &sid), KVBP_OK);
+	assert_true(sid != 0);
+	q = (struct kvbp_request){ .op = KVBP_OP_FUSE_LAYER, .session_id = sid, .layer = 1,
+				   .rows = 29 };
+	assert_int_equal(raw_call(sock, &q, pl, len, 2, msg, NULL), KVBP_BAD_SHAPE);
+	assert_non_null(strstr(msg, "takes fresh K and V for 30 tokens (all of them); the request "
+				    "declares 29"));
+	q.rows = 30;
+	len[1] = 29 * ROW;
+	assert_int_equal(raw_call(sock, &q, pl, len, 2, msg, NULL), KVBP_BAD_SHAPE);
+	assert_non_null(strstr(msg, "fresh V is 928 bytes; expected 960"));
+	assert_int_equal(raw_call(sock, &q, pl, len, 1, msg, NULL), KVBP_BAD_FRAMES);
+	assert_non_null(strstr(msg, "takes 2 payload frames"));
+	q.session_id = sid + 1;
+	len[1] = 30 * ROW;
+	assert_int_equal(raw_call(sock, &q, pl, len, 2, msg, NULL), KVBP_UNKNOWN_SESSION);
+	/* the session is still usable with the right request */
+	q.session_id = sid;
+	assert_int_equal(raw_call(sock, &q, pl, len, 2, msg, NULL), KVBP_OK);
+	q = (struct kvbp_request){ .op = KVBP_OP_FUSE_CLOSE, .session_id = sid };
+	assert_int_equal(raw_call(sock, &q, NULL, NULL, 0, msg, NULL), KVBP_OK);
+	zmq_close(sock);
+	zmq_ctx_term(ctx);
+	free(zeros);
+}
+
+static void test_open_errors(void **state)
+{
+	struct fixture *f = *state;
+	struct kvb_segment s[3];
+	struct kvb_fuse_params p = { checks, ratios, 2, KVB_METRIC_VALUE };
+	uint8_t(*missing)[KVB_HASH_LEN] = NULL;
+	size_t n_missing = 0;
+	kvb_fuse *fu = NULL;
+	uint32_t bad_checks[2] = { 2, 1 }, big_check[1] = { 9 };
+	double up[2] = { 0.1, 0.5 }, one[1] = { 0.3 };
+	struct kvb_fuse_params q;
+
+	/* Missing chunks: the list names exactly the missing ones. */
+	segments(f, s);
+	s[0].hash[0] ^= 1;
+	s[2].hash[5] ^= 1;
+	assert_int_equal(kvb_fuse_open(f->c, "fm", s, 3, &p, &fu, &missing, &n_missing),
+			 KVB_E_NOT_FOUND);
+	assert_null(fu);
+	assert_int_equal(n_missing, 2);
+	assert_memory_equal(missing[0], s[0].hash, KVB_HASH_LEN);
+	assert_memory_equal(missing[1], s[2].hash, KVB_HASH_LEN);
+	free(missing);
+	segments(f, s);
+	q = (struct kvb_fuse_params){ bad_checks, ratios, 2, KVB_METRIC_VALUE };
+	assert_int_equal(kvb_fuse_open(f->c, "fm", s, 3, &q, &fu, NULL, NULL), KVB_E_BAD_ARGUMENT);
+	assert_non_null(strstr(kvb_last_error(f->c), "check layers must increase"));
+	q = (struct kvb_fuse_params){ checks, up, 2, KVB_METRIC_VALUE };
+	assert_int_equal(kvb_fuse_open(f->c, "fm", s, 3, &q, &fu, NULL, NULL), KVB_E_BAD_ARGUMENT);
+	assert_non_null(strstr(kvb_last_error(f->c), "ratios must not increase"));
+	q = (struct kvb_fuse_params){ big_check, one, 1, KVB_METRIC_VALUE };
+	assert_int_equal(kvb_fuse_open(f->c, "fm", s, 3, &q, &fu, NULL, NULL), KVB_E_BAD_ARGUMENT);
+	assert_non_null(strstr(kvb_last_error(f->c), "check layer 9 is not a layer"));
+	q = (struct kvb_fuse_params){ checks, ratios, 2, (enum kvb_metric)7 };
+	assert_int_equal(kvb_fuse_open(f->c, "fm", s, 3, &q, &fu, NULL, NULL), KVB_E_BAD_ARGUMENT);
+	s[1].count = 0;
+	assert_int_equal(kvb_fuse_open(f->c, "fm", s, 3, &p, &fu, NULL, NULL), KVB_E_BAD_SHAPE);
+	assert_non_null(strstr(kvb_last_error(f->c), "fresh segment of 0 tokens"));
+	/* Too many tokens for fuse_max_tokens (1000 here). */
+	segments(f, s);
+	s[1].count = 990;
+	assert_int_equal(kvb_fuse_open(f->c, "fm", s, 3, &p, &fu, NULL, NULL), KVB_E_LIMIT);
+	assert_non_null(strstr(kvb_last_error(f->c), "fuse_max_tokens"));
+	/* unknown model, unknown session */
+	segments(f, s);
+	assert_int_equal(kvb_fuse_open(f->c, "nope", s, 3, &p, &fu, NULL, NULL),
+			 KVB_E_UNKNOWN_MODEL);
+	assert_int_equal(stat_of(f->c, "fuse_sessions"), 0);
+	assert_int_equal(stat_of(f->c, "fuse_pinned_chunks"), 0);
+}
+
+static void test_limits_and_pins(void **state)
+{
+	struct fixture *f = *state;
+	struct kvb_segment s[3];
+	struct kvb_fuse_params p = { checks, ratios, 2, KVB_METRIC_VALUE };
+	kvb_fuse *fu[4] = { 0 };
+
+	segments(f, s);
+	for (int i = 0; i < 3; i++)
+		assert_int_equal(kvb_fuse_open(f->c, "fm", s, 3, &p, &fu[i], NULL, NULL), 0);
+	assert_int_equal(kvb_fuse_open(f->c, "fm", s, 3, &p, &fu[3], NULL, NULL), KVB_E_LIMIT);
+	assert_non_null(strstr(kvb_last_error(f->c), "fuse_max_sessions"));
+	assert_int_equal(stat_of(f->c, "fuse_sessions"), 3);
+	/* A chunk under an open session cannot be deleted. */
+	assert_int_equal(kvb_delete(f->c, "fm", f->hash[0]), KVB_E_BUSY);
+	assert_non_null(strstr(kvb_last_error(f->c), "in use by an open fuse session"));
+	for (int i = 0; i < 3; i++)
+		assert_int_equal(kvb_fuse_close(f->c, &fu[i], NULL, NULL), 0);
+	assert_int_equal(stat_of(f->c, "fuse_pinned_chunks"), 0);
+	assert_int_equal(stat_of(f->c, "fuse_ring_bytes"), 0);
+	/* closed twice: the second close finds nothing */
+	{
+		kvb_fuse *g;
+
+		assert_int_equal(kvb_fuse_open(f->c, "fm", s, 3, &p, &g, NULL, NULL), 0);
+		assert_int_equal(kvb_fuse_close(f->c, &g, NULL, NULL), 0);
+	}
+	assert_int_equal(kvb_delete(f->c, "fm", f->hash[2]), 0);
+}
+
+static void test_abandoned_session_expires(void **state)
+{
+	struct fixture *f = *state;
+	struct kvb_segment s[3];
+	struct kvb_fuse_params p = { checks, ratios, 2, KVB_METRIC_VALUE };
+	kvb_fuse *fu;
+	uint8_t buf[30 * ROW], o1[30 * ROW], o2[30 * ROW];
+	int fused;
+
+	segments(f, s);
+	assert_int_equal(kvb_fuse_open(f->c, "fm", s, 3, &p, &fu, NULL, NULL), 0);
+	assert_int_equal(stat_of(f->c, "fuse_sessions"), 1);
+	assert_true(stat_of(f->c, "fuse_ring_bytes") > 0);
+	assert_int_equal(stat_of(f->c, "fuse_pinned_chunks"), 2);
+	sleep(4); /* fuse_idle is 2 s; the main loop checks every second */
+	assert_int_equal(stat_of(f->c, "fuse_sessions"), 0);
+	assert_int_equal(stat_of(f->c, "fuse_ring_bytes"), 0);
+	assert_int_equal(stat_of(f->c, "fuse_pinned_chunks"), 0);
+	memset(buf, 0, sizeof(buf));
+	assert_int_equal(kvb_fuse_layer(f->c, fu, 1, buf, buf, o1, o2, &fused),
+			 KVB_E_UNKNOWN_SESSION);
+	assert_int_equal(kvb_fuse_close(f->c, &fu, NULL, NULL), KVB_E_UNKNOWN_SESSION);
+	/* its chunks can be deleted now */
+	assert_int_equal(kvb_delete(f->c, "fm", f->hash[1]), 0);
+}
+
+struct runner {
+	struct fixture *f;
+	int no_shm;
+	uint8_t *out;
+	int32_t sel[64];
+	size_t n_sel;
+	int rc;
+};
+
+static void *run_one(void *arg)
+{
+	struct runner *r = arg;
+	kvb_client *c = daemon_client(&r->f->d, r->no_shm);
+	struct kvb_segment s[3];
+	struct kvb_fuse_params p = { checks, ratios, 2, KVB_METRIC_VALUE };
+	kvb_fuse *fu;
+
+	for (int rep = 0; rep < 5 && !r->rc; rep++) {
+		r->rc = kvb_fuse_open(c, "fm", s, segments(r->f, s), &p, &fu, NULL, NULL);
+		if (!r->rc)
+			r->rc = drive(c, fu, r->out, r->sel, &r->n_sel);
+		if (!r->rc)
+			r->rc = kvb_fuse_close(c, &fu, NULL, NULL);
+	}
+	kvb_close(&c);
+	return NULL;
+}
+
+static void test_concurrent_sessions(void **state)
+{
+	struct fixture *f = *state;
+	pthread_t t[3];
+	struct runner r[3];
+
+	for (int i = 0; i < 3; i++) {
+		r[i] = (struct runner){ f, i == 1, calloc(L * 2 * 30, ROW) };
+		pthread_create(&t[i], NULL, run_one, &r[i]);
+	}
+	for (int i = 0; i < 3; i++)
+		pthread_join(t[i], NULL);
+	for (int i = 0; i < 3; i++) {
+		assert_int_equal(r[i].rc, 0);
+		assert_int_equal(r[i].n_sel, r[0].n_sel);
+		assert_memory_equal(r[i].sel, r[0].sel, r[0].n_sel * sizeof(int32_t));
+		/* fused layers from the second check layer on */
+		assert_memory_equal(r[i].out + 2 * 2 * 30 * ROW, r[0].out + 2 * 2 * 30 * ROW,
+				    (L - 2) * 2 * 30 * ROW);
+		free(r[i].out);
+	}
+	assert_int_equal(stat_of(f->c, "fuse_sessions"), 0);
+}
+
+int main(void)
+{
+	const struct CMUnitTest tests[] = {
+		cmocka_unit_test_setup_teardown(test_protocol_errors, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_wrong_rows, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_open_errors, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_limits_and_pins, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_abandoned_session_expires, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_concurrent_sessions, setup, teardown),
+	};
+
+	return cmocka_run_group_tests(tests, NULL, NULL);
+}
