@@ -875,6 +875,11 @@ struct kvb_fuse {
 	size_t row_bytes;
 	int32_t *rows; /* tokens of the next call: all at first, the selection after */
 	size_t n_rows;
+	/* the daemon's shared ring, mapped read-only: fused layers arrive with no copy */
+	const uint8_t *ring;
+	size_t ring_bytes;
+	uint64_t slot_bytes;
+	const uint8_t *last; /* the fused layer of the last call (K, then V), or NULL */
 };
 
 int kvb_fuse_open(kvb_client *c, const char *model, const struct kvb_segment *segs,
@@ -917,6 +922,7 @@ int kvb_fuse_open(kvb_client *c, const char *model, const struct kvb_segment *se
 	memcpy(k.req.ratios, p->ratios, p->n_checks * sizeof(double));
 	k.req.n_checks = k.req.n_ratios = p->n_checks;
 	k.req.metric = (uint32_t)p->metric;
+	k.req.shared_ring = c->shm_ok;
 	rc = call(c, &k);
 	if (rc == KVB_E_NOT_FOUND && missing && n_missing && k.rep.n_chunks) {
 		*missing = malloc(k.rep.n_chunks * KVB_HASH_LEN);
@@ -944,6 +950,25 @@ int kvb_fuse_open(kvb_client *c, const char *model, const struct kvb_segment *se
 	for (uint32_t i = 0; i < f->tokens; i++)
 		f->rows[i] = (int32_t)i;
 	f->n_rows = f->tokens;
+	f->slot_bytes = k.rep.slot_bytes;
+	if (k.rep.shm_name[0] && k.rep.shm_size && k.rep.slot_bytes == 2 * (uint64_t)f->tokens *
+								      f->row_bytes) {
+		/* Map it read-only: nothing this side can write the daemon's memory. If that
+		 * fails the session still works; the layers then come in frames. */
+		int fd = shm_open(k.rep.shm_name, O_RDONLY, 0);
+		struct stat st;
+
+		if (fd >= 0 && fstat(fd, &st) == 0 && (uint64_t)st.st_size >= k.rep.shm_size) {
+			void *p_ring = mmap(NULL, k.rep.shm_size, PROT_READ, MAP_SHARED, fd, 0);
+
+			if (p_ring != MAP_FAILED) {
+				f->ring = p_ring;
+				f->ring_bytes = k.rep.shm_size;
+			}
+		}
+		if (fd >= 0)
+			close(fd);
+	}
 	*out = f;
 out:
 	call_done(&k);
@@ -975,23 +1000,19 @@ int kvb_fuse_layer(kvb_client *c, kvb_fuse *f, uint32_t layer, const void *k_in,
 	size_t in_bytes = f->n_rows * f->row_bytes, out_bytes = (size_t)f->tokens * f->row_bytes;
 	const void *ptrs[2] = { k_in, v_in };
 	size_t lens[2] = { in_bytes, in_bytes };
-	bool shm = c->shm_ok && shm_ensure(c, 2 * in_bytes + 2 * out_bytes);
+	bool shm = in_bytes && c->shm_ok && shm_ensure(c, 2 * in_bytes);
 	int rc;
 
 	if (fused)
 		*fused = 0;
 	if (shm) {
-		/* Fresh rows at the start of the segment, fused output after them. */
-		if (in_bytes) {
-			memcpy(c->shm_base, k_in, in_bytes);
-			memcpy((uint8_t *)c->shm_base + in_bytes, v_in, in_bytes);
-		}
-		k.req.has_shm = k.req.has_shm_out = true;
-		k.req.shm_id = k.req.shm_out_id = c->shm_id;
+		/* Fresh rows through the client's segment: K, then V. */
+		memcpy(c->shm_base, k_in, in_bytes);
+		memcpy((uint8_t *)c->shm_base + in_bytes, v_in, in_bytes);
+		k.req.has_shm = true;
+		k.req.shm_id = c->shm_id;
 		k.req.shm_offset = 0;
 		k.req.shm_length = 2 * in_bytes;
-		k.req.shm_out_offset = 2 * in_bytes;
-		k.req.shm_out_length = 2 * out_bytes;
 	} else {
 		k.payload = ptrs;
 		k.payload_len = lens;
@@ -1000,14 +1021,25 @@ int kvb_fuse_layer(kvb_client *c, kvb_fuse *f, uint32_t layer, const void *k_in,
 	rc = call(c, &k);
 	if (rc)
 		goto out;
+	f->last = NULL;
 	if (k.rep.has_fused) {
-		if (shm) {
-			memcpy(k_out, (uint8_t *)c->shm_base + 2 * in_bytes, out_bytes);
-			memcpy(v_out, (uint8_t *)c->shm_base + 2 * in_bytes + out_bytes, out_bytes);
+		if (f->ring) {
+			if ((uint64_t)(k.rep.ring_slot + 1) * f->slot_bytes > f->ring_bytes) {
+				rc = set_err(c, KVB_E_PROTOCOL, "ring slot %u outside the ring",
+					     k.rep.ring_slot);
+				goto out;
+			}
+			f->last = f->ring + (uint64_t)k.rep.ring_slot * f->slot_bytes;
+			if (k_out)
+				memcpy(k_out, f->last, out_bytes);
+			if (v_out)
+				memcpy(v_out, f->last + out_bytes, out_bytes);
 		} else if (k.n_frames == 2 && zmq_msg_size(&k.frames[0]) == out_bytes &&
 			   zmq_msg_size(&k.frames[1]) == out_bytes) {
-			memcpy(k_out, zmq_msg_data(&k.frames[0]), out_bytes);
-			memcpy(v_out, zmq_msg_data(&k.frames[1]), out_bytes);
+			if (k_out)
+				memcpy(k_out, zmq_msg_data(&k.frames[0]), out_bytes);
+			if (v_out)
+				memcpy(v_out, zmq_msg_data(&k.frames[1]), out_bytes);
 		} else {
 			rc = set_err(c, KVB_E_PROTOCOL, "fused layer reply of unexpected size");
 			goto out;
@@ -1053,10 +1085,21 @@ int kvb_fuse_close(kvb_client *c, kvb_fuse **fp, struct kvb_stat **stats, size_t
 		*n_stats = *stats ? k.rep.n_stats : 0;
 	}
 	call_done(&k);
+	if (f->ring)
+		munmap((void *)f->ring, f->ring_bytes);
 	free(f->rows);
 	free(f);
 	*fp = NULL;
 	return rc;
+}
+
+int kvb_fuse_output(const kvb_fuse *f, const void **k, const void **v)
+{
+	if (!f->last)
+		return -ENODATA;
+	*k = f->last;
+	*v = f->last + f->slot_bytes / 2;
+	return 0;
 }
 
 int kvb_lookup(kvb_client *c, const char *model, const uint8_t (*hashes)[KVB_HASH_LEN], size_t n,

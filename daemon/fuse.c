@@ -11,17 +11,18 @@
 #include <sys/random.h>
 #include <time.h>
 
+#include "codec.h"
 #include "hkvd.h"
 #include "log.h"
 
-enum slot_state { SLOT_EMPTY = 0, SLOT_LOADING, SLOT_READY, SLOT_FAILED };
+enum slot_state { SLOT_EMPTY = 0, SLOT_LOADING, SLOT_READY, SLOT_FAILED, SLOT_SERVED };
 
 struct slot {
 	int64_t layer; /* -1: none */
 	enum slot_state state;
 	int err;    /* store errno when SLOT_FAILED */
 	uint8_t *k; /* [N, heads, head_dim]: re-rotated stored keys; fresh rows zero */
-	uint8_t *v;
+	uint8_t *v; /* right after k in one allocation or shared segment */
 };
 
 struct chunk_ref {
@@ -59,7 +60,10 @@ struct fuse_session {
 	size_t next_check; /* index into checks of the next check layer */
 	struct slot *ring;
 	uint32_t n_ring;
-	uint64_t bytes; /* ring memory */
+	int64_t served; /* slot holding the fused layer the node reads now, or -1 */
+	uint8_t *ring_mem;
+	uint64_t shm_id; /* the ring is this shared segment (0: heap) */
+	uint64_t bytes;	 /* ring memory */
 	struct timespec last_used;
 	struct timespec opened;
 	uint64_t layers_served, ns_load, ns_compute, bytes_in, bytes_out;
@@ -76,6 +80,7 @@ struct fuse_table {
 	struct store *store;
 	struct pool *pool;
 	const struct blend_backend *be;
+	struct shm_table *shm;
 	pthread_mutex_t lock; /* sessions, bytes, pins */
 	struct fuse_session **sessions;
 	uint64_t bytes;
@@ -121,7 +126,8 @@ void fuse_rope_config(const struct store_model *m, struct rope_config *c)
 }
 
 int fuse_table_new(const struct fuse_limits *l, struct store *store, struct pool *pool,
-		   const struct blend_backend *backend, struct fuse_table **out)
+		   const struct blend_backend *backend, struct shm_table *shm,
+		   struct fuse_table **out)
 {
 	struct fuse_table *t = calloc(1, sizeof(*t));
 
@@ -136,6 +142,7 @@ int fuse_table_new(const struct fuse_limits *l, struct store *store, struct pool
 	t->store = store;
 	t->pool = pool;
 	t->be = backend;
+	t->shm = shm;
 	pthread_mutex_init(&t->lock, NULL);
 	*out = t;
 	return 0;
@@ -196,13 +203,15 @@ int fuse_delete_chunk(struct fuse_table *t, const struct store_model *m, const u
 
 /* ---- sessions ---- */
 
-static void session_free(struct fuse_session *s)
+static void session_free(struct fuse_table *t, struct fuse_session *s)
 {
 	if (!s)
 		return;
-	for (uint32_t i = 0; s->ring && i < s->n_ring; i++) {
-		free(s->ring[i].k);
-		free(s->ring[i].v);
+	if (s->shm_id) {
+		shm_release(t->shm, s->shm_id);
+		shm_detach(t->shm, s->shm_id);
+	} else {
+		free(s->ring_mem);
 	}
 	for (size_t i = 0; s->chunks && i < s->n_chunks; i++)
 		rope_table_free(&s->chunks[i].rot);
@@ -238,7 +247,7 @@ void fuse_table_free(struct fuse_table **tp)
 			struct fuse_session *s = t->sessions[i];
 
 			session_remove(t, i);
-			session_free(s);
+			session_free(t, s);
 		}
 	free(t->sessions);
 	free(t->pins);
@@ -271,7 +280,7 @@ static void session_put(struct fuse_table *t, struct fuse_session *s)
 	clock_gettime(CLOCK_MONOTONIC, &s->last_used);
 	pthread_mutex_unlock(&t->lock);
 	if (last)
-		session_free(s);
+		session_free(t, s);
 }
 
 uint32_t fuse_open(struct fuse_table *t, const struct store_model *m, const struct kvbp_request *q,
@@ -452,7 +461,7 @@ uint32_t fuse_open(struct fuse_table *t, const struct store_model *m, const stru
 	/* The ring: re-rotated stored K and V of a few layers, all tokens each. */
 	s->n_ring = (uint32_t)(t->lim.ring < m->num_layers - s->checks[0]
 				       ? t->lim.ring
-				       : m->num_layers - s->checks[0]);
+				       : m->num_layers - s->checks[0]) + 1;
 	ring_bytes = (uint64_t)s->n_ring * 2 * n * s->row_bytes;
 	pthread_mutex_lock(&t->lock);
 	if (t->bytes + ring_bytes > t->lim.max_bytes) {
@@ -474,23 +483,30 @@ uint32_t fuse_open(struct fuse_table *t, const struct store_model *m, const stru
 	s->bytes = ring_bytes;
 	t->sessions[slot_i] = s; /* reserved; not findable until it has an id */
 	pthread_mutex_unlock(&t->lock);
+	/*
+	 * The ring: one more slot than the layers loaded ahead, for the layer the node
+	 * is reading. Shared when the client asked and shared memory allows; zeroed, as
+	 * fresh tokens' rows are read by deviation but never served from the store.
+	 */
 	s->ring = calloc(s->n_ring, sizeof(*s->ring));
-	for (uint32_t i = 0; s->ring && i < s->n_ring; i++) {
-		s->ring[i].layer = -1;
-		/* zeroed: fresh tokens' rows are read by deviation but never selected */
-		s->ring[i].k = calloc(n ? n : 1, s->row_bytes);
-		s->ring[i].v = calloc(n ? n : 1, s->row_bytes);
-		if (!s->ring[i].k || !s->ring[i].v)
-			break;
-	}
-	for (uint32_t i = 0; s->ring && i < s->n_ring; i++)
-		if (!s->ring[i].k || !s->ring[i].v) {
-			free(s->ring[i].k);
-			free(s->ring[i].v);
-			s->ring[i].k = s->ring[i].v = NULL;
-			code = KVBP_LIMIT;
+	if (s->ring && q->shared_ring) {
+		uint64_t sid;
+
+		if (shm_create_ring(t->shm, ring_bytes, &sid, r->shm_name, sizeof(r->shm_name),
+				    &r->shm_size) == 0) {
+			void *base = NULL;
+
+			if (shm_hold(t->shm, sid, &base) == 0) {
+				s->shm_id = sid;
+				s->ring_mem = base;
+			} else {
+				shm_detach(t->shm, sid);
+			}
 		}
-	if (!s->ring || code) {
+	}
+	if (s->ring && !s->ring_mem)
+		s->ring_mem = calloc(1, ring_bytes);
+	if (!s->ring || !s->ring_mem) {
 		pthread_mutex_lock(&t->lock);
 		t->sessions[slot_i] = NULL;
 		t->bytes -= ring_bytes;
@@ -498,6 +514,12 @@ uint32_t fuse_open(struct fuse_table *t, const struct store_model *m, const stru
 		code = fail(err, errlen, KVBP_LIMIT, "out of memory for the session ring");
 		goto fail;
 	}
+	for (uint32_t i = 0; i < s->n_ring; i++) {
+		s->ring[i].layer = -1;
+		s->ring[i].k = s->ring_mem + (uint64_t)i * 2 * n * s->row_bytes;
+		s->ring[i].v = s->ring[i].k + (uint64_t)n * s->row_bytes;
+	}
+	s->served = -1;
 	clock_gettime(CLOCK_MONOTONIC, &s->opened);
 	s->last_used = s->opened;
 	{
@@ -515,6 +537,11 @@ uint32_t fuse_open(struct fuse_table *t, const struct store_model *m, const stru
 	r->num_tokens = s->n;
 	r->next_layer = s->next_layer;
 	r->rows_next = s->n;
+	r->ring_slots = s->n_ring;
+	r->slot_bytes = 2 * (uint64_t)n * s->row_bytes;
+	r->shm_id = s->shm_id;
+	if (!s->shm_id)
+		r->shm_name[0] = 0;
 	free(r->missing);
 	r->missing = NULL;
 	return KVBP_OK;
@@ -530,7 +557,7 @@ fail:
 		free(r->missing);
 		r->missing = NULL;
 	}
-	session_free(s);
+	session_free(t, s);
 	return code;
 }
 
@@ -544,20 +571,34 @@ struct load_job {
 	int err;
 };
 
+struct rotate_ctx {
+	const struct blend_backend *be;
+	const struct fuse_session *s;
+	const struct chunk_ref *c;
+};
+
+/* The K transform of a chunk's load: re-rotate rows as they leave LMDB (codec.h). */
+static void rotate_rows(void *arg, const void *src, void *dst, size_t off, size_t len)
+{
+	const struct rotate_ctx *x = arg;
+
+	x->be->rotate(&x->s->shape, &x->c->rot, src, dst, (uint32_t)(off / x->s->row_bytes),
+		      (uint32_t)(len / x->s->row_bytes));
+}
+
 static int load_chunk(void *arg, size_t i)
 {
 	struct load_job *j = arg;
 	struct fuse_session *s = j->s;
 	struct chunk_ref *c = &s->chunks[i];
-	uint8_t *k = j->slot->k + (size_t)c->off * s->row_bytes;
-	uint8_t *v = j->slot->v + (size_t)c->off * s->row_bytes;
-	int rc = store_chunk_get_layer(j->t->store, &s->m, c->hash, j->layer, k, v,
-				       (uint64_t)c->tokens * s->row_bytes);
+	struct rotate_ctx rx = { j->t->be, s, c };
+	struct codec_xform x = { rotate_rows, &rx, s->row_bytes };
 
-	if (rc)
-		return rc;
-	j->t->be->rotate(&s->shape, &c->rot, k, k, 0, c->tokens);
-	return 0;
+	/* One pass: verify the stored bytes and write them re-rotated into the slot. */
+	return store_chunk_get_layer(j->t->store, &s->m, c->hash, j->layer,
+				     j->slot->k + (size_t)c->off * s->row_bytes,
+				     j->slot->v + (size_t)c->off * s->row_bytes,
+				     (uint64_t)c->tokens * s->row_bytes, &x);
 }
 
 /* Load layer into slot; called without the session lock, with the slot marked LOADING. */
@@ -622,13 +663,14 @@ void fuse_prefetch(struct fuse_table *t, uint64_t id)
 	if (!s)
 		return;
 	pthread_mutex_lock(&s->lock);
+	/* n_ring - 1 layers ahead: one slot holds the layer the node is reading. */
 	for (uint32_t l = s->next_layer; !s->closed && l < s->m.num_layers &&
-					 l < s->next_layer + s->n_ring; l++) {
+					 l < s->next_layer + s->n_ring - 1; l++) {
 		struct slot *sl = &s->ring[(l - s->checks[0]) % s->n_ring];
 		struct timespec t0;
 		int rc;
 
-		if (sl->layer == l || sl->state == SLOT_LOADING)
+		if (sl->layer == l || sl->state == SLOT_LOADING || sl->state == SLOT_SERVED)
 			continue;
 		sl->layer = l;
 		sl->state = SLOT_LOADING;
@@ -689,6 +731,7 @@ uint32_t fuse_layer_begin(struct fuse_table *t, uint64_t id, uint32_t layer,
 	plan->num_tokens = s->n;
 	plan->selection_out = is_check;
 	plan->fused_out = !(is_check && s->next_check == 0);
+	plan->shared_ring = s->shm_id != 0;
 	pthread_mutex_unlock(&s->lock);
 	*sp = s;
 	return KVBP_OK;
@@ -715,25 +758,6 @@ static int dev_part(void *arg, size_t i)
 	return 0;
 }
 
-struct merge_job {
-	const struct blend_backend *be;
-	const struct blend_shape *shape;
-	const void *stored, *fresh;
-	const int32_t *sel;
-	size_t n_sel, n, parts;
-	void *out;
-};
-
-static int merge_part(void *arg, size_t i)
-{
-	const struct merge_job *j = arg;
-	size_t a = j->n * i / j->parts, b = j->n * (i + 1) / j->parts;
-
-	if (b > a)
-		j->be->merge(j->shape, j->stored, j->fresh, j->sel, j->n_sel, j->out, a, b - a);
-	return 0;
-}
-
 static size_t parts_for(struct fuse_table *t, size_t bytes)
 {
 	size_t threads = pool_threads(t->pool) + 1;
@@ -742,17 +766,19 @@ static size_t parts_for(struct fuse_table *t, size_t bytes)
 	return bytes < (256u << 10) ? 1 : threads;
 }
 
-static void merge_all(struct fuse_table *t, struct fuse_session *s, const struct slot *sl,
-		      const void *k_in, const void *v_in, void *k_out, void *v_out)
+/*
+ * Fuse in place: the fresh rows of the selected tokens overwrite their stored rows
+ * in the slot, which then holds the fused layer. Only |S| rows move.
+ */
+static void scatter_fresh(const struct fuse_session *s, struct slot *sl, const uint8_t *k_in,
+			  const uint8_t *v_in)
 {
-	struct merge_job j = { t->be, &s->shape, sl->k, k_in, s->sel, s->n_sel, s->n, 1, k_out };
+	for (size_t j = 0; j < s->n_sel; j++) {
+		size_t t = (size_t)s->sel[j];
 
-	j.parts = parts_for(t, (size_t)s->n * s->row_bytes);
-	pool_run(t->pool, j.parts, merge_part, &j);
-	j.stored = sl->v;
-	j.fresh = v_in;
-	j.out = v_out;
-	pool_run(t->pool, j.parts, merge_part, &j);
+		memcpy(sl->k + t * s->row_bytes, k_in + j * s->row_bytes, s->row_bytes);
+		memcpy(sl->v + t * s->row_bytes, v_in + j * s->row_bytes, s->row_bytes);
+	}
 }
 
 uint32_t fuse_layer_run(struct fuse_table *t, struct fuse_session *s, const void *k_in,
@@ -769,6 +795,12 @@ uint32_t fuse_layer_run(struct fuse_table *t, struct fuse_session *s, const void
 
 	memset(r, 0, sizeof(*r));
 	pthread_mutex_lock(&s->lock);
+	/* This request says the node is done with the layer served before. */
+	if (s->served >= 0) {
+		s->ring[s->served].layer = -1;
+		s->ring[s->served].state = SLOT_EMPTY;
+		s->served = -1;
+	}
 	rc = ensure_layer(t, s, layer, &sl);
 	pthread_mutex_unlock(&s->lock);
 	if (rc)
@@ -820,14 +852,18 @@ uint32_t fuse_layer_run(struct fuse_table *t, struct fuse_session *s, const void
 		}
 		/* At later check layers the fused output still uses the selection before it narrows. */
 		if (s->next_check > 0)
-			merge_all(t, s, sl, k_in, v_in, k_out, v_out);
+			scatter_fresh(s, sl, k_in, v_in);
 		memcpy(s->sel, sel, (size_t)n_sel * sizeof(int32_t));
 		s->n_sel = (size_t)n_sel;
 		r->selection = sel;
 		r->n_selection = (size_t)n_sel;
 		s->next_check++;
 	} else {
-		merge_all(t, s, sl, k_in, v_in, k_out, v_out);
+		scatter_fresh(s, sl, k_in, v_in);
+	}
+	if (!first_check && k_out) {
+		memcpy(k_out, sl->k, (size_t)s->n * s->row_bytes);
+		memcpy(v_out, sl->v, (size_t)s->n * s->row_bytes);
 	}
 	pthread_mutex_lock(&s->lock);
 	s->ns_compute += ns_since(&t0);
@@ -835,9 +871,15 @@ uint32_t fuse_layer_run(struct fuse_table *t, struct fuse_session *s, const void
 	s->bytes_in += 2 * rows_in * s->row_bytes;
 	s->bytes_out += first_check ? 0 : 2 * (uint64_t)s->n * s->row_bytes;
 	s->next_layer++;
-	/* The slot is consumed; a prefetch may reuse it. */
-	sl->layer = -1;
-	sl->state = SLOT_EMPTY;
+	if (first_check) {
+		/* Nothing served from it: a prefetch may reuse the slot now. */
+		sl->layer = -1;
+		sl->state = SLOT_EMPTY;
+	} else {
+		sl->state = SLOT_SERVED;
+		s->served = sl - s->ring;
+		r->ring_slot = (uint32_t)s->served;
+	}
 	r->next_layer = s->next_layer;
 	r->rows_next = (uint32_t)s->n_sel;
 	r->done = s->next_layer >= s->m.num_layers;
@@ -893,7 +935,7 @@ uint32_t fuse_close(struct fuse_table *t, uint64_t id, struct kvbp_stat **stats,
 		*n = k;
 	}
 	if (free_now)
-		session_free(s);
+		session_free(t, s);
 	return KVBP_OK;
 }
 
@@ -912,7 +954,7 @@ unsigned fuse_expire(struct fuse_table *t)
 		log_info("fuse session %016" PRIx64 " idle for %" PRIu64 " s: released", s->id,
 			 (uint64_t)(now.tv_sec - s->last_used.tv_sec));
 		session_remove(t, i);
-		session_free(s);
+		session_free(t, s);
 		n++;
 	}
 	pthread_mutex_unlock(&t->lock);

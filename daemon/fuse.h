@@ -7,7 +7,11 @@
  *
  * Memory per session is a ring of a few layers of re-rotated stored KV, loaded
  * ahead of the node (fuse_prefetch after each reply), independent of the layer
- * count. Chunks of an open session are pinned: DELETE refuses them. Sessions
+ * count. Fresh rows are merged into a ring slot in place, so a fused layer is
+ * produced where it was loaded; with a shared ring the slots are a
+ * shared-memory segment the local client maps, and a fused layer reaches the
+ * node with no copy at all. A served slot stays valid until the next layer
+ * request of the session. Chunks of an open session are pinned: DELETE refuses them. Sessions
  * idle longer than idle_s are freed. Thread-safe; one layer request per
  * session runs at a time.
  *
@@ -25,6 +29,7 @@
 #include "../store/store.h"
 #include "backend.h"
 #include "pool.h"
+#include "shm.h"
 
 struct fuse_limits {
 	uint64_t max_sessions;
@@ -38,7 +43,8 @@ struct fuse_table;
 struct fuse_session;
 
 int fuse_table_new(const struct fuse_limits *l, struct store *store, struct pool *pool,
-		   const struct blend_backend *backend, struct fuse_table **out);
+		   const struct blend_backend *backend, struct shm_table *shm,
+		   struct fuse_table **out);
 /* Free every session (unpinning its chunks). Accepts NULL. */
 void fuse_table_free(struct fuse_table **t);
 
@@ -50,6 +56,11 @@ struct fuse_open_result {
 	uint32_t num_tokens;
 	uint32_t next_layer; /* the first check layer */
 	uint32_t rows_next;  /* rows the next layer request carries (all tokens) */
+	uint32_t ring_slots;
+	uint64_t slot_bytes; /* K then V of all tokens */
+	uint64_t shm_id;     /* shared ring: its segment (0: none) */
+	uint64_t shm_size;   /* and that segment's size (at least the ring's) */
+	char shm_name[64];
 	uint8_t (*missing)[KVBP_HASH_LEN]; /* malloc'd on KVBP_NOT_FOUND; caller frees */
 	size_t n_missing;
 };
@@ -65,6 +76,7 @@ struct fuse_layer_plan {
 	uint32_t num_tokens;
 	bool fused_out;	   /* the reply carries fused K and V of all tokens */
 	bool selection_out;
+	bool shared_ring;  /* fused K and V are left in the shared ring, not copied out */
 };
 
 /*
@@ -80,13 +92,14 @@ struct fuse_layer_result {
 	size_t n_selection;
 	uint32_t next_layer;
 	uint32_t rows_next;
-	bool done; /* the last layer was served */
+	uint32_t ring_slot; /* where the fused layer is, in a shared ring */
+	bool done;	    /* the last layer was served */
 };
 
 /*
  * Run it: k_in/v_in hold plan.rows_in rows each; k_out/v_out room for all
- * tokens when plan.fused_out (else NULL). On failure the session is unchanged
- * and usable.
+ * tokens when plan.fused_out and the ring is not shared (else NULL). On failure
+ * the session is unchanged and usable.
  */
 uint32_t fuse_layer_run(struct fuse_table *t, struct fuse_session *s, const void *k_in,
 			const void *v_in, void *k_out, void *v_out, struct fuse_layer_result *r,

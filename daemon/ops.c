@@ -817,6 +817,13 @@ static void op_fuse_open(struct req *q)
 	q->out->rep.num_tokens = r.num_tokens;
 	q->out->rep.next_layer = r.next_layer;
 	q->out->rep.rows_next = r.rows_next;
+	q->out->rep.ring_slots = r.ring_slots;
+	q->out->rep.slot_bytes = r.slot_bytes;
+	if (r.shm_id) {
+		q->out->rep.shm_id = r.shm_id;
+		q->out->rep.shm_size = r.shm_size;
+		snprintf(q->out->rep.shm_name, sizeof(q->out->rep.shm_name), "%s", r.shm_name);
+	}
 	q->out->prefetch_session = r.id;
 	log_debug("fuse session %016" PRIx64 " opened: %" PRIu32 " tokens, model '%s'", r.id,
 		  r.num_tokens, m.name);
@@ -831,7 +838,7 @@ static void op_fuse_layer(struct req *q)
 	char err[KVBP_MESSAGE_MAX];
 	const uint8_t *k_in, *v_in;
 	uint8_t *out = NULL;
-	void *in_shm = NULL, *out_shm = NULL;
+	void *in_shm = NULL;
 	uint64_t in_bytes, out_bytes;
 	uint32_t code;
 
@@ -881,18 +888,9 @@ static void op_fuse_layer(struct req *q)
 		k_in = zmq_msg_data(&q->payload[0]);
 		v_in = zmq_msg_data(&q->payload[1]);
 	}
-	if (plan.fused_out) {
-		if (q->h.has_shm_out) {
-			if (q->h.shm_out_length < 2 * out_bytes ||
-			    shm_acquire(q->srv->shm, q->h.shm_out_id, q->h.shm_out_offset, 2 * out_bytes,
-					&out_shm)) {
-				fail(q, KVBP_BAD_SHM, "shared-memory output: segment %" PRIu64 " unknown, "
-				     "or span smaller than the %" PRIu64 " bytes of fused K and V",
-				     q->h.shm_out_id, 2 * out_bytes);
-				goto out;
-			}
-			out = out_shm;
-		} else {
+	/* With a shared ring the fused layer stays where it is made; else it goes in frames. */
+	if (plan.fused_out && !plan.shared_ring) {
+		{
 			buf = aligned_alloc(64, (sizeof(*buf) + 2 * out_bytes + 63) & ~(size_t)63);
 			if (!buf) {
 				fail(q, KVBP_LIMIT, "out of memory for the fused layer");
@@ -917,6 +915,7 @@ static void op_fuse_layer(struct req *q)
 	q->out->rep.n_selection = res.n_selection;
 	res.selection = NULL;
 	q->out->rep.has_fused = plan.fused_out;
+	q->out->rep.ring_slot = res.ring_slot;
 	if (buf) {
 		q->out->payload = calloc(2, sizeof(zmq_msg_t));
 		if (!q->out->payload) {
@@ -937,8 +936,6 @@ out:
 	fuse_layer_end(q->srv->fuse, s);
 	if (in_shm)
 		shm_release(q->srv->shm, q->h.shm_id);
-	if (out_shm)
-		shm_release(q->srv->shm, q->h.shm_out_id);
 	if (buf)
 		shared_buf_unref(NULL, buf);
 	free(res.selection);

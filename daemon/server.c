@@ -295,7 +295,7 @@ int server_start(struct server *srv, const struct config *cfg, struct store *sto
 		struct fuse_limits fl = { cfg->fuse_max_sessions, cfg->fuse_max_tokens,
 					  cfg->fuse_max_bytes, cfg->fuse_ring, cfg->fuse_idle };
 
-		rc = fuse_table_new(&fl, store, srv->pool, srv->blend, &srv->fuse);
+		rc = fuse_table_new(&fl, store, srv->pool, srv->blend, srv->shm, &srv->fuse);
 		if (rc)
 			return rc;
 	}

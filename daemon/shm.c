@@ -1,7 +1,9 @@
 /* shm — client shared-memory segments; see shm.h. */
 #include "shm.h"
 
+#include <dirent.h>
 #include <errno.h>
+#include <signal.h>
 #include <fcntl.h>
 #include <pthread.h>
 #include <stdbool.h>
@@ -24,6 +26,8 @@ struct segment {
 	unsigned users;
 	bool unlinked;
 	bool detached;
+	bool reusable; /* a fuse ring: kept, named, for the next session when released */
+	bool cached;   /* idle in the reuse cache */
 	time_t last_used;
 };
 
@@ -32,6 +36,7 @@ struct shm_table {
 	struct segment seg[SHM_SLOTS];
 	uint64_t max_one, max_total, total, idle_s, counter;
 	unsigned mode;
+	bool closing;
 };
 
 static time_t now_s(void)
@@ -42,11 +47,34 @@ static time_t now_s(void)
 	return ts.tv_sec;
 }
 
+/* Segments left by a kvblendd that died without cleaning up: its pid is in the name. */
+static void sweep_stale(void)
+{
+	DIR *d = opendir("/dev/shm");
+	struct dirent *e;
+
+	if (!d)
+		return;
+	while ((e = readdir(d))) {
+		int pid;
+		char path[300];
+
+		if (sscanf(e->d_name, "kvblend-%d-", &pid) != 1 || pid <= 0)
+			continue;
+		if (kill(pid, 0) == 0 || errno != ESRCH)
+			continue;
+		snprintf(path, sizeof(path), "/%s", e->d_name);
+		shm_unlink(path);
+	}
+	closedir(d);
+}
+
 int shm_table_new(uint64_t max_one, uint64_t max_total, uint64_t idle_s, unsigned mode,
 		  struct shm_table **out)
 {
 	struct shm_table *t = calloc(1, sizeof(*t));
 
+	sweep_stale();
 	if (!t)
 		return -ENOMEM;
 	pthread_mutex_init(&t->lock, NULL);
@@ -66,9 +94,23 @@ static void seg_unlink(struct segment *s)
 	}
 }
 
+#define CACHE_MAX 8
+
 /* Called with the lock held, once no request uses the segment. */
 static void seg_destroy(struct shm_table *t, struct segment *s)
 {
+	unsigned cached = 0;
+
+	for (int i = 0; i < SHM_SLOTS; i++)
+		cached += t->seg[i].id && t->seg[i].cached;
+	/* A released ring goes to the cache: its pages are already faulted in, and a new
+	 * segment of that size would cost a page fault and a zeroed page per 4 KiB. */
+	if (s->reusable && !s->cached && cached < CACHE_MAX && !t->closing) {
+		s->cached = true;
+		s->detached = true;
+		s->last_used = now_s();
+		return;
+	}
 	seg_unlink(s);
 	munmap(s->base, s->size);
 	t->total -= s->size;
@@ -81,6 +123,7 @@ void shm_table_free(struct shm_table **tp)
 
 	if (!t)
 		return;
+	t->closing = true;
 	for (int i = 0; i < SHM_SLOTS; i++)
 		if (t->seg[i].id)
 			seg_destroy(t, &t->seg[i]);
@@ -97,7 +140,18 @@ static struct segment *find(struct shm_table *t, uint64_t id)
 	return NULL;
 }
 
-int shm_create(struct shm_table *t, uint64_t size, uint64_t *id, char *name, size_t name_len)
+/* Drop cached rings until size more bytes fit (lock held). */
+static void cache_make_room(struct shm_table *t, uint64_t size)
+{
+	for (int i = 0; i < SHM_SLOTS && t->total + size > t->max_total; i++)
+		if (t->seg[i].id && t->seg[i].cached) {
+			t->seg[i].reusable = false;
+			seg_destroy(t, &t->seg[i]);
+		}
+}
+
+static int create(struct shm_table *t, uint64_t size, bool reusable, uint64_t *id, char *name,
+		  size_t name_len, uint64_t *actual)
 {
 	struct segment *s = NULL;
 	uint64_t rnd = 0, new_id;
@@ -108,6 +162,26 @@ int shm_create(struct shm_table *t, uint64_t size, uint64_t *id, char *name, siz
 	if (size == 0 || size > t->max_one)
 		return -E2BIG;
 	pthread_mutex_lock(&t->lock);
+	if (reusable) {
+		/* A cached ring of this size, or up to twice it, is used as it is. */
+		for (int i = 0; i < SHM_SLOTS; i++) {
+			struct segment *c = &t->seg[i];
+
+			if (!c->id || !c->cached || c->size < size || c->size > 2 * size)
+				continue;
+			c->cached = false;
+			c->detached = false;
+			c->users = 0;
+			c->id = ++t->counter;
+			c->last_used = now_s();
+			*id = c->id;
+			*actual = c->size;
+			snprintf(name, name_len, "%s", c->name);
+			pthread_mutex_unlock(&t->lock);
+			return 0;
+		}
+	}
+	cache_make_room(t, size);
 	if (t->max_total == 0 || t->total + size > t->max_total)
 		rc = -ENOSPC;
 	for (int i = 0; i < SHM_SLOTS && !rc && !s; i++)
@@ -155,9 +229,12 @@ int shm_create(struct shm_table *t, uint64_t size, uint64_t *id, char *name, siz
 	s->unlinked = false;
 	s->detached = false;
 	s->last_used = now_s();
+	s->reusable = reusable;
+	s->cached = false;
 	s->id = new_id;
 	pthread_mutex_unlock(&t->lock);
 	*id = new_id;
+	*actual = size;
 	snprintf(name, name_len, "%s", nm);
 	return 0;
 fail:
@@ -166,6 +243,19 @@ fail:
 	memset(s, 0, sizeof(*s));
 	pthread_mutex_unlock(&t->lock);
 	return rc;
+}
+
+int shm_create(struct shm_table *t, uint64_t size, uint64_t *id, char *name, size_t name_len)
+{
+	uint64_t actual;
+
+	return create(t, size, false, id, name, name_len, &actual);
+}
+
+int shm_create_ring(struct shm_table *t, uint64_t size, uint64_t *id, char *name, size_t name_len,
+		    uint64_t *actual)
+{
+	return create(t, size, true, id, name, name_len, actual);
 }
 
 int shm_acquire(struct shm_table *t, uint64_t id, uint64_t offset, uint64_t length, void **addr)
@@ -188,6 +278,31 @@ int shm_acquire(struct shm_table *t, uint64_t id, uint64_t offset, uint64_t leng
 	}
 	pthread_mutex_unlock(&t->lock);
 	return rc;
+}
+
+int shm_hold(struct shm_table *t, uint64_t id, void **base)
+{
+	struct segment *s;
+
+	pthread_mutex_lock(&t->lock);
+	s = find(t, id);
+	if (s) {
+		s->users++;
+		*base = s->base;
+	}
+	pthread_mutex_unlock(&t->lock);
+	return s ? 0 : -ENOENT;
+}
+
+void shm_forget_name(struct shm_table *t, uint64_t id)
+{
+	struct segment *s;
+
+	pthread_mutex_lock(&t->lock);
+	s = find(t, id);
+	if (s && !s->reusable)
+		seg_unlink(s);
+	pthread_mutex_unlock(&t->lock);
 }
 
 void shm_release(struct shm_table *t, uint64_t id)
@@ -231,9 +346,11 @@ unsigned shm_expire(struct shm_table *t)
 	for (int i = 0; i < SHM_SLOTS; i++) {
 		struct segment *s = &t->seg[i];
 
-		if (!s->id || s->detached || s->users ||
-		    (uint64_t)(now - s->last_used) < t->idle_s)
+		if (!s->id || s->users || (uint64_t)(now - s->last_used) < t->idle_s ||
+		    (s->detached && !s->cached))
 			continue;
+		s->reusable = false; /* idle too long: really free it */
+		s->detached = true;
 		seg_destroy(t, s);
 		n++;
 	}
@@ -247,7 +364,7 @@ void shm_usage(struct shm_table *t, uint64_t *count, uint64_t *bytes)
 
 	pthread_mutex_lock(&t->lock);
 	for (int i = 0; i < SHM_SLOTS; i++)
-		n += t->seg[i].id && !t->seg[i].detached;
+		n += t->seg[i].id && !t->seg[i].detached && !t->seg[i].cached;
 	*count = n;
 	*bytes = t->total;
 	pthread_mutex_unlock(&t->lock);

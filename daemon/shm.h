@@ -34,12 +34,32 @@ void shm_table_free(struct shm_table **t);
 int shm_create(struct shm_table *t, uint64_t size, uint64_t *id, char *name, size_t name_len);
 
 /*
+ * A segment for a fuse session's shared ring: like shm_create(), but when it is
+ * released it stays (named, mapped) in a small cache, and a later ring of the
+ * same size (up to twice smaller) reuses it: no page faults, no zeroing. Its
+ * name is never unlinked while cached; stale ones of a dead daemon are swept at
+ * start. *actual receives the segment's size.
+ */
+int shm_create_ring(struct shm_table *t, uint64_t size, uint64_t *id, char *name, size_t name_len,
+		    uint64_t *actual);
+
+/*
  * Borrow [offset, offset+length) of segment id for one request; returns 0 and
  * the address, -ENOENT for an unknown id, -ERANGE when the span is outside the
  * segment. Every successful call is paired with shm_release().
  */
 int shm_acquire(struct shm_table *t, uint64_t id, uint64_t offset, uint64_t length, void **addr);
 void shm_release(struct shm_table *t, uint64_t id);
+
+/*
+ * Hold the whole of segment id for the daemon's own use (a fuse session's
+ * shared ring), without unlinking its name: the client has yet to map it.
+ * Pair with shm_release(). Returns 0 or -ENOENT.
+ */
+int shm_hold(struct shm_table *t, uint64_t id, void **base);
+
+/* Unlink segment id's name now (its client has mapped it). */
+void shm_forget_name(struct shm_table *t, uint64_t id);
 
 /* Release a segment now (it is unmapped once no request uses it). -ENOENT if unknown. */
 int shm_detach(struct shm_table *t, uint64_t id);

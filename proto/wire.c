@@ -207,6 +207,7 @@ int kvbp_request_encode(const struct kvbp_request *req, uint8_t **buf, size_t *l
 	pb.rows = req->rows;
 	pb.rerotate = req->rerotate;
 	pb.target_pos = req->target_pos;
+	pb.shared_ring = req->shared_ring;
 	if (req->has_shm_out) {
 		shm_out.shm_id = req->shm_out_id;
 		shm_out.offset = req->shm_out_offset;
@@ -318,6 +319,7 @@ int kvbp_request_decode(const void *buf, size_t len, struct kvbp_request *out, c
 	r.rows = pb->rows;
 	r.rerotate = pb->rerotate;
 	r.target_pos = pb->target_pos;
+	r.shared_ring = pb->shared_ring;
 	if (pb->shm_out) {
 		r.has_shm_out = true;
 		r.shm_out_id = pb->shm_out->shm_id;
@@ -452,6 +454,9 @@ int kvbp_reply_encode(const struct kvbp_reply *rep, uint8_t **buf, size_t *len)
 	pb.has_fused = rep->has_fused;
 	pb.next_layer = rep->next_layer;
 	pb.rows_next = rep->rows_next;
+	pb.ring_slot = rep->ring_slot;
+	pb.ring_slots = rep->ring_slots;
+	pb.slot_bytes = rep->slot_bytes;
 	if (rep->n_models) {
 		models = calloc(rep->n_models, sizeof(*models));
 		model_ptrs = calloc(rep->n_models, sizeof(*model_ptrs));
@@ -545,6 +550,9 @@ int kvbp_reply_decode(const void *buf, size_t len, struct kvbp_reply *out, char 
 	r.has_fused = pb->has_fused;
 	r.next_layer = pb->next_layer;
 	r.rows_next = pb->rows_next;
+	r.ring_slot = pb->ring_slot;
+	r.ring_slots = pb->ring_slots;
+	r.slot_bytes = pb->slot_bytes;
 	if (pb->n_selection) {
 		r.selection = malloc(pb->n_selection * sizeof(int32_t));
 		if (!r.selection)

@@ -147,6 +147,7 @@ struct kvbp_request {
 	uint64_t shm_out_length;
 	bool rerotate;
 	uint32_t target_pos;
+	bool shared_ring;
 };
 
 struct kvbp_reply {
@@ -176,6 +177,9 @@ struct kvbp_reply {
 	bool has_fused;
 	uint32_t next_layer;
 	uint32_t rows_next;
+	uint32_t ring_slot;
+	uint32_t ring_slots;
+	uint64_t slot_bytes;
 };
 
 /*

@@ -14,6 +14,15 @@ uint64_t checksum(const void *buf, size_t len);
 /* Copy n bytes from src to dst (not overlapping) and return the checksum of src. */
 uint64_t checksum_copy(void *dst, const void *src, size_t n);
 
+/*
+ * Hash n bytes of src while handing them, a block at a time, to fn(ctx, src,
+ * off, len) (which typically writes a transformed copy); returns the checksum
+ * of src. Blocks are multiples of `unit` bytes (the last may be shorter), at
+ * least one unit each.
+ */
+uint64_t checksum_apply(const void *src, size_t n, size_t unit,
+			void (*fn)(void *ctx, const void *src, size_t off, size_t len), void *ctx);
+
 /* "avx2" or "sse2": which implementation runs here. */
 const char *checksum_impl(void);
 

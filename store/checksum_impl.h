@@ -15,6 +15,9 @@
 
 uint64_t CAT(checksum_, CHECKSUM_SUFFIX)(const void *buf, size_t len);
 uint64_t CAT(checksum_copy_, CHECKSUM_SUFFIX)(void *dst, const void *src, size_t n);
+uint64_t CAT(checksum_apply_, CHECKSUM_SUFFIX)(const void *src, size_t n, size_t unit,
+					       void (*fn)(void *, const void *, size_t, size_t),
+					       void *ctx);
 
 uint64_t CAT(checksum_, CHECKSUM_SUFFIX)(const void *buf, size_t len)
 {
@@ -37,6 +40,24 @@ uint64_t CAT(checksum_copy_, CHECKSUM_SUFFIX)(void *dst, const void *src, size_t
 
 		XXH3_64bits_update(&st, s + off, k);
 		memcpy(d + off, s + off, k);
+	}
+	return XXH3_64bits_digest(&st);
+}
+
+uint64_t CAT(checksum_apply_, CHECKSUM_SUFFIX)(const void *src, size_t n, size_t unit,
+					       void (*fn)(void *, const void *, size_t, size_t),
+					       void *ctx)
+{
+	size_t block = unit >= FUSE_BLOCK ? unit : FUSE_BLOCK / unit * unit;
+	const unsigned char *s = src;
+	XXH3_state_t st;
+
+	XXH3_64bits_reset(&st);
+	for (size_t off = 0; off < n; off += block) {
+		size_t k = n - off < block ? n - off : block;
+
+		XXH3_64bits_update(&st, s + off, k);
+		fn(ctx, s + off, off, k);
 	}
 	return XXH3_64bits_digest(&st);
 }

@@ -196,3 +196,45 @@ int codec_decode(const void *src, size_t src_len, void *dst, size_t dst_len, siz
 		*consumed = CODEC_HEADER_SIZE + h.stored_size;
 	return 0;
 }
+
+struct xform_apply {
+	const struct codec_xform *x;
+	uint8_t *dst;
+};
+
+static void xform_block(void *ctx, const void *src, size_t off, size_t len)
+{
+	struct xform_apply *a = ctx;
+
+	a->x->fn(a->x->ctx, src, a->dst + off, off, len);
+}
+
+int codec_decode_xform(const void *src, size_t src_len, void *dst, size_t dst_len,
+		       size_t *consumed, const struct codec_xform *x)
+{
+	const uint8_t *payload = (const uint8_t *)src + CODEC_HEADER_SIZE;
+	struct xform_apply a = { x, dst };
+	struct codec_header h;
+	int rc = codec_peek(src, src_len, &h);
+
+	if (rc)
+		return rc;
+	if (h.raw_size != dst_len)
+		return -EINVAL;
+	if (h.kind == CODEC_RAW) {
+		if (checksum_apply(payload, dst_len, x->unit, xform_block, &a) != h.checksum)
+			return -EBADMSG;
+	} else {
+		rc = codec_decode(src, src_len, dst, dst_len, NULL);
+		if (rc)
+			return rc;
+		for (size_t off = 0; off < dst_len; off += 16 * x->unit) {
+			size_t n = dst_len - off < 16 * x->unit ? dst_len - off : 16 * x->unit;
+
+			x->fn(x->ctx, a.dst + off, a.dst + off, off, n);
+		}
+	}
+	if (consumed)
+		*consumed = CODEC_HEADER_SIZE + h.stored_size;
+	return 0;
+}

@@ -85,4 +85,25 @@ int codec_peek(const void *src, size_t src_len, struct codec_header *h);
 int codec_decode(const void *src, size_t src_len, void *dst, size_t dst_len, size_t *consumed);
 
 
+/*
+ * A transform applied while decoding: fn(ctx, src, dst, off, len) writes the
+ * transformed bytes [off, off + len) of the tensor from src (raw bytes) to dst
+ * (the destination at off); src and dst may be equal. len is a multiple of
+ * unit except at the end.
+ */
+struct codec_xform {
+	void (*fn)(void *ctx, const void *src, void *dst, size_t off, size_t len);
+	void *ctx;
+	size_t unit;
+};
+
+/*
+ * codec_decode() with a transform: raw tensors are hashed and transformed in
+ * one pass (the checksum is of the stored bytes, so a mismatch still means
+ * corruption); compressed ones are decompressed, verified, then transformed in
+ * place. Same errors as codec_decode(); on -EBADMSG dst holds garbage.
+ */
+int codec_decode_xform(const void *src, size_t src_len, void *dst, size_t dst_len,
+		       size_t *consumed, const struct codec_xform *x);
+
 #endif

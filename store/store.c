@@ -718,7 +718,7 @@ out:
 
 int store_chunk_get_layer(struct store *s, const struct store_model *m,
 			  const uint8_t hash[STORE_HASH_LEN], uint32_t layer, void *k_dst,
-			  void *v_dst, uint64_t tensor_bytes)
+			  void *v_dst, uint64_t tensor_bytes, const struct codec_xform *k_xform)
 {
 	struct store_chunk_info ci;
 	uint8_t key[LAYER_KEY_LEN];
@@ -748,7 +748,9 @@ int store_chunk_get_layer(struct store *s, const struct store_model *m,
 	if (rc == -ENOENT)
 		rc = -EBADMSG;
 	if (!rc)
-		rc = codec_decode(v.mv_data, v.mv_size, k_dst, tensor_bytes, &used);
+		rc = k_xform ? codec_decode_xform(v.mv_data, v.mv_size, k_dst, tensor_bytes, &used,
+						  k_xform)
+			     : codec_decode(v.mv_data, v.mv_size, k_dst, tensor_bytes, &used);
 	if (!rc)
 		rc = codec_decode((const uint8_t *)v.mv_data + used, v.mv_size - used, v_dst,
 				  tensor_bytes, NULL);

@@ -125,12 +125,14 @@ int store_chunk_get(struct store *s, const struct store_model *m,
 
 /*
  * Decode one layer's K into k_dst and V into v_dst, each tensor_bytes =
- * store_tensor_bytes() long (checked against the chunk). Same errors as
- * store_chunk_get().
+ * store_tensor_bytes() long (checked against the chunk). k_xform (may be NULL;
+ * codec.h) transforms K on its way out, in the same pass that verifies it.
+ * Same errors as store_chunk_get().
  */
+struct codec_xform;
 int store_chunk_get_layer(struct store *s, const struct store_model *m,
 			  const uint8_t hash[STORE_HASH_LEN], uint32_t layer, void *k_dst,
-			  void *v_dst, uint64_t tensor_bytes);
+			  void *v_dst, uint64_t tensor_bytes, const struct codec_xform *k_xform);
 
 /* Look up n hashes in one read transaction; found[i] says which exist. */
 int store_chunk_lookup(struct store *s, const struct store_model *m,

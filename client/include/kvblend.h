@@ -252,13 +252,21 @@ KVB_API size_t kvb_fuse_rows(const kvb_fuse *f, const int32_t **tokens);
 
 /*
  * Serve one layer. k and v hold the fresh rows for kvb_fuse_rows(), each
- * [rows, kv_heads, head_dim]. k_out and v_out receive the fused K and V of all
- * tokens ([tokens, kv_heads, head_dim]) when *fused is set to 1; at the first
- * check layer *fused is 0 and they are untouched. A failed call leaves the
- * session as it was (retry with the right layer or rows).
+ * [rows, kv_heads, head_dim]. k_out and v_out (either may be NULL) receive the
+ * fused K and V of all tokens ([tokens, kv_heads, head_dim]) when *fused is set
+ * to 1; at the first check layer *fused is 0 and they are untouched. A failed
+ * call leaves the session as it was (retry with the right layer or rows).
  */
 KVB_API int kvb_fuse_layer(kvb_client *c, kvb_fuse *f, uint32_t layer, const void *k,
 			   const void *v, void *k_out, void *v_out, int *fused);
+
+/*
+ * Where the last kvb_fuse_layer() left the fused K and V without a copy: in the
+ * daemon's shared ring (ipc:// endpoints), read-only, valid until the next call
+ * on f. Returns 0, or -ENODATA when the last call returned no fused layer or the
+ * ring is not shared (then pass k_out and v_out to kvb_fuse_layer()).
+ */
+KVB_API int kvb_fuse_output(const kvb_fuse *f, const void **k, const void **v);
 
 /* Close the session and free f. *stats (if not NULL) gets timings and byte
  * counts, malloc'd, *n_stats of them. Accepts *f == NULL. */

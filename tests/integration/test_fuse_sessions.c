@@ -139,6 +139,15 @@ static int drive(kvb_client *c, kvb_fuse *fu, uint8_t *out_all, int32_t *sel_out
 		}
 		rc = kvb_fuse_layer(c, fu, l, k, v, out_all + (size_t)l * 2 * n * ROW,
 				    out_all + ((size_t)l * 2 + 1) * n * ROW, &fused);
+		if (!rc && fused) {
+			const void *rk, *rv;
+
+			/* In place (shared ring) the same bytes are readable without a copy. */
+			if (kvb_fuse_output(fu, &rk, &rv) == 0 &&
+			    (memcmp(rk, out_all + (size_t)l * 2 * n * ROW, (size_t)n * ROW) ||
+			     memcmp(rv, out_all + ((size_t)l * 2 + 1) * n * ROW, (size_t)n * ROW)))
+				rc = -EPROTO;
+		}
 	}
 	if (!rc) {
 		const int32_t *sel;

@@ -144,6 +144,60 @@ static void test_reply_roundtrip(void **state)
 	free(buf);
 }
 
+static void test_fuse_fields(void **state)
+{
+	struct kvbp_segment segs[2] = { { .fresh = false, .pos = 7 }, { .fresh = true, .count = 5,
+									  .pos = 99 } };
+	uint32_t checks[2] = { 1, 4 };
+	double ratios[2] = { 0.25, 0.125 };
+	int32_t sel[3] = { 2, 9, 40 };
+	struct kvbp_request q = { .version = 1, .op = KVBP_OP_FUSE_OPEN, .segments = segs,
+				  .n_segments = 2, .check_layers = checks, .n_checks = 2,
+				  .ratios = ratios, .n_ratios = 2, .metric = 1, .session_id = 5,
+				  .layer = 3, .rows = 17, .shared_ring = true, .rerotate = true,
+				  .target_pos = 4096 };
+	struct kvbp_reply r = { .version = 1, .selection = sel, .n_selection = 3,
+				.has_selection = true, .has_fused = true, .ring_slot = 2,
+				.ring_slots = 4, .slot_bytes = 1 << 20, .session_id = 1ull << 63 };
+	struct kvbp_request dq;
+	struct kvbp_reply dr;
+	uint8_t *buf;
+	size_t len;
+	char err[256];
+
+	(void)state;
+	memset(segs[0].hash, 0x5a, KVBP_HASH_LEN);
+	assert_int_equal(kvbp_request_encode(&q, &buf, &len), 0);
+	assert_int_equal(kvbp_request_decode(buf, len, &dq, err, sizeof(err)), KVBP_OK);
+	free(buf);
+	assert_int_equal(dq.n_segments, 2);
+	assert_false(dq.segments[0].fresh);
+	assert_memory_equal(dq.segments[0].hash, segs[0].hash, KVBP_HASH_LEN);
+	assert_true(dq.segments[1].fresh && dq.segments[1].count == 5 && dq.segments[1].pos == 99);
+	assert_int_equal(dq.n_checks, 2);
+	assert_int_equal(dq.check_layers[1], 4);
+	assert_true(dq.n_ratios == 2 && dq.ratios[1] == 0.125);
+	assert_true(dq.metric == 1 && dq.session_id == 5 && dq.layer == 3 && dq.rows == 17);
+	assert_true(dq.shared_ring && dq.rerotate && dq.target_pos == 4096);
+	kvbp_request_clear(&dq);
+	assert_int_equal(kvbp_reply_encode(&r, &buf, &len), 0);
+	assert_int_equal(kvbp_reply_decode(buf, len, &dr, err, sizeof(err)), KVBP_OK);
+	free(buf);
+	assert_int_equal(dr.n_selection, 3);
+	assert_int_equal(dr.selection[2], 40);
+	assert_true(dr.has_selection && dr.has_fused && dr.ring_slot == 2 && dr.ring_slots == 4);
+	assert_true(dr.slot_bytes == 1 << 20 && dr.session_id == 1ull << 63);
+	kvbp_reply_clear(&dr);
+	/* a segment hash of the wrong size is refused */
+	{
+		uint8_t raw[] = { (16 << 3) | 2, 4, (1 << 3) | 2, 2, 0xaa, 0xbb };
+
+		assert_int_equal(kvbp_request_decode(raw, sizeof(raw), &dq, err, sizeof(err)),
+				 KVBP_BAD_ARGUMENT);
+		assert_string_equal(err, "segment 0: chunk hash is 2 bytes; it must be 32");
+	}
+}
+
 /* The client's KVB_E_* values are -(1000 + wire code), for every code. */
 static void test_code_numbering(void **state)
 {
@@ -181,6 +235,7 @@ int main(void)
 		cmocka_unit_test(test_request_malformed),
 		cmocka_unit_test(test_reply_roundtrip),
 		cmocka_unit_test(test_code_numbering),
+		cmocka_unit_test(test_fuse_fields),
 	};
 
 	return cmocka_run_group_tests(tests, NULL, NULL);
