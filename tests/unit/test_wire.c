@@ -190,7 +190,8 @@ static void test_fuse_fields(void **state)
 	kvbp_reply_clear(&dr);
 	/* a segment hash of the wrong size is refused */
 	{
-		uint8_t raw[] = { (16 << 3) | 2, 4, (1 << 3) | 2, 2, 0xaa, 0xbb };
+		/* field 16 (segments), length 4: field 1 (hash), length 2 */
+		uint8_t raw[] = { 0x82, 0x01, 4, (1 << 3) | 2, 2, 0xaa, 0xbb };
 
 		assert_int_equal(kvbp_request_decode(raw, sizeof(raw), &dq, err, sizeof(err)),
 				 KVBP_BAD_ARGUMENT);
