@@ -5,7 +5,11 @@
  * its ratio to memcpy of the same bytes in the same run, the per-layer time
  * the node waits, and the daemon's own time per layer. Starts its own daemon.
  *
- * usage: bench_fuse [--daemon PATH] [--tokens 1024,4096,8192] [--repeats N]
+ * usage: bench_fuse [--daemon PATH] [--tokens 1024,4096,8192] [--repeats N] [--node-ms MS]
+ *
+ * --node-ms: the node's own work per layer (its recompute of the selected
+ * tokens), simulated by a sleep between layer calls; the daemon's loads run
+ * meanwhile, as they would next to a real GPU. Only the layer calls are timed.
  */
 #include <signal.h>
 #include <stdbool.h>
@@ -55,6 +59,7 @@ int main(int argc, char **argv)
 {
 	char daemon_path[512], dir[] = "/tmp/kvb-benchf-XXXXXX", ep[300], data[300];
 	unsigned sizes[8] = { 1024, 4096, 8192 }, n_sizes = 3, repeats = 3;
+	double node_ms = 0;
 	struct kvb_connect_opts o = { .timeout_ms = 120000 };
 	kvb_client *c;
 	pid_t pid;
@@ -71,6 +76,8 @@ int main(int argc, char **argv)
 	for (int i = 1; i < argc; i++) {
 		if (!strcmp(argv[i], "--daemon") && i + 1 < argc) {
 			snprintf(daemon_path, sizeof(daemon_path), "%s", argv[++i]);
+		} else if (!strcmp(argv[i], "--node-ms") && i + 1 < argc) {
+			node_ms = atof(argv[++i]);
 		} else if (!strcmp(argv[i], "--repeats") && i + 1 < argc) {
 			repeats = (unsigned)atoi(argv[++i]);
 		} else if (!strcmp(argv[i], "--tokens") && i + 1 < argc) {
@@ -82,7 +89,7 @@ int main(int argc, char **argv)
 				sizes[n_sizes++] = (unsigned)atoi(tok);
 		} else {
 			fprintf(stderr, "usage: bench_fuse [--daemon PATH] [--tokens 1024,4096,8192] "
-					"[--repeats N]\n");
+					"[--repeats N] [--node-ms MS]\n");
 			return 2;
 		}
 	}
@@ -110,8 +117,8 @@ int main(int argc, char **argv)
 		return 1;
 	}
 	printf("kvblend bench_fuse: %u layers x %u kv heads x head_dim %u f16, r = 0.15, check "
-	       "layer 1, %d fresh tokens, median of %u runs\n\n", model.num_layers,
-	       model.num_kv_heads, model.head_dim, FRESH, repeats);
+	       "layer 1, %d fresh tokens, node work %.1f ms per layer, median of %u runs\n\n",
+	       model.num_layers, model.num_kv_heads, model.head_dim, FRESH, node_ms, repeats);
 	printf("| tokens | chunks | selected | fused GB/s in place | ratio | fused GB/s copied out | "
 	       "ratio | memcpy GB/s | layer wait ms (memcpy of its bytes ms) | daemon merge "
 	       "ms/layer | daemon load ms/layer |\n");
@@ -179,6 +186,8 @@ int main(int argc, char **argv)
 					memcpy(vin + i * ROW,
 					       (uint8_t *)fresh_kv + layer_bytes + (size_t)rows[i] * ROW, ROW);
 				}
+				if (node_ms > 0)
+					usleep((useconds_t)(node_ms * 1000));
 				tl = now_s();
 				if (kvb_fuse_layer(c, fu, l, kin, vin, copy_out ? kout : NULL,
 						   copy_out ? vout : NULL, &fused)) {

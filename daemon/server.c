@@ -173,6 +173,45 @@ static void send_reply(struct server *srv, void *sock, zmq_msg_t *env, size_t n_
 	atomic_fetch_add(&srv->stats.bytes_out, bytes);
 }
 
+/* Queue a fuse session for loading ahead; a session already queued is not queued twice. */
+static void prefetch_enqueue(struct server *srv, uint64_t id)
+{
+	pthread_mutex_lock(&srv->pf_lock);
+	for (unsigned i = 0; i < srv->pf_len; i++)
+		if (srv->pf_queue[(srv->pf_head + i) % 256] == id)
+			goto out;
+	if (srv->pf_len < 256) {
+		srv->pf_queue[(srv->pf_head + srv->pf_len) % 256] = id;
+		srv->pf_len++;
+		pthread_cond_signal(&srv->pf_cond);
+	}
+out:
+	pthread_mutex_unlock(&srv->pf_lock);
+}
+
+static void *prefetch_main(void *arg)
+{
+	struct server *srv = arg;
+
+	pthread_mutex_lock(&srv->pf_lock);
+	while (!srv->pf_stop) {
+		uint64_t id;
+
+		if (!srv->pf_len) {
+			pthread_cond_wait(&srv->pf_cond, &srv->pf_lock);
+			continue;
+		}
+		id = srv->pf_queue[srv->pf_head];
+		srv->pf_head = (srv->pf_head + 1) % 256;
+		srv->pf_len--;
+		pthread_mutex_unlock(&srv->pf_lock);
+		fuse_prefetch(srv->fuse, id);
+		pthread_mutex_lock(&srv->pf_lock);
+	}
+	pthread_mutex_unlock(&srv->pf_lock);
+	return NULL;
+}
+
 static void *worker_main(void *arg)
 {
 	struct server *srv = arg;
@@ -210,7 +249,7 @@ static void *worker_main(void *arg)
 		send_reply(srv, sock, frames, env, &out);
 		/* Work the node waits on next: load a fuse session's coming layers now. */
 		if (out.prefetch_session)
-			fuse_prefetch(srv->fuse, out.prefetch_session);
+			prefetch_enqueue(srv, out.prefetch_session);
 		reply_out_clear(&out);
 	}
 out:
@@ -300,6 +339,8 @@ int server_start(struct server *srv, const struct config *cfg, struct store *sto
 			return rc;
 	}
 	log_info("fuse backend %s", srv->blend->name);
+	pthread_mutex_init(&srv->pf_lock, NULL);
+	pthread_cond_init(&srv->pf_cond, NULL);
 	srv->threads = calloc(n_workers, sizeof(*srv->threads));
 	if (!srv->threads)
 		return -ENOMEM;
@@ -314,6 +355,10 @@ int server_start(struct server *srv, const struct config *cfg, struct store *sto
 			break;
 		}
 		srv->n_workers++;
+	}
+	if (!rc) {
+		rc = pthread_create(&srv->prefetcher, NULL, prefetch_main, srv);
+		srv->prefetcher_started = rc == 0;
 	}
 	pthread_sigmask(SIG_SETMASK, &old, NULL);
 	if (rc) {
@@ -379,6 +424,14 @@ void server_stop(struct server *srv)
 	atomic_store(&srv->stop_workers, true);
 	for (unsigned i = 0; i < srv->n_workers; i++)
 		pthread_join(srv->threads[i], NULL);
+	if (srv->prefetcher_started) {
+		pthread_mutex_lock(&srv->pf_lock);
+		srv->pf_stop = true;
+		pthread_cond_signal(&srv->pf_cond);
+		pthread_mutex_unlock(&srv->pf_lock);
+		pthread_join(srv->prefetcher, NULL);
+		srv->prefetcher_started = false;
+	}
 	free(srv->threads);
 	srv->threads = NULL;
 	srv->n_workers = 0;

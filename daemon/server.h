@@ -46,6 +46,15 @@ struct server {
 	unsigned n_bound; /* endpoints of cfg->listen bound so far */
 	atomic_uint running_workers;
 	atomic_bool stop_workers;
+	/* Fuse sessions to load ahead, handed from the workers to the prefetch thread so that
+	 * no worker is busy loading while a request queues behind it. */
+	pthread_t prefetcher;
+	bool prefetcher_started;
+	pthread_mutex_t pf_lock;
+	pthread_cond_t pf_cond;
+	uint64_t pf_queue[256];
+	unsigned pf_head, pf_len;
+	bool pf_stop;
 	struct server_stats stats;
 	struct timespec started;
 };
