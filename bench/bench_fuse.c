@@ -21,6 +21,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "bench_common.h"
 #include "kvblend.h"
 
 static const struct kvb_model model = { .name = "bench-mistral", .num_layers = 32,
@@ -28,14 +29,6 @@ static const struct kvb_model model = { .name = "bench-mistral", .num_layers = 3
 					.rope_theta = 1e6 };
 #define ROW (8 * 128 * 2)
 #define FRESH 32
-
-static double now_s(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return ts.tv_sec + ts.tv_nsec / 1e9;
-}
 
 static void fill(uint16_t *p, size_t n, uint64_t seed)
 {
@@ -48,31 +41,16 @@ static void fill(uint16_t *p, size_t n, uint64_t seed)
 	}
 }
 
-static int cmp_double(const void *a, const void *b)
-{
-	double x = *(const double *)a, y = *(const double *)b;
-
-	return x < y ? -1 : x > y;
-}
-
 int main(int argc, char **argv)
 {
-	char daemon_path[512], dir[] = "/tmp/kvb-benchf-XXXXXX", ep[300], data[300];
+	char daemon_path[512], dir[] = "/tmp/kvb-benchf-XXXXXX", ep[300];
 	unsigned sizes[8] = { 1024, 4096, 8192 }, n_sizes = 3, repeats = 3;
 	double node_ms = 0;
 	struct kvb_connect_opts o = { .timeout_ms = 120000 };
 	kvb_client *c;
 	pid_t pid;
-	int status;
 
-	snprintf(daemon_path, sizeof(daemon_path), "%s", argv[0]);
-	{
-		char *slash = strrchr(daemon_path, '/');
-
-		snprintf(slash ? slash + 1 : daemon_path,
-			 sizeof(daemon_path) - (size_t)(slash ? slash + 1 - daemon_path : 0),
-			 "kvblendd");
-	}
+	bench_default_daemon(argv[0], daemon_path, sizeof(daemon_path));
 	for (int i = 1; i < argc; i++) {
 		if (!strcmp(argv[i], "--daemon") && i + 1 < argc) {
 			snprintf(daemon_path, sizeof(daemon_path), "%s", argv[++i]);
@@ -95,22 +73,9 @@ int main(int argc, char **argv)
 	}
 	if (!mkdtemp(dir))
 		return 1;
-	snprintf(ep, sizeof(ep), "ipc://%s/kvblend.sock", dir);
-	snprintf(data, sizeof(data), "%s/data", dir);
-	pid = fork();
-	if (pid == 0) {
-		const char *args[] = { daemon_path, "--data-dir", data, "--listen", ep, "--map-size",
-				       "64G", "--no-sync", "--log-level", "warn", NULL };
-
-		execv(daemon_path, (char *const *)args);
-		_exit(127);
-	}
-	for (int i = 0; i < 100; i++) {
-		if (kvb_connect(ep, &o, &c, NULL, 0) == 0)
-			break;
+	pid = bench_start_daemon(daemon_path, dir, ep, sizeof(ep), 0);
+	if (kvb_connect(ep, &o, &c, NULL, 0))
 		c = NULL;
-		usleep(50000);
-	}
 	if (!c || kvb_model_register(c, &model, NULL)) {
 		fprintf(stderr, "bench_fuse: daemon did not start\n");
 		kill(pid, SIGKILL);
@@ -255,14 +220,6 @@ int main(int argc, char **argv)
 	       "layer, load (read, decode, re-rotate) overlapped with the node's work by the "
 	       "prefetch ring.\n");
 	kvb_close(&c);
-	kill(pid, SIGTERM);
-	waitpid(pid, &status, 0);
-	{
-		char cmd[64];
-
-		snprintf(cmd, sizeof(cmd), "rm -rf %s", dir);
-		if (system(cmd) < 0)
-			perror("system");
-	}
+	bench_stop_daemon(pid, dir);
 	return 0;
 }

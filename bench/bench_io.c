@@ -19,20 +19,13 @@
 #include <unistd.h>
 
 #include "codec.h"
+#include "bench_common.h"
 #include "kvblend.h"
 
 /* Mistral-7B-shaped KV: 32 layers, 8 KV heads, head_dim 128, f16: 128 KiB a token. */
 static const struct kvb_model model = { .name = "bench-mistral", .num_layers = 32,
 					.num_kv_heads = 8, .head_dim = 128, .dtype = KVB_F16,
 					.rope_theta = 1e6 };
-
-static double now_s(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return ts.tv_sec + ts.tv_nsec / 1e9;
-}
 
 static uint16_t f16_from_f32(float f)
 {
@@ -85,43 +78,6 @@ static void fill_kv(uint16_t *p, size_t n, uint64_t seed)
 	}
 }
 
-static pid_t start_daemon(const char *path, const char *dir, const char *ep, bool sync)
-{
-	char data[300];
-	pid_t pid;
-
-	snprintf(data, sizeof(data), "%s/data", dir);
-	pid = fork();
-	if (pid == 0) {
-		const char *argv[] = { path, "--data-dir", data, "--listen", ep, "--map-size", "64G",
-				       "--max-message", "1G", "--log-level", "warn",
-				       sync ? NULL : "--no-sync", NULL };
-
-		execv(path, (char *const *)argv);
-		_exit(127);
-	}
-	for (int i = 0; i < 100; i++) {
-		struct kvb_connect_opts o = { .timeout_ms = 200 };
-		kvb_client *c;
-
-		if (kvb_connect(ep, &o, &c, NULL, 0) == 0) {
-			kvb_close(&c);
-			return pid;
-		}
-		usleep(50000);
-	}
-	fprintf(stderr, "bench_io: kvblendd did not start\n");
-	kill(pid, SIGKILL);
-	exit(1);
-}
-
-static int cmp_double(const void *a, const void *b)
-{
-	double x = *(const double *)a, y = *(const double *)b;
-
-	return x < y ? -1 : x > y;
-}
-
 /*
  * Repeat the operation for at least 5 runs and min_s seconds; the median rate in
  * GB/s. Every figure of one size is measured in the same run as its memcpy, so
@@ -153,16 +109,8 @@ int main(int argc, char **argv)
 	struct kvb_connect_opts o_shm = { .timeout_ms = 60000 }, o_fr = { .timeout_ms = 60000,
 									 .no_shm = 1 };
 	uint64_t seq = 1;
-	int status;
 
-	snprintf(daemon_path, sizeof(daemon_path), "%s", argv[0]);
-	{
-		char *slash = strrchr(daemon_path, '/');
-
-		snprintf(slash ? slash + 1 : daemon_path,
-			 sizeof(daemon_path) - (size_t)(slash ? slash + 1 - daemon_path : 0),
-			 "kvblendd");
-	}
+	bench_default_daemon(argv[0], daemon_path, sizeof(daemon_path));
 	for (int i = 1; i < argc; i++) {
 		if (!strcmp(argv[i], "--daemon") && i + 1 < argc)
 			snprintf(daemon_path, sizeof(daemon_path), "%s", argv[++i]);
@@ -185,8 +133,7 @@ int main(int argc, char **argv)
 	}
 	if (!mkdtemp(dir))
 		return 1;
-	snprintf(ep, sizeof(ep), "ipc://%s/kvblend.sock", dir);
-	pid = start_daemon(daemon_path, dir, ep, sync);
+	pid = bench_start_daemon(daemon_path, dir, ep, sizeof(ep), sync);
 	if (kvb_connect(ep, &o_shm, &shm_c, NULL, 0) || kvb_connect(ep, &o_fr, &frame_c, NULL, 0) ||
 	    kvb_model_register(shm_c, &model, NULL)) {
 		fprintf(stderr, "bench_io: cannot set up the client\n");
@@ -290,15 +237,7 @@ int main(int argc, char **argv)
 	}
 	kvb_close(&shm_c);
 	kvb_close(&frame_c);
-	kill(pid, SIGTERM);
-	waitpid(pid, &status, 0);
-	{
-		char cmd[64];
-
-		snprintf(cmd, sizeof(cmd), "rm -rf %s", dir);
-		if (system(cmd) < 0)
-			perror("system");
-	}
+	bench_stop_daemon(pid, dir);
 	printf("\nshm: through the client's shared-memory segment (the default on ipc://); "
 	       "shm-buf: into kvb_shared_buffer(), no client-side copy; frames: ZeroMQ payload "
 	       "frames (the tcp:// path). PUT is also given as a ratio to the file write.\n");

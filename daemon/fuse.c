@@ -610,6 +610,29 @@ static int load_layer(struct fuse_table *t, struct fuse_session *s, struct slot 
 	return pool_run(t->pool, s->n_chunks, load_chunk, &j);
 }
 
+/*
+ * Load layer into sl, with the session lock held on entry and exit (dropped while
+ * loading; the slot is marked LOADING meanwhile). Returns the store errno.
+ */
+static int load_slot_locked(struct fuse_table *t, struct fuse_session *s, struct slot *sl,
+			    uint32_t layer)
+{
+	struct timespec t0;
+	int rc;
+
+	sl->layer = layer;
+	sl->state = SLOT_LOADING;
+	pthread_mutex_unlock(&s->lock);
+	clock_gettime(CLOCK_MONOTONIC, &t0);
+	rc = load_layer(t, s, sl, layer);
+	pthread_mutex_lock(&s->lock);
+	s->ns_load += ns_since(&t0);
+	sl->state = rc ? SLOT_FAILED : SLOT_READY;
+	sl->err = rc;
+	pthread_cond_broadcast(&s->cond);
+	return rc;
+}
+
 /* Make layer's slot READY (loading it here if nobody is); with the session lock held. */
 static int ensure_layer(struct fuse_table *t, struct fuse_session *s, uint32_t layer,
 			struct slot **out)
@@ -627,23 +650,8 @@ static int ensure_layer(struct fuse_table *t, struct fuse_session *s, uint32_t l
 			pthread_cond_wait(&s->cond, &s->lock);
 			continue;
 		}
-		{
-			struct timespec t0;
-			int rc;
-
-			sl->layer = layer;
-			sl->state = SLOT_LOADING;
-			pthread_mutex_unlock(&s->lock);
-			clock_gettime(CLOCK_MONOTONIC, &t0);
-			rc = load_layer(t, s, sl, layer);
-			pthread_mutex_lock(&s->lock);
-			s->ns_load += ns_since(&t0);
-			sl->state = rc ? SLOT_FAILED : SLOT_READY;
-			sl->err = rc;
-			pthread_cond_broadcast(&s->cond);
-			if (rc)
-				break;
-		}
+		if (load_slot_locked(t, s, sl, layer))
+			break;
 	}
 	*out = sl;
 	if (sl->state == SLOT_FAILED) {
@@ -667,22 +675,10 @@ void fuse_prefetch(struct fuse_table *t, uint64_t id)
 	for (uint32_t l = s->next_layer; !s->closed && l < s->m.num_layers &&
 					 l < s->next_layer + s->n_ring - 1; l++) {
 		struct slot *sl = &s->ring[(l - s->checks[0]) % s->n_ring];
-		struct timespec t0;
-		int rc;
 
 		if (sl->layer == l || sl->state == SLOT_LOADING || sl->state == SLOT_SERVED)
 			continue;
-		sl->layer = l;
-		sl->state = SLOT_LOADING;
-		pthread_mutex_unlock(&s->lock);
-		clock_gettime(CLOCK_MONOTONIC, &t0);
-		rc = load_layer(t, s, sl, l);
-		pthread_mutex_lock(&s->lock);
-		s->ns_load += ns_since(&t0);
-		sl->state = rc ? SLOT_FAILED : SLOT_READY;
-		sl->err = rc;
-		pthread_cond_broadcast(&s->cond);
-		if (rc)
+		if (load_slot_locked(t, s, sl, l))
 			break;
 	}
 	pthread_mutex_unlock(&s->lock);

@@ -1,0 +1,90 @@
+/*
+ * bench_common — what the benchmarks share: a monotonic clock, medians, and a
+ * kvblendd of their own on a temporary directory. Header-only; benchmarks only.
+ */
+#ifndef KVBLEND_BENCH_COMMON_H
+#define KVBLEND_BENCH_COMMON_H
+
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "kvblend.h"
+
+static inline double now_s(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return ts.tv_sec + ts.tv_nsec / 1e9;
+}
+
+static inline int cmp_double(const void *a, const void *b)
+{
+	double x = *(const double *)a, y = *(const double *)b;
+
+	return x < y ? -1 : x > y;
+}
+
+/* The kvblendd next to this benchmark binary (argv0), into path. */
+static inline void bench_default_daemon(const char *argv0, char *path, size_t len)
+{
+	const char *slash = strrchr(argv0, '/');
+
+	snprintf(path, len, "%.*skvblendd", slash ? (int)(slash - argv0 + 1) : 0, argv0);
+}
+
+/*
+ * Start kvblendd on dir/data and ipc://dir/kvblend.sock (endpoint written to ep)
+ * with --no-sync unless sync, and wait until it answers. Exits on failure.
+ */
+static inline pid_t bench_start_daemon(const char *path, const char *dir, char *ep, size_t ep_len,
+				       int sync)
+{
+	char data[300];
+	pid_t pid;
+
+	snprintf(data, sizeof(data), "%s/data", dir);
+	snprintf(ep, ep_len, "ipc://%s/kvblend.sock", dir);
+	pid = fork();
+	if (pid == 0) {
+		const char *argv[] = { path, "--data-dir", data, "--listen", ep, "--map-size", "64G",
+				       "--max-message", "1G", "--log-level", "warn",
+				       sync ? NULL : "--no-sync", NULL };
+
+		execv(path, (char *const *)argv);
+		_exit(127);
+	}
+	for (int i = 0; i < 100; i++) {
+		struct kvb_connect_opts o = { .timeout_ms = 200 };
+		kvb_client *c;
+
+		if (kvb_connect(ep, &o, &c, NULL, 0) == 0) {
+			kvb_close(&c);
+			return pid;
+		}
+		usleep(50000);
+	}
+	fprintf(stderr, "benchmark: kvblendd (%s) did not start\n", path);
+	kill(pid, SIGKILL);
+	exit(1);
+}
+
+/* Stop the daemon and remove its directory. */
+static inline void bench_stop_daemon(pid_t pid, const char *dir)
+{
+	char cmd[300];
+	int status;
+
+	kill(pid, SIGTERM);
+	waitpid(pid, &status, 0);
+	snprintf(cmd, sizeof(cmd), "rm -rf '%s'", dir);
+	if (system(cmd) < 0)
+		perror("system");
+}
+
+#endif
