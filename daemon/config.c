@@ -374,3 +374,41 @@ void config_print(FILE *f, const struct config *c)
 		}
 	}
 }
+
+void config_print_example(FILE *f)
+{
+	fprintf(f, "# kvblendd configuration (INI). Every key is also a command-line flag\n"
+		   "# (--data-dir for data_dir); flags override this file. The values shown,\n"
+		   "# commented out, are the built-in defaults. See kvblendd(8).\n\n[kvblendd]\n");
+	for (size_t i = 0; i < N_KEYS; i++) {
+		const struct key *k = &keys[i];
+
+		/* Wrapped: inih reads lines of at most 200 bytes. */
+		{
+			const char *h = k->help;
+
+			while (*h) {
+				int n = (int)strlen(h);
+
+				if (n > 74) {
+					n = 74;
+					while (n > 0 && h[n] != ' ')
+						n--;
+					if (!n)
+						n = 74;
+				}
+				fprintf(f, "\n# %.*s", n, h);
+				h += n;
+				while (*h == ' ')
+					h++;
+			}
+		}
+		if (k->type == T_UINT || k->type == T_SIZE)
+			fprintf(f, "\n# range %" PRIu64 "..%" PRIu64 "%s", k->min, k->max,
+				k->type == T_SIZE ? " bytes (suffixes K, M, G, T)" : "");
+		fprintf(f, "\n#%s = %s\n", k->name,
+			k->def ? k->def
+			       : k->type == T_LISTEN ? "ipc:///run/kvblend/kvblend.sock"
+						     : "/var/lib/kvblend");
+	}
+}

@@ -66,6 +66,8 @@ int config_load_file(struct config *c, const char *path, char *err, size_t errle
 /* Print the key table (flags, defaults, ranges, help) and the current values. */
 void config_print_help(FILE *f);
 void config_print(FILE *f, const struct config *c);
+/* An example config file: every key commented out at its default, with its help and range. */
+void config_print_example(FILE *f);
 
 /* Parse "64M", "1G", "4096" (suffixes K M G T, powers of 1024). Returns 0 or -EINVAL/-ERANGE. */
 int config_parse_size(const char *s, uint64_t *out);

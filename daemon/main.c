@@ -40,6 +40,7 @@ static void usage(FILE *f)
 		"  --config FILE            read settings from an INI file (KEY = VALUE, at the top\n"
 		"                           or in [kvblendd]); flags given after override it\n"
 		"  --print-config           print the effective settings and exit\n"
+		"  --print-config-example   print a config file with every key at its default\n"
 		"  --help, --version\n"
 		"\n"
 		"Settings (each also a key of the config file, with underscores):\n");
@@ -84,6 +85,10 @@ static int parse_args(int argc, char **argv, struct config *cfg, int *print_conf
 		if (!strcmp(arg, "--print-config")) {
 			*print_config = 1;
 			continue;
+		}
+		if (!strcmp(arg, "--print-config-example")) {
+			config_print_example(stdout);
+			exit(0);
 		}
 		if (!strcmp(arg, "--config")) {
 			i++;

@@ -385,14 +385,14 @@ int server_run(struct server *srv, volatile int *stop, void (*tick)(struct serve
 		if (rc > 0 && (items[1].revents & ZMQ_POLLIN))
 			forward(srv->backend, srv->frontend);
 		clock_gettime(CLOCK_MONOTONIC, &now);
+		if (tick)
+			tick(srv); /* cheap: the watchdog ping is rate-limited inside */
 		if (now.tv_sec != last.tv_sec) {
 			unsigned n = shm_expire(srv->shm);
 
 			if (n)
 				log_info("released %u idle shared-memory segments", n);
 			fuse_expire(srv->fuse);
-			if (tick)
-				tick(srv);
 			last = now;
 		}
 	}

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# The systemd unit and the .deb: the unit verifies, its hardening rates OK
+# (exposure <= 2.0), and the package's files land where the unit expects them.
+# usage: test_unit.sh BUILD_DIR SOURCE_DIR
+set -u
+build=$(cd "$1" && pwd) src=$(cd "$2" && pwd)
+pass=0 failed=0
+ok() { pass=$((pass + 1)); echo "ok - $1"; }
+bad() { failed=$((failed + 1)); echo "not ok - $1"; [ -n "${2:-}" ] && echo "# $2"; }
+tmp=$(mktemp -d /tmp/kvb-unit-XXXXXX)
+trap 'rm -rf "$tmp"' EXIT
+
+unit=$build/systemd/kvblendd.service
+# verify needs the executable to exist: check a copy that names the build's daemon.
+sed "s|^ExecStart=[^ ]*|ExecStart=$build/bin/kvblendd|" "$unit" >"$tmp/kvblendd.service"
+if out=$(systemd-analyze verify --man=no "$tmp/kvblendd.service" 2>&1) && [ -z "$out" ]; then
+	ok "systemd-analyze verify"
+else
+	bad "systemd-analyze verify" "$out"
+fi
+level=$(systemd-analyze security --offline=yes "$tmp/kvblendd.service" 2>&1 |
+	sed -n 's/.*Overall exposure level for kvblendd.service: \([0-9.]*\).*/\1/p')
+if [ -n "$level" ] && awk -v l="$level" 'BEGIN { exit !(l <= 2.0) }'; then
+	ok "systemd-analyze security: exposure $level <= 2.0"
+else
+	bad "systemd-analyze security" "exposure '$level'"
+fi
+grep -q '^Type=notify$' "$unit" && grep -q '^WatchdogSec=' "$unit" &&
+	grep -q '^StateDirectory=kvblend$' "$unit" && grep -q '^RuntimeDirectory=kvblend$' "$unit" &&
+	grep -q '^ConfigurationDirectory=kvblend$' "$unit" && ok "unit: notify, watchdog, directories" ||
+	bad "unit: notify, watchdog, directories"
+
+# The package, built from a tree configured for /usr, unpacked into a scratch root.
+cmake -S "$src" -B "$tmp/pkg" -DCMAKE_INSTALL_PREFIX=/usr -DKVB_TESTS=OFF >/dev/null &&
+	cmake --build "$tmp/pkg" -j"$(nproc)" >/dev/null &&
+	(cd "$tmp/pkg" && cpack -G DEB >/dev/null) || { bad "cpack -G DEB"; echo "$pass passed, $failed failed"; exit 1; }
+deb=$(ls "$tmp"/pkg/kvblend_*.deb)
+ok "cpack -G DEB: $(basename "$deb")"
+root=$tmp/root
+dpkg-deb -x "$deb" "$root"
+dpkg-deb -I "$deb" | grep -q 'Depends:.*libzmq5' && ok "package depends on its libraries" ||
+	bad "package depends on its libraries" "$(dpkg-deb -I "$deb")"
+exec_path=$(sed -n 's/^ExecStart=\([^ ]*\).*/\1/p' "$root/usr/lib/systemd/system/kvblendd.service")
+[ "$exec_path" = /usr/sbin/kvblendd ] && [ -x "$root$exec_path" ] &&
+	ok "unit's ExecStart $exec_path is in the package" || bad "ExecStart" "$exec_path"
+missing=
+for f in usr/bin/kvblend usr/include/kvblend.h usr/lib/x86_64-linux-gnu/libkvblend.so.0 \
+	usr/lib/x86_64-linux-gnu/pkgconfig/kvblend.pc usr/lib/sysusers.d/kvblend.conf \
+	usr/lib/tmpfiles.d/kvblend.conf etc/kvblend/kvblendd.conf usr/share/man/man8/kvblendd.8 \
+	usr/share/man/man1/kvblend.1; do
+	[ -e "$root/$f" ] || missing="$missing /$f"
+done
+[ -z "$missing" ] && ok "package has binaries, library, header, pkg-config, unit entries, config and man pages" ||
+	bad "package lacks$missing"
+systemd-sysusers --root="$root" "$root/usr/lib/sysusers.d/kvblend.conf" &&
+	grep -q '^kvblend:' "$root/etc/passwd" && ok "sysusers entry creates user kvblend" ||
+	bad "sysusers entry"
+systemd-tmpfiles --root="$root" --create "$root/usr/lib/tmpfiles.d/kvblend.conf" &&
+	[ -d "$root/etc/kvblend" ] && ok "tmpfiles entry" || bad "tmpfiles entry"
+# The packaged daemon reads the packaged config (every key commented: the defaults).
+if out=$("$root/usr/sbin/kvblendd" --config "$root/etc/kvblend/kvblendd.conf" --print-config 2>&1) &&
+	grep -q '^map_size = ' <<<"$out"; then
+	ok "packaged daemon reads the packaged config"
+else
+	bad "packaged daemon reads the packaged config" "$out"
+fi
+man -l "$root/usr/share/man/man8/kvblendd.8" >/dev/null 2>&1 || groff -man -Tutf8 "$root/usr/share/man/man8/kvblendd.8" >/dev/null 2>&1
+echo "$pass passed, $failed failed"
+[ "$failed" = 0 ]
