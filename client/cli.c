@@ -41,6 +41,9 @@ static const char usage_text[] =
 	"  ls --model NAME [--json]               list a model's chunks\n"
 	"  lookup --model NAME HEX...             which chunks are stored\n"
 	"  rm --model NAME --hash HEX             delete a chunk\n"
+	"  pin --model NAME --hash HEX --ttl SECONDS\n"
+	"                                         keep a chunk from eviction (until a restart)\n"
+	"  unpin --model NAME --hash HEX          let it be evicted again\n"
 	"  hash --tokens FILE                     print the chunk hash of token ids\n"
 	"  demo                                   register a small model, store chunks, read them\n"
 	"                                         back and verify them, printing each step\n"
@@ -926,6 +929,43 @@ static int cmd_lookup(kvb_client *c, struct args *a)
 	return rc;
 }
 
+static int cmd_pin_common(kvb_client *c, struct args *a, bool pin)
+{
+	struct opts o = { 0 };
+	const char *model, *hexs, *ttl_s;
+	uint8_t h[KVB_HASH_LEN];
+	uint32_t ttl = 0;
+	int rc;
+
+	opt_decl(&o, "--model", false);
+	opt_decl(&o, "--hash", false);
+	if (pin)
+		opt_decl(&o, "--ttl", false);
+	if (opt_parse(&o, a) || need(&o, "--model", &model) || need(&o, "--hash", &hexs) ||
+	    parse_hash(hexs, h))
+		return 2;
+	if (pin && (need(&o, "--ttl", &ttl_s) || parse_u32(ttl_s, "--ttl", &ttl)))
+		return 2;
+	rc = pin ? kvb_pin(c, model, h, ttl) : kvb_unpin(c, model, h);
+	if (rc)
+		return client_err(c, rc, pin ? "pin" : "unpin");
+	if (pin)
+		printf("pinned %s for %" PRIu32 " s\n", hexs, ttl);
+	else
+		printf("unpinned %s\n", hexs);
+	return 0;
+}
+
+static int cmd_pin(kvb_client *c, struct args *a)
+{
+	return cmd_pin_common(c, a, true);
+}
+
+static int cmd_unpin(kvb_client *c, struct args *a)
+{
+	return cmd_pin_common(c, a, false);
+}
+
 static int cmd_rm(kvb_client *c, struct args *a)
 {
 	struct opts o = { 0 };
@@ -1069,6 +1109,7 @@ int main(int argc, char **argv)
 		{ "lookup", cmd_lookup, true }, { "rm", cmd_rm, true },
 		{ "hash", cmd_hash, false },  { "demo", cmd_demo, true },
 		{ "fuse", cmd_fuse, true },   { "get-rerotated", cmd_get_rerotated, true },
+		{ "pin", cmd_pin, true },     { "unpin", cmd_unpin, true },
 	};
 	struct kvb_connect_opts copts = { 0 };
 	struct args a = { argc, argv, 1 };

@@ -1140,6 +1140,30 @@ int kvb_delete(kvb_client *c, const char *model, const uint8_t hash[KVB_HASH_LEN
 	return rc;
 }
 
+static int pin_common(kvb_client *c, uint32_t op, const char *model,
+		      const uint8_t hash[KVB_HASH_LEN], uint32_t ttl)
+{
+	struct call k = { .req = { .op = op, .has_hash = true, .ttl = ttl } };
+	int rc;
+
+	if ((rc = set_name(c, &k, model)))
+		return rc;
+	memcpy(k.req.hash, hash, KVB_HASH_LEN);
+	rc = call(c, &k);
+	call_done(&k);
+	return rc;
+}
+
+int kvb_pin(kvb_client *c, const char *model, const uint8_t hash[KVB_HASH_LEN], uint32_t ttl_s)
+{
+	return pin_common(c, KVBP_OP_PIN, model, hash, ttl_s);
+}
+
+int kvb_unpin(kvb_client *c, const char *model, const uint8_t hash[KVB_HASH_LEN])
+{
+	return pin_common(c, KVBP_OP_UNPIN, model, hash, 0);
+}
+
 int kvb_list(kvb_client *c, const char *model, struct kvb_chunk_info **out, size_t *n)
 {
 	struct call k = { .req = { .op = KVBP_OP_LIST } };

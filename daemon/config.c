@@ -76,6 +76,15 @@ static const struct key keys[] = {
 	  "layers of a fuse session loaded (read, decoded, re-rotated) ahead of the node" },
 	{ "fuse_idle", T_UINT, OFF(fuse_idle), 1, 86400, "60",
 	  "seconds an idle fuse session lives before it is closed and its memory freed" },
+	{ "capacity", T_SIZE, OFF(capacity), 0, 64 * TiB, "0",
+	  "bytes of stored chunks to keep; above evict_high percent of it the least recently "
+	  "used chunks are evicted down to evict_low percent; 0 = no limit but the map size" },
+	{ "evict_high", T_UINT, OFF(evict_high), 1, 100, "90",
+	  "percent of capacity at which eviction starts" },
+	{ "evict_low", T_UINT, OFF(evict_low), 0, 99, "80",
+	  "percent of capacity eviction brings the store down to; below evict_high" },
+	{ "metrics_port", T_UINT, OFF(metrics_port), 0, 65535, "0",
+	  "serve Prometheus metrics at http://127.0.0.1:PORT/metrics; 0 = off" },
 	{ "log_level", T_LEVEL, OFF(log_level), 0, 3, "info", "error, warn, info or debug" },
 };
 

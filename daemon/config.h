@@ -41,6 +41,10 @@ struct config {
 	uint64_t fuse_max_bytes;
 	uint64_t fuse_ring;
 	uint64_t fuse_idle;
+	uint64_t capacity;
+	uint64_t evict_high;
+	uint64_t evict_low;
+	uint64_t metrics_port;
 	int log_level;
 };
 

@@ -184,6 +184,11 @@ int main(int argc, char **argv)
 		return 0;
 	}
 	log_init((enum log_level)cfg.log_level);
+	if (cfg.evict_low >= cfg.evict_high) {
+		fprintf(stderr, "kvblendd: evict_low (%llu) must be below evict_high (%llu)\n",
+			(unsigned long long)cfg.evict_low, (unsigned long long)cfg.evict_high);
+		return 2;
+	}
 	/* Reply buffers of many MiB come and go per request: keep them in the heap for reuse
 	 * rather than mmap'ing (and page-faulting) fresh ones every time. */
 	mallopt(M_MMAP_THRESHOLD, 256 << 20);

@@ -428,10 +428,26 @@ static void op_put(struct req *q)
 	}
 	rc = store_chunk_put(q->srv->store, &m, q->h.hash, q->h.num_tokens, q->h.base_pos,
 			     tensors, &ci);
+	/* A full map: evict least recently used chunks and retry, a few times. */
+	for (int tries = 0; rc == -ENOSPC && tries < 3; tries++) {
+		int64_t freed = evictor_make_room(q->srv->evict, 2 * total + (1u << 20));
+
+		if (freed < 0) {
+			fail(q, KVBP_FULL, "cache full: the LMDB map of %" PRIu64 " bytes has no room "
+			     "and nothing can be evicted (every chunk is pinned or in use)",
+			     q->srv->cfg->map_size);
+			goto out;
+		}
+		rc = store_chunk_put(q->srv->store, &m, q->h.hash, q->h.num_tokens, q->h.base_pos,
+				     tensors, &ci);
+	}
 	if (rc < 0) {
 		fail_store(q, rc, "put");
 		goto out;
 	}
+	evictor_touch(q->srv->evict, m.id, q->h.hash);
+	if (rc == 0)
+		evictor_kick(q->srv->evict);
 	q->out->rep.existed = rc == 1;
 	if (rc == 1)
 		snprintf(q->out->rep.message, sizeof(q->out->rep.message),
@@ -574,6 +590,7 @@ static void op_get(struct req *q)
 	} else if (rc) {
 		fail_store(q, rc, "get");
 	} else if (one_chunk_reply(q, q->h.hash, &ci) == 0) {
+		evictor_touch(q->srv->evict, m.id, q->h.hash);
 		q->out->rep.layer_begin = lb;
 		q->out->rep.layer_end = le;
 		if (buf) {
@@ -629,6 +646,8 @@ static void op_lookup(struct req *q)
 		chunk_out(&q->out->rep.chunks[i], q->h.hashes[i], found[i], &infos[i]);
 		atomic_fetch_add(found[i] ? &q->srv->stats.lookup_hits : &q->srv->stats.lookup_misses,
 				 1);
+		if (found[i])
+			evictor_touch(q->srv->evict, m.id, q->h.hashes[i]);
 	}
 	q->out->rep.n_chunks = q->h.n_hashes;
 out:
@@ -726,6 +745,15 @@ static void op_stats(struct req *q)
 	STAT("lookup_misses", atomic_load(&srv->stats.lookup_misses));
 	STAT("corrupt_removed", atomic_load(&srv->stats.corrupt_removed));
 	{
+		struct evict_stats es;
+
+		evictor_stats(srv->evict, &es);
+		STAT("capacity_bytes", srv->cfg->capacity);
+		STAT("evictions", es.evicted);
+		STAT("evicted_bytes", es.evicted_bytes);
+		STAT("pinned_chunks", es.pins);
+	}
+	{
 		uint64_t fs, fb, fp;
 
 		fuse_usage(srv->fuse, &fs, &fb, &fp);
@@ -813,6 +841,9 @@ static void op_fuse_open(struct req *q)
 		free(r.missing);
 		return;
 	}
+	for (size_t i = 0; i < q->h.n_segments; i++)
+		if (!q->h.segments[i].fresh)
+			evictor_touch(q->srv->evict, m.id, q->h.segments[i].hash);
 	q->out->rep.session_id = r.id;
 	q->out->rep.num_tokens = r.num_tokens;
 	q->out->rep.next_layer = r.next_layer;
@@ -954,6 +985,42 @@ static void op_fuse_close(struct req *q)
 		fail(q, code, "%s", err);
 }
 
+#define PIN_TTL_MAX (30u * 86400)
+
+static void op_pin(struct req *q)
+{
+	struct store_model m;
+	struct store_chunk_info ci;
+	bool found;
+	int rc;
+
+	if (need_model(q, &m) || need_hash(q) || no_payload(q))
+		return;
+	if (q->h.ttl == 0 || q->h.ttl > PIN_TTL_MAX) {
+		fail(q, KVBP_BAD_ARGUMENT, "pin TTL %" PRIu32 " s out of range 1..%u", q->h.ttl,
+		     PIN_TTL_MAX);
+		return;
+	}
+	rc = store_chunk_lookup(q->srv->store, &m, (const uint8_t(*)[KVBP_HASH_LEN])q->h.hash, 1,
+				&ci, &found);
+	if (rc || !found) {
+		fail_store(q, rc ? rc : -ENOENT, "pin");
+		return;
+	}
+	if (evictor_pin(q->srv->evict, m.id, q->h.hash, q->h.ttl))
+		fail(q, KVBP_LIMIT, "out of memory");
+}
+
+static void op_unpin(struct req *q)
+{
+	struct store_model m;
+
+	if (need_model(q, &m) || need_hash(q) || no_payload(q))
+		return;
+	if (evictor_unpin(q->srv->evict, m.id, q->h.hash))
+		fail(q, KVBP_NOT_FOUND, "chunk is not pinned");
+}
+
 typedef void (*op_fn)(struct req *q);
 
 static const op_fn handlers[KVBP_OP_COUNT] = {
@@ -964,6 +1031,7 @@ static const op_fn handlers[KVBP_OP_COUNT] = {
 	[KVBP_OP_LIST] = op_list,	    [KVBP_OP_SHM_ATTACH] = op_shm_attach,
 	[KVBP_OP_SHM_DETACH] = op_shm_detach, [KVBP_OP_FUSE_OPEN] = op_fuse_open,
 	[KVBP_OP_FUSE_LAYER] = op_fuse_layer, [KVBP_OP_FUSE_CLOSE] = op_fuse_close,
+	[KVBP_OP_PIN] = op_pin,		    [KVBP_OP_UNPIN] = op_unpin,
 };
 
 void ops_handle(struct server *srv, zmq_msg_t *frames, size_t n, size_t extra_frames,

@@ -347,7 +347,9 @@ int server_start(struct server *srv, const struct config *cfg, struct store *sto
 	/* Threads start with signals blocked; only the main thread takes them. */
 	sigfillset(&all);
 	pthread_sigmask(SIG_BLOCK, &all, &old);
-	for (unsigned i = 0; i < n_workers; i++) {
+	rc = evictor_new(store, srv->fuse, cfg->capacity, (unsigned)cfg->evict_high,
+			 (unsigned)cfg->evict_low, &srv->evict);
+	for (unsigned i = 0; !rc && i < n_workers; i++) {
 		atomic_fetch_add(&srv->running_workers, 1);
 		rc = pthread_create(&srv->threads[i], NULL, worker_main, srv);
 		if (rc) {
@@ -446,6 +448,7 @@ void server_stop(struct server *srv)
 	for (unsigned i = 0; i < srv->n_bound; i++)
 		if (!strncmp(srv->cfg->listen[i], "ipc://", 6))
 			unlink(srv->cfg->listen[i] + 6);
+	evictor_free(&srv->evict);
 	fuse_table_free(&srv->fuse);
 	shm_table_free(&srv->shm);
 	pool_free(&srv->pool);

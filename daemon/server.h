@@ -16,6 +16,7 @@
 #include <time.h>
 
 #include "config.h"
+#include "evict.h"
 #include "fuse.h"
 #include "shm.h"
 #include "../proto/wire.h"
@@ -37,6 +38,7 @@ struct server {
 	struct shm_table *shm;
 	struct pool *pool; /* helpers that split one request's bulk work */
 	struct fuse_table *fuse;
+	struct evictor *evict;
 	const struct blend_backend *blend; /* fuse compute backend */
 	void *zctx;
 	void *frontend; /* ROUTER, bound to cfg->listen */

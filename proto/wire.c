@@ -11,7 +11,7 @@
 
 _Static_assert((int)KVBLEND__OP__SHM_DETACH == (int)KVBP_OP_SHM_DETACH, "op numbering drifted");
 _Static_assert((int)KVBLEND__CODE__BUSY == (int)KVBP_BUSY, "code numbering drifted");
-_Static_assert((int)KVBLEND__OP__FUSE_CLOSE == (int)KVBP_OP_FUSE_CLOSE, "op numbering drifted");
+_Static_assert((int)KVBLEND__OP__UNPIN == (int)KVBP_OP_UNPIN, "op numbering drifted");
 _Static_assert(KVBLEND__DTYPE__F32 == 3, "dtype numbering drifted");
 
 static const char *const op_names[KVBP_OP_COUNT] = {
@@ -22,7 +22,8 @@ static const char *const op_names[KVBP_OP_COUNT] = {
 	[KVBP_OP_STATS] = "stats",	       [KVBP_OP_LIST] = "list",
 	[KVBP_OP_SHM_ATTACH] = "shm_attach",   [KVBP_OP_SHM_DETACH] = "shm_detach",
 	[KVBP_OP_FUSE_OPEN] = "fuse_open",     [KVBP_OP_FUSE_LAYER] = "fuse_layer",
-	[KVBP_OP_FUSE_CLOSE] = "fuse_close",
+	[KVBP_OP_FUSE_CLOSE] = "fuse_close",   [KVBP_OP_PIN] = "pin",
+	[KVBP_OP_UNPIN] = "unpin",
 };
 
 static const char *const code_names[KVBP_CODE_COUNT] = {
@@ -208,6 +209,7 @@ int kvbp_request_encode(const struct kvbp_request *req, uint8_t **buf, size_t *l
 	pb.rerotate = req->rerotate;
 	pb.target_pos = req->target_pos;
 	pb.shared_ring = req->shared_ring;
+	pb.ttl = req->ttl;
 	if (req->has_shm_out) {
 		shm_out.shm_id = req->shm_out_id;
 		shm_out.offset = req->shm_out_offset;
@@ -320,6 +322,7 @@ int kvbp_request_decode(const void *buf, size_t len, struct kvbp_request *out, c
 	r.rerotate = pb->rerotate;
 	r.target_pos = pb->target_pos;
 	r.shared_ring = pb->shared_ring;
+	r.ttl = pb->ttl;
 	if (pb->shm_out) {
 		r.has_shm_out = true;
 		r.shm_out_id = pb->shm_out->shm_id;

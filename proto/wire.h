@@ -39,6 +39,8 @@ enum kvbp_op {
 	KVBP_OP_FUSE_OPEN = 12,
 	KVBP_OP_FUSE_LAYER = 13,
 	KVBP_OP_FUSE_CLOSE = 14,
+	KVBP_OP_PIN = 15,
+	KVBP_OP_UNPIN = 16,
 	KVBP_OP_COUNT
 };
 
@@ -148,6 +150,7 @@ struct kvbp_request {
 	bool rerotate;
 	uint32_t target_pos;
 	bool shared_ring;
+	uint32_t ttl; /* PIN: seconds */
 };
 
 struct kvbp_reply {

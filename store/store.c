@@ -823,6 +823,65 @@ fail:
 	return rc;
 }
 
+int store_chunk_scan(struct store *s,
+		     int (*fn)(void *ctx, uint32_t model_id, const uint8_t *hash,
+			       const struct store_chunk_info *info),
+		     void *ctx)
+{
+	MDB_cursor *cur = NULL;
+	MDB_val k, v;
+	MDB_txn *txn;
+	MDB_cursor_op op = MDB_FIRST;
+	int rc = rtxn_begin(s, &txn);
+
+	if (rc)
+		return rc;
+	rc = err_from_mdb(mdb_cursor_open(txn, s->chunks, &cur));
+	while (!rc) {
+		struct store_chunk_info ci;
+		const uint8_t *key;
+		int mrc = mdb_cursor_get(cur, &k, &v, op);
+
+		op = MDB_NEXT;
+		if (mrc == MDB_NOTFOUND)
+			break;
+		if (mrc) {
+			rc = err_from_mdb(mrc);
+			break;
+		}
+		if (k.mv_size != CHUNK_KEY_LEN || chunk_rec_decode(&v, &ci))
+			continue; /* not ours to judge here; reads of it report corruption */
+		key = k.mv_data;
+		rc = fn(ctx, (uint32_t)key[0] << 24 | (uint32_t)key[1] << 16 | (uint32_t)key[2] << 8 |
+				     key[3],
+			key + 4, &ci);
+	}
+	if (cur)
+		mdb_cursor_close(cur);
+	rtxn_end(s, txn);
+	return rc;
+}
+
+/* A model by id (for the evictor, which meets chunks by key). */
+int store_model_by_id(struct store *s, uint32_t id, struct store_model *out)
+{
+	struct store_model *all;
+	size_t n;
+	int rc = store_model_list(s, &all, &n);
+
+	if (rc)
+		return rc;
+	rc = -ENOENT;
+	for (size_t i = 0; i < n; i++)
+		if (all[i].id == id) {
+			*out = all[i];
+			rc = 0;
+			break;
+		}
+	free(all);
+	return rc;
+}
+
 int store_totals(struct store *s, struct store_totals *out)
 {
 	struct totals_rec t;

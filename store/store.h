@@ -98,6 +98,9 @@ int store_model_register(struct store *s, struct store_model *m);
 /* Find a model by name. Returns 0 and *out, or -ENOENT. */
 int store_model_find(struct store *s, const char *name, struct store_model *out);
 
+/* Find a model by id. Returns 0 and *out, or -ENOENT. */
+int store_model_by_id(struct store *s, uint32_t id, struct store_model *out);
+
 /* All models, sorted by name, in a malloc'd array the caller frees. */
 int store_model_list(struct store *s, struct store_model **out, size_t *n);
 
@@ -146,6 +149,16 @@ int store_chunk_delete(struct store *s, const struct store_model *m,
 /* Chunks of a model, in hash order, in a malloc'd array the caller frees. */
 int store_chunk_list(struct store *s, const struct store_model *m,
 		     struct store_chunk_entry **out, size_t *n);
+
+/*
+ * Call fn for every chunk of every model, in key order, inside one read
+ * transaction (fn must not call back into the store). Returns 0, fn's first
+ * non-zero return, or a negative errno.
+ */
+int store_chunk_scan(struct store *s,
+		     int (*fn)(void *ctx, uint32_t model_id, const uint8_t *hash,
+			       const struct store_chunk_info *info),
+		     void *ctx);
 
 int store_totals(struct store *s, struct store_totals *out);
 

@@ -180,6 +180,13 @@ KVB_API int kvb_lookup(kvb_client *c, const char *model, const uint8_t (*hashes)
 /* Delete a chunk; KVB_E_NOT_FOUND if absent. */
 KVB_API int kvb_delete(kvb_client *c, const char *model, const uint8_t hash[KVB_HASH_LEN]);
 
+/* Keep a chunk from eviction for ttl_s seconds (1 .. 30 days; pinning again resets
+ * the TTL). Pins live in the daemon's memory: a restart drops them. */
+KVB_API int kvb_pin(kvb_client *c, const char *model, const uint8_t hash[KVB_HASH_LEN],
+		    uint32_t ttl_s);
+/* Remove a pin; KVB_E_NOT_FOUND if the chunk was not pinned. */
+KVB_API int kvb_unpin(kvb_client *c, const char *model, const uint8_t hash[KVB_HASH_LEN]);
+
 /* All chunks of a model, in a malloc'd array the caller frees with free(). */
 KVB_API int kvb_list(kvb_client *c, const char *model, struct kvb_chunk_info **out, size_t *n);
 

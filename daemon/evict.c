@@ -1,0 +1,408 @@
+/* evict — capacity and LRU eviction; see evict.h. */
+#include "evict.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "log.h"
+
+#define KEY_LEN (4 + STORE_HASH_LEN)
+
+struct entry {
+	uint8_t key[KEY_LEN];
+	uint64_t seq; /* access order: larger is more recent */
+	struct entry *next;
+};
+
+struct pin {
+	uint8_t key[KEY_LEN];
+	time_t until;
+};
+
+struct evictor {
+	struct store *store;
+	struct fuse_table *fuse;
+	uint64_t capacity, high, low;
+	pthread_mutex_t lock; /* the access map, pins, stats, stop */
+	pthread_cond_t cond;
+	pthread_mutex_t pass_lock; /* one eviction pass at a time */
+	pthread_t thread;
+	bool started, stop, kicked;
+	struct entry **buckets;
+	size_t n_buckets, count;
+	uint64_t seq;
+	struct pin *pins;
+	size_t n_pins, cap_pins;
+	struct evict_stats stats;
+};
+
+struct cand {
+	uint8_t key[KEY_LEN];
+	uint64_t seq, created, stored;
+};
+
+static void make_key(uint8_t *key, uint32_t model_id, const uint8_t *hash)
+{
+	key[0] = (uint8_t)(model_id >> 24);
+	key[1] = (uint8_t)(model_id >> 16);
+	key[2] = (uint8_t)(model_id >> 8);
+	key[3] = (uint8_t)model_id;
+	memcpy(key + 4, hash, STORE_HASH_LEN);
+}
+
+static size_t bucket_of(const struct evictor *e, const uint8_t *key)
+{
+	uint64_t h;
+
+	/* Chunk hashes are uniformly distributed already. */
+	memcpy(&h, key + 4, sizeof(h));
+	return (size_t)((h ^ key[3] ^ (uint64_t)key[2] << 8) % e->n_buckets);
+}
+
+static struct entry *find_entry(struct evictor *e, const uint8_t *key)
+{
+	for (struct entry *x = e->buckets[bucket_of(e, key)]; x; x = x->next)
+		if (!memcmp(x->key, key, KEY_LEN))
+			return x;
+	return NULL;
+}
+
+/* Double the table when it gets dense (lock held); on failure keep the old one. */
+static void grow(struct evictor *e)
+{
+	size_t nb = e->n_buckets * 2;
+	struct entry **b = calloc(nb, sizeof(*b));
+
+	if (!b)
+		return;
+	for (size_t i = 0; i < e->n_buckets; i++)
+		for (struct entry *x = e->buckets[i], *next; x; x = next) {
+			size_t j;
+
+			next = x->next;
+			memcpy(&j, x->key + 4, sizeof(j));
+			j = (size_t)((j ^ x->key[3] ^ (uint64_t)x->key[2] << 8) % nb);
+			x->next = b[j];
+			b[j] = x;
+		}
+	free(e->buckets);
+	e->buckets = b;
+	e->n_buckets = nb;
+}
+
+void evictor_touch(struct evictor *e, uint32_t model_id, const uint8_t *hash)
+{
+	uint8_t key[KEY_LEN];
+	struct entry *x;
+
+	make_key(key, model_id, hash);
+	pthread_mutex_lock(&e->lock);
+	x = find_entry(e, key);
+	if (!x) {
+		x = malloc(sizeof(*x));
+		if (x) {
+			size_t b = bucket_of(e, key);
+
+			memcpy(x->key, key, KEY_LEN);
+			x->next = e->buckets[b];
+			e->buckets[b] = x;
+			if (++e->count > 2 * e->n_buckets)
+				grow(e);
+		}
+	}
+	if (x)
+		x->seq = ++e->seq;
+	pthread_mutex_unlock(&e->lock);
+}
+
+static void forget(struct evictor *e, const uint8_t *key)
+{
+	struct entry **pp = &e->buckets[bucket_of(e, key)];
+
+	for (; *pp; pp = &(*pp)->next)
+		if (!memcmp((*pp)->key, key, KEY_LEN)) {
+			struct entry *x = *pp;
+
+			*pp = x->next;
+			free(x);
+			e->count--;
+			return;
+		}
+}
+
+void evictor_kick(struct evictor *e)
+{
+	pthread_mutex_lock(&e->lock);
+	e->kicked = true;
+	pthread_cond_signal(&e->cond);
+	pthread_mutex_unlock(&e->lock);
+}
+
+/* ---- pins (lock held) ---- */
+
+static struct pin *pin_find(struct evictor *e, const uint8_t *key)
+{
+	for (size_t i = 0; i < e->n_pins; i++)
+		if (!memcmp(e->pins[i].key, key, KEY_LEN))
+			return &e->pins[i];
+	return NULL;
+}
+
+static void pins_expire(struct evictor *e)
+{
+	time_t now = time(NULL);
+
+	for (size_t i = 0; i < e->n_pins;)
+		if (e->pins[i].until <= now)
+			e->pins[i] = e->pins[--e->n_pins];
+		else
+			i++;
+}
+
+int evictor_pin(struct evictor *e, uint32_t model_id, const uint8_t *hash, uint32_t ttl_s)
+{
+	uint8_t key[KEY_LEN];
+	struct pin *p;
+	int rc = 0;
+
+	make_key(key, model_id, hash);
+	pthread_mutex_lock(&e->lock);
+	pins_expire(e);
+	p = pin_find(e, key);
+	if (!p && e->n_pins == e->cap_pins) {
+		size_t cap = e->cap_pins ? 2 * e->cap_pins : 64;
+		struct pin *np = realloc(e->pins, cap * sizeof(*np));
+
+		if (np) {
+			e->pins = np;
+			e->cap_pins = cap;
+		}
+	}
+	if (!p && e->n_pins < e->cap_pins) {
+		p = &e->pins[e->n_pins++];
+		memcpy(p->key, key, KEY_LEN);
+	}
+	if (p)
+		p->until = time(NULL) + ttl_s;
+	else
+		rc = -ENOMEM;
+	pthread_mutex_unlock(&e->lock);
+	return rc;
+}
+
+int evictor_unpin(struct evictor *e, uint32_t model_id, const uint8_t *hash)
+{
+	uint8_t key[KEY_LEN];
+	struct pin *p;
+
+	make_key(key, model_id, hash);
+	pthread_mutex_lock(&e->lock);
+	pins_expire(e);
+	p = pin_find(e, key);
+	if (p)
+		*p = e->pins[--e->n_pins];
+	pthread_mutex_unlock(&e->lock);
+	return p ? 0 : -ENOENT;
+}
+
+/* ---- the pass ---- */
+
+struct gather {
+	struct evictor *e;
+	struct cand *c;
+	size_t n, cap;
+	int err;
+};
+
+static int gather_one(void *ctx, uint32_t model_id, const uint8_t *hash,
+		      const struct store_chunk_info *info)
+{
+	struct gather *g = ctx;
+	struct cand *c;
+	struct entry *x;
+
+	if (g->n == g->cap) {
+		size_t cap = g->cap ? 2 * g->cap : 1024;
+		struct cand *nc = realloc(g->c, cap * sizeof(*nc));
+
+		if (!nc)
+			return -ENOMEM;
+		g->c = nc;
+		g->cap = cap;
+	}
+	c = &g->c[g->n++];
+	make_key(c->key, model_id, hash);
+	pthread_mutex_lock(&g->e->lock);
+	x = find_entry(g->e, c->key);
+	c->seq = x ? x->seq : 0;
+	pthread_mutex_unlock(&g->e->lock);
+	c->created = info->created;
+	c->stored = info->stored_bytes;
+	return 0;
+}
+
+static int cmp_cand(const void *a, const void *b)
+{
+	const struct cand *x = a, *y = b;
+
+	if (x->seq != y->seq)
+		return x->seq < y->seq ? -1 : 1;
+	return (x->created > y->created) - (x->created < y->created);
+}
+
+/* Evict least recently used chunks until goal stored bytes are freed. Returns bytes freed. */
+static uint64_t pass(struct evictor *e, uint64_t goal)
+{
+	struct gather g = { .e = e };
+	struct store_model m = { .id = UINT32_MAX };
+	uint64_t freed = 0, n = 0;
+	int rc;
+
+	pthread_mutex_lock(&e->pass_lock);
+	rc = store_chunk_scan(e->store, gather_one, &g);
+	if (rc) {
+		log_warn("eviction: cannot scan the store: %s", strerror(-rc));
+		goto out;
+	}
+	qsort(g.c, g.n, sizeof(*g.c), cmp_cand);
+	pthread_mutex_lock(&e->lock);
+	pins_expire(e);
+	pthread_mutex_unlock(&e->lock);
+	for (size_t i = 0; i < g.n && freed < goal; i++) {
+		struct cand *c = &g.c[i];
+		uint32_t id = (uint32_t)c->key[0] << 24 | (uint32_t)c->key[1] << 16 |
+			      (uint32_t)c->key[2] << 8 | c->key[3];
+		bool pinned;
+
+		pthread_mutex_lock(&e->lock);
+		pinned = pin_find(e, c->key) != NULL;
+		pthread_mutex_unlock(&e->lock);
+		if (pinned)
+			continue;
+		if (m.id != id && store_model_by_id(e->store, id, &m))
+			continue;
+		/* Refused while a fuse session pins it; gone if deleted meanwhile. */
+		if (fuse_delete_chunk(e->fuse, &m, c->key + 4))
+			continue;
+		freed += c->stored;
+		n++;
+		pthread_mutex_lock(&e->lock);
+		forget(e, c->key);
+		pthread_mutex_unlock(&e->lock);
+	}
+	pthread_mutex_lock(&e->lock);
+	e->stats.evicted += n;
+	e->stats.evicted_bytes += freed;
+	e->stats.passes++;
+	pthread_mutex_unlock(&e->lock);
+	if (n)
+		log_info("evicted %" PRIu64 " chunks (%" PRIu64 " bytes)", n, freed);
+out:
+	pthread_mutex_unlock(&e->pass_lock);
+	free(g.c);
+	return freed;
+}
+
+int64_t evictor_make_room(struct evictor *e, uint64_t bytes)
+{
+	uint64_t freed = pass(e, bytes);
+
+	return freed ? (int64_t)freed : -ENOSPC;
+}
+
+static void *evict_main(void *arg)
+{
+	struct evictor *e = arg;
+
+	pthread_mutex_lock(&e->lock);
+	while (!e->stop) {
+		struct timespec until;
+		struct store_totals t;
+
+		clock_gettime(CLOCK_REALTIME, &until);
+		until.tv_sec += 1;
+		if (!e->kicked)
+			pthread_cond_timedwait(&e->cond, &e->lock, &until);
+		e->kicked = false;
+		if (e->stop || !e->capacity)
+			continue;
+		pthread_mutex_unlock(&e->lock);
+		if (store_totals(e->store, &t) == 0 && t.stored_bytes > e->high)
+			pass(e, t.stored_bytes - e->low);
+		pthread_mutex_lock(&e->lock);
+	}
+	pthread_mutex_unlock(&e->lock);
+	return NULL;
+}
+
+int evictor_new(struct store *store, struct fuse_table *fuse, uint64_t capacity,
+		unsigned high_pct, unsigned low_pct, struct evictor **out)
+{
+	struct evictor *e = calloc(1, sizeof(*e));
+	int rc;
+
+	if (!e)
+		return -ENOMEM;
+	e->store = store;
+	e->fuse = fuse;
+	e->capacity = capacity;
+	e->high = capacity / 100 * high_pct + capacity % 100 * high_pct / 100;
+	e->low = capacity / 100 * low_pct + capacity % 100 * low_pct / 100;
+	e->n_buckets = 1024;
+	e->buckets = calloc(e->n_buckets, sizeof(*e->buckets));
+	pthread_mutex_init(&e->lock, NULL);
+	pthread_mutex_init(&e->pass_lock, NULL);
+	pthread_cond_init(&e->cond, NULL);
+	if (!e->buckets) {
+		evictor_free(&e);
+		return -ENOMEM;
+	}
+	rc = pthread_create(&e->thread, NULL, evict_main, e);
+	if (rc) {
+		evictor_free(&e);
+		return -rc;
+	}
+	e->started = true;
+	*out = e;
+	return 0;
+}
+
+void evictor_free(struct evictor **ep)
+{
+	struct evictor *e = ep ? *ep : NULL;
+
+	if (!e)
+		return;
+	if (e->started) {
+		pthread_mutex_lock(&e->lock);
+		e->stop = true;
+		pthread_cond_signal(&e->cond);
+		pthread_mutex_unlock(&e->lock);
+		pthread_join(e->thread, NULL);
+	}
+	for (size_t i = 0; e->buckets && i < e->n_buckets; i++)
+		for (struct entry *x = e->buckets[i], *next; x; x = next) {
+			next = x->next;
+			free(x);
+		}
+	free(e->buckets);
+	free(e->pins);
+	pthread_cond_destroy(&e->cond);
+	pthread_mutex_destroy(&e->pass_lock);
+	pthread_mutex_destroy(&e->lock);
+	free(e);
+	*ep = NULL;
+}
+
+void evictor_stats(struct evictor *e, struct evict_stats *out)
+{
+	pthread_mutex_lock(&e->lock);
+	pins_expire(e);
+	*out = e->stats;
+	out->pins = e->n_pins;
+	pthread_mutex_unlock(&e->lock);
+}

@@ -1,0 +1,57 @@
+/*
+ * evict — keeps the store within its capacity: least recently used chunks are
+ * evicted in the background once the stored bytes pass the high watermark,
+ * down to the low one; a PUT that finds the LMDB map full makes room the same
+ * way and retries. Accesses are recorded in memory (no write transaction per
+ * read); chunks pinned by open fuse sessions or by an explicit pin with a TTL
+ * are never evicted. Thread-safe.
+ *
+ * The order is least recent access first; chunks not read since the daemon
+ * started come before all others, oldest first. Candidates are gathered per
+ * model, so per-model quotas can be added by bounding each model's pass.
+ */
+#ifndef KVBLEND_DAEMON_EVICT_H
+#define KVBLEND_DAEMON_EVICT_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "../store/store.h"
+#include "fuse.h"
+
+struct evictor;
+
+struct evict_stats {
+	uint64_t evicted;	/* chunks */
+	uint64_t evicted_bytes; /* stored bytes freed */
+	uint64_t passes;
+	uint64_t pins;		/* explicit pins in force */
+};
+
+/* capacity 0: no background eviction (a full map still makes room). high and low
+ * are percentages of capacity, low < high. Starts the background thread. */
+int evictor_new(struct store *store, struct fuse_table *fuse, uint64_t capacity,
+		unsigned high_pct, unsigned low_pct, struct evictor **out);
+/* Stop the thread and free. Accepts NULL. */
+void evictor_free(struct evictor **e);
+
+/* Record an access (a GET, a lookup hit, a PUT, a fuse open). */
+void evictor_touch(struct evictor *e, uint32_t model_id, const uint8_t *hash);
+/* Ask the background thread to check the watermark now (after a PUT). */
+void evictor_kick(struct evictor *e);
+
+/* Pin a chunk against eviction for ttl_s seconds (a later pin replaces the TTL). */
+int evictor_pin(struct evictor *e, uint32_t model_id, const uint8_t *hash, uint32_t ttl_s);
+/* Remove a pin. Returns 0 or -ENOENT. */
+int evictor_unpin(struct evictor *e, uint32_t model_id, const uint8_t *hash);
+
+/*
+ * Evict least recently used chunks until about `bytes` of stored data are
+ * freed (for a PUT that found the map full). Returns the bytes freed, or
+ * -ENOSPC when nothing could be evicted.
+ */
+int64_t evictor_make_room(struct evictor *e, uint64_t bytes);
+
+void evictor_stats(struct evictor *e, struct evict_stats *out);
+
+#endif
