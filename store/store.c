@@ -332,6 +332,12 @@ int store_open(const struct store_opts *opts, struct store **out)
 		rc = err_from_mdb(rc);
 		goto fail;
 	}
+	/* Reader slots of processes that died (a killed daemon) would pin old pages. */
+	{
+		int dead = 0;
+
+		mdb_reader_check(s->env, &dead);
+	}
 	rc = open_dbs(s);
 	if (rc)
 		goto fail;
