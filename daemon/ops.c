@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "log.h"
+#include "metrics.h"
 #include "pool.h"
 #include "rope.h"
 
@@ -705,7 +706,7 @@ static void op_stats(struct req *q)
 	struct timespec now;
 	uint64_t shm_n, shm_bytes;
 	struct kvbp_stat *s;
-	size_t n = 0, cap = 32 + KVBP_OP_COUNT + KVBP_CODE_COUNT;
+	size_t n = 0, cap = 40 + 3 * KVBP_OP_COUNT + KVBP_CODE_COUNT;
 	int rc;
 
 	if (no_payload(q))
@@ -773,6 +774,30 @@ static void op_stats(struct req *q)
 
 		snprintf(nm, sizeof(nm), "errors_%s", kvbp_code_name(c));
 		STAT(nm, atomic_load(&srv->stats.errors[c]));
+	}
+	/* Latency by operation: mean, and the 99th percentile as its bucket's upper bound. */
+	for (uint32_t op = 1; op < KVBP_OP_COUNT; op++) {
+		uint64_t cnt = atomic_load(&srv->stats.lat_count[op]), cum = 0;
+		char nm[64];
+		unsigned b = 0;
+
+		if (!cnt)
+			continue;
+		snprintf(nm, sizeof(nm), "latency_ms_mean_%s", kvbp_op_name(op));
+		STAT(nm, atomic_load(&srv->stats.lat_sum_ns[op]) / 1e6 / cnt);
+		for (; b < METRICS_BUCKETS; b++) {
+			cum += atomic_load(&srv->stats.lat_bucket[op][b]);
+			if (cum * 100 >= cnt * 99)
+				break;
+		}
+		snprintf(nm, sizeof(nm), "latency_ms_p99_le_%s", kvbp_op_name(op));
+		STAT(nm, b + 1 < METRICS_BUCKETS ? metrics_bucket_le[b] * 1e3 : -1);
+	}
+	{
+		char nm[64];
+
+		snprintf(nm, sizeof(nm), "backend_%s", srv->blend->name);
+		STAT(nm, 1);
 	}
 #undef STAT
 	q->out->rep.stats = s;

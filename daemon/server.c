@@ -13,6 +13,7 @@
 #include <zmq.h>
 
 #include "log.h"
+#include "metrics.h"
 #include "ops.h"
 #include "pool.h"
 
@@ -229,12 +230,14 @@ static void *worker_main(void *arg)
 		zmq_pollitem_t it = { sock, 0, ZMQ_POLLIN, 0 };
 		struct reply_out out;
 		size_t n, extra, env;
+		struct timespec t0, t1;
 		zmq_msg_t empty;
 
 		if (zmq_poll(&it, 1, POLL_MS) <= 0 || !(it.revents & ZMQ_POLLIN))
 			continue;
 		if (recv_frames(sock, frames, cap, &n, &extra))
 			continue;
+		clock_gettime(CLOCK_MONOTONIC, &t0);
 		env = envelope_len(frames, n);
 		if (env == n) {
 			/* No header frame at all: answer as for an empty one. */
@@ -247,6 +250,16 @@ static void *worker_main(void *arg)
 		for (size_t i = env; i < n; i++)
 			zmq_msg_close(&frames[i]);
 		send_reply(srv, sock, frames, env, &out);
+		{
+			uint64_t ns;
+
+			clock_gettime(CLOCK_MONOTONIC, &t1);
+			ns = (uint64_t)(t1.tv_sec - t0.tv_sec) * 1000000000u + (uint64_t)t1.tv_nsec -
+			     (uint64_t)t0.tv_nsec;
+			atomic_fetch_add(&srv->stats.lat_bucket[out.op][metrics_bucket(ns)], 1);
+			atomic_fetch_add(&srv->stats.lat_sum_ns[out.op], ns);
+			atomic_fetch_add(&srv->stats.lat_count[out.op], 1);
+		}
 		/* Work the node waits on next: load a fuse session's coming layers now. */
 		if (out.prefetch_session)
 			prefetch_enqueue(srv, out.prefetch_session);
@@ -368,6 +381,11 @@ int server_start(struct server *srv, const struct config *cfg, struct store *sto
 		return -rc;
 	}
 	log_info("%u workers started", n_workers);
+	if (cfg->metrics_port) {
+		rc = metrics_start(srv, (uint16_t)cfg->metrics_port, &srv->metrics);
+		if (rc)
+			return rc;
+	}
 	return 0;
 }
 
@@ -448,6 +466,7 @@ void server_stop(struct server *srv)
 	for (unsigned i = 0; i < srv->n_bound; i++)
 		if (!strncmp(srv->cfg->listen[i], "ipc://", 6))
 			unlink(srv->cfg->listen[i] + 6);
+	metrics_stop(&srv->metrics);
 	evictor_free(&srv->evict);
 	fuse_table_free(&srv->fuse);
 	shm_table_free(&srv->shm);

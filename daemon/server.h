@@ -18,6 +18,7 @@
 #include "config.h"
 #include "evict.h"
 #include "fuse.h"
+#include "metrics.h"
 #include "shm.h"
 #include "../proto/wire.h"
 #include "../store/store.h"
@@ -30,6 +31,10 @@ struct server_stats {
 	atomic_uint_fast64_t lookup_hits;
 	atomic_uint_fast64_t lookup_misses;
 	atomic_uint_fast64_t corrupt_removed;
+	/* request latency by operation (last: unknown), histogram + sum + count */
+	atomic_uint_fast64_t lat_bucket[KVBP_OP_COUNT + 1][METRICS_BUCKETS];
+	atomic_uint_fast64_t lat_sum_ns[KVBP_OP_COUNT + 1];
+	atomic_uint_fast64_t lat_count[KVBP_OP_COUNT + 1];
 };
 
 struct server {
@@ -39,6 +44,7 @@ struct server {
 	struct pool *pool; /* helpers that split one request's bulk work */
 	struct fuse_table *fuse;
 	struct evictor *evict;
+	struct metrics *metrics;
 	const struct blend_backend *blend; /* fuse compute backend */
 	void *zctx;
 	void *frontend; /* ROUTER, bound to cfg->listen */

@@ -65,7 +65,7 @@ try:
             failures += 1
             break
         ok = r.returncode == 0
-        lines = [r.stdout.strip()]
+        lines = [r.stdout.strip() + (" " + r.stderr.strip()[:500] if r.returncode else "")]
         for s in range(a.clients):
             if not os.path.exists(f"{tmp}/acks{s}"):
                 continue

@@ -1,0 +1,31 @@
+/*
+ * metrics — Prometheus text exposition of kvblendd's counters over HTTP at
+ * http://127.0.0.1:PORT/metrics (loopback only; off unless metrics_port is
+ * set), from one small thread. Also the latency histograms it exports, which
+ * the workers fill.
+ */
+#ifndef KVBLEND_DAEMON_METRICS_H
+#define KVBLEND_DAEMON_METRICS_H
+
+#include <stdint.h>
+#include <stdio.h>
+
+struct server;
+struct metrics;
+
+/* Upper bounds of the latency buckets, in seconds (the last bucket is +Inf). */
+#define METRICS_BUCKETS 14
+extern const double metrics_bucket_le[METRICS_BUCKETS];
+
+/* Which bucket a latency falls in. */
+unsigned metrics_bucket(uint64_t ns);
+
+/* Start serving on 127.0.0.1:port. Returns 0 or a negative errno (logged). */
+int metrics_start(struct server *srv, uint16_t port, struct metrics **out);
+/* Stop the thread and close the socket. Accepts NULL. */
+void metrics_stop(struct metrics **m);
+
+/* Write the exposition text to f (also used by tests through the endpoint). */
+void metrics_write(struct server *srv, FILE *f);
+
+#endif
