@@ -38,6 +38,11 @@ struct kvb_client {
 	void *shm_base;
 	size_t shm_size;
 	size_t shm_initial;
+	/* Segments the daemon lost (a restart): still mapped, so that buffers the caller
+	 * got from kvb_shared_buffer() stay valid, until kvb_close(). */
+	void *lost_base[8];
+	size_t lost_size[8];
+	unsigned n_lost;
 };
 
 struct call {
@@ -587,6 +592,8 @@ void kvb_close(kvb_client **cp)
 	wait_payloads(c);
 	if (c->ctx)
 		zmq_ctx_term(c->ctx);
+	for (unsigned i = 0; i < c->n_lost; i++)
+		munmap(c->lost_base[i], c->lost_size[i]);
 	free(c);
 	*cp = NULL;
 }
@@ -721,9 +728,52 @@ int kvb_model_get(kvb_client *c, const char *name, struct kvb_model *out)
 	return rc;
 }
 
+static int put_once(kvb_client *c, const char *model, const uint8_t hash[KVB_HASH_LEN],
+		    enum kvb_dtype dtype, uint32_t num_tokens, uint32_t base_pos, const void *kv,
+		    size_t kv_bytes, int *existed);
+static int get_once(kvb_client *c, const char *model, const uint8_t hash[KVB_HASH_LEN],
+		    uint32_t layer_begin, uint32_t layer_end, bool rerotate, uint32_t pos,
+		    void *out, size_t out_bytes, struct kvb_chunk_info *info);
+
+/*
+ * The daemon no longer knows our segment (it restarted, or let it expire): forget
+ * it, so the next call attaches a new one. Data the caller placed in the old
+ * segment is still mapped; a retry copies it again.
+ */
+static bool shm_lost(kvb_client *c, int rc, bool used_shm)
+{
+	if (rc != KVB_E_BAD_SHM || !used_shm || !c->shm_base)
+		return false;
+	if (c->n_lost == 8) {
+		munmap(c->lost_base[0], c->lost_size[0]);
+		memmove(c->lost_base, c->lost_base + 1, 7 * sizeof(void *));
+		memmove(c->lost_size, c->lost_size + 1, 7 * sizeof(size_t));
+		c->n_lost--;
+	}
+	c->lost_base[c->n_lost] = c->shm_base;
+	c->lost_size[c->n_lost++] = c->shm_size;
+	c->shm_base = NULL;
+	c->shm_size = 0;
+	c->shm_id = 0;
+	return true;
+}
+
 int kvb_put(kvb_client *c, const char *model, const uint8_t hash[KVB_HASH_LEN],
 	    enum kvb_dtype dtype, uint32_t num_tokens, uint32_t base_pos, const void *kv,
 	    size_t kv_bytes, int *existed)
+{
+	bool had = c->shm_base != NULL;
+	int rc = put_once(c, model, hash, dtype, num_tokens, base_pos, kv, kv_bytes, existed);
+
+	/* Once, with a new segment; kv stays readable if it was in the lost one. */
+	if (shm_lost(c, rc, had))
+		rc = put_once(c, model, hash, dtype, num_tokens, base_pos, kv, kv_bytes, existed);
+	return rc;
+}
+
+static int put_once(kvb_client *c, const char *model, const uint8_t hash[KVB_HASH_LEN],
+		    enum kvb_dtype dtype, uint32_t num_tokens, uint32_t base_pos, const void *kv,
+		    size_t kv_bytes, int *existed)
 {
 	struct call k = { .req = { .op = KVBP_OP_PUT, .has_hash = true, .dtype = (uint32_t)dtype,
 				   .num_tokens = num_tokens, .base_pos = base_pos } };
@@ -791,6 +841,20 @@ out:
 static int get_common(kvb_client *c, const char *model, const uint8_t hash[KVB_HASH_LEN],
 		      uint32_t layer_begin, uint32_t layer_end, bool rerotate, uint32_t pos,
 		      void *out, size_t out_bytes, struct kvb_chunk_info *info)
+{
+	bool had = c->shm_base != NULL;
+	int rc = get_once(c, model, hash, layer_begin, layer_end, rerotate, pos, out, out_bytes,
+			  info);
+
+	if (shm_lost(c, rc, had))
+		rc = get_once(c, model, hash, layer_begin, layer_end, rerotate, pos, out, out_bytes,
+			      info);
+	return rc;
+}
+
+static int get_once(kvb_client *c, const char *model, const uint8_t hash[KVB_HASH_LEN],
+		    uint32_t layer_begin, uint32_t layer_end, bool rerotate, uint32_t pos,
+		    void *out, size_t out_bytes, struct kvb_chunk_info *info)
 {
 	struct call k = { .req = { .op = KVBP_OP_GET, .has_hash = true, .layer_begin = layer_begin,
 				   .layer_end = layer_end, .rerotate = rerotate,

@@ -140,6 +140,26 @@ static struct segment *find(struct shm_table *t, uint64_t id)
 	return NULL;
 }
 
+/*
+ * A new segment id (lock held): random, so that an id from before a restart, or
+ * another client's, names nothing here; a stale request then fails cleanly
+ * instead of reaching someone else's memory.
+ */
+static uint64_t new_segment_id(struct shm_table *t)
+{
+	for (;;) {
+		uint64_t id = 0;
+		bool used = false;
+
+		if (getrandom(&id, sizeof(id), 0) != sizeof(id))
+			id = ++t->counter * 0x9e3779b97f4a7c15ull ^ (uint64_t)now_s();
+		for (int i = 0; i < SHM_SLOTS && !used; i++)
+			used = t->seg[i].id == id;
+		if (id && id != UINT64_MAX && !used)
+			return id;
+	}
+}
+
 /* Drop cached rings until size more bytes fit (lock held). */
 static void cache_make_room(struct shm_table *t, uint64_t size)
 {
@@ -172,7 +192,7 @@ static int create(struct shm_table *t, uint64_t size, bool reusable, uint64_t *i
 			c->cached = false;
 			c->detached = false;
 			c->users = 0;
-			c->id = ++t->counter;
+			c->id = new_segment_id(t);
 			c->last_used = now_s();
 			*id = c->id;
 			*actual = c->size;
@@ -193,7 +213,7 @@ static int create(struct shm_table *t, uint64_t size, bool reusable, uint64_t *i
 		t->total += size; /* reserve while we create outside the lock */
 		s->id = UINT64_MAX; /* slot taken, not yet findable */
 		s->detached = true;
-		new_id = ++t->counter;
+		new_id = new_segment_id(t);
 	}
 	pthread_mutex_unlock(&t->lock);
 	if (rc)

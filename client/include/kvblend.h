@@ -195,7 +195,9 @@ KVB_API int kvb_stats(kvb_client *c, struct kvb_stat **out, size_t *n);
 
 /*
  * A buffer of at least size bytes inside the shared-memory segment, valid until
- * the next call on c that needs a larger one, or kvb_close(). Tensors passed to
+ * the next call on c that needs a larger one, or kvb_close(). If the daemon
+ * restarts, calls attach a new segment by themselves; the old buffer stays
+ * readable and writable but no longer crosses without a copy. Tensors passed to
  * kvb_put() or kvb_get() from here cross without a client-side copy. NULL when
  * shared memory is not available (tcp endpoint, disabled, or too large).
  */

@@ -20,6 +20,10 @@
 static const struct kvb_model model = { .name = "crash", .num_layers = 4, .num_kv_heads = 2,
 					.head_dim = 64, .dtype = KVB_F16, .rope_theta = 1e4 };
 #define TOKEN_BYTES (4 * 2 * 2 * 64 * 2)
+/* Each client stores at most this many chunks, a few hundred a second: a long run then
+ * checks a bounded set instead of racing an ever larger store (and the map never fills,
+ * so nothing acknowledged is evicted). */
+#define MAX_CHUNKS 8000
 
 static volatile sig_atomic_t stop;
 
@@ -70,6 +74,10 @@ static int do_put(const char *ep, uint32_t seed, const char *log)
 	while (!stop) {
 		int rc;
 
+		if (i >= MAX_CHUNKS) {
+			usleep(100000);
+			continue;
+		}
 		if (!c && !(c = connect_retry(ep)))
 			break;
 		kvb_model_register(c, &model, NULL);
@@ -81,6 +89,7 @@ static int do_put(const char *ep, uint32_t seed, const char *log)
 			fprintf(f, "%u\n", i);
 			fflush(f);
 			i++;
+			usleep(2000);
 		} else {
 			kvb_close(&c);
 		}
