@@ -30,7 +30,7 @@ log = open(f"{tmp}/kvblendd.log", "w")
 
 
 def start():
-    args = [a.kvblendd, "--data-dir", f"{tmp}/data", "--listen", ep, "--map-size", "2G",
+    args = [a.kvblendd, "--data-dir", f"{tmp}/data", "--listen", ep, "--map-size", "16G",
             "--log-level", "warn"]
     if a.no_sync:
         args.append("--no-sync")
@@ -59,6 +59,10 @@ try:
         daemon.send_signal(signal.SIGKILL)
         daemon.wait()
         daemon = start()
+        # Hold the clients while checking, so every kill lands under load and the set to
+        # check grows with the kills, not with the time the checks take.
+        for c in clients:
+            c.send_signal(signal.SIGSTOP)
         r = wait_ready()
         if r is None:
             print(f"not ok - kill {k + 1}: the restarted daemon did not answer")
@@ -75,10 +79,13 @@ try:
             lines.append(v.stdout.strip() + (" " + v.stderr.strip() if v.returncode else ""))
         acked = sum(int(l.split()[0]) for l in lines[1:] if l and l[0].isdigit())
         total = acked
-        print(f"{'ok' if ok else 'not ok'} - kill {k + 1}: " + "; ".join(lines))
+        print(f"{'ok' if ok else 'not ok'} - kill {k + 1}: " + "; ".join(lines), flush=True)
         failures += not ok
+        for c in clients:
+            c.send_signal(signal.SIGCONT)
 finally:
     for c in clients:
+        c.send_signal(signal.SIGCONT)
         c.send_signal(signal.SIGTERM)
     for c in clients:
         c.wait(30)
