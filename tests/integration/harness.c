@@ -141,3 +141,19 @@ kvb_client *daemon_client(const struct daemon *d, int no_shm)
 		fail_msg("connect: %s", err);
 	return c;
 }
+
+double daemon_stat(kvb_client *c, const char *name)
+{
+	struct kvb_stat *s;
+	size_t n;
+	double v = -1;
+
+	assert_int_equal(kvb_stats(c, &s, &n), 0);
+	for (size_t i = 0; i < n; i++)
+		if (!strcmp(s[i].name, name))
+			v = s[i].value;
+	free(s);
+	if (v < 0)
+		fail_msg("no stat %s", name);
+	return v;
+}

@@ -26,6 +26,9 @@ void daemon_restart(struct daemon *d, const char *const *extra_args);
 void daemon_stop(struct daemon *d);
 /* Stop (if running) and remove the temporary directory. */
 void daemon_cleanup(struct daemon *d);
+/* The daemon's counter name from kvb_stats(); asserts that it exists. */
+double daemon_stat(kvb_client *c, const char *name);
+
 /* A client connected to d; asserts success. */
 kvb_client *daemon_client(const struct daemon *d, int no_shm);
 

@@ -47,22 +47,6 @@ static void hash_of(uint32_t seed, uint8_t h[KVB_HASH_LEN])
 	kvb_chunk_hash(ids, 4, h);
 }
 
-static uint64_t stat_value(kvb_client *c, const char *name)
-{
-	struct kvb_stat *s;
-	size_t n;
-	double v = -1;
-
-	assert_int_equal(kvb_stats(c, &s, &n), 0);
-	for (size_t i = 0; i < n; i++)
-		if (!strcmp(s[i].name, name))
-			v = s[i].value;
-	free(s);
-	if (v < 0)
-		fail_msg("no stat %s", name);
-	return (uint64_t)v;
-}
-
 static int setup(void **state)
 {
 	struct daemon *d = calloc(1, sizeof(*d));
@@ -177,7 +161,7 @@ static void test_shared_buffer(void **state)
 	memset(buf, 0, n);
 	assert_int_equal(kvb_get(c, "tiny", h, 0, 0, buf, n, NULL), 0);
 	assert_memory_equal(ref, buf, n);
-	assert_true(stat_value(c, "shm_segments") >= 1);
+	assert_true((uint64_t)daemon_stat(c, "shm_segments") >= 1);
 	free(ref);
 	kvb_close(&c);
 }
@@ -317,7 +301,7 @@ static void expect_serving(kvb_client *c, uint64_t chunks_before)
 	char v[32];
 
 	assert_int_equal(kvb_ping(c, v, sizeof(v)), 0);
-	assert_int_equal(stat_value(c, "chunks"), chunks_before);
+	assert_int_equal((uint64_t)daemon_stat(c, "chunks"), chunks_before);
 }
 
 #define EXPECT(code_, substr_)                                                              \
@@ -344,7 +328,7 @@ static void test_bad_input(void **state)
 	struct kvbp_request q;
 
 	register_tiny(c);
-	chunks = stat_value(c, "chunks");
+	chunks = (uint64_t)daemon_stat(c, "chunks");
 	hash_of(555, h);
 	raw_open(&r, d);
 
@@ -445,8 +429,8 @@ static void test_bad_input(void **state)
 	q = put_req(4, 6, h);
 	code = raw_request(&r, &q, p, lens, 6, msg, sizeof(msg));
 	assert_int_equal(code, KVBP_OK);
-	assert_int_equal(stat_value(c, "chunks"), chunks + 1);
-	assert_true(stat_value(c, "errors_bad_request") >= 4);
+	assert_int_equal((uint64_t)daemon_stat(c, "chunks"), chunks + 1);
+	assert_true((uint64_t)daemon_stat(c, "errors_bad_request") >= 4);
 	raw_close(&r);
 	free(t);
 	kvb_close(&c);
@@ -468,7 +452,7 @@ static void test_message_too_large(void **state)
 	 * the frames below carry 1 MiB each, 6 MiB against the 4 MiB limit. */
 
 	register_tiny(c);
-	chunks = stat_value(c, "chunks");
+	chunks = (uint64_t)daemon_stat(c, "chunks");
 	hash_of(556, h);
 	raw_open(&r, d);
 	for (int i = 0; i < 6; i++)
@@ -501,7 +485,7 @@ static void test_shape_overflow(void **state)
 	daemon_start(&d, args);
 	c = daemon_client(&d, 1);
 	assert_int_equal(kvb_model_register(c, &huge, NULL), 0);
-	chunks = stat_value(c, "chunks");
+	chunks = (uint64_t)daemon_stat(c, "chunks");
 	raw_open(&r, &d);
 	hash_of(1, h);
 	q = put_req(16777216, 0, h);
@@ -597,7 +581,7 @@ static void test_corrupt_chunk_removed(void **state)
 	assert_non_null(strstr(kvb_last_error(c), "failed its checksum and was removed"));
 	assert_int_equal(kvb_lookup(c, "tiny", (const uint8_t(*)[KVB_HASH_LEN])h, 1, &ci), 0);
 	assert_false(ci.found);
-	assert_int_equal(stat_value(c, "corrupt_removed"), 1);
+	assert_int_equal((uint64_t)daemon_stat(c, "corrupt_removed"), 1);
 	free(kv);
 	kvb_close(&c);
 }
@@ -639,7 +623,7 @@ static void test_concurrent_clients(void **state)
 	uint64_t before;
 
 	register_tiny(c);
-	before = stat_value(c, "chunks");
+	before = (uint64_t)daemon_stat(c, "chunks");
 	for (int i = 0; i < 6; i++) {
 		a[i] = (struct worker_arg){ d, i, 0 };
 		pthread_create(&t[i], NULL, worker, &a[i]);
@@ -648,7 +632,7 @@ static void test_concurrent_clients(void **state)
 		pthread_join(t[i], NULL);
 		assert_int_equal(a[i].failures, 0);
 	}
-	assert_int_equal(stat_value(c, "chunks"), before + 150);
+	assert_int_equal((uint64_t)daemon_stat(c, "chunks"), before + 150);
 	kvb_close(&c);
 }
 

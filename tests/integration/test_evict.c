@@ -29,21 +29,6 @@ static void fill(uint8_t *p, size_t n, uint64_t seed)
 	}
 }
 
-static double stat_of(kvb_client *c, const char *name)
-{
-	struct kvb_stat *s;
-	size_t n;
-	double v = -1;
-
-	assert_int_equal(kvb_stats(c, &s, &n), 0);
-	for (size_t i = 0; i < n; i++)
-		if (!strcmp(s[i].name, name))
-			v = s[i].value;
-	free(s);
-	assert_true(v >= 0);
-	return v;
-}
-
 static void hash_of(uint32_t i, uint8_t h[KVB_HASH_LEN])
 {
 	uint32_t ids[2] = { 0xe71c7, i };
@@ -93,11 +78,11 @@ static void test_hot_set_survives(void **state)
 		}
 	}
 	/* the evictor runs at least once a second */
-	for (int t = 0; t < 50 && stat_of(c, "stored_bytes") > cap * 0.9; t++)
+	for (int t = 0; t < 50 && daemon_stat(c, "stored_bytes") > cap * 0.9; t++)
 		usleep(100000);
-	assert_true(stat_of(c, "stored_bytes") <= cap * 0.9);
-	assert_true(stat_of(c, "evictions") > 0);
-	assert_int_equal(stat_of(c, "pinned_chunks"), 2);
+	assert_true(daemon_stat(c, "stored_bytes") <= cap * 0.9);
+	assert_true(daemon_stat(c, "evictions") > 0);
+	assert_int_equal(daemon_stat(c, "pinned_chunks"), 2);
 	for (uint32_t j = 0; j < 7; j++)
 		if (!found(c, "ev", j))
 			fail_msg("hot or pinned chunk %u was evicted", j);
@@ -142,7 +127,7 @@ static void test_map_full(void **state)
 		if (rc)
 			fail_msg("put %u: %s", i, kvb_last_error(c));
 	}
-	assert_true(stat_of(c, "evictions") > 0);
+	assert_true(daemon_stat(c, "evictions") > 0);
 	/* Pin everything that is left: now nothing can be evicted. */
 	assert_int_equal(kvb_list(c, "big", &list, &n_list), 0);
 	for (size_t i = 0; i < n_list; i++)

@@ -48,21 +48,6 @@ static void fill(uint16_t *p, size_t n, uint32_t seed)
 	}
 }
 
-static uint64_t stat_of(kvb_client *c, const char *name)
-{
-	struct kvb_stat *s;
-	size_t n;
-	double v = -1;
-
-	assert_int_equal(kvb_stats(c, &s, &n), 0);
-	for (size_t i = 0; i < n; i++)
-		if (!strcmp(s[i].name, name))
-			v = s[i].value;
-	free(s);
-	assert_true(v >= 0);
-	return (uint64_t)v;
-}
-
 static int setup(void **state)
 {
 	struct fixture *f = calloc(1, sizeof(*f));
@@ -336,8 +321,8 @@ static void test_open_errors(void **state)
 	segments(f, s);
 	assert_int_equal(kvb_fuse_open(f->c, "nope", s, 3, &p, &fu, NULL, NULL),
 			 KVB_E_UNKNOWN_MODEL);
-	assert_int_equal(stat_of(f->c, "fuse_sessions"), 0);
-	assert_int_equal(stat_of(f->c, "fuse_pinned_chunks"), 0);
+	assert_int_equal((uint64_t)daemon_stat(f->c, "fuse_sessions"), 0);
+	assert_int_equal((uint64_t)daemon_stat(f->c, "fuse_pinned_chunks"), 0);
 }
 
 static void test_limits_and_pins(void **state)
@@ -352,14 +337,14 @@ static void test_limits_and_pins(void **state)
 		assert_int_equal(kvb_fuse_open(f->c, "fm", s, 3, &p, &fu[i], NULL, NULL), 0);
 	assert_int_equal(kvb_fuse_open(f->c, "fm", s, 3, &p, &fu[3], NULL, NULL), KVB_E_LIMIT);
 	assert_non_null(strstr(kvb_last_error(f->c), "fuse_max_sessions"));
-	assert_int_equal(stat_of(f->c, "fuse_sessions"), 3);
+	assert_int_equal((uint64_t)daemon_stat(f->c, "fuse_sessions"), 3);
 	/* A chunk under an open session cannot be deleted. */
 	assert_int_equal(kvb_delete(f->c, "fm", f->hash[0]), KVB_E_BUSY);
 	assert_non_null(strstr(kvb_last_error(f->c), "in use by an open fuse session"));
 	for (int i = 0; i < 3; i++)
 		assert_int_equal(kvb_fuse_close(f->c, &fu[i], NULL, NULL), 0);
-	assert_int_equal(stat_of(f->c, "fuse_pinned_chunks"), 0);
-	assert_int_equal(stat_of(f->c, "fuse_ring_bytes"), 0);
+	assert_int_equal((uint64_t)daemon_stat(f->c, "fuse_pinned_chunks"), 0);
+	assert_int_equal((uint64_t)daemon_stat(f->c, "fuse_ring_bytes"), 0);
 	/* closed twice: the second close finds nothing */
 	{
 		kvb_fuse *g;
@@ -381,13 +366,13 @@ static void test_abandoned_session_expires(void **state)
 
 	segments(f, s);
 	assert_int_equal(kvb_fuse_open(f->c, "fm", s, 3, &p, &fu, NULL, NULL), 0);
-	assert_int_equal(stat_of(f->c, "fuse_sessions"), 1);
-	assert_true(stat_of(f->c, "fuse_ring_bytes") > 0);
-	assert_int_equal(stat_of(f->c, "fuse_pinned_chunks"), 2);
+	assert_int_equal((uint64_t)daemon_stat(f->c, "fuse_sessions"), 1);
+	assert_true((uint64_t)daemon_stat(f->c, "fuse_ring_bytes") > 0);
+	assert_int_equal((uint64_t)daemon_stat(f->c, "fuse_pinned_chunks"), 2);
 	sleep(4); /* fuse_idle is 2 s; the main loop checks every second */
-	assert_int_equal(stat_of(f->c, "fuse_sessions"), 0);
-	assert_int_equal(stat_of(f->c, "fuse_ring_bytes"), 0);
-	assert_int_equal(stat_of(f->c, "fuse_pinned_chunks"), 0);
+	assert_int_equal((uint64_t)daemon_stat(f->c, "fuse_sessions"), 0);
+	assert_int_equal((uint64_t)daemon_stat(f->c, "fuse_ring_bytes"), 0);
+	assert_int_equal((uint64_t)daemon_stat(f->c, "fuse_pinned_chunks"), 0);
 	memset(buf, 0, sizeof(buf));
 	assert_int_equal(kvb_fuse_layer(f->c, fu, 1, buf, buf, o1, o2, &fused),
 			 KVB_E_UNKNOWN_SESSION);
@@ -445,7 +430,7 @@ static void test_concurrent_sessions(void **state)
 				    (L - 2) * 2 * 30 * ROW);
 		free(r[i].out);
 	}
-	assert_int_equal(stat_of(f->c, "fuse_sessions"), 0);
+	assert_int_equal((uint64_t)daemon_stat(f->c, "fuse_sessions"), 0);
 }
 
 int main(void)
