@@ -64,6 +64,31 @@ if out=$("$root/usr/sbin/kvblendd" --config "$root/etc/kvblend/kvblendd.conf" --
 else
 	bad "packaged daemon reads the packaged config" "$out"
 fi
-man -l "$root/usr/share/man/man8/kvblendd.8" >/dev/null 2>&1 || groff -man -Tutf8 "$root/usr/share/man/man8/kvblendd.8" >/dev/null 2>&1
+# Start the packaged daemon as the unit would (its config, the directories systemd would
+# make, passed the same way) and talk to it with the packaged CLI and library.
+mkdir -p "$root/var/lib/kvblend" "$root/run/kvblend"
+STATE_DIRECTORY=$root/var/lib/kvblend RUNTIME_DIRECTORY=$root/run/kvblend \
+	CONFIGURATION_DIRECTORY=$root/etc/kvblend \
+	"$root/usr/sbin/kvblendd" --config "$root/etc/kvblend/kvblendd.conf" --map-size 64M \
+	2>"$tmp/packaged.log" &
+pid=$!
+cli=("$root/usr/bin/kvblend" --endpoint "ipc://$root/run/kvblend/kvblend.sock" --timeout 300)
+for _ in $(seq 100); do
+	LD_LIBRARY_PATH=$root/usr/lib/x86_64-linux-gnu "${cli[@]}" ping >/dev/null 2>&1 && break
+	sleep 0.1
+done
+if LD_LIBRARY_PATH=$root/usr/lib/x86_64-linux-gnu "${cli[@]}" demo >"$tmp/demo.out" 2>&1 &&
+	grep -q "demo done" "$tmp/demo.out" && [ -f "$root/var/lib/kvblend/data.mdb" ]; then
+	ok "packaged daemon starts on the unit's directories and serves the packaged CLI"
+else
+	bad "packaged daemon starts" "$(cat "$tmp/demo.out" "$tmp/packaged.log")"
+fi
+kill -TERM "$pid"
+wait "$pid" && ok "packaged daemon stops cleanly" || bad "packaged daemon stops cleanly"
+if command -v groff >/dev/null; then
+	groff -man -Tutf8 -ww "$root/usr/share/man/man8/kvblendd.8" "$root/usr/share/man/man1/kvblend.1" \
+		>/dev/null 2>"$tmp/groff.err" && [ ! -s "$tmp/groff.err" ] && ok "man pages render" ||
+		bad "man pages render" "$(cat "$tmp/groff.err")"
+fi
 echo "$pass passed, $failed failed"
 [ "$failed" = 0 ]
