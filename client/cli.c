@@ -19,7 +19,9 @@ static const char usage_text[] =
 	"usage: kvblend [--endpoint E] [--timeout MS] COMMAND [ARGS]\n"
 	"\n"
 	"Client of kvblendd, the kvblend KV-cache daemon. The endpoint defaults to\n"
-	"$KVBLEND_ENDPOINT, else ipc:///run/kvblend/kvblend.sock.\n"
+	"$KVBLEND_ENDPOINT, else ipc:///run/kvblend/kvblend.sock. On tcp:// endpoints\n"
+	"$KVBLEND_SERVER_KEY (the daemon's CURVE public key) turns on CURVE, with\n"
+	"$KVBLEND_CLIENT_KEY as this client's secret key.\n"
 	"\n"
 	"commands:\n"
 	"  ping                                   check that the daemon answers; print its version\n"
@@ -45,6 +47,7 @@ static const char usage_text[] =
 	"                                         keep a chunk from eviction (until a restart)\n"
 	"  unpin --model NAME --hash HEX          let it be evicted again\n"
 	"  hash --tokens FILE                     print the chunk hash of token ids\n"
+	"  keygen                                 print a new CURVE key pair (public, secret)\n"
 	"  demo                                   register a small model, store chunks, read them\n"
 	"                                         back and verify them, printing each step\n"
 	"\n"
@@ -251,6 +254,20 @@ static void json_str(const char *s)
 			putchar(*s);
 	}
 	putchar('"');
+}
+
+static int cmd_keygen(kvb_client *c, struct args *a)
+{
+	struct opts o = { 0 };
+	char pub[41], sec[41];
+
+	(void)c;
+	if (opt_parse(&o, a))
+		return 2;
+	if (kvb_curve_keypair(pub, sec))
+		return die("this libzmq has no CURVE support");
+	printf("public %s\nsecret %s\n", pub, sec);
+	return 0;
 }
 
 static int cmd_ping(kvb_client *c, struct args *a)
@@ -1110,6 +1127,7 @@ int main(int argc, char **argv)
 		{ "hash", cmd_hash, false },  { "demo", cmd_demo, true },
 		{ "fuse", cmd_fuse, true },   { "get-rerotated", cmd_get_rerotated, true },
 		{ "pin", cmd_pin, true },     { "unpin", cmd_unpin, true },
+		{ "keygen", cmd_keygen, false },
 	};
 	struct kvb_connect_opts copts = { 0 };
 	struct args a = { argc, argv, 1 };

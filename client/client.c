@@ -28,6 +28,8 @@ struct kvb_client {
 	void *sock;
 	char endpoint[512];
 	int timeout_ms;
+	bool curve;
+	char server_key[41], public_key[41], secret_key[41];
 	uint64_t next_id;
 	char err[512];
 	/* Payload frames ZeroMQ still reads from the caller's memory (zero-copy sends). */
@@ -161,6 +163,11 @@ void kvb_chunk_hash(const uint32_t *ids, size_t n, uint8_t out[KVB_HASH_LEN])
 		n -= k;
 	}
 	crypto_generichash_final(&st, out, KVB_HASH_LEN);
+}
+
+int kvb_curve_keypair(char public_key[41], char secret_key[41])
+{
+	return zmq_curve_keypair(public_key, secret_key) ? -ENOTSUP : 0;
 }
 
 int kvb_hash_parse(const char *hex, uint8_t out[KVB_HASH_LEN])
@@ -352,6 +359,15 @@ static int open_socket(kvb_client *c)
 	if (!c->sock)
 		return -errno;
 	zmq_setsockopt(c->sock, ZMQ_LINGER, &zero, sizeof(zero));
+	if (c->curve && (zmq_setsockopt(c->sock, ZMQ_CURVE_SERVERKEY, c->server_key, 41) ||
+			 zmq_setsockopt(c->sock, ZMQ_CURVE_PUBLICKEY, c->public_key, 41) ||
+			 zmq_setsockopt(c->sock, ZMQ_CURVE_SECRETKEY, c->secret_key, 41))) {
+		int e = errno;
+
+		zmq_close(c->sock);
+		c->sock = NULL;
+		return -e;
+	}
 	if (zmq_connect(c->sock, c->endpoint)) {
 		int e = errno;
 
@@ -543,6 +559,38 @@ int kvb_connect(const char *endpoint, const struct kvb_connect_opts *opts, kvb_c
 	c->timeout_ms = opts && opts->timeout_ms > 0 ? opts->timeout_ms : DEFAULT_TIMEOUT_MS;
 	c->shm_ok = !strncmp(endpoint, "ipc://", 6) && !(opts && opts->no_shm);
 	c->shm_initial = opts && opts->shm_size ? opts->shm_size : DEFAULT_SHM;
+	if (!strncmp(endpoint, "tcp://", 6)) {
+		const char *sk = opts && opts->server_key ? opts->server_key
+							  : getenv("KVBLEND_SERVER_KEY");
+		const char *ck = opts && opts->client_secret_key ? opts->client_secret_key
+								 : getenv("KVBLEND_CLIENT_KEY");
+		uint8_t bin[32];
+
+		if (sk && *sk) {
+			if (strlen(sk) != 40 || !zmq_z85_decode(bin, sk) ||
+			    (ck && *ck && (strlen(ck) != 40 || !zmq_z85_decode(bin, ck)))) {
+				if (err)
+					snprintf(err, errlen, "CURVE keys must be 40-character Z85 "
+						 "strings (see kvblend keygen)");
+				free(c);
+				return -EINVAL;
+			}
+			c->curve = true;
+			memcpy(c->server_key, sk, 41);
+			if (ck && *ck) {
+				memcpy(c->secret_key, ck, 41);
+				rc = zmq_curve_public(c->public_key, c->secret_key);
+			} else {
+				rc = zmq_curve_keypair(c->public_key, c->secret_key);
+			}
+			if (rc) {
+				if (err)
+					snprintf(err, errlen, "this libzmq has no CURVE support");
+				free(c);
+				return -ENOTSUP;
+			}
+		}
+	}
 	c->ctx = zmq_ctx_new();
 	rc = c->ctx ? open_socket(c) : -ENOMEM;
 	if (rc) {

@@ -85,6 +85,14 @@ static const struct key keys[] = {
 	  "percent of capacity eviction brings the store down to; below evict_high" },
 	{ "metrics_port", T_UINT, OFF(metrics_port), 0, 65535, "0",
 	  "serve Prometheus metrics at http://127.0.0.1:PORT/metrics; 0 = off" },
+	{ "curve_secret_key_file", T_PATH, OFF(curve_secret_key_file), 0, 0, NULL,
+	  "file with the server's CURVE secret key (Z85, from `kvblend keygen`): TCP endpoints "
+	  "then encrypt and authenticate; unset = no CURVE" },
+	{ "curve_authorized_keys", T_PATH, OFF(curve_authorized_keys), 0, 0, NULL,
+	  "file of client CURVE public keys allowed on TCP, one a line; unset = any client "
+	  "that knows the server's public key" },
+	{ "tcp_insecure", T_BOOL, OFF(tcp_insecure), 0, 1, "false",
+	  "allow a TCP endpoint off loopback without CURVE (unencrypted)" },
 	{ "log_level", T_LEVEL, OFF(log_level), 0, 3, "info", "error, warn, info or debug" },
 };
 
@@ -416,8 +424,9 @@ void config_print_example(FILE *f)
 			fprintf(f, "\n# range %" PRIu64 "..%" PRIu64 "%s", k->min, k->max,
 				k->type == T_SIZE ? " bytes (suffixes K, M, G, T)" : "");
 		fprintf(f, "\n#%s = %s\n", k->name,
-			k->def ? k->def
-			       : k->type == T_LISTEN ? "ipc:///run/kvblend/kvblend.sock"
-						     : "/var/lib/kvblend");
+			k->def			     ? k->def
+			: k->type == T_LISTEN	     ? "ipc:///run/kvblend/kvblend.sock"
+			: !strcmp(k->name, "data_dir") ? "/var/lib/kvblend"
+						     : "");
 	}
 }

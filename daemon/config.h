@@ -45,6 +45,9 @@ struct config {
 	uint64_t evict_high;
 	uint64_t evict_low;
 	uint64_t metrics_port;
+	char curve_secret_key_file[PATH_MAX];
+	char curve_authorized_keys[PATH_MAX];
+	bool tcp_insecure;
 	int log_level;
 };
 

@@ -12,6 +12,7 @@
 #include <unistd.h>
 #include <zmq.h>
 
+#include "curve.h"
 #include "log.h"
 #include "metrics.h"
 #include "ops.h"
@@ -65,6 +66,7 @@ static bool tcp_is_loopback(const char *ep)
 static int bind_endpoint(struct server *srv, const char *ep)
 {
 	const struct config *cfg = srv->cfg;
+	void *sock = srv->frontends[0];
 
 	if (!strncmp(ep, "ipc://", 6)) {
 		const char *path = ep + 6;
@@ -78,11 +80,17 @@ static int bind_endpoint(struct server *srv, const char *ep)
 			log_err("another process is serving %s; is kvblendd already running?", ep);
 			return -EADDRINUSE;
 		}
+	} else if (srv->frontends[1]) {
+		sock = srv->frontends[1];
+	} else if (!tcp_is_loopback(ep) && !cfg->tcp_insecure) {
+		log_err("%s leaves the machine unencrypted: set curve_secret_key_file (CURVE), or "
+			"tcp_insecure = true to accept that", ep);
+		return -EPERM;
 	} else if (!tcp_is_loopback(ep)) {
-		log_warn("%s is not a loopback address and traffic on it is not encrypted; "
-			 "restrict it with a firewall", ep);
+		log_warn("%s is not a loopback address and traffic on it is not encrypted "
+			 "(tcp_insecure)", ep);
 	}
-	if (zmq_bind(srv->frontend, ep)) {
+	if (zmq_bind(sock, ep)) {
 		int e = errno;
 
 		log_err("cannot bind %s: %s", ep, zmq_strerror(e));
@@ -95,7 +103,42 @@ static int bind_endpoint(struct server *srv, const char *ep)
 			strerror(e));
 		return -e;
 	}
-	log_info("listening on %s", ep);
+	log_info("listening on %s%s", ep, sock == srv->frontends[1] ? " (CURVE)" : "");
+	return 0;
+}
+
+/* The CURVE frontend, when a server key is configured; its ZAP handler, when client keys are. */
+static int start_curve(struct server *srv, int64_t maxmsg)
+{
+	const struct config *cfg = srv->cfg;
+	char secret[41], public_key[41], err[512];
+	int zero = 0, one = 1, rc;
+
+	if (!cfg->curve_secret_key_file[0])
+		return 0;
+	if (!zmq_has("curve")) {
+		log_err("curve_secret_key_file is set but this libzmq has no CURVE support");
+		return -ENOTSUP;
+	}
+	rc = curve_load_secret(cfg->curve_secret_key_file, secret, public_key, err, sizeof(err));
+	if (!rc && cfg->curve_authorized_keys[0])
+		rc = curve_auth_start(srv->zctx, cfg->curve_authorized_keys, &srv->zap, err,
+				      sizeof(err));
+	if (rc) {
+		log_err("%s", err);
+		return rc;
+	}
+	srv->frontends[1] = zmq_socket(srv->zctx, ZMQ_ROUTER);
+	if (!srv->frontends[1])
+		return -errno;
+	zmq_setsockopt(srv->frontends[1], ZMQ_MAXMSGSIZE, &maxmsg, sizeof(maxmsg));
+	zmq_setsockopt(srv->frontends[1], ZMQ_LINGER, &zero, sizeof(zero));
+	zmq_setsockopt(srv->frontends[1], ZMQ_CURVE_SERVER, &one, sizeof(one));
+	zmq_setsockopt(srv->frontends[1], ZMQ_CURVE_SECRETKEY, secret, 41);
+	/* With a ZAP domain every handshake is checked by the handler (when there is one). */
+	zmq_setsockopt(srv->frontends[1], ZMQ_ZAP_DOMAIN, "kvblend", 7);
+	memset(secret, 0, sizeof(secret));
+	log_info("CURVE public key %s", public_key);
 	return 0;
 }
 
@@ -140,10 +183,11 @@ static int recv_frames(void *sock, zmq_msg_t *frames, size_t cap, size_t *n, siz
  */
 static size_t envelope_len(zmq_msg_t *frames, size_t n)
 {
-	for (size_t i = 1; i < n && i < ENVELOPE_MAX; i++)
+	/* frames[0]: the frontend's index (added by the main loop); frames[1]: routing id */
+	for (size_t i = 2; i < n && i < ENVELOPE_MAX; i++)
 		if (zmq_msg_size(&frames[i]) == 0)
 			return i + 1;
-	return n ? 1 : 0;
+	return n < 2 ? n : 2;
 }
 
 static void send_reply(struct server *srv, void *sock, zmq_msg_t *env, size_t n_env,
@@ -293,6 +337,50 @@ static int forward(void *from, void *to)
 	return 0;
 }
 
+/* A request from frontend i to the workers, tagged with i. */
+static int forward_in(struct server *srv, unsigned i)
+{
+	uint8_t tag = (uint8_t)i;
+
+	if (zmq_send(srv->backend, &tag, 1, ZMQ_SNDMORE) < 0)
+		return -errno;
+	return forward(srv->frontends[i], srv->backend);
+}
+
+/* A reply from the workers to the frontend its tag names. */
+static int forward_out(struct server *srv)
+{
+	zmq_msg_t tag;
+	unsigned i = 0;
+	int more;
+
+	zmq_msg_init(&tag);
+	if (zmq_msg_recv(&tag, srv->backend, ZMQ_DONTWAIT) < 0) {
+		zmq_msg_close(&tag);
+		return -errno;
+	}
+	if (zmq_msg_size(&tag) == 1)
+		i = *(uint8_t *)zmq_msg_data(&tag) & 1;
+	more = zmq_msg_more(&tag);
+	zmq_msg_close(&tag);
+	if (!more)
+		return 0;
+	if (!srv->frontends[i]) {
+		/* cannot happen; drain the rest rather than misroute it */
+		while (more) {
+			zmq_msg_t m;
+
+			zmq_msg_init(&m);
+			if (zmq_msg_recv(&m, srv->backend, 0) < 0)
+				break;
+			more = zmq_msg_more(&m);
+			zmq_msg_close(&m);
+		}
+		return 0;
+	}
+	return forward(srv->backend, srv->frontends[i]);
+}
+
 int server_start(struct server *srv, const struct config *cfg, struct store *store)
 {
 	unsigned n_workers = (unsigned)cfg->workers;
@@ -311,17 +399,19 @@ int server_start(struct server *srv, const struct config *cfg, struct store *sto
 	srv->zctx = zmq_ctx_new();
 	if (!srv->zctx)
 		return -errno;
-	srv->frontend = zmq_socket(srv->zctx, ZMQ_ROUTER);
+	srv->frontends[0] = zmq_socket(srv->zctx, ZMQ_ROUTER);
 	srv->backend = zmq_socket(srv->zctx, ZMQ_DEALER);
-	if (!srv->frontend || !srv->backend)
+	if (!srv->frontends[0] || !srv->backend)
 		return -errno;
 	/* A hard cap per frame, above the soft max_message that gets a proper error reply,
 	 * so that a peer cannot make us buffer unbounded memory. */
 	maxmsg = cfg->max_message > INT64_MAX / 2 ? INT64_MAX : (int64_t)(cfg->max_message * 2);
-	zmq_setsockopt(srv->frontend, ZMQ_MAXMSGSIZE, &maxmsg, sizeof(maxmsg));
-	zmq_setsockopt(srv->frontend, ZMQ_LINGER, &zero, sizeof(zero));
-	zmq_setsockopt(srv->frontend, ZMQ_ROUTER_MANDATORY, &zero, sizeof(zero));
+	zmq_setsockopt(srv->frontends[0], ZMQ_MAXMSGSIZE, &maxmsg, sizeof(maxmsg));
+	zmq_setsockopt(srv->frontends[0], ZMQ_LINGER, &zero, sizeof(zero));
 	zmq_setsockopt(srv->backend, ZMQ_LINGER, &zero, sizeof(zero));
+	rc = start_curve(srv, maxmsg);
+	if (rc)
+		return rc;
 	for (unsigned i = 0; i < cfg->n_listen; i++) {
 		rc = bind_endpoint(srv, cfg->listen[i]);
 		if (rc)
@@ -391,19 +481,22 @@ int server_start(struct server *srv, const struct config *cfg, struct store *sto
 
 int server_run(struct server *srv, volatile int *stop, void (*tick)(struct server *))
 {
-	zmq_pollitem_t items[2] = { { srv->frontend, 0, ZMQ_POLLIN, 0 },
-				    { srv->backend, 0, ZMQ_POLLIN, 0 } };
+	zmq_pollitem_t items[3] = { { srv->backend, 0, ZMQ_POLLIN, 0 },
+				    { srv->frontends[0], 0, ZMQ_POLLIN, 0 },
+				    { srv->frontends[1], 0, ZMQ_POLLIN, 0 } };
+	int n_items = srv->frontends[1] ? 3 : 2;
 	struct timespec last = { 0 }, now;
 
 	while (!*stop) {
-		int rc = zmq_poll(items, 2, POLL_MS);
+		int rc = zmq_poll(items, n_items, POLL_MS);
 
 		if (rc < 0 && errno != EINTR)
 			log_warn("poll: %s", zmq_strerror(errno));
 		if (rc > 0 && (items[0].revents & ZMQ_POLLIN))
-			forward(srv->frontend, srv->backend);
-		if (rc > 0 && (items[1].revents & ZMQ_POLLIN))
-			forward(srv->backend, srv->frontend);
+			forward_out(srv);
+		for (int i = 1; rc > 0 && i < n_items; i++)
+			if (items[i].revents & ZMQ_POLLIN)
+				forward_in(srv, (unsigned)i - 1);
 		clock_gettime(CLOCK_MONOTONIC, &now);
 		if (tick)
 			tick(srv); /* cheap: the watchdog ping is rate-limited inside */
@@ -423,22 +516,24 @@ void server_stop(struct server *srv)
 {
 	struct timespec start, now;
 
-	if (srv->frontend && srv->backend && srv->n_workers) {
+	if (srv->frontends[0] && srv->backend && srv->n_workers) {
 		/* Stop taking requests; deliver the replies of those in progress. */
 		for (unsigned i = 0; i < srv->n_bound; i++)
-			zmq_unbind(srv->frontend, srv->cfg->listen[i]);
+			for (int f = 0; f < 2; f++)
+				if (srv->frontends[f])
+					zmq_unbind(srv->frontends[f], srv->cfg->listen[i]);
 		atomic_store(&srv->stop_workers, true);
 		clock_gettime(CLOCK_MONOTONIC, &start);
 		do {
 			zmq_pollitem_t it = { srv->backend, 0, ZMQ_POLLIN, 0 };
 
 			if (zmq_poll(&it, 1, 50) > 0)
-				forward(srv->backend, srv->frontend);
+				forward_out(srv);
 			clock_gettime(CLOCK_MONOTONIC, &now);
 		} while (atomic_load(&srv->running_workers) &&
 			 (now.tv_sec - start.tv_sec) * 1000 < DRAIN_MS);
 		/* Replies produced in the last moments. */
-		while (forward(srv->backend, srv->frontend) == 0)
+		while (forward_out(srv) == 0)
 			;
 	}
 	atomic_store(&srv->stop_workers, true);
@@ -455,11 +550,13 @@ void server_stop(struct server *srv)
 	free(srv->threads);
 	srv->threads = NULL;
 	srv->n_workers = 0;
-	if (srv->frontend)
-		zmq_close(srv->frontend);
+	for (int f = 0; f < 2; f++)
+		if (srv->frontends[f])
+			zmq_close(srv->frontends[f]);
 	if (srv->backend)
 		zmq_close(srv->backend);
-	srv->frontend = srv->backend = NULL;
+	srv->frontends[0] = srv->frontends[1] = srv->backend = NULL;
+	curve_auth_stop(&srv->zap);
 	if (srv->zctx)
 		zmq_ctx_term(srv->zctx);
 	srv->zctx = NULL;

@@ -1,8 +1,9 @@
 /*
  * server — kvblendd's sockets, worker threads and main loop.
  *
- * One ROUTER socket bound to every configured endpoint; the main thread moves
- * messages between it and an inproc DEALER that load-balances over worker
+ * ROUTER sockets bound to the configured endpoints (a CURVE one for TCP when a
+ * server key is configured); the main thread moves messages between them and an
+ * inproc DEALER that load-balances over worker
  * threads (DEALER sockets that keep the routing envelope). The main thread also acts on signal flags, expires
  * shared-memory segments and pings the systemd watchdog. Workers decode a
  * request, run it (ops.c) and reply.
@@ -47,7 +48,11 @@ struct server {
 	struct metrics *metrics;
 	const struct blend_backend *blend; /* fuse compute backend */
 	void *zctx;
-	void *frontend; /* ROUTER, bound to cfg->listen */
+	/* ROUTERs bound to cfg->listen: [0] plain (IPC, and TCP without CURVE), [1] CURVE
+	 * (TCP when a server key is configured). A message carries the index of its frontend
+	 * as the first frame through the workers, so that the reply goes back the same way. */
+	void *frontends[2];
+	struct curve_auth *zap;
 	void *backend;	/* DEALER, inproc, workers connect */
 	pthread_t *threads;
 	unsigned n_workers;

@@ -112,6 +112,12 @@ struct kvb_connect_opts {
 	int timeout_ms;	   /* per call; 0 = 5000 */
 	int no_shm;	   /* never use shared memory */
 	uint64_t shm_size; /* initial segment size; 0 = 64 MiB; grows on demand */
+	/* tcp:// with CURVE: the daemon's public key (Z85, 40 characters; NULL:
+	 * $KVBLEND_SERVER_KEY, unset = no CURVE) and this client's secret key (NULL:
+	 * $KVBLEND_CLIENT_KEY, unset = a new key pair per connection, which a daemon
+	 * with curve_authorized_keys refuses). */
+	const char *server_key;
+	const char *client_secret_key;
 };
 
 typedef struct kvb_client kvb_client;
@@ -284,6 +290,9 @@ KVB_API int kvb_fuse_close(kvb_client *c, kvb_fuse **f, struct kvb_stat **stats,
 
 /* Default chunk hash: BLAKE2b-256 over the token ids as little-endian uint32. */
 KVB_API void kvb_chunk_hash(const uint32_t *token_ids, size_t n, uint8_t out[KVB_HASH_LEN]);
+
+/* A new CURVE key pair, Z85 (41 bytes each with the NUL). Returns 0 or -ENOTSUP. */
+KVB_API int kvb_curve_keypair(char public_key[41], char secret_key[41]);
 
 /* Hex (64 lowercase digits, NUL-terminated) to and from hashes. parse returns 0 or -EINVAL. */
 KVB_API int kvb_hash_parse(const char *hex, uint8_t out[KVB_HASH_LEN]);
