@@ -48,6 +48,9 @@ struct kvb_client {
 };
 
 struct call {
+	/* while waiting for the reply: called between polls; returns 1 if it made progress */
+	int (*while_waiting)(void *ctx);
+	void *waiting_ctx;
 	struct kvbp_request req;
 	const void *const *payload; /* frames to send after the header */
 	const size_t *payload_len;
@@ -430,7 +433,20 @@ static int recv_reply(kvb_client *c, struct call *k, int64_t deadline_ms)
 		left = deadline_ms - (now.tv_sec * 1000 + now.tv_nsec / 1000000);
 		if (left <= 0)
 			return -ETIMEDOUT;
-		rc = zmq_poll(&it, 1, (long)left);
+		if (k->while_waiting) {
+			/* Work alongside the daemon: poll without blocking, do what is ready. */
+			rc = zmq_poll(&it, 1, 0);
+			if (rc == 0) {
+				if (!k->while_waiting(k->waiting_ctx)) {
+					struct timespec ts = { 0, 20000 };
+
+					nanosleep(&ts, NULL);
+				}
+				continue;
+			}
+		} else {
+			rc = zmq_poll(&it, 1, (long)left);
+		}
 		if (rc < 0 && errno == EINTR)
 			continue;
 		if (rc < 0)
@@ -886,6 +902,28 @@ out:
 	return rc;
 }
 
+/* Shared segment layout for a GET: a progress word at 0, the data from here on. */
+#define SHM_DATA_OFF 4096
+
+struct copy_behind {
+	_Atomic uint64_t *progress;
+	const uint8_t *src;
+	uint8_t *dst;
+	size_t len, done;
+};
+
+static int copy_behind(void *arg)
+{
+	struct copy_behind *cb = arg;
+	uint64_t ready = atomic_load_explicit(cb->progress, memory_order_acquire);
+
+	if (ready > cb->len || ready <= cb->done)
+		return 0;
+	memcpy(cb->dst + cb->done, cb->src + cb->done, ready - cb->done);
+	cb->done = ready;
+	return 1;
+}
+
 static int get_common(kvb_client *c, const char *model, const uint8_t hash[KVB_HASH_LEN],
 		      uint32_t layer_begin, uint32_t layer_end, bool rerotate, uint32_t pos,
 		      void *out, size_t out_bytes, struct kvb_chunk_info *info)
@@ -910,16 +948,28 @@ static int get_once(kvb_client *c, const char *model, const uint8_t hash[KVB_HAS
 	bool direct = in_shm(c, out, out_bytes);
 	uint8_t *dst = out;
 	size_t got = 0;
+	struct copy_behind cb = { 0 };
 	int rc;
 
 	if ((rc = set_name(c, &k, model)))
 		return rc;
 	memcpy(k.req.hash, hash, KVB_HASH_LEN);
-	if (direct || (c->shm_ok && shm_ensure(c, out_bytes))) {
+	if (direct || (c->shm_ok && shm_ensure(c, out_bytes + SHM_DATA_OFF))) {
 		k.req.has_shm = true;
 		k.req.shm_id = c->shm_id;
-		k.req.shm_offset = direct ? (uint64_t)(dst - (uint8_t *)c->shm_base) : 0;
+		k.req.shm_offset = direct ? (uint64_t)(dst - (uint8_t *)c->shm_base) : SHM_DATA_OFF;
 		k.req.shm_length = out_bytes;
+		if (!direct) {
+			/* Copy out behind the daemon as it publishes finished layers. */
+			cb.progress = (_Atomic uint64_t *)c->shm_base;
+			atomic_store_explicit(cb.progress, 0, memory_order_relaxed);
+			cb.src = (const uint8_t *)c->shm_base + SHM_DATA_OFF;
+			cb.dst = dst;
+			cb.len = out_bytes;
+			k.req.progress = 1; /* 1 + offset 0 */
+			k.while_waiting = copy_behind;
+			k.waiting_ctx = &cb;
+		}
 	}
 	rc = call(c, &k);
 	if (rc == KVB_E_BAD_SHM && k.rep.n_chunks == 0 && strstr(c->err, "too small")) {
@@ -945,8 +995,11 @@ static int get_once(kvb_client *c, const char *model, const uint8_t hash[KVB_HAS
 				     " bytes of the requested layers", out_bytes, need);
 			goto out;
 		}
-		if (!direct)
-			memcpy(dst, c->shm_base, out_bytes);
+		if (!direct) {
+			if (cb.done > out_bytes)
+				cb.done = 0;
+			memcpy(dst + cb.done, cb.src + cb.done, out_bytes - cb.done);
+		}
 		goto out;
 	}
 	for (size_t i = 0; i < k.n_frames; i++)

@@ -5,6 +5,8 @@
 #include <errno.h>
 #include <inttypes.h>
 #include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -473,7 +475,18 @@ struct get_split {
 	const struct rope_table *rot;
 	struct blend_shape shape;
 	uint32_t tokens;
+	/* progress: the contiguous prefix of finished parts, published to the client */
+	_Atomic uint64_t *progress;
+	pthread_mutex_t lock;
+	uint8_t *done;
+	uint32_t prefix;
 };
+
+/* The first layer after part p (parts split [lb, le) evenly, in order). */
+static uint32_t le_of(const struct get_split *g, uint32_t p)
+{
+	return g->lb + (uint32_t)((uint64_t)(g->le - g->lb) * p / g->parts);
+}
 
 static int get_part(void *arg, size_t i)
 {
@@ -490,6 +503,19 @@ static int get_part(void *arg, size_t i)
 	rc = store_chunk_get(g->store, g->m, g->hash, a, b, dst, (uint64_t)(b - a) * 2 * g->tb, NULL);
 	for (uint32_t l = a; !rc && g->rot && l < b; l++, dst += 2 * g->tb)
 		g->be->rotate(&g->shape, g->rot, dst, dst, 0, g->tokens);
+	if (!rc && g->progress) {
+		struct get_split *w = (struct get_split *)g;
+
+		pthread_mutex_lock(&w->lock);
+		w->done[i] = 1;
+		while (w->prefix < w->parts && w->done[w->prefix])
+			w->prefix++;
+		/* parts are layer ranges in order: the prefix's end in bytes */
+		atomic_store_explicit(w->progress,
+				      (uint64_t)((uint64_t)(le_of(w, w->prefix) - w->lb)) * 2 * w->tb,
+				      memory_order_release);
+		pthread_mutex_unlock(&w->lock);
+	}
 	return rc;
 }
 
@@ -498,17 +524,32 @@ static int get_part(void *arg, size_t i)
 
 static int chunk_get_parallel(struct req *q, const struct store_model *m, uint32_t lb, uint32_t le,
 			      void *dst, uint64_t tb, uint64_t total, const struct rope_table *rot,
-			      uint32_t tokens)
+			      uint32_t tokens, _Atomic uint64_t *progress)
 {
 	struct get_split g = { q->srv->store, m, q->h.hash, lb, le, 1, dst, tb, q->srv->blend, rot,
 			       { m->num_kv_heads, m->head_dim, m->rotary_dim ? m->rotary_dim : m->head_dim,
 				 m->rope_style ? ROPE_GPTJ : ROPE_NEOX, (enum blend_dtype)m->dtype },
 			       tokens };
 	unsigned threads = pool_threads(q->srv->pool) + 1;
+	int rc;
 
-	if (total >= SPLIT_MIN_BYTES && threads > 1)
+	if (progress) {
+		/* One part a layer, handed out in order: the client copies behind the decode. */
+		g.parts = le - lb;
+		g.progress = progress;
+		g.done = calloc(g.parts, 1);
+		if (!g.done)
+			return -ENOMEM;
+		pthread_mutex_init(&g.lock, NULL);
+	} else if (total >= SPLIT_MIN_BYTES && threads > 1) {
 		g.parts = le - lb < threads ? le - lb : threads;
-	return pool_run(q->srv->pool, g.parts, get_part, &g);
+	}
+	rc = pool_run(q->srv->pool, g.parts, get_part, &g);
+	if (progress) {
+		pthread_mutex_destroy(&g.lock);
+		free(g.done);
+	}
+	return rc;
 }
 
 static void op_get(struct req *q)
@@ -580,8 +621,19 @@ static void op_get(struct req *q)
 		buf->len = total;
 		dst = buf->data;
 	}
-	rc = chunk_get_parallel(q, &m, lb, le, dst, tb, total, q->h.rerotate ? &rot : NULL,
-				ci.num_tokens);
+	{
+		_Atomic uint64_t *progress = NULL;
+		void *pw = NULL;
+
+		/* A progress word inside the client's segment, 8-byte aligned, apart from the data. */
+		if (q->h.has_shm && q->h.progress && (q->h.progress - 1) % 8 == 0 &&
+		    shm_acquire(q->srv->shm, q->h.shm_id, q->h.progress - 1, 8, &pw) == 0)
+			progress = pw;
+		rc = chunk_get_parallel(q, &m, lb, le, dst, tb, total, q->h.rerotate ? &rot : NULL,
+					ci.num_tokens, progress);
+		if (pw)
+			shm_release(q->srv->shm, q->h.shm_id);
+	}
 	if (q->h.has_shm)
 		shm_release(q->srv->shm, q->h.shm_id);
 	if (rc == -EBADMSG) {

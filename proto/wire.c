@@ -210,6 +210,7 @@ int kvbp_request_encode(const struct kvbp_request *req, uint8_t **buf, size_t *l
 	pb.target_pos = req->target_pos;
 	pb.shared_ring = req->shared_ring;
 	pb.ttl = req->ttl;
+	pb.progress = req->progress;
 	if (req->has_shm_out) {
 		shm_out.shm_id = req->shm_out_id;
 		shm_out.offset = req->shm_out_offset;
@@ -323,6 +324,7 @@ int kvbp_request_decode(const void *buf, size_t len, struct kvbp_request *out, c
 	r.target_pos = pb->target_pos;
 	r.shared_ring = pb->shared_ring;
 	r.ttl = pb->ttl;
+	r.progress = pb->progress;
 	if (pb->shm_out) {
 		r.has_shm_out = true;
 		r.shm_out_id = pb->shm_out->shm_id;

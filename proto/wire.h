@@ -151,6 +151,9 @@ struct kvbp_request {
 	uint32_t target_pos;
 	bool shared_ring;
 	uint32_t ttl; /* PIN: seconds */
+	/* GET into shared memory: 1 + the segment offset of a 64-bit word where the daemon
+	 * publishes how many bytes are ready, so the client can copy while it decodes */
+	uint64_t progress;
 };
 
 struct kvbp_reply {

@@ -201,7 +201,8 @@ KVB_API int kvb_stats(kvb_client *c, struct kvb_stat **out, size_t *n);
 
 /*
  * A buffer of at least size bytes inside the shared-memory segment, valid until
- * the next call on c that needs a larger one, or kvb_close(). If the daemon
+ * the next call on c that needs a larger one, or kvb_close(); calls given private
+ * buffers stage their data in the same segment and overwrite its contents. If the daemon
  * restarts, calls attach a new segment by themselves; the old buffer stays
  * readable and writable but no longer crosses without a copy. Tensors passed to
  * kvb_put() or kvb_get() from here cross without a client-side copy. NULL when

@@ -166,6 +166,49 @@ static void test_shared_buffer(void **state)
 	kvb_close(&c);
 }
 
+/* A chunk large enough that the daemon splits its GET: every path returns the same bytes. */
+static void test_large_chunk_paths(void **state)
+{
+	const struct kvb_model big = { .name = "big16", .num_layers = 16, .num_kv_heads = 8,
+				       .head_dim = 128, .dtype = KVB_BF16, .rope_theta = 1e4 };
+	struct daemon d;
+	kvb_client *shm, *frames;
+	size_t n = (size_t)16 * 2 * 128 * 8 * 128 * 2; /* 16 MiB */
+	uint8_t *kv = malloc(n), *back = malloc(n), h[KVB_HASH_LEN], *sb;
+
+	(void)state;
+	daemon_start(&d, NULL); /* the default max_message */
+	shm = daemon_client(&d, 0);
+	frames = daemon_client(&d, 1);
+
+	assert_int_equal(kvb_model_register(shm, &big, NULL), 0);
+	fill(kv, n, 1616);
+	hash_of(1616, h);
+	assert_int_equal(kvb_put(shm, "big16", h, KVB_BF16, 128, 0, kv, n, NULL), 0);
+	/* private buffer: copied out behind the daemon as layers finish */
+	memset(back, 0, n);
+	assert_int_equal(kvb_get(shm, "big16", h, 0, 0, back, n, NULL), 0);
+	assert_memory_equal(kv, back, n);
+	/* a layer range, the same way */
+	assert_int_equal(kvb_get(shm, "big16", h, 5, 12, back, n / 16 * 7, NULL), 0);
+	assert_memory_equal(kv + n / 16 * 5, back, n / 16 * 7);
+	/* straight into the shared buffer */
+	sb = kvb_shared_buffer(shm, n);
+	assert_non_null(sb);
+	assert_int_equal(kvb_get(shm, "big16", h, 0, 0, sb, n, NULL), 0);
+	assert_memory_equal(kv, sb, n);
+	/* frames */
+	memset(back, 0, n);
+	assert_int_equal(kvb_get(frames, "big16", h, 0, 0, back, n, NULL), 0);
+	assert_memory_equal(kv, back, n);
+	free(kv);
+	free(back);
+	kvb_close(&shm);
+	kvb_close(&frames);
+	daemon_stop(&d);
+	daemon_cleanup(&d);
+}
+
 static void test_models(void **state)
 {
 	kvb_client *c = daemon_client(*state, 0);
@@ -656,6 +699,7 @@ int main(void)
 		cmocka_unit_test_setup_teardown(test_roundtrip_shm, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_roundtrip_frames, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_shared_buffer, setup, teardown),
+		cmocka_unit_test(test_large_chunk_paths),
 		cmocka_unit_test_setup_teardown(test_models, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_bad_input, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_message_too_large, setup, teardown),
