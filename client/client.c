@@ -1124,7 +1124,9 @@ int kvb_fuse_open(kvb_client *c, const char *model, const struct kvb_segment *se
 		struct stat st;
 
 		if (fd >= 0 && fstat(fd, &st) == 0 && (uint64_t)st.st_size >= k.rep.shm_size) {
-			void *p_ring = mmap(NULL, k.rep.shm_size, PROT_READ, MAP_SHARED, fd, 0);
+			/* populated now: the node reads every page of it, layer after layer */
+			void *p_ring = mmap(NULL, k.rep.shm_size, PROT_READ, MAP_SHARED | MAP_POPULATE,
+					    fd, 0);
 
 			if (p_ring != MAP_FAILED) {
 				f->ring = p_ring;
