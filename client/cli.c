@@ -1033,8 +1033,11 @@ static int cmd_demo(kvb_client *c, struct args *a)
 	char hex[2 * KVB_HASH_LEN + 1], version[64];
 	int existed, rc = 1;
 
-	if (opt_parse(&o, a))
+	if (opt_parse(&o, a)) {
+		free(kv);
+		free(back);
 		return 2;
+	}
 	if (!kv || !back) {
 		free(kv);
 		free(back);
@@ -1076,7 +1079,8 @@ static int cmd_demo(kvb_client *c, struct args *a)
 			goto out;
 		}
 		kvb_hash_format(hashes[ch], hex);
-		printf("put chunk %d: %u tokens, %zu bytes, hash %.16s... %s\n", ch, T, bytes, hex,
+		printf("put chunk %d: %u tokens, %zu bytes, hash %.16s... %s\n", ch, (unsigned)T, bytes,
+		       hex,
 		       existed ? "(already stored)" : "stored");
 		rc = kvb_get(c, m.name, hashes[ch], 0, 0, back, bytes, &info[ch]);
 		if (rc) {

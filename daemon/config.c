@@ -103,7 +103,7 @@ static const struct key *find_key(const char *name)
 	char norm[64];
 	size_t i;
 
-	for (i = 0; name[i] && i < sizeof(norm) - 1; i++)
+	for (i = 0; i < sizeof(norm) - 1 && name[i]; i++)
 		norm[i] = name[i] == '-' ? '_' : name[i];
 	norm[i] = 0;
 	for (i = 0; i < N_KEYS; i++)

@@ -129,7 +129,7 @@ void metrics_write(struct server *srv, FILE *f)
 
 static void serve_one(struct metrics *m, int c)
 {
-	char req[2048], *body = NULL, head[256];
+	char req[2048] = "", *body = NULL, head[256];
 	size_t body_len = 0, got = 0;
 	struct pollfd p = { c, POLLIN, 0 };
 	FILE *f;
