@@ -904,6 +904,8 @@ out:
 
 /* Shared segment layout for a GET: a progress word at 0, the data from here on. */
 #define SHM_DATA_OFF 4096
+/* Below this a GET is quicker to wait for (blocking) and copy at once. */
+#define COPY_BEHIND_MIN (4u << 20)
 
 struct copy_behind {
 	_Atomic uint64_t *progress;
@@ -959,13 +961,13 @@ static int get_once(kvb_client *c, const char *model, const uint8_t hash[KVB_HAS
 		k.req.shm_id = c->shm_id;
 		k.req.shm_offset = direct ? (uint64_t)(dst - (uint8_t *)c->shm_base) : SHM_DATA_OFF;
 		k.req.shm_length = out_bytes;
-		if (!direct) {
+		cb.src = (const uint8_t *)c->shm_base + SHM_DATA_OFF;
+		cb.dst = dst;
+		cb.len = out_bytes;
+		if (!direct && out_bytes >= COPY_BEHIND_MIN) {
 			/* Copy out behind the daemon as it publishes finished layers. */
 			cb.progress = (_Atomic uint64_t *)c->shm_base;
 			atomic_store_explicit(cb.progress, 0, memory_order_relaxed);
-			cb.src = (const uint8_t *)c->shm_base + SHM_DATA_OFF;
-			cb.dst = dst;
-			cb.len = out_bytes;
 			k.req.progress = 1; /* 1 + offset 0 */
 			k.while_waiting = copy_behind;
 			k.waiting_ctx = &cb;

@@ -533,6 +533,8 @@ static int chunk_get_parallel(struct req *q, const struct store_model *m, uint32
 	unsigned threads = pool_threads(q->srv->pool) + 1;
 	int rc;
 
+	if (total < SPLIT_MIN_BYTES)
+		progress = NULL; /* small: one part, the client copies after the reply */
 	if (progress) {
 		/* One part a layer, handed out in order: the client copies behind the decode. */
 		g.parts = le - lb;
