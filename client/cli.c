@@ -102,6 +102,10 @@ static int opt_parse(struct opts *o, struct args *a)
 		const char *arg = a->argv[a->i];
 		int k;
 
+		if (!strcmp(arg, "--help") || !strcmp(arg, "-h")) {
+			fputs(usage_text, stdout);
+			exit(0);
+		}
 		if (strncmp(arg, "--", 2)) {
 			if (o->npos == 64)
 				return die("too many arguments");
@@ -1179,6 +1183,12 @@ int main(int argc, char **argv)
 		if (strcmp(cmds[k].name, argv[a.i]))
 			continue;
 		a.i++;
+		/* `kvblend COMMAND --help` answers without a daemon */
+		for (int j = a.i; j < argc; j++)
+			if (!strcmp(argv[j], "--help") || !strcmp(argv[j], "-h")) {
+				fputs(usage_text, stdout);
+				return 0;
+			}
 		if (cmds[k].needs_daemon) {
 			rc = kvb_connect(endpoint, &copts, &c, err, sizeof(err));
 			if (rc)

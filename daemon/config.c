@@ -345,15 +345,22 @@ int config_load_file(struct config *c, const char *path, char *err, size_t errle
 
 void config_print_help(FILE *f)
 {
+	static const char *const metavar[] = { [T_PATH] = "PATH", [T_LISTEN] = "ENDPOINT",
+					       [T_UINT] = "N",	  [T_SIZE] = "SIZE",
+					       [T_OCTAL] = "MODE", [T_BOOL] = "",
+					       [T_LEVEL] = "LEVEL" };
+
 	for (size_t i = 0; i < N_KEYS; i++) {
 		const struct key *k = &keys[i];
 		char flag[64];
+		int n = snprintf(flag, sizeof(flag), "--%s", k->name);
 
-		snprintf(flag, sizeof(flag), "--%s", k->name);
 		for (char *p = flag + 2; *p; p++)
 			if (*p == '_')
 				*p = '-';
-		fprintf(f, "  %-24s %s", flag, k->help);
+		if (*metavar[k->type])
+			snprintf(flag + n, sizeof(flag) - (size_t)n, " %s", metavar[k->type]);
+		fprintf(f, "  %-31s %s", flag, k->help);
 		if (k->def)
 			fprintf(f, " [default %s]", k->def);
 		if (k->type == T_UINT || k->type == T_SIZE)
