@@ -53,6 +53,10 @@ stop_daemon() {
 	daemon_pid=
 }
 
+# Help needs no daemon.
+check "command --help" 0 "usage: kvblend" -- "$KVBLEND" --timeout 300 put --help
+check "kvblendd --help" 0 "--map-size SIZE" -- "$KVBLENDD" --help
+
 # An unreachable daemon is a one-line error and a non-zero exit.
 check "unreachable daemon" 1 "no reply from kvblendd" -- "$KVBLEND" --timeout 300 ping
 
