@@ -1296,20 +1296,8 @@ int kvb_lookup(kvb_client *c, const char *model, const uint8_t (*hashes)[KVB_HAS
 	return rc;
 }
 
-int kvb_delete(kvb_client *c, const char *model, const uint8_t hash[KVB_HASH_LEN])
-{
-	struct call k = { .req = { .op = KVBP_OP_DELETE, .has_hash = true } };
-	int rc;
-
-	if ((rc = set_name(c, &k, model)))
-		return rc;
-	memcpy(k.req.hash, hash, KVB_HASH_LEN);
-	rc = call(c, &k);
-	call_done(&k);
-	return rc;
-}
-
-static int pin_common(kvb_client *c, uint32_t op, const char *model,
+/* A request about one chunk, answered with a code only (DELETE, PIN, UNPIN). */
+static int chunk_call(kvb_client *c, uint32_t op, const char *model,
 		      const uint8_t hash[KVB_HASH_LEN], uint32_t ttl)
 {
 	struct call k = { .req = { .op = op, .has_hash = true, .ttl = ttl } };
@@ -1325,12 +1313,17 @@ static int pin_common(kvb_client *c, uint32_t op, const char *model,
 
 int kvb_pin(kvb_client *c, const char *model, const uint8_t hash[KVB_HASH_LEN], uint32_t ttl_s)
 {
-	return pin_common(c, KVBP_OP_PIN, model, hash, ttl_s);
+	return chunk_call(c, KVBP_OP_PIN, model, hash, ttl_s);
 }
 
 int kvb_unpin(kvb_client *c, const char *model, const uint8_t hash[KVB_HASH_LEN])
 {
-	return pin_common(c, KVBP_OP_UNPIN, model, hash, 0);
+	return chunk_call(c, KVBP_OP_UNPIN, model, hash, 0);
+}
+
+int kvb_delete(kvb_client *c, const char *model, const uint8_t hash[KVB_HASH_LEN])
+{
+	return chunk_call(c, KVBP_OP_DELETE, model, hash, 0);
 }
 
 int kvb_list(kvb_client *c, const char *model, struct kvb_chunk_info **out, size_t *n)
