@@ -373,19 +373,16 @@ uint32_t fuse_open(struct fuse_table *t, const struct store_model *m, const stru
 
 		if (!g->fresh) {
 			struct store_chunk_info ci;
-			bool found = false;
 
-			rc = store_chunk_lookup(t->store, m,
-						(const uint8_t(*)[STORE_HASH_LEN])g->hash, 1, &ci,
-						&found);
+			rc = store_chunk_info(t->store, m, g->hash, &ci);
+			if (rc == -ENOENT) {
+				memcpy(r->missing[r->n_missing++], g->hash, KVBP_HASH_LEN);
+				continue;
+			}
 			if (rc) {
 				code = fail(err, errlen, KVBP_INTERNAL, "lookup failed: %s",
 					    strerror(-rc));
 				goto fail;
-			}
-			if (!found) {
-				memcpy(r->missing[r->n_missing++], g->hash, KVBP_HASH_LEN);
-				continue;
 			}
 			count = ci.num_tokens;
 			memcpy(s->chunks[s->n_chunks].hash, g->hash, KVBP_HASH_LEN);

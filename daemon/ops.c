@@ -562,7 +562,6 @@ static void op_get(struct req *q)
 	struct rope_table rot = { 0 };
 	uint32_t lb = q->h.layer_begin, le = q->h.layer_end;
 	uint64_t tb, total;
-	bool found;
 	void *dst = NULL;
 	int rc;
 
@@ -575,10 +574,9 @@ static void op_get(struct req *q)
 		     PRIu32 "-layer model", lb, le, m.num_layers);
 		return;
 	}
-	rc = store_chunk_lookup(q->srv->store, &m, (const uint8_t(*)[KVBP_HASH_LEN])q->h.hash, 1,
-				&ci, &found);
-	if (rc || !found) {
-		fail_store(q, rc ? rc : -ENOENT, "get");
+	rc = store_chunk_info(q->srv->store, &m, q->h.hash, &ci);
+	if (rc) {
+		fail_store(q, rc, "get");
 		return;
 	}
 	if (chunk_bytes(q, &m, ci.num_tokens, le - lb, &tb, &total))
@@ -1070,7 +1068,6 @@ static void op_pin(struct req *q)
 {
 	struct store_model m;
 	struct store_chunk_info ci;
-	bool found;
 	int rc;
 
 	if (need_model(q, &m) || need_hash(q) || no_payload(q))
@@ -1080,10 +1077,9 @@ static void op_pin(struct req *q)
 		     PIN_TTL_MAX);
 		return;
 	}
-	rc = store_chunk_lookup(q->srv->store, &m, (const uint8_t(*)[KVBP_HASH_LEN])q->h.hash, 1,
-				&ci, &found);
-	if (rc || !found) {
-		fail_store(q, rc ? rc : -ENOENT, "pin");
+	rc = store_chunk_info(q->srv->store, &m, q->h.hash, &ci);
+	if (rc) {
+		fail_store(q, rc, "pin");
 		return;
 	}
 	if (evictor_pin(q->srv->evict, m.id, q->h.hash, q->h.ttl))

@@ -314,17 +314,6 @@ int shm_hold(struct shm_table *t, uint64_t id, void **base)
 	return s ? 0 : -ENOENT;
 }
 
-void shm_forget_name(struct shm_table *t, uint64_t id)
-{
-	struct segment *s;
-
-	pthread_mutex_lock(&t->lock);
-	s = find(t, id);
-	if (s && !s->reusable)
-		seg_unlink(s);
-	pthread_mutex_unlock(&t->lock);
-}
-
 void shm_release(struct shm_table *t, uint64_t id)
 {
 	pthread_mutex_lock(&t->lock);

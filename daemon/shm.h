@@ -58,9 +58,6 @@ void shm_release(struct shm_table *t, uint64_t id);
  */
 int shm_hold(struct shm_table *t, uint64_t id, void **base);
 
-/* Unlink segment id's name now (its client has mapped it). */
-void shm_forget_name(struct shm_table *t, uint64_t id);
-
 /* Release a segment now (it is unmapped once no request uses it). -ENOENT if unknown. */
 int shm_detach(struct shm_table *t, uint64_t id);
 

@@ -21,7 +21,6 @@
 /* Upper bounds on a fuse request's segments and check layers. */
 #define KVBP_SEGMENTS_MAX 4096
 #define KVBP_CHECKS_MAX 64
-#define KVBP_SELECTION_MAX (1u << 24)
 
 enum kvbp_op {
 	KVBP_OP_NONE = 0,

@@ -454,17 +454,19 @@ int store_model_find(struct store *s, const char *name, struct store_model *out)
 	return rc;
 }
 
-/* Run a cursor over one database, growing a malloc'd array of records. */
-typedef int (*cursor_fn)(const MDB_val *k, const MDB_val *v, void *item);
+/*
+ * Walk the records of one database (those whose key starts with prefix, when
+ * prefix_len > 0) in key order inside one read transaction, calling fn on each;
+ * stops at fn's first non-zero return, which it returns.
+ */
+typedef int (*walk_fn)(void *ctx, const MDB_val *k, const MDB_val *v);
 
-static int collect(struct store *s, MDB_dbi dbi, const uint8_t *prefix, size_t prefix_len,
-		   size_t item_size, cursor_fn fn, void **out, size_t *n_out)
+static int cursor_walk(struct store *s, MDB_dbi dbi, const uint8_t *prefix, size_t prefix_len,
+		       walk_fn fn, void *ctx)
 {
 	MDB_val k = { prefix_len, (void *)prefix }, v;
 	MDB_cursor *cur = NULL;
 	MDB_cursor_op op = prefix_len ? MDB_SET_RANGE : MDB_FIRST;
-	size_t n = 0, cap = 0;
-	uint8_t *items = NULL;
 	MDB_txn *txn;
 	int rc = rtxn_begin(s, &txn);
 
@@ -483,29 +485,51 @@ static int collect(struct store *s, MDB_dbi dbi, const uint8_t *prefix, size_t p
 		}
 		if (prefix_len && (k.mv_size < prefix_len || memcmp(k.mv_data, prefix, prefix_len)))
 			break;
-		if (n == cap) {
-			size_t ncap = cap ? cap * 2 : 16;
-			void *p = realloc(items, ncap * item_size);
-
-			if (!p) {
-				rc = -ENOMEM;
-				break;
-			}
-			items = p;
-			cap = ncap;
-		}
-		rc = fn(&k, &v, items + n * item_size);
-		n++;
+		rc = fn(ctx, &k, &v);
 	}
 	if (cur)
 		mdb_cursor_close(cur);
 	rtxn_end(s, txn);
+	return rc;
+}
+
+/* Decode each walked record into a growing malloc'd array. */
+typedef int (*cursor_fn)(const MDB_val *k, const MDB_val *v, void *item);
+
+struct collection {
+	cursor_fn fn;
+	size_t item_size, n, cap;
+	uint8_t *items;
+};
+
+static int collect_one(void *ctx, const MDB_val *k, const MDB_val *v)
+{
+	struct collection *c = ctx;
+
+	if (c->n == c->cap) {
+		size_t ncap = c->cap ? c->cap * 2 : 16;
+		void *p = realloc(c->items, ncap * c->item_size);
+
+		if (!p)
+			return -ENOMEM;
+		c->items = p;
+		c->cap = ncap;
+	}
+	return c->fn(k, v, c->items + c->n++ * c->item_size);
+}
+
+static int collect(struct store *s, MDB_dbi dbi, const uint8_t *prefix, size_t prefix_len,
+		   size_t item_size, cursor_fn fn, void **out, size_t *n_out)
+{
+	struct collection c = { fn, item_size, 0, 0, NULL };
+	int rc = cursor_walk(s, dbi, prefix, prefix_len, collect_one, &c);
+
 	if (rc) {
-		free(items);
+		free(c.items);
 		return rc;
 	}
-	*out = items;
-	*n_out = n;
+	*out = c.items;
+	*n_out = c.n;
 	return 0;
 }
 
@@ -648,13 +672,8 @@ out:
 	free(scratch);
 	free(plans);
 exists_or_fail:
-	if (rc == 1 && info) {
-		bool found;
-
-		if (store_chunk_lookup(s, m, (const uint8_t(*)[STORE_HASH_LEN])hash, 1, info,
-				       &found))
-			memset(info, 0, sizeof(*info));
-	}
+	if (rc == 1 && info && store_chunk_info(s, m, hash, info))
+		memset(info, 0, sizeof(*info));
 	return rc;
 }
 
@@ -668,6 +687,22 @@ static int chunk_info_txn(struct store *s, MDB_txn *txn, uint32_t model_id, cons
 	chunk_key(key, model_id, hash);
 	rc = err_from_mdb(mdb_get(txn, s->chunks, &k, &v));
 	return rc ? rc : chunk_rec_decode(&v, ci);
+}
+
+int store_chunk_info(struct store *s, const struct store_model *m,
+		     const uint8_t hash[STORE_HASH_LEN], struct store_chunk_info *info)
+{
+	struct store_chunk_info ci;
+	MDB_txn *txn;
+	int rc = rtxn_begin(s, &txn);
+
+	if (rc)
+		return rc;
+	rc = chunk_info_txn(s, txn, m->id, hash, &ci);
+	rtxn_end(s, txn);
+	if (!rc)
+		*info = ci;
+	return rc;
 }
 
 int store_chunk_get(struct store *s, const struct store_model *m,
@@ -829,43 +864,33 @@ fail:
 	return rc;
 }
 
+struct scan {
+	int (*fn)(void *ctx, uint32_t model_id, const uint8_t *hash,
+		  const struct store_chunk_info *info);
+	void *ctx;
+};
+
+static int scan_one(void *ctx, const MDB_val *k, const MDB_val *v)
+{
+	const struct scan *sc = ctx;
+	const uint8_t *key = k->mv_data;
+	struct store_chunk_info ci;
+
+	if (k->mv_size != CHUNK_KEY_LEN || chunk_rec_decode(v, &ci))
+		return 0; /* not ours to judge here; reads of it report corruption */
+	return sc->fn(sc->ctx,
+		      (uint32_t)key[0] << 24 | (uint32_t)key[1] << 16 | (uint32_t)key[2] << 8 | key[3],
+		      key + 4, &ci);
+}
+
 int store_chunk_scan(struct store *s,
 		     int (*fn)(void *ctx, uint32_t model_id, const uint8_t *hash,
 			       const struct store_chunk_info *info),
 		     void *ctx)
 {
-	MDB_cursor *cur = NULL;
-	MDB_val k, v;
-	MDB_txn *txn;
-	MDB_cursor_op op = MDB_FIRST;
-	int rc = rtxn_begin(s, &txn);
+	struct scan sc = { fn, ctx };
 
-	if (rc)
-		return rc;
-	rc = err_from_mdb(mdb_cursor_open(txn, s->chunks, &cur));
-	while (!rc) {
-		struct store_chunk_info ci;
-		const uint8_t *key;
-		int mrc = mdb_cursor_get(cur, &k, &v, op);
-
-		op = MDB_NEXT;
-		if (mrc == MDB_NOTFOUND)
-			break;
-		if (mrc) {
-			rc = err_from_mdb(mrc);
-			break;
-		}
-		if (k.mv_size != CHUNK_KEY_LEN || chunk_rec_decode(&v, &ci))
-			continue; /* not ours to judge here; reads of it report corruption */
-		key = k.mv_data;
-		rc = fn(ctx, (uint32_t)key[0] << 24 | (uint32_t)key[1] << 16 | (uint32_t)key[2] << 8 |
-				     key[3],
-			key + 4, &ci);
-	}
-	if (cur)
-		mdb_cursor_close(cur);
-	rtxn_end(s, txn);
-	return rc;
+	return cursor_walk(s, s->chunks, NULL, 0, scan_one, &sc);
 }
 
 /* A model by id (for the evictor, which meets chunks by key). */

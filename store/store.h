@@ -137,6 +137,10 @@ int store_chunk_get_layer(struct store *s, const struct store_model *m,
 			  const uint8_t hash[STORE_HASH_LEN], uint32_t layer, void *k_dst,
 			  void *v_dst, uint64_t tensor_bytes, const struct codec_xform *k_xform);
 
+/* One chunk's record. Returns 0 and *info, -ENOENT, or another negative errno. */
+int store_chunk_info(struct store *s, const struct store_model *m,
+		     const uint8_t hash[STORE_HASH_LEN], struct store_chunk_info *info);
+
 /* Look up n hashes in one read transaction; found[i] says which exist. */
 int store_chunk_lookup(struct store *s, const struct store_model *m,
 		       const uint8_t (*hashes)[STORE_HASH_LEN], size_t n,
