@@ -894,17 +894,21 @@ uint32_t fuse_close(struct fuse_table *t, uint64_t id, struct kvbp_stat **stats,
 {
 	struct fuse_session *s = NULL;
 	struct kvbp_stat *st;
-	bool free_now = false;
 	size_t k = 0;
 
 	*stats = NULL;
 	*n = 0;
+	/*
+	 * Take it out of the table holding a reference of our own: a layer request on
+	 * another worker or the prefetch thread may hold it too, and whoever drops the
+	 * last reference frees it, so the stats below must be read before ours goes.
+	 */
 	pthread_mutex_lock(&t->lock);
 	for (uint64_t i = 0; i < t->lim.max_sessions && !s; i++)
 		if (t->sessions[i] && t->sessions[i]->ready && t->sessions[i]->id == id) {
 			s = t->sessions[i];
+			s->refs++;
 			session_remove(t, i);
-			free_now = s->refs == 0;
 		}
 	pthread_mutex_unlock(&t->lock);
 	if (!s)
@@ -912,6 +916,7 @@ uint32_t fuse_close(struct fuse_table *t, uint64_t id, struct kvbp_stat **stats,
 			    "open (closed, expired, or never opened)", id);
 	st = calloc(10, sizeof(*st));
 	if (st) {
+		pthread_mutex_lock(&s->lock);
 #define STAT(nm, v) (snprintf(st[k].name, sizeof(st[k].name), "%s", nm), st[k++].value = (double)(v))
 		STAT("tokens", s->n);
 		STAT("cached_tokens", s->n_cached);
@@ -924,11 +929,11 @@ uint32_t fuse_close(struct fuse_table *t, uint64_t id, struct kvbp_stat **stats,
 		STAT("bytes_in", s->bytes_in);
 		STAT("bytes_out", s->bytes_out);
 #undef STAT
+		pthread_mutex_unlock(&s->lock);
 		*stats = st;
 		*n = k;
 	}
-	if (free_now)
-		session_free(t, s);
+	session_put(t, s);
 	return KVBP_OK;
 }
 
