@@ -93,6 +93,8 @@ static const struct key keys[] = {
 	  "that knows the server's public key" },
 	{ "tcp_insecure", T_BOOL, OFF(tcp_insecure), 0, 1, "false",
 	  "allow a TCP endpoint off loopback without CURVE (unencrypted)" },
+	{ "drain_timeout", T_UINT, OFF(drain_timeout), 0, 3600, "10",
+	  "seconds a stop (SIGTERM) waits for requests in progress to be answered" },
 	{ "log_level", T_LEVEL, OFF(log_level), 0, 3, "info", "error, warn, info or debug" },
 };
 

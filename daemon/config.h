@@ -48,6 +48,7 @@ struct config {
 	char curve_secret_key_file[PATH_MAX];
 	char curve_authorized_keys[PATH_MAX];
 	bool tcp_insecure;
+	uint64_t drain_timeout;
 	int log_level;
 };
 

@@ -23,6 +23,7 @@
 
 struct req {
 	struct server *srv;
+	const char *principal; /* who asks: owner of what it creates */
 	struct kvbp_request h;
 	zmq_msg_t *payload;
 	size_t n_payload;
@@ -1109,10 +1110,10 @@ static const op_fn handlers[KVBP_OP_COUNT] = {
 	[KVBP_OP_PIN] = op_pin,		    [KVBP_OP_UNPIN] = op_unpin,
 };
 
-void ops_handle(struct server *srv, zmq_msg_t *frames, size_t n, size_t extra_frames,
-		struct reply_out *out)
+void ops_handle(struct server *srv, const char *principal, bool refuse, zmq_msg_t *frames,
+		size_t n, size_t extra_frames, struct reply_out *out)
 {
-	struct req q = { .srv = srv, .out = out };
+	struct req q = { .srv = srv, .principal = principal, .out = out };
 	uint64_t total = 0;
 	char err[KVBP_MESSAGE_MAX];
 	int rc;
@@ -1148,6 +1149,10 @@ void ops_handle(struct server *srv, zmq_msg_t *frames, size_t n, size_t extra_fr
 	if (total > srv->cfg->max_message + (1u << 20)) {
 		fail(&q, KVBP_TOO_LARGE, "message of %" PRIu64 " bytes exceeds max_message %" PRIu64,
 		     total, srv->cfg->max_message);
+		goto done;
+	}
+	if (refuse) {
+		fail(&q, KVBP_BUSY, "kvblendd is shutting down; retry when it is back");
 		goto done;
 	}
 	q.payload = frames + 1;

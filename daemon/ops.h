@@ -22,11 +22,13 @@ struct reply_out {
 
 /*
  * Handle frames[0..n): frames[0] is the header, the rest payloads.
- * extra_frames counts frames beyond n that were received and dropped.
+ * extra_frames counts frames beyond n that were received and dropped. principal
+ * names the client (server.c principal_of): what it creates belongs to it. With
+ * refuse (the daemon is stopping) a valid request is answered `busy`, not run.
  * Fills *out; the caller sends it and calls reply_out_clear().
  */
-void ops_handle(struct server *srv, zmq_msg_t *frames, size_t n, size_t extra_frames,
-		struct reply_out *out);
+void ops_handle(struct server *srv, const char *principal, bool refuse, zmq_msg_t *frames,
+		size_t n, size_t extra_frames, struct reply_out *out);
 
 /* Close unsent payload frames and free the reply's arrays. */
 void reply_out_clear(struct reply_out *out);

@@ -3,6 +3,7 @@
 
 #include <arpa/inet.h>
 #include <errno.h>
+#include <inttypes.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
@@ -142,8 +143,23 @@ static int start_curve(struct server *srv, int64_t maxmsg)
 	return 0;
 }
 
-/* Frames of the routing envelope we keep to address the reply (ROUTER id, delimiter). */
-#define ENVELOPE_MAX 8
+/*
+ * A request as the workers receive it: [tag] [routing id] [empty delimiter] [header]
+ * [payload ...]. The tag is added by the main thread (struct req_tag); the routing id
+ * by the ROUTER. The delimiter is required: REQ sockets add it, DEALER clients send it
+ * themselves. Without it a payload frame could pass for the delimiter, so a message
+ * whose third frame is not empty is refused as a whole.
+ */
+#define ENVELOPE_LEN 3
+
+/* What the main thread tells a worker about a request, and gets back with the reply. */
+struct req_tag {
+	uint8_t frontend; /* index into srv->frontends */
+	uint32_t extra;	  /* frames dropped by the main thread (too many for a request) */
+	uint64_t bytes;	  /* size of the request's frames */
+	bool refuse;	  /* sent while stopping: answer busy, do not run it */
+	char principal[96]; /* who sent it (principal_of) */
+};
 
 /* Receive one whole message, keeping at most cap frames; counts the rest in *extra.
  * The parts of a multipart message arrive together, so no call here blocks. */
@@ -176,22 +192,19 @@ static int recv_frames(void *sock, zmq_msg_t *frames, size_t cap, size_t *n, siz
 	return 0;
 }
 
-/*
- * Split a message from the ROUTER into envelope and body. A client that sends
- * like REQ puts an empty delimiter after the routing id; one that does not is
- * answered without it. Returns the number of envelope frames.
- */
-static size_t envelope_len(zmq_msg_t *frames, size_t n)
+/* Does the message have the whole envelope, delimiter included? */
+static bool envelope_ok(zmq_msg_t *frames, size_t n)
 {
-	/* frames[0]: the frontend's index (added by the main loop); frames[1]: routing id */
-	for (size_t i = 2; i < n && i < ENVELOPE_MAX; i++)
-		if (zmq_msg_size(&frames[i]) == 0)
-			return i + 1;
-	return n < 2 ? n : 2;
+	return n >= ENVELOPE_LEN && zmq_msg_size(&frames[ENVELOPE_LEN - 1]) == 0;
 }
 
+/*
+ * Send the reply: the first n_env frames of env (tag and routing id, and the
+ * delimiter when the request had one), then an empty delimiter when add_delim, then
+ * the header and any payload.
+ */
 static void send_reply(struct server *srv, void *sock, zmq_msg_t *env, size_t n_env,
-		       struct reply_out *out)
+		       bool add_delim, struct reply_out *out)
 {
 	uint8_t *hdr = NULL;
 	size_t len = 0;
@@ -203,6 +216,8 @@ static void send_reply(struct server *srv, void *sock, zmq_msg_t *env, size_t n_
 	for (size_t i = 0; i < n_env; i++)
 		if (zmq_msg_send(&env[i], sock, ZMQ_SNDMORE) < 0)
 			zmq_msg_close(&env[i]);
+	if (add_delim)
+		zmq_send(sock, "", 0, ZMQ_SNDMORE);
 	if (kvbp_reply_encode(&out->rep, &hdr, &len)) {
 		/* Out of memory: still answer, with an empty frame, rather than leave a hang. */
 		zmq_send(sock, "", 0, 0);
@@ -216,6 +231,16 @@ static void send_reply(struct server *srv, void *sock, zmq_msg_t *env, size_t n_
 		zmq_msg_send(&out->payload[i], sock, i + 1 < out->n_payload ? ZMQ_SNDMORE : 0);
 	}
 	atomic_fetch_add(&srv->stats.bytes_out, bytes);
+}
+
+/* An error reply built without a request handler (refused envelope, shutting down). */
+static void reply_error(struct reply_out *out, uint32_t code, const char *msg)
+{
+	memset(out, 0, sizeof(*out));
+	out->rep.version = KVBP_VERSION;
+	out->rep.code = code;
+	out->op = KVBP_OP_COUNT;
+	snprintf(out->rep.message, sizeof(out->rep.message), "%s", msg);
 }
 
 /* Queue a fuse session for loading ahead; a session already queued is not queued twice. */
@@ -260,7 +285,7 @@ static void *prefetch_main(void *arg)
 static void *worker_main(void *arg)
 {
 	struct server *srv = arg;
-	size_t cap = 2 * (size_t)srv->cfg->max_layers + 1 + ENVELOPE_MAX;
+	size_t cap = srv->in_cap + 1; /* the tag, then what the main thread forwarded */
 	zmq_msg_t *frames = calloc(cap, sizeof(*frames));
 	void *sock = zmq_socket(srv->zctx, ZMQ_DEALER);
 	int linger = 0;
@@ -276,24 +301,46 @@ static void *worker_main(void *arg)
 		size_t n, extra, env;
 		struct timespec t0, t1;
 		zmq_msg_t empty;
+		struct req_tag tag;
 
 		if (zmq_poll(&it, 1, POLL_MS) <= 0 || !(it.revents & ZMQ_POLLIN))
 			continue;
 		if (recv_frames(sock, frames, cap, &n, &extra))
 			continue;
-		clock_gettime(CLOCK_MONOTONIC, &t0);
-		env = envelope_len(frames, n);
-		if (env == n) {
-			/* No header frame at all: answer as for an empty one. */
-			zmq_msg_init(&empty);
-			ops_handle(srv, &empty, 1, extra, &out);
-			zmq_msg_close(&empty);
+		if (n && zmq_msg_size(&frames[0]) == sizeof(tag)) {
+			memcpy(&tag, zmq_msg_data(&frames[0]), sizeof(tag));
+			tag.principal[sizeof(tag.principal) - 1] = 0;
 		} else {
-			ops_handle(srv, frames + env, n - env, extra, &out);
+			memset(&tag, 0, sizeof(tag));
 		}
-		for (size_t i = env; i < n; i++)
-			zmq_msg_close(&frames[i]);
-		send_reply(srv, sock, frames, env, &out);
+		extra += tag.extra;
+		clock_gettime(CLOCK_MONOTONIC, &t0);
+		if (!envelope_ok(frames, n)) {
+			/* Answered after the routing id, with a delimiter of our own. */
+			env = n < 2 ? n : 2;
+			reply_error(&out, KVBP_BAD_FRAMES, "message has no empty delimiter frame "
+				    "before its header; send [\"\"] [header] [payload ...] (see "
+				    "docs/protocol.md)");
+			atomic_fetch_add(&srv->stats.errors[KVBP_BAD_FRAMES], 1);
+			atomic_fetch_add(&srv->stats.requests[KVBP_OP_COUNT], 1);
+			for (size_t i = env; i < n; i++)
+				zmq_msg_close(&frames[i]);
+			send_reply(srv, sock, frames, env, true, &out);
+		} else {
+			env = ENVELOPE_LEN;
+			if (env == n) {
+				/* No header frame at all: answer as for an empty one. */
+				zmq_msg_init(&empty);
+				ops_handle(srv, tag.principal, tag.refuse, &empty, 1, extra, &out);
+				zmq_msg_close(&empty);
+			} else {
+				ops_handle(srv, tag.principal, tag.refuse, frames + env, n - env, extra,
+					   &out);
+			}
+			for (size_t i = env; i < n; i++)
+				zmq_msg_close(&frames[i]);
+			send_reply(srv, sock, frames, env, false, &out);
+		}
 		{
 			uint64_t ns;
 
@@ -337,14 +384,61 @@ static int forward(void *from, void *to)
 	return 0;
 }
 
-/* A request from frontend i to the workers, tagged with i. */
+/*
+ * Who sent a message, as the transport tells it: on IPC the peer's Unix
+ * credentials ("ipc:UID:GID:PID"), on TCP the CURVE key that the ZAP handler
+ * admitted or else the peer's address. Shared-memory segments and fuse sessions
+ * belong to it, and per-client limits are counted by it.
+ */
+static void principal_of(zmq_msg_t *m, unsigned frontend, char *out, size_t len)
+{
+	const char *user = zmq_msg_gets(m, "User-Id");
+	const char *peer = zmq_msg_gets(m, "Peer-Address");
+
+	if (user && *user)
+		snprintf(out, len, "key:%s", user);
+	else if (peer && !strncmp(peer, "localhost:", 10) && frontend == 0)
+		snprintf(out, len, "ipc:%s", peer + 10);
+	else
+		snprintf(out, len, "%s:%s", frontend ? "curve" : "tcp", peer ? peer : "?");
+}
+
+/*
+ * A request from frontend i to the workers, with a tag in front (struct req_tag).
+ * While stopping, requests still go to the workers, which answer them `busy` with
+ * the request's id (the client matches replies by id) without running them.
+ * Frames are moved, not copied; frames beyond what a request can have are dropped
+ * here and counted in the tag, so that the worker answers bad_frames.
+ */
 static int forward_in(struct server *srv, unsigned i)
 {
-	uint8_t tag = (uint8_t)i;
+	struct req_tag tag = { .frontend = (uint8_t)i };
+	zmq_msg_t *frames = srv->in_frames;
+	size_t n, extra;
+	int rc;
 
-	if (zmq_send(srv->backend, &tag, 1, ZMQ_SNDMORE) < 0)
-		return -errno;
-	return forward(srv->frontends[i], srv->backend);
+	rc = recv_frames(srv->frontends[i], frames, srv->in_cap, &n, &extra);
+	if (rc)
+		return rc;
+	if (!n)
+		return 0;
+	/* While stopping, the workers answer new requests `busy` without running them. */
+	tag.refuse = srv->stopping;
+	tag.extra = extra > UINT32_MAX ? UINT32_MAX : (uint32_t)extra;
+	for (size_t k = 0; k < n; k++)
+		tag.bytes += zmq_msg_size(&frames[k]);
+	principal_of(&frames[0], i, tag.principal, sizeof(tag.principal));
+	if (zmq_send(srv->backend, &tag, sizeof(tag), ZMQ_SNDMORE) < 0) {
+		rc = -errno;
+		for (size_t k = 0; k < n; k++)
+			zmq_msg_close(&frames[k]);
+		return rc;
+	}
+	for (size_t k = 0; k < n; k++)
+		if (zmq_msg_send(&frames[k], srv->backend, k + 1 < n ? ZMQ_SNDMORE : 0) < 0)
+			zmq_msg_close(&frames[k]);
+	srv->inflight++;
+	return 0;
 }
 
 /* A reply from the workers to the frontend its tag names. */
@@ -359,10 +453,12 @@ static int forward_out(struct server *srv)
 		zmq_msg_close(&tag);
 		return -errno;
 	}
-	if (zmq_msg_size(&tag) == 1)
-		i = *(uint8_t *)zmq_msg_data(&tag) & 1;
+	if (zmq_msg_size(&tag) == sizeof(struct req_tag))
+		i = ((struct req_tag *)zmq_msg_data(&tag))->frontend & 1;
 	more = zmq_msg_more(&tag);
 	zmq_msg_close(&tag);
+	if (srv->inflight)
+		srv->inflight--;
 	if (!more)
 		return 0;
 	if (!srv->frontends[i]) {
@@ -420,6 +516,11 @@ int server_start(struct server *srv, const struct config *cfg, struct store *sto
 	}
 	if (zmq_bind(srv->backend, WORKER_ENDPOINT))
 		return -errno;
+	/* [routing id] [delimiter] [header] and K and V of every layer */
+	srv->in_cap = 2 * (size_t)cfg->max_layers + 3;
+	srv->in_frames = calloc(srv->in_cap, sizeof(zmq_msg_t));
+	if (!srv->in_frames)
+		return -ENOMEM;
 	{
 		long c = sysconf(_SC_NPROCESSORS_ONLN);
 		unsigned bulk = (unsigned)cfg->bulk_threads;
@@ -512,29 +613,50 @@ int server_run(struct server *srv, volatile int *stop, void (*tick)(struct serve
 	return 0;
 }
 
+/* Let the replies still queued in a frontend leave before it closes. */
+#define CLOSE_LINGER_MS 2000
+
 void server_stop(struct server *srv)
 {
 	struct timespec start, now;
 
 	if (srv->frontends[0] && srv->backend && srv->n_workers) {
-		/* Stop taking requests; deliver the replies of those in progress. */
-		for (unsigned i = 0; i < srv->n_bound; i++)
-			for (int f = 0; f < 2; f++)
-				if (srv->frontends[f])
-					zmq_unbind(srv->frontends[f], srv->cfg->listen[i]);
-		atomic_store(&srv->stop_workers, true);
-		clock_gettime(CLOCK_MONOTONIC, &start);
-		do {
-			zmq_pollitem_t it = { srv->backend, 0, ZMQ_POLLIN, 0 };
+		uint64_t limit_ms = srv->cfg->drain_timeout * 1000;
+		zmq_pollitem_t items[3] = { { srv->backend, 0, ZMQ_POLLIN, 0 },
+					    { srv->frontends[0], 0, ZMQ_POLLIN, 0 },
+					    { srv->frontends[1], 0, ZMQ_POLLIN, 0 } };
+		int n_items = srv->frontends[1] ? 3 : 2;
+		int64_t waited_ms = 0;
 
-			if (zmq_poll(&it, 1, 50) > 0)
-				forward_out(srv);
+		/*
+		 * Stop accepting: no new local client finds the socket files; requests that
+		 * still arrive are answered `busy` at once. Connections stay open so that
+		 * the replies of requests in progress reach their clients.
+		 */
+		srv->stopping = true;
+		for (unsigned i = 0; i < srv->n_bound; i++)
+			if (!strncmp(srv->cfg->listen[i], "ipc://", 6))
+				unlink(srv->cfg->listen[i] + 6);
+		clock_gettime(CLOCK_MONOTONIC, &start);
+		while (srv->inflight && waited_ms < (int64_t)limit_ms) {
+			int rc = zmq_poll(items, n_items, 50);
+
+			if (rc > 0 && (items[0].revents & ZMQ_POLLIN))
+				while (forward_out(srv) == 0)
+					;
+			for (int i = 1; rc > 0 && i < n_items; i++)
+				if (items[i].revents & ZMQ_POLLIN)
+					forward_in(srv, (unsigned)i - 1);
 			clock_gettime(CLOCK_MONOTONIC, &now);
-		} while (atomic_load(&srv->running_workers) &&
-			 (now.tv_sec - start.tv_sec) * 1000 < DRAIN_MS);
-		/* Replies produced in the last moments. */
-		while (forward_out(srv) == 0)
-			;
+			waited_ms = (now.tv_sec - start.tv_sec) * 1000 +
+				    (now.tv_nsec - start.tv_nsec) / 1000000;
+		}
+		if (srv->inflight)
+			log_warn("%" PRIu64 " requests still in progress after drain_timeout (%" PRIu64
+				 " s); their clients get no reply", srv->inflight,
+				 srv->cfg->drain_timeout);
+		else
+			log_info("every request in progress answered");
 	}
 	atomic_store(&srv->stop_workers, true);
 	for (unsigned i = 0; i < srv->n_workers; i++)
@@ -550,9 +672,16 @@ void server_stop(struct server *srv)
 	free(srv->threads);
 	srv->threads = NULL;
 	srv->n_workers = 0;
+	/* Replies produced in the last moments. */
+	while (srv->backend && forward_out(srv) == 0)
+		;
 	for (int f = 0; f < 2; f++)
-		if (srv->frontends[f])
+		if (srv->frontends[f]) {
+			int linger = CLOSE_LINGER_MS;
+
+			zmq_setsockopt(srv->frontends[f], ZMQ_LINGER, &linger, sizeof(linger));
 			zmq_close(srv->frontends[f]);
+		}
 	if (srv->backend)
 		zmq_close(srv->backend);
 	srv->frontends[0] = srv->frontends[1] = srv->backend = NULL;
@@ -560,9 +689,12 @@ void server_stop(struct server *srv)
 	if (srv->zctx)
 		zmq_ctx_term(srv->zctx);
 	srv->zctx = NULL;
-	for (unsigned i = 0; i < srv->n_bound; i++)
+	/* (A drained stop unlinked them already; one started since may own the path now.) */
+	for (unsigned i = 0; i < srv->n_bound && !srv->stopping; i++)
 		if (!strncmp(srv->cfg->listen[i], "ipc://", 6))
 			unlink(srv->cfg->listen[i] + 6);
+	free(srv->in_frames);
+	srv->in_frames = NULL;
 	metrics_stop(&srv->metrics);
 	evictor_free(&srv->evict);
 	fuse_table_free(&srv->fuse);

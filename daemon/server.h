@@ -15,6 +15,7 @@
 #include <stdatomic.h>
 #include <stdint.h>
 #include <time.h>
+#include <zmq.h>
 
 #include "config.h"
 #include "evict.h"
@@ -68,6 +69,11 @@ struct server {
 	uint64_t pf_queue[256];
 	unsigned pf_head, pf_len;
 	bool pf_stop;
+	/* main thread only: frames of one incoming request, requests with the workers */
+	zmq_msg_t *in_frames;
+	size_t in_cap;
+	uint64_t inflight;
+	bool stopping; /* draining: new requests are answered `busy` */
 	struct server_stats stats;
 	struct timespec started;
 };

@@ -87,11 +87,18 @@ void daemon_restart(struct daemon *d, const char *const *extra)
 
 void daemon_stop(struct daemon *d)
 {
+	if (!d->pid)
+		return;
+	kill(d->pid, SIGTERM);
+	daemon_wait(d);
+}
+
+void daemon_wait(struct daemon *d)
+{
 	int status = 0;
 
 	if (!d->pid)
 		return;
-	kill(d->pid, SIGTERM);
 	for (int i = 0; i < 600; i++) {
 		if (waitpid(d->pid, &status, WNOHANG) == d->pid)
 			break;

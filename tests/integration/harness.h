@@ -24,6 +24,8 @@ void daemon_start(struct daemon *d, const char *const *extra_args);
 void daemon_restart(struct daemon *d, const char *const *extra_args);
 /* SIGTERM and wait; asserts a clean exit (status 0: no sanitizer findings). */
 void daemon_stop(struct daemon *d);
+/* Wait up to 30 s for it to exit (after a signal the test sent); asserts a clean exit. */
+void daemon_wait(struct daemon *d);
 /* Stop (if running) and remove the temporary directory. */
 void daemon_cleanup(struct daemon *d);
 /* The daemon's counter name from kvb_stats(); asserts that it exists. */

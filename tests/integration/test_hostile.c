@@ -222,10 +222,160 @@ static void close_during_layer(void **state)
 	free(v);
 }
 
+
+/* Receive one whole message; returns the frame count, frames[] initialised (caller closes). */
+static size_t recv_all(void *sock, zmq_msg_t *frames, size_t cap)
+{
+	size_t n = 0;
+	int more = 1;
+
+	while (more && n < cap) {
+		zmq_msg_init(&frames[n]);
+		assert_true(zmq_msg_recv(&frames[n], sock, 0) >= 0);
+		more = zmq_msg_more(&frames[n++]);
+	}
+	assert_false(more);
+	return n;
+}
+
+/*
+ * Defect 15: a client that omits the empty delimiter and sends an empty payload
+ * frame used to get its own header echoed back and the wrong frame decoded. The
+ * envelope is [delimiter] [header] [payload...]; anything else is refused with
+ * bad_frames, answered with a delimiter of the daemon's own.
+ */
+static void envelope_without_delimiter(void **state)
+{
+	struct daemon d;
+	struct kvbp_request q = { .version = KVBP_VERSION, .op = KVBP_OP_HELLO, .request_id = 7 };
+	struct kvbp_reply rep;
+	zmq_msg_t f[8];
+	uint8_t *hdr;
+	size_t hlen, n;
+	struct raw r;
+	char err[256];
+
+	(void)state;
+	daemon_start(&d, NULL);
+	raw_open(&r, d.endpoint);
+	assert_int_equal(kvbp_request_encode(&q, &hdr, &hlen), 0);
+	/* [header] [empty payload] */
+	assert_true(zmq_send(r.sock, hdr, hlen, ZMQ_SNDMORE) >= 0);
+	assert_int_equal(zmq_send(r.sock, "", 0, 0), 0);
+	n = recv_all(r.sock, f, 8);
+	assert_int_equal(n, 2);
+	assert_int_equal(zmq_msg_size(&f[0]), 0);
+	memset(&rep, 0, sizeof(rep));
+	assert_int_equal(kvbp_reply_decode(zmq_msg_data(&f[1]), zmq_msg_size(&f[1]), &rep, err,
+					   sizeof(err)), 0);
+	assert_int_equal(rep.code, KVBP_BAD_FRAMES);
+	assert_non_null(strstr(rep.message, "delimiter"));
+	kvbp_reply_clear(&rep);
+	for (size_t i = 0; i < n; i++)
+		zmq_msg_close(&f[i]);
+	/* [header] alone */
+	assert_true(zmq_send(r.sock, hdr, hlen, 0) >= 0);
+	n = recv_all(r.sock, f, 8);
+	assert_int_equal(n, 2);
+	assert_int_equal(zmq_msg_size(&f[0]), 0);
+	memset(&rep, 0, sizeof(rep));
+	assert_int_equal(kvbp_reply_decode(zmq_msg_data(&f[1]), zmq_msg_size(&f[1]), &rep, err,
+					   sizeof(err)), 0);
+	assert_int_equal(rep.code, KVBP_BAD_FRAMES);
+	kvbp_reply_clear(&rep);
+	for (size_t i = 0; i < n; i++)
+		zmq_msg_close(&f[i]);
+	/* and the same header with the delimiter is served */
+	memset(&rep, 0, sizeof(rep));
+	q.request_id = 8;
+	assert_int_equal(raw_call(&r, &q, NULL, NULL, 0, &rep), KVBP_OK);
+	assert_true(rep.request_id == 8);
+	kvbp_reply_clear(&rep);
+	free(hdr);
+	raw_close(&r);
+	daemon_stop(&d);
+	daemon_cleanup(&d);
+}
+
+/*
+ * Defect 11: SIGTERM while PUTs are in progress. Each gets its reply (ok, or busy
+ * for one that arrived after the stop began), the daemon exits cleanly, and every
+ * acknowledged chunk is there after a restart.
+ */
+static void sigterm_answers_inflight(void **state)
+{
+	enum { PUTS = 6, BIG_T = 4096 };
+	struct daemon d;
+	size_t bytes = (size_t)BIG_T * ROW, n_ok = 0;
+	uint8_t *layer = malloc(bytes), hashes[PUTS][KVB_HASH_LEN];
+	const void *pl[2 * L];
+	size_t lens[2 * L];
+	uint32_t codes[PUTS];
+	kvb_client *c;
+	struct raw r;
+
+	(void)state;
+	fill((uint16_t *)layer, bytes / 2, 99);
+	for (int i = 0; i < 2 * L; i++) {
+		pl[i] = layer;
+		lens[i] = bytes;
+	}
+	daemon_start(&d, NULL);
+	c = daemon_client(&d, 1);
+	assert_int_equal(kvb_model_register(c, &model, NULL), 0);
+	kvb_close(&c);
+	raw_open(&r, d.endpoint);
+	for (int i = 0; i < PUTS; i++) {
+		struct kvbp_request q = { .op = KVBP_OP_PUT, .has_hash = true, .num_tokens = BIG_T,
+					  .request_id = (uint64_t)i + 1 };
+		uint32_t ids[2] = { 777, (uint32_t)i };
+
+		snprintf(q.model_name, sizeof(q.model_name), "%s", model.name);
+		kvb_chunk_hash(ids, 2, hashes[i]);
+		memcpy(q.hash, hashes[i], KVB_HASH_LEN);
+		raw_send(&r, &q, pl, lens, 2 * L);
+	}
+	usleep(30000);
+	kill(d.pid, SIGTERM);
+	for (int i = 0; i < PUTS; i++)
+		codes[i] = UINT32_MAX;
+	for (int i = 0; i < PUTS; i++) {
+		struct kvbp_reply rep = { 0 };
+		uint32_t code = raw_recv(&r, &rep);
+
+		/* replies come as workers finish, each with its request's id */
+		assert_true(code == KVBP_OK || code == KVBP_BUSY);
+		assert_true(rep.request_id >= 1 && rep.request_id <= PUTS);
+		assert_int_equal(codes[rep.request_id - 1], UINT32_MAX);
+		codes[rep.request_id - 1] = code;
+		n_ok += code == KVBP_OK;
+		kvbp_reply_clear(&rep);
+	}
+	print_message("%zu of %d PUTs acknowledged before the stop, the rest answered busy\n",
+		      n_ok, PUTS);
+	raw_close(&r);
+	daemon_wait(&d);
+	daemon_restart(&d, NULL);
+	c = daemon_client(&d, 1);
+	for (int i = 0; i < PUTS; i++) {
+		struct kvb_chunk_info info;
+
+		assert_int_equal(kvb_lookup(c, model.name, &hashes[i], 1, &info), 0);
+		if (codes[i] == KVBP_OK)
+			assert_true(info.found);
+	}
+	kvb_close(&c);
+	daemon_stop(&d);
+	daemon_cleanup(&d);
+	free(layer);
+}
+
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
 		cmocka_unit_test(close_during_layer),
+		cmocka_unit_test(envelope_without_delimiter),
+		cmocka_unit_test(sigterm_answers_inflight),
 	};
 
 	signal(SIGPIPE, SIG_IGN);
