@@ -368,6 +368,7 @@ static void op_put(struct req *q)
 	struct store_model m;
 	struct store_chunk_info ci;
 	const void **tensors = NULL;
+	uint8_t *snapshot = NULL;
 	uint64_t tb, total;
 	void *shm = NULL;
 	int rc;
@@ -408,8 +409,21 @@ static void op_put(struct req *q)
 			     rc == -ENOENT ? "unknown or expired" : "span outside the segment");
 			goto out;
 		}
+		/*
+		 * The client can write its segment while we read it: checksum and store one
+		 * snapshot, so that what is acknowledged reads back whole. (A copy at memory
+		 * speed; the PUT itself runs at disk speed.)
+		 */
+		snapshot = malloc(total ? total : 1);
+		if (!snapshot) {
+			fail(q, KVBP_LIMIT, "out of memory for a %" PRIu64 "-byte PUT", total);
+			goto out;
+		}
+		memcpy(snapshot, shm, total);
+		shm_release(q->srv->shm, q->h.shm_id);
+		shm = NULL;
 		for (size_t i = 0; i < 2 * (size_t)m.num_layers; i++)
-			tensors[i] = (const uint8_t *)shm + i * tb;
+			tensors[i] = snapshot + i * tb;
 	} else {
 		if (q->n_payload != 2 * (size_t)m.num_layers) {
 			fail(q, KVBP_BAD_FRAMES, "put for a %" PRIu32 "-layer model needs %" PRIu32
@@ -460,6 +474,7 @@ static void op_put(struct req *q)
 out:
 	if (shm)
 		shm_release(q->srv->shm, q->h.shm_id);
+	free(snapshot);
 	free(tensors);
 }
 

@@ -9,6 +9,8 @@
 #include <pthread.h>
 #include <setjmp.h>
 #include <signal.h>
+#include <stdatomic.h>
+#include <stdbool.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -370,12 +372,79 @@ static void sigterm_answers_inflight(void **state)
 	free(layer);
 }
 
+struct scribbler {
+	volatile uint8_t *p;
+	size_t len;
+	atomic_bool stop;
+};
+
+static void *scribble(void *arg)
+{
+	struct scribbler *w = arg;
+	uint32_t x = 12345;
+
+	while (!atomic_load(&w->stop))
+		for (size_t i = 0; i < w->len; i += 4096) {
+			x = x * 1103515245u + 12345u;
+			w->p[i + (x >> 20) % 4096 % (w->len - i)] = (uint8_t)x;
+		}
+	return NULL;
+}
+
+/*
+ * Defect 9: a PUT from shared memory while the client writes its segment was
+ * acknowledged, then read back as corrupt and deleted. Every acknowledged PUT
+ * must read back whole.
+ */
+static void put_from_changing_shm(void **state)
+{
+	struct daemon d;
+	size_t bytes = (size_t)L * 2 * T * ROW;
+	struct scribbler w = { 0 };
+	kvb_client *c, *reader;
+	uint8_t *out = malloc(bytes);
+	pthread_t th;
+
+	(void)state;
+	daemon_start(&d, NULL);
+	c = daemon_client(&d, 0);
+	reader = daemon_client(&d, 1);
+	assert_int_equal(kvb_model_register(c, &model, NULL), 0);
+	w.p = kvb_shared_buffer(c, bytes);
+	assert_non_null((void *)w.p);
+	fill((uint16_t *)w.p, bytes / 2, 5);
+	w.len = bytes;
+	assert_int_equal(pthread_create(&th, NULL, scribble, &w), 0);
+	for (uint32_t i = 0; i < 30; i++) {
+		uint8_t hash[KVB_HASH_LEN];
+		uint32_t ids[2] = { 31337, i };
+		struct kvb_chunk_info info;
+		int rc;
+
+		kvb_chunk_hash(ids, 2, hash);
+		assert_int_equal(kvb_put(c, model.name, hash, KVB_F16, T, 0, (const void *)w.p, bytes,
+					 NULL), 0);
+		rc = kvb_get(reader, model.name, hash, 0, 0, out, bytes, &info);
+		if (rc)
+			fail_msg("PUT %u acknowledged, GET says %s", i, kvb_last_error(reader));
+	}
+	atomic_store(&w.stop, true);
+	pthread_join(th, NULL);
+	assert_true(daemon_stat(reader, "corrupt_removed") == 0);
+	kvb_close(&reader);
+	kvb_close(&c);
+	daemon_stop(&d);
+	daemon_cleanup(&d);
+	free(out);
+}
+
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
 		cmocka_unit_test(close_during_layer),
 		cmocka_unit_test(envelope_without_delimiter),
 		cmocka_unit_test(sigterm_answers_inflight),
+		cmocka_unit_test(put_from_changing_shm),
 	};
 
 	signal(SIGPIPE, SIG_IGN);
