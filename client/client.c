@@ -12,7 +12,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
 #include <zmq.h>
@@ -662,6 +664,55 @@ void kvb_close(kvb_client **cp)
 	*cp = NULL;
 }
 
+/*
+ * The descriptor of shared-memory segment id, from the daemon's descriptor socket
+ * at path (the SHM_ATTACH or FUSE_OPEN reply names it): send the id, receive a
+ * status byte with the descriptor attached. The daemon hands it only to the
+ * process that owns the segment. Returns the descriptor or -1.
+ */
+static int segment_fd(const char *path, uint64_t id)
+{
+	struct sockaddr_un a = { .sun_family = AF_UNIX };
+	struct timeval tv = { 2, 0 };
+	union {
+		char buf[CMSG_SPACE(sizeof(int))];
+		struct cmsghdr align;
+	} u;
+	uint8_t req[8], status = 1;
+	struct iovec iov = { &status, 1 };
+	struct msghdr mh = { .msg_iov = &iov, .msg_iovlen = 1, .msg_control = u.buf,
+			     .msg_controllen = sizeof(u.buf) };
+	struct cmsghdr *cm;
+	int sock, fd = -1;
+
+	if (strlen(path) >= sizeof(a.sun_path))
+		return -1;
+	strcpy(a.sun_path, path);
+	sock = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+	if (sock < 0)
+		return -1;
+	for (int i = 0; i < 8; i++)
+		req[i] = (uint8_t)(id >> (8 * i));
+	setsockopt(sock, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+	setsockopt(sock, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+	memset(&u, 0, sizeof(u));
+	if (connect(sock, (struct sockaddr *)&a, sizeof(a)) ||
+	    send(sock, req, sizeof(req), MSG_NOSIGNAL) != (ssize_t)sizeof(req) ||
+	    recvmsg(sock, &mh, MSG_CMSG_CLOEXEC) != 1)
+		goto out;
+	cm = CMSG_FIRSTHDR(&mh);
+	if (cm && cm->cmsg_level == SOL_SOCKET && cm->cmsg_type == SCM_RIGHTS &&
+	    cm->cmsg_len == CMSG_LEN(sizeof(int)))
+		memcpy(&fd, CMSG_DATA(cm), sizeof(int));
+	if (status != 0 && fd >= 0) {
+		close(fd);
+		fd = -1;
+	}
+out:
+	close(sock);
+	return fd;
+}
+
 /* Make sure a segment of at least size bytes is mapped; false if shared memory is unusable. */
 static bool shm_ensure(kvb_client *c, size_t size)
 {
@@ -687,7 +738,7 @@ static bool shm_ensure(kvb_client *c, size_t size)
 		call_done(&k);
 		return false;
 	}
-	fd = shm_open(k.rep.shm_name, O_RDWR, 0);
+	fd = segment_fd(k.rep.shm_name, k.rep.shm_id);
 	if (fd < 0 || fstat(fd, &st) || (uint64_t)st.st_size < want) {
 		if (fd >= 0)
 			close(fd);
@@ -1122,7 +1173,7 @@ int kvb_fuse_open(kvb_client *c, const char *model, const struct kvb_segment *se
 								      f->row_bytes) {
 		/* Map it read-only: nothing this side can write the daemon's memory. If that
 		 * fails the session still works; the layers then come in frames. */
-		int fd = shm_open(k.rep.shm_name, O_RDONLY, 0);
+		int fd = segment_fd(k.rep.shm_name, k.rep.shm_id);
 		struct stat st;
 
 		if (fd >= 0 && fstat(fd, &st) == 0 && (uint64_t)st.st_size >= k.rep.shm_size) {
@@ -1174,6 +1225,8 @@ int kvb_fuse_layer(kvb_client *c, kvb_fuse *f, uint32_t layer, const void *k_in,
 
 	if (fused)
 		*fused = 0;
+	/* Fused layers in the ring only if we mapped it; else the daemon sends frames. */
+	k.req.shared_ring = f->ring != NULL;
 	if (shm) {
 		/* Fresh rows through the client's segment: K, then V. */
 		memcpy(c->shm_base, k_in, in_bytes);

@@ -54,7 +54,7 @@ static const struct key keys[] = {
 	{ "compress_min_saving", T_UINT, OFF(compress_min_saving), 0, 100, "10",
 	  "percent a tensor must shrink by to be stored compressed; 100 = never compress" },
 	{ "socket_mode", T_OCTAL, OFF(socket_mode), 0, 0777, "0660",
-	  "permissions of IPC socket files and shared-memory segments" },
+	  "permissions of IPC socket files (the endpoint and its .shm descriptor socket)" },
 	{ "no_sync", T_BOOL, OFF(no_sync), 0, 1, "false",
 	  "skip fsync at each commit: faster PUTs; a power failure loses recent chunks "
 	  "(a process crash loses nothing)" },
@@ -95,6 +95,10 @@ static const struct key keys[] = {
 	  "allow a TCP endpoint off loopback without CURVE (unencrypted)" },
 	{ "drain_timeout", T_UINT, OFF(drain_timeout), 0, 3600, "10",
 	  "seconds a stop (SIGTERM) waits for requests in progress to be answered" },
+	{ "client_shm_segments", T_UINT, OFF(client_shm_segments), 1, 256, "16",
+	  "shared-memory segments one client may hold (of 256 for all)" },
+	{ "client_fuse_sessions", T_UINT, OFF(client_fuse_sessions), 1, 65536, "16",
+	  "fuse sessions one client may hold open (of fuse_max_sessions)" },
 	{ "log_level", T_LEVEL, OFF(log_level), 0, 3, "info", "error, warn, info or debug" },
 };
 

@@ -64,6 +64,7 @@ struct fuse_session {
 	uint8_t *ring_mem;
 	uint64_t shm_id; /* the ring is this shared segment (0: heap) */
 	uint64_t bytes;	 /* ring memory */
+	char owner[SHM_OWNER_MAX]; /* the client that opened it: only it may drive it */
 	struct timespec last_used;
 	struct timespec opened;
 	uint64_t layers_served, ns_load, ns_compute, bytes_in, bytes_out;
@@ -209,7 +210,7 @@ static void session_free(struct fuse_table *t, struct fuse_session *s)
 		return;
 	if (s->shm_id) {
 		shm_release(t->shm, s->shm_id);
-		shm_detach(t->shm, s->shm_id);
+		shm_detach(t->shm, s->shm_id, NULL);
 	} else {
 		free(s->ring_mem);
 	}
@@ -256,14 +257,22 @@ void fuse_table_free(struct fuse_table **tp)
 	*tp = NULL;
 }
 
-/* Find session id and take a reference (the table lock protects refs). */
-static struct fuse_session *session_get(struct fuse_table *t, uint64_t id)
+/* Does slot i hold session id of owner (NULL: any owner)? Under the table lock. */
+static bool session_is(struct fuse_table *t, uint64_t i, uint64_t id, const char *owner)
+{
+	const struct fuse_session *s = t->sessions[i];
+
+	return s && s->ready && s->id == id && (!owner || !strcmp(s->owner, owner));
+}
+
+/* Find owner's session id and take a reference (the table lock protects refs). */
+static struct fuse_session *session_get(struct fuse_table *t, uint64_t id, const char *owner)
 {
 	struct fuse_session *s = NULL;
 
 	pthread_mutex_lock(&t->lock);
 	for (uint64_t i = 0; i < t->lim.max_sessions && !s; i++)
-		if (t->sessions[i] && t->sessions[i]->ready && t->sessions[i]->id == id)
+		if (session_is(t, i, id, owner))
 			s = t->sessions[i];
 	if (s)
 		s->refs++;
@@ -284,7 +293,7 @@ static void session_put(struct fuse_table *t, struct fuse_session *s)
 }
 
 uint32_t fuse_open(struct fuse_table *t, const struct store_model *m, const struct kvbp_request *q,
-		   struct fuse_open_result *r, char *err, size_t errlen)
+		   const char *owner, struct fuse_open_result *r, char *err, size_t errlen)
 {
 	struct fuse_session *s = NULL;
 	struct rope_config rc_cfg;
@@ -339,6 +348,7 @@ uint32_t fuse_open(struct fuse_table *t, const struct store_model *m, const stru
 	pthread_mutex_init(&s->lock, NULL);
 	pthread_cond_init(&s->cond, NULL);
 	s->m = *m;
+	snprintf(s->owner, sizeof(s->owner), "%s", owner);
 	s->metric = q->metric;
 	s->n_checks = q->n_checks;
 	memcpy(s->checks, q->check_layers, q->n_checks * sizeof(uint32_t));
@@ -467,6 +477,18 @@ uint32_t fuse_open(struct fuse_table *t, const struct store_model *m, const stru
 			    "fuse_max_bytes is %" PRIu64, t->bytes + ring_bytes, t->lim.max_bytes);
 		goto fail;
 	}
+	{
+		uint64_t held = 0;
+
+		for (uint64_t i = 0; i < t->lim.max_sessions; i++)
+			held += t->sessions[i] && !strcmp(t->sessions[i]->owner, owner);
+		if (held >= t->lim.per_owner) {
+			pthread_mutex_unlock(&t->lock);
+			code = fail(err, errlen, KVBP_LIMIT, "this client holds %" PRIu64 " open fuse "
+				    "sessions (client_fuse_sessions); close one first", held);
+			goto fail;
+		}
+	}
 	for (uint64_t i = 0; i < t->lim.max_sessions && slot_i == SIZE_MAX; i++)
 		if (!t->sessions[i])
 			slot_i = i;
@@ -489,15 +511,14 @@ uint32_t fuse_open(struct fuse_table *t, const struct store_model *m, const stru
 	if (s->ring && q->shared_ring) {
 		uint64_t sid;
 
-		if (shm_create_ring(t->shm, ring_bytes, &sid, r->shm_name, sizeof(r->shm_name),
-				    &r->shm_size) == 0) {
+		if (shm_create_ring(t->shm, ring_bytes, owner, &sid, &r->shm_size) == 0) {
 			void *base = NULL;
 
 			if (shm_hold(t->shm, sid, &base) == 0) {
 				s->shm_id = sid;
 				s->ring_mem = base;
 			} else {
-				shm_detach(t->shm, sid);
+				shm_detach(t->shm, sid, NULL);
 			}
 		}
 	}
@@ -538,7 +559,7 @@ uint32_t fuse_open(struct fuse_table *t, const struct store_model *m, const stru
 	r->slot_bytes = 2 * (uint64_t)n * s->row_bytes;
 	r->shm_id = s->shm_id;
 	if (!s->shm_id)
-		r->shm_name[0] = 0;
+		r->shm_size = 0;
 	free(r->missing);
 	r->missing = NULL;
 	return KVBP_OK;
@@ -663,7 +684,7 @@ static int ensure_layer(struct fuse_table *t, struct fuse_session *s, uint32_t l
 
 void fuse_prefetch(struct fuse_table *t, uint64_t id)
 {
-	struct fuse_session *s = session_get(t, id);
+	struct fuse_session *s = session_get(t, id, NULL);
 
 	if (!s)
 		return;
@@ -684,11 +705,11 @@ void fuse_prefetch(struct fuse_table *t, uint64_t id)
 
 /* ---- one layer ---- */
 
-uint32_t fuse_layer_begin(struct fuse_table *t, uint64_t id, uint32_t layer,
+uint32_t fuse_layer_begin(struct fuse_table *t, uint64_t id, const char *owner, uint32_t layer,
 			  struct fuse_session **sp, struct fuse_layer_plan *plan, char *err,
 			  size_t errlen)
 {
-	struct fuse_session *s = session_get(t, id);
+	struct fuse_session *s = session_get(t, id, owner);
 	bool is_check;
 
 	if (!s)
@@ -889,8 +910,8 @@ void fuse_layer_end(struct fuse_table *t, struct fuse_session *s)
 	session_put(t, s);
 }
 
-uint32_t fuse_close(struct fuse_table *t, uint64_t id, struct kvbp_stat **stats, size_t *n,
-		    char *err, size_t errlen)
+uint32_t fuse_close(struct fuse_table *t, uint64_t id, const char *owner, struct kvbp_stat **stats,
+		    size_t *n, char *err, size_t errlen)
 {
 	struct fuse_session *s = NULL;
 	struct kvbp_stat *st;
@@ -905,7 +926,7 @@ uint32_t fuse_close(struct fuse_table *t, uint64_t id, struct kvbp_stat **stats,
 	 */
 	pthread_mutex_lock(&t->lock);
 	for (uint64_t i = 0; i < t->lim.max_sessions && !s; i++)
-		if (t->sessions[i] && t->sessions[i]->ready && t->sessions[i]->id == id) {
+		if (session_is(t, i, id, owner)) {
 			s = t->sessions[i];
 			s->refs++;
 			session_remove(t, i);

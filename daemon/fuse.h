@@ -37,6 +37,7 @@ struct fuse_limits {
 	uint64_t max_bytes;  /* ring memory of all sessions together */
 	uint64_t ring;	     /* layers loaded ahead per session */
 	uint64_t idle_s;
+	uint64_t per_owner; /* sessions one client may hold open */
 };
 
 struct fuse_table;
@@ -60,14 +61,17 @@ struct fuse_open_result {
 	uint64_t slot_bytes; /* K then V of all tokens */
 	uint64_t shm_id;     /* shared ring: its segment (0: none) */
 	uint64_t shm_size;   /* and that segment's size (at least the ring's) */
-	char shm_name[64];
 	uint8_t (*missing)[KVBP_HASH_LEN]; /* malloc'd on KVBP_NOT_FOUND; caller frees */
 	size_t n_missing;
 };
 
-/* Open a session for model m over request q's segments and check layers. */
+/*
+ * Open a session for model m over request q's segments and check layers, owned by
+ * owner (a client principal): only requests of that owner reach it, and its shared
+ * ring, if any, is that owner's.
+ */
 uint32_t fuse_open(struct fuse_table *t, const struct store_model *m, const struct kvbp_request *q,
-		   struct fuse_open_result *r, char *err, size_t errlen);
+		   const char *owner, struct fuse_open_result *r, char *err, size_t errlen);
 
 /* What one layer request of a session takes and gives, known before it runs. */
 struct fuse_layer_plan {
@@ -80,10 +84,10 @@ struct fuse_layer_plan {
 };
 
 /*
- * Begin a layer request: find and lock session id, check that layer is the one
- * expected. On success *s is held until fuse_layer_end().
+ * Begin a layer request: find and lock owner's session id (another owner's is
+ * unknown_session), check that layer is the one expected. On success *s is held until fuse_layer_end().
  */
-uint32_t fuse_layer_begin(struct fuse_table *t, uint64_t id, uint32_t layer,
+uint32_t fuse_layer_begin(struct fuse_table *t, uint64_t id, const char *owner, uint32_t layer,
 			  struct fuse_session **s, struct fuse_layer_plan *plan, char *err,
 			  size_t errlen);
 
@@ -110,9 +114,9 @@ void fuse_layer_end(struct fuse_table *t, struct fuse_session *s);
 /* Load the layers ahead of session id into its ring. Called after a reply is sent. */
 void fuse_prefetch(struct fuse_table *t, uint64_t id);
 
-/* Close session id; stats (a malloc'd array of n name/value pairs) describe it. */
-uint32_t fuse_close(struct fuse_table *t, uint64_t id, struct kvbp_stat **stats, size_t *n,
-		    char *err, size_t errlen);
+/* Close owner's session id; stats (a malloc'd array of n name/value pairs) describe it. */
+uint32_t fuse_close(struct fuse_table *t, uint64_t id, const char *owner, struct kvbp_stat **stats,
+		    size_t *n, char *err, size_t errlen);
 
 /* Free sessions idle longer than idle_s; returns how many. */
 unsigned fuse_expire(struct fuse_table *t);

@@ -403,10 +403,12 @@ static void op_put(struct req *q)
 			     "%" PRIu64, q->h.shm_length, total);
 			goto out;
 		}
-		rc = shm_acquire(q->srv->shm, q->h.shm_id, q->h.shm_offset, total, &shm);
+		rc = shm_acquire(q->srv->shm, q->h.shm_id, q->principal, q->h.shm_offset, total,
+				 &shm);
 		if (rc) {
 			fail(q, KVBP_BAD_SHM, "shared-memory segment %" PRIu64 ": %s", q->h.shm_id,
-			     rc == -ENOENT ? "unknown or expired" : "span outside the segment");
+			     rc == -ENOENT ? "unknown, expired or not this client's"
+					   : "span outside the segment");
 			goto out;
 		}
 		/*
@@ -621,10 +623,12 @@ static void op_get(struct req *q)
 			     "the chunk needs %" PRIu64, q->h.shm_length, total);
 			goto out;
 		}
-		rc = shm_acquire(q->srv->shm, q->h.shm_id, q->h.shm_offset, total, &dst);
+		rc = shm_acquire(q->srv->shm, q->h.shm_id, q->principal, q->h.shm_offset, total,
+				 &dst);
 		if (rc) {
 			fail(q, KVBP_BAD_SHM, "shared-memory segment %" PRIu64 ": %s", q->h.shm_id,
-			     rc == -ENOENT ? "unknown or expired" : "span outside the segment");
+			     rc == -ENOENT ? "unknown, expired or not this client's"
+					   : "span outside the segment");
 			goto out;
 		}
 	} else {
@@ -643,7 +647,7 @@ static void op_get(struct req *q)
 
 		/* A progress word inside the client's segment, 8-byte aligned, apart from the data. */
 		if (q->h.has_shm && q->h.progress && (q->h.progress - 1) % 8 == 0 &&
-		    shm_acquire(q->srv->shm, q->h.shm_id, q->h.progress - 1, 8, &pw) == 0)
+		    shm_acquire(q->srv->shm, q->h.shm_id, q->principal, q->h.progress - 1, 8, &pw) == 0)
 			progress = pw;
 		rc = chunk_get_parallel(q, &m, lb, le, dst, tb, total, q->h.rerotate ? &rot : NULL,
 					ci.num_tokens, progress);
@@ -874,30 +878,48 @@ static void op_stats(struct req *q)
 
 static void op_shm_attach(struct req *q)
 {
-	char name[64];
+	const struct config *cfg = q->srv->cfg;
 	uint64_t id;
 	int rc;
 
 	if (no_payload(q))
 		return;
-	rc = shm_create(q->srv->shm, q->h.shm_size, &id, name, sizeof(name));
-	if (rc == -E2BIG) {
+	if (!shm_path(q->srv->shm)[0]) {
+		fail(q, KVBP_BAD_ARGUMENT, "shared memory is only for clients on an ipc:// endpoint "
+		     "of this daemon");
+		return;
+	}
+	if (strncmp(q->principal, "ipc:", 4)) {
+		fail(q, KVBP_BAD_ARGUMENT, "shared memory is only for clients on an ipc:// "
+		     "endpoint; this one came over TCP");
+		return;
+	}
+	rc = shm_create(q->srv->shm, q->h.shm_size, q->principal, &id);
+	switch (rc) {
+	case 0:
+		break;
+	case -E2BIG:
 		fail(q, KVBP_BAD_ARGUMENT, "shared-memory size %" PRIu64 " out of range 1..%" PRIu64
-		     " (shm_max)", q->h.shm_size, q->srv->cfg->shm_max);
+		     " (shm_max)", q->h.shm_size, cfg->shm_max);
 		return;
-	}
-	if (rc == -ENOSPC) {
-		fail(q, KVBP_LIMIT, "shared memory exhausted (shm_total %" PRIu64 " bytes)",
-		     q->srv->cfg->shm_total);
+	case -ENOSPC:
+		fail(q, KVBP_LIMIT, "shared memory exhausted: all segments together may hold %"
+		     PRIu64 " bytes (shm_total)", cfg->shm_total);
 		return;
-	}
-	if (rc) {
+	case -EMFILE:
+		fail(q, KVBP_LIMIT, "all 256 shared-memory segments of the daemon are in use");
+		return;
+	case -EDQUOT:
+		fail(q, KVBP_LIMIT, "this client holds %" PRIu64 " shared-memory segments already "
+		     "(client_shm_segments); detach one first", cfg->client_shm_segments);
+		return;
+	default:
 		fail(q, KVBP_INTERNAL, "cannot create shared memory: %s", strerror(-rc));
 		return;
 	}
 	q->out->rep.shm_id = id;
 	q->out->rep.shm_size = q->h.shm_size;
-	snprintf(q->out->rep.shm_name, sizeof(q->out->rep.shm_name), "%s", name);
+	snprintf(q->out->rep.shm_name, sizeof(q->out->rep.shm_name), "%s", shm_path(q->srv->shm));
 }
 
 static void op_shm_detach(struct req *q)
@@ -908,9 +930,9 @@ static void op_shm_detach(struct req *q)
 		fail(q, KVBP_BAD_ARGUMENT, "shm_detach needs a shared-memory reference");
 		return;
 	}
-	if (shm_detach(q->srv->shm, q->h.shm_id))
-		fail(q, KVBP_BAD_SHM, "shared-memory segment %" PRIu64 " unknown or expired",
-		     q->h.shm_id);
+	if (shm_detach(q->srv->shm, q->h.shm_id, q->principal))
+		fail(q, KVBP_BAD_SHM, "shared-memory segment %" PRIu64 " unknown, expired or not "
+		     "this client's", q->h.shm_id);
 }
 
 static void op_fuse_open(struct req *q)
@@ -922,7 +944,7 @@ static void op_fuse_open(struct req *q)
 
 	if (need_model(q, &m) || no_payload(q))
 		return;
-	code = fuse_open(q->srv->fuse, &m, &q->h, &r, err, sizeof(err));
+	code = fuse_open(q->srv->fuse, &m, &q->h, q->principal, &r, err, sizeof(err));
 	if (code) {
 		fail(q, code, "%s", err);
 		if (r.n_missing) {
@@ -946,7 +968,8 @@ static void op_fuse_open(struct req *q)
 	if (r.shm_id) {
 		q->out->rep.shm_id = r.shm_id;
 		q->out->rep.shm_size = r.shm_size;
-		snprintf(q->out->rep.shm_name, sizeof(q->out->rep.shm_name), "%s", r.shm_name);
+		snprintf(q->out->rep.shm_name, sizeof(q->out->rep.shm_name), "%s",
+			 shm_path(q->srv->shm));
 	}
 	q->out->prefetch_session = r.id;
 	log_debug("fuse session %016" PRIx64 " opened: %" PRIu32 " tokens, model '%s'", r.id,
@@ -966,12 +989,14 @@ static void op_fuse_layer(struct req *q)
 	uint64_t in_bytes, out_bytes;
 	uint32_t code;
 
-	code = fuse_layer_begin(q->srv->fuse, q->h.session_id, q->h.layer, &s, &plan, err,
-				sizeof(err));
+	code = fuse_layer_begin(q->srv->fuse, q->h.session_id, q->principal, q->h.layer, &s, &plan,
+				err, sizeof(err));
 	if (code) {
 		fail(q, code, "%s", err);
 		return;
 	}
+	/* The ring is shared only if this client mapped it: else the layer goes in frames. */
+	plan.shared_ring = plan.shared_ring && q->h.shared_ring;
 	in_bytes = (uint64_t)plan.rows_in * plan.row_bytes;
 	out_bytes = (uint64_t)plan.num_tokens * plan.row_bytes;
 	if (q->h.rows != plan.rows_in) {
@@ -988,7 +1013,8 @@ static void op_fuse_layer(struct req *q)
 			     q->h.shm_length, q->n_payload, 2 * in_bytes, plan.rows_in);
 			goto out;
 		}
-		if (shm_acquire(q->srv->shm, q->h.shm_id, q->h.shm_offset, 2 * in_bytes, &in_shm)) {
+		if (shm_acquire(q->srv->shm, q->h.shm_id, q->principal, q->h.shm_offset, 2 * in_bytes,
+				&in_shm)) {
 			fail(q, KVBP_BAD_SHM, "shared-memory segment %" PRIu64 ": unknown, expired or "
 			     "span outside it", q->h.shm_id);
 			goto out;
@@ -1072,8 +1098,8 @@ static void op_fuse_close(struct req *q)
 
 	if (no_payload(q))
 		return;
-	code = fuse_close(q->srv->fuse, q->h.session_id, &q->out->rep.stats, &q->out->rep.n_stats,
-			  err, sizeof(err));
+	code = fuse_close(q->srv->fuse, q->h.session_id, q->principal, &q->out->rep.stats,
+			  &q->out->rep.n_stats, err, sizeof(err));
 	if (code)
 		fail(q, code, "%s", err);
 }

@@ -108,6 +108,38 @@ static int bind_endpoint(struct server *srv, const char *ep)
 	return 0;
 }
 
+/*
+ * Shared memory for local clients: segment descriptors are handed out on a Unix
+ * socket beside the first IPC endpoint ("PATH.shm"). Without an IPC endpoint, or
+ * with shm_total 0, there is none.
+ */
+static int start_shm_server(struct server *srv)
+{
+	const struct config *cfg = srv->cfg;
+	char path[PATH_MAX];
+	int rc;
+
+	if (!cfg->shm_total)
+		return 0;
+	for (unsigned i = 0; i < cfg->n_listen; i++) {
+		if (strncmp(cfg->listen[i], "ipc://", 6))
+			continue;
+		snprintf(path, sizeof(path), "%s.shm", cfg->listen[i] + 6);
+		rc = shm_serve(srv->shm, path, (unsigned)cfg->socket_mode);
+		if (rc == -ENAMETOOLONG) {
+			log_warn("no shared memory: %s is too long for a socket path", path);
+			return 0;
+		}
+		if (rc) {
+			log_err("cannot serve shared memory on %s: %s", path, strerror(-rc));
+			return rc;
+		}
+		log_info("shared memory descriptors on %s", path);
+		return 0;
+	}
+	return 0;
+}
+
 /* The CURVE frontend, when a server key is configured; its ZAP handler, when client keys are. */
 static int start_curve(struct server *srv, int64_t maxmsg)
 {
@@ -427,7 +459,8 @@ static int forward_in(struct server *srv, unsigned i)
 	tag.extra = extra > UINT32_MAX ? UINT32_MAX : (uint32_t)extra;
 	for (size_t k = 0; k < n; k++)
 		tag.bytes += zmq_msg_size(&frames[k]);
-	principal_of(&frames[0], i, tag.principal, sizeof(tag.principal));
+	/* (the routing id frame may carry no metadata when the ROUTER prefetched it) */
+	principal_of(&frames[n > 1 ? 1 : 0], i, tag.principal, sizeof(tag.principal));
 	if (zmq_send(srv->backend, &tag, sizeof(tag), ZMQ_SNDMORE) < 0) {
 		rc = -errno;
 		for (size_t k = 0; k < n; k++)
@@ -488,8 +521,8 @@ int server_start(struct server *srv, const struct config *cfg, struct store *sto
 	srv->cfg = cfg;
 	srv->store = store;
 	clock_gettime(CLOCK_MONOTONIC, &srv->started);
-	rc = shm_table_new(cfg->shm_max, cfg->shm_total, cfg->shm_idle, (unsigned)cfg->socket_mode,
-			   &srv->shm);
+	rc = shm_table_new(cfg->shm_max, cfg->shm_total, cfg->shm_idle,
+			   (unsigned)cfg->client_shm_segments, &srv->shm);
 	if (rc)
 		return rc;
 	srv->zctx = zmq_ctx_new();
@@ -516,6 +549,9 @@ int server_start(struct server *srv, const struct config *cfg, struct store *sto
 	}
 	if (zmq_bind(srv->backend, WORKER_ENDPOINT))
 		return -errno;
+	rc = start_shm_server(srv);
+	if (rc)
+		return rc;
 	/* [routing id] [delimiter] [header] and K and V of every layer */
 	srv->in_cap = 2 * (size_t)cfg->max_layers + 3;
 	srv->in_frames = calloc(srv->in_cap, sizeof(zmq_msg_t));
@@ -536,7 +572,8 @@ int server_start(struct server *srv, const struct config *cfg, struct store *sto
 	srv->blend = blend_cpu_backend();
 	{
 		struct fuse_limits fl = { cfg->fuse_max_sessions, cfg->fuse_max_tokens,
-					  cfg->fuse_max_bytes, cfg->fuse_ring, cfg->fuse_idle };
+					  cfg->fuse_max_bytes, cfg->fuse_ring, cfg->fuse_idle,
+					  cfg->client_fuse_sessions };
 
 		rc = fuse_table_new(&fl, store, srv->pool, srv->blend, srv->shm, &srv->fuse);
 		if (rc)

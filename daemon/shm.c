@@ -1,33 +1,39 @@
 /* shm — client shared-memory segments; see shm.h. */
 #include "shm.h"
 
-#include <dirent.h>
 #include <errno.h>
-#include <signal.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <pthread.h>
+#include <signal.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/random.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
 
 #define SHM_SLOTS 256
+#define CACHE_MAX 8
+/* A descriptor request is 8 bytes: a client that sends less within this is dropped. */
+#define SERVE_TIMEOUT_MS 1000
 
 struct segment {
 	uint64_t id; /* 0: slot free */
-	char name[64];
+	int fd;	     /* the sealed memfd, passed to the owner */
 	void *base;
 	uint64_t size;
 	unsigned users;
-	bool unlinked;
-	bool detached;
-	bool reusable; /* a fuse ring: kept, named, for the next session when released */
-	bool cached;   /* idle in the reuse cache */
+	bool ring;     /* a fuse ring: the daemon's, kept for the owner's next session */
+	bool detached; /* released: unmapped once users drop to 0 */
+	bool cached;   /* a released ring, idle in the reuse cache */
+	char owner[SHM_OWNER_MAX];
 	time_t last_used;
 };
 
@@ -35,8 +41,14 @@ struct shm_table {
 	pthread_mutex_t lock;
 	struct segment seg[SHM_SLOTS];
 	uint64_t max_one, max_total, total, idle_s, counter;
-	unsigned mode;
+	unsigned per_owner;
 	bool closing;
+	/* descriptor server */
+	int listen_fd;
+	char path[sizeof(((struct sockaddr_un *)0)->sun_path)];
+	pthread_t thread;
+	bool serving;
+	atomic_bool stop;
 };
 
 static time_t now_s(void)
@@ -47,54 +59,22 @@ static time_t now_s(void)
 	return ts.tv_sec;
 }
 
-/* Segments left by a kvblendd that died without cleaning up: its pid is in the name. */
-static void sweep_stale(void)
-{
-	DIR *d = opendir("/dev/shm");
-	struct dirent *e;
-
-	if (!d)
-		return;
-	while ((e = readdir(d))) {
-		int pid;
-		char path[300];
-
-		if (sscanf(e->d_name, "kvblend-%d-", &pid) != 1 || pid <= 0)
-			continue;
-		if (kill(pid, 0) == 0 || errno != ESRCH)
-			continue;
-		snprintf(path, sizeof(path), "/%s", e->d_name);
-		shm_unlink(path);
-	}
-	closedir(d);
-}
-
-int shm_table_new(uint64_t max_one, uint64_t max_total, uint64_t idle_s, unsigned mode,
+int shm_table_new(uint64_t max_one, uint64_t max_total, uint64_t idle_s, unsigned per_owner,
 		  struct shm_table **out)
 {
 	struct shm_table *t = calloc(1, sizeof(*t));
 
-	sweep_stale();
 	if (!t)
 		return -ENOMEM;
 	pthread_mutex_init(&t->lock, NULL);
 	t->max_one = max_one;
 	t->max_total = max_total;
 	t->idle_s = idle_s;
-	t->mode = mode;
+	t->per_owner = per_owner;
+	t->listen_fd = -1;
 	*out = t;
 	return 0;
 }
-
-static void seg_unlink(struct segment *s)
-{
-	if (!s->unlinked) {
-		shm_unlink(s->name);
-		s->unlinked = true;
-	}
-}
-
-#define CACHE_MAX 8
 
 /* Called with the lock held, once no request uses the segment. */
 static void seg_destroy(struct shm_table *t, struct segment *s)
@@ -105,14 +85,14 @@ static void seg_destroy(struct shm_table *t, struct segment *s)
 		cached += t->seg[i].id && t->seg[i].cached;
 	/* A released ring goes to the cache: its pages are already faulted in, and a new
 	 * segment of that size would cost a page fault and a zeroed page per 4 KiB. */
-	if (s->reusable && !s->cached && cached < CACHE_MAX && !t->closing) {
+	if (s->ring && !s->cached && cached < CACHE_MAX && !t->closing) {
 		s->cached = true;
 		s->detached = true;
 		s->last_used = now_s();
 		return;
 	}
-	seg_unlink(s);
 	munmap(s->base, s->size);
+	close(s->fd);
 	t->total -= s->size;
 	memset(s, 0, sizeof(*s));
 }
@@ -123,19 +103,28 @@ void shm_table_free(struct shm_table **tp)
 
 	if (!t)
 		return;
+	if (t->serving) {
+		atomic_store(&t->stop, true);
+		pthread_join(t->thread, NULL);
+	}
+	if (t->listen_fd >= 0) {
+		close(t->listen_fd);
+		unlink(t->path);
+	}
 	t->closing = true;
 	for (int i = 0; i < SHM_SLOTS; i++)
-		if (t->seg[i].id)
+		if (t->seg[i].id && t->seg[i].id != UINT64_MAX)
 			seg_destroy(t, &t->seg[i]);
 	pthread_mutex_destroy(&t->lock);
 	free(t);
 	*tp = NULL;
 }
 
+/* A live segment (not released, not being created) by id. */
 static struct segment *find(struct shm_table *t, uint64_t id)
 {
 	for (int i = 0; i < SHM_SLOTS; i++)
-		if (id && t->seg[i].id == id && !t->seg[i].detached)
+		if (id && id != UINT64_MAX && t->seg[i].id == id && !t->seg[i].detached)
 			return &t->seg[i];
 	return NULL;
 }
@@ -160,34 +149,75 @@ static uint64_t new_segment_id(struct shm_table *t)
 	}
 }
 
-/* Drop cached rings until size more bytes fit (lock held). */
+/* Drop cached rings until size more bytes fit, or, with need_slot, a slot is free (lock held). */
 static void cache_make_room(struct shm_table *t, uint64_t size)
 {
 	for (int i = 0; i < SHM_SLOTS && t->total + size > t->max_total; i++)
 		if (t->seg[i].id && t->seg[i].cached) {
-			t->seg[i].reusable = false;
+			t->seg[i].ring = false;
 			seg_destroy(t, &t->seg[i]);
 		}
 }
 
-static int create(struct shm_table *t, uint64_t size, bool reusable, uint64_t *id, char *name,
-		  size_t name_len, uint64_t *actual)
+static struct segment *free_slot(struct shm_table *t)
+{
+	for (int i = 0; i < SHM_SLOTS; i++)
+		if (!t->seg[i].id)
+			return &t->seg[i];
+	/* every slot in use: a cached ring gives its slot up */
+	for (int i = 0; i < SHM_SLOTS; i++)
+		if (t->seg[i].cached) {
+			t->seg[i].ring = false;
+			seg_destroy(t, &t->seg[i]);
+			return &t->seg[i];
+		}
+	return NULL;
+}
+
+/* A sealed memfd of size bytes, mapped. */
+static int make_memfd(uint64_t size, int *fd_out, void **base_out)
+{
+	int fd = memfd_create("kvblend", MFD_CLOEXEC | MFD_ALLOW_SEALING), rc = 0;
+	void *base;
+
+	if (fd < 0)
+		return -errno;
+	if (ftruncate(fd, (off_t)size) ||
+	    fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL)) {
+		rc = -errno;
+		close(fd);
+		return rc;
+	}
+	base = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+	if (base == MAP_FAILED) {
+		rc = -errno;
+		close(fd);
+		return rc;
+	}
+	*fd_out = fd;
+	*base_out = base;
+	return 0;
+}
+
+static int create(struct shm_table *t, uint64_t size, bool ring, const char *owner, uint64_t *id,
+		  uint64_t *actual)
 {
 	struct segment *s = NULL;
-	uint64_t rnd = 0, new_id;
-	void *base;
-	char nm[64];
-	int fd, rc = 0;
+	unsigned held = 0;
+	uint64_t new_id = 0;
+	void *base = NULL;
+	int fd = -1, rc = 0;
 
 	if (size == 0 || size > t->max_one)
 		return -E2BIG;
 	pthread_mutex_lock(&t->lock);
-	if (reusable) {
-		/* A cached ring of this size, or up to twice it, is used as it is. */
+	if (ring) {
+		/* A cached ring of this owner and size, or up to twice it, is used as it is. */
 		for (int i = 0; i < SHM_SLOTS; i++) {
 			struct segment *c = &t->seg[i];
 
-			if (!c->id || !c->cached || c->size < size || c->size > 2 * size)
+			if (!c->id || !c->cached || c->size < size || c->size > 2 * size ||
+			    strcmp(c->owner, owner))
 				continue;
 			c->cached = false;
 			c->detached = false;
@@ -196,19 +226,23 @@ static int create(struct shm_table *t, uint64_t size, bool reusable, uint64_t *i
 			c->last_used = now_s();
 			*id = c->id;
 			*actual = c->size;
-			snprintf(name, name_len, "%s", c->name);
 			pthread_mutex_unlock(&t->lock);
 			return 0;
 		}
+	} else {
+		for (int i = 0; i < SHM_SLOTS; i++)
+			held += t->seg[i].id && !t->seg[i].ring && !t->seg[i].detached &&
+				!strcmp(t->seg[i].owner, owner);
+		if (held >= t->per_owner)
+			rc = -EDQUOT;
 	}
-	cache_make_room(t, size);
-	if (t->max_total == 0 || t->total + size > t->max_total)
-		rc = -ENOSPC;
-	for (int i = 0; i < SHM_SLOTS && !rc && !s; i++)
-		if (!t->seg[i].id)
-			s = &t->seg[i];
-	if (!rc && !s)
-		rc = -ENOSPC;
+	if (!rc) {
+		cache_make_room(t, size);
+		if (t->max_total == 0 || t->total + size > t->max_total)
+			rc = -ENOSPC;
+	}
+	if (!rc && !(s = free_slot(t)))
+		rc = -EMFILE;
 	if (!rc) {
 		t->total += size; /* reserve while we create outside the lock */
 		s->id = UINT64_MAX; /* slot taken, not yet findable */
@@ -218,80 +252,55 @@ static int create(struct shm_table *t, uint64_t size, bool reusable, uint64_t *i
 	pthread_mutex_unlock(&t->lock);
 	if (rc)
 		return rc;
-	/* The name is unguessable so that another local user cannot map it first. */
-	if (getrandom(&rnd, sizeof(rnd), 0) != sizeof(rnd))
-		rnd = (uint64_t)now_s() * 2654435761u;
-	snprintf(nm, sizeof(nm), "/kvblend-%d-%llu-%016llx", (int)getpid(),
-		 (unsigned long long)new_id, (unsigned long long)rnd);
-	fd = shm_open(nm, O_CREAT | O_EXCL | O_RDWR, 0600);
-	if (fd < 0) {
-		rc = -errno;
-		goto fail;
-	}
-	if (fchmod(fd, t->mode & 0666) || ftruncate(fd, (off_t)size)) {
-		rc = -errno;
-		close(fd);
-		shm_unlink(nm);
-		goto fail;
-	}
-	base = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-	close(fd);
-	if (base == MAP_FAILED) {
-		rc = -errno;
-		shm_unlink(nm);
-		goto fail;
-	}
+	rc = make_memfd(size, &fd, &base);
 	pthread_mutex_lock(&t->lock);
-	snprintf(s->name, sizeof(s->name), "%s", nm);
-	s->base = base;
-	s->size = size;
-	s->users = 0;
-	s->unlinked = false;
-	s->detached = false;
-	s->last_used = now_s();
-	s->reusable = reusable;
-	s->cached = false;
-	s->id = new_id;
-	pthread_mutex_unlock(&t->lock);
-	*id = new_id;
-	*actual = size;
-	snprintf(name, name_len, "%s", nm);
-	return 0;
-fail:
-	pthread_mutex_lock(&t->lock);
-	t->total -= size;
-	memset(s, 0, sizeof(*s));
+	if (rc) {
+		t->total -= size;
+		memset(s, 0, sizeof(*s));
+	} else {
+		s->fd = fd;
+		s->base = base;
+		s->size = size;
+		s->users = 0;
+		s->detached = false;
+		s->last_used = now_s();
+		s->ring = ring;
+		s->cached = false;
+		snprintf(s->owner, sizeof(s->owner), "%s", owner);
+		s->id = new_id;
+		*id = new_id;
+		*actual = size;
+	}
 	pthread_mutex_unlock(&t->lock);
 	return rc;
 }
 
-int shm_create(struct shm_table *t, uint64_t size, uint64_t *id, char *name, size_t name_len)
+int shm_create(struct shm_table *t, uint64_t size, const char *owner, uint64_t *id)
 {
 	uint64_t actual;
 
-	return create(t, size, false, id, name, name_len, &actual);
+	return create(t, size, false, owner, id, &actual);
 }
 
-int shm_create_ring(struct shm_table *t, uint64_t size, uint64_t *id, char *name, size_t name_len,
+int shm_create_ring(struct shm_table *t, uint64_t size, const char *owner, uint64_t *id,
 		    uint64_t *actual)
 {
-	return create(t, size, true, id, name, name_len, actual);
+	return create(t, size, true, owner, id, actual);
 }
 
-int shm_acquire(struct shm_table *t, uint64_t id, uint64_t offset, uint64_t length, void **addr)
+int shm_acquire(struct shm_table *t, uint64_t id, const char *owner, uint64_t offset,
+		uint64_t length, void **addr)
 {
 	struct segment *s;
 	int rc = 0;
 
 	pthread_mutex_lock(&t->lock);
 	s = find(t, id);
-	if (!s)
+	if (!s || s->ring || strcmp(s->owner, owner))
 		rc = -ENOENT;
 	else if (offset > s->size || length > s->size - offset)
 		rc = -ERANGE;
 	if (!rc) {
-		/* The client has mapped it if it uses it: the name can go. */
-		seg_unlink(s);
 		s->users++;
 		s->last_used = now_s();
 		*addr = (uint8_t *)s->base + offset;
@@ -320,7 +329,7 @@ void shm_release(struct shm_table *t, uint64_t id)
 	for (int i = 0; i < SHM_SLOTS; i++) {
 		struct segment *s = &t->seg[i];
 
-		if (s->id != id)
+		if (s->id != id || s->cached)
 			continue;
 		s->users--;
 		s->last_used = now_s();
@@ -331,12 +340,14 @@ void shm_release(struct shm_table *t, uint64_t id)
 	pthread_mutex_unlock(&t->lock);
 }
 
-int shm_detach(struct shm_table *t, uint64_t id)
+int shm_detach(struct shm_table *t, uint64_t id, const char *owner)
 {
 	struct segment *s;
 
 	pthread_mutex_lock(&t->lock);
 	s = find(t, id);
+	if (s && owner && (s->ring || strcmp(s->owner, owner)))
+		s = NULL;
 	if (s) {
 		s->detached = true;
 		if (!s->users)
@@ -355,10 +366,10 @@ unsigned shm_expire(struct shm_table *t)
 	for (int i = 0; i < SHM_SLOTS; i++) {
 		struct segment *s = &t->seg[i];
 
-		if (!s->id || s->users || (uint64_t)(now - s->last_used) < t->idle_s ||
-		    (s->detached && !s->cached))
+		if (!s->id || s->id == UINT64_MAX || s->users ||
+		    (uint64_t)(now - s->last_used) < t->idle_s || (s->detached && !s->cached))
 			continue;
-		s->reusable = false; /* idle too long: really free it */
+		s->ring = false; /* idle too long: really free it */
 		s->detached = true;
 		seg_destroy(t, s);
 		n++;
@@ -377,4 +388,138 @@ void shm_usage(struct shm_table *t, uint64_t *count, uint64_t *bytes)
 	*count = n;
 	*bytes = t->total;
 	pthread_mutex_unlock(&t->lock);
+}
+
+/* ---- descriptor server ---- */
+
+/* A duplicate of segment id's descriptor when peer is its owner, else -ENOENT. */
+static int owner_fd(struct shm_table *t, uint64_t id, const char *peer)
+{
+	struct segment *s;
+	int fd = -ENOENT;
+
+	pthread_mutex_lock(&t->lock);
+	s = find(t, id);
+	if (s && !strcmp(s->owner, peer)) {
+		fd = fcntl(s->fd, F_DUPFD_CLOEXEC, 0);
+		if (fd < 0)
+			fd = -errno;
+		s->last_used = now_s();
+	}
+	pthread_mutex_unlock(&t->lock);
+	return fd;
+}
+
+/* Answer one connection: status byte, with the descriptor when ok. Never blocks for long. */
+static void serve_one(struct shm_table *t, int c)
+{
+	struct timeval tv = { SERVE_TIMEOUT_MS / 1000, (SERVE_TIMEOUT_MS % 1000) * 1000 };
+	struct ucred cred;
+	socklen_t cl = sizeof(cred);
+	uint8_t req[8], status = 0;
+	char peer[SHM_OWNER_MAX];
+	uint64_t id = 0;
+	ssize_t got = 0;
+	int fd;
+
+	setsockopt(c, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+	setsockopt(c, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+	if (getsockopt(c, SOL_SOCKET, SO_PEERCRED, &cred, &cl))
+		return;
+	while (got < (ssize_t)sizeof(req)) {
+		ssize_t r = recv(c, req + got, sizeof(req) - (size_t)got, 0);
+
+		if (r <= 0)
+			return;
+		got += r;
+	}
+	for (int i = 7; i >= 0; i--)
+		id = id << 8 | req[i];
+	/* the same principal as server.c builds from ZeroMQ's Peer-Address */
+	snprintf(peer, sizeof(peer), "ipc:%u:%u:%d", (unsigned)cred.uid, (unsigned)cred.gid,
+		 (int)cred.pid);
+	fd = owner_fd(t, id, peer);
+	if (fd < 0) {
+		status = 1;
+		send(c, &status, 1, MSG_NOSIGNAL);
+		return;
+	}
+	{
+		union {
+			char buf[CMSG_SPACE(sizeof(int))];
+			struct cmsghdr align;
+		} u;
+		struct iovec iov = { &status, 1 };
+		struct msghdr mh = { .msg_iov = &iov, .msg_iovlen = 1, .msg_control = u.buf,
+				     .msg_controllen = sizeof(u.buf) };
+		struct cmsghdr *cm;
+
+		memset(&u, 0, sizeof(u));
+		cm = CMSG_FIRSTHDR(&mh);
+		cm->cmsg_level = SOL_SOCKET;
+		cm->cmsg_type = SCM_RIGHTS;
+		cm->cmsg_len = CMSG_LEN(sizeof(int));
+		memcpy(CMSG_DATA(cm), &fd, sizeof(int));
+		sendmsg(c, &mh, MSG_NOSIGNAL);
+	}
+	close(fd);
+}
+
+static void *serve_main(void *arg)
+{
+	struct shm_table *t = arg;
+
+	while (!atomic_load(&t->stop)) {
+		struct pollfd p = { t->listen_fd, POLLIN, 0 };
+		int c;
+
+		if (poll(&p, 1, 200) <= 0)
+			continue;
+		c = accept4(t->listen_fd, NULL, NULL, SOCK_CLOEXEC);
+		if (c < 0) {
+			if (errno == EMFILE || errno == ENFILE)
+				usleep(10000); /* out of descriptors: let the backlog wait */
+			continue;
+		}
+		serve_one(t, c);
+		close(c);
+	}
+	return NULL;
+}
+
+int shm_serve(struct shm_table *t, const char *path, unsigned mode)
+{
+	struct sockaddr_un a = { .sun_family = AF_UNIX };
+	sigset_t all, old;
+	int fd, rc;
+
+	if (strlen(path) >= sizeof(a.sun_path))
+		return -ENAMETOOLONG;
+	strcpy(a.sun_path, path);
+	fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+	if (fd < 0)
+		return -errno;
+	unlink(path);
+	if (bind(fd, (struct sockaddr *)&a, sizeof(a)) || chmod(path, mode & 0777) ||
+	    listen(fd, 128)) {
+		rc = -errno;
+		close(fd);
+		unlink(path);
+		return rc;
+	}
+	t->listen_fd = fd;
+	snprintf(t->path, sizeof(t->path), "%s", path);
+	sigfillset(&all);
+	pthread_sigmask(SIG_BLOCK, &all, &old);
+	rc = pthread_create(&t->thread, NULL, serve_main, t);
+	pthread_sigmask(SIG_SETMASK, &old, NULL);
+	if (rc)
+		return -rc;
+	t->serving = true;
+	return 0;
+}
+
+const char *shm_path(const struct shm_table *t)
+{
+	return t->serving ? t->path : "";
 }

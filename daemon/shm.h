@@ -1,16 +1,20 @@
 /*
- * shm — shared-memory segments that local clients attach to, so that bulk
- * tensors cross between the daemon and a client on the same machine without
- * socket copies. ZeroMQ then carries only the header frames.
+ * shm — shared-memory segments that local clients map, so that bulk tensors
+ * cross between the daemon and a client on the same machine without socket
+ * copies. ZeroMQ then carries only the header frames.
  *
- * The daemon creates each segment (POSIX shm, mode from socket_mode), the
- * client maps it by name; the name is unlinked at the first request that uses
- * it, so a crash of either side leaves nothing behind. Segments unused for
- * shm_idle seconds are released. Thread-safe.
+ * A segment is a sealed memfd: its size cannot change (F_SEAL_SHRINK, GROW),
+ * so a client cannot truncate it under the daemon, and it has no name in
+ * /dev/shm that another local user could open. The client gets its file
+ * descriptor over a Unix socket beside the IPC endpoint (shm_serve), which
+ * checks the peer's credentials: only the segment's owner receives it.
  *
- * Trust: a local client that truncates its segment while the daemon copies into
- * it makes the daemon fault; IPC clients are trusted local users (the socket is
- * mode 0660), as they are for everything else they can do to the cache.
+ * Every segment belongs to one owner, the principal of the client that made it
+ * (server.c: "ipc:UID:GID:PID"), and is of one kind: a client segment (the
+ * client's requests name it) or a fuse ring (only the daemon uses it; the
+ * client maps it read-only). Requests reach only client segments of their own
+ * owner. A released ring is kept for a later session of the same owner.
+ * Segments unused for shm_idle seconds are released. Thread-safe.
  */
 #ifndef KVBLEND_DAEMON_SHM_H
 #define KVBLEND_DAEMON_SHM_H
@@ -20,46 +24,66 @@
 
 struct shm_table;
 
-/* max_one: largest segment; max_total: all together (0 disables); idle_s: lifetime unused. */
-int shm_table_new(uint64_t max_one, uint64_t max_total, uint64_t idle_s, unsigned mode,
+/* Longest owner string, NUL included. */
+#define SHM_OWNER_MAX 96
+
+/*
+ * max_one: largest segment; max_total: all together (0 disables); idle_s: lifetime
+ * unused; per_owner: client segments one owner may hold at once.
+ */
+int shm_table_new(uint64_t max_one, uint64_t max_total, uint64_t idle_s, unsigned per_owner,
 		  struct shm_table **out);
-/* Unmap and unlink every segment. Accepts NULL. */
+/* Stop serving descriptors, unmap and close every segment. Accepts NULL. */
 void shm_table_free(struct shm_table **t);
 
 /*
- * Create a segment of size bytes. Returns 0 with its id and name (name_len >=
- * 64), -E2BIG above max_one, -ENOSPC when max_total would be exceeded, or a
- * negative errno from shm_open/ftruncate/mmap.
+ * Hand out segment descriptors on a Unix stream socket at path (created with
+ * mode; an old file there is replaced): a client connects, sends the 8-byte
+ * segment id (little-endian) and receives one status byte (0: ok) with the
+ * descriptor attached (SCM_RIGHTS) when its credentials are the segment's owner.
+ * Returns 0 or a negative errno. Until this runs, shm_path() is empty.
  */
-int shm_create(struct shm_table *t, uint64_t size, uint64_t *id, char *name, size_t name_len);
+int shm_serve(struct shm_table *t, const char *path, unsigned mode);
+/* The socket path clients fetch descriptors from ("" when not serving). */
+const char *shm_path(const struct shm_table *t);
 
 /*
- * A segment for a fuse session's shared ring: like shm_create(), but when it is
- * released it stays (named, mapped) in a small cache, and a later ring of the
- * same size (up to twice smaller) reuses it: no page faults, no zeroing. Its
- * name is never unlinked while cached; stale ones of a dead daemon are swept at
- * start. *actual receives the segment's size.
+ * Create a client segment of size bytes for owner. Returns 0 with its id, -E2BIG
+ * above max_one (or for 0), -ENOSPC when max_total would be exceeded, -EMFILE when
+ * every slot is taken, -EDQUOT when owner holds per_owner segments already, or a
+ * negative errno from memfd_create/ftruncate/mmap.
  */
-int shm_create_ring(struct shm_table *t, uint64_t size, uint64_t *id, char *name, size_t name_len,
+int shm_create(struct shm_table *t, uint64_t size, const char *owner, uint64_t *id);
+
+/*
+ * A fuse session's ring for owner: like shm_create(), but not counted against
+ * per_owner, and when it is released it stays mapped in a small cache, so that a
+ * later ring of the same owner and size (up to twice smaller) reuses it: no page
+ * faults, no zeroing. Rings are never reused across owners. *actual receives the
+ * segment's size.
+ */
+int shm_create_ring(struct shm_table *t, uint64_t size, const char *owner, uint64_t *id,
 		    uint64_t *actual);
 
 /*
- * Borrow [offset, offset+length) of segment id for one request; returns 0 and
- * the address, -ENOENT for an unknown id, -ERANGE when the span is outside the
- * segment. Every successful call is paired with shm_release().
+ * Borrow [offset, offset+length) of owner's client segment id for one request;
+ * returns 0 and the address, -ENOENT for an id that is unknown, a ring, or
+ * another owner's, -ERANGE when the span is outside the segment. Every
+ * successful call is paired with shm_release().
  */
-int shm_acquire(struct shm_table *t, uint64_t id, uint64_t offset, uint64_t length, void **addr);
+int shm_acquire(struct shm_table *t, uint64_t id, const char *owner, uint64_t offset,
+		uint64_t length, void **addr);
 void shm_release(struct shm_table *t, uint64_t id);
 
-/*
- * Hold the whole of segment id for the daemon's own use (a fuse session's
- * shared ring), without unlinking its name: the client has yet to map it.
- * Pair with shm_release(). Returns 0 or -ENOENT.
- */
+/* Hold the whole of segment id (any kind) for the daemon's own use. Pair with shm_release(). */
 int shm_hold(struct shm_table *t, uint64_t id, void **base);
 
-/* Release a segment now (it is unmapped once no request uses it). -ENOENT if unknown. */
-int shm_detach(struct shm_table *t, uint64_t id);
+/*
+ * Release a segment now (it is unmapped once no request uses it). With an owner,
+ * only that owner's client segment; with NULL (the daemon itself), any. -ENOENT
+ * if there is no such segment.
+ */
+int shm_detach(struct shm_table *t, uint64_t id, const char *owner);
 
 /* Release segments idle for longer than idle_s; returns how many. Call periodically. */
 unsigned shm_expire(struct shm_table *t);

@@ -460,7 +460,7 @@ static void test_bad_input(void **state)
 	q.shm_id = 12345;
 	q.shm_length = 6 * tb;
 	code = raw_request(&r, &q, NULL, NULL, 0, msg, sizeof(msg));
-	EXPECT(KVBP_BAD_SHM, "unknown or expired");
+	EXPECT(KVBP_BAD_SHM, "unknown, expired or not this client's");
 	/* Nothing of all that was stored: */
 	{
 		struct kvb_chunk_info ci;

@@ -18,7 +18,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -438,6 +440,403 @@ static void put_from_changing_shm(void **state)
 	free(out);
 }
 
+/* Like raw_recv, also counting the payload frames and checking each is `each` bytes. */
+static uint32_t raw_recv_payload(struct raw *r, struct kvbp_reply *rep, size_t *n_payload,
+				 size_t each)
+{
+	char err[256];
+	zmq_msg_t m;
+	int more;
+
+	*n_payload = 0;
+	zmq_msg_init(&m);
+	assert_true(zmq_msg_recv(&m, r->sock, 0) >= 0);
+	assert_int_equal(zmq_msg_size(&m), 0);
+	assert_true(zmq_msg_recv(&m, r->sock, 0) >= 0);
+	more = zmq_msg_more(&m);
+	assert_int_equal(kvbp_reply_decode(zmq_msg_data(&m), zmq_msg_size(&m), rep, err,
+					   sizeof(err)), 0);
+	while (more) {
+		assert_true(zmq_msg_recv(&m, r->sock, 0) >= 0);
+		more = zmq_msg_more(&m);
+		assert_int_equal(zmq_msg_size(&m), each);
+		(*n_payload)++;
+	}
+	zmq_msg_close(&m);
+	return rep->code;
+}
+
+/* A segment's descriptor from the daemon's descriptor socket, as libkvblend gets it. */
+static int fetch_fd(const char *path, uint64_t id)
+{
+	struct sockaddr_un a = { .sun_family = AF_UNIX };
+	union {
+		char buf[CMSG_SPACE(sizeof(int))];
+		struct cmsghdr align;
+	} u;
+	uint8_t req[8], status = 1;
+	struct iovec iov = { &status, 1 };
+	struct msghdr mh = { .msg_iov = &iov, .msg_iovlen = 1, .msg_control = u.buf,
+			     .msg_controllen = sizeof(u.buf) };
+	struct cmsghdr *cm;
+	int s = socket(AF_UNIX, SOCK_STREAM, 0), fd = -1;
+
+	memset(&u, 0, sizeof(u));
+	snprintf(a.sun_path, sizeof(a.sun_path), "%s", path);
+	for (int i = 0; i < 8; i++)
+		req[i] = (uint8_t)(id >> (8 * i));
+	if (connect(s, (struct sockaddr *)&a, sizeof(a)) == 0 && send(s, req, 8, 0) == 8 &&
+	    recvmsg(s, &mh, 0) == 1 && status == 0) {
+		cm = CMSG_FIRSTHDR(&mh);
+		if (cm && cm->cmsg_type == SCM_RIGHTS)
+			memcpy(&fd, CMSG_DATA(cm), sizeof(int));
+	}
+	close(s);
+	return fd;
+}
+
+/* Names in /dev/shm of the daemon pid (kvblendd used to name its segments kvblend-PID-...). */
+static unsigned names_in_dev_shm(pid_t pid)
+{
+	char cmd[128];
+	FILE *p;
+	unsigned n = 0;
+
+	snprintf(cmd, sizeof(cmd), "ls /dev/shm 2>/dev/null | grep -c '^kvblend-%d-' || true", (int)pid);
+	p = popen(cmd, "r");
+	assert_non_null(p);
+	if (fscanf(p, "%u", &n) != 1)
+		n = 0;
+	pclose(p);
+	return n;
+}
+
+/* Open a fuse session over hash with a shared ring; returns the reply (caller clears). */
+static void raw_fuse_open(struct raw *r, const uint8_t *hash, struct kvbp_reply *rep)
+{
+	struct kvbp_request q;
+	struct kvbp_segment seg;
+	uint32_t check;
+	double ratio;
+
+	fuse_open_req(&q, hash, &seg, &check, &ratio);
+	q.shared_ring = true;
+	memset(rep, 0, sizeof(*rep));
+	assert_int_equal(raw_call(r, &q, NULL, NULL, 0, rep), KVBP_OK);
+}
+
+/*
+ * Defect 4: a request naming a ring's id must not reach the ring (it used to unlink
+ * its name, so the next session could not map it), and a client that does not map
+ * its ring gets the fused layers in frames.
+ */
+static void ring_not_reachable_by_requests(void **state)
+{
+	struct daemon d;
+	uint8_t hash[KVB_HASH_LEN];
+	size_t bytes = (size_t)T * ROW, n_payload;
+	uint8_t *k = calloc(1, bytes), *v = calloc(1, bytes);
+	const void *pl[2] = { k, v };
+	size_t lens[2] = { bytes, bytes };
+	struct kvbp_reply rep, open;
+	struct kvbp_request q;
+	kvb_client *c;
+	struct raw r;
+
+	(void)state;
+	daemon_start(&d, NULL);
+	c = daemon_client(&d, 0);
+	assert_int_equal(kvb_model_register(c, &model, NULL), 0);
+	put_chunk(c, 1, hash);
+	raw_open(&r, d.endpoint);
+	raw_fuse_open(&r, hash, &open);
+	assert_true(open.shm_id != 0);
+	/* a GET into the ring, a detach of it: neither reaches it */
+	memset(&q, 0, sizeof(q));
+	q.op = KVBP_OP_GET;
+	snprintf(q.model_name, sizeof(q.model_name), "%s", model.name);
+	q.has_hash = true;
+	memcpy(q.hash, hash, KVB_HASH_LEN);
+	q.has_shm = true;
+	q.shm_id = open.shm_id;
+	q.shm_length = open.shm_size;
+	memset(&rep, 0, sizeof(rep));
+	assert_int_equal(raw_call(&r, &q, NULL, NULL, 0, &rep), KVBP_BAD_SHM);
+	kvbp_reply_clear(&rep);
+	memset(&q, 0, sizeof(q));
+	q.op = KVBP_OP_SHM_DETACH;
+	q.has_shm = true;
+	q.shm_id = open.shm_id;
+	memset(&rep, 0, sizeof(rep));
+	assert_int_equal(raw_call(&r, &q, NULL, NULL, 0, &rep), KVBP_BAD_SHM);
+	kvbp_reply_clear(&rep);
+	/* this client never maps the ring: layers come in frames */
+	{
+		uint32_t rows = T;
+
+		for (uint32_t layer = 1; layer < L; layer++) {
+			memset(&q, 0, sizeof(q));
+			q.op = KVBP_OP_FUSE_LAYER;
+			q.session_id = open.session_id;
+			q.layer = layer;
+			q.rows = rows;
+			lens[0] = lens[1] = (size_t)rows * ROW;
+			raw_send(&r, &q, pl, lens, 2);
+			memset(&rep, 0, sizeof(rep));
+			assert_int_equal(raw_recv_payload(&r, &rep, &n_payload, bytes), KVBP_OK);
+			assert_int_equal(n_payload, layer == 1 ? 0 : 2);
+			rows = rep.rows_next;
+			if (layer + 1 < L)
+				kvbp_reply_clear(&rep);
+		}
+	}
+	kvbp_reply_clear(&rep);
+	kvbp_reply_clear(&open);
+	/* a session of the library, which maps its ring, gets its layers in place */
+	{
+		struct kvb_segment seg = { .pos = 0 };
+		uint32_t checks[1] = { 1 };
+		double ratios[1] = { 0.25 };
+		struct kvb_fuse_params p = { .check_layers = checks, .ratios = ratios, .n_checks = 1 };
+		kvb_fuse *f;
+		const void *rk, *rv;
+
+		memcpy(seg.hash, hash, KVB_HASH_LEN);
+		assert_int_equal(kvb_fuse_open(c, model.name, &seg, 1, &p, &f, NULL, NULL), 0);
+		for (uint32_t layer = 1; layer < L; layer++) {
+			const int32_t *rows;
+			size_t nr = kvb_fuse_rows(f, &rows);
+			int fused;
+
+			(void)nr;
+			assert_int_equal(kvb_fuse_layer(c, f, layer, k, v, NULL, NULL, &fused), 0);
+			if (layer > 1)
+				assert_int_equal(kvb_fuse_output(f, &rk, &rv), 0);
+		}
+		assert_int_equal(kvb_fuse_close(c, &f, NULL, NULL), 0);
+	}
+	assert_int_equal(names_in_dev_shm(d.pid), 0);
+	raw_close(&r);
+	kvb_close(&c);
+	daemon_stop(&d);
+	daemon_cleanup(&d);
+	free(k);
+	free(v);
+}
+
+/*
+ * Defect 3: a ring belongs to one client. Another process's session never gets
+ * this one's ring (its memory starts zeroed, not holding our fused KV), cannot
+ * fetch our ring's descriptor, and no ring has a name in /dev/shm to open.
+ */
+static void ring_not_shared_across_clients(void **state)
+{
+	struct daemon d;
+	uint8_t hash[KVB_HASH_LEN];
+	char sock_path[700];
+	struct kvbp_reply open;
+	kvb_client *c;
+	struct raw r;
+	pid_t pid;
+	int status, fds[2];
+	uint64_t child_ring = 0;
+
+	(void)state;
+	daemon_start(&d, NULL);
+	c = daemon_client(&d, 0);
+	assert_int_equal(kvb_model_register(c, &model, NULL), 0);
+	put_chunk(c, 1, hash);
+	/* our session: fused KV of the chunk lands in our ring */
+	{
+		struct kvb_segment seg = { .pos = 100 };
+		uint32_t checks[1] = { 1 };
+		double ratios[1] = { 0.25 };
+		struct kvb_fuse_params p = { .check_layers = checks, .ratios = ratios, .n_checks = 1 };
+		uint8_t *k = calloc(1, (size_t)T * ROW), *v = calloc(1, (size_t)T * ROW);
+		kvb_fuse *f;
+
+		memcpy(seg.hash, hash, KVB_HASH_LEN);
+		assert_int_equal(kvb_fuse_open(c, model.name, &seg, 1, &p, &f, NULL, NULL), 0);
+		for (uint32_t layer = 1; layer < L; layer++)
+			assert_int_equal(kvb_fuse_layer(c, f, layer, k, v, NULL, NULL, NULL), 0);
+		assert_int_equal(kvb_fuse_close(c, &f, NULL, NULL), 0);
+		free(k);
+		free(v);
+	}
+	snprintf(sock_path, sizeof(sock_path), "%s.shm", d.endpoint + 6);
+	/* another process opens a session; its ring must be new memory */
+	assert_int_equal(pipe(fds), 0);
+	pid = fork();
+	assert_true(pid >= 0);
+	if (pid == 0) {
+		struct raw cr;
+		int fd, bad = 0;
+
+		raw_open(&cr, d.endpoint);
+		raw_fuse_open(&cr, hash, &open);
+		fd = fetch_fd(sock_path, open.shm_id);
+		if (fd < 0) {
+			bad = 2;
+		} else {
+			const uint8_t *m = mmap(NULL, open.shm_size, PROT_READ, MAP_SHARED, fd, 0);
+
+			/* the prefetch may fill the first slots; the last one is untouched */
+			for (uint64_t i = open.shm_size - open.slot_bytes; m != MAP_FAILED &&
+			     i < open.shm_size; i++)
+				bad |= m[i] != 0;
+		}
+		if (write(fds[1], &open.shm_id, 8) != 8)
+			bad = 3;
+		sleep(1); /* keep the session open while the parent tries our ring */
+		_exit(bad);
+	}
+	close(fds[1]);
+	assert_int_equal(read(fds[0], &child_ring, 8), 8);
+	close(fds[0]);
+	/* we may not fetch the other client's ring */
+	assert_int_equal(fetch_fd(sock_path, child_ring), -1);
+	assert_int_equal(waitpid(pid, &status, 0), pid);
+	assert_true(WIFEXITED(status));
+	assert_int_equal(WEXITSTATUS(status), 0);
+	assert_int_equal(names_in_dev_shm(d.pid), 0);
+	raw_open(&r, d.endpoint);
+	raw_close(&r);
+	kvb_close(&c);
+	daemon_stop(&d);
+	daemon_cleanup(&d);
+}
+
+/*
+ * Defect 8: a client truncating its segment used to kill the daemon with SIGBUS.
+ * Segments are sealed: the truncation fails, and the daemon serves on.
+ */
+static void segment_cannot_be_truncated(void **state)
+{
+	struct daemon d;
+	uint8_t hash[KVB_HASH_LEN];
+	size_t bytes = (size_t)L * 2 * T * ROW;
+	struct kvbp_request q = { .op = KVBP_OP_SHM_ATTACH, .shm_size = 8u << 20 };
+	struct kvbp_reply rep = { 0 };
+	kvb_client *c;
+	struct raw r;
+	int fd;
+
+	(void)state;
+	daemon_start(&d, NULL);
+	c = daemon_client(&d, 1);
+	assert_int_equal(kvb_model_register(c, &model, NULL), 0);
+	put_chunk(c, 1, hash);
+	raw_open(&r, d.endpoint);
+	assert_int_equal(raw_call(&r, &q, NULL, NULL, 0, &rep), KVBP_OK);
+	fd = fetch_fd(rep.shm_name, rep.shm_id);
+	assert_true(fd >= 0);
+	assert_int_equal(ftruncate(fd, 0), -1);
+	assert_int_equal(errno, EPERM);
+	/* a GET into it: served whole */
+	memset(&q, 0, sizeof(q));
+	q.op = KVBP_OP_GET;
+	snprintf(q.model_name, sizeof(q.model_name), "%s", model.name);
+	q.has_hash = true;
+	memcpy(q.hash, hash, KVB_HASH_LEN);
+	q.has_shm = true;
+	q.shm_id = rep.shm_id;
+	q.shm_length = bytes;
+	kvbp_reply_clear(&rep);
+	memset(&rep, 0, sizeof(rep));
+	assert_int_equal(raw_call(&r, &q, NULL, NULL, 0, &rep), KVBP_OK);
+	kvbp_reply_clear(&rep);
+	close(fd);
+	raw_close(&r);
+	assert_serving(&d);
+	kvb_close(&c);
+	daemon_stop(&d);
+	daemon_cleanup(&d);
+}
+
+/* Open shared-memory segments and fuse sessions until refused; returns how many. */
+static unsigned take_all(struct raw *r, const uint8_t *hash, bool sessions, char *msg, size_t len)
+{
+	unsigned n = 0;
+
+	for (;;) {
+		struct kvbp_reply rep = { 0 };
+		uint32_t code;
+
+		if (sessions) {
+			struct kvbp_request q;
+			struct kvbp_segment seg;
+			uint32_t check;
+			double ratio;
+
+			fuse_open_req(&q, hash, &seg, &check, &ratio);
+			code = raw_call(r, &q, NULL, NULL, 0, &rep);
+		} else {
+			struct kvbp_request q = { .op = KVBP_OP_SHM_ATTACH, .shm_size = 1u << 20 };
+
+			code = raw_call(r, &q, NULL, NULL, 0, &rep);
+		}
+		if (code) {
+			assert_int_equal(code, KVBP_LIMIT);
+			snprintf(msg, len, "%s", rep.message);
+			kvbp_reply_clear(&rep);
+			return n;
+		}
+		kvbp_reply_clear(&rep);
+		n++;
+		assert_true(n < 1000);
+	}
+}
+
+/*
+ * Defect 13: one client could take every shared-memory slot and every fuse
+ * session. Each client has a share; the message names the limit that was hit, and
+ * another client is still served.
+ */
+static void per_client_shares(void **state)
+{
+	struct daemon d;
+	const char *args[] = { "--client-shm-segments", "5", "--client-fuse-sessions", "3",
+			       "--fuse-max-sessions", "8", NULL };
+	uint8_t hash[KVB_HASH_LEN];
+	char msg[256];
+	kvb_client *c;
+	struct raw r;
+	pid_t pid;
+	int status;
+
+	(void)state;
+	daemon_start(&d, args);
+	c = daemon_client(&d, 1);
+	assert_int_equal(kvb_model_register(c, &model, NULL), 0);
+	put_chunk(c, 1, hash);
+	raw_open(&r, d.endpoint);
+	assert_int_equal(take_all(&r, hash, false, msg, sizeof(msg)), 5);
+	assert_non_null(strstr(msg, "client_shm_segments"));
+	assert_int_equal(take_all(&r, hash, true, msg, sizeof(msg)), 3);
+	assert_non_null(strstr(msg, "client_fuse_sessions"));
+	/* another process still gets its own share */
+	pid = fork();
+	assert_true(pid >= 0);
+	if (pid == 0) {
+		struct raw cr;
+		char m2[256];
+		unsigned a, b;
+
+		raw_open(&cr, d.endpoint);
+		a = take_all(&cr, hash, false, m2, sizeof(m2));
+		b = take_all(&cr, hash, true, m2, sizeof(m2));
+		/* the daemon-wide session limit (8) is not hit by 3 + 3 */
+		_exit(a == 5 && b == 3 ? 0 : 1);
+	}
+	assert_int_equal(waitpid(pid, &status, 0), pid);
+	assert_true(WIFEXITED(status));
+	assert_int_equal(WEXITSTATUS(status), 0);
+	raw_close(&r);
+	kvb_close(&c);
+	daemon_stop(&d);
+	daemon_cleanup(&d);
+}
+
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
@@ -445,6 +844,10 @@ int main(void)
 		cmocka_unit_test(envelope_without_delimiter),
 		cmocka_unit_test(sigterm_answers_inflight),
 		cmocka_unit_test(put_from_changing_shm),
+		cmocka_unit_test(ring_not_reachable_by_requests),
+		cmocka_unit_test(ring_not_shared_across_clients),
+		cmocka_unit_test(segment_cannot_be_truncated),
+		cmocka_unit_test(per_client_shares),
 	};
 
 	signal(SIGPIPE, SIG_IGN);
