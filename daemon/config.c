@@ -95,6 +95,12 @@ static const struct key keys[] = {
 	  "allow a TCP endpoint off loopback without CURVE (unencrypted)" },
 	{ "drain_timeout", T_UINT, OFF(drain_timeout), 0, 3600, "10",
 	  "seconds a stop (SIGTERM) waits for requests in progress to be answered" },
+	{ "max_inflight_bytes", T_SIZE, OFF(max_inflight_bytes), 1 * MiB, 1024 * GiB, "4G",
+	  "request and unread reply bytes the daemon holds for all clients together; beyond it "
+	  "requests get `limit`" },
+	{ "client_inflight_bytes", T_SIZE, OFF(client_inflight_bytes), 1 * MiB, 1024 * GiB, "1G",
+	  "request and unread reply bytes held for one client (a process on IPC, a key or "
+	  "address on TCP); one request is always admitted when the client holds nothing" },
 	{ "client_shm_segments", T_UINT, OFF(client_shm_segments), 1, 256, "16",
 	  "shared-memory segments one client may hold (of 256 for all)" },
 	{ "client_fuse_sessions", T_UINT, OFF(client_fuse_sessions), 1, 65536, "16",

@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "clients.h"
 #include "log.h"
 #include "metrics.h"
 #include "pool.h"
@@ -24,16 +25,22 @@
 struct req {
 	struct server *srv;
 	const char *principal; /* who asks: owner of what it creates */
+	struct client_acct *acct; /* its byte account (NULL in tests of ops alone) */
 	struct kvbp_request h;
 	zmq_msg_t *payload;
 	size_t n_payload;
 	struct reply_out *out;
 };
 
-/* A reply payload buffer shared by several frames, freed when ZeroMQ drops the last. */
+/*
+ * A reply payload buffer shared by several frames, freed when ZeroMQ drops the last;
+ * its bytes are held on the client's account until then (an unread reply counts).
+ */
 struct shared_buf {
 	atomic_int refs;
 	size_t len;
+	struct clients *clients;
+	struct client_acct *acct;
 	_Alignas(64) uint8_t data[];
 };
 
@@ -42,8 +49,13 @@ static void shared_buf_unref(void *data, void *hint)
 	struct shared_buf *b = hint;
 
 	(void)data;
-	if (atomic_fetch_sub(&b->refs, 1) == 1)
-		free(b);
+	if (atomic_fetch_sub(&b->refs, 1) != 1)
+		return;
+	if (b->acct) {
+		clients_release(b->clients, b->acct, b->len);
+		clients_put(b->clients, b->acct);
+	}
+	free(b);
 }
 
 __attribute__((format(printf, 3, 4))) static int fail(struct req *q, uint32_t code,
@@ -56,6 +68,45 @@ __attribute__((format(printf, 3, 4))) static int fail(struct req *q, uint32_t co
 	vsnprintf(q->out->rep.message, sizeof(q->out->rep.message), fmt, ap);
 	va_end(ap);
 	return -1;
+}
+
+/*
+ * A reply buffer of len bytes, held on the client's account; NULL with a reply
+ * naming the limit (or memory) that refused it.
+ */
+static struct shared_buf *reply_buf(struct req *q, size_t len)
+{
+	struct shared_buf *b;
+	int rc = 0;
+
+	if (q->acct)
+		rc = clients_reserve(q->srv->clients, q->acct, len);
+	if (rc == -EDQUOT) {
+		fail(q, KVBP_LIMIT, "this client's requests and unread replies hold %" PRIu64
+		     " bytes; a %zu-byte reply would pass client_inflight_bytes (%" PRIu64 "): "
+		     "read replies first", clients_held(q->acct), len,
+		     q->srv->cfg->client_inflight_bytes);
+		return NULL;
+	}
+	if (rc) {
+		fail(q, KVBP_LIMIT, "requests and unread replies of all clients hold "
+		     "max_inflight_bytes (%" PRIu64 "); retry", q->srv->cfg->max_inflight_bytes);
+		return NULL;
+	}
+	b = aligned_alloc(64, (sizeof(*b) + len + 63) & ~(size_t)63);
+	if (!b) {
+		if (q->acct)
+			clients_release(q->srv->clients, q->acct, len);
+		fail(q, KVBP_LIMIT, "out of memory for a %zu-byte reply", len);
+		return NULL;
+	}
+	atomic_init(&b->refs, 1);
+	b->len = len;
+	b->clients = q->srv->clients;
+	b->acct = q->acct;
+	if (b->acct)
+		clients_ref(b->clients, b->acct);
+	return b;
 }
 
 static void hex(const uint8_t *h, char *out)
@@ -632,13 +683,9 @@ static void op_get(struct req *q)
 			goto out;
 		}
 	} else {
-		buf = aligned_alloc(64, (sizeof(*buf) + total + 63) & ~(size_t)63);
-		if (!buf) {
-			fail(q, KVBP_LIMIT, "out of memory for a %" PRIu64 "-byte reply", total);
+		buf = reply_buf(q, total);
+		if (!buf)
 			goto out;
-		}
-		atomic_init(&buf->refs, 1);
-		buf->len = total;
 		dst = buf->data;
 	}
 	{
@@ -817,6 +864,13 @@ static void op_stats(struct req *q)
 	STAT("lookup_hits", atomic_load(&srv->stats.lookup_hits));
 	STAT("lookup_misses", atomic_load(&srv->stats.lookup_misses));
 	STAT("corrupt_removed", atomic_load(&srv->stats.corrupt_removed));
+	{
+		uint64_t held, n_clients;
+
+		clients_usage(srv->clients, &held, &n_clients);
+		STAT("inflight_bytes", held);
+		STAT("clients", n_clients);
+	}
 	{
 		struct evict_stats es;
 
@@ -1040,16 +1094,10 @@ static void op_fuse_layer(struct req *q)
 	}
 	/* With a shared ring the fused layer stays where it is made; else it goes in frames. */
 	if (plan.fused_out && !plan.shared_ring) {
-		{
-			buf = aligned_alloc(64, (sizeof(*buf) + 2 * out_bytes + 63) & ~(size_t)63);
-			if (!buf) {
-				fail(q, KVBP_LIMIT, "out of memory for the fused layer");
-				goto out;
-			}
-			atomic_init(&buf->refs, 1);
-			buf->len = 2 * out_bytes;
-			out = buf->data;
-		}
+		buf = reply_buf(q, 2 * out_bytes);
+		if (!buf)
+			goto out;
+		out = buf->data;
 	}
 	code = fuse_layer_run(q->srv->fuse, s, k_in, v_in, out, out ? out + out_bytes : NULL, &res,
 			      err, sizeof(err));
@@ -1151,10 +1199,10 @@ static const op_fn handlers[KVBP_OP_COUNT] = {
 	[KVBP_OP_PIN] = op_pin,		    [KVBP_OP_UNPIN] = op_unpin,
 };
 
-void ops_handle(struct server *srv, const char *principal, bool refuse, zmq_msg_t *frames,
-		size_t n, size_t extra_frames, struct reply_out *out)
+void ops_handle(struct server *srv, const struct ops_origin *from, zmq_msg_t *frames, size_t n,
+		size_t extra_frames, struct reply_out *out)
 {
-	struct req q = { .srv = srv, .principal = principal, .out = out };
+	struct req q = { .srv = srv, .principal = from->principal, .acct = from->acct, .out = out };
 	uint64_t total = 0;
 	char err[KVBP_MESSAGE_MAX];
 	int rc;
@@ -1173,6 +1221,26 @@ void ops_handle(struct server *srv, const char *principal, bool refuse, zmq_msg_
 	}
 	out->rep.request_id = q.h.request_id;
 	out->op = q.h.op < KVBP_OP_COUNT ? q.h.op : KVBP_OP_COUNT;
+	switch (from->refuse) {
+	case OPS_RUN:
+		break;
+	case OPS_REFUSE_STOPPING:
+		fail(&q, KVBP_BUSY, "kvblendd is shutting down; retry when it is back");
+		goto done;
+	case OPS_REFUSE_CLIENT_BYTES:
+		fail(&q, KVBP_LIMIT, "this client's requests and unread replies hold %" PRIu64
+		     " bytes; this request would pass client_inflight_bytes (%" PRIu64 "): read "
+		     "replies or wait for them", from->acct ? clients_held(from->acct) : 0,
+		     srv->cfg->client_inflight_bytes);
+		goto done;
+	case OPS_REFUSE_TOTAL_BYTES:
+		fail(&q, KVBP_LIMIT, "requests and unread replies of all clients hold "
+		     "max_inflight_bytes (%" PRIu64 "); retry", srv->cfg->max_inflight_bytes);
+		goto done;
+	default:
+		fail(&q, KVBP_LIMIT, "out of memory");
+		goto done;
+	}
 	if (q.h.version != KVBP_VERSION) {
 		fail(&q, KVBP_BAD_VERSION, "protocol version %" PRIu32 " not supported; this server "
 		     "speaks version %d", q.h.version, KVBP_VERSION);
@@ -1190,10 +1258,6 @@ void ops_handle(struct server *srv, const char *principal, bool refuse, zmq_msg_
 	if (total > srv->cfg->max_message + (1u << 20)) {
 		fail(&q, KVBP_TOO_LARGE, "message of %" PRIu64 " bytes exceeds max_message %" PRIu64,
 		     total, srv->cfg->max_message);
-		goto done;
-	}
-	if (refuse) {
-		fail(&q, KVBP_BUSY, "kvblendd is shutting down; retry when it is back");
 		goto done;
 	}
 	q.payload = frames + 1;

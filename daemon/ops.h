@@ -20,15 +20,30 @@ struct reply_out {
 	uint64_t prefetch_session; /* after the reply is sent: load ahead for this fuse session */
 };
 
+/* Why a request is answered with an error without being run. */
+enum ops_refuse {
+	OPS_RUN = 0,
+	OPS_REFUSE_STOPPING,	 /* busy: the daemon is shutting down */
+	OPS_REFUSE_CLIENT_BYTES, /* limit: the client holds client_inflight_bytes */
+	OPS_REFUSE_TOTAL_BYTES,	 /* limit: all clients hold max_inflight_bytes */
+	OPS_REFUSE_MEMORY,	 /* limit: out of memory */
+};
+
+/* Who sent a request, as the main thread tells the worker. */
+struct ops_origin {
+	const char *principal;	  /* server.c principal_of: owner of what it creates */
+	struct client_acct *acct; /* its byte account: reply payloads are held on it */
+	enum ops_refuse refuse;
+};
+
 /*
  * Handle frames[0..n): frames[0] is the header, the rest payloads.
- * extra_frames counts frames beyond n that were received and dropped. principal
- * names the client (server.c principal_of): what it creates belongs to it. With
- * refuse (the daemon is stopping) a valid request is answered `busy`, not run.
- * Fills *out; the caller sends it and calls reply_out_clear().
+ * extra_frames counts frames beyond n that were received and dropped.
+ * A request from->refuse says to refuse is answered with the request's id and
+ * that error, not run. Fills *out; the caller sends it and calls reply_out_clear().
  */
-void ops_handle(struct server *srv, const char *principal, bool refuse, zmq_msg_t *frames,
-		size_t n, size_t extra_frames, struct reply_out *out);
+void ops_handle(struct server *srv, const struct ops_origin *from, zmq_msg_t *frames, size_t n,
+		size_t extra_frames, struct reply_out *out);
 
 /* Close unsent payload frames and free the reply's arrays. */
 void reply_out_clear(struct reply_out *out);

@@ -13,6 +13,7 @@
 #include <unistd.h>
 #include <zmq.h>
 
+#include "clients.h"
 #include "curve.h"
 #include "log.h"
 #include "metrics.h"
@@ -21,7 +22,8 @@
 
 #define WORKER_ENDPOINT "inproc://kvblend-workers"
 #define POLL_MS 200
-#define DRAIN_MS 10000
+/* Complete requests queued per client connection in the frontend socket. */
+static const int rcvhwm = 16;
 
 static int mkdir_parents(const char *path, mode_t mode)
 {
@@ -166,6 +168,7 @@ static int start_curve(struct server *srv, int64_t maxmsg)
 		return -errno;
 	zmq_setsockopt(srv->frontends[1], ZMQ_MAXMSGSIZE, &maxmsg, sizeof(maxmsg));
 	zmq_setsockopt(srv->frontends[1], ZMQ_LINGER, &zero, sizeof(zero));
+	zmq_setsockopt(srv->frontends[1], ZMQ_RCVHWM, &rcvhwm, sizeof(rcvhwm));
 	zmq_setsockopt(srv->frontends[1], ZMQ_CURVE_SERVER, &one, sizeof(one));
 	zmq_setsockopt(srv->frontends[1], ZMQ_CURVE_SECRETKEY, secret, 41);
 	/* With a ZAP domain every handshake is checked by the handler (when there is one). */
@@ -189,7 +192,9 @@ struct req_tag {
 	uint8_t frontend; /* index into srv->frontends */
 	uint32_t extra;	  /* frames dropped by the main thread (too many for a request) */
 	uint64_t bytes;	  /* size of the request's frames */
-	bool refuse;	  /* sent while stopping: answer busy, do not run it */
+	uint64_t reserved; /* of them, held for the client until the reply passes */
+	struct client_acct *acct; /* the client's record, referenced until the reply passes */
+	enum ops_refuse refuse; /* answer with an error without running it */
 	char principal[96]; /* who sent it (principal_of) */
 };
 
@@ -334,6 +339,7 @@ static void *worker_main(void *arg)
 		struct timespec t0, t1;
 		zmq_msg_t empty;
 		struct req_tag tag;
+		struct ops_origin from;
 
 		if (zmq_poll(&it, 1, POLL_MS) <= 0 || !(it.revents & ZMQ_POLLIN))
 			continue;
@@ -346,6 +352,7 @@ static void *worker_main(void *arg)
 			memset(&tag, 0, sizeof(tag));
 		}
 		extra += tag.extra;
+		from = (struct ops_origin){ tag.principal, tag.acct, tag.refuse };
 		clock_gettime(CLOCK_MONOTONIC, &t0);
 		if (!envelope_ok(frames, n)) {
 			/* Answered after the routing id, with a delimiter of our own. */
@@ -363,10 +370,10 @@ static void *worker_main(void *arg)
 			if (env == n) {
 				/* No header frame at all: answer as for an empty one. */
 				zmq_msg_init(&empty);
-				ops_handle(srv, tag.principal, tag.refuse, &empty, 1, extra, &out);
+				ops_handle(srv, &from, &empty, 1, extra, &out);
 				zmq_msg_close(&empty);
 			} else {
-				ops_handle(srv, tag.principal, tag.refuse, frames + env, n - env, extra,
+				ops_handle(srv, &from, frames + env, n - env, extra,
 					   &out);
 			}
 			for (size_t i = env; i < n; i++)
@@ -435,6 +442,15 @@ static void principal_of(zmq_msg_t *m, unsigned frontend, char *out, size_t len)
 		snprintf(out, len, "%s:%s", frontend ? "curve" : "tcp", peer ? peer : "?");
 }
 
+/* The request's bytes are no longer held: its reply is on its way. */
+static void tag_done(struct server *srv, const struct req_tag *t)
+{
+	if (!t->acct)
+		return;
+	clients_release(srv->clients, t->acct, t->reserved);
+	clients_put(srv->clients, t->acct);
+}
+
 /*
  * A request from frontend i to the workers, with a tag in front (struct req_tag).
  * While stopping, requests still go to the workers, which answer them `busy` with
@@ -455,16 +471,37 @@ static int forward_in(struct server *srv, unsigned i)
 	if (!n)
 		return 0;
 	/* While stopping, the workers answer new requests `busy` without running them. */
-	tag.refuse = srv->stopping;
+	tag.refuse = srv->stopping ? OPS_REFUSE_STOPPING : OPS_RUN;
 	tag.extra = extra > UINT32_MAX ? UINT32_MAX : (uint32_t)extra;
 	for (size_t k = 0; k < n; k++)
 		tag.bytes += zmq_msg_size(&frames[k]);
 	/* (the routing id frame may carry no metadata when the ROUTER prefetched it) */
 	principal_of(&frames[n > 1 ? 1 : 0], i, tag.principal, sizeof(tag.principal));
+	/*
+	 * Hold the request's bytes for its client until the reply passes: a client over its
+	 * share, or all clients over max_inflight_bytes, gets `limit` at once (the worker
+	 * answers with the request's id), and its frames are freed right away.
+	 */
+	tag.acct = clients_get(srv->clients, tag.principal);
+	if (!tag.acct) {
+		tag.refuse = OPS_REFUSE_MEMORY;
+	} else if (tag.refuse == OPS_RUN) {
+		rc = clients_reserve(srv->clients, tag.acct, tag.bytes);
+		if (rc == 0)
+			tag.reserved = tag.bytes;
+		else
+			tag.refuse = rc == -EDQUOT ? OPS_REFUSE_CLIENT_BYTES : OPS_REFUSE_TOTAL_BYTES;
+	}
+	if (tag.refuse != OPS_RUN)
+		for (size_t k = 3; k < n; k++) { /* the payload is not needed to refuse */
+			zmq_msg_close(&frames[k]);
+			zmq_msg_init(&frames[k]);
+		}
 	if (zmq_send(srv->backend, &tag, sizeof(tag), ZMQ_SNDMORE) < 0) {
 		rc = -errno;
 		for (size_t k = 0; k < n; k++)
 			zmq_msg_close(&frames[k]);
+		tag_done(srv, &tag);
 		return rc;
 	}
 	for (size_t k = 0; k < n; k++)
@@ -486,8 +523,13 @@ static int forward_out(struct server *srv)
 		zmq_msg_close(&tag);
 		return -errno;
 	}
-	if (zmq_msg_size(&tag) == sizeof(struct req_tag))
-		i = ((struct req_tag *)zmq_msg_data(&tag))->frontend & 1;
+	if (zmq_msg_size(&tag) == sizeof(struct req_tag)) {
+		struct req_tag t;
+
+		memcpy(&t, zmq_msg_data(&tag), sizeof(t));
+		i = t.frontend & 1;
+		tag_done(srv, &t);
+	}
 	more = zmq_msg_more(&tag);
 	zmq_msg_close(&tag);
 	if (srv->inflight)
@@ -521,6 +563,9 @@ int server_start(struct server *srv, const struct config *cfg, struct store *sto
 	srv->cfg = cfg;
 	srv->store = store;
 	clock_gettime(CLOCK_MONOTONIC, &srv->started);
+	rc = clients_new(cfg->max_inflight_bytes, cfg->client_inflight_bytes, &srv->clients);
+	if (rc)
+		return rc;
 	rc = shm_table_new(cfg->shm_max, cfg->shm_total, cfg->shm_idle,
 			   (unsigned)cfg->client_shm_segments, &srv->shm);
 	if (rc)
@@ -537,6 +582,9 @@ int server_start(struct server *srv, const struct config *cfg, struct store *sto
 	maxmsg = cfg->max_message > INT64_MAX / 2 ? INT64_MAX : (int64_t)(cfg->max_message * 2);
 	zmq_setsockopt(srv->frontends[0], ZMQ_MAXMSGSIZE, &maxmsg, sizeof(maxmsg));
 	zmq_setsockopt(srv->frontends[0], ZMQ_LINGER, &zero, sizeof(zero));
+	/* Few messages queued per connection before the socket pushes back on the client;
+	 * what the main thread takes is bounded in bytes (clients.h). */
+	zmq_setsockopt(srv->frontends[0], ZMQ_RCVHWM, &rcvhwm, sizeof(rcvhwm));
 	zmq_setsockopt(srv->backend, ZMQ_LINGER, &zero, sizeof(zero));
 	rc = start_curve(srv, maxmsg);
 	if (rc)
@@ -737,4 +785,5 @@ void server_stop(struct server *srv)
 	fuse_table_free(&srv->fuse);
 	shm_table_free(&srv->shm);
 	pool_free(&srv->pool);
+	clients_free(&srv->clients); /* after the context: ZeroMQ released every reply */
 }

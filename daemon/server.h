@@ -17,6 +17,7 @@
 #include <time.h>
 #include <zmq.h>
 
+#include "clients.h"
 #include "config.h"
 #include "evict.h"
 #include "fuse.h"
@@ -43,6 +44,7 @@ struct server {
 	const struct config *cfg;
 	struct store *store;
 	struct shm_table *shm;
+	struct clients *clients; /* bytes held per client */
 	struct pool *pool; /* helpers that split one request's bulk work */
 	struct fuse_table *fuse;
 	struct evictor *evict;
