@@ -95,6 +95,9 @@ static const struct key keys[] = {
 	  "allow a TCP endpoint off loopback without CURVE (unencrypted)" },
 	{ "drain_timeout", T_UINT, OFF(drain_timeout), 0, 3600, "10",
 	  "seconds a stop (SIGTERM) waits for requests in progress to be answered" },
+	{ "max_clients", T_UINT, OFF(max_clients), 1, 1u << 20, "1024",
+	  "client connections at once, all endpoints together; more are refused (the file "
+	  "descriptor limit is raised to fit at start)" },
 	{ "max_inflight_bytes", T_SIZE, OFF(max_inflight_bytes), 1 * MiB, 1024 * GiB, "4G",
 	  "request and unread reply bytes the daemon holds for all clients together; beyond it "
 	  "requests get `limit`" },

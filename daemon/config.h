@@ -49,6 +49,7 @@ struct config {
 	char curve_authorized_keys[PATH_MAX];
 	bool tcp_insecure;
 	uint64_t drain_timeout;
+	uint64_t max_clients;
 	uint64_t max_inflight_bytes;
 	uint64_t client_inflight_bytes;
 	uint64_t client_shm_segments;

@@ -21,8 +21,10 @@ struct curve_auth {
 	void *sock;
 	pthread_t thread;
 	atomic_bool stop;
+	bool check_keys; /* an authorized-keys file was given */
 	uint8_t (*keys)[KEY_BIN];
 	size_t n_keys;
+	struct auth_limits lim;
 };
 
 /* The first non-blank, non-comment token of a line, if it is a Z85 key. */
@@ -120,15 +122,27 @@ static int load_authorized(struct curve_auth *a, const char *path, char *err, si
 	return 0;
 }
 
-/* One ZAP request (RFC 27): frames version, request id, domain, address, identity,
- * mechanism, credentials...; answered 200 for a listed CURVE key, else 400. */
+/* Send one ZAP reply frame; more frames follow unless last. */
+static void zap_send(void *sock, const void *data, size_t len, bool last)
+{
+	zmq_send(sock, data, len, last ? 0 : ZMQ_SNDMORE);
+}
+
+/*
+ * One ZAP request (RFC 27): frames version, request id, domain, address, identity,
+ * mechanism, credentials... Every handshake on every endpoint comes here: refused
+ * (400) beyond max_clients connections; with CURVE and an authorized-keys file, a
+ * key not in it is refused too. An admitted CURVE client's user id is its public
+ * key (Z85), which names it as a client of the daemon.
+ */
 static void zap_one(struct curve_auth *a)
 {
 	zmq_msg_t f[8];
 	size_t n = 0;
 	int more = 1;
-	bool ok = false;
-	const char *code;
+	bool ok = true, curve;
+	const char *code, *why = "OK";
+	char user[KEY_Z85 + 1] = "";
 
 	while (more && n < 8) {
 		zmq_msg_init(&f[n]);
@@ -147,23 +161,40 @@ static void zap_one(struct curve_auth *a)
 		more = zmq_msg_more(&t);
 		zmq_msg_close(&t);
 	}
-	if (n >= 7 && zmq_msg_size(&f[5]) == 5 && !memcmp(zmq_msg_data(&f[5]), "CURVE", 5) &&
-	    zmq_msg_size(&f[6]) == KEY_BIN)
+	curve = n >= 7 && zmq_msg_size(&f[5]) == 5 && !memcmp(zmq_msg_data(&f[5]), "CURVE", 5) &&
+		zmq_msg_size(&f[6]) == KEY_BIN;
+	if (n < 6 || (!curve && !(zmq_msg_size(&f[5]) == 4 &&
+				  !memcmp(zmq_msg_data(&f[5]), "NULL", 4)))) {
+		ok = false;
+		why = "mechanism not accepted";
+	} else if (a->lim.connections &&
+		   atomic_load(a->lim.connections) > a->lim.max_clients) {
+		ok = false;
+		why = "too many connections (max_clients)";
+		if (a->lim.refused)
+			atomic_fetch_add(a->lim.refused, 1);
+	} else if (curve && a->check_keys) {
+		ok = false;
 		for (size_t i = 0; i < a->n_keys && !ok; i++)
 			ok = !memcmp(a->keys[i], zmq_msg_data(&f[6]), KEY_BIN);
+		if (!ok) {
+			why = "key not authorized";
+			log_info("CURVE client from %.*s refused: key not in curve_authorized_keys",
+				 (int)zmq_msg_size(&f[3]), (const char *)zmq_msg_data(&f[3]));
+		}
+	}
+	if (ok && curve)
+		zmq_z85_encode(user, zmq_msg_data(&f[6]), KEY_BIN);
 	code = ok ? "200" : "400";
-	if (!ok && n >= 4)
-		log_info("CURVE client from %.*s refused: key not in curve_authorized_keys",
-			 (int)zmq_msg_size(&f[3]), (const char *)zmq_msg_data(&f[3]));
-	zmq_send(a->sock, "1.0", 3, ZMQ_SNDMORE);
+	zap_send(a->sock, "1.0", 3, false);
 	if (n >= 2)
-		zmq_send(a->sock, zmq_msg_data(&f[1]), zmq_msg_size(&f[1]), ZMQ_SNDMORE);
+		zap_send(a->sock, zmq_msg_data(&f[1]), zmq_msg_size(&f[1]), false);
 	else
-		zmq_send(a->sock, "", 0, ZMQ_SNDMORE);
-	zmq_send(a->sock, code, 3, ZMQ_SNDMORE);
-	zmq_send(a->sock, ok ? "OK" : "key not authorized", ok ? 2 : 18, ZMQ_SNDMORE);
-	zmq_send(a->sock, "", 0, ZMQ_SNDMORE); /* user id */
-	zmq_send(a->sock, "", 0, 0);	       /* metadata */
+		zap_send(a->sock, "", 0, false);
+	zap_send(a->sock, code, 3, false);
+	zap_send(a->sock, why, strlen(why), false);
+	zap_send(a->sock, user, strlen(user), false); /* user id */
+	zap_send(a->sock, "", 0, true);		       /* metadata */
 	for (size_t i = 0; i < n; i++)
 		zmq_msg_close(&f[i]);
 }
@@ -181,16 +212,20 @@ static void *zap_main(void *arg)
 	return NULL;
 }
 
-int curve_auth_start(void *zctx, const char *authorized_path, struct curve_auth **out,
-		     char *err, size_t errlen)
+int curve_auth_start(void *zctx, const char *authorized_path, const struct auth_limits *lim,
+		     struct curve_auth **out, char *err, size_t errlen)
 {
 	struct curve_auth *a = calloc(1, sizeof(*a));
-	int zero = 0, rc;
+	int zero = 0, rc = 0;
 	sigset_t all, old;
 
 	if (!a)
 		return -ENOMEM;
-	rc = load_authorized(a, authorized_path, err, errlen);
+	if (lim)
+		a->lim = *lim;
+	a->check_keys = authorized_path && authorized_path[0];
+	if (a->check_keys)
+		rc = load_authorized(a, authorized_path, err, errlen);
 	if (rc)
 		goto fail;
 	a->sock = zmq_socket(zctx, ZMQ_REP);
@@ -206,7 +241,8 @@ int curve_auth_start(void *zctx, const char *authorized_path, struct curve_auth 
 	pthread_sigmask(SIG_SETMASK, &old, NULL);
 	if (rc)
 		goto fail;
-	log_info("CURVE: %zu authorized client keys", a->n_keys);
+	if (a->check_keys)
+		log_info("CURVE: %zu authorized client keys", a->n_keys);
 	*out = a;
 	return 0;
 fail:

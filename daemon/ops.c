@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "clients.h"
+#include "fdguard.h"
 #include "log.h"
 #include "metrics.h"
 #include "pool.h"
@@ -870,6 +871,10 @@ static void op_stats(struct req *q)
 		clients_usage(srv->clients, &held, &n_clients);
 		STAT("inflight_bytes", held);
 		STAT("clients", n_clients);
+		STAT("connections", atomic_load(&srv->connections));
+		STAT("connections_refused", atomic_load(&srv->refused_clients));
+		STAT("connections_dropped_no_fd", fdguard_dropped());
+		STAT("max_clients", srv->max_clients);
 	}
 	{
 		struct evict_stats es;

@@ -7,6 +7,7 @@
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -15,6 +16,7 @@
 
 #include "clients.h"
 #include "curve.h"
+#include "fdguard.h"
 #include "log.h"
 #include "metrics.h"
 #include "ops.h"
@@ -142,7 +144,106 @@ static int start_shm_server(struct server *srv)
 	return 0;
 }
 
-/* The CURVE frontend, when a server key is configured; its ZAP handler, when client keys are. */
+/*
+ * File descriptors: the soft limit is raised to the hard one, and max_clients is
+ * kept below what that leaves after the daemon's own needs, so that accepting a
+ * connection never meets EMFILE (libzmq aborts on EMFILE in its IPC listener).
+ */
+#define FD_RESERVE 512
+
+static void budget_descriptors(struct server *srv)
+{
+	struct rlimit rl;
+	uint64_t room;
+
+	srv->max_clients = srv->cfg->max_clients;
+	if (getrlimit(RLIMIT_NOFILE, &rl))
+		return;
+	if (rl.rlim_cur < rl.rlim_max) {
+		rlim_t was = rl.rlim_cur;
+
+		rl.rlim_cur = rl.rlim_max;
+		if (setrlimit(RLIMIT_NOFILE, &rl) == 0)
+			log_info("file descriptor limit raised from %llu to %llu",
+				 (unsigned long long)was, (unsigned long long)rl.rlim_cur);
+		else
+			getrlimit(RLIMIT_NOFILE, &rl);
+	}
+	if (rl.rlim_cur == RLIM_INFINITY)
+		return;
+	room = rl.rlim_cur > 2 * FD_RESERVE ? rl.rlim_cur - FD_RESERVE : rl.rlim_cur / 2;
+	if (srv->max_clients > room) {
+		log_warn("max_clients %" PRIu64 " does not fit the file descriptor limit %llu; "
+			 "serving %" PRIu64 " clients at most (raise LimitNOFILE)", srv->max_clients,
+			 (unsigned long long)rl.rlim_cur, room);
+		srv->max_clients = room;
+	}
+}
+
+/*
+ * Every handshake on a frontend goes to the ZAP handler (curve.c), which refuses
+ * connections beyond max_clients; a socket monitor counts them as they come and go.
+ * A client that connects and never completes its handshake is dropped after
+ * HANDSHAKE_MS.
+ */
+#define HANDSHAKE_MS 10000
+
+static int guard_frontend(struct server *srv, int f)
+{
+	char ep[64];
+	int ivl = HANDSHAKE_MS;
+
+	zmq_setsockopt(srv->frontends[f], ZMQ_ZAP_DOMAIN, "kvblend", 7);
+	zmq_setsockopt(srv->frontends[f], ZMQ_HANDSHAKE_IVL, &ivl, sizeof(ivl));
+	snprintf(ep, sizeof(ep), "inproc://kvblend-monitor-%d", f);
+	if (zmq_socket_monitor(srv->frontends[f], ep, ZMQ_EVENT_ACCEPTED | ZMQ_EVENT_DISCONNECTED))
+		return -errno;
+	srv->monitors[f] = zmq_socket(srv->zctx, ZMQ_PAIR);
+	if (!srv->monitors[f] || zmq_connect(srv->monitors[f], ep))
+		return -errno;
+	return 0;
+}
+
+/* A connection came or went (a monitor event); main thread. */
+static void count_connection(struct server *srv, void *mon)
+{
+	zmq_msg_t ev, addr;
+	uint16_t event = 0;
+
+	zmq_msg_init(&ev);
+	zmq_msg_init(&addr);
+	if (zmq_msg_recv(&ev, mon, ZMQ_DONTWAIT) < 0)
+		goto out;
+	if (zmq_msg_more(&ev))
+		zmq_msg_recv(&addr, mon, ZMQ_DONTWAIT);
+	if (zmq_msg_size(&ev) >= 2)
+		memcpy(&event, zmq_msg_data(&ev), 2);
+	if (event == ZMQ_EVENT_ACCEPTED)
+		atomic_fetch_add(&srv->connections, 1);
+	else if (event == ZMQ_EVENT_DISCONNECTED && atomic_load(&srv->connections))
+		atomic_fetch_sub(&srv->connections, 1);
+out:
+	zmq_msg_close(&ev);
+	zmq_msg_close(&addr);
+}
+
+/* The ZAP handler that every handshake passes (curve.c), before any endpoint binds. */
+static int start_auth(struct server *srv)
+{
+	const struct config *cfg = srv->cfg;
+	struct auth_limits lim = { &srv->connections, srv->max_clients, &srv->refused_clients };
+	char err[512];
+	int rc;
+
+	rc = curve_auth_start(srv->zctx, cfg->curve_secret_key_file[0] ? cfg->curve_authorized_keys
+									: "",
+			      &lim, &srv->zap, err, sizeof(err));
+	if (rc)
+		log_err("%s", err);
+	return rc;
+}
+
+/* The CURVE frontend, when a server key is configured. */
 static int start_curve(struct server *srv, int64_t maxmsg)
 {
 	const struct config *cfg = srv->cfg;
@@ -156,9 +257,6 @@ static int start_curve(struct server *srv, int64_t maxmsg)
 		return -ENOTSUP;
 	}
 	rc = curve_load_secret(cfg->curve_secret_key_file, secret, public_key, err, sizeof(err));
-	if (!rc && cfg->curve_authorized_keys[0])
-		rc = curve_auth_start(srv->zctx, cfg->curve_authorized_keys, &srv->zap, err,
-				      sizeof(err));
 	if (rc) {
 		log_err("%s", err);
 		return rc;
@@ -171,9 +269,10 @@ static int start_curve(struct server *srv, int64_t maxmsg)
 	zmq_setsockopt(srv->frontends[1], ZMQ_RCVHWM, &rcvhwm, sizeof(rcvhwm));
 	zmq_setsockopt(srv->frontends[1], ZMQ_CURVE_SERVER, &one, sizeof(one));
 	zmq_setsockopt(srv->frontends[1], ZMQ_CURVE_SECRETKEY, secret, 41);
-	/* With a ZAP domain every handshake is checked by the handler (when there is one). */
-	zmq_setsockopt(srv->frontends[1], ZMQ_ZAP_DOMAIN, "kvblend", 7);
 	memset(secret, 0, sizeof(secret));
+	rc = guard_frontend(srv, 1);
+	if (rc)
+		return rc;
 	log_info("CURVE public key %s", public_key);
 	return 0;
 }
@@ -586,7 +685,14 @@ int server_start(struct server *srv, const struct config *cfg, struct store *sto
 	 * what the main thread takes is bounded in bytes (clients.h). */
 	zmq_setsockopt(srv->frontends[0], ZMQ_RCVHWM, &rcvhwm, sizeof(rcvhwm));
 	zmq_setsockopt(srv->backend, ZMQ_LINGER, &zero, sizeof(zero));
-	rc = start_curve(srv, maxmsg);
+	budget_descriptors(srv);
+	rc = fdguard_init();
+	if (!rc)
+		rc = start_auth(srv);
+	if (!rc)
+		rc = guard_frontend(srv, 0);
+	if (!rc)
+		rc = start_curve(srv, maxmsg);
 	if (rc)
 		return rc;
 	for (unsigned i = 0; i < cfg->n_listen; i++) {
@@ -667,17 +773,25 @@ int server_start(struct server *srv, const struct config *cfg, struct store *sto
 
 int server_run(struct server *srv, volatile int *stop, void (*tick)(struct server *))
 {
-	zmq_pollitem_t items[3] = { { srv->backend, 0, ZMQ_POLLIN, 0 },
+	zmq_pollitem_t items[5] = { { srv->backend, 0, ZMQ_POLLIN, 0 },
 				    { srv->frontends[0], 0, ZMQ_POLLIN, 0 },
-				    { srv->frontends[1], 0, ZMQ_POLLIN, 0 } };
+				    { srv->frontends[1], 0, ZMQ_POLLIN, 0 },
+				    { srv->monitors[0], 0, ZMQ_POLLIN, 0 },
+				    { srv->monitors[1], 0, ZMQ_POLLIN, 0 } };
 	int n_items = srv->frontends[1] ? 3 : 2;
 	struct timespec last = { 0 }, now;
 
+	if (!srv->frontends[1]) /* no CURVE frontend: its monitor neither */
+		items[2] = items[3];
 	while (!*stop) {
-		int rc = zmq_poll(items, n_items, POLL_MS);
+		int rc = zmq_poll(items, 2 * n_items - 1, POLL_MS);
 
 		if (rc < 0 && errno != EINTR)
 			log_warn("poll: %s", zmq_strerror(errno));
+		/* connections first, so that the count the ZAP handler reads is current */
+		for (int i = n_items; rc > 0 && i < 2 * n_items - 1; i++)
+			if (items[i].revents & ZMQ_POLLIN)
+				count_connection(srv, items[i].socket);
 		if (rc > 0 && (items[0].revents & ZMQ_POLLIN))
 			forward_out(srv);
 		for (int i = 1; rc > 0 && i < n_items; i++)
@@ -760,6 +874,12 @@ void server_stop(struct server *srv)
 	/* Replies produced in the last moments. */
 	while (srv->backend && forward_out(srv) == 0)
 		;
+	for (int f = 0; f < 2; f++)
+		if (srv->monitors[f]) {
+			zmq_socket_monitor(srv->frontends[f], NULL, 0);
+			zmq_close(srv->monitors[f]);
+			srv->monitors[f] = NULL;
+		}
 	for (int f = 0; f < 2; f++)
 		if (srv->frontends[f]) {
 			int linger = CLOSE_LINGER_MS;

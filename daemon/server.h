@@ -56,6 +56,10 @@ struct server {
 	 * as the first frame through the workers, so that the reply goes back the same way. */
 	void *frontends[2];
 	struct curve_auth *zap;
+	void *monitors[2]; /* connection events of frontends[i] (PAIR) */
+	atomic_uint_fast64_t connections; /* live, counted from the monitors */
+	atomic_uint_fast64_t refused_clients; /* handshakes refused beyond max_clients */
+	uint64_t max_clients; /* cfg->max_clients, or less to fit the descriptor limit */
 	void *backend;	/* DEALER, inproc, workers connect */
 	pthread_t *threads;
 	unsigned n_workers;

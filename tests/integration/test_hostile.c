@@ -19,6 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -1013,6 +1014,77 @@ static void pipelined_puts_are_bounded(void **state)
 	free(layer);
 }
 
+/*
+ * Defect 5: about 1000 IPC connections aborted the daemon (libzmq asserts on
+ * EMFILE in its IPC listener). Here the daemon's descriptor limit is cut to 400
+ * while it runs, and 1000 clients connect at once: beyond max_clients (300)
+ * handshakes are refused, beyond the descriptors connections are dropped, and
+ * the daemon serves on.
+ */
+static void many_connections(void **state)
+{
+	enum { CONNS = 1000 };
+	const char *args[] = { "--max-clients", "300", NULL };
+	struct rlimit lim = { 400, 400 };
+	struct daemon d;
+	void *ctx, **socks = calloc(CONNS, sizeof(void *));
+	unsigned answered = 0;
+	kvb_client *c;
+	int zero = 0, timeout = 3000;
+
+	(void)state;
+	daemon_start(&d, args);
+	assert_int_equal(prlimit(d.pid, RLIMIT_NOFILE, &lim, NULL), 0);
+	ctx = zmq_ctx_new();
+	zmq_ctx_set(ctx, ZMQ_MAX_SOCKETS, CONNS + 16);
+	for (int i = 0; i < CONNS; i++) {
+		struct kvbp_request q = { .version = KVBP_VERSION, .op = KVBP_OP_HELLO };
+		uint8_t *hdr;
+		size_t hlen;
+
+		socks[i] = zmq_socket(ctx, ZMQ_DEALER);
+		assert_non_null(socks[i]);
+		zmq_setsockopt(socks[i], ZMQ_LINGER, &zero, sizeof(zero));
+		zmq_setsockopt(socks[i], ZMQ_RCVTIMEO, &timeout, sizeof(timeout));
+		assert_int_equal(zmq_connect(socks[i], d.endpoint), 0);
+		assert_int_equal(kvbp_request_encode(&q, &hdr, &hlen), 0);
+		zmq_send(socks[i], "", 0, ZMQ_SNDMORE);
+		zmq_send(socks[i], hdr, hlen, 0);
+		free(hdr);
+	}
+	for (int i = 0; i < CONNS; i++) {
+		zmq_msg_t m;
+
+		zmq_msg_init(&m);
+		if (zmq_msg_recv(&m, socks[i], i < 20 ? 0 : ZMQ_DONTWAIT) >= 0)
+			answered++;
+		while (zmq_msg_more(&m) && zmq_msg_recv(&m, socks[i], 0) >= 0)
+			;
+		zmq_msg_close(&m);
+	}
+	print_message("%u of %d connections served (max_clients 300, 400 descriptors)\n",
+		      answered, CONNS);
+	assert_true(answered >= 20);
+	assert_true(answered < CONNS);
+	/* the daemon holds */
+	assert_int_equal(kill(d.pid, 0), 0);
+	for (int i = 0; i < CONNS; i++)
+		zmq_close(socks[i]);
+	zmq_ctx_term(ctx);
+	free(socks);
+	/* all gone: served again, and it says what it refused */
+	sleep(1);
+	c = daemon_client(&d, 1);
+	print_message("refused %g handshakes, dropped %g connections for want of descriptors\n",
+		      daemon_stat(c, "connections_refused"),
+		      daemon_stat(c, "connections_dropped_no_fd"));
+	assert_true(daemon_stat(c, "connections_refused") + daemon_stat(c,
+		    "connections_dropped_no_fd") > 0);
+	kvb_close(&c);
+	daemon_stop(&d);
+	daemon_cleanup(&d);
+}
+
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
@@ -1026,6 +1098,7 @@ int main(void)
 		cmocka_unit_test(per_client_shares),
 		cmocka_unit_test(unread_replies_are_bounded),
 		cmocka_unit_test(pipelined_puts_are_bounded),
+		cmocka_unit_test(many_connections),
 	};
 
 	signal(SIGPIPE, SIG_IGN);
