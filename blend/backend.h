@@ -7,6 +7,11 @@
  * Tensors are row-major [rows, heads, head_dim] in the model's dtype. Every
  * function works on a range of rows so that callers can split work across
  * threads; none allocates, logs or fails.
+ *
+ * Tensor pointers (src, dst, fresh, stored, and merge's out) may have any
+ * alignment, odd addresses included: they point into payload frames and
+ * shared-memory segments, which guarantee none. Index arrays (idx, sel) and
+ * deviation's float out are the caller's own and naturally aligned.
  */
 #ifndef KVBLEND_BLEND_BACKEND_H
 #define KVBLEND_BLEND_BACKEND_H

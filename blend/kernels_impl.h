@@ -27,8 +27,28 @@ void KFN(blend_rotate)(const struct blend_shape *s, const struct rope_table *t, 
 void KFN(blend_deviation)(const struct blend_shape *s, const void *fresh, const void *stored,
 			  const int32_t *idx, size_t n, float *out);
 
+/*
+ * Tensors come from payload frames and shared-memory offsets, which promise no
+ * alignment: every access to them goes through memcpy (one unaligned move once
+ * compiled) or an unaligned SIMD load/store, never through a uint16_t or float
+ * lvalue, so an odd address is neither undefined behaviour nor a slower path.
+ */
+static inline uint16_t KFN(get16)(const uint8_t *p)
+{
+	uint16_t v;
+
+	memcpy(&v, p, 2);
+	return v;
+}
+
+static inline void KFN(put16)(uint8_t *p, uint16_t v)
+{
+	memcpy(p, &v, 2);
+}
+
 static void KFN(load)(enum blend_dtype dt, const void *src, float *restrict out, size_t n)
 {
+	const uint8_t *b = src;
 	size_t i = 0;
 
 	if (dt == BLEND_F32) {
@@ -36,23 +56,22 @@ static void KFN(load)(enum blend_dtype dt, const void *src, float *restrict out,
 		return;
 	}
 	if (dt == BLEND_BF16) {
-		const uint16_t *p = src;
-
 		for (; i < n; i++)
-			out[i] = f32_from_bits((uint32_t)p[i] << 16);
+			out[i] = f32_from_bits((uint32_t)KFN(get16)(b + 2 * i) << 16);
 		return;
 	}
 #if defined(__F16C__)
 	for (; i + 8 <= n; i += 8)
-		_mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(
-						  (const __m128i *)((const uint16_t *)src + i))));
+		_mm256_storeu_ps(out + i,
+				 _mm256_cvtph_ps(_mm_loadu_si128((const void *)(b + 2 * i))));
 #endif
 	for (; i < n; i++)
-		out[i] = f16_to_f32(((const uint16_t *)src)[i]);
+		out[i] = f16_to_f32(KFN(get16)(b + 2 * i));
 }
 
 static void KFN(store)(enum blend_dtype dt, const float *restrict in, void *dst, size_t n)
 {
+	uint8_t *b = dst;
 	size_t i = 0;
 
 	if (dt == BLEND_F32) {
@@ -60,19 +79,17 @@ static void KFN(store)(enum blend_dtype dt, const float *restrict in, void *dst,
 		return;
 	}
 	if (dt == BLEND_BF16) {
-		uint16_t *p = dst;
-
 		for (; i < n; i++)
-			p[i] = f32_to_bf16(in[i]);
+			KFN(put16)(b + 2 * i, f32_to_bf16(in[i]));
 		return;
 	}
 #if defined(__F16C__)
 	for (; i + 8 <= n; i += 8)
-		_mm_storeu_si128((__m128i *)((uint16_t *)dst + i),
-				 _mm256_cvtps_ph(_mm256_loadu_ps(in + i), _MM_FROUND_TO_NEAREST_INT));
+		_mm_storeu_si128((void *)(b + 2 * i), _mm256_cvtps_ph(_mm256_loadu_ps(in + i),
+								      _MM_FROUND_TO_NEAREST_INT));
 #endif
 	for (; i < n; i++)
-		((uint16_t *)dst)[i] = f32_to_f16(in[i]);
+		KFN(put16)(b + 2 * i, f32_to_f16(in[i]));
 }
 
 #if defined(__F16C__) && defined(__AVX2__)
@@ -82,7 +99,7 @@ static void KFN(store)(enum blend_dtype dt, const float *restrict in, void *dst,
  * general path (no FMA), so the results are identical.
  */
 static void KFN(rotate_f16_neox)(const struct blend_shape *s, const struct rope_table *t,
-				 const uint16_t *src, uint16_t *dst, uint32_t row0, uint32_t n)
+				 const uint8_t *src, uint8_t *dst, uint32_t row0, uint32_t n)
 {
 	size_t hd = s->head_dim, half = s->rotary_dim / 2;
 	const __m256 sc = _mm256_set1_ps(t->scale);
@@ -92,26 +109,28 @@ static void KFN(rotate_f16_neox)(const struct blend_shape *s, const struct rope_
 		const float *c = t->cos + trow * half, *sn = t->sin + trow * half;
 
 		for (uint32_t h = 0; h < s->heads; h++) {
-			const uint16_t *x = src + ((size_t)r * s->heads + h) * hd;
-			uint16_t *y = dst + ((size_t)r * s->heads + h) * hd;
+			/* Byte pointers: the rows may sit at any address (see get16). */
+			const uint8_t *x = src + ((size_t)r * s->heads + h) * hd * 2;
+			uint8_t *y = dst + ((size_t)r * s->heads + h) * hd * 2;
 
 			for (size_t j = 0; j < half; j += 8) {
-				__m256 x1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(x + j)));
+				__m256 x1 =
+					_mm256_cvtph_ps(_mm_loadu_si128((const void *)(x + 2 * j)));
 				__m256 x2 = _mm256_cvtph_ps(
-					_mm_loadu_si128((const __m128i *)(x + half + j)));
+					_mm_loadu_si128((const void *)(x + 2 * (half + j))));
 				__m256 cj = _mm256_loadu_ps(c + j), sj = _mm256_loadu_ps(sn + j);
 				__m256 y1 = _mm256_mul_ps(_mm256_sub_ps(_mm256_mul_ps(x1, cj),
 									_mm256_mul_ps(x2, sj)), sc);
 				__m256 y2 = _mm256_mul_ps(_mm256_add_ps(_mm256_mul_ps(x2, cj),
 									_mm256_mul_ps(x1, sj)), sc);
 
-				_mm_storeu_si128((__m128i *)(y + j),
+				_mm_storeu_si128((void *)(y + 2 * j),
 						 _mm256_cvtps_ph(y1, _MM_FROUND_TO_NEAREST_INT));
-				_mm_storeu_si128((__m128i *)(y + half + j),
+				_mm_storeu_si128((void *)(y + 2 * (half + j)),
 						 _mm256_cvtps_ph(y2, _MM_FROUND_TO_NEAREST_INT));
 			}
 			if (y != x)
-				memcpy(y + 2 * half, x + 2 * half, (hd - 2 * half) * 2);
+				memcpy(y + 4 * half, x + 4 * half, (hd - 2 * half) * 2);
 		}
 	}
 }

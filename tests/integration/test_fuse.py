@@ -47,6 +47,9 @@ MODELS = [
     ("gptj-bf16-llama3", 5, 2, 16, "bf16", 500000.0, "gptj", 16, "llama3:8,1,4,64", False),
     ("partial-f32-yarn", 5, 3, 16, "f32", 10000.0, "neox", 8, "yarn:4,64", False),
     ("dyn-f16-prerope", 5, 2, 16, "f16", 10000.0, "neox", 16, "dynamic:2,64", True),
+    # An ordinary model shape (issue 7): bf16 rows of 2 KiB, whose small frames of fresh
+    # rows the daemon may receive at odd addresses.
+    ("wide-bf16", 6, 8, 128, "bf16", 1000000.0, "neox", 128, "none", False),
 ]
 
 
@@ -211,6 +214,11 @@ def run_model(m, rng):
                            2 * EPS[m.dt] * (np.abs(want) + 1))
         ok = ok and np.array_equal(rr[l, 1], c["kv"][l, 1])
     check(f"{m.name} get-rerotated", ok)
+    if m.H * m.D >= 1024:
+        # Three check layers narrowing to a few rows: the later layers' fresh KV comes in
+        # frames of a few KiB.
+        q = Prompt(m, [("c", 0, 0), ("c", 2, 23), ("c", 1, 54), ("f", 2, 71)], rng)
+        q.fuse("three check layers, few rows", [1, 2, 3], [0.15, 0.05, 0.02])
 
 
 daemon = subprocess.Popen([KVBLENDD, "--data-dir", f"{TMP}/data", "--listen", EP,
@@ -225,7 +233,8 @@ try:
     for row in MODELS:
         run_model(Model(row, rng), rng)
     # Errors the CLI reports in one line: a missing chunk, a NEW of the wrong shape.
-    r = cli("fuse", "--model", "neox-f16", "--chunk", "ab" * 32 + "@0", "--new",
+    # (new.npy is the last model's)
+    r = cli("fuse", "--model", MODELS[-1][0], "--chunk", "ab" * 32 + "@0", "--new",
             f"{TMP}/new.npy", "--ratio", "0.2", "--check-layers", "1", "--out",
             f"{TMP}/x.npy", ok=False)
     check("fuse of a missing chunk", r.returncode == 1 and "not stored" in r.stderr and

@@ -433,6 +433,127 @@ static void test_concurrent_sessions(void **state)
 	assert_int_equal((uint64_t)daemon_stat(f->c, "fuse_sessions"), 0);
 }
 
+/*
+ * An ordinary model shape (issue 7): 8 KV heads x 128 bf16, three check layers
+ * narrowing the selection to a few rows. The fresh rows of the later check
+ * layers come in frames of a few KiB, which ZeroMQ may hand over at any address,
+ * and a client's shared buffer may sit at any offset: the daemon must give the
+ * same bits as through aligned memory (under UBSan a typed load at an odd
+ * address aborts it).
+ */
+#define WL 6
+#define WH 8
+#define WD 128
+#define WROW (WH * WD * 2)
+
+static void fill_bf16(uint16_t *p, size_t n, uint32_t seed)
+{
+	uint32_t x = seed * 2654435761u + 7;
+
+	for (size_t i = 0; i < n; i++) {
+		x = x * 1103515245u + 12345u;
+		/* sign, exponent 125..128, random mantissa: magnitudes 2^-2..2^1 */
+		p[i] = (uint16_t)((x >> 31) << 15 | (125 + (x >> 28 & 3)) << 7 | (x >> 8 & 0x7f));
+	}
+}
+
+static int drive_wide(kvb_client *c, kvb_fuse *fu, const uint8_t *fresh, uint8_t *out_all,
+		      int32_t *sel_out, size_t *n_sel)
+{
+	uint32_t n = kvb_fuse_tokens(fu);
+	uint8_t *k = malloc((size_t)n * WROW), *v = malloc((size_t)n * WROW);
+	int rc = 0;
+
+	for (uint32_t l = kvb_fuse_next_layer(fu); l < WL && !rc; l++) {
+		const int32_t *rows;
+		size_t nr = kvb_fuse_rows(fu, &rows);
+		int fused = 0;
+
+		for (size_t i = 0; i < nr; i++) {
+			memcpy(k + i * WROW, fresh + ((size_t)l * 2 * n + rows[i]) * WROW, WROW);
+			memcpy(v + i * WROW, fresh + ((size_t)(l * 2 + 1) * n + rows[i]) * WROW,
+			       WROW);
+		}
+		rc = kvb_fuse_layer(c, fu, l, k, v, out_all + (size_t)l * 2 * n * WROW,
+				    out_all + ((size_t)l * 2 + 1) * n * WROW, &fused);
+	}
+	if (!rc) {
+		const int32_t *sel;
+
+		*n_sel = kvb_fuse_rows(fu, &sel);
+		memcpy(sel_out, sel, *n_sel * sizeof(int32_t));
+	}
+	free(k);
+	free(v);
+	return rc;
+}
+
+static void test_wide_bf16_unaligned(void **state)
+{
+	static const struct kvb_model wide = { .name = "wide", .num_layers = WL,
+					       .num_kv_heads = WH, .head_dim = WD,
+					       .dtype = KVB_BF16, .rope_theta = 1e6 };
+	/* 40 cached tokens: 8 rows, then 2, then 1 (frames of 16, 4 and 2 KiB) */
+	static const uint32_t wchecks[3] = { 1, 2, 3 };
+	static const double wratios[3] = { 0.2, 0.05, 0.025 };
+	struct kvb_fuse_params p = { wchecks, wratios, 3, KVB_METRIC_VALUE };
+	struct fixture *f = *state;
+	const uint32_t T[2] = { 24, 16 }, n = 40;
+	uint8_t hash[2][KVB_HASH_LEN], *shared, *ref, *fresh, *out[2];
+	kvb_client *plain = daemon_client(&f->d, 1); /* frames only, no shared memory */
+	size_t bytes = (size_t)WL * 2 * T[0] * WROW, n_sel[2];
+	int32_t sel[2][64];
+
+	assert_int_equal(kvb_model_register(f->c, &wide, NULL), 0);
+	for (uint32_t i = 0; i < 2; i++) {
+		uint32_t ids[2] = { 88, i };
+		size_t elems = (size_t)WL * 2 * T[i] * WH * WD;
+		uint16_t *kv = malloc(elems * 2);
+
+		fill_bf16(kv, elems, 40 + i);
+		kvb_chunk_hash(ids, 2, hash[i]);
+		assert_int_equal(kvb_put(f->c, "wide", hash[i], KVB_BF16, T[i], 0, kv, elems * 2,
+					 NULL), 0);
+		free(kv);
+	}
+	/* The same fuse through shared memory and through frames: the same bits. */
+	fresh = malloc((size_t)WL * 2 * n * WROW);
+	fill_bf16((uint16_t *)fresh, (size_t)WL * 2 * n * WH * WD, 999);
+	for (int i = 0; i < 2; i++) {
+		kvb_client *c = i ? plain : f->c;
+		struct kvb_segment s[2] = { { 0 } };
+		kvb_fuse *fu;
+
+		memcpy(s[0].hash, hash[0], KVB_HASH_LEN);
+		memcpy(s[1].hash, hash[1], KVB_HASH_LEN);
+		s[1].pos = T[0];
+		out[i] = calloc((size_t)WL * 2 * n, WROW);
+		assert_int_equal(kvb_fuse_open(c, "wide", s, 2, &p, &fu, NULL, NULL), 0);
+		assert_int_equal(drive_wide(c, fu, fresh, out[i], sel[i], &n_sel[i]), 0);
+		assert_int_equal(kvb_fuse_close(c, &fu, NULL, NULL), 0);
+	}
+	assert_int_equal(n_sel[0], 1);
+	assert_int_equal(n_sel[1], 1);
+	assert_int_equal(sel[0][0], sel[1][0]);
+	/* fused layers from the second check layer on */
+	assert_memory_equal(out[0] + 2 * 2 * (size_t)n * WROW, out[1] + 2 * 2 * (size_t)n * WROW,
+			    (WL - 2) * 2 * (size_t)n * WROW);
+	free(out[0]);
+	free(out[1]);
+	free(fresh);
+
+	/* GET re-rotated straight into a shared buffer at an odd offset. */
+	ref = malloc(bytes);
+	shared = kvb_shared_buffer(f->c, bytes + 1);
+	assert_non_null(shared);
+	assert_int_equal(kvb_get_rerotated(plain, "wide", hash[0], 0, 0, 100, ref, bytes, NULL), 0);
+	assert_int_equal(kvb_get_rerotated(f->c, "wide", hash[0], 0, 0, 100, shared + 1, bytes,
+					   NULL), 0);
+	assert_memory_equal(shared + 1, ref, bytes);
+	free(ref);
+	kvb_close(&plain);
+}
+
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
@@ -442,6 +563,7 @@ int main(void)
 		cmocka_unit_test_setup_teardown(test_limits_and_pins, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_abandoned_session_expires, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_concurrent_sessions, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_wide_bf16_unaligned, setup, teardown),
 	};
 
 	return cmocka_run_group_tests(tests, NULL, NULL);
