@@ -9,8 +9,11 @@
 #include <pthread.h>
 #include <signal.h>
 #include <stdatomic.h>
+#include <stdbool.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
@@ -32,11 +35,33 @@ unsigned metrics_bucket(uint64_t ns)
 	return b;
 }
 
+/*
+ * Connections are served from one poll loop, never one at a time: a client that
+ * connects and sends nothing, or sends slowly, or does not read its answer, only
+ * holds its own slot until its deadline, and stop wakes the loop at once through
+ * an eventfd instead of waiting on any client.
+ */
+#define METRICS_MAX_CONNS 16
+#define METRICS_REQ_MAX 4096	 /* request head; larger ones get 431 */
+#define METRICS_TIMEOUT_MS 2000 /* to send the request head, and again to read the reply */
+
+struct metrics_conn {
+	int fd;			/* -1: free slot */
+	uint64_t deadline_ms;	/* CLOCK_MONOTONIC */
+	size_t got;
+	char *out;		/* the reply, once the request is in */
+	size_t out_len, out_sent;
+	char req[METRICS_REQ_MAX];
+};
+
 struct metrics {
 	struct server *srv;
 	int fd;
+	int wake; /* eventfd: metrics_stop writes it */
 	pthread_t thread;
 	atomic_bool stop;
+	uint64_t accept_after_ms; /* after accept failed for lack of descriptors or memory */
+	struct metrics_conn conns[METRICS_MAX_CONNS];
 };
 
 static void gauge(FILE *f, const char *name, const char *help, const char *type, double v)
@@ -127,56 +152,211 @@ void metrics_write(struct server *srv, FILE *f)
 		srv->blend->name);
 }
 
-static void serve_one(struct metrics *m, int c)
+static uint64_t now_ms(void)
 {
-	char req[2048] = "", *body = NULL, head[256];
-	size_t body_len = 0, got = 0;
-	struct pollfd p = { c, POLLIN, 0 };
-	FILE *f;
-	int ok;
+	struct timespec ts;
 
-	/* The request line is all we need; wait briefly for it. */
-	while (got < sizeof(req) - 1 && !memchr(req, '\n', got) && poll(&p, 1, 2000) > 0) {
-		ssize_t n = recv(c, req + got, sizeof(req) - 1 - got, 0);
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
+}
 
-		if (n <= 0)
-			break;
-		got += (size_t)n;
+static void conn_close(struct metrics_conn *c)
+{
+	if (c->fd >= 0) {
+		char sink[4096];
+
+		/* Unread input would turn the close into a reset that can discard the
+		 * answer on its way: take what is there (bounded, never waiting). */
+		if (c->out && c->out_sent == c->out_len)
+			for (int i = 0; i < 16 && recv(c->fd, sink, sizeof(sink), MSG_DONTWAIT) > 0;
+			     i++)
+				;
+		close(c->fd);
 	}
-	req[got] = 0;
-	ok = !strncmp(req, "GET /metrics ", 13) || !strncmp(req, "GET /metrics?", 13);
-	f = open_memstream(&body, &body_len);
-	if (!f)
+	free(c->out);
+	c->fd = -1;
+	c->out = NULL;
+	c->got = c->out_len = c->out_sent = 0;
+}
+
+/* Is the request head complete (blank line), or can no more of it come? */
+static bool head_complete(const struct metrics_conn *c)
+{
+	return c->got == sizeof(c->req) - 1 || strstr(c->req, "\r\n\r\n") ||
+	       strstr(c->req, "\n\n");
+}
+
+static void conn_write(struct metrics_conn *c)
+{
+	while (c->out_sent < c->out_len) {
+		ssize_t n = send(c->fd, c->out + c->out_sent, c->out_len - c->out_sent,
+				 MSG_NOSIGNAL | MSG_DONTWAIT);
+
+		if (n < 0 && errno == EINTR)
+			continue;
+		if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
+			return;
+		if (n <= 0) {
+			conn_close(c);
+			return;
+		}
+		c->out_sent += (size_t)n;
+	}
+	conn_close(c);
+}
+
+/* Build the reply for the request read so far; the connection then only writes. */
+static void conn_answer(struct metrics *m, struct metrics_conn *c)
+{
+	const char *status = "200 OK", *ctype = "text/plain; version=0.0.4";
+	char *body = NULL, head[256];
+	size_t body_len = 0;
+	FILE *f = open_memstream(&body, &body_len);
+	int n;
+
+	if (!f) {
+		conn_close(c);
 		return;
-	if (ok)
+	}
+	if (c->got == sizeof(c->req) - 1 && !strstr(c->req, "\r\n\r\n") &&
+	    !strstr(c->req, "\n\n")) {
+		status = "431 Request Header Fields Too Large";
+		ctype = "text/plain";
+		fprintf(f, "request head larger than %d bytes\n", METRICS_REQ_MAX - 1);
+	} else if (!strncmp(c->req, "GET /metrics ", 13) || !strncmp(c->req, "GET /metrics?", 13)) {
 		metrics_write(m->srv, f);
-	else
+	} else {
+		status = "404 Not Found";
+		ctype = "text/plain";
 		fprintf(f, "not found: kvblendd serves /metrics\n");
-	fclose(f);
-	snprintf(head, sizeof(head), "HTTP/1.1 %s\r\nContent-Type: %s\r\nContent-Length: %zu\r\n"
-		 "Connection: close\r\n\r\n", ok ? "200 OK" : "404 Not Found",
-		 ok ? "text/plain; version=0.0.4" : "text/plain", body_len);
-	if (send(c, head, strlen(head), MSG_NOSIGNAL) > 0)
-		send(c, body, body_len, MSG_NOSIGNAL);
+	}
+	if (fclose(f)) {
+		free(body);
+		conn_close(c);
+		return;
+	}
+	n = snprintf(head, sizeof(head), "HTTP/1.1 %s\r\nContent-Type: %s\r\nContent-Length: "
+		     "%zu\r\nConnection: close\r\n\r\n", status, ctype, body_len);
+	c->out = malloc((size_t)n + body_len);
+	if (!c->out) {
+		free(body);
+		conn_close(c);
+		return;
+	}
+	memcpy(c->out, head, (size_t)n);
+	memcpy(c->out + n, body, body_len);
 	free(body);
+	c->out_len = (size_t)n + body_len;
+	c->out_sent = 0;
+	c->deadline_ms = now_ms() + METRICS_TIMEOUT_MS;
+	conn_write(c); /* usually all of it fits in the socket buffer at once */
+}
+
+static void conn_read(struct metrics *m, struct metrics_conn *c)
+{
+	for (;;) {
+		ssize_t n = recv(c->fd, c->req + c->got, sizeof(c->req) - 1 - c->got, 0);
+
+		if (n < 0 && errno == EINTR)
+			continue;
+		if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
+			return;
+		if (n <= 0) {
+			/* The peer closed its side: answer what came, if it was a request. */
+			if (n == 0 && c->got)
+				conn_answer(m, c);
+			else
+				conn_close(c);
+			return;
+		}
+		c->got += (size_t)n;
+		c->req[c->got] = 0;
+		if (head_complete(c)) {
+			conn_answer(m, c);
+			return;
+		}
+	}
+}
+
+static void accept_all(struct metrics *m)
+{
+	for (size_t i = 0; i < METRICS_MAX_CONNS; i++) {
+		struct metrics_conn *c = &m->conns[i];
+
+		if (c->fd >= 0)
+			continue;
+		c->fd = accept4(m->fd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
+		if (c->fd < 0) {
+			/* EMFILE and the like leave the connection pending: pause rather
+			 * than spin on a listening socket that stays readable. */
+			if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS ||
+			    errno == ENOMEM)
+				m->accept_after_ms = now_ms() + 100;
+			return;
+		}
+		c->deadline_ms = now_ms() + METRICS_TIMEOUT_MS;
+	}
 }
 
 static void *metrics_main(void *arg)
 {
 	struct metrics *m = arg;
+	struct pollfd p[2 + METRICS_MAX_CONNS];
+	struct metrics_conn *who[2 + METRICS_MAX_CONNS];
 
 	while (!atomic_load(&m->stop)) {
-		struct pollfd p = { m->fd, POLLIN, 0 };
-		int c;
+		uint64_t now = now_ms(), next = now + 1000;
+		size_t n = 0, busy = 0;
+		int timeout;
 
-		if (poll(&p, 1, 200) <= 0)
+		p[n++] = (struct pollfd){ m->wake, POLLIN, 0 };
+		for (size_t i = 0; i < METRICS_MAX_CONNS; i++) {
+			struct metrics_conn *c = &m->conns[i];
+
+			if (c->fd < 0)
+				continue;
+			if (now >= c->deadline_ms) {
+				/* A request line without the rest of its head still gets its
+				 * answer; a client too slow to send one, or to read the
+				 * answer, is dropped. */
+				if (!c->out && memchr(c->req, '\n', c->got))
+					conn_answer(m, c);
+				else
+					conn_close(c);
+				if (c->fd < 0)
+					continue;
+			}
+			if (c->deadline_ms < next)
+				next = c->deadline_ms;
+			who[n] = c;
+			p[n++] = (struct pollfd){ c->fd, c->out ? POLLOUT : POLLIN, 0 };
+			busy++;
+		}
+		/* With every slot taken, new connections wait in the backlog. */
+		if (busy < METRICS_MAX_CONNS && now >= m->accept_after_ms) {
+			who[n] = NULL;
+			p[n++] = (struct pollfd){ m->fd, POLLIN, 0 };
+		} else if (busy < METRICS_MAX_CONNS && m->accept_after_ms < next) {
+			next = m->accept_after_ms;
+		}
+		timeout = (int)(next - now);
+		if (poll(p, (nfds_t)n, timeout) <= 0)
 			continue;
-		c = accept4(m->fd, NULL, NULL, SOCK_CLOEXEC);
-		if (c < 0)
-			continue;
-		serve_one(m, c);
-		close(c);
+		if (p[0].revents)
+			break;
+		for (size_t i = 1; i < n; i++) {
+			if (!p[i].revents)
+				continue;
+			if (!who[i])
+				accept_all(m);
+			else if (who[i]->out)
+				conn_write(who[i]);
+			else
+				conn_read(m, who[i]);
+		}
 	}
+	for (size_t i = 0; i < METRICS_MAX_CONNS; i++)
+		conn_close(&m->conns[i]);
 	return NULL;
 }
 
@@ -191,13 +371,19 @@ int metrics_start(struct server *srv, uint16_t port, struct metrics **out)
 	if (!m)
 		return -ENOMEM;
 	m->srv = srv;
-	m->fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-	if (m->fd < 0 || setsockopt(m->fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one)) ||
+	for (size_t i = 0; i < METRICS_MAX_CONNS; i++)
+		m->conns[i].fd = -1;
+	m->wake = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+	m->fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+	if (m->wake < 0 || m->fd < 0 ||
+	    setsockopt(m->fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one)) ||
 	    bind(m->fd, (struct sockaddr *)&a, sizeof(a)) || listen(m->fd, 16)) {
 		rc = -errno;
 		log_err("metrics: cannot listen on 127.0.0.1:%u: %s", port, strerror(-rc));
 		if (m->fd >= 0)
 			close(m->fd);
+		if (m->wake >= 0)
+			close(m->wake);
 		free(m);
 		return rc;
 	}
@@ -207,6 +393,7 @@ int metrics_start(struct server *srv, uint16_t port, struct metrics **out)
 	pthread_sigmask(SIG_SETMASK, &old, NULL);
 	if (rc) {
 		close(m->fd);
+		close(m->wake);
 		free(m);
 		return -rc;
 	}
@@ -222,8 +409,12 @@ void metrics_stop(struct metrics **mp)
 	if (!m)
 		return;
 	atomic_store(&m->stop, true);
+	/* Wakes the poll at once, whatever the clients are doing. */
+	if (eventfd_write(m->wake, 1))
+		log_warn("metrics: cannot wake the thread: %s", strerror(errno));
 	pthread_join(m->thread, NULL);
 	close(m->fd);
+	close(m->wake);
 	free(m);
 	*mp = NULL;
 }

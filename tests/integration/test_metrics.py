@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """The Prometheus endpoint and `kvblend stats` through the real daemon: counters move with
 the requests made, histograms are well formed, other paths get 404, the endpoint is off
-unless configured, and stats --json shows the same figures.
+unless configured, and stats --json shows the same figures. Slow or silent clients hold
+neither the endpoint nor the daemon's shutdown.
 
 usage: test_metrics.py KVBLENDD KVBLEND
 """
@@ -10,6 +11,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -96,9 +98,94 @@ try:
           and any(k.startswith("backend_cpu-") for k in st) and "evictions" in st)
     human = cli("stats").stdout
     check("stats for humans", "latency_ms_mean_put" in human and "chunks" in human)
-finally:
+
+    # Slow clients (issue 7): one that connects and sends nothing, one that sends half a
+    # request line, and one that trickles a byte now and then must not hold the endpoint.
+    idle = socket.create_connection(("127.0.0.1", port))
+    half = socket.create_connection(("127.0.0.1", port))
+    half.sendall(b"GET /met")
+    stop_trickle = threading.Event()
+    trickle_err = []
+
+    def trickle():
+        t = socket.create_connection(("127.0.0.1", port))
+        try:
+            for _ in range(50):  # 15 s at most
+                if stop_trickle.wait(0.3):
+                    break
+                t.sendall(b"x")
+        except OSError as e:  # the daemon dropped it: what it should do
+            trickle_err.append(e)
+        t.close()
+
+    tt = threading.Thread(target=trickle, daemon=True)
+    tt.start()
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    try:
+        status, _, text = scrape(port)
+    except OSError as e:
+        status, text = str(e), ""
+    took = time.monotonic() - t0
+    check("/metrics served while slow clients hold connections",
+          status == 200 and "kvblend_chunks" in text and took < 1.0, f"took {took:.2f} s")
+    big = socket.create_connection(("127.0.0.1", port))
+    big.settimeout(5)
+    big.sendall(b"GET /metrics HTTP/1.1\r\nX-Pad: " + b"a" * 5000 + b"\r\n\r\n")
+    try:
+        got = big.recv(64)
+    except OSError as e:
+        got = str(e).encode()
+    check("an oversized request head gets 431", got.startswith(b"HTTP/1.1 431"), got)
+    big.close()
+    # Both get dropped after the per-connection timeout (2 s), not held forever.
+    for name, sock in (("idle", idle), ("half-request", half)):
+        sock.settimeout(6)
+        t0 = time.monotonic()
+        try:
+            got = sock.recv(100)
+        except OSError:
+            got = b""
+        check(f"{name} connection dropped after the timeout",
+              got == b"" and time.monotonic() - t0 < 4, f"got {got!r}")
+        sock.close()
+    tt.join(6)
+    check("trickling connection dropped", bool(trickle_err), "still open")
+    stop_trickle.set()
+    tt.join()
+
+    # SIGTERM while clients hold connections open (and one trickles): the daemon stops at
+    # once, without waiting for them (it waited 21 s in issue 7).
+    stop_trickle.clear()
+    tt = threading.Thread(target=trickle, daemon=True)
+    tt.start()
+    time.sleep(0.3)
+    slow = [socket.create_connection(("127.0.0.1", port)) for _ in range(3)]
+    slow[1].sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
+    time.sleep(0.7)
+    t0 = time.monotonic()
     d.terminate()
-    check("daemon exits 0", d.wait(30) == 0)
+    try:
+        rc = d.wait(10)
+    except subprocess.TimeoutExpired:
+        rc = None
+    took = time.monotonic() - t0
+    print(f"# SIGTERM to exit with slow metrics clients: {took:.2f} s")
+    # Shorter than the 2 s per-connection timeout: stop waits on no client.
+    check("SIGTERM with slow metrics clients: exits 0 at once", rc == 0 and took < 1.8,
+          f"status {rc} after {took:.2f} s")
+    stop_trickle.set()
+    tt.join()
+    for sock in slow:
+        sock.close()
+finally:
+    if d.poll() is None:
+        d.terminate()
+        try:
+            check("daemon exits 0", d.wait(30) == 0)
+        except subprocess.TimeoutExpired:
+            check("daemon exits 0", False, "still running 30 s after SIGTERM")
+            d.kill()
 # off unless configured: nothing listens on a fresh port
 port2 = free_port()
 d = subprocess.Popen([KVBLENDD, "--data-dir", f"{tmp}/data", "--listen", ep],
