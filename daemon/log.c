@@ -2,12 +2,14 @@
 #include "log.h"
 
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
-static enum log_level current = LOG_LVL_INFO;
+/* Atomic: a reload changes it while workers read it. */
+static atomic_int current = LOG_LVL_INFO;
 static int journal;
 
 static const char *const names[] = { "error", "warn", "info", "debug" };
@@ -15,13 +17,18 @@ static const int priorities[] = { 3, 4, 6, 7 };
 
 void log_init(enum log_level level)
 {
-	current = level;
+	log_set_level(level);
 	journal = getenv("JOURNAL_STREAM") != NULL;
 }
 
 enum log_level log_get_level(void)
 {
-	return current;
+	return (enum log_level)atomic_load_explicit(&current, memory_order_relaxed);
+}
+
+void log_set_level(enum log_level level)
+{
+	atomic_store_explicit(&current, (int)level, memory_order_relaxed);
 }
 
 int log_level_parse(const char *s)
@@ -43,7 +50,7 @@ void log_msg(enum log_level level, const char *fmt, ...)
 	int n = 0;
 	va_list ap;
 
-	if (level > current)
+	if (level > log_get_level())
 		return;
 	if (journal) {
 		n = snprintf(line, sizeof(line), "<%d>", priorities[level]);

@@ -11,6 +11,8 @@ enum log_level { LOG_LVL_ERROR = 0, LOG_LVL_WARN, LOG_LVL_INFO, LOG_LVL_DEBUG };
 
 void log_init(enum log_level level);
 enum log_level log_get_level(void);
+/* Change the level while threads log (SIGHUP reload): safe from any thread. */
+void log_set_level(enum log_level level);
 /* Parse "error", "warn", "info", "debug". Returns the level or -1. */
 int log_level_parse(const char *s);
 const char *log_level_name(enum log_level level);

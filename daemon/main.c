@@ -20,6 +20,13 @@
 #endif
 
 static volatile int stop_requested;
+static volatile sig_atomic_t reload_requested;
+
+/* The command line, kept to re-read the config file (and re-apply the flags over it) on
+ * SIGHUP exactly as at start. */
+static int saved_argc;
+static char **saved_argv;
+static const char *config_path;
 
 static void on_signal(int sig)
 {
@@ -27,6 +34,12 @@ static void on_signal(int sig)
 	if (stop_requested)
 		_exit(128 + sig);
 	stop_requested = sig;
+}
+
+static void on_hangup(int sig)
+{
+	(void)sig;
+	reload_requested = 1;
 }
 
 static void usage(FILE *f)
@@ -45,12 +58,20 @@ static void usage(FILE *f)
 		"\n"
 		"Settings (each also a key of the config file, with underscores):\n");
 	config_print_help(f);
-	fprintf(f, "\nSIGTERM or SIGINT stop gracefully; a second one exits at once.\n");
+	fprintf(f, "\nSIGTERM or SIGINT stop gracefully; a second one exits at once.\n"
+		   "SIGHUP re-reads the --config file (flags still override it) and applies\n"
+		   "log_level; other changed keys are logged and take effect at the next start.\n"
+		   "A file with an error is logged and the running settings are kept.\n");
 }
 
-static int parse_args(int argc, char **argv, struct config *cfg, int *print_config)
+/*
+ * Settings from the config file, then the flags over it. At start --help, --version and
+ * --print-config-example answer and exit; on reload they cannot be there (the daemon
+ * would not be running). Returns 0 or a negative errno with a message in err.
+ */
+static int parse_args(int argc, char **argv, struct config *cfg, int *print_config, char *err,
+		      size_t errlen)
 {
-	char err[512];
 	int i, rc;
 
 	/* The file first, so that flags override it wherever they stand. */
@@ -59,14 +80,13 @@ static int parse_args(int argc, char **argv, struct config *cfg, int *print_conf
 			const char *path = argv[i][8] == '=' ? argv[i] + 9 : argv[i + 1];
 
 			if (!path) {
-				fprintf(stderr, "kvblendd: --config needs a file\n");
+				snprintf(err, errlen, "--config needs a file");
 				return -EINVAL;
 			}
-			rc = config_load_file(cfg, path, err, sizeof(err));
-			if (rc) {
-				fprintf(stderr, "kvblendd: %s\n", err);
+			rc = config_load_file(cfg, path, err, errlen);
+			if (rc)
 				return rc;
-			}
+			config_path = path;
 			i += argv[i][8] != '=';
 		}
 	}
@@ -97,7 +117,7 @@ static int parse_args(int argc, char **argv, struct config *cfg, int *print_conf
 		if (!strncmp(arg, "--config=", 9))
 			continue;
 		if (strncmp(arg, "--", 2)) {
-			fprintf(stderr, "kvblendd: unexpected argument '%s' (see --help)\n", arg);
+			snprintf(err, errlen, "unexpected argument '%s' (see --help)", arg);
 			return -EINVAL;
 		}
 		eq = strchr(arg, '=');
@@ -110,14 +130,23 @@ static int parse_args(int argc, char **argv, struct config *cfg, int *print_conf
 		else if (i + 1 < argc)
 			value = argv[++i];
 		else {
-			fprintf(stderr, "kvblendd: --%s needs a value\n", key);
+			snprintf(err, errlen, "--%s needs a value", key);
 			return -EINVAL;
 		}
-		rc = config_set(cfg, key, value, CONFIG_FLAG, err, sizeof(err));
-		if (rc) {
-			fprintf(stderr, "kvblendd: %s\n", err);
+		rc = config_set(cfg, key, value, CONFIG_FLAG, err, errlen);
+		if (rc)
 			return rc;
-		}
+	}
+	return 0;
+}
+
+/* Checks across keys, after every source is read. Returns 0 or -EINVAL with err. */
+static int check_settings(const struct config *cfg, char *err, size_t errlen)
+{
+	if (cfg->evict_low >= cfg->evict_high) {
+		snprintf(err, errlen, "evict_low (%llu) must be below evict_high (%llu)",
+			 (unsigned long long)cfg->evict_low, (unsigned long long)cfg->evict_high);
+		return -EINVAL;
 	}
 	return 0;
 }
@@ -161,9 +190,103 @@ static int mkdir_p(const char *dir)
 	}
 }
 
+/*
+ * The keys whose values differ between a and b, comma-separated, from their printed
+ * form (config_print), so that every key of the table is covered, now and later.
+ * log_level is left out: it is the one applied at run time.
+ */
+static void changed_keys(const struct config *a, const struct config *b, char *out, size_t len)
+{
+	char *ta = NULL, *tb = NULL;
+	size_t la = 0, lb = 0, n = 0;
+	FILE *fa = open_memstream(&ta, &la), *fb = open_memstream(&tb, &lb);
+	const char *pa, *pb;
+	int rca, rcb;
+
+	snprintf(out, len, "(unknown: out of memory)");
+	if (!fa || !fb)
+		goto out;
+	config_print(fa, a);
+	config_print(fb, b);
+	rca = fclose(fa);
+	rcb = fclose(fb);
+	fa = fb = NULL;
+	if (rca || rcb || !ta || !tb)
+		goto out;
+	*out = 0;
+	/* Both list the same keys in the same order; a key may span lines (listen). */
+	for (pa = ta, pb = tb; *pa && *pb;) {
+		size_t ka = strcspn(pa, " "), ea = 0, eb = 0;
+		const char *qa = pa, *qb = pb;
+
+		while (!strncmp(qa, pa, ka + 1)) {
+			qa += strcspn(qa, "\n");
+			qa += *qa == '\n';
+		}
+		while (!strncmp(qb, pa, ka + 1)) {
+			qb += strcspn(qb, "\n");
+			qb += *qb == '\n';
+		}
+		ea = (size_t)(qa - pa);
+		eb = (size_t)(qb - pb);
+		if ((ea != eb || memcmp(pa, pb, ea)) && strncmp(pa, "log_level ", 10) && n < len)
+			n += (size_t)snprintf(out + n, len - n, "%s%.*s", n ? ", " : "", (int)ka,
+					      pa);
+		if (qb == pb) /* cannot happen with one table; do not loop forever */
+			break;
+		pa = qa;
+		pb = qb;
+	}
+out:
+	if (fa)
+		fclose(fa);
+	if (fb)
+		fclose(fb);
+	free(ta);
+	free(tb);
+}
+
+/*
+ * SIGHUP: read the settings again as at start (file, then flags) and apply those that
+ * can change while running: log_level. Others that changed are named, for a restart.
+ * A file with an error changes nothing. Logs go to stderr (the journal): there is no
+ * log file to reopen.
+ */
+static void reload(struct server *srv)
+{
+	char err[512], restart[512];
+	enum log_level old = log_get_level(), level;
+	struct config cfg;
+	int print_config = 0;
+
+	notify_reloading();
+	config_defaults(&cfg);
+	if (parse_args(saved_argc, saved_argv, &cfg, &print_config, err, sizeof(err)) ||
+	    check_settings(&cfg, err, sizeof(err))) {
+		log_err("SIGHUP: %s; keeping the running settings", err);
+		notify_ready();
+		return;
+	}
+	level = (enum log_level)cfg.log_level;
+	changed_keys(srv->cfg, &cfg, restart, sizeof(restart));
+	/* One line, under the more verbose of the two levels. */
+	if (level > old)
+		log_set_level(level);
+	log_info("SIGHUP: reloaded %s: log_level %s%s%s%s%s",
+		 config_path ? config_path : "the command line (no --config file)",
+		 log_level_name(old), level == old ? " (unchanged)" : " -> ",
+		 level == old ? "" : log_level_name(level),
+		 *restart ? "; changed, applied at the next start only: " : "", restart);
+	log_set_level(level);
+	notify_ready();
+}
+
 static void tick(struct server *srv)
 {
-	(void)srv;
+	if (reload_requested) {
+		reload_requested = 0;
+		reload(srv);
+	}
 	notify_watchdog();
 }
 
@@ -174,21 +297,25 @@ int main(int argc, char **argv)
 	struct server srv = { 0 };
 	struct store *store = NULL;
 	struct config cfg;
+	char err[512];
 	int print_config = 0, lock_fd = -1, rc;
 
 	config_defaults(&cfg);
-	if (parse_args(argc, argv, &cfg, &print_config))
+	if (parse_args(argc, argv, &cfg, &print_config, err, sizeof(err))) {
+		fprintf(stderr, "kvblendd: %s\n", err);
 		return 2;
+	}
 	if (print_config) {
 		config_print(stdout, &cfg);
 		return 0;
 	}
-	log_init((enum log_level)cfg.log_level);
-	if (cfg.evict_low >= cfg.evict_high) {
-		fprintf(stderr, "kvblendd: evict_low (%llu) must be below evict_high (%llu)\n",
-			(unsigned long long)cfg.evict_low, (unsigned long long)cfg.evict_high);
+	if (check_settings(&cfg, err, sizeof(err))) {
+		fprintf(stderr, "kvblendd: %s\n", err);
 		return 2;
 	}
+	saved_argc = argc;
+	saved_argv = argv;
+	log_init((enum log_level)cfg.log_level);
 	/* Reply buffers of many MiB come and go per request: keep them in the heap for reuse
 	 * rather than mmap'ing (and page-faulting) fresh ones every time. */
 	mallopt(M_MMAP_THRESHOLD, 256 << 20);
@@ -196,6 +323,8 @@ int main(int argc, char **argv)
 	sigemptyset(&sa.sa_mask);
 	sigaction(SIGTERM, &sa, NULL);
 	sigaction(SIGINT, &sa, NULL);
+	sa.sa_handler = on_hangup;
+	sigaction(SIGHUP, &sa, NULL);
 	signal(SIGPIPE, SIG_IGN);
 
 	notify_status("opening store at %s", cfg.data_dir);

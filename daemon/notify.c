@@ -13,6 +13,16 @@ void notify_ready(void)
 	sd_notify(0, "READY=1\nSTATUS=serving");
 }
 
+void notify_reloading(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	sd_notifyf(0, "RELOADING=1\nSTATUS=reloading configuration\nMONOTONIC_USEC=%llu",
+		   (unsigned long long)ts.tv_sec * 1000000ull +
+			   (unsigned long long)ts.tv_nsec / 1000ull);
+}
+
 void notify_stopping(void)
 {
 	sd_notify(0, "STOPPING=1\nSTATUS=stopping");
@@ -52,6 +62,10 @@ void notify_watchdog(void)
 }
 #else
 void notify_ready(void)
+{
+}
+
+void notify_reloading(void)
 {
 }
 

@@ -2,8 +2,9 @@
  * The systemd notification protocol end to end: kvblendd started with
  * NOTIFY_SOCKET pointing at this test's own datagram socket and a watchdog
  * interval must send READY=1 (after LMDB is open and the socket is bound: the
- * test connects right after it), WATCHDOG=1 pings, and STOPPING=1 on SIGTERM,
- * in that order, and exit 0.
+ * test connects right after it), WATCHDOG=1 pings, RELOADING=1 (with
+ * MONOTONIC_USEC=) then READY=1 again on SIGHUP, and STOPPING=1 on SIGTERM, in
+ * that order, and exit 0.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -92,17 +93,34 @@ static void test_notify_order(void **state)
 	}
 	assert_true(wait_for(fd, "WATCHDOG=1", 5, log, sizeof(log)));
 	assert_null(strstr(log, "STOPPING=1"));
+	/* A reload: RELOADING=1, then READY=1 once done; the daemon keeps serving. */
+	kill(pid, SIGHUP);
+	assert_true(wait_for(fd, "RELOADING=1", 10, log, sizeof(log)));
+	assert_true(wait_for(fd, "READY=1", 10, log, sizeof(log)));
+	{
+		struct kvb_connect_opts o = { .timeout_ms = 2000 };
+		kvb_client *c = NULL;
+
+		assert_int_equal(kvb_connect(ep, &o, &c, NULL, 0), 0);
+		assert_int_equal(kvb_ping(c, NULL, 0), 0);
+		kvb_close(&c);
+	}
 	kill(pid, SIGTERM);
 	assert_true(wait_for(fd, "STOPPING=1", 20, log, sizeof(log)));
 	assert_int_equal(waitpid(pid, &status, 0), pid);
 	assert_true(WIFEXITED(status) && WEXITSTATUS(status) == 0);
-	/* In order: READY before the first WATCHDOG before STOPPING. */
+	/* In order: READY before the first WATCHDOG before RELOADING, READY, STOPPING. */
 	{
 		char *r = strstr(log, "READY=1"), *w = strstr(log, "WATCHDOG=1");
+		char *rl = strstr(log, "RELOADING=1"), *r2 = rl ? strstr(rl, "READY=1") : NULL;
+		char *mono = rl ? strstr(rl, "MONOTONIC_USEC=") : NULL;
 		char *s = strstr(log, "STOPPING=1");
 
 		print_message("notifications: %s\n", log);
 		assert_true(r && w && s && r < w && w < s);
+		assert_true(rl && r2 && w < rl && r2 < s);
+		/* in the RELOADING=1 datagram itself (datagrams are joined by '|') */
+		assert_true(mono && mono < r2 && !memchr(rl, '|', (size_t)(mono - rl)));
 	}
 	close(fd);
 	{

@@ -29,6 +29,9 @@ grep -q '^Type=notify$' "$unit" && grep -q '^WatchdogSec=' "$unit" &&
 	grep -q '^StateDirectory=kvblend$' "$unit" && grep -q '^RuntimeDirectory=kvblend$' "$unit" &&
 	grep -q '^ConfigurationDirectory=kvblend$' "$unit" && ok "unit: notify, watchdog, directories" ||
 	bad "unit: notify, watchdog, directories"
+# systemctl reload sends SIGHUP, which the daemon handles (re-reads its config).
+grep -q '^ExecReload=/bin/kill -HUP \$MAINPID$' "$unit" && ok "unit: ExecReload sends SIGHUP" ||
+	bad "unit: ExecReload sends SIGHUP" "$(grep '^ExecReload' "$unit")"
 
 # The package, built from a tree configured for /usr, unpacked into a scratch root.
 cmake -S "$src" -B "$tmp/pkg" -DCMAKE_INSTALL_PREFIX=/usr -DKVB_TESTS=OFF >/dev/null &&
