@@ -390,8 +390,9 @@ uint32_t fuse_open(struct fuse_table *t, const struct store_model *m, const stru
 				continue;
 			}
 			if (rc) {
-				code = fail(err, errlen, KVBP_INTERNAL, "lookup failed: %s",
-					    strerror(-rc));
+				code = fail(err, errlen, rc == -EBADMSG ? KVBP_CORRUPT : KVBP_INTERNAL,
+					    "lookup failed: %s", rc == -EBADMSG ?
+					    "a chunk record failed its checksum" : strerror(-rc));
 				goto fail;
 			}
 			count = ci.num_tokens;

@@ -116,6 +116,19 @@ static void hex(const uint8_t *h, char *out)
 		sprintf(out + 2 * i, "%02x", h[i]);
 }
 
+/* `full`, saying which ran out: the file system under the store or its LMDB map. */
+static int fail_full(struct req *q, const char *what)
+{
+	struct store_totals t;
+
+	if (store_totals(q->srv->store, &t) == 0 && t.disk_avail < t.map_size - t.map_used)
+		return fail(q, KVBP_FULL, "%s: the file system of %s is full (%" PRIu64 " of %"
+			    PRIu64 " bytes free)", what, q->srv->cfg->data_dir, t.disk_avail,
+			    t.disk_size);
+	return fail(q, KVBP_FULL, "%s: store full (LMDB map of %" PRIu64 " bytes)", what,
+		    q->srv->cfg->map_size);
+}
+
 /* Translate a store errno into a reply; the one place store errors meet the wire. */
 static int fail_store(struct req *q, int rc, const char *what)
 {
@@ -123,8 +136,7 @@ static int fail_store(struct req *q, int rc, const char *what)
 	case -ENOENT:
 		return fail(q, KVBP_NOT_FOUND, "%s: not found", what);
 	case -ENOSPC:
-		return fail(q, KVBP_FULL, "%s: store full (LMDB map of %" PRIu64 " bytes)", what,
-			    q->srv->cfg->map_size);
+		return fail_full(q, what);
 	case -EBADMSG:
 		return fail(q, KVBP_CORRUPT, "%s: stored data is corrupt", what);
 	case -EAGAIN:
@@ -505,9 +517,8 @@ static void op_put(struct req *q)
 		int64_t freed = evictor_make_room(q->srv->evict, 2 * total + (1u << 20));
 
 		if (freed < 0) {
-			fail(q, KVBP_FULL, "cache full: the LMDB map of %" PRIu64 " bytes has no room "
-			     "and nothing can be evicted (every chunk is pinned or in use)",
-			     q->srv->cfg->map_size);
+			fail_full(q, "put: cache full and nothing can be evicted (every chunk is "
+				  "pinned or in use)");
 			goto out;
 		}
 		rc = store_chunk_put(q->srv->store, &m, q->h.hash, q->h.num_tokens, q->h.base_pos,
@@ -645,6 +656,10 @@ static void op_get(struct req *q)
 		return;
 	}
 	rc = store_chunk_info(q->srv->store, &m, q->h.hash, &ci);
+	if (rc == -EBADMSG) {
+		remove_corrupt(q, &m); /* its record failed its checksum */
+		return;
+	}
 	if (rc) {
 		fail_store(q, rc, "get");
 		return;

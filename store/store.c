@@ -2,21 +2,40 @@
 #include "store.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <lmdb.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <time.h>
 
+#include "checksum.h"
 #include "codec.h"
 
-#define STORE_FORMAT 1
+/*
+ * On-disk format. 2: every chunk, model and counter record carries an XXH3-64
+ * checksum of its key and bytes, verified on every read. 1 (no record
+ * checksums) is upgraded in place by store_open().
+ */
+#define STORE_FORMAT 2
+#define STORE_FORMAT_V1 1
 #define RTXN_POOL_MAX 64
 #define CHUNK_KEY_LEN (4 + STORE_HASH_LEN)
 #define LAYER_KEY_LEN (CHUNK_KEY_LEN + 4)
 #define CHUNK_REC_LEN 48
-#define MODEL_REC_LEN (STORE_NAME_MAX + 1 + 4 * 10 + 8 * 6 + 1)
+#define CHUNK_REC_SUM 40 /* offset of the checksum in a chunk record */
+#define MODEL_BODY_LEN (STORE_NAME_MAX + 1 + 4 * 10 + 8 * 6 + 1)
+#define MODEL_REC_LEN (MODEL_BODY_LEN + 8)
+#define MODEL_REC_LEN_V1 MODEL_BODY_LEN
+#define TOTALS_LEN 32	  /* chunks, raw bytes, stored bytes, checksum */
+#define NEXT_MODEL_LEN 12 /* next id, checksum */
+#define REC_SUM_MAX 256	  /* longest key + record body that rec_sum() hashes */
+/* Slack on top of a write's payload when judging whether the file system ran out. */
+#define WRITE_SLACK (1u << 20)
+/* Disk kept allocated past the last page, so that deletes work on a full file system. */
+#define DISK_RESERVE (2u << 20)
 
 struct store {
 	MDB_env *env;
@@ -34,6 +53,10 @@ struct totals_rec {
 	uint64_t chunks, raw_bytes, stored_bytes;
 };
 
+static const MDB_val totals_key = { 6, "totals" };
+static const MDB_val next_model_key = { 10, "next_model" };
+static const MDB_val format_key = { 6, "format" };
+
 /* The one place LMDB codes become errno values. */
 static int err_from_mdb(int rc)
 {
@@ -44,6 +67,7 @@ static int err_from_mdb(int rc)
 		return -ENOENT;
 	case MDB_MAP_FULL:
 	case MDB_TXN_FULL:
+	case EDQUOT: /* a quota is a full disk for us */
 		return -ENOSPC;
 	case MDB_READERS_FULL:
 	case MDB_MAP_RESIZED:
@@ -58,12 +82,66 @@ static int err_from_mdb(int rc)
 	}
 }
 
+/*
+ * The error of a failed write (a put that spilled pages, a commit). LMDB
+ * reports a short write as EIO, and a file system that fills up in the middle
+ * of a write gives exactly that: when the data file's file system has less room
+ * left than the write needed, the EIO was a full disk. The failed transaction
+ * is aborted by the caller: nothing it wrote is reachable, the pages written
+ * past the end are reused by the next transaction, the environment stays usable.
+ */
+static int err_write(struct store *s, int mdb_rc, uint64_t need)
+{
+	int rc = err_from_mdb(mdb_rc);
+	struct statvfs sv;
+	int fd;
+
+	if (rc != -EIO || mdb_env_get_fd(s->env, &fd) || fstatvfs(fd, &sv))
+		return rc;
+	if ((uint64_t)sv.f_bavail * sv.f_frsize < need + WRITE_SLACK)
+		return -ENOSPC;
+	return rc;
+}
+
+/*
+ * Keep DISK_RESERVE bytes of the file system allocated to the data file past
+ * its last page (without changing its size). A delete writes a few fresh pages
+ * (LMDB never overwrites the last snapshot): when something else fills the
+ * disk, they come from here, so eviction can still make room. Best effort: a
+ * file system without fallocate() or without room simply keeps less.
+ */
+static void disk_reserve(struct store *s)
+{
+	MDB_envinfo ei;
+	MDB_stat st;
+	int fd;
+
+	if (mdb_env_info(s->env, &ei) || mdb_env_stat(s->env, &st) || mdb_env_get_fd(s->env, &fd))
+		return;
+	(void)fallocate(fd, FALLOC_FL_KEEP_SIZE, (off_t)(ei.me_last_pgno + 1) * st.ms_psize,
+			DISK_RESERVE);
+}
+
+static int commit(struct store *s, MDB_txn *txn, uint64_t need)
+{
+	int rc = err_write(s, mdb_txn_commit(txn), need);
+
+	if (!rc && need)
+		disk_reserve(s); /* the file grew into the reserve: renew it */
+	return rc;
+}
+
 static void be32(uint8_t *p, uint32_t v)
 {
 	p[0] = (uint8_t)(v >> 24);
 	p[1] = (uint8_t)(v >> 16);
 	p[2] = (uint8_t)(v >> 8);
 	p[3] = (uint8_t)v;
+}
+
+static uint32_t get_be32(const uint8_t *p)
+{
+	return (uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 | (uint32_t)p[2] << 8 | p[3];
 }
 
 static void le_put(uint8_t *p, uint64_t v, int n)
@@ -98,6 +176,27 @@ static double le_get_f64(const uint8_t *p)
 	return d;
 }
 
+/*
+ * XXH3-64 of a record's key and body: a flipped bit anywhere in the record, or
+ * a record that ended up under another key, fails the check.
+ */
+static uint64_t rec_sum(const MDB_val *k, const void *body, size_t body_len)
+{
+	uint8_t buf[REC_SUM_MAX];
+
+	memcpy(buf, k->mv_data, k->mv_size);
+	memcpy(buf + k->mv_size, body, body_len);
+	return checksum(buf, k->mv_size + body_len);
+}
+
+static bool rec_sum_ok(const MDB_val *k, const MDB_val *v, size_t body_len)
+{
+	const uint8_t *p = v->mv_data;
+
+	return k->mv_size + body_len <= REC_SUM_MAX && v->mv_size == body_len + 8 &&
+	       le_get(p + body_len, 8) == rec_sum(k, p, body_len);
+}
+
 static uint32_t dtype_size(uint32_t dtype)
 {
 	return dtype == 3 ? 4 : (dtype == 1 || dtype == 2) ? 2 : 0;
@@ -126,7 +225,8 @@ static void layer_key(uint8_t *key, uint32_t model_id, const uint8_t *hash, uint
 	be32(key + CHUNK_KEY_LEN, layer);
 }
 
-static void chunk_rec_encode(uint8_t *p, const struct store_chunk_info *c)
+/* A chunk record: version, tokens, base_pos, layers, raw, stored, created, checksum. */
+static void chunk_rec_encode(uint8_t *p, const MDB_val *k, const struct store_chunk_info *c)
 {
 	memset(p, 0, CHUNK_REC_LEN);
 	le_put(p, STORE_FORMAT, 4);
@@ -136,26 +236,36 @@ static void chunk_rec_encode(uint8_t *p, const struct store_chunk_info *c)
 	le_put(p + 16, c->raw_bytes, 8);
 	le_put(p + 24, c->stored_bytes, 8);
 	le_put(p + 32, c->created, 8);
+	le_put(p + CHUNK_REC_SUM, rec_sum(k, p, CHUNK_REC_SUM), 8);
 }
 
-static int chunk_rec_decode(const MDB_val *v, struct store_chunk_info *c)
+static void chunk_rec_fields(const uint8_t *p, struct store_chunk_info *c)
 {
-	const uint8_t *p = v->mv_data;
-
-	if (v->mv_size != CHUNK_REC_LEN || le_get(p, 4) != STORE_FORMAT)
-		return -EBADMSG;
 	c->num_tokens = (uint32_t)le_get(p + 4, 4);
 	c->base_pos = (uint32_t)le_get(p + 8, 4);
 	c->num_layers = (uint32_t)le_get(p + 12, 4);
 	c->raw_bytes = le_get(p + 16, 8);
 	c->stored_bytes = le_get(p + 24, 8);
 	c->created = le_get(p + 32, 8);
+}
+
+/* Decode and verify the chunk record v stored under key k. *c is untouched on -EBADMSG. */
+static int chunk_rec_decode(const MDB_val *k, const MDB_val *v, struct store_chunk_info *c)
+{
+	const uint8_t *p = v->mv_data;
+
+	if (k->mv_size != CHUNK_KEY_LEN || !rec_sum_ok(k, v, CHUNK_REC_SUM) ||
+	    le_get(p, 4) != STORE_FORMAT)
+		return -EBADMSG;
+	chunk_rec_fields(p, c);
 	return 0;
 }
 
 static void model_rec_encode(uint8_t *p, const struct store_model *m)
 {
 	uint8_t *q = p + STORE_NAME_MAX + 1;
+	size_t name_len = strnlen(m->name, STORE_NAME_MAX);
+	MDB_val k = { name_len, (void *)m->name };
 	const uint32_t u[10] = { m->id,	      m->num_layers, m->num_kv_heads,	  m->head_dim,
 				 m->dtype,    m->rope_style, m->rotary_dim,	  m->scaling,
 				 m->max_pos, m->original_max_pos };
@@ -163,49 +273,62 @@ static void model_rec_encode(uint8_t *p, const struct store_model *m)
 			      m->high_freq_factor, m->beta_fast, m->beta_slow };
 
 	memset(p, 0, MODEL_REC_LEN);
-	memcpy(p, m->name, strnlen(m->name, STORE_NAME_MAX));
+	memcpy(p, m->name, name_len);
 	for (int i = 0; i < 10; i++, q += 4)
 		le_put(q, u[i], 4);
 	for (int i = 0; i < 6; i++, q += 8)
 		le_put_f64(q, d[i]);
 	*q = m->k_pre_rope;
+	le_put(p + MODEL_BODY_LEN, rec_sum(&k, p, MODEL_BODY_LEN), 8);
 }
 
-static int model_rec_decode(const MDB_val *v, struct store_model *m)
+/* The fields of a model record body (format 1 and 2 share it). */
+static int model_body_decode(const uint8_t *p, struct store_model *out)
 {
-	const uint8_t *p = v->mv_data, *q = p + STORE_NAME_MAX + 1;
+	const uint8_t *q = p + STORE_NAME_MAX + 1;
+	struct store_model m;
 	uint32_t u[10];
 	double d[6];
 
-	if (v->mv_size != MODEL_REC_LEN || p[STORE_NAME_MAX] != 0)
+	if (p[STORE_NAME_MAX] != 0)
 		return -EBADMSG;
-	memset(m, 0, sizeof(*m));
-	memcpy(m->name, p, STORE_NAME_MAX + 1);
+	memset(&m, 0, sizeof(m));
+	memcpy(m.name, p, STORE_NAME_MAX + 1);
 	for (int i = 0; i < 10; i++, q += 4)
 		u[i] = (uint32_t)le_get(q, 4);
 	for (int i = 0; i < 6; i++, q += 8)
 		d[i] = le_get_f64(q);
-	m->id = u[0];
-	m->num_layers = u[1];
-	m->num_kv_heads = u[2];
-	m->head_dim = u[3];
-	m->dtype = u[4];
-	m->elem_size = dtype_size(m->dtype);
-	m->rope_style = u[5];
-	m->rotary_dim = u[6];
-	m->scaling = u[7];
-	m->max_pos = u[8];
-	m->original_max_pos = u[9];
-	m->rope_theta = d[0];
-	m->factor = d[1];
-	m->low_freq_factor = d[2];
-	m->high_freq_factor = d[3];
-	m->beta_fast = d[4];
-	m->beta_slow = d[5];
-	m->k_pre_rope = *q != 0;
-	return m->elem_size ? 0 : -EBADMSG;
+	m.id = u[0];
+	m.num_layers = u[1];
+	m.num_kv_heads = u[2];
+	m.head_dim = u[3];
+	m.dtype = u[4];
+	m.elem_size = dtype_size(m.dtype);
+	m.rope_style = u[5];
+	m.rotary_dim = u[6];
+	m.scaling = u[7];
+	m.max_pos = u[8];
+	m.original_max_pos = u[9];
+	m.rope_theta = d[0];
+	m.factor = d[1];
+	m.low_freq_factor = d[2];
+	m.high_freq_factor = d[3];
+	m.beta_fast = d[4];
+	m.beta_slow = d[5];
+	m.k_pre_rope = *q != 0;
+	if (!m.elem_size)
+		return -EBADMSG;
+	*out = m;
+	return 0;
 }
 
+/* Decode and verify the model record v stored under name k. *m is untouched on -EBADMSG. */
+static int model_rec_decode(const MDB_val *k, const MDB_val *v, struct store_model *m)
+{
+	if (!rec_sum_ok(k, v, MODEL_BODY_LEN))
+		return -EBADMSG;
+	return model_body_decode(v->mv_data, m);
+}
 static int rtxn_begin(struct store *s, MDB_txn **out)
 {
 	MDB_txn *t = NULL;
@@ -243,39 +366,284 @@ static void rtxn_end(struct store *s, MDB_txn *t)
 		mdb_txn_abort(t);
 }
 
-static int totals_read(MDB_txn *txn, MDB_dbi meta, struct totals_rec *t)
+/*
+ * Delete a chunk's record and every layer stored under its key, whatever the
+ * record says (it may be corrupt). Adds what the layers held to *freed.
+ */
+static int chunk_purge(struct store *s, MDB_txn *txn, const uint8_t *key,
+		       struct totals_rec *freed)
 {
-	MDB_val k = { 6, "totals" }, v;
-	int rc = mdb_get(txn, meta, &k, &v);
+	MDB_val k = { CHUNK_KEY_LEN, (void *)key }, v;
+	MDB_cursor *cur = NULL;
+	int rc = mdb_del(txn, s->chunks, &k, NULL);
+
+	if (rc == MDB_SUCCESS)
+		freed->chunks++;
+	else if (rc != MDB_NOTFOUND)
+		return err_from_mdb(rc);
+	rc = mdb_cursor_open(txn, s->layers, &cur);
+	if (rc)
+		return err_from_mdb(rc);
+	rc = mdb_cursor_get(cur, &k, &v, MDB_SET_RANGE);
+	while (rc == MDB_SUCCESS && k.mv_size == LAYER_KEY_LEN &&
+	       !memcmp(k.mv_data, key, CHUNK_KEY_LEN)) {
+		struct codec_header hk, hv;
+
+		freed->stored_bytes += v.mv_size;
+		/* Best effort: a layer too damaged to say its raw size counts nothing. */
+		if (!codec_peek(v.mv_data, v.mv_size, &hk) &&
+		    hk.stored_size <= v.mv_size - CODEC_HEADER_SIZE &&
+		    !codec_peek((const uint8_t *)v.mv_data + CODEC_HEADER_SIZE + hk.stored_size,
+				v.mv_size - CODEC_HEADER_SIZE - hk.stored_size, &hv))
+			freed->raw_bytes += hk.raw_size + hv.raw_size;
+		rc = mdb_cursor_del(cur, 0);
+		if (rc == MDB_SUCCESS)
+			rc = mdb_cursor_get(cur, &k, &v, MDB_NEXT);
+	}
+	mdb_cursor_close(cur);
+	return rc == MDB_NOTFOUND ? 0 : err_from_mdb(rc);
+}
+
+/* Sum the chunk records that pass their checks: the totals, when their record is lost. */
+static int totals_recount(struct store *s, MDB_txn *txn, struct totals_rec *t)
+{
+	MDB_cursor *cur = NULL;
+	MDB_val k, v;
+	int rc = mdb_cursor_open(txn, s->chunks, &cur);
+
+	memset(t, 0, sizeof(*t));
+	if (rc)
+		return err_from_mdb(rc);
+	for (rc = mdb_cursor_get(cur, &k, &v, MDB_FIRST); rc == MDB_SUCCESS;
+	     rc = mdb_cursor_get(cur, &k, &v, MDB_NEXT)) {
+		struct store_chunk_info ci;
+
+		if (chunk_rec_decode(&k, &v, &ci))
+			continue;
+		t->chunks++;
+		t->raw_bytes += ci.raw_bytes;
+		t->stored_bytes += ci.stored_bytes;
+	}
+	mdb_cursor_close(cur);
+	return rc == MDB_NOTFOUND ? 0 : err_from_mdb(rc);
+}
+
+/*
+ * The totals. They decide no served byte, so a record that fails its checksum
+ * is not an error: the totals are counted again from the chunk records.
+ */
+static int totals_read(struct store *s, MDB_txn *txn, struct totals_rec *t)
+{
+	MDB_val v;
+	int rc = mdb_get(txn, s->meta, (MDB_val *)&totals_key, &v);
 
 	memset(t, 0, sizeof(*t));
 	if (rc == MDB_NOTFOUND)
 		return 0;
 	if (rc)
 		return err_from_mdb(rc);
-	if (v.mv_size != 24)
-		return -EBADMSG;
+	if (!rec_sum_ok(&totals_key, &v, TOTALS_LEN - 8))
+		return totals_recount(s, txn, t);
 	t->chunks = le_get(v.mv_data, 8);
 	t->raw_bytes = le_get((const uint8_t *)v.mv_data + 8, 8);
 	t->stored_bytes = le_get((const uint8_t *)v.mv_data + 16, 8);
 	return 0;
 }
 
-static int totals_write(MDB_txn *txn, MDB_dbi meta, const struct totals_rec *t)
+static int totals_write(struct store *s, MDB_txn *txn, const struct totals_rec *t)
 {
-	uint8_t buf[24];
-	MDB_val k = { 6, "totals" }, v = { sizeof(buf), buf };
+	uint8_t buf[TOTALS_LEN];
+	MDB_val v = { sizeof(buf), buf };
 
 	le_put(buf, t->chunks, 8);
 	le_put(buf + 8, t->raw_bytes, 8);
 	le_put(buf + 16, t->stored_bytes, 8);
-	return err_from_mdb(mdb_put(txn, meta, &k, &v, 0));
+	le_put(buf + 24, rec_sum(&totals_key, buf, 24), 8);
+	return err_from_mdb(mdb_put(txn, s->meta, (MDB_val *)&totals_key, &v, 0));
+}
+
+/* Add `add` to the totals and take `sub` off (never below zero). */
+static int totals_update(struct store *s, MDB_txn *txn, const struct totals_rec *add,
+			 const struct totals_rec *sub)
+{
+	struct totals_rec t;
+	int rc = totals_read(s, txn, &t);
+
+	if (rc)
+		return rc;
+	t.chunks += add->chunks;
+	t.raw_bytes += add->raw_bytes;
+	t.stored_bytes += add->stored_bytes;
+	t.chunks -= t.chunks >= sub->chunks ? sub->chunks : t.chunks;
+	t.raw_bytes -= t.raw_bytes >= sub->raw_bytes ? sub->raw_bytes : t.raw_bytes;
+	t.stored_bytes -= t.stored_bytes >= sub->stored_bytes ? sub->stored_bytes : t.stored_bytes;
+	return totals_write(s, txn, &t);
+}
+
+static int next_model_write(struct store *s, MDB_txn *txn, uint32_t id)
+{
+	uint8_t buf[NEXT_MODEL_LEN];
+	MDB_val v = { sizeof(buf), buf };
+
+	le_put(buf, id, 4);
+	le_put(buf + 4, rec_sum(&next_model_key, buf, 4), 8);
+	return err_from_mdb(mdb_put(txn, s->meta, (MDB_val *)&next_model_key, &v, 0));
+}
+
+/*
+ * The id for a new model: past the recorded next id, every verified model and
+ * the model of the last chunk key, so that a damaged counter can never hand
+ * out an id whose chunks already exist.
+ */
+static int next_model_id(struct store *s, MDB_txn *txn, uint32_t *out)
+{
+	uint64_t next = 1;
+	MDB_cursor *cur = NULL;
+	MDB_val k, v;
+	int rc = mdb_get(txn, s->meta, (MDB_val *)&next_model_key, &v);
+
+	if (rc == MDB_SUCCESS && rec_sum_ok(&next_model_key, &v, 4))
+		next = le_get(v.mv_data, 4);
+	else if (rc != MDB_SUCCESS && rc != MDB_NOTFOUND)
+		return err_from_mdb(rc);
+	rc = mdb_cursor_open(txn, s->models, &cur);
+	if (rc)
+		return err_from_mdb(rc);
+	for (rc = mdb_cursor_get(cur, &k, &v, MDB_FIRST); rc == MDB_SUCCESS;
+	     rc = mdb_cursor_get(cur, &k, &v, MDB_NEXT)) {
+		struct store_model m;
+
+		if (!model_rec_decode(&k, &v, &m) && m.id >= next)
+			next = (uint64_t)m.id + 1;
+	}
+	mdb_cursor_close(cur);
+	if (rc != MDB_NOTFOUND)
+		return err_from_mdb(rc);
+	rc = mdb_cursor_open(txn, s->chunks, &cur);
+	if (rc)
+		return err_from_mdb(rc);
+	rc = mdb_cursor_get(cur, &k, &v, MDB_LAST);
+	mdb_cursor_close(cur);
+	if (rc == MDB_SUCCESS && k.mv_size >= 4 && get_be32(k.mv_data) >= next)
+		next = (uint64_t)get_be32(k.mv_data) + 1;
+	else if (rc != MDB_SUCCESS && rc != MDB_NOTFOUND)
+		return err_from_mdb(rc);
+	if (next > UINT32_MAX)
+		return -EOVERFLOW;
+	*out = (uint32_t)next;
+	return 0;
+}
+
+/*
+ * Format 1 -> 2, in the open's write transaction: every record gets its
+ * checksum. A chunk record that fails format 1's own checks is dropped with its
+ * layers (a cache loses a chunk rather than serve one nobody can vouch for); a
+ * malformed model record is left as it is and reads of it report corruption.
+ */
+static int upgrade_v1(struct store *s, MDB_txn *txn)
+{
+	MDB_cursor *cur = NULL;
+	uint8_t *bad = NULL, *models = NULL, rec[MODEL_REC_LEN];
+	size_t n_bad = 0, cap_bad = 0, n_models = 0, cap_models = 0;
+	struct totals_rec t = { 0 };
+	MDB_val k, v;
+	int rc;
+
+	/*
+	 * Model records grow by their checksum: collect them first and write them
+	 * after the walk (a growing record may split the page under the cursor).
+	 */
+	rc = mdb_cursor_open(txn, s->models, &cur);
+	for (rc = rc ? rc : mdb_cursor_get(cur, &k, &v, MDB_FIRST); rc == MDB_SUCCESS;
+	     rc = mdb_cursor_get(cur, &k, &v, MDB_NEXT)) {
+		struct store_model m;
+
+		if (v.mv_size != MODEL_REC_LEN_V1 || model_body_decode(v.mv_data, &m) ||
+		    k.mv_size != strnlen(m.name, STORE_NAME_MAX) || memcmp(k.mv_data, m.name, k.mv_size))
+			continue;
+		if (n_models == cap_models) {
+			void *p = realloc(models, (cap_models = cap_models ? 2 * cap_models : 16) *
+							  MODEL_REC_LEN);
+
+			if (!p) {
+				rc = ENOMEM;
+				break;
+			}
+			models = p;
+		}
+		model_rec_encode(models + MODEL_REC_LEN * n_models++, &m);
+	}
+	if (cur)
+		mdb_cursor_close(cur);
+	cur = NULL;
+	rc = rc == MDB_NOTFOUND ? 0 : err_from_mdb(rc);
+	for (size_t i = 0; i < n_models && !rc; i++) {
+		uint8_t *r = models + MODEL_REC_LEN * i;
+
+		k.mv_size = strnlen((const char *)r, STORE_NAME_MAX);
+		k.mv_data = r;
+		v.mv_size = MODEL_REC_LEN;
+		v.mv_data = r;
+		rc = err_from_mdb(mdb_put(txn, s->models, &k, &v, 0));
+	}
+	free(models);
+	if (rc)
+		return rc;
+	rc = mdb_cursor_open(txn, s->chunks, &cur);
+	for (rc = rc ? rc : mdb_cursor_get(cur, &k, &v, MDB_FIRST); rc == MDB_SUCCESS;
+	     rc = mdb_cursor_get(cur, &k, &v, MDB_NEXT)) {
+		struct store_chunk_info ci;
+		MDB_val nv = { CHUNK_REC_LEN, rec };
+
+		if (k.mv_size != CHUNK_KEY_LEN || v.mv_size != CHUNK_REC_LEN ||
+		    le_get(v.mv_data, 4) != STORE_FORMAT_V1) {
+			if (n_bad == cap_bad) {
+				void *p = realloc(bad, (cap_bad = cap_bad ? 2 * cap_bad : 16) *
+							       CHUNK_KEY_LEN);
+
+				if (!p) {
+					rc = ENOMEM;
+					break;
+				}
+				bad = p;
+			}
+			if (k.mv_size == CHUNK_KEY_LEN)
+				memcpy(bad + CHUNK_KEY_LEN * n_bad++, k.mv_data, CHUNK_KEY_LEN);
+			continue;
+		}
+		chunk_rec_fields(v.mv_data, &ci);
+		chunk_rec_encode(rec, &k, &ci);
+		rc = mdb_cursor_put(cur, &k, &nv, MDB_CURRENT);
+		if (rc)
+			break;
+	}
+	if (cur)
+		mdb_cursor_close(cur);
+	rc = rc == MDB_NOTFOUND ? 0 : err_from_mdb(rc);
+	for (size_t i = 0; i < n_bad && !rc; i++)
+		rc = chunk_purge(s, txn, bad + CHUNK_KEY_LEN * i, &t);
+	free(bad);
+	if (rc)
+		return rc;
+	/* Format 1's counters: the next model id as it was, the totals counted again. */
+	rc = mdb_get(txn, s->meta, (MDB_val *)&next_model_key, &v);
+	if (rc == MDB_SUCCESS && v.mv_size == 4)
+		rc = next_model_write(s, txn, (uint32_t)le_get(v.mv_data, 4));
+	else if (rc == MDB_SUCCESS) /* malformed: next_model_id() works it out without it */
+		rc = err_from_mdb(mdb_del(txn, s->meta, (MDB_val *)&next_model_key, NULL));
+	else
+		rc = rc == MDB_NOTFOUND ? 0 : err_from_mdb(rc);
+	if (!rc)
+		rc = totals_recount(s, txn, &t);
+	if (!rc)
+		rc = totals_write(s, txn, &t);
+	return rc;
 }
 
 static int open_dbs(struct store *s)
 {
 	MDB_txn *txn;
-	MDB_val k = { 6, "format" }, v;
+	MDB_val v;
 	uint8_t fmt[4];
 	int rc = mdb_txn_begin(s->env, NULL, 0, &txn);
 
@@ -284,29 +652,44 @@ static int open_dbs(struct store *s)
 	if ((rc = mdb_dbi_open(txn, "meta", MDB_CREATE, &s->meta)) ||
 	    (rc = mdb_dbi_open(txn, "models", MDB_CREATE, &s->models)) ||
 	    (rc = mdb_dbi_open(txn, "chunks", MDB_CREATE, &s->chunks)) ||
-	    (rc = mdb_dbi_open(txn, "layers", MDB_CREATE, &s->layers)))
+	    (rc = mdb_dbi_open(txn, "layers", MDB_CREATE, &s->layers))) {
+		rc = err_from_mdb(rc);
 		goto fail;
-	rc = mdb_get(txn, s->meta, &k, &v);
+	}
+	rc = mdb_get(txn, s->meta, (MDB_val *)&format_key, &v);
+	if (rc == MDB_SUCCESS && v.mv_size == 4 && le_get(v.mv_data, 4) == STORE_FORMAT_V1) {
+		rc = upgrade_v1(s, txn);
+		if (rc)
+			goto fail;
+		rc = MDB_NOTFOUND; /* write the new format below */
+	} else if (rc == MDB_SUCCESS && (v.mv_size != 4 || le_get(v.mv_data, 4) != STORE_FORMAT)) {
+		rc = -EPROTO; /* a store written by another format version */
+		goto fail;
+	}
 	if (rc == MDB_NOTFOUND) {
 		le_put(fmt, STORE_FORMAT, 4);
 		v.mv_size = 4;
 		v.mv_data = fmt;
-		rc = mdb_put(txn, s->meta, &k, &v, 0);
-	} else if (rc == MDB_SUCCESS && (v.mv_size != 4 || le_get(v.mv_data, 4) != STORE_FORMAT)) {
-		mdb_txn_abort(txn);
-		return -EPROTO; /* a store written by another format version */
+		rc = mdb_put(txn, s->meta, (MDB_val *)&format_key, &v, 0);
 	}
-	if (rc)
+	if (rc) {
+		rc = err_from_mdb(rc);
 		goto fail;
-	return err_from_mdb(mdb_txn_commit(txn));
+	}
+	return commit(s, txn, 0);
 fail:
 	mdb_txn_abort(txn);
-	return err_from_mdb(rc);
+	return rc;
 }
 
 int store_open(const struct store_opts *opts, struct store **out)
 {
 	struct store *s;
+	/*
+	 * Never MDB_WRITEMAP: writes then go through pwrite(), so a full file system
+	 * fails a commit with an error (err_write()) instead of a SIGBUS on a store
+	 * into the map.
+	 */
 	unsigned flags = MDB_NOTLS | MDB_NORDAHEAD | (opts->no_sync ? MDB_NOSYNC : 0);
 	int rc;
 
@@ -341,6 +724,7 @@ int store_open(const struct store_opts *opts, struct store **out)
 	rc = open_dbs(s);
 	if (rc)
 		goto fail;
+	disk_reserve(s);
 	*out = s;
 	return 0;
 fail:
@@ -379,8 +763,8 @@ static bool model_same_layout(const struct store_model *a, const struct store_mo
 int store_model_register(struct store *s, struct store_model *m)
 {
 	size_t name_len = strnlen(m->name, STORE_NAME_MAX + 1);
-	MDB_val k = { name_len, m->name }, v, nk = { 10, "next_model" };
-	uint8_t rec[MODEL_REC_LEN], idbuf[4];
+	MDB_val k = { name_len, m->name }, v;
+	uint8_t rec[MODEL_REC_LEN];
 	struct store_model old, nm = *m;
 	MDB_txn *txn;
 	int rc;
@@ -391,45 +775,37 @@ int store_model_register(struct store *s, struct store_model *m)
 	rc = err_from_mdb(mdb_txn_begin(s->env, NULL, 0, &txn));
 	if (rc)
 		return rc;
-	rc = mdb_get(txn, s->models, &k, &v);
-	if (rc == MDB_SUCCESS) {
-		rc = model_rec_decode(&v, &old);
+	rc = err_from_mdb(mdb_get(txn, s->models, &k, &v));
+	if (rc == 0) {
+		/* A record that fails its checks is reported, never overwritten. */
+		rc = model_rec_decode(&k, &v, &old);
 		if (rc == 0)
 			rc = model_same_layout(&old, &nm) ? 1 : -EEXIST;
 		if (rc == 1)
 			m->id = old.id, m->elem_size = old.elem_size;
-		mdb_txn_abort(txn);
-		return rc;
+		goto out;
 	}
-	if (rc != MDB_NOTFOUND)
-		goto fail;
-	rc = mdb_get(txn, s->meta, &nk, &v);
-	if (rc == MDB_NOTFOUND)
-		nm.id = 1;
-	else if (rc == MDB_SUCCESS && v.mv_size == 4)
-		nm.id = (uint32_t)le_get(v.mv_data, 4);
-	else if (rc == MDB_SUCCESS)
-		rc = MDB_CORRUPTED;
-	if (rc && rc != MDB_NOTFOUND)
-		goto fail;
-	le_put(idbuf, nm.id + 1, 4);
-	v.mv_size = 4;
-	v.mv_data = idbuf;
-	if ((rc = mdb_put(txn, s->meta, &nk, &v, 0)))
-		goto fail;
+	if (rc != -ENOENT)
+		goto out;
+	rc = next_model_id(s, txn, &nm.id);
+	if (!rc)
+		rc = nm.id == UINT32_MAX ? -EOVERFLOW : next_model_write(s, txn, nm.id + 1);
+	if (rc)
+		goto out;
 	model_rec_encode(rec, &nm);
 	v.mv_size = sizeof(rec);
 	v.mv_data = rec;
-	if ((rc = mdb_put(txn, s->models, &k, &v, MDB_NOOVERWRITE)))
-		goto fail;
-	rc = mdb_txn_commit(txn);
+	rc = err_from_mdb(mdb_put(txn, s->models, &k, &v, MDB_NOOVERWRITE));
 	if (rc)
-		return err_from_mdb(rc);
-	*m = nm;
-	return 0;
-fail:
-	mdb_txn_abort(txn);
-	return err_from_mdb(rc);
+		goto out;
+	rc = commit(s, txn, 0);
+	txn = NULL;
+	if (!rc)
+		*m = nm;
+out:
+	if (txn)
+		mdb_txn_abort(txn);
+	return rc;
 }
 
 int store_model_find(struct store *s, const char *name, struct store_model *out)
@@ -447,7 +823,7 @@ int store_model_find(struct store *s, const char *name, struct store_model *out)
 		return rc;
 	rc = err_from_mdb(mdb_get(txn, s->models, &k, &v));
 	if (rc == 0)
-		rc = model_rec_decode(&v, &m);
+		rc = model_rec_decode(&k, &v, &m);
 	rtxn_end(s, txn);
 	if (rc == 0)
 		*out = m;
@@ -535,8 +911,7 @@ static int collect(struct store *s, MDB_dbi dbi, const uint8_t *prefix, size_t p
 
 static int model_item(const MDB_val *k, const MDB_val *v, void *item)
 {
-	(void)k;
-	return model_rec_decode(v, item);
+	return model_rec_decode(k, v, item);
 }
 
 int store_model_list(struct store *s, struct store_model **out, size_t *n)
@@ -552,7 +927,7 @@ static int chunk_item(const MDB_val *k, const MDB_val *v, void *item)
 	if (k->mv_size != CHUNK_KEY_LEN)
 		return -EBADMSG;
 	memcpy(e->hash, (const uint8_t *)k->mv_data + 4, STORE_HASH_LEN);
-	return chunk_rec_decode(v, &e->info);
+	return chunk_rec_decode(k, v, &e->info);
 }
 
 int store_chunk_list(struct store *s, const struct store_model *m, struct store_chunk_entry **out,
@@ -565,17 +940,110 @@ int store_chunk_list(struct store *s, const struct store_model *m, struct store_
 		       (void **)out, n);
 }
 
+/* 1 when a chunk with a sound record is stored under key, 0 when none (or a corrupt one) is. */
 static int chunk_exists(struct store *s, const uint8_t *key)
 {
 	MDB_val k = { CHUNK_KEY_LEN, (void *)key }, v;
+	struct store_chunk_info ci;
 	MDB_txn *txn;
 	int rc = rtxn_begin(s, &txn);
 
 	if (rc)
 		return rc;
 	rc = mdb_get(txn, s->chunks, &k, &v);
+	if (rc == MDB_SUCCESS)
+		rc = chunk_rec_decode(&k, &v, &ci) ? 0 : 1;
+	else
+		rc = rc == MDB_NOTFOUND ? 0 : err_from_mdb(rc);
 	rtxn_end(s, txn);
-	return rc == MDB_SUCCESS ? 1 : rc == MDB_NOTFOUND ? 0 : err_from_mdb(rc);
+	return rc;
+}
+
+/*
+ * The write transaction of a PUT: every layer, the record and the totals, or
+ * nothing. Returns 0, 1 when a sound chunk is stored under the key already, or
+ * a negative errno. ci->raw_bytes and ->created are filled here.
+ */
+static int chunk_write(struct store *s, const struct store_model *m, const uint8_t *hash,
+		       const void *const tensors[], const struct codec_plan *plans,
+		       struct store_chunk_info *ci)
+{
+	uint8_t key[LAYER_KEY_LEN], rec[CHUNK_REC_LEN];
+	struct totals_rec add, replaced = { 0 };
+	struct store_chunk_info ci_old;
+	MDB_val k = { CHUNK_KEY_LEN, key }, v;
+	MDB_txn *txn;
+	int rc = err_from_mdb(mdb_txn_begin(s->env, NULL, 0, &txn));
+
+	if (rc)
+		return rc;
+	chunk_key(key, m->id, hash);
+	rc = mdb_get(txn, s->chunks, &k, &v);
+	if (rc == MDB_SUCCESS && chunk_rec_decode(&k, &v, &ci_old) == 0)
+		rc = 1;
+	else if (rc == MDB_SUCCESS)
+		/* A corrupt record is no chunk: clear it and its layers, then store this one. */
+		rc = chunk_purge(s, txn, key, &replaced);
+	else
+		rc = rc == MDB_NOTFOUND ? 0 : err_from_mdb(rc);
+	/* MDB_RESERVE: encode straight into LMDB's pages, one copy of the data. */
+	for (uint32_t l = 0; l < m->num_layers && !rc; l++) {
+		const struct codec_plan *pk = &plans[2 * l], *pv = &plans[2 * l + 1];
+
+		layer_key(key, m->id, hash, l);
+		k.mv_size = LAYER_KEY_LEN;
+		v.mv_size = pk->encoded_len + pv->encoded_len;
+		v.mv_data = NULL;
+		rc = err_write(s, mdb_put(txn, s->layers, &k, &v, MDB_RESERVE), ci->stored_bytes);
+		if (rc)
+			break;
+		codec_write(pk, tensors[2 * l], v.mv_data);
+		codec_write(pv, tensors[2 * l + 1], (uint8_t *)v.mv_data + pk->encoded_len);
+	}
+	if (rc)
+		goto abort;
+	ci->raw_bytes = 2 * store_tensor_bytes(m, ci->num_tokens) * m->num_layers;
+	ci->created = (uint64_t)time(NULL);
+	k.mv_size = CHUNK_KEY_LEN;
+	chunk_rec_encode(rec, &k, ci);
+	v.mv_size = CHUNK_REC_LEN;
+	v.mv_data = rec;
+	rc = err_write(s, mdb_put(txn, s->chunks, &k, &v, MDB_NOOVERWRITE), ci->stored_bytes);
+	add = (struct totals_rec){ 1, ci->raw_bytes, ci->stored_bytes };
+	if (!rc)
+		rc = totals_update(s, txn, &add, &replaced);
+	if (rc)
+		goto abort;
+	return commit(s, txn, ci->stored_bytes);
+abort:
+	mdb_txn_abort(txn);
+	return rc;
+}
+
+/*
+ * Commit a transaction that changes nothing but its id. LMDB reuses the pages
+ * a transaction freed only from the transaction after the next one on (the
+ * last snapshot stays intact), so right after a delete or an eviction the
+ * space it freed is not yet usable; after this it is.
+ */
+static int txn_advance(struct store *s)
+{
+	MDB_txn *txn;
+	MDB_val v;
+	uint8_t fmt[4];
+	int rc = err_from_mdb(mdb_txn_begin(s->env, NULL, 0, &txn));
+
+	if (rc)
+		return rc;
+	le_put(fmt, STORE_FORMAT, 4);
+	v.mv_size = sizeof(fmt);
+	v.mv_data = fmt;
+	rc = err_from_mdb(mdb_put(txn, s->meta, (MDB_val *)&format_key, &v, 0));
+	if (rc) {
+		mdb_txn_abort(txn);
+		return rc;
+	}
+	return commit(s, txn, 0);
 }
 
 int store_chunk_put(struct store *s, const struct store_model *m,
@@ -584,13 +1052,10 @@ int store_chunk_put(struct store *s, const struct store_model *m,
 {
 	uint64_t tb = store_tensor_bytes(m, num_tokens);
 	size_t bound = codec_bound(tb), n_tensors = 2 * (size_t)m->num_layers, total;
-	uint8_t key[LAYER_KEY_LEN], rec[CHUNK_REC_LEN], *scratch = NULL;
+	uint8_t key[CHUNK_KEY_LEN], *scratch = NULL;
 	struct store_chunk_info ci = { .num_tokens = num_tokens, .base_pos = base_pos,
 				       .num_layers = m->num_layers };
 	struct codec_plan *plans = NULL;
-	struct totals_rec tot;
-	MDB_txn *txn = NULL;
-	MDB_val k, v;
 	int rc;
 
 	if (!num_tokens || !tb || !bound || !m->num_layers ||
@@ -599,7 +1064,7 @@ int store_chunk_put(struct store *s, const struct store_model *m,
 	chunk_key(key, m->id, hash);
 	rc = chunk_exists(s, key);
 	if (rc)
-		goto exists_or_fail;
+		goto out;
 	/*
 	 * Decide each tensor's codec (and compress those worth it) outside the write
 	 * transaction: writers are serialised, this is not. Scratch pages that no
@@ -618,60 +1083,15 @@ int store_chunk_put(struct store *s, const struct store_model *m,
 	}
 	if (rc)
 		goto out;
-	rc = err_from_mdb(mdb_txn_begin(s->env, NULL, 0, &txn));
-	if (rc)
-		goto out;
-	k.mv_size = CHUNK_KEY_LEN;
-	k.mv_data = key;
-	rc = mdb_get(txn, s->chunks, &k, &v);
-	if (rc != MDB_NOTFOUND) {
-		rc = rc == MDB_SUCCESS ? 1 : err_from_mdb(rc);
-		goto out;
-	}
-	rc = 0;
-	/* MDB_RESERVE: encode straight into LMDB's pages, one copy of the data. */
-	for (uint32_t l = 0; l < m->num_layers && !rc; l++) {
-		const struct codec_plan *pk = &plans[2 * l], *pv = &plans[2 * l + 1];
-
-		layer_key(key, m->id, hash, l);
-		k.mv_size = LAYER_KEY_LEN;
-		v.mv_size = pk->encoded_len + pv->encoded_len;
-		v.mv_data = NULL;
-		rc = err_from_mdb(mdb_put(txn, s->layers, &k, &v, MDB_RESERVE));
-		if (rc)
-			break;
-		codec_write(pk, tensors[2 * l], v.mv_data);
-		codec_write(pv, tensors[2 * l + 1], (uint8_t *)v.mv_data + pk->encoded_len);
-	}
-	if (rc)
-		goto out;
-	ci.raw_bytes = 2 * tb * m->num_layers;
-	ci.created = (uint64_t)time(NULL);
-	chunk_rec_encode(rec, &ci);
-	k.mv_size = CHUNK_KEY_LEN;
-	v.mv_size = CHUNK_REC_LEN;
-	v.mv_data = rec;
-	rc = err_from_mdb(mdb_put(txn, s->chunks, &k, &v, MDB_NOOVERWRITE));
-	if (!rc)
-		rc = totals_read(txn, s->meta, &tot);
-	if (!rc) {
-		tot.chunks++;
-		tot.raw_bytes += ci.raw_bytes;
-		tot.stored_bytes += ci.stored_bytes;
-		rc = totals_write(txn, s->meta, &tot);
-	}
-	if (rc)
-		goto out;
-	rc = err_from_mdb(mdb_txn_commit(txn));
-	txn = NULL;
-	if (!rc && info)
+	rc = chunk_write(s, m, hash, tensors, plans, &ci);
+	/* Full: the room freed just before (a delete, an eviction) is usable one commit later. */
+	if (rc == -ENOSPC && txn_advance(s) == 0)
+		rc = chunk_write(s, m, hash, tensors, plans, &ci);
+	if (rc == 0 && info)
 		*info = ci;
 out:
-	if (txn)
-		mdb_txn_abort(txn);
 	free(scratch);
 	free(plans);
-exists_or_fail:
 	if (rc == 1 && info && store_chunk_info(s, m, hash, info))
 		memset(info, 0, sizeof(*info));
 	return rc;
@@ -686,7 +1106,7 @@ static int chunk_info_txn(struct store *s, MDB_txn *txn, uint32_t model_id, cons
 
 	chunk_key(key, model_id, hash);
 	rc = err_from_mdb(mdb_get(txn, s->chunks, &k, &v));
-	return rc ? rc : chunk_rec_decode(&v, ci);
+	return rc ? rc : chunk_rec_decode(&k, &v, ci);
 }
 
 int store_chunk_info(struct store *s, const struct store_model *m,
@@ -827,38 +1247,30 @@ int store_chunk_lookup(struct store *s, const struct store_model *m,
 int store_chunk_delete(struct store *s, const struct store_model *m,
 		       const uint8_t hash[STORE_HASH_LEN])
 {
-	uint8_t key[LAYER_KEY_LEN];
+	uint8_t key[CHUNK_KEY_LEN];
 	struct store_chunk_info ci;
-	struct totals_rec tot;
-	MDB_val k = { CHUNK_KEY_LEN, key };
+	struct totals_rec freed = { 0 }, none = { 0 };
 	MDB_txn *txn;
+	bool sound;
 	int rc = err_from_mdb(mdb_txn_begin(s->env, NULL, 0, &txn));
 
 	if (rc)
 		return rc;
-	rc = chunk_info_txn(s, txn, m->id, hash, &ci);
-	if (rc)
-		goto fail;
 	chunk_key(key, m->id, hash);
-	rc = err_from_mdb(mdb_del(txn, s->chunks, &k, NULL));
-	for (uint32_t l = 0; l < ci.num_layers && !rc; l++) {
-		MDB_val lk = { LAYER_KEY_LEN, key };
-
-		layer_key(key, m->id, hash, l);
-		rc = mdb_del(txn, s->layers, &lk, NULL);
-		rc = rc == MDB_NOTFOUND ? 0 : err_from_mdb(rc);
-	}
+	/* A corrupt record goes too, with its layers: that is how corruption is cleared. */
+	rc = chunk_info_txn(s, txn, m->id, hash, &ci);
+	if (rc && rc != -EBADMSG)
+		goto fail;
+	sound = rc == 0;
+	rc = chunk_purge(s, txn, key, &freed);
+	/* The record's own figures when it can be trusted, else what its layers held. */
+	if (sound)
+		freed = (struct totals_rec){ 1, ci.raw_bytes, ci.stored_bytes };
 	if (!rc)
-		rc = totals_read(txn, s->meta, &tot);
+		rc = totals_update(s, txn, &none, &freed);
 	if (rc)
 		goto fail;
-	tot.chunks -= tot.chunks ? 1 : 0;
-	tot.raw_bytes -= tot.raw_bytes >= ci.raw_bytes ? ci.raw_bytes : tot.raw_bytes;
-	tot.stored_bytes -= tot.stored_bytes >= ci.stored_bytes ? ci.stored_bytes : tot.stored_bytes;
-	rc = totals_write(txn, s->meta, &tot);
-	if (rc)
-		goto fail;
-	return err_from_mdb(mdb_txn_commit(txn));
+	return commit(s, txn, 0);
 fail:
 	mdb_txn_abort(txn);
 	return rc;
@@ -876,11 +1288,13 @@ static int scan_one(void *ctx, const MDB_val *k, const MDB_val *v)
 	const uint8_t *key = k->mv_data;
 	struct store_chunk_info ci;
 
-	if (k->mv_size != CHUNK_KEY_LEN || chunk_rec_decode(v, &ci))
-		return 0; /* not ours to judge here; reads of it report corruption */
-	return sc->fn(sc->ctx,
-		      (uint32_t)key[0] << 24 | (uint32_t)key[1] << 16 | (uint32_t)key[2] << 8 | key[3],
-		      key + 4, &ci);
+	/*
+	 * A record that fails its checks is not handed on (its figures cannot be
+	 * trusted) and does not stop the walk: reads of that chunk report it.
+	 */
+	if (chunk_rec_decode(k, v, &ci))
+		return 0;
+	return sc->fn(sc->ctx, get_be32(key), key + 4, &ci);
 }
 
 int store_chunk_scan(struct store *s,
@@ -893,37 +1307,51 @@ int store_chunk_scan(struct store *s,
 	return cursor_walk(s, s->chunks, NULL, 0, scan_one, &sc);
 }
 
-/* A model by id (for the evictor, which meets chunks by key). */
+struct model_search {
+	uint32_t id;
+	bool corrupt; /* a record failed its checks: the model may be that one */
+	struct store_model m;
+};
+
+static int model_search_one(void *ctx, const MDB_val *k, const MDB_val *v)
+{
+	struct model_search *ms = ctx;
+
+	if (model_rec_decode(k, v, &ms->m)) {
+		ms->corrupt = true;
+		return 0;
+	}
+	return ms->m.id == ms->id;
+}
+
+/*
+ * A model by id (for the evictor, which meets chunks by key). A corrupt record
+ * of another model does not hide this one.
+ */
 int store_model_by_id(struct store *s, uint32_t id, struct store_model *out)
 {
-	struct store_model *all;
-	size_t n;
-	int rc = store_model_list(s, &all, &n);
+	struct model_search ms = { .id = id };
+	int rc = cursor_walk(s, s->models, NULL, 0, model_search_one, &ms);
 
-	if (rc)
-		return rc;
-	rc = -ENOENT;
-	for (size_t i = 0; i < n; i++)
-		if (all[i].id == id) {
-			*out = all[i];
-			rc = 0;
-			break;
-		}
-	free(all);
-	return rc;
+	if (rc == 1)
+		*out = ms.m;
+	else if (rc == 0)
+		rc = ms.corrupt ? -EBADMSG : -ENOENT;
+	return rc == 1 ? 0 : rc;
 }
 
 int store_totals(struct store *s, struct store_totals *out)
 {
 	struct totals_rec t;
+	struct statvfs sv;
 	MDB_envinfo ei;
 	MDB_stat st, ms;
 	MDB_txn *txn;
-	int rc = rtxn_begin(s, &txn);
+	int fd, rc = rtxn_begin(s, &txn);
 
 	if (rc)
 		return rc;
-	rc = totals_read(txn, s->meta, &t);
+	rc = totals_read(s, txn, &t);
 	if (!rc)
 		rc = err_from_mdb(mdb_stat(txn, s->models, &ms));
 	rtxn_end(s, txn);
@@ -931,6 +1359,10 @@ int store_totals(struct store *s, struct store_totals *out)
 		rc = err_from_mdb(mdb_env_info(s->env, &ei));
 	if (!rc)
 		rc = err_from_mdb(mdb_env_stat(s->env, &st));
+	if (!rc)
+		rc = err_from_mdb(mdb_env_get_fd(s->env, &fd));
+	if (!rc && fstatvfs(fd, &sv))
+		rc = -errno;
 	if (rc)
 		return rc;
 	out->models = ms.ms_entries;
@@ -939,5 +1371,7 @@ int store_totals(struct store *s, struct store_totals *out)
 	out->stored_bytes = t.stored_bytes;
 	out->map_size = ei.me_mapsize;
 	out->map_used = (uint64_t)(ei.me_last_pgno + 1) * st.ms_psize;
+	out->disk_size = (uint64_t)sv.f_blocks * sv.f_frsize;
+	out->disk_avail = (uint64_t)sv.f_bavail * sv.f_frsize;
 	return 0;
 }

@@ -4,12 +4,17 @@
  * A chunk is keyed by (model, 32-byte hash) and holds T tokens of K and V per
  * layer. All layers and the chunk record are written in one LMDB write
  * transaction, so a chunk is visible whole or not at all. Chunks are immutable.
- * Every tensor is encoded by codec.h and its checksum verified on every read.
+ * Every tensor is encoded by codec.h and its checksum verified on every read;
+ * every chunk, model and counter record carries an XXH3-64 checksum of its key
+ * and bytes, verified on every read too (docs/storage.md).
  *
  * Thread-safety: one struct store may be used from any number of threads.
  * Errors are negative errno values; LMDB codes never leave store.c:
  *   -ENOENT  no such model or chunk       -EEXIST  model name taken by another layout
- *   -ENOSPC  the LMDB map is full         -EBADMSG a stored record failed its checks (corrupt)
+ *   -ENOSPC  the LMDB map or the file system (or a disk quota) is full; the write
+ *            was rolled back whole and the store stays usable (see store_totals()
+ *            for which of the two is short)
+ *   -EBADMSG a stored record failed its checks (corrupt)
  *   -EINVAL  bad argument                 -ENOBUFS destination size does not match the chunk
  *   -ENOMEM, -EIO, -EAGAIN (reader table full or map resized by another process)
  */
@@ -77,9 +82,16 @@ struct store_totals {
 	uint64_t stored_bytes;
 	uint64_t map_size;
 	uint64_t map_used; /* bytes of the map in use (last page number x page size) */
+	uint64_t disk_size;  /* the data directory's file system: its size */
+	uint64_t disk_avail; /* and the bytes still free to an unprivileged writer */
 };
 
-/* Open (creating if needed) the environment. Returns 0 and *out, or a negative errno. */
+/*
+ * Open (creating if needed) the environment. A store of on-disk format 1 (no
+ * record checksums) is upgraded to the current format in one transaction
+ * first. Returns 0 and *out, -EPROTO for a store of a format this code does
+ * not know (a newer kvblend's), or another negative errno.
+ */
 int store_open(const struct store_opts *opts, struct store **out);
 
 /* Close; commits nothing pending (there is nothing pending between calls). Accepts NULL. */
@@ -95,20 +107,24 @@ uint64_t store_tensor_bytes(const struct store_model *m, uint32_t num_tokens);
  */
 int store_model_register(struct store *s, struct store_model *m);
 
-/* Find a model by name. Returns 0 and *out, or -ENOENT. */
+/* Find a model by name. Returns 0 and *out, -ENOENT, or -EBADMSG (its record is corrupt). */
 int store_model_find(struct store *s, const char *name, struct store_model *out);
 
-/* Find a model by id. Returns 0 and *out, or -ENOENT. */
+/*
+ * Find a model by id. Returns 0 and *out; -ENOENT; -EBADMSG when no sound
+ * record has that id and some record is corrupt (it may have been the one).
+ */
 int store_model_by_id(struct store *s, uint32_t id, struct store_model *out);
 
-/* All models, sorted by name, in a malloc'd array the caller frees. */
+/* All models, sorted by name, in a malloc'd array the caller frees; -EBADMSG if one is corrupt. */
 int store_model_list(struct store *s, struct store_model **out, size_t *n);
 
 /*
  * Store a chunk of num_tokens tokens. tensors[2*l] and tensors[2*l+1] point to
  * layer l's K and V, each store_tensor_bytes() long. Returns 0 when stored, 1
- * when the chunk already existed (nothing written), -ENOSPC when the map is
- * full (nothing written). *info (may be NULL) describes the chunk as stored.
+ * when the chunk already existed (nothing written), -ENOSPC when the map or the
+ * file system is full (nothing written). A chunk whose record is corrupt is
+ * replaced. *info (may be NULL) describes the chunk as stored.
  */
 int store_chunk_put(struct store *s, const struct store_model *m,
 		    const uint8_t hash[STORE_HASH_LEN], uint32_t num_tokens, uint32_t base_pos,
@@ -137,27 +153,40 @@ int store_chunk_get_layer(struct store *s, const struct store_model *m,
 			  const uint8_t hash[STORE_HASH_LEN], uint32_t layer, void *k_dst,
 			  void *v_dst, uint64_t tensor_bytes, const struct codec_xform *k_xform);
 
-/* One chunk's record. Returns 0 and *info, -ENOENT, or another negative errno. */
+/*
+ * One chunk's record. Returns 0 and *info, -ENOENT, -EBADMSG (the record failed
+ * its checksum: the chunk must not be served; delete it), or another negative errno.
+ */
 int store_chunk_info(struct store *s, const struct store_model *m,
 		     const uint8_t hash[STORE_HASH_LEN], struct store_chunk_info *info);
 
-/* Look up n hashes in one read transaction; found[i] says which exist. */
+/*
+ * Look up n hashes in one read transaction; found[i] says which exist.
+ * -EBADMSG when one of the records is corrupt.
+ */
 int store_chunk_lookup(struct store *s, const struct store_model *m,
 		       const uint8_t (*hashes)[STORE_HASH_LEN], size_t n,
 		       struct store_chunk_info *infos, bool *found);
 
-/* Delete a chunk and all its layers. Returns 0 or -ENOENT. */
+/*
+ * Delete a chunk and all its layers, also when its record is corrupt (which is
+ * how a corrupt chunk is cleared). Returns 0 or -ENOENT.
+ */
 int store_chunk_delete(struct store *s, const struct store_model *m,
 		       const uint8_t hash[STORE_HASH_LEN]);
 
-/* Chunks of a model, in hash order, in a malloc'd array the caller frees. */
+/*
+ * Chunks of a model, in hash order, in a malloc'd array the caller frees;
+ * -EBADMSG if one of their records is corrupt.
+ */
 int store_chunk_list(struct store *s, const struct store_model *m,
 		     struct store_chunk_entry **out, size_t *n);
 
 /*
  * Call fn for every chunk of every model, in key order, inside one read
- * transaction (fn must not call back into the store). Returns 0, fn's first
- * non-zero return, or a negative errno.
+ * transaction (fn must not call back into the store). A chunk whose record
+ * fails its checksum is skipped (reads of it report -EBADMSG). Returns 0, fn's
+ * first non-zero return, or a negative errno.
  */
 int store_chunk_scan(struct store *s,
 		     int (*fn)(void *ctx, uint32_t model_id, const uint8_t *hash,

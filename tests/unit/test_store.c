@@ -1,4 +1,7 @@
-/* Unit tests of store/: models, commit and visibility, immutability, corruption, reopen. */
+/*
+ * Unit tests of store/: models, commit and visibility, immutability, corruption
+ * of tensors and of records, the format 1 upgrade, reopen, a full file system.
+ */
 #include <errno.h>
 #include <lmdb.h>
 #include <setjmp.h>
@@ -8,9 +11,13 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mount.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <cmocka.h>
 
+#include "codec.h"
 #include "store.h"
 
 struct fixture {
@@ -50,6 +57,8 @@ static int teardown(void **state)
 	store_close(&f->s);
 	assert_null(f->s);
 	store_close(&f->s); /* NULL is fine */
+	snprintf(cmd, sizeof(cmd), "%s/fs", f->dir);
+	umount2(cmd, MNT_DETACH); /* test_disk_full's, if it failed half-way */
 	snprintf(cmd, sizeof(cmd), "rm -rf %s", f->dir);
 	assert_int_equal(system(cmd), 0);
 	free(f);
@@ -287,6 +296,611 @@ static void test_concurrent_readers(void **state)
 	free(out);
 }
 
+/* ---- records damaged on disk: opened with LMDB itself, the store closed ---- */
+
+static MDB_env *raw_open(const char *dir, MDB_txn **txn)
+{
+	MDB_env *env;
+
+	assert_int_equal(mdb_env_create(&env), 0);
+	mdb_env_set_maxdbs(env, 8);
+	assert_int_equal(mdb_env_open(env, dir, 0, 0640), 0);
+	assert_int_equal(mdb_txn_begin(env, NULL, 0, txn), 0);
+	return env;
+}
+
+static void raw_close(MDB_env *env, MDB_txn *txn)
+{
+	assert_int_equal(mdb_txn_commit(txn), 0);
+	mdb_env_close(env);
+}
+
+/* Flip one bit of the record stored under key in database db. */
+static void flip_bit(const char *dir, const char *db, const void *key, size_t key_len,
+		     size_t off, unsigned bit)
+{
+	MDB_txn *txn;
+	MDB_env *env = raw_open(dir, &txn);
+	MDB_val k = { key_len, (void *)key }, v;
+	MDB_dbi dbi;
+	uint8_t *copy;
+
+	assert_int_equal(mdb_dbi_open(txn, db, 0, &dbi), 0);
+	assert_int_equal(mdb_get(txn, dbi, &k, &v), 0);
+	assert_true(off < v.mv_size);
+	copy = malloc(v.mv_size);
+	memcpy(copy, v.mv_data, v.mv_size);
+	copy[off] ^= (uint8_t)(1u << bit);
+	v.mv_data = copy;
+	assert_int_equal(mdb_put(txn, dbi, &k, &v, 0), 0);
+	raw_close(env, txn);
+	free(copy);
+}
+
+static void chunk_key_of(uint8_t *key, uint32_t model_id, const uint8_t *hash)
+{
+	key[0] = (uint8_t)(model_id >> 24);
+	key[1] = (uint8_t)(model_id >> 16);
+	key[2] = (uint8_t)(model_id >> 8);
+	key[3] = (uint8_t)model_id;
+	memcpy(key + 4, hash, STORE_HASH_LEN);
+}
+
+static int count_chunk(void *ctx, uint32_t model_id, const uint8_t *hash,
+		       const struct store_chunk_info *info)
+{
+	(void)model_id, (void)hash, (void)info;
+	++*(int *)ctx;
+	return 0;
+}
+
+/* Layers left in LMDB under a chunk's key: a delete must leave none. */
+static int raw_layers_of(const char *dir, uint32_t model_id, const uint8_t *hash)
+{
+	uint8_t key[4 + STORE_HASH_LEN];
+	MDB_txn *txn;
+	MDB_env *env = raw_open(dir, &txn);
+	MDB_cursor *cur;
+	MDB_val k = { sizeof(key), key }, v;
+	MDB_dbi dbi;
+	int n = 0, rc;
+
+	chunk_key_of(key, model_id, hash);
+	assert_int_equal(mdb_dbi_open(txn, "layers", 0, &dbi), 0);
+	assert_int_equal(mdb_cursor_open(txn, dbi, &cur), 0);
+	for (rc = mdb_cursor_get(cur, &k, &v, MDB_SET_RANGE);
+	     rc == 0 && k.mv_size > sizeof(key) && !memcmp(k.mv_data, key, sizeof(key));
+	     rc = mdb_cursor_get(cur, &k, &v, MDB_NEXT))
+		n++;
+	mdb_cursor_close(cur);
+	raw_close(env, txn);
+	return n;
+}
+
+/*
+ * One flipped bit of a chunk record (base_pos at offset 8, num_tokens at 4):
+ * every read path reports -EBADMSG instead of serving a wrongly placed chunk,
+ * the walkers never hand it on, and a delete or a new PUT clears it.
+ */
+static void check_chunk_record_flip(struct fixture *f, size_t off, unsigned bit, int seed)
+{
+	const void *t[8];
+	uint8_t h[STORE_HASH_LEN], key[4 + STORE_HASH_LEN], *kv = make_chunk(&f->m, 6, seed, t);
+	uint64_t tb = store_tensor_bytes(&f->m, 6), total = 2 * tb * 4;
+	uint8_t *out = malloc(total);
+	struct store_chunk_info ci, infos[2];
+	struct store_chunk_entry *list = NULL;
+	struct store_totals tot;
+	uint8_t hashes[2][STORE_HASH_LEN];
+	bool found[2];
+	size_t n = 0;
+	int seen = 0;
+
+	hash_n(h, seed);
+	assert_int_equal(store_chunk_put(f->s, &f->m, h, 6, 3, t, NULL), 0);
+	store_close(&f->s);
+	chunk_key_of(key, f->m.id, h);
+	flip_bit(f->dir, "chunks", key, sizeof(key), off, bit);
+	assert_int_equal(open_store(f, 64u << 20), 0);
+
+	assert_int_equal(store_chunk_info(f->s, &f->m, h, &ci), -EBADMSG);
+	assert_int_equal(store_chunk_get(f->s, &f->m, h, 0, 4, out, total, NULL), -EBADMSG);
+	assert_int_equal(store_chunk_get(f->s, &f->m, h, 1, 2, out, total / 4, NULL), -EBADMSG);
+	assert_int_equal(store_chunk_get_layer(f->s, &f->m, h, 2, out, out + tb, tb, NULL),
+			 -EBADMSG);
+	memcpy(hashes[0], h, STORE_HASH_LEN);
+	hash_n(hashes[1], 200);
+	assert_int_equal(store_chunk_lookup(f->s, &f->m, (const uint8_t(*)[STORE_HASH_LEN])hashes,
+					    2, infos, found),
+			 -EBADMSG);
+	assert_int_equal(store_chunk_list(f->s, &f->m, &list, &n), -EBADMSG);
+	assert_int_equal(store_chunk_scan(f->s, count_chunk, &seen), 0);
+	assert_int_equal(seen, 0);
+	/* The totals never depended on the record: still one chunk. */
+	assert_int_equal(store_totals(f->s, &tot), 0);
+	assert_int_equal(tot.chunks, 1);
+
+	/* A PUT of the same chunk replaces the corrupt one (it is no chunk). */
+	assert_int_equal(store_chunk_put(f->s, &f->m, h, 6, 3, t, &ci), 0);
+	assert_int_equal(store_chunk_get(f->s, &f->m, h, 0, 4, out, total, &ci), 0);
+	assert_memory_equal(out, kv, total);
+	assert_int_equal(ci.base_pos, 3);
+	assert_int_equal(store_totals(f->s, &tot), 0);
+	assert_int_equal(tot.chunks, 1);
+	assert_int_equal(tot.raw_bytes, total);
+
+	/* Damage it again: a DELETE clears the record and every layer, and the totals. */
+	store_close(&f->s);
+	flip_bit(f->dir, "chunks", key, sizeof(key), off, bit);
+	assert_int_equal(open_store(f, 64u << 20), 0);
+	assert_int_equal(store_chunk_info(f->s, &f->m, h, &ci), -EBADMSG);
+	assert_int_equal(store_chunk_delete(f->s, &f->m, h), 0);
+	assert_int_equal(store_chunk_info(f->s, &f->m, h, &ci), -ENOENT);
+	assert_int_equal(store_chunk_delete(f->s, &f->m, h), -ENOENT);
+	assert_int_equal(store_totals(f->s, &tot), 0);
+	assert_int_equal(tot.chunks, 0);
+	assert_int_equal(tot.raw_bytes, 0);
+	assert_int_equal(tot.stored_bytes, 0);
+	store_close(&f->s);
+	assert_int_equal(raw_layers_of(f->dir, f->m.id, h), 0);
+	assert_int_equal(open_store(f, 64u << 20), 0);
+	free(list);
+	free(kv);
+	free(out);
+}
+
+static void test_chunk_record_base_pos_flip(void **state)
+{
+	check_chunk_record_flip(*state, 8, 0, 20); /* base_pos 3 -> 2 */
+}
+
+static void test_chunk_record_num_tokens_flip(void **state)
+{
+	check_chunk_record_flip(*state, 4, 1, 21); /* num_tokens 6 -> 4 */
+}
+
+static void test_chunk_record_checksum_flip(void **state)
+{
+	check_chunk_record_flip(*state, 45, 7, 22); /* the checksum itself */
+}
+
+/*
+ * One flipped bit of a model record (rope_theta): lookups report -EBADMSG,
+ * nothing crashes, the record is not overwritten, other models still work.
+ */
+static void test_model_record_flip(void **state)
+{
+	struct fixture *f = *state;
+	struct store_model m2 = f->m, same = f->m, found, *all = NULL;
+	size_t n = 0;
+	const size_t theta_off = 65 + 4 * 10 + 7; /* top byte of the first double */
+
+	snprintf(m2.name, sizeof(m2.name), "other");
+	assert_int_equal(store_model_register(f->s, &m2), 0);
+	store_close(&f->s);
+	flip_bit(f->dir, "models", "m", 1, theta_off, 0);
+	assert_int_equal(open_store(f, 64u << 20), 0);
+
+	assert_int_equal(store_model_find(f->s, "m", &found), -EBADMSG);
+	assert_int_equal(store_model_by_id(f->s, f->m.id, &found), -EBADMSG);
+	assert_int_equal(store_model_list(f->s, &all, &n), -EBADMSG);
+	assert_int_equal(store_model_register(f->s, &same), -EBADMSG);
+	/* The sound model is found by name and by id, past the corrupt one. */
+	assert_int_equal(store_model_find(f->s, "other", &found), 0);
+	assert_int_equal(found.id, m2.id);
+	assert_int_equal(store_model_by_id(f->s, m2.id, &found), 0);
+	assert_string_equal(found.name, "other");
+	free(all);
+}
+
+/*
+ * A damaged model counter must never hand out the id of a model that has
+ * chunks: the chunks of one would be served as the other's.
+ */
+static void test_next_model_flip(void **state)
+{
+	struct fixture *f = *state;
+	struct store_model a = f->m, b = f->m, found;
+	const void *t[8];
+	uint8_t h[STORE_HASH_LEN], *kv = make_chunk(&f->m, 2, 30, t);
+	struct store_chunk_info ci;
+
+	hash_n(h, 30);
+	assert_int_equal(store_chunk_put(f->s, &f->m, h, 2, 0, t, NULL), 0);
+	snprintf(a.name, sizeof(a.name), "a");
+	assert_int_equal(store_model_register(f->s, &a), 0);
+	assert_int_equal(a.id, 2);
+	store_close(&f->s);
+	flip_bit(f->dir, "meta", "next_model", 10, 0, 1); /* next id 3 -> 1, the id of "m" */
+	assert_int_equal(open_store(f, 64u << 20), 0);
+	snprintf(b.name, sizeof(b.name), "b");
+	b.rope_theta = 5e5;
+	assert_int_equal(store_model_register(f->s, &b), 0);
+	assert_int_not_equal(b.id, f->m.id);
+	assert_int_not_equal(b.id, a.id);
+	assert_int_equal(store_chunk_info(f->s, &b, h, &ci), -ENOENT);
+	assert_int_equal(store_model_by_id(f->s, b.id, &found), 0);
+	assert_string_equal(found.name, "b");
+	free(kv);
+}
+
+/* Damaged totals are counted again from the chunk records, not believed. */
+static void test_totals_flip(void **state)
+{
+	struct fixture *f = *state;
+	const void *t[8];
+	uint8_t h[STORE_HASH_LEN], *kv = make_chunk(&f->m, 4, 31, t);
+	struct store_totals before, after;
+
+	hash_n(h, 31);
+	assert_int_equal(store_chunk_put(f->s, &f->m, h, 4, 0, t, NULL), 0);
+	assert_int_equal(store_totals(f->s, &before), 0);
+	store_close(&f->s);
+	flip_bit(f->dir, "meta", "totals", 6, 20, 6); /* stored bytes + 2^38 */
+	assert_int_equal(open_store(f, 64u << 20), 0);
+	assert_int_equal(store_totals(f->s, &after), 0);
+	assert_int_equal(after.chunks, before.chunks);
+	assert_int_equal(after.raw_bytes, before.raw_bytes);
+	assert_int_equal(after.stored_bytes, before.stored_bytes);
+	/* and a write puts a sound record back */
+	assert_int_equal(store_chunk_delete(f->s, &f->m, h), 0);
+	assert_int_equal(store_totals(f->s, &after), 0);
+	assert_int_equal(after.chunks, 0);
+	assert_int_equal(after.stored_bytes, 0);
+	free(kv);
+}
+
+/* ---- format 1 (no record checksums), written here byte by byte ---- */
+
+static void le(uint8_t *p, uint64_t v, int n)
+{
+	for (int i = 0; i < n; i++)
+		p[i] = (uint8_t)(v >> (8 * i));
+}
+
+static void raw_put(MDB_txn *txn, MDB_dbi dbi, const void *key, size_t key_len, const void *val,
+		    size_t val_len)
+{
+	MDB_val k = { key_len, (void *)key }, v = { val_len, (void *)val };
+
+	assert_int_equal(mdb_put(txn, dbi, &k, &v, 0), 0);
+}
+
+static void raw_get(MDB_txn *txn, MDB_dbi dbi, const char *key, MDB_val *v)
+{
+	MDB_val k = { strlen(key), (void *)key };
+
+	assert_int_equal(mdb_get(txn, dbi, &k, v), 0);
+}
+
+/* A format 1 model record: name[65], ten u32, six f64, k_pre_rope; 154 bytes. */
+static void v1_model(uint8_t *p, const struct store_model *m)
+{
+	const uint32_t u[10] = { m->id,	   m->num_layers, m->num_kv_heads, m->head_dim, m->dtype,
+				 m->rope_style, m->rotary_dim, m->scaling, m->max_pos,
+				 m->original_max_pos };
+	const double d[6] = { m->rope_theta, m->factor, m->low_freq_factor, m->high_freq_factor,
+			      m->beta_fast, m->beta_slow };
+	uint8_t *q = p + 65;
+
+	memset(p, 0, 154);
+	memcpy(p, m->name, strlen(m->name));
+	for (int i = 0; i < 10; i++, q += 4)
+		le(q, u[i], 4);
+	for (int i = 0; i < 6; i++, q += 8) {
+		uint64_t x;
+
+		memcpy(&x, &d[i], 8);
+		le(q, x, 8);
+	}
+	*q = m->k_pre_rope;
+}
+
+/*
+ * A store as format 1 left it (one model, one chunk, a malformed chunk record
+ * with a layer, a counter and totals without checksums) is upgraded in place
+ * at open: the chunk reads back, the malformed one is gone, and the records
+ * now carry checksums, so the same flipped bit is caught.
+ */
+static void test_upgrade_from_v1(void **state)
+{
+	struct fixture *f = *state;
+	struct store_model m = f->m, found, next = f->m;
+	const void *t[8];
+	uint8_t h[STORE_HASH_LEN], hbad[STORE_HASH_LEN], *kv = make_chunk(&m, 5, 40, t);
+	uint64_t tb = store_tensor_bytes(&m, 5), total = 2 * tb * 4, stored = 0;
+	uint8_t *out = malloc(total), *enc = malloc(2 * codec_bound(tb));
+	uint8_t key[4 + STORE_HASH_LEN + 4], rec[154];
+	struct store_chunk_info ci;
+	struct store_totals tot;
+	MDB_dbi meta, models, chunks, layers;
+	MDB_txn *txn;
+	MDB_env *env;
+	MDB_val v;
+	size_t lk, lv;
+	char cmd[192];
+
+	/* Start from an empty directory: format 1 from scratch, no help from store.c. */
+	store_close(&f->s);
+	snprintf(cmd, sizeof(cmd), "rm -f %s/data.mdb %s/lock.mdb", f->dir, f->dir);
+	assert_int_equal(system(cmd), 0);
+	env = raw_open(f->dir, &txn);
+	assert_int_equal(mdb_dbi_open(txn, "meta", MDB_CREATE, &meta), 0);
+	assert_int_equal(mdb_dbi_open(txn, "models", MDB_CREATE, &models), 0);
+	assert_int_equal(mdb_dbi_open(txn, "chunks", MDB_CREATE, &chunks), 0);
+	assert_int_equal(mdb_dbi_open(txn, "layers", MDB_CREATE, &layers), 0);
+	le(rec, 1, 4);
+	raw_put(txn, meta, "format", 6, rec, 4);
+	le(rec, 2, 4);
+	raw_put(txn, meta, "next_model", 10, rec, 4);
+	m.id = 1;
+	v1_model(rec, &m);
+	raw_put(txn, models, "m", 1, rec, 154);
+	/* Enough more models that the records, growing by their checksum, split pages. */
+	for (int i = 0; i < 60; i++) {
+		struct store_model mi = m;
+
+		snprintf(mi.name, sizeof(mi.name), "model-%02d", i);
+		mi.id = 100 + (uint32_t)i;
+		v1_model(rec, &mi);
+		raw_put(txn, models, mi.name, strlen(mi.name), rec, 154);
+	}
+	hash_n(h, 40);
+	for (uint32_t l = 0; l < 4; l++) {
+		assert_int_equal(codec_encode(t[2 * l], tb, 2, 0.1, enc, codec_bound(tb), &lk), 0);
+		assert_int_equal(codec_encode(t[2 * l + 1], tb, 2, 0.1, enc + lk,
+					      2 * codec_bound(tb) - lk, &lv), 0);
+		chunk_key_of(key, 1, h);
+		key[36] = key[37] = key[38] = 0;
+		key[39] = (uint8_t)l;
+		raw_put(txn, layers, key, 40, enc, lk + lv);
+		stored += lk + lv;
+	}
+	memset(rec, 0, 48);
+	le(rec, 1, 4);
+	le(rec + 4, 5, 4);
+	le(rec + 8, 7, 4); /* base_pos */
+	le(rec + 12, 4, 4);
+	le(rec + 16, total, 8);
+	le(rec + 24, stored, 8);
+	le(rec + 32, 1700000000, 8);
+	raw_put(txn, chunks, key, 36, rec, 48);
+	/* Many records of another model (no layers, no bytes): enough to span pages. */
+	for (int i = 0; i < 300; i++) {
+		uint8_t hk[4 + STORE_HASH_LEN] = { 0, 0, 0, 100, (uint8_t)i, (uint8_t)(i >> 8) };
+		uint8_t r[48] = { 1 };
+
+		le(r + 4, 1, 4);
+		le(r + 8, (uint64_t)i, 4);
+		le(r + 12, 4, 4);
+		raw_put(txn, chunks, hk, sizeof(hk), r, sizeof(r));
+	}
+	/* A record format 1 itself would reject (short), with one layer behind it. */
+	hash_n(hbad, 41);
+	chunk_key_of(key, 1, hbad);
+	raw_put(txn, chunks, key, 36, rec, 40);
+	key[36] = key[37] = key[38] = key[39] = 0;
+	raw_put(txn, layers, key, 40, enc, lk + lv);
+	le(rec, 2, 8); /* totals that count the bad one too */
+	le(rec + 8, total * 2, 8);
+	le(rec + 16, stored * 2, 8);
+	raw_put(txn, meta, "totals", 6, rec, 24);
+	raw_close(env, txn);
+
+	assert_int_equal(open_store(f, 64u << 20), 0);
+	assert_int_equal(store_model_find(f->s, "m", &found), 0);
+	assert_int_equal(found.id, 1);
+	assert_int_equal(found.num_layers, 4);
+	assert_true(found.rope_theta == 1e4);
+	assert_int_equal(store_chunk_get(f->s, &found, h, 0, 4, out, total, &ci), 0);
+	assert_memory_equal(out, kv, total);
+	assert_int_equal(ci.base_pos, 7);
+	assert_int_equal(ci.created, 1700000000);
+	assert_int_equal(store_chunk_info(f->s, &found, hbad, &ci), -ENOENT);
+	assert_int_equal(store_totals(f->s, &tot), 0);
+	assert_int_equal(tot.chunks, 301);
+	assert_int_equal(tot.raw_bytes, total);
+	assert_int_equal(tot.stored_bytes, stored);
+	{
+		int seen = 0;
+
+		assert_int_equal(store_chunk_scan(f->s, count_chunk, &seen), 0);
+		assert_int_equal(seen, 301); /* every record upgraded passes its checks */
+	}
+	snprintf(next.name, sizeof(next.name), "next");
+	{
+		struct store_model *all = NULL;
+		size_t n = 0;
+
+		assert_int_equal(store_model_list(f->s, &all, &n), 0);
+		assert_int_equal(n, 61);
+		assert_string_equal(all[60].name, "model-59");
+		assert_int_equal(all[60].id, 159);
+		free(all);
+	}
+	assert_int_equal(store_model_register(f->s, &next), 0);
+	assert_int_equal(next.id, 160); /* past every model, though the counter said 2 */
+	store_close(&f->s);
+
+	/* On disk: format 2, and the records carry their checksums. */
+	env = raw_open(f->dir, &txn);
+	assert_int_equal(mdb_dbi_open(txn, "meta", 0, &meta), 0);
+	assert_int_equal(mdb_dbi_open(txn, "models", 0, &models), 0);
+	raw_get(txn, meta, "format", &v);
+	assert_int_equal(v.mv_size, 4);
+	assert_int_equal(((const uint8_t *)v.mv_data)[0], 2);
+	raw_get(txn, models, "m", &v);
+	assert_int_equal(v.mv_size, 162);
+	raw_close(env, txn);
+	assert_int_equal(raw_layers_of(f->dir, 1, hbad), 0);
+
+	/* Reopening does not upgrade again; the same flip is now caught. */
+	chunk_key_of(key, 1, h);
+	flip_bit(f->dir, "chunks", key, 36, 8, 0);
+	assert_int_equal(open_store(f, 64u << 20), 0);
+	assert_int_equal(store_chunk_info(f->s, &found, h, &ci), -EBADMSG);
+	assert_int_equal(store_model_find(f->s, "next", &found), 0);
+	free(kv);
+	free(out);
+	free(enc);
+}
+
+/* A store of a format this code does not know is refused, not guessed at. */
+static void test_newer_format_refused(void **state)
+{
+	struct fixture *f = *state;
+	MDB_txn *txn;
+	MDB_env *env;
+	MDB_dbi meta;
+	uint8_t fmt[4] = { 9, 0, 0, 0 };
+
+	store_close(&f->s);
+	env = raw_open(f->dir, &txn);
+	assert_int_equal(mdb_dbi_open(txn, "meta", 0, &meta), 0);
+	raw_put(txn, meta, "format", 6, fmt, 4);
+	raw_close(env, txn);
+	assert_int_equal(open_store(f, 64u << 20), -EPROTO);
+	assert_null(f->s);
+}
+
+/* ---- a full file system: a real one, a small tmpfs (root only; skipped otherwise) ---- */
+
+/*
+ * Fill an 8 MiB file system: the PUT that does not fit fails with -ENOSPC
+ * (LMDB itself says EIO for the short write), leaves nothing behind, the store
+ * keeps serving what it holds, and after a delete the next PUT fits.
+ */
+static void test_disk_full(void **state)
+{
+	struct fixture *f = *state;
+	char mnt[96], data[128];
+	struct store_opts o = { .dir = data, .map_size = 64u << 20, .max_readers = 16,
+				.min_saving = 0.1 };
+	struct store_model big = f->m;
+	struct store *s = NULL;
+	const void *t[8];
+	uint32_t tokens = 4096; /* 4 layers x 2 x 4096 x 2 heads x 16 x 2 bytes = 2 MiB a chunk */
+	uint8_t h[STORE_HASH_LEN], h0[STORE_HASH_LEN], *kv = make_chunk(&big, tokens, 50, t);
+	uint64_t total = 2 * store_tensor_bytes(&big, tokens) * 4;
+	uint8_t *out = malloc(total);
+	struct store_totals before, after;
+	struct store_chunk_info ci;
+	int rc = 0, stored = 0;
+	bool found;
+
+	snprintf(mnt, sizeof(mnt), "%s/fs", f->dir);
+	snprintf(data, sizeof(data), "%s/data", mnt);
+	assert_int_equal(mkdir(mnt, 0700), 0);
+	if (mount("tmpfs", mnt, "tmpfs", 0, "size=8m,mode=0700")) {
+		free(kv);
+		free(out);
+		skip(); /* not root, or no mount in this container */
+	}
+	assert_int_equal(store_open(&o, &s), 0);
+	assert_int_equal(store_model_register(s, &big), 0);
+	for (int i = 0; i < 20 && rc == 0; i++) {
+		hash_n(h, 60 + i);
+		kv[0] = (uint8_t)i; /* the chunks differ */
+		assert_int_equal(store_totals(s, &before), 0);
+		rc = store_chunk_put(s, &big, h, tokens, 0, t, NULL);
+		stored += rc == 0;
+	}
+	assert_int_equal(rc, -ENOSPC);
+	assert_true(stored >= 2);
+	assert_int_equal(store_totals(s, &after), 0);
+	assert_int_equal(after.chunks, before.chunks);
+	assert_int_equal(after.stored_bytes, before.stored_bytes);
+	assert_true(after.disk_avail < total);
+	assert_int_equal(store_chunk_lookup(s, &big, (const uint8_t(*)[32])h, 1, &ci, &found), 0);
+	assert_false(found);
+	/* Still serving: every chunk acknowledged reads back. */
+	for (int i = 0; i < stored; i++) {
+		hash_n(h0, 60 + i);
+		kv[0] = (uint8_t)i;
+		assert_int_equal(store_chunk_get(s, &big, h0, 0, 4, out, total, NULL), 0);
+		assert_memory_equal(out, kv, total);
+	}
+	/* Full again: the same answer, and nothing leaks. */
+	assert_int_equal(store_chunk_put(s, &big, h, tokens, 0, t, NULL), -ENOSPC);
+	/* Room made by a delete is used by the next PUT. */
+	hash_n(h0, 60);
+	assert_int_equal(store_chunk_delete(s, &big, h0), 0);
+	kv[0] = (uint8_t)stored;
+	assert_int_equal(store_chunk_put(s, &big, h, tokens, 0, t, NULL), 0);
+	assert_int_equal(store_chunk_get(s, &big, h, 0, 4, out, total, NULL), 0);
+	assert_memory_equal(out, kv, total);
+	/* and it survives a reopen */
+	store_close(&s);
+	assert_int_equal(store_open(&o, &s), 0);
+	assert_int_equal(store_chunk_get(s, &big, h, 0, 4, out, total, NULL), 0);
+	assert_memory_equal(out, kv, total);
+	store_close(&s);
+	assert_int_equal(umount2(mnt, MNT_DETACH), 0);
+	free(kv);
+	free(out);
+}
+
+/*
+ * The disk filled by someone else (a log, another cache), with no failed PUT
+ * of ours that left room behind: a delete still works (the store keeps a little
+ * disk allocated past its data), and the room it frees takes the next PUT.
+ */
+static void test_disk_filled_by_another(void **state)
+{
+	struct fixture *f = *state;
+	char mnt[96], data[128], filler[128], buf[65536];
+	struct store_opts o = { .dir = data, .map_size = 64u << 20, .max_readers = 16,
+				.min_saving = 0.1 };
+	struct store_model big = f->m;
+	struct store *s = NULL;
+	const void *t[8];
+	uint32_t tokens = 4096; /* 2 MiB a chunk */
+	uint8_t h[STORE_HASH_LEN], *kv = make_chunk(&big, tokens, 51, t);
+	uint64_t total = 2 * store_tensor_bytes(&big, tokens) * 4;
+	uint8_t *out = malloc(total);
+	FILE *fp;
+
+	snprintf(mnt, sizeof(mnt), "%s/fs", f->dir);
+	snprintf(data, sizeof(data), "%s/data", mnt);
+	snprintf(filler, sizeof(filler), "%s/filler", mnt);
+	assert_int_equal(mkdir(mnt, 0700), 0);
+	if (mount("tmpfs", mnt, "tmpfs", 0, "size=12m,mode=0700")) {
+		free(kv);
+		free(out);
+		skip();
+	}
+	assert_int_equal(store_open(&o, &s), 0);
+	assert_int_equal(store_model_register(s, &big), 0);
+	for (int i = 0; i < 2; i++) {
+		hash_n(h, 80 + i);
+		kv[0] = (uint8_t)i;
+		assert_int_equal(store_chunk_put(s, &big, h, tokens, 0, t, NULL), 0);
+	}
+	fp = fopen(filler, "w");
+	assert_non_null(fp);
+	memset(buf, 0x5a, sizeof(buf));
+	while (fwrite(buf, 1, sizeof(buf), fp) == sizeof(buf))
+		;
+	fclose(fp); /* may fail too: the disk is full either way */
+	hash_n(h, 82);
+	assert_int_equal(store_chunk_put(s, &big, h, tokens, 0, t, NULL), -ENOSPC);
+	hash_n(h, 80);
+	assert_int_equal(store_chunk_delete(s, &big, h), 0);
+	hash_n(h, 82);
+	kv[0] = 2;
+	assert_int_equal(store_chunk_put(s, &big, h, tokens, 0, t, NULL), 0);
+	assert_int_equal(store_chunk_get(s, &big, h, 0, 4, out, total, NULL), 0);
+	assert_memory_equal(out, kv, total);
+	hash_n(h, 81);
+	kv[0] = 1;
+	assert_int_equal(store_chunk_get(s, &big, h, 0, 4, out, total, NULL), 0);
+	assert_memory_equal(out, kv, total);
+	store_close(&s);
+	assert_int_equal(umount2(mnt, MNT_DETACH), 0);
+	free(kv);
+	free(out);
+}
+
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
@@ -297,6 +911,16 @@ int main(void)
 		cmocka_unit_test_setup_teardown(test_reopen_keeps_chunks, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_corruption_reported, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_concurrent_readers, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_chunk_record_base_pos_flip, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_chunk_record_num_tokens_flip, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_chunk_record_checksum_flip, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_model_record_flip, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_next_model_flip, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_totals_flip, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_upgrade_from_v1, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_newer_format_refused, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_disk_full, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_disk_filled_by_another, setup, teardown),
 	};
 
 	return cmocka_run_group_tests(tests, NULL, NULL);
