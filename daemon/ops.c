@@ -1236,6 +1236,9 @@ void ops_handle(struct server *srv, const struct ops_origin *from, zmq_msg_t *fr
 	rc = kvbp_request_decode(zmq_msg_data(&frames[0]), zmq_msg_size(&frames[0]), &q.h, err,
 				 sizeof(err));
 	if (rc) {
+		/* a header refused for its fields still names its request */
+		kvbp_request_peek_id(zmq_msg_data(&frames[0]), zmq_msg_size(&frames[0]),
+				     &out->rep.request_id);
 		fail(&q, (uint32_t)rc, "%s", err);
 		goto done;
 	}

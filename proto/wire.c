@@ -85,7 +85,8 @@ const char *kvbp_dtype_name(uint32_t dtype)
 	}
 }
 
-static void set_err(char *err, size_t errlen, const char *fmt, ...)
+__attribute__((format(printf, 3, 4))) static void set_err(char *err, size_t errlen,
+							   const char *fmt, ...)
 {
 	va_list ap;
 
@@ -414,6 +415,17 @@ out:
 	}
 	*out = r;
 	return KVBP_OK;
+}
+
+int kvbp_request_peek_id(const void *buf, size_t len, uint64_t *id)
+{
+	Kvblend__Request *pb = len ? kvblend__request__unpack(NULL, len, buf) : NULL;
+
+	if (!pb)
+		return -EINVAL;
+	*id = pb->request_id;
+	kvblend__request__free_unpacked(pb, NULL);
+	return 0;
 }
 
 void kvbp_request_clear(struct kvbp_request *req)

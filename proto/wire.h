@@ -205,6 +205,13 @@ int kvbp_request_decode(const void *buf, size_t len, struct kvbp_request *out, c
 int kvbp_reply_decode(const void *buf, size_t len, struct kvbp_reply *out, char *err,
 		      size_t errlen);
 
+/*
+ * The request_id of a header that kvbp_request_decode() refused, so that the error
+ * reply can still name the request: 0 and *id when the bytes are a protobuf Request
+ * at all (whatever their fields), else -EINVAL and *id untouched.
+ */
+int kvbp_request_peek_id(const void *buf, size_t len, uint64_t *id);
+
 /* Free the arrays a decoded or hand-built message owns. Accept NULL. */
 void kvbp_request_clear(struct kvbp_request *req);
 void kvbp_reply_clear(struct kvbp_reply *rep);

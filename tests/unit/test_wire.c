@@ -89,13 +89,23 @@ static void test_request_malformed(void **state)
 				 KVBP_BAD_ARGUMENT);
 		assert_string_equal(err, "model name is 65 bytes long; the limit is 64");
 	}
-	/* A 31-byte hash. */
+	/* A 31-byte hash, in a request with id 300: refused, but its id can be read. */
 	{
-		uint8_t raw[2 + 31] = { (6 << 3) | 2, 31 };
+		uint8_t raw[2 + 31 + 3] = { (6 << 3) | 2, 31 };
+		uint64_t id = 0;
 
+		raw[33] = 2 << 3; /* field 2 (request_id), varint 300 */
+		raw[34] = 0xac;
+		raw[35] = 0x02;
 		assert_int_equal(kvbp_request_decode(raw, sizeof(raw), &d, err, sizeof(err)),
 				 KVBP_BAD_ARGUMENT);
 		assert_string_equal(err, "chunk hash is 31 bytes; it must be 32");
+		assert_int_equal(kvbp_request_peek_id(raw, sizeof(raw), &id), 0);
+		assert_int_equal(id, 300);
+		id = 7;
+		assert_int_equal(kvbp_request_peek_id("\xff\xff\xff\xff", 4, &id), -EINVAL);
+		assert_int_equal(kvbp_request_peek_id("", 0, &id), -EINVAL);
+		assert_int_equal(id, 7);
 	}
 	assert_int_equal(kvbp_request_encode(&q, &buf, &len), 0);
 	assert_int_equal(kvbp_request_decode(buf, len, &d, err, sizeof(err)), KVBP_OK);
