@@ -452,6 +452,9 @@ static void *worker_main(void *arg)
 		}
 		extra += tag.extra;
 		from = (struct ops_origin){ tag.principal, tag.acct, tag.refuse };
+		/* A request queued here when the stop began is not started: busy, at once. */
+		if (from.refuse == OPS_RUN && atomic_load(&srv->stopping))
+			from.refuse = OPS_REFUSE_STOPPING;
 		clock_gettime(CLOCK_MONOTONIC, &t0);
 		if (!envelope_ok(frames, n)) {
 			/* Answered after the routing id, with a delimiter of our own. */
@@ -553,7 +556,8 @@ static void tag_done(struct server *srv, const struct req_tag *t)
 /*
  * A request from frontend i to the workers, with a tag in front (struct req_tag).
  * While stopping, requests still go to the workers, which answer them `busy` with
- * the request's id (the client matches replies by id) without running them.
+ * the request's id (the client matches replies by id) without running them; so do
+ * requests that were queued for a worker but not started when the stop began.
  * Frames are moved, not copied; frames beyond what a request can have are dropped
  * here and counted in the tag, so that the worker answers bad_frames.
  */
@@ -570,7 +574,7 @@ static int forward_in(struct server *srv, unsigned i)
 	if (!n)
 		return 0;
 	/* While stopping, the workers answer new requests `busy` without running them. */
-	tag.refuse = srv->stopping ? OPS_REFUSE_STOPPING : OPS_RUN;
+	tag.refuse = atomic_load(&srv->stopping) ? OPS_REFUSE_STOPPING : OPS_RUN;
 	tag.extra = extra > UINT32_MAX ? UINT32_MAX : (uint32_t)extra;
 	for (size_t k = 0; k < n; k++)
 		tag.bytes += zmq_msg_size(&frames[k]);
@@ -832,7 +836,7 @@ void server_stop(struct server *srv)
 		 * still arrive are answered `busy` at once. Connections stay open so that
 		 * the replies of requests in progress reach their clients.
 		 */
-		srv->stopping = true;
+		atomic_store(&srv->stopping, true);
 		for (unsigned i = 0; i < srv->n_bound; i++)
 			if (!strncmp(srv->cfg->listen[i], "ipc://", 6))
 				unlink(srv->cfg->listen[i] + 6);
@@ -895,7 +899,7 @@ void server_stop(struct server *srv)
 		zmq_ctx_term(srv->zctx);
 	srv->zctx = NULL;
 	/* (A drained stop unlinked them already; one started since may own the path now.) */
-	for (unsigned i = 0; i < srv->n_bound && !srv->stopping; i++)
+	for (unsigned i = 0; i < srv->n_bound && !atomic_load(&srv->stopping); i++)
 		if (!strncmp(srv->cfg->listen[i], "ipc://", 6))
 			unlink(srv->cfg->listen[i] + 6);
 	free(srv->in_frames);

@@ -79,7 +79,9 @@ struct server {
 	zmq_msg_t *in_frames;
 	size_t in_cap;
 	uint64_t inflight;
-	bool stopping; /* draining: new requests are answered `busy` */
+	/* draining: requests not yet started are answered `busy` (set by the main thread,
+	 * read by workers too) */
+	atomic_bool stopping;
 	struct server_stats stats;
 	struct timespec started;
 };
