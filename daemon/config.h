@@ -48,6 +48,7 @@ struct config {
 	char curve_secret_key_file[PATH_MAX];
 	char curve_authorized_keys[PATH_MAX];
 	bool tcp_insecure;
+	char tenants_file[PATH_MAX];
 	uint64_t drain_timeout;
 	uint64_t max_clients;
 	uint64_t max_inflight_bytes;

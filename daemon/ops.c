@@ -26,6 +26,7 @@
 struct req {
 	struct server *srv;
 	const char *principal; /* who asks: owner of what it creates */
+	const char *ns;	       /* its namespace: "" the default, else a tenant */
 	struct client_acct *acct; /* its byte account (NULL in tests of ops alone) */
 	struct kvbp_request h;
 	zmq_msg_t *payload;
@@ -148,13 +149,49 @@ static int fail_store(struct req *q, int rc, const char *what)
 	}
 }
 
+/*
+ * Namespaces (tenants.h): a tenant's model NAME is stored as "TENANT#NAME" ('#' is
+ * never in a model name), the default namespace's as NAME. Chunks, pins and fuse
+ * sessions hang off the model, so they are per namespace too.
+ */
+static int stored_name(struct req *q, const char *name, char out[STORE_NAME_MAX + 1])
+{
+	size_t ns = strlen(q->ns);
+
+	if (!ns) {
+		snprintf(out, STORE_NAME_MAX + 1, "%s", name);
+		return 0;
+	}
+	if (ns + 1 + strlen(name) > STORE_NAME_MAX)
+		return fail(q, KVBP_BAD_ARGUMENT, "model name '%s' is too long for tenant '%s': at "
+			    "most %zu characters", name, q->ns, STORE_NAME_MAX - ns - 1);
+	memcpy(out, q->ns, ns);
+	out[ns] = '#';
+	memcpy(out + ns + 1, name, strlen(name) + 1); /* fits: checked above */
+	return 0;
+}
+
+/* The client's name of a stored model of its namespace; NULL for another namespace's. */
+static const char *client_name(const struct req *q, const char *stored)
+{
+	const char *sep = strchr(stored, '#');
+	size_t ns = strlen(q->ns);
+
+	if (!ns)
+		return sep ? NULL : stored;
+	return sep && (size_t)(sep - stored) == ns && !strncmp(stored, q->ns, ns) ? sep + 1 : NULL;
+}
+
 static int need_model(struct req *q, struct store_model *m)
 {
+	char name[STORE_NAME_MAX + 1];
 	int rc;
 
 	if (!q->h.model_name[0])
 		return fail(q, KVBP_BAD_ARGUMENT, "%s needs a model name", kvbp_op_name(q->h.op));
-	rc = store_model_find(q->srv->store, q->h.model_name, m);
+	if (stored_name(q, q->h.model_name, name))
+		return -1;
+	rc = store_model_find(q->srv->store, name, m);
 	if (rc == -ENOENT)
 		return fail(q, KVBP_UNKNOWN_MODEL, "unknown model '%s'", q->h.model_name);
 	if (rc)
@@ -318,10 +355,12 @@ static void op_model_register(struct req *q)
 	if (model_check(q, &q->h.model))
 		return;
 	model_to_store(&q->h.model, &sm);
+	if (stored_name(q, q->h.model.name, sm.name))
+		return;
 	rc = store_model_register(q->srv->store, &sm);
 	if (rc == -EEXIST) {
 		fail(q, KVBP_MODEL_CONFLICT, "model '%s' exists with a different layout or RoPE "
-		     "configuration", sm.name);
+		     "configuration", q->h.model.name);
 		return;
 	}
 	if (rc < 0) {
@@ -335,6 +374,8 @@ static void op_model_register(struct req *q)
 		return;
 	}
 	model_from_store(&sm, q->out->rep.models);
+	snprintf(q->out->rep.models->name, sizeof(q->out->rep.models->name), "%s",
+		 q->h.model.name);
 	q->out->rep.n_models = 1;
 	if (rc == 0)
 		log_info("model '%s' registered: %u layers, %u kv heads, head_dim %u, %s", sm.name,
@@ -361,9 +402,16 @@ static void op_model_list(struct req *q)
 			fail(q, KVBP_LIMIT, "out of memory");
 			return;
 		}
-		for (size_t i = 0; i < n; i++)
-			model_from_store(&ms[i], &q->out->rep.models[i]);
-		q->out->rep.n_models = n;
+		for (size_t i = 0; i < n; i++) {
+			const char *name = client_name(q, ms[i].name);
+			struct kvbp_model *m = &q->out->rep.models[q->out->rep.n_models];
+
+			if (!name) /* another namespace's */
+				continue;
+			model_from_store(&ms[i], m);
+			snprintf(m->name, sizeof(m->name), "%s", name);
+			q->out->rep.n_models++;
+		}
 	}
 	free(ms);
 }
@@ -441,7 +489,7 @@ static void op_put(struct req *q)
 		return;
 	if (q->h.dtype && q->h.dtype != m.dtype) {
 		fail(q, KVBP_DTYPE_MISMATCH, "payload dtype %s does not match model '%s' dtype %s",
-		     kvbp_dtype_name(q->h.dtype), m.name, kvbp_dtype_name(m.dtype));
+		     kvbp_dtype_name(q->h.dtype), q->h.model_name, kvbp_dtype_name(m.dtype));
 		return;
 	}
 	if (chunk_bytes(q, &m, q->h.num_tokens, m.num_layers, &tb, &total))
@@ -1222,7 +1270,8 @@ static const op_fn handlers[KVBP_OP_COUNT] = {
 void ops_handle(struct server *srv, const struct ops_origin *from, zmq_msg_t *frames, size_t n,
 		size_t extra_frames, struct reply_out *out)
 {
-	struct req q = { .srv = srv, .principal = from->principal, .acct = from->acct, .out = out };
+	struct req q = { .srv = srv, .principal = from->principal, .ns = from->ns ? from->ns : "",
+			 .acct = from->acct, .out = out };
 	uint64_t total = 0;
 	char err[KVBP_MESSAGE_MAX];
 	int rc;

@@ -32,6 +32,7 @@ enum ops_refuse {
 /* Who sent a request, as the main thread tells the worker. */
 struct ops_origin {
 	const char *principal;	  /* server.c principal_of: owner of what it creates */
+	const char *ns;		  /* its namespace (tenants.h): "" the default */
 	struct client_acct *acct; /* its byte account: reply payloads are held on it */
 	enum ops_refuse refuse;
 };

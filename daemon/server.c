@@ -295,6 +295,7 @@ struct req_tag {
 	struct client_acct *acct; /* the client's record, referenced until the reply passes */
 	enum ops_refuse refuse; /* answer with an error without running it */
 	char principal[96]; /* who sent it (principal_of) */
+	char ns[TENANT_NAME_MAX + 1]; /* its namespace (tenants.h); "" the default */
 };
 
 /* Receive one whole message, keeping at most cap frames; counts the rest in *extra.
@@ -451,7 +452,8 @@ static void *worker_main(void *arg)
 			memset(&tag, 0, sizeof(tag));
 		}
 		extra += tag.extra;
-		from = (struct ops_origin){ tag.principal, tag.acct, tag.refuse };
+		tag.ns[sizeof(tag.ns) - 1] = 0;
+		from = (struct ops_origin){ tag.principal, tag.ns, tag.acct, tag.refuse };
 		/* A request queued here when the stop began is not started: busy, at once. */
 		if (from.refuse == OPS_RUN && atomic_load(&srv->stopping))
 			from.refuse = OPS_REFUSE_STOPPING;
@@ -580,6 +582,7 @@ static int forward_in(struct server *srv, unsigned i)
 		tag.bytes += zmq_msg_size(&frames[k]);
 	/* (the routing id frame may carry no metadata when the ROUTER prefetched it) */
 	principal_of(&frames[n > 1 ? 1 : 0], i, tag.principal, sizeof(tag.principal));
+	snprintf(tag.ns, sizeof(tag.ns), "%s", tenants_of(srv->tenants, tag.principal));
 	/*
 	 * Hold the request's bytes for its client until the reply passes: a client over its
 	 * share, or all clients over max_inflight_bytes, gets `limit` at once (the worker
@@ -669,6 +672,18 @@ int server_start(struct server *srv, const struct config *cfg, struct store *sto
 	rc = clients_new(cfg->max_inflight_bytes, cfg->client_inflight_bytes, &srv->clients);
 	if (rc)
 		return rc;
+	{
+		char err[512];
+
+		rc = tenants_load(cfg->tenants_file, &srv->tenants, err, sizeof(err));
+		if (rc) {
+			log_err("%s", err);
+			return rc;
+		}
+		if (tenants_count(srv->tenants))
+			log_info("%zu tenants from %s; other clients share the default namespace",
+				 tenants_count(srv->tenants), cfg->tenants_file);
+	}
 	rc = shm_table_new(cfg->shm_max, cfg->shm_total, cfg->shm_idle,
 			   (unsigned)cfg->client_shm_segments, &srv->shm);
 	if (rc)
@@ -910,4 +925,5 @@ void server_stop(struct server *srv)
 	shm_table_free(&srv->shm);
 	pool_free(&srv->pool);
 	clients_free(&srv->clients); /* after the context: ZeroMQ released every reply */
+	tenants_free(&srv->tenants);
 }

@@ -19,6 +19,7 @@
 
 #include "clients.h"
 #include "config.h"
+#include "tenants.h"
 #include "evict.h"
 #include "fuse.h"
 #include "metrics.h"
@@ -45,6 +46,7 @@ struct server {
 	struct store *store;
 	struct shm_table *shm;
 	struct clients *clients; /* bytes held per client */
+	struct tenants *tenants; /* namespaces of client identities */
 	struct pool *pool; /* helpers that split one request's bulk work */
 	struct fuse_table *fuse;
 	struct evictor *evict;

@@ -1091,6 +1091,120 @@ static void many_connections(void **state)
 	daemon_cleanup(&d);
 }
 
+/*
+ * The other client of a tenants test, run as uid in a child: it must see none of
+ * the first tenant's chunks. Returns a bit per check that failed.
+ */
+static int tenant_probe(const struct daemon *d, uid_t uid, const uint8_t *hash, bool writes)
+{
+	struct kvb_connect_opts o = { .timeout_ms = 10000 };
+	size_t bytes = (size_t)L * 2 * T * ROW;
+	uint8_t *kv = malloc(bytes);
+	struct kvb_chunk_info info;
+	struct kvb_model *ms = NULL;
+	kvb_client *c = NULL;
+	size_t n = 0;
+	int existed = -1, bad = 0;
+
+	if (setgid(uid) || setuid(uid))
+		return 1 << 0;
+	if (kvb_connect(d->endpoint, &o, &c, NULL, 0))
+		return 1 << 1;
+	/* the same model name is a model of its own here */
+	bad |= kvb_model_register(c, &model, &existed) != 0 || existed != 0 ? 1 << 2 : 0;
+	bad |= kvb_lookup(c, model.name, (const uint8_t(*)[KVB_HASH_LEN])hash, 1, &info) != 0 ||
+	       info.found ? 1 << 3 : 0;
+	bad |= kvb_get(c, model.name, hash, 0, 0, kv, bytes, NULL) != KVB_E_NOT_FOUND ? 1 << 4 : 0;
+	bad |= kvb_unpin(c, model.name, hash) != KVB_E_NOT_FOUND ? 1 << 5 : 0;
+	bad |= kvb_delete(c, model.name, hash) != KVB_E_NOT_FOUND ? 1 << 6 : 0;
+	if (writes) {
+		/* "poison" the hash: stored in its own namespace, not over the other's */
+		memset(kv, 0x7b, bytes);
+		existed = -1;
+		bad |= kvb_put(c, model.name, hash, KVB_F16, T, 0, kv, bytes, &existed) != 0 ||
+		       existed != 0 ? 1 << 7 : 0;
+		bad |= kvb_delete(c, model.name, hash) != 0 ? 1 << 8 : 0;
+		bad |= kvb_put(c, model.name, hash, KVB_F16, T, 0, kv, bytes, NULL) != 0 ? 1 << 9 : 0;
+	}
+	bad |= kvb_model_list(c, &ms, &n) != 0 || n != 1 || strcmp(ms[0].name, model.name) ?
+		       1 << 10 : 0;
+	free(ms);
+	kvb_close(&c);
+	free(kv);
+	return bad;
+}
+
+static int run_as(const struct daemon *d, uid_t uid, const uint8_t *hash, bool writes)
+{
+	pid_t pid = fork();
+	int status;
+
+	assert_true(pid >= 0);
+	if (pid == 0)
+		_exit(tenant_probe(d, uid, hash, writes));
+	assert_int_equal(waitpid(pid, &status, 0), pid);
+	assert_true(WIFEXITED(status));
+	return WEXITSTATUS(status);
+}
+
+/*
+ * Tenants: with a tenants file, alice (uid 0) and bob (uid 65534) each have their
+ * own namespace, and a client bound to neither (uid 1) the default one. None of
+ * them can read, overwrite, delete or unpin another's chunk under the same model
+ * name and hash (cache poisoning across tenants).
+ */
+static void tenants_are_isolated(void **state)
+{
+	char tenants[400];
+	const char *args[] = { "--tenants-file", tenants, "--socket-mode", "0666", NULL };
+	size_t bytes = (size_t)L * 2 * T * ROW;
+	uint8_t hash[KVB_HASH_LEN], *mine = malloc(bytes), *back = malloc(bytes);
+	uint32_t ids[2] = { 8080, 1 };
+	struct kvb_model *ms = NULL;
+	struct daemon d;
+	kvb_client *c;
+	size_t n = 0;
+	FILE *f;
+	int rc;
+
+	(void)state;
+	if (geteuid() != 0)
+		skip(); /* the other tenants are other users */
+	snprintf(tenants, sizeof(tenants), "/tmp/kvb-tenants-%d", (int)getpid());
+	f = fopen(tenants, "w");
+	assert_non_null(f);
+	fprintf(f, "# name  who\nalice uid=0\nbob   uid=65534   # nobody\n");
+	fclose(f);
+	daemon_start(&d, args);
+	assert_int_equal(chmod(d.dir, 0755), 0);
+	c = daemon_client(&d, 0);
+	assert_int_equal(kvb_model_register(c, &model, NULL), 0);
+	fill((uint16_t *)mine, bytes / 2, 77);
+	kvb_chunk_hash(ids, 2, hash);
+	assert_int_equal(kvb_put(c, model.name, hash, KVB_F16, T, 0, mine, bytes, NULL), 0);
+	assert_int_equal(kvb_pin(c, model.name, hash, 600), 0);
+	rc = run_as(&d, 65534, hash, true);
+	if (rc)
+		fail_msg("bob saw alice's namespace: checks 0x%x failed", rc);
+	rc = run_as(&d, 1, hash, false);
+	if (rc)
+		fail_msg("a client of the default namespace saw alice's: checks 0x%x failed", rc);
+	/* alice's chunk is hers, whole, and her model list holds her model only */
+	assert_int_equal(kvb_get(c, model.name, hash, 0, 0, back, bytes, NULL), 0);
+	assert_memory_equal(back, mine, bytes);
+	assert_int_equal(kvb_model_list(c, &ms, &n), 0);
+	assert_int_equal(n, 1);
+	assert_string_equal(ms[0].name, model.name);
+	free(ms);
+	assert_int_equal(kvb_unpin(c, model.name, hash), 0);
+	kvb_close(&c);
+	daemon_stop(&d);
+	daemon_cleanup(&d);
+	unlink(tenants);
+	free(mine);
+	free(back);
+}
+
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
@@ -1105,6 +1219,7 @@ int main(void)
 		cmocka_unit_test(unread_replies_are_bounded),
 		cmocka_unit_test(pipelined_puts_are_bounded),
 		cmocka_unit_test(many_connections),
+		cmocka_unit_test(tenants_are_isolated),
 	};
 
 	signal(SIGPIPE, SIG_IGN);

@@ -1,0 +1,176 @@
+/* tenants — namespaces bound to client identities; see tenants.h. */
+#include "tenants.h"
+
+#include <ctype.h>
+#include <errno.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum match_kind { MATCH_UID, MATCH_GID, MATCH_KEY };
+
+struct match {
+	enum match_kind kind;
+	unsigned long id;
+	char key[41];
+	size_t tenant; /* index into names */
+};
+
+struct tenants {
+	char (*names)[TENANT_NAME_MAX + 1];
+	size_t n_names;
+	struct match *m;
+	size_t n;
+};
+
+static bool name_ok(const char *s)
+{
+	size_t n = strlen(s);
+
+	if (!n || n > TENANT_NAME_MAX)
+		return false;
+	for (; *s; s++)
+		if (!isalnum((unsigned char)*s) && !strchr("._-", *s))
+			return false;
+	return true;
+}
+
+/* One MATCH word of a line into *m. */
+static int parse_match(const char *w, struct match *m)
+{
+	char *end;
+
+	if (!strncmp(w, "uid=", 4) || !strncmp(w, "gid=", 4)) {
+		m->kind = w[0] == 'u' ? MATCH_UID : MATCH_GID;
+		errno = 0;
+		m->id = strtoul(w + 4, &end, 10);
+		return w[4] && !*end && !errno && m->id <= 0xffffffffUL ? 0 : -EINVAL;
+	}
+	if (!strncmp(w, "key=", 4) && strlen(w + 4) == 40) {
+		m->kind = MATCH_KEY;
+		memcpy(m->key, w + 4, 41);
+		return 0;
+	}
+	return -EINVAL;
+}
+
+static int add_line(struct tenants *t, char *line, char *err, size_t errlen, const char *path,
+		    unsigned lineno)
+{
+	char *save = NULL, *w = strtok_r(line, " \t\r\n", &save);
+	size_t idx;
+
+	if (!w || *w == '#')
+		return 0;
+	if (!name_ok(w)) {
+		snprintf(err, errlen, "tenants_file %s:%u: tenant name '%s' must be 1..%d letters, "
+			 "digits, '.', '_' or '-'", path, lineno, w, TENANT_NAME_MAX);
+		return -EINVAL;
+	}
+	for (idx = 0; idx < t->n_names && strcmp(t->names[idx], w); idx++)
+		;
+	if (idx == t->n_names) {
+		void *nn = realloc(t->names, (t->n_names + 1) * sizeof(*t->names));
+
+		if (!nn)
+			return -ENOMEM;
+		t->names = nn;
+		snprintf(t->names[t->n_names++], TENANT_NAME_MAX + 1, "%s", w);
+	}
+	w = strtok_r(NULL, " \t\r\n", &save);
+	if (!w || *w == '#') {
+		snprintf(err, errlen, "tenants_file %s:%u: tenant '%s' has no uid=, gid= or key=",
+			 path, lineno, t->names[idx]);
+		return -EINVAL;
+	}
+	for (; w && *w != '#'; w = strtok_r(NULL, " \t\r\n", &save)) {
+		struct match m = { .tenant = idx };
+		void *nm;
+
+		if (parse_match(w, &m)) {
+			snprintf(err, errlen, "tenants_file %s:%u: '%s' is not uid=N, gid=N or "
+				 "key=KEY (a 40-character Z85 CURVE public key)", path, lineno, w);
+			return -EINVAL;
+		}
+		nm = realloc(t->m, (t->n + 1) * sizeof(*t->m));
+		if (!nm)
+			return -ENOMEM;
+		t->m = nm;
+		t->m[t->n++] = m;
+	}
+	return 0;
+}
+
+int tenants_load(const char *path, struct tenants **out, char *err, size_t errlen)
+{
+	struct tenants *t = calloc(1, sizeof(*t));
+	char line[1024];
+	unsigned lineno = 0;
+	FILE *f;
+	int rc = 0;
+
+	if (!t)
+		return -ENOMEM;
+	if (!path || !path[0]) {
+		*out = t;
+		return 0;
+	}
+	f = fopen(path, "r");
+	if (!f) {
+		rc = -errno;
+		snprintf(err, errlen, "tenants_file %s: %s", path, strerror(-rc));
+		tenants_free(&t);
+		return rc;
+	}
+	while (!rc && fgets(line, sizeof(line), f))
+		rc = add_line(t, line, err, errlen, path, ++lineno);
+	fclose(f);
+	if (rc) {
+		if (rc == -ENOMEM)
+			snprintf(err, errlen, "tenants_file %s: out of memory", path);
+		tenants_free(&t);
+		return rc;
+	}
+	*out = t;
+	return 0;
+}
+
+void tenants_free(struct tenants **tp)
+{
+	struct tenants *t = tp ? *tp : NULL;
+
+	if (!t)
+		return;
+	free(t->names);
+	free(t->m);
+	free(t);
+	*tp = NULL;
+}
+
+const char *tenants_of(const struct tenants *t, const char *principal)
+{
+	unsigned long uid = 0, gid = 0;
+	bool ipc = false, key = false;
+
+	if (!t || !t->n)
+		return "";
+	if (!strncmp(principal, "ipc:", 4))
+		ipc = sscanf(principal + 4, "%lu:%lu:", &uid, &gid) == 2;
+	else
+		key = !strncmp(principal, "key:", 4) && strlen(principal + 4) == 40;
+	for (size_t i = 0; i < t->n; i++) {
+		const struct match *m = &t->m[i];
+
+		if ((ipc && m->kind == MATCH_UID && m->id == uid) ||
+		    (ipc && m->kind == MATCH_GID && m->id == gid) ||
+		    (key && m->kind == MATCH_KEY && !strcmp(m->key, principal + 4)))
+			return t->names[m->tenant];
+	}
+	return "";
+}
+
+size_t tenants_count(const struct tenants *t)
+{
+	return t ? t->n_names : 0;
+}

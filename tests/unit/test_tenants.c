@@ -1,0 +1,93 @@
+/* Unit tests of daemon/tenants: the file format, its errors, and who lands where. */
+#include <errno.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+
+#include "tenants.h"
+
+#define KEY "rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7"
+
+static void write_file(const char *path, const char *text)
+{
+	FILE *f = fopen(path, "w");
+
+	assert_non_null(f);
+	fputs(text, f);
+	fclose(f);
+}
+
+static void test_bindings(void **state)
+{
+	char path[] = "/tmp/kvb-tenants-XXXXXX";
+	struct tenants *t = NULL;
+	char err[256];
+	int fd = mkstemp(path);
+
+	(void)state;
+	assert_true(fd >= 0);
+	close(fd);
+	write_file(path, "# tenants\n\nalice uid=1000 key=" KEY "\nbob gid=2000  # group\n"
+			 "alice uid=1001\n");
+	assert_int_equal(tenants_load(path, &t, err, sizeof(err)), 0);
+	assert_int_equal(tenants_count(t), 2);
+	assert_string_equal(tenants_of(t, "ipc:1000:5:77"), "alice");
+	assert_string_equal(tenants_of(t, "ipc:1001:2000:77"), "bob"); /* first line wins */
+	assert_string_equal(tenants_of(t, "ipc:1001:5:77"), "alice");
+	assert_string_equal(tenants_of(t, "ipc:3000:2000:77"), "bob");
+	assert_string_equal(tenants_of(t, "ipc:3000:3000:77"), "");
+	assert_string_equal(tenants_of(t, "key:" KEY), "alice");
+	assert_string_equal(tenants_of(t, "tcp:127.0.0.1"), "");
+	assert_string_equal(tenants_of(t, "ipc:garbage"), "");
+	tenants_free(&t);
+	assert_null(t);
+	unlink(path);
+}
+
+static void test_errors(void **state)
+{
+	char path[] = "/tmp/kvb-tenants-XXXXXX";
+	struct tenants *t = NULL;
+	char err[256];
+	int fd = mkstemp(path);
+
+	(void)state;
+	assert_true(fd >= 0);
+	close(fd);
+	write_file(path, "ok uid=1\nthis-name-is-far-too-long uid=2\n");
+	assert_int_equal(tenants_load(path, &t, err, sizeof(err)), -EINVAL);
+	assert_non_null(strstr(err, ":2: tenant name 'this-name-is-far-too-long'"));
+	write_file(path, "a uid=x\n");
+	assert_int_equal(tenants_load(path, &t, err, sizeof(err)), -EINVAL);
+	assert_non_null(strstr(err, ":1: 'uid=x' is not uid=N, gid=N or key=KEY"));
+	write_file(path, "a\n");
+	assert_int_equal(tenants_load(path, &t, err, sizeof(err)), -EINVAL);
+	assert_non_null(strstr(err, "tenant 'a' has no uid=, gid= or key="));
+	write_file(path, "a key=short\n");
+	assert_int_equal(tenants_load(path, &t, err, sizeof(err)), -EINVAL);
+	unlink(path);
+	assert_int_equal(tenants_load(path, &t, err, sizeof(err)), -ENOENT);
+	assert_non_null(strstr(err, path));
+	assert_null(t);
+	/* no file: everyone in the default namespace */
+	assert_int_equal(tenants_load("", &t, err, sizeof(err)), 0);
+	assert_string_equal(tenants_of(t, "ipc:0:0:1"), "");
+	tenants_free(&t);
+}
+
+int main(void)
+{
+	const struct CMUnitTest tests[] = {
+		cmocka_unit_test(test_bindings),
+		cmocka_unit_test(test_errors),
+	};
+
+	return cmocka_run_group_tests(tests, NULL, NULL);
+}
