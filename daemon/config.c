@@ -92,8 +92,9 @@ static const struct key keys[] = {
 	  "file of client CURVE public keys allowed on TCP, one a line; unset = any client "
 	  "that knows the server's public key" },
 	{ "tenants_file", T_PATH, OFF(tenants_file), 0, 0, NULL,
-	  "file binding tenants to client identities, one a line: NAME uid=N|gid=N|key=Z85...; "
-	  "each tenant's models and chunks are its own; unset = one namespace for all" },
+	  "file binding tenants to client identities, one a line: NAME uid=N|gid=N|key=Z85... "
+	  "[capacity=SIZE]; each tenant's models and chunks are its own, and no other "
+	  "namespace evicts them while within its capacity; unset = one namespace for all" },
 	{ "tcp_insecure", T_BOOL, OFF(tcp_insecure), 0, 1, "false",
 	  "allow a TCP endpoint off loopback without CURVE (unencrypted)" },
 	{ "drain_timeout", T_UINT, OFF(drain_timeout), 0, 3600, "10",

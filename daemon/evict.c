@@ -4,11 +4,13 @@
 #include <errno.h>
 #include <inttypes.h>
 #include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
 #include "log.h"
+#include "tenants.h"
 
 #define KEY_LEN (4 + STORE_HASH_LEN)
 
@@ -26,7 +28,10 @@ struct pin {
 struct evictor {
 	struct store *store;
 	struct fuse_table *fuse;
+	const struct tenants *tenants; /* their capacities; NULL: none */
 	uint64_t capacity, high, low;
+	unsigned high_pct, low_pct;
+	struct timespec last_quota_pass;
 	pthread_mutex_t lock; /* the access map, pins, stats, stop */
 	pthread_cond_t cond;
 	pthread_mutex_t pass_lock; /* one eviction pass at a time */
@@ -43,6 +48,13 @@ struct evictor {
 struct cand {
 	uint8_t key[KEY_LEN];
 	uint64_t seq, created, stored;
+	size_t ns; /* index into the pass's namespaces */
+};
+
+/* A namespace in one pass: its name, capacity and the stored bytes of its chunks. */
+struct ns_use {
+	char name[TENANT_NAME_MAX + 1];
+	uint64_t capacity, bytes;
 };
 
 static void make_key(uint8_t *key, uint32_t model_id, const uint8_t *hash)
@@ -254,16 +266,114 @@ static int cmp_cand(const void *a, const void *b)
 	return (x->created > y->created) - (x->created < y->created);
 }
 
-/* Evict least recently used chunks until goal stored bytes are freed. Returns bytes freed. */
-static uint64_t pass(struct evictor *e, uint64_t goal)
+/* The namespace of a model: the tenant before '#' in its stored name, or "" (tenants.h). */
+static void ns_of_model(const struct store_model *m, char ns[TENANT_NAME_MAX + 1])
+{
+	const char *sep = strchr(m->name, '#');
+	size_t n = sep ? (size_t)(sep - m->name) : 0;
+
+	if (n > TENANT_NAME_MAX)
+		n = 0;
+	memcpy(ns, m->name, n);
+	ns[n] = 0;
+}
+
+/* Index of namespace name in *use (added when new); SIZE_MAX without memory. */
+static size_t ns_index(struct evictor *e, struct ns_use **use, size_t *n, const char *name)
+{
+	struct ns_use *nu;
+
+	for (size_t i = 0; i < *n; i++)
+		if (!strcmp((*use)[i].name, name))
+			return i;
+	nu = realloc(*use, (*n + 1) * sizeof(*nu));
+	if (!nu)
+		return SIZE_MAX;
+	*use = nu;
+	memset(&nu[*n], 0, sizeof(*nu));
+	snprintf(nu[*n].name, sizeof(nu[*n].name), "%s", name);
+	nu[*n].capacity = tenants_capacity(e->tenants, name);
+	return (*n)++;
+}
+
+/* The namespace of every candidate, and each namespace's stored bytes. */
+static int assign_namespaces(struct evictor *e, struct gather *g, struct ns_use **use, size_t *n)
+{
+	struct store_model m = { .id = UINT32_MAX };
+	size_t cur = 0;
+
+	for (size_t i = 0; i < g->n; i++) {
+		struct cand *c = &g->c[i];
+		uint32_t id = (uint32_t)c->key[0] << 24 | (uint32_t)c->key[1] << 16 |
+			      (uint32_t)c->key[2] << 8 | c->key[3];
+
+		if (m.id != id) {
+			char ns[TENANT_NAME_MAX + 1] = "";
+
+			if (store_model_by_id(e->store, id, &m) == 0)
+				ns_of_model(&m, ns);
+			else
+				m.id = id; /* unreadable: the default namespace */
+			cur = ns_index(e, use, n, ns);
+			if (cur == SIZE_MAX)
+				return -ENOMEM;
+		}
+		c->ns = cur;
+		(*use)[cur].bytes += c->stored;
+	}
+	return 0;
+}
+
+/* Evict candidate c unless pinned or in use; its stored bytes, or 0. */
+static uint64_t evict_one(struct evictor *e, const struct cand *c, struct store_model *m)
+{
+	uint32_t id = (uint32_t)c->key[0] << 24 | (uint32_t)c->key[1] << 16 |
+		      (uint32_t)c->key[2] << 8 | c->key[3];
+	bool pinned;
+
+	pthread_mutex_lock(&e->lock);
+	pinned = pin_find(e, c->key) != NULL;
+	pthread_mutex_unlock(&e->lock);
+	if (pinned)
+		return 0;
+	if (m->id != id && store_model_by_id(e->store, id, m)) {
+		m->id = UINT32_MAX;
+		return 0;
+	}
+	/* Refused while a fuse session pins it; gone if deleted meanwhile. */
+	if (fuse_delete_chunk(e->fuse, m, c->key + 4))
+		return 0;
+	pthread_mutex_lock(&e->lock);
+	forget(e, c->key);
+	pthread_mutex_unlock(&e->lock);
+	return c->stored ? c->stored : 1;
+}
+
+static uint64_t pct_of(uint64_t x, unsigned pct)
+{
+	return x / 100 * pct + x % 100 * pct / 100;
+}
+
+/*
+ * One eviction pass, least recently used first. First every tenant above its own
+ * capacity (at the high watermark) loses its own chunks down to the low one; then,
+ * until goal bytes are freed, chunks of any namespace that is not a tenant within
+ * its capacity go, and with requester (a tenant making room for its PUT) that
+ * tenant's own too. Returns the bytes freed.
+ */
+static uint64_t pass(struct evictor *e, uint64_t goal, const char *requester)
 {
 	struct gather g = { .e = e };
 	struct store_model m = { .id = UINT32_MAX };
+	struct ns_use *use = NULL;
+	size_t n_use = 0;
 	uint64_t freed = 0, n = 0;
 	int rc;
 
 	pthread_mutex_lock(&e->pass_lock);
 	rc = store_chunk_scan(e->store, gather_one, &g);
+	if (!rc)
+		rc = assign_namespaces(e, &g, &use, &n_use);
 	if (rc) {
 		log_warn("eviction: cannot scan the store: %s", strerror(-rc));
 		goto out;
@@ -272,27 +382,39 @@ static uint64_t pass(struct evictor *e, uint64_t goal)
 	pthread_mutex_lock(&e->lock);
 	pins_expire(e);
 	pthread_mutex_unlock(&e->lock);
+	for (size_t k = 0; k < n_use; k++) {
+		struct ns_use *u = &use[k];
+
+		if (!u->capacity || u->bytes <= pct_of(u->capacity, e->high_pct))
+			continue;
+		for (size_t i = 0; i < g.n && u->bytes > pct_of(u->capacity, e->low_pct); i++) {
+			uint64_t b;
+
+			if (g.c[i].ns != k || !(b = evict_one(e, &g.c[i], &m)))
+				continue;
+			g.c[i].stored = 0; /* gone */
+			u->bytes -= b < u->bytes ? b : u->bytes;
+			freed += b;
+			n++;
+		}
+	}
 	for (size_t i = 0; i < g.n && freed < goal; i++) {
 		struct cand *c = &g.c[i];
-		uint32_t id = (uint32_t)c->key[0] << 24 | (uint32_t)c->key[1] << 16 |
-			      (uint32_t)c->key[2] << 8 | c->key[3];
-		bool pinned;
+		struct ns_use *u = &use[c->ns];
+		bool mine = requester && !strcmp(u->name, requester);
+		uint64_t b;
 
-		pthread_mutex_lock(&e->lock);
-		pinned = pin_find(e, c->key) != NULL;
-		pthread_mutex_unlock(&e->lock);
-		if (pinned)
+		if (!c->stored) /* evicted above */
 			continue;
-		if (m.id != id && store_model_by_id(e->store, id, &m))
+		/* a tenant within its capacity is not evicted for another namespace */
+		if (u->capacity && u->bytes <= u->capacity && !mine)
 			continue;
-		/* Refused while a fuse session pins it; gone if deleted meanwhile. */
-		if (fuse_delete_chunk(e->fuse, &m, c->key + 4))
+		b = evict_one(e, c, &m);
+		if (!b)
 			continue;
-		freed += c->stored;
+		u->bytes -= b < u->bytes ? b : u->bytes;
+		freed += b;
 		n++;
-		pthread_mutex_lock(&e->lock);
-		forget(e, c->key);
-		pthread_mutex_unlock(&e->lock);
 	}
 	pthread_mutex_lock(&e->lock);
 	e->stats.evicted += n;
@@ -303,13 +425,14 @@ static uint64_t pass(struct evictor *e, uint64_t goal)
 		log_info("evicted %" PRIu64 " chunks (%" PRIu64 " bytes)", n, freed);
 out:
 	pthread_mutex_unlock(&e->pass_lock);
+	free(use);
 	free(g.c);
 	return freed;
 }
 
-int64_t evictor_make_room(struct evictor *e, uint64_t bytes)
+int64_t evictor_make_room(struct evictor *e, uint64_t bytes, const char *ns)
 {
-	uint64_t freed = pass(e, bytes);
+	uint64_t freed = pass(e, bytes, ns);
 
 	return freed ? (int64_t)freed : -ENOSPC;
 }
@@ -320,27 +443,40 @@ static void *evict_main(void *arg)
 
 	pthread_mutex_lock(&e->lock);
 	while (!e->stop) {
-		struct timespec until;
+		struct timespec until, now;
 		struct store_totals t;
+		bool kicked;
 
 		clock_gettime(CLOCK_REALTIME, &until);
 		until.tv_sec += 1;
 		if (!e->kicked)
 			pthread_cond_timedwait(&e->cond, &e->lock, &until);
+		kicked = e->kicked;
 		e->kicked = false;
-		if (e->stop || !e->capacity)
+		if (e->stop)
 			continue;
 		pthread_mutex_unlock(&e->lock);
-		if (store_totals(e->store, &t) == 0 && t.stored_bytes > e->high)
-			pass(e, t.stored_bytes - e->low);
+		/*
+		 * Over the capacity: a pass down to the low watermark. Tenants' own
+		 * capacities need a scan to see: after PUTs (a kick), at most once a second.
+		 */
+		clock_gettime(CLOCK_MONOTONIC, &now);
+		if (e->capacity && store_totals(e->store, &t) == 0 && t.stored_bytes > e->high) {
+			pass(e, t.stored_bytes - e->low, NULL);
+			e->last_quota_pass = now;
+		} else if (kicked && tenants_quota_any(e->tenants) &&
+			   now.tv_sec != e->last_quota_pass.tv_sec) {
+			pass(e, 0, NULL);
+			e->last_quota_pass = now;
+		}
 		pthread_mutex_lock(&e->lock);
 	}
 	pthread_mutex_unlock(&e->lock);
 	return NULL;
 }
 
-int evictor_new(struct store *store, struct fuse_table *fuse, uint64_t capacity,
-		unsigned high_pct, unsigned low_pct, struct evictor **out)
+int evictor_new(struct store *store, struct fuse_table *fuse, const struct tenants *tenants,
+		uint64_t capacity, unsigned high_pct, unsigned low_pct, struct evictor **out)
 {
 	struct evictor *e = calloc(1, sizeof(*e));
 	int rc;
@@ -349,6 +485,9 @@ int evictor_new(struct store *store, struct fuse_table *fuse, uint64_t capacity,
 		return -ENOMEM;
 	e->store = store;
 	e->fuse = fuse;
+	e->tenants = tenants;
+	e->high_pct = high_pct;
+	e->low_pct = low_pct;
 	e->capacity = capacity;
 	e->high = capacity / 100 * high_pct + capacity % 100 * high_pct / 100;
 	e->low = capacity / 100 * low_pct + capacity % 100 * low_pct / 100;

@@ -7,8 +7,9 @@
  * are never evicted. Thread-safe.
  *
  * The order is least recent access first; chunks not read since the daemon
- * started come before all others, oldest first. Candidates are gathered per
- * model, so per-model quotas can be added by bounding each model's pass.
+ * started come before all others, oldest first. Tenants (tenants.h) with a
+ * capacity of their own are kept within it the same way, from their own chunks,
+ * and while within it lose none to another namespace's pressure.
  */
 #ifndef KVBLEND_DAEMON_EVICT_H
 #define KVBLEND_DAEMON_EVICT_H
@@ -18,6 +19,7 @@
 
 #include "../store/store.h"
 #include "fuse.h"
+#include "tenants.h"
 
 struct evictor;
 
@@ -28,10 +30,13 @@ struct evict_stats {
 	uint64_t pins;		/* explicit pins in force */
 };
 
-/* capacity 0: no background eviction (a full map still makes room). high and low
- * are percentages of capacity, low < high. Starts the background thread. */
-int evictor_new(struct store *store, struct fuse_table *fuse, uint64_t capacity,
-		unsigned high_pct, unsigned low_pct, struct evictor **out);
+/*
+ * capacity 0: no background eviction (a full map still makes room). high and low
+ * are percentages of capacity, low < high, and of each tenant's own capacity
+ * (tenants, borrowed; NULL for none). Starts the background thread.
+ */
+int evictor_new(struct store *store, struct fuse_table *fuse, const struct tenants *tenants,
+		uint64_t capacity, unsigned high_pct, unsigned low_pct, struct evictor **out);
 /* Stop the thread and free. Accepts NULL. */
 void evictor_free(struct evictor **e);
 
@@ -47,10 +52,11 @@ int evictor_unpin(struct evictor *e, uint32_t model_id, const uint8_t *hash);
 
 /*
  * Evict least recently used chunks until about `bytes` of stored data are
- * freed (for a PUT that found the map full). Returns the bytes freed, or
- * -ENOSPC when nothing could be evicted.
+ * freed (for a PUT of namespace ns, "" the default, that found the map full):
+ * never chunks of a tenant within its own capacity, unless ns is that tenant.
+ * Returns the bytes freed, or -ENOSPC when nothing could be evicted.
  */
-int64_t evictor_make_room(struct evictor *e, uint64_t bytes);
+int64_t evictor_make_room(struct evictor *e, uint64_t bytes, const char *ns);
 
 void evictor_stats(struct evictor *e, struct evict_stats *out);
 

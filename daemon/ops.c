@@ -562,7 +562,7 @@ static void op_put(struct req *q)
 			     tensors, &ci);
 	/* A full map: evict least recently used chunks and retry, a few times. */
 	for (int tries = 0; rc == -ENOSPC && tries < 3; tries++) {
-		int64_t freed = evictor_make_room(q->srv->evict, 2 * total + (1u << 20));
+		int64_t freed = evictor_make_room(q->srv->evict, 2 * total + (1u << 20), q->ns);
 
 		if (freed < 0) {
 			fail_full(q, "put: cache full and nothing can be evicted (every chunk is "

@@ -761,7 +761,7 @@ int server_start(struct server *srv, const struct config *cfg, struct store *sto
 	/* Threads start with signals blocked; only the main thread takes them. */
 	sigfillset(&all);
 	pthread_sigmask(SIG_BLOCK, &all, &old);
-	rc = evictor_new(store, srv->fuse, cfg->capacity, (unsigned)cfg->evict_high,
+	rc = evictor_new(store, srv->fuse, srv->tenants, cfg->capacity, (unsigned)cfg->evict_high,
 			 (unsigned)cfg->evict_low, &srv->evict);
 	for (unsigned i = 0; !rc && i < n_workers; i++) {
 		atomic_fetch_add(&srv->running_workers, 1);

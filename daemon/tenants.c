@@ -8,7 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum match_kind { MATCH_UID, MATCH_GID, MATCH_KEY };
+enum match_kind { MATCH_UID, MATCH_GID, MATCH_KEY, MATCH_CAPACITY };
 
 struct match {
 	enum match_kind kind;
@@ -19,6 +19,7 @@ struct match {
 
 struct tenants {
 	char (*names)[TENANT_NAME_MAX + 1];
+	uint64_t *capacity; /* per name; 0: none */
 	size_t n_names;
 	struct match *m;
 	size_t n;
@@ -52,6 +53,27 @@ static int parse_match(const char *w, struct match *m)
 		memcpy(m->key, w + 4, 41);
 		return 0;
 	}
+	if (!strncmp(w, "capacity=", 9)) {
+		/* a size: digits with an optional K, M, G or T (powers of 1024) */
+		unsigned shift = 0;
+
+		errno = 0;
+		m->id = strtoul(w + 9, &end, 10);
+		if (end == w + 9 || errno)
+			return -EINVAL;
+		if (*end) {
+			const char *u = strchr("KMGT", toupper((unsigned char)*end));
+
+			if (!u || end[1])
+				return -EINVAL;
+			shift = 10 * (unsigned)(u - "KMGT" + 1);
+		}
+		if (!m->id || m->id > (~0UL >> shift))
+			return -EINVAL;
+		m->id <<= shift;
+		m->kind = MATCH_CAPACITY;
+		return 0;
+	}
 	return -EINVAL;
 }
 
@@ -59,6 +81,7 @@ static int add_line(struct tenants *t, char *line, char *err, size_t errlen, con
 		    unsigned lineno)
 {
 	char *save = NULL, *w = strtok_r(line, " \t\r\n", &save);
+	bool matched = false;
 	size_t idx;
 
 	if (!w || *w == '#')
@@ -72,32 +95,44 @@ static int add_line(struct tenants *t, char *line, char *err, size_t errlen, con
 		;
 	if (idx == t->n_names) {
 		void *nn = realloc(t->names, (t->n_names + 1) * sizeof(*t->names));
+		void *nc;
 
 		if (!nn)
 			return -ENOMEM;
 		t->names = nn;
+		nc = realloc(t->capacity, (t->n_names + 1) * sizeof(*t->capacity));
+		if (!nc)
+			return -ENOMEM;
+		t->capacity = nc;
+		t->capacity[t->n_names] = 0;
 		snprintf(t->names[t->n_names++], TENANT_NAME_MAX + 1, "%s", w);
 	}
-	w = strtok_r(NULL, " \t\r\n", &save);
-	if (!w || *w == '#') {
-		snprintf(err, errlen, "tenants_file %s:%u: tenant '%s' has no uid=, gid= or key=",
-			 path, lineno, t->names[idx]);
-		return -EINVAL;
-	}
-	for (; w && *w != '#'; w = strtok_r(NULL, " \t\r\n", &save)) {
+	for (w = strtok_r(NULL, " \t\r\n", &save); w && *w != '#';
+	     w = strtok_r(NULL, " \t\r\n", &save)) {
 		struct match m = { .tenant = idx };
 		void *nm;
 
 		if (parse_match(w, &m)) {
-			snprintf(err, errlen, "tenants_file %s:%u: '%s' is not uid=N, gid=N or "
-				 "key=KEY (a 40-character Z85 CURVE public key)", path, lineno, w);
+			snprintf(err, errlen, "tenants_file %s:%u: '%s' is not uid=N, gid=N, "
+				 "key=KEY (a 40-character Z85 CURVE public key) or capacity=SIZE",
+				 path, lineno, w);
 			return -EINVAL;
 		}
+		if (m.kind == MATCH_CAPACITY) {
+			t->capacity[idx] = m.id;
+			continue;
+		}
+		matched = true;
 		nm = realloc(t->m, (t->n + 1) * sizeof(*t->m));
 		if (!nm)
 			return -ENOMEM;
 		t->m = nm;
 		t->m[t->n++] = m;
+	}
+	if (!matched) {
+		snprintf(err, errlen, "tenants_file %s:%u: tenant '%s' has no uid=, gid= or key=",
+			 path, lineno, t->names[idx]);
+		return -EINVAL;
 	}
 	return 0;
 }
@@ -143,6 +178,7 @@ void tenants_free(struct tenants **tp)
 	if (!t)
 		return;
 	free(t->names);
+	free(t->capacity);
 	free(t->m);
 	free(t);
 	*tp = NULL;
@@ -168,6 +204,22 @@ const char *tenants_of(const struct tenants *t, const char *principal)
 			return t->names[m->tenant];
 	}
 	return "";
+}
+
+uint64_t tenants_capacity(const struct tenants *t, const char *ns)
+{
+	for (size_t i = 0; t && ns[0] && i < t->n_names; i++)
+		if (!strcmp(t->names[i], ns))
+			return t->capacity[i];
+	return 0;
+}
+
+bool tenants_quota_any(const struct tenants *t)
+{
+	for (size_t i = 0; t && i < t->n_names; i++)
+		if (t->capacity[i])
+			return true;
+	return false;
 }
 
 size_t tenants_count(const struct tenants *t)

@@ -1205,6 +1205,107 @@ static void tenants_are_isolated(void **state)
 	free(back);
 }
 
+/* Put chunks first..first+n-1 of 64 tokens (512 KiB) as the current client. */
+static int put_small(kvb_client *c, uint32_t first, uint32_t n)
+{
+	enum { ST = 64 };
+	size_t bytes = (size_t)L * 2 * ST * ROW;
+	uint16_t *kv = malloc(bytes);
+	int rc = 0;
+
+	for (uint32_t i = first; i < first + n && !rc; i++) {
+		uint8_t hash[KVB_HASH_LEN];
+		uint32_t ids[2] = { 9090, i };
+
+		fill(kv, bytes / 2, i);
+		kvb_chunk_hash(ids, 2, hash);
+		rc = kvb_put(c, model.name, hash, KVB_F16, ST, 0, kv, bytes, NULL);
+	}
+	free(kv);
+	return rc;
+}
+
+/* Which of chunks first..first+n-1 are stored, as a bit mask. */
+static uint64_t present(kvb_client *c, uint32_t first, uint32_t n)
+{
+	uint64_t mask = 0;
+
+	for (uint32_t i = first; i < first + n; i++) {
+		uint8_t hash[KVB_HASH_LEN];
+		uint32_t ids[2] = { 9090, i };
+		struct kvb_chunk_info info;
+
+		kvb_chunk_hash(ids, 2, hash);
+		assert_int_equal(kvb_lookup(c, model.name, (const uint8_t(*)[KVB_HASH_LEN])hash, 1,
+					    &info), 0);
+		mask |= (uint64_t)(info.found != 0) << (i - first);
+	}
+	return mask;
+}
+
+/*
+ * Tenants and capacity: alice owns 3 MB of an 8 MiB cache. Bob, with no capacity
+ * of his own, floods it: eviction takes his chunks, never hers. Alice then goes
+ * over her own 3 MiB: her own least recently used chunks go.
+ */
+static void tenants_cannot_evict_each_other(void **state)
+{
+	char tenants[400];
+	const char *args[] = { "--tenants-file", tenants, "--socket-mode", "0666", "--capacity",
+			       "8M", NULL };
+	struct daemon d;
+	kvb_client *c;
+	uint64_t mine;
+	pid_t pid;
+	int status;
+	FILE *f;
+
+	(void)state;
+	if (geteuid() != 0)
+		skip(); /* the other tenant is another user */
+	snprintf(tenants, sizeof(tenants), "/tmp/kvb-tenants-cap-%d", (int)getpid());
+	f = fopen(tenants, "w");
+	assert_non_null(f);
+	fprintf(f, "alice uid=0 capacity=3M\nbob uid=65534\n");
+	fclose(f);
+	daemon_start(&d, args);
+	assert_int_equal(chmod(d.dir, 0755), 0);
+	c = daemon_client(&d, 0);
+	assert_int_equal(kvb_model_register(c, &model, NULL), 0);
+	assert_int_equal(put_small(c, 0, 6), 0); /* about 2 MB stored, within her 3 MiB */
+	pid = fork();
+	assert_true(pid >= 0);
+	if (pid == 0) {
+		struct kvb_connect_opts o = { .timeout_ms = 10000 };
+		kvb_client *b = NULL;
+
+		if (setgid(65534) || setuid(65534) || kvb_connect(d.endpoint, &o, &b, NULL, 0) ||
+		    kvb_model_register(b, &model, NULL))
+			_exit(1);
+		_exit(put_small(b, 100, 20) ? 2 : 0); /* 10 MiB */
+	}
+	assert_int_equal(waitpid(pid, &status, 0), pid);
+	assert_true(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+	sleep(3);
+	assert_true(daemon_stat(c, "evictions") > 0);
+	mine = present(c, 0, 6);
+	print_message("after bob's flood: %g chunks evicted, alice keeps 0x%" PRIx64 " of 0x3f\n",
+		      daemon_stat(c, "evictions"), mine);
+	assert_true(mine == 0x3f);
+	/* alice over her own capacity: 10 chunks of about 330 KB stored in 3 MiB */
+	assert_int_equal(put_small(c, 6, 4), 0);
+	sleep(3);
+	mine = present(c, 0, 10);
+	print_message("alice after her own flood keeps 0x%" PRIx64 " of 0x3ff\n", mine);
+	assert_true((mine & 0x3c0) == 0x3c0); /* her newest stay */
+	/* within her high watermark (90% of 3 MiB: 8 chunks), her oldest gone */
+	assert_true(__builtin_popcountll(mine) <= 8 && (mine & 0x3f) != 0x3f);
+	kvb_close(&c);
+	daemon_stop(&d);
+	daemon_cleanup(&d);
+	unlink(tenants);
+}
+
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
@@ -1220,8 +1321,11 @@ int main(void)
 		cmocka_unit_test(pipelined_puts_are_bounded),
 		cmocka_unit_test(many_connections),
 		cmocka_unit_test(tenants_are_isolated),
+		cmocka_unit_test(tenants_cannot_evict_each_other),
 	};
 
 	signal(SIGPIPE, SIG_IGN);
+	if (getenv("KVB_TEST_FILTER")) /* e.g. KVB_TEST_FILTER='tenants*' */
+		cmocka_set_test_filter(getenv("KVB_TEST_FILTER"));
 	return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -34,7 +34,7 @@ static void test_bindings(void **state)
 	(void)state;
 	assert_true(fd >= 0);
 	close(fd);
-	write_file(path, "# tenants\n\nalice uid=1000 key=" KEY "\nbob gid=2000  # group\n"
+	write_file(path, "# tenants\n\nalice uid=1000 key=" KEY " capacity=3G\nbob gid=2000  # group\n"
 			 "alice uid=1001\n");
 	assert_int_equal(tenants_load(path, &t, err, sizeof(err)), 0);
 	assert_int_equal(tenants_count(t), 2);
@@ -46,6 +46,10 @@ static void test_bindings(void **state)
 	assert_string_equal(tenants_of(t, "key:" KEY), "alice");
 	assert_string_equal(tenants_of(t, "tcp:127.0.0.1"), "");
 	assert_string_equal(tenants_of(t, "ipc:garbage"), "");
+	assert_true(tenants_capacity(t, "alice") == 3ull << 30);
+	assert_true(tenants_capacity(t, "bob") == 0);
+	assert_true(tenants_capacity(t, "") == 0);
+	assert_true(tenants_quota_any(t));
 	tenants_free(&t);
 	assert_null(t);
 	unlink(path);
@@ -66,12 +70,17 @@ static void test_errors(void **state)
 	assert_non_null(strstr(err, ":2: tenant name 'this-name-is-far-too-long'"));
 	write_file(path, "a uid=x\n");
 	assert_int_equal(tenants_load(path, &t, err, sizeof(err)), -EINVAL);
-	assert_non_null(strstr(err, ":1: 'uid=x' is not uid=N, gid=N or key=KEY"));
+	assert_non_null(strstr(err, ":1: 'uid=x' is not uid=N, gid=N, key=KEY"));
 	write_file(path, "a\n");
 	assert_int_equal(tenants_load(path, &t, err, sizeof(err)), -EINVAL);
 	assert_non_null(strstr(err, "tenant 'a' has no uid=, gid= or key="));
 	write_file(path, "a key=short\n");
 	assert_int_equal(tenants_load(path, &t, err, sizeof(err)), -EINVAL);
+	write_file(path, "a uid=1 capacity=12Q\n");
+	assert_int_equal(tenants_load(path, &t, err, sizeof(err)), -EINVAL);
+	write_file(path, "a capacity=1G\n"); /* a capacity binds no one */
+	assert_int_equal(tenants_load(path, &t, err, sizeof(err)), -EINVAL);
+	assert_non_null(strstr(err, "has no uid=, gid= or key="));
 	unlink(path);
 	assert_int_equal(tenants_load(path, &t, err, sizeof(err)), -ENOENT);
 	assert_non_null(strstr(err, path));
