@@ -946,7 +946,7 @@ uint32_t fuse_close(struct fuse_table *t, uint64_t id, const char *owner, struct
 		STAT("layers_served", s->layers_served);
 		STAT("load_ms", s->ns_load / 1e6);
 		STAT("compute_ms", s->ns_compute / 1e6);
-		STAT("open_ms", ns_since(&s->opened) / 1e6);
+		STAT("lifetime_ms", ns_since(&s->opened) / 1e6); /* from open to close */
 		STAT("ring_bytes", s->bytes);
 		STAT("bytes_in", s->bytes_in);
 		STAT("bytes_out", s->bytes_out);

@@ -56,6 +56,12 @@ stop_daemon() {
 # Help needs no daemon.
 check "command --help" 0 "usage: kvblend" -- "$KVBLEND" --timeout 300 put --help
 check "kvblendd --help" 0 "--map-size SIZE" -- "$KVBLENDD" --help
+# kvblend --help names every command the CLI accepts.
+help=$("$KVBLEND" --help 2>&1)
+for cmd in ping stats "model add" "model ls" put get get-rerotated ls lookup rm pin unpin fuse \
+	hash keygen demo; do
+	if [[ "$help" == *"  $cmd "* ]]; then ok "--help lists $cmd"; else bad "--help lists $cmd" "$help"; fi
+done
 
 # An unreachable daemon is a one-line error and a non-zero exit.
 check "unreachable daemon" 1 "no reply from kvblendd" -- "$KVBLEND" --timeout 300 ping
