@@ -1,0 +1,216 @@
+"""Loading libkvblend and its C declarations (client/include/kvblend.h), for ctypes.
+
+Every structure here mirrors one of kvblend.h field for field; the test suite
+compares their sizes and offsets with the C compiler's.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+from pathlib import Path
+
+HASH_LEN = 32
+NAME_MAX = 64
+
+DTYPES = {"f16": 1, "bf16": 2, "f32": 3}
+ROPE_STYLES = {"neox": 0, "gptj": 1}
+METRICS = {"value": 0, "key": 1}
+
+
+class KvbModel(ctypes.Structure):
+    """struct kvb_model."""
+
+    _fields_ = [
+        ("name", ctypes.c_char * (NAME_MAX + 1)),
+        ("num_layers", ctypes.c_uint32),
+        ("num_kv_heads", ctypes.c_uint32),
+        ("head_dim", ctypes.c_uint32),
+        ("dtype", ctypes.c_int),
+        ("rope_theta", ctypes.c_double),
+        ("rope_style", ctypes.c_int),
+        ("rotary_dim", ctypes.c_uint32),
+        ("scaling", ctypes.c_int),
+        ("factor", ctypes.c_double),
+        ("low_freq_factor", ctypes.c_double),
+        ("high_freq_factor", ctypes.c_double),
+        ("original_max_pos", ctypes.c_uint32),
+        ("beta_fast", ctypes.c_double),
+        ("beta_slow", ctypes.c_double),
+        ("max_pos", ctypes.c_uint32),
+        ("k_pre_rope", ctypes.c_int),
+    ]
+
+
+class KvbChunkInfo(ctypes.Structure):
+    """struct kvb_chunk_info."""
+
+    _fields_ = [
+        ("hash", ctypes.c_uint8 * HASH_LEN),
+        ("found", ctypes.c_int),
+        ("num_tokens", ctypes.c_uint32),
+        ("base_pos", ctypes.c_uint32),
+        ("num_layers", ctypes.c_uint32),
+        ("raw_bytes", ctypes.c_uint64),
+        ("stored_bytes", ctypes.c_uint64),
+    ]
+
+
+class KvbStat(ctypes.Structure):
+    """struct kvb_stat."""
+
+    _fields_ = [("name", ctypes.c_char * 64), ("value", ctypes.c_double)]
+
+
+class KvbConnectOpts(ctypes.Structure):
+    """struct kvb_connect_opts."""
+
+    _fields_ = [
+        ("timeout_ms", ctypes.c_int),
+        ("no_shm", ctypes.c_int),
+        ("shm_size", ctypes.c_uint64),
+        ("server_key", ctypes.c_char_p),
+        ("client_secret_key", ctypes.c_char_p),
+    ]
+
+
+class KvbSegment(ctypes.Structure):
+    """struct kvb_segment."""
+
+    _fields_ = [
+        ("fresh", ctypes.c_int),
+        ("hash", ctypes.c_uint8 * HASH_LEN),
+        ("pos", ctypes.c_uint32),
+        ("count", ctypes.c_uint32),
+    ]
+
+
+class KvbFuseParams(ctypes.Structure):
+    """struct kvb_fuse_params."""
+
+    _fields_ = [
+        ("check_layers", ctypes.POINTER(ctypes.c_uint32)),
+        ("ratios", ctypes.POINTER(ctypes.c_double)),
+        ("n_checks", ctypes.c_size_t),
+        ("metric", ctypes.c_int),
+    ]
+
+
+HashArray = ctypes.c_uint8 * HASH_LEN
+_P = ctypes.c_void_p
+_HASH = ctypes.POINTER(ctypes.c_uint8)
+_SZ = ctypes.c_size_t
+_U32 = ctypes.c_uint32
+_STR = ctypes.c_char_p
+_INT = ctypes.c_int
+_PSZ = ctypes.POINTER(ctypes.c_size_t)
+
+# name: (restype, argtypes)
+_PROTOTYPES = {
+    "kvb_connect": (_INT, [_STR, ctypes.POINTER(KvbConnectOpts), ctypes.POINTER(_P), _STR, _SZ]),
+    "kvb_close": (None, [ctypes.POINTER(_P)]),
+    "kvb_last_error": (_STR, [_P]),
+    "kvb_strerror": (_STR, [_INT]),
+    "kvb_default_endpoint": (_STR, []),
+    "kvb_ping": (_INT, [_P, _STR, _SZ]),
+    "kvb_model_register": (_INT, [_P, ctypes.POINTER(KvbModel), ctypes.POINTER(_INT)]),
+    "kvb_model_list": (_INT, [_P, ctypes.POINTER(ctypes.POINTER(KvbModel)), _PSZ]),
+    "kvb_model_get": (_INT, [_P, _STR, ctypes.POINTER(KvbModel)]),
+    "kvb_put": (_INT, [_P, _STR, _HASH, _INT, _U32, _U32, _P, _SZ, ctypes.POINTER(_INT)]),
+    "kvb_get": (_INT, [_P, _STR, _HASH, _U32, _U32, _P, _SZ, ctypes.POINTER(KvbChunkInfo)]),
+    "kvb_get_rerotated": (
+        _INT,
+        [_P, _STR, _HASH, _U32, _U32, _U32, _P, _SZ, ctypes.POINTER(KvbChunkInfo)],
+    ),
+    "kvb_lookup": (_INT, [_P, _STR, _HASH, _SZ, ctypes.POINTER(KvbChunkInfo)]),
+    "kvb_delete": (_INT, [_P, _STR, _HASH]),
+    "kvb_pin": (_INT, [_P, _STR, _HASH, _U32]),
+    "kvb_unpin": (_INT, [_P, _STR, _HASH]),
+    "kvb_list": (_INT, [_P, _STR, ctypes.POINTER(ctypes.POINTER(KvbChunkInfo)), _PSZ]),
+    "kvb_stats": (_INT, [_P, ctypes.POINTER(ctypes.POINTER(KvbStat)), _PSZ]),
+    "kvb_shared_buffer": (_P, [_P, _SZ]),
+    "kvb_fuse_open": (
+        _INT,
+        [
+            _P,
+            _STR,
+            ctypes.POINTER(KvbSegment),
+            _SZ,
+            ctypes.POINTER(KvbFuseParams),
+            ctypes.POINTER(_P),
+            ctypes.POINTER(_HASH),
+            _PSZ,
+        ],
+    ),
+    "kvb_fuse_tokens": (_U32, [_P]),
+    "kvb_fuse_next_layer": (_U32, [_P]),
+    "kvb_fuse_rows": (_SZ, [_P, ctypes.POINTER(ctypes.POINTER(ctypes.c_int32))]),
+    "kvb_fuse_layer": (_INT, [_P, _P, _U32, _P, _P, _P, _P, ctypes.POINTER(_INT)]),
+    "kvb_fuse_output": (_INT, [_P, ctypes.POINTER(_P), ctypes.POINTER(_P)]),
+    "kvb_fuse_close": (
+        _INT,
+        [_P, ctypes.POINTER(_P), ctypes.POINTER(ctypes.POINTER(KvbStat)), _PSZ],
+    ),
+    "kvb_chunk_hash": (None, [ctypes.POINTER(ctypes.c_uint32), _SZ, _HASH]),
+    "kvb_hash_parse": (_INT, [_STR, _HASH]),
+    "kvb_hash_format": (None, [_HASH, _STR]),
+    "kvb_dtype_size": (_SZ, [_INT]),
+    "kvb_dtype_name": (_STR, [_INT]),
+    "kvb_dtype_parse": (_INT, [_STR]),
+    "kvb_rope_scaling_parse": (_INT, [_STR, ctypes.POINTER(KvbModel)]),
+    "kvb_rope_scaling_format": (None, [ctypes.POINTER(KvbModel), _STR, _SZ]),
+}
+
+_SONAMES = ("libkvblend.so.0", "libkvblend.so")
+
+
+def _candidates() -> list[str]:
+    """Paths to try, in order: $KVBLEND_LIB, the build tree, the system search path."""
+    env = os.environ.get("KVBLEND_LIB")
+    if env:
+        # An explicit choice is final: a wrong path must fail, not fall back silently.
+        return [env]
+    out = []
+    # Installed in place (pip install -e, or src/ on sys.path): the checkout's build/.
+    src = Path(__file__).resolve().parent  # client/python/src/kvblend
+    if len(src.parents) > 3 and (src.parents[3] / "client" / "include" / "kvblend.h").is_file():
+        out.append(str(src.parents[3] / "build" / "lib" / "libkvblend.so"))
+    found = ctypes.util.find_library("kvblend")
+    if found:
+        out.append(found)
+    out.extend(_SONAMES)
+    return out
+
+
+def _load() -> ctypes.CDLL:
+    tried = []
+    for path in _candidates():
+        if os.sep in path and not os.path.exists(path):
+            tried.append(f"{path} (absent)")
+            continue
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError as e:
+            tried.append(f"{path} ({e})")
+            continue
+        for name, (restype, argtypes) in _PROTOTYPES.items():
+            fn = getattr(lib, name)
+            fn.restype = restype
+            fn.argtypes = argtypes
+        lib.kvblend_path = path
+        return lib
+    raise ImportError(
+        "kvblend: cannot load libkvblend; set KVBLEND_LIB to the path of libkvblend.so. "
+        "Tried: " + "; ".join(tried)
+    )
+
+
+lib = _load()
+
+# free() for the arrays libkvblend hands over with malloc(); the process's own allocator,
+# which is the one libkvblend links against (libc, or an interposed one such as ASan's).
+_libc = ctypes.CDLL(None)
+free = _libc.free
+free.restype = None
+free.argtypes = [ctypes.c_void_p]

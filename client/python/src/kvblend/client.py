@@ -1,0 +1,944 @@
+"""Client, Model, ChunkInfo, Segment and FuseSession: kvblend.h, one method per C call."""
+
+from __future__ import annotations
+
+import builtins
+import ctypes
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Union
+
+import numpy as np
+
+from . import _lib
+from ._lib import HASH_LEN, KvbChunkInfo, KvbModel, KvbSegment, KvbStat, lib
+from .errors import BadArgument, KvblendError, error_for
+
+HashLike = Union[bytes, bytearray, memoryview, str]
+LayerRange = Union[tuple[int, int], slice, None]
+
+_NP_DTYPES = {"f16": np.dtype("<f2"), "bf16": np.dtype("<u2"), "f32": np.dtype("<f4")}
+_DTYPE_NAMES = {v: k for k, v in _lib.DTYPES.items()}
+_STYLE_NAMES = {v: k for k, v in _lib.ROPE_STYLES.items()}
+
+
+def _as_array(x: Any) -> np.ndarray:
+    """Return x as a NumPy array; a CPU torch tensor is viewed (bfloat16 as raw uint16)."""
+    if isinstance(x, np.ndarray):
+        return x
+    if type(x).__module__.startswith("torch"):
+        t = x.detach()
+        if str(t.dtype) == "torch.bfloat16":  # NumPy has no bfloat16: its raw bits
+            import torch  # only reached with a tensor, so torch is importable
+
+            t = t.view(torch.int16)
+            return t.numpy().view(np.uint16)
+        return t.numpy()
+    return np.asarray(x)
+
+
+def _hash_bytes(h: HashLike) -> bytes:
+    """Return a 32-byte chunk hash given as bytes or 64 hex digits."""
+    if isinstance(h, str):
+        out = _lib.HashArray()
+        if lib.kvb_hash_parse(h.encode(), out) != 0:
+            raise BadArgument(-22, f"'{h}' is not a chunk hash (64 hex digits)")
+        return bytes(out)
+    b = bytes(h)
+    if len(b) != HASH_LEN:
+        raise BadArgument(-22, f"a chunk hash is {HASH_LEN} bytes, got {len(b)}")
+    return b
+
+
+def _c_hash(h: HashLike) -> ctypes.Array:
+    return _lib.HashArray.from_buffer_copy(_hash_bytes(h))
+
+
+def _layer_range(layers: LayerRange) -> tuple[int, int]:
+    if layers is None:
+        return 0, 0
+    if isinstance(layers, slice):
+        if layers.step not in (None, 1) or layers.start is None or layers.stop is None:
+            raise BadArgument(-22, "layers: a slice start:stop with both ends and no step")
+        return int(layers.start), int(layers.stop)
+    begin, end = layers
+    return int(begin), int(end)
+
+
+def _name(s: str) -> bytes:
+    return s.encode()
+
+
+def chunk_hash(token_ids: Iterable[int] | np.ndarray) -> bytes:
+    """Default chunk hash of a sequence of token ids.
+
+    BLAKE2b-256 over the ids as little-endian uint32, computed by libkvblend; equal to
+    ``hashlib.blake2b(np.asarray(ids, '<u4').tobytes(), digest_size=32).digest()``.
+
+    Parameters
+    ----------
+    token_ids : sequence of int or array
+        The chunk's token ids (each in 0 .. 2**32 - 1).
+
+    Returns
+    -------
+    bytes
+        The 32-byte hash.
+    """
+    ids = np.asarray(_as_array(token_ids)).reshape(-1)
+    if ids.size and not np.issubdtype(ids.dtype, np.integer):
+        raise BadArgument(-22, f"token ids must be integers, got {ids.dtype}")
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) > 0xFFFFFFFF):
+        raise BadArgument(-22, "token ids must lie in 0 .. 2**32 - 1")
+    ids = np.ascontiguousarray(ids, dtype="<u4")
+    out = _lib.HashArray()
+    lib.kvb_chunk_hash(ids.ctypes.data_as(ctypes.POINTER(ctypes.c_uint32)), ids.size, out)
+    return bytes(out)
+
+
+def hash_hex(h: HashLike) -> str:
+    """Return the 64 lowercase hex digits of a chunk hash."""
+    buf = ctypes.create_string_buffer(2 * HASH_LEN + 1)
+    lib.kvb_hash_format(_c_hash(h), buf)
+    return buf.value.decode()
+
+
+def default_endpoint() -> str:
+    """Return the endpoint ``Client()`` connects to ($KVBLEND_ENDPOINT or the default)."""
+    return lib.kvb_default_endpoint().decode()
+
+
+@dataclass
+class Model:
+    """A KV layout and its RoPE configuration (struct kvb_model).
+
+    Attributes
+    ----------
+    name : str
+        1 .. 64 bytes.
+    num_layers, num_kv_heads, head_dim : int
+        The KV layout.
+    dtype : str
+        ``'f16'``, ``'bf16'`` (stored as raw uint16 bits) or ``'f32'``.
+    rope_theta : float
+        RoPE base.
+    rope_style : str
+        ``'neox'`` (pairs j, j + d/2) or ``'gptj'`` (pairs 2j, 2j + 1).
+    rotary_dim : int
+        Rotated dimensions; 0 means head_dim.
+    scaling : str
+        RoPE scaling SPEC as on the command line: ``none``, ``linear:FACTOR``,
+        ``llama3:FACTOR,LOW,HIGH,ORIGINAL_MAX_POS``,
+        ``yarn:FACTOR,ORIGINAL_MAX_POS[,BETA_FAST,BETA_SLOW]``, ``dynamic:FACTOR,MAX_POS``
+        (parsed and formatted by libkvblend).
+    k_pre_rope : bool
+        Keys are stored before RoPE.
+    """
+
+    name: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str = "f16"
+    rope_theta: float = 10000.0
+    rope_style: str = "neox"
+    rotary_dim: int = 0
+    scaling: str = "none"
+    k_pre_rope: bool = False
+
+    @property
+    def np_dtype(self) -> np.dtype:
+        """The NumPy dtype of this model's tensors (``<u2`` for bf16)."""
+        return _NP_DTYPES[self.dtype]
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one token's K (or V) in one layer."""
+        return self.num_kv_heads * self.head_dim * self.np_dtype.itemsize
+
+    def kv_shape(self, tokens: int, layers: int | None = None) -> tuple[int, ...]:
+        """Shape ``[layers, 2, tokens, kv_heads, head_dim]`` of a chunk's KV."""
+        n = self.num_layers if layers is None else layers
+        return (n, 2, tokens, self.num_kv_heads, self.head_dim)
+
+    def _to_c(self) -> KvbModel:
+        m = KvbModel()
+        name = _name(self.name)
+        if not 1 <= len(name) <= _lib.NAME_MAX:
+            raise BadArgument(-22, f"model name must be 1..{_lib.NAME_MAX} bytes")
+        if self.dtype not in _lib.DTYPES:
+            raise BadArgument(-22, f"dtype '{self.dtype}': one of f16, bf16, f32")
+        if self.rope_style not in _lib.ROPE_STYLES:
+            raise BadArgument(-22, f"rope_style '{self.rope_style}': neox or gptj")
+        m.name = name
+        m.num_layers = self.num_layers
+        m.num_kv_heads = self.num_kv_heads
+        m.head_dim = self.head_dim
+        m.dtype = _lib.DTYPES[self.dtype]
+        m.rope_theta = self.rope_theta
+        m.rope_style = _lib.ROPE_STYLES[self.rope_style]
+        m.rotary_dim = self.rotary_dim
+        m.k_pre_rope = int(bool(self.k_pre_rope))
+        if lib.kvb_rope_scaling_parse(self.scaling.encode(), ctypes.byref(m)) != 0:
+            raise BadArgument(-22, f"rope scaling '{self.scaling}' is not a valid SPEC")
+        return m
+
+    @classmethod
+    def _from_c(cls, m: KvbModel) -> Model:
+        buf = ctypes.create_string_buffer(128)
+        lib.kvb_rope_scaling_format(ctypes.byref(m), buf, len(buf))
+        return cls(
+            name=m.name.decode(),
+            num_layers=m.num_layers,
+            num_kv_heads=m.num_kv_heads,
+            head_dim=m.head_dim,
+            dtype=_DTYPE_NAMES.get(m.dtype, str(m.dtype)),
+            rope_theta=m.rope_theta,
+            rope_style=_STYLE_NAMES.get(m.rope_style, str(m.rope_style)),
+            rotary_dim=m.rotary_dim,
+            scaling=buf.value.decode(),
+            k_pre_rope=bool(m.k_pre_rope),
+        )
+
+
+@dataclass(frozen=True)
+class ChunkInfo:
+    """A stored chunk as lookup() and list() describe it (struct kvb_chunk_info)."""
+
+    hash: bytes
+    found: bool
+    num_tokens: int
+    base_pos: int
+    num_layers: int
+    raw_bytes: int
+    stored_bytes: int
+
+    @classmethod
+    def _from_c(cls, c: KvbChunkInfo) -> ChunkInfo:
+        return cls(
+            bytes(c.hash),
+            bool(c.found),
+            c.num_tokens,
+            c.base_pos,
+            c.num_layers,
+            c.raw_bytes,
+            c.stored_bytes,
+        )
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One segment of a fused prompt: a stored chunk, or ``count`` fresh tokens, at ``pos``.
+
+    Build them with :meth:`chunk` and :meth:`fresh`.
+    """
+
+    pos: int
+    hash: bytes | None = None
+    count: int = 0
+
+    @classmethod
+    def chunk(cls, hash: HashLike, pos: int) -> Segment:  # noqa: A002 - the C field's name
+        """Place the stored chunk ``hash`` with its first token at absolute position ``pos``."""
+        return cls(pos=pos, hash=_hash_bytes(hash))
+
+    @classmethod
+    def fresh(cls, count: int, pos: int) -> Segment:
+        """Place ``count`` tokens not in the store (e.g. the question) from position ``pos``."""
+        return cls(pos=pos, count=count)
+
+
+def _stats_dict(arr: Any, n: int) -> dict[str, float]:
+    try:
+        return {arr[i].name.decode(): arr[i].value for i in range(n)}
+    finally:
+        _lib.free(arr)
+
+
+class Client:
+    """A connection to one kvblendd (kvb_client).
+
+    Parameters
+    ----------
+    endpoint : str, optional
+        ``ipc://PATH`` or ``tcp://HOST:PORT``; None: ``$KVBLEND_ENDPOINT``, else the
+        default socket (:func:`default_endpoint`).
+    timeout_ms : int
+        Per-call timeout; 0 means libkvblend's default (5000).
+    no_shm : bool
+        Never use shared memory (bulk bytes then travel as ZeroMQ frames).
+    shm_size : int
+        Initial shared-memory segment size; 0 means 64 MiB. It grows on demand.
+    server_key, client_secret_key : str, optional
+        CURVE keys (Z85) for tcp:// endpoints; None: ``$KVBLEND_SERVER_KEY`` and
+        ``$KVBLEND_CLIENT_KEY``.
+
+    Raises
+    ------
+    Timeout
+        No daemon answered within the timeout.
+    BadArgument
+        A bad endpoint.
+
+    Notes
+    -----
+    A Client must not be used by two threads at once, as in C; use one per thread
+    (they are cheap). Calls take a lock, so concurrent use is serialized rather than
+    undefined, but NumPy views handed out (:meth:`shared_buffer`,
+    :meth:`FuseSession.output`) are still overwritten by the next call.
+
+    Use it as a context manager, or call :meth:`close`.
+    """
+
+    def __init__(
+        self,
+        endpoint: str | None = None,
+        timeout_ms: int = 5000,
+        no_shm: bool = False,
+        shm_size: int = 0,
+        server_key: str | None = None,
+        client_secret_key: str | None = None,
+    ) -> None:
+        self._c = ctypes.c_void_p()
+        self._lock = threading.RLock()
+        self._models: dict[str, Model] = {}
+        self._sessions: builtins.list[FuseSession] = []
+        opts = _lib.KvbConnectOpts(
+            timeout_ms=timeout_ms,
+            no_shm=int(bool(no_shm)),
+            shm_size=shm_size,
+            server_key=server_key.encode() if server_key else None,
+            client_secret_key=client_secret_key.encode() if client_secret_key else None,
+        )
+        err = ctypes.create_string_buffer(512)
+        rc = lib.kvb_connect(
+            endpoint.encode() if endpoint else None,
+            ctypes.byref(opts),
+            ctypes.byref(self._c),
+            err,
+            len(err),
+        )
+        if rc:
+            raise error_for(rc, err.value.decode(errors="replace"))
+        self.endpoint = endpoint or default_endpoint()
+
+    # ---- lifetime ----
+
+    def close(self) -> None:
+        """Close open fuse sessions, the connection and its shared memory. Idempotent."""
+        with self._lock:
+            for s in builtins.list(self._sessions):
+                try:
+                    s.close()
+                except KvblendError:
+                    pass
+            if self._c:
+                lib.kvb_close(ctypes.byref(self._c))
+                self._c = ctypes.c_void_p()
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return not self._c
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_c", None):
+            self.close()
+
+    # ---- plumbing ----
+
+    def _handle(self) -> ctypes.c_void_p:
+        if not self._c:
+            raise BadArgument(-22, "the client is closed")
+        return self._c
+
+    def _raise(self, rc: int, **kwargs: object) -> None:
+        msg = lib.kvb_last_error(self._c) or b""
+        raise error_for(rc, msg.decode(errors="replace"), **kwargs)
+
+    def _check(self, rc: int) -> None:
+        if rc:
+            self._raise(rc)
+
+    def _model(self, name: str) -> Model:
+        m = self._models.get(name)
+        if m is None:
+            m = self.model_get(name)
+        return m
+
+    # ---- calls ----
+
+    def ping(self) -> str:
+        """Check that the daemon answers; return its version string."""
+        buf = ctypes.create_string_buffer(128)
+        with self._lock:
+            self._check(lib.kvb_ping(self._handle(), buf, len(buf)))
+        return buf.value.decode()
+
+    def model_register(self, model: Model) -> bool:
+        """Register a model; return True when an identical model was already there.
+
+        Raises
+        ------
+        ModelConflict
+            The name is taken by a different layout.
+        """
+        m = model._to_c()
+        existed = ctypes.c_int(0)
+        with self._lock:
+            self._check(
+                lib.kvb_model_register(self._handle(), ctypes.byref(m), ctypes.byref(existed))
+            )
+        self._models[model.name] = Model._from_c(m)
+        return bool(existed.value)
+
+    def model_list(self) -> builtins.list[Model]:
+        """All registered models."""
+        arr = ctypes.POINTER(KvbModel)()
+        n = ctypes.c_size_t(0)
+        with self._lock:
+            self._check(lib.kvb_model_list(self._handle(), ctypes.byref(arr), ctypes.byref(n)))
+        try:
+            return [Model._from_c(arr[i]) for i in range(n.value)]
+        finally:
+            _lib.free(arr)
+
+    def model_get(self, name: str) -> Model:
+        """Return the model called ``name``.
+
+        Raises
+        ------
+        UnknownModel
+            There is none.
+        """
+        m = KvbModel()
+        with self._lock:
+            self._check(lib.kvb_model_get(self._handle(), _name(name), ctypes.byref(m)))
+        model = Model._from_c(m)
+        self._models[name] = model
+        return model
+
+    def put(
+        self,
+        model: str,
+        hash: HashLike,
+        kv: Any,
+        base_pos: int = 0,  # noqa: A002
+        dtype: str | None = None,
+    ) -> bool:
+        """Store a chunk; return True when it was already stored (nothing is written).
+
+        Parameters
+        ----------
+        model : str
+            The model's name.
+        hash : bytes or str
+            The chunk hash (32 bytes, or 64 hex digits); see :func:`chunk_hash`.
+        kv : array
+            ``[layers, 2, tokens, kv_heads, head_dim]`` in the model's dtype (float16,
+            float32, or uint16 raw bits for bf16); a NumPy array or a CPU torch tensor.
+            C-contiguous data is passed without a copy (and, if it lies in
+            :meth:`shared_buffer`, crosses to the daemon with no copy at all).
+        base_pos : int
+            Position of the chunk's first token when its keys were rotated.
+        dtype : str, optional
+            ``'f16'``, ``'bf16'`` or ``'f32'``; None: from the array (uint16 = bf16).
+
+        Raises
+        ------
+        BadShape, DtypeMismatch, UnknownModel, Full, Limit, TooLarge
+            As the daemon replies.
+        """
+        a = _as_array(kv)
+        if a.ndim != 5 or a.shape[1] != 2:
+            raise BadArgument(
+                -22, f"kv must be [layers, 2, tokens, kv_heads, head_dim], got shape {a.shape}"
+            )
+        if dtype is None:
+            dtype = {
+                np.dtype("<f2"): "f16",
+                np.dtype("<f4"): "f32",
+                np.dtype("<u2"): "bf16",
+                np.dtype("<i2"): "bf16",
+            }.get(a.dtype)
+            if dtype is None:
+                raise BadArgument(-22, f"kv dtype {a.dtype}: float16, float32 or uint16 (bf16)")
+        elif dtype not in _lib.DTYPES:
+            raise BadArgument(-22, f"dtype '{dtype}': one of f16, bf16, f32")
+        elif a.dtype.itemsize != _NP_DTYPES[dtype].itemsize:
+            raise BadArgument(-22, f"kv dtype {a.dtype} does not hold {dtype} elements")
+        a = np.ascontiguousarray(a)
+        existed = ctypes.c_int(0)
+        with self._lock:
+            self._check(
+                lib.kvb_put(
+                    self._handle(),
+                    _name(model),
+                    _c_hash(hash),
+                    _lib.DTYPES[dtype],
+                    a.shape[2],
+                    base_pos,
+                    ctypes.c_void_p(a.ctypes.data),
+                    a.nbytes,
+                    ctypes.byref(existed),
+                )
+            )
+        return bool(existed.value)
+
+    def _get(
+        self,
+        model: str,
+        hash: HashLike,
+        layers: LayerRange,
+        rerotate_pos: int | None,  # noqa: A002
+        out: Any,
+    ) -> np.ndarray:
+        begin, end = _layer_range(layers)
+        h = _c_hash(hash)
+        target = None
+        if out is None or not (
+            isinstance(out, np.ndarray) and out.flags.c_contiguous and out.flags.writeable
+        ):
+            m = self._model(model)
+            info = self.lookup(model, [bytes(h)])[0]
+            if not info.found:
+                # The same error get would give, with the daemon's own message.
+                self._get_into(model, h, begin, end, rerotate_pos, np.empty(0, np.uint8))
+            nl = (end or info.num_layers) - begin
+            shape = m.kv_shape(info.num_tokens, max(nl, 0))
+            if out is not None:
+                target = _as_array(out)
+                if target.nbytes != int(np.prod(shape)) * m.np_dtype.itemsize:
+                    raise BadArgument(
+                        -22,
+                        f"out has {target.nbytes} bytes; the layers need "
+                        f"shape {shape} of {m.np_dtype}",
+                    )
+            out = np.empty(shape, m.np_dtype)
+        self._get_into(model, h, begin, end, rerotate_pos, out)
+        if target is not None:
+            target[...] = out.reshape(target.shape).view(target.dtype)
+            return target
+        return out
+
+    def _get_into(
+        self,
+        model: str,
+        h: ctypes.Array,
+        begin: int,
+        end: int,
+        rerotate_pos: int | None,
+        out: np.ndarray,
+    ) -> None:
+        ptr = ctypes.c_void_p(out.ctypes.data)
+        with self._lock:
+            c = self._handle()
+            if rerotate_pos is None:
+                rc = lib.kvb_get(c, _name(model), h, begin, end, ptr, out.nbytes, None)
+            else:
+                rc = lib.kvb_get_rerotated(
+                    c, _name(model), h, begin, end, rerotate_pos, ptr, out.nbytes, None
+                )
+            self._check(rc)
+
+    def get(
+        self,
+        model: str,
+        hash: HashLike,
+        layers: LayerRange = None,  # noqa: A002
+        out: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """Read a chunk's KV, or layers ``[begin, end)`` of it.
+
+        Parameters
+        ----------
+        model : str
+            The model's name.
+        hash : bytes or str
+            The chunk hash.
+        layers : (int, int) or slice, optional
+            ``(begin, end)`` or ``slice(begin, end)``; end 0 means the last layer; None: all.
+        out : ndarray, optional
+            Where to read to. A C-contiguous writable array of exactly the layers'
+            size is filled in place with no copy on this side (one fewer round trip
+            too: the size is not looked up first). Otherwise the data is read into a
+            new array (after a lookup for its size) and copied into ``out``.
+
+        Returns
+        -------
+        ndarray
+            ``out``, or a new ``[layers, 2, tokens, kv_heads, head_dim]`` array in the
+            model's dtype (uint16 for bf16).
+
+        Raises
+        ------
+        NotFound
+            The chunk is not stored.
+        Corrupt
+            It failed its checksum; the daemon removed it (a subclass of NotFound).
+        BufferSize
+            ``out`` does not have the size of the requested layers.
+        """
+        return self._get(model, hash, layers, None, out)
+
+    def get_rerotated(
+        self,
+        model: str,
+        hash: HashLike,
+        pos: int,  # noqa: A002
+        layers: LayerRange = None,
+        out: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """Like :meth:`get`, with the keys re-rotated to positions ``pos..`` (exact RoPE)."""
+        return self._get(model, hash, layers, pos, out)
+
+    def lookup(self, model: str, hashes: Sequence[HashLike]) -> builtins.list[ChunkInfo]:
+        """Which of ``hashes`` are stored: one ChunkInfo each, in order (``found``)."""
+        n = len(hashes)
+        if n == 0:
+            return []  # libkvblend refuses an empty lookup; the answer is known
+        buf = (ctypes.c_uint8 * (HASH_LEN * max(n, 1)))()
+        for i, h in enumerate(hashes):
+            ctypes.memmove(ctypes.addressof(buf) + i * HASH_LEN, _hash_bytes(h), HASH_LEN)
+        out = (KvbChunkInfo * max(n, 1))()
+        with self._lock:
+            self._check(
+                lib.kvb_lookup(
+                    self._handle(),
+                    _name(model),
+                    ctypes.cast(buf, ctypes.POINTER(ctypes.c_uint8)),
+                    n,
+                    out,
+                )
+            )
+        return [ChunkInfo._from_c(out[i]) for i in range(n)]
+
+    def list(self, model: str) -> builtins.list[ChunkInfo]:
+        """All chunks of a model."""
+        arr = ctypes.POINTER(KvbChunkInfo)()
+        n = ctypes.c_size_t(0)
+        with self._lock:
+            self._check(
+                lib.kvb_list(self._handle(), _name(model), ctypes.byref(arr), ctypes.byref(n))
+            )
+        try:
+            return [ChunkInfo._from_c(arr[i]) for i in range(n.value)]
+        finally:
+            _lib.free(arr)
+
+    def delete(self, model: str, hash: HashLike) -> None:  # noqa: A002
+        """Delete a chunk. Raises NotFound if absent, Busy if a fuse session uses it."""
+        with self._lock:
+            self._check(lib.kvb_delete(self._handle(), _name(model), _c_hash(hash)))
+
+    def pin(self, model: str, hash: HashLike, ttl: int) -> None:  # noqa: A002
+        """Keep a chunk from eviction for ``ttl`` seconds (1 .. 30 days; again resets it).
+
+        Pins live in the daemon's memory: a restart drops them.
+        """
+        with self._lock:
+            self._check(lib.kvb_pin(self._handle(), _name(model), _c_hash(hash), ttl))
+
+    def unpin(self, model: str, hash: HashLike) -> None:  # noqa: A002
+        """Remove a pin; NotFound if the chunk was not pinned."""
+        with self._lock:
+            self._check(lib.kvb_unpin(self._handle(), _name(model), _c_hash(hash)))
+
+    def stats(self) -> dict[str, float]:
+        """Return the daemon's counters, by name."""
+        arr = ctypes.POINTER(KvbStat)()
+        n = ctypes.c_size_t(0)
+        with self._lock:
+            self._check(lib.kvb_stats(self._handle(), ctypes.byref(arr), ctypes.byref(n)))
+        return _stats_dict(arr, n.value)
+
+    def shared_buffer(self, nbytes: int) -> np.ndarray | None:
+        """Return a uint8 NumPy view of ``nbytes`` in the shared-memory segment, or None.
+
+        KV placed here (view it with ``.view(dtype).reshape(shape)``) crosses to the
+        daemon in :meth:`put` and from it in :meth:`get` (``out=``) with no copy at all.
+
+        The view is valid only until the next call on this client that needs a larger
+        buffer, or :meth:`close`: after that it points at unmapped memory and touching
+        it crashes the process. Calls given private buffers stage their data in the
+        same segment and overwrite its contents. None when shared memory is not
+        available (tcp:// endpoint, ``no_shm``, or too large).
+        """
+        with self._lock:
+            p = lib.kvb_shared_buffer(self._handle(), nbytes)
+        if not p:
+            return None
+        return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(p))
+
+    def fuse_open(
+        self,
+        model: str,
+        segments: Sequence[Segment | tuple],
+        check_layers: Sequence[int],
+        ratios: Sequence[float],
+        metric: str = "value",
+    ) -> FuseSession:
+        """Open a fuse session (CacheBlend) over stored chunks and fresh tokens.
+
+        Parameters
+        ----------
+        model : str
+            The model's name.
+        segments : sequence of Segment
+            The prompt in token order; a tuple ``(hash, pos)`` is a chunk and
+            ``(count, pos)`` with an int count is fresh tokens.
+        check_layers : sequence of int
+            Increasing layers at which the selection is made and narrowed.
+        ratios : sequence of float
+            One per check layer, in [0, 1], not increasing.
+        metric : str
+            ``'value'`` (CacheBlend) or ``'key'`` (LMCache) deviation.
+
+        Returns
+        -------
+        FuseSession
+
+        Raises
+        ------
+        NotFound
+            Some chunks are not stored; ``err.missing`` lists their hashes.
+        """
+        segs = [_segment(s) for s in segments]
+        if len(check_layers) != len(ratios):
+            raise BadArgument(-22, "one ratio per check layer")
+        if metric not in _lib.METRICS:
+            raise BadArgument(-22, f"metric '{metric}': value or key")
+        m = self._model(model)
+        carr = (KvbSegment * max(len(segs), 1))()
+        for i, s in enumerate(segs):
+            carr[i].fresh = int(s.hash is None)
+            if s.hash is not None:
+                ctypes.memmove(carr[i].hash, s.hash, HASH_LEN)
+            carr[i].pos = s.pos
+            carr[i].count = s.count
+        checks = (ctypes.c_uint32 * max(len(check_layers), 1))(*check_layers)
+        rat = (ctypes.c_double * max(len(ratios), 1))(*ratios)
+        params = _lib.KvbFuseParams(checks, rat, len(check_layers), _lib.METRICS[metric])
+        f = ctypes.c_void_p()
+        missing = ctypes.POINTER(ctypes.c_uint8)()
+        n_missing = ctypes.c_size_t(0)
+        with self._lock:
+            rc = lib.kvb_fuse_open(
+                self._handle(),
+                _name(model),
+                carr,
+                len(segs),
+                ctypes.byref(params),
+                ctypes.byref(f),
+                ctypes.byref(missing),
+                ctypes.byref(n_missing),
+            )
+            if rc:
+                hashes = []
+                if missing:
+                    raw = ctypes.string_at(missing, HASH_LEN * n_missing.value)
+                    hashes = [raw[i : i + HASH_LEN] for i in range(0, len(raw), HASH_LEN)]
+                    _lib.free(missing)
+                self._raise(rc, **({"missing": hashes} if hashes else {}))
+        s = FuseSession(self, f, m)
+        self._sessions.append(s)
+        return s
+
+
+def _segment(s: Segment | tuple) -> Segment:
+    if isinstance(s, Segment):
+        return s
+    what, pos = s
+    if isinstance(what, (int, np.integer)):
+        return Segment.fresh(int(what), int(pos))
+    return Segment.chunk(what, int(pos))
+
+
+class FuseSession:
+    """An open fuse session (kvb_fuse); made by :meth:`Client.fuse_open`.
+
+    The node prefills the layers before the first check layer itself, then calls
+    :meth:`layer` for every layer from ``next_layer`` on, in order, with fresh K and
+    V for the tokens :meth:`rows` names: all tokens at the first check layer, the
+    selected (HKVD) tokens after it. From the layer after the first check layer on,
+    the daemon returns the fused K and V of all tokens.
+
+    Use it as a context manager, or call :meth:`close` (which returns the stats).
+    Like its Client, a session must not be used by two threads at once.
+    """
+
+    def __init__(self, client: Client, handle: ctypes.c_void_p, model: Model) -> None:
+        self._client = client
+        self._f = handle
+        self.model = model
+        self.stats: dict[str, float] | None = None
+
+    def _handle(self) -> ctypes.c_void_p:
+        if not self._f:
+            raise BadArgument(-22, "the fuse session is closed")
+        return self._f
+
+    @property
+    def tokens(self) -> int:
+        """Tokens in the session (the sum of its segments)."""
+        return int(lib.kvb_fuse_tokens(self._handle()))
+
+    @property
+    def next_layer(self) -> int:
+        """The layer the next :meth:`layer` call must be for."""
+        return int(lib.kvb_fuse_next_layer(self._handle()))
+
+    @property
+    def done(self) -> bool:
+        """Whether every layer has been served."""
+        return self.next_layer >= self.model.num_layers
+
+    def rows(self) -> np.ndarray:
+        """Sorted token indices (int32, a copy) whose fresh K and V the next layer call needs."""
+        p = ctypes.POINTER(ctypes.c_int32)()
+        n = lib.kvb_fuse_rows(self._handle(), ctypes.byref(p))
+        if n == 0:
+            return np.empty(0, np.int32)
+        return np.ctypeslib.as_array(p, shape=(n,)).copy()
+
+    def _in(self, x: Any, rows: int, what: str) -> np.ndarray:
+        a = np.ascontiguousarray(_as_array(x))
+        m = self.model
+        want = (rows, m.num_kv_heads, m.head_dim)
+        if a.nbytes != rows * m.row_bytes or a.dtype.itemsize != m.np_dtype.itemsize:
+            raise BadArgument(
+                -22, f"{what} must be {want} of {m.np_dtype}, got {a.shape} of {a.dtype}"
+            )
+        return a
+
+    def _out(self, x: np.ndarray | None, what: str) -> np.ndarray | None:
+        if x is None:
+            return None
+        m = self.model
+        if not (
+            isinstance(x, np.ndarray)
+            and x.flags.c_contiguous
+            and x.flags.writeable
+            and x.nbytes == self.tokens * m.row_bytes
+        ):
+            raise BadArgument(
+                -22,
+                f"{what} must be a writable C-contiguous array of "
+                f"{self.tokens * m.row_bytes} bytes "
+                f"([{self.tokens}, {m.num_kv_heads}, {m.head_dim}])",
+            )
+        return x
+
+    def layer(
+        self,
+        layer: int,
+        k: Any,
+        v: Any,
+        k_out: np.ndarray | None = None,
+        v_out: np.ndarray | None = None,
+    ) -> bool:
+        """Serve one layer; return whether fused K and V are available for it.
+
+        Parameters
+        ----------
+        layer : int
+            Must equal :attr:`next_layer`.
+        k, v : array
+            Fresh K and V for :meth:`rows`, each ``[rows, kv_heads, head_dim]``.
+        k_out, v_out : ndarray, optional
+            Filled with the fused K and V of all tokens (``[tokens, kv_heads,
+            head_dim]``) when the result is True. Without them, read the fused layer
+            with :meth:`output`.
+
+        Returns
+        -------
+        bool
+            False at the first check layer (fused = the node's fresh KV), True after.
+
+        Raises
+        ------
+        BadArgument
+            Wrong layer or row count; the session stays as it was.
+        UnknownSession
+            The session expired.
+        """
+        rows = lib.kvb_fuse_rows(self._handle(), None)
+        ka, va = self._in(k, rows, "k"), self._in(v, rows, "v")
+        ko, vo = self._out(k_out, "k_out"), self._out(v_out, "v_out")
+        # Zero rows: libkvblend still wants a readable pointer for the empty frame.
+        kp = ka.ctypes.data if ka.nbytes else ctypes.addressof(_EMPTY)
+        vp = va.ctypes.data if va.nbytes else ctypes.addressof(_EMPTY)
+        fused = ctypes.c_int(0)
+        c = self._client
+        with c._lock:
+            c._check(
+                lib.kvb_fuse_layer(
+                    c._handle(),
+                    self._f,
+                    layer,
+                    ctypes.c_void_p(kp),
+                    ctypes.c_void_p(vp),
+                    ctypes.c_void_p(ko.ctypes.data) if ko is not None else None,
+                    ctypes.c_void_p(vo.ctypes.data) if vo is not None else None,
+                    ctypes.byref(fused),
+                )
+            )
+        return bool(fused.value)
+
+    def output(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """Return the fused K and V of the last layer call, in the daemon's shared ring.
+
+        Read-only views ``[tokens, kv_heads, head_dim]`` with no copy, valid until the
+        next call on this session (the ring slot is reused) and never after
+        :meth:`close` (the ring is unmapped). None when the last call returned no
+        fused layer or the ring is not shared (tcp://, ``no_shm``): then pass
+        ``k_out`` and ``v_out`` to :meth:`layer`.
+        """
+        k, v = ctypes.c_void_p(), ctypes.c_void_p()
+        if lib.kvb_fuse_output(self._handle(), ctypes.byref(k), ctypes.byref(v)) != 0:
+            return None
+        m = self.model
+        shape = (self.tokens, m.num_kv_heads, m.head_dim)
+        n = self.tokens * m.row_bytes
+        views = []
+        for p in (k.value, v.value):
+            a = np.frombuffer((ctypes.c_uint8 * n).from_address(p), np.uint8)
+            a = a.view(m.np_dtype).reshape(shape)
+            a.flags.writeable = False
+            views.append(a)
+        return views[0], views[1]
+
+    def close(self) -> dict[str, float]:
+        """Close the session; return the daemon's timings and byte counts for it.
+
+        Idempotent: a second call returns the same stats.
+        """
+        if not self._f:
+            return self.stats or {}
+        c = self._client
+        arr = ctypes.POINTER(KvbStat)()
+        n = ctypes.c_size_t(0)
+        with c._lock:
+            rc = lib.kvb_fuse_close(c._c, ctypes.byref(self._f), ctypes.byref(arr), ctypes.byref(n))
+            self._f = ctypes.c_void_p()
+            if self in c._sessions:
+                c._sessions.remove(self)
+            self.stats = _stats_dict(arr, n.value) if arr else {}
+            c._check(rc)
+        return self.stats
+
+    def __enter__(self) -> FuseSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+_EMPTY = (ctypes.c_uint8 * 1)()

@@ -1,0 +1,192 @@
+"""Fuse sessions through the Python binding, checked on invariants of the fuse (DESIGN.md,
+"Fuse semantics"); the full NumPy reference lives in tests/integration/test_fuse.py.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+import kvblend
+
+M = kvblend.Model("fuse-neox", num_layers=5, num_kv_heads=2, head_dim=16, dtype="f16")
+TA, TB, NF = 8, 6, 3  # chunk A, chunk B, fresh tokens
+
+
+@pytest.fixture(scope="module")
+def chunks(daemon):
+    """Two chunks, each prefilled alone at positions 0.., stored."""
+    rng = np.random.default_rng(5)
+    with kvblend.Client(daemon.endpoint) as c:
+        c.model_register(M)
+        out = []
+        for t, ids in ((TA, range(10, 10 + TA)), (TB, range(50, 50 + TB))):
+            kv = rng.standard_normal(M.kv_shape(t)).astype(np.float16)
+            h = kvblend.chunk_hash(ids)
+            c.put(M.name, h, kv, base_pos=0)
+            out.append((h, kv))
+    return out
+
+
+def stored_at(c, chunks, positions, layer):
+    """Stored K and V of the chunks moved to their new positions, by get_rerotated."""
+    ks, vs = [], []
+    for (h, _), pos in zip(chunks, positions):
+        kv = c.get_rerotated(M.name, h, pos, layers=(layer, layer + 1))
+        ks.append(kv[0, 0])
+        vs.append(kv[0, 1])
+    return np.concatenate(ks), np.concatenate(vs)
+
+
+def run(session, new, use_out=True):
+    """Drive a session over every layer from its first check layer; fused layers by index."""
+    fused = {}
+    first = session.next_layer
+    while not session.done:
+        layer = session.next_layer
+        rows = session.rows()
+        k_out = np.empty((session.tokens, M.num_kv_heads, M.head_dim), np.float16)
+        v_out = np.empty_like(k_out)
+        got = session.layer(
+            layer,
+            new[layer, 0, rows],
+            new[layer, 1, rows],
+            k_out if use_out else None,
+            v_out if use_out else None,
+        )
+        assert got == (layer > first), f"layer {layer}: fused {got}"
+        if got:
+            view = session.output()
+            if view is not None:
+                kv_ring, vv_ring = view
+                assert not kv_ring.flags.writeable
+                if use_out:
+                    assert np.array_equal(kv_ring, k_out) and np.array_equal(vv_ring, v_out)
+                k_out, v_out = kv_ring.copy(), vv_ring.copy()
+            fused[layer] = (k_out, v_out)
+    return fused
+
+
+def test_ratio_one_gives_new_everywhere(client, chunks):
+    (ha, _), (hb, _) = chunks
+    segs = [
+        kvblend.Segment.chunk(ha, 0),
+        kvblend.Segment.chunk(hb, TA),
+        kvblend.Segment.fresh(NF, TA + TB),
+    ]
+    n = TA + TB + NF
+    new = np.random.default_rng(1).standard_normal((M.num_layers, 2, n, 2, 16))
+    new = new.astype(np.float16)
+    with client.fuse_open(M.name, segs, [1], [1.0]) as s:
+        assert s.tokens == n and s.next_layer == 1
+        assert np.array_equal(s.rows(), np.arange(n))
+        fused = run(s, new)
+        assert sorted(fused) == [2, 3, 4]
+        for layer, (k, v) in fused.items():
+            assert np.array_equal(k, new[layer, 0]) and np.array_equal(v, new[layer, 1]), layer
+    assert isinstance(s.stats, dict) and s.stats
+
+
+def test_ratio_zero_without_fresh_gives_stored_rerotated(client, chunks):
+    (ha, _), (hb, _) = chunks
+    pa, pb = 4, 30  # away from where they were stored: the keys must turn
+    n = TA + TB
+    new = np.random.default_rng(2).standard_normal((M.num_layers, 2, n, 2, 16))
+    new = new.astype(np.float16)
+    with client.fuse_open(M.name, [(ha, pa), (hb, pb)], [1], [0.0]) as s:
+        fused = run(s, new)
+        assert len(s.rows()) == 0
+    for layer, (k, v) in fused.items():
+        ks, vs = stored_at(client, chunks, (pa, pb), layer)
+        assert k.tobytes() == ks.tobytes(), f"layer {layer} K"
+        assert v.tobytes() == vs.tobytes(), f"layer {layer} V"
+        assert not np.array_equal(k[:TA], chunks[0][1][layer, 0])  # really re-rotated
+
+
+def test_selection_is_top_deviation_and_merge(client, frames_client, chunks):
+    """Ratio 0.5 at layer 2: the HKVD tokens are the 7 cached tokens whose V moved most,
+    plus the fresh ones; fused rows are NEW for those and stored re-rotated for the rest.
+    Run over shared memory (ring views) and over frames (k_out, v_out): same bytes."""
+    (ha, _), (hb, _) = chunks
+    pos = (0, TA)
+    n, ncached = TA + TB + NF, TA + TB
+    rng = np.random.default_rng(3)
+    new = np.empty((M.num_layers, 2, n, 2, 16), np.float16)
+    for layer in range(M.num_layers):
+        ks, vs = stored_at(client, chunks, pos, layer)
+        # Deviation grows with a per-token scale far apart between tokens: no near-ties.
+        scale = rng.permutation(ncached)[:, None, None] * 0.05 + 0.05
+        new[layer, 0, :ncached] = ks + rng.standard_normal(ks.shape) * scale
+        new[layer, 1, :ncached] = vs + rng.standard_normal(vs.shape) * scale
+        new[layer, :, ncached:] = rng.standard_normal((2, NF, 2, 16))
+    _, vs2 = stored_at(client, chunks, pos, 2)
+    dev = ((new[2, 1, :ncached].astype(np.float64) - vs2.astype(np.float64)) ** 2).sum((1, 2))
+    k = int(0.5 * ncached)
+    want = np.sort(
+        np.concatenate([np.argsort(-dev, kind="stable")[:k], np.arange(ncached, n)])
+    ).astype(np.int32)
+    segs = [(ha, 0), (hb, TA), (NF, TA + TB)]
+    results = []
+    for c, use_out in ((client, False), (frames_client, True)):
+        with c.fuse_open(M.name, segs, [2], [0.5], metric="value") as s:
+            assert s.next_layer == 2
+            fused = run(s, new, use_out=use_out)
+            assert np.array_equal(s.rows(), want)
+            if c is frames_client:
+                assert s.output() is None  # no shared ring without shared memory
+        results.append(fused)
+        for layer in (3, 4):
+            fk, fv = fused[layer]
+            ks, vs = stored_at(client, chunks, pos, layer)
+            rest = np.setdiff1d(np.arange(n), want)
+            assert np.array_equal(fk[want], new[layer, 0, want])
+            assert np.array_equal(fv[want], new[layer, 1, want])
+            assert fk[rest].tobytes() == ks[rest].tobytes()
+            assert fv[rest].tobytes() == vs[rest].tobytes()
+    for layer in (3, 4):
+        assert all(np.array_equal(a, b) for a, b in zip(results[0][layer], results[1][layer]))
+
+
+def test_session_errors(client, chunks):
+    (ha, _), (hb, _) = chunks
+    absent = os.urandom(32)
+    with pytest.raises(kvblend.NotFound) as e:
+        client.fuse_open(M.name, [(ha, 0), (absent, TA)], [1], [0.2])
+    assert e.value.missing == [absent] and e.value.name == "not_found"
+    with pytest.raises(kvblend.UnknownModel):
+        client.fuse_open("no-model", [(ha, 0)], [1], [0.2])
+    with pytest.raises(kvblend.BadArgument):
+        client.fuse_open(M.name, [(ha, 0)], [1, 2], [0.2])
+    s = client.fuse_open(M.name, [(ha, 0), (hb, TA)], [1], [0.2])
+    n = s.tokens
+    kv = np.zeros((n, 2, 16), np.float16)
+    # Wrong layer: the daemon's error, and the session is as it was.
+    with pytest.raises(kvblend.KvblendError) as e:
+        s.layer(3, kv, kv)
+    assert e.value.code < -1000 and e.value.message
+    with pytest.raises(kvblend.BadArgument, match="must be"):
+        s.layer(1, kv[:-1], kv[:-1])
+    # The chunk is in use: it cannot be deleted under the session.
+    with pytest.raises(kvblend.Busy) as e:
+        client.delete(M.name, ha)
+    assert e.value.name == "busy"
+    assert s.layer(1, kv, kv) is False
+    assert s.output() is None  # no fused layer at the first check layer
+    stats = s.close()
+    assert s.close() == stats  # idempotent
+    with pytest.raises(kvblend.BadArgument, match="closed"):
+        s.layer(2, kv, kv)
+    assert client.lookup(M.name, [ha])[0].found
+
+
+def test_client_close_closes_sessions(daemon, chunks):
+    (ha, _), _ = chunks
+    c = kvblend.Client(daemon.endpoint)
+    s = c.fuse_open(M.name, [(ha, 0)], [1], [0.5])
+    c.close()
+    with pytest.raises(kvblend.BadArgument):
+        s.rows()
+    with kvblend.Client(daemon.endpoint) as c2:  # the chunk is free again
+        assert c2.lookup(M.name, [ha])[0].found
