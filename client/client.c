@@ -1025,7 +1025,10 @@ static int get_once(kvb_client *c, const char *model, const uint8_t hash[KVB_HAS
 		}
 	}
 	rc = call(c, &k);
-	if (rc == KVB_E_BAD_SHM && k.rep.n_chunks == 0 && strstr(c->err, "too small")) {
+	if (rc == KVB_E_BAD_SHM && strstr(c->err, "too small")) {
+		/* the reply names the chunk, so that the caller learns its size */
+		if (info && k.rep.n_chunks == 1)
+			chunk_from_wire(&k.rep.chunks[0], info);
 		rc = set_err(c, -ENOBUFS, "buffer of %zu bytes does not match the chunk", out_bytes);
 		goto out;
 	}

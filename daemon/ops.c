@@ -736,6 +736,7 @@ static void op_get(struct req *q)
 		if (q->h.shm_length < total) {
 			fail(q, KVBP_BAD_SHM, "shared-memory span of %" PRIu64 " bytes is too small; "
 			     "the chunk needs %" PRIu64, q->h.shm_length, total);
+			one_chunk_reply(q, q->h.hash, &ci); /* so that the client learns the size */
 			goto out;
 		}
 		rc = shm_acquire(q->srv->shm, q->h.shm_id, q->principal, q->h.shm_offset, total,

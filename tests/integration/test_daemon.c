@@ -107,8 +107,16 @@ static void roundtrip(struct daemon *d, int no_shm)
 		/* A layer range: layers 1..2 only. */
 		assert_int_equal(kvb_get(c, "tiny", h[i], 1, 3, back, n / 3 * 2, NULL), 0);
 		assert_memory_equal(kv + n / 3, back, n / 3 * 2);
-		/* A buffer of the wrong size is refused, not overrun. */
-		assert_int_equal(kvb_get(c, "tiny", h[i], 0, 0, back, n - 2, NULL), -ENOBUFS);
+		/* A buffer of the wrong size is refused, not overrun, and info says the size
+		 * (smaller and larger, so that both the shared-memory and the frames paths are
+		 * taken). */
+		memset(&info[0], 0, sizeof(info[0]));
+		assert_int_equal(kvb_get(c, "tiny", h[i], 0, 0, back, n - 2, &info[0]), -ENOBUFS);
+		assert_int_equal(info[0].raw_bytes, n);
+		assert_int_equal(info[0].num_tokens, tokens[i]);
+		memset(&info[0], 0, sizeof(info[0]));
+		assert_int_equal(kvb_get(c, "tiny", h[i], 0, 0, back, 1, &info[0]), -ENOBUFS);
+		assert_int_equal(info[0].raw_bytes, n);
 		free(kv);
 		free(back);
 		free(again);
