@@ -49,6 +49,7 @@ struct cand {
 	uint8_t key[KEY_LEN];
 	uint64_t seq, created, stored;
 	size_t ns; /* index into the pass's namespaces */
+	bool gone; /* evicted earlier in this pass */
 };
 
 /* A namespace in one pass: its name, capacity and the stored bytes of its chunks. */
@@ -254,6 +255,7 @@ static int gather_one(void *ctx, uint32_t model_id, const uint8_t *hash,
 	pthread_mutex_unlock(&g->e->lock);
 	c->created = info->created;
 	c->stored = info->stored_bytes;
+	c->gone = false;
 	return 0;
 }
 
@@ -264,6 +266,12 @@ static int cmp_cand(const void *a, const void *b)
 	if (x->seq != y->seq)
 		return x->seq < y->seq ? -1 : 1;
 	return (x->created > y->created) - (x->created < y->created);
+}
+
+/* The model id a chunk key starts with (big-endian, as the store keys chunks). */
+static uint32_t key_model_id(const uint8_t *key)
+{
+	return (uint32_t)key[0] << 24 | (uint32_t)key[1] << 16 | (uint32_t)key[2] << 8 | key[3];
 }
 
 /* The namespace of a model: the tenant before '#' in its stored name, or "" (tenants.h). */
@@ -304,8 +312,7 @@ static int assign_namespaces(struct evictor *e, struct gather *g, struct ns_use 
 
 	for (size_t i = 0; i < g->n; i++) {
 		struct cand *c = &g->c[i];
-		uint32_t id = (uint32_t)c->key[0] << 24 | (uint32_t)c->key[1] << 16 |
-			      (uint32_t)c->key[2] << 8 | c->key[3];
+		uint32_t id = key_model_id(c->key);
 
 		if (m.id != id) {
 			char ns[TENANT_NAME_MAX + 1] = "";
@@ -324,29 +331,38 @@ static int assign_namespaces(struct evictor *e, struct gather *g, struct ns_use 
 	return 0;
 }
 
-/* Evict candidate c unless pinned or in use; its stored bytes, or 0. */
-static uint64_t evict_one(struct evictor *e, const struct cand *c, struct store_model *m)
+/*
+ * Evict candidate c unless it is gone already, pinned or in use, and count its bytes
+ * against its namespace and in *freed. Returns whether it went.
+ */
+static bool take(struct evictor *e, struct cand *c, struct ns_use *use, struct store_model *m,
+		 uint64_t *freed)
 {
-	uint32_t id = (uint32_t)c->key[0] << 24 | (uint32_t)c->key[1] << 16 |
-		      (uint32_t)c->key[2] << 8 | c->key[3];
+	struct ns_use *u = &use[c->ns];
+	uint32_t id = key_model_id(c->key);
 	bool pinned;
 
+	if (c->gone)
+		return false;
 	pthread_mutex_lock(&e->lock);
 	pinned = pin_find(e, c->key) != NULL;
 	pthread_mutex_unlock(&e->lock);
 	if (pinned)
-		return 0;
+		return false;
 	if (m->id != id && store_model_by_id(e->store, id, m)) {
 		m->id = UINT32_MAX;
-		return 0;
+		return false;
 	}
 	/* Refused while a fuse session pins it; gone if deleted meanwhile. */
 	if (fuse_delete_chunk(e->fuse, m, c->key + 4))
-		return 0;
+		return false;
 	pthread_mutex_lock(&e->lock);
 	forget(e, c->key);
 	pthread_mutex_unlock(&e->lock);
-	return c->stored ? c->stored : 1;
+	c->gone = true;
+	u->bytes -= c->stored < u->bytes ? c->stored : u->bytes;
+	*freed += c->stored;
+	return true;
 }
 
 static uint64_t pct_of(uint64_t x, unsigned pct)
@@ -387,34 +403,19 @@ static uint64_t pass(struct evictor *e, uint64_t goal, const char *requester)
 
 		if (!u->capacity || u->bytes <= pct_of(u->capacity, e->high_pct))
 			continue;
-		for (size_t i = 0; i < g.n && u->bytes > pct_of(u->capacity, e->low_pct); i++) {
-			uint64_t b;
-
-			if (g.c[i].ns != k || !(b = evict_one(e, &g.c[i], &m)))
-				continue;
-			g.c[i].stored = 0; /* gone */
-			u->bytes -= b < u->bytes ? b : u->bytes;
-			freed += b;
-			n++;
-		}
+		for (size_t i = 0; i < g.n && u->bytes > pct_of(u->capacity, e->low_pct); i++)
+			if (g.c[i].ns == k)
+				n += take(e, &g.c[i], use, &m, &freed);
 	}
 	for (size_t i = 0; i < g.n && freed < goal; i++) {
 		struct cand *c = &g.c[i];
 		struct ns_use *u = &use[c->ns];
 		bool mine = requester && !strcmp(u->name, requester);
-		uint64_t b;
 
-		if (!c->stored) /* evicted above */
-			continue;
 		/* a tenant within its capacity is not evicted for another namespace */
 		if (u->capacity && u->bytes <= u->capacity && !mine)
 			continue;
-		b = evict_one(e, c, &m);
-		if (!b)
-			continue;
-		u->bytes -= b < u->bytes ? b : u->bytes;
-		freed += b;
-		n++;
+		n += take(e, c, use, &m, &freed);
 	}
 	pthread_mutex_lock(&e->lock);
 	e->stats.evicted += n;
@@ -489,8 +490,8 @@ int evictor_new(struct store *store, struct fuse_table *fuse, const struct tenan
 	e->high_pct = high_pct;
 	e->low_pct = low_pct;
 	e->capacity = capacity;
-	e->high = capacity / 100 * high_pct + capacity % 100 * high_pct / 100;
-	e->low = capacity / 100 * low_pct + capacity % 100 * low_pct / 100;
+	e->high = pct_of(capacity, high_pct);
+	e->low = pct_of(capacity, low_pct);
 	e->n_buckets = 1024;
 	e->buckets = calloc(e->n_buckets, sizeof(*e->buckets));
 	pthread_mutex_init(&e->lock, NULL);

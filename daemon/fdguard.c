@@ -28,7 +28,7 @@ uint64_t fdguard_dropped(void)
 }
 
 /* Out of descriptors: take the pending connection with the spare one and drop it. */
-static int drop_pending(int s, int saved_errno)
+static int drop_pending(int s)
 {
 	pthread_mutex_lock(&lock);
 	if (spare >= 0) {
@@ -42,7 +42,6 @@ static int drop_pending(int s, int saved_errno)
 	}
 	pthread_mutex_unlock(&lock);
 	atomic_fetch_add(&dropped, 1);
-	(void)saved_errno;
 	errno = ECONNABORTED;
 	return -1;
 }
@@ -56,7 +55,7 @@ int accept4(int s, struct sockaddr *addr, socklen_t *len, int flags)
 	int fd = (int)syscall(SYS_accept4, s, addr, len, flags);
 
 	if (fd < 0 && (errno == EMFILE || errno == ENFILE))
-		return drop_pending(s, errno);
+		return drop_pending(s);
 	return fd;
 }
 

@@ -290,8 +290,7 @@ static int start_curve(struct server *srv, int64_t maxmsg)
 struct req_tag {
 	uint8_t frontend; /* index into srv->frontends */
 	uint32_t extra;	  /* frames dropped by the main thread (too many for a request) */
-	uint64_t bytes;	  /* size of the request's frames */
-	uint64_t reserved; /* of them, held for the client until the reply passes */
+	uint64_t reserved; /* bytes of its frames held for the client until the reply passes */
 	struct client_acct *acct; /* the client's record, referenced until the reply passes */
 	enum ops_refuse refuse; /* answer with an error without running it */
 	char principal[96]; /* who sent it (principal_of) */
@@ -567,6 +566,7 @@ static int forward_in(struct server *srv, unsigned i)
 {
 	struct req_tag tag = { .frontend = (uint8_t)i };
 	zmq_msg_t *frames = srv->in_frames;
+	uint64_t bytes = 0;
 	size_t n, extra;
 	int rc;
 
@@ -579,7 +579,7 @@ static int forward_in(struct server *srv, unsigned i)
 	tag.refuse = atomic_load(&srv->stopping) ? OPS_REFUSE_STOPPING : OPS_RUN;
 	tag.extra = extra > UINT32_MAX ? UINT32_MAX : (uint32_t)extra;
 	for (size_t k = 0; k < n; k++)
-		tag.bytes += zmq_msg_size(&frames[k]);
+		bytes += zmq_msg_size(&frames[k]);
 	/* (the routing id frame may carry no metadata when the ROUTER prefetched it) */
 	principal_of(&frames[n > 1 ? 1 : 0], i, tag.principal, sizeof(tag.principal));
 	snprintf(tag.ns, sizeof(tag.ns), "%s", tenants_of(srv->tenants, tag.principal));
@@ -592,9 +592,9 @@ static int forward_in(struct server *srv, unsigned i)
 	if (!tag.acct) {
 		tag.refuse = OPS_REFUSE_MEMORY;
 	} else if (tag.refuse == OPS_RUN) {
-		rc = clients_reserve(srv->clients, tag.acct, tag.bytes);
+		rc = clients_reserve(srv->clients, tag.acct, bytes);
 		if (rc == 0)
-			tag.reserved = tag.bytes;
+			tag.reserved = bytes;
 		else
 			tag.refuse = rc == -EDQUOT ? OPS_REFUSE_CLIENT_BYTES : OPS_REFUSE_TOTAL_BYTES;
 	}

@@ -149,7 +149,7 @@ static uint64_t new_segment_id(struct shm_table *t)
 	}
 }
 
-/* Drop cached rings until size more bytes fit, or, with need_slot, a slot is free (lock held). */
+/* Drop cached rings until size more bytes fit (lock held). */
 static void cache_make_room(struct shm_table *t, uint64_t size)
 {
 	for (int i = 0; i < SHM_SLOTS && t->total + size > t->max_total; i++)
