@@ -75,13 +75,18 @@ static void raw_send(struct raw *r, struct kvbp_request *req, const void *const 
 	free(hdr);
 }
 
-/* Receive one reply into *rep (cleared by the caller); payload frames are dropped. */
-static uint32_t raw_recv(struct raw *r, struct kvbp_reply *rep)
+/*
+ * Receive one reply into *rep (cleared by the caller); its payload frames are
+ * dropped, counted in *n_payload, and each must be `each` bytes unless each is 0.
+ */
+static uint32_t raw_recv_payload(struct raw *r, struct kvbp_reply *rep, size_t *n_payload,
+				 size_t each)
 {
 	char err[256];
 	zmq_msg_t m;
 	int more;
 
+	*n_payload = 0;
 	zmq_msg_init(&m);
 	assert_true(zmq_msg_recv(&m, r->sock, 0) >= 0); /* delimiter */
 	assert_int_equal(zmq_msg_size(&m), 0);
@@ -92,9 +97,19 @@ static uint32_t raw_recv(struct raw *r, struct kvbp_reply *rep)
 	while (more) {
 		assert_true(zmq_msg_recv(&m, r->sock, 0) >= 0);
 		more = zmq_msg_more(&m);
+		if (each)
+			assert_int_equal(zmq_msg_size(&m), each);
+		(*n_payload)++;
 	}
 	zmq_msg_close(&m);
 	return rep->code;
+}
+
+static uint32_t raw_recv(struct raw *r, struct kvbp_reply *rep)
+{
+	size_t n;
+
+	return raw_recv_payload(r, rep, &n, 0);
 }
 
 static uint32_t raw_call(struct raw *r, struct kvbp_request *req, const void *const *payload,
@@ -303,6 +318,39 @@ static void envelope_without_delimiter(void **state)
 	daemon_cleanup(&d);
 }
 
+#define PUT_TOKENS 4096
+
+/*
+ * Send n PUTs of 32 MiB chunks (PUT_TOKENS tokens, every layer the same bytes) without
+ * waiting, request ids 1..n, chunk i hashed from (tag, i); hashes (may be NULL) gets
+ * them.
+ */
+static void send_big_puts(struct raw *r, int n, uint32_t tag, uint8_t (*hashes)[KVB_HASH_LEN])
+{
+	size_t bytes = (size_t)PUT_TOKENS * ROW;
+	uint8_t *layer = malloc(bytes);
+	const void *pl[2 * L];
+	size_t lens[2 * L];
+
+	fill((uint16_t *)layer, bytes / 2, tag);
+	for (int i = 0; i < 2 * L; i++) {
+		pl[i] = layer;
+		lens[i] = bytes;
+	}
+	for (int i = 0; i < n; i++) {
+		struct kvbp_request q = { .op = KVBP_OP_PUT, .has_hash = true,
+					  .num_tokens = PUT_TOKENS, .request_id = (uint64_t)i + 1 };
+		uint32_t ids[2] = { tag, (uint32_t)i };
+
+		snprintf(q.model_name, sizeof(q.model_name), "%s", model.name);
+		kvb_chunk_hash(ids, 2, q.hash);
+		if (hashes)
+			memcpy(hashes[i], q.hash, KVB_HASH_LEN);
+		raw_send(r, &q, pl, lens, 2 * L);
+	}
+	free(layer);
+}
+
 /*
  * Defect 11: SIGTERM while PUTs are in progress. Each gets its reply (ok, or busy
  * for one that arrived after the stop began), the daemon exits cleanly, and every
@@ -310,39 +358,23 @@ static void envelope_without_delimiter(void **state)
  */
 static void sigterm_answers_inflight(void **state)
 {
-	enum { PUTS = 6, BIG_T = 4096 };
+	enum { PUTS = 6 };
 	const char *drain_args[] = { "--drain-timeout", "120", NULL };
 	struct daemon d;
-	size_t bytes = (size_t)BIG_T * ROW, n_ok = 0;
-	uint8_t *layer = malloc(bytes), hashes[PUTS][KVB_HASH_LEN];
-	const void *pl[2 * L];
-	size_t lens[2 * L];
+	uint8_t hashes[PUTS][KVB_HASH_LEN];
 	uint32_t codes[PUTS];
+	size_t n_ok = 0;
 	kvb_client *c;
 	struct raw r;
 
 	(void)state;
-	fill((uint16_t *)layer, bytes / 2, 99);
-	for (int i = 0; i < 2 * L; i++) {
-		pl[i] = layer;
-		lens[i] = bytes;
-	}
 	/* a drain long enough for a sanitized build on a busy machine */
 	daemon_start(&d, drain_args);
 	c = daemon_client(&d, 1);
 	assert_int_equal(kvb_model_register(c, &model, NULL), 0);
 	kvb_close(&c);
 	raw_open(&r, d.endpoint);
-	for (int i = 0; i < PUTS; i++) {
-		struct kvbp_request q = { .op = KVBP_OP_PUT, .has_hash = true, .num_tokens = BIG_T,
-					  .request_id = (uint64_t)i + 1 };
-		uint32_t ids[2] = { 777, (uint32_t)i };
-
-		snprintf(q.model_name, sizeof(q.model_name), "%s", model.name);
-		kvb_chunk_hash(ids, 2, hashes[i]);
-		memcpy(q.hash, hashes[i], KVB_HASH_LEN);
-		raw_send(&r, &q, pl, lens, 2 * L);
-	}
+	send_big_puts(&r, PUTS, 777, hashes);
 	/*
 	 * A HELLO after the PUTs: the daemon reads one connection's messages in order, so
 	 * when its reply is here every PUT has reached the daemon (none is still in the
@@ -389,7 +421,6 @@ static void sigterm_answers_inflight(void **state)
 	kvb_close(&c);
 	daemon_stop(&d);
 	daemon_cleanup(&d);
-	free(layer);
 }
 
 struct scribbler {
@@ -456,32 +487,6 @@ static void put_from_changing_shm(void **state)
 	daemon_stop(&d);
 	daemon_cleanup(&d);
 	free(out);
-}
-
-/* Like raw_recv, also counting the payload frames and checking each is `each` bytes. */
-static uint32_t raw_recv_payload(struct raw *r, struct kvbp_reply *rep, size_t *n_payload,
-				 size_t each)
-{
-	char err[256];
-	zmq_msg_t m;
-	int more;
-
-	*n_payload = 0;
-	zmq_msg_init(&m);
-	assert_true(zmq_msg_recv(&m, r->sock, 0) >= 0);
-	assert_int_equal(zmq_msg_size(&m), 0);
-	assert_true(zmq_msg_recv(&m, r->sock, 0) >= 0);
-	more = zmq_msg_more(&m);
-	assert_int_equal(kvbp_reply_decode(zmq_msg_data(&m), zmq_msg_size(&m), rep, err,
-					   sizeof(err)), 0);
-	while (more) {
-		assert_true(zmq_msg_recv(&m, r->sock, 0) >= 0);
-		more = zmq_msg_more(&m);
-		assert_int_equal(zmq_msg_size(&m), each);
-		(*n_payload)++;
-	}
-	zmq_msg_close(&m);
-	return rep->code;
 }
 
 /* A segment's descriptor from the daemon's descriptor socket, as libkvblend gets it. */
@@ -974,12 +979,8 @@ static void unread_replies_are_bounded(void **state)
  */
 static void pipelined_puts_are_bounded(void **state)
 {
-	enum { PUTS = 40, BIG_T = 4096 };
+	enum { PUTS = 40 };
 	const char *args[] = { "--client-inflight-bytes", "64M", "--no-sync", "true", NULL };
-	size_t bytes = (size_t)BIG_T * ROW;
-	uint8_t *layer = malloc(bytes);
-	const void *pl[2 * L];
-	size_t lens[2 * L];
 	struct daemon d;
 	kvb_client *c;
 	uint64_t hwm0, hwm1;
@@ -987,25 +988,12 @@ static void pipelined_puts_are_bounded(void **state)
 	struct raw r;
 
 	(void)state;
-	fill((uint16_t *)layer, bytes / 2, 4);
-	for (int i = 0; i < 2 * L; i++) {
-		pl[i] = layer;
-		lens[i] = bytes;
-	}
 	daemon_start(&d, args);
 	c = daemon_client(&d, 1);
 	assert_int_equal(kvb_model_register(c, &model, NULL), 0);
 	hwm0 = proc_kib(d.pid, "VmHWM");
 	raw_open(&r, d.endpoint);
-	for (int i = 0; i < PUTS; i++) {
-		struct kvbp_request q = { .op = KVBP_OP_PUT, .has_hash = true, .num_tokens = BIG_T,
-					  .request_id = (uint64_t)i + 1 };
-		uint32_t ids[2] = { 6160, (uint32_t)i };
-
-		snprintf(q.model_name, sizeof(q.model_name), "%s", model.name);
-		kvb_chunk_hash(ids, 2, q.hash);
-		raw_send(&r, &q, pl, lens, 2 * L);
-	}
+	send_big_puts(&r, PUTS, 6160, NULL);
 	for (int i = 0; i < PUTS; i++) {
 		struct kvbp_reply rep = { 0 };
 		uint32_t code = raw_recv(&r, &rep);
@@ -1027,7 +1015,6 @@ static void pipelined_puts_are_bounded(void **state)
 	kvb_close(&c);
 	daemon_stop(&d);
 	daemon_cleanup(&d);
-	free(layer);
 }
 
 /*
@@ -1044,6 +1031,7 @@ static void many_connections(void **state)
 	struct rlimit lim = { 400, 400 };
 	struct daemon d;
 	void *ctx, **socks = calloc(CONNS, sizeof(void *));
+	char *served = calloc(CONNS, 1);
 	unsigned answered = 0;
 	kvb_client *c;
 	int zero = 0, timeout = 3000;
@@ -1068,15 +1056,26 @@ static void many_connections(void **state)
 		zmq_send(socks[i], hdr, hlen, 0);
 		free(hdr);
 	}
-	for (int i = 0; i < CONNS; i++) {
-		zmq_msg_t m;
+	/*
+	 * Collect replies for 3 s, so that every client has tried (and those refused
+	 * retried) to connect meanwhile: the daemon is at its limits the whole time.
+	 */
+	for (int sweep = 0; sweep < 30; sweep++) {
+		for (int i = 0; i < CONNS; i++) {
+			zmq_msg_t m;
 
-		zmq_msg_init(&m);
-		if (zmq_msg_recv(&m, socks[i], i < 20 ? 0 : ZMQ_DONTWAIT) >= 0)
-			answered++;
-		while (zmq_msg_more(&m) && zmq_msg_recv(&m, socks[i], 0) >= 0)
-			;
-		zmq_msg_close(&m);
+			if (served[i])
+				continue;
+			zmq_msg_init(&m);
+			if (zmq_msg_recv(&m, socks[i], sweep == 0 && i < 20 ? 0 : ZMQ_DONTWAIT) >= 0) {
+				answered++;
+				while (zmq_msg_more(&m) && zmq_msg_recv(&m, socks[i], 0) >= 0)
+					;
+				served[i] = 1;
+			}
+			zmq_msg_close(&m);
+		}
+		usleep(100000);
 	}
 	print_message("%u of %d connections served (max_clients 300, 400 descriptors)\n",
 		      answered, CONNS);
@@ -1088,6 +1087,7 @@ static void many_connections(void **state)
 		zmq_close(socks[i]);
 	zmq_ctx_term(ctx);
 	free(socks);
+	free(served);
 	/* all gone: served again, and it says what it refused */
 	sleep(1);
 	c = daemon_client(&d, 1);
