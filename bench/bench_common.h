@@ -42,8 +42,8 @@ static inline void bench_default_daemon(const char *argv0, char *path, size_t le
  * Start kvblendd on dir/data and ipc://dir/kvblend.sock (endpoint written to ep)
  * with --no-sync unless sync, and wait until it answers. Exits on failure.
  */
-static inline pid_t bench_start_daemon(const char *path, const char *dir, char *ep, size_t ep_len,
-				       int sync)
+static inline pid_t bench_start_daemon_with(const char *path, const char *dir, char *ep,
+					    size_t ep_len, int sync, const char *const *extra)
 {
 	char data[300];
 	pid_t pid;
@@ -52,10 +52,14 @@ static inline pid_t bench_start_daemon(const char *path, const char *dir, char *
 	snprintf(ep, ep_len, "ipc://%s/kvblend.sock", dir);
 	pid = fork();
 	if (pid == 0) {
-		const char *argv[] = { path, "--data-dir", data, "--listen", ep, "--map-size", "64G",
-				       "--max-message", "1G", "--log-level", "warn",
-				       sync ? NULL : "--no-sync", NULL };
+		const char *argv[32] = { path, "--data-dir", data, "--listen", ep, "--map-size", "64G",
+					 "--max-message", "1G", "--log-level", "warn" };
+		int n = 11;
 
+		if (!sync)
+			argv[n++] = "--no-sync";
+		for (int i = 0; extra && extra[i] && n < 31; i++)
+			argv[n++] = extra[i];
 		execv(path, (char *const *)argv);
 		_exit(127);
 	}
@@ -72,6 +76,12 @@ static inline pid_t bench_start_daemon(const char *path, const char *dir, char *
 	fprintf(stderr, "benchmark: kvblendd (%s) did not start\n", path);
 	kill(pid, SIGKILL);
 	exit(1);
+}
+
+static inline pid_t bench_start_daemon(const char *path, const char *dir, char *ep, size_t ep_len,
+				       int sync)
+{
+	return bench_start_daemon_with(path, dir, ep, ep_len, sync, NULL);
 }
 
 /* Stop the daemon and remove its directory. */

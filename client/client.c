@@ -14,7 +14,9 @@
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/un.h>
+#include <linux/futex.h>
 #include <time.h>
 #include <unistd.h>
 #include <zmq.h>
@@ -24,6 +26,21 @@
 #define DEFAULT_TIMEOUT_MS 5000
 #define DEFAULT_SHM (64u << 20)
 #define DEFAULT_ENDPOINT "ipc:///run/kvblend/kvblend.sock"
+
+/*
+ * A region starts with REGION_HEAD bytes of progress words (one per landing
+ * session using it) before the memory handed to the caller.
+ */
+#define REGION_MAX 16
+#define REGION_HEAD 4096u
+#define REGION_WORDS (REGION_HEAD / 4)
+
+struct region {
+	uint64_t id; /* 0: slot free */
+	uint8_t *base;
+	size_t size;
+	uint64_t used[REGION_WORDS / 64]; /* progress words taken */
+};
 
 struct kvb_client {
 	void *ctx;
@@ -47,6 +64,8 @@ struct kvb_client {
 	void *lost_base[8];
 	size_t lost_size[8];
 	unsigned n_lost;
+	/* regions: segments holding the node's own buffers (kvb_region_alloc) */
+	struct region regions[REGION_MAX];
 };
 
 struct call {
@@ -653,6 +672,9 @@ void kvb_close(kvb_client **cp)
 		return;
 	if (c->sock)
 		shm_unmap(c, true);
+	for (unsigned i = 0; i < REGION_MAX; i++)
+		if (c->regions[i].id)
+			kvb_region_free(c, c->regions[i].base + REGION_HEAD);
 	if (c->sock)
 		zmq_close(c->sock);
 	wait_payloads(c);
@@ -1101,13 +1123,131 @@ struct kvb_fuse {
 	size_t ring_bytes;
 	uint64_t slot_bytes;
 	const uint8_t *last; /* the fused layer of the last call (K, then V), or NULL */
+	/* landing sessions: the daemon writes into the node's region */
+	bool land;
+	struct region *region;
+	uint64_t region_id; /* the region's segment when the session opened */
+	unsigned word;	    /* the progress word's index in the region's head */
+	_Atomic uint32_t *progress;
+	int32_t *dropped;
+	size_t n_dropped;
 };
 
-int kvb_fuse_open(kvb_client *c, const char *model, const struct kvb_segment *segs,
-		  size_t n_segs, const struct kvb_fuse_params *p, kvb_fuse **out,
-		  uint8_t (**missing)[KVB_HASH_LEN], size_t *n_missing)
+static int map_segment(kvb_client *c, const char *path, uint64_t id, size_t size, int prot,
+		       int flags, void **out)
+{
+	struct stat st;
+	void *p;
+	int fd = segment_fd(path, id);
+
+	if (fd < 0)
+		return set_err(c, -EACCES, "cannot fetch shared-memory segment %" PRIu64 " from %s",
+			       id, path);
+	if (fstat(fd, &st) || (uint64_t)st.st_size < size) {
+		close(fd);
+		return set_err(c, -EIO, "shared-memory segment %" PRIu64 " is smaller than %zu bytes",
+			       id, size);
+	}
+	p = mmap(NULL, size, prot, flags, fd, 0);
+	close(fd);
+	if (p == MAP_FAILED)
+		return set_err(c, -errno, "cannot map shared-memory segment: %s", strerror(errno));
+	*out = p;
+	return 0;
+}
+
+void *kvb_region_alloc(kvb_client *c, size_t size)
+{
+	struct call k = { .req = { .op = KVBP_OP_SHM_ATTACH } };
+	struct region *r = NULL;
+	size_t page = (size_t)sysconf(_SC_PAGESIZE), want;
+	void *base;
+
+	for (unsigned i = 0; i < REGION_MAX && !r; i++)
+		if (!c->regions[i].id)
+			r = &c->regions[i];
+	if (!r) {
+		set_err(c, -EMFILE, "this client holds %d regions already", REGION_MAX);
+		return NULL;
+	}
+	if (!size || size > SIZE_MAX - REGION_HEAD - page) {
+		set_err(c, -EINVAL, "region of %zu bytes", size);
+		return NULL;
+	}
+	if (strncmp(c->endpoint, "ipc://", 6)) {
+		set_err(c, -ENOTSUP, "regions are shared memory: only on ipc:// endpoints, not %s",
+			c->endpoint);
+		return NULL;
+	}
+	want = (size + REGION_HEAD + page - 1) / page * page;
+	k.req.shm_size = want;
+	if (call(c, &k) ||
+	    map_segment(c, k.rep.shm_name, k.rep.shm_id, want, PROT_READ | PROT_WRITE, MAP_SHARED,
+			&base)) {
+		if (k.rep.shm_id) {
+			struct call d = { .req = { .op = KVBP_OP_SHM_DETACH, .has_shm = true,
+						   .shm_id = k.rep.shm_id } };
+			char keep[sizeof(c->err)];
+
+			memcpy(keep, c->err, sizeof(keep));
+			call(c, &d);
+			call_done(&d);
+			memcpy(c->err, keep, sizeof(keep));
+		}
+		call_done(&k);
+		return NULL;
+	}
+	memset(r, 0, sizeof(*r));
+	r->id = k.rep.shm_id;
+	r->base = base;
+	r->size = want;
+	call_done(&k);
+	return r->base + REGION_HEAD;
+}
+
+int kvb_region_free(kvb_client *c, void *region)
+{
+	for (unsigned i = 0; i < REGION_MAX; i++) {
+		struct region *r = &c->regions[i];
+		struct call k = { .req = { .op = KVBP_OP_SHM_DETACH, .has_shm = true } };
+		int rc;
+
+		if (!r->id || (uint8_t *)region != r->base + REGION_HEAD)
+			continue;
+		k.req.shm_id = r->id;
+		rc = call(c, &k);
+		call_done(&k);
+		munmap(r->base, r->size);
+		memset(r, 0, sizeof(*r));
+		/* A daemon that restarted no longer has it: unmapped here all the same. */
+		return rc == KVB_E_BAD_SHM ? 0 : rc;
+	}
+	return set_err(c, -EINVAL, "not a region of this client");
+}
+
+/* The region holding [p, p + len), or NULL. */
+static struct region *region_of(kvb_client *c, const void *p, size_t len)
+{
+	const uint8_t *q = p;
+
+	for (unsigned i = 0; i < REGION_MAX; i++) {
+		struct region *r = &c->regions[i];
+
+		if (r->id && q >= r->base && len <= r->size && (size_t)(q - r->base) <= r->size - len)
+			return r;
+	}
+	return NULL;
+}
+
+static int fuse_open_common(kvb_client *c, const char *model, const struct kvb_segment *segs,
+			    size_t n_segs, const struct kvb_fuse_params *p,
+			    const struct kvb_kv_layout *dst, kvb_fuse **out,
+			    uint8_t (**missing)[KVB_HASH_LEN], size_t *n_missing)
 {
 	struct call k = { .req = { .op = KVBP_OP_FUSE_OPEN } };
+	size_t n_checks = p ? p->n_checks : 0;
+	struct region *reg = NULL;
+	unsigned word = 0;
 	struct kvb_model m;
 	kvb_fuse *f = NULL;
 	int rc;
@@ -1119,15 +1259,48 @@ int kvb_fuse_open(kvb_client *c, const char *model, const struct kvb_segment *se
 		*n_missing = 0;
 	if ((rc = set_name(c, &k, model)))
 		return rc;
-	if (!n_segs || !p || !p->n_checks)
-		return set_err(c, -EINVAL, "a fuse needs segments and at least one check layer");
+	if (!n_segs)
+		return set_err(c, -EINVAL, "a fuse needs at least one segment");
 	/* The row size, for the layer calls to check their buffers against. */
 	rc = kvb_model_get(c, model, &m);
 	if (rc)
 		return rc;
+	if (dst) {
+		/* The node's buffers: a region of this client; a progress word in its head. */
+		reg = region_of(c, dst->k, 1);
+		if (!reg || region_of(c, dst->v, 1) != reg)
+			return set_err(c, -EINVAL, "the landing layout's K and V must lie in one "
+				       "region of this client (kvb_region_alloc)");
+		while (word < REGION_WORDS && (reg->used[word / 64] >> (word % 64) & 1))
+			word++;
+		if (word == REGION_WORDS)
+			return set_err(c, -EMFILE, "%u landing sessions use this region already",
+				       REGION_WORDS);
+		if (dst->page_tokens && !dst->pages)
+			return set_err(c, -EINVAL, "a paged layout needs its block table");
+		k.req.has_land = true;
+		k.req.land.shm_id = reg->id;
+		k.req.land.k_offset = (uint64_t)((uint8_t *)dst->k - reg->base);
+		k.req.land.v_offset = (uint64_t)((uint8_t *)dst->v - reg->base);
+		k.req.land.layer_stride = dst->layer_stride;
+		k.req.land.token_stride = dst->token_stride;
+		k.req.land.head_stride = dst->head_stride;
+		k.req.land.page_tokens = dst->page_tokens;
+		k.req.land.page_stride = dst->page_stride;
+		k.req.land.progress = 4 * (uint64_t)word;
+		if (dst->page_tokens && dst->n_pages) {
+			k.req.land.pages = malloc(dst->n_pages * sizeof(uint32_t));
+			if (!k.req.land.pages)
+				return set_err(c, -ENOMEM, "out of memory");
+			memcpy(k.req.land.pages, dst->pages, dst->n_pages * sizeof(uint32_t));
+			k.req.land.n_pages = dst->n_pages;
+		}
+		atomic_store_explicit((_Atomic uint32_t *)(reg->base + 4 * (size_t)word), 0,
+				      memory_order_relaxed);
+	}
 	k.req.segments = calloc(n_segs, sizeof(*k.req.segments));
-	k.req.check_layers = malloc(p->n_checks * sizeof(uint32_t));
-	k.req.ratios = malloc(p->n_checks * sizeof(double));
+	k.req.check_layers = malloc((n_checks + 1) * sizeof(uint32_t));
+	k.req.ratios = malloc((n_checks + 1) * sizeof(double));
 	if (!k.req.segments || !k.req.check_layers || !k.req.ratios) {
 		rc = set_err(c, -ENOMEM, "out of memory");
 		goto out;
@@ -1139,11 +1312,14 @@ int kvb_fuse_open(kvb_client *c, const char *model, const struct kvb_segment *se
 		k.req.segments[i].count = segs[i].fresh ? segs[i].count : 0;
 	}
 	k.req.n_segments = n_segs;
-	memcpy(k.req.check_layers, p->check_layers, p->n_checks * sizeof(uint32_t));
-	memcpy(k.req.ratios, p->ratios, p->n_checks * sizeof(double));
-	k.req.n_checks = k.req.n_ratios = p->n_checks;
-	k.req.metric = (uint32_t)p->metric;
-	k.req.shared_ring = c->shm_ok;
+	if (n_checks) {
+		memcpy(k.req.check_layers, p->check_layers, n_checks * sizeof(uint32_t));
+		memcpy(k.req.ratios, p->ratios, n_checks * sizeof(double));
+	}
+	k.req.n_checks = k.req.n_ratios = n_checks;
+	k.req.reuse_only = n_checks == 0;
+	k.req.metric = p ? (uint32_t)p->metric : 0;
+	k.req.shared_ring = c->shm_ok && !dst;
 	rc = call(c, &k);
 	if (rc == KVB_E_NOT_FOUND && missing && n_missing && k.rep.n_chunks) {
 		*missing = malloc(k.rep.n_chunks * KVB_HASH_LEN);
@@ -1155,10 +1331,18 @@ int kvb_fuse_open(kvb_client *c, const char *model, const struct kvb_segment *se
 	}
 	if (rc)
 		goto out;
+	if (k.rep.n_selection > k.rep.num_tokens) {
+		rc = set_err(c, KVB_E_PROTOCOL, "more rows than tokens in a fuse_open reply");
+		goto out;
+	}
 	f = calloc(1, sizeof(*f));
 	if (f)
 		f->rows = malloc(((size_t)k.rep.num_tokens + 1) * sizeof(int32_t));
-	if (!f || !f->rows) {
+	if (f && f->rows)
+		f->dropped = malloc(((size_t)k.rep.num_tokens + 1) * sizeof(int32_t));
+	if (!f || !f->rows || !f->dropped) {
+		if (f)
+			free(f->rows);
 		free(f);
 		f = NULL;
 		rc = set_err(c, -ENOMEM, "out of memory");
@@ -1168,31 +1352,179 @@ int kvb_fuse_open(kvb_client *c, const char *model, const struct kvb_segment *se
 	f->tokens = k.rep.num_tokens;
 	f->next_layer = f->first_check = k.rep.next_layer;
 	f->row_bytes = (size_t)m.num_kv_heads * m.head_dim * kvb_dtype_size(m.dtype);
-	for (uint32_t i = 0; i < f->tokens; i++)
-		f->rows[i] = (int32_t)i;
-	f->n_rows = f->tokens;
+	if (k.rep.has_selection) {
+		/* Reuse only: the node computes the fresh tokens, at every layer. */
+		memcpy(f->rows, k.rep.selection, k.rep.n_selection * sizeof(int32_t));
+		f->n_rows = k.rep.n_selection;
+	} else {
+		for (uint32_t i = 0; i < f->tokens; i++)
+			f->rows[i] = (int32_t)i;
+		f->n_rows = f->tokens;
+	}
 	f->slot_bytes = k.rep.slot_bytes;
-	if (k.rep.shm_name[0] && k.rep.shm_size && k.rep.slot_bytes == 2 * (uint64_t)f->tokens *
-								      f->row_bytes) {
+	if (dst) {
+		f->land = true;
+		f->region = reg;
+		f->region_id = reg->id;
+		f->word = word;
+		f->progress = (_Atomic uint32_t *)(reg->base + 4 * (size_t)word);
+		reg->used[word / 64] |= 1ull << (word % 64);
+	} else if (k.rep.shm_name[0] && k.rep.shm_size &&
+		   k.rep.slot_bytes == 2 * (uint64_t)f->tokens * f->row_bytes) {
 		/* Map it read-only: nothing this side can write the daemon's memory. If that
-		 * fails the session still works; the layers then come in frames. */
-		int fd = segment_fd(k.rep.shm_name, k.rep.shm_id);
-		struct stat st;
+		 * fails the session still works; the layers then come in frames. The ring is
+		 * populated now: the node reads every page of it, layer after layer. */
+		void *p_ring;
 
-		if (fd >= 0 && fstat(fd, &st) == 0 && (uint64_t)st.st_size >= k.rep.shm_size) {
-			/* populated now: the node reads every page of it, layer after layer */
-			void *p_ring = mmap(NULL, k.rep.shm_size, PROT_READ, MAP_SHARED | MAP_POPULATE,
-					    fd, 0);
-
-			if (p_ring != MAP_FAILED) {
-				f->ring = p_ring;
-				f->ring_bytes = k.rep.shm_size;
-			}
+		if (map_segment(c, k.rep.shm_name, k.rep.shm_id, k.rep.shm_size, PROT_READ,
+				MAP_SHARED | MAP_POPULATE, &p_ring) == 0) {
+			f->ring = p_ring;
+			f->ring_bytes = k.rep.shm_size;
 		}
-		if (fd >= 0)
-			close(fd);
+		c->err[0] = 0;
 	}
 	*out = f;
+out:
+	call_done(&k);
+	return rc;
+}
+
+int kvb_fuse_open(kvb_client *c, const char *model, const struct kvb_segment *segs,
+		  size_t n_segs, const struct kvb_fuse_params *p, kvb_fuse **out,
+		  uint8_t (**missing)[KVB_HASH_LEN], size_t *n_missing)
+{
+	return fuse_open_common(c, model, segs, n_segs, p, NULL, out, missing, n_missing);
+}
+
+int kvb_fuse_open_into(kvb_client *c, const char *model, const struct kvb_segment *segs,
+		       size_t n_segs, const struct kvb_fuse_params *p,
+		       const struct kvb_kv_layout *dst, kvb_fuse **out,
+		       uint8_t (**missing)[KVB_HASH_LEN], size_t *n_missing)
+{
+	if (!dst) {
+		*out = NULL;
+		return set_err(c, -EINVAL, "kvb_fuse_open_into needs a layout");
+	}
+	return fuse_open_common(c, model, segs, n_segs, p, dst, out, missing, n_missing);
+}
+
+int kvb_fuse_wait(kvb_client *c, kvb_fuse *f, uint32_t layer, int timeout_ms)
+{
+	struct timespec t0, now;
+	uint32_t v;
+
+	if (!f->land)
+		return set_err(c, -EINVAL, "kvb_fuse_wait is for landing sessions "
+			       "(kvb_fuse_open_into)");
+	clock_gettime(CLOCK_MONOTONIC, &t0);
+	for (unsigned spin = 0;; spin++) {
+		int64_t left_ms;
+
+		v = atomic_load_explicit(f->progress, memory_order_acquire);
+		if (v & KVBP_LAND_FAILED) {
+			int code = (int)(v >> 24 & 0x7f);
+
+			return set_err(c, -1000 - code, "the daemon stopped landing at layer %u (%s); "
+				       "close the session", v & KVBP_LAND_COUNT,
+				       kvb_strerror(-1000 - code));
+		}
+		if ((v & KVBP_LAND_COUNT) > layer)
+			return 0;
+		if (spin < 2000) {
+			/* The layer is usually moments away: stay on the CPU a little. */
+			__builtin_ia32_pause();
+			continue;
+		}
+		clock_gettime(CLOCK_MONOTONIC, &now);
+		left_ms = timeout_ms - ((now.tv_sec - t0.tv_sec) * 1000 +
+					(now.tv_nsec - t0.tv_nsec) / 1000000);
+		if (timeout_ms >= 0 && left_ms <= 0)
+			return set_err(c, -ETIMEDOUT, "layer %u not landed within %d ms (%u layers "
+				       "in place)", layer, timeout_ms, v & KVBP_LAND_COUNT);
+		{
+			/* Sleep until the daemon publishes again (a shared futex), 100 ms at most. */
+			struct timespec ts = { 0, 100000000 };
+
+			if (timeout_ms >= 0 && left_ms < 100)
+				ts.tv_nsec = left_ms * 1000000;
+			syscall(SYS_futex, (uint32_t *)f->progress, FUTEX_WAIT, v, &ts, NULL, 0);
+		}
+	}
+}
+
+int kvb_fuse_check(kvb_client *c, kvb_fuse *f, uint32_t layer, const void *rows,
+		   size_t row_stride, const int32_t **dropped, size_t *n_dropped)
+{
+	struct call k = { .req = { .op = KVBP_OP_FUSE_LAYER, .session_id = f->id, .layer = layer,
+				   .rows = (uint32_t)f->n_rows } };
+	size_t stride = row_stride ? row_stride : f->row_bytes, span = 0;
+	static const uint8_t empty[1];
+	const void *ptrs[1] = { rows };
+	size_t lens[1];
+	uint8_t *packed = NULL;
+	struct region *r;
+	int rc;
+
+	if (dropped)
+		*dropped = NULL;
+	if (n_dropped)
+		*n_dropped = 0;
+	if (!f->land)
+		return set_err(c, -EINVAL, "kvb_fuse_check is for landing sessions "
+			       "(kvb_fuse_open_into); use kvb_fuse_layer");
+	if (stride < f->row_bytes)
+		return set_err(c, -EINVAL, "row stride %zu is below the row size %zu", stride,
+			       f->row_bytes);
+	if (f->n_rows)
+		span = (f->n_rows - 1) * stride + f->row_bytes;
+	if (span && (r = region_of(c, rows, span)) != NULL) {
+		/* Read where they are: the daemon maps this region. */
+		k.req.has_shm = true;
+		k.req.shm_id = r->id;
+		k.req.shm_offset = (uint64_t)((const uint8_t *)rows - r->base);
+		k.req.shm_length = span;
+		k.req.row_stride = stride;
+	} else if (span && in_shm(c, rows, span)) {
+		k.req.has_shm = true;
+		k.req.shm_id = c->shm_id;
+		k.req.shm_offset = (uint64_t)((const uint8_t *)rows - (uint8_t *)c->shm_base);
+		k.req.shm_length = span;
+		k.req.row_stride = stride;
+	} else {
+		lens[0] = f->n_rows * f->row_bytes;
+		if (!f->n_rows) {
+			ptrs[0] = empty;
+		} else if (stride != f->row_bytes) {
+			packed = malloc(lens[0]);
+			if (!packed)
+				return set_err(c, -ENOMEM, "out of memory");
+			for (size_t i = 0; i < f->n_rows; i++)
+				memcpy(packed + i * f->row_bytes, (const uint8_t *)rows + i * stride,
+				       f->row_bytes);
+			ptrs[0] = packed;
+		}
+		k.payload = ptrs;
+		k.payload_len = lens;
+		k.n_payload = 1;
+	}
+	rc = call(c, &k);
+	free(packed);
+	if (rc)
+		goto out;
+	if (!k.rep.has_selection || k.rep.n_selection > f->tokens ||
+	    k.rep.n_dropped > f->n_rows) {
+		rc = set_err(c, KVB_E_PROTOCOL, "check layer reply without a valid selection");
+		goto out;
+	}
+	memcpy(f->dropped, k.rep.dropped, k.rep.n_dropped * sizeof(int32_t));
+	f->n_dropped = k.rep.n_dropped;
+	memcpy(f->rows, k.rep.selection, k.rep.n_selection * sizeof(int32_t));
+	f->n_rows = k.rep.n_selection;
+	f->next_layer = k.rep.next_layer;
+	if (dropped)
+		*dropped = f->dropped;
+	if (n_dropped)
+		*n_dropped = f->n_dropped;
 out:
 	call_done(&k);
 	return rc;
@@ -1228,6 +1560,9 @@ int kvb_fuse_layer(kvb_client *c, kvb_fuse *f, uint32_t layer, const void *k_in,
 
 	if (fused)
 		*fused = 0;
+	if (f->land)
+		return set_err(c, -EINVAL, "a landing session takes kvb_fuse_check() at check "
+			       "layers and kvb_fuse_wait() for the others, not kvb_fuse_layer()");
 	/* Fused layers in the ring only if we mapped it; else the daemon sends frames. */
 	k.req.shared_ring = f->ring != NULL;
 	if (shm) {
@@ -1312,7 +1647,10 @@ int kvb_fuse_close(kvb_client *c, kvb_fuse **fp, struct kvb_stat **stats, size_t
 	call_done(&k);
 	if (f->ring)
 		munmap((void *)f->ring, f->ring_bytes);
+	if (f->land && f->region->id == f->region_id)
+		f->region->used[f->word / 64] &= ~(1ull << (f->word % 64));
 	free(f->rows);
+	free(f->dropped);
 	free(f);
 	*fp = NULL;
 	return rc;

@@ -8,7 +8,12 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <limits.h>
+#include <linux/futex.h>
+#include <stdatomic.h>
 #include <sys/random.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #include <time.h>
 
 #include "codec.h"
@@ -65,6 +70,27 @@ struct fuse_session {
 	uint64_t shm_id; /* the ring is this shared segment (0: heap) */
 	uint64_t bytes;	 /* ring memory */
 	char owner[SHM_OWNER_MAX]; /* the client that opened it: only it may drive it */
+	uint32_t first; /* the first layer the node sends: checks[0], or 0 when reuse-only */
+	/*
+	 * Landing (land): the daemon writes stored, re-rotated rows into the node's own
+	 * buffers, layers land_begin .. num_layers-1, and publishes in *progress how many
+	 * layers (from 0) are in place. Check layers are loaded into cslot[] for the
+	 * deviation. The node writes its fresh rows of a layer only once it has landed.
+	 */
+	bool land;
+	struct kvbp_layout lay; /* pages owned */
+	uint64_t land_shm;	/* the node's segment, held while the session lives */
+	uint8_t *land_mem;	/* its offset 0 */
+	_Atomic uint32_t *progress;
+	uint32_t land_begin, land_next;
+	bool landing;	   /* a layer is being landed (by the prefetch thread) */
+	bool land_stop;	   /* closing: land nothing more */
+	uint32_t land_code; /* a layer failed to land: its kvbp code (0: none) */
+	bool direct;	   /* rows of a chunk are contiguous in the node's buffers */
+	struct slot *cslot; /* one per check layer: K and V of all tokens */
+	struct slot stage;  /* when !direct: a layer is loaded here, then scattered */
+	uint8_t *land_buf;  /* memory of cslot[] and stage */
+	uint64_t ns_land;
 	struct timespec last_used;
 	struct timespec opened;
 	uint64_t layers_served, ns_load, ns_compute, bytes_in, bytes_out;
@@ -214,6 +240,11 @@ static void session_free(struct fuse_table *t, struct fuse_session *s)
 	} else {
 		free(s->ring_mem);
 	}
+	if (s->land_mem)
+		shm_release(t->shm, s->land_shm);
+	free(s->lay.pages);
+	free(s->cslot);
+	free(s->land_buf);
 	for (size_t i = 0; s->chunks && i < s->n_chunks; i++)
 		rope_table_free(&s->chunks[i].rot);
 	free(s->ring);
@@ -292,6 +323,122 @@ static void session_put(struct fuse_table *t, struct fuse_session *s)
 		session_free(t, s);
 }
 
+/* ---- landing in the node's buffers ---- */
+
+/* *out = a * b + c; false on overflow. */
+static bool mul_add(uint64_t a, uint64_t b, uint64_t c, uint64_t *out)
+{
+	uint64_t p;
+
+	return !__builtin_mul_overflow(a, b, &p) && !__builtin_add_overflow(p, c, out);
+}
+
+/* Publish that layers 0 .. v-1 are in place (or, with KVBP_LAND_FAILED, that landing stopped). */
+static void land_publish(struct fuse_session *s, uint32_t v)
+{
+	atomic_store_explicit(s->progress, v, memory_order_release);
+	/* A shared futex: the node may sleep on the word (its mapping of the same memfd). */
+	syscall(SYS_futex, (uint32_t *)s->progress, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+}
+
+/*
+ * Check the node's layout y for session s (its tokens, heads, layers) against the
+ * segment it names, and hold that segment for the session. Every byte the daemon
+ * may write lies inside it: the extent is computed with overflow checks.
+ */
+static uint32_t land_setup(struct fuse_table *t, struct fuse_session *s,
+			   const struct kvbp_layout *y, const char *owner, char *err, size_t errlen)
+{
+	size_t head_bytes = (size_t)s->m.head_dim * s->m.elem_size;
+	uint64_t tok_max = 0, row_end, layer_max, end = 0, e;
+	void *base;
+
+	if (!mul_add(s->m.num_kv_heads - 1, y->head_stride, head_bytes, &row_end) ||
+	    !mul_add(s->m.num_layers - 1, y->layer_stride, 0, &layer_max))
+		return fail(err, errlen, KVBP_BAD_SHAPE, "landing layout: strides overflow");
+	if (y->page_tokens) {
+		uint64_t need = ((uint64_t)s->n + y->page_tokens - 1) / y->page_tokens;
+		uint64_t in_page = (s->n < y->page_tokens ? s->n : y->page_tokens) - 1, pm = 0;
+
+		if (y->n_pages < need)
+			return fail(err, errlen, KVBP_BAD_SHAPE, "landing layout: the block table has "
+				    "%zu pages; %" PRIu32 " tokens in pages of %" PRIu32 " need %" PRIu64,
+				    y->n_pages, s->n, y->page_tokens, need);
+		for (uint64_t i = 0; i < need; i++)
+			if (y->pages[i] > pm)
+				pm = y->pages[i];
+		if (!mul_add(pm, y->page_stride, 0, &pm) ||
+		    !mul_add(in_page, y->token_stride, pm, &tok_max))
+			return fail(err, errlen, KVBP_BAD_SHAPE, "landing layout: page offsets "
+				    "overflow");
+	} else if (y->n_pages) {
+		return fail(err, errlen, KVBP_BAD_ARGUMENT, "landing layout: a block table needs "
+			    "page_tokens");
+	} else if (!mul_add(s->n - 1, y->token_stride, 0, &tok_max)) {
+		return fail(err, errlen, KVBP_BAD_SHAPE, "landing layout: token offsets overflow");
+	}
+	for (int i = 0; i < 2; i++) {
+		uint64_t off = i ? y->v_offset : y->k_offset;
+
+		if (__builtin_add_overflow(off, layer_max, &e) ||
+		    __builtin_add_overflow(e, tok_max, &e) || __builtin_add_overflow(e, row_end, &e))
+			return fail(err, errlen, KVBP_BAD_SHAPE, "landing layout: %c offsets overflow",
+				    i ? 'V' : 'K');
+		end = e > end ? e : end;
+	}
+	if (y->progress % 4 || y->progress > UINT64_MAX - 4)
+		return fail(err, errlen, KVBP_BAD_ARGUMENT, "landing layout: the progress word at "
+			    "%" PRIu64 " is not 4-byte aligned", y->progress);
+	if (y->progress + 4 > end)
+		end = y->progress + 4;
+	if (shm_acquire(t->shm, y->shm_id, owner, 0, end, &base))
+		return fail(err, errlen, KVBP_BAD_SHM, "landing layout: shared-memory segment %"
+			    PRIu64 " unknown, expired, not this client's, or smaller than the %"
+			    PRIu64 " bytes the layout spans", y->shm_id, end);
+	s->land = true;
+	s->land_shm = y->shm_id;
+	s->land_mem = base;
+	s->lay = *y;
+	s->lay.pages = NULL;
+	s->lay.n_pages = 0;
+	if (y->page_tokens) {
+		size_t np = ((size_t)s->n + y->page_tokens - 1) / y->page_tokens;
+
+		s->lay.pages = malloc(np * sizeof(uint32_t));
+		if (!s->lay.pages)
+			return fail(err, errlen, KVBP_LIMIT, "out of memory");
+		memcpy(s->lay.pages, y->pages, np * sizeof(uint32_t));
+		s->lay.n_pages = np;
+	}
+	s->progress = (_Atomic uint32_t *)((uint8_t *)base + y->progress);
+	s->land_begin = s->n_checks ? s->checks[0] + 1 : 0;
+	s->land_next = s->land_begin;
+	s->direct = !y->page_tokens && y->token_stride == s->row_bytes &&
+		    y->head_stride == head_bytes;
+	return KVBP_OK;
+}
+
+/* The check-layer slots and the staging slot, in one allocation of bytes. */
+static int land_alloc(struct fuse_session *s, uint64_t bytes)
+{
+	size_t slot = 2 * (size_t)s->n * s->row_bytes;
+
+	s->cslot = calloc(s->n_checks + 1, sizeof(*s->cslot));
+	s->land_buf = bytes ? calloc(1, bytes) : NULL;
+	if (!s->cslot || (bytes && !s->land_buf))
+		return -ENOMEM;
+	for (size_t i = 0; i <= s->n_checks; i++) {
+		struct slot *sl = i < s->n_checks ? &s->cslot[i] : &s->stage;
+
+		if (i == s->n_checks && s->direct)
+			break;
+		sl->layer = -1;
+		sl->k = s->land_buf + i * slot;
+		sl->v = sl->k + slot / 2;
+	}
+	return 0;
+}
+
 uint32_t fuse_open(struct fuse_table *t, const struct store_model *m, const struct kvbp_request *q,
 		   const char *owner, struct fuse_open_result *r, char *err, size_t errlen)
 {
@@ -307,8 +454,12 @@ uint32_t fuse_open(struct fuse_table *t, const struct store_model *m, const stru
 	/* The request itself. */
 	if (!q->n_segments)
 		return fail(err, errlen, KVBP_BAD_ARGUMENT, "fuse_open needs at least one segment");
-	if (!q->n_checks)
-		return fail(err, errlen, KVBP_BAD_ARGUMENT, "fuse_open needs at least one check layer");
+	if (!q->n_checks && !q->reuse_only)
+		return fail(err, errlen, KVBP_BAD_ARGUMENT, "fuse_open needs at least one check layer "
+			    "(or reuse_only, for plain reuse)");
+	if (q->n_checks && q->reuse_only)
+		return fail(err, errlen, KVBP_BAD_ARGUMENT, "a reuse_only session has no check "
+			    "layers; got %zu", q->n_checks);
 	if (q->n_ratios != q->n_checks)
 		return fail(err, errlen, KVBP_BAD_ARGUMENT, "%zu check layers but %zu ratios; give one "
 			    "ratio per check layer", q->n_checks, q->n_ratios);
@@ -353,7 +504,8 @@ uint32_t fuse_open(struct fuse_table *t, const struct store_model *m, const stru
 	s->n_checks = q->n_checks;
 	memcpy(s->checks, q->check_layers, q->n_checks * sizeof(uint32_t));
 	memcpy(s->ratios, q->ratios, q->n_checks * sizeof(double));
-	s->next_layer = s->checks[0];
+	s->first = s->n_checks ? s->checks[0] : 0;
+	s->next_layer = s->first;
 	s->chunks = calloc(n_chunks ? n_chunks : 1, sizeof(*s->chunks));
 	r->missing = calloc(n_chunks ? n_chunks : 1, KVBP_HASH_LEN);
 	if (!s->chunks || !r->missing) {
@@ -466,11 +618,25 @@ uint32_t fuse_open(struct fuse_table *t, const struct store_model *m, const stru
 			}
 		}
 	}
-	/* The ring: re-rotated stored K and V of a few layers, all tokens each. */
-	s->n_ring = (uint32_t)(t->lim.ring < m->num_layers - s->checks[0]
-				       ? t->lim.ring
-				       : m->num_layers - s->checks[0]) + 1;
-	ring_bytes = (uint64_t)s->n_ring * 2 * n * s->row_bytes;
+	/* Reuse only: the fresh tokens are the selection from the start. */
+	if (!s->n_checks) {
+		memcpy(s->sel, s->fresh, s->n_fresh * sizeof(int32_t));
+		s->n_sel = s->n_fresh;
+	}
+	if (q->has_land) {
+		code = land_setup(t, s, &q->land, owner, err, errlen);
+		if (code)
+			goto fail;
+		/* No ring: a slot per check layer, and one to stage a layer in when the
+		 * node's layout does not keep a chunk's rows together. */
+		ring_bytes = ((uint64_t)s->n_checks + !s->direct) * 2 * n * s->row_bytes;
+	} else {
+		/* The ring: re-rotated stored K and V of a few layers, all tokens each. */
+		s->n_ring = (uint32_t)(t->lim.ring < m->num_layers - s->first
+					       ? t->lim.ring
+					       : m->num_layers - s->first) + 1;
+		ring_bytes = (uint64_t)s->n_ring * 2 * n * s->row_bytes;
+	}
 	pthread_mutex_lock(&t->lock);
 	if (t->bytes + ring_bytes > t->lim.max_bytes) {
 		pthread_mutex_unlock(&t->lock);
@@ -508,6 +674,17 @@ uint32_t fuse_open(struct fuse_table *t, const struct store_model *m, const stru
 	 * is reading. Shared when the client asked and shared memory allows; zeroed, as
 	 * fresh tokens' rows are read by deviation but never served from the store.
 	 */
+	if (s->land) {
+		if (land_alloc(s, ring_bytes)) {
+			pthread_mutex_lock(&t->lock);
+			t->sessions[slot_i] = NULL;
+			t->bytes -= ring_bytes;
+			pthread_mutex_unlock(&t->lock);
+			code = fail(err, errlen, KVBP_LIMIT, "out of memory for the session");
+			goto fail;
+		}
+		goto opened;
+	}
 	s->ring = calloc(s->n_ring, sizeof(*s->ring));
 	if (s->ring && q->shared_ring) {
 		uint64_t sid;
@@ -538,6 +715,7 @@ uint32_t fuse_open(struct fuse_table *t, const struct store_model *m, const stru
 		s->ring[i].k = s->ring_mem + (uint64_t)i * 2 * n * s->row_bytes;
 		s->ring[i].v = s->ring[i].k + (uint64_t)n * s->row_bytes;
 	}
+opened:
 	s->served = -1;
 	clock_gettime(CLOCK_MONOTONIC, &s->opened);
 	s->last_used = s->opened;
@@ -555,9 +733,22 @@ uint32_t fuse_open(struct fuse_table *t, const struct store_model *m, const stru
 	r->id = s->id;
 	r->num_tokens = s->n;
 	r->next_layer = s->next_layer;
-	r->rows_next = s->n;
+	r->rows_next = s->n_checks ? s->n : s->n_fresh;
 	r->ring_slots = s->n_ring;
-	r->slot_bytes = 2 * (uint64_t)n * s->row_bytes;
+	if (s->land) {
+		/* Layers before land_begin are the node's own: in place from the start. */
+		land_publish(s, s->land_begin);
+		r->next_layer = s->n_checks ? s->checks[0] : m->num_layers;
+		r->rows_next = s->n_checks ? s->n : 0;
+	}
+	r->slot_bytes = s->land ? 0 : 2 * (uint64_t)n * s->row_bytes;
+	if (!s->n_checks) {
+		r->rows = malloc((s->n_fresh + 1) * sizeof(int32_t));
+		if (r->rows) {
+			memcpy(r->rows, s->fresh, s->n_fresh * sizeof(int32_t));
+			r->n_rows = s->n_fresh;
+		}
+	}
 	r->shm_id = s->shm_id;
 	if (!s->shm_id)
 		r->shm_size = 0;
@@ -656,7 +847,7 @@ static int load_slot_locked(struct fuse_table *t, struct fuse_session *s, struct
 static int ensure_layer(struct fuse_table *t, struct fuse_session *s, uint32_t layer,
 			struct slot **out)
 {
-	struct slot *sl = &s->ring[(layer - s->checks[0]) % s->n_ring];
+	struct slot *sl = &s->ring[(layer - s->first) % s->n_ring];
 
 	for (;;) {
 		if (sl->layer == layer && sl->state == SLOT_READY)
@@ -683,17 +874,181 @@ static int ensure_layer(struct fuse_table *t, struct fuse_session *s, uint32_t l
 	return 0;
 }
 
-void fuse_prefetch(struct fuse_table *t, uint64_t id)
+/* ---- landing: the layers go into the node's own buffers ---- */
+
+/* Offset in the node's segment of row t of layer l, from base (k_offset or v_offset). */
+static inline uint64_t land_off(const struct fuse_session *s, uint64_t base, uint32_t l,
+				uint32_t t)
+{
+	const struct kvbp_layout *y = &s->lay;
+
+	base += (uint64_t)l * y->layer_stride;
+	if (y->page_tokens)
+		return base + (uint64_t)y->pages[t / y->page_tokens] * y->page_stride +
+		       (uint64_t)(t % y->page_tokens) * y->token_stride;
+	return base + (uint64_t)t * y->token_stride;
+}
+
+/* Copy rows [a, b) of slot sl (K and V) into layer l of the node's buffers. */
+static void land_rows(const struct fuse_session *s, const struct slot *sl, uint32_t l, uint32_t a,
+		      uint32_t b)
+{
+	size_t hb = (size_t)s->m.head_dim * s->m.elem_size;
+
+	for (uint32_t t = a; t < b; t++)
+		for (int i = 0; i < 2; i++) {
+			const uint8_t *src = (i ? sl->v : sl->k) + (size_t)t * s->row_bytes;
+			uint8_t *dst = s->land_mem +
+				       land_off(s, i ? s->lay.v_offset : s->lay.k_offset, l, t);
+
+			if (s->lay.head_stride == hb) {
+				memcpy(dst, src, s->row_bytes);
+				continue;
+			}
+			for (uint32_t h = 0; h < s->m.num_kv_heads; h++)
+				memcpy(dst + h * s->lay.head_stride, src + h * hb, hb);
+		}
+}
+
+struct land_job {
+	struct fuse_table *t;
+	struct fuse_session *s;
+	const struct slot *from; /* the layer is loaded here already (a check layer), or NULL */
+	uint32_t layer;
+};
+
+/* Land chunk i of a layer: straight from the store when its rows lie together, else staged. */
+static int land_chunk(void *arg, size_t i)
+{
+	struct land_job *j = arg;
+	struct fuse_session *s = j->s;
+	struct chunk_ref *c = &s->chunks[i];
+	struct load_job lj = { j->t, s, &s->stage, j->layer, 0 };
+	int rc;
+
+	if (j->from) {
+		land_rows(s, j->from, j->layer, c->off, c->off + c->tokens);
+		return 0;
+	}
+	if (s->direct) {
+		struct rotate_ctx rx = { j->t->be, s, c };
+		struct codec_xform x = { rotate_rows, &rx, s->row_bytes };
+
+		/* One pass: verify, re-rotate, write where the node keeps the rows. */
+		return store_chunk_get_layer(j->t->store, &s->m, c->hash, j->layer,
+					     s->land_mem + land_off(s, s->lay.k_offset, j->layer, c->off),
+					     s->land_mem + land_off(s, s->lay.v_offset, j->layer, c->off),
+					     (uint64_t)c->tokens * s->row_bytes, &x);
+	}
+	rc = load_chunk(&lj, i);
+	if (!rc)
+		land_rows(s, &s->stage, j->layer, c->off, c->off + c->tokens);
+	return rc;
+}
+
+/* Make check slot i READY, loading it here unless another thread is; session lock held. */
+static int ensure_cslot(struct fuse_table *t, struct fuse_session *s, size_t i)
+{
+	struct slot *sl = &s->cslot[i];
+
+	for (;;) {
+		if (sl->state == SLOT_READY)
+			return 0;
+		if (sl->state == SLOT_FAILED)
+			return sl->err;
+		if (sl->state == SLOT_LOADING) {
+			pthread_cond_wait(&s->cond, &s->lock);
+			continue;
+		}
+		load_slot_locked(t, s, sl, s->checks[i]);
+	}
+}
+
+static uint32_t store_code(int rc)
+{
+	return rc == -EBADMSG ? KVBP_CORRUPT : KVBP_INTERNAL;
+}
+
+/* Landing stopped at layer l for store errno rc: tell the node (session lock held). */
+static void land_failed(struct fuse_session *s, uint32_t l, int rc)
+{
+	s->land_code = store_code(rc);
+	log_warn("fuse session %016" PRIx64 ": layer %" PRIu32 " cannot be landed: %s", s->id, l,
+		 rc == -EBADMSG ? "a chunk failed its checksum" : strerror(-rc));
+	land_publish(s, KVBP_LAND_FAILED | s->land_code << 24 | s->land_next);
+}
+
+/*
+ * Land the session's next layer (or first load the first check layer, which the
+ * node asks about before any layer lands). Called by the prefetch thread holding
+ * a reference; returns whether there is more to do, so that sessions take turns.
+ */
+static bool land_step(struct fuse_table *t, struct fuse_session *s)
+{
+	struct land_job j = { t, s, NULL, 0 };
+	struct timespec t0;
+	bool more;
+	int rc = 0;
+
+	pthread_mutex_lock(&s->lock);
+	if (s->closed || s->land_stop || s->land_code || s->landing ||
+	    s->land_next >= s->m.num_layers) {
+		pthread_mutex_unlock(&s->lock);
+		return false;
+	}
+	if (s->n_checks && s->cslot[0].state == SLOT_EMPTY) {
+		rc = ensure_cslot(t, s, 0);
+		if (rc)
+			land_failed(s, s->checks[0], rc);
+		pthread_mutex_unlock(&s->lock);
+		return !rc;
+	}
+	s->landing = true;
+	j.layer = s->land_next;
+	for (size_t i = 1; i < s->n_checks && !rc; i++)
+		if (s->checks[i] == j.layer) {
+			/* A later check layer: loaded once, for its deviation and to land. */
+			rc = ensure_cslot(t, s, i);
+			j.from = &s->cslot[i];
+		}
+	pthread_mutex_unlock(&s->lock);
+	clock_gettime(CLOCK_MONOTONIC, &t0);
+	if (!rc)
+		rc = pool_run(t->pool, s->n_chunks, land_chunk, &j);
+	pthread_mutex_lock(&s->lock);
+	s->ns_land += ns_since(&t0);
+	s->landing = false;
+	if (rc) {
+		land_failed(s, j.layer, rc);
+	} else if (!s->land_stop) {
+		s->land_next++;
+		s->layers_served++;
+		s->bytes_out += 2 * (uint64_t)s->n_cached * s->row_bytes;
+		land_publish(s, s->land_next);
+	}
+	pthread_cond_broadcast(&s->cond);
+	more = !rc && !s->land_stop && s->land_next < s->m.num_layers;
+	pthread_mutex_unlock(&s->lock);
+	return more;
+}
+
+bool fuse_prefetch(struct fuse_table *t, uint64_t id)
 {
 	struct fuse_session *s = session_get(t, id, NULL);
 
 	if (!s)
-		return;
+		return false;
+	if (s->land) {
+		bool more = land_step(t, s);
+
+		session_put(t, s);
+		return more;
+	}
 	pthread_mutex_lock(&s->lock);
 	/* n_ring - 1 layers ahead: one slot holds the layer the node is reading. */
 	for (uint32_t l = s->next_layer; !s->closed && l < s->m.num_layers &&
 					 l < s->next_layer + s->n_ring - 1; l++) {
-		struct slot *sl = &s->ring[(l - s->checks[0]) % s->n_ring];
+		struct slot *sl = &s->ring[(l - s->first) % s->n_ring];
 
 		if (sl->layer == l || sl->state == SLOT_LOADING || sl->state == SLOT_SERVED)
 			continue;
@@ -702,6 +1057,7 @@ void fuse_prefetch(struct fuse_table *t, uint64_t id)
 	}
 	pthread_mutex_unlock(&s->lock);
 	session_put(t, s);
+	return false;
 }
 
 /* ---- one layer ---- */
@@ -719,11 +1075,43 @@ uint32_t fuse_layer_begin(struct fuse_table *t, uint64_t id, const char *owner, 
 	pthread_mutex_lock(&s->lock);
 	while (s->busy)
 		pthread_cond_wait(&s->cond, &s->lock);
-	if (layer < s->checks[0]) {
+	if (s->land && s->next_check >= s->n_checks) {
+		bool reuse = !s->n_checks;
+
+		pthread_mutex_unlock(&s->lock);
+		session_put(t, s);
+		return fail(err, errlen, KVBP_BAD_ARGUMENT, "%s: its layers land in the node's "
+			    "buffers by themselves (wait on the progress word)", reuse ?
+			    "a reuse-only session takes no layer requests" : "every check layer "
+			    "of this session is done");
+	}
+	if (s->land && layer != s->checks[s->next_check]) {
+		uint32_t want = s->checks[s->next_check];
+
+		pthread_mutex_unlock(&s->lock);
+		session_put(t, s);
+		return fail(err, errlen, KVBP_BAD_ARGUMENT, "layer %" PRIu32 " is not the session's "
+			    "next check layer %" PRIu32 ": only check layers take requests; the "
+			    "others land in the node's buffers", layer, want);
+	}
+	if (s->land) {
+		/* A check layer: the rows of the metric's plane in, the selection out. */
+		s->busy = true;
+		memset(plan, 0, sizeof(*plan));
+		plan->rows_in = s->next_check == 0 ? s->n : (uint32_t)s->n_sel;
+		plan->row_bytes = s->row_bytes;
+		plan->num_tokens = s->n;
+		plan->selection_out = true;
+		plan->land = true;
+		pthread_mutex_unlock(&s->lock);
+		*sp = s;
+		return KVBP_OK;
+	}
+	if (layer < s->first) {
 		pthread_mutex_unlock(&s->lock);
 		session_put(t, s);
 		return fail(err, errlen, KVBP_BAD_ARGUMENT, "layer %" PRIu32 " comes before the first "
-			    "check layer %" PRIu32 ": the node prefills it alone", layer, s->checks[0]);
+			    "check layer %" PRIu32 ": the node prefills it alone", layer, s->first);
 	}
 	if (s->next_layer >= s->m.num_layers) {
 		pthread_mutex_unlock(&s->lock);
@@ -741,9 +1129,10 @@ uint32_t fuse_layer_begin(struct fuse_table *t, uint64_t id, const char *owner, 
 	}
 	s->busy = true;
 	is_check = s->next_check < s->n_checks && s->checks[s->next_check] == layer;
-	plan->rows_in = s->next_check == 0 ? s->n : (uint32_t)s->n_sel;
+	plan->rows_in = s->n_checks && s->next_check == 0 ? s->n : (uint32_t)s->n_sel;
 	plan->row_bytes = s->row_bytes;
 	plan->num_tokens = s->n;
+	plan->land = false;
 	plan->selection_out = is_check;
 	plan->fused_out = !(is_check && s->next_check == 0);
 	plan->shared_ring = s->shm_id != 0;
@@ -755,10 +1144,10 @@ uint32_t fuse_layer_begin(struct fuse_table *t, uint64_t id, const char *owner, 
 struct dev_job {
 	const struct blend_backend *be;
 	const struct blend_shape *shape;
-	const uint8_t *fresh;
+	const uint8_t *fresh; /* row i at fresh + i * stride */
 	const uint8_t *stored;
 	const int32_t *idx;
-	size_t n, parts, row_bytes;
+	size_t n, parts, row_bytes, stride;
 	float *out;
 };
 
@@ -767,9 +1156,17 @@ static int dev_part(void *arg, size_t i)
 	const struct dev_job *j = arg;
 	size_t a = j->n * i / j->parts, b = j->n * (i + 1) / j->parts;
 
-	if (b > a)
+	if (b <= a)
+		return 0;
+	if (j->stride == j->row_bytes) {
 		j->be->deviation(j->shape, j->fresh + a * j->row_bytes, j->stored, j->idx + a, b - a,
 				 j->out + a);
+		return 0;
+	}
+	/* Strided rows (e.g. a slice of the node's fused QKV output): one row at a time. */
+	for (size_t r = a; r < b; r++)
+		j->be->deviation(j->shape, j->fresh + r * j->stride, j->stored, j->idx + r, 1,
+				 j->out + r);
 	return 0;
 }
 
@@ -779,6 +1176,60 @@ static size_t parts_for(struct fuse_table *t, size_t bytes)
 
 	/* Below a few hundred KiB a hand-off costs more than it saves. */
 	return bytes < (256u << 10) ? 1 : threads;
+}
+
+/*
+ * HKVD at the session's next check layer: the deviation of every row sent (the
+ * metric's plane, rows stride bytes apart) from the stored row of the same token
+ * in plane (the re-rotated stored layer), then the top-k cached tokens plus every
+ * fresh one. *sel is malloc'd, sorted. The session is not changed.
+ */
+static uint32_t check_select(struct fuse_table *t, struct fuse_session *s, const uint8_t *rows_in,
+			     size_t stride, const uint8_t *plane, int32_t **sel_out, size_t *n_out,
+			     char *err, size_t errlen)
+{
+	size_t rows = s->next_check == 0 ? s->n : s->n_sel, n_cand = 0, fi = 0;
+	int32_t *idx = malloc((rows + 1) * sizeof(int32_t));
+	int32_t *cand = malloc((rows + 1) * sizeof(int32_t));
+	float *dev = malloc((rows + 1) * sizeof(float));
+	int32_t *sel = malloc((s->n + 1) * sizeof(int32_t));
+	struct dev_job dj;
+	long n_sel;
+
+	if (!idx || !cand || !dev || !sel) {
+		free(idx);
+		free(cand);
+		free(dev);
+		free(sel);
+		return fail(err, errlen, KVBP_LIMIT, "out of memory");
+	}
+	for (size_t i = 0; i < rows; i++)
+		idx[i] = s->next_check == 0 ? (int32_t)i : s->sel[i];
+	dj = (struct dev_job){ t->be, &s->shape, rows_in, plane, idx, rows, 1, s->row_bytes,
+			       stride, dev };
+	dj.parts = parts_for(t, rows * s->row_bytes);
+	pool_run(t->pool, dj.parts, dev_part, &dj);
+	/* Candidates: the cached tokens among the rows (fresh ones are always kept). */
+	for (size_t i = 0; i < rows; i++) {
+		while (fi < s->n_fresh && s->fresh[fi] < idx[i])
+			fi++;
+		if (fi < s->n_fresh && s->fresh[fi] == idx[i])
+			continue;
+		dev[n_cand] = dev[i];
+		cand[n_cand++] = idx[i];
+	}
+	n_sel = hkvd_select(cand, dev, n_cand, hkvd_count(s->ratios[s->next_check], s->n_cached),
+			    s->fresh, s->n_fresh, sel);
+	free(idx);
+	free(cand);
+	free(dev);
+	if (n_sel < 0) {
+		free(sel);
+		return fail(err, errlen, KVBP_LIMIT, "out of memory");
+	}
+	*sel_out = sel;
+	*n_out = (size_t)n_sel;
+	return KVBP_OK;
 }
 
 /*
@@ -824,54 +1275,20 @@ uint32_t fuse_layer_run(struct fuse_table *t, struct fuse_session *s, const void
 			    rc == -EBADMSG ? "a chunk failed its checksum" : strerror(-rc));
 	clock_gettime(CLOCK_MONOTONIC, &t0);
 	if (is_check) {
-		/* Deviation of every row sent against the stored row of the same token. */
-		size_t rows = s->next_check == 0 ? s->n : s->n_sel, n_cand = 0, fi = 0;
-		int32_t *idx = malloc((rows + 1) * sizeof(int32_t));
-		int32_t *cand = malloc((rows + 1) * sizeof(int32_t));
-		float *dev = malloc((rows + 1) * sizeof(float));
-		int32_t *sel = malloc((s->n + 1) * sizeof(int32_t));
-		struct dev_job dj;
-		long n_sel;
+		int32_t *sel;
+		size_t n_sel;
 
-		if (!idx || !cand || !dev || !sel) {
-			free(idx);
-			free(cand);
-			free(dev);
-			free(sel);
-			return fail(err, errlen, KVBP_LIMIT, "out of memory");
-		}
-		for (size_t i = 0; i < rows; i++)
-			idx[i] = s->next_check == 0 ? (int32_t)i : s->sel[i];
-		dj = (struct dev_job){ t->be, &s->shape, s->metric ? k_in : v_in,
-				       s->metric ? sl->k : sl->v, idx, rows, 1, s->row_bytes, dev };
-		dj.parts = parts_for(t, rows * s->row_bytes);
-		pool_run(t->pool, dj.parts, dev_part, &dj);
-		/* Candidates: the cached tokens among the rows (fresh ones are always kept). */
-		for (size_t i = 0; i < rows; i++) {
-			while (fi < s->n_fresh && s->fresh[fi] < idx[i])
-				fi++;
-			if (fi < s->n_fresh && s->fresh[fi] == idx[i])
-				continue;
-			dev[n_cand] = dev[i];
-			cand[n_cand++] = idx[i];
-		}
-		n_sel = hkvd_select(cand, dev, n_cand,
-				    hkvd_count(s->ratios[s->next_check], s->n_cached), s->fresh,
-				    s->n_fresh, sel);
-		free(idx);
-		free(cand);
-		free(dev);
-		if (n_sel < 0) {
-			free(sel);
-			return fail(err, errlen, KVBP_LIMIT, "out of memory");
-		}
+		code = check_select(t, s, s->metric ? k_in : v_in, s->row_bytes,
+				    s->metric ? sl->k : sl->v, &sel, &n_sel, err, errlen);
+		if (code)
+			return code;
 		/* At later check layers the fused output still uses the selection before it narrows. */
 		if (s->next_check > 0)
 			scatter_fresh(s, sl, k_in, v_in);
-		memcpy(s->sel, sel, (size_t)n_sel * sizeof(int32_t));
-		s->n_sel = (size_t)n_sel;
+		memcpy(s->sel, sel, n_sel * sizeof(int32_t));
+		s->n_sel = n_sel;
 		r->selection = sel;
-		r->n_selection = (size_t)n_sel;
+		r->n_selection = n_sel;
 		s->next_check++;
 	} else {
 		scatter_fresh(s, sl, k_in, v_in);
@@ -900,6 +1317,59 @@ uint32_t fuse_layer_run(struct fuse_table *t, struct fuse_session *s, const void
 	r->done = s->next_layer >= s->m.num_layers;
 	pthread_mutex_unlock(&s->lock);
 	return code;
+}
+
+uint32_t fuse_check_run(struct fuse_table *t, struct fuse_session *s, const void *rows,
+			size_t stride, struct fuse_layer_result *r, char *err, size_t errlen)
+{
+	uint32_t layer = s->checks[s->next_check], code;
+	size_t prev = s->next_check == 0 ? s->n : s->n_sel, n_sel, nd = 0;
+	struct timespec t0;
+	int32_t *sel, *dropped;
+	int rc;
+
+	memset(r, 0, sizeof(*r));
+	pthread_mutex_lock(&s->lock);
+	rc = ensure_cslot(t, s, s->next_check);
+	pthread_mutex_unlock(&s->lock);
+	if (rc)
+		return fail(err, errlen, store_code(rc), "layer %" PRIu32 ": cannot read stored "
+			    "chunks: %s", layer, rc == -EBADMSG ? "a chunk failed its checksum" :
+			    strerror(-rc));
+	clock_gettime(CLOCK_MONOTONIC, &t0);
+	code = check_select(t, s, rows, stride, s->metric ? s->cslot[s->next_check].k :
+			    s->cslot[s->next_check].v, &sel, &n_sel, err, errlen);
+	if (code)
+		return code;
+	/* The rows the node sent but computes no more: sorted, as both lists are. */
+	dropped = malloc((prev + 1) * sizeof(int32_t));
+	if (!dropped) {
+		free(sel);
+		return fail(err, errlen, KVBP_LIMIT, "out of memory");
+	}
+	for (size_t i = 0, j = 0; i < prev; i++) {
+		int32_t tok = s->next_check == 0 ? (int32_t)i : s->sel[i];
+
+		while (j < n_sel && sel[j] < tok)
+			j++;
+		if (j == n_sel || sel[j] != tok)
+			dropped[nd++] = tok;
+	}
+	pthread_mutex_lock(&s->lock);
+	memcpy(s->sel, sel, n_sel * sizeof(int32_t));
+	s->n_sel = n_sel;
+	s->next_check++;
+	s->ns_compute += ns_since(&t0);
+	s->bytes_in += (uint64_t)prev * s->row_bytes;
+	r->selection = sel;
+	r->n_selection = n_sel;
+	r->dropped = dropped;
+	r->n_dropped = nd;
+	r->next_layer = s->next_check < s->n_checks ? s->checks[s->next_check] : s->m.num_layers;
+	r->rows_next = (uint32_t)n_sel;
+	r->done = s->next_check >= s->n_checks;
+	pthread_mutex_unlock(&s->lock);
+	return KVBP_OK;
 }
 
 void fuse_layer_end(struct fuse_table *t, struct fuse_session *s)
@@ -936,7 +1406,13 @@ uint32_t fuse_close(struct fuse_table *t, uint64_t id, const char *owner, struct
 	if (!s)
 		return fail(err, errlen, KVBP_UNKNOWN_SESSION, "fuse session %016" PRIx64 " is not "
 			    "open (closed, expired, or never opened)", id);
-	st = calloc(10, sizeof(*st));
+	/* Nothing may land in the node's buffers once it has its reply: the node reuses them. */
+	pthread_mutex_lock(&s->lock);
+	s->land_stop = true;
+	while (s->landing)
+		pthread_cond_wait(&s->cond, &s->lock);
+	pthread_mutex_unlock(&s->lock);
+	st = calloc(13, sizeof(*st));
 	if (st) {
 		pthread_mutex_lock(&s->lock);
 #define STAT(nm, v) (snprintf(st[k].name, sizeof(st[k].name), "%s", nm), st[k++].value = (double)(v))
@@ -950,6 +1426,11 @@ uint32_t fuse_close(struct fuse_table *t, uint64_t id, const char *owner, struct
 		STAT("ring_bytes", s->bytes);
 		STAT("bytes_in", s->bytes_in);
 		STAT("bytes_out", s->bytes_out);
+		if (s->land) {
+			STAT("land_ms", s->ns_land / 1e6);
+			STAT("layers_landed", s->land_next - s->land_begin);
+			STAT("land_failed", s->land_code != 0);
+		}
 #undef STAT
 		pthread_mutex_unlock(&s->lock);
 		*stats = st;

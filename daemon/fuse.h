@@ -11,7 +11,10 @@
  * produced where it was loaded; with a shared ring the slots are a
  * shared-memory segment the local client maps, and a fused layer reaches the
  * node with no copy at all. A served slot stays valid until the next layer
- * request of the session. Chunks of an open session are pinned: DELETE refuses them. Sessions
+ * request of the session. A landing session (fuse_open with q->land) has no ring:
+ * its layers are written into the node's own buffers (a client segment, in the
+ * node's layout) by fuse_prefetch, a layer per call, and check layers take only
+ * the metric's plane (fuse_check_run). Chunks of an open session are pinned: DELETE refuses them. Sessions
  * idle longer than idle_s are freed. Thread-safe; one layer request per
  * session runs at a time.
  *
@@ -61,6 +64,8 @@ struct fuse_open_result {
 	uint64_t slot_bytes; /* K then V of all tokens */
 	uint64_t shm_id;     /* shared ring: its segment (0: none) */
 	uint64_t shm_size;   /* and that segment's size (at least the ring's) */
+	int32_t *rows;	     /* reuse only: the fresh tokens, the rows the node computes (malloc'd) */
+	size_t n_rows;
 	uint8_t (*missing)[KVBP_HASH_LEN]; /* malloc'd on KVBP_NOT_FOUND; caller frees */
 	size_t n_missing;
 };
@@ -81,6 +86,7 @@ struct fuse_layer_plan {
 	bool fused_out;	   /* the reply carries fused K and V of all tokens */
 	bool selection_out;
 	bool shared_ring;  /* fused K and V are left in the shared ring, not copied out */
+	bool land;	   /* a check layer of a landing session: fuse_check_run(), one plane in */
 };
 
 /*
@@ -96,6 +102,8 @@ struct fuse_layer_result {
 	size_t n_selection;
 	uint32_t next_layer;
 	uint32_t rows_next;
+	int32_t *dropped;   /* landing check layer: rows sent, no longer selected (malloc'd) */
+	size_t n_dropped;
 	uint32_t ring_slot; /* where the fused layer is, in a shared ring */
 	bool done;	    /* the last layer was served */
 };
@@ -109,10 +117,22 @@ uint32_t fuse_layer_run(struct fuse_table *t, struct fuse_session *s, const void
 			const void *v_in, void *k_out, void *v_out, struct fuse_layer_result *r,
 			char *err, size_t errlen);
 
+/*
+ * A check layer of a landing session (plan.land): rows holds plan.rows_in rows of
+ * the metric's plane (V, or K for the key metric), stride bytes apart. Answers with
+ * the selection and the rows dropped from the previous one.
+ */
+uint32_t fuse_check_run(struct fuse_table *t, struct fuse_session *s, const void *rows,
+			size_t stride, struct fuse_layer_result *r, char *err, size_t errlen);
+
 void fuse_layer_end(struct fuse_table *t, struct fuse_session *s);
 
-/* Load the layers ahead of session id into its ring. Called after a reply is sent. */
-void fuse_prefetch(struct fuse_table *t, uint64_t id);
+/*
+ * Load the layers ahead of session id into its ring, or, for a session that lands
+ * in the node's buffers, land its next layer. Called after a reply is sent. Returns
+ * true when a landing session has more to land: call again (after other sessions).
+ */
+bool fuse_prefetch(struct fuse_table *t, uint64_t id);
 
 /* Close owner's session id; stats (a malloc'd array of n name/value pairs) describe it. */
 uint32_t fuse_close(struct fuse_table *t, uint64_t id, const char *owner, struct kvbp_stat **stats,

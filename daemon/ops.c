@@ -1094,9 +1094,99 @@ static void op_fuse_open(struct req *q)
 		snprintf(q->out->rep.shm_name, sizeof(q->out->rep.shm_name), "%s",
 			 shm_path(q->srv->shm));
 	}
+	if (r.rows) {
+		/* Reuse only: the rows the node computes are the fresh tokens, from layer 0. */
+		q->out->rep.has_selection = true;
+		q->out->rep.selection = r.rows;
+		q->out->rep.n_selection = r.n_rows;
+	}
 	q->out->prefetch_session = r.id;
 	log_debug("fuse session %016" PRIx64 " opened: %" PRIu32 " tokens, model '%s'", r.id,
 		  r.num_tokens, m.name);
+}
+
+/*
+ * A check layer of a session that lands in the node's buffers: the rows of the
+ * metric's plane come in one frame, or in the client's segment rows row_stride
+ * bytes apart (read where the node has them, e.g. a slice of its QKV output).
+ */
+static void fuse_check_layer(struct req *q, struct fuse_session *s,
+			     const struct fuse_layer_plan *plan)
+{
+	struct fuse_layer_result res = { 0 };
+	char err[KVBP_MESSAGE_MAX];
+	uint64_t stride = q->h.row_stride ? q->h.row_stride : plan->row_bytes, span = 0;
+	const void *rows;
+	void *in_shm = NULL;
+	uint32_t code;
+
+	if (q->h.rows != plan->rows_in) {
+		fail(q, KVBP_BAD_SHAPE, "check layer %" PRIu32 " takes %" PRIu32 " rows (%s); the "
+		     "request declares %" PRIu32, q->h.layer, plan->rows_in,
+		     plan->rows_in == plan->num_tokens ? "all tokens" : "the current selection",
+		     q->h.rows);
+		return;
+	}
+	if (q->h.has_shm) {
+		if (stride < plan->row_bytes) {
+			fail(q, KVBP_BAD_SHAPE, "row_stride %" PRIu64 " is below the row size %zu",
+			     stride, plan->row_bytes);
+			return;
+		}
+		if (plan->rows_in && (__builtin_mul_overflow((uint64_t)(plan->rows_in - 1), stride,
+							     &span) ||
+				      __builtin_add_overflow(span, plan->row_bytes, &span))) {
+			fail(q, KVBP_BAD_SHAPE, "%" PRIu32 " rows %" PRIu64 " bytes apart overflow",
+			     plan->rows_in, stride);
+			return;
+		}
+		if (q->n_payload || q->h.shm_length < span) {
+			fail(q, KVBP_BAD_SHAPE, "shared-memory input is %" PRIu64 " bytes in %zu "
+			     "frames; %" PRIu32 " rows %" PRIu64 " bytes apart span %" PRIu64 ", and no "
+			     "frames", q->h.shm_length, q->n_payload, plan->rows_in, stride, span);
+			return;
+		}
+		if (shm_acquire(q->srv->shm, q->h.shm_id, q->principal, q->h.shm_offset,
+				span ? span : 1, &in_shm)) {
+			fail(q, KVBP_BAD_SHM, "shared-memory segment %" PRIu64 ": unknown, expired or "
+			     "span outside it", q->h.shm_id);
+			return;
+		}
+		rows = in_shm;
+	} else {
+		uint64_t want = (uint64_t)plan->rows_in * plan->row_bytes;
+
+		if (q->n_payload != 1 || q->h.payload_frames != 1) {
+			fail(q, KVBP_BAD_FRAMES, "a check layer of a landing session takes 1 payload "
+			     "frame (the %s rows); got %zu", "metric plane's", q->n_payload);
+			return;
+		}
+		if (zmq_msg_size(&q->payload[0]) != want) {
+			fail(q, KVBP_BAD_SHAPE, "the metric rows are %zu bytes; expected %" PRIu64
+			     " (%" PRIu32 " rows x %zu bytes)", zmq_msg_size(&q->payload[0]), want,
+			     plan->rows_in, plan->row_bytes);
+			return;
+		}
+		rows = zmq_msg_data(&q->payload[0]);
+		stride = plan->row_bytes;
+	}
+	code = fuse_check_run(q->srv->fuse, s, rows, stride, &res, err, sizeof(err));
+	if (in_shm)
+		shm_release(q->srv->shm, q->h.shm_id);
+	if (code) {
+		fail(q, code, "%s", err);
+		free(res.selection);
+		free(res.dropped);
+		return;
+	}
+	q->out->rep.num_tokens = plan->num_tokens;
+	q->out->rep.next_layer = res.next_layer;
+	q->out->rep.rows_next = res.rows_next;
+	q->out->rep.has_selection = true;
+	q->out->rep.selection = res.selection;
+	q->out->rep.n_selection = res.n_selection;
+	q->out->rep.dropped = res.dropped;
+	q->out->rep.n_dropped = res.n_dropped;
 }
 
 static void op_fuse_layer(struct req *q)
@@ -1117,6 +1207,10 @@ static void op_fuse_layer(struct req *q)
 	if (code) {
 		fail(q, code, "%s", err);
 		return;
+	}
+	if (plan.land) {
+		fuse_check_layer(q, s, &plan);
+		goto out;
 	}
 	/* The ring is shared only if this client mapped it: else the layer goes in frames. */
 	plan.shared_ring = plan.shared_ring && q->h.shared_ring;

@@ -384,10 +384,11 @@ static void prefetch_enqueue(struct server *srv, uint64_t id)
 {
 	pthread_mutex_lock(&srv->pf_lock);
 	for (unsigned i = 0; i < srv->pf_len; i++)
-		if (srv->pf_queue[(srv->pf_head + i) % 256] == id)
+		if (srv->pf_queue[(srv->pf_head + i) % srv->pf_cap] == id)
 			goto out;
-	if (srv->pf_len < 256) {
-		srv->pf_queue[(srv->pf_head + srv->pf_len) % 256] = id;
+	/* Room for every session at once: a landing session is never dropped. */
+	if (srv->pf_len < srv->pf_cap) {
+		srv->pf_queue[(srv->pf_head + srv->pf_len) % srv->pf_cap] = id;
 		srv->pf_len++;
 		pthread_cond_signal(&srv->pf_cond);
 	}
@@ -408,10 +409,12 @@ static void *prefetch_main(void *arg)
 			continue;
 		}
 		id = srv->pf_queue[srv->pf_head];
-		srv->pf_head = (srv->pf_head + 1) % 256;
+		srv->pf_head = (srv->pf_head + 1) % srv->pf_cap;
 		srv->pf_len--;
 		pthread_mutex_unlock(&srv->pf_lock);
-		fuse_prefetch(srv->fuse, id);
+		/* A landing session with layers left goes to the back: sessions take turns. */
+		if (fuse_prefetch(srv->fuse, id))
+			prefetch_enqueue(srv, id);
 		pthread_mutex_lock(&srv->pf_lock);
 	}
 	pthread_mutex_unlock(&srv->pf_lock);
@@ -753,6 +756,10 @@ int server_start(struct server *srv, const struct config *cfg, struct store *sto
 			return rc;
 	}
 	log_info("fuse backend %s", srv->blend->name);
+	srv->pf_cap = (unsigned)cfg->fuse_max_sessions + 1;
+	srv->pf_queue = calloc(srv->pf_cap, sizeof(*srv->pf_queue));
+	if (!srv->pf_queue)
+		return -ENOMEM;
 	pthread_mutex_init(&srv->pf_lock, NULL);
 	pthread_cond_init(&srv->pf_cond, NULL);
 	srv->threads = calloc(n_workers, sizeof(*srv->threads));
@@ -918,6 +925,7 @@ void server_stop(struct server *srv)
 		if (!strncmp(srv->cfg->listen[i], "ipc://", 6))
 			unlink(srv->cfg->listen[i] + 6);
 	free(srv->in_frames);
+	free(srv->pf_queue);
 	srv->in_frames = NULL;
 	metrics_stop(&srv->metrics);
 	evictor_free(&srv->evict);

@@ -74,8 +74,8 @@ struct server {
 	bool prefetcher_started;
 	pthread_mutex_t pf_lock;
 	pthread_cond_t pf_cond;
-	uint64_t pf_queue[256];
-	unsigned pf_head, pf_len;
+	uint64_t *pf_queue; /* fuse sessions to load ahead for, pf_cap slots */
+	unsigned pf_head, pf_len, pf_cap;
 	bool pf_stop;
 	/* main thread only: frames of one incoming request, requests with the workers */
 	zmq_msg_t *in_frames;

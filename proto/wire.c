@@ -174,6 +174,7 @@ int kvbp_request_encode(const struct kvbp_request *req, uint8_t **buf, size_t *l
 	Kvblend__Request pb = KVBLEND__REQUEST__INIT;
 	Kvblend__Model model = KVBLEND__MODEL__INIT;
 	Kvblend__ShmRef shm = KVBLEND__SHM_REF__INIT, shm_out = KVBLEND__SHM_REF__INIT;
+	Kvblend__KvLayout land = KVBLEND__KV_LAYOUT__INIT;
 	Kvblend__Segment *segs = NULL, **seg_ptrs = NULL;
 	ProtobufCBinaryData *hashes = NULL;
 	int rc;
@@ -212,6 +213,22 @@ int kvbp_request_encode(const struct kvbp_request *req, uint8_t **buf, size_t *l
 	pb.shared_ring = req->shared_ring;
 	pb.ttl = req->ttl;
 	pb.progress = req->progress;
+	pb.reuse_only = req->reuse_only;
+	pb.row_stride = req->row_stride;
+	if (req->has_land) {
+		land.shm_id = req->land.shm_id;
+		land.k_offset = req->land.k_offset;
+		land.v_offset = req->land.v_offset;
+		land.layer_stride = req->land.layer_stride;
+		land.token_stride = req->land.token_stride;
+		land.head_stride = req->land.head_stride;
+		land.page_tokens = req->land.page_tokens;
+		land.page_stride = req->land.page_stride;
+		land.pages = req->land.pages;
+		land.n_pages = req->land.n_pages;
+		land.progress = req->land.progress;
+		pb.land = &land;
+	}
 	if (req->has_shm_out) {
 		shm_out.shm_id = req->shm_out_id;
 		shm_out.offset = req->shm_out_offset;
@@ -326,6 +343,30 @@ int kvbp_request_decode(const void *buf, size_t len, struct kvbp_request *out, c
 	r.shared_ring = pb->shared_ring;
 	r.ttl = pb->ttl;
 	r.progress = pb->progress;
+	r.reuse_only = pb->reuse_only;
+	r.row_stride = pb->row_stride;
+	if (pb->land) {
+		const Kvblend__KvLayout *g = pb->land;
+
+		if (g->n_pages > KVBP_PAGES_MAX) {
+			set_err(err, errlen, "%zu pages in a landing layout; the limit is %u",
+				g->n_pages, KVBP_PAGES_MAX);
+			rc = KVBP_TOO_LARGE;
+			goto out;
+		}
+		r.has_land = true;
+		r.land = (struct kvbp_layout){ g->shm_id, g->k_offset, g->v_offset,
+					       g->layer_stride, g->token_stride, g->head_stride,
+					       g->page_tokens, g->page_stride, NULL, 0,
+					       g->progress };
+		if (g->n_pages) {
+			r.land.pages = malloc(g->n_pages * sizeof(uint32_t));
+			if (!r.land.pages)
+				goto nomem;
+			memcpy(r.land.pages, g->pages, g->n_pages * sizeof(uint32_t));
+			r.land.n_pages = g->n_pages;
+		}
+	}
 	if (pb->shm_out) {
 		r.has_shm_out = true;
 		r.shm_out_id = pb->shm_out->shm_id;
@@ -436,6 +477,9 @@ void kvbp_request_clear(struct kvbp_request *req)
 	free(req->segments);
 	free(req->check_layers);
 	free(req->ratios);
+	free(req->land.pages);
+	req->land.pages = NULL;
+	req->land.n_pages = 0;
 	req->hashes = NULL;
 	req->segments = NULL;
 	req->check_layers = NULL;
@@ -468,6 +512,8 @@ int kvbp_reply_encode(const struct kvbp_reply *rep, uint8_t **buf, size_t *len)
 	pb.selection = rep->selection;
 	pb.n_selection = rep->n_selection;
 	pb.has_selection = rep->has_selection;
+	pb.dropped = rep->dropped;
+	pb.n_dropped = rep->n_dropped;
 	pb.has_fused = rep->has_fused;
 	pb.next_layer = rep->next_layer;
 	pb.rows_next = rep->rows_next;
@@ -577,6 +623,13 @@ int kvbp_reply_decode(const void *buf, size_t len, struct kvbp_reply *out, char 
 		memcpy(r.selection, pb->selection, pb->n_selection * sizeof(int32_t));
 		r.n_selection = pb->n_selection;
 	}
+	if (pb->n_dropped) {
+		r.dropped = malloc(pb->n_dropped * sizeof(int32_t));
+		if (!r.dropped)
+			goto nomem;
+		memcpy(r.dropped, pb->dropped, pb->n_dropped * sizeof(int32_t));
+		r.n_dropped = pb->n_dropped;
+	}
 	if (pb->n_models) {
 		r.models = calloc(pb->n_models, sizeof(*r.models));
 		if (!r.models)
@@ -639,6 +692,9 @@ void kvbp_reply_clear(struct kvbp_reply *rep)
 	free(rep->chunks);
 	free(rep->stats);
 	free(rep->selection);
+	free(rep->dropped);
+	rep->dropped = NULL;
+	rep->n_dropped = 0;
 	rep->models = NULL;
 	rep->chunks = NULL;
 	rep->stats = NULL;

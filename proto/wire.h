@@ -21,6 +21,15 @@
 /* Upper bounds on a fuse request's segments and check layers. */
 #define KVBP_SEGMENTS_MAX 4096
 #define KVBP_CHECKS_MAX 64
+/* Upper bound on the block table of a landing layout (pages of a session). */
+#define KVBP_PAGES_MAX (1u << 20)
+/*
+ * The 32-bit progress word of a landing fuse session: layers 0 .. (v & KVBP_LAND_COUNT)-1
+ * are in place; with KVBP_LAND_FAILED set landing stopped, and bits 24..30 hold the
+ * reply code saying why.
+ */
+#define KVBP_LAND_FAILED 0x80000000u
+#define KVBP_LAND_COUNT 0x00ffffffu
 
 enum kvbp_op {
 	KVBP_OP_NONE = 0,
@@ -109,6 +118,21 @@ struct kvbp_segment {
 	uint32_t count;
 };
 
+/* KvLayout in kvblend.proto: where a landing fuse session writes fused K and V. */
+struct kvbp_layout {
+	uint64_t shm_id;
+	uint64_t k_offset;
+	uint64_t v_offset;
+	uint64_t layer_stride;
+	uint64_t token_stride;
+	uint64_t head_stride;
+	uint32_t page_tokens;
+	uint64_t page_stride;
+	uint32_t *pages; /* owned by a decoded request */
+	size_t n_pages;
+	uint64_t progress;
+};
+
 struct kvbp_request {
 	uint32_t version;
 	uint64_t request_id;
@@ -153,6 +177,10 @@ struct kvbp_request {
 	/* GET into shared memory: 1 + the segment offset of a 64-bit word where the daemon
 	 * publishes how many bytes are ready, so the client can copy while it decodes */
 	uint64_t progress;
+	bool has_land; /* FUSE_OPEN into the node's buffers */
+	struct kvbp_layout land;
+	bool reuse_only;
+	uint64_t row_stride;
 };
 
 struct kvbp_reply {
@@ -185,6 +213,8 @@ struct kvbp_reply {
 	uint32_t ring_slot;
 	uint32_t ring_slots;
 	uint64_t slot_bytes;
+	int32_t *dropped; /* owned */
+	size_t n_dropped;
 };
 
 /*

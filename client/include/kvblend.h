@@ -251,7 +251,9 @@ struct kvb_fuse_params {
 typedef struct kvb_fuse kvb_fuse;
 
 /*
- * Open a session. On KVB_E_NOT_FOUND, *missing (if not NULL) receives the
+ * Open a session. With p NULL or no check layers it is reuse-only: nothing cached
+ * is recomputed, the layer calls start at layer 0 and carry the fresh tokens'
+ * rows (kvb_fuse_rows()). On KVB_E_NOT_FOUND, *missing (if not NULL) receives the
  * hashes of the chunks that are not stored (malloc'd, *n_missing of them; the
  * caller frees it): prefill and store them, then open again.
  */
@@ -288,6 +290,85 @@ KVB_API int kvb_fuse_output(const kvb_fuse *f, const void **k, const void **v);
  * counts, malloc'd, *n_stats of them. Accepts *f == NULL. */
 KVB_API int kvb_fuse_close(kvb_client *c, kvb_fuse **f, struct kvb_stat **stats,
 			   size_t *n_stats);
+
+/* ---- Landing fuse sessions: the fused layers go into the node's own KV cache ----
+ *
+ * An engine keeps its KV cache in its own memory and computes layer after layer.
+ * With a landing session the daemon writes the stored, re-rotated K and V rows of
+ * each layer straight into that cache, in the engine's layout, ahead of the node,
+ * and publishes per layer that it is in place. The node computes its own rows
+ * (the selected tokens) and writes them into its cache itself: nothing it computes
+ * travels to the daemon except, at check layers, the one plane the metric needs.
+ *
+ *   1. Put the KV cache in a region (kvb_region_alloc(): shared memory the daemon
+ *      can write; ipc:// endpoints only) and describe it (struct kvb_kv_layout).
+ *   2. kvb_fuse_open_into(). Layers up to and including the first check layer are
+ *      the node's: it computes all tokens there.
+ *   3. At each check layer call kvb_fuse_check() with the metric's plane (V rows,
+ *      or K rows for the key metric) of the kvb_fuse_rows() tokens; afterwards
+ *      kvb_fuse_rows() is the new selection and *dropped the rows to stop computing.
+ *   4. For every layer after the first check layer: compute the selected rows, call
+ *      kvb_fuse_wait(layer), then write the selected rows into the cache and
+ *      attend. Never write a landed layer's rows before kvb_fuse_wait() returns:
+ *      the daemon writes every cached token's row of the layer.
+ *   5. kvb_fuse_close(): once it returns, the daemon writes nothing more.
+ *
+ * A reuse-only session (params NULL or no check layers) recomputes nothing
+ * cached: every layer lands from layer 0, the node computes the fresh tokens only.
+ */
+
+/*
+ * Shared memory for the node's own buffers: size bytes, zeroed, page-aligned,
+ * readable and writable, valid until kvb_region_free() or kvb_close(). NULL when
+ * shared memory is not available (tcp://, or the daemon refuses: kvb_last_error()).
+ * A client holds at most 16 regions.
+ */
+KVB_API void *kvb_region_alloc(kvb_client *c, size_t size);
+KVB_API int kvb_region_free(kvb_client *c, void *region);
+
+/*
+ * Where element d of head h of token t (0 .. tokens-1, prompt order) of layer l
+ * lives: k (or v) + l * layer_stride + page(t) * page_stride + slot(t) *
+ * token_stride + h * head_stride + d * dtype size, where page(t) = pages[t /
+ * page_tokens] and slot(t) = t % page_tokens for a paged cache (page_tokens > 0),
+ * else page(t) = 0 and slot(t) = t. K and V lie in one region; they may interleave.
+ */
+struct kvb_kv_layout {
+	void *k; /* layer 0, token 0 (page 0, slot 0), head 0 */
+	void *v;
+	size_t layer_stride;
+	size_t token_stride;
+	size_t head_stride;
+	uint32_t page_tokens; /* 0: not paged */
+	size_t page_stride;
+	const uint32_t *pages; /* the block table: at least ceil(tokens / page_tokens) */
+	size_t n_pages;
+};
+
+/* Like kvb_fuse_open(), landing every fused layer in dst. p NULL (or no check
+ * layers): reuse only. */
+KVB_API int kvb_fuse_open_into(kvb_client *c, const char *model, const struct kvb_segment *segs,
+			       size_t n_segs, const struct kvb_fuse_params *p,
+			       const struct kvb_kv_layout *dst, kvb_fuse **out,
+			       uint8_t (**missing)[KVB_HASH_LEN], size_t *n_missing);
+
+/*
+ * Wait until layer is in the node's buffers (immediately for layers the node
+ * computes whole). Spins briefly, then sleeps on the progress word (a futex).
+ * Returns 0; -ETIMEDOUT after timeout_ms (-1: no limit); or the daemon's code
+ * (e.g. KVB_E_CORRUPT) when landing stopped: close the session.
+ */
+KVB_API int kvb_fuse_wait(kvb_client *c, kvb_fuse *f, uint32_t layer, int timeout_ms);
+
+/*
+ * A check layer of a landing session: rows holds the metric plane's rows of the
+ * kvb_fuse_rows() tokens, row i at rows + i * row_stride (0: rows packed). Rows in
+ * a region or the shared buffer are read where they are (no copy). Afterwards
+ * kvb_fuse_rows() is the new selection; *dropped (if not NULL) the tokens that
+ * were sent and are no longer selected, valid until the next call on f.
+ */
+KVB_API int kvb_fuse_check(kvb_client *c, kvb_fuse *f, uint32_t layer, const void *rows,
+			   size_t row_stride, const int32_t **dropped, size_t *n_dropped);
 
 /* Default chunk hash: BLAKE2b-256 over the token ids as little-endian uint32. */
 KVB_API void kvb_chunk_hash(const uint32_t *token_ids, size_t n, uint8_t out[KVB_HASH_LEN]);

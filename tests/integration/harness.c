@@ -149,6 +149,16 @@ kvb_client *daemon_client(const struct daemon *d, int no_shm)
 	return c;
 }
 
+void fill_f16(uint16_t *p, size_t n, uint32_t seed)
+{
+	uint32_t x = seed * 2654435761u + 7;
+
+	for (size_t i = 0; i < n; i++) {
+		x = x * 1103515245u + 12345u;
+		p[i] = (uint16_t)((x >> 31) << 15 | (13 + (x >> 28 & 3)) << 10 | (x >> 8 & 0x3ff));
+	}
+}
+
 double daemon_stat(kvb_client *c, const char *name)
 {
 	struct kvb_stat *s;

@@ -6,6 +6,8 @@
 #ifndef KVBLEND_TESTS_HARNESS_H
 #define KVBLEND_TESTS_HARNESS_H
 
+#include <stddef.h>
+#include <stdint.h>
 #include <sys/types.h>
 
 #include "kvblend.h"
@@ -30,6 +32,9 @@ void daemon_wait(struct daemon *d);
 void daemon_cleanup(struct daemon *d);
 /* The daemon's counter name from kvb_stats(); asserts that it exists. */
 double daemon_stat(kvb_client *c, const char *name);
+
+/* n deterministic small normal f16 values (sign, exponent 13..16, random mantissa) from seed. */
+void fill_f16(uint16_t *p, size_t n, uint32_t seed);
 
 /* A client connected to d; asserts success. */
 kvb_client *daemon_client(const struct daemon *d, int no_shm);

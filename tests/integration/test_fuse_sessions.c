@@ -37,17 +37,6 @@ struct fixture {
 	uint32_t tokens[3];
 };
 
-static void fill(uint16_t *p, size_t n, uint32_t seed)
-{
-	uint32_t x = seed * 2654435761u + 7;
-
-	for (size_t i = 0; i < n; i++) {
-		x = x * 1103515245u + 12345u;
-		/* small normal f16 values: sign, exponent 13..16, random mantissa */
-		p[i] = (uint16_t)((x >> 31) << 15 | (13 + (x >> 28 & 3)) << 10 | (x >> 8 & 0x3ff));
-	}
-}
-
 static int setup(void **state)
 {
 	struct fixture *f = calloc(1, sizeof(*f));
@@ -65,7 +54,7 @@ static int setup(void **state)
 		f->tokens[i] = 10 + 7 * i;
 		n = (size_t)L * 2 * f->tokens[i] * H * D;
 		kv = malloc(n * 2);
-		fill(kv, n, i + 1);
+		fill_f16(kv, n, i + 1);
 		kvb_chunk_hash(ids, 2, f->hash[i]);
 		assert_int_equal(kvb_put(f->c, "fm", f->hash[i], KVB_F16, f->tokens[i], 0, kv, n * 2,
 					 NULL), 0);
@@ -111,7 +100,7 @@ static int drive(kvb_client *c, kvb_fuse *fu, uint8_t *out_all, int32_t *sel_out
 	uint16_t *fresh = malloc((size_t)L * 2 * n * ROW);
 	int rc = 0;
 
-	fill(fresh, (size_t)L * 2 * n * H * D, 999);
+	fill_f16(fresh, (size_t)L * 2 * n * H * D, 999);
 	for (uint32_t l = kvb_fuse_next_layer(fu); l < L && !rc; l++) {
 		const int32_t *rows;
 		size_t nr = kvb_fuse_rows(fu, &rows);

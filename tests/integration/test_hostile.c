@@ -130,23 +130,13 @@ static uint32_t raw_call(struct raw *r, struct kvbp_request *req, const void *co
 static const struct kvb_model model = { .name = "hm", .num_layers = L, .num_kv_heads = H,
 					.head_dim = D, .dtype = KVB_F16, .rope_theta = 10000 };
 
-static void fill(uint16_t *p, size_t n, uint32_t seed)
-{
-	uint32_t x = seed * 2654435761u + 7;
-
-	for (size_t i = 0; i < n; i++) {
-		x = x * 1103515245u + 12345u;
-		p[i] = (uint16_t)((x >> 31) << 15 | (13 + (x >> 28 & 3)) << 10 | (x >> 8 & 0x3ff));
-	}
-}
-
 static void put_chunk(kvb_client *c, uint32_t id, uint8_t hash[KVB_HASH_LEN])
 {
 	size_t n = (size_t)L * 2 * T * H * D;
 	uint16_t *kv = malloc(n * 2);
 	uint32_t ids[2] = { 4242, id };
 
-	fill(kv, n, id);
+	fill_f16(kv, n, id);
 	kvb_chunk_hash(ids, 2, hash);
 	assert_int_equal(kvb_put(c, model.name, hash, KVB_F16, T, 0, kv, n * 2, NULL), 0);
 	free(kv);
@@ -332,7 +322,7 @@ static void send_big_puts(struct raw *r, int n, uint32_t tag, uint8_t (*hashes)[
 	const void *pl[2 * L];
 	size_t lens[2 * L];
 
-	fill((uint16_t *)layer, bytes / 2, tag);
+	fill_f16((uint16_t *)layer, bytes / 2, tag);
 	for (int i = 0; i < 2 * L; i++) {
 		pl[i] = layer;
 		lens[i] = bytes;
@@ -463,7 +453,7 @@ static void put_from_changing_shm(void **state)
 	assert_int_equal(kvb_model_register(c, &model, NULL), 0);
 	w.p = kvb_shared_buffer(c, bytes);
 	assert_non_null((void *)w.p);
-	fill((uint16_t *)w.p, bytes / 2, 5);
+	fill_f16((uint16_t *)w.p, bytes / 2, 5);
 	w.len = bytes;
 	assert_int_equal(pthread_create(&th, NULL, scribble, &w), 0);
 	for (uint32_t i = 0; i < 30; i++) {
@@ -901,7 +891,7 @@ static void unread_replies_are_bounded(void **state)
 	daemon_start(&d, args);
 	c = daemon_client(&d, 1);
 	assert_int_equal(kvb_model_register(c, &model, NULL), 0);
-	fill((uint16_t *)kv, bytes / 2, 3);
+	fill_f16((uint16_t *)kv, bytes / 2, 3);
 	kvb_chunk_hash(ids, 2, hash);
 	assert_int_equal(kvb_put(c, model.name, hash, KVB_F16, BIG_T, 0, kv, bytes, NULL), 0);
 	assert_int_equal(kvb_get(c, model.name, hash, 0, 0, out, bytes, NULL), 0);
@@ -1189,7 +1179,7 @@ static void tenants_are_isolated(void **state)
 	assert_int_equal(chmod(d.dir, 0755), 0);
 	c = daemon_client(&d, 0);
 	assert_int_equal(kvb_model_register(c, &model, NULL), 0);
-	fill((uint16_t *)mine, bytes / 2, 77);
+	fill_f16((uint16_t *)mine, bytes / 2, 77);
 	kvb_chunk_hash(ids, 2, hash);
 	assert_int_equal(kvb_put(c, model.name, hash, KVB_F16, T, 0, mine, bytes, NULL), 0);
 	assert_int_equal(kvb_pin(c, model.name, hash, 600), 0);
@@ -1227,7 +1217,7 @@ static int put_small(kvb_client *c, uint32_t first, uint32_t n)
 		uint8_t hash[KVB_HASH_LEN];
 		uint32_t ids[2] = { 9090, i };
 
-		fill(kv, bytes / 2, i);
+		fill_f16(kv, bytes / 2, i);
 		kvb_chunk_hash(ids, 2, hash);
 		rc = kvb_put(c, model.name, hash, KVB_F16, ST, 0, kv, bytes, NULL);
 	}

@@ -40,7 +40,7 @@ def stored_at(c, chunks, positions, layer):
     return np.concatenate(ks), np.concatenate(vs)
 
 
-def run(session, new, use_out=True):
+def run(session, new, use_out=True, reuse=False):
     """Drive a session over every layer from its first check layer; fused layers by index."""
     fused = {}
     first = session.next_layer
@@ -56,7 +56,7 @@ def run(session, new, use_out=True):
             k_out if use_out else None,
             v_out if use_out else None,
         )
-        assert got == (layer > first), f"layer {layer}: fused {got}"
+        assert got == (reuse or layer > first), f"layer {layer}: fused {got}"
         if got:
             view = session.output()
             if view is not None:
@@ -190,3 +190,122 @@ def test_client_close_closes_sessions(daemon, chunks):
         s.rows()
     with kvblend.Client(daemon.endpoint) as c2:  # the chunk is free again
         assert c2.lookup(M.name, [ha])[0].found
+
+
+def landing_run(c, session, new, k, v, strided=None):
+    """Drive a landing session as an engine does; k, v are its cache (views in a region)."""
+    n = session.tokens
+    first = session.check_layers[0] if session.check_layers else -1
+    plane = 0 if session.metric == "key" else 1
+    for layer in range(M.num_layers):
+        rows = session.rows()
+        if layer <= first:
+            k[layer, :n], v[layer, :n] = new[layer, 0], new[layer, 1]
+            session.wait(layer, timeout=0)
+        else:
+            session.wait(layer, timeout=10)
+            k[layer, rows], v[layer, rows] = new[layer, 0, rows], new[layer, 1, rows]
+        if layer in session.check_layers:
+            if strided is not None:
+                # a fused QKV output [rows, q | k | v] in the region: the V slice is strided
+                qkv = strided[: len(rows) * 3 * M.row_bytes].view(np.float16)
+                qkv = qkv.reshape(len(rows), 3, M.num_kv_heads, M.head_dim)
+                qkv[:, 2 if plane else 1] = new[layer, plane, rows]
+                metric_rows = qkv[:, 2 if plane else 1]
+            else:
+                metric_rows = new[layer, plane, rows]
+            dropped = session.check(layer, metric_rows)
+            after = session.rows()
+            assert np.array_equal(dropped, np.setdiff1d(rows, after))
+    return session.close()
+
+
+@pytest.mark.parametrize("metric", ["value", "key"])
+def test_landing_matches_classic(client, chunks, metric):
+    """The node's cache after a landing session == the classic session's fused layers."""
+    (ha, _), (hb, _) = chunks
+    segs = [(ha, 0), (NF, TA), (hb, TA + NF)]
+    n = TA + TB + NF
+    new = np.random.default_rng(7).standard_normal((M.num_layers, 2, n, 2, 16)).astype(np.float16)
+    with client.fuse_open(M.name, segs, [1, 3], [0.5, 0.25], metric) as s:
+        fused = run(s, new)
+    region = client.region(2 * M.num_layers * n * M.row_bytes + 3 * n * M.row_bytes)
+    cache = region[: 2 * M.num_layers * n * M.row_bytes].view(np.float16)
+    cache = cache.reshape(2, M.num_layers, n, M.num_kv_heads, M.head_dim)
+    qkv = region[2 * M.num_layers * n * M.row_bytes :]
+    for strided in (None, qkv):
+        cache[:] = 0
+        s = client.fuse_open_into(M.name, segs, cache[0], cache[1], [1, 3], [0.5, 0.25], metric)
+        assert isinstance(s, kvblend.LandingSession)
+        stats = landing_run(client, s, new, cache[0], cache[1], strided)
+        assert stats["layers_landed"] == M.num_layers - 2
+        for layer in range(2):
+            assert np.array_equal(cache[0, layer], new[layer, 0])
+        for layer, (kf, vf) in fused.items():
+            assert np.array_equal(cache[0, layer], kf), f"layer {layer} K"
+            assert np.array_equal(cache[1, layer], vf), f"layer {layer} V"
+    client.free_region(region)
+
+
+def test_landing_paged_and_reuse_only(client, chunks):
+    """A paged cache (K and V interleaved per block, blocks shuffled) and reuse-only."""
+    (ha, _), (hb, _) = chunks
+    segs = [(ha, 0), (NF, TA), (hb, TA + NF)]
+    n = TA + TB + NF
+    new = np.random.default_rng(8).standard_normal((M.num_layers, 2, n, 2, 16)).astype(np.float16)
+    page, blocks = 4, 8
+    pages = np.array([5, 2, 7, 0, 3, 1], np.uint32)[: -(-n // page)]
+    shape = (M.num_layers, blocks, 2, page, M.num_kv_heads, M.head_dim)
+    region = client.region(int(np.prod(shape)) * 2)
+    cache = region.view(np.float16).reshape(shape)
+    k, v = cache[:, :, 0], cache[:, :, 1]
+
+    def flat(x, layer):  # the prompt's tokens of one layer of a paged view
+        return np.concatenate([x[layer, b] for b in pages])[:n]
+
+    class Flat:
+        def __init__(self, x):
+            self.x = x
+
+        def __getitem__(self, key):
+            layer, idx = key
+            return flat(self.x, layer)[idx]
+
+        def __setitem__(self, key, val):
+            layer, idx = key
+            t = np.arange(n)[idx]
+            for i, tok in enumerate(np.atleast_1d(t)):
+                self.x[layer, pages[tok // page], tok % page] = np.asarray(val).reshape(-1, 2, 16)[i]
+
+    with client.fuse_open(M.name, segs, [1, 3], [0.5, 0.25]) as s:
+        fused = run(s, new)
+    s = client.fuse_open_into(M.name, segs, k, v, [1, 3], [0.5, 0.25], pages=pages)
+    landing_run(client, s, new, Flat(k), Flat(v))
+    for layer, (kf, vf) in fused.items():
+        assert np.array_equal(flat(k, layer), kf) and np.array_equal(flat(v, layer), vf)
+    # reuse only: every layer lands; the node computes the fresh tokens, from layer 0
+    with client.fuse_open(M.name, segs, [], []) as s:
+        assert s.next_layer == 0 and list(s.rows()) == list(range(TA, TA + NF))
+        fused = run(s, new, reuse=True)
+    cache[:] = 0
+    s = client.fuse_open_into(M.name, segs, k, v, pages=pages)
+    assert list(s.rows()) == list(range(TA, TA + NF))
+    with pytest.raises(kvblend.BadArgument, match="layer"):
+        s.layer(0, None, None)
+    landing_run(client, s, new, Flat(k), Flat(v))
+    for layer in range(M.num_layers):
+        kf, vf = fused[layer]
+        assert np.array_equal(flat(k, layer), kf) and np.array_equal(flat(v, layer), vf)
+    client.free_region(region)
+
+
+def test_landing_layout_errors(client, chunks):
+    (ha, _), _ = chunks
+    region = client.region(2 * M.num_layers * TA * M.row_bytes)
+    cache = region.view(np.float16).reshape(2, M.num_layers, TA, 2, 16)
+    heap = np.zeros_like(cache)
+    with pytest.raises(kvblend.BadArgument, match="region"):
+        client.fuse_open_into(M.name, [(ha, 0)], heap[0], heap[1], [1], [0.5])
+    with pytest.raises(kvblend.BadArgument, match="shape"):
+        client.fuse_open_into(M.name, [(ha, 0)], cache[0, 1:], cache[1, 1:], [1], [0.5])
+    client.free_region(region)

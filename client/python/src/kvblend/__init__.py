@@ -29,6 +29,7 @@ from .client import (
     ChunkInfo,
     Client,
     FuseSession,
+    LandingSession,
     Model,
     Segment,
     chunk_hash,

@@ -97,6 +97,22 @@ class KvbFuseParams(ctypes.Structure):
     ]
 
 
+class KvbKvLayout(ctypes.Structure):
+    """struct kvb_kv_layout."""
+
+    _fields_ = [
+        ("k", ctypes.c_void_p),
+        ("v", ctypes.c_void_p),
+        ("layer_stride", ctypes.c_size_t),
+        ("token_stride", ctypes.c_size_t),
+        ("head_stride", ctypes.c_size_t),
+        ("page_tokens", ctypes.c_uint32),
+        ("page_stride", ctypes.c_size_t),
+        ("pages", ctypes.POINTER(ctypes.c_uint32)),
+        ("n_pages", ctypes.c_size_t),
+    ]
+
+
 HashArray = ctypes.c_uint8 * HASH_LEN
 _P = ctypes.c_void_p
 _HASH = ctypes.POINTER(ctypes.c_uint8)
@@ -143,6 +159,27 @@ _PROTOTYPES = {
             _PSZ,
         ],
     ),
+    "kvb_fuse_open_into": (
+        _INT,
+        [
+            _P,
+            _STR,
+            ctypes.POINTER(KvbSegment),
+            _SZ,
+            ctypes.POINTER(KvbFuseParams),
+            ctypes.POINTER(KvbKvLayout),
+            ctypes.POINTER(_P),
+            ctypes.POINTER(_HASH),
+            _PSZ,
+        ],
+    ),
+    "kvb_fuse_wait": (_INT, [_P, _P, _U32, _INT]),
+    "kvb_fuse_check": (
+        _INT,
+        [_P, _P, _U32, _P, _SZ, ctypes.POINTER(ctypes.POINTER(ctypes.c_int32)), _PSZ],
+    ),
+    "kvb_region_alloc": (_P, [_P, _SZ]),
+    "kvb_region_free": (_INT, [_P, _P]),
     "kvb_fuse_tokens": (_U32, [_P]),
     "kvb_fuse_next_layer": (_U32, [_P]),
     "kvb_fuse_rows": (_SZ, [_P, ctypes.POINTER(ctypes.POINTER(ctypes.c_int32))]),

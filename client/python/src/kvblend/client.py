@@ -677,6 +677,159 @@ class Client:
             return None
         return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(p))
 
+    def region(self, nbytes: int) -> np.ndarray:
+        """Allocate shared memory for the node's own buffers; return a writable uint8 view.
+
+        Put the node's KV cache here (``.view(dtype).reshape(...)``) so that a landing
+        session (:meth:`fuse_open_into`) can write fused layers straight into it.
+        Zeroed and page-aligned; valid until :meth:`free_region` or :meth:`close`
+        (after that the view points at unmapped memory). ipc:// endpoints only.
+
+        Raises
+        ------
+        KvblendError
+            Shared memory is not available (tcp://) or the daemon refused the size.
+        """
+        with self._lock:
+            p = lib.kvb_region_alloc(self._handle(), nbytes)
+            if not p:
+                msg = lib.kvb_last_error(self._c).decode(errors="replace")
+                raise error_for(-12 if "memory" in msg else -95, msg)
+        return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(p))
+
+    def free_region(self, region: np.ndarray) -> None:
+        """Release a region from :meth:`region` (pass the array it returned)."""
+        with self._lock:
+            self._check(lib.kvb_region_free(self._handle(), ctypes.c_void_p(region.ctypes.data)))
+
+    def _fuse_args(
+        self,
+        segments: Sequence[Segment | tuple],
+        check_layers: Sequence[int],
+        ratios: Sequence[float],
+        metric: str,
+    ) -> tuple[Any, int, Any]:
+        segs = [_segment(s) for s in segments]
+        if len(check_layers) != len(ratios):
+            raise BadArgument(-22, "one ratio per check layer")
+        if metric not in _lib.METRICS:
+            raise BadArgument(-22, f"metric '{metric}': value or key")
+        carr = (KvbSegment * max(len(segs), 1))()
+        for i, s in enumerate(segs):
+            carr[i].fresh = int(s.hash is None)
+            if s.hash is not None:
+                ctypes.memmove(carr[i].hash, s.hash, HASH_LEN)
+            carr[i].pos = s.pos
+            carr[i].count = s.count
+        checks = (ctypes.c_uint32 * max(len(check_layers), 1))(*check_layers)
+        rat = (ctypes.c_double * max(len(ratios), 1))(*ratios)
+        params = _lib.KvbFuseParams(checks, rat, len(check_layers), _lib.METRICS[metric])
+        # keep the arrays alive with the params
+        params._keep = (checks, rat)  # type: ignore[attr-defined]
+        return carr, len(segs), params
+
+    def _open_call(self, fn: Any, model: str, args: tuple) -> ctypes.c_void_p:
+        f = ctypes.c_void_p()
+        missing = ctypes.POINTER(ctypes.c_uint8)()
+        n_missing = ctypes.c_size_t(0)
+        with self._lock:
+            rc = fn(
+                self._handle(),
+                _name(model),
+                *args,
+                ctypes.byref(f),
+                ctypes.byref(missing),
+                ctypes.byref(n_missing),
+            )
+            if rc:
+                hashes = []
+                if missing:
+                    raw = ctypes.string_at(missing, HASH_LEN * n_missing.value)
+                    hashes = [raw[i : i + HASH_LEN] for i in range(0, len(raw), HASH_LEN)]
+                    _lib.free(missing)
+                self._raise(rc, **({"missing": hashes} if hashes else {}))
+        return f
+
+    def fuse_open_into(
+        self,
+        model: str,
+        segments: Sequence[Segment | tuple],
+        k: np.ndarray,
+        v: np.ndarray,
+        check_layers: Sequence[int] = (),
+        ratios: Sequence[float] = (),
+        metric: str = "value",
+        pages: Sequence[int] | np.ndarray | None = None,
+    ) -> LandingSession:
+        """Open a fuse session that lands every fused layer in the node's own KV cache.
+
+        The daemon writes the stored, re-rotated K and V rows of each layer after the
+        first check layer into ``k`` and ``v`` itself, ahead of the node; the node
+        computes the selected rows, waits for the layer (:meth:`LandingSession.wait`),
+        then writes its rows and attends. At check layers it sends only the metric's
+        plane (:meth:`LandingSession.check`). With no check layers the session is
+        reuse-only: every layer lands, the node computes the fresh tokens only.
+
+        Parameters
+        ----------
+        k, v : ndarray
+            Views into one :meth:`region`, in the model's dtype: ``[layers, tokens,
+            kv_heads, head_dim]``, or with ``pages`` a paged cache ``[layers, blocks,
+            page_tokens, kv_heads, head_dim]``. Any strides (K and V the same ones;
+            head_dim contiguous): e.g. K and V interleaved in one array.
+        pages : sequence of int, optional
+            The block table: token t of the prompt is in block ``pages[t //
+            page_tokens]``, slot ``t % page_tokens``.
+
+        Raises
+        ------
+        NotFound
+            Some chunks are not stored; ``err.missing`` lists their hashes.
+        BadArgument
+            The arrays do not describe a layout of this model in one region.
+        """
+        m = self._model(model)
+        paged = pages is not None
+        nd = 5 if paged else 4
+        for name, a in (("k", k), ("v", v)):
+            if not isinstance(a, np.ndarray) or a.ndim != nd:
+                raise BadArgument(-22, f"{name} must be a {nd}-dimensional ndarray")
+            if a.dtype.itemsize != m.np_dtype.itemsize or a.strides[-1] != a.dtype.itemsize:
+                raise BadArgument(-22, f"{name}: elements of {m.np_dtype}, head_dim contiguous")
+            if a.shape[0] != m.num_layers or a.shape[-2:] != (m.num_kv_heads, m.head_dim):
+                raise BadArgument(
+                    -22,
+                    f"{name} shape {a.shape}: layers {m.num_layers} first, "
+                    f"({m.num_kv_heads}, {m.head_dim}) last",
+                )
+            if not a.flags.writeable:
+                raise BadArgument(-22, f"{name} must be writable")
+        if k.strides != v.strides or k.shape != v.shape:
+            raise BadArgument(-22, "k and v must have the same shape and strides")
+        if min(k.strides) < 0:
+            raise BadArgument(-22, "negative strides are not supported")
+        lay = _lib.KvbKvLayout()
+        lay.k = k.ctypes.data
+        lay.v = v.ctypes.data
+        lay.layer_stride = k.strides[0]
+        lay.head_stride = k.strides[-2]
+        lay.token_stride = k.strides[-3]
+        table = None
+        if paged:
+            table = np.ascontiguousarray(np.asarray(pages, dtype=np.uint32))
+            if table.size and int(table.max()) >= k.shape[1]:
+                raise BadArgument(-22, f"block {int(table.max())} outside the {k.shape[1]} blocks")
+            lay.page_tokens = k.shape[2]
+            lay.page_stride = k.strides[1]
+            lay.pages = table.ctypes.data_as(ctypes.POINTER(ctypes.c_uint32))
+            lay.n_pages = table.size
+        carr, n, params = self._fuse_args(segments, check_layers, ratios, metric)
+        p = ctypes.byref(params) if len(check_layers) else None
+        f = self._open_call(lib.kvb_fuse_open_into, model, (carr, n, p, ctypes.byref(lay)))
+        s = LandingSession(self, f, m, tuple(check_layers), metric, (k, v, table))
+        self._sessions.append(s)
+        return s
+
     def fuse_open(
         self,
         model: str,
@@ -695,7 +848,9 @@ class Client:
             The prompt in token order; a tuple ``(hash, pos)`` is a chunk and
             ``(count, pos)`` with an int count is fresh tokens.
         check_layers : sequence of int
-            Increasing layers at which the selection is made and narrowed.
+            Increasing layers at which the selection is made and narrowed. Empty:
+            reuse only (nothing cached recomputed; the layer calls start at layer 0
+            and carry the fresh tokens' rows).
         ratios : sequence of float
             One per check layer, in [0, 1], not increasing.
         metric : str
@@ -710,43 +865,10 @@ class Client:
         NotFound
             Some chunks are not stored; ``err.missing`` lists their hashes.
         """
-        segs = [_segment(s) for s in segments]
-        if len(check_layers) != len(ratios):
-            raise BadArgument(-22, "one ratio per check layer")
-        if metric not in _lib.METRICS:
-            raise BadArgument(-22, f"metric '{metric}': value or key")
         m = self._model(model)
-        carr = (KvbSegment * max(len(segs), 1))()
-        for i, s in enumerate(segs):
-            carr[i].fresh = int(s.hash is None)
-            if s.hash is not None:
-                ctypes.memmove(carr[i].hash, s.hash, HASH_LEN)
-            carr[i].pos = s.pos
-            carr[i].count = s.count
-        checks = (ctypes.c_uint32 * max(len(check_layers), 1))(*check_layers)
-        rat = (ctypes.c_double * max(len(ratios), 1))(*ratios)
-        params = _lib.KvbFuseParams(checks, rat, len(check_layers), _lib.METRICS[metric])
-        f = ctypes.c_void_p()
-        missing = ctypes.POINTER(ctypes.c_uint8)()
-        n_missing = ctypes.c_size_t(0)
-        with self._lock:
-            rc = lib.kvb_fuse_open(
-                self._handle(),
-                _name(model),
-                carr,
-                len(segs),
-                ctypes.byref(params),
-                ctypes.byref(f),
-                ctypes.byref(missing),
-                ctypes.byref(n_missing),
-            )
-            if rc:
-                hashes = []
-                if missing:
-                    raw = ctypes.string_at(missing, HASH_LEN * n_missing.value)
-                    hashes = [raw[i : i + HASH_LEN] for i in range(0, len(raw), HASH_LEN)]
-                    _lib.free(missing)
-                self._raise(rc, **({"missing": hashes} if hashes else {}))
+        carr, n, params = self._fuse_args(segments, check_layers, ratios, metric)
+        p = ctypes.byref(params) if len(check_layers) else None
+        f = self._open_call(lib.kvb_fuse_open, model, (carr, n, p))
         s = FuseSession(self, f, m)
         self._sessions.append(s)
         return s
@@ -942,3 +1064,97 @@ class FuseSession:
 
 
 _EMPTY = (ctypes.c_uint8 * 1)()
+
+
+class LandingSession(FuseSession):
+    """A fuse session that lands fused layers in the node's own buffers.
+
+    Made by :meth:`Client.fuse_open_into`. Per layer, the node:
+
+    * up to and including the first check layer: computes every token itself;
+    * at a check layer: :meth:`check` with the metric's plane (V, or K for the key
+      metric) of :meth:`rows`; it returns the rows to stop computing;
+    * after the first check layer: computes the selected rows (:meth:`rows`), then
+      :meth:`wait` for the layer, then writes its rows into its cache and attends.
+
+    Close it (or leave the ``with`` block) before reusing the buffers: once
+    :meth:`close` returns the daemon writes nothing more.
+    """
+
+    def __init__(
+        self,
+        client: Client,
+        handle: ctypes.c_void_p,
+        model: Model,
+        check_layers: tuple[int, ...],
+        metric: str,
+        keep: tuple,
+    ) -> None:
+        super().__init__(client, handle, model)
+        self.check_layers = check_layers
+        self.metric = metric
+        self._keep = keep  # the arrays the daemon writes into, and the block table
+
+    def layer(self, *args: Any, **kwargs: Any) -> bool:  # noqa: D102 - refused
+        raise BadArgument(-22, "a landing session takes check() and wait(), not layer()")
+
+    def wait(self, layer: int, timeout: float | None = None) -> None:
+        """Block until ``layer`` is in the node's buffers (at once for its own layers).
+
+        Raises
+        ------
+        TimeoutError
+            Not landed within ``timeout`` seconds.
+        KvblendError
+            The daemon stopped landing (e.g. ``Corrupt``): close the session.
+        """
+        ms = -1 if timeout is None else max(0, int(timeout * 1000))
+        c = self._client
+        with c._lock:
+            rc = lib.kvb_fuse_wait(c._handle(), self._handle(), layer, ms)
+            if rc == -110:
+                raise TimeoutError(lib.kvb_last_error(c._c).decode(errors="replace"))
+            c._check(rc)
+
+    def check(self, layer: int, rows: Any) -> np.ndarray:
+        """Send the metric's plane at a check layer; return the dropped tokens.
+
+        ``rows`` holds the V rows (K for the key metric) of :meth:`rows`, ``[rows,
+        kv_heads, head_dim]`` or ``[rows, kv_heads * head_dim]``; rows may be strided
+        (e.g. a column slice of a fused QKV output): in a :meth:`Client.region` or the
+        shared buffer they are read where they are. Afterwards :meth:`rows` is the new
+        selection; the returned int32 array lists the tokens sent that are no longer
+        selected (sorted).
+        """
+        m = self.model
+        a = _as_array(rows)
+        n = int(lib.kvb_fuse_rows(self._handle(), None))
+        if a.ndim < 2 or a.shape[0] != n or a.dtype.itemsize != m.np_dtype.itemsize:
+            raise BadArgument(
+                -22, f"rows must be [{n}, {m.num_kv_heads}, {m.head_dim}] of {m.np_dtype}"
+            )
+        inner = a[0] if n else a.reshape(-1)
+        if n and (not inner.flags.c_contiguous or inner.nbytes != m.row_bytes or a.strides[0] < 0):
+            a = np.ascontiguousarray(a)
+        if a.nbytes and a.size != n * m.num_kv_heads * m.head_dim:
+            raise BadArgument(-22, f"rows must be [{n}, {m.num_kv_heads}, {m.head_dim}]")
+        stride = a.strides[0] if n else 0
+        ptr = a.ctypes.data if a.nbytes else ctypes.addressof(_EMPTY)
+        dp = ctypes.POINTER(ctypes.c_int32)()
+        nd = ctypes.c_size_t(0)
+        c = self._client
+        with c._lock:
+            c._check(
+                lib.kvb_fuse_check(
+                    c._handle(),
+                    self._f,
+                    layer,
+                    ctypes.c_void_p(ptr),
+                    stride,
+                    ctypes.byref(dp),
+                    ctypes.byref(nd),
+                )
+            )
+        if nd.value == 0:
+            return np.empty(0, np.int32)
+        return np.ctypeslib.as_array(dp, shape=(nd.value,)).copy()

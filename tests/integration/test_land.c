@@ -1,0 +1,440 @@
+/*
+ * Landing fuse sessions through the real kvblendd and libkvblend: the daemon
+ * writes fused layers into the node's own buffers (a region), in contiguous,
+ * padded and paged layouts, and the result must be byte for byte what the
+ * classic session (kvb_fuse_layer) returns for the same request; check layers
+ * take only the metric's plane (packed, strided in place, or in frames) and
+ * name the dropped rows; reuse-only sessions; errors; nothing lands after close.
+ */
+#include <errno.h>
+#include <setjmp.h>
+#include <stdbool.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+
+#include "harness.h"
+
+#define L 6
+#define H 2
+#define D 8
+#define ROW (H * D * 2)
+#define N 46 /* 10 + 5 fresh + 17 + 14 */
+
+static const struct kvb_model model = { .name = "lm", .num_layers = L, .num_kv_heads = H,
+					.head_dim = D, .dtype = KVB_F16, .rope_theta = 10000 };
+
+struct fixture {
+	struct daemon d;
+	kvb_client *c;
+	uint8_t hash[3][KVB_HASH_LEN];
+	uint16_t *fresh; /* [L][2][N][H][D]: what the node computes for every token */
+};
+
+static const uint32_t chunk_tokens[3] = { 10, 17, 14 };
+
+static int setup(void **state)
+{
+	struct fixture *f = calloc(1, sizeof(*f));
+	const char *args[] = { "--fuse-idle", "30", NULL };
+
+	daemon_start(&f->d, args);
+	f->c = daemon_client(&f->d, 0);
+	assert_int_equal(kvb_model_register(f->c, &model, NULL), 0);
+	for (uint32_t i = 0; i < 3; i++) {
+		uint32_t ids[2] = { 91, i };
+		size_t n = (size_t)L * 2 * chunk_tokens[i] * H * D;
+		uint16_t *kv = malloc(n * 2);
+
+		fill_f16(kv, n, i + 1);
+		kvb_chunk_hash(ids, 2, f->hash[i]);
+		assert_int_equal(kvb_put(f->c, "lm", f->hash[i], KVB_F16, chunk_tokens[i], 3 * i, kv,
+					 n * 2, NULL), 0);
+		free(kv);
+	}
+	f->fresh = malloc((size_t)L * 2 * N * ROW);
+	fill_f16(f->fresh, (size_t)L * 2 * N * H * D, 4242);
+	*state = f;
+	return 0;
+}
+
+static int teardown(void **state)
+{
+	struct fixture *f = *state;
+
+	kvb_close(&f->c);
+	daemon_stop(&f->d);
+	daemon_cleanup(&f->d);
+	free(f->fresh);
+	free(f);
+	return 0;
+}
+
+/* chunk 0 at 0, 5 fresh at 10, chunk 1 at 15, chunk 2 at 32: 46 tokens */
+static size_t segments(struct fixture *f, struct kvb_segment *s)
+{
+	memset(s, 0, 4 * sizeof(*s));
+	memcpy(s[0].hash, f->hash[0], KVB_HASH_LEN);
+	s[1].fresh = 1;
+	s[1].count = 5;
+	s[1].pos = 10;
+	memcpy(s[2].hash, f->hash[1], KVB_HASH_LEN);
+	s[2].pos = 15;
+	memcpy(s[3].hash, f->hash[2], KVB_HASH_LEN);
+	s[3].pos = 32;
+	return 4;
+}
+
+static const uint8_t *fresh_row(struct fixture *f, uint32_t l, int kv, uint32_t t)
+{
+	return (const uint8_t *)f->fresh + (((size_t)l * 2 + (size_t)kv) * N + t) * ROW;
+}
+
+/*
+ * The classic session's answer: ref[l] = fused K and V of all tokens ([L][2][N] rows);
+ * layers the node computes whole hold its fresh rows. sel_hist[i] the selection
+ * after check i.
+ */
+static void classic(struct fixture *f, const struct kvb_fuse_params *p, uint8_t *ref)
+{
+	struct kvb_segment segs[4];
+	size_t ns = segments(f, segs);
+	uint8_t *k = malloc((size_t)N * ROW), *v = malloc((size_t)N * ROW);
+	kvb_fuse *fu;
+
+	assert_int_equal(kvb_fuse_open(f->c, "lm", segs, ns, p, &fu, NULL, NULL), 0);
+	for (uint32_t l = 0; l < L; l++) {
+		const int32_t *rows;
+		size_t nr;
+		int fused = 0;
+
+		if (l < kvb_fuse_next_layer(fu)) {
+			/* before the first check layer: the node's own */
+			memcpy(ref + (size_t)l * 2 * N * ROW, fresh_row(f, l, 0, 0), 2 * (size_t)N * ROW);
+			continue;
+		}
+		nr = kvb_fuse_rows(fu, &rows);
+		for (size_t i = 0; i < nr; i++) {
+			memcpy(k + i * ROW, fresh_row(f, l, 0, (uint32_t)rows[i]), ROW);
+			memcpy(v + i * ROW, fresh_row(f, l, 1, (uint32_t)rows[i]), ROW);
+		}
+		assert_int_equal(kvb_fuse_layer(f->c, fu, l, k, v, ref + (size_t)l * 2 * N * ROW,
+						ref + ((size_t)l * 2 + 1) * N * ROW, &fused), 0);
+		if (!fused)
+			memcpy(ref + (size_t)l * 2 * N * ROW, fresh_row(f, l, 0, 0), 2 * (size_t)N * ROW);
+	}
+	assert_int_equal(kvb_fuse_close(f->c, &fu, NULL, NULL), 0);
+	free(k);
+	free(v);
+}
+
+static uint8_t *row_at(const struct kvb_kv_layout *y, int kv, uint32_t l, uint32_t t, uint32_t h)
+{
+	uint8_t *p = (uint8_t *)(kv ? y->v : y->k) + (size_t)l * y->layer_stride + h * y->head_stride;
+
+	if (y->page_tokens)
+		return p + (size_t)y->pages[t / y->page_tokens] * y->page_stride +
+		       (size_t)(t % y->page_tokens) * y->token_stride;
+	return p + (size_t)t * y->token_stride;
+}
+
+static void put_row(const struct kvb_kv_layout *y, int kv, uint32_t l, uint32_t t,
+		    const uint8_t *src)
+{
+	for (uint32_t h = 0; h < H; h++)
+		memcpy(row_at(y, kv, l, t, h), src + h * D * 2, D * 2);
+}
+
+static void get_row(const struct kvb_kv_layout *y, int kv, uint32_t l, uint32_t t, uint8_t *dst)
+{
+	for (uint32_t h = 0; h < H; h++)
+		memcpy(dst + h * D * 2, row_at(y, kv, l, t, h), D * 2);
+}
+
+enum check_input { PACKED, STRIDED_REGION, STRIDED_HEAP };
+
+/*
+ * Drive a landing session the way an engine does, into layout y; then compare every
+ * layer of y with ref. qkv: a [N][3 rows] buffer the strided check rows come from.
+ */
+static void landed(struct fixture *f, const struct kvb_fuse_params *p,
+		   const struct kvb_kv_layout *y, enum check_input in, uint8_t *qkv,
+		   const uint8_t *ref)
+{
+	struct kvb_segment segs[4];
+	size_t ns = segments(f, segs);
+	uint32_t first = p && p->n_checks ? p->check_layers[0] : 0, reuse = !(p && p->n_checks);
+	int plane = p && p->metric == KVB_METRIC_KEY ? 0 : 1;
+	size_t ci = 0;
+	uint8_t row[ROW];
+	kvb_fuse *fu;
+
+	assert_int_equal(kvb_fuse_open_into(f->c, "lm", segs, ns, p, y, &fu, NULL, NULL), 0);
+	for (uint32_t l = 0; l < L; l++) {
+		const int32_t *rows, *dropped;
+		size_t nr = kvb_fuse_rows(fu, &rows), nd, prev_n = nr;
+		int32_t prev[N];
+		bool check = !reuse && ci < p->n_checks && p->check_layers[ci] == l;
+
+		memcpy(prev, rows, nr * sizeof(int32_t));
+		if (!reuse && l <= first) {
+			/* the node's own layers: every token */
+			for (uint32_t t = 0; t < N; t++) {
+				put_row(y, 0, l, t, fresh_row(f, l, 0, t));
+				put_row(y, 1, l, t, fresh_row(f, l, 1, t));
+			}
+			assert_int_equal(kvb_fuse_wait(f->c, fu, l, 0), 0);
+		} else {
+			assert_int_equal(kvb_fuse_wait(f->c, fu, l, 10000), 0);
+			for (size_t i = 0; i < nr; i++) {
+				put_row(y, 0, l, (uint32_t)rows[i], fresh_row(f, l, 0, (uint32_t)rows[i]));
+				put_row(y, 1, l, (uint32_t)rows[i], fresh_row(f, l, 1, (uint32_t)rows[i]));
+			}
+		}
+		if (!check)
+			continue;
+		/* The metric's plane (V) of the rows the session asks for. */
+		if (in == PACKED) {
+			uint8_t *pk = malloc(nr * ROW + 1);
+
+			for (size_t i = 0; i < nr; i++)
+				memcpy(pk + i * ROW, fresh_row(f, l, plane, (uint32_t)rows[i]), ROW);
+			assert_int_equal(kvb_fuse_check(f->c, fu, l, pk, 0, &dropped, &nd), 0);
+			free(pk);
+		} else {
+			/* rows of a fused QKV output: [q | k | v] per token, V at 2 * ROW */
+			for (size_t i = 0; i < nr; i++) {
+				memset(qkv + i * 3 * ROW, 0xa5, 2 * ROW);
+				memcpy(qkv + i * 3 * ROW + 2 * ROW,
+				       fresh_row(f, l, plane, (uint32_t)rows[i]), ROW);
+			}
+			assert_int_equal(kvb_fuse_check(f->c, fu, l, qkv + 2 * ROW, 3 * ROW, &dropped,
+							&nd), 0);
+		}
+		ci++;
+		/* dropped = the rows sent, less the new selection */
+		nr = kvb_fuse_rows(fu, &rows);
+		{
+			size_t k = 0;
+
+			for (size_t i = 0, j = 0; i < prev_n; i++) {
+				while (j < nr && rows[j] < prev[i])
+					j++;
+				if (j == nr || rows[j] != prev[i]) {
+					assert_true(k < nd);
+					assert_int_equal(dropped[k], prev[i]);
+					k++;
+				}
+			}
+			assert_int_equal(k, nd);
+		}
+	}
+	/* wrong calls on a landing session leave it usable */
+	assert_int_equal(kvb_fuse_layer(f->c, fu, 0, row, row, NULL, NULL, NULL), -EINVAL);
+	assert_int_equal(kvb_fuse_close(f->c, &fu, NULL, NULL), 0);
+	for (uint32_t l = 0; l < L; l++)
+		for (int kv = 0; kv < 2; kv++)
+			for (uint32_t t = 0; t < N; t++) {
+				get_row(y, kv, l, t, row);
+				if (memcmp(row, ref + (((size_t)l * 2 + (size_t)kv) * N + t) * ROW, ROW))
+					fail_msg("layer %u %c token %u differs from the classic session",
+						 l, kv ? 'V' : 'K', t);
+			}
+}
+
+static const uint32_t checks2[2] = { 1, 3 };
+static const double ratios2[2] = { 0.5, 0.25 };
+
+static void test_contiguous_matches_classic(void **state)
+{
+	struct fixture *f = *state;
+	struct kvb_fuse_params p = { checks2, ratios2, 2, KVB_METRIC_VALUE };
+	size_t layer = (size_t)N * ROW;
+	uint8_t *ref = malloc((size_t)L * 2 * N * ROW);
+	uint8_t *reg = kvb_region_alloc(f->c, 2 * L * layer + 3 * (size_t)N * ROW);
+	struct kvb_kv_layout y = { reg, reg + L * layer, layer, ROW, D * 2, 0, 0, NULL, 0 };
+
+	assert_non_null(reg);
+	classic(f, &p, ref);
+	/* direct landing; check rows packed, in place in the region, from the heap */
+	landed(f, &p, &y, PACKED, NULL, ref);
+	memset(reg, 0, 2 * L * layer);
+	landed(f, &p, &y, STRIDED_REGION, reg + 2 * L * layer, ref);
+	{
+		uint8_t *heap = malloc(3 * (size_t)N * ROW);
+
+		memset(reg, 0, 2 * L * layer);
+		landed(f, &p, &y, STRIDED_HEAP, heap, ref);
+		free(heap);
+	}
+	/* the key metric too */
+	p.metric = KVB_METRIC_KEY;
+	classic(f, &p, ref);
+	memset(reg, 0, 2 * L * layer);
+	landed(f, &p, &y, PACKED, NULL, ref);
+	free(ref);
+	assert_int_equal(kvb_region_free(f->c, reg), 0);
+}
+
+static void test_paged_and_padded_match_classic(void **state)
+{
+	struct fixture *f = *state;
+	struct kvb_fuse_params p = { checks2, ratios2, 2, KVB_METRIC_VALUE };
+	uint8_t *ref = malloc((size_t)L * 2 * N * ROW);
+	/* paged: blocks of 4 tokens, K and V interleaved in a block, blocks shuffled */
+	enum { PT = 4, NB = 16 };
+	uint32_t pages[NB];
+	size_t block = 2 * PT * ROW, layer = NB * block;
+	uint8_t *reg = kvb_region_alloc(f->c, L * layer);
+	struct kvb_kv_layout y = { reg, reg + PT * ROW, layer, ROW, D * 2, PT, block, pages, NB };
+
+	assert_non_null(reg);
+	for (uint32_t i = 0; i < NB; i++)
+		pages[i] = (i * 7 + 3) % NB;
+	classic(f, &p, ref);
+	landed(f, &p, &y, PACKED, NULL, ref);
+	assert_int_equal(kvb_region_free(f->c, reg), 0);
+	/* padded heads: [L][N][H][D + 4], K then V */
+	{
+		size_t hs = (D + 4) * 2, ts = H * hs, ls = (size_t)N * ts;
+		uint8_t *r2 = kvb_region_alloc(f->c, 2 * L * ls);
+		struct kvb_kv_layout y2 = { r2, r2 + L * ls, ls, ts, hs, 0, 0, NULL, 0 };
+
+		assert_non_null(r2);
+		landed(f, &p, &y2, PACKED, NULL, ref);
+		assert_int_equal(kvb_region_free(f->c, r2), 0);
+	}
+	free(ref);
+}
+
+static void test_reuse_only(void **state)
+{
+	struct fixture *f = *state;
+	size_t layer = (size_t)N * ROW;
+	uint8_t *ref = malloc((size_t)L * 2 * N * ROW);
+	uint8_t *reg = kvb_region_alloc(f->c, 2 * L * layer);
+	struct kvb_kv_layout y = { reg, reg + L * layer, layer, ROW, D * 2, 0, 0, NULL, 0 };
+	struct kvb_fuse_params none = { NULL, NULL, 0, KVB_METRIC_VALUE };
+	struct kvb_segment segs[4];
+	size_t ns = segments(f, segs);
+	const int32_t *rows;
+	kvb_fuse *fu;
+
+	assert_non_null(reg);
+	/* classic reuse-only: from layer 0, the fresh tokens' rows only */
+	assert_int_equal(kvb_fuse_open(f->c, "lm", segs, ns, NULL, &fu, NULL, NULL), 0);
+	assert_int_equal(kvb_fuse_next_layer(fu), 0);
+	assert_int_equal(kvb_fuse_rows(fu, &rows), 5);
+	for (int i = 0; i < 5; i++)
+		assert_int_equal(rows[i], 10 + i);
+	assert_int_equal(kvb_fuse_close(f->c, &fu, NULL, NULL), 0);
+	classic(f, &none, ref);
+	landed(f, &none, &y, PACKED, NULL, ref);
+	/* a reuse-only landing session takes no layer requests */
+	assert_int_equal(kvb_fuse_open_into(f->c, "lm", segs, ns, NULL, &y, &fu, NULL, NULL), 0);
+	assert_int_equal(kvb_fuse_check(f->c, fu, 0, reg, 0, NULL, NULL), KVB_E_BAD_ARGUMENT);
+	assert_non_null(strstr(kvb_last_error(f->c), "reuse-only"));
+	assert_int_equal(kvb_fuse_close(f->c, &fu, NULL, NULL), 0);
+	free(ref);
+	assert_int_equal(kvb_region_free(f->c, reg), 0);
+}
+
+static void test_errors(void **state)
+{
+	struct fixture *f = *state;
+	struct kvb_fuse_params p = { checks2, ratios2, 2, KVB_METRIC_VALUE };
+	size_t layer = (size_t)N * ROW;
+	uint8_t *reg = kvb_region_alloc(f->c, 2 * L * layer);
+	struct kvb_kv_layout y = { reg, reg + L * layer, layer, ROW, D * 2, 0, 0, NULL, 0 };
+	struct kvb_segment segs[4];
+	size_t ns = segments(f, segs);
+	uint8_t *heap = malloc(2 * L * layer);
+	kvb_fuse *fu;
+	uint32_t pages[2] = { 0, 1 };
+
+	assert_non_null(reg);
+	/* the layout must lie in a region, and fit in it */
+	y.k = heap;
+	assert_int_equal(kvb_fuse_open_into(f->c, "lm", segs, ns, &p, &y, &fu, NULL, NULL),
+			 -EINVAL);
+	y.k = reg;
+	y.layer_stride = 2 * layer;
+	assert_int_equal(kvb_fuse_open_into(f->c, "lm", segs, ns, &p, &y, &fu, NULL, NULL),
+			 KVB_E_BAD_SHM);
+	assert_non_null(strstr(kvb_last_error(f->c), "spans"));
+	y.layer_stride = SIZE_MAX / 2;
+	assert_int_equal(kvb_fuse_open_into(f->c, "lm", segs, ns, &p, &y, &fu, NULL, NULL),
+			 KVB_E_BAD_SHAPE);
+	y.layer_stride = layer;
+	/* a block table too short for the tokens */
+	y.page_tokens = 4;
+	y.pages = pages;
+	y.n_pages = 2;
+	assert_int_equal(kvb_fuse_open_into(f->c, "lm", segs, ns, &p, &y, &fu, NULL, NULL),
+			 KVB_E_BAD_SHAPE);
+	assert_non_null(strstr(kvb_last_error(f->c), "block table"));
+	y.page_tokens = 0;
+	y.pages = NULL;
+	y.n_pages = 0;
+	/* a good session: requests for other than the next check layer are refused */
+	assert_int_equal(kvb_fuse_open_into(f->c, "lm", segs, ns, &p, &y, &fu, NULL, NULL), 0);
+	assert_int_equal(kvb_fuse_check(f->c, fu, 2, heap, 0, NULL, NULL), KVB_E_BAD_ARGUMENT);
+	assert_non_null(strstr(kvb_last_error(f->c), "next check layer 1"));
+	/* stride below the row */
+	assert_int_equal(kvb_fuse_check(f->c, fu, 1, heap, ROW - 2, NULL, NULL), -EINVAL);
+	/* still usable */
+	assert_int_equal(kvb_fuse_check(f->c, fu, 1, heap, 0, NULL, NULL), 0);
+	assert_int_equal(kvb_fuse_wait(f->c, fu, L - 1, 10000), 0);
+	assert_int_equal(kvb_fuse_close(f->c, &fu, NULL, NULL), 0);
+	free(heap);
+	assert_int_equal(kvb_region_free(f->c, reg), 0);
+	assert_int_equal(kvb_region_free(f->c, reg), -EINVAL);
+}
+
+/* After close returns nothing more lands: the node may reuse its buffers at once. */
+static void test_nothing_lands_after_close(void **state)
+{
+	struct fixture *f = *state;
+	struct kvb_segment segs[4];
+	size_t ns = segments(f, segs), layer = (size_t)N * ROW;
+	uint8_t *reg = kvb_region_alloc(f->c, 2 * L * layer);
+	struct kvb_kv_layout y = { reg, reg + L * layer, layer, ROW, D * 2, 0, 0, NULL, 0 };
+
+	assert_non_null(reg);
+	for (int round = 0; round < 200; round++) {
+		kvb_fuse *fu;
+		struct timespec ts = { 0, 2000000 };
+
+		assert_int_equal(kvb_fuse_open_into(f->c, "lm", segs, ns, NULL, &y, &fu, NULL, NULL),
+				 0);
+		assert_int_equal(kvb_fuse_close(f->c, &fu, NULL, NULL), 0);
+		memset(reg, 0x5a, 2 * L * layer);
+		if (round % 50 == 0) {
+			nanosleep(&ts, NULL);
+			for (size_t i = 0; i < 2 * L * layer; i++)
+				if (reg[i] != 0x5a)
+					fail_msg("round %d: byte %zu written after close", round, i);
+		}
+	}
+	assert_int_equal(kvb_region_free(f->c, reg), 0);
+}
+
+int main(void)
+{
+	const struct CMUnitTest tests[] = {
+		cmocka_unit_test_setup_teardown(test_contiguous_matches_classic, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_paged_and_padded_match_classic, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_reuse_only, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_errors, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_nothing_lands_after_close, setup, teardown),
+	};
+
+	return cmocka_run_group_tests(tests, NULL, NULL);
+}
