@@ -1354,7 +1354,8 @@ static int fuse_open_common(kvb_client *c, const char *model, const struct kvb_s
 	f->row_bytes = (size_t)m.num_kv_heads * m.head_dim * kvb_dtype_size(m.dtype);
 	if (k.rep.has_selection) {
 		/* Reuse only: the node computes the fresh tokens, at every layer. */
-		memcpy(f->rows, k.rep.selection, k.rep.n_selection * sizeof(int32_t));
+		if (k.rep.n_selection)
+			memcpy(f->rows, k.rep.selection, k.rep.n_selection * sizeof(int32_t));
 		f->n_rows = k.rep.n_selection;
 	} else {
 		for (uint32_t i = 0; i < f->tokens; i++)
@@ -1516,9 +1517,11 @@ int kvb_fuse_check(kvb_client *c, kvb_fuse *f, uint32_t layer, const void *rows,
 		rc = set_err(c, KVB_E_PROTOCOL, "check layer reply without a valid selection");
 		goto out;
 	}
-	memcpy(f->dropped, k.rep.dropped, k.rep.n_dropped * sizeof(int32_t));
+	if (k.rep.n_dropped)
+		memcpy(f->dropped, k.rep.dropped, k.rep.n_dropped * sizeof(int32_t));
 	f->n_dropped = k.rep.n_dropped;
-	memcpy(f->rows, k.rep.selection, k.rep.n_selection * sizeof(int32_t));
+	if (k.rep.n_selection)
+		memcpy(f->rows, k.rep.selection, k.rep.n_selection * sizeof(int32_t));
 	f->n_rows = k.rep.n_selection;
 	f->next_layer = k.rep.next_layer;
 	if (dropped)

@@ -502,8 +502,10 @@ uint32_t fuse_open(struct fuse_table *t, const struct store_model *m, const stru
 	snprintf(s->owner, sizeof(s->owner), "%s", owner);
 	s->metric = q->metric;
 	s->n_checks = q->n_checks;
-	memcpy(s->checks, q->check_layers, q->n_checks * sizeof(uint32_t));
-	memcpy(s->ratios, q->ratios, q->n_checks * sizeof(double));
+	if (q->n_checks) {
+		memcpy(s->checks, q->check_layers, q->n_checks * sizeof(uint32_t));
+		memcpy(s->ratios, q->ratios, q->n_checks * sizeof(double));
+	}
 	s->first = s->n_checks ? s->checks[0] : 0;
 	s->next_layer = s->first;
 	s->chunks = calloc(n_chunks ? n_chunks : 1, sizeof(*s->chunks));
