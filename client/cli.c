@@ -28,10 +28,12 @@ static const char usage_text[] =
 	"  stats [--json]                         daemon counters\n"
 	"  model add NAME --layers L --kv-heads H --head-dim D --dtype f16|bf16|f32\n"
 	"            --rope-theta T [--rope-style neox|gptj] [--rotary-dim R]\n"
-	"            [--rope-scaling SPEC] [--k-pre-rope]\n"
+	"            [--rope-scaling SPEC] [--k-pre-rope] [--store CODEC]\n"
 	"                                         register a model (SPEC: none | linear:F |\n"
 	"                                         llama3:F,LOW,HIGH,ORIG_MAX | yarn:F,ORIG_MAX[,BF,BS]\n"
-	"                                         | dynamic:F,MAX_POS)\n"
+	"                                         | dynamic:F,MAX_POS; CODEC, how its chunks are\n"
+	"                                         stored: dtype (lossless, default) | fp8 | int8 |\n"
+	"                                         int4[:GROUP], lossy, docs/storage.md)\n"
 	"  model ls [--json]                      list models\n"
 	"  put --model NAME --kv FILE.npy (--tokens FILE | --hash HEX) [--pos P]\n"
 	"                                         store a chunk; KV is [layers,2,T,heads,dim];\n"
@@ -333,17 +335,19 @@ static int cmd_stats(kvb_client *c, struct args *a)
 
 static void print_model_json(const struct kvb_model *m)
 {
-	char spec[128];
+	char spec[128], store[32];
 
 	kvb_rope_scaling_format(m, spec, sizeof(spec));
 	printf("{\"name\": ");
 	json_str(m->name);
+	kvb_store_format(m, store, sizeof(store));
 	printf(", \"layers\": %" PRIu32 ", \"kv_heads\": %" PRIu32 ", \"head_dim\": %" PRIu32
 	       ", \"dtype\": \"%s\", \"rope_theta\": %.17g, \"rope_style\": \"%s\", "
-	       "\"rotary_dim\": %" PRIu32 ", \"rope_scaling\": \"%s\", \"k_pre_rope\": %s}",
+	       "\"rotary_dim\": %" PRIu32 ", \"rope_scaling\": \"%s\", \"k_pre_rope\": %s, "
+	       "\"store\": \"%s\"}",
 	       m->num_layers, m->num_kv_heads, m->head_dim, kvb_dtype_name(m->dtype), m->rope_theta,
 	       m->rope_style == KVB_ROPE_GPTJ ? "gptj" : "neox", m->rotary_dim, spec,
-	       m->k_pre_rope ? "true" : "false");
+	       m->k_pre_rope ? "true" : "false", store);
 }
 
 static int cmd_model(kvb_client *c, struct args *a)
@@ -371,15 +375,16 @@ static int cmd_model(kvb_client *c, struct args *a)
 			printf("]\n");
 		} else {
 			for (size_t i = 0; i < n; i++) {
-				char spec[128];
+				char spec[128], store[32];
 
 				kvb_rope_scaling_format(&ms[i], spec, sizeof(spec));
+				kvb_store_format(&ms[i], store, sizeof(store));
 				printf("%s\tlayers=%" PRIu32 " kv_heads=%" PRIu32 " head_dim=%" PRIu32
 				       " dtype=%s rope_theta=%g rope_style=%s rotary_dim=%" PRIu32
-				       " rope_scaling=%s%s\n", ms[i].name, ms[i].num_layers,
+				       " rope_scaling=%s store=%s%s\n", ms[i].name, ms[i].num_layers,
 				       ms[i].num_kv_heads, ms[i].head_dim, kvb_dtype_name(ms[i].dtype),
 				       ms[i].rope_theta, ms[i].rope_style ? "gptj" : "neox",
-				       ms[i].rotary_dim, spec, ms[i].k_pre_rope ? " k_pre_rope" : "");
+				       ms[i].rotary_dim, spec, store, ms[i].k_pre_rope ? " k_pre_rope" : "");
 			}
 		}
 		free(ms);
@@ -400,6 +405,7 @@ static int cmd_model(kvb_client *c, struct args *a)
 		opt_decl(&o, "--rotary-dim", false);
 		opt_decl(&o, "--rope-scaling", false);
 		opt_decl(&o, "--k-pre-rope", true);
+		opt_decl(&o, "--store", false);
 		if (opt_parse(&o, a))
 			return 2;
 		if (o.npos != 1)
@@ -432,6 +438,10 @@ static int cmd_model(kvb_client *c, struct args *a)
 			return die("--rope-scaling: '%s' is not a valid SPEC (see kvblend --help)", v)
 				       ? 2 : 2;
 		m.k_pre_rope = opt(&o, "--k-pre-rope") != NULL;
+		v = opt(&o, "--store");
+		if (v && kvb_store_parse(v, &m))
+			return die("--store: '%s' is not dtype, fp8, int8, int4 or int4:GROUP "
+				   "(1..1024)", v) ? 2 : 2;
 		rc = kvb_model_register(c, &m, &existed);
 		if (rc)
 			return client_err(c, rc, "model add");

@@ -320,6 +320,51 @@ void kvb_rope_scaling_format(const struct kvb_model *m, char *buf, size_t len)
 	}
 }
 
+int kvb_store_parse(const char *spec, struct kvb_model *m)
+{
+	static const char *const names[] = { "dtype", "fp8", "int8", "int4" };
+	const char *colon = spec ? strchr(spec, ':') : NULL;
+	size_t len = colon ? (size_t)(colon - spec) : (spec ? strlen(spec) : 0);
+
+	if (!spec || !*spec) {
+		m->store_codec = KVB_STORE_DTYPE;
+		m->store_group = 0;
+		return 0;
+	}
+	for (int i = 0; i < 4; i++) {
+		char *end;
+		unsigned long g = 0;
+
+		if (strlen(names[i]) != len || strncmp(spec, names[i], len))
+			continue;
+		if (colon) {
+			if (i != KVB_STORE_INT4)
+				return -EINVAL;
+			errno = 0;
+			g = strtoul(colon + 1, &end, 10);
+			if (errno || *end || end == colon + 1 || g < 1 || g > 1024)
+				return -EINVAL;
+		}
+		m->store_codec = (enum kvb_store_codec)i;
+		m->store_group = (uint32_t)g;
+		return 0;
+	}
+	return -EINVAL;
+}
+
+void kvb_store_format(const struct kvb_model *m, char *buf, size_t len)
+{
+	static const char *const names[] = { "dtype", "fp8", "int8", "int4" };
+	unsigned c = (unsigned)m->store_codec;
+
+	if (c > 3)
+		snprintf(buf, len, "?");
+	else if (c == KVB_STORE_INT4)
+		snprintf(buf, len, "int4:%" PRIu32, m->store_group ? m->store_group : 32);
+	else
+		snprintf(buf, len, "%s", names[c]);
+}
+
 static void model_to_wire(const struct kvb_model *m, struct kvbp_model *w)
 {
 	memset(w, 0, sizeof(*w));
@@ -340,6 +385,8 @@ static void model_to_wire(const struct kvb_model *m, struct kvbp_model *w)
 	w->beta_slow = m->beta_slow;
 	w->max_pos = m->max_pos;
 	w->k_pre_rope = m->k_pre_rope != 0;
+	w->store_codec = (uint32_t)m->store_codec;
+	w->store_group = m->store_group;
 }
 
 static void model_from_wire(const struct kvbp_model *w, struct kvb_model *m)
@@ -362,6 +409,8 @@ static void model_from_wire(const struct kvbp_model *w, struct kvb_model *m)
 	m->beta_slow = w->beta_slow;
 	m->max_pos = w->max_pos;
 	m->k_pre_rope = w->k_pre_rope;
+	m->store_codec = (enum kvb_store_codec)w->store_codec;
+	m->store_group = w->store_group;
 }
 
 static void chunk_from_wire(const struct kvbp_chunk *w, struct kvb_chunk_info *c)

@@ -235,6 +235,8 @@ static void model_from_store(const struct store_model *s, struct kvbp_model *m)
 	m->beta_slow = s->beta_slow;
 	m->max_pos = s->max_pos;
 	m->k_pre_rope = s->k_pre_rope;
+	m->store_codec = s->store_codec;
+	m->store_group = s->store_group;
 }
 
 static void model_to_store(const struct kvbp_model *m, struct store_model *s)
@@ -257,6 +259,8 @@ static void model_to_store(const struct kvbp_model *m, struct store_model *s)
 	s->beta_slow = m->beta_slow;
 	s->max_pos = m->max_pos;
 	s->k_pre_rope = m->k_pre_rope;
+	s->store_codec = m->store_codec;
+	s->store_group = m->store_group;
 }
 
 static bool positive(double x)
@@ -293,6 +297,17 @@ static int model_check(struct req *q, struct kvbp_model *m)
 	if (m->rope_style > 1)
 		return fail(q, KVBP_BAD_ARGUMENT, "rope_style %" PRIu32 " unknown; expected neox "
 			    "or gptj", m->rope_style);
+	if (m->store_codec > 3)
+		return fail(q, KVBP_BAD_ARGUMENT, "store codec %" PRIu32 " unknown; expected 0 "
+			    "(the model's dtype), 1 fp8, 2 int8 or 3 int4", m->store_codec);
+	if (m->store_codec == 3 && m->store_group == 0)
+		m->store_group = 32; /* the default int4 group */
+	if (m->store_codec != 3 && m->store_group)
+		return fail(q, KVBP_BAD_ARGUMENT, "store_group %" PRIu32 " is for int4 only",
+			    m->store_group);
+	if (m->store_group > 1024)
+		return fail(q, KVBP_BAD_ARGUMENT, "int4 group %" PRIu32 " out of range 1..1024",
+			    m->store_group);
 	if (m->rotary_dim == 0)
 		m->rotary_dim = m->head_dim;
 	if (m->rotary_dim > m->head_dim || m->rotary_dim % 2)
@@ -883,6 +898,31 @@ static void op_list(struct req *q)
 	free(e);
 }
 
+/* Per store codec: chunks, model-dtype bytes and stored bytes (stats). */
+struct codec_use {
+	const struct store_model *models;
+	size_t n_models;
+	uint64_t chunks[4], raw[4], stored[4];
+};
+
+static int codec_use_add(void *ctx, uint32_t model_id, const uint8_t *hash,
+			 const struct store_chunk_info *info)
+{
+	struct codec_use *u = ctx;
+
+	(void)hash;
+	for (size_t i = 0; i < u->n_models; i++)
+		if (u->models[i].id == model_id && u->models[i].store_codec < 4) {
+			uint32_t c = u->models[i].store_codec;
+
+			u->chunks[c]++;
+			u->raw[c] += info->raw_bytes;
+			u->stored[c] += info->stored_bytes;
+			break;
+		}
+	return 0;
+}
+
 static void op_stats(struct req *q)
 {
 	struct server *srv = q->srv;
@@ -890,7 +930,9 @@ static void op_stats(struct req *q)
 	struct timespec now;
 	uint64_t shm_n, shm_bytes;
 	struct kvbp_stat *s;
-	size_t n = 0, cap = 40 + 3 * KVBP_OP_COUNT + KVBP_CODE_COUNT;
+	size_t n = 0, cap = 52 + 3 * KVBP_OP_COUNT + KVBP_CODE_COUNT;
+	struct codec_use use = { 0 };
+	struct store_model *models = NULL;
 	int rc;
 
 	if (no_payload(q))
@@ -920,6 +962,26 @@ static void op_stats(struct req *q)
 	STAT("raw_bytes", t.raw_bytes);
 	STAT("stored_bytes", t.stored_bytes);
 	STAT("compression_ratio", t.stored_bytes ? (double)t.raw_bytes / t.stored_bytes : 1.0);
+	/* What each store codec holds: one scan of the chunk records (48 bytes each). */
+	if (store_model_list(srv->store, &models, &use.n_models) == 0) {
+		static const char *const names[] = { "dtype", "fp8", "int8", "int4" };
+
+		use.models = models;
+		store_chunk_scan(srv->store, codec_use_add, &use);
+		for (int c = 0; c < 4; c++) {
+			char nm[64];
+
+			if (!use.chunks[c])
+				continue;
+			snprintf(nm, sizeof(nm), "store_%s_chunks", names[c]);
+			STAT(nm, use.chunks[c]);
+			snprintf(nm, sizeof(nm), "store_%s_raw_bytes", names[c]);
+			STAT(nm, use.raw[c]);
+			snprintf(nm, sizeof(nm), "store_%s_stored_bytes", names[c]);
+			STAT(nm, use.stored[c]);
+		}
+		free(models);
+	}
 	STAT("map_size_bytes", t.map_size);
 	STAT("map_used_bytes", t.map_used);
 	STAT("shm_segments", shm_n);

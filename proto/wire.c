@@ -116,6 +116,8 @@ static void model_to_pb(const struct kvbp_model *m, Kvblend__Model *pb)
 	pb->beta_slow = m->beta_slow;
 	pb->max_pos = m->max_pos;
 	pb->k_pre_rope = m->k_pre_rope;
+	pb->store_codec = m->store_codec;
+	pb->store_group = m->store_group;
 }
 
 static int copy_name(char *dst, const char *src, const char *what, char *err, size_t errlen)
@@ -153,6 +155,8 @@ static int model_from_pb(const Kvblend__Model *pb, struct kvbp_model *m, char *e
 	m->beta_slow = pb->beta_slow;
 	m->max_pos = pb->max_pos;
 	m->k_pre_rope = pb->k_pre_rope;
+	m->store_codec = pb->store_codec;
+	m->store_group = pb->store_group;
 	return KVBP_OK;
 }
 

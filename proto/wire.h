@@ -94,6 +94,8 @@ struct kvbp_model {
 	double beta_slow;
 	uint32_t max_pos;
 	bool k_pre_rope;
+	uint32_t store_codec; /* 0 lossless, 1 fp8, 2 int8, 3 int4 */
+	uint32_t store_group; /* int4 group size */
 };
 
 struct kvbp_chunk {

@@ -23,14 +23,23 @@ uint64_t checksum_copy(void *dst, const void *src, size_t n)
 	return have_avx2() ? checksum_copy_avx2(dst, src, n) : checksum_copy_sse2(dst, src, n);
 }
 
-uint64_t checksum_apply_avx2(const void *src, size_t n, size_t unit,
-			     void (*fn)(void *, const void *, size_t, size_t), void *ctx);
+uint64_t checksum_apply_avx2(const void *prefix, size_t plen, const void *src, size_t n,
+			     size_t unit, void (*fn)(void *, const void *, size_t, size_t),
+			     void *ctx);
+
+uint64_t checksum_apply_prefixed(const void *prefix, size_t plen, const void *src, size_t n,
+				 size_t unit,
+				 void (*fn)(void *ctx, const void *src, size_t off, size_t len),
+				 void *ctx)
+{
+	return have_avx2() ? checksum_apply_avx2(prefix, plen, src, n, unit, fn, ctx)
+			   : checksum_apply_sse2(prefix, plen, src, n, unit, fn, ctx);
+}
 
 uint64_t checksum_apply(const void *src, size_t n, size_t unit,
 			void (*fn)(void *ctx, const void *src, size_t off, size_t len), void *ctx)
 {
-	return have_avx2() ? checksum_apply_avx2(src, n, unit, fn, ctx)
-			   : checksum_apply_sse2(src, n, unit, fn, ctx);
+	return checksum_apply_prefixed(NULL, 0, src, n, unit, fn, ctx);
 }
 
 const char *checksum_impl(void)

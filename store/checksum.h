@@ -23,6 +23,15 @@ uint64_t checksum_copy(void *dst, const void *src, size_t n);
 uint64_t checksum_apply(const void *src, size_t n, size_t unit,
 			void (*fn)(void *ctx, const void *src, size_t off, size_t len), void *ctx);
 
+/*
+ * checksum_apply() with plen bytes at prefix hashed first: the checksum of prefix
+ * followed by src (equal to checksum() of both when they are contiguous).
+ */
+uint64_t checksum_apply_prefixed(const void *prefix, size_t plen, const void *src, size_t n,
+				 size_t unit,
+				 void (*fn)(void *ctx, const void *src, size_t off, size_t len),
+				 void *ctx);
+
 /* "avx2" or "sse2": which implementation runs here. */
 const char *checksum_impl(void);
 

@@ -15,7 +15,8 @@
 
 uint64_t CAT(checksum_, CHECKSUM_SUFFIX)(const void *buf, size_t len);
 uint64_t CAT(checksum_copy_, CHECKSUM_SUFFIX)(void *dst, const void *src, size_t n);
-uint64_t CAT(checksum_apply_, CHECKSUM_SUFFIX)(const void *src, size_t n, size_t unit,
+uint64_t CAT(checksum_apply_, CHECKSUM_SUFFIX)(const void *prefix, size_t plen, const void *src,
+					       size_t n, size_t unit,
 					       void (*fn)(void *, const void *, size_t, size_t),
 					       void *ctx);
 
@@ -44,7 +45,8 @@ uint64_t CAT(checksum_copy_, CHECKSUM_SUFFIX)(void *dst, const void *src, size_t
 	return XXH3_64bits_digest(&st);
 }
 
-uint64_t CAT(checksum_apply_, CHECKSUM_SUFFIX)(const void *src, size_t n, size_t unit,
+uint64_t CAT(checksum_apply_, CHECKSUM_SUFFIX)(const void *prefix, size_t plen, const void *src,
+					       size_t n, size_t unit,
 					       void (*fn)(void *, const void *, size_t, size_t),
 					       void *ctx)
 {
@@ -53,6 +55,8 @@ uint64_t CAT(checksum_apply_, CHECKSUM_SUFFIX)(const void *src, size_t n, size_t
 	XXH3_state_t st;
 
 	XXH3_64bits_reset(&st);
+	if (plen)
+		XXH3_64bits_update(&st, prefix, plen);
 	for (size_t off = 0; off < n; off += block) {
 		size_t k = n - off < block ? n - off : block;
 

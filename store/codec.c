@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "checksum.h"
+#include "quant.h"
 
 #define CODEC_MAGIC 0x5442564bu /* "KVBT" little-endian */
 /* Tensors this large are judged on a sample before a full attempt. */
@@ -111,6 +112,30 @@ int codec_plan(const void *src, size_t raw_size, unsigned elem_size, double min_
 	return 0;
 }
 
+int codec_plan_quant(const void *src, size_t raw_size, uint32_t dtype, uint32_t channels,
+		     int axis, int quant_codec, uint32_t group, double min_saving, void *scratch,
+		     size_t scratch_cap, struct codec_plan *p)
+{
+	size_t esz = dtype == 3 ? 4 : 2, row = (size_t)channels * esz;
+	struct quant_info qi;
+
+	if (!channels || raw_size % row || raw_size / row > UINT32_MAX)
+		return -EINVAL;
+	if (quant_layout((enum quant_codec)quant_codec, (uint32_t)(raw_size / row), channels,
+			 (enum quant_axis)axis, dtype, group, &qi))
+		return -EINVAL;
+	if (qi.size < raw_size && qi.size <= scratch_cap && quant_encode(&qi, src, scratch) == 0) {
+		*p = (struct codec_plan){ .kind = CODEC_QUANT, .elem_size = (uint8_t)esz,
+					  .raw_size = raw_size,
+					  .encoded_len = CODEC_HEADER_SIZE + qi.size,
+					  .compressed = scratch,
+					  .checksum = checksum(scratch, qi.size) };
+		return 0;
+	}
+	/* Not finite, out of range, or no smaller: stored losslessly. */
+	return codec_plan(src, raw_size, (unsigned)esz, min_saving, scratch, scratch_cap, p);
+}
+
 void codec_write(const struct codec_plan *p, const void *src, void *dst)
 {
 	struct codec_header h = { .version = CODEC_FORMAT_VERSION, .kind = p->kind,
@@ -158,13 +183,62 @@ int codec_peek(const void *src, size_t src_len, struct codec_header *h)
 	t.raw_size = get_u64(p + 8);
 	t.stored_size = get_u64(p + 16);
 	t.checksum = get_u64(p + 24);
-	if (t.version != CODEC_FORMAT_VERSION || t.kind > CODEC_BSLZ4 ||
+	if (t.version != CODEC_FORMAT_VERSION || t.kind > CODEC_QUANT ||
 	    t.stored_size > src_len - CODEC_HEADER_SIZE)
 		return -EBADMSG;
 	if (t.kind == CODEC_RAW && t.stored_size != t.raw_size)
 		return -EBADMSG;
 	*h = t;
 	return 0;
+}
+
+struct quant_apply {
+	const struct quant_info *qi;
+	struct quant_dec dec;
+	uint8_t *dst;
+	size_t out_row;
+	const struct codec_xform *x; /* or NULL */
+};
+
+/* A block of codes, just hashed: decode its rows into place, then transform them. */
+static void quant_block(void *ctx, const void *src, size_t off, size_t len)
+{
+	struct quant_apply *a = ctx;
+	uint32_t r0 = (uint32_t)(off / a->qi->row_bytes), r1 = (uint32_t)((off + len) / a->qi->row_bytes);
+	uint8_t *d = a->dst + (size_t)r0 * a->out_row;
+
+	(void)src;
+	quant_dec_rows(&a->dec, r0, r1, d);
+	if (a->x)
+		a->x->fn(a->x->ctx, d, d, (size_t)r0 * a->out_row, (size_t)(r1 - r0) * a->out_row);
+}
+
+/*
+ * Decode a quantized payload into dst in one pass: hash its header and scales,
+ * then a block of rows' codes at a time, decoding (and transforming) each block
+ * while it is in cache. dst holds garbage unless the checksum matched.
+ */
+static int quant_decode_checked(const uint8_t *payload, const struct codec_header *h, void *dst,
+				size_t dst_len, const struct codec_xform *x)
+{
+	struct quant_info qi;
+	struct quant_apply a = { &qi, { 0 }, dst, 0, x };
+	uint64_t sum;
+
+	if (quant_peek(payload, h->stored_size, &qi))
+		return -EBADMSG;
+	a.out_row = (size_t)qi.channels * (qi.dtype == 3 ? 4 : 2);
+	if ((uint64_t)qi.rows * a.out_row != dst_len || a.out_row / qi.channels != h->elem_size ||
+	    (x && x->unit != a.out_row))
+		return -EBADMSG;
+	if (!qi.rows)
+		return checksum(payload, h->stored_size) == h->checksum ? 0 : -EBADMSG;
+	if (quant_dec_init(&a.dec, &qi, payload))
+		return -ENOMEM;
+	sum = checksum_apply_prefixed(payload, qi.data_off, payload + qi.data_off,
+				      (size_t)qi.rows * qi.row_bytes, qi.row_bytes, quant_block, &a);
+	quant_dec_free(&a.dec);
+	return sum == h->checksum ? 0 : -EBADMSG;
 }
 
 int codec_decode(const void *src, size_t src_len, void *dst, size_t dst_len, size_t *consumed)
@@ -181,6 +255,10 @@ int codec_decode(const void *src, size_t src_len, void *dst, size_t dst_len, siz
 		/* Hash the source as it is copied: one pass; equal hashes make dst correct. */
 		if (checksum_copy(dst, payload, dst_len) != h.checksum)
 			return -EBADMSG;
+	} else if (h.kind == CODEC_QUANT) {
+		rc = quant_decode_checked(payload, &h, dst, dst_len, NULL);
+		if (rc)
+			return rc;
 	} else {
 		size_t nbytes = 0;
 		int d;
@@ -224,6 +302,10 @@ int codec_decode_xform(const void *src, size_t src_len, void *dst, size_t dst_le
 	if (h.kind == CODEC_RAW) {
 		if (checksum_apply(payload, dst_len, x->unit, xform_block, &a) != h.checksum)
 			return -EBADMSG;
+	} else if (h.kind == CODEC_QUANT) {
+		rc = quant_decode_checked(payload, &h, dst, dst_len, x);
+		if (rc)
+			return rc;
 	} else {
 		rc = codec_decode(src, src_len, dst, dst_len, NULL);
 		if (rc)

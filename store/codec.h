@@ -1,11 +1,14 @@
 /*
- * codec — lossless encoding of one tensor for the store.
+ * codec — encoding of one tensor for the store.
  *
- * A tensor is either bitshuffled and LZ4-compressed (c-blosc) or kept raw when
- * compression would save less than a configured share: fp16 KV compresses by
- * only ~1.1x, and raw tensors read back at memory speed. Every encoded tensor
- * starts with a fixed header that records the codec and an XXH3-64 checksum of
- * the raw bytes, verified on every decode.
+ * Lossless: a tensor is either bitshuffled and LZ4-compressed (c-blosc) or kept
+ * raw when compression would save less than a configured share: fp16 KV
+ * compresses by only ~1.1x, and raw tensors read back at memory speed. Lossy,
+ * for models registered with a store codec: quantized (quant.h: int8, fp8,
+ * int4), decoded back to the model's dtype. Every encoded tensor starts with a
+ * fixed header that records the codec and an XXH3-64 checksum, verified on
+ * every decode: of the raw bytes for lossless tensors, of the stored payload
+ * for quantized ones.
  */
 #ifndef KVBLEND_STORE_CODEC_H
 #define KVBLEND_STORE_CODEC_H
@@ -19,6 +22,7 @@
 enum codec_kind {
 	CODEC_RAW = 0,
 	CODEC_BSLZ4 = 1,
+	CODEC_QUANT = 2, /* a quant.h payload; raw_size is the decoded size */
 };
 
 struct codec_header {
@@ -27,7 +31,7 @@ struct codec_header {
 	uint8_t elem_size; /* 2 or 4 */
 	uint64_t raw_size;
 	uint64_t stored_size; /* payload bytes after the header */
-	uint64_t checksum;    /* XXH3-64 of the raw bytes */
+	uint64_t checksum;    /* XXH3-64 of the raw bytes (quantized: of the payload) */
 };
 
 /* How one tensor will be stored: decided (and compressed, if so) before it is written. */
@@ -36,8 +40,8 @@ struct codec_plan {
 	uint8_t elem_size;
 	uint64_t raw_size;
 	size_t encoded_len;	/* header + payload */
-	const void *compressed; /* CODEC_BSLZ4: the payload, in the caller's scratch */
-	uint64_t checksum;	/* CODEC_BSLZ4 only; raw tensors are hashed while written */
+	const void *compressed; /* CODEC_BSLZ4, CODEC_QUANT: the payload, in the caller's scratch */
+	uint64_t checksum;	/* those two only; raw tensors are hashed while written */
 };
 
 /* Largest encoding of raw_size bytes, header included. 0 if that overflows. */
@@ -62,6 +66,16 @@ int codec_encode(const void *src, size_t raw_size, unsigned elem_size, double mi
  */
 int codec_plan(const void *src, size_t raw_size, unsigned elem_size, double min_saving,
 	       void *scratch, size_t scratch_cap, struct codec_plan *p);
+
+/*
+ * A quantized plan: quantize raw_size bytes at src (rows x channels of dtype,
+ * scales along axis; quant.h) into scratch. When the tensor cannot be quantized
+ * (NaN, Inf, out of the codec's range) or quantizing would not make it smaller,
+ * falls back to codec_plan() (lossless). Returns 0, -EINVAL or -ENOBUFS.
+ */
+int codec_plan_quant(const void *src, size_t raw_size, uint32_t dtype, uint32_t channels,
+		     int axis, int quant_codec, uint32_t group, double min_saving, void *scratch,
+		     size_t scratch_cap, struct codec_plan *p);
 
 /*
  * Write the planned encoding (p->encoded_len bytes) of src to dst: one pass over

@@ -29,6 +29,9 @@
 #define MODEL_BODY_LEN (STORE_NAME_MAX + 1 + 4 * 10 + 8 * 6 + 1)
 #define MODEL_REC_LEN (MODEL_BODY_LEN + 8)
 #define MODEL_REC_LEN_V1 MODEL_BODY_LEN
+/* A model with a store codec: the body has 8 more bytes (codec, group). */
+#define MODEL_QBODY_LEN (MODEL_BODY_LEN + 8)
+#define MODEL_QREC_LEN (MODEL_QBODY_LEN + 8)
 #define TOTALS_LEN 32	  /* chunks, raw bytes, stored bytes, checksum */
 #define NEXT_MODEL_LEN 12 /* next id, checksum */
 #define REC_SUM_MAX 256	  /* longest key + record body that rec_sum() hashes */
@@ -261,8 +264,10 @@ static int chunk_rec_decode(const MDB_val *k, const MDB_val *v, struct store_chu
 	return 0;
 }
 
-static void model_rec_encode(uint8_t *p, const struct store_model *m)
+/* Encode m's record into p (MODEL_QREC_LEN bytes of room); returns its length. */
+static size_t model_rec_encode(uint8_t *p, const struct store_model *m)
 {
+	size_t body = m->store_codec ? MODEL_QBODY_LEN : MODEL_BODY_LEN;
 	uint8_t *q = p + STORE_NAME_MAX + 1;
 	size_t name_len = strnlen(m->name, STORE_NAME_MAX);
 	MDB_val k = { name_len, (void *)m->name };
@@ -272,14 +277,20 @@ static void model_rec_encode(uint8_t *p, const struct store_model *m)
 	const double d[6] = { m->rope_theta,	   m->factor,	 m->low_freq_factor,
 			      m->high_freq_factor, m->beta_fast, m->beta_slow };
 
-	memset(p, 0, MODEL_REC_LEN);
+	memset(p, 0, body + 8);
 	memcpy(p, m->name, name_len);
 	for (int i = 0; i < 10; i++, q += 4)
 		le_put(q, u[i], 4);
 	for (int i = 0; i < 6; i++, q += 8)
 		le_put_f64(q, d[i]);
 	*q = m->k_pre_rope;
-	le_put(p + MODEL_BODY_LEN, rec_sum(&k, p, MODEL_BODY_LEN), 8);
+	if (m->store_codec) {
+		/* codec (u8), 3 zero bytes, group (u32) */
+		p[MODEL_BODY_LEN] = (uint8_t)m->store_codec;
+		le_put(p + MODEL_BODY_LEN + 4, m->store_group, 4);
+	}
+	le_put(p + body, rec_sum(&k, p, body), 8);
+	return body + 8;
 }
 
 /* The fields of a model record body (format 1 and 2 share it). */
@@ -325,6 +336,24 @@ static int model_body_decode(const uint8_t *p, struct store_model *out)
 /* Decode and verify the model record v stored under name k. *m is untouched on -EBADMSG. */
 static int model_rec_decode(const MDB_val *k, const MDB_val *v, struct store_model *m)
 {
+	const uint8_t *p = v->mv_data;
+	struct store_model t;
+	int rc;
+
+	if (v->mv_size == MODEL_QREC_LEN) {
+		if (!rec_sum_ok(k, v, MODEL_QBODY_LEN))
+			return -EBADMSG;
+		rc = model_body_decode(p, &t);
+		if (rc)
+			return rc;
+		t.store_codec = p[MODEL_BODY_LEN];
+		t.store_group = (uint32_t)le_get(p + MODEL_BODY_LEN + 4, 4);
+		if (!t.store_codec || t.store_codec > 3 || p[MODEL_BODY_LEN + 1] ||
+		    p[MODEL_BODY_LEN + 2] || p[MODEL_BODY_LEN + 3])
+			return -EBADMSG;
+		*m = t;
+		return 0;
+	}
 	if (!rec_sum_ok(k, v, MODEL_BODY_LEN))
 		return -EBADMSG;
 	return model_body_decode(v->mv_data, m);
@@ -757,19 +786,22 @@ static bool model_same_layout(const struct store_model *a, const struct store_mo
 	       a->high_freq_factor == b->high_freq_factor &&
 	       a->original_max_pos == b->original_max_pos && a->beta_fast == b->beta_fast &&
 	       a->beta_slow == b->beta_slow && a->max_pos == b->max_pos &&
-	       a->k_pre_rope == b->k_pre_rope;
+	       a->k_pre_rope == b->k_pre_rope && a->store_codec == b->store_codec &&
+	       a->store_group == b->store_group;
 }
 
 int store_model_register(struct store *s, struct store_model *m)
 {
 	size_t name_len = strnlen(m->name, STORE_NAME_MAX + 1);
 	MDB_val k = { name_len, m->name }, v;
-	uint8_t rec[MODEL_REC_LEN];
+	uint8_t rec[MODEL_QREC_LEN];
 	struct store_model old, nm = *m;
 	MDB_txn *txn;
 	int rc;
 
-	if (name_len == 0 || name_len > STORE_NAME_MAX || !dtype_size(m->dtype))
+	if (name_len == 0 || name_len > STORE_NAME_MAX || !dtype_size(m->dtype) ||
+	    m->store_codec > 3 || (m->store_codec == 3) != (m->store_group != 0) ||
+	    m->store_group > 1024)
 		return -EINVAL;
 	nm.elem_size = dtype_size(m->dtype);
 	rc = err_from_mdb(mdb_txn_begin(s->env, NULL, 0, &txn));
@@ -792,8 +824,7 @@ int store_model_register(struct store *s, struct store_model *m)
 		rc = nm.id == UINT32_MAX ? -EOVERFLOW : next_model_write(s, txn, nm.id + 1);
 	if (rc)
 		goto out;
-	model_rec_encode(rec, &nm);
-	v.mv_size = sizeof(rec);
+	v.mv_size = model_rec_encode(rec, &nm);
 	v.mv_data = rec;
 	rc = err_from_mdb(mdb_put(txn, s->models, &k, &v, MDB_NOOVERWRITE));
 	if (rc)
@@ -1077,8 +1108,14 @@ int store_chunk_put(struct store *s, const struct store_model *m,
 		goto out;
 	}
 	for (size_t i = 0; i < n_tensors && !rc; i++) {
-		rc = codec_plan(tensors[i], tb, m->elem_size, s->min_saving, scratch + i * bound,
-				bound, &plans[i]);
+		/* Keys quantized per channel, values per token (quant.h). */
+		rc = m->store_codec
+			     ? codec_plan_quant(tensors[i], tb, m->dtype,
+						m->num_kv_heads * m->head_dim, (int)(i % 2),
+						(int)m->store_codec, m->store_group, s->min_saving,
+						scratch + i * bound, bound, &plans[i])
+			     : codec_plan(tensors[i], tb, m->elem_size, s->min_saving,
+					  scratch + i * bound, bound, &plans[i]);
 		ci.stored_bytes += plans[i].encoded_len;
 	}
 	if (rc)

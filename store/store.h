@@ -59,6 +59,9 @@ struct store_model {
 	double beta_slow;
 	uint32_t max_pos;
 	bool k_pre_rope;
+	/* Lossy storage (quant.h): 0 lossless in dtype, 1 fp8, 2 int8, 3 int4 (with group). */
+	uint32_t store_codec;
+	uint32_t store_group;
 };
 
 struct store_chunk_info {

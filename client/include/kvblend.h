@@ -42,6 +42,17 @@ extern "C" {
 
 enum kvb_dtype { KVB_F16 = 1, KVB_BF16 = 2, KVB_F32 = 3 };
 enum kvb_rope_style { KVB_ROPE_NEOX = 0, KVB_ROPE_GPTJ = 1 };
+/*
+ * How a model's chunks are stored: in its dtype (lossless), or quantized and
+ * decoded back to its dtype on every read (docs/storage.md): fp8 e4m3 and int8
+ * with per-channel key scales and per-token value scales, int4 in groups.
+ */
+enum kvb_store_codec {
+	KVB_STORE_DTYPE = 0,
+	KVB_STORE_FP8 = 1,
+	KVB_STORE_INT8 = 2,
+	KVB_STORE_INT4 = 3,
+};
 enum kvb_rope_scaling {
 	KVB_SCALING_NONE = 0,
 	KVB_SCALING_LINEAR = 1,
@@ -91,6 +102,8 @@ struct kvb_model {
 	double beta_slow;	   /* yarn */
 	uint32_t max_pos;	   /* dynamic */
 	int k_pre_rope;		   /* keys are stored before RoPE */
+	enum kvb_store_codec store_codec; /* lossy storage; KVB_STORE_DTYPE: lossless */
+	uint32_t store_group;		  /* int4: elements per group (0: the default, 32) */
 };
 
 struct kvb_chunk_info {
@@ -393,6 +406,13 @@ KVB_API enum kvb_dtype kvb_dtype_parse(const char *s);
  */
 KVB_API int kvb_rope_scaling_parse(const char *spec, struct kvb_model *m);
 /* The inverse, into buf. */
+/*
+ * A store codec SPEC, as the CLI's --store takes it: "dtype" (or ""), "fp8",
+ * "int8", "int4" or "int4:GROUP" (1..1024). Sets m->store_codec and
+ * m->store_group; returns 0 or -EINVAL. Format writes the SPEC of m.
+ */
+KVB_API int kvb_store_parse(const char *spec, struct kvb_model *m);
+KVB_API void kvb_store_format(const struct kvb_model *m, char *buf, size_t len);
 KVB_API void kvb_rope_scaling_format(const struct kvb_model *m, char *buf, size_t len);
 
 #ifdef __cplusplus

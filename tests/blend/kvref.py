@@ -105,3 +105,82 @@ def ref_select(cand, dev, ratio, n_cached, always):
                     dtype=np.int32)
 
 
+
+
+# ---------- quantized storage (store/quant.h), written from its specification ----------
+
+def _f32(x):
+    return np.asarray(x, dtype=np.float32)
+
+
+def _fp8_round(a):
+    """|y| (float32, <= 448 after saturation) to the nearest e4m3 value, ties to even."""
+    a = np.minimum(_f32(a), np.float32(448))
+    out = np.empty_like(a)
+    sub = a < np.float32(2.0 ** -6)
+    out[sub] = np.rint(a[sub] * np.float32(512)) / np.float32(512)
+    f, e = np.frexp(a[~sub])  # a = f * 2^e, f in [0.5, 1)
+    p = np.ldexp(np.float32(1), e - 1).astype(np.float32)
+    m = np.rint((a[~sub] / p - np.float32(1)) * np.float32(8))
+    out[~sub] = np.minimum((np.float32(1) + m / np.float32(8)) * p, np.float32(448))
+    return out
+
+
+def _sym(x2, axis, top, codec):
+    """int8 / fp8 on [T, C] float32 with scales along axis (0: per channel)."""
+    amax = np.abs(x2).max(axis=axis, keepdims=True).astype(np.float32)
+    s = (amax / np.float32(top)).astype(np.float32)
+    s = np.where((amax > 0) & (s == 0), np.float32(2.0 ** -149), s)
+    safe = np.where(s > 0, s, np.float32(1))
+    y = (x2 / safe).astype(np.float32)
+    if codec == "int8":
+        q = np.clip(np.rint(y), -127, 127).astype(np.float32)
+    else:
+        q = np.copysign(_fp8_round(np.abs(y)), y).astype(np.float32)
+    return np.where(s > 0, (q * s).astype(np.float32), np.float32(0))
+
+
+def _int4(x2, axis, G):
+    """int4 on [T, C] float32: groups of G tokens per channel (axis 0) or G channels."""
+    T, C = x2.shape
+    out = np.empty_like(x2)
+    if axis == 0:
+        groups = [(slice(t, min(t + G, T)), slice(c, c + 1))
+                  for t in range(0, T, G) for c in range(C)]
+    else:
+        groups = [(slice(t, t + 1), slice(c, min(c + G, C)))
+                  for t in range(T) for c in range(0, C, G)]
+    for rs, cs in groups:
+        x = x2[rs, cs]
+        mn, mx = np.float32(x.min()), np.float32(x.max())
+        zh = np.float16(mn)
+        if np.float32(zh) > mn:
+            zh = np.nextafter(zh, np.float16(-np.inf))
+        z = np.float32(zh)
+        need = np.float32((mx - z) / np.float32(15))
+        sh = np.float16(need)
+        if np.float32(sh) < need:
+            sh = np.nextafter(sh, np.float16(np.inf))
+        s = np.float32(sh)
+        q = np.clip(np.rint((x - z) / s), 0, 15).astype(np.float32) if s > 0 else \
+            np.zeros_like(x)
+        out[rs, cs] = (q * s).astype(np.float32) + z
+    return out
+
+
+def ref_dequantize(kv, dt, store):
+    """The KV a quantized store returns: kv is [layers, 2, T, H, D] in dtype dt (raw
+    arrays as to_dtype gives), store "int8", "fp8", "int4:G" or "dtype"."""
+    if store in ("dtype", ""):
+        return kv
+    codec, _, g = store.partition(":")
+    out = np.empty_like(kv)
+    L, _, T, H, D = kv.shape
+    for l in range(L):
+        for p in range(2):
+            x2 = from_dtype(kv[l, p], dt).astype(np.float32).reshape(T, H * D)
+            axis = 0 if p == 0 else 1  # keys per channel, values per token
+            y = _int4(x2, axis, int(g or 32)) if codec == "int4" else \
+                _sym(x2, axis, 127 if codec == "int8" else 448, codec)
+            out[l, p] = to_dtype(y.reshape(T, H, D), dt)
+    return out

@@ -1,7 +1,10 @@
 #!/usr/bin/env python3
 """End-to-end fuse through the real kvblendd and the kvblend CLI, checked against a
 NumPy reference of CacheBlend's fuse (shared/DESIGN.md, "Fuse semantics"): RoPE
-re-rotation, HKVD selection with gradual filtering, merge; and get-rerotated.
+re-rotation, HKVD selection with gradual filtering, merge; and get-rerotated. Models
+registered with a store codec (int8, fp8, int4) are checked against a NumPy
+quantizer written from store/quant.h: GET returns its dequantized KV bit for bit,
+within the codec's bound of what was PUT, and the fuse is that KV re-rotated.
 
 usage: test_fuse.py KVBLENDD KVBLEND REFERENCE_DIR
 """
@@ -16,7 +19,8 @@ import numpy as np
 
 KVBLENDD, KVBLEND = sys.argv[1], sys.argv[2]
 sys.path.insert(0, sys.argv[3])
-from kvref import EPS, from_dtype, ref_inv_freq, ref_rotate, ref_select, to_dtype  # noqa: E402
+from kvref import (EPS, from_dtype, ref_dequantize, ref_inv_freq, ref_rotate,  # noqa: E402
+                   ref_select, to_dtype)
 
 TMP = tempfile.mkdtemp(prefix="kvb-fuse-")
 EP = f"ipc://{TMP}/kvblend.sock"
@@ -50,17 +54,26 @@ MODELS = [
     # An ordinary model shape (issue 7): bf16 rows of 2 KiB, whose small frames of fresh
     # rows the daemon may receive at odd addresses.
     ("wide-bf16", 6, 8, 128, "bf16", 1000000.0, "neox", 128, "none", False),
+    # Quantized storage (docs/storage.md): the reference is the dequantized KV.
+    ("neox-f16-int8", 5, 2, 16, "f16", 10000.0, "neox", 16, "none", False, "int8"),
+    ("gptj-bf16-fp8", 5, 2, 16, "bf16", 500000.0, "gptj", 16, "llama3:8,1,4,64", False, "fp8"),
+    ("neox-f32-int4", 5, 3, 16, "f32", 10000.0, "neox", 8, "yarn:4,64", False, "int4:8"),
+    ("wide-f16-int4", 6, 8, 128, "f16", 1000000.0, "neox", 128, "none", False, "int4"),
 ]
+
+# Largest error of a codec relative to the tensor's scale (quant.h bounds, generously).
+BOUND = {"int8": 1 / 127, "fp8": 1 / 16, "int4": 1 / 15}
 
 
 class Model:
     def __init__(self, row, rng):
         (self.name, self.L, self.H, self.D, self.dt, self.theta, self.style, self.R,
-         self.scaling, self.pre) = row
+         self.scaling, self.pre) = row[:10]
+        self.store = row[10] if len(row) > 10 else "dtype"
         args = ["model", "add", self.name, "--layers", self.L, "--kv-heads", self.H,
                 "--head-dim", self.D, "--dtype", self.dt, "--rope-theta", self.theta,
                 "--rope-style", self.style, "--rotary-dim", self.R, "--rope-scaling",
-                self.scaling]
+                self.scaling, "--store", self.store]
         cli(*(args + (["--k-pre-rope"] if self.pre else [])))
         # Chunks as a node stores them: prefilled alone, keys rotated at base_pos..
         self.chunks = []
@@ -74,6 +87,20 @@ class Model:
             np.save(f"{TMP}/ids{ci}.npy", np.arange(1000 * (ci + 1), 1000 * (ci + 1) + T))
             h = cli("put", "--model", self.name, "--kv", f"{TMP}/c{ci}.npy", "--tokens",
                     f"{TMP}/ids{ci}.npy", "--pos", base).stdout.split()[0]
+            if self.store != "dtype":
+                # what the store holds: the reference below works from it
+                deq = ref_dequantize(kv, self.dt, self.store)
+                cli("get", "--model", self.name, "--hash", h, "--out", f"{TMP}/g.npy")
+                got = np.load(f"{TMP}/g.npy")
+                check(f"{self.name} chunk {ci}: GET is the NumPy dequantized KV",
+                      np.array_equal(got, deq),
+                      f"{int((got != deq).sum())} of {got.size} elements differ")
+                x, y = from_dtype(kv, self.dt), from_dtype(got, self.dt)
+                span = np.abs(x).max() * 2
+                check(f"{self.name} chunk {ci}: within the codec's bound",
+                      np.abs(x - y).max() <= BOUND[self.store.split(":")[0]] * span,
+                      f"max error {np.abs(x - y).max():.4g} of range {span:.4g}")
+                kv = deq
             self.chunks.append(dict(T=T, base=base, kv=kv, hash=h))
 
     def rope(self, x, pos0, seq_len):
@@ -232,6 +259,14 @@ try:
     rng = np.random.default_rng(11)
     for row in MODELS:
         run_model(Model(row, rng), rng)
+    # What each store codec holds, and what it saves (raw and stored bytes per codec).
+    st = json.loads(cli("stats", "--json").stdout)
+    for codec, most in (("int8", 0.7), ("fp8", 0.7), ("int4", 0.5)):  # tiny tensors: scales and headers weigh
+        raw, stored = st.get(f"store_{codec}_raw_bytes", 0), st.get(f"store_{codec}_stored_bytes")
+        check(f"stats: {codec} chunks stored smaller", stored and raw and stored < most * raw,
+              f"raw {raw} stored {stored}")
+    check("stats: lossless models counted apart", st.get("store_dtype_chunks", 0) == 15,
+          str(st.get("store_dtype_chunks")))
     # Errors the CLI reports in one line: a missing chunk, a NEW of the wrong shape.
     # (new.npy is the last model's)
     r = cli("fuse", "--model", MODELS[-1][0], "--chunk", "ab" * 32 + "@0", "--new",

@@ -40,6 +40,8 @@ class KvbModel(ctypes.Structure):
         ("beta_slow", ctypes.c_double),
         ("max_pos", ctypes.c_uint32),
         ("k_pre_rope", ctypes.c_int),
+        ("store_codec", ctypes.c_int),
+        ("store_group", ctypes.c_uint32),
     ]
 
 
@@ -197,6 +199,8 @@ _PROTOTYPES = {
     "kvb_dtype_parse": (_INT, [_STR]),
     "kvb_rope_scaling_parse": (_INT, [_STR, ctypes.POINTER(KvbModel)]),
     "kvb_rope_scaling_format": (None, [ctypes.POINTER(KvbModel), _STR, _SZ]),
+    "kvb_store_parse": (_INT, [_STR, ctypes.POINTER(KvbModel)]),
+    "kvb_store_format": (None, [ctypes.POINTER(KvbModel), _STR, _SZ]),
 }
 
 _SONAMES = ("libkvblend.so.0", "libkvblend.so")

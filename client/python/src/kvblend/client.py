@@ -134,6 +134,10 @@ class Model:
         (parsed and formatted by libkvblend).
     k_pre_rope : bool
         Keys are stored before RoPE.
+    store : str
+        How chunks are stored: ``'dtype'`` (lossless, the default), or quantized and
+        decoded back on every read: ``'fp8'``, ``'int8'``, ``'int4'`` or
+        ``'int4:GROUP'`` (docs/storage.md). Part of the model's identity.
     """
 
     name: str
@@ -146,6 +150,7 @@ class Model:
     rotary_dim: int = 0
     scaling: str = "none"
     k_pre_rope: bool = False
+    store: str = "dtype"
 
     @property
     def np_dtype(self) -> np.dtype:
@@ -182,12 +187,16 @@ class Model:
         m.k_pre_rope = int(bool(self.k_pre_rope))
         if lib.kvb_rope_scaling_parse(self.scaling.encode(), ctypes.byref(m)) != 0:
             raise BadArgument(-22, f"rope scaling '{self.scaling}' is not a valid SPEC")
+        if lib.kvb_store_parse(self.store.encode(), ctypes.byref(m)) != 0:
+            raise BadArgument(-22, f"store '{self.store}': dtype, fp8, int8, int4 or int4:GROUP")
         return m
 
     @classmethod
     def _from_c(cls, m: KvbModel) -> Model:
         buf = ctypes.create_string_buffer(128)
+        store = ctypes.create_string_buffer(32)
         lib.kvb_rope_scaling_format(ctypes.byref(m), buf, len(buf))
+        lib.kvb_store_format(ctypes.byref(m), store, len(store))
         return cls(
             name=m.name.decode(),
             num_layers=m.num_layers,
@@ -199,6 +208,7 @@ class Model:
             rotary_dim=m.rotary_dim,
             scaling=buf.value.decode(),
             k_pre_rope=bool(m.k_pre_rope),
+            store=store.value.decode(),
         )
 
 
