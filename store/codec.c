@@ -275,6 +275,31 @@ int codec_decode(const void *src, size_t src_len, void *dst, size_t dst_len, siz
 	return 0;
 }
 
+int codec_verify(const void *src, size_t src_len, size_t raw_size, uint32_t dtype,
+		 void *scratch, size_t *consumed)
+{
+	const uint8_t *payload = (const uint8_t *)src + CODEC_HEADER_SIZE;
+	struct codec_header h;
+	struct quant_info qi;
+
+	if (codec_peek(src, src_len, &h) || h.raw_size != raw_size ||
+	    h.elem_size != (dtype == 3 ? 4 : 2))
+		return -EBADMSG;
+	if (h.kind == CODEC_BSLZ4) {
+		if (codec_decode(src, src_len, scratch, raw_size, consumed))
+			return -EBADMSG;
+		return 0;
+	}
+	if (h.kind == CODEC_QUANT && (quant_peek(payload, h.stored_size, &qi) || qi.dtype != dtype ||
+				      (uint64_t)qi.rows * qi.channels * (qi.dtype == 3 ? 4 : 2) !=
+					      raw_size))
+		return -EBADMSG;
+	if (checksum(payload, h.stored_size) != h.checksum)
+		return -EBADMSG;
+	*consumed = CODEC_HEADER_SIZE + h.stored_size;
+	return 0;
+}
+
 struct xform_apply {
 	const struct codec_xform *x;
 	uint8_t *dst;

@@ -100,6 +100,16 @@ int codec_decode(const void *src, size_t src_len, void *dst, size_t dst_len, siz
 
 
 /*
+ * Check one encoded tensor at src without keeping its decoded bytes: a
+ * well-formed header for raw_size decoded bytes of dtype (1 f16, 2 bf16, 3 f32),
+ * and its checksum (compressed tensors are decompressed into scratch, raw_size
+ * bytes, to check it). Returns 0 with the encoded length in *consumed, or
+ * -EBADMSG.
+ */
+int codec_verify(const void *src, size_t src_len, size_t raw_size, uint32_t dtype,
+		 void *scratch, size_t *consumed);
+
+/*
  * A transform applied while decoding: fn(ctx, src, dst, off, len) writes the
  * transformed bytes [off, off + len) of the tensor from src (raw bytes) to dst
  * (the destination at off); src and dst may be equal. len is a multiple of

@@ -46,6 +46,7 @@ struct store {
 	MDB_dbi models; /* name -> model record */
 	MDB_dbi chunks; /* model id (BE) + hash -> chunk record */
 	MDB_dbi layers; /* chunk key + layer (BE) -> encoded K then encoded V */
+	MDB_dbi owed;	/* peer id length (1) + peer id + chunk key -> 1 byte (cluster pushes) */
 	double min_saving;
 	pthread_mutex_t pool_lock;
 	MDB_txn *pool[RTXN_POOL_MAX]; /* reset read transactions, renewed on use */
@@ -681,7 +682,8 @@ static int open_dbs(struct store *s)
 	if ((rc = mdb_dbi_open(txn, "meta", MDB_CREATE, &s->meta)) ||
 	    (rc = mdb_dbi_open(txn, "models", MDB_CREATE, &s->models)) ||
 	    (rc = mdb_dbi_open(txn, "chunks", MDB_CREATE, &s->chunks)) ||
-	    (rc = mdb_dbi_open(txn, "layers", MDB_CREATE, &s->layers))) {
+	    (rc = mdb_dbi_open(txn, "layers", MDB_CREATE, &s->layers)) ||
+	    (rc = mdb_dbi_open(txn, "owed", MDB_CREATE, &s->owed))) {
 		rc = err_from_mdb(rc);
 		goto fail;
 	}
@@ -995,9 +997,13 @@ static int chunk_exists(struct store *s, const uint8_t *key)
  * nothing. Returns 0, 1 when a sound chunk is stored under the key already, or
  * a negative errno. ci->raw_bytes and ->created are filled here.
  */
+/*
+ * Write a chunk in one transaction: each layer's value encoded from tensors by
+ * plans, or (blobs) copied from stored bytes a peer sent (lens[l] bytes each).
+ */
 static int chunk_write(struct store *s, const struct store_model *m, const uint8_t *hash,
 		       const void *const tensors[], const struct codec_plan *plans,
-		       struct store_chunk_info *ci)
+		       const void *const blobs[], const size_t *lens, struct store_chunk_info *ci)
 {
 	uint8_t key[LAYER_KEY_LEN], rec[CHUNK_REC_LEN];
 	struct totals_rec add, replaced = { 0 };
@@ -1019,15 +1025,20 @@ static int chunk_write(struct store *s, const struct store_model *m, const uint8
 		rc = rc == MDB_NOTFOUND ? 0 : err_from_mdb(rc);
 	/* MDB_RESERVE: encode straight into LMDB's pages, one copy of the data. */
 	for (uint32_t l = 0; l < m->num_layers && !rc; l++) {
-		const struct codec_plan *pk = &plans[2 * l], *pv = &plans[2 * l + 1];
+		const struct codec_plan *pk = blobs ? NULL : &plans[2 * l];
+		const struct codec_plan *pv = blobs ? NULL : &plans[2 * l + 1];
 
 		layer_key(key, m->id, hash, l);
 		k.mv_size = LAYER_KEY_LEN;
-		v.mv_size = pk->encoded_len + pv->encoded_len;
+		v.mv_size = blobs ? lens[l] : pk->encoded_len + pv->encoded_len;
 		v.mv_data = NULL;
 		rc = err_write(s, mdb_put(txn, s->layers, &k, &v, MDB_RESERVE), ci->stored_bytes);
 		if (rc)
 			break;
+		if (blobs) {
+			memcpy(v.mv_data, blobs[l], lens[l]);
+			continue;
+		}
 		codec_write(pk, tensors[2 * l], v.mv_data);
 		codec_write(pv, tensors[2 * l + 1], (uint8_t *)v.mv_data + pk->encoded_len);
 	}
@@ -1120,10 +1131,10 @@ int store_chunk_put(struct store *s, const struct store_model *m,
 	}
 	if (rc)
 		goto out;
-	rc = chunk_write(s, m, hash, tensors, plans, &ci);
+	rc = chunk_write(s, m, hash, tensors, plans, NULL, NULL, &ci);
 	/* Full: the room freed just before (a delete, an eviction) is usable one commit later. */
 	if (rc == -ENOSPC && txn_advance(s) == 0)
-		rc = chunk_write(s, m, hash, tensors, plans, &ci);
+		rc = chunk_write(s, m, hash, tensors, plans, NULL, NULL, &ci);
 	if (rc == 0 && info)
 		*info = ci;
 out:
@@ -1259,6 +1270,77 @@ out:
 	return rc;
 }
 
+int store_chunk_export(struct store *s, const struct store_model *m,
+		       const uint8_t hash[STORE_HASH_LEN], struct store_chunk_info *info,
+		       int (*fn)(void *ctx, uint32_t layer, const void *bytes, size_t len), void *ctx)
+{
+	uint8_t key[LAYER_KEY_LEN];
+	MDB_val k = { LAYER_KEY_LEN, key }, v;
+	MDB_txn *txn;
+	int rc = rtxn_begin(s, &txn);
+
+	if (rc)
+		return rc;
+	rc = chunk_info_txn(s, txn, m->id, hash, info);
+	for (uint32_t l = 0; !rc && l < info->num_layers; l++) {
+		layer_key(key, m->id, hash, l);
+		rc = err_from_mdb(mdb_get(txn, s->layers, &k, &v));
+		if (rc == -ENOENT)
+			rc = -EBADMSG; /* a recorded layer is missing */
+		if (!rc)
+			rc = fn(ctx, l, v.mv_data, v.mv_size);
+	}
+	rtxn_end(s, txn);
+	return rc;
+}
+
+int store_chunk_import(struct store *s, const struct store_model *m,
+		       const uint8_t hash[STORE_HASH_LEN], uint32_t num_tokens, uint32_t base_pos,
+		       const void *const blobs[], const size_t lens[], struct store_chunk_info *info)
+{
+	uint64_t tb = store_tensor_bytes(m, num_tokens);
+	uint8_t key[CHUNK_KEY_LEN], *scratch = NULL;
+	struct store_chunk_info ci = { .num_tokens = num_tokens, .base_pos = base_pos,
+				       .num_layers = m->num_layers };
+	int rc;
+
+	if (!num_tokens || !tb || !m->num_layers)
+		return -EINVAL;
+	chunk_key(key, m->id, hash);
+	rc = chunk_exists(s, key);
+	if (rc)
+		goto out;
+	/* Each tensor must be what this model stores and pass its checksum. */
+	scratch = malloc(tb);
+	if (!scratch) {
+		rc = -ENOMEM;
+		goto out;
+	}
+	for (uint32_t l = 0; l < m->num_layers && !rc; l++) {
+		size_t used = 0, used_v = 0;
+
+		rc = codec_verify(blobs[l], lens[l], tb, m->dtype, scratch, &used);
+		if (!rc)
+			rc = codec_verify((const uint8_t *)blobs[l] + used, lens[l] - used, tb,
+					  m->dtype, scratch, &used_v);
+		if (!rc && used + used_v != lens[l])
+			rc = -EBADMSG;
+		ci.stored_bytes += lens[l];
+	}
+	if (rc)
+		goto out;
+	rc = chunk_write(s, m, hash, NULL, NULL, blobs, lens, &ci);
+	if (rc == -ENOSPC && txn_advance(s) == 0)
+		rc = chunk_write(s, m, hash, NULL, NULL, blobs, lens, &ci);
+	if (rc == 0 && info)
+		*info = ci;
+out:
+	free(scratch);
+	if (rc == 1 && info && store_chunk_info(s, m, hash, info))
+		memset(info, 0, sizeof(*info));
+	return rc;
+}
+
 int store_chunk_lookup(struct store *s, const struct store_model *m,
 		       const uint8_t (*hashes)[STORE_HASH_LEN], size_t n,
 		       struct store_chunk_info *infos, bool *found)
@@ -1375,6 +1457,78 @@ int store_model_by_id(struct store *s, uint32_t id, struct store_model *out)
 	else if (rc == 0)
 		rc = ms.corrupt ? -EBADMSG : -ENOENT;
 	return rc == 1 ? 0 : rc;
+}
+
+/* ---- pushes owed to cluster peers ---- */
+
+#define OWED_KEY_MAX (1 + STORE_OWED_PEER_MAX + CHUNK_KEY_LEN)
+
+static int owed_key(uint8_t *key, const char *peer, uint32_t model_id, const uint8_t *hash)
+{
+	size_t n = strlen(peer);
+
+	if (!n || n > STORE_OWED_PEER_MAX)
+		return -EINVAL;
+	key[0] = (uint8_t)n;
+	memcpy(key + 1, peer, n);
+	chunk_key(key + 1 + n, model_id, hash);
+	return (int)(1 + n + CHUNK_KEY_LEN);
+}
+
+int store_owed_put(struct store *s, const char *peer, uint32_t model_id, const uint8_t *hash,
+		   bool owed)
+{
+	uint8_t key[OWED_KEY_MAX], one = 1;
+	int len = owed_key(key, peer, model_id, hash), rc;
+	MDB_val k, v = { 1, &one };
+	MDB_txn *txn;
+
+	if (len < 0)
+		return len;
+	k.mv_size = (size_t)len;
+	k.mv_data = key;
+	rc = err_from_mdb(mdb_txn_begin(s->env, NULL, 0, &txn));
+	if (rc)
+		return rc;
+	rc = owed ? err_write(s, mdb_put(txn, s->owed, &k, &v, 0), OWED_KEY_MAX)
+		  : err_from_mdb(mdb_del(txn, s->owed, &k, NULL));
+	if (rc == -ENOENT && !owed)
+		rc = 0;
+	if (rc) {
+		mdb_txn_abort(txn);
+		return rc;
+	}
+	return commit(s, txn, OWED_KEY_MAX);
+}
+
+struct owed_scan {
+	int (*fn)(void *ctx, const char *peer, uint32_t model_id, const uint8_t *hash);
+	void *ctx;
+};
+
+static int owed_one(void *arg, const MDB_val *k, const MDB_val *v)
+{
+	struct owed_scan *o = arg;
+	const uint8_t *p = k->mv_data;
+	char peer[STORE_OWED_PEER_MAX + 1];
+	size_t n;
+
+	(void)v;
+	if (k->mv_size < 1 || (n = p[0]) == 0 || n > STORE_OWED_PEER_MAX ||
+	    k->mv_size != 1 + n + CHUNK_KEY_LEN)
+		return 0; /* not ours: skip */
+	memcpy(peer, p + 1, n);
+	peer[n] = 0;
+	return o->fn(o->ctx, peer, get_be32(p + 1 + n), p + 1 + n + 4);
+}
+
+int store_owed_scan(struct store *s,
+		    int (*fn)(void *ctx, const char *peer, uint32_t model_id, const uint8_t *hash),
+		    void *ctx)
+{
+	struct owed_scan o = { fn, ctx };
+
+	return cursor_walk(s, s->owed, NULL, 0, owed_one, &o);
 }
 
 int store_totals(struct store *s, struct store_totals *out)

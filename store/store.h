@@ -157,6 +157,28 @@ int store_chunk_get_layer(struct store *s, const struct store_model *m,
 			  void *v_dst, uint64_t tensor_bytes, const struct codec_xform *k_xform);
 
 /*
+ * A chunk as stored, for copying it to another daemon: its record into *info,
+ * then fn(ctx, layer, bytes, len) for every layer with the layer's stored value
+ * (encoded K then encoded V, as codec.h writes them), in one read transaction
+ * (the bytes are valid only during the call). Returns 0, -ENOENT, -EBADMSG (a
+ * corrupt record or a missing layer), fn's non-zero return, or a negative errno.
+ */
+int store_chunk_export(struct store *s, const struct store_model *m,
+		       const uint8_t hash[STORE_HASH_LEN], struct store_chunk_info *info,
+		       int (*fn)(void *ctx, uint32_t layer, const void *bytes, size_t len), void *ctx);
+
+/*
+ * Store a chunk from its stored bytes (another daemon's store_chunk_export):
+ * blobs[l] of lens[l] bytes per layer. Every tensor's header must match the
+ * model and pass its checksum (codec_verify) before anything is written; the
+ * bytes are stored as they are, never decoded and re-encoded. Returns like
+ * store_chunk_put(), -EBADMSG for bytes that fail.
+ */
+int store_chunk_import(struct store *s, const struct store_model *m,
+		       const uint8_t hash[STORE_HASH_LEN], uint32_t num_tokens, uint32_t base_pos,
+		       const void *const blobs[], const size_t lens[], struct store_chunk_info *info);
+
+/*
  * One chunk's record. Returns 0 and *info, -ENOENT, -EBADMSG (the record failed
  * its checksum: the chunk must not be served; delete it), or another negative errno.
  */
@@ -197,5 +219,19 @@ int store_chunk_scan(struct store *s,
 		     void *ctx);
 
 int store_totals(struct store *s, struct store_totals *out);
+
+/*
+ * Pushes owed to cluster peers, kept across restarts: a peer id (1 ..
+ * STORE_OWED_PEER_MAX bytes) and a chunk. put with owed true records one, with
+ * false clears it (clearing one that is not there is 0). scan calls fn for every
+ * one in key order, in one read transaction (fn must not call the store);
+ * returns 0, fn's non-zero return, or a negative errno.
+ */
+#define STORE_OWED_PEER_MAX 64
+int store_owed_put(struct store *s, const char *peer, uint32_t model_id, const uint8_t *hash,
+		   bool owed);
+int store_owed_scan(struct store *s,
+		    int (*fn)(void *ctx, const char *peer, uint32_t model_id, const uint8_t *hash),
+		    void *ctx);
 
 #endif

@@ -234,6 +234,97 @@ static void test_reopen_keeps_chunks(void **state)
 	free(out);
 }
 
+/* Export from one store, import into another: equal bytes; any flipped byte refused. */
+struct blobs {
+	uint8_t *b[4];
+	size_t len[4];
+};
+
+static int grab(void *ctx, uint32_t layer, const void *bytes, size_t len)
+{
+	struct blobs *x = ctx;
+
+	x->b[layer] = malloc(len);
+	memcpy(x->b[layer], bytes, len);
+	x->len[layer] = len;
+	return 0;
+}
+
+static int count_owed(void *ctx, const char *peer, uint32_t model_id, const uint8_t *hash)
+{
+	(void)model_id;
+	(void)hash;
+	*(int *)ctx += !strcmp(peer, "node-b") ? 1 : 100;
+	return 0;
+}
+
+static void test_export_import(void **state)
+{
+	struct fixture *f = *state, g = { .dir = "/tmp/kvb-store2-XXXXXX" };
+	const void *t[8];
+	uint8_t h[STORE_HASH_LEN], *kv = make_chunk(&f->m, 12, 7, t), *a, *b;
+	uint64_t total = 2 * store_tensor_bytes(&f->m, 12) * 4;
+	struct store_chunk_info ci, cj;
+	struct store_model m2 = f->m;
+	struct blobs x = { 0 };
+	const void *bl[4];
+	char cmd[128];
+	int owed = 0;
+
+	hash_n(h, 9);
+	assert_int_equal(store_chunk_put(f->s, &f->m, h, 12, 5, t, &ci), 0);
+	assert_int_equal(store_chunk_export(f->s, &f->m, h, &cj, grab, &x), 0);
+	assert_int_equal(cj.num_tokens, 12);
+	assert_int_equal(cj.base_pos, 5);
+	assert_non_null(mkdtemp(g.dir));
+	assert_int_equal(open_store(&g, 64u << 20), 0);
+	assert_int_equal(store_model_register(g.s, &m2), 0);
+	for (int l = 0; l < 4; l++)
+		bl[l] = x.b[l];
+	/* a flipped byte anywhere in a tensor: refused, nothing stored */
+	for (size_t at = 0; at < x.len[2]; at += 97) {
+		x.b[2][at] ^= 0x10;
+		assert_int_equal(store_chunk_import(g.s, &m2, h, 12, 5, bl, x.len, NULL), -EBADMSG);
+		x.b[2][at] ^= 0x10;
+	}
+	x.len[3]--;
+	assert_int_equal(store_chunk_import(g.s, &m2, h, 12, 5, bl, x.len, NULL), -EBADMSG);
+	x.len[3]++;
+	assert_int_equal(store_chunk_import(g.s, &m2, h, 11, 5, bl, x.len, NULL), -EBADMSG);
+	assert_int_equal(store_chunk_info(g.s, &m2, h, &cj), -ENOENT);
+	/* the real thing: the same bytes come back */
+	assert_int_equal(store_chunk_import(g.s, &m2, h, 12, 5, bl, x.len, &cj), 0);
+	assert_int_equal(cj.stored_bytes, ci.stored_bytes);
+	assert_int_equal(store_chunk_import(g.s, &m2, h, 12, 5, bl, x.len, NULL), 1);
+	a = malloc(total);
+	b = malloc(total);
+	assert_int_equal(store_chunk_get(f->s, &f->m, h, 0, 4, a, total, NULL), 0);
+	assert_int_equal(store_chunk_get(g.s, &m2, h, 0, 4, b, total, NULL), 0);
+	assert_memory_equal(a, b, total);
+	assert_memory_equal(a, kv, total);
+	/* owed pushes survive a reopen */
+	assert_int_equal(store_owed_put(g.s, "node-b", m2.id, h, true), 0);
+	assert_int_equal(store_owed_put(g.s, "node-b", m2.id, h, true), 0);
+	assert_int_equal(store_owed_put(g.s, "", m2.id, h, true), -EINVAL);
+	store_close(&g.s);
+	assert_int_equal(open_store(&g, 64u << 20), 0);
+	assert_int_equal(store_owed_scan(g.s, count_owed, &owed), 0);
+	assert_int_equal(owed, 1);
+	assert_int_equal(store_owed_put(g.s, "node-b", m2.id, h, false), 0);
+	assert_int_equal(store_owed_put(g.s, "node-b", m2.id, h, false), 0);
+	owed = 0;
+	assert_int_equal(store_owed_scan(g.s, count_owed, &owed), 0);
+	assert_int_equal(owed, 0);
+	store_close(&g.s);
+	snprintf(cmd, sizeof(cmd), "rm -rf %s", g.dir);
+	assert_int_equal(system(cmd), 0);
+	for (int l = 0; l < 4; l++)
+		free(x.b[l]);
+	free(a);
+	free(b);
+	free(kv);
+}
+
 static void test_corruption_reported(void **state)
 {
 	struct fixture *f = *state;
@@ -909,6 +1000,7 @@ int main(void)
 		cmocka_unit_test_setup_teardown(test_immutable, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_full_put_leaves_nothing, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_reopen_keeps_chunks, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_export_import, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_corruption_reported, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_concurrent_readers, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_chunk_record_base_pos_flip, setup, teardown),
