@@ -112,6 +112,17 @@ static const struct key keys[] = {
 	  "shared-memory segments one client may hold (of 256 for all)" },
 	{ "client_fuse_sessions", T_UINT, OFF(client_fuse_sessions), 1, 65536, "16",
 	  "fuse sessions one client may hold open (of fuse_max_sessions)" },
+	{ "node_id", T_PATH, OFF(node_id), 0, 0, NULL,
+	  "this daemon's name in a cluster: letters, digits, ._- (default: the host name)" },
+	{ "cluster_peers", T_PATH, OFF(cluster_peers), 0, 0, NULL,
+	  "the members of a static cluster, comma-separated: ID=tcp://HOST:PORT[=SERVER_KEY] "
+	  "(this daemon may be listed too); chunks are then placed on cluster_replicas members, "
+	  "pushed there after a PUT and fetched from them on a miss (docs/cluster.md); unset = "
+	  "no cluster" },
+	{ "cluster_replicas", T_UINT, OFF(cluster_replicas), 1, 16, "2",
+	  "members that own each chunk" },
+	{ "cluster_timeout_ms", T_UINT, OFF(cluster_timeout_ms), 10, 600000, "1000",
+	  "deadline of a call to another member; one that misses it is skipped for 2 s" },
 	{ "log_level", T_LEVEL, OFF(log_level), 0, 3, "info", "error, warn, info or debug" },
 };
 

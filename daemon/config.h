@@ -55,6 +55,10 @@ struct config {
 	uint64_t client_inflight_bytes;
 	uint64_t client_shm_segments;
 	uint64_t client_fuse_sessions;
+	char node_id[PATH_MAX];
+	char cluster_peers[PATH_MAX];
+	uint64_t cluster_replicas;
+	uint64_t cluster_timeout_ms;
 	int log_level;
 };
 

@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "clients.h"
+#include "cluster.h"
 #include "fdguard.h"
 #include "log.h"
 #include "metrics.h"
@@ -215,7 +216,7 @@ static int no_payload(struct req *q)
 	return 0;
 }
 
-static void model_from_store(const struct store_model *s, struct kvbp_model *m)
+void model_from_store(const struct store_model *s, struct kvbp_model *m)
 {
 	memset(m, 0, sizeof(*m));
 	snprintf(m->name, sizeof(m->name), "%s", s->name);
@@ -454,6 +455,12 @@ static int one_chunk_reply(struct req *q, const uint8_t *hash, const struct stor
 }
 
 /* Bytes of K and V for `layers` layers of a chunk, or a reply naming the problem. */
+/* Whether a local miss of this request may ask other members. */
+static bool cluster_wanted(const struct req *q)
+{
+	return q->srv->cluster && !q->h.local_only;
+}
+
 static int chunk_bytes(struct req *q, const struct store_model *m, uint32_t tokens,
 		       uint32_t layers, uint64_t *tensor_bytes, uint64_t *total)
 {
@@ -594,6 +601,8 @@ static void op_put(struct req *q)
 	evictor_touch(q->srv->evict, m.id, q->h.hash);
 	if (rc == 0)
 		evictor_kick(q->srv->evict);
+	if (rc == 0 && q->srv->cluster)
+		cluster_stored(q->srv->cluster, &m, q->h.hash); /* to its other owners */
 	q->out->rep.existed = rc == 1;
 	if (rc == 1)
 		snprintf(q->out->rep.message, sizeof(q->out->rep.message),
@@ -719,6 +728,12 @@ static void op_get(struct req *q)
 		return;
 	}
 	rc = store_chunk_info(q->srv->store, &m, q->h.hash, &ci);
+	if (rc == -ENOENT && cluster_wanted(q) &&
+	    cluster_fetch(q->srv->cluster, &m, q->h.hash) == 0) {
+		/* fetched from another member and stored here */
+		evictor_kick(q->srv->evict);
+		rc = store_chunk_info(q->srv->store, &m, q->h.hash, &ci);
+	}
 	if (rc == -EBADMSG) {
 		remove_corrupt(q, &m); /* its record failed its checksum */
 		return;
@@ -842,6 +857,16 @@ static void op_lookup(struct req *q)
 		fail_store(q, rc, "lookup");
 		goto out;
 	}
+	if (cluster_wanted(q)) {
+		bool all = true;
+
+		for (size_t i = 0; i < q->h.n_hashes && all; i++)
+			all = found[i];
+		if (!all) /* what other members hold counts as found: a GET fetches it */
+			cluster_lookup(q->srv->cluster, &m,
+				       (const uint8_t(*)[KVBP_HASH_LEN])q->h.hashes, q->h.n_hashes,
+				       found, infos);
+	}
 	for (size_t i = 0; i < q->h.n_hashes; i++) {
 		chunk_out(&q->out->rep.chunks[i], q->h.hashes[i], found[i], &infos[i]);
 		atomic_fetch_add(found[i] ? &q->srv->stats.lookup_hits : &q->srv->stats.lookup_misses,
@@ -930,7 +955,7 @@ static void op_stats(struct req *q)
 	struct timespec now;
 	uint64_t shm_n, shm_bytes;
 	struct kvbp_stat *s;
-	size_t n = 0, cap = 52 + 3 * KVBP_OP_COUNT + KVBP_CODE_COUNT;
+	size_t n = 0, cap = 64 + 3 * KVBP_OP_COUNT + KVBP_CODE_COUNT;
 	struct codec_use use = { 0 };
 	struct store_model *models = NULL;
 	int rc;
@@ -984,6 +1009,21 @@ static void op_stats(struct req *q)
 	}
 	STAT("map_size_bytes", t.map_size);
 	STAT("map_used_bytes", t.map_used);
+	if (srv->cluster) {
+		struct cluster_stats cs;
+
+		cluster_stats(srv->cluster, &cs);
+		STAT("cluster_members", cs.members);
+		STAT("cluster_suspect", cs.suspect);
+		STAT("cluster_pushes_owed", cs.pushes_owed);
+		STAT("cluster_pushes_done", cs.pushes_done);
+		STAT("cluster_push_failures", cs.push_failures);
+		STAT("cluster_remote_hits", cs.remote_hits);
+		STAT("cluster_remote_misses", cs.remote_misses);
+		STAT("cluster_fetch_failures", cs.fetch_failures);
+		STAT("cluster_fetched_bytes", cs.fetched_bytes);
+		STAT("cluster_fetch_ms", cs.fetch_ms);
+	}
 	STAT("shm_segments", shm_n);
 	STAT("shm_bytes", shm_bytes);
 	STAT("bytes_in", atomic_load(&srv->stats.bytes_in));
@@ -1120,6 +1160,162 @@ static void op_shm_detach(struct req *q)
 		     "this client's", q->h.shm_id);
 }
 
+/* FETCH (between daemons): a chunk's stored bytes, one frame per layer. */
+struct fetch_copy {
+	uint8_t *data;
+	size_t used, cap;
+	size_t *lens;
+	uint32_t n;
+};
+
+static int fetch_layer(void *ctx, uint32_t layer, const void *bytes, size_t len)
+{
+	struct fetch_copy *f = ctx;
+
+	if (layer >= f->n || len > f->cap - f->used)
+		return -EBADMSG; /* more than the record says */
+	memcpy(f->data + f->used, bytes, len);
+	f->used += len;
+	f->lens[layer] = len;
+	return 0;
+}
+
+/* The model a peer names must be ours, described the same (checked field by field). */
+static int peer_model(struct req *q, struct store_model *m)
+{
+	struct kvbp_model w, have;
+
+	if (need_model(q, m))
+		return -1;
+	if (!q->h.has_model)
+		return 0;
+	w = q->h.model;
+	if (model_check(q, &w))
+		return -1;
+	model_from_store(m, &have);
+	if (w.num_layers != have.num_layers || w.num_kv_heads != have.num_kv_heads ||
+	    w.head_dim != have.head_dim || w.dtype != have.dtype ||
+	    w.rope_theta != have.rope_theta || w.rope_style != have.rope_style ||
+	    w.rotary_dim != have.rotary_dim || w.scaling != have.scaling ||
+	    w.factor != have.factor || w.low_freq_factor != have.low_freq_factor ||
+	    w.high_freq_factor != have.high_freq_factor ||
+	    w.original_max_pos != have.original_max_pos || w.beta_fast != have.beta_fast ||
+	    w.beta_slow != have.beta_slow || w.max_pos != have.max_pos ||
+	    w.k_pre_rope != have.k_pre_rope || w.store_codec != have.store_codec ||
+	    w.store_group != have.store_group)
+		return fail(q, KVBP_MODEL_CONFLICT, "model '%s' is described differently by the "
+			    "members", q->h.model_name);
+	return 0;
+}
+
+static void op_fetch(struct req *q)
+{
+	struct store_model m;
+	struct store_chunk_info ci;
+	struct fetch_copy f = { 0 };
+	struct shared_buf *buf = NULL;
+	size_t off = 0;
+	int rc;
+
+	if (peer_model(q, &m) || need_hash(q) || no_payload(q))
+		return;
+	rc = store_chunk_info(q->srv->store, &m, q->h.hash, &ci);
+	if (!rc) {
+		buf = reply_buf(q, ci.stored_bytes ? ci.stored_bytes : 1);
+		if (!buf)
+			return;
+		f = (struct fetch_copy){ buf->data, 0, ci.stored_bytes,
+					 calloc(ci.num_layers + 1, sizeof(size_t)), ci.num_layers };
+		q->out->payload = calloc(ci.num_layers + 1, sizeof(zmq_msg_t));
+		if (!f.lens || !q->out->payload) {
+			fail(q, KVBP_LIMIT, "out of memory");
+			goto out;
+		}
+		rc = store_chunk_export(q->srv->store, &m, q->h.hash, &ci, fetch_layer, &f);
+	}
+	if (rc == -EBADMSG) {
+		remove_corrupt(q, &m);
+		goto out;
+	}
+	if (rc) {
+		fail_store(q, rc, "fetch");
+		goto out;
+	}
+	for (uint32_t l = 0; l < ci.num_layers; l++, off += f.lens[l - 1]) {
+		atomic_fetch_add(&buf->refs, 1);
+		zmq_msg_init_data(&q->out->payload[l], buf->data + off, f.lens[l], shared_buf_unref,
+				  buf);
+	}
+	q->out->n_payload = ci.num_layers;
+	q->out->rep.payload_frames = ci.num_layers;
+	one_chunk_reply(q, q->h.hash, &ci);
+out:
+	if (!q->out->n_payload) {
+		free(q->out->payload);
+		q->out->payload = NULL;
+	}
+	free(f.lens);
+	if (buf)
+		shared_buf_unref(NULL, buf);
+}
+
+/* REPLICATE (between daemons): store a chunk from its stored bytes, one frame per layer. */
+static void op_replicate(struct req *q)
+{
+	struct store_model m;
+	struct store_chunk_info ci;
+	const void **blobs = NULL;
+	size_t *lens = NULL;
+	uint64_t tb, total;
+	int rc;
+
+	if (peer_model(q, &m) || need_hash(q))
+		return;
+	if (chunk_bytes(q, &m, q->h.num_tokens, m.num_layers, &tb, &total))
+		return;
+	if (q->n_payload != m.num_layers || q->h.payload_frames != q->n_payload) {
+		fail(q, KVBP_BAD_FRAMES, "replicate of a %" PRIu32 "-layer model takes %" PRIu32
+		     " payload frames (a layer's stored bytes each); got %zu", m.num_layers,
+		     m.num_layers, q->n_payload);
+		return;
+	}
+	blobs = calloc(m.num_layers, sizeof(*blobs));
+	lens = calloc(m.num_layers, sizeof(*lens));
+	if (!blobs || !lens) {
+		fail(q, KVBP_LIMIT, "out of memory");
+		goto out;
+	}
+	for (uint32_t l = 0; l < m.num_layers; l++) {
+		blobs[l] = zmq_msg_data(&q->payload[l]);
+		lens[l] = zmq_msg_size(&q->payload[l]);
+	}
+	rc = store_chunk_import(q->srv->store, &m, q->h.hash, q->h.num_tokens, q->h.base_pos,
+				blobs, lens, &ci);
+	for (int tries = 0; rc == -ENOSPC && tries < 3; tries++) {
+		if (evictor_make_room(q->srv->evict, 2 * total + (1u << 20), q->ns) < 0)
+			break;
+		rc = store_chunk_import(q->srv->store, &m, q->h.hash, q->h.num_tokens,
+					q->h.base_pos, blobs, lens, &ci);
+	}
+	if (rc == -EBADMSG) {
+		fail(q, KVBP_CORRUPT, "replicate: the chunk's bytes fail their checks (header, "
+		     "size or checksum); nothing stored");
+		goto out;
+	}
+	if (rc < 0) {
+		fail_store(q, rc, "replicate");
+		goto out;
+	}
+	evictor_touch(q->srv->evict, m.id, q->h.hash);
+	if (rc == 0)
+		evictor_kick(q->srv->evict);
+	q->out->rep.existed = rc == 1;
+	one_chunk_reply(q, q->h.hash, &ci);
+out:
+	free(blobs);
+	free(lens);
+}
+
 static void op_fuse_open(struct req *q)
 {
 	struct fuse_open_result r;
@@ -1130,6 +1326,17 @@ static void op_fuse_open(struct req *q)
 	if (need_model(q, &m) || no_payload(q))
 		return;
 	code = fuse_open(q->srv->fuse, &m, &q->h, q->principal, &r, err, sizeof(err));
+	if (code == KVBP_NOT_FOUND && r.n_missing && cluster_wanted(q)) {
+		/* Chunks held elsewhere: fetch them all, then open again. */
+		size_t got = 0;
+
+		for (size_t i = 0; i < r.n_missing; i++)
+			got += cluster_fetch(q->srv->cluster, &m, r.missing[i]) == 0;
+		free(r.missing);
+		if (got)
+			evictor_kick(q->srv->evict);
+		code = fuse_open(q->srv->fuse, &m, &q->h, q->principal, &r, err, sizeof(err));
+	}
 	if (code) {
 		fail(q, code, "%s", err);
 		if (r.n_missing) {
@@ -1421,6 +1628,7 @@ static const op_fn handlers[KVBP_OP_COUNT] = {
 	[KVBP_OP_LIST] = op_list,	    [KVBP_OP_SHM_ATTACH] = op_shm_attach,
 	[KVBP_OP_SHM_DETACH] = op_shm_detach, [KVBP_OP_FUSE_OPEN] = op_fuse_open,
 	[KVBP_OP_FUSE_LAYER] = op_fuse_layer, [KVBP_OP_FUSE_CLOSE] = op_fuse_close,
+	[KVBP_OP_FETCH] = op_fetch, [KVBP_OP_REPLICATE] = op_replicate,
 	[KVBP_OP_PIN] = op_pin,		    [KVBP_OP_UNPIN] = op_unpin,
 };
 

@@ -49,4 +49,7 @@ void ops_handle(struct server *srv, const struct ops_origin *from, zmq_msg_t *fr
 /* Close unsent payload frames and free the reply's arrays. */
 void reply_out_clear(struct reply_out *out);
 
+/* A stored model as the wire describes it (every field; the stored name). */
+void model_from_store(const struct store_model *s, struct kvbp_model *m);
+
 #endif

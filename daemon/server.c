@@ -15,6 +15,7 @@
 #include <zmq.h>
 
 #include "clients.h"
+#include "cluster.h"
 #include "curve.h"
 #include "fdguard.h"
 #include "log.h"
@@ -756,6 +757,23 @@ int server_start(struct server *srv, const struct config *cfg, struct store *sto
 			return rc;
 	}
 	log_info("fuse backend %s", srv->blend->name);
+	{
+		/* Towards other members the daemon speaks with its own CURVE key, if it has one. */
+		char secret[41] = "", public_key[41] = "", err[512];
+
+		if (cfg->curve_secret_key_file[0] &&
+		    curve_load_secret(cfg->curve_secret_key_file, secret, public_key, err,
+				      sizeof(err))) {
+			log_err("%s", err);
+			return -EINVAL;
+		}
+		rc = cluster_new(cfg, store, secret, public_key, &srv->cluster, err, sizeof(err));
+		memset(secret, 0, sizeof(secret));
+		if (rc) {
+			log_err("%s", rc == -EINVAL ? err : strerror(-rc));
+			return rc;
+		}
+	}
 	srv->pf_cap = (unsigned)cfg->fuse_max_sessions + 1;
 	srv->pf_queue = calloc(srv->pf_cap, sizeof(*srv->pf_queue));
 	if (!srv->pf_queue)
@@ -926,6 +944,7 @@ void server_stop(struct server *srv)
 			unlink(srv->cfg->listen[i] + 6);
 	free(srv->in_frames);
 	free(srv->pf_queue);
+	cluster_free(&srv->cluster);
 	srv->in_frames = NULL;
 	metrics_stop(&srv->metrics);
 	evictor_free(&srv->evict);

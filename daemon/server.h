@@ -50,6 +50,7 @@ struct server {
 	struct pool *pool; /* helpers that split one request's bulk work */
 	struct fuse_table *fuse;
 	struct evictor *evict;
+	struct cluster *cluster; /* NULL: no cluster */
 	struct metrics *metrics;
 	const struct blend_backend *blend; /* fuse compute backend */
 	void *zctx;

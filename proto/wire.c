@@ -23,7 +23,8 @@ static const char *const op_names[KVBP_OP_COUNT] = {
 	[KVBP_OP_SHM_ATTACH] = "shm_attach",   [KVBP_OP_SHM_DETACH] = "shm_detach",
 	[KVBP_OP_FUSE_OPEN] = "fuse_open",     [KVBP_OP_FUSE_LAYER] = "fuse_layer",
 	[KVBP_OP_FUSE_CLOSE] = "fuse_close",   [KVBP_OP_PIN] = "pin",
-	[KVBP_OP_UNPIN] = "unpin",
+	[KVBP_OP_UNPIN] = "unpin",	       [KVBP_OP_FETCH] = "fetch",
+	[KVBP_OP_REPLICATE] = "replicate",
 };
 
 static const char *const code_names[KVBP_CODE_COUNT] = {
@@ -219,6 +220,7 @@ int kvbp_request_encode(const struct kvbp_request *req, uint8_t **buf, size_t *l
 	pb.progress = req->progress;
 	pb.reuse_only = req->reuse_only;
 	pb.row_stride = req->row_stride;
+	pb.local_only = req->local_only;
 	if (req->has_land) {
 		land.shm_id = req->land.shm_id;
 		land.k_offset = req->land.k_offset;
@@ -349,6 +351,7 @@ int kvbp_request_decode(const void *buf, size_t len, struct kvbp_request *out, c
 	r.progress = pb->progress;
 	r.reuse_only = pb->reuse_only;
 	r.row_stride = pb->row_stride;
+	r.local_only = pb->local_only;
 	if (pb->land) {
 		const Kvblend__KvLayout *g = pb->land;
 

@@ -49,6 +49,8 @@ enum kvbp_op {
 	KVBP_OP_FUSE_CLOSE = 14,
 	KVBP_OP_PIN = 15,
 	KVBP_OP_UNPIN = 16,
+	KVBP_OP_FETCH = 17,
+	KVBP_OP_REPLICATE = 18,
 	KVBP_OP_COUNT
 };
 
@@ -183,6 +185,7 @@ struct kvbp_request {
 	struct kvbp_layout land;
 	bool reuse_only;
 	uint64_t row_stride;
+	bool local_only; /* no cluster fetch: set by daemons calling each other */
 };
 
 struct kvbp_reply {

@@ -1,0 +1,74 @@
+/*
+ * cluster — the daemons of a cluster share one chunk space (docs/cluster.md).
+ *
+ * Members are this daemon (node_id) and the peers of cluster_peers, each
+ * "id=tcp://host:port[=Z85 server key]". A chunk's owners are the
+ * cluster_replicas best members by weighted rendezvous hashing (place.h).
+ *
+ * Write path: a chunk a client stores here is pushed, as its stored bytes
+ * (REPLICATE), to its owners other than this daemon by a background thread.
+ * What is owed is recorded in the store (store_owed_put) once the chunk is
+ * stored, before the PUT is answered, and cleared once the owner has it, so a
+ * restart resumes the pushes. A peer that does not answer is retried after a
+ * pause.
+ *
+ * Read path: a chunk missing here is fetched (FETCH) from its owners in
+ * placement order, its bytes verified and stored here as a copy
+ * (store_chunk_import); a LOOKUP miss asks the owners (LOOKUP).
+ *
+ * Every remote call has a deadline (cluster_timeout_ms); a peer that misses one
+ * is suspect and skipped for a while, so it never holds a local request past
+ * the deadline again. Thread-safe.
+ */
+#ifndef KVBLEND_DAEMON_CLUSTER_H
+#define KVBLEND_DAEMON_CLUSTER_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "../proto/wire.h"
+#include "../store/store.h"
+#include "config.h"
+
+struct cluster;
+
+/*
+ * Parse cfg's cluster settings and start the push thread (which first queues
+ * what the store says is still owed). *out is NULL (no cluster)
+ * when cluster_peers is empty. curve_secret/curve_public: this daemon's CURVE key
+ * pair (Z85, "" without), used towards peers that have a key. Returns 0, or
+ * -EINVAL with a message in err naming the bad setting.
+ */
+int cluster_new(const struct config *cfg, struct store *store, const char *curve_secret,
+		const char *curve_public, struct cluster **out, char *err, size_t errlen);
+void cluster_free(struct cluster **c);
+
+/*
+ * Fetch chunk hash of model m from its owners and store it here. Returns 0 when
+ * it is stored here now (also when it already was), -ENOENT when no live member
+ * has it, or another negative errno. Bounded by cluster_timeout_ms per owner.
+ */
+int cluster_fetch(struct cluster *c, const struct store_model *m, const uint8_t *hash);
+
+/*
+ * For hashes not found here (found[i] false), ask their owners; set found[i] and
+ * infos[i] for those a live member holds. Returns how many were found there.
+ */
+size_t cluster_lookup(struct cluster *c, const struct store_model *m,
+		      const uint8_t (*hashes)[KVBP_HASH_LEN], size_t n, bool *found,
+		      struct store_chunk_info *infos);
+
+/* A client stored chunk hash of m here: push it to its other owners. */
+void cluster_stored(struct cluster *c, const struct store_model *m, const uint8_t *hash);
+
+struct cluster_stats {
+	uint64_t members, suspect;
+	uint64_t pushes_owed, pushes_done, push_failures;
+	uint64_t remote_hits, remote_misses, fetch_failures, fetched_bytes;
+	double fetch_ms; /* total time in successful fetches */
+};
+
+void cluster_stats(struct cluster *c, struct cluster_stats *out);
+
+#endif

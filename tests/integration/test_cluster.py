@@ -1,0 +1,227 @@
+#!/usr/bin/env python3
+"""Three real kvblendd daemons sharing one chunk space through a static cluster_peers
+list (docs/cluster.md), driven with the kvblend CLI over each daemon's IPC socket;
+the daemons talk to each other over TCP on loopback.
+
+Checks: a chunk PUT on A is readable on C byte for byte; with R = 2, SIGKILL of the
+node that took the PUTs leaves every chunk readable from the other two; a node that
+was down while chunks were written receives them when it returns (pushes owed are
+kept and retried); a SIGSTOPped peer delays a request by no more than the timeout;
+a fuse opened on B over chunks stored elsewhere gives the bytes a fuse on A gives;
+a bad member list is refused at start with a message naming it.
+
+usage: test_cluster.py KVBLENDD KVBLEND
+"""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+KVBLENDD, KVBLEND = sys.argv[1], sys.argv[2]
+TMP = tempfile.mkdtemp(prefix="kvb-cluster-")
+passed = failed = 0
+L, H, D = 4, 2, 16
+TIMEOUT_MS = 500
+
+
+def check(name, cond, detail=""):
+    global passed, failed
+    if cond:
+        passed += 1
+        print(f"ok - {name}")
+    else:
+        failed += 1
+        print(f"not ok - {name} {detail}")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+NODES = {n: free_port() for n in "abc"}
+PEERS = ",".join(f"{n}=tcp://127.0.0.1:{p}" for n, p in NODES.items())
+procs = {}
+
+
+def ep(n):
+    return f"ipc://{TMP}/{n}.sock"
+
+
+def cli(n, *args, ok=True):
+    r = subprocess.run([KVBLEND, "--endpoint", ep(n), "--timeout", "20000", *map(str, args)],
+                       capture_output=True, text=True)
+    if ok and r.returncode != 0:
+        raise RuntimeError(f"kvblend@{n} {' '.join(map(str, args))}: {r.stderr}")
+    return r
+
+
+def start(n, peers=PEERS, wait=True):
+    log = open(f"{TMP}/{n}.log", "a")
+    p = subprocess.Popen([KVBLENDD, "--data-dir", f"{TMP}/{n}-data", "--listen",
+                          f"{ep(n)},tcp://127.0.0.1:{NODES[n]}", "--map-size", "1G",
+                          "--node-id", n, "--cluster-peers", peers, "--cluster-replicas", "2",
+                          "--cluster-timeout-ms", str(TIMEOUT_MS), "--log-level", "debug"],
+                         stderr=log, stdout=log)
+    procs[n] = p
+    if wait:
+        for _ in range(100):
+            if cli(n, "--timeout", "200", "ping", ok=False).returncode == 0:
+                break
+            if p.poll() is not None:
+                break
+            time.sleep(0.1)
+    return p
+
+
+def stats(n):
+    return json.loads(cli(n, "stats", "--json").stdout)
+
+
+def wait_owed(n, seconds=30):
+    end = time.time() + seconds
+    while time.time() < end:
+        if stats(n)["cluster_pushes_owed"] == 0:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def put_chunks(n, first, count, rng):
+    out = []
+    for i in range(first, first + count):
+        T = 5 + i % 7
+        kv = rng.standard_normal((L, 2, T, H, D)).astype(np.float16)
+        np.save(f"{TMP}/kv{i}.npy", kv)
+        np.save(f"{TMP}/ids{i}.npy", np.arange(100 * i, 100 * i + T))
+        h = cli(n, "put", "--model", "cm", "--kv", f"{TMP}/kv{i}.npy", "--tokens",
+                f"{TMP}/ids{i}.npy", "--pos", i).stdout.split()[0]
+        out.append((h, kv))
+    return out
+
+
+def readable(n, chunks):
+    bad = []
+    for h, kv in chunks:
+        r = cli(n, "get", "--model", "cm", "--hash", h, "--out", f"{TMP}/g.npy", ok=False)
+        if r.returncode != 0 or not np.array_equal(np.load(f"{TMP}/g.npy"), kv):
+            bad.append(h[:12] + (": " + r.stderr.strip() if r.returncode else ": bytes differ"))
+    return bad
+
+
+try:
+    # A bad member list is refused with a message that names it.
+    r = subprocess.run([KVBLENDD, "--data-dir", f"{TMP}/x", "--listen", f"ipc://{TMP}/x.sock",
+                        "--node-id", "x", "--cluster-peers", "y=udp://nowhere"],
+                       capture_output=True, text=True, timeout=20)
+    check("a bad cluster_peers entry is refused at start",
+          r.returncode != 0 and "cluster_peers" in r.stderr and "tcp://" in r.stderr, r.stderr)
+
+    for n in NODES:
+        start(n)
+    for n in NODES:
+        cli(n, "model", "add", "cm", "--layers", L, "--kv-heads", H, "--head-dim", D,
+            "--dtype", "f16", "--rope-theta", 10000)
+    rng = np.random.default_rng(3)
+    chunks = put_chunks("a", 0, 12, rng)
+
+    # Read-through: C reads everything A took, byte for byte.
+    bad = readable("c", chunks)
+    check("a chunk PUT on A is readable on C, byte for byte", not bad, str(bad))
+    st = stats("c")
+    check("C fetched what it does not own", st["cluster_remote_hits"] > 0 and
+          st["cluster_fetched_bytes"] > 0, str(st.get("cluster_remote_hits")))
+    check("A pushed every chunk to its owners", wait_owed("a"), str(stats("a")))
+    pushes = stats("a")["cluster_pushes_done"]
+    check("A pushed one or two copies per chunk (to owners other than itself)",
+          12 <= pushes <= 24, f"pushes {pushes}")
+
+    # R = 2: the node that took the PUTs dies; every chunk is still readable elsewhere.
+    procs["a"].send_signal(signal.SIGKILL)
+    procs["a"].wait()
+    bad = readable("b", chunks) + readable("c", chunks)
+    check("SIGKILL of A: every chunk readable from B and C", not bad, str(bad))
+
+    # B is down while A takes more chunks; it receives them when it returns.
+    start("a")
+    b_before = stats("b")["chunks"]
+    procs["b"].send_signal(signal.SIGKILL)
+    procs["b"].wait()
+    more = put_chunks("a", 100, 12, rng)
+    time.sleep(0.5)
+    owed = stats("a")["cluster_pushes_owed"]
+    check("pushes to a dead member are owed", owed > 0, f"owed {owed}")
+    # A restarts too: what it owes survives in its store.
+    procs["a"].send_signal(signal.SIGTERM)
+    procs["a"].wait()
+    start("a")
+    check("owed pushes survive a restart of the pushing daemon",
+          stats("a")["cluster_pushes_owed"] > 0, str(stats("a")["cluster_pushes_owed"]))
+    done_before = stats("a")["cluster_pushes_done"]
+    start("b")
+    check("B catches up when it returns", wait_owed("a"), str(stats("a")))
+    sent = stats("a")["cluster_pushes_done"] - done_before
+    b_after = stats("b")["chunks"]
+    check("B received exactly what it was owed", sent > 0 and b_after - b_before == sent,
+          f"sent {sent}, B grew by {b_after - b_before}")
+    procs["a"].send_signal(signal.SIGKILL)
+    procs["a"].wait()
+    bad = readable("b", more) + readable("c", more)
+    check("with A gone, B and C serve the chunks written while B was down", not bad, str(bad))
+    start("a")
+
+    # A stopped peer never holds a request past the timeout.
+    procs["c"].send_signal(signal.SIGSTOP)
+    try:
+        for attempt in range(2):
+            t0 = time.time()
+            r = cli("b", "get", "--model", "cm", "--hash", "ab" * 32, "--out", f"{TMP}/x.npy",
+                    ok=False)
+            dt = time.time() - t0
+            check(f"a miss with C stopped is answered within the timeout ({attempt + 1})",
+                  r.returncode != 0 and "not found" in r.stderr.lower() and
+                  dt < TIMEOUT_MS / 1000 * 2 + 1.0, f"{dt:.2f} s: {r.stderr.strip()}")
+        check("C is marked suspect", stats("b")["cluster_suspect"] >= 1, str(stats("b")))
+    finally:
+        procs["c"].send_signal(signal.SIGCONT)
+
+    # A fuse on B over chunks stored on A (and C): the same fused bytes as on A.
+    sel = chunks[:3]
+    new = rng.standard_normal((L, 2, sum(kv.shape[2] for _, kv in sel) + 3, H, D))
+    np.save(f"{TMP}/new.npy", new.astype(np.float16))
+    args, pos = [], 0
+    for h, kv in sel:
+        args += ["--chunk", f"{h}@{pos}"]
+        pos += kv.shape[2]
+    args += ["--fresh", f"3@{pos}"]
+    for n in "ab":
+        cli(n, "fuse", "--model", "cm", *args, "--new", f"{TMP}/new.npy", "--ratio", "0.3",
+            "--check-layers", "1", "--out", f"{TMP}/fused-{n}.npy")
+    check("a fuse on B over chunks held elsewhere equals the fuse on A",
+          np.array_equal(np.load(f"{TMP}/fused-a.npy"), np.load(f"{TMP}/fused-b.npy")))
+finally:
+    for n, p in procs.items():
+        if p.poll() is None:
+            p.send_signal(signal.SIGCONT)
+            p.terminate()
+            try:
+                rc = p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                rc = p.wait()
+            check(f"daemon {n} exits 0", rc == 0, f"status {rc}")
+    if failed:
+        for n in NODES:
+            print(f"--- {n}.log (tail)")
+            print(open(f"{TMP}/{n}.log").read()[-2500:])
+    if not os.environ.get("KVB_KEEP_TMP"):
+        subprocess.run(["rm", "-rf", TMP])
+print(f"{passed} passed, {failed} failed")
+sys.exit(1 if failed else 0)
