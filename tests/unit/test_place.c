@@ -23,7 +23,7 @@ static void hash_of(unsigned i, uint8_t h[PLACE_HASH_LEN])
 static void members(struct place_member *m, size_t n)
 {
 	for (size_t i = 0; i < n; i++) {
-		char id[16];
+		char id[32];
 
 		snprintf(id, sizeof(id), "m%zu", i);
 		m[i].seed = place_seed(id);
