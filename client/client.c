@@ -4,6 +4,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
+#include <pthread.h>
 #include <sodium.h>
 #include <stdarg.h>
 #include <stdatomic.h>
@@ -713,6 +714,79 @@ static void shm_unmap(kvb_client *c, bool tell)
 	c->shm_id = 0;
 }
 
+/*
+ * zmq_ctx_term() with a bound: libzmq can block in it for good after a CURVE
+ * handshake the server refused, on a loaded machine, whatever the linger. Past
+ * the bound the context is left to a detached thread (and leaked if it never
+ * ends), so that closing a client never hangs its caller.
+ */
+struct term_job {
+	void *ctx;
+	pthread_mutex_t lock;
+	pthread_cond_t cond;
+	bool done, abandoned;
+};
+
+static void term_job_free(struct term_job *j)
+{
+	pthread_cond_destroy(&j->cond);
+	pthread_mutex_destroy(&j->lock);
+	free(j);
+}
+
+static void *term_main(void *arg)
+{
+	struct term_job *j = arg;
+	bool orphan;
+
+	zmq_ctx_term(j->ctx);
+	pthread_mutex_lock(&j->lock);
+	j->done = true;
+	orphan = j->abandoned;
+	pthread_cond_signal(&j->cond);
+	pthread_mutex_unlock(&j->lock);
+	if (orphan)
+		term_job_free(j);
+	return NULL;
+}
+
+static void ctx_term_bounded(void *ctx, int ms)
+{
+	struct term_job *j = calloc(1, sizeof(*j));
+	struct timespec until;
+	pthread_t t;
+	bool done;
+
+	if (!j) {
+		zmq_ctx_term(ctx);
+		return;
+	}
+	j->ctx = ctx;
+	pthread_mutex_init(&j->lock, NULL);
+	pthread_cond_init(&j->cond, NULL);
+	if (pthread_create(&t, NULL, term_main, j)) {
+		term_job_free(j);
+		zmq_ctx_term(ctx);
+		return;
+	}
+	clock_gettime(CLOCK_REALTIME, &until);
+	until.tv_sec += ms / 1000;
+	until.tv_nsec += (long)(ms % 1000) * 1000000;
+	if (until.tv_nsec >= 1000000000) {
+		until.tv_sec++;
+		until.tv_nsec -= 1000000000;
+	}
+	pthread_mutex_lock(&j->lock);
+	while (!j->done && pthread_cond_timedwait(&j->cond, &j->lock, &until) == 0)
+		;
+	done = j->done;
+	j->abandoned = !done;
+	pthread_mutex_unlock(&j->lock);
+	pthread_detach(t);
+	if (done)
+		term_job_free(j);
+}
+
 void kvb_close(kvb_client **cp)
 {
 	kvb_client *c = cp ? *cp : NULL;
@@ -728,7 +802,7 @@ void kvb_close(kvb_client **cp)
 		zmq_close(c->sock);
 	wait_payloads(c);
 	if (c->ctx)
-		zmq_ctx_term(c->ctx);
+		ctx_term_bounded(c->ctx, 2000);
 	for (unsigned i = 0; i < c->n_lost; i++)
 		munmap(c->lost_base[i], c->lost_size[i]);
 	free(c);

@@ -33,8 +33,11 @@ def keygen():
 def cli(ep, *args, env=None):
     e = {k: v for k, v in os.environ.items() if not k.startswith("KVBLEND_")}
     e.update(env or {})
-    return subprocess.run([KVBLEND, "--endpoint", ep, "--timeout", "1500", *args],
-                          capture_output=True, text=True, env=e)
+    try:
+        return subprocess.run([KVBLEND, "--endpoint", ep, "--timeout", "1500", *args],
+                              capture_output=True, text=True, env=e, timeout=60)
+    except subprocess.TimeoutExpired as x:  # a hung CLI fails its check, not the whole test
+        return subprocess.CompletedProcess(x.cmd, -9, "", f"kvblend hung: {x}")
 
 
 def free_port():
