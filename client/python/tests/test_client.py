@@ -87,6 +87,30 @@ def test_models(client):
     client.ping()  # still serving
 
 
+@pytest.mark.parametrize("store", ["int8", "fp8", "int4", "int4:64"])
+def test_quantized_store(client, store):
+    """A model stored quantized: the codec is part of its identity; GET gives back the
+    model's dtype within the codec's error; the chunk is stored smaller."""
+    m = kvblend.Model(f"q-{store.replace(':', '-')}", 2, 2, 64, "f16", store=store)
+    client.model_register(m)
+    got = client.model_get(m.name)
+    assert got.store == (store if ":" in store or store != "int4" else "int4:32")
+    with pytest.raises(kvblend.ModelConflict):
+        client.model_register(kvblend.Model(m.name, 2, 2, 64, "f16"))
+    kv = rand_kv(m, 40)
+    h = kvblend.chunk_hash(range(7000, 7040))
+    client.put(m.name, h, kv)
+    back = client.get(m.name, h).astype(np.float32)
+    x = kv.astype(np.float32)
+    scale = np.abs(x).max()
+    assert np.abs(back - x).max() <= scale * {"int8": 1 / 127, "fp8": 1 / 16}.get(store, 1 / 15)
+    assert not np.array_equal(back, x)  # lossy: really quantized
+    info = client.lookup(m.name, [h])[0]
+    assert info.stored_bytes < info.raw_bytes * (0.6 if store.startswith("int4") else 0.7)
+    with pytest.raises(kvblend.BadArgument, match="store"):
+        kvblend.Model("bad-store", 1, 1, 16, store="int3")._to_c()
+
+
 @pytest.mark.parametrize("dtype", ["f16", "bf16", "f32"])
 def test_put_get_roundtrip(client, dtype):
     m = kvblend.Model(f"rt-{dtype}", 3, 2, 16, dtype)
@@ -332,7 +356,10 @@ ABI_C = r"""
 int main(void)
 {
 	S(kvb_model); O(kvb_model, rope_theta); O(kvb_model, factor); O(kvb_model, beta_fast);
-	O(kvb_model, max_pos); O(kvb_model, k_pre_rope);
+	O(kvb_model, max_pos); O(kvb_model, k_pre_rope); O(kvb_model, store_codec);
+	O(kvb_model, store_group);
+	S(kvb_kv_layout); O(kvb_kv_layout, head_stride); O(kvb_kv_layout, page_tokens);
+	O(kvb_kv_layout, page_stride); O(kvb_kv_layout, n_pages);
 	S(kvb_chunk_info); O(kvb_chunk_info, raw_bytes); O(kvb_chunk_info, stored_bytes);
 	S(kvb_stat); O(kvb_stat, value);
 	S(kvb_connect_opts); O(kvb_connect_opts, shm_size); O(kvb_connect_opts, client_secret_key);
@@ -361,9 +388,10 @@ def test_structs_match_the_header():
         "kvb_connect_opts": _lib.KvbConnectOpts,
         "kvb_segment": _lib.KvbSegment,
         "kvb_fuse_params": _lib.KvbFuseParams,
+        "kvb_kv_layout": _lib.KvbKvLayout,
     }
     lines = out.split("\n")
-    assert len([x for x in lines if x]) == 20
+    assert len([x for x in lines if x]) == 27
     for line in filter(None, lines):
         what, n = line.split()
         if "." in what:
