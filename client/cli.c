@@ -59,6 +59,9 @@ static const char usage_text[] =
 	"  unpin --model NAME --hash HEX          let it be evicted again\n"
 	"  hash --tokens FILE                     print the chunk hash of token ids\n"
 	"  keygen                                 print a new CURVE key pair (public, secret)\n"
+	"  cluster status [--json]                the cluster as this daemon sees it: each other\n"
+	"                                         member alive or suspect, pushes owed to it, and\n"
+	"                                         the daemon's cluster counters\n"
 	"  demo                                   register a small model, store chunks, read them\n"
 	"                                         back and verify them, printing each step\n"
 	"\n"
@@ -328,6 +331,77 @@ static int cmd_stats(kvb_client *c, struct args *a)
 	} else {
 		for (size_t i = 0; i < n; i++)
 			printf("%-28s %.6g\n", s[i].name, s[i].value);
+	}
+	free(s);
+	return 0;
+}
+
+static int cmd_cluster(kvb_client *c, struct args *a)
+{
+	const char *sub = a->i < a->argc ? a->argv[a->i++] : "";
+	struct opts o = { 0 };
+	struct kvb_stat *s;
+	size_t n;
+	bool json, first = true;
+	int rc;
+
+	if (strcmp(sub, "status"))
+		return die("cluster: expected 'status'") ? 2 : 2;
+	opt_decl(&o, "--json", true);
+	if (opt_parse(&o, a))
+		return 2;
+	json = opt(&o, "--json") != NULL;
+	rc = kvb_stats(c, &s, &n);
+	if (rc)
+		return client_err(c, rc, "cluster status");
+	{
+		bool any = false;
+
+		for (size_t i = 0; i < n; i++)
+			any |= !strcmp(s[i].name, "cluster_members");
+		if (!any) {
+			free(s);
+			return die("cluster status: this daemon is in no cluster (cluster_peers unset)")
+				       ? 1 : 1;
+		}
+	}
+	if (json)
+		printf("{\"members\": [");
+	else
+		printf("%-24s %-8s %s\n", "member", "state", "pushes owed");
+	for (size_t i = 0; i < n; i++) {
+		const char *id;
+		double owed = 0;
+
+		if (strncmp(s[i].name, "member:", 7))
+			continue;
+		id = s[i].name + 7;
+		for (size_t j = 0; j < n; j++)
+			if (!strncmp(s[j].name, "owed:", 5) && !strcmp(s[j].name + 5, id))
+				owed = s[j].value;
+		if (json) {
+			printf("%s{\"id\": ", first ? "" : ", ");
+			json_str(id);
+			printf(", \"state\": \"%s\", \"pushes_owed\": %.0f}",
+			       s[i].value ? "alive" : "suspect", owed);
+		} else {
+			printf("%-24s %-8s %.0f\n", id, s[i].value ? "alive" : "suspect", owed);
+		}
+		first = false;
+	}
+	if (json) {
+		printf("]");
+		for (size_t i = 0; i < n; i++)
+			if (!strncmp(s[i].name, "cluster_", 8)) {
+				printf(", ");
+				json_str(s[i].name);
+				printf(": %.17g", s[i].value);
+			}
+		printf("}\n");
+	} else {
+		for (size_t i = 0; i < n; i++)
+			if (!strncmp(s[i].name, "cluster_", 8))
+				printf("%-28s %.6g\n", s[i].name, s[i].value);
 	}
 	free(s);
 	return 0;
@@ -1154,7 +1228,7 @@ int main(int argc, char **argv)
 		{ "hash", cmd_hash, false },  { "demo", cmd_demo, true },
 		{ "fuse", cmd_fuse, true },   { "get-rerotated", cmd_get_rerotated, true },
 		{ "pin", cmd_pin, true },     { "unpin", cmd_unpin, true },
-		{ "keygen", cmd_keygen, false },
+		{ "keygen", cmd_keygen, false }, { "cluster", cmd_cluster, true },
 	};
 	struct kvb_connect_opts copts = { 0 };
 	struct args a = { argc, argv, 1 };

@@ -754,6 +754,22 @@ void cluster_stats(struct cluster *c, struct cluster_stats *out)
 	out->fetch_ms = (double)atomic_load(&c->fetch_ns) / 1e6;
 }
 
+void cluster_members(struct cluster *c,
+		     void (*fn)(void *ctx, const char *id, bool suspect, uint64_t owed), void *ctx)
+{
+	uint64_t *owed = calloc(c->n_peers, sizeof(uint64_t));
+
+	if (owed) {
+		pthread_mutex_lock(&c->qlock);
+		for (size_t i = 0; i < c->q_len; i++)
+			owed[c->q[(c->q_head + i) % QUEUE_MAX].peer]++;
+		pthread_mutex_unlock(&c->qlock);
+	}
+	for (size_t i = 0; i < c->n_peers; i++)
+		fn(ctx, c->peers[i].id, suspect(&c->peers[i]), owed ? owed[i] : 0);
+	free(owed);
+}
+
 void cluster_free(struct cluster **cp)
 {
 	struct cluster *c = cp ? *cp : NULL;

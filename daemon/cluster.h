@@ -71,4 +71,8 @@ struct cluster_stats {
 
 void cluster_stats(struct cluster *c, struct cluster_stats *out);
 
+/* Each other member: its id, whether it is suspect now, pushes queued for it. */
+void cluster_members(struct cluster *c,
+		     void (*fn)(void *ctx, const char *id, bool suspect, uint64_t owed), void *ctx);
+
 #endif

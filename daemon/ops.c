@@ -923,6 +923,23 @@ static void op_list(struct req *q)
 	free(e);
 }
 
+struct member_stats {
+	struct kvbp_stat *s;
+	size_t *n, cap;
+};
+
+static void member_stat(void *ctx, const char *id, bool suspect, uint64_t owed)
+{
+	struct member_stats *m = ctx;
+
+	if (*m->n + 2 > m->cap)
+		return;
+	snprintf(m->s[*m->n].name, sizeof(m->s[0].name), "member:%.56s", id);
+	m->s[(*m->n)++].value = suspect ? 0 : 1;
+	snprintf(m->s[*m->n].name, sizeof(m->s[0].name), "owed:%.58s", id);
+	m->s[(*m->n)++].value = (double)owed;
+}
+
 /* Per store codec: chunks, model-dtype bytes and stored bytes (stats). */
 struct codec_use {
 	const struct store_model *models;
@@ -955,7 +972,7 @@ static void op_stats(struct req *q)
 	struct timespec now;
 	uint64_t shm_n, shm_bytes;
 	struct kvbp_stat *s;
-	size_t n = 0, cap = 64 + 3 * KVBP_OP_COUNT + KVBP_CODE_COUNT;
+	size_t n = 0, cap = 64 + 3 * KVBP_OP_COUNT + KVBP_CODE_COUNT + 2 * 1024;
 	struct codec_use use = { 0 };
 	struct store_model *models = NULL;
 	int rc;
@@ -1023,6 +1040,12 @@ static void op_stats(struct req *q)
 		STAT("cluster_fetch_failures", cs.fetch_failures);
 		STAT("cluster_fetched_bytes", cs.fetched_bytes);
 		STAT("cluster_fetch_ms", cs.fetch_ms);
+		/* per member: member:ID = 1 alive, 0 suspect; owed:ID = pushes queued for it */
+		{
+			struct member_stats ms = { s, &n, cap };
+
+			cluster_members(srv->cluster, member_stat, &ms);
+		}
 	}
 	STAT("shm_segments", shm_n);
 	STAT("shm_bytes", shm_bytes);
@@ -1316,6 +1339,22 @@ out:
 	free(lens);
 }
 
+struct fetch_many {
+	struct cluster *c;
+	const struct store_model *m;
+	uint8_t (*hashes)[KVBP_HASH_LEN];
+	atomic_size_t got;
+};
+
+static int fetch_one(void *arg, size_t i)
+{
+	struct fetch_many *f = arg;
+
+	if (cluster_fetch(f->c, f->m, f->hashes[i]) == 0)
+		atomic_fetch_add(&f->got, 1);
+	return 0;
+}
+
 static void op_fuse_open(struct req *q)
 {
 	struct fuse_open_result r;
@@ -1327,13 +1366,12 @@ static void op_fuse_open(struct req *q)
 		return;
 	code = fuse_open(q->srv->fuse, &m, &q->h, q->principal, &r, err, sizeof(err));
 	if (code == KVBP_NOT_FOUND && r.n_missing && cluster_wanted(q)) {
-		/* Chunks held elsewhere: fetch them all, then open again. */
-		size_t got = 0;
+		/* Chunks held elsewhere: fetch them all at once, then open again. */
+		struct fetch_many fm = { q->srv->cluster, &m, r.missing, 0 };
 
-		for (size_t i = 0; i < r.n_missing; i++)
-			got += cluster_fetch(q->srv->cluster, &m, r.missing[i]) == 0;
+		pool_run(q->srv->pool, r.n_missing, fetch_one, &fm);
 		free(r.missing);
-		if (got)
+		if (atomic_load(&fm.got))
 			evictor_kick(q->srv->evict);
 		code = fuse_open(q->srv->fuse, &m, &q->h, q->principal, &r, err, sizeof(err));
 	}

@@ -158,6 +158,12 @@ try:
     time.sleep(0.5)
     owed = stats("a")["cluster_pushes_owed"]
     check("pushes to a dead member are owed", owed > 0, f"owed {owed}")
+    cs = json.loads(cli("a", "cluster", "status", "--json").stdout)
+    mem = {m["id"]: m for m in cs["members"]}
+    check("cluster status: B suspect with pushes owed, C alive with none",
+          mem["b"]["state"] == "suspect" and mem["b"]["pushes_owed"] > 0 and
+          mem["c"]["state"] == "alive" and mem["c"]["pushes_owed"] == 0 and
+          cs["cluster_members"] == 3, str(cs))
     # A restarts too: what it owes survives in its store.
     procs["a"].send_signal(signal.SIGTERM)
     procs["a"].wait()
@@ -189,6 +195,13 @@ try:
                   r.returncode != 0 and "not found" in r.stderr.lower() and
                   dt < TIMEOUT_MS / 1000 * 2 + 1.0, f"{dt:.2f} s: {r.stderr.strip()}")
         check("C is marked suspect", stats("b")["cluster_suspect"] >= 1, str(stats("b")))
+        # (states depend on timing here: a suspicion lasts 2 s from the last missed call)
+        out = cli("b", "cluster", "status").stdout
+        rows = {ln.split()[0]: ln.split()[1] for ln in out.splitlines()[1:] if ln.strip() and
+                not ln.startswith("cluster_")}
+        check("cluster status (text) lists the other members with their state",
+              rows.get("a") in ("alive", "suspect") and rows.get("c") in ("alive", "suspect") and
+              "cluster_remote_misses" in out, out)
     finally:
         procs["c"].send_signal(signal.SIGCONT)
 
