@@ -1,18 +1,21 @@
 """CacheBlend in NumPy: the reference for what kvblendd's fuse does, on a real model.
 
 A request is an ordered list of segments, each a stored chunk (prefilled alone
-at positions 0..T-1; its KV is what kvblend stores) or fresh tokens. This
-module places the chunks' stored KV at their positions in the prompt (the
-exact RoPE delta rotation) and runs the model three ways:
+at positions base..base+T-1, usually base 0; its KV is what kvblend stores) or
+fresh tokens. This module places the chunks' stored KV at their positions in
+the prompt (the exact RoPE delta rotation) and runs the model in these modes:
 
 * full prefill: every token computed; the reference;
 * full reuse: stored KV for every chunk token at every layer, only fresh
   tokens computed;
-* CacheBlend: layers up to the check layer fully prefilled; at the check layer
-  the value deviation picks the top r of cached tokens (plus every fresh
+* CacheBlend: layers up to the first check layer fully prefilled; at each
+  check layer the deviation of V (or K) between the fresh and the stored row
+  narrows the recomputed set to the top r_i of cached tokens (plus every fresh
   token); from the next layer on only those are recomputed and the rest keep
-  the re-rotated stored KV (docs: shared/DESIGN.md, "Fuse semantics", with one
-  check layer).
+  the re-rotated stored KV (docs/fuse.md, shared/DESIGN.md "Fuse semantics");
+* static selection (EPIC, arXiv 2410.15332): a fixed set of cached tokens,
+  e.g. the first tokens of each chunk, plus every fresh token is recomputed at
+  every layer; no layer is fully prefilled.
 """
 
 import numpy as np
@@ -30,53 +33,104 @@ def rerotate(k, pos_old, pos_new, cfg):
     return rope_rotate(k, ang, cfg.rope_style)
 
 
-def hkvd_select(dev, cached, ratio):
-    """Top floor(ratio * n_cached) cached tokens by deviation (at least 1 when ratio > 0;
-    ties to the lower index) plus every fresh token; sorted prompt indices."""
-    cand = np.flatnonzero(cached)
-    k = int(np.floor(ratio * len(cand)))
-    if ratio > 0 and len(cand) > 0:
-        k = max(k, 1)
-    order = np.lexsort((cand, -dev[cand]))  # by deviation descending, then index
-    return np.sort(np.concatenate([cand[order[:k]], np.flatnonzero(~cached)]))
+def select_count(ratio, n_cached):
+    """How many cached tokens a ratio keeps: floor(ratio * n_cached), at least 1 when ratio > 0
+    (the daemon's hkvd_count)."""
+    if not ratio > 0 or n_cached == 0:
+        return 0
+    return min(max(int(np.floor(ratio * n_cached)), 1), n_cached)
+
+
+def hkvd_select(dev, cand, k, fresh):
+    """Top k of the candidate token indices cand by deviation dev (one per candidate; ties to
+    the lower index, NaN as largest) plus every fresh token; sorted prompt indices."""
+    dev = np.where(np.isnan(dev), np.inf, dev)
+    order = np.lexsort((cand, -dev))  # by deviation descending, then index
+    return np.sort(np.concatenate([cand[order[:k]], fresh])).astype(np.int64)
+
+
+def epic_selection(req, ratio):
+    """EPIC's static selection at the budget of a ratio: the first tokens of each chunk,
+    select_count(ratio, n_cached) in all, shared out in proportion to the chunks' lengths
+    (floor of each share, the remainder one each to the first chunks). Prompt indices."""
+    spans = [(s, T) for kind, s, T in req.spans if kind == "chunk"]
+    k = select_count(ratio, int(req.cached.sum()))
+    n_cached = sum(T for _, T in spans)
+    take = [int(np.floor(k * T / n_cached)) for _, T in spans]
+    for i in range(k - sum(take)):
+        take[i % len(take)] += 1
+    return np.concatenate([np.arange(s, s + min(t, T)) for (s, T), t in zip(spans, take)]
+                          + [np.empty(0, np.int64)]).astype(np.int64)
 
 
 class Request:
     """Segments ("chunk", ids) or ("fresh", ids) laid out one after another from position 0.
 
-    stored: one KV [layers, 2, T, kv_heads, d] per chunk segment, in order, rotated at 0..T-1.
+    stored: one KV [layers, 2, T, kv_heads, d] per chunk segment, in order, rotated at
+    base..base+T-1 (bases: one per chunk, default 0). placed: optional, the stored KV as the
+    fuse hands it out (each chunk's rows moved to its place), e.g. read from kvblendd with
+    get-rerotated; by default computed here with rerotate() (stored None and placed None:
+    no placed KV, for a forward pass in which the daemon does the re-rotation).
     """
 
-    def __init__(self, segments, stored, cfg):
+    def __init__(self, segments, stored, cfg, bases=None, placed=None):
+        self.segments = segments
         self.ids = np.concatenate([np.asarray(s, np.int64) for _, s in segments])
         self.N = len(self.ids)
         self.pos = np.arange(self.N)
         self.cached = np.zeros(self.N, bool)
-        # The stored KV as the fuse hands it out: each chunk's rows moved to its position.
+        self.spans = []  # (kind, start, length) per segment
+        n = 0
+        for kind, s in segments:
+            self.spans.append((kind, n, len(s)))
+            if kind == "chunk":
+                self.cached[n:n + len(s)] = True
+            n += len(s)
+        if placed is not None or stored is None:
+            self.placed = placed  # None: the fuse re-rotates (fuse_forward needs no placed)
+            return
         self.placed = np.zeros((cfg.n_layers, 2, self.N, cfg.n_kv_heads, cfg.head_dim),
                                np.float32)
-        it, n = iter(stored), 0
-        for kind, s in segments:
-            T = len(s)
-            if kind == "chunk":
-                kv = next(it)
-                self.cached[n:n + T] = True
-                for l in range(cfg.n_layers):
-                    self.placed[l, 0, n:n + T] = rerotate(kv[l, 0], np.arange(T),
-                                                          self.pos[n:n + T], cfg)
-                self.placed[:, 1, n:n + T] = kv[:, 1]
-            n += T
+        chunks = [(s, T) for kind, s, T in self.spans if kind == "chunk"]
+        bases = [0] * len(chunks) if bases is None else bases
+        for (n, T), kv, b in zip(chunks, stored, bases):
+            for l in range(cfg.n_layers):
+                self.placed[l, 0, n:n + T] = rerotate(kv[l, 0], np.arange(b, b + T),
+                                                      self.pos[n:n + T], cfg)
+            self.placed[:, 1, n:n + T] = kv[:, 1]
 
 
-def blend_forward(model, req, rows, check_layer=None, ratio=0.0):
+def deviation(fresh, stored):
+    """Squared L2 distance per token over heads x head_dim (float64 here; fp32 in the daemon)."""
+    d = fresh.astype(np.float64) - stored.astype(np.float64)
+    return (d * d).sum(axis=(1, 2))
+
+
+def blend_forward(model, req, rows, check_layer=None, ratio=0.0, metric="value",
+                  recompute=None, force=None):
     """Logits [len(rows), vocab] at prompt rows (fresh tokens), and the fused KV and selection.
 
-    check_layer None: full reuse (only fresh tokens are ever computed). Otherwise
-    CacheBlend with one check layer and recompute ratio ratio.
-    Returns (logits, fused KV [layers, 2, N, kv_heads, d], selected indices or None).
+    check_layer: None for full reuse or a static selection; an int (one check layer, ratio
+    a float) or a sequence of increasing layers (ratio a sequence of non-increasing ratios)
+    for CacheBlend with gradual filtering. metric: "value" or "key" deviation.
+    recompute: with check_layer None, the cached token indices recomputed at every layer
+    (EPIC); None means none (full reuse). force: one selection per check layer to use instead
+    of the computed one (to compare the daemon's fused KV on the daemon's selection).
+    Returns (logits, fused KV [layers, 2, N, kv_heads, d], the final selection or None).
     """
     cfg = model.cfg
-    S = np.arange(req.N) if check_layer is not None else np.flatnonzero(~req.cached)
+    checks = [] if check_layer is None else list(np.atleast_1d(check_layer))
+    ratios = list(np.atleast_1d(ratio)) if checks else []
+    if len(ratios) != len(checks):
+        raise ValueError("one ratio per check layer")
+    fresh = np.flatnonzero(~req.cached)
+    if checks:
+        S = np.arange(req.N)
+    else:
+        extra = np.empty(0, np.int64) if recompute is None else np.asarray(recompute)
+        S = np.union1d(fresh, extra).astype(np.int64)
+    n_cached = int(req.cached.sum())
+    m = 1 if metric == "value" else 0
     fused = req.placed.copy()
     h = model.embed(req.ids[S])
     selected = None
@@ -84,10 +138,15 @@ def blend_forward(model, req, rows, check_layer=None, ratio=0.0):
         q, k, v = model.qkv(l, h, req.pos[S])
         fused[l, 0, S], fused[l, 1, S] = k, v  # new rows for S, stored rows for the rest
         h = model.attend(l, h, q, fused[l, 0], fused[l, 1], S)
-        if l == check_layer:  # S is every token here: deviation of V per token
-            dev = ((v - req.placed[l, 1]) ** 2).sum(axis=(1, 2))
-            selected = hkvd_select(dev, req.cached, ratio)
-            h, S = h[selected], selected
+        if l in checks:
+            i = checks.index(l)
+            is_cached = req.cached[S]
+            dev = deviation((k, v)[m][is_cached], req.placed[l, m, S[is_cached]])
+            new = hkvd_select(dev, S[is_cached], select_count(ratios[i], n_cached), fresh)
+            if force is not None:
+                new = np.asarray(force[i], np.int64)
+            h, S = h[np.searchsorted(S, new)], new
+            selected = S
     if not np.isin(rows, S).all():
         raise ValueError("logits asked for a token that was not recomputed")
     return model.logits(h[np.searchsorted(S, rows)]), fused, selected

@@ -220,7 +220,7 @@ class Model:
 
         past is a KV [layers, 2, P, kv_heads, d] of the P tokens before (or None).
         Returns (logits [n or 1, vocab], kv [layers, 2, n, kv_heads, d] of the new tokens).
-        logits_for: "all" or "last".
+        logits_for: "all", "last", or an array of row indices into ids.
         """
         c = self.cfg
         P = 0 if past is None else past.shape[2]
@@ -235,7 +235,11 @@ class Model:
             K = k if past is None else np.concatenate([past[l, 0], k])
             V = v if past is None else np.concatenate([past[l, 1], v])
             h = self.attend(l, h, q, K, V, rows)
-        return self.logits(h if logits_for == "all" else h[-1:]), kv
+        if isinstance(logits_for, str):
+            h = h if logits_for == "all" else h[-1:]
+        else:
+            h = h[np.asarray(logits_for)]
+        return self.logits(h), kv
 
     def generate(self, ids, max_new, stop=()):
         """Greedy decoding with a KV cache; returns the new token ids."""

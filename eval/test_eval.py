@@ -1,11 +1,15 @@
-"""Smoke test of the NumPy model and CacheBlend reference on SmolLM2-135M-Instruct.
+"""Smoke test of the NumPy model, the CacheBlend reference and the node through kvblendd,
+on SmolLM2-135M-Instruct.
 
-Skips when the model wheel is not in the cache (setup: see eval/README.md).
-Runs in well under two minutes on two cores: python -m pytest eval/test_eval.py
+Skips when the model wheel is not in the cache (setup: see eval/README.md). The daemon
+tests start a kvblendd of the build in $KVBLEND_BUILD (run_smoke.sh sets it; default
+build/) and skip, saying so, only when that binary is missing.
+Runs in well under a minute on two cores: python -m pytest eval/test_eval.py
 """
 
 import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -17,7 +21,8 @@ sys.path.insert(0, str(HERE))
 pytest.importorskip("gguf", reason="pip install -r eval/requirements.txt")
 pytest.importorskip("tokenizers", reason="pip install -r eval/requirements.txt")
 
-from cacheblend import Request, blend_forward, kl_top1, rerotate
+import node
+from cacheblend import Request, blend_forward, epic_selection, kl_top1, rerotate
 from model import WHEEL, Model, cache_dir, hf_unpermute, locate_gguf
 from tokenizer import SmolTokenizer
 
@@ -125,3 +130,97 @@ def test_tiny_request_end_to_end(model, tok):
     assert np.abs(fused[:2] - full_kv[:2]).max() < 1e-4
     rest = np.setdiff1d(np.arange(req.N), sel)
     assert np.array_equal(fused[2:, :, rest], req.placed[2:, :, rest])
+
+
+def test_gradual_and_static_reference(model, tok):
+    """Two check layers narrow the selection; EPIC recomputes the first tokens of each chunk."""
+    segments = [("fresh", tok.encode("Read.\n")),
+                ("chunk", tok.encode("Each contributor grants you a non-exclusive license to use "
+                                     "and modify the work.")),
+                ("chunk", tok.encode("The Program is provided as is, without warranty of any "
+                                     "kind, either expressed or implied.")),
+                ("fresh", tok.encode("\nWhat is granted?"))]
+    stored = [model.prefill(s)[1] for kind, s in segments if kind == "chunk"]
+    req = Request(segments, stored, model.cfg)
+    rows = np.array([req.N - 1])
+    n_cached = int(req.cached.sum())
+    _, _, sel = blend_forward(model, req, rows, (1, 3), (0.5, 0.2), metric="key")
+    assert int(req.cached[sel].sum()) == int(0.2 * n_cached)
+    epic = epic_selection(req, 0.2)
+    assert len(epic) == int(0.2 * n_cached)
+    starts = [s for kind, s, _ in req.spans if kind == "chunk"]
+    assert set(starts) <= set(epic.tolist())
+    _, fused, _ = blend_forward(model, req, rows, recompute=epic)
+    rest = np.setdiff1d(np.flatnonzero(req.cached), epic)
+    assert np.array_equal(fused[:, :, rest], req.placed[:, :, rest])
+
+
+# --- through kvblendd -------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def daemon():
+    binary = node.daemon_binary()
+    if not os.access(binary, os.X_OK):
+        pytest.skip(f"kvblendd not built at {binary} (set KVBLEND_BUILD to a build directory; "
+                    "run_smoke.sh passes its BUILD_DIR)")
+    with node.Daemon() as d:
+        yield d
+        rc = d.stop()
+        assert rc == 0, f"kvblendd exited with {rc} on SIGTERM:\n{d.tail()}"
+
+
+def test_daemon_fuse_matches_reference(model, tok, daemon):
+    """The node driving kvblendd's fuse gets the NumPy reference's selection and fused KV:
+    chunks stored at base positions 0 and 5, one check layer (value metric) and two
+    (gradual, key metric); full reuse on the daemon's get-rerotated."""
+    segments = [("fresh", tok.encode("Read the texts.\n")),
+                ("chunk", tok.encode("You may copy and distribute verbatim copies of the "
+                                     "Program's source code as you receive it, in any medium.")),
+                ("fresh", tok.encode("\n")),
+                ("chunk", tok.encode("This License applies to any program or other work which "
+                                     "contains a notice placed by the copyright holder.")),
+                ("fresh", tok.encode("\nQuestion: what may you copy? Answer: the source code"))]
+    bases = [0, 5]
+    with daemon.client() as c:
+        store = node.ChunkStore(c, model)
+        chunks = [s for kind, s in segments if kind == "chunk"]
+        hashes = [store.ensure(s, b) for s, b in zip(chunks, bases)]
+        stored = [store.get(h) for h in hashes]
+        req = Request(segments, stored, model.cfg, bases=bases)
+        placed, _ = store.placed(req, hashes)
+        assert np.abs(placed - req.placed).max() <= 1e-6 * np.abs(req.placed).max()
+        rows = np.arange(req.N - 4, req.N)
+        landing = node.LandingFuse(c)
+        for checks, ratios, metric, fuse in [((1,), (0.3,), "value", node.DaemonFuse(c)),
+                                             ((1, 3), (0.5, 0.25), "key", node.DaemonFuse(c)),
+                                             ((1,), (0.3,), "value", landing),
+                                             ((1, 3), (0.5, 0.25), "key", landing)]:
+            logits, kv, sel, t = node.fuse_forward(model, req, hashes, fuse, checks, ratios,
+                                                   metric, rows)
+            ref_logits, ref_kv, ref_sel = blend_forward(model, req, rows, checks, ratios, metric)
+            assert np.array_equal(sel, ref_sel), (checks, sel, ref_sel)
+            assert t["stats"]["selected_tokens"] == len(sel)
+            if fuse is landing:  # every layer after the first check layer landed
+                assert t["stats"]["layers_landed"] == model.cfg.n_layers - checks[0] - 1
+            else:
+                assert t["stats"]["layers_served"] == model.cfg.n_layers - checks[0]
+            scale = np.abs(ref_kv).max()
+            assert np.abs(kv - ref_kv).max() <= 1e-6 * scale  # float32 rounding at most
+            assert np.abs(logits - ref_logits).max() < 1e-3
+        landing.close_region()
+        logits, _, _, _ = node.static_forward(model, store, req, hashes, rows)
+        ref_logits, _, _ = blend_forward(model, req, rows)
+        assert np.abs(logits - ref_logits).max() < 1e-3
+
+
+def test_daemon_smoke_run(daemon):
+    """eval/run --smoke: 2 small requests, every mode, end to end through a kvblendd."""
+    import run_eval
+
+    summary, records = run_eval.main(["--smoke"])
+    assert len(records) == 2
+    for name, s in summary.items():
+        assert np.isfinite(s["kl"]) and s["kl"] >= 0, name
+        assert s["total"] > 0, name
+    assert summary["full prefill"]["kl"] == 0
+    assert summary["CacheBlend V r=0.3"]["kl"] < summary["full reuse"]["kl"]

@@ -1,0 +1,345 @@
+"""A serving node that reuses stored chunks through a real kvblendd.
+
+The node is the NumPy model of model.py; kvblendd is the daemon built from this
+checkout, started on a temporary directory and IPC socket; they talk through
+the Python client (client/python, ctypes over the build's libkvblend).
+
+* ``Daemon`` starts a kvblendd of its own (a small config file: data dir,
+  ``listen = ipc://...``) and stops it with SIGTERM.
+* ``ChunkStore`` registers the model (f32, the GGUF's RoPE theta and style) and
+  stores chunks the way a node does: each prefilled alone at its base position
+  and PUT with its KV; it also reads them back (as stored, or re-rotated to a
+  new position by the daemon: what full reuse and static selection use).
+* ``DaemonFuse`` is the node's side of a fuse session, the one place that drives
+  the daemon during a request (see its docstring for the contract).
+* ``fuse_forward`` is the node's forward pass around it: every layer up to and
+  including the first check layer for all tokens, then Q/K/V only for the
+  selected tokens, attention over the fused KV of all tokens with an exact
+  causal mask in prompt order. ``static_forward`` is full reuse or a static
+  selection (EPIC) on chunks re-rotated by the daemon.
+
+Both return the logits at the rows asked for, the fused KV of every layer, the
+final selection and the time split: node compute (NumPy, here on the CPU),
+time inside client calls, and the daemon's own figures for the session.
+"""
+
+import os
+import signal
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from cacheblend import Request, blend_forward
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL_NAME = "smollm2-135m-instruct"
+
+
+def build_dir(build=None):
+    """The build directory: the argument, else $KVBLEND_BUILD, else the checkout's build/."""
+    return Path(build or os.environ.get("KVBLEND_BUILD") or ROOT / "build").resolve()
+
+
+def daemon_binary(build=None):
+    return build_dir(build) / "bin" / "kvblendd"
+
+
+def import_kvblend(build=None):
+    """Import the Python client from client/python/src with the build's libkvblend.
+
+    $KVBLEND_LIB (what the package reads first) is set to BUILD/lib/libkvblend.so unless
+    it is set already and no build directory was given.
+    """
+    if "kvblend" not in sys.modules:
+        if build is not None or not os.environ.get("KVBLEND_LIB"):
+            os.environ["KVBLEND_LIB"] = str(build_dir(build) / "lib" / "libkvblend.so")
+        src = str(ROOT / "client" / "python" / "src")
+        if src not in sys.path:
+            sys.path.insert(0, src)
+    import kvblend
+
+    return kvblend
+
+
+class Daemon:
+    """A kvblendd of its own on a temporary data directory and IPC socket.
+
+    settings: extra config keys (docs/configuration.md), e.g. fuse_ring=4. A context
+    manager; stop() sends SIGTERM and returns the exit status.
+    """
+
+    def __init__(self, build=None, **settings):
+        self.kvblend = import_kvblend(build)
+        binary = daemon_binary(build)
+        if not os.access(binary, os.X_OK):
+            raise FileNotFoundError(f"kvblendd not found at {binary}; build first")
+        self.dir = Path(tempfile.mkdtemp(prefix="kvb-eval-"))
+        self.endpoint = f"ipc://{self.dir}/kvblend.sock"
+        conf = {"data_dir": self.dir / "data", "listen": self.endpoint, "map_size": "16G",
+                "no_sync": "true", "log_level": "info", "fuse_idle": 600}
+        conf.update(settings)
+        self.problems = []
+        self.config = self.dir / "kvblendd.conf"
+        self.config.write_text("".join(f"{k} = {v}\n" for k, v in conf.items()))
+        self.log = self.dir / "kvblendd.log"
+        env = dict(os.environ)
+        env.pop("LD_PRELOAD", None)  # run_smoke.sh's libasan preload is for Python only
+        if "KVBLEND_DAEMON_ASAN_OPTIONS" in env:
+            env["ASAN_OPTIONS"] = env["KVBLEND_DAEMON_ASAN_OPTIONS"]
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen([str(binary), "--config", str(self.config)],
+                                         stdout=log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                with self.kvblend.Client(self.endpoint, timeout_ms=200) as c:
+                    self.version = c.ping()
+                    return
+            except self.kvblend.Unavailable:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.proc.kill()
+                    self.proc.wait()
+                    raise RuntimeError(f"kvblendd did not start:\n{self.tail()}") from None
+                time.sleep(0.05)
+
+    def client(self, timeout_ms=120000):
+        return self.kvblend.Client(self.endpoint, timeout_ms=timeout_ms)
+
+    def tail(self):
+        return self.log.read_text(errors="replace")[-4000:] if self.log.exists() else ""
+
+    def stop(self):
+        """SIGTERM, wait (60 s, then SIGKILL); keep the log's lines that are warnings or
+        errors in self.problems; remove the directory; the exit status."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.dir.exists():
+            self.problems = [line for line in self.log.read_text(errors="replace").splitlines()
+                             if any(w in line.lower() for w in ("warn", "error", "fail"))]
+        shutil.rmtree(self.dir, ignore_errors=True)
+        return self.proc.returncode
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+class ChunkStore:
+    """The node's use of the store: the model registered, chunks prefilled alone and PUT.
+
+    A chunk's hash is kvblend.chunk_hash of its token ids (the same ids at another base
+    position would collide; this evaluation stores every chunk at one base per hash).
+    """
+
+    def __init__(self, client, model, name=MODEL_NAME):
+        self.kvblend = sys.modules["kvblend"]
+        self.client, self.model, self.name = client, model, name
+        c = model.cfg
+        self.spec = self.kvblend.Model(name, c.n_layers, c.n_kv_heads, c.head_dim, dtype="f32",
+                                       rope_theta=c.rope_theta, rope_style=c.rope_style)
+        client.model_register(self.spec)
+        self.seconds_prefill = self.seconds_put = 0.0
+
+    def ensure(self, ids, base_pos=0):
+        """Store chunk ids (prefilled alone at base_pos..) unless it is stored; its hash."""
+        h = self.kvblend.chunk_hash(np.asarray(ids, np.uint32))
+        if self.client.lookup(self.name, [h])[0].found:
+            return h
+        t0 = time.perf_counter()
+        _, kv = self.model.prefill(ids, pos=np.arange(base_pos, base_pos + len(ids)),
+                                   logits_for="last")
+        t1 = time.perf_counter()
+        self.client.put(self.name, h, kv, base_pos=base_pos)
+        self.seconds_prefill += t1 - t0
+        self.seconds_put += time.perf_counter() - t1
+        return h
+
+    def get(self, h):
+        """The chunk's KV as stored [layers, 2, T, kv_heads, head_dim]."""
+        return self.client.get(self.name, h)
+
+    def placed(self, req, hashes):
+        """The stored KV of req's chunks moved to their places by the daemon (get-rerotated):
+        [layers, 2, N, kv_heads, head_dim], zero for fresh tokens; and seconds in the calls."""
+        c = self.model.cfg
+        out = np.zeros((c.n_layers, 2, req.N, c.n_kv_heads, c.head_dim), np.float32)
+        chunks = [(s, T) for kind, s, T in req.spans if kind == "chunk"]
+        t = 0.0
+        for (s, T), h in zip(chunks, hashes):
+            buf = np.empty((c.n_layers, 2, T, c.n_kv_heads, c.head_dim), np.float32)
+            t0 = time.perf_counter()
+            self.client.get_rerotated(self.name, h, s, out=buf)
+            t += time.perf_counter() - t0
+            out[:, :, s:s + T] = buf
+        return out, t
+
+
+class DaemonFuse:
+    """The node's side of fuse sessions: the one place that drives kvblendd during a request.
+
+    Contract (what an engine-style client API must keep):
+
+    open(segments, check_layers, ratios, metric, kv)
+        segments: the prompt in order, (hash, pos) for a stored chunk, (count, pos) for
+        fresh tokens. kv: the node's own KV buffer of the request, [layers, 2, N, kv_heads,
+        head_dim] float32, C-contiguous. Returns the first check layer c1: the node computes
+        layers 0 .. c1-1 for all tokens on its own.
+    rows() -> the sorted token indices whose fresh K, V the next layer call needs (all N at
+        c1, the selection S after).
+    layer(l, k, v) -> the new selection (sorted int64) after a check layer, else None.
+        Before the call the node has written its fresh rows for rows() into kv[l] and passes
+        the same rows as k, v [len(rows), kv_heads, head_dim] (today both planes are sent;
+        an engine API needs only the metric plane at check layers). After the call kv[l] is
+        the fused layer: fresh rows for S, the stored rows re-rotated for the others (at c1
+        it is the node's own layer). Layers come in order, c1 .. layers-1.
+    close() -> the daemon's statistics of the session (a dict; see docs/fuse.md).
+
+    seconds: wall time inside client calls of the current session (open, layer calls,
+    close), so the node's own compute is the rest.
+    """
+
+    def __init__(self, client, name=MODEL_NAME):
+        self.client, self.name = client, name
+        self.session = None
+
+    def open(self, segments, check_layers, ratios, metric, kv):
+        t0 = time.perf_counter()
+        self.kv, self.checks = kv, list(check_layers)
+        self.session = self.client.fuse_open(self.name, segments, self.checks, list(ratios),
+                                             metric)
+        self.seconds = time.perf_counter() - t0
+        return self.session.next_layer
+
+    def rows(self):
+        return self.session.rows().astype(np.int64)
+
+    def layer(self, l, k, v):
+        t0 = time.perf_counter()
+        s = self.session
+        s.layer(l, k, v, k_out=self.kv[l, 0], v_out=self.kv[l, 1])
+        sel = s.rows().astype(np.int64) if l in self.checks else None
+        self.seconds += time.perf_counter() - t0
+        return sel
+
+    def close(self):
+        t0 = time.perf_counter()
+        stats = self.session.close()
+        self.session = None
+        self.seconds += time.perf_counter() - t0
+        return stats
+
+
+class LandingFuse(DaemonFuse):
+    """DaemonFuse's contract through a landing session (docs/fuse.md): the engine's way.
+
+    The request's KV buffer lives in a region of shared memory (``buffer``), and the
+    daemon writes the re-rotated stored rows of every layer after the first check layer
+    into it by itself, ahead of the node. At a check layer the node sends only the
+    metric's plane (V, or K for the key metric) of its rows; at every later layer it
+    waits for the daemon to have landed the layer, then writes its own rows. Fresh rows
+    never travel to the daemon; fused rows never travel back.
+    """
+
+    def __init__(self, client, name=MODEL_NAME):
+        super().__init__(client, name)
+        self.region = None
+
+    def buffer(self, shape):
+        """The request's KV buffer [layers, 2, N, kv_heads, head_dim] float32, in a region
+        (reused across requests; valid until the next buffer() or close_region())."""
+        n = int(np.prod(shape)) * 4
+        if self.region is None or self.region.nbytes < n:
+            self.close_region()
+            self.region = self.client.region(max(n, 64 << 20))
+        return self.region[:n].view(np.float32).reshape(shape)
+
+    def close_region(self):
+        if self.region is not None:
+            self.client.free_region(self.region)
+            self.region = None
+
+    def open(self, segments, check_layers, ratios, metric, kv):
+        t0 = time.perf_counter()
+        self.kv, self.checks, self.metric = kv, list(check_layers), metric
+        # K and V of every layer: views with the buffer's strides (interleaved per layer)
+        self.session = self.client.fuse_open_into(self.name, segments, kv[:, 0], kv[:, 1],
+                                                  self.checks, list(ratios), metric)
+        self.seconds = time.perf_counter() - t0
+        return self.checks[0]
+
+    def layer(self, l, k, v):
+        t0 = time.perf_counter()
+        s = self.session
+        rows = s.rows()
+        if l > self.checks[0]:
+            # The daemon writes every cached row of layer l: the node's rows go in after it.
+            s.wait(l, timeout=60)
+            self.kv[l, 0, rows], self.kv[l, 1, rows] = k, v
+        sel = None
+        if l in self.checks:
+            s.check(l, v if self.metric == "value" else k)
+            sel = s.rows().astype(np.int64)
+        self.seconds += time.perf_counter() - t0
+        return sel
+
+
+def segments_of(req, hashes):
+    """req's spans as fuse segments: (hash, start) for chunks, (count, start) for fresh."""
+    it = iter(hashes)
+    return [(next(it), s) if kind == "chunk" else (T, s) for kind, s, T in req.spans]
+
+
+def fuse_forward(model, req, hashes, fuse, check_layers, ratios, metric, rows):
+    """CacheBlend with the daemon doing the fuse: the node's forward pass.
+
+    Returns (logits at rows, fused KV [layers, 2, N, kv_heads, d], final selection,
+    timing dict: seconds total / node / calls, and the daemon's session stats).
+    """
+    c = model.cfg
+    t0 = time.perf_counter()
+    shape = (c.n_layers, 2, req.N, c.n_kv_heads, c.head_dim)
+    kv = fuse.buffer(shape) if hasattr(fuse, "buffer") else np.empty(shape, np.float32)
+    c1 = fuse.open(segments_of(req, hashes), check_layers, ratios, metric, kv)
+    S = np.arange(req.N)
+    h = model.embed(req.ids)
+    for l in range(c.n_layers):
+        q, k, v = model.qkv(l, h, req.pos[S])
+        kv[l, 0, S], kv[l, 1, S] = k, v
+        new = fuse.layer(l, k, v) if l >= c1 else None
+        h = model.attend(l, h, q, kv[l, 0], kv[l, 1], S)
+        if new is not None:
+            h, S = h[np.searchsorted(S, new)], new
+    if not np.isin(rows, S).all():
+        raise ValueError("logits asked for a token that was not recomputed")
+    logits = model.logits(h[np.searchsorted(S, rows)])
+    stats = fuse.close()
+    total = time.perf_counter() - t0
+    return logits, kv, S, {"total": total, "node": total - fuse.seconds,
+                           "calls": fuse.seconds, "stats": stats}
+
+
+def static_forward(model, store, req, hashes, rows, recompute=None):
+    """Full reuse (recompute None) or a static selection (EPIC) on chunks the daemon
+    re-rotated: get-rerotated per chunk, then only fresh and recompute tokens computed.
+    Returns (logits, fused KV, recomputed indices, timing dict)."""
+    t0 = time.perf_counter()
+    placed, calls = store.placed(req, hashes)
+    r = Request(req.segments, None, model.cfg, placed=placed)
+    logits, fused, _ = blend_forward(model, r, rows, recompute=recompute)
+    total = time.perf_counter() - t0
+    sel = np.union1d(np.flatnonzero(~req.cached),
+                     np.empty(0, np.int64) if recompute is None else recompute)
+    return logits, fused, sel, {"total": total, "node": total - calls, "calls": calls,
+                                "stats": {}}
