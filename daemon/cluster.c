@@ -419,7 +419,8 @@ static size_t ranked(struct cluster *c, const uint8_t *hash, size_t r, size_t *i
 
 int cluster_fetch(struct cluster *c, const struct store_model *m, const uint8_t *hash)
 {
-	size_t idx[MEMBERS_MAX], n = ranked(c, hash, MEMBERS_MAX > 64 ? 64 : MEMBERS_MAX, idx);
+	/* place_owners ranks at most 64: the owners first, then the rest in order */
+	size_t idx[64], n = ranked(c, hash, 64, idx);
 	int rc = -ENOENT;
 
 	/* the owners first, then everyone else (a chunk may sit where it used to belong) */

@@ -1203,10 +1203,11 @@ static int fetch_layer(void *ctx, uint32_t layer, const void *bytes, size_t len)
 	return 0;
 }
 
-/* The model a peer names must be ours, described the same (checked field by field). */
+/* The model a peer names must be ours, described the same as the store compares models. */
 static int peer_model(struct req *q, struct store_model *m)
 {
-	struct kvbp_model w, have;
+	struct kvbp_model w;
+	struct store_model want;
 
 	if (need_model(q, m))
 		return -1;
@@ -1215,17 +1216,8 @@ static int peer_model(struct req *q, struct store_model *m)
 	w = q->h.model;
 	if (model_check(q, &w))
 		return -1;
-	model_from_store(m, &have);
-	if (w.num_layers != have.num_layers || w.num_kv_heads != have.num_kv_heads ||
-	    w.head_dim != have.head_dim || w.dtype != have.dtype ||
-	    w.rope_theta != have.rope_theta || w.rope_style != have.rope_style ||
-	    w.rotary_dim != have.rotary_dim || w.scaling != have.scaling ||
-	    w.factor != have.factor || w.low_freq_factor != have.low_freq_factor ||
-	    w.high_freq_factor != have.high_freq_factor ||
-	    w.original_max_pos != have.original_max_pos || w.beta_fast != have.beta_fast ||
-	    w.beta_slow != have.beta_slow || w.max_pos != have.max_pos ||
-	    w.k_pre_rope != have.k_pre_rope || w.store_codec != have.store_codec ||
-	    w.store_group != have.store_group)
+	model_to_store(&w, &want);
+	if (!store_model_same(&want, m))
 		return fail(q, KVBP_MODEL_CONFLICT, "model '%s' is described differently by the "
 			    "members", q->h.model_name);
 	return 0;

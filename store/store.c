@@ -778,7 +778,7 @@ void store_close(struct store **sp)
 	*sp = NULL;
 }
 
-static bool model_same_layout(const struct store_model *a, const struct store_model *b)
+bool store_model_same(const struct store_model *a, const struct store_model *b)
 {
 	return a->num_layers == b->num_layers && a->num_kv_heads == b->num_kv_heads &&
 	       a->head_dim == b->head_dim && a->dtype == b->dtype &&
@@ -814,7 +814,7 @@ int store_model_register(struct store *s, struct store_model *m)
 		/* A record that fails its checks is reported, never overwritten. */
 		rc = model_rec_decode(&k, &v, &old);
 		if (rc == 0)
-			rc = model_same_layout(&old, &nm) ? 1 : -EEXIST;
+			rc = store_model_same(&old, &nm) ? 1 : -EEXIST;
 		if (rc == 1)
 			m->id = old.id, m->elem_size = old.elem_size;
 		goto out;

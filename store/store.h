@@ -110,6 +110,9 @@ uint64_t store_tensor_bytes(const struct store_model *m, uint32_t num_tokens);
  */
 int store_model_register(struct store *s, struct store_model *m);
 
+/* Whether a and b describe the same model (layout, RoPE, store codec; not name or id). */
+bool store_model_same(const struct store_model *a, const struct store_model *b);
+
 /* Find a model by name. Returns 0 and *out, -ENOENT, or -EBADMSG (its record is corrupt). */
 int store_model_find(struct store *s, const char *name, struct store_model *out);
 
