@@ -27,6 +27,7 @@ import argparse
 import ast
 import glob
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -262,14 +263,15 @@ def print_tables(summary, records, modes, args):
               f"| {s['top1']:.1%} | {s['prefix']:.1%} | {s['exact']:.0%} |")
     print("\n## Time to first token (ms, mean over requests; node = NumPy on this CPU)\n")
     print("| mode | TTFT | node compute | in client calls | daemon compute | rest of calls "
-          "(transfer, waits) | daemon load (prefetch) | TTFT median |")
+          "(transfer, waits) | daemon load, land (background) | TTFT median |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, _ in [("full prefill", None)] + modes:
         s = summary[name]
         rest = s["calls"] * 1e3 - s["compute_ms"]
         med = np.median([r["modes"][name]["total"] for r in records])
         print(f"| {name} | {s['total'] * 1e3:.0f} | {s['node'] * 1e3:.0f} | {s['calls'] * 1e3:.1f} "
-              f"| {s['compute_ms']:.2f} | {rest:.1f} | {s['load_ms']:.1f} | {med * 1e3:.0f} |")
+              f"| {s['compute_ms']:.2f} | {rest:.1f} | {s['load_ms'] + s.get('land_ms', 0):.1f} "
+              f"| {med * 1e3:.0f} |")
     print("\n## Paired differences of mean KL (A - B; 90% bootstrap CI over requests)\n")
     print("| A | B | KL A - KL B | 90% CI | requests where A < B |")
     print("| --- | --- | --- | --- | --- |")
@@ -327,7 +329,7 @@ def median_ttft(records, name):
     return float(np.median([r["modes"][name]["total"] for r in records]))
 
 
-def plot(summary, modes, records, path):
+def plot(summary, modes, records, path, note=""):
     """Quality and TTFT against r, KL against TTFT, attention sparsity per layer (PNG)."""
     import matplotlib
     matplotlib.use("Agg")
@@ -366,7 +368,7 @@ def plot(summary, modes, records, path):
     ax[0, 2].set(xlabel="recompute ratio r", ylabel="mean share before the first divergence",
                  title="greedy continuation equal to full prefill's")
     ax[1, 0].set(xlabel="recompute ratio r", ylabel="seconds (median over requests)",
-                 title="time to first token (NumPy node, 2 shared CPUs)", ylim=(0, None))
+                 title="time to first token (NumPy node on this CPU)", ylim=(0, None))
     ax[1, 1].set(yscale="log", xlabel="median TTFT (s)", ylabel="mean KL (nats)", xlim=(0, None),
                  title="quality against time to first token")
     sp = np.mean([r["sparsity"] for r in records], axis=0)
@@ -377,7 +379,7 @@ def plot(summary, modes, records, path):
         a.grid(alpha=0.3)
         a.legend(fontsize=7)
     fig.suptitle(f"SmolLM2-135M-Instruct through kvblendd: {len(records)} RAG requests "
-                 f"(mean {np.mean([r['N'] for r in records]):.0f} prompt tokens)")
+                 f"(mean {np.mean([r['N'] for r in records]):.0f} prompt tokens){note}")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     print(f"plot: {path}")
@@ -420,7 +422,8 @@ def main(argv=None):
         summary = summarize(saved["records"], modes)
         print_tables(summary, saved["records"], modes, args)
         if args.plot:
-            plot(summary, modes, saved["records"], args.plot)
+            plot(summary, modes, saved["records"], args.plot,
+                 f", {saved['args'].get('fuse', 'classic')} fuse sessions")
         return summary, saved["records"]
     args.ratios = [float(r) for r in args.ratios.split(",")]
     shape = SHAPES["smoke" if args.smoke else "full"]
@@ -433,6 +436,8 @@ def main(argv=None):
     model = Model.load()
     tok = SmolTokenizer(model.reader)
     docs = load_documents(tok)
+    print(f"OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', '(unset)')}; "
+          f"fuse path: {args.fuse}")
     print(f"model loaded in {time.time() - t_start:.1f}s; {len(docs)} documents: "
           f"{sum(d.startswith('license:') for d in docs)} licenses, "
           f"{sum(d.startswith('pydoc:') for d in docs)} pydoc topics")
@@ -459,7 +464,7 @@ def main(argv=None):
                    "modes": {"full prefill": dict(
                        kl=0.0, kl_first=0.0, top1=1.0, prefix=1.0, exact=1.0, recomputed=1.0,
                        total=t_full, node=t_full, calls=0.0, compute_ms=0.0, load_ms=0.0,
-                       first_selected=1.0)}}
+                       land_ms=0.0, first_selected=1.0)}}
             del kv_full
             chunk_starts = np.array([s for kind, s, _ in req.spans if kind == "chunk"])
             for name, spec in modes:
@@ -476,7 +481,8 @@ def main(argv=None):
                     first_selected=float(np.isin(chunk_starts, S).mean()),
                     total=t["total"], node=t["node"], calls=t["calls"],
                     compute_ms=t["stats"].get("compute_ms", 0.0),
-                    load_ms=t["stats"].get("load_ms", 0.0))
+                    load_ms=t["stats"].get("load_ms", 0.0),
+                    land_ms=t["stats"].get("land_ms", 0.0))
             records.append(rec)
             m = rec["modes"]
             mid = f"r={args.ratios[len(args.ratios) // 2]:g}"
@@ -500,7 +506,7 @@ def main(argv=None):
                                                "records": records}, indent=1))
         print(f"figures: {args.json}")
     if plot_path:
-        plot(summary, modes, records, plot_path)
+        plot(summary, modes, records, plot_path, f", {args.fuse} fuse sessions")
     print(f"total {time.time() - t_start:.0f}s")
     return summary, records
 
