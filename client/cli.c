@@ -761,7 +761,7 @@ static int cmd_fuse(kvb_client *c, struct args *a)
 		}
 		{
 			char left[80];
-			uint32_t pos;
+			uint32_t pos = 0;
 
 			snprintf(left, sizeof(left), "%.*s", (int)(at - val), val);
 			if (parse_u32(at + 1, arg, &pos)) {
@@ -1255,7 +1255,7 @@ int main(int argc, char **argv)
 		if (!strcmp(arg, "--endpoint")) {
 			endpoint = argv[a.i + 1];
 		} else if (!strcmp(arg, "--timeout")) {
-			uint32_t t;
+			uint32_t t = 0;
 
 			if (parse_u32(argv[a.i + 1], "--timeout", &t) || !t || t > 3600000) {
 				die("--timeout: expected 1..3600000 milliseconds");

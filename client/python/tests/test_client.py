@@ -38,6 +38,21 @@ def test_connect_nobody_times_out(tmp_path):
     assert isinstance(e.value, TimeoutError) and isinstance(e.value, kvblend.Unavailable)
 
 
+def test_too_old_library_is_named(tmp_path):
+    """A libkvblend that lacks this package's functions: ImportError naming them, not
+    an AttributeError on first use."""
+    import sys
+
+    # Any shared library without kvb_*: zlib, which Python itself loads.
+    env = dict(os.environ, KVBLEND_LIB="libz.so.1")
+    p = subprocess.run(
+        [sys.executable, "-c", "import kvblend"], env=env, capture_output=True, text=True
+    )
+    assert p.returncode != 0
+    assert "ImportError" in p.stderr and "too old for this package: no kvb_" in p.stderr
+    assert "AttributeError" not in p.stderr
+
+
 def test_bad_endpoint():
     with pytest.raises(kvblend.BadArgument):
         kvblend.Client("bogus://x", timeout_ms=200)

@@ -168,6 +168,16 @@ def test_session_errors(client, chunks):
     assert e.value.code < -1000 and e.value.message
     with pytest.raises(kvblend.BadArgument, match="must be"):
         s.layer(1, kv[:-1], kv[:-1])
+    # Same byte count, wrong element type or wrong shape: refused, not reinterpreted.
+    with pytest.raises(kvblend.BadArgument, match="of f16, got .* int16"):
+        s.layer(1, kv.view(np.int16), kv)
+    with pytest.raises(kvblend.BadArgument, match=r"got \(\d+, 2, 16\) of float32"):
+        s.layer(1, np.zeros((n // 2, 2, 16), np.float32), kv)
+    with pytest.raises(kvblend.BadArgument, match="must be"):
+        s.layer(1, kv.reshape(n, 16, 2), kv)
+    s.layer(1, kv.reshape(n, 32), kv)  # [rows, heads * dim] is the same rows
+    s.close()
+    s = client.fuse_open(M.name, [(ha, 0), (hb, TA)], [1], [0.2])
     # The chunk is in use: it cannot be deleted under the session.
     with pytest.raises(kvblend.Busy) as e:
         client.delete(M.name, ha)
@@ -308,4 +318,16 @@ def test_landing_layout_errors(client, chunks):
         client.fuse_open_into(M.name, [(ha, 0)], heap[0], heap[1], [1], [0.5])
     with pytest.raises(kvblend.BadArgument, match="shape"):
         client.fuse_open_into(M.name, [(ha, 0)], cache[0, 1:], cache[1, 1:], [1], [0.5])
+    ints = region.view(np.int16).reshape(cache.shape)
+    with pytest.raises(kvblend.BadArgument, match="elements of f16 .got int16"):
+        client.fuse_open_into(M.name, [(ha, 0)], ints[0], ints[1], [1], [0.5])
+    s = client.fuse_open_into(M.name, [(ha, 0)], cache[0], cache[1], [1], [0.5])
+    s.wait(0)
+    rows = s.rows()
+    plane = np.zeros((len(rows), 2, 16), np.float16)
+    with pytest.raises(kvblend.BadArgument, match="rows must be .* got .* int16"):
+        s.check(1, plane.view(np.int16))
+    with pytest.raises(kvblend.BadArgument, match="rows must be"):
+        s.check(1, plane.reshape(len(rows), 16, 2))
+    s.close()
     client.free_region(region)

@@ -235,6 +235,15 @@ def _load() -> ctypes.CDLL:
         except OSError as e:
             tried.append(f"{path} ({e})")
             continue
+        missing = [name for name in _PROTOTYPES if not hasattr(lib, name)]
+        if missing:
+            # An older libkvblend than this package: say so rather than fail on first use.
+            tried.append(
+                f"{path} (too old for this package: no {', '.join(missing[:3])}"
+                f"{f' and {len(missing) - 3} more' if len(missing) > 3 else ''};"
+                " rebuild or reinstall libkvblend)"
+            )
+            continue
         for name, (restype, argtypes) in _PROTOTYPES.items():
             fn = getattr(lib, name)
             fn.restype = restype

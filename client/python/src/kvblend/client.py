@@ -38,6 +38,22 @@ def _as_array(x: Any) -> np.ndarray:
     return np.asarray(x)
 
 
+def _dtype_ok(a: np.ndarray, m: "Model") -> bool:
+    """Whether a's elements are m's dtype: f16 and f32 exactly; bf16 as its raw 16 bits
+    (uint16 or int16) or a NumPy extension bfloat16 (ml_dtypes)."""
+    if m.dtype == "bf16":
+        return a.dtype.itemsize == 2 and (a.dtype.kind in "ui" or a.dtype.name == "bfloat16")
+    return a.dtype == m.np_dtype
+
+
+def _row_shape_ok(shape: tuple[int, ...], rows: int, m: "Model") -> bool:
+    """Whether shape is [rows, kv_heads, head_dim] or [rows, kv_heads * head_dim]."""
+    return tuple(shape) in (
+        (rows, m.num_kv_heads, m.head_dim),
+        (rows, m.num_kv_heads * m.head_dim),
+    )
+
+
 def _hash_bytes(h: HashLike) -> bytes:
     """Return a 32-byte chunk hash given as bytes or 64 hex digits."""
     if isinstance(h, str):
@@ -804,8 +820,10 @@ class Client:
         for name, a in (("k", k), ("v", v)):
             if not isinstance(a, np.ndarray) or a.ndim != nd:
                 raise BadArgument(-22, f"{name} must be a {nd}-dimensional ndarray")
-            if a.dtype.itemsize != m.np_dtype.itemsize or a.strides[-1] != a.dtype.itemsize:
-                raise BadArgument(-22, f"{name}: elements of {m.np_dtype}, head_dim contiguous")
+            if not _dtype_ok(a, m) or a.strides[-1] != a.dtype.itemsize:
+                raise BadArgument(
+                    -22, f"{name}: elements of {m.dtype} (got {a.dtype}), head_dim contiguous"
+                )
             if a.shape[0] != m.num_layers or a.shape[-2:] != (m.num_kv_heads, m.head_dim):
                 raise BadArgument(
                     -22,
@@ -944,9 +962,11 @@ class FuseSession:
         a = np.ascontiguousarray(_as_array(x))
         m = self.model
         want = (rows, m.num_kv_heads, m.head_dim)
-        if a.nbytes != rows * m.row_bytes or a.dtype.itemsize != m.np_dtype.itemsize:
+        if not _row_shape_ok(a.shape, rows, m) or not _dtype_ok(a, m):
             raise BadArgument(
-                -22, f"{what} must be {want} of {m.np_dtype}, got {a.shape} of {a.dtype}"
+                -22,
+                f"{what} must be {want} (or [{rows}, {m.num_kv_heads * m.head_dim}]) of "
+                f"{m.dtype}, got {a.shape} of {a.dtype}",
             )
         return a
 
@@ -1139,15 +1159,15 @@ class LandingSession(FuseSession):
         m = self.model
         a = _as_array(rows)
         n = int(lib.kvb_fuse_rows(self._handle(), None))
-        if a.ndim < 2 or a.shape[0] != n or a.dtype.itemsize != m.np_dtype.itemsize:
+        if not _row_shape_ok(a.shape, n, m) or not _dtype_ok(a, m):
             raise BadArgument(
-                -22, f"rows must be [{n}, {m.num_kv_heads}, {m.head_dim}] of {m.np_dtype}"
+                -22,
+                f"rows must be [{n}, {m.num_kv_heads}, {m.head_dim}] (or [{n}, "
+                f"{m.num_kv_heads * m.head_dim}]) of {m.dtype}, got {a.shape} of {a.dtype}",
             )
         inner = a[0] if n else a.reshape(-1)
         if n and (not inner.flags.c_contiguous or inner.nbytes != m.row_bytes or a.strides[0] < 0):
             a = np.ascontiguousarray(a)
-        if a.nbytes and a.size != n * m.num_kv_heads * m.head_dim:
-            raise BadArgument(-22, f"rows must be [{n}, {m.num_kv_heads}, {m.head_dim}]")
         stride = a.strides[0] if n else 0
         ptr = a.ctypes.data if a.nbytes else ctypes.addressof(_EMPTY)
         dp = ctypes.POINTER(ctypes.c_int32)()
