@@ -60,8 +60,9 @@ static const char usage_text[] =
 	"  hash --tokens FILE                     print the chunk hash of token ids\n"
 	"  keygen                                 print a new CURVE key pair (public, secret)\n"
 	"  cluster status [--json]                the cluster as this daemon sees it: each other\n"
-	"                                         member alive or suspect, pushes owed to it, and\n"
-	"                                         the daemon's cluster counters\n"
+	"                                         member alive, suspect or gone, pushes owed to\n"
+	"                                         it, ms since its last reply, the chunks and\n"
+	"                                         bytes its store holds; the cluster counters\n"
 	"  demo                                   register a small model, store chunks, read them\n"
 	"                                         back and verify them, printing each step\n"
 	"\n"
@@ -361,31 +362,45 @@ static int cmd_cluster(kvb_client *c, struct args *a)
 			any |= !strcmp(s[i].name, "cluster_members");
 		if (!any) {
 			free(s);
-			return die("cluster status: this daemon is in no cluster (cluster_peers unset)")
+			return die("cluster status: this daemon is in no cluster (neither cluster_peers "
+				   "nor cluster_etcd set)")
 				       ? 1 : 1;
 		}
 	}
 	if (json)
 		printf("{\"members\": [");
 	else
-		printf("%-24s %-8s %s\n", "member", "state", "pushes owed");
+		printf("%-24s %-8s %11s %14s %10s %14s\n", "member", "state", "pushes owed",
+		       "last reply ms", "chunks", "stored bytes");
 	for (size_t i = 0; i < n; i++) {
-		const char *id;
-		double owed = 0;
+		static const char *const per[] = { "owed:", "seen_ms:", "chunks:", "bytes:" };
+		double v[4] = { 0, -1, 0, 0 };
+		const char *id, *state;
 
 		if (strncmp(s[i].name, "member:", 7))
 			continue;
 		id = s[i].name + 7;
+		state = s[i].value > 0 ? "alive" : s[i].value == 0 ? "suspect" : "gone";
 		for (size_t j = 0; j < n; j++)
-			if (!strncmp(s[j].name, "owed:", 5) && !strcmp(s[j].name + 5, id))
-				owed = s[j].value;
+			for (size_t k = 0; k < 4; k++)
+				if (!strncmp(s[j].name, per[k], strlen(per[k])) &&
+				    !strcmp(s[j].name + strlen(per[k]), id))
+					v[k] = s[j].value;
 		if (json) {
 			printf("%s{\"id\": ", first ? "" : ", ");
 			json_str(id);
-			printf(", \"state\": \"%s\", \"pushes_owed\": %.0f}",
-			       s[i].value ? "alive" : "suspect", owed);
+			printf(", \"state\": \"%s\", \"pushes_owed\": %.0f, \"last_reply_ms\": %.0f, "
+			       "\"chunks\": %.0f, \"stored_bytes\": %.0f}",
+			       state, v[0], v[1], v[2], v[3]);
 		} else {
-			printf("%-24s %-8s %.0f\n", id, s[i].value ? "alive" : "suspect", owed);
+			char seen[24];
+
+			if (v[1] < 0)
+				snprintf(seen, sizeof(seen), "never");
+			else
+				snprintf(seen, sizeof(seen), "%.0f", v[1]);
+			printf("%-24s %-8s %11.0f %14s %10.0f %14.0f\n", id, state, v[0], seen, v[2],
+			       v[3]);
 		}
 		first = false;
 	}

@@ -1,9 +1,12 @@
 /*
  * cluster — the daemons of a cluster share one chunk space (docs/cluster.md).
  *
- * Members are this daemon (node_id) and the peers of cluster_peers, each
- * "id=tcp://host:port[=Z85 server key]". A chunk's owners are the
- * cluster_replicas best members by weighted rendezvous hashing (place.h).
+ * Members are this daemon (node_id) and either the peers of cluster_peers, each
+ * "id=tcp://host:port[=Z85 server key]", or those registered in etcd
+ * (cluster_etcd: each daemon keeps its record under a lease and watches the
+ * others'). A chunk's owners are the cluster_replicas best live members by
+ * weighted rendezvous hashing (place.h). When the members change, the chunks
+ * held here whose owners changed are pushed to their new owners, rate limited.
  *
  * Write path: a chunk a client stores here is pushed, as its stored bytes
  * (REPLICATE), to its owners other than this daemon by a background thread.
@@ -36,7 +39,7 @@ struct cluster;
 /*
  * Parse cfg's cluster settings and start the push thread (which first queues
  * what the store says is still owed). *out is NULL (no cluster)
- * when cluster_peers is empty. curve_secret/curve_public: this daemon's CURVE key
+ * when cluster_peers and cluster_etcd are empty. curve_secret/curve_public: this daemon's CURVE key
  * pair (Z85, "" without), used towards peers that have a key. Returns 0, or
  * -EINVAL with a message in err naming the bad setting.
  */
@@ -63,16 +66,34 @@ size_t cluster_lookup(struct cluster *c, const struct store_model *m,
 void cluster_stored(struct cluster *c, const struct store_model *m, const uint8_t *hash);
 
 struct cluster_stats {
-	uint64_t members, suspect;
+	uint64_t members, suspect; /* in placement (this daemon included); of them suspect */
 	uint64_t pushes_owed, pushes_done, push_failures;
 	uint64_t remote_hits, remote_misses, fetch_failures, fetched_bytes;
 	double fetch_ms; /* total time in successful fetches */
+	uint64_t rebalance_pushes, rebalance_skipped; /* to new owners; skipped: they had it */
+	uint64_t membership_changes, peer_busy;	      /* peer_busy: calls refused, in-flight cap */
+	bool etcd, etcd_ok;			      /* membership from etcd; etcd answers now */
+	uint64_t etcd_errors, etcd_last_ok_ms;	      /* failed etcd calls; last success (unix ms) */
 };
 
 void cluster_stats(struct cluster *c, struct cluster_stats *out);
 
-/* Each other member: its id, whether it is suspect now, pushes queued for it. */
-void cluster_members(struct cluster *c,
-		     void (*fn)(void *ctx, const char *id, bool suspect, uint64_t owed), void *ctx);
+enum cluster_state { CLUSTER_ALIVE = 1, CLUSTER_SUSPECT = 0, CLUSTER_GONE = -1 };
+
+struct cluster_member {
+	char id[STORE_OWED_PEER_MAX + 1];
+	char endpoint[CONFIG_ENDPOINT_MAX];
+	enum cluster_state state; /* gone: left etcd (kept for the pushes it is owed) */
+	uint64_t owed;		  /* pushes queued for it */
+	uint64_t last_reply_ms;	  /* unix ms of its last answer (heartbeats: about 1 s); 0 never */
+	uint64_t held_chunks, held_bytes; /* its store at its last heartbeat (copies included) */
+};
+
+/* Each other member this daemon knows. */
+void cluster_members(struct cluster *c, void (*fn)(void *ctx, const struct cluster_member *m),
+		     void *ctx);
+
+/* Is this daemon one of hash's owners under the current membership? */
+bool cluster_owns(struct cluster *c, const uint8_t *hash);
 
 #endif

@@ -119,6 +119,23 @@ static const struct key keys[] = {
 	  "(this daemon may be listed too); chunks are then placed on cluster_replicas members, "
 	  "pushed there after a PUT and fetched from them on a miss (docs/cluster.md); unset = "
 	  "no cluster" },
+	{ "cluster_etcd", T_PATH, OFF(cluster_etcd), 0, 0, NULL,
+	  "etcd endpoints, comma-separated http://HOST:PORT: this daemon registers itself under "
+	  "cluster_name with a lease it keeps alive and learns the other members from etcd "
+	  "(docs/cluster.md); members of cluster_peers are members too; unset = no etcd" },
+	{ "cluster_name", T_PATH, OFF(cluster_name), 0, 0, "kvblend",
+	  "the cluster's name in etcd (its members' keys are /kvblend/NAME/members/NODE_ID): "
+	  "letters, digits, ._-" },
+	{ "cluster_lease_ttl", T_UINT, OFF(cluster_lease_ttl), 2, 3600, "10",
+	  "seconds: a member that stops renewing its etcd lease leaves placement after this" },
+	{ "cluster_advertise", T_PATH, OFF(cluster_advertise), 0, 0, NULL,
+	  "the TCP endpoint other members reach this daemon at, tcp://HOST:PORT (default: the "
+	  "first tcp:// of listen, a wildcard host replaced by the host name)" },
+	{ "cluster_rebalance_rate", T_SIZE, OFF(cluster_rebalance_rate), 1 * MiB, 1 * TiB, "256M",
+	  "bytes per second at most of the chunks pushed to members that join or return" },
+	{ "cluster_repair_interval", T_UINT, OFF(cluster_repair_interval), 0, 604800, "600",
+	  "seconds between repair passes: every chunk held here is offered to those of its "
+	  "owners that lack it (one LOOKUP per 1024 chunks, pushes rate limited); 0 = never" },
 	{ "cluster_replicas", T_UINT, OFF(cluster_replicas), 1, 16, "2",
 	  "members that own each chunk" },
 	{ "cluster_timeout_ms", T_UINT, OFF(cluster_timeout_ms), 10, 600000, "1000",

@@ -57,6 +57,12 @@ struct config {
 	uint64_t client_fuse_sessions;
 	char node_id[PATH_MAX];
 	char cluster_peers[PATH_MAX];
+	char cluster_etcd[PATH_MAX];
+	char cluster_name[PATH_MAX];
+	uint64_t cluster_lease_ttl;
+	char cluster_advertise[PATH_MAX];
+	uint64_t cluster_rebalance_rate;
+	uint64_t cluster_repair_interval;
 	uint64_t cluster_replicas;
 	uint64_t cluster_timeout_ms;
 	int log_level;

@@ -179,6 +179,8 @@ static void zap_one(struct curve_auth *a)
 			ok = !memcmp(a->keys[i], zmq_msg_data(&f[6]), KEY_BIN);
 		if (!ok) {
 			why = "key not authorized";
+			if (a->lim.key_refused)
+				atomic_fetch_add(a->lim.key_refused, 1);
 			log_info("CURVE client from %.*s refused: key not in curve_authorized_keys",
 				 (int)zmq_msg_size(&f[3]), (const char *)zmq_msg_data(&f[3]));
 		}

@@ -28,6 +28,7 @@ struct auth_limits {
 	atomic_uint_fast64_t *connections; /* live connections on every endpoint */
 	uint64_t max_clients;		   /* beyond it handshakes are refused */
 	atomic_uint_fast64_t *refused;	   /* counts those refused for it */
+	atomic_uint_fast64_t *key_refused; /* counts CURVE keys not in authorized_path */
 };
 
 /*

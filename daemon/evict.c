@@ -43,6 +43,8 @@ struct evictor {
 	struct pin *pins;
 	size_t n_pins, cap_pins;
 	struct evict_stats stats;
+	bool (*owns)(void *ctx, const uint8_t *hash); /* NULL: every chunk is owned */
+	void *owns_ctx;
 };
 
 struct cand {
@@ -50,6 +52,7 @@ struct cand {
 	uint64_t seq, created, stored;
 	size_t ns; /* index into the pass's namespaces */
 	bool gone; /* evicted earlier in this pass */
+	bool owned; /* false: a cache copy of another member's chunk, evicted first */
 };
 
 /* A namespace in one pass: its name, capacity and the stored bytes of its chunks. */
@@ -256,6 +259,7 @@ static int gather_one(void *ctx, uint32_t model_id, const uint8_t *hash,
 	c->created = info->created;
 	c->stored = info->stored_bytes;
 	c->gone = false;
+	c->owned = !g->e->owns || g->e->owns(g->e->owns_ctx, hash);
 	return 0;
 }
 
@@ -263,6 +267,8 @@ static int cmp_cand(const void *a, const void *b)
 {
 	const struct cand *x = a, *y = b;
 
+	if (x->owned != y->owned)
+		return x->owned ? 1 : -1;
 	if (x->seq != y->seq)
 		return x->seq < y->seq ? -1 : 1;
 	return (x->created > y->created) - (x->created < y->created);
@@ -536,6 +542,15 @@ void evictor_free(struct evictor **ep)
 	pthread_mutex_destroy(&e->lock);
 	free(e);
 	*ep = NULL;
+}
+
+void evictor_set_owner(struct evictor *e, bool (*owns)(void *ctx, const uint8_t *hash),
+		       void *ctx)
+{
+	pthread_mutex_lock(&e->pass_lock);
+	e->owns = owns;
+	e->owns_ctx = ctx;
+	pthread_mutex_unlock(&e->pass_lock);
 }
 
 void evictor_stats(struct evictor *e, struct evict_stats *out)

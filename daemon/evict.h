@@ -9,7 +9,8 @@
  * The order is least recent access first; chunks not read since the daemon
  * started come before all others, oldest first. Tenants (tenants.h) with a
  * capacity of their own are kept within it the same way, from their own chunks,
- * and while within it lose none to another namespace's pressure.
+ * and while within it lose none to another namespace's pressure. In a cluster,
+ * cache copies of other members' chunks go before owned chunks.
  */
 #ifndef KVBLEND_DAEMON_EVICT_H
 #define KVBLEND_DAEMON_EVICT_H
@@ -59,5 +60,13 @@ int evictor_unpin(struct evictor *e, uint32_t model_id, const uint8_t *hash);
 int64_t evictor_make_room(struct evictor *e, uint64_t bytes, const char *ns);
 
 void evictor_stats(struct evictor *e, struct evict_stats *out);
+
+/*
+ * In a cluster: owns(ctx, hash) says whether this daemon owns a chunk; the
+ * chunks it does not own (cache copies fetched from other members) are evicted
+ * before all owned ones, least recently used first among each.
+ */
+void evictor_set_owner(struct evictor *e, bool (*owns)(void *ctx, const uint8_t *hash),
+		       void *ctx);
 
 #endif

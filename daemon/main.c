@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include "config.h"
+#include "etcd.h"
 #include "log.h"
 #include "notify.h"
 #include "server.h"
@@ -326,6 +327,10 @@ int main(int argc, char **argv)
 	sa.sa_handler = on_hangup;
 	sigaction(SIGHUP, &sa, NULL);
 	signal(SIGPIPE, SIG_IGN);
+	if (cfg.cluster_etcd[0] && etcd_global_init()) { /* before any thread: libcurl's rule */
+		log_err("cannot initialize libcurl for etcd");
+		return 1;
+	}
 
 	notify_status("opening store at %s", cfg.data_dir);
 	rc = mkdir_p(cfg.data_dir);

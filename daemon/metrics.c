@@ -18,6 +18,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "cluster.h"
 #include "log.h"
 #include "server.h"
 
@@ -147,6 +148,40 @@ void metrics_write(struct server *srv, FILE *f)
 	      (double)shm_n);
 	gauge(f, "kvblend_uptime_seconds", "Seconds since start.", "gauge",
 	      (double)(now.tv_sec - srv->started.tv_sec));
+	if (srv->cluster) {
+		struct cluster_stats cs;
+
+		cluster_stats(srv->cluster, &cs);
+		gauge(f, "kvblend_cluster_members", "Members in placement, this daemon included.",
+		      "gauge", (double)cs.members);
+		gauge(f, "kvblend_cluster_suspect_members", "Members skipped after a missed deadline.",
+		      "gauge", (double)cs.suspect);
+		gauge(f, "kvblend_cluster_pushes_owed", "Chunk copies still to send to their owners.",
+		      "gauge", (double)cs.pushes_owed);
+		gauge(f, "kvblend_cluster_pushes_total", "Chunk copies sent to their owners.",
+		      "counter", (double)cs.pushes_done);
+		gauge(f, "kvblend_cluster_push_failures_total", "Chunk copies an owner refused.",
+		      "counter", (double)cs.push_failures);
+		gauge(f, "kvblend_cluster_rebalance_pushes_total",
+		      "Chunk copies sent to members that joined or returned.", "counter",
+		      (double)cs.rebalance_pushes);
+		gauge(f, "kvblend_cluster_remote_hits_total", "Chunks fetched from other members.",
+		      "counter", (double)cs.remote_hits);
+		gauge(f, "kvblend_cluster_remote_misses_total", "Local misses no member could serve.",
+		      "counter", (double)cs.remote_misses);
+		gauge(f, "kvblend_cluster_fetch_failures_total",
+		      "Fetches from a member that failed (no answer, bad bytes).", "counter",
+		      (double)cs.fetch_failures);
+		gauge(f, "kvblend_cluster_fetched_bytes_total", "Stored bytes fetched from members.",
+		      "counter", (double)cs.fetched_bytes);
+		gauge(f, "kvblend_cluster_fetch_seconds_total", "Time in successful fetches.",
+		      "counter", cs.fetch_ms / 1e3);
+		gauge(f, "kvblend_cluster_membership_changes_total", "Changes of the membership seen.",
+		      "counter", (double)cs.membership_changes);
+		if (cs.etcd)
+			gauge(f, "kvblend_cluster_etcd_up", "Whether etcd answered the last call.",
+			      "gauge", cs.etcd_ok);
+	}
 	fprintf(f, "# HELP kvblend_backend_info The fuse compute backend in use.\n"
 		   "# TYPE kvblend_backend_info gauge\nkvblend_backend_info{backend=\"%s\"} 1\n",
 		srv->blend->name);

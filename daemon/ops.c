@@ -355,6 +355,22 @@ static void op_hello(struct req *q)
 		return;
 	snprintf(q->out->rep.server_version, sizeof(q->out->rep.server_version), "%s",
 		 KVBLEND_VERSION);
+	if (q->h.local_only) { /* another member's heartbeat: what this store holds */
+		struct store_totals t;
+
+		if (!store_totals(q->srv->store, &t)) {
+			struct kvbp_stat *st = calloc(2, sizeof(*st));
+
+			if (st) {
+				snprintf(st[0].name, sizeof(st[0].name), "chunks");
+				st[0].value = (double)t.chunks;
+				snprintf(st[1].name, sizeof(st[1].name), "stored_bytes");
+				st[1].value = (double)t.stored_bytes;
+				q->out->rep.stats = st;
+				q->out->rep.n_stats = 2;
+			}
+		}
+	}
 }
 
 static void op_model_register(struct req *q)
@@ -928,16 +944,28 @@ struct member_stats {
 	size_t *n, cap;
 };
 
-static void member_stat(void *ctx, const char *id, bool suspect, uint64_t owed)
+static void member_stat(void *ctx, const struct cluster_member *mb)
 {
 	struct member_stats *m = ctx;
+	struct timespec now;
 
-	if (*m->n + 2 > m->cap)
+	if (*m->n + 5 > m->cap)
 		return;
-	snprintf(m->s[*m->n].name, sizeof(m->s[0].name), "member:%.56s", id);
-	m->s[(*m->n)++].value = suspect ? 0 : 1;
-	snprintf(m->s[*m->n].name, sizeof(m->s[0].name), "owed:%.58s", id);
-	m->s[(*m->n)++].value = (double)owed;
+	clock_gettime(CLOCK_REALTIME, &now);
+	/* member:ID 1 alive, 0 suspect, -1 gone; the rest per member, names cut at 63 */
+	snprintf(m->s[*m->n].name, sizeof(m->s[0].name), "member:%.56s", mb->id);
+	m->s[(*m->n)++].value = mb->state;
+	snprintf(m->s[*m->n].name, sizeof(m->s[0].name), "owed:%.58s", mb->id);
+	m->s[(*m->n)++].value = (double)mb->owed;
+	snprintf(m->s[*m->n].name, sizeof(m->s[0].name), "seen_ms:%.55s", mb->id);
+	m->s[(*m->n)++].value =
+		mb->last_reply_ms ? (double)now.tv_sec * 1e3 + now.tv_nsec / 1e6 -
+					    (double)mb->last_reply_ms
+				  : -1;
+	snprintf(m->s[*m->n].name, sizeof(m->s[0].name), "chunks:%.56s", mb->id);
+	m->s[(*m->n)++].value = (double)mb->held_chunks;
+	snprintf(m->s[*m->n].name, sizeof(m->s[0].name), "bytes:%.57s", mb->id);
+	m->s[(*m->n)++].value = (double)mb->held_bytes;
 }
 
 /* Per store codec: chunks, model-dtype bytes and stored bytes (stats). */
@@ -972,7 +1000,7 @@ static void op_stats(struct req *q)
 	struct timespec now;
 	uint64_t shm_n, shm_bytes;
 	struct kvbp_stat *s;
-	size_t n = 0, cap = 64 + 3 * KVBP_OP_COUNT + KVBP_CODE_COUNT + 2 * 1024;
+	size_t n = 0, cap = 128 + 3 * KVBP_OP_COUNT + KVBP_CODE_COUNT + 5 * 1024;
 	struct codec_use use = { 0 };
 	struct store_model *models = NULL;
 	int rc;
@@ -1040,7 +1068,16 @@ static void op_stats(struct req *q)
 		STAT("cluster_fetch_failures", cs.fetch_failures);
 		STAT("cluster_fetched_bytes", cs.fetched_bytes);
 		STAT("cluster_fetch_ms", cs.fetch_ms);
-		/* per member: member:ID = 1 alive, 0 suspect; owed:ID = pushes queued for it */
+		STAT("cluster_rebalance_pushes", cs.rebalance_pushes);
+		STAT("cluster_rebalance_skipped", cs.rebalance_skipped);
+		STAT("cluster_membership_changes", cs.membership_changes);
+		STAT("cluster_peer_busy", cs.peer_busy);
+		if (cs.etcd) {
+			STAT("cluster_etcd_ok", cs.etcd_ok);
+			STAT("cluster_etcd_errors", cs.etcd_errors);
+			STAT("cluster_etcd_last_ok_ms", cs.etcd_last_ok_ms);
+		}
+		/* per member: member:ID, owed:ID, seen_ms:ID, chunks:ID, bytes:ID */
 		{
 			struct member_stats ms = { s, &n, cap };
 
@@ -1062,6 +1099,7 @@ static void op_stats(struct req *q)
 		STAT("clients", n_clients);
 		STAT("connections", atomic_load(&srv->connections));
 		STAT("connections_refused", atomic_load(&srv->refused_clients));
+		STAT("curve_keys_refused", atomic_load(&srv->refused_keys));
 		STAT("connections_dropped_no_fd", fdguard_dropped());
 		STAT("max_clients", srv->max_clients);
 	}
@@ -1284,6 +1322,28 @@ static void op_replicate(struct req *q)
 	uint64_t tb, total;
 	int rc;
 
+	/* The model travels with its chunks: a member that joined after it was registered
+	 * elsewhere learns it from the first chunk pushed to it. */
+	if (q->h.has_model && q->h.model_name[0]) {
+		char name[STORE_NAME_MAX + 1];
+		struct kvbp_model w = q->h.model;
+
+		if (stored_name(q, q->h.model_name, name))
+			return;
+		if (store_model_find(q->srv->store, name, &m) == -ENOENT) {
+			if (model_check(q, &w))
+				return;
+			model_to_store(&w, &m);
+			snprintf(m.name, sizeof(m.name), "%s", name);
+			rc = store_model_register(q->srv->store, &m);
+			if (rc < 0 && rc != -EEXIST) {
+				fail_store(q, rc, "replicate: registering the model");
+				return;
+			}
+			if (rc >= 0)
+				log_info("model '%s' registered from another member's chunk", name);
+		}
+	}
 	if (peer_model(q, &m) || need_hash(q))
 		return;
 	if (chunk_bytes(q, &m, q->h.num_tokens, m.num_layers, &tb, &total))

@@ -232,7 +232,8 @@ out:
 static int start_auth(struct server *srv)
 {
 	const struct config *cfg = srv->cfg;
-	struct auth_limits lim = { &srv->connections, srv->max_clients, &srv->refused_clients };
+	struct auth_limits lim = { &srv->connections, srv->max_clients, &srv->refused_clients,
+				   &srv->refused_keys };
 	char err[512];
 	int rc;
 
@@ -662,6 +663,12 @@ static int forward_out(struct server *srv)
 	return forward(srv->backend, srv->frontends[i]);
 }
 
+/* The evictor's question, in a cluster: is this daemon one of the chunk's owners? */
+static bool owns_chunk(void *ctx, const uint8_t *hash)
+{
+	return cluster_owns(ctx, hash);
+}
+
 int server_start(struct server *srv, const struct config *cfg, struct store *store)
 {
 	unsigned n_workers = (unsigned)cfg->workers;
@@ -788,6 +795,8 @@ int server_start(struct server *srv, const struct config *cfg, struct store *sto
 	pthread_sigmask(SIG_BLOCK, &all, &old);
 	rc = evictor_new(store, srv->fuse, srv->tenants, cfg->capacity, (unsigned)cfg->evict_high,
 			 (unsigned)cfg->evict_low, &srv->evict);
+	if (!rc && srv->cluster)
+		evictor_set_owner(srv->evict, owns_chunk, srv->cluster);
 	for (unsigned i = 0; !rc && i < n_workers; i++) {
 		atomic_fetch_add(&srv->running_workers, 1);
 		rc = pthread_create(&srv->threads[i], NULL, worker_main, srv);

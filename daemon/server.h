@@ -62,6 +62,7 @@ struct server {
 	void *monitors[2]; /* connection events of frontends[i] (PAIR) */
 	atomic_uint_fast64_t connections; /* live, counted from the monitors */
 	atomic_uint_fast64_t refused_clients; /* handshakes refused beyond max_clients */
+	atomic_uint_fast64_t refused_keys;    /* CURVE handshakes with an unlisted key */
 	uint64_t max_clients; /* cfg->max_clients, or less to fit the descriptor limit */
 	void *backend;	/* DEALER, inproc, workers connect */
 	pthread_t *threads;

@@ -23,10 +23,13 @@ import time
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import cluster_common as cc  # noqa: E402
+
 KVBLENDD, KVBLEND = sys.argv[1], sys.argv[2]
 TMP = tempfile.mkdtemp(prefix="kvb-cluster-")
 passed = failed = 0
-L, H, D = 4, 2, 16
+L, H, D = cc.L, cc.H, cc.D
 TIMEOUT_MS = 500
 
 
@@ -94,28 +97,6 @@ def wait_owed(n, seconds=30):
     return False
 
 
-def put_chunks(n, first, count, rng):
-    out = []
-    for i in range(first, first + count):
-        T = 5 + i % 7
-        kv = rng.standard_normal((L, 2, T, H, D)).astype(np.float16)
-        np.save(f"{TMP}/kv{i}.npy", kv)
-        np.save(f"{TMP}/ids{i}.npy", np.arange(100 * i, 100 * i + T))
-        h = cli(n, "put", "--model", "cm", "--kv", f"{TMP}/kv{i}.npy", "--tokens",
-                f"{TMP}/ids{i}.npy", "--pos", i).stdout.split()[0]
-        out.append((h, kv))
-    return out
-
-
-def readable(n, chunks):
-    bad = []
-    for h, kv in chunks:
-        r = cli(n, "get", "--model", "cm", "--hash", h, "--out", f"{TMP}/g.npy", ok=False)
-        if r.returncode != 0 or not np.array_equal(np.load(f"{TMP}/g.npy"), kv):
-            bad.append(h[:12] + (": " + r.stderr.strip() if r.returncode else ": bytes differ"))
-    return bad
-
-
 try:
     # A bad member list is refused with a message that names it.
     r = subprocess.run([KVBLENDD, "--data-dir", f"{TMP}/x", "--listen", f"ipc://{TMP}/x.sock",
@@ -127,13 +108,12 @@ try:
     for n in NODES:
         start(n)
     for n in NODES:
-        cli(n, "model", "add", "cm", "--layers", L, "--kv-heads", H, "--head-dim", D,
-            "--dtype", "f16", "--rope-theta", 10000)
+        cc.add_model(cli, n)
     rng = np.random.default_rng(3)
-    chunks = put_chunks("a", 0, 12, rng)
+    chunks = cc.put_chunks(cli, TMP, "a", 0, 12, rng)
 
     # Read-through: C reads everything A took, byte for byte.
-    bad = readable("c", chunks)
+    bad = cc.readable(cli, TMP, "c", chunks)
     check("a chunk PUT on A is readable on C, byte for byte", not bad, str(bad))
     st = stats("c")
     check("C fetched what it does not own", st["cluster_remote_hits"] > 0 and
@@ -146,7 +126,7 @@ try:
     # R = 2: the node that took the PUTs dies; every chunk is still readable elsewhere.
     procs["a"].send_signal(signal.SIGKILL)
     procs["a"].wait()
-    bad = readable("b", chunks) + readable("c", chunks)
+    bad = cc.readable(cli, TMP, "b", chunks) + cc.readable(cli, TMP, "c", chunks)
     check("SIGKILL of A: every chunk readable from B and C", not bad, str(bad))
 
     # B is down while A takes more chunks; it receives them when it returns.
@@ -154,7 +134,7 @@ try:
     b_before = stats("b")["chunks"]
     procs["b"].send_signal(signal.SIGKILL)
     procs["b"].wait()
-    more = put_chunks("a", 100, 12, rng)
+    more = cc.put_chunks(cli, TMP, "a", 100, 12, rng)
     time.sleep(0.5)
     owed = stats("a")["cluster_pushes_owed"]
     check("pushes to a dead member are owed", owed > 0, f"owed {owed}")
@@ -179,7 +159,7 @@ try:
           f"sent {sent}, B grew by {b_after - b_before}")
     procs["a"].send_signal(signal.SIGKILL)
     procs["a"].wait()
-    bad = readable("b", more) + readable("c", more)
+    bad = cc.readable(cli, TMP, "b", more) + cc.readable(cli, TMP, "c", more)
     check("with A gone, B and C serve the chunks written while B was down", not bad, str(bad))
     start("a")
 
@@ -194,7 +174,14 @@ try:
             check(f"a miss with C stopped is answered within the timeout ({attempt + 1})",
                   r.returncode != 0 and "not found" in r.stderr.lower() and
                   dt < TIMEOUT_MS / 1000 * 2 + 1.0, f"{dt:.2f} s: {r.stderr.strip()}")
-        check("C is marked suspect", stats("b")["cluster_suspect"] >= 1, str(stats("b")))
+        # heartbeats (every second to a member not heard from) find the stopped member
+        end = time.time() + 1.0 + 2 * TIMEOUT_MS / 1000 + 1.0
+        while time.time() < end and stats("b").get("member:c") != 0:
+            time.sleep(0.1)
+        st = stats("b")
+        check("C is marked suspect by B's heartbeats", st.get("member:c") == 0 and
+              st["cluster_suspect"] >= 1 and st["seen_ms:c"] > TIMEOUT_MS,
+              str({k: v for k, v in st.items() if ":" in k}))
         # (states depend on timing here: a suspicion lasts 2 s from the last missed call)
         out = cli("b", "cluster", "status").stdout
         rows = {ln.split()[0]: ln.split()[1] for ln in out.splitlines()[1:] if ln.strip() and
@@ -206,19 +193,8 @@ try:
         procs["c"].send_signal(signal.SIGCONT)
 
     # A fuse on B over chunks stored on A (and C): the same fused bytes as on A.
-    sel = chunks[:3]
-    new = rng.standard_normal((L, 2, sum(kv.shape[2] for _, kv in sel) + 3, H, D))
-    np.save(f"{TMP}/new.npy", new.astype(np.float16))
-    args, pos = [], 0
-    for h, kv in sel:
-        args += ["--chunk", f"{h}@{pos}"]
-        pos += kv.shape[2]
-    args += ["--fresh", f"3@{pos}"]
-    for n in "ab":
-        cli(n, "fuse", "--model", "cm", *args, "--new", f"{TMP}/new.npy", "--ratio", "0.3",
-            "--check-layers", "1", "--out", f"{TMP}/fused-{n}.npy")
     check("a fuse on B over chunks held elsewhere equals the fuse on A",
-          np.array_equal(np.load(f"{TMP}/fused-a.npy"), np.load(f"{TMP}/fused-b.npy")))
+          cc.fuse_equal(cli, TMP, "ab", chunks[:3], rng))
 finally:
     for n, p in procs.items():
         if p.poll() is None:

@@ -1,0 +1,390 @@
+"""A kvblendd cluster whose membership lives in a real etcd (Debian's etcd-server),
+started and stopped by this test, with four real daemons on loopback, each with its
+own data directory, TCP port and CURVE key, and only the members' keys authorized.
+
+usage: test_cluster_etcd.py KVBLENDD KVBLEND PLACE_TOOL
+
+Checks (issue 10): a PUT on A is readable on C byte for byte; every chunk sits on
+exactly the owners rendezvous hashing names; with R = 2 SIGKILL of any one node
+leaves every chunk readable; a member whose lease expires is dropped from placement
+within the TTL and requests do not wait on it; a node that was down while chunks
+were written receives the chunks it owns when it returns; a new member receives the
+chunks it now owns; a SIGSTOPped peer delays no request past the timeout; etcd
+stopped mid-run leaves the cluster serving; a peer or client with an unknown key is
+refused and counted; a fuse on B over chunks held elsewhere equals the fuse on A;
+at the end nothing is lost and every copy verifies. The same cluster with the static
+member list: test_cluster.py.
+"""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import cluster_common as cc  # noqa: E402
+
+KVBLENDD, KVBLEND, PLACE_TOOL = sys.argv[1], sys.argv[2], sys.argv[3]
+TMP = tempfile.mkdtemp(prefix="kvb-etcd-")
+ETCD = shutil.which("etcd") or "/usr/bin/etcd"
+passed = failed = 0
+L, H, D = cc.L, cc.H, cc.D
+TIMEOUT_MS = 500
+TTL = 3
+R = 2
+
+
+def check(name, cond, detail=""):
+    global passed, failed
+    if cond:
+        passed += 1
+        print(f"ok - {name}", flush=True)
+    else:
+        failed += 1
+        print(f"not ok - {name} {detail}", flush=True)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def keygen():
+    out = subprocess.run([KVBLEND, "keygen"], capture_output=True, text=True, check=True).stdout
+    d = dict(line.split(" ", 1) for line in out.splitlines())
+    return d["public"], d["secret"]
+
+
+NODES = {n: free_port() for n in "abcd"}
+KEYS = {n: keygen() for n in list(NODES) + ["rogue", "client", "stranger"]}
+# every member authorizes every member and the serving node's client key
+with open(f"{TMP}/authorized", "w") as f:
+    for n in list(NODES) + ["client"]:
+        f.write(f"{KEYS[n][0]} {n}\n")
+for n in list(NODES) + ["rogue"]:
+    with open(f"{TMP}/{n}.key", "w") as f:
+        f.write(KEYS[n][1] + "\n")
+ETCD_PORT, ETCD_PEER = free_port(), free_port()
+ETCD_URL = f"http://127.0.0.1:{ETCD_PORT}"
+METRICS_PORT = free_port()  # A's Prometheus endpoint
+procs = {}
+etcd = None
+
+
+def start_etcd():
+    global etcd
+    etcd = subprocess.Popen(
+        [ETCD, "--name", "kvbtest", "--data-dir", f"{TMP}/etcd",
+         "--listen-client-urls", ETCD_URL, "--advertise-client-urls", ETCD_URL,
+         "--listen-peer-urls", f"http://127.0.0.1:{ETCD_PEER}",
+         "--initial-advertise-peer-urls", f"http://127.0.0.1:{ETCD_PEER}",
+         "--initial-cluster", f"kvbtest=http://127.0.0.1:{ETCD_PEER}"],
+        stdout=open(f"{TMP}/etcd.log", "a"), stderr=subprocess.STDOUT)
+    for _ in range(200):
+        try:
+            urllib.request.urlopen(f"{ETCD_URL}/version", timeout=1).read()
+            return True
+        except OSError:
+            if etcd.poll() is not None:
+                return False
+            time.sleep(0.1)
+    return False
+
+
+def ep(n):
+    return f"ipc://{TMP}/{n}.sock"
+
+
+def cli(n, *args, ok=True, endpoint=None, env=None):
+    e = {k: v for k, v in os.environ.items() if not k.startswith("KVBLEND_")}
+    e.update(env or {})
+    r = subprocess.run([KVBLEND, "--endpoint", endpoint or ep(n), "--timeout", "20000",
+                        *map(str, args)], capture_output=True, text=True, env=e)
+    if ok and r.returncode != 0:
+        raise RuntimeError(f"kvblend@{n} {' '.join(map(str, args))}: {r.stderr}")
+    return r
+
+
+def start(n, wait=True):
+    log = open(f"{TMP}/{n}.log", "a")
+    args = [KVBLENDD, "--data-dir", f"{TMP}/{n}-data", "--listen",
+            f"{ep(n)},tcp://127.0.0.1:{NODES[n]}", "--map-size", "1G", "--node-id", n,
+            "--cluster-etcd", ETCD_URL, "--cluster-name", "t", "--cluster-lease-ttl", TTL,
+            "--cluster-replicas", R, "--cluster-timeout-ms", TIMEOUT_MS,
+            "--curve-secret-key-file", f"{TMP}/{n}.key",
+            "--curve-authorized-keys", f"{TMP}/authorized", "--log-level", "debug"]
+    if n == "a":
+        args += ["--metrics-port", METRICS_PORT]
+    p = subprocess.Popen([str(a) for a in args], stderr=log, stdout=log)
+    procs[n] = p
+    if wait:
+        for _ in range(100):
+            if cli(n, "--timeout", "200", "ping", ok=False).returncode == 0:
+                break
+            if p.poll() is not None:
+                break
+            time.sleep(0.1)
+    return p
+
+
+def kill(n, sig=signal.SIGKILL):
+    procs[n].send_signal(sig)
+    if sig == signal.SIGKILL:
+        procs[n].wait()
+
+
+def stats(n):
+    return json.loads(cli(n, "stats", "--json").stdout)
+
+
+def wait_for(fn, seconds):
+    end = time.time() + seconds
+    while True:
+        v = fn()
+        if v or time.time() > end:
+            return v
+        time.sleep(0.1)
+
+
+def view(n):
+    """Member states as n sees them: {id: 1 alive, 0 suspect, -1 gone}."""
+    return {k[7:]: v for k, v in stats(n).items() if k.startswith("member:")}
+
+
+def alive_set(n):
+    return {m for m, v in view(n).items() if v >= 0} | {n}
+
+
+def held(n):
+    """The chunk hashes n's own store holds (LIST is local)."""
+    r = cli(n, "ls", "--model", "cm", "--json", ok=False)
+    if r.returncode != 0:
+        return set()
+    return {c["hash"] for c in json.loads(r.stdout)}
+
+
+def owners(hashes, members):
+    """{hash: [owners]} by the daemons' own placement code (place_tool)."""
+    r = subprocess.run([PLACE_TOOL, str(R), *sorted(members)], input="\n".join(hashes) + "\n",
+                       capture_output=True, text=True, check=True)
+    return {ln.split()[0]: ln.split()[1:] for ln in r.stdout.splitlines()}
+
+
+def missing_at_owners(chunks, members):
+    """(hash, owner) pairs where an owner lacks the chunk."""
+    own = owners([h for h, _ in chunks], members)
+    have = {m: held(m) for m in members}
+    return [(h[:12], o) for h, _ in chunks for o in own[h] if h not in have[o]]
+
+
+def settled(nodes):
+    return all(stats(n)["cluster_pushes_owed"] == 0 for n in nodes)
+
+
+try:
+    check("etcd starts", start_etcd(), open(f"{TMP}/etcd.log").read()[-2000:])
+    r = subprocess.run([KVBLENDD, "--data-dir", f"{TMP}/x", "--listen", f"ipc://{TMP}/x.sock",
+                        "--node-id", "x", "--cluster-etcd", "ftp://nowhere"],
+                       capture_output=True, text=True, timeout=20)
+    check("a bad cluster_etcd is refused at start, named",
+          r.returncode != 0 and "cluster_etcd" in r.stderr and "http://" in r.stderr, r.stderr)
+    r = subprocess.run([KVBLENDD, "--data-dir", f"{TMP}/x", "--listen", f"ipc://{TMP}/x.sock",
+                        "--node-id", "x", "--cluster-etcd", ETCD_URL],
+                       capture_output=True, text=True, timeout=20)
+    check("cluster_etcd without a TCP endpoint is refused at start",
+          r.returncode != 0 and "tcp://" in r.stderr, r.stderr)
+
+    for n in "abc":
+        start(n)
+    ok = wait_for(lambda: all(alive_set(n) == set("abc") for n in "abc"), 10)
+    check("three daemons find each other through etcd", ok, str({n: view(n) for n in "abc"}))
+
+    # The model is registered on A only: the others learn it from the chunks pushed to them.
+    cc.add_model(cli, "a")
+    rng = np.random.default_rng(5)
+    chunks = cc.put_chunks(cli, TMP, "a", 0, 16, rng)
+    check("A's pushes settle", wait_for(lambda: settled("a"), 30), str(stats("a")))
+    check("B and C learnt the model from the pushed chunks",
+          all("cm" in cli(n, "model", "ls").stdout for n in "bc"))
+    bad = missing_at_owners(chunks, "abc")
+    check("every chunk sits on the R owners rendezvous hashing names", not bad, str(bad))
+    bad = cc.readable(cli, TMP, "c", chunks)
+    check("a chunk PUT on A is readable on C, byte for byte", not bad, str(bad))
+
+    # R = 2: any one node SIGKILLed, every chunk is readable from the other two.
+    for victim in "abc":
+        kill(victim)
+        others = [n for n in "abc" if n != victim]
+        bad = sum((cc.readable(cli, TMP, n, chunks) for n in others), [])
+        check(f"SIGKILL of {victim.upper()}: every chunk readable from the others", not bad,
+              str(bad))
+        start(victim)
+        wait_for(lambda: all(alive_set(n) == set("abc") for n in "abc"), 3 * TTL)
+
+    # A member whose lease expires leaves placement within the TTL.
+    kill("b")
+    t0 = time.time()
+    gone = wait_for(lambda: view("a").get("b") == -1 and view("c").get("b") == -1, TTL + 5)
+    dt = time.time() - t0
+    check(f"SIGKILLed B leaves placement within the TTL ({dt:.1f} s, TTL {TTL} s)",
+          gone and dt <= TTL + 1.5, str(view("a")))
+    t0 = time.time()
+    r = cli("a", "get", "--model", "cm", "--hash", "cd" * 32, "--out", f"{TMP}/x.npy", ok=False)
+    dt = time.time() - t0
+    check(f"a request after B left does not wait on it ({dt * 1000:.0f} ms)",
+          r.returncode != 0 and "not found" in r.stderr and dt < TIMEOUT_MS / 1000, r.stderr)
+
+    # B is down while A takes more chunks; placed on A and C meanwhile; B gets its own back.
+    more = cc.put_chunks(cli, TMP, "a", 100, 16, rng)
+    wait_for(lambda: settled("a"), 30)
+    bad = missing_at_owners(more, "ac")
+    check("while B is away, chunks go to the owners among A and C", not bad, str(bad))
+    start("b")
+    ok = wait_for(lambda: not missing_at_owners(chunks + more, "abc"), 30)
+    check("B, back, receives the chunks it owns (written while it was away too)", ok,
+          str(missing_at_owners(chunks + more, "abc")))
+    st = stats("a")["cluster_rebalance_pushes"] + stats("c")["cluster_rebalance_pushes"]
+    check("those came as rebalance pushes", st > 0, str(st))
+
+    # A new member joins and receives the chunks it now owns.
+    start("d")
+    ok = wait_for(lambda: all(alive_set(n) == set("abcd") for n in "abcd"), 10)
+    check("D joins: every member sees four", ok, str({n: view(n) for n in "abcd"}))
+    ok = wait_for(lambda: not missing_at_owners(chunks + more, "abcd"), 30)
+    check("D receives the chunks it now owns", ok,
+          str(missing_at_owners(chunks + more, "abcd")))
+    n_d = len(held("d"))
+    check(f"D holds about R/N of the chunks ({n_d} of {len(chunks + more)})",
+          0 < n_d < len(chunks + more), str(n_d))
+    sk = stats("a")["cluster_rebalance_skipped"] + stats("b")["cluster_rebalance_skipped"]
+    print(f"# rebalance pushes skipped because the owner had the chunk: {sk}")
+
+    # A stopped peer delays no request past the timeout; its lease then runs out.
+    kill("c", signal.SIGSTOP)
+    try:
+        worst = 0.0
+        for h, _ in chunks[:6] + [("ef" * 32, None)]:
+            t0 = time.time()
+            cli("b", "get", "--model", "cm", "--hash", h, "--out", f"{TMP}/x.npy", ok=False)
+            worst = max(worst, time.time() - t0)
+        check(f"with C stopped, B's requests are answered within the timeout (worst "
+              f"{worst * 1000:.0f} ms)", worst < 2 * TIMEOUT_MS / 1000 + 1.0)
+        gone = wait_for(lambda: view("a").get("c") == -1, TTL + 5)
+        check("stopped C leaves placement when its lease runs out", gone, str(view("a")))
+    finally:
+        procs["c"].send_signal(signal.SIGCONT)
+    ok = wait_for(lambda: all(alive_set(n) == set("abcd") for n in "abcd"), 3 * TTL + 5)
+    check("C, continued, registers again", ok, str({n: view(n) for n in "abcd"}))
+
+    # etcd stopped mid-run: the cluster keeps serving with the membership it knew.
+    etcd.terminate()
+    etcd.wait(30)
+    ok = wait_for(lambda: stats("a").get("cluster_etcd_ok") == 0, 3 * TTL + 5)
+    check("etcd down: stats says so", ok, str(stats("a").get("cluster_etcd_ok")))
+    late = cc.put_chunks(cli, TMP, "a", 200, 6, rng)
+    bad = cc.readable(cli, TMP, "b", late) + cc.readable(cli, TMP, "d", chunks[:4])
+    check("etcd down: PUT on A, read-through on B and D keep working", not bad, str(bad))
+    check("etcd down: the membership stays as it was",
+          all(alive_set(n) == set("abcd") for n in "abcd"), str({n: view(n) for n in "abcd"}))
+    check("etcd restarts", start_etcd())
+    ok = wait_for(lambda: all(stats(n).get("cluster_etcd_ok") == 1 for n in "abcd"), 3 * TTL + 10)
+    check("etcd back: every member says so", ok)
+    ok = wait_for(lambda: all(alive_set(n) == set("abcd") for n in "abcd"), 3 * TTL + 10)
+    check("etcd back: four members", ok, str({n: view(n) for n in "abcd"}))
+
+    # Unknown keys: a rogue daemon (static peer list naming A, its key unlisted) and a
+    # client with an unlisted key are refused by A, and A counts them.
+    before = stats("a")["curve_keys_refused"]
+    rogue_port = free_port()
+    rogue = subprocess.Popen([str(a) for a in
+        [KVBLENDD, "--data-dir", f"{TMP}/rogue-data", "--listen",
+         f"ipc://{TMP}/rogue.sock,tcp://127.0.0.1:{rogue_port}", "--map-size", "256M",
+         "--node-id", "rogue", "--cluster-peers",
+         f"a=tcp://127.0.0.1:{NODES['a']}={KEYS['a'][0]}", "--cluster-timeout-ms", TIMEOUT_MS,
+         "--curve-secret-key-file", f"{TMP}/rogue.key", "--log-level", "debug"]],
+        stderr=open(f"{TMP}/rogue.log", "w"), stdout=subprocess.DEVNULL)
+    try:
+        rep = f"ipc://{TMP}/rogue.sock"
+        wait_for(lambda: cli("rogue", "ping", ok=False, endpoint=rep).returncode == 0, 10)
+        cli("rogue", "model", "add", "cm", "--layers", L, "--kv-heads", H, "--head-dim", D,
+            "--dtype", "f16", "--rope-theta", 10000, endpoint=rep)
+        r = cli("rogue", "get", "--model", "cm", "--hash", chunks[0][0], "--out",
+                f"{TMP}/x.npy", ok=False, endpoint=rep)
+        check("a peer with an unknown key gets nothing", r.returncode != 0, r.stdout)
+    finally:
+        rogue.terminate()
+        rogue.wait(30)
+    r = cli("a", "--timeout", "1500", "ping", ok=False, endpoint=f"tcp://127.0.0.1:{NODES['a']}",
+            env={"KVBLEND_SERVER_KEY": KEYS["a"][0], "KVBLEND_CLIENT_KEY": KEYS["stranger"][1]})
+    check("a client with an unknown key is refused", r.returncode != 0, r.stderr)
+    r = cli("a", "--timeout", "1500", "ping", ok=False, endpoint=f"tcp://127.0.0.1:{NODES['a']}",
+            env={"KVBLEND_SERVER_KEY": KEYS["a"][0], "KVBLEND_CLIENT_KEY": KEYS["client"][1]})
+    check("the serving node's listed key is admitted", r.returncode == 0, r.stderr)
+    after = stats("a")["curve_keys_refused"]
+    check(f"A counted the refusals ({after - before})", after - before >= 2, f"{before} {after}")
+
+    # A fuse on B over chunks held on A and C: the same fused bytes as on A.
+    check("a fuse on B over chunks held elsewhere equals the fuse on A",
+          cc.fuse_equal(cli, TMP, "ab", chunks[:3], rng))
+
+    # Nothing lost: every chunk ever written is on its owners and reads back byte for byte
+    # everywhere; every copy any store holds verifies (a GET checks every checksum).
+    everything = chunks + more + late
+    ok = wait_for(lambda: settled("abcd") and not missing_at_owners(everything, "abcd"), 30)
+    check("at the end every chunk is on its owners", ok,
+          str(missing_at_owners(everything, "abcd")))
+    bad = sum((cc.readable(cli, TMP, n, everything) for n in "abcd"), [])
+    check("at the end every chunk reads back byte for byte on every member", not bad, str(bad))
+    st = {n: stats(n) for n in "abcd"}
+    check("no corrupt copy anywhere", all(s["corrupt_removed"] == 0 for s in st.values()),
+          str({n: s["corrupt_removed"] for n, s in st.items()}))
+    out = json.loads(cli("a", "cluster", "status", "--json").stdout)
+    mem = {m["id"]: m for m in out["members"]}
+    check("cluster status: members, states, heartbeats and what each holds",
+          set(mem) >= set("bcd") and all(mem[n]["state"] == "alive" for n in "bcd") and
+          all(0 <= mem[n]["last_reply_ms"] < 5000 and mem[n]["chunks"] > 0 for n in "bcd") and
+          out["cluster_etcd_ok"] == 1, json.dumps(out))
+    text = urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT}/metrics",
+                                  timeout=5).read().decode()
+    metric = {ln.split()[0]: float(ln.split()[1]) for ln in text.splitlines()
+              if ln.startswith("kvblend_cluster_")}
+    st = stats("a")
+    check("Prometheus metrics: members, pushes, remote hits and bytes, etcd up",
+          metric.get("kvblend_cluster_members") == 4 and
+          metric.get("kvblend_cluster_etcd_up") == 1 and
+          metric.get("kvblend_cluster_pushes_total", 0) > 0 and
+          metric.get("kvblend_cluster_remote_hits_total") == st["cluster_remote_hits"] and
+          metric.get("kvblend_cluster_fetched_bytes_total") == st["cluster_fetched_bytes"],
+          str(metric))
+finally:
+    for n, p in procs.items():
+        if p.poll() is None:
+            p.send_signal(signal.SIGCONT)
+            p.terminate()
+            try:
+                rc = p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                rc = p.wait()
+            check(f"daemon {n} exits 0", rc == 0, f"status {rc}")
+    if etcd and etcd.poll() is None:
+        etcd.terminate()
+        etcd.wait(30)
+    if failed:
+        for n in list(NODES) + ["rogue"]:
+            if os.path.exists(f"{TMP}/{n}.log"):
+                print(f"--- {n}.log (tail)")
+                print(open(f"{TMP}/{n}.log").read()[-3000:])
+    if not os.environ.get("KVB_KEEP_TMP"):
+        subprocess.run(["rm", "-rf", TMP])
+print(f"{passed} passed, {failed} failed")
+sys.exit(1 if failed else 0)
