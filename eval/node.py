@@ -6,10 +6,12 @@ the Python client (client/python, ctypes over the build's libkvblend).
 
 * ``Daemon`` starts a kvblendd of its own (a small config file: data dir,
   ``listen = ipc://...``) and stops it with SIGTERM.
-* ``ChunkStore`` registers the model (f32, the GGUF's RoPE theta and style) and
-  stores chunks the way a node does: each prefilled alone at its base position
-  and PUT with its KV; it also reads them back (as stored, or re-rotated to a
-  new position by the daemon: what full reuse and static selection use).
+* ``ChunkStore`` registers the model (f32 by default, the GGUF's RoPE theta and
+  style; optionally f16, or a quantized store codec) and stores chunks the way a
+  node does: each prefilled alone at its base position and PUT with its KV; it
+  also reads them back (as stored, or re-rotated to a new position by the
+  daemon: what full reuse and static selection use). ``ensure_chunk`` prefills
+  a chunk once and PUTs it into several stores (one per codec).
 * ``DaemonFuse`` is the node's side of a fuse session, the one place that drives
   the daemon during a request (see its docstring for the contract).
 * ``fuse_forward`` is the node's forward pass around it: every layer up to and
@@ -141,49 +143,85 @@ class ChunkStore:
 
     A chunk's hash is kvblend.chunk_hash of its token ids (the same ids at another base
     position would collide; this evaluation stores every chunk at one base per hash).
+    dtype: the model's dtype, "f32" (the node's own precision) or "f16" (the node's KV
+    rounded to f16 when PUT); store: the model's store codec ("dtype" lossless, "fp8",
+    "int8", "int4[:G]"; docs/storage.md). Reads come back as float32 either way.
     """
 
-    def __init__(self, client, model, name=MODEL_NAME):
+    DTYPES = {"f32": np.float32, "f16": np.float16}
+
+    def __init__(self, client, model, name=MODEL_NAME, dtype="f32", store="dtype"):
+        if dtype not in self.DTYPES:
+            raise ValueError(f"dtype {dtype!r}: the node handles f32 and f16")
         self.kvblend = sys.modules["kvblend"]
         self.client, self.model, self.name = client, model, name
+        self.dtype, self.np_dtype, self.store = dtype, self.DTYPES[dtype], store
         c = model.cfg
-        self.spec = self.kvblend.Model(name, c.n_layers, c.n_kv_heads, c.head_dim, dtype="f32",
-                                       rope_theta=c.rope_theta, rope_style=c.rope_style)
+        self.spec = self.kvblend.Model(name, c.n_layers, c.n_kv_heads, c.head_dim, dtype=dtype,
+                                       rope_theta=c.rope_theta, rope_style=c.rope_style,
+                                       store=store)
         client.model_register(self.spec)
         self.seconds_prefill = self.seconds_put = 0.0
 
-    def ensure(self, ids, base_pos=0):
-        """Store chunk ids (prefilled alone at base_pos..) unless it is stored; its hash."""
-        h = self.kvblend.chunk_hash(np.asarray(ids, np.uint32))
-        if self.client.lookup(self.name, [h])[0].found:
-            return h
+    def has(self, h):
+        return self.client.lookup(self.name, [h])[0].found
+
+    def prefill(self, ids, base_pos=0):
+        """The chunk's KV prefilled alone at base_pos.. (float32)."""
         t0 = time.perf_counter()
         _, kv = self.model.prefill(ids, pos=np.arange(base_pos, base_pos + len(ids)),
                                    logits_for="last")
-        t1 = time.perf_counter()
-        self.client.put(self.name, h, kv, base_pos=base_pos)
-        self.seconds_prefill += t1 - t0
-        self.seconds_put += time.perf_counter() - t1
-        return h
+        self.seconds_prefill += time.perf_counter() - t0
+        return kv
+
+    def put(self, h, kv, base_pos=0):
+        """PUT float32 KV kv as chunk h, in the model's dtype (the daemon quantizes)."""
+        t0 = time.perf_counter()
+        self.client.put(self.name, h, np.ascontiguousarray(kv, self.np_dtype), base_pos=base_pos)
+        self.seconds_put += time.perf_counter() - t0
+
+    def ensure(self, ids, base_pos=0):
+        """Store chunk ids (prefilled alone at base_pos..) unless it is stored; its hash."""
+        return ensure_chunk([self], ids, base_pos)
 
     def get(self, h):
-        """The chunk's KV as stored [layers, 2, T, kv_heads, head_dim]."""
-        return self.client.get(self.name, h)
+        """The chunk's KV as stored [layers, 2, T, kv_heads, head_dim], float32."""
+        return self.client.get(self.name, h).astype(np.float32, copy=False)
+
+    def stored(self):
+        """(tokens, bytes in the model's dtype, bytes stored) over this model's chunks, as the
+        daemon lists them (stored bytes: payloads, scales and tensor headers)."""
+        info = self.client.list(self.name)
+        return (sum(i.num_tokens for i in info), sum(i.raw_bytes for i in info),
+                sum(i.stored_bytes for i in info))
 
     def placed(self, req, hashes):
         """The stored KV of req's chunks moved to their places by the daemon (get-rerotated):
-        [layers, 2, N, kv_heads, head_dim], zero for fresh tokens; and seconds in the calls."""
+        [layers, 2, N, kv_heads, head_dim] float32, zero for fresh tokens; and seconds in
+        the calls."""
         c = self.model.cfg
         out = np.zeros((c.n_layers, 2, req.N, c.n_kv_heads, c.head_dim), np.float32)
         chunks = [(s, T) for kind, s, T in req.spans if kind == "chunk"]
         t = 0.0
         for (s, T), h in zip(chunks, hashes):
-            buf = np.empty((c.n_layers, 2, T, c.n_kv_heads, c.head_dim), np.float32)
+            buf = np.empty((c.n_layers, 2, T, c.n_kv_heads, c.head_dim), self.np_dtype)
             t0 = time.perf_counter()
             self.client.get_rerotated(self.name, h, s, out=buf)
             t += time.perf_counter() - t0
             out[:, :, s:s + T] = buf
         return out, t
+
+
+def ensure_chunk(stores, ids, base_pos=0):
+    """Chunk ids in every store of stores (ChunkStores of one model layout, e.g. one per
+    codec): prefilled once, when some store lacks it, and PUT into those. Its hash."""
+    h = sys.modules["kvblend"].chunk_hash(np.asarray(ids, np.uint32))
+    missing = [s for s in stores if not s.has(h)]
+    if missing:
+        kv = missing[0].prefill(ids, base_pos)
+        for s in missing:
+            s.put(h, kv, base_pos)
+    return h
 
 
 class DaemonFuse:
@@ -208,10 +246,15 @@ class DaemonFuse:
 
     seconds: wall time inside client calls of the current session (open, layer calls,
     close), so the node's own compute is the rest.
+
+    dtype: the model's dtype (ChunkStore). For "f16" the node still computes and keeps
+    its own rows in float32: rows go to the daemon rounded to f16 and fused rows come
+    back as f16, so only what the store holds is rounded.
     """
 
-    def __init__(self, client, name=MODEL_NAME):
+    def __init__(self, client, name=MODEL_NAME, dtype="f32"):
         self.client, self.name = client, name
+        self.np_dtype = ChunkStore.DTYPES[dtype]
         self.session = None
 
     def open(self, segments, check_layers, ratios, metric, kv):
@@ -228,7 +271,14 @@ class DaemonFuse:
     def layer(self, l, k, v):
         t0 = time.perf_counter()
         s = self.session
-        s.layer(l, k, v, k_out=self.kv[l, 0], v_out=self.kv[l, 1])
+        if self.np_dtype == np.float32:
+            s.layer(l, k, v, k_out=self.kv[l, 0], v_out=self.kv[l, 1])
+        else:  # the fused layer in the model's dtype, then the node's own rows unrounded
+            rows = s.rows()
+            ko, vo = (np.empty(self.kv.shape[2:], self.np_dtype) for _ in range(2))
+            s.layer(l, k.astype(self.np_dtype), v.astype(self.np_dtype), k_out=ko, v_out=vo)
+            self.kv[l, 0], self.kv[l, 1] = ko, vo
+            self.kv[l, 0, rows], self.kv[l, 1, rows] = k, v
         sel = s.rows().astype(np.int64) if l in self.checks else None
         self.seconds += time.perf_counter() - t0
         return sel
@@ -244,7 +294,8 @@ class DaemonFuse:
 class LandingFuse(DaemonFuse):
     """DaemonFuse's contract through a landing session (docs/fuse.md): the engine's way.
 
-    The request's KV buffer lives in a region of shared memory (``buffer``), and the
+    The request's KV buffer lives in a region of shared memory (``buffer``; pool: a dict
+    in which LandingFuses of one client share their region, one per codec), and the
     daemon writes the re-rotated stored rows of every layer after the first check layer
     into it by itself, ahead of the node. At a check layer the node sends only the
     metric's plane (V, or K for the key metric) of its rows; at every later layer it
@@ -252,29 +303,41 @@ class LandingFuse(DaemonFuse):
     never travel to the daemon; fused rows never travel back.
     """
 
-    def __init__(self, client, name=MODEL_NAME):
-        super().__init__(client, name)
-        self.region = None
+    def __init__(self, client, name=MODEL_NAME, dtype="f32", pool=None):
+        super().__init__(client, name, dtype)
+        self.pool = {} if pool is None else pool  # the region, shared with other fuses
+
+    @property
+    def region(self):
+        return self.pool.get("region")
 
     def buffer(self, shape):
         """The request's KV buffer [layers, 2, N, kv_heads, head_dim] float32, in a region
-        (reused across requests; valid until the next buffer() or close_region())."""
-        n = int(np.prod(shape)) * 4
+        (reused across requests; valid until the next buffer() or close_region()). For an
+        f16 model the region holds an f16 buffer of that shape, where the daemon lands, and
+        the node works on a float32 copy of its own (``layer`` copies each landed layer)."""
+        n = int(np.prod(shape)) * np.dtype(self.np_dtype).itemsize
         if self.region is None or self.region.nbytes < n:
             self.close_region()
-            self.region = self.client.region(max(n, 64 << 20))
-        return self.region[:n].view(np.float32).reshape(shape)
+            self.pool["region"] = self.client.region(max(n, 64 << 20))
+        self.land = self.region[:n].view(self.np_dtype).reshape(shape)
+        if self.np_dtype == np.float32:
+            return self.land
+        m = int(np.prod(shape))
+        if self.pool.get("work") is None or self.pool["work"].size < m:
+            self.pool["work"] = np.zeros(m, np.float32)  # reused, as the region is
+        return self.pool["work"][:m].reshape(shape)
 
     def close_region(self):
         if self.region is not None:
-            self.client.free_region(self.region)
-            self.region = None
+            self.client.free_region(self.pool.pop("region"))
 
     def open(self, segments, check_layers, ratios, metric, kv):
         t0 = time.perf_counter()
         self.kv, self.checks, self.metric = kv, list(check_layers), metric
         # K and V of every layer: views with the buffer's strides (interleaved per layer)
-        self.session = self.client.fuse_open_into(self.name, segments, kv[:, 0], kv[:, 1],
+        land = self.land  # the buffer() of this request: kv itself, or its f16 twin
+        self.session = self.client.fuse_open_into(self.name, segments, land[:, 0], land[:, 1],
                                                   self.checks, list(ratios), metric)
         self.seconds = time.perf_counter() - t0
         return self.checks[0]
@@ -286,10 +349,13 @@ class LandingFuse(DaemonFuse):
         if l > self.checks[0]:
             # The daemon writes every cached row of layer l: the node's rows go in after it.
             s.wait(l, timeout=60)
+            if self.kv is not self.land:
+                self.kv[l] = self.land[l]
             self.kv[l, 0, rows], self.kv[l, 1, rows] = k, v
         sel = None
         if l in self.checks:
-            s.check(l, v if self.metric == "value" else k)
+            x = v if self.metric == "value" else k
+            s.check(l, x.astype(self.np_dtype, copy=False))
             sel = s.rows().astype(np.int64)
         self.seconds += time.perf_counter() - t0
         return sel

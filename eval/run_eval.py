@@ -21,6 +21,12 @@ fresh tokens computed), CacheBlend through a fuse session (value and key
 metric, check layer 1, several r; gradual filtering over two check layers),
 EPIC's static selection of the first tokens of each chunk at the budget of r
 (also on get-rerotated chunks). The measures are defined in docs/EVAL.md.
+
+With --codecs, the same chunks are stored once per store codec (a model of its
+own per codec, same layout; the chunks prefilled once and PUT into each), and
+full reuse and CacheBlend (value metric, each --ratios r, default 0.15) run on
+every codec against the same full prefill: bytes per token as the daemon
+stores them, quality per codec, docs/eval_codecs.png.
 """
 
 import argparse
@@ -28,6 +34,7 @@ import ast
 import glob
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -153,6 +160,27 @@ def make_modes(ratios, check_layer, gradual):
     for r in ratios:
         modes.append((f"EPIC r={r:g}", dict(kind="static", ratio=r)))
     return modes
+
+
+def codec_modes(ratios, check_layer):
+    """The modes of a --codecs run: full reuse and CacheBlend (value metric) at each r."""
+    return [("full reuse", dict(kind="static", ratio=0.0))] + [
+        (f"CacheBlend V r={r:g}", dict(kind="fuse", checks=(check_layer,), ratios=(r,),
+                                       metric="value", ratio=r)) for r in ratios]
+
+
+# Store codecs (docs/storage.md "Quantized storage"), each a model of its own: f32 is the
+# node's own precision stored losslessly (the default run's model), f16 the node's KV
+# rounded to f16 and stored losslessly, the others quantized by the daemon and decoded
+# back to f32 on every read (fuse landing, get-rerotated).
+def codec_model(codec):
+    """(model name, dtype, store) of a codec: f32, f16, fp8, int8, int4 or int4:G."""
+    if codec in ("f32", "f16"):
+        name = node.MODEL_NAME if codec == "f32" else f"{node.MODEL_NAME}-{codec}"
+        return name, codec, "dtype"
+    if codec in ("fp8", "int8") or re.fullmatch(r"int4(:[0-9]+)?", codec):
+        return f"{node.MODEL_NAME}-{codec.replace(':', '-g')}", "f32", codec
+    raise SystemExit(f"codec {codec!r}: f32, f16, fp8, int8, int4 or int4:G")
 
 
 # --- 3. The node's passes -------------------------------------------------------
@@ -385,6 +413,138 @@ def plot(summary, modes, records, path, note=""):
     print(f"plot: {path}")
 
 
+def codec_baseline(codecs):
+    """The codec the others are compared with: f16 when run, else the first."""
+    return "f16" if "f16" in codecs else codecs[0]
+
+
+def summarize_codecs(records, modes, codecs, storage):
+    """Per codec: what the daemon stores (bytes per token = stored bytes / tokens over the
+    model's chunks, from its chunk list) and, per mode, means over requests, the ratio of
+    mean KL to the baseline codec's (with a 90% bootstrap interval over requests), and the
+    daemon's load + land + compute time per session (median)."""
+    base = codec_baseline(codecs)
+    out = {}
+    for c in codecs:
+        name, dtype, store = codec_model(c)
+        st = storage[c]
+        e = dict(model=name, dtype=dtype, store=store, **st,
+                 bytes_per_token=st["stored_bytes"] / st["tokens"], modes={})
+        for m, spec in modes:
+            rs = [r["codecs"][c][m] for r in records]
+            e["modes"][m] = {k: float(np.mean([x[k] for x in rs])) for k in rs[0]}
+            a = [x["kl"] for x in rs]
+            b = [r["codecs"][base][m]["kl"] for r in records]
+            lo, hi = bootstrap(a, b)
+            e["modes"][m].update(ratio=spec["ratio"], kl_vs_base=float(np.mean(a) / np.mean(b)),
+                                 kl_vs_base_ci=[float(lo), float(hi)],
+                                 ttft_median=float(np.median([x["total"] for x in rs])),
+                                 daemon_ms_median=float(np.median(
+                                     [x["load_ms"] + x["land_ms"] + x["compute_ms"] for x in rs])))
+        out[c] = e
+    return {"baseline": base, "codecs": out}
+
+
+def print_codec_tables(csum, records, modes):
+    base = csum["baseline"]
+    codecs = csum["codecs"]
+    bpt = codecs[base]["bytes_per_token"]
+    ref = next((c for c in ("f32", "f16") if c in codecs), None)
+    N = [r["N"] for r in records]
+    print(f"\n## Store codecs: {len(records)} requests (prompt tokens {np.mean(N):.0f} mean, "
+          f"cached share {np.mean([r['n_cached'] / r['N'] for r in records]):.1%}); mean KL to "
+          "full prefill in nats over the answer positions, top-1 agreement\n")
+    head = "| codec | stored as | bytes / token | bytes vs " + base
+    sep = "| --- | --- | --- | ---"
+    for m, _ in modes:
+        head += f" | KL {m} | top-1 | KL / KL at {base} (90% CI)"
+        sep += " | --- | --- | ---"
+    print(head + " |")
+    print(sep + " |")
+    for c, e in codecs.items():
+        line = (f"| {c} | {e['dtype']}, {e['store']} | {e['bytes_per_token']:.0f} "
+                f"| {e['bytes_per_token'] / bpt:.3f}")
+        for m, _ in modes:
+            x = e["modes"][m]
+            lo, hi = x["kl_vs_base_ci"]
+            line += (f" | {x['kl']:.4f} | {x['top1']:.1%} "
+                     f"| {x['kl_vs_base']:.3f} ({lo:.3f}-{hi:.3f})")
+        print(line + " |")
+    if ref:
+        print(f"\n## The codec's own error: KL({ref} stored, same mode || codec), mean over "
+              "answer positions and requests; top-1 against the same mode on the "
+              f"{ref} store; the daemon's load + land + compute per session (median)\n")
+        head, sep = "| codec", "| ---"
+        for m, spec in modes:
+            head += f" | {m}: KL to {ref} | top-1 to {ref}"
+            sep += " | --- | ---"
+            if spec["kind"] == "fuse":
+                head += " | daemon ms"
+                sep += " | ---"
+        print(head + " |")
+        print(sep + " |")
+        for c, e in codecs.items():
+            line = f"| {c}"
+            for m, spec in modes:
+                x = e["modes"][m]
+                line += f" | {x['kl_lossless']:.2e} | {x['top1_lossless']:.1%}"
+                if spec["kind"] == "fuse":
+                    line += f" | {x['daemon_ms_median']:.1f}"
+            print(line + " |")
+    print()
+    for c, e in codecs.items():
+        print(f"{c}: model {e['model']} ({e['dtype']}, store {e['store']}): {e['chunks']} chunks, "
+              f"{e['tokens']} tokens, {e['stored_bytes']} bytes stored "
+              f"({e['raw_bytes']} in {e['dtype']})")
+
+
+def plot_codecs(csum, modes, records, path):
+    """Against stored bytes per token, one line per mode: mean KL to full prefill (log), top-1
+    agreement, and the codec's own error (KL to the same mode on lossless f32 storage; PNG)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    codecs = sorted(csum["codecs"].items(), key=lambda ce: ce[1]["bytes_per_token"])
+    x = [e["bytes_per_token"] for _, e in codecs]
+    own = "kl_lossless" in codecs[0][1]["modes"][modes[0][0]]
+    fig, ax = plt.subplots(1, 3 if own else 2, figsize=(18 if own else 12, 5.5))
+    panels = [(ax[0], "kl"), (ax[1], "top1")] + ([(ax[2], "kl_lossless")] if own else [])
+    for (m, _), (color, marker) in zip(modes, [("C3", "s"), ("C0", "o"), ("C1", "^"),
+                                               ("C2", "v")]):
+        for a, key in panels:
+            # the lossless reference has no error of its own: left out of that panel
+            pts = [(c, xi, e["modes"][m][key]) for (c, e), xi in zip(codecs, x)
+                   if key != "kl_lossless" or e["modes"][m][key] > 0]
+            a.plot([p[1] for p in pts], [p[2] for p in pts], marker=marker, color=color,
+                   label=m)
+            if key == "top1" or m != modes[-1][0]:
+                continue  # one set of labels per panel, on the last mode's line
+            offsets = [(-4, 22), (-34, -26), (10, 16), (12, 14), (12, -20), (0, 16), (-16, 16)]
+            for i, (c, xi, yi) in enumerate(pts):
+                a.annotate(c, (xi, yi), textcoords="offset points", fontsize=8,
+                           xytext=offsets[i % len(offsets)],
+                           arrowprops=dict(arrowstyle="-", lw=0.5, color="0.5"))
+    ax[0].set(yscale="log", ylabel="mean KL to full prefill (nats)",
+              title="quality: KL divergence to full prefill, answer positions")
+    ax[1].set(ylabel="share of answer positions", title="top-1 agreement with full prefill")
+    if own:
+        ax[2].set(yscale="log", ylabel="mean KL (nats)",
+                  title="the codec's own error: KL to the same mode, lossless")
+    for a, key in panels:
+        a.set(xscale="log", xlabel="bytes per token stored (daemon's chunk list)")
+        if key != "top1":  # room for the labels above the highest point
+            a.set_ylim(top=a.get_ylim()[1] * 2)
+        a.grid(alpha=0.3, which="both")
+        a.legend(fontsize=8)
+    fig.suptitle(f"SmolLM2-135M-Instruct through kvblendd, store codecs: {len(records)} RAG "
+                 f"requests (mean {np.mean([r['N'] for r in records]):.0f} prompt tokens), "
+                 "landing fuse sessions")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    print(f"plot: {path}")
+
+
 # --- 5. The run -----------------------------------------------------------------
 
 def parse_gradual(s):
@@ -400,13 +560,18 @@ def main(argv=None):
                     "(default $KVBLEND_BUILD, else build/)")
     ap.add_argument("--requests", type=int, default=50)
     ap.add_argument("--seed", type=int, default=11)
-    ap.add_argument("--ratios", default="0.05,0.15,0.3", help="comma-separated r")
+    ap.add_argument("--ratios", help="comma-separated r (default 0.05,0.15,0.3; with "
+                    "--codecs 0.15)")
     ap.add_argument("--check-layer", type=int, default=1)
     ap.add_argument("--gradual", default="1,2:0.3,0.15",
                     help="two check layers and ratios, LAYERS:RATIOS ('' for none)")
+    ap.add_argument("--codecs", help="comma-separated store codecs, each a model of its own "
+                    "(f32, f16, fp8, int8, int4, int4:G): full reuse and CacheBlend V per codec "
+                    "against the same full prefill, plot docs/eval_codecs.png")
     ap.add_argument("--smoke", action="store_true",
                     help="2 requests of 3 short chunks, 4 answer tokens, no plot")
-    ap.add_argument("--plot", help="PNG to write (default docs/eval_quality.png; none in smoke)")
+    ap.add_argument("--plot", help="PNG to write (default docs/eval_quality.png, with --codecs "
+                    "docs/eval_codecs.png; none in smoke)")
     ap.add_argument("--json", help="write every per-request figure here")
     ap.add_argument("--fuse", choices=("landing", "classic"), default="landing",
                     help="landing sessions (the daemon writes into the node's KV buffer; "
@@ -416,8 +581,15 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.from_json:
         saved = json.loads(Path(args.from_json).read_text())
-        for key in ("ratios", "check_layer", "gradual"):
-            setattr(args, key, saved["args"][key])
+        for key in ("ratios", "check_layer", "gradual", "codecs"):
+            setattr(args, key, saved["args"].get(key))
+        if args.codecs:
+            modes = codec_modes(args.ratios, args.check_layer)
+            csum = summarize_codecs(saved["records"], modes, args.codecs, saved["storage"])
+            print_codec_tables(csum, saved["records"], modes)
+            if args.plot:
+                plot_codecs(csum, modes, saved["records"], args.plot)
+            return csum, saved["records"]
         modes = make_modes(args.ratios, args.check_layer, parse_gradual(args.gradual))
         summary = summarize(saved["records"], modes)
         print_tables(summary, saved["records"], modes, args)
@@ -425,19 +597,30 @@ def main(argv=None):
             plot(summary, modes, saved["records"], args.plot,
                  f", {saved['args'].get('fuse', 'classic')} fuse sessions")
         return summary, saved["records"]
-    args.ratios = [float(r) for r in args.ratios.split(",")]
+    if args.codecs:
+        args.codecs = args.codecs.split(",")
+        [codec_model(c) for c in args.codecs]  # refuse an unknown codec before any work
+    codecs = args.codecs or ["f32"]
+    # the lossless reference for the codec's own error runs first
+    ref = next((c for c in ("f32", "f16") if c in codecs), None) if args.codecs else None
+    order = ([ref] if ref else []) + [c for c in codecs if c != ref]
+    args.ratios = [float(r) for r in (args.ratios or ("0.15" if args.codecs else
+                                                      "0.05,0.15,0.3")).split(",")]
     shape = SHAPES["smoke" if args.smoke else "full"]
     if args.smoke and "--requests" not in (argv if argv is not None else sys.argv):
         args.requests = 2
-    plot_path = args.plot or (None if args.smoke else str(node.ROOT / "docs" / "eval_quality.png"))
-    modes = make_modes(args.ratios, args.check_layer, parse_gradual(args.gradual))
+    default_plot = "eval_codecs.png" if args.codecs else "eval_quality.png"
+    plot_path = args.plot or (None if args.smoke else str(node.ROOT / "docs" / default_plot))
+    modes = (codec_modes(args.ratios, args.check_layer) if args.codecs else
+             make_modes(args.ratios, args.check_layer, parse_gradual(args.gradual)))
+    mid = f"r={args.ratios[len(args.ratios) // 2]:g}"
 
     t_start = time.time()
     model = Model.load()
     tok = SmolTokenizer(model.reader)
     docs = load_documents(tok)
     print(f"OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', '(unset)')}; "
-          f"fuse path: {args.fuse}")
+          f"fuse path: {args.fuse}" + (f"; codecs {','.join(codecs)}" if args.codecs else ""))
     print(f"model loaded in {time.time() - t_start:.1f}s; {len(docs)} documents: "
           f"{sum(d.startswith('license:') for d in docs)} licenses, "
           f"{sum(d.startswith('pydoc:') for d in docs)} pydoc topics")
@@ -445,12 +628,18 @@ def main(argv=None):
     records = []
     with node.Daemon(args.build) as daemon, daemon.client() as client:
         print(f"kvblendd {daemon.version} at {daemon.endpoint}")
-        store = node.ChunkStore(client, model)
-        # the engine's way by default: fused layers land in the node's own KV buffer
-        fuse = node.LandingFuse(client) if args.fuse == "landing" else node.DaemonFuse(client)
+        stores, fuses, pool = {}, {}, {}
+        for c in codecs:
+            name, dtype, store_codec = codec_model(c)
+            stores[c] = node.ChunkStore(client, model, name, dtype, store_codec)
+            # the engine's way by default: fused layers land in the node's own KV buffer
+            fuses[c] = (node.LandingFuse(client, name, dtype, pool) if args.fuse == "landing"
+                        else node.DaemonFuse(client, name, dtype))
         for k in range(args.requests):
             segments, info = build_request(k, args.seed, docs, tok, shape)
-            hashes = [store.ensure(s) for kind, s in segments if kind == "chunk"]
+            # each chunk prefilled once, PUT into every codec's model
+            hashes = [node.ensure_chunk([stores[c] for c in codecs], s)
+                      for kind, s in segments if kind == "chunk"]
             req = Request(segments, None, model.cfg)
             P = req.N
             probe = np.unique(np.append(np.arange(min(127, P - 1), P, 16), P - 1))
@@ -458,7 +647,7 @@ def main(argv=None):
             # The reference: full prefill, its greedy answer, its logits on the answer.
             last, kv_full, t_full, sparsity = full_prefill(model, req.ids, probe)
             answer = greedy(model, kv_full, last, shape["answer"], (tok.eos,))
-            ref = answer_logits(model, kv_full, last, answer)
+            ref_logits = answer_logits(model, kv_full, last, answer)
             rec = {"k": k, "N": P, "A": len(answer), "n_cached": int(req.cached.sum()),
                    **info, "answer": tok.decode(answer), "sparsity": sparsity.tolist(),
                    "modes": {"full prefill": dict(
@@ -467,46 +656,76 @@ def main(argv=None):
                        land_ms=0.0, first_selected=1.0)}}
             del kv_full
             chunk_starts = np.array([s for kind, s, _ in req.spans if kind == "chunk"])
-            for name, spec in modes:
-                last_m, kv_m, S, t = run_mode(model, store, fuse, req, hashes, spec)
-                logits = answer_logits(model, kv_m, last_m, answer)
-                del kv_m
-                kl, top1 = kl_top1(ref, logits)
-                same = logits.argmax(-1) == answer
-                prefix = len(answer) if same.all() else int(np.argmin(same))
-                rec["modes"][name] = dict(
-                    kl=float(kl.mean()), kl_first=float(kl[0]), top1=float(top1.mean()),
-                    prefix=prefix / len(answer), exact=float(prefix == len(answer)),
-                    recomputed=float(req.cached[S].sum() / rec["n_cached"]),
-                    first_selected=float(np.isin(chunk_starts, S).mean()),
-                    total=t["total"], node=t["node"], calls=t["calls"],
-                    compute_ms=t["stats"].get("compute_ms", 0.0),
-                    load_ms=t["stats"].get("load_ms", 0.0),
-                    land_ms=t["stats"].get("land_ms", 0.0))
+            lossless = {}
+            for c in order:
+                out = rec.setdefault("codecs", {}).setdefault(c, {}) if args.codecs else \
+                    rec["modes"]
+                for name, spec in modes:
+                    last_m, kv_m, S, t = run_mode(model, stores[c], fuses[c], req, hashes, spec)
+                    logits = answer_logits(model, kv_m, last_m, answer)
+                    del kv_m
+                    kl, top1 = kl_top1(ref_logits, logits)
+                    same = logits.argmax(-1) == answer
+                    prefix = len(answer) if same.all() else int(np.argmin(same))
+                    out[name] = dict(
+                        kl=float(kl.mean()), kl_first=float(kl[0]), top1=float(top1.mean()),
+                        prefix=prefix / len(answer), exact=float(prefix == len(answer)),
+                        recomputed=float(req.cached[S].sum() / rec["n_cached"]),
+                        first_selected=float(np.isin(chunk_starts, S).mean()),
+                        total=t["total"], node=t["node"], calls=t["calls"],
+                        compute_ms=t["stats"].get("compute_ms", 0.0),
+                        load_ms=t["stats"].get("load_ms", 0.0),
+                        land_ms=t["stats"].get("land_ms", 0.0))
+                    if ref:  # the codec's own error: against the same mode on the reference
+                        lossless.setdefault(name, logits)
+                        kl_l, top1_l = kl_top1(lossless[name], logits)
+                        out[name].update(kl_lossless=float(kl_l.mean()),
+                                         top1_lossless=float(top1_l.mean()))
             records.append(rec)
+            if args.codecs:
+                print(f"req {k:2d} N={P:4d} chunks={len(info['lengths'])} A={len(answer):2d} "
+                      f"KL reuse/V {mid}: " + " ".join(
+                          f"{c} {rec['codecs'][c]['full reuse']['kl']:.4f}/"
+                          f"{rec['codecs'][c]['CacheBlend V ' + mid]['kl']:.4f}"
+                          for c in codecs), flush=True)
+                continue
             m = rec["modes"]
-            mid = f"r={args.ratios[len(args.ratios) // 2]:g}"
             print(f"req {k:2d} N={P:4d} chunks={len(info['lengths'])} A={len(answer):2d} "
                   f"KL reuse {m['full reuse']['kl']:.4f} V {m['CacheBlend V ' + mid]['kl']:.4f} "
                   f"K {m['CacheBlend K ' + mid]['kl']:.4f} EPIC {m['EPIC ' + mid]['kl']:.4f} | "
                   f"TTFT full {t_full:.2f}s V {m['CacheBlend V ' + mid]['total']:.2f}s | "
                   f"{info['question'][:40]!r} -> {rec['answer'][:40]!r}", flush=True)
-        print(f"chunks: {len(client.list(store.name))} stored, prefilled in "
-              f"{store.seconds_prefill:.1f}s, PUT in {store.seconds_put:.2f}s")
+        storage = {}
+        for c in codecs:
+            tokens, raw, stored = stores[c].stored()
+            storage[c] = dict(chunks=len(client.list(stores[c].name)), tokens=tokens,
+                              raw_bytes=raw, stored_bytes=stored)
+        print(f"chunks: {storage[codecs[0]]['chunks']} stored per model, prefilled in "
+              f"{sum(x.seconds_prefill for x in stores.values()):.1f}s, PUT in "
+              f"{sum(x.seconds_put for x in stores.values()):.2f}s "
+              f"({len(codecs)} model{'s' if len(codecs) > 1 else ''})")
     rc = daemon.proc.returncode
     print(f"kvblendd exited with {rc}; {len(daemon.problems)} warning or error lines in its log"
           + "".join(f"\n  {line}" for line in daemon.problems[:10]))
     if rc != 0:
         raise SystemExit(f"kvblendd exited with {rc}")
 
-    summary = summarize(records, modes)
-    print_tables(summary, records, modes, args)
+    if args.codecs:
+        summary = summarize_codecs(records, modes, codecs, storage)
+        print_codec_tables(summary, records, modes)
+    else:
+        summary = summarize(records, modes)
+        print_tables(summary, records, modes, args)
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "summary": summary,
-                                               "records": records}, indent=1))
+                                               "storage": storage, "records": records},
+                                              indent=1))
         print(f"figures: {args.json}")
     if plot_path:
-        plot(summary, modes, records, plot_path, f", {args.fuse} fuse sessions")
+        if args.codecs:
+            plot_codecs(summary, modes, records, plot_path)
+        else:
+            plot(summary, modes, records, plot_path, f", {args.fuse} fuse sessions")
     print(f"total {time.time() - t_start:.0f}s")
     return summary, records
 

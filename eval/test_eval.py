@@ -224,3 +224,77 @@ def test_daemon_smoke_run(daemon):
         assert s["total"] > 0, name
     assert summary["full prefill"]["kl"] == 0
     assert summary["CacheBlend V r=0.3"]["kl"] < summary["full reuse"]["kl"]
+
+
+def test_daemon_quantized_fuse_matches_reference(model, tok, daemon):
+    """Quantized and f16 stores through the node: a GET of an int4:32 or int8 chunk is
+    outliers.py's quantizer of the PUT KV bit for bit (the daemon's and ref_dequantize's
+    semantics), and the landing fuse on those chunks gives the reference's selection and
+    fused KV on them; an f16 model gives the reference's fused KV on f16-rounded chunks
+    within f16 rounding (the daemon re-rotates in f32 and lands f16)."""
+    import outliers
+
+    segments = [("fresh", tok.encode("Read the texts.\n")),
+                ("chunk", tok.encode("You may copy and distribute verbatim copies of the "
+                                     "Program's source code as you receive it, in any medium, "
+                                     "provided that you publish an appropriate notice.")),
+                ("fresh", tok.encode("\n")),
+                ("chunk", tok.encode("This License applies to any program or other work which "
+                                     "contains a notice placed by the copyright holder.")),
+                ("fresh", tok.encode("\nQuestion: what may you copy? Answer: the source code"))]
+    chunks = [s for kind, s in segments if kind == "chunk"]
+    N = Request(segments, None, model.cfg).N
+    rows = np.arange(N - 4, N)
+    with daemon.client() as c:
+        pool = {}
+        for codec in ("int4:32", "int8", "f16"):
+            dtype, store = ("f16", "dtype") if codec == "f16" else ("f32", codec)
+            st = node.ChunkStore(c, model, f"{node.MODEL_NAME}-t-{codec.replace(':', '-')}",
+                                 dtype, store)
+            hashes = [node.ensure_chunk([st], s) for s in chunks]
+            kv = [model.prefill(s, logits_for="last")[1] for s in chunks]
+            if codec == "f16":
+                want = [x.astype(np.float16).astype(np.float32) for x in kv]
+            else:
+                want = [outliers.stored_variant(x, codec)[0] for x in kv]
+            for h, w in zip(hashes, want):
+                assert np.array_equal(st.get(h), w), codec
+            req = Request(segments, want, model.cfg)
+            fuse = node.LandingFuse(c, st.name, dtype, pool)
+            logits, fused, sel, t = node.fuse_forward(model, req, hashes, fuse, (1,), (0.3,),
+                                                      "value", rows)
+            ref_logits, ref_kv, ref_sel = blend_forward(model, req, rows, 1, 0.3, force=[sel])
+            scale = np.abs(ref_kv).max()
+            # f16: the stored rows land rounded to f16 after re-rotation (measured 3.7e-4 of
+            # the scale, logits 3e-3); the metric plane goes as f16, so the reference is
+            # forced to the daemon's selection
+            tol = 0.02 if codec == "f16" else 1e-3
+            if codec == "f16":
+                assert np.abs(fused - ref_kv).max() <= 2.0 ** -10 * scale
+                assert np.abs(logits - ref_logits).max() < tol
+            else:
+                assert np.array_equal(sel, blend_forward(model, req, rows, 1, 0.3)[2])
+                assert np.abs(fused - ref_kv).max() <= 1e-6 * scale
+                assert np.abs(logits - ref_logits).max() < tol
+            static, _, _, _ = node.static_forward(model, st, req, hashes, rows)
+            assert np.abs(static - blend_forward(model, req, rows)[0]).max() < tol
+        fuse.close_region()
+
+
+def test_daemon_codecs_smoke_run(daemon):
+    """eval/run --smoke --codecs: 2 small requests on three store codecs."""
+    import run_eval
+
+    csum, records = run_eval.main(["--smoke", "--codecs", "f16,int8,int4:32"])
+    assert len(records) == 2
+    e = csum["codecs"]
+    assert csum["baseline"] == "f16"
+    # f16 2 bytes an element, int8 1 plus scales, int4 half plus group scales
+    assert e["f16"]["bytes_per_token"] > 1.7 * e["int8"]["bytes_per_token"]
+    assert e["int8"]["bytes_per_token"] > 1.5 * e["int4:32"]["bytes_per_token"]
+    for c, x in e.items():
+        reuse, blend = x["modes"]["full reuse"], x["modes"]["CacheBlend V r=0.15"]
+        assert np.isfinite(reuse["kl"]) and np.isfinite(blend["kl"]), c
+        assert blend["kl"] < reuse["kl"], c
+    assert e["f16"]["modes"]["full reuse"]["kl_lossless"] == 0
+    assert 0 < e["int8"]["modes"]["full reuse"]["kl_lossless"] < 1e-2
