@@ -1,0 +1,477 @@
+/*
+ * bench_cluster — chunks moving between two kvblendd over TCP on loopback, against a
+ * plain TCP socket copy of the same bytes in the same run, with and without CURVE.
+ *
+ * Two daemons, a and b, are members of a static cluster (R = 1); the chunks are put
+ * on a, which owns them. Measured, per chunk size:
+ *   plain       one TCP stream between two threads of this process: send() of the
+ *               chunk's bytes, recv() into a buffer (the peer of the others);
+ *   GET tcp     a client GETs the chunk from a over tcp:// (frames path);
+ *   fetch       a client GETs, through b's IPC socket, a chunk only a holds: b fetches
+ *               it (FETCH over TCP), verifies and stores it, then serves it; the
+ *               figure is b's own fetch time (stats cluster_fetch_ms), the client's
+ *               wall time beside it;
+ *   PUT         a local PUT on b of the same bytes (IPC): the least that storing a
+ *               fetched copy costs, the disk's share of the fetch;
+ *   fuse open   a fuse session opened on b over 8 chunks held only on a (they are
+ *               fetched in parallel before the open answers), against the same open
+ *               once they are local.
+ * GB/s are of the chunk's bytes (KV in f16); medians over --repeats.
+ *
+ * usage: bench_cluster [--daemon PATH] [--sizes 8,32] [--repeats N] [--no-curve]
+ */
+#include <arpa/inet.h>
+#include <errno.h>
+#include <math.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "bench_common.h"
+#include "kvblend.h"
+#include "place.h"
+
+#define MAX_REPEATS 64
+
+/* Mistral-7B-shaped KV: 32 layers, 8 KV heads, head_dim 128, f16: 128 KiB a token. */
+static const struct kvb_model model = { .name = "bench-mistral", .num_layers = 32,
+					.num_kv_heads = 8, .head_dim = 128, .dtype = KVB_F16,
+					.rope_theta = 1e6 };
+
+static int free_port(void)
+{
+	struct sockaddr_in a = { .sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
+	socklen_t len = sizeof(a);
+	int s = socket(AF_INET, SOCK_STREAM, 0), port;
+
+	bind(s, (struct sockaddr *)&a, sizeof(a));
+	getsockname(s, (struct sockaddr *)&a, &len);
+	port = ntohs(a.sin_port);
+	close(s);
+	return port;
+}
+
+/* ---- the plain socket copy ---- */
+
+struct plain {
+	int listen_fd;
+	const uint8_t *src;
+	size_t bytes;
+	int repeats;
+};
+
+static void *plain_sender(void *arg)
+{
+	struct plain *p = arg;
+	int fd = accept(p->listen_fd, NULL, NULL);
+
+	for (int r = 0; fd >= 0 && r < p->repeats; r++) {
+		size_t off = 0;
+		char ack;
+
+		while (off < p->bytes) {
+			ssize_t n = send(fd, p->src + off, p->bytes - off, 0);
+
+			if (n <= 0)
+				break;
+			off += (size_t)n;
+		}
+		if (recv(fd, &ack, 1, MSG_WAITALL) != 1) /* the receiver has it all */
+			break;
+	}
+	if (fd >= 0)
+		close(fd);
+	return NULL;
+}
+
+/* Median GB/s of repeats copies of bytes over one loopback TCP stream. */
+static double plain_copy(const uint8_t *src, uint8_t *dst, size_t bytes, int repeats)
+{
+	struct sockaddr_in a = { .sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
+	socklen_t len = sizeof(a);
+	struct plain p = { socket(AF_INET, SOCK_STREAM, 0), src, bytes, repeats };
+	double rates[MAX_REPEATS];
+	pthread_t t;
+	int fd;
+
+	bind(p.listen_fd, (struct sockaddr *)&a, sizeof(a));
+	getsockname(p.listen_fd, (struct sockaddr *)&a, &len);
+	listen(p.listen_fd, 1);
+	pthread_create(&t, NULL, plain_sender, &p);
+	fd = socket(AF_INET, SOCK_STREAM, 0);
+	if (connect(fd, (struct sockaddr *)&a, sizeof(a))) {
+		perror("plain connect");
+		exit(1);
+	}
+	for (int r = 0; r < repeats; r++) {
+		double t0 = now_s();
+		size_t off = 0;
+
+		while (off < bytes) {
+			ssize_t n = recv(fd, dst + off, bytes - off, 0);
+
+			if (n <= 0) {
+				perror("plain recv");
+				exit(1);
+			}
+			off += (size_t)n;
+		}
+		rates[r] = bytes / (now_s() - t0) / 1e9;
+		if (send(fd, "k", 1, 0) != 1)
+			break;
+	}
+	close(fd);
+	pthread_join(t, NULL);
+	close(p.listen_fd);
+	qsort(rates, (size_t)repeats, sizeof(double), cmp_double);
+	return rates[repeats / 2];
+}
+
+/* ---- the daemons ---- */
+
+struct node {
+	char dir[64], ipc[300], tcp[64], key_file[300];
+	int port;
+	pid_t pid;
+};
+
+static char pub_a[41], sec_a[41], pub_b[41], sec_b[41], pub_c[41], sec_c[41];
+
+static void start_node(const char *daemon, struct node *n, const char *id, const char *peers,
+		       bool curve, const char *secret)
+{
+	char data[300], listen_arg[400];
+
+	snprintf(data, sizeof(data), "%s/data", n->dir);
+	snprintf(n->ipc, sizeof(n->ipc), "ipc://%s/kvblend.sock", n->dir);
+	snprintf(listen_arg, sizeof(listen_arg), "%s,%s", n->ipc, n->tcp);
+	if (curve) {
+		char auth[300];
+		FILE *f;
+
+		snprintf(n->key_file, sizeof(n->key_file), "%s/key", n->dir);
+		f = fopen(n->key_file, "w");
+		fprintf(f, "%s\n", secret);
+		fclose(f);
+		snprintf(auth, sizeof(auth), "%s/authorized", n->dir);
+		f = fopen(auth, "w");
+		fprintf(f, "%s a\n%s b\n%s client\n", pub_a, pub_b, pub_c);
+		fclose(f);
+	}
+	n->pid = fork();
+	if (n->pid == 0) {
+		char auth[300];
+		const char *argv[40] = { daemon, "--data-dir", data, "--listen", listen_arg,
+					 "--map-size", "64G", "--max-message", "1G", "--no-sync",
+					 "--log-level", "warn", "--node-id", id, "--cluster-peers",
+					 peers, "--cluster-replicas", "1", "--cluster-timeout-ms",
+					 "30000" };
+		int k = 20;
+
+		snprintf(auth, sizeof(auth), "%s/authorized", n->dir);
+		if (curve) {
+			argv[k++] = "--curve-secret-key-file";
+			argv[k++] = n->key_file;
+			argv[k++] = "--curve-authorized-keys";
+			argv[k++] = auth;
+		}
+		execv(daemon, (char *const *)argv);
+		_exit(127);
+	}
+	for (int i = 0; i < 200; i++) {
+		struct kvb_connect_opts o = { .timeout_ms = 200 };
+		kvb_client *c;
+
+		if (kvb_connect(n->ipc, &o, &c, NULL, 0) == 0) {
+			kvb_close(&c);
+			return;
+		}
+		usleep(50000);
+	}
+	fprintf(stderr, "bench_cluster: kvblendd %s did not start\n", id);
+	exit(1);
+}
+
+static void stop_node(struct node *n)
+{
+	int st;
+
+	kill(n->pid, SIGTERM);
+	waitpid(n->pid, &st, 0);
+}
+
+static kvb_client *connect_to(const char *ep, const char *server_key, const char *client_sec)
+{
+	struct kvb_connect_opts o = { .timeout_ms = 60000, .server_key = server_key,
+				      .client_secret_key = client_sec };
+	char err[256];
+	kvb_client *c;
+
+	if (kvb_connect(ep, &o, &c, err, sizeof(err))) {
+		fprintf(stderr, "bench_cluster: connect %s: %s\n", ep, err);
+		exit(1);
+	}
+	return c;
+}
+
+static double stat_of(kvb_client *c, const char *name)
+{
+	struct kvb_stat *s;
+	size_t n;
+	double v = 0;
+
+	if (kvb_stats(c, &s, &n))
+		return 0;
+	for (size_t i = 0; i < n; i++)
+		if (!strcmp(s[i].name, name))
+			v = s[i].value;
+	free(s);
+	return v;
+}
+
+static uint64_t rng_state = 88172645463325252ull;
+
+static uint64_t rnd(void)
+{
+	rng_state ^= rng_state << 13;
+	rng_state ^= rng_state >> 7;
+	rng_state ^= rng_state << 17;
+	return rng_state;
+}
+
+/* A chunk hash that member a (want 0) or b (want 1) owns among {a, b}. */
+static void hash_owned_by(uint8_t h[KVB_HASH_LEN], size_t want)
+{
+	struct place_member m[2] = { { place_seed("a"), 1.0 }, { place_seed("b"), 1.0 } };
+
+	for (;;) {
+		size_t own;
+
+		for (int i = 0; i < KVB_HASH_LEN; i += 8) {
+			uint64_t x = rnd();
+
+			memcpy(h + i, &x, 8);
+		}
+		place_owners(m, 2, h, 1, &own);
+		if (own == want)
+			return;
+	}
+}
+
+/* Roughly Gaussian f16 values (their bits do not compress: as real KV). */
+static void fill(uint16_t *p, size_t n)
+{
+	for (size_t i = 0; i < n; i++) {
+		double u = ((double)(rnd() >> 11) + 0.5) / 9007199254740992.0;
+		float f = (float)((u - 0.5) * 4.0);
+		uint32_t x;
+
+		memcpy(&x, &f, 4);
+		p[i] = (uint16_t)(((x >> 16) & 0x8000) | ((((x >> 23) & 0xff) - 112) << 10 & 0x7c00) |
+				  ((x >> 13) & 0x3ff));
+	}
+}
+
+static double median(double *v, int n)
+{
+	qsort(v, (size_t)n, sizeof(double), cmp_double);
+	return v[n / 2];
+}
+
+static void run(const char *daemon, bool curve, const unsigned *sizes, unsigned n_sizes,
+		int repeats)
+{
+	struct node a = { "/tmp/kvb-bcl-a-XXXXXX" }, b = { "/tmp/kvb-bcl-b-XXXXXX" };
+	char peers[400], cmd[200];
+	kvb_client *ca, *cb, *ct;
+	const char *sk = curve ? pub_a : NULL, *ck = curve ? sec_c : NULL;
+
+	if (!mkdtemp(a.dir) || !mkdtemp(b.dir)) {
+		perror("mkdtemp");
+		exit(1);
+	}
+	a.port = free_port();
+	b.port = free_port();
+	snprintf(a.tcp, sizeof(a.tcp), "tcp://127.0.0.1:%d", a.port);
+	snprintf(b.tcp, sizeof(b.tcp), "tcp://127.0.0.1:%d", b.port);
+	if (curve)
+		snprintf(peers, sizeof(peers), "a=%s=%s,b=%s=%s", a.tcp, pub_a, b.tcp, pub_b);
+	else
+		snprintf(peers, sizeof(peers), "a=%s,b=%s", a.tcp, b.tcp);
+	start_node(daemon, &a, "a", peers, curve, sec_a);
+	start_node(daemon, &b, "b", peers, curve, sec_b);
+	ca = connect_to(a.ipc, NULL, NULL);
+	cb = connect_to(b.ipc, NULL, NULL);
+	ct = connect_to(a.tcp, sk, ck);
+	kvb_model_register(ca, &model, NULL);
+	kvb_model_register(cb, &model, NULL);
+	for (unsigned s = 0; s < n_sizes; s++) {
+		size_t tok_bytes = (size_t)2 * model.num_layers * model.num_kv_heads * model.head_dim * 2;
+		uint32_t tokens = (uint32_t)(((size_t)sizes[s] << 20) / tok_bytes);
+		size_t bytes = (size_t)tokens * tok_bytes;
+		uint16_t *src = malloc(bytes), *dst = malloc(bytes);
+		uint8_t(*hashes)[KVB_HASH_LEN] = calloc((size_t)repeats + 8 * 4, KVB_HASH_LEN);
+		double r_plain, r_get[MAX_REPEATS], r_fetch[MAX_REPEATS], r_wall[MAX_REPEATS];
+		double r_put[MAX_REPEATS];
+		double t_open_remote[4], t_open_local[4];
+		int k = 0;
+
+		fill(src, bytes / 2);
+		r_plain = plain_copy((uint8_t *)src, (uint8_t *)dst, bytes, repeats);
+		/* chunks on a only (b fetches them); the first one also for GET over TCP */
+		for (int i = 0; i < repeats + 8 * 4; i++) {
+			hash_owned_by(hashes[i], 0);
+			((uint8_t *)src)[i % 64] ^= 1; /* distinct bytes per chunk */
+			if (kvb_put(ca, model.name, hashes[i], KVB_F16, tokens, 0, src, bytes, NULL)) {
+				fprintf(stderr, "put: %s\n", kvb_last_error(ca));
+				exit(1);
+			}
+		}
+		for (int r = 0; r < repeats; r++) {
+			double t0 = now_s();
+
+			if (kvb_get(ct, model.name, hashes[0], 0, 0, dst, bytes, NULL)) {
+				fprintf(stderr, "get tcp: %s\n", kvb_last_error(ct));
+				exit(1);
+			}
+			r_get[r] = bytes / (now_s() - t0) / 1e9;
+		}
+		for (int r = 0; r < repeats; r++, k++) {
+			double ms0 = stat_of(cb, "cluster_fetch_ms"), t0 = now_s(), ms;
+
+			if (kvb_get(cb, model.name, hashes[k], 0, 0, dst, bytes, NULL)) {
+				fprintf(stderr, "get via b: %s\n", kvb_last_error(cb));
+				exit(1);
+			}
+			r_wall[r] = bytes / (now_s() - t0) / 1e9;
+			ms = stat_of(cb, "cluster_fetch_ms") - ms0;
+			r_fetch[r] = ms > 0 ? bytes / (ms / 1e3) / 1e9 : 0;
+		}
+		/* the local PUT on b of the same bytes (a chunk b owns: nothing pushed): what
+		 * storing a fetched copy costs at least */
+		for (int r = 0; r < repeats; r++) {
+			uint8_t h[KVB_HASH_LEN];
+			double t0;
+
+			hash_owned_by(h, 1);
+			t0 = now_s();
+			if (kvb_put(cb, model.name, h, KVB_F16, tokens, 0, src, bytes, NULL)) {
+				fprintf(stderr, "put on b: %s\n", kvb_last_error(cb));
+				exit(1);
+			}
+			r_put[r] = bytes / (now_s() - t0) / 1e9;
+		}
+		/* a fuse open on b over 8 chunks held on a only, then the same once local */
+		for (int r = 0; r < 4; r++) {
+			struct kvb_segment seg[8];
+			uint32_t check = 1;
+			double ratio = 0.15;
+			struct kvb_fuse_params fp = { &check, &ratio, 1, KVB_METRIC_VALUE };
+
+			for (int j = 0; j < 8; j++) {
+				seg[j].fresh = 0;
+				memcpy(seg[j].hash, hashes[k + j], KVB_HASH_LEN);
+				seg[j].pos = (uint32_t)j * tokens;
+				seg[j].count = 0;
+			}
+			for (int pass = 0; pass < 2; pass++) {
+				kvb_fuse *f = NULL;
+				double t0 = now_s();
+
+				if (kvb_fuse_open(cb, model.name, seg, 8, &fp, &f, NULL, NULL)) {
+					fprintf(stderr, "fuse open: %s\n", kvb_last_error(cb));
+					exit(1);
+				}
+				(pass ? t_open_local : t_open_remote)[r] = (now_s() - t0) * 1e3;
+				kvb_fuse_close(cb, &f, NULL, NULL);
+			}
+			k += 8;
+		}
+		printf("| %s | %3u MiB | %5.2f | %5.2f (%.2fx) | %5.2f (%.2fx; %.2fx of PUT) | %5.2f "
+		       "| %5.2f | %6.1f ms (%.2f GB/s) | %5.1f ms |\n",
+		       curve ? "CURVE" : "plain", sizes[s], r_plain, median(r_get, repeats),
+		       median(r_get, repeats) / r_plain, median(r_fetch, repeats),
+		       median(r_fetch, repeats) / r_plain,
+		       median(r_fetch, repeats) / median(r_put, repeats), median(r_wall, repeats),
+		       median(r_put, repeats),
+		       median(t_open_remote, 4), 8.0 * bytes / (median(t_open_remote, 4) / 1e3) / 1e9,
+		       median(t_open_local, 4));
+		fflush(stdout);
+		free(src);
+		free(dst);
+		free(hashes);
+	}
+	kvb_close(&ca);
+	kvb_close(&cb);
+	kvb_close(&ct);
+	stop_node(&a);
+	stop_node(&b);
+	snprintf(cmd, sizeof(cmd), "rm -rf %s %s", a.dir, b.dir);
+	if (system(cmd) < 0)
+		perror("system");
+}
+
+int main(int argc, char **argv)
+{
+	char daemon_path[512];
+	unsigned sizes[8] = { 8, 32 }, n_sizes = 2;
+	int repeats = 7;
+	bool curve = true;
+
+	bench_default_daemon(argv[0], daemon_path, sizeof(daemon_path));
+	for (int i = 1; i < argc; i++) {
+		if (!strcmp(argv[i], "--daemon") && i + 1 < argc) {
+			snprintf(daemon_path, sizeof(daemon_path), "%s", argv[++i]);
+		} else if (!strcmp(argv[i], "--repeats") && i + 1 < argc) {
+			repeats = atoi(argv[++i]);
+			if (repeats < 1 || repeats > MAX_REPEATS) {
+				fprintf(stderr, "--repeats: 1..%d\n", MAX_REPEATS);
+				return 2;
+			}
+		} else if (!strcmp(argv[i], "--sizes") && i + 1 < argc) {
+			char *s = argv[++i];
+
+			for (n_sizes = 0; *s && n_sizes < 8; n_sizes++) {
+				sizes[n_sizes] = (unsigned)strtoul(s, &s, 10);
+				if (!sizes[n_sizes] || sizes[n_sizes] > 1024) {
+					fprintf(stderr, "--sizes: MiB, 1..1024, comma-separated\n");
+					return 2;
+				}
+				if (*s == ',')
+					s++;
+			}
+		} else if (!strcmp(argv[i], "--no-curve")) {
+			curve = false;
+		} else {
+			fprintf(stderr, "usage: bench_cluster [--daemon PATH] [--sizes 8,32] "
+					"[--repeats N] [--no-curve]\n");
+			return 2;
+		}
+	}
+	signal(SIGPIPE, SIG_IGN);
+	if (kvb_curve_keypair(pub_a, sec_a) || kvb_curve_keypair(pub_b, sec_b) ||
+	    kvb_curve_keypair(pub_c, sec_c)) {
+		fprintf(stderr, "bench_cluster: no CURVE key pairs\n");
+		return 1;
+	}
+	printf("Two kvblendd on loopback TCP, Mistral-7B-shaped chunks (f16); GB/s of the chunk's "
+	       "bytes, medians of %d; ratios to the plain socket copy of the same run.\n\n",
+	       repeats);
+	printf("| transport | chunk | plain TCP copy | GET over TCP | fetch b<-a | GET via b "
+	       "(wall) | local PUT on b | fuse open on b, 8 remote chunks | same, local |\n");
+	printf("|---|---|---|---|---|---|---|---|---|\n");
+	run(daemon_path, false, sizes, n_sizes, repeats);
+	if (curve)
+		run(daemon_path, true, sizes, n_sizes, repeats);
+	return 0;
+}
