@@ -80,6 +80,11 @@ struct call {
 	struct kvbp_reply rep;
 	zmq_msg_t *frames; /* received payload frames; freed by call_done() */
 	size_t n_frames;
+	/* or, with sink set: each payload frame copied there as it arrives and freed at once
+	 * (the copy overlaps the rest of the transfer, and the frames' memory is reused);
+	 * sink_got counts the payload's bytes, also those beyond sink_len (not copied) */
+	uint8_t *sink;
+	size_t sink_len, sink_got;
 };
 
 _Static_assert(KVB_E_BUSY == -1000 - KVBP_BUSY, "client codes drifted from the wire");
@@ -530,6 +535,40 @@ static int recv_reply(kvb_client *c, struct call *k, int64_t deadline_ms)
 			if (zmq_msg_recv(&parts[np], c->sock, 0) < 0)
 				return -EIO;
 			more = zmq_msg_more(&parts[np]);
+		}
+		if (k->sink && more) {
+			/* the header first, so that a late reply to an earlier request never
+			 * touches the caller's buffer */
+			struct kvbp_reply rep;
+			bool ours = np == 2 && zmq_msg_size(&parts[0]) == 0 &&
+				    !kvbp_reply_decode(zmq_msg_data(&parts[1]),
+						       zmq_msg_size(&parts[1]), &rep, derr,
+						       sizeof(derr));
+
+			if (ours) {
+				ours = rep.request_id == k->req.request_id;
+				kvbp_reply_clear(&rep);
+			}
+			k->sink_got = 0;
+			while (more) {
+				zmq_msg_t f;
+				size_t n;
+
+				zmq_msg_init(&f);
+				if (zmq_msg_recv(&f, c->sock, 0) < 0) {
+					zmq_msg_close(&f);
+					for (size_t i = 0; i < np; i++)
+						zmq_msg_close(&parts[i]);
+					return -EIO;
+				}
+				n = zmq_msg_size(&f);
+				if (ours && k->sink_got <= k->sink_len &&
+				    n <= k->sink_len - k->sink_got)
+					memcpy(k->sink + k->sink_got, zmq_msg_data(&f), n);
+				k->sink_got += n;
+				more = zmq_msg_more(&f);
+				zmq_msg_close(&f);
+			}
 		}
 		while (more) {
 			if (k->n_frames == cap) {
@@ -1169,6 +1208,10 @@ static int get_once(kvb_client *c, const char *model, const uint8_t hash[KVB_HAS
 			k.waiting_ctx = &cb;
 		}
 	}
+	if (!k.req.has_shm) {
+		k.sink = dst;
+		k.sink_len = out_bytes;
+	}
 	rc = call(c, &k);
 	if (rc == KVB_E_BAD_SHM && strstr(c->err, "too small")) {
 		/* the reply names the chunk, so that the caller learns its size */
@@ -1203,16 +1246,11 @@ static int get_once(kvb_client *c, const char *model, const uint8_t hash[KVB_HAS
 		}
 		goto out;
 	}
-	for (size_t i = 0; i < k.n_frames; i++)
-		got += zmq_msg_size(&k.frames[i]);
+	got = k.sink_got; /* the frames went straight into dst as they arrived */
 	if (got != out_bytes) {
 		rc = set_err(c, -ENOBUFS, "buffer of %zu bytes does not match the %zu bytes of the "
 			     "requested layers", out_bytes, got);
 		goto out;
-	}
-	for (size_t i = 0; i < k.n_frames; i++) {
-		memcpy(dst, zmq_msg_data(&k.frames[i]), zmq_msg_size(&k.frames[i]));
-		dst += zmq_msg_size(&k.frames[i]);
 	}
 out:
 	call_done(&k);
