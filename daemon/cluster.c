@@ -264,8 +264,9 @@ static size_t n_peers(struct cluster *c)
 
 static void rebalance_kick(struct cluster *c)
 {
+	/* the heartbeat thread sleeps on the same condition: wake both, not one of them */
 	pthread_mutex_lock(&c->rlock);
-	pthread_cond_signal(&c->rcond);
+	pthread_cond_broadcast(&c->rcond);
 	pthread_mutex_unlock(&c->rlock);
 }
 
@@ -1503,24 +1504,71 @@ static bool member_gone(struct cluster *c, const char *id)
 	return true;
 }
 
+/* The member records of one read of the prefix, copied out of the answer. */
 struct sync_ctx {
-	struct cluster *c;
-	bool *seen; /* per peer index: in the range read */
-	bool changed;
+	char **keys, **vals;
+	size_t n, cap;
 };
 
 static int sync_one(void *ctx, const char *key, const char *val, size_t vlen)
 {
 	struct sync_ctx *s = ctx;
-	struct peer *p;
 
 	(void)vlen;
-	s->changed |= member_put(s->c, key, val);
-	p = peer_find(s->c, key + strlen(s->c->prefix));
-	for (size_t i = 0; p && i < s->c->n_peers; i++)
-		if (s->c->peers[i] == p)
-			s->seen[i] = true;
+	if (s->n == s->cap) {
+		size_t cap = s->cap ? 2 * s->cap : 16;
+		char **k = realloc(s->keys, cap * sizeof(*k)), **v;
+
+		if (!k)
+			return -ENOMEM;
+		s->keys = k;
+		v = realloc(s->vals, cap * sizeof(*v));
+		if (!v)
+			return -ENOMEM;
+		s->vals = v;
+		s->cap = cap;
+	}
+	s->keys[s->n] = strdup(key);
+	s->vals[s->n] = strdup(val);
+	if (!s->keys[s->n] || !s->vals[s->n]) {
+		free(s->keys[s->n]);
+		free(s->vals[s->n]);
+		return -ENOMEM;
+	}
+	s->n++;
 	return 0;
+}
+
+static void sync_free(struct sync_ctx *s)
+{
+	for (size_t i = 0; i < s->n; i++) {
+		free(s->keys[i]);
+		free(s->vals[i]);
+	}
+	free(s->keys);
+	free(s->vals);
+}
+
+/*
+ * The membership is what the read found (the view lock held for writing): its
+ * records applied, every other member gone. Returns whether anything changed.
+ */
+static bool sync_apply(struct cluster *c, const struct sync_ctx *s)
+{
+	size_t plen = strlen(c->prefix);
+	bool changed = false;
+
+	for (size_t i = 0; i < s->n; i++)
+		changed |= member_put(c, s->keys[i], s->vals[i]);
+	for (size_t p = 0; p < c->n_peers; p++) {
+		bool listed = false;
+
+		for (size_t i = 0; i < s->n && !listed; i++)
+			listed = !strcmp(s->keys[i] + plen, c->peers[p]->id);
+		if (!listed)
+			changed |= member_gone(c, c->peers[p]->id);
+	}
+	return changed;
 }
 
 static int watch_one(void *ctx, bool put, const char *key, const char *val, size_t vlen,
@@ -1553,26 +1601,24 @@ static void *watcher_main(void *arg)
 		return NULL;
 	}
 	while (!atomic_load(&c->etcd_stop)) {
-		struct sync_ctx s = { c, calloc(MEMBERS_MAX, sizeof(bool)), false };
+		struct sync_ctx s = { 0 };
 		int64_t rev = 0;
+		size_t others = 0;
+		bool changed = false;
 		int rc;
 
-		if (!s.seen) {
-			etcd_sleep(c, 1000);
-			continue;
-		}
-		/* the whole membership first; then every change after that revision */
-		pthread_rwlock_wrlock(&c->view_lock);
+		/* The whole membership first (read without the view lock: etcd may be slow,
+		 * requests must not wait on it), then every change after that revision. */
 		rc = etcd_range_prefix(e, c->prefix, sync_one, &s, &rev);
 		if (!rc) {
-			for (size_t i = 0; i < c->n_peers; i++)
-				if (!s.seen[i])
-					s.changed |= member_gone(c, c->peers[i]->id);
-			if (s.changed && !view_rebuild(c))
+			pthread_rwlock_wrlock(&c->view_lock);
+			changed = sync_apply(c, &s);
+			if (changed && !view_rebuild(c))
 				atomic_fetch_add(&c->membership_changes, 1);
+			others = c->view.n - 1;
+			pthread_rwlock_unlock(&c->view_lock);
 		}
-		pthread_rwlock_unlock(&c->view_lock);
-		free(s.seen);
+		sync_free(&s);
 		etcd_state(c, rc == 0, e, "reading the members");
 		if (rc) {
 			etcd_sleep(c, backoff);
@@ -1580,8 +1626,8 @@ static void *watcher_main(void *arg)
 			continue;
 		}
 		if (!atomic_exchange(&c->etcd_synced, true))
-			log_info("cluster: %zu other members in etcd", c->view.n - 1);
-		if (s.changed)
+			log_info("cluster: %zu other members in etcd", others);
+		if (changed)
 			rebalance_kick(c);
 		backoff = 250;
 		rc = etcd_watch_prefix(e, c->prefix, rev + 1, watch_one, c, &c->etcd_stop);

@@ -15,7 +15,6 @@ usage: test_cluster.py KVBLENDD KVBLEND
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -43,13 +42,7 @@ def check(name, cond, detail=""):
         print(f"not ok - {name} {detail}")
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-NODES = {n: free_port() for n in "abc"}
+NODES = {n: cc.free_port() for n in "abc"}
 PEERS = ",".join(f"{n}=tcp://127.0.0.1:{p}" for n, p in NODES.items())
 procs = {}
 
@@ -196,16 +189,7 @@ try:
     check("a fuse on B over chunks held elsewhere equals the fuse on A",
           cc.fuse_equal(cli, TMP, "ab", chunks[:3], rng))
 finally:
-    for n, p in procs.items():
-        if p.poll() is None:
-            p.send_signal(signal.SIGCONT)
-            p.terminate()
-            try:
-                rc = p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                rc = p.wait()
-            check(f"daemon {n} exits 0", rc == 0, f"status {rc}")
+    cc.stop_all(procs, check)
     if failed:
         for n in NODES:
             print(f"--- {n}.log (tail)")

@@ -20,7 +20,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -52,19 +51,13 @@ def check(name, cond, detail=""):
         print(f"not ok - {name} {detail}", flush=True)
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def keygen():
     out = subprocess.run([KVBLEND, "keygen"], capture_output=True, text=True, check=True).stdout
     d = dict(line.split(" ", 1) for line in out.splitlines())
     return d["public"], d["secret"]
 
 
-NODES = {n: free_port() for n in "abcd"}
+NODES = {n: cc.free_port() for n in "abcd"}
 KEYS = {n: keygen() for n in list(NODES) + ["rogue", "client", "stranger"]}
 # every member authorizes every member and the serving node's client key
 with open(f"{TMP}/authorized", "w") as f:
@@ -73,9 +66,9 @@ with open(f"{TMP}/authorized", "w") as f:
 for n in list(NODES) + ["rogue"]:
     with open(f"{TMP}/{n}.key", "w") as f:
         f.write(KEYS[n][1] + "\n")
-ETCD_PORT, ETCD_PEER = free_port(), free_port()
+ETCD_PORT, ETCD_PEER = cc.free_port(), cc.free_port()
 ETCD_URL = f"http://127.0.0.1:{ETCD_PORT}"
-METRICS_PORT = free_port()  # A's Prometheus endpoint
+METRICS_PORT = cc.free_port()  # A's Prometheus endpoint
 procs = {}
 etcd = None
 
@@ -304,7 +297,7 @@ try:
     # Unknown keys: a rogue daemon (static peer list naming A, its key unlisted) and a
     # client with an unlisted key are refused by A, and A counts them.
     before = stats("a")["curve_keys_refused"]
-    rogue_port = free_port()
+    rogue_port = cc.free_port()
     rogue = subprocess.Popen([str(a) for a in
         [KVBLENDD, "--data-dir", f"{TMP}/rogue-data", "--listen",
          f"ipc://{TMP}/rogue.sock,tcp://127.0.0.1:{rogue_port}", "--map-size", "256M",
@@ -366,16 +359,7 @@ try:
           metric.get("kvblend_cluster_fetched_bytes_total") == st["cluster_fetched_bytes"],
           str(metric))
 finally:
-    for n, p in procs.items():
-        if p.poll() is None:
-            p.send_signal(signal.SIGCONT)
-            p.terminate()
-            try:
-                rc = p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                rc = p.wait()
-            check(f"daemon {n} exits 0", rc == 0, f"status {rc}")
+    cc.stop_all(procs, check)
     if etcd and etcd.poll() is None:
         etcd.terminate()
         etcd.wait(30)
