@@ -6,10 +6,12 @@
  * the node waits, and the daemon's own time per layer. Starts its own daemon.
  *
  * usage: bench_fuse [--daemon PATH] [--tokens 1024,4096,8192] [--repeats N] [--node-ms MS]
+ *                   [--device auto|cpu|cuda[:N]]
  *
  * --node-ms: the node's own work per layer (its recompute of the selected
  * tokens), simulated by a sleep between layer calls; the daemon's loads run
  * meanwhile, as they would next to a real GPU. Only the layer calls are timed.
+ * --device: where the daemon's fuse computes (its --device; default auto).
  */
 #include <signal.h>
 #include <stdbool.h>
@@ -46,6 +48,7 @@ int main(int argc, char **argv)
 	char daemon_path[512], dir[] = "/tmp/kvb-benchf-XXXXXX", ep[300];
 	unsigned sizes[8] = { 1024, 4096, 8192 }, n_sizes = 3, repeats = 3;
 	double node_ms = 0;
+	const char *device[3] = { "--device", "auto", NULL };
 	struct kvb_connect_opts o = { .timeout_ms = 120000 };
 	kvb_client *c;
 	pid_t pid;
@@ -58,6 +61,8 @@ int main(int argc, char **argv)
 			node_ms = atof(argv[++i]);
 		} else if (!strcmp(argv[i], "--repeats") && i + 1 < argc) {
 			repeats = (unsigned)atoi(argv[++i]);
+		} else if (!strcmp(argv[i], "--device") && i + 1 < argc) {
+			device[1] = argv[++i];
 		} else if (!strcmp(argv[i], "--tokens") && i + 1 < argc) {
 			char *save, *tok;
 
@@ -67,13 +72,13 @@ int main(int argc, char **argv)
 				sizes[n_sizes++] = (unsigned)atoi(tok);
 		} else {
 			fprintf(stderr, "usage: bench_fuse [--daemon PATH] [--tokens 1024,4096,8192] "
-					"[--repeats N] [--node-ms MS]\n");
+					"[--repeats N] [--node-ms MS] [--device D]\n");
 			return 2;
 		}
 	}
 	if (!mkdtemp(dir))
 		return 1;
-	pid = bench_start_daemon(daemon_path, dir, ep, sizeof(ep), 0);
+	pid = bench_start_daemon_with(daemon_path, dir, ep, sizeof(ep), 0, device);
 	if (kvb_connect(ep, &o, &c, NULL, 0))
 		c = NULL;
 	if (!c || kvb_model_register(c, &model, NULL)) {
@@ -81,9 +86,23 @@ int main(int argc, char **argv)
 		kill(pid, SIGKILL);
 		return 1;
 	}
-	printf("kvblend bench_fuse: %u layers x %u kv heads x head_dim %u f16, r = 0.15, check "
-	       "layer 1, %d fresh tokens, node work %.1f ms per layer, median of %u runs\n\n",
-	       model.num_layers, model.num_kv_heads, model.head_dim, FRESH, node_ms, repeats);
+	{
+		/* The backend the daemon picked for --device (its stats say backend_NAME). */
+		struct kvb_stat *st = NULL;
+		size_t n_st = 0;
+		const char *be = "?";
+
+		if (!kvb_stats(c, &st, &n_st))
+			for (size_t i = 0; i < n_st; i++)
+				if (!strncmp(st[i].name, "backend_", 8))
+					be = st[i].name + 8;
+		printf("kvblend bench_fuse: %u layers x %u kv heads x head_dim %u f16, r = 0.15, "
+		       "check layer 1, %d fresh tokens, node work %.1f ms per layer, median of %u "
+		       "runs; device %s, backend %s\n\n",
+		       model.num_layers, model.num_kv_heads, model.head_dim, FRESH, node_ms, repeats,
+		       device[1], be);
+		free(st);
+	}
 	printf("| tokens | chunks | selected | fused GB/s in place | ratio | fused GB/s copied out | "
 	       "ratio | memcpy GB/s | layer wait ms (memcpy of its bytes ms) | daemon merge "
 	       "ms/layer | daemon load ms/layer |\n");

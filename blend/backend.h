@@ -2,11 +2,12 @@
  * backend — the table of functions a compute backend implements for the fuse:
  * re-rotating stored keys, measuring per-token KV deviation, and merging fresh
  * rows into stored ones. The CPU backend (cpu.c) is always built and is the
- * reference; a CUDA backend implements the same table on device memory.
+ * reference; the CUDA backend (cuda/cuda.h) implements the same table on its
+ * device, bit-identical to it.
  *
- * Tensors are row-major [rows, heads, head_dim] in the model's dtype. Every
- * function works on a range of rows so that callers can split work across
- * threads; none allocates, logs or fails.
+ * Tensors are row-major [rows, heads, head_dim] in the model's dtype, in host
+ * memory: a device backend stages them itself. Every function works on a range
+ * of rows so that callers can split work across threads.
  *
  * Tensor pointers (src, dst, fresh, stored, and merge's out) may have any
  * alignment, odd addresses included: they point into payload frames and
@@ -34,30 +35,49 @@ struct blend_shape {
 	enum blend_dtype dtype;
 };
 
+/*
+ * Every function returns 0, or -EIO when the device failed (a CUDA error: the
+ * outputs are then undefined and the caller fails its request); the CPU
+ * backend's never fail. None allocates on the host, logs or keeps state between
+ * calls that the caller can see. Each takes the table it was reached through.
+ */
 struct blend_backend {
 	const char *name;
+	void *ctx; /* the backend's own state (the CUDA device); NULL for the CPU */
 	/*
 	 * Rotate rows [row0, row0 + n) of a chunk's keys: dst[r] = rotate(src[r]) by
 	 * table row (t->rows == 1 ? 0 : row0 + r), scaled by t->scale; dims from
 	 * rotary_dim on are copied unchanged. src and dst point at row row0 and may
-	 * be the same memory. Arithmetic in fp32, stored rounded to nearest even.
+	 * be the same memory. Arithmetic in fp32 (elem_rotate_pair), stored rounded
+	 * to nearest even.
 	 */
-	void (*rotate)(const struct blend_shape *s, const struct rope_table *t, const void *src,
-		       void *dst, uint32_t row0, uint32_t n);
+	int (*rotate)(const struct blend_backend *be, const struct blend_shape *s,
+		      const struct rope_table *t, const void *src, void *dst, uint32_t row0,
+		      uint32_t n);
 	/*
 	 * out[i] = sum over heads x head_dim of (fresh[i] - stored[idx[i]])^2, in
-	 * fp32, for i in [0, n): fresh rows are consecutive, stored rows are picked
-	 * by idx from an array of rows.
+	 * fp32 in the lane order of elem.h, for i in [0, n): fresh rows are
+	 * consecutive, stored rows are picked by idx from an array of rows.
 	 */
-	void (*deviation)(const struct blend_shape *s, const void *fresh, const void *stored,
-			  const int32_t *idx, size_t n, float *out);
+	int (*deviation)(const struct blend_backend *be, const struct blend_shape *s,
+			 const void *fresh, const void *stored, const int32_t *idx, size_t n,
+			 float *out);
 	/*
 	 * out rows [row0, row0 + n) of the fused layer: row t is fresh[j] where
 	 * sel[j] == t (sel sorted ascending, n_sel entries), else stored[t]. out,
 	 * stored point at row 0 of their arrays; fresh at the row of sel[0].
 	 */
-	void (*merge)(const struct blend_shape *s, const void *stored, const void *fresh,
-		      const int32_t *sel, size_t n_sel, void *out, size_t row0, size_t n);
+	int (*merge)(const struct blend_backend *be, const struct blend_shape *s,
+		     const void *stored, const void *fresh, const int32_t *sel, size_t n_sel,
+		     void *out, size_t row0, size_t n);
+	/*
+	 * HKVD's top-k with hkvd_select()'s contract (hkvd.h): the k candidates of
+	 * largest deviation (ties to the lower index, NaN largest) and every token of
+	 * always, sorted ascending into out. Returns the count, -ENOMEM or -EIO.
+	 */
+	long (*select)(const struct blend_backend *be, const int32_t *cand, const float *dev,
+		       size_t n_cand, size_t k, const int32_t *always, size_t n_always,
+		       int32_t *out);
 };
 
 /* The CPU backend with the widest SIMD this CPU has (AVX-512, AVX2+F16C, or the

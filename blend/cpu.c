@@ -1,14 +1,17 @@
 /* cpu — the CPU blend backend: kernel dispatch by instruction set, and merge; see backend.h. */
 #include "backend.h"
+#include "hkvd.h"
 
 #include <stdbool.h>
 #include <string.h>
 
 #define DECLARE(isa)                                                                       \
-	void blend_rotate_##isa(const struct blend_shape *s, const struct rope_table *t,   \
-				const void *src, void *dst, uint32_t row0, uint32_t n);    \
-	void blend_deviation_##isa(const struct blend_shape *s, const void *fresh,         \
-				   const void *stored, const int32_t *idx, size_t n, float *out);
+	int blend_rotate_##isa(const struct blend_backend *be, const struct blend_shape *s, \
+			       const struct rope_table *t, const void *src, void *dst,      \
+			       uint32_t row0, uint32_t n);                                  \
+	int blend_deviation_##isa(const struct blend_backend *be,                          \
+				  const struct blend_shape *s, const void *fresh,          \
+				  const void *stored, const int32_t *idx, size_t n, float *out);
 DECLARE(baseline)
 DECLARE(avx2)
 DECLARE(avx512)
@@ -18,14 +21,16 @@ size_t blend_dtype_size(enum blend_dtype dt)
 	return dt == BLEND_F32 ? 4 : (dt == BLEND_F16 || dt == BLEND_BF16) ? 2 : 0;
 }
 
-static void merge_rows(const struct blend_shape *s, const void *stored, const void *fresh,
-		       const int32_t *sel, size_t n_sel, void *out, size_t row0, size_t n)
+static int merge_rows(const struct blend_backend *be, const struct blend_shape *s,
+		      const void *stored, const void *fresh, const int32_t *sel, size_t n_sel,
+		      void *out, size_t row0, size_t n)
 {
 	size_t rb = (size_t)s->heads * s->head_dim * blend_dtype_size(s->dtype);
 	const uint8_t *st = stored, *fr = fresh;
 	uint8_t *o = out;
 	size_t t = row0, end = row0 + n, j = 0;
 
+	(void)be;
 	/* The first selected row at or after row0 (sel is sorted). */
 	{
 		size_t lo = 0, hi = n_sel;
@@ -54,14 +59,23 @@ static void merge_rows(const struct blend_shape *s, const void *stored, const vo
 			j++;
 		}
 	}
+	return 0;
+}
+
+static long select_top(const struct blend_backend *be, const int32_t *cand, const float *dev,
+		       size_t n_cand, size_t k, const int32_t *always, size_t n_always, int32_t *out)
+{
+	(void)be;
+	return hkvd_select(cand, dev, n_cand, k, always, n_always, out);
 }
 
 static const struct blend_backend backends[] = {
-	{ "cpu-baseline", blend_rotate_baseline, blend_deviation_baseline, merge_rows },
-	{ "cpu-avx2", blend_rotate_avx2, blend_deviation_avx2, merge_rows },
+	{ "cpu-baseline", NULL, blend_rotate_baseline, blend_deviation_baseline, merge_rows,
+	  select_top },
+	{ "cpu-avx2", NULL, blend_rotate_avx2, blend_deviation_avx2, merge_rows, select_top },
 	/* Deviation at AVX2 width: the AVX-512 build of it ran 2.3x slower (8 heads x 128,
 	 * 4096 rows: 1496 against 653 us f16), with bit-identical results either way. */
-	{ "cpu-avx512", blend_rotate_avx512, blend_deviation_avx2, merge_rows },
+	{ "cpu-avx512", NULL, blend_rotate_avx512, blend_deviation_avx2, merge_rows, select_top },
 };
 
 static bool supports(size_t i)

@@ -1,7 +1,8 @@
 /*
  * half — bit-exact scalar conversions between f32 and the 16-bit float formats
  * (IEEE binary16 "f16" and bfloat16 "bf16"), rounding to nearest even, NaN kept
- * quiet. The SIMD kernels use the same rounding, so every backend agrees.
+ * quiet. The SIMD kernels use the same rounding, so every backend agrees; the
+ * CUDA kernels call these very functions.
  */
 #ifndef KVBLEND_BLEND_HALF_H
 #define KVBLEND_BLEND_HALF_H
@@ -9,7 +10,16 @@
 #include <stdint.h>
 #include <string.h>
 
-static inline float f32_from_bits(uint32_t u)
+/* Compiled for the host and, by nvcc, for the device too (blend/cuda/). */
+#ifndef KVB_HD
+#ifdef __CUDACC__
+#define KVB_HD __host__ __device__ static inline
+#else
+#define KVB_HD static inline
+#endif
+#endif
+
+KVB_HD float f32_from_bits(uint32_t u)
 {
 	float f;
 
@@ -17,7 +27,7 @@ static inline float f32_from_bits(uint32_t u)
 	return f;
 }
 
-static inline uint32_t f32_bits(float f)
+KVB_HD uint32_t f32_bits(float f)
 {
 	uint32_t u;
 
@@ -25,7 +35,7 @@ static inline uint32_t f32_bits(float f)
 	return u;
 }
 
-static inline float f16_to_f32(uint16_t h)
+KVB_HD float f16_to_f32(uint16_t h)
 {
 	uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
 
@@ -40,7 +50,7 @@ static inline float f16_to_f32(uint16_t h)
 	return f32_from_bits(sign | (exp + 112) << 23 | man << 13);
 }
 
-static inline uint16_t f32_to_f16(float f)
+KVB_HD uint16_t f32_to_f16(float f)
 {
 	uint32_t x = f32_bits(f), sign = (x >> 16) & 0x8000, ax = x & 0x7fffffff;
 
@@ -62,12 +72,12 @@ static inline uint16_t f32_to_f16(float f)
 	}
 }
 
-static inline float bf16_to_f32(uint16_t h)
+KVB_HD float bf16_to_f32(uint16_t h)
 {
 	return f32_from_bits((uint32_t)h << 16);
 }
 
-static inline uint16_t f32_to_bf16(float f)
+KVB_HD uint16_t f32_to_bf16(float f)
 {
 	uint32_t x = f32_bits(f);
 

@@ -6,6 +6,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "elem.h"
+
 size_t hkvd_count(double ratio, size_t n_cached)
 {
 	double k;
@@ -18,21 +20,10 @@ size_t hkvd_count(double ratio, size_t n_cached)
 	return k >= (double)n_cached ? n_cached : (size_t)k;
 }
 
-/*
- * One 64-bit key orders candidates exactly as required: the deviation's bits
- * (non-negative floats order like their bit patterns; NaN above +Inf) above
- * the complemented index (so that, at equal deviation, the lower index wins).
- */
+/* One 64-bit key orders candidates exactly as required (elem.h). */
 static uint64_t key_of(float dev, int32_t idx)
 {
-	uint32_t b;
-
-	memcpy(&b, &dev, 4);
-	if (isnan(dev))
-		b = 0x7fffffffu;
-	else if (b & 0x80000000u)
-		b = 0; /* a negative deviation cannot come from squares; order it lowest */
-	return (uint64_t)b << 32 | (0xffffffffu - (uint32_t)idx);
+	return elem_hkvd_key(dev, idx);
 }
 
 static void swap(uint64_t *a, uint64_t *b)
@@ -99,7 +90,7 @@ long hkvd_select(const int32_t *cand, const float *dev, size_t n_cand, size_t k,
 		if (k < n_cand)
 			select_top(keys, n_cand, k);
 		for (size_t i = 0; i < k; i++)
-			out[n++] = (int32_t)(0xffffffffu - (uint32_t)keys[i]);
+			out[n++] = elem_hkvd_index(keys[i]);
 		free(keys);
 	}
 	memcpy(out + n, always, n_always * sizeof(*always));

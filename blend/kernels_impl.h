@@ -13,7 +13,7 @@
 #endif
 
 #include "backend.h"
-#include "half.h"
+#include "elem.h"
 
 #define KCAT_(a, b) a##b
 #define KCAT(a, b) KCAT_(a, b)
@@ -22,10 +22,12 @@
 /* Largest head_dim the kernels take on the stack. */
 #define KMAX_DIM 4096
 
-void KFN(blend_rotate)(const struct blend_shape *s, const struct rope_table *t, const void *src,
-		       void *dst, uint32_t row0, uint32_t n);
-void KFN(blend_deviation)(const struct blend_shape *s, const void *fresh, const void *stored,
-			  const int32_t *idx, size_t n, float *out);
+int KFN(blend_rotate)(const struct blend_backend *be, const struct blend_shape *s,
+		      const struct rope_table *t, const void *src, void *dst, uint32_t row0,
+		      uint32_t n);
+int KFN(blend_deviation)(const struct blend_backend *be, const struct blend_shape *s,
+			 const void *fresh, const void *stored, const int32_t *idx, size_t n,
+			 float *out);
 
 /*
  * Tensors come from payload frames and shared-memory offsets, which promise no
@@ -96,7 +98,7 @@ static void KFN(store)(enum blend_dtype dt, const float *restrict in, void *dst,
 /*
  * f16, neox pairs, half a multiple of 8: convert, rotate and convert back in
  * registers, 8 pairs at a time. The same operations in the same order as the
- * general path (no FMA), so the results are identical.
+ * general path (elem_rotate_pair, no FMA), so the results are identical.
  */
 static void KFN(rotate_f16_neox)(const struct blend_shape *s, const struct rope_table *t,
 				 const uint8_t *src, uint8_t *dst, uint32_t row0, uint32_t n)
@@ -136,17 +138,19 @@ static void KFN(rotate_f16_neox)(const struct blend_shape *s, const struct rope_
 }
 #endif
 
-void KFN(blend_rotate)(const struct blend_shape *s, const struct rope_table *t, const void *src,
-		       void *dst, uint32_t row0, uint32_t n)
+int KFN(blend_rotate)(const struct blend_backend *be, const struct blend_shape *s,
+		      const struct rope_table *t, const void *src, void *dst, uint32_t row0,
+		      uint32_t n)
 {
 	size_t es = blend_dtype_size(s->dtype), hd = s->head_dim, half = s->rotary_dim / 2;
 	float x[KMAX_DIM], y[KMAX_DIM], a[KMAX_DIM / 2], b[KMAX_DIM / 2];
 	const float sc = t->scale;
 
+	(void)be;
 #if defined(__F16C__) && defined(__AVX2__)
 	if (s->dtype == BLEND_F16 && s->style == ROPE_NEOX && half % 8 == 0) {
 		KFN(rotate_f16_neox)(s, t, src, dst, row0, n);
-		return;
+		return 0;
 	}
 #endif
 	for (uint32_t r = 0; r < n; r++) {
@@ -161,40 +165,34 @@ void KFN(blend_rotate)(const struct blend_shape *s, const struct rope_table *t, 
 				const float *restrict x1 = x, *restrict x2 = x + half;
 				float *restrict y1 = y, *restrict y2 = y + half;
 
-				for (size_t j = 0; j < half; j++) {
-					float p = x1[j] * c[j], q = x2[j] * sn[j];
-					float u = x2[j] * c[j], v = x1[j] * sn[j];
-
-					y1[j] = (p - q) * sc;
-					y2[j] = (u + v) * sc;
-				}
+				for (size_t j = 0; j < half; j++)
+					elem_rotate_pair(x1[j], x2[j], c[j], sn[j], sc, &y1[j], &y2[j]);
 			} else {
 				/* Deinterleave, rotate, interleave: keeps the arithmetic identical. */
 				for (size_t j = 0; j < half; j++) {
 					a[j] = x[2 * j];
 					b[j] = x[2 * j + 1];
 				}
-				for (size_t j = 0; j < half; j++) {
-					float p = a[j] * c[j], q = b[j] * sn[j];
-					float u = b[j] * c[j], v = a[j] * sn[j];
-
-					y[2 * j] = (p - q) * sc;
-					y[2 * j + 1] = (u + v) * sc;
-				}
+				for (size_t j = 0; j < half; j++)
+					elem_rotate_pair(a[j], b[j], c[j], sn[j], sc, &y[2 * j],
+							 &y[2 * j + 1]);
 			}
 			for (size_t j = 2 * half; j < hd; j++)
 				y[j] = x[j];
 			KFN(store)(s->dtype, y, (uint8_t *)dst + off, hd);
 		}
 	}
+	return 0;
 }
 
-void KFN(blend_deviation)(const struct blend_shape *s, const void *fresh, const void *stored,
-			  const int32_t *idx, size_t n, float *out)
+int KFN(blend_deviation)(const struct blend_backend *be, const struct blend_shape *s,
+			 const void *fresh, const void *stored, const int32_t *idx, size_t n,
+			 float *out)
 {
 	size_t es = blend_dtype_size(s->dtype), row = (size_t)s->heads * s->head_dim;
 	float x[KMAX_DIM], y[KMAX_DIM];
 
+	(void)be;
 	for (size_t i = 0; i < n; i++) {
 		const uint8_t *f = (const uint8_t *)fresh + i * row * es;
 		const uint8_t *o = (const uint8_t *)stored + (size_t)idx[i] * row * es;
@@ -218,6 +216,7 @@ void KFN(blend_deviation)(const struct blend_shape *s, const void *fresh, const 
 				acc[j % 8] += e * e;
 			}
 		}
-		out[i] = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+		out[i] = elem_lanes_reduce(acc);
 	}
+	return 0;
 }

@@ -10,7 +10,7 @@
 
 #include "log.h"
 
-enum key_type { T_PATH, T_LISTEN, T_UINT, T_SIZE, T_OCTAL, T_BOOL, T_LEVEL };
+enum key_type { T_PATH, T_LISTEN, T_UINT, T_SIZE, T_OCTAL, T_BOOL, T_LEVEL, T_DEVICE };
 
 struct key {
 	const char *name;
@@ -141,6 +141,10 @@ static const struct key keys[] = {
 	{ "cluster_timeout_ms", T_UINT, OFF(cluster_timeout_ms), 10, 600000, "1000",
 	  "deadline of a call to another member; one that misses it is skipped for 2 s" },
 	{ "log_level", T_LEVEL, OFF(log_level), 0, 3, "info", "error, warn, info or debug" },
+	{ "device", T_DEVICE, OFF(device), 0, 1023, "auto",
+	  "where the fuse computes: auto (the first CUDA GPU if there is a usable one, else "
+	  "the CPU), cpu, or cuda[:N] (CUDA device N, 0 by default; the daemon refuses to "
+	  "start without it)" },
 };
 
 #define N_KEYS (sizeof(keys) / sizeof(keys[0]))
@@ -290,6 +294,31 @@ int config_set(struct config *c, const char *key, const char *value, enum config
 		}
 		*(int *)field = rc;
 		return 0;
+	case T_DEVICE:
+		if (!strcmp(value, "auto") || !strcmp(value, "cpu") || !strcmp(value, "cuda")) {
+			if (!strcmp(value, "auto"))
+				*(int *)field = CONFIG_DEVICE_AUTO;
+			else if (!strcmp(value, "cpu"))
+				*(int *)field = CONFIG_DEVICE_CPU;
+			else
+				*(int *)field = 0;
+			return 0;
+		}
+		if (strncmp(value, "cuda:", 5) || !value[5] || value[5] == '-' ||
+		    value[5] == '+') {
+			snprintf(err, errlen, "%s: invalid value '%s'; expected auto, cpu, cuda or "
+				 "cuda:N", k->name, value);
+			return -EINVAL;
+		}
+		errno = 0;
+		v = strtoull(value + 5, &end, 10);
+		if (errno || *end || v > k->max) {
+			snprintf(err, errlen, "%s: invalid device '%s'; expected cuda:N with N in "
+				 "0..%" PRIu64, k->name, value, k->max);
+			return -EINVAL;
+		}
+		*(int *)field = (int)v;
+		return 0;
 	case T_SIZE:
 		rc = config_parse_size(value, &v);
 		if (rc)
@@ -395,7 +424,7 @@ void config_print_help(FILE *f)
 	static const char *const metavar[] = { [T_PATH] = "PATH", [T_LISTEN] = "ENDPOINT",
 					       [T_UINT] = "N",	  [T_SIZE] = "SIZE",
 					       [T_OCTAL] = "MODE", [T_BOOL] = "",
-					       [T_LEVEL] = "LEVEL" };
+					       [T_LEVEL] = "LEVEL", [T_DEVICE] = "DEVICE" };
 
 	for (size_t i = 0; i < N_KEYS; i++) {
 		const struct key *k = &keys[i];
@@ -436,6 +465,15 @@ void config_print(FILE *f, const struct config *c)
 		case T_LEVEL:
 			fprintf(f, "%s = %s\n", k->name, log_level_name(*(const int *)field));
 			break;
+		case T_DEVICE: {
+			int d = *(const int *)field;
+
+			if (d == CONFIG_DEVICE_AUTO || d == CONFIG_DEVICE_CPU)
+				fprintf(f, "%s = %s\n", k->name, d == CONFIG_DEVICE_CPU ? "cpu" : "auto");
+			else
+				fprintf(f, "%s = cuda:%d\n", k->name, d);
+			break;
+		}
 		case T_OCTAL:
 			fprintf(f, "%s = %04" PRIo64 "\n", k->name, *(const uint64_t *)field);
 			break;

@@ -16,6 +16,9 @@
 #define CONFIG_MAX_LISTEN 8
 #define CONFIG_ENDPOINT_MAX 256
 
+#define CONFIG_DEVICE_AUTO (-2)
+#define CONFIG_DEVICE_CPU (-1)
+
 struct config {
 	char data_dir[PATH_MAX];
 	char listen[CONFIG_MAX_LISTEN][CONFIG_ENDPOINT_MAX];
@@ -66,6 +69,7 @@ struct config {
 	uint64_t cluster_replicas;
 	uint64_t cluster_timeout_ms;
 	int log_level;
+	int device; /* CONFIG_DEVICE_AUTO, CONFIG_DEVICE_CPU, or a CUDA ordinal */
 };
 
 enum config_source { CONFIG_DEFAULT = 0, CONFIG_FILE = 1, CONFIG_FLAG = 2 };

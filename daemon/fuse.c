@@ -17,6 +17,7 @@
 #include <time.h>
 
 #include "codec.h"
+#include "cuda/cuda.h"
 #include "hkvd.h"
 #include "log.h"
 
@@ -133,6 +134,21 @@ static uint64_t ns_since(const struct timespec *t0)
 	clock_gettime(CLOCK_MONOTONIC, &now);
 	return (uint64_t)(now.tv_sec - t0->tv_sec) * 1000000000u + (uint64_t)now.tv_nsec -
 	       (uint64_t)t0->tv_nsec;
+}
+
+/*
+ * Why a load or a kernel failed: a device backend's -EIO carries the CUDA error's
+ * message, anything else is the errno's text.
+ */
+static const char *backend_error(const struct fuse_table *t, int rc, char *buf, size_t len)
+{
+	char dev[128];
+
+	if (rc != -EIO || !t->be->ctx)
+		return strerror(-rc);
+	blend_cuda_last_error(t->be->ctx, dev, sizeof(dev));
+	snprintf(buf, len, "the %s backend failed (%s)", t->be->name, dev);
+	return buf;
 }
 
 void fuse_rope_config(const struct store_model *m, struct rope_config *c)
@@ -787,15 +803,21 @@ struct rotate_ctx {
 	const struct blend_backend *be;
 	const struct fuse_session *s;
 	const struct chunk_ref *c;
+	int err; /* a backend (device) failure: the load fails with it */
 };
 
 /* The K transform of a chunk's load: re-rotate rows as they leave LMDB (codec.h). */
 static void rotate_rows(void *arg, const void *src, void *dst, size_t off, size_t len)
 {
-	const struct rotate_ctx *x = arg;
+	struct rotate_ctx *x = arg;
+	int rc;
 
-	x->be->rotate(&x->s->shape, &x->c->rot, src, dst, (uint32_t)(off / x->s->row_bytes),
-		      (uint32_t)(len / x->s->row_bytes));
+	if (x->err)
+		return;
+	rc = x->be->rotate(x->be, &x->s->shape, &x->c->rot, src, dst,
+			   (uint32_t)(off / x->s->row_bytes), (uint32_t)(len / x->s->row_bytes));
+	if (rc)
+		x->err = rc;
 }
 
 static int load_chunk(void *arg, size_t i)
@@ -803,14 +825,16 @@ static int load_chunk(void *arg, size_t i)
 	struct load_job *j = arg;
 	struct fuse_session *s = j->s;
 	struct chunk_ref *c = &s->chunks[i];
-	struct rotate_ctx rx = { j->t->be, s, c };
+	struct rotate_ctx rx = { j->t->be, s, c, 0 };
 	struct codec_xform x = { rotate_rows, &rx, s->row_bytes };
+	int rc;
 
 	/* One pass: verify the stored bytes and write them re-rotated into the slot. */
-	return store_chunk_get_layer(j->t->store, &s->m, c->hash, j->layer,
-				     j->slot->k + (size_t)c->off * s->row_bytes,
-				     j->slot->v + (size_t)c->off * s->row_bytes,
-				     (uint64_t)c->tokens * s->row_bytes, &x);
+	rc = store_chunk_get_layer(j->t->store, &s->m, c->hash, j->layer,
+				   j->slot->k + (size_t)c->off * s->row_bytes,
+				   j->slot->v + (size_t)c->off * s->row_bytes,
+				   (uint64_t)c->tokens * s->row_bytes, &x);
+	return rc ? rc : rx.err;
 }
 
 /* Load layer into slot; called without the session lock, with the slot marked LOADING. */
@@ -1160,15 +1184,17 @@ static int dev_part(void *arg, size_t i)
 
 	if (b <= a)
 		return 0;
-	if (j->stride == j->row_bytes) {
-		j->be->deviation(j->shape, j->fresh + a * j->row_bytes, j->stored, j->idx + a, b - a,
-				 j->out + a);
-		return 0;
-	}
+	if (j->stride == j->row_bytes)
+		return j->be->deviation(j->be, j->shape, j->fresh + a * j->row_bytes, j->stored,
+					j->idx + a, b - a, j->out + a);
 	/* Strided rows (e.g. a slice of the node's fused QKV output): one row at a time. */
-	for (size_t r = a; r < b; r++)
-		j->be->deviation(j->shape, j->fresh + r * j->stride, j->stored, j->idx + r, 1,
-				 j->out + r);
+	for (size_t r = a; r < b; r++) {
+		int rc = j->be->deviation(j->be, j->shape, j->fresh + r * j->stride, j->stored,
+					  j->idx + r, 1, j->out + r);
+
+		if (rc)
+			return rc;
+	}
 	return 0;
 }
 
@@ -1197,6 +1223,7 @@ static uint32_t check_select(struct fuse_table *t, struct fuse_session *s, const
 	int32_t *sel = malloc((s->n + 1) * sizeof(int32_t));
 	struct dev_job dj;
 	long n_sel;
+	int rc;
 
 	if (!idx || !cand || !dev || !sel) {
 		free(idx);
@@ -1210,7 +1237,17 @@ static uint32_t check_select(struct fuse_table *t, struct fuse_session *s, const
 	dj = (struct dev_job){ t->be, &s->shape, rows_in, plane, idx, rows, 1, s->row_bytes,
 			       stride, dev };
 	dj.parts = parts_for(t, rows * s->row_bytes);
-	pool_run(t->pool, dj.parts, dev_part, &dj);
+	rc = pool_run(t->pool, dj.parts, dev_part, &dj);
+	if (rc) {
+		char why[160];
+
+		free(idx);
+		free(cand);
+		free(dev);
+		free(sel);
+		return fail(err, errlen, KVBP_INTERNAL, "deviation: %s",
+			    backend_error(t, rc, why, sizeof(why)));
+	}
 	/* Candidates: the cached tokens among the rows (fresh ones are always kept). */
 	for (size_t i = 0; i < rows; i++) {
 		while (fi < s->n_fresh && s->fresh[fi] < idx[i])
@@ -1220,14 +1257,20 @@ static uint32_t check_select(struct fuse_table *t, struct fuse_session *s, const
 		dev[n_cand] = dev[i];
 		cand[n_cand++] = idx[i];
 	}
-	n_sel = hkvd_select(cand, dev, n_cand, hkvd_count(s->ratios[s->next_check], s->n_cached),
-			    s->fresh, s->n_fresh, sel);
+	n_sel = t->be->select(t->be, cand, dev, n_cand,
+			      hkvd_count(s->ratios[s->next_check], s->n_cached), s->fresh,
+			      s->n_fresh, sel);
 	free(idx);
 	free(cand);
 	free(dev);
 	if (n_sel < 0) {
+		char why[160];
+
 		free(sel);
-		return fail(err, errlen, KVBP_LIMIT, "out of memory");
+		if (n_sel == -ENOMEM)
+			return fail(err, errlen, KVBP_LIMIT, "out of memory");
+		return fail(err, errlen, KVBP_INTERNAL, "HKVD selection: %s",
+			    backend_error(t, (int)n_sel, why, sizeof(why)));
 	}
 	*sel_out = sel;
 	*n_out = (size_t)n_sel;
@@ -1271,10 +1314,14 @@ uint32_t fuse_layer_run(struct fuse_table *t, struct fuse_session *s, const void
 	}
 	rc = ensure_layer(t, s, layer, &sl);
 	pthread_mutex_unlock(&s->lock);
-	if (rc)
+	if (rc) {
+		char why[160];
+
 		return fail(err, errlen, rc == -EBADMSG ? KVBP_CORRUPT : KVBP_INTERNAL,
 			    "layer %" PRIu32 ": cannot read stored chunks: %s", layer,
-			    rc == -EBADMSG ? "a chunk failed its checksum" : strerror(-rc));
+			    rc == -EBADMSG ? "a chunk failed its checksum"
+					   : backend_error(t, rc, why, sizeof(why)));
+	}
 	clock_gettime(CLOCK_MONOTONIC, &t0);
 	if (is_check) {
 		int32_t *sel;
@@ -1334,10 +1381,13 @@ uint32_t fuse_check_run(struct fuse_table *t, struct fuse_session *s, const void
 	pthread_mutex_lock(&s->lock);
 	rc = ensure_cslot(t, s, s->next_check);
 	pthread_mutex_unlock(&s->lock);
-	if (rc)
+	if (rc) {
+		char why[160];
+
 		return fail(err, errlen, store_code(rc), "layer %" PRIu32 ": cannot read stored "
 			    "chunks: %s", layer, rc == -EBADMSG ? "a chunk failed its checksum" :
-			    strerror(-rc));
+			    backend_error(t, rc, why, sizeof(why)));
+	}
 	clock_gettime(CLOCK_MONOTONIC, &t0);
 	code = check_select(t, s, rows, stride, s->metric ? s->cslot[s->next_check].k :
 			    s->cslot[s->next_check].v, &sel, &n_sel, err, errlen);

@@ -19,6 +19,7 @@
 #include <unistd.h>
 
 #include "cluster.h"
+#include "cuda/cuda.h"
 #include "log.h"
 #include "server.h"
 
@@ -182,9 +183,19 @@ void metrics_write(struct server *srv, FILE *f)
 			gauge(f, "kvblend_cluster_etcd_up", "Whether etcd answered the last call.",
 			      "gauge", cs.etcd_ok);
 	}
-	fprintf(f, "# HELP kvblend_backend_info The fuse compute backend in use.\n"
-		   "# TYPE kvblend_backend_info gauge\nkvblend_backend_info{backend=\"%s\"} 1\n",
-		srv->blend->name);
+	fprintf(f, "# HELP kvblend_backend_info The fuse compute backend in use, and its device.\n"
+		   "# TYPE kvblend_backend_info gauge\nkvblend_backend_info{backend=\"%s\","
+		   "device=\"%s\"} 1\n",
+		srv->blend->name, srv->gpu ? blend_cuda_name(srv->gpu) : "cpu");
+	if (srv->gpu) {
+		uint64_t held, total;
+
+		blend_cuda_memory(srv->gpu, &held, &total);
+		gauge(f, "kvblend_device_memory_bytes",
+		      "Device memory the fuse holds on its CUDA device.", "gauge", (double)held);
+		gauge(f, "kvblend_device_memory_total_bytes", "The CUDA device's memory.", "gauge",
+		      (double)total);
+	}
 }
 
 static uint64_t now_ms(void)

@@ -14,6 +14,7 @@
 
 #include "clients.h"
 #include "cluster.h"
+#include "cuda/cuda.h"
 #include "fdguard.h"
 #include "log.h"
 #include "metrics.h"
@@ -671,7 +672,7 @@ static int get_part(void *arg, size_t i)
 		return 0;
 	rc = store_chunk_get(g->store, g->m, g->hash, a, b, dst, (uint64_t)(b - a) * 2 * g->tb, NULL);
 	for (uint32_t l = a; !rc && g->rot && l < b; l++, dst += 2 * g->tb)
-		g->be->rotate(&g->shape, g->rot, dst, dst, 0, g->tokens);
+		rc = g->be->rotate(g->be, &g->shape, g->rot, dst, dst, 0, g->tokens);
 	if (!rc && g->progress) {
 		struct get_split *w = (struct get_split *)g;
 
@@ -1156,6 +1157,21 @@ static void op_stats(struct req *q)
 
 		snprintf(nm, sizeof(nm), "backend_%s", srv->blend->name);
 		STAT(nm, 1);
+		if (srv->gpu) {
+			uint64_t held, total;
+			size_t k = (size_t)snprintf(nm, sizeof(nm), "device_name_%s",
+						    blend_cuda_name(srv->gpu));
+
+			/* The name as a stat name: words joined by '_' ("NVIDIA_H200"). */
+			for (k = k < sizeof(nm) ? k : sizeof(nm) - 1; k-- > 12;)
+				if (nm[k] == ' ')
+					nm[k] = '_';
+			STAT(nm, 1);
+			STAT("device_cuda_ordinal", blend_cuda_ordinal(srv->gpu));
+			blend_cuda_memory(srv->gpu, &held, &total);
+			STAT("device_memory_bytes", held);
+			STAT("device_memory_total_bytes", total);
+		}
 	}
 #undef STAT
 	q->out->rep.stats = s;

@@ -16,6 +16,7 @@
 
 #include "clients.h"
 #include "cluster.h"
+#include "cuda/cuda.h"
 #include "curve.h"
 #include "fdguard.h"
 #include "log.h"
@@ -669,6 +670,41 @@ static bool owns_chunk(void *ctx, const uint8_t *hash)
 	return cluster_owns(ctx, hash);
 }
 
+/*
+ * The fuse's compute backend for the device setting: the CPU; CUDA device N, or a
+ * refusal to start naming the cause; or (auto) device 0 when it works, else the CPU.
+ * One log line says which.
+ */
+static int pick_backend(struct server *srv, int device)
+{
+	char why[256];
+	int ordinal = device == CONFIG_DEVICE_AUTO ? 0 : device, rc;
+
+	srv->blend = blend_cpu_backend();
+	if (device == CONFIG_DEVICE_CPU) {
+		log_info("fuse backend %s (device cpu)", srv->blend->name);
+		return 0;
+	}
+	rc = blend_cuda_open(ordinal, &srv->gpu, why, sizeof(why));
+	if (rc && device != CONFIG_DEVICE_AUTO) {
+		log_err("device cuda:%d: %s", ordinal, why);
+		return -ENODEV;
+	}
+	if (rc) {
+		log_info("fuse backend %s (device auto: %s)", srv->blend->name, why);
+		return 0;
+	}
+	{
+		uint64_t held, total;
+
+		blend_cuda_memory(srv->gpu, &held, &total);
+		srv->blend = blend_cuda_backend(srv->gpu);
+		log_info("fuse backend %s on CUDA device %d (%s, %" PRIu64 " MiB)", srv->blend->name,
+			 ordinal, blend_cuda_name(srv->gpu), total >> 20);
+	}
+	return 0;
+}
+
 int server_start(struct server *srv, const struct config *cfg, struct store *store)
 {
 	unsigned n_workers = (unsigned)cfg->workers;
@@ -753,7 +789,9 @@ int server_start(struct server *srv, const struct config *cfg, struct store *sto
 		if (rc)
 			return rc;
 	}
-	srv->blend = blend_cpu_backend();
+	rc = pick_backend(srv, cfg->device);
+	if (rc)
+		return rc;
 	{
 		struct fuse_limits fl = { cfg->fuse_max_sessions, cfg->fuse_max_tokens,
 					  cfg->fuse_max_bytes, cfg->fuse_ring, cfg->fuse_idle,
@@ -763,7 +801,6 @@ int server_start(struct server *srv, const struct config *cfg, struct store *sto
 		if (rc)
 			return rc;
 	}
-	log_info("fuse backend %s", srv->blend->name);
 	{
 		/* Towards other members the daemon speaks with its own CURVE key, if it has one. */
 		char secret[41] = "", public_key[41] = "", err[512];
@@ -958,6 +995,7 @@ void server_stop(struct server *srv)
 	metrics_stop(&srv->metrics);
 	evictor_free(&srv->evict);
 	fuse_table_free(&srv->fuse);
+	blend_cuda_close(&srv->gpu); /* after the sessions that used it */
 	shm_table_free(&srv->shm);
 	pool_free(&srv->pool);
 	clients_free(&srv->clients); /* after the context: ZeroMQ released every reply */

@@ -53,6 +53,7 @@ struct server {
 	struct cluster *cluster; /* NULL: no cluster */
 	struct metrics *metrics;
 	const struct blend_backend *blend; /* fuse compute backend */
+	struct blend_cuda *gpu; /* its CUDA device, when it runs on one (else NULL) */
 	void *zctx;
 	/* ROUTERs bound to cfg->listen: [0] plain (IPC, and TCP without CURVE), [1] CURVE
 	 * (TCP when a server key is configured). A message carries the index of its frontend

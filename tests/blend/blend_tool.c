@@ -2,12 +2,16 @@
  * blend_tool — runs one blend/ function on .npy files, so that the NumPy
  * reference tests (test_blend.py) can check it from outside.
  *
+ *   blend_tool probe                                          CUDA device 0's name, or 77
  *   blend_tool invfreq  ROPE... --seq L --out F.npy           inv_freq (<f8), then attention factor
  *   blend_tool rotate   ROPE... --dtype DT --in K.npy --out O.npy --old-pos P --new-pos Q
  *                       [--old-seq L] [--new-seq L] [--pre-rope] [--isa ISA]
  *   blend_tool deviation --dtype DT --fresh F.npy --stored S.npy --idx I.npy --out D.npy [--isa]
  *   blend_tool select   --cand C.npy --dev D.npy --ratio R --n-cached N --always A.npy --out S.npy
- *   blend_tool merge    --dtype DT --stored S.npy --fresh F.npy --sel I.npy --out O.npy
+ *                       [--isa]
+ *   blend_tool merge    --dtype DT --stored S.npy --fresh F.npy --sel I.npy --out O.npy [--isa]
+ * --isa: baseline, avx2, avx512 (CPU builds) or cuda (the CUDA backend on device 0);
+ * exits 77 with the reason on stdout when this machine has no such backend.
  * ROPE: --head-dim D --rotary-dim R --style neox|gptj --theta T --scaling SPEC
  * Tensors are [rows, heads, head_dim]; bf16 as <u2.
  */
@@ -19,6 +23,7 @@
 #include <string.h>
 
 #include "backend.h"
+#include "cuda/cuda.h"
 #include "hkvd.h"
 #include "kvblend.h"
 #include "npy.h"
@@ -109,8 +114,19 @@ static enum blend_dtype dtype_from_args(int argc, char **argv)
 static const struct blend_backend *backend_from_args(int argc, char **argv)
 {
 	const char *isa = arg(argc, argv, "--isa");
-	const struct blend_backend *b = isa ? blend_cpu_backend_isa(isa) : blend_cpu_backend();
+	const struct blend_backend *b;
 
+	if (isa && !strcmp(isa, "cuda")) {
+		static struct blend_cuda *dev; /* open until exit: one call per process */
+		char why[256];
+
+		if (blend_cuda_open(0, &dev, why, sizeof(why))) {
+			printf("skip: %s\n", why);
+			exit(77);
+		}
+		return blend_cuda_backend(dev);
+	}
+	b = isa ? blend_cpu_backend_isa(isa) : blend_cpu_backend();
 	if (!b) {
 		printf("skip: this CPU lacks %s\n", isa);
 		exit(77);
@@ -118,10 +134,34 @@ static const struct blend_backend *backend_from_args(int argc, char **argv)
 	return b;
 }
 
+/* A backend call failed (only a device can): say why. */
+static int failed(const struct blend_backend *b)
+{
+	char why[256] = "";
+
+	if (b->ctx)
+		blend_cuda_last_error(b->ctx, why, sizeof(why));
+	fprintf(stderr, "%s: call failed %s\n", b->name, why);
+	return 1;
+}
+
 int main(int argc, char **argv)
 {
 	const char *cmd = argc > 1 ? argv[1] : "";
 
+	if (!strcmp(cmd, "probe")) {
+		/* Is there a usable CUDA device 0? Its name, or the reason and 77. */
+		struct blend_cuda *dev;
+		char why[256];
+
+		if (blend_cuda_open(0, &dev, why, sizeof(why))) {
+			printf("skip: %s\n", why);
+			return 77;
+		}
+		printf("%s\n", blend_cuda_name(dev));
+		blend_cuda_close(&dev);
+		return 0;
+	}
 	if (!strcmp(cmd, "invfreq")) {
 		struct rope_config c = rope_from_args(argc, argv);
 		uint64_t n = c.rotary_dim / 2 + 1;
@@ -150,11 +190,14 @@ int main(int argc, char **argv)
 				     ns ? (uint64_t)atoll(ns) : np + rows, &t))
 			return 1;
 		/* In two halves, as the daemon splits work: row0 must index the table. */
-		b->rotate(&s, &t, k.data, k.data, 0, rows / 2);
-		b->rotate(&s, &t, (uint8_t *)k.data + (size_t)(rows / 2) * s.heads * s.head_dim *
-						       k.elem_size,
-			  (uint8_t *)k.data + (size_t)(rows / 2) * s.heads * s.head_dim * k.elem_size,
-			  rows / 2, rows - rows / 2);
+		if (b->rotate(b, &s, &t, k.data, k.data, 0, rows / 2) ||
+		    b->rotate(b, &s, &t,
+			      (uint8_t *)k.data + (size_t)(rows / 2) * s.heads * s.head_dim *
+							  k.elem_size,
+			      (uint8_t *)k.data + (size_t)(rows / 2) * s.heads * s.head_dim *
+							  k.elem_size,
+			      rows / 2, rows - rows / 2))
+			return failed(b);
 		save(need(argc, argv, "--out"), k.descr, k.ndim, k.shape, k.data,
 		     k.count * k.elem_size);
 		rope_table_free(&t);
@@ -169,7 +212,10 @@ int main(int argc, char **argv)
 		float *out = calloc(idx.count + 1, sizeof(float));
 		uint64_t n = idx.count;
 
-		backend_from_args(argc, argv)->deviation(&s, f.data, st.data, idx.data, n, out);
+		const struct blend_backend *b = backend_from_args(argc, argv);
+
+		if (b->deviation(b, &s, f.data, st.data, idx.data, n, out))
+			return failed(b);
 		save(need(argc, argv, "--out"), "<f4", 1, &n, out, n * 4);
 		free(out);
 		npy_free(&f);
@@ -183,7 +229,8 @@ int main(int argc, char **argv)
 		size_t k = hkvd_count(atof(need(argc, argv, "--ratio")),
 				      (size_t)atoll(need(argc, argv, "--n-cached")));
 		int32_t *out = calloc(cand.count + al.count + 1, sizeof(int32_t));
-		long n = hkvd_select(cand.data, dev.data, cand.count, k, al.data, al.count, out);
+		const struct blend_backend *b = backend_from_args(argc, argv);
+		long n = b->select(b, cand.data, dev.data, cand.count, k, al.data, al.count, out);
 		uint64_t shape = (uint64_t)n;
 
 		if (n < 0)
@@ -202,12 +249,14 @@ int main(int argc, char **argv)
 					 dtype_from_args(argc, argv) };
 		void *out = malloc(st.count * st.elem_size + 1);
 		size_t rows = st.shape[0], half = rows / 3;
-		const struct blend_backend *b = blend_cpu_backend();
+		const struct blend_backend *b = backend_from_args(argc, argv);
 
 		/* In three row ranges, as the daemon splits a layer across threads. */
-		b->merge(&s, st.data, f.data, sel.data, sel.count, out, 0, half);
-		b->merge(&s, st.data, f.data, sel.data, sel.count, out, half, half);
-		b->merge(&s, st.data, f.data, sel.data, sel.count, out, 2 * half, rows - 2 * half);
+		if (b->merge(b, &s, st.data, f.data, sel.data, sel.count, out, 0, half) ||
+		    b->merge(b, &s, st.data, f.data, sel.data, sel.count, out, half, half) ||
+		    b->merge(b, &s, st.data, f.data, sel.data, sel.count, out, 2 * half,
+			     rows - 2 * half))
+			return failed(b);
 		save(need(argc, argv, "--out"), st.descr, st.ndim, st.shape, out,
 		     st.count * st.elem_size);
 		free(out);

@@ -3,7 +3,10 @@
 re-rotation for every style, scaling and dtype (positions up to 131072), composition,
 bit-identical SIMD builds, deviation, HKVD selection and merge.
 
-usage: test_blend.py BLEND_TOOL
+usage: test_blend.py BLEND_TOOL [--backend cuda]
+With --backend cuda every case runs on the CUDA backend (the parity suite): against
+the same reference, and bit-identical to the CPU builds in test_isa_identical. Exits
+77 (skipped) with the reason when there is no usable CUDA device.
 The reference is written from the papers' and Hugging Face transformers' formulas,
 independently of the C code, in float64.
 """
@@ -19,6 +22,8 @@ from kvref import (EPS, from_dtype, pair_index, ref_inv_freq, ref_rotate, ref_se
                    to_dtype)
 
 TOOL = sys.argv[1]
+BACKEND = sys.argv[3] if len(sys.argv) > 3 and sys.argv[2] == "--backend" else None
+COMPUTE = {"rotate", "deviation", "select", "merge"}
 TMP = tempfile.mkdtemp(prefix="kvb-blend-")
 passed = failed = skipped = 0
 
@@ -33,8 +38,15 @@ def check(name, cond, detail=""):
 
 
 def run(*args):
+    args = list(args)
+    if BACKEND and args[0] in COMPUTE and "--isa" not in args:
+        args += ["--isa", BACKEND]
     r = subprocess.run([TOOL, *map(str, args)], capture_output=True, text=True)
     if r.returncode == 77:
+        if BACKEND and args[-1] == BACKEND:
+            print(r.stdout.strip())
+            subprocess.run(["rm", "-rf", TMP])
+            sys.exit(77)
         return None
     if r.returncode != 0:
         raise RuntimeError(f"blend_tool {' '.join(map(str, args))}: {r.stderr}")
@@ -172,12 +184,12 @@ def test_isa_identical():
     for style in ["neox", "gptj"]:
         for dt in ["f16", "bf16", "f32"]:
             outs = {}
-            for isa in ["baseline", "avx2", "avx512"]:
+            for isa in ["baseline", "avx2", "avx512", "cuda"]:
                 r = rotate_case(np.random.default_rng(5), style, "yarn:4,4096", dt, 64, 128, 4,
                                 33, 3, 4000, False, isa=isa)
                 if r is None:
                     skipped += 1
-                    print(f"skip - {isa} not supported by this CPU")
+                    print(f"skip - {isa}: not on this machine")
                     continue
                 outs[isa] = np.load(path("o.npy")).tobytes()
             vals = list(outs.values())
@@ -189,7 +201,7 @@ def test_isa_identical():
             np.save(path("s.npy"), stored)
             np.save(path("i.npy"), idx)
             devs = {}
-            for isa in ["baseline", "avx2", "avx512"]:
+            for isa in ["baseline", "avx2", "avx512", "cuda"]:
                 if run("deviation", "--dtype", dt, "--fresh", path("f.npy"), "--stored",
                        path("s.npy"), "--idx", path("i.npy"), "--out", path("d.npy"),
                        "--isa", isa) is not None:

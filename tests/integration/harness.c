@@ -32,6 +32,11 @@ static void spawn(struct daemon *d, const char *const *extra)
 	argv[n++] = "3";
 	argv[n++] = "--log-level";
 	argv[n++] = "debug";
+	/* The parity suite (tests/gpu_run.sh) runs the same tests with the fuse on a GPU. */
+	if (getenv("KVBLEND_TEST_DEVICE")) {
+		argv[n++] = "--device";
+		argv[n++] = getenv("KVBLEND_TEST_DEVICE");
+	}
 	for (int i = 0; extra && extra[i] && n < 62; i++)
 		argv[n++] = extra[i];
 	argv[n] = NULL;

@@ -248,8 +248,10 @@ def run_model(m, rng):
         q.fuse("three check layers, few rows", [1, 2, 3], [0.15, 0.05, 0.02])
 
 
+# KVBLEND_TEST_DEVICE (tests/gpu_run.sh): the daemon's --device, for the parity suite.
+DEVICE = ["--device", os.environ["KVBLEND_TEST_DEVICE"]] if os.environ.get("KVBLEND_TEST_DEVICE") else []
 daemon = subprocess.Popen([KVBLENDD, "--data-dir", f"{TMP}/data", "--listen", EP,
-                           "--map-size", "1G", "--log-level", "debug"],
+                           "--map-size", "1G", "--log-level", "debug", *DEVICE],
                           stderr=open(f"{TMP}/kvblendd.log", "w"))
 try:
     for _ in range(100):

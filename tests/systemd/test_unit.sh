@@ -50,10 +50,10 @@ missing=
 for f in usr/bin/kvblend usr/include/kvblend.h usr/lib/x86_64-linux-gnu/libkvblend.so.0 \
 	usr/lib/x86_64-linux-gnu/pkgconfig/kvblend.pc usr/lib/sysusers.d/kvblend.conf \
 	usr/lib/tmpfiles.d/kvblend.conf etc/kvblend/kvblendd.conf usr/share/man/man8/kvblendd.8 \
-	usr/share/man/man1/kvblend.1; do
+	usr/share/man/man1/kvblend.1 usr/share/doc/kvblend/kvblendd-gpu.conf; do
 	[ -e "$root/$f" ] || missing="$missing /$f"
 done
-[ -z "$missing" ] && ok "package has binaries, library, header, pkg-config, unit entries, config and man pages" ||
+[ -z "$missing" ] && ok "package has binaries, library, header, pkg-config, unit entries, config, man pages and the GPU drop-in" ||
 	bad "package lacks$missing"
 systemd-sysusers --root="$root" "$root/usr/lib/sysusers.d/kvblend.conf" &&
 	grep -q '^kvblend:' "$root/etc/passwd" && ok "sysusers entry creates user kvblend" ||

@@ -17,6 +17,7 @@
 #include <cmocka.h>
 
 #include "backend.h"
+#include "cuda/cuda.h"
 #include "rope.h"
 
 #define ROWS 5
@@ -106,27 +107,27 @@ static void check_one(const struct blend_backend *be, const struct align_case *c
 	memcpy(usrc, src, bytes);
 	memcpy(ufr, fr, bytes);
 
-	be->rotate(&s, &t, src, dst, 0, ROWS);
-	be->rotate(&s, &t, usrc, udst, 0, ROWS);
+	assert_int_equal(be->rotate(be, &s, &t, src, dst, 0, ROWS), 0);
+	assert_int_equal(be->rotate(be, &s, &t, usrc, udst, 0, ROWS), 0);
 	assert_memory_equal(dst, udst, bytes);
 	/* In place, the way a GET re-rotates into the client's buffer. */
-	be->rotate(&s, &t, usrc, usrc, 0, ROWS);
+	assert_int_equal(be->rotate(be, &s, &t, usrc, usrc, 0, ROWS), 0);
 	assert_memory_equal(dst, usrc, bytes);
 	/* From a row other than 0 (table row row0 + r). */
 	memcpy(usrc, src, bytes);
-	be->rotate(&s, &t, src + 2 * row, dst + 2 * row, 2, ROWS - 2);
-	be->rotate(&s, &t, usrc + 2 * row, udst + 2 * row, 2, ROWS - 2);
+	assert_int_equal(be->rotate(be, &s, &t, src + 2 * row, dst + 2 * row, 2, ROWS - 2), 0);
+	assert_int_equal(be->rotate(be, &s, &t, usrc + 2 * row, udst + 2 * row, 2, ROWS - 2), 0);
 	assert_memory_equal(dst, udst, bytes);
 
 	memcpy(usrc, src, bytes);
-	be->deviation(&s, fr, src, idx, ROWS, dev);
-	be->deviation(&s, ufr, usrc, idx, ROWS, udev);
+	assert_int_equal(be->deviation(be, &s, fr, src, idx, ROWS, dev), 0);
+	assert_int_equal(be->deviation(be, &s, ufr, usrc, idx, ROWS, udev), 0);
 	assert_memory_equal(dev, udev, sizeof(dev));
 	for (int i = 0; i < ROWS; i++)
 		assert_true(dev[i] > 0);
 
-	be->merge(&s, src, fr, sel, 2, out, 0, ROWS);
-	be->merge(&s, usrc, ufr, sel, 2, uout, 0, ROWS);
+	assert_int_equal(be->merge(be, &s, src, fr, sel, 2, out, 0, ROWS), 0);
+	assert_int_equal(be->merge(be, &s, usrc, ufr, sel, 2, uout, 0, ROWS), 0);
 	assert_memory_equal(out, uout, bytes);
 	assert_memory_equal(out + 1 * row, fr, row);
 	assert_memory_equal(out + 3 * row, fr + row, row);
@@ -137,16 +138,33 @@ static void check_one(const struct blend_backend *be, const struct align_case *c
 	free(b_fr), free(b_ufr), free(b_out), free(b_uout);
 }
 
+/* The CUDA backend on device 0, or NULL (saying why) where there is none. */
+static struct blend_cuda *gpu;
+
+static const struct blend_backend *gpu_backend(void)
+{
+	char why[256];
+
+	if (!gpu && blend_cuda_open(0, &gpu, why, sizeof(why))) {
+		print_message("# cuda: %s\n", why);
+		return NULL;
+	}
+	return blend_cuda_backend(gpu);
+}
+
 static void test_unaligned_equals_aligned(void **state)
 {
 	unsigned ran = 0;
 
 	(void)state;
-	for (size_t i = 0; i < sizeof(isas) / sizeof(isas[0]); i++) {
-		const struct blend_backend *be = blend_cpu_backend_isa(isas[i]);
+	for (size_t i = 0; i < sizeof(isas) / sizeof(isas[0]) + 1; i++) {
+		const struct blend_backend *be = i < sizeof(isas) / sizeof(isas[0])
+							 ? blend_cpu_backend_isa(isas[i])
+							 : gpu_backend();
 
 		if (!be) {
-			print_message("# %s: not on this CPU\n", isas[i]);
+			if (i < sizeof(isas) / sizeof(isas[0]))
+				print_message("# %s: not on this CPU\n", isas[i]);
 			continue;
 		}
 		for (size_t c = 0; c < sizeof(cases) / sizeof(cases[0]); c++)
@@ -181,9 +199,15 @@ static void test_isas_agree_unaligned(void **state)
 		s.dtype = dtypes[d];
 		bytes = ROWS * 8 * 128 * blend_dtype_size(s.dtype);
 		fill(s.dtype, src, bytes / blend_dtype_size(s.dtype));
-		base->rotate(&s, &t, src, d1, 0, ROWS);
-		be->rotate(&s, &t, src, d2, 0, ROWS);
+		assert_int_equal(base->rotate(base, &s, &t, src, d1, 0, ROWS), 0);
+		assert_int_equal(be->rotate(be, &s, &t, src, d2, 0, ROWS), 0);
 		assert_memory_equal(d1, d2, bytes);
+		if (gpu_backend()) {
+			const struct blend_backend *g = gpu_backend();
+
+			assert_int_equal(g->rotate(g, &s, &t, src, d2, 0, ROWS), 0);
+			assert_memory_equal(d1, d2, bytes);
+		}
 	}
 	rope_table_free(&t);
 	free(b1), free(b2), free(b3);
@@ -196,5 +220,8 @@ int main(void)
 		cmocka_unit_test(test_isas_agree_unaligned),
 	};
 
-	return cmocka_run_group_tests(tests, NULL, NULL);
+	int rc = cmocka_run_group_tests(tests, NULL, NULL);
+
+	blend_cuda_close(&gpu);
+	return rc;
 }

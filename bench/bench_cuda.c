@@ -1,0 +1,324 @@
+/*
+ * bench_cuda — the CUDA backend's fuse kernels on a Mistral-7B-shaped layer (8 KV
+ * heads, head_dim 128, f16; 32 layers, r = 0.15, check layer 1, chunks of 512
+ * tokens), on device memory:
+ *
+ *   kernels: per layer, re-rotate K of every chunk, then (check layer) the V
+ *   deviation of every token and the top-k, then scatter the fresh K and V rows
+ *   of the selection; the time per layer against a device-to-device copy of the
+ *   layer's K and V measured in the same run (ratio = copy time / kernel time;
+ *   target >= 0.7).
+ *
+ *   pipelined: stored K and V of each layer uploaded from pinned host memory on
+ *   one stream while the kernels of the layer before run on another (a ring of
+ *   three layers on the device): fused layers per second, as bytes, against
+ *   the host-to-device bandwidth of the same uploads alone (target >= 0.7).
+ *
+ * Exits 77 with the reason when there is no usable CUDA device.
+ *
+ * usage: bench_cuda [--tokens 4096,32768] [--repeats N] [--device N]
+ */
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "cuda/cuda.h"
+#include "hkvd.h"
+#include "rope.h"
+
+#define HEADS 8
+#define DIM 128
+#define ROW (HEADS * DIM * 2)
+#define LAYERS 32
+#define CHUNK 512
+#define FRESH 32
+#define RING 3
+
+static double now_s(void)
+{
+	struct timespec t;
+
+	clock_gettime(CLOCK_MONOTONIC, &t);
+	return (double)t.tv_sec + t.tv_nsec / 1e9;
+}
+
+static int cmp_d(const void *a, const void *b)
+{
+	double x = *(const double *)a, y = *(const double *)b;
+
+	return (x > y) - (x < y);
+}
+
+static double median(double *v, unsigned n)
+{
+	qsort(v, n, sizeof(*v), cmp_d);
+	return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
+#define CHECK(call)                                                                        \
+	do {                                                                               \
+		int rc_ = (call);                                                          \
+		if (rc_) {                                                                 \
+			char why_[256];                                                    \
+			blend_cuda_last_error(d, why_, sizeof(why_));                      \
+			fprintf(stderr, "bench_cuda: %s: %d (%s)\n", #call, rc_, why_);    \
+			exit(1);                                                           \
+		}                                                                          \
+	} while (0)
+
+struct layer_bufs {
+	void *k, *v;
+};
+
+/* One size's device state: what a layer's kernels read and write besides the layer. */
+struct run {
+	struct blend_cuda *d;
+	struct blend_cuda_stream *cs; /* the kernels' stream */
+	struct blend_shape s;
+	unsigned tokens, n_chunks;
+	const struct blend_cuda_table *tabs; /* one per chunk */
+	void *fresh_all, *dev_out, *cand, *always, *sel, *scr, *fk, *fv;
+	size_t k, n_sel, scratch, n_sel_out;
+};
+
+/* Queue layer l's kernels on b: re-rotate K per chunk; at the check layer (1) the V
+ * deviation and the top-k; from it on the scatter of the selected fresh rows. */
+static void layer_kernels(struct run *r, unsigned l, struct layer_bufs *b)
+{
+	struct blend_cuda *d = r->d;
+
+	for (unsigned c = 0; c < r->n_chunks; c++) {
+		unsigned rows = c + 1 < r->n_chunks ? CHUNK : r->tokens - c * CHUNK;
+		uint8_t *kc = (uint8_t *)b->k + (size_t)c * CHUNK * ROW;
+
+		CHECK(blend_cuda_rotate_dev(r->cs, &r->s, &r->tabs[c], kc, kc, rows));
+	}
+	if (l == 1) {
+		CHECK(blend_cuda_deviation_dev(r->cs, &r->s, r->fresh_all, b->v, NULL, r->tokens,
+					       r->dev_out));
+		CHECK(blend_cuda_select_dev(r->cs, r->cand, r->dev_out, r->tokens - FRESH, r->k,
+					    r->always, FRESH, r->sel, r->scr, r->scratch,
+					    &r->n_sel_out));
+	}
+	if (l >= 1) {
+		CHECK(blend_cuda_scatter_dev(r->cs, &r->s, b->k, r->fk, r->sel, r->n_sel));
+		CHECK(blend_cuda_scatter_dev(r->cs, &r->s, b->v, r->fv, r->sel, r->n_sel));
+	}
+}
+
+int main(int argc, char **argv)
+{
+	unsigned sizes[8] = { 4096, 32768 }, n_sizes = 2, repeats = 5;
+	int ordinal = 0;
+	struct blend_cuda *d;
+	char why[256];
+
+	for (int i = 1; i < argc; i++) {
+		if (!strcmp(argv[i], "--repeats") && i + 1 < argc) {
+			repeats = (unsigned)atoi(argv[++i]);
+		} else if (!strcmp(argv[i], "--device") && i + 1 < argc) {
+			ordinal = atoi(argv[++i]);
+		} else if (!strcmp(argv[i], "--tokens") && i + 1 < argc) {
+			char *save, *tok;
+
+			n_sizes = 0;
+			for (tok = strtok_r(argv[++i], ",", &save); tok && n_sizes < 8;
+			     tok = strtok_r(NULL, ",", &save))
+				sizes[n_sizes++] = (unsigned)atoi(tok);
+		} else {
+			fprintf(stderr, "usage: bench_cuda [--tokens 4096,32768] [--repeats N] "
+					"[--device N]\n");
+			return 2;
+		}
+	}
+	if (!repeats)
+		repeats = 1;
+	if (blend_cuda_open(ordinal, &d, why, sizeof(why))) {
+		printf("bench_cuda: skipped: %s\n", why);
+		return 77;
+	}
+	printf("kvblend bench_cuda on %s: %d layers x %d kv heads x head_dim %d f16, r = 0.15, "
+	       "check layer 1, chunks of %d tokens, %d fresh; median of %u runs\n\n",
+	       blend_cuda_name(d), LAYERS, HEADS, DIM, CHUNK, FRESH, repeats);
+	printf("| tokens | kernels ms/layer | D2D copy ms/layer | ratio | pipelined fused GB/s | "
+	       "H2D GB/s | ratio |\n|---|---|---|---|---|---|---|\n");
+	for (unsigned si = 0; si < n_sizes; si++) {
+		unsigned T = sizes[si], n_chunks = (T + CHUNK - 1) / CHUNK;
+		size_t plane = (size_t)T * ROW, k = hkvd_count(0.15, T - FRESH);
+		size_t n_sel = k + FRESH, scratch = blend_cuda_select_scratch(T);
+		struct blend_shape s = { HEADS, DIM, DIM, ROPE_NEOX, BLEND_F16 };
+		struct rope_config rc = { .head_dim = DIM, .rotary_dim = DIM, .style = ROPE_NEOX,
+					  .theta = 1e6 };
+		struct blend_cuda_stream *cs, *xs;
+		struct layer_bufs ring[RING];
+		void *fk, *fv, *fresh_all, *scr, *tab, *dev_out, *cand, *always, *sel, *copy;
+		uint16_t *host;
+		int32_t *hcand, *halw;
+		double *t_kern = calloc(repeats, sizeof(double));
+		double *t_copy = calloc(repeats, sizeof(double));
+		double *t_pipe = calloc(repeats, sizeof(double));
+		double *t_h2d = calloc(repeats, sizeof(double));
+		struct blend_cuda_table *tabs = calloc(n_chunks, sizeof(*tabs));
+		struct run run;
+
+		CHECK(blend_cuda_stream_new(d, &cs));
+		CHECK(blend_cuda_stream_new(d, &xs));
+		for (int r = 0; r < RING; r++) {
+			CHECK(blend_cuda_alloc(d, plane, &ring[r].k));
+			CHECK(blend_cuda_alloc(d, plane, &ring[r].v));
+		}
+		CHECK(blend_cuda_alloc(d, n_sel * ROW, &fk));
+		CHECK(blend_cuda_alloc(d, n_sel * ROW, &fv));
+		CHECK(blend_cuda_alloc(d, plane, &fresh_all));
+		CHECK(blend_cuda_alloc(d, 2 * plane, &copy));
+		CHECK(blend_cuda_alloc(d, scratch ? scratch : 1, &scr));
+		CHECK(blend_cuda_alloc(d, (size_t)T * 4, &dev_out));
+		CHECK(blend_cuda_alloc(d, (size_t)T * 4, &cand));
+		CHECK(blend_cuda_alloc(d, FRESH * 4, &always));
+		CHECK(blend_cuda_alloc(d, (size_t)T * 4, &sel));
+		CHECK(blend_cuda_alloc(d, (size_t)n_chunks * 2 * DIM / 2 * 4, &tab));
+		CHECK(blend_cuda_host_alloc(d, 2 * plane, (void **)&host));
+		hcand = malloc((size_t)T * 4);
+		halw = malloc(FRESH * 4);
+		/* Stored K and V: random f16 of magnitude 2^-2..2^1; candidates are the cached
+		 * tokens, the fresh ones the last FRESH. */
+		{
+			uint64_t x = 88172645463325252ull;
+
+			for (size_t i = 0; i < plane; i++) {
+				x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+				host[i] = (uint16_t)((x >> 63) << 15 | (13 + (x >> 20 & 3)) << 10 |
+						     (x & 0x3ff));
+			}
+		}
+		for (unsigned i = 0; i < T - FRESH; i++)
+			hcand[i] = (int32_t)i;
+		for (unsigned i = 0; i < FRESH; i++)
+			halw[i] = (int32_t)(T - FRESH + i);
+		CHECK(blend_cuda_upload(cs, cand, hcand, (size_t)(T - FRESH) * 4));
+		CHECK(blend_cuda_upload(cs, always, halw, FRESH * 4));
+		for (int r = 0; r < RING; r++) {
+			CHECK(blend_cuda_upload(cs, ring[r].k, host, plane));
+			CHECK(blend_cuda_upload(cs, ring[r].v, host + plane / 2, plane));
+		}
+		CHECK(blend_cuda_upload(cs, fresh_all, host + plane / 4, plane));
+		/* One rotation table per chunk: post-RoPE keys moved by (new - old), one row. */
+		for (unsigned c = 0; c < n_chunks; c++) {
+			struct rope_table t;
+			float *dc = (float *)tab + (size_t)c * DIM;
+
+			if (rope_table_build(&rc, false, CHUNK, 7 * c, 0, c * CHUNK, T, &t))
+				return 1;
+			CHECK(blend_cuda_upload(cs, dc, t.cos, DIM / 2 * 4));
+			CHECK(blend_cuda_upload(cs, dc + DIM / 2, t.sin, DIM / 2 * 4));
+			tabs[c] = (struct blend_cuda_table){ dc, dc + DIM / 2, 1, t.scale };
+			CHECK(blend_cuda_stream_sync(cs));
+			rope_table_free(&t);
+		}
+		CHECK(blend_cuda_stream_sync(cs));
+		run = (struct run){ .d = d, .cs = cs, .s = s, .tokens = T, .n_chunks = n_chunks,
+				    .tabs = tabs, .fresh_all = fresh_all, .dev_out = dev_out,
+				    .cand = cand, .always = always, .sel = sel, .scr = scr,
+				    .fk = fk, .fv = fv, .k = k, .n_sel = n_sel,
+				    .scratch = scratch };
+
+		for (unsigned rep = 0; rep < repeats + 1; rep++) {
+			double t0;
+
+			/* Kernels alone, on a layer already on the device. */
+			t0 = now_s();
+			for (unsigned l = 0; l < LAYERS; l++)
+				layer_kernels(&run, l, &ring[l % RING]);
+			CHECK(blend_cuda_stream_sync(cs));
+			if (rep)
+				t_kern[rep - 1] = (now_s() - t0) / LAYERS;
+
+			/* The same bytes, device to device. */
+			t0 = now_s();
+			for (unsigned l = 0; l < LAYERS; l++) {
+				struct layer_bufs *b = &ring[l % RING];
+
+				CHECK(blend_cuda_copy(cs, copy, b->k, plane));
+				CHECK(blend_cuda_copy(cs, (uint8_t *)copy + plane, b->v, plane));
+			}
+			CHECK(blend_cuda_stream_sync(cs));
+			if (rep)
+				t_copy[rep - 1] = (now_s() - t0) / LAYERS;
+
+			/* Host-to-device bandwidth of the layers' uploads alone. */
+			t0 = now_s();
+			for (unsigned l = 0; l < LAYERS; l++) {
+				struct layer_bufs *b = &ring[l % RING];
+
+				CHECK(blend_cuda_upload(xs, b->k, host, plane));
+				CHECK(blend_cuda_upload(xs, b->v, host + plane / 2, plane));
+			}
+			CHECK(blend_cuda_stream_sync(xs));
+			if (rep)
+				t_h2d[rep - 1] = now_s() - t0;
+
+			/* Pipelined: upload layer l on xs while cs runs layer l - 1's kernels.
+			 * Each wait is taken before the other stream's next work is queued: the
+			 * upload into layer l's slot waits for the kernels up to layer l - 2 (the
+			 * slot's last user was l - 3), the kernels of l - 1 for its upload. */
+			t0 = now_s();
+			for (unsigned l = 0; l < LAYERS + 1; l++) {
+				if (l < LAYERS)
+					CHECK(blend_cuda_stream_wait(xs, cs));
+				if (l >= 1)
+					CHECK(blend_cuda_stream_wait(cs, xs));
+				if (l >= 1)
+					layer_kernels(&run, l - 1, &ring[(l - 1) % RING]);
+				if (l < LAYERS) {
+					struct layer_bufs *b = &ring[l % RING];
+
+					CHECK(blend_cuda_upload(xs, b->k, host, plane));
+					CHECK(blend_cuda_upload(xs, b->v, host + plane / 2, plane));
+				}
+			}
+			CHECK(blend_cuda_stream_sync(cs));
+			CHECK(blend_cuda_stream_sync(xs));
+			if (rep)
+				t_pipe[rep - 1] = now_s() - t0;
+		}
+		{
+			double kern = median(t_kern, repeats), cp = median(t_copy, repeats);
+			double h2d = 2.0 * plane * LAYERS / median(t_h2d, repeats) / 1e9;
+			double pipe = 2.0 * plane * LAYERS / median(t_pipe, repeats) / 1e9;
+
+			printf("| %u | %.3f | %.3f | %.2fx | %.2f | %.2f | %.2fx |\n", T, kern * 1e3,
+			       cp * 1e3, cp / kern, pipe, h2d, pipe / h2d);
+		}
+		if (run.n_sel_out != n_sel)
+			fprintf(stderr, "bench_cuda: selected %zu, expected %zu\n", run.n_sel_out,
+				n_sel);
+		for (int r = 0; r < RING; r++) {
+			blend_cuda_free(d, ring[r].k, plane);
+			blend_cuda_free(d, ring[r].v, plane);
+		}
+		blend_cuda_free(d, fk, n_sel * ROW);
+		blend_cuda_free(d, fv, n_sel * ROW);
+		blend_cuda_free(d, fresh_all, plane);
+		blend_cuda_free(d, copy, 2 * plane);
+		blend_cuda_free(d, scr, scratch ? scratch : 1);
+		blend_cuda_free(d, dev_out, (size_t)T * 4);
+		blend_cuda_free(d, cand, (size_t)T * 4);
+		blend_cuda_free(d, always, FRESH * 4);
+		blend_cuda_free(d, sel, (size_t)T * 4);
+		blend_cuda_free(d, tab, (size_t)n_chunks * DIM * 4);
+		blend_cuda_host_free(d, host);
+		blend_cuda_stream_free(&cs);
+		blend_cuda_stream_free(&xs);
+		free(hcand);
+		free(halw);
+		free(tabs);
+		free(t_kern);
+		free(t_copy);
+		free(t_pipe);
+		free(t_h2d);
+	}
+	blend_cuda_close(&d);
+	return 0;
+}
