@@ -1257,6 +1257,95 @@ out:
 	return rc;
 }
 
+/* What kvb_layers holds: the frames and the two pointer arrays, freed together. */
+struct layers_impl {
+	struct kvb_layers pub;
+	zmq_msg_t *frames;
+	size_t n_frames;
+};
+
+void kvb_layers_free(struct kvb_layers **lp)
+{
+	struct layers_impl *l = lp && *lp ? (struct layers_impl *)*lp : NULL;
+
+	if (!l)
+		return;
+	for (size_t i = 0; i < l->n_frames; i++)
+		zmq_msg_close(&l->frames[i]);
+	free(l->frames);
+	free(l->pub.k);
+	free(l->pub.v);
+	free(l);
+	*lp = NULL;
+}
+
+int kvb_get_layers(kvb_client *c, const char *model, const uint8_t hash[KVB_HASH_LEN],
+		   uint32_t layer_begin, uint32_t layer_end, struct kvb_layers **out)
+{
+	struct call k = { .req = { .op = KVBP_OP_GET, .has_hash = true, .layer_begin = layer_begin,
+				   .layer_end = layer_end } };
+	struct layers_impl *l = NULL;
+	struct kvb_chunk_info info;
+	uint32_t n;
+	int rc;
+
+	if ((rc = set_name(c, &k, model)))
+		return rc;
+	memcpy(k.req.hash, hash, KVB_HASH_LEN);
+	rc = call(c, &k); /* no shared memory, no sink: the frames stay as they came */
+	if (rc)
+		goto out;
+	if (k.rep.n_chunks != 1 || k.rep.layer_end <= k.rep.layer_begin) {
+		rc = set_err(c, KVB_E_PROTOCOL, "get reply without chunk info or layers");
+		goto out;
+	}
+	chunk_from_wire(&k.rep.chunks[0], &info);
+	n = k.rep.layer_end - k.rep.layer_begin;
+	if (k.n_frames != 2 * (size_t)n) {
+		rc = set_err(c, KVB_E_PROTOCOL, "get reply has %zu frames for %" PRIu32 " layers",
+			     k.n_frames, n);
+		goto out;
+	}
+	for (size_t i = 0; i < k.n_frames; i++)
+		if (zmq_msg_size(&k.frames[i]) != zmq_msg_size(&k.frames[0])) {
+			rc = set_err(c, KVB_E_PROTOCOL, "get reply frames differ in size");
+			goto out;
+		}
+	l = calloc(1, sizeof(*l));
+	if (l) {
+		l->pub.k = calloc(n, sizeof(*l->pub.k));
+		l->pub.v = calloc(n, sizeof(*l->pub.v));
+	}
+	if (!l || !l->pub.k || !l->pub.v) {
+		rc = set_err(c, -ENOMEM, "out of memory");
+		goto out;
+	}
+	l->pub.layer_begin = k.rep.layer_begin;
+	l->pub.layer_end = k.rep.layer_end;
+	l->pub.tensor_bytes = zmq_msg_size(&k.frames[0]);
+	l->pub.info = info;
+	/* The frames move into the result: call_done() then has none to close. */
+	l->frames = k.frames;
+	l->n_frames = k.n_frames;
+	k.frames = NULL;
+	k.n_frames = 0;
+	for (uint32_t i = 0; i < n; i++) {
+		l->pub.k[i] = zmq_msg_data(&l->frames[2 * i]);
+		l->pub.v[i] = zmq_msg_data(&l->frames[2 * i + 1]);
+	}
+	l->pub.frames_ = l->frames;
+	*out = &l->pub;
+	l = NULL;
+out:
+	if (l) {
+		struct kvb_layers *p = &l->pub;
+
+		kvb_layers_free(&p);
+	}
+	call_done(&k);
+	return rc;
+}
+
 int kvb_get(kvb_client *c, const char *model, const uint8_t hash[KVB_HASH_LEN],
 	    uint32_t layer_begin, uint32_t layer_end, void *out, size_t out_bytes,
 	    struct kvb_chunk_info *info)

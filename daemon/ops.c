@@ -39,12 +39,15 @@ struct req {
 /*
  * A reply payload buffer shared by several frames, freed when ZeroMQ drops the last;
  * its bytes are held on the client's account until then (an unread reply counts).
+ * Or, with view set, no buffer: the frames point into the store's map through the
+ * view, which ends when ZeroMQ drops the last (zero-copy GET).
  */
 struct shared_buf {
 	atomic_int refs;
 	size_t len;
 	struct clients *clients;
 	struct client_acct *acct;
+	struct store_view *view;
 	_Alignas(64) uint8_t data[];
 };
 
@@ -59,6 +62,7 @@ static void shared_buf_unref(void *data, void *hint)
 		clients_release(b->clients, b->acct, b->len);
 		clients_put(b->clients, b->acct);
 	}
+	store_view_free(&b->view);
 	free(b);
 }
 
@@ -78,7 +82,7 @@ __attribute__((format(printf, 3, 4))) static int fail(struct req *q, uint32_t co
  * A reply buffer of len bytes, held on the client's account; NULL with a reply
  * naming the limit (or memory) that refused it.
  */
-static struct shared_buf *reply_buf(struct req *q, size_t len)
+static struct shared_buf *reply_hold(struct req *q, size_t len, size_t data_len)
 {
 	struct shared_buf *b;
 	int rc = 0;
@@ -97,7 +101,7 @@ static struct shared_buf *reply_buf(struct req *q, size_t len)
 		     "max_inflight_bytes (%" PRIu64 "); retry", q->srv->cfg->max_inflight_bytes);
 		return NULL;
 	}
-	b = aligned_alloc(64, (sizeof(*b) + len + 63) & ~(size_t)63);
+	b = aligned_alloc(64, (sizeof(*b) + data_len + 63) & ~(size_t)63);
 	if (!b) {
 		if (q->acct)
 			clients_release(q->srv->clients, q->acct, len);
@@ -108,9 +112,15 @@ static struct shared_buf *reply_buf(struct req *q, size_t len)
 	b->len = len;
 	b->clients = q->srv->clients;
 	b->acct = q->acct;
+	b->view = NULL;
 	if (b->acct)
 		clients_ref(b->clients, b->acct);
 	return b;
+}
+
+static struct shared_buf *reply_buf(struct req *q, size_t len)
+{
+	return reply_hold(q, len, len);
 }
 
 static void hex(const uint8_t *h, char *out)
@@ -724,6 +734,97 @@ static int chunk_get_parallel(struct req *q, const struct store_model *m, uint32
 	return rc;
 }
 
+/* GETs of at least this many bytes go out from the store's pages (below, a copy is
+ * as cheap as the view's transaction). */
+#define VIEW_MIN_BYTES (256u << 10)
+
+struct view_check {
+	const struct store_view *v;
+	uint32_t n, parts;
+};
+
+static int view_check_part(void *arg, size_t i)
+{
+	const struct view_check *c = arg;
+	uint32_t a = (uint32_t)((uint64_t)c->n * i / c->parts);
+	uint32_t b = (uint32_t)((uint64_t)c->n * (i + 1) / c->parts);
+
+	for (uint32_t l = a; l < b; l++)
+		if (store_view_verify(c->v, l))
+			return -EBADMSG;
+	return 0;
+}
+
+/*
+ * Serve a GET of layers [lb, le) as frames pointing at the stored bytes: verify
+ * every layer's checksums (split over the helper threads), then hand ZeroMQ
+ * frames that keep the view, and its read transaction, alive until sent. No copy
+ * of the payload in the daemon. Returns 1 when the chunk has no view (a layer is
+ * compressed or quantized: decode it instead), else 0 with the reply (or the
+ * failure) written.
+ */
+static int get_from_view(struct req *q, const struct store_model *m, uint32_t lb, uint32_t le,
+			 uint64_t tb, uint64_t total)
+{
+	struct store_chunk_info ci;
+	struct store_view *v = NULL;
+	struct shared_buf *hold;
+	struct view_check c;
+	size_t n = 2 * (size_t)(le - lb);
+	unsigned threads = pool_threads(q->srv->pool) + 1;
+	int rc = store_chunk_view(q->srv->store, m, q->h.hash, lb, le, &ci, &v);
+
+	if (rc == -EAGAIN)
+		return 1;
+	if (rc == 0 && v->tensor_bytes != tb) {
+		store_view_free(&v); /* replaced by another chunk of another size since: retry */
+		fail(q, KVBP_NOT_FOUND, "chunk changed while it was read; retry");
+		return 0;
+	}
+	if (rc == -EBADMSG) {
+		remove_corrupt(q, m);
+		return 0;
+	}
+	if (rc) {
+		fail_store(q, rc, "get");
+		return 0;
+	}
+	c = (struct view_check){ v, le - lb, threads < le - lb ? threads : le - lb };
+	if (pool_run(q->srv->pool, c.parts, view_check_part, &c)) {
+		store_view_free(&v);
+		remove_corrupt(q, m);
+		return 0;
+	}
+	hold = reply_hold(q, total, 0);
+	if (!hold) {
+		store_view_free(&v);
+		return 0;
+	}
+	hold->view = v;
+	if (one_chunk_reply(q, q->h.hash, &ci) == 0) {
+		q->out->payload = calloc(n, sizeof(zmq_msg_t));
+		if (!q->out->payload) {
+			fail(q, KVBP_LIMIT, "out of memory");
+		} else {
+			evictor_touch(q->srv->evict, m->id, q->h.hash);
+			q->out->rep.layer_begin = lb;
+			q->out->rep.layer_end = le;
+			for (size_t i = 0; i < n; i++) {
+				const uint8_t *p = i % 2 ? v->v[i / 2] : v->k[i / 2];
+
+				atomic_fetch_add(&hold->refs, 1);
+				/* ZeroMQ only reads the frames' data: the map stays read-only. */
+				zmq_msg_init_data(&q->out->payload[i], (void *)p, tb, shared_buf_unref,
+						  hold);
+			}
+			q->out->n_payload = n;
+			q->out->rep.payload_frames = (uint32_t)n;
+		}
+	}
+	shared_buf_unref(NULL, hold);
+	return 0;
+}
+
 static void op_get(struct req *q)
 {
 	struct store_model m;
@@ -760,6 +861,9 @@ static void op_get(struct req *q)
 		return;
 	}
 	if (chunk_bytes(q, &m, ci.num_tokens, le - lb, &tb, &total))
+		return;
+	if (!q->h.rerotate && !q->h.has_shm && total >= VIEW_MIN_BYTES &&
+	    get_from_view(q, &m, lb, le, tb, total) == 0)
 		return;
 	if (q->h.rerotate) {
 		struct rope_config rc_cfg;

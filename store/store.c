@@ -1225,6 +1225,128 @@ out:
 	return rc;
 }
 
+/* A view and what it holds: the transaction, and each tensor's encoded record. */
+struct view_impl {
+	struct store_view pub;
+	MDB_txn *txn;
+	uint32_t dtype;
+	const uint8_t **enc; /* [2 * i] K, [2 * i + 1] V: header and payload */
+	size_t *enc_len;
+};
+
+int store_chunk_view(struct store *s, const struct store_model *m,
+		     const uint8_t hash[STORE_HASH_LEN], uint32_t layer_begin, uint32_t layer_end,
+		     struct store_chunk_info *info, struct store_view **out)
+{
+	struct store_chunk_info ci;
+	uint8_t key[LAYER_KEY_LEN];
+	struct view_impl *w;
+	uint32_t n = layer_end - layer_begin;
+	uint64_t tb;
+	int rc;
+
+	if (layer_begin >= layer_end || layer_end > m->num_layers)
+		return -EINVAL;
+	w = calloc(1, sizeof(*w));
+	if (!w)
+		return -ENOMEM;
+	w->pub.k = calloc(n, sizeof(*w->pub.k));
+	w->pub.v = calloc(n, sizeof(*w->pub.v));
+	w->enc = calloc(2 * (size_t)n, sizeof(*w->enc));
+	w->enc_len = calloc(2 * (size_t)n, sizeof(*w->enc_len));
+	if (!w->pub.k || !w->pub.v || !w->enc || !w->enc_len) {
+		rc = -ENOMEM;
+		goto fail;
+	}
+	/* Its own transaction, not the pool's: it outlives this call and may end on
+	 * another thread (the environment is MDB_NOTLS). */
+	rc = err_from_mdb(mdb_txn_begin(s->env, NULL, MDB_RDONLY, &w->txn));
+	if (rc)
+		goto fail;
+	rc = chunk_info_txn(s, w->txn, m->id, hash, &ci);
+	if (rc)
+		goto fail;
+	if (info)
+		*info = ci;
+	tb = store_tensor_bytes(m, ci.num_tokens);
+	if (ci.num_layers != m->num_layers || !tb) {
+		rc = -EBADMSG;
+		goto fail;
+	}
+	w->pub.layer_begin = layer_begin;
+	w->pub.layer_end = layer_end;
+	w->pub.tensor_bytes = tb;
+	w->dtype = m->dtype;
+	for (uint32_t i = 0; i < n; i++) {
+		MDB_val k = { LAYER_KEY_LEN, key }, v;
+		const uint8_t *p;
+		size_t left;
+
+		layer_key(key, m->id, hash, layer_begin + i);
+		rc = err_from_mdb(mdb_get(w->txn, s->layers, &k, &v));
+		if (rc) {
+			rc = rc == -ENOENT ? -EBADMSG : rc; /* the record exists: so must its layers */
+			goto fail;
+		}
+		p = v.mv_data;
+		left = v.mv_size;
+		for (int t = 0; t < 2; t++) {
+			struct codec_header h;
+
+			if (codec_peek(p, left, &h) || h.raw_size != tb) {
+				rc = -EBADMSG;
+				goto fail;
+			}
+			if (h.kind != CODEC_RAW) {
+				rc = -EAGAIN; /* compressed or quantized: it must be decoded */
+				goto fail;
+			}
+			w->enc[2 * i + t] = p;
+			w->enc_len[2 * i + t] = CODEC_HEADER_SIZE + h.stored_size;
+			(t ? w->pub.v : w->pub.k)[i] = p + CODEC_HEADER_SIZE;
+			p += CODEC_HEADER_SIZE + h.stored_size;
+			left -= CODEC_HEADER_SIZE + h.stored_size;
+		}
+	}
+	*out = &w->pub;
+	return 0;
+fail:
+	{
+		struct store_view *pv = &w->pub;
+
+		store_view_free(&pv);
+	}
+	return rc;
+}
+
+int store_view_verify(const struct store_view *v, uint32_t i)
+{
+	const struct view_impl *w = (const struct view_impl *)v;
+	size_t used;
+
+	for (int t = 0; t < 2; t++)
+		if (codec_verify(w->enc[2 * i + t], w->enc_len[2 * i + t], v->tensor_bytes, w->dtype,
+				 NULL, &used))
+			return -EBADMSG;
+	return 0;
+}
+
+void store_view_free(struct store_view **vp)
+{
+	struct view_impl *w = vp && *vp ? (struct view_impl *)*vp : NULL;
+
+	if (!w)
+		return;
+	if (w->txn)
+		mdb_txn_abort(w->txn);
+	free(w->pub.k);
+	free(w->pub.v);
+	free(w->enc);
+	free(w->enc_len);
+	free(w);
+	*vp = NULL;
+}
+
 int store_chunk_get_layer(struct store *s, const struct store_model *m,
 			  const uint8_t hash[STORE_HASH_LEN], uint32_t layer, void *k_dst,
 			  void *v_dst, uint64_t tensor_bytes, const struct codec_xform *k_xform)

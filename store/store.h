@@ -149,6 +149,34 @@ int store_chunk_get(struct store *s, const struct store_model *m,
 		    void *dst, uint64_t dst_len, struct store_chunk_info *info);
 
 /*
+ * A chunk's layers served without a copy: views of the stored K and V bytes of
+ * layers [layer_begin, layer_end) inside the map. A read transaction stays open
+ * until store_view_free(), so the pages stay put even if the chunk is deleted or
+ * evicted meanwhile (MVCC); free it soon (it holds a reader slot and keeps the
+ * pages from reuse). Only chunks whose requested layers are all stored raw have
+ * views: -EAGAIN otherwise (decode them with store_chunk_get()). The bytes are
+ * not verified yet: serve layer i only after store_view_verify(v, i) == 0.
+ * Returns 0, -ENOENT, -EINVAL (bad layer range), -EBADMSG (a record missing or
+ * malformed), -EAGAIN, -ENOMEM, or an LMDB errno. *info (may be NULL) describes
+ * the chunk. The view may be verified and freed from any thread.
+ */
+struct store_view {
+	uint32_t layer_begin, layer_end;
+	uint64_t tensor_bytes;	/* of each K and each V */
+	const uint8_t **k, **v; /* [layer - layer_begin]: the raw bytes in the map */
+};
+
+int store_chunk_view(struct store *s, const struct store_model *m,
+		     const uint8_t hash[STORE_HASH_LEN], uint32_t layer_begin, uint32_t layer_end,
+		     struct store_chunk_info *info, struct store_view **out);
+
+/* Check layer layer_begin + i of a view against its checksums: 0 or -EBADMSG. */
+int store_view_verify(const struct store_view *v, uint32_t i);
+
+/* End a view's transaction and free it. Accepts NULL. */
+void store_view_free(struct store_view **v);
+
+/*
  * Decode one layer's K into k_dst and V into v_dst, each tensor_bytes =
  * store_tensor_bytes() long (checked against the chunk). k_xform (may be NULL;
  * codec.h) transforms K on its way out, in the same pass that verifies it.

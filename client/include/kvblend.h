@@ -206,6 +206,30 @@ KVB_API int kvb_pin(kvb_client *c, const char *model, const uint8_t hash[KVB_HAS
 /* Remove a pin; KVB_E_NOT_FOUND if the chunk was not pinned. */
 KVB_API int kvb_unpin(kvb_client *c, const char *model, const uint8_t hash[KVB_HASH_LEN]);
 
+/*
+ * A chunk's layers [layer_begin, layer_end) (layer_end 0 = all) left in the
+ * message frames they arrived in: no copy into a caller's buffer, for nodes
+ * that move each layer on (to their device, their own cache) anyway. Over TCP
+ * this is the fastest read: the daemon sends the stored pages, the client only
+ * receives. k[i] and v[i] are layer layer_begin + i, tensor_bytes each, at no
+ * particular alignment; valid until kvb_layers_free(), also after other calls
+ * on c or kvb_close(). Over IPC, kvb_get() into kvb_shared_buffer() crosses
+ * with fewer copies. Errors as kvb_get(); *out is set only on success.
+ */
+struct kvb_layers {
+	uint32_t layer_begin, layer_end;
+	size_t tensor_bytes;
+	const void **k, **v;
+	struct kvb_chunk_info info;
+	void *frames_; /* the frames, owned; not for the caller */
+};
+
+KVB_API int kvb_get_layers(kvb_client *c, const char *model, const uint8_t hash[KVB_HASH_LEN],
+			   uint32_t layer_begin, uint32_t layer_end, struct kvb_layers **out);
+
+/* Free what kvb_get_layers() returned. Accepts NULL; sets *l to NULL. */
+KVB_API void kvb_layers_free(struct kvb_layers **l);
+
 /* All chunks of a model, in a malloc'd array the caller frees with free(). */
 KVB_API int kvb_list(kvb_client *c, const char *model, struct kvb_chunk_info **out, size_t *n);
 

@@ -209,6 +209,38 @@ static void test_large_chunk_paths(void **state)
 	memset(back, 0, n);
 	assert_int_equal(kvb_get(frames, "big16", h, 0, 0, back, n, NULL), 0);
 	assert_memory_equal(kv, back, n);
+	/* frames kept: each layer's K and V where it arrived, usable after the client
+	 * has gone */
+	{
+		struct kvb_layers *l = NULL, *all = NULL;
+		size_t tb = n / 32;
+		uint8_t missing[KVB_HASH_LEN];
+
+		assert_int_equal(kvb_get_layers(frames, "big16", h, 3, 9, &l), 0);
+		assert_int_equal(l->layer_begin, 3);
+		assert_int_equal(l->layer_end, 9);
+		assert_int_equal(l->tensor_bytes, tb);
+		assert_int_equal(l->info.num_tokens, 128);
+		assert_int_equal(kvb_get_layers(frames, "big16", h, 0, 0, &all), 0);
+		for (uint32_t i = 0; i < 6; i++) {
+			assert_memory_equal(l->k[i], kv + (3 + i) * 2 * tb, tb);
+			assert_memory_equal(l->v[i], kv + (3 + i) * 2 * tb + tb, tb);
+		}
+		kvb_close(&frames);
+		assert_int_equal(all->layer_end, 16);
+		assert_memory_equal(all->v[15], kv + n - tb, tb);
+		kvb_layers_free(&l);
+		kvb_layers_free(&all);
+		assert_null(all);
+		kvb_layers_free(NULL);
+		frames = daemon_client(&d, 1);
+		hash_of(1617, missing);
+		assert_int_equal(kvb_get_layers(frames, "big16", missing, 0, 0, &l),
+				 KVB_E_NOT_FOUND);
+		assert_null(l);
+		assert_int_equal(kvb_get_layers(frames, "big16", h, 9, 3, &l), KVB_E_BAD_ARGUMENT);
+		assert_null(l);
+	}
 	free(kv);
 	free(back);
 	kvb_close(&shm);
@@ -609,19 +641,20 @@ static void corrupt_layer(const char *data_dir)
 	free(copy);
 }
 
-static void test_corrupt_chunk_removed(void **state)
+/* A chunk of `tokens` stored, one payload byte flipped on disk: the GET says corrupt,
+ * the chunk is gone, and a second chunk's GET of the same path still works. */
+static void corrupt_chunk_removed(struct daemon *d, uint32_t tokens)
 {
-	struct daemon *d = *state;
 	const char *args[] = { "--max-message", "4M", "--max-tokens", "4096", NULL };
 	kvb_client *c = daemon_client(d, 0);
-	size_t n = chunk_bytes(&tiny, 8);
+	size_t n = chunk_bytes(&tiny, tokens);
 	uint8_t h[KVB_HASH_LEN], *kv = malloc(n);
 	struct kvb_chunk_info ci;
 
 	register_tiny(c);
 	hash_of(31337, h);
 	fill(kv, n, 31337);
-	assert_int_equal(kvb_put(c, "tiny", h, KVB_F16, 8, 0, kv, n, NULL), 0);
+	assert_int_equal(kvb_put(c, "tiny", h, KVB_F16, tokens, 0, kv, n, NULL), 0);
 	kvb_close(&c);
 	daemon_stop(d);
 	corrupt_layer(d->data_dir);
@@ -633,8 +666,34 @@ static void test_corrupt_chunk_removed(void **state)
 	assert_int_equal(kvb_lookup(c, "tiny", (const uint8_t(*)[KVB_HASH_LEN])h, 1, &ci), 0);
 	assert_false(ci.found);
 	assert_int_equal((uint64_t)daemon_stat(c, "corrupt_removed"), 1);
+	/* The same path serves a sound chunk afterwards. */
+	hash_of(31338, h);
+	fill(kv, n, 31338);
+	assert_int_equal(kvb_put(c, "tiny", h, KVB_F16, tokens, 0, kv, n, NULL), 0);
+	{
+		uint8_t *back = malloc(n);
+
+		assert_int_equal(kvb_get(c, "tiny", h, 0, 0, back, n, NULL), 0);
+		assert_memory_equal(kv, back, n);
+		/* A layer range from the middle: the frames of layers 1..2 only. */
+		assert_int_equal(kvb_get(c, "tiny", h, 1, 3, back, n / 3 * 2, NULL), 0);
+		assert_memory_equal(kv + n / 3, back, n / 3 * 2);
+		free(back);
+	}
 	free(kv);
 	kvb_close(&c);
+}
+
+/* A small chunk: decoded into a reply buffer. */
+static void test_corrupt_chunk_removed(void **state)
+{
+	corrupt_chunk_removed(*state, 8);
+}
+
+/* 2048 tokens, 384 KiB: served from the store's pages (zero-copy), verified first. */
+static void test_corrupt_large_chunk_removed(void **state)
+{
+	corrupt_chunk_removed(*state, 2048);
 }
 
 struct worker_arg {
@@ -714,6 +773,7 @@ int main(void)
 		cmocka_unit_test(test_shape_overflow),
 		cmocka_unit_test_setup_teardown(test_restart_keeps_chunks, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_corrupt_chunk_removed, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_corrupt_large_chunk_removed, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_concurrent_clients, setup, teardown),
 		cmocka_unit_test(test_unreachable),
 	};
