@@ -283,6 +283,32 @@ def test_16mib_roundtrip(request, which):
     assert np.array_equal(into, kv)
 
 
+@pytest.mark.parametrize("which", ["client", "frames_client"])
+def test_get_layers_leaves_the_frames(request, which):
+    c = request.getfixturevalue(which)
+    c.model_register(SIXTEEN_MIB)
+    kv = rand_kv(SIXTEEN_MIB, 1024 // 2)
+    h = os.urandom(32)
+    c.put(SIXTEEN_MIB.name, h, kv)
+    with c.get_layers(SIXTEEN_MIB.name, h, layers=(2, 6)) as got:
+        assert (got.layer_begin, got.layer_end) == (2, 6) and got.info.num_tokens == 512
+        assert len(got.k) == len(got.v) == 4
+        for i in range(4):
+            assert got.k[i].shape == (512, 8, 128) and got.k[i].dtype == np.float16
+            assert not got.k[i].flags.writeable
+            assert np.array_equal(got.k[i], kv[2 + i, 0])
+            assert np.array_equal(got.v[i], kv[2 + i, 1])
+    assert got.k == [] and got.v == []
+    got.close()  # idempotent
+    # Without close, an array keeps the frames alive after the Layers is dropped.
+    last_v = c.get_layers(SIXTEEN_MIB.name, h).v[-1]
+    assert np.array_equal(last_v, kv[7, 1])
+    with pytest.raises(kvblend.NotFound):
+        c.get_layers(SIXTEEN_MIB.name, os.urandom(32))
+    with pytest.raises(kvblend.BadArgument):
+        c.get_layers(SIXTEEN_MIB.name, h, layers=(6, 2))
+
+
 def test_frames_client_covers_every_bulk_call(frames_client):
     m = kvblend.Model("frames", 2, 2, 16, "bf16")
     frames_client.model_register(m)

@@ -285,7 +285,8 @@ def test_landing_paged_and_reuse_only(client, chunks):
             layer, idx = key
             t = np.arange(n)[idx]
             for i, tok in enumerate(np.atleast_1d(t)):
-                self.x[layer, pages[tok // page], tok % page] = np.asarray(val).reshape(-1, 2, 16)[i]
+                row = np.asarray(val).reshape(-1, 2, 16)[i]
+                self.x[layer, pages[tok // page], tok % page] = row
 
     with client.fuse_open(M.name, segs, [1, 3], [0.5, 0.25]) as s:
         fused = run(s, new)

@@ -59,6 +59,20 @@ class KvbChunkInfo(ctypes.Structure):
     ]
 
 
+class KvbLayers(ctypes.Structure):
+    """struct kvb_layers."""
+
+    _fields_ = [
+        ("layer_begin", ctypes.c_uint32),
+        ("layer_end", ctypes.c_uint32),
+        ("tensor_bytes", ctypes.c_size_t),
+        ("k", ctypes.POINTER(ctypes.c_void_p)),
+        ("v", ctypes.POINTER(ctypes.c_void_p)),
+        ("info", KvbChunkInfo),
+        ("frames_", ctypes.c_void_p),
+    ]
+
+
 class KvbStat(ctypes.Structure):
     """struct kvb_stat."""
 
@@ -141,6 +155,11 @@ _PROTOTYPES = {
         _INT,
         [_P, _STR, _HASH, _U32, _U32, _U32, _P, _SZ, ctypes.POINTER(KvbChunkInfo)],
     ),
+    "kvb_get_layers": (
+        _INT,
+        [_P, _STR, _HASH, _U32, _U32, ctypes.POINTER(ctypes.POINTER(KvbLayers))],
+    ),
+    "kvb_layers_free": (None, [ctypes.POINTER(ctypes.POINTER(KvbLayers))]),
     "kvb_lookup": (_INT, [_P, _STR, _HASH, _SZ, ctypes.POINTER(KvbChunkInfo)]),
     "kvb_delete": (_INT, [_P, _STR, _HASH]),
     "kvb_pin": (_INT, [_P, _STR, _HASH, _U32]),

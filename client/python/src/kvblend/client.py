@@ -12,7 +12,7 @@ from typing import Any, Union
 import numpy as np
 
 from . import _lib
-from ._lib import HASH_LEN, KvbChunkInfo, KvbModel, KvbSegment, KvbStat, lib
+from ._lib import HASH_LEN, KvbChunkInfo, KvbLayers, KvbModel, KvbSegment, KvbStat, lib
 from .errors import BadArgument, KvblendError, error_for
 
 HashLike = Union[bytes, bytearray, memoryview, str]
@@ -38,15 +38,18 @@ def _as_array(x: Any) -> np.ndarray:
     return np.asarray(x)
 
 
-def _dtype_ok(a: np.ndarray, m: "Model") -> bool:
-    """Whether a's elements are m's dtype: f16 and f32 exactly; bf16 as its raw 16 bits
-    (uint16 or int16) or a NumPy extension bfloat16 (ml_dtypes)."""
+def _dtype_ok(a: np.ndarray, m: Model) -> bool:
+    """Whether a's elements are m's dtype.
+
+    f16 and f32 exactly; bf16 as its raw 16 bits (uint16 or int16) or a NumPy extension
+    bfloat16 (ml_dtypes).
+    """
     if m.dtype == "bf16":
         return a.dtype.itemsize == 2 and (a.dtype.kind in "ui" or a.dtype.name == "bfloat16")
     return a.dtype == m.np_dtype
 
 
-def _row_shape_ok(shape: tuple[int, ...], rows: int, m: "Model") -> bool:
+def _row_shape_ok(shape: tuple[int, ...], rows: int, m: Model) -> bool:
     """Whether shape is [rows, kv_heads, head_dim] or [rows, kv_heads * head_dim]."""
     return tuple(shape) in (
         (rows, m.num_kv_heads, m.head_dim),
@@ -614,6 +617,47 @@ class Client:
         """
         return self._get(model, hash, layers, None, out)
 
+    def get_layers(
+        self,
+        model: str,
+        hash: HashLike,
+        layers: LayerRange = None,  # noqa: A002
+    ) -> Layers:
+        """Read a chunk's layers and leave them where they arrived: no copy here.
+
+        For nodes that move each layer on (to their device, their own cache) anyway:
+        over TCP the fastest read (the daemon sends its stored pages, this side only
+        receives). Over IPC, :meth:`get` into a shared buffer crosses with fewer
+        copies.
+
+        Parameters
+        ----------
+        model, hash, layers
+            As for :meth:`get`.
+
+        Returns
+        -------
+        Layers
+            ``k[i]`` and ``v[i]``: read-only ``[tokens, kv_heads, head_dim]`` arrays of
+            layer ``begin + i``, valid until the Layers is closed (``with`` or
+            :meth:`Layers.close`), also after this client is closed.
+
+        Raises
+        ------
+        NotFound, Corrupt
+            As for :meth:`get`.
+        """
+        begin, end = _layer_range(layers)
+        m = self._model(model)
+        out = ctypes.POINTER(KvbLayers)()
+        with self._lock:
+            self._check(
+                lib.kvb_get_layers(
+                    self._handle(), _name(model), _c_hash(hash), begin, end, ctypes.byref(out)
+                )
+            )
+        return Layers(out, m)
+
     def get_rerotated(
         self,
         model: str,
@@ -909,6 +953,52 @@ def _segment(s: Segment | tuple) -> Segment:
     if isinstance(what, (int, np.integer)):
         return Segment.fresh(int(what), int(pos))
     return Segment.chunk(what, int(pos))
+
+
+class Layers:
+    """Layers of a chunk left in the frames they arrived in (:meth:`Client.get_layers`).
+
+    ``k[i]`` and ``v[i]`` are read-only arrays of layer ``layer_begin + i`` that view
+    the received bytes. Without :meth:`close` the frames live as long as any of the
+    arrays does; :meth:`close` (or the end of a ``with`` block) frees them at once,
+    after which the arrays must not be read. ``info`` describes the chunk.
+    """
+
+    def __init__(self, ptr: Any, model: Model) -> None:
+        self._ptr = ptr
+        c = ptr.contents
+        self.layer_begin: int = c.layer_begin
+        self.layer_end: int = c.layer_end
+        self.info = ChunkInfo._from_c(c.info)
+        n = c.layer_end - c.layer_begin
+        shape = (c.info.num_tokens, model.num_kv_heads, model.head_dim)
+
+        def view(p: int) -> np.ndarray:
+            buf = (ctypes.c_uint8 * c.tensor_bytes).from_address(p)
+            buf._layers = self  # an array outliving the Layers keeps the frames alive
+            a = np.frombuffer(buf, dtype=model.np_dtype).reshape(shape)
+            a.flags.writeable = False
+            return a
+
+        self.k: list[np.ndarray] = [view(c.k[i]) for i in range(n)]
+        self.v: list[np.ndarray] = [view(c.v[i]) for i in range(n)]
+
+    def close(self) -> None:
+        """Free the frames (the arrays then must not be read). Idempotent."""
+        if self._ptr:
+            self.k = []
+            self.v = []
+            lib.kvb_layers_free(ctypes.byref(self._ptr))
+            self._ptr = None
+
+    def __enter__(self) -> Layers:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()
 
 
 class FuseSession:
