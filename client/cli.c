@@ -60,7 +60,8 @@ static const char usage_text[] =
 	"  hash --tokens FILE                     print the chunk hash of token ids\n"
 	"  keygen                                 print a new CURVE key pair (public, secret)\n"
 	"  cluster status [--json]                the cluster as this daemon sees it: each other\n"
-	"                                         member alive, suspect or gone, pushes owed to\n"
+	"                                         member, its endpoint, alive, suspect or gone,\n"
+	"                                         pushes owed to\n"
 	"                                         it, ms since its last reply, the chunks and\n"
 	"                                         bytes its store holds; the cluster counters\n"
 	"  demo                                   register a small model, store chunks, read them\n"
@@ -342,7 +343,8 @@ static int cmd_cluster(kvb_client *c, struct args *a)
 	const char *sub = a->i < a->argc ? a->argv[a->i++] : "";
 	struct opts o = { 0 };
 	struct kvb_stat *s;
-	size_t n;
+	struct kvb_member *mb;
+	size_t n, n_mb;
 	bool json, first = true;
 	int rc;
 
@@ -367,43 +369,42 @@ static int cmd_cluster(kvb_client *c, struct args *a)
 				       ? 1 : 1;
 		}
 	}
+	rc = kvb_cluster_members(c, &mb, &n_mb);
+	if (rc) {
+		free(s);
+		return client_err(c, rc, "cluster status");
+	}
 	if (json)
 		printf("{\"members\": [");
 	else
-		printf("%-24s %-8s %11s %14s %10s %14s\n", "member", "state", "pushes owed",
-		       "last reply ms", "chunks", "stored bytes");
-	for (size_t i = 0; i < n; i++) {
-		static const char *const per[] = { "owed:", "seen_ms:", "chunks:", "bytes:" };
-		double v[4] = { 0, -1, 0, 0 };
-		const char *id, *state;
+		printf("%-16s %-24s %-8s %11s %14s %10s %14s\n", "member", "endpoint", "state",
+		       "pushes owed", "last reply ms", "chunks", "stored bytes");
+	for (size_t i = 0; i < n_mb; i++) {
+		const struct kvb_member *m = &mb[i];
+		const char *state = m->state > 0 ? "alive" : m->state == 0 ? "suspect" : "gone";
 
-		if (strncmp(s[i].name, "member:", 7))
-			continue;
-		id = s[i].name + 7;
-		state = s[i].value > 0 ? "alive" : s[i].value == 0 ? "suspect" : "gone";
-		for (size_t j = 0; j < n; j++)
-			for (size_t k = 0; k < 4; k++)
-				if (!strncmp(s[j].name, per[k], strlen(per[k])) &&
-				    !strcmp(s[j].name + strlen(per[k]), id))
-					v[k] = s[j].value;
 		if (json) {
 			printf("%s{\"id\": ", first ? "" : ", ");
-			json_str(id);
-			printf(", \"state\": \"%s\", \"pushes_owed\": %.0f, \"last_reply_ms\": %.0f, "
-			       "\"chunks\": %.0f, \"stored_bytes\": %.0f}",
-			       state, v[0], v[1], v[2], v[3]);
+			json_str(m->id);
+			printf(", \"endpoint\": ");
+			json_str(m->endpoint);
+			printf(", \"state\": \"%s\", \"pushes_owed\": %" PRIu64 ", \"last_reply_ms\": "
+			       "%.0f, \"chunks\": %" PRIu64 ", \"stored_bytes\": %" PRIu64 "}",
+			       state, m->pushes_owed, m->last_reply_age_ms, m->chunks, m->stored_bytes);
 		} else {
 			char seen[24];
 
-			if (v[1] < 0)
+			if (m->last_reply_age_ms < 0)
 				snprintf(seen, sizeof(seen), "never");
 			else
-				snprintf(seen, sizeof(seen), "%.0f", v[1]);
-			printf("%-24s %-8s %11.0f %14s %10.0f %14.0f\n", id, state, v[0], seen, v[2],
-			       v[3]);
+				snprintf(seen, sizeof(seen), "%.0f", m->last_reply_age_ms);
+			printf("%-16s %-24s %-8s %11" PRIu64 " %14s %10" PRIu64 " %14" PRIu64 "\n",
+			       m->id, m->endpoint, state, m->pushes_owed, seen, m->chunks,
+			       m->stored_bytes);
 		}
 		first = false;
 	}
+	free(mb);
 	if (json) {
 		printf("]");
 		for (size_t i = 0; i < n; i++)

@@ -1993,6 +1993,36 @@ int kvb_list(kvb_client *c, const char *model, struct kvb_chunk_info **out, size
 	return rc;
 }
 
+int kvb_cluster_members(kvb_client *c, struct kvb_member **out, size_t *n)
+{
+	struct call k = { .req = { .op = KVBP_OP_STATS } };
+	int rc = call(c, &k);
+
+	if (!rc) {
+		struct kvb_member *m = calloc(k.rep.n_members ? k.rep.n_members : 1, sizeof(*m));
+
+		if (!m)
+			rc = set_err(c, -ENOMEM, "out of memory");
+		for (size_t i = 0; !rc && i < k.rep.n_members; i++) {
+			const struct kvbp_member *w = &k.rep.members[i];
+
+			snprintf(m[i].id, sizeof(m[i].id), "%s", w->id);
+			snprintf(m[i].endpoint, sizeof(m[i].endpoint), "%s", w->endpoint);
+			m[i].state = w->state;
+			m[i].pushes_owed = w->pushes_owed;
+			m[i].last_reply_age_ms = w->last_reply_age_ms;
+			m[i].chunks = w->chunks;
+			m[i].stored_bytes = w->stored_bytes;
+		}
+		if (!rc) {
+			*out = m;
+			*n = k.rep.n_members;
+		}
+	}
+	call_done(&k);
+	return rc;
+}
+
 int kvb_stats(kvb_client *c, struct kvb_stat **out, size_t *n)
 {
 	struct call k = { .req = { .op = KVBP_OP_STATS } };

@@ -71,6 +71,89 @@ static void gauge(FILE *f, const char *name, const char *help, const char *type,
 	fprintf(f, "# HELP %s %s\n# TYPE %s %s\n%s %.17g\n", name, help, name, type, name, v);
 }
 
+/* A label value as the exposition format wants it: backslash, quote and newline escaped. */
+static void label_value(FILE *f, const char *v)
+{
+	for (; *v; v++) {
+		if (*v == '\\' || *v == '"')
+			fputc('\\', f);
+		if (*v == '\n')
+			fputs("\\n", f);
+		else
+			fputc(*v, f);
+	}
+}
+
+struct member_list {
+	struct cluster_member *m;
+	size_t n, cap;
+};
+
+static void collect_member(void *ctx, const struct cluster_member *mb)
+{
+	struct member_list *l = ctx;
+
+	if (l->n == l->cap) {
+		size_t cap = l->cap ? 2 * l->cap : 16;
+		struct cluster_member *p = realloc(l->m, cap * sizeof(*p));
+
+		if (!p)
+			return; /* a member short in this scrape, not a failed one */
+		l->m = p;
+		l->cap = cap;
+	}
+	l->m[l->n++] = *mb;
+}
+
+/*
+ * One series per other member for each of its figures, labelled with its id and
+ * endpoint: its state, the pushes owed to it, the age of its last answer, and its
+ * store at its last heartbeat.
+ */
+static void member_series(FILE *f, struct cluster *c)
+{
+	static const struct {
+		const char *name, *help, *type;
+	} fam[] = {
+		{ "kvblend_cluster_member_state", "A member as this daemon sees it: 1 alive, 0 "
+		  "suspect (missed a deadline), -1 gone (left, still owed pushes).", "gauge" },
+		{ "kvblend_cluster_member_pushes_owed", "Chunk copies queued for a member.", "gauge" },
+		{ "kvblend_cluster_member_last_reply_age_seconds", "Since a member's last answer "
+		  "(-1: none yet).", "gauge" },
+		{ "kvblend_cluster_member_chunks", "Chunks a member held at its last heartbeat.",
+		  "gauge" },
+		{ "kvblend_cluster_member_bytes", "Stored bytes a member held at its last heartbeat.",
+		  "gauge" },
+	};
+	struct member_list l = { 0 };
+	struct timespec now;
+	double now_ms;
+
+	cluster_members(c, collect_member, &l);
+	clock_gettime(CLOCK_REALTIME, &now);
+	now_ms = (double)now.tv_sec * 1e3 + now.tv_nsec / 1e6;
+	for (size_t k = 0; k < sizeof(fam) / sizeof(fam[0]) && l.n; k++) {
+		fprintf(f, "# HELP %s %s\n# TYPE %s %s\n", fam[k].name, fam[k].help, fam[k].name,
+			fam[k].type);
+		for (size_t i = 0; i < l.n; i++) {
+			const struct cluster_member *mb = &l.m[i];
+			double v = k == 0   ? (double)mb->state
+				   : k == 1 ? (double)mb->owed
+				   : k == 2 ? (mb->last_reply_ms ? (now_ms - (double)mb->last_reply_ms) / 1e3
+								 : -1)
+				   : k == 3 ? (double)mb->held_chunks
+					    : (double)mb->held_bytes;
+
+			fprintf(f, "%s{member=\"", fam[k].name);
+			label_value(f, mb->id);
+			fputs("\",endpoint=\"", f);
+			label_value(f, mb->endpoint);
+			fprintf(f, "\"} %.17g\n", v);
+		}
+	}
+	free(l.m);
+}
+
 void metrics_write(struct server *srv, FILE *f)
 {
 	struct server_stats *st = &srv->stats;
@@ -182,11 +265,13 @@ void metrics_write(struct server *srv, FILE *f)
 		if (cs.etcd)
 			gauge(f, "kvblend_cluster_etcd_up", "Whether etcd answered the last call.",
 			      "gauge", cs.etcd_ok);
+		member_series(f, srv->cluster);
 	}
 	fprintf(f, "# HELP kvblend_backend_info The fuse compute backend in use, and its device.\n"
 		   "# TYPE kvblend_backend_info gauge\nkvblend_backend_info{backend=\"%s\","
-		   "device=\"%s\"} 1\n",
-		srv->blend->name, srv->gpu ? blend_cuda_name(srv->gpu) : "cpu");
+		   "device=\"", srv->blend->name);
+	label_value(f, srv->gpu ? blend_cuda_name(srv->gpu) : "cpu");
+	fputs("\"} 1\n", f);
 	if (srv->gpu) {
 		uint64_t held, total;
 

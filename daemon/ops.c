@@ -1047,6 +1047,8 @@ static void op_list(struct req *q)
 struct member_stats {
 	struct kvbp_stat *s;
 	size_t *n, cap;
+	struct kvbp_reply *rep; /* and each member in full (with its endpoint) */
+	size_t cap_members;
 };
 
 static void member_stat(void *ctx, const struct cluster_member *mb)
@@ -1054,9 +1056,32 @@ static void member_stat(void *ctx, const struct cluster_member *mb)
 	struct member_stats *m = ctx;
 	struct timespec now;
 
+	clock_gettime(CLOCK_REALTIME, &now);
+	if (m->rep->n_members == m->cap_members) {
+		size_t cap = m->cap_members ? 2 * m->cap_members : 8;
+		struct kvbp_member *p = realloc(m->rep->members, cap * sizeof(*p));
+
+		if (p) {
+			m->rep->members = p;
+			m->cap_members = cap;
+		}
+	}
+	if (m->rep->n_members < m->cap_members) {
+		struct kvbp_member *e = &m->rep->members[m->rep->n_members++];
+
+		snprintf(e->id, sizeof(e->id), "%s", mb->id);
+		snprintf(e->endpoint, sizeof(e->endpoint), "%s", mb->endpoint);
+		e->state = mb->state;
+		e->pushes_owed = mb->owed;
+		e->last_reply_age_ms = mb->last_reply_ms ? (double)now.tv_sec * 1e3 +
+								   now.tv_nsec / 1e6 -
+								   (double)mb->last_reply_ms
+							 : -1;
+		e->chunks = mb->held_chunks;
+		e->stored_bytes = mb->held_bytes;
+	}
 	if (*m->n + 5 > m->cap)
 		return;
-	clock_gettime(CLOCK_REALTIME, &now);
 	/* member:ID 1 alive, 0 suspect, -1 gone; the rest per member, names cut at 63 */
 	snprintf(m->s[*m->n].name, sizeof(m->s[0].name), "member:%.56s", mb->id);
 	m->s[(*m->n)++].value = mb->state;
@@ -1184,7 +1209,7 @@ static void op_stats(struct req *q)
 		}
 		/* per member: member:ID, owed:ID, seen_ms:ID, chunks:ID, bytes:ID */
 		{
-			struct member_stats ms = { s, &n, cap };
+			struct member_stats ms = { s, &n, cap, &q->out->rep, 0 };
 
 			cluster_members(srv->cluster, member_stat, &ms);
 		}

@@ -500,6 +500,7 @@ int kvbp_reply_encode(const struct kvbp_reply *rep, uint8_t **buf, size_t *len)
 	Kvblend__Model *models = NULL, **model_ptrs = NULL;
 	Kvblend__ChunkInfo *chunks = NULL, **chunk_ptrs = NULL;
 	Kvblend__Stat *stats = NULL, **stat_ptrs = NULL;
+	Kvblend__Member *members = NULL, **member_ptrs = NULL;
 	int rc = -ENOMEM;
 
 	pb.version = rep->version;
@@ -576,6 +577,27 @@ int kvbp_reply_encode(const struct kvbp_reply *rep, uint8_t **buf, size_t *len)
 		pb.stats = stat_ptrs;
 		pb.n_stats = rep->n_stats;
 	}
+	if (rep->n_members) {
+		members = calloc(rep->n_members, sizeof(*members));
+		member_ptrs = calloc(rep->n_members, sizeof(*member_ptrs));
+		if (!members || !member_ptrs)
+			goto out;
+		for (size_t i = 0; i < rep->n_members; i++) {
+			const struct kvbp_member *m = &rep->members[i];
+
+			kvblend__member__init(&members[i]);
+			members[i].id = (char *)m->id;
+			members[i].endpoint = (char *)m->endpoint;
+			members[i].state = m->state;
+			members[i].pushes_owed = m->pushes_owed;
+			members[i].last_reply_age_ms = m->last_reply_age_ms;
+			members[i].chunks = m->chunks;
+			members[i].stored_bytes = m->stored_bytes;
+			member_ptrs[i] = &members[i];
+		}
+		pb.members = member_ptrs;
+		pb.n_members = rep->n_members;
+	}
 	rc = pack_message(&pb.base, buf, len);
 out:
 	free(models);
@@ -584,6 +606,8 @@ out:
 	free(chunk_ptrs);
 	free(stats);
 	free(stat_ptrs);
+	free(members);
+	free(member_ptrs);
 	return rc;
 }
 
@@ -677,6 +701,25 @@ int kvbp_reply_decode(const void *buf, size_t len, struct kvbp_reply *out, char 
 			r.stats[i].value = pb->stats[i]->value;
 		}
 	}
+	if (pb->n_members) {
+		r.members = calloc(pb->n_members, sizeof(*r.members));
+		if (!r.members)
+			goto nomem;
+		r.n_members = pb->n_members;
+		for (size_t i = 0; i < pb->n_members; i++) {
+			const Kvblend__Member *m = pb->members[i];
+
+			/* Strings longer than the fields are cut, never overrun. */
+			snprintf(r.members[i].id, sizeof(r.members[i].id), "%s", m->id ? m->id : "");
+			snprintf(r.members[i].endpoint, sizeof(r.members[i].endpoint), "%s",
+				 m->endpoint ? m->endpoint : "");
+			r.members[i].state = m->state;
+			r.members[i].pushes_owed = m->pushes_owed;
+			r.members[i].last_reply_age_ms = m->last_reply_age_ms;
+			r.members[i].chunks = m->chunks;
+			r.members[i].stored_bytes = m->stored_bytes;
+		}
+	}
 	goto out;
 nomem:
 	set_err(err, errlen, "out of memory decoding reply");
@@ -698,6 +741,9 @@ void kvbp_reply_clear(struct kvbp_reply *rep)
 	free(rep->models);
 	free(rep->chunks);
 	free(rep->stats);
+	free(rep->members);
+	rep->members = NULL;
+	rep->n_members = 0;
 	free(rep->selection);
 	free(rep->dropped);
 	rep->dropped = NULL;

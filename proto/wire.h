@@ -115,6 +115,17 @@ struct kvbp_stat {
 	double value;
 };
 
+#define KVBP_ENDPOINT_MAX 256
+
+struct kvbp_member {
+	char id[KVBP_NAME_MAX + 1];
+	char endpoint[KVBP_ENDPOINT_MAX];
+	int32_t state; /* 1 alive, 0 suspect, -1 gone */
+	uint64_t pushes_owed;
+	double last_reply_age_ms; /* -1: never */
+	uint64_t chunks, stored_bytes;
+};
+
 struct kvbp_segment {
 	bool fresh; /* no hash: count fresh tokens */
 	uint8_t hash[KVBP_HASH_LEN];
@@ -200,6 +211,8 @@ struct kvbp_reply {
 	size_t n_chunks;
 	struct kvbp_stat *stats;
 	size_t n_stats;
+	struct kvbp_member *members; /* owned */
+	size_t n_members;
 	bool existed;
 	uint32_t payload_frames;
 	uint32_t layer_begin;

@@ -236,6 +236,22 @@ KVB_API int kvb_list(kvb_client *c, const char *model, struct kvb_chunk_info **o
 /* Daemon counters, in a malloc'd array the caller frees with free(). */
 KVB_API int kvb_stats(kvb_client *c, struct kvb_stat **out, size_t *n);
 
+/* Another member of the daemon's cluster, as the daemon sees it. */
+struct kvb_member {
+	char id[65];
+	char endpoint[256];	  /* where the daemon reaches it (tcp://HOST:PORT) */
+	int state;		  /* 1 alive, 0 suspect (missed a deadline), -1 gone */
+	uint64_t pushes_owed;	  /* chunk copies queued for it */
+	double last_reply_age_ms; /* since its last answer; -1 never */
+	uint64_t chunks, stored_bytes; /* its store at its last heartbeat */
+};
+
+/*
+ * The other members of the daemon's cluster, in a malloc'd array the caller frees
+ * with free() (n 0 and a 1-element array when the daemon is in no cluster).
+ */
+KVB_API int kvb_cluster_members(kvb_client *c, struct kvb_member **out, size_t *n);
+
 /*
  * A buffer of at least size bytes inside the shared-memory segment, valid until
  * the next call on c that needs a larger one, or kvb_close(); calls given private

@@ -177,10 +177,11 @@ try:
               str({k: v for k, v in st.items() if ":" in k}))
         # (states depend on timing here: a suspicion lasts 2 s from the last missed call)
         out = cli("b", "cluster", "status").stdout
-        rows = {ln.split()[0]: ln.split()[1] for ln in out.splitlines()[1:] if ln.strip() and
+        rows = {ln.split()[0]: ln.split()[1:3] for ln in out.splitlines()[1:] if ln.strip() and
                 not ln.startswith("cluster_")}
-        check("cluster status (text) lists the other members with their state",
-              rows.get("a") in ("alive", "suspect") and rows.get("c") in ("alive", "suspect") and
+        check("cluster status (text) lists the other members with endpoint and state",
+              all(rows.get(n, [None, None])[0] == f"tcp://127.0.0.1:{NODES[n]}" and
+                  rows[n][1] in ("alive", "suspect") for n in "ac") and
               "cluster_remote_misses" in out, out)
     finally:
         procs["c"].send_signal(signal.SIGCONT)

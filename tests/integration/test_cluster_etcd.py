@@ -18,6 +18,7 @@ member list: test_cluster.py.
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -342,10 +343,15 @@ try:
           str({n: s["corrupt_removed"] for n, s in st.items()}))
     out = json.loads(cli("a", "cluster", "status", "--json").stdout)
     mem = {m["id"]: m for m in out["members"]}
-    check("cluster status: members, states, heartbeats and what each holds",
+    check("cluster status: members, endpoints, states, heartbeats and what each holds",
           set(mem) >= set("bcd") and all(mem[n]["state"] == "alive" for n in "bcd") and
+          all(mem[n]["endpoint"] == f"tcp://127.0.0.1:{NODES[n]}" for n in "bcd") and
           all(0 <= mem[n]["last_reply_ms"] < 5000 and mem[n]["chunks"] > 0 for n in "bcd") and
           out["cluster_etcd_ok"] == 1, json.dumps(out))
+    table = cli("a", "cluster", "status").stdout
+    check("cluster status table: a row per member with its endpoint",
+          all(any(ln.split()[:3] == [n, f"tcp://127.0.0.1:{NODES[n]}", "alive"]
+                  for ln in table.splitlines()) for n in "bcd"), table)
     text = urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT}/metrics",
                                   timeout=5).read().decode()
     metric = {ln.split()[0]: float(ln.split()[1]) for ln in text.splitlines()
@@ -358,6 +364,20 @@ try:
           metric.get("kvblend_cluster_remote_hits_total") == st["cluster_remote_hits"] and
           metric.get("kvblend_cluster_fetched_bytes_total") == st["cluster_fetched_bytes"],
           str(metric))
+    # Per member, labelled with its id and the endpoint it registered in etcd.
+    per = {}
+    for m in re.finditer(r'^(kvblend_cluster_member_\w+)\{member="([^"]*)",endpoint="([^"]*)"\} '
+                         r'(\S+)$', text, re.M):
+        per.setdefault(m.group(2), {})[m.group(1)] = float(m.group(4))
+        per[m.group(2)]["endpoint"] = m.group(3)
+    check("Prometheus per-member series: state, owed pushes, reply age, what each holds",
+          set(per) >= set("bcd") and
+          all(per[n]["kvblend_cluster_member_state"] == 1 and
+              per[n]["endpoint"] == f"tcp://127.0.0.1:{NODES[n]}" and
+              0 <= per[n]["kvblend_cluster_member_last_reply_age_seconds"] < 5 and
+              per[n]["kvblend_cluster_member_chunks"] > 0 and
+              per[n]["kvblend_cluster_member_bytes"] > 0 and
+              per[n]["kvblend_cluster_member_pushes_owed"] >= 0 for n in "bcd"), str(per))
 finally:
     cc.stop_all(procs, check)
     if etcd and etcd.poll() is None:

@@ -154,6 +154,59 @@ static void test_reply_roundtrip(void **state)
 	free(buf);
 }
 
+/* STATS in a cluster: members round-trip; an id or endpoint longer than its field is cut. */
+static void test_members(void **state)
+{
+	struct kvbp_reply r = { .version = 1, .request_id = 5 }, d;
+	struct kvbp_member m[2] = {
+		{ .id = "b", .endpoint = "tcp://10.0.0.2:7000", .state = 1, .pushes_owed = 3,
+		  .last_reply_age_ms = 412.5, .chunks = 9, .stored_bytes = 1u << 30 },
+		{ .id = "c", .endpoint = "tcp://10.0.0.3:7000", .state = -1,
+		  .last_reply_age_ms = -1 },
+	};
+	uint8_t *buf;
+	size_t len;
+	char err[256];
+
+	(void)state;
+	r.members = m;
+	r.n_members = 2;
+	assert_int_equal(kvbp_reply_encode(&r, &buf, &len), 0);
+	assert_int_equal(kvbp_reply_decode(buf, len, &d, err, sizeof(err)), KVBP_OK);
+	assert_int_equal(d.n_members, 2);
+	assert_string_equal(d.members[0].id, "b");
+	assert_string_equal(d.members[0].endpoint, "tcp://10.0.0.2:7000");
+	assert_int_equal(d.members[0].state, 1);
+	assert_int_equal(d.members[0].pushes_owed, 3);
+	assert_true(d.members[0].last_reply_age_ms == 412.5);
+	assert_int_equal(d.members[0].chunks, 9);
+	assert_int_equal(d.members[0].stored_bytes, 1u << 30);
+	assert_int_equal(d.members[1].state, -1);
+	assert_true(d.members[1].last_reply_age_ms == -1);
+	kvbp_reply_clear(&d);
+	assert_null(d.members);
+	free(buf);
+	{
+		/* Another sender's strings past the fields: cut, never overrun. A Reply with
+		 * one Member (field 27) of a 200-byte id and a 1000-byte endpoint, by hand. */
+		uint8_t raw[1300], *p = raw;
+		size_t mlen = 1 + 2 + 200 + 1 + 2 + 1000;
+
+		*p++ = 27 << 3 | 2, *p++ = 0x01; /* tag 218 as a varint */
+		*p++ = (uint8_t)(0x80 | (mlen & 0x7f)), *p++ = (uint8_t)(mlen >> 7);
+		*p++ = 1 << 3 | 2, *p++ = 0x80 | (200 & 0x7f), *p++ = 200 >> 7;
+		memset(p, 'i', 200), p += 200;
+		*p++ = 2 << 3 | 2, *p++ = (uint8_t)(0x80 | (1000 & 0x7f)), *p++ = 1000 >> 7;
+		memset(p, 'e', 1000), p += 1000;
+		assert_int_equal(kvbp_reply_decode(raw, (size_t)(p - raw), &d, err, sizeof(err)),
+				 KVBP_OK);
+		assert_int_equal(d.n_members, 1);
+		assert_int_equal(strlen(d.members[0].id), sizeof(d.members[0].id) - 1);
+		assert_int_equal(strlen(d.members[0].endpoint), sizeof(d.members[0].endpoint) - 1);
+		kvbp_reply_clear(&d);
+	}
+}
+
 static void test_fuse_fields(void **state)
 {
 	struct kvbp_segment segs[2] = { { .fresh = false, .pos = 7 }, { .fresh = true, .count = 5,
@@ -246,6 +299,7 @@ int main(void)
 		cmocka_unit_test(test_request_malformed),
 		cmocka_unit_test(test_reply_roundtrip),
 		cmocka_unit_test(test_code_numbering),
+		cmocka_unit_test(test_members),
 		cmocka_unit_test(test_fuse_fields),
 	};
 
