@@ -6,7 +6,8 @@
  * K and V, over the daemon's landing time) with each codec, as a ratio to the
  * model's dtype. Mistral-7B shape (32 layers, 8 KV heads x 128, f16), 8 chunks
  * of 512 tokens + 32 fresh (4K tokens), r = 0.15, check layer 1. Starts its
- * own daemon.
+ * own daemon. The landing runs take turns, one of each store per round, so a
+ * slow phase of a shared machine lands on every store alike, not on one.
  *
  * usage: bench_quant [--daemon PATH] [--stores dtype,fp8,int8,int4,int4:128] [--repeats N]
  *                    [--kv FILE.npy]
@@ -55,6 +56,38 @@ static void synth(uint16_t *p, size_t rows, uint64_t seed)
 		}
 }
 
+/* One store under test: its model, chunks, figures. */
+struct store_run {
+	char spec[32];
+	struct kvb_model m;
+	struct kvb_segment segs[CHUNKS + 1];
+	double put_s, stored, rates[32];
+};
+
+/* Land every layer of r's chunks once; the daemon's landing rate in model-dtype GB/s, or < 0. */
+static double land_once(kvb_client *c, struct store_run *r, const struct kvb_kv_layout *y,
+			const uint8_t *vplane)
+{
+	uint32_t check = 1;
+	double ratio = 0.15, land_ms = 0;
+	struct kvb_fuse_params p = { &check, &ratio, 1, KVB_METRIC_VALUE };
+	struct kvb_stat *st = NULL;
+	size_t n_st = 0;
+	kvb_fuse *fu;
+
+	if (kvb_fuse_open_into(c, r->m.name, r->segs, CHUNKS + 1, &p, y, &fu, NULL, NULL) ||
+	    kvb_fuse_check(c, fu, 1, vplane, 0, NULL, NULL) || kvb_fuse_wait(c, fu, L - 1, 60000)) {
+		fprintf(stderr, "fuse %s: %s\n", r->spec, kvb_last_error(c));
+		return -1;
+	}
+	kvb_fuse_close(c, &fu, &st, &n_st);
+	for (size_t i = 0; i < n_st; i++)
+		if (!strcmp(st[i].name, "land_ms"))
+			land_ms = st[i].value;
+	free(st);
+	return (double)(L - 2) * 2 * CHUNKS * PER * ROW / (land_ms / 1e3) / 1e9;
+}
+
 int main(int argc, char **argv)
 {
 	char daemon_path[512], dir[] = "/tmp/kvb-benchq-XXXXXX", ep[300], stores[256] = "dtype,fp8,int8,int4,int4:128";
@@ -62,10 +95,12 @@ int main(int argc, char **argv)
 	const char *extra[] = { "--shm-max", "4G", "--compress-min-saving", "100", NULL };
 	struct kvb_connect_opts o = { .timeout_ms = 120000 };
 	unsigned repeats = 5;
-	size_t chunk_bytes = (size_t)L * 2 * PER * ROW, layer_bytes = (size_t)N * ROW;
+	size_t chunk_bytes = (size_t)L * 2 * PER * ROW, layer_bytes = (size_t)N * ROW, n_runs = 0;
 	uint16_t *kv = malloc(chunk_bytes);
 	uint8_t *cache, *vplane = malloc(layer_bytes);
-	double base_rate = 0;
+	struct store_run runs[8];
+	double base_rate = 0, base_bpt = 0;
+	struct kvb_kv_layout y;
 	kvb_client *c;
 	pid_t pid;
 
@@ -126,26 +161,20 @@ int main(int argc, char **argv)
 		return 1;
 	}
 	memset(cache, 0, 2 * (size_t)L * layer_bytes);
+	y = (struct kvb_kv_layout){ cache, cache + (size_t)L * layer_bytes, layer_bytes, ROW, D * 2,
+				    0, 0, NULL, 0 };
 	synth((uint16_t *)vplane, N, 99);
-	printf("kvblend bench_quant: %d layers x %d KV heads x %d f16, %d chunks of %d tokens + %d "
-	       "fresh, %s KV, landing r = 0.15, median of %u runs\n\n", L, H, D, CHUNKS, PER, FRESH,
-	       kv_file ? kv_file : "synthetic (outlier channels)", repeats);
-	printf("| store | bytes/token (all layers) | vs dtype | PUT GB/s (model dtype) | landed GB/s "
-	       "(model dtype) | vs dtype |\n|---|---|---|---|---|---|\n");
-	for (char *save, *spec = strtok_r(stores, ",", &save); spec; spec = strtok_r(NULL, ",", &save)) {
-		struct kvb_model m = { .num_layers = L, .num_kv_heads = H, .head_dim = D,
-				       .dtype = KVB_F16, .rope_theta = 1e6 };
-		struct kvb_segment segs[CHUNKS + 1] = { 0 };
-		uint32_t check = 1;
-		double ratio = 0.15, put_s = 0, rates[32], stored = 0;
-		struct kvb_fuse_params p = { &check, &ratio, 1, KVB_METRIC_VALUE };
-		struct kvb_kv_layout y = { cache, cache + (size_t)L * layer_bytes, layer_bytes, ROW,
-					   D * 2, 0, 0, NULL, 0 };
-		static double dtype_bpt;
-		double bpt;
+	/* Store every codec's chunks first, then land them in turns. */
+	for (char *save, *spec = strtok_r(stores, ",", &save); spec && n_runs < 8;
+	     spec = strtok_r(NULL, ",", &save)) {
+		struct store_run *r = &runs[n_runs];
 
-		snprintf(m.name, sizeof(m.name), "bq-%s", spec);
-		if (kvb_store_parse(spec, &m) || kvb_model_register(c, &m, NULL)) {
+		memset(r, 0, sizeof(*r));
+		snprintf(r->spec, sizeof(r->spec), "%s", spec);
+		r->m = (struct kvb_model){ .num_layers = L, .num_kv_heads = H, .head_dim = D,
+					   .dtype = KVB_F16, .rope_theta = 1e6 };
+		snprintf(r->m.name, sizeof(r->m.name), "bq-%s", spec);
+		if (kvb_store_parse(spec, &r->m) || kvb_model_register(c, &r->m, NULL)) {
 			fprintf(stderr, "model %s: %s\n", spec, kvb_last_error(c));
 			continue;
 		}
@@ -156,51 +185,54 @@ int main(int argc, char **argv)
 
 			if (!kv_file)
 				synth(kv, (size_t)L * 2 * PER, 1000 + k);
-			kvb_chunk_hash(id, 2, segs[k].hash);
-			segs[k].pos = k * PER;
+			kvb_chunk_hash(id, 2, r->segs[k].hash);
+			r->segs[k].pos = k * PER;
 			t = now_s();
-			if (kvb_put(c, m.name, segs[k].hash, KVB_F16, PER, 0, kv, chunk_bytes, NULL)) {
+			if (kvb_put(c, r->m.name, r->segs[k].hash, KVB_F16, PER, 0, kv, chunk_bytes,
+				    NULL)) {
 				fprintf(stderr, "put: %s\n", kvb_last_error(c));
 				return 1;
 			}
-			put_s += now_s() - t;
-			if (kvb_lookup(c, m.name, (const uint8_t(*)[KVB_HASH_LEN])segs[k].hash, 1, &info) == 0)
-				stored += (double)info.stored_bytes;
+			r->put_s += now_s() - t;
+			if (kvb_lookup(c, r->m.name, (const uint8_t(*)[KVB_HASH_LEN])r->segs[k].hash, 1,
+				       &info) == 0)
+				r->stored += (double)info.stored_bytes;
 		}
-		segs[CHUNKS].fresh = 1;
-		segs[CHUNKS].count = FRESH;
-		segs[CHUNKS].pos = CHUNKS * PER;
-		for (unsigned r = 0; r <= repeats; r++) {
-			struct kvb_stat *st = NULL;
-			size_t n_st = 0;
-			kvb_fuse *fu;
-			double land_ms = 0;
+		r->segs[CHUNKS].fresh = 1;
+		r->segs[CHUNKS].count = FRESH;
+		r->segs[CHUNKS].pos = CHUNKS * PER;
+		n_runs++;
+	}
+	/* a round before the measured ones maps each store's pages */
+	for (unsigned round = 0; round <= repeats; round++)
+		for (size_t i = 0; i < n_runs; i++) {
+			double rate = land_once(c, &runs[i], &y, vplane);
 
-			if (kvb_fuse_open_into(c, m.name, segs, CHUNKS + 1, &p, &y, &fu, NULL, NULL) ||
-			    kvb_fuse_check(c, fu, 1, vplane, 0, NULL, NULL) ||
-			    kvb_fuse_wait(c, fu, L - 1, 60000)) {
-				fprintf(stderr, "fuse: %s\n", kvb_last_error(c));
+			if (rate < 0)
 				return 1;
-			}
-			kvb_fuse_close(c, &fu, &st, &n_st);
-			for (size_t i = 0; i < n_st; i++)
-				if (!strcmp(st[i].name, "land_ms"))
-					land_ms = st[i].value;
-			free(st);
-			if (r) /* the first run maps the pages */
-				rates[r - 1] = (double)(L - 2) * 2 * CHUNKS * PER * ROW / (land_ms / 1e3) / 1e9;
+			if (round)
+				runs[i].rates[round - 1] = rate;
 		}
-		qsort(rates, repeats, sizeof(double), cmp_double);
-		bpt = stored / (CHUNKS * PER);
-		if (!strcmp(spec, "dtype")) {
-			dtype_bpt = bpt;
-			base_rate = rates[repeats / 2];
+	printf("kvblend bench_quant: %d layers x %d KV heads x %d f16, %d chunks of %d tokens + %d "
+	       "fresh, %s KV, landing r = 0.15, median of %u rounds (stores in turn)\n\n", L, H, D,
+	       CHUNKS, PER, FRESH, kv_file ? kv_file : "synthetic (outlier channels)", repeats);
+	printf("| store | bytes/token (all layers) | vs dtype | PUT GB/s (model dtype) | landed GB/s "
+	       "(model dtype) | landed min-max | vs dtype |\n|---|---|---|---|---|---|---|\n");
+	for (size_t i = 0; i < n_runs; i++) {
+		qsort(runs[i].rates, repeats, sizeof(double), cmp_double);
+		if (!strcmp(runs[i].spec, "dtype")) {
+			base_bpt = runs[i].stored / (CHUNKS * PER);
+			base_rate = runs[i].rates[repeats / 2];
 		}
-		printf("| %s | %.0f | %.2fx | %.2f | %.2f | %s%.2fx |\n", spec, bpt,
-		       dtype_bpt ? dtype_bpt / bpt : 0, (double)CHUNKS * chunk_bytes / put_s / 1e9,
-		       rates[repeats / 2], base_rate ? "" : "n/a ",
-		       base_rate ? rates[repeats / 2] / base_rate : 0);
-		fflush(stdout);
+	}
+	for (size_t i = 0; i < n_runs; i++) {
+		struct store_run *r = &runs[i];
+		double bpt = r->stored / (CHUNKS * PER), med = r->rates[repeats / 2];
+
+		printf("| %s | %.0f | %.2fx | %.2f | %.2f | %.1f-%.1f | %s%.2fx |\n", r->spec, bpt,
+		       base_bpt ? base_bpt / bpt : 0, (double)CHUNKS * chunk_bytes / r->put_s / 1e9, med,
+		       r->rates[0], r->rates[repeats - 1], base_rate ? "" : "n/a ",
+		       base_rate ? med / base_rate : 0);
 	}
 	printf("\nbytes/token: stored bytes of a chunk (K and V of every layer, headers and scales "
 	       "included) per token; the model's dtype is %d. PUT: the model-dtype bytes of a chunk "

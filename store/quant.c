@@ -8,6 +8,7 @@
 #include <stdbool.h>
 
 void quant_dec_rows_avx2(struct quant_dec *d, uint32_t a, uint32_t b, void *dst);
+int quant_encode_avx2(const struct quant_info *qi, const void *src, void *dst);
 
 static const char *const names[] = { [QUANT_NONE] = "none", [QUANT_FP8] = "fp8",
 				     [QUANT_INT8] = "int8", [QUANT_INT4] = "int4" };
@@ -80,12 +81,6 @@ static void fp8_init(void)
 
 /* ---- layout ---- */
 
-static void put_u32(uint8_t *p, uint32_t v)
-{
-	for (int i = 0; i < 4; i++)
-		p[i] = (uint8_t)(v >> (8 * i));
-}
-
 static uint32_t get_u32(const uint8_t *p)
 {
 	return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
@@ -143,160 +138,18 @@ int quant_peek(const void *payload, size_t len, struct quant_info *out)
 	return 0;
 }
 
-/* ---- encode ---- */
-
-static float load1(uint32_t dtype, const uint8_t *p, size_t i)
-{
-	uint16_t h;
-	float f;
-
-	if (dtype == 3) {
-		memcpy(&f, p + 4 * i, 4);
-		return f;
-	}
-	memcpy(&h, p + 2 * i, 2);
-	return dtype == 2 ? bf16_to_f32(h) : f16_to_f32(h);
-}
-
-static void put_f32(uint8_t *p, float f)
-{
-	memcpy(p, &f, 4);
-}
-
-static void put_u16(uint8_t *p, uint16_t v)
-{
-	p[0] = (uint8_t)v;
-	p[1] = (uint8_t)(v >> 8);
-}
-
-/* The f16 next to h towards -infinity (h finite). */
-static uint16_t f16_down(uint16_t h)
-{
-	if (h == 0)
-		return 0x8001;
-	return h & 0x8000 ? (uint16_t)(h + 1) : (uint16_t)(h - 1);
-}
-
-/* Scale of an int8 or fp8 run with absolute maximum amax, never 0 unless amax is. */
-static float sym_scale(float amax, float top)
-{
-	float s = amax / top;
-
-	return amax > 0 && s == 0 ? 0x1p-149f : s;
-}
+/* ---- encode and decode: the kernels are quant_impl.h's ---- */
 
 int quant_encode(const struct quant_info *qi, const void *src, void *dst)
 {
-	const uint8_t *in = src;
-	uint8_t *p = dst, *sc = p + qi->scales_off, *codes = p + qi->data_off;
-	size_t R = qi->rows, C = qi->channels;
-	float top = qi->codec == QUANT_INT8 ? 127.0f : 448.0f;
-
-	/* Every value finite, first: a tensor that is not is stored losslessly. */
-	for (size_t i = 0; i < R * C; i++)
-		if (!isfinite(load1(qi->dtype, in, i)))
-			return -ERANGE;
-	memset(p, 0, QUANT_HEADER_SIZE);
-	put_u32(p, qi->rows);
-	put_u32(p + 4, qi->channels);
-	p[8] = (uint8_t)qi->axis;
-	p[9] = (uint8_t)qi->dtype;
-	p[10] = (uint8_t)qi->group;
-	p[11] = (uint8_t)(qi->group >> 8);
-	p[12] = (uint8_t)qi->codec;
-	if (qi->codec == QUANT_INT8 || qi->codec == QUANT_FP8) {
-		size_t ns = qi->axis == QUANT_PER_CHANNEL ? C : R;
-
-		for (size_t k = 0; k < ns; k++) {
-			float amax = 0;
-
-			for (size_t j = 0; j < (qi->axis == QUANT_PER_CHANNEL ? R : C); j++) {
-				size_t i = qi->axis == QUANT_PER_CHANNEL ? j * C + k : k * C + j;
-				float a = fabsf(load1(qi->dtype, in, i));
-
-				amax = a > amax ? a : amax;
-			}
-			put_f32(sc + 4 * k, sym_scale(amax, top));
-		}
-		for (size_t t = 0; t < R; t++)
-			for (size_t c = 0; c < C; c++) {
-				float s, x = load1(qi->dtype, in, t * C + c);
-
-				memcpy(&s, sc + 4 * (qi->axis == QUANT_PER_CHANNEL ? c : t), 4);
-				if (qi->codec == QUANT_INT8) {
-					float q = s > 0 ? rintf(x / s) : 0;
-
-					q = q > 127 ? 127 : q < -127 ? -127 : q;
-					codes[t * C + c] = (uint8_t)(int8_t)q;
-				} else {
-					codes[t * C + c] = s > 0 ? quant_fp8_encode(x / s) : 0;
-				}
-			}
-		return 0;
-	}
-	/* int4: groups of G tokens along a channel (keys) or G channels along a token (values) */
-	{
-		size_t G = qi->group, ng_row = (C + G - 1) / G;
-		size_t groups = qi->axis == QUANT_PER_CHANNEL ? (R + G - 1) / G * C : R * ng_row;
-
-		memset(codes, 0, qi->row_bytes * R);
-		for (size_t g = 0; g < groups; g++) {
-			/* the group's elements: (t, c) for t in [t0, t1), c in [c0, c1) */
-			size_t t0, t1, c0, c1;
-			float mn = INFINITY, mx = -INFINITY, z, s, need;
-			uint16_t zh, sh;
-
-			if (qi->axis == QUANT_PER_CHANNEL) {
-				t0 = g / C * G;
-				t1 = t0 + G < R ? t0 + G : R;
-				c0 = g % C;
-				c1 = c0 + 1;
-			} else {
-				t0 = g / ng_row;
-				t1 = t0 + 1;
-				c0 = g % ng_row * G;
-				c1 = c0 + G < C ? c0 + G : C;
-			}
-			for (size_t t = t0; t < t1; t++)
-				for (size_t c = c0; c < c1; c++) {
-					float x = load1(qi->dtype, in, t * C + c);
-
-					mn = x < mn ? x : mn;
-					mx = x > mx ? x : mx;
-				}
-			if (fabsf(mn) > 65504.0f || fabsf(mx) > 65504.0f)
-				return -ERANGE;
-			zh = f32_to_f16(mn);
-			if (f16_to_f32(zh) > mn)
-				zh = f16_down(zh);
-			z = f16_to_f32(zh);
-			need = (mx - z) / 15.0f;
-			sh = f32_to_f16(need);
-			while (f16_to_f32(sh) < need && sh < 0x7c00)
-				sh++;
-			if (sh >= 0x7c00)
-				return -ERANGE;
-			s = f16_to_f32(sh);
-			put_u16(sc + 2 * g, sh);
-			put_u16(sc + 2 * (groups + g), zh);
-			for (size_t t = t0; t < t1; t++)
-				for (size_t c = c0; c < c1; c++) {
-					float x = load1(qi->dtype, in, t * C + c);
-					float q = s > 0 ? rintf((x - z) / s) : 0;
-
-					q = q > 15 ? 15 : q < 0 ? 0 : q;
-					codes[t * qi->row_bytes + c / 2] |= (uint8_t)((unsigned)q << (4 * (c & 1)));
-				}
-		}
-	}
-	return 0;
+	if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c"))
+		return quant_encode_avx2(qi, src, dst);
+	return quant_encode_base(qi, src, dst);
 }
-
-/* ---- decode ---- */
 
 int quant_dec_init(struct quant_dec *d, const struct quant_info *qi, const void *payload)
 {
-	size_t C = qi->channels;
+	size_t C = qi->channels, G = qi->group;
 
 	pthread_once(&fp8_once, fp8_init);
 	memset(d, 0, sizeof(*d));
@@ -305,15 +158,35 @@ int quant_dec_init(struct quant_dec *d, const struct quant_info *qi, const void 
 	d->fp8_lut = fp8_lut;
 	d->tg = SIZE_MAX;
 	d->avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
-	if (qi->axis != QUANT_PER_CHANNEL)
-		return 0;
-	/* per-channel scales as f32, once per tensor (int4: per row group, on the way) */
-	d->s_all = malloc(2 * C * sizeof(float));
+	if (qi->codec == QUANT_INT4) {
+		d->ng = (C + G - 1) / G;
+		d->groups = qi->axis == QUANT_PER_CHANNEL ? ((size_t)qi->rows + G - 1) / G * C
+							  : (size_t)qi->rows * d->ng;
+	} else if (qi->axis != QUANT_PER_CHANNEL) {
+		return 0; /* one scale a row, read as the rows come */
+	}
+	/*
+	 * Per-channel scales as f32, once per tensor (int4 keys: per row group, on the
+	 * way; int4 values: room for a row's); fp8 keys also keep them x 256.
+	 */
+	d->s_all = malloc((qi->codec == QUANT_FP8 ? 3 : 2) * C * sizeof(float));
 	if (!d->s_all)
 		return -ENOMEM;
 	d->z_all = d->s_all + C;
-	if (qi->codec != QUANT_INT4)
-		memcpy(d->s_all, (const uint8_t *)payload + qi->scales_off, 4 * C);
+	if (qi->codec == QUANT_INT4)
+		return 0;
+	memcpy(d->s_all, (const uint8_t *)payload + qi->scales_off, 4 * C);
+	if (qi->codec == QUANT_FP8) {
+		/* the AVX2 kernel multiplies value / 256 by scale x 256: exact below 2^120 */
+		d->s256 = d->z_all + C;
+		for (size_t c = 0; c < C; c++) {
+			if (!(fabsf(d->s_all[c]) < 0x1p120f)) {
+				d->s256 = NULL;
+				break;
+			}
+			d->s256[c] = d->s_all[c] * 256.0f;
+		}
+	}
 	return 0;
 }
 
@@ -328,7 +201,7 @@ void quant_dec_rows(struct quant_dec *d, uint32_t a, uint32_t b, void *dst)
 void quant_dec_free(struct quant_dec *d)
 {
 	free(d->s_all);
-	d->s_all = d->z_all = NULL;
+	d->s_all = d->z_all = d->s256 = NULL;
 }
 
 int quant_decode_rows(const struct quant_info *qi, const void *payload, uint32_t a, uint32_t b,

@@ -72,7 +72,8 @@ int quant_layout(enum quant_codec q, uint32_t rows, uint32_t channels, enum quan
 /*
  * Quantize src (rows x channels of dtype) into dst (qi->size bytes, from
  * quant_layout). Returns 0, or -ERANGE when the tensor must be stored losslessly
- * (NaN, Inf, or int4 values beyond f16 scales).
+ * (NaN, Inf, or int4 values beyond f16 scales); dst is then undefined. Uses
+ * AVX2 and F16C when the CPU has them; every path writes the same bytes.
  */
 int quant_encode(const struct quant_info *qi, const void *src, void *dst);
 
@@ -92,14 +93,21 @@ static inline void quant_rows_span(const struct quant_info *qi, uint32_t a, uint
 
 /*
  * A decoder of one payload, for decoding it a block of rows at a time: it keeps
- * the per-channel scales expanded to f32 across calls.
+ * the per-channel scales expanded to f32 across calls. Its fields are the
+ * kernels' (quant_impl.h), not the caller's.
  */
 struct quant_dec {
 	const struct quant_info *qi;
 	const uint8_t *payload;
 	const float *fp8_lut;
-	float *s_all, *z_all; /* per-channel scales (and int4 zeros) of row group tg */
+	/*
+	 * Per-channel scales and int4 zero points (int4 keys: of row group tg; int4
+	 * values: the current row's, spelled out per channel).
+	 */
+	float *s_all, *z_all;
+	float *s256;	   /* fp8 keys: s_all x 256, or NULL when that would not be exact */
 	size_t tg;
+	size_t ng, groups; /* int4: groups in a row of values; groups in the tensor */
 	int avx2;
 };
 
