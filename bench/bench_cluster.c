@@ -19,7 +19,11 @@
  *               once they are local.
  * GB/s are of the chunk's bytes (KV in f16); medians over --repeats.
  *
+ * The benchmark tunes its own malloc as a client that GETs large chunks should
+ * (kvb_malloc_tune(); --no-malloc-tune leaves glibc's defaults).
+ *
  * usage: bench_cluster [--daemon PATH] [--sizes 8,32] [--repeats N] [--no-curve]
+ *                      [--no-malloc-tune]
  */
 #include <arpa/inet.h>
 #include <errno.h>
@@ -452,7 +456,7 @@ int main(int argc, char **argv)
 	char daemon_path[512];
 	unsigned sizes[8] = { 8, 32 }, n_sizes = 2;
 	int repeats = 7;
-	bool curve = true;
+	bool curve = true, tune = true;
 
 	bench_default_daemon(argv[0], daemon_path, sizeof(daemon_path));
 	for (int i = 1; i < argc; i++) {
@@ -478,11 +482,17 @@ int main(int argc, char **argv)
 			}
 		} else if (!strcmp(argv[i], "--no-curve")) {
 			curve = false;
+		} else if (!strcmp(argv[i], "--no-malloc-tune")) {
+			tune = false;
 		} else {
 			fprintf(stderr, "usage: bench_cluster [--daemon PATH] [--sizes 8,32] "
-					"[--repeats N] [--no-curve]\n");
+					"[--repeats N] [--no-curve] [--no-malloc-tune]\n");
 			return 2;
 		}
+	}
+	if (tune && kvb_malloc_tune(0)) {
+		fprintf(stderr, "bench_cluster: kvb_malloc_tune failed\n");
+		return 1;
 	}
 	signal(SIGPIPE, SIG_IGN);
 	if (kvb_curve_keypair(pub_a, sec_a) || kvb_curve_keypair(pub_b, sec_b) ||
@@ -491,8 +501,9 @@ int main(int argc, char **argv)
 		return 1;
 	}
 	printf("Two kvblendd on loopback TCP, Mistral-7B-shaped chunks (f16); GB/s of the chunk's "
-	       "bytes, medians of %d; ratios to the plain socket copy of the same run.\n\n",
-	       repeats);
+	       "bytes, medians of %d; ratios to the plain socket copy of the same run; client "
+	       "malloc %s.\n\n",
+	       repeats, tune ? "tuned (kvb_malloc_tune)" : "glibc's defaults");
 	printf("| transport | chunk | plain TCP copy | GET over TCP | GET, frames kept | fetch b<-a "
 	       "| GET via b (wall) | local PUT on b | fuse open on b, 8 remote chunks | same, "
 	       "local |\n");

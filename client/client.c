@@ -4,6 +4,8 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
+#include <limits.h>
+#include <malloc.h>
 #include <pthread.h>
 #include <sodium.h>
 #include <stdarg.h>
@@ -1255,6 +1257,19 @@ static int get_once(kvb_client *c, const char *model, const uint8_t hash[KVB_HAS
 out:
 	call_done(&k);
 	return rc;
+}
+
+int kvb_malloc_tune(size_t keep_bytes)
+{
+	if (!keep_bytes)
+		keep_bytes = (size_t)512 << 20;
+	if (keep_bytes > INT_MAX)
+		keep_bytes = INT_MAX;
+	/* mallopt() takes an int and answers 1 on success. */
+	if (mallopt(M_MMAP_THRESHOLD, 256 << 20) != 1 ||
+	    mallopt(M_TRIM_THRESHOLD, (int)keep_bytes) != 1)
+		return -EINVAL;
+	return 0;
 }
 
 /* What kvb_layers holds: the frames and the two pointer arrays, freed together. */

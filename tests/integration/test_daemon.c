@@ -210,7 +210,9 @@ static void test_large_chunk_paths(void **state)
 	assert_int_equal(kvb_get(frames, "big16", h, 0, 0, back, n, NULL), 0);
 	assert_memory_equal(kv, back, n);
 	/* frames kept: each layer's K and V where it arrived, usable after the client
-	 * has gone */
+	 * has gone (in a process with its malloc tuned for that, as it should be) */
+	assert_int_equal(kvb_malloc_tune(0), 0);
+	assert_int_equal(kvb_malloc_tune((size_t)64 << 20), 0);
 	{
 		struct kvb_layers *l = NULL, *all = NULL;
 		size_t tb = n / 32;

@@ -290,6 +290,7 @@ def test_get_layers_leaves_the_frames(request, which):
     kv = rand_kv(SIXTEEN_MIB, 1024 // 2)
     h = os.urandom(32)
     c.put(SIXTEEN_MIB.name, h, kv)
+    kvblend.malloc_tune()
     with c.get_layers(SIXTEEN_MIB.name, h, layers=(2, 6)) as got:
         assert (got.layer_begin, got.layer_end) == (2, 6) and got.info.num_tokens == 512
         assert len(got.k) == len(got.v) == 4

@@ -36,6 +36,7 @@ from .client import (
     chunk_hash,
     default_endpoint,
     hash_hex,
+    malloc_tune,
 )
 from .errors import (
     BadArgument,
@@ -95,4 +96,5 @@ __all__ = [
     "default_endpoint",
     "hash_hex",
     "library_path",
+    "malloc_tune",
 ]

@@ -160,6 +160,7 @@ _PROTOTYPES = {
         [_P, _STR, _HASH, _U32, _U32, ctypes.POINTER(ctypes.POINTER(KvbLayers))],
     ),
     "kvb_layers_free": (None, [ctypes.POINTER(ctypes.POINTER(KvbLayers))]),
+    "kvb_malloc_tune": (_INT, [_SZ]),
     "kvb_lookup": (_INT, [_P, _STR, _HASH, _SZ, ctypes.POINTER(KvbChunkInfo)]),
     "kvb_delete": (_INT, [_P, _STR, _HASH]),
     "kvb_pin": (_INT, [_P, _STR, _HASH, _U32]),
