@@ -1265,10 +1265,11 @@ int kvb_malloc_tune(size_t keep_bytes)
 		keep_bytes = (size_t)512 << 20;
 	if (keep_bytes > INT_MAX)
 		keep_bytes = INT_MAX;
-	/* mallopt() takes an int and answers 1 on success. */
+	/* mallopt() takes an int and answers 1 on success; an allocator that replaces
+	 * glibc's (AddressSanitizer's, jemalloc) answers 0. */
 	if (mallopt(M_MMAP_THRESHOLD, 256 << 20) != 1 ||
 	    mallopt(M_TRIM_THRESHOLD, (int)keep_bytes) != 1)
-		return -EINVAL;
+		return -ENOTSUP;
 	return 0;
 }
 

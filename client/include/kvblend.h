@@ -238,7 +238,8 @@ KVB_API void kvb_layers_free(struct kvb_layers **l);
  * at 1.2-1.7 GB/s in a process that had read 8 MiB chunks before, 4-5 GB/s tuned).
  * This keeps allocations up to 256 MiB in the heap and up to keep_bytes (0: 512
  * MiB) of freed heap for reuse: the process's resident memory stays near its peak.
- * kvblendd does the same for itself. Returns 0, or -EINVAL if glibc refused.
+ * kvblendd does the same for itself. Returns 0, or -ENOTSUP when malloc is not
+ * glibc's (AddressSanitizer's, jemalloc: nothing to tune this way).
  */
 KVB_API int kvb_malloc_tune(size_t keep_bytes);
 

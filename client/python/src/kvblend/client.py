@@ -955,7 +955,7 @@ def _segment(s: Segment | tuple) -> Segment:
     return Segment.chunk(what, int(pos))
 
 
-def malloc_tune(keep_bytes: int = 0) -> None:
+def malloc_tune(keep_bytes: int = 0) -> bool:
     """Tune glibc's malloc for receiving large chunks over TCP (process-wide, optional).
 
     Received frames then come from, and return to, the heap instead of being mapped
@@ -963,9 +963,14 @@ def malloc_tune(keep_bytes: int = 0) -> None:
     untuned in a process that read other sizes before, 4-5 GB/s tuned). Up to
     ``keep_bytes`` (0: 512 MiB) of freed memory is kept for reuse, so resident
     memory stays near its peak. See ``kvb_malloc_tune()`` in kvblend.h.
+
+    Returns
+    -------
+    bool
+        True when applied; False when malloc is not glibc's (under AddressSanitizer,
+        jemalloc): nothing to tune this way.
     """
-    if lib.kvb_malloc_tune(keep_bytes) != 0:
-        raise KvblendError(-22, "mallopt refused the settings")
+    return bool(lib.kvb_malloc_tune(keep_bytes) == 0)
 
 
 class Layers:
