@@ -142,9 +142,9 @@ static const struct key keys[] = {
 	  "deadline of a call to another member; one that misses it is skipped for 2 s" },
 	{ "log_level", T_LEVEL, OFF(log_level), 0, 3, "info", "error, warn, info or debug" },
 	{ "device", T_DEVICE, OFF(device), 0, 1023, "auto",
-	  "where the fuse computes: auto (the first CUDA GPU if there is a usable one, else "
-	  "the CPU), cpu, or cuda[:N] (CUDA device N, 0 by default; the daemon refuses to "
-	  "start without it)" },
+	  "where the fuse computes: cpu, cuda[:N] (CUDA device N, 0 by default; the daemon "
+	  "refuses to start without it), or auto (the CPU for now, logging whether there is "
+	  "a GPU: the CUDA path is not yet faster than the CPU's)" },
 };
 
 #define N_KEYS (sizeof(keys) / sizeof(keys[0]))

@@ -672,12 +672,15 @@ static bool owns_chunk(void *ctx, const uint8_t *hash)
 
 /*
  * The fuse's compute backend for the device setting: the CPU; CUDA device N, or a
- * refusal to start naming the cause; or (auto) device 0 when it works, else the CPU.
- * One log line says which.
+ * refusal to start naming the cause. auto is the CPU for now, saying whether there
+ * is a GPU: the CUDA table stages every call's rows through the device and back, so
+ * on the daemon's load path it is slower than the CPU's SIMD kernels; auto will take
+ * the GPU once a session's layers stay on the device (the pipelined path). One log
+ * line says which and why.
  */
 static int pick_backend(struct server *srv, int device)
 {
-	char why[256];
+	char why[256], name[256];
 	int ordinal = device == CONFIG_DEVICE_AUTO ? 0 : device, rc;
 
 	srv->blend = blend_cpu_backend();
@@ -685,14 +688,20 @@ static int pick_backend(struct server *srv, int device)
 		log_info("fuse backend %s (device cpu)", srv->blend->name);
 		return 0;
 	}
+	if (device == CONFIG_DEVICE_AUTO) {
+		if (blend_cuda_probe(0, name, sizeof(name), why, sizeof(why)))
+			log_info("fuse backend %s (device auto: %s)", srv->blend->name, why);
+		else
+			log_info("fuse backend %s (device auto: CUDA device 0, %s, is there, but "
+				 "the GPU path stages every call through it and is slower than "
+				 "this CPU for now: --device cuda uses it)",
+				 srv->blend->name, name);
+		return 0;
+	}
 	rc = blend_cuda_open(ordinal, &srv->gpu, why, sizeof(why));
-	if (rc && device != CONFIG_DEVICE_AUTO) {
+	if (rc) {
 		log_err("device cuda:%d: %s", ordinal, why);
 		return -ENODEV;
-	}
-	if (rc) {
-		log_info("fuse backend %s (device auto: %s)", srv->blend->name, why);
-		return 0;
 	}
 	{
 		uint64_t held, total;
@@ -716,6 +725,10 @@ int server_start(struct server *srv, const struct config *cfg, struct store *sto
 	srv->cfg = cfg;
 	srv->store = store;
 	clock_gettime(CLOCK_MONOTONIC, &srv->started);
+	/* First: a refused device stops the start before any socket is bound. */
+	rc = pick_backend(srv, cfg->device);
+	if (rc)
+		return rc;
 	rc = clients_new(cfg->max_inflight_bytes, cfg->client_inflight_bytes, &srv->clients);
 	if (rc)
 		return rc;
@@ -789,9 +802,6 @@ int server_start(struct server *srv, const struct config *cfg, struct store *sto
 		if (rc)
 			return rc;
 	}
-	rc = pick_backend(srv, cfg->device);
-	if (rc)
-		return rc;
 	{
 		struct fuse_limits fl = { cfg->fuse_max_sessions, cfg->fuse_max_tokens,
 					  cfg->fuse_max_bytes, cfg->fuse_ring, cfg->fuse_idle,

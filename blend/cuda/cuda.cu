@@ -682,12 +682,10 @@ __global__ void k_probe(int *x)
 	*x = 1;
 }
 
-extern "C" int blend_cuda_open(int ordinal, struct blend_cuda **out, char *err, size_t errlen)
+/* The device count, or -ENODEV with the cause (no driver, none, not that one) in err. */
+static int count_devices(int ordinal, char *err, size_t errlen)
 {
-	struct blend_cuda *d;
-	struct cudaDeviceProp p;
-	int n = 0, *probe = NULL, one = 0;
-	bool have_p = false;
+	int n = 0;
 	cudaError_t e = cudaGetDeviceCount(&n);
 
 	if (e != cudaSuccess) {
@@ -714,6 +712,37 @@ extern "C" int blend_cuda_open(int ordinal, struct blend_cuda **out, char *err, 
 			 n == 1 ? "" : "s");
 		return -ENODEV;
 	}
+	return n;
+}
+
+extern "C" int blend_cuda_probe(int ordinal, char *name, size_t namelen, char *err,
+				size_t errlen)
+{
+	struct cudaDeviceProp p;
+	cudaError_t e;
+
+	if (count_devices(ordinal, err, errlen) < 0)
+		return -ENODEV;
+	e = cudaGetDeviceProperties(&p, ordinal);
+	if (e != cudaSuccess) {
+		snprintf(err, errlen, "CUDA device %d: %s", ordinal, cudaGetErrorString(e));
+		(void)cudaGetLastError();
+		return -ENODEV;
+	}
+	snprintf(name, namelen, "%s", p.name);
+	return 0;
+}
+
+extern "C" int blend_cuda_open(int ordinal, struct blend_cuda **out, char *err, size_t errlen)
+{
+	struct blend_cuda *d;
+	struct cudaDeviceProp p;
+	int *probe = NULL, one = 0;
+	bool have_p = false;
+	cudaError_t e;
+
+	if (count_devices(ordinal, err, errlen) < 0)
+		return -ENODEV;
 	e = cudaGetDeviceProperties(&p, ordinal);
 	have_p = e == cudaSuccess;
 	if (e == cudaSuccess)

@@ -38,6 +38,12 @@ bool blend_cuda_built(void);
  */
 int blend_cuda_open(int ordinal, struct blend_cuda **out, char *err, size_t errlen);
 
+/*
+ * Is there a CUDA device `ordinal`? Its name into name, without creating a context
+ * on it (no device memory taken). Returns 0, or -ENODEV with the cause in err.
+ */
+int blend_cuda_probe(int ordinal, char *name, size_t namelen, char *err, size_t errlen);
+
 /* Wait for the device's work and free everything. Accepts NULL. */
 void blend_cuda_close(struct blend_cuda **d);
 

@@ -17,6 +17,15 @@ int blend_cuda_open(int ordinal, struct blend_cuda **out, char *err, size_t errl
 	return -ENODEV;
 }
 
+int blend_cuda_probe(int ordinal, char *name, size_t namelen, char *err, size_t errlen)
+{
+	(void)ordinal;
+	(void)name;
+	(void)namelen;
+	snprintf(err, errlen, "built without CUDA (configure with nvcc on PATH, KVB_CUDA=ON)");
+	return -ENODEV;
+}
+
 /* Nothing can be opened, so nothing below is ever reached with a device. */
 void blend_cuda_close(struct blend_cuda **d)
 {

@@ -182,7 +182,13 @@ start_daemon
 check "second daemon refused" 1 "in use by another kvblendd" -- "$KVBLENDD" --data-dir "$dir/data" \
 	--listen "ipc://$dir/other.sock"
 check "bad config value" 2 "workers: invalid value '9999'" -- "$KVBLENDD" --workers 9999
+check "bad device" 2 "device: invalid value 'gpu'" -- "$KVBLENDD" --device gpu
 stop_daemon
+
+# --device cuda:N without that device: refused at start, the cause named. (Where device 9
+# exists this machine has ten GPUs; the check then only asks for a clean failure.)
+check "device cuda:9 refused" 1 "device cuda:9:" -- "$KVBLENDD" --data-dir "$dir/data" \
+	--listen "ipc://$dir/gpu.sock" --device cuda:9
 
 echo "$pass passed, $failed failed"
 [ "$failed" = 0 ]

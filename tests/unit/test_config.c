@@ -75,6 +75,28 @@ static void test_values_and_ranges(void **state)
 				    sizeof(err)), -ERANGE);
 	assert_true(config_key_is_bool("no-sync"));
 	assert_false(config_key_is_bool("workers"));
+	/* device: auto, cpu, cuda (device 0), cuda:N */
+	assert_int_equal(c.device, CONFIG_DEVICE_AUTO); /* the default */
+	assert_int_equal(config_set(&c, "device", "cuda:3", CONFIG_FLAG, err, sizeof(err)), 0);
+	assert_int_equal(c.device, 3);
+	assert_int_equal(config_set(&c, "device", "cuda", CONFIG_FLAG, err, sizeof(err)), 0);
+	assert_int_equal(c.device, 0);
+	assert_int_equal(config_set(&c, "device", "cpu", CONFIG_FLAG, err, sizeof(err)), 0);
+	assert_int_equal(c.device, CONFIG_DEVICE_CPU);
+	assert_int_equal(config_set(&c, "device", "auto", CONFIG_FLAG, err, sizeof(err)), 0);
+	assert_int_equal(c.device, CONFIG_DEVICE_AUTO);
+	assert_int_equal(config_set(&c, "device", "gpu", CONFIG_FLAG, err, sizeof(err)), -EINVAL);
+	assert_string_equal(err, "device: invalid value 'gpu'; expected auto, cpu, cuda or cuda:N");
+	assert_int_equal(config_set(&c, "device", "cuda:", CONFIG_FLAG, err, sizeof(err)), -EINVAL);
+	assert_int_equal(config_set(&c, "device", "cuda:-1", CONFIG_FLAG, err, sizeof(err)),
+			 -EINVAL);
+	assert_int_equal(config_set(&c, "device", "cuda:1024", CONFIG_FLAG, err, sizeof(err)),
+			 -EINVAL);
+	assert_string_equal(err, "device: invalid device 'cuda:1024'; expected cuda:N with N in "
+				 "0..1023");
+	assert_int_equal(config_set(&c, "device", "cuda:2x", CONFIG_FLAG, err, sizeof(err)),
+			 -EINVAL);
+	assert_int_equal(c.device, CONFIG_DEVICE_AUTO); /* failures change nothing */
 }
 
 static void test_listen(void **state)
