@@ -25,7 +25,10 @@
 enum blend_dtype { BLEND_F16 = 1, BLEND_BF16 = 2, BLEND_F32 = 3 };
 
 /* Bytes per element of a dtype; 0 for an unknown one. */
-size_t blend_dtype_size(enum blend_dtype dt);
+static inline size_t blend_dtype_size(enum blend_dtype dt)
+{
+	return dt == BLEND_F32 ? 4 : (dt == BLEND_F16 || dt == BLEND_BF16) ? 2 : 0;
+}
 
 struct blend_shape {
 	uint32_t heads;

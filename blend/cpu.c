@@ -16,11 +16,6 @@ DECLARE(baseline)
 DECLARE(avx2)
 DECLARE(avx512)
 
-size_t blend_dtype_size(enum blend_dtype dt)
-{
-	return dt == BLEND_F32 ? 4 : (dt == BLEND_F16 || dt == BLEND_BF16) ? 2 : 0;
-}
-
 static int merge_rows(const struct blend_backend *be, const struct blend_shape *s,
 		      const void *stored, const void *fresh, const int32_t *sel, size_t n_sel,
 		      void *out, size_t row0, size_t n)

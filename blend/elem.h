@@ -14,13 +14,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "backend.h"
 #include "half.h"
-
-/* Dtype codes as in backend.h (enum blend_dtype); plain integers here so that
- * device code needs no C enum from a C header. */
-#define ELEM_F16 1
-#define ELEM_BF16 2
-#define ELEM_F32 3
 
 /*
  * Element i of a tensor of dtype dt. On the host p may be any byte address; on the
@@ -30,12 +25,12 @@
 KVB_HD float elem_load(int dt, const uint8_t *p, size_t i)
 {
 #ifdef __CUDA_ARCH__
-	if (dt == ELEM_F32)
+	if (dt == BLEND_F32)
 		return ((const float *)p)[i];
-	return dt == ELEM_BF16 ? bf16_to_f32(((const uint16_t *)p)[i])
+	return dt == BLEND_BF16 ? bf16_to_f32(((const uint16_t *)p)[i])
 			       : f16_to_f32(((const uint16_t *)p)[i]);
 #endif
-	if (dt == ELEM_F32) {
+	if (dt == BLEND_F32) {
 		float f;
 
 		memcpy(&f, p + 4 * i, 4);
@@ -45,7 +40,7 @@ KVB_HD float elem_load(int dt, const uint8_t *p, size_t i)
 		uint16_t h;
 
 		memcpy(&h, p + 2 * i, 2);
-		return dt == ELEM_BF16 ? bf16_to_f32(h) : f16_to_f32(h);
+		return dt == BLEND_BF16 ? bf16_to_f32(h) : f16_to_f32(h);
 	}
 }
 
@@ -53,16 +48,16 @@ KVB_HD float elem_load(int dt, const uint8_t *p, size_t i)
 KVB_HD void elem_store(int dt, uint8_t *p, size_t i, float f)
 {
 #ifdef __CUDA_ARCH__
-	if (dt == ELEM_F32)
+	if (dt == BLEND_F32)
 		((float *)p)[i] = f;
 	else
-		((uint16_t *)p)[i] = dt == ELEM_BF16 ? f32_to_bf16(f) : f32_to_f16(f);
+		((uint16_t *)p)[i] = dt == BLEND_BF16 ? f32_to_bf16(f) : f32_to_f16(f);
 	return;
 #endif
-	if (dt == ELEM_F32) {
+	if (dt == BLEND_F32) {
 		memcpy(p + 4 * i, &f, 4);
 	} else {
-		uint16_t h = dt == ELEM_BF16 ? f32_to_bf16(f) : f32_to_f16(f);
+		uint16_t h = dt == BLEND_BF16 ? f32_to_bf16(f) : f32_to_f16(f);
 
 		memcpy(p + 2 * i, &h, 2);
 	}

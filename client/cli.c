@@ -354,7 +354,7 @@ static int cmd_cluster(kvb_client *c, struct args *a)
 	if (opt_parse(&o, a))
 		return 2;
 	json = opt(&o, "--json") != NULL;
-	rc = kvb_stats(c, &s, &n);
+	rc = kvb_cluster_members(c, &mb, &n_mb, &s, &n);
 	if (rc)
 		return client_err(c, rc, "cluster status");
 	{
@@ -364,15 +364,11 @@ static int cmd_cluster(kvb_client *c, struct args *a)
 			any |= !strcmp(s[i].name, "cluster_members");
 		if (!any) {
 			free(s);
+			free(mb);
 			return die("cluster status: this daemon is in no cluster (neither cluster_peers "
 				   "nor cluster_etcd set)")
 				       ? 1 : 1;
 		}
-	}
-	rc = kvb_cluster_members(c, &mb, &n_mb);
-	if (rc) {
-		free(s);
-		return client_err(c, rc, "cluster status");
 	}
 	if (json)
 		printf("{\"members\": [");

@@ -205,6 +205,22 @@ static int QFN(fp8_any_nan)(const uint8_t *p, size_t n)
 	return 0;
 }
 
+/* Outputs k .. k + 15 of a row: v0, v1 times the per-channel scales per (from k), or
+ * times the one scale sv when per is NULL; one rounding each, then the dtype's. */
+QINLINE void QFN(scale_emit16)(__m256 v0, __m256 v1, const float *per, __m256 sv,
+			       uint32_t dtype, uint8_t *o, size_t k)
+{
+	if (per) {
+		v0 = _mm256_mul_ps(v0, _mm256_loadu_ps(per + k));
+		v1 = _mm256_mul_ps(v1, _mm256_loadu_ps(per + k + 8));
+	} else {
+		v0 = _mm256_mul_ps(v0, sv);
+		v1 = _mm256_mul_ps(v1, sv);
+	}
+	QFN(emit8)(dtype, v0, o, k);
+	QFN(emit8)(dtype, v1, o, k + 8);
+}
+
 /*
  * fp8: (value / 256) x (scale x 256), 16 codes at a time. A code c read as the
  * f16 bits (c & 0x80) << 8 | (c & 0x7f) << 7 is its value / 256 exactly,
@@ -226,15 +242,7 @@ QINLINE size_t QFN(fp8_row)(const uint8_t *codes, size_t C, const float *s256, f
 		__m256 v0 = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
 		__m256 v1 = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
 
-		if (s256) {
-			v0 = _mm256_mul_ps(v0, _mm256_loadu_ps(s256 + k));
-			v1 = _mm256_mul_ps(v1, _mm256_loadu_ps(s256 + k + 8));
-		} else {
-			v0 = _mm256_mul_ps(v0, sv);
-			v1 = _mm256_mul_ps(v1, sv);
-		}
-		QFN(emit8)(dtype, v0, o, k);
-		QFN(emit8)(dtype, v1, o, k + 8);
+		QFN(scale_emit16)(v0, v1, s256, sv, dtype, o, k);
 	}
 	return k;
 }
@@ -252,15 +260,7 @@ QINLINE size_t QFN(int8_row)(const uint8_t *codes, size_t C, const float *s_c, f
 		__m256 v1 = _mm256_cvtepi32_ps(
 			_mm256_cvtepi8_epi32(_mm_loadl_epi64((const void *)(codes + k + 8))));
 
-		if (s_c) {
-			v0 = _mm256_mul_ps(v0, _mm256_loadu_ps(s_c + k));
-			v1 = _mm256_mul_ps(v1, _mm256_loadu_ps(s_c + k + 8));
-		} else {
-			v0 = _mm256_mul_ps(v0, sv);
-			v1 = _mm256_mul_ps(v1, sv);
-		}
-		QFN(emit8)(dtype, v0, o, k);
-		QFN(emit8)(dtype, v1, o, k + 8);
+		QFN(scale_emit16)(v0, v1, s_c, sv, dtype, o, k);
 	}
 	return k;
 }

@@ -1173,6 +1173,21 @@ int store_chunk_info(struct store *s, const struct store_model *m,
 	return rc;
 }
 
+/*
+ * A chunk's record, checked against its model: as many layers, and a tensor size
+ * (into *tb) that is not zero. -EBADMSG when they disagree; chunk_info_txn()'s errors.
+ */
+static int chunk_shape_txn(struct store *s, MDB_txn *txn, const struct store_model *m,
+			   const uint8_t *hash, struct store_chunk_info *ci, uint64_t *tb)
+{
+	int rc = chunk_info_txn(s, txn, m->id, hash, ci);
+
+	if (rc)
+		return rc;
+	*tb = store_tensor_bytes(m, ci->num_tokens);
+	return ci->num_layers != m->num_layers || !*tb ? -EBADMSG : 0;
+}
+
 int store_chunk_get(struct store *s, const struct store_model *m,
 		    const uint8_t hash[STORE_HASH_LEN], uint32_t layer_begin, uint32_t layer_end,
 		    void *dst, uint64_t dst_len, struct store_chunk_info *info)
@@ -1189,16 +1204,11 @@ int store_chunk_get(struct store *s, const struct store_model *m,
 	rc = rtxn_begin(s, &txn);
 	if (rc)
 		return rc;
-	rc = chunk_info_txn(s, txn, m->id, hash, &ci);
+	rc = chunk_shape_txn(s, txn, m, hash, &ci, &tb);
 	if (rc)
 		goto out;
 	if (info)
 		*info = ci;
-	tb = store_tensor_bytes(m, ci.num_tokens);
-	if (ci.num_layers != m->num_layers || !tb) {
-		rc = -EBADMSG;
-		goto out;
-	}
 	if (dst_len != (uint64_t)(layer_end - layer_begin) * 2 * tb) {
 		rc = -ENOBUFS;
 		goto out;
@@ -1263,16 +1273,11 @@ int store_chunk_view(struct store *s, const struct store_model *m,
 	rc = err_from_mdb(mdb_txn_begin(s->env, NULL, MDB_RDONLY, &w->txn));
 	if (rc)
 		goto fail;
-	rc = chunk_info_txn(s, w->txn, m->id, hash, &ci);
+	rc = chunk_shape_txn(s, w->txn, m, hash, &ci, &tb);
 	if (rc)
 		goto fail;
 	if (info)
 		*info = ci;
-	tb = store_tensor_bytes(m, ci.num_tokens);
-	if (ci.num_layers != m->num_layers || !tb) {
-		rc = -EBADMSG;
-		goto fail;
-	}
 	w->pub.layer_begin = layer_begin;
 	w->pub.layer_end = layer_end;
 	w->pub.tensor_bytes = tb;

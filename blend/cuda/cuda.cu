@@ -93,7 +93,7 @@ __global__ void k_rotate(int dt, int style, uint32_t heads, uint32_t hd, uint32_
 {
 	uint32_t per = half + (hd - 2 * half);
 	uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
-	size_t es = dt == ELEM_F32 ? 4 : 2;
+	size_t es = dt == BLEND_F32 ? 4 : 2;
 
 	if (i >= (uint64_t)n * heads * per)
 		return;
@@ -134,7 +134,7 @@ __global__ void k_deviation(int dt, uint32_t heads, uint32_t hd, const uint8_t *
 	uint64_t g = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
 	uint64_t row = g / 8;
 	unsigned lane = (unsigned)(g % 8), base = (threadIdx.x & 31u) & ~7u;
-	size_t es = dt == ELEM_F32 ? 4 : 2, rowel = (size_t)heads * hd;
+	size_t es = dt == BLEND_F32 ? 4 : 2, rowel = (size_t)heads * hd;
 	float acc = 0, a[8];
 
 	if (row < n) {
@@ -197,20 +197,14 @@ __global__ void k_scatter(uint8_t *layer, const uint8_t *fresh, const int32_t *s
 
 /* ---- device kernels on caller memory ---- */
 
-/* As blend_dtype_size(), here so that this library needs nothing of cpu.c. */
-static size_t dtype_size(enum blend_dtype dt)
-{
-	return dt == BLEND_F32 ? 4 : (dt == BLEND_F16 || dt == BLEND_BF16) ? 2 : 0;
-}
-
 static size_t row_bytes(const struct blend_shape *s)
 {
-	return (size_t)s->heads * s->head_dim * dtype_size(s->dtype);
+	return (size_t)s->heads * s->head_dim * blend_dtype_size(s->dtype);
 }
 
 static bool shape_ok(const struct blend_shape *s)
 {
-	return dtype_size(s->dtype) && s->heads && s->head_dim && s->rotary_dim % 2 == 0 &&
+	return blend_dtype_size(s->dtype) && s->heads && s->head_dim && s->rotary_dim % 2 == 0 &&
 	       s->rotary_dim <= s->head_dim;
 }
 
