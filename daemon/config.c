@@ -143,8 +143,9 @@ static const struct key keys[] = {
 	{ "log_level", T_LEVEL, OFF(log_level), 0, 3, "info", "error, warn, info or debug" },
 	{ "device", T_DEVICE, OFF(device), 0, 1023, "auto",
 	  "where the fuse computes: cpu, cuda[:N] (CUDA device N, 0 by default; the daemon "
-	  "refuses to start without it), or auto (the CPU for now, logging whether there is "
-	  "a GPU: the CUDA path is not yet faster than the CPU's)" },
+	  "refuses to start without it), auto (the CPU for now, logging whether there is "
+	  "a GPU: the CUDA path is not yet measured against the CPU's), or emulated (the "
+	  "device path with host memory standing in for a GPU's: for tests)" },
 };
 
 #define N_KEYS (sizeof(keys) / sizeof(keys[0]))
@@ -295,9 +296,12 @@ int config_set(struct config *c, const char *key, const char *value, enum config
 		*(int *)field = rc;
 		return 0;
 	case T_DEVICE:
-		if (!strcmp(value, "auto") || !strcmp(value, "cpu") || !strcmp(value, "cuda")) {
+		if (!strcmp(value, "auto") || !strcmp(value, "cpu") || !strcmp(value, "cuda") ||
+		    !strcmp(value, "emulated")) {
 			if (!strcmp(value, "auto"))
 				*(int *)field = CONFIG_DEVICE_AUTO;
+			else if (!strcmp(value, "emulated"))
+				*(int *)field = CONFIG_DEVICE_EMULATED;
 			else if (!strcmp(value, "cpu"))
 				*(int *)field = CONFIG_DEVICE_CPU;
 			else
@@ -306,8 +310,8 @@ int config_set(struct config *c, const char *key, const char *value, enum config
 		}
 		if (strncmp(value, "cuda:", 5) || !value[5] || value[5] == '-' ||
 		    value[5] == '+') {
-			snprintf(err, errlen, "%s: invalid value '%s'; expected auto, cpu, cuda or "
-				 "cuda:N", k->name, value);
+			snprintf(err, errlen, "%s: invalid value '%s'; expected auto, cpu, cuda, "
+				 "cuda:N or emulated", k->name, value);
 			return -EINVAL;
 		}
 		errno = 0;
@@ -468,8 +472,9 @@ void config_print(FILE *f, const struct config *c)
 		case T_DEVICE: {
 			int d = *(const int *)field;
 
-			if (d == CONFIG_DEVICE_AUTO || d == CONFIG_DEVICE_CPU)
-				fprintf(f, "%s = %s\n", k->name, d == CONFIG_DEVICE_CPU ? "cpu" : "auto");
+			if (d < 0)
+				fprintf(f, "%s = %s\n", k->name, d == CONFIG_DEVICE_CPU ? "cpu" :
+					d == CONFIG_DEVICE_EMULATED ? "emulated" : "auto");
 			else
 				fprintf(f, "%s = cuda:%d\n", k->name, d);
 			break;

@@ -18,6 +18,7 @@
 
 #define CONFIG_DEVICE_AUTO (-2)
 #define CONFIG_DEVICE_CPU (-1)
+#define CONFIG_DEVICE_EMULATED (-3) /* the device path on host memory (tests) */
 
 struct config {
 	char data_dir[PATH_MAX];
@@ -69,7 +70,7 @@ struct config {
 	uint64_t cluster_replicas;
 	uint64_t cluster_timeout_ms;
 	int log_level;
-	int device; /* CONFIG_DEVICE_AUTO, CONFIG_DEVICE_CPU, or a CUDA ordinal */
+	int device; /* CONFIG_DEVICE_AUTO, _CPU, _EMULATED, or a CUDA ordinal */
 };
 
 enum config_source { CONFIG_DEFAULT = 0, CONFIG_FILE = 1, CONFIG_FLAG = 2 };

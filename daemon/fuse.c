@@ -18,6 +18,7 @@
 
 #include "codec.h"
 #include "cuda/cuda.h"
+#include "device.h"
 #include "hkvd.h"
 #include "log.h"
 
@@ -92,6 +93,7 @@ struct fuse_session {
 	struct slot stage;  /* when !direct: a layer is loaded here, then scattered */
 	uint8_t *land_buf;  /* memory of cslot[] and stage */
 	uint64_t ns_land;
+	struct dev_sess *dv; /* the session's ring on the device (the table has one), or NULL */
 	struct timespec last_used;
 	struct timespec opened;
 	uint64_t layers_served, ns_load, ns_compute, bytes_in, bytes_out;
@@ -103,11 +105,22 @@ struct pin {
 	uint32_t count;
 };
 
+/* A block of device (or pinned host) memory a closed session left for the next one. */
+struct dblock {
+	void *p;
+	size_t bytes;
+	bool host;
+};
+
 struct fuse_table {
 	struct fuse_limits lim;
 	struct store *store;
 	struct pool *pool;
 	const struct blend_backend *be;
+	const struct blend_device *dev; /* sessions keep their rings here (NULL: host only) */
+	struct dblock *cache;		/* under lock */
+	size_t n_cache, cap_cache;
+	uint64_t cached;
 	struct shm_table *shm;
 	pthread_mutex_t lock; /* sessions, bytes, pins */
 	struct fuse_session **sessions;
@@ -151,6 +164,18 @@ static const char *backend_error(const struct fuse_table *t, int rc, char *buf, 
 	return buf;
 }
 
+/* The same for a failure of the table's device (the pipelined path). */
+static const char *device_error(const struct fuse_table *t, int rc, char *buf, size_t len)
+{
+	char dev[128];
+
+	if (rc != -EIO)
+		return strerror(-rc);
+	t->dev->last_error(t->dev, dev, sizeof(dev));
+	snprintf(buf, len, "the %s device failed (%s)", t->dev->name, dev);
+	return buf;
+}
+
 void fuse_rope_config(const struct store_model *m, struct rope_config *c)
 {
 	memset(c, 0, sizeof(*c));
@@ -169,8 +194,8 @@ void fuse_rope_config(const struct store_model *m, struct rope_config *c)
 }
 
 int fuse_table_new(const struct fuse_limits *l, struct store *store, struct pool *pool,
-		   const struct blend_backend *backend, struct shm_table *shm,
-		   struct fuse_table **out)
+		   const struct blend_backend *backend, const struct blend_device *device,
+		   struct shm_table *shm, struct fuse_table **out)
 {
 	struct fuse_table *t = calloc(1, sizeof(*t));
 
@@ -185,6 +210,7 @@ int fuse_table_new(const struct fuse_limits *l, struct store *store, struct pool
 	t->store = store;
 	t->pool = pool;
 	t->be = backend;
+	t->dev = device;
 	t->shm = shm;
 	pthread_mutex_init(&t->lock, NULL);
 	*out = t;
@@ -244,16 +270,429 @@ int fuse_delete_chunk(struct fuse_table *t, const struct store_model *m, const u
 	return rc;
 }
 
+/* ---- the device path: a session's ring in device memory ---- */
+
+/*
+ * Per session: host slot i (pinned: a block of the table's cache, or the shared
+ * segment registered in place) is where layers are read into from the store and
+ * where fused layers come back to; device slot i is where they are re-rotated and
+ * merged. Copies to the device and the rotation after them queue on `copy`; the
+ * node's layer (its fresh rows up, deviation, top-k, scatter, the fused layer
+ * down) on `comp`, after the slot's `loaded` event. So the layers ahead load while
+ * the node's runs.
+ */
+struct dev_sess {
+	struct blend_stream *copy, *comp;
+	struct blend_event **loaded; /* per ring slot: uploaded and re-rotated */
+	uint8_t *blk;		     /* the device block everything below is carved from */
+	size_t blk_bytes;
+	uint8_t *hring; /* the pinned host ring, from the cache (heap rings) */
+	size_t hring_bytes;
+	bool registered; /* the shared ring is pinned in place */
+	uint64_t slot_bytes;
+	uint8_t *ring;	 /* n_ring slots, K then V of all tokens each */
+	uint8_t *fk, *fv; /* a request's fresh rows, up to n each */
+	int32_t *idx, *cand, *always, *sel, *out;
+	float *dev, *cdev;
+	uint8_t *scratch;
+	size_t scratch_bytes;
+	struct blend_dev_table *tabs; /* host array: chunk i's rotation table, on the device */
+};
+
+#define DEV_ALIGN 256
+
+static size_t dev_align(size_t x)
+{
+	return (x + DEV_ALIGN - 1) / DEV_ALIGN * DEV_ALIGN;
+}
+
+/* Drop every cached block (to make room on the device). */
+static void block_flush(struct fuse_table *t)
+{
+	struct dblock *c;
+	size_t n;
+
+	pthread_mutex_lock(&t->lock);
+	c = t->cache;
+	n = t->n_cache;
+	t->cache = NULL;
+	t->n_cache = t->cap_cache = 0;
+	t->cached = 0;
+	pthread_mutex_unlock(&t->lock);
+	for (size_t i = 0; i < n; i++) {
+		if (c[i].host)
+			t->dev->host_free(t->dev, c[i].p);
+		else
+			t->dev->free(t->dev, c[i].p, c[i].bytes);
+	}
+	free(c);
+}
+
+/*
+ * A block of at least bytes (device, or pinned host memory): a cached one of up to
+ * twice that, else a new one (after dropping the cache if the device is full).
+ * *got: its real size.
+ */
+static int block_take(struct fuse_table *t, bool host, size_t bytes, void **out, size_t *got)
+{
+	const struct blend_device *d = t->dev;
+	int rc;
+
+	pthread_mutex_lock(&t->lock);
+	for (size_t i = 0; i < t->n_cache; i++) {
+		struct dblock *b = &t->cache[i];
+
+		if (b->host != host || b->bytes < bytes || b->bytes / 2 > bytes)
+			continue;
+		*out = b->p;
+		*got = b->bytes;
+		t->cached -= b->bytes;
+		*b = t->cache[--t->n_cache];
+		pthread_mutex_unlock(&t->lock);
+		return 0;
+	}
+	pthread_mutex_unlock(&t->lock);
+	for (int pass = 0; pass < 2; pass++) {
+		rc = host ? d->host_alloc(d, bytes, out) : d->alloc(d, bytes, out);
+		if (rc != -ENOMEM || pass)
+			break;
+		block_flush(t);
+	}
+	if (!rc)
+		*got = bytes;
+	return rc;
+}
+
+/* Keep a block for the next session, while the cache stays within fuse_max_bytes. */
+static void block_give(struct fuse_table *t, bool host, void *p, size_t bytes)
+{
+	if (!p)
+		return;
+	pthread_mutex_lock(&t->lock);
+	if (t->cached + bytes <= t->lim.max_bytes) {
+		if (t->n_cache == t->cap_cache) {
+			size_t cap = t->cap_cache ? 2 * t->cap_cache : 8;
+			struct dblock *c = realloc(t->cache, cap * sizeof(*c));
+
+			if (c) {
+				t->cache = c;
+				t->cap_cache = cap;
+			}
+		}
+		if (t->n_cache < t->cap_cache) {
+			t->cache[t->n_cache++] = (struct dblock){ p, bytes, host };
+			t->cached += bytes;
+			pthread_mutex_unlock(&t->lock);
+			return;
+		}
+	}
+	pthread_mutex_unlock(&t->lock);
+	if (host)
+		t->dev->host_free(t->dev, p);
+	else
+		t->dev->free(t->dev, p, bytes);
+}
+
+/* Carve (or, with base NULL, only measure) a session's device block; returns its size. */
+static size_t dev_layout(const struct fuse_table *t, const struct fuse_session *s,
+			 struct dev_sess *d, uint8_t *base)
+{
+	size_t off = 0, n = s->n, rb = s->row_bytes;
+
+#define CARVE(field, type, bytes)                                                 \
+	do {                                                                      \
+		if (base)                                                         \
+			d->field = (type)(base + off);                            \
+		off += dev_align(bytes);                                          \
+	} while (0)
+	CARVE(ring, uint8_t *, (size_t)s->n_ring * 2 * n * rb);
+	CARVE(fk, uint8_t *, n * rb);
+	CARVE(fv, uint8_t *, n * rb);
+	CARVE(idx, int32_t *, (n + 1) * sizeof(int32_t));
+	CARVE(cand, int32_t *, (n + 1) * sizeof(int32_t));
+	CARVE(always, int32_t *, (n + 1) * sizeof(int32_t));
+	CARVE(sel, int32_t *, (n + 1) * sizeof(int32_t));
+	CARVE(out, int32_t *, (n + 1) * sizeof(int32_t));
+	CARVE(dev, float *, (n + 1) * sizeof(float));
+	CARVE(cdev, float *, (n + 1) * sizeof(float));
+	CARVE(scratch, uint8_t *, d->scratch_bytes);
+#undef CARVE
+	for (size_t i = 0; i < s->n_chunks; i++) {
+		const struct rope_table *r = &s->chunks[i].rot;
+		size_t tb = (size_t)r->rows * r->half * sizeof(float);
+
+		if (base) {
+			d->tabs[i].cos = (const float *)(base + off);
+			d->tabs[i].sin = (const float *)(base + off + dev_align(tb));
+			d->tabs[i].rows = r->rows;
+			d->tabs[i].scale = r->scale;
+		}
+		off += 2 * dev_align(tb);
+	}
+	(void)t;
+	return off;
+}
+
+static void dev_sess_free(struct fuse_table *t, struct fuse_session *s)
+{
+	struct dev_sess *d = s->dv;
+
+	if (!d)
+		return;
+	/* Nothing may still be running on what goes back to the cache. */
+	if (d->comp)
+		t->dev->stream_sync(t->dev, d->comp);
+	if (d->copy)
+		t->dev->stream_sync(t->dev, d->copy);
+	for (uint32_t i = 0; d->loaded && i < s->n_ring; i++)
+		if (d->loaded[i])
+			t->dev->event_free(t->dev, d->loaded[i]);
+	if (d->comp)
+		t->dev->stream_free(t->dev, d->comp);
+	if (d->copy)
+		t->dev->stream_free(t->dev, d->copy);
+	if (d->registered)
+		t->dev->host_unregister(t->dev, s->ring_mem);
+	block_give(t, false, d->blk, d->blk_bytes);
+	block_give(t, true, d->hring, d->hring_bytes);
+	free(d->loaded);
+	free(d->tabs);
+	free(d);
+	s->dv = NULL;
+}
+
+/*
+ * The device half of a session's open: the host ring (pinned from the cache, or the
+ * shared segment at s->ring_mem pinned in place), streams, events, the device
+ * block, and the rotation tables and fresh tokens uploaded.
+ */
+static int dev_sess_setup(struct fuse_table *t, struct fuse_session *s, size_t ring_bytes)
+{
+	const struct blend_device *dv = t->dev;
+	struct dev_sess *d = s->dv;
+	int rc = 0;
+
+	if (!s->ring_mem) {
+		rc = block_take(t, true, ring_bytes, (void **)&d->hring, &d->hring_bytes);
+		if (rc)
+			return rc;
+		memset(d->hring, 0, ring_bytes); /* fresh tokens' rows are never read from a chunk */
+		s->ring_mem = d->hring;
+	} else {
+		/* Unpinned, the copies still work, only slower: not a reason to refuse. */
+		d->registered = dv->host_register(dv, s->ring_mem, ring_bytes) == 0;
+	}
+	rc = dv->stream_new(dv, &d->copy);
+	if (!rc)
+		rc = dv->stream_new(dv, &d->comp);
+	d->loaded = calloc(s->n_ring, sizeof(*d->loaded));
+	if (!rc && !d->loaded)
+		rc = -ENOMEM;
+	for (uint32_t i = 0; !rc && i < s->n_ring; i++)
+		rc = dv->event_new(dv, &d->loaded[i]);
+	if (!rc)
+		rc = block_take(t, false, d->blk_bytes, (void **)&d->blk, &d->blk_bytes);
+	if (rc)
+		return rc;
+	dev_layout(t, s, d, d->blk);
+	for (size_t i = 0; !rc && i < s->n_chunks; i++) {
+		const struct rope_table *r = &s->chunks[i].rot;
+		size_t tb = (size_t)r->rows * r->half * sizeof(float);
+
+		rc = dv->upload(dv, d->comp, (void *)d->tabs[i].cos, r->cos, tb);
+		if (!rc)
+			rc = dv->upload(dv, d->comp, (void *)d->tabs[i].sin, r->sin, tb);
+	}
+	if (!rc)
+		rc = dv->upload(dv, d->comp, d->always, s->fresh, s->n_fresh * sizeof(int32_t));
+	if (!rc)
+		rc = dv->stream_sync(dv, d->comp);
+	return rc;
+}
+
+struct raw_job {
+	struct fuse_table *t;
+	struct fuse_session *s;
+	struct slot *slot;
+	uint32_t layer;
+};
+
+/* Chunk i's rows of a layer into the host slot, verified, as stored (no rotation). */
+static int load_chunk_raw(void *arg, size_t i)
+{
+	struct raw_job *j = arg;
+	struct fuse_session *s = j->s;
+	struct chunk_ref *c = &s->chunks[i];
+
+	return store_chunk_get_layer(j->t->store, &s->m, c->hash, j->layer,
+				     j->slot->k + (size_t)c->off * s->row_bytes,
+				     j->slot->v + (size_t)c->off * s->row_bytes,
+				     (uint64_t)c->tokens * s->row_bytes, NULL);
+}
+
+/* Load layer into ring slot sl on the device: read here, copied and re-rotated there. */
+static int dev_load(struct fuse_table *t, struct fuse_session *s, struct slot *sl, uint32_t layer)
+{
+	const struct blend_device *dv = t->dev;
+	struct dev_sess *d = s->dv;
+	size_t i = (size_t)(sl - s->ring);
+	uint8_t *dk = d->ring + i * d->slot_bytes;
+	struct raw_job j = { t, s, sl, layer };
+	int rc;
+
+	/* The slot's last copy to the device must be done before its host rows change. */
+	rc = dv->event_sync(dv, d->loaded[i]);
+	if (!rc)
+		rc = pool_run(t->pool, s->n_chunks, load_chunk_raw, &j);
+	if (!rc)
+		rc = dv->upload(dv, d->copy, dk, sl->k, d->slot_bytes);
+	for (size_t c = 0; !rc && c < s->n_chunks; c++) {
+		uint8_t *rows = dk + (size_t)s->chunks[c].off * s->row_bytes;
+
+		rc = dv->rotate(dv, d->copy, &s->shape, &d->tabs[c], rows, rows,
+				s->chunks[c].tokens);
+	}
+	if (!rc)
+		rc = dv->event_record(dv, d->loaded[i], d->copy);
+	return rc;
+}
+
+/* Cached tokens among rows idx[0..rows) with their deviations, compacted into cand, dev. */
+static size_t candidates(const struct fuse_session *s, const int32_t *idx, size_t rows,
+			 float *dev, int32_t *cand)
+{
+	size_t n_cand = 0, fi = 0;
+
+	for (size_t i = 0; i < rows; i++) {
+		while (fi < s->n_fresh && s->fresh[fi] < idx[i])
+			fi++;
+		if (fi < s->n_fresh && s->fresh[fi] == idx[i])
+			continue;
+		dev[n_cand] = dev[i];
+		cand[n_cand++] = idx[i];
+	}
+	return n_cand;
+}
+
+/*
+ * HKVD on the device at the session's next check layer, with the node's rows
+ * already in d->fk, d->fv and the stored layer in dk: as check_select() does on the
+ * host. *sel is malloc'd.
+ */
+static int dev_select(struct fuse_table *t, struct fuse_session *s, const uint8_t *dk,
+		      int32_t **sel_out, size_t *n_out)
+{
+	const struct blend_device *dv = t->dev;
+	struct dev_sess *d = s->dv;
+	size_t rows = s->next_check == 0 ? s->n : s->n_sel, n_cand, n_sel = 0;
+	const uint8_t *plane = s->metric ? dk : dk + (size_t)s->n * s->row_bytes;
+	int32_t *idx = malloc((rows + 1) * sizeof(int32_t));
+	int32_t *cand = malloc((rows + 1) * sizeof(int32_t));
+	float *dev = malloc((rows + 1) * sizeof(float));
+	int32_t *sel = malloc((s->n + 1) * sizeof(int32_t));
+	int rc = -ENOMEM;
+
+	if (!idx || !cand || !dev || !sel)
+		goto out;
+	for (size_t i = 0; i < rows; i++)
+		idx[i] = s->next_check == 0 ? (int32_t)i : s->sel[i];
+	rc = dv->upload(dv, d->comp, d->idx, idx, rows * sizeof(int32_t));
+	if (!rc)
+		rc = dv->deviation(dv, d->comp, &s->shape, s->metric ? d->fk : d->fv, plane, d->idx,
+				   rows, d->dev);
+	if (!rc)
+		rc = dv->download(dv, d->comp, dev, d->dev, rows * sizeof(float));
+	if (!rc)
+		rc = dv->stream_sync(dv, d->comp);
+	if (rc)
+		goto out;
+	n_cand = candidates(s, idx, rows, dev, cand);
+	rc = dv->upload(dv, d->comp, d->cand, cand, n_cand * sizeof(int32_t));
+	if (!rc)
+		rc = dv->upload(dv, d->comp, d->cdev, dev, n_cand * sizeof(float));
+	if (!rc)
+		rc = dv->select(dv, d->comp, d->cand, d->cdev, n_cand,
+				hkvd_count(s->ratios[s->next_check], s->n_cached), d->always,
+				s->n_fresh, d->out, d->scratch, d->scratch_bytes, &n_sel);
+	if (!rc)
+		rc = dv->download(dv, d->comp, sel, d->out, n_sel * sizeof(int32_t));
+	/* The host arrays above are read by queued copies until this returns. */
+	if (!rc)
+		rc = dv->stream_sync(dv, d->comp);
+out:
+	free(idx);
+	free(cand);
+	free(dev);
+	if (rc) {
+		free(sel);
+		return rc;
+	}
+	*sel_out = sel;
+	*n_out = n_sel;
+	return 0;
+}
+
+/*
+ * The node's layer on the device (fuse_layer_run's work for a device session):
+ * rows_in fresh rows up, the selection at a check layer (*sel, malloc'd), the
+ * fresh rows of the selection so far merged, and the fused layer down into k_out,
+ * v_out (or the host slot, for a shared ring) unless out is false.
+ */
+static int dev_layer(struct fuse_table *t, struct fuse_session *s, struct slot *sl,
+		     uint64_t rows_in, const void *k_in, const void *v_in, bool is_check,
+		     bool out, void *k_out, void *v_out, int32_t **sel, size_t *n_sel)
+{
+	const struct blend_device *dv = t->dev;
+	struct dev_sess *d = s->dv;
+	size_t i = (size_t)(sl - s->ring), rb = s->row_bytes, n = s->n;
+	uint8_t *dk = d->ring + i * d->slot_bytes, *dvv = dk + n * rb;
+	bool merge = !is_check || s->next_check > 0;
+	int rc;
+
+	rc = dv->event_wait(dv, d->comp, d->loaded[i]);
+	if (!rc)
+		rc = dv->upload(dv, d->comp, d->fk, k_in, rows_in * rb);
+	if (!rc)
+		rc = dv->upload(dv, d->comp, d->fv, v_in, rows_in * rb);
+	if (!rc && is_check)
+		rc = dev_select(t, s, dk, sel, n_sel);
+	/* The rows sent are those of the selection before this layer's narrows it. */
+	if (!rc && merge)
+		rc = dv->upload(dv, d->comp, d->sel, s->sel, s->n_sel * sizeof(int32_t));
+	if (!rc && merge)
+		rc = dv->scatter(dv, d->comp, &s->shape, dk, d->fk, d->sel, s->n_sel);
+	if (!rc && merge)
+		rc = dv->scatter(dv, d->comp, &s->shape, dvv, d->fv, d->sel, s->n_sel);
+	if (!rc && out && k_out) {
+		rc = dv->download(dv, d->comp, k_out, dk, n * rb);
+		if (!rc)
+			rc = dv->download(dv, d->comp, v_out, dvv, n * rb);
+	} else if (!rc && out) {
+		rc = dv->download(dv, d->comp, sl->k, dk, d->slot_bytes);
+	}
+	if (!rc)
+		rc = dv->stream_sync(dv, d->comp);
+	if (rc && is_check && *sel) {
+		free(*sel);
+		*sel = NULL;
+	}
+	return rc;
+}
+
 /* ---- sessions ---- */
 
 static void session_free(struct fuse_table *t, struct fuse_session *s)
 {
+	bool heap_ring;
+
 	if (!s)
 		return;
+	heap_ring = !s->dv || !s->dv->hring; /* else a pinned block, back to the cache */
+	dev_sess_free(t, s); /* first: it unpins a shared ring */
 	if (s->shm_id) {
 		shm_release(t->shm, s->shm_id);
 		shm_detach(t->shm, s->shm_id, NULL);
-	} else {
+	} else if (heap_ring) {
 		free(s->ring_mem);
 	}
 	if (s->land_mem)
@@ -297,6 +736,8 @@ void fuse_table_free(struct fuse_table **tp)
 			session_remove(t, i);
 			session_free(t, s);
 		}
+	if (t->dev)
+		block_flush(t);
 	free(t->sessions);
 	free(t->pins);
 	pthread_mutex_destroy(&t->lock);
@@ -460,7 +901,7 @@ uint32_t fuse_open(struct fuse_table *t, const struct store_model *m, const stru
 {
 	struct fuse_session *s = NULL;
 	struct rope_config rc_cfg;
-	uint64_t n = 0, max_pos_end = 0, ring_bytes;
+	uint64_t n = 0, max_pos_end = 0, ring_bytes, charge;
 	size_t n_chunks = 0, slot_i = SIZE_MAX;
 	uint32_t code = KVBP_OK;
 	bool pinned = false;
@@ -654,12 +1095,34 @@ uint32_t fuse_open(struct fuse_table *t, const struct store_model *m, const stru
 					       ? t->lim.ring
 					       : m->num_layers - s->first) + 1;
 		ring_bytes = (uint64_t)s->n_ring * 2 * n * s->row_bytes;
+		if (t->dev) {
+			/* And the same ring on the device, with room for the node's rows. */
+			s->dv = calloc(1, sizeof(*s->dv));
+			if (s->dv)
+				s->dv->tabs = calloc(s->n_chunks + 1, sizeof(*s->dv->tabs));
+			if (!s->dv || !s->dv->tabs) {
+				code = fail(err, errlen, KVBP_LIMIT, "out of memory");
+				goto fail;
+			}
+			s->dv->slot_bytes = 2 * n * s->row_bytes;
+			s->dv->scratch_bytes = t->dev->select_scratch(t->dev, n);
+			if (!s->dv->scratch_bytes) {
+				char why[160];
+
+				code = fail(err, errlen, KVBP_INTERNAL, "top-k scratch: %s",
+					    device_error(t, -EIO, why, sizeof(why)));
+				goto fail;
+			}
+			s->dv->blk_bytes = dev_layout(t, s, s->dv, NULL);
+		}
 	}
+	/* Host ring and device block both count against fuse_max_bytes. */
+	charge = ring_bytes + (s->dv ? s->dv->blk_bytes : 0);
 	pthread_mutex_lock(&t->lock);
-	if (t->bytes + ring_bytes > t->lim.max_bytes) {
+	if (t->bytes + charge > t->lim.max_bytes) {
 		pthread_mutex_unlock(&t->lock);
 		code = fail(err, errlen, KVBP_LIMIT, "fuse sessions would hold %" PRIu64 " bytes; "
-			    "fuse_max_bytes is %" PRIu64, t->bytes + ring_bytes, t->lim.max_bytes);
+			    "fuse_max_bytes is %" PRIu64, t->bytes + charge, t->lim.max_bytes);
 		goto fail;
 	}
 	{
@@ -683,8 +1146,8 @@ uint32_t fuse_open(struct fuse_table *t, const struct store_model *m, const stru
 			    "fuse_max_sessions", t->lim.max_sessions);
 		goto fail;
 	}
-	t->bytes += ring_bytes;
-	s->bytes = ring_bytes;
+	t->bytes += charge;
+	s->bytes = charge;
 	t->sessions[slot_i] = s; /* reserved; not findable until it has an id */
 	pthread_mutex_unlock(&t->lock);
 	/*
@@ -696,7 +1159,7 @@ uint32_t fuse_open(struct fuse_table *t, const struct store_model *m, const stru
 		if (land_alloc(s, ring_bytes)) {
 			pthread_mutex_lock(&t->lock);
 			t->sessions[slot_i] = NULL;
-			t->bytes -= ring_bytes;
+			t->bytes -= charge;
 			pthread_mutex_unlock(&t->lock);
 			code = fail(err, errlen, KVBP_LIMIT, "out of memory for the session");
 			goto fail;
@@ -718,12 +1181,27 @@ uint32_t fuse_open(struct fuse_table *t, const struct store_model *m, const stru
 			}
 		}
 	}
-	if (s->ring && !s->ring_mem)
+	if (s->ring && !s->ring_mem && !s->dv)
 		s->ring_mem = calloc(1, ring_bytes);
+	if (s->ring && s->dv) {
+		rc = dev_sess_setup(t, s, ring_bytes);
+		if (rc) {
+			char why[160];
+
+			pthread_mutex_lock(&t->lock);
+			t->sessions[slot_i] = NULL;
+			t->bytes -= charge;
+			pthread_mutex_unlock(&t->lock);
+			code = fail(err, errlen, rc == -ENOMEM ? KVBP_LIMIT : KVBP_INTERNAL,
+				    "the session's ring on the device: %s",
+				    device_error(t, rc, why, sizeof(why)));
+			goto fail;
+		}
+	}
 	if (!s->ring || !s->ring_mem) {
 		pthread_mutex_lock(&t->lock);
 		t->sessions[slot_i] = NULL;
-		t->bytes -= ring_bytes;
+		t->bytes -= charge;
 		pthread_mutex_unlock(&t->lock);
 		code = fail(err, errlen, KVBP_LIMIT, "out of memory for the session ring");
 		goto fail;
@@ -843,6 +1321,8 @@ static int load_layer(struct fuse_table *t, struct fuse_session *s, struct slot 
 {
 	struct load_job j = { t, s, slot, layer, 0 };
 
+	if (s->dv)
+		return dev_load(t, s, slot, layer);
 	return pool_run(t->pool, s->n_chunks, load_chunk, &j);
 }
 
@@ -1216,7 +1696,7 @@ static uint32_t check_select(struct fuse_table *t, struct fuse_session *s, const
 			     size_t stride, const uint8_t *plane, int32_t **sel_out, size_t *n_out,
 			     char *err, size_t errlen)
 {
-	size_t rows = s->next_check == 0 ? s->n : s->n_sel, n_cand = 0, fi = 0;
+	size_t rows = s->next_check == 0 ? s->n : s->n_sel, n_cand;
 	int32_t *idx = malloc((rows + 1) * sizeof(int32_t));
 	int32_t *cand = malloc((rows + 1) * sizeof(int32_t));
 	float *dev = malloc((rows + 1) * sizeof(float));
@@ -1249,14 +1729,7 @@ static uint32_t check_select(struct fuse_table *t, struct fuse_session *s, const
 			    backend_error(t, rc, why, sizeof(why)));
 	}
 	/* Candidates: the cached tokens among the rows (fresh ones are always kept). */
-	for (size_t i = 0; i < rows; i++) {
-		while (fi < s->n_fresh && s->fresh[fi] < idx[i])
-			fi++;
-		if (fi < s->n_fresh && s->fresh[fi] == idx[i])
-			continue;
-		dev[n_cand] = dev[i];
-		cand[n_cand++] = idx[i];
-	}
+	n_cand = candidates(s, idx, rows, dev, cand);
 	n_sel = t->be->select(t->be, cand, dev, n_cand,
 			      hkvd_count(s->ratios[s->next_check], s->n_cached), s->fresh,
 			      s->n_fresh, sel);
@@ -1319,11 +1792,37 @@ uint32_t fuse_layer_run(struct fuse_table *t, struct fuse_session *s, const void
 
 		return fail(err, errlen, rc == -EBADMSG ? KVBP_CORRUPT : KVBP_INTERNAL,
 			    "layer %" PRIu32 ": cannot read stored chunks: %s", layer,
-			    rc == -EBADMSG ? "a chunk failed its checksum"
-					   : backend_error(t, rc, why, sizeof(why)));
+			    rc == -EBADMSG ? "a chunk failed its checksum" :
+			    s->dv ? device_error(t, rc, why, sizeof(why)) :
+				    backend_error(t, rc, why, sizeof(why)));
 	}
 	clock_gettime(CLOCK_MONOTONIC, &t0);
-	if (is_check) {
+	if (s->dv) {
+		int32_t *sel = NULL;
+		size_t n_sel = 0;
+
+		rc = dev_layer(t, s, sl, rows_in, k_in, v_in, is_check, !first_check, k_out, v_out,
+			       &sel, &n_sel);
+		if (rc) {
+			char why[160];
+
+			/* What the slot holds now is unknown: load it again next time. */
+			pthread_mutex_lock(&s->lock);
+			sl->layer = -1;
+			sl->state = SLOT_EMPTY;
+			pthread_mutex_unlock(&s->lock);
+			return fail(err, errlen, rc == -ENOMEM ? KVBP_LIMIT : KVBP_INTERNAL,
+				    "layer %" PRIu32 ": %s", layer,
+				    device_error(t, rc, why, sizeof(why)));
+		}
+		if (is_check) {
+			memcpy(s->sel, sel, n_sel * sizeof(int32_t));
+			s->n_sel = n_sel;
+			r->selection = sel;
+			r->n_selection = n_sel;
+			s->next_check++;
+		}
+	} else if (is_check) {
 		int32_t *sel;
 		size_t n_sel;
 
@@ -1342,7 +1841,7 @@ uint32_t fuse_layer_run(struct fuse_table *t, struct fuse_session *s, const void
 	} else {
 		scatter_fresh(s, sl, k_in, v_in);
 	}
-	if (!first_check && k_out) {
+	if (!s->dv && !first_check && k_out) {
 		memcpy(k_out, sl->k, (size_t)s->n * s->row_bytes);
 		memcpy(v_out, sl->v, (size_t)s->n * s->row_bytes);
 	}
@@ -1497,6 +1996,11 @@ unsigned fuse_expire(struct fuse_table *t)
 	struct timespec now;
 	unsigned n = 0;
 
+	/* Freed after the lock is dropped: a session's device blocks go back under it. */
+	struct fuse_session **gone = calloc(t->lim.max_sessions + 1, sizeof(*gone));
+
+	if (!gone)
+		return 0;
 	clock_gettime(CLOCK_MONOTONIC, &now);
 	pthread_mutex_lock(&t->lock);
 	for (uint64_t i = 0; i < t->lim.max_sessions; i++) {
@@ -1507,10 +2011,12 @@ unsigned fuse_expire(struct fuse_table *t)
 		log_info("fuse session %016" PRIx64 " idle for %" PRIu64 " s: released", s->id,
 			 (uint64_t)(now.tv_sec - s->last_used.tv_sec));
 		session_remove(t, i);
-		session_free(t, s);
-		n++;
+		gone[n++] = s;
 	}
 	pthread_mutex_unlock(&t->lock);
+	for (unsigned i = 0; i < n; i++)
+		session_free(t, gone[i]);
+	free(gone);
 	return n;
 }
 

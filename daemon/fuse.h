@@ -31,6 +31,7 @@
 #include "../proto/wire.h"
 #include "../store/store.h"
 #include "backend.h"
+#include "device.h"
 #include "pool.h"
 #include "shm.h"
 
@@ -46,9 +47,16 @@ struct fuse_limits {
 struct fuse_table;
 struct fuse_session;
 
+/*
+ * backend computes on host rows (landing sessions, and every session when device
+ * is NULL). With a device, a session's ring lives in device memory: layers are
+ * read and verified on the pool's threads into pinned host memory, copied to the
+ * device on one stream and re-rotated there, and the node's layer is selected and
+ * merged on another stream; device blocks are kept for the next session.
+ */
 int fuse_table_new(const struct fuse_limits *l, struct store *store, struct pool *pool,
-		   const struct blend_backend *backend, struct shm_table *shm,
-		   struct fuse_table **out);
+		   const struct blend_backend *backend, const struct blend_device *device,
+		   struct shm_table *shm, struct fuse_table **out);
 /* Free every session (unpinning its chunks). Accepts NULL. */
 void fuse_table_free(struct fuse_table **t);
 

@@ -270,14 +270,14 @@ void metrics_write(struct server *srv, FILE *f)
 	fprintf(f, "# HELP kvblend_backend_info The fuse compute backend in use, and its device.\n"
 		   "# TYPE kvblend_backend_info gauge\nkvblend_backend_info{backend=\"%s\","
 		   "device=\"", srv->blend->name);
-	label_value(f, srv->gpu ? blend_cuda_name(srv->gpu) : "cpu");
+	label_value(f, srv->gpu ? blend_cuda_name(srv->gpu) : srv->dev ? srv->dev->name : "cpu");
 	fputs("\"} 1\n", f);
-	if (srv->gpu) {
+	if (srv->dev) {
 		uint64_t held, total;
 
-		blend_cuda_memory(srv->gpu, &held, &total);
+		srv->dev->memory(srv->dev, &held, &total);
 		gauge(f, "kvblend_device_memory_bytes",
-		      "Device memory the fuse holds on its CUDA device.", "gauge", (double)held);
+		      "Device memory the fuse holds on its device.", "gauge", (double)held);
 		gauge(f, "kvblend_device_memory_total_bytes", "The CUDA device's memory.", "gauge",
 		      (double)total);
 	}

@@ -1287,7 +1287,6 @@ static void op_stats(struct req *q)
 		snprintf(nm, sizeof(nm), "backend_%s", srv->blend->name);
 		STAT(nm, 1);
 		if (srv->gpu) {
-			uint64_t held, total;
 			size_t k = (size_t)snprintf(nm, sizeof(nm), "device_name_%s",
 						    blend_cuda_name(srv->gpu));
 
@@ -1297,7 +1296,13 @@ static void op_stats(struct req *q)
 					nm[k] = '_';
 			STAT(nm, 1);
 			STAT("device_cuda_ordinal", blend_cuda_ordinal(srv->gpu));
-			blend_cuda_memory(srv->gpu, &held, &total);
+		}
+		if (srv->dev) {
+			uint64_t held, total;
+
+			snprintf(nm, sizeof(nm), "device_%s", srv->dev->name);
+			STAT(nm, 1);
+			srv->dev->memory(srv->dev, &held, &total);
 			STAT("device_memory_bytes", held);
 			STAT("device_memory_total_bytes", total);
 		}

@@ -698,6 +698,17 @@ static int pick_backend(struct server *srv, int device)
 				 srv->blend->name, name);
 		return 0;
 	}
+	if (device == CONFIG_DEVICE_EMULATED) {
+		const char *fa = getenv("KVBLEND_EMULATED_FAIL_AFTER");
+
+		/* The test hook: the Nth device call fails, as a CUDA error would. */
+		if (blend_emu_open(fa ? strtoull(fa, NULL, 10) : 0, &srv->emu))
+			return -ENOMEM;
+		srv->dev = srv->emu;
+		log_info("fuse backend %s, sessions on the emulated device (host memory standing "
+			 "in for a GPU's, for tests: slower than device cpu)", srv->blend->name);
+		return 0;
+	}
 	rc = blend_cuda_open(ordinal, &srv->gpu, why, sizeof(why));
 	if (rc) {
 		log_err("device cuda:%d: %s", ordinal, why);
@@ -708,6 +719,7 @@ static int pick_backend(struct server *srv, int device)
 
 		blend_cuda_memory(srv->gpu, &held, &total);
 		srv->blend = blend_cuda_backend(srv->gpu);
+		srv->dev = blend_cuda_device(srv->gpu);
 		log_info("fuse backend %s on CUDA device %d (%s, %" PRIu64 " MiB)", srv->blend->name,
 			 ordinal, blend_cuda_name(srv->gpu), total >> 20);
 	}
@@ -807,7 +819,8 @@ int server_start(struct server *srv, const struct config *cfg, struct store *sto
 					  cfg->fuse_max_bytes, cfg->fuse_ring, cfg->fuse_idle,
 					  cfg->client_fuse_sessions };
 
-		rc = fuse_table_new(&fl, store, srv->pool, srv->blend, srv->shm, &srv->fuse);
+		rc = fuse_table_new(&fl, store, srv->pool, srv->blend, srv->dev, srv->shm,
+				    &srv->fuse);
 		if (rc)
 			return rc;
 	}
@@ -1006,6 +1019,7 @@ void server_stop(struct server *srv)
 	evictor_free(&srv->evict);
 	fuse_table_free(&srv->fuse);
 	blend_cuda_close(&srv->gpu); /* after the sessions that used it */
+	blend_emu_close(&srv->emu);
 	shm_table_free(&srv->shm);
 	pool_free(&srv->pool);
 	clients_free(&srv->clients); /* after the context: ZeroMQ released every reply */

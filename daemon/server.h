@@ -54,6 +54,8 @@ struct server {
 	struct metrics *metrics;
 	const struct blend_backend *blend; /* fuse compute backend */
 	struct blend_cuda *gpu; /* its CUDA device, when it runs on one (else NULL) */
+	const struct blend_device *dev; /* where fuse sessions keep their rings (NULL: host) */
+	struct blend_device *emu;	/* the emulated device, when configured */
 	void *zctx;
 	/* ROUTERs bound to cfg->listen: [0] plain (IPC, and TCP without CURVE), [1] CURVE
 	 * (TCP when a server key is configured). A message carries the index of its frontend

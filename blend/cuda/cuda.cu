@@ -35,6 +35,7 @@ struct blend_cuda {
 	uint64_t total;
 	uint64_t held; /* __atomic */
 	struct blend_backend table;
+	struct blend_device dtable;
 	pthread_mutex_t lock; /* lanes, last_err */
 	pthread_cond_t cond;
 	struct lane lanes[LANES];
@@ -841,4 +842,231 @@ extern "C" void blend_cuda_last_error(struct blend_cuda *d, char *buf, size_t le
 extern "C" const struct blend_backend *blend_cuda_backend(struct blend_cuda *d)
 {
 	return &d->table;
+}
+
+/* ---- the device table (device.h): the functions above, for the daemon's pipeline ---- */
+
+/* A table's stream is a blend_cuda_stream; an event is this. */
+struct blend_event {
+	cudaEvent_t e;
+};
+
+static struct blend_cuda *D(const struct blend_device *t)
+{
+	return (struct blend_cuda *)t->ctx;
+}
+
+static struct blend_cuda_stream *S(struct blend_stream *st)
+{
+	return (struct blend_cuda_stream *)st;
+}
+
+/* The calling thread works on d's device (a runtime setting per thread). */
+static int bind(struct blend_cuda *d)
+{
+	return xlate(d, cudaSetDevice(d->ordinal), "cudaSetDevice");
+}
+
+static int t_alloc(const struct blend_device *t, size_t bytes, void **out)
+{
+	return blend_cuda_alloc(D(t), bytes, out);
+}
+
+static void t_free(const struct blend_device *t, void *p, size_t bytes)
+{
+	blend_cuda_free(D(t), p, bytes);
+}
+
+static int t_host_alloc(const struct blend_device *t, size_t bytes, void **out)
+{
+	return blend_cuda_host_alloc(D(t), bytes, out);
+}
+
+static void t_host_free(const struct blend_device *t, void *p)
+{
+	blend_cuda_host_free(D(t), p);
+}
+
+static int t_host_register(const struct blend_device *t, void *p, size_t bytes)
+{
+	int rc = bind(D(t));
+
+	return rc ? rc : xlate(D(t), cudaHostRegister(p, bytes, cudaHostRegisterPortable),
+			       "cudaHostRegister");
+}
+
+static void t_host_unregister(const struct blend_device *t, void *p)
+{
+	if (!bind(D(t)))
+		cudaHostUnregister(p);
+}
+
+static int t_stream_new(const struct blend_device *t, struct blend_stream **out)
+{
+	return blend_cuda_stream_new(D(t), (struct blend_cuda_stream **)out);
+}
+
+static void t_stream_free(const struct blend_device *t, struct blend_stream *st)
+{
+	struct blend_cuda_stream *s = S(st);
+
+	(void)t;
+	blend_cuda_stream_free(&s);
+}
+
+static int t_stream_sync(const struct blend_device *t, struct blend_stream *st)
+{
+	(void)t;
+	return blend_cuda_stream_sync(S(st));
+}
+
+static int t_event_new(const struct blend_device *t, struct blend_event **out)
+{
+	struct blend_event *ev = (struct blend_event *)calloc(1, sizeof(*ev));
+	int rc;
+
+	if (!ev)
+		return -ENOMEM;
+	rc = bind(D(t));
+	if (!rc)
+		rc = xlate(D(t), cudaEventCreateWithFlags(&ev->e, cudaEventDisableTiming),
+			   "cudaEventCreate");
+	if (rc) {
+		free(ev);
+		return rc;
+	}
+	*out = ev;
+	return 0;
+}
+
+static void t_event_free(const struct blend_device *t, struct blend_event *ev)
+{
+	if (!ev)
+		return;
+	if (!bind(D(t)))
+		cudaEventDestroy(ev->e);
+	free(ev);
+}
+
+static int t_event_record(const struct blend_device *t, struct blend_event *ev,
+			  struct blend_stream *st)
+{
+	return xlate(D(t), cudaEventRecord(ev->e, S(st)->st), "cudaEventRecord");
+}
+
+static int t_event_wait(const struct blend_device *t, struct blend_stream *st,
+			struct blend_event *ev)
+{
+	return xlate(D(t), cudaStreamWaitEvent(S(st)->st, ev->e, 0), "cudaStreamWaitEvent");
+}
+
+static int t_event_sync(const struct blend_device *t, struct blend_event *ev)
+{
+	return xlate(D(t), cudaEventSynchronize(ev->e), "cudaEventSynchronize");
+}
+
+static int t_upload(const struct blend_device *t, struct blend_stream *st, void *dev,
+		    const void *host, size_t n)
+{
+	(void)t;
+	return blend_cuda_upload(S(st), dev, host, n);
+}
+
+static int t_download(const struct blend_device *t, struct blend_stream *st, void *host,
+		      const void *dev, size_t n)
+{
+	(void)t;
+	return blend_cuda_download(S(st), host, dev, n);
+}
+
+static int t_zero(const struct blend_device *t, struct blend_stream *st, void *dev, size_t n)
+{
+	return n ? xlate(D(t), cudaMemsetAsync(dev, 0, n, S(st)->st), "cudaMemset") : 0;
+}
+
+static int t_rotate(const struct blend_device *t, struct blend_stream *st,
+		    const struct blend_shape *s, const struct blend_dev_table *tab, const void *src,
+		    void *dst, uint32_t n)
+{
+	struct blend_cuda_table ct = { tab->cos, tab->sin, tab->rows, tab->scale };
+	int rc = bind(D(t));
+
+	return rc ? rc : blend_cuda_rotate_dev(S(st), s, &ct, src, dst, n);
+}
+
+static int t_deviation(const struct blend_device *t, struct blend_stream *st,
+		       const struct blend_shape *s, const void *fresh, const void *stored,
+		       const int32_t *idx, size_t n, float *out)
+{
+	int rc = bind(D(t));
+
+	return rc ? rc : blend_cuda_deviation_dev(S(st), s, fresh, stored, idx, n, out);
+}
+
+static size_t t_select_scratch(const struct blend_device *t, size_t n)
+{
+	return bind(D(t)) ? 0 : blend_cuda_select_scratch(n);
+}
+
+static int t_select(const struct blend_device *t, struct blend_stream *st, const int32_t *cand,
+		    const float *dev, size_t n_cand, size_t k, const int32_t *always,
+		    size_t n_always, int32_t *out, void *scratch, size_t scratch_bytes,
+		    size_t *n_out)
+{
+	int rc = bind(D(t));
+
+	return rc ? rc : blend_cuda_select_dev(S(st), cand, dev, n_cand, k, always, n_always,
+					       out, scratch, scratch_bytes, n_out);
+}
+
+static int t_scatter(const struct blend_device *t, struct blend_stream *st,
+		     const struct blend_shape *s, void *layer, const void *fresh,
+		     const int32_t *sel, size_t n_sel)
+{
+	int rc = bind(D(t));
+
+	return rc ? rc : blend_cuda_scatter_dev(S(st), s, layer, fresh, sel, n_sel);
+}
+
+static void t_memory(const struct blend_device *t, uint64_t *held, uint64_t *total)
+{
+	blend_cuda_memory(D(t), held, total);
+}
+
+static void t_last_error(const struct blend_device *t, char *buf, size_t len)
+{
+	blend_cuda_last_error(D(t), buf, len);
+}
+
+extern "C" const struct blend_device *blend_cuda_device(struct blend_cuda *d)
+{
+	struct blend_device *t = &d->dtable;
+
+	t->name = "cuda";
+	t->ctx = d;
+	t->alloc = t_alloc;
+	t->free = t_free;
+	t->host_alloc = t_host_alloc;
+	t->host_free = t_host_free;
+	t->host_register = t_host_register;
+	t->host_unregister = t_host_unregister;
+	t->stream_new = t_stream_new;
+	t->stream_free = t_stream_free;
+	t->stream_sync = t_stream_sync;
+	t->event_new = t_event_new;
+	t->event_free = t_event_free;
+	t->event_record = t_event_record;
+	t->event_wait = t_event_wait;
+	t->event_sync = t_event_sync;
+	t->upload = t_upload;
+	t->download = t_download;
+	t->zero = t_zero;
+	t->rotate = t_rotate;
+	t->deviation = t_deviation;
+	t->select_scratch = t_select_scratch;
+	t->select = t_select;
+	t->scatter = t_scatter;
+	t->memory = t_memory;
+	t->last_error = t_last_error;
+	return t;
 }

@@ -25,6 +25,7 @@
 #include <stdint.h>
 
 #include "../backend.h"
+#include "../device.h"
 
 struct blend_cuda;
 
@@ -59,6 +60,10 @@ void blend_cuda_last_error(struct blend_cuda *d, char *buf, size_t len);
 
 /* The backend table on d (name "cuda"), valid until blend_cuda_close(). */
 const struct blend_backend *blend_cuda_backend(struct blend_cuda *d);
+
+/* The device table (device.h, name "cuda") on d, for the daemon's pipelined fuse:
+ * the functions below behind one table. Valid until blend_cuda_close(). */
+const struct blend_device *blend_cuda_device(struct blend_cuda *d);
 
 /* ---- device memory and streams, for pipelines ---- */
 

@@ -62,6 +62,12 @@ const struct blend_backend *blend_cuda_backend(struct blend_cuda *d)
 	return NULL;
 }
 
+const struct blend_device *blend_cuda_device(struct blend_cuda *d)
+{
+	(void)d;
+	return NULL;
+}
+
 int blend_cuda_stream_new(struct blend_cuda *d, struct blend_cuda_stream **out)
 {
 	(void)d;

@@ -269,6 +269,12 @@ try:
               f"raw {raw} stored {stored}")
     check("stats: lossless models counted apart", st.get("store_dtype_chunks", 0) == 15,
           str(st.get("store_dtype_chunks")))
+    if DEVICE:
+        # The sessions above kept their rings on the device, which keeps the blocks.
+        dev = "cuda" if DEVICE[1].startswith("cuda") else DEVICE[1]
+        check(f"stats: sessions ran on the {dev} device", st.get(f"device_{dev}") == 1 and
+              st.get("device_memory_bytes", 0) > 0,
+              str({k: v for k, v in st.items() if k.startswith("device")}))
     # Errors the CLI reports in one line: a missing chunk, a NEW of the wrong shape.
     # (new.npy is the last model's)
     r = cli("fuse", "--model", MODELS[-1][0], "--chunk", "ab" * 32 + "@0", "--new",

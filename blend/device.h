@@ -1,0 +1,101 @@
+/*
+ * device — the table a pipelined fuse drives a compute device through: device
+ * memory, streams and events, asynchronous copies, and the fuse kernels on
+ * device memory. The CUDA backend fills it for its GPU (blend_cuda_device() in
+ * cuda/cuda.h); emu.c fills it with host memory and the CPU kernels, running
+ * every call at once, so that the daemon's device path runs (and is tested)
+ * where there is no GPU.
+ *
+ * Work queued on one stream runs in order; work on different streams may
+ * overlap unless an event orders it. Pointers named dev are device memory from
+ * alloc; host pointers may be any host memory, and copies from pinned memory
+ * (host_alloc, or host_register'ed) are the fast ones. Tensors on the device
+ * are aligned to their element size, index and float arrays to 4 bytes.
+ *
+ * Every function returns 0 or a negative errno: -ENOMEM (device or pinned
+ * memory), -EIO (the device failed: last_error says how; outputs undefined),
+ * -EINVAL (a shape the kernels do not take, or scratch too small).
+ */
+#ifndef KVBLEND_BLEND_DEVICE_H
+#define KVBLEND_BLEND_DEVICE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "backend.h"
+
+struct blend_stream;
+struct blend_event;
+
+/* A rotation table in device memory: cos and sin of rows x (rotary_dim / 2) floats,
+ * rows 1 or n (then row r rotates row r of the rows given), and its scale. */
+struct blend_dev_table {
+	const float *cos, *sin;
+	uint32_t rows;
+	float scale;
+};
+
+struct blend_device {
+	const char *name; /* "cuda", "emulated" */
+	void *ctx;
+
+	int (*alloc)(const struct blend_device *d, size_t bytes, void **dev);
+	void (*free)(const struct blend_device *d, void *dev, size_t bytes);
+	int (*host_alloc)(const struct blend_device *d, size_t bytes, void **host);
+	void (*host_free)(const struct blend_device *d, void *host);
+	/* Pin host memory the caller already has (a shared-memory segment). */
+	int (*host_register)(const struct blend_device *d, void *host, size_t bytes);
+	void (*host_unregister)(const struct blend_device *d, void *host);
+
+	int (*stream_new)(const struct blend_device *d, struct blend_stream **out);
+	void (*stream_free)(const struct blend_device *d, struct blend_stream *st);
+	int (*stream_sync)(const struct blend_device *d, struct blend_stream *st);
+	int (*event_new)(const struct blend_device *d, struct blend_event **out);
+	void (*event_free)(const struct blend_device *d, struct blend_event *ev);
+	/* ev marks what is queued on st now; wait: st's later work waits for it; sync:
+	 * the host does. */
+	int (*event_record)(const struct blend_device *d, struct blend_event *ev,
+			    struct blend_stream *st);
+	int (*event_wait)(const struct blend_device *d, struct blend_stream *st,
+			  struct blend_event *ev);
+	int (*event_sync)(const struct blend_device *d, struct blend_event *ev);
+
+	int (*upload)(const struct blend_device *d, struct blend_stream *st, void *dev,
+		      const void *host, size_t n);
+	int (*download)(const struct blend_device *d, struct blend_stream *st, void *host,
+			const void *dev, size_t n);
+	int (*zero)(const struct blend_device *d, struct blend_stream *st, void *dev, size_t n);
+
+	/* The kernels, with the contracts of cuda.h's *_dev functions. */
+	int (*rotate)(const struct blend_device *d, struct blend_stream *st,
+		      const struct blend_shape *s, const struct blend_dev_table *t, const void *src,
+		      void *dst, uint32_t n);
+	int (*deviation)(const struct blend_device *d, struct blend_stream *st,
+			 const struct blend_shape *s, const void *fresh, const void *stored,
+			 const int32_t *idx, size_t n, float *out);
+	/* Scratch bytes a select over n tokens needs; 0 when the device cannot say. */
+	size_t (*select_scratch)(const struct blend_device *d, size_t n);
+	int (*select)(const struct blend_device *d, struct blend_stream *st, const int32_t *cand,
+		      const float *dev, size_t n_cand, size_t k, const int32_t *always,
+		      size_t n_always, int32_t *out, void *scratch, size_t scratch_bytes,
+		      size_t *n_out);
+	int (*scatter)(const struct blend_device *d, struct blend_stream *st,
+		       const struct blend_shape *s, void *layer, const void *fresh,
+		       const int32_t *sel, size_t n_sel);
+
+	/* Device memory held through this table (and by the backend), and the total. */
+	void (*memory)(const struct blend_device *d, uint64_t *held, uint64_t *total);
+	/* The message of the last failure ("" if none). */
+	void (*last_error)(const struct blend_device *d, char *buf, size_t len);
+};
+
+/*
+ * The emulated device: host memory for device memory, the CPU backend's kernels,
+ * every call done when it returns. fail_after > 0 makes the fail_after-th call
+ * that queues work (a copy or a kernel) fail with -EIO, as a device error would:
+ * for tests of how callers survive one. Returns 0 or -ENOMEM.
+ */
+int blend_emu_open(uint64_t fail_after, struct blend_device **out);
+void blend_emu_close(struct blend_device **d);
+
+#endif

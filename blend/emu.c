@@ -1,0 +1,300 @@
+/* emu — the emulated device: device.h's table on host memory and the CPU kernels. */
+#include <errno.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "device.h"
+#include "hkvd.h"
+
+struct emu {
+	struct blend_device table;
+	const struct blend_backend *cpu;
+	_Atomic uint64_t held;
+	_Atomic uint64_t calls; /* calls that queue work, for fail_after */
+	uint64_t fail_after;
+	_Atomic int failed;	/* a failure was injected: last_error says so */
+};
+
+/* Streams and events exist only as distinct handles: all work is done at once. */
+struct blend_stream {
+	int unused;
+};
+struct blend_event {
+	int unused;
+};
+
+static struct emu *E(const struct blend_device *d)
+{
+	return d->ctx;
+}
+
+/* Count a call that queues work; -EIO at the injected failure. */
+static int step(const struct blend_device *d)
+{
+	struct emu *e = E(d);
+	uint64_t n = atomic_fetch_add(&e->calls, 1) + 1;
+
+	if (e->fail_after && n == e->fail_after) {
+		atomic_store(&e->failed, 1);
+		return -EIO;
+	}
+	return 0;
+}
+
+static int e_alloc(const struct blend_device *d, size_t bytes, void **out)
+{
+	void *p = malloc(bytes ? bytes : 1);
+
+	if (!p)
+		return -ENOMEM;
+	atomic_fetch_add(&E(d)->held, bytes);
+	*out = p;
+	return 0;
+}
+
+static void e_free(const struct blend_device *d, void *p, size_t bytes)
+{
+	if (!p)
+		return;
+	free(p);
+	atomic_fetch_sub(&E(d)->held, bytes);
+}
+
+static int e_host_alloc(const struct blend_device *d, size_t bytes, void **out)
+{
+	(void)d;
+	*out = malloc(bytes ? bytes : 1);
+	return *out ? 0 : -ENOMEM;
+}
+
+static void e_host_free(const struct blend_device *d, void *p)
+{
+	(void)d;
+	free(p);
+}
+
+static int e_host_register(const struct blend_device *d, void *p, size_t bytes)
+{
+	(void)d;
+	(void)p;
+	(void)bytes;
+	return 0;
+}
+
+static void e_host_unregister(const struct blend_device *d, void *p)
+{
+	(void)d;
+	(void)p;
+}
+
+static int e_stream_new(const struct blend_device *d, struct blend_stream **out)
+{
+	(void)d;
+	*out = calloc(1, sizeof(**out));
+	return *out ? 0 : -ENOMEM;
+}
+
+static void e_stream_free(const struct blend_device *d, struct blend_stream *st)
+{
+	(void)d;
+	free(st);
+}
+
+static int e_stream_sync(const struct blend_device *d, struct blend_stream *st)
+{
+	(void)d;
+	(void)st;
+	return 0;
+}
+
+static int e_event_new(const struct blend_device *d, struct blend_event **out)
+{
+	(void)d;
+	*out = calloc(1, sizeof(**out));
+	return *out ? 0 : -ENOMEM;
+}
+
+static void e_event_free(const struct blend_device *d, struct blend_event *ev)
+{
+	(void)d;
+	free(ev);
+}
+
+static int e_event_record(const struct blend_device *d, struct blend_event *ev,
+			  struct blend_stream *st)
+{
+	(void)d;
+	(void)ev;
+	(void)st;
+	return 0;
+}
+
+static int e_event_wait(const struct blend_device *d, struct blend_stream *st,
+			struct blend_event *ev)
+{
+	(void)d;
+	(void)ev;
+	(void)st;
+	return 0;
+}
+
+static int e_event_sync(const struct blend_device *d, struct blend_event *ev)
+{
+	(void)d;
+	(void)ev;
+	return 0;
+}
+
+static int e_copy(const struct blend_device *d, struct blend_stream *st, void *dst,
+		  const void *src, size_t n)
+{
+	int rc = step(d);
+
+	(void)st;
+	if (!rc && n)
+		memmove(dst, src, n);
+	return rc;
+}
+
+static int e_zero(const struct blend_device *d, struct blend_stream *st, void *dev, size_t n)
+{
+	int rc = step(d);
+
+	(void)st;
+	if (!rc && n)
+		memset(dev, 0, n);
+	return rc;
+}
+
+static int e_rotate(const struct blend_device *d, struct blend_stream *st,
+		    const struct blend_shape *s, const struct blend_dev_table *t, const void *src,
+		    void *dst, uint32_t n)
+{
+	const struct blend_backend *cpu = E(d)->cpu;
+	struct rope_table rt = { t->rows, s->rotary_dim / 2, (float *)t->cos, (float *)t->sin,
+				 t->scale };
+	int rc = step(d);
+
+	(void)st;
+	return rc ? rc : cpu->rotate(cpu, s, &rt, src, dst, 0, n);
+}
+
+static int e_deviation(const struct blend_device *d, struct blend_stream *st,
+		       const struct blend_shape *s, const void *fresh, const void *stored,
+		       const int32_t *idx, size_t n, float *out)
+{
+	const struct blend_backend *cpu = E(d)->cpu;
+	int rc = step(d);
+
+	(void)st;
+	return rc ? rc : cpu->deviation(cpu, s, fresh, stored, idx, n, out);
+}
+
+static size_t e_select_scratch(const struct blend_device *d, size_t n)
+{
+	(void)d;
+	(void)n;
+	return 1;
+}
+
+static int e_select(const struct blend_device *d, struct blend_stream *st, const int32_t *cand,
+		    const float *dev, size_t n_cand, size_t k, const int32_t *always,
+		    size_t n_always, int32_t *out, void *scratch, size_t scratch_bytes,
+		    size_t *n_out)
+{
+	int rc = step(d);
+	long n;
+
+	(void)st;
+	(void)scratch;
+	if (rc)
+		return rc;
+	if (scratch_bytes < 1)
+		return -EINVAL;
+	n = hkvd_select(cand, dev, n_cand, k, always, n_always, out);
+	if (n < 0)
+		return (int)n;
+	*n_out = (size_t)n;
+	return 0;
+}
+
+static int e_scatter(const struct blend_device *d, struct blend_stream *st,
+		     const struct blend_shape *s, void *layer, const void *fresh,
+		     const int32_t *sel, size_t n_sel)
+{
+	size_t rb = (size_t)s->heads * s->head_dim * blend_dtype_size(s->dtype);
+	int rc = step(d);
+
+	(void)st;
+	if (rc)
+		return rc;
+	if (!rb)
+		return -EINVAL;
+	for (size_t j = 0; j < n_sel; j++)
+		memcpy((uint8_t *)layer + (size_t)sel[j] * rb, (const uint8_t *)fresh + j * rb, rb);
+	return 0;
+}
+
+static void e_memory(const struct blend_device *d, uint64_t *held, uint64_t *total)
+{
+	*held = atomic_load(&E(d)->held);
+	*total = 0;
+}
+
+static void e_last_error(const struct blend_device *d, char *buf, size_t len)
+{
+	snprintf(buf, len, "%s", atomic_load(&E(d)->failed) ?
+		 "emulated device: injected failure (fail_after)" : "");
+}
+
+int blend_emu_open(uint64_t fail_after, struct blend_device **out)
+{
+	struct emu *e = calloc(1, sizeof(*e));
+
+	if (!e)
+		return -ENOMEM;
+	e->cpu = blend_cpu_backend();
+	e->fail_after = fail_after;
+	e->table = (struct blend_device){
+		.name = "emulated",
+		.ctx = e,
+		.alloc = e_alloc,
+		.free = e_free,
+		.host_alloc = e_host_alloc,
+		.host_free = e_host_free,
+		.host_register = e_host_register,
+		.host_unregister = e_host_unregister,
+		.stream_new = e_stream_new,
+		.stream_free = e_stream_free,
+		.stream_sync = e_stream_sync,
+		.event_new = e_event_new,
+		.event_free = e_event_free,
+		.event_record = e_event_record,
+		.event_wait = e_event_wait,
+		.event_sync = e_event_sync,
+		.upload = e_copy,
+		.download = e_copy,
+		.zero = e_zero,
+		.rotate = e_rotate,
+		.deviation = e_deviation,
+		.select_scratch = e_select_scratch,
+		.select = e_select,
+		.scatter = e_scatter,
+		.memory = e_memory,
+		.last_error = e_last_error,
+	};
+	*out = &e->table;
+	return 0;
+}
+
+void blend_emu_close(struct blend_device **dp)
+{
+	struct blend_device *d = dp ? *dp : NULL;
+
+	if (!d)
+		return;
+	free(d->ctx);
+	*dp = NULL;
+}
