@@ -83,6 +83,15 @@ struct blend_device {
 		       const struct blend_shape *s, void *layer, const void *fresh,
 		       const int32_t *sel, size_t n_sel);
 
+	/*
+	 * Export the allocation at dev (an alloc'd pointer) to other processes on this
+	 * machine: its CUDA IPC memory handle, and the device's PCI bus id, by which
+	 * the other process finds the device in its own numbering. NULL where the
+	 * device cannot (the emulated one).
+	 */
+	int (*ipc_export)(const struct blend_device *d, void *dev, uint8_t handle[64], char *pci,
+			  size_t pcilen);
+
 	/* Device memory held through this table (and by the backend), and the total. */
 	void (*memory)(const struct blend_device *d, uint64_t *held, uint64_t *total);
 	/* The message of the last failure ("" if none). */

@@ -282,6 +282,7 @@ int blend_emu_open(uint64_t fail_after, struct blend_device **out)
 		.select_scratch = e_select_scratch,
 		.select = e_select,
 		.scatter = e_scatter,
+		.ipc_export = NULL, /* host memory: nothing another process could map */
 		.memory = e_memory,
 		.last_error = e_last_error,
 	};

@@ -25,6 +25,7 @@
 #include <zmq.h>
 
 #include "../proto/wire.h"
+#include "cudaipc.h"
 
 #define DEFAULT_TIMEOUT_MS 5000
 #define DEFAULT_SHM (64u << 20)
@@ -69,6 +70,7 @@ struct kvb_client {
 	unsigned n_lost;
 	/* regions: segments holding the node's own buffers (kvb_region_alloc) */
 	struct region regions[REGION_MAX];
+	struct kvb_cuda *cuda; /* kvb_fuse_device(): fused layers taken on the GPU */
 };
 
 struct call {
@@ -846,6 +848,7 @@ void kvb_close(kvb_client **cp)
 		ctx_term_bounded(c->ctx, 2000);
 	for (unsigned i = 0; i < c->n_lost; i++)
 		munmap(c->lost_base[i], c->lost_size[i]);
+	kvb_cuda_free(&c->cuda);
 	free(c);
 	*cp = NULL;
 }
@@ -1389,6 +1392,11 @@ struct kvb_fuse {
 	size_t ring_bytes;
 	uint64_t slot_bytes;
 	const uint8_t *last; /* the fused layer of the last call (K, then V), or NULL */
+	/* the daemon's device ring, mapped (CUDA IPC; kvb_fuse_device()): 0 if not */
+	uint64_t dev_base;  /* the mapped allocation */
+	uint64_t dev_ring;  /* slot 0 in it */
+	uint32_t ring_slots;
+	uint64_t dev_last; /* the fused layer of the last call on the device, or 0 */
 	/* landing sessions: the daemon writes into the node's region */
 	bool land;
 	struct region *region;
@@ -1586,6 +1594,7 @@ static int fuse_open_common(kvb_client *c, const char *model, const struct kvb_s
 	k.req.reuse_only = n_checks == 0;
 	k.req.metric = p ? (uint32_t)p->metric : 0;
 	k.req.shared_ring = c->shm_ok && !dst;
+	k.req.device_out = c->cuda && !dst;
 	rc = call(c, &k);
 	if (rc == KVB_E_NOT_FOUND && missing && n_missing && k.rep.n_chunks) {
 		*missing = malloc(k.rep.n_chunks * KVB_HASH_LEN);
@@ -1629,6 +1638,15 @@ static int fuse_open_common(kvb_client *c, const char *model, const struct kvb_s
 		f->n_rows = f->tokens;
 	}
 	f->slot_bytes = k.rep.slot_bytes;
+	f->ring_slots = k.rep.ring_slots;
+	if (k.rep.has_ipc && c->cuda && k.rep.slot_bytes == 2 * (uint64_t)f->tokens * f->row_bytes) {
+		/* Without the mapping the session still works: the layers come in host memory. */
+		if (kvb_cuda_map(c->cuda, k.rep.device_pci, k.rep.ipc_handle, &f->dev_base, c->err,
+				 sizeof(c->err)) == 0) {
+			f->dev_ring = f->dev_base + k.rep.ipc_offset;
+			c->err[0] = 0;
+		}
+	}
 	if (dst) {
 		f->land = true;
 		f->region = reg;
@@ -1832,8 +1850,10 @@ int kvb_fuse_layer(kvb_client *c, kvb_fuse *f, uint32_t layer, const void *k_in,
 	if (f->land)
 		return set_err(c, -EINVAL, "a landing session takes kvb_fuse_check() at check "
 			       "layers and kvb_fuse_wait() for the others, not kvb_fuse_layer()");
-	/* Fused layers in the ring only if we mapped it; else the daemon sends frames. */
+	/* Fused layers in the ring only if we mapped it; else the daemon sends frames. On the
+	 * device when it is mapped and the caller gave no host buffers. */
 	k.req.shared_ring = f->ring != NULL;
+	k.req.device_out = f->dev_base && !k_out && !v_out;
 	if (shm) {
 		/* Fresh rows through the client's segment: K, then V. */
 		memcpy(c->shm_base, k_in, in_bytes);
@@ -1851,8 +1871,16 @@ int kvb_fuse_layer(kvb_client *c, kvb_fuse *f, uint32_t layer, const void *k_in,
 	if (rc)
 		goto out;
 	f->last = NULL;
+	f->dev_last = 0;
 	if (k.rep.has_fused) {
-		if (f->ring) {
+		if (k.req.device_out) {
+			if (k.rep.ring_slot >= f->ring_slots) {
+				rc = set_err(c, KVB_E_PROTOCOL, "ring slot %u outside the ring",
+					     k.rep.ring_slot);
+				goto out;
+			}
+			f->dev_last = f->dev_ring + (uint64_t)k.rep.ring_slot * f->slot_bytes;
+		} else if (f->ring) {
 			if ((uint64_t)(k.rep.ring_slot + 1) * f->slot_bytes > f->ring_bytes) {
 				rc = set_err(c, KVB_E_PROTOCOL, "ring slot %u outside the ring",
 					     k.rep.ring_slot);
@@ -1916,6 +1944,8 @@ int kvb_fuse_close(kvb_client *c, kvb_fuse **fp, struct kvb_stat **stats, size_t
 	call_done(&k);
 	if (f->ring)
 		munmap((void *)f->ring, f->ring_bytes);
+	if (f->dev_base)
+		kvb_cuda_unmap(c->cuda, f->dev_base);
 	if (f->land && f->region->id == f->region_id)
 		f->region->used[f->word / 64] &= ~(1ull << (f->word % 64));
 	free(f->rows);
@@ -1923,6 +1953,31 @@ int kvb_fuse_close(kvb_client *c, kvb_fuse **fp, struct kvb_stat **stats, size_t
 	free(f);
 	*fp = NULL;
 	return rc;
+}
+
+int kvb_fuse_device(kvb_client *c)
+{
+	char why[256];
+	int rc;
+
+	if (c->cuda)
+		return 0;
+	rc = kvb_cuda_load(&c->cuda, why, sizeof(why));
+	return rc ? set_err(c, rc, "fused layers on the GPU: %s", why) : 0;
+}
+
+int kvb_fuse_on_device(const kvb_fuse *f)
+{
+	return f->dev_base != 0;
+}
+
+int kvb_fuse_output_device(const kvb_fuse *f, void **k, void **v)
+{
+	if (!f->dev_last)
+		return -ENODATA;
+	*k = (void *)(uintptr_t)f->dev_last;
+	*v = (void *)(uintptr_t)(f->dev_last + f->slot_bytes / 2);
+	return 0;
 }
 
 int kvb_fuse_output(const kvb_fuse *f, const void **k, const void **v)

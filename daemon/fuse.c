@@ -289,6 +289,7 @@ struct dev_sess {
 	uint8_t *hring; /* the pinned host ring, from the cache (heap rings) */
 	size_t hring_bytes;
 	bool registered; /* the shared ring is pinned in place */
+	bool exported;	 /* the block is mapped by the node (CUDA IPC): never reused */
 	uint64_t slot_bytes;
 	uint8_t *ring;	 /* n_ring slots, K then V of all tokens each */
 	uint8_t *fk, *fv; /* a request's fresh rows, up to n each */
@@ -453,7 +454,11 @@ static void dev_sess_free(struct fuse_table *t, struct fuse_session *s)
 		t->dev->stream_free(t->dev, d->copy);
 	if (d->registered)
 		t->dev->host_unregister(t->dev, s->ring_mem);
-	block_give(t, false, d->blk, d->blk_bytes);
+	/* A block the node mapped stays readable there: it must not serve another session. */
+	if (d->exported)
+		t->dev->free(t->dev, d->blk, d->blk_bytes);
+	else
+		block_give(t, false, d->blk, d->blk_bytes);
 	block_give(t, true, d->hring, d->hring_bytes);
 	free(d->loaded);
 	free(d->tabs);
@@ -1198,6 +1203,28 @@ uint32_t fuse_open(struct fuse_table *t, const struct store_model *m, const stru
 			goto fail;
 		}
 	}
+	if (s->dv && q->device_out && t->dev->ipc_export) {
+		struct dev_sess *d = s->dv;
+
+		/* A block from the cache holds another session's rows: zero it before the node
+		 * can map it. Without an export the node takes the layers from host memory. */
+		rc = t->dev->zero(t->dev, d->comp, d->blk, d->blk_bytes);
+		if (!rc)
+			rc = t->dev->stream_sync(t->dev, d->comp);
+		if (!rc)
+			rc = t->dev->ipc_export(t->dev, d->blk, r->ipc_handle, r->device_pci,
+						sizeof(r->device_pci));
+		if (!rc) {
+			d->exported = true;
+			r->has_ipc = true;
+			r->ipc_offset = (uint64_t)(d->ring - d->blk);
+		} else {
+			char why[160];
+
+			log_warn("fuse session: cannot export its device ring: %s",
+				 device_error(t, rc, why, sizeof(why)));
+		}
+	}
 	if (!s->ring || !s->ring_mem) {
 		pthread_mutex_lock(&t->lock);
 		t->sessions[slot_i] = NULL;
@@ -1642,6 +1669,7 @@ uint32_t fuse_layer_begin(struct fuse_table *t, uint64_t id, const char *owner, 
 	plan->selection_out = is_check;
 	plan->fused_out = !(is_check && s->next_check == 0);
 	plan->shared_ring = s->shm_id != 0;
+	plan->device_ring = s->dv && s->dv->exported;
 	pthread_mutex_unlock(&s->lock);
 	*sp = s;
 	return KVBP_OK;
@@ -1766,8 +1794,8 @@ static void scatter_fresh(const struct fuse_session *s, struct slot *sl, const u
 }
 
 uint32_t fuse_layer_run(struct fuse_table *t, struct fuse_session *s, const void *k_in,
-			const void *v_in, void *k_out, void *v_out, struct fuse_layer_result *r,
-			char *err, size_t errlen)
+			const void *v_in, void *k_out, void *v_out, bool on_device,
+			struct fuse_layer_result *r, char *err, size_t errlen)
 {
 	uint32_t layer = s->next_layer, code = KVBP_OK;
 	bool is_check = s->next_check < s->n_checks && s->checks[s->next_check] == layer;
@@ -1801,8 +1829,9 @@ uint32_t fuse_layer_run(struct fuse_table *t, struct fuse_session *s, const void
 		int32_t *sel = NULL;
 		size_t n_sel = 0;
 
-		rc = dev_layer(t, s, sl, rows_in, k_in, v_in, is_check, !first_check, k_out, v_out,
-			       &sel, &n_sel);
+		rc = dev_layer(t, s, sl, rows_in, k_in, v_in, is_check,
+			       !first_check && !(on_device && s->dv->exported), k_out, v_out, &sel,
+			       &n_sel);
 		if (rc) {
 			char why[160];
 

@@ -76,6 +76,12 @@ struct fuse_open_result {
 	size_t n_rows;
 	uint8_t (*missing)[KVBP_HASH_LEN]; /* malloc'd on KVBP_NOT_FOUND; caller frees */
 	size_t n_missing;
+	/* q->device_out on a CUDA device: the device ring exported (CUDA IPC). Slot i is
+	 * at ipc_offset + i * slot_bytes of the allocation, K then V. */
+	bool has_ipc;
+	uint8_t ipc_handle[KVBP_IPC_HANDLE_LEN];
+	uint64_t ipc_offset;
+	char device_pci[32];
 };
 
 /*
@@ -95,6 +101,7 @@ struct fuse_layer_plan {
 	bool selection_out;
 	bool shared_ring;  /* fused K and V are left in the shared ring, not copied out */
 	bool land;	   /* a check layer of a landing session: fuse_check_run(), one plane in */
+	bool device_ring;  /* the ring is exported: the fused layer may stay on the device */
 };
 
 /*
@@ -118,12 +125,14 @@ struct fuse_layer_result {
 
 /*
  * Run it: k_in/v_in hold plan.rows_in rows each; k_out/v_out room for all
- * tokens when plan.fused_out and the ring is not shared (else NULL). On failure
- * the session is unchanged and usable.
+ * tokens when plan.fused_out and the ring is not shared (else NULL). on_device
+ * (plan.device_ring only): the fused layer stays in the exported device ring, at
+ * r->ring_slot, and is not copied to host memory. On failure the session is
+ * unchanged and usable.
  */
 uint32_t fuse_layer_run(struct fuse_table *t, struct fuse_session *s, const void *k_in,
-			const void *v_in, void *k_out, void *v_out, struct fuse_layer_result *r,
-			char *err, size_t errlen);
+			const void *v_in, void *k_out, void *v_out, bool on_device,
+			struct fuse_layer_result *r, char *err, size_t errlen);
 
 /*
  * A check layer of a landing session (plan.land): rows holds plan.rows_in rows of

@@ -1597,6 +1597,12 @@ static void op_fuse_open(struct req *q)
 	q->out->rep.rows_next = r.rows_next;
 	q->out->rep.ring_slots = r.ring_slots;
 	q->out->rep.slot_bytes = r.slot_bytes;
+	if (r.has_ipc) {
+		q->out->rep.has_ipc = true;
+		memcpy(q->out->rep.ipc_handle, r.ipc_handle, sizeof(r.ipc_handle));
+		q->out->rep.ipc_offset = r.ipc_offset;
+		snprintf(q->out->rep.device_pci, sizeof(q->out->rep.device_pci), "%s", r.device_pci);
+	}
 	if (r.shm_id) {
 		q->out->rep.shm_id = r.shm_id;
 		q->out->rep.shm_size = r.shm_size;
@@ -1723,6 +1729,13 @@ static void op_fuse_layer(struct req *q)
 	}
 	/* The ring is shared only if this client mapped it: else the layer goes in frames. */
 	plan.shared_ring = plan.shared_ring && q->h.shared_ring;
+	if (q->h.device_out && !plan.device_ring) {
+		fail(q, KVBP_BAD_ARGUMENT, "device_out: this session's ring is not exported (the "
+		     "daemon fuses on %s, or the open did not ask for device_out); take the layer "
+		     "in host memory", q->srv->gpu ? "a CUDA device, but the export failed" :
+		     "no CUDA device");
+		goto out;
+	}
 	in_bytes = (uint64_t)plan.rows_in * plan.row_bytes;
 	out_bytes = (uint64_t)plan.num_tokens * plan.row_bytes;
 	if (q->h.rows != plan.rows_in) {
@@ -1765,14 +1778,14 @@ static void op_fuse_layer(struct req *q)
 		v_in = zmq_msg_data(&q->payload[1]);
 	}
 	/* With a shared ring the fused layer stays where it is made; else it goes in frames. */
-	if (plan.fused_out && !plan.shared_ring) {
+	if (plan.fused_out && !plan.shared_ring && !q->h.device_out) {
 		buf = reply_buf(q, 2 * out_bytes);
 		if (!buf)
 			goto out;
 		out = buf->data;
 	}
-	code = fuse_layer_run(q->srv->fuse, s, k_in, v_in, out, out ? out + out_bytes : NULL, &res,
-			      err, sizeof(err));
+	code = fuse_layer_run(q->srv->fuse, s, k_in, v_in, out, out ? out + out_bytes : NULL,
+			      q->h.device_out, &res, err, sizeof(err));
 	if (code) {
 		fail(q, code, "%s", err);
 		goto out;

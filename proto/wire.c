@@ -221,6 +221,7 @@ int kvbp_request_encode(const struct kvbp_request *req, uint8_t **buf, size_t *l
 	pb.reuse_only = req->reuse_only;
 	pb.row_stride = req->row_stride;
 	pb.local_only = req->local_only;
+	pb.device_out = req->device_out;
 	if (req->has_land) {
 		land.shm_id = req->land.shm_id;
 		land.k_offset = req->land.k_offset;
@@ -352,6 +353,7 @@ int kvbp_request_decode(const void *buf, size_t len, struct kvbp_request *out, c
 	r.reuse_only = pb->reuse_only;
 	r.row_stride = pb->row_stride;
 	r.local_only = pb->local_only;
+	r.device_out = pb->device_out;
 	if (pb->land) {
 		const Kvblend__KvLayout *g = pb->land;
 
@@ -528,6 +530,12 @@ int kvbp_reply_encode(const struct kvbp_reply *rep, uint8_t **buf, size_t *len)
 	pb.ring_slot = rep->ring_slot;
 	pb.ring_slots = rep->ring_slots;
 	pb.slot_bytes = rep->slot_bytes;
+	if (rep->has_ipc) {
+		pb.ipc_handle.data = (uint8_t *)rep->ipc_handle;
+		pb.ipc_handle.len = KVBP_IPC_HANDLE_LEN;
+		pb.ipc_offset = rep->ipc_offset;
+		pb.device_pci = (char *)rep->device_pci;
+	}
 	if (rep->n_models) {
 		models = calloc(rep->n_models, sizeof(*models));
 		model_ptrs = calloc(rep->n_models, sizeof(*model_ptrs));
@@ -647,6 +655,20 @@ int kvbp_reply_decode(const void *buf, size_t len, struct kvbp_reply *out, char 
 	r.ring_slot = pb->ring_slot;
 	r.ring_slots = pb->ring_slots;
 	r.slot_bytes = pb->slot_bytes;
+	if (pb->ipc_handle.len) {
+		if (pb->ipc_handle.len != KVBP_IPC_HANDLE_LEN || !pb->device_pci ||
+		    strlen(pb->device_pci) >= sizeof(r.device_pci)) {
+			set_err(err, errlen, "reply's CUDA IPC handle is %zu bytes with device '%.40s'; "
+				"expected %d bytes and a PCI bus id", pb->ipc_handle.len,
+				pb->device_pci ? pb->device_pci : "", KVBP_IPC_HANDLE_LEN);
+			kvblend__reply__free_unpacked(pb, NULL);
+			return KVBP_BAD_REQUEST;
+		}
+		r.has_ipc = true;
+		memcpy(r.ipc_handle, pb->ipc_handle.data, KVBP_IPC_HANDLE_LEN);
+		r.ipc_offset = pb->ipc_offset;
+		snprintf(r.device_pci, sizeof(r.device_pci), "%s", pb->device_pci);
+	}
 	if (pb->n_selection) {
 		r.selection = malloc(pb->n_selection * sizeof(int32_t));
 		if (!r.selection)

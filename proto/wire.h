@@ -197,7 +197,10 @@ struct kvbp_request {
 	bool reuse_only;
 	uint64_t row_stride;
 	bool local_only; /* no cluster fetch: set by daemons calling each other */
+	bool device_out; /* FUSE_OPEN: export the device ring; FUSE_LAYER: leave the layer there */
 };
+
+#define KVBP_IPC_HANDLE_LEN 64 /* a CUDA IPC memory handle */
 
 struct kvbp_reply {
 	uint32_t version;
@@ -233,6 +236,10 @@ struct kvbp_reply {
 	uint64_t slot_bytes;
 	int32_t *dropped; /* owned */
 	size_t n_dropped;
+	bool has_ipc; /* FUSE_OPEN: the device ring, exported */
+	uint8_t ipc_handle[KVBP_IPC_HANDLE_LEN];
+	uint64_t ipc_offset;
+	char device_pci[32]; /* "0000:41:00.0" */
 };
 
 /*

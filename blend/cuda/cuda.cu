@@ -1028,6 +1028,23 @@ static int t_scatter(const struct blend_device *t, struct blend_stream *st,
 	return rc ? rc : blend_cuda_scatter_dev(S(st), s, layer, fresh, sel, n_sel);
 }
 
+static int t_ipc_export(const struct blend_device *t, void *dev, uint8_t handle[64], char *pci,
+			size_t pcilen)
+{
+	cudaIpcMemHandle_t h;
+	int rc = bind(D(t));
+
+	static_assert(sizeof(h) == 64, "a CUDA IPC memory handle is 64 bytes");
+	if (!rc)
+		rc = xlate(D(t), cudaIpcGetMemHandle(&h, dev), "cudaIpcGetMemHandle");
+	if (!rc)
+		rc = xlate(D(t), cudaDeviceGetPCIBusId(pci, (int)pcilen, D(t)->ordinal),
+			   "cudaDeviceGetPCIBusId");
+	if (!rc)
+		memcpy(handle, &h, sizeof(h));
+	return rc;
+}
+
 static void t_memory(const struct blend_device *t, uint64_t *held, uint64_t *total)
 {
 	blend_cuda_memory(D(t), held, total);
@@ -1066,6 +1083,7 @@ extern "C" const struct blend_device *blend_cuda_device(struct blend_cuda *d)
 	t->select_scratch = t_select_scratch;
 	t->select = t_select;
 	t->scatter = t_scatter;
+	t->ipc_export = t_ipc_export;
 	t->memory = t_memory;
 	t->last_error = t_last_error;
 	return t;

@@ -355,6 +355,34 @@ KVB_API int kvb_fuse_layer(kvb_client *c, kvb_fuse *f, uint32_t layer, const voi
  */
 KVB_API int kvb_fuse_output(const kvb_fuse *f, const void **k, const void **v);
 
+/*
+ * Fused layers on the GPU, for a node on the daemon's machine whose KV cache is on
+ * the GPU the daemon fuses on (its --device cuda), through CUDA IPC. After this
+ * call, kvb_fuse_open() on c asks the daemon to export each session's ring in
+ * device memory, and maps it into this process (in the primary context of the
+ * same GPU, found by its PCI bus id); then kvb_fuse_layer() with k_out and v_out
+ * NULL leaves the fused layer on the device, where kvb_fuse_output_device()
+ * points, with no copy through host memory. The NVIDIA driver (libcuda.so.1) is
+ * loaded at run time: libkvblend links no CUDA. Returns 0, or -ENODEV where there
+ * is no driver or GPU (kvb_last_error() says which): the node keeps using host
+ * memory.
+ */
+KVB_API int kvb_fuse_device(kvb_client *c);
+
+/* 1 when f's fused layers can stay on the device (kvb_fuse_device(), a daemon on a
+ * CUDA device, the mapping made); else 0: they come in host memory. */
+KVB_API int kvb_fuse_on_device(const kvb_fuse *f);
+
+/*
+ * Where the last kvb_fuse_layer() left the fused K and V on the device: device
+ * pointers (CUdeviceptr) valid in this process's primary context of the daemon's
+ * GPU, [tokens, kv_heads, head_dim] each in the model's dtype, read-only, valid
+ * until the next call on f. The daemon replies once the layer is complete, so any
+ * stream may read it at once. Returns 0, or -ENODATA when the last call left no
+ * fused layer on the device.
+ */
+KVB_API int kvb_fuse_output_device(const kvb_fuse *f, void **k, void **v);
+
 /* Close the session and free f. *stats (if not NULL) gets timings and byte
  * counts, malloc'd, *n_stats of them. Accepts *f == NULL. */
 KVB_API int kvb_fuse_close(kvb_client *c, kvb_fuse **f, struct kvb_stat **stats,

@@ -4,7 +4,9 @@
  * abandoned session that expires and frees its memory, and concurrent sessions
  * from several clients that must all get the same answer.
  */
+#include <dlfcn.h>
 #include <errno.h>
+#include <stdbool.h>
 #include <pthread.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -435,6 +437,152 @@ static void test_concurrent_sessions(void **state)
 #define WD 128
 #define WROW (WH * WD * 2)
 
+/*
+ * Copy n bytes of device memory (a pointer kvb_fuse_output_device() gave) to host,
+ * through the NVIDIA driver loaded here as the client library loads it. 0 or -1.
+ */
+static int device_to_host(void *dst, const void *src, size_t n)
+{
+	static void *lib;
+	static int (*init)(unsigned), (*dev_get)(int *, int), (*retain)(void **, int);
+	static int (*push)(void *), (*pop)(void **), (*copy)(void *, unsigned long long, size_t);
+	void *ctx, *popped;
+	int dev, rc;
+
+	if (!lib) {
+		lib = dlopen("libcuda.so.1", RTLD_NOW);
+		if (!lib)
+			return -1;
+		*(void **)&init = dlsym(lib, "cuInit");
+		*(void **)&dev_get = dlsym(lib, "cuDeviceGet");
+		*(void **)&retain = dlsym(lib, "cuDevicePrimaryCtxRetain");
+		*(void **)&push = dlsym(lib, "cuCtxPushCurrent_v2");
+		*(void **)&pop = dlsym(lib, "cuCtxPopCurrent_v2");
+		*(void **)&copy = dlsym(lib, "cuMemcpyDtoH_v2");
+		if (!init || !dev_get || !retain || !push || !pop || !copy || init(0))
+			return -1;
+	}
+	/* The daemon's device is device 0 (gpu_run.sh); the mapping is in its primary context. */
+	if (dev_get(&dev, 0) || retain(&ctx, dev) || push(ctx))
+		return -1;
+	rc = copy(dst, (unsigned long long)(uintptr_t)src, n) ? -1 : 0;
+	pop(&popped);
+	return rc;
+}
+
+/*
+ * Fused layers on the GPU (CUDA IPC): with a daemon on a CUDA device and a driver
+ * here, the session maps the daemon's device ring and the layers left there equal,
+ * bit for bit, those another session gets in host memory. Without a driver,
+ * kvb_fuse_device() says so and sessions keep working in host memory; with a daemon
+ * not on a CUDA device, the session is not on the device and a raw request asking
+ * for device output is refused, naming why.
+ */
+static void test_device_output(void **state)
+{
+	struct fixture *f = *state;
+	struct kvb_segment s[3];
+	struct kvb_fuse_params p = { checks, ratios, 2, KVB_METRIC_VALUE };
+	const char *dev = getenv("KVBLEND_TEST_DEVICE");
+	bool on_cuda = dev && !strncmp(dev, "cuda", 4);
+	kvb_client *c = daemon_client(&f->d, 0);
+	size_t layer = (size_t)2 * 30 * ROW, n_sel, n_sel2;
+	uint8_t *want = calloc(L, layer), *got = calloc(L, layer);
+	int32_t sel[64], sel2[64];
+	kvb_fuse *fu;
+	int rc = kvb_fuse_device(c);
+	void *dk, *dv;
+
+	/* The reference: host memory. */
+	assert_int_equal(kvb_fuse_open(f->c, "fm", s, segments(f, s), &p, &fu, NULL, NULL), 0);
+	assert_int_equal(drive(f->c, fu, want, sel, &n_sel), 0);
+	assert_int_equal(kvb_fuse_close(f->c, &fu, NULL, NULL), 0);
+	if (rc) {
+		assert_int_equal(rc, -ENODEV);
+		assert_non_null(strstr(kvb_last_error(c), "fused layers on the GPU: "));
+		assert_false(on_cuda); /* the GPU suite runs where there is a driver */
+	}
+	assert_int_equal(kvb_fuse_open(c, "fm", s, segments(f, s), &p, &fu, NULL, NULL), 0);
+	assert_int_equal(kvb_fuse_on_device(fu), rc == 0 && on_cuda);
+	if (!kvb_fuse_on_device(fu)) {
+		assert_int_equal(kvb_fuse_output_device(fu, &dk, &dv), -ENODATA);
+		assert_int_equal(drive(c, fu, got, sel2, &n_sel2), 0);
+	} else {
+		uint32_t n = kvb_fuse_tokens(fu);
+		uint16_t *fresh = malloc((size_t)L * 2 * n * ROW);
+		uint8_t *k = malloc((size_t)n * ROW), *v = malloc((size_t)n * ROW);
+		const int32_t *rows;
+
+		/* drive()'s rows, with no host buffers: every fused layer stays on the device */
+		fill_f16(fresh, (size_t)L * 2 * n * H * D, 999);
+		for (uint32_t l = kvb_fuse_next_layer(fu); l < L; l++) {
+			size_t nr = kvb_fuse_rows(fu, &rows);
+			int fused = 0;
+
+			for (size_t i = 0; i < nr; i++) {
+				memcpy(k + i * ROW, (uint8_t *)fresh + ((size_t)l * 2 * n + rows[i]) * ROW,
+				       ROW);
+				memcpy(v + i * ROW,
+				       (uint8_t *)fresh + ((size_t)(l * 2 + 1) * n + rows[i]) * ROW, ROW);
+			}
+			assert_int_equal(kvb_fuse_layer(c, fu, l, k, v, NULL, NULL, &fused), 0);
+			if (!fused) {
+				memcpy(got + l * layer, want + l * layer, layer); /* no output */
+				continue;
+			}
+			assert_int_equal(kvb_fuse_output_device(fu, &dk, &dv), 0);
+			assert_int_equal(device_to_host(got + l * layer, dk, layer / 2), 0);
+			assert_int_equal(device_to_host(got + l * layer + layer / 2, dv, layer / 2), 0);
+		}
+		n_sel2 = kvb_fuse_rows(fu, &rows);
+		memcpy(sel2, rows, n_sel2 * sizeof(int32_t));
+		free(fresh);
+		free(k);
+		free(v);
+	}
+	assert_int_equal(n_sel2, n_sel);
+	assert_memory_equal(sel2, sel, n_sel * sizeof(int32_t));
+	assert_memory_equal(got + layer * 2, want + layer * 2, layer * (L - 2));
+	assert_int_equal(kvb_fuse_close(c, &fu, NULL, NULL), 0);
+	if (!on_cuda) {
+		/* A raw FUSE_LAYER asking to keep the layer on the device: refused, usable. */
+		void *ctx = zmq_ctx_new(), *sock = zmq_socket(ctx, ZMQ_DEALER);
+		struct kvbp_segment segs[1] = { 0 };
+		uint32_t ck[1] = { 1 };
+		double rt[1] = { 0.5 };
+		struct kvbp_request q = { .op = KVBP_OP_FUSE_OPEN, .segments = segs, .n_segments = 1,
+					  .check_layers = ck, .n_checks = 1, .ratios = rt,
+					  .n_ratios = 1, .device_out = true };
+		uint8_t *zeros = calloc(10, ROW);
+		const void *pl[2] = { zeros, zeros };
+		size_t len[2] = { 10 * ROW, 10 * ROW };
+		uint64_t sid = 0;
+		char msg[256];
+		int zero = 0, timeout = 10000;
+
+		zmq_setsockopt(sock, ZMQ_LINGER, &zero, sizeof(zero));
+		zmq_setsockopt(sock, ZMQ_RCVTIMEO, &timeout, sizeof(timeout));
+		assert_int_equal(zmq_connect(sock, f->d.endpoint), 0);
+		memcpy(segs[0].hash, f->hash[0], KVB_HASH_LEN);
+		snprintf(q.model_name, sizeof(q.model_name), "fm");
+		assert_int_equal(raw_call(sock, &q, NULL, NULL, 0, msg, &sid), KVBP_OK);
+		q = (struct kvbp_request){ .op = KVBP_OP_FUSE_LAYER, .session_id = sid, .layer = 1,
+					   .rows = 10, .device_out = true };
+		assert_int_equal(raw_call(sock, &q, pl, len, 2, msg, NULL), KVBP_BAD_ARGUMENT);
+		assert_non_null(strstr(msg, "device_out: this session's ring is not exported"));
+		q.device_out = false;
+		assert_int_equal(raw_call(sock, &q, pl, len, 2, msg, NULL), KVBP_OK);
+		q = (struct kvbp_request){ .op = KVBP_OP_FUSE_CLOSE, .session_id = sid };
+		assert_int_equal(raw_call(sock, &q, NULL, NULL, 0, msg, NULL), KVBP_OK);
+		zmq_close(sock);
+		zmq_ctx_term(ctx);
+		free(zeros);
+	}
+	kvb_close(&c);
+	free(want);
+	free(got);
+}
+
 static void fill_bf16(uint16_t *p, size_t n, uint32_t seed)
 {
 	uint32_t x = seed * 2654435761u + 7;
@@ -553,6 +701,7 @@ int main(void)
 		cmocka_unit_test_setup_teardown(test_abandoned_session_expires, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_concurrent_sessions, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_wide_bf16_unaligned, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_device_output, setup, teardown),
 	};
 
 	return cmocka_run_group_tests(tests, NULL, NULL);

@@ -75,7 +75,7 @@ static void test_values_and_ranges(void **state)
 				    sizeof(err)), -ERANGE);
 	assert_true(config_key_is_bool("no-sync"));
 	assert_false(config_key_is_bool("workers"));
-	/* device: auto, cpu, cuda (device 0), cuda:N */
+	/* device: auto, cpu, cuda (device 0), cuda:N, emulated */
 	assert_int_equal(c.device, CONFIG_DEVICE_AUTO); /* the default */
 	assert_int_equal(config_set(&c, "device", "cuda:3", CONFIG_FLAG, err, sizeof(err)), 0);
 	assert_int_equal(c.device, 3);
@@ -83,10 +83,13 @@ static void test_values_and_ranges(void **state)
 	assert_int_equal(c.device, 0);
 	assert_int_equal(config_set(&c, "device", "cpu", CONFIG_FLAG, err, sizeof(err)), 0);
 	assert_int_equal(c.device, CONFIG_DEVICE_CPU);
+	assert_int_equal(config_set(&c, "device", "emulated", CONFIG_FLAG, err, sizeof(err)), 0);
+	assert_int_equal(c.device, CONFIG_DEVICE_EMULATED);
 	assert_int_equal(config_set(&c, "device", "auto", CONFIG_FLAG, err, sizeof(err)), 0);
 	assert_int_equal(c.device, CONFIG_DEVICE_AUTO);
 	assert_int_equal(config_set(&c, "device", "gpu", CONFIG_FLAG, err, sizeof(err)), -EINVAL);
-	assert_string_equal(err, "device: invalid value 'gpu'; expected auto, cpu, cuda or cuda:N");
+	assert_string_equal(err, "device: invalid value 'gpu'; expected auto, cpu, cuda, cuda:N or "
+				 "emulated");
 	assert_int_equal(config_set(&c, "device", "cuda:", CONFIG_FLAG, err, sizeof(err)), -EINVAL);
 	assert_int_equal(config_set(&c, "device", "cuda:-1", CONFIG_FLAG, err, sizeof(err)),
 			 -EINVAL);

@@ -149,6 +149,29 @@ def test_selection_is_top_deviation_and_merge(client, frames_client, chunks):
         assert all(np.array_equal(a, b) for a, b in zip(results[0][layer], results[1][layer]))
 
 
+def test_fuse_device_where_there_is_no_gpu(daemon, chunks):
+    """Fused layers on the GPU need a driver here and a daemon on a CUDA device; short of
+    either, fuse_device() says why or the session stays in host memory, fusing as before."""
+    (ha, _), (hb, _) = chunks
+    rng = np.random.default_rng(8)
+    new = rng.standard_normal((M.num_layers, 2, TA + NF + TB, 2, 16)).astype(np.float16)
+    segs = [(ha, 0), (NF, TA), (hb, TA + NF)]
+    with kvblend.Client(daemon.endpoint, timeout_ms=10000) as c:
+        with kvblend.Client(daemon.endpoint, timeout_ms=10000) as ref:
+            want = run(ref.fuse_open(M.name, segs, [1], [0.3]), new)
+        try:
+            c.fuse_device()
+        except kvblend.KvblendError as e:
+            assert e.name == "ENODEV" and "fused layers on the GPU" in str(e), e
+        s = c.fuse_open(M.name, segs, [1], [0.3])
+        assert not s.on_device  # this daemon fuses on its CPU
+        got = run(s, new, use_out=False)
+        assert s.output_device() is None
+        assert sorted(got) == sorted(want)
+        for layer, (k, v) in want.items():
+            assert np.array_equal(got[layer][0], k) and np.array_equal(got[layer][1], v)
+
+
 def test_session_errors(client, chunks):
     (ha, _), (hb, _) = chunks
     absent = os.urandom(32)

@@ -207,6 +207,9 @@ _PROTOTYPES = {
     "kvb_fuse_rows": (_SZ, [_P, ctypes.POINTER(ctypes.POINTER(ctypes.c_int32))]),
     "kvb_fuse_layer": (_INT, [_P, _P, _U32, _P, _P, _P, _P, ctypes.POINTER(_INT)]),
     "kvb_fuse_output": (_INT, [_P, ctypes.POINTER(_P), ctypes.POINTER(_P)]),
+    "kvb_fuse_device": (_INT, [_P]),
+    "kvb_fuse_on_device": (_INT, [_P]),
+    "kvb_fuse_output_device": (_INT, [_P, ctypes.POINTER(_P), ctypes.POINTER(_P)]),
     "kvb_fuse_close": (
         _INT,
         [_P, ctypes.POINTER(_P), ctypes.POINTER(ctypes.POINTER(KvbStat)), _PSZ],

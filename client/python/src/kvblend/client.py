@@ -945,6 +945,22 @@ class Client:
         self._sessions.append(s)
         return s
 
+    def fuse_device(self) -> None:
+        """Take fused layers on the GPU from now on (CUDA IPC; kvb_fuse_device()).
+
+        For a node on the daemon's machine whose KV cache is on the GPU the daemon
+        fuses on: sessions opened after this map the daemon's device ring, and
+        :meth:`FuseSession.layer` without ``k_out``/``v_out`` leaves each fused layer
+        there (:meth:`FuseSession.output_device`). Loads the NVIDIA driver at run time.
+
+        Raises
+        ------
+        KvblendError
+            ``name == 'ENODEV'``: no NVIDIA driver or GPU here; keep using host memory.
+        """
+        with self._lock:
+            self._check(lib.kvb_fuse_device(self._handle()))
+
 
 def _segment(s: Segment | tuple) -> Segment:
     if isinstance(s, Segment):
@@ -1174,6 +1190,25 @@ class FuseSession:
             a.flags.writeable = False
             views.append(a)
         return views[0], views[1]
+
+    @property
+    def on_device(self) -> bool:
+        """Whether fused layers can stay on the GPU (:meth:`Client.fuse_device`)."""
+        return bool(lib.kvb_fuse_on_device(self._handle()))
+
+    def output_device(self) -> tuple[int, int] | None:
+        """Device pointers to the fused K and V the last layer call left on the GPU.
+
+        Integers (CUdeviceptr) valid in this process's primary CUDA context of the
+        daemon's GPU, each ``[tokens, kv_heads, head_dim]`` in the model's dtype,
+        read-only, until the next call on this session; wrap them with the node's
+        framework (CuPy's ``UnownedMemory``, a DLPack capsule). None when the last
+        call left no fused layer on the device.
+        """
+        k, v = ctypes.c_void_p(), ctypes.c_void_p()
+        if lib.kvb_fuse_output_device(self._handle(), ctypes.byref(k), ctypes.byref(v)) != 0:
+            return None
+        return int(k.value or 0), int(v.value or 0)
 
     def close(self) -> dict[str, float]:
         """Close the session; return the daemon's timings and byte counts for it.
