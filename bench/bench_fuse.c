@@ -6,12 +6,16 @@
  * the node waits, and the daemon's own time per layer. Starts its own daemon.
  *
  * usage: bench_fuse [--daemon PATH] [--tokens 1024,4096,8192] [--repeats N] [--node-ms MS]
- *                   [--device auto|cpu|cuda[:N]]
+ *                   [--device auto|cpu|cuda[:N]|emulated] [--on-device]
  *
  * --node-ms: the node's own work per layer (its recompute of the selected
  * tokens), simulated by a sleep between layer calls; the daemon's loads run
  * meanwhile, as they would next to a real GPU. Only the layer calls are timed.
- * --device: where the daemon's fuse computes (its --device; default auto).
+ * --device: where the daemon's fuse computes (its --device; default auto). With
+ * cuda, the host-to-device bandwidth of the same bytes (pinned, one stream) is
+ * measured in the same run, and fused layers per second are given against it.
+ * --on-device: the in-place runs take the fused layers on the GPU (CUDA IPC,
+ * kvb_fuse_device()) instead of the shared ring.
  */
 #include <signal.h>
 #include <stdbool.h>
@@ -24,6 +28,7 @@
 #include <unistd.h>
 
 #include "bench_common.h"
+#include "cuda/cuda.h"
 #include "kvblend.h"
 
 static const struct kvb_model model = { .name = "bench-mistral", .num_layers = 32,
@@ -43,11 +48,53 @@ static void fill(uint16_t *p, size_t n, uint64_t seed)
 	}
 }
 
+/*
+ * Host-to-device bandwidth on CUDA device `ordinal`: `count` copies of `bytes` from
+ * pinned memory on one stream, GB/s; 0 when there is no device (why on stderr).
+ */
+static double h2d_gbps(int ordinal, size_t bytes, unsigned count)
+{
+	struct blend_cuda *d = NULL;
+	struct blend_cuda_stream *st = NULL;
+	void *host = NULL, *dev = NULL;
+	char err[256];
+	double t = 0;
+	int rc = blend_cuda_open(ordinal, &d, err, sizeof(err));
+
+	if (rc) {
+		fprintf(stderr, "bench_fuse: no host-to-device reference: %s\n", err);
+		return 0;
+	}
+	rc = blend_cuda_stream_new(d, &st);
+	if (!rc)
+		rc = blend_cuda_host_alloc(d, bytes, &host);
+	if (!rc)
+		rc = blend_cuda_alloc(d, bytes, &dev);
+	if (!rc) {
+		memset(host, 1, bytes);
+		rc = blend_cuda_upload(st, dev, host, bytes) || blend_cuda_stream_sync(st);
+	}
+	if (!rc) {
+		t = now_s();
+		for (unsigned i = 0; i < count && !rc; i++)
+			rc = blend_cuda_upload(st, dev, host, bytes);
+		rc = rc || blend_cuda_stream_sync(st);
+		t = now_s() - t;
+	}
+	blend_cuda_stream_free(&st);
+	blend_cuda_free(d, dev, bytes);
+	blend_cuda_host_free(d, host);
+	blend_cuda_close(&d);
+	return rc || t <= 0 ? 0 : (double)bytes * count / t / 1e9;
+}
+
 int main(int argc, char **argv)
 {
 	char daemon_path[512], dir[] = "/tmp/kvb-benchf-XXXXXX", ep[300];
 	unsigned sizes[8] = { 1024, 4096, 8192 }, n_sizes = 3, repeats = 3;
 	double node_ms = 0;
+	bool on_device = false;
+	int cuda = -1; /* the daemon's CUDA device, for the host-to-device reference */
 	const char *device[3] = { "--device", "auto", NULL };
 	struct kvb_connect_opts o = { .timeout_ms = 120000 };
 	kvb_client *c;
@@ -63,6 +110,10 @@ int main(int argc, char **argv)
 			repeats = (unsigned)atoi(argv[++i]);
 		} else if (!strcmp(argv[i], "--device") && i + 1 < argc) {
 			device[1] = argv[++i];
+			if (!strncmp(device[1], "cuda", 4))
+				cuda = device[1][4] == ':' ? atoi(device[1] + 5) : 0;
+		} else if (!strcmp(argv[i], "--on-device")) {
+			on_device = true;
 		} else if (!strcmp(argv[i], "--tokens") && i + 1 < argc) {
 			char *save, *tok;
 
@@ -72,7 +123,7 @@ int main(int argc, char **argv)
 				sizes[n_sizes++] = (unsigned)atoi(tok);
 		} else {
 			fprintf(stderr, "usage: bench_fuse [--daemon PATH] [--tokens 1024,4096,8192] "
-					"[--repeats N] [--node-ms MS] [--device D]\n");
+					"[--repeats N] [--node-ms MS] [--device D] [--on-device]\n");
 			return 2;
 		}
 	}
@@ -84,6 +135,12 @@ int main(int argc, char **argv)
 	if (!c || kvb_model_register(c, &model, NULL)) {
 		fprintf(stderr, "bench_fuse: daemon did not start\n");
 		kill(pid, SIGKILL);
+		return 1;
+	}
+	if (on_device && kvb_fuse_device(c)) {
+		fprintf(stderr, "bench_fuse: --on-device: %s\n", kvb_last_error(c));
+		kvb_close(&c);
+		bench_stop_daemon(pid, dir);
 		return 1;
 	}
 	{
@@ -98,15 +155,15 @@ int main(int argc, char **argv)
 					be = st[i].name + 8;
 		printf("kvblend bench_fuse: %u layers x %u kv heads x head_dim %u f16, r = 0.15, "
 		       "check layer 1, %d fresh tokens, node work %.1f ms per layer, median of %u "
-		       "runs; device %s, backend %s\n\n",
+		       "runs; device %s, backend %s; in place: %s\n\n",
 		       model.num_layers, model.num_kv_heads, model.head_dim, FRESH, node_ms, repeats,
-		       device[1], be);
+		       device[1], be, on_device ? "on the GPU (CUDA IPC)" : "the shared ring");
 		free(st);
 	}
 	printf("| tokens | chunks | selected | fused GB/s in place | ratio | fused GB/s copied out | "
 	       "ratio | memcpy GB/s | layer wait ms (memcpy of its bytes ms) | daemon merge "
-	       "ms/layer | daemon load ms/layer |\n");
-	printf("|---|---|---|---|---|---|---|---|---|---|---|\n");
+	       "ms/layer | daemon load ms/layer | H2D GB/s | in place / H2D |\n");
+	printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
 	for (unsigned si = 0; si < n_sizes; si++) {
 		unsigned n_tokens = sizes[si], n_chunks = n_tokens >= 4096 ? 8 : 4;
 		unsigned cached = n_tokens - FRESH, per = cached / n_chunks;
@@ -118,6 +175,8 @@ int main(int argc, char **argv)
 		double *rates = calloc(repeats, sizeof(double)), *waits = calloc(repeats, sizeof(double));
 		double *rates_copy = calloc(repeats, sizeof(double));
 		double *memcpys = calloc(repeats, sizeof(double)), merge_ms = 0, load_ms = 0;
+		double h2d = cuda >= 0 ? h2d_gbps(cuda, 2 * layer_bytes, model.num_layers) : 0;
+		char h2d_cols[64] = "– | –";
 		size_t n_sel = 0;
 		unsigned pos = 0;
 
@@ -213,12 +272,16 @@ int main(int argc, char **argv)
 		qsort(rates, repeats, sizeof(double), cmp_double);
 		qsort(memcpys, repeats, sizeof(double), cmp_double);
 		qsort(waits, repeats, sizeof(double), cmp_double);
-		printf("| %u | %u | %zu | %.2f | %.2fx | %.2f | %.2fx | %.2f | %.3f (%.3f) | %.3f | %.3f |\n",
+		if (h2d > 0)
+			snprintf(h2d_cols, sizeof(h2d_cols), "%.2f | %.2fx", h2d,
+				 rates[repeats / 2] / h2d);
+		printf("| %u | %u | %zu | %.2f | %.2fx | %.2f | %.2fx | %.2f | %.3f (%.3f) | %.3f | %.3f "
+		       "| %s |\n",
 		       n_tokens, n_chunks, n_sel, rates[repeats / 2],
 		       rates[repeats / 2] / memcpys[repeats / 2], rates_copy[repeats / 2],
 		       rates_copy[repeats / 2] / memcpys[repeats / 2], memcpys[repeats / 2],
 		       waits[repeats / 2], 2 * layer_bytes / memcpys[repeats / 2] / 1e6, merge_ms,
-		       load_ms);
+		       load_ms, h2d_cols);
 		fflush(stdout);
 		free(segs);
 		free(fresh_kv);
@@ -237,7 +300,8 @@ int main(int argc, char **argv)
 	       "bytes in this run. Layer wait: one layer call as the node sees it (sending the selected "
 	       "rows, merging, receiving all rows); daemon merge/load: the daemon's own time per "
 	       "layer, load (read, decode, re-rotate) overlapped with the node's work by the "
-	       "prefetch ring.\n");
+	       "prefetch ring. H2D: with --device cuda, pinned host-to-device copies of a layer's K "
+	       "and V on one stream in this run (target: in place >= 0.7x of it).\n");
 	kvb_close(&c);
 	bench_stop_daemon(pid, dir);
 	return 0;

@@ -4,7 +4,8 @@
 # (ctest -L gpu: the blend reference tests and the fuse tests on the GPU, against the
 # same references as the CPU), then the benchmarks (bench_cuda: kernels against a
 # device-to-device copy and the pipelined upload against host-to-device bandwidth;
-# bench_fuse on --device cpu and --device cuda). Every log and table goes to OUT
+# bench_fuse on --device cpu and --device cuda, the latter with fused layers read from
+# the shared ring and handed over on the GPU, against host-to-device bandwidth). Every log and table goes to OUT
 # (default $OUT, else ./gpu-out). Needs the build dependencies (.ci/install-deps) and
 # nvcc. Exits non-zero when the build or the parity suite fails.
 set -uo pipefail
@@ -34,4 +35,8 @@ for dev in cpu cuda; do
 	build-gpu/bin/bench_fuse --device "$dev" --tokens 4096,32768 --repeats 3 2>&1 |
 		tee "$out/bench_fuse_$dev.md"
 done
+# The fused layers handed over on the GPU (CUDA IPC) instead of the shared ring.
+build-gpu/bin/bench_fuse --device cuda --on-device --tokens 4096,32768 --repeats 3 2>&1 |
+	tee "$out/bench_fuse_cuda_ipc.md"
 exit $status
+
