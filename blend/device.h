@@ -87,7 +87,7 @@ struct blend_device {
 	 * Export the allocation at dev (an alloc'd pointer) to other processes on this
 	 * machine: its CUDA IPC memory handle, and the device's PCI bus id, by which
 	 * the other process finds the device in its own numbering. NULL where the
-	 * device cannot (the emulated one).
+	 * device cannot. (The emulated device's handle maps nowhere: bus id "emulated".)
 	 */
 	int (*ipc_export)(const struct blend_device *d, void *dev, uint8_t handle[64], char *pci,
 			  size_t pcilen);

@@ -237,6 +237,25 @@ static int e_scatter(const struct blend_device *d, struct blend_stream *st,
 	return 0;
 }
 
+/*
+ * An "export" no process can map (there is no such GPU), so that the daemon's
+ * export path runs in tests: the handle holds the address, the bus id says
+ * "emulated". A client with a driver fails to find that device and stays on the host.
+ */
+static int e_ipc_export(const struct blend_device *d, void *dev, uint8_t handle[64], char *pci,
+			size_t pcilen)
+{
+	uint64_t a = (uint64_t)(uintptr_t)dev;
+	int rc = step(d);
+
+	if (rc)
+		return rc;
+	memset(handle, 0, 64);
+	memcpy(handle, &a, sizeof(a));
+	snprintf(pci, pcilen, "emulated");
+	return 0;
+}
+
 static void e_memory(const struct blend_device *d, uint64_t *held, uint64_t *total)
 {
 	*held = atomic_load(&E(d)->held);
@@ -282,7 +301,7 @@ int blend_emu_open(uint64_t fail_after, struct blend_device **out)
 		.select_scratch = e_select_scratch,
 		.select = e_select,
 		.scatter = e_scatter,
-		.ipc_export = NULL, /* host memory: nothing another process could map */
+		.ipc_export = e_ipc_export,
 		.memory = e_memory,
 		.last_error = e_last_error,
 	};

@@ -331,8 +331,8 @@ static void block_flush(struct fuse_table *t)
 
 /*
  * A block of at least bytes (device, or pinned host memory): a cached one of up to
- * twice that, else a new one (after dropping the cache if the device is full).
- * *got: its real size.
+ * 1.25 times that, else a new one (after dropping the cache if the device is full).
+ * *got: its real size, which the session is charged.
  */
 static int block_take(struct fuse_table *t, bool host, size_t bytes, void **out, size_t *got)
 {
@@ -343,7 +343,7 @@ static int block_take(struct fuse_table *t, bool host, size_t bytes, void **out,
 	for (size_t i = 0; i < t->n_cache; i++) {
 		struct dblock *b = &t->cache[i];
 
-		if (b->host != host || b->bytes < bytes || b->bytes / 2 > bytes)
+		if (b->host != host || b->bytes < bytes || b->bytes - bytes > bytes / 4)
 			continue;
 		*out = b->p;
 		*got = b->bytes;
@@ -364,13 +364,39 @@ static int block_take(struct fuse_table *t, bool host, size_t bytes, void **out,
 	return rc;
 }
 
-/* Keep a block for the next session, while the cache stays within fuse_max_bytes. */
+/* Drop cached blocks until sessions and cache together fit in fuse_max_bytes. */
+static void block_trim(struct fuse_table *t)
+{
+	struct dblock *drop = NULL;
+	size_t n = 0;
+
+	pthread_mutex_lock(&t->lock);
+	if (t->n_cache && t->bytes + t->cached > t->lim.max_bytes)
+		drop = malloc(t->n_cache * sizeof(*drop));
+	while (drop && t->n_cache && t->bytes + t->cached > t->lim.max_bytes) {
+		drop[n] = t->cache[--t->n_cache];
+		t->cached -= drop[n++].bytes;
+	}
+	pthread_mutex_unlock(&t->lock);
+	for (size_t i = 0; i < n; i++) {
+		if (drop[i].host)
+			t->dev->host_free(t->dev, drop[i].p);
+		else
+			t->dev->free(t->dev, drop[i].p, drop[i].bytes);
+	}
+	free(drop);
+}
+
+/*
+ * Keep a block for the next session while sessions and cache together stay within
+ * fuse_max_bytes (block_trim() keeps it so as sessions open).
+ */
 static void block_give(struct fuse_table *t, bool host, void *p, size_t bytes)
 {
 	if (!p)
 		return;
 	pthread_mutex_lock(&t->lock);
-	if (t->cached + bytes <= t->lim.max_bytes) {
+	if (t->bytes + t->cached + bytes <= t->lim.max_bytes) {
 		if (t->n_cache == t->cap_cache) {
 			size_t cap = t->cap_cache ? 2 * t->cap_cache : 8;
 			struct dblock *c = realloc(t->cache, cap * sizeof(*c));
@@ -437,14 +463,16 @@ static size_t dev_layout(const struct fuse_table *t, const struct fuse_session *
 static void dev_sess_free(struct fuse_table *t, struct fuse_session *s)
 {
 	struct dev_sess *d = s->dv;
+	bool failed = false;
 
 	if (!d)
 		return;
-	/* Nothing may still be running on what goes back to the cache. */
+	/* Nothing may still be running on what goes back to the cache; after a device
+	 * failure nothing goes back (the blocks are freed). */
 	if (d->comp)
-		t->dev->stream_sync(t->dev, d->comp);
+		failed |= t->dev->stream_sync(t->dev, d->comp) != 0;
 	if (d->copy)
-		t->dev->stream_sync(t->dev, d->copy);
+		failed |= t->dev->stream_sync(t->dev, d->copy) != 0;
 	for (uint32_t i = 0; d->loaded && i < s->n_ring; i++)
 		if (d->loaded[i])
 			t->dev->event_free(t->dev, d->loaded[i]);
@@ -455,11 +483,14 @@ static void dev_sess_free(struct fuse_table *t, struct fuse_session *s)
 	if (d->registered)
 		t->dev->host_unregister(t->dev, s->ring_mem);
 	/* A block the node mapped stays readable there: it must not serve another session. */
-	if (d->exported)
+	if (d->exported || failed)
 		t->dev->free(t->dev, d->blk, d->blk_bytes);
 	else
 		block_give(t, false, d->blk, d->blk_bytes);
-	block_give(t, true, d->hring, d->hring_bytes);
+	if (failed && d->hring)
+		t->dev->host_free(t->dev, d->hring);
+	else
+		block_give(t, true, d->hring, d->hring_bytes);
 	free(d->loaded);
 	free(d->tabs);
 	free(d);
@@ -469,9 +500,11 @@ static void dev_sess_free(struct fuse_table *t, struct fuse_session *s)
 /*
  * The device half of a session's open: the host ring (pinned from the cache, or the
  * shared segment at s->ring_mem pinned in place), streams, events, the device
- * block, and the rotation tables and fresh tokens uploaded.
+ * block (zeroed first when the node is to map it: a cached block holds another
+ * session's rows), and the rotation tables and fresh tokens uploaded.
  */
-static int dev_sess_setup(struct fuse_table *t, struct fuse_session *s, size_t ring_bytes)
+static int dev_sess_setup(struct fuse_table *t, struct fuse_session *s, size_t ring_bytes,
+			  bool zero)
 {
 	const struct blend_device *dv = t->dev;
 	struct dev_sess *d = s->dv;
@@ -500,6 +533,8 @@ static int dev_sess_setup(struct fuse_table *t, struct fuse_session *s, size_t r
 	if (rc)
 		return rc;
 	dev_layout(t, s, d, d->blk);
+	if (zero)
+		rc = dv->zero(dv, d->comp, d->blk, d->blk_bytes);
 	for (size_t i = 0; !rc && i < s->n_chunks; i++) {
 		const struct rope_table *r = &s->chunks[i].rot;
 		size_t tb = (size_t)r->rows * r->half * sizeof(float);
@@ -677,6 +712,8 @@ static int dev_layer(struct fuse_table *t, struct fuse_session *s, struct slot *
 	}
 	if (!rc)
 		rc = dv->stream_sync(dv, d->comp);
+	else
+		dv->stream_sync(dv, d->comp); /* what was queued must not outlive the request */
 	if (rc && is_check && *sel) {
 		free(*sel);
 		*sel = NULL;
@@ -1189,7 +1226,22 @@ uint32_t fuse_open(struct fuse_table *t, const struct store_model *m, const stru
 	if (s->ring && !s->ring_mem && !s->dv)
 		s->ring_mem = calloc(1, ring_bytes);
 	if (s->ring && s->dv) {
-		rc = dev_sess_setup(t, s, ring_bytes);
+		rc = dev_sess_setup(t, s, ring_bytes, q->device_out && t->dev->ipc_export);
+		if (!rc) {
+			/* Cached blocks may be larger than asked: charge what the session holds. */
+			uint64_t held = s->dv->blk_bytes +
+					(s->dv->hring ? s->dv->hring_bytes : ring_bytes);
+
+			pthread_mutex_lock(&t->lock);
+			if (t->bytes - charge + held > t->lim.max_bytes) {
+				rc = -ENOSPC;
+			} else {
+				t->bytes = t->bytes - charge + held;
+				charge = held;
+				s->bytes = held;
+			}
+			pthread_mutex_unlock(&t->lock);
+		}
 		if (rc) {
 			char why[160];
 
@@ -1197,33 +1249,17 @@ uint32_t fuse_open(struct fuse_table *t, const struct store_model *m, const stru
 			t->sessions[slot_i] = NULL;
 			t->bytes -= charge;
 			pthread_mutex_unlock(&t->lock);
-			code = fail(err, errlen, rc == -ENOMEM ? KVBP_LIMIT : KVBP_INTERNAL,
-				    "the session's ring on the device: %s",
-				    device_error(t, rc, why, sizeof(why)));
+			if (rc == -ENOSPC)
+				code = fail(err, errlen, KVBP_LIMIT, "fuse sessions would hold more than "
+					    "fuse_max_bytes %" PRIu64 " with this session's device "
+					    "blocks", t->lim.max_bytes);
+			else
+				code = fail(err, errlen, rc == -ENOMEM ? KVBP_LIMIT : KVBP_INTERNAL,
+					    "the session's ring on the device: %s",
+					    device_error(t, rc, why, sizeof(why)));
 			goto fail;
 		}
-	}
-	if (s->dv && q->device_out && t->dev->ipc_export) {
-		struct dev_sess *d = s->dv;
-
-		/* A block from the cache holds another session's rows: zero it before the node
-		 * can map it. Without an export the node takes the layers from host memory. */
-		rc = t->dev->zero(t->dev, d->comp, d->blk, d->blk_bytes);
-		if (!rc)
-			rc = t->dev->stream_sync(t->dev, d->comp);
-		if (!rc)
-			rc = t->dev->ipc_export(t->dev, d->blk, r->ipc_handle, r->device_pci,
-						sizeof(r->device_pci));
-		if (!rc) {
-			d->exported = true;
-			r->has_ipc = true;
-			r->ipc_offset = (uint64_t)(d->ring - d->blk);
-		} else {
-			char why[160];
-
-			log_warn("fuse session: cannot export its device ring: %s",
-				 device_error(t, rc, why, sizeof(why)));
-		}
+		block_trim(t); /* the cache gives way to open sessions */
 	}
 	if (!s->ring || !s->ring_mem) {
 		pthread_mutex_lock(&t->lock);
@@ -1237,6 +1273,24 @@ uint32_t fuse_open(struct fuse_table *t, const struct store_model *m, const stru
 		s->ring[i].layer = -1;
 		s->ring[i].k = s->ring_mem + (uint64_t)i * 2 * n * s->row_bytes;
 		s->ring[i].v = s->ring[i].k + (uint64_t)n * s->row_bytes;
+	}
+	if (s->dv && q->device_out && t->dev->ipc_export) {
+		struct dev_sess *d = s->dv;
+
+		/* The block was zeroed before anything was put in it (dev_sess_setup). Without
+		 * an export the node takes the layers from host memory. */
+		rc = t->dev->ipc_export(t->dev, d->blk, r->ipc_handle, r->device_pci,
+					sizeof(r->device_pci));
+		if (!rc) {
+			d->exported = true;
+			r->has_ipc = true;
+			r->ipc_offset = (uint64_t)(d->ring - d->blk);
+		} else {
+			char why[160];
+
+			log_warn("fuse session: cannot export its device ring: %s",
+				 device_error(t, rc, why, sizeof(why)));
+		}
 	}
 opened:
 	s->served = -1;

@@ -861,7 +861,11 @@ static struct blend_cuda_stream *S(struct blend_stream *st)
 	return (struct blend_cuda_stream *)st;
 }
 
-/* The calling thread works on d's device (a runtime setting per thread). */
+/*
+ * The calling thread works on d's device (a runtime setting per thread). Every
+ * function of the table binds first: the daemon's threads call it in any order, and
+ * an unbound thread would otherwise start a context on device 0.
+ */
 static int bind(struct blend_cuda *d)
 {
 	return xlate(d, cudaSetDevice(d->ordinal), "cudaSetDevice");
@@ -879,20 +883,27 @@ static void t_free(const struct blend_device *t, void *p, size_t bytes)
 
 static int t_host_alloc(const struct blend_device *t, size_t bytes, void **out)
 {
-	return blend_cuda_host_alloc(D(t), bytes, out);
+	int rc = bind(D(t));
+
+	return rc ? rc : blend_cuda_host_alloc(D(t), bytes, out);
 }
 
 static void t_host_free(const struct blend_device *t, void *p)
 {
-	blend_cuda_host_free(D(t), p);
+	if (!bind(D(t)))
+		blend_cuda_host_free(D(t), p);
 }
 
+/* A refusal is not an error of the device (the caller goes on unpinned): not kept as one. */
 static int t_host_register(const struct blend_device *t, void *p, size_t bytes)
 {
 	int rc = bind(D(t));
 
-	return rc ? rc : xlate(D(t), cudaHostRegister(p, bytes, cudaHostRegisterPortable),
-			       "cudaHostRegister");
+	if (!rc && cudaHostRegister(p, bytes, cudaHostRegisterPortable) != cudaSuccess) {
+		(void)cudaGetLastError();
+		rc = -EIO;
+	}
+	return rc;
 }
 
 static void t_host_unregister(const struct blend_device *t, void *p)
@@ -910,14 +921,15 @@ static void t_stream_free(const struct blend_device *t, struct blend_stream *st)
 {
 	struct blend_cuda_stream *s = S(st);
 
-	(void)t;
-	blend_cuda_stream_free(&s);
+	if (!bind(D(t)))
+		blend_cuda_stream_free(&s);
 }
 
 static int t_stream_sync(const struct blend_device *t, struct blend_stream *st)
 {
-	(void)t;
-	return blend_cuda_stream_sync(S(st));
+	int rc = bind(D(t));
+
+	return rc ? rc : blend_cuda_stream_sync(S(st));
 }
 
 static int t_event_new(const struct blend_device *t, struct blend_event **out)
@@ -951,37 +963,48 @@ static void t_event_free(const struct blend_device *t, struct blend_event *ev)
 static int t_event_record(const struct blend_device *t, struct blend_event *ev,
 			  struct blend_stream *st)
 {
-	return xlate(D(t), cudaEventRecord(ev->e, S(st)->st), "cudaEventRecord");
+	int rc = bind(D(t));
+
+	return rc ? rc : xlate(D(t), cudaEventRecord(ev->e, S(st)->st), "cudaEventRecord");
 }
 
 static int t_event_wait(const struct blend_device *t, struct blend_stream *st,
 			struct blend_event *ev)
 {
-	return xlate(D(t), cudaStreamWaitEvent(S(st)->st, ev->e, 0), "cudaStreamWaitEvent");
+	int rc = bind(D(t));
+
+	return rc ? rc : xlate(D(t), cudaStreamWaitEvent(S(st)->st, ev->e, 0),
+			       "cudaStreamWaitEvent");
 }
 
 static int t_event_sync(const struct blend_device *t, struct blend_event *ev)
 {
-	return xlate(D(t), cudaEventSynchronize(ev->e), "cudaEventSynchronize");
+	int rc = bind(D(t));
+
+	return rc ? rc : xlate(D(t), cudaEventSynchronize(ev->e), "cudaEventSynchronize");
 }
 
 static int t_upload(const struct blend_device *t, struct blend_stream *st, void *dev,
 		    const void *host, size_t n)
 {
-	(void)t;
-	return blend_cuda_upload(S(st), dev, host, n);
+	int rc = bind(D(t));
+
+	return rc ? rc : blend_cuda_upload(S(st), dev, host, n);
 }
 
 static int t_download(const struct blend_device *t, struct blend_stream *st, void *host,
 		      const void *dev, size_t n)
 {
-	(void)t;
-	return blend_cuda_download(S(st), host, dev, n);
+	int rc = bind(D(t));
+
+	return rc ? rc : blend_cuda_download(S(st), host, dev, n);
 }
 
 static int t_zero(const struct blend_device *t, struct blend_stream *st, void *dev, size_t n)
 {
-	return n ? xlate(D(t), cudaMemsetAsync(dev, 0, n, S(st)->st), "cudaMemset") : 0;
+	int rc = n ? bind(D(t)) : 0;
+
+	return rc || !n ? rc : xlate(D(t), cudaMemsetAsync(dev, 0, n, S(st)->st), "cudaMemset");
 }
 
 static int t_rotate(const struct blend_device *t, struct blend_stream *st,

@@ -438,6 +438,141 @@ static void test_concurrent_sessions(void **state)
 #define WROW (WH * WD * 2)
 
 /*
+ * One raw session driven through layers 1..3 with deterministic fresh rows; with dv,
+ * asking for the device ring (FUSE_OPEN) and the layers kept there (layers 1 and 2).
+ * Returns the first FUSE_LAYER code that is not ok; sels gets the selections of
+ * layers 1 and 2, fused the K and V frames of layer 3, *exported whether the open's
+ * reply carried a handle.
+ */
+static uint32_t raw_session(struct fixture *f, void *sock, bool dv, int32_t sels[2][32],
+			    size_t n_sels[2], uint8_t *fused, bool *exported, char *msg)
+{
+	struct kvbp_segment segs[3] = { 0 };
+	uint32_t ck[2] = { 1, 2 }, rows = 30;
+	double rt[2] = { 0.5, 0.25 };
+	struct kvbp_request q = { .op = KVBP_OP_FUSE_OPEN, .segments = segs, .n_segments = 3,
+				  .check_layers = ck, .n_checks = 2, .ratios = rt, .n_ratios = 2,
+				  .device_out = dv };
+	struct kvbp_reply rep;
+	uint16_t *fresh = malloc(2 * 30 * ROW);
+	uint64_t sid = 0;
+	uint32_t code = KVBP_OK;
+	char err[256];
+
+	memcpy(segs[0].hash, f->hash[0], KVB_HASH_LEN);
+	segs[1].fresh = true;
+	segs[1].count = 3;
+	segs[1].pos = 10;
+	memcpy(segs[2].hash, f->hash[1], KVB_HASH_LEN);
+	segs[2].pos = 13;
+	snprintf(q.model_name, sizeof(q.model_name), "fm");
+	for (uint32_t l = 0; l <= 3 && code == KVBP_OK; l++) {
+		const void *pl[2] = { fresh, (uint8_t *)fresh + (size_t)rows * ROW };
+		size_t len[2] = { (size_t)rows * ROW, (size_t)rows * ROW }, n_frames = 0;
+		uint8_t *hdr;
+		size_t hlen;
+		zmq_msg_t m;
+		int more;
+
+		if (l) {
+			fill_f16(fresh, (size_t)2 * rows * H * D, 40 + l);
+			q = (struct kvbp_request){ .op = KVBP_OP_FUSE_LAYER, .session_id = sid,
+						   .layer = l, .rows = rows,
+						   .device_out = dv && l < 3 };
+		}
+		q.version = KVBP_VERSION;
+		q.payload_frames = l ? 2 : 0;
+		assert_int_equal(kvbp_request_encode(&q, &hdr, &hlen), 0);
+		assert_int_equal(zmq_send(sock, "", 0, ZMQ_SNDMORE), 0);
+		assert_true(zmq_send(sock, hdr, hlen, l ? ZMQ_SNDMORE : 0) >= 0);
+		for (size_t i = 0; l && i < 2; i++)
+			assert_true(zmq_send(sock, pl[i], len[i], i ? 0 : ZMQ_SNDMORE) >= 0);
+		free(hdr);
+		zmq_msg_init(&m);
+		assert_true(zmq_msg_recv(&m, sock, 0) >= 0);
+		assert_true(zmq_msg_recv(&m, sock, 0) >= 0);
+		more = zmq_msg_more(&m);
+		assert_int_equal(kvbp_reply_decode(zmq_msg_data(&m), zmq_msg_size(&m), &rep, err,
+						   sizeof(err)), 0);
+		while (more) {
+			assert_true(zmq_msg_recv(&m, sock, 0) >= 0);
+			more = zmq_msg_more(&m);
+			if (l == 3 && zmq_msg_size(&m) == (size_t)30 * ROW && n_frames < 2)
+				memcpy(fused + n_frames * 30 * ROW, zmq_msg_data(&m), 30 * ROW);
+			n_frames++;
+		}
+		zmq_msg_close(&m);
+		code = rep.code;
+		snprintf(msg, 256, "%s", rep.message);
+		if (code == KVBP_OK && !l) {
+			sid = rep.session_id;
+			*exported = rep.has_ipc;
+			if (rep.has_ipc)
+				assert_string_equal(rep.device_pci, "emulated");
+		} else if (code == KVBP_OK) {
+			/* Layers kept on the device come with no frames; the others with K and V. */
+			assert_int_equal(n_frames, l == 1 || (dv && l < 3) ? 0 : 2);
+			if (l < 3) {
+				assert_true(rep.n_selection <= 32);
+				memcpy(sels[l - 1], rep.selection, rep.n_selection * sizeof(int32_t));
+				n_sels[l - 1] = rep.n_selection;
+			}
+			rows = (uint32_t)rep.rows_next;
+		}
+		kvbp_reply_clear(&rep);
+	}
+	if (sid) {
+		q = (struct kvbp_request){ .op = KVBP_OP_FUSE_CLOSE, .session_id = sid };
+		assert_int_equal(raw_call(sock, &q, NULL, NULL, 0, err, NULL), KVBP_OK);
+	}
+	free(fresh);
+	return code;
+}
+
+/*
+ * device_out through raw requests. A daemon on the emulated device exports the ring
+ * (a handle nothing can map) and keeps layers there when asked: the selections and
+ * the fused layer after them equal a session's that never asked (with the export's
+ * zeroing of the block before the rotation tables went in). A daemon on the CPU
+ * exports nothing and refuses a layer kept on the device, naming why.
+ */
+static void raw_device_out(struct fixture *f, bool emulated)
+{
+	void *ctx = zmq_ctx_new(), *sock = zmq_socket(ctx, ZMQ_DEALER);
+	int32_t sels[2][2][32];
+	size_t n_sels[2][2];
+	uint8_t *fused = calloc(4, 30 * ROW);
+	bool exported[2] = { false, false };
+	char msg[256];
+	int zero = 0, timeout = 10000;
+
+	zmq_setsockopt(sock, ZMQ_LINGER, &zero, sizeof(zero));
+	zmq_setsockopt(sock, ZMQ_RCVTIMEO, &timeout, sizeof(timeout));
+	assert_int_equal(zmq_connect(sock, f->d.endpoint), 0);
+	assert_int_equal(raw_session(f, sock, false, sels[0], n_sels[0], fused, &exported[0], msg),
+			 KVBP_OK);
+	assert_false(exported[0]);
+	if (emulated) {
+		assert_int_equal(raw_session(f, sock, true, sels[1], n_sels[1], fused + 60 * ROW,
+					     &exported[1], msg), KVBP_OK);
+		assert_true(exported[1]);
+		for (int i = 0; i < 2; i++) {
+			assert_int_equal(n_sels[1][i], n_sels[0][i]);
+			assert_memory_equal(sels[1][i], sels[0][i], n_sels[0][i] * sizeof(int32_t));
+		}
+		assert_memory_equal(fused + 60 * ROW, fused, 60 * ROW);
+	} else {
+		assert_int_equal(raw_session(f, sock, true, sels[1], n_sels[1], fused + 60 * ROW,
+					     &exported[1], msg), KVBP_BAD_ARGUMENT);
+		assert_false(exported[1]);
+		assert_non_null(strstr(msg, "device_out: this session's ring is not exported"));
+	}
+	zmq_close(sock);
+	zmq_ctx_term(ctx);
+	free(fused);
+}
+
+/*
  * Copy n bytes of device memory (a pointer kvb_fuse_output_device() gave) to host,
  * through the NVIDIA driver loaded here as the client library loads it. 0 or -1.
  */
@@ -544,40 +679,8 @@ static void test_device_output(void **state)
 	assert_memory_equal(sel2, sel, n_sel * sizeof(int32_t));
 	assert_memory_equal(got + layer * 2, want + layer * 2, layer * (L - 2));
 	assert_int_equal(kvb_fuse_close(c, &fu, NULL, NULL), 0);
-	if (!on_cuda) {
-		/* A raw FUSE_LAYER asking to keep the layer on the device: refused, usable. */
-		void *ctx = zmq_ctx_new(), *sock = zmq_socket(ctx, ZMQ_DEALER);
-		struct kvbp_segment segs[1] = { 0 };
-		uint32_t ck[1] = { 1 };
-		double rt[1] = { 0.5 };
-		struct kvbp_request q = { .op = KVBP_OP_FUSE_OPEN, .segments = segs, .n_segments = 1,
-					  .check_layers = ck, .n_checks = 1, .ratios = rt,
-					  .n_ratios = 1, .device_out = true };
-		uint8_t *zeros = calloc(10, ROW);
-		const void *pl[2] = { zeros, zeros };
-		size_t len[2] = { 10 * ROW, 10 * ROW };
-		uint64_t sid = 0;
-		char msg[256];
-		int zero = 0, timeout = 10000;
-
-		zmq_setsockopt(sock, ZMQ_LINGER, &zero, sizeof(zero));
-		zmq_setsockopt(sock, ZMQ_RCVTIMEO, &timeout, sizeof(timeout));
-		assert_int_equal(zmq_connect(sock, f->d.endpoint), 0);
-		memcpy(segs[0].hash, f->hash[0], KVB_HASH_LEN);
-		snprintf(q.model_name, sizeof(q.model_name), "fm");
-		assert_int_equal(raw_call(sock, &q, NULL, NULL, 0, msg, &sid), KVBP_OK);
-		q = (struct kvbp_request){ .op = KVBP_OP_FUSE_LAYER, .session_id = sid, .layer = 1,
-					   .rows = 10, .device_out = true };
-		assert_int_equal(raw_call(sock, &q, pl, len, 2, msg, NULL), KVBP_BAD_ARGUMENT);
-		assert_non_null(strstr(msg, "device_out: this session's ring is not exported"));
-		q.device_out = false;
-		assert_int_equal(raw_call(sock, &q, pl, len, 2, msg, NULL), KVBP_OK);
-		q = (struct kvbp_request){ .op = KVBP_OP_FUSE_CLOSE, .session_id = sid };
-		assert_int_equal(raw_call(sock, &q, NULL, NULL, 0, msg, NULL), KVBP_OK);
-		zmq_close(sock);
-		zmq_ctx_term(ctx);
-		free(zeros);
-	}
+	if (!on_cuda)
+		raw_device_out(f, dev && !strcmp(dev, "emulated"));
 	kvb_close(&c);
 	free(want);
 	free(got);
