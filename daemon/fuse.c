@@ -1888,15 +1888,17 @@ uint32_t fuse_layer_run(struct fuse_table *t, struct fuse_session *s, const void
 			       &n_sel);
 		if (rc) {
 			char why[160];
+			const char *msg = device_error(t, rc, why, sizeof(why));
 
 			/* What the slot holds now is unknown: load it again next time. */
 			pthread_mutex_lock(&s->lock);
 			sl->layer = -1;
 			sl->state = SLOT_EMPTY;
 			pthread_mutex_unlock(&s->lock);
+			/* The operator sees it too: a device that keeps failing is one to replace. */
+			log_warn("fuse session %016" PRIx64 " layer %" PRIu32 ": %s", s->id, layer, msg);
 			return fail(err, errlen, rc == -ENOMEM ? KVBP_LIMIT : KVBP_INTERNAL,
-				    "layer %" PRIu32 ": %s", layer,
-				    device_error(t, rc, why, sizeof(why)));
+				    "layer %" PRIu32 ": %s", layer, msg);
 		}
 		if (is_check) {
 			memcpy(s->sel, sel, n_sel * sizeof(int32_t));
