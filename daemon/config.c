@@ -142,10 +142,10 @@ static const struct key keys[] = {
 	  "deadline of a call to another member; one that misses it is skipped for 2 s" },
 	{ "log_level", T_LEVEL, OFF(log_level), 0, 3, "info", "error, warn, info or debug" },
 	{ "device", T_DEVICE, OFF(device), 0, 1023, "auto",
-	  "where the fuse computes: cpu, cuda[:N] (CUDA device N, 0 by default; the daemon "
-	  "refuses to start without it), auto (the CPU for now, logging whether there is "
-	  "a GPU: the CUDA path is not yet measured against the CPU's), or emulated (the "
-	  "device path with host memory standing in for a GPU's: for tests)" },
+	  "where fuse sessions compute: cpu, cuda[:N] (their rings on CUDA device N, 0 by "
+	  "default; the daemon refuses to start without it), auto (CUDA device 0 when there "
+	  "is a working one, else the CPU; the log says which), or emulated (the device path "
+	  "with host memory standing in for a GPU's: for tests)" },
 };
 
 #define N_KEYS (sizeof(keys) / sizeof(keys[0]))

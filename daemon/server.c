@@ -671,31 +671,22 @@ static bool owns_chunk(void *ctx, const uint8_t *hash)
 }
 
 /*
- * The fuse's compute backend for the device setting: the CPU; CUDA device N, or a
- * refusal to start naming the cause. auto is the CPU for now, saying whether there
- * is a GPU: the CUDA table stages every call's rows through the device and back, so
- * on the daemon's load path it is slower than the CPU's SIMD kernels; auto will take
- * the GPU once a session's layers stay on the device (the pipelined path). One log
- * line says which and why.
+ * Where the fuse computes, for the device setting. Sessions whose ring can live on
+ * a device (all but landing sessions) run there: CUDA device N (cuda[:N], else a
+ * refusal to start naming the cause), device 0 when there is a working one (auto),
+ * or the emulated device. Work that starts and ends in host memory (landing
+ * sessions, re-rotated GETs) stays on the CPU's SIMD kernels: moving it over PCIe
+ * and back costs more than it saves. One log line says which and why.
  */
 static int pick_backend(struct server *srv, int device)
 {
 	char why[256], name[256];
 	int ordinal = device == CONFIG_DEVICE_AUTO ? 0 : device, rc;
+	uint64_t held, total;
 
 	srv->blend = blend_cpu_backend();
 	if (device == CONFIG_DEVICE_CPU) {
 		log_info("fuse backend %s (device cpu)", srv->blend->name);
-		return 0;
-	}
-	if (device == CONFIG_DEVICE_AUTO) {
-		if (blend_cuda_probe(0, name, sizeof(name), why, sizeof(why)))
-			log_info("fuse backend %s (device auto: %s)", srv->blend->name, why);
-		else
-			log_info("fuse backend %s (device auto: CUDA device 0, %s, is there, but "
-				 "the GPU path stages every call through it and is slower than "
-				 "this CPU for now: --device cuda uses it)",
-				 srv->blend->name, name);
 		return 0;
 	}
 	if (device == CONFIG_DEVICE_EMULATED) {
@@ -709,20 +700,26 @@ static int pick_backend(struct server *srv, int device)
 			 "in for a GPU's, for tests: slower than device cpu)", srv->blend->name);
 		return 0;
 	}
+	if (device == CONFIG_DEVICE_AUTO &&
+	    blend_cuda_probe(0, name, sizeof(name), why, sizeof(why))) {
+		log_info("fuse backend %s (device auto: %s)", srv->blend->name, why);
+		return 0;
+	}
 	rc = blend_cuda_open(ordinal, &srv->gpu, why, sizeof(why));
+	if (rc && device == CONFIG_DEVICE_AUTO) {
+		log_warn("fuse backend %s (device auto: CUDA device 0, %s, is there but not usable: "
+			 "%s)", srv->blend->name, name, why);
+		return 0;
+	}
 	if (rc) {
 		log_err("device cuda:%d: %s", ordinal, why);
 		return -ENODEV;
 	}
-	{
-		uint64_t held, total;
-
-		blend_cuda_memory(srv->gpu, &held, &total);
-		srv->blend = blend_cuda_backend(srv->gpu);
-		srv->dev = blend_cuda_device(srv->gpu);
-		log_info("fuse backend %s on CUDA device %d (%s, %" PRIu64 " MiB)", srv->blend->name,
-			 ordinal, blend_cuda_name(srv->gpu), total >> 20);
-	}
+	blend_cuda_memory(srv->gpu, &held, &total);
+	srv->dev = blend_cuda_device(srv->gpu);
+	log_info("fuse sessions on CUDA device %d (%s, %" PRIu64 " MiB%s); landing sessions and "
+		 "re-rotated GETs on %s", ordinal, blend_cuda_name(srv->gpu), total >> 20,
+		 device == CONFIG_DEVICE_AUTO ? ", device auto" : "", srv->blend->name);
 	return 0;
 }
 
