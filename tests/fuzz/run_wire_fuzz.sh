@@ -4,6 +4,7 @@
 # and require a clean exit: status 0 and no sanitizer report in its log.
 #
 # usage: run_wire_fuzz.sh KVBLENDD FUZZER CORPUS_DIR [FUZZER OPTIONS: --seconds S --seed N ...]
+# KVB_FUZZ_DEVICE: the daemon's --device (e.g. emulated: fuse sessions on the device path)
 # env:   KVB_FUZZ_KEEP=1 keeps the temporary directory (daemon log, saved .kvbw files)
 #        KVB_FUZZ_FOUND=DIR also copies the saved .kvbw files and the daemon log there
 set -u
@@ -17,7 +18,7 @@ max_message=4M
 	--max-layers 16 --max-tokens 4096 --max-kv-heads 64 --max-head-dim 256 \
 	--shm-max 4M --shm-total 32M --shm-idle 5 --fuse-max-sessions 8 --fuse-max-tokens 2048 \
 	--fuse-idle 3 --fuse-max-bytes 64M --capacity 32M --no-sync --log-level warn \
-	2>"$tmp/daemon.log" &
+	${KVB_FUZZ_DEVICE:+--device "$KVB_FUZZ_DEVICE"} 2>"$tmp/daemon.log" &
 pid=$!
 rc=0
 

@@ -911,7 +911,7 @@ static void put_payload(struct msg *m, struct kvbp_request *q, int mi, uint32_t 
 static void perturb(struct kvbp_request *q, unsigned n)
 {
 	for (unsigned i = 0; i < n; i++) {
-		switch (below(22)) {
+		switch (below(23)) {
 		case 0:
 			q->version = pick_u32();
 			break;
@@ -981,6 +981,9 @@ static void perturb(struct kvbp_request *q, unsigned n)
 			break;
 		case 20:
 			q->op = chance(80) ? below(KVBP_OP_COUNT + 2) : pick_u32();
+			break;
+		case 21:
+			q->device_out = !q->device_out;
 			break;
 		default:
 			q->request_id = pick_u64();
@@ -1287,6 +1290,7 @@ static void gen_fuse(struct msg *m)
 		q.ratios = ratio_buf;
 		q.metric = chance(90) ? below(2) : pick_u32();
 		q.shared_ring = chance(30);
+		q.device_out = chance(30); /* export the device ring (a device daemon) */
 		if (chance(10))
 			perturb(&q, 1);
 		m->id = q.request_id;
@@ -1311,6 +1315,7 @@ static void gen_fuse(struct msg *m)
 	q.layer = chance(80) ? s->next_layer : chance(50) ? s->next_layer + 1 - 2 * below(2) :
 								 pick_u32();
 	q.rows = chance(85) ? s->rows_next : chance(50) ? s->rows_next + 1 : pick_u32();
+	q.device_out = chance(15); /* keep the layer on the device: refused unless exported */
 	m->learn = LEARN_FUSE_LAYER;
 	m->learn_idx = si;
 	{
