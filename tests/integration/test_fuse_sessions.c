@@ -175,13 +175,17 @@ static void test_protocol_errors(void **state)
 	free(all);
 }
 
-/* Send a request on a raw DEALER socket; return the reply's code, message and session id. */
-static uint32_t raw_call(void *sock, struct kvbp_request *q, const void *const *pl,
-			 const size_t *len, size_t n, char *msg, uint64_t *session)
+/*
+ * Send a request on a raw DEALER socket and decode its reply into *rep (the caller
+ * clears it); the first two payload frames of frame_bytes each are copied to frames
+ * (if not NULL), *n_frames (if not NULL) counts them all.
+ */
+static void raw_exchange(void *sock, struct kvbp_request *q, const void *const *pl,
+			 const size_t *len, size_t n, struct kvbp_reply *rep, uint8_t *frames,
+			 size_t frame_bytes, size_t *n_frames)
 {
-	struct kvbp_reply rep;
 	uint8_t *hdr;
-	size_t hlen;
+	size_t hlen, nf = 0;
 	zmq_msg_t m;
 	char err[256];
 	int more;
@@ -198,13 +202,27 @@ static uint32_t raw_call(void *sock, struct kvbp_request *q, const void *const *
 	assert_true(zmq_msg_recv(&m, sock, 0) >= 0);
 	assert_true(zmq_msg_recv(&m, sock, 0) >= 0);
 	more = zmq_msg_more(&m);
-	assert_int_equal(kvbp_reply_decode(zmq_msg_data(&m), zmq_msg_size(&m), &rep, err,
+	assert_int_equal(kvbp_reply_decode(zmq_msg_data(&m), zmq_msg_size(&m), rep, err,
 					   sizeof(err)), 0);
 	while (more) {
 		assert_true(zmq_msg_recv(&m, sock, 0) >= 0);
 		more = zmq_msg_more(&m);
+		if (frames && nf < 2 && zmq_msg_size(&m) == frame_bytes)
+			memcpy(frames + nf * frame_bytes, zmq_msg_data(&m), frame_bytes);
+		nf++;
 	}
 	zmq_msg_close(&m);
+	if (n_frames)
+		*n_frames = nf;
+}
+
+/* Send a request on a raw DEALER socket; return the reply's code, message and session id. */
+static uint32_t raw_call(void *sock, struct kvbp_request *q, const void *const *pl,
+			 const size_t *len, size_t n, char *msg, uint64_t *session)
+{
+	struct kvbp_reply rep;
+
+	raw_exchange(sock, q, pl, len, n, &rep, NULL, 0, NULL);
 	snprintf(msg, 256, "%s", rep.message);
 	if (session && rep.session_id)
 		*session = rep.session_id;
@@ -469,10 +487,6 @@ static uint32_t raw_session(struct fixture *f, void *sock, bool dv, int32_t sels
 	for (uint32_t l = 0; l <= 3 && code == KVBP_OK; l++) {
 		const void *pl[2] = { fresh, (uint8_t *)fresh + (size_t)rows * ROW };
 		size_t len[2] = { (size_t)rows * ROW, (size_t)rows * ROW }, n_frames = 0;
-		uint8_t *hdr;
-		size_t hlen;
-		zmq_msg_t m;
-		int more;
 
 		if (l) {
 			fill_f16(fresh, (size_t)2 * rows * H * D, 40 + l);
@@ -480,28 +494,8 @@ static uint32_t raw_session(struct fixture *f, void *sock, bool dv, int32_t sels
 						   .layer = l, .rows = rows,
 						   .device_out = dv && l < 3 };
 		}
-		q.version = KVBP_VERSION;
-		q.payload_frames = l ? 2 : 0;
-		assert_int_equal(kvbp_request_encode(&q, &hdr, &hlen), 0);
-		assert_int_equal(zmq_send(sock, "", 0, ZMQ_SNDMORE), 0);
-		assert_true(zmq_send(sock, hdr, hlen, l ? ZMQ_SNDMORE : 0) >= 0);
-		for (size_t i = 0; l && i < 2; i++)
-			assert_true(zmq_send(sock, pl[i], len[i], i ? 0 : ZMQ_SNDMORE) >= 0);
-		free(hdr);
-		zmq_msg_init(&m);
-		assert_true(zmq_msg_recv(&m, sock, 0) >= 0);
-		assert_true(zmq_msg_recv(&m, sock, 0) >= 0);
-		more = zmq_msg_more(&m);
-		assert_int_equal(kvbp_reply_decode(zmq_msg_data(&m), zmq_msg_size(&m), &rep, err,
-						   sizeof(err)), 0);
-		while (more) {
-			assert_true(zmq_msg_recv(&m, sock, 0) >= 0);
-			more = zmq_msg_more(&m);
-			if (l == 3 && zmq_msg_size(&m) == (size_t)30 * ROW && n_frames < 2)
-				memcpy(fused + n_frames * 30 * ROW, zmq_msg_data(&m), 30 * ROW);
-			n_frames++;
-		}
-		zmq_msg_close(&m);
+		raw_exchange(sock, &q, pl, len, l ? 2 : 0, &rep, l == 3 ? fused : NULL, 30 * ROW,
+			     &n_frames);
 		code = rep.code;
 		snprintf(msg, 256, "%s", rep.message);
 		if (code == KVBP_OK && !l) {
