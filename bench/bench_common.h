@@ -30,6 +30,17 @@ static inline int cmp_double(const void *a, const void *b)
 	return x < y ? -1 : x > y;
 }
 
+/* A comma-separated list of counts ("4096,32768") into v, at most max of them; how many. */
+static inline unsigned bench_parse_list(char *s, unsigned *v, unsigned max)
+{
+	char *save, *tok;
+	unsigned n = 0;
+
+	for (tok = strtok_r(s, ",", &save); tok && n < max; tok = strtok_r(NULL, ",", &save))
+		v[n++] = (unsigned)atoi(tok);
+	return n;
+}
+
 /* The kvblendd next to this benchmark binary (argv0), into path. */
 static inline void bench_default_daemon(const char *argv0, char *path, size_t len)
 {

@@ -24,6 +24,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "bench_common.h"
 #include "cuda/cuda.h"
 #include "hkvd.h"
 #include "rope.h"
@@ -36,24 +37,9 @@
 #define FRESH 32
 #define RING 3
 
-static double now_s(void)
-{
-	struct timespec t;
-
-	clock_gettime(CLOCK_MONOTONIC, &t);
-	return (double)t.tv_sec + t.tv_nsec / 1e9;
-}
-
-static int cmp_d(const void *a, const void *b)
-{
-	double x = *(const double *)a, y = *(const double *)b;
-
-	return (x > y) - (x < y);
-}
-
 static double median(double *v, unsigned n)
 {
-	qsort(v, n, sizeof(*v), cmp_d);
+	qsort(v, n, sizeof(*v), cmp_double);
 	return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
 }
 
@@ -121,12 +107,7 @@ int main(int argc, char **argv)
 		} else if (!strcmp(argv[i], "--device") && i + 1 < argc) {
 			ordinal = atoi(argv[++i]);
 		} else if (!strcmp(argv[i], "--tokens") && i + 1 < argc) {
-			char *save, *tok;
-
-			n_sizes = 0;
-			for (tok = strtok_r(argv[++i], ",", &save); tok && n_sizes < 8;
-			     tok = strtok_r(NULL, ",", &save))
-				sizes[n_sizes++] = (unsigned)atoi(tok);
+			n_sizes = bench_parse_list(argv[++i], sizes, 8);
 		} else {
 			fprintf(stderr, "usage: bench_cuda [--tokens 4096,32768] [--repeats N] "
 					"[--device N]\n");

@@ -115,12 +115,7 @@ int main(int argc, char **argv)
 		} else if (!strcmp(argv[i], "--on-device")) {
 			on_device = true;
 		} else if (!strcmp(argv[i], "--tokens") && i + 1 < argc) {
-			char *save, *tok;
-
-			n_sizes = 0;
-			for (tok = strtok_r(argv[++i], ",", &save); tok && n_sizes < 8;
-			     tok = strtok_r(NULL, ",", &save))
-				sizes[n_sizes++] = (unsigned)atoi(tok);
+			n_sizes = bench_parse_list(argv[++i], sizes, 8);
 		} else {
 			fprintf(stderr, "usage: bench_fuse [--daemon PATH] [--tokens 1024,4096,8192] "
 					"[--repeats N] [--node-ms MS] [--device D] [--on-device]\n");

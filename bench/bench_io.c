@@ -119,12 +119,7 @@ int main(int argc, char **argv)
 		else if (!strcmp(argv[i], "--seconds") && i + 1 < argc)
 			seconds = atof(argv[++i]);
 		else if (!strcmp(argv[i], "--sizes") && i + 1 < argc) {
-			char *s = argv[++i], *tok, *save;
-
-			n_sizes = 0;
-			for (tok = strtok_r(s, ",", &save); tok && n_sizes < 8;
-			     tok = strtok_r(NULL, ",", &save))
-				sizes_mib[n_sizes++] = (unsigned)atoi(tok);
+			n_sizes = bench_parse_list(argv[++i], sizes_mib, 8);
 		} else {
 			fprintf(stderr, "usage: bench_io [--daemon PATH] [--sync] [--seconds S] "
 					"[--sizes 1,8,32]\n");

@@ -17,7 +17,6 @@
 #include <time.h>
 
 #include "codec.h"
-#include "cuda/cuda.h"
 #include "device.h"
 #include "hkvd.h"
 #include "log.h"
@@ -150,26 +149,22 @@ static uint64_t ns_since(const struct timespec *t0)
 }
 
 /*
- * Why a load or a kernel failed: a device backend's -EIO carries the CUDA error's
- * message, anything else is the errno's text.
+ * A call of the table's device failed (its -EIO, carried under a code of its own so
+ * that a store's -EIO, a read error, is not taken for one).
  */
-static const char *backend_error(const struct fuse_table *t, int rc, char *buf, size_t len)
-{
-	char dev[128];
+#define DEV_FAILED (-EREMOTEIO)
 
-	if (rc != -EIO || !t->be->ctx)
-		return strerror(-rc);
-	blend_cuda_last_error(t->be->ctx, dev, sizeof(dev));
-	snprintf(buf, len, "the %s backend failed (%s)", t->be->name, dev);
-	return buf;
+static int dev_rc(int rc)
+{
+	return rc == -EIO ? DEV_FAILED : rc;
 }
 
-/* The same for a failure of the table's device (the pipelined path). */
-static const char *device_error(const struct fuse_table *t, int rc, char *buf, size_t len)
+/* Why a load or a kernel failed: the device's own message for DEV_FAILED, else the errno's. */
+static const char *compute_error(const struct fuse_table *t, int rc, char *buf, size_t len)
 {
 	char dev[128];
 
-	if (rc != -EIO)
+	if (rc != DEV_FAILED || !t->dev)
 		return strerror(-rc);
 	t->dev->last_error(t->dev, dev, sizeof(dev));
 	snprintf(buf, len, "the %s device failed (%s)", t->dev->name, dev);
@@ -307,6 +302,15 @@ static size_t dev_align(size_t x)
 	return (x + DEV_ALIGN - 1) / DEV_ALIGN * DEV_ALIGN;
 }
 
+/* Give a block back to the device (NULL: nothing). */
+static void block_free(struct fuse_table *t, bool host, void *p, size_t bytes)
+{
+	if (p && host)
+		t->dev->host_free(t->dev, p);
+	else if (p)
+		t->dev->free(t->dev, p, bytes);
+}
+
 /* Drop every cached block (to make room on the device). */
 static void block_flush(struct fuse_table *t)
 {
@@ -320,12 +324,8 @@ static void block_flush(struct fuse_table *t)
 	t->n_cache = t->cap_cache = 0;
 	t->cached = 0;
 	pthread_mutex_unlock(&t->lock);
-	for (size_t i = 0; i < n; i++) {
-		if (c[i].host)
-			t->dev->host_free(t->dev, c[i].p);
-		else
-			t->dev->free(t->dev, c[i].p, c[i].bytes);
-	}
+	for (size_t i = 0; i < n; i++)
+		block_free(t, c[i].host, c[i].p, c[i].bytes);
 	free(c);
 }
 
@@ -378,12 +378,8 @@ static void block_trim(struct fuse_table *t)
 		t->cached -= drop[n++].bytes;
 	}
 	pthread_mutex_unlock(&t->lock);
-	for (size_t i = 0; i < n; i++) {
-		if (drop[i].host)
-			t->dev->host_free(t->dev, drop[i].p);
-		else
-			t->dev->free(t->dev, drop[i].p, drop[i].bytes);
-	}
+	for (size_t i = 0; i < n; i++)
+		block_free(t, drop[i].host, drop[i].p, drop[i].bytes);
 	free(drop);
 }
 
@@ -414,15 +410,11 @@ static void block_give(struct fuse_table *t, bool host, void *p, size_t bytes)
 		}
 	}
 	pthread_mutex_unlock(&t->lock);
-	if (host)
-		t->dev->host_free(t->dev, p);
-	else
-		t->dev->free(t->dev, p, bytes);
+	block_free(t, host, p, bytes);
 }
 
 /* Carve (or, with base NULL, only measure) a session's device block; returns its size. */
-static size_t dev_layout(const struct fuse_table *t, const struct fuse_session *s,
-			 struct dev_sess *d, uint8_t *base)
+static size_t dev_layout(const struct fuse_session *s, struct dev_sess *d, uint8_t *base)
 {
 	size_t off = 0, n = s->n, rb = s->row_bytes;
 
@@ -456,7 +448,6 @@ static size_t dev_layout(const struct fuse_table *t, const struct fuse_session *
 		}
 		off += 2 * dev_align(tb);
 	}
-	(void)t;
 	return off;
 }
 
@@ -484,11 +475,11 @@ static void dev_sess_free(struct fuse_table *t, struct fuse_session *s)
 		t->dev->host_unregister(t->dev, s->ring_mem);
 	/* A block the node mapped stays readable there: it must not serve another session. */
 	if (d->exported || failed)
-		t->dev->free(t->dev, d->blk, d->blk_bytes);
+		block_free(t, false, d->blk, d->blk_bytes);
 	else
 		block_give(t, false, d->blk, d->blk_bytes);
-	if (failed && d->hring)
-		t->dev->host_free(t->dev, d->hring);
+	if (failed)
+		block_free(t, true, d->hring, d->hring_bytes);
 	else
 		block_give(t, true, d->hring, d->hring_bytes);
 	free(d->loaded);
@@ -513,7 +504,7 @@ static int dev_sess_setup(struct fuse_table *t, struct fuse_session *s, size_t r
 	if (!s->ring_mem) {
 		rc = block_take(t, true, ring_bytes, (void **)&d->hring, &d->hring_bytes);
 		if (rc)
-			return rc;
+			return dev_rc(rc);
 		memset(d->hring, 0, ring_bytes); /* fresh tokens' rows are never read from a chunk */
 		s->ring_mem = d->hring;
 	} else {
@@ -531,8 +522,8 @@ static int dev_sess_setup(struct fuse_table *t, struct fuse_session *s, size_t r
 	if (!rc)
 		rc = block_take(t, false, d->blk_bytes, (void **)&d->blk, &d->blk_bytes);
 	if (rc)
-		return rc;
-	dev_layout(t, s, d, d->blk);
+		return dev_rc(rc);
+	dev_layout(s, d, d->blk);
 	if (zero)
 		rc = dv->zero(dv, d->comp, d->blk, d->blk_bytes);
 	for (size_t i = 0; !rc && i < s->n_chunks; i++) {
@@ -547,7 +538,7 @@ static int dev_sess_setup(struct fuse_table *t, struct fuse_session *s, size_t r
 		rc = dv->upload(dv, d->comp, d->always, s->fresh, s->n_fresh * sizeof(int32_t));
 	if (!rc)
 		rc = dv->stream_sync(dv, d->comp);
-	return rc;
+	return dev_rc(rc);
 }
 
 struct raw_job {
@@ -582,10 +573,12 @@ static int dev_load(struct fuse_table *t, struct fuse_session *s, struct slot *s
 
 	/* The slot's last copy to the device must be done before its host rows change. */
 	rc = dv->event_sync(dv, d->loaded[i]);
-	if (!rc)
-		rc = pool_run(t->pool, s->n_chunks, load_chunk_raw, &j);
-	if (!rc)
-		rc = dv->upload(dv, d->copy, dk, sl->k, d->slot_bytes);
+	if (rc)
+		return dev_rc(rc);
+	rc = pool_run(t->pool, s->n_chunks, load_chunk_raw, &j);
+	if (rc)
+		return rc; /* the store's errno */
+	rc = dv->upload(dv, d->copy, dk, sl->k, d->slot_bytes);
 	for (size_t c = 0; !rc && c < s->n_chunks; c++) {
 		uint8_t *rows = dk + (size_t)s->chunks[c].off * s->row_bytes;
 
@@ -594,7 +587,7 @@ static int dev_load(struct fuse_table *t, struct fuse_session *s, struct slot *s
 	}
 	if (!rc)
 		rc = dv->event_record(dv, d->loaded[i], d->copy);
-	return rc;
+	return dev_rc(rc);
 }
 
 /* Cached tokens among rows idx[0..rows) with their deviations, compacted into cand, dev. */
@@ -718,7 +711,7 @@ static int dev_layer(struct fuse_table *t, struct fuse_session *s, struct slot *
 		free(*sel);
 		*sel = NULL;
 	}
-	return rc;
+	return dev_rc(rc);
 }
 
 /* ---- sessions ---- */
@@ -1152,10 +1145,10 @@ uint32_t fuse_open(struct fuse_table *t, const struct store_model *m, const stru
 				char why[160];
 
 				code = fail(err, errlen, KVBP_INTERNAL, "top-k scratch: %s",
-					    device_error(t, -EIO, why, sizeof(why)));
+					    compute_error(t, DEV_FAILED, why, sizeof(why)));
 				goto fail;
 			}
-			s->dv->blk_bytes = dev_layout(t, s, s->dv, NULL);
+			s->dv->blk_bytes = dev_layout(s, s->dv, NULL);
 		}
 	}
 	/* Host ring and device block both count against fuse_max_bytes. */
@@ -1256,7 +1249,7 @@ uint32_t fuse_open(struct fuse_table *t, const struct store_model *m, const stru
 			else
 				code = fail(err, errlen, rc == -ENOMEM ? KVBP_LIMIT : KVBP_INTERNAL,
 					    "the session's ring on the device: %s",
-					    device_error(t, rc, why, sizeof(why)));
+					    compute_error(t, rc, why, sizeof(why)));
 			goto fail;
 		}
 		block_trim(t); /* the cache gives way to open sessions */
@@ -1289,7 +1282,7 @@ uint32_t fuse_open(struct fuse_table *t, const struct store_model *m, const stru
 			char why[160];
 
 			log_warn("fuse session: cannot export its device ring: %s",
-				 device_error(t, rc, why, sizeof(why)));
+				 compute_error(t, dev_rc(rc), why, sizeof(why)));
 		}
 	}
 opened:
@@ -1808,7 +1801,7 @@ static uint32_t check_select(struct fuse_table *t, struct fuse_session *s, const
 		free(dev);
 		free(sel);
 		return fail(err, errlen, KVBP_INTERNAL, "deviation: %s",
-			    backend_error(t, rc, why, sizeof(why)));
+			    compute_error(t, rc, why, sizeof(why)));
 	}
 	/* Candidates: the cached tokens among the rows (fresh ones are always kept). */
 	n_cand = candidates(s, idx, rows, dev, cand);
@@ -1825,7 +1818,7 @@ static uint32_t check_select(struct fuse_table *t, struct fuse_session *s, const
 		if (n_sel == -ENOMEM)
 			return fail(err, errlen, KVBP_LIMIT, "out of memory");
 		return fail(err, errlen, KVBP_INTERNAL, "HKVD selection: %s",
-			    backend_error(t, (int)n_sel, why, sizeof(why)));
+			    compute_error(t, (int)n_sel, why, sizeof(why)));
 	}
 	*sel_out = sel;
 	*n_out = (size_t)n_sel;
@@ -1875,8 +1868,7 @@ uint32_t fuse_layer_run(struct fuse_table *t, struct fuse_session *s, const void
 		return fail(err, errlen, rc == -EBADMSG ? KVBP_CORRUPT : KVBP_INTERNAL,
 			    "layer %" PRIu32 ": cannot read stored chunks: %s", layer,
 			    rc == -EBADMSG ? "a chunk failed its checksum" :
-			    s->dv ? device_error(t, rc, why, sizeof(why)) :
-				    backend_error(t, rc, why, sizeof(why)));
+			    compute_error(t, rc, why, sizeof(why)));
 	}
 	clock_gettime(CLOCK_MONOTONIC, &t0);
 	if (s->dv) {
@@ -1888,7 +1880,7 @@ uint32_t fuse_layer_run(struct fuse_table *t, struct fuse_session *s, const void
 			       &n_sel);
 		if (rc) {
 			char why[160];
-			const char *msg = device_error(t, rc, why, sizeof(why));
+			const char *msg = compute_error(t, rc, why, sizeof(why));
 
 			/* What the slot holds now is unknown: load it again next time. */
 			pthread_mutex_lock(&s->lock);
@@ -1970,7 +1962,7 @@ uint32_t fuse_check_run(struct fuse_table *t, struct fuse_session *s, const void
 
 		return fail(err, errlen, store_code(rc), "layer %" PRIu32 ": cannot read stored "
 			    "chunks: %s", layer, rc == -EBADMSG ? "a chunk failed its checksum" :
-			    backend_error(t, rc, why, sizeof(why)));
+			    compute_error(t, rc, why, sizeof(why)));
 	}
 	clock_gettime(CLOCK_MONOTONIC, &t0);
 	code = check_select(t, s, rows, stride, s->metric ? s->cslot[s->next_check].k :

@@ -230,12 +230,38 @@ static uint32_t raw_call(void *sock, struct kvbp_request *q, const void *const *
 	return rep.code;
 }
 
+/* A DEALER socket of a new context, connected to the fixture's daemon, 10 s receives. */
+static void *raw_socket(struct fixture *f, void **ctx)
+{
+	void *sock;
+	int zero = 0, timeout = 10000;
+
+	*ctx = zmq_ctx_new();
+	sock = zmq_socket(*ctx, ZMQ_DEALER);
+	zmq_setsockopt(sock, ZMQ_LINGER, &zero, sizeof(zero));
+	zmq_setsockopt(sock, ZMQ_RCVTIMEO, &timeout, sizeof(timeout));
+	assert_int_equal(zmq_connect(sock, f->d.endpoint), 0);
+	return sock;
+}
+
+/* segments()'s prompt as wire segments: chunk 0 at 0, 3 fresh at 10, chunk 1 at 13. */
+static void raw_segments(struct fixture *f, struct kvbp_segment segs[3])
+{
+	memset(segs, 0, 3 * sizeof(*segs));
+	memcpy(segs[0].hash, f->hash[0], KVB_HASH_LEN);
+	segs[1].fresh = true;
+	segs[1].count = 3;
+	segs[1].pos = 10;
+	memcpy(segs[2].hash, f->hash[1], KVB_HASH_LEN);
+	segs[2].pos = 13;
+}
+
 /* Wrong numbers of fresh rows and frames, sent as raw requests: clear errors, session usable. */
 static void test_wrong_rows(void **state)
 {
 	struct fixture *f = *state;
-	void *ctx = zmq_ctx_new(), *sock = zmq_socket(ctx, ZMQ_DEALER);
-	struct kvbp_segment segs[3] = { 0 };
+	void *ctx, *sock = raw_socket(f, &ctx);
+	struct kvbp_segment segs[3];
 	uint32_t ck[1] = { 1 };
 	double rt[1] = { 0.5 };
 	struct kvbp_request q = { .op = KVBP_OP_FUSE_OPEN, .segments = segs, .n_segments = 3,
@@ -245,17 +271,8 @@ static void test_wrong_rows(void **state)
 	size_t len[2] = { 30 * ROW, 30 * ROW };
 	uint64_t sid = 0;
 	char msg[256];
-	int zero = 0, timeout = 10000;
 
-	zmq_setsockopt(sock, ZMQ_LINGER, &zero, sizeof(zero));
-	zmq_setsockopt(sock, ZMQ_RCVTIMEO, &timeout, sizeof(timeout));
-	assert_int_equal(zmq_connect(sock, f->d.endpoint), 0);
-	memcpy(segs[0].hash, f->hash[0], KVB_HASH_LEN);
-	segs[1].fresh = true;
-	segs[1].count = 3;
-	segs[1].pos = 10;
-	memcpy(segs[2].hash, f->hash[1], KVB_HASH_LEN);
-	segs[2].pos = 13;
+	raw_segments(f, segs);
 	snprintf(q.model_name, sizeof(q.model_name), "fm");
 	assert_int_equal(raw_call(sock, &q, NULL, NULL, 0, msg, &sid), KVBP_OK);
 	assert_true(sid != 0);
@@ -477,12 +494,7 @@ static uint32_t raw_session(struct fixture *f, void *sock, bool dv, int32_t sels
 	uint32_t code = KVBP_OK;
 	char err[256];
 
-	memcpy(segs[0].hash, f->hash[0], KVB_HASH_LEN);
-	segs[1].fresh = true;
-	segs[1].count = 3;
-	segs[1].pos = 10;
-	memcpy(segs[2].hash, f->hash[1], KVB_HASH_LEN);
-	segs[2].pos = 13;
+	raw_segments(f, segs);
 	snprintf(q.model_name, sizeof(q.model_name), "fm");
 	for (uint32_t l = 0; l <= 3 && code == KVBP_OK; l++) {
 		const void *pl[2] = { fresh, (uint8_t *)fresh + (size_t)rows * ROW };
@@ -532,17 +544,13 @@ static uint32_t raw_session(struct fixture *f, void *sock, bool dv, int32_t sels
  */
 static void raw_device_out(struct fixture *f, bool emulated)
 {
-	void *ctx = zmq_ctx_new(), *sock = zmq_socket(ctx, ZMQ_DEALER);
+	void *ctx, *sock = raw_socket(f, &ctx);
 	int32_t sels[2][2][32];
 	size_t n_sels[2][2];
 	uint8_t *fused = calloc(4, 30 * ROW);
 	bool exported[2] = { false, false };
 	char msg[256];
-	int zero = 0, timeout = 10000;
 
-	zmq_setsockopt(sock, ZMQ_LINGER, &zero, sizeof(zero));
-	zmq_setsockopt(sock, ZMQ_RCVTIMEO, &timeout, sizeof(timeout));
-	assert_int_equal(zmq_connect(sock, f->d.endpoint), 0);
 	assert_int_equal(raw_session(f, sock, false, sels[0], n_sels[0], fused, &exported[0], msg),
 			 KVBP_OK);
 	assert_false(exported[0]);
