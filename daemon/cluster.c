@@ -6,6 +6,7 @@
 #include <inttypes.h>
 #include <json-c/json.h>
 #include <math.h>
+#include <netdb.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -1716,6 +1717,79 @@ bool cluster_owns(struct cluster *c, const uint8_t *hash)
 		if (idx[i] == 0)
 			return true;
 	return false;
+}
+
+/*
+ * Does the host of endpoint "tcp://HOST:PORT" have address ip? A numeric host is
+ * compared as written; a name is resolved (only keyless clusters get here, and only
+ * for requests that name another namespace).
+ */
+static bool endpoint_has_ip(const char *endpoint, const char *ip, bool resolve)
+{
+	char host[CONFIG_ENDPOINT_MAX];
+	const char *h = endpoint + 6, *colon = strrchr(h, ':');
+	struct addrinfo hints = { .ai_socktype = SOCK_STREAM }, *res = NULL;
+	bool same = false;
+	size_t n;
+
+	if (strncmp(endpoint, "tcp://", 6) || !colon || colon == h)
+		return false;
+	n = (size_t)(colon - h);
+	if (h[0] == '[' && n >= 2 && h[n - 1] == ']') { /* [v6]:port */
+		h++;
+		n -= 2;
+	}
+	if (n >= sizeof(host))
+		return false;
+	memcpy(host, h, n);
+	host[n] = 0;
+	if (!strcmp(host, ip))
+		return true;
+	if (!resolve || getaddrinfo(host, NULL, &hints, &res))
+		return false;
+	for (struct addrinfo *a = res; a && !same; a = a->ai_next) {
+		char num[NI_MAXHOST];
+
+		same = !getnameinfo(a->ai_addr, a->ai_addrlen, num, sizeof(num), NULL, 0,
+				    NI_NUMERICHOST) && !strcmp(num, ip);
+	}
+	freeaddrinfo(res);
+	return same;
+}
+
+bool cluster_is_member(struct cluster *c, const char *principal)
+{
+	bool key = !strncmp(principal, "key:", 4), addr = !strncmp(principal, "tcp:", 4);
+	char (*names)[CONFIG_ENDPOINT_MAX] = NULL;
+	size_t n_names = 0;
+	bool found = false;
+
+	if (!c || (!key && !addr) || !principal[4])
+		return false;
+	pthread_rwlock_rdlock(&c->view_lock);
+	if (addr)
+		names = malloc(c->n_peers * sizeof(*names) + 1);
+	for (size_t i = 0; i < c->n_peers && !found; i++) {
+		struct peer *p = c->peers[i];
+
+		if (!p->live)
+			continue;
+		pthread_mutex_lock(&p->lock);
+		if (p->key[0]) { /* a member with a key is known by it alone */
+			found = key && !strcmp(p->key, principal + 4);
+		} else if (addr) {
+			found = endpoint_has_ip(p->endpoint, principal + 4, false);
+			if (names)
+				memcpy(names[n_names++], p->endpoint, sizeof(p->endpoint));
+		}
+		pthread_mutex_unlock(&p->lock);
+	}
+	pthread_rwlock_unlock(&c->view_lock);
+	/* host names are resolved outside the locks: a resolver may take its time */
+	for (size_t i = 0; i < n_names && !found; i++)
+		found = endpoint_has_ip(names[i], principal + 4, true);
+	free(names);
+	return found;
 }
 
 void cluster_free(struct cluster **cp)

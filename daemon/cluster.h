@@ -93,6 +93,15 @@ struct cluster_member {
 void cluster_members(struct cluster *c, void (*fn)(void *ctx, const struct cluster_member *m),
 		     void *ctx);
 
+/*
+ * Is principal (a client as server.c names it: "key:Z85" on CURVE, "tcp:ADDRESS" on
+ * plain TCP) a live member of this cluster? A member with a CURVE key is known by
+ * that key only (members connect with their own key pair); a member without one by
+ * the address of its endpoint's host, which on a keyless cluster any client of
+ * that host shares: a keyless cluster trusts its network. c may be NULL (false).
+ */
+bool cluster_is_member(struct cluster *c, const char *principal);
+
 /* Is this daemon one of hash's owners under the current membership? */
 bool cluster_owns(struct cluster *c, const uint8_t *hash);
 

@@ -166,10 +166,30 @@ static int fail_store(struct req *q, int rc, const char *what)
  * never in a model name), the default namespace's as NAME. Chunks, pins and fuse
  * sessions hang off the model, so they are per namespace too.
  */
+/*
+ * Only the requests members make of each other (FETCH, REPLICATE, LOOKUP) may name
+ * a stored "TENANT#NAME" as it is, and only from a member (cluster_is_member): that
+ * is how a tenant's chunks travel between daemons. From anyone else a '#' would
+ * reach into that tenant's namespace.
+ */
+static bool names_any_namespace(struct req *q)
+{
+	if (q->h.op != KVBP_OP_FETCH && q->h.op != KVBP_OP_REPLICATE && q->h.op != KVBP_OP_LOOKUP)
+		return false;
+	return cluster_is_member(q->srv->cluster, q->principal);
+}
+
 static int stored_name(struct req *q, const char *name, char out[STORE_NAME_MAX + 1])
 {
 	size_t ns = strlen(q->ns);
 
+	if (strchr(name, '#')) {
+		if (!names_any_namespace(q))
+			return fail(q, KVBP_BAD_ARGUMENT, "model name '%s' has '#', which separates "
+				    "a tenant from its model names: no client may use it", name);
+		snprintf(out, STORE_NAME_MAX + 1, "%s", name);
+		return 0;
+	}
 	if (!ns) {
 		snprintf(out, STORE_NAME_MAX + 1, "%s", name);
 		return 0;
