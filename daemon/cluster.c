@@ -4,7 +4,6 @@
 #include <ctype.h>
 #include <errno.h>
 #include <inttypes.h>
-#include <json-c/json.h>
 #include <math.h>
 #include <netdb.h>
 #include <pthread.h>
@@ -20,6 +19,7 @@
 #include "log.h"
 #include "ops.h"
 #include "place.h"
+#include "record.h"
 
 #define POOL 4		      /* idle sockets kept per peer */
 #define SUSPECT_MS 2000	      /* a peer that missed a deadline is skipped this long */
@@ -283,12 +283,6 @@ static bool id_ok(const char *s, size_t n)
 	return true;
 }
 
-static bool endpoint_ok(const char *s, size_t n)
-{
-	return n >= 7 && n < CONFIG_ENDPOINT_MAX && !strncmp(s, "tcp://", 6) &&
-	       !memchr(s, ',', n) && !memchr(s, ' ', n);
-}
-
 /* A new peer (the view lock held for writing, or before any thread runs). */
 static struct peer *peer_add(struct cluster *c, const char *id, size_t id_len)
 {
@@ -342,7 +336,7 @@ static int parse_peer(struct cluster *c, const char *s, size_t n, char *err, siz
 	ep = eq + 1;
 	eq2 = memchr(ep, '=', n - id_len - 1);
 	ep_len = eq2 ? (size_t)(eq2 - ep) : n - id_len - 1;
-	if (!endpoint_ok(ep, ep_len)) {
+	if (!record_endpoint_ok(ep, ep_len)) {
 		snprintf(err, errlen, "cluster_peers: member '%.*s': endpoint '%.*s' must be "
 			 "tcp://HOST:PORT", (int)id_len, s, (int)ep_len, ep);
 		return -EINVAL;
@@ -379,7 +373,7 @@ static int advertise_endpoint(struct cluster *c, const struct config *cfg, char 
 	const char *tcp = NULL;
 
 	if (cfg->cluster_advertise[0]) {
-		if (!endpoint_ok(cfg->cluster_advertise, strlen(cfg->cluster_advertise))) {
+		if (!record_endpoint_ok(cfg->cluster_advertise, strlen(cfg->cluster_advertise))) {
 			snprintf(err, errlen, "cluster_advertise: '%.200s' is not tcp://HOST:PORT",
 				 cfg->cluster_advertise);
 			return -EINVAL;
@@ -1312,12 +1306,14 @@ static void *heart_main(void *arg)
 			break;
 		pthread_mutex_unlock(&c->rlock);
 		np = n_peers(c);
-		for (size_t i = 0; i < np; i++) {
+		/* (a stop does not wait for a sweep over many dead members: etcd_stop is set
+		 * first of all by cluster_free; suspect members are pinged once they are not) */
+		for (size_t i = 0; i < np && !atomic_load(&c->etcd_stop); i++) {
 			struct peer *p = peer_at(c, i);
 			struct kvbp_request q = { .op = KVBP_OP_HELLO };
 			struct call_out o;
 
-			if (!p || !peer_live(c, p) ||
+			if (!p || !peer_live(c, p) || suspect(p) ||
 			    wall_ms() - atomic_load(&p->last_reply) < HEARTBEAT_MS)
 				continue;
 			if (peer_call(c, p, &q, NULL, NULL, 0, &o))
@@ -1369,22 +1365,19 @@ static void *registrar_main(void *arg)
 	struct cluster *c = arg;
 	struct etcd *e = NULL;
 	char err[256], key[sizeof(c->prefix) + STORE_OWED_PEER_MAX + 1];
-	const char *val;
-	json_object *rec = json_object_new_object();
+	struct member_record self = { .capacity = c->capacity };
+	char val[1024];
 	int64_t lease = 0, backoff = 250;
 
-	if (!rec || etcd_new(c->etcd_urls, c->timeout_ms, &e, err, sizeof(err))) {
+	snprintf(self.endpoint, sizeof(self.endpoint), "%s", c->advertise);
+	snprintf(self.key, sizeof(self.key), "%s", c->public_key);
+	snprintf(self.version, sizeof(self.version), "%s", KVBLEND_VERSION);
+	if (record_format(c->self, &self, val, sizeof(val)) < 0 ||
+	    etcd_new(c->etcd_urls, c->timeout_ms, &e, err, sizeof(err))) {
 		log_err("cluster: cannot start talking to etcd");
-		json_object_put(rec);
 		return NULL;
 	}
 	snprintf(key, sizeof(key), "%s%s", c->prefix, c->self);
-	json_object_object_add(rec, "id", json_object_new_string(c->self));
-	json_object_object_add(rec, "endpoint", json_object_new_string(c->advertise));
-	json_object_object_add(rec, "curve_public_key", json_object_new_string(c->public_key));
-	json_object_object_add(rec, "capacity", json_object_new_int64((int64_t)c->capacity));
-	json_object_object_add(rec, "version", json_object_new_string(KVBLEND_VERSION));
-	val = json_object_to_json_string_ext(rec, JSON_C_TO_STRING_PLAIN);
 	while (!atomic_load(&c->etcd_stop)) {
 		int64_t ttl;
 		int rc;
@@ -1423,7 +1416,6 @@ static void *registrar_main(void *arg)
 	}
 	if (lease) /* a clean leave: the others drop this member now, not after the TTL */
 		etcd_lease_revoke(e, lease);
-	json_object_put(rec);
 	etcd_free(&e);
 	return NULL;
 }
@@ -1432,52 +1424,40 @@ static void *registrar_main(void *arg)
 static bool member_put(struct cluster *c, const char *key, const char *val)
 {
 	const char *id = key + strlen(c->prefix);
-	json_object *o = json_tokener_parse(val), *f;
-	const char *ep = "", *pk = "";
-	int64_t cap = 0;
+	struct member_record r;
+	char err[200];
 	struct peer *p;
 	double w;
 	bool changed = false;
 
-	if (strncmp(key, c->prefix, strlen(c->prefix)) || !id_ok(id, strlen(id)) || !o ||
-	    !json_object_is_type(o, json_type_object)) {
+	if (strncmp(key, c->prefix, strlen(c->prefix)) || !id_ok(id, strlen(id))) {
 		log_warn("cluster: etcd key %.200s: not a member record; ignored", key);
-		json_object_put(o);
 		return false;
 	}
-	if (json_object_object_get_ex(o, "endpoint", &f))
-		ep = json_object_get_string(f);
-	if (json_object_object_get_ex(o, "curve_public_key", &f))
-		pk = json_object_get_string(f);
-	if (json_object_object_get_ex(o, "capacity", &f))
-		cap = json_object_get_int64(f);
+	if (record_parse(val, strlen(val), &r, err, sizeof(err))) {
+		log_warn("cluster: member '%s' in etcd: bad record (%s); ignored", id, err);
+		return false;
+	}
 	if (!strcmp(id, c->self)) {
-		if (strcmp(ep, c->advertise))
+		if (strcmp(r.endpoint, c->advertise))
 			log_err("cluster: etcd says member '%s' is at %s, but this daemon is '%s' at "
-				"%s: two daemons with one node_id?", id, ep, c->self, c->advertise);
-		json_object_put(o);
+				"%s: two daemons with one node_id?", id, r.endpoint, c->self,
+				c->advertise);
 		return false;
 	}
-	if (!endpoint_ok(ep, strlen(ep)) || (pk[0] && strlen(pk) != 40) || cap <= 0) {
-		log_warn("cluster: member '%s' in etcd: bad record (endpoint '%.100s', key of %zu "
-			 "characters, capacity %" PRId64 "); ignored", id, ep, strlen(pk), cap);
-		json_object_put(o);
-		return false;
-	}
-	w = fmax((double)cap / (double)(1ull << 30), 1.0 / 1024);
+	w = fmax((double)r.capacity / (double)(1ull << 30), 1.0 / 1024);
 	p = peer_find(c, id);
 	if (!p) {
 		p = peer_add(c, id, strlen(id));
 		if (!p) {
 			log_warn("cluster: more than %d members; '%s' ignored", MEMBERS_MAX, id);
-			json_object_put(o);
 			return false;
 		}
 	}
 	pthread_mutex_lock(&p->lock);
-	if (strcmp(p->endpoint, ep) || strcmp(p->key, pk)) {
-		snprintf(p->endpoint, sizeof(p->endpoint), "%s", ep);
-		snprintf(p->key, sizeof(p->key), "%s", pk);
+	if (strcmp(p->endpoint, r.endpoint) || strcmp(p->key, r.key)) {
+		snprintf(p->endpoint, sizeof(p->endpoint), "%s", r.endpoint);
+		snprintf(p->key, sizeof(p->key), "%s", r.key);
 		peer_drop_idle(p);
 		atomic_store(&p->suspect_until, 0);
 		changed = true;
@@ -1485,12 +1465,11 @@ static bool member_put(struct cluster *c, const char *key, const char *val)
 	pthread_mutex_unlock(&p->lock);
 	if (!p->live || p->weight != w) {
 		if (!p->live)
-			log_info("cluster: member '%s' at %s joined", id, ep);
+			log_info("cluster: member '%s' at %s joined", id, r.endpoint);
 		p->live = true;
 		p->weight = w;
 		changed = true;
 	}
-	json_object_put(o);
 	return changed;
 }
 
