@@ -1,0 +1,318 @@
+/* ops_fuse — FUSE_OPEN, FUSE_LAYER and FUSE_CLOSE over the fuse session engine; see ops_impl.h. */
+#include "ops_impl.h"
+
+#include <ctype.h>
+#include <errno.h>
+#include <inttypes.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "clients.h"
+#include "cluster.h"
+#include "cuda/cuda.h"
+#include "fdguard.h"
+#include "log.h"
+#include "metrics.h"
+#include "pool.h"
+#include "rope.h"
+
+struct fetch_many {
+	struct cluster *c;
+	const struct store_model *m;
+	uint8_t (*hashes)[KVBP_HASH_LEN];
+	atomic_size_t got;
+};
+
+static int fetch_one(void *arg, size_t i)
+{
+	struct fetch_many *f = arg;
+
+	if (cluster_fetch(f->c, f->m, f->hashes[i]) == 0)
+		atomic_fetch_add(&f->got, 1);
+	return 0;
+}
+
+void op_fuse_open(struct req *q)
+{
+	struct fuse_open_result r;
+	struct store_model m;
+	char err[KVBP_MESSAGE_MAX];
+	uint32_t code;
+
+	if (need_model(q, &m) || no_payload(q))
+		return;
+	code = fuse_open(q->srv->fuse, &m, &q->h, q->principal, &r, err, sizeof(err));
+	if (code == KVBP_NOT_FOUND && r.n_missing && cluster_wanted(q)) {
+		/* Chunks held elsewhere: fetch them all at once, then open again. */
+		struct fetch_many fm = { q->srv->cluster, &m, r.missing, 0 };
+
+		pool_run(q->srv->pool, r.n_missing, fetch_one, &fm);
+		free(r.missing);
+		if (atomic_load(&fm.got))
+			evictor_kick(q->srv->evict);
+		code = fuse_open(q->srv->fuse, &m, &q->h, q->principal, &r, err, sizeof(err));
+	}
+	if (code) {
+		fail(q, code, "%s", err);
+		if (r.n_missing) {
+			q->out->rep.chunks = calloc(r.n_missing, sizeof(struct kvbp_chunk));
+			for (size_t i = 0; q->out->rep.chunks && i < r.n_missing; i++)
+				memcpy(q->out->rep.chunks[i].hash, r.missing[i], KVBP_HASH_LEN);
+			q->out->rep.n_chunks = q->out->rep.chunks ? r.n_missing : 0;
+		}
+		free(r.missing);
+		return;
+	}
+	for (size_t i = 0; i < q->h.n_segments; i++)
+		if (!q->h.segments[i].fresh)
+			evictor_touch(q->srv->evict, m.id, q->h.segments[i].hash);
+	q->out->rep.session_id = r.id;
+	q->out->rep.num_tokens = r.num_tokens;
+	q->out->rep.next_layer = r.next_layer;
+	q->out->rep.rows_next = r.rows_next;
+	q->out->rep.ring_slots = r.ring_slots;
+	q->out->rep.slot_bytes = r.slot_bytes;
+	if (r.has_ipc) {
+		q->out->rep.has_ipc = true;
+		memcpy(q->out->rep.ipc_handle, r.ipc_handle, sizeof(r.ipc_handle));
+		q->out->rep.ipc_offset = r.ipc_offset;
+		snprintf(q->out->rep.device_pci, sizeof(q->out->rep.device_pci), "%s", r.device_pci);
+	}
+	if (r.shm_id) {
+		q->out->rep.shm_id = r.shm_id;
+		q->out->rep.shm_size = r.shm_size;
+		snprintf(q->out->rep.shm_name, sizeof(q->out->rep.shm_name), "%s",
+			 shm_path(q->srv->shm));
+	}
+	if (r.rows) {
+		/* Reuse only: the rows the node computes are the fresh tokens, from layer 0. */
+		q->out->rep.has_selection = true;
+		q->out->rep.selection = r.rows;
+		q->out->rep.n_selection = r.n_rows;
+	}
+	q->out->prefetch_session = r.id;
+	log_debug("fuse session %016" PRIx64 " opened: %" PRIu32 " tokens, model '%s'", r.id,
+		  r.num_tokens, m.name);
+}
+
+/*
+ * A check layer of a session that lands in the node's buffers: the rows of the
+ * metric's plane come in one frame, or in the client's segment rows row_stride
+ * bytes apart (read where the node has them, e.g. a slice of its QKV output).
+ */
+static void fuse_check_layer(struct req *q, struct fuse_session *s,
+			     const struct fuse_layer_plan *plan)
+{
+	struct fuse_layer_result res = { 0 };
+	char err[KVBP_MESSAGE_MAX];
+	uint64_t stride = q->h.row_stride ? q->h.row_stride : plan->row_bytes, span = 0;
+	const void *rows;
+	void *in_shm = NULL;
+	uint32_t code;
+
+	if (q->h.rows != plan->rows_in) {
+		fail(q, KVBP_BAD_SHAPE, "check layer %" PRIu32 " takes %" PRIu32 " rows (%s); the "
+		     "request declares %" PRIu32, q->h.layer, plan->rows_in,
+		     plan->rows_in == plan->num_tokens ? "all tokens" : "the current selection",
+		     q->h.rows);
+		return;
+	}
+	if (q->h.has_shm) {
+		if (stride < plan->row_bytes) {
+			fail(q, KVBP_BAD_SHAPE, "row_stride %" PRIu64 " is below the row size %zu",
+			     stride, plan->row_bytes);
+			return;
+		}
+		if (plan->rows_in && (__builtin_mul_overflow((uint64_t)(plan->rows_in - 1), stride,
+							     &span) ||
+				      __builtin_add_overflow(span, plan->row_bytes, &span))) {
+			fail(q, KVBP_BAD_SHAPE, "%" PRIu32 " rows %" PRIu64 " bytes apart overflow",
+			     plan->rows_in, stride);
+			return;
+		}
+		if (q->n_payload || q->h.shm_length < span) {
+			fail(q, KVBP_BAD_SHAPE, "shared-memory input is %" PRIu64 " bytes in %zu "
+			     "frames; %" PRIu32 " rows %" PRIu64 " bytes apart span %" PRIu64 ", and no "
+			     "frames", q->h.shm_length, q->n_payload, plan->rows_in, stride, span);
+			return;
+		}
+		if (shm_acquire(q->srv->shm, q->h.shm_id, q->principal, q->h.shm_offset,
+				span ? span : 1, &in_shm)) {
+			fail(q, KVBP_BAD_SHM, "shared-memory segment %" PRIu64 ": unknown, expired or "
+			     "span outside it", q->h.shm_id);
+			return;
+		}
+		rows = in_shm;
+	} else {
+		uint64_t want = (uint64_t)plan->rows_in * plan->row_bytes;
+
+		if (q->n_payload != 1 || q->h.payload_frames != 1) {
+			fail(q, KVBP_BAD_FRAMES, "a check layer of a landing session takes 1 payload "
+			     "frame (the %s rows); got %zu", "metric plane's", q->n_payload);
+			return;
+		}
+		if (zmq_msg_size(&q->payload[0]) != want) {
+			fail(q, KVBP_BAD_SHAPE, "the metric rows are %zu bytes; expected %" PRIu64
+			     " (%" PRIu32 " rows x %zu bytes)", zmq_msg_size(&q->payload[0]), want,
+			     plan->rows_in, plan->row_bytes);
+			return;
+		}
+		rows = zmq_msg_data(&q->payload[0]);
+		stride = plan->row_bytes;
+	}
+	code = fuse_check_run(q->srv->fuse, s, rows, stride, &res, err, sizeof(err));
+	if (in_shm)
+		shm_release(q->srv->shm, q->h.shm_id);
+	if (code) {
+		fail(q, code, "%s", err);
+		free(res.selection);
+		free(res.dropped);
+		return;
+	}
+	q->out->rep.num_tokens = plan->num_tokens;
+	q->out->rep.next_layer = res.next_layer;
+	q->out->rep.rows_next = res.rows_next;
+	q->out->rep.has_selection = true;
+	q->out->rep.selection = res.selection;
+	q->out->rep.n_selection = res.n_selection;
+	q->out->rep.dropped = res.dropped;
+	q->out->rep.n_dropped = res.n_dropped;
+}
+
+void op_fuse_layer(struct req *q)
+{
+	struct fuse_layer_plan plan;
+	struct fuse_layer_result res = { 0 };
+	struct fuse_session *s;
+	struct shared_buf *buf = NULL;
+	char err[KVBP_MESSAGE_MAX];
+	const uint8_t *k_in, *v_in;
+	uint8_t *out = NULL;
+	void *in_shm = NULL;
+	uint64_t in_bytes, out_bytes;
+	uint32_t code;
+
+	code = fuse_layer_begin(q->srv->fuse, q->h.session_id, q->principal, q->h.layer, &s, &plan,
+				err, sizeof(err));
+	if (code) {
+		fail(q, code, "%s", err);
+		return;
+	}
+	if (plan.land) {
+		fuse_check_layer(q, s, &plan);
+		goto out;
+	}
+	/* The ring is shared only if this client mapped it: else the layer goes in frames. */
+	plan.shared_ring = plan.shared_ring && q->h.shared_ring;
+	if (q->h.device_out && !plan.device_ring) {
+		fail(q, KVBP_BAD_ARGUMENT, "device_out: this session's ring is not exported (the "
+		     "daemon fuses on %s, or the open did not ask for device_out); take the layer "
+		     "in host memory", q->srv->gpu ? "a CUDA device, but the export failed" :
+		     "no CUDA device");
+		goto out;
+	}
+	in_bytes = (uint64_t)plan.rows_in * plan.row_bytes;
+	out_bytes = (uint64_t)plan.num_tokens * plan.row_bytes;
+	if (q->h.rows != plan.rows_in) {
+		fail(q, KVBP_BAD_SHAPE, "layer %" PRIu32 " takes fresh K and V for %" PRIu32 " tokens "
+		     "(%s); the request declares %" PRIu32, q->h.layer, plan.rows_in,
+		     plan.rows_in == plan.num_tokens ? "all of them" : "the current selection",
+		     q->h.rows);
+		goto out;
+	}
+	if (q->h.has_shm) {
+		if (q->n_payload || q->h.shm_length != 2 * in_bytes) {
+			fail(q, KVBP_BAD_SHAPE, "shared-memory input is %" PRIu64 " bytes in %zu frames; "
+			     "expected %" PRIu64 " (K then V of %" PRIu32 " rows) and no frames",
+			     q->h.shm_length, q->n_payload, 2 * in_bytes, plan.rows_in);
+			goto out;
+		}
+		if (shm_acquire(q->srv->shm, q->h.shm_id, q->principal, q->h.shm_offset, 2 * in_bytes,
+				&in_shm)) {
+			fail(q, KVBP_BAD_SHM, "shared-memory segment %" PRIu64 ": unknown, expired or "
+			     "span outside it", q->h.shm_id);
+			goto out;
+		}
+		k_in = in_shm;
+		v_in = k_in + in_bytes;
+	} else {
+		if (q->n_payload != 2 || q->h.payload_frames != 2) {
+			fail(q, KVBP_BAD_FRAMES, "fuse_layer takes 2 payload frames (fresh K, fresh V); "
+			     "got %zu", q->n_payload);
+			goto out;
+		}
+		for (int i = 0; i < 2; i++)
+			if (zmq_msg_size(&q->payload[i]) != in_bytes) {
+				fail(q, KVBP_BAD_SHAPE, "fresh %c is %zu bytes; expected %" PRIu64 " (%"
+				     PRIu32 " rows x %zu bytes)", i ? 'V' : 'K',
+				     zmq_msg_size(&q->payload[i]), in_bytes, plan.rows_in,
+				     plan.row_bytes);
+				goto out;
+			}
+		k_in = zmq_msg_data(&q->payload[0]);
+		v_in = zmq_msg_data(&q->payload[1]);
+	}
+	/* With a shared ring the fused layer stays where it is made; else it goes in frames. */
+	if (plan.fused_out && !plan.shared_ring && !q->h.device_out) {
+		buf = reply_buf(q, 2 * out_bytes);
+		if (!buf)
+			goto out;
+		out = buf->data;
+	}
+	code = fuse_layer_run(q->srv->fuse, s, k_in, v_in, out, out ? out + out_bytes : NULL,
+			      q->h.device_out, &res, err, sizeof(err));
+	if (code) {
+		fail(q, code, "%s", err);
+		goto out;
+	}
+	q->out->rep.num_tokens = plan.num_tokens;
+	q->out->rep.next_layer = res.next_layer;
+	q->out->rep.rows_next = res.rows_next;
+	q->out->rep.has_selection = plan.selection_out;
+	q->out->rep.selection = res.selection;
+	q->out->rep.n_selection = res.n_selection;
+	res.selection = NULL;
+	q->out->rep.has_fused = plan.fused_out;
+	q->out->rep.ring_slot = res.ring_slot;
+	if (buf) {
+		q->out->payload = calloc(2, sizeof(zmq_msg_t));
+		if (!q->out->payload) {
+			fail(q, KVBP_LIMIT, "out of memory");
+			goto out;
+		}
+		for (int i = 0; i < 2; i++) {
+			atomic_fetch_add(&buf->refs, 1);
+			zmq_msg_init_data(&q->out->payload[i], buf->data + i * out_bytes, out_bytes,
+					  shared_buf_unref, buf);
+		}
+		q->out->n_payload = 2;
+		q->out->rep.payload_frames = 2;
+	}
+	if (!res.done)
+		q->out->prefetch_session = q->h.session_id;
+out:
+	fuse_layer_end(q->srv->fuse, s);
+	if (in_shm)
+		shm_release(q->srv->shm, q->h.shm_id);
+	if (buf)
+		shared_buf_unref(NULL, buf);
+	free(res.selection);
+}
+
+void op_fuse_close(struct req *q)
+{
+	char err[KVBP_MESSAGE_MAX];
+	uint32_t code;
+
+	if (no_payload(q))
+		return;
+	code = fuse_close(q->srv->fuse, q->h.session_id, q->principal, &q->out->rep.stats,
+			  &q->out->rep.n_stats, err, sizeof(err));
+	if (code)
+		fail(q, code, "%s", err);
+}

@@ -1,0 +1,192 @@
+/* ops_peer — FETCH and REPLICATE, the requests members make of each other; see ops_impl.h. */
+#include "ops_impl.h"
+
+#include <ctype.h>
+#include <errno.h>
+#include <inttypes.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "clients.h"
+#include "cluster.h"
+#include "cuda/cuda.h"
+#include "fdguard.h"
+#include "log.h"
+#include "metrics.h"
+#include "pool.h"
+#include "rope.h"
+
+/* FETCH (between daemons): a chunk's stored bytes, one frame per layer. */
+struct fetch_copy {
+	uint8_t *data;
+	size_t used, cap;
+	size_t *lens;
+	uint32_t n;
+};
+
+static int fetch_layer(void *ctx, uint32_t layer, const void *bytes, size_t len)
+{
+	struct fetch_copy *f = ctx;
+
+	if (layer >= f->n || len > f->cap - f->used)
+		return -EBADMSG; /* more than the record says */
+	memcpy(f->data + f->used, bytes, len);
+	f->used += len;
+	f->lens[layer] = len;
+	return 0;
+}
+
+/* The model a peer names must be ours, described the same as the store compares models. */
+static int peer_model(struct req *q, struct store_model *m)
+{
+	struct kvbp_model w;
+	struct store_model want;
+
+	if (need_model(q, m))
+		return -1;
+	if (!q->h.has_model)
+		return 0;
+	w = q->h.model;
+	if (model_check(q, &w))
+		return -1;
+	model_to_store(&w, &want);
+	if (!store_model_same(&want, m))
+		return fail(q, KVBP_MODEL_CONFLICT, "model '%s' is described differently by the "
+			    "members", q->h.model_name);
+	return 0;
+}
+
+void op_fetch(struct req *q)
+{
+	struct store_model m;
+	struct store_chunk_info ci;
+	struct fetch_copy f = { 0 };
+	struct shared_buf *buf = NULL;
+	size_t off = 0;
+	int rc;
+
+	if (peer_model(q, &m) || need_hash(q) || no_payload(q))
+		return;
+	rc = store_chunk_info(q->srv->store, &m, q->h.hash, &ci);
+	if (!rc) {
+		buf = reply_buf(q, ci.stored_bytes ? ci.stored_bytes : 1);
+		if (!buf)
+			return;
+		f = (struct fetch_copy){ buf->data, 0, ci.stored_bytes,
+					 calloc(ci.num_layers + 1, sizeof(size_t)), ci.num_layers };
+		q->out->payload = calloc(ci.num_layers + 1, sizeof(zmq_msg_t));
+		if (!f.lens || !q->out->payload) {
+			fail(q, KVBP_LIMIT, "out of memory");
+			goto out;
+		}
+		rc = store_chunk_export(q->srv->store, &m, q->h.hash, &ci, fetch_layer, &f);
+	}
+	if (rc == -EBADMSG) {
+		remove_corrupt(q, &m);
+		goto out;
+	}
+	if (rc) {
+		fail_store(q, rc, "fetch");
+		goto out;
+	}
+	for (uint32_t l = 0; l < ci.num_layers; l++, off += f.lens[l - 1]) {
+		atomic_fetch_add(&buf->refs, 1);
+		zmq_msg_init_data(&q->out->payload[l], buf->data + off, f.lens[l], shared_buf_unref,
+				  buf);
+	}
+	q->out->n_payload = ci.num_layers;
+	q->out->rep.payload_frames = ci.num_layers;
+	one_chunk_reply(q, q->h.hash, &ci);
+out:
+	if (!q->out->n_payload) {
+		free(q->out->payload);
+		q->out->payload = NULL;
+	}
+	free(f.lens);
+	if (buf)
+		shared_buf_unref(NULL, buf);
+}
+
+/* REPLICATE (between daemons): store a chunk from its stored bytes, one frame per layer. */
+void op_replicate(struct req *q)
+{
+	struct store_model m;
+	struct store_chunk_info ci;
+	const void **blobs = NULL;
+	size_t *lens = NULL;
+	uint64_t tb, total;
+	int rc;
+
+	/* The model travels with its chunks: a member that joined after it was registered
+	 * elsewhere learns it from the first chunk pushed to it. */
+	if (q->h.has_model && q->h.model_name[0]) {
+		char name[STORE_NAME_MAX + 1];
+		struct kvbp_model w = q->h.model;
+
+		if (stored_name(q, q->h.model_name, name))
+			return;
+		if (store_model_find(q->srv->store, name, &m) == -ENOENT) {
+			if (model_check(q, &w))
+				return;
+			model_to_store(&w, &m);
+			snprintf(m.name, sizeof(m.name), "%s", name);
+			rc = store_model_register(q->srv->store, &m);
+			if (rc < 0 && rc != -EEXIST) {
+				fail_store(q, rc, "replicate: registering the model");
+				return;
+			}
+			if (rc >= 0)
+				log_info("model '%s' registered from another member's chunk", name);
+		}
+	}
+	if (peer_model(q, &m) || need_hash(q))
+		return;
+	if (chunk_bytes(q, &m, q->h.num_tokens, m.num_layers, &tb, &total))
+		return;
+	if (q->n_payload != m.num_layers || q->h.payload_frames != q->n_payload) {
+		fail(q, KVBP_BAD_FRAMES, "replicate of a %" PRIu32 "-layer model takes %" PRIu32
+		     " payload frames (a layer's stored bytes each); got %zu", m.num_layers,
+		     m.num_layers, q->n_payload);
+		return;
+	}
+	blobs = calloc(m.num_layers, sizeof(*blobs));
+	lens = calloc(m.num_layers, sizeof(*lens));
+	if (!blobs || !lens) {
+		fail(q, KVBP_LIMIT, "out of memory");
+		goto out;
+	}
+	for (uint32_t l = 0; l < m.num_layers; l++) {
+		blobs[l] = zmq_msg_data(&q->payload[l]);
+		lens[l] = zmq_msg_size(&q->payload[l]);
+	}
+	rc = store_chunk_import(q->srv->store, &m, q->h.hash, q->h.num_tokens, q->h.base_pos,
+				blobs, lens, &ci);
+	for (int tries = 0; rc == -ENOSPC && tries < 3; tries++) {
+		if (evictor_make_room(q->srv->evict, 2 * total + (1u << 20), q->ns) < 0)
+			break;
+		rc = store_chunk_import(q->srv->store, &m, q->h.hash, q->h.num_tokens,
+					q->h.base_pos, blobs, lens, &ci);
+	}
+	if (rc == -EBADMSG) {
+		fail(q, KVBP_CORRUPT, "replicate: the chunk's bytes fail their checks (header, "
+		     "size or checksum); nothing stored");
+		goto out;
+	}
+	if (rc < 0) {
+		fail_store(q, rc, "replicate");
+		goto out;
+	}
+	evictor_touch(q->srv->evict, m.id, q->h.hash);
+	if (rc == 0)
+		evictor_kick(q->srv->evict);
+	q->out->rep.existed = rc == 1;
+	one_chunk_reply(q, q->h.hash, &ci);
+out:
+	free(blobs);
+	free(lens);
+}
