@@ -108,6 +108,10 @@ static const struct key keys[] = {
 	{ "client_inflight_bytes", T_SIZE, OFF(client_inflight_bytes), 1 * MiB, 1024 * GiB, "1G",
 	  "request and unread reply bytes held for one client (a process on IPC, a key or "
 	  "address on TCP); one request is always admitted when the client holds nothing" },
+	{ "reply_timeout_ms", T_UINT, OFF(reply_timeout_ms), 0, 3600000, "5000",
+	  "a client that leaves a reply served from the store's pages (a GET of a raw chunk of "
+	  "256 KiB or more) unsent this long is disconnected: such a reply holds a snapshot "
+	  "of the store that keeps freed pages from reuse; 0 = never" },
 	{ "client_shm_segments", T_UINT, OFF(client_shm_segments), 1, 256, "16",
 	  "shared-memory segments one client may hold (of 256 for all)" },
 	{ "client_fuse_sessions", T_UINT, OFF(client_fuse_sessions), 1, 65536, "16",

@@ -57,6 +57,7 @@ struct config {
 	uint64_t max_clients;
 	uint64_t max_inflight_bytes;
 	uint64_t client_inflight_bytes;
+	uint64_t reply_timeout_ms;
 	uint64_t client_shm_segments;
 	uint64_t client_fuse_sessions;
 	char node_id[PATH_MAX];

@@ -32,6 +32,8 @@ void shared_buf_unref(void *data, void *hint)
 		clients_release(b->clients, b->acct, b->len);
 		clients_put(b->clients, b->acct);
 	}
+	if (b->registry)
+		held_remove(b->registry, &b->held);
 	store_view_free(&b->view);
 	free(b);
 }
@@ -82,6 +84,8 @@ struct shared_buf *reply_hold(struct req *q, size_t len, size_t data_len)
 	b->clients = q->srv->clients;
 	b->acct = q->acct;
 	b->view = NULL;
+	b->registry = NULL;
+	memset(&b->held, 0, sizeof(b->held));
 	if (b->acct)
 		clients_ref(b->clients, b->acct);
 	return b;
@@ -432,7 +436,7 @@ void ops_handle(struct server *srv, const struct ops_origin *from, zmq_msg_t *fr
 		size_t extra_frames, struct reply_out *out)
 {
 	struct req q = { .srv = srv, .principal = from->principal, .ns = from->ns ? from->ns : "",
-			 .acct = from->acct, .out = out };
+			 .acct = from->acct, .out = out, .fd = from->fd };
 	uint64_t total = 0;
 	char err[KVBP_MESSAGE_MAX];
 	int rc;

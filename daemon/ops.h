@@ -35,6 +35,7 @@ struct ops_origin {
 	const char *ns;		  /* its namespace (tenants.h): "" the default */
 	struct client_acct *acct; /* its byte account: reply payloads are held on it */
 	enum ops_refuse refuse;
+	int fd; /* the connection's descriptor, for held.h; -1 unknown */
 };
 
 /*

@@ -311,6 +311,8 @@ void op_stats(struct req *q)
 		STAT("connections_refused", atomic_load(&srv->refused_clients));
 		STAT("curve_keys_refused", atomic_load(&srv->refused_keys));
 		STAT("connections_dropped_no_fd", fdguard_dropped());
+		STAT("replies_from_pages", atomic_load(&srv->held.count));
+		STAT("connections_cut_unread", atomic_load(&srv->held.cut));
 		STAT("max_clients", srv->max_clients);
 	}
 	{

@@ -26,6 +26,7 @@ struct req {
 	zmq_msg_t *payload;
 	size_t n_payload;
 	struct reply_out *out;
+	int fd; /* the connection's descriptor (held.h), -1 unknown */
 };
 
 /*
@@ -40,6 +41,8 @@ struct shared_buf {
 	struct clients *clients;
 	struct client_acct *acct;
 	struct store_view *view;
+	struct held_reply held; /* with a view: registered in srv->held until sent */
+	struct held_replies *registry;
 	_Alignas(64) uint8_t data[];
 };
 

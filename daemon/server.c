@@ -298,6 +298,7 @@ struct req_tag {
 	enum ops_refuse refuse; /* answer with an error without running it */
 	char principal[96]; /* who sent it (principal_of) */
 	char ns[TENANT_NAME_MAX + 1]; /* its namespace (tenants.h); "" the default */
+	int fd; /* its connection's descriptor (ZeroMQ's, for held.h), -1 unknown */
 };
 
 /* Receive one whole message, keeping at most cap frames; counts the rest in *extra.
@@ -458,7 +459,7 @@ static void *worker_main(void *arg)
 		}
 		extra += tag.extra;
 		tag.ns[sizeof(tag.ns) - 1] = 0;
-		from = (struct ops_origin){ tag.principal, tag.ns, tag.acct, tag.refuse };
+		from = (struct ops_origin){ tag.principal, tag.ns, tag.acct, tag.refuse, tag.fd };
 		/* A request queued here when the stop began is not started: busy, at once. */
 		if (from.refuse == OPS_RUN && atomic_load(&srv->stopping))
 			from.refuse = OPS_REFUSE_STOPPING;
@@ -588,6 +589,8 @@ static int forward_in(struct server *srv, unsigned i)
 		bytes += zmq_msg_size(&frames[k]);
 	/* (the routing id frame may carry no metadata when the ROUTER prefetched it) */
 	principal_of(&frames[n > 1 ? 1 : 0], i, tag.principal, sizeof(tag.principal));
+	/* (ZMQ_SRCFD: deprecated in libzmq, kept through 4.3; only held.h's deadline uses it) */
+	tag.fd = zmq_msg_get(&frames[n - 1], ZMQ_SRCFD);
 	snprintf(tag.ns, sizeof(tag.ns), "%s", tenants_of(srv->tenants, tag.principal));
 	/*
 	 * Hold the request's bytes for its client until the reply passes: a client over its
@@ -731,6 +734,7 @@ int server_start(struct server *srv, const struct config *cfg, struct store *sto
 	sigset_t all, old;
 
 	memset(srv, 0, sizeof(*srv));
+	held_init(&srv->held);
 	srv->cfg = cfg;
 	srv->store = store;
 	clock_gettime(CLOCK_MONOTONIC, &srv->started);
@@ -916,6 +920,7 @@ int server_run(struct server *srv, volatile int *stop, void (*tick)(struct serve
 			if (n)
 				log_info("released %u idle shared-memory segments", n);
 			fuse_expire(srv->fuse);
+			held_expire(&srv->held, (int64_t)srv->cfg->reply_timeout_ms);
 			last = now;
 		}
 	}
@@ -1021,4 +1026,5 @@ void server_stop(struct server *srv)
 	pool_free(&srv->pool);
 	clients_free(&srv->clients); /* after the context: ZeroMQ released every reply */
 	tenants_free(&srv->tenants);
+	held_destroy(&srv->held);
 }

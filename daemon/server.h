@@ -17,6 +17,7 @@
 #include <time.h>
 #include <zmq.h>
 
+#include "held.h"
 #include "clients.h"
 #include "config.h"
 #include "tenants.h"
@@ -90,6 +91,7 @@ struct server {
 	 * read by workers too) */
 	atomic_bool stopping;
 	struct server_stats stats;
+	struct held_replies held; /* replies sent from the store's pages (held.h) */
 	struct timespec started;
 };
 
