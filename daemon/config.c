@@ -14,6 +14,7 @@ enum key_type { T_PATH, T_LISTEN, T_UINT, T_SIZE, T_OCTAL, T_BOOL, T_LEVEL, T_DE
 
 struct key {
 	const char *name;
+	const char *meta; /* the value's metavariable in --help; NULL: a flag without one */
 	enum key_type type;
 	size_t offset;
 	uint64_t min, max;
@@ -28,124 +29,128 @@ struct key {
 #define TiB (1ull << 40)
 
 static const struct key keys[] = {
-	{ "data_dir", T_PATH, OFF(data_dir), 0, 0, NULL,
+	{ "data_dir", "DIR", T_PATH, OFF(data_dir), 0, 0, NULL,
 	  "LMDB environment directory (default: $STATE_DIRECTORY, /var/lib/kvblend as root, "
 	  "else $XDG_STATE_HOME/kvblend or ~/.local/state/kvblend)" },
-	{ "listen", T_LISTEN, OFF(listen), 1, CONFIG_MAX_LISTEN, NULL,
+	{ "listen", "ENDPOINT[,ENDPOINT...]", T_LISTEN, OFF(listen), 1, CONFIG_MAX_LISTEN, NULL,
 	  "endpoint to bind, repeatable or comma-separated: ipc://PATH or tcp://HOST:PORT "
 	  "(default: ipc://$RUNTIME_DIRECTORY/kvblend.sock, ipc:///run/kvblend/kvblend.sock as "
 	  "root, else ipc://$XDG_RUNTIME_DIR/kvblend.sock)" },
-	{ "workers", T_UINT, OFF(workers), 0, 256, "0",
+	{ "workers", "N", T_UINT, OFF(workers), 0, 256, "0",
 	  "request worker threads; 0 = number of CPUs (at least 2)" },
-	{ "bulk_threads", T_UINT, OFF(bulk_threads), 0, 256, "0",
+	{ "bulk_threads", "N", T_UINT, OFF(bulk_threads), 0, 256, "0",
 	  "threads that share one large request's decoding and merging, its worker included; "
 	  "0 = number of CPUs, 1 = never split" },
-	{ "map_size", T_SIZE, OFF(map_size), 16 * MiB, 64 * TiB, "256G",
+	{ "map_size", "SIZE", T_SIZE, OFF(map_size), 16 * MiB, 64 * TiB, "256G",
 	  "LMDB map size: the most the store can hold (sparse, costs no disk up front)" },
-	{ "max_message", T_SIZE, OFF(max_message), 1 * MiB, 64 * GiB, "1G",
+	{ "max_message", "SIZE", T_SIZE, OFF(max_message), 1 * MiB, 64 * GiB, "1G",
 	  "largest request or reply payload; larger requests get a too_large error" },
-	{ "max_tokens", T_UINT, OFF(max_tokens), 1, 1u << 24, "262144",
+	{ "max_tokens", "N", T_UINT, OFF(max_tokens), 1, 1u << 24, "262144",
 	  "most tokens in one chunk" },
-	{ "max_layers", T_UINT, OFF(max_layers), 1, 4096, "1024", "most layers in a model" },
-	{ "max_kv_heads", T_UINT, OFF(max_kv_heads), 1, 4096, "1024",
+	{ "max_layers", "N", T_UINT, OFF(max_layers), 1, 4096, "1024", "most layers in a model" },
+	{ "max_kv_heads", "N", T_UINT, OFF(max_kv_heads), 1, 4096, "1024",
 	  "most KV heads in a model" },
-	{ "max_head_dim", T_UINT, OFF(max_head_dim), 2, 65536, "1024",
+	{ "max_head_dim", "N", T_UINT, OFF(max_head_dim), 2, 65536, "1024",
 	  "largest head dimension in a model" },
-	{ "compress_min_saving", T_UINT, OFF(compress_min_saving), 0, 100, "10",
+	{ "compress_min_saving", "PERCENT", T_UINT, OFF(compress_min_saving), 0, 100, "10",
 	  "percent a tensor must shrink by to be stored compressed; 100 = never compress" },
-	{ "socket_mode", T_OCTAL, OFF(socket_mode), 0, 0777, "0660",
+	{ "socket_mode", "MODE", T_OCTAL, OFF(socket_mode), 0, 0777, "0660",
 	  "permissions of IPC socket files (the endpoint and its .shm descriptor socket)" },
-	{ "no_sync", T_BOOL, OFF(no_sync), 0, 1, "false",
+	{ "no_sync", NULL, T_BOOL, OFF(no_sync), 0, 1, "false",
 	  "skip fsync at each commit: faster PUTs; a power failure loses recent chunks "
 	  "(a process crash loses nothing)" },
-	{ "shm_max", T_SIZE, OFF(shm_max), 1 * MiB, 64 * GiB, "1G",
+	{ "shm_max", "SIZE", T_SIZE, OFF(shm_max), 1 * MiB, 64 * GiB, "1G",
 	  "largest shared-memory segment one local client may attach" },
-	{ "shm_total", T_SIZE, OFF(shm_total), 0, 1024 * GiB, "8G",
+	{ "shm_total", "SIZE", T_SIZE, OFF(shm_total), 0, 1024 * GiB, "8G",
 	  "all shared-memory segments together; 0 disables shared memory" },
-	{ "shm_idle", T_UINT, OFF(shm_idle), 1, 7 * 86400, "600",
+	{ "shm_idle", "SECONDS", T_UINT, OFF(shm_idle), 1, 7 * 86400, "600",
 	  "seconds an unused shared-memory segment lives before it is released" },
-	{ "max_readers", T_UINT, OFF(max_readers), 8, 65536, "512",
+	{ "max_readers", "N", T_UINT, OFF(max_readers), 8, 65536, "512",
 	  "LMDB reader slots (concurrent read transactions)" },
-	{ "fuse_max_sessions", T_UINT, OFF(fuse_max_sessions), 1, 65536, "64",
+	{ "fuse_max_sessions", "N", T_UINT, OFF(fuse_max_sessions), 1, 65536, "64",
 	  "fuse sessions open at once" },
-	{ "fuse_max_tokens", T_UINT, OFF(fuse_max_tokens), 1, 1u << 24, "131072",
+	{ "fuse_max_tokens", "N", T_UINT, OFF(fuse_max_tokens), 1, 1u << 24, "131072",
 	  "most tokens in one fuse session" },
-	{ "fuse_max_bytes", T_SIZE, OFF(fuse_max_bytes), 1 * MiB, 1024 * GiB, "4G",
+	{ "fuse_max_bytes", "SIZE", T_SIZE, OFF(fuse_max_bytes), 1 * MiB, 1024 * GiB, "4G",
 	  "memory all fuse sessions may hold for layers loaded ahead" },
-	{ "fuse_ring", T_UINT, OFF(fuse_ring), 1, 64, "3",
+	{ "fuse_ring", "LAYERS", T_UINT, OFF(fuse_ring), 1, 64, "3",
 	  "layers of a fuse session loaded (read, decoded, re-rotated) ahead of the node" },
-	{ "fuse_idle", T_UINT, OFF(fuse_idle), 1, 86400, "60",
+	{ "fuse_idle", "SECONDS", T_UINT, OFF(fuse_idle), 1, 86400, "60",
 	  "seconds an idle fuse session lives before it is closed and its memory freed" },
-	{ "capacity", T_SIZE, OFF(capacity), 0, 64 * TiB, "0",
+	{ "capacity", "SIZE", T_SIZE, OFF(capacity), 0, 64 * TiB, "0",
 	  "bytes of stored chunks to keep; above evict_high percent of it the least recently "
 	  "used chunks are evicted down to evict_low percent; 0 = no limit but the map size" },
-	{ "evict_high", T_UINT, OFF(evict_high), 1, 100, "90",
+	{ "evict_high", "PERCENT", T_UINT, OFF(evict_high), 1, 100, "90",
 	  "percent of capacity at which eviction starts" },
-	{ "evict_low", T_UINT, OFF(evict_low), 0, 99, "80",
+	{ "evict_low", "PERCENT", T_UINT, OFF(evict_low), 0, 99, "80",
 	  "percent of capacity eviction brings the store down to; below evict_high" },
-	{ "metrics_port", T_UINT, OFF(metrics_port), 0, 65535, "0",
+	{ "metrics_port", "PORT", T_UINT, OFF(metrics_port), 0, 65535, "0",
 	  "serve Prometheus metrics at http://127.0.0.1:PORT/metrics; 0 = off" },
-	{ "curve_secret_key_file", T_PATH, OFF(curve_secret_key_file), 0, 0, NULL,
+	{ "curve_secret_key_file", "FILE", T_PATH, OFF(curve_secret_key_file), 0, 0, NULL,
 	  "file with the server's CURVE secret key (Z85, from `kvblend keygen`): TCP endpoints "
 	  "then encrypt and authenticate; unset = no CURVE" },
-	{ "curve_authorized_keys", T_PATH, OFF(curve_authorized_keys), 0, 0, NULL,
+	{ "curve_authorized_keys", "FILE", T_PATH, OFF(curve_authorized_keys), 0, 0, NULL,
 	  "file of client CURVE public keys allowed on TCP, one a line; unset = any client "
 	  "that knows the server's public key" },
-	{ "tenants_file", T_PATH, OFF(tenants_file), 0, 0, NULL,
+	{ "tenants_file", "FILE", T_PATH, OFF(tenants_file), 0, 0, NULL,
 	  "file binding tenants to client identities, one a line: NAME uid=N|gid=N|key=Z85... "
 	  "[capacity=SIZE]; each tenant's models and chunks are its own, and no other "
 	  "namespace evicts them while within its capacity; unset = one namespace for all" },
-	{ "tcp_insecure", T_BOOL, OFF(tcp_insecure), 0, 1, "false",
+	{ "tcp_insecure", NULL, T_BOOL, OFF(tcp_insecure), 0, 1, "false",
 	  "allow a TCP endpoint off loopback without CURVE (unencrypted)" },
-	{ "drain_timeout", T_UINT, OFF(drain_timeout), 0, 3600, "10",
+	{ "drain_timeout", "SECONDS", T_UINT, OFF(drain_timeout), 0, 3600, "10",
 	  "seconds a stop (SIGTERM) waits for requests in progress to be answered" },
-	{ "max_clients", T_UINT, OFF(max_clients), 1, 1u << 20, "1024",
+	{ "max_clients", "N", T_UINT, OFF(max_clients), 1, 1u << 20, "1024",
 	  "client connections at once, all endpoints together; more are refused (the file "
 	  "descriptor limit is raised to fit at start)" },
-	{ "max_inflight_bytes", T_SIZE, OFF(max_inflight_bytes), 1 * MiB, 1024 * GiB, "4G",
+	{ "max_inflight_bytes", "SIZE", T_SIZE, OFF(max_inflight_bytes), 1 * MiB, 1024 * GiB, "4G",
 	  "request and unread reply bytes the daemon holds for all clients together; beyond it "
 	  "requests get `limit`" },
-	{ "client_inflight_bytes", T_SIZE, OFF(client_inflight_bytes), 1 * MiB, 1024 * GiB, "1G",
+	{ "client_inflight_bytes", "SIZE", T_SIZE, OFF(client_inflight_bytes), 1 * MiB, 1024 * GiB,
+	  "1G",
 	  "request and unread reply bytes held for one client (a process on IPC, a key or "
 	  "address on TCP); one request is always admitted when the client holds nothing" },
-	{ "reply_timeout_ms", T_UINT, OFF(reply_timeout_ms), 0, 3600000, "5000",
+	{ "reply_timeout_ms", "MS", T_UINT, OFF(reply_timeout_ms), 0, 3600000, "5000",
 	  "a client that leaves a reply served from the store's pages (a GET of a raw chunk of "
 	  "256 KiB or more) unsent this long is disconnected: such a reply holds a snapshot "
 	  "of the store that keeps freed pages from reuse; 0 = never" },
-	{ "client_shm_segments", T_UINT, OFF(client_shm_segments), 1, 256, "16",
+	{ "client_shm_segments", "N", T_UINT, OFF(client_shm_segments), 1, 256, "16",
 	  "shared-memory segments one client may hold (of 256 for all)" },
-	{ "client_fuse_sessions", T_UINT, OFF(client_fuse_sessions), 1, 65536, "16",
+	{ "client_fuse_sessions", "N", T_UINT, OFF(client_fuse_sessions), 1, 65536, "16",
 	  "fuse sessions one client may hold open (of fuse_max_sessions)" },
-	{ "node_id", T_PATH, OFF(node_id), 0, 0, NULL,
+	{ "node_id", "NAME", T_PATH, OFF(node_id), 0, 0, NULL,
 	  "this daemon's name in a cluster: letters, digits, ._- (default: the host name)" },
-	{ "cluster_peers", T_PATH, OFF(cluster_peers), 0, 0, NULL,
-	  "the members of a static cluster, comma-separated: ID=tcp://HOST:PORT[=SERVER_KEY] "
-	  "(this daemon may be listed too); chunks are then placed on cluster_replicas members, "
-	  "pushed there after a PUT and fetched from them on a miss (docs/cluster.md); unset = "
-	  "no cluster" },
-	{ "cluster_etcd", T_PATH, OFF(cluster_etcd), 0, 0, NULL,
-	  "etcd endpoints, comma-separated http://HOST:PORT: this daemon registers itself under "
-	  "cluster_name with a lease it keeps alive and learns the other members from etcd "
-	  "(docs/cluster.md); members of cluster_peers are members too; unset = no etcd" },
-	{ "cluster_name", T_PATH, OFF(cluster_name), 0, 0, "kvblend",
+	{ "cluster_peers", "ID=ENDPOINT[=KEY],...", T_PATH, OFF(cluster_peers), 0, 0, NULL,
+	  "the members of a static cluster, comma-separated, each ID=tcp://HOST:PORT[=KEY] "
+	  "(KEY: the member's CURVE server key, Z85; this daemon may be listed too); chunks are "
+	  "then placed on cluster_replicas members, pushed there after a PUT and fetched from "
+	  "them on a miss (docs/cluster.md); not with cluster_etcd (the daemon refuses to start "
+	  "with both); unset = no cluster" },
+	{ "cluster_etcd", "URL[,URL...]", T_PATH, OFF(cluster_etcd), 0, 0, NULL,
+	  "etcd endpoints, comma-separated, each http://HOST:PORT: this daemon registers itself "
+	  "under cluster_name with a lease it keeps alive and learns the other members from etcd "
+	  "(docs/cluster.md); not with cluster_peers (the daemon refuses to start with both); "
+	  "unset = no etcd" },
+	{ "cluster_name", "NAME", T_PATH, OFF(cluster_name), 0, 0, "kvblend",
 	  "the cluster's name in etcd (its members' keys are /kvblend/NAME/members/NODE_ID): "
 	  "letters, digits, ._-" },
-	{ "cluster_lease_ttl", T_UINT, OFF(cluster_lease_ttl), 2, 3600, "10",
+	{ "cluster_lease_ttl", "SECONDS", T_UINT, OFF(cluster_lease_ttl), 2, 3600, "10",
 	  "seconds: a member that stops renewing its etcd lease leaves placement after this" },
-	{ "cluster_advertise", T_PATH, OFF(cluster_advertise), 0, 0, NULL,
+	{ "cluster_advertise", "ENDPOINT", T_PATH, OFF(cluster_advertise), 0, 0, NULL,
 	  "the TCP endpoint other members reach this daemon at, tcp://HOST:PORT (default: the "
 	  "first tcp:// of listen, a wildcard host replaced by the host name)" },
-	{ "cluster_rebalance_rate", T_SIZE, OFF(cluster_rebalance_rate), 1 * MiB, 1 * TiB, "256M",
+	{ "cluster_rebalance_rate", "SIZE", T_SIZE, OFF(cluster_rebalance_rate), 1 * MiB, 1 * TiB,
+	  "256M",
 	  "bytes per second at most of the chunks pushed to members that join or return" },
-	{ "cluster_repair_interval", T_UINT, OFF(cluster_repair_interval), 0, 604800, "600",
+	{ "cluster_repair_interval", "SECONDS", T_UINT, OFF(cluster_repair_interval), 0, 604800, "600",
 	  "seconds between repair passes: every chunk held here is offered to those of its "
 	  "owners that lack it (one LOOKUP per 1024 chunks, pushes rate limited); 0 = never" },
-	{ "cluster_replicas", T_UINT, OFF(cluster_replicas), 1, 16, "2",
+	{ "cluster_replicas", "N", T_UINT, OFF(cluster_replicas), 1, 16, "2",
 	  "members that own each chunk" },
-	{ "cluster_timeout_ms", T_UINT, OFF(cluster_timeout_ms), 10, 600000, "1000",
+	{ "cluster_timeout_ms", "MS", T_UINT, OFF(cluster_timeout_ms), 10, 600000, "1000",
 	  "deadline of a call to another member; one that misses it is skipped for 2 s" },
-	{ "log_level", T_LEVEL, OFF(log_level), 0, 3, "info", "error, warn, info or debug" },
-	{ "device", T_DEVICE, OFF(device), 0, 1023, "auto",
+	{ "log_level", "LEVEL", T_LEVEL, OFF(log_level), 0, 3, "info", "error, warn, info or debug" },
+	{ "device", "DEVICE", T_DEVICE, OFF(device), 0, 1023, "auto",
 	  "where fuse sessions compute: cpu, cuda[:N] (their rings on CUDA device N, 0 by "
 	  "default; the daemon refuses to start without it), auto (CUDA device 0 when there "
 	  "is a working one, else the CPU; the log says which), or emulated (the device path "
@@ -427,29 +432,92 @@ int config_load_file(struct config *c, const char *path, char *err, size_t errle
 	return 0;
 }
 
+/* A size as the table would write it: the largest binary suffix that divides it ("16M"). */
+static void size_text(uint64_t v, char *buf, size_t len)
+{
+	static const char suffix[] = "KMGT";
+	int i = -1;
+
+	while (v && i < 3 && v % 1024 == 0) {
+		v /= 1024;
+		i++;
+	}
+	if (i < 0)
+		snprintf(buf, len, "%" PRIu64, v);
+	else
+		snprintf(buf, len, "%" PRIu64 "%c", v, suffix[i]);
+}
+
+#define RANGE_TEXT_MAX 64
+
+/* A key's range, "16M..64T" for sizes, "1..4096" for integers; "" for other types. */
+static void range_text(const struct key *k, char buf[RANGE_TEXT_MAX])
+{
+	char lo[24], hi[24]; /* 20 digits, a suffix, the NUL */
+
+	*buf = 0;
+	if (k->type == T_SIZE) {
+		size_text(k->min, lo, sizeof(lo));
+		size_text(k->max, hi, sizeof(hi));
+		snprintf(buf, RANGE_TEXT_MAX, "%s..%s", lo, hi);
+	} else if (k->type == T_UINT) {
+		snprintf(buf, RANGE_TEXT_MAX, "%" PRIu64 "..%" PRIu64, k->min, k->max);
+	}
+}
+
+/* Print text wrapped at HELP_WIDTH columns, each line after the first indented by indent. */
+#define HELP_WIDTH 100
+static void print_wrapped(FILE *f, const char *text, int col, int indent)
+{
+	while (*text) {
+		int room = HELP_WIDTH - col, n = (int)strlen(text);
+
+		if (n > room) {
+			n = room;
+			while (n > 0 && text[n] != ' ')
+				n--;
+			if (!n) /* a word longer than the line: let it overflow */
+				n = (int)strcspn(text, " ");
+		}
+		fprintf(f, "%.*s", n, text);
+		text += n;
+		while (*text == ' ')
+			text++;
+		if (*text) {
+			fprintf(f, "\n%*s", indent, "");
+			col = indent;
+		}
+	}
+	fputc('\n', f);
+}
+
 void config_print_help(FILE *f)
 {
-	static const char *const metavar[] = { [T_PATH] = "PATH", [T_LISTEN] = "ENDPOINT",
-					       [T_UINT] = "N",	  [T_SIZE] = "SIZE",
-					       [T_OCTAL] = "MODE", [T_BOOL] = "",
-					       [T_LEVEL] = "LEVEL", [T_DEVICE] = "DEVICE" };
+	enum { FLAG_COL = 34 }; /* where the help text starts: 2 + 31 + 1 */
 
 	for (size_t i = 0; i < N_KEYS; i++) {
 		const struct key *k = &keys[i];
-		char flag[64];
+		char flag[96], text[1024], range[RANGE_TEXT_MAX];
 		int n = snprintf(flag, sizeof(flag), "--%s", k->name);
+		size_t t;
 
 		for (char *p = flag + 2; *p; p++)
 			if (*p == '_')
 				*p = '-';
-		if (*metavar[k->type])
-			snprintf(flag + n, sizeof(flag) - (size_t)n, " %s", metavar[k->type]);
-		fprintf(f, "  %-31s %s", flag, k->help);
-		if (k->def)
-			fprintf(f, " [default %s]", k->def);
-		if (k->type == T_UINT || k->type == T_SIZE)
-			fprintf(f, " (range %" PRIu64 "..%" PRIu64 ")", k->min, k->max);
-		fputc('\n', f);
+		if (k->meta)
+			snprintf(flag + n, sizeof(flag) - (size_t)n, " %s", k->meta);
+		t = (size_t)snprintf(text, sizeof(text), "%s", k->help);
+		if (k->def && t < sizeof(text))
+			t += (size_t)snprintf(text + t, sizeof(text) - t, " [default %s]", k->def);
+		range_text(k, range);
+		if (*range && t < sizeof(text))
+			snprintf(text + t, sizeof(text) - t, " (range %s)", range);
+		/* A flag wider than its column gets its help on the next line. */
+		if (2 + (int)strlen(flag) + 1 > FLAG_COL)
+			fprintf(f, "  %s\n%*s", flag, FLAG_COL, "");
+		else
+			fprintf(f, "  %-*s", FLAG_COL - 2, flag);
+		print_wrapped(f, text, FLAG_COL, FLAG_COL);
 	}
 }
 
@@ -500,6 +568,7 @@ void config_print_example(FILE *f)
 		   "# commented out, are the built-in defaults. See kvblendd(8).\n\n[kvblendd]\n");
 	for (size_t i = 0; i < N_KEYS; i++) {
 		const struct key *k = &keys[i];
+		char range[RANGE_TEXT_MAX];
 
 		/* Wrapped: inih reads lines of at most 200 bytes. */
 		{
@@ -521,9 +590,10 @@ void config_print_example(FILE *f)
 					h++;
 			}
 		}
-		if (k->type == T_UINT || k->type == T_SIZE)
-			fprintf(f, "\n# range %" PRIu64 "..%" PRIu64 "%s", k->min, k->max,
-				k->type == T_SIZE ? " bytes (suffixes K, M, G, T)" : "");
+		range_text(k, range);
+		if (*range)
+			fprintf(f, "\n# range %s%s", range,
+				k->type == T_SIZE ? " bytes (suffixes K, M, G, T: powers of 1024)" : "");
 		fprintf(f, "\n#%s = %s\n", k->name,
 			k->def			     ? k->def
 			: k->type == T_LISTEN	     ? "ipc:///run/kvblend/kvblend.sock"
