@@ -9,7 +9,7 @@
  * and bytes, verified on every read too (docs/storage.md).
  *
  * Thread-safety: one struct store may be used from any number of threads.
- * Errors are negative errno values; LMDB codes never leave store.c:
+ * Errors are negative errno values; LMDB codes never leave store/:
  *   -ENOENT  no such model or chunk       -EEXIST  model name taken by another layout
  *   -ENOSPC  the LMDB map or the file system (or a disk quota) is full; the write
  *            was rolled back whole and the store stays usable (see store_totals()
