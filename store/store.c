@@ -148,33 +148,137 @@ void st_rtxn_end(struct store *s, MDB_txn *t)
 		mdb_txn_abort(t);
 }
 
-/* Sum the chunk records that pass their checks: the totals, when their record is lost. */
-int st_totals_recount(struct store *s, MDB_txn *txn, struct totals_rec *t)
+/* A model's id and store codec, for counting chunks by codec. */
+struct model_codec {
+	uint32_t id, codec;
+};
+
+/* The id and store codec of every model whose record is sound, in a malloc'd array. */
+static int model_codecs(struct store *s, MDB_txn *txn, struct model_codec **out, size_t *n_out)
 {
+	struct model_codec *mc = NULL;
+	size_t n = 0, cap = 0;
 	MDB_cursor *cur = NULL;
 	MDB_val k, v;
-	int rc = mdb_cursor_open(txn, s->chunks, &cur);
+	int rc = mdb_cursor_open(txn, s->models, &cur);
 
-	memset(t, 0, sizeof(*t));
 	if (rc)
 		return st_err_from_mdb(rc);
 	for (rc = mdb_cursor_get(cur, &k, &v, MDB_FIRST); rc == MDB_SUCCESS;
 	     rc = mdb_cursor_get(cur, &k, &v, MDB_NEXT)) {
+		struct store_model m;
+
+		if (st_model_rec_decode(&k, &v, &m))
+			continue;
+		if (n == cap) {
+			void *p = realloc(mc, (cap = cap ? 2 * cap : 16) * sizeof(*mc));
+
+			if (!p) {
+				rc = ENOMEM;
+				break;
+			}
+			mc = p;
+		}
+		mc[n++] = (struct model_codec){ m.id, m.store_codec };
+	}
+	mdb_cursor_close(cur);
+	if (rc != MDB_NOTFOUND) {
+		free(mc);
+		return st_err_from_mdb(rc);
+	}
+	*out = mc;
+	*n_out = n;
+	return 0;
+}
+
+static void use_add(struct store_codec_use *u, const struct store_codec_use *add)
+{
+	u->chunks += add->chunks;
+	u->raw_bytes += add->raw_bytes;
+	u->stored_bytes += add->stored_bytes;
+}
+
+static void use_sub(struct store_codec_use *u, const struct store_codec_use *sub)
+{
+	u->chunks -= u->chunks >= sub->chunks ? sub->chunks : u->chunks;
+	u->raw_bytes -= u->raw_bytes >= sub->raw_bytes ? sub->raw_bytes : u->raw_bytes;
+	u->stored_bytes -= u->stored_bytes >= sub->stored_bytes ? sub->stored_bytes
+								: u->stored_bytes;
+}
+
+/*
+ * Sum the chunk records that pass their checks: the totals, when their record
+ * is lost. A chunk counts under its model's store codec when the model's record
+ * is sound (chunk keys start with the model id, so one lookup per model).
+ */
+int st_totals_recount(struct store *s, MDB_txn *txn, struct totals_rec *t)
+{
+	struct model_codec *mc = NULL;
+	struct store_codec_use *by = NULL;
+	uint32_t last_id = 0;
+	MDB_cursor *cur = NULL;
+	MDB_val k, v;
+	size_t n_mc = 0;
+	int rc;
+
+	memset(t, 0, sizeof(*t));
+	atomic_fetch_add_explicit(&s->chunk_walks, 1, memory_order_relaxed);
+	rc = model_codecs(s, txn, &mc, &n_mc);
+	if (rc)
+		return rc;
+	rc = mdb_cursor_open(txn, s->chunks, &cur);
+	if (rc) {
+		free(mc);
+		return st_err_from_mdb(rc);
+	}
+	for (rc = mdb_cursor_get(cur, &k, &v, MDB_FIRST); rc == MDB_SUCCESS;
+	     rc = mdb_cursor_get(cur, &k, &v, MDB_NEXT)) {
 		struct store_chunk_info ci;
+		struct store_codec_use one;
+		uint32_t id;
 
 		if (st_chunk_rec_decode(&k, &v, &ci))
 			continue;
-		t->chunks++;
-		t->raw_bytes += ci.raw_bytes;
-		t->stored_bytes += ci.stored_bytes;
+		one = (struct store_codec_use){ 1, ci.raw_bytes, ci.stored_bytes };
+		use_add(&t->all, &one);
+		id = get_be32(k.mv_data);
+		if (!by || id != last_id) {
+			by = NULL;
+			last_id = id;
+			for (size_t i = 0; i < n_mc; i++)
+				if (mc[i].id == id && mc[i].codec < STORE_CODECS)
+					by = &t->codec[mc[i].codec];
+		}
+		if (by)
+			use_add(by, &one);
 	}
 	mdb_cursor_close(cur);
+	free(mc);
 	return rc == MDB_NOTFOUND ? 0 : st_err_from_mdb(rc);
+}
+
+/* The totals record v, when it is sound and of the current layout: 1, else 0. */
+static int totals_decode(const MDB_val *v, struct totals_rec *t)
+{
+	const uint8_t *p = v->mv_data;
+	struct store_codec_use *u[1 + STORE_CODECS] = { &t->all };
+
+	if (!st_rec_sum_ok(&totals_key, v, TOTALS_LEN - 8))
+		return 0;
+	for (int c = 0; c < STORE_CODECS; c++)
+		u[1 + c] = &t->codec[c];
+	for (int i = 0; i < 1 + STORE_CODECS; i++, p += 24) {
+		u[i]->chunks = le_get(p, 8);
+		u[i]->raw_bytes = le_get(p + 8, 8);
+		u[i]->stored_bytes = le_get(p + 16, 8);
+	}
+	return 1;
 }
 
 /*
  * The totals. They decide no served byte, so a record that fails its checksum
- * is not an error: the totals are counted again from the chunk records.
+ * (or one of an older layout, without per-codec figures) is not an error: the
+ * totals are counted again from the chunk records. No record: an empty store.
  */
 static int totals_read(struct store *s, MDB_txn *txn, struct totals_rec *t)
 {
@@ -186,42 +290,61 @@ static int totals_read(struct store *s, MDB_txn *txn, struct totals_rec *t)
 		return 0;
 	if (rc)
 		return st_err_from_mdb(rc);
-	if (!st_rec_sum_ok(&totals_key, &v, TOTALS_LEN - 8))
+	if (!totals_decode(&v, t))
 		return st_totals_recount(s, txn, t);
-	t->chunks = le_get(v.mv_data, 8);
-	t->raw_bytes = le_get((const uint8_t *)v.mv_data + 8, 8);
-	t->stored_bytes = le_get((const uint8_t *)v.mv_data + 16, 8);
 	return 0;
 }
 
 int st_totals_write(struct store *s, MDB_txn *txn, const struct totals_rec *t)
 {
-	uint8_t buf[TOTALS_LEN];
+	uint8_t buf[TOTALS_LEN], *p = buf;
+	const struct store_codec_use *u[1 + STORE_CODECS] = { &t->all };
 	MDB_val v = { sizeof(buf), buf };
 
-	le_put(buf, t->chunks, 8);
-	le_put(buf + 8, t->raw_bytes, 8);
-	le_put(buf + 16, t->stored_bytes, 8);
-	le_put(buf + 24, st_rec_sum(&totals_key, buf, 24), 8);
+	for (int c = 0; c < STORE_CODECS; c++)
+		u[1 + c] = &t->codec[c];
+	for (int i = 0; i < 1 + STORE_CODECS; i++, p += 24) {
+		le_put(p, u[i]->chunks, 8);
+		le_put(p + 8, u[i]->raw_bytes, 8);
+		le_put(p + 16, u[i]->stored_bytes, 8);
+	}
+	le_put(p, st_rec_sum(&totals_key, buf, TOTALS_LEN - 8), 8);
 	return st_err_from_mdb(mdb_put(txn, s->meta, (MDB_val *)&totals_key, &v, 0));
 }
 
-/* Add `add` to the totals and take `sub` off (never below zero). */
-int st_totals_update(struct store *s, MDB_txn *txn, const struct totals_rec *add,
-		     const struct totals_rec *sub)
+int st_totals_update(struct store *s, MDB_txn *txn, uint32_t codec,
+		     const struct store_codec_use *add, const struct store_codec_use *sub)
 {
 	struct totals_rec t;
 	int rc = totals_read(s, txn, &t);
 
 	if (rc)
 		return rc;
-	t.chunks += add->chunks;
-	t.raw_bytes += add->raw_bytes;
-	t.stored_bytes += add->stored_bytes;
-	t.chunks -= t.chunks >= sub->chunks ? sub->chunks : t.chunks;
-	t.raw_bytes -= t.raw_bytes >= sub->raw_bytes ? sub->raw_bytes : t.raw_bytes;
-	t.stored_bytes -= t.stored_bytes >= sub->stored_bytes ? sub->stored_bytes : t.stored_bytes;
+	use_add(&t.all, add);
+	use_sub(&t.all, sub);
+	if (codec < STORE_CODECS) {
+		use_add(&t.codec[codec], add);
+		use_sub(&t.codec[codec], sub);
+	}
 	return st_totals_write(s, txn, &t);
+}
+
+void st_totals_repair(struct store *s)
+{
+	struct totals_rec t;
+	MDB_txn *txn;
+	MDB_val v;
+	int rc;
+
+	if (mdb_txn_begin(s->env, NULL, 0, &txn))
+		return;
+	rc = mdb_get(txn, s->meta, (MDB_val *)&totals_key, &v);
+	if (rc || totals_decode(&v, &t) || st_totals_recount(s, txn, &t) ||
+	    st_totals_write(s, txn, &t)) {
+		mdb_txn_abort(txn);
+		return;
+	}
+	(void)st_commit(s, txn, 0);
 }
 
 /*
@@ -235,7 +358,8 @@ static int upgrade_v1(struct store *s, MDB_txn *txn)
 	MDB_cursor *cur = NULL;
 	uint8_t *bad = NULL, *models = NULL, rec[MODEL_REC_LEN];
 	size_t n_bad = 0, cap_bad = 0, n_models = 0, cap_models = 0;
-	struct totals_rec t = { 0 };
+	struct store_codec_use dropped = { 0 };
+	struct totals_rec t;
 	MDB_val k, v;
 	int rc;
 
@@ -311,7 +435,7 @@ static int upgrade_v1(struct store *s, MDB_txn *txn)
 		mdb_cursor_close(cur);
 	rc = rc == MDB_NOTFOUND ? 0 : st_err_from_mdb(rc);
 	for (size_t i = 0; i < n_bad && !rc; i++)
-		rc = st_chunk_purge(s, txn, bad + CHUNK_KEY_LEN * i, &t);
+		rc = st_chunk_purge(s, txn, bad + CHUNK_KEY_LEN * i, &dropped);
 	free(bad);
 	if (rc)
 		return rc;
@@ -392,6 +516,7 @@ int store_open(const struct store_opts *opts, struct store **out)
 	if (!s)
 		return -ENOMEM;
 	pthread_mutex_init(&s->pool_lock, NULL);
+	atomic_init(&s->chunk_walks, 0);
 	s->min_saving = opts->min_saving;
 	rc = mdb_env_create(&s->env);
 	if (rc) {
@@ -415,6 +540,7 @@ int store_open(const struct store_opts *opts, struct store **out)
 	rc = open_dbs(s);
 	if (rc)
 		goto fail;
+	st_totals_repair(s);
 	disk_reserve(s);
 	*out = s;
 	return 0;
@@ -449,6 +575,8 @@ int st_cursor_walk(struct store *s, MDB_dbi dbi, const uint8_t *prefix, size_t p
 
 	if (rc)
 		return rc;
+	if (dbi == s->chunks)
+		atomic_fetch_add_explicit(&s->chunk_walks, 1, memory_order_relaxed);
 	rc = st_err_from_mdb(mdb_cursor_open(txn, dbi, &cur));
 	while (rc == 0) {
 		int mrc = mdb_cursor_get(cur, &k, &v, op);
@@ -560,12 +688,18 @@ int store_totals(struct store *s, struct store_totals *out)
 	if (rc)
 		return rc;
 	out->models = ms.ms_entries;
-	out->chunks = t.chunks;
-	out->raw_bytes = t.raw_bytes;
-	out->stored_bytes = t.stored_bytes;
+	out->chunks = t.all.chunks;
+	out->raw_bytes = t.all.raw_bytes;
+	out->stored_bytes = t.all.stored_bytes;
+	memcpy(out->codec, t.codec, sizeof(out->codec));
 	out->map_size = ei.me_mapsize;
 	out->map_used = (uint64_t)(ei.me_last_pgno + 1) * st.ms_psize;
 	out->disk_size = (uint64_t)sv.f_blocks * sv.f_frsize;
 	out->disk_avail = (uint64_t)sv.f_bavail * sv.f_frsize;
 	return 0;
+}
+
+uint64_t store_chunk_walks(struct store *s)
+{
+	return atomic_load_explicit(&s->chunk_walks, memory_order_relaxed);
 }

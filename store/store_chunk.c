@@ -49,7 +49,7 @@ int st_chunk_rec_decode(const MDB_val *k, const MDB_val *v, struct store_chunk_i
  * record says (it may be corrupt). Adds what the layers held to *freed.
  */
 int st_chunk_purge(struct store *s, MDB_txn *txn, const uint8_t *key,
-		   struct totals_rec *freed)
+		   struct store_codec_use *freed)
 {
 	MDB_val k = { CHUNK_KEY_LEN, (void *)key }, v;
 	MDB_cursor *cur = NULL;
@@ -130,7 +130,7 @@ int st_chunk_write(struct store *s, const struct store_model *m, const uint8_t *
 		   const void *const blobs[], const size_t *lens, struct store_chunk_info *ci)
 {
 	uint8_t key[LAYER_KEY_LEN], rec[CHUNK_REC_LEN];
-	struct totals_rec add, replaced = { 0 };
+	struct store_codec_use add, replaced = { 0 };
 	struct store_chunk_info ci_old;
 	MDB_val k = { CHUNK_KEY_LEN, key }, v;
 	MDB_txn *txn;
@@ -175,9 +175,10 @@ int st_chunk_write(struct store *s, const struct store_model *m, const uint8_t *
 	v.mv_size = CHUNK_REC_LEN;
 	v.mv_data = rec;
 	rc = st_err_write(s, mdb_put(txn, s->chunks, &k, &v, MDB_NOOVERWRITE), ci->stored_bytes);
-	add = (struct totals_rec){ 1, ci->raw_bytes, ci->stored_bytes };
+	add = (struct store_codec_use){ 1, ci->raw_bytes, ci->stored_bytes };
+	/* A corrupt record replaced was under the same key: the same model, the same codec. */
 	if (!rc)
-		rc = st_totals_update(s, txn, &add, &replaced);
+		rc = st_totals_update(s, txn, m->store_codec, &add, &replaced);
 	if (rc)
 		goto abort;
 	return st_commit(s, txn, ci->stored_bytes);
@@ -522,7 +523,7 @@ int store_chunk_delete(struct store *s, const struct store_model *m,
 {
 	uint8_t key[CHUNK_KEY_LEN];
 	struct store_chunk_info ci;
-	struct totals_rec freed = { 0 }, none = { 0 };
+	struct store_codec_use freed = { 0 }, none = { 0 };
 	MDB_txn *txn;
 	bool sound;
 	int rc = st_err_from_mdb(mdb_txn_begin(s->env, NULL, 0, &txn));
@@ -538,9 +539,9 @@ int store_chunk_delete(struct store *s, const struct store_model *m,
 	rc = st_chunk_purge(s, txn, key, &freed);
 	/* The record's own figures when it can be trusted, else what its layers held. */
 	if (sound)
-		freed = (struct totals_rec){ 1, ci.raw_bytes, ci.stored_bytes };
+		freed = (struct store_codec_use){ 1, ci.raw_bytes, ci.stored_bytes };
 	if (!rc)
-		rc = st_totals_update(s, txn, &none, &freed);
+		rc = st_totals_update(s, txn, m->store_codec, &none, &freed);
 	if (rc)
 		goto fail;
 	return st_commit(s, txn, 0);

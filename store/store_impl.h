@@ -17,6 +17,7 @@
 
 #include <lmdb.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -42,7 +43,8 @@
 /* A model with a store codec: the body has 8 more bytes (codec, group). */
 #define MODEL_QBODY_LEN (MODEL_BODY_LEN + 8)
 #define MODEL_QREC_LEN (MODEL_QBODY_LEN + 8)
-#define TOTALS_LEN 32	  /* chunks, raw bytes, stored bytes, checksum */
+/* chunks, raw bytes, stored bytes; the same for each of the STORE_CODECS; checksum */
+#define TOTALS_LEN (8 * 3 * (1 + STORE_CODECS) + 8)
 #define NEXT_MODEL_LEN 12 /* next id, checksum */
 #define REC_SUM_MAX 256	  /* longest key + record body that st_rec_sum() hashes */
 /* Slack on top of a write's payload when judging whether the file system ran out. */
@@ -61,10 +63,13 @@ struct store {
 	pthread_mutex_t pool_lock;
 	MDB_txn *pool[RTXN_POOL_MAX]; /* reset read transactions, renewed on use */
 	unsigned pool_n;
+	atomic_uint_least64_t chunk_walks; /* store_chunk_walks() */
 };
 
+/* The totals record: in all, and by the store codec of each chunk's model. */
 struct totals_rec {
-	uint64_t chunks, raw_bytes, stored_bytes;
+	struct store_codec_use all;
+	struct store_codec_use codec[STORE_CODECS];
 };
 
 /* The "next_model" key of the meta database (store_model.c). */
@@ -166,11 +171,23 @@ typedef int (*cursor_fn)(const MDB_val *k, const MDB_val *v, void *item);
 int st_collect(struct store *s, MDB_dbi dbi, const uint8_t *prefix, size_t prefix_len,
 	       size_t item_size, cursor_fn fn, void **out, size_t *n_out);
 
-/* The totals: counted again from the chunk records; written; add `add`, take `sub` off. */
+/*
+ * The totals: counted again from the chunk records (a walk: store_chunk_walks()),
+ * and written. st_totals_update() adds `add` and takes `sub` off (never below
+ * zero) in all and under store codec `codec` (the model's; none when out of
+ * range), in txn: the write that adds or removes the chunk record.
+ */
 int st_totals_recount(struct store *s, MDB_txn *txn, struct totals_rec *t);
 int st_totals_write(struct store *s, MDB_txn *txn, const struct totals_rec *t);
-int st_totals_update(struct store *s, MDB_txn *txn, const struct totals_rec *add,
-		     const struct totals_rec *sub);
+int st_totals_update(struct store *s, MDB_txn *txn, uint32_t codec,
+		     const struct store_codec_use *add, const struct store_codec_use *sub);
+
+/*
+ * At open: a totals record of an older layout (no per-codec figures) or one
+ * that fails its checksum is counted again and written back, once. Best
+ * effort (a full disk leaves it to be counted at each read): returns nothing.
+ */
+void st_totals_repair(struct store *s);
 
 /* ---- store_model.c: model records ---- */
 
@@ -202,7 +219,8 @@ int st_chunk_rec_decode(const MDB_val *k, const MDB_val *v, struct store_chunk_i
  * Delete a chunk's record and every layer stored under its key, whatever the
  * record says (it may be corrupt). Adds what the layers held to *freed.
  */
-int st_chunk_purge(struct store *s, MDB_txn *txn, const uint8_t *key, struct totals_rec *freed);
+int st_chunk_purge(struct store *s, MDB_txn *txn, const uint8_t *key,
+		   struct store_codec_use *freed);
 
 /* 1 when a chunk with a sound record is stored under key, 0 when none (or a corrupt one) is. */
 int st_chunk_exists(struct store *s, const uint8_t *key);
