@@ -1098,31 +1098,6 @@ static void member_stat(void *ctx, const struct cluster_member *mb)
 	m->s[(*m->n)++].value = (double)mb->held_bytes;
 }
 
-/* Per store codec: chunks, model-dtype bytes and stored bytes (stats). */
-struct codec_use {
-	const struct store_model *models;
-	size_t n_models;
-	uint64_t chunks[4], raw[4], stored[4];
-};
-
-static int codec_use_add(void *ctx, uint32_t model_id, const uint8_t *hash,
-			 const struct store_chunk_info *info)
-{
-	struct codec_use *u = ctx;
-
-	(void)hash;
-	for (size_t i = 0; i < u->n_models; i++)
-		if (u->models[i].id == model_id && u->models[i].store_codec < 4) {
-			uint32_t c = u->models[i].store_codec;
-
-			u->chunks[c]++;
-			u->raw[c] += info->raw_bytes;
-			u->stored[c] += info->stored_bytes;
-			break;
-		}
-	return 0;
-}
-
 static void op_stats(struct req *q)
 {
 	struct server *srv = q->srv;
@@ -1131,8 +1106,6 @@ static void op_stats(struct req *q)
 	uint64_t shm_n, shm_bytes;
 	struct kvbp_stat *s;
 	size_t n = 0, cap = 128 + 3 * KVBP_OP_COUNT + KVBP_CODE_COUNT + 5 * 1024;
-	struct codec_use use = { 0 };
-	struct store_model *models = NULL;
 	int rc;
 
 	if (no_payload(q))
@@ -1162,26 +1135,21 @@ static void op_stats(struct req *q)
 	STAT("raw_bytes", t.raw_bytes);
 	STAT("stored_bytes", t.stored_bytes);
 	STAT("compression_ratio", t.stored_bytes ? (double)t.raw_bytes / t.stored_bytes : 1.0);
-	/* What each store codec holds: one scan of the chunk records (48 bytes each). */
-	if (store_model_list(srv->store, &models, &use.n_models) == 0) {
-		static const char *const names[] = { "dtype", "fp8", "int8", "int4" };
+	/* What each store codec holds: kept by the store, no walk of the chunks. */
+	for (int c = 0; c < STORE_CODECS; c++) {
+		static const char *const names[STORE_CODECS] = { "dtype", "fp8", "int8", "int4" };
+		char nm[64];
 
-		use.models = models;
-		store_chunk_scan(srv->store, codec_use_add, &use);
-		for (int c = 0; c < 4; c++) {
-			char nm[64];
-
-			if (!use.chunks[c])
-				continue;
-			snprintf(nm, sizeof(nm), "store_%s_chunks", names[c]);
-			STAT(nm, use.chunks[c]);
-			snprintf(nm, sizeof(nm), "store_%s_raw_bytes", names[c]);
-			STAT(nm, use.raw[c]);
-			snprintf(nm, sizeof(nm), "store_%s_stored_bytes", names[c]);
-			STAT(nm, use.stored[c]);
-		}
-		free(models);
+		if (!t.codec[c].chunks)
+			continue;
+		snprintf(nm, sizeof(nm), "store_%s_chunks", names[c]);
+		STAT(nm, t.codec[c].chunks);
+		snprintf(nm, sizeof(nm), "store_%s_raw_bytes", names[c]);
+		STAT(nm, t.codec[c].raw_bytes);
+		snprintf(nm, sizeof(nm), "store_%s_stored_bytes", names[c]);
+		STAT(nm, t.codec[c].stored_bytes);
 	}
+	STAT("store_chunk_walks", store_chunk_walks(srv->store));
 	STAT("map_size_bytes", t.map_size);
 	STAT("map_used_bytes", t.map_used);
 	if (srv->cluster) {
