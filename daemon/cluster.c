@@ -1307,13 +1307,13 @@ static void *heart_main(void *arg)
 		pthread_mutex_unlock(&c->rlock);
 		np = n_peers(c);
 		/* (a stop does not wait for a sweep over many dead members: etcd_stop is set
-		 * first of all by cluster_free; suspect members are pinged once they are not) */
+		 * first of all by cluster_free) */
 		for (size_t i = 0; i < np && !atomic_load(&c->etcd_stop); i++) {
 			struct peer *p = peer_at(c, i);
 			struct kvbp_request q = { .op = KVBP_OP_HELLO };
 			struct call_out o;
 
-			if (!p || !peer_live(c, p) || suspect(p) ||
+			if (!p || !peer_live(c, p) ||
 			    wall_ms() - atomic_load(&p->last_reply) < HEARTBEAT_MS)
 				continue;
 			if (peer_call(c, p, &q, NULL, NULL, 0, &o))

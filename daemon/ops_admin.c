@@ -124,10 +124,24 @@ void op_model_list(struct req *q)
 	free(ms);
 }
 
-struct member_stats {
+/* The STATS reply's list, filled part by part: each part is what one module reports. */
+struct stat_list {
 	struct kvbp_stat *s;
-	size_t *n, cap;
-	struct kvbp_reply *rep; /* and each member in full (with its endpoint) */
+	size_t n, cap;
+};
+
+static void stat_add(struct stat_list *l, const char *name, double value)
+{
+	if (l->n == l->cap)
+		return; /* (sized for every part at its largest) */
+	snprintf(l->s[l->n].name, sizeof(l->s[0].name), "%s", name);
+	l->s[l->n++].value = value;
+}
+
+/* One member of the cluster: five stats, and the member in full in the reply. */
+struct member_stats {
+	struct stat_list *l;
+	struct kvbp_reply *rep;
 	size_t cap_members;
 };
 
@@ -135,8 +149,13 @@ static void member_stat(void *ctx, const struct cluster_member *mb)
 {
 	struct member_stats *m = ctx;
 	struct timespec now;
+	double age;
+	char nm[64];
 
 	clock_gettime(CLOCK_REALTIME, &now);
+	age = mb->last_reply_ms ? (double)now.tv_sec * 1e3 + now.tv_nsec / 1e6 -
+					  (double)mb->last_reply_ms
+				: -1;
 	if (m->rep->n_members == m->cap_members) {
 		size_t cap = m->cap_members ? 2 * m->cap_members : 8;
 		struct kvbp_member *p = realloc(m->rep->members, cap * sizeof(*p));
@@ -153,66 +172,194 @@ static void member_stat(void *ctx, const struct cluster_member *mb)
 		snprintf(e->endpoint, sizeof(e->endpoint), "%s", mb->endpoint);
 		e->state = mb->state;
 		e->pushes_owed = mb->owed;
-		e->last_reply_age_ms = mb->last_reply_ms ? (double)now.tv_sec * 1e3 +
-								   now.tv_nsec / 1e6 -
-								   (double)mb->last_reply_ms
-							 : -1;
+		e->last_reply_age_ms = age;
 		e->chunks = mb->held_chunks;
 		e->stored_bytes = mb->held_bytes;
 	}
-	if (*m->n + 5 > m->cap)
+	if (m->l->n + 5 > m->l->cap)
 		return;
 	/* member:ID 1 alive, 0 suspect, -1 gone; the rest per member, names cut at 63 */
-	snprintf(m->s[*m->n].name, sizeof(m->s[0].name), "member:%.56s", mb->id);
-	m->s[(*m->n)++].value = mb->state;
-	snprintf(m->s[*m->n].name, sizeof(m->s[0].name), "owed:%.58s", mb->id);
-	m->s[(*m->n)++].value = (double)mb->owed;
-	snprintf(m->s[*m->n].name, sizeof(m->s[0].name), "seen_ms:%.55s", mb->id);
-	m->s[(*m->n)++].value =
-		mb->last_reply_ms ? (double)now.tv_sec * 1e3 + now.tv_nsec / 1e6 -
-					    (double)mb->last_reply_ms
-				  : -1;
-	snprintf(m->s[*m->n].name, sizeof(m->s[0].name), "chunks:%.56s", mb->id);
-	m->s[(*m->n)++].value = (double)mb->held_chunks;
-	snprintf(m->s[*m->n].name, sizeof(m->s[0].name), "bytes:%.57s", mb->id);
-	m->s[(*m->n)++].value = (double)mb->held_bytes;
+	snprintf(nm, sizeof(nm), "member:%.56s", mb->id);
+	stat_add(m->l, nm, mb->state);
+	snprintf(nm, sizeof(nm), "owed:%.58s", mb->id);
+	stat_add(m->l, nm, (double)mb->owed);
+	snprintf(nm, sizeof(nm), "seen_ms:%.55s", mb->id);
+	stat_add(m->l, nm, age);
+	snprintf(nm, sizeof(nm), "chunks:%.56s", mb->id);
+	stat_add(m->l, nm, (double)mb->held_chunks);
+	snprintf(nm, sizeof(nm), "bytes:%.57s", mb->id);
+	stat_add(m->l, nm, (double)mb->held_bytes);
 }
 
-/* Per store codec: chunks, model-dtype bytes and stored bytes (stats). */
-struct codec_use {
-	const struct store_model *models;
-	size_t n_models;
-	uint64_t chunks[4], raw[4], stored[4];
-};
-
-static int codec_use_add(void *ctx, uint32_t model_id, const uint8_t *hash,
-			 const struct store_chunk_info *info)
+/* The store: what it holds, per codec from its kept totals (no walk of the chunks). */
+static void stats_store(struct stat_list *l, struct store *store, const struct store_totals *t)
 {
-	struct codec_use *u = ctx;
+	static const char *const names[STORE_CODECS] = { "dtype", "fp8", "int8", "int4" };
 
-	(void)hash;
-	for (size_t i = 0; i < u->n_models; i++)
-		if (u->models[i].id == model_id && u->models[i].store_codec < 4) {
-			uint32_t c = u->models[i].store_codec;
+	stat_add(l, "models", (double)t->models);
+	stat_add(l, "chunks", (double)t->chunks);
+	stat_add(l, "raw_bytes", (double)t->raw_bytes);
+	stat_add(l, "stored_bytes", (double)t->stored_bytes);
+	stat_add(l, "compression_ratio",
+		 t->stored_bytes ? (double)t->raw_bytes / (double)t->stored_bytes : 1.0);
+	for (int c = 0; c < STORE_CODECS; c++) {
+		char nm[64];
 
-			u->chunks[c]++;
-			u->raw[c] += info->raw_bytes;
-			u->stored[c] += info->stored_bytes;
-			break;
-		}
-	return 0;
+		if (!t->codec[c].chunks)
+			continue;
+		snprintf(nm, sizeof(nm), "store_%s_chunks", names[c]);
+		stat_add(l, nm, (double)t->codec[c].chunks);
+		snprintf(nm, sizeof(nm), "store_%s_raw_bytes", names[c]);
+		stat_add(l, nm, (double)t->codec[c].raw_bytes);
+		snprintf(nm, sizeof(nm), "store_%s_stored_bytes", names[c]);
+		stat_add(l, nm, (double)t->codec[c].stored_bytes);
+	}
+	stat_add(l, "store_chunk_walks", (double)store_chunk_walks(store));
+	stat_add(l, "map_size_bytes", (double)t->map_size);
+	stat_add(l, "map_used_bytes", (double)t->map_used);
 }
 
+/* The cluster: its counters, and each member (member_stat). */
+static void stats_cluster(struct stat_list *l, struct cluster *c, struct kvbp_reply *rep)
+{
+	struct member_stats ms = { l, rep, 0 };
+	struct cluster_stats cs;
+
+	cluster_stats(c, &cs);
+	stat_add(l, "cluster_members", (double)cs.members);
+	stat_add(l, "cluster_suspect", (double)cs.suspect);
+	stat_add(l, "cluster_pushes_owed", (double)cs.pushes_owed);
+	stat_add(l, "cluster_pushes_done", (double)cs.pushes_done);
+	stat_add(l, "cluster_push_failures", (double)cs.push_failures);
+	stat_add(l, "cluster_remote_hits", (double)cs.remote_hits);
+	stat_add(l, "cluster_remote_misses", (double)cs.remote_misses);
+	stat_add(l, "cluster_fetch_failures", (double)cs.fetch_failures);
+	stat_add(l, "cluster_fetched_bytes", (double)cs.fetched_bytes);
+	stat_add(l, "cluster_fetch_ms", cs.fetch_ms);
+	stat_add(l, "cluster_rebalance_pushes", (double)cs.rebalance_pushes);
+	stat_add(l, "cluster_rebalance_skipped", (double)cs.rebalance_skipped);
+	stat_add(l, "cluster_membership_changes", (double)cs.membership_changes);
+	stat_add(l, "cluster_peer_busy", (double)cs.peer_busy);
+	if (cs.etcd) {
+		stat_add(l, "cluster_etcd_ok", cs.etcd_ok);
+		stat_add(l, "cluster_etcd_errors", (double)cs.etcd_errors);
+		stat_add(l, "cluster_etcd_last_ok_ms", (double)cs.etcd_last_ok_ms);
+	}
+	/* per member: member:ID, owed:ID, seen_ms:ID, chunks:ID, bytes:ID */
+	cluster_members(c, member_stat, &ms);
+}
+
+/* The server: shared memory, traffic, clients and connections. */
+static void stats_server(struct stat_list *l, struct server *srv)
+{
+	uint64_t shm_n, shm_bytes, held, n_clients;
+
+	shm_usage(srv->shm, &shm_n, &shm_bytes);
+	stat_add(l, "shm_segments", (double)shm_n);
+	stat_add(l, "shm_bytes", (double)shm_bytes);
+	stat_add(l, "bytes_in", (double)atomic_load(&srv->stats.bytes_in));
+	stat_add(l, "bytes_out", (double)atomic_load(&srv->stats.bytes_out));
+	stat_add(l, "lookup_hits", (double)atomic_load(&srv->stats.lookup_hits));
+	stat_add(l, "lookup_misses", (double)atomic_load(&srv->stats.lookup_misses));
+	stat_add(l, "corrupt_removed", (double)atomic_load(&srv->stats.corrupt_removed));
+	clients_usage(srv->clients, &held, &n_clients);
+	stat_add(l, "inflight_bytes", (double)held);
+	stat_add(l, "clients", (double)n_clients);
+	stat_add(l, "connections", (double)atomic_load(&srv->connections));
+	stat_add(l, "connections_refused", (double)atomic_load(&srv->refused_clients));
+	stat_add(l, "curve_keys_refused", (double)atomic_load(&srv->refused_keys));
+	stat_add(l, "connections_dropped_no_fd", (double)fdguard_dropped());
+	stat_add(l, "replies_from_pages", (double)atomic_load(&srv->held.count));
+	stat_add(l, "connections_cut_unread", (double)atomic_load(&srv->held.cut));
+	stat_add(l, "max_clients", (double)srv->max_clients);
+}
+
+/* Eviction and the fuse session engine. */
+static void stats_evict_fuse(struct stat_list *l, struct server *srv)
+{
+	struct evict_stats es;
+	uint64_t fs, fb, fp;
+
+	evictor_stats(srv->evict, &es);
+	stat_add(l, "capacity_bytes", (double)srv->cfg->capacity);
+	stat_add(l, "evictions", (double)es.evicted);
+	stat_add(l, "evicted_bytes", (double)es.evicted_bytes);
+	stat_add(l, "pinned_chunks", (double)es.pins);
+	fuse_usage(srv->fuse, &fs, &fb, &fp);
+	stat_add(l, "fuse_sessions", (double)fs);
+	stat_add(l, "fuse_ring_bytes", (double)fb);
+	stat_add(l, "fuse_pinned_chunks", (double)fp);
+}
+
+/* Requests and errors by kind; latency by operation: mean, and the 99th percentile as its
+ * bucket's upper bound. */
+static void stats_requests(struct stat_list *l, const struct server_stats *st)
+{
+	char nm[64];
+
+	for (uint32_t op = 1; op <= KVBP_OP_COUNT; op++) {
+		snprintf(nm, sizeof(nm), "requests_%s",
+			 op < KVBP_OP_COUNT ? kvbp_op_name(op) : "unknown");
+		stat_add(l, nm, (double)atomic_load(&st->requests[op]));
+	}
+	for (uint32_t c = 1; c < KVBP_CODE_COUNT; c++) {
+		snprintf(nm, sizeof(nm), "errors_%s", kvbp_code_name(c));
+		stat_add(l, nm, (double)atomic_load(&st->errors[c]));
+	}
+	for (uint32_t op = 1; op < KVBP_OP_COUNT; op++) {
+		uint64_t cnt = atomic_load(&st->lat_count[op]), cum = 0;
+		unsigned b = 0;
+
+		if (!cnt)
+			continue;
+		snprintf(nm, sizeof(nm), "latency_ms_mean_%s", kvbp_op_name(op));
+		stat_add(l, nm, (double)atomic_load(&st->lat_sum_ns[op]) / 1e6 / (double)cnt);
+		for (; b < METRICS_BUCKETS; b++) {
+			cum += atomic_load(&st->lat_bucket[op][b]);
+			if (cum * 100 >= cnt * 99)
+				break;
+		}
+		snprintf(nm, sizeof(nm), "latency_ms_p99_le_%s", kvbp_op_name(op));
+		stat_add(l, nm, b + 1 < METRICS_BUCKETS ? metrics_bucket_le[b] * 1e3 : -1);
+	}
+}
+
+/* The fuse backend and the device it runs on. */
+static void stats_device(struct stat_list *l, struct server *srv)
+{
+	char nm[64];
+
+	snprintf(nm, sizeof(nm), "backend_%s", srv->blend->name);
+	stat_add(l, nm, 1);
+	if (srv->gpu) {
+		size_t k = (size_t)snprintf(nm, sizeof(nm), "device_name_%s",
+					    blend_cuda_name(srv->gpu));
+
+		/* The name as a stat name: words joined by '_' ("NVIDIA_H200"). */
+		for (k = k < sizeof(nm) ? k : sizeof(nm) - 1; k-- > 12;)
+			if (nm[k] == ' ')
+				nm[k] = '_';
+		stat_add(l, nm, 1);
+		stat_add(l, "device_cuda_ordinal", blend_cuda_ordinal(srv->gpu));
+	}
+	if (srv->dev) {
+		uint64_t held, total;
+
+		snprintf(nm, sizeof(nm), "device_%s", srv->dev->name);
+		stat_add(l, nm, 1);
+		srv->dev->memory(srv->dev, &held, &total);
+		stat_add(l, "device_memory_bytes", (double)held);
+		stat_add(l, "device_memory_total_bytes", (double)total);
+	}
+}
+
+/* STATS: the parts in a fixed order (clients and tests read them by name). */
 void op_stats(struct req *q)
 {
 	struct server *srv = q->srv;
+	struct stat_list l = { .cap = 128 + 3 * KVBP_OP_COUNT + KVBP_CODE_COUNT + 5 * 1024 };
 	struct store_totals t;
 	struct timespec now;
-	uint64_t shm_n, shm_bytes;
-	struct kvbp_stat *s;
-	size_t n = 0, cap = 128 + 3 * KVBP_OP_COUNT + KVBP_CODE_COUNT + 5 * 1024;
-	struct codec_use use = { 0 };
-	struct store_model *models = NULL;
 	int rc;
 
 	if (no_payload(q))
@@ -222,176 +369,24 @@ void op_stats(struct req *q)
 		fail_store(q, rc, "stats");
 		return;
 	}
-	s = calloc(cap, sizeof(*s));
-	if (!s) {
+	l.s = calloc(l.cap, sizeof(*l.s));
+	if (!l.s) {
 		fail(q, KVBP_LIMIT, "out of memory");
 		return;
 	}
-	shm_usage(srv->shm, &shm_n, &shm_bytes);
 	clock_gettime(CLOCK_MONOTONIC, &now);
-#define STAT(nm, v)                                                        \
-	do {                                                               \
-		snprintf(s[n].name, sizeof(s[n].name), "%s", nm);          \
-		s[n++].value = (double)(v);                                \
-	} while (0)
-	STAT("uptime_seconds", (double)(now.tv_sec - srv->started.tv_sec) +
-				       (now.tv_nsec - srv->started.tv_nsec) / 1e9);
-	STAT("workers", srv->n_workers);
-	STAT("models", t.models);
-	STAT("chunks", t.chunks);
-	STAT("raw_bytes", t.raw_bytes);
-	STAT("stored_bytes", t.stored_bytes);
-	STAT("compression_ratio", t.stored_bytes ? (double)t.raw_bytes / t.stored_bytes : 1.0);
-	/* What each store codec holds: one scan of the chunk records (48 bytes each). */
-	if (store_model_list(srv->store, &models, &use.n_models) == 0) {
-		static const char *const names[] = { "dtype", "fp8", "int8", "int4" };
-
-		use.models = models;
-		store_chunk_scan(srv->store, codec_use_add, &use);
-		for (int c = 0; c < 4; c++) {
-			char nm[64];
-
-			if (!use.chunks[c])
-				continue;
-			snprintf(nm, sizeof(nm), "store_%s_chunks", names[c]);
-			STAT(nm, use.chunks[c]);
-			snprintf(nm, sizeof(nm), "store_%s_raw_bytes", names[c]);
-			STAT(nm, use.raw[c]);
-			snprintf(nm, sizeof(nm), "store_%s_stored_bytes", names[c]);
-			STAT(nm, use.stored[c]);
-		}
-		free(models);
-	}
-	STAT("map_size_bytes", t.map_size);
-	STAT("map_used_bytes", t.map_used);
-	if (srv->cluster) {
-		struct cluster_stats cs;
-
-		cluster_stats(srv->cluster, &cs);
-		STAT("cluster_members", cs.members);
-		STAT("cluster_suspect", cs.suspect);
-		STAT("cluster_pushes_owed", cs.pushes_owed);
-		STAT("cluster_pushes_done", cs.pushes_done);
-		STAT("cluster_push_failures", cs.push_failures);
-		STAT("cluster_remote_hits", cs.remote_hits);
-		STAT("cluster_remote_misses", cs.remote_misses);
-		STAT("cluster_fetch_failures", cs.fetch_failures);
-		STAT("cluster_fetched_bytes", cs.fetched_bytes);
-		STAT("cluster_fetch_ms", cs.fetch_ms);
-		STAT("cluster_rebalance_pushes", cs.rebalance_pushes);
-		STAT("cluster_rebalance_skipped", cs.rebalance_skipped);
-		STAT("cluster_membership_changes", cs.membership_changes);
-		STAT("cluster_peer_busy", cs.peer_busy);
-		if (cs.etcd) {
-			STAT("cluster_etcd_ok", cs.etcd_ok);
-			STAT("cluster_etcd_errors", cs.etcd_errors);
-			STAT("cluster_etcd_last_ok_ms", cs.etcd_last_ok_ms);
-		}
-		/* per member: member:ID, owed:ID, seen_ms:ID, chunks:ID, bytes:ID */
-		{
-			struct member_stats ms = { s, &n, cap, &q->out->rep, 0 };
-
-			cluster_members(srv->cluster, member_stat, &ms);
-		}
-	}
-	STAT("shm_segments", shm_n);
-	STAT("shm_bytes", shm_bytes);
-	STAT("bytes_in", atomic_load(&srv->stats.bytes_in));
-	STAT("bytes_out", atomic_load(&srv->stats.bytes_out));
-	STAT("lookup_hits", atomic_load(&srv->stats.lookup_hits));
-	STAT("lookup_misses", atomic_load(&srv->stats.lookup_misses));
-	STAT("corrupt_removed", atomic_load(&srv->stats.corrupt_removed));
-	{
-		uint64_t held, n_clients;
-
-		clients_usage(srv->clients, &held, &n_clients);
-		STAT("inflight_bytes", held);
-		STAT("clients", n_clients);
-		STAT("connections", atomic_load(&srv->connections));
-		STAT("connections_refused", atomic_load(&srv->refused_clients));
-		STAT("curve_keys_refused", atomic_load(&srv->refused_keys));
-		STAT("connections_dropped_no_fd", fdguard_dropped());
-		STAT("replies_from_pages", atomic_load(&srv->held.count));
-		STAT("connections_cut_unread", atomic_load(&srv->held.cut));
-		STAT("max_clients", srv->max_clients);
-	}
-	{
-		struct evict_stats es;
-
-		evictor_stats(srv->evict, &es);
-		STAT("capacity_bytes", srv->cfg->capacity);
-		STAT("evictions", es.evicted);
-		STAT("evicted_bytes", es.evicted_bytes);
-		STAT("pinned_chunks", es.pins);
-	}
-	{
-		uint64_t fs, fb, fp;
-
-		fuse_usage(srv->fuse, &fs, &fb, &fp);
-		STAT("fuse_sessions", fs);
-		STAT("fuse_ring_bytes", fb);
-		STAT("fuse_pinned_chunks", fp);
-	}
-	for (uint32_t op = 1; op <= KVBP_OP_COUNT; op++) {
-		char nm[64];
-
-		snprintf(nm, sizeof(nm), "requests_%s",
-			 op < KVBP_OP_COUNT ? kvbp_op_name(op) : "unknown");
-		STAT(nm, atomic_load(&srv->stats.requests[op]));
-	}
-	for (uint32_t c = 1; c < KVBP_CODE_COUNT; c++) {
-		char nm[64];
-
-		snprintf(nm, sizeof(nm), "errors_%s", kvbp_code_name(c));
-		STAT(nm, atomic_load(&srv->stats.errors[c]));
-	}
-	/* Latency by operation: mean, and the 99th percentile as its bucket's upper bound. */
-	for (uint32_t op = 1; op < KVBP_OP_COUNT; op++) {
-		uint64_t cnt = atomic_load(&srv->stats.lat_count[op]), cum = 0;
-		char nm[64];
-		unsigned b = 0;
-
-		if (!cnt)
-			continue;
-		snprintf(nm, sizeof(nm), "latency_ms_mean_%s", kvbp_op_name(op));
-		STAT(nm, atomic_load(&srv->stats.lat_sum_ns[op]) / 1e6 / cnt);
-		for (; b < METRICS_BUCKETS; b++) {
-			cum += atomic_load(&srv->stats.lat_bucket[op][b]);
-			if (cum * 100 >= cnt * 99)
-				break;
-		}
-		snprintf(nm, sizeof(nm), "latency_ms_p99_le_%s", kvbp_op_name(op));
-		STAT(nm, b + 1 < METRICS_BUCKETS ? metrics_bucket_le[b] * 1e3 : -1);
-	}
-	{
-		char nm[64];
-
-		snprintf(nm, sizeof(nm), "backend_%s", srv->blend->name);
-		STAT(nm, 1);
-		if (srv->gpu) {
-			size_t k = (size_t)snprintf(nm, sizeof(nm), "device_name_%s",
-						    blend_cuda_name(srv->gpu));
-
-			/* The name as a stat name: words joined by '_' ("NVIDIA_H200"). */
-			for (k = k < sizeof(nm) ? k : sizeof(nm) - 1; k-- > 12;)
-				if (nm[k] == ' ')
-					nm[k] = '_';
-			STAT(nm, 1);
-			STAT("device_cuda_ordinal", blend_cuda_ordinal(srv->gpu));
-		}
-		if (srv->dev) {
-			uint64_t held, total;
-
-			snprintf(nm, sizeof(nm), "device_%s", srv->dev->name);
-			STAT(nm, 1);
-			srv->dev->memory(srv->dev, &held, &total);
-			STAT("device_memory_bytes", held);
-			STAT("device_memory_total_bytes", total);
-		}
-	}
-#undef STAT
-	q->out->rep.stats = s;
-	q->out->rep.n_stats = n;
+	stat_add(&l, "uptime_seconds", (double)(now.tv_sec - srv->started.tv_sec) +
+					       (double)(now.tv_nsec - srv->started.tv_nsec) / 1e9);
+	stat_add(&l, "workers", srv->n_workers);
+	stats_store(&l, srv->store, &t);
+	if (srv->cluster)
+		stats_cluster(&l, srv->cluster, &q->out->rep);
+	stats_server(&l, srv);
+	stats_evict_fuse(&l, srv);
+	stats_requests(&l, &srv->stats);
+	stats_device(&l, srv);
+	q->out->rep.stats = l.s;
+	q->out->rep.n_stats = l.n;
 }
 
 void op_shm_attach(struct req *q)

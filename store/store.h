@@ -9,7 +9,7 @@
  * and bytes, verified on every read too (docs/storage.md).
  *
  * Thread-safety: one struct store may be used from any number of threads.
- * Errors are negative errno values; LMDB codes never leave store.c:
+ * Errors are negative errno values; LMDB codes never leave store/:
  *   -ENOENT  no such model or chunk       -EEXIST  model name taken by another layout
  *   -ENOSPC  the LMDB map or the file system (or a disk quota) is full; the write
  *            was rolled back whole and the store stays usable (see store_totals()
@@ -78,6 +78,16 @@ struct store_chunk_entry {
 	struct store_chunk_info info;
 };
 
+/* Store codecs: a model's store_codec, 0 lossless in dtype, 1 fp8, 2 int8, 3 int4. */
+#define STORE_CODECS 4
+
+/* What the chunks of the models of one store codec hold. */
+struct store_codec_use {
+	uint64_t chunks;
+	uint64_t raw_bytes;    /* their K and V decoded, in the model's dtype */
+	uint64_t stored_bytes; /* as stored, headers included */
+};
+
 struct store_totals {
 	uint64_t models;
 	uint64_t chunks;
@@ -87,6 +97,8 @@ struct store_totals {
 	uint64_t map_used; /* bytes of the map in use (last page number x page size) */
 	uint64_t disk_size;  /* the data directory's file system: its size */
 	uint64_t disk_avail; /* and the bytes still free to an unprivileged writer */
+	/* chunks, raw_bytes and stored_bytes by the store_codec of each chunk's model */
+	struct store_codec_use codec[STORE_CODECS];
 };
 
 /*
@@ -249,7 +261,29 @@ int store_chunk_scan(struct store *s,
 			       const struct store_chunk_info *info),
 		     void *ctx);
 
+/*
+ * The store's figures: models, chunks and their bytes (in all and per store
+ * codec), the map and the file system. The chunk figures are kept up to date by
+ * every write that adds or removes a chunk record (put, import, delete, the
+ * clearing of a corrupt chunk, the format 1 upgrade), in that write's own
+ * transaction, so they are crash-consistent with the chunks, and reading them
+ * costs one record at any store size: no walk of the chunk records
+ * (store_chunk_walks() does not move). A chunk counts under the store codec of
+ * the model it was written with. Exception: a totals record that fails its
+ * checksum is counted again from the chunk records (a walk; per codec only for
+ * chunks whose model record is sound) until the next write replaces it; a store
+ * written by a kvblend without per-codec totals is counted once, at open.
+ * Returns 0 and *out, or a negative errno (*out untouched).
+ */
 int store_totals(struct store *s, struct store_totals *out);
+
+/*
+ * How many times the chunk records were walked since store_open(): by
+ * store_chunk_scan(), store_chunk_list() and the totals counted again from the
+ * chunk records. For tests and benchmarks that must know whether an operation
+ * walked the store. Never fails.
+ */
+uint64_t store_chunk_walks(struct store *s);
 
 /*
  * Pushes owed to cluster peers, kept across restarts: a peer id (1 ..

@@ -263,7 +263,7 @@ struct kvb_member {
  * The other members of the daemon's cluster, in a malloc'd array the caller frees
  * with free() (n 0 and a 1-element array when the daemon is in no cluster); with
  * stats not NULL, also the daemon's counters from the same reply (as kvb_stats(),
- * freed with free()): one STATS request, which walks the whole store, for both.
+ * freed with free()): one STATS request for both.
  */
 KVB_API int kvb_cluster_members(kvb_client *c, struct kvb_member **out, size_t *n,
 				struct kvb_stat **stats, size_t *n_stats);

@@ -767,6 +767,35 @@ static void test_unreachable(void **state)
 	assert_int_equal(kvb_connect("http://x", &o, &c, err, sizeof(err)), -EINVAL);
 }
 
+/*
+ * STATS reads the store's kept totals: however many arrive, none walks the chunk
+ * records (it did, one walk per STATS, until the totals were kept per codec),
+ * and the per-codec figures follow puts and deletes.
+ */
+static void test_stats_no_walk(void **state)
+{
+	struct daemon *d = *state;
+	kvb_client *c = daemon_client(d, 0);
+	size_t n = chunk_bytes(&tiny, 4);
+	uint8_t *kv = malloc(n), h[KVB_HASH_LEN];
+	double walks;
+
+	register_tiny(c);
+	for (uint32_t i = 0; i < 20; i++) {
+		hash_of(5000 + i, h);
+		fill(kv, n, i);
+		assert_int_equal(kvb_put(c, "tiny", h, KVB_F16, 4, 0, kv, n, NULL), 0);
+	}
+	assert_int_equal(kvb_delete(c, "tiny", h), 0);
+	walks = daemon_stat(c, "store_chunk_walks");
+	for (int i = 0; i < 50; i++)
+		assert_true(daemon_stat(c, "store_dtype_chunks") == 19);
+	assert_true(daemon_stat(c, "store_dtype_raw_bytes") == 19.0 * n);
+	assert_true(daemon_stat(c, "store_chunk_walks") == walks);
+	kvb_close(&c);
+	free(kv);
+}
+
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
@@ -782,6 +811,7 @@ int main(void)
 		cmocka_unit_test_setup_teardown(test_corrupt_chunk_removed, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_corrupt_large_chunk_removed, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_concurrent_clients, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_stats_no_walk, setup, teardown),
 		cmocka_unit_test(test_unreachable),
 	};
 
