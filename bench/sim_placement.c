@@ -1,6 +1,6 @@
 /*
  * sim_placement — placement of chunks over a cluster by weighted rendezvous
- * hashing (daemon/place.c, the code the daemons run), simulated at 10, 100 and
+ * hashing (cluster/place.c, the code the daemons run), simulated at 10, 100 and
  * 1000 members with R replicas: load balance (max / mean copies per member,
  * per unit of weight), the share of chunks whose owner set changes when one
  * member joins or leaves (HRW should move about R / N), and the replication
@@ -14,7 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../daemon/place.h"
+#include "../cluster/place.h"
 
 #define RMAX 8
 
@@ -143,7 +143,7 @@ int main(int argc, char **argv)
 		fprintf(stderr, "sim_placement: replicas 1..%d, chunks > 0\n", RMAX);
 		return 2;
 	}
-	printf("kvblend sim_placement: weighted rendezvous hashing (daemon/place.c), R = %zu\n\n", r);
+	printf("kvblend sim_placement: weighted rendezvous hashing (cluster/place.c), R = %zu\n\n", r);
 	printf("| members | weights | chunks | load max/mean (per weight) | chunks moved on a join "
 	       "(expected) | on a leave (expected) | copies sent on a join / all copies | on a "
 	       "leave |\n");

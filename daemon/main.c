@@ -11,7 +11,7 @@
 #include <unistd.h>
 
 #include "config.h"
-#include "etcd.h"
+#include "../cluster/etcd.h"
 #include "log.h"
 #include "notify.h"
 #include "server.h"

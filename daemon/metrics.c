@@ -18,7 +18,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "cluster.h"
+#include "../cluster/cluster.h"
 #include "cuda/cuda.h"
 #include "log.h"
 #include "server.h"

@@ -15,7 +15,7 @@
 #include <zmq.h>
 
 #include "clients.h"
-#include "cluster.h"
+#include "../cluster/cluster.h"
 #include "cuda/cuda.h"
 #include "curve.h"
 #include "fdguard.h"
@@ -726,6 +726,42 @@ static int pick_backend(struct server *srv, int device)
 	return 0;
 }
 
+/* The cluster's log lines, at the daemon's levels. */
+static void cluster_log(int level, const char *msg)
+{
+	log_msg(level == CLUSTER_LOG_ERR ? LOG_LVL_ERROR :
+		level == CLUSTER_LOG_WARN ? LOG_LVL_WARN : LOG_LVL_INFO, "%s", msg);
+}
+
+/* The cluster (cluster_new) as cfg's cluster settings describe it; *out NULL for none. */
+static int cluster_start(const struct config *cfg, struct store *store, const char *secret,
+			 const char *public_key, struct cluster **out, char *err, size_t errlen)
+{
+	struct cluster_opts o = {
+		.node_id = cfg->node_id,
+		.peers = cfg->cluster_peers,
+		.etcd = cfg->cluster_etcd,
+		.name = cfg->cluster_name,
+		.advertise = cfg->cluster_advertise,
+		.replicas = (unsigned)cfg->cluster_replicas,
+		.timeout_ms = (int)cfg->cluster_timeout_ms,
+		.rebalance_rate = cfg->cluster_rebalance_rate,
+		.repair_interval_s = cfg->cluster_repair_interval,
+		.lease_ttl_s = (int)cfg->cluster_lease_ttl,
+		.capacity = cfg->capacity ? cfg->capacity : cfg->map_size,
+		.curve_secret = secret,
+		.curve_public = public_key,
+		.store = store,
+		.log = cluster_log,
+		.describe = model_from_store,
+	};
+
+	for (unsigned i = 0; i < cfg->n_listen && !o.listen_tcp; i++)
+		if (!strncmp(cfg->listen[i], "tcp://", 6))
+			o.listen_tcp = cfg->listen[i];
+	return cluster_new(&o, out, err, errlen);
+}
+
 int server_start(struct server *srv, const struct config *cfg, struct store *store)
 {
 	unsigned n_workers = (unsigned)cfg->workers;
@@ -835,7 +871,7 @@ int server_start(struct server *srv, const struct config *cfg, struct store *sto
 			log_err("%s", err);
 			return -EINVAL;
 		}
-		rc = cluster_new(cfg, store, secret, public_key, &srv->cluster, err, sizeof(err));
+		rc = cluster_start(cfg, store, secret, public_key, &srv->cluster, err, sizeof(err));
 		memset(secret, 0, sizeof(secret));
 		if (rc) {
 			log_err("%s", rc == -EINVAL ? err : strerror(-rc));

@@ -1,5 +1,5 @@
 /*
- * Placement (daemon/place.c): the owners are the r best scores, best first,
+ * Placement (cluster/place.c): the owners are the r best scores, best first,
  * whatever the order of the member list; distinct; min(r, n) of them; weights
  * shift load in proportion; a member's join changes only owner sets it enters.
  */

@@ -10,8 +10,8 @@
  * Pure functions: no allocation, no state; every daemon computes the same
  * owners from the same member list, whatever its order.
  */
-#ifndef KVBLEND_DAEMON_PLACE_H
-#define KVBLEND_DAEMON_PLACE_H
+#ifndef KVBLEND_CLUSTER_PLACE_H
+#define KVBLEND_CLUSTER_PLACE_H
 
 #include <stddef.h>
 #include <stdint.h>

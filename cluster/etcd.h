@@ -11,8 +11,8 @@
  * -ECONNREFUSED (no endpoint answered), -ETIMEDOUT, -EPROTO (an answer that is
  * not the gateway's JSON), -ENOENT (a lease that is gone), -ECANCELED (stopped).
  */
-#ifndef KVBLEND_DAEMON_ETCD_H
-#define KVBLEND_DAEMON_ETCD_H
+#ifndef KVBLEND_CLUSTER_ETCD_H
+#define KVBLEND_CLUSTER_ETCD_H
 
 #include <stdatomic.h>
 #include <stdbool.h>

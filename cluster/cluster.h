@@ -22,9 +22,13 @@
  * Every remote call has a deadline (cluster_timeout_ms); a peer that misses one
  * is suspect and skipped for a while, so it never holds a local request past
  * the deadline again. Thread-safe.
+ *
+ * A library the daemon drives: it imports nothing from daemon/. What it needs
+ * from the daemon (settings, logging, the wire form of a model) comes in
+ * through struct cluster_opts.
  */
-#ifndef KVBLEND_DAEMON_CLUSTER_H
-#define KVBLEND_DAEMON_CLUSTER_H
+#ifndef KVBLEND_CLUSTER_CLUSTER_H
+#define KVBLEND_CLUSTER_CLUSTER_H
 
 #include <stdbool.h>
 #include <stddef.h>
@@ -32,19 +36,50 @@
 
 #include "../proto/wire.h"
 #include "../store/store.h"
-#include "config.h"
+
+#define CLUSTER_ENDPOINT_MAX 256 /* an endpoint with its NUL, as the daemon's listen */
 
 struct cluster;
 
+/* Levels of the cluster's log lines (cluster_opts.log). */
+enum cluster_log_level { CLUSTER_LOG_ERR = 0, CLUSTER_LOG_WARN, CLUSTER_LOG_INFO };
+
 /*
- * Parse cfg's cluster settings and start the push thread (which first queues
- * what the store says is still owed). *out is NULL (no cluster)
- * when cluster_peers and cluster_etcd are empty. curve_secret/curve_public: this daemon's CURVE key
- * pair (Z85, "" without), used towards peers that have a key. Returns 0, or
- * -EINVAL with a message in err naming the bad setting.
+ * What the daemon hands the cluster: its settings (named as in the daemon's
+ * config), where to log, and how a stored model is described on the wire. The
+ * strings are read during cluster_new() only (copied where kept); store,
+ * log and describe must outlive the cluster.
  */
-int cluster_new(const struct config *cfg, struct store *store, const char *curve_secret,
-		const char *curve_public, struct cluster **out, char *err, size_t errlen);
+struct cluster_opts {
+	const char *node_id;   /* this member's id; "" or NULL: the host name */
+	const char *peers;     /* cluster_peers: "id=tcp://host:port[=key]", comma separated */
+	const char *etcd;      /* cluster_etcd: the etcd endpoints, comma separated */
+	const char *name;      /* cluster_name: the etcd prefix is /kvblend/NAME/members/ */
+	const char *advertise; /* cluster_advertise: tcp://HOST:PORT other members reach */
+	const char *listen_tcp; /* the first tcp:// listen endpoint, NULL or "" without */
+	unsigned replicas;	/* cluster_replicas */
+	int timeout_ms;		/* cluster_timeout_ms: every remote call's deadline */
+	uint64_t rebalance_rate; /* cluster_rebalance_rate: bytes/s of rebalance pushes */
+	uint64_t repair_interval_s; /* cluster_repair_interval: 0 never */
+	int lease_ttl_s;	    /* cluster_lease_ttl: the etcd lease */
+	uint64_t capacity;	    /* bytes this member offers (its weight in placement) */
+	/* this daemon's CURVE key pair (Z85, "" or NULL without), towards peers with a key */
+	const char *curve_secret, *curve_public;
+	struct store *store;
+	/* one line, without a newline, at a cluster_log_level; NULL: no log */
+	void (*log)(int level, const char *msg);
+	/* m as a request describes it (FETCH and REPLICATE carry the model) */
+	void (*describe)(const struct store_model *m, struct kvbp_model *out);
+};
+
+/*
+ * Parse o's cluster settings and start the push thread (which first queues
+ * what the store says is still owed). *out is NULL (no cluster)
+ * when o->peers and o->etcd are empty. Returns 0, -ENOMEM, or -EINVAL (or
+ * another negative errno when a thread cannot start) with a message in err
+ * naming the bad setting.
+ */
+int cluster_new(const struct cluster_opts *o, struct cluster **out, char *err, size_t errlen);
 void cluster_free(struct cluster **c);
 
 /*
@@ -82,7 +117,7 @@ enum cluster_state { CLUSTER_ALIVE = 1, CLUSTER_SUSPECT = 0, CLUSTER_GONE = -1 }
 
 struct cluster_member {
 	char id[STORE_OWED_PEER_MAX + 1];
-	char endpoint[CONFIG_ENDPOINT_MAX];
+	char endpoint[CLUSTER_ENDPOINT_MAX];
 	enum cluster_state state; /* gone: left etcd (kept for the pushes it is owed) */
 	uint64_t owed;		  /* pushes queued for it */
 	uint64_t last_reply_ms;	  /* unix ms of its last answer (heartbeats: about 1 s); 0 never */

@@ -1,0 +1,224 @@
+/*
+ * cluster_impl — what the cluster's modules share, private to cluster/: struct
+ * cluster and its members, the view (who is in placement), peer calls, and the
+ * threads each module runs. The daemon sees only cluster.h.
+ *
+ * cluster.c: lifecycle, the view, placement queries, the operator's view.
+ * members.c: the static member list, the etcd registration and watch.
+ * transfer.c: calls to a peer, the push queue and its thread, fetch and lookup.
+ * rebalance.c: rebalance and repair passes, heartbeats.
+ */
+#ifndef KVBLEND_CLUSTER_CLUSTER_IMPL_H
+#define KVBLEND_CLUSTER_CLUSTER_IMPL_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <time.h>
+#include <zmq.h>
+
+#include "../proto/wire.h"
+#include "../store/store.h"
+#include "cluster.h"
+#include "etcd.h"
+#include "place.h"
+
+#define POOL 4		      /* idle sockets kept per peer */
+#define SUSPECT_MS 2000	      /* a peer that missed a deadline is skipped this long */
+#define QUEUE_MAX (1u << 16)  /* pushes held in memory; the rest wait in the store */
+#define MEMBERS_MAX 1024
+#define PEER_INFLIGHT_MAX 32  /* calls to one peer at once; more are refused (-EBUSY) */
+#define HEARTBEAT_MS 1000     /* a live member not heard from this long is pinged */
+#define LOOKUP_BATCH 1024     /* hashes per LOOKUP of a rebalance */
+
+struct peer {
+	char id[STORE_OWED_PEER_MAX + 1];
+	/* endpoint and key change only under lock (a member re-registering elsewhere) */
+	char endpoint[CLUSTER_ENDPOINT_MAX];
+	char key[41]; /* the peer's CURVE server key, "" for none */
+	double weight;
+	bool live; /* in placement: listed statically, or registered in etcd (view lock) */
+	pthread_mutex_t lock;
+	void *idle[POOL];
+	unsigned n_idle;
+	atomic_int_fast64_t suspect_until; /* ms, monotonic */
+	atomic_int_fast64_t last_reply;	   /* ms, realtime; 0 never */
+	atomic_int in_flight;
+	atomic_uint_fast64_t held_chunks, held_bytes; /* its store, at its last heartbeat */
+};
+
+struct push {
+	uint32_t peer;
+	uint32_t model_id;
+	uint8_t hash[KVBP_HASH_LEN];
+	bool rebalance; /* to a member that joined or returned: rate limited */
+};
+
+/* Who is in placement: this daemon and the live peers. */
+struct view {
+	struct place_member *members; /* [0] this daemon */
+	uint32_t *peer_of;	      /* members[j] is peers[peer_of[j] - 1]; 0 this daemon */
+	size_t n;
+};
+
+struct cluster {
+	struct store *store;
+	void (*log)(int level, const char *msg);
+	void (*describe)(const struct store_model *m, struct kvbp_model *out);
+	void *zctx;
+	char self[STORE_OWED_PEER_MAX + 1];
+	char secret[41], public_key[41];
+	double self_weight;
+	unsigned replicas;
+	int timeout_ms;
+	atomic_uint_fast64_t next_id;
+	/* members: peers only grow (an index stays valid); the view is rebuilt on change */
+	pthread_rwlock_t view_lock;
+	struct peer *peers[MEMBERS_MAX];
+	size_t n_peers;
+	struct view view;
+	atomic_uint_fast64_t view_gen, membership_changes;
+	/* pushes */
+	pthread_t pusher;
+	bool pusher_started;
+	pthread_mutex_t qlock;
+	pthread_cond_t qcond;
+	bool stop;
+	struct push *q;
+	size_t q_head, q_len;
+	bool rescan; /* owed pushes in the store that the queue could not hold */
+	uint64_t rebalance_rate;
+	int64_t rebalance_next_ns; /* the rate limit: no rebalance push before this */
+	atomic_uint_fast64_t pushes_done, push_failures, remote_hits, remote_misses,
+		fetch_failures, fetched_bytes, fetch_ns, in_flight, rebalance_pushes,
+		rebalance_skipped, peer_busy;
+	/* rebalance after a membership change (its own thread) */
+	pthread_t rebalancer;
+	bool rebalancer_started;
+	pthread_mutex_t rlock;
+	pthread_cond_t rcond;
+	uint64_t rebalanced_gen;
+	int64_t repair_ms; /* cluster_repair_interval; 0 never */
+	uint64_t rebalanced_wall_s; /* when that view was taken (unix s) */
+	struct view rebalanced; /* the view the last rebalance left the chunks in */
+	bool have_rebalanced;
+	/* heartbeats */
+	pthread_t heart;
+	bool heart_started;
+	/* etcd */
+	char etcd_urls[CLUSTER_ENDPOINT_MAX * 2];
+	char prefix[256];
+	char advertise[CLUSTER_ENDPOINT_MAX];
+	uint64_t capacity;
+	int lease_ttl;
+	pthread_t registrar, watcher;
+	bool registrar_started, watcher_started;
+	atomic_bool etcd_stop, watch_abort, etcd_ok, etcd_synced;
+	atomic_uint_fast64_t etcd_errors, etcd_last_ok; /* realtime ms */
+};
+
+/* A peer's reply: its decoded header, and the payload frames after it. */
+struct call_out {
+	struct kvbp_reply rep;
+	zmq_msg_t *frames;
+	size_t n_frames;
+};
+
+/* A log line through the daemon's callback (cluster_opts.log), as printf formats it. */
+void cluster_logf(const struct cluster *c, int level, const char *fmt, ...)
+	__attribute__((format(printf, 3, 4)));
+#define cl_err(c, ...) cluster_logf(c, CLUSTER_LOG_ERR, __VA_ARGS__)
+#define cl_warn(c, ...) cluster_logf(c, CLUSTER_LOG_WARN, __VA_ARGS__)
+#define cl_info(c, ...) cluster_logf(c, CLUSTER_LOG_INFO, __VA_ARGS__)
+
+static inline int64_t now_ms(void)
+{
+	struct timespec t;
+
+	clock_gettime(CLOCK_MONOTONIC, &t);
+	return (int64_t)t.tv_sec * 1000 + t.tv_nsec / 1000000;
+}
+
+static inline int64_t now_ns(void)
+{
+	struct timespec t;
+
+	clock_gettime(CLOCK_MONOTONIC, &t);
+	return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+static inline int64_t wall_ms(void)
+{
+	struct timespec t;
+
+	clock_gettime(CLOCK_REALTIME, &t);
+	return (int64_t)t.tv_sec * 1000 + t.tv_nsec / 1000000;
+}
+
+static inline bool suspect(struct peer *p)
+{
+	return atomic_load(&p->suspect_until) > now_ms();
+}
+
+/* Sleep on cond (its mutex held) for ms, or until signalled. */
+void wait_ms(pthread_cond_t *cond, pthread_mutex_t *mu, int64_t ms);
+
+/* ---- the view (cluster.c) ---- */
+
+void view_free(struct view *v);
+/* A copy of a view into out (the view lock held). 0 or -ENOMEM. */
+int view_copy(const struct view *in, struct view *out);
+/* Rebuild c's view from the live peers (the view lock held for writing). 0 or -ENOMEM. */
+int view_rebuild(struct cluster *c);
+/* Members of view v in placement order for hash, as 0 (this daemon) or 1 + peer index. */
+size_t view_ranked(const struct view *v, const uint8_t *hash, size_t r, size_t *idx);
+/* The same for the current view. */
+size_t ranked(struct cluster *c, const uint8_t *hash, size_t r, size_t *idx);
+/* Peer i (NULL past the end), whether it is live, how many peers: each under the view lock. */
+struct peer *peer_at(struct cluster *c, size_t i);
+bool peer_live(struct cluster *c, struct peer *p);
+size_t n_peers(struct cluster *c);
+/* Wake the rebalance and heartbeat threads (a membership change). */
+void rebalance_kick(struct cluster *c);
+
+/* ---- members (members.c) ---- */
+
+/* Is s (n bytes) a member id: 1..STORE_OWED_PEER_MAX letters, digits or ._-? */
+bool id_ok(const char *s, size_t n);
+/* Close p's idle sockets (its endpoint or key changed, or the end); p->lock held. */
+void peer_drop_idle(struct peer *p);
+/* The peers of a cluster_peers list, live from the start. 0, or -EINVAL with err. */
+int members_parse_list(struct cluster *c, const char *list, char *err, size_t errlen);
+/* The etcd settings of o checked and kept in c (etcd mode). 0, or -EINVAL with err. */
+int members_etcd_setup(struct cluster *c, const struct cluster_opts *o, char *err,
+		       size_t errlen);
+/* The threads that keep this daemon's etcd record alive, and apply the others'. */
+void *registrar_main(void *arg);
+void *watcher_main(void *arg);
+
+/* ---- transfers (transfer.c) ---- */
+
+void call_out_free(struct call_out *o);
+/*
+ * Send req (and its payload frames) to peer p and wait for the reply until the
+ * deadline. Returns 0 with out filled (out->rep.code may be an error), or
+ * -ETIMEDOUT / -EIO / -ENOMEM, the peer then marked suspect; -EBUSY (not marked)
+ * when PEER_INFLIGHT_MAX calls to p are under way.
+ */
+int peer_call(struct cluster *c, struct peer *p, struct kvbp_request *req,
+	      const void *const *frames, const size_t *lens, size_t n_frames,
+	      struct call_out *out);
+/* Record (store first: a crash from here on still pushes it) and queue a push. */
+void owe(struct cluster *c, size_t peer, uint32_t model_id, const uint8_t *hash,
+	 bool rebalance);
+/* The push thread: what the store still owes first, then the queue. */
+void *pusher_main(void *arg);
+
+/* ---- rebalance and heartbeats (rebalance.c) ---- */
+
+void *rebalancer_main(void *arg);
+void *heart_main(void *arg);
+
+#endif

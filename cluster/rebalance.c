@@ -1,0 +1,250 @@
+/*
+ * rebalance — chunks to the members that own them (see cluster.h): after a
+ * membership change, the chunks held here whose owners changed; in a repair pass,
+ * every chunk held here to each owner that lacks it. And heartbeats.
+ */
+#include "cluster_impl.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+struct rb_item {
+	uint32_t peer, model_id;
+	uint8_t hash[KVBP_HASH_LEN];
+};
+
+struct rb_scan {
+	struct cluster *c;
+	const struct view *old, *cur;
+	uint64_t since; /* chunks stored since (unix s) may have been placed by a later view */
+	struct rb_item *items;
+	size_t n, cap;
+	int err;
+};
+
+static bool in_list(const size_t *l, size_t n, size_t x)
+{
+	for (size_t i = 0; i < n; i++)
+		if (l[i] == x)
+			return true;
+	return false;
+}
+
+/*
+ * One chunk held here: each of its owners under the current view that was no
+ * owner under the old one (old NULL: every owner, a repair pass) is a candidate;
+ * rb_filter then keeps only those that lack it. Every member holding the chunk
+ * does this, so a new owner gets it even when the member that should have had it
+ * does not (a push still queued, a copy lost); two holders pushing the same
+ * chunk at once cost a second transfer, nothing else.
+ */
+static int rb_chunk(void *ctx, uint32_t model_id, const uint8_t *hash,
+		    const struct store_chunk_info *info)
+{
+	struct rb_scan *r = ctx;
+	size_t R = r->c->replicas < 16 ? r->c->replicas : 16;
+	size_t now[16], before[16], n_now, n_before = 0;
+
+	n_now = view_ranked(r->cur, hash, R, now);
+	/* A chunk stored after the old view was taken was placed by whatever view held
+	 * then (a member may have left and come back in between): all its owners count. */
+	if (r->old && info->created < r->since)
+		n_before = view_ranked(r->old, hash, R, before);
+	for (size_t j = 0; j < n_now; j++) {
+		if (!now[j] || in_list(before, n_before, now[j]))
+			continue;
+		if (r->n == r->cap) {
+			size_t cap = r->cap ? 2 * r->cap : 1024;
+			struct rb_item *it = realloc(r->items, cap * sizeof(*it));
+
+			if (!it) {
+				r->err = -ENOMEM;
+				return 1;
+			}
+			r->items = it;
+			r->cap = cap;
+		}
+		r->items[r->n].peer = (uint32_t)(now[j] - 1);
+		r->items[r->n].model_id = model_id;
+		memcpy(r->items[r->n++].hash, hash, KVBP_HASH_LEN);
+	}
+	return 0;
+}
+
+/* Drop the items peer already holds (one LOOKUP per model and batch); keep them on failure. */
+static size_t rb_filter(struct cluster *c, struct rb_item *it, size_t n)
+{
+	size_t kept = 0, i = 0;
+
+	while (i < n) {
+		struct peer *p = peer_at(c, it[i].peer);
+		struct store_model m;
+		struct kvbp_request q = { .op = KVBP_OP_LOOKUP };
+		struct call_out o;
+		size_t k = 0, start = i;
+
+		/* a batch: the same peer and model, up to LOOKUP_BATCH */
+		while (i < n && k < LOOKUP_BATCH && it[i].peer == it[start].peer &&
+		       it[i].model_id == it[start].model_id) {
+			i++;
+			k++;
+		}
+		q.hashes = calloc(k, KVBP_HASH_LEN);
+		if (p && q.hashes && !store_model_by_id(c->store, it[start].model_id, &m)) {
+			for (size_t j = 0; j < k; j++)
+				memcpy(q.hashes[j], it[start + j].hash, KVBP_HASH_LEN);
+			q.n_hashes = k;
+			snprintf(q.model_name, sizeof(q.model_name), "%s", m.name);
+			if (!peer_call(c, p, &q, NULL, NULL, 0, &o)) {
+				bool ok = o.rep.code == KVBP_OK && o.rep.n_chunks == k;
+
+				for (size_t j = 0; j < k; j++)
+					if (!(ok && o.rep.chunks[j].found))
+						it[kept++] = it[start + j];
+					else
+						atomic_fetch_add(&c->rebalance_skipped, 1);
+				call_out_free(&o);
+				kvbp_request_clear(&q);
+				continue;
+			}
+		}
+		kvbp_request_clear(&q);
+		for (size_t j = 0; j < k; j++) /* not asked: push them all */
+			it[kept++] = it[start + j];
+	}
+	return kept;
+}
+
+static int rb_cmp(const void *a, const void *b)
+{
+	const struct rb_item *x = a, *y = b;
+
+	if (x->peer != y->peer)
+		return x->peer < y->peer ? -1 : 1;
+	if (x->model_id != y->model_id)
+		return x->model_id < y->model_id ? -1 : 1;
+	return memcmp(x->hash, y->hash, KVBP_HASH_LEN);
+}
+
+static void rebalance(struct cluster *c, const struct view *old, const struct view *cur)
+{
+	/* created is in whole seconds: a margin of two */
+	struct rb_scan r = { c, old, cur, c->rebalanced_wall_s - 2, NULL, 0, 0, 0 };
+	int rc = store_chunk_scan(c->store, rb_chunk, &r);
+	size_t n;
+
+	if (rc < 0 || r.err) {
+		cl_warn(c, "cluster: rebalance: cannot read the store's chunks: %s",
+			strerror(r.err ? -r.err : -rc));
+		free(r.items);
+		return;
+	}
+	if (!r.n)
+		return; /* nothing here changed owners */
+	qsort(r.items, r.n, sizeof(*r.items), rb_cmp);
+	n = rb_filter(c, r.items, r.n);
+	for (size_t i = 0; i < n; i++)
+		owe(c, r.items[i].peer, r.items[i].model_id, r.items[i].hash, true);
+	if (n || old)
+		cl_info(c, "cluster: %s: %zu chunk copies to push to owners that lack them (%zu "
+			"already there)", old ? "membership changed" : "repair pass", n, r.n - n);
+	free(r.items);
+}
+
+void *rebalancer_main(void *arg)
+{
+	struct cluster *c = arg;
+
+	int64_t next_repair = now_ms() + c->repair_ms;
+
+	pthread_mutex_lock(&c->rlock);
+	while (!c->stop) {
+		struct view cur = { 0 };
+		uint64_t gen = atomic_load(&c->view_gen), wall;
+		int rc;
+
+		if (gen == c->rebalanced_gen) {
+			/* A repair pass: every chunk held here to every owner that lacks it. */
+			if (c->repair_ms && now_ms() >= next_repair && c->have_rebalanced &&
+			    c->rebalanced.n > 1) {
+				pthread_mutex_unlock(&c->rlock);
+				rebalance(c, NULL, &c->rebalanced); /* only this thread changes it */
+				pthread_mutex_lock(&c->rlock);
+				next_repair = now_ms() + c->repair_ms;
+				continue;
+			}
+			wait_ms(&c->rcond, &c->rlock, 500);
+			continue;
+		}
+		pthread_mutex_unlock(&c->rlock);
+		wall = (uint64_t)(wall_ms() / 1000);
+		pthread_rwlock_rdlock(&c->view_lock);
+		gen = atomic_load(&c->view_gen);
+		rc = view_copy(&c->view, &cur);
+		pthread_rwlock_unlock(&c->view_lock);
+		/* owed pushes for members that just became known can be queued now */
+		pthread_mutex_lock(&c->qlock);
+		c->rescan = true;
+		pthread_cond_signal(&c->qcond);
+		pthread_mutex_unlock(&c->qlock);
+		if (!rc && c->have_rebalanced)
+			rebalance(c, &c->rebalanced, &cur);
+		pthread_mutex_lock(&c->rlock);
+		if (!rc) {
+			view_free(&c->rebalanced);
+			c->rebalanced = cur;
+			c->have_rebalanced = true;
+			c->rebalanced_gen = gen;
+			c->rebalanced_wall_s = wall;
+		} else {
+			wait_ms(&c->rcond, &c->rlock, 1000); /* out of memory: try again later */
+		}
+	}
+	pthread_mutex_unlock(&c->rlock);
+	return NULL;
+}
+
+/* ---- heartbeats: every live member is heard from at least every HEARTBEAT_MS ---- */
+
+void *heart_main(void *arg)
+{
+	struct cluster *c = arg;
+
+	pthread_mutex_lock(&c->rlock);
+	while (!c->stop) {
+		size_t np;
+
+		wait_ms(&c->rcond, &c->rlock, HEARTBEAT_MS / 4);
+		if (c->stop)
+			break;
+		pthread_mutex_unlock(&c->rlock);
+		np = n_peers(c);
+		/* (a stop does not wait for a sweep over many dead members: etcd_stop is set
+		 * first of all by cluster_free) */
+		for (size_t i = 0; i < np && !atomic_load(&c->etcd_stop); i++) {
+			struct peer *p = peer_at(c, i);
+			struct kvbp_request q = { .op = KVBP_OP_HELLO };
+			struct call_out o;
+
+			if (!p || !peer_live(c, p) ||
+			    wall_ms() - atomic_load(&p->last_reply) < HEARTBEAT_MS)
+				continue;
+			if (peer_call(c, p, &q, NULL, NULL, 0, &o))
+				continue;
+			for (size_t k = 0; k < o.rep.n_stats; k++) {
+				if (!strcmp(o.rep.stats[k].name, "chunks"))
+					atomic_store(&p->held_chunks, (uint64_t)o.rep.stats[k].value);
+				else if (!strcmp(o.rep.stats[k].name, "stored_bytes"))
+					atomic_store(&p->held_bytes, (uint64_t)o.rep.stats[k].value);
+			}
+			call_out_free(&o);
+		}
+		pthread_mutex_lock(&c->rlock);
+	}
+	pthread_mutex_unlock(&c->rlock);
+	return NULL;
+}

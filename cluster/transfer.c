@@ -1,0 +1,528 @@
+/*
+ * transfer — the cluster's calls between members (see cluster.h): a pool of
+ * sockets per peer and one call with a deadline, the read path (fetch, lookup)
+ * and the write path (the push queue and its thread).
+ */
+#include "cluster_impl.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ---- calls to a peer ---- */
+
+static void *sock_get(struct cluster *c, struct peer *p)
+{
+	void *s = NULL;
+	int zero = 0;
+
+	char endpoint[CLUSTER_ENDPOINT_MAX], key[41];
+
+	pthread_mutex_lock(&p->lock);
+	if (p->n_idle)
+		s = p->idle[--p->n_idle];
+	memcpy(endpoint, p->endpoint, sizeof(endpoint));
+	memcpy(key, p->key, sizeof(key));
+	pthread_mutex_unlock(&p->lock);
+	if (s)
+		return s;
+	s = zmq_socket(c->zctx, ZMQ_DEALER);
+	if (!s)
+		return NULL;
+	zmq_setsockopt(s, ZMQ_LINGER, &zero, sizeof(zero));
+	if (key[0] && c->secret[0] &&
+	    (zmq_setsockopt(s, ZMQ_CURVE_SERVERKEY, key, 40) ||
+	     zmq_setsockopt(s, ZMQ_CURVE_PUBLICKEY, c->public_key, 40) ||
+	     zmq_setsockopt(s, ZMQ_CURVE_SECRETKEY, c->secret, 40))) {
+		zmq_close(s);
+		return NULL;
+	}
+	if (!endpoint[0] || zmq_connect(s, endpoint)) {
+		zmq_close(s);
+		return NULL;
+	}
+	return s;
+}
+
+static void sock_put(struct peer *p, void *s, bool good)
+{
+	pthread_mutex_lock(&p->lock);
+	if (good && p->n_idle < POOL) {
+		p->idle[p->n_idle++] = s;
+		s = NULL;
+	}
+	pthread_mutex_unlock(&p->lock);
+	if (s)
+		zmq_close(s); /* a late reply can never answer a later call */
+}
+
+void call_out_free(struct call_out *o)
+{
+	for (size_t i = 0; i < o->n_frames; i++)
+		zmq_msg_close(&o->frames[i]);
+	free(o->frames);
+	o->frames = NULL;
+	o->n_frames = 0;
+	kvbp_reply_clear(&o->rep);
+}
+
+/*
+ * Send req (and its payload frames) to peer p and wait for the reply until the
+ * deadline. Returns 0 with out filled (out->rep.code may be an error), or
+ * -ETIMEDOUT / -EIO / -ENOMEM, the peer then marked suspect.
+ */
+int peer_call(struct cluster *c, struct peer *p, struct kvbp_request *req,
+	      const void *const *frames, const size_t *lens, size_t n_frames,
+	      struct call_out *out)
+{
+	int64_t deadline = now_ms() + c->timeout_ms;
+	void *s;
+	uint8_t *hdr = NULL;
+	size_t hlen;
+	int rc = 0;
+
+	memset(out, 0, sizeof(*out));
+	if (atomic_fetch_add(&p->in_flight, 1) >= PEER_INFLIGHT_MAX) {
+		atomic_fetch_sub(&p->in_flight, 1);
+		atomic_fetch_add(&c->peer_busy, 1);
+		return -EBUSY; /* the peer is not marked: it is busy, not gone */
+	}
+	s = sock_get(c, p);
+	if (!s) {
+		atomic_fetch_sub(&p->in_flight, 1);
+		return -EIO;
+	}
+	req->version = KVBP_VERSION;
+	req->request_id = atomic_fetch_add(&c->next_id, 1) + 1;
+	req->local_only = true; /* the peer answers from its own store: no call back */
+	req->payload_frames = (uint32_t)n_frames;
+	if (kvbp_request_encode(req, &hdr, &hlen)) {
+		sock_put(p, s, true);
+		atomic_fetch_sub(&p->in_flight, 1);
+		return -ENOMEM;
+	}
+	if (zmq_send(s, "", 0, ZMQ_SNDMORE | ZMQ_DONTWAIT) < 0 ||
+	    zmq_send(s, hdr, hlen, (n_frames ? ZMQ_SNDMORE : 0) | ZMQ_DONTWAIT) < 0)
+		rc = -EIO;
+	free(hdr);
+	for (size_t i = 0; !rc && i < n_frames; i++)
+		if (zmq_send(s, frames[i], lens[i], (i + 1 < n_frames ? ZMQ_SNDMORE : 0) |
+							    ZMQ_DONTWAIT) < 0)
+			rc = -EIO;
+	while (!rc) {
+		zmq_pollitem_t it = { s, 0, ZMQ_POLLIN, 0 };
+		int64_t left = deadline - now_ms();
+		zmq_msg_t parts[2];
+		size_t np = 0, cap = 0;
+		int more = 1;
+		char derr[128];
+
+		if (left <= 0) {
+			rc = -ETIMEDOUT;
+			break;
+		}
+		if (zmq_poll(&it, 1, (long)left) <= 0)
+			continue; /* EINTR or timeout: the loop checks the deadline */
+		for (; more && np < 2; np++) {
+			zmq_msg_init(&parts[np]);
+			if (zmq_msg_recv(&parts[np], s, 0) < 0) {
+				zmq_msg_close(&parts[np]);
+				rc = -EIO;
+				break;
+			}
+			more = zmq_msg_more(&parts[np]);
+		}
+		while (!rc && more) {
+			if (out->n_frames == cap) {
+				zmq_msg_t *f = realloc(out->frames, (cap = cap ? 2 * cap : 16) *
+								      sizeof(*f));
+
+				if (!f) {
+					rc = -ENOMEM;
+					break;
+				}
+				out->frames = f;
+			}
+			zmq_msg_init(&out->frames[out->n_frames]);
+			if (zmq_msg_recv(&out->frames[out->n_frames], s, 0) < 0) {
+				zmq_msg_close(&out->frames[out->n_frames]);
+				rc = -EIO;
+				break;
+			}
+			more = zmq_msg_more(&out->frames[out->n_frames++]);
+		}
+		if (!rc && (np != 2 || zmq_msg_size(&parts[0]) != 0 ||
+			    kvbp_reply_decode(zmq_msg_data(&parts[1]), zmq_msg_size(&parts[1]),
+					      &out->rep, derr, sizeof(derr))))
+			rc = -EIO;
+		for (size_t i = 0; i < np; i++)
+			zmq_msg_close(&parts[i]);
+		if (!rc && out->rep.request_id == req->request_id)
+			break;
+		if (!rc) /* someone else's late reply: keep waiting */
+			call_out_free(out);
+	}
+	if (rc) {
+		call_out_free(out);
+		atomic_store(&p->suspect_until, now_ms() + SUSPECT_MS);
+		cl_warn(c, "cluster: member '%s': %s; skipped for %d ms", p->id,
+			rc == -ETIMEDOUT ? "no reply within cluster_timeout_ms" : "call failed",
+			SUSPECT_MS);
+	} else {
+		atomic_store(&p->suspect_until, 0);
+		atomic_store(&p->last_reply, wall_ms());
+	}
+	sock_put(p, s, rc == 0);
+	atomic_fetch_sub(&p->in_flight, 1);
+	return rc;
+}
+
+/* ---- read path ---- */
+
+int cluster_fetch(struct cluster *c, const struct store_model *m, const uint8_t *hash)
+{
+	/* place_owners ranks at most 64: the owners first, then the rest in order */
+	size_t idx[64], n = ranked(c, hash, 64, idx);
+	int rc = -ENOENT;
+
+	/* the owners first, then everyone else (a chunk may sit where it used to belong) */
+	for (size_t i = 0; i < n && rc; i++) {
+		struct peer *p;
+		struct kvbp_request q = { .op = KVBP_OP_FETCH, .has_model = true, .has_hash = true };
+		struct call_out o;
+		struct timespec t0, t1;
+		const void **blobs;
+		size_t *lens;
+		int crc;
+
+		if (idx[i] == 0)
+			continue;
+		p = peer_at(c, idx[i] - 1);
+		if (!p || suspect(p))
+			continue;
+		c->describe(m, &q.model);
+		snprintf(q.model_name, sizeof(q.model_name), "%s", m->name);
+		memcpy(q.hash, hash, KVBP_HASH_LEN);
+		clock_gettime(CLOCK_MONOTONIC, &t0);
+		crc = peer_call(c, p, &q, NULL, NULL, 0, &o);
+		if (crc) {
+			atomic_fetch_add(&c->fetch_failures, 1);
+			continue;
+		}
+		if (o.rep.code == KVBP_NOT_FOUND) {
+			call_out_free(&o);
+			continue;
+		}
+		if (o.rep.code || o.rep.n_chunks != 1 || o.n_frames != m->num_layers) {
+			cl_warn(c, "cluster: fetch from '%s': %s", p->id,
+				o.rep.code ? o.rep.message : "reply of the wrong shape");
+			atomic_fetch_add(&c->fetch_failures, 1);
+			call_out_free(&o);
+			continue;
+		}
+		blobs = calloc(o.n_frames, sizeof(*blobs));
+		lens = calloc(o.n_frames, sizeof(*lens));
+		if (!blobs || !lens) {
+			free(blobs);
+			free(lens);
+			call_out_free(&o);
+			return -ENOMEM;
+		}
+		for (size_t l = 0; l < o.n_frames; l++) {
+			blobs[l] = zmq_msg_data(&o.frames[l]);
+			lens[l] = zmq_msg_size(&o.frames[l]);
+		}
+		crc = store_chunk_import(c->store, m, hash, o.rep.chunks[0].num_tokens,
+					 o.rep.chunks[0].base_pos, blobs, lens, NULL);
+		clock_gettime(CLOCK_MONOTONIC, &t1);
+		if (crc >= 0) {
+			uint64_t bytes = 0;
+
+			for (size_t l = 0; l < o.n_frames; l++)
+				bytes += lens[l];
+			atomic_fetch_add(&c->remote_hits, 1);
+			atomic_fetch_add(&c->fetched_bytes, bytes);
+			atomic_fetch_add(&c->fetch_ns, (uint64_t)(t1.tv_sec - t0.tv_sec) * 1000000000u +
+							       (uint64_t)t1.tv_nsec - (uint64_t)t0.tv_nsec);
+			rc = 0;
+		} else {
+			cl_warn(c, "cluster: chunk from '%s' refused: %s", p->id,
+				crc == -EBADMSG ? "its bytes fail their checks" : strerror(-crc));
+			atomic_fetch_add(&c->fetch_failures, 1);
+			if (crc != -EBADMSG)
+				rc = crc;
+		}
+		free(blobs);
+		free(lens);
+		call_out_free(&o);
+	}
+	if (rc == -ENOENT)
+		atomic_fetch_add(&c->remote_misses, 1);
+	return rc;
+}
+
+size_t cluster_lookup(struct cluster *c, const struct store_model *m,
+		      const uint8_t (*hashes)[KVBP_HASH_LEN], size_t n, bool *found,
+		      struct store_chunk_info *infos)
+{
+	size_t got = 0;
+
+	size_t np = n_peers(c);
+
+	/* one batched LOOKUP per peer, for the missing hashes it owns */
+	for (size_t pi = 0; pi < np; pi++) {
+		struct peer *p = peer_at(c, pi);
+		struct kvbp_request q = { .op = KVBP_OP_LOOKUP };
+		size_t *which = NULL, k = 0;
+		struct call_out o;
+
+		if (!p || suspect(p) || !peer_live(c, p))
+			continue;
+		for (size_t i = 0; i < n; i++) {
+			size_t idx[16], r;
+
+			if (found[i])
+				continue;
+			r = ranked(c, hashes[i], c->replicas < 16 ? c->replicas : 16, idx);
+			for (size_t j = 0; j < r; j++)
+				if (idx[j] == pi + 1) {
+					if (!which) {
+						which = calloc(n, sizeof(*which));
+						q.hashes = calloc(n, KVBP_HASH_LEN);
+						if (!which || !q.hashes)
+							goto next;
+					}
+					memcpy(q.hashes[k], hashes[i], KVBP_HASH_LEN);
+					which[k++] = i;
+				}
+		}
+		if (!k)
+			goto next;
+		q.n_hashes = k;
+		snprintf(q.model_name, sizeof(q.model_name), "%s", m->name);
+		if (peer_call(c, p, &q, NULL, NULL, 0, &o))
+			goto next;
+		if (o.rep.code == KVBP_OK && o.rep.n_chunks == k)
+			for (size_t j = 0; j < k; j++)
+				if (o.rep.chunks[j].found && !found[which[j]]) {
+					struct store_chunk_info *ci = &infos[which[j]];
+
+					found[which[j]] = true;
+					memset(ci, 0, sizeof(*ci));
+					ci->num_tokens = o.rep.chunks[j].num_tokens;
+					ci->base_pos = o.rep.chunks[j].base_pos;
+					ci->num_layers = o.rep.chunks[j].num_layers;
+					ci->raw_bytes = o.rep.chunks[j].raw_bytes;
+					ci->stored_bytes = o.rep.chunks[j].stored_bytes;
+					got++;
+				}
+		call_out_free(&o);
+next:
+		free(which);
+		kvbp_request_clear(&q);
+	}
+	return got;
+}
+
+/* ---- write path ---- */
+
+/* Queue a push (the queue lock held); false when the queue is full. */
+static bool enqueue(struct cluster *c, uint32_t peer, uint32_t model_id, const uint8_t *hash,
+		    bool rebalance)
+{
+	struct push *e;
+
+	if (c->q_len == QUEUE_MAX) {
+		c->rescan = true; /* it stays owed in the store: read again when there is room */
+		return false;
+	}
+	e = &c->q[(c->q_head + c->q_len++) % QUEUE_MAX];
+	e->peer = peer;
+	e->model_id = model_id;
+	e->rebalance = rebalance;
+	memcpy(e->hash, hash, KVBP_HASH_LEN);
+	pthread_cond_signal(&c->qcond);
+	return true;
+}
+
+/* Record (store first: a crash from here on still pushes it) and queue a push. */
+void owe(struct cluster *c, size_t peer, uint32_t model_id, const uint8_t *hash,
+	 bool rebalance)
+{
+	struct peer *p = peer_at(c, peer);
+
+	if (!p)
+		return;
+	if (store_owed_put(c->store, p->id, model_id, hash, true))
+		cl_warn(c, "cluster: cannot record a push owed to '%s'; pushing it anyway", p->id);
+	pthread_mutex_lock(&c->qlock);
+	enqueue(c, (uint32_t)peer, model_id, hash, rebalance);
+	pthread_mutex_unlock(&c->qlock);
+}
+
+void cluster_stored(struct cluster *c, const struct store_model *m, const uint8_t *hash)
+{
+	size_t idx[16], r = ranked(c, hash, c->replicas < 16 ? c->replicas : 16, idx);
+
+	for (size_t i = 0; i < r; i++)
+		if (idx[i])
+			owe(c, idx[i] - 1, m->id, hash, false);
+}
+
+struct export_buf {
+	const void **blobs;
+	size_t *lens;
+	uint32_t n;
+};
+
+static int export_layer(void *ctx, uint32_t layer, const void *bytes, size_t len)
+{
+	struct export_buf *b = ctx;
+
+	if (layer >= b->n)
+		return -EBADMSG;
+	b->blobs[layer] = malloc(len ? len : 1);
+	if (!b->blobs[layer])
+		return -ENOMEM;
+	memcpy((void *)b->blobs[layer], bytes, len);
+	b->lens[layer] = len;
+	return 0;
+}
+
+/* Push one chunk to one peer: 0 done (or nothing to do), -EAGAIN retry later. *bytes sent. */
+static int push_one(struct cluster *c, const struct push *e, uint64_t *bytes)
+{
+	struct peer *p = peer_at(c, e->peer);
+	struct store_model m;
+	struct store_chunk_info ci;
+	struct export_buf b = { 0 };
+	struct kvbp_request q = { .op = KVBP_OP_REPLICATE, .has_model = true, .has_hash = true };
+	struct call_out o;
+	int rc = store_model_by_id(c->store, e->model_id, &m);
+
+	*bytes = 0;
+	if (!p)
+		return 0;
+	if (rc) /* the model is gone, or its record is unreadable: nothing to push */
+		goto done;
+	b.n = m.num_layers;
+	b.blobs = calloc(b.n, sizeof(*b.blobs));
+	b.lens = calloc(b.n, sizeof(*b.lens));
+	if (!b.blobs || !b.lens) {
+		rc = -EAGAIN;
+		goto out;
+	}
+	rc = store_chunk_export(c->store, &m, e->hash, &ci, export_layer, &b);
+	if (rc == -ENOENT || rc == -EBADMSG) /* deleted or corrupt here: not ours to send */
+		goto done;
+	if (rc) {
+		rc = -EAGAIN;
+		goto out;
+	}
+	c->describe(&m, &q.model);
+	snprintf(q.model_name, sizeof(q.model_name), "%s", m.name);
+	memcpy(q.hash, e->hash, KVBP_HASH_LEN);
+	q.num_tokens = ci.num_tokens;
+	q.base_pos = ci.base_pos;
+	if (peer_call(c, p, &q, (const void *const *)b.blobs, b.lens, b.n, &o)) {
+		rc = -EAGAIN;
+		goto out;
+	}
+	for (uint32_t l = 0; l < b.n; l++)
+		*bytes += b.lens[l];
+	if (o.rep.code == KVBP_OK) {
+		atomic_fetch_add(&c->pushes_done, 1);
+		if (e->rebalance)
+			atomic_fetch_add(&c->rebalance_pushes, 1);
+	} else if (o.rep.code == KVBP_FULL || o.rep.code == KVBP_LIMIT || o.rep.code == KVBP_BUSY ||
+		   o.rep.code == KVBP_INTERNAL) {
+		/* the peer may take it later */
+		call_out_free(&o);
+		rc = -EAGAIN;
+		goto out;
+	} else {
+		cl_warn(c, "cluster: '%s' refused a chunk of '%s': %s", p->id, m.name, o.rep.message);
+		atomic_fetch_add(&c->push_failures, 1);
+	}
+	call_out_free(&o);
+done:
+	rc = 0;
+	if (store_owed_put(c->store, p->id, e->model_id, e->hash, false))
+		cl_warn(c, "cluster: cannot clear a push owed to '%s'", p->id);
+out:
+	for (uint32_t l = 0; b.blobs && l < b.n; l++)
+		free((void *)b.blobs[l]);
+	free(b.blobs);
+	free(b.lens);
+	return rc;
+}
+
+static int load_owed(void *ctx, const char *peer, uint32_t model_id, const uint8_t *hash)
+{
+	struct cluster *c = ctx;
+	size_t np = n_peers(c);
+
+	for (size_t i = 0; i < np; i++) {
+		struct peer *p = peer_at(c, i);
+
+		if (p && !strcmp(p->id, peer))
+			return enqueue(c, (uint32_t)i, model_id, hash, false) ? 0 : 1;
+	}
+	return 0; /* a member not known (yet): read again when the membership changes */
+}
+
+void *pusher_main(void *arg)
+{
+	struct cluster *c = arg;
+	unsigned waiting = 0; /* entries in a row that must wait: peer suspect or gone, or rate */
+
+	pthread_mutex_lock(&c->qlock);
+	store_owed_scan(c->store, load_owed, c); /* what the last run still owed */
+	while (!c->stop) {
+		struct push e;
+		struct peer *p;
+		uint64_t bytes;
+		int rc;
+
+		if (!c->q_len && c->rescan) {
+			c->rescan = false;
+			store_owed_scan(c->store, load_owed, c);
+		}
+		if (!c->q_len || (waiting && waiting >= c->q_len)) {
+			wait_ms(&c->qcond, &c->qlock, 100);
+			waiting = 0;
+			continue;
+		}
+		e = c->q[c->q_head];
+		c->q_head = (c->q_head + 1) % QUEUE_MAX;
+		c->q_len--;
+		p = peer_at(c, e.peer);
+		if (p && (suspect(p) || !peer_live(c, p) ||
+			  (e.rebalance && now_ns() < c->rebalance_next_ns))) {
+			enqueue(c, e.peer, e.model_id, e.hash, e.rebalance);
+			waiting++;
+			continue;
+		}
+		waiting = 0;
+		atomic_fetch_add(&c->in_flight, 1);
+		pthread_mutex_unlock(&c->qlock);
+		rc = push_one(c, &e, &bytes);
+		pthread_mutex_lock(&c->qlock);
+		if (e.rebalance && bytes) { /* the rate limit: this push's share of a second */
+			int64_t t = now_ns();
+
+			if (c->rebalance_next_ns < t)
+				c->rebalance_next_ns = t;
+			c->rebalance_next_ns += (int64_t)((double)bytes * 1e9 /
+							  (double)c->rebalance_rate);
+		}
+		if (rc == -EAGAIN)
+			enqueue(c, e.peer, e.model_id, e.hash, e.rebalance);
+		atomic_fetch_sub(&c->in_flight, 1);
+	}
+	pthread_mutex_unlock(&c->qlock);
+	return NULL;
+}
