@@ -3,11 +3,14 @@
  * no one else: the session and table structures and each module's entry points.
  * The public contract is daemon/fuse.h. The modules, each over the ones below it:
  *
- *   open.c     fuse_open, in the steps it takes (over session, land, device)
+ *   open.c     fuse_open, in the steps it takes (calls session, land, device)
  *   layer.c    what an open session serves: prefetch, layer and check requests
- *   session.c  the table: sessions' lifecycle, lookup, expiry, pins, usage
- *   land.c     landing layers in the node's own buffers (over load)
- *   load.c     loading a layer of stored chunks, re-rotated, into a ring slot (over device)
+ *              (calls session, land, load, device)
+ *   session.c  the table: sessions' lifecycle, lookup, close, expiry, pins, usage
+ *              (calls device)
+ *   land.c     landing layers in the node's own buffers (calls load)
+ *   load.c     loading a layer of stored chunks, re-rotated, into a ring slot
+ *              (calls device)
  *   device.c   the device path: a session's ring in device memory, its block cache
  *
  * No module calls one above it. Locking: the table lock guards the session table,
