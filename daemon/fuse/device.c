@@ -1,0 +1,424 @@
+/* fuse/device — the device path: a session's ring in device memory; see fuse_impl.h. */
+#include <errno.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "fuse_impl.h"
+#include "hkvd.h"
+
+/* Why a load or a kernel failed: the device's own message for DEV_FAILED, else the errno's. */
+const char *compute_error(const struct fuse_table *t, int rc, char *buf, size_t len)
+{
+	char dev[128];
+
+	if (rc != DEV_FAILED || !t->dev)
+		return strerror(-rc);
+	t->dev->last_error(t->dev, dev, sizeof(dev));
+	snprintf(buf, len, "the %s device failed (%s)", t->dev->name, dev);
+	return buf;
+}
+
+#define DEV_ALIGN 256
+
+static size_t dev_align(size_t x)
+{
+	return (x + DEV_ALIGN - 1) / DEV_ALIGN * DEV_ALIGN;
+}
+
+/* Give a block back to the device (NULL: nothing). */
+static void block_free(struct fuse_table *t, bool host, void *p, size_t bytes)
+{
+	if (p && host)
+		t->dev->host_free(t->dev, p);
+	else if (p)
+		t->dev->free(t->dev, p, bytes);
+}
+
+/* Drop every cached block (to make room on the device). */
+void block_flush(struct fuse_table *t)
+{
+	struct dblock *c;
+	size_t n;
+
+	pthread_mutex_lock(&t->lock);
+	c = t->cache;
+	n = t->n_cache;
+	t->cache = NULL;
+	t->n_cache = t->cap_cache = 0;
+	t->cached = 0;
+	pthread_mutex_unlock(&t->lock);
+	for (size_t i = 0; i < n; i++)
+		block_free(t, c[i].host, c[i].p, c[i].bytes);
+	free(c);
+}
+
+/*
+ * A block of at least bytes (device, or pinned host memory): a cached one of up to
+ * 1.25 times that, else a new one (after dropping the cache if the device is full).
+ * *got: its real size, which the session is charged.
+ */
+static int block_take(struct fuse_table *t, bool host, size_t bytes, void **out, size_t *got)
+{
+	const struct blend_device *d = t->dev;
+	int rc;
+
+	pthread_mutex_lock(&t->lock);
+	for (size_t i = 0; i < t->n_cache; i++) {
+		struct dblock *b = &t->cache[i];
+
+		if (b->host != host || b->bytes < bytes || b->bytes - bytes > bytes / 4)
+			continue;
+		*out = b->p;
+		*got = b->bytes;
+		t->cached -= b->bytes;
+		*b = t->cache[--t->n_cache];
+		pthread_mutex_unlock(&t->lock);
+		return 0;
+	}
+	pthread_mutex_unlock(&t->lock);
+	for (int pass = 0; pass < 2; pass++) {
+		rc = host ? d->host_alloc(d, bytes, out) : d->alloc(d, bytes, out);
+		if (rc != -ENOMEM || pass)
+			break;
+		block_flush(t);
+	}
+	if (!rc)
+		*got = bytes;
+	return rc;
+}
+
+/* Drop cached blocks until sessions and cache together fit in fuse_max_bytes. */
+void block_trim(struct fuse_table *t)
+{
+	struct dblock *drop = NULL;
+	size_t n = 0;
+
+	pthread_mutex_lock(&t->lock);
+	if (t->n_cache && t->bytes + t->cached > t->lim.max_bytes)
+		drop = malloc(t->n_cache * sizeof(*drop));
+	while (drop && t->n_cache && t->bytes + t->cached > t->lim.max_bytes) {
+		drop[n] = t->cache[--t->n_cache];
+		t->cached -= drop[n++].bytes;
+	}
+	pthread_mutex_unlock(&t->lock);
+	for (size_t i = 0; i < n; i++)
+		block_free(t, drop[i].host, drop[i].p, drop[i].bytes);
+	free(drop);
+}
+
+/*
+ * Keep a block for the next session while sessions and cache together stay within
+ * fuse_max_bytes (block_trim() keeps it so as sessions open).
+ */
+static void block_give(struct fuse_table *t, bool host, void *p, size_t bytes)
+{
+	if (!p)
+		return;
+	pthread_mutex_lock(&t->lock);
+	if (t->bytes + t->cached + bytes <= t->lim.max_bytes) {
+		if (t->n_cache == t->cap_cache) {
+			size_t cap = t->cap_cache ? 2 * t->cap_cache : 8;
+			struct dblock *c = realloc(t->cache, cap * sizeof(*c));
+
+			if (c) {
+				t->cache = c;
+				t->cap_cache = cap;
+			}
+		}
+		if (t->n_cache < t->cap_cache) {
+			t->cache[t->n_cache++] = (struct dblock){ p, bytes, host };
+			t->cached += bytes;
+			pthread_mutex_unlock(&t->lock);
+			return;
+		}
+	}
+	pthread_mutex_unlock(&t->lock);
+	block_free(t, host, p, bytes);
+}
+
+/* Carve (or, with base NULL, only measure) a session's device block; returns its size. */
+size_t dev_layout(const struct fuse_session *s, struct dev_sess *d, uint8_t *base)
+{
+	size_t off = 0, n = s->n, rb = s->row_bytes;
+
+#define CARVE(field, type, bytes)                                                 \
+	do {                                                                      \
+		if (base)                                                         \
+			d->field = (type)(base + off);                            \
+		off += dev_align(bytes);                                          \
+	} while (0)
+	CARVE(ring, uint8_t *, (size_t)s->n_ring * 2 * n * rb);
+	CARVE(fk, uint8_t *, n * rb);
+	CARVE(fv, uint8_t *, n * rb);
+	CARVE(idx, int32_t *, (n + 1) * sizeof(int32_t));
+	CARVE(cand, int32_t *, (n + 1) * sizeof(int32_t));
+	CARVE(always, int32_t *, (n + 1) * sizeof(int32_t));
+	CARVE(sel, int32_t *, (n + 1) * sizeof(int32_t));
+	CARVE(out, int32_t *, (n + 1) * sizeof(int32_t));
+	CARVE(dev, float *, (n + 1) * sizeof(float));
+	CARVE(cdev, float *, (n + 1) * sizeof(float));
+	CARVE(scratch, uint8_t *, d->scratch_bytes);
+#undef CARVE
+	for (size_t i = 0; i < s->n_chunks; i++) {
+		const struct rope_table *r = &s->chunks[i].rot;
+		size_t tb = (size_t)r->rows * r->half * sizeof(float);
+
+		if (base) {
+			d->tabs[i].cos = (const float *)(base + off);
+			d->tabs[i].sin = (const float *)(base + off + dev_align(tb));
+			d->tabs[i].rows = r->rows;
+			d->tabs[i].scale = r->scale;
+		}
+		off += 2 * dev_align(tb);
+	}
+	return off;
+}
+
+void dev_sess_free(struct fuse_table *t, struct fuse_session *s)
+{
+	struct dev_sess *d = s->dv;
+	bool failed = false;
+
+	if (!d)
+		return;
+	/* Nothing may still be running on what goes back to the cache; after a device
+	 * failure nothing goes back (the blocks are freed). */
+	if (d->comp)
+		failed |= t->dev->stream_sync(t->dev, d->comp) != 0;
+	if (d->copy)
+		failed |= t->dev->stream_sync(t->dev, d->copy) != 0;
+	for (uint32_t i = 0; d->loaded && i < s->n_ring; i++)
+		if (d->loaded[i])
+			t->dev->event_free(t->dev, d->loaded[i]);
+	if (d->comp)
+		t->dev->stream_free(t->dev, d->comp);
+	if (d->copy)
+		t->dev->stream_free(t->dev, d->copy);
+	if (d->registered)
+		t->dev->host_unregister(t->dev, s->ring_mem);
+	/* A block the node mapped stays readable there: it must not serve another session. */
+	if (d->exported || failed)
+		block_free(t, false, d->blk, d->blk_bytes);
+	else
+		block_give(t, false, d->blk, d->blk_bytes);
+	if (failed)
+		block_free(t, true, d->hring, d->hring_bytes);
+	else
+		block_give(t, true, d->hring, d->hring_bytes);
+	free(d->loaded);
+	free(d->tabs);
+	free(d);
+	s->dv = NULL;
+}
+
+/*
+ * The device half of a session's open: the host ring (pinned from the cache, or the
+ * shared segment at s->ring_mem pinned in place), streams, events, the device
+ * block (zeroed first when the node is to map it: a cached block holds another
+ * session's rows), and the rotation tables and fresh tokens uploaded.
+ */
+int dev_sess_setup(struct fuse_table *t, struct fuse_session *s, size_t ring_bytes,
+		   bool zero)
+{
+	const struct blend_device *dv = t->dev;
+	struct dev_sess *d = s->dv;
+	int rc = 0;
+
+	if (!s->ring_mem) {
+		rc = block_take(t, true, ring_bytes, (void **)&d->hring, &d->hring_bytes);
+		if (rc)
+			return dev_rc(rc);
+		memset(d->hring, 0, ring_bytes); /* fresh tokens' rows are never read from a chunk */
+		s->ring_mem = d->hring;
+	} else {
+		/* Unpinned, the copies still work, only slower: not a reason to refuse. */
+		d->registered = dv->host_register(dv, s->ring_mem, ring_bytes) == 0;
+	}
+	rc = dv->stream_new(dv, &d->copy);
+	if (!rc)
+		rc = dv->stream_new(dv, &d->comp);
+	d->loaded = calloc(s->n_ring, sizeof(*d->loaded));
+	if (!rc && !d->loaded)
+		rc = -ENOMEM;
+	for (uint32_t i = 0; !rc && i < s->n_ring; i++)
+		rc = dv->event_new(dv, &d->loaded[i]);
+	if (!rc)
+		rc = block_take(t, false, d->blk_bytes, (void **)&d->blk, &d->blk_bytes);
+	if (rc)
+		return dev_rc(rc);
+	dev_layout(s, d, d->blk);
+	if (zero)
+		rc = dv->zero(dv, d->comp, d->blk, d->blk_bytes);
+	for (size_t i = 0; !rc && i < s->n_chunks; i++) {
+		const struct rope_table *r = &s->chunks[i].rot;
+		size_t tb = (size_t)r->rows * r->half * sizeof(float);
+
+		rc = dv->upload(dv, d->comp, (void *)d->tabs[i].cos, r->cos, tb);
+		if (!rc)
+			rc = dv->upload(dv, d->comp, (void *)d->tabs[i].sin, r->sin, tb);
+	}
+	if (!rc)
+		rc = dv->upload(dv, d->comp, d->always, s->fresh, s->n_fresh * sizeof(int32_t));
+	if (!rc)
+		rc = dv->stream_sync(dv, d->comp);
+	return dev_rc(rc);
+}
+
+struct raw_job {
+	struct fuse_table *t;
+	struct fuse_session *s;
+	struct slot *slot;
+	uint32_t layer;
+};
+
+/* Chunk i's rows of a layer into the host slot, verified, as stored (no rotation). */
+static int load_chunk_raw(void *arg, size_t i)
+{
+	struct raw_job *j = arg;
+	struct fuse_session *s = j->s;
+	struct chunk_ref *c = &s->chunks[i];
+
+	return store_chunk_get_layer(j->t->store, &s->m, c->hash, j->layer,
+				     j->slot->k + (size_t)c->off * s->row_bytes,
+				     j->slot->v + (size_t)c->off * s->row_bytes,
+				     (uint64_t)c->tokens * s->row_bytes, NULL);
+}
+
+/* Load layer into ring slot sl on the device: read here, copied and re-rotated there. */
+int dev_load(struct fuse_table *t, struct fuse_session *s, struct slot *sl, uint32_t layer)
+{
+	const struct blend_device *dv = t->dev;
+	struct dev_sess *d = s->dv;
+	size_t i = (size_t)(sl - s->ring);
+	uint8_t *dk = d->ring + i * d->slot_bytes;
+	struct raw_job j = { t, s, sl, layer };
+	int rc;
+
+	/* The slot's last copy to the device must be done before its host rows change. */
+	rc = dv->event_sync(dv, d->loaded[i]);
+	if (rc)
+		return dev_rc(rc);
+	rc = pool_run(t->pool, s->n_chunks, load_chunk_raw, &j);
+	if (rc)
+		return rc; /* the store's errno */
+	rc = dv->upload(dv, d->copy, dk, sl->k, d->slot_bytes);
+	for (size_t c = 0; !rc && c < s->n_chunks; c++) {
+		uint8_t *rows = dk + (size_t)s->chunks[c].off * s->row_bytes;
+
+		rc = dv->rotate(dv, d->copy, &s->shape, &d->tabs[c], rows, rows,
+				s->chunks[c].tokens);
+	}
+	if (!rc)
+		rc = dv->event_record(dv, d->loaded[i], d->copy);
+	return dev_rc(rc);
+}
+
+
+/*
+ * HKVD on the device at the session's next check layer, with the node's rows
+ * already in d->fk, d->fv and the stored layer in dk: as check_select() does on the
+ * host. *sel is malloc'd.
+ */
+static int dev_select(struct fuse_table *t, struct fuse_session *s, const uint8_t *dk,
+		      int32_t **sel_out, size_t *n_out)
+{
+	const struct blend_device *dv = t->dev;
+	struct dev_sess *d = s->dv;
+	size_t rows = s->next_check == 0 ? s->n : s->n_sel, n_cand, n_sel = 0;
+	const uint8_t *plane = s->metric ? dk : dk + (size_t)s->n * s->row_bytes;
+	int32_t *idx = malloc((rows + 1) * sizeof(int32_t));
+	int32_t *cand = malloc((rows + 1) * sizeof(int32_t));
+	float *dev = malloc((rows + 1) * sizeof(float));
+	int32_t *sel = malloc((s->n + 1) * sizeof(int32_t));
+	int rc = -ENOMEM;
+
+	if (!idx || !cand || !dev || !sel)
+		goto out;
+	for (size_t i = 0; i < rows; i++)
+		idx[i] = s->next_check == 0 ? (int32_t)i : s->sel[i];
+	rc = dv->upload(dv, d->comp, d->idx, idx, rows * sizeof(int32_t));
+	if (!rc)
+		rc = dv->deviation(dv, d->comp, &s->shape, s->metric ? d->fk : d->fv, plane, d->idx,
+				   rows, d->dev);
+	if (!rc)
+		rc = dv->download(dv, d->comp, dev, d->dev, rows * sizeof(float));
+	if (!rc)
+		rc = dv->stream_sync(dv, d->comp);
+	if (rc)
+		goto out;
+	n_cand = candidates(s, idx, rows, dev, cand);
+	rc = dv->upload(dv, d->comp, d->cand, cand, n_cand * sizeof(int32_t));
+	if (!rc)
+		rc = dv->upload(dv, d->comp, d->cdev, dev, n_cand * sizeof(float));
+	if (!rc)
+		rc = dv->select(dv, d->comp, d->cand, d->cdev, n_cand,
+				hkvd_count(s->ratios[s->next_check], s->n_cached), d->always,
+				s->n_fresh, d->out, d->scratch, d->scratch_bytes, &n_sel);
+	if (!rc)
+		rc = dv->download(dv, d->comp, sel, d->out, n_sel * sizeof(int32_t));
+	/* The host arrays above are read by queued copies until this returns. */
+	if (!rc)
+		rc = dv->stream_sync(dv, d->comp);
+out:
+	free(idx);
+	free(cand);
+	free(dev);
+	if (rc) {
+		free(sel);
+		return rc;
+	}
+	*sel_out = sel;
+	*n_out = n_sel;
+	return 0;
+}
+
+/*
+ * The node's layer on the device (fuse_layer_run's work for a device session):
+ * rows_in fresh rows up, the selection at a check layer (*sel, malloc'd), the
+ * fresh rows of the selection so far merged, and the fused layer down into k_out,
+ * v_out (or the host slot, for a shared ring) unless out is false.
+ */
+int dev_layer(struct fuse_table *t, struct fuse_session *s, struct slot *sl,
+	      uint64_t rows_in, const void *k_in, const void *v_in, bool is_check,
+	      bool out, void *k_out, void *v_out, int32_t **sel, size_t *n_sel)
+{
+	const struct blend_device *dv = t->dev;
+	struct dev_sess *d = s->dv;
+	size_t i = (size_t)(sl - s->ring), rb = s->row_bytes, n = s->n;
+	uint8_t *dk = d->ring + i * d->slot_bytes, *dvv = dk + n * rb;
+	bool merge = !is_check || s->next_check > 0;
+	int rc;
+
+	rc = dv->event_wait(dv, d->comp, d->loaded[i]);
+	if (!rc)
+		rc = dv->upload(dv, d->comp, d->fk, k_in, rows_in * rb);
+	if (!rc)
+		rc = dv->upload(dv, d->comp, d->fv, v_in, rows_in * rb);
+	if (!rc && is_check)
+		rc = dev_select(t, s, dk, sel, n_sel);
+	/* The rows sent are those of the selection before this layer's narrows it. */
+	if (!rc && merge)
+		rc = dv->upload(dv, d->comp, d->sel, s->sel, s->n_sel * sizeof(int32_t));
+	if (!rc && merge)
+		rc = dv->scatter(dv, d->comp, &s->shape, dk, d->fk, d->sel, s->n_sel);
+	if (!rc && merge)
+		rc = dv->scatter(dv, d->comp, &s->shape, dvv, d->fv, d->sel, s->n_sel);
+	if (!rc && out && k_out) {
+		rc = dv->download(dv, d->comp, k_out, dk, n * rb);
+		if (!rc)
+			rc = dv->download(dv, d->comp, v_out, dvv, n * rb);
+	} else if (!rc && out) {
+		rc = dv->download(dv, d->comp, sl->k, dk, d->slot_bytes);
+	}
+	if (!rc)
+		rc = dv->stream_sync(dv, d->comp);
+	else
+		dv->stream_sync(dv, d->comp); /* what was queued must not outlive the request */
+	if (rc && is_check && *sel) {
+		free(*sel);
+		*sel = NULL;
+	}
+	return dev_rc(rc);
+}

@@ -1,0 +1,307 @@
+/*
+ * fuse_impl — what the modules of the fuse session engine (daemon/fuse/) share, and
+ * no one else: the session and table structures and each module's entry points.
+ * The public contract is daemon/fuse.h. The modules, each over the ones below it:
+ *
+ *   open.c     fuse_open, in the steps it takes (calls session, land, device)
+ *   layer.c    what an open session serves: prefetch, layer and check requests
+ *              (calls session, land, load, device)
+ *   session.c  the table: sessions' lifecycle, lookup, close, expiry, pins, usage
+ *              (calls device)
+ *   land.c     landing layers in the node's own buffers (calls load)
+ *   load.c     loading a layer of stored chunks, re-rotated, into a ring slot
+ *              (calls device)
+ *   device.c   the device path: a session's ring in device memory, its block cache
+ *
+ * No module calls one above it. Locking: the table lock guards the session table,
+ * the memory budget, the pins and the block cache; a session's lock guards its
+ * slots and counters. Functions returning a kvbp code write a message to err.
+ */
+#ifndef KVBLEND_DAEMON_FUSE_IMPL_H
+#define KVBLEND_DAEMON_FUSE_IMPL_H
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+#include <time.h>
+
+#include "codec.h"
+#include "device.h"
+#include "fuse.h"
+
+enum slot_state { SLOT_EMPTY = 0, SLOT_LOADING, SLOT_READY, SLOT_FAILED, SLOT_SERVED };
+
+struct slot {
+	int64_t layer; /* -1: none */
+	enum slot_state state;
+	int err;    /* store errno when SLOT_FAILED */
+	uint8_t *k; /* [N, heads, head_dim]: re-rotated stored keys; fresh rows zero */
+	uint8_t *v; /* right after k in one allocation or shared segment */
+};
+
+struct chunk_ref {
+	uint8_t hash[KVBP_HASH_LEN];
+	uint32_t off; /* first row in the session's token order */
+	uint32_t tokens;
+	uint32_t base_pos; /* where its keys were rotated when stored */
+	struct rope_table rot;
+};
+
+struct fuse_session {
+	uint64_t id;
+	pthread_mutex_t lock;
+	pthread_cond_t cond; /* a slot finished loading, or the session became free */
+	unsigned refs;	     /* under the table lock */
+	bool busy;	     /* a layer request holds the session */
+	bool closed;	     /* removed from the table; freed by the last ref */
+	bool ready;	     /* published in the table: findable by id (under the table lock) */
+	struct store_model m;
+	struct blend_shape shape;
+	size_t row_bytes;
+	uint32_t n;	   /* tokens */
+	uint32_t n_cached; /* tokens from stored chunks */
+	int32_t *fresh;	   /* sorted token indices of fresh tokens */
+	uint32_t n_fresh;
+	struct chunk_ref *chunks;
+	size_t n_chunks;
+	uint32_t checks[KVBP_CHECKS_MAX];
+	double ratios[KVBP_CHECKS_MAX];
+	size_t n_checks;
+	uint32_t metric; /* 0 value, 1 key */
+	int32_t *sel;	 /* current selection, sorted; room for n */
+	size_t n_sel;
+	uint32_t next_layer;
+	size_t next_check; /* index into checks of the next check layer */
+	struct slot *ring;
+	uint32_t n_ring;
+	int64_t served; /* slot holding the fused layer the node reads now, or -1 */
+	uint8_t *ring_mem;
+	uint64_t shm_id; /* the ring is this shared segment (0: heap) */
+	uint64_t bytes;	 /* ring memory */
+	char owner[SHM_OWNER_MAX]; /* the client that opened it: only it may drive it */
+	uint32_t first; /* the first layer the node sends: checks[0], or 0 when reuse-only */
+	/*
+	 * Landing (land): the daemon writes stored, re-rotated rows into the node's own
+	 * buffers, layers land_begin .. num_layers-1, and publishes in *progress how many
+	 * layers (from 0) are in place. Check layers are loaded into cslot[] for the
+	 * deviation. The node writes its fresh rows of a layer only once it has landed.
+	 */
+	bool land;
+	struct kvbp_layout lay; /* pages owned */
+	uint64_t land_shm;	/* the node's segment, held while the session lives */
+	uint8_t *land_mem;	/* its offset 0 */
+	_Atomic uint32_t *progress;
+	uint32_t land_begin, land_next;
+	bool landing;	   /* a layer is being landed (by the prefetch thread) */
+	bool land_stop;	   /* closing: land nothing more */
+	uint32_t land_code; /* a layer failed to land: its kvbp code (0: none) */
+	bool direct;	   /* rows of a chunk are contiguous in the node's buffers */
+	struct slot *cslot; /* one per check layer: K and V of all tokens */
+	struct slot stage;  /* when !direct: a layer is loaded here, then scattered */
+	uint8_t *land_buf;  /* memory of cslot[] and stage */
+	uint64_t ns_land;
+	struct dev_sess *dv; /* the session's ring on the device (the table has one), or NULL */
+	struct timespec last_used;
+	struct timespec opened;
+	uint64_t layers_served, ns_load, ns_compute, bytes_in, bytes_out;
+};
+
+struct pin {
+	uint32_t model_id;
+	uint8_t hash[KVBP_HASH_LEN];
+	uint32_t count;
+};
+
+/* A block of device (or pinned host) memory a closed session left for the next one. */
+struct dblock {
+	void *p;
+	size_t bytes;
+	bool host;
+};
+
+struct fuse_table {
+	struct fuse_limits lim;
+	struct store *store;
+	struct pool *pool;
+	const struct blend_backend *be;
+	const struct blend_device *dev; /* sessions keep their rings here (NULL: host only) */
+	struct dblock *cache;		/* under lock */
+	size_t n_cache, cap_cache;
+	uint64_t cached;
+	struct shm_table *shm;
+	pthread_mutex_t lock; /* sessions, bytes, pins */
+	struct fuse_session **sessions;
+	uint64_t bytes;
+	struct pin *pins;
+	size_t n_pins, cap_pins;
+};
+
+/* ---- the device path: a session's ring in device memory ---- */
+
+/*
+ * Per session: host slot i (pinned: a block of the table's cache, or the shared
+ * segment registered in place) is where layers are read into from the store and
+ * where fused layers come back to; device slot i is where they are re-rotated and
+ * merged. Copies to the device and the rotation after them queue on `copy`; the
+ * node's layer (its fresh rows up, deviation, top-k, scatter, the fused layer
+ * down) on `comp`, after the slot's `loaded` event. So the layers ahead load while
+ * the node's runs.
+ */
+struct dev_sess {
+	struct blend_stream *copy, *comp;
+	struct blend_event **loaded; /* per ring slot: uploaded and re-rotated */
+	uint8_t *blk;		     /* the device block everything below is carved from */
+	size_t blk_bytes;
+	uint8_t *hring; /* the pinned host ring, from the cache (heap rings) */
+	size_t hring_bytes;
+	bool registered; /* the shared ring is pinned in place */
+	bool exported;	 /* the block is mapped by the node (CUDA IPC): never reused */
+	uint64_t slot_bytes;
+	uint8_t *ring;	 /* n_ring slots, K then V of all tokens each */
+	uint8_t *fk, *fv; /* a request's fresh rows, up to n each */
+	int32_t *idx, *cand, *always, *sel, *out;
+	float *dev, *cdev;
+	uint8_t *scratch;
+	size_t scratch_bytes;
+	struct blend_dev_table *tabs; /* host array: chunk i's rotation table, on the device */
+};
+
+/*
+ * A call of the table's device failed (its -EIO, carried under a code of its own so
+ * that a store's -EIO, a read error, is not taken for one).
+ */
+#define DEV_FAILED (-EREMOTEIO)
+
+static inline int dev_rc(int rc)
+{
+	return rc == -EIO ? DEV_FAILED : rc;
+}
+
+__attribute__((format(printf, 4, 5))) static inline uint32_t fail(char *err, size_t errlen,
+								  uint32_t code, const char *fmt, ...)
+{
+	va_list ap;
+
+	va_start(ap, fmt);
+	vsnprintf(err, errlen, fmt, ap);
+	va_end(ap);
+	return code;
+}
+
+static inline uint64_t ns_since(const struct timespec *t0)
+{
+	struct timespec now;
+
+	clock_gettime(CLOCK_MONOTONIC, &now);
+	return (uint64_t)(now.tv_sec - t0->tv_sec) * 1000000000u + (uint64_t)now.tv_nsec -
+	       (uint64_t)t0->tv_nsec;
+}
+
+/* The kvbp code of a store errno that stopped a load. */
+static inline uint32_t store_code(int rc)
+{
+	return rc == -EBADMSG ? KVBP_CORRUPT : KVBP_INTERNAL;
+}
+
+/* Cached tokens among rows idx[0..rows) with their deviations, compacted into cand, dev. */
+static inline size_t candidates(const struct fuse_session *s, const int32_t *idx, size_t rows,
+				float *dev, int32_t *cand)
+{
+	size_t n_cand = 0, fi = 0;
+
+	for (size_t i = 0; i < rows; i++) {
+		while (fi < s->n_fresh && s->fresh[fi] < idx[i])
+			fi++;
+		if (fi < s->n_fresh && s->fresh[fi] == idx[i])
+			continue;
+		dev[n_cand] = dev[i];
+		cand[n_cand++] = idx[i];
+	}
+	return n_cand;
+}
+
+/* ---- session.c: the table ---- */
+
+/* Pin chunk hash of model_id for a session (under the table lock): 0 or -ENOMEM. */
+int pin_add(struct fuse_table *t, uint32_t model_id, const uint8_t *hash);
+/* Drop one pin of the chunk, if held (under the table lock). */
+void pin_drop(struct fuse_table *t, uint32_t model_id, const uint8_t *hash);
+/* Free session s and everything it holds (its device blocks to the cache). Accepts NULL. */
+void session_free(struct fuse_table *t, struct fuse_session *s);
+/* Find owner's session id (NULL: any owner) and take a reference, or NULL. */
+struct fuse_session *session_get(struct fuse_table *t, uint64_t id, const char *owner);
+/* Drop a reference; the last one of a closed session frees it. */
+void session_put(struct fuse_table *t, struct fuse_session *s);
+
+/* ---- device.c: the device path ---- */
+
+/* Why a load or a kernel failed: the device's own message (in buf) for DEV_FAILED, else the errno's. */
+const char *compute_error(const struct fuse_table *t, int rc, char *buf, size_t len);
+/* Drop every cached block (to make room on the device). */
+void block_flush(struct fuse_table *t);
+/* Drop cached blocks until sessions and cache together fit in fuse_max_bytes. */
+void block_trim(struct fuse_table *t);
+/* Carve (or, with base NULL, only measure) a session's device block; returns its size. */
+size_t dev_layout(const struct fuse_session *s, struct dev_sess *d, uint8_t *base);
+/* Free s->dv (its blocks back to the cache unless exported or failed). Accepts none. */
+void dev_sess_free(struct fuse_table *t, struct fuse_session *s);
+/* The device half of a session's open: 0, a negative errno or DEV_FAILED. */
+int dev_sess_setup(struct fuse_table *t, struct fuse_session *s, size_t ring_bytes, bool zero);
+/* Load layer into ring slot sl on the device: 0, the store's errno, or DEV_FAILED. */
+int dev_load(struct fuse_table *t, struct fuse_session *s, struct slot *sl, uint32_t layer);
+/* The node's layer on the device (fuse_layer_run's work for a device session). */
+int dev_layer(struct fuse_table *t, struct fuse_session *s, struct slot *sl, uint64_t rows_in,
+	      const void *k_in, const void *v_in, bool is_check, bool out, void *k_out,
+	      void *v_out, int32_t **sel, size_t *n_sel);
+
+/* ---- load.c: a layer into the ring ---- */
+
+struct load_job {
+	struct fuse_table *t;
+	struct fuse_session *s;
+	struct slot *slot;
+	uint32_t layer;
+	int err;
+};
+
+struct rotate_ctx {
+	const struct blend_backend *be;
+	const struct fuse_session *s;
+	const struct chunk_ref *c;
+	int err; /* a backend (device) failure: the load fails with it */
+};
+
+
+/* The K transform of a chunk's load: re-rotate rows as they leave LMDB (codec.h). */
+void rotate_rows(void *arg, const void *src, void *dst, size_t off, size_t len);
+/* Load chunk i of j->layer (a struct load_job) into j->slot, verified and re-rotated. */
+int load_chunk(void *arg, size_t i);
+/*
+ * Load layer into sl, with the session lock held on entry and exit (dropped while
+ * loading; the slot is marked LOADING meanwhile). Returns the store errno.
+ */
+int load_slot_locked(struct fuse_table *t, struct fuse_session *s, struct slot *sl,
+		     uint32_t layer);
+/* Make layer's slot READY (loading it here if nobody is); with the session lock held. */
+int ensure_layer(struct fuse_table *t, struct fuse_session *s, uint32_t layer, struct slot **out);
+
+/* ---- land.c: layers into the node's buffers ---- */
+
+/* Publish that layers 0 .. v-1 are in place (or, with KVBP_LAND_FAILED, that landing stopped). */
+void land_publish(struct fuse_session *s, uint32_t v);
+/* Check the node's layout y for s against its segment and hold the segment: a kvbp code. */
+uint32_t land_setup(struct fuse_table *t, struct fuse_session *s, const struct kvbp_layout *y,
+		    const char *owner, char *err, size_t errlen);
+/* The check-layer slots and the staging slot, in one allocation of bytes: 0 or -ENOMEM. */
+int land_alloc(struct fuse_session *s, uint64_t bytes);
+/* Make check slot i READY, loading it here unless another thread is; session lock held. */
+int ensure_cslot(struct fuse_table *t, struct fuse_session *s, size_t i);
+/* Land the session's next layer (prefetch thread, holding a reference): whether there is more. */
+bool land_step(struct fuse_table *t, struct fuse_session *s);
+
+#endif

@@ -1,0 +1,281 @@
+/* fuse/land — landing a session's layers in the node's own buffers; see fuse_impl.h. */
+#include <errno.h>
+#include <inttypes.h>
+#include <limits.h>
+#include <linux/futex.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "fuse_impl.h"
+#include "log.h"
+
+/* *out = a * b + c; false on overflow. */
+static bool mul_add(uint64_t a, uint64_t b, uint64_t c, uint64_t *out)
+{
+	uint64_t p;
+
+	return !__builtin_mul_overflow(a, b, &p) && !__builtin_add_overflow(p, c, out);
+}
+
+/* Publish that layers 0 .. v-1 are in place (or, with KVBP_LAND_FAILED, that landing stopped). */
+void land_publish(struct fuse_session *s, uint32_t v)
+{
+	atomic_store_explicit(s->progress, v, memory_order_release);
+	/* A shared futex: the node may sleep on the word (its mapping of the same memfd). */
+	syscall(SYS_futex, (uint32_t *)s->progress, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+}
+
+/*
+ * Check the node's layout y for session s (its tokens, heads, layers) against the
+ * segment it names, and hold that segment for the session. Every byte the daemon
+ * may write lies inside it: the extent is computed with overflow checks.
+ */
+uint32_t land_setup(struct fuse_table *t, struct fuse_session *s,
+		    const struct kvbp_layout *y, const char *owner, char *err, size_t errlen)
+{
+	size_t head_bytes = (size_t)s->m.head_dim * s->m.elem_size;
+	uint64_t tok_max = 0, row_end, layer_max, end = 0, e;
+	void *base;
+
+	if (!mul_add(s->m.num_kv_heads - 1, y->head_stride, head_bytes, &row_end) ||
+	    !mul_add(s->m.num_layers - 1, y->layer_stride, 0, &layer_max))
+		return fail(err, errlen, KVBP_BAD_SHAPE, "landing layout: strides overflow");
+	if (y->page_tokens) {
+		uint64_t need = ((uint64_t)s->n + y->page_tokens - 1) / y->page_tokens;
+		uint64_t in_page = (s->n < y->page_tokens ? s->n : y->page_tokens) - 1, pm = 0;
+
+		if (y->n_pages < need)
+			return fail(err, errlen, KVBP_BAD_SHAPE, "landing layout: the block table has "
+				    "%zu pages; %" PRIu32 " tokens in pages of %" PRIu32 " need %" PRIu64,
+				    y->n_pages, s->n, y->page_tokens, need);
+		for (uint64_t i = 0; i < need; i++)
+			if (y->pages[i] > pm)
+				pm = y->pages[i];
+		if (!mul_add(pm, y->page_stride, 0, &pm) ||
+		    !mul_add(in_page, y->token_stride, pm, &tok_max))
+			return fail(err, errlen, KVBP_BAD_SHAPE, "landing layout: page offsets "
+				    "overflow");
+	} else if (y->n_pages) {
+		return fail(err, errlen, KVBP_BAD_ARGUMENT, "landing layout: a block table needs "
+			    "page_tokens");
+	} else if (!mul_add(s->n - 1, y->token_stride, 0, &tok_max)) {
+		return fail(err, errlen, KVBP_BAD_SHAPE, "landing layout: token offsets overflow");
+	}
+	for (int i = 0; i < 2; i++) {
+		uint64_t off = i ? y->v_offset : y->k_offset;
+
+		if (__builtin_add_overflow(off, layer_max, &e) ||
+		    __builtin_add_overflow(e, tok_max, &e) || __builtin_add_overflow(e, row_end, &e))
+			return fail(err, errlen, KVBP_BAD_SHAPE, "landing layout: %c offsets overflow",
+				    i ? 'V' : 'K');
+		end = e > end ? e : end;
+	}
+	if (y->progress % 4 || y->progress > UINT64_MAX - 4)
+		return fail(err, errlen, KVBP_BAD_ARGUMENT, "landing layout: the progress word at "
+			    "%" PRIu64 " is not 4-byte aligned", y->progress);
+	if (y->progress + 4 > end)
+		end = y->progress + 4;
+	if (shm_acquire(t->shm, y->shm_id, owner, 0, end, &base))
+		return fail(err, errlen, KVBP_BAD_SHM, "landing layout: shared-memory segment %"
+			    PRIu64 " unknown, expired, not this client's, or smaller than the %"
+			    PRIu64 " bytes the layout spans", y->shm_id, end);
+	s->land = true;
+	s->land_shm = y->shm_id;
+	s->land_mem = base;
+	s->lay = *y;
+	s->lay.pages = NULL;
+	s->lay.n_pages = 0;
+	if (y->page_tokens) {
+		size_t np = ((size_t)s->n + y->page_tokens - 1) / y->page_tokens;
+
+		s->lay.pages = malloc(np * sizeof(uint32_t));
+		if (!s->lay.pages)
+			return fail(err, errlen, KVBP_LIMIT, "out of memory");
+		memcpy(s->lay.pages, y->pages, np * sizeof(uint32_t));
+		s->lay.n_pages = np;
+	}
+	s->progress = (_Atomic uint32_t *)((uint8_t *)base + y->progress);
+	s->land_begin = s->n_checks ? s->checks[0] + 1 : 0;
+	s->land_next = s->land_begin;
+	s->direct = !y->page_tokens && y->token_stride == s->row_bytes &&
+		    y->head_stride == head_bytes;
+	return KVBP_OK;
+}
+
+/* The check-layer slots and the staging slot, in one allocation of bytes. */
+int land_alloc(struct fuse_session *s, uint64_t bytes)
+{
+	size_t slot = 2 * (size_t)s->n * s->row_bytes;
+
+	s->cslot = calloc(s->n_checks + 1, sizeof(*s->cslot));
+	s->land_buf = bytes ? calloc(1, bytes) : NULL;
+	if (!s->cslot || (bytes && !s->land_buf))
+		return -ENOMEM;
+	for (size_t i = 0; i <= s->n_checks; i++) {
+		struct slot *sl = i < s->n_checks ? &s->cslot[i] : &s->stage;
+
+		if (i == s->n_checks && s->direct)
+			break;
+		sl->layer = -1;
+		sl->k = s->land_buf + i * slot;
+		sl->v = sl->k + slot / 2;
+	}
+	return 0;
+}
+
+/* Offset in the node's segment of row t of layer l, from base (k_offset or v_offset). */
+static inline uint64_t land_off(const struct fuse_session *s, uint64_t base, uint32_t l,
+				uint32_t t)
+{
+	const struct kvbp_layout *y = &s->lay;
+
+	base += (uint64_t)l * y->layer_stride;
+	if (y->page_tokens)
+		return base + (uint64_t)y->pages[t / y->page_tokens] * y->page_stride +
+		       (uint64_t)(t % y->page_tokens) * y->token_stride;
+	return base + (uint64_t)t * y->token_stride;
+}
+
+/* Copy rows [a, b) of slot sl (K and V) into layer l of the node's buffers. */
+static void land_rows(const struct fuse_session *s, const struct slot *sl, uint32_t l, uint32_t a,
+		      uint32_t b)
+{
+	size_t hb = (size_t)s->m.head_dim * s->m.elem_size;
+
+	for (uint32_t t = a; t < b; t++)
+		for (int i = 0; i < 2; i++) {
+			const uint8_t *src = (i ? sl->v : sl->k) + (size_t)t * s->row_bytes;
+			uint8_t *dst = s->land_mem +
+				       land_off(s, i ? s->lay.v_offset : s->lay.k_offset, l, t);
+
+			if (s->lay.head_stride == hb) {
+				memcpy(dst, src, s->row_bytes);
+				continue;
+			}
+			for (uint32_t h = 0; h < s->m.num_kv_heads; h++)
+				memcpy(dst + h * s->lay.head_stride, src + h * hb, hb);
+		}
+}
+
+struct land_job {
+	struct fuse_table *t;
+	struct fuse_session *s;
+	const struct slot *from; /* the layer is loaded here already (a check layer), or NULL */
+	uint32_t layer;
+};
+
+/* Land chunk i of a layer: straight from the store when its rows lie together, else staged. */
+static int land_chunk(void *arg, size_t i)
+{
+	struct land_job *j = arg;
+	struct fuse_session *s = j->s;
+	struct chunk_ref *c = &s->chunks[i];
+	struct load_job lj = { j->t, s, &s->stage, j->layer, 0 };
+	int rc;
+
+	if (j->from) {
+		land_rows(s, j->from, j->layer, c->off, c->off + c->tokens);
+		return 0;
+	}
+	if (s->direct) {
+		struct rotate_ctx rx = { j->t->be, s, c };
+		struct codec_xform x = { rotate_rows, &rx, s->row_bytes };
+
+		/* One pass: verify, re-rotate, write where the node keeps the rows. */
+		return store_chunk_get_layer(j->t->store, &s->m, c->hash, j->layer,
+					     s->land_mem + land_off(s, s->lay.k_offset, j->layer, c->off),
+					     s->land_mem + land_off(s, s->lay.v_offset, j->layer, c->off),
+					     (uint64_t)c->tokens * s->row_bytes, &x);
+	}
+	rc = load_chunk(&lj, i);
+	if (!rc)
+		land_rows(s, &s->stage, j->layer, c->off, c->off + c->tokens);
+	return rc;
+}
+
+/* Make check slot i READY, loading it here unless another thread is; session lock held. */
+int ensure_cslot(struct fuse_table *t, struct fuse_session *s, size_t i)
+{
+	struct slot *sl = &s->cslot[i];
+
+	for (;;) {
+		if (sl->state == SLOT_READY)
+			return 0;
+		if (sl->state == SLOT_FAILED)
+			return sl->err;
+		if (sl->state == SLOT_LOADING) {
+			pthread_cond_wait(&s->cond, &s->lock);
+			continue;
+		}
+		load_slot_locked(t, s, sl, s->checks[i]);
+	}
+}
+
+/* Landing stopped at layer l for store errno rc: tell the node (session lock held). */
+static void land_failed(struct fuse_session *s, uint32_t l, int rc)
+{
+	s->land_code = store_code(rc);
+	log_warn("fuse session %016" PRIx64 ": layer %" PRIu32 " cannot be landed: %s", s->id, l,
+		 rc == -EBADMSG ? "a chunk failed its checksum" : strerror(-rc));
+	land_publish(s, KVBP_LAND_FAILED | s->land_code << 24 | s->land_next);
+}
+
+/*
+ * Land the session's next layer (or first load the first check layer, which the
+ * node asks about before any layer lands). Called by the prefetch thread holding
+ * a reference; returns whether there is more to do, so that sessions take turns.
+ */
+bool land_step(struct fuse_table *t, struct fuse_session *s)
+{
+	struct land_job j = { t, s, NULL, 0 };
+	struct timespec t0;
+	bool more;
+	int rc = 0;
+
+	pthread_mutex_lock(&s->lock);
+	if (s->closed || s->land_stop || s->land_code || s->landing ||
+	    s->land_next >= s->m.num_layers) {
+		pthread_mutex_unlock(&s->lock);
+		return false;
+	}
+	if (s->n_checks && s->cslot[0].state == SLOT_EMPTY) {
+		rc = ensure_cslot(t, s, 0);
+		if (rc)
+			land_failed(s, s->checks[0], rc);
+		pthread_mutex_unlock(&s->lock);
+		return !rc;
+	}
+	s->landing = true;
+	j.layer = s->land_next;
+	for (size_t i = 1; i < s->n_checks && !rc; i++)
+		if (s->checks[i] == j.layer) {
+			/* A later check layer: loaded once, for its deviation and to land. */
+			rc = ensure_cslot(t, s, i);
+			j.from = &s->cslot[i];
+		}
+	pthread_mutex_unlock(&s->lock);
+	clock_gettime(CLOCK_MONOTONIC, &t0);
+	if (!rc)
+		rc = pool_run(t->pool, s->n_chunks, land_chunk, &j);
+	pthread_mutex_lock(&s->lock);
+	s->ns_land += ns_since(&t0);
+	s->landing = false;
+	if (rc) {
+		land_failed(s, j.layer, rc);
+	} else if (!s->land_stop) {
+		s->land_next++;
+		s->layers_served++;
+		s->bytes_out += 2 * (uint64_t)s->n_cached * s->row_bytes;
+		land_publish(s, s->land_next);
+	}
+	pthread_cond_broadcast(&s->cond);
+	more = !rc && !s->land_stop && s->land_next < s->m.num_layers;
+	pthread_mutex_unlock(&s->lock);
+	return more;
+}

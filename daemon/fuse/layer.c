@@ -1,0 +1,409 @@
+/* fuse/layer — what an open session serves: prefetch after a reply, layer and check requests; see fuse_impl.h. */
+#include <errno.h>
+#include <inttypes.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "fuse_impl.h"
+#include "hkvd.h"
+#include "log.h"
+
+bool fuse_prefetch(struct fuse_table *t, uint64_t id)
+{
+	struct fuse_session *s = session_get(t, id, NULL);
+
+	if (!s)
+		return false;
+	if (s->land) {
+		bool more = land_step(t, s);
+
+		session_put(t, s);
+		return more;
+	}
+	pthread_mutex_lock(&s->lock);
+	/* n_ring - 1 layers ahead: one slot holds the layer the node is reading. */
+	for (uint32_t l = s->next_layer; !s->closed && l < s->m.num_layers &&
+					 l < s->next_layer + s->n_ring - 1; l++) {
+		struct slot *sl = &s->ring[(l - s->first) % s->n_ring];
+
+		if (sl->layer == l || sl->state == SLOT_LOADING || sl->state == SLOT_SERVED)
+			continue;
+		if (load_slot_locked(t, s, sl, l))
+			break;
+	}
+	pthread_mutex_unlock(&s->lock);
+	session_put(t, s);
+	return false;
+}
+
+/* ---- one layer ---- */
+
+uint32_t fuse_layer_begin(struct fuse_table *t, uint64_t id, const char *owner, uint32_t layer,
+			  struct fuse_session **sp, struct fuse_layer_plan *plan, char *err,
+			  size_t errlen)
+{
+	struct fuse_session *s = session_get(t, id, owner);
+	bool is_check;
+
+	if (!s)
+		return fail(err, errlen, KVBP_UNKNOWN_SESSION, "fuse session %016" PRIx64 " is not "
+			    "open (closed, expired, or never opened)", id);
+	pthread_mutex_lock(&s->lock);
+	while (s->busy)
+		pthread_cond_wait(&s->cond, &s->lock);
+	if (s->land && s->next_check >= s->n_checks) {
+		bool reuse = !s->n_checks;
+
+		pthread_mutex_unlock(&s->lock);
+		session_put(t, s);
+		return fail(err, errlen, KVBP_BAD_ARGUMENT, "%s: its layers land in the node's "
+			    "buffers by themselves (wait on the progress word)", reuse ?
+			    "a reuse-only session takes no layer requests" : "every check layer "
+			    "of this session is done");
+	}
+	if (s->land && layer != s->checks[s->next_check]) {
+		uint32_t want = s->checks[s->next_check];
+
+		pthread_mutex_unlock(&s->lock);
+		session_put(t, s);
+		return fail(err, errlen, KVBP_BAD_ARGUMENT, "layer %" PRIu32 " is not the session's "
+			    "next check layer %" PRIu32 ": only check layers take requests; the "
+			    "others land in the node's buffers", layer, want);
+	}
+	if (s->land) {
+		/* A check layer: the rows of the metric's plane in, the selection out. */
+		s->busy = true;
+		memset(plan, 0, sizeof(*plan));
+		plan->rows_in = s->next_check == 0 ? s->n : (uint32_t)s->n_sel;
+		plan->row_bytes = s->row_bytes;
+		plan->num_tokens = s->n;
+		plan->selection_out = true;
+		plan->land = true;
+		pthread_mutex_unlock(&s->lock);
+		*sp = s;
+		return KVBP_OK;
+	}
+	if (layer < s->first) {
+		pthread_mutex_unlock(&s->lock);
+		session_put(t, s);
+		return fail(err, errlen, KVBP_BAD_ARGUMENT, "layer %" PRIu32 " comes before the first "
+			    "check layer %" PRIu32 ": the node prefills it alone", layer, s->first);
+	}
+	if (s->next_layer >= s->m.num_layers) {
+		pthread_mutex_unlock(&s->lock);
+		session_put(t, s);
+		return fail(err, errlen, KVBP_BAD_ARGUMENT, "every layer has been served; close the "
+			    "session");
+	}
+	if (layer != s->next_layer) {
+		uint32_t want = s->next_layer;
+
+		pthread_mutex_unlock(&s->lock);
+		session_put(t, s);
+		return fail(err, errlen, KVBP_BAD_ARGUMENT, "layer %" PRIu32 " out of order; the "
+			    "session expects layer %" PRIu32, layer, want);
+	}
+	s->busy = true;
+	is_check = s->next_check < s->n_checks && s->checks[s->next_check] == layer;
+	plan->rows_in = s->n_checks && s->next_check == 0 ? s->n : (uint32_t)s->n_sel;
+	plan->row_bytes = s->row_bytes;
+	plan->num_tokens = s->n;
+	plan->land = false;
+	plan->selection_out = is_check;
+	plan->fused_out = !(is_check && s->next_check == 0);
+	plan->shared_ring = s->shm_id != 0;
+	plan->device_ring = s->dv && s->dv->exported;
+	pthread_mutex_unlock(&s->lock);
+	*sp = s;
+	return KVBP_OK;
+}
+
+struct dev_job {
+	const struct blend_backend *be;
+	const struct blend_shape *shape;
+	const uint8_t *fresh; /* row i at fresh + i * stride */
+	const uint8_t *stored;
+	const int32_t *idx;
+	size_t n, parts, row_bytes, stride;
+	float *out;
+};
+
+static int dev_part(void *arg, size_t i)
+{
+	const struct dev_job *j = arg;
+	size_t a = j->n * i / j->parts, b = j->n * (i + 1) / j->parts;
+
+	if (b <= a)
+		return 0;
+	if (j->stride == j->row_bytes)
+		return j->be->deviation(j->be, j->shape, j->fresh + a * j->row_bytes, j->stored,
+					j->idx + a, b - a, j->out + a);
+	/* Strided rows (e.g. a slice of the node's fused QKV output): one row at a time. */
+	for (size_t r = a; r < b; r++) {
+		int rc = j->be->deviation(j->be, j->shape, j->fresh + r * j->stride, j->stored,
+					  j->idx + r, 1, j->out + r);
+
+		if (rc)
+			return rc;
+	}
+	return 0;
+}
+
+static size_t parts_for(struct fuse_table *t, size_t bytes)
+{
+	size_t threads = pool_threads(t->pool) + 1;
+
+	/* Below a few hundred KiB a hand-off costs more than it saves. */
+	return bytes < (256u << 10) ? 1 : threads;
+}
+
+/*
+ * HKVD at the session's next check layer: the deviation of every row sent (the
+ * metric's plane, rows stride bytes apart) from the stored row of the same token
+ * in plane (the re-rotated stored layer), then the top-k cached tokens plus every
+ * fresh one. *sel is malloc'd, sorted. The session is not changed.
+ */
+static uint32_t check_select(struct fuse_table *t, struct fuse_session *s, const uint8_t *rows_in,
+			     size_t stride, const uint8_t *plane, int32_t **sel_out, size_t *n_out,
+			     char *err, size_t errlen)
+{
+	size_t rows = s->next_check == 0 ? s->n : s->n_sel, n_cand;
+	int32_t *idx = malloc((rows + 1) * sizeof(int32_t));
+	int32_t *cand = malloc((rows + 1) * sizeof(int32_t));
+	float *dev = malloc((rows + 1) * sizeof(float));
+	int32_t *sel = malloc((s->n + 1) * sizeof(int32_t));
+	struct dev_job dj;
+	long n_sel;
+	int rc;
+
+	if (!idx || !cand || !dev || !sel) {
+		free(idx);
+		free(cand);
+		free(dev);
+		free(sel);
+		return fail(err, errlen, KVBP_LIMIT, "out of memory");
+	}
+	for (size_t i = 0; i < rows; i++)
+		idx[i] = s->next_check == 0 ? (int32_t)i : s->sel[i];
+	dj = (struct dev_job){ t->be, &s->shape, rows_in, plane, idx, rows, 1, s->row_bytes,
+			       stride, dev };
+	dj.parts = parts_for(t, rows * s->row_bytes);
+	rc = pool_run(t->pool, dj.parts, dev_part, &dj);
+	if (rc) {
+		char why[160];
+
+		free(idx);
+		free(cand);
+		free(dev);
+		free(sel);
+		return fail(err, errlen, KVBP_INTERNAL, "deviation: %s",
+			    compute_error(t, rc, why, sizeof(why)));
+	}
+	/* Candidates: the cached tokens among the rows (fresh ones are always kept). */
+	n_cand = candidates(s, idx, rows, dev, cand);
+	n_sel = t->be->select(t->be, cand, dev, n_cand,
+			      hkvd_count(s->ratios[s->next_check], s->n_cached), s->fresh,
+			      s->n_fresh, sel);
+	free(idx);
+	free(cand);
+	free(dev);
+	if (n_sel < 0) {
+		char why[160];
+
+		free(sel);
+		if (n_sel == -ENOMEM)
+			return fail(err, errlen, KVBP_LIMIT, "out of memory");
+		return fail(err, errlen, KVBP_INTERNAL, "HKVD selection: %s",
+			    compute_error(t, (int)n_sel, why, sizeof(why)));
+	}
+	*sel_out = sel;
+	*n_out = (size_t)n_sel;
+	return KVBP_OK;
+}
+
+/*
+ * Fuse in place: the fresh rows of the selected tokens overwrite their stored rows
+ * in the slot, which then holds the fused layer. Only |S| rows move.
+ */
+static void scatter_fresh(const struct fuse_session *s, struct slot *sl, const uint8_t *k_in,
+			  const uint8_t *v_in)
+{
+	for (size_t j = 0; j < s->n_sel; j++) {
+		size_t t = (size_t)s->sel[j];
+
+		memcpy(sl->k + t * s->row_bytes, k_in + j * s->row_bytes, s->row_bytes);
+		memcpy(sl->v + t * s->row_bytes, v_in + j * s->row_bytes, s->row_bytes);
+	}
+}
+
+uint32_t fuse_layer_run(struct fuse_table *t, struct fuse_session *s, const void *k_in,
+			const void *v_in, void *k_out, void *v_out, bool on_device,
+			struct fuse_layer_result *r, char *err, size_t errlen)
+{
+	uint32_t layer = s->next_layer, code = KVBP_OK;
+	bool is_check = s->next_check < s->n_checks && s->checks[s->next_check] == layer;
+	bool first_check = is_check && s->next_check == 0;
+	uint64_t rows_in = first_check ? s->n : s->n_sel;
+	struct timespec t0;
+	struct slot *sl;
+	int rc;
+
+	memset(r, 0, sizeof(*r));
+	pthread_mutex_lock(&s->lock);
+	/* This request says the node is done with the layer served before. */
+	if (s->served >= 0) {
+		s->ring[s->served].layer = -1;
+		s->ring[s->served].state = SLOT_EMPTY;
+		s->served = -1;
+	}
+	rc = ensure_layer(t, s, layer, &sl);
+	pthread_mutex_unlock(&s->lock);
+	if (rc) {
+		char why[160];
+
+		return fail(err, errlen, rc == -EBADMSG ? KVBP_CORRUPT : KVBP_INTERNAL,
+			    "layer %" PRIu32 ": cannot read stored chunks: %s", layer,
+			    rc == -EBADMSG ? "a chunk failed its checksum" :
+			    compute_error(t, rc, why, sizeof(why)));
+	}
+	clock_gettime(CLOCK_MONOTONIC, &t0);
+	if (s->dv) {
+		int32_t *sel = NULL;
+		size_t n_sel = 0;
+
+		rc = dev_layer(t, s, sl, rows_in, k_in, v_in, is_check,
+			       !first_check && !(on_device && s->dv->exported), k_out, v_out, &sel,
+			       &n_sel);
+		if (rc) {
+			char why[160];
+			const char *msg = compute_error(t, rc, why, sizeof(why));
+
+			/* What the slot holds now is unknown: load it again next time. */
+			pthread_mutex_lock(&s->lock);
+			sl->layer = -1;
+			sl->state = SLOT_EMPTY;
+			pthread_mutex_unlock(&s->lock);
+			/* The operator sees it too: a device that keeps failing is one to replace. */
+			log_warn("fuse session %016" PRIx64 " layer %" PRIu32 ": %s", s->id, layer, msg);
+			return fail(err, errlen, rc == -ENOMEM ? KVBP_LIMIT : KVBP_INTERNAL,
+				    "layer %" PRIu32 ": %s", layer, msg);
+		}
+		if (is_check) {
+			memcpy(s->sel, sel, n_sel * sizeof(int32_t));
+			s->n_sel = n_sel;
+			r->selection = sel;
+			r->n_selection = n_sel;
+			s->next_check++;
+		}
+	} else if (is_check) {
+		int32_t *sel;
+		size_t n_sel;
+
+		code = check_select(t, s, s->metric ? k_in : v_in, s->row_bytes,
+				    s->metric ? sl->k : sl->v, &sel, &n_sel, err, errlen);
+		if (code)
+			return code;
+		/* At later check layers the fused output still uses the selection before it narrows. */
+		if (s->next_check > 0)
+			scatter_fresh(s, sl, k_in, v_in);
+		memcpy(s->sel, sel, n_sel * sizeof(int32_t));
+		s->n_sel = n_sel;
+		r->selection = sel;
+		r->n_selection = n_sel;
+		s->next_check++;
+	} else {
+		scatter_fresh(s, sl, k_in, v_in);
+	}
+	if (!s->dv && !first_check && k_out) {
+		memcpy(k_out, sl->k, (size_t)s->n * s->row_bytes);
+		memcpy(v_out, sl->v, (size_t)s->n * s->row_bytes);
+	}
+	pthread_mutex_lock(&s->lock);
+	s->ns_compute += ns_since(&t0);
+	s->layers_served++;
+	s->bytes_in += 2 * rows_in * s->row_bytes;
+	s->bytes_out += first_check ? 0 : 2 * (uint64_t)s->n * s->row_bytes;
+	s->next_layer++;
+	if (first_check) {
+		/* Nothing served from it: a prefetch may reuse the slot now. */
+		sl->layer = -1;
+		sl->state = SLOT_EMPTY;
+	} else {
+		sl->state = SLOT_SERVED;
+		s->served = sl - s->ring;
+		r->ring_slot = (uint32_t)s->served;
+	}
+	r->next_layer = s->next_layer;
+	r->rows_next = (uint32_t)s->n_sel;
+	r->done = s->next_layer >= s->m.num_layers;
+	pthread_mutex_unlock(&s->lock);
+	return code;
+}
+
+uint32_t fuse_check_run(struct fuse_table *t, struct fuse_session *s, const void *rows,
+			size_t stride, struct fuse_layer_result *r, char *err, size_t errlen)
+{
+	uint32_t layer = s->checks[s->next_check], code;
+	size_t prev = s->next_check == 0 ? s->n : s->n_sel, n_sel, nd = 0;
+	struct timespec t0;
+	int32_t *sel, *dropped;
+	int rc;
+
+	memset(r, 0, sizeof(*r));
+	pthread_mutex_lock(&s->lock);
+	rc = ensure_cslot(t, s, s->next_check);
+	pthread_mutex_unlock(&s->lock);
+	if (rc) {
+		char why[160];
+
+		return fail(err, errlen, store_code(rc), "layer %" PRIu32 ": cannot read stored "
+			    "chunks: %s", layer, rc == -EBADMSG ? "a chunk failed its checksum" :
+			    compute_error(t, rc, why, sizeof(why)));
+	}
+	clock_gettime(CLOCK_MONOTONIC, &t0);
+	code = check_select(t, s, rows, stride, s->metric ? s->cslot[s->next_check].k :
+			    s->cslot[s->next_check].v, &sel, &n_sel, err, errlen);
+	if (code)
+		return code;
+	/* The rows the node sent but computes no more: sorted, as both lists are. */
+	dropped = malloc((prev + 1) * sizeof(int32_t));
+	if (!dropped) {
+		free(sel);
+		return fail(err, errlen, KVBP_LIMIT, "out of memory");
+	}
+	for (size_t i = 0, j = 0; i < prev; i++) {
+		int32_t tok = s->next_check == 0 ? (int32_t)i : s->sel[i];
+
+		while (j < n_sel && sel[j] < tok)
+			j++;
+		if (j == n_sel || sel[j] != tok)
+			dropped[nd++] = tok;
+	}
+	pthread_mutex_lock(&s->lock);
+	memcpy(s->sel, sel, n_sel * sizeof(int32_t));
+	s->n_sel = n_sel;
+	s->next_check++;
+	s->ns_compute += ns_since(&t0);
+	s->bytes_in += (uint64_t)prev * s->row_bytes;
+	r->selection = sel;
+	r->n_selection = n_sel;
+	r->dropped = dropped;
+	r->n_dropped = nd;
+	r->next_layer = s->next_check < s->n_checks ? s->checks[s->next_check] : s->m.num_layers;
+	r->rows_next = (uint32_t)n_sel;
+	r->done = s->next_check >= s->n_checks;
+	pthread_mutex_unlock(&s->lock);
+	return KVBP_OK;
+}
+
+void fuse_layer_end(struct fuse_table *t, struct fuse_session *s)
+{
+	pthread_mutex_lock(&s->lock);
+	s->busy = false;
+	pthread_cond_broadcast(&s->cond);
+	pthread_mutex_unlock(&s->lock);
+	session_put(t, s);
+}
