@@ -136,6 +136,9 @@ def main(argv=None):
         print(f"make_model: {out} already there")
         return 0
     out.parent.mkdir(parents=True, exist_ok=True)
+    # What a killed run left behind (.ci/engine-env holds a lock: no run is still writing it).
+    for stale in out.parent.glob(f".{out.name}.*"):
+        shutil.rmtree(stale, ignore_errors=True)
     work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         gguf_dir = work / "gguf"
