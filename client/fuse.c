@@ -43,13 +43,157 @@ struct kvb_fuse {
 	int32_t *dropped;
 	size_t n_dropped;
 };
+
+/*
+ * The landing part of a FUSE_OPEN request: dst's K and V must lie in one region of
+ * this client, which must have a free progress word (*word, zeroed here). Returns 0,
+ * -EINVAL, -EMFILE or -ENOMEM with c->err set; on failure req holds nothing new.
+ */
+static int fuse_land_request(kvb_client *c, const struct kvb_kv_layout *dst,
+			     struct kvbp_request *req, struct region **reg_out, unsigned *word_out)
+{
+	struct region *reg;
+	unsigned word = 0;
+
+	/* The node's buffers: a region of this client; a progress word in its head. */
+	reg = kvbc_region_of(c, dst->k, 1);
+	if (!reg || kvbc_region_of(c, dst->v, 1) != reg)
+		return kvbc_set_err(c, -EINVAL, "the landing layout's K and V must lie in one "
+				    "region of this client (kvb_region_alloc)");
+	while (word < REGION_WORDS && (reg->used[word / 64] >> (word % 64) & 1))
+		word++;
+	if (word == REGION_WORDS)
+		return kvbc_set_err(c, -EMFILE, "%u landing sessions use this region already",
+				    REGION_WORDS);
+	if (dst->page_tokens && !dst->pages)
+		return kvbc_set_err(c, -EINVAL, "a paged layout needs its block table");
+	req->has_land = true;
+	req->land.shm_id = reg->id;
+	req->land.k_offset = (uint64_t)((uint8_t *)dst->k - reg->base);
+	req->land.v_offset = (uint64_t)((uint8_t *)dst->v - reg->base);
+	req->land.layer_stride = dst->layer_stride;
+	req->land.token_stride = dst->token_stride;
+	req->land.head_stride = dst->head_stride;
+	req->land.page_tokens = dst->page_tokens;
+	req->land.page_stride = dst->page_stride;
+	req->land.progress = 4 * (uint64_t)word;
+	if (dst->page_tokens && dst->n_pages) {
+		req->land.pages = malloc(dst->n_pages * sizeof(uint32_t));
+		if (!req->land.pages)
+			return kvbc_set_err(c, -ENOMEM, "out of memory");
+		memcpy(req->land.pages, dst->pages, dst->n_pages * sizeof(uint32_t));
+		req->land.n_pages = dst->n_pages;
+	}
+	atomic_store_explicit((_Atomic uint32_t *)(reg->base + 4 * (size_t)word), 0,
+			      memory_order_relaxed);
+	*reg_out = reg;
+	*word_out = word;
+	return 0;
+}
+
+/*
+ * The segments and check layers of a FUSE_OPEN request (p NULL: reuse only). Returns
+ * 0 or -ENOMEM; what it allocated kvbc_call_done() frees either way.
+ */
+static int fuse_open_request(kvb_client *c, struct kvbp_request *req,
+			     const struct kvb_segment *segs, size_t n_segs,
+			     const struct kvb_fuse_params *p)
+{
+	size_t n_checks = p ? p->n_checks : 0;
+
+	req->segments = calloc(n_segs, sizeof(*req->segments));
+	req->check_layers = malloc((n_checks + 1) * sizeof(uint32_t));
+	req->ratios = malloc((n_checks + 1) * sizeof(double));
+	if (!req->segments || !req->check_layers || !req->ratios)
+		return kvbc_set_err(c, -ENOMEM, "out of memory");
+	for (size_t i = 0; i < n_segs; i++) {
+		req->segments[i].fresh = segs[i].fresh != 0;
+		memcpy(req->segments[i].hash, segs[i].hash, KVB_HASH_LEN);
+		req->segments[i].pos = segs[i].pos;
+		req->segments[i].count = segs[i].fresh ? segs[i].count : 0;
+	}
+	req->n_segments = n_segs;
+	if (n_checks) {
+		memcpy(req->check_layers, p->check_layers, n_checks * sizeof(uint32_t));
+		memcpy(req->ratios, p->ratios, n_checks * sizeof(double));
+	}
+	req->n_checks = req->n_ratios = n_checks;
+	req->reuse_only = n_checks == 0;
+	req->metric = p ? (uint32_t)p->metric : 0;
+	return 0;
+}
+
+/*
+ * The session a FUSE_OPEN reply opened, for a model of row_bytes per token: its rows,
+ * its device ring mapped if the daemon exported one, and (unless land) its shared
+ * ring mapped read-only. Returns 0 and *out, or -ENOMEM, KVB_E_PROTOCOL.
+ */
+static int fuse_from_reply(kvb_client *c, const struct kvbp_reply *rep, size_t row_bytes,
+			   bool land, kvb_fuse **out)
+{
+	kvb_fuse *f;
+
+	if (rep->n_selection > rep->num_tokens)
+		return kvbc_set_err(c, KVB_E_PROTOCOL, "more rows than tokens in a fuse_open reply");
+	f = calloc(1, sizeof(*f));
+	if (f)
+		f->rows = malloc(((size_t)rep->num_tokens + 1) * sizeof(int32_t));
+	if (f && f->rows)
+		f->dropped = malloc(((size_t)rep->num_tokens + 1) * sizeof(int32_t));
+	if (!f || !f->rows || !f->dropped) {
+		if (f)
+			free(f->rows);
+		free(f);
+		return kvbc_set_err(c, -ENOMEM, "out of memory");
+	}
+	f->id = rep->session_id;
+	f->tokens = rep->num_tokens;
+	f->next_layer = f->first_check = rep->next_layer;
+	f->row_bytes = row_bytes;
+	if (rep->has_selection) {
+		/* Reuse only: the node computes the fresh tokens, at every layer. */
+		if (rep->n_selection)
+			memcpy(f->rows, rep->selection, rep->n_selection * sizeof(int32_t));
+		f->n_rows = rep->n_selection;
+	} else {
+		for (uint32_t i = 0; i < f->tokens; i++)
+			f->rows[i] = (int32_t)i;
+		f->n_rows = f->tokens;
+	}
+	f->slot_bytes = rep->slot_bytes;
+	f->ring_slots = rep->ring_slots;
+	if (rep->has_ipc && c->cuda && rep->slot_bytes == 2 * (uint64_t)f->tokens * f->row_bytes) {
+		/* Without the mapping the session still works: the layers come in host memory. */
+		if (kvb_cuda_map(c->cuda, rep->device_pci, rep->ipc_handle, &f->dev_base, c->err,
+				 sizeof(c->err)) == 0) {
+			f->dev_ring = f->dev_base + rep->ipc_offset;
+			c->err[0] = 0;
+		}
+	}
+	if (!land && rep->shm_name[0] && rep->shm_size &&
+	    rep->slot_bytes == 2 * (uint64_t)f->tokens * f->row_bytes) {
+		/* Map it read-only: nothing this side can write the daemon's memory. If that
+		 * fails the session still works; the layers then come in frames. The ring is
+		 * populated now: the node reads every page of it, layer after layer. */
+		void *p_ring;
+
+		if (kvbc_map_segment(c, rep->shm_name, rep->shm_id, rep->shm_size, PROT_READ,
+				     MAP_SHARED | MAP_POPULATE, &p_ring) == 0) {
+			f->ring = p_ring;
+			f->ring_bytes = rep->shm_size;
+		}
+		c->err[0] = 0;
+	}
+	*out = f;
+	return 0;
+}
+
 static int fuse_open_common(kvb_client *c, const char *model, const struct kvb_segment *segs,
 			    size_t n_segs, const struct kvb_fuse_params *p,
 			    const struct kvb_kv_layout *dst, kvb_fuse **out,
 			    uint8_t (**missing)[KVB_HASH_LEN], size_t *n_missing)
 {
 	struct call k = { .req = { .op = KVBP_OP_FUSE_OPEN } };
-	size_t n_checks = p ? p->n_checks : 0;
 	struct region *reg = NULL;
 	unsigned word = 0;
 	struct kvb_model m;
@@ -69,60 +213,10 @@ static int fuse_open_common(kvb_client *c, const char *model, const struct kvb_s
 	rc = kvb_model_get(c, model, &m);
 	if (rc)
 		return rc;
-	if (dst) {
-		/* The node's buffers: a region of this client; a progress word in its head. */
-		reg = kvbc_region_of(c, dst->k, 1);
-		if (!reg || kvbc_region_of(c, dst->v, 1) != reg)
-			return kvbc_set_err(c, -EINVAL, "the landing layout's K and V must lie in "
-					    "one region of this client (kvb_region_alloc)");
-		while (word < REGION_WORDS && (reg->used[word / 64] >> (word % 64) & 1))
-			word++;
-		if (word == REGION_WORDS)
-			return kvbc_set_err(c, -EMFILE, "%u landing sessions use this region "
-					    "already", REGION_WORDS);
-		if (dst->page_tokens && !dst->pages)
-			return kvbc_set_err(c, -EINVAL, "a paged layout needs its block table");
-		k.req.has_land = true;
-		k.req.land.shm_id = reg->id;
-		k.req.land.k_offset = (uint64_t)((uint8_t *)dst->k - reg->base);
-		k.req.land.v_offset = (uint64_t)((uint8_t *)dst->v - reg->base);
-		k.req.land.layer_stride = dst->layer_stride;
-		k.req.land.token_stride = dst->token_stride;
-		k.req.land.head_stride = dst->head_stride;
-		k.req.land.page_tokens = dst->page_tokens;
-		k.req.land.page_stride = dst->page_stride;
-		k.req.land.progress = 4 * (uint64_t)word;
-		if (dst->page_tokens && dst->n_pages) {
-			k.req.land.pages = malloc(dst->n_pages * sizeof(uint32_t));
-			if (!k.req.land.pages)
-				return kvbc_set_err(c, -ENOMEM, "out of memory");
-			memcpy(k.req.land.pages, dst->pages, dst->n_pages * sizeof(uint32_t));
-			k.req.land.n_pages = dst->n_pages;
-		}
-		atomic_store_explicit((_Atomic uint32_t *)(reg->base + 4 * (size_t)word), 0,
-				      memory_order_relaxed);
-	}
-	k.req.segments = calloc(n_segs, sizeof(*k.req.segments));
-	k.req.check_layers = malloc((n_checks + 1) * sizeof(uint32_t));
-	k.req.ratios = malloc((n_checks + 1) * sizeof(double));
-	if (!k.req.segments || !k.req.check_layers || !k.req.ratios) {
-		rc = kvbc_set_err(c, -ENOMEM, "out of memory");
+	if (dst && (rc = fuse_land_request(c, dst, &k.req, &reg, &word)))
+		return rc;
+	if ((rc = fuse_open_request(c, &k.req, segs, n_segs, p)))
 		goto out;
-	}
-	for (size_t i = 0; i < n_segs; i++) {
-		k.req.segments[i].fresh = segs[i].fresh != 0;
-		memcpy(k.req.segments[i].hash, segs[i].hash, KVB_HASH_LEN);
-		k.req.segments[i].pos = segs[i].pos;
-		k.req.segments[i].count = segs[i].fresh ? segs[i].count : 0;
-	}
-	k.req.n_segments = n_segs;
-	if (n_checks) {
-		memcpy(k.req.check_layers, p->check_layers, n_checks * sizeof(uint32_t));
-		memcpy(k.req.ratios, p->ratios, n_checks * sizeof(double));
-	}
-	k.req.n_checks = k.req.n_ratios = n_checks;
-	k.req.reuse_only = n_checks == 0;
-	k.req.metric = p ? (uint32_t)p->metric : 0;
 	k.req.shared_ring = c->shm_ok && !dst;
 	k.req.device_out = c->cuda && !dst;
 	rc = kvbc_call(c, &k);
@@ -136,47 +230,11 @@ static int fuse_open_common(kvb_client *c, const char *model, const struct kvb_s
 	}
 	if (rc)
 		goto out;
-	if (k.rep.n_selection > k.rep.num_tokens) {
-		rc = kvbc_set_err(c, KVB_E_PROTOCOL, "more rows than tokens in a fuse_open reply");
+	rc = fuse_from_reply(c, &k.rep,
+			     (size_t)m.num_kv_heads * m.head_dim * kvb_dtype_size(m.dtype),
+			     dst != NULL, &f);
+	if (rc)
 		goto out;
-	}
-	f = calloc(1, sizeof(*f));
-	if (f)
-		f->rows = malloc(((size_t)k.rep.num_tokens + 1) * sizeof(int32_t));
-	if (f && f->rows)
-		f->dropped = malloc(((size_t)k.rep.num_tokens + 1) * sizeof(int32_t));
-	if (!f || !f->rows || !f->dropped) {
-		if (f)
-			free(f->rows);
-		free(f);
-		f = NULL;
-		rc = kvbc_set_err(c, -ENOMEM, "out of memory");
-		goto out;
-	}
-	f->id = k.rep.session_id;
-	f->tokens = k.rep.num_tokens;
-	f->next_layer = f->first_check = k.rep.next_layer;
-	f->row_bytes = (size_t)m.num_kv_heads * m.head_dim * kvb_dtype_size(m.dtype);
-	if (k.rep.has_selection) {
-		/* Reuse only: the node computes the fresh tokens, at every layer. */
-		if (k.rep.n_selection)
-			memcpy(f->rows, k.rep.selection, k.rep.n_selection * sizeof(int32_t));
-		f->n_rows = k.rep.n_selection;
-	} else {
-		for (uint32_t i = 0; i < f->tokens; i++)
-			f->rows[i] = (int32_t)i;
-		f->n_rows = f->tokens;
-	}
-	f->slot_bytes = k.rep.slot_bytes;
-	f->ring_slots = k.rep.ring_slots;
-	if (k.rep.has_ipc && c->cuda && k.rep.slot_bytes == 2 * (uint64_t)f->tokens * f->row_bytes) {
-		/* Without the mapping the session still works: the layers come in host memory. */
-		if (kvb_cuda_map(c->cuda, k.rep.device_pci, k.rep.ipc_handle, &f->dev_base, c->err,
-				 sizeof(c->err)) == 0) {
-			f->dev_ring = f->dev_base + k.rep.ipc_offset;
-			c->err[0] = 0;
-		}
-	}
 	if (dst) {
 		f->land = true;
 		f->region = reg;
@@ -184,19 +242,6 @@ static int fuse_open_common(kvb_client *c, const char *model, const struct kvb_s
 		f->word = word;
 		f->progress = (_Atomic uint32_t *)(reg->base + 4 * (size_t)word);
 		reg->used[word / 64] |= 1ull << (word % 64);
-	} else if (k.rep.shm_name[0] && k.rep.shm_size &&
-		   k.rep.slot_bytes == 2 * (uint64_t)f->tokens * f->row_bytes) {
-		/* Map it read-only: nothing this side can write the daemon's memory. If that
-		 * fails the session still works; the layers then come in frames. The ring is
-		 * populated now: the node reads every page of it, layer after layer. */
-		void *p_ring;
-
-		if (kvbc_map_segment(c, k.rep.shm_name, k.rep.shm_id, k.rep.shm_size, PROT_READ,
-				     MAP_SHARED | MAP_POPULATE, &p_ring) == 0) {
-			f->ring = p_ring;
-			f->ring_bytes = k.rep.shm_size;
-		}
-		c->err[0] = 0;
 	}
 	*out = f;
 out:
