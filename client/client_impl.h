@@ -2,16 +2,17 @@
  * client_impl.h — libkvblend's private declarations, shared by its modules and never
  * installed: the client and request structures, and the few functions one module of
  * the library offers the others. include/kvblend.h is the public contract; nothing
- * here is exported (hidden visibility, and the version script lists kvb_* only).
+ * here is exported (hidden visibility, and kvblend.map lists kvblend.h's functions only).
  *
  * Modules and who uses whom (no cycles):
- *   call.c    requests and replies over the socket        uses nothing below
+ *   call.c    requests and replies over the socket        uses no other module
  *   shm.c     the shared segment and the regions           uses call
  *   model.c   model specs, wire records, register/list     uses call
  *   chunk.c   PUT, GET, LOOKUP, PIN, DELETE, LIST          uses call, shm, model
- *   fuse.c    fuse sessions, landing sessions              uses call, shm, model, cudaipc
  *   admin.c   STATS and cluster members                    uses call
  *   client.c  connect, ping, close, error texts            uses call, shm, cudaipc
+ *   fuse.c    fuse sessions, landing sessions              uses call, shm, model, cudaipc,
+ *                                                          client (kvb_strerror)
  *
  * Thread-safety is the public header's: one client, one thread at a time.
  */
