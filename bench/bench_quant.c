@@ -25,8 +25,8 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "../blend/half.h"
 #include "bench_common.h"
+#include "half.h"
 #include "kvblend.h"
 
 #define L 32

@@ -19,7 +19,7 @@
 #define QUANT_SIMD 0
 #endif
 
-#include "../blend/half.h"
+#include "half.h"
 #include "quant.h"
 
 #define QCAT_(a, b) a##b

@@ -18,6 +18,15 @@
  * Shared memory: on an ipc:// endpoint the client maps a shared-memory segment
  * of the daemon's, and bulk tensors cross through it instead of the socket.
  * Data placed in kvb_shared_buffer() crosses with no client-side copy at all.
+ *
+ * ABI: libkvblend.so.1; every function below is bound to symbol version KVBLEND_1
+ * (client/kvblend.map), and nothing else is exported. A compatible addition (a new
+ * function, enum value or error code) keeps the soname: its functions go into a new
+ * version node (KVBLEND_1.1, ...) that inherits the last. Any other change (a field
+ * added to, removed from or moved in a struct the caller allocates or reads, such as
+ * struct kvb_model; a function's parameters, return value or meaning; a function
+ * removed) raises the soname, and the version nodes start over at KVBLEND_<soname>.
+ * Soname 0 is retired: struct kvb_model grew under it. See docs/python.md.
  */
 #ifndef KVBLEND_H
 #define KVBLEND_H

@@ -47,7 +47,7 @@ exec_path=$(sed -n 's/^ExecStart=\([^ ]*\).*/\1/p' "$root/usr/lib/systemd/system
 [ "$exec_path" = /usr/sbin/kvblendd ] && [ -x "$root$exec_path" ] &&
 	ok "unit's ExecStart $exec_path is in the package" || bad "ExecStart" "$exec_path"
 missing=
-for f in usr/bin/kvblend usr/include/kvblend.h usr/lib/x86_64-linux-gnu/libkvblend.so.0 \
+for f in usr/bin/kvblend usr/include/kvblend.h usr/lib/x86_64-linux-gnu/libkvblend.so.1 \
 	usr/lib/x86_64-linux-gnu/pkgconfig/kvblend.pc usr/lib/sysusers.d/kvblend.conf \
 	usr/lib/tmpfiles.d/kvblend.conf etc/kvblend/kvblendd.conf usr/share/man/man8/kvblendd.8 \
 	usr/share/man/man1/kvblend.1 usr/share/doc/kvblend/kvblendd-gpu.conf; do

@@ -19,7 +19,7 @@
 
 #include <cmocka.h>
 
-#include "../../blend/half.h"
+#include "half.h"
 #include "quant.h"
 
 void quant_dec_rows_base(struct quant_dec *d, uint32_t a, uint32_t b, void *dst);

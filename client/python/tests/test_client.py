@@ -53,6 +53,16 @@ def test_too_old_library_is_named(tmp_path):
     assert "AttributeError" not in p.stderr
 
 
+def test_abi_is_checked():
+    """The loaded library's functions carry the version node of the ABI this package is
+    written for; a library without it (soname 0 had none) is named as another ABI."""
+    import ctypes
+
+    assert _lib._abi_mismatch(_lib.lib) is None
+    why = _lib._abi_mismatch(ctypes.CDLL("libz.so.1"))
+    assert why is not None and _lib._VERSION_NODE in why and _lib._VERSION_NODE == "KVBLEND_1"
+
+
 def test_bad_endpoint():
     with pytest.raises(kvblend.BadArgument):
         kvblend.Client("bogus://x", timeout_ms=200)

@@ -226,7 +226,12 @@ _PROTOTYPES = {
     "kvb_store_format": (None, [ctypes.POINTER(KvbModel), _STR, _SZ]),
 }
 
-_SONAMES = ("libkvblend.so.0", "libkvblend.so")
+#: The libkvblend ABI the declarations above (struct layouts included) are written for:
+#: the library's soname number, and the version node its functions are bound to
+#: (client/kvblend.map; the policy is at the top of kvblend.h).
+_ABI = 1
+_VERSION_NODE = f"KVBLEND_{_ABI}"
+_SONAMES = (f"libkvblend.so.{_ABI}", "libkvblend.so")
 
 
 def _candidates() -> list[str]:
@@ -245,6 +250,24 @@ def _candidates() -> list[str]:
         out.append(found)
     out.extend(_SONAMES)
     return out
+
+
+def _abi_mismatch(lib: ctypes.CDLL) -> str | None:
+    """Why lib is not of the ABI this package speaks, or None if it is.
+
+    A library of another ABI may have every function this package calls and still lay
+    out ``struct kvb_model`` differently (soname 0 did); its functions then carry no
+    ``KVBLEND_1`` version, which ``dlvsym`` tells. Where the C library has no
+    ``dlvsym`` the soname stands alone.
+    """
+    dlvsym = getattr(ctypes.CDLL(None), "dlvsym", None)
+    if dlvsym is None:
+        return None
+    dlvsym.restype = ctypes.c_void_p
+    dlvsym.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_char_p]
+    if dlvsym(lib._handle, b"kvb_connect", _VERSION_NODE.encode()):
+        return None
+    return f"not ABI {_ABI}: its functions lack version {_VERSION_NODE}; use libkvblend.so.{_ABI}"
 
 
 def _load() -> ctypes.CDLL:
@@ -266,6 +289,10 @@ def _load() -> ctypes.CDLL:
                 f"{f' and {len(missing) - 3} more' if len(missing) > 3 else ''};"
                 " rebuild or reinstall libkvblend)"
             )
+            continue
+        why = _abi_mismatch(lib)
+        if why:
+            tried.append(f"{path} ({why})")
             continue
         for name, (restype, argtypes) in _PROTOTYPES.items():
             fn = getattr(lib, name)

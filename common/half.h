@@ -2,10 +2,15 @@
  * half — bit-exact scalar conversions between f32 and the 16-bit float formats
  * (IEEE binary16 "f16" and bfloat16 "bf16"), rounding to nearest even, NaN kept
  * quiet. The SIMD kernels use the same rounding, so every backend agrees; the
- * CUDA kernels call these very functions.
+ * CUDA kernels call these very functions. Shared by store/ (the quantized codecs)
+ * and blend/ (the fuse kernels), which never include each other's headers: this
+ * folder, common/, holds what both need. Header-only; no state. Not installed.
+ *
+ * KVB_HD marks a function for the host and, under nvcc, the device too; blend's
+ * elem.h uses it as well.
  */
-#ifndef KVBLEND_BLEND_HALF_H
-#define KVBLEND_BLEND_HALF_H
+#ifndef KVBLEND_COMMON_HALF_H
+#define KVBLEND_COMMON_HALF_H
 
 #include <stdint.h>
 #include <string.h>

@@ -1,0 +1,566 @@
+/*
+ * fuse — the client's side of a fuse session: FUSE_OPEN, the layer calls (fused
+ * layers out of the daemon's shared ring, its device ring, or frames), the landing
+ * sessions that write into a region of the node (kvb_fuse_open_into, kvb_fuse_wait,
+ * kvb_fuse_check), and FUSE_CLOSE.
+ */
+#include <errno.h>
+#include <linux/futex.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "client_impl.h"
+
+struct kvb_fuse {
+	uint64_t id;
+	uint32_t tokens;
+	uint32_t next_layer;
+	uint32_t first_check;
+	size_t row_bytes;
+	int32_t *rows; /* tokens of the next call: all at first, the selection after */
+	size_t n_rows;
+	/* the daemon's shared ring, mapped read-only: fused layers arrive with no copy */
+	const uint8_t *ring;
+	size_t ring_bytes;
+	uint64_t slot_bytes;
+	const uint8_t *last; /* the fused layer of the last call (K, then V), or NULL */
+	/* the daemon's device ring, mapped (CUDA IPC; kvb_fuse_device()): 0 if not */
+	uint64_t dev_base;  /* the mapped allocation */
+	uint64_t dev_ring;  /* slot 0 in it */
+	uint32_t ring_slots;
+	uint64_t dev_last; /* the fused layer of the last call on the device, or 0 */
+	/* landing sessions: the daemon writes into the node's region */
+	bool land;
+	struct region *region;
+	uint64_t region_id; /* the region's segment when the session opened */
+	unsigned word;	    /* the progress word's index in the region's head */
+	_Atomic uint32_t *progress;
+	int32_t *dropped;
+	size_t n_dropped;
+};
+
+/*
+ * The landing part of a FUSE_OPEN request: dst's K and V must lie in one region of
+ * this client, which must have a free progress word (*word, zeroed here). Returns 0,
+ * -EINVAL, -EMFILE or -ENOMEM with c->err set; on failure req holds nothing new.
+ */
+static int fuse_land_request(kvb_client *c, const struct kvb_kv_layout *dst,
+			     struct kvbp_request *req, struct region **reg_out, unsigned *word_out)
+{
+	struct region *reg;
+	unsigned word = 0;
+
+	/* The node's buffers: a region of this client; a progress word in its head. */
+	reg = kvbc_region_of(c, dst->k, 1);
+	if (!reg || kvbc_region_of(c, dst->v, 1) != reg)
+		return kvbc_set_err(c, -EINVAL, "the landing layout's K and V must lie in one "
+				    "region of this client (kvb_region_alloc)");
+	while (word < REGION_WORDS && (reg->used[word / 64] >> (word % 64) & 1))
+		word++;
+	if (word == REGION_WORDS)
+		return kvbc_set_err(c, -EMFILE, "%u landing sessions use this region already",
+				    REGION_WORDS);
+	if (dst->page_tokens && !dst->pages)
+		return kvbc_set_err(c, -EINVAL, "a paged layout needs its block table");
+	req->has_land = true;
+	req->land.shm_id = reg->id;
+	req->land.k_offset = (uint64_t)((uint8_t *)dst->k - reg->base);
+	req->land.v_offset = (uint64_t)((uint8_t *)dst->v - reg->base);
+	req->land.layer_stride = dst->layer_stride;
+	req->land.token_stride = dst->token_stride;
+	req->land.head_stride = dst->head_stride;
+	req->land.page_tokens = dst->page_tokens;
+	req->land.page_stride = dst->page_stride;
+	req->land.progress = 4 * (uint64_t)word;
+	if (dst->page_tokens && dst->n_pages) {
+		req->land.pages = malloc(dst->n_pages * sizeof(uint32_t));
+		if (!req->land.pages)
+			return kvbc_set_err(c, -ENOMEM, "out of memory");
+		memcpy(req->land.pages, dst->pages, dst->n_pages * sizeof(uint32_t));
+		req->land.n_pages = dst->n_pages;
+	}
+	atomic_store_explicit((_Atomic uint32_t *)(reg->base + 4 * (size_t)word), 0,
+			      memory_order_relaxed);
+	*reg_out = reg;
+	*word_out = word;
+	return 0;
+}
+
+/*
+ * The segments and check layers of a FUSE_OPEN request (p NULL: reuse only). Returns
+ * 0 or -ENOMEM; what it allocated kvbc_call_done() frees either way.
+ */
+static int fuse_open_request(kvb_client *c, struct kvbp_request *req,
+			     const struct kvb_segment *segs, size_t n_segs,
+			     const struct kvb_fuse_params *p)
+{
+	size_t n_checks = p ? p->n_checks : 0;
+
+	req->segments = calloc(n_segs, sizeof(*req->segments));
+	req->check_layers = malloc((n_checks + 1) * sizeof(uint32_t));
+	req->ratios = malloc((n_checks + 1) * sizeof(double));
+	if (!req->segments || !req->check_layers || !req->ratios)
+		return kvbc_set_err(c, -ENOMEM, "out of memory");
+	for (size_t i = 0; i < n_segs; i++) {
+		req->segments[i].fresh = segs[i].fresh != 0;
+		memcpy(req->segments[i].hash, segs[i].hash, KVB_HASH_LEN);
+		req->segments[i].pos = segs[i].pos;
+		req->segments[i].count = segs[i].fresh ? segs[i].count : 0;
+	}
+	req->n_segments = n_segs;
+	if (n_checks) {
+		memcpy(req->check_layers, p->check_layers, n_checks * sizeof(uint32_t));
+		memcpy(req->ratios, p->ratios, n_checks * sizeof(double));
+	}
+	req->n_checks = req->n_ratios = n_checks;
+	req->reuse_only = n_checks == 0;
+	req->metric = p ? (uint32_t)p->metric : 0;
+	return 0;
+}
+
+/*
+ * The session a FUSE_OPEN reply opened, for a model of row_bytes per token: its rows,
+ * its device ring mapped if the daemon exported one, and (unless land) its shared
+ * ring mapped read-only. Returns 0 and *out, or -ENOMEM, KVB_E_PROTOCOL.
+ */
+static int fuse_from_reply(kvb_client *c, const struct kvbp_reply *rep, size_t row_bytes,
+			   bool land, kvb_fuse **out)
+{
+	kvb_fuse *f;
+
+	if (rep->n_selection > rep->num_tokens)
+		return kvbc_set_err(c, KVB_E_PROTOCOL, "more rows than tokens in a fuse_open reply");
+	f = calloc(1, sizeof(*f));
+	if (f)
+		f->rows = malloc(((size_t)rep->num_tokens + 1) * sizeof(int32_t));
+	if (f && f->rows)
+		f->dropped = malloc(((size_t)rep->num_tokens + 1) * sizeof(int32_t));
+	if (!f || !f->rows || !f->dropped) {
+		if (f)
+			free(f->rows);
+		free(f);
+		return kvbc_set_err(c, -ENOMEM, "out of memory");
+	}
+	f->id = rep->session_id;
+	f->tokens = rep->num_tokens;
+	f->next_layer = f->first_check = rep->next_layer;
+	f->row_bytes = row_bytes;
+	if (rep->has_selection) {
+		/* Reuse only: the node computes the fresh tokens, at every layer. */
+		if (rep->n_selection)
+			memcpy(f->rows, rep->selection, rep->n_selection * sizeof(int32_t));
+		f->n_rows = rep->n_selection;
+	} else {
+		for (uint32_t i = 0; i < f->tokens; i++)
+			f->rows[i] = (int32_t)i;
+		f->n_rows = f->tokens;
+	}
+	f->slot_bytes = rep->slot_bytes;
+	f->ring_slots = rep->ring_slots;
+	if (rep->has_ipc && c->cuda && rep->slot_bytes == 2 * (uint64_t)f->tokens * f->row_bytes) {
+		/* Without the mapping the session still works: the layers come in host memory. */
+		if (kvb_cuda_map(c->cuda, rep->device_pci, rep->ipc_handle, &f->dev_base, c->err,
+				 sizeof(c->err)) == 0) {
+			f->dev_ring = f->dev_base + rep->ipc_offset;
+			c->err[0] = 0;
+		}
+	}
+	if (!land && rep->shm_name[0] && rep->shm_size &&
+	    rep->slot_bytes == 2 * (uint64_t)f->tokens * f->row_bytes) {
+		/* Map it read-only: nothing this side can write the daemon's memory. If that
+		 * fails the session still works; the layers then come in frames. The ring is
+		 * populated now: the node reads every page of it, layer after layer. */
+		void *p_ring;
+
+		if (kvbc_map_segment(c, rep->shm_name, rep->shm_id, rep->shm_size, PROT_READ,
+				     MAP_SHARED | MAP_POPULATE, &p_ring) == 0) {
+			f->ring = p_ring;
+			f->ring_bytes = rep->shm_size;
+		}
+		c->err[0] = 0;
+	}
+	*out = f;
+	return 0;
+}
+
+static int fuse_open_common(kvb_client *c, const char *model, const struct kvb_segment *segs,
+			    size_t n_segs, const struct kvb_fuse_params *p,
+			    const struct kvb_kv_layout *dst, kvb_fuse **out,
+			    uint8_t (**missing)[KVB_HASH_LEN], size_t *n_missing)
+{
+	struct call k = { .req = { .op = KVBP_OP_FUSE_OPEN } };
+	struct region *reg = NULL;
+	unsigned word = 0;
+	struct kvb_model m;
+	kvb_fuse *f = NULL;
+	int rc;
+
+	*out = NULL;
+	if (missing)
+		*missing = NULL;
+	if (n_missing)
+		*n_missing = 0;
+	if ((rc = kvbc_set_name(c, &k, model)))
+		return rc;
+	if (!n_segs)
+		return kvbc_set_err(c, -EINVAL, "a fuse needs at least one segment");
+	/* The row size, for the layer calls to check their buffers against. */
+	rc = kvb_model_get(c, model, &m);
+	if (rc)
+		return rc;
+	if (dst && (rc = fuse_land_request(c, dst, &k.req, &reg, &word)))
+		return rc;
+	if ((rc = fuse_open_request(c, &k.req, segs, n_segs, p)))
+		goto out;
+	k.req.shared_ring = c->shm_ok && !dst;
+	k.req.device_out = c->cuda && !dst;
+	rc = kvbc_call(c, &k);
+	if (rc == KVB_E_NOT_FOUND && missing && n_missing && k.rep.n_chunks) {
+		*missing = malloc(k.rep.n_chunks * KVB_HASH_LEN);
+		if (*missing) {
+			for (size_t i = 0; i < k.rep.n_chunks; i++)
+				memcpy((*missing)[i], k.rep.chunks[i].hash, KVB_HASH_LEN);
+			*n_missing = k.rep.n_chunks;
+		}
+	}
+	if (rc)
+		goto out;
+	rc = fuse_from_reply(c, &k.rep,
+			     (size_t)m.num_kv_heads * m.head_dim * kvb_dtype_size(m.dtype),
+			     dst != NULL, &f);
+	if (rc)
+		goto out;
+	if (dst) {
+		f->land = true;
+		f->region = reg;
+		f->region_id = reg->id;
+		f->word = word;
+		f->progress = (_Atomic uint32_t *)(reg->base + 4 * (size_t)word);
+		reg->used[word / 64] |= 1ull << (word % 64);
+	}
+	*out = f;
+out:
+	kvbc_call_done(&k);
+	return rc;
+}
+
+int kvb_fuse_open(kvb_client *c, const char *model, const struct kvb_segment *segs,
+		  size_t n_segs, const struct kvb_fuse_params *p, kvb_fuse **out,
+		  uint8_t (**missing)[KVB_HASH_LEN], size_t *n_missing)
+{
+	return fuse_open_common(c, model, segs, n_segs, p, NULL, out, missing, n_missing);
+}
+
+int kvb_fuse_open_into(kvb_client *c, const char *model, const struct kvb_segment *segs,
+		       size_t n_segs, const struct kvb_fuse_params *p,
+		       const struct kvb_kv_layout *dst, kvb_fuse **out,
+		       uint8_t (**missing)[KVB_HASH_LEN], size_t *n_missing)
+{
+	if (!dst) {
+		*out = NULL;
+		return kvbc_set_err(c, -EINVAL, "kvb_fuse_open_into needs a layout");
+	}
+	return fuse_open_common(c, model, segs, n_segs, p, dst, out, missing, n_missing);
+}
+
+int kvb_fuse_wait(kvb_client *c, kvb_fuse *f, uint32_t layer, int timeout_ms)
+{
+	struct timespec t0, now;
+	uint32_t v;
+
+	if (!f->land)
+		return kvbc_set_err(c, -EINVAL, "kvb_fuse_wait is for landing sessions "
+				    "(kvb_fuse_open_into)");
+	clock_gettime(CLOCK_MONOTONIC, &t0);
+	for (unsigned spin = 0;; spin++) {
+		int64_t left_ms;
+
+		v = atomic_load_explicit(f->progress, memory_order_acquire);
+		if (v & KVBP_LAND_FAILED) {
+			int code = (int)(v >> 24 & 0x7f);
+
+			return kvbc_set_err(c, -1000 - code, "the daemon stopped landing at layer "
+					    "%u (%s); close the session", v & KVBP_LAND_COUNT,
+					    kvb_strerror(-1000 - code));
+		}
+		if ((v & KVBP_LAND_COUNT) > layer)
+			return 0;
+		if (spin < 2000) {
+			/* The layer is usually moments away: stay on the CPU a little. */
+			__builtin_ia32_pause();
+			continue;
+		}
+		clock_gettime(CLOCK_MONOTONIC, &now);
+		left_ms = timeout_ms - ((now.tv_sec - t0.tv_sec) * 1000 +
+					(now.tv_nsec - t0.tv_nsec) / 1000000);
+		if (timeout_ms >= 0 && left_ms <= 0)
+			return kvbc_set_err(c, -ETIMEDOUT, "layer %u not landed within %d ms (%u "
+					    "layers in place)", layer, timeout_ms,
+					    v & KVBP_LAND_COUNT);
+		{
+			/* Sleep until the daemon publishes again (a shared futex), 100 ms at most. */
+			struct timespec ts = { 0, 100000000 };
+
+			if (timeout_ms >= 0 && left_ms < 100)
+				ts.tv_nsec = left_ms * 1000000;
+			syscall(SYS_futex, (uint32_t *)f->progress, FUTEX_WAIT, v, &ts, NULL, 0);
+		}
+	}
+}
+
+int kvb_fuse_check(kvb_client *c, kvb_fuse *f, uint32_t layer, const void *rows,
+		   size_t row_stride, const int32_t **dropped, size_t *n_dropped)
+{
+	struct call k = { .req = { .op = KVBP_OP_FUSE_LAYER, .session_id = f->id, .layer = layer,
+				   .rows = (uint32_t)f->n_rows } };
+	size_t stride = row_stride ? row_stride : f->row_bytes, span = 0;
+	static const uint8_t empty[1];
+	const void *ptrs[1] = { rows };
+	size_t lens[1];
+	uint8_t *packed = NULL;
+	struct region *r;
+	int rc;
+
+	if (dropped)
+		*dropped = NULL;
+	if (n_dropped)
+		*n_dropped = 0;
+	if (!f->land)
+		return kvbc_set_err(c, -EINVAL, "kvb_fuse_check is for landing sessions "
+				    "(kvb_fuse_open_into); use kvb_fuse_layer");
+	if (stride < f->row_bytes)
+		return kvbc_set_err(c, -EINVAL, "row stride %zu is below the row size %zu", stride,
+				    f->row_bytes);
+	if (f->n_rows)
+		span = (f->n_rows - 1) * stride + f->row_bytes;
+	if (span && (r = kvbc_region_of(c, rows, span)) != NULL) {
+		/* Read where they are: the daemon maps this region. */
+		k.req.has_shm = true;
+		k.req.shm_id = r->id;
+		k.req.shm_offset = (uint64_t)((const uint8_t *)rows - r->base);
+		k.req.shm_length = span;
+		k.req.row_stride = stride;
+	} else if (span && kvbc_in_shm(c, rows, span)) {
+		k.req.has_shm = true;
+		k.req.shm_id = c->shm_id;
+		k.req.shm_offset = (uint64_t)((const uint8_t *)rows - (uint8_t *)c->shm_base);
+		k.req.shm_length = span;
+		k.req.row_stride = stride;
+	} else {
+		lens[0] = f->n_rows * f->row_bytes;
+		if (!f->n_rows) {
+			ptrs[0] = empty;
+		} else if (stride != f->row_bytes) {
+			packed = malloc(lens[0]);
+			if (!packed)
+				return kvbc_set_err(c, -ENOMEM, "out of memory");
+			for (size_t i = 0; i < f->n_rows; i++)
+				memcpy(packed + i * f->row_bytes, (const uint8_t *)rows + i * stride,
+				       f->row_bytes);
+			ptrs[0] = packed;
+		}
+		k.payload = ptrs;
+		k.payload_len = lens;
+		k.n_payload = 1;
+	}
+	rc = kvbc_call(c, &k);
+	free(packed);
+	if (rc)
+		goto out;
+	if (!k.rep.has_selection || k.rep.n_selection > f->tokens ||
+	    k.rep.n_dropped > f->n_rows) {
+		rc = kvbc_set_err(c, KVB_E_PROTOCOL, "check layer reply without a valid selection");
+		goto out;
+	}
+	if (k.rep.n_dropped)
+		memcpy(f->dropped, k.rep.dropped, k.rep.n_dropped * sizeof(int32_t));
+	f->n_dropped = k.rep.n_dropped;
+	if (k.rep.n_selection)
+		memcpy(f->rows, k.rep.selection, k.rep.n_selection * sizeof(int32_t));
+	f->n_rows = k.rep.n_selection;
+	f->next_layer = k.rep.next_layer;
+	if (dropped)
+		*dropped = f->dropped;
+	if (n_dropped)
+		*n_dropped = f->n_dropped;
+out:
+	kvbc_call_done(&k);
+	return rc;
+}
+
+uint32_t kvb_fuse_tokens(const kvb_fuse *f)
+{
+	return f->tokens;
+}
+
+uint32_t kvb_fuse_next_layer(const kvb_fuse *f)
+{
+	return f->next_layer;
+}
+
+size_t kvb_fuse_rows(const kvb_fuse *f, const int32_t **tokens)
+{
+	if (tokens)
+		*tokens = f->rows;
+	return f->n_rows;
+}
+
+int kvb_fuse_layer(kvb_client *c, kvb_fuse *f, uint32_t layer, const void *k_in, const void *v_in,
+		   void *k_out, void *v_out, int *fused)
+{
+	struct call k = { .req = { .op = KVBP_OP_FUSE_LAYER, .session_id = f->id, .layer = layer,
+				   .rows = (uint32_t)f->n_rows } };
+	size_t in_bytes = f->n_rows * f->row_bytes, out_bytes = (size_t)f->tokens * f->row_bytes;
+	const void *ptrs[2] = { k_in, v_in };
+	size_t lens[2] = { in_bytes, in_bytes };
+	bool shm = in_bytes && c->shm_ok && kvbc_shm_ensure(c, 2 * in_bytes);
+	int rc;
+
+	if (fused)
+		*fused = 0;
+	if (f->land)
+		return kvbc_set_err(c, -EINVAL, "a landing session takes kvb_fuse_check() at check "
+				    "layers and kvb_fuse_wait() for the others, not kvb_fuse_layer()");
+	/* Fused layers in the ring only if we mapped it; else the daemon sends frames. On the
+	 * device when it is mapped and the caller gave no host buffers. */
+	k.req.shared_ring = f->ring != NULL;
+	k.req.device_out = f->dev_base && !k_out && !v_out;
+	if (shm) {
+		/* Fresh rows through the client's segment: K, then V. */
+		memcpy(c->shm_base, k_in, in_bytes);
+		memcpy((uint8_t *)c->shm_base + in_bytes, v_in, in_bytes);
+		k.req.has_shm = true;
+		k.req.shm_id = c->shm_id;
+		k.req.shm_offset = 0;
+		k.req.shm_length = 2 * in_bytes;
+	} else {
+		k.payload = ptrs;
+		k.payload_len = lens;
+		k.n_payload = 2;
+	}
+	rc = kvbc_call(c, &k);
+	if (rc)
+		goto out;
+	f->last = NULL;
+	f->dev_last = 0;
+	if (k.rep.has_fused) {
+		if (k.req.device_out) {
+			if (k.rep.ring_slot >= f->ring_slots) {
+				rc = kvbc_set_err(c, KVB_E_PROTOCOL, "ring slot %u outside the ring",
+						  k.rep.ring_slot);
+				goto out;
+			}
+			f->dev_last = f->dev_ring + (uint64_t)k.rep.ring_slot * f->slot_bytes;
+		} else if (f->ring) {
+			if ((uint64_t)(k.rep.ring_slot + 1) * f->slot_bytes > f->ring_bytes) {
+				rc = kvbc_set_err(c, KVB_E_PROTOCOL, "ring slot %u outside the ring",
+						  k.rep.ring_slot);
+				goto out;
+			}
+			f->last = f->ring + (uint64_t)k.rep.ring_slot * f->slot_bytes;
+			if (k_out)
+				memcpy(k_out, f->last, out_bytes);
+			if (v_out)
+				memcpy(v_out, f->last + out_bytes, out_bytes);
+		} else if (k.n_frames == 2 && zmq_msg_size(&k.frames[0]) == out_bytes &&
+			   zmq_msg_size(&k.frames[1]) == out_bytes) {
+			if (k_out)
+				memcpy(k_out, zmq_msg_data(&k.frames[0]), out_bytes);
+			if (v_out)
+				memcpy(v_out, zmq_msg_data(&k.frames[1]), out_bytes);
+		} else {
+			rc = kvbc_set_err(c, KVB_E_PROTOCOL, "fused layer reply of unexpected size");
+			goto out;
+		}
+		if (fused)
+			*fused = 1;
+	}
+	if (k.rep.has_selection) {
+		if (k.rep.n_selection > f->tokens) {
+			rc = kvbc_set_err(c, KVB_E_PROTOCOL, "selection larger than the session");
+			goto out;
+		}
+		if (k.rep.n_selection)
+			memcpy(f->rows, k.rep.selection, k.rep.n_selection * sizeof(int32_t));
+		f->n_rows = k.rep.n_selection;
+	}
+	f->next_layer = k.rep.next_layer;
+out:
+	kvbc_call_done(&k);
+	return rc;
+}
+
+int kvb_fuse_close(kvb_client *c, kvb_fuse **fp, struct kvb_stat **stats, size_t *n_stats)
+{
+	kvb_fuse *f = fp ? *fp : NULL;
+	struct call k = { .req = { .op = KVBP_OP_FUSE_CLOSE } };
+	int rc;
+
+	if (stats)
+		*stats = NULL;
+	if (n_stats)
+		*n_stats = 0;
+	if (!f)
+		return 0;
+	k.req.session_id = f->id;
+	rc = kvbc_call(c, &k);
+	if (!rc && stats && n_stats && k.rep.n_stats) {
+		*stats = calloc(k.rep.n_stats, sizeof(**stats));
+		for (size_t i = 0; *stats && i < k.rep.n_stats; i++) {
+			snprintf((*stats)[i].name, sizeof((*stats)[i].name), "%s", k.rep.stats[i].name);
+			(*stats)[i].value = k.rep.stats[i].value;
+		}
+		*n_stats = *stats ? k.rep.n_stats : 0;
+	}
+	kvbc_call_done(&k);
+	if (f->ring)
+		munmap((void *)f->ring, f->ring_bytes);
+	if (f->dev_base)
+		kvb_cuda_unmap(c->cuda, f->dev_base);
+	if (f->land && f->region->id == f->region_id)
+		f->region->used[f->word / 64] &= ~(1ull << (f->word % 64));
+	free(f->rows);
+	free(f->dropped);
+	free(f);
+	*fp = NULL;
+	return rc;
+}
+
+int kvb_fuse_device(kvb_client *c)
+{
+	char why[256];
+	int rc;
+
+	if (c->cuda)
+		return 0;
+	rc = kvb_cuda_load(&c->cuda, why, sizeof(why));
+	return rc ? kvbc_set_err(c, rc, "fused layers on the GPU: %s", why) : 0;
+}
+
+int kvb_fuse_on_device(const kvb_fuse *f)
+{
+	return f->dev_base != 0;
+}
+
+int kvb_fuse_output_device(const kvb_fuse *f, void **k, void **v)
+{
+	if (!f->dev_last)
+		return -ENODATA;
+	*k = (void *)(uintptr_t)f->dev_last;
+	*v = (void *)(uintptr_t)(f->dev_last + f->slot_bytes / 2);
+	return 0;
+}
+
+int kvb_fuse_output(const kvb_fuse *f, const void **k, const void **v)
+{
+	if (!f->last)
+		return -ENODATA;
+	*k = f->last;
+	*v = f->last + f->slot_bytes / 2;
+	return 0;
+}
