@@ -4,12 +4,22 @@
  */
 #include <errno.h>
 #include <inttypes.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
 #include "cli.h"
+
+/* A counter as a person reads it: whole numbers in full (bytes, chunks), the rest in %g. */
+static void print_stat(const char *name, double v)
+{
+	if (v == (double)(int64_t)v && fabs(v) < 9007199254740992.0) /* 2^53: exact */
+		printf("%-28s %" PRId64 "\n", name, (int64_t)v);
+	else
+		printf("%-28s %.6g\n", name, v);
+}
 
 int cmd_keygen(kvb_client *c, struct args *a)
 {
@@ -67,7 +77,7 @@ int cmd_stats(kvb_client *c, struct args *a)
 		printf("}\n");
 	} else {
 		for (size_t i = 0; i < n; i++)
-			printf("%-28s %.6g\n", s[i].name, s[i].value);
+			print_stat(s[i].name, s[i].value);
 	}
 	free(s);
 	return 0;
@@ -148,7 +158,7 @@ int cmd_cluster(kvb_client *c, struct args *a)
 	} else {
 		for (size_t i = 0; i < n; i++)
 			if (!strncmp(s[i].name, "cluster_", 8))
-				printf("%-28s %.6g\n", s[i].name, s[i].value);
+				print_stat(s[i].name, s[i].value);
 	}
 	free(s);
 	return 0;

@@ -168,9 +168,17 @@ int read_tokens(const char *path, uint32_t **ids, size_t *n)
 	char magic[6] = { 0 };
 	size_t cap = 0;
 
+	char *piped = NULL;
+	size_t got;
+
 	if (!f)
 		return die("%s: %s", path, strerror(errno));
-	if (fread(magic, 1, 6, f) == 6 && !memcmp(magic, "\x93NUMPY", 6)) {
+	got = fread(magic, 1, 6, f);
+	if (got == 6 && !memcmp(magic, "\x93NUMPY", 6)) {
+		if (fseek(f, 0, SEEK_SET)) {
+			fclose(f);
+			return die("%s: a .npy of token ids must be a file, not a pipe", path);
+		}
 		fclose(f);
 		if (npy_read(path, &a, err, sizeof(err)))
 			return die("%s", err);
@@ -202,7 +210,45 @@ int read_tokens(const char *path, uint32_t **ids, size_t *n)
 		npy_free(&a);
 		return 0;
 	}
-	rewind(f);
+	if (fseek(f, 0, SEEK_SET)) {
+		/* A pipe: the bytes taken for the .npy check are gone from f, so read it whole
+		 * after them and parse that (rewind() would silently lose them). */
+		size_t len = got, cap_b = 4096;
+		FILE *mem;
+
+		piped = malloc(cap_b);
+		if (!piped) {
+			fclose(f);
+			return die("out of memory");
+		}
+		memcpy(piped, magic, got);
+		for (;;) {
+			size_t r;
+
+			if (len == cap_b) {
+				char *p = cap_b < (1u << 30) ? realloc(piped, 2 * cap_b) : NULL;
+
+				if (!p) {
+					fclose(f);
+					free(piped);
+					return die("%s: too large (or out of memory)", path);
+				}
+				piped = p;
+				cap_b *= 2;
+			}
+			r = fread(piped + len, 1, cap_b - len, f);
+			if (!r)
+				break;
+			len += r;
+		}
+		fclose(f);
+		mem = len ? fmemopen(piped, len, "r") : NULL;
+		if (!mem) {
+			free(piped);
+			return die("%s: no token ids", path);
+		}
+		f = mem;
+	}
 	*ids = NULL;
 	*n = 0;
 	for (;;) {
@@ -217,6 +263,7 @@ int read_tokens(const char *path, uint32_t **ids, size_t *n)
 		v = strtoull(word, &end, 10);
 		if (*end || errno || v > UINT32_MAX || word[0] == '-') {
 			fclose(f);
+			free(piped);
 			free(*ids);
 			return die("%s: '%s' is not a token id (0..%u)", path, word, UINT32_MAX);
 		}
@@ -225,6 +272,7 @@ int read_tokens(const char *path, uint32_t **ids, size_t *n)
 
 			if (!p) {
 				fclose(f);
+				free(piped);
 				free(*ids);
 				return die("out of memory");
 			}
@@ -234,6 +282,7 @@ int read_tokens(const char *path, uint32_t **ids, size_t *n)
 		(*ids)[(*n)++] = (uint32_t)v;
 	}
 	fclose(f);
+	free(piped);
 	if (!*n)
 		return die("%s: no token ids", path);
 	return 0;

@@ -104,6 +104,10 @@ want=$(cat "$dir/expected_hash")
 
 check "hash matches hashlib.blake2b" 0 "$want" -- "$KVBLEND" hash --tokens "$dir/ids.npy"
 check "hash from text ids" 0 "$want" -- "$KVBLEND" hash --tokens "$dir/ids.txt"
+# from a pipe: the bytes read to look for a .npy header must not be lost
+check "hash from text ids on a pipe" 0 "$want" -- bash -c "cat '$dir/ids.txt' | '$KVBLEND' hash --tokens /dev/stdin"
+check "a .npy on a pipe is refused, named" 1 "must be a file, not a pipe" -- \
+	bash -c "cat '$dir/ids.npy' | '$KVBLEND' hash --tokens /dev/stdin"
 check "put --tokens" 0 "$want" -- "$KVBLEND" put --model m7 --kv "$dir/kv.npy" \
 	--tokens "$dir/ids.npy" --pos 12
 check "put again is a no-op" 0 "already stored" -- "$KVBLEND" put --model m7 --kv "$dir/kv.npy" \
