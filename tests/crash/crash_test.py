@@ -15,6 +15,9 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "integration"))
+import kvbtest  # noqa: E402
+
 ap = argparse.ArgumentParser()
 ap.add_argument("kvblendd")
 ap.add_argument("crash_put")
@@ -25,16 +28,9 @@ ap.add_argument("--no-sync", action="store_true")
 a = ap.parse_args()
 rng = random.Random(a.seed)
 tmp = tempfile.mkdtemp(prefix="kvb-crash-")
-ep = f"ipc://{tmp}/kvblend.sock"
-log = open(f"{tmp}/kvblendd.log", "w")
-
-
-def start():
-    args = [a.kvblendd, "--data-dir", f"{tmp}/data", "--listen", ep, "--map-size", "16G",
-            "--log-level", "warn"]
-    if a.no_sync:
-        args.append("--no-sync")
-    return subprocess.Popen(args, stderr=log)
+daemon = kvbtest.Daemon(a.kvblendd, None, tmp, "--map-size", "16G", "--log-level", "warn",
+                        *(["--no-sync"] if a.no_sync else []))
+ep = daemon.ep
 
 
 def wait_ready(timeout=20):
@@ -49,7 +45,7 @@ def wait_ready(timeout=20):
 
 
 failures = 0
-daemon = start()
+daemon.start(wait=False)
 clients = [subprocess.Popen([a.crash_put, "put", ep, str(s + 1), f"{tmp}/acks{s}"])
            for s in range(a.clients)]
 total = 0
@@ -58,7 +54,7 @@ try:
         time.sleep(rng.uniform(0.2, 1.0))
         daemon.send_signal(signal.SIGKILL)
         daemon.wait()
-        daemon = start()
+        daemon.start(wait=False)
         # Hold the clients while checking, so every kill lands under load and the set to
         # check grows with the kills, not with the time the checks take.
         for c in clients:
@@ -89,14 +85,13 @@ finally:
         c.send_signal(signal.SIGTERM)
     for c in clients:
         c.wait(30)
-    daemon.send_signal(signal.SIGTERM)
-    rc = daemon.wait(60)
+    rc = daemon.stop(60)
     if rc != 0:
         print(f"not ok - daemon exit status {rc}")
         failures += 1
     if failures:
-        print(open(f"{tmp}/kvblendd.log").read()[-2000:])
-    subprocess.run(["rm", "-rf", tmp])
+        print(daemon.log_text()[-2000:])
+    kvbtest.remove(tmp)
 print(f"{a.kills} kills, {total} acknowledged PUTs verified after the last one")
 print(f"{a.kills - failures} passed, {failures} failed")
 sys.exit(1 if failures else 0)

@@ -2,32 +2,17 @@
 and the fuse comparison between two members. `cli(node, *args, ok=True)` is the
 test's own CLI runner; `tmp` its scratch directory."""
 
-import signal
-import socket
-import subprocess
-
 import numpy as np
 
 L, H, D = 4, 2, 16  # the test model "cm": 4 layers, 2 KV heads, head_dim 16, f16
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def stop_all(procs, check):
-    """SIGCONT and SIGTERM every daemon still running; each must exit 0 within 30 s."""
-    for n, p in procs.items():
-        if p.poll() is None:
-            p.send_signal(signal.SIGCONT)
-            p.terminate()
-            try:
-                rc = p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                rc = p.wait()
+def stop_all(daemons, check):
+    """SIGCONT and SIGTERM every daemon (kvbtest.Daemon) still running; each must exit 0
+    within 30 s."""
+    for n, d in daemons.items():
+        if d.poll() is None:
+            rc = d.stop()
             check(f"daemon {n} exits 0", rc == 0, f"status {rc}")
 
 

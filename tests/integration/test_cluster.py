@@ -13,7 +13,6 @@ a bad member list is refused at start with a message naming it.
 usage: test_cluster.py KVBLENDD KVBLEND
 """
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -22,27 +21,17 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import cluster_common as cc  # noqa: E402
+import cluster_common as cc
+import kvbtest
 
 KVBLENDD, KVBLEND = sys.argv[1], sys.argv[2]
 TMP = tempfile.mkdtemp(prefix="kvb-cluster-")
-passed = failed = 0
+check = kvbtest.Checks()
 L, H, D = cc.L, cc.H, cc.D
 TIMEOUT_MS = 500
 
 
-def check(name, cond, detail=""):
-    global passed, failed
-    if cond:
-        passed += 1
-        print(f"ok - {name}")
-    else:
-        failed += 1
-        print(f"not ok - {name} {detail}")
-
-
-NODES = {n: cc.free_port() for n in "abc"}
+NODES = {n: kvbtest.free_port() for n in "abc"}
 PEERS = ",".join(f"{n}=tcp://127.0.0.1:{p}" for n, p in NODES.items())
 procs = {}
 
@@ -52,29 +41,17 @@ def ep(n):
 
 
 def cli(n, *args, ok=True):
-    r = subprocess.run([KVBLEND, "--endpoint", ep(n), "--timeout", "20000", *map(str, args)],
-                       capture_output=True, text=True)
-    if ok and r.returncode != 0:
-        raise RuntimeError(f"kvblend@{n} {' '.join(map(str, args))}: {r.stderr}")
-    return r
+    return kvbtest.cli(KVBLEND, ep(n), *args, timeout_ms=20000, ok=ok, label=f"kvblend@{n}")
 
 
 def start(n, peers=PEERS, wait=True):
-    log = open(f"{TMP}/{n}.log", "a")
-    p = subprocess.Popen([KVBLENDD, "--data-dir", f"{TMP}/{n}-data", "--listen",
-                          f"{ep(n)},tcp://127.0.0.1:{NODES[n]}", "--map-size", "1G",
-                          "--node-id", n, "--cluster-peers", peers, "--cluster-replicas", "2",
-                          "--cluster-timeout-ms", str(TIMEOUT_MS), "--log-level", "debug"],
-                         stderr=log, stdout=log)
-    procs[n] = p
-    if wait:
-        for _ in range(100):
-            if cli(n, "--timeout", "200", "ping", ok=False).returncode == 0:
-                break
-            if p.poll() is not None:
-                break
-            time.sleep(0.1)
-    return p
+    d = kvbtest.Daemon(KVBLENDD, KVBLEND, TMP, "--map-size", "1G", "--node-id", n,
+                       "--cluster-peers", peers, "--cluster-replicas", "2",
+                       "--cluster-timeout-ms", TIMEOUT_MS, "--log-level", "debug", name=n,
+                       listen=f"{ep(n)},tcp://127.0.0.1:{NODES[n]}")
+    procs[n] = d
+    d.start(wait)
+    return d
 
 
 def stats(n):
@@ -191,11 +168,9 @@ try:
           cc.fuse_equal(cli, TMP, "ab", chunks[:3], rng))
 finally:
     cc.stop_all(procs, check)
-    if failed:
+    if check.failed:
         for n in NODES:
             print(f"--- {n}.log (tail)")
-            print(open(f"{TMP}/{n}.log").read()[-2500:])
-    if not os.environ.get("KVB_KEEP_TMP"):
-        subprocess.run(["rm", "-rf", TMP])
-print(f"{passed} passed, {failed} failed")
-sys.exit(1 if failed else 0)
+            print(procs[n].log_text()[-2500:])
+    kvbtest.remove(TMP)
+check.exit()

@@ -29,27 +29,17 @@ import urllib.request
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import cluster_common as cc  # noqa: E402
+import cluster_common as cc
+import kvbtest
 
 KVBLENDD, KVBLEND, PLACE_TOOL = sys.argv[1], sys.argv[2], sys.argv[3]
 TMP = tempfile.mkdtemp(prefix="kvb-etcd-")
 ETCD = shutil.which("etcd") or "/usr/bin/etcd"
-passed = failed = 0
+check = kvbtest.Checks()
 L, H, D = cc.L, cc.H, cc.D
 TIMEOUT_MS = 500
 TTL = 3
 R = 2
-
-
-def check(name, cond, detail=""):
-    global passed, failed
-    if cond:
-        passed += 1
-        print(f"ok - {name}", flush=True)
-    else:
-        failed += 1
-        print(f"not ok - {name} {detail}", flush=True)
 
 
 def keygen():
@@ -58,7 +48,7 @@ def keygen():
     return d["public"], d["secret"]
 
 
-NODES = {n: cc.free_port() for n in "abcd"}
+NODES = {n: kvbtest.free_port() for n in "abcd"}
 KEYS = {n: keygen() for n in list(NODES) + ["rogue", "client", "stranger"]}
 # every member authorizes every member and the serving node's client key
 with open(f"{TMP}/authorized", "w") as f:
@@ -67,9 +57,9 @@ with open(f"{TMP}/authorized", "w") as f:
 for n in list(NODES) + ["rogue"]:
     with open(f"{TMP}/{n}.key", "w") as f:
         f.write(KEYS[n][1] + "\n")
-ETCD_PORT, ETCD_PEER = cc.free_port(), cc.free_port()
+ETCD_PORT, ETCD_PEER = kvbtest.free_port(), kvbtest.free_port()
 ETCD_URL = f"http://127.0.0.1:{ETCD_PORT}"
-METRICS_PORT = cc.free_port()  # A's Prometheus endpoint
+METRICS_PORT = kvbtest.free_port()  # A's Prometheus endpoint
 procs = {}
 etcd = None
 
@@ -99,35 +89,22 @@ def ep(n):
 
 
 def cli(n, *args, ok=True, endpoint=None, env=None):
-    e = {k: v for k, v in os.environ.items() if not k.startswith("KVBLEND_")}
-    e.update(env or {})
-    r = subprocess.run([KVBLEND, "--endpoint", endpoint or ep(n), "--timeout", "20000",
-                        *map(str, args)], capture_output=True, text=True, env=e)
-    if ok and r.returncode != 0:
-        raise RuntimeError(f"kvblend@{n} {' '.join(map(str, args))}: {r.stderr}")
-    return r
+    return kvbtest.cli(KVBLEND, endpoint or ep(n), *args, timeout_ms=20000, ok=ok,
+                       env=env or {}, label=f"kvblend@{n}")
 
 
 def start(n, wait=True):
-    log = open(f"{TMP}/{n}.log", "a")
-    args = [KVBLENDD, "--data-dir", f"{TMP}/{n}-data", "--listen",
-            f"{ep(n)},tcp://127.0.0.1:{NODES[n]}", "--map-size", "1G", "--node-id", n,
-            "--cluster-etcd", ETCD_URL, "--cluster-name", "t", "--cluster-lease-ttl", TTL,
-            "--cluster-replicas", R, "--cluster-timeout-ms", TIMEOUT_MS,
-            "--curve-secret-key-file", f"{TMP}/{n}.key",
+    args = ["--map-size", "1G", "--node-id", n, "--cluster-etcd", ETCD_URL, "--cluster-name",
+            "t", "--cluster-lease-ttl", TTL, "--cluster-replicas", R, "--cluster-timeout-ms",
+            TIMEOUT_MS, "--curve-secret-key-file", f"{TMP}/{n}.key",
             "--curve-authorized-keys", f"{TMP}/authorized", "--log-level", "debug"]
     if n == "a":
         args += ["--metrics-port", METRICS_PORT]
-    p = subprocess.Popen([str(a) for a in args], stderr=log, stdout=log)
-    procs[n] = p
-    if wait:
-        for _ in range(100):
-            if cli(n, "--timeout", "200", "ping", ok=False).returncode == 0:
-                break
-            if p.poll() is not None:
-                break
-            time.sleep(0.1)
-    return p
+    d = kvbtest.Daemon(KVBLENDD, KVBLEND, TMP, *args, name=n,
+                       listen=f"{ep(n)},tcp://127.0.0.1:{NODES[n]}", env={})
+    procs[n] = d
+    d.start(wait)
+    return d
 
 
 def kill(n, sig=signal.SIGKILL):
@@ -298,25 +275,22 @@ try:
     # Unknown keys: a rogue daemon (static peer list naming A, its key unlisted) and a
     # client with an unlisted key are refused by A, and A counts them.
     before = stats("a")["curve_keys_refused"]
-    rogue_port = cc.free_port()
-    rogue = subprocess.Popen([str(a) for a in
-        [KVBLENDD, "--data-dir", f"{TMP}/rogue-data", "--listen",
-         f"ipc://{TMP}/rogue.sock,tcp://127.0.0.1:{rogue_port}", "--map-size", "256M",
-         "--node-id", "rogue", "--cluster-peers",
-         f"a=tcp://127.0.0.1:{NODES['a']}={KEYS['a'][0]}", "--cluster-timeout-ms", TIMEOUT_MS,
-         "--curve-secret-key-file", f"{TMP}/rogue.key", "--log-level", "debug"]],
-        stderr=open(f"{TMP}/rogue.log", "w"), stdout=subprocess.DEVNULL)
+    rogue_port = kvbtest.free_port()
+    rogue = kvbtest.Daemon(KVBLENDD, KVBLEND, TMP, "--map-size", "256M", "--node-id", "rogue",
+                           "--cluster-peers", f"a=tcp://127.0.0.1:{NODES['a']}={KEYS['a'][0]}",
+                           "--cluster-timeout-ms", TIMEOUT_MS, "--curve-secret-key-file",
+                           f"{TMP}/rogue.key", "--log-level", "debug", name="rogue",
+                           listen=f"{ep('rogue')},tcp://127.0.0.1:{rogue_port}", env={})
+    rogue.start()
     try:
-        rep = f"ipc://{TMP}/rogue.sock"
-        wait_for(lambda: cli("rogue", "ping", ok=False, endpoint=rep).returncode == 0, 10)
+        rep = rogue.ep
         cli("rogue", "model", "add", "cm", "--layers", L, "--kv-heads", H, "--head-dim", D,
             "--dtype", "f16", "--rope-theta", 10000, endpoint=rep)
         r = cli("rogue", "get", "--model", "cm", "--hash", chunks[0][0], "--out",
                 f"{TMP}/x.npy", ok=False, endpoint=rep)
         check("a peer with an unknown key gets nothing", r.returncode != 0, r.stdout)
     finally:
-        rogue.terminate()
-        rogue.wait(30)
+        rogue.stop()
     r = cli("a", "--timeout", "1500", "ping", ok=False, endpoint=f"tcp://127.0.0.1:{NODES['a']}",
             env={"KVBLEND_SERVER_KEY": KEYS["a"][0], "KVBLEND_CLIENT_KEY": KEYS["stranger"][1]})
     check("a client with an unknown key is refused", r.returncode != 0, r.stderr)
@@ -383,12 +357,10 @@ finally:
     if etcd and etcd.poll() is None:
         etcd.terminate()
         etcd.wait(30)
-    if failed:
+    if check.failed:
         for n in list(NODES) + ["rogue"]:
             if os.path.exists(f"{TMP}/{n}.log"):
                 print(f"--- {n}.log (tail)")
                 print(open(f"{TMP}/{n}.log").read()[-3000:])
-    if not os.environ.get("KVB_KEEP_TMP"):
-        subprocess.run(["rm", "-rf", TMP])
-print(f"{passed} passed, {failed} failed")
-sys.exit(1 if failed else 0)
+    kvbtest.remove(TMP)
+check.exit()

@@ -5,23 +5,15 @@ TCP endpoint without CURVE is refused at start, and a bad key file names the pro
 
 usage: test_curve.py KVBLENDD KVBLEND
 """
-import os
-import socket
 import subprocess
 import sys
 import tempfile
-import time
+
+import kvbtest
 
 KVBLENDD, KVBLEND = sys.argv[1], sys.argv[2]
 tmp = tempfile.mkdtemp(prefix="kvb-curve-")
-passed = failed = 0
-
-
-def check(name, cond, detail=""):
-    global passed, failed
-    passed += bool(cond)
-    failed += not cond
-    print(f"{'ok' if cond else 'not ok'} - {name}" + ("" if cond else f" {detail}"))
+check = kvbtest.Checks()
 
 
 def keygen():
@@ -31,21 +23,7 @@ def keygen():
 
 
 def cli(ep, *args, env=None):
-    e = {k: v for k, v in os.environ.items() if not k.startswith("KVBLEND_")}
-    e.update(env or {})
-    try:
-        return subprocess.run([KVBLEND, "--endpoint", ep, "--timeout", "1500", *args],
-                              capture_output=True, text=True, env=e, timeout=60)
-    except subprocess.TimeoutExpired as x:  # a hung CLI fails its check, not the whole test
-        return subprocess.CompletedProcess(x.cmd, -9, "", f"kvblend hung: {x}")
-
-
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
+    return kvbtest.cli(KVBLEND, ep, *args, timeout_ms=1500, env=env or {}, hang_s=60)
 
 
 srv_pub, srv_sec = keygen()
@@ -53,17 +31,14 @@ cli_pub, cli_sec = keygen()
 other_pub, other_sec = keygen()
 open(f"{tmp}/server.key", "w").write(f"# kvblendd CURVE secret key\n{srv_sec}\n")
 open(f"{tmp}/clients", "w").write(f"# serving nodes\n{cli_pub}   node-1\n")
-port = free_port()
-tcp, ipc = f"tcp://127.0.0.1:{port}", f"ipc://{tmp}/kvblend.sock"
-d = subprocess.Popen([KVBLENDD, "--data-dir", f"{tmp}/data", "--listen", ipc, "--listen", tcp,
-                      "--curve-secret-key-file", f"{tmp}/server.key",
-                      "--curve-authorized-keys", f"{tmp}/clients", "--map-size", "256M"],
-                     stderr=open(f"{tmp}/log", "w"))
+port = kvbtest.free_port()
+tcp = f"tcp://127.0.0.1:{port}"
+d = kvbtest.Daemon(KVBLENDD, KVBLEND, tmp, "--listen", tcp, "--curve-secret-key-file",
+                   f"{tmp}/server.key", "--curve-authorized-keys", f"{tmp}/clients",
+                   "--map-size", "256M", timeout_ms=1500, env={}, hang_s=60)
+ipc = d.ep
+d.start()
 try:
-    for _ in range(100):
-        if cli(ipc, "ping").returncode == 0:
-            break
-        time.sleep(0.1)
     keys = {"KVBLEND_SERVER_KEY": srv_pub, "KVBLEND_CLIENT_KEY": cli_sec}
     r = cli(tcp, "ping", env=keys)
     check("authorized client over CURVE", r.returncode == 0, r.stderr)
@@ -80,13 +55,13 @@ try:
     r = cli(tcp, "ping", env={"KVBLEND_SERVER_KEY": "short"})
     check("malformed key is a one-line error", r.returncode == 1 and "Z85" in r.stderr, r.stderr)
     check("IPC needs no keys", cli(ipc, "ping").returncode == 0)
-    check("refusals logged", "refused" in open(f"{tmp}/log").read())
+    check("refusals logged", "refused" in d.log_text())
 finally:
-    d.terminate()
-    check("daemon exits 0", d.wait(30) == 0)
+    check("daemon exits 0", d.stop() == 0)
 
 r = subprocess.run([KVBLENDD, "--data-dir", f"{tmp}/d2", "--listen",
-                    f"tcp://0.0.0.0:{free_port()}"], capture_output=True, text=True, timeout=30)
+                    f"tcp://0.0.0.0:{kvbtest.free_port()}"], capture_output=True, text=True,
+                   timeout=30)
 check("off-loopback TCP without CURVE refused at start",
       r.returncode != 0 and "unencrypted" in r.stderr, r.stderr)
 open(f"{tmp}/bad.key", "w").write("not a key\n")
@@ -95,6 +70,5 @@ r = subprocess.run([KVBLENDD, "--data-dir", f"{tmp}/d3", "--listen", ipc, "--lis
                    text=True, timeout=30)
 check("bad key file named", r.returncode != 0 and "bad.key" in r.stderr and "Z85" in r.stderr,
       r.stderr)
-subprocess.run(["rm", "-rf", tmp])
-print(f"{passed} passed, {failed} failed")
-sys.exit(1 if failed else 0)
+kvbtest.remove(tmp)
+check.exit()

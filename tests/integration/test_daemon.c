@@ -13,12 +13,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <zmq.h>
 
 #include <cmocka.h>
 
 #include "harness.h"
-#include "wire.h"
+#include "rawreq.h"
 
 static const struct kvb_model tiny = { .name = "tiny", .num_layers = 3, .num_kv_heads = 2,
 				       .head_dim = 8, .dtype = KVB_F16, .rope_theta = 10000 };
@@ -303,76 +302,13 @@ static void test_models(void **state)
 
 /* ---- raw protocol: exactly the bytes under test ---- */
 
-struct raw {
-	void *ctx, *sock;
-};
-
-static void raw_open(struct raw *r, const struct daemon *d)
+/* Send req as it is (version, payload_frames: right or wrong); the reply's code and message. */
+static uint32_t raw_request(struct raw *r, const struct kvbp_request *req,
+			    const void *const *payload, const size_t *lens, size_t n, char *msg,
+			    size_t msglen)
 {
-	int zero = 0, timeout = 10000;
-
-	r->ctx = zmq_ctx_new();
-	r->sock = zmq_socket(r->ctx, ZMQ_DEALER);
-	zmq_setsockopt(r->sock, ZMQ_LINGER, &zero, sizeof(zero));
-	zmq_setsockopt(r->sock, ZMQ_RCVTIMEO, &timeout, sizeof(timeout));
-	assert_int_equal(zmq_connect(r->sock, d->endpoint), 0);
-}
-
-static void raw_close(struct raw *r)
-{
-	zmq_close(r->sock);
-	zmq_ctx_term(r->ctx);
-}
-
-/* Send frames (after the delimiter) and return the reply's code; message into msg. */
-static uint32_t raw_send(struct raw *r, const void *const *frames, const size_t *lens, size_t n,
-			 char *msg, size_t msglen)
-{
-	struct kvbp_reply rep;
-	zmq_msg_t m;
-	char err[256];
-	int more;
-
-	assert_int_equal(zmq_send(r->sock, "", 0, n ? ZMQ_SNDMORE : 0), 0);
-	for (size_t i = 0; i < n; i++)
-		assert_true(zmq_send(r->sock, frames[i], lens[i], i + 1 < n ? ZMQ_SNDMORE : 0) >= 0);
-	zmq_msg_init(&m);
-	assert_true(zmq_msg_recv(&m, r->sock, 0) >= 0); /* delimiter */
-	assert_int_equal(zmq_msg_size(&m), 0);
-	assert_true(zmq_msg_recv(&m, r->sock, 0) >= 0);
-	more = zmq_msg_more(&m);
-	assert_int_equal(kvbp_reply_decode(zmq_msg_data(&m), zmq_msg_size(&m), &rep, err,
-					   sizeof(err)), 0);
-	while (more) {
-		assert_true(zmq_msg_recv(&m, r->sock, 0) >= 0);
-		more = zmq_msg_more(&m);
-	}
-	zmq_msg_close(&m);
-	snprintf(msg, msglen, "%s", rep.message);
-	kvbp_reply_clear(&rep);
-	return rep.code;
-}
-
-static uint32_t raw_request(struct raw *r, struct kvbp_request *req, const void *const *payload,
-			    const size_t *lens, size_t n, char *msg, size_t msglen)
-{
-	const void *frames[64];
-	size_t flens[64];
-	uint8_t *hdr;
-	size_t hlen;
-	uint32_t code;
-
-	assert_true(n < 63);
-	assert_int_equal(kvbp_request_encode(req, &hdr, &hlen), 0);
-	frames[0] = hdr;
-	flens[0] = hlen;
-	for (size_t i = 0; i < n; i++) {
-		frames[i + 1] = payload[i];
-		flens[i + 1] = lens[i];
-	}
-	code = raw_send(r, frames, flens, n + 1, msg, msglen);
-	free(hdr);
-	return code;
+	raw_send_as_is(r, req, payload, lens, n);
+	return raw_recv_msg(r, msg, msglen);
 }
 
 static struct kvbp_request put_req(uint32_t tokens, uint32_t frames, const uint8_t *hash)
@@ -420,19 +356,22 @@ static void test_bad_input(void **state)
 	register_tiny(c);
 	chunks = (uint64_t)daemon_stat(c, "chunks");
 	hash_of(555, h);
-	raw_open(&r, d);
+	raw_open(&r, d->endpoint, 10000);
 
 	/* garbage and empty frames */
 	{
 		const void *f[1] = { "\xff\xff\xff garbage \x01" };
 		size_t l[1] = { 13 };
 
-		code = raw_send(&r, f, l, 1, msg, sizeof(msg));
+		raw_send_frames(&r, f, l, 1);
+		code = raw_recv_msg(&r, msg, sizeof(msg));
 		EXPECT(KVBP_BAD_REQUEST, "not a valid protobuf");
 		l[0] = 0;
-		code = raw_send(&r, f, l, 1, msg, sizeof(msg));
+		raw_send_frames(&r, f, l, 1);
+		code = raw_recv_msg(&r, msg, sizeof(msg));
 		EXPECT(KVBP_BAD_REQUEST, "empty request header");
-		code = raw_send(&r, f, l, 0, msg, sizeof(msg));
+		raw_send_frames(&r, f, l, 0);
+		code = raw_recv_msg(&r, msg, sizeof(msg));
 		EXPECT(KVBP_BAD_REQUEST, "empty request header");
 	}
 	/* a truncated protobuf: a valid header cut short */
@@ -446,7 +385,8 @@ static void test_bad_input(void **state)
 		assert_int_equal(kvbp_request_encode(&q, &hdr, &hlen), 0);
 		f[0] = hdr;
 		l[0] = hlen - 5;
-		code = raw_send(&r, f, l, 1, msg, sizeof(msg));
+		raw_send_frames(&r, f, l, 1);
+		code = raw_recv_msg(&r, msg, sizeof(msg));
 		free(hdr);
 		EXPECT(KVBP_BAD_REQUEST, "not a valid protobuf");
 	}
@@ -544,7 +484,7 @@ static void test_message_too_large(void **state)
 	register_tiny(c);
 	chunks = (uint64_t)daemon_stat(c, "chunks");
 	hash_of(556, h);
-	raw_open(&r, d);
+	raw_open(&r, d->endpoint, 10000);
 	for (int i = 0; i < 6; i++)
 		lens[i] = 1u << 20;
 	q = put_req(4096, 6, h);
@@ -576,7 +516,7 @@ static void test_shape_overflow(void **state)
 	c = daemon_client(&d, 1);
 	assert_int_equal(kvb_model_register(c, &huge, NULL), 0);
 	chunks = (uint64_t)daemon_stat(c, "chunks");
-	raw_open(&r, &d);
+	raw_open(&r, d.endpoint, 10000);
 	hash_of(1, h);
 	q = put_req(16777216, 0, h);
 	snprintf(q.model_name, sizeof(q.model_name), "huge");

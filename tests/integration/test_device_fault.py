@@ -9,54 +9,37 @@ on serving; the next session fuses bit for bit as the CPU backend does.
 usage: test_device_fault.py KVBLENDD KVBLEND
 """
 import os
-import subprocess
 import sys
 import tempfile
-import time
 
 import numpy as np
 
+import kvbtest
+
 KVBLENDD, KVBLEND = sys.argv[1], sys.argv[2]
 TMP = tempfile.mkdtemp(prefix="kvb-devfault-")
-EP = f"ipc://{TMP}/kvblend.sock"
-passed = failed = 0
-
-
-def check(name, cond, detail=""):
-    global passed, failed
-    if cond:
-        passed += 1
-        print(f"ok - {name}")
-    else:
-        failed += 1
-        print(f"not ok - {name} {detail}")
+check = kvbtest.Checks()
+d = None
 
 
 def cli(*args, ok=True):
-    r = subprocess.run([KVBLEND, "--endpoint", EP, *map(str, args)], capture_output=True,
-                       text=True)
-    if ok and r.returncode != 0:
-        raise RuntimeError(f"kvblend {' '.join(map(str, args))}: {r.stderr}")
-    return r
+    return d.cli(*args, ok=ok)
 
 
 def start(device, fail_after=0):
+    global d
     env = dict(os.environ)
     if fail_after:
         env["KVBLEND_EMULATED_FAIL_AFTER"] = str(fail_after)
-    d = subprocess.Popen([KVBLENDD, "--data-dir", f"{TMP}/data", "--listen", EP, "--map-size",
-                          "256M", "--device", device], env=env,
-                         stderr=open(f"{TMP}/kvblendd-{device}-{fail_after}.log", "w"))
-    for _ in range(100):
-        if cli("--timeout", "200", "ping", ok=False).returncode == 0:
-            return d
-        time.sleep(0.1)
-    raise RuntimeError("kvblendd did not start")
+    d = kvbtest.Daemon(KVBLENDD, KVBLEND, TMP, "--map-size", "256M", "--device", device,
+                       log=f"{TMP}/kvblendd-{device}-{fail_after}.log", environ=env)
+    if not d.start():
+        raise RuntimeError("kvblendd did not start")
+    return d
 
 
 def stop(d, tag):
-    d.terminate()
-    rc = d.wait(30)
+    rc = d.stop()
     check(f"{tag}: daemon exits 0", rc == 0, f"status {rc}")
 
 
@@ -110,10 +93,9 @@ try:
         stop(d, f"failure at device call {fa}")
     check("most injected failures reach the client", visible >= 5, f"{visible} of 8")
 finally:
-    if failed:
+    if check.failed:
         for f in sorted(os.listdir(TMP)):
             if f.endswith(".log"):
                 print(f"--- {f}\n" + open(f"{TMP}/{f}").read()[-1500:])
-    subprocess.run(["rm", "-rf", TMP])
-print(f"{passed} passed, {failed} failed")
-sys.exit(1 if failed else 0)
+    kvbtest.remove(TMP)
+check.exit()

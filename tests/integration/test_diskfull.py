@@ -20,19 +20,14 @@ import time
 
 import numpy as np
 
+import kvbtest
+
 KVBLENDD, KVBLEND = sys.argv[1], sys.argv[2]
 SKIP = 77
 FS_MIB = 40
 LAYERS, HEADS, DIM, TOKENS = 4, 2, 64, 1024  # 2 MiB of f16 K and V a chunk
 CHUNK_BYTES = LAYERS * 2 * TOKENS * HEADS * DIM * 2
-passed = failed = 0
-
-
-def check(name, cond, detail=""):
-    global passed, failed
-    passed += bool(cond)
-    failed += not cond
-    print(f"{'ok' if cond else 'not ok'} - {name}" + ("" if cond else f" {detail}"), flush=True)
+check = kvbtest.Checks()
 
 
 def run(*args):
@@ -57,30 +52,12 @@ def mount_ext4(mnt, image):
     return r.returncode == 0, r.stderr.strip()
 
 
-class Daemon:
+class Daemon(kvbtest.Daemon):
     def __init__(self, tmp, data, *flags):
-        self.ep = f"ipc://{tmp}/kvblend.sock"
-        self.log = open(f"{tmp}/kvblendd.log", "a")
-        self.p = subprocess.Popen([KVBLENDD, "--data-dir", data, "--listen", self.ep,
-                                   "--map-size", "1G", "--workers", "2", *map(str, flags)],
-                                  stderr=self.log)
-        for _ in range(100):
-            if self.cli("--timeout", "200", "ping").returncode == 0:
-                return
-            time.sleep(0.1)
-        raise RuntimeError("daemon did not start")
-
-    def cli(self, *args):
-        args = [str(a) for a in args]
-        if args[0] != "--timeout":
-            args = ["--timeout", "30000"] + args
-        return run(KVBLEND, "--endpoint", self.ep, *args)
-
-    def stop(self):
-        self.p.terminate()
-        rc = self.p.wait(30)
-        self.log.close()
-        return rc
+        super().__init__(KVBLENDD, KVBLEND, tmp, "--map-size", "1G", "--workers", "2", *flags,
+                         data=data, timeout_ms=30000)
+        if not self.start():
+            raise RuntimeError("daemon did not start")
 
 
 def chunk(i):
@@ -247,8 +224,7 @@ def main():
     if not mounted:
         print(f"SKIP: no small file system can be mounted here ({'; '.join(reasons)})")
         sys.exit(SKIP)
-    print(f"{passed} passed, {failed} failed")
-    sys.exit(1 if failed else 0)
+    check.exit()
 
 
 main()

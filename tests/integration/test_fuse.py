@@ -10,12 +10,12 @@ usage: test_fuse.py KVBLENDD KVBLEND REFERENCE_DIR
 """
 import json
 import os
-import subprocess
 import sys
 import tempfile
-import time
 
 import numpy as np
+
+import kvbtest
 
 KVBLENDD, KVBLEND = sys.argv[1], sys.argv[2]
 sys.path.insert(0, sys.argv[3])
@@ -23,26 +23,15 @@ from kvref import (EPS, from_dtype, ref_dequantize, ref_inv_freq, ref_rotate,  #
                    ref_select, to_dtype)
 
 TMP = tempfile.mkdtemp(prefix="kvb-fuse-")
-EP = f"ipc://{TMP}/kvblend.sock"
-passed = failed = 0
-
-
-def check(name, cond, detail=""):
-    global passed, failed
-    if cond:
-        passed += 1
-        print(f"ok - {name}")
-    else:
-        failed += 1
-        print(f"not ok - {name} {detail}")
+check = kvbtest.Checks()
+# KVBLEND_TEST_DEVICE (tests/gpu_run.sh): the daemon's --device, for the parity suite.
+DEVICE = ["--device", os.environ["KVBLEND_TEST_DEVICE"]] if os.environ.get("KVBLEND_TEST_DEVICE") else []
+daemon = kvbtest.Daemon(KVBLENDD, KVBLEND, TMP, "--map-size", "1G", "--log-level", "debug",
+                        *DEVICE)
 
 
 def cli(*args, ok=True):
-    r = subprocess.run([KVBLEND, "--endpoint", EP, *map(str, args)], capture_output=True,
-                       text=True)
-    if ok and r.returncode != 0:
-        raise RuntimeError(f"kvblend {' '.join(map(str, args))}: {r.stderr}")
-    return r
+    return daemon.cli(*args, ok=ok)
 
 
 MODELS = [
@@ -248,16 +237,8 @@ def run_model(m, rng):
         q.fuse("three check layers, few rows", [1, 2, 3], [0.15, 0.05, 0.02])
 
 
-# KVBLEND_TEST_DEVICE (tests/gpu_run.sh): the daemon's --device, for the parity suite.
-DEVICE = ["--device", os.environ["KVBLEND_TEST_DEVICE"]] if os.environ.get("KVBLEND_TEST_DEVICE") else []
-daemon = subprocess.Popen([KVBLENDD, "--data-dir", f"{TMP}/data", "--listen", EP,
-                           "--map-size", "1G", "--log-level", "debug", *DEVICE],
-                          stderr=open(f"{TMP}/kvblendd.log", "w"))
+daemon.start()
 try:
-    for _ in range(100):
-        if cli("--timeout", "200", "ping", ok=False).returncode == 0:
-            break
-        time.sleep(0.1)
     rng = np.random.default_rng(11)
     for row in MODELS:
         run_model(Model(row, rng), rng)
@@ -283,12 +264,9 @@ try:
     check("fuse of a missing chunk", r.returncode == 1 and "not stored" in r.stderr and
           r.stderr.count("\n") == 1, r.stderr)
 finally:
-    daemon.terminate()
-    rc = daemon.wait(30)
+    rc = daemon.stop()
     check("daemon exits 0", rc == 0, f"status {rc}")
-    if failed:
-        print(open(f"{TMP}/kvblendd.log").read()[-3000:])
-    if not os.environ.get("KVB_KEEP_TMP"):
-        subprocess.run(["rm", "-rf", TMP])
-print(f"{passed} passed, {failed} failed")
-sys.exit(1 if failed else 0)
+    if check.failed:
+        print(daemon.log_text()[-3000:])
+    kvbtest.remove(TMP)
+check.exit()

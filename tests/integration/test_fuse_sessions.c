@@ -19,10 +19,8 @@
 
 #include <cmocka.h>
 
-#include <zmq.h>
-
 #include "harness.h"
-#include "wire.h"
+#include "rawreq.h"
 
 #define L 4
 #define H 2
@@ -175,75 +173,6 @@ static void test_protocol_errors(void **state)
 	free(all);
 }
 
-/*
- * Send a request on a raw DEALER socket and decode its reply into *rep (the caller
- * clears it); the first two payload frames of frame_bytes each are copied to frames
- * (if not NULL), *n_frames (if not NULL) counts them all.
- */
-static void raw_exchange(void *sock, struct kvbp_request *q, const void *const *pl,
-			 const size_t *len, size_t n, struct kvbp_reply *rep, uint8_t *frames,
-			 size_t frame_bytes, size_t *n_frames)
-{
-	uint8_t *hdr;
-	size_t hlen, nf = 0;
-	zmq_msg_t m;
-	char err[256];
-	int more;
-
-	q->version = KVBP_VERSION;
-	q->payload_frames = (uint32_t)n;
-	assert_int_equal(kvbp_request_encode(q, &hdr, &hlen), 0);
-	assert_int_equal(zmq_send(sock, "", 0, ZMQ_SNDMORE), 0);
-	assert_true(zmq_send(sock, hdr, hlen, n ? ZMQ_SNDMORE : 0) >= 0);
-	for (size_t i = 0; i < n; i++)
-		assert_true(zmq_send(sock, pl[i], len[i], i + 1 < n ? ZMQ_SNDMORE : 0) >= 0);
-	free(hdr);
-	zmq_msg_init(&m);
-	assert_true(zmq_msg_recv(&m, sock, 0) >= 0);
-	assert_true(zmq_msg_recv(&m, sock, 0) >= 0);
-	more = zmq_msg_more(&m);
-	assert_int_equal(kvbp_reply_decode(zmq_msg_data(&m), zmq_msg_size(&m), rep, err,
-					   sizeof(err)), 0);
-	while (more) {
-		assert_true(zmq_msg_recv(&m, sock, 0) >= 0);
-		more = zmq_msg_more(&m);
-		if (frames && nf < 2 && zmq_msg_size(&m) == frame_bytes)
-			memcpy(frames + nf * frame_bytes, zmq_msg_data(&m), frame_bytes);
-		nf++;
-	}
-	zmq_msg_close(&m);
-	if (n_frames)
-		*n_frames = nf;
-}
-
-/* Send a request on a raw DEALER socket; return the reply's code, message and session id. */
-static uint32_t raw_call(void *sock, struct kvbp_request *q, const void *const *pl,
-			 const size_t *len, size_t n, char *msg, uint64_t *session)
-{
-	struct kvbp_reply rep;
-
-	raw_exchange(sock, q, pl, len, n, &rep, NULL, 0, NULL);
-	snprintf(msg, 256, "%s", rep.message);
-	if (session && rep.session_id)
-		*session = rep.session_id;
-	kvbp_reply_clear(&rep);
-	return rep.code;
-}
-
-/* A DEALER socket of a new context, connected to the fixture's daemon, 10 s receives. */
-static void *raw_socket(struct fixture *f, void **ctx)
-{
-	void *sock;
-	int zero = 0, timeout = 10000;
-
-	*ctx = zmq_ctx_new();
-	sock = zmq_socket(*ctx, ZMQ_DEALER);
-	zmq_setsockopt(sock, ZMQ_LINGER, &zero, sizeof(zero));
-	zmq_setsockopt(sock, ZMQ_RCVTIMEO, &timeout, sizeof(timeout));
-	assert_int_equal(zmq_connect(sock, f->d.endpoint), 0);
-	return sock;
-}
-
 /* segments()'s prompt as wire segments: chunk 0 at 0, 3 fresh at 10, chunk 1 at 13. */
 static void raw_segments(struct fixture *f, struct kvbp_segment segs[3])
 {
@@ -260,7 +189,8 @@ static void raw_segments(struct fixture *f, struct kvbp_segment segs[3])
 static void test_wrong_rows(void **state)
 {
 	struct fixture *f = *state;
-	void *ctx, *sock = raw_socket(f, &ctx);
+	struct raw r;
+	struct kvbp_reply rep;
 	struct kvbp_segment segs[3];
 	uint32_t ck[1] = { 1 };
 	double rt[1] = { 0.5 };
@@ -272,31 +202,33 @@ static void test_wrong_rows(void **state)
 	uint64_t sid = 0;
 	char msg[256];
 
+	raw_open(&r, f->d.endpoint, 10000);
 	raw_segments(f, segs);
 	snprintf(q.model_name, sizeof(q.model_name), "fm");
-	assert_int_equal(raw_call(sock, &q, NULL, NULL, 0, msg, &sid), KVBP_OK);
+	assert_int_equal(raw_call(&r, &q, NULL, NULL, 0, &rep), KVBP_OK);
+	sid = rep.session_id;
+	kvbp_reply_clear(&rep);
 	assert_true(sid != 0);
 	q = (struct kvbp_request){ .op = KVBP_OP_FUSE_LAYER, .session_id = sid, .layer = 1,
 				   .rows = 29 };
-	assert_int_equal(raw_call(sock, &q, pl, len, 2, msg, NULL), KVBP_BAD_SHAPE);
+	assert_int_equal(raw_call_msg(&r, &q, pl, len, 2, msg, sizeof(msg)), KVBP_BAD_SHAPE);
 	assert_non_null(strstr(msg, "takes fresh K and V for 30 tokens (all of them); the request "
 				    "declares 29"));
 	q.rows = 30;
 	len[1] = 29 * ROW;
-	assert_int_equal(raw_call(sock, &q, pl, len, 2, msg, NULL), KVBP_BAD_SHAPE);
+	assert_int_equal(raw_call_msg(&r, &q, pl, len, 2, msg, sizeof(msg)), KVBP_BAD_SHAPE);
 	assert_non_null(strstr(msg, "fresh V is 928 bytes; expected 960"));
-	assert_int_equal(raw_call(sock, &q, pl, len, 1, msg, NULL), KVBP_BAD_FRAMES);
+	assert_int_equal(raw_call_msg(&r, &q, pl, len, 1, msg, sizeof(msg)), KVBP_BAD_FRAMES);
 	assert_non_null(strstr(msg, "takes 2 payload frames"));
 	q.session_id = sid + 1;
 	len[1] = 30 * ROW;
-	assert_int_equal(raw_call(sock, &q, pl, len, 2, msg, NULL), KVBP_UNKNOWN_SESSION);
+	assert_int_equal(raw_call_msg(&r, &q, pl, len, 2, msg, sizeof(msg)), KVBP_UNKNOWN_SESSION);
 	/* the session is still usable with the right request */
 	q.session_id = sid;
-	assert_int_equal(raw_call(sock, &q, pl, len, 2, msg, NULL), KVBP_OK);
+	assert_int_equal(raw_call_msg(&r, &q, pl, len, 2, msg, sizeof(msg)), KVBP_OK);
 	q = (struct kvbp_request){ .op = KVBP_OP_FUSE_CLOSE, .session_id = sid };
-	assert_int_equal(raw_call(sock, &q, NULL, NULL, 0, msg, NULL), KVBP_OK);
-	zmq_close(sock);
-	zmq_ctx_term(ctx);
+	assert_int_equal(raw_call_msg(&r, &q, NULL, NULL, 0, msg, sizeof(msg)), KVBP_OK);
+	raw_close(&r);
 	free(zeros);
 }
 
@@ -472,6 +404,13 @@ static void test_concurrent_sessions(void **state)
 #define WD 128
 #define WROW (WH * WD * 2)
 
+/* Keeps the first two payload frames of 30 rows (layer 3's K and V) at arg. */
+static void keep_fused(size_t index, const void *data, size_t size, void *arg)
+{
+	if (index < 2 && size == 30 * ROW)
+		memcpy((uint8_t *)arg + index * size, data, size);
+}
+
 /*
  * One raw session driven through layers 1..3 with deterministic fresh rows; with dv,
  * asking for the device ring (FUSE_OPEN) and the layers kept there (layers 1 and 2).
@@ -479,7 +418,7 @@ static void test_concurrent_sessions(void **state)
  * layers 1 and 2, fused the K and V frames of layer 3, *exported whether the open's
  * reply carried a handle.
  */
-static uint32_t raw_session(struct fixture *f, void *sock, bool dv, int32_t sels[2][32],
+static uint32_t raw_session(struct fixture *f, struct raw *r, bool dv, int32_t sels[2][32],
 			    size_t n_sels[2], uint8_t *fused, bool *exported, char *msg)
 {
 	struct kvbp_segment segs[3] = { 0 };
@@ -506,9 +445,8 @@ static uint32_t raw_session(struct fixture *f, void *sock, bool dv, int32_t sels
 						   .layer = l, .rows = rows,
 						   .device_out = dv && l < 3 };
 		}
-		raw_exchange(sock, &q, pl, len, l ? 2 : 0, &rep, l == 3 ? fused : NULL, 30 * ROW,
-			     &n_frames);
-		code = rep.code;
+		raw_send(r, &q, pl, len, l ? 2 : 0);
+		code = raw_recv_frames(r, &rep, &n_frames, l == 3 ? keep_fused : NULL, fused);
 		snprintf(msg, 256, "%s", rep.message);
 		if (code == KVBP_OK && !l) {
 			sid = rep.session_id;
@@ -529,7 +467,7 @@ static uint32_t raw_session(struct fixture *f, void *sock, bool dv, int32_t sels
 	}
 	if (sid) {
 		q = (struct kvbp_request){ .op = KVBP_OP_FUSE_CLOSE, .session_id = sid };
-		assert_int_equal(raw_call(sock, &q, NULL, NULL, 0, err, NULL), KVBP_OK);
+		assert_int_equal(raw_call_msg(r, &q, NULL, NULL, 0, err, sizeof(err)), KVBP_OK);
 	}
 	free(fresh);
 	return code;
@@ -544,18 +482,19 @@ static uint32_t raw_session(struct fixture *f, void *sock, bool dv, int32_t sels
  */
 static void raw_device_out(struct fixture *f, bool emulated)
 {
-	void *ctx, *sock = raw_socket(f, &ctx);
+	struct raw r;
 	int32_t sels[2][2][32];
 	size_t n_sels[2][2];
 	uint8_t *fused = calloc(4, 30 * ROW);
 	bool exported[2] = { false, false };
 	char msg[256];
 
-	assert_int_equal(raw_session(f, sock, false, sels[0], n_sels[0], fused, &exported[0], msg),
+	raw_open(&r, f->d.endpoint, 10000);
+	assert_int_equal(raw_session(f, &r, false, sels[0], n_sels[0], fused, &exported[0], msg),
 			 KVBP_OK);
 	assert_false(exported[0]);
 	if (emulated) {
-		assert_int_equal(raw_session(f, sock, true, sels[1], n_sels[1], fused + 60 * ROW,
+		assert_int_equal(raw_session(f, &r, true, sels[1], n_sels[1], fused + 60 * ROW,
 					     &exported[1], msg), KVBP_OK);
 		assert_true(exported[1]);
 		for (int i = 0; i < 2; i++) {
@@ -564,13 +503,12 @@ static void raw_device_out(struct fixture *f, bool emulated)
 		}
 		assert_memory_equal(fused + 60 * ROW, fused, 60 * ROW);
 	} else {
-		assert_int_equal(raw_session(f, sock, true, sels[1], n_sels[1], fused + 60 * ROW,
+		assert_int_equal(raw_session(f, &r, true, sels[1], n_sels[1], fused + 60 * ROW,
 					     &exported[1], msg), KVBP_BAD_ARGUMENT);
 		assert_false(exported[1]);
 		assert_non_null(strstr(msg, "device_out: this session's ring is not exported"));
 	}
-	zmq_close(sock);
-	zmq_ctx_term(ctx);
+	raw_close(&r);
 	free(fused);
 }
 

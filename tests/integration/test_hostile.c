@@ -29,95 +29,8 @@
 
 #include <cmocka.h>
 
-#include <zmq.h>
-
 #include "harness.h"
-#include "wire.h"
-
-/* ---- raw requests ---- */
-
-struct raw {
-	void *ctx;
-	void *sock;
-};
-
-static void raw_open(struct raw *r, const char *endpoint)
-{
-	int zero = 0, timeout = 20000;
-
-	r->ctx = zmq_ctx_new();
-	r->sock = zmq_socket(r->ctx, ZMQ_DEALER);
-	zmq_setsockopt(r->sock, ZMQ_LINGER, &zero, sizeof(zero));
-	zmq_setsockopt(r->sock, ZMQ_RCVTIMEO, &timeout, sizeof(timeout));
-	assert_int_equal(zmq_connect(r->sock, endpoint), 0);
-}
-
-static void raw_close(struct raw *r)
-{
-	zmq_close(r->sock);
-	zmq_ctx_term(r->ctx);
-}
-
-/* Send req with the empty delimiter, then n payload frames; does not wait. */
-static void raw_send(struct raw *r, struct kvbp_request *req, const void *const *payload,
-		     const size_t *lens, size_t n)
-{
-	uint8_t *hdr;
-	size_t hlen;
-
-	req->version = KVBP_VERSION;
-	req->payload_frames = (uint32_t)n;
-	assert_int_equal(kvbp_request_encode(req, &hdr, &hlen), 0);
-	assert_int_equal(zmq_send(r->sock, "", 0, ZMQ_SNDMORE), 0);
-	assert_true(zmq_send(r->sock, hdr, hlen, n ? ZMQ_SNDMORE : 0) >= 0);
-	for (size_t i = 0; i < n; i++)
-		assert_true(zmq_send(r->sock, payload[i], lens[i], i + 1 < n ? ZMQ_SNDMORE : 0) >= 0);
-	free(hdr);
-}
-
-/*
- * Receive one reply into *rep (cleared by the caller); its payload frames are
- * dropped, counted in *n_payload, and each must be `each` bytes unless each is 0.
- */
-static uint32_t raw_recv_payload(struct raw *r, struct kvbp_reply *rep, size_t *n_payload,
-				 size_t each)
-{
-	char err[256];
-	zmq_msg_t m;
-	int more;
-
-	*n_payload = 0;
-	zmq_msg_init(&m);
-	assert_true(zmq_msg_recv(&m, r->sock, 0) >= 0); /* delimiter */
-	assert_int_equal(zmq_msg_size(&m), 0);
-	assert_true(zmq_msg_recv(&m, r->sock, 0) >= 0);
-	more = zmq_msg_more(&m);
-	assert_int_equal(kvbp_reply_decode(zmq_msg_data(&m), zmq_msg_size(&m), rep, err,
-					   sizeof(err)), 0);
-	while (more) {
-		assert_true(zmq_msg_recv(&m, r->sock, 0) >= 0);
-		more = zmq_msg_more(&m);
-		if (each)
-			assert_int_equal(zmq_msg_size(&m), each);
-		(*n_payload)++;
-	}
-	zmq_msg_close(&m);
-	return rep->code;
-}
-
-static uint32_t raw_recv(struct raw *r, struct kvbp_reply *rep)
-{
-	size_t n;
-
-	return raw_recv_payload(r, rep, &n, 0);
-}
-
-static uint32_t raw_call(struct raw *r, struct kvbp_request *req, const void *const *payload,
-			 const size_t *lens, size_t n, struct kvbp_reply *rep)
-{
-	raw_send(r, req, payload, lens, n);
-	return raw_recv(r, rep);
-}
+#include "rawreq.h"
 
 /* ---- a model and a few chunks ---- */
 
@@ -192,8 +105,8 @@ static void close_during_layer(void **state)
 	c = daemon_client(&d, 1);
 	assert_int_equal(kvb_model_register(c, &model, NULL), 0);
 	put_chunk(c, 1, hash);
-	raw_open(&a, d.endpoint);
-	raw_open(&b, d.endpoint);
+	raw_open(&a, d.endpoint, 20000);
+	raw_open(&b, d.endpoint, 20000);
 	for (int i = 0; i < 3000; i++) {
 		struct kvbp_request q;
 		struct kvbp_reply rep = { 0 };
@@ -234,21 +147,6 @@ static void close_during_layer(void **state)
 }
 
 
-/* Receive one whole message; returns the frame count, frames[] initialised (caller closes). */
-static size_t recv_all(void *sock, zmq_msg_t *frames, size_t cap)
-{
-	size_t n = 0;
-	int more = 1;
-
-	while (more && n < cap) {
-		zmq_msg_init(&frames[n]);
-		assert_true(zmq_msg_recv(&frames[n], sock, 0) >= 0);
-		more = zmq_msg_more(&frames[n++]);
-	}
-	assert_false(more);
-	return n;
-}
-
 /*
  * Defect 15: a client that omits the empty delimiter and sends an empty payload
  * frame used to get its own header echoed back and the wrong frame decoded. The
@@ -268,12 +166,12 @@ static void envelope_without_delimiter(void **state)
 
 	(void)state;
 	daemon_start(&d, NULL);
-	raw_open(&r, d.endpoint);
+	raw_open(&r, d.endpoint, 20000);
 	assert_int_equal(kvbp_request_encode(&q, &hdr, &hlen), 0);
 	/* [header] [empty payload] */
 	assert_true(zmq_send(r.sock, hdr, hlen, ZMQ_SNDMORE) >= 0);
 	assert_int_equal(zmq_send(r.sock, "", 0, 0), 0);
-	n = recv_all(r.sock, f, 8);
+	n = raw_recv_all(&r, f, 8);
 	assert_int_equal(n, 2);
 	assert_int_equal(zmq_msg_size(&f[0]), 0);
 	memset(&rep, 0, sizeof(rep));
@@ -286,7 +184,7 @@ static void envelope_without_delimiter(void **state)
 		zmq_msg_close(&f[i]);
 	/* [header] alone */
 	assert_true(zmq_send(r.sock, hdr, hlen, 0) >= 0);
-	n = recv_all(r.sock, f, 8);
+	n = raw_recv_all(&r, f, 8);
 	assert_int_equal(n, 2);
 	assert_int_equal(zmq_msg_size(&f[0]), 0);
 	memset(&rep, 0, sizeof(rep));
@@ -363,7 +261,7 @@ static void sigterm_answers_inflight(void **state)
 	c = daemon_client(&d, 1);
 	assert_int_equal(kvb_model_register(c, &model, NULL), 0);
 	kvb_close(&c);
-	raw_open(&r, d.endpoint);
+	raw_open(&r, d.endpoint, 20000);
 	send_big_puts(&r, PUTS, 777, hashes);
 	/*
 	 * A HELLO after the PUTs: the daemon reads one connection's messages in order, so
@@ -561,7 +459,7 @@ static void ring_not_reachable_by_requests(void **state)
 	c = daemon_client(&d, 0);
 	assert_int_equal(kvb_model_register(c, &model, NULL), 0);
 	put_chunk(c, 1, hash);
-	raw_open(&r, d.endpoint);
+	raw_open(&r, d.endpoint, 20000);
 	raw_fuse_open(&r, hash, &open);
 	assert_true(open.shm_id != 0);
 	/* a GET into the ring, a detach of it: neither reaches it */
@@ -596,7 +494,8 @@ static void ring_not_reachable_by_requests(void **state)
 			lens[0] = lens[1] = (size_t)rows * ROW;
 			raw_send(&r, &q, pl, lens, 2);
 			memset(&rep, 0, sizeof(rep));
-			assert_int_equal(raw_recv_payload(&r, &rep, &n_payload, bytes), KVBP_OK);
+			assert_int_equal(raw_recv_frames(&r, &rep, &n_payload, raw_frame_sized,
+							 &bytes), KVBP_OK);
 			assert_int_equal(n_payload, layer == 1 ? 0 : 2);
 			rows = rep.rows_next;
 			if (layer + 1 < L)
@@ -685,7 +584,7 @@ static void ring_not_shared_across_clients(void **state)
 		struct raw cr;
 		int fd, bad = 0;
 
-		raw_open(&cr, d.endpoint);
+		raw_open(&cr, d.endpoint, 20000);
 		raw_fuse_open(&cr, hash, &open);
 		fd = fetch_fd(sock_path, open.shm_id);
 		if (fd < 0) {
@@ -712,7 +611,7 @@ static void ring_not_shared_across_clients(void **state)
 	assert_true(WIFEXITED(status));
 	assert_int_equal(WEXITSTATUS(status), 0);
 	assert_int_equal(names_in_dev_shm(d.pid), 0);
-	raw_open(&r, d.endpoint);
+	raw_open(&r, d.endpoint, 20000);
 	raw_close(&r);
 	kvb_close(&c);
 	daemon_stop(&d);
@@ -739,7 +638,7 @@ static void segment_cannot_be_truncated(void **state)
 	c = daemon_client(&d, 1);
 	assert_int_equal(kvb_model_register(c, &model, NULL), 0);
 	put_chunk(c, 1, hash);
-	raw_open(&r, d.endpoint);
+	raw_open(&r, d.endpoint, 20000);
 	assert_int_equal(raw_call(&r, &q, NULL, NULL, 0, &rep), KVBP_OK);
 	fd = fetch_fd(rep.shm_name, rep.shm_id);
 	assert_true(fd >= 0);
@@ -822,7 +721,7 @@ static void per_client_shares(void **state)
 	c = daemon_client(&d, 1);
 	assert_int_equal(kvb_model_register(c, &model, NULL), 0);
 	put_chunk(c, 1, hash);
-	raw_open(&r, d.endpoint);
+	raw_open(&r, d.endpoint, 20000);
 	assert_int_equal(take_all(&r, hash, false, msg, sizeof(msg)), 5);
 	assert_non_null(strstr(msg, "client_shm_segments"));
 	assert_int_equal(take_all(&r, hash, true, msg, sizeof(msg)), 3);
@@ -835,7 +734,7 @@ static void per_client_shares(void **state)
 		char m2[256];
 		unsigned a, b;
 
-		raw_open(&cr, d.endpoint);
+		raw_open(&cr, d.endpoint, 20000);
 		a = take_all(&cr, hash, false, m2, sizeof(m2));
 		b = take_all(&cr, hash, true, m2, sizeof(m2));
 		/* the daemon-wide session limit (8) is not hit by 3 + 3 */
@@ -982,7 +881,7 @@ static void pipelined_puts_are_bounded(void **state)
 	c = daemon_client(&d, 1);
 	assert_int_equal(kvb_model_register(c, &model, NULL), 0);
 	hwm0 = proc_kib(d.pid, "VmHWM");
-	raw_open(&r, d.endpoint);
+	raw_open(&r, d.endpoint, 20000);
 	send_big_puts(&r, PUTS, 6160, NULL);
 	for (int i = 0; i < PUTS; i++) {
 		struct kvbp_reply rep = { 0 };

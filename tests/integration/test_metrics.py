@@ -16,30 +16,11 @@ import time
 import urllib.error
 import urllib.request
 
+import kvbtest
+
 KVBLENDD, KVBLEND = sys.argv[1], sys.argv[2]
 tmp = tempfile.mkdtemp(prefix="kvb-metrics-")
-ep = f"ipc://{tmp}/kvblend.sock"
-passed = failed = 0
-
-
-def check(name, cond, detail=""):
-    global passed, failed
-    passed += bool(cond)
-    failed += not cond
-    print(f"{'ok' if cond else 'not ok'} - {name}" + ("" if cond else f" {detail}"))
-
-
-def cli(*args):
-    return subprocess.run([KVBLEND, "--endpoint", ep, *map(str, args)], capture_output=True,
-                          text=True)
-
-
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
+check = kvbtest.Checks()
 
 
 def scrape(port, path="/metrics"):
@@ -56,14 +37,12 @@ def samples(text):
     return out
 
 
-port = free_port()
-d = subprocess.Popen([KVBLENDD, "--data-dir", f"{tmp}/data", "--listen", ep, "--map-size", "1G",
-                      "--metrics-port", str(port)], stderr=subprocess.DEVNULL)
+port = kvbtest.free_port()
+d = kvbtest.Daemon(KVBLENDD, KVBLEND, tmp, "--map-size", "1G", "--metrics-port", port,
+                   log=False)
+cli = d.cli
+d.start()
 try:
-    for _ in range(100):
-        if cli("--timeout", "200", "ping").returncode == 0:
-            break
-        time.sleep(0.1)
     before = samples(scrape(port)[2])
     cli("demo")
     for _ in range(3):
@@ -164,9 +143,9 @@ try:
     slow[1].sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
     time.sleep(0.7)
     t0 = time.monotonic()
-    d.terminate()
+    d.proc.terminate()
     try:
-        rc = d.wait(10)
+        rc = d.proc.wait(10)
     except subprocess.TimeoutExpired:
         rc = None
     took = time.monotonic() - t0
@@ -180,27 +159,18 @@ try:
         sock.close()
 finally:
     if d.poll() is None:
-        d.terminate()
-        try:
-            check("daemon exits 0", d.wait(30) == 0)
-        except subprocess.TimeoutExpired:
-            check("daemon exits 0", False, "still running 30 s after SIGTERM")
-            d.kill()
+        rc = d.stop()
+        check("daemon exits 0", rc == 0,
+              "still running 30 s after SIGTERM" if rc is None else f"status {rc}")
 # off unless configured: nothing listens on a fresh port
-port2 = free_port()
-d = subprocess.Popen([KVBLENDD, "--data-dir", f"{tmp}/data", "--listen", ep],
-                     stderr=subprocess.DEVNULL)
+port2 = kvbtest.free_port()
+d = kvbtest.Daemon(KVBLENDD, KVBLEND, tmp, log=False)
+d.start()
 try:
-    for _ in range(100):
-        if cli("--timeout", "200", "ping").returncode == 0:
-            break
-        time.sleep(0.1)
     s = socket.socket()
     check("off by default", s.connect_ex(("127.0.0.1", port2)) != 0)
     s.close()
 finally:
-    d.terminate()
-    d.wait(30)
-subprocess.run(["rm", "-rf", tmp])
-print(f"{passed} passed, {failed} failed")
-sys.exit(1 if failed else 0)
+    d.stop()
+kvbtest.remove(tmp)
+check.exit()

@@ -8,34 +8,25 @@ usage: test_reload.py KVBLENDD KVBLEND
 """
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 import time
 
+import kvbtest
+
 KVBLENDD, KVBLEND = sys.argv[1], sys.argv[2]
 tmp = tempfile.mkdtemp(prefix="kvb-reload-")
-ep = f"ipc://{tmp}/kvblend.sock"
 conf = f"{tmp}/kvblendd.conf"
-log_path = f"{tmp}/kvblendd.log"
-passed = failed = 0
-
-
-def check(name, cond, detail=""):
-    global passed, failed
-    passed += bool(cond)
-    failed += not cond
-    print(f"{'ok' if cond else 'not ok'} - {name}" + ("" if cond else f" {detail}"))
+check = kvbtest.Checks()
+d = None
 
 
 def cli(*args):
-    return subprocess.run([KVBLEND, "--endpoint", ep, "--timeout", "2000", *map(str, args)],
-                          capture_output=True, text=True)
+    return d.cli(*args)
 
 
 def log():
-    with open(log_path) as f:
-        return f.read()
+    return d.log_text()
 
 
 def write_conf(text):
@@ -61,12 +52,10 @@ def failing_request():
 
 
 def start(*args):
-    d = subprocess.Popen([KVBLENDD, *args, "--data-dir", f"{tmp}/data", "--listen", ep,
-                          "--map-size", "64M"], stderr=open(log_path, "a"))
-    for _ in range(100):
-        if cli("ping").returncode == 0:
-            break
-        time.sleep(0.1)
+    global d
+    d = kvbtest.Daemon(KVBLENDD, KVBLEND, tmp, "--map-size", "64M", first=args,
+                       timeout_ms=2000)
+    d.start()
     return d
 
 
@@ -106,12 +95,7 @@ try:
     time.sleep(0.3)
     check("a burst of SIGHUPs: still serving", d.poll() is None and cli("ping").returncode == 0)
 finally:
-    d.terminate()
-    try:
-        rc = d.wait(30)
-    except subprocess.TimeoutExpired:
-        d.kill()
-        rc = None
+    rc = d.stop()
     check("SIGTERM after reloads: exits 0", rc == 0, f"status {rc}")
 
 # Without --config there is nothing to re-read: SIGHUP is logged and harmless.
@@ -121,15 +105,9 @@ try:
           hup_and_wait(d, "reloaded the command line (no --config file)") and
           d.poll() is None and cli("ping").returncode == 0, log()[-2000:])
 finally:
-    d.terminate()
-    try:
-        rc = d.wait(30)
-    except subprocess.TimeoutExpired:
-        d.kill()
-        rc = None
+    rc = d.stop()
     check("daemon exits 0", rc == 0, f"status {rc}")
-if failed:
+if check.failed:
     print(log()[-4000:])
-subprocess.run(["rm", "-rf", tmp])
-print(f"{passed} passed, {failed} failed")
-sys.exit(1 if failed else 0)
+kvbtest.remove(tmp)
+check.exit()

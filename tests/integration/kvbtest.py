@@ -1,0 +1,154 @@
+"""What the Python integration tests share: a real kvblendd on a temporary data
+directory and IPC socket (started, waited for with a ping, stopped with SIGTERM and
+its exit status returned), the kvblend CLI pointed at it, a tally of checks printed
+one line each, free TCP ports on loopback, and the scratch directory's removal.
+
+The tests run as scripts (ctest: python3 tests/integration/test_x.py ...), so Python
+finds this module next to them; a script elsewhere puts this directory on sys.path.
+Nothing here asserts: each test decides what to check and with which message.
+"""
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+
+class Checks:
+    """A tally of checks, called as check(name, cond, detail): prints `ok - NAME`, or
+    `not ok - NAME DETAIL` when cond is false; exit() prints the totals and exits 1 if
+    any failed, else 0."""
+
+    def __init__(self):
+        self.passed = self.failed = 0
+
+    def __call__(self, name, cond, detail=""):
+        if cond:
+            self.passed += 1
+            print(f"ok - {name}", flush=True)
+        else:
+            self.failed += 1
+            print(f"not ok - {name} {detail}", flush=True)
+
+    def exit(self):
+        print(f"{self.passed} passed, {self.failed} failed")
+        sys.exit(1 if self.failed else 0)
+
+
+def free_port():
+    """A TCP port on 127.0.0.1 that nothing listens on now (the kernel's choice)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def remove(tmp):
+    """Remove a test's scratch directory, unless KVB_KEEP_TMP is set (as the C harness)."""
+    if not os.environ.get("KVB_KEEP_TMP"):
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def cli(kvblend, endpoint, *args, timeout_ms=None, ok=False, env=None, hang_s=None,
+        label="kvblend"):
+    """Run `KVBLEND --endpoint ENDPOINT [--timeout MS] ARGS...`, output captured as text.
+
+    Returns the CompletedProcess. env None inherits this environment; a dict replaces
+    every KVBLEND_* variable of it with its own. ok: raise RuntimeError (LABEL, the
+    arguments and stderr) if the CLI fails. hang_s: a CLI still running after that many
+    seconds is killed and returned as failed (-9), so that its check fails, not the test.
+    """
+    argv = [kvblend, "--endpoint", endpoint]
+    if timeout_ms is not None:
+        argv += ["--timeout", str(timeout_ms)]
+    argv += [str(a) for a in args]
+    if env is not None:
+        env = {**{k: v for k, v in os.environ.items() if not k.startswith("KVBLEND_")}, **env}
+    try:
+        r = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=hang_s)
+    except subprocess.TimeoutExpired as x:
+        return subprocess.CompletedProcess(x.cmd, -9, "", f"kvblend hung: {x}")
+    if ok and r.returncode != 0:
+        raise RuntimeError(f"{label} {' '.join(map(str, args))}: {r.stderr}")
+    return r
+
+
+class Daemon:
+    """One kvblendd: `KVBLENDD [FIRST...] --data-dir DATA --listen LISTEN FLAGS...`.
+
+    By default DATA is TMP/data, the endpoint ipc://TMP/kvblend.sock and the log (its
+    stderr and stdout, appended) TMP/kvblendd.log; with name N they are TMP/N-data,
+    ipc://TMP/N.sock and TMP/N.log. log=False discards its output. listen defaults to
+    the endpoint (the CLI's); environ is its environment (None: this one's). cli_opts
+    are cli()'s keyword arguments for every call of self.cli(), its ping included.
+    """
+
+    def __init__(self, kvblendd, kvblend, tmp, *flags, name=None, data=None, listen=None,
+                 log=None, environ=None, first=(), **cli_opts):
+        stem = f"{tmp}/{name}"
+        self.data = data or (f"{stem}-data" if name else f"{tmp}/data")
+        self.ep = f"ipc://{stem}.sock" if name else f"ipc://{tmp}/kvblend.sock"
+        default_log = f"{stem}.log" if name else f"{tmp}/kvblendd.log"
+        self.log = None if log is False else log or default_log
+        self.argv = [str(a) for a in (kvblendd, *first, "--data-dir", self.data, "--listen",
+                                      listen or self.ep, *flags)]
+        self.kvblend, self.environ, self.cli_opts = kvblend, environ, cli_opts
+        self.proc = None
+
+    def cli(self, *args, **opts):
+        """The kvblend CLI on this daemon's endpoint; see cli()."""
+        return cli(self.kvblend, self.ep, *args, **{**self.cli_opts, **opts})
+
+    def start(self, wait=True):
+        """Start it; with wait, ping it (200 ms, 100 tries 0.1 s apart) until it answers.
+
+        Returns whether it answered (True without wait). It may still be starting, or
+        have exited: the caller checks what matters to it.
+        """
+        out = open(self.log, "a") if self.log else subprocess.DEVNULL
+        self.proc = subprocess.Popen(self.argv, stdout=out, stderr=out, env=self.environ)
+        if out is not subprocess.DEVNULL:
+            out.close()
+        if not wait:
+            return True
+        for _ in range(100):
+            if self.cli("ping", ok=False, timeout_ms=200).returncode == 0:
+                return True
+            if self.proc.poll() is not None:
+                return False
+            time.sleep(0.1)
+        return False
+
+    # poll, wait and send_signal: as subprocess.Popen's, on the daemon started last.
+    def poll(self):
+        return self.proc.poll()
+
+    def wait(self, timeout=None):
+        return self.proc.wait(timeout)
+
+    def send_signal(self, sig):
+        self.proc.send_signal(sig)
+
+    def stop(self, timeout=30):
+        """SIGCONT (for a stopped one) and SIGTERM, then wait up to timeout seconds.
+
+        Returns its exit status; None if it was still running (then SIGKILLed).
+        """
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.terminate()
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            return None
+
+    def log_text(self):
+        """What its log holds ('' without one)."""
+        if not self.log or not os.path.exists(self.log):
+            return ""
+        with open(self.log) as f:
+            return f.read()
