@@ -150,5 +150,5 @@ class Daemon:
         """What its log holds ('' without one)."""
         if not self.log or not os.path.exists(self.log):
             return ""
-        with open(self.log) as f:
+        with open(self.log, errors="replace") as f:  # (a log may quote hostile bytes)
             return f.read()

@@ -9,7 +9,8 @@
 
 #include <cmocka.h>
 
-void raw_open(struct raw *r, const char *endpoint, int recv_timeout_ms)
+void raw_open_curve(struct raw *r, const char *endpoint, int recv_timeout_ms,
+		    const char *server_key, const char *client_secret)
 {
 	int zero = 0;
 
@@ -17,7 +18,20 @@ void raw_open(struct raw *r, const char *endpoint, int recv_timeout_ms)
 	r->sock = zmq_socket(r->ctx, ZMQ_DEALER);
 	zmq_setsockopt(r->sock, ZMQ_LINGER, &zero, sizeof(zero));
 	zmq_setsockopt(r->sock, ZMQ_RCVTIMEO, &recv_timeout_ms, sizeof(recv_timeout_ms));
+	if (server_key) {
+		char pub[41];
+
+		assert_int_equal(zmq_curve_public(pub, client_secret), 0);
+		zmq_setsockopt(r->sock, ZMQ_CURVE_SERVERKEY, server_key, 40);
+		zmq_setsockopt(r->sock, ZMQ_CURVE_PUBLICKEY, pub, 40);
+		zmq_setsockopt(r->sock, ZMQ_CURVE_SECRETKEY, client_secret, 40);
+	}
 	assert_int_equal(zmq_connect(r->sock, endpoint), 0);
+}
+
+void raw_open(struct raw *r, const char *endpoint, int recv_timeout_ms)
+{
+	raw_open_curve(r, endpoint, recv_timeout_ms, NULL, NULL);
 }
 
 void raw_close(struct raw *r)

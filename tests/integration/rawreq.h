@@ -23,6 +23,9 @@ struct raw {
 
 /* Connect r to endpoint: no linger, receives time out after recv_timeout_ms. */
 void raw_open(struct raw *r, const char *endpoint, int recv_timeout_ms);
+/* raw_open() over CURVE: the server's public key, this client's secret key (Z85). */
+void raw_open_curve(struct raw *r, const char *endpoint, int recv_timeout_ms,
+		    const char *server_key, const char *client_secret);
 /* Close the socket and terminate its context. */
 void raw_close(struct raw *r);
 

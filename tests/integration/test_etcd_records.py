@@ -16,7 +16,6 @@ import json
 import os
 import random
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -24,26 +23,16 @@ import time
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import cluster_common as cc  # noqa: E402
+import kvbtest  # noqa: E402
 
 KVBLENDD, KVBLEND = sys.argv[1], sys.argv[2]
 TMP = tempfile.mkdtemp(prefix="kvb-etcdrec-")
 ETCD = shutil.which("etcd") or "/usr/bin/etcd"
-ETCD_PORT, ETCD_PEER = cc.free_port(), cc.free_port()
+ETCD_PORT, ETCD_PEER = kvbtest.free_port(), kvbtest.free_port()
 ETCD_URL = f"http://127.0.0.1:{ETCD_PORT}"
 PREFIX = "/kvblend/t/members/"
-NODES = {n: cc.free_port() for n in "ab"}
-passed = failed = 0
-
-
-def check(name, cond, detail=""):
-    global passed, failed
-    if cond:
-        passed += 1
-        print(f"ok - {name}", flush=True)
-    else:
-        failed += 1
-        print(f"not ok - {name} {detail}", flush=True)
+NODES = {n: kvbtest.free_port() for n in "ab"}
+check = kvbtest.Checks()
 
 
 def etcd_put(key, value: bytes):
@@ -78,15 +67,6 @@ def start_etcd():
     raise RuntimeError("etcd did not start: " + open(f"{TMP}/etcd.log").read()[-2000:])
 
 
-def ep(n):
-    return f"ipc://{TMP}/{n}.sock"
-
-
-def cli(n, *args):
-    return subprocess.run([KVBLEND, "--endpoint", ep(n), "--timeout", "5000", *map(str, args)],
-                          capture_output=True, text=True, errors="replace")
-
-
 def keygen():
     out = subprocess.run([KVBLEND, "keygen"], capture_output=True, text=True, check=True).stdout
     return dict(line.split(" ", 1) for line in out.splitlines())
@@ -96,25 +76,19 @@ KEYS = {n: keygen() for n in NODES}
 for n in NODES:
     with open(f"{TMP}/{n}.key", "w") as f:
         f.write(KEYS[n]["secret"] + "\n")
-procs = {}
+daemons = {
+    n: kvbtest.Daemon(KVBLENDD, KVBLEND, TMP, "--map-size", "256M", "--node-id", n,
+                      "--cluster-etcd", ETCD_URL, "--cluster-name", "t",
+                      "--cluster-lease-ttl", "3", "--cluster-timeout-ms", "500",
+                      "--curve-secret-key-file", f"{TMP}/{n}.key", "--log-level", "debug",
+                      name=n, listen=f"ipc://{TMP}/{n}.sock,tcp://127.0.0.1:{NODES[n]}",
+                      timeout_ms=5000)
+    for n in NODES
+}
 
 
-def start(n):
-    log = open(f"{TMP}/{n}.log", "a")
-    p = subprocess.Popen(
-        [KVBLENDD, "--data-dir", f"{TMP}/{n}-data", "--listen",
-         f"{ep(n)},tcp://127.0.0.1:{NODES[n]}", "--map-size", "256M", "--node-id", n,
-         "--cluster-etcd", ETCD_URL, "--cluster-name", "t", "--cluster-lease-ttl", "3",
-         "--cluster-timeout-ms", "500", "--curve-secret-key-file", f"{TMP}/{n}.key",
-         "--log-level", "debug"], stderr=log, stdout=log)
-    procs[n] = p
-    for _ in range(100):
-        if cli(n, "ping").returncode == 0:
-            break
-        if p.poll() is not None:
-            break
-        time.sleep(0.1)
-    return p
+def cli(n, *args):
+    return daemons[n].cli(*args)
 
 
 def members(n):
@@ -126,7 +100,7 @@ def members(n):
 
 
 def alive(n):
-    return procs[n].poll() is None and cli(n, "ping").returncode == 0
+    return daemons[n].poll() is None and cli(n, "ping").returncode == 0
 
 
 def wait_for(fn, secs):
@@ -178,8 +152,8 @@ def mutations(seed, count):
 
 try:
     etcd = start_etcd()
-    start("a")
-    start("b")
+    daemons["a"].start()
+    daemons["b"].start()
     check("two daemons find each other through etcd",
           wait_for(lambda: members("a") == {"b"} and members("b") == {"a"}, 20),
           str((members("a"), members("b"))))
@@ -198,11 +172,11 @@ try:
           str((members("a"), members("b"))))
     check("every daemon survives the malformed records (null endpoint, null key, ...)",
           alive("a") and alive("b"),
-          str({n: procs[n].poll() for n in procs}))
+          str({n: d.poll() for n, d in daemons.items()}))
     bad_ids = set(BAD) | set(RAW)
     listed = (members("a") or set()) & bad_ids
     check("no malformed record becomes a member", not listed, str(listed))
-    log = open(f"{TMP}/a.log", errors="replace").read()
+    log = daemons["a"].log_text()
     check("each malformed record is logged with the reason",
           "member 'null-endpoint' in etcd: bad record (\"endpoint\" is null, not a string)"
           in log and "member 'null-key' in etcd: bad record (\"curve_public_key\" is null, "
@@ -210,34 +184,26 @@ try:
           log[-3000:])
 
     # a restart with the records still there (it crashed at every start before)
-    procs["b"].send_signal(signal.SIGTERM)
-    procs["b"].wait(30)
-    check("a daemon stops cleanly", procs["b"].returncode == 0, str(procs["b"].returncode))
-    start("b")
+    rc = daemons["b"].stop()
+    check("a daemon stops cleanly", rc == 0, str(rc))
+    daemons["b"].start()
     check("a daemon starts and serves with the malformed records in etcd",
           wait_for(lambda: alive("b") and "a" in (members("b") or set()), 20),
-          open(f"{TMP}/b.log", errors="replace").read()[-3000:])
+          daemons["b"].log_text()[-3000:])
     etcd_delete(PREFIX + "late")
     check("a deleted good record leaves the members",
           wait_for(lambda: "late" not in (members("a") or {"late"}), 20), str(members("a")))
 finally:
-    for n, p in procs.items():
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    for n, p in procs.items():
-        try:
-            p.wait(30)
-        except subprocess.TimeoutExpired:
-            p.kill()
+    status = {n: d.stop() if d.proc else 0 for n, d in daemons.items()}
     if "etcd" in globals():
         etcd.terminate()
         etcd.wait(30)
 
-for n, p in procs.items():
-    check(f"daemon {n} exits cleanly (no sanitizer finding)", p.returncode == 0,
-          f"exit {p.returncode}: " + open(f"{TMP}/{n}.log", errors="replace").read()[-2000:])
-print(f"{passed} passed, {failed} failed")
-if failed:
+for n, rc in status.items():
+    check(f"daemon {n} exits cleanly (no sanitizer finding)", rc == 0,
+          f"exit {rc}: " + daemons[n].log_text()[-2000:])
+if check.failed:
     print(f"logs in {TMP}")
-    sys.exit(1)
-shutil.rmtree(TMP, ignore_errors=True)
+else:
+    kvbtest.remove(TMP)
+check.exit()

@@ -25,6 +25,7 @@
 #include <zmq.h>
 
 #include "harness.h"
+#include "rawreq.h"
 #include "wire.h"
 
 #define L 2
@@ -149,87 +150,43 @@ static kvb_client *tcp_client(const struct setup *s, const char *secret)
 	return c;
 }
 
-/* ---- raw requests over CURVE, as another daemon sends them ---- */
-
-struct raw {
-	void *ctx, *sock;
-};
-
-static void raw_open(struct raw *r, const struct setup *s, const char *secret)
+/* A raw socket over CURVE with the given secret key (NULL: a new key pair), as a daemon. */
+static void peer_open(struct raw *r, const struct setup *s, const char *secret)
 {
 	char pub[41], sec[41];
-	int zero = 0, timeout = 10000;
 
 	if (!secret) {
 		assert_int_equal(kvb_curve_keypair(pub, sec), 0);
 		secret = sec;
 	}
-	assert_int_equal(zmq_curve_public(pub, secret), 0);
-	r->ctx = zmq_ctx_new();
-	r->sock = zmq_socket(r->ctx, ZMQ_DEALER);
-	zmq_setsockopt(r->sock, ZMQ_LINGER, &zero, sizeof(zero));
-	zmq_setsockopt(r->sock, ZMQ_RCVTIMEO, &timeout, sizeof(timeout));
-	zmq_setsockopt(r->sock, ZMQ_CURVE_SERVERKEY, s->server_pub, 40);
-	zmq_setsockopt(r->sock, ZMQ_CURVE_PUBLICKEY, pub, 40);
-	zmq_setsockopt(r->sock, ZMQ_CURVE_SECRETKEY, secret, 40);
-	assert_int_equal(zmq_connect(r->sock, s->tcp), 0);
+	raw_open_curve(r, s->tcp, 10000, s->server_pub, secret);
 }
 
-static void raw_close(struct raw *r)
+/* A reply's payload frames, kept (raw_frame_fn). */
+struct kept {
+	void *data[L + 1];
+	size_t len[L + 1];
+	size_t n;
+};
+
+static void keep_frame(size_t index, const void *data, size_t size, void *arg)
 {
-	zmq_close(r->sock);
-	zmq_ctx_term(r->ctx);
+	struct kept *k = arg;
+
+	(void)index;
+	if (k->n > L)
+		return;
+	k->data[k->n] = malloc(size ? size : 1);
+	assert_non_null(k->data[k->n]);
+	memcpy(k->data[k->n], data, size);
+	k->len[k->n++] = size;
 }
 
-/*
- * Send req and n payload frames, receive the reply into *rep (cleared by the
- * caller) and its payload frames into frames[0..*n_out) (at most cap; closed by
- * the caller). Returns the reply's code.
- */
-static uint32_t raw_call(struct raw *r, struct kvbp_request *req, zmq_msg_t *payload, size_t n,
-			 struct kvbp_reply *rep, zmq_msg_t *frames, size_t cap, size_t *n_out)
+static void kept_free(struct kept *k)
 {
-	uint8_t *hdr;
-	size_t hlen, got = 0;
-	char err[256];
-	zmq_msg_t m;
-	int more;
-
-	req->version = KVBP_VERSION;
-	req->request_id = 7;
-	req->payload_frames = (uint32_t)n;
-	assert_int_equal(kvbp_request_encode(req, &hdr, &hlen), 0);
-	assert_int_equal(zmq_send(r->sock, "", 0, ZMQ_SNDMORE), 0);
-	assert_true(zmq_send(r->sock, hdr, hlen, n ? ZMQ_SNDMORE : 0) >= 0);
-	free(hdr);
-	for (size_t i = 0; i < n; i++) {
-		zmq_msg_t copy;
-
-		zmq_msg_init(&copy);
-		zmq_msg_copy(&copy, &payload[i]);
-		assert_true(zmq_msg_send(&copy, r->sock, i + 1 < n ? ZMQ_SNDMORE : 0) >= 0);
-	}
-	zmq_msg_init(&m);
-	assert_true(zmq_msg_recv(&m, r->sock, 0) >= 0); /* delimiter */
-	assert_true(zmq_msg_recv(&m, r->sock, 0) >= 0);
-	more = zmq_msg_more(&m);
-	assert_int_equal(kvbp_reply_decode(zmq_msg_data(&m), zmq_msg_size(&m), rep, err,
-					   sizeof(err)), 0);
-	zmq_msg_close(&m);
-	while (more) {
-		zmq_msg_t f;
-
-		zmq_msg_init(&f);
-		assert_true(zmq_msg_recv(&f, r->sock, 0) >= 0);
-		more = zmq_msg_more(&f);
-		if (got < cap)
-			frames[got++] = f;
-		else
-			zmq_msg_close(&f);
-	}
-	if (n_out)
-		*n_out = got;
-	return rep->code;
+	for (size_t i = 0; i < k->n; i++)
+		free(k->data[i]);
+	k->n = 0;
 }
 
 static void expect_refused(kvb_client *c, int rc, const char *what)
@@ -317,19 +274,19 @@ static void default_namespace_cannot_name_a_tenant(void **state)
 static void non_member_cannot_replicate_or_fetch(void **state)
 {
 	struct setup *s = *state;
-	struct kvbp_request req = { .op = KVBP_OP_FETCH, .has_hash = true };
+	struct kvbp_request req = { .op = KVBP_OP_FETCH, .has_hash = true, .local_only = true };
 	struct kvbp_reply rep = { 0 };
-	zmq_msg_t frames[L + 1];
 	struct kvb_model m2 = model;
+	uint8_t *kv = malloc(s->bytes), junk[2][64] = { { 0 } };
+	const void *frames[2] = { junk[0], junk[1] }, *one[1] = { kv };
+	size_t lens[2] = { 64, 64 }, one_len[1] = { s->bytes }, n = 0;
 	struct raw r;
-	size_t n = 0;
 
-	raw_open(&r, s, NULL);
+	assert_non_null(kv);
+	peer_open(&r, s, NULL);
 	snprintf(req.model_name, sizeof(req.model_name), "alice#m");
 	memcpy(req.hash, s->hash, KVB_HASH_LEN);
-	req.local_only = true;
-	assert_int_equal(raw_call(&r, &req, NULL, 0, &rep, frames, L + 1, &n), KVBP_BAD_ARGUMENT);
-	assert_int_equal(n, 0);
+	assert_int_equal(raw_call(&r, &req, NULL, NULL, 0, &rep), KVBP_BAD_ARGUMENT);
 	assert_non_null(strstr(rep.message, "'#'"));
 	kvbp_reply_clear(&rep);
 
@@ -341,15 +298,10 @@ static void non_member_cannot_replicate_or_fetch(void **state)
 	memset(req.hash, 0x77, KVB_HASH_LEN);
 	req.num_tokens = T;
 	req.dtype = 1; /* f16 */
-	{
-		zmq_msg_t kv;
-
-		zmq_msg_init_size(&kv, s->bytes);
-		memset(zmq_msg_data(&kv), 0x3c, s->bytes);
-		assert_int_equal(raw_call(&r, &req, &kv, 1, &rep, frames, L + 1, &n),
-				 KVBP_BAD_ARGUMENT);
-		zmq_msg_close(&kv);
-	}
+	memset(kv, 0x3c, s->bytes);
+	raw_send(&r, &req, one, one_len, 1);
+	assert_int_equal(raw_recv_frames(&r, &rep, &n, NULL, NULL), KVBP_BAD_ARGUMENT);
+	assert_int_equal(n, 0);
 	assert_non_null(strstr(rep.message, "'#'"));
 	kvbp_reply_clear(&rep);
 
@@ -367,25 +319,14 @@ static void non_member_cannot_replicate_or_fetch(void **state)
 	req.model.rope_theta = 10000;
 	req.num_tokens = T;
 	memset(req.hash, 0x77, KVB_HASH_LEN);
-	{
-		zmq_msg_t junk[L];
-
-		for (int l = 0; l < L; l++)
-			zmq_msg_init_size(&junk[l], 64);
-		for (int l = 0; l < L; l++)
-			memset(zmq_msg_data(&junk[l]), 0, 64);
-		assert_int_equal(raw_call(&r, &req, junk, L, &rep, frames, L + 1, &n),
-				 KVBP_BAD_ARGUMENT);
-		for (int l = 0; l < L; l++)
-			zmq_msg_close(&junk[l]);
-	}
+	assert_int_equal(raw_call(&r, &req, frames, lens, L, &rep), KVBP_BAD_ARGUMENT);
 	kvbp_reply_clear(&rep);
 	raw_close(&r);
-	memset(req.hash, 0x77, KVB_HASH_LEN);
 	alice_intact(s, req.hash);
 	/* alice's own m2 registers: nobody took the name before her */
 	snprintf(m2.name, sizeof(m2.name), "m2");
 	assert_int_equal(kvb_model_register(s->alice, &m2, NULL), 0);
+	free(kv);
 }
 
 /*
@@ -398,18 +339,19 @@ static void members_carry_namespaces(void **state)
 	struct setup *s = *state;
 	struct kvbp_request req = { .op = KVBP_OP_FETCH, .has_hash = true, .local_only = true };
 	struct kvbp_reply rep = { 0 };
-	zmq_msg_t frames[L + 1];
 	uint8_t copy_hash[KVB_HASH_LEN], *back = malloc(s->bytes);
+	struct kept k = { .n = 0 };
 	struct raw r;
-	size_t n = 0;
 
 	assert_non_null(back);
-	raw_open(&r, s, s->member_sec);
+	peer_open(&r, s, s->member_sec);
 	snprintf(req.model_name, sizeof(req.model_name), "alice#m");
 	memcpy(req.hash, s->hash, KVB_HASH_LEN);
-	if (raw_call(&r, &req, NULL, 0, &rep, frames, L + 1, &n))
+	req.version = KVBP_VERSION;
+	raw_send(&r, &req, NULL, NULL, 0);
+	if (raw_recv_frames(&r, &rep, NULL, keep_frame, &k))
 		fail_msg("a member's FETCH of alice#m: %s", rep.message);
-	assert_int_equal(n, L);
+	assert_int_equal(k.n, L);
 	kvbp_reply_clear(&rep);
 
 	memset(&req, 0, sizeof(req));
@@ -419,11 +361,10 @@ static void members_carry_namespaces(void **state)
 	memset(copy_hash, 0x42, sizeof(copy_hash));
 	memcpy(req.hash, copy_hash, KVB_HASH_LEN);
 	req.num_tokens = T;
-	if (raw_call(&r, &req, frames, L, &rep, NULL, 0, NULL))
+	if (raw_call(&r, &req, (const void *const *)k.data, k.len, k.n, &rep))
 		fail_msg("a member's REPLICATE to alice#m: %s", rep.message);
 	kvbp_reply_clear(&rep);
-	for (size_t i = 0; i < n; i++)
-		zmq_msg_close(&frames[i]);
+	kept_free(&k);
 	raw_close(&r);
 	assert_int_equal(kvb_get(s->alice, model.name, copy_hash, 0, 0, back, s->bytes, NULL), 0);
 	assert_memory_equal(back, s->kv, s->bytes);
