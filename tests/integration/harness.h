@@ -36,6 +36,9 @@ double daemon_stat(kvb_client *c, const char *name);
 /* n deterministic small normal f16 values (sign, exponent 13..16, random mantissa) from seed. */
 void fill_f16(uint16_t *p, size_t n, uint32_t seed);
 
+/* A TCP port on 127.0.0.1 that nothing listens on now (the kernel's choice). */
+int free_tcp_port(void);
+
 /* A client connected to d; asserts success. */
 kvb_client *daemon_client(const struct daemon *d, int no_shm);
 

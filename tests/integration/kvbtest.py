@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 
 
 class Checks:
@@ -151,4 +152,45 @@ class Daemon:
         if not self.log or not os.path.exists(self.log):
             return ""
         with open(self.log, errors="replace") as f:  # (a log may quote hostile bytes)
+            return f.read()
+
+
+class Etcd:
+    """A real etcd (Debian's etcd-server) on free loopback ports, its data in TMP/etcd and
+    its log in TMP/etcd.log. url is its client URL; start() may follow a stop (same data)."""
+
+    def __init__(self, tmp, name="kvbtest"):
+        self.tmp, self.name = tmp, name
+        self.binary = shutil.which("etcd") or "/usr/bin/etcd"
+        self.port, self.peer = free_port(), free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = None
+
+    def start(self):
+        """Start it and wait (20 s at most) until it answers; returns whether it does."""
+        peer = f"http://127.0.0.1:{self.peer}"
+        with open(f"{self.tmp}/etcd.log", "a") as log:
+            self.proc = subprocess.Popen(
+                [self.binary, "--name", self.name, "--data-dir", f"{self.tmp}/etcd",
+                 "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
+                 "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+                 "--initial-cluster", f"{self.name}={peer}"],
+                stdout=log, stderr=subprocess.STDOUT)
+        for _ in range(200):
+            try:
+                urllib.request.urlopen(f"{self.url}/version", timeout=1).read()
+                return True
+            except OSError:
+                if self.proc.poll() is not None:
+                    return False
+                time.sleep(0.1)
+        return False
+
+    def stop(self):
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(30)
+
+    def log_text(self):
+        with open(f"{self.tmp}/etcd.log", errors="replace") as f:
             return f.read()

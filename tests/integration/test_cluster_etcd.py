@@ -19,7 +19,6 @@ member list: test_cluster.py.
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -34,7 +33,6 @@ import kvbtest
 
 KVBLENDD, KVBLEND, PLACE_TOOL = sys.argv[1], sys.argv[2], sys.argv[3]
 TMP = tempfile.mkdtemp(prefix="kvb-etcd-")
-ETCD = shutil.which("etcd") or "/usr/bin/etcd"
 check = kvbtest.Checks()
 L, H, D = cc.L, cc.H, cc.D
 TIMEOUT_MS = 500
@@ -57,31 +55,10 @@ with open(f"{TMP}/authorized", "w") as f:
 for n in list(NODES) + ["rogue"]:
     with open(f"{TMP}/{n}.key", "w") as f:
         f.write(KEYS[n][1] + "\n")
-ETCD_PORT, ETCD_PEER = kvbtest.free_port(), kvbtest.free_port()
-ETCD_URL = f"http://127.0.0.1:{ETCD_PORT}"
+ETCD = kvbtest.Etcd(TMP)
+ETCD_URL = ETCD.url
 METRICS_PORT = kvbtest.free_port()  # A's Prometheus endpoint
 procs = {}
-etcd = None
-
-
-def start_etcd():
-    global etcd
-    etcd = subprocess.Popen(
-        [ETCD, "--name", "kvbtest", "--data-dir", f"{TMP}/etcd",
-         "--listen-client-urls", ETCD_URL, "--advertise-client-urls", ETCD_URL,
-         "--listen-peer-urls", f"http://127.0.0.1:{ETCD_PEER}",
-         "--initial-advertise-peer-urls", f"http://127.0.0.1:{ETCD_PEER}",
-         "--initial-cluster", f"kvbtest=http://127.0.0.1:{ETCD_PEER}"],
-        stdout=open(f"{TMP}/etcd.log", "a"), stderr=subprocess.STDOUT)
-    for _ in range(200):
-        try:
-            urllib.request.urlopen(f"{ETCD_URL}/version", timeout=1).read()
-            return True
-        except OSError:
-            if etcd.poll() is not None:
-                return False
-            time.sleep(0.1)
-    return False
 
 
 def ep(n):
@@ -162,7 +139,7 @@ def settled(nodes):
 
 
 try:
-    check("etcd starts", start_etcd(), open(f"{TMP}/etcd.log").read()[-2000:])
+    check("etcd starts", ETCD.start(), ETCD.log_text()[-2000:])
     r = subprocess.run([KVBLENDD, "--data-dir", f"{TMP}/x", "--listen", f"ipc://{TMP}/x.sock",
                         "--node-id", "x", "--cluster-etcd", "ftp://nowhere"],
                        capture_output=True, text=True, timeout=20)
@@ -257,8 +234,7 @@ try:
     check("C, continued, registers again", ok, str({n: view(n) for n in "abcd"}))
 
     # etcd stopped mid-run: the cluster keeps serving with the membership it knew.
-    etcd.terminate()
-    etcd.wait(30)
+    ETCD.stop()
     ok = wait_for(lambda: stats("a").get("cluster_etcd_ok") == 0, 3 * TTL + 5)
     check("etcd down: stats says so", ok, str(stats("a").get("cluster_etcd_ok")))
     late = cc.put_chunks(cli, TMP, "a", 200, 6, rng)
@@ -266,7 +242,7 @@ try:
     check("etcd down: PUT on A, read-through on B and D keep working", not bad, str(bad))
     check("etcd down: the membership stays as it was",
           all(alive_set(n) == set("abcd") for n in "abcd"), str({n: view(n) for n in "abcd"}))
-    check("etcd restarts", start_etcd())
+    check("etcd restarts", ETCD.start())
     ok = wait_for(lambda: all(stats(n).get("cluster_etcd_ok") == 1 for n in "abcd"), 3 * TTL + 10)
     check("etcd back: every member says so", ok)
     ok = wait_for(lambda: all(alive_set(n) == set("abcd") for n in "abcd"), 3 * TTL + 10)
@@ -354,9 +330,7 @@ try:
               per[n]["kvblend_cluster_member_pushes_owed"] >= 0 for n in "bcd"), str(per))
 finally:
     cc.stop_all(procs, check)
-    if etcd and etcd.poll() is None:
-        etcd.terminate()
-        etcd.wait(30)
+    ETCD.stop()
     if check.failed:
         for n in list(NODES) + ["rogue"]:
             if os.path.exists(f"{TMP}/{n}.log"):

@@ -15,7 +15,6 @@ import base64
 import json
 import os
 import random
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -27,9 +26,8 @@ import kvbtest  # noqa: E402
 
 KVBLENDD, KVBLEND = sys.argv[1], sys.argv[2]
 TMP = tempfile.mkdtemp(prefix="kvb-etcdrec-")
-ETCD = shutil.which("etcd") or "/usr/bin/etcd"
-ETCD_PORT, ETCD_PEER = kvbtest.free_port(), kvbtest.free_port()
-ETCD_URL = f"http://127.0.0.1:{ETCD_PORT}"
+ETCD = kvbtest.Etcd(TMP, "kvbrec")
+ETCD_URL = ETCD.url
 PREFIX = "/kvblend/t/members/"
 NODES = {n: kvbtest.free_port() for n in "ab"}
 check = kvbtest.Checks()
@@ -46,25 +44,6 @@ def etcd_delete(key):
     body = json.dumps({"key": base64.b64encode(key.encode()).decode()}).encode()
     urllib.request.urlopen(urllib.request.Request(f"{ETCD_URL}/v3/kv/deleterange", data=body),
                            timeout=5).read()
-
-
-def start_etcd():
-    p = subprocess.Popen(
-        [ETCD, "--name", "kvbrec", "--data-dir", f"{TMP}/etcd",
-         "--listen-client-urls", ETCD_URL, "--advertise-client-urls", ETCD_URL,
-         "--listen-peer-urls", f"http://127.0.0.1:{ETCD_PEER}",
-         "--initial-advertise-peer-urls", f"http://127.0.0.1:{ETCD_PEER}",
-         "--initial-cluster", f"kvbrec=http://127.0.0.1:{ETCD_PEER}"],
-        stdout=open(f"{TMP}/etcd.log", "a"), stderr=subprocess.STDOUT)
-    for _ in range(200):
-        try:
-            urllib.request.urlopen(f"{ETCD_URL}/version", timeout=1).read()
-            return p
-        except OSError:
-            if p.poll() is not None:
-                break
-            time.sleep(0.1)
-    raise RuntimeError("etcd did not start: " + open(f"{TMP}/etcd.log").read()[-2000:])
 
 
 def keygen():
@@ -151,7 +130,8 @@ def mutations(seed, count):
 
 
 try:
-    etcd = start_etcd()
+    if not ETCD.start():
+        raise RuntimeError("etcd did not start: " + ETCD.log_text()[-2000:])
     daemons["a"].start()
     daemons["b"].start()
     check("two daemons find each other through etcd",
@@ -195,9 +175,7 @@ try:
           wait_for(lambda: "late" not in (members("a") or {"late"}), 20), str(members("a")))
 finally:
     status = {n: d.stop() if d.proc else 0 for n, d in daemons.items()}
-    if "etcd" in globals():
-        etcd.terminate()
-        etcd.wait(30)
+    ETCD.stop()
 
 for n, rc in status.items():
     check(f"daemon {n} exits cleanly (no sanitizer finding)", rc == 0,

@@ -8,8 +8,6 @@
  * endpoint, and a static member list naming a second member, "b", by its key (b
  * itself is never started: this test plays b with b's key pair).
  */
-#include <arpa/inet.h>
-#include <netinet/in.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -17,7 +15,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <cmocka.h>
@@ -36,20 +33,6 @@
 
 static const struct kvb_model model = { .name = "m", .num_layers = L, .num_kv_heads = H,
 					.head_dim = D, .dtype = KVB_F16, .rope_theta = 10000 };
-
-/* A TCP port nothing listens on now (the kernel's choice, released at once). */
-static int free_port(void)
-{
-	struct sockaddr_in a = { .sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
-	socklen_t len = sizeof(a);
-	int fd = socket(AF_INET, SOCK_STREAM, 0);
-
-	assert_true(fd >= 0);
-	assert_int_equal(bind(fd, (struct sockaddr *)&a, sizeof(a)), 0);
-	assert_int_equal(getsockname(fd, (struct sockaddr *)&a, &len), 0);
-	close(fd);
-	return ntohs(a.sin_port);
-}
 
 struct setup {
 	struct daemon d;
@@ -78,7 +61,7 @@ static int setup(void **state)
 	char peers[400];
 	const char *args[16];
 	uint32_t ids[3] = { 19, 1, 4 };
-	int port = free_port(), n = 0;
+	int port = free_tcp_port(), n = 0;
 
 	assert_non_null(s);
 	assert_int_equal(kvb_curve_keypair(s->server_pub, s->server_sec), 0);
@@ -90,7 +73,7 @@ static int setup(void **state)
 	write_file(s->files[1], s->server_sec);
 	snprintf(s->tcp, sizeof(s->tcp), "tcp://127.0.0.1:%d", port);
 	snprintf(peers, sizeof(peers), "self=%s=%s,b=tcp://127.0.0.1:%d=%s", s->tcp, s->server_pub,
-		 free_port(), s->member_pub);
+		 free_tcp_port(), s->member_pub);
 	args[n++] = "--tenants-file";
 	args[n++] = s->files[0];
 	args[n++] = "--listen";
