@@ -86,7 +86,8 @@ def parse_params(kv_transfer_params: Any, prompt_len: int) -> Params | None:
     if kv_transfer_params is None:
         return None
     if not isinstance(kv_transfer_params, dict):
-        raise ParamError(f"kv_transfer_params must be a dict, got {type(kv_transfer_params).__name__}")
+        kind = type(kv_transfer_params).__name__
+        raise ParamError(f"kv_transfer_params must be a dict, got {kind}")
     if "kvblend" not in kv_transfer_params:
         return None
     p = kv_transfer_params["kvblend"]
@@ -131,12 +132,12 @@ def parse_params(kv_transfer_params: Any, prompt_len: int) -> Params | None:
 
 
 def chunk_segments(params: Params) -> list[Segment]:
-    """The chunk segments of ``params``, in prompt order."""
+    """Return the chunk segments of ``params``, in prompt order."""
     return [s for s in params.segments if s.kind == CHUNK]
 
 
 def store_shape_error(params: Params, prompt_len: int) -> str | None:
-    """Why ``params`` cannot store (None when it can): one chunk at 0 covering the prompt."""
+    """Return why ``params`` cannot store (None if it can): one chunk at 0 covering the prompt."""
     s = params.segments
     if len(s) != 1 or s[0].kind != CHUNK or s[0].start != 0 or s[0].length != prompt_len:
         return (
@@ -153,7 +154,7 @@ def claim(
     num_computed: int,
     prompt_len: int,
 ) -> tuple[int, list[ChunkLoad]]:
-    """How many tokens from ``num_computed`` on the connector provides, and from which chunks.
+    """Return how many tokens from ``num_computed`` on the connector provides, and whence.
 
     Parameters
     ----------
@@ -254,5 +255,5 @@ def plan_request(
 
 
 def full_blocks(first: int, last: int, block_size: int) -> range:
-    """Block indices (in the request's block table) wholly inside tokens ``first .. last - 1``."""
+    """Return the block indices (in the block table) wholly inside tokens ``first .. last - 1``."""
     return range(-(-first // block_size), last // block_size)

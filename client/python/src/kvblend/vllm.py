@@ -85,7 +85,7 @@ def _check_version() -> None:
 
 
 def _scaling_spec(rs: dict[str, Any] | None, max_pos: int | None) -> str:
-    """kvblend's SPEC for a Hugging Face rope scaling dict (rope_parameters in transformers 5)."""
+    """Kvblend's SPEC for a Hugging Face rope scaling dict (rope_parameters in transformers 5)."""
     if not rs:
         return "none"
     kind = rs.get("rope_type", rs.get("type", "default"))
@@ -113,7 +113,7 @@ def _scaling_spec(rs: dict[str, Any] | None, max_pos: int | None) -> str:
 
 
 def model_from_vllm(vllm_config: VllmConfig, name: str) -> Model:
-    """The kvblend Model that describes the engine's KV exactly.
+    """Return the kvblend Model that describes the engine's KV exactly.
 
     Raises
     ------
@@ -131,8 +131,10 @@ def model_from_vllm(vllm_config: VllmConfig, name: str) -> Model:
         )
     if mc.use_mla:
         raise _refuse("MLA attention (latent KV) is not supported")
-    if mc.get_sliding_window() is not None or getattr(hf, "layer_types", None) and any(
-        t != "full_attention" for t in hf.layer_types
+    if (
+        mc.get_sliding_window() is not None
+        or getattr(hf, "layer_types", None)
+        and any(t != "full_attention" for t in hf.layer_types)
     ):
         raise _refuse("sliding-window attention layers are not supported")
     pc = vllm_config.parallel_config
@@ -169,7 +171,7 @@ def model_from_vllm(vllm_config: VllmConfig, name: str) -> Model:
 
 
 def default_model_name(vllm_config: VllmConfig) -> str:
-    """``vllm:<served model name>:<dtype>``, cut to kvblend's 64-byte limit."""
+    """Return ``vllm:<served model name>:<dtype>``, cut to kvblend's 64-byte limit."""
     mc = vllm_config.model_config
     served = mc.served_model_name
     if isinstance(served, (list, tuple)):
@@ -311,7 +313,7 @@ class KvblendConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        """Tokens from ``num_computed_tokens`` on that stored chunks provide (never all)."""
+        """Return the tokens from ``num_computed_tokens`` on that stored chunks provide."""
         n, loads = self._plan(request, num_computed_tokens)
         self._plans[request.request_id] = (n, loads)  # a cache for update_state_after_alloc
         return n, False
@@ -345,7 +347,7 @@ class KvblendConnector(KVConnectorBase_V1):
         self._stores[rid] = _Pending(chunk_hash(ids), len(ids), block_ids)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        """This step's loads and completed stores; blocks loads overwrite are not zeroed."""
+        """Return this step's loads and completed stores; loaded blocks are not zeroed."""
         meta = KvblendMetadata(loads=self._loads)
         self._loads = []
         overwritten: set[int] = set()
@@ -372,7 +374,8 @@ class KvblendConnector(KVConnectorBase_V1):
         for rid, done in progress.items():
             st = self._stores[rid]
             if done + scheduled.get(rid, 0) >= st.length:
-                meta.stores.append(StoreSpec(rid, st.hash, st.length, st.block_ids, self.block_size))
+                spec = StoreSpec(rid, st.hash, st.length, st.block_ids, self.block_size)
+                meta.stores.append(spec)
                 del self._stores[rid]
         return meta
 
@@ -448,14 +451,20 @@ class KvblendConnector(KVConnectorBase_V1):
                     len(bad),
                 )
                 continue
-            logger.debug("kvblend: loaded %s in %.3f s", ld.req_id, time.monotonic() - t0)
+            logger.info(
+                "kvblend: loaded %d tokens of %s in %.3f s",
+                sum(c.last - c.first for c in ld.chunks),
+                ld.req_id,
+                time.monotonic() - t0,
+            )
             if self._dump_dir:
                 self._dump(ld)
 
     def _dump(self, ld: LoadSpec) -> None:
         """Write the raw blocks a load touched (debug hook for tests, DUMP_ENV)."""
-        blocks = sorted({ld.block_ids[i // self.block_size]
-                         for c in ld.chunks for i in range(c.first, c.last)})
+        blocks = sorted(
+            {ld.block_ids[i // self.block_size] for c in ld.chunks for i in range(c.first, c.last)}
+        )
         raw = torch.stack([t[blocks] for t in self._raw]).numpy()
         path = os.path.join(self._dump_dir, f"load-{self._dumps}.npz")
         self._dumps += 1
@@ -505,7 +514,7 @@ class KvblendConnector(KVConnectorBase_V1):
                 logger.warning("kvblend: storing %s failed: %s", st.req_id, e)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        """Blocks whose load failed this step (vLLM recomputes them)."""
+        """Return the blocks whose load failed this step (vLLM recomputes them)."""
         bad, self._load_errors = self._load_errors, set()
         return bad
 
