@@ -13,5 +13,7 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 env_out=$(bash "$here/../../.ci/engine-env" | tail -2)
 python=$(sed -n 1p <<<"$env_out")
 model=$(sed -n 2p <<<"$env_out")
+src=$(cd "$here/../../client/python/src" && pwd)
 export KVBLEND_LIB=$lib KVBLENDD=$daemon KVBLEND_ENGINE_MODEL=$model
+export PYTHONPATH=$src${PYTHONPATH:+:$PYTHONPATH}
 exec "$python" "$test" "$@"

@@ -12,7 +12,8 @@ serves every request:
     daemon's stored chunks with the keys rotated to their new positions by NumPy;
 (d) doc1 + an unstored document + question: served, output equal to plain vLLM's;
 (e) bad parameters: output equal to plain vLLM's, and the engine serves the next request;
-(f) the daemon killed: a reuse request's output equals plain vLLM's.
+(f) the daemon killed: a reuse request's output equals plain vLLM's;
+(g) a load that fails in the worker (a test hook): vLLM recomputes, output equals plain.
 Exit 0 when all pass, 1 on a failure, 77 when KVBLEND_SKIP_ENGINE=1.
 """
 
@@ -116,6 +117,7 @@ def main():
     sys.path[:0] = [str(SRC), str(HERE)]
     dump_dir = Path(tempfile.mkdtemp(prefix="kvblend-dump."))
     os.environ["KVBLEND_VLLM_DUMP_DIR"] = str(dump_dir)
+    os.environ["KVBLEND_VLLM_FAIL_LOAD_FILE"] = str(dump_dir / "fail-next-load")
 
     import numpy as np
     import kvblend
@@ -267,6 +269,13 @@ def run(model_dir, d, dump_dir, report, np, kvblend):
     check("(e) nothing stored by a refused store", d.stats()["chunks"] == 3)
     after = gen([p_b], [segs((0, l1, "chunk"))])[0]
     check("(e) engine still serves", after == plain_b)
+
+    # (g) a load that fails in the worker: vLLM recomputes the blocks
+    (dump_dir / "fail-next-load").touch()
+    got = gen([p_b], [segs((0, l1, "chunk"), (l1, len(q), "fresh"))])[0]
+    check("(g) failed load: injected", not (dump_dir / "fail-next-load").exists())
+    check("(g) failed load: output equals plain vLLM", got == plain_b,
+          f"{tok.decode(got)!r}")
 
     # (f)
     d.stop()

@@ -47,11 +47,15 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-logger = init_logger(__name__)
+# Under "vllm." so that vLLM's logging configuration (format, level) applies to our lines.
+logger = init_logger(f"vllm.{__name__}")
 
 #: vLLM versions this connector is written against (the CPU cache layout and the v1
 #: connector interface both change between minor versions).
 SUPPORTED_VLLM = "0.32"
+
+#: Test hook: while the file this names exists, the worker's next load fails (and removes it).
+FAIL_LOAD_ENV = "KVBLEND_VLLM_FAIL_LOAD_FILE"
 
 #: Debug hook: when set to a folder, the worker writes the raw cache blocks it filled in
 #: each load there (``load-<n>.npz``), for tests that check the landed rows independently.
@@ -428,6 +432,10 @@ class KvblendConnector(KVConnectorBase_V1):
         for ld in meta.loads:
             t0 = time.monotonic()
             try:
+                fail = os.environ.get(FAIL_LOAD_ENV)
+                if fail and os.path.exists(fail):
+                    os.unlink(fail)
+                    raise RuntimeError("load failure injected by " + FAIL_LOAD_ENV)
                 client = self._daemon()
                 for c in ld.chunks:
                     kv = client.get_rerotated(self.model_name, c.hash, pos=c.start)
