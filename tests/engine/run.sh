@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Run one engine test (tests/engine/*.py) with the engine venv's python from .ci/engine-env,
+# against this build's libkvblend and kvblendd: run.sh LIBKVBLEND KVBLENDD TEST.py [ARGS...]
+# Exit 77 (skipped) only when KVBLEND_SKIP_ENGINE=1; otherwise a missing environment fails.
+set -euo pipefail
+if [ "${KVBLEND_SKIP_ENGINE:-}" = 1 ]; then
+	echo "engine test skipped: KVBLEND_SKIP_ENGINE=1"
+	exit 77
+fi
+lib=$1 daemon=$2 test=$3
+shift 3
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+env_out=$(bash "$here/../../.ci/engine-env" | tail -2)
+python=$(sed -n 1p <<<"$env_out")
+model=$(sed -n 2p <<<"$env_out")
+src=$(cd "$here/../../client/python/src" && pwd)
+export KVBLEND_LIB=$lib KVBLENDD=$daemon KVBLEND_ENGINE_MODEL=$model
+export PYTHONPATH=$src${PYTHONPATH:+:$PYTHONPATH}
+exec "$python" "$test" "$@"

@@ -1,0 +1,291 @@
+"""kvblend.vllm.KvblendConnector in a real vLLM 0.32 engine on the CPU, against a real kvblendd.
+
+Run with the engine venv's python (.ci/engine-env), KVBLEND_LIB set to the build's
+libkvblend and KVBLEND_ENGINE_MODEL (or --model) to the model directory. One engine start
+serves every request:
+
+(a) three documents stored with kvblend.vllm.store_documents: the daemon holds 3 chunks;
+(b) doc1 + question as [chunk, fresh]: 16 greedy tokens equal plain vLLM's for the same
+    prompt (no kv_transfer_params, same engine), and the daemon sent the chunk (bytes_out);
+(c) doc2 + doc1 + question: the K and V that landed in vLLM's cache (the connector's debug
+    dump of the raw blocks, decoded here with the layout of notes/engine-facts.md) equal the
+    daemon's stored chunks with the keys rotated to their new positions by NumPy;
+(d) doc1 + an unstored document + question: served, output equal to plain vLLM's;
+(e) bad parameters: output equal to plain vLLM's, and the engine serves the next request;
+(f) the daemon killed: a reuse request's output equals plain vLLM's;
+(g) a load that fails in the worker (a test hook): vLLM recomputes, output equals plain.
+Exit 0 when all pass, 1 on a failure, 77 when KVBLEND_SKIP_ENGINE=1.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+if os.environ.get("KVBLEND_SKIP_ENGINE") == "1":
+    print("test_connector: skipped (KVBLEND_SKIP_ENGINE=1)")
+    sys.exit(77)
+
+HERE = Path(__file__).resolve().parent
+SRC = HERE.parent.parent / "client" / "python" / "src"
+MAX_TOKENS = 16
+THETA = 1e5  # SmolLM2-135M: rope_theta 1e5, neox, head_dim 64, 3 KV heads, 30 layers
+
+DOCS = [
+    "The Amazon rainforest covers much of the Amazon basin of South America. The basin "
+    "encompasses seven million square kilometres, of which five and a half million are "
+    "covered by the rainforest. The region includes territory belonging to nine nations; "
+    "the majority of the forest is contained within Brazil, followed by Peru and Colombia. "
+    "It represents over half of the planet's remaining rainforests and comprises the largest "
+    "and most biodiverse tract of tropical rainforest in the world, with an estimated 390 "
+    "billion individual trees divided into 16,000 species.",
+    "The Great Wall of China is a series of fortifications that were built across the "
+    "historical northern borders of ancient Chinese states and Imperial China as protection "
+    "against various nomadic groups from the Eurasian Steppe. Several walls were built from "
+    "as early as the 7th century BC, with selective stretches later joined by Qin Shi Huang, "
+    "the first emperor of China. Little of the Qin wall remains. Later on, many successive "
+    "dynasties built and maintained multiple stretches of border walls. The best-known "
+    "sections of the wall were built by the Ming dynasty.",
+    "Photosynthesis is a process used by plants and other organisms to convert light energy "
+    "into chemical energy that, through cellular respiration, can later be released to fuel "
+    "the organism's activities. Some of this chemical energy is stored in carbohydrate "
+    "molecules, such as sugars and starches, which are synthesized from carbon dioxide and "
+    "water. Most plants, algae, and cyanobacteria perform photosynthesis; such organisms are "
+    "called photoautotrophs.",
+]
+UNSTORED = ("The violin is a wooden chordophone, the smallest and highest-pitched instrument "
+            "in regular use in the violin family. It has four strings tuned in perfect fifths.")
+QUESTION = "\nQuestion: Summarise the text above in one sentence.\nAnswer:"
+
+failures = []
+
+
+def check(what, ok, detail=""):
+    print(f"{'ok  ' if ok else 'FAIL'} {what}" + (f": {detail}" if detail else ""), flush=True)
+    if not ok:
+        failures.append(what)
+
+
+def rope_rotate(k, delta, theta=THETA):
+    """Rotate neox-style keys [..., tokens, heads, hd] by ``delta`` positions (float64)."""
+    import numpy as np
+
+    hd = k.shape[-1]
+    inv = theta ** (-np.arange(0, hd, 2, dtype=np.float64) / hd)
+    ang = delta * inv  # the same angle for every token: a shift by delta
+    c, s = np.cos(ang), np.sin(ang)
+    x = k.astype(np.float64)
+    x1, x2 = x[..., : hd // 2], x[..., hd // 2 :]
+    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+
+
+def decode_dump(path, positions):
+    """K and V [layers, tokens, heads, hd] at prompt positions, from a raw-block dump.
+
+    The layout (notes/engine-facts.md, measured against transformers): per block and KV
+    head, K transposed [head_dim, block_size], then V rows [block_size, head_dim].
+    """
+    import numpy as np
+
+    z = np.load(path)
+    raw, blocks, table, bs = z["raw"], list(z["blocks"]), z["block_ids"], int(z["block_size"])
+    L, n, H, _, two_hd = raw.shape
+    hd = two_hd // 2
+    a = raw.reshape(L, n, H, 2, bs * hd)
+    k = a[:, :, :, 0].reshape(L, n, H, hd, bs).swapaxes(-1, -2)  # [L, n, H, bs, hd]
+    v = a[:, :, :, 1].reshape(L, n, H, bs, hd)
+    idx = np.array([blocks.index(table[p // bs]) for p in positions])
+    off = np.array([p % bs for p in positions])
+    return k[:, idx, :, off].swapaxes(0, 1), v[:, idx, :, off].swapaxes(0, 1)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=os.environ.get("KVBLEND_ENGINE_MODEL"))
+    args = ap.parse_args()
+    if not args.model:
+        print("test_connector: give --model or KVBLEND_ENGINE_MODEL", file=sys.stderr)
+        return 2
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(SRC), str(HERE), os.environ.get("PYTHONPATH", "")) if p)
+    sys.path[:0] = [str(SRC), str(HERE)]
+    dump_dir = Path(tempfile.mkdtemp(prefix="kvblend-dump."))
+    os.environ["KVBLEND_VLLM_DUMP_DIR"] = str(dump_dir)
+    os.environ["KVBLEND_VLLM_FAIL_LOAD_FILE"] = str(dump_dir / "fail-next-load")
+
+    import numpy as np
+    import kvblend
+    from daemon import Daemon
+
+    d = Daemon()
+    report = {}
+    try:
+        run(args.model, d, dump_dir, report, np, kvblend)
+    finally:
+        d.stop()
+        shutil.rmtree(dump_dir, ignore_errors=True)
+    print("test_connector: " + json.dumps(report))
+    print("test_connector: " + ("FAILED: " + "; ".join(failures) if failures else "passed"))
+    return 1 if failures else 0
+
+
+def run(model_dir, d, dump_dir, report, np, kvblend):
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    from kvblend.vllm import store_documents
+
+    t0 = time.monotonic()
+    llm = LLM(model=model_dir, enforce_eager=True, dtype="float32", max_model_len=4096, seed=0,
+              enable_prefix_caching=False,
+              kv_transfer_config=KVTransferConfig(
+                  kv_connector="KvblendConnector", kv_connector_module_path="kvblend.vllm",
+                  kv_role="kv_both",
+                  kv_connector_extra_config={"endpoint": d.endpoint, "timeout_ms": 2000,
+                                             "model_name": "smollm2-test"}))
+    report["engine_start_s"] = round(time.monotonic() - t0, 1)
+    tok = llm.get_tokenizer()
+    enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
+    docs = [enc(t) for t in DOCS]
+    q, unstored = enc(QUESTION), enc(UNSTORED)
+
+    def gen(prompts, params_list, timed=None):
+        sp = [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                             extra_args=None if p is None else {"kv_transfer_params": p})
+              for p in params_list]
+        t = time.monotonic()
+        outs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompts], sp,
+                            use_tqdm=False)
+        if timed:
+            report[timed] = round(time.monotonic() - t, 3)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    def segs(*s):
+        return {"kvblend": {"segments": [list(x) for x in s]}}
+
+    # (a)
+    hashes = store_documents(llm, docs)
+    st = d.stats()
+    check("(a) 3 documents stored", st["chunks"] == 3 and st["requests_put"] == 3,
+          f"chunks {st['chunks']}, puts {st['requests_put']}, lengths {[len(x) for x in docs]}")
+    check("(a) hashes are chunk_hash of the ids",
+          hashes == [kvblend.chunk_hash(x) for x in docs])
+
+    # (b)
+    l1 = len(docs[0])
+    p_b = docs[0] + q
+    plain_b = gen([p_b], [None], "plain_request_s")[0]
+    st0 = d.stats()
+    reuse_b = gen([p_b], [segs((0, l1, "chunk"), (l1, len(q), "fresh"))], "reuse_request_s")[0]
+    st1 = d.stats()
+    sent = st1["bytes_out"] - st0["bytes_out"]
+    gets = st1["requests_get"] - st0["requests_get"]
+    check("(b) exact prefix: output equals plain vLLM", reuse_b == plain_b,
+          f"{tok.decode(reuse_b)!r} vs {tok.decode(plain_b)!r}")
+    # The chunk's bytes cross in shared memory: bytes_out counts the reply frames only.
+    check("(b) daemon served the chunk", sent > 0 and gets == 1, f"bytes_out +{sent}, gets {gets}")
+    check("(b) one load dumped", len(list(dump_dir.glob("load-*.npz"))) == 1)
+
+    # (c)
+    for f in dump_dir.glob("*"):
+        f.unlink()
+    l2 = len(docs[1])
+    p_c = docs[1] + docs[0] + q
+    reuse_c = gen([p_c], [segs((0, l2, "chunk"), (l2, l1, "chunk"), (l2 + l1, len(q), "fresh"))])[0]
+    plain_c = gen([p_c], [None])[0]
+    report["c_output_equals_plain"] = reuse_c == plain_c  # not required: no cross-attention
+    dumps = sorted(dump_dir.glob("load-*.npz"))
+    check("(c) one load dumped", len(dumps) == 1)
+    if dumps:
+        with kvblend.Client(d.endpoint) as c:
+            worst = {}
+            for name, h, start, n in (("doc2", hashes[1], 0, l2), ("doc1", hashes[0], l2, l1)):
+                stored = c.get("smollm2-test", h)  # [L, 2, T, H, hd], keys at positions 0..
+                rerot = c.get_rerotated("smollm2-test", h, pos=start)
+                ref_k = rope_rotate(stored[:, 0], start)
+                k, v = decode_dump(dumps[0], list(range(start, start + n)))
+                # float32 rotation of keys of magnitude up to ~20: a few 1e-5 apart from
+                # a float64 reference; a wrong position or layout is off by the keys' size.
+                worst[name] = {
+                    "landed_k": float(np.abs(k - ref_k).max()),
+                    "landed_v": float(np.abs(v - stored[:, 1]).max()),
+                    "daemon_k": float(np.abs(rerot[:, 0] - ref_k).max()),
+                    "shift_size": float(np.abs(ref_k - stored[:, 0]).max()),
+                }
+            report["c_max_abs_diff"] = worst
+            for name, w in worst.items():
+                check(f"(c) {name} landed K equals NumPy re-rotation", w["landed_k"] < 1e-3, str(w))
+                check(f"(c) {name} landed V equals stored V", w["landed_v"] == 0.0)
+                check(f"(c) {name} daemon re-rotation equals NumPy", w["daemon_k"] < 1e-3)
+
+    # time to first token, plain vs reuse of three chunks (min of 3, alternating)
+    p_t = docs[1] + docs[0] + docs[2] + q
+    a, b = l2 + l1, l2 + l1 + len(docs[2])
+    reuse_t = segs((0, l2, "chunk"), (l2, l1, "chunk"), (a, b - a, "chunk"), (b, len(q), "fresh"))
+    times = {"plain": [], "reuse": []}
+    for _ in range(3):
+        for mode, p in (("plain", None), ("reuse", reuse_t)):
+            sp = SamplingParams(temperature=0.0, max_tokens=1,
+                                extra_args=None if p is None else {"kv_transfer_params": p})
+            t = time.monotonic()
+            llm.generate([TokensPrompt(prompt_token_ids=p_t)], [sp], use_tqdm=False)
+            times[mode].append(time.monotonic() - t)
+    report["ttft_tokens"] = len(p_t)
+    report["ttft_plain_s"] = round(min(times["plain"]), 3)
+    report["ttft_reuse_s"] = round(min(times["reuse"]), 3)
+
+    # (d)
+    lu = len(unstored)
+    p_d = docs[0] + unstored + q
+    got = gen([p_d, p_d], [segs((0, l1, "chunk"), (l1, lu, "chunk"), (l1 + lu, len(q), "fresh")),
+                           None])
+    check("(d) missing chunk: output equals plain vLLM", got[0] == got[1])
+    p_d2 = unstored + q
+    got = gen([p_d2, p_d2], [segs((0, lu, "chunk")), None])
+    check("(d) nothing stored: output equals plain vLLM", got[0] == got[1])
+
+    # (e)
+    n = len(p_b)
+    bad = [
+        {"kvblend": "x"},
+        {"kvblend": {"segments": [[0, "a", "chunk"]]}},
+        {"kvblend": {"segments": [[0, n + 5, "chunk"]]}},
+        {"kvblend": {"segments": [[-3, 10, "chunk"]]}},
+        {"kvblend": {"segments": [[0, l1, "chunk"], [5, 4, "fresh"]]}},
+        {"kvblend": {"segments": [[0, l1, "blob"]]}},
+        {"kvblend": {"segments": [[0, l1, "chunk"]], "store": "yes"}},
+        {"kvblend": {"segments": [[0, l1, "chunk"]], "store": True}},  # store refused: shape
+    ]
+    got = gen([p_b] * len(bad), bad)
+    check("(e) bad parameters: outputs equal plain vLLM", all(g == plain_b for g in got),
+          str([g == plain_b for g in got]))
+    check("(e) nothing stored by a refused store", d.stats()["chunks"] == 3)
+    after = gen([p_b], [segs((0, l1, "chunk"))])[0]
+    check("(e) engine still serves", after == plain_b)
+
+    # (g) a load that fails in the worker: vLLM recomputes the blocks
+    (dump_dir / "fail-next-load").touch()
+    got = gen([p_b], [segs((0, l1, "chunk"), (l1, len(q), "fresh"))])[0]
+    check("(g) failed load: injected", not (dump_dir / "fail-next-load").exists())
+    check("(g) failed load: output equals plain vLLM", got == plain_b,
+          f"{tok.decode(got)!r}")
+
+    # (f)
+    d.stop()
+    t = time.monotonic()
+    got = gen([p_b], [segs((0, l1, "chunk"), (l1, len(q), "fresh"))])[0]
+    report["daemon_down_request_s"] = round(time.monotonic() - t, 2)
+    check("(f) daemon killed: output equals plain vLLM", got == plain_b)
+    got = gen([p_c], [None])[0]
+    check("(f) engine still serves plain requests", got == plain_c)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

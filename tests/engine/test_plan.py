@@ -1,0 +1,126 @@
+"""The connector's scheduler-side logic against a real kvblendd, without an engine.
+
+Parsing of kv_transfer_params and the claim (kvblend._vllm_plan.plan_request, what
+KvblendConnector.get_num_new_matched_tokens answers) for: all chunks found, a middle
+chunk missing, a fresh span in the middle, nothing found, the whole prompt covered (one
+token left to vLLM), a resumed request (num_computed > 0), bad parameters, and a chunk
+stored with another length. Exit 0 when every check passes, 77 when skipped.
+"""
+
+import os
+import sys
+
+import numpy as np
+
+if os.environ.get("KVBLEND_SKIP_ENGINE") == "1":
+    print("test_plan: skipped (KVBLEND_SKIP_ENGINE=1)")
+    sys.exit(77)
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import kvblend  # noqa: E402
+from daemon import Daemon  # noqa: E402
+from kvblend import _vllm_plan as plan  # noqa: E402
+
+MODEL = kvblend.Model("plan-test", 2, 1, 8, dtype="f32", rope_theta=1e5)
+failures = []
+
+
+def check(what, got, want):
+    ok = got == want
+    print(f"{'ok  ' if ok else 'FAIL'} {what}: {got}" + ("" if ok else f" (want {want})"))
+    if not ok:
+        failures.append(what)
+
+
+def main():
+    d = Daemon()
+    try:
+        run(d)
+    finally:
+        d.stop()
+    print("test_plan: " + ("FAILED " + ", ".join(failures) if failures else "passed"))
+    return 1 if failures else 0
+
+
+def run(d):
+    rng = np.random.default_rng(0)
+    prompt = [int(x) for x in rng.integers(0, 50000, 100)]
+    a, b, c = prompt[0:30], prompt[30:50], prompt[50:90]   # q = prompt[90:100]
+    with kvblend.Client(d.endpoint) as cl:
+        cl.model_register(MODEL)
+        for ids in (a, c):
+            cl.put(MODEL.name, kvblend.chunk_hash(ids),
+                   rng.standard_normal(MODEL.kv_shape(len(ids))).astype(np.float32))
+        # a chunk stored under b's hash with the wrong length is not b
+        cl.put(MODEL.name, kvblend.chunk_hash(prompt[90:95]),
+               np.zeros(MODEL.kv_shape(3), np.float32))
+
+        def claim(segs, nc=0, ids=prompt, store=False):
+            n, loads = plan.plan_request(cl, MODEL.name, MODEL.num_layers,
+                                         {"kvblend": {"segments": segs, "store": store}}, ids, nc)
+            return n, [(ld.start, ld.first, ld.last) for ld in loads]
+
+        A, B, C = [0, 30, "chunk"], [30, 20, "chunk"], [50, 40, "chunk"]
+        Q = [90, 10, "fresh"]
+        check("a, b missing, c: a only", claim([A, B, C, Q]), (30, [(0, 0, 30)]))
+        check("a, fresh, c: a only", claim([A, [30, 20, "fresh"], C, Q]), (30, [(0, 0, 30)]))
+        check("nothing found", claim([B, Q]), (0, []))
+        check("first segment fresh", claim([[0, 30, "fresh"], C]), (0, []))
+        check("a then a gap: a only", claim([A, C]), (30, [(0, 0, 30)]))
+        cl.put(MODEL.name, kvblend.chunk_hash(b),
+               rng.standard_normal(MODEL.kv_shape(len(b))).astype(np.float32))
+        check("all found, fresh question", claim([A, B, C, Q]),
+              (90, [(0, 0, 30), (30, 30, 50), (50, 50, 90)]))
+        check("all found, no segment for the question", claim([A, B, C]),
+              (90, [(0, 0, 30), (30, 30, 50), (50, 50, 90)]))
+        check("whole prompt covered: one token left", claim([A, B, C], ids=prompt[:90]),
+              (89, [(0, 0, 30), (30, 30, 50), (50, 50, 89)]))
+        check("one-chunk prompt (store shape) found", claim([[0, 30, "chunk"]], ids=a),
+              (29, [(0, 0, 29)]))
+        check("resumed at 40: rest of b and c", claim([A, B, C, Q], nc=40),
+              (50, [(30, 40, 50), (50, 50, 90)]))
+        check("resumed past the chunks", claim([A, B, C, Q], nc=95), (0, []))
+        check("stored with another length", claim([[90, 5, "chunk"]]), (0, []))
+        check("no kvblend key", plan.plan_request(cl, MODEL.name, 2, {"x": 1}, prompt, 0), (0, []))
+        check("no params", plan.plan_request(cl, MODEL.name, 2, None, prompt, 0), (0, []))
+        check("unknown model: daemon error",
+              _raises(lambda: plan.plan_request(cl, "nope", 2, {"kvblend": {"segments": [A]}},
+                                                prompt, 0)), "UnknownModel")
+
+    bad = [
+        ("kvblend not a dict", {"kvblend": [1]}),
+        ("segments not a list", {"kvblend": {"segments": "x"}}),
+        ("segment of 2", {"kvblend": {"segments": [[0, 3]]}}),
+        ("start a string", {"kvblend": {"segments": [["0", 3, "chunk"]]}}),
+        ("length a bool", {"kvblend": {"segments": [[0, True, "chunk"]]}}),
+        ("length 0", {"kvblend": {"segments": [[0, 0, "chunk"]]}}),
+        ("negative start", {"kvblend": {"segments": [[-1, 3, "chunk"]]}}),
+        ("past the prompt", {"kvblend": {"segments": [[90, 11, "chunk"]]}}),
+        ("overlap", {"kvblend": {"segments": [[0, 10, "chunk"], [5, 10, "chunk"]]}}),
+        ("out of order", {"kvblend": {"segments": [[50, 10, "chunk"], [0, 10, "chunk"]]}}),
+        ("bad kind", {"kvblend": {"segments": [[0, 10, "chunks"]]}}),
+        ("store not a bool", {"kvblend": {"segments": [], "store": 1}}),
+        ("unknown key", {"kvblend": {"segment": []}}),
+        ("params not a dict", [1, 2]),
+    ]
+    for what, p in bad:
+        check(f"bad params: {what}", _raises(lambda p=p: plan.parse_params(p, 100)), "ParamError")
+    p = plan.parse_params({"kvblend": {"segments": [[0, 100, "chunk"]], "store": True}}, 100)
+    check("store shape ok", plan.store_shape_error(p, 100), None)
+    p = plan.parse_params({"kvblend": {"segments": [[0, 50, "chunk"]], "store": True}}, 100)
+    check("store shape refused", plan.store_shape_error(p, 100) is not None, True)
+    check("full blocks of 100..300 (bs 64)", list(plan.full_blocks(100, 300, 64)), [2, 3])
+    check("full blocks of 0..128 (bs 128)", list(plan.full_blocks(0, 128, 128)), [0])
+    check("full blocks of 0..127 (bs 128)", list(plan.full_blocks(0, 127, 128)), [])
+
+
+def _raises(fn):
+    try:
+        fn()
+    except Exception as e:  # the class name is what is checked
+        return type(e).__name__
+    return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())
