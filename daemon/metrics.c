@@ -21,7 +21,7 @@
 #include "../cluster/cluster.h"
 #include "cuda/cuda.h"
 #include "log.h"
-#include "server.h"
+#include "state.h"
 
 const double metrics_bucket_le[METRICS_BUCKETS] = { 0.0001, 0.00025, 0.0005, 0.001, 0.0025,
 						     0.005,  0.01,    0.025,  0.05,  0.1,

@@ -17,9 +17,8 @@
 struct server;
 struct metrics;
 
-/* Upper bounds of the latency buckets, in seconds (the last bucket is +Inf). */
-#define METRICS_BUCKETS 14
-extern const double metrics_bucket_le[METRICS_BUCKETS];
+/* The latency buckets: METRICS_BUCKETS and metrics_bucket_le are in state.h, beside the
+ * histogram they shape; metrics.c defines the bounds. */
 
 /* Which bucket a latency falls in. */
 unsigned metrics_bucket(uint64_t ns);
