@@ -2,6 +2,7 @@
 #include "cluster.h"
 
 #include <errno.h>
+#include <inttypes.h>
 #include <netdb.h>
 #include <pthread.h>
 #include <stdarg.h>
@@ -188,6 +189,7 @@ int cluster_new(const struct cluster_opts *o, struct cluster **out, char *err, s
 	c->describe = o->describe;
 	c->replicas = o->replicas;
 	c->timeout_ms = o->timeout_ms;
+	c->forget_after_ms = (int64_t)(o->forget_after_s ? o->forget_after_s : 600) * 1000;
 	c->rebalance_rate = o->rebalance_rate;
 	c->repair_ms = (int64_t)o->repair_interval_s * 1000;
 	c->self_weight = 1.0;
@@ -234,12 +236,18 @@ int cluster_new(const struct cluster_opts *o, struct cluster **out, char *err, s
 		rc = -ENOMEM;
 		goto fail;
 	}
-	/* Towards peers with a key this daemon authenticates with its own, or a fresh one. */
+	/*
+	 * Towards peers with a key this daemon authenticates with its own. Without one,
+	 * on a static list it makes up a pair (a peer listed with a key is reached over
+	 * CURVE all the same); with etcd it has none: its record publishes no key, since
+	 * its own endpoint does not speak CURVE, and it reaches members without a key
+	 * over plain TCP.
+	 */
 	if (o->curve_secret && o->curve_secret[0]) {
 		snprintf(c->secret, sizeof(c->secret), "%s", o->curve_secret);
 		snprintf(c->public_key, sizeof(c->public_key), "%s",
 			 o->curve_public ? o->curve_public : "");
-	} else if (zmq_curve_keypair(c->public_key, c->secret)) {
+	} else if (etcd || zmq_curve_keypair(c->public_key, c->secret)) {
 		c->secret[0] = c->public_key[0] = 0;
 	}
 	/* A static cluster's first view is the one the chunks are in already. */
@@ -307,12 +315,43 @@ void cluster_stats(struct cluster *c, struct cluster_stats *out)
 	out->etcd_last_ok_ms = atomic_load(&c->etcd_last_ok);
 }
 
+/*
+ * Is p forgotten: gone from etcd cluster_forget_after or longer, owed nothing
+ * (owed: what is queued for it, nonzero when unsure)? Logged once when it is.
+ */
+static bool forget(struct cluster *c, struct peer *p, uint64_t owed)
+{
+	int64_t since = atomic_load(&p->gone_since);
+
+	if (peer_live(c, p))
+		return false;
+	if (atomic_load(&p->forgotten))
+		return true;
+	if (!since || owed || now_ms() - since < c->forget_after_ms)
+		return false;
+	if (!atomic_exchange(&p->forgotten, true))
+		cl_info(c, "cluster: member '%s' forgotten (gone %" PRId64 " s, owed nothing)",
+			p->id, (now_ms() - since) / 1000);
+	return true;
+}
+
 void cluster_members(struct cluster *c, void (*fn)(void *ctx, const struct cluster_member *m),
 		     void *ctx)
 {
 	size_t np = n_peers(c);
 	uint64_t *owed = calloc(np ? np : 1, sizeof(uint64_t));
 
+	struct cluster_member me = { .state = CLUSTER_ALIVE, .last_reply_ms = (uint64_t)wall_ms() };
+	struct store_totals t;
+	bool rescan = true;
+
+	snprintf(me.id, sizeof(me.id), "%s", c->self);
+	snprintf(me.endpoint, sizeof(me.endpoint), "%s", c->advertise);
+	if (!store_totals(c->store, &t)) {
+		me.held_chunks = t.chunks;
+		me.held_bytes = t.stored_bytes;
+	}
+	fn(ctx, &me); /* this daemon first */
 	if (owed) {
 		pthread_mutex_lock(&c->qlock);
 		for (size_t i = 0; i < c->q_len; i++) {
@@ -321,13 +360,14 @@ void cluster_members(struct cluster *c, void (*fn)(void *ctx, const struct clust
 			if (p < np)
 				owed[p]++;
 		}
+		rescan = c->rescan || atomic_load(&c->in_flight);
 		pthread_mutex_unlock(&c->qlock);
 	}
 	for (size_t i = 0; i < np; i++) {
 		struct peer *p = peer_at(c, i);
 		struct cluster_member m = { 0 };
 
-		if (!p)
+		if (!p || forget(c, p, owed && !rescan ? owed[i] : 1))
 			continue;
 		snprintf(m.id, sizeof(m.id), "%s", p->id);
 		pthread_mutex_lock(&p->lock);

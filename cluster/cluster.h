@@ -62,6 +62,8 @@ struct cluster_opts {
 	uint64_t rebalance_rate; /* cluster_rebalance_rate: bytes/s of rebalance pushes */
 	uint64_t repair_interval_s; /* cluster_repair_interval: 0 never */
 	int lease_ttl_s;	    /* cluster_lease_ttl: the etcd lease */
+	uint64_t forget_after_s;    /* cluster_forget_after: a gone member owed nothing is
+				     * forgotten after this (0: the default, 600) */
 	uint64_t capacity;	    /* bytes this member offers (its weight in placement) */
 	/* this daemon's CURVE key pair (Z85, "" or NULL without), towards peers with a key */
 	const char *curve_secret, *curve_public;
@@ -96,6 +98,14 @@ int cluster_fetch(struct cluster *c, const struct store_model *m, const uint8_t 
 size_t cluster_lookup(struct cluster *c, const struct store_model *m,
 		      const uint8_t (*hashes)[KVBP_HASH_LEN], size_t n, bool *found,
 		      struct store_chunk_info *infos);
+
+/*
+ * The description of model name (as stored: "TENANT#NAME" for a tenant's) from
+ * the live members, asked in turn (MODEL_LIST naming it), each within
+ * cluster_timeout_ms: for a model registered on another member only. Returns 0
+ * with *out (its name as stored), or -ENOENT when no live member answers with it.
+ */
+int cluster_model_find(struct cluster *c, const char *name, struct kvbp_model *out);
 
 /* A client stored chunk hash of m here: push it to its other owners. */
 void cluster_stored(struct cluster *c, const struct store_model *m, const uint8_t *hash);

@@ -47,6 +47,10 @@ struct peer {
 	atomic_int_fast64_t last_reply;	   /* ms, realtime; 0 never */
 	atomic_int in_flight;
 	atomic_uint_fast64_t held_chunks, held_bytes; /* its store, at its last heartbeat */
+	/* etcd: since when it is gone (ms, monotonic; 0 live), and whether it is forgotten
+	 * (gone cluster_forget_after, owed nothing: not shown; known again if it returns) */
+	atomic_int_fast64_t gone_since;
+	atomic_bool forgotten;
 };
 
 struct push {
@@ -73,6 +77,7 @@ struct cluster {
 	double self_weight;
 	unsigned replicas;
 	int timeout_ms;
+	int64_t forget_after_ms; /* cluster_forget_after */
 	atomic_uint_fast64_t next_id;
 	/* members: peers only grow (an index stays valid); the view is rebuilt on change */
 	pthread_rwlock_t view_lock;

@@ -92,8 +92,11 @@ static int parse_peer(struct cluster *c, const char *s, size_t n, char *err, siz
 			 "characters; got %zu", (int)id_len, s, n - id_len - 1 - ep_len - 1);
 		return -EINVAL;
 	}
-	if (id_len == strlen(c->self) && !memcmp(s, c->self, id_len))
-		return 0; /* this daemon, listed like the others */
+	if (id_len == strlen(c->self) && !memcmp(s, c->self, id_len)) {
+		if (!c->advertise[0]) /* this daemon, listed like the others */
+			memcpy(c->advertise, ep, ep_len < sizeof(c->advertise) ? ep_len : 0);
+		return 0;
+	}
 	for (size_t i = 0; i < c->n_peers; i++)
 		if (strlen(c->peers[i]->id) == id_len && !memcmp(c->peers[i]->id, s, id_len)) {
 			snprintf(err, errlen, "cluster_peers: member '%.*s' listed twice", (int)id_len,
@@ -345,6 +348,8 @@ static bool member_put(struct cluster *c, const char *key, const char *val)
 			cl_info(c, "cluster: member '%s' at %s joined", id, r.endpoint);
 		p->live = true;
 		p->weight = w;
+		atomic_store(&p->gone_since, 0);
+		atomic_store(&p->forgotten, false);
 		changed = true;
 	}
 	return changed;
@@ -357,6 +362,7 @@ static bool member_gone(struct cluster *c, const char *id)
 	if (!p || !p->live)
 		return false;
 	p->live = false;
+	atomic_store(&p->gone_since, now_ms());
 	cl_info(c, "cluster: member '%s' left (its etcd lease ended)", id);
 	return true;
 }

@@ -526,3 +526,30 @@ void *pusher_main(void *arg)
 	pthread_mutex_unlock(&c->qlock);
 	return NULL;
 }
+
+int cluster_model_find(struct cluster *c, const char *name, struct kvbp_model *out)
+{
+	/* the live members in turn, each within the deadline, until one has it */
+	for (size_t i = 0;; i++) {
+		struct peer *p = peer_at(c, i);
+		struct kvbp_request q = { .op = KVBP_OP_MODEL_LIST };
+		struct call_out o;
+
+		if (!p)
+			return -ENOENT;
+		if (!peer_live(c, p) || suspect(p))
+			continue;
+		snprintf(q.model_name, sizeof(q.model_name), "%s", name);
+		if (peer_call(c, p, &q, NULL, NULL, 0, &o))
+			continue;
+		for (size_t j = 0; !o.rep.code && j < o.rep.n_models; j++)
+			if (!strcmp(o.rep.models[j].name, name)) {
+				*out = o.rep.models[j];
+				call_out_free(&o);
+				cl_info(c, "cluster: model '%s' described by member '%s'", name,
+					p->id);
+				return 0;
+			}
+		call_out_free(&o);
+	}
+}

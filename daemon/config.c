@@ -136,6 +136,9 @@ static const struct key keys[] = {
 	  "letters, digits, ._-" },
 	{ "cluster_lease_ttl", "SECONDS", T_UINT, OFF(cluster_lease_ttl), 2, 3600, "10",
 	  "seconds: a member that stops renewing its etcd lease leaves placement after this" },
+	{ "cluster_forget_after", "SECONDS", T_UINT, OFF(cluster_forget_after), 1, 604800, "600",
+	  "seconds: a member gone from etcd this long, with no pushes owed to it, is forgotten "
+	  "(no longer in cluster status, stats or metrics)" },
 	{ "cluster_advertise", "ENDPOINT", T_PATH, OFF(cluster_advertise), 0, 0, NULL,
 	  "the TCP endpoint other members reach this daemon at, tcp://HOST:PORT (default: the "
 	  "first tcp:// of listen, a wildcard host replaced by the host name)" },

@@ -65,6 +65,7 @@ struct config {
 	char cluster_etcd[PATH_MAX];
 	char cluster_name[PATH_MAX];
 	uint64_t cluster_lease_ttl;
+	uint64_t cluster_forget_after;
 	char cluster_advertise[PATH_MAX];
 	uint64_t cluster_rebalance_rate;
 	uint64_t cluster_repair_interval;

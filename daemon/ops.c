@@ -187,6 +187,31 @@ const char *client_name(const struct req *q, const char *stored)
 	return sep && (size_t)(sep - stored) == ns && !strncmp(stored, q->ns, ns) ? sep + 1 : NULL;
 }
 
+/*
+ * Model name (as stored) registered on another member: its description from the
+ * members (cluster_model_find), registered here. 0 with *m, -ENOENT when no member
+ * has it, -EINVAL when the request failed already, or the store's error.
+ */
+static int model_from_members(struct req *q, const char *name, struct store_model *m)
+{
+	struct kvbp_model w;
+	int rc = cluster_model_find(q->srv->cluster, name, &w);
+
+	if (rc)
+		return -ENOENT;
+	snprintf(w.name, sizeof(w.name), "%s", q->h.model_name); /* checked as the client names it */
+	if (model_check(q, &w))
+		return -EINVAL;
+	model_to_store(&w, m);
+	snprintf(m->name, sizeof(m->name), "%s", name);
+	rc = store_model_register(q->srv->store, m);
+	if (rc == -EEXIST) /* registered here meanwhile, differently: that one stands */
+		return store_model_find(q->srv->store, name, m);
+	if (rc >= 0)
+		log_info("model '%s' registered from another member's description", name);
+	return rc < 0 ? rc : 0;
+}
+
 int need_model(struct req *q, struct store_model *m)
 {
 	char name[STORE_NAME_MAX + 1];
@@ -197,8 +222,12 @@ int need_model(struct req *q, struct store_model *m)
 	if (stored_name(q, q->h.model_name, name))
 		return -1;
 	rc = store_model_find(q->srv->store, name, m);
+	if (rc == -ENOENT && q->srv->cluster && !q->h.local_only)
+		rc = model_from_members(q, name, m);
 	if (rc == -ENOENT)
 		return fail(q, KVBP_UNKNOWN_MODEL, "unknown model '%s'", q->h.model_name);
+	if (rc == -EINVAL)
+		return -1; /* (failed already) */
 	if (rc)
 		return fail_store(q, rc, "model lookup");
 	return 0;

@@ -90,6 +90,30 @@ void op_model_register(struct req *q)
 			 sm.num_layers, sm.num_kv_heads, sm.head_dim, kvbp_dtype_name(sm.dtype));
 }
 
+/*
+ * MODEL_LIST naming a model, from a member (cluster_model_find): that model alone,
+ * named as stored ("TENANT#NAME" for a tenant's), or none.
+ */
+static void model_for_member(struct req *q)
+{
+	struct store_model sm;
+	int rc = store_model_find(q->srv->store, q->h.model_name, &sm);
+
+	if (rc == -ENOENT)
+		return;
+	if (rc) {
+		fail_store(q, rc, "model_list");
+		return;
+	}
+	q->out->rep.models = calloc(1, sizeof(struct kvbp_model));
+	if (!q->out->rep.models) {
+		fail(q, KVBP_LIMIT, "out of memory");
+		return;
+	}
+	model_from_store(&sm, q->out->rep.models);
+	q->out->rep.n_models = 1;
+}
+
 void op_model_list(struct req *q)
 {
 	struct store_model *ms = NULL;
@@ -98,6 +122,10 @@ void op_model_list(struct req *q)
 
 	if (no_payload(q))
 		return;
+	if (q->h.model_name[0] && cluster_is_member(q->srv->cluster, q->principal)) {
+		model_for_member(q);
+		return;
+	}
 	rc = store_model_list(q->srv->store, &ms, &n);
 	if (rc) {
 		fail_store(q, rc, "model_list");

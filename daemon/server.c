@@ -748,6 +748,7 @@ static int cluster_start(const struct config *cfg, struct store *store, const ch
 		.rebalance_rate = cfg->cluster_rebalance_rate,
 		.repair_interval_s = cfg->cluster_repair_interval,
 		.lease_ttl_s = (int)cfg->cluster_lease_ttl,
+		.forget_after_s = cfg->cluster_forget_after,
 		.capacity = cfg->capacity ? cfg->capacity : cfg->map_size,
 		.curve_secret = secret,
 		.curve_public = public_key,
