@@ -229,10 +229,16 @@ int kvb_model_register(kvb_client *c, const struct kvb_model *m, int *existed)
 	return rc;
 }
 
-int kvb_model_list(kvb_client *c, struct kvb_model **models, size_t *n)
+/* MODEL_LIST; naming a model (or NULL), which a daemon in a cluster that lacks it
+ * asks the other members for first. */
+static int model_list(kvb_client *c, const char *name, struct kvb_model **models, size_t *n)
 {
 	struct call k = { .req = { .op = KVBP_OP_MODEL_LIST } };
-	int rc = kvbc_call(c, &k);
+	int rc;
+
+	if (name)
+		snprintf(k.req.model_name, sizeof(k.req.model_name), "%s", name);
+	rc = kvbc_call(c, &k);
 
 	if (!rc) {
 		*models = calloc(k.rep.n_models ? k.rep.n_models : 1, sizeof(**models));
@@ -246,11 +252,16 @@ int kvb_model_list(kvb_client *c, struct kvb_model **models, size_t *n)
 	return rc;
 }
 
+int kvb_model_list(kvb_client *c, struct kvb_model **models, size_t *n)
+{
+	return model_list(c, NULL, models, n);
+}
+
 int kvb_model_get(kvb_client *c, const char *name, struct kvb_model *out)
 {
 	struct kvb_model *ms;
 	size_t n;
-	int rc = kvb_model_list(c, &ms, &n);
+	int rc = model_list(c, name, &ms, &n);
 
 	if (rc)
 		return rc;

@@ -192,7 +192,7 @@ const char *client_name(const struct req *q, const char *stored)
  * members (cluster_model_find), registered here. 0 with *m, -ENOENT when no member
  * has it, -EINVAL when the request failed already, or the store's error.
  */
-static int model_from_members(struct req *q, const char *name, struct store_model *m)
+int model_from_members(struct req *q, const char *name, struct store_model *m)
 {
 	struct kvbp_model w;
 	int rc = cluster_model_find(q->srv->cluster, name, &w);

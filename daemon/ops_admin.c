@@ -126,6 +126,18 @@ void op_model_list(struct req *q)
 		model_for_member(q);
 		return;
 	}
+	if (q->h.model_name[0] && q->srv->cluster && !q->h.local_only) {
+		/* a client looking for one model (kvb_model_get): one registered on another
+		 * member is registered here first */
+		char name[STORE_NAME_MAX + 1];
+		struct store_model sm;
+
+		if (stored_name(q, q->h.model_name, name))
+			return;
+		if (store_model_find(q->srv->store, name, &sm) == -ENOENT &&
+		    model_from_members(q, name, &sm) == -EINVAL)
+			return;
+	}
 	rc = store_model_list(q->srv->store, &ms, &n);
 	if (rc) {
 		fail_store(q, rc, "model_list");

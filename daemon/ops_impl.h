@@ -74,6 +74,12 @@ int stored_name(struct req *q, const char *name, char out[STORE_NAME_MAX + 1]);
 const char *client_name(const struct req *q, const char *stored);
 /* The request's model (in the client's namespace) into *m; 0, or -1 with a reply. */
 int need_model(struct req *q, struct store_model *m);
+/*
+ * Model name (as stored), not registered here, from the members of this daemon's
+ * cluster, registered here (issue 20). 0 with *m; -ENOENT when no member has it;
+ * -EINVAL when q was failed (a bad description); or the store's error.
+ */
+int model_from_members(struct req *q, const char *name, struct store_model *m);
 /* The request carries a hash / no payload frames; 0, or -1 with a reply. */
 int need_hash(struct req *q);
 int no_payload(struct req *q);

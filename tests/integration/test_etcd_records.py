@@ -74,8 +74,10 @@ def members(n):
     r = cli(n, "cluster", "status", "--json")
     if r.returncode != 0:
         return None
-    # (members that left stay listed as "gone" for the pushes they are owed)
-    return {m["id"] for m in json.loads(r.stdout).get("members", []) if m["state"] != "gone"}
+    # (members that left stay listed as "gone" for the pushes they are owed; n lists
+    # itself too)
+    return {m["id"] for m in json.loads(r.stdout).get("members", [])
+            if m["state"] != "gone" and m["id"] != n}
 
 
 def alive(n):
