@@ -126,9 +126,11 @@ void op_model_list(struct req *q)
 		model_for_member(q);
 		return;
 	}
-	if (q->h.model_name[0] && q->srv->cluster && !q->h.local_only) {
+	if (q->h.model_name[0] && !strchr(q->h.model_name, '#') && q->srv->cluster &&
+	    !q->h.local_only) {
 		/* a client looking for one model (kvb_model_get): one registered on another
-		 * member is registered here first */
+		 * member is registered here first (a name with '#' is listed as before: as no
+		 * model of the client's) */
 		char name[STORE_NAME_MAX + 1];
 		struct store_model sm;
 
