@@ -82,7 +82,11 @@ void learn(const struct msg *m, const struct kvbp_reply *rep)
 	case LEARN_NONE:
 		break;
 	case LEARN_PUT:
-		if (rep->code == KVBP_OK && !rep->existed && n_chunks < MAX_CHUNKS) {
+		/* (one stored already counts when it is the same chunk: the seeded run after the
+		 * corpus replay PUTs the replay's hashes again) */
+		if (rep->code == KVBP_OK && n_chunks < MAX_CHUNKS &&
+		    (!rep->existed || (rep->n_chunks == 1 &&
+				       rep->chunks[0].num_tokens == m->learn_tokens))) {
 			struct chunk_info *c = &chunks[n_chunks++];
 
 			c->model = m->learn_model;
