@@ -1,0 +1,227 @@
+"""Time to first token of a RAG request in vLLM: plain prefill against reuse through kvblend.
+
+One vLLM 0.32 engine on the CPU (SmolLM2-135M, float32, enforce_eager, no prefix caching)
+with kvblend.vllm.KvblendConnector, and one kvblendd started here. Per prompt size (about
+1K, 2K and 4K tokens): five chunks of real text (windows of the repository's docs/*.md,
+tokenized with the model's tokenizer) are stored with kvblend.vllm.store_documents; the
+request is the five chunks followed by a fresh question. TTFT is the wall time of
+llm.generate(max_tokens=1) for that one request: plain (no kv_transfer_params: vLLM
+prefills every token) and reuse (segments: five chunks, then the question: the connector
+loads the chunks re-rotated to their positions, vLLM computes the question), alternating
+plain and reuse, REPEATS times after one untimed pair; the question alone (plain, a few
+dozen tokens) is timed with them, as the floor of any request on this engine. The daemon's
+time per layer is reported twice: the connector's own load time (its log line "loaded N
+tokens ... in X s": the get_rerotated calls and the writes into vLLM's cache) divided by
+the layers, and get_rerotated of the same five chunks called from this process (the
+daemon's re-rotation and the transfer, without the cache writes) divided by the layers.
+Target (issue 21): reuse TTFT at most 0.3x of plain vLLM's. Prints figures and ratios;
+never passes or fails on time.
+
+usage: bench_vllm.py BUILD_DIR [--repeats N] [--sizes 1024,2048,4096] [--model DIR]
+(with the engine venv's python from .ci/engine-env, the build's libkvblend and
+client/python/src on PYTHONPATH, which tests/engine/run.sh sets up:
+tests/engine/run.sh build/lib/libkvblend.so build/bin/kvblendd bench/bench_vllm.py build)
+"""
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SOURCES = ["storage.md", "protocol.md", "cluster.md", "fuse.md", "operations.md"]
+QUESTION = ("\n\nQuestion: Using only the documents above, explain where a chunk's KV cache is "
+            "stored and how an engine on the same host reads it back.\nAnswer:")
+MODEL_NAME = "smollm2-bench"
+LOADED = re.compile(r"kvblend: loaded (\d+) tokens of (\S+) in ([0-9.]+) s")
+
+
+def start_daemon(build, tmp):
+    ep = f"ipc://{tmp}/kvblend.sock"
+    log = open(f"{tmp}/kvblendd.log", "w")
+    proc = subprocess.Popen(
+        [f"{build}/bin/kvblendd", "--data-dir", f"{tmp}/data", "--listen", ep,
+         "--workers", "2"], stdout=log, stderr=subprocess.STDOUT)
+    import kvblend
+
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            with kvblend.Client(ep, timeout_ms=500) as c:
+                c.ping()
+            return proc, ep
+        except kvblend.KvblendError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"kvblendd did not start; log in {tmp}") from None
+            time.sleep(0.1)
+
+
+def chunks_for(tok, per_chunk, skip):
+    """Five token windows of ``per_chunk`` ids, one per docs file, ``skip`` ids in."""
+    out = []
+    for name in SOURCES:
+        ids = tok.encode((ROOT / "docs" / name).read_text(), add_special_tokens=False)
+        if len(ids) < skip + per_chunk:
+            raise RuntimeError(f"docs/{name}: {len(ids)} tokens, need {skip + per_chunk}")
+        out.append(ids[skip : skip + per_chunk])
+    return out
+
+
+def run(args, ep, out, log_path):
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    import kvblend
+    from kvblend.vllm import store_documents
+
+    t0 = time.monotonic()
+    llm = LLM(model=args.model, enforce_eager=True, dtype="float32", max_model_len=8192, seed=0,
+              enable_prefix_caching=False,
+              kv_transfer_config=KVTransferConfig(
+                  kv_connector="KvblendConnector", kv_connector_module_path="kvblend.vllm",
+                  kv_role="kv_both",
+                  kv_connector_extra_config={"endpoint": ep, "timeout_ms": 10000,
+                                             "model_name": MODEL_NAME}))
+    out(f"engine started in {time.monotonic() - t0:.1f} s")
+    tok = llm.get_tokenizer()
+    q = tok.encode(QUESTION, add_special_tokens=False)
+    layers = llm.llm_engine.model_config.hf_config.num_hidden_layers
+
+    def ttft(prompt, params):
+        sp = SamplingParams(temperature=0.0, max_tokens=1,
+                            extra_args=None if params is None else {"kv_transfer_params": params})
+        t = time.monotonic()
+        o = llm.generate([TokensPrompt(prompt_token_ids=prompt)], [sp], use_tqdm=False)
+        return time.monotonic() - t, o[0].outputs[0].token_ids[0]
+
+    rows = []
+    for skip, size in enumerate(args.sizes):
+        per_chunk = (size - len(q)) // len(SOURCES)
+        docs = chunks_for(tok, per_chunk, skip * 7)  # other windows per size: other chunks
+        hashes = store_documents(llm, docs)
+        prompt = [t for d in docs for t in d] + q
+        segs, pos = [], 0
+        for d in docs:
+            segs.append([pos, len(d), "chunk"])
+            pos += len(d)
+        segs.append([pos, len(q), "fresh"])
+        reuse = {"kvblend": {"segments": segs}}
+        times = {"plain": [], "reuse": [], "question": []}
+        first = {}
+        loads_before = len(LOADED.findall(Path(log_path).read_text(errors="replace")))
+        for rep in range(args.repeats + 1):
+            for mode, p, params in (("plain", prompt, None), ("reuse", prompt, reuse),
+                                    ("question", q, None)):
+                t, tok0 = ttft(p, params)
+                first[mode] = tok0
+                if rep:
+                    times[mode].append(t)
+        time.sleep(0.5)  # the worker's log line reaches the file
+        loads = LOADED.findall(Path(log_path).read_text(errors="replace"))[loads_before:]
+        load_s = [float(s) for n, _, s in loads if int(n) == pos][1:]  # skip the untimed pair's
+        direct = []
+        with kvblend.Client(ep, timeout_ms=10000) as c:
+            for _ in range(args.repeats):
+                t = time.monotonic()
+                for h, s in zip(hashes, segs):
+                    c.get_rerotated(MODEL_NAME, h, pos=s[0])
+                direct.append(time.monotonic() - t)
+        r = {
+            "tokens": len(prompt), "chunks": len(docs), "chunk_tokens": per_chunk,
+            "question_tokens": len(q),
+            "plain_median_s": statistics.median(times["plain"]), "plain_min_s": min(times["plain"]),
+            "reuse_median_s": statistics.median(times["reuse"]), "reuse_min_s": min(times["reuse"]),
+            "connector_loads": len(load_s),
+            "connector_load_median_s": statistics.median(load_s) if load_s else None,
+            "get_rerotated_median_s": statistics.median(direct),
+            "question_alone_median_s": statistics.median(times["question"]),
+            "connector_load_s": load_s, "loadavg": os.getloadavg(),
+            "layers": layers, "same_first_token": first["plain"] == first["reuse"],
+            "plain_s": [round(x, 3) for x in times["plain"]],
+            "reuse_s": [round(x, 3) for x in times["reuse"]],
+        }
+        r["ratio_median"] = r["reuse_median_s"] / r["plain_median_s"]
+        r["ratio_min"] = r["reuse_min_s"] / r["plain_min_s"]
+        rows.append(r)
+        out(f"size {size}: " + json.dumps(r))
+    return rows
+
+
+def table(rows, out):
+    ms = lambda s: "-" if s is None else f"{s * 1000:.0f} ms"  # noqa: E731
+    out("")
+    out("| prompt | plain TTFT median (min) | reuse TTFT median (min) | reuse/plain median (min) "
+        "| connector load, per layer | get_rerotated, per layer | question alone |")
+    out("|---|---|---|---|---|---|---|")
+    for r in rows:
+        cl = r["connector_load_median_s"]
+        per_layer = lambda s: "-" if s is None else f"{s / r['layers'] * 1000:.1f} ms"  # noqa: E731
+        shape = f"{r['chunks']} x {r['chunk_tokens']} + {r['question_tokens']}"
+        out(f"| {r['tokens']} tokens ({shape}) "
+            f"| {ms(r['plain_median_s'])} ({ms(r['plain_min_s'])}) "
+            f"| {ms(r['reuse_median_s'])} ({ms(r['reuse_min_s'])}) "
+            f"| {r['ratio_median']:.2f}x ({r['ratio_min']:.2f}x) "
+            f"| {ms(cl)} total, {per_layer(cl)} "
+            f"| {ms(r['get_rerotated_median_s'])} total, "
+            f"{r['get_rerotated_median_s'] / r['layers'] * 1000:.1f} ms "
+            f"| {ms(r['question_alone_median_s'])} |")
+    out("")
+    out("target: reuse/plain <= 0.3x")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("build")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--sizes", default="1024,2048,4096")
+    ap.add_argument("--model", default=os.environ.get("KVBLEND_ENGINE_MODEL"))
+    args = ap.parse_args()
+    args.sizes = [int(x) for x in args.sizes.split(",")]
+    if not args.model:
+        print("bench_vllm: give --model or KVBLEND_ENGINE_MODEL", file=sys.stderr)
+        return 2
+    build = str(Path(args.build).resolve())
+    os.environ.setdefault("KVBLEND_LIB", f"{build}/lib/libkvblend.so")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+
+    # vLLM's and the worker's logs (the connector's "loaded" lines among them) go to a file;
+    # the figures go to the original stdout.
+    tmp = tempfile.mkdtemp(prefix="kvblend-bench-vllm.")
+    log_path = f"{tmp}/engine.log"
+    saved = os.fdopen(os.dup(1), "w", buffering=1)
+    out = lambda s: print(s, file=saved, flush=True)  # noqa: E731
+    out(f"load average before: {os.getloadavg()}, cpus {os.cpu_count()}, log {log_path}")
+    proc, ep = start_daemon(build, tmp)
+    logf = open(log_path, "w")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(logf.fileno(), 1)
+    os.dup2(logf.fileno(), 2)
+    rc = 0
+    try:
+        rows = run(args, ep, out, log_path)
+        table(rows, out)
+    except Exception as e:  # report with the engine log's tail, then fail
+        out(f"bench_vllm: {type(e).__name__}: {e}")
+        out("".join(Path(log_path).read_text(errors="replace").splitlines(True)[-40:]))
+        rc = 1
+    finally:
+        out(f"load average after: {os.getloadavg()}")
+        proc.terminate()
+        proc.wait(10)
+    if rc == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return rc  # vLLM shuts its engine processes down at exit
+
+
+if __name__ == "__main__":
+    sys.exit(main())
