@@ -73,6 +73,10 @@ class BuildPyWithLib(build_py):
                 "..., .ci/install-deps has the full list)"
             )
         temp = Path(self.get_finalized_command("build").build_temp).resolve() / "libkvblend"
+        cache = temp / "CMakeCache.txt"
+        # A build directory kept from a checkout elsewhere (a moved or copied tree): start over.
+        if cache.exists() and f"CMAKE_HOME_DIRECTORY:INTERNAL={ROOT}\n" not in cache.read_text():
+            shutil.rmtree(temp)
         configure = [
             "cmake", "-S", str(ROOT), "-B", str(temp),
             "-DCMAKE_BUILD_TYPE=Release", "-DKVB_CUDA=OFF", "-DKVB_TESTS=OFF",
