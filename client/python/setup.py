@@ -60,7 +60,7 @@ class BuildPyWithLib(build_py):
         return out
 
     def _build_lib(self) -> Path:
-        if not (ROOT / "CMakeLists.txt").is_file() or not (ROOT / "client" / "kvblend.map").is_file():
+        if not all((ROOT / f).is_file() for f in ("CMakeLists.txt", "client/kvblend.map")):
             raise SystemExit(
                 f"kvblend: no kvblend checkout at {ROOT} to build libkvblend from; install from "
                 "a checkout (pip install ./client/python), or set KVBLEND_BUNDLE=0 to build "
@@ -68,9 +68,8 @@ class BuildPyWithLib(build_py):
             )
         if shutil.which("cmake") is None:
             raise SystemExit(
-                "kvblend: cmake is needed to build libkvblend (Debian: apt-get install cmake "
-                "gcc pkg-config libzmq3-dev libsodium-dev libprotobuf-c-dev protobuf-c-compiler "
-                "..., .ci/install-deps has the full list)"
+                "kvblend: cmake is needed to build libkvblend (Debian 12: the build "
+                "dependencies in docs/python.md, or bash .ci/install-deps)"
             )
         temp = Path(self.get_finalized_command("build").build_temp).resolve() / "libkvblend"
         cache = temp / "CMakeCache.txt"

@@ -33,8 +33,10 @@ venv=$tmp/venv
 rm -rf "$src/client/python/build"
 start=$(date +%s.%N)
 if (cd "$src" && env -u KVBLEND_LIB PIP_NO_INDEX=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
-	"$venv/bin/python" -m pip install -v --no-build-isolation ./client/python) >"$tmp/pip.log" 2>&1; then
-	ok "pip install --no-build-isolation ./client/python ($(awk -v s="$start" -v e="$(date +%s.%N)" 'BEGIN { printf "%.1f", e - s }') s)"
+	"$venv/bin/python" -m pip install -v --no-build-isolation ./client/python) \
+	>"$tmp/pip.log" 2>&1; then
+	secs=$(awk -v s="$start" -v e="$(date +%s.%N)" 'BEGIN { printf "%.1f", e - s }')
+	ok "pip install --no-build-isolation ./client/python ($secs s)"
 else
 	bad "pip install --no-build-isolation ./client/python" "$(tail -40 "$tmp/pip.log")"
 	echo "$pass passed, $failed failed"
@@ -50,7 +52,8 @@ else
 fi
 # Every KVB_API function, each bound to KVBLEND_1, as in the build's library (test_abi).
 n=$(readelf --dyn-syms -W "$bundled" 2>/dev/null | grep -c ' kvb_[a-z0-9_]*@@KVBLEND_1$')
-want=$(readelf --dyn-syms -W "$build/lib/libkvblend.so" 2>/dev/null | grep -c ' kvb_[a-z0-9_]*@@KVBLEND_1$')
+want=$(readelf --dyn-syms -W "$build/lib/libkvblend.so" 2>/dev/null |
+	grep -c ' kvb_[a-z0-9_]*@@KVBLEND_1$')
 if [ "$n" -gt 0 ] && [ "$n" = "$want" ]; then
 	ok "bundled library exports $n kvb_* functions at KVBLEND_1"
 else
@@ -104,13 +107,14 @@ $(tail -20 "$tmp/kvblendd.log")"
 fi
 # $KVBLEND_LIB, when set, is final: the build's library instead, and a wrong path fails.
 lib=$build/lib/libkvblend.so
-if out=$(clean KVBLEND_LIB="$lib" "$venv/bin/python" -c \
-	'import kvblend, sys; assert kvblend.library_path == sys.argv[1], kvblend.library_path' "$lib" 2>&1); then
+check='import kvblend, sys; assert kvblend.library_path == sys.argv[1], kvblend.library_path'
+if out=$(clean KVBLEND_LIB="$lib" "$venv/bin/python" -c "$check" "$lib" 2>&1); then
 	ok "KVBLEND_LIB wins over the bundled library"
 else
 	bad "KVBLEND_LIB wins over the bundled library" "$out"
 fi
-if out=$(clean KVBLEND_LIB=/nonexistent/libkvblend.so "$venv/bin/python" -c 'import kvblend' 2>&1); then
+if out=$(clean KVBLEND_LIB=/nonexistent/libkvblend.so "$venv/bin/python" -c 'import kvblend' \
+	2>&1); then
 	bad "a wrong KVBLEND_LIB fails" "import succeeded"
 else
 	echo "$out" | grep -q 'cannot load libkvblend' && ok "a wrong KVBLEND_LIB fails, not falls back" ||
