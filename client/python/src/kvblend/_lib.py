@@ -235,12 +235,16 @@ _SONAMES = (f"libkvblend.so.{_ABI}", "libkvblend.so")
 
 
 def _candidates() -> list[str]:
-    """Paths to try, in order: $KVBLEND_LIB, the build tree, the system search path."""
+    """Paths to try, in order: $KVBLEND_LIB, the bundled copy, the build tree, the system's."""
     env = os.environ.get("KVBLEND_LIB")
     if env:
         # An explicit choice is final: a wrong path must fail, not fall back silently.
         return [env]
     out = []
+    # Built and bundled by the install (client/python/setup.py): kvblend/_libs/.
+    bundled = Path(__file__).resolve().parent / "_libs" / _SONAMES[0]
+    if bundled.exists():
+        out.append(str(bundled))
     # Installed in place (pip install -e, or src/ on sys.path): the checkout's build/.
     src = Path(__file__).resolve().parent  # client/python/src/kvblend
     if len(src.parents) > 3 and (src.parents[3] / "client" / "include" / "kvblend.h").is_file():
