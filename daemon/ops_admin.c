@@ -350,6 +350,8 @@ static void stats_device(struct stat_list *l, struct server *srv)
 		srv->dev->memory(srv->dev, &held, &total);
 		stat_add(l, "device_memory_bytes", (double)held);
 		stat_add(l, "device_memory_total_bytes", (double)total);
+		/* 1 once it failed for good: new fuse sessions run on the CPU. */
+		stat_add(l, "device_failed", srv->dev->broken(srv->dev));
 	}
 }
 

@@ -7,6 +7,7 @@
 
 #include "fuse_impl.h"
 #include "hkvd.h"
+#include "log.h"
 
 /* Why a load or a kernel failed: the device's own message for DEV_FAILED, else the errno's. */
 const char *compute_error(const struct fuse_table *t, int rc, char *buf, size_t len)
@@ -18,6 +19,28 @@ const char *compute_error(const struct fuse_table *t, int rc, char *buf, size_t 
 	t->dev->last_error(t->dev, dev, sizeof(dev));
 	snprintf(buf, len, "the %s device failed (%s)", t->dev->name, dev);
 	return buf;
+}
+
+bool dev_usable(struct fuse_table *t)
+{
+	bool first;
+	char why[128];
+
+	if (!t->dev)
+		return false;
+	if (!t->dev->broken(t->dev))
+		return true;
+	pthread_mutex_lock(&t->lock);
+	first = !t->dev_down;
+	t->dev_down = true;
+	pthread_mutex_unlock(&t->lock);
+	if (first) {
+		t->dev->last_error(t->dev, why, sizeof(why));
+		log_err("the %s device failed for good (%s): new fuse sessions run on the CPU "
+			"until kvblendd restarts", t->dev->name, why);
+		block_flush(t); /* nothing will take these blocks again */
+	}
+	return false;
 }
 
 #define DEV_ALIGN 256

@@ -130,6 +130,7 @@ struct fuse_table {
 	struct pool *pool;
 	const struct blend_backend *be;
 	const struct blend_device *dev; /* sessions keep their rings here (NULL: host only) */
+	bool dev_down; /* dev failed for good (logged once): new sessions run on the CPU */
 	struct dblock *cache;		/* under lock */
 	size_t n_cache, cap_cache;
 	uint64_t cached;
@@ -240,6 +241,13 @@ void session_put(struct fuse_table *t, struct fuse_session *s);
 
 /* ---- device.c: the device path ---- */
 
+/*
+ * Whether a new session may put its ring on the table's device: false without one,
+ * and once the device failed for good (a sticky error: its broken()), which the
+ * first call to see it logs, dropping the block cache. Such sessions run on the CPU
+ * path, as with --device cpu.
+ */
+bool dev_usable(struct fuse_table *t);
 /* Why a load or a kernel failed: the device's own message (in buf) for DEV_FAILED, else the errno's. */
 const char *compute_error(const struct fuse_table *t, int rc, char *buf, size_t len);
 /* Drop every cached block (to make room on the device). */

@@ -258,7 +258,7 @@ static uint32_t open_size(struct fuse_table *t, const struct store_model *m,
 				       ? t->lim.ring
 				       : m->num_layers - s->first) + 1;
 	p->ring_bytes = (uint64_t)s->n_ring * 2 * n * s->row_bytes;
-	if (t->dev) {
+	if (dev_usable(t)) {
 		/* And the same ring on the device, with room for the node's rows. */
 		s->dv = calloc(1, sizeof(*s->dv));
 		if (s->dv)
