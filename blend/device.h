@@ -111,7 +111,9 @@ struct blend_device {
  * that queues work (a copy or a kernel) fail with -EIO, as a device error would:
  * for tests of how callers survive one. With sticky, that failure is a sticky
  * one, as CUDA's illegal address is: every later call that queues work or
- * synchronizes fails too, and broken() says so. Returns 0 or -ENOMEM.
+ * synchronizes fails too, and broken() says so. Where the environment names a
+ * file in KVBLEND_EMULATED_LOG, each free of device memory appends "free ADDR" to
+ * it (tests of when an exported block is freed). Returns 0 or -ENOMEM.
  */
 int blend_emu_open(uint64_t fail_after, bool sticky, struct blend_device **out);
 void blend_emu_close(struct blend_device **d);

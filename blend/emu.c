@@ -10,6 +10,7 @@
 
 struct emu {
 	struct blend_device table;
+	const char *log; /* KVBLEND_EMULATED_LOG: where frees are noted (tests), or NULL */
 	const struct blend_backend *cpu;
 	_Atomic uint64_t held;
 	_Atomic uint64_t calls; /* calls that queue work, for fail_after */
@@ -66,10 +67,26 @@ static int e_alloc(const struct blend_device *d, size_t bytes, void **out)
 	return 0;
 }
 
+/* "free ADDR" appended to the log, one write: tests of the close order read it. */
+static void note_free(const struct emu *e, const void *p)
+{
+	char line[64];
+	int n;
+	FILE *f;
+
+	if (!e->log || !(f = fopen(e->log, "a")))
+		return;
+	n = snprintf(line, sizeof(line), "free %llx\n", (unsigned long long)(uintptr_t)p);
+	setvbuf(f, NULL, _IONBF, 0);
+	fwrite(line, 1, (size_t)n, f);
+	fclose(f);
+}
+
 static void e_free(const struct blend_device *d, void *p, size_t bytes)
 {
 	if (!p)
 		return;
+	note_free(E(d), p);
 	free(p);
 	atomic_fetch_sub(&E(d)->held, bytes);
 }
@@ -293,6 +310,7 @@ int blend_emu_open(uint64_t fail_after, bool sticky, struct blend_device **out)
 	e->cpu = blend_cpu_backend();
 	e->fail_after = fail_after;
 	e->sticky = sticky;
+	e->log = getenv("KVBLEND_EMULATED_LOG");
 	e->table = (struct blend_device){
 		.name = "emulated",
 		.ctx = e,

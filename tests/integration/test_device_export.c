@@ -1,0 +1,113 @@
+/*
+ * test_device_export — the close order of a session whose ring the node maps (CUDA
+ * IPC), on the emulated device: the client (libkvblend, with tests' fake driver
+ * fake_libcuda as its libcuda.so.1) maps the exported block, and at close it
+ * unmaps it before the daemon frees it. The fake driver and the emulated device
+ * note "map", "unmap" and "free" with the block's address in one file, in the
+ * order they happened. Run with KVBLEND_TEST_DEVICE=emulated and LD_LIBRARY_PATH
+ * on the fake driver (tests/CMakeLists.txt).
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+
+#include "harness.h"
+
+#define L 3
+#define H 2
+#define D 8
+
+static const struct kvb_model model = { .name = "xm", .num_layers = L, .num_kv_heads = H,
+					.head_dim = D, .dtype = KVB_F16, .rope_theta = 10000 };
+
+/* The line number (from 1) of "what ADDR" in the log, or 0. */
+static int line_of(const char *log, const char *what, const char *addr)
+{
+	char want[96], line[96];
+	FILE *f = fopen(log, "r");
+	int n = 0, at = 0;
+
+	snprintf(want, sizeof(want), "%s %s\n", what, addr);
+	while (f && !at && fgets(line, sizeof(line), f)) {
+		n++;
+		if (!strcmp(line, want))
+			at = n;
+	}
+	if (f)
+		fclose(f);
+	return at;
+}
+
+static void test_unmap_before_free(void **state)
+{
+	char log[] = "/tmp/kvb-export-XXXXXX", addr[32] = "", line[96];
+	struct daemon d;
+	kvb_client *c;
+	uint8_t hash[2][KVB_HASH_LEN];
+	uint32_t tokens[2] = { 12, 9 }, check = 1;
+	double ratio = 0.5;
+	struct kvb_segment s[2];
+	struct kvb_fuse_params p = { &check, &ratio, 1, KVB_METRIC_VALUE };
+	kvb_fuse *fu;
+	FILE *f;
+	int fd = mkstemp(log);
+
+	(void)state;
+	assert_true(fd >= 0);
+	close(fd);
+	setenv("FAKE_CUDA_LOG", log, 1);
+	setenv("KVBLEND_EMULATED_LOG", log, 1); /* the daemon inherits it */
+	daemon_start(&d, NULL);
+	c = daemon_client(&d, 0);
+	assert_int_equal(kvb_fuse_device(c), 0); /* the fake driver */
+	assert_int_equal(kvb_model_register(c, &model, NULL), 0);
+	memset(s, 0, sizeof(s));
+	for (uint32_t i = 0; i < 2; i++) {
+		uint32_t ids[2] = { 5, i };
+		size_t n = (size_t)L * 2 * tokens[i] * H * D;
+		uint16_t *kv = malloc(n * 2);
+
+		fill_f16(kv, n, i + 3);
+		kvb_chunk_hash(ids, 2, hash[i]);
+		assert_int_equal(kvb_put(c, "xm", hash[i], KVB_F16, tokens[i], 0, kv, n * 2, NULL),
+				 0);
+		free(kv);
+		memcpy(s[i].hash, hash[i], KVB_HASH_LEN);
+		s[i].pos = i ? tokens[0] : 0;
+	}
+	assert_int_equal(kvb_fuse_open(c, "xm", s, 2, &p, &fu, NULL, NULL), 0);
+	assert_true(kvb_fuse_on_device(fu)); /* mapped through the fake driver */
+	f = fopen(log, "r");
+	assert_non_null(f);
+	while (fgets(line, sizeof(line), f))
+		if (!strncmp(line, "map ", 4))
+			snprintf(addr, sizeof(addr), "%.*s", (int)strcspn(line + 4, "\n"), line + 4);
+	fclose(f);
+	assert_true(addr[0]);
+	assert_int_equal(line_of(log, "free", addr), 0); /* still the session's */
+	assert_int_equal(kvb_fuse_close(c, &fu, NULL, NULL), 0);
+	kvb_close(&c);
+	daemon_stop(&d);
+	/* Unmapped here, then freed there: never freed under the node's mapping. */
+	assert_true(line_of(log, "unmap", addr) > 0);
+	assert_true(line_of(log, "free", addr) > 0);
+	assert_true(line_of(log, "unmap", addr) < line_of(log, "free", addr));
+	daemon_cleanup(&d);
+	unlink(log);
+}
+
+int main(void)
+{
+	const struct CMUnitTest tests[] = {
+		cmocka_unit_test(test_unmap_before_free),
+	};
+
+	return cmocka_run_group_tests(tests, NULL, NULL);
+}
