@@ -253,8 +253,19 @@ int dev_sess_setup(struct fuse_table *t, struct fuse_session *s, size_t ring_byt
 		rc = block_take(t, true, ring_bytes, (void **)&d->hring, &d->hring_bytes);
 		if (rc)
 			return dev_rc(rc);
-		memset(d->hring, 0, ring_bytes); /* fresh tokens' rows are never read from a chunk */
 		s->ring_mem = d->hring;
+		/* Fresh tokens' rows are never read from a chunk: zero them, and only them
+		 * (every load writes every chunk row of its slot; a block from the cache
+		 * holds another session's rows). */
+		for (uint32_t i = 0; i < s->n_ring; i++) {
+			uint8_t *k = d->hring + (size_t)i * 2 * s->n * s->row_bytes;
+
+			for (uint32_t f = 0; f < s->n_fresh; f++) {
+				memset(k + (size_t)s->fresh[f] * s->row_bytes, 0, s->row_bytes);
+				memset(k + ((size_t)s->n + s->fresh[f]) * s->row_bytes, 0,
+				       s->row_bytes);
+			}
+		}
 	} else {
 		/* Unpinned, the copies still work, only slower: not a reason to refuse. */
 		d->registered = dv->host_register(dv, s->ring_mem, ring_bytes) == 0;
