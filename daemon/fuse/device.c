@@ -266,6 +266,7 @@ int dev_sess_setup(struct fuse_table *t, struct fuse_session *s, size_t ring_byt
 				       s->row_bytes);
 			}
 		}
+		d->zeroed = (uint64_t)s->n_ring * 2 * s->n_fresh * s->row_bytes;
 	} else {
 		/* Unpinned, the copies still work, only slower: not a reason to refuse. */
 		d->registered = dv->host_register(dv, s->ring_mem, ring_bytes) == 0;

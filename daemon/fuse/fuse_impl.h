@@ -162,6 +162,7 @@ struct dev_sess {
 	size_t hring_bytes;
 	bool registered; /* the shared ring is pinned in place */
 	bool exported;	 /* the block is mapped by the node (CUDA IPC): never reused */
+	uint64_t zeroed; /* bytes of the pinned host ring zeroed at open */
 	uint64_t slot_bytes;
 	uint8_t *ring;	 /* n_ring slots, K then V of all tokens each */
 	uint8_t *fk, *fv; /* a request's fresh rows, up to n each */

@@ -236,7 +236,7 @@ uint32_t fuse_close(struct fuse_table *t, uint64_t id, const char *owner, struct
 	while (s->landing)
 		pthread_cond_wait(&s->cond, &s->lock);
 	pthread_mutex_unlock(&s->lock);
-	st = calloc(13, sizeof(*st));
+	st = calloc(14, sizeof(*st));
 	if (st) {
 		pthread_mutex_lock(&s->lock);
 #define STAT(nm, v) (snprintf(st[k].name, sizeof(st[k].name), "%s", nm), st[k++].value = (double)(v))
@@ -250,6 +250,8 @@ uint32_t fuse_close(struct fuse_table *t, uint64_t id, const char *owner, struct
 		STAT("ring_bytes", s->bytes);
 		STAT("bytes_in", s->bytes_in);
 		STAT("bytes_out", s->bytes_out);
+		if (s->dv && s->dv->hring) /* the pinned ring's bytes zeroed at open */
+			STAT("ring_zeroed_bytes", s->dv->zeroed);
 		if (s->land) {
 			STAT("land_ms", s->ns_land / 1e6);
 			STAT("layers_landed", s->land_next - s->land_begin);

@@ -103,10 +103,87 @@ static void test_unmap_before_free(void **state)
 	unlink(log);
 }
 
+/*
+ * A session on the emulated device whose pinned ring comes from the cache (the first
+ * session's): only the fresh tokens' rows are zeroed at open, in every slot, not the
+ * whole ring (ring_zeroed_bytes, in the close's statistics); and the fuse is still
+ * that of the first, identical session.
+ */
+static void test_zero_only_fresh_rows(void **state)
+{
+	struct daemon d;
+	kvb_client *c;
+	uint8_t hash[KVB_HASH_LEN];
+	uint32_t ids[2] = { 6, 1 }, T = 20, F = 4, n = T + F, check = 1;
+	double ratio = 0.5;
+	size_t row = (size_t)H * D * 2, layer = 2 * (size_t)n * row;
+	struct kvb_segment s[2];
+	struct kvb_fuse_params p = { &check, &ratio, 1, KVB_METRIC_VALUE };
+	uint16_t *kv = malloc((size_t)L * 2 * T * row);
+	uint8_t *rows = malloc(layer), *out[2];
+	double zeroed = -1, ring = -1;
+
+	(void)state;
+	unsetenv("KVBLEND_EMULATED_LOG");
+	daemon_start(&d, NULL);
+	c = daemon_client(&d, 1); /* no shared memory: the ring is the daemon's pinned one */
+	assert_int_equal(kvb_model_register(c, &model, NULL), 0);
+	fill_f16(kv, (size_t)L * 2 * T * H * D, 11);
+	kvb_chunk_hash(ids, 2, hash);
+	assert_int_equal(kvb_put(c, "xm", hash, KVB_F16, T, 0, kv, (size_t)L * 2 * T * row, NULL),
+			 0);
+	memset(s, 0, sizeof(s));
+	memcpy(s[0].hash, hash, KVB_HASH_LEN);
+	s[1].fresh = 1;
+	s[1].count = F;
+	s[1].pos = T;
+	fill_f16((uint16_t *)rows, layer / 2, 12);
+	for (int round = 0; round < 2; round++) {
+		kvb_fuse *fu;
+		struct kvb_stat *st;
+		size_t n_st;
+		int fused = 0;
+
+		out[round] = calloc(1, layer);
+		assert_int_equal(kvb_fuse_open(c, "xm", s, 2, &p, &fu, NULL, NULL), 0);
+		assert_int_equal(kvb_fuse_tokens(fu), n);
+		for (uint32_t l = kvb_fuse_next_layer(fu); l < L; l++) {
+			const int32_t *sel;
+			size_t nr = kvb_fuse_rows(fu, &sel);
+
+			assert_int_equal(kvb_fuse_layer(c, fu, l, rows, rows + nr * row,
+							out[round], out[round] + layer / 2, &fused),
+					 0);
+		}
+		assert_int_equal(kvb_fuse_close(c, &fu, &st, &n_st), 0);
+		for (size_t i = 0; i < n_st; i++) {
+			if (!strcmp(st[i].name, "ring_zeroed_bytes"))
+				zeroed = st[i].value;
+			if (!strcmp(st[i].name, "ring_bytes"))
+				ring = st[i].value;
+		}
+		free(st);
+	}
+	/* Fresh rows of K and V in each slot: a whole number of slots' worth, less than
+	 * the ring (of which the charge, ring_bytes, also counts the device block). */
+	assert_true(zeroed > 0);
+	assert_true((uint64_t)zeroed % (2 * F * row) == 0);
+	assert_true(zeroed < ring / ((double)n / F));
+	assert_memory_equal(out[0], out[1], layer);
+	kvb_close(&c);
+	daemon_stop(&d);
+	daemon_cleanup(&d);
+	free(out[0]);
+	free(out[1]);
+	free(rows);
+	free(kv);
+}
+
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
 		cmocka_unit_test(test_unmap_before_free),
+		cmocka_unit_test(test_zero_only_fresh_rows),
 	};
 
 	return cmocka_run_group_tests(tests, NULL, NULL);
