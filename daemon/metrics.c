@@ -283,6 +283,10 @@ void metrics_write(struct server *srv, FILE *f)
 		gauge(f, "kvblend_device_failed",
 		      "1 once the device failed for good (a sticky error): new fuse sessions run "
 		      "on the CPU until a restart.", "gauge", srv->dev->broken(srv->dev));
+		gauge(f, "kvblend_fuse_device_fallbacks_total",
+		      "Fuse sessions that ran on the host path though the daemon has a device: its "
+		      "budget (fuse_device_max_bytes) was full, its memory short, or it had failed.",
+		      "counter", (double)fuse_device_fallbacks(srv->fuse));
 	}
 }
 

@@ -70,7 +70,7 @@ void block_flush(struct fuse_table *t)
 	n = t->n_cache;
 	t->cache = NULL;
 	t->n_cache = t->cap_cache = 0;
-	t->cached = 0;
+	t->cached = t->cached_dev = 0;
 	pthread_mutex_unlock(&t->lock);
 	for (size_t i = 0; i < n; i++)
 		block_free(t, c[i].host, c[i].p, c[i].bytes);
@@ -96,6 +96,8 @@ static int block_take(struct fuse_table *t, bool host, size_t bytes, void **out,
 		*out = b->p;
 		*got = b->bytes;
 		t->cached -= b->bytes;
+		if (!host)
+			t->cached_dev -= b->bytes;
 		*b = t->cache[--t->n_cache];
 		pthread_mutex_unlock(&t->lock);
 		return 0;
@@ -112,18 +114,31 @@ static int block_take(struct fuse_table *t, bool host, size_t bytes, void **out,
 	return rc;
 }
 
-/* Drop cached blocks until sessions and cache together fit in fuse_max_bytes. */
+/* Whether the cache holds more than its budgets allow (under the table lock). */
+static bool over_budget(const struct fuse_table *t)
+{
+	return t->bytes + (t->cached - t->cached_dev) > t->lim.max_bytes ||
+	       t->dev_bytes + t->cached_dev > t->dev_budget;
+}
+
+/*
+ * Drop cached blocks until sessions and cache together fit: host blocks in
+ * fuse_max_bytes, device blocks in the device budget.
+ */
 void block_trim(struct fuse_table *t)
 {
 	struct dblock *drop = NULL;
 	size_t n = 0;
 
 	pthread_mutex_lock(&t->lock);
-	if (t->n_cache && t->bytes + t->cached > t->lim.max_bytes)
+	if (t->n_cache && over_budget(t))
 		drop = malloc(t->n_cache * sizeof(*drop));
-	while (drop && t->n_cache && t->bytes + t->cached > t->lim.max_bytes) {
+	while (drop && t->n_cache && over_budget(t)) {
 		drop[n] = t->cache[--t->n_cache];
-		t->cached -= drop[n++].bytes;
+		t->cached -= drop[n].bytes;
+		if (!drop[n].host)
+			t->cached_dev -= drop[n].bytes;
+		n++;
 	}
 	pthread_mutex_unlock(&t->lock);
 	for (size_t i = 0; i < n; i++)
@@ -133,14 +148,19 @@ void block_trim(struct fuse_table *t)
 
 /*
  * Keep a block for the next session while sessions and cache together stay within
- * fuse_max_bytes (block_trim() keeps it so as sessions open).
+ * their budget: fuse_max_bytes for host blocks, the device's for device blocks
+ * (block_trim() keeps it so as sessions open).
  */
 static void block_give(struct fuse_table *t, bool host, void *p, size_t bytes)
 {
+	bool fits;
+
 	if (!p)
 		return;
 	pthread_mutex_lock(&t->lock);
-	if (t->bytes + t->cached + bytes <= t->lim.max_bytes) {
+	fits = host ? t->bytes + (t->cached - t->cached_dev) + bytes <= t->lim.max_bytes
+		    : t->dev_bytes + t->cached_dev + bytes <= t->dev_budget;
+	if (fits) {
 		if (t->n_cache == t->cap_cache) {
 			size_t cap = t->cap_cache ? 2 * t->cap_cache : 8;
 			struct dblock *c = realloc(t->cache, cap * sizeof(*c));
@@ -153,6 +173,8 @@ static void block_give(struct fuse_table *t, bool host, void *p, size_t bytes)
 		if (t->n_cache < t->cap_cache) {
 			t->cache[t->n_cache++] = (struct dblock){ p, bytes, host };
 			t->cached += bytes;
+			if (!host)
+				t->cached_dev += bytes;
 			pthread_mutex_unlock(&t->lock);
 			return;
 		}
@@ -197,6 +219,15 @@ size_t dev_layout(const struct fuse_session *s, struct dev_sess *d, uint8_t *bas
 		off += 2 * dev_align(tb);
 	}
 	return off;
+}
+
+void dev_drop(struct fuse_session *s)
+{
+	if (!s->dv)
+		return;
+	free(s->dv->tabs);
+	free(s->dv);
+	s->dv = NULL;
 }
 
 void dev_sess_free(struct fuse_table *t, struct fuse_session *s)

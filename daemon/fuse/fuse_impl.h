@@ -82,7 +82,8 @@ struct fuse_session {
 	int64_t served; /* slot holding the fused layer the node reads now, or -1 */
 	uint8_t *ring_mem;
 	uint64_t shm_id; /* the ring is this shared segment (0: heap) */
-	uint64_t bytes;	 /* ring memory */
+	uint64_t bytes;	 /* ring memory (host), against fuse_max_bytes */
+	uint64_t dev_bytes; /* its device block, against the device budget */
 	char owner[SHM_OWNER_MAX]; /* the client that opened it: only it may drive it */
 	uint32_t first; /* the first layer the node sends: checks[0], or 0 when reuse-only */
 	/*
@@ -131,9 +132,13 @@ struct fuse_table {
 	const struct blend_backend *be;
 	const struct blend_device *dev; /* sessions keep their rings here (NULL: host only) */
 	bool dev_down; /* dev failed for good (logged once): new sessions run on the CPU */
+	uint64_t dev_budget;   /* lim.dev_max_bytes resolved (UINT64_MAX: none) */
+	uint64_t dev_bytes;    /* device blocks of open sessions (under lock) */
+	uint64_t dev_fallbacks; /* sessions sent to the host path (under lock) */
 	struct dblock *cache;		/* under lock */
 	size_t n_cache, cap_cache;
-	uint64_t cached;
+	uint64_t cached;     /* host and device blocks kept */
+	uint64_t cached_dev; /* of which device blocks */
 	struct shm_table *shm;
 	pthread_mutex_t lock; /* sessions, bytes, pins */
 	struct fuse_session **sessions;
@@ -257,6 +262,8 @@ void block_flush(struct fuse_table *t);
 void block_trim(struct fuse_table *t);
 /* Carve (or, with base NULL, only measure) a session's device block; returns its size. */
 size_t dev_layout(const struct fuse_session *s, struct dev_sess *d, uint8_t *base);
+/* Drop s->dv before its setup began (nothing on the device yet). Accepts none. */
+void dev_drop(struct fuse_session *s);
 /* Free s->dv (its blocks back to the cache unless exported or failed). Accepts none. */
 void dev_sess_free(struct fuse_table *t, struct fuse_session *s);
 /* The device half of a session's open: 0, a negative errno or DEV_FAILED. */

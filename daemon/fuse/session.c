@@ -45,6 +45,16 @@ int fuse_table_new(const struct fuse_limits *l, struct store *store, struct pool
 	t->pool = pool;
 	t->be = backend;
 	t->dev = device;
+	t->dev_budget = UINT64_MAX;
+	if (device) {
+		uint64_t held, total;
+
+		device->memory(device, &held, &total);
+		if (l->dev_max_bytes)
+			t->dev_budget = l->dev_max_bytes;
+		else if (total)
+			t->dev_budget = total / 10 * 9;
+	}
 	t->shm = shm;
 	pthread_mutex_init(&t->lock, NULL);
 	*out = t;
@@ -145,6 +155,7 @@ static void session_remove(struct fuse_table *t, size_t slot)
 	for (size_t i = 0; i < s->n_chunks; i++)
 		pin_drop(t, s->m.id, s->chunks[i].hash);
 	t->bytes -= s->bytes;
+	t->dev_bytes -= s->dev_bytes;
 	s->closed = true;
 }
 
@@ -292,6 +303,16 @@ unsigned fuse_expire(struct fuse_table *t)
 	for (unsigned i = 0; i < n; i++)
 		session_free(t, gone[i]);
 	free(gone);
+	return n;
+}
+
+uint64_t fuse_device_fallbacks(struct fuse_table *t)
+{
+	uint64_t n;
+
+	pthread_mutex_lock(&t->lock);
+	n = t->dev_fallbacks;
+	pthread_mutex_unlock(&t->lock);
 	return n;
 }
 

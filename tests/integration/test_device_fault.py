@@ -11,6 +11,10 @@ is: every later device call fails. The daemon logs it once, says so in stats
 (device_failed 1), and serves every later session on the CPU path, bit for bit as
 --device cpu does, instead of failing them all until a restart.
 
+Last, the device's own budget (--fuse-device-max-bytes): a session whose device
+block does not fit runs on the host path, bit for bit, and stats count it
+(fuse_device_fallbacks); one that fits runs on the device.
+
 usage: test_device_fault.py KVBLENDD KVBLEND
 """
 import json
@@ -32,7 +36,7 @@ def cli(*args, ok=True):
     return d.cli(*args, ok=ok)
 
 
-def start(device, fail_after=0, sticky=False):
+def start(device, fail_after=0, sticky=False, flags=()):
     global d
     env = dict(os.environ)
     if fail_after:
@@ -41,7 +45,7 @@ def start(device, fail_after=0, sticky=False):
         env["KVBLEND_EMULATED_STICKY"] = "1"
     tag = f"{device}-{fail_after}" + ("-sticky" if sticky else "")
     d = kvbtest.Daemon(KVBLENDD, KVBLEND, TMP, "--map-size", "256M", "--device", device,
-                       log=f"{TMP}/kvblendd-{tag}.log", environ=env)
+                       *flags, log=f"{TMP}/kvblendd-{tag}{len(flags)}.log", environ=env)
     if not d.start():
         raise RuntimeError("kvblendd did not start")
     return d
@@ -127,6 +131,26 @@ try:
         check(f"{tag}: the log says so once",
               log.count("failed for good") == 1 and "run on the CPU" in log,
               str(log.count("failed for good")))
+
+    # The device budget: 4 KiB holds no session's device block; 64 MiB holds this one.
+    for budget, on_device in (("4K", False), ("64M", True)):
+        tag = f"fuse_device_max_bytes {budget}"
+        d = start("emulated", flags=("--fuse-device-max-bytes", budget))
+        for i in range(2):
+            r = fuse(f"budget{budget}-{i}", ok=False)
+            check(f"{tag}: session {i + 1} fuses as --device cpu does",
+                  r.returncode == 0 and
+                  np.array_equal(np.load(f"{TMP}/budget{budget}-{i}.npy"), want) and
+                  np.array_equal(np.load(f"{TMP}/budget{budget}-{i}-sel.npy"), want_sel),
+                  r.stderr.strip())
+        stats = json.loads(cli("stats", "--json").stdout)
+        check(f"{tag}: stats count the sessions sent to the host path",
+              stats.get("fuse_device_fallbacks") == (0 if on_device else 2),
+              str(stats.get("fuse_device_fallbacks")))
+        check(f"{tag}: device memory held only by sessions that ran there",
+              (stats.get("device_memory_bytes", 0) > 0) == on_device,
+              str(stats.get("device_memory_bytes")))
+        stop(d, tag)
 finally:
     if check.failed:
         for f in sorted(os.listdir(TMP)):
