@@ -1,5 +1,6 @@
 /* fuse/device — the device path: a session's ring in device memory; see fuse_impl.h. */
 #include <errno.h>
+#include <inttypes.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -75,6 +76,40 @@ void block_flush(struct fuse_table *t)
 	for (size_t i = 0; i < n; i++)
 		block_free(t, c[i].host, c[i].p, c[i].bytes);
 	free(c);
+}
+
+/*
+ * An exported block of a session that expired: its node never said it unmapped it,
+ * and a block freed under a mapping is undefined behaviour (and its memory could
+ * serve a later session under the node's eyes). Kept, charged to the device
+ * budget, until exit.
+ */
+static void block_orphan(struct fuse_table *t, struct fuse_session *s, void *p, size_t bytes)
+{
+	struct dblock *o;
+
+	if (!p)
+		return;
+	log_warn("fuse session %016" PRIx64 " expired with its device ring exported: the ring "
+		 "(%zu bytes) stays allocated until kvblendd exits, since its node may still map "
+		 "it; nodes must close their sessions", s->id, bytes);
+	pthread_mutex_lock(&t->lock);
+	o = realloc(t->orphans, (t->n_orphans + 1) * sizeof(*o));
+	if (o) { /* else never freed: still not under a mapping */
+		t->orphans = o;
+		o[t->n_orphans++] = (struct dblock){ p, bytes, false };
+	}
+	t->dev_bytes += bytes;
+	pthread_mutex_unlock(&t->lock);
+}
+
+void block_orphans_free(struct fuse_table *t)
+{
+	for (size_t i = 0; i < t->n_orphans; i++)
+		block_free(t, false, t->orphans[i].p, t->orphans[i].bytes);
+	free(t->orphans);
+	t->orphans = NULL;
+	t->n_orphans = 0;
 }
 
 /*
@@ -252,8 +287,11 @@ void dev_sess_free(struct fuse_table *t, struct fuse_session *s)
 		t->dev->stream_free(t->dev, d->copy);
 	if (d->registered)
 		t->dev->host_unregister(t->dev, s->ring_mem);
-	/* A block the node mapped stays readable there: it must not serve another session. */
-	if (d->exported || failed)
+	/* A block the node mapped stays readable there: it must not serve another session,
+	 * nor be freed while the node of an expired session may map it still. */
+	if (d->exported && s->expired)
+		block_orphan(t, s, d->blk, d->blk_bytes);
+	else if (d->exported || failed)
 		block_free(t, false, d->blk, d->blk_bytes);
 	else
 		block_give(t, false, d->blk, d->blk_bytes);

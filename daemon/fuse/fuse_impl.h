@@ -60,6 +60,7 @@ struct fuse_session {
 	bool busy;	     /* a layer request holds the session */
 	bool closed;	     /* removed from the table; freed by the last ref */
 	bool ready;	     /* published in the table: findable by id (under the table lock) */
+	bool expired;	     /* released for idleness, not closed by its node */
 	struct store_model m;
 	struct blend_shape shape;
 	size_t row_bytes;
@@ -139,6 +140,10 @@ struct fuse_table {
 	size_t n_cache, cap_cache;
 	uint64_t cached;     /* host and device blocks kept */
 	uint64_t cached_dev; /* of which device blocks */
+	/* Exported blocks of expired sessions: their node may still map them, so they are
+	 * freed only at exit, and stay charged to the device budget (under lock). */
+	struct dblock *orphans;
+	size_t n_orphans;
 	struct shm_table *shm;
 	pthread_mutex_t lock; /* sessions, bytes, pins */
 	struct fuse_session **sessions;
@@ -258,6 +263,8 @@ bool dev_usable(struct fuse_table *t);
 const char *compute_error(const struct fuse_table *t, int rc, char *buf, size_t len);
 /* Drop every cached block (to make room on the device). */
 void block_flush(struct fuse_table *t);
+/* Free the orphaned blocks (at exit, when no node maps them any more). */
+void block_orphans_free(struct fuse_table *t);
 /* Drop cached blocks until sessions and cache together fit in fuse_max_bytes. */
 void block_trim(struct fuse_table *t);
 /* Carve (or, with base NULL, only measure) a session's device block; returns its size. */

@@ -172,8 +172,10 @@ void fuse_table_free(struct fuse_table **tp)
 			session_remove(t, i);
 			session_free(t, s);
 		}
-	if (t->dev)
+	if (t->dev) {
 		block_flush(t);
+		block_orphans_free(t);
+	}
 	free(t->sessions);
 	free(t->pins);
 	pthread_mutex_destroy(&t->lock);
@@ -296,6 +298,7 @@ unsigned fuse_expire(struct fuse_table *t)
 			continue;
 		log_info("fuse session %016" PRIx64 " idle for %" PRIu64 " s: released", s->id,
 			 (uint64_t)(now.tv_sec - s->last_used.tv_sec));
+		s->expired = true;
 		session_remove(t, i);
 		gone[n++] = s;
 	}

@@ -4,7 +4,8 @@
  * fake_libcuda as its libcuda.so.1) maps the exported block, and at close it
  * unmaps it before the daemon frees it. The fake driver and the emulated device
  * note "map", "unmap" and "free" with the block's address in one file, in the
- * order they happened. Run with KVBLEND_TEST_DEVICE=emulated and LD_LIBRARY_PATH
+ * order they happened; and a session that expires mapped keeps its block until the
+ * daemon exits. Run with KVBLEND_TEST_DEVICE=emulated and LD_LIBRARY_PATH
  * on the fake driver (tests/CMakeLists.txt).
  */
 #include <setjmp.h>
@@ -104,6 +105,75 @@ static void test_unmap_before_free(void **state)
 }
 
 /*
+ * A session whose node maps its ring but never closes it: when it expires the daemon
+ * does not free the block (the node may map it still), and says so in its log; it
+ * is freed at exit.
+ */
+static void test_expired_export_kept(void **state)
+{
+	char log[] = "/tmp/kvb-export-XXXXXX", addr[32] = "", line[96];
+	const char *args[] = { "--fuse-idle", "1", NULL };
+	struct daemon d;
+	kvb_client *c;
+	uint8_t hash[KVB_HASH_LEN];
+	uint32_t ids[2] = { 7, 1 }, T = 16, check = 1;
+	double ratio = 0.5;
+	size_t n = (size_t)L * 2 * T * H * D;
+	uint16_t *kv = malloc(n * 2);
+	struct kvb_segment s[1];
+	struct kvb_fuse_params p = { &check, &ratio, 1, KVB_METRIC_VALUE };
+	kvb_fuse *fu;
+	FILE *f;
+	int fd = mkstemp(log);
+	char *text;
+	long len;
+
+	(void)state;
+	assert_true(fd >= 0);
+	close(fd);
+	setenv("FAKE_CUDA_LOG", log, 1);
+	setenv("KVBLEND_EMULATED_LOG", log, 1);
+	daemon_start(&d, args);
+	c = daemon_client(&d, 0);
+	assert_int_equal(kvb_fuse_device(c), 0);
+	assert_int_equal(kvb_model_register(c, &model, NULL), 0);
+	fill_f16(kv, n, 21);
+	kvb_chunk_hash(ids, 2, hash);
+	assert_int_equal(kvb_put(c, "xm", hash, KVB_F16, T, 0, kv, n * 2, NULL), 0);
+	memset(s, 0, sizeof(s));
+	memcpy(s[0].hash, hash, KVB_HASH_LEN);
+	assert_int_equal(kvb_fuse_open(c, "xm", s, 1, &p, &fu, NULL, NULL), 0);
+	assert_true(kvb_fuse_on_device(fu));
+	f = fopen(log, "r");
+	assert_non_null(f);
+	while (fgets(line, sizeof(line), f))
+		if (!strncmp(line, "map ", 4))
+			snprintf(addr, sizeof(addr), "%.*s", (int)strcspn(line + 4, "\n"), line + 4);
+	fclose(f);
+	assert_true(addr[0]);
+	sleep(4); /* past fuse_idle: the session expires */
+	assert_int_not_equal(kvb_fuse_close(c, &fu, NULL, NULL), 0); /* gone */
+	assert_true(line_of(log, "unmap", addr) > 0);
+	assert_int_equal(line_of(log, "free", addr), 0); /* kept while the daemon runs */
+	kvb_close(&c);
+	daemon_stop(&d);
+	assert_true(line_of(log, "free", addr) > line_of(log, "unmap", addr)); /* at exit */
+	f = fopen(d.log_path, "r");
+	assert_non_null(f);
+	fseek(f, 0, SEEK_END);
+	len = ftell(f);
+	rewind(f);
+	text = calloc(1, (size_t)len + 1);
+	assert_int_equal(fread(text, 1, (size_t)len, f), (size_t)len);
+	fclose(f);
+	assert_non_null(strstr(text, "expired with its device ring exported"));
+	free(text);
+	free(kv);
+	daemon_cleanup(&d);
+	unlink(log);
+}
+
+/*
  * A session on the emulated device whose pinned ring comes from the cache (the first
  * session's): only the fresh tokens' rows are zeroed at open, in every slot, not the
  * whole ring (ring_zeroed_bytes, in the close's statistics); and the fuse is still
@@ -184,6 +254,7 @@ int main(void)
 	const struct CMUnitTest tests[] = {
 		cmocka_unit_test(test_unmap_before_free),
 		cmocka_unit_test(test_zero_only_fresh_rows),
+		cmocka_unit_test(test_expired_export_kept),
 	};
 
 	return cmocka_run_group_tests(tests, NULL, NULL);
