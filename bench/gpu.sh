@@ -7,7 +7,8 @@
 # bench_fuse on --device cpu and --device cuda, the latter with fused layers read from
 # the shared ring and handed over on the GPU, against host-to-device bandwidth). Every log and table goes to OUT
 # (default $OUT, else ./gpu-out). Needs the build dependencies (.ci/install-deps) and
-# nvcc. Exits non-zero when the build or the parity suite fails.
+# nvcc. Exits non-zero when nvidia-smi lists no GPU, or the build or the parity suite
+# fails (a skipped test is a failed one here: tests/gpu_run.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-${OUT:-gpu-out}}
@@ -16,6 +17,11 @@ jobs=$(nproc)
 status=0
 
 { nvidia-smi || true; nvcc --version || true; } > "$out/machine.txt" 2>&1
+# Without a GPU there is nothing for this script to prove: say so, and fail.
+if ! nvidia-smi -L 2> /dev/null | grep -qE '^GPU [0-9]+:'; then
+	echo "gpu.sh: nvidia-smi lists no GPU; this script is for a machine with one"
+	exit 1
+fi
 if ! { cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DKVB_CUDA=ON -DKVB_WERROR=ON &&
 	cmake --build build-gpu -j"$jobs"; } > "$out/build.log" 2>&1; then
 	echo "gpu.sh: build failed; see $out/build.log"
@@ -25,7 +31,13 @@ fi
 build-gpu/bin/blend_tool probe | tee "$out/device.txt"
 
 # The parity suite, then the CPU tests of blend/ for comparison.
+# On this machine a skip is a failure (tests/gpu_run.sh makes it one); and a suite where
+# nothing ran proves nothing.
 ctest --test-dir build-gpu -L gpu -V > "$out/parity.log" 2>&1 || status=1
+if grep -qE "No tests were found|\*\*\*Skipped|Not Run" "$out/parity.log"; then
+	echo "gpu.sh: the gpu suite skipped or ran nothing; see $out/parity.log"
+	status=1
+fi
 ctest --test-dir build-gpu -R 'test_blend' --output-on-failure > "$out/blend_cpu.log" 2>&1 ||
 	status=1
 grep -E "tests passed|Skipped|Failed|passed, " "$out/parity.log" | tail -12

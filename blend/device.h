@@ -19,6 +19,7 @@
 #ifndef KVBLEND_BLEND_DEVICE_H
 #define KVBLEND_BLEND_DEVICE_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -96,15 +97,25 @@ struct blend_device {
 	void (*memory)(const struct blend_device *d, uint64_t *held, uint64_t *total);
 	/* The message of the last failure ("" if none). */
 	void (*last_error)(const struct blend_device *d, char *buf, size_t len);
+	/*
+	 * Whether the device failed for good: a sticky error (CUDA's illegal address, a
+	 * kernel's fault) after which every call fails until the process restarts. Its
+	 * user stops giving it work; last_error names the failure.
+	 */
+	bool (*broken)(const struct blend_device *d);
 };
 
 /*
  * The emulated device: host memory for device memory, the CPU backend's kernels,
  * every call done when it returns. fail_after > 0 makes the fail_after-th call
  * that queues work (a copy or a kernel) fail with -EIO, as a device error would:
- * for tests of how callers survive one. Returns 0 or -ENOMEM.
+ * for tests of how callers survive one. With sticky, that failure is a sticky
+ * one, as CUDA's illegal address is: every later call that queues work or
+ * synchronizes fails too, and broken() says so. Where the environment names a
+ * file in KVBLEND_EMULATED_LOG, each free of device memory appends "free ADDR" to
+ * it (tests of when an exported block is freed). Returns 0 or -ENOMEM.
  */
-int blend_emu_open(uint64_t fail_after, struct blend_device **out);
+int blend_emu_open(uint64_t fail_after, bool sticky, struct blend_device **out);
 void blend_emu_close(struct blend_device **d);
 
 #endif

@@ -10,10 +10,12 @@
 
 struct emu {
 	struct blend_device table;
+	const char *log; /* KVBLEND_EMULATED_LOG: where frees are noted (tests), or NULL */
 	const struct blend_backend *cpu;
 	_Atomic uint64_t held;
 	_Atomic uint64_t calls; /* calls that queue work, for fail_after */
 	uint64_t fail_after;
+	bool sticky;		/* the injected failure is for good */
 	_Atomic int failed;	/* a failure was injected: last_error says so */
 };
 
@@ -30,12 +32,20 @@ static struct emu *E(const struct blend_device *d)
 	return d->ctx;
 }
 
-/* Count a call that queues work; -EIO at the injected failure. */
+/* -EIO once a sticky failure was injected: every later call fails, as on a GPU. */
+static int dead(const struct blend_device *d)
+{
+	return E(d)->sticky && atomic_load(&E(d)->failed) ? -EIO : 0;
+}
+
+/* Count a call that queues work; -EIO at the injected failure (and after a sticky one). */
 static int step(const struct blend_device *d)
 {
 	struct emu *e = E(d);
 	uint64_t n = atomic_fetch_add(&e->calls, 1) + 1;
 
+	if (dead(d))
+		return -EIO;
 	if (e->fail_after && n == e->fail_after) {
 		atomic_store(&e->failed, 1);
 		return -EIO;
@@ -45,8 +55,11 @@ static int step(const struct blend_device *d)
 
 static int e_alloc(const struct blend_device *d, size_t bytes, void **out)
 {
-	void *p = malloc(bytes ? bytes : 1);
+	void *p;
 
+	if (dead(d))
+		return -EIO;
+	p = malloc(bytes ? bytes : 1);
 	if (!p)
 		return -ENOMEM;
 	atomic_fetch_add(&E(d)->held, bytes);
@@ -54,10 +67,26 @@ static int e_alloc(const struct blend_device *d, size_t bytes, void **out)
 	return 0;
 }
 
+/* "free ADDR" appended to the log, one write: tests of the close order read it. */
+static void note_free(const struct emu *e, const void *p)
+{
+	char line[64];
+	int n;
+	FILE *f;
+
+	if (!e->log || !(f = fopen(e->log, "a")))
+		return;
+	n = snprintf(line, sizeof(line), "free %llx\n", (unsigned long long)(uintptr_t)p);
+	setvbuf(f, NULL, _IONBF, 0);
+	fwrite(line, 1, (size_t)n, f);
+	fclose(f);
+}
+
 static void e_free(const struct blend_device *d, void *p, size_t bytes)
 {
 	if (!p)
 		return;
+	note_free(E(d), p);
 	free(p);
 	atomic_fetch_sub(&E(d)->held, bytes);
 }
@@ -91,7 +120,8 @@ static void e_host_unregister(const struct blend_device *d, void *p)
 
 static int e_stream_new(const struct blend_device *d, struct blend_stream **out)
 {
-	(void)d;
+	if (dead(d))
+		return -EIO;
 	*out = calloc(1, sizeof(**out));
 	return *out ? 0 : -ENOMEM;
 }
@@ -104,14 +134,14 @@ static void e_stream_free(const struct blend_device *d, struct blend_stream *st)
 
 static int e_stream_sync(const struct blend_device *d, struct blend_stream *st)
 {
-	(void)d;
 	(void)st;
-	return 0;
+	return dead(d);
 }
 
 static int e_event_new(const struct blend_device *d, struct blend_event **out)
 {
-	(void)d;
+	if (dead(d))
+		return -EIO;
 	*out = calloc(1, sizeof(**out));
 	return *out ? 0 : -ENOMEM;
 }
@@ -125,26 +155,23 @@ static void e_event_free(const struct blend_device *d, struct blend_event *ev)
 static int e_event_record(const struct blend_device *d, struct blend_event *ev,
 			  struct blend_stream *st)
 {
-	(void)d;
 	(void)ev;
 	(void)st;
-	return 0;
+	return dead(d);
 }
 
 static int e_event_wait(const struct blend_device *d, struct blend_stream *st,
 			struct blend_event *ev)
 {
-	(void)d;
 	(void)ev;
 	(void)st;
-	return 0;
+	return dead(d);
 }
 
 static int e_event_sync(const struct blend_device *d, struct blend_event *ev)
 {
-	(void)d;
 	(void)ev;
-	return 0;
+	return dead(d);
 }
 
 static int e_copy(const struct blend_device *d, struct blend_stream *st, void *dst,
@@ -264,11 +291,17 @@ static void e_memory(const struct blend_device *d, uint64_t *held, uint64_t *tot
 
 static void e_last_error(const struct blend_device *d, char *buf, size_t len)
 {
-	snprintf(buf, len, "%s", atomic_load(&E(d)->failed) ?
-		 "emulated device: injected failure (fail_after)" : "");
+	snprintf(buf, len, "%s", !atomic_load(&E(d)->failed) ? "" : E(d)->sticky ?
+		 "emulated device: injected sticky failure (fail_after, sticky)" :
+		 "emulated device: injected failure (fail_after)");
 }
 
-int blend_emu_open(uint64_t fail_after, struct blend_device **out)
+static bool e_broken(const struct blend_device *d)
+{
+	return dead(d) != 0;
+}
+
+int blend_emu_open(uint64_t fail_after, bool sticky, struct blend_device **out)
 {
 	struct emu *e = calloc(1, sizeof(*e));
 
@@ -276,6 +309,8 @@ int blend_emu_open(uint64_t fail_after, struct blend_device **out)
 		return -ENOMEM;
 	e->cpu = blend_cpu_backend();
 	e->fail_after = fail_after;
+	e->sticky = sticky;
+	e->log = getenv("KVBLEND_EMULATED_LOG");
 	e->table = (struct blend_device){
 		.name = "emulated",
 		.ctx = e,
@@ -304,6 +339,7 @@ int blend_emu_open(uint64_t fail_after, struct blend_device **out)
 		.ipc_export = e_ipc_export,
 		.memory = e_memory,
 		.last_error = e_last_error,
+		.broken = e_broken,
 	};
 	*out = &e->table;
 	return 0;

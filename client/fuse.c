@@ -508,6 +508,15 @@ int kvb_fuse_close(kvb_client *c, kvb_fuse **fp, struct kvb_stat **stats, size_t
 	if (!f)
 		return 0;
 	k.req.session_id = f->id;
+	/*
+	 * The device ring is unmapped before the close goes: the daemon frees the block
+	 * when the session closes, and a block freed under a mapping is undefined
+	 * behaviour (and its memory may serve a later session).
+	 */
+	if (f->dev_base) {
+		kvb_cuda_unmap(c->cuda, f->dev_base);
+		f->dev_base = f->dev_ring = f->dev_last = 0;
+	}
 	rc = kvbc_call(c, &k);
 	if (!rc && stats && n_stats && k.rep.n_stats) {
 		*stats = calloc(k.rep.n_stats, sizeof(**stats));
@@ -520,8 +529,6 @@ int kvb_fuse_close(kvb_client *c, kvb_fuse **fp, struct kvb_stat **stats, size_t
 	kvbc_call_done(&k);
 	if (f->ring)
 		munmap((void *)f->ring, f->ring_bytes);
-	if (f->dev_base)
-		kvb_cuda_unmap(c->cuda, f->dev_base);
 	if (f->land && f->region->id == f->region_id)
 		f->region->used[f->word / 64] &= ~(1ull << (f->word % 64));
 	free(f->rows);

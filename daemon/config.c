@@ -73,6 +73,11 @@ static const struct key keys[] = {
 	  "most tokens in one fuse session" },
 	{ "fuse_max_bytes", "SIZE", T_SIZE, OFF(fuse_max_bytes), 1 * MiB, 1024 * GiB, "4G",
 	  "memory all fuse sessions may hold for layers loaded ahead" },
+	{ "fuse_device_max_bytes", "SIZE", T_SIZE, OFF(fuse_device_max_bytes), 0, 1024 * GiB,
+	  "0",
+	  "device memory all fuse sessions may hold on the device (their device blocks, and "
+	  "blocks kept for the next session); 0: nine tenths of the device's memory. A session "
+	  "that does not fit, or meets the device out of memory, runs on the host path" },
 	{ "fuse_ring", "LAYERS", T_UINT, OFF(fuse_ring), 1, 64, "3",
 	  "layers of a fuse session loaded (read, decoded, re-rotated) ahead of the node" },
 	{ "fuse_idle", "SECONDS", T_UINT, OFF(fuse_idle), 1, 86400, "60",

@@ -43,6 +43,7 @@ struct config {
 	uint64_t fuse_max_sessions;
 	uint64_t fuse_max_tokens;
 	uint64_t fuse_max_bytes;
+	uint64_t fuse_device_max_bytes;
 	uint64_t fuse_ring;
 	uint64_t fuse_idle;
 	uint64_t capacity;

@@ -42,6 +42,11 @@ struct fuse_limits {
 	uint64_t ring;	     /* layers loaded ahead per session */
 	uint64_t idle_s;
 	uint64_t per_owner; /* sessions one client may hold open */
+	/* Device memory of all sessions' device blocks and the blocks kept for the next
+	 * (the device's own budget); 0: nine tenths of the device's memory, or no limit
+	 * where the device does not say (emulated). A session whose block does not fit,
+	 * or for which the device is out of memory, runs on the host path. */
+	uint64_t dev_max_bytes;
 };
 
 struct fuse_table;
@@ -160,6 +165,12 @@ unsigned fuse_expire(struct fuse_table *t);
 
 /* Open sessions, ring bytes held, chunks pinned. */
 void fuse_usage(struct fuse_table *t, uint64_t *sessions, uint64_t *bytes, uint64_t *pins);
+
+/*
+ * Sessions that would have run on the device but run on the host path: its budget
+ * (dev_max_bytes) was full, its memory short, or it had failed for good. 0 without one.
+ */
+uint64_t fuse_device_fallbacks(struct fuse_table *t);
 
 /* The RoPE configuration of a stored model. */
 void fuse_rope_config(const struct store_model *m, struct rope_config *c);

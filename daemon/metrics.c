@@ -280,6 +280,13 @@ void metrics_write(struct server *srv, FILE *f)
 		      "Device memory the fuse holds on its device.", "gauge", (double)held);
 		gauge(f, "kvblend_device_memory_total_bytes", "The CUDA device's memory.", "gauge",
 		      (double)total);
+		gauge(f, "kvblend_device_failed",
+		      "1 once the device failed for good (a sticky error): new fuse sessions run "
+		      "on the CPU until a restart.", "gauge", srv->dev->broken(srv->dev));
+		gauge(f, "kvblend_fuse_device_fallbacks_total",
+		      "Fuse sessions that ran on the host path though the daemon has a device: its "
+		      "budget (fuse_device_max_bytes) was full, its memory short, or it had failed.",
+		      "counter", (double)fuse_device_fallbacks(srv->fuse));
 	}
 }
 

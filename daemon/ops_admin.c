@@ -392,6 +392,10 @@ static void stats_device(struct stat_list *l, struct server *srv)
 		srv->dev->memory(srv->dev, &held, &total);
 		stat_add(l, "device_memory_bytes", (double)held);
 		stat_add(l, "device_memory_total_bytes", (double)total);
+		/* 1 once it failed for good: new fuse sessions run on the CPU. */
+		stat_add(l, "device_failed", srv->dev->broken(srv->dev));
+		/* Sessions the device had no room for (or had failed): on the host path. */
+		stat_add(l, "fuse_device_fallbacks", (double)fuse_device_fallbacks(srv->fuse));
 	}
 }
 

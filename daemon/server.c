@@ -694,9 +694,12 @@ static int pick_backend(struct server *srv, int device)
 	}
 	if (device == CONFIG_DEVICE_EMULATED) {
 		const char *fa = getenv("KVBLEND_EMULATED_FAIL_AFTER");
+		const char *sticky = getenv("KVBLEND_EMULATED_STICKY");
 
-		/* The test hook: the Nth device call fails, as a CUDA error would. */
-		if (blend_emu_open(fa ? strtoull(fa, NULL, 10) : 0, &srv->emu))
+		/* The test hooks: the Nth device call fails, as a CUDA error would; with
+		 * KVBLEND_EMULATED_STICKY=1 for good, as an illegal address does. */
+		if (blend_emu_open(fa ? strtoull(fa, NULL, 10) : 0, sticky && !strcmp(sticky, "1"),
+				   &srv->emu))
 			return -ENOMEM;
 		srv->dev = srv->emu;
 		log_info("fuse backend %s, sessions on the emulated device (host memory standing "
@@ -855,7 +858,7 @@ int server_start(struct server *srv, const struct config *cfg, struct store *sto
 	{
 		struct fuse_limits fl = { cfg->fuse_max_sessions, cfg->fuse_max_tokens,
 					  cfg->fuse_max_bytes, cfg->fuse_ring, cfg->fuse_idle,
-					  cfg->client_fuse_sessions };
+					  cfg->client_fuse_sessions, cfg->fuse_device_max_bytes };
 
 		rc = fuse_table_new(&fl, store, srv->pool, srv->blend, srv->dev, srv->shm,
 				    &srv->fuse);

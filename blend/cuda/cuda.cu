@@ -40,6 +40,7 @@ struct blend_cuda {
 	pthread_cond_t cond;
 	struct lane lanes[LANES];
 	char last_err[256];
+	bool broken; /* __atomic: a sticky error; every later call fails until a restart */
 };
 
 struct blend_cuda_stream {
@@ -55,6 +56,18 @@ static int xlate(struct blend_cuda *d, cudaError_t e, const char *what)
 	if (e == cudaSuccess)
 		return 0;
 	(void)cudaGetLastError(); /* clear a non-sticky error so the next call starts clean */
+	/*
+	 * A sticky error (an illegal address, a kernel's fault) corrupts the context: the
+	 * clear above does not take it, and every later call fails with it until the
+	 * process restarts. Those the documentation names, and any that outlives the clear.
+	 */
+	if (d && (e == cudaErrorIllegalAddress || e == cudaErrorLaunchFailure ||
+		  e == cudaErrorHardwareStackError || e == cudaErrorIllegalInstruction ||
+		  e == cudaErrorMisalignedAddress || e == cudaErrorInvalidAddressSpace ||
+		  e == cudaErrorInvalidPc || e == cudaErrorAssert ||
+		  e == cudaErrorECCUncorrectable || e == cudaErrorLaunchTimeout ||
+		  cudaPeekAtLastError() != cudaSuccess))
+		__atomic_store_n(&d->broken, true, __ATOMIC_RELAXED);
 	if (d) {
 		pthread_mutex_lock(&d->lock);
 		snprintf(d->last_err, sizeof(d->last_err), "%s: %s", what, cudaGetErrorString(e));
@@ -240,8 +253,13 @@ extern "C" int blend_cuda_deviation_dev(struct blend_cuda_stream *st, const stru
 	return xlate(st->d, cudaGetLastError(), "deviation kernel");
 }
 
-/* Scratch layout of a select over n: keys in, keys out, tokens, then CUB's own. */
-static int select_layout(size_t n, size_t *cub_off, size_t *cub_bytes)
+/*
+ * Scratch layout of a select over n: keys in, keys out, tokens, then CUB's own.
+ * Returns CUB's error, never cudaSuccess when a size is missing: a size query that
+ * failed, or that left a size of 0 for a sort that needs scratch, is an error the
+ * caller returns (not an empty selection).
+ */
+static cudaError_t select_layout(size_t n, size_t *cub_off, size_t *cub_bytes)
 {
 	size_t b64 = 0, b32 = 0;
 	cudaError_t e;
@@ -251,18 +269,20 @@ static int select_layout(size_t n, size_t *cub_off, size_t *cub_bytes)
 	if (e == cudaSuccess)
 		e = cub::DeviceRadixSort::SortKeys(nullptr, b32, (const int32_t *)nullptr,
 						   (int32_t *)nullptr, (int64_t)(n ? n : 1));
+	if (e == cudaSuccess && (!b64 || !b32))
+		e = cudaErrorInvalidValue;
 	if (e != cudaSuccess)
-		return -EIO;
+		return e;
 	*cub_off = 2 * align_up(n * 8) + align_up(n * 4);
 	*cub_bytes = b64 > b32 ? b64 : b32;
-	return 0;
+	return cudaSuccess;
 }
 
 extern "C" size_t blend_cuda_select_scratch(size_t n)
 {
 	size_t off, bytes;
 
-	if (select_layout(n, &off, &bytes))
+	if (select_layout(n, &off, &bytes) != cudaSuccess)
 		return 0;
 	return off + bytes;
 }
@@ -281,9 +301,9 @@ extern "C" int blend_cuda_select_dev(struct blend_cuda_stream *st, const int32_t
 
 	if (k > n_cand)
 		k = n_cand;
-	rc = select_layout(n, &off, &cub_bytes);
-	if (rc)
-		return xlate(st->d, cudaGetLastError(), "select scratch size");
+	e = select_layout(n, &off, &cub_bytes);
+	if (e != cudaSuccess)
+		return xlate(st->d, e, "select scratch size"); /* never 0: e is an error */
 	if (scratch_bytes < off + cub_bytes)
 		return -EINVAL;
 	if (k) {
@@ -634,11 +654,13 @@ static long staged_select(const struct blend_backend *be, const int32_t *cand, c
 	rc = xlate(d, cudaSetDevice(d->ordinal), "cudaSetDevice");
 	if (rc)
 		return rc;
-	scratch = blend_cuda_select_scratch(n);
+	{
+		size_t off, cub_bytes;
+		cudaError_t e = select_layout(n, &off, &cub_bytes);
 
-	if (!scratch) {
-		rc = xlate(d, cudaGetLastError(), "select scratch size");
-		return rc ? rc : -EIO;
+		if (e != cudaSuccess)
+			return xlate(d, e, "select scratch size"); /* never 0: e is an error */
+		scratch = off + cub_bytes;
 	}
 	rc = lane_get(d, 4 * a4 + scratch, 0, &l);
 	if (rc)
@@ -1028,7 +1050,17 @@ static int t_deviation(const struct blend_device *t, struct blend_stream *st,
 
 static size_t t_select_scratch(const struct blend_device *t, size_t n)
 {
-	return bind(D(t)) ? 0 : blend_cuda_select_scratch(n);
+	size_t off, cub_bytes;
+	cudaError_t e;
+
+	if (bind(D(t)))
+		return 0;
+	e = select_layout(n, &off, &cub_bytes);
+	if (e != cudaSuccess) {
+		xlate(D(t), e, "select scratch size"); /* last_error says why */
+		return 0;
+	}
+	return off + cub_bytes;
 }
 
 static int t_select(const struct blend_device *t, struct blend_stream *st, const int32_t *cand,
@@ -1078,6 +1110,11 @@ static void t_last_error(const struct blend_device *t, char *buf, size_t len)
 	blend_cuda_last_error(D(t), buf, len);
 }
 
+static bool t_broken(const struct blend_device *t)
+{
+	return __atomic_load_n(&D(t)->broken, __ATOMIC_RELAXED);
+}
+
 extern "C" const struct blend_device *blend_cuda_device(struct blend_cuda *d)
 {
 	struct blend_device *t = &d->dtable;
@@ -1109,5 +1146,6 @@ extern "C" const struct blend_device *blend_cuda_device(struct blend_cuda *d)
 	t->ipc_export = t_ipc_export;
 	t->memory = t_memory;
 	t->last_error = t_last_error;
+	t->broken = t_broken;
 	return t;
 }

@@ -393,7 +393,10 @@ KVB_API int kvb_fuse_on_device(const kvb_fuse *f);
 KVB_API int kvb_fuse_output_device(const kvb_fuse *f, void **k, void **v);
 
 /* Close the session and free f. *stats (if not NULL) gets timings and byte
- * counts, malloc'd, *n_stats of them. Accepts *f == NULL. */
+ * counts, malloc'd, *n_stats of them. Accepts *f == NULL. The session's device ring
+ * (kvb_fuse_on_device()) is unmapped first, before the close reaches the daemon,
+ * which frees it: pointers from kvb_fuse_output_device() are invalid from the call
+ * on, and no stream may still be reading them. */
 KVB_API int kvb_fuse_close(kvb_client *c, kvb_fuse **f, struct kvb_stat **stats,
 			   size_t *n_stats);
 

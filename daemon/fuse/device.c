@@ -1,5 +1,6 @@
 /* fuse/device — the device path: a session's ring in device memory; see fuse_impl.h. */
 #include <errno.h>
+#include <inttypes.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -7,6 +8,7 @@
 
 #include "fuse_impl.h"
 #include "hkvd.h"
+#include "log.h"
 
 /* Why a load or a kernel failed: the device's own message for DEV_FAILED, else the errno's. */
 const char *compute_error(const struct fuse_table *t, int rc, char *buf, size_t len)
@@ -18,6 +20,28 @@ const char *compute_error(const struct fuse_table *t, int rc, char *buf, size_t 
 	t->dev->last_error(t->dev, dev, sizeof(dev));
 	snprintf(buf, len, "the %s device failed (%s)", t->dev->name, dev);
 	return buf;
+}
+
+bool dev_usable(struct fuse_table *t)
+{
+	bool first;
+	char why[128];
+
+	if (!t->dev)
+		return false;
+	if (!t->dev->broken(t->dev))
+		return true;
+	pthread_mutex_lock(&t->lock);
+	first = !t->dev_down;
+	t->dev_down = true;
+	pthread_mutex_unlock(&t->lock);
+	if (first) {
+		t->dev->last_error(t->dev, why, sizeof(why));
+		log_err("the %s device failed for good (%s): new fuse sessions run on the CPU "
+			"until kvblendd restarts", t->dev->name, why);
+		block_flush(t); /* nothing will take these blocks again */
+	}
+	return false;
 }
 
 #define DEV_ALIGN 256
@@ -47,11 +71,45 @@ void block_flush(struct fuse_table *t)
 	n = t->n_cache;
 	t->cache = NULL;
 	t->n_cache = t->cap_cache = 0;
-	t->cached = 0;
+	t->cached = t->cached_dev = 0;
 	pthread_mutex_unlock(&t->lock);
 	for (size_t i = 0; i < n; i++)
 		block_free(t, c[i].host, c[i].p, c[i].bytes);
 	free(c);
+}
+
+/*
+ * An exported block of a session that expired: its node never said it unmapped it,
+ * and a block freed under a mapping is undefined behaviour (and its memory could
+ * serve a later session under the node's eyes). Kept, charged to the device
+ * budget, until exit.
+ */
+static void block_orphan(struct fuse_table *t, struct fuse_session *s, void *p, size_t bytes)
+{
+	struct dblock *o;
+
+	if (!p)
+		return;
+	log_warn("fuse session %016" PRIx64 " expired with its device ring exported: the ring "
+		 "(%zu bytes) stays allocated until kvblendd exits, since its node may still map "
+		 "it; nodes must close their sessions", s->id, bytes);
+	pthread_mutex_lock(&t->lock);
+	o = realloc(t->orphans, (t->n_orphans + 1) * sizeof(*o));
+	if (o) { /* else never freed: still not under a mapping */
+		t->orphans = o;
+		o[t->n_orphans++] = (struct dblock){ p, bytes, false };
+	}
+	t->dev_bytes += bytes;
+	pthread_mutex_unlock(&t->lock);
+}
+
+void block_orphans_free(struct fuse_table *t)
+{
+	for (size_t i = 0; i < t->n_orphans; i++)
+		block_free(t, false, t->orphans[i].p, t->orphans[i].bytes);
+	free(t->orphans);
+	t->orphans = NULL;
+	t->n_orphans = 0;
 }
 
 /*
@@ -73,6 +131,8 @@ static int block_take(struct fuse_table *t, bool host, size_t bytes, void **out,
 		*out = b->p;
 		*got = b->bytes;
 		t->cached -= b->bytes;
+		if (!host)
+			t->cached_dev -= b->bytes;
 		*b = t->cache[--t->n_cache];
 		pthread_mutex_unlock(&t->lock);
 		return 0;
@@ -89,18 +149,31 @@ static int block_take(struct fuse_table *t, bool host, size_t bytes, void **out,
 	return rc;
 }
 
-/* Drop cached blocks until sessions and cache together fit in fuse_max_bytes. */
+/* Whether the cache holds more than its budgets allow (under the table lock). */
+static bool over_budget(const struct fuse_table *t)
+{
+	return t->bytes + (t->cached - t->cached_dev) > t->lim.max_bytes ||
+	       t->dev_bytes + t->cached_dev > t->dev_budget;
+}
+
+/*
+ * Drop cached blocks until sessions and cache together fit: host blocks in
+ * fuse_max_bytes, device blocks in the device budget.
+ */
 void block_trim(struct fuse_table *t)
 {
 	struct dblock *drop = NULL;
 	size_t n = 0;
 
 	pthread_mutex_lock(&t->lock);
-	if (t->n_cache && t->bytes + t->cached > t->lim.max_bytes)
+	if (t->n_cache && over_budget(t))
 		drop = malloc(t->n_cache * sizeof(*drop));
-	while (drop && t->n_cache && t->bytes + t->cached > t->lim.max_bytes) {
+	while (drop && t->n_cache && over_budget(t)) {
 		drop[n] = t->cache[--t->n_cache];
-		t->cached -= drop[n++].bytes;
+		t->cached -= drop[n].bytes;
+		if (!drop[n].host)
+			t->cached_dev -= drop[n].bytes;
+		n++;
 	}
 	pthread_mutex_unlock(&t->lock);
 	for (size_t i = 0; i < n; i++)
@@ -110,14 +183,19 @@ void block_trim(struct fuse_table *t)
 
 /*
  * Keep a block for the next session while sessions and cache together stay within
- * fuse_max_bytes (block_trim() keeps it so as sessions open).
+ * their budget: fuse_max_bytes for host blocks, the device's for device blocks
+ * (block_trim() keeps it so as sessions open).
  */
 static void block_give(struct fuse_table *t, bool host, void *p, size_t bytes)
 {
+	bool fits;
+
 	if (!p)
 		return;
 	pthread_mutex_lock(&t->lock);
-	if (t->bytes + t->cached + bytes <= t->lim.max_bytes) {
+	fits = host ? t->bytes + (t->cached - t->cached_dev) + bytes <= t->lim.max_bytes
+		    : t->dev_bytes + t->cached_dev + bytes <= t->dev_budget;
+	if (fits) {
 		if (t->n_cache == t->cap_cache) {
 			size_t cap = t->cap_cache ? 2 * t->cap_cache : 8;
 			struct dblock *c = realloc(t->cache, cap * sizeof(*c));
@@ -130,6 +208,8 @@ static void block_give(struct fuse_table *t, bool host, void *p, size_t bytes)
 		if (t->n_cache < t->cap_cache) {
 			t->cache[t->n_cache++] = (struct dblock){ p, bytes, host };
 			t->cached += bytes;
+			if (!host)
+				t->cached_dev += bytes;
 			pthread_mutex_unlock(&t->lock);
 			return;
 		}
@@ -176,6 +256,15 @@ size_t dev_layout(const struct fuse_session *s, struct dev_sess *d, uint8_t *bas
 	return off;
 }
 
+void dev_drop(struct fuse_session *s)
+{
+	if (!s->dv)
+		return;
+	free(s->dv->tabs);
+	free(s->dv);
+	s->dv = NULL;
+}
+
 void dev_sess_free(struct fuse_table *t, struct fuse_session *s)
 {
 	struct dev_sess *d = s->dv;
@@ -198,8 +287,11 @@ void dev_sess_free(struct fuse_table *t, struct fuse_session *s)
 		t->dev->stream_free(t->dev, d->copy);
 	if (d->registered)
 		t->dev->host_unregister(t->dev, s->ring_mem);
-	/* A block the node mapped stays readable there: it must not serve another session. */
-	if (d->exported || failed)
+	/* A block the node mapped stays readable there: it must not serve another session,
+	 * nor be freed while the node of an expired session may map it still. */
+	if (d->exported && s->expired)
+		block_orphan(t, s, d->blk, d->blk_bytes);
+	else if (d->exported || failed)
 		block_free(t, false, d->blk, d->blk_bytes);
 	else
 		block_give(t, false, d->blk, d->blk_bytes);
@@ -230,8 +322,20 @@ int dev_sess_setup(struct fuse_table *t, struct fuse_session *s, size_t ring_byt
 		rc = block_take(t, true, ring_bytes, (void **)&d->hring, &d->hring_bytes);
 		if (rc)
 			return dev_rc(rc);
-		memset(d->hring, 0, ring_bytes); /* fresh tokens' rows are never read from a chunk */
 		s->ring_mem = d->hring;
+		/* Fresh tokens' rows are never read from a chunk: zero them, and only them
+		 * (every load writes every chunk row of its slot; a block from the cache
+		 * holds another session's rows). */
+		for (uint32_t i = 0; i < s->n_ring; i++) {
+			uint8_t *k = d->hring + (size_t)i * 2 * s->n * s->row_bytes;
+
+			for (uint32_t f = 0; f < s->n_fresh; f++) {
+				memset(k + (size_t)s->fresh[f] * s->row_bytes, 0, s->row_bytes);
+				memset(k + ((size_t)s->n + s->fresh[f]) * s->row_bytes, 0,
+				       s->row_bytes);
+			}
+		}
+		d->zeroed = (uint64_t)s->n_ring * 2 * s->n_fresh * s->row_bytes;
 	} else {
 		/* Unpinned, the copies still work, only slower: not a reason to refuse. */
 		d->registered = dv->host_register(dv, s->ring_mem, ring_bytes) == 0;

@@ -60,6 +60,7 @@ struct fuse_session {
 	bool busy;	     /* a layer request holds the session */
 	bool closed;	     /* removed from the table; freed by the last ref */
 	bool ready;	     /* published in the table: findable by id (under the table lock) */
+	bool expired;	     /* released for idleness, not closed by its node */
 	struct store_model m;
 	struct blend_shape shape;
 	size_t row_bytes;
@@ -82,7 +83,8 @@ struct fuse_session {
 	int64_t served; /* slot holding the fused layer the node reads now, or -1 */
 	uint8_t *ring_mem;
 	uint64_t shm_id; /* the ring is this shared segment (0: heap) */
-	uint64_t bytes;	 /* ring memory */
+	uint64_t bytes;	 /* ring memory (host), against fuse_max_bytes */
+	uint64_t dev_bytes; /* its device block, against the device budget */
 	char owner[SHM_OWNER_MAX]; /* the client that opened it: only it may drive it */
 	uint32_t first; /* the first layer the node sends: checks[0], or 0 when reuse-only */
 	/*
@@ -130,9 +132,18 @@ struct fuse_table {
 	struct pool *pool;
 	const struct blend_backend *be;
 	const struct blend_device *dev; /* sessions keep their rings here (NULL: host only) */
+	bool dev_down; /* dev failed for good (logged once): new sessions run on the CPU */
+	uint64_t dev_budget;   /* lim.dev_max_bytes resolved (UINT64_MAX: none) */
+	uint64_t dev_bytes;    /* device blocks of open sessions (under lock) */
+	uint64_t dev_fallbacks; /* sessions sent to the host path (under lock) */
 	struct dblock *cache;		/* under lock */
 	size_t n_cache, cap_cache;
-	uint64_t cached;
+	uint64_t cached;     /* host and device blocks kept */
+	uint64_t cached_dev; /* of which device blocks */
+	/* Exported blocks of expired sessions: their node may still map them, so they are
+	 * freed only at exit, and stay charged to the device budget (under lock). */
+	struct dblock *orphans;
+	size_t n_orphans;
 	struct shm_table *shm;
 	pthread_mutex_t lock; /* sessions, bytes, pins */
 	struct fuse_session **sessions;
@@ -161,6 +172,7 @@ struct dev_sess {
 	size_t hring_bytes;
 	bool registered; /* the shared ring is pinned in place */
 	bool exported;	 /* the block is mapped by the node (CUDA IPC): never reused */
+	uint64_t zeroed; /* bytes of the pinned host ring zeroed at open */
 	uint64_t slot_bytes;
 	uint8_t *ring;	 /* n_ring slots, K then V of all tokens each */
 	uint8_t *fk, *fv; /* a request's fresh rows, up to n each */
@@ -240,14 +252,25 @@ void session_put(struct fuse_table *t, struct fuse_session *s);
 
 /* ---- device.c: the device path ---- */
 
+/*
+ * Whether a new session may put its ring on the table's device: false without one,
+ * and once the device failed for good (a sticky error: its broken()), which the
+ * first call to see it logs, dropping the block cache. Such sessions run on the CPU
+ * path, as with --device cpu.
+ */
+bool dev_usable(struct fuse_table *t);
 /* Why a load or a kernel failed: the device's own message (in buf) for DEV_FAILED, else the errno's. */
 const char *compute_error(const struct fuse_table *t, int rc, char *buf, size_t len);
 /* Drop every cached block (to make room on the device). */
 void block_flush(struct fuse_table *t);
+/* Free the orphaned blocks (at exit, when no node maps them any more). */
+void block_orphans_free(struct fuse_table *t);
 /* Drop cached blocks until sessions and cache together fit in fuse_max_bytes. */
 void block_trim(struct fuse_table *t);
 /* Carve (or, with base NULL, only measure) a session's device block; returns its size. */
 size_t dev_layout(const struct fuse_session *s, struct dev_sess *d, uint8_t *base);
+/* Drop s->dv before its setup began (nothing on the device yet). Accepts none. */
+void dev_drop(struct fuse_session *s);
 /* Free s->dv (its blocks back to the cache unless exported or failed). Accepts none. */
 void dev_sess_free(struct fuse_table *t, struct fuse_session *s);
 /* The device half of a session's open: 0, a negative errno or DEV_FAILED. */

@@ -23,6 +23,7 @@ struct open_plan {
 	uint64_t max_pos_end; /* one past the last position the prompt spans */
 	uint64_t ring_bytes;  /* the ring (or, landing, the check and staging slots) */
 	uint64_t charge;      /* what the session is charged against fuse_max_bytes */
+	uint64_t dev_charge;  /* and against the device budget (its device block) */
 	size_t slot;	      /* its reserved place in the table */
 };
 
@@ -258,7 +259,11 @@ static uint32_t open_size(struct fuse_table *t, const struct store_model *m,
 				       ? t->lim.ring
 				       : m->num_layers - s->first) + 1;
 	p->ring_bytes = (uint64_t)s->n_ring * 2 * n * s->row_bytes;
-	if (t->dev) {
+	if (t->dev && !dev_usable(t)) {
+		pthread_mutex_lock(&t->lock);
+		t->dev_fallbacks++;
+		pthread_mutex_unlock(&t->lock);
+	} else if (t->dev) {
 		/* And the same ring on the device, with room for the node's rows. */
 		s->dv = calloc(1, sizeof(*s->dv));
 		if (s->dv)
@@ -288,8 +293,9 @@ static uint32_t open_reserve(struct fuse_table *t, const char *owner, struct fus
 	uint64_t charge;
 	size_t slot_i = SIZE_MAX;
 
-	/* Host ring and device block both count against fuse_max_bytes. */
-	charge = p->ring_bytes + (s->dv ? s->dv->blk_bytes : 0);
+	/* The ring counts against fuse_max_bytes, the device block against the device's
+	 * budget; a session whose block does not fit there runs on the host path. */
+	charge = p->ring_bytes;
 	pthread_mutex_lock(&t->lock);
 	if (t->bytes + charge > t->lim.max_bytes) {
 		pthread_mutex_unlock(&t->lock);
@@ -318,6 +324,14 @@ static uint32_t open_reserve(struct fuse_table *t, const char *owner, struct fus
 	t->bytes += charge;
 	s->bytes = charge;
 	t->sessions[slot_i] = s; /* reserved; not findable until it has an id */
+	p->dev_charge = 0;
+	if (s->dv && t->dev_bytes + s->dv->blk_bytes > t->dev_budget) {
+		t->dev_fallbacks++;
+		dev_drop(s);
+	} else if (s->dv) {
+		t->dev_bytes += s->dv->blk_bytes;
+		s->dev_bytes = p->dev_charge = s->dv->blk_bytes;
+	}
 	pthread_mutex_unlock(&t->lock);
 	p->charge = charge;
 	p->slot = slot_i;
@@ -330,12 +344,33 @@ static void open_unreserve(struct fuse_table *t, const struct open_plan *p)
 	pthread_mutex_lock(&t->lock);
 	t->sessions[p->slot] = NULL;
 	t->bytes -= p->charge;
+	t->dev_bytes -= p->dev_charge;
+	pthread_mutex_unlock(&t->lock);
+}
+
+/*
+ * The session's device half given up before it ran (the device budget is full, or
+ * its memory short): the session runs on the host path. With the device setup
+ * begun, dev_sess_free() gives back what it took.
+ */
+static void open_to_host(struct fuse_table *t, struct fuse_session *s, struct open_plan *p)
+{
+	bool hring = s->dv && s->dv->hring && s->ring_mem == s->dv->hring;
+
+	dev_sess_free(t, s);
+	if (hring)
+		s->ring_mem = NULL; /* went back with the device half; the host path allocates */
+	pthread_mutex_lock(&t->lock);
+	t->dev_bytes -= p->dev_charge;
+	s->dev_bytes = p->dev_charge = 0;
+	t->dev_fallbacks++;
 	pthread_mutex_unlock(&t->lock);
 }
 
 /*
  * The ring on the device (s->dv): dev_sess_setup(), then the session charged what it
- * holds. On failure the reservation is given back.
+ * holds. Short of device memory the session goes to the host path (s->dv NULL, and
+ * KVBP_OK); on another failure the reservation is given back.
  */
 static uint32_t open_ring_device(struct fuse_table *t, const struct kvbp_request *q,
 				 struct fuse_session *s, struct open_plan *p, char *err,
@@ -345,18 +380,27 @@ static uint32_t open_ring_device(struct fuse_table *t, const struct kvbp_request
 
 	if (!rc) {
 		/* Cached blocks may be larger than asked: charge what the session holds. */
-		uint64_t held = s->dv->blk_bytes +
-				(s->dv->hring ? s->dv->hring_bytes : p->ring_bytes);
+		uint64_t held = s->dv->hring ? s->dv->hring_bytes : p->ring_bytes;
+		uint64_t dheld = s->dv->blk_bytes;
 
 		pthread_mutex_lock(&t->lock);
 		if (t->bytes - p->charge + held > t->lim.max_bytes) {
 			rc = -ENOSPC;
+		} else if (t->dev_bytes - p->dev_charge + dheld > t->dev_budget) {
+			rc = -ENOMEM; /* a cached block larger than the budget has room for */
 		} else {
 			t->bytes = t->bytes - p->charge + held;
 			p->charge = held;
 			s->bytes = held;
+			t->dev_bytes = t->dev_bytes - p->dev_charge + dheld;
+			p->dev_charge = dheld;
+			s->dev_bytes = dheld;
 		}
 		pthread_mutex_unlock(&t->lock);
+	}
+	if (rc == -ENOMEM) {
+		open_to_host(t, s, p);
+		return KVBP_OK;
 	}
 	if (rc) {
 		char why[160];
@@ -364,10 +408,9 @@ static uint32_t open_ring_device(struct fuse_table *t, const struct kvbp_request
 		open_unreserve(t, p);
 		if (rc == -ENOSPC)
 			return fail(err, errlen, KVBP_LIMIT, "fuse sessions would hold more than "
-				    "fuse_max_bytes %" PRIu64 " with this session's device "
-				    "blocks", t->lim.max_bytes);
-		return fail(err, errlen, rc == -ENOMEM ? KVBP_LIMIT : KVBP_INTERNAL,
-			    "the session's ring on the device: %s",
+				    "fuse_max_bytes %" PRIu64 " with this session's pinned "
+				    "ring", t->lim.max_bytes);
+		return fail(err, errlen, KVBP_INTERNAL, "the session's ring on the device: %s",
 			    compute_error(t, rc, why, sizeof(why)));
 	}
 	block_trim(t); /* the cache gives way to open sessions */
@@ -428,13 +471,13 @@ static uint32_t open_ring(struct fuse_table *t, const struct kvbp_request *q, co
 			}
 		}
 	}
-	if (s->ring && !s->ring_mem && !s->dv)
-		s->ring_mem = calloc(1, p->ring_bytes);
 	if (s->ring && s->dv) {
 		code = open_ring_device(t, q, s, p, err, errlen);
 		if (code)
 			return code;
 	}
+	if (s->ring && !s->ring_mem) /* the host path (also a session the device had no room for) */
+		s->ring_mem = calloc(1, p->ring_bytes);
 	if (!s->ring || !s->ring_mem) {
 		open_unreserve(t, p);
 		return fail(err, errlen, KVBP_LIMIT, "out of memory for the session ring");

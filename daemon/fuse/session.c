@@ -45,6 +45,16 @@ int fuse_table_new(const struct fuse_limits *l, struct store *store, struct pool
 	t->pool = pool;
 	t->be = backend;
 	t->dev = device;
+	t->dev_budget = UINT64_MAX;
+	if (device) {
+		uint64_t held, total;
+
+		device->memory(device, &held, &total);
+		if (l->dev_max_bytes)
+			t->dev_budget = l->dev_max_bytes;
+		else if (total)
+			t->dev_budget = total / 10 * 9;
+	}
 	t->shm = shm;
 	pthread_mutex_init(&t->lock, NULL);
 	*out = t;
@@ -145,6 +155,7 @@ static void session_remove(struct fuse_table *t, size_t slot)
 	for (size_t i = 0; i < s->n_chunks; i++)
 		pin_drop(t, s->m.id, s->chunks[i].hash);
 	t->bytes -= s->bytes;
+	t->dev_bytes -= s->dev_bytes;
 	s->closed = true;
 }
 
@@ -161,8 +172,10 @@ void fuse_table_free(struct fuse_table **tp)
 			session_remove(t, i);
 			session_free(t, s);
 		}
-	if (t->dev)
+	if (t->dev) {
 		block_flush(t);
+		block_orphans_free(t);
+	}
 	free(t->sessions);
 	free(t->pins);
 	pthread_mutex_destroy(&t->lock);
@@ -236,7 +249,7 @@ uint32_t fuse_close(struct fuse_table *t, uint64_t id, const char *owner, struct
 	while (s->landing)
 		pthread_cond_wait(&s->cond, &s->lock);
 	pthread_mutex_unlock(&s->lock);
-	st = calloc(13, sizeof(*st));
+	st = calloc(14, sizeof(*st));
 	if (st) {
 		pthread_mutex_lock(&s->lock);
 #define STAT(nm, v) (snprintf(st[k].name, sizeof(st[k].name), "%s", nm), st[k++].value = (double)(v))
@@ -250,6 +263,8 @@ uint32_t fuse_close(struct fuse_table *t, uint64_t id, const char *owner, struct
 		STAT("ring_bytes", s->bytes);
 		STAT("bytes_in", s->bytes_in);
 		STAT("bytes_out", s->bytes_out);
+		if (s->dv && s->dv->hring) /* the pinned ring's bytes zeroed at open */
+			STAT("ring_zeroed_bytes", s->dv->zeroed);
 		if (s->land) {
 			STAT("land_ms", s->ns_land / 1e6);
 			STAT("layers_landed", s->land_next - s->land_begin);
@@ -283,6 +298,7 @@ unsigned fuse_expire(struct fuse_table *t)
 			continue;
 		log_info("fuse session %016" PRIx64 " idle for %" PRIu64 " s: released", s->id,
 			 (uint64_t)(now.tv_sec - s->last_used.tv_sec));
+		s->expired = true;
 		session_remove(t, i);
 		gone[n++] = s;
 	}
@@ -290,6 +306,16 @@ unsigned fuse_expire(struct fuse_table *t)
 	for (unsigned i = 0; i < n; i++)
 		session_free(t, gone[i]);
 	free(gone);
+	return n;
+}
+
+uint64_t fuse_device_fallbacks(struct fuse_table *t)
+{
+	uint64_t n;
+
+	pthread_mutex_lock(&t->lock);
+	n = t->dev_fallbacks;
+	pthread_mutex_unlock(&t->lock);
 	return n;
 }
 

@@ -6,8 +6,18 @@ request that meets it fails with `internal` and a message naming the device, in
 the session's open, a layer's load or its compute depending on N; the daemon goes
 on serving; the next session fuses bit for bit as the CPU backend does.
 
+Then the failure made sticky (KVBLEND_EMULATED_STICKY=1), as CUDA's illegal address
+is: every later device call fails. The daemon logs it once, says so in stats
+(device_failed 1), and serves every later session on the CPU path, bit for bit as
+--device cpu does, instead of failing them all until a restart.
+
+Last, the device's own budget (--fuse-device-max-bytes): a session whose device
+block does not fit runs on the host path, bit for bit, and stats count it
+(fuse_device_fallbacks); one that fits runs on the device.
+
 usage: test_device_fault.py KVBLENDD KVBLEND
 """
+import json
 import os
 import sys
 import tempfile
@@ -26,13 +36,16 @@ def cli(*args, ok=True):
     return d.cli(*args, ok=ok)
 
 
-def start(device, fail_after=0):
+def start(device, fail_after=0, sticky=False, flags=()):
     global d
     env = dict(os.environ)
     if fail_after:
         env["KVBLEND_EMULATED_FAIL_AFTER"] = str(fail_after)
+    if sticky:
+        env["KVBLEND_EMULATED_STICKY"] = "1"
+    tag = f"{device}-{fail_after}" + ("-sticky" if sticky else "")
     d = kvbtest.Daemon(KVBLENDD, KVBLEND, TMP, "--map-size", "256M", "--device", device,
-                       log=f"{TMP}/kvblendd-{device}-{fail_after}.log", environ=env)
+                       *flags, log=f"{TMP}/kvblendd-{tag}{len(flags)}.log", environ=env)
     if not d.start():
         raise RuntimeError("kvblendd did not start")
     return d
@@ -92,6 +105,52 @@ try:
               np.array_equal(np.load(f"{TMP}/after{fa}-sel.npy"), want_sel), r.stderr.strip())
         stop(d, f"failure at device call {fa}")
     check("most injected failures reach the client", visible >= 5, f"{visible} of 8")
+
+    # Sticky: the failure at call fa stays; later sessions go to the CPU path.
+    for fa in (1, 16, 33):
+        tag = f"sticky failure at device call {fa}"
+        d = start("emulated", fa, sticky=True)
+        stats = json.loads(cli("stats", "--json").stdout)
+        check(f"{tag}: stats say the device works before it", stats.get("device_failed") == 0,
+              str(stats.get("device_failed")))
+        r = fuse(f"sticky{fa}", ok=False)
+        check(f"{tag}: the session that meets it fails naming the device",
+              r.returncode != 0 and "emulated device failed" in r.stderr, r.stderr.strip())
+        for i in range(2):
+            r = fuse(f"sticky{fa}-after{i}", ok=False)
+            check(f"{tag}: session {i + 1} after it fuses on the CPU as --device cpu does",
+                  r.returncode == 0 and
+                  np.array_equal(np.load(f"{TMP}/sticky{fa}-after{i}.npy"), want) and
+                  np.array_equal(np.load(f"{TMP}/sticky{fa}-after{i}-sel.npy"), want_sel),
+                  r.stderr.strip())
+        stats = json.loads(cli("stats", "--json").stdout)
+        check(f"{tag}: stats say the device failed", stats.get("device_failed") == 1,
+              str(stats.get("device_failed")))
+        stop(d, tag)
+        log = d.log_text()
+        check(f"{tag}: the log says so once",
+              log.count("failed for good") == 1 and "run on the CPU" in log,
+              str(log.count("failed for good")))
+
+    # The device budget: 4 KiB holds no session's device block; 64 MiB holds this one.
+    for budget, on_device in (("4K", False), ("64M", True)):
+        tag = f"fuse_device_max_bytes {budget}"
+        d = start("emulated", flags=("--fuse-device-max-bytes", budget))
+        for i in range(2):
+            r = fuse(f"budget{budget}-{i}", ok=False)
+            check(f"{tag}: session {i + 1} fuses as --device cpu does",
+                  r.returncode == 0 and
+                  np.array_equal(np.load(f"{TMP}/budget{budget}-{i}.npy"), want) and
+                  np.array_equal(np.load(f"{TMP}/budget{budget}-{i}-sel.npy"), want_sel),
+                  r.stderr.strip())
+        stats = json.loads(cli("stats", "--json").stdout)
+        check(f"{tag}: stats count the sessions sent to the host path",
+              stats.get("fuse_device_fallbacks") == (0 if on_device else 2),
+              str(stats.get("fuse_device_fallbacks")))
+        check(f"{tag}: device memory held only by sessions that ran there",
+              (stats.get("device_memory_bytes", 0) > 0) == on_device,
+              str(stats.get("device_memory_bytes")))
+        stop(d, tag)
 finally:
     if check.failed:
         for f in sorted(os.listdir(TMP)):

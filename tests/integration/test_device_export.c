@@ -1,0 +1,261 @@
+/*
+ * test_device_export — the close order of a session whose ring the node maps (CUDA
+ * IPC), on the emulated device: the client (libkvblend, with tests' fake driver
+ * fake_libcuda as its libcuda.so.1) maps the exported block, and at close it
+ * unmaps it before the daemon frees it. The fake driver and the emulated device
+ * note "map", "unmap" and "free" with the block's address in one file, in the
+ * order they happened; and a session that expires mapped keeps its block until the
+ * daemon exits. Run with KVBLEND_TEST_DEVICE=emulated and LD_LIBRARY_PATH
+ * on the fake driver (tests/CMakeLists.txt).
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+
+#include "harness.h"
+
+#define L 3
+#define H 2
+#define D 8
+
+static const struct kvb_model model = { .name = "xm", .num_layers = L, .num_kv_heads = H,
+					.head_dim = D, .dtype = KVB_F16, .rope_theta = 10000 };
+
+/* The line number (from 1) of "what ADDR" in the log, or 0. */
+static int line_of(const char *log, const char *what, const char *addr)
+{
+	char want[96], line[96];
+	FILE *f = fopen(log, "r");
+	int n = 0, at = 0;
+
+	snprintf(want, sizeof(want), "%s %s\n", what, addr);
+	while (f && !at && fgets(line, sizeof(line), f)) {
+		n++;
+		if (!strcmp(line, want))
+			at = n;
+	}
+	if (f)
+		fclose(f);
+	return at;
+}
+
+static void test_unmap_before_free(void **state)
+{
+	char log[] = "/tmp/kvb-export-XXXXXX", addr[32] = "", line[96];
+	struct daemon d;
+	kvb_client *c;
+	uint8_t hash[2][KVB_HASH_LEN];
+	uint32_t tokens[2] = { 12, 9 }, check = 1;
+	double ratio = 0.5;
+	struct kvb_segment s[2];
+	struct kvb_fuse_params p = { &check, &ratio, 1, KVB_METRIC_VALUE };
+	kvb_fuse *fu;
+	FILE *f;
+	int fd = mkstemp(log);
+
+	(void)state;
+	assert_true(fd >= 0);
+	close(fd);
+	setenv("FAKE_CUDA_LOG", log, 1);
+	setenv("KVBLEND_EMULATED_LOG", log, 1); /* the daemon inherits it */
+	daemon_start(&d, NULL);
+	c = daemon_client(&d, 0);
+	assert_int_equal(kvb_fuse_device(c), 0); /* the fake driver */
+	assert_int_equal(kvb_model_register(c, &model, NULL), 0);
+	memset(s, 0, sizeof(s));
+	for (uint32_t i = 0; i < 2; i++) {
+		uint32_t ids[2] = { 5, i };
+		size_t n = (size_t)L * 2 * tokens[i] * H * D;
+		uint16_t *kv = malloc(n * 2);
+
+		fill_f16(kv, n, i + 3);
+		kvb_chunk_hash(ids, 2, hash[i]);
+		assert_int_equal(kvb_put(c, "xm", hash[i], KVB_F16, tokens[i], 0, kv, n * 2, NULL),
+				 0);
+		free(kv);
+		memcpy(s[i].hash, hash[i], KVB_HASH_LEN);
+		s[i].pos = i ? tokens[0] : 0;
+	}
+	assert_int_equal(kvb_fuse_open(c, "xm", s, 2, &p, &fu, NULL, NULL), 0);
+	assert_true(kvb_fuse_on_device(fu)); /* mapped through the fake driver */
+	f = fopen(log, "r");
+	assert_non_null(f);
+	while (fgets(line, sizeof(line), f))
+		if (!strncmp(line, "map ", 4))
+			snprintf(addr, sizeof(addr), "%.*s", (int)strcspn(line + 4, "\n"), line + 4);
+	fclose(f);
+	assert_true(addr[0]);
+	assert_int_equal(line_of(log, "free", addr), 0); /* still the session's */
+	assert_int_equal(kvb_fuse_close(c, &fu, NULL, NULL), 0);
+	kvb_close(&c);
+	daemon_stop(&d);
+	/* Unmapped here, then freed there: never freed under the node's mapping. */
+	assert_true(line_of(log, "unmap", addr) > 0);
+	assert_true(line_of(log, "free", addr) > 0);
+	assert_true(line_of(log, "unmap", addr) < line_of(log, "free", addr));
+	daemon_cleanup(&d);
+	unlink(log);
+}
+
+/*
+ * A session whose node maps its ring but never closes it: when it expires the daemon
+ * does not free the block (the node may map it still), and says so in its log; it
+ * is freed at exit.
+ */
+static void test_expired_export_kept(void **state)
+{
+	char log[] = "/tmp/kvb-export-XXXXXX", addr[32] = "", line[96];
+	const char *args[] = { "--fuse-idle", "1", NULL };
+	struct daemon d;
+	kvb_client *c;
+	uint8_t hash[KVB_HASH_LEN];
+	uint32_t ids[2] = { 7, 1 }, T = 16, check = 1;
+	double ratio = 0.5;
+	size_t n = (size_t)L * 2 * T * H * D;
+	uint16_t *kv = malloc(n * 2);
+	struct kvb_segment s[1];
+	struct kvb_fuse_params p = { &check, &ratio, 1, KVB_METRIC_VALUE };
+	kvb_fuse *fu;
+	FILE *f;
+	int fd = mkstemp(log);
+	char *text;
+	long len;
+
+	(void)state;
+	assert_true(fd >= 0);
+	close(fd);
+	setenv("FAKE_CUDA_LOG", log, 1);
+	setenv("KVBLEND_EMULATED_LOG", log, 1);
+	daemon_start(&d, args);
+	c = daemon_client(&d, 0);
+	assert_int_equal(kvb_fuse_device(c), 0);
+	assert_int_equal(kvb_model_register(c, &model, NULL), 0);
+	fill_f16(kv, n, 21);
+	kvb_chunk_hash(ids, 2, hash);
+	assert_int_equal(kvb_put(c, "xm", hash, KVB_F16, T, 0, kv, n * 2, NULL), 0);
+	memset(s, 0, sizeof(s));
+	memcpy(s[0].hash, hash, KVB_HASH_LEN);
+	assert_int_equal(kvb_fuse_open(c, "xm", s, 1, &p, &fu, NULL, NULL), 0);
+	assert_true(kvb_fuse_on_device(fu));
+	f = fopen(log, "r");
+	assert_non_null(f);
+	while (fgets(line, sizeof(line), f))
+		if (!strncmp(line, "map ", 4))
+			snprintf(addr, sizeof(addr), "%.*s", (int)strcspn(line + 4, "\n"), line + 4);
+	fclose(f);
+	assert_true(addr[0]);
+	sleep(4); /* past fuse_idle: the session expires */
+	assert_int_not_equal(kvb_fuse_close(c, &fu, NULL, NULL), 0); /* gone */
+	assert_true(line_of(log, "unmap", addr) > 0);
+	assert_int_equal(line_of(log, "free", addr), 0); /* kept while the daemon runs */
+	kvb_close(&c);
+	daemon_stop(&d);
+	assert_true(line_of(log, "free", addr) > line_of(log, "unmap", addr)); /* at exit */
+	f = fopen(d.log_path, "r");
+	assert_non_null(f);
+	fseek(f, 0, SEEK_END);
+	len = ftell(f);
+	rewind(f);
+	text = calloc(1, (size_t)len + 1);
+	assert_int_equal(fread(text, 1, (size_t)len, f), (size_t)len);
+	fclose(f);
+	assert_non_null(strstr(text, "expired with its device ring exported"));
+	free(text);
+	free(kv);
+	daemon_cleanup(&d);
+	unlink(log);
+}
+
+/*
+ * A session on the emulated device whose pinned ring comes from the cache (the first
+ * session's): only the fresh tokens' rows are zeroed at open, in every slot, not the
+ * whole ring (ring_zeroed_bytes, in the close's statistics); and the fuse is still
+ * that of the first, identical session.
+ */
+static void test_zero_only_fresh_rows(void **state)
+{
+	struct daemon d;
+	kvb_client *c;
+	uint8_t hash[KVB_HASH_LEN];
+	uint32_t ids[2] = { 6, 1 }, T = 20, F = 4, n = T + F, check = 1;
+	double ratio = 0.5;
+	size_t row = (size_t)H * D * 2, layer = 2 * (size_t)n * row;
+	struct kvb_segment s[2];
+	struct kvb_fuse_params p = { &check, &ratio, 1, KVB_METRIC_VALUE };
+	uint16_t *kv = malloc((size_t)L * 2 * T * row);
+	uint8_t *rows = malloc(layer), *out[2];
+	double zeroed = -1, ring = -1;
+
+	(void)state;
+	unsetenv("KVBLEND_EMULATED_LOG");
+	daemon_start(&d, NULL);
+	c = daemon_client(&d, 1); /* no shared memory: the ring is the daemon's pinned one */
+	assert_int_equal(kvb_model_register(c, &model, NULL), 0);
+	fill_f16(kv, (size_t)L * 2 * T * H * D, 11);
+	kvb_chunk_hash(ids, 2, hash);
+	assert_int_equal(kvb_put(c, "xm", hash, KVB_F16, T, 0, kv, (size_t)L * 2 * T * row, NULL),
+			 0);
+	memset(s, 0, sizeof(s));
+	memcpy(s[0].hash, hash, KVB_HASH_LEN);
+	s[1].fresh = 1;
+	s[1].count = F;
+	s[1].pos = T;
+	fill_f16((uint16_t *)rows, layer / 2, 12);
+	for (int round = 0; round < 2; round++) {
+		kvb_fuse *fu;
+		struct kvb_stat *st;
+		size_t n_st;
+		int fused = 0;
+
+		out[round] = calloc(1, layer);
+		assert_int_equal(kvb_fuse_open(c, "xm", s, 2, &p, &fu, NULL, NULL), 0);
+		assert_int_equal(kvb_fuse_tokens(fu), n);
+		for (uint32_t l = kvb_fuse_next_layer(fu); l < L; l++) {
+			const int32_t *sel;
+			size_t nr = kvb_fuse_rows(fu, &sel);
+
+			assert_int_equal(kvb_fuse_layer(c, fu, l, rows, rows + nr * row,
+							out[round], out[round] + layer / 2, &fused),
+					 0);
+		}
+		assert_int_equal(kvb_fuse_close(c, &fu, &st, &n_st), 0);
+		for (size_t i = 0; i < n_st; i++) {
+			if (!strcmp(st[i].name, "ring_zeroed_bytes"))
+				zeroed = st[i].value;
+			if (!strcmp(st[i].name, "ring_bytes"))
+				ring = st[i].value;
+		}
+		free(st);
+	}
+	/* Fresh rows of K and V in each slot: a whole number of slots' worth, F of the n
+	 * rows of the pinned ring (ring_bytes, what the session holds: at least the ring). */
+	assert_true(zeroed > 0);
+	assert_true((uint64_t)zeroed % (2 * F * row) == 0);
+	assert_true((uint64_t)zeroed * n <= (uint64_t)ring * F);
+	assert_memory_equal(out[0], out[1], layer);
+	kvb_close(&c);
+	daemon_stop(&d);
+	daemon_cleanup(&d);
+	free(out[0]);
+	free(out[1]);
+	free(rows);
+	free(kv);
+}
+
+int main(void)
+{
+	const struct CMUnitTest tests[] = {
+		cmocka_unit_test(test_unmap_before_free),
+		cmocka_unit_test(test_zero_only_fresh_rows),
+		cmocka_unit_test(test_expired_export_kept),
+	};
+
+	return cmocka_run_group_tests(tests, NULL, NULL);
+}
