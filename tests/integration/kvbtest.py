@@ -155,6 +155,15 @@ class Daemon:
             return f.read()
 
 
+def wait_for(fn, seconds, step=0.1):
+    """Call fn until it returns something true or seconds pass; its last value."""
+    end = time.time() + seconds
+    while True:
+        v = fn()
+        if v or time.time() > end:
+            return v
+        time.sleep(step)
+
 class Etcd:
     """A real etcd (Debian's etcd-server) on free loopback ports, its data in TMP/etcd and
     its log in TMP/etcd.log. url is its client URL; start() may follow a stop (same data)."""

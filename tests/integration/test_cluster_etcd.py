@@ -94,13 +94,7 @@ def stats(n):
     return json.loads(cli(n, "stats", "--json").stdout)
 
 
-def wait_for(fn, seconds):
-    end = time.time() + seconds
-    while True:
-        v = fn()
-        if v or time.time() > end:
-            return v
-        time.sleep(0.1)
+wait_for = kvbtest.wait_for
 
 
 def view(n):

@@ -17,7 +17,6 @@ Checks (issue 20):
 """
 
 import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -61,13 +60,7 @@ def status(n):
             ["members"]}
 
 
-def wait_for(fn, seconds):
-    end = time.time() + seconds
-    while True:
-        v = fn()
-        if v or time.time() > end:
-            return v
-        time.sleep(0.2)
+wait_for = kvbtest.wait_for
 
 
 def etcd_records():

@@ -46,9 +46,24 @@ static int line_of(const char *log, const char *what, const char *addr)
 	return at;
 }
 
+/* The address of the last "map ADDR" line of the fake driver's log into addr; asserts one. */
+static void last_mapped(const char *log, char *addr, size_t len)
+{
+	char line[256];
+	FILE *f = fopen(log, "r");
+
+	assert_non_null(f);
+	addr[0] = 0;
+	while (fgets(line, sizeof(line), f))
+		if (!strncmp(line, "map ", 4))
+			snprintf(addr, len, "%.*s", (int)strcspn(line + 4, "\n"), line + 4);
+	fclose(f);
+	assert_true(addr[0]);
+}
+
 static void test_unmap_before_free(void **state)
 {
-	char log[] = "/tmp/kvb-export-XXXXXX", addr[32] = "", line[96];
+	char log[] = "/tmp/kvb-export-XXXXXX", addr[32] = "";
 	struct daemon d;
 	kvb_client *c;
 	uint8_t hash[2][KVB_HASH_LEN];
@@ -57,7 +72,6 @@ static void test_unmap_before_free(void **state)
 	struct kvb_segment s[2];
 	struct kvb_fuse_params p = { &check, &ratio, 1, KVB_METRIC_VALUE };
 	kvb_fuse *fu;
-	FILE *f;
 	int fd = mkstemp(log);
 
 	(void)state;
@@ -85,13 +99,7 @@ static void test_unmap_before_free(void **state)
 	}
 	assert_int_equal(kvb_fuse_open(c, "xm", s, 2, &p, &fu, NULL, NULL), 0);
 	assert_true(kvb_fuse_on_device(fu)); /* mapped through the fake driver */
-	f = fopen(log, "r");
-	assert_non_null(f);
-	while (fgets(line, sizeof(line), f))
-		if (!strncmp(line, "map ", 4))
-			snprintf(addr, sizeof(addr), "%.*s", (int)strcspn(line + 4, "\n"), line + 4);
-	fclose(f);
-	assert_true(addr[0]);
+	last_mapped(log, addr, sizeof(addr));
 	assert_int_equal(line_of(log, "free", addr), 0); /* still the session's */
 	assert_int_equal(kvb_fuse_close(c, &fu, NULL, NULL), 0);
 	kvb_close(&c);
@@ -111,7 +119,7 @@ static void test_unmap_before_free(void **state)
  */
 static void test_expired_export_kept(void **state)
 {
-	char log[] = "/tmp/kvb-export-XXXXXX", addr[32] = "", line[96];
+	char log[] = "/tmp/kvb-export-XXXXXX", addr[32] = "";
 	const char *args[] = { "--fuse-idle", "1", NULL };
 	struct daemon d;
 	kvb_client *c;
@@ -144,13 +152,7 @@ static void test_expired_export_kept(void **state)
 	memcpy(s[0].hash, hash, KVB_HASH_LEN);
 	assert_int_equal(kvb_fuse_open(c, "xm", s, 1, &p, &fu, NULL, NULL), 0);
 	assert_true(kvb_fuse_on_device(fu));
-	f = fopen(log, "r");
-	assert_non_null(f);
-	while (fgets(line, sizeof(line), f))
-		if (!strncmp(line, "map ", 4))
-			snprintf(addr, sizeof(addr), "%.*s", (int)strcspn(line + 4, "\n"), line + 4);
-	fclose(f);
-	assert_true(addr[0]);
+	last_mapped(log, addr, sizeof(addr));
 	sleep(4); /* past fuse_idle: the session expires */
 	assert_int_not_equal(kvb_fuse_close(c, &fu, NULL, NULL), 0); /* gone */
 	assert_true(line_of(log, "unmap", addr) > 0);

@@ -18,7 +18,6 @@ import random
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -84,13 +83,7 @@ def alive(n):
     return daemons[n].poll() is None and cli(n, "ping").returncode == 0
 
 
-def wait_for(fn, secs):
-    end = time.time() + secs
-    while time.time() < end:
-        if fn():
-            return True
-        time.sleep(0.1)
-    return fn()
+wait_for = kvbtest.wait_for
 
 
 GOOD = {"id": "x", "endpoint": "tcp://127.0.0.1:1", "curve_public_key": KEYS["a"]["public"],
