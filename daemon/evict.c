@@ -400,7 +400,8 @@ static uint64_t pass(struct evictor *e, uint64_t goal, const char *requester)
 		log_warn("eviction: cannot scan the store: %s", strerror(-rc));
 		goto out;
 	}
-	qsort(g.c, g.n, sizeof(*g.c), cmp_cand);
+	if (g.n) /* (an empty store gathers no array: qsort must not see NULL) */
+		qsort(g.c, g.n, sizeof(*g.c), cmp_cand);
 	pthread_mutex_lock(&e->lock);
 	pins_expire(e);
 	pthread_mutex_unlock(&e->lock);
