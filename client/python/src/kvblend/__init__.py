@@ -6,9 +6,10 @@ every call is one libkvblend call, so the C and Python clients never disagree.
 libkvblend.so is found, in this order:
 
 1. ``$KVBLEND_LIB``, the path of libkvblend.so (if set, only this is tried);
-2. the checkout's ``build/lib/libkvblend.so`` when the package runs from its source
+2. the copy that ``pip install ./client/python`` built and bundled (``kvblend/_libs/``);
+3. the checkout's ``build/lib/libkvblend.so`` when the package runs from its source
    tree (``pip install -e client/python`` or ``src/`` on ``sys.path``);
-3. ``ctypes.util.find_library("kvblend")``, then ``libkvblend.so.1`` and
+4. ``ctypes.util.find_library("kvblend")``, then ``libkvblend.so.1`` and
    ``libkvblend.so`` on the dynamic loader's search path (where the .deb installs it).
 
 KV tensors are NumPy arrays shaped ``[layers, 2, tokens, kv_heads, head_dim]`` (K, then
