@@ -82,6 +82,13 @@ try:
     want, want_sel = np.load(f"{TMP}/cpu.npy"), np.load(f"{TMP}/cpu-sel.npy")
     stop(d, "cpu")
 
+    def fuses_as_cpu(tag):
+        """Fuse as tag: (whether it succeeded with --device cpu's layers and selection,
+        its stderr)."""
+        r = fuse(tag, ok=False)
+        return (r.returncode == 0 and np.array_equal(np.load(f"{TMP}/{tag}.npy"), want) and
+                np.array_equal(np.load(f"{TMP}/{tag}-sel.npy"), want_sel)), r.stderr.strip()
+
     # A session of 4 layers, 2 chunks and checks at 1 and 2 makes some 45 device calls:
     # these fail in its open (1, 3), in a layer's load (7, 10: the load that a prefetch
     # began is taken up again by the layer's request, which then may succeed) and in a
@@ -117,12 +124,9 @@ try:
         check(f"{tag}: the session that meets it fails naming the device",
               r.returncode != 0 and "emulated device failed" in r.stderr, r.stderr.strip())
         for i in range(2):
-            r = fuse(f"sticky{fa}-after{i}", ok=False)
+            ok, err = fuses_as_cpu(f"sticky{fa}-after{i}")
             check(f"{tag}: session {i + 1} after it fuses on the CPU as --device cpu does",
-                  r.returncode == 0 and
-                  np.array_equal(np.load(f"{TMP}/sticky{fa}-after{i}.npy"), want) and
-                  np.array_equal(np.load(f"{TMP}/sticky{fa}-after{i}-sel.npy"), want_sel),
-                  r.stderr.strip())
+                  ok, err)
         stats = json.loads(cli("stats", "--json").stdout)
         check(f"{tag}: stats say the device failed", stats.get("device_failed") == 1,
               str(stats.get("device_failed")))
@@ -137,12 +141,8 @@ try:
         tag = f"fuse_device_max_bytes {budget}"
         d = start("emulated", flags=("--fuse-device-max-bytes", budget))
         for i in range(2):
-            r = fuse(f"budget{budget}-{i}", ok=False)
-            check(f"{tag}: session {i + 1} fuses as --device cpu does",
-                  r.returncode == 0 and
-                  np.array_equal(np.load(f"{TMP}/budget{budget}-{i}.npy"), want) and
-                  np.array_equal(np.load(f"{TMP}/budget{budget}-{i}-sel.npy"), want_sel),
-                  r.stderr.strip())
+            ok, err = fuses_as_cpu(f"budget{budget}-{i}")
+            check(f"{tag}: session {i + 1} fuses as --device cpu does", ok, err)
         stats = json.loads(cli("stats", "--json").stdout)
         check(f"{tag}: stats count the sessions sent to the host path",
               stats.get("fuse_device_fallbacks") == (0 if on_device else 2),
