@@ -47,6 +47,13 @@ struct fuse_limits {
 	 * where the device does not say (emulated). A session whose block does not fit,
 	 * or for which the device is out of memory, runs on the host path. */
 	uint64_t dev_max_bytes;
+	/*
+	 * Whether a session whose node takes its fused layers in host memory (the reply's
+	 * frames or the shared ring; no device export asked) runs on the device too. Off:
+	 * only sessions whose node maps the device ring run there, the rest on the CPU
+	 * path, where no layer crosses PCIe twice (the choice device auto makes).
+	 */
+	bool dev_host;
 };
 
 struct fuse_table;

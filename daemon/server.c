@@ -696,15 +696,31 @@ static int pick_backend(struct server *srv, int device)
 		const char *fa = getenv("KVBLEND_EMULATED_FAIL_AFTER");
 		const char *sticky = getenv("KVBLEND_EMULATED_STICKY");
 
+		const char *as_auto = getenv("KVBLEND_EMULATED_AUTO");
+
 		/* The test hooks: the Nth device call fails, as a CUDA error would; with
-		 * KVBLEND_EMULATED_STICKY=1 for good, as an illegal address does. */
+		 * KVBLEND_EMULATED_STICKY=1 for good, as an illegal address does; with
+		 * KVBLEND_EMULATED_AUTO=1 sessions are placed as device auto places them. */
 		if (blend_emu_open(fa ? strtoull(fa, NULL, 10) : 0, sticky && !strcmp(sticky, "1"),
 				   &srv->emu))
 			return -ENOMEM;
 		srv->dev = srv->emu;
+		srv->dev_host = !(as_auto && !strcmp(as_auto, "1"));
 		log_info("fuse backend %s, sessions on the emulated device (host memory standing "
-			 "in for a GPU's, for tests: slower than device cpu)", srv->blend->name);
+			 "in for a GPU's, for tests: slower than device cpu)%s", srv->blend->name,
+			 srv->dev_host ? "" : "; sessions placed as device auto places them");
 		return 0;
+	}
+	if (blend_cuda_built()) {
+		/* The floor first: a driver below it is why cuda refuses and auto runs on the CPU. */
+		int v = blend_cuda_driver_version();
+
+		if (v > 0)
+			log_info("CUDA: this build's %s; this machine's driver supports CUDA %d.%d",
+				 blend_cuda_driver_floor(), v / 1000, v % 1000 / 10);
+		else
+			log_info("CUDA: this build's %s; no NVIDIA driver here",
+				 blend_cuda_driver_floor());
 	}
 	if (device == CONFIG_DEVICE_AUTO &&
 	    blend_cuda_probe(0, name, sizeof(name), why, sizeof(why))) {
@@ -723,9 +739,16 @@ static int pick_backend(struct server *srv, int device)
 	}
 	blend_cuda_memory(srv->gpu, &held, &total);
 	srv->dev = blend_cuda_device(srv->gpu);
-	log_info("fuse sessions on CUDA device %d (%s, %" PRIu64 " MiB%s); landing sessions and "
-		 "re-rotated GETs on %s", ordinal, blend_cuda_name(srv->gpu), total >> 20,
-		 device == CONFIG_DEVICE_AUTO ? ", device auto" : "", srv->blend->name);
+	srv->dev_host = device != CONFIG_DEVICE_AUTO;
+	log_info("fuse sessions on CUDA device %d (%s, %" PRIu64 " MiB%s, %s); landing sessions "
+		 "and re-rotated GETs on %s", ordinal, blend_cuda_name(srv->gpu), total >> 20,
+		 device == CONFIG_DEVICE_AUTO ? ", device auto" : "",
+		 blend_cuda_blocking_sync(srv->gpu) ? "waits block" : "waits spin: blocking sync refused",
+		 srv->blend->name);
+	if (!srv->dev_host)
+		log_info("device auto: a session runs on CUDA device %d when its node maps the "
+			 "device ring, else on %s (its layers would cross PCIe twice)", ordinal,
+			 srv->blend->name);
 	return 0;
 }
 
@@ -858,7 +881,8 @@ int server_start(struct server *srv, const struct config *cfg, struct store *sto
 	{
 		struct fuse_limits fl = { cfg->fuse_max_sessions, cfg->fuse_max_tokens,
 					  cfg->fuse_max_bytes, cfg->fuse_ring, cfg->fuse_idle,
-					  cfg->client_fuse_sessions, cfg->fuse_device_max_bytes };
+					  cfg->client_fuse_sessions, cfg->fuse_device_max_bytes,
+					  srv->dev_host };
 
 		rc = fuse_table_new(&fl, store, srv->pool, srv->blend, srv->dev, srv->shm,
 				    &srv->fuse);

@@ -240,6 +240,7 @@ size_t dev_layout(const struct fuse_session *s, struct dev_sess *d, uint8_t *bas
 	CARVE(dev, float *, (n + 1) * sizeof(float));
 	CARVE(cdev, float *, (n + 1) * sizeof(float));
 	CARVE(scratch, uint8_t *, d->scratch_bytes);
+	CARVE(spans, struct blend_dev_span *, (s->n_chunks + 1) * sizeof(struct blend_dev_span));
 #undef CARVE
 	for (size_t i = 0; i < s->n_chunks; i++) {
 		const struct rope_table *r = &s->chunks[i].rot;
@@ -306,6 +307,36 @@ void dev_sess_free(struct fuse_table *t, struct fuse_session *s)
 }
 
 /*
+ * The chunks as spans of a layer, with their tables on the device, uploaded to
+ * d->spans on the compute stream (the caller syncs it before the host array goes).
+ */
+static int dev_spans_upload(const struct blend_device *dv, const struct fuse_session *s,
+			    struct dev_sess *d)
+{
+	struct blend_dev_span *sp = calloc(s->n_chunks + 1, sizeof(*sp));
+	uint32_t n = 0, rows = 0;
+	int rc;
+
+	if (!sp)
+		return -ENOMEM;
+	for (size_t i = 0; i < s->n_chunks; i++) {
+		if (!s->chunks[i].tokens)
+			continue;
+		sp[n] = (struct blend_dev_span){ d->tabs[i], s->chunks[i].off, s->chunks[i].tokens,
+						 rows };
+		rows += s->chunks[i].tokens;
+		n++;
+	}
+	rc = dv->upload(dv, d->comp, d->spans, sp, n * sizeof(*sp));
+	if (!rc)
+		rc = dv->stream_sync(dv, d->comp); /* sp is read by the copy until then */
+	free(sp);
+	d->n_spans = n;
+	d->span_rows = rows;
+	return rc;
+}
+
+/*
  * The device half of a session's open: the host ring (pinned from the cache, or the
  * shared segment at s->ring_mem pinned in place), streams, events, the device
  * block (zeroed first when the node is to map it: a cached block holds another
@@ -366,6 +397,8 @@ int dev_sess_setup(struct fuse_table *t, struct fuse_session *s, size_t ring_byt
 	if (!rc)
 		rc = dv->upload(dv, d->comp, d->always, s->fresh, s->n_fresh * sizeof(int32_t));
 	if (!rc)
+		rc = dev_spans_upload(dv, s, d);
+	if (!rc)
 		rc = dv->stream_sync(dv, d->comp);
 	return dev_rc(rc);
 }
@@ -408,12 +441,11 @@ int dev_load(struct fuse_table *t, struct fuse_session *s, struct slot *sl, uint
 	if (rc)
 		return rc; /* the store's errno */
 	rc = dv->upload(dv, d->copy, dk, sl->k, d->slot_bytes);
-	for (size_t c = 0; !rc && c < s->n_chunks; c++) {
-		uint8_t *rows = dk + (size_t)s->chunks[c].off * s->row_bytes;
-
-		rc = dv->rotate(dv, d->copy, &s->shape, &d->tabs[c], rows, rows,
-				s->chunks[c].tokens);
-	}
+	/* Every chunk's keys in one launch (a launch per chunk costs more than the work of
+	 * a short chunk). */
+	if (!rc)
+		rc = dv->rotate_spans(dv, d->copy, &s->shape, d->spans, d->n_spans, d->span_rows,
+				      dk);
 	if (!rc)
 		rc = dv->event_record(dv, d->loaded[i], d->copy);
 	return dev_rc(rc);

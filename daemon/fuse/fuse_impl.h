@@ -181,6 +181,10 @@ struct dev_sess {
 	uint8_t *scratch;
 	size_t scratch_bytes;
 	struct blend_dev_table *tabs; /* host array: chunk i's rotation table, on the device */
+	/* The chunks as spans of a layer (device memory, uploaded at open): a layer's keys
+	 * are re-rotated in one launch. n_spans: chunks with tokens; span_rows: their rows. */
+	struct blend_dev_span *spans;
+	uint32_t n_spans, span_rows;
 };
 
 /*

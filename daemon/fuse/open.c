@@ -263,8 +263,9 @@ static uint32_t open_size(struct fuse_table *t, const struct store_model *m,
 		pthread_mutex_lock(&t->lock);
 		t->dev_fallbacks++;
 		pthread_mutex_unlock(&t->lock);
-	} else if (t->dev) {
-		/* And the same ring on the device, with room for the node's rows. */
+	} else if (t->dev && (t->lim.dev_host || q->device_out)) {
+		/* And the same ring on the device, with room for the node's rows (a node that
+		 * takes its layers in host memory only where dev_host allows: per session). */
 		s->dv = calloc(1, sizeof(*s->dv));
 		if (s->dv)
 			s->dv->tabs = calloc(s->n_chunks + 1, sizeof(*s->dv->tabs));

@@ -263,6 +263,8 @@ uint32_t fuse_close(struct fuse_table *t, uint64_t id, const char *owner, struct
 		STAT("ring_bytes", s->bytes);
 		STAT("bytes_in", s->bytes_in);
 		STAT("bytes_out", s->bytes_out);
+		if (!s->land) /* where its layers were computed: 1 on the device */
+			STAT("on_device", s->dv != NULL);
 		if (s->dv && s->dv->hring) /* the pinned ring's bytes zeroed at open */
 			STAT("ring_zeroed_bytes", s->dv->zeroed);
 		if (s->land) {
