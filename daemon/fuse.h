@@ -167,7 +167,12 @@ bool fuse_prefetch(struct fuse_table *t, uint64_t id);
 uint32_t fuse_close(struct fuse_table *t, uint64_t id, const char *owner, struct kvbp_stat **stats,
 		    size_t *n, char *err, size_t errlen);
 
-/* Free sessions idle longer than idle_s; returns how many. */
+/*
+ * Free sessions idle longer than idle_s, and the device memory sessions gave up since
+ * the last call; returns how many sessions. Waits for their device work and frees
+ * device memory, which stalls the device: call it off the thread that serves
+ * sockets (kvblendd: the prefetch thread, once a second).
+ */
 unsigned fuse_expire(struct fuse_table *t);
 
 /* Open sessions, ring bytes held, chunks pinned. */

@@ -404,12 +404,31 @@ static void *prefetch_main(void *arg)
 {
 	struct server *srv = arg;
 
+	struct timespec last = { 0 }, now;
+
 	pthread_mutex_lock(&srv->pf_lock);
 	while (!srv->pf_stop) {
 		uint64_t id;
 
+		/*
+		 * Idle sessions expire here, not on the main thread: freeing a session waits
+		 * for its device work and gives device memory back, which stalls the device
+		 * and would stall every socket with it.
+		 */
+		clock_gettime(CLOCK_MONOTONIC, &now);
+		if (now.tv_sec != last.tv_sec) {
+			pthread_mutex_unlock(&srv->pf_lock);
+			fuse_expire(srv->fuse);
+			pthread_mutex_lock(&srv->pf_lock);
+			last = now;
+			continue;
+		}
 		if (!srv->pf_len) {
-			pthread_cond_wait(&srv->pf_cond, &srv->pf_lock);
+			struct timespec until;
+
+			clock_gettime(CLOCK_REALTIME, &until);
+			until.tv_sec += 1;
+			pthread_cond_timedwait(&srv->pf_cond, &srv->pf_lock, &until);
 			continue;
 		}
 		id = srv->pf_queue[srv->pf_head];
@@ -983,7 +1002,6 @@ int server_run(struct server *srv, volatile int *stop, void (*tick)(struct serve
 
 			if (n)
 				log_info("released %u idle shared-memory segments", n);
-			fuse_expire(srv->fuse);
 			held_expire(&srv->held, (int64_t)srv->cfg->reply_timeout_ms);
 			last = now;
 		}

@@ -60,7 +60,58 @@ static void block_free(struct fuse_table *t, bool host, void *p, size_t bytes)
 		t->dev->free(t->dev, p, bytes);
 }
 
-/* Drop every cached block (to make room on the device). */
+/*
+ * A block given up on a session's path (open, close): freed by the next block_reap(),
+ * off that path. Freed here only when the list cannot grow.
+ */
+static void block_free_later(struct fuse_table *t, bool host, void *p, size_t bytes)
+{
+	if (!p)
+		return;
+	pthread_mutex_lock(&t->lock);
+	if (t->n_reap == t->cap_reap) {
+		size_t cap = t->cap_reap ? 2 * t->cap_reap : 8;
+		struct dblock *r = realloc(t->reap, cap * sizeof(*r));
+
+		if (r) {
+			t->reap = r;
+			t->cap_reap = cap;
+		}
+	}
+	if (t->n_reap < t->cap_reap) {
+		t->reap[t->n_reap++] = (struct dblock){ p, bytes, host };
+		p = NULL;
+	}
+	pthread_mutex_unlock(&t->lock);
+	if (p)
+		block_free(t, host, p, bytes);
+}
+
+/* Free the blocks of list[0..n) and the list. */
+static void blocks_free(struct fuse_table *t, struct dblock *list, size_t n)
+{
+	for (size_t i = 0; i < n; i++)
+		block_free(t, list[i].host, list[i].p, list[i].bytes);
+	free(list);
+}
+
+void block_reap(struct fuse_table *t)
+{
+	struct dblock *r;
+	size_t n;
+
+	if (!t->dev)
+		return;
+	pthread_mutex_lock(&t->lock);
+	r = t->reap;
+	n = t->n_reap;
+	t->reap = NULL;
+	t->n_reap = t->cap_reap = 0;
+	pthread_mutex_unlock(&t->lock);
+	blocks_free(t, r, n);
+}
+
+/* Drop every cached block, and free those waiting for block_reap(). */
 void block_flush(struct fuse_table *t)
 {
 	struct dblock *c;
@@ -73,9 +124,101 @@ void block_flush(struct fuse_table *t)
 	t->n_cache = t->cap_cache = 0;
 	t->cached = t->cached_dev = 0;
 	pthread_mutex_unlock(&t->lock);
-	for (size_t i = 0; i < n; i++)
-		block_free(t, c[i].host, c[i].p, c[i].bytes);
-	free(c);
+	blocks_free(t, c, n);
+	block_reap(t);
+}
+
+/* Free one set of streams and events (what a failed take left too). */
+static void streams_free(const struct blend_device *dv, struct dev_streams *ds)
+{
+	for (uint32_t i = 0; ds->ev && i < ds->n_ev; i++)
+		if (ds->ev[i])
+			dv->event_free(dv, ds->ev[i]);
+	if (ds->comp)
+		dv->stream_free(dv, ds->comp);
+	if (ds->copy)
+		dv->stream_free(dv, ds->copy);
+	free(ds->ev);
+	memset(ds, 0, sizeof(*ds));
+}
+
+/*
+ * A session's streams and n_ring events: a pooled set (of a closed session), else a
+ * new one with room for the longest ring (fuse_ring + 1), so that any session can
+ * take it next. On failure d holds what was made, for dev_sess_free().
+ */
+static int streams_take(struct fuse_table *t, uint32_t n_ring, struct dev_sess *d)
+{
+	const struct blend_device *dv = t->dev;
+	struct dev_streams ds = { 0 };
+	bool pooled = false;
+	int rc = 0;
+
+	pthread_mutex_lock(&t->lock);
+	for (size_t i = 0; i < t->n_spool && !pooled; i++)
+		if (t->spool[i].n_ev >= n_ring) {
+			ds = t->spool[i];
+			t->spool[i] = t->spool[--t->n_spool];
+			pooled = true;
+		}
+	pthread_mutex_unlock(&t->lock);
+	if (!pooled) {
+		ds.n_ev = t->lim.ring + 1 > n_ring ? (uint32_t)t->lim.ring + 1 : n_ring;
+		ds.ev = calloc(ds.n_ev, sizeof(*ds.ev));
+		if (!ds.ev)
+			return -ENOMEM;
+		rc = dv->stream_new(dv, &ds.copy);
+		if (!rc)
+			rc = dv->stream_new(dv, &ds.comp);
+		for (uint32_t i = 0; !rc && i < ds.n_ev; i++)
+			rc = dv->event_new(dv, &ds.ev[i]);
+	}
+	d->copy = ds.copy;
+	d->comp = ds.comp;
+	d->loaded = ds.ev;
+	d->n_loaded = ds.n_ev;
+	return rc;
+}
+
+/* Keep a session's streams and events for the next session (idle: synced), up to one
+ * set per session the table holds; else, or after a device failure, free them. */
+static void streams_give(struct fuse_table *t, struct dev_sess *d, bool failed)
+{
+	struct dev_streams ds = { d->copy, d->comp, d->loaded, d->n_loaded };
+
+	d->copy = d->comp = NULL;
+	d->loaded = NULL;
+	d->n_loaded = 0;
+	if (!ds.copy && !ds.comp && !ds.ev)
+		return;
+	pthread_mutex_lock(&t->lock);
+	if (!failed && ds.copy && ds.comp && ds.ev && t->n_spool < t->lim.max_sessions) {
+		if (t->n_spool == t->cap_spool) {
+			size_t cap = t->cap_spool ? 2 * t->cap_spool : 8;
+			struct dev_streams *p = realloc(t->spool, cap * sizeof(*p));
+
+			if (p) {
+				t->spool = p;
+				t->cap_spool = cap;
+			}
+		}
+		if (t->n_spool < t->cap_spool) {
+			t->spool[t->n_spool++] = ds;
+			ds.ev = NULL;
+			ds.copy = ds.comp = NULL;
+		}
+	}
+	pthread_mutex_unlock(&t->lock);
+	streams_free(t->dev, &ds);
+}
+
+void dev_streams_flush(struct fuse_table *t)
+{
+	for (size_t i = 0; i < t->n_spool; i++)
+		streams_free(t->dev, &t->spool[i]);
+	free(t->spool);
+	t->spool = NULL;
+	t->n_spool = t->cap_spool = 0;
 }
 
 /*
@@ -176,8 +319,8 @@ void block_trim(struct fuse_table *t)
 		n++;
 	}
 	pthread_mutex_unlock(&t->lock);
-	for (size_t i = 0; i < n; i++)
-		block_free(t, drop[i].host, drop[i].p, drop[i].bytes);
+	for (size_t i = 0; i < n; i++) /* a session is opening: not here */
+		block_free_later(t, drop[i].host, drop[i].p, drop[i].bytes);
 	free(drop);
 }
 
@@ -215,7 +358,7 @@ static void block_give(struct fuse_table *t, bool host, void *p, size_t bytes)
 		}
 	}
 	pthread_mutex_unlock(&t->lock);
-	block_free(t, host, p, bytes);
+	block_free_later(t, host, p, bytes);
 }
 
 /* Carve (or, with base NULL, only measure) a session's device block; returns its size. */
@@ -279,28 +422,21 @@ void dev_sess_free(struct fuse_table *t, struct fuse_session *s)
 		failed |= t->dev->stream_sync(t->dev, d->comp) != 0;
 	if (d->copy)
 		failed |= t->dev->stream_sync(t->dev, d->copy) != 0;
-	for (uint32_t i = 0; d->loaded && i < s->n_ring; i++)
-		if (d->loaded[i])
-			t->dev->event_free(t->dev, d->loaded[i]);
-	if (d->comp)
-		t->dev->stream_free(t->dev, d->comp);
-	if (d->copy)
-		t->dev->stream_free(t->dev, d->copy);
+	streams_give(t, d, failed);
 	if (d->registered)
 		t->dev->host_unregister(t->dev, s->ring_mem);
 	/* A block the node mapped stays readable there: it must not serve another session,
 	 * nor be freed while the node of an expired session may map it still. */
 	if (d->exported && s->expired)
 		block_orphan(t, s, d->blk, d->blk_bytes);
-	else if (d->exported || failed)
-		block_free(t, false, d->blk, d->blk_bytes);
+	else if (d->exported || failed) /* the node unmapped it before its close */
+		block_free_later(t, false, d->blk, d->blk_bytes);
 	else
 		block_give(t, false, d->blk, d->blk_bytes);
 	if (failed)
-		block_free(t, true, d->hring, d->hring_bytes);
+		block_free_later(t, true, d->hring, d->hring_bytes);
 	else
 		block_give(t, true, d->hring, d->hring_bytes);
-	free(d->loaded);
 	free(d->tabs);
 	free(d);
 	s->dv = NULL;
@@ -371,14 +507,7 @@ int dev_sess_setup(struct fuse_table *t, struct fuse_session *s, size_t ring_byt
 		/* Unpinned, the copies still work, only slower: not a reason to refuse. */
 		d->registered = dv->host_register(dv, s->ring_mem, ring_bytes) == 0;
 	}
-	rc = dv->stream_new(dv, &d->copy);
-	if (!rc)
-		rc = dv->stream_new(dv, &d->comp);
-	d->loaded = calloc(s->n_ring, sizeof(*d->loaded));
-	if (!rc && !d->loaded)
-		rc = -ENOMEM;
-	for (uint32_t i = 0; !rc && i < s->n_ring; i++)
-		rc = dv->event_new(dv, &d->loaded[i]);
+	rc = streams_take(t, s->n_ring, d);
 	if (!rc)
 		rc = block_take(t, false, d->blk_bytes, (void **)&d->blk, &d->blk_bytes);
 	if (rc)

@@ -175,6 +175,7 @@ void fuse_table_free(struct fuse_table **tp)
 	if (t->dev) {
 		block_flush(t);
 		block_orphans_free(t);
+		dev_streams_flush(t);
 	}
 	free(t->sessions);
 	free(t->pins);
@@ -308,6 +309,7 @@ unsigned fuse_expire(struct fuse_table *t)
 	for (unsigned i = 0; i < n; i++)
 		session_free(t, gone[i]);
 	free(gone);
+	block_reap(t); /* device memory sessions gave up since the last call */
 	return n;
 }
 

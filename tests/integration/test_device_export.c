@@ -17,6 +17,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cmocka.h>
@@ -196,9 +197,14 @@ static void test_zero_only_fresh_rows(void **state)
 	uint16_t *kv = malloc((size_t)L * 2 * T * row);
 	uint8_t *rows = malloc(layer), *out[2];
 	double zeroed = -1, ring = -1;
+	char log[] = "/tmp/kvb-pool-XXXXXX";
+	int fd = mkstemp(log);
+	struct stat lst;
 
 	(void)state;
-	unsetenv("KVBLEND_EMULATED_LOG");
+	assert_true(fd >= 0);
+	close(fd);
+	setenv("KVBLEND_EMULATED_LOG", log, 1); /* the daemon notes its device frees there */
 	daemon_start(&d, NULL);
 	c = daemon_client(&d, 1); /* no shared memory: the ring is the daemon's pinned one */
 	assert_int_equal(kvb_model_register(c, &model, NULL), 0);
@@ -244,9 +250,17 @@ static void test_zero_only_fresh_rows(void **state)
 	assert_true((uint64_t)zeroed % (2 * F * row) == 0);
 	assert_true((uint64_t)zeroed * n <= (uint64_t)ring * F);
 	assert_memory_equal(out[0], out[1], layer);
+	/* The second session took the first one's blocks: no device memory was freed on
+	 * the sessions' path (pooled), only at exit. */
+	assert_int_equal(stat(log, &lst), 0);
+	assert_int_equal(lst.st_size, 0);
 	kvb_close(&c);
 	daemon_stop(&d);
+	assert_int_equal(stat(log, &lst), 0);
+	assert_true(lst.st_size > 0);
 	daemon_cleanup(&d);
+	unsetenv("KVBLEND_EMULATED_LOG");
+	unlink(log);
 	free(out[0]);
 	free(out[1]);
 	free(rows);
