@@ -433,13 +433,37 @@ void dev_sess_free(struct fuse_table *t, struct fuse_session *s)
 		block_free_later(t, false, d->blk, d->blk_bytes);
 	else
 		block_give(t, false, d->blk, d->blk_bytes);
-	if (failed)
+	if (failed) {
 		block_free_later(t, true, d->hring, d->hring_bytes);
-	else
+		block_free_later(t, true, d->hstage, d->hstage_bytes);
+	} else {
 		block_give(t, true, d->hring, d->hring_bytes);
+		block_give(t, true, d->hstage, d->hstage_bytes);
+	}
 	free(d->tabs);
 	free(d);
 	s->dv = NULL;
+}
+
+/* Carve (or, with base NULL, only measure) the pinned staging; returns its size. */
+static size_t stage_layout(const struct fuse_session *s, struct dev_sess *d, uint8_t *base)
+{
+	size_t off = 0, n = s->n, rb = s->row_bytes;
+
+#define CARVE(field, type, bytes)                                                 \
+	do {                                                                      \
+		if (base)                                                         \
+			d->field = (type)(base + off);                            \
+		off += dev_align(bytes);                                          \
+	} while (0)
+	CARVE(hk, uint8_t *, n * rb);
+	CARVE(hv, uint8_t *, n * rb);
+	CARVE(hidx, int32_t *, (n + 1) * sizeof(int32_t));
+	CARVE(hcand, int32_t *, (n + 1) * sizeof(int32_t));
+	CARVE(hsel, int32_t *, (n + 1) * sizeof(int32_t));
+	CARVE(hdev, float *, (n + 1) * sizeof(float));
+#undef CARVE
+	return off;
 }
 
 /*
@@ -506,7 +530,12 @@ int dev_sess_setup(struct fuse_table *t, struct fuse_session *s, size_t ring_byt
 	} else {
 		/* Unpinned, the copies still work, only slower: not a reason to refuse. */
 		d->registered = dv->host_register(dv, s->ring_mem, ring_bytes) == 0;
+		d->reg_bytes = ring_bytes;
 	}
+	rc = block_take(t, true, stage_layout(s, d, NULL), (void **)&d->hstage, &d->hstage_bytes);
+	if (rc)
+		return dev_rc(rc);
+	stage_layout(s, d, d->hstage);
 	rc = streams_take(t, s->n_ring, d);
 	if (!rc)
 		rc = block_take(t, false, d->blk_bytes, (void **)&d->blk, &d->blk_bytes);
@@ -584,7 +613,7 @@ int dev_load(struct fuse_table *t, struct fuse_session *s, struct slot *sl, uint
 /*
  * HKVD on the device at the session's next check layer, with the node's rows
  * already in d->fk, d->fv and the stored layer in dk: as check_select() does on the
- * host. *sel is malloc'd.
+ * host, its host arrays in the pinned staging. *sel is malloc'd.
  */
 static int dev_select(struct fuse_table *t, struct fuse_session *s, const uint8_t *dk,
 		      int32_t **sel_out, size_t *n_out)
@@ -593,14 +622,13 @@ static int dev_select(struct fuse_table *t, struct fuse_session *s, const uint8_
 	struct dev_sess *d = s->dv;
 	size_t rows = s->next_check == 0 ? s->n : s->n_sel, n_cand, n_sel = 0;
 	const uint8_t *plane = s->metric ? dk : dk + (size_t)s->n * s->row_bytes;
-	int32_t *idx = malloc((rows + 1) * sizeof(int32_t));
-	int32_t *cand = malloc((rows + 1) * sizeof(int32_t));
-	float *dev = malloc((rows + 1) * sizeof(float));
+	int32_t *idx = d->hidx, *cand = d->hcand;
+	float *dev = d->hdev;
 	int32_t *sel = malloc((s->n + 1) * sizeof(int32_t));
 	int rc = -ENOMEM;
 
-	if (!idx || !cand || !dev || !sel)
-		goto out;
+	if (!sel)
+		return rc;
 	for (size_t i = 0; i < rows; i++)
 		idx[i] = s->next_check == 0 ? (int32_t)i : s->sel[i];
 	rc = dv->upload(dv, d->comp, d->idx, idx, rows * sizeof(int32_t));
@@ -622,14 +650,13 @@ static int dev_select(struct fuse_table *t, struct fuse_session *s, const uint8_
 				hkvd_count(s->ratios[s->next_check], s->n_cached), d->always,
 				s->n_fresh, d->out, d->scratch, d->scratch_bytes, &n_sel);
 	if (!rc)
-		rc = dv->download(dv, d->comp, sel, d->out, n_sel * sizeof(int32_t));
-	/* The host arrays above are read by queued copies until this returns. */
+		rc = dv->download(dv, d->comp, d->hsel, d->out, n_sel * sizeof(int32_t));
+	/* The staged arrays above are read by queued copies until this returns. */
 	if (!rc)
 		rc = dv->stream_sync(dv, d->comp);
+	if (!rc)
+		memcpy(sel, d->hsel, n_sel * sizeof(int32_t));
 out:
-	free(idx);
-	free(cand);
-	free(dev);
 	if (rc) {
 		free(sel);
 		return rc;
@@ -639,11 +666,23 @@ out:
 	return 0;
 }
 
+/* Whether [p, p + n) lies in the session's shared ring pinned in place. */
+static bool in_registered(const struct fuse_session *s, const void *p, size_t n)
+{
+	uintptr_t b = (uintptr_t)s->ring_mem, x = (uintptr_t)p;
+
+	return s->dv->registered && x >= b && x - b <= s->dv->reg_bytes &&
+	       n <= s->dv->reg_bytes - (x - b);
+}
+
 /*
  * The node's layer on the device (fuse_layer_run's work for a device session):
  * rows_in fresh rows up, the selection at a check layer (*sel, malloc'd), the
  * fresh rows of the selection so far merged, and the fused layer down into k_out,
- * v_out (or the host slot, for a shared ring) unless out is false.
+ * v_out (or the host slot, for a shared ring) unless out is false. Rows that come
+ * from pageable memory (a request's frames) go up through the pinned staging, and
+ * the fused layer comes down into the pinned host slot before it is copied into
+ * pageable k_out, v_out.
  */
 int dev_layer(struct fuse_table *t, struct fuse_session *s, struct slot *sl,
 	      uint64_t rows_in, const void *k_in, const void *v_in, bool is_check,
@@ -651,26 +690,38 @@ int dev_layer(struct fuse_table *t, struct fuse_session *s, struct slot *sl,
 {
 	const struct blend_device *dv = t->dev;
 	struct dev_sess *d = s->dv;
-	size_t i = (size_t)(sl - s->ring), rb = s->row_bytes, n = s->n;
+	size_t i = (size_t)(sl - s->ring), rb = s->row_bytes, n = s->n, in = rows_in * rb;
 	uint8_t *dk = d->ring + i * d->slot_bytes, *dvv = dk + n * rb;
 	bool merge = !is_check || s->next_check > 0;
+	/* A heap ring's host slot is pinned (the cache's block): the layer comes down there. */
+	bool via_slot = out && k_out && d->hring;
 	int rc;
 
+	if (!in_registered(s, k_in, in)) {
+		memcpy(d->hk, k_in, in);
+		k_in = d->hk;
+	}
+	if (!in_registered(s, v_in, in)) {
+		memcpy(d->hv, v_in, in);
+		v_in = d->hv;
+	}
 	rc = dv->event_wait(dv, d->comp, d->loaded[i]);
 	if (!rc)
-		rc = dv->upload(dv, d->comp, d->fk, k_in, rows_in * rb);
+		rc = dv->upload(dv, d->comp, d->fk, k_in, in);
 	if (!rc)
-		rc = dv->upload(dv, d->comp, d->fv, v_in, rows_in * rb);
+		rc = dv->upload(dv, d->comp, d->fv, v_in, in);
 	if (!rc && is_check)
 		rc = dev_select(t, s, dk, sel, n_sel);
 	/* The rows sent are those of the selection before this layer's narrows it. */
-	if (!rc && merge)
-		rc = dv->upload(dv, d->comp, d->sel, s->sel, s->n_sel * sizeof(int32_t));
+	if (!rc && merge) {
+		memcpy(d->hsel, s->sel, s->n_sel * sizeof(int32_t));
+		rc = dv->upload(dv, d->comp, d->sel, d->hsel, s->n_sel * sizeof(int32_t));
+	}
 	if (!rc && merge)
 		rc = dv->scatter(dv, d->comp, &s->shape, dk, d->fk, d->sel, s->n_sel);
 	if (!rc && merge)
 		rc = dv->scatter(dv, d->comp, &s->shape, dvv, d->fv, d->sel, s->n_sel);
-	if (!rc && out && k_out) {
+	if (!rc && out && k_out && !via_slot) {
 		rc = dv->download(dv, d->comp, k_out, dk, n * rb);
 		if (!rc)
 			rc = dv->download(dv, d->comp, v_out, dvv, n * rb);
@@ -681,6 +732,10 @@ int dev_layer(struct fuse_table *t, struct fuse_session *s, struct slot *sl,
 		rc = dv->stream_sync(dv, d->comp);
 	else
 		dv->stream_sync(dv, d->comp); /* what was queued must not outlive the request */
+	if (!rc && via_slot) {
+		memcpy(k_out, sl->k, n * rb);
+		memcpy(v_out, sl->v, n * rb);
+	}
 	if (rc && is_check && *sel) {
 		free(*sel);
 		*sel = NULL;

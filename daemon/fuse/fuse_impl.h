@@ -185,7 +185,19 @@ struct dev_sess {
 	size_t blk_bytes;
 	uint8_t *hring; /* the pinned host ring, from the cache (heap rings) */
 	size_t hring_bytes;
+	/*
+	 * Pinned staging, from the cache too: a request's fresh rows (from its frames) go
+	 * up from hk, hv, and the host's arrays of a check layer live in hidx .. hsel, so
+	 * that no copy reads or writes pageable memory (those block the worker and run
+	 * at a fraction of PCIe speed).
+	 */
+	uint8_t *hstage;
+	size_t hstage_bytes;
+	uint8_t *hk, *hv;
+	int32_t *hidx, *hcand, *hsel;
+	float *hdev;
 	bool registered; /* the shared ring is pinned in place */
+	size_t reg_bytes; /* its size */
 	bool exported;	 /* the block is mapped by the node (CUDA IPC): never reused */
 	uint64_t zeroed; /* bytes of the pinned host ring zeroed at open */
 	uint64_t slot_bytes;

@@ -381,7 +381,8 @@ static uint32_t open_ring_device(struct fuse_table *t, const struct kvbp_request
 
 	if (!rc) {
 		/* Cached blocks may be larger than asked: charge what the session holds. */
-		uint64_t held = s->dv->hring ? s->dv->hring_bytes : p->ring_bytes;
+		uint64_t held = (s->dv->hring ? s->dv->hring_bytes : p->ring_bytes) +
+				s->dv->hstage_bytes;
 		uint64_t dheld = s->dv->blk_bytes;
 
 		pthread_mutex_lock(&t->lock);
