@@ -134,7 +134,7 @@ t=32768
 	echo "gpu.sh summary ($(head -1 "$out/device.txt"); driver ${driver:-?}, compute mode ${mode:-?})"
 	echo "finding 1 (exported ring freed under the node's mapping): close order on the emulated export $(passed test_device_export "$out/device_tests.log"); on this GPU bench_fuse --on-device $(grep -q '^| 4096' "$out/bench_fuse_cuda_ipc.md" && echo 'fused through CUDA IPC at every size' || echo 'did NOT complete: see bench_fuse_cuda_ipc.md') (an unmap after the free would fault the node)"
 	echo "finding 2 (sticky errors): emulated sticky failure $(passed test_device_fault "$out/device_tests.log") (a real illegal address is not provoked on the GPU)"
-	echo "finding 3 (driver floor): this build needs driver ${floor:-?} or newer, this machine has ${driver:-?}$(awk -v d="${driver%%.*}" -v f="${floor:-0}" 'BEGIN { if (d + 0 >= f + 0 && f + 0 > 0) print ": at or above the floor"; else print ": BELOW the floor or unknown" }'); start log: $(grep -o 'CUDA: .*' "$out/daemon_auto.log" | head -1)"
+	echo "finding 3 (driver floor): this build needs driver ${floor:-?} or newer, this machine has ${driver:-?}$(awk -v d="${driver%%.*}" -v f="${floor:-0}" 'BEGIN { if (d + 0 >= f + 0 && f + 0 > 0) print ": at or above the floor"; else print ": BELOW the floor or unknown" }'); start log: $(grep -o '\[CUDA runtime[^]]*\]' "$out/daemon_auto.log" | head -1)"
 	echo "finding 4 (skips counted as passes): gpu suite ${ran} passed, ${skipped} skipped, ${failed_t} failed (a skip fails the run)"
 	if [ -n "$trace" ]; then
 		echo "finding 5 (pageable copies): nsys cuda_memcpy_async rule: $(grep -ciE 'pageable' "$out/trace_pageable.txt") lines naming pageable memory (see trace_pageable.txt; 0 is the goal)"

@@ -702,7 +702,7 @@ static bool owns_chunk(void *ctx, const uint8_t *hash)
  */
 static int pick_backend(struct server *srv, int device)
 {
-	char why[256], name[256];
+	char why[256], name[256], drv[256];
 	int ordinal = device == CONFIG_DEVICE_AUTO ? 0 : device, rc;
 	uint64_t held, total;
 
@@ -730,40 +730,41 @@ static int pick_backend(struct server *srv, int device)
 			 srv->dev_host ? "" : "; sessions placed as device auto places them");
 		return 0;
 	}
-	if (blend_cuda_built()) {
-		/* The floor first: a driver below it is why cuda refuses and auto runs on the CPU. */
+	/* The driver floor goes into the one line that says the outcome: a driver below it
+	 * is why cuda refuses and auto runs on the CPU. */
+	{
 		int v = blend_cuda_driver_version();
 
 		if (v > 0)
-			log_info("CUDA: this build's %s; this machine's driver supports CUDA %d.%d",
+			snprintf(drv, sizeof(drv), "%s; the driver here supports CUDA %d.%d",
 				 blend_cuda_driver_floor(), v / 1000, v % 1000 / 10);
 		else
-			log_info("CUDA: this build's %s; no NVIDIA driver here",
+			snprintf(drv, sizeof(drv), "%s; no NVIDIA driver here",
 				 blend_cuda_driver_floor());
 	}
 	if (device == CONFIG_DEVICE_AUTO &&
 	    blend_cuda_probe(0, name, sizeof(name), why, sizeof(why))) {
-		log_info("fuse backend %s (device auto: %s)", srv->blend->name, why);
+		log_info("fuse backend %s (device auto: %s) [%s]", srv->blend->name, why, drv);
 		return 0;
 	}
 	rc = blend_cuda_open(ordinal, &srv->gpu, why, sizeof(why));
 	if (rc && device == CONFIG_DEVICE_AUTO) {
 		log_warn("fuse backend %s (device auto: CUDA device 0, %s, is there but not usable: "
-			 "%s)", srv->blend->name, name, why);
+			 "%s) [%s]", srv->blend->name, name, why, drv);
 		return 0;
 	}
 	if (rc) {
-		log_err("device cuda:%d: %s", ordinal, why);
+		log_err("device cuda:%d: %s [%s]", ordinal, why, drv);
 		return -ENODEV;
 	}
 	blend_cuda_memory(srv->gpu, &held, &total);
 	srv->dev = blend_cuda_device(srv->gpu);
 	srv->dev_host = device != CONFIG_DEVICE_AUTO;
 	log_info("fuse sessions on CUDA device %d (%s, %" PRIu64 " MiB%s, %s); landing sessions "
-		 "and re-rotated GETs on %s", ordinal, blend_cuda_name(srv->gpu), total >> 20,
+		 "and re-rotated GETs on %s [%s]", ordinal, blend_cuda_name(srv->gpu), total >> 20,
 		 device == CONFIG_DEVICE_AUTO ? ", device auto" : "",
 		 blend_cuda_blocking_sync(srv->gpu) ? "waits block" : "waits spin: blocking sync refused",
-		 srv->blend->name);
+		 srv->blend->name, drv);
 	if (!srv->dev_host)
 		log_info("device auto: a session runs on CUDA device %d when its node maps the "
 			 "device ring, else on %s (its layers would cross PCIe twice)", ordinal,
