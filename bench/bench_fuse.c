@@ -48,6 +48,28 @@ static void fill(uint16_t *p, size_t n, uint64_t seed)
 	}
 }
 
+/* CPU seconds (user and system) process pid has used, from /proc; 0 if unreadable. */
+static double cpu_seconds(pid_t pid)
+{
+	char path[64], buf[1024], *p;
+	unsigned long long ut = 0, stt = 0;
+	FILE *f;
+	size_t n;
+
+	snprintf(path, sizeof(path), "/proc/%d/stat", (int)pid);
+	f = fopen(path, "r");
+	if (!f)
+		return 0;
+	n = fread(buf, 1, sizeof(buf) - 1, f);
+	fclose(f);
+	buf[n] = 0;
+	p = strrchr(buf, ')'); /* the name may hold spaces: fields 3.. follow its ')' */
+	if (!p || sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %llu %llu", &ut,
+			 &stt) != 2)
+		return 0;
+	return (double)(ut + stt) / (double)sysconf(_SC_CLK_TCK);
+}
+
 /*
  * Host-to-device bandwidth on CUDA device `ordinal`: `count` copies of `bytes` from
  * pinned memory on one stream, GB/s; 0 when there is no device (why on stderr).
@@ -157,8 +179,9 @@ int main(int argc, char **argv)
 	}
 	printf("| tokens | chunks | selected | fused GB/s in place | ratio | fused GB/s copied out | "
 	       "ratio | memcpy GB/s | layer wait ms (memcpy of its bytes ms) | daemon merge "
-	       "ms/layer | daemon load ms/layer | H2D GB/s | in place / H2D |\n");
-	printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+	       "ms/layer | daemon load ms/layer | H2D GB/s | in place / H2D | open ms | daemon CPU "
+	       "ms/layer | on device |\n");
+	printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
 	for (unsigned si = 0; si < n_sizes; si++) {
 		unsigned n_tokens = sizes[si], n_chunks = n_tokens >= 4096 ? 8 : 4;
 		unsigned cached = n_tokens - FRESH, per = cached / n_chunks;
@@ -170,6 +193,8 @@ int main(int argc, char **argv)
 		double *rates = calloc(repeats, sizeof(double)), *waits = calloc(repeats, sizeof(double));
 		double *rates_copy = calloc(repeats, sizeof(double));
 		double *memcpys = calloc(repeats, sizeof(double)), merge_ms = 0, load_ms = 0;
+		double *opens = calloc(2 * repeats, sizeof(double)), cpu0, on_dev = -1;
+		unsigned all_layers = 0;
 		double h2d = cuda >= 0 ? h2d_gbps(cuda, 2 * layer_bytes, model.num_layers) : 0;
 		char h2d_cols[64] = "– | –";
 		size_t n_sel = 0;
@@ -195,6 +220,7 @@ int main(int argc, char **argv)
 		segs[n_chunks].count = FRESH;
 		segs[n_chunks].pos = pos;
 		fill(fresh_kv, layer_bytes, 7);
+		cpu0 = cpu_seconds(pid);
 		for (unsigned r = 0; r < 2 * repeats; r++) {
 			/* even runs: fused layers read in place (shared ring); odd: copied out */
 			bool copy_out = r % 2;
@@ -206,10 +232,12 @@ int main(int argc, char **argv)
 			unsigned layers = 0;
 			kvb_fuse *fu;
 
+			t0 = now_s();
 			if (kvb_fuse_open(c, model.name, segs, n_chunks + 1, &p, &fu, NULL, NULL)) {
 				fprintf(stderr, "fuse_open: %s\n", kvb_last_error(c));
 				break;
 			}
+			opens[r] = (now_s() - t0) * 1e3;
 			/* The node prefills layer 0 itself meanwhile; the daemon loads ahead. */
 			usleep(2000);
 			t0 = now_s();
@@ -246,7 +274,10 @@ int main(int argc, char **argv)
 					merge_ms = st[i].value / (model.num_layers - 1);
 				if (!strcmp(st[i].name, "load_ms"))
 					load_ms = st[i].value / (model.num_layers - 1);
+				if (!strcmp(st[i].name, "on_device"))
+					on_dev = st[i].value;
 			}
+			all_layers += model.num_layers - 1;
 			free(st);
 			/* memcpy of the same bytes: each fused layer's K and V once */
 			t_mem = now_s();
@@ -267,16 +298,19 @@ int main(int argc, char **argv)
 		qsort(rates, repeats, sizeof(double), cmp_double);
 		qsort(memcpys, repeats, sizeof(double), cmp_double);
 		qsort(waits, repeats, sizeof(double), cmp_double);
+		qsort(opens, 2 * repeats, sizeof(double), cmp_double);
+		cpu0 = cpu_seconds(pid) - cpu0;
 		if (h2d > 0)
 			snprintf(h2d_cols, sizeof(h2d_cols), "%.2f | %.2fx", h2d,
 				 rates[repeats / 2] / h2d);
 		printf("| %u | %u | %zu | %.2f | %.2fx | %.2f | %.2fx | %.2f | %.3f (%.3f) | %.3f | %.3f "
-		       "| %s |\n",
+		       "| %s | %.2f | %.3f | %s |\n",
 		       n_tokens, n_chunks, n_sel, rates[repeats / 2],
 		       rates[repeats / 2] / memcpys[repeats / 2], rates_copy[repeats / 2],
 		       rates_copy[repeats / 2] / memcpys[repeats / 2], memcpys[repeats / 2],
 		       waits[repeats / 2], 2 * layer_bytes / memcpys[repeats / 2] / 1e6, merge_ms,
-		       load_ms, h2d_cols);
+		       load_ms, h2d_cols, opens[repeats], all_layers ? cpu0 * 1e3 / all_layers : 0,
+		       on_dev < 0 ? "–" : on_dev > 0 ? "yes" : "no");
 		fflush(stdout);
 		free(segs);
 		free(fresh_kv);
@@ -288,6 +322,7 @@ int main(int argc, char **argv)
 		free(waits);
 		free(memcpys);
 		free(rates_copy);
+		free(opens);
 	}
 	printf("\nfused GB/s: K and V of all tokens delivered to the node per second of layer "
 	       "calls; in place: read where the daemon fused them (kvb_fuse_output(), the shared "
@@ -296,7 +331,11 @@ int main(int argc, char **argv)
 	       "rows, merging, receiving all rows); daemon merge/load: the daemon's own time per "
 	       "layer, load (read, decode, re-rotate) overlapped with the node's work by the "
 	       "prefetch ring. H2D: with --device cuda, pinned host-to-device copies of a layer's K "
-	       "and V on one stream in this run (target: in place >= 0.7x of it).\n");
+	       "and V on one stream in this run (target: in place >= 0.7x of it). Open: one "
+	       "kvb_fuse_open() as the node sees it (median). Daemon CPU: the daemon's user and "
+	       "system CPU time over the size's runs per layer served (threads that spin waiting "
+	       "for a device show here). On device: where the daemon computed the session "
+	       "(FUSE_CLOSE's on_device).\n");
 	kvb_close(&c);
 	bench_stop_daemon(pid, dir);
 	return 0;

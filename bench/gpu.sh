@@ -1,22 +1,32 @@
 #!/usr/bin/env bash
 # bench/gpu.sh [OUT] — everything the CUDA backend needs checked on a machine with an
-# NVIDIA GPU, as one command: a Release build with the CUDA backend, the parity suite
-# (ctest -L gpu: the blend reference tests and the fuse tests on the GPU, against the
-# same references as the CPU), then the benchmarks (bench_cuda: kernels against a
-# device-to-device copy and the pipelined upload against host-to-device bandwidth;
-# bench_fuse on --device cpu and --device cuda, the latter with fused layers read from
-# the shared ring and handed over on the GPU, against host-to-device bandwidth). Every log and table goes to OUT
-# (default $OUT, else ./gpu-out). Needs the build dependencies (.ci/install-deps) and
-# nvcc. Exits non-zero when nvidia-smi lists no GPU, or the build or the parity suite
-# fails (a skipped test is a failed one here: tests/gpu_run.sh).
+# NVIDIA GPU, as one command (issue 23's first GPU run): the driver and compute mode; a
+# Release build with the CUDA backend and warnings as errors; the parity suite (ctest -L
+# gpu: the blend reference tests, the large-shape parity of test_device_parity, and the fuse
+# tests on the GPU, against the same references as the CPU; a skip is a failure here); the
+# device tests of the CPU suite (emulated device); the daemon's start log under --device
+# auto; the benchmarks (bench_cuda: kernels against a device-to-device copy and the
+# pipelined upload against host-to-device bandwidth; bench_fuse with --device cpu, --device
+# cuda and --device cuda --on-device, each with the open time and the daemon's CPU time per
+# layer); and, where nsys is installed, a trace of device sessions (copies from pageable
+# memory, kernel launches per layer, allocations). Last, a summary: for each of issue 23's
+# findings 1-13 one line saying what this run showed, printed and written to
+# OUT/summary.txt. Every log and table goes to OUT (default $OUT, else ./gpu-out). Needs
+# the build dependencies (.ci/install-deps) and nvcc. Exits non-zero when nvidia-smi lists
+# no GPU, or the build, the parity suite or the device tests fail.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-${OUT:-gpu-out}}
 mkdir -p "$out"
 jobs=$(nproc)
 status=0
+sizes=4096,32768
 
-{ nvidia-smi || true; nvcc --version || true; } > "$out/machine.txt" 2>&1
+{
+	nvidia-smi || true
+	nvidia-smi --query-gpu=name,driver_version,compute_mode,memory.total --format=csv || true
+	nvcc --version || true
+} > "$out/machine.txt" 2>&1
 # Without a GPU there is nothing for this script to prove: say so, and fail.
 if ! nvidia-smi -L 2> /dev/null | grep -qE '^GPU [0-9]+:'; then
 	echo "gpu.sh: nvidia-smi lists no GPU; this script is for a machine with one"
@@ -41,14 +51,112 @@ fi
 ctest --test-dir build-gpu -R 'test_blend' --output-on-failure > "$out/blend_cpu.log" 2>&1 ||
 	status=1
 grep -E "tests passed|Skipped|Failed|passed, " "$out/parity.log" | tail -12
+# The large shapes once more on their own, for the summary's lines.
+build-gpu/bin/test_device_parity cuda > "$out/large_parity.log" 2>&1 || status=1
+cat "$out/large_parity.log"
+# The device path's tests on the emulated device (the close order, the sticky failure,
+# the device budget, the placement under auto, the pooled blocks): they ran without a GPU
+# too; here they show the GPU build passes them.
+ctest --test-dir build-gpu -R 'test_device_(export|fault|parity_emulated|gpu_skip)' \
+	--output-on-failure > "$out/device_tests.log" 2>&1 || status=1
 
-build-gpu/bin/bench_cuda --tokens 4096,32768 2>&1 | tee "$out/bench_cuda.md"
+# The daemon's start under --device auto: the driver floor, blocking sync, the placement.
+tmp=$(mktemp -d)
+build-gpu/bin/kvblendd --help > "$out/kvblendd_help.txt" 2>&1
+build-gpu/bin/kvblendd --data-dir "$tmp/data" --listen "ipc://$tmp/kvblend.sock" \
+	--map-size 1G --device auto --log-level info > "$out/daemon_auto.log" 2>&1 &
+dpid=$!
+sleep 5
+kill "$dpid" 2> /dev/null
+wait "$dpid" 2> /dev/null
+rm -rf "$tmp"
+
+build-gpu/bin/bench_cuda --tokens "$sizes" 2>&1 | tee "$out/bench_cuda.md"
 for dev in cpu cuda; do
-	build-gpu/bin/bench_fuse --device "$dev" --tokens 4096,32768 --repeats 3 2>&1 |
+	build-gpu/bin/bench_fuse --device "$dev" --tokens "$sizes" --repeats 3 2>&1 |
 		tee "$out/bench_fuse_$dev.md"
 done
 # The fused layers handed over on the GPU (CUDA IPC) instead of the shared ring.
-build-gpu/bin/bench_fuse --device cuda --on-device --tokens 4096,32768 --repeats 3 2>&1 |
+build-gpu/bin/bench_fuse --device cuda --on-device --tokens "$sizes" --repeats 3 2>&1 |
 	tee "$out/bench_fuse_cuda_ipc.md"
-exit $status
 
+# A trace of device sessions: one size, one repeat (two sessions of 32 layers), the
+# daemon followed across its fork.
+trace=
+if command -v nsys > /dev/null 2>&1; then
+	trace="$out/trace"
+	nsys profile --trace=cuda,osrt --trace-fork-before-exec=true --force-overwrite=true \
+		--output "$trace" build-gpu/bin/bench_fuse --device cuda --tokens 4096 \
+		--repeats 1 > "$out/trace_run.md" 2>&1
+	nsys stats --force-export=true --report cuda_api_sum,cuda_gpu_kern_sum --format csv \
+		--output "$trace" "$trace.nsys-rep" > "$out/trace_stats.log" 2>&1
+	nsys analyze --rule cuda_memcpy_async "$trace.nsys-rep" > "$out/trace_pageable.txt" 2>&1
+fi
+
+# ---- the summary: one line per finding of issue 23, from what this run wrote ----
+
+# Column c (1 = tokens) of a bench_fuse table's row for T tokens, or "?".
+col() { # FILE T C
+	awk -F'|' -v t="$2" -v c="$3" '$2 + 0 == t && NF > 10 { v = $(c + 1); gsub(/ /, "", v);
+		print v; found = 1; exit } END { if (!found) print "?" }' "$1" 2> /dev/null
+}
+# a / b with two decimals, or "?".
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (a + 0 > 0 && b + 0 > 0) printf "%.2f", a / b;
+	else print "?" }'; }
+# Calls of a CUDA API in the trace (its cuda_api_sum CSV), or "?".
+api_calls() {
+	local f
+	f=$(ls "$out"/trace*cuda_api_sum*.csv 2> /dev/null | head -1)
+	[ -n "$f" ] || { echo "?"; return; }
+	awk -F',' -v n="$1" '{ gsub(/"/, "") } $NF == n || $NF ~ "^"n"_v[0-9]+$" { s += $3 }
+		END { print s + 0 }' "$f"
+}
+# Instances of a kernel in the trace, or "?".
+kern_count() {
+	local f
+	f=$(ls "$out"/trace*cuda_gpu_kern_sum*.csv 2> /dev/null | head -1)
+	[ -n "$f" ] || { echo "?"; return; }
+	grep -F "$1" "$f" | awk -F',' '{ gsub(/"/, ""); s += $3 } END { print s + 0 }'
+}
+passed() { grep -qE "^ *[0-9]+/[0-9]+ Test +#[0-9]+: $1 .*Passed" "$2" && echo passed ||
+	echo "NOT passed"; }
+
+driver=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2> /dev/null | head -1)
+mode=$(nvidia-smi --query-gpu=compute_mode --format=csv,noheader 2> /dev/null | head -1)
+floor=$(grep -o 'needs NVIDIA driver [0-9]*' "$out/kvblendd_help.txt" | grep -o '[0-9]*$')
+ran=$(grep -cE "Test +#[0-9]+: .*Passed" "$out/parity.log")
+skipped=$(grep -cE "\*\*\*Skipped|Not Run" "$out/parity.log")
+failed_t=$(grep -cE "\*\*\*Failed|\(Failed\)|Exception" "$out/parity.log")
+ok_large=$(grep -c '^ok - ' "$out/large_parity.log")
+bad_large=$(grep -c '^not ok - ' "$out/large_parity.log")
+t=32768
+{
+	echo "gpu.sh summary ($(head -1 "$out/device.txt"); driver ${driver:-?}, compute mode ${mode:-?})"
+	echo "finding 1 (exported ring freed under the node's mapping): close order on the emulated export $(passed test_device_export "$out/device_tests.log"); on this GPU bench_fuse --on-device $(grep -q '^| 4096' "$out/bench_fuse_cuda_ipc.md" && echo 'fused through CUDA IPC at every size' || echo 'did NOT complete: see bench_fuse_cuda_ipc.md') (an unmap after the free would fault the node)"
+	echo "finding 2 (sticky errors): emulated sticky failure $(passed test_device_fault "$out/device_tests.log") (a real illegal address is not provoked on the GPU)"
+	echo "finding 3 (driver floor): this build needs driver ${floor:-?} or newer, this machine has ${driver:-?}$(awk -v d="${driver%%.*}" -v f="${floor:-0}" 'BEGIN { if (d + 0 >= f + 0 && f + 0 > 0) print ": at or above the floor"; else print ": BELOW the floor or unknown" }'); start log: $(grep -o '\[CUDA runtime[^]]*\]' "$out/daemon_auto.log" | head -1)"
+	echo "finding 4 (skips counted as passes): gpu suite ${ran} passed, ${skipped} skipped, ${failed_t} failed (a skip fails the run)"
+	if [ -n "$trace" ]; then
+		echo "finding 5 (pageable copies): nsys cuda_memcpy_async rule: $(grep -ciE 'pageable' "$out/trace_pageable.txt") lines naming pageable memory (see trace_pageable.txt; 0 is the goal)"
+		echo "finding 6 (allocation in the hot path): 2 sessions traced: cudaMalloc $(api_calls cudaMalloc), cudaFree $(api_calls cudaFree), cudaMallocHost $(api_calls cudaMallocHost), cudaFreeHost $(api_calls cudaFreeHost), cudaHostRegister $(api_calls cudaHostRegister), cudaStreamCreateWithFlags $(api_calls cudaStreamCreateWithFlags) (the second session should add none); open ms at $t tokens: cpu $(col "$out/bench_fuse_cpu.md" $t 14), cuda $(col "$out/bench_fuse_cuda.md" $t 14)"
+	else
+		echo "finding 5 (pageable copies): not measured: nsys is not installed (fix in the code: fresh rows and replies staged through pinned memory)"
+		echo "finding 6 (allocation in the hot path): no trace (nsys not installed); open ms at $t tokens: cpu $(col "$out/bench_fuse_cpu.md" $t 14), cuda $(col "$out/bench_fuse_cuda.md" $t 14)"
+	fi
+	echo "finding 7 (waiting threads spin): start log says '$(grep -o 'waits [a-z]*' "$out/daemon_auto.log" | head -1)'; daemon CPU ms per layer at $t tokens: cuda $(col "$out/bench_fuse_cuda.md" $t 15) against a layer wait of $(col "$out/bench_fuse_cuda.md" $t 9 | cut -d'(' -f1) ms; cpu $(col "$out/bench_fuse_cpu.md" $t 15)"
+	if [ -n "$trace" ]; then
+		echo "finding 8 (one rotate launch per chunk): k_rotate_spans launches $(kern_count k_rotate_spans), k_rotate launches $(kern_count 'k_rotate(') for 2 sessions of 8 chunks and 32 layers (one launch per layer load is the goal)"
+	else
+		echo "finding 8 (one rotate launch per chunk): not counted: nsys is not installed"
+	fi
+	echo "finding 9 (whole pinned ring zeroed at open): fresh rows only, checked on the emulated device ($(passed test_device_export "$out/device_tests.log")); open ms at $t tokens on cuda: $(col "$out/bench_fuse_cuda.md" $t 14)"
+	echo "finding 10 (no device budget): budget and host-path fallback $(passed test_device_fault "$out/device_tests.log") on the emulated device; on this GPU the default budget is 9/10 of $(nvidia-smi --query-gpu=memory.total --format=csv,noheader 2> /dev/null | head -1)"
+	echo "finding 11 (failed CUB size query): top-k of 400K candidates on the GPU: $(grep -E '^(not )?ok - top-' "$out/large_parity.log" | cut -d' ' -f1-2 | head -1 || echo '?')"
+	echo "finding 12 (large-shape parity): ${ok_large} checks byte for byte as the CPU, ${bad_large} not (large_parity.log)"
+	for s in ${sizes//,/ }; do
+		cpu_c=$(col "$out/bench_fuse_cpu.md" "$s" 6)
+		gpu_c=$(col "$out/bench_fuse_cuda.md" "$s" 6)
+		echo "finding 13 (host-memory nodes, $s tokens): fused GB/s copied out cpu ${cpu_c}, cuda ${gpu_c} (cuda/cpu $(ratio "$gpu_c" "$cpu_c")x); in place cpu $(col "$out/bench_fuse_cpu.md" "$s" 4), cuda $(col "$out/bench_fuse_cuda.md" "$s" 4); $(awk -v a="$gpu_c" -v b="$cpu_c" 'BEGIN { if (a + 0 > 0 && b + 0 > 0) print (a < b ? "device auto is right to keep them on the CPU" : "the GPU was faster: device auto should put them there"); else print "not measured" }')"
+	done
+} | tee "$out/summary.txt"
+exit $status

@@ -36,6 +36,16 @@ struct blend_dev_table {
 	float scale;
 };
 
+/*
+ * One chunk of a layer's batched rotation (rotate_spans): rows [off, off + tokens)
+ * of the layer, rotated by t (t.rows 1, or tokens: then row r of t rotates row
+ * off + r); first: the rows of the spans before this one (a prefix sum).
+ */
+struct blend_dev_span {
+	struct blend_dev_table t;
+	uint32_t off, tokens, first;
+};
+
 struct blend_device {
 	const char *name; /* "cuda", "emulated" */
 	void *ctx;
@@ -71,6 +81,15 @@ struct blend_device {
 	int (*rotate)(const struct blend_device *d, struct blend_stream *st,
 		      const struct blend_shape *s, const struct blend_dev_table *t, const void *src,
 		      void *dst, uint32_t n);
+	/*
+	 * A layer's chunks in one launch: every span's rows of the layer at base rotated
+	 * in place (dims from rotary_dim on unchanged), as rotate() does per span. spans:
+	 * n_spans entries in device memory, in order of first, not overlapping; rows:
+	 * their tokens together (the last first + tokens).
+	 */
+	int (*rotate_spans)(const struct blend_device *d, struct blend_stream *st,
+			    const struct blend_shape *s, const struct blend_dev_span *spans,
+			    uint32_t n_spans, uint32_t rows, void *base);
 	int (*deviation)(const struct blend_device *d, struct blend_stream *st,
 			 const struct blend_shape *s, const void *fresh, const void *stored,
 			 const int32_t *idx, size_t n, float *out);

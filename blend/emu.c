@@ -208,6 +208,26 @@ static int e_rotate(const struct blend_device *d, struct blend_stream *st,
 	return rc ? rc : cpu->rotate(cpu, s, &rt, src, dst, 0, n);
 }
 
+static int e_rotate_spans(const struct blend_device *d, struct blend_stream *st,
+			  const struct blend_shape *s, const struct blend_dev_span *sp,
+			  uint32_t n_spans, uint32_t rows, void *base)
+{
+	const struct blend_backend *cpu = E(d)->cpu;
+	size_t rb = (size_t)s->heads * s->head_dim * blend_dtype_size(s->dtype);
+	int rc = step(d);
+
+	(void)st;
+	(void)rows;
+	for (uint32_t i = 0; !rc && i < n_spans; i++) {
+		struct rope_table rt = { sp[i].t.rows, s->rotary_dim / 2, (float *)sp[i].t.cos,
+					 (float *)sp[i].t.sin, sp[i].t.scale };
+		uint8_t *x = (uint8_t *)base + (size_t)sp[i].off * rb;
+
+		rc = cpu->rotate(cpu, s, &rt, x, x, 0, sp[i].tokens);
+	}
+	return rc;
+}
+
 static int e_deviation(const struct blend_device *d, struct blend_stream *st,
 		       const struct blend_shape *s, const void *fresh, const void *stored,
 		       const int32_t *idx, size_t n, float *out)
@@ -332,6 +352,7 @@ int blend_emu_open(uint64_t fail_after, bool sticky, struct blend_device **out)
 		.download = e_copy,
 		.zero = e_zero,
 		.rotate = e_rotate,
+		.rotate_spans = e_rotate_spans,
 		.deviation = e_deviation,
 		.select_scratch = e_select_scratch,
 		.select = e_select,

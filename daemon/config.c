@@ -161,8 +161,9 @@ static const struct key keys[] = {
 	{ "device", "DEVICE", T_DEVICE, OFF(device), 0, 1023, "auto",
 	  "where fuse sessions compute: cpu, cuda[:N] (their rings on CUDA device N, 0 by "
 	  "default; the daemon refuses to start without it), auto (CUDA device 0 when there "
-	  "is a working one, else the CPU; the log says which), or emulated (the device path "
-	  "with host memory standing in for a GPU's: for tests)" },
+	  "is a working one, for sessions whose node maps the device ring, the others on the "
+	  "CPU; else the CPU; the log says which), or emulated (the device path with host "
+	  "memory standing in for a GPU's: for tests)" },
 };
 
 #define N_KEYS (sizeof(keys) / sizeof(keys[0]))

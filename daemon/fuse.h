@@ -47,6 +47,13 @@ struct fuse_limits {
 	 * where the device does not say (emulated). A session whose block does not fit,
 	 * or for which the device is out of memory, runs on the host path. */
 	uint64_t dev_max_bytes;
+	/*
+	 * Whether a session whose node takes its fused layers in host memory (the reply's
+	 * frames or the shared ring; no device export asked) runs on the device too. Off:
+	 * only sessions whose node maps the device ring run there, the rest on the CPU
+	 * path, where no layer crosses PCIe twice (the choice device auto makes).
+	 */
+	bool dev_host;
 };
 
 struct fuse_table;
@@ -160,7 +167,12 @@ bool fuse_prefetch(struct fuse_table *t, uint64_t id);
 uint32_t fuse_close(struct fuse_table *t, uint64_t id, const char *owner, struct kvbp_stat **stats,
 		    size_t *n, char *err, size_t errlen);
 
-/* Free sessions idle longer than idle_s; returns how many. */
+/*
+ * Free sessions idle longer than idle_s, and the device memory sessions gave up since
+ * the last call; returns how many sessions. Waits for their device work and frees
+ * device memory, which stalls the device: call it off the thread that serves
+ * sockets (kvblendd: the prefetch thread, once a second).
+ */
 unsigned fuse_expire(struct fuse_table *t);
 
 /* Open sessions, ring bytes held, chunks pinned. */

@@ -404,12 +404,31 @@ static void *prefetch_main(void *arg)
 {
 	struct server *srv = arg;
 
+	struct timespec last = { 0 }, now;
+
 	pthread_mutex_lock(&srv->pf_lock);
 	while (!srv->pf_stop) {
 		uint64_t id;
 
+		/*
+		 * Idle sessions expire here, not on the main thread: freeing a session waits
+		 * for its device work and gives device memory back, which stalls the device
+		 * and would stall every socket with it.
+		 */
+		clock_gettime(CLOCK_MONOTONIC, &now);
+		if (now.tv_sec != last.tv_sec) {
+			pthread_mutex_unlock(&srv->pf_lock);
+			fuse_expire(srv->fuse);
+			pthread_mutex_lock(&srv->pf_lock);
+			last = now;
+			continue;
+		}
 		if (!srv->pf_len) {
-			pthread_cond_wait(&srv->pf_cond, &srv->pf_lock);
+			struct timespec until;
+
+			clock_gettime(CLOCK_REALTIME, &until);
+			until.tv_sec += 1;
+			pthread_cond_timedwait(&srv->pf_cond, &srv->pf_lock, &until);
 			continue;
 		}
 		id = srv->pf_queue[srv->pf_head];
@@ -683,7 +702,7 @@ static bool owns_chunk(void *ctx, const uint8_t *hash)
  */
 static int pick_backend(struct server *srv, int device)
 {
-	char why[256], name[256];
+	char why[256], name[256], drv[256];
 	int ordinal = device == CONFIG_DEVICE_AUTO ? 0 : device, rc;
 	uint64_t held, total;
 
@@ -696,36 +715,60 @@ static int pick_backend(struct server *srv, int device)
 		const char *fa = getenv("KVBLEND_EMULATED_FAIL_AFTER");
 		const char *sticky = getenv("KVBLEND_EMULATED_STICKY");
 
+		const char *as_auto = getenv("KVBLEND_EMULATED_AUTO");
+
 		/* The test hooks: the Nth device call fails, as a CUDA error would; with
-		 * KVBLEND_EMULATED_STICKY=1 for good, as an illegal address does. */
+		 * KVBLEND_EMULATED_STICKY=1 for good, as an illegal address does; with
+		 * KVBLEND_EMULATED_AUTO=1 sessions are placed as device auto places them. */
 		if (blend_emu_open(fa ? strtoull(fa, NULL, 10) : 0, sticky && !strcmp(sticky, "1"),
 				   &srv->emu))
 			return -ENOMEM;
 		srv->dev = srv->emu;
+		srv->dev_host = !(as_auto && !strcmp(as_auto, "1"));
 		log_info("fuse backend %s, sessions on the emulated device (host memory standing "
-			 "in for a GPU's, for tests: slower than device cpu)", srv->blend->name);
+			 "in for a GPU's, for tests: slower than device cpu)%s", srv->blend->name,
+			 srv->dev_host ? "" : "; sessions placed as device auto places them");
 		return 0;
+	}
+	/* The driver floor goes into the one line that says the outcome: a driver below it
+	 * is why cuda refuses and auto runs on the CPU. */
+	{
+		int v = blend_cuda_driver_version();
+
+		if (v > 0)
+			snprintf(drv, sizeof(drv), "%s; the driver here supports CUDA %d.%d",
+				 blend_cuda_driver_floor(), v / 1000, v % 1000 / 10);
+		else
+			snprintf(drv, sizeof(drv), "%s; no NVIDIA driver here",
+				 blend_cuda_driver_floor());
 	}
 	if (device == CONFIG_DEVICE_AUTO &&
 	    blend_cuda_probe(0, name, sizeof(name), why, sizeof(why))) {
-		log_info("fuse backend %s (device auto: %s)", srv->blend->name, why);
+		log_info("fuse backend %s (device auto: %s) [%s]", srv->blend->name, why, drv);
 		return 0;
 	}
 	rc = blend_cuda_open(ordinal, &srv->gpu, why, sizeof(why));
 	if (rc && device == CONFIG_DEVICE_AUTO) {
 		log_warn("fuse backend %s (device auto: CUDA device 0, %s, is there but not usable: "
-			 "%s)", srv->blend->name, name, why);
+			 "%s) [%s]", srv->blend->name, name, why, drv);
 		return 0;
 	}
 	if (rc) {
-		log_err("device cuda:%d: %s", ordinal, why);
+		log_err("device cuda:%d: %s [%s]", ordinal, why, drv);
 		return -ENODEV;
 	}
 	blend_cuda_memory(srv->gpu, &held, &total);
 	srv->dev = blend_cuda_device(srv->gpu);
-	log_info("fuse sessions on CUDA device %d (%s, %" PRIu64 " MiB%s); landing sessions and "
-		 "re-rotated GETs on %s", ordinal, blend_cuda_name(srv->gpu), total >> 20,
-		 device == CONFIG_DEVICE_AUTO ? ", device auto" : "", srv->blend->name);
+	srv->dev_host = device != CONFIG_DEVICE_AUTO;
+	log_info("fuse sessions on CUDA device %d (%s, %" PRIu64 " MiB%s, %s); landing sessions "
+		 "and re-rotated GETs on %s [%s]", ordinal, blend_cuda_name(srv->gpu), total >> 20,
+		 device == CONFIG_DEVICE_AUTO ? ", device auto" : "",
+		 blend_cuda_blocking_sync(srv->gpu) ? "waits block" : "waits spin: blocking sync refused",
+		 srv->blend->name, drv);
+	if (!srv->dev_host)
+		log_info("device auto: a session runs on CUDA device %d when its node maps the "
+			 "device ring, else on %s (its layers would cross PCIe twice)", ordinal,
+			 srv->blend->name);
 	return 0;
 }
 
@@ -858,7 +901,8 @@ int server_start(struct server *srv, const struct config *cfg, struct store *sto
 	{
 		struct fuse_limits fl = { cfg->fuse_max_sessions, cfg->fuse_max_tokens,
 					  cfg->fuse_max_bytes, cfg->fuse_ring, cfg->fuse_idle,
-					  cfg->client_fuse_sessions, cfg->fuse_device_max_bytes };
+					  cfg->client_fuse_sessions, cfg->fuse_device_max_bytes,
+					  srv->dev_host };
 
 		rc = fuse_table_new(&fl, store, srv->pool, srv->blend, srv->dev, srv->shm,
 				    &srv->fuse);
@@ -959,7 +1003,6 @@ int server_run(struct server *srv, volatile int *stop, void (*tick)(struct serve
 
 			if (n)
 				log_info("released %u idle shared-memory segments", n);
-			fuse_expire(srv->fuse);
 			held_expire(&srv->held, (int64_t)srv->cfg->reply_timeout_ms);
 			last = now;
 		}

@@ -60,6 +60,9 @@ struct server {
 	struct blend_cuda *gpu; /* its CUDA device, when it runs on one (else NULL) */
 	const struct blend_device *dev; /* where fuse sessions keep their rings (NULL: host) */
 	struct blend_device *emu;	/* the emulated device, when configured */
+	/* Sessions whose node takes its layers in host memory run on dev too (device cuda,
+	 * emulated); false under device auto, where they run on the CPU (no PCIe round trip). */
+	bool dev_host;
 	void *zctx;
 	/* ROUTERs bound to cfg->listen: [0] plain (IPC, and TCP without CURVE), [1] CURVE
 	 * (TCP when a server key is configured). A message carries the index of its frontend

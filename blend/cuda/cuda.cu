@@ -18,6 +18,8 @@ extern "C" {
 
 /* Host calls that stage rows through the device run on one of these at a time. */
 #define LANES 4
+/* Events time nothing, and a host that waits on one sleeps instead of spinning. */
+#define EVENT_FLAGS (cudaEventDisableTiming | cudaEventBlockingSync)
 /* Device buffers are carved at this alignment (the widest vector access, with room). */
 #define ALIGN 256
 
@@ -41,6 +43,7 @@ struct blend_cuda {
 	struct lane lanes[LANES];
 	char last_err[256];
 	bool broken; /* __atomic: a sticky error; every later call fails until a restart */
+	bool blocking; /* waiting threads sleep (cudaDeviceScheduleBlockingSync) */
 };
 
 struct blend_cuda_stream {
@@ -132,6 +135,51 @@ __global__ void k_rotate(int dt, int style, uint32_t heads, uint32_t hd, uint32_
 			size_t j = 2 * (size_t)half + (k - half);
 
 			memcpy(y + j * es, x + j * es, es);
+		}
+	}
+}
+
+/*
+ * A layer's chunks in one launch, in place: one thread per pair of each span row's
+ * heads (rows x heads x half threads; dims past rotary_dim stay as they are). The
+ * thread's row g among the spans' rows finds its span by a binary search of first.
+ */
+__global__ void k_rotate_spans(int dt, int style, uint32_t heads, uint32_t hd, uint32_t half,
+			       const struct blend_dev_span *sp, uint32_t n_sp, uint8_t *base,
+			       uint32_t rows)
+{
+	uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
+	size_t es = dt == BLEND_F32 ? 4 : 2;
+
+	if (i >= (uint64_t)rows * heads * half)
+		return;
+	{
+		uint32_t k = (uint32_t)(i % half);
+		uint64_t gh = i / half;
+		uint32_t h = (uint32_t)(gh % heads), g = (uint32_t)(gh / heads);
+		uint32_t lo = 0, hi = n_sp;
+
+		while (hi - lo > 1) { /* the last span with first <= g */
+			uint32_t mid = (lo + hi) / 2;
+
+			if (sp[mid].first <= g)
+				lo = mid;
+			else
+				hi = mid;
+		}
+		{
+			const struct blend_dev_span *c = &sp[lo];
+			uint32_t r = g - c->first;
+			size_t trow = c->t.rows == 1 ? 0 : (size_t)r * half;
+			uint8_t *x = base + (((size_t)c->off + r) * heads + h) * hd * es;
+			size_t a = style == ROPE_NEOX ? k : 2 * (size_t)k;
+			size_t b = style == ROPE_NEOX ? (size_t)k + half : 2 * (size_t)k + 1;
+			float y1, y2;
+
+			elem_rotate_pair(elem_load(dt, x, a), elem_load(dt, x, b), c->t.cos[trow + k],
+					 c->t.sin[trow + k], c->t.scale, &y1, &y2);
+			elem_store(dt, x, a, y1);
+			elem_store(dt, x, b, y2);
 		}
 	}
 }
@@ -236,6 +284,24 @@ extern "C" int blend_cuda_rotate_dev(struct blend_cuda_stream *st, const struct 
 	k_rotate<<<blocks_for(threads, 256), 256, 0, st->st>>>(
 		(int)s->dtype, (int)s->style, s->heads, s->head_dim, half, t->cos, t->sin, t->rows,
 		t->scale, (const uint8_t *)src, (uint8_t *)dst, n);
+	return xlate(st->d, cudaGetLastError(), "rotate kernel");
+}
+
+extern "C" int blend_cuda_rotate_spans_dev(struct blend_cuda_stream *st,
+					   const struct blend_shape *s,
+					   const struct blend_dev_span *spans, uint32_t n_spans,
+					   uint32_t rows, void *base)
+{
+	uint32_t half = s->rotary_dim / 2;
+	uint64_t threads = (uint64_t)rows * s->heads * half;
+
+	if (!shape_ok(s))
+		return -EINVAL;
+	if (!threads || !n_spans)
+		return 0;
+	k_rotate_spans<<<blocks_for(threads, 256), 256, 0, st->st>>>(
+		(int)s->dtype, (int)s->style, s->heads, s->head_dim, half, spans, n_spans,
+		(uint8_t *)base, rows);
 	return xlate(st->d, cudaGetLastError(), "rotate kernel");
 }
 
@@ -397,7 +463,7 @@ extern "C" int blend_cuda_stream_new(struct blend_cuda *d, struct blend_cuda_str
 		rc = xlate(d, cudaStreamCreateWithFlags(&st->st, cudaStreamNonBlocking),
 			   "cudaStreamCreate");
 	if (!rc) {
-		rc = xlate(d, cudaEventCreateWithFlags(&st->ev, cudaEventDisableTiming),
+		rc = xlate(d, cudaEventCreateWithFlags(&st->ev, EVENT_FLAGS),
 			   "cudaEventCreate");
 		if (rc)
 			cudaStreamDestroy(st->st);
@@ -699,6 +765,41 @@ __global__ void k_probe(int *x)
 	*x = 1;
 }
 
+/*
+ * The oldest driver each CUDA major release supports through minor-version
+ * compatibility (NVIDIA's CUDA compatibility guide, table of minimum drivers): a
+ * runtime of that major release runs on it. Newer releases than this table knows
+ * say so instead of guessing.
+ */
+#define STR2(x) #x
+#define STR(x) STR2(x)
+#if CUDART_VERSION >= 14000
+#define DRIVER_FLOOR "a driver for CUDA " STR(CUDART_VERSION) " (see NVIDIA's compatibility table)"
+#elif CUDART_VERSION >= 13000
+#define DRIVER_FLOOR "NVIDIA driver 580 or newer"
+#elif CUDART_VERSION >= 12000
+#define DRIVER_FLOOR "NVIDIA driver 525 or newer"
+#else
+#define DRIVER_FLOOR "NVIDIA driver 450 or newer"
+#endif
+
+extern "C" const char *blend_cuda_driver_floor(void)
+{
+	return "CUDA runtime " STR(__CUDACC_VER_MAJOR__) "." STR(__CUDACC_VER_MINOR__)
+	       " (linked statically) needs " DRIVER_FLOOR;
+}
+
+extern "C" int blend_cuda_driver_version(void)
+{
+	int v = 0;
+
+	if (cudaDriverGetVersion(&v) != cudaSuccess) {
+		(void)cudaGetLastError();
+		return 0;
+	}
+	return v;
+}
+
 /* The device count, or -ENODEV with the cause (no driver, none, not that one) in err. */
 static int count_devices(int ordinal, char *err, size_t errlen)
 {
@@ -713,6 +814,11 @@ static int count_devices(int ordinal, char *err, size_t errlen)
 			drv = dlopen("libcuda.so.1", RTLD_LAZY);
 		if (!drv)
 			snprintf(err, errlen, "no NVIDIA driver (libcuda.so.1 not found)");
+		else if (e == cudaErrorInsufficientDriver)
+			snprintf(err, errlen, "no usable CUDA device: %s (the driver supports "
+				 "CUDA %d.%d; this build's %s)", cudaGetErrorString(e),
+				 blend_cuda_driver_version() / 1000,
+				 blend_cuda_driver_version() % 1000 / 10, blend_cuda_driver_floor());
 		else
 			snprintf(err, errlen, "no usable CUDA device: %s", cudaGetErrorString(e));
 		if (drv)
@@ -764,6 +870,15 @@ extern "C" int blend_cuda_open(int ordinal, struct blend_cuda **out, char *err, 
 	have_p = e == cudaSuccess;
 	if (e == cudaSuccess)
 		e = cudaSetDevice(ordinal);
+	/*
+	 * Threads that wait for the device (stream and event syncs) sleep on the driver
+	 * instead of spinning: the daemon's waiting workers would otherwise take the
+	 * cores its chunk readers need. Set before the context starts (the malloc below
+	 * starts it); on a context another part of the process started already the flag
+	 * may be refused, which blend_cuda_blocking_sync() then says.
+	 */
+	if (e == cudaSuccess && cudaSetDeviceFlags(cudaDeviceScheduleBlockingSync) != cudaSuccess)
+		(void)cudaGetLastError();
 	if (e == cudaSuccess)
 		e = cudaMalloc((void **)&probe, sizeof(int));
 	if (e == cudaSuccess) {
@@ -792,6 +907,13 @@ extern "C" int blend_cuda_open(int ordinal, struct blend_cuda **out, char *err, 
 		return -ENOMEM;
 	}
 	d->ordinal = ordinal;
+	{
+		unsigned flags = 0;
+
+		d->blocking = cudaGetDeviceFlags(&flags) == cudaSuccess &&
+			      (flags & cudaDeviceScheduleMask) == cudaDeviceScheduleBlockingSync;
+		(void)cudaGetLastError();
+	}
 	snprintf(d->name, sizeof(d->name), "%s", p.name);
 	d->total = p.totalGlobalMem;
 	pthread_mutex_init(&d->lock, NULL);
@@ -841,6 +963,11 @@ extern "C" void blend_cuda_close(struct blend_cuda **dp)
 extern "C" const char *blend_cuda_name(const struct blend_cuda *d)
 {
 	return d->name;
+}
+
+extern "C" bool blend_cuda_blocking_sync(const struct blend_cuda *d)
+{
+	return d->blocking;
 }
 
 extern "C" int blend_cuda_ordinal(const struct blend_cuda *d)
@@ -963,7 +1090,7 @@ static int t_event_new(const struct blend_device *t, struct blend_event **out)
 		return -ENOMEM;
 	rc = bind(D(t));
 	if (!rc)
-		rc = xlate(D(t), cudaEventCreateWithFlags(&ev->e, cudaEventDisableTiming),
+		rc = xlate(D(t), cudaEventCreateWithFlags(&ev->e, EVENT_FLAGS),
 			   "cudaEventCreate");
 	if (rc) {
 		free(ev);
@@ -1037,6 +1164,15 @@ static int t_rotate(const struct blend_device *t, struct blend_stream *st,
 	int rc = bind(D(t));
 
 	return rc ? rc : blend_cuda_rotate_dev(S(st), s, &ct, src, dst, n);
+}
+
+static int t_rotate_spans(const struct blend_device *t, struct blend_stream *st,
+			  const struct blend_shape *s, const struct blend_dev_span *spans,
+			  uint32_t n_spans, uint32_t rows, void *base)
+{
+	int rc = bind(D(t));
+
+	return rc ? rc : blend_cuda_rotate_spans_dev(S(st), s, spans, n_spans, rows, base);
 }
 
 static int t_deviation(const struct blend_device *t, struct blend_stream *st,
@@ -1139,6 +1275,7 @@ extern "C" const struct blend_device *blend_cuda_device(struct blend_cuda *d)
 	t->download = t_download;
 	t->zero = t_zero;
 	t->rotate = t_rotate;
+	t->rotate_spans = t_rotate_spans;
 	t->deviation = t_deviation;
 	t->select_scratch = t_select_scratch;
 	t->select = t_select;

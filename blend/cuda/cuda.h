@@ -45,12 +45,28 @@ int blend_cuda_open(int ordinal, struct blend_cuda **out, char *err, size_t errl
  */
 int blend_cuda_probe(int ordinal, char *name, size_t namelen, char *err, size_t errlen);
 
+/*
+ * The NVIDIA driver this build's CUDA runtime needs, as one line for logs and
+ * --help ("CUDA runtime 13.0 (linked statically) needs NVIDIA driver 580 or
+ * newer"); "built without CUDA" without it. Static text: creates no context.
+ */
+const char *blend_cuda_driver_floor(void);
+
+/*
+ * The CUDA version the installed driver supports (cudaDriverGetVersion: 12080
+ * for 12.8), 0 when there is no driver, or -ENODEV built without CUDA. A driver
+ * older than this build's runtime makes blend_cuda_open() answer -ENODEV.
+ */
+int blend_cuda_driver_version(void);
+
 /* Wait for the device's work and free everything. Accepts NULL. */
 void blend_cuda_close(struct blend_cuda **d);
 
 /* The device's name ("NVIDIA H200"), its ordinal, and its memory. */
 const char *blend_cuda_name(const struct blend_cuda *d);
 int blend_cuda_ordinal(const struct blend_cuda *d);
+/* Whether threads waiting on d sleep (blocking sync, set at open) rather than spin. */
+bool blend_cuda_blocking_sync(const struct blend_cuda *d);
 /* Device memory this backend holds now (staging and caller allocations), and the
  * device's total. */
 void blend_cuda_memory(const struct blend_cuda *d, uint64_t *held, uint64_t *total);
@@ -103,6 +119,11 @@ struct blend_cuda_table {
 /* dst[r] = rotate(src[r]) for r in [0, n); src and dst may be the same. */
 int blend_cuda_rotate_dev(struct blend_cuda_stream *st, const struct blend_shape *s,
 			  const struct blend_cuda_table *t, const void *src, void *dst, uint32_t n);
+
+/* A layer's chunks rotated in place in one launch: device.h's rotate_spans. */
+int blend_cuda_rotate_spans_dev(struct blend_cuda_stream *st, const struct blend_shape *s,
+				const struct blend_dev_span *spans, uint32_t n_spans,
+				uint32_t rows, void *base);
 
 /* out[i] = deviation of fresh row i from stored row idx[i], i in [0, n). */
 int blend_cuda_deviation_dev(struct blend_cuda_stream *st, const struct blend_shape *s,

@@ -17,6 +17,16 @@ int blend_cuda_open(int ordinal, struct blend_cuda **out, char *err, size_t errl
 	return -ENODEV;
 }
 
+const char *blend_cuda_driver_floor(void)
+{
+	return "built without CUDA";
+}
+
+int blend_cuda_driver_version(void)
+{
+	return -ENODEV;
+}
+
 int blend_cuda_probe(int ordinal, char *name, size_t namelen, char *err, size_t errlen)
 {
 	(void)ordinal;
@@ -42,6 +52,12 @@ int blend_cuda_ordinal(const struct blend_cuda *d)
 {
 	(void)d;
 	return -1;
+}
+
+bool blend_cuda_blocking_sync(const struct blend_cuda *d)
+{
+	(void)d;
+	return false;
 }
 
 void blend_cuda_memory(const struct blend_cuda *d, uint64_t *held, uint64_t *total)
@@ -158,6 +174,19 @@ int blend_cuda_rotate_dev(struct blend_cuda_stream *st, const struct blend_shape
 	(void)src;
 	(void)dst;
 	(void)n;
+	return -ENODEV;
+}
+
+int blend_cuda_rotate_spans_dev(struct blend_cuda_stream *st, const struct blend_shape *s,
+				const struct blend_dev_span *spans, uint32_t n_spans,
+				uint32_t rows, void *base)
+{
+	(void)st;
+	(void)s;
+	(void)spans;
+	(void)n_spans;
+	(void)rows;
+	(void)base;
 	return -ENODEV;
 }
 

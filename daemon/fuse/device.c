@@ -60,7 +60,58 @@ static void block_free(struct fuse_table *t, bool host, void *p, size_t bytes)
 		t->dev->free(t->dev, p, bytes);
 }
 
-/* Drop every cached block (to make room on the device). */
+/*
+ * A block given up on a session's path (open, close): freed by the next block_reap(),
+ * off that path. Freed here only when the list cannot grow.
+ */
+static void block_free_later(struct fuse_table *t, bool host, void *p, size_t bytes)
+{
+	if (!p)
+		return;
+	pthread_mutex_lock(&t->lock);
+	if (t->n_reap == t->cap_reap) {
+		size_t cap = t->cap_reap ? 2 * t->cap_reap : 8;
+		struct dblock *r = realloc(t->reap, cap * sizeof(*r));
+
+		if (r) {
+			t->reap = r;
+			t->cap_reap = cap;
+		}
+	}
+	if (t->n_reap < t->cap_reap) {
+		t->reap[t->n_reap++] = (struct dblock){ p, bytes, host };
+		p = NULL;
+	}
+	pthread_mutex_unlock(&t->lock);
+	if (p)
+		block_free(t, host, p, bytes);
+}
+
+/* Free the blocks of list[0..n) and the list. */
+static void blocks_free(struct fuse_table *t, struct dblock *list, size_t n)
+{
+	for (size_t i = 0; i < n; i++)
+		block_free(t, list[i].host, list[i].p, list[i].bytes);
+	free(list);
+}
+
+void block_reap(struct fuse_table *t)
+{
+	struct dblock *r;
+	size_t n;
+
+	if (!t->dev)
+		return;
+	pthread_mutex_lock(&t->lock);
+	r = t->reap;
+	n = t->n_reap;
+	t->reap = NULL;
+	t->n_reap = t->cap_reap = 0;
+	pthread_mutex_unlock(&t->lock);
+	blocks_free(t, r, n);
+}
+
+/* Drop every cached block, and free those waiting for block_reap(). */
 void block_flush(struct fuse_table *t)
 {
 	struct dblock *c;
@@ -73,9 +124,101 @@ void block_flush(struct fuse_table *t)
 	t->n_cache = t->cap_cache = 0;
 	t->cached = t->cached_dev = 0;
 	pthread_mutex_unlock(&t->lock);
-	for (size_t i = 0; i < n; i++)
-		block_free(t, c[i].host, c[i].p, c[i].bytes);
-	free(c);
+	blocks_free(t, c, n);
+	block_reap(t);
+}
+
+/* Free one set of streams and events (what a failed take left too). */
+static void streams_free(const struct blend_device *dv, struct dev_streams *ds)
+{
+	for (uint32_t i = 0; ds->ev && i < ds->n_ev; i++)
+		if (ds->ev[i])
+			dv->event_free(dv, ds->ev[i]);
+	if (ds->comp)
+		dv->stream_free(dv, ds->comp);
+	if (ds->copy)
+		dv->stream_free(dv, ds->copy);
+	free(ds->ev);
+	memset(ds, 0, sizeof(*ds));
+}
+
+/*
+ * A session's streams and n_ring events: a pooled set (of a closed session), else a
+ * new one with room for the longest ring (fuse_ring + 1), so that any session can
+ * take it next. On failure d holds what was made, for dev_sess_free().
+ */
+static int streams_take(struct fuse_table *t, uint32_t n_ring, struct dev_sess *d)
+{
+	const struct blend_device *dv = t->dev;
+	struct dev_streams ds = { 0 };
+	bool pooled = false;
+	int rc = 0;
+
+	pthread_mutex_lock(&t->lock);
+	for (size_t i = 0; i < t->n_spool && !pooled; i++)
+		if (t->spool[i].n_ev >= n_ring) {
+			ds = t->spool[i];
+			t->spool[i] = t->spool[--t->n_spool];
+			pooled = true;
+		}
+	pthread_mutex_unlock(&t->lock);
+	if (!pooled) {
+		ds.n_ev = t->lim.ring + 1 > n_ring ? (uint32_t)t->lim.ring + 1 : n_ring;
+		ds.ev = calloc(ds.n_ev, sizeof(*ds.ev));
+		if (!ds.ev)
+			return -ENOMEM;
+		rc = dv->stream_new(dv, &ds.copy);
+		if (!rc)
+			rc = dv->stream_new(dv, &ds.comp);
+		for (uint32_t i = 0; !rc && i < ds.n_ev; i++)
+			rc = dv->event_new(dv, &ds.ev[i]);
+	}
+	d->copy = ds.copy;
+	d->comp = ds.comp;
+	d->loaded = ds.ev;
+	d->n_loaded = ds.n_ev;
+	return rc;
+}
+
+/* Keep a session's streams and events for the next session (idle: synced), up to one
+ * set per session the table holds; else, or after a device failure, free them. */
+static void streams_give(struct fuse_table *t, struct dev_sess *d, bool failed)
+{
+	struct dev_streams ds = { d->copy, d->comp, d->loaded, d->n_loaded };
+
+	d->copy = d->comp = NULL;
+	d->loaded = NULL;
+	d->n_loaded = 0;
+	if (!ds.copy && !ds.comp && !ds.ev)
+		return;
+	pthread_mutex_lock(&t->lock);
+	if (!failed && ds.copy && ds.comp && ds.ev && t->n_spool < t->lim.max_sessions) {
+		if (t->n_spool == t->cap_spool) {
+			size_t cap = t->cap_spool ? 2 * t->cap_spool : 8;
+			struct dev_streams *p = realloc(t->spool, cap * sizeof(*p));
+
+			if (p) {
+				t->spool = p;
+				t->cap_spool = cap;
+			}
+		}
+		if (t->n_spool < t->cap_spool) {
+			t->spool[t->n_spool++] = ds;
+			ds.ev = NULL;
+			ds.copy = ds.comp = NULL;
+		}
+	}
+	pthread_mutex_unlock(&t->lock);
+	streams_free(t->dev, &ds);
+}
+
+void dev_streams_flush(struct fuse_table *t)
+{
+	for (size_t i = 0; i < t->n_spool; i++)
+		streams_free(t->dev, &t->spool[i]);
+	free(t->spool);
+	t->spool = NULL;
+	t->n_spool = t->cap_spool = 0;
 }
 
 /*
@@ -176,8 +319,8 @@ void block_trim(struct fuse_table *t)
 		n++;
 	}
 	pthread_mutex_unlock(&t->lock);
-	for (size_t i = 0; i < n; i++)
-		block_free(t, drop[i].host, drop[i].p, drop[i].bytes);
+	for (size_t i = 0; i < n; i++) /* a session is opening: not here */
+		block_free_later(t, drop[i].host, drop[i].p, drop[i].bytes);
 	free(drop);
 }
 
@@ -215,7 +358,7 @@ static void block_give(struct fuse_table *t, bool host, void *p, size_t bytes)
 		}
 	}
 	pthread_mutex_unlock(&t->lock);
-	block_free(t, host, p, bytes);
+	block_free_later(t, host, p, bytes);
 }
 
 /* Carve (or, with base NULL, only measure) a session's device block; returns its size. */
@@ -240,6 +383,7 @@ size_t dev_layout(const struct fuse_session *s, struct dev_sess *d, uint8_t *bas
 	CARVE(dev, float *, (n + 1) * sizeof(float));
 	CARVE(cdev, float *, (n + 1) * sizeof(float));
 	CARVE(scratch, uint8_t *, d->scratch_bytes);
+	CARVE(spans, struct blend_dev_span *, (s->n_chunks + 1) * sizeof(struct blend_dev_span));
 #undef CARVE
 	for (size_t i = 0; i < s->n_chunks; i++) {
 		const struct rope_table *r = &s->chunks[i].rot;
@@ -278,31 +422,78 @@ void dev_sess_free(struct fuse_table *t, struct fuse_session *s)
 		failed |= t->dev->stream_sync(t->dev, d->comp) != 0;
 	if (d->copy)
 		failed |= t->dev->stream_sync(t->dev, d->copy) != 0;
-	for (uint32_t i = 0; d->loaded && i < s->n_ring; i++)
-		if (d->loaded[i])
-			t->dev->event_free(t->dev, d->loaded[i]);
-	if (d->comp)
-		t->dev->stream_free(t->dev, d->comp);
-	if (d->copy)
-		t->dev->stream_free(t->dev, d->copy);
+	streams_give(t, d, failed);
 	if (d->registered)
 		t->dev->host_unregister(t->dev, s->ring_mem);
 	/* A block the node mapped stays readable there: it must not serve another session,
 	 * nor be freed while the node of an expired session may map it still. */
 	if (d->exported && s->expired)
 		block_orphan(t, s, d->blk, d->blk_bytes);
-	else if (d->exported || failed)
-		block_free(t, false, d->blk, d->blk_bytes);
+	else if (d->exported || failed) /* the node unmapped it before its close */
+		block_free_later(t, false, d->blk, d->blk_bytes);
 	else
 		block_give(t, false, d->blk, d->blk_bytes);
-	if (failed)
-		block_free(t, true, d->hring, d->hring_bytes);
-	else
+	if (failed) {
+		block_free_later(t, true, d->hring, d->hring_bytes);
+		block_free_later(t, true, d->hstage, d->hstage_bytes);
+	} else {
 		block_give(t, true, d->hring, d->hring_bytes);
-	free(d->loaded);
+		block_give(t, true, d->hstage, d->hstage_bytes);
+	}
 	free(d->tabs);
 	free(d);
 	s->dv = NULL;
+}
+
+/* Carve (or, with base NULL, only measure) the pinned staging; returns its size. */
+static size_t stage_layout(const struct fuse_session *s, struct dev_sess *d, uint8_t *base)
+{
+	size_t off = 0, n = s->n, rb = s->row_bytes;
+
+#define CARVE(field, type, bytes)                                                 \
+	do {                                                                      \
+		if (base)                                                         \
+			d->field = (type)(base + off);                            \
+		off += dev_align(bytes);                                          \
+	} while (0)
+	CARVE(hk, uint8_t *, n * rb);
+	CARVE(hv, uint8_t *, n * rb);
+	CARVE(hidx, int32_t *, (n + 1) * sizeof(int32_t));
+	CARVE(hcand, int32_t *, (n + 1) * sizeof(int32_t));
+	CARVE(hsel, int32_t *, (n + 1) * sizeof(int32_t));
+	CARVE(hdev, float *, (n + 1) * sizeof(float));
+#undef CARVE
+	return off;
+}
+
+/*
+ * The chunks as spans of a layer, with their tables on the device, uploaded to
+ * d->spans on the compute stream (the caller syncs it before the host array goes).
+ */
+static int dev_spans_upload(const struct blend_device *dv, const struct fuse_session *s,
+			    struct dev_sess *d)
+{
+	struct blend_dev_span *sp = calloc(s->n_chunks + 1, sizeof(*sp));
+	uint32_t n = 0, rows = 0;
+	int rc;
+
+	if (!sp)
+		return -ENOMEM;
+	for (size_t i = 0; i < s->n_chunks; i++) {
+		if (!s->chunks[i].tokens)
+			continue;
+		sp[n] = (struct blend_dev_span){ d->tabs[i], s->chunks[i].off, s->chunks[i].tokens,
+						 rows };
+		rows += s->chunks[i].tokens;
+		n++;
+	}
+	rc = dv->upload(dv, d->comp, d->spans, sp, n * sizeof(*sp));
+	if (!rc)
+		rc = dv->stream_sync(dv, d->comp); /* sp is read by the copy until then */
+	free(sp);
+	d->n_spans = n;
+	d->span_rows = rows;
+	return rc;
 }
 
 /*
@@ -339,15 +530,13 @@ int dev_sess_setup(struct fuse_table *t, struct fuse_session *s, size_t ring_byt
 	} else {
 		/* Unpinned, the copies still work, only slower: not a reason to refuse. */
 		d->registered = dv->host_register(dv, s->ring_mem, ring_bytes) == 0;
+		d->reg_bytes = ring_bytes;
 	}
-	rc = dv->stream_new(dv, &d->copy);
-	if (!rc)
-		rc = dv->stream_new(dv, &d->comp);
-	d->loaded = calloc(s->n_ring, sizeof(*d->loaded));
-	if (!rc && !d->loaded)
-		rc = -ENOMEM;
-	for (uint32_t i = 0; !rc && i < s->n_ring; i++)
-		rc = dv->event_new(dv, &d->loaded[i]);
+	rc = block_take(t, true, stage_layout(s, d, NULL), (void **)&d->hstage, &d->hstage_bytes);
+	if (rc)
+		return dev_rc(rc);
+	stage_layout(s, d, d->hstage);
+	rc = streams_take(t, s->n_ring, d);
 	if (!rc)
 		rc = block_take(t, false, d->blk_bytes, (void **)&d->blk, &d->blk_bytes);
 	if (rc)
@@ -365,6 +554,8 @@ int dev_sess_setup(struct fuse_table *t, struct fuse_session *s, size_t ring_byt
 	}
 	if (!rc)
 		rc = dv->upload(dv, d->comp, d->always, s->fresh, s->n_fresh * sizeof(int32_t));
+	if (!rc)
+		rc = dev_spans_upload(dv, s, d);
 	if (!rc)
 		rc = dv->stream_sync(dv, d->comp);
 	return dev_rc(rc);
@@ -408,12 +599,11 @@ int dev_load(struct fuse_table *t, struct fuse_session *s, struct slot *sl, uint
 	if (rc)
 		return rc; /* the store's errno */
 	rc = dv->upload(dv, d->copy, dk, sl->k, d->slot_bytes);
-	for (size_t c = 0; !rc && c < s->n_chunks; c++) {
-		uint8_t *rows = dk + (size_t)s->chunks[c].off * s->row_bytes;
-
-		rc = dv->rotate(dv, d->copy, &s->shape, &d->tabs[c], rows, rows,
-				s->chunks[c].tokens);
-	}
+	/* Every chunk's keys in one launch (a launch per chunk costs more than the work of
+	 * a short chunk). */
+	if (!rc)
+		rc = dv->rotate_spans(dv, d->copy, &s->shape, d->spans, d->n_spans, d->span_rows,
+				      dk);
 	if (!rc)
 		rc = dv->event_record(dv, d->loaded[i], d->copy);
 	return dev_rc(rc);
@@ -423,7 +613,7 @@ int dev_load(struct fuse_table *t, struct fuse_session *s, struct slot *sl, uint
 /*
  * HKVD on the device at the session's next check layer, with the node's rows
  * already in d->fk, d->fv and the stored layer in dk: as check_select() does on the
- * host. *sel is malloc'd.
+ * host, its host arrays in the pinned staging. *sel is malloc'd.
  */
 static int dev_select(struct fuse_table *t, struct fuse_session *s, const uint8_t *dk,
 		      int32_t **sel_out, size_t *n_out)
@@ -432,14 +622,13 @@ static int dev_select(struct fuse_table *t, struct fuse_session *s, const uint8_
 	struct dev_sess *d = s->dv;
 	size_t rows = s->next_check == 0 ? s->n : s->n_sel, n_cand, n_sel = 0;
 	const uint8_t *plane = s->metric ? dk : dk + (size_t)s->n * s->row_bytes;
-	int32_t *idx = malloc((rows + 1) * sizeof(int32_t));
-	int32_t *cand = malloc((rows + 1) * sizeof(int32_t));
-	float *dev = malloc((rows + 1) * sizeof(float));
+	int32_t *idx = d->hidx, *cand = d->hcand;
+	float *dev = d->hdev;
 	int32_t *sel = malloc((s->n + 1) * sizeof(int32_t));
 	int rc = -ENOMEM;
 
-	if (!idx || !cand || !dev || !sel)
-		goto out;
+	if (!sel)
+		return rc;
 	for (size_t i = 0; i < rows; i++)
 		idx[i] = s->next_check == 0 ? (int32_t)i : s->sel[i];
 	rc = dv->upload(dv, d->comp, d->idx, idx, rows * sizeof(int32_t));
@@ -461,14 +650,13 @@ static int dev_select(struct fuse_table *t, struct fuse_session *s, const uint8_
 				hkvd_count(s->ratios[s->next_check], s->n_cached), d->always,
 				s->n_fresh, d->out, d->scratch, d->scratch_bytes, &n_sel);
 	if (!rc)
-		rc = dv->download(dv, d->comp, sel, d->out, n_sel * sizeof(int32_t));
-	/* The host arrays above are read by queued copies until this returns. */
+		rc = dv->download(dv, d->comp, d->hsel, d->out, n_sel * sizeof(int32_t));
+	/* The staged arrays above are read by queued copies until this returns. */
 	if (!rc)
 		rc = dv->stream_sync(dv, d->comp);
+	if (!rc)
+		memcpy(sel, d->hsel, n_sel * sizeof(int32_t));
 out:
-	free(idx);
-	free(cand);
-	free(dev);
 	if (rc) {
 		free(sel);
 		return rc;
@@ -478,11 +666,23 @@ out:
 	return 0;
 }
 
+/* Whether [p, p + n) lies in the session's shared ring pinned in place. */
+static bool in_registered(const struct fuse_session *s, const void *p, size_t n)
+{
+	uintptr_t b = (uintptr_t)s->ring_mem, x = (uintptr_t)p;
+
+	return s->dv->registered && x >= b && x - b <= s->dv->reg_bytes &&
+	       n <= s->dv->reg_bytes - (x - b);
+}
+
 /*
  * The node's layer on the device (fuse_layer_run's work for a device session):
  * rows_in fresh rows up, the selection at a check layer (*sel, malloc'd), the
  * fresh rows of the selection so far merged, and the fused layer down into k_out,
- * v_out (or the host slot, for a shared ring) unless out is false.
+ * v_out (or the host slot, for a shared ring) unless out is false. Rows that come
+ * from pageable memory (a request's frames) go up through the pinned staging, and
+ * the fused layer comes down into the pinned host slot before it is copied into
+ * pageable k_out, v_out.
  */
 int dev_layer(struct fuse_table *t, struct fuse_session *s, struct slot *sl,
 	      uint64_t rows_in, const void *k_in, const void *v_in, bool is_check,
@@ -490,26 +690,38 @@ int dev_layer(struct fuse_table *t, struct fuse_session *s, struct slot *sl,
 {
 	const struct blend_device *dv = t->dev;
 	struct dev_sess *d = s->dv;
-	size_t i = (size_t)(sl - s->ring), rb = s->row_bytes, n = s->n;
+	size_t i = (size_t)(sl - s->ring), rb = s->row_bytes, n = s->n, in = rows_in * rb;
 	uint8_t *dk = d->ring + i * d->slot_bytes, *dvv = dk + n * rb;
 	bool merge = !is_check || s->next_check > 0;
+	/* A heap ring's host slot is pinned (the cache's block): the layer comes down there. */
+	bool via_slot = out && k_out && d->hring;
 	int rc;
 
+	if (!in_registered(s, k_in, in)) {
+		memcpy(d->hk, k_in, in);
+		k_in = d->hk;
+	}
+	if (!in_registered(s, v_in, in)) {
+		memcpy(d->hv, v_in, in);
+		v_in = d->hv;
+	}
 	rc = dv->event_wait(dv, d->comp, d->loaded[i]);
 	if (!rc)
-		rc = dv->upload(dv, d->comp, d->fk, k_in, rows_in * rb);
+		rc = dv->upload(dv, d->comp, d->fk, k_in, in);
 	if (!rc)
-		rc = dv->upload(dv, d->comp, d->fv, v_in, rows_in * rb);
+		rc = dv->upload(dv, d->comp, d->fv, v_in, in);
 	if (!rc && is_check)
 		rc = dev_select(t, s, dk, sel, n_sel);
 	/* The rows sent are those of the selection before this layer's narrows it. */
-	if (!rc && merge)
-		rc = dv->upload(dv, d->comp, d->sel, s->sel, s->n_sel * sizeof(int32_t));
+	if (!rc && merge) {
+		memcpy(d->hsel, s->sel, s->n_sel * sizeof(int32_t));
+		rc = dv->upload(dv, d->comp, d->sel, d->hsel, s->n_sel * sizeof(int32_t));
+	}
 	if (!rc && merge)
 		rc = dv->scatter(dv, d->comp, &s->shape, dk, d->fk, d->sel, s->n_sel);
 	if (!rc && merge)
 		rc = dv->scatter(dv, d->comp, &s->shape, dvv, d->fv, d->sel, s->n_sel);
-	if (!rc && out && k_out) {
+	if (!rc && out && k_out && !via_slot) {
 		rc = dv->download(dv, d->comp, k_out, dk, n * rb);
 		if (!rc)
 			rc = dv->download(dv, d->comp, v_out, dvv, n * rb);
@@ -520,6 +732,10 @@ int dev_layer(struct fuse_table *t, struct fuse_session *s, struct slot *sl,
 		rc = dv->stream_sync(dv, d->comp);
 	else
 		dv->stream_sync(dv, d->comp); /* what was queued must not outlive the request */
+	if (!rc && via_slot) {
+		memcpy(k_out, sl->k, n * rb);
+		memcpy(v_out, sl->v, n * rb);
+	}
 	if (rc && is_check && *sel) {
 		free(*sel);
 		*sel = NULL;

@@ -126,6 +126,13 @@ struct dblock {
 	bool host;
 };
 
+/* A session's streams and ring events, kept for the next session (n_ev >= its ring). */
+struct dev_streams {
+	struct blend_stream *copy, *comp;
+	struct blend_event **ev;
+	uint32_t n_ev;
+};
+
 struct fuse_table {
 	struct fuse_limits lim;
 	struct store *store;
@@ -144,6 +151,13 @@ struct fuse_table {
 	 * freed only at exit, and stay charged to the device budget (under lock). */
 	struct dblock *orphans;
 	size_t n_orphans;
+	/* Blocks given up on a session's path, freed later by block_reap() (under lock):
+	 * cudaFree and cudaFreeHost stall the whole device, so not while a node waits. */
+	struct dblock *reap;
+	size_t n_reap, cap_reap;
+	/* Streams and events of closed sessions, for the next ones (under lock). */
+	struct dev_streams *spool;
+	size_t n_spool, cap_spool;
 	struct shm_table *shm;
 	pthread_mutex_t lock; /* sessions, bytes, pins */
 	struct fuse_session **sessions;
@@ -165,12 +179,25 @@ struct fuse_table {
  */
 struct dev_sess {
 	struct blend_stream *copy, *comp;
-	struct blend_event **loaded; /* per ring slot: uploaded and re-rotated */
+	struct blend_event **loaded; /* per ring slot: uploaded and re-rotated (n_loaded) */
+	uint32_t n_loaded;
 	uint8_t *blk;		     /* the device block everything below is carved from */
 	size_t blk_bytes;
 	uint8_t *hring; /* the pinned host ring, from the cache (heap rings) */
 	size_t hring_bytes;
+	/*
+	 * Pinned staging, from the cache too: a request's fresh rows (from its frames) go
+	 * up from hk, hv, and the host's arrays of a check layer live in hidx .. hsel, so
+	 * that no copy reads or writes pageable memory (those block the worker and run
+	 * at a fraction of PCIe speed).
+	 */
+	uint8_t *hstage;
+	size_t hstage_bytes;
+	uint8_t *hk, *hv;
+	int32_t *hidx, *hcand, *hsel;
+	float *hdev;
 	bool registered; /* the shared ring is pinned in place */
+	size_t reg_bytes; /* its size */
 	bool exported;	 /* the block is mapped by the node (CUDA IPC): never reused */
 	uint64_t zeroed; /* bytes of the pinned host ring zeroed at open */
 	uint64_t slot_bytes;
@@ -181,6 +208,10 @@ struct dev_sess {
 	uint8_t *scratch;
 	size_t scratch_bytes;
 	struct blend_dev_table *tabs; /* host array: chunk i's rotation table, on the device */
+	/* The chunks as spans of a layer (device memory, uploaded at open): a layer's keys
+	 * are re-rotated in one launch. n_spans: chunks with tokens; span_rows: their rows. */
+	struct blend_dev_span *spans;
+	uint32_t n_spans, span_rows;
 };
 
 /*
@@ -261,8 +292,14 @@ void session_put(struct fuse_table *t, struct fuse_session *s);
 bool dev_usable(struct fuse_table *t);
 /* Why a load or a kernel failed: the device's own message (in buf) for DEV_FAILED, else the errno's. */
 const char *compute_error(const struct fuse_table *t, int rc, char *buf, size_t len);
-/* Drop every cached block (to make room on the device). */
+/* Drop every cached block and free those waiting for block_reap() (to make room on the
+ * device; and at exit, with the pooled streams). */
 void block_flush(struct fuse_table *t);
+/* Free the blocks sessions gave up since the last call (off the sessions' path: the
+ * thread that expires sessions calls it, once a second). */
+void block_reap(struct fuse_table *t);
+/* Free the pooled streams and events (at exit). */
+void dev_streams_flush(struct fuse_table *t);
 /* Free the orphaned blocks (at exit, when no node maps them any more). */
 void block_orphans_free(struct fuse_table *t);
 /* Drop cached blocks until sessions and cache together fit in fuse_max_bytes. */

@@ -263,8 +263,9 @@ static uint32_t open_size(struct fuse_table *t, const struct store_model *m,
 		pthread_mutex_lock(&t->lock);
 		t->dev_fallbacks++;
 		pthread_mutex_unlock(&t->lock);
-	} else if (t->dev) {
-		/* And the same ring on the device, with room for the node's rows. */
+	} else if (t->dev && (t->lim.dev_host || q->device_out)) {
+		/* And the same ring on the device, with room for the node's rows (a node that
+		 * takes its layers in host memory only where dev_host allows: per session). */
 		s->dv = calloc(1, sizeof(*s->dv));
 		if (s->dv)
 			s->dv->tabs = calloc(s->n_chunks + 1, sizeof(*s->dv->tabs));
@@ -380,7 +381,8 @@ static uint32_t open_ring_device(struct fuse_table *t, const struct kvbp_request
 
 	if (!rc) {
 		/* Cached blocks may be larger than asked: charge what the session holds. */
-		uint64_t held = s->dv->hring ? s->dv->hring_bytes : p->ring_bytes;
+		uint64_t held = (s->dv->hring ? s->dv->hring_bytes : p->ring_bytes) +
+				s->dv->hstage_bytes;
 		uint64_t dheld = s->dv->blk_bytes;
 
 		pthread_mutex_lock(&t->lock);

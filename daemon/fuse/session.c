@@ -175,6 +175,7 @@ void fuse_table_free(struct fuse_table **tp)
 	if (t->dev) {
 		block_flush(t);
 		block_orphans_free(t);
+		dev_streams_flush(t);
 	}
 	free(t->sessions);
 	free(t->pins);
@@ -263,6 +264,8 @@ uint32_t fuse_close(struct fuse_table *t, uint64_t id, const char *owner, struct
 		STAT("ring_bytes", s->bytes);
 		STAT("bytes_in", s->bytes_in);
 		STAT("bytes_out", s->bytes_out);
+		if (!s->land) /* where its layers were computed: 1 on the device */
+			STAT("on_device", s->dv != NULL);
 		if (s->dv && s->dv->hring) /* the pinned ring's bytes zeroed at open */
 			STAT("ring_zeroed_bytes", s->dv->zeroed);
 		if (s->land) {
@@ -306,6 +309,7 @@ unsigned fuse_expire(struct fuse_table *t)
 	for (unsigned i = 0; i < n; i++)
 		session_free(t, gone[i]);
 	free(gone);
+	block_reap(t); /* device memory sessions gave up since the last call */
 	return n;
 }
 

@@ -5,7 +5,9 @@
  * unmaps it before the daemon frees it. The fake driver and the emulated device
  * note "map", "unmap" and "free" with the block's address in one file, in the
  * order they happened; and a session that expires mapped keeps its block until the
- * daemon exits. Run with KVBLEND_TEST_DEVICE=emulated and LD_LIBRARY_PATH
+ * daemon exits. And device auto's placement per session: a node that takes its layers
+ * in host memory is fused on the CPU, one that maps the ring on the device. Run with
+ * KVBLEND_TEST_DEVICE=emulated and LD_LIBRARY_PATH
  * on the fake driver (tests/CMakeLists.txt).
  */
 #include <setjmp.h>
@@ -15,6 +17,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cmocka.h>
@@ -194,9 +197,14 @@ static void test_zero_only_fresh_rows(void **state)
 	uint16_t *kv = malloc((size_t)L * 2 * T * row);
 	uint8_t *rows = malloc(layer), *out[2];
 	double zeroed = -1, ring = -1;
+	char log[] = "/tmp/kvb-pool-XXXXXX";
+	int fd = mkstemp(log);
+	struct stat lst;
 
 	(void)state;
-	unsetenv("KVBLEND_EMULATED_LOG");
+	assert_true(fd >= 0);
+	close(fd);
+	setenv("KVBLEND_EMULATED_LOG", log, 1); /* the daemon notes its device frees there */
 	daemon_start(&d, NULL);
 	c = daemon_client(&d, 1); /* no shared memory: the ring is the daemon's pinned one */
 	assert_int_equal(kvb_model_register(c, &model, NULL), 0);
@@ -242,11 +250,108 @@ static void test_zero_only_fresh_rows(void **state)
 	assert_true((uint64_t)zeroed % (2 * F * row) == 0);
 	assert_true((uint64_t)zeroed * n <= (uint64_t)ring * F);
 	assert_memory_equal(out[0], out[1], layer);
+	/* The second session took the first one's blocks: no device memory was freed on
+	 * the sessions' path (pooled), only at exit. */
+	assert_int_equal(stat(log, &lst), 0);
+	assert_int_equal(lst.st_size, 0);
 	kvb_close(&c);
 	daemon_stop(&d);
+	assert_int_equal(stat(log, &lst), 0);
+	assert_true(lst.st_size > 0);
 	daemon_cleanup(&d);
+	unsetenv("KVBLEND_EMULATED_LOG");
+	unlink(log);
 	free(out[0]);
 	free(out[1]);
+	free(rows);
+	free(kv);
+}
+
+/* The close statistic on_device of a closed session (-1: not given). */
+static double on_device_stat(const struct kvb_stat *st, size_t n)
+{
+	for (size_t i = 0; i < n; i++)
+		if (!strcmp(st[i].name, "on_device"))
+			return st[i].value;
+	return -1;
+}
+
+/*
+ * The placement device auto makes, per session (KVBLEND_EMULATED_AUTO=1 places the
+ * emulated device's sessions so): a node that takes its layers in host memory is
+ * fused on the CPU path (on_device 0: no layer crosses PCIe twice for it), with the
+ * same layers as a device session; a node that maps the device ring (its client
+ * called kvb_fuse_device) is fused on the device (on_device 1). Without the hook
+ * (device cuda, emulated) both run on the device.
+ */
+static void test_auto_places_per_session(void **state)
+{
+	uint32_t ids[2] = { 7, 7 }, T = 16, F = 3, n = T + F, check = 1;
+	double ratio = 0.5;
+	size_t row = (size_t)H * D * 2, layer = 2 * (size_t)n * row;
+	struct kvb_fuse_params p = { &check, &ratio, 1, KVB_METRIC_VALUE };
+	uint16_t *kv = malloc((size_t)L * 2 * T * row);
+	uint8_t *rows = malloc(layer), *out[2];
+	struct kvb_segment s[2];
+	uint8_t hash[KVB_HASH_LEN];
+
+	(void)state;
+	unsetenv("KVBLEND_EMULATED_LOG");
+	unsetenv("FAKE_CUDA_LOG");
+	fill_f16(kv, (size_t)L * 2 * T * H * D, 21);
+	fill_f16((uint16_t *)rows, layer / 2, 22);
+	kvb_chunk_hash(ids, 2, hash);
+	memset(s, 0, sizeof(s));
+	memcpy(s[0].hash, hash, KVB_HASH_LEN);
+	s[1].fresh = 1;
+	s[1].count = F;
+	s[1].pos = T;
+	for (int as_auto = 0; as_auto < 2; as_auto++) {
+		struct daemon d;
+		kvb_client *c;
+
+		if (as_auto)
+			setenv("KVBLEND_EMULATED_AUTO", "1", 1);
+		daemon_start(&d, NULL);
+		c = daemon_client(&d, 1);
+		assert_int_equal(kvb_model_register(c, &model, NULL), 0);
+		assert_int_equal(kvb_put(c, "xm", hash, KVB_F16, T, 0, kv, (size_t)L * 2 * T * row,
+					 NULL), 0);
+		/* Round 0: layers to host memory; round 1: the node maps the device ring. */
+		for (int mapped = 0; mapped < 2; mapped++) {
+			kvb_fuse *fu;
+			struct kvb_stat *st;
+			size_t n_st;
+			int fused = 0;
+
+			if (mapped)
+				assert_int_equal(kvb_fuse_device(c), 0); /* the fake driver */
+			out[mapped] = calloc(1, layer);
+			assert_int_equal(kvb_fuse_open(c, "xm", s, 2, &p, &fu, NULL, NULL), 0);
+			assert_int_equal(kvb_fuse_on_device(fu) != 0, mapped);
+			for (uint32_t l = kvb_fuse_next_layer(fu); l < L; l++) {
+				const int32_t *sel;
+				size_t nr = kvb_fuse_rows(fu, &sel);
+
+				/* Mapped, the layers still come down when asked (k_out given). */
+				assert_int_equal(kvb_fuse_layer(c, fu, l, rows, rows + nr * row,
+								out[mapped],
+								out[mapped] + layer / 2, &fused),
+						 0);
+			}
+			assert_int_equal(kvb_fuse_close(c, &fu, &st, &n_st), 0);
+			/* device auto: on the device only where the node maps it; else always. */
+			assert_true(on_device_stat(st, n_st) == (as_auto ? mapped : 1));
+			free(st);
+		}
+		assert_memory_equal(out[0], out[1], layer);
+		free(out[0]);
+		free(out[1]);
+		kvb_close(&c);
+		daemon_stop(&d);
+		daemon_cleanup(&d);
+		unsetenv("KVBLEND_EMULATED_AUTO");
+	}
 	free(rows);
 	free(kv);
 }
@@ -257,6 +362,7 @@ int main(void)
 		cmocka_unit_test(test_unmap_before_free),
 		cmocka_unit_test(test_zero_only_fresh_rows),
 		cmocka_unit_test(test_expired_export_kept),
+		cmocka_unit_test(test_auto_places_per_session),
 	};
 
 	return cmocka_run_group_tests(tests, NULL, NULL);
