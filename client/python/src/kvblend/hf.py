@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ._blend_loop import blend_layers, causal_attention
 from .client import Client, Model, chunk_hash
 from .errors import KvblendError
 
@@ -182,6 +183,45 @@ def _segments(segments: Sequence[tuple[str, Any]]) -> tuple[np.ndarray, list]:
     return np.concatenate(ids), spans
 
 
+class _HfOps:
+    """The layer operations of a transformers Llama model (:class:`_blend_loop.LayerOps`)."""
+
+    def __init__(self, model: Any, head_dim: int) -> None:
+        self.model, self.head_dim = model, head_dim
+        self.layers = model.model.layers
+        self.num_layers = len(self.layers)
+        self.device = next(model.parameters()).device
+        self.kv_dtype = model.dtype
+        # the modeling module's own RoPE (rotate_half, neox pairs)
+        self.rope = sys.modules[type(self.layers[0].self_attn).__module__].apply_rotary_pos_emb
+        self.cos = self.sin = None
+
+    def begin(self, n: int) -> None:
+        pos = torch.arange(n, device=self.device)[None]
+        x = torch.empty(1, dtype=self.model.dtype, device=self.device)
+        cos, sin = self.model.model.rotary_emb(x, position_ids=pos)
+        self.cos, self.sin = cos[0], sin[0]
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model.model.embed_tokens(ids)
+
+    def qkv(self, layer: int, h: torch.Tensor, rows: torch.Tensor) -> tuple:
+        mod = self.layers[layer]
+        attn, d = mod.self_attn, self.head_dim
+        x = mod.input_layernorm(h)
+        q = attn.q_proj(x).view(x.shape[0], -1, d)
+        k = attn.k_proj(x).view(x.shape[0], -1, d)
+        v = attn.v_proj(x).view(x.shape[0], -1, d)
+        q, k = self.rope(q, k, self.cos[rows], self.sin[rows], unsqueeze_dim=1)
+        return q, k, v
+
+    def attend(self, layer: int, h, q, keys, values, rows) -> torch.Tensor:
+        mod = self.layers[layer]
+        attn = mod.self_attn
+        h = h + attn.o_proj(causal_attention(q, keys, values, rows, attn.scaling))
+        return h + mod.mlp(mod.post_attention_layernorm(h))
+
+
 class Blender:
     """CacheBlend prefill over an HF model's decoder layers, with kvblendd doing the fuse.
 
@@ -214,9 +254,7 @@ class Blender:
         client.model_register(self.spec)
         self.landing = client.endpoint.startswith("ipc://") if landing is None else landing
         self._region: np.ndarray | None = None
-        inner = model.model
-        self._layers = inner.layers
-        self._rope_fn = sys.modules[type(self._layers[0].self_attn).__module__].apply_rotary_pos_emb
+        self._ops = _HfOps(model, self.spec.head_dim)
 
     @property
     def session_kind(self) -> str:
@@ -265,36 +303,6 @@ class Blender:
         if self._region is not None:
             self.client.free_region(self._region)
             self._region = None
-
-    def _attend(self, layer: Any, h, q, keys, values, rows: torch.Tensor) -> torch.Tensor:
-        """Finish a decoder layer for the n tokens ``rows``.
-
-        h [n, dim] are their hidden states, q [n, heads, d] their queries; keys and values
-        [N, kv_heads, d] the layer's whole (fused) KV. Attention with an exact causal mask
-        in prompt order (row i sees keys 0..rows[i]), o_proj, the residual,
-        post_attention_layernorm, mlp, the residual.
-        """
-        attn = layer.self_attn
-        rep = q.shape[1] // keys.shape[1]
-        kt = keys.repeat_interleave(rep, dim=1).permute(1, 2, 0)  # [heads, d, N]
-        vt = values.repeat_interleave(rep, dim=1).transpose(0, 1)  # [heads, N, d]
-        s = torch.matmul(q.transpose(0, 1), kt) * attn.scaling  # [heads, n, N]
-        mask = torch.arange(keys.shape[0], device=keys.device)[None, :] > rows[:, None]
-        s = s.masked_fill(mask[None], float("-inf"))
-        p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
-        o = torch.matmul(p, vt).transpose(0, 1).reshape(q.shape[0], -1)
-        h = h + attn.o_proj(o)
-        return h + layer.mlp(layer.post_attention_layernorm(h))
-
-    def _qkv(self, layer: Any, h, cos, sin):
-        attn = layer.self_attn
-        x = layer.input_layernorm(h)
-        d = self.spec.head_dim
-        q = attn.q_proj(x).view(x.shape[0], -1, d)
-        k = attn.k_proj(x).view(x.shape[0], -1, d)
-        v = attn.v_proj(x).view(x.shape[0], -1, d)
-        q, k = self._rope_fn(q, k, cos, sin, unsqueeze_dim=1)
-        return q, k, v
 
     @torch.no_grad()
     def blend(
@@ -365,47 +373,18 @@ class Blender:
 
     def _run(self, sess, buf, ids, cached, checks, metric, keep_checks) -> Blend:
         """Run the layer loop of :meth:`blend` on an open session."""
-        model, dev = self.model, next(self.model.parameters()).device
-        n = ids.size
-        kv = torch.from_numpy(buf)  # shares the buffer (the region, when landing)
-        rows = np.arange(n) if checks else np.flatnonzero(~cached)
-        pos = torch.arange(n, device=dev)
-        h = model.model.embed_tokens(torch.as_tensor(ids[rows], device=dev))
-        cos, sin = model.model.rotary_emb(h[None], position_ids=pos[None])
-        cos, sin = cos[0], sin[0]
-        first = checks[0] if checks else 0  # the first layer call of a classic session
-        out = Blend(ids=ids, kv=kv, logits=torch.empty(0))
-        m = 1 if metric == "value" else 0
-        for li, layer in enumerate(self._layers):
-            rows_t = torch.as_tensor(rows, device=dev)
-            q, k, v = self._qkv(layer, h, cos[rows_t], sin[rows_t])
-            kc, vc = k.to("cpu", self.model.dtype), v.to("cpu", self.model.dtype)
-            new, rows_c = None, torch.from_numpy(rows)
-            if self.landing:
-                sess.wait(li, timeout=120)  # the daemon's rows first (at once for ours)
-            kv[li, 0, rows_c], kv[li, 1, rows_c] = kc, vc
-            plane = (kc, vc)[m].numpy()
-            if self.landing and li in checks:
-                sess.check(li, plane)
-                new = sess.rows().astype(np.int64)
-            elif not self.landing and li >= first:
-                # fills the fused layer (own rows included) from the layer after the first
-                # check layer on; at the first check layer the layer is the node's own
-                sess.layer(li, kc.numpy(), vc.numpy(), k_out=buf[li, 0], v_out=buf[li, 1])
-                if li in checks:
-                    new = sess.rows().astype(np.int64)
-            if new is not None and keep_checks:
-                out.checked[li], out.sent[li] = plane.copy(), rows.copy()
-            k_all, v_all = kv[li, 0].to(dev, q.dtype), kv[li, 1].to(dev, q.dtype)
-            h = self._attend(layer, h, q, k_all, v_all, rows_t)
-            if new is not None:
-                h, rows = h[torch.as_tensor(np.searchsorted(rows, new), device=dev)], new
-                out.selections.append(new)
-        if rows[-1] != n - 1:
+        r = blend_layers(
+            self._ops, sess, buf, ids, cached, checks, metric, self.landing, keep_checks
+        )
+        if r.rows[-1] != ids.size - 1:
             raise KvblendError(-5, "kvblend.hf: the last prompt token was not recomputed")
-        out.logits = model.lm_head(model.model.norm(h[-1:]))[0].float().cpu()
-        out.kv = kv.clone()  # the buffer is reused by the next blend
-        return out
+        inner = self.model.model
+        logits = self.model.lm_head(inner.norm(r.h[-1:]))[0].float().cpu()
+        # the buffer is reused by the next blend: the Blend gets a copy
+        kv = torch.from_numpy(buf).clone()
+        return Blend(
+            ids=ids, kv=kv, logits=logits, selections=r.selections, checked=r.checked, sent=r.sent
+        )
 
     @torch.no_grad()
     def generate(
