@@ -15,7 +15,10 @@ libkvblend and KVBLEND_ENGINE_MODEL (or --model) to the model directory.
     modules and writes it into vLLM's paged cache: the rows read back from the cache (the
     connector's debug dump, decoded with the CPU "vec" layout) equal kvblend.hf's fused
     KV within TOL (not full reuse's: those differ by O(1) after the check layer), and the
-    greedy continuation vLLM computes over them equals kvblend.hf's token for token.
+    greedy continuation vLLM computes over them equals kvblend.hf's token for token;
+(d) in the same engine, the same prompt with its own settings ({"blend": {"ratios":
+    [1.0]}} in its parameters): the cache rows equal kvblend.hf's r=1.0 blend (every token
+    recomputed) and so does the continuation.
 Exit 0 when all pass, 1 on a failure, 77 when KVBLEND_SKIP_ENGINE=1.
 """
 
@@ -62,7 +65,8 @@ def check_config():
            ({"blend": {"ratios": [1.5]}}, "in [0, 1]"),
            ({"blend": {"check_layers": [1, 2], "ratios": [0.1, 0.3]}}, "not increasing"),
            ({"blend": {"check_layers": [1, 2], "ratios": [0.1]}}, "one ratio per"),
-           ({"blend": {"metric": "cosine"}}, "'value' or 'key'")]
+           ({"blend": {"metric": "cosine"}}, "'value' or 'key'"),
+           ({"blend": {"check_layers": [1.7]}}, "list of ints")]
     for extra, words in bad:
         try:
             vb.config_from_extra(extra, "LlamaForCausalLM", 30)
@@ -72,8 +76,24 @@ def check_config():
                 fail(f"{extra}: message {e!r} lacks {words!r}")
     if vb.config_from_extra({"blend": {}}, "Qwen3ForCausalLM", 30) is not None:
         fail("an architecture the pass does not drive should fall back to reuse")
+    # A request's own settings: stripped for the reuse planner, merged over the connector's.
+    segs = [[0, 4, "chunk"]]
+    kvp = {"kvblend": {"segments": segs, "blend": {"ratios": [1.0]}}}
+    if vb.split_override(kvp) != ({"kvblend": {"segments": segs}}, {"ratios": [1.0]}):
+        fail(f"split_override: {vb.split_override(kvp)}")
+    off = {"kvblend": {"segments": segs, "blend": False}}
+    if vb.plan_blend(None, NAME, 30, off, list(range(8)), 0, good) is not None:
+        fail("'blend': false should plan full reuse")
+    try:
+        vb.plan_blend(None, NAME, 30, {"kvblend": {"segments": segs, "blend": {"ratios": [2]}}},
+                      list(range(8)), 0, good)
+        fail("a request's malformed blend settings were accepted")
+    except ValueError as e:  # ParamError: the request is served as plain vLLM, logged
+        if "kvblend.blend.ratios" not in str(e):
+            fail(f"message {e!r}")
     print(f"  (a) blend settings: defaults, {len(bad)} malformed ones refused by name, "
-          "Qwen3ForCausalLM served as plain reuse")
+          "Qwen3ForCausalLM served as plain reuse; a request's own settings split off, "
+          "'blend': false is full reuse, a malformed override is a parameter error")
 
 
 def reference(model_dir, endpoint):
@@ -97,6 +117,8 @@ def reference(model_dir, endpoint):
         ref = b.blend(segs, CHECKS, RATIOS)
         tokens = b.generate(segs, MAX_TOKENS, blend=ref)
         reuse = b.blend(segs, (), ())
+        everything = b.blend(segs, CHECKS, (1.0,))
+        tokens_all = b.generate(segs, MAX_TOKENS, blend=everything)
         b.close()
     chunks, n = [], 0
     for kind, t in segs:
@@ -105,7 +127,7 @@ def reference(model_dir, endpoint):
         n += len(t)
     print(f"  (b) kvblend.hf: {n} tokens, {ref.selections[0].size} rows recomputed after layer "
           f"{CHECKS[0]}; continuation {tok.decode(tokens)!r}")
-    return ref, reuse, tokens, chunks
+    return ref, reuse, tokens, chunks, everything, tokens_all
 
 
 def read_cache(dump, n):
@@ -154,16 +176,38 @@ def main():
 
     d = Daemon()
     try:
-        ref, reuse, tokens, chunks = reference(args.model, d.endpoint)
-        run_engine(args.model, d.endpoint, ref, reuse, tokens, chunks, dump_dir)
+        ref, reuse, tokens, chunks, everything, tokens_all = reference(args.model, d.endpoint)
+        run_engine(args.model, d.endpoint, ref, reuse, tokens, chunks, dump_dir,
+                   everything, tokens_all)
     finally:
         d.stop()
     shutil.rmtree(tmp, ignore_errors=True)
     print(f"test_vllm_blend: all passed in {time.monotonic() - t0:.0f} s")
 
 
-def run_engine(model_dir, endpoint, ref, reuse, tokens, chunks, dump_dir):
-    """(c)."""
+def compare_cache(dump, want, plain, n, what):
+    """The rows 0..n-1 read back from vLLM's cache against kvblend.hf's fused KV."""
+    import numpy as np
+
+    kv = read_cache(dump, n)
+    want, plain = want.numpy()[:, :, :n], plain.numpy()[:, :, :n]
+    worst = far = 0.0
+    for layer in range(want.shape[0]):
+        for p in range(2):
+            scale = float(np.abs(want[layer, p]).max())
+            err = float(np.abs(kv[layer, p] - want[layer, p]).max()) / scale
+            worst = max(worst, err)
+            far = max(far, float(np.abs(plain[layer, p] - want[layer, p]).max()) / scale)
+            if err > TOL:
+                fail(f"{what}: layer {layer} {'KV'[p]}: vLLM's cache differs from kvblend.hf's "
+                     f"blend by {err:.2e} of its scale (tolerance {TOL:g})")
+    print(f"  (c) {what}: vLLM's cache after the blend: {n} rows within {worst:.1e} of "
+          f"kvblend.hf's fused KV (full reuse differs by up to {far:.2f})")
+
+
+def run_engine(model_dir, endpoint, ref, reuse, tokens, chunks, dump_dir, everything,
+               tokens_all):
+    """(c), and (d): the same prompt with its own settings, ratios [1.0]."""
     import numpy as np
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
@@ -176,33 +220,27 @@ def run_engine(model_dir, endpoint, ref, reuse, tokens, chunks, dump_dir):
               kv_transfer_config=KVTransferConfig(
                   kv_connector="KvblendConnector", kv_connector_module_path="kvblend.vllm",
                   kv_role="kv_both", kv_connector_extra_config=extra))
-    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
-                        extra_args={"kv_transfer_params": {"kvblend": {"segments": chunks}}})
     ids = [int(i) for i in ref.ids]
-    out = llm.generate([TokensPrompt(prompt_token_ids=ids)], [sp], use_tqdm=False)
-    got = list(out[0].outputs[0].token_ids)
+    got = []
+    for params in ({"segments": chunks}, {"segments": chunks, "blend": {"ratios": [1.0]}}):
+        sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
+                            extra_args={"kv_transfer_params": {"kvblend": params}})
+        out = llm.generate([TokensPrompt(prompt_token_ids=ids)], [sp], use_tqdm=False)
+        got.append(list(out[0].outputs[0].token_ids))
     del llm
     dumps = sorted(dump_dir.glob("load-*.npz"))
-    if len(dumps) != 1:
-        fail(f"{len(dumps)} load dumps, expected the one blend")
+    if len(dumps) != 2:
+        fail(f"{len(dumps)} load dumps, expected the two blends")
     n = chunks[-1][0] + chunks[-1][1]  # the claim: up to the end of the last chunk
-    kv = read_cache(np.load(dumps[0]), n)
-    want, plain = ref.kv.numpy()[:, :, :n], reuse.kv.numpy()[:, :, :n]
-    worst = far = 0.0
-    for layer in range(want.shape[0]):
-        for p in range(2):
-            scale = float(np.abs(want[layer, p]).max())
-            err = float(np.abs(kv[layer, p] - want[layer, p]).max()) / scale
-            worst = max(worst, err)
-            far = max(far, float(np.abs(plain[layer, p] - want[layer, p]).max()) / scale)
-            if err > TOL:
-                fail(f"layer {layer} {'KV'[p]}: vLLM's cache differs from kvblend.hf's blend "
-                     f"by {err:.2e} of its scale (tolerance {TOL:g})")
-    print(f"  (c) vLLM's cache after the blend: {n} rows within {worst:.1e} of kvblend.hf's "
-          f"fused KV (full reuse differs by up to {far:.2f})")
-    if got != tokens:
-        fail(f"vLLM's continuation {got} != kvblend.hf's {tokens}")
-    print(f"  (c) {len(got)} greedy tokens equal to kvblend.hf's continuation")
+    compare_cache(np.load(dumps[0]), ref.kv, reuse.kv, n, "r=0.15")
+    if got[0] != tokens:
+        fail(f"vLLM's continuation {got[0]} != kvblend.hf's {tokens}")
+    print(f"  (c) r=0.15: {len(got[0])} greedy tokens equal to kvblend.hf's continuation")
+    compare_cache(np.load(dumps[1]), everything.kv, reuse.kv, n, "the request's r=1.0")
+    if got[1] != tokens_all:
+        fail(f"r=1.0: vLLM's continuation {got[1]} != kvblend.hf's {tokens_all}")
+    print(f"  (d) the request's own ratios [1.0]: {len(got[1])} greedy tokens equal to "
+          "kvblend.hf's at r=1.0")
 
 
 if __name__ == "__main__":

@@ -188,6 +188,39 @@ class BlendLoad:
     config: BlendConfig
 
 
+DEFAULT_CONFIG = BlendConfig((1,), (0.15,), "value")
+
+
+def _settings(raw: Any, num_layers: int, base: BlendConfig, where: str) -> BlendConfig:
+    """Check blend settings ``raw`` (a dict); keys it lacks keep ``base``'s values."""
+    if not isinstance(raw, dict):
+        raise ValueError(f"{where} must be a dict, got {type(raw).__name__}")
+    unknown = set(raw) - {"check_layers", "ratios", "metric"}
+    if unknown:
+        raise ValueError(f"{where}: unknown keys {sorted(map(str, unknown))}")
+    checks = raw.get("check_layers", base.check_layers)
+    ratios = raw.get("ratios", base.ratios)
+    if not isinstance(checks, (list, tuple)) or not all(
+        isinstance(c, int) and not isinstance(c, bool) for c in checks
+    ):
+        raise ValueError(f"{where}.check_layers must be a list of ints")
+    if not isinstance(ratios, (list, tuple)) or not all(
+        isinstance(r, (int, float)) and not isinstance(r, bool) for r in ratios
+    ):
+        raise ValueError(f"{where}.ratios must be a list of numbers")
+    checks, ratios = tuple(checks), tuple(float(r) for r in ratios)
+    metric = raw.get("metric", base.metric)
+    if metric not in ("value", "key"):
+        raise ValueError(f"{where}.metric {metric!r}: 'value' or 'key'")
+    if not checks or len(checks) != len(ratios):
+        raise ValueError(f"{where}: one ratio per check layer, at least one check layer")
+    if any(not 0 <= c < num_layers for c in checks) or list(checks) != sorted(set(checks)):
+        raise ValueError(f"{where}.check_layers {list(checks)}: increasing, in 0..{num_layers - 1}")
+    if any(not 0.0 <= r <= 1.0 for r in ratios) or list(ratios) != sorted(ratios, reverse=True):
+        raise ValueError(f"{where}.ratios {list(ratios)}: in [0, 1], not increasing")
+    return BlendConfig(checks, ratios, metric)
+
+
 def config_from_extra(extra: dict, architecture: str | None, num_layers: int) -> BlendConfig | None:
     """Parse ``extra["blend"]`` (absent or None: no blending).
 
@@ -203,27 +236,7 @@ def config_from_extra(extra: dict, architecture: str | None, num_layers: int) ->
     raw = extra.get("blend")
     if raw is None:
         return None
-    if not isinstance(raw, dict):
-        raise ValueError(f"blend must be a dict, got {type(raw).__name__}")
-    unknown = set(raw) - {"check_layers", "ratios", "metric"}
-    if unknown:
-        raise ValueError(f"blend: unknown keys {sorted(map(str, unknown))}")
-    try:
-        checks = tuple(int(x) for x in raw.get("check_layers", (1,)))
-        ratios = tuple(float(x) for x in raw.get("ratios", (0.15,)))
-    except (TypeError, ValueError):
-        raise ValueError(
-            "blend.check_layers: a list of ints; blend.ratios: a list of numbers"
-        ) from None
-    metric = raw.get("metric", "value")
-    if metric not in ("value", "key"):
-        raise ValueError(f"blend.metric {metric!r}: 'value' or 'key'")
-    if not checks or len(checks) != len(ratios):
-        raise ValueError("blend: one ratio per check layer, at least one check layer")
-    if any(not 0 <= c < num_layers for c in checks) or list(checks) != sorted(set(checks)):
-        raise ValueError(f"blend.check_layers {list(checks)}: increasing, in 0..{num_layers - 1}")
-    if any(not 0.0 <= r <= 1.0 for r in ratios) or list(ratios) != sorted(ratios, reverse=True):
-        raise ValueError(f"blend.ratios {list(ratios)}: in [0, 1], not increasing")
+    config = _settings(raw, num_layers, DEFAULT_CONFIG, "blend")
     if architecture not in SUPPORTED_MODELS:
         logger.warning(
             "kvblend: blending refused for %s (supported: %s); its requests are served as "
@@ -232,7 +245,22 @@ def config_from_extra(extra: dict, architecture: str | None, num_layers: int) ->
             ", ".join(SUPPORTED_MODELS),
         )
         return None
-    return BlendConfig(checks, ratios, metric)
+    return config
+
+
+def split_override(kv_transfer_params: Any) -> tuple[Any, Any]:
+    """Return ``(kv_transfer_params without kvblend.blend, that value or None)``.
+
+    A request may carry ``{"kvblend": {..., "blend": {...} | false}}``: settings that
+    override the connector's for it (keys it lacks keep the connector's), or false for
+    full reuse. The rest goes to the reuse planner, which knows no ``blend`` key.
+    """
+    kvp = kv_transfer_params
+    if isinstance(kvp, dict) and isinstance(kvp.get("kvblend"), dict) and "blend" in kvp["kvblend"]:
+        inner = dict(kvp["kvblend"])
+        override = inner.pop("blend")
+        return {**kvp, "kvblend": inner}, override
+    return kvp, None
 
 
 def plan_blend(
@@ -247,21 +275,29 @@ def plan_blend(
     """Claim a blend for the scheduler: every token up to the end of the last stored chunk.
 
     Returns None when the request is not one to blend (no kvblend parameters, a store
-    request, tokens already computed, no chunk found, or a found chunk that ends the
-    prompt: vLLM must compute the last token) and the caller plans plain reuse. Chunks
-    not found become fresh tokens of the session. Side-effect free (a lookup).
+    request, ``"blend": false`` in its parameters, tokens already computed, no chunk
+    found, or a found chunk that ends the prompt: vLLM must compute the last token) and
+    the caller plans plain reuse. Chunks not found become fresh tokens of the session.
+    The request's ``kvblend.blend`` settings, if any, override ``config``
+    (:func:`split_override`). Side-effect free (a lookup).
 
     Raises
     ------
     ParamError
-        Malformed parameters.
+        Malformed parameters (its blend settings included).
     KvblendError
         The lookup failed.
     """
     ids = list(prompt_ids)
-    params = _plan.parse_params(kv_transfer_params, len(ids))
-    if params is None or params.store or num_computed != 0:
+    kvp, override = split_override(kv_transfer_params)
+    params = _plan.parse_params(kvp, len(ids))
+    if params is None or params.store or num_computed != 0 or override is False:
         return None
+    if override is not None:
+        try:
+            config = _settings(override, num_layers, config, "kvblend.blend")
+        except ValueError as e:
+            raise _plan.ParamError(str(e)) from None
     segs = _plan.chunk_segments(params)
     if not segs:
         return None

@@ -320,11 +320,18 @@ class KvblendConnector(KVConnectorBase_V1):
                 if got is not None:
                     self._logged.discard("lookup")
                     return got
+            kvp, override = blend.split_override(request.kv_transfer_params)
+            if override is not None and self.blend is None:
+                self._log_once(
+                    "override",
+                    "requests carry blend settings, but 'blend' is "
+                    "not configured (or refused): full reuse",
+                )
             out = plan.plan_request(
                 self._daemon(),
                 self.model_name,
                 self.model.num_layers,
-                request.kv_transfer_params,
+                kvp,
                 request.prompt_token_ids or [],
                 num_computed_tokens,
             )
@@ -365,7 +372,9 @@ class KvblendConnector(KVConnectorBase_V1):
             return
         ids = request.prompt_token_ids or []
         try:
-            params = plan.parse_params(request.kv_transfer_params, len(ids))
+            params = plan.parse_params(
+                blend.split_override(request.kv_transfer_params)[0], len(ids)
+            )
         except plan.ParamError:
             return
         if params is None or not params.store:
