@@ -19,6 +19,7 @@ test_vllm_blend.py against kvblend.hf's blend of the same prompt.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -351,13 +352,26 @@ def load_blend(
     KvblendConnector keeps them. Returns the selections and the daemon's statistics.
     """
     c = load.config
+    t0 = time.perf_counter()
     kv, sels, stats = blend_prompt(
         model, client, spec, load.ids, load.segments, c.check_layers, c.ratios, c.metric
     )
+    t1 = time.perf_counter()
     pos = torch.arange(len(load.ids))
     table = torch.tensor(list(block_ids), dtype=torch.long)
     blk, off = table[pos // block_size], pos % block_size
     for layer in range(kv.shape[0]):
         k_cache[layer][blk, :, :, off] = kv[layer, 0]
         v_cache[layer][blk, :, off, :] = kv[layer, 1]
+    logger.info(
+        "kvblend: blend of %d tokens (%d recomputed after layer %d): pass %.3f s (daemon: "
+        "session %.0f ms, landing %.0f ms), cache write %.3f s",
+        len(load.ids),
+        sels[-1].size if sels else len(load.ids),
+        c.check_layers[-1],
+        t1 - t0,
+        stats.get("lifetime_ms", float("nan")),
+        stats.get("land_ms", float("nan")),
+        time.perf_counter() - t1,
+    )
     return sels, stats
