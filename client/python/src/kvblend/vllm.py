@@ -35,6 +35,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.logger import init_logger
 
+from . import _vllm_blend as blend
 from . import _vllm_plan as plan
 from .client import Client, Model, chunk_hash, default_endpoint
 from .errors import KvblendError
@@ -193,6 +194,7 @@ class LoadSpec:
     chunks: list[plan.ChunkLoad]
     block_ids: list[int]
     block_size: int
+    blend: blend.BlendLoad | None = None  # a CacheBlend load instead of the chunks
 
 
 @dataclass
@@ -248,6 +250,14 @@ class KvblendConnector(KVConnectorBase_V1):
             tc.kv_load_failure_policy = "recompute"
         self.model = model_from_vllm(vllm_config, self.model_name)
         self.block_size = vllm_config.cache_config.block_size
+        archs = list(getattr(vllm_config.model_config.hf_config, "architectures", None) or [])
+        try:
+            self.blend = blend.config_from_extra(
+                extra, archs[0] if archs else None, self.model.num_layers
+            )
+        except ValueError as e:
+            raise _refuse(f"kv_connector_extra_config: {e}") from None
+        self._blend_model: Any = None
         self._client: Client | None = None
         self._logged: set[str] = set()
         # scheduler side
@@ -297,11 +307,31 @@ class KvblendConnector(KVConnectorBase_V1):
 
     def _plan(self, request: Request, num_computed_tokens: int) -> tuple[int, list]:
         try:
+            if self.blend is not None:
+                got = blend.plan_blend(
+                    self._daemon(),
+                    self.model_name,
+                    self.model.num_layers,
+                    request.kv_transfer_params,
+                    request.prompt_token_ids or [],
+                    num_computed_tokens,
+                    self.blend,
+                )
+                if got is not None:
+                    self._logged.discard("lookup")
+                    return got
+            kvp, override = blend.split_override(request.kv_transfer_params)
+            if override is not None and self.blend is None:
+                self._log_once(
+                    "override",
+                    "requests carry blend settings, but 'blend' is "
+                    "not configured (or refused): full reuse",
+                )
             out = plan.plan_request(
                 self._daemon(),
                 self.model_name,
                 self.model.num_layers,
-                request.kv_transfer_params,
+                kvp,
                 request.prompt_token_ids or [],
                 num_computed_tokens,
             )
@@ -335,11 +365,16 @@ class KvblendConnector(KVConnectorBase_V1):
             if n != num_external_tokens:
                 self._log_once("claim", "claim changed under vLLM for %s: no load", rid)
                 return
+            if isinstance(loads, blend.BlendLoad):
+                self._loads.append(LoadSpec(rid, [], block_ids, self.block_size, loads))
+                return
             self._loads.append(LoadSpec(rid, loads, block_ids, self.block_size))
             return
         ids = request.prompt_token_ids or []
         try:
-            params = plan.parse_params(request.kv_transfer_params, len(ids))
+            params = plan.parse_params(
+                blend.split_override(request.kv_transfer_params)[0], len(ids)
+            )
         except plan.ParamError:
             return
         if params is None or not params.store:
@@ -356,8 +391,11 @@ class KvblendConnector(KVConnectorBase_V1):
         self._loads = []
         overwritten: set[int] = set()
         for ld in meta.loads:
-            for c in ld.chunks:
-                for b in plan.full_blocks(c.first, c.last, ld.block_size):
+            spans = [(c.first, c.last) for c in ld.chunks]
+            if ld.blend is not None:
+                spans.append((0, len(ld.blend.ids)))
+            for first, last in spans:
+                for b in plan.full_blocks(first, last, ld.block_size):
                     overwritten.add(ld.block_ids[b])
         zero = scheduler_output.new_block_ids_to_zero
         if zero and overwritten:
@@ -414,6 +452,11 @@ class KvblendConnector(KVConnectorBase_V1):
             self._layer_of[name] = int(m.group(1)) if m else i
         if len(self._k) != self.model.num_layers:
             raise _refuse(f"{len(self._k)} cache layers, the model has {self.model.num_layers}")
+        if self.blend is not None:
+            try:
+                self._blend_model = blend.worker_model(self._vllm_config)
+            except (RuntimeError, AttributeError) as e:
+                raise _refuse(f"blending configured, but {e}") from None
         try:
             self._daemon()
         except KvblendError as e:
@@ -437,6 +480,17 @@ class KvblendConnector(KVConnectorBase_V1):
                     os.unlink(fail)
                     raise RuntimeError("load failure injected by " + FAIL_LOAD_ENV)
                 client = self._daemon()
+                if ld.blend is not None:
+                    blend.load_blend(
+                        self._blend_model,
+                        client,
+                        self.model,
+                        ld.blend,
+                        ld.block_ids,
+                        self.block_size,
+                        self._k,
+                        self._v,
+                    )
                 for c in ld.chunks:
                     kv = client.get_rerotated(self.model_name, c.hash, pos=c.start)
                     rows = torch.from_numpy(kv[:, :, c.first - c.start : c.last - c.start])
@@ -444,13 +498,15 @@ class KvblendConnector(KVConnectorBase_V1):
                     for layer in range(self.model.num_layers):
                         self._k[layer][blk, :, :, off] = rows[layer, 0]
                         self._v[layer][blk, :, off, :] = rows[layer, 1]
-            except (KvblendError, ValueError, IndexError, RuntimeError) as e:
+            except (KvblendError, ValueError, IndexError, RuntimeError, TimeoutError) as e:
                 self._drop_client()
                 bad = {
                     ld.block_ids[i // self.block_size]
                     for c in ld.chunks
                     for i in range(c.first, c.last, 1)
                 }
+                if ld.blend is not None:
+                    bad |= {ld.block_ids[i // self.block_size] for i in range(len(ld.blend.ids))}
                 self._load_errors |= bad
                 logger.warning(
                     "kvblend: load for %s failed (%s); vLLM recomputes its %d blocks",
@@ -460,8 +516,9 @@ class KvblendConnector(KVConnectorBase_V1):
                 )
                 continue
             logger.info(
-                "kvblend: loaded %d tokens of %s in %.3f s",
-                sum(c.last - c.first for c in ld.chunks),
+                "kvblend: %s %d tokens of %s in %.3f s",
+                "blended" if ld.blend is not None else "loaded",
+                sum(c.last - c.first for c in ld.chunks) + len(ld.blend.ids if ld.blend else []),
                 ld.req_id,
                 time.monotonic() - t0,
             )
@@ -470,9 +527,10 @@ class KvblendConnector(KVConnectorBase_V1):
 
     def _dump(self, ld: LoadSpec) -> None:
         """Write the raw blocks a load touched (debug hook for tests, DUMP_ENV)."""
-        blocks = sorted(
-            {ld.block_ids[i // self.block_size] for c in ld.chunks for i in range(c.first, c.last)}
-        )
+        spans = [(c.first, c.last) for c in ld.chunks]
+        if ld.blend is not None:
+            spans.append((0, len(ld.blend.ids)))
+        blocks = sorted({ld.block_ids[i // self.block_size] for a, b in spans for i in range(a, b)})
         raw = torch.stack([t[blocks] for t in self._raw]).numpy()
         path = os.path.join(self._dump_dir, f"load-{self._dumps}.npz")
         self._dumps += 1

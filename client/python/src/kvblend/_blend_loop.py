@@ -1,0 +1,138 @@
+"""The node's side of CacheBlend, one layer at a time, over any model's layer operations.
+
+Shared by :mod:`kvblend.hf` (transformers' modules) and :mod:`kvblend._vllm_blend` (vLLM's
+modules): both hand :func:`blend_layers` an object with the model's per-layer operations
+and an open fuse session, and get back the hidden states of the rows still computed after
+the last layer. The session does the rest (re-rotation of the stored chunks, the selection
+at check layers, the merge). Imports torch; ``import kvblend`` does not import it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+
+class LayerOps(Protocol):
+    """What :func:`blend_layers` needs of a model (one decoder layer at a time).
+
+    ``device``: where the model computes; ``kv_dtype``: the torch dtype of the KV the
+    daemon holds; ``num_layers``. ``begin(n)`` is called once per prompt of n tokens.
+    ``embed(ids)`` -> hidden states [n, dim]; ``qkv(layer, h, rows)`` -> q [n, heads, d],
+    k and v [n, kv_heads, d] of the tokens rows (positions = prompt indices), k and q
+    after RoPE; ``attend(layer, h, q, keys, values, rows)`` finishes the layer for those
+    rows over the layer's whole KV [N, kv_heads, d] with an exact causal mask in prompt
+    order and returns the next hidden states.
+    """
+
+    device: torch.device
+    kv_dtype: torch.dtype
+    num_layers: int
+
+    def begin(self, n: int) -> None: ...  # noqa: D102
+    def embed(self, ids: torch.Tensor) -> torch.Tensor: ...  # noqa: D102
+    def qkv(self, layer: int, h: torch.Tensor, rows: torch.Tensor) -> tuple: ...  # noqa: D102
+    def attend(self, layer: int, h, q, keys, values, rows) -> torch.Tensor: ...  # noqa: D102
+
+
+@dataclass
+class LoopResult:
+    """What :func:`blend_layers` leaves: final hidden states and rows, and the selections."""
+
+    h: torch.Tensor
+    rows: np.ndarray
+    selections: list = field(default_factory=list)
+    checked: dict = field(default_factory=dict)
+    sent: dict = field(default_factory=dict)
+
+
+def causal_attention(q, keys, values, rows, scaling: float) -> torch.Tensor:
+    """Attention of q [n, heads, d] (the tokens rows) over keys, values [N, kv_heads, d].
+
+    Row i sees keys 0..rows[i] (causal in prompt order); grouped-query heads share a KV
+    head in order (query head j reads KV head j // (heads / kv_heads)). Softmax in float32.
+    Returns [n, heads * d].
+    """
+    rep = q.shape[1] // keys.shape[1]
+    kt = keys.repeat_interleave(rep, dim=1).permute(1, 2, 0)  # [heads, d, N]
+    vt = values.repeat_interleave(rep, dim=1).transpose(0, 1)  # [heads, N, d]
+    s = torch.matmul(q.transpose(0, 1), kt) * scaling  # [heads, n, N]
+    mask = torch.arange(keys.shape[0], device=keys.device)[None, :] > rows[:, None]
+    s = s.masked_fill(mask[None], float("-inf"))
+    p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(p, vt).transpose(0, 1).reshape(q.shape[0], -1)
+
+
+def blend_layers(
+    ops: LayerOps,
+    sess: Any,
+    buf: np.ndarray,
+    ids: np.ndarray,
+    cached: np.ndarray,
+    checks: list[int],
+    metric: str,
+    landing: bool,
+    keep_checks: bool = False,
+) -> LoopResult:
+    """Run every layer of a prompt through an open fuse session.
+
+    Parameters
+    ----------
+    ops : LayerOps
+        The model's layer operations.
+    sess : FuseSession or LandingSession
+        Open on the prompt's segments with ``checks`` (a landing session writes into
+        ``buf``; a classic one returns fused layers into it).
+    buf : ndarray
+        The request's KV [layers, 2, N, kv_heads, d] in the model's dtype; holds the
+        fused KV afterwards.
+    ids, cached : ndarray
+        Token ids [N] and which tokens are stored chunk rows.
+    checks : list of int
+        The session's check layers (empty: reuse only, the fresh rows computed).
+    metric : str
+        ``"value"`` or ``"key"``.
+    landing : bool
+        Whether ``sess`` is a landing session.
+    keep_checks : bool
+        Keep the planes sent at check layers (:attr:`LoopResult.checked`).
+    """
+    dev = ops.device
+    n = ids.size
+    kv = torch.from_numpy(buf)  # shares the buffer (the region, when landing)
+    rows = np.arange(n) if checks else np.flatnonzero(~cached)
+    ops.begin(n)
+    h = ops.embed(torch.as_tensor(ids[rows], device=dev))
+    first = checks[0] if checks else 0  # the first layer call of a classic session
+    out = LoopResult(h=h, rows=rows)
+    m = 1 if metric == "value" else 0
+    for li in range(ops.num_layers):
+        rows_t = torch.as_tensor(rows, device=dev)
+        q, k, v = ops.qkv(li, h, rows_t)
+        kc, vc = k.to("cpu", ops.kv_dtype), v.to("cpu", ops.kv_dtype)
+        new, rows_c = None, torch.from_numpy(rows)
+        if landing:
+            sess.wait(li, timeout=120)  # the daemon's rows first (at once for ours)
+        kv[li, 0, rows_c], kv[li, 1, rows_c] = kc, vc
+        plane = (kc, vc)[m].numpy()
+        if landing and li in checks:
+            sess.check(li, plane)
+            new = sess.rows().astype(np.int64)
+        elif not landing and li >= first:
+            # fills the fused layer (own rows included) from the layer after the first
+            # check layer on; at the first check layer the layer is the node's own
+            sess.layer(li, kc.numpy(), vc.numpy(), k_out=buf[li, 0], v_out=buf[li, 1])
+            if li in checks:
+                new = sess.rows().astype(np.int64)
+        if new is not None and keep_checks:
+            out.checked[li], out.sent[li] = plane.copy(), rows.copy()
+        k_all, v_all = kv[li, 0].to(dev, q.dtype), kv[li, 1].to(dev, q.dtype)
+        h = ops.attend(li, h, q, k_all, v_all, rows_t)
+        if new is not None:
+            h, rows = h[torch.as_tensor(np.searchsorted(rows, new), device=dev)], new
+            out.selections.append(new)
+    out.h, out.rows = h, rows
+    return out

@@ -1,0 +1,138 @@
+"""The model vLLM runs, made reachable to kvblend's connector in the worker process.
+
+vLLM hands a KV connector its cache tensors but never the model; CacheBlend's blend pass
+needs the model's layer modules. kvblend registers a ``vllm.general_plugins`` entry point
+(``kvblend = "kvblend._vllm_plugin:register"`` in client/python's pyproject.toml), which
+vLLM calls in every process it starts (the front end, EngineCore, each worker) before it
+builds the worker. :func:`register` wraps vLLM's ``get_model_loader`` so that every model
+loader it hands out records the model its ``load_model`` returns; the connector's worker
+side then asks :func:`loaded_model` for the model of its own ``vllm_config``.
+
+Why there: every model runner (CPU, GPU) loads its model through
+``vllm.model_executor.model_loader.get_model``, which looks ``get_model_loader`` up in its
+module at each call, whatever loader class the load format picks. It holds as long as
+that stays so (vLLM 0.32; :data:`SUPPORTED_VLLM`); where it does not, the wrapper is not
+installed, :func:`loaded_model` raises :class:`ModelUnreachable` with the reason, and the
+connector refuses to blend (docs/vllm.md).
+
+This module imports nothing from torch or vLLM until :func:`register` runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+#: vLLM versions whose model loading this hook is written against.
+SUPPORTED_VLLM = "0.32"
+
+_lock = threading.Lock()
+_state: dict[str, Any] = {"registered": False, "why_not": "the kvblend vLLM plugin did not run"}
+_models: list[tuple[Any, Any, str]] = []  # (model, model_config, prefix), in load order
+
+
+class ModelUnreachable(RuntimeError):
+    """The model vLLM runs is not reachable from the connector; the message says why."""
+
+
+def _record(model: Any, model_config: Any, prefix: str) -> None:
+    with _lock:
+        _models.append((model, model_config, prefix))
+
+
+def _wrap_loader(loader: Any) -> Any:
+    """Make one loader instance record the models it loads (its class is left alone)."""
+    if getattr(loader, "_kvblend_wrapped", False):
+        return loader
+    load = loader.load_model
+
+    def load_model(*args: Any, **kwargs: Any) -> Any:
+        model = load(*args, **kwargs)
+        model_config = kwargs.get("model_config", args[1] if len(args) > 1 else None)
+        prefix = kwargs.get("prefix", args[2] if len(args) > 2 else "")
+        _record(model, model_config, prefix)
+        return model
+
+    loader.load_model = load_model
+    loader._kvblend_wrapped = True
+    return loader
+
+
+def _give_up(why: str) -> None:
+    _state["why_not"] = why
+    logging.getLogger("vllm.kvblend").warning("kvblend: model-loading hook not installed: %s", why)
+
+
+def register() -> None:
+    """Install the model-loading hook (vLLM's ``vllm.general_plugins`` entry point).
+
+    Safe to call more than once (vLLM does, per process). Never raises: where the hook
+    cannot be installed (another vLLM version, a changed module), the reason is kept
+    for :func:`loaded_model` and logged once.
+    """
+    with _lock:
+        if _state["registered"]:
+            return
+        _state["registered"] = True
+    try:
+        import vllm
+        import vllm.model_executor.model_loader as ml
+    except Exception as e:  # noqa: BLE001 - any failure is a reason not to hook, not to crash
+        _give_up(f"vLLM's model loader could not be imported: {e}")
+        return
+    version = getattr(vllm, "__version__", "?")
+    if not (version == SUPPORTED_VLLM or version.startswith(SUPPORTED_VLLM + ".")):
+        _give_up(f"vLLM {version}: the model-loading hook is written for vLLM {SUPPORTED_VLLM}.x")
+        return
+    original = getattr(ml, "get_model_loader", None)
+    if not callable(original) or not callable(getattr(ml, "get_model", None)):
+        _give_up("vllm.model_executor.model_loader has no get_model_loader/get_model to hook")
+        return
+    if getattr(original, "_kvblend_hook", False):
+        _state["why_not"] = ""
+        return
+
+    def get_model_loader(*args: Any, **kwargs: Any) -> Any:
+        return _wrap_loader(original(*args, **kwargs))
+
+    get_model_loader._kvblend_hook = True  # type: ignore[attr-defined]
+    get_model_loader.__wrapped__ = original  # type: ignore[attr-defined]
+    ml.get_model_loader = get_model_loader
+    _state["why_not"] = ""
+
+
+def loaded_model(vllm_config: Any) -> Any:
+    """Return the model this process loaded for ``vllm_config`` (vLLM's ``nn.Module``).
+
+    The main model: the last one loaded for ``vllm_config.model_config`` with an empty
+    prefix (a draft model for speculative decoding has its own config or prefix).
+
+    Raises
+    ------
+    ModelUnreachable
+        The plugin did not run in this process (kvblend not installed in vLLM's
+        environment as a package, or ``VLLM_PLUGINS`` leaves ``kvblend`` out), the hook
+        could not be installed (the reason is given), or no model was loaded yet.
+    """
+    want = vllm_config.model_config
+    with _lock:
+        why = _state["why_not"]
+        found = [
+            m
+            for m, cfg, prefix in _models
+            if not prefix and (cfg is want or getattr(cfg, "model", None) == want.model)
+        ]
+    if why:
+        raise ModelUnreachable(
+            f"kvblend: the model is not reachable from the connector: {why} (install kvblend "
+            "as a package in vLLM's environment, pip install './client/python[vllm]', so that "
+            "its vllm.general_plugins entry point loads, and keep 'kvblend' in VLLM_PLUGINS "
+            "if that is set)"
+        )
+    if not found:
+        raise ModelUnreachable(
+            "kvblend: the model is not reachable from the connector: no model was loaded "
+            "through vLLM's model loader in this process yet"
+        )
+    return found[-1]

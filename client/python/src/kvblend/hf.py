@@ -1,0 +1,419 @@
+"""CacheBlend over a Hugging Face transformers model, driven by a kvblendd fuse session.
+
+The reference path of kvblend's blending: no serving engine, the model's own decoder layer
+modules (``input_layernorm``, ``q_proj``/``k_proj``/``v_proj``, the rotary embedding,
+``o_proj``, ``post_attention_layernorm``, ``mlp``) run the node's side of CacheBlend while
+kvblendd re-rotates the stored chunks, selects the tokens to recompute at the check layers
+and merges. Useful on its own for offline RAG jobs, and to debug the blend loop in seconds.
+
+    import kvblend, kvblend.hf, transformers
+    model = transformers.AutoModelForCausalLM.from_pretrained(DIR, dtype=torch.float32)
+    with kvblend.Client(endpoint) as c:
+        b = kvblend.hf.Blender(model, c)
+        h1, h2 = b.store(doc1_ids), b.store(doc2_ids)       # prefilled alone, at position 0
+        segs = [("fresh", head), ("chunk", doc1_ids), ("chunk", doc2_ids), ("fresh", q)]
+        out = b.generate(segs, max_new_tokens=32, check_layers=(1,), ratios=(0.15,))
+
+Supported: ``LlamaForCausalLM`` (what SmolLM2, Llama 2/3 and TinyLlama load as) in
+float32 or float16 with the default RoPE, full attention, on any device (rows cross to the
+daemon through host memory). Anything else is refused with :class:`Unsupported`.
+
+This module imports torch and transformers; ``import kvblend`` does not import it.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from ._blend_loop import blend_layers, causal_attention
+from .client import Client, Model, chunk_hash
+from .errors import KvblendError
+
+#: Architectures whose decoder layers this module drives (the structure it calls is
+#: LlamaDecoderLayer's; Mistral, Qwen2 and Qwen3 differ in sliding windows, biases and
+#: Q/K norms and are not checked here yet).
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+_DTYPES = {torch.float32: ("f32", np.float32), torch.float16: ("f16", np.float16)}
+_METRICS = ("value", "key")
+
+
+class Unsupported(ValueError):
+    """The model is not one kvblend.hf can blend exactly; the message says why."""
+
+
+def _check_model(model: Any) -> None:
+    arch = type(model).__name__
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise Unsupported(
+            f"kvblend.hf: {arch} is not supported for blending "
+            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+    cfg = model.config
+    rp = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    rope_type = rp.get("rope_type", rp.get("type", "default"))
+    if rope_type != "default":
+        raise Unsupported(f"kvblend.hf: RoPE type {rope_type!r}; only the default RoPE is handled")
+    if getattr(cfg, "sliding_window", None):
+        raise Unsupported("kvblend.hf: sliding-window attention is not handled")
+    if model.dtype not in _DTYPES:
+        raise Unsupported(f"kvblend.hf: dtype {model.dtype}; float32 or float16")
+    if cfg.num_attention_heads % cfg.num_key_value_heads:
+        raise Unsupported("kvblend.hf: attention heads not a multiple of the KV heads")
+
+
+def _rope_theta(cfg: Any) -> float:
+    rp = getattr(cfg, "rope_parameters", None) or {}
+    theta = rp.get("rope_theta", getattr(cfg, "rope_theta", None))
+    if theta is None:
+        raise Unsupported("kvblend.hf: the config names no rope_theta")
+    return float(theta)
+
+
+def model_spec(model: Any, name: str | None = None) -> Model:
+    """Describe an HF model's KV as a kvblend :class:`Model` (keys after RoPE, neox pairs).
+
+    Parameters
+    ----------
+    model : transformers.PreTrainedModel
+        A supported model (:data:`SUPPORTED_ARCHITECTURES`).
+    name : str, optional
+        The name in the daemon; default ``hf:<name_or_path's last part>:<dtype>``.
+
+    Raises
+    ------
+    Unsupported
+        The architecture, RoPE, attention or dtype is not one this module handles.
+    """
+    _check_model(model)
+    cfg = model.config
+    dtype = _DTYPES[model.dtype][0]
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if name is None:
+        base = str(getattr(cfg, "_name_or_path", "") or "model").rstrip("/").split("/")[-1]
+        name = f"hf:{base}:{dtype}"[:64]
+    return Model(
+        name,
+        cfg.num_hidden_layers,
+        cfg.num_key_value_heads,
+        head_dim,
+        dtype=dtype,
+        rope_theta=_rope_theta(cfg),
+        rope_style="neox",  # HF's rotate_half pairs (j, j + d/2)
+    )
+
+
+@dataclass
+class Blend:
+    """The outcome of :meth:`Blender.blend`.
+
+    Attributes
+    ----------
+    ids : ndarray
+        The prompt's token ids [N] (int64).
+    kv : torch.Tensor
+        The fused KV [layers, 2, N, kv_heads, head_dim] (K after RoPE, then V) in the
+        model's dtype, on the CPU: fresh rows for the recomputed tokens, the stored rows
+        re-rotated to their positions for the others.
+    logits : torch.Tensor
+        The next-token logits after the last prompt token [vocab] (float32).
+    selections : list of ndarray
+        The recomputed token indices after each check layer (sorted int64).
+    checked : dict
+        With ``keep_checks``: layer -> the metric plane the node sent at that check layer
+        ([rows, kv_heads, head_dim], for the rows :attr:`sent` names).
+    sent : dict
+        With ``keep_checks``: layer -> the token indices whose plane was sent.
+    session : str
+        ``"landing"`` or ``"classic"``: the kind of fuse session that served it.
+    stats : dict
+        The daemon's statistics of the session (docs/fuse.md).
+    seconds : float
+        Wall time of the blend pass (node compute and daemon calls).
+    """
+
+    ids: np.ndarray
+    kv: torch.Tensor
+    logits: torch.Tensor
+    selections: list = field(default_factory=list)
+    checked: dict = field(default_factory=dict)
+    sent: dict = field(default_factory=dict)
+    session: str = "landing"
+    stats: dict = field(default_factory=dict)
+    seconds: float = 0.0
+
+    def cache(self, model: Any, tokens: int | None = None) -> Any:
+        """Return a ``DynamicCache`` holding the fused KV of the first ``tokens`` (default all)."""
+        from transformers import DynamicCache
+
+        n = self.kv.shape[2] if tokens is None else tokens
+        dev = next(model.parameters()).device
+        cache = DynamicCache(config=model.config)
+        for layer in range(self.kv.shape[0]):
+            k = self.kv[layer, 0, :n].transpose(0, 1).unsqueeze(0).to(dev)
+            v = self.kv[layer, 1, :n].transpose(0, 1).unsqueeze(0).to(dev)
+            cache.update(k.contiguous(), v.contiguous(), layer)
+        return cache
+
+
+def _segments(segments: Sequence[tuple[str, Any]]) -> tuple[np.ndarray, list]:
+    """Return the prompt's ids and spans (kind, start, ids) from ("chunk" | "fresh", ids)."""
+    ids, spans, n = [], [], 0
+    for i, seg in enumerate(segments):
+        if not (isinstance(seg, (tuple, list)) and len(seg) == 2 and seg[0] in ("chunk", "fresh")):
+            raise ValueError(f"segment {i}: expected ('chunk' | 'fresh', token ids)")
+        t = np.asarray(seg[1], dtype=np.int64).reshape(-1)
+        if t.size == 0:
+            raise ValueError(f"segment {i}: no tokens")
+        spans.append((seg[0], n, t))
+        ids.append(t)
+        n += t.size
+    if not spans:
+        raise ValueError("no segments")
+    if spans[-1][0] != "fresh":
+        raise ValueError(
+            "the last segment must be fresh (the question): its last token is computed"
+        )
+    return np.concatenate(ids), spans
+
+
+class _HfOps:
+    """The layer operations of a transformers Llama model (:class:`_blend_loop.LayerOps`)."""
+
+    def __init__(self, model: Any, head_dim: int) -> None:
+        self.model, self.head_dim = model, head_dim
+        self.layers = model.model.layers
+        self.num_layers = len(self.layers)
+        self.device = next(model.parameters()).device
+        self.kv_dtype = model.dtype
+        # the modeling module's own RoPE (rotate_half, neox pairs)
+        self.rope = sys.modules[type(self.layers[0].self_attn).__module__].apply_rotary_pos_emb
+        self.cos = self.sin = None
+
+    def begin(self, n: int) -> None:
+        pos = torch.arange(n, device=self.device)[None]
+        x = torch.empty(1, dtype=self.model.dtype, device=self.device)
+        cos, sin = self.model.model.rotary_emb(x, position_ids=pos)
+        self.cos, self.sin = cos[0], sin[0]
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model.model.embed_tokens(ids)
+
+    def qkv(self, layer: int, h: torch.Tensor, rows: torch.Tensor) -> tuple:
+        mod = self.layers[layer]
+        attn, d = mod.self_attn, self.head_dim
+        x = mod.input_layernorm(h)
+        q = attn.q_proj(x).view(x.shape[0], -1, d)
+        k = attn.k_proj(x).view(x.shape[0], -1, d)
+        v = attn.v_proj(x).view(x.shape[0], -1, d)
+        q, k = self.rope(q, k, self.cos[rows], self.sin[rows], unsqueeze_dim=1)
+        return q, k, v
+
+    def attend(self, layer: int, h, q, keys, values, rows) -> torch.Tensor:
+        mod = self.layers[layer]
+        attn = mod.self_attn
+        h = h + attn.o_proj(causal_attention(q, keys, values, rows, attn.scaling))
+        return h + mod.mlp(mod.post_attention_layernorm(h))
+
+
+class Blender:
+    """CacheBlend prefill over an HF model's decoder layers, with kvblendd doing the fuse.
+
+    Parameters
+    ----------
+    model : transformers.PreTrainedModel
+        A supported model (:data:`SUPPORTED_ARCHITECTURES`), in eval mode.
+    client : kvblend.Client
+        The daemon. With an ``ipc://`` endpoint a landing session is used (the daemon
+        writes the re-rotated chunk rows straight into a shared region holding the
+        request's KV; only the metric plane travels at check layers); elsewhere
+        (``tcp://``) a classic session (rows and fused layers travel in messages).
+    name : str, optional
+        The model's name in the daemon (:func:`model_spec`). Registered at once.
+    landing : bool, optional
+        Force the session kind (default: landing when the endpoint is ipc://).
+
+    Raises
+    ------
+    Unsupported
+        The model is not one this module can blend exactly.
+    """
+
+    def __init__(
+        self, model: Any, client: Client, name: str | None = None, landing: bool | None = None
+    ) -> None:
+        self.spec = model_spec(model, name)
+        self.model, self.client = model, client
+        self.np_dtype = _DTYPES[model.dtype][1]
+        client.model_register(self.spec)
+        self.landing = client.endpoint.startswith("ipc://") if landing is None else landing
+        self._region: np.ndarray | None = None
+        self._ops = _HfOps(model, self.spec.head_dim)
+
+    @property
+    def session_kind(self) -> str:
+        """``"landing"`` or ``"classic"``: the fuse session :meth:`blend` opens."""
+        return "landing" if self.landing else "classic"
+
+    # --- storing --------------------------------------------------------------
+
+    @torch.no_grad()
+    def prefill_kv(self, ids: Sequence[int]) -> np.ndarray:
+        """Prefill ids alone at positions 0.. with the model's own forward pass.
+
+        Returns their KV [layers, 2, T, kv_heads, head_dim] in the model's dtype (what
+        kvblend stores).
+        """
+        dev = next(self.model.parameters()).device
+        x = torch.as_tensor(np.asarray(ids, np.int64), device=dev)[None]
+        out = self.model(input_ids=x, use_cache=True)
+        pkv = out.past_key_values
+        layers = [
+            torch.stack([pkv.layers[i].keys[0], pkv.layers[i].values[0]]).transpose(1, 2)
+            for i in range(self.spec.num_layers)
+        ]
+        return torch.stack(layers).cpu().numpy().astype(self.np_dtype, copy=False)
+
+    def store(self, ids: Sequence[int]) -> bytes:
+        """Store chunk ids (prefilled alone at position 0) unless stored; return its hash."""
+        h = chunk_hash(np.asarray(ids, np.uint32))
+        if not self.client.lookup(self.spec.name, [h])[0].found:
+            self.client.put(self.spec.name, h, np.ascontiguousarray(self.prefill_kv(ids)))
+        return h
+
+    # --- the blend pass -----------------------------------------------------------
+
+    def _buffer(self, shape: tuple[int, ...]) -> np.ndarray:
+        n = int(np.prod(shape)) * np.dtype(self.np_dtype).itemsize
+        if self.landing:
+            if self._region is None or self._region.nbytes < n:
+                self.close()
+                self._region = self.client.region(max(n, 16 << 20))
+            return self._region[:n].view(self.np_dtype).reshape(shape)
+        return np.zeros(shape, self.np_dtype)
+
+    def close(self) -> None:
+        """Free the shared region the landing sessions use (the next blend allocates one)."""
+        if self._region is not None:
+            self.client.free_region(self._region)
+            self._region = None
+
+    @torch.no_grad()
+    def blend(
+        self,
+        segments: Sequence[tuple[str, Any]],
+        check_layers: Sequence[int] = (1,),
+        ratios: Sequence[float] = (0.15,),
+        metric: str = "value",
+        keep_checks: bool = False,
+    ) -> Blend:
+        """CacheBlend prefill of a prompt made of stored chunks and fresh tokens.
+
+        Every token runs through the layers up to the first check layer; at each check
+        layer the daemon compares the fresh metric plane (V, or K for the key metric) of
+        the cached tokens with their stored, re-rotated rows and keeps the top ratio of
+        them (plus every fresh token); later layers recompute only those, the others keep
+        the stored rows. ``check_layers=()`` is full reuse (only fresh tokens computed).
+
+        Parameters
+        ----------
+        segments : sequence of (str, token ids)
+            The prompt in order: ``("chunk", ids)`` for a stored chunk (:meth:`store`),
+            ``("fresh", ids)`` for tokens to compute. The last segment must be fresh.
+        check_layers, ratios : sequences
+            Increasing layers, one ratio in [0, 1] per layer, not increasing.
+        metric : str
+            ``"value"`` (CacheBlend) or ``"key"``.
+        keep_checks : bool
+            Keep the planes sent at check layers in :attr:`Blend.checked`.
+
+        Raises
+        ------
+        NotFound
+            A chunk is not stored (``err.missing`` lists the hashes).
+        BadArgument, ValueError
+            Bad segments, check layers, ratios or metric.
+        """
+        t0 = time.perf_counter()
+        if metric not in _METRICS:
+            raise ValueError(f"metric {metric!r}: value or key")
+        checks = [int(c) for c in check_layers]
+        nl, nh, d = self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim
+        if any(not 0 <= c < nl for c in checks):
+            raise ValueError(f"check layers {checks}: each in 0..{nl - 1}")
+        ids, spans = _segments(segments)
+        n = ids.size
+        segs = [
+            (chunk_hash(t.astype(np.uint32)), s) if kind == "chunk" else (t.size, s)
+            for kind, s, t in spans
+        ]
+        cached = np.zeros(n, bool)
+        for kind, s, t in spans:
+            cached[s : s + t.size] = kind == "chunk"
+        buf = self._buffer((nl, 2, n, nh, d))
+        if self.landing:
+            sess = self.client.fuse_open_into(
+                self.spec.name, segs, buf[:, 0], buf[:, 1], checks, list(ratios), metric
+            )
+        else:
+            sess = self.client.fuse_open(self.spec.name, segs, checks, list(ratios), metric)
+        try:
+            out = self._run(sess, buf, ids, cached, checks, metric, keep_checks)
+        finally:
+            stats = sess.close()
+        out.stats, out.session = stats, self.session_kind
+        out.seconds = time.perf_counter() - t0
+        return out
+
+    def _run(self, sess, buf, ids, cached, checks, metric, keep_checks) -> Blend:
+        """Run the layer loop of :meth:`blend` on an open session."""
+        r = blend_layers(
+            self._ops, sess, buf, ids, cached, checks, metric, self.landing, keep_checks
+        )
+        if r.rows[-1] != ids.size - 1:
+            raise KvblendError(-5, "kvblend.hf: the last prompt token was not recomputed")
+        inner = self.model.model
+        logits = self.model.lm_head(inner.norm(r.h[-1:]))[0].float().cpu()
+        # the buffer is reused by the next blend: the Blend gets a copy
+        kv = torch.from_numpy(buf).clone()
+        return Blend(
+            ids=ids, kv=kv, logits=logits, selections=r.selections, checked=r.checked, sent=r.sent
+        )
+
+    @torch.no_grad()
+    def generate(
+        self,
+        segments: Sequence[tuple[str, Any]],
+        max_new_tokens: int = 32,
+        check_layers: Sequence[int] = (1,),
+        ratios: Sequence[float] = (0.15,),
+        metric: str = "value",
+        blend: Blend | None = None,
+        **generate_kwargs: Any,
+    ) -> list[int]:
+        """Blend the prompt (or take ``blend``), then continue greedily with ``generate()``.
+
+        The fused KV of every prompt token but the last goes into a ``DynamicCache``;
+        ``model.generate`` computes the last token against it (as the blend did: the
+        last token is always recomputed) and decodes greedily. Returns the new token
+        ids. Extra keyword arguments go to ``generate`` (``do_sample`` is False).
+        """
+        b = blend or self.blend(segments, check_layers, ratios, metric)
+        dev = next(self.model.parameters()).device
+        x = torch.as_tensor(b.ids, device=dev)[None]
+        kw = dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+        kw.update(generate_kwargs)
+        out = self.model.generate(
+            input_ids=x,
+            attention_mask=torch.ones_like(x),
+            past_key_values=b.cache(self.model, b.ids.size - 1),
+            max_new_tokens=max_new_tokens,
+            **kw,
+        )
+        return out[0, b.ids.size :].tolist()

@@ -1,0 +1,278 @@
+"""kvblend.hf: CacheBlend over the real SmolLM2-135M in transformers, against a real kvblendd.
+
+Run with the engine venv's python (.ci/engine-env), KVBLEND_LIB set to the build's
+libkvblend and KVBLEND_ENGINE_MODEL (or --model) to the model directory. No engine start:
+the model loads in a few seconds. One request of three stored chunks, fresh separators and
+a question (about 330 tokens):
+
+(a) selection: at every check layer the daemon's selection equals eval/cacheblend.py's
+    hkvd_select over the same fresh plane the node sent (value metric at layer 1, r=0.15;
+    key metric with gradual filtering at layers 1 and 4, r=0.3 then 0.15);
+(b) fused KV: equals eval/cacheblend.py's blend_forward on a NumPy model holding the same
+    weights, forced to the daemon's selection, whose stored rows are re-rotated by NumPy
+    (TOL_FUSED below says why that tolerance); full reuse (no check layer) likewise;
+(c) the landing session and the classic one (what tcp:// gets) fuse bit for bit alike;
+(d) greedy continuation: r = 1.0 (every token recomputed) equals transformers' own full
+    prefill + generate() token for token, and its fused KV equals the full prefill's KV;
+    r = 0.15 twice gives the same fused KV bit for bit and the same tokens, and the same
+    tokens as generate() from the NumPy reference's fused KV;
+(e) an architecture other than Llama is refused with kvblend.hf.Unsupported.
+Exit 0 when all pass, 1 on a failure, 77 when KVBLEND_SKIP_ENGINE=1.
+"""
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+if os.environ.get("KVBLEND_SKIP_ENGINE") == "1":
+    print("test_hf_blend: skipped (KVBLEND_SKIP_ENGINE=1)")
+    sys.exit(77)
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent.parent / "eval"))  # cacheblend.py, model.py: the reference
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+import kvblend  # noqa: E402
+import kvblend.hf as kh  # noqa: E402
+from cacheblend import (  # noqa: E402
+    Request,
+    blend_forward,
+    deviation,
+    hkvd_select,
+    select_count,
+)
+from daemon import Daemon  # noqa: E402
+from model import Config  # noqa: E402
+from model import Model as NumpyModel  # noqa: E402
+
+MAX_TOKENS = 16
+# Fused KV, HF node vs NumPy reference: both are float32 with the same operations, but the
+# matmuls (torch's oneDNN/MKL GEMM vs NumPy's OpenBLAS) and reductions (RMSNorm, softmax)
+# sum in different orders, ~1e-7 relative per operation; across 30 residual layers this
+# grows to ~1e-5 of a layer's largest |value| (measured: 2.0e-6 to 5.4e-6 here). 1e-4 of the
+# layer's max |value| is 10x that and still 100x below a wrong row (a row of the wrong
+# token, or one attended with the wrong mask, differs by O(1) of the scale).
+TOL_FUSED = 1e-4
+# The daemon's re-rotation (float64 angles, float32 arithmetic) vs NumPy's (the same,
+# another order of operations) on a stored row: a few ulps of the layer's largest |k|.
+TOL_ROTATE = 2e-5
+
+DOCS = [
+    "The river delta is formed where a river meets a slower body of water and drops the "
+    "sediment it carries. Over centuries the deposits build new land, split the river into "
+    "many channels and create wetlands that shelter birds, fish and plants. Large deltas "
+    "such as the Nile, the Ganges and the Mississippi feed millions of people.",
+    "A lighthouse is a tower with a bright lamp at the top that guides ships at night. The "
+    "first lighthouses burned wood or coal; later ones used oil lamps and curved mirrors, "
+    "and from the nineteenth century on Fresnel lenses focused the light into a beam that "
+    "could be seen more than thirty kilometres out at sea.",
+    "Honey bees live in colonies of tens of thousands of workers and one queen. Workers "
+    "collect nectar and pollen, build wax combs, care for the young and defend the hive. "
+    "When a forager finds flowers she returns and performs a waggle dance whose angle and "
+    "length tell her sisters the direction and distance of the food.",
+]
+QUESTION = "Which document explains how bees share where the flowers are, and how?"
+
+
+def fail(msg):
+    print(f"FAIL: {msg}")
+    sys.exit(1)
+
+
+def numpy_twin(model):
+    """eval/model.py's NumPy Model holding the HF model's weights (HF = neox layout)."""
+    c = model.config
+    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    t = {"token_embd.weight": sd["model.embed_tokens.weight"],
+         "output_norm.weight": sd["model.norm.weight"],
+         "output.weight": sd.get("lm_head.weight", sd["model.embed_tokens.weight"])}
+    names = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj",
+             "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+             "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
+             "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+    for layer in range(c.num_hidden_layers):
+        for ours, theirs in names.items():
+            t[f"blk.{layer}.{ours}.weight"] = sd[f"model.layers.{layer}.{theirs}.weight"]
+    cfg = Config(n_layers=c.num_hidden_layers, dim=c.hidden_size, n_heads=c.num_attention_heads,
+                 n_kv_heads=c.num_key_value_heads, head_dim=c.hidden_size // c.num_attention_heads,
+                 ffn_dim=c.intermediate_size, vocab=c.vocab_size,
+                 rope_theta=kh._rope_theta(c), rms_eps=float(c.rms_norm_eps), rope_style="neox")
+    return NumpyModel(cfg, t, None)
+
+
+def build_segments(tok):
+    head = tok.encode("<|im_start|>system\nAnswer using the documents.<|im_end|>\n"
+                      "<|im_start|>user\nDocument 1:\n")
+    segs = [("fresh", head)]
+    for i, d in enumerate(DOCS):
+        segs.append(("chunk", tok.encode(d)))
+        tail = (f"\n\nDocument {i + 2}:\n" if i + 1 < len(DOCS) else
+                f"\n\nQuestion: {QUESTION}<|im_end|>\n<|im_start|>assistant\n")
+        segs.append(("fresh", tok.encode(tail)))
+    return segs
+
+
+def check_selection(bl, req, checks, ratios, metric):
+    """(a): the daemon's selection at each check layer against hkvd_select on the same plane."""
+    m = 1 if metric == "value" else 0
+    fresh = np.flatnonzero(~req.cached)
+    n_cached = int(req.cached.sum())
+    for i, layer in enumerate(checks):
+        S, plane = bl.sent[layer], bl.checked[layer]
+        is_cached = req.cached[S]
+        dev = deviation(plane[is_cached], req.placed[layer, m, S[is_cached]])
+        k = select_count(ratios[i], n_cached)
+        ref = hkvd_select(dev, S[is_cached], k, fresh)
+        srt = np.sort(dev)[::-1]
+        gap = (srt[k - 1] - srt[k]) / srt[k - 1] if k < srt.size else 1.0
+        if not np.array_equal(ref, bl.selections[i]):
+            fail(f"{metric} check layer {layer}: daemon selected {bl.selections[i].size} rows, "
+                 f"reference {ref.size}; {np.setxor1d(ref, bl.selections[i]).size} differ "
+                 f"(relative gap at the cut {gap:.2e})")
+        print(f"  {metric} layer {layer} r={ratios[i]}: {k} of {n_cached} cached + "
+              f"{fresh.size} fresh = {ref.size} rows, equal (relative gap at the cut {gap:.1e})")
+
+
+def compare_fused(kv, ref, what):
+    """(b): fused KV [L, 2, N, H, d] against the reference, per layer and plane."""
+    worst = 0.0
+    for layer in range(ref.shape[0]):
+        for p in range(2):
+            scale = float(np.abs(ref[layer, p]).max())
+            err = float(np.abs(kv[layer, p] - ref[layer, p]).max()) / scale
+            worst = max(worst, err)
+            if err > TOL_FUSED:
+                fail(f"{what}: layer {layer} {'KV'[p]} differs by {err:.2e} of its scale "
+                     f"(tolerance {TOL_FUSED:g})")
+    print(f"  {what}: fused KV equal to the reference, worst {worst:.1e} of a layer's scale")
+    return worst
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=os.environ.get("KVBLEND_ENGINE_MODEL"))
+    args = ap.parse_args()
+    if not args.model:
+        fail("no model: --model or KVBLEND_ENGINE_MODEL")
+    torch.manual_seed(0)
+    t0 = time.monotonic()
+    model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    model.eval()
+    tok = transformers.AutoTokenizer.from_pretrained(args.model)
+    twin = numpy_twin(model)
+    print(f"model loaded in {time.monotonic() - t0:.1f} s")
+    segs = build_segments(tok)
+    d = Daemon()
+    try:
+        with kvblend.Client(d.endpoint, timeout_ms=120000) as c:
+            run(model, twin, c, segs)
+    finally:
+        d.stop()
+    print(f"test_hf_blend: all passed in {time.monotonic() - t0:.0f} s")
+
+
+def run(model, twin, c, segs):
+    b = kh.Blender(model, c)
+    if b.session_kind != "landing":
+        fail(f"an ipc:// daemon should get a landing session, got {b.session_kind}")
+    hashes = [b.store(t) for kind, t in segs if kind == "chunk"]
+    stored = [c.get(b.spec.name, h) for h in hashes]
+    req = Request([(k, list(t)) for k, t in segs], stored, twin.cfg)
+    ids = req.ids
+    print(f"request: {req.N} tokens, {int(req.cached.sum())} in {len(hashes)} stored chunks")
+
+    # (a) + (b): CacheBlend, value metric at layer 1 and key metric with gradual filtering.
+    worst = {}
+    for checks, ratios, metric in (((1,), (0.15,), "value"), ((1, 4), (0.3, 0.15), "key")):
+        bl = b.blend(segs, checks, ratios, metric, keep_checks=True)
+        check_selection(bl, req, checks, ratios, metric)
+        ref_logits, ref_kv, _ = blend_forward(twin, req, np.array([req.N - 1]), list(checks),
+                                              list(ratios), metric, force=bl.selections)
+        worst[metric] = compare_fused(bl.kv.numpy(), ref_kv, f"{metric} {checks} {ratios}")
+        lg = float(np.abs(bl.logits.numpy() - ref_logits[0]).max() / np.abs(ref_logits).max())
+        if lg > TOL_FUSED:
+            fail(f"{metric}: last-token logits differ by {lg:.2e} of their scale")
+    # A stored row no check selected: exactly the stored row re-rotated (daemon vs NumPy).
+    sel = bl.selections[-1]
+    rest = np.setdiff1d(np.flatnonzero(req.cached), sel)
+    worst_rot = 0.0
+    for layer in (5, 29):
+        for p in range(2):
+            e = float(np.abs(bl.kv[layer, p, rest].numpy() - req.placed[layer, p, rest]).max())
+            e /= float(np.abs(req.placed[layer, p, rest]).max())
+            worst_rot = max(worst_rot, e)
+            if e > TOL_ROTATE:
+                fail(f"layer {layer} {'KV'[p]}: a stored row re-rotated by the daemon differs "
+                     f"from NumPy's by {e:.2e} of the scale")
+    print(f"  {rest.size} unselected rows at layers 5 and 29 equal the stored rows re-rotated "
+          f"(worst {worst_rot:.1e} of the scale)")
+    # Full reuse through a reuse-only landing session.
+    bl = b.blend(segs, (), ())
+    _, ref_kv, _ = blend_forward(twin, req, np.array([req.N - 1]))
+    compare_fused(bl.kv.numpy(), ref_kv, "full reuse")
+
+    # (c) landing vs classic.
+    land = b.blend(segs, (1,), (0.15,))
+    classic = kh.Blender(model, c, landing=False)
+    cl = classic.blend(segs, (1,), (0.15,))
+    if cl.session != "classic" or land.session != "landing":
+        fail(f"session kinds {land.session}, {cl.session}")
+    if not torch.equal(cl.kv, land.kv) or not all(
+            np.array_equal(x, y) for x, y in zip(cl.selections, land.selections)):
+        fail(f"classic vs landing: fused KV differs by {float((cl.kv - land.kv).abs().max())}")
+    print("  (c) classic session: same selection, fused KV bit for bit equal to landing")
+
+    # (d) greedy continuations.
+    x = torch.as_tensor(ids)[None]
+    with torch.no_grad():
+        full = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=MAX_TOKENS,
+                              do_sample=False, temperature=None, top_p=None, top_k=None)
+        full = full[0, req.N:].tolist()
+        pkv = model(x, use_cache=True).past_key_values
+    everything = b.blend(segs, (1,), (1.0,))
+    if everything.selections[0].size != req.N:
+        fail(f"r=1.0 selected {everything.selections[0].size} of {req.N} rows")
+    full_kv = np.stack([np.stack([pkv.layers[i].keys[0].transpose(0, 1).numpy(),
+                                  pkv.layers[i].values[0].transpose(0, 1).numpy()])
+                        for i in range(twin.cfg.n_layers)])
+    compare_fused(everything.kv.numpy(), full_kv, "r=1.0 vs transformers' full prefill")
+    got = b.generate(segs, MAX_TOKENS, blend=everything)
+    if got != full:
+        fail(f"r=1.0 continuation {got} != full prefill's {full}")
+    print(f"  (d) r=1.0: {len(got)} greedy tokens equal to the full prefill's")
+    again = b.blend(segs, (1,), (0.15,))
+    if not torch.equal(again.kv, land.kv):
+        fail("r=0.15 twice: fused KV differs")
+    g1 = b.generate(segs, MAX_TOKENS, blend=land)
+    g2 = b.generate(segs, MAX_TOKENS, blend=again)
+    _, ref_kv, _ = blend_forward(twin, req, np.array([req.N - 1]), [1], [0.15], "value",
+                                 force=land.selections)
+    ref_blend = kh.Blend(ids=ids, kv=torch.from_numpy(ref_kv), logits=torch.empty(0))
+    g3 = b.generate(segs, MAX_TOKENS, blend=ref_blend)
+    if not g1 == g2 == g3:
+        fail(f"r=0.15 continuations differ: {g1}, {g2}, reference's {g3}")
+    same = sum(a == f for a, f in zip(g1, full))
+    print(f"  (d) r=0.15: deterministic, equal to the NumPy reference's fused KV's continuation "
+          f"({same} of {len(g1)} tokens at the same place as the full prefill's)")
+    b.close()
+
+    # (e) another architecture.
+    qcfg = transformers.Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                    num_attention_heads=2, num_key_value_heads=1,
+                                    vocab_size=128)
+    try:
+        kh.Blender(transformers.Qwen2ForCausalLM(qcfg), c)
+        fail("a Qwen2ForCausalLM was not refused")
+    except kh.Unsupported as e:
+        if "Qwen2ForCausalLM is not supported" not in str(e):
+            fail(f"refusal message: {e}")
+        print(f"  (e) refused: {e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,247 @@
+"""CacheBlend inside a real vLLM 0.32 engine: KvblendConnector with blend configured.
+
+Run with the engine venv's python (.ci/engine-env), KVBLEND_LIB set to the build's
+libkvblend and KVBLEND_ENGINE_MODEL (or --model) to the model directory.
+
+(a) the connector's blend settings are checked (no engine): malformed ones raise naming
+    the key; an architecture the pass does not drive gives None (plain reuse);
+(b) the reference: test_hf_blend's request through kvblend.hf against a real daemon
+    (chunks stored by kvblend.hf under the connector's model name), value metric at
+    layer 1, r = 0.15: fused KV and 16-token greedy continuation;
+(c) one engine (client/python installed with pip so that its vllm.general_plugins entry
+    point loads; the connector with ``blend`` set, ``model_name`` the reference's): the
+    request's prompt with its chunk segments in kv_transfer_params. The scheduler claims
+    the context up to the end of the last chunk; the worker blends it over vLLM's own
+    modules and writes it into vLLM's paged cache: the rows read back from the cache (the
+    connector's debug dump, decoded with the CPU "vec" layout) equal kvblend.hf's fused
+    KV within TOL (not full reuse's: those differ by O(1) after the check layer), and the
+    greedy continuation vLLM computes over them equals kvblend.hf's token for token;
+(d) in the same engine, the same prompt with its own settings ({"blend": {"ratios":
+    [1.0]}} in its parameters): the cache rows equal kvblend.hf's r=1.0 blend (every token
+    recomputed) and so does the continuation.
+Exit 0 when all pass, 1 on a failure, 77 when KVBLEND_SKIP_ENGINE=1.
+"""
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+if os.environ.get("KVBLEND_SKIP_ENGINE") == "1":
+    print("test_vllm_blend: skipped (KVBLEND_SKIP_ENGINE=1)")
+    sys.exit(77)
+
+HERE = Path(__file__).resolve().parent
+MAX_TOKENS = 16
+NAME = "smollm2-blend-test"
+CHECKS, RATIOS = (1,), (0.15,)
+# vLLM's modules vs transformers' on the same float32 weights (test_vllm_model_hook:
+# measured 3.3e-6 of a layer's largest |value|), written into and read back from the cache
+# bit for bit.
+TOL = 1e-4
+
+
+def fail(msg):
+    print(f"FAIL: {msg}")
+    sys.exit(1)
+
+
+def check_config():
+    """(a)."""
+    from kvblend import _vllm_blend as vb
+
+    good = vb.config_from_extra({"blend": {}}, "LlamaForCausalLM", 30)
+    if good != vb.BlendConfig((1,), (0.15,), "value"):
+        fail(f"defaults: {good}")
+    if vb.config_from_extra({}, "LlamaForCausalLM", 30) is not None:
+        fail("no blend key should mean no blending")
+    bad = [({"blend": []}, "blend must be a dict"),
+           ({"blend": {"ratio": [0.1]}}, "unknown keys"),
+           ({"blend": {"check_layers": [3, 1], "ratios": [0.3, 0.1]}}, "increasing"),
+           ({"blend": {"check_layers": [30]}}, "in 0..29"),
+           ({"blend": {"ratios": [1.5]}}, "in [0, 1]"),
+           ({"blend": {"check_layers": [1, 2], "ratios": [0.1, 0.3]}}, "not increasing"),
+           ({"blend": {"check_layers": [1, 2], "ratios": [0.1]}}, "one ratio per"),
+           ({"blend": {"metric": "cosine"}}, "'value' or 'key'"),
+           ({"blend": {"check_layers": [1.7]}}, "list of ints")]
+    for extra, words in bad:
+        try:
+            vb.config_from_extra(extra, "LlamaForCausalLM", 30)
+            fail(f"{extra} accepted")
+        except ValueError as e:
+            if words not in str(e):
+                fail(f"{extra}: message {e!r} lacks {words!r}")
+    if vb.config_from_extra({"blend": {}}, "Qwen3ForCausalLM", 30) is not None:
+        fail("an architecture the pass does not drive should fall back to reuse")
+    # A request's own settings: stripped for the reuse planner, merged over the connector's.
+    segs = [[0, 4, "chunk"]]
+    kvp = {"kvblend": {"segments": segs, "blend": {"ratios": [1.0]}}}
+    if vb.split_override(kvp) != ({"kvblend": {"segments": segs}}, {"ratios": [1.0]}):
+        fail(f"split_override: {vb.split_override(kvp)}")
+    off = {"kvblend": {"segments": segs, "blend": False}}
+    if vb.plan_blend(None, NAME, 30, off, list(range(8)), 0, good) is not None:
+        fail("'blend': false should plan full reuse")
+    try:
+        vb.plan_blend(None, NAME, 30, {"kvblend": {"segments": segs, "blend": {"ratios": [2]}}},
+                      list(range(8)), 0, good)
+        fail("a request's malformed blend settings were accepted")
+    except ValueError as e:  # ParamError: the request is served as plain vLLM, logged
+        if "kvblend.blend.ratios" not in str(e):
+            fail(f"message {e!r}")
+    print(f"  (a) blend settings: defaults, {len(bad)} malformed ones refused by name, "
+          "Qwen3ForCausalLM served as plain reuse; a request's own settings split off, "
+          "'blend': false is full reuse, a malformed override is a parameter error")
+
+
+def reference(model_dir, endpoint):
+    """(b)."""
+    import torch
+    import transformers
+
+    import kvblend
+    import kvblend.hf as kh
+    from test_hf_blend import build_segments
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.eval()
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    segs = build_segments(tok)
+    with kvblend.Client(endpoint, timeout_ms=120000) as c:
+        b = kh.Blender(model, c, name=NAME)
+        for kind, t in segs:
+            if kind == "chunk":
+                b.store(t)
+        ref = b.blend(segs, CHECKS, RATIOS)
+        tokens = b.generate(segs, MAX_TOKENS, blend=ref)
+        reuse = b.blend(segs, (), ())
+        everything = b.blend(segs, CHECKS, (1.0,))
+        tokens_all = b.generate(segs, MAX_TOKENS, blend=everything)
+        b.close()
+    chunks, n = [], 0
+    for kind, t in segs:
+        if kind == "chunk":
+            chunks.append([n, len(t), "chunk"])
+        n += len(t)
+    print(f"  (b) kvblend.hf: {n} tokens, {ref.selections[0].size} rows recomputed after layer "
+          f"{CHECKS[0]}; continuation {tok.decode(tokens)!r}")
+    return ref, reuse, tokens, chunks, everything, tokens_all
+
+
+def read_cache(dump, n):
+    """K and V [layers, 2, n, kv_heads, head_dim] of prompt rows 0..n-1 from a load dump."""
+    import numpy as np
+
+    raw, blocks = dump["raw"], list(dump["blocks"])
+    table, bs = list(dump["block_ids"]), int(dump["block_size"])
+    L, B, H = raw.shape[0], raw.shape[1], raw.shape[2]
+    a = raw.reshape(L, B, H, 2, -1)
+    hd = a.shape[-1] // bs
+    k = a[:, :, :, 0].reshape(L, B, H, hd, bs).swapaxes(-1, -2)  # K stored transposed
+    v = a[:, :, :, 1].reshape(L, B, H, bs, hd)
+    out = np.empty((L, 2, n, H, hd), np.float32)
+    for t in range(n):
+        j = blocks.index(table[t // bs])
+        out[:, 0, t], out[:, 1, t] = k[:, j, :, t % bs], v[:, j, :, t % bs]
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=os.environ.get("KVBLEND_ENGINE_MODEL"))
+    args = ap.parse_args()
+    if not args.model:
+        fail("no model: --model or KVBLEND_ENGINE_MODEL")
+    t0 = time.monotonic()
+    sys.path.insert(0, str(HERE))
+    from test_vllm_model_hook import install
+
+    tmp = tempfile.mkdtemp(prefix="kvblend-blend.")
+    site = Path(tmp) / "site"
+    install(site)
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(site), str(HERE)])
+    sys.path[:0] = [str(site)]
+    for name in [m for m in sys.modules if m == "kvblend" or m.startswith("kvblend.")]:
+        del sys.modules[name]
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    dump_dir = Path(tmp) / "dump"
+    dump_dir.mkdir()
+    os.environ["KVBLEND_VLLM_DUMP_DIR"] = str(dump_dir)
+    check_config()
+
+    from daemon import Daemon
+
+    d = Daemon()
+    try:
+        ref, reuse, tokens, chunks, everything, tokens_all = reference(args.model, d.endpoint)
+        run_engine(args.model, d.endpoint, ref, reuse, tokens, chunks, dump_dir,
+                   everything, tokens_all)
+    finally:
+        d.stop()
+    shutil.rmtree(tmp, ignore_errors=True)
+    print(f"test_vllm_blend: all passed in {time.monotonic() - t0:.0f} s")
+
+
+def compare_cache(dump, want, plain, n, what):
+    """The rows 0..n-1 read back from vLLM's cache against kvblend.hf's fused KV."""
+    import numpy as np
+
+    kv = read_cache(dump, n)
+    want, plain = want.numpy()[:, :, :n], plain.numpy()[:, :, :n]
+    worst = far = 0.0
+    for layer in range(want.shape[0]):
+        for p in range(2):
+            scale = float(np.abs(want[layer, p]).max())
+            err = float(np.abs(kv[layer, p] - want[layer, p]).max()) / scale
+            worst = max(worst, err)
+            far = max(far, float(np.abs(plain[layer, p] - want[layer, p]).max()) / scale)
+            if err > TOL:
+                fail(f"{what}: layer {layer} {'KV'[p]}: vLLM's cache differs from kvblend.hf's "
+                     f"blend by {err:.2e} of its scale (tolerance {TOL:g})")
+    print(f"  (c) {what}: vLLM's cache after the blend: {n} rows within {worst:.1e} of "
+          f"kvblend.hf's fused KV (full reuse differs by up to {far:.2f})")
+
+
+def run_engine(model_dir, endpoint, ref, reuse, tokens, chunks, dump_dir, everything,
+               tokens_all):
+    """(c), and (d): the same prompt with its own settings, ratios [1.0]."""
+    import numpy as np
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    extra = {"endpoint": endpoint, "model_name": NAME, "timeout_ms": 60000,
+             "blend": {"check_layers": list(CHECKS), "ratios": list(RATIOS)}}
+    llm = LLM(model=model_dir, enforce_eager=True, dtype="float32", max_model_len=4096,
+              seed=0, enable_prefix_caching=False,
+              kv_transfer_config=KVTransferConfig(
+                  kv_connector="KvblendConnector", kv_connector_module_path="kvblend.vllm",
+                  kv_role="kv_both", kv_connector_extra_config=extra))
+    ids = [int(i) for i in ref.ids]
+    got = []
+    for params in ({"segments": chunks}, {"segments": chunks, "blend": {"ratios": [1.0]}}):
+        sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
+                            extra_args={"kv_transfer_params": {"kvblend": params}})
+        out = llm.generate([TokensPrompt(prompt_token_ids=ids)], [sp], use_tqdm=False)
+        got.append(list(out[0].outputs[0].token_ids))
+    del llm
+    dumps = sorted(dump_dir.glob("load-*.npz"))
+    if len(dumps) != 2:
+        fail(f"{len(dumps)} load dumps, expected the two blends")
+    n = chunks[-1][0] + chunks[-1][1]  # the claim: up to the end of the last chunk
+    compare_cache(np.load(dumps[0]), ref.kv, reuse.kv, n, "r=0.15")
+    if got[0] != tokens:
+        fail(f"vLLM's continuation {got[0]} != kvblend.hf's {tokens}")
+    print(f"  (c) r=0.15: {len(got[0])} greedy tokens equal to kvblend.hf's continuation")
+    compare_cache(np.load(dumps[1]), everything.kv, reuse.kv, n, "the request's r=1.0")
+    if got[1] != tokens_all:
+        fail(f"r=1.0: vLLM's continuation {got[1]} != kvblend.hf's {tokens_all}")
+    print(f"  (d) the request's own ratios [1.0]: {len(got[1])} greedy tokens equal to "
+          "kvblend.hf's at r=1.0")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,249 @@
+"""kvblend's vllm.general_plugins hook in a real vLLM 0.32 engine: the connector gets the model.
+
+Run with the engine venv's python (.ci/engine-env), KVBLEND_LIB set to the build's
+libkvblend and KVBLEND_ENGINE_MODEL (or --model) to the model directory.
+
+(a) client/python is installed as a package (pip --target into a temporary folder,
+    without the bundled library: $KVBLEND_LIB names the build's), and its metadata
+    carries the ``vllm.general_plugins`` entry point ``kvblend``;
+(b) in a process where the plugin did not run, ``loaded_model`` refuses with the reason;
+(c) one engine start, with that folder on the engine's path and a probe connector
+    (model_hook_probe.py): in the worker, ``loaded_model`` returns vLLM's Llama model,
+    from the installed package, and the attention module at every KV cache's name in
+    it is the module vLLM registered for the layer; at the first forward pass the
+    forward context's attention modules are that model's; in the scheduler process
+    (no model there) ``loaded_model`` raises with a message saying so; the engine
+    generates the same 16 greedy tokens for a prompt as transformers does;
+(d) in that worker, at the first forward pass, kvblend._vllm_blend.blend_prompt over
+    vLLM's model: its selection equals kvblend.hf's for the same request (test_hf_blend's,
+    its chunks stored by kvblend.hf under the same model name, against a real daemon) and
+    its fused KV is within TOL_VLLM of kvblend.hf's.
+Exit 0 when all pass, 1 on a failure, 77 when KVBLEND_SKIP_ENGINE=1.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+if os.environ.get("KVBLEND_SKIP_ENGINE") == "1":
+    print("test_vllm_model_hook: skipped (KVBLEND_SKIP_ENGINE=1)")
+    sys.exit(77)
+
+HERE = Path(__file__).resolve().parent
+PACKAGE = HERE.parent.parent / "client" / "python"
+PROMPT = "The capital of France is"
+MAX_TOKENS = 16
+NAME = "smollm2-hook-test"
+CHECKS, RATIOS, METRIC = (1,), (0.15,), "value"
+# vLLM's modules (its CPU linear, RMSNorm and rotary kernels) vs transformers' on the same
+# float32 weights: another order of summation in every operation, and vLLM's rotary takes
+# cos/sin from its own float32 cache; measured 3.3e-6 of a layer's largest |value| over 30
+# layers. 1e-4 is 30x that and far below a wrong row (O(1) of the scale; test_hf_blend).
+TOL_VLLM = 1e-4
+
+
+def fail(msg):
+    print(f"FAIL: {msg}")
+    sys.exit(1)
+
+
+def install(target):
+    """(a): pip install the package into target; return its entry point lines.
+
+    As test_install.sh does: pip of a venv over Debian's python3 (its setuptools and
+    wheel), offline, without build isolation; KVBLEND_BUNDLE=0 (no library build).
+    """
+    env = dict(os.environ, KVBLEND_BUNDLE="0", PIP_DISABLE_PIP_VERSION_CHECK="1")
+    env.pop("PYTHONPATH", None)
+    with tempfile.TemporaryDirectory(prefix="kvblend-src.") as tmp:
+        src, venv = Path(tmp) / "src", Path(tmp) / "venv"
+        src.mkdir()
+        # A copy of the package without build/ (a bundled build there is not wanted here).
+        subprocess.run(["cp", "-r", str(PACKAGE / "pyproject.toml"), str(PACKAGE / "setup.py"),
+                        str(PACKAGE / "README.md"), str(PACKAGE / "src"), str(src)], check=True)
+        subprocess.run(["/usr/bin/python3", "-m", "venv", "--system-site-packages", str(venv)],
+                       check=True)
+        r = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet",
+                            "--no-deps", "--no-index", "--no-build-isolation", "--target",
+                            str(target), str(src)], env=env, capture_output=True, text=True)
+    if r.returncode:
+        fail(f"pip install failed:\n{r.stdout}\n{r.stderr}")
+    eps = list(Path(target).glob("kvblend-*.dist-info/entry_points.txt"))
+    if not eps:
+        fail("the installed package has no entry_points.txt")
+    text = eps[0].read_text()
+    if "[vllm.general_plugins]" not in text or "kvblend._vllm_plugin:register" not in text:
+        fail(f"entry point missing:\n{text}")
+    print("  (a) installed; entry point vllm.general_plugins: kvblend = "
+          "kvblend._vllm_plugin:register")
+
+
+def read_facts(path):
+    facts = {}
+    for line in Path(path).read_text().splitlines():
+        rec = json.loads(line)
+        facts.setdefault(rec["event"], rec)
+    return facts
+
+
+def reference(args, endpoint):
+    """kvblend.hf's blend of test_hf_blend's request (chunks stored under NAME), and
+    transformers' greedy continuation of PROMPT."""
+    import torch
+    import transformers
+
+    import kvblend
+    import kvblend.hf as kh
+    from test_hf_blend import build_segments
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    model.eval()
+    tok = transformers.AutoTokenizer.from_pretrained(args.model)
+    segs = build_segments(tok)
+    with kvblend.Client(endpoint, timeout_ms=120000) as c:
+        b = kh.Blender(model, c, name=NAME)
+        for kind, t in segs:
+            if kind == "chunk":
+                b.store(t)
+        ref = b.blend(segs, CHECKS, RATIOS, METRIC)
+        b.close()
+    fuse_segs, n = [], 0
+    for kind, t in segs:
+        h = kvblend.chunk_hash(t)
+        fuse_segs.append([h.hex(), n] if kind == "chunk" else [len(t), n])
+        n += len(t)
+    x = torch.tensor([tok.encode(PROMPT)])
+    with torch.no_grad():
+        greedy = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=MAX_TOKENS,
+                                min_new_tokens=MAX_TOKENS, do_sample=False, temperature=None,
+                                top_p=None, top_k=None)[0, x.shape[1]:].tolist()
+    return ref, fuse_segs, greedy, tok
+
+
+def check_blend(facts, ref, out_path):
+    """(d): vLLM's modules blend as transformers' do."""
+    import numpy as np
+
+    bl = facts.get("blend")
+    if bl is None or bl["error"]:
+        fail(f"blend pass in the worker: {bl}")
+    got = np.load(out_path)
+    for i, sel in enumerate(ref.selections):
+        if not np.array_equal(got[f"sel{i}"], sel):
+            fail(f"check layer {CHECKS[i]}: vLLM's pass selected "
+                 f"{np.setxor1d(got[f'sel{i}'], sel).size} rows unlike kvblend.hf's")
+    kv, want = got["kv"], ref.kv.numpy()
+    worst = 0.0
+    for layer in range(want.shape[0]):
+        for p in range(2):
+            err = float(np.abs(kv[layer, p] - want[layer, p]).max()
+                        / np.abs(want[layer, p]).max())
+            worst = max(worst, err)
+            if err > TOL_VLLM:
+                fail(f"layer {layer} {'KV'[p]}: vLLM's blend differs from kvblend.hf's by "
+                     f"{err:.2e} of its scale (tolerance {TOL_VLLM:g})")
+    print(f"  (d) blend pass over vLLM's modules in the worker ({bl['tokens']} tokens, "
+          f"{bl['seconds']:.2f} s): selection equal to kvblend.hf's "
+          f"({ref.selections[0].size} rows), fused KV within {worst:.1e} of each layer's scale")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=os.environ.get("KVBLEND_ENGINE_MODEL"))
+    args = ap.parse_args()
+    if not args.model:
+        fail("no model: --model or KVBLEND_ENGINE_MODEL")
+    t0 = time.monotonic()
+    tmp = tempfile.mkdtemp(prefix="kvblend-hook.")
+    site = Path(tmp) / "site"
+    install(site)
+    # The engine's processes import kvblend from the installed copy (with its metadata),
+    # and the probe connector from here.
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(site), str(HERE)])
+    sys.path[:0] = [str(site), str(HERE)]
+    for name in [m for m in sys.modules if m == "kvblend" or m.startswith("kvblend.")]:
+        del sys.modules[name]
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+
+    from kvblend import _vllm_plugin
+
+    class _Cfg:  # the attributes loaded_model reads of a VllmConfig
+        class model_config:  # noqa: N801
+            model = args.model
+
+    try:
+        _vllm_plugin.loaded_model(_Cfg)
+        fail("loaded_model answered before the plugin ran")
+    except _vllm_plugin.ModelUnreachable as e:
+        if "plugin did not run" not in str(e) or "pip install" not in str(e):
+            fail(f"unclear refusal: {e}")
+        print(f"  (b) without the plugin: {e}")
+
+    from daemon import Daemon
+
+    d = Daemon()
+    try:
+        ref, fuse_segs, greedy, tok = reference(args, d.endpoint)
+        run_engine(args, tmp, site, d.endpoint, ref, fuse_segs, greedy, tok)
+    finally:
+        d.stop()
+    shutil.rmtree(tmp, ignore_errors=True)
+    print(f"test_vllm_model_hook: all passed in {time.monotonic() - t0:.0f} s")
+
+
+def run_engine(args, tmp, site, endpoint, ref, fuse_segs, greedy, tok):
+    """(c) and (d): one engine with the probe connector."""
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    facts_path = Path(tmp) / "facts.jsonl"
+    out_path = Path(tmp) / "blend.npz"
+    blend = {"endpoint": endpoint, "name": NAME, "ids": [int(i) for i in ref.ids],
+             "segments": fuse_segs, "checks": list(CHECKS), "ratios": list(RATIOS),
+             "metric": METRIC, "out": str(out_path)}
+    llm = LLM(model=args.model, enforce_eager=True, dtype="float32", max_model_len=4096,
+              seed=0, enable_prefix_caching=False,
+              kv_transfer_config=KVTransferConfig(
+                  kv_connector="ModelHookProbe", kv_connector_module_path="model_hook_probe",
+                  kv_role="kv_both",
+                  kv_connector_extra_config={"facts_path": str(facts_path), "blend": blend}))
+    out = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
+                                                ignore_eos=True), use_tqdm=False)
+    got = list(out[0].outputs[0].token_ids)
+    del llm
+    facts = read_facts(facts_path)
+    w = facts.get("worker")
+    if w is None or w["error"]:
+        fail(f"worker: {w}")
+    if not w["kvblend_file"].startswith(str(site)):
+        fail(f"the worker imported kvblend from {w['kvblend_file']}, not the installed copy")
+    if not w["model_class"].endswith("LlamaForCausalLM") or "vllm." not in w["model_class"]:
+        fail(f"model class {w['model_class']}")
+    if w["same_attention_modules"] != w["kv_cache_names"] or w["decoder_layers"] != 30:
+        fail(f"the model's attention modules are not vLLM's layers: {w}")
+    print(f"  (c) worker: {w['model_class']}, {w['decoder_layers']} decoder layers; the "
+          f"attention modules at all {w['kv_cache_names']} KV cache names are vLLM's")
+    print(f"      decoder layer: {w['layer_children']}, self_attn: {w['attn_children']}")
+    fw = facts.get("forward")
+    if fw is None or fw["same"] != 30:
+        fail(f"forward context: {fw}")
+    print(f"  (c) first forward pass: its {fw['same']} attention layers are the model's")
+    s = facts.get("scheduler")
+    if s is None or not s["error"] or "no model was loaded" not in s["error"]:
+        fail(f"scheduler process: {s}")
+    print(f"  (c) scheduler process: {s['error']}")
+    if got != greedy:
+        fail(f"vLLM with the hook generated {got}, transformers {greedy}")
+    print(f"  (c) 16 greedy tokens equal to transformers': {tok.decode(got)!r}")
+    check_blend(facts, ref, out_path)
+
+
+if __name__ == "__main__":
+    main()
