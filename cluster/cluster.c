@@ -85,9 +85,16 @@ int view_rebuild(struct cluster *c)
 			v.peer_of[n++] = (uint32_t)(i + 1);
 		}
 	v.n = n;
+	/* the same members with the same weights: placement did not change, nothing to do */
+	if (v.n == c->view.n && c->view.members &&
+	    !memcmp(v.members, c->view.members, n * sizeof(*v.members)) &&
+	    !memcmp(v.peer_of, c->view.peer_of, n * sizeof(*v.peer_of))) {
+		view_free(&v);
+		return 0;
+	}
 	view_free(&c->view);
 	c->view = v;
-	atomic_fetch_add(&c->view_gen, 1);
+	c->change_wall_ms[(atomic_fetch_add(&c->view_gen, 1) + 1) % VIEW_TIMES] = wall_ms();
 	return 0;
 }
 

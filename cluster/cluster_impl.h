@@ -32,6 +32,7 @@
 #define PEER_INFLIGHT_MAX 32  /* calls to one peer at once; more are refused (-EBUSY) */
 #define HEARTBEAT_MS 1000     /* a live member not heard from this long is pinged */
 #define LOOKUP_BATCH 1024     /* hashes per LOOKUP of a rebalance */
+#define VIEW_TIMES 64	      /* view changes whose time is kept (change_wall_ms) */
 
 struct peer {
 	char id[STORE_OWED_PEER_MAX + 1];
@@ -85,6 +86,8 @@ struct cluster {
 	size_t n_peers;
 	struct view view;
 	atomic_uint_fast64_t view_gen, membership_changes;
+	/* when view generation g began (unix ms), at [g % VIEW_TIMES]; the view lock */
+	int64_t change_wall_ms[VIEW_TIMES];
 	/* pushes */
 	pthread_t pusher;
 	bool pusher_started;
@@ -175,7 +178,10 @@ void wait_ms(pthread_cond_t *cond, pthread_mutex_t *mu, int64_t ms);
 void view_free(struct view *v);
 /* A copy of a view into out (the view lock held). 0 or -ENOMEM. */
 int view_copy(const struct view *in, struct view *out);
-/* Rebuild c's view from the live peers (the view lock held for writing). 0 or -ENOMEM. */
+/*
+ * Rebuild c's view from the live peers (the view lock held for writing); the view
+ * generation moves on only when the members or their weights changed. 0 or -ENOMEM.
+ */
 int view_rebuild(struct cluster *c);
 /* Members of view v in placement order for hash, as 0 (this daemon) or 1 + peer index. */
 size_t view_ranked(const struct view *v, const uint8_t *hash, size_t r, size_t *idx);

@@ -21,6 +21,8 @@ struct rb_scan {
 	struct cluster *c;
 	const struct view *old, *cur;
 	uint64_t since; /* chunks stored since (unix s) may have been placed by a later view */
+	const bool *sender_ok; /* [0 this daemon, 1 + peer]: in the current view and live */
+	size_t n_sender_ok;
 	struct rb_item *items;
 	size_t n, cap;
 	int err;
@@ -37,10 +39,13 @@ static bool in_list(const size_t *l, size_t n, size_t x)
 /*
  * One chunk held here: each of its owners under the current view that was no
  * owner under the old one (old NULL: every owner, a repair pass) is a candidate;
- * rb_filter then keeps only those that lack it. Every member holding the chunk
- * does this, so a new owner gets it even when the member that should have had it
- * does not (a push still queued, a copy lost); two holders pushing the same
- * chunk at once cost a second transfer, nothing else.
+ * rb_filter then keeps only those that lack it. One holder sends a chunk that
+ * moves: the first of its old owners still in the view and live (it holds the
+ * chunk: it was pushed there), so a join moves each chunk once, not once per
+ * copy. Where no old owner is left (all R left at once), and for a chunk stored
+ * since the old view (placed by whatever view held then), every holder offers it;
+ * the LOOKUP before a push keeps that to the copies the owner lacks, and a chunk
+ * the chosen sender lost after all is mended by the repair pass.
  */
 static int rb_chunk(void *ctx, uint32_t model_id, const uint8_t *hash,
 		    const struct store_chunk_info *info)
@@ -50,10 +55,16 @@ static int rb_chunk(void *ctx, uint32_t model_id, const uint8_t *hash,
 	size_t now[16], before[16], n_now, n_before = 0;
 
 	n_now = view_ranked(r->cur, hash, R, now);
-	/* A chunk stored after the old view was taken was placed by whatever view held
-	 * then (a member may have left and come back in between): all its owners count. */
-	if (r->old && info->created < r->since)
+	if (r->old && info->created < r->since) {
 		n_before = view_ranked(r->old, hash, R, before);
+		for (size_t j = 0; j < n_before; j++) {
+			if (before[j] >= r->n_sender_ok || !r->sender_ok[before[j]])
+				continue; /* gone: the next old owner sends */
+			if (before[j] != 0)
+				return 0; /* another member sends it */
+			break;	  /* this daemon does */
+		}
+	}
 	for (size_t j = 0; j < n_now; j++) {
 		if (!now[j] || in_list(before, n_before, now[j]))
 			continue;
@@ -130,13 +141,32 @@ static int rb_cmp(const void *a, const void *b)
 	return memcmp(x->hash, y->hash, KVBP_HASH_LEN);
 }
 
-static void rebalance(struct cluster *c, const struct view *old, const struct view *cur)
+/*
+ * Chunks held here to the owners under cur that lack them: those whose owners
+ * changed since old, or (old NULL, a repair pass) all. since (unix s): when old
+ * stopped being the view; a chunk stored later may have been placed by another.
+ */
+static void rebalance(struct cluster *c, const struct view *old, const struct view *cur,
+		      uint64_t since)
 {
-	/* created is in whole seconds: a margin of two */
-	struct rb_scan r = { c, old, cur, c->rebalanced_wall_s - 2, NULL, 0, 0, 0 };
-	int rc = store_chunk_scan(c->store, rb_chunk, &r);
-	size_t n;
+	/* created is in whole seconds, and a PUT's owners are taken just after it: a margin */
+	struct rb_scan r = { c, old, cur, since - 1, NULL, 0, NULL, 0, 0, 0 };
+	size_t n, np = n_peers(c);
+	bool *ok = calloc(np + 1, sizeof(*ok));
+	int rc;
 
+	if (!ok)
+		return;
+	for (size_t j = 0; j < cur->n; j++) {
+		struct peer *p = cur->peer_of[j] ? peer_at(c, cur->peer_of[j] - 1) : NULL;
+
+		if (cur->peer_of[j] <= np)
+			ok[cur->peer_of[j]] = !cur->peer_of[j] || (p && peer_live(c, p));
+	}
+	r.sender_ok = ok;
+	r.n_sender_ok = np + 1;
+	rc = store_chunk_scan(c->store, rb_chunk, &r);
+	free(ok);
 	if (rc < 0 || r.err) {
 		cl_warn(c, "cluster: rebalance: cannot read the store's chunks: %s",
 			strerror(r.err ? -r.err : -rc));
@@ -164,7 +194,7 @@ void *rebalancer_main(void *arg)
 	pthread_mutex_lock(&c->rlock);
 	while (!c->stop) {
 		struct view cur = { 0 };
-		uint64_t gen = atomic_load(&c->view_gen), wall;
+		uint64_t gen = atomic_load(&c->view_gen), wall, since;
 		int rc;
 
 		if (gen == c->rebalanced_gen) {
@@ -172,7 +202,7 @@ void *rebalancer_main(void *arg)
 			if (c->repair_ms && now_ms() >= next_repair && c->have_rebalanced &&
 			    c->rebalanced.n > 1) {
 				pthread_mutex_unlock(&c->rlock);
-				rebalance(c, NULL, &c->rebalanced); /* only this thread changes it */
+				rebalance(c, NULL, &c->rebalanced, 0); /* only this thread changes it */
 				pthread_mutex_lock(&c->rlock);
 				next_repair = now_ms() + c->repair_ms;
 				continue;
@@ -185,6 +215,11 @@ void *rebalancer_main(void *arg)
 		pthread_rwlock_rdlock(&c->view_lock);
 		gen = atomic_load(&c->view_gen);
 		rc = view_copy(&c->view, &cur);
+		/* the old view held until the first change after it */
+		since = gen - c->rebalanced_gen <= VIEW_TIMES
+				? (uint64_t)(c->change_wall_ms[(c->rebalanced_gen + 1) % VIEW_TIMES] /
+					     1000)
+				: c->rebalanced_wall_s;
 		pthread_rwlock_unlock(&c->view_lock);
 		/* owed pushes for members that just became known can be queued now */
 		pthread_mutex_lock(&c->qlock);
@@ -192,7 +227,7 @@ void *rebalancer_main(void *arg)
 		pthread_cond_signal(&c->qcond);
 		pthread_mutex_unlock(&c->qlock);
 		if (!rc && c->have_rebalanced)
-			rebalance(c, &c->rebalanced, &cur);
+			rebalance(c, &c->rebalanced, &cur, since);
 		pthread_mutex_lock(&c->rlock);
 		if (!rc) {
 			view_free(&c->rebalanced);

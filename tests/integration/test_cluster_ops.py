@@ -1,0 +1,232 @@
+"""A cluster an operator runs (issue 20), on a real etcd (Debian's etcd-server) with real
+daemons on loopback, keyless as docs/cluster.md's quick start, R = 2. One part per run:
+
+usage: test_cluster_ops.py KVBLENDD KVBLEND PLACE_TOOL PART
+  join   a fourth member joins: each chunk that moves is sent once, by one holder
+         (transfers per chunk moved, printed as `# join: ...`, at most 1.25)
+  hedge  the first read after an owner is SIGKILLed asks the next owner after
+         cluster_hedge_ms, not after the whole cluster_timeout_ms (printed, checked
+         under 2x the hedge delay)
+  grace  a member paused (SIGSTOP) past its lease but within cluster_grace causes no
+         copies; one gone for longer is re-replicated after the grace, not before
+  drain  a SIGTERM drains: right after the member exits every chunk has R copies on
+         the others (with a grace long enough that they copied nothing themselves);
+         the same stop with cluster_drain_timeout 0 (no drain) leaves chunks short
+"""
+
+import json
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+import cluster_common as cc
+import kvbtest
+
+KVBLENDD, KVBLEND, PLACE_TOOL, PART = sys.argv[1:5]
+TMP = tempfile.mkdtemp(prefix=f"kvb-ops-{PART}-")
+check = kvbtest.Checks()
+ETCD = kvbtest.Etcd(TMP)
+R, TTL = 2, 3
+PORTS = {}
+while len(set(PORTS.values())) < 5:  # five distinct ports (the kernel may repeat one)
+    PORTS = {n: kvbtest.free_port() for n in "abcde"}
+daemons = {}
+wait_for = kvbtest.wait_for
+
+
+def start(n, *extra):
+    d = kvbtest.Daemon(KVBLENDD, KVBLEND, TMP, "--map-size", "256M", "--node-id", n,
+                       "--cluster-etcd", ETCD.url, "--cluster-lease-ttl", TTL,
+                       "--cluster-replicas", R, *[str(x) for x in extra], name=n,
+                       listen=f"ipc://{TMP}/{n}.sock,tcp://127.0.0.1:{PORTS[n]}", env={})
+    daemons[n] = d
+    return d.start()
+
+
+def cli(n, *args, ok=True):
+    return kvbtest.cli(KVBLEND, f"ipc://{TMP}/{n}.sock", *args, timeout_ms=20000, ok=ok,
+                       env={}, label=f"kvblend@{n}")
+
+
+def stats(n):
+    return json.loads(cli(n, "stats", "--json").stdout)
+
+
+def alive(n):
+    return {k[7:] for k, v in stats(n).items() if k.startswith("member:") and v == 1} | {n}
+
+
+def held(n):
+    r = cli(n, "ls", "--model", "cm", "--json", ok=False)
+    return {c["hash"] for c in json.loads(r.stdout)} if r.returncode == 0 else set()
+
+
+def owners(hashes, members):
+    r = subprocess.run([PLACE_TOOL, str(R), *sorted(members)], input="\n".join(hashes) + "\n",
+                       capture_output=True, text=True, check=True)
+    return {ln.split()[0]: ln.split()[1:] for ln in r.stdout.splitlines()}
+
+
+def short(chunks, members):
+    """(hash, owner) pairs where an owner among members lacks the chunk."""
+    own = owners([h for h, _ in chunks], members)
+    have = {m: held(m) for m in members}
+    return [(h[:12], o) for h, _ in chunks for o in own[h] if h not in have[o]]
+
+
+def settled(nodes):
+    return all(stats(n)["cluster_pushes_owed"] == 0 for n in nodes)
+
+
+def total(nodes, key):
+    return sum(stats(n)[key] for n in nodes)
+
+
+def up(nodes, *extra):
+    for n in nodes:
+        check(f"{n} starts", start(n, *extra), daemons[n].log_text()[-2000:])
+    ok = wait_for(lambda: all(alive(n) == set(nodes) for n in nodes), 20)
+    check(f"{', '.join(nodes)} see each other", ok, str({n: alive(n) for n in nodes}))
+
+
+def part_join():
+    up("abc")
+    cc.add_model(cli, "a")
+    chunks = cc.put_chunks(cli, TMP, "a", 0, 60, np.random.default_rng(3))
+    ok = wait_for(lambda: settled("abc") and not short(chunks, "abc"), 30)
+    check("60 chunks on their owners among a, b, c", ok, str(short(chunks, "abc")))
+    time.sleep(3)  # chunks stored well before the join (stored seconds are whole)
+    before = total("abc", "cluster_rebalance_pushes")
+    check("d starts", start("d"), daemons["d"].log_text()[-2000:])
+    ok = wait_for(lambda: all(alive(n) == set("abcd") for n in "abcd"), 20)
+    check("d joins: every member sees four", ok)
+    ok = wait_for(lambda: not short(chunks, "abcd"), 30)
+    check("d receives every chunk it now owns", ok, str(short(chunks, "abcd")))
+    wait_for(lambda: settled("abcd"), 20)
+    time.sleep(1)  # a late duplicate would show here
+    moved = sum("d" in o for o in owners([h for h, _ in chunks], "abcd").values())
+    sent = total("abc", "cluster_rebalance_pushes") - before
+    ratio = sent / moved if moved else float("inf")
+    print(f"# join: {sent} transfers for {moved} chunks moved ({ratio:.2f} per chunk)")
+    check(f"a join sends each chunk that moves once ({sent} transfers, {moved} chunks)",
+          moved > 0 and moved <= sent and ratio <= 1.25, f"{ratio:.2f}")
+
+
+HEDGE_MS, SLOW_MS = 150, 3000
+
+
+def part_hedge():
+    up("abc", "--cluster-timeout-ms", SLOW_MS, "--cluster-hedge-ms", HEDGE_MS)
+    cc.add_model(cli, "a")
+    chunks = cc.put_chunks(cli, TMP, "a", 0, 40, np.random.default_rng(4))
+    ok = wait_for(lambda: settled("abc") and not short(chunks, "abc"), 30)
+    check("40 chunks on their owners", ok)
+    # chunks b asks c for first: c their first owner, b not an owner
+    own = owners([h for h, _ in chunks], "abc")
+    victims = [(h, kv) for h, kv in chunks if own[h][0] == "c" and "b" not in own[h]]
+    check("some chunks are owned by c first and not by b", len(victims) >= 2, str(own))
+    daemons["c"].send_signal(signal.SIGKILL)
+    daemons["c"].wait()
+    times, bad = [], []
+    for h, kv in victims[:3]:
+        t0 = time.time()
+        r = cli("b", "get", "--model", "cm", "--hash", h, "--out", f"{TMP}/g.npy", ok=False)
+        times.append(time.time() - t0)
+        if r.returncode or not np.array_equal(np.load(f"{TMP}/g.npy"), kv):
+            bad.append(r.stderr)
+    print(f"# hedge: first reads after the kill took {[round(t * 1000) for t in times]} ms "
+          f"(hedge {HEDGE_MS} ms, timeout {SLOW_MS} ms)")
+    check("the reads answer the bytes from the other owner", not bad, str(bad))
+    check(f"the first read after the kill asks the next owner within 2x the hedge delay "
+          f"({times[0] * 1000:.0f} ms, hedge {HEDGE_MS} ms)",
+          times[0] < 2 * HEDGE_MS / 1000, str(times))
+    check("hedged fetches are counted", stats("b").get("cluster_hedged", 0) >= 1,
+          str(stats("b").get("cluster_hedged")))
+
+
+GRACE = 10
+
+
+def part_grace():
+    up("abc", "--cluster-grace", GRACE, "--cluster-timeout-ms", 300)
+    cc.add_model(cli, "a")
+    chunks = cc.put_chunks(cli, TMP, "a", 0, 40, np.random.default_rng(6))
+    ok = wait_for(lambda: settled("abc") and not short(chunks, "abc"), 30)
+    check("40 chunks on their owners", ok)
+    time.sleep(2.5)
+    before = total("abc", "cluster_rebalance_pushes")
+    # a gray failure: c paused past its lease (TTL 3 s) but within the grace
+    daemons["c"].send_signal(signal.SIGSTOP)
+    gone = wait_for(lambda: stats("a").get("member:c") == -1, TTL + 5)
+    check("paused c's lease runs out: a shows it gone", gone, str(stats("a").get("member:c")))
+    time.sleep(2)
+    daemons["c"].send_signal(signal.SIGCONT)
+    ok = wait_for(lambda: all(alive(n) == set("abc") for n in "abc"), 15)
+    check("c, continued, is back", ok, str({n: alive(n) for n in "abc"}))
+    wait_for(lambda: settled("abc"), 10)
+    time.sleep(2)
+    sent = total("abc", "cluster_rebalance_pushes") - before
+    check(f"a pause within the grace copies nothing ({sent} rebalance pushes)", sent == 0)
+    bad = cc.readable(cli, TMP, "b", chunks)
+    check("every chunk reads back through b", not bad, str(bad))
+    # c gone for longer than the grace: re-replicated after it, not before
+    daemons["c"].send_signal(signal.SIGKILL)
+    daemons["c"].wait()
+    t0 = time.time()
+    wait_for(lambda: stats("a").get("member:c") == -1, TTL + 5)
+    time.sleep(max(0.0, GRACE - 3 - (time.time() - t0)))
+    early = total("ab", "cluster_rebalance_pushes") - before
+    check(f"within the grace nothing is re-replicated ({early} pushes)", early == 0)
+    ok = wait_for(lambda: not short(chunks, "ab"), GRACE + 20)
+    dt = time.time() - t0
+    check(f"after the grace c's chunks are on their new owners ({dt:.1f} s after the kill)",
+          ok and dt >= GRACE - 1, str(short(chunks, "ab")))
+
+
+def part_drain():
+    # a grace long enough that the others copy nothing themselves during the test
+    up("abcd", "--cluster-grace", 120)
+    cc.add_model(cli, "a")
+    chunks = cc.put_chunks(cli, TMP, "a", 0, 60, np.random.default_rng(8))
+    ok = wait_for(lambda: settled("abcd") and not short(chunks, "abcd"), 30)
+    check("60 chunks on their owners among four", ok)
+    t0 = time.time()
+    rc = daemons["d"].stop()
+    dt = time.time() - t0
+    check(f"d stops cleanly, drained ({dt:.1f} s)", rc == 0 and "drained" in
+          daemons["d"].log_text(), daemons["d"].log_text()[-1500:])
+    miss = short(chunks, "abc")
+    check("right after d's drain every chunk has R copies on a, b, c", not miss, str(miss))
+    # the control: c stops without a drain; the others (grace 120 s) copy nothing yet
+    daemons["c"].stop()
+    check("c (drain off) restarts", start("c", "--cluster-grace", 120,
+                                           "--cluster-drain-timeout", 0))
+    wait_for(lambda: all(alive(n) == set("abc") for n in "abc"), 20)
+    wait_for(lambda: settled("abc"), 20)
+    check("c stops without draining", daemons["c"].stop() == 0)
+    miss = short(chunks, "ab")
+    check(f"without a drain chunks are short ({len(miss)} copies): the check can fail",
+          len(miss) > 0, str(miss))
+
+
+try:
+    check("etcd starts", ETCD.start(), ETCD.log_text()[-2000:])
+    {"join": part_join, "hedge": part_hedge, "grace": part_grace, "drain": part_drain}[PART]()
+except Exception as x:  # a failed CLI call: the check fails, the daemons still stop
+    check(f"{PART} runs to its end", False, repr(x))
+finally:
+    for n, d in daemons.items():
+        if d.proc and d.poll() is None:
+            rc = d.stop(timeout=60)
+            check(f"daemon {n} exits 0", rc == 0, f"status {rc}")
+    ETCD.stop()
+    if check.failed:
+        for n, d in daemons.items():
+            print(f"--- {n}.log (tail)")
+            print(d.log_text()[-3000:])
+    kvbtest.remove(TMP)
+check.exit()
