@@ -196,6 +196,7 @@ int cluster_new(const struct cluster_opts *o, struct cluster **out, char *err, s
 	c->describe = o->describe;
 	c->replicas = o->replicas;
 	c->timeout_ms = o->timeout_ms;
+	c->hedge_ms = o->hedge_ms > 0 ? o->hedge_ms : 0;
 	c->forget_after_ms = (int64_t)(o->forget_after_s ? o->forget_after_s : 600) * 1000;
 	c->rebalance_rate = o->rebalance_rate;
 	c->repair_ms = (int64_t)o->repair_interval_s * 1000;
@@ -316,6 +317,7 @@ void cluster_stats(struct cluster *c, struct cluster_stats *out)
 	out->rebalance_skipped = atomic_load(&c->rebalance_skipped);
 	out->membership_changes = atomic_load(&c->membership_changes);
 	out->peer_busy = atomic_load(&c->peer_busy);
+	out->hedged = atomic_load(&c->hedged);
 	out->etcd = c->etcd_urls[0] != 0;
 	out->etcd_ok = atomic_load(&c->etcd_ok);
 	out->etcd_errors = atomic_load(&c->etcd_errors);

@@ -59,6 +59,8 @@ struct cluster_opts {
 	const char *listen_tcp; /* the first tcp:// listen endpoint, NULL or "" without */
 	unsigned replicas;	/* cluster_replicas */
 	int timeout_ms;		/* cluster_timeout_ms: every remote call's deadline */
+	int hedge_ms;		/* cluster_hedge_ms: a fetch not answered this long also asks
+				 * the next member; 0 never */
 	uint64_t rebalance_rate; /* cluster_rebalance_rate: bytes/s of rebalance pushes */
 	uint64_t repair_interval_s; /* cluster_repair_interval: 0 never */
 	int lease_ttl_s;	    /* cluster_lease_ttl: the etcd lease */
@@ -85,9 +87,11 @@ int cluster_new(const struct cluster_opts *o, struct cluster **out, char *err, s
 void cluster_free(struct cluster **c);
 
 /*
- * Fetch chunk hash of model m from its owners and store it here. Returns 0 when
- * it is stored here now (also when it already was), -ENOENT when no live member
- * has it, or another negative errno. Bounded by cluster_timeout_ms per owner.
+ * Fetch chunk hash of model m from its owners (then the other members) and store
+ * it here. Returns 0 when it is stored here now (also when it already was),
+ * -ENOENT when no live member has it, or another negative errno. A member that
+ * has not answered within cluster_hedge_ms is not waited for: the next is asked
+ * too, the first answer wins. Bounded by cluster_timeout_ms per member.
  */
 int cluster_fetch(struct cluster *c, const struct store_model *m, const uint8_t *hash);
 
@@ -117,6 +121,7 @@ struct cluster_stats {
 	double fetch_ms; /* total time in successful fetches */
 	uint64_t rebalance_pushes, rebalance_skipped; /* to new owners; skipped: they had it */
 	uint64_t membership_changes, peer_busy;	      /* peer_busy: calls refused, in-flight cap */
+	uint64_t hedged; /* fetches that asked a further member after cluster_hedge_ms */
 	bool etcd, etcd_ok;			      /* membership from etcd; etcd answers now */
 	uint64_t etcd_errors, etcd_last_ok_ms;	      /* failed etcd calls; last success (unix ms) */
 };

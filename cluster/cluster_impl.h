@@ -78,6 +78,7 @@ struct cluster {
 	double self_weight;
 	unsigned replicas;
 	int timeout_ms;
+	int64_t hedge_ms; /* cluster_hedge_ms: 0 never hedge */
 	int64_t forget_after_ms; /* cluster_forget_after */
 	atomic_uint_fast64_t next_id;
 	/* members: peers only grow (an index stays valid); the view is rebuilt on change */
@@ -101,7 +102,7 @@ struct cluster {
 	int64_t rebalance_next_ns; /* the rate limit: no rebalance push before this */
 	atomic_uint_fast64_t pushes_done, push_failures, remote_hits, remote_misses,
 		fetch_failures, fetched_bytes, fetch_ns, in_flight, rebalance_pushes,
-		rebalance_skipped, peer_busy;
+		rebalance_skipped, peer_busy, hedged;
 	/* rebalance after a membership change (its own thread) */
 	pthread_t rebalancer;
 	bool rebalancer_started;

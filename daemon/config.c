@@ -157,6 +157,10 @@ static const struct key keys[] = {
 	  "members that own each chunk" },
 	{ "cluster_timeout_ms", "MS", T_UINT, OFF(cluster_timeout_ms), 10, 600000, "1000",
 	  "deadline of a call to another member; one that misses it is skipped for 2 s" },
+	{ "cluster_hedge_ms", "MS", T_UINT, OFF(cluster_hedge_ms), 0, 600000, "100",
+	  "a fetch from a member that has not answered this long also asks the next member "
+	  "(the first answer wins), so a dead owner costs this, not cluster_timeout_ms; "
+	  "0 = wait for each member's deadline" },
 	{ "log_level", "LEVEL", T_LEVEL, OFF(log_level), 0, 3, "info", "error, warn, info or debug" },
 	{ "device", "DEVICE", T_DEVICE, OFF(device), 0, 1023, "auto",
 	  "where fuse sessions compute: cpu, cuda[:N] (their rings on CUDA device N, 0 by "

@@ -72,6 +72,7 @@ struct config {
 	uint64_t cluster_repair_interval;
 	uint64_t cluster_replicas;
 	uint64_t cluster_timeout_ms;
+	uint64_t cluster_hedge_ms;
 	int log_level;
 	int device; /* CONFIG_DEVICE_AUTO, _CPU, _EMULATED, or a CUDA ordinal */
 };

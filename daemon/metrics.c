@@ -260,6 +260,9 @@ void metrics_write(struct server *srv, FILE *f)
 		      "counter", (double)cs.fetched_bytes);
 		gauge(f, "kvblend_cluster_fetch_seconds_total", "Time in successful fetches.",
 		      "counter", cs.fetch_ms / 1e3);
+		gauge(f, "kvblend_cluster_hedged_total",
+		      "Fetches that also asked the next member after cluster_hedge_ms.", "counter",
+		      (double)cs.hedged);
 		gauge(f, "kvblend_cluster_membership_changes_total", "Changes of the membership seen.",
 		      "counter", (double)cs.membership_changes);
 		if (cs.etcd)

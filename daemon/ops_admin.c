@@ -282,6 +282,7 @@ static void stats_cluster(struct stat_list *l, struct cluster *c, struct kvbp_re
 	stat_add(l, "cluster_rebalance_skipped", (double)cs.rebalance_skipped);
 	stat_add(l, "cluster_membership_changes", (double)cs.membership_changes);
 	stat_add(l, "cluster_peer_busy", (double)cs.peer_busy);
+	stat_add(l, "cluster_hedged", (double)cs.hedged);
 	if (cs.etcd) {
 		stat_add(l, "cluster_etcd_ok", cs.etcd_ok);
 		stat_add(l, "cluster_etcd_errors", (double)cs.etcd_errors);
