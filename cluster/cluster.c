@@ -79,7 +79,9 @@ int view_rebuild(struct cluster *c)
 	v.members[0] = (struct place_member){ place_seed(c->self), c->self_weight };
 	v.peer_of[0] = 0;
 	for (size_t i = 0; i < c->n_peers; i++)
-		if (c->peers[i]->live) {
+		c->peers[i]->in_view = c->peers[i]->live || !past_grace(c, c->peers[i]);
+	for (size_t i = 0; i < c->n_peers; i++)
+		if (c->peers[i]->in_view) {
 			v.members[n] = (struct place_member){ place_seed(c->peers[i]->id),
 							      c->peers[i]->weight };
 			v.peer_of[n++] = (uint32_t)(i + 1);
@@ -96,6 +98,13 @@ int view_rebuild(struct cluster *c)
 	c->view = v;
 	c->change_wall_ms[(atomic_fetch_add(&c->view_gen, 1) + 1) % VIEW_TIMES] = wall_ms();
 	return 0;
+}
+
+bool past_grace(const struct cluster *c, const struct peer *p)
+{
+	int64_t since = atomic_load(&p->gone_since);
+
+	return !p->live && (!since || now_ms() - since >= c->grace_ms);
 }
 
 /* Members of view v in placement order for hash, as 0 (this daemon) or 1 + peer index. */
@@ -198,6 +207,8 @@ int cluster_new(const struct cluster_opts *o, struct cluster **out, char *err, s
 	c->timeout_ms = o->timeout_ms;
 	c->hedge_ms = o->hedge_ms > 0 ? o->hedge_ms : 0;
 	c->forget_after_ms = (int64_t)(o->forget_after_s ? o->forget_after_s : 600) * 1000;
+	c->grace_ms = (int64_t)o->grace_s * 1000;
+	c->drain_ms = (int64_t)o->drain_timeout_s * 1000;
 	c->rebalance_rate = o->rebalance_rate;
 	c->repair_ms = (int64_t)o->repair_interval_s * 1000;
 	c->self_weight = 1.0;

@@ -66,6 +66,9 @@ struct cluster_opts {
 	int lease_ttl_s;	    /* cluster_lease_ttl: the etcd lease */
 	uint64_t forget_after_s;    /* cluster_forget_after: a gone member owed nothing is
 				     * forgotten after this (0: the default, 600) */
+	uint64_t grace_s;	    /* cluster_grace: a member gone from etcd keeps its place
+				     * this long (its chunks not re-replicated); 0 none */
+	uint64_t drain_timeout_s;   /* cluster_drain_timeout: cluster_drain's bound; 0 none */
 	uint64_t capacity;	    /* bytes this member offers (its weight in placement) */
 	/* this daemon's CURVE key pair (Z85, "" or NULL without), towards peers with a key */
 	const char *curve_secret, *curve_public;
@@ -110,6 +113,17 @@ size_t cluster_lookup(struct cluster *c, const struct store_model *m,
  * with *out (its name as stored), or -ENOENT when no live member answers with it.
  */
 int cluster_model_find(struct cluster *c, const char *name, struct kvbp_model *out);
+
+/*
+ * A clean stop, before cluster_free (which then leaves etcd): every chunk this
+ * daemon owns is pushed to the members that own it once this daemon is gone,
+ * those that lack it (one LOOKUP per 1024 chunks), not rate limited, and the
+ * pushes still queued for live members are sent; all within
+ * cluster_drain_timeout, then it returns (what is left stays owed in the store).
+ * Returns how many chunks it pushed, or a negative errno (-ETIMEDOUT: the
+ * bound ran out first). 0 at once with cluster_drain_timeout 0 or no other member.
+ */
+long cluster_drain(struct cluster *c);
 
 /* A client stored chunk hash of m here: push it to its other owners. */
 void cluster_stored(struct cluster *c, const struct store_model *m, const uint8_t *hash);

@@ -40,7 +40,8 @@ struct peer {
 	char endpoint[CLUSTER_ENDPOINT_MAX];
 	char key[41]; /* the peer's CURVE server key, "" for none */
 	double weight;
-	bool live; /* in placement: listed statically, or registered in etcd (view lock) */
+	bool live; /* listed statically, or registered in etcd (view lock) */
+	bool in_view; /* in placement: live, or gone less than cluster_grace (view lock) */
 	pthread_mutex_t lock;
 	void *idle[POOL];
 	unsigned n_idle;
@@ -80,6 +81,8 @@ struct cluster {
 	int timeout_ms;
 	int64_t hedge_ms; /* cluster_hedge_ms: 0 never hedge */
 	int64_t forget_after_ms; /* cluster_forget_after */
+	int64_t grace_ms;	 /* cluster_grace: a member gone stays placed this long */
+	int64_t drain_ms;	 /* cluster_drain_timeout: 0 no drain */
 	atomic_uint_fast64_t next_id;
 	/* members: peers only grow (an index stays valid); the view is rebuilt on change */
 	pthread_rwlock_t view_lock;
@@ -192,6 +195,8 @@ size_t ranked(struct cluster *c, const uint8_t *hash, size_t r, size_t *idx);
 struct peer *peer_at(struct cluster *c, size_t i);
 bool peer_live(struct cluster *c, struct peer *p);
 size_t n_peers(struct cluster *c);
+/* Is p gone from etcd cluster_grace or longer (the view lock held)? */
+bool past_grace(const struct cluster *c, const struct peer *p);
 /* Wake the rebalance and heartbeat threads (a membership change). */
 void rebalance_kick(struct cluster *c);
 
@@ -225,6 +230,10 @@ int peer_call(struct cluster *c, struct peer *p, struct kvbp_request *req,
 /* Record (store first: a crash from here on still pushes it) and queue a push. */
 void owe(struct cluster *c, size_t peer, uint32_t model_id, const uint8_t *hash,
 	 bool rebalance);
+/* Push one chunk to one peer now: 0 done (or nothing to do), -EAGAIN retry later. */
+int push_one(struct cluster *c, const struct push *e, uint64_t *bytes);
+/* Pushes queued for live members that are not suspect, plus those under way. */
+size_t pushes_pending(struct cluster *c);
 /* The push thread: what the store still owes first, then the queue. */
 void *pusher_main(void *arg);
 

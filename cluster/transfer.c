@@ -504,7 +504,7 @@ static int export_layer(void *ctx, uint32_t layer, const void *bytes, size_t len
 }
 
 /* Push one chunk to one peer: 0 done (or nothing to do), -EAGAIN retry later. *bytes sent. */
-static int push_one(struct cluster *c, const struct push *e, uint64_t *bytes)
+int push_one(struct cluster *c, const struct push *e, uint64_t *bytes)
 {
 	struct peer *p = peer_at(c, e->peer);
 	struct store_model m;
@@ -583,6 +583,21 @@ static int load_owed(void *ctx, const char *peer, uint32_t model_id, const uint8
 			return enqueue(c, (uint32_t)i, model_id, hash, false) ? 0 : 1;
 	}
 	return 0; /* a member not known (yet): read again when the membership changes */
+}
+
+size_t pushes_pending(struct cluster *c)
+{
+	size_t n;
+
+	pthread_mutex_lock(&c->qlock);
+	n = atomic_load(&c->in_flight);
+	for (size_t i = 0; i < c->q_len; i++) {
+		struct peer *p = peer_at(c, c->q[(c->q_head + i) % QUEUE_MAX].peer);
+
+		n += p && peer_live(c, p) && !suspect(p);
+	}
+	pthread_mutex_unlock(&c->qlock);
+	return n;
 }
 
 void *pusher_main(void *arg)

@@ -144,6 +144,13 @@ static const struct key keys[] = {
 	{ "cluster_forget_after", "SECONDS", T_UINT, OFF(cluster_forget_after), 1, 604800, "600",
 	  "seconds: a member gone from etcd this long, with no pushes owed to it, is forgotten "
 	  "(no longer in cluster status, stats or metrics)" },
+	{ "cluster_grace", "SECONDS", T_UINT, OFF(cluster_grace), 0, 86400, "30",
+	  "seconds a member gone from etcd (stopped, crashed or paused past its lease) keeps "
+	  "its place before the others copy its chunks elsewhere: one back within it costs no "
+	  "copies; 0 = copy at once" },
+	{ "cluster_drain_timeout", "SECONDS", T_UINT, OFF(cluster_drain_timeout), 0, 3600, "30",
+	  "on SIGTERM, how long a member spends pushing the chunks it owns to the members that "
+	  "own them without it (and the pushes it still owes) before it leaves; 0 = no drain" },
 	{ "cluster_advertise", "ENDPOINT", T_PATH, OFF(cluster_advertise), 0, 0, NULL,
 	  "the TCP endpoint other members reach this daemon at, tcp://HOST:PORT (default: the "
 	  "first tcp:// of listen, a wildcard host replaced by the host name)" },

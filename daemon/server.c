@@ -21,6 +21,7 @@
 #include "fdguard.h"
 #include "log.h"
 #include "metrics.h"
+#include "notify.h"
 #include "ops.h"
 #include "pool.h"
 
@@ -753,6 +754,8 @@ static int cluster_start(const struct config *cfg, struct store *store, const ch
 		.repair_interval_s = cfg->cluster_repair_interval,
 		.lease_ttl_s = (int)cfg->cluster_lease_ttl,
 		.forget_after_s = cfg->cluster_forget_after,
+		.grace_s = cfg->cluster_grace,
+		.drain_timeout_s = cfg->cluster_drain_timeout,
 		.capacity = cfg->capacity ? cfg->capacity : cfg->map_size,
 		.curve_secret = secret,
 		.curve_public = public_key,
@@ -1012,6 +1015,11 @@ void server_stop(struct server *srv)
 				 srv->cfg->drain_timeout);
 		else
 			log_info("every request in progress answered");
+		/* a clean stop: what this member owns to its owners without it, then leave */
+		if (srv->cluster) {
+			notify_status("draining: the chunks this member owns to the others");
+			cluster_drain(srv->cluster);
+		}
 	}
 	atomic_store(&srv->stop_workers, true);
 	for (unsigned i = 0; i < srv->n_workers; i++)
