@@ -404,6 +404,11 @@ void cluster_members(struct cluster *c, void (*fn)(void *ctx, const struct clust
 	free(owed);
 }
 
+struct store *cluster_store(struct cluster *c)
+{
+	return c->store;
+}
+
 bool cluster_owns(struct cluster *c, const uint8_t *hash)
 {
 	size_t idx[16], r = ranked(c, hash, c->replicas < 16 ? c->replicas : 16, idx);

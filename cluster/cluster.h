@@ -166,6 +166,19 @@ void cluster_members(struct cluster *c, void (*fn)(void *ctx, const struct clust
  */
 bool cluster_is_member(struct cluster *c, const char *principal);
 
+/*
+ * For n chunks of model m held here as cache copies: held[i] true when every owner
+ * of chunk i under the current membership is known to hold it (one LOOKUP per
+ * owner for its share of the hashes, each within cluster_timeout_ms); false when
+ * this daemon is an owner, or an owner lacks it, is suspect, gone or does not
+ * answer. A cache copy may go once its owners hold the chunk.
+ */
+void cluster_owners_hold(struct cluster *c, const struct store_model *m,
+			 const uint8_t (*hashes)[KVBP_HASH_LEN], size_t n, bool *held);
+
+/* The store the cluster was given (cluster_opts.store). */
+struct store *cluster_store(struct cluster *c);
+
 /* Is this daemon one of hash's owners under the current membership? */
 bool cluster_owns(struct cluster *c, const uint8_t *hash);
 

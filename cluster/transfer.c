@@ -6,9 +6,11 @@
 #include "cluster_impl.h"
 
 #include <errno.h>
+#include <limits.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -436,6 +438,66 @@ next:
 		kvbp_request_clear(&q);
 	}
 	return got;
+}
+
+void cluster_owners_hold(struct cluster *c, const struct store_model *m,
+			 const uint8_t (*hashes)[KVBP_HASH_LEN], size_t n, bool *held)
+{
+	size_t R = c->replicas < 16 ? c->replicas : 16, np = n_peers(c);
+	size_t (*own)[16] = calloc(n ? n : 1, sizeof(*own));
+	unsigned *left = calloc(n ? n : 1, sizeof(*left)); /* owners not yet known to hold it */
+	size_t *which = calloc(n ? n : 1, sizeof(*which));
+
+	for (size_t i = 0; i < n; i++)
+		held[i] = false;
+	if (!own || !left || !which)
+		goto out;
+	for (size_t i = 0; i < n; i++) {
+		size_t r = ranked(c, hashes[i], R, own[i]);
+
+		left[i] = (unsigned)r;
+		for (size_t j = 0; j < r; j++)
+			if (own[i][j] == 0)
+				left[i] = UINT_MAX; /* owned here after all: not a cache copy */
+		if (r < R && r < 16)
+			own[i][r] = SIZE_MAX;
+	}
+	for (size_t pi = 0; pi < np; pi++) {
+		struct peer *p = peer_at(c, pi);
+		struct kvbp_request q = { .op = KVBP_OP_LOOKUP };
+		struct call_out o;
+		size_t k = 0;
+
+		if (!p)
+			continue;
+		for (size_t i = 0; i < n; i++)
+			for (size_t j = 0; j < R && left[i] != UINT_MAX && own[i][j] != SIZE_MAX; j++)
+				if (own[i][j] == pi + 1)
+					which[k++] = i;
+		if (!k || suspect(p) || !peer_live(c, p))
+			continue; /* an owner not asked: its chunks stay unconfirmed */
+		q.hashes = calloc(k, KVBP_HASH_LEN);
+		if (!q.hashes)
+			continue;
+		for (size_t j = 0; j < k; j++)
+			memcpy(q.hashes[j], hashes[which[j]], KVBP_HASH_LEN);
+		q.n_hashes = k;
+		snprintf(q.model_name, sizeof(q.model_name), "%s", m->name);
+		if (!peer_call(c, p, &q, NULL, NULL, 0, &o)) {
+			if (o.rep.code == KVBP_OK && o.rep.n_chunks == k)
+				for (size_t j = 0; j < k; j++)
+					if (o.rep.chunks[j].found && left[which[j]] != UINT_MAX)
+						left[which[j]]--;
+			call_out_free(&o);
+		}
+		kvbp_request_clear(&q);
+	}
+	for (size_t i = 0; i < n; i++)
+		held[i] = left[i] == 0;
+out:
+	free(own);
+	free(left);
+	free(which);
 }
 
 /* ---- write path ---- */

@@ -151,6 +151,10 @@ static const struct key keys[] = {
 	{ "cluster_drain_timeout", "SECONDS", T_UINT, OFF(cluster_drain_timeout), 0, 3600, "30",
 	  "on SIGTERM, how long a member spends pushing the chunks it owns to the members that "
 	  "own them without it (and the pushes it still owes) before it leaves; 0 = no drain" },
+	{ "cluster_cache_pct", "PERCENT", T_UINT, OFF(cluster_cache_pct), 0, 100, "10",
+	  "percent of capacity (map_size without one) that cache copies may take: chunks held "
+	  "here that this member does not own (a PUT's copy, read-through copies, a former "
+	  "owner's); beyond it the least recently used go once their owners hold them" },
 	{ "cluster_advertise", "ENDPOINT", T_PATH, OFF(cluster_advertise), 0, 0, NULL,
 	  "the TCP endpoint other members reach this daemon at, tcp://HOST:PORT (default: the "
 	  "first tcp:// of listen, a wildcard host replaced by the host name)" },

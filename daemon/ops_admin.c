@@ -328,6 +328,10 @@ static void stats_evict_fuse(struct stat_list *l, struct server *srv)
 	stat_add(l, "evictions", (double)es.evicted);
 	stat_add(l, "evicted_bytes", (double)es.evicted_bytes);
 	stat_add(l, "pinned_chunks", (double)es.pins);
+	if (srv->cluster) {
+		stat_add(l, "cluster_cache_bytes", (double)es.cache_bytes);
+		stat_add(l, "cluster_cache_reclaimed", (double)es.cache_reclaimed);
+	}
 	fuse_usage(srv->fuse, &fs, &fb, &fp);
 	stat_add(l, "fuse_sessions", (double)fs);
 	stat_add(l, "fuse_ring_bytes", (double)fb);

@@ -12,6 +12,9 @@ usage: test_cluster_ops.py KVBLENDD KVBLEND PLACE_TOOL PART
   drain  a SIGTERM drains: right after the member exits every chunk has R copies on
          the others (with a grace long enough that they copied nothing themselves);
          the same stop with cluster_drain_timeout 0 (no drain) leaves chunks short
+  copies with cluster_cache_pct 0, the writer's copies and read-through copies are
+         reclaimed once the owners hold the chunks: exactly R copies settle (printed
+         as `# copies: ...`); with a budget, cache copies settle within it
 """
 
 import json
@@ -226,9 +229,60 @@ def part_drain():
           len(miss) > 0, str(miss))
 
 
+def owned_by(chunks, members):
+    own = owners([h for h, _ in chunks], members)
+    return {m: {h for h, o in own.items() if m in o} for m in members}
+
+
+def part_copies():
+    # equal capacities (equal weights), 1 MiB: far above what the chunks take
+    up("abc", "--capacity", "1M", "--cluster-cache-pct", 0)
+    cc.add_model(cli, "a")
+    chunks = cc.put_chunks(cli, TMP, "a", 0, 60, np.random.default_rng(9))
+    ok = wait_for(lambda: settled("abc") and not short(chunks, "abc"), 30)
+    check("60 chunks on their owners", ok)
+    bad = cc.readable(cli, TMP, "b", chunks)
+    check("every chunk reads back through b (read-through copies there)", not bad, str(bad))
+    want = owned_by(chunks, "abc")
+    ok = wait_for(lambda: all(held(n) == want[n] for n in "abc"), 30, step=0.5)
+    copies = sum(len(held(n)) for n in "abc")
+    print(f"# copies: {copies} copies of {len(chunks)} chunks after a PUT through a and reads "
+          f"through b (R = {R}; without reclaiming: 60 on a, 60 on b and c's share)")
+    check(f"exactly R copies settle, each member holding what it owns ({copies})", ok,
+          str({n: (len(held(n)), len(want[n])) for n in "abc"}))
+    st = {n: stats(n) for n in "abc"}
+    check("the writer's and the reader's cache copies were reclaimed, none is left",
+          st["a"]["cluster_cache_reclaimed"] > 0 and st["b"]["cluster_cache_reclaimed"] > 0
+          and all(s["cluster_cache_bytes"] == 0 for s in st.values()),
+          str({n: (s["cluster_cache_reclaimed"], s["cluster_cache_bytes"]) for n, s in
+               st.items()}))
+    bad = cc.readable(cli, TMP, "c", chunks)
+    check("every chunk still reads back through c", not bad, str(bad))
+    # a budget: b (3 % of 1 MiB: 31457 bytes) keeps some cache copies, within it. Its
+    # drain on the way leaves stand-in copies on a and c, reclaimed once it is back.
+    daemons["b"].stop()
+    check("b restarts with cluster_cache_pct 3",
+          start("b", "--capacity", "1M", "--cluster-cache-pct", 3))
+    wait_for(lambda: all(alive(n) == set("abc") for n in "abc"), 20)
+    bad = cc.readable(cli, TMP, "b", chunks)
+    check("every chunk reads back through b again", not bad, str(bad))
+    budget = (1 << 20) * 3 // 100
+    ok = wait_for(lambda: 0 < stats("b")["cluster_cache_bytes"] <= budget and
+                  stats("b")["cluster_cache_reclaimed"] > 0, 30, step=0.5)
+    extra = held("b") - want["b"]
+    print(f"# copies: b keeps {len(extra)} cache copies, {stats('b')['cluster_cache_bytes']} "
+          f"bytes (budget {budget})")
+    check("b's cache copies settle within the budget, some kept", ok and len(extra) > 0 and
+          want["b"] <= held("b"), str(stats("b")["cluster_cache_bytes"]))
+    ok = wait_for(lambda: all(held(n) == want[n] for n in "ac"), 30, step=0.5)
+    check("the stand-in copies b's drain left on a and c are reclaimed now that it is back",
+          ok, str({n: (len(held(n)), len(want[n])) for n in "ac"}))
+
+
 try:
     check("etcd starts", ETCD.start(), ETCD.log_text()[-2000:])
-    {"join": part_join, "hedge": part_hedge, "grace": part_grace, "drain": part_drain}[PART]()
+    {"join": part_join, "hedge": part_hedge, "grace": part_grace, "drain": part_drain,
+     "copies": part_copies}[PART]()
 except Exception as x:  # a failed CLI call: the check fails, the daemons still stop
     check(f"{PART} runs to its end", False, repr(x))
 finally:
