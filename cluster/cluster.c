@@ -336,14 +336,19 @@ void cluster_stats(struct cluster *c, struct cluster_stats *out)
 }
 
 /*
- * Is p forgotten: gone from etcd cluster_forget_after or longer, owed nothing
+ * Is p forgotten: out of placement (gone from etcd, its grace over),
+ * gone cluster_forget_after or longer, owed nothing
  * (owed: what is queued for it, nonzero when unsure)? Logged once when it is.
  */
 static bool forget(struct cluster *c, struct peer *p, uint64_t owed)
 {
 	int64_t since = atomic_load(&p->gone_since);
+	bool placed;
 
-	if (peer_live(c, p))
+	pthread_rwlock_rdlock(&c->view_lock);
+	placed = p->live || p->in_view; /* (a member in its grace is still placed) */
+	pthread_rwlock_unlock(&c->view_lock);
+	if (placed)
 		return false;
 	if (atomic_load(&p->forgotten))
 		return true;
