@@ -79,16 +79,32 @@ int view_rebuild(struct cluster *c)
 	v.members[0] = (struct place_member){ place_seed(c->self), c->self_weight };
 	v.peer_of[0] = 0;
 	for (size_t i = 0; i < c->n_peers; i++)
-		if (c->peers[i]->live) {
+		c->peers[i]->in_view = c->peers[i]->live || !past_grace(c, c->peers[i]);
+	for (size_t i = 0; i < c->n_peers; i++)
+		if (c->peers[i]->in_view) {
 			v.members[n] = (struct place_member){ place_seed(c->peers[i]->id),
 							      c->peers[i]->weight };
 			v.peer_of[n++] = (uint32_t)(i + 1);
 		}
 	v.n = n;
+	/* the same members with the same weights: placement did not change, nothing to do */
+	if (v.n == c->view.n && c->view.members &&
+	    !memcmp(v.members, c->view.members, n * sizeof(*v.members)) &&
+	    !memcmp(v.peer_of, c->view.peer_of, n * sizeof(*v.peer_of))) {
+		view_free(&v);
+		return 0;
+	}
 	view_free(&c->view);
 	c->view = v;
-	atomic_fetch_add(&c->view_gen, 1);
+	c->change_wall_ms[(atomic_fetch_add(&c->view_gen, 1) + 1) % VIEW_TIMES] = wall_ms();
 	return 0;
+}
+
+bool past_grace(const struct cluster *c, const struct peer *p)
+{
+	int64_t since = atomic_load(&p->gone_since);
+
+	return !p->live && (!since || now_ms() - since >= c->grace_ms);
 }
 
 /* Members of view v in placement order for hash, as 0 (this daemon) or 1 + peer index. */
@@ -189,7 +205,10 @@ int cluster_new(const struct cluster_opts *o, struct cluster **out, char *err, s
 	c->describe = o->describe;
 	c->replicas = o->replicas;
 	c->timeout_ms = o->timeout_ms;
+	c->hedge_ms = o->hedge_ms > 0 ? o->hedge_ms : 0;
 	c->forget_after_ms = (int64_t)(o->forget_after_s ? o->forget_after_s : 600) * 1000;
+	c->grace_ms = (int64_t)o->grace_s * 1000;
+	c->drain_ms = (int64_t)o->drain_timeout_s * 1000;
 	c->rebalance_rate = o->rebalance_rate;
 	c->repair_ms = (int64_t)o->repair_interval_s * 1000;
 	c->self_weight = 1.0;
@@ -309,6 +328,7 @@ void cluster_stats(struct cluster *c, struct cluster_stats *out)
 	out->rebalance_skipped = atomic_load(&c->rebalance_skipped);
 	out->membership_changes = atomic_load(&c->membership_changes);
 	out->peer_busy = atomic_load(&c->peer_busy);
+	out->hedged = atomic_load(&c->hedged);
 	out->etcd = c->etcd_urls[0] != 0;
 	out->etcd_ok = atomic_load(&c->etcd_ok);
 	out->etcd_errors = atomic_load(&c->etcd_errors);
@@ -316,14 +336,19 @@ void cluster_stats(struct cluster *c, struct cluster_stats *out)
 }
 
 /*
- * Is p forgotten: gone from etcd cluster_forget_after or longer, owed nothing
+ * Is p forgotten: out of placement (gone from etcd, its grace over),
+ * gone cluster_forget_after or longer, owed nothing
  * (owed: what is queued for it, nonzero when unsure)? Logged once when it is.
  */
 static bool forget(struct cluster *c, struct peer *p, uint64_t owed)
 {
 	int64_t since = atomic_load(&p->gone_since);
+	bool placed;
 
-	if (peer_live(c, p))
+	pthread_rwlock_rdlock(&c->view_lock);
+	placed = p->live || p->in_view; /* (a member in its grace is still placed) */
+	pthread_rwlock_unlock(&c->view_lock);
+	if (placed)
 		return false;
 	if (atomic_load(&p->forgotten))
 		return true;
@@ -382,6 +407,11 @@ void cluster_members(struct cluster *c, void (*fn)(void *ctx, const struct clust
 		fn(ctx, &m);
 	}
 	free(owed);
+}
+
+struct store *cluster_store(struct cluster *c)
+{
+	return c->store;
 }
 
 bool cluster_owns(struct cluster *c, const uint8_t *hash)

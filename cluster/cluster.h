@@ -59,11 +59,16 @@ struct cluster_opts {
 	const char *listen_tcp; /* the first tcp:// listen endpoint, NULL or "" without */
 	unsigned replicas;	/* cluster_replicas */
 	int timeout_ms;		/* cluster_timeout_ms: every remote call's deadline */
+	int hedge_ms;		/* cluster_hedge_ms: a fetch not answered this long also asks
+				 * the next member; 0 never */
 	uint64_t rebalance_rate; /* cluster_rebalance_rate: bytes/s of rebalance pushes */
 	uint64_t repair_interval_s; /* cluster_repair_interval: 0 never */
 	int lease_ttl_s;	    /* cluster_lease_ttl: the etcd lease */
 	uint64_t forget_after_s;    /* cluster_forget_after: a gone member owed nothing is
 				     * forgotten after this (0: the default, 600) */
+	uint64_t grace_s;	    /* cluster_grace: a member gone from etcd keeps its place
+				     * this long (its chunks not re-replicated); 0 none */
+	uint64_t drain_timeout_s;   /* cluster_drain_timeout: cluster_drain's bound; 0 none */
 	uint64_t capacity;	    /* bytes this member offers (its weight in placement) */
 	/* this daemon's CURVE key pair (Z85, "" or NULL without), towards peers with a key */
 	const char *curve_secret, *curve_public;
@@ -85,9 +90,11 @@ int cluster_new(const struct cluster_opts *o, struct cluster **out, char *err, s
 void cluster_free(struct cluster **c);
 
 /*
- * Fetch chunk hash of model m from its owners and store it here. Returns 0 when
- * it is stored here now (also when it already was), -ENOENT when no live member
- * has it, or another negative errno. Bounded by cluster_timeout_ms per owner.
+ * Fetch chunk hash of model m from its owners (then the other members) and store
+ * it here. Returns 0 when it is stored here now (also when it already was),
+ * -ENOENT when no live member has it, or another negative errno. A member that
+ * has not answered within cluster_hedge_ms is not waited for: the next is asked
+ * too, the first answer wins. Bounded by cluster_timeout_ms per member.
  */
 int cluster_fetch(struct cluster *c, const struct store_model *m, const uint8_t *hash);
 
@@ -107,6 +114,17 @@ size_t cluster_lookup(struct cluster *c, const struct store_model *m,
  */
 int cluster_model_find(struct cluster *c, const char *name, struct kvbp_model *out);
 
+/*
+ * A clean stop, before cluster_free (which then leaves etcd): every chunk this
+ * daemon owns is pushed to the members that own it once this daemon is gone,
+ * those that lack it (one LOOKUP per 1024 chunks), not rate limited, and the
+ * pushes still queued for live members are sent; all within
+ * cluster_drain_timeout, then it returns (what is left stays owed in the store).
+ * Returns how many chunks it pushed, or a negative errno (-ETIMEDOUT: the
+ * bound ran out first). 0 at once with cluster_drain_timeout 0 or no other member.
+ */
+long cluster_drain(struct cluster *c);
+
 /* A client stored chunk hash of m here: push it to its other owners. */
 void cluster_stored(struct cluster *c, const struct store_model *m, const uint8_t *hash);
 
@@ -117,6 +135,7 @@ struct cluster_stats {
 	double fetch_ms; /* total time in successful fetches */
 	uint64_t rebalance_pushes, rebalance_skipped; /* to new owners; skipped: they had it */
 	uint64_t membership_changes, peer_busy;	      /* peer_busy: calls refused, in-flight cap */
+	uint64_t hedged; /* fetches that asked a further member after cluster_hedge_ms */
 	bool etcd, etcd_ok;			      /* membership from etcd; etcd answers now */
 	uint64_t etcd_errors, etcd_last_ok_ms;	      /* failed etcd calls; last success (unix ms) */
 };
@@ -146,6 +165,19 @@ void cluster_members(struct cluster *c, void (*fn)(void *ctx, const struct clust
  * that host shares: a keyless cluster trusts its network. c may be NULL (false).
  */
 bool cluster_is_member(struct cluster *c, const char *principal);
+
+/*
+ * For n chunks of model m held here as cache copies: held[i] true when every owner
+ * of chunk i under the current membership is known to hold it (one LOOKUP per
+ * owner for its share of the hashes, each within cluster_timeout_ms); false when
+ * this daemon is an owner, or an owner lacks it, is suspect, gone or does not
+ * answer. A cache copy may go once its owners hold the chunk.
+ */
+void cluster_owners_hold(struct cluster *c, const struct store_model *m,
+			 const uint8_t (*hashes)[KVBP_HASH_LEN], size_t n, bool *held);
+
+/* The store the cluster was given (cluster_opts.store). */
+struct store *cluster_store(struct cluster *c);
 
 /* Is this daemon one of hash's owners under the current membership? */
 bool cluster_owns(struct cluster *c, const uint8_t *hash);

@@ -32,6 +32,7 @@
 #define PEER_INFLIGHT_MAX 32  /* calls to one peer at once; more are refused (-EBUSY) */
 #define HEARTBEAT_MS 1000     /* a live member not heard from this long is pinged */
 #define LOOKUP_BATCH 1024     /* hashes per LOOKUP of a rebalance */
+#define VIEW_TIMES 64	      /* view changes whose time is kept (change_wall_ms) */
 
 struct peer {
 	char id[STORE_OWED_PEER_MAX + 1];
@@ -39,7 +40,8 @@ struct peer {
 	char endpoint[CLUSTER_ENDPOINT_MAX];
 	char key[41]; /* the peer's CURVE server key, "" for none */
 	double weight;
-	bool live; /* in placement: listed statically, or registered in etcd (view lock) */
+	bool live; /* listed statically, or registered in etcd (view lock) */
+	bool in_view; /* in placement: live, or gone less than cluster_grace (view lock) */
 	pthread_mutex_t lock;
 	void *idle[POOL];
 	unsigned n_idle;
@@ -77,7 +79,10 @@ struct cluster {
 	double self_weight;
 	unsigned replicas;
 	int timeout_ms;
+	int64_t hedge_ms; /* cluster_hedge_ms: 0 never hedge */
 	int64_t forget_after_ms; /* cluster_forget_after */
+	int64_t grace_ms;	 /* cluster_grace: a member gone stays placed this long */
+	int64_t drain_ms;	 /* cluster_drain_timeout: 0 no drain */
 	atomic_uint_fast64_t next_id;
 	/* members: peers only grow (an index stays valid); the view is rebuilt on change */
 	pthread_rwlock_t view_lock;
@@ -85,6 +90,8 @@ struct cluster {
 	size_t n_peers;
 	struct view view;
 	atomic_uint_fast64_t view_gen, membership_changes;
+	/* when view generation g began (unix ms), at [g % VIEW_TIMES]; the view lock */
+	int64_t change_wall_ms[VIEW_TIMES];
 	/* pushes */
 	pthread_t pusher;
 	bool pusher_started;
@@ -98,7 +105,7 @@ struct cluster {
 	int64_t rebalance_next_ns; /* the rate limit: no rebalance push before this */
 	atomic_uint_fast64_t pushes_done, push_failures, remote_hits, remote_misses,
 		fetch_failures, fetched_bytes, fetch_ns, in_flight, rebalance_pushes,
-		rebalance_skipped, peer_busy;
+		rebalance_skipped, peer_busy, hedged;
 	/* rebalance after a membership change (its own thread) */
 	pthread_t rebalancer;
 	bool rebalancer_started;
@@ -175,7 +182,10 @@ void wait_ms(pthread_cond_t *cond, pthread_mutex_t *mu, int64_t ms);
 void view_free(struct view *v);
 /* A copy of a view into out (the view lock held). 0 or -ENOMEM. */
 int view_copy(const struct view *in, struct view *out);
-/* Rebuild c's view from the live peers (the view lock held for writing). 0 or -ENOMEM. */
+/*
+ * Rebuild c's view from the live peers (the view lock held for writing); the view
+ * generation moves on only when the members or their weights changed. 0 or -ENOMEM.
+ */
 int view_rebuild(struct cluster *c);
 /* Members of view v in placement order for hash, as 0 (this daemon) or 1 + peer index. */
 size_t view_ranked(const struct view *v, const uint8_t *hash, size_t r, size_t *idx);
@@ -185,6 +195,8 @@ size_t ranked(struct cluster *c, const uint8_t *hash, size_t r, size_t *idx);
 struct peer *peer_at(struct cluster *c, size_t i);
 bool peer_live(struct cluster *c, struct peer *p);
 size_t n_peers(struct cluster *c);
+/* Is p gone from etcd cluster_grace or longer (the view lock held)? */
+bool past_grace(const struct cluster *c, const struct peer *p);
 /* Wake the rebalance and heartbeat threads (a membership change). */
 void rebalance_kick(struct cluster *c);
 
@@ -218,6 +230,10 @@ int peer_call(struct cluster *c, struct peer *p, struct kvbp_request *req,
 /* Record (store first: a crash from here on still pushes it) and queue a push. */
 void owe(struct cluster *c, size_t peer, uint32_t model_id, const uint8_t *hash,
 	 bool rebalance);
+/* Push one chunk to one peer now: 0 done (or nothing to do), -EAGAIN retry later. */
+int push_one(struct cluster *c, const struct push *e, uint64_t *bytes);
+/* Pushes queued for live members that are not suspect, plus those under way. */
+size_t pushes_pending(struct cluster *c);
 /* The push thread: what the store still owes first, then the queue. */
 void *pusher_main(void *arg);
 

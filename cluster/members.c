@@ -7,6 +7,7 @@
 
 #include <ctype.h>
 #include <errno.h>
+#include <inttypes.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -363,7 +364,12 @@ static bool member_gone(struct cluster *c, const char *id)
 		return false;
 	p->live = false;
 	atomic_store(&p->gone_since, now_ms());
-	cl_info(c, "cluster: member '%s' left (its etcd lease ended)", id);
+	if (c->grace_ms)
+		cl_info(c, "cluster: member '%s' left (its etcd lease ended); it keeps its place "
+			"for cluster_grace (%" PRId64 " s) before its chunks are copied elsewhere",
+			id, c->grace_ms / 1000);
+	else
+		cl_info(c, "cluster: member '%s' left (its etcd lease ended)", id);
 	return true;
 }
 

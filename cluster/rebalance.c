@@ -6,11 +6,13 @@
 #include "cluster_impl.h"
 
 #include <errno.h>
+#include <inttypes.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 struct rb_item {
 	uint32_t peer, model_id;
@@ -21,6 +23,9 @@ struct rb_scan {
 	struct cluster *c;
 	const struct view *old, *cur;
 	uint64_t since; /* chunks stored since (unix s) may have been placed by a later view */
+	const bool *sender_ok; /* [0 this daemon, 1 + peer]: in the current view and live */
+	size_t n_sender_ok;
+	bool drain; /* cur is old without this daemon: what it owns, it sends */
 	struct rb_item *items;
 	size_t n, cap;
 	int err;
@@ -37,10 +42,13 @@ static bool in_list(const size_t *l, size_t n, size_t x)
 /*
  * One chunk held here: each of its owners under the current view that was no
  * owner under the old one (old NULL: every owner, a repair pass) is a candidate;
- * rb_filter then keeps only those that lack it. Every member holding the chunk
- * does this, so a new owner gets it even when the member that should have had it
- * does not (a push still queued, a copy lost); two holders pushing the same
- * chunk at once cost a second transfer, nothing else.
+ * rb_filter then keeps only those that lack it. One holder sends a chunk that
+ * moves: the first of its old owners still in the view and live (it holds the
+ * chunk: it was pushed there), so a join moves each chunk once, not once per
+ * copy. Where no old owner is left (all R left at once), and for a chunk stored
+ * since the old view (placed by whatever view held then), every holder offers it;
+ * the LOOKUP before a push keeps that to the copies the owner lacks, and a chunk
+ * the chosen sender lost after all is mended by the repair pass.
  */
 static int rb_chunk(void *ctx, uint32_t model_id, const uint8_t *hash,
 		    const struct store_chunk_info *info)
@@ -50,10 +58,18 @@ static int rb_chunk(void *ctx, uint32_t model_id, const uint8_t *hash,
 	size_t now[16], before[16], n_now, n_before = 0;
 
 	n_now = view_ranked(r->cur, hash, R, now);
-	/* A chunk stored after the old view was taken was placed by whatever view held
-	 * then (a member may have left and come back in between): all its owners count. */
-	if (r->old && info->created < r->since)
+	if (r->old && info->created < r->since) {
 		n_before = view_ranked(r->old, hash, R, before);
+		if (r->drain && !in_list(before, n_before, 0))
+			return 0; /* not owned here: its owners stay */
+		for (size_t j = 0; !r->drain && j < n_before; j++) {
+			if (before[j] >= r->n_sender_ok || !r->sender_ok[before[j]])
+				continue; /* gone: the next old owner sends */
+			if (before[j] != 0)
+				return 0; /* another member sends it */
+			break;	  /* this daemon does */
+		}
+	}
 	for (size_t j = 0; j < n_now; j++) {
 		if (!now[j] || in_list(before, n_before, now[j]))
 			continue;
@@ -130,29 +146,141 @@ static int rb_cmp(const void *a, const void *b)
 	return memcmp(x->hash, y->hash, KVBP_HASH_LEN);
 }
 
-static void rebalance(struct cluster *c, const struct view *old, const struct view *cur)
-{
-	/* created is in whole seconds: a margin of two */
-	struct rb_scan r = { c, old, cur, c->rebalanced_wall_s - 2, NULL, 0, 0, 0 };
-	int rc = store_chunk_scan(c->store, rb_chunk, &r);
-	size_t n;
+static size_t rb_collect(struct cluster *c, struct rb_scan *r);
 
-	if (rc < 0 || r.err) {
-		cl_warn(c, "cluster: rebalance: cannot read the store's chunks: %s",
-			strerror(r.err ? -r.err : -rc));
-		free(r.items);
-		return;
-	}
-	if (!r.n)
-		return; /* nothing here changed owners */
-	qsort(r.items, r.n, sizeof(*r.items), rb_cmp);
-	n = rb_filter(c, r.items, r.n);
+/*
+ * Chunks held here to the owners under cur that lack them: those whose owners
+ * changed since old, or (old NULL, a repair pass) all. since (unix s): when old
+ * stopped being the view; a chunk stored later may have been placed by another.
+ */
+static void rebalance(struct cluster *c, const struct view *old, const struct view *cur,
+		      uint64_t since)
+{
+	/* created is in whole seconds, and a PUT's owners are taken just after it: a margin */
+	struct rb_scan r = { .c = c, .old = old, .cur = cur, .since = since - 1 };
+	size_t n = rb_collect(c, &r);
+
+	if (!r.items)
+		return; /* nothing here changed owners, or it could not be read */
 	for (size_t i = 0; i < n; i++)
 		owe(c, r.items[i].peer, r.items[i].model_id, r.items[i].hash, true);
 	if (n || old)
 		cl_info(c, "cluster: %s: %zu chunk copies to push to owners that lack them (%zu "
 			"already there)", old ? "membership changed" : "repair pass", n, r.n - n);
 	free(r.items);
+}
+
+/*
+ * The items of scan r (its views and since set): the chunks held here to push,
+ * each to an owner that lacks it, sorted, in r->items (NULL when none or on
+ * failure, logged). Returns how many are to push; r->n - that already had them.
+ */
+static size_t rb_collect(struct cluster *c, struct rb_scan *r)
+{
+	const struct view *cur = r->cur;
+	size_t n, np = n_peers(c);
+	bool *ok = calloc(np + 1, sizeof(*ok));
+	int rc;
+
+	if (!ok)
+		return 0;
+	for (size_t j = 0; j < cur->n; j++) {
+		struct peer *p = cur->peer_of[j] ? peer_at(c, cur->peer_of[j] - 1) : NULL;
+
+		if (cur->peer_of[j] <= np)
+			ok[cur->peer_of[j]] = !cur->peer_of[j] || (p && peer_live(c, p));
+	}
+	r->sender_ok = ok;
+	r->n_sender_ok = np + 1;
+	rc = store_chunk_scan(c->store, rb_chunk, r);
+	free(ok);
+	if (rc < 0 || r->err) {
+		cl_warn(c, "cluster: rebalance: cannot read the store's chunks: %s",
+			strerror(r->err ? -r->err : -rc));
+		free(r->items);
+		r->items = NULL;
+		return 0;
+	}
+	if (!r->n) {
+		free(r->items);
+		r->items = NULL;
+		return 0;
+	}
+	qsort(r->items, r->n, sizeof(*r->items), rb_cmp);
+	n = rb_filter(c, r->items, r->n);
+	return n;
+}
+
+long cluster_drain(struct cluster *c)
+{
+	int64_t start = now_ms(), end = start + c->drain_ms;
+	struct view cur = { 0 }, without = { 0 };
+	struct rb_scan r = { .c = c, .old = &cur, .cur = &without, .since = UINT64_MAX,
+			     .drain = true };
+	size_t n;
+	long sent = 0, failed = 0;
+	int rc;
+
+	if (!c || !c->drain_ms)
+		return 0;
+	pthread_rwlock_rdlock(&c->view_lock);
+	rc = view_copy(&c->view, &cur);
+	if (!rc)
+		rc = view_copy(&c->view, &without);
+	pthread_rwlock_unlock(&c->view_lock);
+	if (rc || cur.n < 2) {
+		view_free(&cur);
+		view_free(&without);
+		return rc;
+	}
+	/* the view once this daemon ([0]) is gone, and with it those gone already (in their
+	 * grace): nothing can be pushed to them */
+	n = 0;
+	for (size_t j = 1; j < cur.n; j++) {
+		struct peer *p = peer_at(c, cur.peer_of[j] - 1);
+
+		if (p && peer_live(c, p)) {
+			without.members[n] = cur.members[j];
+			without.peer_of[n++] = cur.peer_of[j];
+		}
+	}
+	without.n = n;
+	if (!n) {
+		view_free(&cur);
+		view_free(&without);
+		return 0;
+	}
+	cl_info(c, "cluster: draining: the chunks this member owns to those that own them "
+		"without it (at most %" PRId64 " s)", c->drain_ms / 1000);
+	n = rb_collect(c, &r);
+	for (size_t i = 0; i < n && now_ms() < end; i++) {
+		struct push e = { r.items[i].peer, r.items[i].model_id, { 0 }, false };
+		struct peer *p = peer_at(c, e.peer);
+		uint64_t bytes;
+
+		memcpy(e.hash, r.items[i].hash, KVBP_HASH_LEN);
+		if (!p || suspect(p) || push_one(c, &e, &bytes))
+			failed++;
+		else
+			sent++;
+	}
+	/* and what the push thread still owes live members (a PUT's copies) */
+	while (pushes_pending(c) && now_ms() < end) {
+		struct timespec ts = { 0, 20 * 1000000 };
+
+		nanosleep(&ts, NULL);
+	}
+	rc = now_ms() >= end ? -ETIMEDOUT : 0;
+	if (rc)
+		cl_warn(c, "cluster: drain cut short by cluster_drain_timeout (%" PRId64 " s): %zu "
+			"chunk copies and %zu owed pushes not sent", c->drain_ms / 1000,
+			n - (size_t)(sent + failed), pushes_pending(c));
+	cl_info(c, "cluster: drained: %ld chunk copies pushed to their new owners (%zu already "
+		"there, %ld failed) in %" PRId64 " ms", sent, r.n - n, failed, now_ms() - start);
+	free(r.items);
+	view_free(&cur);
+	view_free(&without);
+	return rc ? rc : sent;
 }
 
 void *rebalancer_main(void *arg)
@@ -164,7 +292,7 @@ void *rebalancer_main(void *arg)
 	pthread_mutex_lock(&c->rlock);
 	while (!c->stop) {
 		struct view cur = { 0 };
-		uint64_t gen = atomic_load(&c->view_gen), wall;
+		uint64_t gen = atomic_load(&c->view_gen), wall, since;
 		int rc;
 
 		if (gen == c->rebalanced_gen) {
@@ -172,7 +300,7 @@ void *rebalancer_main(void *arg)
 			if (c->repair_ms && now_ms() >= next_repair && c->have_rebalanced &&
 			    c->rebalanced.n > 1) {
 				pthread_mutex_unlock(&c->rlock);
-				rebalance(c, NULL, &c->rebalanced); /* only this thread changes it */
+				rebalance(c, NULL, &c->rebalanced, 0); /* only this thread changes it */
 				pthread_mutex_lock(&c->rlock);
 				next_repair = now_ms() + c->repair_ms;
 				continue;
@@ -185,6 +313,11 @@ void *rebalancer_main(void *arg)
 		pthread_rwlock_rdlock(&c->view_lock);
 		gen = atomic_load(&c->view_gen);
 		rc = view_copy(&c->view, &cur);
+		/* the old view held until the first change after it */
+		since = gen - c->rebalanced_gen <= VIEW_TIMES
+				? (uint64_t)(c->change_wall_ms[(c->rebalanced_gen + 1) % VIEW_TIMES] /
+					     1000)
+				: c->rebalanced_wall_s;
 		pthread_rwlock_unlock(&c->view_lock);
 		/* owed pushes for members that just became known can be queued now */
 		pthread_mutex_lock(&c->qlock);
@@ -192,7 +325,7 @@ void *rebalancer_main(void *arg)
 		pthread_cond_signal(&c->qcond);
 		pthread_mutex_unlock(&c->qlock);
 		if (!rc && c->have_rebalanced)
-			rebalance(c, &c->rebalanced, &cur);
+			rebalance(c, &c->rebalanced, &cur, since);
 		pthread_mutex_lock(&c->rlock);
 		if (!rc) {
 			view_free(&c->rebalanced);
@@ -210,6 +343,28 @@ void *rebalancer_main(void *arg)
 
 /* ---- heartbeats: every live member is heard from at least every HEARTBEAT_MS ---- */
 
+/* Members gone longer than cluster_grace leave placement: their chunks go to the others. */
+static void grace_expire(struct cluster *c)
+{
+	bool expired = false;
+
+	pthread_rwlock_rdlock(&c->view_lock);
+	for (size_t i = 0; i < c->n_peers && !expired; i++)
+		expired = c->peers[i]->in_view && past_grace(c, c->peers[i]);
+	pthread_rwlock_unlock(&c->view_lock);
+	if (!expired)
+		return;
+	pthread_rwlock_wrlock(&c->view_lock);
+	for (size_t i = 0; i < c->n_peers; i++)
+		if (c->peers[i]->in_view && past_grace(c, c->peers[i]))
+			cl_info(c, "cluster: member '%s' gone longer than cluster_grace (%" PRId64
+				" s): its chunks go to the others", c->peers[i]->id,
+				c->grace_ms / 1000);
+	view_rebuild(c);
+	pthread_rwlock_unlock(&c->view_lock);
+	rebalance_kick(c);
+}
+
 void *heart_main(void *arg)
 {
 	struct cluster *c = arg;
@@ -222,6 +377,7 @@ void *heart_main(void *arg)
 		if (c->stop)
 			break;
 		pthread_mutex_unlock(&c->rlock);
+		grace_expire(c);
 		np = n_peers(c);
 		/* (a stop does not wait for a sweep over many dead members: etcd_stop is set
 		 * first of all by cluster_free) */

@@ -6,9 +6,11 @@
 #include "cluster_impl.h"
 
 #include <errno.h>
+#include <limits.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -69,6 +71,138 @@ void call_out_free(struct call_out *o)
 	kvbp_reply_clear(&o->rep);
 }
 
+/* One call under way to a peer: the socket it went out on and the reply it waits for. */
+struct call {
+	struct peer *p;
+	void *s;
+	uint64_t id;
+	int64_t deadline; /* ms, monotonic */
+};
+
+static void call_end(struct cluster *c, struct call *cl, int rc);
+
+/*
+ * Send req (and its payload frames) to p. Returns 0 with cl under way (call_end
+ * must follow), or -EBUSY (the in-flight cap; p not marked), -EIO (p marked
+ * when the send failed) or -ENOMEM, the call then over.
+ */
+static int call_send(struct cluster *c, struct peer *p, struct kvbp_request *req,
+		     const void *const *frames, const size_t *lens, size_t n_frames,
+		     struct call *cl)
+{
+	uint8_t *hdr = NULL;
+	size_t hlen;
+	int rc = 0;
+
+	if (atomic_fetch_add(&p->in_flight, 1) >= PEER_INFLIGHT_MAX) {
+		atomic_fetch_sub(&p->in_flight, 1);
+		atomic_fetch_add(&c->peer_busy, 1);
+		return -EBUSY; /* the peer is not marked: it is busy, not gone */
+	}
+	cl->p = p;
+	cl->deadline = now_ms() + c->timeout_ms;
+	cl->s = sock_get(c, p);
+	if (!cl->s) {
+		atomic_fetch_sub(&p->in_flight, 1);
+		return -EIO;
+	}
+	req->version = KVBP_VERSION;
+	req->request_id = cl->id = atomic_fetch_add(&c->next_id, 1) + 1;
+	req->local_only = true; /* the peer answers from its own store: no call back */
+	req->payload_frames = (uint32_t)n_frames;
+	if (kvbp_request_encode(req, &hdr, &hlen)) {
+		sock_put(p, cl->s, true);
+		atomic_fetch_sub(&p->in_flight, 1);
+		return -ENOMEM;
+	}
+	if (zmq_send(cl->s, "", 0, ZMQ_SNDMORE | ZMQ_DONTWAIT) < 0 ||
+	    zmq_send(cl->s, hdr, hlen, (n_frames ? ZMQ_SNDMORE : 0) | ZMQ_DONTWAIT) < 0)
+		rc = -EIO;
+	free(hdr);
+	for (size_t i = 0; !rc && i < n_frames; i++)
+		if (zmq_send(cl->s, frames[i], lens[i],
+			     (i + 1 < n_frames ? ZMQ_SNDMORE : 0) | ZMQ_DONTWAIT) < 0)
+			rc = -EIO;
+	if (rc)
+		call_end(c, cl, rc); /* (call_end is defined below) */
+	return rc;
+}
+
+/*
+ * Read one reply off cl's socket (readable). Returns 0 with out filled (the
+ * reply to this call), 1 for someone else's late reply (out empty: keep
+ * waiting), or -EIO / -ENOMEM.
+ */
+static int call_recv(struct call *cl, struct call_out *out)
+{
+	zmq_msg_t parts[2];
+	size_t np = 0, cap = 0;
+	int more = 1, rc = 0;
+	char derr[128];
+
+	memset(out, 0, sizeof(*out));
+	for (; more && np < 2; np++) {
+		zmq_msg_init(&parts[np]);
+		if (zmq_msg_recv(&parts[np], cl->s, ZMQ_DONTWAIT) < 0) {
+			zmq_msg_close(&parts[np]);
+			rc = np == 0 && zmq_errno() == EAGAIN ? 1 : -EIO;
+			break;
+		}
+		more = zmq_msg_more(&parts[np]);
+	}
+	while (!rc && more) {
+		if (out->n_frames == cap) {
+			zmq_msg_t *f = realloc(out->frames, (cap = cap ? 2 * cap : 16) * sizeof(*f));
+
+			if (!f) {
+				rc = -ENOMEM;
+				break;
+			}
+			out->frames = f;
+		}
+		zmq_msg_init(&out->frames[out->n_frames]);
+		if (zmq_msg_recv(&out->frames[out->n_frames], cl->s, 0) < 0) {
+			zmq_msg_close(&out->frames[out->n_frames]);
+			rc = -EIO;
+			break;
+		}
+		more = zmq_msg_more(&out->frames[out->n_frames++]);
+	}
+	if (!rc && (np != 2 || zmq_msg_size(&parts[0]) != 0 ||
+		    kvbp_reply_decode(zmq_msg_data(&parts[1]), zmq_msg_size(&parts[1]), &out->rep,
+				      derr, sizeof(derr))))
+		rc = -EIO;
+	for (size_t i = 0; i < np; i++)
+		zmq_msg_close(&parts[i]);
+	if (!rc && out->rep.request_id != cl->id)
+		rc = 1; /* someone else's late reply */
+	if (rc)
+		call_out_free(out);
+	return rc;
+}
+
+/*
+ * The end of a call: rc 0 (answered: the peer is heard from), a negative errno
+ * (it missed the deadline or failed: suspect for SUSPECT_MS), or 1 (abandoned,
+ * another member answered first: the socket is closed, the peer not marked).
+ */
+static void call_end(struct cluster *c, struct call *cl, int rc)
+{
+	struct peer *p = cl->p;
+
+	if (rc < 0) {
+		atomic_store(&p->suspect_until, now_ms() + SUSPECT_MS);
+		cl_warn(c, "cluster: member '%s': %s; skipped for %d ms", p->id,
+			rc == -ETIMEDOUT ? "no reply within cluster_timeout_ms" : "call failed",
+			SUSPECT_MS);
+	} else if (rc == 0) {
+		atomic_store(&p->suspect_until, 0);
+		atomic_store(&p->last_reply, wall_ms());
+	}
+	sock_put(p, cl->s, rc == 0);
+	atomic_fetch_sub(&p->in_flight, 1);
+}
+
 /*
  * Send req (and its payload frames) to peer p and wait for the reply until the
  * deadline. Returns 0 with out filled (out->rep.code may be an error), or
@@ -78,47 +212,16 @@ int peer_call(struct cluster *c, struct peer *p, struct kvbp_request *req,
 	      const void *const *frames, const size_t *lens, size_t n_frames,
 	      struct call_out *out)
 {
-	int64_t deadline = now_ms() + c->timeout_ms;
-	void *s;
-	uint8_t *hdr = NULL;
-	size_t hlen;
-	int rc = 0;
+	struct call cl;
+	int rc;
 
 	memset(out, 0, sizeof(*out));
-	if (atomic_fetch_add(&p->in_flight, 1) >= PEER_INFLIGHT_MAX) {
-		atomic_fetch_sub(&p->in_flight, 1);
-		atomic_fetch_add(&c->peer_busy, 1);
-		return -EBUSY; /* the peer is not marked: it is busy, not gone */
-	}
-	s = sock_get(c, p);
-	if (!s) {
-		atomic_fetch_sub(&p->in_flight, 1);
-		return -EIO;
-	}
-	req->version = KVBP_VERSION;
-	req->request_id = atomic_fetch_add(&c->next_id, 1) + 1;
-	req->local_only = true; /* the peer answers from its own store: no call back */
-	req->payload_frames = (uint32_t)n_frames;
-	if (kvbp_request_encode(req, &hdr, &hlen)) {
-		sock_put(p, s, true);
-		atomic_fetch_sub(&p->in_flight, 1);
-		return -ENOMEM;
-	}
-	if (zmq_send(s, "", 0, ZMQ_SNDMORE | ZMQ_DONTWAIT) < 0 ||
-	    zmq_send(s, hdr, hlen, (n_frames ? ZMQ_SNDMORE : 0) | ZMQ_DONTWAIT) < 0)
-		rc = -EIO;
-	free(hdr);
-	for (size_t i = 0; !rc && i < n_frames; i++)
-		if (zmq_send(s, frames[i], lens[i], (i + 1 < n_frames ? ZMQ_SNDMORE : 0) |
-							    ZMQ_DONTWAIT) < 0)
-			rc = -EIO;
-	while (!rc) {
-		zmq_pollitem_t it = { s, 0, ZMQ_POLLIN, 0 };
-		int64_t left = deadline - now_ms();
-		zmq_msg_t parts[2];
-		size_t np = 0, cap = 0;
-		int more = 1;
-		char derr[128];
+	rc = call_send(c, p, req, frames, lens, n_frames, &cl);
+	if (rc)
+		return rc;
+	for (;;) {
+		zmq_pollitem_t it = { cl.s, 0, ZMQ_POLLIN, 0 };
+		int64_t left = cl.deadline - now_ms();
 
 		if (left <= 0) {
 			rc = -ETIMEDOUT;
@@ -126,139 +229,149 @@ int peer_call(struct cluster *c, struct peer *p, struct kvbp_request *req,
 		}
 		if (zmq_poll(&it, 1, (long)left) <= 0)
 			continue; /* EINTR or timeout: the loop checks the deadline */
-		for (; more && np < 2; np++) {
-			zmq_msg_init(&parts[np]);
-			if (zmq_msg_recv(&parts[np], s, 0) < 0) {
-				zmq_msg_close(&parts[np]);
-				rc = -EIO;
-				break;
-			}
-			more = zmq_msg_more(&parts[np]);
-		}
-		while (!rc && more) {
-			if (out->n_frames == cap) {
-				zmq_msg_t *f = realloc(out->frames, (cap = cap ? 2 * cap : 16) *
-								      sizeof(*f));
-
-				if (!f) {
-					rc = -ENOMEM;
-					break;
-				}
-				out->frames = f;
-			}
-			zmq_msg_init(&out->frames[out->n_frames]);
-			if (zmq_msg_recv(&out->frames[out->n_frames], s, 0) < 0) {
-				zmq_msg_close(&out->frames[out->n_frames]);
-				rc = -EIO;
-				break;
-			}
-			more = zmq_msg_more(&out->frames[out->n_frames++]);
-		}
-		if (!rc && (np != 2 || zmq_msg_size(&parts[0]) != 0 ||
-			    kvbp_reply_decode(zmq_msg_data(&parts[1]), zmq_msg_size(&parts[1]),
-					      &out->rep, derr, sizeof(derr))))
-			rc = -EIO;
-		for (size_t i = 0; i < np; i++)
-			zmq_msg_close(&parts[i]);
-		if (!rc && out->rep.request_id == req->request_id)
+		rc = call_recv(&cl, out);
+		if (rc <= 0)
 			break;
-		if (!rc) /* someone else's late reply: keep waiting */
-			call_out_free(out);
+		rc = 0; /* someone else's late reply: keep waiting */
 	}
-	if (rc) {
-		call_out_free(out);
-		atomic_store(&p->suspect_until, now_ms() + SUSPECT_MS);
-		cl_warn(c, "cluster: member '%s': %s; skipped for %d ms", p->id,
-			rc == -ETIMEDOUT ? "no reply within cluster_timeout_ms" : "call failed",
-			SUSPECT_MS);
-	} else {
-		atomic_store(&p->suspect_until, 0);
-		atomic_store(&p->last_reply, wall_ms());
-	}
-	sock_put(p, s, rc == 0);
-	atomic_fetch_sub(&p->in_flight, 1);
+	call_end(c, &cl, rc);
 	return rc;
 }
 
 /* ---- read path ---- */
 
+/*
+ * A FETCH reply o from p: store the chunk here. 0 stored, -ENOENT when p does
+ * not have it (or sent what fails its checks: the next member may), another
+ * negative errno when this store cannot take it.
+ */
+static int fetch_store(struct cluster *c, const struct store_model *m, const uint8_t *hash,
+		       struct peer *p, struct call_out *o, int64_t t0_ns)
+{
+	const void **blobs;
+	size_t *lens;
+	uint64_t bytes = 0;
+	int rc;
+
+	if (o->rep.code == KVBP_NOT_FOUND)
+		return -ENOENT;
+	if (o->rep.code || o->rep.n_chunks != 1 || o->n_frames != m->num_layers) {
+		cl_warn(c, "cluster: fetch from '%s': %s", p->id,
+			o->rep.code ? o->rep.message : "reply of the wrong shape");
+		atomic_fetch_add(&c->fetch_failures, 1);
+		return -ENOENT;
+	}
+	blobs = calloc(o->n_frames, sizeof(*blobs));
+	lens = calloc(o->n_frames, sizeof(*lens));
+	if (!blobs || !lens) {
+		free(blobs);
+		free(lens);
+		return -ENOMEM;
+	}
+	for (size_t l = 0; l < o->n_frames; l++) {
+		blobs[l] = zmq_msg_data(&o->frames[l]);
+		bytes += lens[l] = zmq_msg_size(&o->frames[l]);
+	}
+	rc = store_chunk_import(c->store, m, hash, o->rep.chunks[0].num_tokens,
+				o->rep.chunks[0].base_pos, blobs, lens, NULL);
+	free(blobs);
+	free(lens);
+	if (rc >= 0) {
+		atomic_fetch_add(&c->remote_hits, 1);
+		atomic_fetch_add(&c->fetched_bytes, bytes);
+		atomic_fetch_add(&c->fetch_ns, (uint64_t)(now_ns() - t0_ns));
+		return 0;
+	}
+	cl_warn(c, "cluster: chunk from '%s' refused: %s", p->id,
+		rc == -EBADMSG ? "its bytes fail their checks" : strerror(-rc));
+	atomic_fetch_add(&c->fetch_failures, 1);
+	return rc == -EBADMSG ? -ENOENT : rc;
+}
+
+#define HEDGE_MAX 3 /* FETCHes of one chunk in flight at once */
+
+/*
+ * The members in placement order (owners first, then the others: a chunk may
+ * sit where it used to belong), skipping suspect and departed ones. A member
+ * that has not answered within cluster_hedge_ms is not waited for: the next
+ * one is asked too (up to HEDGE_MAX at once), and the first to answer with the
+ * chunk wins; the others are abandoned (not marked: they may just be slower).
+ * A member that misses its deadline is marked suspect.
+ */
 int cluster_fetch(struct cluster *c, const struct store_model *m, const uint8_t *hash)
 {
 	/* place_owners ranks at most 64: the owners first, then the rest in order */
-	size_t idx[64], n = ranked(c, hash, 64, idx);
+	size_t idx[64], n = ranked(c, hash, 64, idx), next = 0, n_cl = 0;
+	struct call cl[HEDGE_MAX];
+	int64_t t0[HEDGE_MAX], next_hedge = 0;
 	int rc = -ENOENT;
 
-	/* the owners first, then everyone else (a chunk may sit where it used to belong) */
-	for (size_t i = 0; i < n && rc; i++) {
-		struct peer *p;
-		struct kvbp_request q = { .op = KVBP_OP_FETCH, .has_model = true, .has_hash = true };
-		struct call_out o;
-		struct timespec t0, t1;
-		const void **blobs;
-		size_t *lens;
-		int crc;
+	while (rc == -ENOENT) {
+		zmq_pollitem_t it[HEDGE_MAX];
+		int64_t now = now_ms(), wake;
 
-		if (idx[i] == 0)
-			continue;
-		p = peer_at(c, idx[i] - 1);
-		if (!p || suspect(p))
-			continue;
-		c->describe(m, &q.model);
-		snprintf(q.model_name, sizeof(q.model_name), "%s", m->name);
-		memcpy(q.hash, hash, KVBP_HASH_LEN);
-		clock_gettime(CLOCK_MONOTONIC, &t0);
-		crc = peer_call(c, p, &q, NULL, NULL, 0, &o);
-		if (crc) {
-			atomic_fetch_add(&c->fetch_failures, 1);
-			continue;
-		}
-		if (o.rep.code == KVBP_NOT_FOUND) {
-			call_out_free(&o);
-			continue;
-		}
-		if (o.rep.code || o.rep.n_chunks != 1 || o.n_frames != m->num_layers) {
-			cl_warn(c, "cluster: fetch from '%s': %s", p->id,
-				o.rep.code ? o.rep.message : "reply of the wrong shape");
-			atomic_fetch_add(&c->fetch_failures, 1);
-			call_out_free(&o);
-			continue;
-		}
-		blobs = calloc(o.n_frames, sizeof(*blobs));
-		lens = calloc(o.n_frames, sizeof(*lens));
-		if (!blobs || !lens) {
-			free(blobs);
-			free(lens);
-			call_out_free(&o);
-			return -ENOMEM;
-		}
-		for (size_t l = 0; l < o.n_frames; l++) {
-			blobs[l] = zmq_msg_data(&o.frames[l]);
-			lens[l] = zmq_msg_size(&o.frames[l]);
-		}
-		crc = store_chunk_import(c->store, m, hash, o.rep.chunks[0].num_tokens,
-					 o.rep.chunks[0].base_pos, blobs, lens, NULL);
-		clock_gettime(CLOCK_MONOTONIC, &t1);
-		if (crc >= 0) {
-			uint64_t bytes = 0;
+		/* a new call: none under way, or the hedge delay passed */
+		if (next < n && n_cl < HEDGE_MAX && (!n_cl || (c->hedge_ms && now >= next_hedge))) {
+			struct peer *p = idx[next] ? peer_at(c, idx[next] - 1) : NULL;
+			struct kvbp_request q = { .op = KVBP_OP_FETCH, .has_model = true,
+						  .has_hash = true };
 
-			for (size_t l = 0; l < o.n_frames; l++)
-				bytes += lens[l];
-			atomic_fetch_add(&c->remote_hits, 1);
-			atomic_fetch_add(&c->fetched_bytes, bytes);
-			atomic_fetch_add(&c->fetch_ns, (uint64_t)(t1.tv_sec - t0.tv_sec) * 1000000000u +
-							       (uint64_t)t1.tv_nsec - (uint64_t)t0.tv_nsec);
-			rc = 0;
-		} else {
-			cl_warn(c, "cluster: chunk from '%s' refused: %s", p->id,
-				crc == -EBADMSG ? "its bytes fail their checks" : strerror(-crc));
-			atomic_fetch_add(&c->fetch_failures, 1);
-			if (crc != -EBADMSG)
-				rc = crc;
+			next++;
+			if (!p || suspect(p) || !peer_live(c, p))
+				continue;
+			c->describe(m, &q.model);
+			snprintf(q.model_name, sizeof(q.model_name), "%s", m->name);
+			memcpy(q.hash, hash, KVBP_HASH_LEN);
+			if (call_send(c, p, &q, NULL, NULL, 0, &cl[n_cl])) {
+				atomic_fetch_add(&c->fetch_failures, 1);
+				continue;
+			}
+			if (n_cl)
+				atomic_fetch_add(&c->hedged, 1);
+			t0[n_cl++] = now_ns();
+			next_hedge = now + c->hedge_ms;
+			continue;
 		}
-		free(blobs);
-		free(lens);
-		call_out_free(&o);
+		if (!n_cl)
+			break; /* no member left to ask */
+		wake = cl[0].deadline;
+		for (size_t i = 0; i < n_cl; i++) {
+			it[i] = (zmq_pollitem_t){ cl[i].s, 0, ZMQ_POLLIN, 0 };
+			if (cl[i].deadline < wake)
+				wake = cl[i].deadline;
+		}
+		if (next < n && n_cl < HEDGE_MAX && c->hedge_ms && next_hedge < wake)
+			wake = next_hedge;
+		zmq_poll(it, (int)n_cl, (long)(wake > now ? wake - now : 0));
+		now = now_ms();
+		for (size_t i = 0; i < n_cl && rc == -ENOENT;) {
+			struct call_out o;
+			int r = 1;
+
+			if (it[i].revents & ZMQ_POLLIN)
+				r = call_recv(&cl[i], &o);
+			if (r == 1 && now >= cl[i].deadline)
+				r = -ETIMEDOUT;
+			if (r == 1) {
+				i++;
+				continue;
+			}
+			call_end(c, &cl[i], r);
+			if (r == 0) {
+				rc = fetch_store(c, m, hash, cl[i].p, &o, t0[i]);
+				call_out_free(&o);
+			} else {
+				atomic_fetch_add(&c->fetch_failures, 1);
+			}
+			/* this call is over: the last one takes its place */
+			n_cl--;
+			cl[i] = cl[n_cl];
+			t0[i] = t0[n_cl];
+			it[i] = it[n_cl];
+		}
 	}
+	for (size_t i = 0; i < n_cl; i++)
+		call_end(c, &cl[i], 1); /* abandoned: another member answered */
 	if (rc == -ENOENT)
 		atomic_fetch_add(&c->remote_misses, 1);
 	return rc;
@@ -327,6 +440,66 @@ next:
 	return got;
 }
 
+void cluster_owners_hold(struct cluster *c, const struct store_model *m,
+			 const uint8_t (*hashes)[KVBP_HASH_LEN], size_t n, bool *held)
+{
+	size_t R = c->replicas < 16 ? c->replicas : 16, np = n_peers(c);
+	size_t (*own)[16] = calloc(n ? n : 1, sizeof(*own));
+	unsigned *left = calloc(n ? n : 1, sizeof(*left)); /* owners not yet known to hold it */
+	size_t *which = calloc(n ? n : 1, sizeof(*which));
+
+	for (size_t i = 0; i < n; i++)
+		held[i] = false;
+	if (!own || !left || !which)
+		goto out;
+	for (size_t i = 0; i < n; i++) {
+		size_t r = ranked(c, hashes[i], R, own[i]);
+
+		left[i] = (unsigned)r;
+		for (size_t j = 0; j < r; j++)
+			if (own[i][j] == 0)
+				left[i] = UINT_MAX; /* owned here after all: not a cache copy */
+		if (r < R && r < 16)
+			own[i][r] = SIZE_MAX;
+	}
+	for (size_t pi = 0; pi < np; pi++) {
+		struct peer *p = peer_at(c, pi);
+		struct kvbp_request q = { .op = KVBP_OP_LOOKUP };
+		struct call_out o;
+		size_t k = 0;
+
+		if (!p)
+			continue;
+		for (size_t i = 0; i < n; i++)
+			for (size_t j = 0; j < R && left[i] != UINT_MAX && own[i][j] != SIZE_MAX; j++)
+				if (own[i][j] == pi + 1)
+					which[k++] = i;
+		if (!k || suspect(p) || !peer_live(c, p))
+			continue; /* an owner not asked: its chunks stay unconfirmed */
+		q.hashes = calloc(k, KVBP_HASH_LEN);
+		if (!q.hashes)
+			continue;
+		for (size_t j = 0; j < k; j++)
+			memcpy(q.hashes[j], hashes[which[j]], KVBP_HASH_LEN);
+		q.n_hashes = k;
+		snprintf(q.model_name, sizeof(q.model_name), "%s", m->name);
+		if (!peer_call(c, p, &q, NULL, NULL, 0, &o)) {
+			if (o.rep.code == KVBP_OK && o.rep.n_chunks == k)
+				for (size_t j = 0; j < k; j++)
+					if (o.rep.chunks[j].found && left[which[j]] != UINT_MAX)
+						left[which[j]]--;
+			call_out_free(&o);
+		}
+		kvbp_request_clear(&q);
+	}
+	for (size_t i = 0; i < n; i++)
+		held[i] = left[i] == 0;
+out:
+	free(own);
+	free(left);
+	free(which);
+}
+
 /* ---- write path ---- */
 
 /* Queue a push (the queue lock held); false when the queue is full. */
@@ -393,7 +566,7 @@ static int export_layer(void *ctx, uint32_t layer, const void *bytes, size_t len
 }
 
 /* Push one chunk to one peer: 0 done (or nothing to do), -EAGAIN retry later. *bytes sent. */
-static int push_one(struct cluster *c, const struct push *e, uint64_t *bytes)
+int push_one(struct cluster *c, const struct push *e, uint64_t *bytes)
 {
 	struct peer *p = peer_at(c, e->peer);
 	struct store_model m;
@@ -472,6 +645,21 @@ static int load_owed(void *ctx, const char *peer, uint32_t model_id, const uint8
 			return enqueue(c, (uint32_t)i, model_id, hash, false) ? 0 : 1;
 	}
 	return 0; /* a member not known (yet): read again when the membership changes */
+}
+
+size_t pushes_pending(struct cluster *c)
+{
+	size_t n;
+
+	pthread_mutex_lock(&c->qlock);
+	n = atomic_load(&c->in_flight);
+	for (size_t i = 0; i < c->q_len; i++) {
+		struct peer *p = peer_at(c, c->q[(c->q_head + i) % QUEUE_MAX].peer);
+
+		n += p && peer_live(c, p) && !suspect(p);
+	}
+	pthread_mutex_unlock(&c->qlock);
+	return n;
 }
 
 void *pusher_main(void *arg)

@@ -144,6 +144,17 @@ static const struct key keys[] = {
 	{ "cluster_forget_after", "SECONDS", T_UINT, OFF(cluster_forget_after), 1, 604800, "600",
 	  "seconds: a member gone from etcd this long, with no pushes owed to it, is forgotten "
 	  "(no longer in cluster status, stats or metrics)" },
+	{ "cluster_grace", "SECONDS", T_UINT, OFF(cluster_grace), 0, 86400, "30",
+	  "seconds a member gone from etcd (stopped, crashed or paused past its lease) keeps "
+	  "its place before the others copy its chunks elsewhere: one back within it costs no "
+	  "copies; 0 = copy at once" },
+	{ "cluster_drain_timeout", "SECONDS", T_UINT, OFF(cluster_drain_timeout), 0, 3600, "30",
+	  "on SIGTERM, how long a member spends pushing the chunks it owns to the members that "
+	  "own them without it (and the pushes it still owes) before it leaves; 0 = no drain" },
+	{ "cluster_cache_pct", "PERCENT", T_UINT, OFF(cluster_cache_pct), 0, 100, "10",
+	  "percent of capacity (map_size without one) that cache copies may take: chunks held "
+	  "here that this member does not own (a PUT's copy, read-through copies, a former "
+	  "owner's); beyond it the least recently used go once their owners hold them" },
 	{ "cluster_advertise", "ENDPOINT", T_PATH, OFF(cluster_advertise), 0, 0, NULL,
 	  "the TCP endpoint other members reach this daemon at, tcp://HOST:PORT (default: the "
 	  "first tcp:// of listen, a wildcard host replaced by the host name)" },
@@ -157,6 +168,10 @@ static const struct key keys[] = {
 	  "members that own each chunk" },
 	{ "cluster_timeout_ms", "MS", T_UINT, OFF(cluster_timeout_ms), 10, 600000, "1000",
 	  "deadline of a call to another member; one that misses it is skipped for 2 s" },
+	{ "cluster_hedge_ms", "MS", T_UINT, OFF(cluster_hedge_ms), 0, 600000, "100",
+	  "a fetch from a member that has not answered this long also asks the next member "
+	  "(the first answer wins), so a dead owner costs this, not cluster_timeout_ms; "
+	  "0 = wait for each member's deadline" },
 	{ "log_level", "LEVEL", T_LEVEL, OFF(log_level), 0, 3, "info", "error, warn, info or debug" },
 	{ "device", "DEVICE", T_DEVICE, OFF(device), 0, 1023, "auto",
 	  "where fuse sessions compute: cpu, cuda[:N] (their rings on CUDA device N, 0 by "

@@ -72,6 +72,10 @@ struct config {
 	uint64_t cluster_repair_interval;
 	uint64_t cluster_replicas;
 	uint64_t cluster_timeout_ms;
+	uint64_t cluster_hedge_ms;
+	uint64_t cluster_grace;
+	uint64_t cluster_cache_pct;
+	uint64_t cluster_drain_timeout;
 	int log_level;
 	int device; /* CONFIG_DEVICE_AUTO, _CPU, _EMULATED, or a CUDA ordinal */
 };

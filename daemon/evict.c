@@ -13,6 +13,10 @@
 #include "tenants.h"
 
 #define KEY_LEN (4 + STORE_HASH_LEN)
+#define CACHE_PASS_S 5	  /* cache passes after chunks arrive: at most this often, */
+#define CACHE_SHARE 20	  /* and apart by this many times the last pass's length */
+#define CACHE_IDLE_S 60	  /* and without arrivals (ownership changes with membership) */
+#define CACHE_BATCH 256	  /* cache copies asked about at once */
 
 struct entry {
 	uint8_t key[KEY_LEN];
@@ -45,6 +49,12 @@ struct evictor {
 	struct evict_stats stats;
 	bool (*owns)(void *ctx, const uint8_t *hash); /* NULL: every chunk is owned */
 	void *owns_ctx;
+	evict_hold_fn hold; /* NULL: cache copies have no budget of their own */
+	uint64_t cache_budget;
+	bool cache_pending; /* chunks arrived since the last cache pass */
+	int64_t cache_next; /* monotonic s: the next cache pass at the latest */
+	int64_t cache_last;
+	int64_t cache_gap; /* s between cache passes: CACHE_PASS_S, more for a long walk */
 };
 
 struct cand {
@@ -438,6 +448,96 @@ out:
 	return freed;
 }
 
+/* One batch of cache copies g->c[i..j) (one model): evict those its owners hold. */
+static uint64_t cache_batch(struct evictor *e, struct cand *c, size_t n, uint64_t *bytes,
+			    uint64_t *freed)
+{
+	uint8_t(*hashes)[STORE_HASH_LEN] = calloc(n, STORE_HASH_LEN);
+	bool *held = calloc(n, sizeof(*held));
+	struct ns_use one = { .bytes = UINT64_MAX };
+	struct store_model m = { .id = UINT32_MAX };
+	uint64_t taken = 0;
+
+	if (!hashes || !held)
+		goto out;
+	for (size_t i = 0; i < n; i++)
+		memcpy(hashes[i], c[i].key + 4, STORE_HASH_LEN);
+	e->hold(e->owns_ctx, key_model_id(c[0].key), (const uint8_t(*)[STORE_HASH_LEN])hashes, n,
+		held);
+	pthread_mutex_lock(&e->pass_lock);
+	for (size_t i = 0; i < n && *bytes > e->cache_budget; i++) {
+		c[i].ns = 0;
+		if (held[i] && take(e, &c[i], &one, &m, freed)) {
+			*bytes -= c[i].stored < *bytes ? c[i].stored : *bytes;
+			taken++;
+		}
+	}
+	pthread_mutex_unlock(&e->pass_lock);
+out:
+	free(hashes);
+	free(held);
+	return taken;
+}
+
+/*
+ * Cache copies beyond the budget go, least recently used first, each once its
+ * owners hold it. Returns whether they are still beyond it.
+ */
+static bool cache_pass(struct evictor *e)
+{
+	struct gather g = { .e = e };
+	uint64_t bytes = 0, freed = 0, n = 0;
+	size_t n_cache = 0;
+	int rc;
+
+	pthread_mutex_lock(&e->pass_lock);
+	rc = store_chunk_scan(e->store, gather_one, &g);
+	pthread_mutex_unlock(&e->pass_lock);
+	if (rc) {
+		log_warn("eviction: cannot scan the store for cache copies: %s", strerror(-rc));
+		free(g.c);
+		return true;
+	}
+	for (size_t i = 0; i < g.n; i++)
+		if (!g.c[i].owned) {
+			bytes += g.c[i].stored;
+			n_cache++;
+		}
+	if (bytes > e->cache_budget) {
+		qsort(g.c, g.n, sizeof(*g.c), cmp_cand); /* cache copies first, LRU */
+		for (size_t i = 0; i < n_cache && bytes > e->cache_budget;) {
+			size_t j = i + 1;
+
+			while (j < n_cache && j - i < CACHE_BATCH &&
+			       key_model_id(g.c[j].key) == key_model_id(g.c[i].key))
+				j++;
+			n += cache_batch(e, &g.c[i], j - i, &bytes, &freed);
+			i = j;
+		}
+	}
+	pthread_mutex_lock(&e->lock);
+	e->stats.evicted += n;
+	e->stats.evicted_bytes += freed;
+	e->stats.cache_reclaimed += n;
+	e->stats.cache_bytes = bytes;
+	pthread_mutex_unlock(&e->lock);
+	if (n)
+		log_info("cache copies: %" PRIu64 " reclaimed (%" PRIu64 " bytes), their owners "
+			 "hold them; %" PRIu64 " bytes of cache copies left (budget %" PRIu64 ")",
+			 n, freed, bytes, e->cache_budget);
+	free(g.c);
+	return bytes > e->cache_budget;
+}
+
+void evictor_set_cache(struct evictor *e, evict_hold_fn hold, uint64_t budget)
+{
+	pthread_mutex_lock(&e->lock);
+	e->hold = hold;
+	e->cache_budget = budget;
+	e->cache_pending = true;
+	pthread_mutex_unlock(&e->lock);
+}
+
 int64_t evictor_make_room(struct evictor *e, uint64_t bytes, const char *ns)
 {
 	uint64_t freed = pass(e, bytes, ns);
@@ -461,8 +561,29 @@ static void *evict_main(void *arg)
 			pthread_cond_timedwait(&e->cond, &e->lock, &until);
 		kicked = e->kicked;
 		e->kicked = false;
+		e->cache_pending |= kicked;
 		if (e->stop)
 			continue;
+		clock_gettime(CLOCK_MONOTONIC, &now);
+		if (e->hold && ((e->cache_pending && now.tv_sec >= e->cache_last + e->cache_gap) ||
+				now.tv_sec >= e->cache_next)) {
+			struct timespec end;
+			int64_t took;
+			bool over;
+
+			e->cache_pending = false;
+			pthread_mutex_unlock(&e->lock);
+			over = cache_pass(e);
+			clock_gettime(CLOCK_MONOTONIC, &end);
+			pthread_mutex_lock(&e->lock);
+			/* a walk of a large store is not repeated every few seconds */
+			took = (end.tv_sec - now.tv_sec) * 1000 + (end.tv_nsec - now.tv_nsec) / 1000000;
+			e->cache_gap = CACHE_SHARE * took / 1000 > CACHE_PASS_S
+					       ? CACHE_SHARE * took / 1000
+					       : CACHE_PASS_S;
+			e->cache_last = now.tv_sec;
+			e->cache_next = now.tv_sec + (over ? e->cache_gap : CACHE_IDLE_S);
+		}
 		pthread_mutex_unlock(&e->lock);
 		/*
 		 * Over the capacity: a pass down to the low watermark. Tenants' own
@@ -499,6 +620,7 @@ int evictor_new(struct store *store, struct fuse_table *fuse, const struct tenan
 	e->capacity = capacity;
 	e->high = pct_of(capacity, high_pct);
 	e->low = pct_of(capacity, low_pct);
+	e->cache_gap = CACHE_PASS_S;
 	e->n_buckets = 1024;
 	e->buckets = calloc(e->n_buckets, sizeof(*e->buckets));
 	pthread_mutex_init(&e->lock, NULL);

@@ -10,12 +10,14 @@
  * started come before all others, oldest first. Tenants (tenants.h) with a
  * capacity of their own are kept within it the same way, from their own chunks,
  * and while within it lose none to another namespace's pressure. In a cluster,
- * cache copies of other members' chunks go before owned chunks.
+ * cache copies of other members' chunks go before owned chunks, and are held to
+ * a budget of their own (evictor_set_cache).
  */
 #ifndef KVBLEND_DAEMON_EVICT_H
 #define KVBLEND_DAEMON_EVICT_H
 
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #include "../store/store.h"
@@ -29,6 +31,8 @@ struct evict_stats {
 	uint64_t evicted_bytes; /* stored bytes freed */
 	uint64_t passes;
 	uint64_t pins;		/* explicit pins in force */
+	uint64_t cache_bytes;	/* cache copies' stored bytes at the last cache pass */
+	uint64_t cache_reclaimed; /* cache copies evicted once their owners held them */
 };
 
 /*
@@ -68,5 +72,19 @@ void evictor_stats(struct evictor *e, struct evict_stats *out);
  */
 void evictor_set_owner(struct evictor *e, bool (*owns)(void *ctx, const uint8_t *hash),
 		       void *ctx);
+
+/*
+ * hold(ctx, model_id, hashes, n, held): for n cache copies of one model, whether
+ * every owner is known to hold each (held[i]); ctx is evictor_set_owner's. With
+ * it, cache copies are kept within budget bytes of their own: a cache pass
+ * (after chunks arrive, at most every CACHE_PASS_S seconds, and every
+ * CACHE_IDLE_S) evicts the least recently used beyond the budget, each only once
+ * its owners hold it; one they lack stays (their pushes, rebalance or the repair
+ * pass bring it to them) and the pass comes again after CACHE_PASS_S. hold is
+ * called without the evictor's locks (it asks other members).
+ */
+typedef void (*evict_hold_fn)(void *ctx, uint32_t model_id,
+			      const uint8_t (*hashes)[STORE_HASH_LEN], size_t n, bool *held);
+void evictor_set_cache(struct evictor *e, evict_hold_fn hold, uint64_t budget);
 
 #endif

@@ -260,6 +260,15 @@ void metrics_write(struct server *srv, FILE *f)
 		      "counter", (double)cs.fetched_bytes);
 		gauge(f, "kvblend_cluster_fetch_seconds_total", "Time in successful fetches.",
 		      "counter", cs.fetch_ms / 1e3);
+		gauge(f, "kvblend_cluster_cache_bytes",
+		      "Stored bytes of cache copies (chunks held here, owned elsewhere).", "gauge",
+		      (double)es.cache_bytes);
+		gauge(f, "kvblend_cluster_cache_reclaimed_total",
+		      "Cache copies evicted once their owners held them.", "counter",
+		      (double)es.cache_reclaimed);
+		gauge(f, "kvblend_cluster_hedged_total",
+		      "Fetches that also asked the next member after cluster_hedge_ms.", "counter",
+		      (double)cs.hedged);
 		gauge(f, "kvblend_cluster_membership_changes_total", "Changes of the membership seen.",
 		      "counter", (double)cs.membership_changes);
 		if (cs.etcd)

@@ -282,6 +282,7 @@ static void stats_cluster(struct stat_list *l, struct cluster *c, struct kvbp_re
 	stat_add(l, "cluster_rebalance_skipped", (double)cs.rebalance_skipped);
 	stat_add(l, "cluster_membership_changes", (double)cs.membership_changes);
 	stat_add(l, "cluster_peer_busy", (double)cs.peer_busy);
+	stat_add(l, "cluster_hedged", (double)cs.hedged);
 	if (cs.etcd) {
 		stat_add(l, "cluster_etcd_ok", cs.etcd_ok);
 		stat_add(l, "cluster_etcd_errors", (double)cs.etcd_errors);
@@ -327,6 +328,10 @@ static void stats_evict_fuse(struct stat_list *l, struct server *srv)
 	stat_add(l, "evictions", (double)es.evicted);
 	stat_add(l, "evicted_bytes", (double)es.evicted_bytes);
 	stat_add(l, "pinned_chunks", (double)es.pins);
+	if (srv->cluster) {
+		stat_add(l, "cluster_cache_bytes", (double)es.cache_bytes);
+		stat_add(l, "cluster_cache_reclaimed", (double)es.cache_reclaimed);
+	}
 	fuse_usage(srv->fuse, &fs, &fb, &fp);
 	stat_add(l, "fuse_sessions", (double)fs);
 	stat_add(l, "fuse_ring_bytes", (double)fb);

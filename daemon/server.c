@@ -21,6 +21,7 @@
 #include "fdguard.h"
 #include "log.h"
 #include "metrics.h"
+#include "notify.h"
 #include "ops.h"
 #include "pool.h"
 
@@ -692,6 +693,20 @@ static bool owns_chunk(void *ctx, const uint8_t *hash)
 	return cluster_owns(ctx, hash);
 }
 
+/* And before a cache copy goes: do its owners hold it? */
+static void owners_hold(void *ctx, uint32_t model_id, const uint8_t (*hashes)[STORE_HASH_LEN],
+			size_t n, bool *held)
+{
+	struct cluster *c = ctx;
+	struct store_model m;
+
+	if (store_model_by_id(cluster_store(c), model_id, &m)) {
+		memset(held, 0, n * sizeof(*held));
+		return;
+	}
+	cluster_owners_hold(c, &m, hashes, n, held);
+}
+
 /*
  * Where the fuse computes, for the device setting. Sessions whose ring can live on
  * a device (all but landing sessions) run there: CUDA device N (cuda[:N], else a
@@ -791,10 +806,13 @@ static int cluster_start(const struct config *cfg, struct store *store, const ch
 		.advertise = cfg->cluster_advertise,
 		.replicas = (unsigned)cfg->cluster_replicas,
 		.timeout_ms = (int)cfg->cluster_timeout_ms,
+		.hedge_ms = (int)cfg->cluster_hedge_ms,
 		.rebalance_rate = cfg->cluster_rebalance_rate,
 		.repair_interval_s = cfg->cluster_repair_interval,
 		.lease_ttl_s = (int)cfg->cluster_lease_ttl,
 		.forget_after_s = cfg->cluster_forget_after,
+		.grace_s = cfg->cluster_grace,
+		.drain_timeout_s = cfg->cluster_drain_timeout,
 		.capacity = cfg->capacity ? cfg->capacity : cfg->map_size,
 		.curve_secret = secret,
 		.curve_public = public_key,
@@ -940,8 +958,14 @@ int server_start(struct server *srv, const struct config *cfg, struct store *sto
 	pthread_sigmask(SIG_BLOCK, &all, &old);
 	rc = evictor_new(store, srv->fuse, srv->tenants, cfg->capacity, (unsigned)cfg->evict_high,
 			 (unsigned)cfg->evict_low, &srv->evict);
-	if (!rc && srv->cluster)
+	if (!rc && srv->cluster) {
+		uint64_t room = cfg->capacity ? cfg->capacity : cfg->map_size;
+
 		evictor_set_owner(srv->evict, owns_chunk, srv->cluster);
+		evictor_set_cache(srv->evict, owners_hold,
+				  room / 100 * cfg->cluster_cache_pct +
+					  room % 100 * cfg->cluster_cache_pct / 100);
+	}
 	for (unsigned i = 0; !rc && i < n_workers; i++) {
 		atomic_fetch_add(&srv->running_workers, 1);
 		rc = pthread_create(&srv->threads[i], NULL, worker_main, srv);
@@ -1054,6 +1078,11 @@ void server_stop(struct server *srv)
 				 srv->cfg->drain_timeout);
 		else
 			log_info("every request in progress answered");
+		/* a clean stop: what this member owns to its owners without it, then leave */
+		if (srv->cluster) {
+			notify_status("draining: the chunks this member owns to the others");
+			cluster_drain(srv->cluster);
+		}
 	}
 	atomic_store(&srv->stop_workers, true);
 	for (unsigned i = 0; i < srv->n_workers; i++)

@@ -12,8 +12,9 @@ were written receives the chunks it owns when it returns; a new member receives 
 chunks it now owns; a SIGSTOPped peer delays no request past the timeout; etcd
 stopped mid-run leaves the cluster serving; a peer or client with an unknown key is
 refused and counted; a fuse on B over chunks held elsewhere equals the fuse on A;
-at the end nothing is lost and every copy verifies. The same cluster with the static
-member list: test_cluster.py.
+at the end nothing is lost and every copy verifies. cluster_grace is 0 here: a member
+that leaves is re-placed at once (the grace itself: test_cluster_ops.py grace). The
+same cluster with the static member list: test_cluster.py.
 """
 
 import json
@@ -73,7 +74,7 @@ def cli(n, *args, ok=True, endpoint=None, env=None):
 def start(n, wait=True):
     args = ["--map-size", "1G", "--node-id", n, "--cluster-etcd", ETCD_URL, "--cluster-name",
             "t", "--cluster-lease-ttl", TTL, "--cluster-replicas", R, "--cluster-timeout-ms",
-            TIMEOUT_MS, "--curve-secret-key-file", f"{TMP}/{n}.key",
+            TIMEOUT_MS, "--cluster-grace", 0, "--curve-secret-key-file", f"{TMP}/{n}.key",
             "--curve-authorized-keys", f"{TMP}/authorized", "--log-level", "debug"]
     if n == "a":
         args += ["--metrics-port", METRICS_PORT]

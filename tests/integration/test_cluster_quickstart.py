@@ -12,7 +12,8 @@ Checks (issue 20):
 2. a model registered on one member is known on all: with a fourth member (R = 2),
    chunks PUT on n1, a GET through a member that holds no copy and was never pushed a
    chunk of the model (it has no model) answers the bytes, and registers the model.
-3. members that left are forgotten: n1 restarted with --cluster-forget-after 3; n4
+3. members that left are forgotten: n1 restarted with --cluster-forget-after 3 (and
+   --cluster-grace 0: a member in its grace is still placed, never forgotten); n4
    stops; n1 shows it gone, then no longer lists it (status, stats, Prometheus).
 """
 
@@ -148,7 +149,7 @@ try:
     # 3. members that left are forgotten
     check("n1 stops", daemons["n1"].stop() == 0)
     check("n1 restarts with --cluster-forget-after 3",
-          daemon("n1", "--cluster-forget-after", FORGET_S, "--metrics-port",
+          daemon("n1", "--cluster-forget-after", FORGET_S, "--cluster-grace", 0, "--metrics-port",
                  METRICS_PORT), daemons["n1"].log_text()[-2000:])
     ok = wait_for(lambda: {k for k, m in status("n1").items() if m["state"] == "alive"} == four,
                   20)
