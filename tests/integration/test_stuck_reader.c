@@ -114,8 +114,10 @@ static int churn(const char *timeout_ms, double *cut)
 	hash_of(0, hash);
 	assert_int_equal(kvb_put(c, model.name, hash, KVB_F16, T, 0, kv, bytes, NULL), 0);
 	stuck = stuck_reader(zctx, d.endpoint, hash);
-	nanosleep(&pause, NULL);
-	/* the GETs are being served from the pages (the hazard this is about) */
+	/* the GETs are being served from the pages (the hazard this is about); on a
+	 * loaded machine the daemon may take a while to get to them */
+	for (int i = 0; i < 500 && daemon_stat(c, "replies_from_pages") < 1; i++)
+		nanosleep(&pause, NULL);
 	assert_true(daemon_stat(c, "replies_from_pages") >= 1);
 	for (uint32_t r = 1; r <= ROUNDS && !full; r++) {
 		int rc;
