@@ -18,7 +18,13 @@ serves every request:
 (g) a load that fails in the worker (a test hook): vLLM recomputes, output equals plain;
 (h) chunk boundaries by the configured separator (no request parameters): doc3 + SEP stored,
     doc3 + SEP + question lands the chunk and its output equals plain vLLM's (a request
-    with empty kvblend segments, which the separator does not touch).
+    with empty kvblend segments, which the separator does not touch);
+(i) a storing request prefilled in two steps (chunked prefill: the engine takes 256 tokens
+    a step): stored once complete, and its exact-prefix reuse equals plain vLLM;
+(j) preemption: ten reuse requests at once in a cache of 7 usable blocks: vLLM preempts
+    and resumes some, which load again; every output equals plain vLLM's.
+The engine runs with a small cache (8 blocks of 128 tokens) and 256 tokens a step, so that
+(i) and (j) happen.
 Exit 0 when all pass, 1 on a failure, 77 when KVBLEND_SKIP_ENGINE=1.
 """
 
@@ -174,8 +180,9 @@ def run(model_dir, d, dump_dir, report, np, kvblend):
     from kvblend.vllm import store_documents
 
     t0 = time.monotonic()
-    llm = LLM(model=model_dir, enforce_eager=True, dtype="float32", max_model_len=4096, seed=0,
-              enable_prefix_caching=False,
+    llm = LLM(model=model_dir, enforce_eager=True, dtype="float32", max_model_len=896, seed=0,
+              enable_prefix_caching=False, num_gpu_blocks_override=8,
+              max_num_batched_tokens=256,
               kv_transfer_config=KVTransferConfig(
                   kv_connector="KvblendConnector", kv_connector_module_path="kvblend.vllm",
                   kv_role="kv_both",
@@ -311,6 +318,31 @@ def run(model_dir, d, dump_dir, report, np, kvblend):
     check("(h) separator: the chunk landed",
           st1["requests_fuse_open"] - st0["requests_fuse_open"] == 1)
     check("(h) separator: output equals plain vLLM", got == plain_h, f"{tok.decode(got)!r}")
+
+    # (i) a storing request over two steps (chunked prefill), then reused as a prefix
+    long_doc = docs[0] + docs[1] + docs[2]
+    check("(i) the document takes two steps", len(long_doc) > 256, str(len(long_doc)))
+    before = d.stats()["chunks"]
+    h_long = store_documents(llm, [long_doc])[0]
+    with kvblend.Client(d.endpoint) as c:
+        info = c.lookup("smollm2-test", [h_long])[0]
+    check("(i) chunked prefill: stored", d.stats()["chunks"] == before + 1 and info.found
+          and info.num_tokens == len(long_doc))
+    p_i = long_doc + q
+    plain_i = gen([p_i], [None])[0]
+    got = gen([p_i], [segs((0, len(long_doc), "chunk"), (len(long_doc), len(q), "fresh"))])[0]
+    check("(i) chunked prefill: reuse equals plain vLLM", got == plain_i, f"{tok.decode(got)!r}")
+
+    # (j) preemption: 10 x 137 tokens need 2 blocks each at the end; 7 are usable
+    n_j = 10
+    st0 = d.stats()
+    got = gen([p_b] * n_j, [segs((0, l1, "chunk"), (l1, len(q), "fresh"))] * n_j)
+    st1 = d.stats()
+    opens = st1["requests_fuse_open"] - st0["requests_fuse_open"]
+    report["j_loads"] = opens
+    check("(j) preempted and resumed requests loaded again", opens > n_j, f"{opens} loads")
+    check("(j) preemption: every output equals plain vLLM",
+          all(g == plain_b for g in got), str([g == plain_b for g in got]))
 
     # (f)
     d.stop()

@@ -319,7 +319,13 @@ class KvblendConnector(KVConnectorBase_V1):
             self._logged.discard("lookup")  # log the next outage again
             return out
         except plan.ParamError as e:
-            logger.warning("kvblend: request %s served without kvblend: %s", request.request_id, e)
+            # Once per request: vLLM asks again while the request waits for blocks.
+            self._log_once(
+                "params:" + request.request_id,
+                "request %s served without kvblend: %s",
+                request.request_id,
+                e,
+            )
         except KvblendError as e:
             self._drop_client()
             self._log_once("lookup", "daemon error, serving without kvblend: %s", e)
@@ -383,7 +389,10 @@ class KvblendConnector(KVConnectorBase_V1):
         for i, rid in enumerate(cached.req_ids):
             if rid in self._stores:
                 new = cached.new_block_ids[i]
-                if new:
+                if rid in cached.resumed_req_ids:
+                    # Resumed after preemption: new_block_ids is its whole block list.
+                    self._stores[rid].block_ids = list(new[0]) if new else []
+                elif new:
                     self._stores[rid].block_ids.extend(new[0])
                 progress[rid] = cached.num_computed_tokens[i]
         for rid, done in progress.items():
@@ -398,6 +407,7 @@ class KvblendConnector(KVConnectorBase_V1):
         """Forget the request; its blocks are vLLM's to free at once."""
         self._plans.pop(request.request_id, None)
         self._stores.pop(request.request_id, None)
+        self._logged.discard("params:" + request.request_id)
         return False, None
 
     # ---- worker side ----
