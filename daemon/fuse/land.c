@@ -166,20 +166,40 @@ static inline uint64_t land_off(const struct fuse_session *s, uint64_t base, uin
 	return base + (uint64_t)t * tstride;
 }
 
-/* One K row (all heads) to where the layout's own K strides put it, element by element. */
-static void land_k_strided(const struct fuse_session *s, uint8_t *dst, const uint8_t *src)
-{
-	size_t hs = s->lay.k_head_stride, ds = s->lay.k_dim_stride;
-	uint32_t hd = s->m.head_dim;
+/* Tokens a K tile of land_k_strided() spans: its source rows stay in L1 while each
+ * element column of the tile is written, a cache line at a time for vLLM's layout. */
+#define K_TILE 16
 
-	for (uint32_t h = 0; h < s->m.num_kv_heads; h++, dst += hs, src += (size_t)hd *
-								     s->m.elem_size) {
-		if (s->m.elem_size == 4)
-			for (uint32_t d = 0; d < hd; d++)
-				memcpy(dst + d * ds, src + 4 * (size_t)d, 4);
-		else
-			for (uint32_t d = 0; d < hd; d++)
-				memcpy(dst + d * ds, src + 2 * (size_t)d, 2);
+/*
+ * K rows [a, b) of slot sl into layer l by the layout's own K strides (e.g. transposed
+ * per page): in tiles of up to K_TILE tokens of one page, element column by column.
+ */
+static void land_k_strided(const struct fuse_session *s, const struct slot *sl, uint32_t l,
+			   uint32_t a, uint32_t b)
+{
+	size_t hs = s->lay.k_head_stride, ds = s->lay.k_dim_stride, ts = s->lay.k_token_stride;
+	size_t es = s->m.elem_size, rb = s->row_bytes;
+	uint32_t hd = s->m.head_dim, pt = s->lay.page_tokens;
+
+	for (uint32_t t = a, run; t < b; t += run) {
+		uint8_t *dst = s->land_mem + land_off(s, s->lay.k_offset, ts, l, t);
+		const uint8_t *src = sl->k + (size_t)t * rb;
+
+		run = b - t < K_TILE ? b - t : K_TILE;
+		if (pt && run > pt - t % pt)
+			run = pt - t % pt; /* the tile ends with the page */
+		for (uint32_t h = 0; h < s->m.num_kv_heads; h++)
+			for (uint32_t d = 0; d < hd; d++) {
+				uint8_t *o = dst + h * hs + d * ds;
+				const uint8_t *in = src + ((size_t)h * hd + d) * es;
+
+				if (es == 4)
+					for (uint32_t j = 0; j < run; j++)
+						memcpy(o + j * ts, in + j * rb, 4);
+				else
+					for (uint32_t j = 0; j < run; j++)
+						memcpy(o + j * ts, in + j * rb, 2);
+			}
 	}
 }
 
@@ -189,17 +209,16 @@ static void land_rows(const struct fuse_session *s, const struct slot *sl, uint3
 {
 	size_t hb = (size_t)s->m.head_dim * s->m.elem_size;
 
+	if (s->lay.k_dim_stride)
+		land_k_strided(s, sl, l, a, b);
+	/* K rows too, unless K has strides of its own (landed above) */
 	for (uint32_t t = a; t < b; t++)
-		for (int i = 0; i < 2; i++) {
+		for (int i = s->lay.k_dim_stride ? 1 : 0; i < 2; i++) {
 			const uint8_t *src = (i ? sl->v : sl->k) + (size_t)t * s->row_bytes;
 			uint8_t *dst = s->land_mem +
 				       (i ? land_off(s, s->lay.v_offset, s->lay.token_stride, l, t)
 					  : land_off(s, s->lay.k_offset, s->lay.k_token_stride, l, t));
 
-			if (!i && s->lay.k_dim_stride) {
-				land_k_strided(s, dst, src);
-				continue;
-			}
 			if (s->lay.head_stride == hb) {
 				memcpy(dst, src, s->row_bytes);
 				continue;
