@@ -201,7 +201,10 @@ class CacheRegion:
         except (NotFound, UnknownSession):
             return False
         except KvblendError as e:
-            self.log.warning("kvblend: landing session for %s refused (%s): copying", req_id, e)
+            if e.name in ("ENOTSUP", "EOPNOTSUPP"):  # a kvblendd older than K strides
+                self.off(f"the daemon cannot land vLLM's transposed K ({e})")
+            else:
+                self.log.warning("kvblend: landing session for %s refused (%s): copying", req_id, e)
             return False
         self.sessions[req_id] = (s, [time.monotonic() - t0])
         return True
