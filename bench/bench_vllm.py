@@ -9,11 +9,15 @@ llm.generate(max_tokens=1) for that one request: plain (no kv_transfer_params: v
 prefills every token) and reuse (segments: five chunks, then the question: the connector
 loads the chunks re-rotated to their positions, vLLM computes the question), alternating
 plain and reuse, REPEATS times after one untimed pair; the question alone (plain, a few
-dozen tokens) is timed with them, as the floor of any request on this engine. The daemon's
-time per layer is reported twice: the connector's own load time (its log line "loaded N
-tokens ... in X s": the get_rerotated calls and the writes into vLLM's cache) divided by
-the layers, and get_rerotated of the same five chunks called from this process (the
-daemon's re-rotation and the transfer, without the cache writes) divided by the layers.
+dozen tokens) is timed with them, as the floor of any request on this engine. The daemon
+is started with shm_max above VLLM_CPU_KVCACHE_SPACE, so that vLLM's cache lies in a
+kvblend region and loads are landed by the daemon (docs/vllm.md). Per layer: the
+connector's load time (its log line "loaded N tokens ... in X s": for a landed load the
+time the engine waited for it, opening the session and the per-layer waits; for a copied
+one the get_rerotated calls and the writes into vLLM's cache), the daemon's landing time
+(the same line: all layers written into vLLM's cache), and get_rerotated of the same five
+chunks called from this process (re-rotation and transfer, no cache writes), each divided
+by the layers.
 Target (issue 21): reuse TTFT at most 0.3x of plain vLLM's. Prints figures and ratios;
 never passes or fails on time.
 
@@ -40,15 +44,20 @@ SOURCES = ["storage.md", "protocol.md", "cluster.md", "fuse.md", "operations.md"
 QUESTION = ("\n\nQuestion: Using only the documents above, explain where a chunk's KV cache is "
             "stored and how an engine on the same host reads it back.\nAnswer:")
 MODEL_NAME = "smollm2-bench"
-LOADED = re.compile(r"kvblend: loaded (\d+) tokens of (\S+) in ([0-9.]+) s")
+LOADED = re.compile(
+    r"kvblend: loaded (\d+) tokens of (\S+) in ([0-9.]+) s \((landed|copied)"
+    r"(?:[^)]*daemon landing ([0-9.]+) ms)?"
+)
 
 
 def start_daemon(build, tmp):
     ep = f"ipc://{tmp}/kvblend.sock"
     log = open(f"{tmp}/kvblendd.log", "w")
+    # vLLM's whole KV cache is one shared-memory region: shm_max above it
+    shm = f"{int(float(os.environ['VLLM_CPU_KVCACHE_SPACE'])) + 1}G"
     proc = subprocess.Popen(
         [f"{build}/bin/kvblendd", "--data-dir", f"{tmp}/data", "--listen", ep,
-         "--workers", "2"], stdout=log, stderr=subprocess.STDOUT)
+         "--workers", "2", "--shm-max", shm], stdout=log, stderr=subprocess.STDOUT)
     import kvblend
 
     deadline = time.monotonic() + 30
@@ -126,7 +135,9 @@ def run(args, ep, out, log_path):
                     times[mode].append(t)
         time.sleep(0.5)  # the worker's log line reaches the file
         loads = LOADED.findall(Path(log_path).read_text(errors="replace"))[loads_before:]
-        load_s = [float(s) for n, _, s in loads if int(n) == pos][1:]  # skip the untimed pair's
+        mine = [x for x in loads if int(x[0]) == pos][1:]  # skip the untimed pair's
+        load_s = [float(x[2]) for x in mine]
+        land_s = [float(x[4]) / 1000 for x in mine if x[3] == "landed" and x[4]]
         direct = []
         with kvblend.Client(ep, timeout_ms=10000) as c:
             for _ in range(args.repeats):
@@ -141,6 +152,8 @@ def run(args, ep, out, log_path):
             "reuse_median_s": statistics.median(times["reuse"]), "reuse_min_s": min(times["reuse"]),
             "connector_loads": len(load_s),
             "connector_load_median_s": statistics.median(load_s) if load_s else None,
+            "landed_loads": sum(x[3] == "landed" for x in mine),
+            "daemon_land_median_s": statistics.median(land_s) if land_s else None,
             "get_rerotated_median_s": statistics.median(direct),
             "question_alone_median_s": statistics.median(times["question"]),
             "connector_load_s": load_s, "loadavg": os.getloadavg(),
@@ -159,8 +172,9 @@ def table(rows, out):
     ms = lambda s: "-" if s is None else f"{s * 1000:.0f} ms"  # noqa: E731
     out("")
     out("| prompt | plain TTFT median (min) | reuse TTFT median (min) | reuse/plain median (min) "
-        "| connector load, per layer | get_rerotated, per layer | question alone |")
-    out("|---|---|---|---|---|---|---|")
+        "| connector load, per layer | daemon landing, per layer | get_rerotated, per layer "
+        "| question alone |")
+    out("|---|---|---|---|---|---|---|---|")
     for r in rows:
         cl = r["connector_load_median_s"]
         per_layer = lambda s: "-" if s is None else f"{s / r['layers'] * 1000:.1f} ms"  # noqa: E731
@@ -169,7 +183,8 @@ def table(rows, out):
             f"| {ms(r['plain_median_s'])} ({ms(r['plain_min_s'])}) "
             f"| {ms(r['reuse_median_s'])} ({ms(r['reuse_min_s'])}) "
             f"| {r['ratio_median']:.2f}x ({r['ratio_min']:.2f}x) "
-            f"| {ms(cl)} total, {per_layer(cl)} "
+            f"| {ms(cl)} total, {per_layer(cl)} ({r['landed_loads']}/{r['connector_loads']} landed) "
+            f"| {ms(r['daemon_land_median_s'])} total, {per_layer(r['daemon_land_median_s'])} "
             f"| {ms(r['get_rerotated_median_s'])} total, "
             f"{r['get_rerotated_median_s'] / r['layers'] * 1000:.1f} ms "
             f"| {ms(r['question_alone_median_s'])} |")

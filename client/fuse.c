@@ -50,7 +50,8 @@ struct kvb_fuse {
  * -EINVAL, -EMFILE or -ENOMEM with c->err set; on failure req holds nothing new.
  */
 static int fuse_land_request(kvb_client *c, const struct kvb_kv_layout *dst,
-			     struct kvbp_request *req, struct region **reg_out, unsigned *word_out)
+			     const struct kvb_kv_strides *ks, struct kvbp_request *req,
+			     struct region **reg_out, unsigned *word_out)
 {
 	struct region *reg;
 	unsigned word = 0;
@@ -67,7 +68,14 @@ static int fuse_land_request(kvb_client *c, const struct kvb_kv_layout *dst,
 				    REGION_WORDS);
 	if (dst->page_tokens && !dst->pages)
 		return kvbc_set_err(c, -EINVAL, "a paged layout needs its block table");
+	if (ks && !ks->dim_stride)
+		return kvbc_set_err(c, -EINVAL, "K strides need a dim_stride (> 0)");
 	req->has_land = true;
+	if (ks) {
+		req->land.k_token_stride = ks->token_stride;
+		req->land.k_head_stride = ks->head_stride;
+		req->land.k_dim_stride = ks->dim_stride;
+	}
 	req->land.shm_id = reg->id;
 	req->land.k_offset = (uint64_t)((uint8_t *)dst->k - reg->base);
 	req->land.v_offset = (uint64_t)((uint8_t *)dst->v - reg->base);
@@ -190,8 +198,8 @@ static int fuse_from_reply(kvb_client *c, const struct kvbp_reply *rep, size_t r
 
 static int fuse_open_common(kvb_client *c, const char *model, const struct kvb_segment *segs,
 			    size_t n_segs, const struct kvb_fuse_params *p,
-			    const struct kvb_kv_layout *dst, kvb_fuse **out,
-			    uint8_t (**missing)[KVB_HASH_LEN], size_t *n_missing)
+			    const struct kvb_kv_layout *dst, const struct kvb_kv_strides *ks,
+			    kvb_fuse **out, uint8_t (**missing)[KVB_HASH_LEN], size_t *n_missing)
 {
 	struct call k = { .req = { .op = KVBP_OP_FUSE_OPEN } };
 	struct region *reg = NULL;
@@ -213,7 +221,7 @@ static int fuse_open_common(kvb_client *c, const char *model, const struct kvb_s
 	rc = kvb_model_get(c, model, &m);
 	if (rc)
 		return rc;
-	if (dst && (rc = fuse_land_request(c, dst, &k.req, &reg, &word)))
+	if (dst && (rc = fuse_land_request(c, dst, ks, &k.req, &reg, &word)))
 		return rc;
 	if ((rc = fuse_open_request(c, &k.req, segs, n_segs, p)))
 		goto out;
@@ -243,6 +251,13 @@ static int fuse_open_common(kvb_client *c, const char *model, const struct kvb_s
 		f->progress = (_Atomic uint32_t *)(reg->base + 4 * (size_t)word);
 		reg->used[word / 64] |= 1ull << (word % 64);
 	}
+	if (ks && !k.rep.land_k_strided) {
+		/* An older daemon ignored the K strides: it lands K as V is laid out. */
+		kvb_fuse_close(c, &f, NULL, NULL);
+		rc = kvbc_set_err(c, -ENOTSUP, "this kvblendd does not land K by its own "
+				  "strides (transposed K): it is older than the client");
+		goto out;
+	}
 	*out = f;
 out:
 	kvbc_call_done(&k);
@@ -253,7 +268,7 @@ int kvb_fuse_open(kvb_client *c, const char *model, const struct kvb_segment *se
 		  size_t n_segs, const struct kvb_fuse_params *p, kvb_fuse **out,
 		  uint8_t (**missing)[KVB_HASH_LEN], size_t *n_missing)
 {
-	return fuse_open_common(c, model, segs, n_segs, p, NULL, out, missing, n_missing);
+	return fuse_open_common(c, model, segs, n_segs, p, NULL, NULL, out, missing, n_missing);
 }
 
 int kvb_fuse_open_into(kvb_client *c, const char *model, const struct kvb_segment *segs,
@@ -265,7 +280,21 @@ int kvb_fuse_open_into(kvb_client *c, const char *model, const struct kvb_segmen
 		*out = NULL;
 		return kvbc_set_err(c, -EINVAL, "kvb_fuse_open_into needs a layout");
 	}
-	return fuse_open_common(c, model, segs, n_segs, p, dst, out, missing, n_missing);
+	return fuse_open_common(c, model, segs, n_segs, p, dst, NULL, out, missing, n_missing);
+}
+
+int kvb_fuse_open_into_strided(kvb_client *c, const char *model, const struct kvb_segment *segs,
+			       size_t n_segs, const struct kvb_fuse_params *p,
+			       const struct kvb_kv_layout *dst,
+			       const struct kvb_kv_strides *k_strides, kvb_fuse **out,
+			       uint8_t (**missing)[KVB_HASH_LEN], size_t *n_missing)
+{
+	if (!dst) {
+		*out = NULL;
+		return kvbc_set_err(c, -EINVAL, "kvb_fuse_open_into_strided needs a layout");
+	}
+	return fuse_open_common(c, model, segs, n_segs, p, dst, k_strides, out, missing,
+				n_missing);
 }
 
 int kvb_fuse_wait(kvb_client *c, kvb_fuse *f, uint32_t layer, int timeout_ms)

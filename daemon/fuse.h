@@ -94,6 +94,7 @@ struct fuse_open_result {
 	uint8_t ipc_handle[KVBP_IPC_HANDLE_LEN];
 	uint64_t ipc_offset;
 	char device_pci[32];
+	bool land_k_strided; /* a landing layout's own K strides are honoured */
 };
 
 /*

@@ -234,6 +234,9 @@ int kvbp_request_encode(const struct kvbp_request *req, uint8_t **buf, size_t *l
 		land.pages = req->land.pages;
 		land.n_pages = req->land.n_pages;
 		land.progress = req->land.progress;
+		land.k_token_stride = req->land.k_token_stride;
+		land.k_head_stride = req->land.k_head_stride;
+		land.k_dim_stride = req->land.k_dim_stride;
 		pb.land = &land;
 	}
 	if (req->has_shm_out) {
@@ -367,7 +370,8 @@ int kvbp_request_decode(const void *buf, size_t len, struct kvbp_request *out, c
 		r.land = (struct kvbp_layout){ g->shm_id, g->k_offset, g->v_offset,
 					       g->layer_stride, g->token_stride, g->head_stride,
 					       g->page_tokens, g->page_stride, NULL, 0,
-					       g->progress };
+					       g->progress, g->k_token_stride,
+					       g->k_head_stride, g->k_dim_stride };
 		if (g->n_pages) {
 			r.land.pages = malloc(g->n_pages * sizeof(uint32_t));
 			if (!r.land.pages)
@@ -530,6 +534,7 @@ int kvbp_reply_encode(const struct kvbp_reply *rep, uint8_t **buf, size_t *len)
 	pb.ring_slot = rep->ring_slot;
 	pb.ring_slots = rep->ring_slots;
 	pb.slot_bytes = rep->slot_bytes;
+	pb.land_k_strided = rep->land_k_strided;
 	if (rep->has_ipc) {
 		pb.ipc_handle.data = (uint8_t *)rep->ipc_handle;
 		pb.ipc_handle.len = KVBP_IPC_HANDLE_LEN;
@@ -655,6 +660,7 @@ int kvbp_reply_decode(const void *buf, size_t len, struct kvbp_reply *out, char 
 	r.ring_slot = pb->ring_slot;
 	r.ring_slots = pb->ring_slots;
 	r.slot_bytes = pb->slot_bytes;
+	r.land_k_strided = pb->land_k_strided;
 	if (pb->ipc_handle.len) {
 		if (pb->ipc_handle.len != KVBP_IPC_HANDLE_LEN || !pb->device_pci ||
 		    strlen(pb->device_pci) >= sizeof(r.device_pci)) {

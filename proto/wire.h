@@ -146,6 +146,10 @@ struct kvbp_layout {
 	uint32_t *pages; /* owned by a decoded request */
 	size_t n_pages;
 	uint64_t progress;
+	/* K's own strides when k_dim_stride > 0 (else K is laid out like V) */
+	uint64_t k_token_stride;
+	uint64_t k_head_stride;
+	uint64_t k_dim_stride;
 };
 
 struct kvbp_request {
@@ -240,6 +244,7 @@ struct kvbp_reply {
 	uint8_t ipc_handle[KVBP_IPC_HANDLE_LEN];
 	uint64_t ipc_offset;
 	char device_pci[32]; /* "0000:41:00.0" */
+	bool land_k_strided; /* FUSE_OPEN: the landing layout's K strides are honoured */
 };
 
 /*

@@ -20,7 +20,7 @@
  * Data placed in kvb_shared_buffer() crosses with no client-side copy at all.
  *
  * ABI: libkvblend.so.1; every function below is bound to symbol version KVBLEND_1
- * (client/kvblend.map), and nothing else is exported. A compatible addition (a new
+ * (client/kvblend.map; kvb_fuse_open_into_strided to KVBLEND_1.1), and nothing else is exported. A compatible addition (a new
  * function, enum value or error code) keeps the soname: its functions go into a new
  * version node (KVBLEND_1.1, ...) that inherits the last. Any other change (a field
  * added to, removed from or moved in a struct the caller allocates or reads, such as
@@ -460,6 +460,32 @@ KVB_API int kvb_fuse_open_into(kvb_client *c, const char *model, const struct kv
 			       size_t n_segs, const struct kvb_fuse_params *p,
 			       const struct kvb_kv_layout *dst, kvb_fuse **out,
 			       uint8_t (**missing)[KVB_HASH_LEN], size_t *n_missing);
+
+/*
+ * K's own strides for a landing layout whose K is not laid out like V (ABI
+ * KVBLEND_1.1): element d of head h of token t of layer l of K lives at k +
+ * l * layer_stride + page(t) * page_stride + slot(t) * token_stride + h *
+ * head_stride + d * dim_stride (layer_stride, page_stride, pages: the layout's).
+ * dim_stride is not the dtype size when head_dim is not contiguous: vLLM's CPU
+ * cache keeps K transposed per block and head, [head_dim, page_tokens], so
+ * token_stride = dtype size and dim_stride = page_tokens * dtype size.
+ */
+struct kvb_kv_strides {
+	size_t token_stride;
+	size_t head_stride;
+	size_t dim_stride; /* > 0 */
+};
+
+/* kvb_fuse_open_into() with K placed by k_strides (V by dst). k_strides NULL: as
+ * kvb_fuse_open_into(). Returns -ENOTSUP when the daemon does not honour K strides
+ * (a kvblendd older than this call): the session is closed again, but it may have
+ * written K rows by dst's strides already; rewrite the tokens' rows before use. */
+KVB_API int kvb_fuse_open_into_strided(kvb_client *c, const char *model,
+				       const struct kvb_segment *segs, size_t n_segs,
+				       const struct kvb_fuse_params *p,
+				       const struct kvb_kv_layout *dst,
+				       const struct kvb_kv_strides *k_strides, kvb_fuse **out,
+				       uint8_t (**missing)[KVB_HASH_LEN], size_t *n_missing);
 
 /*
  * Wait until layer is in the node's buffers (immediately for layers the node

@@ -32,23 +32,41 @@ void land_publish(struct fuse_session *s, uint32_t v)
 }
 
 /*
+ * The last byte + 1 a layout side may write, from its base offset off: layer_max
+ * and page_max are the largest layer and page offsets; a side's rows are token
+ * (tstride), head (hstride) and element (dstride) strided. False on overflow.
+ */
+static bool land_extent(const struct fuse_session *s, const struct kvbp_layout *y, uint64_t off,
+			uint64_t layer_max, uint64_t page_max, uint64_t tstride, uint64_t hstride,
+			uint64_t dstride, uint64_t *end)
+{
+	uint64_t tokens = y->page_tokens ? (s->n < y->page_tokens ? s->n : y->page_tokens) : s->n;
+	uint64_t tok_max, row_end, e;
+
+	return mul_add(tokens - 1, tstride, page_max, &tok_max) &&
+	       mul_add(s->m.num_kv_heads - 1, hstride, 0, &row_end) &&
+	       mul_add(s->m.head_dim - 1, dstride, row_end + s->m.elem_size, &row_end) &&
+	       !__builtin_add_overflow(off, layer_max, &e) && !__builtin_add_overflow(e, tok_max, &e) &&
+	       !__builtin_add_overflow(e, row_end, end);
+}
+
+/*
  * Check the node's layout y for session s (its tokens, heads, layers) against the
  * segment it names, and hold that segment for the session. Every byte the daemon
- * may write lies inside it: the extent is computed with overflow checks.
+ * may write lies inside it: the extent is computed with overflow checks. A layout
+ * with k_dim_stride > 0 places K by its own strides (e.g. transposed per page).
  */
 uint32_t land_setup(struct fuse_table *t, struct fuse_session *s,
 		    const struct kvbp_layout *y, const char *owner, char *err, size_t errlen)
 {
-	size_t head_bytes = (size_t)s->m.head_dim * s->m.elem_size;
-	uint64_t tok_max = 0, row_end, layer_max, end = 0, e;
+	uint64_t pm = 0, layer_max, end = 0, e;
+	bool k_own = y->k_dim_stride != 0;
 	void *base;
 
-	if (!mul_add(s->m.num_kv_heads - 1, y->head_stride, head_bytes, &row_end) ||
-	    !mul_add(s->m.num_layers - 1, y->layer_stride, 0, &layer_max))
+	if (!mul_add(s->m.num_layers - 1, y->layer_stride, 0, &layer_max))
 		return fail(err, errlen, KVBP_BAD_SHAPE, "landing layout: strides overflow");
 	if (y->page_tokens) {
 		uint64_t need = ((uint64_t)s->n + y->page_tokens - 1) / y->page_tokens;
-		uint64_t in_page = (s->n < y->page_tokens ? s->n : y->page_tokens) - 1, pm = 0;
 
 		if (y->n_pages < need)
 			return fail(err, errlen, KVBP_BAD_SHAPE, "landing layout: the block table has "
@@ -57,21 +75,20 @@ uint32_t land_setup(struct fuse_table *t, struct fuse_session *s,
 		for (uint64_t i = 0; i < need; i++)
 			if (y->pages[i] > pm)
 				pm = y->pages[i];
-		if (!mul_add(pm, y->page_stride, 0, &pm) ||
-		    !mul_add(in_page, y->token_stride, pm, &tok_max))
+		if (!mul_add(pm, y->page_stride, 0, &pm))
 			return fail(err, errlen, KVBP_BAD_SHAPE, "landing layout: page offsets "
 				    "overflow");
 	} else if (y->n_pages) {
 		return fail(err, errlen, KVBP_BAD_ARGUMENT, "landing layout: a block table needs "
 			    "page_tokens");
-	} else if (!mul_add(s->n - 1, y->token_stride, 0, &tok_max)) {
-		return fail(err, errlen, KVBP_BAD_SHAPE, "landing layout: token offsets overflow");
 	}
 	for (int i = 0; i < 2; i++) {
-		uint64_t off = i ? y->v_offset : y->k_offset;
+		bool own = i == 0 && k_own;
 
-		if (__builtin_add_overflow(off, layer_max, &e) ||
-		    __builtin_add_overflow(e, tok_max, &e) || __builtin_add_overflow(e, row_end, &e))
+		if (!land_extent(s, y, i ? y->v_offset : y->k_offset, layer_max, pm,
+				 own ? y->k_token_stride : y->token_stride,
+				 own ? y->k_head_stride : y->head_stride,
+				 own ? y->k_dim_stride : s->m.elem_size, &e))
 			return fail(err, errlen, KVBP_BAD_SHAPE, "landing layout: %c offsets overflow",
 				    i ? 'V' : 'K');
 		end = e > end ? e : end;
@@ -89,6 +106,10 @@ uint32_t land_setup(struct fuse_table *t, struct fuse_session *s,
 	s->land_shm = y->shm_id;
 	s->land_mem = base;
 	s->lay = *y;
+	if (!k_own) {
+		s->lay.k_token_stride = y->token_stride;
+		s->lay.k_head_stride = y->head_stride;
+	}
 	s->lay.pages = NULL;
 	s->lay.n_pages = 0;
 	if (y->page_tokens) {
@@ -103,8 +124,8 @@ uint32_t land_setup(struct fuse_table *t, struct fuse_session *s,
 	s->progress = (_Atomic uint32_t *)((uint8_t *)base + y->progress);
 	s->land_begin = s->n_checks ? s->checks[0] + 1 : 0;
 	s->land_next = s->land_begin;
-	s->direct = !y->page_tokens && y->token_stride == s->row_bytes &&
-		    y->head_stride == head_bytes;
+	s->direct = !k_own && !y->page_tokens && y->token_stride == s->row_bytes &&
+		    y->head_stride == (uint64_t)s->m.head_dim * s->m.elem_size;
 	return KVBP_OK;
 }
 
@@ -129,17 +150,57 @@ int land_alloc(struct fuse_session *s, uint64_t bytes)
 	return 0;
 }
 
-/* Offset in the node's segment of row t of layer l, from base (k_offset or v_offset). */
-static inline uint64_t land_off(const struct fuse_session *s, uint64_t base, uint32_t l,
-				uint32_t t)
+/*
+ * Offset in the node's segment of row t of layer l, from base (k_offset or
+ * v_offset), tokens tstride apart in a page (k_token_stride or token_stride).
+ */
+static inline uint64_t land_off(const struct fuse_session *s, uint64_t base, uint64_t tstride,
+				uint32_t l, uint32_t t)
 {
 	const struct kvbp_layout *y = &s->lay;
 
 	base += (uint64_t)l * y->layer_stride;
 	if (y->page_tokens)
 		return base + (uint64_t)y->pages[t / y->page_tokens] * y->page_stride +
-		       (uint64_t)(t % y->page_tokens) * y->token_stride;
-	return base + (uint64_t)t * y->token_stride;
+		       (uint64_t)(t % y->page_tokens) * tstride;
+	return base + (uint64_t)t * tstride;
+}
+
+/* Tokens a K tile of land_k_strided() spans: its source rows stay in L1 while each
+ * element column of the tile is written, a cache line at a time for vLLM's layout. */
+#define K_TILE 16
+
+/*
+ * K rows [a, b) of slot sl into layer l by the layout's own K strides (e.g. transposed
+ * per page): in tiles of up to K_TILE tokens of one page, element column by column.
+ */
+static void land_k_strided(const struct fuse_session *s, const struct slot *sl, uint32_t l,
+			   uint32_t a, uint32_t b)
+{
+	size_t hs = s->lay.k_head_stride, ds = s->lay.k_dim_stride, ts = s->lay.k_token_stride;
+	size_t es = s->m.elem_size, rb = s->row_bytes;
+	uint32_t hd = s->m.head_dim, pt = s->lay.page_tokens;
+
+	for (uint32_t t = a, run; t < b; t += run) {
+		uint8_t *dst = s->land_mem + land_off(s, s->lay.k_offset, ts, l, t);
+		const uint8_t *src = sl->k + (size_t)t * rb;
+
+		run = b - t < K_TILE ? b - t : K_TILE;
+		if (pt && run > pt - t % pt)
+			run = pt - t % pt; /* the tile ends with the page */
+		for (uint32_t h = 0; h < s->m.num_kv_heads; h++)
+			for (uint32_t d = 0; d < hd; d++) {
+				uint8_t *o = dst + h * hs + d * ds;
+				const uint8_t *in = src + ((size_t)h * hd + d) * es;
+
+				if (es == 4)
+					for (uint32_t j = 0; j < run; j++)
+						memcpy(o + j * ts, in + j * rb, 4);
+				else
+					for (uint32_t j = 0; j < run; j++)
+						memcpy(o + j * ts, in + j * rb, 2);
+			}
+	}
 }
 
 /* Copy rows [a, b) of slot sl (K and V) into layer l of the node's buffers. */
@@ -148,11 +209,15 @@ static void land_rows(const struct fuse_session *s, const struct slot *sl, uint3
 {
 	size_t hb = (size_t)s->m.head_dim * s->m.elem_size;
 
+	if (s->lay.k_dim_stride)
+		land_k_strided(s, sl, l, a, b);
+	/* K rows too, unless K has strides of its own (landed above) */
 	for (uint32_t t = a; t < b; t++)
-		for (int i = 0; i < 2; i++) {
+		for (int i = s->lay.k_dim_stride ? 1 : 0; i < 2; i++) {
 			const uint8_t *src = (i ? sl->v : sl->k) + (size_t)t * s->row_bytes;
 			uint8_t *dst = s->land_mem +
-				       land_off(s, i ? s->lay.v_offset : s->lay.k_offset, l, t);
+				       (i ? land_off(s, s->lay.v_offset, s->lay.token_stride, l, t)
+					  : land_off(s, s->lay.k_offset, s->lay.k_token_stride, l, t));
 
 			if (s->lay.head_stride == hb) {
 				memcpy(dst, src, s->row_bytes);
@@ -189,8 +254,12 @@ static int land_chunk(void *arg, size_t i)
 
 		/* One pass: verify, re-rotate, write where the node keeps the rows. */
 		return store_chunk_get_layer(j->t->store, &s->m, c->hash, j->layer,
-					     s->land_mem + land_off(s, s->lay.k_offset, j->layer, c->off),
-					     s->land_mem + land_off(s, s->lay.v_offset, j->layer, c->off),
+					     s->land_mem + land_off(s, s->lay.k_offset,
+								    s->lay.token_stride, j->layer,
+								    c->off),
+					     s->land_mem + land_off(s, s->lay.v_offset,
+								    s->lay.token_stride, j->layer,
+								    c->off),
 					     (uint64_t)c->tokens * s->row_bytes, &x);
 	}
 	rc = load_chunk(&lj, i);

@@ -20,13 +20,14 @@ def kvblendd_path():
 class Daemon:
     """A kvblendd child process; ``endpoint`` is its IPC socket."""
 
-    def __init__(self):
+    def __init__(self, *args):
+        """Start kvblendd; ``args`` are extra command-line options."""
         self.dir = tempfile.mkdtemp(prefix="kvblend-engine.")
         self.endpoint = f"ipc://{self.dir}/kvblend.sock"
         self.log = open(f"{self.dir}/kvblendd.log", "w")
         self.proc = subprocess.Popen(
             [kvblendd_path(), "--data-dir", f"{self.dir}/data", "--listen", self.endpoint,
-             "--workers", "2"], stdout=self.log, stderr=subprocess.STDOUT)
+             "--workers", "2", *args], stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 30
         while True:
             try:

@@ -6,14 +6,26 @@ serves every request:
 
 (a) three documents stored with kvblend.vllm.store_documents: the daemon holds 3 chunks;
 (b) doc1 + question as [chunk, fresh]: 16 greedy tokens equal plain vLLM's for the same
-    prompt (no kv_transfer_params, same engine), and the daemon sent the chunk (bytes_out);
-(c) doc2 + doc1 + question: the K and V that landed in vLLM's cache (the connector's debug
-    dump of the raw blocks, decoded here with the layout of notes/engine-facts.md) equal the
-    daemon's stored chunks with the keys rotated to their new positions by NumPy;
+    prompt (no kv_transfer_params, same engine), and the daemon landed the chunk straight
+    into vLLM's cache (vLLM's cache is in a kvblend region: one fuse_open, no GET);
+(c) doc2 + doc1 + question, landed by the daemon and then copied by the connector (a test
+    hook): the K and V in vLLM's cache (the connector's debug dump of the raw blocks,
+    decoded here with the layout of notes/engine-facts.md, K transposed) equal the daemon's
+    stored chunks with the keys rotated to their new positions by NumPy;
 (d) doc1 + an unstored document + question: served, output equal to plain vLLM's;
 (e) bad parameters: output equal to plain vLLM's, and the engine serves the next request;
 (f) the daemon killed: a reuse request's output equals plain vLLM's;
-(g) a load that fails in the worker (a test hook): vLLM recomputes, output equals plain.
+(g) a load that fails in the worker (a test hook): vLLM recomputes, output equals plain;
+(h) chunk boundaries by the configured separator (no request parameters): doc3 + SEP stored,
+    doc3 + SEP + question lands the chunk and its output equals plain vLLM's (a request
+    with empty kvblend segments, which the separator does not touch);
+(i) a storing request prefilled in two steps (chunked prefill: the engine takes 256 tokens
+    a step): stored once complete, and its exact-prefix reuse equals plain vLLM;
+(j) preemption: six reuse requests at once in a cache of 7 usable blocks (each needs a
+    second block as it decodes): vLLM preempts and resumes some, which load again; every
+    output equals plain vLLM's.
+The engine runs with a small cache (8 blocks of 128 tokens) and 256 tokens a step, so that
+(i) and (j) happen.
 Exit 0 when all pass, 1 on a failure, 77 when KVBLEND_SKIP_ENGINE=1.
 """
 
@@ -60,6 +72,7 @@ DOCS = [
 UNSTORED = ("The violin is a wooden chordophone, the smallest and highest-pitched instrument "
             "in regular use in the violin family. It has four strings tuned in perfect fifths.")
 QUESTION = "\nQuestion: Summarise the text above in one sentence.\nAnswer:"
+SEP = [49150, 49151]  # chunk_separator: two ids of SmolLM2's vocabulary no text here holds
 
 failures = []
 
@@ -103,6 +116,30 @@ def decode_dump(path, positions):
     return k[:, idx, :, off].swapaxes(0, 1), v[:, idx, :, off].swapaxes(0, 1)
 
 
+def check_landed_rows(d, hashes, spans, dump, how, report, np, kvblend):
+    """K and V of each (length, start) chunk span in a load's dump against NumPy."""
+    worst = {}
+    with kvblend.Client(d.endpoint) as c:
+        for (n, start), name, h in zip(spans, ("doc2", "doc1"), (hashes[1], hashes[0])):
+            stored = c.get("smollm2-test", h)  # [L, 2, T, H, hd], keys at positions 0..
+            rerot = c.get_rerotated("smollm2-test", h, pos=start)
+            ref_k = rope_rotate(stored[:, 0], start)
+            k, v = decode_dump(dump, list(range(start, start + n)))
+            # float32 rotation of keys of magnitude up to ~20: a few 1e-5 apart from
+            # a float64 reference; a wrong position or layout is off by the keys' size.
+            worst[name] = {
+                "k": float(np.abs(k - ref_k).max()),
+                "v": float(np.abs(v - stored[:, 1]).max()),
+                "daemon_k": float(np.abs(rerot[:, 0] - ref_k).max()),
+                "shift_size": float(np.abs(ref_k - stored[:, 0]).max()),
+            }
+    report[f"c_{how}_max_abs_diff"] = worst
+    for name, w in worst.items():
+        check(f"(c) {how}: {name} K equals NumPy re-rotation", w["k"] < 1e-3, str(w))
+        check(f"(c) {how}: {name} V equals stored V", w["v"] == 0.0)
+        check(f"(c) {how}: {name} daemon re-rotation equals NumPy", w["daemon_k"] < 1e-3)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=os.environ.get("KVBLEND_ENGINE_MODEL"))
@@ -118,6 +155,7 @@ def main():
     dump_dir = Path(tempfile.mkdtemp(prefix="kvblend-dump."))
     os.environ["KVBLEND_VLLM_DUMP_DIR"] = str(dump_dir)
     os.environ["KVBLEND_VLLM_FAIL_LOAD_FILE"] = str(dump_dir / "fail-next-load")
+    os.environ["KVBLEND_VLLM_COPY_FILE"] = str(dump_dir / "copy-loads")
 
     import numpy as np
     import kvblend
@@ -143,13 +181,15 @@ def run(model_dir, d, dump_dir, report, np, kvblend):
     from kvblend.vllm import store_documents
 
     t0 = time.monotonic()
-    llm = LLM(model=model_dir, enforce_eager=True, dtype="float32", max_model_len=4096, seed=0,
-              enable_prefix_caching=False,
+    llm = LLM(model=model_dir, enforce_eager=True, dtype="float32", max_model_len=896, seed=0,
+              enable_prefix_caching=False, num_gpu_blocks_override=8,
+              max_num_batched_tokens=256,
               kv_transfer_config=KVTransferConfig(
                   kv_connector="KvblendConnector", kv_connector_module_path="kvblend.vllm",
                   kv_role="kv_both",
                   kv_connector_extra_config={"endpoint": d.endpoint, "timeout_ms": 2000,
-                                             "model_name": "smollm2-test"}))
+                                             "model_name": "smollm2-test",
+                                             "chunk_separator": SEP}))
     report["engine_start_s"] = round(time.monotonic() - t0, 1)
     tok = llm.get_tokenizer()
     enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
@@ -185,45 +225,36 @@ def run(model_dir, d, dump_dir, report, np, kvblend):
     st0 = d.stats()
     reuse_b = gen([p_b], [segs((0, l1, "chunk"), (l1, len(q), "fresh"))], "reuse_request_s")[0]
     st1 = d.stats()
-    sent = st1["bytes_out"] - st0["bytes_out"]
+    opens = st1["requests_fuse_open"] - st0["requests_fuse_open"]
     gets = st1["requests_get"] - st0["requests_get"]
     check("(b) exact prefix: output equals plain vLLM", reuse_b == plain_b,
           f"{tok.decode(reuse_b)!r} vs {tok.decode(plain_b)!r}")
-    # The chunk's bytes cross in shared memory: bytes_out counts the reply frames only.
-    check("(b) daemon served the chunk", sent > 0 and gets == 1, f"bytes_out +{sent}, gets {gets}")
-    check("(b) one load dumped", len(list(dump_dir.glob("load-*.npz"))) == 1)
+    # Landed: the daemon wrote the chunk into vLLM's cache itself (a landing session).
+    check("(b) daemon landed the chunk", opens == 1 and gets == 0,
+          f"fuse_open +{opens}, get +{gets}")
+    dumps = list(dump_dir.glob("load-*.npz"))
+    check("(b) one load dumped, landed", len(dumps) == 1 and all(
+        str(np.load(f)["path"]) == "landed" for f in dumps))
 
-    # (c)
-    for f in dump_dir.glob("*"):
-        f.unlink()
+    # (c) landed, then copied (the test hook): both against NumPy
     l2 = len(docs[1])
     p_c = docs[1] + docs[0] + q
-    reuse_c = gen([p_c], [segs((0, l2, "chunk"), (l2, l1, "chunk"), (l2 + l1, len(q), "fresh"))])[0]
+    seg_c = segs((0, l2, "chunk"), (l2, l1, "chunk"), (l2 + l1, len(q), "fresh"))
+    for how in ("landed", "copied"):
+        for f in dump_dir.glob("load-*.npz"):
+            f.unlink()
+        if how == "copied":
+            (dump_dir / "copy-loads").touch()
+        reuse_c = gen([p_c], [seg_c])[0]
+        (dump_dir / "copy-loads").unlink(missing_ok=True)
+        dumps = sorted(dump_dir.glob("load-*.npz"))
+        check(f"(c) one load dumped, {how}",
+              len(dumps) == 1 and str(np.load(dumps[0])["path"]) == how)
+        if dumps:
+            check_landed_rows(d, hashes, [(l2, 0), (l1, l2)], dumps[0], how, report, np,
+                              kvblend)
     plain_c = gen([p_c], [None])[0]
     report["c_output_equals_plain"] = reuse_c == plain_c  # not required: no cross-attention
-    dumps = sorted(dump_dir.glob("load-*.npz"))
-    check("(c) one load dumped", len(dumps) == 1)
-    if dumps:
-        with kvblend.Client(d.endpoint) as c:
-            worst = {}
-            for name, h, start, n in (("doc2", hashes[1], 0, l2), ("doc1", hashes[0], l2, l1)):
-                stored = c.get("smollm2-test", h)  # [L, 2, T, H, hd], keys at positions 0..
-                rerot = c.get_rerotated("smollm2-test", h, pos=start)
-                ref_k = rope_rotate(stored[:, 0], start)
-                k, v = decode_dump(dumps[0], list(range(start, start + n)))
-                # float32 rotation of keys of magnitude up to ~20: a few 1e-5 apart from
-                # a float64 reference; a wrong position or layout is off by the keys' size.
-                worst[name] = {
-                    "landed_k": float(np.abs(k - ref_k).max()),
-                    "landed_v": float(np.abs(v - stored[:, 1]).max()),
-                    "daemon_k": float(np.abs(rerot[:, 0] - ref_k).max()),
-                    "shift_size": float(np.abs(ref_k - stored[:, 0]).max()),
-                }
-            report["c_max_abs_diff"] = worst
-            for name, w in worst.items():
-                check(f"(c) {name} landed K equals NumPy re-rotation", w["landed_k"] < 1e-3, str(w))
-                check(f"(c) {name} landed V equals stored V", w["landed_v"] == 0.0)
-                check(f"(c) {name} daemon re-rotation equals NumPy", w["daemon_k"] < 1e-3)
 
     # time to first token, plain vs reuse of three chunks (min of 3, alternating)
     p_t = docs[1] + docs[0] + docs[2] + q
@@ -276,6 +307,43 @@ def run(model_dir, d, dump_dir, report, np, kvblend):
     check("(g) failed load: injected", not (dump_dir / "fail-next-load").exists())
     check("(g) failed load: output equals plain vLLM", got == plain_b,
           f"{tok.decode(got)!r}")
+
+    # (h) the separator: a chunk ends with it, what follows the last one is fresh
+    s3 = docs[2] + SEP
+    store_documents(llm, [s3])
+    p_h = s3 + q
+    plain_h = gen([p_h], [{"kvblend": {"segments": []}}])[0]
+    st0 = d.stats()
+    got = gen([p_h], [None])[0]
+    st1 = d.stats()
+    check("(h) separator: the chunk landed",
+          st1["requests_fuse_open"] - st0["requests_fuse_open"] == 1)
+    check("(h) separator: output equals plain vLLM", got == plain_h, f"{tok.decode(got)!r}")
+
+    # (i) a storing request over two steps (chunked prefill), then reused as a prefix
+    long_doc = docs[0] + docs[1] + docs[2]
+    check("(i) the document takes two steps", len(long_doc) > 256, str(len(long_doc)))
+    before = d.stats()["chunks"]
+    h_long = store_documents(llm, [long_doc])[0]
+    with kvblend.Client(d.endpoint) as c:
+        info = c.lookup("smollm2-test", [h_long])[0]
+    check("(i) chunked prefill: stored", d.stats()["chunks"] == before + 1 and info.found
+          and info.num_tokens == len(long_doc))
+    p_i = long_doc + q
+    plain_i = gen([p_i], [None])[0]
+    got = gen([p_i], [segs((0, len(long_doc), "chunk"), (len(long_doc), len(q), "fresh"))])[0]
+    check("(i) chunked prefill: reuse equals plain vLLM", got == plain_i, f"{tok.decode(got)!r}")
+
+    # (j) preemption: 6 x 137 tokens need 2 blocks each at the end; 7 are usable
+    n_j = 6
+    st0 = d.stats()
+    got = gen([p_b] * n_j, [segs((0, l1, "chunk"), (l1, len(q), "fresh"))] * n_j)
+    st1 = d.stats()
+    opens = st1["requests_fuse_open"] - st0["requests_fuse_open"]
+    report["j_loads"] = opens
+    check("(j) preempted and resumed requests loaded again", opens > n_j, f"{opens} loads")
+    check("(j) preemption: every output equals plain vLLM",
+          all(g == plain_b for g in got), str([g == plain_b for g in got]))
 
     # (f)
     d.stop()

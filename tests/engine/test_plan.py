@@ -4,7 +4,11 @@ Parsing of kv_transfer_params and the claim (kvblend._vllm_plan.plan_request, wh
 KvblendConnector.get_num_new_matched_tokens answers) for: all chunks found, a middle
 chunk missing, a fresh span in the middle, nothing found, the whole prompt covered (one
 token left to vLLM), a resumed request (num_computed > 0), bad parameters, and a chunk
-stored with another length. Exit 0 when every check passes, 77 when skipped.
+stored with another length; and chunk boundaries by a configured separator token sequence
+(chunks end with the separator, the rest is fresh; explicit parameters win; bad
+configurations refused); and the worker's region for vLLM's KV cache
+(kvblend._vllm_land.CacheRegion): the one allocation taken, and refusals that name the
+daemon's setting (shm_max) or the endpoint. Exit 0 when every check passes, 77 when skipped.
 """
 
 import os
@@ -36,6 +40,11 @@ def main():
     d = Daemon()
     try:
         run(d)
+    finally:
+        d.stop()
+    d = Daemon("--shm-max", "1M")
+    try:
+        region(d)
     finally:
         d.stop()
     print("test_plan: " + ("FAILED " + ", ".join(failures) if failures else "passed"))
@@ -86,6 +95,7 @@ def run(d):
         check("unknown model: daemon error",
               _raises(lambda: plan.plan_request(cl, "nope", 2, {"kvblend": {"segments": [A]}},
                                                 prompt, 0)), "UnknownModel")
+        separator(cl, rng, a, b, c, prompt[90:])
 
     bad = [
         ("kvblend not a dict", {"kvblend": [1]}),
@@ -112,6 +122,96 @@ def run(d):
     check("full blocks of 100..300 (bs 64)", list(plan.full_blocks(100, 300, 64)), [2, 3])
     check("full blocks of 0..128 (bs 128)", list(plan.full_blocks(0, 128, 128)), [0])
     check("full blocks of 0..127 (bs 128)", list(plan.full_blocks(0, 127, 128)), [])
+
+
+def separator(cl, rng, a, b, c, q):
+    """Chunk boundaries by a separator: stored chunks are documents + separator."""
+    sep = [50001, 50002]  # outside the random prompt's ids (< 50000)
+    sa, sb = a + sep, b + sep
+    for ids in (sa, sb):
+        cl.put(MODEL.name, kvblend.chunk_hash(ids),
+               rng.standard_normal(MODEL.kv_shape(len(ids))).astype(np.float32))
+
+    def sclaim(ids, nc=0, params=None):
+        n, loads = plan.plan_request(cl, MODEL.name, MODEL.num_layers, params, ids, nc, sep)
+        return n, [(ld.start, ld.first, ld.last) for ld in loads]
+
+    na, nb = len(sa), len(sb)
+    check("separator: both chunks, fresh question", sclaim(sa + sb + q),
+          (na + nb, [(0, 0, na), (na, na, na + nb)]))
+    check("separator: prompt ends with one: one token left", sclaim(sa + sb),
+          (na + nb - 1, [(0, 0, na), (na, na, na + nb - 1)]))
+    check("separator: none in the prompt", sclaim(a + b + q), (0, []))
+    check("separator: middle chunk not stored", sclaim(sa + c + sep + sb + q), (na, [(0, 0, na)]))
+    check("separator: resumed inside the second chunk", sclaim(sa + sb + q, nc=na + 3),
+          (nb - 3, [(na, na + 3, na + nb)]))
+    check("separator: explicit parameters win",
+          sclaim(sa + sb + q, params={"kvblend": {"segments": [[0, na, "chunk"]]}}),
+          (na, [(0, 0, na)]))
+    check("separator: without one configured", plan.plan_request(
+        cl, MODEL.name, MODEL.num_layers, None, sa + sb + q, 0), (0, []))
+
+    def segs(ids, sp):
+        p = plan.separator_params(ids, sp)
+        return None if p is None else [(x.start, x.length, x.kind) for x in p.segments]
+
+    check("split: leading and doubled separators", segs([9, 9, 1, 9, 9, 9, 9, 2], [9, 9]),
+          [(0, 2, "chunk"), (2, 3, "chunk"), (5, 2, "chunk"), (7, 1, "fresh")])
+    check("split: not overlapping", segs([5, 5, 5, 1], [5, 5]), [(0, 2, "chunk"), (2, 2, "fresh")])
+    check("split: the separator alone", segs([3], [3]), [(0, 1, "chunk")])
+    check("split: a partial separator at the end", segs([1, 2, 3, 4], [4, 5]), None)
+    check("split: too many separators",
+          _raises(lambda: plan.separator_params([7] * 5000, [7])), "ParamError")
+    check("config: a list of ids", plan.parse_separator([0, 4294967295]), (0, 4294967295))
+    check("config: none", plan.parse_separator(None), None)
+    for what, raw in (("empty", []), ("a string", "\n\n"), ("negative", [-1]),
+                      ("a bool", [True]), ("too large", [2**32]), ("too long", [1] * 65),
+                      ("a float", [1.0])):
+        check(f"config refused: {what}", _raises(lambda r=raw: plan.parse_separator(r)),
+              "ParamError")
+
+
+def region(d):
+    """The allocation context vLLM's KV cache goes through (torch, no engine)."""
+    import logging
+
+    import torch
+    from kvblend._vllm_land import CacheRegion
+
+    lines = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+
+    log = logging.getLogger("test_plan.region")
+    log.addHandler(Keep())
+    size = 512 << 10
+    r = CacheRegion(d.endpoint, 2000, size, log)
+    ctx = r.context()
+    check("region: a context", ctx is not None, True)
+    with ctx:
+        other = torch.zeros(size + 8, dtype=torch.int8)
+        cache = torch.zeros(size, dtype=torch.int8, device="cpu")
+        again = torch.zeros(size, dtype=torch.int8)
+    check("region: the cache is the region", cache.data_ptr() == r.buf.ctypes.data, True)
+    check("region: other allocations are not", other.data_ptr() != r.buf.ctypes.data
+          and again.data_ptr() != r.buf.ctypes.data, True)
+    cache[7] = 5
+    check("region: writes reach the region", int(r.buf[7]), 5)
+    check("region: taken once", r.taken, True)
+    big = CacheRegion(d.endpoint, 2000, 2 << 20, log)
+    check("region: too large for shm_max: no context", big.context(), None)
+    check("region: the log line names shm_max", "shm_max" in lines[-1], True)
+    tcp = CacheRegion("tcp://127.0.0.1:1", 2000, size, log)
+    check("region: tcp: no context", tcp.context(), None)
+    check("region: the log line names the endpoint", "not ipc://" in lines[-1], True)
+    unused = CacheRegion(d.endpoint, 2000, size, log)
+    with unused.context():
+        torch.zeros(size, dtype=torch.float32)
+    unused.attach([], None, 128)
+    check("region: not taken: landing off", (unused.active, unused.buf), (False, None))
+    check("region: the log line says why", "did not allocate" in lines[-1], True)
 
 
 def _raises(fn):

@@ -1,7 +1,7 @@
 /*
  * Landing fuse sessions through the real kvblendd and libkvblend: the daemon
  * writes fused layers into the node's own buffers (a region), in contiguous,
- * padded and paged layouts, and the result must be byte for byte what the
+ * padded and paged layouts and with K transposed per page (vLLM's CPU cache), and the result must be byte for byte what the
  * classic session (kvb_fuse_layer) returns for the same request; check layers
  * take only the metric's plane (packed, strided in place, or in frames) and
  * name the dropped rows; reuse-only sessions; errors; nothing lands after close.
@@ -135,27 +135,35 @@ static void classic(struct fixture *f, const struct kvb_fuse_params *p, uint8_t 
 	free(v);
 }
 
-static uint8_t *row_at(const struct kvb_kv_layout *y, int kv, uint32_t l, uint32_t t, uint32_t h)
+/* Element d of head h of token t of layer l: K by ks when not NULL (kvb_kv_strides). */
+static uint8_t *elem_at(const struct kvb_kv_layout *y, const struct kvb_kv_strides *ks, int kv,
+			uint32_t l, uint32_t t, uint32_t h, uint32_t d)
 {
-	uint8_t *p = (uint8_t *)(kv ? y->v : y->k) + (size_t)l * y->layer_stride + h * y->head_stride;
+	bool own = ks && !kv;
+	size_t ts = own ? ks->token_stride : y->token_stride;
+	uint8_t *p = (uint8_t *)(kv ? y->v : y->k) + (size_t)l * y->layer_stride +
+		     h * (own ? ks->head_stride : y->head_stride) + d * (own ? ks->dim_stride : 2);
 
 	if (y->page_tokens)
 		return p + (size_t)y->pages[t / y->page_tokens] * y->page_stride +
-		       (size_t)(t % y->page_tokens) * y->token_stride;
-	return p + (size_t)t * y->token_stride;
+		       (size_t)(t % y->page_tokens) * ts;
+	return p + (size_t)t * ts;
 }
 
-static void put_row(const struct kvb_kv_layout *y, int kv, uint32_t l, uint32_t t,
-		    const uint8_t *src)
+static void put_row(const struct kvb_kv_layout *y, const struct kvb_kv_strides *ks, int kv,
+		    uint32_t l, uint32_t t, const uint8_t *src)
 {
 	for (uint32_t h = 0; h < H; h++)
-		memcpy(row_at(y, kv, l, t, h), src + h * D * 2, D * 2);
+		for (uint32_t d = 0; d < D; d++)
+			memcpy(elem_at(y, ks, kv, l, t, h, d), src + (h * D + d) * 2, 2);
 }
 
-static void get_row(const struct kvb_kv_layout *y, int kv, uint32_t l, uint32_t t, uint8_t *dst)
+static void get_row(const struct kvb_kv_layout *y, const struct kvb_kv_strides *ks, int kv,
+		    uint32_t l, uint32_t t, uint8_t *dst)
 {
 	for (uint32_t h = 0; h < H; h++)
-		memcpy(dst + h * D * 2, row_at(y, kv, l, t, h), D * 2);
+		for (uint32_t d = 0; d < D; d++)
+			memcpy(dst + (h * D + d) * 2, elem_at(y, ks, kv, l, t, h, d), 2);
 }
 
 enum check_input { PACKED, STRIDED_REGION, STRIDED_HEAP };
@@ -163,10 +171,11 @@ enum check_input { PACKED, STRIDED_REGION, STRIDED_HEAP };
 /*
  * Drive a landing session the way an engine does, into layout y; then compare every
  * layer of y with ref. qkv: a [N][3 rows] buffer the strided check rows come from.
+ * ks: K's own strides (kvb_fuse_open_into_strided), or NULL.
  */
-static void landed(struct fixture *f, const struct kvb_fuse_params *p,
-		   const struct kvb_kv_layout *y, enum check_input in, uint8_t *qkv,
-		   const uint8_t *ref)
+static void landed_k(struct fixture *f, const struct kvb_fuse_params *p,
+		     const struct kvb_kv_layout *y, const struct kvb_kv_strides *ks,
+		     enum check_input in, uint8_t *qkv, const uint8_t *ref)
 {
 	struct kvb_segment segs[4];
 	size_t ns = segments(f, segs);
@@ -176,7 +185,12 @@ static void landed(struct fixture *f, const struct kvb_fuse_params *p,
 	uint8_t row[ROW];
 	kvb_fuse *fu;
 
-	assert_int_equal(kvb_fuse_open_into(f->c, "lm", segs, ns, p, y, &fu, NULL, NULL), 0);
+	if (ks)
+		assert_int_equal(kvb_fuse_open_into_strided(f->c, "lm", segs, ns, p, y, ks, &fu,
+							    NULL, NULL), 0);
+	else
+		assert_int_equal(kvb_fuse_open_into(f->c, "lm", segs, ns, p, y, &fu, NULL, NULL),
+				 0);
 	for (uint32_t l = 0; l < L; l++) {
 		const int32_t *rows, *dropped;
 		size_t nr = kvb_fuse_rows(fu, &rows), nd, prev_n = nr;
@@ -187,15 +201,15 @@ static void landed(struct fixture *f, const struct kvb_fuse_params *p,
 		if (!reuse && l <= first) {
 			/* the node's own layers: every token */
 			for (uint32_t t = 0; t < N; t++) {
-				put_row(y, 0, l, t, fresh_row(f, l, 0, t));
-				put_row(y, 1, l, t, fresh_row(f, l, 1, t));
+				put_row(y, ks, 0, l, t, fresh_row(f, l, 0, t));
+				put_row(y, ks, 1, l, t, fresh_row(f, l, 1, t));
 			}
 			assert_int_equal(kvb_fuse_wait(f->c, fu, l, 0), 0);
 		} else {
 			assert_int_equal(kvb_fuse_wait(f->c, fu, l, 10000), 0);
 			for (size_t i = 0; i < nr; i++) {
-				put_row(y, 0, l, (uint32_t)rows[i], fresh_row(f, l, 0, (uint32_t)rows[i]));
-				put_row(y, 1, l, (uint32_t)rows[i], fresh_row(f, l, 1, (uint32_t)rows[i]));
+				put_row(y, ks, 0, l, (uint32_t)rows[i], fresh_row(f, l, 0, (uint32_t)rows[i]));
+				put_row(y, ks, 1, l, (uint32_t)rows[i], fresh_row(f, l, 1, (uint32_t)rows[i]));
 			}
 		}
 		if (!check)
@@ -242,11 +256,18 @@ static void landed(struct fixture *f, const struct kvb_fuse_params *p,
 	for (uint32_t l = 0; l < L; l++)
 		for (int kv = 0; kv < 2; kv++)
 			for (uint32_t t = 0; t < N; t++) {
-				get_row(y, kv, l, t, row);
+				get_row(y, ks, kv, l, t, row);
 				if (memcmp(row, ref + (((size_t)l * 2 + (size_t)kv) * N + t) * ROW, ROW))
 					fail_msg("layer %u %c token %u differs from the classic session",
 						 l, kv ? 'V' : 'K', t);
 			}
+}
+
+static void landed(struct fixture *f, const struct kvb_fuse_params *p,
+		   const struct kvb_kv_layout *y, enum check_input in, uint8_t *qkv,
+		   const uint8_t *ref)
+{
+	landed_k(f, p, y, NULL, in, qkv, ref);
 }
 
 static const uint32_t checks2[2] = { 1, 3 };
@@ -312,6 +333,52 @@ static void test_paged_and_padded_match_classic(void **state)
 		assert_int_equal(kvb_region_free(f->c, r2), 0);
 	}
 	free(ref);
+}
+
+/*
+ * vLLM's CPU cache: per block and head, K transposed [D][PT], then V rows [PT][D];
+ * blocks shuffled. K lands by its own strides, with check layers and reuse only.
+ */
+static void test_transposed_k_matches_classic(void **state)
+{
+	struct fixture *f = *state;
+	struct kvb_fuse_params p = { checks2, ratios2, 2, KVB_METRIC_VALUE };
+	struct kvb_fuse_params none = { NULL, NULL, 0, KVB_METRIC_VALUE };
+	uint8_t *ref = malloc((size_t)L * 2 * N * ROW);
+	enum { PT = 16, NB = 5 };
+	uint32_t pages[NB] = { 3, 0, 4, 1, 2 };
+	size_t hs = 2 * PT * D * 2, block = H * hs, layer = NB * block;
+	uint8_t *reg = kvb_region_alloc(f->c, L * layer);
+	struct kvb_kv_layout y = { reg, reg + PT * D * 2, layer, D * 2, hs, PT, block, pages, NB };
+	struct kvb_kv_strides ks = { 2, hs, PT * 2 };
+	kvb_fuse *fu;
+	struct kvb_segment segs[4];
+	size_t ns = segments(f, segs);
+
+	assert_non_null(reg);
+	classic(f, &p, ref);
+	landed_k(f, &p, &y, &ks, PACKED, NULL, ref);
+	memset(reg, 0, L * layer);
+	classic(f, &none, ref);
+	landed_k(f, &none, &y, &ks, PACKED, NULL, ref);
+	/* the K side is checked against the region by its own strides */
+	ks.dim_stride = layer;
+	assert_int_equal(kvb_fuse_open_into_strided(f->c, "lm", segs, ns, NULL, &y, &ks, &fu, NULL,
+						    NULL), KVB_E_BAD_SHM);
+	assert_non_null(strstr(kvb_last_error(f->c), "spans"));
+	ks.dim_stride = SIZE_MAX / 4;
+	assert_int_equal(kvb_fuse_open_into_strided(f->c, "lm", segs, ns, NULL, &y, &ks, &fu, NULL,
+						    NULL), KVB_E_BAD_SHAPE);
+	ks.dim_stride = 0;
+	assert_int_equal(kvb_fuse_open_into_strided(f->c, "lm", segs, ns, NULL, &y, &ks, &fu, NULL,
+						    NULL), -EINVAL);
+	assert_non_null(strstr(kvb_last_error(f->c), "dim_stride"));
+	/* NULL strides: kvb_fuse_open_into() */
+	assert_int_equal(kvb_fuse_open_into_strided(f->c, "lm", segs, ns, NULL, &y, NULL, &fu, NULL,
+						    NULL), 0);
+	assert_int_equal(kvb_fuse_close(f->c, &fu, NULL, NULL), 0);
+	free(ref);
+	assert_int_equal(kvb_region_free(f->c, reg), 0);
 }
 
 static void test_reuse_only(void **state)
@@ -431,6 +498,7 @@ int main(void)
 	const struct CMUnitTest tests[] = {
 		cmocka_unit_test_setup_teardown(test_contiguous_matches_classic, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_paged_and_padded_match_classic, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_transposed_k_matches_classic, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_reuse_only, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_errors, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_nothing_lands_after_close, setup, teardown),

@@ -333,6 +333,46 @@ def test_landing_paged_and_reuse_only(client, chunks):
     client.free_region(region)
 
 
+def test_landing_transposed_k(client, chunks):
+    """vLLM's CPU layout: per block and head, K transposed [head_dim, page], then V rows."""
+    (ha, _), (hb, _) = chunks
+    segs = [(ha, 0), (NF, TA), (hb, TA + NF)]
+    n = TA + TB + NF
+    new = np.random.default_rng(9).standard_normal((M.num_layers, 2, n, 2, 16)).astype(np.float16)
+    page, blocks, hd, h = 8, 4, M.head_dim, M.num_kv_heads
+    pages = np.array([2, 0, 3], np.uint32)
+    raw_shape = (M.num_layers, blocks, h, 2, page * hd)
+    region = client.region(int(np.prod(raw_shape)) * 2)
+    raw = region.view(np.float16).reshape(raw_shape)
+    e, ls, bs_ = 2, raw.strides[0], raw.strides[1]
+    view = (M.num_layers, blocks, page, h, hd)
+    k = np.lib.stride_tricks.as_strided(
+        raw[..., 0, :], view, (ls, bs_, e, raw.strides[2], page * e)
+    )
+    v = np.lib.stride_tricks.as_strided(raw[..., 1, :], view, (ls, bs_, hd * e, raw.strides[2], e))
+
+    def flat(x, layer):
+        return np.concatenate([x[layer, b] for b in pages])[:n]
+
+    with client.fuse_open(M.name, segs, [], []) as s:
+        fused = run(s, new, reuse=True)
+    s = client.fuse_open_into(M.name, segs, k, v, pages=pages)
+    for layer in range(M.num_layers):
+        s.wait(layer, timeout=10)
+        for t in s.rows():
+            k[layer, pages[t // page], t % page] = new[layer, 0, t]
+            v[layer, pages[t // page], t % page] = new[layer, 1, t]
+    assert s.close()["layers_landed"] == M.num_layers
+    for layer in range(M.num_layers):
+        kf, vf = fused[layer]
+        assert np.array_equal(flat(k, layer), kf), f"layer {layer} K"
+        assert np.array_equal(flat(v, layer), vf), f"layer {layer} V"
+    # K is where vLLM reads it: element d of token s of a block at d * page + s
+    kf = fused[2][0]
+    assert np.array_equal(raw[2, pages[0], 1, 0, 3 * page + 5], kf[5, 1, 3])
+    client.free_region(region)
+
+
 def test_landing_layout_errors(client, chunks):
     (ha, _), _ = chunks
     region = client.region(2 * M.num_layers * TA * M.row_bytes)

@@ -129,6 +129,16 @@ class KvbKvLayout(ctypes.Structure):
     ]
 
 
+class KvbKvStrides(ctypes.Structure):
+    """struct kvb_kv_strides (ABI 1.1)."""
+
+    _fields_ = [
+        ("token_stride", ctypes.c_size_t),
+        ("head_stride", ctypes.c_size_t),
+        ("dim_stride", ctypes.c_size_t),
+    ]
+
+
 HashArray = ctypes.c_uint8 * HASH_LEN
 _P = ctypes.c_void_p
 _HASH = ctypes.POINTER(ctypes.c_uint8)
@@ -176,6 +186,21 @@ _PROTOTYPES = {
             ctypes.POINTER(KvbSegment),
             _SZ,
             ctypes.POINTER(KvbFuseParams),
+            ctypes.POINTER(_P),
+            ctypes.POINTER(_HASH),
+            _PSZ,
+        ],
+    ),
+    "kvb_fuse_open_into_strided": (
+        _INT,
+        [
+            _P,
+            _STR,
+            ctypes.POINTER(KvbSegment),
+            _SZ,
+            ctypes.POINTER(KvbFuseParams),
+            ctypes.POINTER(KvbKvLayout),
+            ctypes.POINTER(KvbKvStrides),
             ctypes.POINTER(_P),
             ctypes.POINTER(_HASH),
             _PSZ,

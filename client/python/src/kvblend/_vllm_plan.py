@@ -131,6 +131,63 @@ def parse_params(kv_transfer_params: Any, prompt_len: int) -> Params | None:
     return Params(tuple(segs), store)
 
 
+#: Longest chunk separator (tokens) the connector accepts in its configuration.
+MAX_SEPARATOR = 64
+
+
+def parse_separator(raw: Any) -> tuple[int, ...] | None:
+    """Validate ``kv_connector_extra_config["chunk_separator"]``: token ids, or None.
+
+    Raises
+    ------
+    ParamError
+        Not a non-empty list of at most MAX_SEPARATOR token ids (ints in [0, 2**32)).
+    """
+    if raw is None:
+        return None
+    if not isinstance(raw, (list, tuple)) or not 1 <= len(raw) <= MAX_SEPARATOR:
+        raise ParamError(
+            f"chunk_separator must be a list of 1 to {MAX_SEPARATOR} token ids, got {raw!r}"
+        )
+    ids = tuple(_int(t, "chunk_separator token") for t in raw)
+    if any(not 0 <= t < 2**32 for t in ids):
+        raise ParamError(f"chunk_separator token ids must be in [0, 2**32), got {list(ids)}")
+    return ids
+
+
+def separator_params(prompt_ids: Sequence[int], sep: Sequence[int]) -> Params | None:
+    """Segments of a prompt split by a separator token sequence; None when it has none.
+
+    Every occurrence of ``sep`` (left to right, not overlapping) ends a chunk: chunk i
+    runs from the end of the previous separator (or the prompt's start) through the end
+    of separator i, separator included, so that chunks lie back to back and all can be
+    loaded. The tokens after the last separator are fresh. Store such chunks with their
+    trailing separator (``store_documents(llm, [doc + sep, ...])``).
+
+    Raises
+    ------
+    ParamError
+        More than MAX_SEGMENTS segments.
+    """
+    ids, m = list(prompt_ids), len(sep)
+    sep = list(sep)
+    segs: list[Segment] = []
+    start = i = 0
+    while i + m <= len(ids):
+        if ids[i] == sep[0] and ids[i : i + m] == sep:
+            segs.append(Segment(start, i + m - start, CHUNK))
+            start = i = i + m
+            if len(segs) >= MAX_SEGMENTS:
+                raise ParamError(f"the prompt has more than {MAX_SEGMENTS - 1} chunk separators")
+            continue
+        i += 1
+    if not segs:
+        return None
+    if start < len(ids):
+        segs.append(Segment(start, len(ids) - start, FRESH))
+    return Params(tuple(segs), False)
+
+
 def chunk_segments(params: Params) -> list[Segment]:
     """Return the chunk segments of ``params``, in prompt order."""
     return [s for s in params.segments if s.kind == CHUNK]
@@ -206,6 +263,7 @@ def plan_request(
     kv_transfer_params: Any,
     prompt_ids: Sequence[int],
     num_computed: int,
+    separator: Sequence[int] | None = None,
 ) -> tuple[int, list[ChunkLoad]]:
     """Parse a request's parameters, look its chunks up, and claim (the scheduler's answer).
 
@@ -223,11 +281,15 @@ def plan_request(
         The prompt.
     num_computed : int
         Tokens vLLM already has.
+    separator : sequence of int, optional
+        The configured chunk separator: a request without kvblend parameters is split
+        by it (:func:`separator_params`).
 
     Returns
     -------
     (int, list of ChunkLoad)
-        As :func:`claim`; (0, []) for a request without kvblend parameters.
+        As :func:`claim`; (0, []) for a request without kvblend parameters (nor a
+        separator in its prompt).
 
     Raises
     ------
@@ -240,6 +302,8 @@ def plan_request(
 
     ids = list(prompt_ids)
     params = parse_params(kv_transfer_params, len(ids))
+    if params is None and separator:
+        params = separator_params(ids, separator)
     if params is None:
         return 0, []
     segs = chunk_segments(params)

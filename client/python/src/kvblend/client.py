@@ -809,8 +809,11 @@ class Client:
         k, v : ndarray
             Views into one :meth:`region`, in the model's dtype: ``[layers, tokens,
             kv_heads, head_dim]``, or with ``pages`` a paged cache ``[layers, blocks,
-            page_tokens, kv_heads, head_dim]``. Any strides (K and V the same ones;
-            head_dim contiguous): e.g. K and V interleaved in one array.
+            page_tokens, kv_heads, head_dim]``. Any strides, the same layer and page
+            strides for K and V, head_dim contiguous in V: e.g. K and V interleaved in
+            one array. K's token, head and head_dim strides may differ from V's (e.g.
+            vLLM's CPU cache, K transposed per block and head); the daemon then lands
+            K by them (``kvb_fuse_open_into_strided``).
         pages : sequence of int, optional
             The block table: token t of the prompt is in block ``pages[t //
             page_tokens]``, slot ``t % page_tokens``.
@@ -828,7 +831,7 @@ class Client:
         for name, a in (("k", k), ("v", v)):
             if not isinstance(a, np.ndarray) or a.ndim != nd:
                 raise BadArgument(-22, f"{name} must be a {nd}-dimensional ndarray")
-            if not _dtype_ok(a, m) or a.strides[-1] != a.dtype.itemsize:
+            if not _dtype_ok(a, m) or (name == "v" and a.strides[-1] != a.dtype.itemsize):
                 raise BadArgument(
                     -22, f"{name}: elements of {m.dtype} (got {a.dtype}), head_dim contiguous"
                 )
@@ -840,16 +843,16 @@ class Client:
                 )
             if not a.flags.writeable:
                 raise BadArgument(-22, f"{name} must be writable")
-        if k.strides != v.strides or k.shape != v.shape:
-            raise BadArgument(-22, "k and v must have the same shape and strides")
-        if min(k.strides) < 0:
+        if k.strides[: nd - 3] != v.strides[: nd - 3] or k.shape != v.shape:
+            raise BadArgument(-22, "k and v must have the same shape, layer and page strides")
+        if min(k.strides + v.strides) < 0:
             raise BadArgument(-22, "negative strides are not supported")
         lay = _lib.KvbKvLayout()
         lay.k = k.ctypes.data
         lay.v = v.ctypes.data
         lay.layer_stride = k.strides[0]
-        lay.head_stride = k.strides[-2]
-        lay.token_stride = k.strides[-3]
+        lay.head_stride = v.strides[-2]
+        lay.token_stride = v.strides[-3]
         table = None
         if paged:
             table = np.ascontiguousarray(np.asarray(pages, dtype=np.uint32))
@@ -861,7 +864,15 @@ class Client:
             lay.n_pages = table.size
         carr, n, params = self._fuse_args(segments, check_layers, ratios, metric)
         p = ctypes.byref(params) if len(check_layers) else None
-        f = self._open_call(lib.kvb_fuse_open_into, model, (carr, n, p, ctypes.byref(lay)))
+        if k.strides == v.strides:
+            f = self._open_call(lib.kvb_fuse_open_into, model, (carr, n, p, ctypes.byref(lay)))
+        else:
+            ks = _lib.KvbKvStrides(k.strides[-3], k.strides[-2], k.strides[-1])
+            f = self._open_call(
+                lib.kvb_fuse_open_into_strided,
+                model,
+                (carr, n, p, ctypes.byref(lay), ctypes.byref(ks)),
+            )
         s = LandingSession(self, f, m, tuple(check_layers), metric, (k, v, table))
         self._sessions.append(s)
         return s

@@ -37,6 +37,7 @@ from vllm.logger import init_logger
 
 from . import _vllm_blend as blend
 from . import _vllm_plan as plan
+from ._vllm_land import CacheRegion
 from .client import Client, Model, chunk_hash, default_endpoint
 from .errors import KvblendError
 
@@ -57,6 +58,9 @@ SUPPORTED_VLLM = "0.32"
 
 #: Test hook: while the file this names exists, the worker's next load fails (and removes it).
 FAIL_LOAD_ENV = "KVBLEND_VLLM_FAIL_LOAD_FILE"
+
+#: Test hook: while the file this names exists, loads are copied, not landed.
+COPY_ENV = "KVBLEND_VLLM_COPY_FILE"
 
 #: Debug hook: when set to a folder, the worker writes the raw cache blocks it filled in
 #: each load there (``load-<n>.npz``), for tests that check the landed rows independently.
@@ -237,6 +241,10 @@ class KvblendConnector(KVConnectorBase_V1):
         self.endpoint: str = extra.get("endpoint") or default_endpoint()
         self.timeout_ms = int(extra.get("timeout_ms", 5000))
         self.model_name: str = extra.get("model_name") or default_model_name(vllm_config)
+        try:
+            self.separator = plan.parse_separator(extra.get("chunk_separator"))
+        except plan.ParamError as e:
+            raise _refuse(str(e)) from None
         if vllm_config.cache_config.enable_prefix_caching:
             raise _refuse(
                 "prefix caching must be off (enable_prefix_caching=False): blocks filled "
@@ -274,6 +282,8 @@ class KvblendConnector(KVConnectorBase_V1):
         self._gathered: dict[str, np.ndarray] = {}
         self._dump_dir = os.environ.get(DUMP_ENV)
         self._dumps = 0
+        self._region: CacheRegion | None = None  # the cache in a kvblend region (landing)
+        self._landing: dict[str, LoadSpec] = {}  # this step's loads the daemon lands
         logger.info(
             "kvblend: connector (%s) on %s, model %r", role.name, self.endpoint, self.model_name
         )
@@ -334,11 +344,18 @@ class KvblendConnector(KVConnectorBase_V1):
                 kvp,
                 request.prompt_token_ids or [],
                 num_computed_tokens,
+                self.separator,
             )
             self._logged.discard("lookup")  # log the next outage again
             return out
         except plan.ParamError as e:
-            logger.warning("kvblend: request %s served without kvblend: %s", request.request_id, e)
+            # Once per request: vLLM asks again while the request waits for blocks.
+            self._log_once(
+                "params:" + request.request_id,
+                "request %s served without kvblend: %s",
+                request.request_id,
+                e,
+            )
         except KvblendError as e:
             self._drop_client()
             self._log_once("lookup", "daemon error, serving without kvblend: %s", e)
@@ -410,7 +427,10 @@ class KvblendConnector(KVConnectorBase_V1):
         for i, rid in enumerate(cached.req_ids):
             if rid in self._stores:
                 new = cached.new_block_ids[i]
-                if new:
+                if rid in cached.resumed_req_ids:
+                    # Resumed after preemption: new_block_ids is its whole block list.
+                    self._stores[rid].block_ids = list(new[0]) if new else []
+                elif new:
                     self._stores[rid].block_ids.extend(new[0])
                 progress[rid] = cached.num_computed_tokens[i]
         for rid, done in progress.items():
@@ -425,9 +445,23 @@ class KvblendConnector(KVConnectorBase_V1):
         """Forget the request; its blocks are vLLM's to free at once."""
         self._plans.pop(request.request_id, None)
         self._stores.pop(request.request_id, None)
+        self._logged.discard("params:" + request.request_id)
         return False, None
 
     # ---- worker side ----
+
+    def get_mem_pool_context(self) -> Any:
+        """Place vLLM's one KV-cache allocation in a kvblend region (ipc:// daemons).
+
+        Returns a context (see ``kvblend._vllm_land``) or None: vLLM then allocates as
+        usual and loads take the copy path (one log line says why).
+        """
+        sizes = {t.size for t in self._kv_cache_config.kv_cache_tensors}
+        if len(sizes) != 1:
+            logger.warning("kvblend: landing off: %d KV-cache allocations, not one", len(sizes))
+            return None
+        self._region = CacheRegion(self.endpoint, self.timeout_ms, sizes.pop(), logger)
+        return self._region.context()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Keep K and V views of each layer's cache (CPU "vec" layout); register the model."""
@@ -457,6 +491,10 @@ class KvblendConnector(KVConnectorBase_V1):
                 self._blend_model = blend.worker_model(self._vllm_config)
             except (RuntimeError, AttributeError) as e:
                 raise _refuse(f"blending configured, but {e}") from None
+        if self._region is not None:
+            idx = list(self._layer_of.values())
+            order = sorted(range(len(idx)), key=idx.__getitem__)
+            self._region.attach([self._raw[i] for i in order], self.model, bs)
         try:
             self._daemon()
         except KvblendError as e:
@@ -469,7 +507,13 @@ class KvblendConnector(KVConnectorBase_V1):
         return table[pos // self.block_size], pos % self.block_size
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        """Write each claimed chunk, re-rotated to its position, into the request's blocks."""
+        """Land (or write) each claimed chunk, re-rotated to its position, in the request's blocks.
+
+        With the cache in a region, a load whose chunks lie back to back from position 0
+        gets a landing session: the daemon writes the layers itself, and
+        wait_for_layer_load waits for each. Other loads are copied here from the
+        daemon's reply.
+        """
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvblendMetadata)
         for ld in meta.loads:
@@ -479,6 +523,15 @@ class KvblendConnector(KVConnectorBase_V1):
                 if fail and os.path.exists(fail):
                     os.unlink(fail)
                     raise RuntimeError("load failure injected by " + FAIL_LOAD_ENV)
+                copy = os.environ.get(COPY_ENV)
+                if (
+                    self._region is not None
+                    and ld.blend is None
+                    and not (copy and os.path.exists(copy))
+                    and self._region.open(self.model_name, ld.req_id, ld.chunks, ld.block_ids)
+                ):
+                    self._landing[ld.req_id] = ld
+                    continue
                 client = self._daemon()
                 if ld.blend is not None:
                     blend.load_blend(
@@ -500,32 +553,55 @@ class KvblendConnector(KVConnectorBase_V1):
                         self._v[layer][blk, :, off, :] = rows[layer, 1]
             except (KvblendError, ValueError, IndexError, RuntimeError, TimeoutError) as e:
                 self._drop_client()
-                bad = {
-                    ld.block_ids[i // self.block_size]
-                    for c in ld.chunks
-                    for i in range(c.first, c.last, 1)
-                }
-                if ld.blend is not None:
-                    bad |= {ld.block_ids[i // self.block_size] for i in range(len(ld.blend.ids))}
-                self._load_errors |= bad
-                logger.warning(
-                    "kvblend: load for %s failed (%s); vLLM recomputes its %d blocks",
-                    ld.req_id,
-                    e,
-                    len(bad),
-                )
+                self._load_failed(ld, str(e))
                 continue
             logger.info(
-                "kvblend: %s %d tokens of %s in %.3f s",
+                "kvblend: %s %d tokens of %s in %.3f s%s",
                 "blended" if ld.blend is not None else "loaded",
                 sum(c.last - c.first for c in ld.chunks) + len(ld.blend.ids if ld.blend else []),
                 ld.req_id,
                 time.monotonic() - t0,
+                "" if ld.blend is not None else " (copied from the daemon's reply)",
             )
             if self._dump_dir:
-                self._dump(ld)
+                self._dump(ld, "blended" if ld.blend is not None else "copied")
 
-    def _dump(self, ld: LoadSpec) -> None:
+    def _load_failed(self, ld: LoadSpec, why: str) -> None:
+        """Report a load's blocks to vLLM, which recomputes them (policy 'recompute')."""
+        bad = {
+            ld.block_ids[i // self.block_size] for c in ld.chunks for i in range(c.first, c.last)
+        }
+        if ld.blend is not None:
+            bad |= {ld.block_ids[i // self.block_size] for i in range(len(ld.blend.ids))}
+        self._load_errors |= bad
+        logger.warning(
+            "kvblend: load for %s failed (%s); vLLM recomputes its %d blocks",
+            ld.req_id,
+            why,
+            len(bad),
+        )
+
+    def _landed(self) -> None:
+        """Close this step's landing sessions: log each load, report the failed ones."""
+        assert self._region is not None
+        for rid, (st, secs, failed) in self._region.close_all().items():
+            ld = self._landing.pop(rid)
+            if failed:
+                self._load_failed(ld, "landing stopped")
+                continue
+            logger.info(
+                "kvblend: loaded %d tokens of %s in %.3f s (landed by kvblendd in vLLM's cache: "
+                "the time the engine waited; %d layers, daemon landing %.1f ms)",
+                sum(c.last - c.first for c in ld.chunks),
+                rid,
+                secs,
+                int(st.get("layers_landed", 0)),
+                st.get("land_ms", 0.0),
+            )
+            if self._dump_dir:
+                self._dump(ld, "landed")
+
+    def _dump(self, ld: LoadSpec, how: str) -> None:
         """Write the raw blocks a load touched (debug hook for tests, DUMP_ENV)."""
         spans = [(c.first, c.last) for c in ld.chunks]
         if ld.blend is not None:
@@ -542,10 +618,18 @@ class KvblendConnector(KVConnectorBase_V1):
             block_size=self.block_size,
             chunks=np.array([[c.start, c.length, c.first, c.last] for c in ld.chunks]),
             hashes=np.array([c.hash.hex() for c in ld.chunks]),
+            path=how,  # "landed" or "copied"
         )
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Nothing to wait for: start_load_kv wrote every layer before the forward pass."""
+        """Wait until this step's landing sessions have the layer in vLLM's cache.
+
+        Copied loads were written in start_load_kv. A session that stops (an error, or
+        past ``timeout_ms``) has its blocks recomputed by vLLM (reported at the step's end).
+        """
+        if self._region is None or not self._region.sessions:
+            return
+        self._region.wait(self._layer_of[layer_name], self.timeout_ms / 1000)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
@@ -566,7 +650,9 @@ class KvblendConnector(KVConnectorBase_V1):
             torch.from_numpy(buf[layer, 1])[:] = self._v[layer][blk, :, off, :]
 
     def wait_for_save(self) -> None:
-        """PUT each chunk gathered this step (base position 0)."""
+        """Close this step's landing sessions; PUT each chunk gathered this step (position 0)."""
+        if self._region is not None and self._region.sessions:
+            self._landed()
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvblendMetadata)
         for st in meta.stores:
@@ -585,7 +671,9 @@ class KvblendConnector(KVConnectorBase_V1):
         return bad
 
     def shutdown(self) -> None:
-        """Close the daemon connection."""
+        """Close the daemon connection (the region's client stays: vLLM's cache lives there)."""
+        if self._region is not None and self._region.sessions:
+            self._landed()
         self._drop_client()
 
 
