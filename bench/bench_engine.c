@@ -7,10 +7,12 @@
  * and 3 ms, at 1K, 4K and 8K tokens; and, with no node compute, the rate at
  * which re-rotated rows land in the node's cache against memcpy of the same
  * bytes in the same run. r = 0.15, check layer 1, 32 fresh tokens, 4-8 chunks.
- * Starts its own daemon.
+ * The node's cache is contiguous ([K|V][layers][tokens][heads][head_dim]) or paged
+ * as vLLM's CPU cache is ([layers][blocks][heads][K|V][128 slots][head_dim], the
+ * block table shuffled). Starts its own daemon.
  *
  * usage: bench_engine [--daemon PATH] [--shape mistral|smollm|both] [--tokens 1024,4096,8192]
- *                     [--node-ms 0,1,3] [--repeats N]
+ *                     [--node-ms 0,1,3] [--repeats N] [--layout rows|paged|both]
  *
  * The node's compute is a sleep to a deadline (its GPU works; its CPU is free
  * for the daemon), so a layer's wait is the time the daemon was not hidden.
@@ -31,6 +33,7 @@
 #define FRESH 32
 #define CHECK 1
 #define RATIO 0.15
+#define PAGE 128 /* vLLM's CPU block size */
 
 struct shape {
 	const char *what;
@@ -83,7 +86,82 @@ struct run {
 	uint8_t *cache; /* the node's KV cache: [2][layers][n] rows, in a region */
 	uint8_t *src;	/* memcpy's source: as many bytes as land */
 	double node_ms;
+	uint32_t *table; /* paged: the block table (NULL: contiguous rows) */
+	uint32_t n_blocks;
 };
+
+/* The node's cache as a landing layout. */
+static struct kvb_kv_layout layout(const struct run *r)
+{
+	size_t hb = r->row / r->m->num_kv_heads, layer = (size_t)r->n * r->row;
+	size_t hs = 2 * PAGE * hb, page = r->m->num_kv_heads * hs;
+
+	if (!r->table)
+		return (struct kvb_kv_layout){ r->cache, r->cache + (size_t)r->m->num_layers * layer,
+					       layer, r->row, hb, 0, 0, NULL, 0 };
+	return (struct kvb_kv_layout){ r->cache, r->cache + PAGE * hb, r->n_blocks * page, hb, hs,
+				       PAGE, page, r->table, r->n_blocks };
+}
+
+/* Head h of token t's K (kv 0) or V (kv 1) in layer l of the node's cache. */
+static uint8_t *at(const struct kvb_kv_layout *y, int kv, uint32_t l,
+		   uint32_t t, uint32_t h)
+{
+	uint8_t *p = (uint8_t *)(kv ? y->v : y->k) + (size_t)l * y->layer_stride + h * y->head_stride;
+
+	if (y->page_tokens)
+		return p + (size_t)y->pages[t / y->page_tokens] * y->page_stride +
+		       (size_t)(t % y->page_tokens) * y->token_stride;
+	return p + (size_t)t * y->token_stride;
+}
+
+/* The node writes rows of a layer ([n][heads][head_dim] each of K and V) into its cache. */
+static void put_rows(const struct run *r, uint32_t l, const uint8_t *k, const uint8_t *v,
+		     const int32_t *rows, size_t nr)
+{
+	struct kvb_kv_layout y = layout(r);
+	size_t hb = r->row / r->m->num_kv_heads;
+
+	for (size_t i = 0; i < nr; i++) {
+		uint32_t t = rows ? (uint32_t)rows[i] : (uint32_t)i;
+
+		for (uint32_t h = 0; h < r->m->num_kv_heads; h++) {
+			memcpy(at(&y, 0, l, t, h), k + (size_t)t * r->row + h * hb, hb);
+			memcpy(at(&y, 1, l, t, h), v + (size_t)t * r->row + h * hb, hb);
+		}
+	}
+}
+
+/* memcpy of the bytes one landing writes (cached tokens, layers after the check), in
+ * runs as long as the layout allows, from a source as large; returns GB/s. */
+static double memcpy_rate(const struct run *r, uint32_t cached)
+{
+	struct kvb_kv_layout y = layout(r);
+	const struct kvb_model *m = r->m;
+	size_t hb = r->row / m->num_kv_heads, bytes = 0;
+	const uint8_t *src = r->src;
+	double t = now_s();
+
+	for (uint32_t l = CHECK + 1; l < m->num_layers; l++)
+		for (int kv = 0; kv < 2; kv++) {
+			if (!r->table) {
+				memcpy(at(&y, kv, l, 0, 0), src, cached * r->row);
+				src += cached * r->row;
+				bytes += cached * r->row;
+				continue;
+			}
+			for (uint32_t t0 = 0; t0 < cached; t0 += PAGE) {
+				uint32_t n = cached - t0 < PAGE ? cached - t0 : PAGE;
+
+				for (uint32_t h = 0; h < m->num_kv_heads; h++) {
+					memcpy(at(&y, kv, l, t0, h), src, n * hb);
+					src += n * hb;
+					bytes += n * hb;
+				}
+			}
+		}
+	return bytes / (now_s() - t) / 1e9;
+}
 
 /* Classic session: per layer after the check layer, the mean wait (ms) of call + copy-in. */
 static double run_classic(struct run *r)
@@ -121,8 +199,13 @@ static double run_classic(struct run *r)
 		}
 		/* The node's attention reads its own cache: the fused layer goes there. */
 		if (fused && kvb_fuse_output(fu, &fk, &fv) == 0) {
-			memcpy(r->cache + (size_t)l * layer_bytes, fk, layer_bytes);
-			memcpy(r->cache + ((size_t)m->num_layers + l) * layer_bytes, fv, layer_bytes);
+			if (r->table) {
+				put_rows(r, l, fk, fv, NULL, r->n);
+			} else {
+				memcpy(r->cache + (size_t)l * layer_bytes, fk, layer_bytes);
+				memcpy(r->cache + ((size_t)m->num_layers + l) * layer_bytes, fv,
+				       layer_bytes);
+			}
 		}
 		if (l > CHECK)
 			waited += now_s() - t;
@@ -144,8 +227,7 @@ static double run_landing(struct run *r, double *land_s, double *check_ms, doubl
 	double ratio = RATIO, waited = 0, t_open, t;
 	struct kvb_fuse_params p = { &check, &ratio, 1, KVB_METRIC_VALUE };
 	size_t layer_bytes = (size_t)r->n * r->row;
-	struct kvb_kv_layout y = { r->cache, r->cache + (size_t)m->num_layers * layer_bytes,
-				   layer_bytes, r->row, r->row / m->num_kv_heads, 0, 0, NULL, 0 };
+	struct kvb_kv_layout y = layout(r);
 	kvb_fuse *fu;
 
 	t_open = now_s();
@@ -178,13 +260,7 @@ static double run_landing(struct run *r, double *land_s, double *check_ms, doubl
 		if (l + 1 == m->num_layers)
 			*land_s = now_s() - t_open;
 		/* then the node writes its own rows of the layer */
-		for (size_t i = 0; i < nr; i++) {
-			memcpy(r->cache + (size_t)l * layer_bytes + (size_t)rows[i] * r->row,
-			       r->kv + (size_t)rows[i] * r->row, r->row);
-			memcpy(r->cache + ((size_t)m->num_layers + l) * layer_bytes +
-				       (size_t)rows[i] * r->row,
-			       r->kv + layer_bytes + (size_t)rows[i] * r->row, r->row);
-		}
+		put_rows(r, l, r->kv, r->kv + layer_bytes, rows, nr);
 	}
 	kvb_fuse_close(r->c, &fu, &st, &n_st);
 	for (size_t i = 0; i < n_st; i++)
@@ -214,6 +290,7 @@ int main(int argc, char **argv)
 	char daemon_path[512], dir[] = "/tmp/kvb-benche-XXXXXX", ep[300];
 	double sizes[8] = { 1024, 4096, 8192 }, node[8] = { 0, 1, 3 };
 	unsigned n_sizes = 3, n_node = 3, repeats = 3, shape_lo = 0, shape_hi = 2;
+	int layout_lo = 0, layout_hi = 1; /* 0 rows, 1 paged */
 	/* Stored raw, as real KV is (bitshuffle+LZ4 saves under 1% on it; this fill would compress). */
 	const char *extra[] = { "--shm-max", "4G", "--shm-total", "16G", "--compress-min-saving",
 				"100", NULL };
@@ -235,9 +312,14 @@ int main(int argc, char **argv)
 			i++;
 			shape_lo = !strcmp(argv[i], "smollm");
 			shape_hi = !strcmp(argv[i], "mistral") ? 1 : 2;
+		} else if (!strcmp(argv[i], "--layout") && i + 1 < argc) {
+			i++;
+			layout_lo = !strcmp(argv[i], "paged");
+			layout_hi = !strcmp(argv[i], "rows") ? 1 : 2;
 		} else {
 			fprintf(stderr, "usage: bench_engine [--daemon PATH] [--shape mistral|smollm|both] "
-					"[--tokens 1024,4096,8192] [--node-ms 0,1,3] [--repeats N]\n");
+					"[--tokens 1024,4096,8192] [--node-ms 0,1,3] [--repeats N] "
+					"[--layout rows|paged|both]\n");
 			return 2;
 		}
 	}
@@ -253,7 +335,8 @@ int main(int argc, char **argv)
 	}
 	printf("kvblend bench_engine: r = %.2f, check layer %d, %d fresh tokens, median of %u runs\n",
 	       RATIO, CHECK, FRESH, repeats);
-	for (unsigned si = shape_lo; si < shape_hi; si++) {
+	for (unsigned si = shape_lo; si < shape_hi; si++)
+	for (int paged = layout_lo; paged < layout_hi; paged++) {
 		const struct kvb_model *m = &shapes[si].m;
 		size_t row = (size_t)m->num_kv_heads * m->head_dim * 2;
 
@@ -261,7 +344,10 @@ int main(int argc, char **argv)
 			fprintf(stderr, "model: %s\n", kvb_last_error(c));
 			break;
 		}
-		printf("\n%s\n\n", shapes[si].what);
+		printf("\n%s, %s\n\n", shapes[si].what,
+		       paged ? "paged cache (vLLM's CPU layout: blocks of 128, per head K then V, "
+			       "block table shuffled)"
+			     : "contiguous cache");
 		printf("| tokens | node ms/layer | classic wait ms/layer | landing wait ms/layer | "
 		       "landing check ms | landed GB/s, wall (/memcpy) | landed GB/s, daemon "
 		       "(/memcpy) | memcpy GB/s |\n");
@@ -269,10 +355,28 @@ int main(int argc, char **argv)
 		for (unsigned zi = 0; zi < n_sizes; zi++) {
 			uint32_t n = (uint32_t)sizes[zi], n_chunks = n >= 4096 ? 8 : 4;
 			uint32_t cached = n - FRESH, per = cached / n_chunks, pos = 0;
+			uint32_t nb = (n + PAGE - 1) / PAGE;
 			size_t layer_bytes = (size_t)n * row, cache_bytes = 2 * m->num_layers * layer_bytes;
 			struct run r = { c, m, calloc(n_chunks + 1, sizeof(struct kvb_segment)),
 					 n_chunks + 1, n, row, malloc(2 * layer_bytes),
-					 malloc(2 * layer_bytes), NULL, 0 };
+					 malloc(2 * layer_bytes), NULL, 0, 0, NULL, 0 };
+
+			if (paged) {
+				uint64_t x = 12345;
+
+				r.n_blocks = nb;
+				r.table = malloc(nb * sizeof(uint32_t));
+				for (uint32_t b = 0; b < nb; b++)
+					r.table[b] = b;
+				for (uint32_t b = nb - 1; b > 0; b--) { /* shuffled, as a busy engine's are */
+					uint32_t j, tmp;
+
+					x = x * 6364136223846793005ull + 1442695040888963407ull;
+					j = (uint32_t)((x >> 33) % (b + 1));
+					tmp = r.table[b], r.table[b] = r.table[j], r.table[j] = tmp;
+				}
+				cache_bytes = (size_t)m->num_layers * nb * 2 * PAGE * row;
+			}
 
 			r.cache = kvb_region_alloc(c, cache_bytes);
 			if (!r.cache) {
@@ -309,21 +413,11 @@ int main(int argc, char **argv)
 				run_classic(&r);
 				run_landing(&r, &ls[0], &ck[0], &ds[0]);
 				for (unsigned k = 0; k < repeats && k < 16; k++) {
-					double t;
-
 					cw[k] = run_classic(&r);
 					lw[k] = run_landing(&r, &ls[k], &ck[k], &ds[k]);
 					/* memcpy of the bytes that landed, from a source as large (as the
 					 * stored layers are), into the same cache */
-					t = now_s();
-					for (uint32_t l = CHECK + 1; l < m->num_layers; l++) {
-						const uint8_t *src = r.src + (size_t)(l - CHECK - 1) * 2 * cached * row;
-
-						memcpy(r.cache + (size_t)l * layer_bytes, src, cached * row);
-						memcpy(r.cache + ((size_t)m->num_layers + l) * layer_bytes,
-						       src + cached * row, cached * row);
-					}
-					mc[k] = land_bytes / (now_s() - t) / 1e9;
+					mc[k] = memcpy_rate(&r, cached);
 					ls[k] = land_bytes / ls[k] / 1e9;
 					ds[k] = land_bytes / ds[k] / 1e9;
 				}
@@ -346,6 +440,7 @@ int main(int argc, char **argv)
 			free(r.kv);
 			free(r.pk);
 			free(r.src);
+			free(r.table);
 		}
 	}
 	printf("\nwait: per layer after the check layer, the time the node is held beyond its own "

@@ -42,6 +42,13 @@ uint64_t checksum_apply(const void *src, size_t n, size_t unit,
 	return checksum_apply_prefixed(NULL, 0, src, n, unit, fn, ctx);
 }
 
+size_t checksum_apply_block(size_t unit)
+{
+	if (!unit)
+		return FUSE_BLOCK;
+	return unit >= FUSE_BLOCK ? unit : FUSE_BLOCK / unit * unit;
+}
+
 const char *checksum_impl(void)
 {
 	return have_avx2() ? "avx2" : "sse2";

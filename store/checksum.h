@@ -32,6 +32,13 @@ uint64_t checksum_apply_prefixed(const void *prefix, size_t plen, const void *sr
 				 void (*fn)(void *ctx, const void *src, size_t off, size_t len),
 				 void *ctx);
 
+/*
+ * The largest block checksum_apply() hands fn at once for this unit: the unit
+ * itself when it is at least the cache block (16 KiB), else as many units as fit
+ * in one. A transform that stages a block in scratch memory needs this much.
+ */
+size_t checksum_apply_block(size_t unit);
+
 /* "avx2" or "sse2": which implementation runs here. */
 const char *checksum_impl(void);
 

@@ -10,6 +10,8 @@
 /* Hash a block while it is still in L1, then copy it: one trip to memory, not two. */
 #define FUSE_BLOCK (16u << 10)
 
+size_t checksum_apply_block(size_t unit);
+
 #define CAT_(a, b) a##b
 #define CAT(a, b) CAT_(a, b)
 
@@ -50,7 +52,7 @@ uint64_t CAT(checksum_apply_, CHECKSUM_SUFFIX)(const void *prefix, size_t plen, 
 					       void (*fn)(void *, const void *, size_t, size_t),
 					       void *ctx)
 {
-	size_t block = unit >= FUSE_BLOCK ? unit : FUSE_BLOCK / unit * unit;
+	size_t block = checksum_apply_block(unit);
 	const unsigned char *s = src;
 	XXH3_state_t st;
 

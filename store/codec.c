@@ -3,6 +3,7 @@
 
 #include <blosc.h>
 #include <errno.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "checksum.h"
@@ -344,4 +345,41 @@ int codec_decode_xform(const void *src, size_t src_len, void *dst, size_t dst_le
 	if (consumed)
 		*consumed = CODEC_HEADER_SIZE + h.stored_size;
 	return 0;
+}
+
+static void apply_block(void *ctx, const void *src, size_t off, size_t len)
+{
+	const struct codec_xform *x = ctx;
+
+	x->fn(x->ctx, src, NULL, off, len);
+}
+
+int codec_apply(const void *src, size_t src_len, size_t raw_size, size_t *consumed,
+		const struct codec_xform *x)
+{
+	const uint8_t *payload = (const uint8_t *)src + CODEC_HEADER_SIZE;
+	struct codec_header h;
+	size_t block = checksum_apply_block(x->unit);
+	uint8_t *buf;
+	int rc = codec_peek(src, src_len, &h);
+
+	if (rc)
+		return rc;
+	if (h.raw_size != raw_size)
+		return -EINVAL;
+	if (h.kind == CODEC_RAW) {
+		if (checksum_apply(payload, raw_size, x->unit, apply_block, (void *)x) != h.checksum)
+			return -EBADMSG;
+		if (consumed)
+			*consumed = CODEC_HEADER_SIZE + h.stored_size;
+		return 0;
+	}
+	buf = malloc(raw_size ? raw_size : 1);
+	if (!buf)
+		return -ENOMEM;
+	rc = codec_decode(src, src_len, buf, raw_size, consumed);
+	for (size_t off = 0; !rc && off < raw_size; off += block)
+		x->fn(x->ctx, buf + off, NULL, off, raw_size - off < block ? raw_size - off : block);
+	free(buf);
+	return rc;
 }

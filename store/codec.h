@@ -130,4 +130,17 @@ struct codec_xform {
 int codec_decode_xform(const void *src, size_t src_len, void *dst, size_t dst_len,
 		       size_t *consumed, const struct codec_xform *x);
 
+/*
+ * Decode one tensor of raw_size bytes and hand it to x->fn(ctx, src, NULL, off,
+ * len) a block at a time (dst NULL: the transform writes wherever it keeps the
+ * rows, e.g. scattered into a paged cache). Raw tensors are hashed and handed
+ * over in one pass, each block while it is in cache (blocks of at most
+ * checksum_apply_block(x->unit) bytes); compressed and quantized ones are decoded
+ * whole into a temporary buffer, verified, then handed over in blocks of that
+ * size. Errors as codec_decode(), plus -ENOMEM; on -EBADMSG the transform may
+ * already have written garbage, never to be served.
+ */
+int codec_apply(const void *src, size_t src_len, size_t raw_size, size_t *consumed,
+		const struct codec_xform *x);
+
 #endif

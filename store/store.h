@@ -200,6 +200,18 @@ int store_chunk_get_layer(struct store *s, const struct store_model *m,
 			  void *v_dst, uint64_t tensor_bytes, const struct codec_xform *k_xform);
 
 /*
+ * Verify one layer's K and V and hand each, a cache-sized block at a time, to
+ * its transform (codec_apply(): the transforms write the rows where they go;
+ * tensor_bytes as for store_chunk_get_layer()). One pass over stored raw
+ * tensors. Same errors as store_chunk_get_layer(), plus -ENOMEM; on an error the
+ * transforms may have written part of the layer.
+ */
+int store_chunk_apply_layer(struct store *s, const struct store_model *m,
+			    const uint8_t hash[STORE_HASH_LEN], uint32_t layer,
+			    uint64_t tensor_bytes, const struct codec_xform *k_xform,
+			    const struct codec_xform *v_xform);
+
+/*
  * A chunk as stored, for copying it to another daemon: its record into *info,
  * then fn(ctx, layer, bytes, len) for every layer with the layer's stored value
  * (encoded K then encoded V, as codec.h writes them), in one read transaction

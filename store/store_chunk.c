@@ -451,13 +451,32 @@ void store_view_free(struct store_view **vp)
 	*vp = NULL;
 }
 
+/* The value of one layer of a chunk, in txn, after checking the chunk against m and tensor_bytes. */
+static int layer_value(struct store *s, MDB_txn *txn, const struct store_model *m,
+		       const uint8_t hash[STORE_HASH_LEN], uint32_t layer, uint64_t tensor_bytes,
+		       MDB_val *v)
+{
+	struct store_chunk_info ci;
+	uint8_t key[LAYER_KEY_LEN];
+	MDB_val k = { LAYER_KEY_LEN, key };
+	int rc = st_chunk_info_txn(s, txn, m->id, hash, &ci);
+
+	if (rc)
+		return rc;
+	if (ci.num_layers != m->num_layers)
+		return -EBADMSG;
+	if (store_tensor_bytes(m, ci.num_tokens) != tensor_bytes)
+		return -ENOBUFS;
+	layer_key(key, m->id, hash, layer);
+	rc = st_err_from_mdb(mdb_get(txn, s->layers, &k, v));
+	return rc == -ENOENT ? -EBADMSG : rc;
+}
+
 int store_chunk_get_layer(struct store *s, const struct store_model *m,
 			  const uint8_t hash[STORE_HASH_LEN], uint32_t layer, void *k_dst,
 			  void *v_dst, uint64_t tensor_bytes, const struct codec_xform *k_xform)
 {
-	struct store_chunk_info ci;
-	uint8_t key[LAYER_KEY_LEN];
-	MDB_val k = { LAYER_KEY_LEN, key }, v;
+	MDB_val v;
 	size_t used = 0;
 	MDB_txn *txn;
 	int rc;
@@ -467,21 +486,7 @@ int store_chunk_get_layer(struct store *s, const struct store_model *m,
 	rc = st_rtxn_begin(s, &txn);
 	if (rc)
 		return rc;
-	rc = st_chunk_info_txn(s, txn, m->id, hash, &ci);
-	if (rc)
-		goto out;
-	if (ci.num_layers != m->num_layers) {
-		rc = -EBADMSG;
-		goto out;
-	}
-	if (store_tensor_bytes(m, ci.num_tokens) != tensor_bytes) {
-		rc = -ENOBUFS;
-		goto out;
-	}
-	layer_key(key, m->id, hash, layer);
-	rc = st_err_from_mdb(mdb_get(txn, s->layers, &k, &v));
-	if (rc == -ENOENT)
-		rc = -EBADMSG;
+	rc = layer_value(s, txn, m, hash, layer, tensor_bytes, &v);
 	if (!rc)
 		rc = k_xform ? codec_decode_xform(v.mv_data, v.mv_size, k_dst, tensor_bytes, &used,
 						  k_xform)
@@ -491,7 +496,33 @@ int store_chunk_get_layer(struct store *s, const struct store_model *m,
 				  tensor_bytes, NULL);
 	if (rc == -EINVAL)
 		rc = -EBADMSG;
-out:
+	st_rtxn_end(s, txn);
+	return rc;
+}
+
+int store_chunk_apply_layer(struct store *s, const struct store_model *m,
+			    const uint8_t hash[STORE_HASH_LEN], uint32_t layer,
+			    uint64_t tensor_bytes, const struct codec_xform *k_xform,
+			    const struct codec_xform *v_xform)
+{
+	MDB_val v;
+	size_t used = 0;
+	MDB_txn *txn;
+	int rc;
+
+	if (layer >= m->num_layers)
+		return -EINVAL;
+	rc = st_rtxn_begin(s, &txn);
+	if (rc)
+		return rc;
+	rc = layer_value(s, txn, m, hash, layer, tensor_bytes, &v);
+	if (!rc)
+		rc = codec_apply(v.mv_data, v.mv_size, tensor_bytes, &used, k_xform);
+	if (!rc)
+		rc = codec_apply((const uint8_t *)v.mv_data + used, v.mv_size - used, tensor_bytes,
+				 NULL, v_xform);
+	if (rc == -EINVAL)
+		rc = -EBADMSG;
 	st_rtxn_end(s, txn);
 	return rc;
 }

@@ -104,8 +104,7 @@ struct fuse_session {
 	uint32_t land_code; /* a layer failed to land: its kvbp code (0: none) */
 	bool direct;	   /* rows of a chunk are contiguous in the node's buffers */
 	struct slot *cslot; /* one per check layer: K and V of all tokens */
-	struct slot stage;  /* when !direct: a layer is loaded here, then scattered */
-	uint8_t *land_buf;  /* memory of cslot[] and stage */
+	uint8_t *land_buf;  /* memory of cslot[] */
 	uint64_t ns_land;
 	struct dev_sess *dv; /* the session's ring on the device (the table has one), or NULL */
 	struct timespec last_used;

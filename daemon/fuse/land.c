@@ -12,6 +12,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "checksum.h"
 #include "fuse_impl.h"
 #include "log.h"
 
@@ -129,20 +130,18 @@ uint32_t land_setup(struct fuse_table *t, struct fuse_session *s,
 	return KVBP_OK;
 }
 
-/* The check-layer slots and the staging slot, in one allocation of bytes. */
+/* The check-layer slots, in one allocation of bytes. */
 int land_alloc(struct fuse_session *s, uint64_t bytes)
 {
 	size_t slot = 2 * (size_t)s->n * s->row_bytes;
 
-	s->cslot = calloc(s->n_checks + 1, sizeof(*s->cslot));
+	s->cslot = calloc(s->n_checks ? s->n_checks : 1, sizeof(*s->cslot));
 	s->land_buf = bytes ? calloc(1, bytes) : NULL;
 	if (!s->cslot || (bytes && !s->land_buf))
 		return -ENOMEM;
-	for (size_t i = 0; i <= s->n_checks; i++) {
-		struct slot *sl = i < s->n_checks ? &s->cslot[i] : &s->stage;
+	for (size_t i = 0; i < s->n_checks; i++) {
+		struct slot *sl = &s->cslot[i];
 
-		if (i == s->n_checks && s->direct)
-			break;
 		sl->layer = -1;
 		sl->k = s->land_buf + i * slot;
 		sl->v = sl->k + slot / 2;
@@ -171,19 +170,19 @@ static inline uint64_t land_off(const struct fuse_session *s, uint64_t base, uin
 #define K_TILE 16
 
 /*
- * K rows [a, b) of slot sl into layer l by the layout's own K strides (e.g. transposed
- * per page): in tiles of up to K_TILE tokens of one page, element column by column.
+ * K rows [a, b) of layer l, from src ([b - a][heads][head_dim], rows row_bytes apart),
+ * by the layout's own K strides (e.g. transposed per page): in tiles of up to K_TILE
+ * tokens of one page, element column by column.
  */
-static void land_k_strided(const struct fuse_session *s, const struct slot *sl, uint32_t l,
-			   uint32_t a, uint32_t b)
+static void land_k_strided(const struct fuse_session *s, uint32_t l, uint32_t a, uint32_t b,
+			   const uint8_t *src)
 {
 	size_t hs = s->lay.k_head_stride, ds = s->lay.k_dim_stride, ts = s->lay.k_token_stride;
 	size_t es = s->m.elem_size, rb = s->row_bytes;
 	uint32_t hd = s->m.head_dim, pt = s->lay.page_tokens;
 
-	for (uint32_t t = a, run; t < b; t += run) {
+	for (uint32_t t = a, run; t < b; t += run, src += (size_t)run * rb) {
 		uint8_t *dst = s->land_mem + land_off(s, s->lay.k_offset, ts, l, t);
-		const uint8_t *src = sl->k + (size_t)t * rb;
 
 		run = b - t < K_TILE ? b - t : K_TILE;
 		if (pt && run > pt - t % pt)
@@ -203,29 +202,92 @@ static void land_k_strided(const struct fuse_session *s, const struct slot *sl, 
 	}
 }
 
+/*
+ * Write n rows (src: [n][heads][head_dim]) from token t on into layer l of V, or of
+ * K (kv 0) by its own strides where the layout gives K some.
+ */
+static void land_put_rows(const struct fuse_session *s, int kv, uint32_t l, uint32_t t,
+			  uint32_t n, const uint8_t *src)
+{
+	size_t hb = (size_t)s->m.head_dim * s->m.elem_size;
+	uint64_t base = kv ? s->lay.v_offset : s->lay.k_offset;
+	uint64_t ts = kv ? s->lay.token_stride : s->lay.k_token_stride;
+
+	if (!kv && s->lay.k_dim_stride) {
+		land_k_strided(s, l, t, t + n, src);
+		return;
+	}
+	for (uint32_t i = 0; i < n; i++, src += s->row_bytes) {
+		uint8_t *dst = s->land_mem + land_off(s, base, ts, l, t + i);
+
+		if (s->lay.head_stride == hb) {
+			memcpy(dst, src, s->row_bytes);
+			continue;
+		}
+		for (uint32_t h = 0; h < s->m.num_kv_heads; h++)
+			memcpy(dst + h * s->lay.head_stride, src + h * hb, hb);
+	}
+}
+
 /* Copy rows [a, b) of slot sl (K and V) into layer l of the node's buffers. */
 static void land_rows(const struct fuse_session *s, const struct slot *sl, uint32_t l, uint32_t a,
 		      uint32_t b)
 {
-	size_t hb = (size_t)s->m.head_dim * s->m.elem_size;
+	size_t off = (size_t)a * s->row_bytes;
 
-	if (s->lay.k_dim_stride)
-		land_k_strided(s, sl, l, a, b);
-	/* K rows too, unless K has strides of its own (landed above) */
-	for (uint32_t t = a; t < b; t++)
-		for (int i = s->lay.k_dim_stride ? 1 : 0; i < 2; i++) {
-			const uint8_t *src = (i ? sl->v : sl->k) + (size_t)t * s->row_bytes;
-			uint8_t *dst = s->land_mem +
-				       (i ? land_off(s, s->lay.v_offset, s->lay.token_stride, l, t)
-					  : land_off(s, s->lay.k_offset, s->lay.k_token_stride, l, t));
+	land_put_rows(s, 0, l, a, b - a, sl->k + off);
+	land_put_rows(s, 1, l, a, b - a, sl->v + off);
+}
 
-			if (s->lay.head_stride == hb) {
-				memcpy(dst, src, s->row_bytes);
-				continue;
-			}
-			for (uint32_t h = 0; h < s->m.num_kv_heads; h++)
-				memcpy(dst + h * s->lay.head_stride, src + h * hb, hb);
-		}
+/* One tensor (K or V) of a chunk's layer on its way from the store to the node's buffers. */
+struct land_scatter {
+	const struct fuse_session *s;
+	struct rotate_ctx *rx; /* K: re-rotate each block first; V: NULL */
+	int kv;		       /* 0 K, 1 V */
+	uint32_t layer;
+	uint32_t row0;	       /* the chunk's first row in the session */
+	uint8_t *tmp;	       /* K: a block of re-rotated rows */
+};
+
+/* codec_apply's transform: a verified block of stored rows, written where the node keeps them. */
+static void land_scatter(void *arg, const void *src, void *dst, size_t off, size_t len)
+{
+	struct land_scatter *a = arg;
+	size_t rb = a->s->row_bytes;
+
+	(void)dst;
+	if (a->rx) {
+		rotate_rows(a->rx, src, a->tmp, off, len);
+		if (a->rx->err)
+			return;
+		src = a->tmp;
+	}
+	land_put_rows(a->s, a->kv, a->layer, a->row0 + (uint32_t)(off / rb), (uint32_t)(len / rb),
+		      src);
+}
+
+/*
+ * Land chunk c of layer l where the node's rows are not contiguous (paged, or
+ * heads apart): one pass, each block verified, re-rotated into a cache-sized
+ * scratch and scattered while it is in cache.
+ */
+static int land_scattered(struct fuse_table *t, struct fuse_session *s, struct chunk_ref *c,
+			  uint32_t l)
+{
+	struct rotate_ctx rx = { t->be, s, c, 0 };
+	struct land_scatter ks = { s, &rx, 0, l, c->off, NULL };
+	struct land_scatter vs = { s, NULL, 1, l, c->off, NULL };
+	struct codec_xform kx = { land_scatter, &ks, s->row_bytes };
+	struct codec_xform vx = { land_scatter, &vs, s->row_bytes };
+	int rc;
+
+	ks.tmp = malloc(checksum_apply_block(s->row_bytes));
+	if (!ks.tmp)
+		return -ENOMEM;
+	rc = store_chunk_apply_layer(t->store, &s->m, c->hash, l,
+				     (uint64_t)c->tokens * s->row_bytes, &kx, &vx);
+	free(ks.tmp);
+	return rc ? rc : rx.err;
 }
 
 struct land_job {
@@ -235,14 +297,12 @@ struct land_job {
 	uint32_t layer;
 };
 
-/* Land chunk i of a layer: straight from the store when its rows lie together, else staged. */
+/* Land chunk i of a layer: from the check slot it is in, or verified straight from the store. */
 static int land_chunk(void *arg, size_t i)
 {
 	struct land_job *j = arg;
 	struct fuse_session *s = j->s;
 	struct chunk_ref *c = &s->chunks[i];
-	struct load_job lj = { j->t, s, &s->stage, j->layer, 0 };
-	int rc;
 
 	if (j->from) {
 		land_rows(s, j->from, j->layer, c->off, c->off + c->tokens);
@@ -262,10 +322,7 @@ static int land_chunk(void *arg, size_t i)
 								    c->off),
 					     (uint64_t)c->tokens * s->row_bytes, &x);
 	}
-	rc = load_chunk(&lj, i);
-	if (!rc)
-		land_rows(s, &s->stage, j->layer, c->off, c->off + c->tokens);
-	return rc;
+	return land_scattered(j->t, s, c, j->layer);
 }
 
 /* Make check slot i READY, loading it here unless another thread is; session lock held. */

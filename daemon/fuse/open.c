@@ -249,9 +249,9 @@ static uint32_t open_size(struct fuse_table *t, const struct store_model *m,
 		code = land_setup(t, s, &q->land, owner, err, errlen);
 		if (code)
 			return code;
-		/* No ring: a slot per check layer, and one to stage a layer in when the
-		 * node's layout does not keep a chunk's rows together. */
-		p->ring_bytes = ((uint64_t)s->n_checks + !s->direct) * 2 * n * s->row_bytes;
+		/* No ring: a slot per check layer. Other layers go from the store to the
+		 * node's buffers in one pass (land.c), however the node lays them out. */
+		p->ring_bytes = (uint64_t)s->n_checks * 2 * n * s->row_bytes;
 		return KVBP_OK;
 	}
 	/* The ring: re-rotated stored K and V of a few layers, all tokens each. */

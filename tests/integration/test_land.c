@@ -35,6 +35,7 @@ struct fixture {
 	struct daemon d;
 	kvb_client *c;
 	uint8_t hash[3][KVB_HASH_LEN];
+	const char *name; /* the model the sessions use: "lm", or "lm8" (int8), "lmz" (bitshuffle+LZ4) */
 	uint16_t *fresh; /* [L][2][N][H][D]: what the node computes for every token */
 };
 
@@ -47,7 +48,15 @@ static int setup(void **state)
 
 	daemon_start(&f->d, args);
 	f->c = daemon_client(&f->d, 0);
+	struct kvb_model m8 = model, mz = model;
+
+	snprintf(m8.name, sizeof(m8.name), "lm8");
+	m8.store_codec = KVB_STORE_INT8;
+	snprintf(mz.name, sizeof(mz.name), "lmz");
+	f->name = "lm";
 	assert_int_equal(kvb_model_register(f->c, &model, NULL), 0);
+	assert_int_equal(kvb_model_register(f->c, &m8, NULL), 0);
+	assert_int_equal(kvb_model_register(f->c, &mz, NULL), 0);
 	for (uint32_t i = 0; i < 3; i++) {
 		uint32_t ids[2] = { 91, i };
 		size_t n = (size_t)L * 2 * chunk_tokens[i] * H * D;
@@ -56,6 +65,13 @@ static int setup(void **state)
 		fill_f16(kv, n, i + 1);
 		kvb_chunk_hash(ids, 2, f->hash[i]);
 		assert_int_equal(kvb_put(f->c, "lm", f->hash[i], KVB_F16, chunk_tokens[i], 3 * i, kv,
+					 n * 2, NULL), 0);
+		assert_int_equal(kvb_put(f->c, "lm8", f->hash[i], KVB_F16, chunk_tokens[i], 3 * i, kv,
+					 n * 2, NULL), 0);
+		/* low mantissa bits cleared: bitshuffle+LZ4 saves enough to be stored compressed */
+		for (size_t e = 0; e < n; e++)
+			kv[e] &= 0xff80;
+		assert_int_equal(kvb_put(f->c, "lmz", f->hash[i], KVB_F16, chunk_tokens[i], 3 * i, kv,
 					 n * 2, NULL), 0);
 		free(kv);
 	}
@@ -109,7 +125,7 @@ static void classic(struct fixture *f, const struct kvb_fuse_params *p, uint8_t 
 	uint8_t *k = malloc((size_t)N * ROW), *v = malloc((size_t)N * ROW);
 	kvb_fuse *fu;
 
-	assert_int_equal(kvb_fuse_open(f->c, "lm", segs, ns, p, &fu, NULL, NULL), 0);
+	assert_int_equal(kvb_fuse_open(f->c, f->name, segs, ns, p, &fu, NULL, NULL), 0);
 	for (uint32_t l = 0; l < L; l++) {
 		const int32_t *rows;
 		size_t nr;
@@ -186,10 +202,10 @@ static void landed_k(struct fixture *f, const struct kvb_fuse_params *p,
 	kvb_fuse *fu;
 
 	if (ks)
-		assert_int_equal(kvb_fuse_open_into_strided(f->c, "lm", segs, ns, p, y, ks, &fu,
+		assert_int_equal(kvb_fuse_open_into_strided(f->c, f->name, segs, ns, p, y, ks, &fu,
 							    NULL, NULL), 0);
 	else
-		assert_int_equal(kvb_fuse_open_into(f->c, "lm", segs, ns, p, y, &fu, NULL, NULL),
+		assert_int_equal(kvb_fuse_open_into(f->c, f->name, segs, ns, p, y, &fu, NULL, NULL),
 				 0);
 	for (uint32_t l = 0; l < L; l++) {
 		const int32_t *rows, *dropped;
@@ -381,6 +397,55 @@ static void test_transposed_k_matches_classic(void **state)
 	assert_int_equal(kvb_region_free(f->c, reg), 0);
 }
 
+/*
+ * Quantized and compressed stores land in a paged layout (decoded whole, then
+ * scattered) byte for byte as the classic session serves them; the compressed
+ * model's chunks really are stored compressed.
+ */
+static void test_paged_other_codecs(void **state)
+{
+	struct fixture *f = *state;
+	struct kvb_fuse_params p = { checks2, ratios2, 2, KVB_METRIC_KEY };
+	uint8_t *ref = malloc((size_t)L * 2 * N * ROW);
+	enum { PT = 8, NB = 6 };
+	uint32_t pages[NB] = { 5, 0, 3, 1, 4, 2 };
+	/* [layers][blocks][heads][2][PT][D]: per block and head K rows, then V rows */
+	size_t hs = 2 * PT * D * 2, block = H * hs, layer = NB * block;
+	uint8_t *reg = kvb_region_alloc(f->c, L * layer);
+	struct kvb_kv_layout y = { reg, reg + PT * D * 2, layer, D * 2, hs, PT, block, pages, NB };
+	const char *names[2] = { "lm8", "lmz" };
+	struct kvb_chunk_info ci[2];
+
+	assert_non_null(reg);
+	memcpy(ci[0].hash, f->hash[1], KVB_HASH_LEN);
+	memcpy(ci[1].hash, f->hash[1], KVB_HASH_LEN);
+	assert_int_equal(kvb_lookup(f->c, "lmz", &f->hash[1], 1, &ci[0]), 0);
+	assert_int_equal(kvb_lookup(f->c, "lm8", &f->hash[1], 1, &ci[1]), 0);
+	assert_true(ci[0].found && ci[1].found);
+	assert_true(ci[0].stored_bytes < ci[0].raw_bytes * 9 / 10);
+	/* int8 codes plus scales: under 3/4 of f16 */
+	assert_true(ci[1].stored_bytes < ci[1].raw_bytes * 3 / 4);
+	for (int i = 0; i < 2; i++) {
+		f->name = names[i];
+		classic(f, &p, ref);
+		memset(reg, 0, L * layer);
+		landed(f, &p, &y, PACKED, NULL, ref);
+	}
+	{ /* and with K transposed per page, as vLLM's CPU cache keeps it */
+		struct kvb_kv_strides ks = { 2, hs, PT * 2 };
+
+		for (int i = 0; i < 2; i++) {
+			f->name = names[i];
+			classic(f, &p, ref);
+			memset(reg, 0, L * layer);
+			landed_k(f, &p, &y, &ks, PACKED, NULL, ref);
+		}
+	}
+	f->name = "lm";
+	free(ref);
+	assert_int_equal(kvb_region_free(f->c, reg), 0);
+}
+
 static void test_reuse_only(void **state)
 {
 	struct fixture *f = *state;
@@ -499,6 +564,7 @@ int main(void)
 		cmocka_unit_test_setup_teardown(test_contiguous_matches_classic, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_paged_and_padded_match_classic, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_transposed_k_matches_classic, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_paged_other_codecs, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_reuse_only, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_errors, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_nothing_lands_after_close, setup, teardown),
