@@ -110,7 +110,9 @@ struct fuse_layer_plan {
 	/* Bytes of one row a landing check layer reads: row_bytes (the metric's plane), or
 	 * for the attention metric 2 x row_bytes (K, then V, of the token). */
 	size_t check_row_bytes;
-	/* Bytes of A a request may carry (attention metric: 4 x chunk tokens x kv_heads), else 0. */
+	/* The session's metric is attention: a request may carry A, of attn_bytes bytes (4 x
+	 * chunk tokens x kv_heads). */
+	bool attn;
 	uint64_t attn_bytes;
 };
 

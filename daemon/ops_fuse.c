@@ -115,7 +115,7 @@ static int attention_frame(struct req *q, const struct fuse_layer_plan *plan, co
 	*a = NULL;
 	if (!q->h.attention)
 		return 0;
-	if (!plan->attn_bytes) {
+	if (!plan->attn) {
 		fail(q, KVBP_BAD_ARGUMENT, "A (attention) is taken only by a session opened with the "
 		     "attention metric");
 		return -1;

@@ -125,6 +125,7 @@ uint32_t fuse_layer_begin(struct fuse_table *t, uint64_t id, const char *owner, 
 		plan->land = true;
 		plan->check_row_bytes = s->metric == KVBP_METRIC_ATTENTION ? 2 * s->row_bytes
 									   : s->row_bytes;
+		plan->attn = s->metric == KVBP_METRIC_ATTENTION;
 		plan->attn_bytes = attn_bytes(s);
 		pthread_mutex_unlock(&s->lock);
 		*sp = s;
@@ -161,6 +162,7 @@ uint32_t fuse_layer_begin(struct fuse_table *t, uint64_t id, const char *owner, 
 	plan->shared_ring = s->shm_id != 0;
 	plan->device_ring = s->dv && s->dv->exported;
 	plan->check_row_bytes = s->row_bytes;
+	plan->attn = s->metric == KVBP_METRIC_ATTENTION;
 	plan->attn_bytes = attn_bytes(s);
 	pthread_mutex_unlock(&s->lock);
 	*sp = s;
@@ -268,13 +270,13 @@ static uint32_t check_select(struct fuse_table *t, struct fuse_session *s, const
 
 	if (by_attn)
 		ci = malloc((rows + 1) * sizeof(size_t));
-	if (!idx || !cand || !dev || !sel || (by_attn && !ci) || (by_attn && !attn)) {
+	if (!idx || !cand || !dev || !sel || (by_attn && !ci) || (by_attn && !attn && s->n_cached)) {
 		free(idx);
 		free(cand);
 		free(dev);
 		free(sel);
 		free(ci);
-		if (by_attn && !attn)
+		if (by_attn && !attn && s->n_cached)
 			return fail(err, errlen, KVBP_BAD_ARGUMENT, "the attention metric needs A "
 				    "(float32 [%" PRIu32 " chunk tokens, %" PRIu32 " kv heads]) with "
 				    "this check layer or an earlier layer request", s->n_cached,
