@@ -111,13 +111,40 @@ static int fuse_checks(const struct opts *o, uint32_t checks[64], double ratios[
 	}
 	p->n_checks = (size_t)nc;
 	if ((v = opt(o, "--metric"))) {
-		if (strcmp(v, "value") && strcmp(v, "key")) {
-			die("--metric: '%s' is not value or key", v);
+		if (strcmp(v, "value") && strcmp(v, "key") && strcmp(v, "attention")) {
+			die("--metric: '%s' is not value, key or attention", v);
 			return 2;
 		}
-		p->metric = !strcmp(v, "key") ? KVB_METRIC_KEY : KVB_METRIC_VALUE;
+		p->metric = !strcmp(v, "key")	      ? KVB_METRIC_KEY
+			    : !strcmp(v, "attention") ? KVB_METRIC_ATTENTION
+						      : KVB_METRIC_VALUE;
+	}
+	if ((p->metric == KVB_METRIC_ATTENTION) != (opt(o, "--attention") != NULL)) {
+		die("--attention A.npy goes with --metric attention, and that metric needs it");
+		return 2;
 	}
 	return 0;
+}
+
+/* --attention A.npy (float32 [chunk tokens, kv heads]) to session f: 0, or 1 after die(). */
+static int fuse_attention(kvb_client *c, kvb_fuse *f, const struct kvb_model *m, const char *path)
+{
+	struct npy a = { 0 };
+	char err[512];
+	int rc;
+
+	if (npy_read(path, &a, err, sizeof(err)))
+		return die("%s", err);
+	if (strcmp(a.descr, "<f4") || a.ndim != 2 || a.shape[1] != m->num_kv_heads) {
+		rc = die("%s: A must be float32 (<f4) [chunk tokens, %" PRIu32 "]", path,
+			 m->num_kv_heads);
+	} else {
+		rc = kvb_fuse_attention(c, f, a.data, a.count);
+		if (rc)
+			rc = client_err(c, rc, "fuse --attention");
+	}
+	npy_free(&a);
+	return rc ? 1 : 0;
 }
 
 /*
@@ -239,6 +266,7 @@ int cmd_fuse(kvb_client *c, struct args *a)
 	opt_decl(&o, "--ratio", false);
 	opt_decl(&o, "--check-layers", false);
 	opt_decl(&o, "--metric", false);
+	opt_decl(&o, "--attention", false);
 	opt_decl(&o, "--out", false);
 	opt_decl(&o, "--selected", false);
 	opt_decl(&o, "--json", true);
@@ -292,6 +320,8 @@ int cmd_fuse(kvb_client *c, struct args *a)
 		    kvb_fuse_tokens(f), m.num_kv_heads, m.head_dim);
 		goto out;
 	}
+	if (opt(&o, "--attention") && fuse_attention(c, f, &m, opt(&o, "--attention")))
+		goto out;
 	fused = malloc(nw.count * nw.elem_size);
 	if (!fused) {
 		die("out of memory");

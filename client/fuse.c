@@ -42,6 +42,10 @@ struct kvb_fuse {
 	_Atomic uint32_t *progress;
 	int32_t *dropped;
 	size_t n_dropped;
+	/* the attention metric: A to send with the next layer or check call (or NULL) */
+	uint32_t metric;
+	size_t attn_count; /* chunk tokens x kv_heads */
+	float *attn;
 };
 
 /*
@@ -105,7 +109,8 @@ static int fuse_land_request(kvb_client *c, const struct kvb_kv_layout *dst,
  */
 static int fuse_open_request(kvb_client *c, struct kvbp_request *req,
 			     const struct kvb_segment *segs, size_t n_segs,
-			     const struct kvb_fuse_params *p)
+			     const struct kvb_fuse_params *p, const int32_t *recompute,
+			     size_t n_recompute)
 {
 	size_t n_checks = p ? p->n_checks : 0;
 
@@ -128,6 +133,13 @@ static int fuse_open_request(kvb_client *c, struct kvbp_request *req,
 	req->n_checks = req->n_ratios = n_checks;
 	req->reuse_only = n_checks == 0;
 	req->metric = p ? (uint32_t)p->metric : 0;
+	if (n_recompute) {
+		req->recompute = malloc(n_recompute * sizeof(int32_t));
+		if (!req->recompute)
+			return kvbc_set_err(c, -ENOMEM, "out of memory");
+		memcpy(req->recompute, recompute, n_recompute * sizeof(int32_t));
+		req->n_recompute = n_recompute;
+	}
 	return 0;
 }
 
@@ -196,8 +208,19 @@ static int fuse_from_reply(kvb_client *c, const struct kvbp_reply *rep, size_t r
 	return 0;
 }
 
+/* Fresh tokens among the segments. */
+static size_t fresh_tokens(const struct kvb_segment *segs, size_t n_segs)
+{
+	size_t n = 0;
+
+	for (size_t i = 0; i < n_segs; i++)
+		n += segs[i].fresh ? segs[i].count : 0;
+	return n;
+}
+
 static int fuse_open_common(kvb_client *c, const char *model, const struct kvb_segment *segs,
 			    size_t n_segs, const struct kvb_fuse_params *p,
+			    const int32_t *recompute, size_t n_recompute,
 			    const struct kvb_kv_layout *dst, const struct kvb_kv_strides *ks,
 			    kvb_fuse **out, uint8_t (**missing)[KVB_HASH_LEN], size_t *n_missing)
 {
@@ -223,7 +246,7 @@ static int fuse_open_common(kvb_client *c, const char *model, const struct kvb_s
 		return rc;
 	if (dst && (rc = fuse_land_request(c, dst, ks, &k.req, &reg, &word)))
 		return rc;
-	if ((rc = fuse_open_request(c, &k.req, segs, n_segs, p)))
+	if ((rc = fuse_open_request(c, &k.req, segs, n_segs, p, recompute, n_recompute)))
 		goto out;
 	k.req.shared_ring = c->shm_ok && !dst;
 	k.req.device_out = c->cuda && !dst;
@@ -243,6 +266,8 @@ static int fuse_open_common(kvb_client *c, const char *model, const struct kvb_s
 			     dst != NULL, &f);
 	if (rc)
 		goto out;
+	f->metric = p ? (uint32_t)p->metric : 0;
+	f->attn_count = (size_t)(f->tokens - fresh_tokens(segs, n_segs)) * m.num_kv_heads;
 	if (dst) {
 		f->land = true;
 		f->region = reg;
@@ -268,7 +293,41 @@ int kvb_fuse_open(kvb_client *c, const char *model, const struct kvb_segment *se
 		  size_t n_segs, const struct kvb_fuse_params *p, kvb_fuse **out,
 		  uint8_t (**missing)[KVB_HASH_LEN], size_t *n_missing)
 {
-	return fuse_open_common(c, model, segs, n_segs, p, NULL, NULL, out, missing, n_missing);
+	return fuse_open_common(c, model, segs, n_segs, p, NULL, 0, NULL, NULL, out, missing,
+				n_missing);
+}
+
+int kvb_fuse_open_recompute(kvb_client *c, const char *model, const struct kvb_segment *segs,
+			    size_t n_segs, const int32_t *recompute, size_t n_recompute,
+			    const struct kvb_kv_layout *dst, kvb_fuse **out,
+			    uint8_t (**missing)[KVB_HASH_LEN], size_t *n_missing)
+{
+	if (n_recompute && !recompute) {
+		*out = NULL;
+		return kvbc_set_err(c, -EINVAL, "kvb_fuse_open_recompute: recompute is NULL");
+	}
+	return fuse_open_common(c, model, segs, n_segs, NULL, recompute, n_recompute, dst, NULL,
+				out, missing, n_missing);
+}
+
+int kvb_fuse_attention(kvb_client *c, kvb_fuse *f, const float *a, size_t n)
+{
+	float *copy;
+
+	if (f->metric != KVB_METRIC_ATTENTION)
+		return kvbc_set_err(c, -EINVAL, "kvb_fuse_attention: the session's metric is not "
+				    "attention");
+	if (n != f->attn_count || (n && !a))
+		return kvbc_set_err(c, -EINVAL, "kvb_fuse_attention: A has %zu values; the session "
+				    "needs %zu (chunk tokens x kv_heads)", n, f->attn_count);
+	copy = malloc((n + 1) * sizeof(float));
+	if (!copy)
+		return kvbc_set_err(c, -ENOMEM, "out of memory");
+	if (n)
+		memcpy(copy, a, n * sizeof(float));
+	free(f->attn);
+	f->attn = copy;
+	return 0;
 }
 
 int kvb_fuse_open_into(kvb_client *c, const char *model, const struct kvb_segment *segs,
@@ -280,7 +339,8 @@ int kvb_fuse_open_into(kvb_client *c, const char *model, const struct kvb_segmen
 		*out = NULL;
 		return kvbc_set_err(c, -EINVAL, "kvb_fuse_open_into needs a layout");
 	}
-	return fuse_open_common(c, model, segs, n_segs, p, dst, NULL, out, missing, n_missing);
+	return fuse_open_common(c, model, segs, n_segs, p, NULL, 0, dst, NULL, out, missing,
+				n_missing);
 }
 
 int kvb_fuse_open_into_strided(kvb_client *c, const char *model, const struct kvb_segment *segs,
@@ -293,7 +353,7 @@ int kvb_fuse_open_into_strided(kvb_client *c, const char *model, const struct kv
 		*out = NULL;
 		return kvbc_set_err(c, -EINVAL, "kvb_fuse_open_into_strided needs a layout");
 	}
-	return fuse_open_common(c, model, segs, n_segs, p, dst, k_strides, out, missing,
+	return fuse_open_common(c, model, segs, n_segs, p, NULL, 0, dst, k_strides, out, missing,
 				n_missing);
 }
 
@@ -347,10 +407,12 @@ int kvb_fuse_check(kvb_client *c, kvb_fuse *f, uint32_t layer, const void *rows,
 {
 	struct call k = { .req = { .op = KVBP_OP_FUSE_LAYER, .session_id = f->id, .layer = layer,
 				   .rows = (uint32_t)f->n_rows } };
-	size_t stride = row_stride ? row_stride : f->row_bytes, span = 0;
+	/* the attention metric reads K then V of each row; the others one plane */
+	size_t row = f->metric == KVB_METRIC_ATTENTION ? 2 * f->row_bytes : f->row_bytes;
+	size_t stride = row_stride ? row_stride : row, span = 0;
 	static const uint8_t empty[1];
-	const void *ptrs[1] = { rows };
-	size_t lens[1];
+	const void *ptrs[2] = { rows, f->attn };
+	size_t lens[2] = { 0, f->attn_count * sizeof(float) };
 	uint8_t *packed = NULL;
 	struct region *r;
 	int rc;
@@ -362,11 +424,12 @@ int kvb_fuse_check(kvb_client *c, kvb_fuse *f, uint32_t layer, const void *rows,
 	if (!f->land)
 		return kvbc_set_err(c, -EINVAL, "kvb_fuse_check is for landing sessions "
 				    "(kvb_fuse_open_into); use kvb_fuse_layer");
-	if (stride < f->row_bytes)
+	if (stride < row)
 		return kvbc_set_err(c, -EINVAL, "row stride %zu is below the row size %zu", stride,
-				    f->row_bytes);
+				    row);
 	if (f->n_rows)
-		span = (f->n_rows - 1) * stride + f->row_bytes;
+		span = (f->n_rows - 1) * stride + row;
+	k.req.attention = f->attn != NULL;
 	if (span && (r = kvbc_region_of(c, rows, span)) != NULL) {
 		/* Read where they are: the daemon maps this region. */
 		k.req.has_shm = true;
@@ -381,26 +444,30 @@ int kvb_fuse_check(kvb_client *c, kvb_fuse *f, uint32_t layer, const void *rows,
 		k.req.shm_length = span;
 		k.req.row_stride = stride;
 	} else {
-		lens[0] = f->n_rows * f->row_bytes;
+		lens[0] = f->n_rows * row;
 		if (!f->n_rows) {
 			ptrs[0] = empty;
-		} else if (stride != f->row_bytes) {
+		} else if (stride != row) {
 			packed = malloc(lens[0]);
 			if (!packed)
 				return kvbc_set_err(c, -ENOMEM, "out of memory");
 			for (size_t i = 0; i < f->n_rows; i++)
-				memcpy(packed + i * f->row_bytes, (const uint8_t *)rows + i * stride,
-				       f->row_bytes);
+				memcpy(packed + i * row, (const uint8_t *)rows + i * stride, row);
 			ptrs[0] = packed;
 		}
-		k.payload = ptrs;
-		k.payload_len = lens;
-		k.n_payload = 1;
 	}
+	/* The rows' frame (unless they are in shared memory), then A if there is one. */
+	k.payload = k.req.has_shm ? ptrs + 1 : ptrs;
+	k.payload_len = k.req.has_shm ? lens + 1 : lens;
+	k.n_payload = (k.req.has_shm ? 0 : 1) + (f->attn != NULL);
+	if (!f->attn_count && f->attn)
+		ptrs[1] = empty;
 	rc = kvbc_call(c, &k);
 	free(packed);
 	if (rc)
 		goto out;
+	free(f->attn); /* the daemon keeps it */
+	f->attn = NULL;
 	if (!k.rep.has_selection || k.rep.n_selection > f->tokens ||
 	    k.rep.n_dropped > f->n_rows) {
 		rc = kvbc_set_err(c, KVB_E_PROTOCOL, "check layer reply without a valid selection");
@@ -445,8 +512,8 @@ int kvb_fuse_layer(kvb_client *c, kvb_fuse *f, uint32_t layer, const void *k_in,
 	struct call k = { .req = { .op = KVBP_OP_FUSE_LAYER, .session_id = f->id, .layer = layer,
 				   .rows = (uint32_t)f->n_rows } };
 	size_t in_bytes = f->n_rows * f->row_bytes, out_bytes = (size_t)f->tokens * f->row_bytes;
-	const void *ptrs[2] = { k_in, v_in };
-	size_t lens[2] = { in_bytes, in_bytes };
+	const void *ptrs[3] = { k_in, v_in, f->attn };
+	size_t lens[3] = { in_bytes, in_bytes, f->attn_count * sizeof(float) };
 	bool shm = in_bytes && c->shm_ok && kvbc_shm_ensure(c, 2 * in_bytes);
 	int rc;
 
@@ -467,14 +534,21 @@ int kvb_fuse_layer(kvb_client *c, kvb_fuse *f, uint32_t layer, const void *k_in,
 		k.req.shm_id = c->shm_id;
 		k.req.shm_offset = 0;
 		k.req.shm_length = 2 * in_bytes;
+		/* A, if any, is the one frame */
+		k.payload = ptrs + 2;
+		k.payload_len = lens + 2;
+		k.n_payload = f->attn != NULL;
 	} else {
 		k.payload = ptrs;
 		k.payload_len = lens;
-		k.n_payload = 2;
+		k.n_payload = 2 + (f->attn != NULL);
 	}
+	k.req.attention = f->attn != NULL;
 	rc = kvbc_call(c, &k);
 	if (rc)
 		goto out;
+	free(f->attn); /* the daemon keeps it */
+	f->attn = NULL;
 	f->last = NULL;
 	f->dev_last = 0;
 	if (k.rep.has_fused) {
@@ -562,6 +636,7 @@ int kvb_fuse_close(kvb_client *c, kvb_fuse **fp, struct kvb_stat **stats, size_t
 		f->region->used[f->word / 64] &= ~(1ull << (f->word % 64));
 	free(f->rows);
 	free(f->dropped);
+	free(f->attn);
 	free(f);
 	*fp = NULL;
 	return rc;

@@ -115,6 +115,13 @@ struct fuse_layer_plan {
 	bool shared_ring;  /* fused K and V are left in the shared ring, not copied out */
 	bool land;	   /* a check layer of a landing session: fuse_check_run(), one plane in */
 	bool device_ring;  /* the ring is exported: the fused layer may stay on the device */
+	/* Bytes of one row a landing check layer reads: row_bytes (the metric's plane), or
+	 * for the attention metric 2 x row_bytes (K, then V, of the token). */
+	size_t check_row_bytes;
+	/* The session's metric is attention: a request may carry A, of attn_bytes bytes (4 x
+	 * chunk tokens x kv_heads). */
+	bool attn;
+	uint64_t attn_bytes;
 };
 
 /*
@@ -140,20 +147,24 @@ struct fuse_layer_result {
  * Run it: k_in/v_in hold plan.rows_in rows each; k_out/v_out room for all
  * tokens when plan.fused_out and the ring is not shared (else NULL). on_device
  * (plan.device_ring only): the fused layer stays in the exported device ring, at
- * r->ring_slot, and is not copied to host memory. On failure the session is
- * unchanged and usable.
+ * r->ring_slot, and is not copied to host memory. attn: NULL, or A (plan.attn_bytes
+ * bytes, any alignment; attention metric only), checked (finite, >= 0), kept by the
+ * session for this and later check layers. On failure the session is unchanged and
+ * usable.
  */
 uint32_t fuse_layer_run(struct fuse_table *t, struct fuse_session *s, const void *k_in,
 			const void *v_in, void *k_out, void *v_out, bool on_device,
-			struct fuse_layer_result *r, char *err, size_t errlen);
+			const void *attn, struct fuse_layer_result *r, char *err, size_t errlen);
 
 /*
  * A check layer of a landing session (plan.land): rows holds plan.rows_in rows of
- * the metric's plane (V, or K for the key metric), stride bytes apart. Answers with
- * the selection and the rows dropped from the previous one.
+ * plan.check_row_bytes (the metric's plane: V, or K for the key metric; K then V
+ * for the attention metric), stride bytes apart; attn as for fuse_layer_run().
+ * Answers with the selection and the rows dropped from the previous one.
  */
 uint32_t fuse_check_run(struct fuse_table *t, struct fuse_session *s, const void *rows,
-			size_t stride, struct fuse_layer_result *r, char *err, size_t errlen);
+			size_t stride, const void *attn, struct fuse_layer_result *r, char *err,
+			size_t errlen);
 
 void fuse_layer_end(struct fuse_table *t, struct fuse_session *s);
 

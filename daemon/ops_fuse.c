@@ -46,6 +46,11 @@ void op_fuse_open(struct req *q)
 
 	if (need_model(q, &m) || no_payload(q))
 		return;
+	if (q->h.attention) {
+		fail(q, KVBP_BAD_ARGUMENT, "A (attention) comes with a layer request of the session, "
+		     "not with the open");
+		return;
+	}
 	code = fuse_open(q->srv->fuse, &m, &q->h, q->principal, &r, err, sizeof(err));
 	if (code == KVBP_NOT_FOUND && r.n_missing && cluster_wanted(q)) {
 		/* Chunks held elsewhere: fetch them all at once, then open again. */
@@ -102,6 +107,34 @@ void op_fuse_open(struct req *q)
 }
 
 /*
+ * A request's A (q->h.attention: its last payload frame, float32 [chunk tokens, kv
+ * heads]), checked against the session: 0 with *a (NULL when the request has none),
+ * or -1 with q failed.
+ */
+static int attention_frame(struct req *q, const struct fuse_layer_plan *plan, const void **a)
+{
+	*a = NULL;
+	if (!q->h.attention)
+		return 0;
+	if (!plan->attn) {
+		fail(q, KVBP_BAD_ARGUMENT, "A (attention) is taken only by a session opened with the "
+		     "attention metric");
+		return -1;
+	}
+	if (!q->n_payload || !q->h.payload_frames) {
+		fail(q, KVBP_BAD_FRAMES, "the request says it carries A but has no payload frame");
+		return -1;
+	}
+	if (zmq_msg_size(&q->payload[q->n_payload - 1]) != plan->attn_bytes) {
+		fail(q, KVBP_BAD_SHAPE, "A is %zu bytes; expected %" PRIu64 " (float32, chunk tokens x "
+		     "kv heads)", zmq_msg_size(&q->payload[q->n_payload - 1]), plan->attn_bytes);
+		return -1;
+	}
+	*a = zmq_msg_data(&q->payload[q->n_payload - 1]);
+	return 0;
+}
+
+/*
  * A check layer of a session that lands in the node's buffers: the rows of the
  * metric's plane come in one frame, or in the client's segment rows row_stride
  * bytes apart (read where the node has them, e.g. a slice of its QKV output).
@@ -111,11 +144,16 @@ static void fuse_check_layer(struct req *q, struct fuse_session *s,
 {
 	struct fuse_layer_result res = { 0 };
 	char err[KVBP_MESSAGE_MAX];
-	uint64_t stride = q->h.row_stride ? q->h.row_stride : plan->row_bytes, span = 0;
-	const void *rows;
+	size_t row_bytes = plan->check_row_bytes, n_rows_frames;
+	uint64_t stride = q->h.row_stride ? q->h.row_stride : row_bytes, span = 0;
+	const void *rows, *attn;
 	void *in_shm = NULL;
 	uint32_t code;
 
+	if (attention_frame(q, plan, &attn))
+		return;
+	/* The frames before A: the rows (none when they are in shared memory). */
+	n_rows_frames = q->n_payload - (attn != NULL);
 	if (q->h.rows != plan->rows_in) {
 		fail(q, KVBP_BAD_SHAPE, "check layer %" PRIu32 " takes %" PRIu32 " rows (%s); the "
 		     "request declares %" PRIu32, q->h.layer, plan->rows_in,
@@ -124,22 +162,22 @@ static void fuse_check_layer(struct req *q, struct fuse_session *s,
 		return;
 	}
 	if (q->h.has_shm) {
-		if (stride < plan->row_bytes) {
+		if (stride < row_bytes) {
 			fail(q, KVBP_BAD_SHAPE, "row_stride %" PRIu64 " is below the row size %zu",
-			     stride, plan->row_bytes);
+			     stride, row_bytes);
 			return;
 		}
 		if (plan->rows_in && (__builtin_mul_overflow((uint64_t)(plan->rows_in - 1), stride,
 							     &span) ||
-				      __builtin_add_overflow(span, plan->row_bytes, &span))) {
+				      __builtin_add_overflow(span, row_bytes, &span))) {
 			fail(q, KVBP_BAD_SHAPE, "%" PRIu32 " rows %" PRIu64 " bytes apart overflow",
 			     plan->rows_in, stride);
 			return;
 		}
-		if (q->n_payload || q->h.shm_length < span) {
+		if (n_rows_frames || q->h.shm_length < span) {
 			fail(q, KVBP_BAD_SHAPE, "shared-memory input is %" PRIu64 " bytes in %zu "
 			     "frames; %" PRIu32 " rows %" PRIu64 " bytes apart span %" PRIu64 ", and no "
-			     "frames", q->h.shm_length, q->n_payload, plan->rows_in, stride, span);
+			     "frames", q->h.shm_length, n_rows_frames, plan->rows_in, stride, span);
 			return;
 		}
 		if (shm_acquire(q->srv->shm, q->h.shm_id, q->principal, q->h.shm_offset,
@@ -150,23 +188,24 @@ static void fuse_check_layer(struct req *q, struct fuse_session *s,
 		}
 		rows = in_shm;
 	} else {
-		uint64_t want = (uint64_t)plan->rows_in * plan->row_bytes;
+		uint64_t want = (uint64_t)plan->rows_in * row_bytes;
 
-		if (q->n_payload != 1 || q->h.payload_frames != 1) {
+		if (n_rows_frames != 1 || q->h.payload_frames != 1 + (attn != NULL)) {
 			fail(q, KVBP_BAD_FRAMES, "a check layer of a landing session takes 1 payload "
-			     "frame (the %s rows); got %zu", "metric plane's", q->n_payload);
+			     "frame (the %s rows)%s; got %zu", row_bytes == plan->row_bytes ?
+			     "metric plane's" : "K then V", attn ? " before A" : "", n_rows_frames);
 			return;
 		}
 		if (zmq_msg_size(&q->payload[0]) != want) {
 			fail(q, KVBP_BAD_SHAPE, "the metric rows are %zu bytes; expected %" PRIu64
 			     " (%" PRIu32 " rows x %zu bytes)", zmq_msg_size(&q->payload[0]), want,
-			     plan->rows_in, plan->row_bytes);
+			     plan->rows_in, row_bytes);
 			return;
 		}
 		rows = zmq_msg_data(&q->payload[0]);
-		stride = plan->row_bytes;
+		stride = row_bytes;
 	}
-	code = fuse_check_run(q->srv->fuse, s, rows, stride, &res, err, sizeof(err));
+	code = fuse_check_run(q->srv->fuse, s, rows, stride, attn, &res, err, sizeof(err));
 	if (in_shm)
 		shm_release(q->srv->shm, q->h.shm_id);
 	if (code) {
@@ -193,9 +232,11 @@ void op_fuse_layer(struct req *q)
 	struct shared_buf *buf = NULL;
 	char err[KVBP_MESSAGE_MAX];
 	const uint8_t *k_in, *v_in;
+	const void *attn;
 	uint8_t *out = NULL;
 	void *in_shm = NULL;
 	uint64_t in_bytes, out_bytes;
+	size_t n_kv; /* payload frames before A */
 	uint32_t code;
 
 	code = fuse_layer_begin(q->srv->fuse, q->h.session_id, q->principal, q->h.layer, &s, &plan,
@@ -208,6 +249,9 @@ void op_fuse_layer(struct req *q)
 		fuse_check_layer(q, s, &plan);
 		goto out;
 	}
+	if (attention_frame(q, &plan, &attn))
+		goto out;
+	n_kv = q->n_payload - (attn != NULL);
 	/* The ring is shared only if this client mapped it: else the layer goes in frames. */
 	plan.shared_ring = plan.shared_ring && q->h.shared_ring;
 	if (q->h.device_out && !plan.device_ring) {
@@ -227,10 +271,10 @@ void op_fuse_layer(struct req *q)
 		goto out;
 	}
 	if (q->h.has_shm) {
-		if (q->n_payload || q->h.shm_length != 2 * in_bytes) {
+		if (n_kv || q->h.shm_length != 2 * in_bytes) {
 			fail(q, KVBP_BAD_SHAPE, "shared-memory input is %" PRIu64 " bytes in %zu frames; "
 			     "expected %" PRIu64 " (K then V of %" PRIu32 " rows) and no frames",
-			     q->h.shm_length, q->n_payload, 2 * in_bytes, plan.rows_in);
+			     q->h.shm_length, n_kv, 2 * in_bytes, plan.rows_in);
 			goto out;
 		}
 		if (shm_acquire(q->srv->shm, q->h.shm_id, q->principal, q->h.shm_offset, 2 * in_bytes,
@@ -242,9 +286,9 @@ void op_fuse_layer(struct req *q)
 		k_in = in_shm;
 		v_in = k_in + in_bytes;
 	} else {
-		if (q->n_payload != 2 || q->h.payload_frames != 2) {
-			fail(q, KVBP_BAD_FRAMES, "fuse_layer takes 2 payload frames (fresh K, fresh V); "
-			     "got %zu", q->n_payload);
+		if (n_kv != 2 || q->h.payload_frames != 2 + (attn != NULL)) {
+			fail(q, KVBP_BAD_FRAMES, "fuse_layer takes 2 payload frames (fresh K, fresh V)%s; "
+			     "got %zu", attn ? " before A" : "", n_kv);
 			goto out;
 		}
 		for (int i = 0; i < 2; i++)
@@ -266,7 +310,7 @@ void op_fuse_layer(struct req *q)
 		out = buf->data;
 	}
 	code = fuse_layer_run(q->srv->fuse, s, k_in, v_in, out, out ? out + out_bytes : NULL,
-			      q->h.device_out, &res, err, sizeof(err));
+			      q->h.device_out, attn, &res, err, sizeof(err));
 	if (code) {
 		fail(q, code, "%s", err);
 		goto out;

@@ -106,6 +106,66 @@ def deviation(fresh, stored):
     return (d * d).sum(axis=(1, 2))
 
 
+def head_deviation(fresh, stored):
+    """Squared deviation per token and KV head, [n, kv_heads] float32, exactly as the daemon
+    computes it (blend/qsel.c): elements to float32, then acc = acc + x * x over head_dim in
+    order, every operation rounded to float32 (a loop over d, vectorised over tokens and heads,
+    keeps that order; NumPy's sum() would not)."""
+    x = fresh.astype(np.float32) - stored.astype(np.float32)
+    acc = np.zeros(x.shape[:2], np.float32)
+    for d in range(x.shape[2]):
+        acc = acc + x[:, :, d] * x[:, :, d]
+    return acc
+
+
+def _head_normalised(d):
+    """Each head's deviations divided by the head's mean of its finite ones (float64 sum in
+    token order, divided by their count, rounded to float32; a head whose mean is 0 is left
+    as it is), as blend/qsel.c does. cumsum adds in order, as the daemon's loop does."""
+    fin = np.isfinite(d)
+    n = d.shape[0]
+    if n == 0:
+        return d
+    total = np.cumsum(np.where(fin, d, 0).astype(np.float64), axis=0)[-1]
+    cnt = fin.sum(axis=0)
+    mean = np.where(cnt > 0, total / np.maximum(cnt, 1), 0).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(mean > 0, d / np.where(mean > 0, mean, np.float32(1)), d).astype(np.float32)
+
+
+def attention_score(dk, dv, a):
+    """The attention metric's score of each candidate (issue 24, docs/fuse.md): sum over KV
+    heads h of a[j, h] * sqrt(dK'[j, h] + dV'[j, h]), dK' and dV' the per-head deviations
+    divided by their head's mean over the candidates. dk, dv, a: [n, kv_heads]. Float32,
+    heads added in order from 0, bit for bit the daemon's score."""
+    nk, nv = _head_normalised(dk), _head_normalised(dv)
+    a = a.astype(np.float32)
+    acc = np.zeros(dk.shape[0], np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        for h in range(dk.shape[1]):
+            acc = acc + a[:, h] * np.sqrt(nk[:, h] + nv[:, h])
+    return acc
+
+
+def top_select(score, cand, k, fresh):
+    """Top k of cand by score (ties to the lower index; NaN above +inf, as the daemon's
+    64-bit key orders them) plus every fresh token; sorted prompt indices."""
+    nan = np.isnan(score)
+    s = np.where(nan, np.inf, score)
+    order = np.lexsort((cand, -s, ~nan))  # NaN first, then score descending, then index
+    return np.sort(np.concatenate([cand[order[:k]], fresh])).astype(np.int64)
+
+
+def attention_select(k_new, v_new, k_stored, v_stored, a, cand, cached_ord, k, fresh):
+    """The daemon's selection with the attention metric at one check layer: the candidates
+    cand (cached prompt indices, increasing) with fresh rows k_new, v_new and re-rotated
+    stored rows k_stored, v_stored ([n_cand, kv_heads, d] each), A's rows a (all chunk
+    tokens) indexed by cached_ord (each candidate's index among the chunk tokens)."""
+    score = attention_score(head_deviation(k_new, k_stored), head_deviation(v_new, v_stored),
+                            a[cached_ord])
+    return top_select(score, cand, k, fresh)
+
+
 def blend_forward(model, req, rows, check_layer=None, ratio=0.0, metric="value",
                   recompute=None, force=None):
     """Logits [len(rows), vocab] at prompt rows (fresh tokens), and the fused KV and selection.

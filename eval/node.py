@@ -257,11 +257,16 @@ class DaemonFuse:
         self.np_dtype = ChunkStore.DTYPES[dtype]
         self.session = None
 
-    def open(self, segments, check_layers, ratios, metric, kv):
+    def open(self, segments, check_layers, ratios, metric, kv, attention=None, recompute=None):
+        """attention: A for the attention metric (float32 [chunk tokens, kv_heads]), sent with
+        the first check layer. recompute: no check layers; the cached tokens the node
+        recomputes at every layer (its own selection; rows() adds the fresh ones)."""
         t0 = time.perf_counter()
         self.kv, self.checks = kv, list(check_layers)
         self.session = self.client.fuse_open(self.name, segments, self.checks, list(ratios),
-                                             metric)
+                                             metric, recompute=recompute)
+        if attention is not None:
+            self.session.attention(attention)
         self.seconds = time.perf_counter() - t0
         return self.session.next_layer
 
@@ -332,21 +337,27 @@ class LandingFuse(DaemonFuse):
         if self.region is not None:
             self.client.free_region(self.pool.pop("region"))
 
-    def open(self, segments, check_layers, ratios, metric, kv):
+    def open(self, segments, check_layers, ratios, metric, kv, attention=None, recompute=None):
         t0 = time.perf_counter()
         self.kv, self.checks, self.metric = kv, list(check_layers), metric
         # K and V of every layer: views with the buffer's strides (interleaved per layer)
         land = self.land  # the buffer() of this request: kv itself, or its f16 twin
         self.session = self.client.fuse_open_into(self.name, segments, land[:, 0], land[:, 1],
-                                                  self.checks, list(ratios), metric)
+                                                  self.checks, list(ratios), metric,
+                                                  recompute=recompute)
+        if attention is not None:
+            self.session.attention(attention)
         self.seconds = time.perf_counter() - t0
-        return self.checks[0]
+        # the layers the node computes whole: up to the first check layer (none when the
+        # node gave its selection: every layer lands)
+        self.own = self.checks[0] if self.checks else -1
+        return self.checks[0] if self.checks else 0
 
     def layer(self, l, k, v):
         t0 = time.perf_counter()
         s = self.session
         rows = s.rows()
-        if l > self.checks[0]:
+        if l > self.own:
             # The daemon writes every cached row of layer l: the node's rows go in after it.
             s.wait(l, timeout=60)
             if self.kv is not self.land:
@@ -354,7 +365,9 @@ class LandingFuse(DaemonFuse):
             self.kv[l, 0, rows], self.kv[l, 1, rows] = k, v
         sel = None
         if l in self.checks:
-            x = v if self.metric == "value" else k
+            # the metric's plane; the attention metric reads K then V of each row
+            x = (np.stack([k, v], axis=1) if self.metric == "attention" else
+                 v if self.metric == "value" else k)
             s.check(l, x.astype(self.np_dtype, copy=False))
             sel = s.rows().astype(np.int64)
         self.seconds += time.perf_counter() - t0
@@ -367,9 +380,14 @@ def segments_of(req, hashes):
     return [(next(it), s) if kind == "chunk" else (T, s) for kind, s, T in req.spans]
 
 
-def fuse_forward(model, req, hashes, fuse, check_layers, ratios, metric, rows):
+def fuse_forward(model, req, hashes, fuse, check_layers, ratios, metric, rows,
+                 attention=None, cheap=False, recompute=None):
     """CacheBlend with the daemon doing the fuse: the node's forward pass.
 
+    attention: A for the attention metric. cheap: at a check layer only the newly
+    selected (and fresh) rows run attention and MLP; the others needed only their Q, K, V
+    (the selection is final when the check call returns). recompute: no check layers, the
+    node's own selection of cached tokens, recomputed at every layer from layer 0.
     Returns (logits at rows, fused KV [layers, 2, N, kv_heads, d], final selection,
     timing dict: seconds total / node / calls, and the daemon's session stats).
     """
@@ -377,13 +395,18 @@ def fuse_forward(model, req, hashes, fuse, check_layers, ratios, metric, rows):
     t0 = time.perf_counter()
     shape = (c.n_layers, 2, req.N, c.n_kv_heads, c.head_dim)
     kv = fuse.buffer(shape) if hasattr(fuse, "buffer") else np.empty(shape, np.float32)
-    c1 = fuse.open(segments_of(req, hashes), check_layers, ratios, metric, kv)
-    S = np.arange(req.N)
-    h = model.embed(req.ids)
+    c1 = fuse.open(segments_of(req, hashes), check_layers, ratios, metric, kv,
+                   attention=attention, recompute=recompute)
+    S = np.arange(req.N) if recompute is None else fuse.rows()
+    h = model.embed(req.ids[S])
     for l in range(c.n_layers):
         q, k, v = model.qkv(l, h, req.pos[S])
         kv[l, 0, S], kv[l, 1, S] = k, v
         new = fuse.layer(l, k, v) if l >= c1 else None
+        if new is not None and cheap:
+            i = np.searchsorted(S, new)
+            h, S = model.attend(l, h[i], q[i], kv[l, 0], kv[l, 1], new), new
+            continue
         h = model.attend(l, h, q, kv[l, 0], kv[l, 1], S)
         if new is not None:
             h, S = h[np.searchsorted(S, new)], new

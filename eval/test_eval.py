@@ -213,6 +213,57 @@ def test_daemon_fuse_matches_reference(model, tok, daemon):
         assert np.abs(logits - ref_logits).max() < 1e-3
 
 
+def test_daemon_question_aware_selection(model, tok, daemon):
+    """Issue 24's rules through the node and kvblendd: the preview's A, the attention
+    metric's selection at the check layer equal to cacheblend.attention_select on the
+    node's own layer-1 KV, the cheap check, A alone through a session given the node's
+    selection, classic and landing sessions alike, and budgets within HKVD's."""
+    import qsel
+    from cacheblend import attention_select, select_count
+
+    segments = [("fresh", tok.encode("Read the texts.\n")),
+                ("chunk", tok.encode("You may copy and distribute verbatim copies of the "
+                                     "Program's source code as you receive it, in any medium.")),
+                ("fresh", tok.encode("\n")),
+                ("chunk", tok.encode("This License applies to any program or other work which "
+                                     "contains a notice placed by the copyright holder.")),
+                ("fresh", tok.encode("\nQuestion: what may one pass on? Answer:"))]
+    with daemon.client() as c:
+        store = node.ChunkStore(c, model)
+        hashes = [store.ensure(s) for kind, s in segments if kind == "chunk"]
+        req = Request(segments, None, model.cfg)
+        placed, _ = store.placed(req, hashes)
+        a, _ = qsel.preview(model, req, placed)
+        n = int(req.cached.sum())
+        assert a.shape == (n, model.cfg.n_kv_heads) and (a >= 0).all() and a.sum() > 0
+        # the node's layer-1 KV: every token computed through layers 0 and 1
+        h = model.embed(req.ids)
+        q, k, v = model.qkv(0, h, req.pos)
+        h = model.attend(0, h, q, k, v, req.pos)
+        _, k1, v1 = model.qkv(1, h, req.pos)
+        cand = np.flatnonzero(req.cached)
+        fresh = np.flatnonzero(~req.cached)
+        r = 0.3
+        want = attention_select(k1[cand], v1[cand], placed[1, 0, cand], placed[1, 1, cand], a,
+                                cand, np.arange(n), select_count(r, n), fresh)
+        rows = np.array([req.N - 1])
+        out = {}
+        for kind, fuse in (("classic", node.DaemonFuse(c)), ("landing", node.LandingFuse(c))):
+            logits, _, sel, _ = node.fuse_forward(model, req, hashes, fuse, (1,), (r,),
+                                                  "attention", rows, attention=a, cheap=True)
+            assert np.array_equal(sel, want), (kind, sel, want)
+            lg2, _, sel2, _, used = qsel.forward_alone(model, store, fuse, req, hashes, rows, r)
+            b = qsel.Budget(model.cfg, n, len(qsel.question_rows(req)))
+            k_alone = len(sel2) - len(fresh)
+            assert np.array_equal(sel2, np.union1d(qsel.alone_selection(a, req, k_alone), fresh))
+            assert used <= b.hkvd(select_count(r, n)) + 1e-12
+            out[kind] = (logits, lg2)
+            if kind == "landing":
+                fuse.close_region()
+        for x, y in zip(out["classic"], out["landing"]):
+            assert np.abs(x - y).max() < 1e-4
+
+
 # The eval/run smoke runs orchestrate the same daemon calls the reference tests make, for
 # minutes; the sanitized pass of .ci/run skips them (KVBLEND_EVAL_SKIP_RUNS=1) and keeps
 # the fuse-against-reference tests, which drive every daemon path they use.

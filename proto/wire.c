@@ -222,6 +222,9 @@ int kvbp_request_encode(const struct kvbp_request *req, uint8_t **buf, size_t *l
 	pb.row_stride = req->row_stride;
 	pb.local_only = req->local_only;
 	pb.device_out = req->device_out;
+	pb.attention = req->attention;
+	pb.recompute = req->recompute;
+	pb.n_recompute = req->n_recompute;
 	if (req->has_land) {
 		land.shm_id = req->land.shm_id;
 		land.k_offset = req->land.k_offset;
@@ -357,6 +360,20 @@ int kvbp_request_decode(const void *buf, size_t len, struct kvbp_request *out, c
 	r.row_stride = pb->row_stride;
 	r.local_only = pb->local_only;
 	r.device_out = pb->device_out;
+	r.attention = pb->attention;
+	if (pb->n_recompute > KVBP_RECOMPUTE_MAX) {
+		set_err(err, errlen, "%zu recompute tokens; the limit is %u", pb->n_recompute,
+			KVBP_RECOMPUTE_MAX);
+		rc = KVBP_TOO_LARGE;
+		goto out;
+	}
+	if (pb->n_recompute) {
+		r.recompute = malloc(pb->n_recompute * sizeof(int32_t));
+		if (!r.recompute)
+			goto nomem;
+		memcpy(r.recompute, pb->recompute, pb->n_recompute * sizeof(int32_t));
+		r.n_recompute = pb->n_recompute;
+	}
 	if (pb->land) {
 		const Kvblend__KvLayout *g = pb->land;
 
@@ -491,6 +508,9 @@ void kvbp_request_clear(struct kvbp_request *req)
 	free(req->check_layers);
 	free(req->ratios);
 	free(req->land.pages);
+	free(req->recompute);
+	req->recompute = NULL;
+	req->n_recompute = 0;
 	req->land.pages = NULL;
 	req->land.n_pages = 0;
 	req->hashes = NULL;

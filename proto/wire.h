@@ -21,6 +21,12 @@
 /* Upper bounds on a fuse request's segments and check layers. */
 #define KVBP_SEGMENTS_MAX 4096
 #define KVBP_CHECKS_MAX 64
+/* Fuse metrics (Request.metric). */
+#define KVBP_METRIC_VALUE 0
+#define KVBP_METRIC_KEY 1
+#define KVBP_METRIC_ATTENTION 2
+/* Tokens a FUSE_OPEN's recompute list may name (the daemon checks them against the session). */
+#define KVBP_RECOMPUTE_MAX (1u << 24)
 /* Upper bound on the block table of a landing layout (pages of a session). */
 #define KVBP_PAGES_MAX (1u << 20)
 /*
@@ -202,6 +208,9 @@ struct kvbp_request {
 	uint64_t row_stride;
 	bool local_only; /* no cluster fetch: set by daemons calling each other */
 	bool device_out; /* FUSE_OPEN: export the device ring; FUSE_LAYER: leave the layer there */
+	bool attention;	 /* FUSE_LAYER: the last payload frame is A (metric attention) */
+	int32_t *recompute; /* FUSE_OPEN, reuse_only: cached tokens the node recomputes (owned) */
+	size_t n_recompute;
 };
 
 #define KVBP_IPC_HANDLE_LEN 64 /* a CUDA IPC memory handle */

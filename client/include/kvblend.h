@@ -310,7 +310,14 @@ KVB_API int kvb_get_rerotated(kvb_client *c, const char *model, const uint8_t ha
  * it returns the fused K and V of all tokens: fresh for the selected ones,
  * stored and re-rotated for the rest. Later check layers narrow the selection.
  */
-enum kvb_metric { KVB_METRIC_VALUE = 0, KVB_METRIC_KEY = 1 };
+/*
+ * How check layers pick tokens. VALUE and KEY: HKVD, the squared deviation of the
+ * fresh from the stored V (K) row. ATTENTION (question-aware, docs/fuse.md): per KV
+ * head the squared K and V deviation, each divided by its head's mean over the
+ * candidates, weighted by where the question attends: score = sum over heads of
+ * A[j,h] * sqrt(dK + dV), with A from the node (kvb_fuse_attention()).
+ */
+enum kvb_metric { KVB_METRIC_VALUE = 0, KVB_METRIC_KEY = 1, KVB_METRIC_ATTENTION = 2 };
 
 struct kvb_segment {
 	int fresh;		    /* 1: count fresh tokens; 0: the stored chunk `hash` */
@@ -338,6 +345,34 @@ typedef struct kvb_fuse kvb_fuse;
 KVB_API int kvb_fuse_open(kvb_client *c, const char *model, const struct kvb_segment *segs,
 			  size_t n_segs, const struct kvb_fuse_params *p, kvb_fuse **out,
 			  uint8_t (**missing)[KVB_HASH_LEN], size_t *n_missing);
+
+/*
+ * Like kvb_fuse_open() (dst NULL) or kvb_fuse_open_into() (dst set) for a session
+ * without check layers in which the node recomputes, besides the fresh tokens, the
+ * cached tokens recompute[0..n_recompute) (prompt indices, increasing) at every
+ * layer from layer 0: a selection the node made itself (e.g. the top tokens of its
+ * attention preview). kvb_fuse_rows() gives the union, sorted. n_recompute 0 is
+ * reuse only. A token out of range, repeated, out of order or fresh is refused
+ * (KVB_E_BAD_ARGUMENT). Since KVBLEND_1.1.
+ */
+struct kvb_kv_layout; /* below, with the landing sessions */
+KVB_API int kvb_fuse_open_recompute(kvb_client *c, const char *model,
+				    const struct kvb_segment *segs, size_t n_segs,
+				    const int32_t *recompute, size_t n_recompute,
+				    const struct kvb_kv_layout *dst, kvb_fuse **out,
+				    uint8_t (**missing)[KVB_HASH_LEN], size_t *n_missing);
+
+/*
+ * A for a session with the attention metric: how much the question attends to each
+ * chunk token through each KV head, float32 [chunk tokens, kv_heads], the chunk
+ * tokens being the tokens of the session's stored chunks in prompt order (fresh
+ * tokens skipped), each value finite and >= 0. Copied here and sent with the next
+ * kvb_fuse_layer() or kvb_fuse_check(); the daemon keeps it for that and every later
+ * check layer (until A is sent again). A check layer needs A by then. Returns 0,
+ * -EINVAL (n is not chunk tokens x kv_heads, or the metric is not attention) or
+ * -ENOMEM. Since KVBLEND_1.1.
+ */
+KVB_API int kvb_fuse_attention(kvb_client *c, kvb_fuse *f, const float *a, size_t n);
 
 /* Tokens in the session (the sum of its segments). */
 KVB_API uint32_t kvb_fuse_tokens(const kvb_fuse *f);
@@ -497,7 +532,9 @@ KVB_API int kvb_fuse_wait(kvb_client *c, kvb_fuse *f, uint32_t layer, int timeou
 
 /*
  * A check layer of a landing session: rows holds the metric plane's rows of the
- * kvb_fuse_rows() tokens, row i at rows + i * row_stride (0: rows packed). Rows in
+ * kvb_fuse_rows() tokens, row i at rows + i * row_stride (0: rows packed); for the
+ * attention metric row i is the token's K row followed at once by its V row (as
+ * in a fused QKV output; packed: 2 x row size apart). Rows in
  * a region or the shared buffer are read where they are (no copy). Afterwards
  * kvb_fuse_rows() is the new selection; *dropped (if not NULL) the tokens that
  * were sent and are no longer selected, valid until the next call on f.

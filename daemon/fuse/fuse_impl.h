@@ -73,7 +73,8 @@ struct fuse_session {
 	uint32_t checks[KVBP_CHECKS_MAX];
 	double ratios[KVBP_CHECKS_MAX];
 	size_t n_checks;
-	uint32_t metric; /* 0 value, 1 key */
+	uint32_t metric; /* KVBP_METRIC_*: 0 value, 1 key, 2 attention */
+	float *attn;	 /* attention metric: A [n_cached, heads], the last the node sent, or NULL */
 	int32_t *sel;	 /* current selection, sorted; room for n */
 	size_t n_sel;
 	uint32_t next_layer;

@@ -10,6 +10,7 @@
 #include "fuse_impl.h"
 #include "hkvd.h"
 #include "log.h"
+#include "qsel.h"
 
 bool fuse_prefetch(struct fuse_table *t, uint64_t id)
 {
@@ -40,6 +41,46 @@ bool fuse_prefetch(struct fuse_table *t, uint64_t id)
 }
 
 /* ---- one layer ---- */
+
+/* Bytes of A for s: float32 [chunk tokens, kv_heads] with the attention metric, else 0. */
+static uint64_t attn_bytes(const struct fuse_session *s)
+{
+	return s->metric == KVBP_METRIC_ATTENTION ? 4 * (uint64_t)s->n_cached * s->shape.heads : 0;
+}
+
+/*
+ * A request's A (in: attn_bytes(s) bytes, any alignment, or NULL) checked and copied
+ * to *out (malloc'd; NULL when in is).
+ */
+static uint32_t attn_take(const struct fuse_session *s, const void *in, float **out, char *err,
+			  size_t errlen)
+{
+	size_t count = (size_t)s->n_cached * s->shape.heads;
+	float *a;
+	long bad;
+
+	*out = NULL;
+	if (!in)
+		return KVBP_OK;
+	if (s->metric != KVBP_METRIC_ATTENTION)
+		return fail(err, errlen, KVBP_BAD_ARGUMENT, "this session's metric is %s: only the "
+			    "attention metric takes A", s->metric ? "key" : "value");
+	a = malloc((count + 1) * sizeof(float));
+	if (!a)
+		return fail(err, errlen, KVBP_LIMIT, "out of memory");
+	memcpy(a, in, count * sizeof(float));
+	bad = qsel_first_bad(a, count);
+	if (bad >= 0) {
+		float x = a[bad];
+
+		free(a);
+		return fail(err, errlen, KVBP_BAD_ARGUMENT, "A[token %ld, head %ld] is %g: attention "
+			    "weights must be finite and >= 0", bad / (long)s->shape.heads,
+			    bad % (long)s->shape.heads, (double)x);
+	}
+	*out = a;
+	return KVBP_OK;
+}
 
 uint32_t fuse_layer_begin(struct fuse_table *t, uint64_t id, const char *owner, uint32_t layer,
 			  struct fuse_session **sp, struct fuse_layer_plan *plan, char *err,
@@ -82,6 +123,10 @@ uint32_t fuse_layer_begin(struct fuse_table *t, uint64_t id, const char *owner, 
 		plan->num_tokens = s->n;
 		plan->selection_out = true;
 		plan->land = true;
+		plan->check_row_bytes = s->metric == KVBP_METRIC_ATTENTION ? 2 * s->row_bytes
+									   : s->row_bytes;
+		plan->attn = s->metric == KVBP_METRIC_ATTENTION;
+		plan->attn_bytes = attn_bytes(s);
 		pthread_mutex_unlock(&s->lock);
 		*sp = s;
 		return KVBP_OK;
@@ -116,6 +161,9 @@ uint32_t fuse_layer_begin(struct fuse_table *t, uint64_t id, const char *owner, 
 	plan->fused_out = !(is_check && s->next_check == 0);
 	plan->shared_ring = s->shm_id != 0;
 	plan->device_ring = s->dv && s->dv->exported;
+	plan->check_row_bytes = s->row_bytes;
+	plan->attn = s->metric == KVBP_METRIC_ATTENTION;
+	plan->attn_bytes = attn_bytes(s);
 	pthread_mutex_unlock(&s->lock);
 	*sp = s;
 	return KVBP_OK;
@@ -161,49 +209,124 @@ static size_t parts_for(struct fuse_table *t, size_t bytes)
 }
 
 /*
- * HKVD at the session's next check layer: the deviation of every row sent (the
- * metric's plane, rows stride bytes apart) from the stored row of the same token
- * in plane (the re-rotated stored layer), then the top-k cached tokens plus every
+ * The attention metric's scores of the candidates cand[0..n_cand) (cached tokens,
+ * increasing; ci[i] the row sent for cand[i]): per-head K and V deviation of the
+ * rows sent (k_in, v_in, stride bytes apart) from the stored rows (k_st, v_st),
+ * weighted by the session's A (qsel.h). Returns 0 or -ENOMEM.
+ */
+static int attention_scores(const struct fuse_session *s, const float *attn, const uint8_t *k_in,
+			    const uint8_t *v_in, size_t stride, const uint8_t *k_st,
+			    const uint8_t *v_st, const int32_t *cand, const size_t *ci,
+			    size_t n_cand, float *score)
+{
+	size_t heads = s->shape.heads, fi = 0;
+	float *dk = malloc((n_cand * heads + 1) * 3 * sizeof(float)), *dv, *a;
+	int rc;
+
+	if (!dk)
+		return -ENOMEM;
+	dv = dk + n_cand * heads + 1;
+	a = dv + n_cand * heads + 1;
+	for (size_t i = 0; i < n_cand; i++) {
+		size_t ord;
+
+		qsel_head_deviation(&s->shape, k_in + ci[i] * stride, stride, k_st, &cand[i], 1,
+				    dk + i * heads);
+		qsel_head_deviation(&s->shape, v_in + ci[i] * stride, stride, v_st, &cand[i], 1,
+				    dv + i * heads);
+		/* A's row of a cached token: its index less the fresh tokens before it. */
+		while (fi < s->n_fresh && s->fresh[fi] < cand[i])
+			fi++;
+		ord = (size_t)cand[i] - fi;
+		memcpy(a + i * heads, attn + ord * heads, heads * sizeof(float));
+	}
+	rc = qsel_score(dk, dv, a, n_cand, (uint32_t)heads, score);
+	free(dk);
+	return rc;
+}
+
+/*
+ * The selection at the session's next check layer from the rows sent (k_in and
+ * v_in, stride bytes apart; HKVD reads the metric's plane only) and the re-rotated
+ * stored layer (k_st, v_st): the top-k cached tokens by deviation (value or key
+ * metric) or by attention score (attn: A, for the attention metric), plus every
  * fresh one. *sel is malloc'd, sorted. The session is not changed.
  */
-static uint32_t check_select(struct fuse_table *t, struct fuse_session *s, const uint8_t *rows_in,
-			     size_t stride, const uint8_t *plane, int32_t **sel_out, size_t *n_out,
-			     char *err, size_t errlen)
+static uint32_t check_select(struct fuse_table *t, struct fuse_session *s, const uint8_t *k_in,
+			     const uint8_t *v_in, size_t stride, const uint8_t *k_st,
+			     const uint8_t *v_st, const float *attn, int32_t **sel_out,
+			     size_t *n_out, char *err, size_t errlen)
 {
 	size_t rows = s->next_check == 0 ? s->n : s->n_sel, n_cand;
 	int32_t *idx = malloc((rows + 1) * sizeof(int32_t));
 	int32_t *cand = malloc((rows + 1) * sizeof(int32_t));
 	float *dev = malloc((rows + 1) * sizeof(float));
 	int32_t *sel = malloc((s->n + 1) * sizeof(int32_t));
+	size_t *ci = NULL;
+	bool by_attn = s->metric == KVBP_METRIC_ATTENTION;
 	struct dev_job dj;
 	long n_sel;
 	int rc;
 
-	if (!idx || !cand || !dev || !sel) {
+	if (by_attn)
+		ci = malloc((rows + 1) * sizeof(size_t));
+	if (!idx || !cand || !dev || !sel || (by_attn && !ci) || (by_attn && !attn && s->n_cached)) {
 		free(idx);
 		free(cand);
 		free(dev);
 		free(sel);
+		free(ci);
+		if (by_attn && !attn && s->n_cached)
+			return fail(err, errlen, KVBP_BAD_ARGUMENT, "the attention metric needs A "
+				    "(float32 [%" PRIu32 " chunk tokens, %" PRIu32 " kv heads]) with "
+				    "this check layer or an earlier layer request", s->n_cached,
+				    s->shape.heads);
 		return fail(err, errlen, KVBP_LIMIT, "out of memory");
 	}
 	for (size_t i = 0; i < rows; i++)
 		idx[i] = s->next_check == 0 ? (int32_t)i : s->sel[i];
-	dj = (struct dev_job){ t->be, &s->shape, rows_in, plane, idx, rows, 1, s->row_bytes,
-			       stride, dev };
-	dj.parts = parts_for(t, rows * s->row_bytes);
-	rc = pool_run(t->pool, dj.parts, dev_part, &dj);
-	if (rc) {
-		char why[160];
+	if (by_attn) {
+		size_t fi = 0;
 
-		free(idx);
-		free(cand);
-		free(dev);
-		free(sel);
-		return fail(err, errlen, KVBP_INTERNAL, "deviation: %s",
-			    compute_error(t, rc, why, sizeof(why)));
+		/* Candidates (the cached tokens among the rows) and their rows, then scores. */
+		n_cand = 0;
+		for (size_t i = 0; i < rows; i++) {
+			while (fi < s->n_fresh && s->fresh[fi] < idx[i])
+				fi++;
+			if (fi < s->n_fresh && s->fresh[fi] == idx[i])
+				continue;
+			cand[n_cand] = idx[i];
+			ci[n_cand++] = i;
+		}
+		rc = attention_scores(s, attn, k_in, v_in, stride, k_st, v_st, cand, ci, n_cand,
+				      dev);
+		free(ci);
+		if (rc) {
+			free(idx);
+			free(cand);
+			free(dev);
+			free(sel);
+			return fail(err, errlen, KVBP_LIMIT, "out of memory");
+		}
+	} else {
+		dj = (struct dev_job){ t->be, &s->shape, s->metric == KVBP_METRIC_KEY ? k_in : v_in,
+				       s->metric == KVBP_METRIC_KEY ? k_st : v_st, idx, rows, 1,
+				       s->row_bytes, stride, dev };
+		dj.parts = parts_for(t, rows * s->row_bytes);
+		rc = pool_run(t->pool, dj.parts, dev_part, &dj);
+		if (rc) {
+			char why[160];
+
+			free(idx);
+			free(cand);
+			free(dev);
+			free(sel);
+			return fail(err, errlen, KVBP_INTERNAL, "deviation: %s",
+				    compute_error(t, rc, why, sizeof(why)));
+		}
+		/* Candidates: the cached tokens among the rows (fresh ones are always kept). */
+		n_cand = candidates(s, idx, rows, dev, cand);
 	}
-	/* Candidates: the cached tokens among the rows (fresh ones are always kept). */
-	n_cand = candidates(s, idx, rows, dev, cand);
 	n_sel = t->be->select(t->be, cand, dev, n_cand,
 			      hkvd_count(s->ratios[s->next_check], s->n_cached), s->fresh,
 			      s->n_fresh, sel);
@@ -241,7 +364,7 @@ static void scatter_fresh(const struct fuse_session *s, struct slot *sl, const u
 
 uint32_t fuse_layer_run(struct fuse_table *t, struct fuse_session *s, const void *k_in,
 			const void *v_in, void *k_out, void *v_out, bool on_device,
-			struct fuse_layer_result *r, char *err, size_t errlen)
+			const void *attn, struct fuse_layer_result *r, char *err, size_t errlen)
 {
 	uint32_t layer = s->next_layer, code = KVBP_OK;
 	bool is_check = s->next_check < s->n_checks && s->checks[s->next_check] == layer;
@@ -249,9 +372,13 @@ uint32_t fuse_layer_run(struct fuse_table *t, struct fuse_session *s, const void
 	uint64_t rows_in = first_check ? s->n : s->n_sel;
 	struct timespec t0;
 	struct slot *sl;
+	float *a_new;
 	int rc;
 
 	memset(r, 0, sizeof(*r));
+	code = attn_take(s, attn, &a_new, err, errlen);
+	if (code)
+		return code;
 	pthread_mutex_lock(&s->lock);
 	/* This request says the node is done with the layer served before. */
 	if (s->served >= 0) {
@@ -264,6 +391,7 @@ uint32_t fuse_layer_run(struct fuse_table *t, struct fuse_session *s, const void
 	if (rc) {
 		char why[160];
 
+		free(a_new);
 		return fail(err, errlen, rc == -EBADMSG ? KVBP_CORRUPT : KVBP_INTERNAL,
 			    "layer %" PRIu32 ": cannot read stored chunks: %s", layer,
 			    rc == -EBADMSG ? "a chunk failed its checksum" :
@@ -288,6 +416,7 @@ uint32_t fuse_layer_run(struct fuse_table *t, struct fuse_session *s, const void
 			pthread_mutex_unlock(&s->lock);
 			/* The operator sees it too: a device that keeps failing is one to replace. */
 			log_warn("fuse session %016" PRIx64 " layer %" PRIu32 ": %s", s->id, layer, msg);
+			free(a_new);
 			return fail(err, errlen, rc == -ENOMEM ? KVBP_LIMIT : KVBP_INTERNAL,
 				    "layer %" PRIu32 ": %s", layer, msg);
 		}
@@ -302,10 +431,12 @@ uint32_t fuse_layer_run(struct fuse_table *t, struct fuse_session *s, const void
 		int32_t *sel;
 		size_t n_sel;
 
-		code = check_select(t, s, s->metric ? k_in : v_in, s->row_bytes,
-				    s->metric ? sl->k : sl->v, &sel, &n_sel, err, errlen);
-		if (code)
+		code = check_select(t, s, k_in, v_in, s->row_bytes, sl->k, sl->v,
+				    a_new ? a_new : s->attn, &sel, &n_sel, err, errlen);
+		if (code) {
+			free(a_new);
 			return code;
+		}
 		/* At later check layers the fused output still uses the selection before it narrows. */
 		if (s->next_check > 0)
 			scatter_fresh(s, sl, k_in, v_in);
@@ -322,6 +453,10 @@ uint32_t fuse_layer_run(struct fuse_table *t, struct fuse_session *s, const void
 		memcpy(v_out, sl->v, (size_t)s->n * s->row_bytes);
 	}
 	pthread_mutex_lock(&s->lock);
+	if (a_new) {
+		free(s->attn);
+		s->attn = a_new;
+	}
 	s->ns_compute += ns_since(&t0);
 	s->layers_served++;
 	s->bytes_in += 2 * rows_in * s->row_bytes;
@@ -344,34 +479,47 @@ uint32_t fuse_layer_run(struct fuse_table *t, struct fuse_session *s, const void
 }
 
 uint32_t fuse_check_run(struct fuse_table *t, struct fuse_session *s, const void *rows,
-			size_t stride, struct fuse_layer_result *r, char *err, size_t errlen)
+			size_t stride, const void *attn, struct fuse_layer_result *r, char *err,
+			size_t errlen)
 {
 	uint32_t layer = s->checks[s->next_check], code;
 	size_t prev = s->next_check == 0 ? s->n : s->n_sel, n_sel, nd = 0;
 	struct timespec t0;
 	int32_t *sel, *dropped;
+	const uint8_t *k_in = rows, *v_in = rows;
+	float *a_new;
 	int rc;
 
 	memset(r, 0, sizeof(*r));
+	code = attn_take(s, attn, &a_new, err, errlen);
+	if (code)
+		return code;
 	pthread_mutex_lock(&s->lock);
 	rc = ensure_cslot(t, s, s->next_check);
 	pthread_mutex_unlock(&s->lock);
 	if (rc) {
 		char why[160];
 
+		free(a_new);
 		return fail(err, errlen, store_code(rc), "layer %" PRIu32 ": cannot read stored "
 			    "chunks: %s", layer, rc == -EBADMSG ? "a chunk failed its checksum" :
 			    compute_error(t, rc, why, sizeof(why)));
 	}
 	clock_gettime(CLOCK_MONOTONIC, &t0);
-	code = check_select(t, s, rows, stride, s->metric ? s->cslot[s->next_check].k :
-			    s->cslot[s->next_check].v, &sel, &n_sel, err, errlen);
-	if (code)
+	if (s->metric == KVBP_METRIC_ATTENTION)
+		v_in = k_in + s->row_bytes; /* each row: K, then V */
+	code = check_select(t, s, k_in, v_in, stride, s->cslot[s->next_check].k,
+			    s->cslot[s->next_check].v, a_new ? a_new : s->attn, &sel, &n_sel, err,
+			    errlen);
+	if (code) {
+		free(a_new);
 		return code;
+	}
 	/* The rows the node sent but computes no more: sorted, as both lists are. */
 	dropped = malloc((prev + 1) * sizeof(int32_t));
 	if (!dropped) {
 		free(sel);
+		free(a_new);
 		return fail(err, errlen, KVBP_LIMIT, "out of memory");
 	}
 	for (size_t i = 0, j = 0; i < prev; i++) {
@@ -383,11 +531,15 @@ uint32_t fuse_check_run(struct fuse_table *t, struct fuse_session *s, const void
 			dropped[nd++] = tok;
 	}
 	pthread_mutex_lock(&s->lock);
+	if (a_new) {
+		free(s->attn);
+		s->attn = a_new;
+	}
 	memcpy(s->sel, sel, n_sel * sizeof(int32_t));
 	s->n_sel = n_sel;
 	s->next_check++;
 	s->ns_compute += ns_since(&t0);
-	s->bytes_in += (uint64_t)prev * s->row_bytes;
+	s->bytes_in += (uint64_t)prev * s->row_bytes * (s->metric == KVBP_METRIC_ATTENTION ? 2 : 1);
 	r->selection = sel;
 	r->n_selection = n_sel;
 	r->dropped = dropped;

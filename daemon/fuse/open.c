@@ -58,9 +58,12 @@ static uint32_t open_check_request(const struct store_model *m, const struct kvb
 			return fail(err, errlen, KVBP_BAD_ARGUMENT, "ratios must not increase; got %g "
 				    "after %g", q->ratios[i], q->ratios[i - 1]);
 	}
-	if (q->metric > 1)
+	if (q->metric > KVBP_METRIC_ATTENTION)
 		return fail(err, errlen, KVBP_BAD_ARGUMENT, "metric %" PRIu32 " unknown; expected 0 "
-			    "(value) or 1 (key)", q->metric);
+			    "(value), 1 (key) or 2 (attention)", q->metric);
+	if (q->n_recompute && !q->reuse_only)
+		return fail(err, errlen, KVBP_BAD_ARGUMENT, "recompute names the tokens of a session "
+			    "without check layers (reuse_only); this one has %zu", q->n_checks);
 	for (size_t i = 0; i < q->n_segments; i++) {
 		const struct kvbp_segment *g = &q->segments[i];
 
@@ -175,6 +178,38 @@ static uint32_t open_resolve_chunks(struct fuse_table *t, const struct store_mod
 }
 
 /*
+ * The selection of a session without check layers: its fresh tokens and the cached
+ * tokens the node said it recomputes (q->recompute: increasing prompt indices of
+ * cached tokens), merged in order.
+ */
+static uint32_t open_recompute(const struct kvbp_request *q, struct fuse_session *s, char *err,
+			       size_t errlen)
+{
+	size_t fi = 0, n = 0;
+
+	for (size_t i = 0; i < q->n_recompute; i++) {
+		int32_t t = q->recompute[i];
+
+		if (t < 0 || (uint32_t)t >= s->n)
+			return fail(err, errlen, KVBP_BAD_ARGUMENT, "recompute[%zu] = %" PRId32 " is "
+				    "not a token of the %" PRIu32 "-token prompt", i, t, s->n);
+		if (i && t <= q->recompute[i - 1])
+			return fail(err, errlen, KVBP_BAD_ARGUMENT, "recompute must increase; got %"
+				    PRId32 " after %" PRId32, t, q->recompute[i - 1]);
+		while (fi < s->n_fresh && s->fresh[fi] < t)
+			s->sel[n++] = s->fresh[fi++];
+		if (fi < s->n_fresh && s->fresh[fi] == t)
+			return fail(err, errlen, KVBP_BAD_ARGUMENT, "recompute[%zu] = %" PRId32 " is a "
+				    "fresh token (computed anyway); name cached tokens only", i, t);
+		s->sel[n++] = t;
+	}
+	while (fi < s->n_fresh)
+		s->sel[n++] = s->fresh[fi++];
+	s->n_sel = n;
+	return KVBP_OK;
+}
+
+/*
  * The session's shape, its fresh tokens, and a rotation table per chunk; for reuse
  * only, the first selection.
  */
@@ -226,11 +261,9 @@ static uint32_t open_rotation_tables(const struct store_model *m, const struct k
 			}
 		}
 	}
-	/* Reuse only: the fresh tokens are the selection from the start. */
-	if (!s->n_checks) {
-		memcpy(s->sel, s->fresh, s->n_fresh * sizeof(int32_t));
-		s->n_sel = s->n_fresh;
-	}
+	/* Reuse only: the fresh tokens (and those the node recomputes) are the selection. */
+	if (!s->n_checks)
+		return open_recompute(q, s, err, errlen);
 	return KVBP_OK;
 }
 
@@ -259,7 +292,9 @@ static uint32_t open_size(struct fuse_table *t, const struct store_model *m,
 				       ? t->lim.ring
 				       : m->num_layers - s->first) + 1;
 	p->ring_bytes = (uint64_t)s->n_ring * 2 * n * s->row_bytes;
-	if (t->dev && !dev_usable(t)) {
+	if (t->dev && s->metric == KVBP_METRIC_ATTENTION) {
+		/* The device path selects by HKVD only: this session runs on the host path. */
+	} else if (t->dev && !dev_usable(t)) {
 		pthread_mutex_lock(&t->lock);
 		t->dev_fallbacks++;
 		pthread_mutex_unlock(&t->lock);
@@ -515,7 +550,7 @@ static void open_publish(struct fuse_table *t, const struct store_model *m,
 	r->id = s->id;
 	r->num_tokens = s->n;
 	r->next_layer = s->next_layer;
-	r->rows_next = s->n_checks ? s->n : s->n_fresh;
+	r->rows_next = s->n_checks ? s->n : (uint32_t)s->n_sel;
 	r->ring_slots = s->n_ring;
 	if (s->land) {
 		/* Layers before land_begin are the node's own: in place from the start. */
@@ -526,10 +561,10 @@ static void open_publish(struct fuse_table *t, const struct store_model *m,
 	}
 	r->slot_bytes = s->land ? 0 : 2 * (uint64_t)p->n * s->row_bytes;
 	if (!s->n_checks) {
-		r->rows = malloc((s->n_fresh + 1) * sizeof(int32_t));
+		r->rows = malloc((s->n_sel + 1) * sizeof(int32_t));
 		if (r->rows) {
-			memcpy(r->rows, s->fresh, s->n_fresh * sizeof(int32_t));
-			r->n_rows = s->n_fresh;
+			memcpy(r->rows, s->sel, s->n_sel * sizeof(int32_t));
+			r->n_rows = s->n_sel;
 		}
 	}
 	r->shm_id = s->shm_id;

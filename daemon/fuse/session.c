@@ -141,6 +141,7 @@ void session_free(struct fuse_table *t, struct fuse_session *s)
 	free(s->chunks);
 	free(s->fresh);
 	free(s->sel);
+	free(s->attn);
 	pthread_cond_destroy(&s->cond);
 	pthread_mutex_destroy(&s->lock);
 	free(s);

@@ -187,6 +187,10 @@ static void same_request(const struct kvbp_request *a, const struct kvbp_request
 	SAME(shared_ring);
 	SAME(ttl);
 	SAME(progress);
+	SAME(attention);
+	SAME(n_recompute);
+	if (a->n_recompute && memcmp(a->recompute, b->recompute, a->n_recompute * 4))
+		defect("round trip changed recompute");
 }
 
 static void same_reply(const struct kvbp_reply *a, const struct kvbp_reply *b)

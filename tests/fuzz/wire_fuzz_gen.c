@@ -229,10 +229,12 @@ static void put_payload(struct msg *m, struct kvbp_request *q, int mi, uint32_t 
 }
 
 /* Random values in random fields: the shape of the request stays, its values go wild. */
+static int32_t recompute_buf[16]; /* FUSE_OPEN's recompute: the node's own selection */
+
 static void perturb(struct kvbp_request *q, unsigned n)
 {
 	for (unsigned i = 0; i < n; i++) {
-		switch (below(23)) {
+		switch (below(25)) {
 		case 0:
 			q->version = pick_u32();
 			break;
@@ -305,6 +307,17 @@ static void perturb(struct kvbp_request *q, unsigned n)
 			break;
 		case 21:
 			q->device_out = !q->device_out;
+			break;
+		case 22:
+			q->attention = !q->attention; /* A as the last payload frame */
+			break;
+		case 23:
+			/* recompute: in or out of order, in range or not */
+			q->n_recompute = below(17);
+			for (size_t j = 0; j < q->n_recompute; j++)
+				recompute_buf[j] = chance(70) ? (int32_t)(j * 3 + below(3)) :
+								(int32_t)pick_u32();
+			q->recompute = q->n_recompute ? recompute_buf : NULL;
 			break;
 		default:
 			q->request_id = pick_u64();
@@ -609,7 +622,17 @@ static void gen_fuse(struct msg *m)
 				ratio_buf[i] = pick_double();
 		q.check_layers = check_buf;
 		q.ratios = ratio_buf;
-		q.metric = chance(90) ? below(2) : pick_u32();
+		q.metric = chance(90) ? below(3) : pick_u32(); /* value, key, attention */
+		if (chance(10)) {
+			/* reuse only with a selection of the node's (often valid: increasing) */
+			q.n_checks = q.n_ratios = 0;
+			q.reuse_only = true;
+			q.n_recompute = below(17);
+			for (size_t i = 0; i < q.n_recompute; i++)
+				recompute_buf[i] = chance(90) ? (int32_t)(i * 3 + below(3)) :
+								(int32_t)pick_u32();
+			q.recompute = q.n_recompute ? recompute_buf : NULL;
+		}
 		q.shared_ring = chance(30);
 		q.device_out = chance(30); /* export the device ring (a device daemon) */
 		if (chance(10))
@@ -655,7 +678,10 @@ static void gen_fuse(struct msg *m)
 			msg_add_header(m, &q);
 			return;
 		}
-		q.payload_frames = chance(90) ? 2 : below(5);
+		/* A (attention metric): chunk tokens x heads floats, as far as the generator
+		 * knows them (the session's tokens, some of them fresh), or a wrong size. */
+		q.attention = chance(20);
+		q.payload_frames = (chance(90) ? 2 : below(5)) + q.attention;
 		msg_add_header(m, &q);
 		for (uint32_t i = 0, n = chance(90) ? 2 : below(5); i < n; i++) {
 			size_t len = (size_t)in;
@@ -664,6 +690,10 @@ static void gen_fuse(struct msg *m)
 				len = chance(50) || !len ? len + 1 + below(2) : len - 1;
 			msg_add(m, NULL, len);
 		}
+		if (q.attention)
+			msg_add(m, NULL, chance(80) ? 4 * (size_t)models[mi].m.num_kv_heads *
+							  (s->tokens - below(s->tokens + 1)) :
+						      below(4096));
 	}
 }
 

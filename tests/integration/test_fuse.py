@@ -21,6 +21,9 @@ KVBLENDD, KVBLEND = sys.argv[1], sys.argv[2]
 sys.path.insert(0, sys.argv[3])
 from kvref import (EPS, from_dtype, ref_dequantize, ref_inv_freq, ref_rotate,  # noqa: E402
                    ref_select, to_dtype)
+# The attention metric's reference is the one eval/ uses (eval/cacheblend.py).
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "eval"))
+from cacheblend import attention_select, select_count  # noqa: E402
 
 TMP = tempfile.mkdtemp(prefix="kvb-fuse-")
 check = kvbtest.Checks()
@@ -175,6 +178,64 @@ class Prompt:
                 sel = S
         return out, np.array(sel, dtype=np.int32)
 
+    def stored_exact(self, l):
+        """Layer l's stored K and V of the chunk tokens, [chunk tokens, H, D] in the dtype,
+        as the daemon re-rotates them (get-rerotated: the same bits where the rotation does
+        not depend on the prompt's length, i.e. not for dynamic NTK)."""
+        ks, vs = [], []
+        for c, off, p in self.spans:
+            cli("get-rerotated", "--model", self.m.name, "--hash", c["hash"], "--pos", p,
+                "--layers", f"{l}:{l + 1}", "--out", f"{TMP}/rr1.npy")
+            rr = np.load(f"{TMP}/rr1.npy")
+            ks.append(rr[0, 0])
+            vs.append(rr[0, 1])
+        order = np.argsort([off for _, off, _ in self.spans], kind="stable")
+        return (np.concatenate([ks[i] for i in order]), np.concatenate([vs[i] for i in order]))
+
+    def attention_reference(self, checks, ratios, a):
+        """The selection of the attention metric (eval/cacheblend.py), check after check."""
+        cached = np.zeros(self.N, bool)
+        cached[self.cached] = True
+        ords = np.cumsum(cached) - 1
+        fresh = np.array(self.fresh, dtype=np.int64)
+        S = np.arange(self.N)
+        for l, r in zip(checks, ratios):
+            # exact float32 values of the dtype's elements (bf16 comes as raw bits)
+            ks, vs = (from_dtype(x, self.m.dt).astype(np.float32) for x in self.stored_exact(l))
+            new = from_dtype(self.newq[l], self.m.dt).astype(np.float32)
+            cand = S[cached[S]]
+            S = attention_select(new[0, cand], new[1, cand], ks[ords[cand]],
+                                 vs[ords[cand]], a, cand, ords[cand],
+                                 select_count(r, len(self.cached)), fresh)
+        return S.astype(np.int32)
+
+    def fuse_attention(self, checks, ratios, rng):
+        """--metric attention through the CLI: the selection is the reference's, exactly."""
+        m = self.m
+        a = rng.exponential(1.0, (len(self.cached), m.H)).astype(np.float32)
+        a[0] = 30
+        np.save(f"{TMP}/new.npy", self.newq)
+        np.save(f"{TMP}/a.npy", a)
+        cli("fuse", "--model", m.name, *self.args(), "--new", f"{TMP}/new.npy", "--ratio",
+            ",".join(map(str, ratios)), "--check-layers", ",".join(map(str, checks)),
+            "--metric", "attention", "--attention", f"{TMP}/a.npy", "--out",
+            f"{TMP}/fused.npy", "--selected", f"{TMP}/sel.npy")
+        sel = np.load(f"{TMP}/sel.npy")
+        want = self.attention_reference(checks, ratios, a)
+        check(f"{m.name} attention metric: selection", np.array_equal(sel, want),
+              f"got {sel.tolist()} want {want.tolist()}")
+        r = cli("fuse", "--model", m.name, *self.args(), "--new", f"{TMP}/new.npy", "--ratio",
+                "0.3", "--check-layers", "1", "--metric", "attention", "--out",
+                f"{TMP}/fused.npy", ok=False)
+        check(f"{m.name} attention metric without --attention", r.returncode == 2 and
+              "--attention A.npy goes with --metric attention" in r.stderr, r.stderr)
+        np.save(f"{TMP}/a.npy", a[1:])
+        r = cli("fuse", "--model", m.name, *self.args(), "--new", f"{TMP}/new.npy", "--ratio",
+                "0.3", "--check-layers", "1", "--metric", "attention", "--attention",
+                f"{TMP}/a.npy", "--out", f"{TMP}/fused.npy", ok=False)
+        check(f"{m.name} attention metric, A one row short", r.returncode == 1 and
+              "needs" in r.stderr, r.stderr)
+
     def fuse(self, tag, checks, ratios, metric="value"):
         m = self.m
         np.save(f"{TMP}/new.npy", self.newq)
@@ -205,6 +266,8 @@ def run_model(m, rng):
     p = Prompt(m, [("c", 1, 3), ("f", 4, 20), ("c", 0, 24), ("c", 2, 47), ("f", 6, 78)], rng)
     p.fuse("two check layers", [2, 3], [0.3, 0.15])
     p.fuse("key metric", [1], [0.25], "key")
+    if not m.scaling.startswith("dynamic"):
+        p.fuse_attention([1, 3], [0.4, 0.2], rng)
     raw, _ = p.fuse("r = 1", [2], [1.0])
     check(f"{m.name} r = 1: fused equals NEW", np.array_equal(raw, p.newq))
     # r = 0 and no fresh tokens: every layer after the check layer is the stored KV.

@@ -6,6 +6,7 @@
  */
 #include <dlfcn.h>
 #include <errno.h>
+#include <math.h>
 #include <stdbool.h>
 #include <pthread.h>
 #include <setjmp.h>
@@ -228,6 +229,104 @@ static void test_wrong_rows(void **state)
 	assert_int_equal(raw_call_msg(&r, &q, pl, len, 2, msg, sizeof(msg)), KVBP_OK);
 	q = (struct kvbp_request){ .op = KVBP_OP_FUSE_CLOSE, .session_id = sid };
 	assert_int_equal(raw_call_msg(&r, &q, NULL, NULL, 0, msg, sizeof(msg)), KVBP_OK);
+	raw_close(&r);
+	free(zeros);
+}
+
+/*
+ * The attention metric's A on the wire (issue 24), sent raw: a size that is not chunk
+ * tokens x kv heads x 4, NaN, A with no frame, A for another metric or at the open, an
+ * unknown metric, recompute with check layers: each refused by name, and the session
+ * takes the right request afterwards.
+ */
+static void test_attention_wire(void **state)
+{
+	struct fixture *f = *state;
+	struct raw r;
+	struct kvbp_reply rep;
+	struct kvbp_segment segs[3];
+	uint32_t ck[1] = { 1 };
+	double rt[1] = { 0.5 };
+	int32_t rec[1] = { 2 };
+	struct kvbp_request open = { .op = KVBP_OP_FUSE_OPEN, .segments = segs, .n_segments = 3,
+				     .check_layers = ck, .n_checks = 1, .ratios = rt, .n_ratios = 1,
+				     .metric = 3 };
+	struct kvbp_request q;
+	uint8_t *zeros = calloc(30, ROW);
+	float a[27 * H + 1];
+	const void *pl[3] = { zeros, zeros, a };
+	size_t len[3] = { 30 * ROW, 30 * ROW, sizeof(float) * 27 * H };
+	uint64_t sid, vsid;
+	char msg[256];
+
+	for (size_t i = 0; i < 27 * H; i++)
+		a[i] = (float)(i % 5);
+	raw_open(&r, f->d.endpoint, 10000);
+	raw_segments(f, segs);
+	snprintf(open.model_name, sizeof(open.model_name), "fm");
+	assert_int_equal(raw_call_msg(&r, &open, NULL, NULL, 0, msg, sizeof(msg)),
+			 KVBP_BAD_ARGUMENT);
+	assert_non_null(strstr(msg, "metric 3 unknown; expected 0 (value), 1 (key) or 2 "
+				    "(attention)"));
+	open.attention = true;
+	open.metric = KVBP_METRIC_ATTENTION;
+	assert_int_equal(raw_call_msg(&r, &open, NULL, NULL, 0, msg, sizeof(msg)),
+			 KVBP_BAD_ARGUMENT);
+	assert_non_null(strstr(msg, "not with the open"));
+	open.attention = false;
+	open.recompute = rec;
+	open.n_recompute = 1;
+	assert_int_equal(raw_call_msg(&r, &open, NULL, NULL, 0, msg, sizeof(msg)),
+			 KVBP_BAD_ARGUMENT);
+	assert_non_null(strstr(msg, "recompute names the tokens of a session without check "
+				    "layers"));
+	open.recompute = NULL;
+	open.n_recompute = 0;
+	assert_int_equal(raw_call(&r, &open, NULL, NULL, 0, &rep), KVBP_OK);
+	sid = rep.session_id;
+	kvbp_reply_clear(&rep);
+	open.metric = KVBP_METRIC_VALUE;
+	assert_int_equal(raw_call(&r, &open, NULL, NULL, 0, &rep), KVBP_OK);
+	vsid = rep.session_id;
+	kvbp_reply_clear(&rep);
+
+	q = (struct kvbp_request){ .op = KVBP_OP_FUSE_LAYER, .session_id = sid, .layer = 1,
+				   .rows = 30, .attention = true };
+	/* K and V only: the last frame (V) is taken for A, and its size is wrong */
+	assert_int_equal(raw_call_msg(&r, &q, pl, len, 2, msg, sizeof(msg)), KVBP_BAD_SHAPE);
+	assert_non_null(strstr(msg, "A is 960 bytes; expected 216 (float32, chunk tokens x kv "
+				    "heads)"));
+	len[2] = 215;
+	assert_int_equal(raw_call_msg(&r, &q, pl, len, 3, msg, sizeof(msg)), KVBP_BAD_SHAPE);
+	assert_non_null(strstr(msg, "A is 215 bytes; expected 216"));
+	len[2] = sizeof(float) * 27 * H;
+	assert_int_equal(raw_call_msg(&r, &q, NULL, NULL, 0, msg, sizeof(msg)), KVBP_BAD_FRAMES);
+	assert_non_null(strstr(msg, "carries A but has no payload frame"));
+	a[2 * H + 1] = NAN;
+	assert_int_equal(raw_call_msg(&r, &q, pl, len, 3, msg, sizeof(msg)), KVBP_BAD_ARGUMENT);
+	assert_non_null(strstr(msg, "A[token 2, head 1] is nan: attention weights must be finite "
+				    "and >= 0"));
+	a[2 * H + 1] = 1;
+	/* no A at all: the check layer cannot score */
+	q.attention = false;
+	assert_int_equal(raw_call_msg(&r, &q, pl, len, 2, msg, sizeof(msg)), KVBP_BAD_ARGUMENT);
+	assert_non_null(strstr(msg, "the attention metric needs A (float32 [27 chunk tokens, 2 kv "
+				    "heads])"));
+	/* A to a session of the value metric */
+	q.session_id = vsid;
+	q.attention = true;
+	assert_int_equal(raw_call_msg(&r, &q, pl, len, 3, msg, sizeof(msg)), KVBP_BAD_ARGUMENT);
+	assert_non_null(strstr(msg, "only by a session opened with the attention metric"));
+	/* the right request: selection of floor(0.5 x 27) = 13 cached tokens + 3 fresh */
+	q.session_id = sid;
+	assert_int_equal(raw_call(&r, &q, pl, len, 3, &rep), KVBP_OK);
+	assert_true(rep.has_selection);
+	assert_int_equal(rep.n_selection, 13 + 3);
+	kvbp_reply_clear(&rep);
+	for (int i = 0; i < 2; i++) {
+		q = (struct kvbp_request){ .op = KVBP_OP_FUSE_CLOSE, .session_id = i ? vsid : sid };
+		assert_int_equal(raw_call_msg(&r, &q, NULL, NULL, 0, msg, sizeof(msg)), KVBP_OK);
+	}
 	raw_close(&r);
 	free(zeros);
 }
@@ -739,6 +838,7 @@ int main(void)
 	const struct CMUnitTest tests[] = {
 		cmocka_unit_test_setup_teardown(test_protocol_errors, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_wrong_rows, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_attention_wire, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_open_errors, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_limits_and_pins, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_abandoned_session_expires, setup, teardown),

@@ -16,7 +16,7 @@ NAME_MAX = 64
 
 DTYPES = {"f16": 1, "bf16": 2, "f32": 3}
 ROPE_STYLES = {"neox": 0, "gptj": 1}
-METRICS = {"value": 0, "key": 1}
+METRICS = {"value": 0, "key": 1, "attention": 2}
 
 
 class KvbModel(ctypes.Structure):
@@ -220,6 +220,22 @@ _PROTOTYPES = {
             _PSZ,
         ],
     ),
+    "kvb_fuse_open_recompute": (
+        _INT,
+        [
+            _P,
+            _STR,
+            ctypes.POINTER(KvbSegment),
+            _SZ,
+            _P,
+            _SZ,
+            ctypes.POINTER(KvbKvLayout),
+            ctypes.POINTER(_P),
+            ctypes.POINTER(_HASH),
+            _PSZ,
+        ],
+    ),
+    "kvb_fuse_attention": (_INT, [_P, _P, _P, _SZ]),
     "kvb_fuse_wait": (_INT, [_P, _P, _U32, _INT]),
     "kvb_fuse_check": (
         _INT,

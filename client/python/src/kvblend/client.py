@@ -747,7 +747,7 @@ class Client:
         if len(check_layers) != len(ratios):
             raise BadArgument(-22, "one ratio per check layer")
         if metric not in _lib.METRICS:
-            raise BadArgument(-22, f"metric '{metric}': value or key")
+            raise BadArgument(-22, f"metric '{metric}': value, key or attention")
         carr = (KvbSegment * max(len(segs), 1))()
         for i, s in enumerate(segs):
             carr[i].fresh = int(s.hash is None)
@@ -784,6 +784,15 @@ class Client:
                 self._raise(rc, **({"missing": hashes} if hashes else {}))
         return f
 
+    def _open_recompute(
+        self, model: str, carr: Any, n: int, check_layers: Sequence[int], recompute: Any, lay: Any
+    ) -> ctypes.c_void_p:
+        if len(check_layers):
+            raise BadArgument(-22, "recompute is for a session without check layers")
+        sel = np.ascontiguousarray(np.asarray(recompute, dtype=np.int32).reshape(-1))
+        ptr = ctypes.c_void_p(sel.ctypes.data) if sel.size else None
+        return self._open_call(lib.kvb_fuse_open_recompute, model, (carr, n, ptr, sel.size, lay))
+
     def fuse_open_into(
         self,
         model: str,
@@ -794,6 +803,7 @@ class Client:
         ratios: Sequence[float] = (),
         metric: str = "value",
         pages: Sequence[int] | np.ndarray | None = None,
+        recompute: Sequence[int] | np.ndarray | None = None,
     ) -> LandingSession:
         """Open a fuse session that lands every fused layer in the node's own KV cache.
 
@@ -817,6 +827,8 @@ class Client:
         pages : sequence of int, optional
             The block table: token t of the prompt is in block ``pages[t //
             page_tokens]``, slot ``t % page_tokens``.
+        recompute : sequence of int, optional
+            As for :meth:`fuse_open`.
 
         Raises
         ------
@@ -864,7 +876,11 @@ class Client:
             lay.n_pages = table.size
         carr, n, params = self._fuse_args(segments, check_layers, ratios, metric)
         p = ctypes.byref(params) if len(check_layers) else None
-        if k.strides == v.strides:
+        if recompute is not None:
+            if k.strides != v.strides:
+                raise BadArgument(-22, "recompute= takes k and v with the same strides")
+            f = self._open_recompute(model, carr, n, check_layers, recompute, ctypes.byref(lay))
+        elif k.strides == v.strides:
             f = self._open_call(lib.kvb_fuse_open_into, model, (carr, n, p, ctypes.byref(lay)))
         else:
             ks = _lib.KvbKvStrides(k.strides[-3], k.strides[-2], k.strides[-1])
@@ -884,6 +900,7 @@ class Client:
         check_layers: Sequence[int],
         ratios: Sequence[float],
         metric: str = "value",
+        recompute: Sequence[int] | np.ndarray | None = None,
     ) -> FuseSession:
         """Open a fuse session (CacheBlend) over stored chunks and fresh tokens.
 
@@ -901,7 +918,13 @@ class Client:
         ratios : sequence of float
             One per check layer, in [0, 1], not increasing.
         metric : str
-            ``'value'`` (CacheBlend) or ``'key'`` (LMCache) deviation.
+            ``'value'`` (CacheBlend) or ``'key'`` (LMCache) deviation, or
+            ``'attention'``: question-aware (docs/fuse.md), which needs A
+            (:meth:`FuseSession.attention`) by the first check layer.
+        recompute : sequence of int, optional
+            Only without check layers: the cached tokens (prompt indices, increasing)
+            the node recomputes at every layer from layer 0, besides the fresh ones
+            (a selection it made itself; kvb_fuse_open_recompute()).
 
         Returns
         -------
@@ -915,7 +938,10 @@ class Client:
         m = self._model(model)
         carr, n, params = self._fuse_args(segments, check_layers, ratios, metric)
         p = ctypes.byref(params) if len(check_layers) else None
-        f = self._open_call(lib.kvb_fuse_open, model, (carr, n, p))
+        if recompute is not None:
+            f = self._open_recompute(model, carr, n, check_layers, recompute, None)
+        else:
+            f = self._open_call(lib.kvb_fuse_open, model, (carr, n, p))
         s = FuseSession(self, f, m)
         self._sessions.append(s)
         return s

@@ -196,6 +196,37 @@ class FuseSession:
             )
         return bool(fused.value)
 
+    def attention(self, a: Any) -> None:
+        """Give A for the attention metric (kvb_fuse_attention()).
+
+        ``a`` is float32 ``[chunk tokens, kv_heads]``: how much the question attends to
+        each token of the session's stored chunks (in prompt order, fresh tokens
+        skipped) through each KV head, finite and >= 0. It goes with the next
+        :meth:`layer` (or :meth:`LandingSession.check`) call; the daemon scores that
+        and every later check layer with it.
+
+        Raises
+        ------
+        BadArgument
+            Wrong shape, or the session's metric is not ``'attention'``.
+        """
+        arr = np.ascontiguousarray(np.asarray(a, dtype=np.float32))
+        m = self.model
+        if arr.ndim != 2 or arr.shape[1] != m.num_kv_heads:
+            raise BadArgument(
+                -22, f"A must be [chunk tokens, {m.num_kv_heads}] float32, got {arr.shape}"
+            )
+        c = self._client
+        with c._lock:
+            c._check(
+                lib.kvb_fuse_attention(
+                    c._handle(),
+                    self._handle(),
+                    ctypes.c_void_p(arr.ctypes.data if arr.size else ctypes.addressof(_EMPTY)),
+                    arr.size,
+                )
+            )
+
     def output(self) -> tuple[np.ndarray, np.ndarray] | None:
         """Return the fused K and V of the last layer call, in the daemon's shared ring.
 
@@ -274,7 +305,8 @@ class LandingSession(FuseSession):
 
     * up to and including the first check layer: computes every token itself;
     * at a check layer: :meth:`check` with the metric's plane (V, or K for the key
-      metric) of :meth:`rows`; it returns the rows to stop computing;
+      metric; K and V for the attention metric) of :meth:`rows`; it returns the rows
+      to stop computing;
     * after the first check layer: computes the selected rows (:meth:`rows`), then
       :meth:`wait` for the layer, then writes its rows into its cache and attends.
 
@@ -321,7 +353,9 @@ class LandingSession(FuseSession):
         """Send the metric's plane at a check layer; return the dropped tokens.
 
         ``rows`` holds the V rows (K for the key metric) of :meth:`rows`, ``[rows,
-        kv_heads, head_dim]`` or ``[rows, kv_heads * head_dim]``; rows may be strided
+        kv_heads, head_dim]`` or ``[rows, kv_heads * head_dim]``; for the attention
+        metric K and V of each row, ``[rows, 2, kv_heads, head_dim]`` or ``[rows, 2 *
+        kv_heads * head_dim]`` (K first, as in a fused QKV output). Rows may be strided
         (e.g. a column slice of a fused QKV output): in a :meth:`Client.region` or the
         shared buffer they are read where they are. Afterwards :meth:`rows` is the new
         selection; the returned int32 array lists the tokens sent that are no longer
@@ -330,14 +364,23 @@ class LandingSession(FuseSession):
         m = self.model
         a = _as_array(rows)
         n = int(lib.kvb_fuse_rows(self._handle(), None))
-        if not _row_shape_ok(a.shape, n, m) or not _dtype_ok(a, m):
-            raise BadArgument(
-                -22,
-                f"rows must be [{n}, {m.num_kv_heads}, {m.head_dim}] (or [{n}, "
-                f"{m.num_kv_heads * m.head_dim}]) of {m.dtype}, got {a.shape} of {a.dtype}",
+        both = self.metric == "attention"
+        row_bytes = m.row_bytes * (2 if both else 1)
+        if both:
+            ok = tuple(a.shape) in (
+                (n, 2, m.num_kv_heads, m.head_dim),
+                (n, 2 * m.num_kv_heads * m.head_dim),
             )
+            flat = 2 * m.num_kv_heads * m.head_dim
+            want = f"[{n}, 2, {m.num_kv_heads}, {m.head_dim}] (or [{n}, {flat}])"
+        else:
+            ok = _row_shape_ok(a.shape, n, m)
+            flat = m.num_kv_heads * m.head_dim
+            want = f"[{n}, {m.num_kv_heads}, {m.head_dim}] (or [{n}, {flat}])"
+        if not ok or not _dtype_ok(a, m):
+            raise BadArgument(-22, f"rows must be {want} of {m.dtype}, got {a.shape} of {a.dtype}")
         inner = a[0] if n else a.reshape(-1)
-        if n and (not inner.flags.c_contiguous or inner.nbytes != m.row_bytes or a.strides[0] < 0):
+        if n and (not inner.flags.c_contiguous or inner.nbytes != row_bytes or a.strides[0] < 0):
             a = np.ascontiguousarray(a)
         stride = a.strides[0] if n else 0
         ptr = a.ctypes.data if a.nbytes else ctypes.addressof(_EMPTY)

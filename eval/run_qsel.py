@@ -1,0 +1,211 @@
+"""Question-aware selection (issue 24) against HKVD at an equal recompute budget.
+
+Reads top to bottom: load the model, build docs/EVAL.md's requests (the same seed and
+shapes as run_eval.py; or the same chunks with the paraphrased questions of
+eval/paraphrased_questions.json), start a kvblendd of this build, and per request and
+r run HKVD with the value and the key metric (check layer 1), the attention rule
+(preview, attention metric, cheap check) and A alone (no check layer) at HKVD's budget
+at r, each against the full prefill; print the table and the per-request wins, draw
+the plot. The budget and the rules are eval/qsel.py's.
+
+    eval/run --build DIR --qsel [--requests 50] [--questions paraphrased]
+    python eval/run_qsel.py --build DIR [--requests N] [--ratios 0.05,0.15,0.3]
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import node  # noqa: E402
+import qsel  # noqa: E402
+from cacheblend import Request, kl_top1, select_count  # noqa: E402
+from model import Model  # noqa: E402
+from run_eval import (SHAPES, answer_logits, build_request, full_prefill, greedy,  # noqa: E402
+                      load_documents)
+from tokenizer import SmolTokenizer  # noqa: E402
+
+RULES = ("HKVD V", "HKVD K", "attention", "A alone")
+PARAPHRASED = HERE / "paraphrased_questions.json"
+
+
+def paraphrased_request(k, seed, docs, tok, shape, questions):
+    """docs/EVAL.md's request k (same chunks, same documents), its question replaced by a
+    paraphrased one about the document it names (drawn with default_rng([seed, k, 1]))."""
+    segments, info = build_request(k, seed, docs, tok, shape)
+    n = len(info["docs"])
+    rng = np.random.default_rng([seed, k, 1])
+    i = int(rng.integers(1, n + 1))
+    pool = questions[info["docs"][i - 1]]
+    question = f"In document {i}: {pool[int(rng.integers(len(pool)))]}"
+    end = f"\n\nQuestion: {question}<|im_end|>\n<|im_start|>assistant\n"
+    segments[-1] = ("fresh", tok.encode(end))
+    return segments, dict(info, question=question)
+
+
+def run_rule(rule, r, model, store, fuse, req, hashes, rows):
+    """(logits at rows, fused KV, selection, timing, budget used) of one rule at r."""
+    b = qsel.Budget(model.cfg, int(req.cached.sum()), len(qsel.question_rows(req)))
+    if rule in ("HKVD V", "HKVD K"):
+        metric = "value" if rule == "HKVD V" else "key"
+        out = node.fuse_forward(model, req, hashes, fuse, (1,), (r,), metric, rows)
+        return (*out, b.hkvd(select_count(r, b.n)))
+    if rule == "attention":
+        return qsel.forward_attention(model, store, fuse, req, hashes, rows, r)
+    return qsel.forward_alone(model, store, fuse, req, hashes, rows, r)
+
+
+def table(records, ratios):
+    """The equal-budget table and the paired comparisons, as markdown."""
+    lines = [("| r | rule | budget used | mean KL | KL 1st token | top-1 | greedy prefix | "
+              "greedy exact | KL lower than HKVD V on | than HKVD K on |"),
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in ratios:
+        for rule in RULES:
+            m = [rec["modes"][f"{rule} r={r:g}"] for rec in records]
+            v = [rec["modes"][f"HKVD V r={r:g}"]["kl"] for rec in records]
+            kk = [rec["modes"][f"HKVD K r={r:g}"]["kl"] for rec in records]
+            kl = np.array([x["kl"] for x in m])
+            wins_v = "-" if rule == "HKVD V" else f"{(kl < np.array(v)).sum()}/{len(kl)}"
+            wins_k = "-" if rule == "HKVD K" else f"{(kl < np.array(kk)).sum()}/{len(kl)}"
+            lines.append(
+                f"| {r:g} | {rule} | {np.mean([x['budget'] for x in m]):.3f} | {kl.mean():.4f} "
+                f"| {np.mean([x['kl_first'] for x in m]):.4f} "
+                f"| {np.mean([x['top1'] for x in m]):.1%} "
+                f"| {np.mean([x['prefix'] for x in m]):.1%} "
+                f"| {np.mean([x['exact'] for x in m]):.0%} | {wins_v} | {wins_k} |")
+    lines += ["", "| r | A | B | KL A - KL B | 90% CI | requests where A < B |",
+              "| --- | --- | --- | --- | --- | --- |"]
+    rng = np.random.default_rng(0)
+    for r in ratios:
+        for a, b in (("attention", "HKVD V"), ("attention", "HKVD K"), ("A alone", "HKVD V"),
+                     ("attention", "A alone")):
+            d = np.array([rec["modes"][f"{a} r={r:g}"]["kl"] - rec["modes"][f"{b} r={r:g}"]["kl"]
+                          for rec in records])
+            boot = d[rng.integers(0, len(d), (2000, len(d)))].mean(1)
+            lo, hi = np.percentile(boot, [5, 95])
+            lines.append(f"| {r:g} | {a} | {b} | {d.mean():+.4f} | {lo:+.4f} .. {hi:+.4f} "
+                         f"| {(d < 0).mean():.0%} |")
+    reuse = np.mean([rec["modes"]["full reuse"]["kl"] for rec in records])
+    lines.append(f"\nfull reuse: mean KL {reuse:.4f}; {len(records)} requests")
+    return "\n".join(lines)
+
+
+def plot(records, ratios, path, title):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for rule, style in zip(RULES, ("o-", "s-", "^-", "v--")):
+        xs = [np.mean([rec["modes"][f"{rule} r={r:g}"]["budget"] for rec in records])
+              for r in ratios]
+        ys = [np.mean([rec["modes"][f"{rule} r={r:g}"]["kl"] for rec in records])
+              for r in ratios]
+        ax.plot(xs, ys, style, label=rule)
+    ax.set_xlabel("recompute budget used (token-layers per chunk token / layers)")
+    ax.set_ylabel("mean KL to full prefill (nats)")
+    ax.set_yscale("log")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"plot: {path}")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--build")
+    ap.add_argument("--requests", type=int, default=50)
+    ap.add_argument("--first", type=int, default=0, help="first request index")
+    ap.add_argument("--seed", type=int, default=11)
+    ap.add_argument("--ratios", default="0.05,0.15,0.3")
+    ap.add_argument("--questions", choices=("eval", "paraphrased"), default="eval")
+    ap.add_argument("--fuse", choices=("landing", "classic"), default="landing")
+    ap.add_argument("--json", help="write every per-request figure here")
+    ap.add_argument("--from-json", nargs="+", help="tables (and --plot) from earlier --json "
+                    "files, their records together")
+    ap.add_argument("--plot", help="PNG to write")
+    args = ap.parse_args(argv)
+    ratios = [float(x) for x in args.ratios.split(",")]
+    if args.from_json:
+        records = sum((json.loads(Path(p).read_text())["records"] for p in args.from_json), [])
+        print(table(records, ratios))
+        if args.plot:
+            plot(records, ratios, args.plot, f"{len(records)} requests")
+        return records
+
+    t_start = time.time()
+    model = Model.load()
+    tok = SmolTokenizer(model.reader)
+    docs = load_documents(tok)
+    paraphrased = json.loads(PARAPHRASED.read_text()) if args.questions == "paraphrased" else None
+    shape = SHAPES["full"]
+    print(f"OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', '(unset)')}; fuse "
+          f"{args.fuse}; questions {args.questions}; f_qkv {qsel.f_qkv(model.cfg):.3f}")
+    records = []
+    with node.Daemon(args.build) as daemon, daemon.client() as client:
+        store = node.ChunkStore(client, model)
+        fuse = (node.LandingFuse(client) if args.fuse == "landing" else node.DaemonFuse(client))
+        for k in range(args.first, args.first + args.requests):
+            if paraphrased:
+                segments, info = paraphrased_request(k, args.seed, docs, tok, shape, paraphrased)
+            else:
+                segments, info = build_request(k, args.seed, docs, tok, shape)
+            hashes = [store.ensure(s) for kind, s in segments if kind == "chunk"]
+            req = Request(segments, None, model.cfg)
+            probe = np.array([req.N - 1])
+            last, kv_full, _, _ = full_prefill(model, req.ids, probe)
+            answer = greedy(model, kv_full, last, shape["answer"], (tok.eos,))
+            ref = answer_logits(model, kv_full, last, answer)
+            del kv_full
+            rec = {"k": k, "N": req.N, "A": len(answer), "n_cached": int(req.cached.sum()),
+                   "q": len(qsel.question_rows(req)), **info, "answer": tok.decode(answer),
+                   "modes": {}}
+            rows = np.array([req.N - 1])
+            runs = [("full reuse", None)] + [(f"{rule} r={r:g}", (rule, r))
+                                             for r in ratios for rule in RULES]
+            for name, what in runs:
+                if what is None:
+                    out = node.static_forward(model, store, req, hashes, rows)
+                    out = (*out, 0.0)
+                else:
+                    out = run_rule(what[0], what[1], model, store, fuse, req, hashes, rows)
+                last_m, kv_m, S, t, budget = out
+                logits = answer_logits(model, kv_m, last_m, answer)
+                del kv_m
+                kl, top1 = kl_top1(ref, logits)
+                same = logits.argmax(-1) == answer
+                prefix = len(answer) if same.all() else int(np.argmin(same))
+                rec["modes"][name] = dict(
+                    kl=float(kl.mean()), kl_first=float(kl[0]), top1=float(top1.mean()),
+                    prefix=prefix / len(answer), exact=float(prefix == len(answer)),
+                    budget=float(budget), recomputed=float(req.cached[S].sum() / rec["n_cached"]),
+                    total=t["total"], preview=t.get("preview", 0.0))
+            records.append(rec)
+            m = rec["modes"]
+            mid = f"r={ratios[len(ratios) // 2]:g}"
+            print(f"req {k:2d} N={req.N} q={rec['q']} " + " ".join(
+                f"{rule} {m[f'{rule} {mid}']['kl']:.4f}" for rule in RULES)
+                + f" | reuse {m['full reuse']['kl']:.4f} | {info['question'][:50]!r} "
+                f"| {time.time() - t_start:.0f}s", flush=True)
+            if args.json:  # after every request: a run stopped early keeps what it did
+                Path(args.json).write_text(json.dumps({"args": vars(args), "records": records},
+                                                      indent=1))
+    print(table(records, ratios))
+    if args.plot:
+        plot(records, ratios, args.plot, f"{len(records)} requests, {args.questions} questions")
+    print(f"total {time.time() - t_start:.0f}s")
+    return records
+
+
+if __name__ == "__main__":
+    main()
