@@ -472,12 +472,39 @@ static int layer_value(struct store *s, MDB_txn *txn, const struct store_model *
 	return rc == -ENOENT ? -EBADMSG : rc;
 }
 
-int store_chunk_get_layer(struct store *s, const struct store_model *m,
-			  const uint8_t hash[STORE_HASH_LEN], uint32_t layer, void *k_dst,
-			  void *v_dst, uint64_t tensor_bytes, const struct codec_xform *k_xform)
+/* What to do with one layer's value: decode it into place, or hand it to transforms. */
+struct layer_use {
+	void *k_dst, *v_dst;				/* get: the destinations */
+	const struct codec_xform *k_xform, *v_xform;	/* apply: v_xform set */
+	uint64_t tensor_bytes;
+};
+
+static int use_layer(const MDB_val *v, const struct layer_use *u)
+{
+	size_t used = 0;
+	int rc;
+
+	if (u->v_xform) {
+		rc = codec_apply(v->mv_data, v->mv_size, u->tensor_bytes, &used, u->k_xform);
+		if (!rc)
+			rc = codec_apply((const uint8_t *)v->mv_data + used, v->mv_size - used,
+					 u->tensor_bytes, NULL, u->v_xform);
+		return rc;
+	}
+	rc = u->k_xform ? codec_decode_xform(v->mv_data, v->mv_size, u->k_dst, u->tensor_bytes,
+					     &used, u->k_xform)
+			: codec_decode(v->mv_data, v->mv_size, u->k_dst, u->tensor_bytes, &used);
+	if (!rc)
+		rc = codec_decode((const uint8_t *)v->mv_data + used, v->mv_size - used, u->v_dst,
+				  u->tensor_bytes, NULL);
+	return rc;
+}
+
+/* One layer of a chunk, checked against m and u->tensor_bytes, used as u says, in a read txn. */
+static int with_layer(struct store *s, const struct store_model *m,
+		      const uint8_t hash[STORE_HASH_LEN], uint32_t layer, const struct layer_use *u)
 {
 	MDB_val v;
-	size_t used = 0;
 	MDB_txn *txn;
 	int rc;
 
@@ -486,18 +513,22 @@ int store_chunk_get_layer(struct store *s, const struct store_model *m,
 	rc = st_rtxn_begin(s, &txn);
 	if (rc)
 		return rc;
-	rc = layer_value(s, txn, m, hash, layer, tensor_bytes, &v);
+	rc = layer_value(s, txn, m, hash, layer, u->tensor_bytes, &v);
 	if (!rc)
-		rc = k_xform ? codec_decode_xform(v.mv_data, v.mv_size, k_dst, tensor_bytes, &used,
-						  k_xform)
-			     : codec_decode(v.mv_data, v.mv_size, k_dst, tensor_bytes, &used);
-	if (!rc)
-		rc = codec_decode((const uint8_t *)v.mv_data + used, v.mv_size - used, v_dst,
-				  tensor_bytes, NULL);
+		rc = use_layer(&v, u);
 	if (rc == -EINVAL)
 		rc = -EBADMSG;
 	st_rtxn_end(s, txn);
 	return rc;
+}
+
+int store_chunk_get_layer(struct store *s, const struct store_model *m,
+			  const uint8_t hash[STORE_HASH_LEN], uint32_t layer, void *k_dst,
+			  void *v_dst, uint64_t tensor_bytes, const struct codec_xform *k_xform)
+{
+	struct layer_use u = { k_dst, v_dst, k_xform, NULL, tensor_bytes };
+
+	return with_layer(s, m, hash, layer, &u);
 }
 
 int store_chunk_apply_layer(struct store *s, const struct store_model *m,
@@ -505,26 +536,11 @@ int store_chunk_apply_layer(struct store *s, const struct store_model *m,
 			    uint64_t tensor_bytes, const struct codec_xform *k_xform,
 			    const struct codec_xform *v_xform)
 {
-	MDB_val v;
-	size_t used = 0;
-	MDB_txn *txn;
-	int rc;
+	struct layer_use u = { NULL, NULL, k_xform, v_xform, tensor_bytes };
 
-	if (layer >= m->num_layers)
+	if (!v_xform || !k_xform)
 		return -EINVAL;
-	rc = st_rtxn_begin(s, &txn);
-	if (rc)
-		return rc;
-	rc = layer_value(s, txn, m, hash, layer, tensor_bytes, &v);
-	if (!rc)
-		rc = codec_apply(v.mv_data, v.mv_size, tensor_bytes, &used, k_xform);
-	if (!rc)
-		rc = codec_apply((const uint8_t *)v.mv_data + used, v.mv_size - used, tensor_bytes,
-				 NULL, v_xform);
-	if (rc == -EINVAL)
-		rc = -EBADMSG;
-	st_rtxn_end(s, txn);
-	return rc;
+	return with_layer(s, m, hash, layer, &u);
 }
 
 int store_chunk_lookup(struct store *s, const struct store_model *m,
