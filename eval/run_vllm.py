@@ -144,7 +144,21 @@ def main():
                     "than full reuse (ctest test_eval_vllm: --smoke --check)")
     ap.add_argument("--json", help="write every per-request figure here")
     ap.add_argument("--plot", help="PNG to write (KL and top-1 against r)")
+    ap.add_argument("--from-json", help="print the table (and draw --plot) from a --json file "
+                    "of an earlier run, complete or stopped early, running nothing")
     args = ap.parse_args()
+    if args.from_json:
+        sys.path.insert(0, str(HERE))
+        import run_eval
+
+        saved = json.loads(Path(args.from_json).read_text())
+        if "--requests" in sys.argv:  # the first N requests of the file
+            saved["records"] = saved["records"][:args.requests]
+        ratios = [float(r) for r in saved["args"]["ratios"].split(",")]
+        summary = report(saved["records"], modes_for(ratios), saved["info"], run_eval.bootstrap)
+        if args.plot:
+            plot(summary, ratios, len(saved["records"]), args.plot)
+        return
     if not args.model:
         raise SystemExit("no model: --model or KVBLEND_ENGINE_MODEL")
     if args.smoke and "--requests" not in sys.argv:
@@ -229,26 +243,25 @@ def run(args, endpoint, requests, tok, ratios, kl_top1):
     if vocab.encode(probe, add_special_tokens=False) != tok.encode(probe):
         raise SystemExit("the engine's tokenizer and run_eval.py's disagree")
 
-    # every chunk prefilled alone by vLLM and stored, once
-    t0 = time.monotonic()
-    stored = {}
-    for segments, _ in requests:
-        for kind, ids in segments:
-            if kind == "chunk" and tuple(ids) not in stored:
-                stored[tuple(ids)] = store_documents(llm, [list(ids)])[0]
     import kvblend
-
-    with kvblend.Client(endpoint, timeout_ms=10000) as c:
-        found = [i.found for i in c.lookup(NAME, list(stored.values()))]
-    if not all(found):
-        raise SystemExit(f"{found.count(False)} of {len(found)} chunks not in the daemon "
-                         "after store_documents")
-    info = {"chunks": len(stored), "store_s": time.monotonic() - t0}
-    print(f"{len(stored)} chunks stored from vLLM in {info['store_s']:.1f}s", flush=True)
 
     modes = modes_for(ratios)
     records = []
+    stored = {}
+    info = {"chunks": 0, "store_s": 0.0}
     for k, (segments, rinfo) in enumerate(requests):
+        # the request's chunks prefilled alone by vLLM and stored, once each
+        t0 = time.monotonic()
+        new = [list(ids) for kind, ids in segments if kind == "chunk" and tuple(ids) not in stored]
+        for ids in new:
+            stored[tuple(ids)] = store_documents(llm, [ids])[0]
+        with kvblend.Client(endpoint, timeout_ms=10000) as c:
+            found = [i.found for i in c.lookup(NAME, [stored[tuple(x)] for x in new])]
+        if not all(found):
+            raise SystemExit(f"{found.count(False)} of {len(found)} chunks not in the daemon "
+                             "after store_documents")
+        info["chunks"] = len(stored)
+        info["store_s"] += time.monotonic() - t0
         prompt, spans = [], []
         for kind, ids in segments:
             if kind == "chunk":
@@ -279,6 +292,9 @@ def run(args, endpoint, requests, tok, ratios, kl_top1):
                                       top1=float(top1.mean()), prefix=prefix / len(answer),
                                       exact=float(prefix == len(answer)), seconds=dt)
         records.append(rec)
+        if args.json:  # after every request: a run stopped early keeps what it measured
+            Path(args.json).write_text(json.dumps({"args": vars(args), "info": info,
+                                                   "records": records}, indent=1))
         m = rec["modes"]
         mid = modes[1 + len(ratios) // 2][0]
         print(f"req {k:2d} N={len(prompt):4d} chunks={len(spans)} A={len(answer):2d} KL reuse "
@@ -321,7 +337,8 @@ def report(records, modes, info, bootstrap):
           f"({min(r['N'] for r in records)}-{max(r['N'] for r in records)}); chunks "
           f"{np.mean([r['chunks'] for r in records]):.1f} mean; cached share "
           f"{np.mean([r['n_cached'] / r['N'] for r in records]):.1%}; answer tokens "
-          f"{np.mean([r['A'] for r in records]):.1f} mean; {info['chunks']} chunks stored")
+          f"{np.mean([r['A'] for r in records]):.1f} mean; {info['chunks']} chunks stored from "
+          f"vLLM in {info['store_s']:.0f}s")
     print("seconds per teacher-forced run (prompt + answer, wall, mean): " + ", ".join(
         f"{m} {summary[m]['seconds']:.2f}" for m in names))
     return summary
