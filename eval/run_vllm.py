@@ -24,7 +24,8 @@ measures (KL over the answer positions, top-1, greedy prefix and exact) are
 run_eval.py's, from eval/cacheblend.py's kl_top1.
 
     tests/engine/run.sh build/lib/libkvblend.so build/bin/kvblendd eval/run_vllm.py \\
-        [--requests 50] [--smoke] [--json FILE] [--plot PNG]
+        [--requests 50] [--first K] [--smoke] [--check] [--json FILE] [--plot PNG]
+    python eval/run_vllm.py --from-json FILE [FILE...] [--requests N] [--plot PNG]
 
 Exit 0 when it ran, 1 on an error; 77 when KVBLEND_SKIP_ENGINE=1.
 """
@@ -144,14 +145,23 @@ def main():
                     "than full reuse (ctest test_eval_vllm: --smoke --check)")
     ap.add_argument("--json", help="write every per-request figure here")
     ap.add_argument("--plot", help="PNG to write (KL and top-1 against r)")
-    ap.add_argument("--from-json", help="print the table (and draw --plot) from a --json file "
-                    "of an earlier run, complete or stopped early, running nothing")
+    ap.add_argument("--first", type=int, default=0,
+                    help="start at request FIRST (requests FIRST..REQUESTS-1; to finish a run "
+                    "stopped early)")
+    ap.add_argument("--from-json", nargs="+", help="print the table (and draw --plot) from "
+                    "--json files of earlier runs (complete or stopped early; several: their "
+                    "requests together), running nothing")
     args = ap.parse_args()
     if args.from_json:
         sys.path.insert(0, str(HERE))
         import run_eval
 
-        saved = json.loads(Path(args.from_json).read_text())
+        files = [json.loads(Path(f).read_text()) for f in args.from_json]
+        saved = files[0]
+        saved["records"] = sorted((r for f in files for r in f["records"]),
+                                  key=lambda r: r["k"])
+        saved["info"]["chunks"] = sum(f["info"]["chunks"] for f in files)
+        saved["info"]["store_s"] = sum(f["info"]["store_s"] for f in files)
         if "--requests" in sys.argv:  # the first N requests of the file
             saved["records"] = saved["records"][:args.requests]
         ratios = [float(r) for r in saved["args"]["ratios"].split(",")]
@@ -173,8 +183,8 @@ def main():
     tok = eval_tokenizer()
     docs = run_eval.load_documents(tok)
     shape = run_eval.SHAPES["smoke" if args.smoke else "full"]
-    requests = [run_eval.build_request(k, args.seed, docs, tok, shape)
-                for k in range(args.requests)]
+    requests = [(k, *run_eval.build_request(k, args.seed, docs, tok, shape))
+                for k in range(args.first, args.requests)]
 
     # kvblend installed as a package (its vllm.general_plugins entry point gives the
     # worker the model), as test_vllm_blend does
@@ -249,7 +259,7 @@ def run(args, endpoint, requests, tok, ratios, kl_top1):
     records = []
     stored = {}
     info = {"chunks": 0, "store_s": 0.0}
-    for k, (segments, rinfo) in enumerate(requests):
+    for k, segments, rinfo in requests:
         # the request's chunks prefilled alone by vLLM and stored, once each
         t0 = time.monotonic()
         new = [list(ids) for kind, ids in segments if kind == "chunk" and tuple(ids) not in stored]
