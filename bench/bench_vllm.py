@@ -1,4 +1,4 @@
-"""Time to first token of a RAG request in vLLM: plain prefill against reuse through kvblend.
+"""Time to first token of a RAG request in vLLM: plain prefill against reuse and CacheBlend.
 
 One vLLM 0.32 engine on the CPU (SmolLM2-135M, float32, enforce_eager, no prefix caching)
 with kvblend.vllm.KvblendConnector, and one kvblendd started here. Per prompt size (about
@@ -6,22 +6,34 @@ with kvblend.vllm.KvblendConnector, and one kvblendd started here. Per prompt si
 tokenized with the model's tokenizer) are stored with kvblend.vllm.store_documents; the
 request is the five chunks followed by a fresh question. TTFT is the wall time of
 llm.generate(max_tokens=1) for that one request: plain (no kv_transfer_params: vLLM
-prefills every token) and reuse (segments: five chunks, then the question: the connector
-loads the chunks re-rotated to their positions, vLLM computes the question), alternating
-plain and reuse, REPEATS times after one untimed pair; the question alone (plain, a few
-dozen tokens) is timed with them, as the floor of any request on this engine. The daemon
-is started with shm_max above VLLM_CPU_KVCACHE_SPACE, so that vLLM's cache lies in a
-kvblend region and loads are landed by the daemon (docs/vllm.md). Per layer: the
+prefills every token), reuse (segments: five chunks, then the question, with "blend":
+false: the connector loads the chunks re-rotated to their positions, vLLM computes the
+question) and blend (the same segments, CacheBlend at --ratio, value metric, check layer
+1: the connector's blend pass over vLLM's own layer modules, then vLLM computes the
+question), in turn, REPEATS times after one untimed round; the question alone (plain, a
+few dozen tokens) is timed with them, as the floor of any request on this engine. The
+blend's parts come from the connector's log line per blend ("kvblend: blend of N tokens
+... pass X s (daemon: session, load, landing, compute ms), cache write Y s"): the pass
+(the node's layers, the check and the waits for the daemon's landing), the daemon's own
+load + landing + compute (its threads; on the critical path only as waits) and the write
+into vLLM's cache. Then --concurrent requests at the --concurrent-size prompt (the same
+chunks, each with its own question) in one llm.generate call, plain against blend:
+requests per second. The daemon is
+started with shm_max above VLLM_CPU_KVCACHE_SPACE, so that vLLM's cache lies in a
+kvblend region and reuse loads are landed by the daemon (docs/vllm.md). Per layer: the
 connector's load time (its log line "loaded N tokens ... in X s": for a landed load the
 time the engine waited for it, opening the session and the per-layer waits; for a copied
 one the get_rerotated calls and the writes into vLLM's cache), the daemon's landing time
 (the same line: all layers written into vLLM's cache), and get_rerotated of the same five
 chunks called from this process (re-rotation and transfer, no cache writes), each divided
 by the layers.
-Target (issue 21): reuse TTFT at most 0.3x of plain vLLM's. Prints figures and ratios;
-never passes or fails on time.
+Targets: reuse TTFT at most 0.3x of plain vLLM's (issue 21), blend at r = 0.15 at most
+0.5x from 2K tokens on (issue 22). Prints figures and ratios; never passes or fails on
+time. kvblend is installed with pip into a temporary folder first (the blend pass needs
+its vllm.general_plugins entry point, as tests/engine/test_vllm_blend.py does).
 
-usage: bench_vllm.py BUILD_DIR [--repeats N] [--sizes 1024,2048,4096] [--model DIR]
+usage: bench_vllm.py BUILD_DIR [--repeats N] [--sizes 1024,2048,4096] [--ratio 0.15]
+       [--concurrent 8] [--concurrent-size 2048] [--model DIR]
 (with the engine venv's python from .ci/engine-env, the build's libkvblend and
 client/python/src on PYTHONPATH, which tests/engine/run.sh sets up:
 tests/engine/run.sh build/lib/libkvblend.so build/bin/kvblendd bench/bench_vllm.py build)
@@ -48,6 +60,9 @@ LOADED = re.compile(
     r"kvblend: loaded (\d+) tokens of (\S+) in ([0-9.]+) s \((landed|copied)"
     r"(?:[^)]*daemon landing ([0-9.]+) ms)?"
 )
+BLENDED = re.compile(r"kvblend: blend of (\d+) tokens \((\d+) recomputed after layer -?\d+\): "
+                     r"pass ([0-9.]+) s \(daemon: session [0-9.]+ ms, load ([0-9.]+) ms, "
+                     r"landing ([0-9.]+) ms, compute ([0-9.]+) ms\), cache write ([0-9.]+) s")
 
 
 def start_daemon(build, tmp):
@@ -97,8 +112,10 @@ def run(args, ep, out, log_path):
               kv_transfer_config=KVTransferConfig(
                   kv_connector="KvblendConnector", kv_connector_module_path="kvblend.vllm",
                   kv_role="kv_both",
-                  kv_connector_extra_config={"endpoint": ep, "timeout_ms": 10000,
-                                             "model_name": MODEL_NAME}))
+                  kv_connector_extra_config={"endpoint": ep, "timeout_ms": 60000,
+                                             "model_name": MODEL_NAME,
+                                             "blend": {"check_layers": [1],
+                                                       "ratios": [args.ratio]}}))
     out(f"engine started in {time.monotonic() - t0:.1f} s")
     tok = llm.get_tokenizer()
     q = tok.encode(QUESTION, add_special_tokens=False)
@@ -122,22 +139,26 @@ def run(args, ep, out, log_path):
             segs.append([pos, len(d), "chunk"])
             pos += len(d)
         segs.append([pos, len(q), "fresh"])
-        reuse = {"kvblend": {"segments": segs}}
-        times = {"plain": [], "reuse": [], "question": []}
+        reuse = {"kvblend": {"segments": segs, "blend": False}}
+        blend = {"kvblend": {"segments": segs}}
+        times = {"plain": [], "reuse": [], "blend": [], "question": []}
         first = {}
-        loads_before = len(LOADED.findall(Path(log_path).read_text(errors="replace")))
+        text = Path(log_path).read_text(errors="replace")
+        loads_before, blends_before = len(LOADED.findall(text)), len(BLENDED.findall(text))
         for rep in range(args.repeats + 1):
             for mode, p, params in (("plain", prompt, None), ("reuse", prompt, reuse),
-                                    ("question", q, None)):
+                                    ("blend", prompt, blend), ("question", q, None)):
                 t, tok0 = ttft(p, params)
                 first[mode] = tok0
                 if rep:
                     times[mode].append(t)
         time.sleep(0.5)  # the worker's log line reaches the file
-        loads = LOADED.findall(Path(log_path).read_text(errors="replace"))[loads_before:]
+        text = Path(log_path).read_text(errors="replace")
+        loads = LOADED.findall(text)[loads_before:]
         mine = [x for x in loads if int(x[0]) == pos][1:]  # skip the untimed pair's
         load_s = [float(x[2]) for x in mine]
         land_s = [float(x[4]) / 1000 for x in mine if x[3] == "landed" and x[4]]
+        blends = [b for b in BLENDED.findall(text)[blends_before:] if int(b[0]) == pos][1:]
         direct = []
         with kvblend.Client(ep, timeout_ms=10000) as c:
             for _ in range(args.repeats):
@@ -161,15 +182,64 @@ def run(args, ep, out, log_path):
             "plain_s": [round(x, 3) for x in times["plain"]],
             "reuse_s": [round(x, 3) for x in times["reuse"]],
         }
+        med = lambda i: statistics.median(float(b[i]) for b in blends) if blends else None  # noqa: E731
+        r.update({
+            "blend_median_s": statistics.median(times["blend"]), "blend_min_s": min(times["blend"]),
+            "blend_s": [round(x, 3) for x in times["blend"]], "blends_logged": len(blends),
+            "blend_recomputed": int(blends[0][1]) if blends else None,
+            "blend_pass_median_s": med(2),
+            "daemon_median_ms": statistics.median(float(b[3]) + float(b[4]) + float(b[5])
+                                                  for b in blends) if blends else None,
+            "cache_write_median_s": med(6), "same_first_token_blend": first["plain"] == first["blend"],
+        })
+        r["blend_ratio_median"] = r["blend_median_s"] / r["plain_median_s"]
+        r["blend_ratio_min"] = r["blend_min_s"] / r["plain_min_s"]
         r["ratio_median"] = r["reuse_median_s"] / r["plain_median_s"]
         r["ratio_min"] = r["reuse_min_s"] / r["plain_min_s"]
         rows.append(r)
         out(f"size {size}: " + json.dumps(r))
+        if size == args.concurrent_size and args.concurrent:
+            rows.append(concurrent(llm, docs, segs, pos, tok, args, out))
     return rows
+
+
+def concurrent(llm, docs, segs, pos, tok, args, out):
+    """args.concurrent requests (the same chunks, each its own question) in one generate call,
+    plain against blend, alternating: requests per second (max_tokens=1)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    n = args.concurrent
+    ctx = [t for d in docs for t in d]
+    prompts = [ctx + tok.encode(QUESTION.replace("Question:", f"Question {i + 1}:"),
+                                add_special_tokens=False) for i in range(n)]
+    chunk_segs = [s for s in segs if s[2] == "chunk"]
+    times = {"plain": [], "blend": []}
+    for rep in range(args.repeats + 1):
+        for mode in ("plain", "blend"):
+            sps = [SamplingParams(temperature=0.0, max_tokens=1, extra_args=None if mode == "plain"
+                                  else {"kv_transfer_params": {"kvblend": {"segments":
+                                                                           chunk_segs}}})
+                   for _ in prompts]
+            t = time.monotonic()
+            llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sps,
+                         use_tqdm=False)
+            if rep:
+                times[mode].append(time.monotonic() - t)
+    r = {"concurrent": n, "tokens": len(prompts[0]), "loadavg": os.getloadavg(),
+         "plain_batch_s": [round(x, 3) for x in times["plain"]],
+         "blend_batch_s": [round(x, 3) for x in times["blend"]]}
+    r["plain_rps"] = n / statistics.median(times["plain"])
+    r["blend_rps"] = n / statistics.median(times["blend"])
+    r["rps_ratio"] = r["blend_rps"] / r["plain_rps"]
+    out(f"concurrent {n}: " + json.dumps(r))
+    return r
 
 
 def table(rows, out):
     ms = lambda s: "-" if s is None else f"{s * 1000:.0f} ms"  # noqa: E731
+    conc = [r for r in rows if "concurrent" in r]
+    rows = [r for r in rows if "concurrent" not in r]
     out("")
     out("| prompt | plain TTFT median (min) | reuse TTFT median (min) | reuse/plain median (min) "
         "| connector load, per layer | daemon landing, per layer | get_rerotated, per layer "
@@ -190,6 +260,29 @@ def table(rows, out):
             f"| {ms(r['question_alone_median_s'])} |")
     out("")
     out("target: reuse/plain <= 0.3x")
+    out("")
+    out("| prompt | plain TTFT median (min) | blend TTFT median (min) | blend/plain median (min) "
+        "| recomputed | blend pass (share of blend TTFT) | daemon load+land+compute (share) "
+        "| cache write | rest of blend TTFT | same 1st token |")
+    out("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        b, p, d = r["blend_median_s"], r["blend_pass_median_s"], r["daemon_median_ms"]
+        share = lambda x: "-" if x is None else f"{x * 1000:.0f} ms ({x / b:.0%})"  # noqa: E731
+        rest = "-" if p is None else ms(b - p - r["cache_write_median_s"])
+        out(f"| {r['tokens']} tokens | {ms(r['plain_median_s'])} ({ms(r['plain_min_s'])}) "
+            f"| {ms(b)} ({ms(r['blend_min_s'])}) "
+            f"| {r['blend_ratio_median']:.2f}x ({r['blend_ratio_min']:.2f}x) "
+            f"| {r['blend_recomputed']} of {r['tokens'] - r['question_tokens']} "
+            f"| {share(p)} | {share(None if d is None else d / 1000)} "
+            f"| {ms(r['cache_write_median_s'])} | {rest} | {r['same_first_token_blend']} |")
+    out("")
+    out("target: blend/plain <= 0.5x from 2K tokens on")
+    for c in conc:
+        out("")
+        out(f"{c['concurrent']} concurrent requests of {c['tokens']} tokens (one generate call, "
+            f"max_tokens=1; median of {len(c['plain_batch_s'])}): plain {c['plain_rps']:.2f} "
+            f"req/s, blend {c['blend_rps']:.2f} req/s: {c['rps_ratio']:.2f}x "
+            f"(load average {', '.join(f'{x:.1f}' for x in c['loadavg'])})")
 
 
 def main():
@@ -197,6 +290,11 @@ def main():
     ap.add_argument("build")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--sizes", default="1024,2048,4096")
+    ap.add_argument("--ratio", type=float, default=0.15, help="CacheBlend's r (check layer 1)")
+    ap.add_argument("--concurrent", type=int, default=8,
+                    help="requests in the concurrency run (0: none)")
+    ap.add_argument("--concurrent-size", type=int, default=2048,
+                    help="which of --sizes the concurrency run uses")
     ap.add_argument("--model", default=os.environ.get("KVBLEND_ENGINE_MODEL"))
     args = ap.parse_args()
     args.sizes = [int(x) for x in args.sizes.split(",")]
@@ -211,6 +309,17 @@ def main():
     # vLLM's and the worker's logs (the connector's "loaded" lines among them) go to a file;
     # the figures go to the original stdout.
     tmp = tempfile.mkdtemp(prefix="kvblend-bench-vllm.")
+    # the blend pass needs kvblend's vllm.general_plugins entry point: a pip install
+    engine_tests = str(ROOT / "tests" / "engine")
+    sys.path.insert(0, engine_tests)
+    from test_vllm_model_hook import install
+
+    site = Path(tmp) / "site"
+    install(site)
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(site), engine_tests])
+    sys.path[:0] = [str(site)]
+    for name in [m for m in sys.modules if m == "kvblend" or m.startswith("kvblend.")]:
+        del sys.modules[name]
     log_path = f"{tmp}/engine.log"
     saved = os.fdopen(os.dup(1), "w", buffering=1)
     out = lambda s: print(s, file=saved, flush=True)  # noqa: E731

