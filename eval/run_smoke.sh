@@ -5,7 +5,7 @@
 # then pytest eval/test_eval.py: the NumPy model against values recorded from llama.cpp,
 # one small request through every mode, and the node through a kvblendd of BUILD_DIR
 # (BUILD_DIR/bin/kvblendd, BUILD_DIR/lib/libkvblend.so): its fused KV against the NumPy
-# reference, and eval/run's --smoke run (2 requests, every mode).
+# reference, and eval/run's --smoke run (1 request, every mode; the codecs' too).
 #
 # usage: run_smoke.sh BUILD_DIR [PYTHON]
 set -euo pipefail
