@@ -536,6 +536,7 @@ void cluster_free(struct cluster **cp)
 	pthread_mutex_destroy(&c->qlock);
 	pthread_rwlock_destroy(&c->view_lock);
 	free(c->q);
+	explicit_bzero(c->etcd_password, sizeof(c->etcd_password));
 	free(c);
 	*cp = NULL;
 }

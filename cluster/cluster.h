@@ -54,6 +54,10 @@ struct cluster_opts {
 	const char *node_id;   /* this member's id; "" or NULL: the host name */
 	const char *peers;     /* cluster_peers: "id=tcp://host:port[=key]", comma separated */
 	const char *etcd;      /* cluster_etcd: the etcd endpoints, comma separated */
+	/* cluster_etcd_ca_file, _cert_file, _key_file, _user, _password_file ("" or NULL:
+	 * unset); the password file is read by cluster_new */
+	const char *etcd_ca_file, *etcd_cert_file, *etcd_key_file, *etcd_user;
+	const char *etcd_password_file;
 	const char *name;      /* cluster_name: the etcd prefix is /kvblend/NAME/members/ */
 	const char *advertise; /* cluster_advertise: tcp://HOST:PORT other members reach */
 	const char *listen_tcp; /* the first tcp:// listen endpoint, NULL or "" without */
