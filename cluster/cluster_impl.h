@@ -134,6 +134,10 @@ struct cluster {
 	bool registrar_started, watcher_started;
 	atomic_bool etcd_stop, watch_abort, etcd_ok, etcd_synced;
 	atomic_uint_fast64_t etcd_errors, etcd_last_ok; /* realtime ms */
+	/* the last replication check (check.c) */
+	pthread_mutex_t check_lock;
+	atomic_bool check_wanted; /* the rebalance thread runs a local check next */
+	struct cluster_check last_check;
 };
 
 /* A peer's reply: its decoded header, and the payload frames after it. */
