@@ -127,7 +127,8 @@ def refused(n, **over):
     """Start a daemon that must not start: (exit status, stderr)."""
     r = subprocess.run([KVBLENDD, "--data-dir", f"{TMP}/x", "--listen",
                         f"ipc://{TMP}/x.sock,tcp://127.0.0.1:{kvbtest.free_port()}",
-                        *flags(n, **over)], capture_output=True, text=True, timeout=30)
+                        *flags(n, **over)], capture_output=True, text=True, timeout=30,
+                       check=False)
     return r.returncode, r.stderr
 
 
@@ -141,6 +142,11 @@ def start(n):
 def cli(n, *args, ok=True):
     return kvbtest.cli(KVBLEND, f"ipc://{TMP}/{n}.sock", *args, timeout_ms=20000, ok=ok,
                        env={}, label=f"kvblend@{n}")
+
+
+def cmdline(pid):
+    with open(f"/proc/{pid}/cmdline") as f:
+        return f.read()
 
 
 def stats(n):
@@ -207,8 +213,7 @@ try:
     ok = wait_for(lambda: all(alive(n) == set("ab") for n in "ab"), 20)
     check("a and b find each other through etcd over TLS", ok, str({n: alive(n) for n in "ab"}))
     check("the password is on no command line",
-          all(PASSWORD not in open(f"/proc/{d.proc.pid}/cmdline").read() for d in
-              daemons.values()))
+          all(PASSWORD not in cmdline(d.proc.pid) for d in daemons.values()))
     cc.add_model(cli, "a")
     rng = np.random.default_rng(20)
     chunks = cc.put_chunks(cli, TMP, "a", 0, 4, rng)

@@ -318,7 +318,7 @@ def part_check():
     for h in gone:
         cli("c", "rm", "--model", "cm", "--hash", h)
     own = owners(gone, "abc")
-    other = {h: [o for o in own[h] if o != "c"][0] for h in gone}
+    other = {h: next(o for o in own[h] if o != "c") for h in gone}
     rc, out, err = cluster_check("a")
     print(f"# check: {json.dumps(out)}")
     mem = {m["id"]: m for m in out.get("members", [])}
