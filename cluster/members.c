@@ -254,6 +254,9 @@ static int etcd_security(struct cluster *c, const struct cluster_opts *o, char *
 	}
 	if (!rc && c->etcd_user[0])
 		rc = read_password(c, pw, err, errlen);
+	if (!rc && c->etcd_user[0] && strstr(c->etcd_urls, "http://"))
+		cl_warn(c, "cluster: cluster_etcd_user '%s' over an http:// endpoint: its password "
+			"and token cross the network unencrypted (use https://)", c->etcd_user);
 	c->etcd_opts = (struct etcd_opts){
 		.timeout_ms = c->timeout_ms,
 		.ca_file = c->etcd_ca,
