@@ -59,6 +59,17 @@ int kvb_cluster_members(kvb_client *c, struct kvb_member **out, size_t *n,
 	return rc;
 }
 
+int kvb_cluster_check(kvb_client *c, struct kvb_stat **out, size_t *n)
+{
+	struct call k = { .req = { .op = KVBP_OP_STATS, .cluster_check = true } };
+	int rc = kvbc_call(c, &k);
+
+	if (!rc)
+		rc = stats_out(c, &k.rep, out, n);
+	kvbc_call_done(&k);
+	return rc;
+}
+
 int kvb_stats(kvb_client *c, struct kvb_stat **out, size_t *n)
 {
 	struct call k = { .req = { .op = KVBP_OP_STATS } };

@@ -83,6 +83,98 @@ int cmd_stats(kvb_client *c, struct args *a)
 	return 0;
 }
 
+/* stat "NAME:id" of s (NAN when absent). */
+static double stat_of(const struct kvb_stat *s, size_t n, const char *name, const char *id)
+{
+	char nm[sizeof(s[0].name)];
+
+	snprintf(nm, sizeof(nm), "%s%s%s", name, id ? ":" : "", id ? id : "");
+	for (size_t i = 0; i < n; i++)
+		if (!strcmp(s[i].name, nm))
+			return s[i].value;
+	return NAN;
+}
+
+/*
+ * kvblend cluster check: each member's share of the replication check, as
+ * `redis-cli --cluster check`; exit status 1 when a chunk has fewer than R copies
+ * or a member could not be checked.
+ */
+static int cluster_check(kvb_client *c, struct args *a)
+{
+	static const char *const cols[] = { "chunks", "owned", "beyond", "missing", "unverified" };
+	struct opts o = { 0 };
+	struct kvb_stat *s;
+	size_t n;
+	double under, beyond, members, answered;
+	bool json, first = true;
+	int rc;
+
+	opt_decl(&o, "--json", true);
+	if (opt_parse(&o, a))
+		return 2;
+	json = opt(&o, "--json") != NULL;
+	rc = kvb_cluster_check(c, &s, &n);
+	if (rc)
+		return client_err(c, rc, "cluster check");
+	under = stat_of(s, n, "check_under", NULL);
+	beyond = stat_of(s, n, "check_beyond", NULL);
+	members = stat_of(s, n, "check_members", NULL);
+	answered = stat_of(s, n, "check_answered", NULL);
+	if (isnan(under)) {
+		free(s);
+		return die("cluster check: this daemon is in no cluster (neither cluster_peers nor "
+			   "cluster_etcd set), or too old to check") ? 1 : 1;
+	}
+	if (json)
+		printf("{\"members\": [");
+	else
+		printf("%-16s %-8s %10s %10s %10s %10s %10s\n", "member", "checked", "chunks",
+		       "owned", "beyond R", "missing", "unverified");
+	for (size_t i = 0; i < n; i++) {
+		const char *id;
+		bool ok;
+
+		if (strncmp(s[i].name, "check_answered:", 15))
+			continue;
+		id = s[i].name + 15;
+		ok = s[i].value != 0;
+		if (json) {
+			printf("%s{\"id\": ", first ? "" : ", ");
+			json_str(id);
+			printf(", \"answered\": %s", ok ? "true" : "false");
+			for (int j = 0; j < 5; j++) {
+				char nm[32];
+
+				snprintf(nm, sizeof(nm), "check_%s", cols[j]);
+				printf(", \"%s\": %.0f", cols[j], stat_of(s, n, nm, id));
+			}
+			printf("}");
+		} else {
+			printf("%-16s %-8s", id, ok ? "yes" : "NO");
+			for (int j = 0; j < 5; j++) {
+				char nm[32];
+
+				snprintf(nm, sizeof(nm), "check_%s", cols[j]);
+				printf(" %10.0f", stat_of(s, n, nm, id));
+			}
+			printf("\n");
+		}
+		first = false;
+	}
+	if (json)
+		printf("], \"under_replicated\": %.0f, \"copies_beyond_r\": %.0f, \"checked\": "
+		       "%.0f, \"of\": %.0f}\n", under, beyond, answered, members);
+	else
+		printf("%.0f chunks with fewer than R copies, %.0f copies beyond R; %.0f of %.0f "
+		       "members checked\n", under, beyond, answered, members);
+	free(s);
+	if (answered < members)
+		fprintf(stderr, "kvblend: cluster check: %.0f members did not answer\n",
+			members - answered);
+	return under > 0 || answered < members ? 1 : 0;
+}
+
 int cmd_cluster(kvb_client *c, struct args *a)
 {
 	const char *sub = a->i < a->argc ? a->argv[a->i++] : "";
@@ -93,8 +185,10 @@ int cmd_cluster(kvb_client *c, struct args *a)
 	bool json, first = true;
 	int rc;
 
+	if (!strcmp(sub, "check"))
+		return cluster_check(c, a);
 	if (strcmp(sub, "status"))
-		return die("cluster: expected 'status'") ? 2 : 2;
+		return die("cluster: expected 'status' or 'check'") ? 2 : 2;
 	opt_decl(&o, "--json", true);
 	if (opt_parse(&o, a))
 		return 2;

@@ -216,6 +216,7 @@ int cluster_new(const struct cluster_opts *o, struct cluster **out, char *err, s
 	pthread_mutex_init(&c->qlock, NULL);
 	pthread_cond_init(&c->qcond, NULL);
 	pthread_mutex_init(&c->rlock, NULL);
+	pthread_mutex_init(&c->check_lock, NULL);
 	pthread_cond_init(&c->rcond, NULL);
 	if (node_id[0]) {
 		size_t n = strlen(node_id);
@@ -532,10 +533,12 @@ void cluster_free(struct cluster **cp)
 	view_free(&c->rebalanced);
 	pthread_cond_destroy(&c->rcond);
 	pthread_mutex_destroy(&c->rlock);
+	pthread_mutex_destroy(&c->check_lock);
 	pthread_cond_destroy(&c->qcond);
 	pthread_mutex_destroy(&c->qlock);
 	pthread_rwlock_destroy(&c->view_lock);
 	free(c->q);
+	explicit_bzero(c->etcd_password, sizeof(c->etcd_password));
 	free(c);
 	*cp = NULL;
 }

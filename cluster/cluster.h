@@ -54,6 +54,10 @@ struct cluster_opts {
 	const char *node_id;   /* this member's id; "" or NULL: the host name */
 	const char *peers;     /* cluster_peers: "id=tcp://host:port[=key]", comma separated */
 	const char *etcd;      /* cluster_etcd: the etcd endpoints, comma separated */
+	/* cluster_etcd_ca_file, _cert_file, _key_file, _user, _password_file ("" or NULL:
+	 * unset); the password file is read by cluster_new */
+	const char *etcd_ca_file, *etcd_cert_file, *etcd_key_file, *etcd_user;
+	const char *etcd_password_file;
 	const char *name;      /* cluster_name: the etcd prefix is /kvblend/NAME/members/ */
 	const char *advertise; /* cluster_advertise: tcp://HOST:PORT other members reach */
 	const char *listen_tcp; /* the first tcp:// listen endpoint, NULL or "" without */
@@ -178,6 +182,65 @@ void cluster_owners_hold(struct cluster *c, const struct store_model *m,
 
 /* The store the cluster was given (cluster_opts.store). */
 struct store *cluster_store(struct cluster *c);
+
+/*
+ * A replication check of the chunks held here (check.c), as `redis-cli --cluster
+ * check` does for slots. Each chunk's owners under the current membership are
+ * asked (one LOOKUP per owner, model and 1024 chunks, each within
+ * cluster_timeout_ms) whether they hold it. A chunk with fewer than R verified
+ * copies among its owners (R: cluster_replicas, or the members in placement if
+ * fewer) is under-replicated; it is counted by one member only: the first of its
+ * owners in placement order that holds it, or, when no owner does, each member
+ * holding a copy. A copy held by a member that does not own the chunk is a copy
+ * beyond R (a cache copy, cluster_cache_pct).
+ */
+struct cluster_check {
+	uint64_t chunks;     /* held here */
+	uint64_t owned;	     /* of them owned here */
+	uint64_t beyond;     /* of them not owned here: copies beyond R */
+	uint64_t under;	     /* under-replicated chunks counted here */
+	uint64_t unverified; /* owner copies not known: the owner did not answer */
+	uint64_t missing;    /* cluster_check_all: copies this member owns and lacks */
+	bool complete;	     /* every chunk held here was looked at within the budget */
+	uint64_t took_ms;
+	uint64_t at_ms; /* unix ms it finished; 0: never run */
+};
+
+/*
+ * Check the chunks held here, stopping after budget_ms (0: no bound; -1: half
+ * of cluster_timeout_ms, for a member asked by another) with out->complete
+ * false. The result is also kept as this member's last (the
+ * stats' and metrics' gauge, cluster_check_last). 0, or a negative errno when
+ * the store cannot be read.
+ */
+int cluster_check_local(struct cluster *c, int64_t budget_ms, struct cluster_check *out);
+/* The last check's figures (at_ms 0 when none has run). */
+void cluster_check_last(struct cluster *c, struct cluster_check *out);
+
+struct cluster_check_member {
+	char id[STORE_OWED_PEER_MAX + 1];
+	bool answered; /* false: gone, suspect, or a LIST failed or missed cluster_timeout_ms */
+	struct cluster_check check; /* chunks, owned, beyond, missing, unverified */
+};
+
+/*
+ * The whole cluster's check, exact: every member in placement lists its chunks
+ * of each model this daemon knows (one LIST per member and model, answered from
+ * its store with no further call: nothing waits on this daemon's workers), and
+ * this daemon places each chunk and counts, per member, the chunks held, those
+ * it owns, those beyond R, the copies it owns but lacks (missing), and owner
+ * copies not known (unverified: that owner did not answer); *under is the
+ * chunks with fewer than R copies among their owners. Holds every member's list
+ * at once (36 bytes a copy). Then asks every member to run its own
+ * cluster_check_local in the background (the gauges). *out malloc'd (free it),
+ * [0] this daemon, *n entries. 0, or a negative errno (the store, memory).
+ */
+int cluster_check_all(struct cluster *c, struct cluster_check_member **out, size_t *n,
+		      uint64_t *under);
+/* Ask this daemon's rebalance thread, and every live member's, for a local check. */
+void cluster_check_request(struct cluster *c);
+/* Ask this daemon's rebalance thread for a local check (a member's HELLO asked it). */
+void cluster_check_wanted(struct cluster *c);
 
 /* Is this daemon one of hash's owners under the current membership? */
 bool cluster_owns(struct cluster *c, const uint8_t *hash);

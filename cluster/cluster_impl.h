@@ -11,6 +11,7 @@
 #ifndef KVBLEND_CLUSTER_CLUSTER_IMPL_H
 #define KVBLEND_CLUSTER_CLUSTER_IMPL_H
 
+#include <limits.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdbool.h>
@@ -121,6 +122,10 @@ struct cluster {
 	bool heart_started;
 	/* etcd */
 	char etcd_urls[CLUSTER_ENDPOINT_MAX * 2];
+	/* TLS and authentication towards etcd (etcd_opts points into these) */
+	char etcd_ca[PATH_MAX], etcd_cert[PATH_MAX], etcd_key[PATH_MAX];
+	char etcd_user[256], etcd_password[256];
+	struct etcd_opts etcd_opts;
 	char prefix[256];
 	char advertise[CLUSTER_ENDPOINT_MAX];
 	uint64_t capacity;
@@ -129,6 +134,10 @@ struct cluster {
 	bool registrar_started, watcher_started;
 	atomic_bool etcd_stop, watch_abort, etcd_ok, etcd_synced;
 	atomic_uint_fast64_t etcd_errors, etcd_last_ok; /* realtime ms */
+	/* the last replication check (check.c) */
+	pthread_mutex_t check_lock;
+	atomic_bool check_wanted; /* the rebalance thread runs a local check next */
+	struct cluster_check last_check;
 };
 
 /* A peer's reply: its decoded header, and the payload frames after it. */

@@ -12,12 +12,17 @@
 #define ENDPOINTS_MAX 8
 #define URL_MAX 256
 #define REPLY_MAX (64u << 20) /* a gateway answer larger than this is refused */
+#define TOKEN_MAX 1024		    /* an auth token longer than this is refused */
+#define AUTH_PATH "/v3/auth/authenticate"
+#define EKEYEXPIRED_ETCD (-EKEYEXPIRED) /* inside call(): the token is no longer taken */
 
 struct etcd {
 	CURL *curl;
 	char urls[ENDPOINTS_MAX][URL_MAX];
 	unsigned n_urls, cur;
 	int timeout_ms;
+	char *ca_file, *cert_file, *key_file, *user, *password; /* NULL: not set */
+	char token[TOKEN_MAX + 1];				 /* "" until authenticated */
 	char error[CURL_ERROR_SIZE + 512];
 	/* the answer being read */
 	char *buf;
@@ -37,34 +42,36 @@ int etcd_global_init(void)
 	return curl_global_init(CURL_GLOBAL_DEFAULT) == CURLE_OK ? 0 : -ENOMEM;
 }
 
-int etcd_new(const char *endpoints, int timeout_ms, struct etcd **out, char *err, size_t errlen)
+static bool set(const char *s)
 {
-	struct etcd *e = calloc(1, sizeof(*e));
-	const char *s = endpoints;
+	return s && *s;
+}
 
-	*out = NULL;
-	if (!e)
-		return -ENOMEM;
+/* The endpoint list into e->urls; *tls whether any is https://, *plain any http://. */
+static int parse_endpoints(struct etcd *e, const char *s, bool *tls, bool *plain, char *err,
+			   size_t errlen)
+{
 	while (*s) {
-		size_t n = strcspn(s, ", \t");
+		size_t n = strcspn(s, ", \t"), scheme;
 
 		if (!n) {
 			s++;
 			continue;
 		}
-		if (strncmp(s, "http://", 7) || n <= 7 || n >= URL_MAX - 16) {
-			snprintf(err, errlen, "cluster_etcd: '%.*s' is not http://HOST:PORT", (int)n, s);
-			free(e);
+		scheme = !strncmp(s, "http://", 7) ? 7 : !strncmp(s, "https://", 8) ? 8 : 0;
+		if (!scheme || n <= scheme || n >= URL_MAX - 16) {
+			snprintf(err, errlen, "cluster_etcd: '%.*s' is not http://HOST:PORT or "
+				 "https://HOST:PORT", (int)n, s);
 			return -EINVAL;
 		}
 		if (e->n_urls == ENDPOINTS_MAX) {
 			snprintf(err, errlen, "cluster_etcd: more than %d endpoints", ENDPOINTS_MAX);
-			free(e);
 			return -EINVAL;
 		}
+		*(scheme == 8 ? tls : plain) = true;
 		memcpy(e->urls[e->n_urls], s, n);
 		/* no trailing slash: paths are appended as /v3/... */
-		while (n > 7 && e->urls[e->n_urls][n - 1] == '/')
+		while (n > scheme && e->urls[e->n_urls][n - 1] == '/')
 			e->urls[e->n_urls][--n] = 0;
 		e->n_urls++;
 		s += n;
@@ -73,15 +80,87 @@ int etcd_new(const char *endpoints, int timeout_ms, struct etcd **out, char *err
 	}
 	if (!e->n_urls) {
 		snprintf(err, errlen, "cluster_etcd: no endpoint");
-		free(e);
 		return -EINVAL;
 	}
-	e->timeout_ms = timeout_ms;
-	e->curl = curl_easy_init();
-	if (!e->curl) {
-		free(e);
+	return 0;
+}
+
+/* A copy of file setting key's path, after checking it can be read; NULL with err. */
+static char *readable_copy(const char *key, const char *path, char *err, size_t errlen)
+{
+	FILE *f = fopen(path, "r");
+	char *copy;
+
+	if (!f) {
+		snprintf(err, errlen, "%s: cannot read '%s': %s", key, path, strerror(errno));
+		return NULL;
+	}
+	fclose(f);
+	copy = strdup(path);
+	if (!copy)
+		snprintf(err, errlen, "%s: out of memory", key);
+	return copy;
+}
+
+/* o's TLS and authentication settings checked and copied into e. */
+static int take_opts(struct etcd *e, const struct etcd_opts *o, bool plain, char *err,
+		     size_t errlen)
+{
+	if ((set(o->ca_file) || set(o->cert_file) || set(o->key_file)) && plain) {
+		snprintf(err, errlen, "cluster_etcd_%s is set but cluster_etcd has an http:// "
+			 "endpoint: TLS settings need https:// endpoints",
+			 set(o->ca_file) ? "ca_file" : set(o->cert_file) ? "cert_file" : "key_file");
+		return -EINVAL;
+	}
+	if (set(o->cert_file) != set(o->key_file)) {
+		snprintf(err, errlen, "cluster_etcd_%s is set without cluster_etcd_%s: a client "
+			 "certificate needs its key", set(o->cert_file) ? "cert_file" : "key_file",
+			 set(o->cert_file) ? "key_file" : "cert_file");
+		return -EINVAL;
+	}
+	if (set(o->user) && !set(o->password)) {
+		snprintf(err, errlen, "cluster_etcd_user is set without a password "
+			 "(cluster_etcd_password_file)");
+		return -EINVAL;
+	}
+	if (!set(o->user) && set(o->password)) {
+		snprintf(err, errlen, "cluster_etcd_password_file is set without cluster_etcd_user");
+		return -EINVAL;
+	}
+	if ((set(o->ca_file) &&
+	     !(e->ca_file = readable_copy("cluster_etcd_ca_file", o->ca_file, err, errlen))) ||
+	    (set(o->cert_file) &&
+	     !(e->cert_file = readable_copy("cluster_etcd_cert_file", o->cert_file, err, errlen))) ||
+	    (set(o->key_file) &&
+	     !(e->key_file = readable_copy("cluster_etcd_key_file", o->key_file, err, errlen))))
+		return -EINVAL;
+	if (set(o->user) && (!(e->user = strdup(o->user)) || !(e->password = strdup(o->password)))) {
+		snprintf(err, errlen, "cluster_etcd_user: out of memory");
 		return -ENOMEM;
 	}
+	return 0;
+}
+
+int etcd_new(const char *endpoints, const struct etcd_opts *o, struct etcd **out, char *err,
+	     size_t errlen)
+{
+	struct etcd *e = calloc(1, sizeof(*e));
+	bool tls = false, plain = false; /* tls: for the record; any mix is allowed */
+	int rc;
+
+	*out = NULL;
+	if (!e)
+		return -ENOMEM;
+	rc = parse_endpoints(e, endpoints, &tls, &plain, err, errlen);
+	if (!rc)
+		rc = take_opts(e, o, plain, err, errlen);
+	if (!rc && !(e->curl = curl_easy_init()))
+		rc = -ENOMEM;
+	if (rc) {
+		etcd_free(&e);
+		return rc;
+	}
+	e->timeout_ms = o->timeout_ms;
 	*out = e;
 	return 0;
 }
@@ -92,10 +171,19 @@ void etcd_free(struct etcd **ep)
 
 	if (!e)
 		return;
-	curl_easy_cleanup(e->curl);
+	if (e->curl)
+		curl_easy_cleanup(e->curl);
 	if (e->tok)
 		json_tokener_free(e->tok);
 	free(e->buf);
+	free(e->ca_file);
+	free(e->cert_file);
+	free(e->key_file);
+	free(e->user);
+	if (e->password)
+		explicit_bzero(e->password, strlen(e->password));
+	free(e->password);
+	explicit_bzero(e->token, sizeof(e->token));
 	free(e);
 	*ep = NULL;
 }
@@ -241,6 +329,24 @@ static size_t on_data(char *p, size_t size, size_t nmemb, void *ctx)
 	return n;
 }
 
+/* The request's headers: JSON, and the token once authenticated (not for authenticating). */
+static struct curl_slist *headers(const struct etcd *e, const char *path)
+{
+	struct curl_slist *h = curl_slist_append(NULL, "Content-Type: application/json"), *t;
+	char auth[TOKEN_MAX + 32];
+
+	if (!h || !e->token[0] || !strcmp(path, AUTH_PATH))
+		return h;
+	snprintf(auth, sizeof(auth), "Authorization: %s", e->token);
+	t = curl_slist_append(h, auth);
+	explicit_bzero(auth, sizeof(auth));
+	if (!t) {
+		curl_slist_free_all(h);
+		return NULL;
+	}
+	return t;
+}
+
 static void setup(struct etcd *e, const char *path, const char *body,
 		  struct curl_slist *headers, char *url)
 {
@@ -248,7 +354,13 @@ static void setup(struct etcd *e, const char *path, const char *body,
 	curl_easy_reset(e->curl);
 	curl_easy_setopt(e->curl, CURLOPT_URL, url);
 	curl_easy_setopt(e->curl, CURLOPT_NOSIGNAL, 1L);
-	curl_easy_setopt(e->curl, CURLOPT_PROTOCOLS_STR, "http");
+	curl_easy_setopt(e->curl, CURLOPT_PROTOCOLS_STR, "http,https");
+	if (e->ca_file)
+		curl_easy_setopt(e->curl, CURLOPT_CAINFO, e->ca_file);
+	if (e->cert_file) {
+		curl_easy_setopt(e->curl, CURLOPT_SSLCERT, e->cert_file);
+		curl_easy_setopt(e->curl, CURLOPT_SSLKEY, e->key_file);
+	}
 	curl_easy_setopt(e->curl, CURLOPT_POSTFIELDS, body);
 	curl_easy_setopt(e->curl, CURLOPT_HTTPHEADER, headers);
 	curl_easy_setopt(e->curl, CURLOPT_ERRORBUFFER, e->error);
@@ -269,20 +381,92 @@ static int gateway_error(struct etcd *e, json_object *o, long status)
 		msg = json_object_get_string(m);
 	snprintf(e->error, sizeof(e->error), "HTTP %ld from %s: %.200s", status, e->urls[e->cur],
 		 msg);
-	return strstr(msg, "lease not found") ? -ENOENT : -EPROTO;
+	if (strstr(msg, "lease not found"))
+		return -ENOENT;
+	/* a token etcd no longer takes (its TTL passed, etcd restarted, auth revision moved) */
+	if (strstr(msg, "invalid auth token") || strstr(msg, "revision of auth store is old"))
+		return EKEYEXPIRED_ETCD;
+	if (strstr(msg, "authentication failed") || strstr(msg, "permission denied") ||
+	    strstr(msg, "user name is empty") || strstr(msg, "authentication is not enabled") ||
+	    strstr(msg, "user name not found")) {
+		if (strstr(msg, "user name is empty"))
+			snprintf(e->error + strlen(e->error), sizeof(e->error) - strlen(e->error),
+				 " (etcd has authentication on: set cluster_etcd_user and "
+				 "cluster_etcd_password_file)");
+		return -EACCES;
+	}
+	return -EPROTO;
+}
+
+/* A failed transfer's curl code as -errno, with a hint in e->error for TLS failures. */
+static int transfer_error(struct etcd *e, CURLcode cc)
+{
+	const char *hint = NULL;
+	size_t n;
+
+	if (!e->error[0])
+		snprintf(e->error, sizeof(e->error), "%s", curl_easy_strerror(cc));
+	if (e->overflow) {
+		snprintf(e->error, sizeof(e->error), "answer from %s over %u bytes", e->urls[e->cur],
+			 REPLY_MAX);
+		return -EPROTO;
+	}
+	switch (cc) {
+	case CURLE_OPERATION_TIMEDOUT:
+		return -ETIMEDOUT;
+	case CURLE_PEER_FAILED_VERIFICATION:
+	case CURLE_SSL_ISSUER_ERROR:
+		hint = "etcd's certificate is not trusted: is cluster_etcd_ca_file the CA that "
+		       "signed it, and the endpoint's host in it?";
+		break;
+	case CURLE_SSL_CERTPROBLEM:
+	case CURLE_SSL_CACERT_BADFILE:
+	case CURLE_SSL_CRL_BADFILE:
+		hint = "a certificate or key file could not be used (cluster_etcd_ca_file, "
+		       "cluster_etcd_cert_file, cluster_etcd_key_file)";
+		break;
+	case CURLE_SSL_CONNECT_ERROR:
+	case CURLE_SSL_CIPHER:
+	case CURLE_USE_SSL_FAILED:
+		hint = "the TLS handshake failed (an https:// endpoint on a plain http:// etcd?)";
+		break;
+	case CURLE_RECV_ERROR:
+	case CURLE_SEND_ERROR:
+		/*
+		 * Connected, then cut off over TLS: with TLS 1.3 a client certificate etcd
+		 * refuses (or none where it wants one) shows only here, as an alert on the
+		 * first read or a reset, depending on timing.
+		 */
+		if (!strncmp(e->urls[e->cur], "https://", 8))
+			hint = e->cert_file ? "etcd closed the TLS connection: does it trust the "
+					      "client certificate (cluster_etcd_cert_file)?"
+					    : "etcd closed the TLS connection: it may want a client "
+					      "certificate (cluster_etcd_cert_file, "
+					      "cluster_etcd_key_file)";
+		break;
+	default:
+		break;
+	}
+	if (!hint)
+		return -ECONNREFUSED;
+	n = strlen(e->error);
+	snprintf(e->error + n, sizeof(e->error) - n, " [%s]", hint);
+	return -EPROTO;
 }
 
 /*
- * POST body (a JSON object, consumed) to path on the first endpoint that
- * answers; *out is the parsed answer (json_object_put it). Returns 0 or -errno.
+ * POST text to path on the first endpoint that answers; *out is the parsed
+ * answer (json_object_put it). Returns 0 or -errno (EKEYEXPIRED_ETCD: the
+ * token was refused).
  */
-static int call(struct etcd *e, const char *path, json_object *body, json_object **out)
+static int call_once(struct etcd *e, const char *path, const char *text, json_object **out)
 {
-	const char *text = json_object_to_json_string_ext(body, JSON_C_TO_STRING_PLAIN);
-	struct curl_slist *h = curl_slist_append(NULL, "Content-Type: application/json");
+	struct curl_slist *h = headers(e, path);
 	int rc = -ECONNREFUSED;
 
 	*out = NULL;
+	if (!h)
+		return -ENOMEM;
 	for (unsigned tries = 0; tries < e->n_urls; tries++) {
 		char url[URL_MAX + 32];
 		CURLcode cc;
@@ -295,22 +479,18 @@ static int call(struct etcd *e, const char *path, json_object *body, json_object
 		curl_easy_setopt(e->curl, CURLOPT_WRITEDATA, e);
 		cc = curl_easy_perform(e->curl);
 		if (cc != CURLE_OK) {
-			if (!e->error[0])
-				snprintf(e->error, sizeof(e->error), "%s", curl_easy_strerror(cc));
-			rc = cc == CURLE_OPERATION_TIMEDOUT ? -ETIMEDOUT
-			     : e->overflow		    ? -EPROTO
-							    : -ECONNREFUSED;
-			if (e->overflow)
-				snprintf(e->error, sizeof(e->error), "answer from %s over %u bytes",
-					 e->urls[e->cur], REPLY_MAX);
+			rc = transfer_error(e, cc);
 			e->cur = (e->cur + 1) % e->n_urls; /* the next endpoint, next time too */
 			continue;
 		}
 		curl_easy_getinfo(e->curl, CURLINFO_RESPONSE_CODE, &status);
 		o = e->len ? json_tokener_parse(e->buf) : NULL;
 		if (!o || !json_object_is_type(o, json_type_object)) {
-			snprintf(e->error, sizeof(e->error), "HTTP %ld from %s: not the gateway's JSON",
-				 status, e->urls[e->cur]);
+			size_t n = strcspn(e->len ? e->buf : "", "\r\n");
+
+			snprintf(e->error, sizeof(e->error), "HTTP %ld from %s: not the gateway's JSON: "
+				 "'%.*s'", status, e->urls[e->cur], (int)(n > 160 ? 160 : n),
+				 e->len ? e->buf : "");
 			json_object_put(o);
 			rc = -EPROTO;
 			break;
@@ -325,8 +505,65 @@ static int call(struct etcd *e, const char *path, json_object *body, json_object
 		break;
 	}
 	curl_slist_free_all(h);
-	json_object_put(body);
 	return rc;
+}
+
+/* A token for e->user into e->token. 0, or -EACCES (refused) and the call's errors. */
+static int authenticate(struct etcd *e)
+{
+	json_object *q = json_object_new_object(), *r, *t;
+	const char *text;
+	int rc;
+
+	e->token[0] = 0;
+	json_object_object_add(q, "name", json_object_new_string(e->user));
+	json_object_object_add(q, "password", json_object_new_string(e->password));
+	text = json_object_to_json_string_ext(q, JSON_C_TO_STRING_PLAIN);
+	rc = call_once(e, AUTH_PATH, text, &r);
+	explicit_bzero((char *)text, strlen(text));
+	json_object_put(q);
+	if (rc) {
+		size_t n = strlen(e->error);
+
+		snprintf(e->error + n, sizeof(e->error) - n, " (authenticating as etcd user '%.64s')",
+			 e->user);
+		return rc == EKEYEXPIRED_ETCD ? -EACCES : rc;
+	}
+	if (!json_object_object_get_ex(r, "token", &t) || !json_object_is_type(t, json_type_string) ||
+	    !json_object_get_string_len(t) || json_object_get_string_len(t) > TOKEN_MAX ||
+	    strpbrk(json_object_get_string(t), "\r\n")) {
+		snprintf(e->error, sizeof(e->error), "authenticating at %s: no usable token in the "
+			 "answer (is authentication enabled in etcd?)", e->urls[e->cur]);
+		json_object_put(r);
+		return -EPROTO;
+	}
+	snprintf(e->token, sizeof(e->token), "%s", json_object_get_string(t));
+	json_object_put(r);
+	return 0;
+}
+
+/*
+ * POST body (a JSON object, consumed) to path, authenticated when e has a
+ * user: a token first if there is none yet, a new one and the call again when
+ * etcd no longer takes it. Returns 0 or -errno.
+ */
+static int call(struct etcd *e, const char *path, json_object *body, json_object **out)
+{
+	const char *text = json_object_to_json_string_ext(body, JSON_C_TO_STRING_PLAIN);
+	int rc = 0;
+
+	*out = NULL;
+	if (e->user && !e->token[0])
+		rc = authenticate(e);
+	if (!rc)
+		rc = call_once(e, path, text, out);
+	if (rc == EKEYEXPIRED_ETCD && e->user) {
+		rc = authenticate(e);
+		if (!rc)
+			rc = call_once(e, path, text, out);
+	}
+	json_object_put(body);
+	return rc == EKEYEXPIRED_ETCD ? -EACCES : rc;
 }
 
 static json_object *b64_string(const void *p, size_t n)
@@ -361,6 +598,18 @@ static void add_prefix(json_object *o, const char *prefix)
 		end[n - 1]++; /* a prefix ends in '/', so no carry */
 	json_object_object_add(o, "key", b64_string(prefix, n));
 	json_object_object_add(o, "range_end", b64_string(end, n));
+}
+
+int etcd_probe(struct etcd *e, const char *prefix)
+{
+	json_object *q = json_object_new_object(), *r;
+	int rc;
+
+	add_prefix(q, prefix);
+	json_object_object_add(q, "count_only", json_object_new_boolean(1));
+	rc = call(e, "/v3/kv/range", q, &r);
+	json_object_put(r);
+	return rc;
 }
 
 int etcd_lease_grant(struct etcd *e, int64_t ttl_s, int64_t *id)
@@ -484,8 +733,13 @@ static int watch_message(struct etcd *e, json_object *o)
 	json_object *res, *evs, *hdr;
 
 	if (!json_object_object_get_ex(o, "result", &res)) {
-		gateway_error(e, o, 200);
-		return -EPROTO;
+		int rc = gateway_error(e, o, 200);
+
+		if (rc == EKEYEXPIRED_ETCD) {
+			e->token[0] = 0; /* the next call authenticates again */
+			rc = -EACCES;
+		}
+		return rc == -EACCES ? rc : -EPROTO;
 	}
 	if (int_member(res, "compact_revision", 0) > 0) {
 		snprintf(e->error, sizeof(e->error), "watch start compacted away (at %" PRId64 ")",
@@ -495,8 +749,18 @@ static int watch_message(struct etcd *e, json_object *o)
 	if (json_object_object_get_ex(res, "created", &hdr))
 		e->watch_created = true;
 	if (json_object_object_get_ex(res, "canceled", &hdr) && json_object_get_boolean(hdr)) {
-		snprintf(e->error, sizeof(e->error), "watch canceled by %s", e->urls[e->cur]);
-		return -ECONNRESET;
+		json_object *why;
+		const char *reason = json_object_object_get_ex(res, "cancel_reason", &why)
+					     ? json_object_get_string(why)
+					     : "";
+
+		snprintf(e->error, sizeof(e->error), "watch canceled by %s: %.200s", e->urls[e->cur],
+			 reason);
+		if (strstr(reason, "auth token") || strstr(reason, "auth store")) {
+			e->token[0] = 0; /* the next call authenticates again */
+			return -EACCES;
+		}
+		return strstr(reason, "permission denied") ? -EACCES : -ECONNRESET;
 	}
 	if (!json_object_object_get_ex(res, "events", &evs) ||
 	    !json_object_is_type(evs, json_type_array))
@@ -566,13 +830,27 @@ int etcd_watch_prefix(struct etcd *e, const char *prefix, int64_t start,
 		      void *ctx, const atomic_bool *stop)
 {
 	json_object *q = json_object_new_object(), *cr = json_object_new_object();
-	struct curl_slist *h = curl_slist_append(NULL, "Content-Type: application/json");
+	struct curl_slist *h;
 	char url[URL_MAX + 32];
 	const char *text;
 	CURLcode cc;
 	long status = 0;
 	int rc;
 
+	if (e->user && !e->token[0]) {
+		rc = authenticate(e);
+		if (rc) {
+			json_object_put(q);
+			json_object_put(cr);
+			return rc;
+		}
+	}
+	h = headers(e, "/v3/watch");
+	if (!h) {
+		json_object_put(q);
+		json_object_put(cr);
+		return -ENOMEM;
+	}
 	add_prefix(cr, prefix);
 	json_object_object_add(cr, "start_revision", int_string(start));
 	json_object_object_add(q, "create_request", cr);
@@ -601,10 +879,19 @@ int etcd_watch_prefix(struct etcd *e, const char *prefix, int64_t start,
 	else if (cc == CURLE_ABORTED_BY_CALLBACK)
 		rc = -ECANCELED;
 	else if (cc != CURLE_OK) {
-		if (!e->error[0])
-			snprintf(e->error, sizeof(e->error), "%s", curl_easy_strerror(cc));
+		rc = transfer_error(e, cc);
+		if (rc != -EPROTO)
+			rc = -ECONNRESET;
 		e->cur = (e->cur + 1) % e->n_urls;
-		rc = -ECONNRESET;
+	} else if (status != 200) {
+		json_object *o = e->len ? json_tokener_parse(e->buf) : NULL;
+
+		rc = gateway_error(e, o, status);
+		json_object_put(o);
+		if (rc == EKEYEXPIRED_ETCD) {
+			e->token[0] = 0;
+			rc = -EACCES;
+		}
 	} else {
 		snprintf(e->error, sizeof(e->error), "watch stream from %s ended (HTTP %ld)",
 			 e->urls[e->cur], status);

@@ -1,15 +1,22 @@
 /*
  * etcd — the few etcd v3 calls cluster membership needs, over etcd's JSON
- * gateway (POST /v3/...), with libcurl and json-c.
+ * gateway (POST /v3/...), with libcurl (its TLS: OpenSSL) and json-c.
  *
  * Keys and values are byte strings (base64 on the wire); lease ids and
  * revisions are int64 (decimal strings on the wire). endpoints is a comma
- * list of http://HOST:PORT; a call that cannot reach one tries the next.
+ * list of http://HOST:PORT or https://HOST:PORT; a call that cannot reach one
+ * tries the next. https:// verifies etcd's certificate (against ca_file, else
+ * the system's CAs) and its host name, and shows a client certificate when
+ * given one. With a user, every call carries the token /v3/auth/authenticate
+ * gave; a token etcd no longer takes (expired, etcd restarted) is replaced by
+ * authenticating again, and the call retried once.
  *
  * One struct etcd is used by one thread at a time (it holds one curl handle);
  * a daemon opens one per thread that talks to etcd. Errors are negative errno:
- * -ECONNREFUSED (no endpoint answered), -ETIMEDOUT, -EPROTO (an answer that is
- * not the gateway's JSON), -ENOENT (a lease that is gone), -ECANCELED (stopped).
+ * -ECONNREFUSED (no endpoint answered), -ETIMEDOUT, -EPROTO (TLS failed: the
+ * server's certificate not trusted, ours refused; or an answer that is not the
+ * gateway's JSON), -EACCES (authentication failed, or no permission on a key),
+ * -ENOENT (a lease that is gone), -ECANCELED (stopped).
  */
 #ifndef KVBLEND_CLUSTER_ETCD_H
 #define KVBLEND_CLUSTER_ETCD_H
@@ -24,17 +31,36 @@ struct etcd;
 /* Once per process, before any thread uses etcd (curl_global_init). */
 int etcd_global_init(void);
 
+/* How to reach etcd; the strings are copied by etcd_new. */
+struct etcd_opts {
+	int timeout_ms;		/* bounds each unary call */
+	const char *ca_file;	/* PEM CAs etcd's certificate must chain to; NULL/"": system's */
+	const char *cert_file;	/* PEM client certificate; NULL/"": none (then no key_file) */
+	const char *key_file;	/* its PEM private key */
+	const char *user;	/* etcd user; NULL/"": no authentication */
+	const char *password;	/* its password (with a user) */
+};
+
 /*
- * endpoints: "http://HOST:PORT[,http://...]"; timeout_ms bounds each unary
- * call. Returns 0, or -EINVAL with err naming the bad endpoint.
+ * endpoints: "http[s]://HOST:PORT[,...]". Returns 0, or -EINVAL with err
+ * naming the bad endpoint or option: a TLS file with an http:// endpoint, a
+ * certificate without its key (or a key alone), a file that cannot be read, a
+ * user without a password.
  */
-int etcd_new(const char *endpoints, int timeout_ms, struct etcd **out, char *err,
+int etcd_new(const char *endpoints, const struct etcd_opts *o, struct etcd **out, char *err,
 	     size_t errlen);
 void etcd_free(struct etcd **e);
 
 /* The endpoint of the last call, and its error text when it failed. */
 const char *etcd_endpoint(const struct etcd *e);
 const char *etcd_error(const struct etcd *e);
+
+/*
+ * One read of prefix (a count), authenticating first with a user: whether
+ * etcd can be reached, trusted and used with these settings. Returns 0 or a
+ * call's errors (etcd_error says which endpoint and why).
+ */
+int etcd_probe(struct etcd *e, const char *prefix);
 
 int etcd_lease_grant(struct etcd *e, int64_t ttl_s, int64_t *id);
 /* Renew lease id; *ttl_s is what is left. -ENOENT when the lease is gone. */

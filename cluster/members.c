@@ -180,6 +180,125 @@ int members_parse_list(struct cluster *c, const char *s, char *err, size_t errle
 	return 0;
 }
 
+/* A file setting (NULL or "": unset) copied into dst; -EINVAL when it does not fit. */
+static int copy_setting(char *dst, size_t cap, const char *key, const char *val, char *err,
+			size_t errlen)
+{
+	size_t n = val ? strlen(val) : 0;
+
+	if (n >= cap) {
+		snprintf(err, errlen, "%s: longer than %zu characters", key, cap - 1);
+		return -EINVAL;
+	}
+	memcpy(dst, n ? val : "", n + 1);
+	return 0;
+}
+
+/* The password of cluster_etcd_user: the first line of path, without its newline. */
+static int read_password(struct cluster *c, const char *path, char *err, size_t errlen)
+{
+	FILE *f = fopen(path, "r");
+	size_t n;
+
+	if (!f) {
+		snprintf(err, errlen, "cluster_etcd_password_file: cannot read '%.200s': %s", path,
+			 strerror(errno));
+		return -EINVAL;
+	}
+	if (!fgets(c->etcd_password, sizeof(c->etcd_password), f))
+		c->etcd_password[0] = 0;
+	n = strcspn(c->etcd_password, "\r\n");
+	if (n == sizeof(c->etcd_password) - 1 && !feof(f) && fgetc(f) != '\n' && !feof(f)) {
+		fclose(f);
+		explicit_bzero(c->etcd_password, sizeof(c->etcd_password));
+		snprintf(err, errlen, "cluster_etcd_password_file '%.200s': the password is longer "
+			 "than %zu bytes", path, sizeof(c->etcd_password) - 2);
+		return -EINVAL;
+	}
+	fclose(f);
+	c->etcd_password[n] = 0;
+	if (!n) {
+		snprintf(err, errlen, "cluster_etcd_password_file '%.200s' is empty (the password "
+			 "is its first line)", path);
+		return -EINVAL;
+	}
+	return 0;
+}
+
+/* The TLS and authentication settings of o into c->etcd_opts. */
+static int etcd_security(struct cluster *c, const struct cluster_opts *o, char *err,
+			 size_t errlen)
+{
+	const char *pw = o->etcd_password_file;
+	int rc;
+
+	rc = copy_setting(c->etcd_ca, sizeof(c->etcd_ca), "cluster_etcd_ca_file", o->etcd_ca_file,
+			  err, errlen);
+	if (!rc)
+		rc = copy_setting(c->etcd_cert, sizeof(c->etcd_cert), "cluster_etcd_cert_file",
+				  o->etcd_cert_file, err, errlen);
+	if (!rc)
+		rc = copy_setting(c->etcd_key, sizeof(c->etcd_key), "cluster_etcd_key_file",
+				  o->etcd_key_file, err, errlen);
+	if (!rc)
+		rc = copy_setting(c->etcd_user, sizeof(c->etcd_user), "cluster_etcd_user",
+				  o->etcd_user, err, errlen);
+	if (!rc && pw && pw[0] && !c->etcd_user[0]) {
+		snprintf(err, errlen, "cluster_etcd_password_file is set without cluster_etcd_user");
+		rc = -EINVAL;
+	}
+	if (!rc && c->etcd_user[0] && !(pw && pw[0])) {
+		snprintf(err, errlen, "cluster_etcd_user '%.64s' needs cluster_etcd_password_file "
+			 "(the password is never given on the command line)", c->etcd_user);
+		rc = -EINVAL;
+	}
+	if (!rc && c->etcd_user[0])
+		rc = read_password(c, pw, err, errlen);
+	if (!rc && c->etcd_user[0] && strstr(c->etcd_urls, "http://"))
+		cl_warn(c, "cluster: cluster_etcd_user '%s' over an http:// endpoint: its password "
+			"and token cross the network unencrypted (use https://)", c->etcd_user);
+	c->etcd_opts = (struct etcd_opts){
+		.timeout_ms = c->timeout_ms,
+		.ca_file = c->etcd_ca,
+		.cert_file = c->etcd_cert,
+		.key_file = c->etcd_key,
+		.user = c->etcd_user,
+		.password = c->etcd_password,
+	};
+	return rc;
+}
+
+/*
+ * One call to etcd at start, so that settings etcd refuses (a CA that does not
+ * sign its certificate, a client certificate missing or refused, a wrong
+ * password, no permission on the prefix) stop the start with etcd's reason;
+ * an etcd that cannot be reached does not: the registrar retries.
+ */
+static int etcd_start_probe(struct cluster *c, struct etcd *e, char *err, size_t errlen)
+{
+	int rc = etcd_probe(e, c->prefix);
+
+	if (!rc)
+		return 0;
+	if (rc == -EACCES && c->etcd_user[0]) {
+		snprintf(err, errlen, "cluster_etcd: etcd refused etcd user '%.64s': %.400s",
+			 c->etcd_user, etcd_error(e));
+		return -EACCES;
+	}
+	if (rc == -EACCES) {
+		snprintf(err, errlen, "cluster_etcd: etcd refused this daemon (%.300s): has etcd "
+			 "authentication on? Then set cluster_etcd_user and "
+			 "cluster_etcd_password_file", etcd_error(e));
+		return -EACCES;
+	}
+	if (rc == -EPROTO) {
+		snprintf(err, errlen, "cluster_etcd: %s: %.400s", etcd_endpoint(e), etcd_error(e));
+		return -EPROTO;
+	}
+	cl_warn(c, "cluster: etcd not reachable at start (%s); retrying", etcd_error(e));
+	return 0;
+}
+
 int members_etcd_setup(struct cluster *c, const struct cluster_opts *o, char *err,
 		       size_t errlen)
 {
@@ -198,14 +317,19 @@ int members_etcd_setup(struct cluster *c, const struct cluster_opts *o, char *er
 		return -EINVAL;
 	}
 	memcpy(c->etcd_urls, o->etcd, strlen(o->etcd) + 1);
-	rc = etcd_new(c->etcd_urls, c->timeout_ms, &probe, err, errlen); /* checks the list */
+	rc = etcd_security(c, o, err, errlen);
 	if (rc)
 		return rc;
-	etcd_free(&probe);
+	rc = etcd_new(c->etcd_urls, &c->etcd_opts, &probe, err, errlen); /* checks the list */
+	if (rc)
+		return rc;
 	rc = advertise_endpoint(c, o, err, errlen);
+	snprintf(c->prefix, sizeof(c->prefix), "/kvblend/%.64s/members/", name);
+	if (!rc)
+		rc = etcd_start_probe(c, probe, err, errlen);
+	etcd_free(&probe);
 	if (rc)
 		return rc;
-	snprintf(c->prefix, sizeof(c->prefix), "/kvblend/%.64s/members/", name);
 	c->lease_ttl = o->lease_ttl_s;
 	c->capacity = o->capacity;
 	/* weight: capacity in GiB, the same formula every member applies to every record */
@@ -254,7 +378,7 @@ void *registrar_main(void *arg)
 	snprintf(self.key, sizeof(self.key), "%s", c->public_key);
 	snprintf(self.version, sizeof(self.version), "%s", KVBLEND_VERSION);
 	if (record_format(c->self, &self, val, sizeof(val)) < 0 ||
-	    etcd_new(c->etcd_urls, c->timeout_ms, &e, err, sizeof(err))) {
+	    etcd_new(c->etcd_urls, &c->etcd_opts, &e, err, sizeof(err))) {
 		cl_err(c, "cluster: cannot start talking to etcd");
 		return NULL;
 	}
@@ -465,7 +589,7 @@ void *watcher_main(void *arg)
 	char err[256];
 	int64_t backoff = 250;
 
-	if (etcd_new(c->etcd_urls, c->timeout_ms, &e, err, sizeof(err))) {
+	if (etcd_new(c->etcd_urls, &c->etcd_opts, &e, err, sizeof(err))) {
 		cl_err(c, "cluster: cannot start talking to etcd");
 		return NULL;
 	}

@@ -295,12 +295,21 @@ void *rebalancer_main(void *arg)
 		uint64_t gen = atomic_load(&c->view_gen), wall, since;
 		int rc;
 
+		if (gen == c->rebalanced_gen && atomic_exchange(&c->check_wanted, false)) {
+			struct cluster_check ck; /* asked for (kvblend cluster check) */
+
+			pthread_mutex_unlock(&c->rlock);
+			cluster_check_local(c, 0, &ck);
+			pthread_mutex_lock(&c->rlock);
+			continue;
+		}
 		if (gen == c->rebalanced_gen) {
 			/* A repair pass: every chunk held here to every owner that lacks it. */
 			if (c->repair_ms && now_ms() >= next_repair && c->have_rebalanced &&
 			    c->rebalanced.n > 1) {
 				pthread_mutex_unlock(&c->rlock);
 				rebalance(c, NULL, &c->rebalanced, 0); /* only this thread changes it */
+				atomic_store(&c->check_wanted, true); /* the gauge, after repair */
 				pthread_mutex_lock(&c->rlock);
 				next_repair = now_ms() + c->repair_ms;
 				continue;

@@ -132,10 +132,27 @@ static const struct key keys[] = {
 	  "them on a miss (docs/cluster.md); not with cluster_etcd (the daemon refuses to start "
 	  "with both); unset = no cluster" },
 	{ "cluster_etcd", "URL[,URL...]", T_PATH, OFF(cluster_etcd), 0, 0, NULL,
-	  "etcd endpoints, comma-separated, each http://HOST:PORT: this daemon registers itself "
-	  "under cluster_name with a lease it keeps alive and learns the other members from etcd "
-	  "(docs/cluster.md); not with cluster_peers (the daemon refuses to start with both); "
-	  "unset = no etcd" },
+	  "etcd endpoints, comma-separated, each http://HOST:PORT or https://HOST:PORT: this "
+	  "daemon registers itself under cluster_name with a lease it keeps alive and learns the "
+	  "other members from etcd (docs/cluster.md); not with cluster_peers (the daemon refuses "
+	  "to start with both); unset = no etcd" },
+	{ "cluster_etcd_ca_file", "FILE", T_PATH, OFF(cluster_etcd_ca_file), 0, 0, NULL,
+	  "PEM file of the CA(s) etcd's server certificate must chain to (https:// endpoints; "
+	  "the certificate must also name the endpoint's host); unset = the system's CAs" },
+	{ "cluster_etcd_cert_file", "FILE", T_PATH, OFF(cluster_etcd_cert_file), 0, 0, NULL,
+	  "PEM client certificate this daemon shows etcd (etcd's --client-cert-auth), with "
+	  "cluster_etcd_key_file; etcd's JSON gateway refuses one with a Common Name: issue it "
+	  "without (docs/cluster.md); unset = none" },
+	{ "cluster_etcd_key_file", "FILE", T_PATH, OFF(cluster_etcd_key_file), 0, 0, NULL,
+	  "PEM private key of cluster_etcd_cert_file" },
+	{ "cluster_etcd_user", "NAME", T_PATH, OFF(cluster_etcd_user), 0, 0, NULL,
+	  "etcd user this daemon authenticates as (etcd with authentication enabled; the user's "
+	  "role needs read and write on /kvblend/NAME/); with cluster_etcd_password_file; "
+	  "unset = no authentication" },
+	{ "cluster_etcd_password_file", "FILE", T_PATH, OFF(cluster_etcd_password_file), 0, 0,
+	  NULL,
+	  "file whose first line is cluster_etcd_user's password (never given on the command "
+	  "line: keep the file readable by the daemon only)" },
 	{ "cluster_name", "NAME", T_PATH, OFF(cluster_name), 0, 0, "kvblend",
 	  "the cluster's name in etcd (its members' keys are /kvblend/NAME/members/NODE_ID): "
 	  "letters, digits, ._-" },

@@ -64,6 +64,11 @@ struct config {
 	char node_id[PATH_MAX];
 	char cluster_peers[PATH_MAX];
 	char cluster_etcd[PATH_MAX];
+	char cluster_etcd_ca_file[PATH_MAX];
+	char cluster_etcd_cert_file[PATH_MAX];
+	char cluster_etcd_key_file[PATH_MAX];
+	char cluster_etcd_user[PATH_MAX];
+	char cluster_etcd_password_file[PATH_MAX];
 	char cluster_name[PATH_MAX];
 	uint64_t cluster_lease_ttl;
 	uint64_t cluster_forget_after;

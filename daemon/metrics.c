@@ -274,6 +274,18 @@ void metrics_write(struct server *srv, FILE *f)
 		if (cs.etcd)
 			gauge(f, "kvblend_cluster_etcd_up", "Whether etcd answered the last call.",
 			      "gauge", cs.etcd_ok);
+		{
+			struct cluster_check ck;
+
+			cluster_check_last(srv->cluster, &ck);
+			gauge(f, "kvblend_cluster_under_replicated_chunks",
+			      "Chunks with fewer than cluster_replicas copies among their owners, "
+			      "counted here at the last replication check (kvblend cluster check, "
+			      "repair passes).", "gauge", (double)ck.under);
+			gauge(f, "kvblend_cluster_copies_beyond_r",
+			      "Chunks held here that this member does not own (copies beyond R), at "
+			      "the last replication check.", "gauge", (double)ck.beyond);
+		}
 		member_series(f, srv->cluster);
 	}
 	fprintf(f, "# HELP kvblend_backend_info The fuse compute backend in use, and its device.\n"

@@ -33,18 +33,24 @@ void op_hello(struct req *q)
 		 KVBLEND_VERSION);
 	if (q->h.local_only) { /* another member's heartbeat: what this store holds */
 		struct store_totals t;
+		struct kvbp_stat *st = calloc(2, sizeof(*st));
+		size_t n = 0;
 
-		if (!store_totals(q->srv->store, &t)) {
-			struct kvbp_stat *st = calloc(2, sizeof(*st));
-
-			if (st) {
-				snprintf(st[0].name, sizeof(st[0].name), "chunks");
-				st[0].value = (double)t.chunks;
-				snprintf(st[1].name, sizeof(st[1].name), "stored_bytes");
-				st[1].value = (double)t.stored_bytes;
-				q->out->rep.stats = st;
-				q->out->rep.n_stats = 2;
-			}
+		if (st && !store_totals(q->srv->store, &t)) {
+			snprintf(st[n].name, sizeof(st[0].name), "chunks");
+			st[n++].value = (double)t.chunks;
+			snprintf(st[n].name, sizeof(st[0].name), "stored_bytes");
+			st[n++].value = (double)t.stored_bytes;
+		}
+		/* kvblend cluster check on another member: check this member's share, in
+		 * the background (the gauge), and answer at once */
+		if (q->h.cluster_check && q->srv->cluster)
+			cluster_check_wanted(q->srv->cluster);
+		if (st && n) {
+			q->out->rep.stats = st;
+			q->out->rep.n_stats = n;
+		} else {
+			free(st);
 		}
 	}
 }
@@ -261,6 +267,52 @@ static void stats_store(struct stat_list *l, struct store *store, const struct s
 	stat_add(l, "map_used_bytes", (double)t->map_used);
 }
 
+static uint64_t wall_now_ms(void)
+{
+	struct timespec now;
+
+	clock_gettime(CLOCK_REALTIME, &now);
+	return (uint64_t)now.tv_sec * 1000 + (uint64_t)now.tv_nsec / 1000000;
+}
+
+/*
+ * STATS with cluster_check: the whole cluster's replication check (cluster_check_all),
+ * per member (check_answered:ID, check_chunks:ID, check_owned:ID, check_beyond:ID,
+ * check_missing:ID, check_unverified:ID) and in total (check_members, check_answered,
+ * check_under, check_beyond).
+ */
+static void stats_check(struct stat_list *l, struct cluster *c)
+{
+	struct cluster_check_member *m;
+	uint64_t under = 0, beyond = 0, answered = 0;
+	size_t n;
+
+	if (cluster_check_all(c, &m, &n, &under))
+		return;
+	for (size_t i = 0; i < n; i++) {
+		const struct cluster_check *k = &m[i].check;
+		const double v[6] = { m[i].answered, (double)k->chunks, (double)k->owned,
+				      (double)k->beyond, (double)k->missing, (double)k->unverified };
+		static const char *const names[6] = { "check_answered", "check_chunks",
+						      "check_owned", "check_beyond",
+						      "check_missing", "check_unverified" };
+		char nm[64];
+
+		for (int j = 0; j < 6; j++) {
+			snprintf(nm, sizeof(nm), "%s:%.*s", names[j], (int)(62 - strlen(names[j])),
+				 m[i].id);
+			stat_add(l, nm, v[j]);
+		}
+		answered += m[i].answered;
+		beyond += k->beyond;
+	}
+	stat_add(l, "check_members", (double)n);
+	stat_add(l, "check_answered", (double)answered);
+	stat_add(l, "check_under", (double)under);
+	stat_add(l, "check_beyond", (double)beyond);
+	free(m);
+}
+
 /* The cluster: its counters, and each member (member_stat). */
 static void stats_cluster(struct stat_list *l, struct cluster *c, struct kvbp_reply *rep)
 {
@@ -286,7 +338,18 @@ static void stats_cluster(struct stat_list *l, struct cluster *c, struct kvbp_re
 	if (cs.etcd) {
 		stat_add(l, "cluster_etcd_ok", cs.etcd_ok);
 		stat_add(l, "cluster_etcd_errors", (double)cs.etcd_errors);
-		stat_add(l, "cluster_etcd_last_ok_ms", (double)cs.etcd_last_ok_ms);
+		stat_add(l, "cluster_etcd_last_ok_age_ms",
+			 cs.etcd_last_ok_ms ? (double)(wall_now_ms() - cs.etcd_last_ok_ms) : -1);
+	}
+	/* the last replication check's gauges (kvblend cluster check, repair passes) */
+	{
+		struct cluster_check ck;
+
+		cluster_check_last(c, &ck);
+		stat_add(l, "cluster_under_replicated", (double)ck.under);
+		stat_add(l, "cluster_copies_beyond_r", (double)ck.beyond);
+		stat_add(l, "cluster_check_age_ms",
+			 ck.at_ms ? (double)(wall_now_ms() - ck.at_ms) : -1);
 	}
 	/* per member: member:ID, owed:ID, seen_ms:ID, chunks:ID, bytes:ID */
 	cluster_members(c, member_stat, &ms);
@@ -408,7 +471,7 @@ static void stats_device(struct stat_list *l, struct server *srv)
 void op_stats(struct req *q)
 {
 	struct server *srv = q->srv;
-	struct stat_list l = { .cap = 128 + 3 * KVBP_OP_COUNT + KVBP_CODE_COUNT + 5 * 1024 };
+	struct stat_list l = { .cap = 128 + 3 * KVBP_OP_COUNT + KVBP_CODE_COUNT + 12 * 1024 };
 	struct store_totals t;
 	struct timespec now;
 	int rc;
@@ -430,6 +493,8 @@ void op_stats(struct req *q)
 					       (double)(now.tv_nsec - srv->started.tv_nsec) / 1e9);
 	stat_add(&l, "workers", srv->n_workers);
 	stats_store(&l, srv->store, &t);
+	if (srv->cluster && q->h.cluster_check)
+		stats_check(&l, srv->cluster); /* first: the gauges below then show it */
 	if (srv->cluster)
 		stats_cluster(&l, srv->cluster, &q->out->rep);
 	stats_server(&l, srv);

@@ -802,6 +802,11 @@ static int cluster_start(const struct config *cfg, struct store *store, const ch
 		.node_id = cfg->node_id,
 		.peers = cfg->cluster_peers,
 		.etcd = cfg->cluster_etcd,
+		.etcd_ca_file = cfg->cluster_etcd_ca_file,
+		.etcd_cert_file = cfg->cluster_etcd_cert_file,
+		.etcd_key_file = cfg->cluster_etcd_key_file,
+		.etcd_user = cfg->cluster_etcd_user,
+		.etcd_password_file = cfg->cluster_etcd_password_file,
 		.name = cfg->cluster_name,
 		.advertise = cfg->cluster_advertise,
 		.replicas = (unsigned)cfg->cluster_replicas,
@@ -937,10 +942,11 @@ int server_start(struct server *srv, const struct config *cfg, struct store *sto
 			log_err("%s", err);
 			return -EINVAL;
 		}
+		err[0] = 0;
 		rc = cluster_start(cfg, store, secret, public_key, &srv->cluster, err, sizeof(err));
 		memset(secret, 0, sizeof(secret));
 		if (rc) {
-			log_err("%s", rc == -EINVAL ? err : strerror(-rc));
+			log_err("%s", err[0] ? err : strerror(-rc));
 			return rc;
 		}
 	}

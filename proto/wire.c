@@ -221,6 +221,7 @@ int kvbp_request_encode(const struct kvbp_request *req, uint8_t **buf, size_t *l
 	pb.reuse_only = req->reuse_only;
 	pb.row_stride = req->row_stride;
 	pb.local_only = req->local_only;
+	pb.cluster_check = req->cluster_check;
 	pb.device_out = req->device_out;
 	pb.attention = req->attention;
 	pb.recompute = req->recompute;
@@ -359,6 +360,7 @@ int kvbp_request_decode(const void *buf, size_t len, struct kvbp_request *out, c
 	r.reuse_only = pb->reuse_only;
 	r.row_stride = pb->row_stride;
 	r.local_only = pb->local_only;
+	r.cluster_check = pb->cluster_check;
 	r.device_out = pb->device_out;
 	r.attention = pb->attention;
 	if (pb->n_recompute > KVBP_RECOMPUTE_MAX) {

@@ -211,6 +211,7 @@ struct kvbp_request {
 	bool attention;	 /* FUSE_LAYER: the last payload frame is A (metric attention) */
 	int32_t *recompute; /* FUSE_OPEN, reuse_only: cached tokens the node recomputes (owned) */
 	size_t n_recompute;
+	bool cluster_check; /* STATS, HELLO: run the replication check (kvblend cluster check) */
 };
 
 #define KVBP_IPC_HANDLE_LEN 64 /* a CUDA IPC memory handle */

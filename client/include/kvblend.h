@@ -278,6 +278,19 @@ KVB_API int kvb_cluster_members(kvb_client *c, struct kvb_member **out, size_t *
 				struct kvb_stat **stats, size_t *n_stats);
 
 /*
+ * The cluster's replication check (kvblend cluster check): the daemon lists the
+ * chunks every member in placement holds (one LIST per member and model), places
+ * each, and answers its counters (as kvb_stats(), freed with free()) with the
+ * check's: per member check_answered:ID, check_chunks:ID, check_owned:ID,
+ * check_beyond:ID (copies beyond R: held there, owned elsewhere),
+ * check_missing:ID (copies it owns but lacks), check_unverified:ID (copies it
+ * owns that could not be asked: it did not answer); in total check_members,
+ * check_answered, check_under (chunks with fewer than R copies among their
+ * owners), check_beyond. A daemon in no cluster answers no check_* at all.
+ */
+KVB_API int kvb_cluster_check(kvb_client *c, struct kvb_stat **stats, size_t *n_stats);
+
+/*
  * A buffer of at least size bytes inside the shared-memory segment, valid until
  * the next call on c that needs a larger one, or kvb_close(); calls given private
  * buffers stage their data in the same segment and overwrite its contents. If the daemon

@@ -12,6 +12,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -166,28 +167,45 @@ def wait_for(fn, seconds, step=0.1):
 
 class Etcd:
     """A real etcd (Debian's etcd-server) on free loopback ports, its data in TMP/etcd and
-    its log in TMP/etcd.log. url is its client URL; start() may follow a stop (same data)."""
+    its log in TMP/etcd.log. url is its client URL; start() may follow a stop (same data).
 
-    def __init__(self, tmp, name="kvbtest"):
-        self.tmp, self.name = tmp, name
+    tls: None, or a dict of PEM paths: cert and key (the server's), ca (the CA it trusts
+    client certificates from: --client-cert-auth) and client_cert, client_key (what
+    start() shows it when it asks for the version). extra: more etcd flags."""
+
+    def __init__(self, tmp, name="kvbtest", tls=None, extra=()):
+        self.tmp, self.name, self.tls, self.extra = tmp, name, tls, list(extra)
         self.binary = shutil.which("etcd") or "/usr/bin/etcd"
         self.port, self.peer = free_port(), free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
         self.proc = None
+
+    def ssl_context(self):
+        """The client side of tls (None without): trusts ca, shows the client certificate."""
+        if not self.tls:
+            return None
+        ctx = ssl.create_default_context(cafile=self.tls["ca"])
+        ctx.load_cert_chain(self.tls["client_cert"], self.tls["client_key"])
+        return ctx
 
     def start(self):
         """Start it and wait (20 s at most) until it answers; returns whether it does."""
         peer = f"http://127.0.0.1:{self.peer}"
+        tls = []
+        if self.tls:
+            tls = ["--cert-file", self.tls["cert"], "--key-file", self.tls["key"],
+                   "--trusted-ca-file", self.tls["ca"], "--client-cert-auth"]
         with open(f"{self.tmp}/etcd.log", "a") as log:
             self.proc = subprocess.Popen(
                 [self.binary, "--name", self.name, "--data-dir", f"{self.tmp}/etcd",
                  "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
                  "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-                 "--initial-cluster", f"{self.name}={peer}"],
+                 "--initial-cluster", f"{self.name}={peer}", *tls, *self.extra],
                 stdout=log, stderr=subprocess.STDOUT)
         for _ in range(200):
             try:
-                urllib.request.urlopen(f"{self.url}/version", timeout=1).read()
+                urllib.request.urlopen(f"{self.url}/version", timeout=1,
+                                       context=self.ssl_context()).read()
                 return True
             except OSError:
                 if self.proc.poll() is not None:

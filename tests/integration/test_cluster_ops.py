@@ -15,6 +15,10 @@ usage: test_cluster_ops.py KVBLENDD KVBLEND PLACE_TOOL PART
   copies with cluster_cache_pct 0, the writer's copies and read-through copies are
          reclaimed once the owners hold the chunks: exactly R copies settle (printed
          as `# copies: ...`); with a budget, cache copies settle within it
+  check  `kvblend cluster check`: per member the chunks held, owned and beyond R equal
+         what the members hold and placement says; copies deleted on an owner are
+         reported under-replicated (by the other owner, once each), exit status 1;
+         the stats gauge follows; a SIGKILLed member is reported as not answering
 """
 
 import json
@@ -279,10 +283,78 @@ def part_copies():
           ok, str({n: (len(held(n)), len(want[n])) for n in "ac"}))
 
 
+def cluster_check(n):
+    r = cli(n, "cluster", "check", "--json", ok=False)
+    try:
+        return r.returncode, json.loads(r.stdout), r.stderr
+    except ValueError:
+        return r.returncode, {}, r.stderr
+
+
+def part_check():
+    # cache copies kept (cluster_cache_pct 100): the writer's copies are beyond R
+    up("abc", "--capacity", "1M", "--cluster-cache-pct", 100)
+    cc.add_model(cli, "a")
+    chunks = cc.put_chunks(cli, TMP, "a", 0, 30, np.random.default_rng(11))
+    ok = wait_for(lambda: settled("abc") and not short(chunks, "abc"), 30)
+    check("30 chunks on their owners", ok, str(short(chunks, "abc")))
+    want = owned_by(chunks, "abc")
+    has = {n: held(n) for n in "abc"}
+    rc, out, err = cluster_check("b")
+    print(f"# check: {json.dumps(out)}")
+    mem = {m["id"]: m for m in out.get("members", [])}
+    check("cluster check: exit 0, no chunk under R, every member answered",
+          rc == 0 and out["under_replicated"] == 0 and out["checked"] == 3 == out["of"] and
+          set(mem) == set("abc"), f"{rc} {out} {err}")
+    check("per member: chunks held, owned and beyond R as held and as placement says",
+          all(mem[n]["chunks"] == len(has[n]) and mem[n]["owned"] == len(want[n] & has[n])
+              and mem[n]["beyond"] == len(has[n] - want[n]) and mem[n]["missing"] == 0 and
+              mem[n]["unverified"] == 0 for n in "abc"), str({n: (mem[n], len(has[n]), len(want[n])) for n in "abc"}))
+    check("a, the writer, holds copies beyond R; the total is theirs",
+          mem["a"]["beyond"] > 0 and out["copies_beyond_r"] == sum(
+              mem[n]["beyond"] for n in "abc"), str(out))
+    # c's copies of five chunks it owns, deleted: each has one copy left among its owners
+    gone = sorted(want["c"])[:5]
+    for h in gone:
+        cli("c", "rm", "--model", "cm", "--hash", h)
+    own = owners(gone, "abc")
+    other = {h: next(o for o in own[h] if o != "c") for h in gone}
+    rc, out, err = cluster_check("a")
+    print(f"# check: {json.dumps(out)}")
+    mem = {m["id"]: m for m in out.get("members", [])}
+    per = {n: sum(1 for h in gone if other[h] == n) for n in "abc"}
+    check("5 copies deleted on c: 5 chunks reported under R, c missing 5; exit status 1",
+          rc == 1 and out["under_replicated"] == 5 and
+          mem["c"]["missing"] == 5 and mem["a"]["missing"] == mem["b"]["missing"] == 0,
+          f"{rc} {out} {per}")
+    # the gauge: each member's own check (run in the background after the cluster check)
+    ok = wait_for(lambda: all(stats(n)["cluster_under_replicated"] == per[n] for n in "abc"),
+                  10)
+    st = {n: stats(n) for n in "abc"}
+    check("the stats gauge (cluster_under_replicated): each chunk counted once, by its "
+          "other owner", ok and all(0 <= st[n]["cluster_check_age_ms"] < 60000 for n in "abc"),
+          str({n: (st[n]["cluster_under_replicated"], st[n]["cluster_check_age_ms"])
+               for n in "abc"}))
+    # repaired by hand (a GET through c reads through and keeps the copy): all well again
+    bad = cc.readable(cli, TMP, "c", [(h, kv) for h, kv in chunks if h in gone])
+    rc, out, _ = cluster_check("c")
+    check("after reading them back through c: exit 0, nothing under R",
+          not bad and rc == 0 and out["under_replicated"] == 0, f"{bad} {rc} {out}")
+    daemons["c"].send_signal(signal.SIGKILL)
+    daemons["c"].wait(10)
+    rc, out, err = cluster_check("a")
+    mem = {m["id"]: m for m in out.get("members", [])}
+    check("c SIGKILLed: reported as not answering (exit 1, named on stderr), its copies "
+          "unverified", rc == 1 and not mem["c"]["answered"] and out["checked"] == 2 and
+          mem["c"]["unverified"] > 0 and out["under_replicated"] > 0 and
+          "did not answer" in err,
+          f"{rc} {out} {err}")
+
+
 try:
     check("etcd starts", ETCD.start(), ETCD.log_text()[-2000:])
     {"join": part_join, "hedge": part_hedge, "grace": part_grace, "drain": part_drain,
-     "copies": part_copies}[PART]()
+     "copies": part_copies, "check": part_check}[PART]()
 except Exception as x:  # a failed CLI call: the check fails, the daemons still stop
     check(f"{PART} runs to its end", False, repr(x))
 finally:

@@ -1,6 +1,6 @@
 """docs/cluster.md's quick start as written, on a real etcd (Debian's etcd-server):
-three daemons, no CURVE keys, tcp://127.0.0.1 endpoints, --node-id and --cluster-etcd
-and nothing else (free ports instead of 7001-7003 and 2379).
+three daemons, no CURVE keys, tcp://127.0.0.1 endpoints, --node-id, --cluster-etcd and
+--capacity and nothing else (free ports instead of 7001-7003 and 2379).
 
 usage: test_cluster_quickstart.py KVBLENDD KVBLEND
 
@@ -39,9 +39,9 @@ daemons = {}
 
 
 def daemon(n, *extra):
-    # the quick start's command line: data dir, ipc and tcp listen, node id, etcd
+    # the quick start's command line: data dir, ipc and tcp listen, node id, etcd, capacity
     d = kvbtest.Daemon(KVBLENDD, KVBLEND, TMP, "--node-id", n, "--cluster-etcd", ETCD.url,
-                       *extra, name=n, data=f"{TMP}/kvb-{n}",
+                       "--capacity", "8G", *extra, name=n, data=f"{TMP}/kvb-{n}",
                        listen=f"ipc://{TMP}/{n}.sock,tcp://127.0.0.1:{PORTS[n]}")
     daemons[n] = d
     return d.start()

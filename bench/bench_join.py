@@ -1,0 +1,160 @@
+#!/usr/bin/env python3
+"""Join traffic: a member joining a cluster, in chunk transfers per chunk moved.
+
+Starts a real etcd (Debian's etcd-server) and three kvblendd members on loopback
+(R = 2, equal capacities), PUTs CHUNKS chunks of realistic KV (f16, stored raw)
+through one of them and waits until every owner holds its chunks; then starts a
+fourth member and times until `kvblend cluster check` finds every chunk on its
+owners again. Prints the chunks that moved (the joiner's owned chunks: each gets
+one new copy), the transfers the others made for it (their rebalance pushes),
+their ratio (1.00: one sender per moved chunk; issue 20 measured 3.25 before),
+and the rate of the moved bytes against cluster_rebalance_rate, the limit each
+sender keeps to. Prints figures; never passes or fails.
+
+usage: bench_join.py BUILD_DIR [--chunks N] [--tokens T] [--rate SIZE]
+(needs numpy and etcd on PATH or in /usr/bin)
+"""
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+import numpy as np
+
+L, H, D = 32, 8, 128  # Mistral-7B's KV shape
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait(fn, seconds, step=0.2):
+    end = time.time() + seconds
+    while time.time() < end:
+        if fn():
+            return True
+        time.sleep(step)
+    return False
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("build")
+    ap.add_argument("--chunks", type=int, default=120)
+    ap.add_argument("--tokens", type=int, default=16, help="tokens a chunk (16: 2 MiB)")
+    ap.add_argument("--rate", default="256M", help="cluster_rebalance_rate")
+    a = ap.parse_args()
+    tmp = tempfile.mkdtemp(prefix="kvb-bjoin-")
+    procs = []
+    cli_bin = f"{a.build}/bin/kvblend"
+
+    def cli(n, *args):
+        r = subprocess.run([cli_bin, "--endpoint", f"ipc://{tmp}/{n}.sock", "--timeout",
+                            "60000", *map(str, args)], capture_output=True, text=True,
+                           check=False)
+        if r.returncode not in (0, 1):
+            raise RuntimeError(f"kvblend@{n} {args}: {r.stderr}")
+        return r
+
+    def stats(n):
+        return json.loads(cli(n, "stats", "--json").stdout)
+
+    try:
+        port, peer = free_port(), free_port()
+        url = f"http://127.0.0.1:{port}"
+        etcd = shutil.which("etcd") or "/usr/bin/etcd"
+        with open(f"{tmp}/etcd.log", "w") as log:
+            procs.append(subprocess.Popen(
+                [etcd, "--name", "bj", "--data-dir", f"{tmp}/etcd", "--listen-client-urls",
+                 url, "--advertise-client-urls", url, "--listen-peer-urls",
+                 f"http://127.0.0.1:{peer}", "--initial-advertise-peer-urls",
+                 f"http://127.0.0.1:{peer}", "--initial-cluster",
+                 f"bj=http://127.0.0.1:{peer}"], stdout=log, stderr=subprocess.STDOUT))
+
+        def etcd_up():
+            try:
+                return bool(urllib.request.urlopen(f"{url}/version", timeout=1).read())
+            except OSError:
+                return False
+        if not wait(etcd_up, 20):
+            sys.exit("etcd did not start")
+
+        def start(n):
+            with open(f"{tmp}/{n}.log", "w") as log:
+                procs.append(subprocess.Popen(
+                    [f"{a.build}/bin/kvblendd", "--data-dir", f"{tmp}/{n}", "--listen",
+                     f"ipc://{tmp}/{n}.sock,tcp://127.0.0.1:{free_port()}", "--node-id", n,
+                     "--cluster-etcd", url, "--capacity", "8G", "--map-size", "16G",
+                     "--cluster-replicas", "2", "--cluster-rebalance-rate", a.rate,
+                     "--no-sync", "--log-level", "warn"], stdout=log, stderr=log))
+            if not wait(lambda: cli(n, "ping").returncode == 0, 20):
+                sys.exit(f"{n} did not start")
+
+        for n in "abc":
+            start(n)
+        wait(lambda: all(stats(n)["cluster_members"] == 3 for n in "abc"), 20)
+        cli("a", "model", "add", "bj", "--layers", L, "--kv-heads", H, "--head-dim", D,
+            "--dtype", "f16", "--rope-theta", 10000)
+        rng = np.random.default_rng(20)
+        chunk_bytes = L * 2 * a.tokens * H * D * 2
+        for i in range(a.chunks):
+            np.save(f"{tmp}/kv.npy",
+                    rng.standard_normal((L, 2, a.tokens, H, D)).astype(np.float16))
+            np.save(f"{tmp}/ids.npy", np.arange(a.tokens * i, a.tokens * (i + 1)))
+            cli("a", "put", "--model", "bj", "--kv", f"{tmp}/kv.npy", "--tokens",
+                f"{tmp}/ids.npy", "--pos", 0)
+
+        def placed():
+            r = cli("a", "cluster", "check", "--json")
+            return r.returncode == 0 and json.loads(r.stdout)["under_replicated"] == 0
+        if not wait(lambda: placed() and all(stats(n)["cluster_pushes_owed"] == 0
+                                             for n in "abc"), 120, 0.5):
+            sys.exit("the chunks did not settle on their owners")
+        time.sleep(2)  # chunks stored well before the join (stored seconds are whole)
+        before = sum(stats(n)["cluster_rebalance_pushes"] for n in "abc")
+        t0 = time.time()
+        start("d")
+        if not wait(lambda: stats("d")["cluster_members"] == 4 and placed(), 600, 0.2):
+            sys.exit("the joiner did not receive its chunks")
+        took = time.time() - t0
+        wait(lambda: all(stats(n)["cluster_pushes_owed"] == 0 for n in "abcd"), 60)
+        time.sleep(1)  # a late duplicate would show here
+        sent = sum(stats(n)["cluster_rebalance_pushes"] for n in "abc") - before
+        out = json.loads(cli("a", "cluster", "check", "--json").stdout)
+        moved = next(m["owned"] for m in out["members"] if m["id"] == "d")
+        rate = moved * chunk_bytes / took
+        limit = int(a.rate[:-1]) * {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[a.rate[-1]] \
+            if a.rate[-1] in "KMG" else int(a.rate)
+        print(f"# bench_join: 3 members + 1 joining, R = 2, {a.chunks} chunks of "
+              f"{chunk_bytes / (1 << 20):.2f} MiB (f16, stored raw), loopback, no_sync")
+        print("| chunks moved | transfers | per chunk moved | bytes moved | join to settled "
+              "| moved bytes/s | of cluster_rebalance_rate |")
+        print("|---|---|---|---|---|---|---|")
+        print(f"| {moved} | {sent} | {sent / moved if moved else float('nan'):.2f} | "
+              f"{moved * chunk_bytes / 1e6:.1f} MB | {took:.2f} s | {rate / 1e6:.1f} MB/s | "
+              f"{rate / limit:.2f}x of {limit / 1e6:.0f} MB/s |")
+    finally:
+        for p in reversed(procs):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in reversed(procs):
+            try:
+                p.wait(60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        if not os.environ.get("KVB_KEEP_TMP"):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
