@@ -220,12 +220,21 @@ try:
     bad = cc.readable(cli, TMP, "b", chunks)
     check("chunks PUT through a read back byte for byte through b", not bad, str(bad))
 
-    # 4. tokens expire every 2 s; the lease is renewed every 3.3 s with a new one
+    # 4. tokens expire every 2 s; the lease is renewed every 3.3 s with a new one. A call
+    # may time out on a loaded machine (etcd hashes the password at every authentication:
+    # seen at load 30), so what is checked is that no call failed on its token: a daemon
+    # that did not authenticate again would log etcd's "invalid auth token" and stay down.
     time.sleep(12)
     st = {n: stats(n) for n in "ab"}
-    check("after 12 s of 2 s tokens: etcd up and no etcd error on either",
-          all(s["cluster_etcd_ok"] == 1 and s["cluster_etcd_errors"] == 0 for s in st.values()),
-          str({n: (s["cluster_etcd_ok"], s["cluster_etcd_errors"]) for n, s in st.items()}))
+    auth_words = ("invalid auth token", "auth store is old", "authentication failed",
+                  "permission denied")
+    auth_errs = {n: [ln for ln in daemons[n].log_text().splitlines()
+                     if any(w in ln for w in auth_words)] for n in "ab"}
+    check("after 12 s of 2 s tokens: etcd up on both, no call failed on its token",
+          all(s["cluster_etcd_ok"] == 1 for s in st.values())
+          and not any(auth_errs.values()),
+          str({n: (s["cluster_etcd_ok"], s["cluster_etcd_errors"], auth_errs[n][-3:])
+               for n, s in st.items()}))
     check("c starts", start("c"), daemons["c"].log_text()[-2000:])
     ok = wait_for(lambda: all(alive(n) == set("abc") for n in "abc"), 20)
     check("a third member joining is seen by all three", ok,
