@@ -6,7 +6,11 @@
  * on a, which owns them. Measured, per chunk size:
  *   plain       one TCP stream between two threads of this process: send() of the
  *               chunk's bytes, recv() into a buffer (the peer of the others);
- *   GET tcp     a client GETs the chunk from a over tcp:// (frames path) into its buffer;
+ *   GET tcp     a client GETs the chunk from a over tcp:// into its buffer, as libkvblend
+ *               does by default: the payload on the bulk connection (AES-256-GCM sealed
+ *               under CURVE), received straight into the buffer;
+ *   frames      the same GET by a client with the bulk connection off (KVBLEND_NO_BULK=1):
+ *               the payload in ZeroMQ frames (encrypted by CURVE), copied into the buffer;
  *   frames kept the same GET with kvb_get_layers(): the layers left in the frames;
  *   fetch       a client GETs, through b's IPC socket, a chunk only a holds: b fetches
  *               it (FETCH over TCP), verifies and stores it, then serves it; the
@@ -19,11 +23,11 @@
  *               once they are local.
  * GB/s are of the chunk's bytes (KV in f16); medians over --repeats.
  *
- * The benchmark tunes its own malloc as a client that GETs large chunks should
- * (kvb_malloc_tune(); --no-malloc-tune leaves glibc's defaults).
+ * The benchmark's process runs with glibc's malloc defaults, as a user's does;
+ * --malloc-tune calls kvb_malloc_tune() first (what the frames paths needed to be fast).
  *
  * usage: bench_cluster [--daemon PATH] [--sizes 8,32] [--repeats N] [--no-curve]
- *                      [--no-malloc-tune]
+ *                      [--malloc-tune]
  */
 #include <arpa/inet.h>
 #include <errno.h>
@@ -304,7 +308,7 @@ static void run(const char *daemon, bool curve, const unsigned *sizes, unsigned 
 {
 	struct node a = { "/tmp/kvb-bcl-a-XXXXXX" }, b = { "/tmp/kvb-bcl-b-XXXXXX" };
 	char peers[400], cmd[200];
-	kvb_client *ca, *cb, *ct;
+	kvb_client *ca, *cb, *ct, *cf;
 	const char *sk = curve ? pub_a : NULL, *ck = curve ? sec_c : NULL;
 
 	if (!mkdtemp(a.dir) || !mkdtemp(b.dir)) {
@@ -324,6 +328,7 @@ static void run(const char *daemon, bool curve, const unsigned *sizes, unsigned 
 	ca = connect_to(a.ipc, NULL, NULL);
 	cb = connect_to(b.ipc, NULL, NULL);
 	ct = connect_to(a.tcp, sk, ck);
+	cf = connect_to(a.tcp, sk, ck);
 	kvb_model_register(ca, &model, NULL);
 	kvb_model_register(cb, &model, NULL);
 	for (unsigned s = 0; s < n_sizes; s++) {
@@ -333,7 +338,7 @@ static void run(const char *daemon, bool curve, const unsigned *sizes, unsigned 
 		uint16_t *src = malloc(bytes), *dst = malloc(bytes);
 		uint8_t(*hashes)[KVB_HASH_LEN] = calloc((size_t)repeats + 8 * 4, KVB_HASH_LEN);
 		double r_plain, r_get[MAX_REPEATS], r_fetch[MAX_REPEATS], r_wall[MAX_REPEATS];
-		double r_frames[MAX_REPEATS];
+		double r_frames[MAX_REPEATS], r_nobulk[MAX_REPEATS];
 		double r_put[MAX_REPEATS];
 		double t_open_remote[4], t_open_local[4];
 		int k = 0;
@@ -361,6 +366,20 @@ static void run(const char *daemon, bool curve, const unsigned *sizes, unsigned 
 			}
 			if (r >= 0)
 				r_get[r] = bytes / (now_s() - t0) / 1e9;
+		}
+		/* The same GET by a client without the bulk connection: the payload in frames.
+		 * (The variable is read when a client first GETs; it decides for that client.) */
+		setenv("KVBLEND_NO_BULK", "1", 1);
+		for (int r = -WARMUP; r < repeats; r++) {
+			double t0 = now_s();
+
+			if (kvb_get(cf, model.name, hashes[0], 0, 0, dst, bytes, NULL)) {
+				fprintf(stderr, "get tcp frames: %s\n", kvb_last_error(cf));
+				exit(1);
+			}
+			unsetenv("KVBLEND_NO_BULK");
+			if (r >= 0)
+				r_nobulk[r] = bytes / (now_s() - t0) / 1e9;
 		}
 		/* The same GET with the frames kept (kvb_get_layers): no copy into dst. */
 		for (int r = -WARMUP; r < repeats; r++) {
@@ -426,10 +445,11 @@ static void run(const char *daemon, bool curve, const unsigned *sizes, unsigned 
 			}
 			k += 8;
 		}
-		printf("| %s | %3u MiB | %5.2f | %5.2f (%.2fx) | %5.2f (%.2fx) | %5.2f (%.2fx; %.2fx of "
-		       "PUT) | %5.2f | %5.2f | %6.1f ms (%.2f GB/s) | %5.1f ms |\n",
+		printf("| %s | %3u MiB | %5.2f | %5.2f (%.2fx) | %5.2f (%.2fx) | %5.2f (%.2fx) | %5.2f "
+		       "(%.2fx; %.2fx of PUT) | %5.2f | %5.2f | %6.1f ms (%.2f GB/s) | %5.1f ms |\n",
 		       curve ? "CURVE" : "plain", sizes[s], r_plain, median(r_get, repeats),
-		       median(r_get, repeats) / r_plain, median(r_frames, repeats),
+		       median(r_get, repeats) / r_plain, median(r_nobulk, repeats),
+		       median(r_nobulk, repeats) / r_plain, median(r_frames, repeats),
 		       median(r_frames, repeats) / r_plain, median(r_fetch, repeats),
 		       median(r_fetch, repeats) / r_plain,
 		       median(r_fetch, repeats) / median(r_put, repeats), median(r_wall, repeats),
@@ -444,6 +464,7 @@ static void run(const char *daemon, bool curve, const unsigned *sizes, unsigned 
 	kvb_close(&ca);
 	kvb_close(&cb);
 	kvb_close(&ct);
+	kvb_close(&cf);
 	stop_node(&a);
 	stop_node(&b);
 	snprintf(cmd, sizeof(cmd), "rm -rf %s %s", a.dir, b.dir);
@@ -451,12 +472,27 @@ static void run(const char *daemon, bool curve, const unsigned *sizes, unsigned 
 		perror("system");
 }
 
+/* The first three fields of /proc/loadavg: the machine's load when the run began. */
+static const char *loadavg(void)
+{
+	static char buf[64] = "?";
+	double l1, l5, l15;
+	FILE *f = fopen("/proc/loadavg", "r");
+
+	if (f) {
+		if (fscanf(f, "%lf %lf %lf", &l1, &l5, &l15) == 3)
+			snprintf(buf, sizeof(buf), "%.2f %.2f %.2f", l1, l5, l15);
+		fclose(f);
+	}
+	return buf;
+}
+
 int main(int argc, char **argv)
 {
 	char daemon_path[512];
 	unsigned sizes[8] = { 8, 32 }, n_sizes = 2;
 	int repeats = 7;
-	bool curve = true, tune = true;
+	bool curve = true, tune = false;
 
 	bench_default_daemon(argv[0], daemon_path, sizeof(daemon_path));
 	for (int i = 1; i < argc; i++) {
@@ -482,11 +518,11 @@ int main(int argc, char **argv)
 			}
 		} else if (!strcmp(argv[i], "--no-curve")) {
 			curve = false;
-		} else if (!strcmp(argv[i], "--no-malloc-tune")) {
-			tune = false;
+		} else if (!strcmp(argv[i], "--malloc-tune")) {
+			tune = true;
 		} else {
 			fprintf(stderr, "usage: bench_cluster [--daemon PATH] [--sizes 8,32] "
-					"[--repeats N] [--no-curve] [--no-malloc-tune]\n");
+					"[--repeats N] [--no-curve] [--malloc-tune]\n");
 			return 2;
 		}
 	}
@@ -502,12 +538,12 @@ int main(int argc, char **argv)
 	}
 	printf("Two kvblendd on loopback TCP, Mistral-7B-shaped chunks (f16); GB/s of the chunk's "
 	       "bytes, medians of %d; ratios to the plain socket copy of the same run; client "
-	       "malloc %s.\n\n",
-	       repeats, tune ? "tuned (kvb_malloc_tune)" : "glibc's defaults");
-	printf("| transport | chunk | plain TCP copy | GET over TCP | GET, frames kept | fetch b<-a "
-	       "| GET via b (wall) | local PUT on b | fuse open on b, 8 remote chunks | same, "
-	       "local |\n");
-	printf("|---|---|---|---|---|---|---|---|---|---|\n");
+	       "malloc %s; load average %s.\n\n",
+	       repeats, tune ? "tuned (kvb_malloc_tune)" : "glibc's defaults", loadavg());
+	printf("| transport | chunk | plain TCP copy | GET over TCP | GET, frames | GET, frames "
+	       "kept | fetch b<-a | GET via b (wall) | local PUT on b | fuse open on b, 8 remote "
+	       "chunks | same, local |\n");
+	printf("|---|---|---|---|---|---|---|---|---|---|---|\n");
 	run(daemon_path, false, sizes, n_sizes, repeats);
 	if (curve)
 		run(daemon_path, true, sizes, n_sizes, repeats);

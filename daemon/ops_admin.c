@@ -341,6 +341,14 @@ static void stats_server(struct stat_list *l, struct server *srv)
 	stat_add(l, "replies_from_pages", (double)atomic_load(&srv->held.count));
 	stat_add(l, "connections_cut_unread", (double)atomic_load(&srv->held.cut));
 	stat_add(l, "max_clients", (double)srv->max_clients);
+	if (srv->bulk) {
+		uint64_t open, sealed, bytes;
+
+		bulk_counts(srv->bulk, &open, &sealed, &bytes);
+		stat_add(l, "bulk_connections", (double)open);
+		stat_add(l, "bulk_records_sealed", (double)sealed);
+		stat_add(l, "bulk_bytes", (double)bytes);
+	}
 }
 
 /* Eviction and the fuse session engine. */
