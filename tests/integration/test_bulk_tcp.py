@@ -7,7 +7,7 @@ problem named and no output file written, and the daemon serves the next GET; a 
 hello is refused; a client with bulk connections off and a daemon without them (an older
 peer's behaviour) keep working with CURVE alone.
 
-usage: test_bulk.py KVBLENDD KVBLEND
+usage: test_bulk_tcp.py KVBLENDD KVBLEND
 """
 import os
 import socket
