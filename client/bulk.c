@@ -105,22 +105,30 @@ static int open_bulk(kvb_client *c)
 	return rc;
 }
 
-bool kvbc_bulk_ready(kvb_client *c)
+int kvbc_bulk_ready(kvb_client *c)
 {
 	const char *off = getenv("KVBLEND_NO_BULK");
+	int rc;
 
 	if (c->bulk_state > 0)
-		return true;
+		return 1;
 	if (c->bulk_state < 0 || strncmp(c->endpoint, "tcp://", 6) || (off && *off == '1'))
-		return false;
-	if (open_bulk(c)) {
+		return 0;
+	rc = open_bulk(c);
+	if (rc == -ETIMEDOUT || rc == -EIO || rc <= -1000) {
+		/* the daemon did not answer the HELLO: the GET would fail the same way */
 		kvbc_bulk_close(c);
-		c->bulk_state = -1; /* not again for this client: frames */
+		return rc;
+	}
+	if (rc) {
+		/* none offered, or the connection could not be made: frames, for good */
+		kvbc_bulk_close(c);
+		c->bulk_state = -1;
 		c->err[0] = 0;
-		return false;
+		return 0;
 	}
 	c->bulk_state = 1;
-	return true;
+	return 1;
 }
 
 /* Receive exactly len bytes into p: 0, -ETIMEDOUT or -EIO. */
@@ -159,8 +167,17 @@ int kvbc_bulk_record(kvb_client *c, struct call *k)
 {
 	uint8_t hdr[KVBB_HDR_LEN], tag[KVBB_TAG_LEN];
 	struct kvbb_hdr h;
-	int rc = recv_all(c->bulk_fd, hdr, sizeof(hdr));
+	ssize_t first = recv(c->bulk_fd, hdr, 1, 0);
+	int rc;
 
+	if (first == 0 && !k->bulk_got) {
+		/* closed between payloads (the daemon restarted, or cut an idle reader): this
+		 * reply comes in frames if at all; the next GET opens another connection */
+		kvbc_bulk_close(c);
+		return 1;
+	}
+	rc = first == 1 ? recv_all(c->bulk_fd, hdr + 1, sizeof(hdr) - 1)
+	     : first < 0 && (errno == EAGAIN || errno == EWOULDBLOCK) ? -ETIMEDOUT : -EIO;
 	if (rc)
 		return bulk_fail(c, rc, "the bulk connection to %s %s", c->endpoint,
 				 rc == -ETIMEDOUT ? "timed out" : "closed mid-payload");

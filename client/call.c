@@ -129,7 +129,7 @@ static int recv_reply(kvb_client *c, struct call *k, int64_t deadline_ms)
 		if (n_its == 2 && (its[1].revents & (ZMQ_POLLIN | ZMQ_POLLERR))) {
 			/* the payload's records come before the reply: take them as they arrive */
 			rc = kvbc_bulk_record(c, k);
-			if (rc)
+			if (rc < 0)
 				return rc;
 			if (!(its[0].revents & ZMQ_POLLIN))
 				continue;
@@ -234,7 +234,7 @@ static int bulk_rest(kvb_client *c, struct call *k)
 	}
 	while (!rc && !k->bulk_last && c->bulk_fd >= 0)
 		rc = kvbc_bulk_record(c, k);
-	if (rc)
+	if (rc < 0)
 		return rc;
 	if (!k->bulk_last || k->bulk_got != k->rep.bulk_bytes) {
 		kvbc_bulk_close(c);

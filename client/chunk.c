@@ -244,7 +244,11 @@ static int get_once(kvb_client *c, const char *model, const uint8_t hash[KVB_HAS
 		k.sink = dst;
 		k.sink_len = out_bytes;
 		/* over TCP: the payload on the bulk connection, straight into dst */
-		if (kvbc_bulk_ready(c)) {
+		rc = kvbc_bulk_ready(c);
+		if (rc < 0)
+			goto out;
+		if (rc) {
+			rc = 0;
 			k.bulk = true;
 			k.req.has_bulk_ticket = true;
 			memcpy(k.req.bulk_ticket, c->bulk_ticket, sizeof(k.req.bulk_ticket));

@@ -132,16 +132,18 @@ int kvbc_set_name(kvb_client *c, struct call *k, const char *model);
 
 /*
  * Whether GET payloads may come on the bulk connection: opens it on first use (a HELLO
- * with bulk_open, then the TCP connection and its hello). false over IPC, with
- * KVBLEND_NO_BULK=1 in the environment, when the daemon offers none (older, tcp_bulk
- * off) or the connection cannot be made: the call then uses frames.
+ * with bulk_open, then the TCP connection and its hello). 1: yes; 0: frames, over IPC,
+ * with KVBLEND_NO_BULK=1 in the environment, and for good when the daemon offers none
+ * (older, tcp_bulk off) or the connection cannot be made; or the HELLO's error
+ * (-ETIMEDOUT, -EIO, a KVB_E_* code; c->err says it), which the GET would meet too.
  */
-bool kvbc_bulk_ready(kvb_client *c);
+int kvbc_bulk_ready(kvb_client *c);
 /* Close the bulk connection; the next kvbc_bulk_ready() opens another. */
 void kvbc_bulk_close(kvb_client *c);
 /*
  * Receive one record of k's payload into k->sink (straight from the socket, opened in
- * place when sealed). 0; -ENOBUFS (larger than the sink), KVB_E_PROTOCOL (a record out
+ * place when sealed). 0; 1 when the connection was closed before this payload began
+ * (it is closed here too: the reply brings frames); -ENOBUFS (larger than the sink), KVB_E_PROTOCOL (a record out
  * of order, of another request, or altered on the wire: its tag failed), -EIO, -ETIMEDOUT;
  * on any error the connection is closed and c->err names the problem.
  */

@@ -222,6 +222,31 @@ try:
     r, same, _ = get(direct, "end")
     check("the daemon still serves", same, r.stderr)
     check("refusals logged", "bulk connection refused" in d.log_text())
+
+    # One client across a daemon restart (Python binding over libkvblend): its bulk
+    # connection dies with the daemon; the next GET still answers, and a new one opens.
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path.insert(0, os.path.join(here, "..", "..", "client", "python", "src"))
+    os.environ["KVBLEND_LIB"] = os.path.join(os.path.dirname(os.path.abspath(KVBLEND)), "..",
+                                             "lib", "libkvblend.so")
+    import kvblend
+    c = kvblend.Client(direct, timeout_ms=5000, server_key=srv_pub, client_secret_key=cli_sec)
+    check("Python client over a sealed bulk connection: byte-exact",
+          np.array_equal(c.get("m", bytes.fromhex(HASH)), kv))
+    check("daemon exits 0 for a restart", d.stop() == 0)
+    d.start()
+    sealed0 = stat(d, "bulk_records_sealed")
+    got = None
+    try:
+        got = c.get("m", bytes.fromhex(HASH))
+    except kvblend.KvblendError as e:
+        print("# first GET after the restart:", e)
+    check("the first GET after the daemon restarted: byte-exact",
+          got is not None and np.array_equal(got, kv))
+    check("the next GET: byte-exact, on a new sealed bulk connection",
+          np.array_equal(c.get("m", bytes.fromhex(HASH)), kv) and
+          stat(d, "bulk_records_sealed") >= sealed0 + 16, str(stat(d, "bulk_records_sealed")))
+    c.close()
 finally:
     check("daemon exits 0", d.stop() == 0)
 
