@@ -11,6 +11,7 @@
 #include <pthread.h>
 #include <signal.h>
 #include <stdatomic.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/random.h>
@@ -168,6 +169,10 @@ static int send_records(struct bulk *b, struct conn *c, uint64_t request_id,
 {
 	size_t rec = c->sealed ? KVBB_SEAL_BYTES : KVBB_RECORD_MAX, fi = 0, fpos = 0;
 	uint64_t off = 0;
+	/* As for replies from the pages in frames (held.h): the whole payload within the
+	 * timeout, so that a client reading a trickle cannot hold a worker (each write is
+	 * bounded by it too: at most twice the timeout in all). */
+	int64_t deadline = b->send_timeout_ms ? now_ms() + b->send_timeout_ms : INT64_MAX;
 
 	do {
 		struct iovec part[IOV_PER_RECORD], msg[IOV_PER_RECORD + 2];
@@ -215,6 +220,8 @@ static int send_records(struct bulk *b, struct conn *c, uint64_t request_id,
 		if (rc)
 			return rc;
 		off += h.len;
+		if (off < total && now_ms() > deadline)
+			return -ETIMEDOUT;
 	} while (off < total);
 	return 0;
 }

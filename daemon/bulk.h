@@ -23,7 +23,8 @@ struct bulk;
 
 /*
  * Listen on host:port (port 0: a free one) and start the accept thread. send_timeout_ms
- * bounds one record's write (0: none); a client that reads slower loses its connection.
+ * (0: none) bounds one payload's sending (reply_timeout_ms): a client that reads slower
+ * loses its connection.
  * 0 and *out, or -errno (log_err says why).
  */
 int bulk_start(struct bulk **out, const char *host, unsigned port, unsigned send_timeout_ms);
