@@ -425,7 +425,8 @@ static void send_reply(struct server *srv, void *sock, zmq_msg_t *env, size_t n_
  * ZeroMQ; a connection that fails mid-way makes the reply an error, the stream being
  * unusable (the client opens another).
  */
-static void bulk_divert(struct server *srv, const char *principal, struct reply_out *out)
+static void bulk_divert(struct server *srv, const char *principal, int fd,
+			struct reply_out *out)
 {
 	struct iovec iov[2 * KVBP_LAYERS_IOV];
 	struct iovec *v = out->n_payload <= KVBP_LAYERS_IOV * 2 ? iov
@@ -439,12 +440,19 @@ static void bulk_divert(struct server *srv, const char *principal, struct reply_
 		v[i].iov_base = zmq_msg_data(&out->payload[i]);
 		v[i].iov_len = zmq_msg_size(&out->payload[i]);
 	}
+	/* The bulk connection's writer has its own deadline: the ZeroMQ connection is not
+	 * the one to cut while it writes (held.h). Frames after all: registered again. */
+	if (out->held)
+		held_remove(&srv->held, out->held);
 	rc = bulk_send(srv->bulk, out->bulk_ticket, principal, out->rep.request_id, v,
 		       out->n_payload, &sent);
 	if (v != iov)
 		free(v);
-	if (rc == -ENOENT)
+	if (rc == -ENOENT) {
+		if (out->held)
+			held_add(&srv->held, out->held, fd, principal);
 		return;
+	}
 	for (size_t i = 0; i < out->n_payload; i++)
 		zmq_msg_close(&out->payload[i]);
 	out->n_payload = 0;
@@ -594,7 +602,7 @@ static void *worker_main(void *arg)
 			for (size_t i = env; i < n; i++)
 				zmq_msg_close(&frames[i]);
 			if (out.has_bulk && srv->bulk && out.rep.code == KVBP_OK && out.n_payload)
-				bulk_divert(srv, tag.principal, &out);
+				bulk_divert(srv, tag.principal, tag.fd, &out);
 			send_reply(srv, sock, frames, env, false, &out);
 		}
 		{
