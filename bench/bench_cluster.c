@@ -6,7 +6,11 @@
  * on a, which owns them. Measured, per chunk size:
  *   plain       one TCP stream between two threads of this process: send() of the
  *               chunk's bytes, recv() into a buffer (the peer of the others);
- *   GET tcp     a client GETs the chunk from a over tcp:// (frames path) into its buffer;
+ *   GET tcp     a client GETs the chunk from a over tcp:// into its buffer, as libkvblend
+ *               does by default: the payload on the bulk connection (AES-256-GCM sealed
+ *               under CURVE), received straight into the buffer;
+ *   frames      the same GET by a client with the bulk connection off (KVBLEND_NO_BULK=1):
+ *               the payload in ZeroMQ frames (encrypted by CURVE), copied into the buffer;
  *   frames kept the same GET with kvb_get_layers(): the layers left in the frames;
  *   fetch       a client GETs, through b's IPC socket, a chunk only a holds: b fetches
  *               it (FETCH over TCP), verifies and stores it, then serves it; the
@@ -17,13 +21,19 @@
  *   fuse open   a fuse session opened on b over 8 chunks held only on a (they are
  *               fetched in parallel before the open answers), against the same open
  *               once they are local.
- * GB/s are of the chunk's bytes (KV in f16); medians over --repeats.
+ * GB/s are of the chunk's bytes (KV in f16); medians over --repeats. The plain copy and
+ * the three GETs over TCP are timed in rounds (one of each per round, after WARMUP
+ * rounds), and their ratios are the medians of each round's ratio: on a machine whose
+ * load moves, a ratio compares figures taken moments apart.
  *
- * The benchmark tunes its own malloc as a client that GETs large chunks should
- * (kvb_malloc_tune(); --no-malloc-tune leaves glibc's defaults).
+ * The benchmark's process runs with glibc's malloc defaults, as a user's does;
+ * --malloc-tune calls kvb_malloc_tune() first (what the frames paths needed to be fast).
  *
  * usage: bench_cluster [--daemon PATH] [--sizes 8,32] [--repeats N] [--no-curve]
- *                      [--no-malloc-tune]
+ *                      [--malloc-tune] [--get-only]
+ *
+ * --get-only: the plain copy and the three GETs over TCP only (one PUT per size, no
+ * fetch, local PUT or fuse columns: they print 0), for repeated runs on a busy machine.
  */
 #include <arpa/inet.h>
 #include <errno.h>
@@ -71,21 +81,23 @@ static int free_port(void)
 
 /* ---- the plain socket copy ---- */
 
+/* One loopback TCP stream between two threads, kept for every round: the sender sends
+ * the bytes each time the receiver asks (one byte), the receiver recv()s them into dst. */
 struct plain {
-	int listen_fd;
+	int listen_fd, fd;
 	const uint8_t *src;
 	size_t bytes;
-	int repeats;
+	pthread_t t;
 };
 
 static void *plain_sender(void *arg)
 {
 	struct plain *p = arg;
 	int fd = accept(p->listen_fd, NULL, NULL);
+	char go;
 
-	for (int r = 0; fd >= 0 && r < p->repeats; r++) {
+	while (fd >= 0 && recv(fd, &go, 1, MSG_WAITALL) == 1) {
 		size_t off = 0;
-		char ack;
 
 		while (off < p->bytes) {
 			ssize_t n = send(fd, p->src + off, p->bytes - off, 0);
@@ -94,56 +106,58 @@ static void *plain_sender(void *arg)
 				break;
 			off += (size_t)n;
 		}
-		if (recv(fd, &ack, 1, MSG_WAITALL) != 1) /* the receiver has it all */
-			break;
 	}
 	if (fd >= 0)
 		close(fd);
 	return NULL;
 }
 
-/* Median GB/s of repeats copies of bytes over one loopback TCP stream. */
-static double plain_copy(const uint8_t *src, uint8_t *dst, size_t bytes, int repeats)
+static void plain_open(struct plain *p, const uint8_t *src, size_t bytes)
 {
 	struct sockaddr_in a = { .sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
 	socklen_t len = sizeof(a);
-	struct plain p = { socket(AF_INET, SOCK_STREAM, 0), src, bytes, WARMUP + repeats };
-	double rates[MAX_REPEATS];
-	pthread_t t;
-	int fd;
 
-	bind(p.listen_fd, (struct sockaddr *)&a, sizeof(a));
-	getsockname(p.listen_fd, (struct sockaddr *)&a, &len);
-	listen(p.listen_fd, 1);
-	pthread_create(&t, NULL, plain_sender, &p);
-	fd = socket(AF_INET, SOCK_STREAM, 0);
-	if (connect(fd, (struct sockaddr *)&a, sizeof(a))) {
+	p->listen_fd = socket(AF_INET, SOCK_STREAM, 0);
+	p->src = src;
+	p->bytes = bytes;
+	bind(p->listen_fd, (struct sockaddr *)&a, sizeof(a));
+	getsockname(p->listen_fd, (struct sockaddr *)&a, &len);
+	listen(p->listen_fd, 1);
+	pthread_create(&p->t, NULL, plain_sender, p);
+	p->fd = socket(AF_INET, SOCK_STREAM, 0);
+	if (connect(p->fd, (struct sockaddr *)&a, sizeof(a))) {
 		perror("plain connect");
 		exit(1);
 	}
-	for (int r = -WARMUP; r < repeats; r++) {
-		double t0 = now_s();
-		size_t off = 0;
+}
 
-		while (off < bytes) {
-			ssize_t n = recv(fd, dst + off, bytes - off, 0);
+/* GB/s of one copy of the bytes over the stream into dst. */
+static double plain_round(struct plain *p, uint8_t *dst)
+{
+	double t0 = now_s();
+	size_t off = 0;
 
-			if (n <= 0) {
-				perror("plain recv");
-				exit(1);
-			}
-			off += (size_t)n;
-		}
-		if (r >= 0)
-			rates[r] = bytes / (now_s() - t0) / 1e9;
-		if (send(fd, "k", 1, 0) != 1)
-			break;
+	if (send(p->fd, "g", 1, 0) != 1) {
+		perror("plain send");
+		exit(1);
 	}
-	close(fd);
-	pthread_join(t, NULL);
-	close(p.listen_fd);
-	qsort(rates, (size_t)repeats, sizeof(double), cmp_double);
-	return rates[repeats / 2];
+	while (off < p->bytes) {
+		ssize_t n = recv(p->fd, dst + off, p->bytes - off, 0);
+
+		if (n <= 0) {
+			perror("plain recv");
+			exit(1);
+		}
+		off += (size_t)n;
+	}
+	return p->bytes / (now_s() - t0) / 1e9;
+}
+
+static void plain_close(struct plain *p)
+{
+	close(p->fd);
+	pthread_join(p->t, NULL);
+	close(p->listen_fd);
 }
 
 /* ---- the daemons ---- */
@@ -300,11 +314,11 @@ static double median(double *v, int n)
 }
 
 static void run(const char *daemon, bool curve, const unsigned *sizes, unsigned n_sizes,
-		int repeats)
+		int repeats, bool get_only)
 {
 	struct node a = { "/tmp/kvb-bcl-a-XXXXXX" }, b = { "/tmp/kvb-bcl-b-XXXXXX" };
 	char peers[400], cmd[200];
-	kvb_client *ca, *cb, *ct;
+	kvb_client *ca, *cb, *ct, *cf;
 	const char *sk = curve ? pub_a : NULL, *ck = curve ? sec_c : NULL;
 
 	if (!mkdtemp(a.dir) || !mkdtemp(b.dir)) {
@@ -324,6 +338,7 @@ static void run(const char *daemon, bool curve, const unsigned *sizes, unsigned 
 	ca = connect_to(a.ipc, NULL, NULL);
 	cb = connect_to(b.ipc, NULL, NULL);
 	ct = connect_to(a.tcp, sk, ck);
+	cf = connect_to(a.tcp, sk, ck);
 	kvb_model_register(ca, &model, NULL);
 	kvb_model_register(cb, &model, NULL);
 	for (unsigned s = 0; s < n_sizes; s++) {
@@ -333,15 +348,16 @@ static void run(const char *daemon, bool curve, const unsigned *sizes, unsigned 
 		uint16_t *src = malloc(bytes), *dst = malloc(bytes);
 		uint8_t(*hashes)[KVB_HASH_LEN] = calloc((size_t)repeats + 8 * 4, KVB_HASH_LEN);
 		double r_plain, r_get[MAX_REPEATS], r_fetch[MAX_REPEATS], r_wall[MAX_REPEATS];
-		double r_frames[MAX_REPEATS];
+		double r_frames[MAX_REPEATS], r_nobulk[MAX_REPEATS], r_plains[MAX_REPEATS];
+		double q_get[MAX_REPEATS], q_nobulk[MAX_REPEATS], q_frames[MAX_REPEATS];
+		struct plain pl;
 		double r_put[MAX_REPEATS];
 		double t_open_remote[4], t_open_local[4];
 		int k = 0;
 
 		fill(src, bytes / 2);
-		r_plain = plain_copy((uint8_t *)src, (uint8_t *)dst, bytes, repeats);
 		/* chunks on a only (b fetches them); the first one also for GET over TCP */
-		for (int i = 0; i < repeats + 8 * 4; i++) {
+		for (int i = 0; i < (get_only ? 1 : repeats + 8 * 4); i++) {
 			hash_owned_by(hashes[i], 0);
 			((uint8_t *)src)[i % 64] ^= 1; /* distinct bytes per chunk */
 			if (kvb_put(ca, model.name, hashes[i], KVB_F16, tokens, 0, src, bytes, NULL)) {
@@ -352,30 +368,52 @@ static void run(const char *daemon, bool curve, const unsigned *sizes, unsigned 
 		/* The PUTs above left up to GBs of dirty pages (the daemons run --no-sync): write
 		 * them back now, not in the kernel's background during the timed GETs. */
 		sync();
+		/* Rounds: the plain copy, then each GET, so that every ratio compares figures
+		 * taken moments apart (this machine's load moves); the ratios printed are the
+		 * medians of the rounds' ratios. The client without the bulk connection reads
+		 * KVBLEND_NO_BULK at its first GET, which decides for it. */
+		plain_open(&pl, (const uint8_t *)src, bytes);
 		for (int r = -WARMUP; r < repeats; r++) {
-			double t0 = now_s();
+			double p = plain_round(&pl, (uint8_t *)dst), t0 = now_s(), g, f, l;
+			struct kvb_layers *lay;
 
 			if (kvb_get(ct, model.name, hashes[0], 0, 0, dst, bytes, NULL)) {
 				fprintf(stderr, "get tcp: %s\n", kvb_last_error(ct));
 				exit(1);
 			}
-			if (r >= 0)
-				r_get[r] = bytes / (now_s() - t0) / 1e9;
-		}
-		/* The same GET with the frames kept (kvb_get_layers): no copy into dst. */
-		for (int r = -WARMUP; r < repeats; r++) {
-			double t0 = now_s();
-			struct kvb_layers *l;
-
-			if (kvb_get_layers(ct, model.name, hashes[0], 0, 0, &l)) {
+			g = bytes / (now_s() - t0) / 1e9;
+			setenv("KVBLEND_NO_BULK", "1", 1);
+			t0 = now_s();
+			if (kvb_get(cf, model.name, hashes[0], 0, 0, dst, bytes, NULL)) {
+				fprintf(stderr, "get tcp frames: %s\n", kvb_last_error(cf));
+				exit(1);
+			}
+			f = bytes / (now_s() - t0) / 1e9;
+			unsetenv("KVBLEND_NO_BULK");
+			t0 = now_s();
+			if (kvb_get_layers(ct, model.name, hashes[0], 0, 0, &lay)) {
 				fprintf(stderr, "get layers tcp: %s\n", kvb_last_error(ct));
 				exit(1);
 			}
-			if (r >= 0)
-				r_frames[r] = bytes / (now_s() - t0) / 1e9;
-			kvb_layers_free(&l);
+			l = bytes / (now_s() - t0) / 1e9;
+			kvb_layers_free(&lay);
+			if (r < 0)
+				continue;
+			r_plains[r] = p;
+			r_get[r] = g;
+			r_nobulk[r] = f;
+			r_frames[r] = l;
+			q_get[r] = g / p;
+			q_nobulk[r] = f / p;
+			q_frames[r] = l / p;
 		}
-		for (int r = 0; r < repeats; r++, k++) {
+		plain_close(&pl);
+		r_plain = median(r_plains, repeats);
+		for (int r = 0; r < repeats && get_only; r++)
+			r_fetch[r] = r_wall[r] = r_put[r] = 0;
+		for (int r = 0; r < 4 && get_only; r++)
+			t_open_remote[r] = t_open_local[r] = 0;
+		for (int r = 0; r < repeats && !get_only; r++, k++) {
 			double ms0 = stat_of(cb, "cluster_fetch_ms"), t0 = now_s(), ms;
 
 			if (kvb_get(cb, model.name, hashes[k], 0, 0, dst, bytes, NULL)) {
@@ -388,7 +426,7 @@ static void run(const char *daemon, bool curve, const unsigned *sizes, unsigned 
 		}
 		/* the local PUT on b of the same bytes (a chunk b owns: nothing pushed): what
 		 * storing a fetched copy costs at least */
-		for (int r = 0; r < repeats; r++) {
+		for (int r = 0; r < repeats && !get_only; r++) {
 			uint8_t h[KVB_HASH_LEN];
 			double t0;
 
@@ -401,7 +439,7 @@ static void run(const char *daemon, bool curve, const unsigned *sizes, unsigned 
 			r_put[r] = bytes / (now_s() - t0) / 1e9;
 		}
 		/* a fuse open on b over 8 chunks held on a only, then the same once local */
-		for (int r = 0; r < 4; r++) {
+		for (int r = 0; r < 4 && !get_only; r++) {
 			struct kvb_segment seg[8];
 			uint32_t check = 1;
 			double ratio = 0.15;
@@ -426,11 +464,12 @@ static void run(const char *daemon, bool curve, const unsigned *sizes, unsigned 
 			}
 			k += 8;
 		}
-		printf("| %s | %3u MiB | %5.2f | %5.2f (%.2fx) | %5.2f (%.2fx) | %5.2f (%.2fx; %.2fx of "
-		       "PUT) | %5.2f | %5.2f | %6.1f ms (%.2f GB/s) | %5.1f ms |\n",
+		printf("| %s | %3u MiB | %5.2f | %5.2f (%.2fx) | %5.2f (%.2fx) | %5.2f (%.2fx) | %5.2f "
+		       "(%.2fx; %.2fx of PUT) | %5.2f | %5.2f | %6.1f ms (%.2f GB/s) | %5.1f ms |\n",
 		       curve ? "CURVE" : "plain", sizes[s], r_plain, median(r_get, repeats),
-		       median(r_get, repeats) / r_plain, median(r_frames, repeats),
-		       median(r_frames, repeats) / r_plain, median(r_fetch, repeats),
+		       median(q_get, repeats), median(r_nobulk, repeats),
+		       median(q_nobulk, repeats), median(r_frames, repeats),
+		       median(q_frames, repeats), median(r_fetch, repeats),
 		       median(r_fetch, repeats) / r_plain,
 		       median(r_fetch, repeats) / median(r_put, repeats), median(r_wall, repeats),
 		       median(r_put, repeats),
@@ -444,6 +483,7 @@ static void run(const char *daemon, bool curve, const unsigned *sizes, unsigned 
 	kvb_close(&ca);
 	kvb_close(&cb);
 	kvb_close(&ct);
+	kvb_close(&cf);
 	stop_node(&a);
 	stop_node(&b);
 	snprintf(cmd, sizeof(cmd), "rm -rf %s %s", a.dir, b.dir);
@@ -451,12 +491,27 @@ static void run(const char *daemon, bool curve, const unsigned *sizes, unsigned 
 		perror("system");
 }
 
+/* The first three fields of /proc/loadavg: the machine's load when the run began. */
+static const char *loadavg(void)
+{
+	static char buf[64] = "?";
+	double l1, l5, l15;
+	FILE *f = fopen("/proc/loadavg", "r");
+
+	if (f) {
+		if (fscanf(f, "%lf %lf %lf", &l1, &l5, &l15) == 3)
+			snprintf(buf, sizeof(buf), "%.2f %.2f %.2f", l1, l5, l15);
+		fclose(f);
+	}
+	return buf;
+}
+
 int main(int argc, char **argv)
 {
 	char daemon_path[512];
 	unsigned sizes[8] = { 8, 32 }, n_sizes = 2;
 	int repeats = 7;
-	bool curve = true, tune = true;
+	bool curve = true, tune = false, get_only = false;
 
 	bench_default_daemon(argv[0], daemon_path, sizeof(daemon_path));
 	for (int i = 1; i < argc; i++) {
@@ -482,11 +537,13 @@ int main(int argc, char **argv)
 			}
 		} else if (!strcmp(argv[i], "--no-curve")) {
 			curve = false;
-		} else if (!strcmp(argv[i], "--no-malloc-tune")) {
-			tune = false;
+		} else if (!strcmp(argv[i], "--get-only")) {
+			get_only = true;
+		} else if (!strcmp(argv[i], "--malloc-tune")) {
+			tune = true;
 		} else {
 			fprintf(stderr, "usage: bench_cluster [--daemon PATH] [--sizes 8,32] "
-					"[--repeats N] [--no-curve] [--no-malloc-tune]\n");
+					"[--repeats N] [--no-curve] [--malloc-tune] [--get-only]\n");
 			return 2;
 		}
 	}
@@ -501,15 +558,16 @@ int main(int argc, char **argv)
 		return 1;
 	}
 	printf("Two kvblendd on loopback TCP, Mistral-7B-shaped chunks (f16); GB/s of the chunk's "
-	       "bytes, medians of %d; ratios to the plain socket copy of the same run; client "
-	       "malloc %s.\n\n",
-	       repeats, tune ? "tuned (kvb_malloc_tune)" : "glibc's defaults");
-	printf("| transport | chunk | plain TCP copy | GET over TCP | GET, frames kept | fetch b<-a "
-	       "| GET via b (wall) | local PUT on b | fuse open on b, 8 remote chunks | same, "
-	       "local |\n");
-	printf("|---|---|---|---|---|---|---|---|---|---|\n");
-	run(daemon_path, false, sizes, n_sizes, repeats);
+	       "bytes, medians of %d; GET ratios: medians of each round's ratio to the plain "
+	       "socket copy of the same round; client "
+	       "malloc %s; load average %s.\n\n",
+	       repeats, tune ? "tuned (kvb_malloc_tune)" : "glibc's defaults", loadavg());
+	printf("| transport | chunk | plain TCP copy | GET over TCP | GET, frames | GET, frames "
+	       "kept | fetch b<-a | GET via b (wall) | local PUT on b | fuse open on b, 8 remote "
+	       "chunks | same, local |\n");
+	printf("|---|---|---|---|---|---|---|---|---|---|---|\n");
+	run(daemon_path, false, sizes, n_sizes, repeats, get_only);
 	if (curve)
-		run(daemon_path, true, sizes, n_sizes, repeats);
+		run(daemon_path, true, sizes, n_sizes, repeats, get_only);
 	return 0;
 }

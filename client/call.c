@@ -74,6 +74,7 @@ static void reset_socket(kvb_client *c)
 	if (c->sock)
 		zmq_close(c->sock);
 	c->sock = NULL;
+	kvbc_bulk_close(c); /* its stream may hold a late payload too */
 	kvbc_wait_payloads(c);
 	kvbc_open_socket(c);
 }
@@ -96,8 +97,9 @@ static int recv_reply(kvb_client *c, struct call *k, int64_t deadline_ms)
 		size_t np = 0, cap = 0;
 		struct timespec now;
 		int64_t left;
-		zmq_pollitem_t it = { c->sock, 0, ZMQ_POLLIN, 0 };
-		int more = 1, rc;
+		zmq_pollitem_t its[2] = { { c->sock, 0, ZMQ_POLLIN, 0 },
+					  { NULL, c->bulk_fd, ZMQ_POLLIN, 0 } }, *it = its;
+		int more = 1, rc, n_its = k->bulk && c->bulk_fd >= 0 && !k->bulk_last ? 2 : 1;
 		char derr[256];
 
 		clock_gettime(CLOCK_MONOTONIC, &now);
@@ -106,7 +108,7 @@ static int recv_reply(kvb_client *c, struct call *k, int64_t deadline_ms)
 			return -ETIMEDOUT;
 		if (k->while_waiting) {
 			/* Work alongside the daemon: poll without blocking, do what is ready. */
-			rc = zmq_poll(&it, 1, 0);
+			rc = zmq_poll(its, 1, 0);
 			if (rc == 0) {
 				if (!k->while_waiting(k->waiting_ctx)) {
 					struct timespec ts = { 0, 20000 };
@@ -116,7 +118,7 @@ static int recv_reply(kvb_client *c, struct call *k, int64_t deadline_ms)
 				continue;
 			}
 		} else {
-			rc = zmq_poll(&it, 1, (long)left);
+			rc = zmq_poll(its, n_its, (long)left);
 		}
 		if (rc < 0 && errno == EINTR)
 			continue;
@@ -124,6 +126,15 @@ static int recv_reply(kvb_client *c, struct call *k, int64_t deadline_ms)
 			return -EIO;
 		if (rc == 0)
 			return -ETIMEDOUT;
+		if (n_its == 2 && (its[1].revents & (ZMQ_POLLIN | ZMQ_POLLERR))) {
+			/* the payload's records come before the reply: take them as they arrive */
+			rc = kvbc_bulk_record(c, k);
+			if (rc < 0)
+				return rc;
+			if (!(its[0].revents & ZMQ_POLLIN))
+				continue;
+		}
+		(void)it;
 		/* delimiter, header, then payload frames */
 		for (; more && np < 2; np++) {
 			zmq_msg_init(&parts[np]);
@@ -199,6 +210,42 @@ static int recv_reply(kvb_client *c, struct call *k, int64_t deadline_ms)
 	}
 }
 
+/*
+ * After the reply of a call whose payload may come on the bulk connection: the records
+ * still on their way, then the count checked against the reply's. A reply that failed
+ * with the stream part-sent (the daemon closed its end) closes ours.
+ */
+static int bulk_rest(kvb_client *c, struct call *k)
+{
+	int rc = 0;
+
+	if (k->rep.code) {
+		if (k->bulk_got || k->rep.code == KVBP_INTERNAL)
+			kvbc_bulk_close(c);
+		return 0;
+	}
+	if (!k->rep.bulk_bytes) {
+		if (k->bulk_got) {
+			kvbc_bulk_close(c);
+			return kvbc_set_err(c, KVB_E_PROTOCOL, "bulk records came for a reply "
+					    "that has its payload in frames");
+		}
+		return 0; /* the daemon sent frames (it no longer knew the ticket) */
+	}
+	while (!rc && !k->bulk_last && c->bulk_fd >= 0)
+		rc = kvbc_bulk_record(c, k);
+	if (rc < 0)
+		return rc;
+	if (!k->bulk_last || k->bulk_got != k->rep.bulk_bytes) {
+		kvbc_bulk_close(c);
+		return kvbc_set_err(c, KVB_E_PROTOCOL, "the reply says %llu payload bytes; the "
+				    "bulk connection brought %zu",
+				    (unsigned long long)k->rep.bulk_bytes, k->bulk_got);
+	}
+	k->sink_got = k->bulk_got;
+	return 0;
+}
+
 /* Send k->req with its payload and wait for the matching reply. */
 int kvbc_call(kvb_client *c, struct call *k)
 {
@@ -248,6 +295,10 @@ int kvbc_call(kvb_client *c, struct call *k)
 	kvbc_wait_payloads(c);
 	if (rc)
 		return c->err[0] ? rc : kvbc_set_err(c, rc, "receive from %s failed", c->endpoint);
+	if (k->bulk)
+		rc = bulk_rest(c, k);
+	if (rc)
+		return rc;
 	if (k->rep.code)
 		return kvbc_set_err(c, -1000 - (int)k->rep.code, "%s", k->rep.message);
 	return 0;

@@ -243,6 +243,16 @@ static int get_once(kvb_client *c, const char *model, const uint8_t hash[KVB_HAS
 	if (!k.req.has_shm) {
 		k.sink = dst;
 		k.sink_len = out_bytes;
+		/* over TCP: the payload on the bulk connection, straight into dst */
+		rc = kvbc_bulk_ready(c);
+		if (rc < 0)
+			goto out;
+		if (rc) {
+			rc = 0;
+			k.bulk = true;
+			k.req.has_bulk_ticket = true;
+			memcpy(k.req.bulk_ticket, c->bulk_ticket, sizeof(k.req.bulk_ticket));
+		}
 	}
 	rc = kvbc_call(c, &k);
 	if (rc == KVB_E_BAD_SHM && strstr(c->err, "too small")) {

@@ -103,6 +103,7 @@ int kvb_connect(const char *endpoint, const struct kvb_connect_opts *opts, kvb_c
 	if (!c)
 		return -ENOMEM;
 	snprintf(c->endpoint, sizeof(c->endpoint), "%s", endpoint);
+	c->bulk_fd = -1;
 	c->timeout_ms = opts && opts->timeout_ms > 0 ? opts->timeout_ms : DEFAULT_TIMEOUT_MS;
 	c->shm_ok = !strncmp(endpoint, "ipc://", 6) && !(opts && opts->no_shm);
 	c->shm_initial = opts && opts->shm_size ? opts->shm_size : DEFAULT_SHM;
@@ -244,6 +245,7 @@ void kvb_close(kvb_client **cp)
 			kvb_region_free(c, c->regions[i].base + REGION_HEAD);
 	if (c->sock)
 		zmq_close(c->sock);
+	kvbc_bulk_close(c);
 	kvbc_wait_payloads(c);
 	if (c->ctx)
 		ctx_term_bounded(c->ctx, 2000);

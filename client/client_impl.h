@@ -8,7 +8,8 @@
  *   call.c    requests and replies over the socket        uses no other module
  *   shm.c     the shared segment and the regions           uses call
  *   model.c   model specs, wire records, register/list     uses call
- *   chunk.c   PUT, GET, LOOKUP, PIN, DELETE, LIST          uses call, shm, model
+ *   bulk.c    the bulk connection (GET payloads over TCP)  uses call
+ *   chunk.c   PUT, GET, LOOKUP, PIN, DELETE, LIST          uses call, shm, model, bulk
  *   admin.c   STATS and cluster members                    uses call
  *   client.c  connect, ping, close, error texts            uses call, shm, cudaipc
  *   fuse.c    fuse sessions, landing sessions              uses call, shm, model, cudaipc,
@@ -25,6 +26,7 @@
 #include <stdint.h>
 #include <zmq.h>
 
+#include "../proto/bulk.h"
 #include "../proto/wire.h"
 #include "cudaipc.h"
 #include "kvblend.h"
@@ -69,6 +71,13 @@ struct kvb_client {
 	/* regions: segments holding the node's own buffers (kvb_region_alloc) */
 	struct region regions[REGION_MAX];
 	struct kvb_cuda *cuda; /* kvb_fuse_device(): fused layers taken on the GPU */
+	/* the bulk connection (bulk.c): GET payloads over TCP, straight into the caller's
+	 * buffer; sealed (AES-256-GCM) when the daemon gave a key over CURVE */
+	int bulk_fd;	/* -1: none open */
+	int bulk_state; /* 0: not tried yet, 1: open, -1: not offered (frames only) */
+	uint8_t bulk_ticket[KVBP_BULK_TICKET_LEN];
+	struct kvbb_aead *bulk_aead; /* NULL: records are not sealed */
+	uint64_t bulk_counter;	     /* records received: the next nonce */
 };
 
 struct call {
@@ -87,6 +96,10 @@ struct call {
 	 * sink_got counts the payload's bytes, also those beyond sink_len (not copied) */
 	uint8_t *sink;
 	size_t sink_len, sink_got;
+	/* with bulk (and sink): the payload comes as records on c->bulk_fd (bulk.c) */
+	bool bulk;
+	size_t bulk_got;
+	bool bulk_last;
 };
 
 /* ---- call.c: one request and its reply ---- */
@@ -114,6 +127,27 @@ int kvbc_call(kvb_client *c, struct call *k);
 void kvbc_call_done(struct call *k);
 /* Copy model into k's request: 0, or -EINVAL if it is empty or longer than KVB_NAME_MAX. */
 int kvbc_set_name(kvb_client *c, struct call *k, const char *model);
+
+/* ---- bulk.c: the bulk connection ---- */
+
+/*
+ * Whether GET payloads may come on the bulk connection: opens it on first use (a HELLO
+ * with bulk_open, then the TCP connection and its hello). 1: yes; 0: frames, over IPC,
+ * with KVBLEND_NO_BULK=1 in the environment, and for good when the daemon offers none
+ * (older, tcp_bulk off) or the connection cannot be made; or the HELLO's error
+ * (-ETIMEDOUT, -EIO, a KVB_E_* code; c->err says it), which the GET would meet too.
+ */
+int kvbc_bulk_ready(kvb_client *c);
+/* Close the bulk connection; the next kvbc_bulk_ready() opens another. */
+void kvbc_bulk_close(kvb_client *c);
+/*
+ * Receive one record of k's payload into k->sink (straight from the socket, opened in
+ * place when sealed). 0; 1 when the connection was closed before this payload began
+ * (it is closed here too: the reply brings frames); -ENOBUFS (larger than the sink), KVB_E_PROTOCOL (a record out
+ * of order, of another request, or altered on the wire: its tag failed), -EIO, -ETIMEDOUT;
+ * on any error the connection is closed and c->err names the problem.
+ */
+int kvbc_bulk_record(kvb_client *c, struct call *k);
 
 /* ---- shm.c: the shared segment and the regions ---- */
 

@@ -103,6 +103,13 @@ static const struct key keys[] = {
 	  "namespace evicts them while within its capacity; unset = one namespace for all" },
 	{ "tcp_insecure", NULL, T_BOOL, OFF(tcp_insecure), 0, 1, "false",
 	  "allow a TCP endpoint off loopback without CURVE (unencrypted)" },
+	{ "tcp_bulk", NULL, T_BOOL, OFF(tcp_bulk), 0, 1, "true",
+	  "offer TCP clients a bulk connection for GET payloads (plain TCP beside the first "
+	  "tcp:// endpoint, AES-256-GCM sealed for CURVE clients): GETs at the socket's speed; "
+	  "false = payloads in ZeroMQ frames (encrypted by CURVE)" },
+	{ "tcp_bulk_port", "PORT", T_UINT, OFF(tcp_bulk_port), 0, 65535, "0",
+	  "port of bulk connections, on the host of the first tcp:// endpoint; 0 = a free port, "
+	  "told to clients in the HELLO reply" },
 	{ "drain_timeout", "SECONDS", T_UINT, OFF(drain_timeout), 0, 3600, "10",
 	  "seconds a stop (SIGTERM) waits for requests in progress to be answered" },
 	{ "max_clients", "N", T_UINT, OFF(max_clients), 1, 1u << 20, "1024",

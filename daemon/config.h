@@ -53,6 +53,8 @@ struct config {
 	char curve_secret_key_file[PATH_MAX];
 	char curve_authorized_keys[PATH_MAX];
 	bool tcp_insecure;
+	bool tcp_bulk;		/* bulk connections for TCP clients' GET payloads */
+	uint64_t tcp_bulk_port; /* their port; 0 = a free one */
 	char tenants_file[PATH_MAX];
 	uint64_t drain_timeout;
 	uint64_t max_clients;

@@ -528,6 +528,10 @@ void ops_handle(struct server *srv, const struct ops_origin *from, zmq_msg_t *fr
 	}
 	q.payload = frames + 1;
 	q.n_payload = n - 1;
+	if (q.h.op == KVBP_OP_GET && q.h.has_bulk_ticket) {
+		out->has_bulk = true;
+		memcpy(out->bulk_ticket, q.h.bulk_ticket, sizeof(out->bulk_ticket));
+	}
 	handlers[q.h.op](&q);
 done:
 	atomic_fetch_add(&srv->stats.requests[out->op], 1);

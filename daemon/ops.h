@@ -18,6 +18,11 @@ struct reply_out {
 	size_t n_payload;
 	uint64_t op; /* for stats */
 	uint64_t prefetch_session; /* after the reply is sent: load ahead for this fuse session */
+	/* a reply from the store's pages: its entry in srv->held (held.h), alive with the
+	 * payload frames; NULL for others */
+	struct held_reply *held;
+	bool has_bulk; /* a GET that asked for its payload on a bulk connection (bulk.h) */
+	uint8_t bulk_ticket[KVBP_BULK_TICKET_LEN];
 };
 
 /* Why a request is answered with an error without being run. */

@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bulk.h"
 #include "clients.h"
 #include "cluster.h"
 #include "cuda/cuda.h"
@@ -25,12 +26,37 @@
 #define KVBLEND_VERSION "0.0.0"
 #endif
 
+/*
+ * A bulk connection for a TCP client (bulk.h): sealed when the request came over CURVE,
+ * whose channel alone carries the key. None for IPC clients (they have shared memory),
+ * on a daemon without bulk connections, or beyond the limits: the reply then has no
+ * bulk_port and the client keeps to frames.
+ */
+static void hello_bulk(struct req *q)
+{
+	struct kvbp_reply *r = &q->out->rep;
+	bool sealed = !strncmp(q->principal, "key:", 4) || !strncmp(q->principal, "curve:", 6);
+	int rc;
+
+	if (!q->srv->bulk || (!sealed && strncmp(q->principal, "tcp:", 4)))
+		return;
+	rc = bulk_open(q->srv->bulk, q->principal, sealed, r->bulk_ticket, r->bulk_key);
+	if (rc) {
+		log_debug("no bulk connection for %s: %s", q->principal, strerror(-rc));
+		return;
+	}
+	r->bulk_port = bulk_port(q->srv->bulk);
+	r->has_bulk_key = sealed;
+}
+
 void op_hello(struct req *q)
 {
 	if (no_payload(q))
 		return;
 	snprintf(q->out->rep.server_version, sizeof(q->out->rep.server_version), "%s",
 		 KVBLEND_VERSION);
+	if (q->h.bulk_open)
+		hello_bulk(q);
 	if (q->h.local_only) { /* another member's heartbeat: what this store holds */
 		struct store_totals t;
 		struct kvbp_stat *st = calloc(2, sizeof(*st));
@@ -378,6 +404,14 @@ static void stats_server(struct stat_list *l, struct server *srv)
 	stat_add(l, "replies_from_pages", (double)atomic_load(&srv->held.count));
 	stat_add(l, "connections_cut_unread", (double)atomic_load(&srv->held.cut));
 	stat_add(l, "max_clients", (double)srv->max_clients);
+	if (srv->bulk) {
+		uint64_t open, sealed, bytes;
+
+		bulk_counts(srv->bulk, &open, &sealed, &bytes);
+		stat_add(l, "bulk_connections", (double)open);
+		stat_add(l, "bulk_records_sealed", (double)sealed);
+		stat_add(l, "bulk_bytes", (double)bytes);
+	}
 }
 
 /* Eviction and the fuse session engine. */

@@ -300,6 +300,7 @@ static int get_from_view(struct req *q, const struct store_model *m, uint32_t lb
 	hold->view = v;
 	hold->registry = &q->srv->held;
 	held_add(hold->registry, &hold->held, q->fd, q->principal);
+	q->out->held = &hold->held;
 	if (one_chunk_reply(q, q->h.hash, &ci) == 0) {
 		q->out->payload = calloc(n, sizeof(zmq_msg_t));
 		if (!q->out->payload) {

@@ -12,8 +12,10 @@
 #include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
+#include <openssl/crypto.h>
 #include <zmq.h>
 
+#include "bulk.h"
 #include "clients.h"
 #include "../cluster/cluster.h"
 #include "cuda/cuda.h"
@@ -27,6 +29,8 @@
 
 #define WORKER_ENDPOINT "inproc://kvblend-workers"
 #define POLL_MS 200
+/* Layers whose payload a bulk diversion lists on the stack (more: malloc). */
+#define KVBP_LAYERS_IOV 128
 /* Complete requests queued per client connection in the frontend socket. */
 static const int rcvhwm = 16;
 
@@ -112,6 +116,42 @@ static int bind_endpoint(struct server *srv, const char *ep)
 		return -e;
 	}
 	log_info("listening on %s%s", ep, sock == srv->frontends[1] ? " (CURVE)" : "");
+	return 0;
+}
+
+/*
+ * Bulk connections (bulk.h) on the host of the first tcp:// endpoint: "tcp://HOST:PORT",
+ * HOST a name, an address, [v6] or *. None without a TCP endpoint or with tcp_bulk off.
+ */
+static int start_bulk(struct server *srv)
+{
+	const struct config *cfg = srv->cfg;
+	char host[CONFIG_ENDPOINT_MAX];
+	unsigned i;
+	char *colon;
+	int rc;
+
+	for (i = 0; i < cfg->n_listen && strncmp(cfg->listen[i], "tcp://", 6); i++)
+		;
+	if (!cfg->tcp_bulk || i == cfg->n_listen)
+		return 0;
+	snprintf(host, sizeof(host), "%s", cfg->listen[i] + 6);
+	colon = strrchr(host, ':');
+	if (colon)
+		*colon = 0;
+	if (host[0] == '[' && host[strlen(host) - 1] == ']') {
+		memmove(host, host + 1, strlen(host));
+		host[strlen(host) - 1] = 0;
+	}
+	rc = bulk_start(&srv->bulk, host, (unsigned)cfg->tcp_bulk_port,
+			(unsigned)cfg->reply_timeout_ms);
+	if (rc) {
+		log_err("tcp_bulk: no bulk connections on %s (tcp_bulk_port %" PRIu64 "; set "
+			"tcp_bulk = false to go without)", host, cfg->tcp_bulk_port);
+		return rc;
+	}
+	log_info("bulk connections on %s port %u%s", host, bulk_port(srv->bulk),
+		 srv->frontends[1] ? " (AES-256-GCM for CURVE clients)" : "");
 	return 0;
 }
 
@@ -366,12 +406,65 @@ static void send_reply(struct server *srv, void *sock, zmq_msg_t *env, size_t n_
 	}
 	zmq_send(sock, hdr, len, payload ? ZMQ_SNDMORE : 0);
 	bytes += len;
+	if (out->rep.has_bulk_key) { /* the key lives on only in the bulk connection */
+		OPENSSL_cleanse(hdr, len);
+		OPENSSL_cleanse(out->rep.bulk_key, sizeof(out->rep.bulk_key));
+	}
 	free(hdr);
 	for (size_t i = 0; payload && i < out->n_payload; i++) {
 		bytes += zmq_msg_size(&out->payload[i]);
 		zmq_msg_send(&out->payload[i], sock, i + 1 < out->n_payload ? ZMQ_SNDMORE : 0);
 	}
 	atomic_fetch_add(&srv->stats.bytes_out, bytes);
+}
+
+/*
+ * A GET that asked for its payload on a bulk connection: write the frames there (from
+ * the store's pages, sealed for a CURVE client) and send the reply without them. A
+ * ticket this daemon does not know (expired, another client's) leaves the frames to
+ * ZeroMQ; a connection that fails mid-way makes the reply an error, the stream being
+ * unusable (the client opens another).
+ */
+static void bulk_divert(struct server *srv, const char *principal, int fd,
+			struct reply_out *out)
+{
+	struct iovec iov[2 * KVBP_LAYERS_IOV];
+	struct iovec *v = out->n_payload <= KVBP_LAYERS_IOV * 2 ? iov
+					: malloc(out->n_payload * sizeof(*v));
+	uint64_t sent = 0;
+	int rc;
+
+	if (!v)
+		return;
+	for (size_t i = 0; i < out->n_payload; i++) {
+		v[i].iov_base = zmq_msg_data(&out->payload[i]);
+		v[i].iov_len = zmq_msg_size(&out->payload[i]);
+	}
+	/* The bulk connection's writer has its own deadline: the ZeroMQ connection is not
+	 * the one to cut while it writes (held.h). Frames after all: registered again. */
+	if (out->held)
+		held_remove(&srv->held, out->held);
+	rc = bulk_send(srv->bulk, out->bulk_ticket, principal, out->rep.request_id, v,
+		       out->n_payload, &sent);
+	if (v != iov)
+		free(v);
+	if (rc == -ENOENT) {
+		if (out->held)
+			held_add(&srv->held, out->held, fd, principal);
+		return;
+	}
+	for (size_t i = 0; i < out->n_payload; i++)
+		zmq_msg_close(&out->payload[i]);
+	out->n_payload = 0;
+	out->rep.payload_frames = 0;
+	if (rc) {
+		out->rep.code = KVBP_INTERNAL;
+		snprintf(out->rep.message, sizeof(out->rep.message), "the bulk connection failed "
+			 "mid-payload (%s) and was closed; retry", strerror(-rc));
+		return;
+	}
+	out->rep.bulk_bytes = sent;
+	atomic_fetch_add(&srv->stats.bytes_out, sent);
 }
 
 /* An error reply built without a request handler (refused envelope, shutting down). */
@@ -508,6 +601,8 @@ static void *worker_main(void *arg)
 			}
 			for (size_t i = env; i < n; i++)
 				zmq_msg_close(&frames[i]);
+			if (out.has_bulk && srv->bulk && out.rep.code == KVBP_OK && out.n_payload)
+				bulk_divert(srv, tag.principal, tag.fd, &out);
 			send_reply(srv, sock, frames, env, false, &out);
 		}
 		{
@@ -901,6 +996,9 @@ int server_start(struct server *srv, const struct config *cfg, struct store *sto
 	}
 	if (zmq_bind(srv->backend, WORKER_ENDPOINT))
 		return -errno;
+	rc = start_bulk(srv);
+	if (rc)
+		return rc;
 	rc = start_shm_server(srv);
 	if (rc)
 		return rc;
@@ -1104,6 +1202,7 @@ void server_stop(struct server *srv)
 	free(srv->threads);
 	srv->threads = NULL;
 	srv->n_workers = 0;
+	bulk_stop(&srv->bulk); /* after the workers: none writes on a connection now */
 	/* Replies produced in the last moments. */
 	while (srv->backend && forward_out(srv) == 0)
 		;

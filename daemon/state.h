@@ -69,6 +69,7 @@ struct server {
 	 * as the first frame through the workers, so that the reply goes back the same way. */
 	void *frontends[2];
 	struct curve_auth *zap;
+	struct bulk *bulk; /* bulk connections for TCP clients (NULL: none) */
 	void *monitors[2]; /* connection events of frontends[i] (PAIR) */
 	atomic_uint_fast64_t connections; /* live, counted from the monitors */
 	atomic_uint_fast64_t refused_clients; /* handshakes refused beyond max_clients */

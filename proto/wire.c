@@ -226,6 +226,11 @@ int kvbp_request_encode(const struct kvbp_request *req, uint8_t **buf, size_t *l
 	pb.attention = req->attention;
 	pb.recompute = req->recompute;
 	pb.n_recompute = req->n_recompute;
+	pb.bulk_open = req->bulk_open;
+	if (req->has_bulk_ticket) {
+		pb.bulk_ticket.data = (uint8_t *)req->bulk_ticket;
+		pb.bulk_ticket.len = KVBP_BULK_TICKET_LEN;
+	}
 	if (req->has_land) {
 		land.shm_id = req->land.shm_id;
 		land.k_offset = req->land.k_offset;
@@ -363,6 +368,17 @@ int kvbp_request_decode(const void *buf, size_t len, struct kvbp_request *out, c
 	r.cluster_check = pb->cluster_check;
 	r.device_out = pb->device_out;
 	r.attention = pb->attention;
+	r.bulk_open = pb->bulk_open;
+	if (pb->bulk_ticket.len) {
+		if (pb->bulk_ticket.len != KVBP_BULK_TICKET_LEN) {
+			set_err(err, errlen, "bulk_ticket is %zu bytes; expected %d",
+				pb->bulk_ticket.len, KVBP_BULK_TICKET_LEN);
+			rc = KVBP_BAD_ARGUMENT;
+			goto out;
+		}
+		r.has_bulk_ticket = true;
+		memcpy(r.bulk_ticket, pb->bulk_ticket.data, KVBP_BULK_TICKET_LEN);
+	}
 	if (pb->n_recompute > KVBP_RECOMPUTE_MAX) {
 		set_err(err, errlen, "%zu recompute tokens; the limit is %u", pb->n_recompute,
 			KVBP_RECOMPUTE_MAX);
@@ -557,6 +573,16 @@ int kvbp_reply_encode(const struct kvbp_reply *rep, uint8_t **buf, size_t *len)
 	pb.ring_slots = rep->ring_slots;
 	pb.slot_bytes = rep->slot_bytes;
 	pb.land_k_strided = rep->land_k_strided;
+	pb.bulk_port = rep->bulk_port;
+	pb.bulk_bytes = rep->bulk_bytes;
+	if (rep->bulk_port) {
+		pb.bulk_ticket.data = (uint8_t *)rep->bulk_ticket;
+		pb.bulk_ticket.len = KVBP_BULK_TICKET_LEN;
+	}
+	if (rep->bulk_port && rep->has_bulk_key) {
+		pb.bulk_key.data = (uint8_t *)rep->bulk_key;
+		pb.bulk_key.len = KVBP_BULK_KEY_LEN;
+	}
 	if (rep->has_ipc) {
 		pb.ipc_handle.data = (uint8_t *)rep->ipc_handle;
 		pb.ipc_handle.len = KVBP_IPC_HANDLE_LEN;
@@ -683,6 +709,23 @@ int kvbp_reply_decode(const void *buf, size_t len, struct kvbp_reply *out, char 
 	r.ring_slots = pb->ring_slots;
 	r.slot_bytes = pb->slot_bytes;
 	r.land_k_strided = pb->land_k_strided;
+	r.bulk_bytes = pb->bulk_bytes;
+	if (pb->bulk_port) {
+		if (pb->bulk_port > 65535 || pb->bulk_ticket.len != KVBP_BULK_TICKET_LEN ||
+		    (pb->bulk_key.len && pb->bulk_key.len != KVBP_BULK_KEY_LEN)) {
+			set_err(err, errlen, "reply's bulk port %u, ticket of %zu bytes, key of %zu "
+				"bytes; expected a port, %d and 0 or %d bytes", pb->bulk_port,
+				pb->bulk_ticket.len, pb->bulk_key.len, KVBP_BULK_TICKET_LEN,
+				KVBP_BULK_KEY_LEN);
+			kvblend__reply__free_unpacked(pb, NULL);
+			return KVBP_BAD_REQUEST;
+		}
+		r.bulk_port = pb->bulk_port;
+		memcpy(r.bulk_ticket, pb->bulk_ticket.data, KVBP_BULK_TICKET_LEN);
+		r.has_bulk_key = pb->bulk_key.len == KVBP_BULK_KEY_LEN;
+		if (r.has_bulk_key)
+			memcpy(r.bulk_key, pb->bulk_key.data, KVBP_BULK_KEY_LEN);
+	}
 	if (pb->ipc_handle.len) {
 		if (pb->ipc_handle.len != KVBP_IPC_HANDLE_LEN || !pb->device_pci ||
 		    strlen(pb->device_pci) >= sizeof(r.device_pci)) {

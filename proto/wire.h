@@ -36,6 +36,9 @@
  */
 #define KVBP_LAND_FAILED 0x80000000u
 #define KVBP_LAND_COUNT 0x00ffffffu
+/* A bulk connection's ticket and AES-256-GCM key (docs/protocol.md#bulk-connections). */
+#define KVBP_BULK_TICKET_LEN 16
+#define KVBP_BULK_KEY_LEN 32
 
 enum kvbp_op {
 	KVBP_OP_NONE = 0,
@@ -212,6 +215,9 @@ struct kvbp_request {
 	int32_t *recompute; /* FUSE_OPEN, reuse_only: cached tokens the node recomputes (owned) */
 	size_t n_recompute;
 	bool cluster_check; /* STATS, HELLO: run the replication check (kvblend cluster check) */
+	bool bulk_open; /* HELLO: open a bulk connection */
+	bool has_bulk_ticket; /* GET: send the payload on this bulk connection */
+	uint8_t bulk_ticket[KVBP_BULK_TICKET_LEN];
 };
 
 #define KVBP_IPC_HANDLE_LEN 64 /* a CUDA IPC memory handle */
@@ -255,6 +261,11 @@ struct kvbp_reply {
 	uint64_t ipc_offset;
 	char device_pci[32]; /* "0000:41:00.0" */
 	bool land_k_strided; /* FUSE_OPEN: the landing layout's K strides are honoured */
+	uint32_t bulk_port; /* HELLO with bulk_open: 0 = no bulk connection */
+	uint8_t bulk_ticket[KVBP_BULK_TICKET_LEN];
+	bool has_bulk_key; /* sealed bulk records (the HELLO came over CURVE) */
+	uint8_t bulk_key[KVBP_BULK_KEY_LEN];
+	uint64_t bulk_bytes; /* GET with a bulk ticket: payload bytes sent there */
 };
 
 /*

@@ -196,6 +196,12 @@ KVB_API int kvb_put(kvb_client *c, const char *model, const uint8_t hash[KVB_HAS
  * num_tokens first. *info (may be NULL) describes the chunk.
  * KVB_E_NOT_FOUND if absent; KVB_E_CORRUPT if it failed its checksum (the
  * daemon removed it). -ENOBUFS when out_bytes does not match (info is filled).
+ * Over tcp:// the payload comes on the client's bulk connection (opened at the first
+ * GET, docs/protocol.md#bulk-connections), received straight into out, AES-256-GCM
+ * sealed over CURVE: no malloc tuning needed. KVB_E_PROTOCOL when a record of it was
+ * altered on the wire or came out of order (kvb_last_error() names it; the
+ * connection is closed, the next GET opens another). On any error out's contents
+ * are unspecified. KVBLEND_NO_BULK=1 in the environment keeps a client to frames.
  */
 KVB_API int kvb_get(kvb_client *c, const char *model, const uint8_t hash[KVB_HASH_LEN],
 	    uint32_t layer_begin, uint32_t layer_end, void *out, size_t out_bytes,
@@ -240,8 +246,10 @@ KVB_API int kvb_get_layers(kvb_client *c, const char *model, const uint8_t hash[
 KVB_API void kvb_layers_free(struct kvb_layers **l);
 
 /*
- * Optional, process-wide: tune glibc's malloc for receiving large chunks over TCP.
- * ZeroMQ allocates each received frame (a layer's K or V) with malloc; by default
+ * Optional, process-wide: tune glibc's malloc for receiving large chunks in frames over
+ * TCP: kvb_get_layers(), and kvb_get() where no bulk connection is offered (an older
+ * daemon, tcp_bulk off, KVBLEND_NO_BULK=1); kvb_get() over a bulk connection does not
+ * need it. ZeroMQ allocates each received frame (a layer's K or V) with malloc; by default
  * glibc maps frames that large with mmap, or returns the freed heap to the system,
  * so every GET faults its memory in again (measured: a 32 MiB GET over loopback TCP
  * at 1.2-1.7 GB/s in a process that had read 8 MiB chunks before, 4-5 GB/s tuned).

@@ -10,6 +10,8 @@
  * (the hazard is real on this machine, so the test can fail), and with 300 ms it
  * must not, the stuck connection is counted as cut, and the daemon serves on.
  */
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -17,6 +19,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -24,7 +27,9 @@
 
 #include <zmq.h>
 
+#include "bulk.h"
 #include "harness.h"
+#include "rawreq.h"
 #include "wire.h"
 
 #define L 2
@@ -172,11 +177,109 @@ static void a_stuck_reader_is_cut_off_at_the_deadline(void **state)
 	assert_true(cut >= 1);
 }
 
+static int free_port(void)
+{
+	struct sockaddr_in a = { .sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
+	socklen_t len = sizeof(a);
+	int s = socket(AF_INET, SOCK_STREAM, 0), port;
+
+	assert_int_equal(bind(s, (struct sockaddr *)&a, sizeof(a)), 0);
+	getsockname(s, (struct sockaddr *)&a, &len);
+	port = ntohs(a.sin_port);
+	close(s);
+	return port;
+}
+
+/*
+ * The same on a bulk connection (docs/protocol.md#bulk-connections): a TCP client that
+ * opens one, GETs a chunk far larger than the sockets' buffers and never reads it would
+ * hold the worker writing it, and the snapshot. The daemon gives up on the payload
+ * after about reply_timeout_ms, answers the GET `internal` naming the bulk connection,
+ * and serves on.
+ */
+static void a_stuck_bulk_reader_is_cut_off_at_the_deadline(void **state)
+{
+	enum { BT = 8192 }; /* L x 2 x BT x H x D f16 = 32 MiB */
+	static const struct kvb_model big = { .name = "stuck-bulk", .num_layers = L,
+					      .num_kv_heads = H, .head_dim = D, .dtype = KVB_F16,
+					      .rope_theta = 10000 };
+	char tcp[64], bport[16], msg[KVBP_MESSAGE_MAX];
+	const char *args[] = { "--reply-timeout-ms", "300", "--listen", tcp, "--tcp-bulk-port",
+			       bport, NULL };
+	size_t bytes = (size_t)L * 2 * BT * H * D * 2;
+	uint8_t *kv = malloc(bytes), hash[KVB_HASH_LEN], hello[KVBB_HELLO_LEN], ack = 9;
+	struct kvbp_request hreq = { .op = KVBP_OP_HELLO, .request_id = 1, .bulk_open = true };
+	struct kvbp_request greq = { .op = KVBP_OP_GET, .request_id = 2, .has_hash = true,
+				     .has_bulk_ticket = true };
+	struct kvbp_reply rep;
+	struct sockaddr_in a = { .sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
+	struct kvb_connect_opts o = { .timeout_ms = 30000, .no_shm = 1 };
+	struct timespec t0, t1;
+	struct daemon d;
+	struct raw r;
+	kvb_client *c;
+	int fd, small = 4096;
+	double waited;
+
+	(void)state;
+	assert_non_null(kv);
+	snprintf(tcp, sizeof(tcp), "tcp://127.0.0.1:%d", free_port());
+	snprintf(bport, sizeof(bport), "%d", free_port());
+	daemon_start(&d, args);
+	assert_int_equal(kvb_connect(d.endpoint, &o, &c, NULL, 0), 0);
+	assert_int_equal(kvb_model_register(c, &big, NULL), 0);
+	fill_random(kv, bytes, 7);
+	hash_of(77, hash);
+	assert_int_equal(kvb_put(c, big.name, hash, KVB_F16, BT, 0, kv, bytes, NULL), 0);
+
+	raw_open(&r, tcp, 30000);
+	assert_int_equal(raw_call(&r, &hreq, NULL, NULL, 0, &rep), KVBP_OK);
+	assert_int_equal(rep.bulk_port, atoi(bport));
+	assert_false(rep.has_bulk_key); /* plain TCP: no key */
+	memcpy(greq.bulk_ticket, rep.bulk_ticket, sizeof(greq.bulk_ticket));
+	kvbp_reply_clear(&rep);
+	fd = socket(AF_INET, SOCK_STREAM, 0);
+	setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &small, sizeof(small));
+	a.sin_port = htons((uint16_t)atoi(bport));
+	assert_int_equal(connect(fd, (struct sockaddr *)&a, sizeof(a)), 0);
+	assert_int_equal(kvbb_hello_put(hello, greq.bulk_ticket, NULL), 0);
+	assert_int_equal(send(fd, hello, sizeof(hello), 0), (ssize_t)sizeof(hello));
+	assert_int_equal(recv(fd, &ack, 1, MSG_WAITALL), 1);
+	assert_int_equal(ack, 0);
+
+	/* the GET, and its bulk connection never read */
+	snprintf(greq.model_name, sizeof(greq.model_name), "%s", big.name);
+	memcpy(greq.hash, hash, KVB_HASH_LEN);
+	clock_gettime(CLOCK_MONOTONIC, &t0);
+	assert_int_equal(raw_call_msg(&r, &greq, NULL, NULL, 0, msg, sizeof(msg)), KVBP_INTERNAL);
+	clock_gettime(CLOCK_MONOTONIC, &t1);
+	waited = (double)(t1.tv_sec - t0.tv_sec) + (t1.tv_nsec - t0.tv_nsec) / 1e9;
+	print_message("stuck bulk reader: answered after %.2f s: %s\n", waited, msg);
+	assert_non_null(strstr(msg, "bulk connection failed"));
+	assert_true(waited < 10.0); /* about 0.3-0.6 s; generous for a loaded machine */
+	/* the daemon serves on, the chunk intact */
+	{
+		uint8_t *back = malloc(bytes);
+
+		assert_non_null(back);
+		assert_int_equal(kvb_get(c, big.name, hash, 0, 0, back, bytes, NULL), 0);
+		assert_memory_equal(back, kv, bytes);
+		free(back);
+	}
+	close(fd);
+	raw_close(&r);
+	kvb_close(&c);
+	daemon_stop(&d);
+	daemon_cleanup(&d);
+	free(kv);
+}
+
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
 		cmocka_unit_test(a_stuck_reader_fills_the_map_without_a_deadline),
 		cmocka_unit_test(a_stuck_reader_is_cut_off_at_the_deadline),
+		cmocka_unit_test(a_stuck_bulk_reader_is_cut_off_at_the_deadline),
 	};
 
 	return cmocka_run_group_tests(tests, NULL, NULL);

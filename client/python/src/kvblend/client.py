@@ -973,7 +973,10 @@ def _segment(s: Segment | tuple) -> Segment:
 
 
 def malloc_tune(keep_bytes: int = 0) -> bool:
-    """Tune glibc's malloc for receiving large chunks over TCP (process-wide, optional).
+    """Tune glibc's malloc for receiving large chunks in frames over TCP (optional).
+
+    Process-wide. ``Client.get`` over TCP needs it only where the daemon offers no bulk
+    connection (an older one, ``tcp_bulk`` off); ``get_layers`` keeps frames and does.
 
     Received frames then come from, and return to, the heap instead of being mapped
     and faulted in again at every GET (a 32 MiB GET over loopback TCP: 1.2-1.7 GB/s

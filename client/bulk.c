@@ -1,0 +1,217 @@
+/*
+ * bulk — libkvblend's end of a bulk connection (docs/protocol.md#bulk-connections): GET
+ * payloads over TCP arrive as records on a plain TCP connection, received straight into
+ * the caller's buffer (no ZeroMQ frame is allocated, so no page of it is faulted in per
+ * GET) and, when the daemon handed a key over CURVE, opened in place with AES-256-GCM.
+ * See client_impl.h.
+ */
+#include <errno.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <openssl/crypto.h>
+
+#include "client_impl.h"
+
+void kvbc_bulk_close(kvb_client *c)
+{
+	if (c->bulk_fd >= 0)
+		close(c->bulk_fd);
+	c->bulk_fd = -1;
+	kvbb_aead_free(&c->bulk_aead);
+	OPENSSL_cleanse(c->bulk_ticket, sizeof(c->bulk_ticket));
+	c->bulk_counter = 0;
+	if (c->bulk_state > 0)
+		c->bulk_state = 0;
+}
+
+/* Connect to the host of c->endpoint at port, within the client's timeout: fd or -errno. */
+static int connect_bulk(kvb_client *c, unsigned port)
+{
+	struct addrinfo hints = { .ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM,
+				  .ai_flags = AI_NUMERICSERV }, *ai = NULL;
+	struct timeval tv = { c->timeout_ms / 1000, (c->timeout_ms % 1000) * 1000 };
+	char host[512], serv[8], *colon;
+	int fd, one = 1;
+
+	snprintf(host, sizeof(host), "%s", c->endpoint + 6);
+	colon = strrchr(host, ':');
+	if (!colon)
+		return -EINVAL;
+	*colon = 0;
+	if (host[0] == '[' && colon > host + 1 && colon[-1] == ']') {
+		colon[-1] = 0;
+		memmove(host, host + 1, strlen(host));
+	}
+	snprintf(serv, sizeof(serv), "%u", port);
+	if (getaddrinfo(host, serv, &hints, &ai))
+		return -EHOSTUNREACH;
+	fd = socket(ai->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+	/* blocking, each wait bounded by the timeout (connect too, on Linux) */
+	if (fd < 0 || setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv)) ||
+	    setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv)) ||
+	    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one)) ||
+	    connect(fd, ai->ai_addr, ai->ai_addrlen)) {
+		int e = errno;
+
+		if (fd >= 0)
+			close(fd);
+		freeaddrinfo(ai);
+		return -e;
+	}
+	freeaddrinfo(ai);
+	return fd;
+}
+
+/* The HELLO that asks for a bulk connection, then the connection and its hello. */
+static int open_bulk(kvb_client *c)
+{
+	struct call k = { .req = { .op = KVBP_OP_HELLO, .bulk_open = true } };
+	uint8_t hello[KVBB_HELLO_LEN], ack = 1;
+	int rc = kvbc_call(c, &k);
+
+	if (rc || !k.rep.bulk_port) {
+		/* an older daemon, tcp_bulk off, its limits: frames it is */
+		kvbc_call_done(&k);
+		return rc ? rc : -ENOTSUP;
+	}
+	if (c->curve && !k.rep.has_bulk_key) {
+		/* over CURVE, never take payloads in the clear */
+		kvbc_call_done(&k);
+		return -EPROTO;
+	}
+	memcpy(c->bulk_ticket, k.rep.bulk_ticket, sizeof(c->bulk_ticket));
+	rc = k.rep.has_bulk_key ? kvbb_aead_new(&c->bulk_aead, k.rep.bulk_key) : 0;
+	OPENSSL_cleanse(k.rep.bulk_key, sizeof(k.rep.bulk_key));
+	if (!rc)
+		rc = connect_bulk(c, k.rep.bulk_port);
+	kvbc_call_done(&k);
+	if (rc < 0)
+		return rc;
+	c->bulk_fd = rc;
+	c->bulk_counter = 0;
+	rc = kvbb_hello_put(hello, c->bulk_ticket, c->bulk_aead);
+	if (!rc && (send(c->bulk_fd, hello, sizeof(hello), MSG_NOSIGNAL) != sizeof(hello) ||
+		    recv(c->bulk_fd, &ack, 1, MSG_WAITALL) != 1 || ack != 0))
+		rc = -ECONNREFUSED;
+	return rc;
+}
+
+int kvbc_bulk_ready(kvb_client *c)
+{
+	const char *off = getenv("KVBLEND_NO_BULK");
+	int rc;
+
+	if (c->bulk_state > 0)
+		return 1;
+	if (c->bulk_state < 0 || strncmp(c->endpoint, "tcp://", 6) || (off && *off == '1'))
+		return 0;
+	rc = open_bulk(c);
+	if (rc == -ETIMEDOUT || rc == -EIO || rc <= -1000) {
+		/* the daemon did not answer the HELLO: the GET would fail the same way */
+		kvbc_bulk_close(c);
+		return rc;
+	}
+	if (rc) {
+		/* none offered, or the connection could not be made: frames, for good */
+		kvbc_bulk_close(c);
+		c->bulk_state = -1;
+		c->err[0] = 0;
+		return 0;
+	}
+	c->bulk_state = 1;
+	return 1;
+}
+
+/* Receive exactly len bytes into p: 0, -ETIMEDOUT or -EIO. */
+static int recv_all(int fd, uint8_t *p, size_t len)
+{
+	while (len) {
+		ssize_t r = recv(fd, p, len, MSG_WAITALL);
+
+		if (r < 0 && errno == EINTR)
+			continue;
+		if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
+			return -ETIMEDOUT;
+		if (r <= 0)
+			return -EIO;
+		p += r;
+		len -= (size_t)r;
+	}
+	return 0;
+}
+
+static int bulk_fail(kvb_client *c, int rc, const char *fmt, ...)
+	__attribute__((format(printf, 3, 4)));
+
+static int bulk_fail(kvb_client *c, int rc, const char *fmt, ...)
+{
+	va_list ap;
+
+	kvbc_bulk_close(c);
+	va_start(ap, fmt);
+	vsnprintf(c->err, sizeof(c->err), fmt, ap);
+	va_end(ap);
+	return rc;
+}
+
+int kvbc_bulk_record(kvb_client *c, struct call *k)
+{
+	uint8_t hdr[KVBB_HDR_LEN], tag[KVBB_TAG_LEN];
+	struct kvbb_hdr h;
+	ssize_t first = recv(c->bulk_fd, hdr, 1, 0);
+	int rc;
+
+	if (first == 0 && !k->bulk_got) {
+		/* closed between payloads (the daemon restarted, or cut an idle reader): this
+		 * reply comes in frames if at all; the next GET opens another connection */
+		kvbc_bulk_close(c);
+		return 1;
+	}
+	rc = first == 1 ? recv_all(c->bulk_fd, hdr + 1, sizeof(hdr) - 1)
+	     : first < 0 && (errno == EAGAIN || errno == EWOULDBLOCK) ? -ETIMEDOUT : -EIO;
+	if (rc)
+		return bulk_fail(c, rc, "the bulk connection to %s %s", c->endpoint,
+				 rc == -ETIMEDOUT ? "timed out" : "closed mid-payload");
+	if (kvbb_hdr_get(hdr, &h))
+		return bulk_fail(c, KVB_E_PROTOCOL, "the bulk connection to %s sent a malformed "
+				 "record header", c->endpoint);
+	/* every size checked before a byte lands in the caller's buffer */
+	if (h.request_id != k->req.request_id || h.offset != k->bulk_got || k->bulk_last ||
+	    h.len > h.total - h.offset || h.total < h.offset ||
+	    ((h.flags & KVBB_LAST) != 0) != (h.offset + h.len == h.total))
+		return bulk_fail(c, KVB_E_PROTOCOL, "bulk record of request %llu at byte %llu is "
+				 "out of order (expected request %llu at byte %zu)",
+				 (unsigned long long)h.request_id, (unsigned long long)h.offset,
+				 (unsigned long long)k->req.request_id, k->bulk_got);
+	if (h.total > k->sink_len)
+		return bulk_fail(c, -ENOBUFS, "buffer of %zu bytes does not match the %llu bytes "
+				 "of the requested layers", k->sink_len,
+				 (unsigned long long)h.total);
+	rc = recv_all(c->bulk_fd, k->sink + h.offset, h.len);
+	if (!rc && c->bulk_aead)
+		rc = recv_all(c->bulk_fd, tag, sizeof(tag));
+	if (rc)
+		return bulk_fail(c, rc, "the bulk connection to %s %s", c->endpoint,
+				 rc == -ETIMEDOUT ? "timed out" : "closed mid-payload");
+	if (c->bulk_aead && kvbb_open(c->bulk_aead, c->bulk_counter, KVBB_DIR_RECORDS, hdr,
+				      sizeof(hdr), k->sink + h.offset, h.len, tag))
+		return bulk_fail(c, KVB_E_PROTOCOL, "bulk record %llu (bytes %llu..%llu of request "
+				 "%llu) failed its AES-256-GCM check: altered on the wire; the "
+				 "payload is refused", (unsigned long long)c->bulk_counter,
+				 (unsigned long long)h.offset,
+				 (unsigned long long)(h.offset + h.len),
+				 (unsigned long long)h.request_id);
+	c->bulk_counter++;
+	k->bulk_got += h.len;
+	k->bulk_last = h.flags & KVBB_LAST;
+	return 0;
+}

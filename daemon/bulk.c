@@ -1,0 +1,534 @@
+/* bulk — the daemon's bulk connections; see bulk.h and docs/protocol.md#bulk-connections. */
+#include "bulk.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <openssl/crypto.h>
+#include <poll.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "../proto/bulk.h"
+#include "log.h"
+
+#define BULK_MAX 256		/* connections and waiting tickets, all clients */
+#define BULK_PER_PRINCIPAL 16	/* of one client identity */
+#define BULK_SHAKES 64		/* connections still sending their hello */
+#define TICKET_MS 10000		/* a ticket waits this long for its connection */
+#define HELLO_MS 5000		/* a new connection has this long to send its hello */
+#define IOV_PER_RECORD 64
+
+struct conn {
+	bool used;
+	bool sealed;
+	bool dead; /* failed or closed by its client: freed when no worker holds it */
+	uint8_t ticket[KVBP_BULK_TICKET_LEN];
+	char principal[96];
+	struct kvbb_aead *aead;
+	int fd; /* -1: the ticket waits for its connection */
+	int64_t deadline_ms;
+	unsigned users; /* workers sending on it */
+	uint64_t counter; /* records sent: the next nonce */
+	pthread_mutex_t send_lock;
+};
+
+struct shake {
+	int fd; /* -1: slot free */
+	size_t got;
+	int64_t deadline_ms;
+	uint8_t buf[KVBB_HELLO_LEN];
+};
+
+struct bulk {
+	int listen_fd, wake[2];
+	unsigned port, send_timeout_ms;
+	pthread_t thread;
+	bool started;
+	atomic_bool stop;
+	pthread_mutex_t lock; /* the table: used, fd, users, dead, deadline */
+	struct conn conns[BULK_MAX];
+	struct shake shakes[BULK_SHAKES]; /* the accept thread's only */
+	atomic_uint_fast64_t sealed_records, bytes;
+};
+
+static int64_t now_ms(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* With b->lock held, and no worker on it. */
+static void conn_free(struct conn *c)
+{
+	if (c->fd >= 0)
+		close(c->fd);
+	kvbb_aead_free(&c->aead);
+	OPENSSL_cleanse(c->ticket, sizeof(c->ticket));
+	c->fd = -1;
+	c->used = c->dead = false;
+	c->users = 0;
+	c->counter = 0;
+}
+
+/* With b->lock held: free it, or if a worker is writing, cut it and let the worker free it. */
+static void conn_drop(struct conn *c)
+{
+	if (c->users) {
+		c->dead = true;
+		if (c->fd >= 0)
+			shutdown(c->fd, SHUT_RDWR);
+	} else {
+		conn_free(c);
+	}
+}
+
+int bulk_open(struct bulk *b, const char *principal, bool sealed,
+	      uint8_t ticket[KVBP_BULK_TICKET_LEN], uint8_t key[KVBP_BULK_KEY_LEN])
+{
+	struct conn *slot = NULL;
+	unsigned mine = 0;
+	uint8_t t[KVBP_BULK_TICKET_LEN], k[KVBP_BULK_KEY_LEN];
+	int rc = 0;
+
+	if (getrandom(t, sizeof(t), 0) != sizeof(t) ||
+	    (sealed && getrandom(k, sizeof(k), 0) != sizeof(k)))
+		return -EIO;
+	pthread_mutex_lock(&b->lock);
+	for (unsigned i = 0; i < BULK_MAX; i++) {
+		struct conn *c = &b->conns[i];
+
+		if (!c->used) {
+			if (!slot)
+				slot = c;
+		} else if (!c->dead && !strcmp(c->principal, principal)) {
+			mine++;
+		}
+	}
+	if (mine >= BULK_PER_PRINCIPAL)
+		rc = -EDQUOT;
+	else if (!slot)
+		rc = -ENOSPC;
+	else if (sealed)
+		rc = kvbb_aead_new(&slot->aead, k);
+	if (!rc) {
+		slot->used = true;
+		slot->sealed = sealed;
+		slot->fd = -1;
+		slot->deadline_ms = now_ms() + TICKET_MS;
+		memcpy(slot->ticket, t, sizeof(t));
+		snprintf(slot->principal, sizeof(slot->principal), "%s", principal);
+		memcpy(ticket, t, sizeof(t));
+		if (sealed)
+			memcpy(key, k, sizeof(k));
+	}
+	pthread_mutex_unlock(&b->lock);
+	OPENSSL_cleanse(k, sizeof(k));
+	return rc;
+}
+
+/* Write all of iov (modified) to fd: 0, -ETIMEDOUT, -EPIPE or -errno. */
+static int write_all(int fd, struct iovec *iov, int n)
+{
+	while (n > 0) {
+		struct msghdr m = { .msg_iov = iov, .msg_iovlen = (size_t)n };
+		ssize_t w = sendmsg(fd, &m, MSG_NOSIGNAL);
+
+		if (w < 0 && errno == EINTR)
+			continue;
+		if (w < 0)
+			return errno == EAGAIN || errno == EWOULDBLOCK ? -ETIMEDOUT : -errno;
+		while (n > 0 && (size_t)w >= iov->iov_len) {
+			w -= (ssize_t)iov->iov_len;
+			iov++;
+			n--;
+		}
+		if (n > 0) {
+			iov->iov_base = (uint8_t *)iov->iov_base + w;
+			iov->iov_len -= (size_t)w;
+		}
+	}
+	return 0;
+}
+
+/* The records of one payload, on c (its send_lock held). */
+static int send_records(struct bulk *b, struct conn *c, uint64_t request_id,
+			const struct iovec *iov, size_t n, uint64_t total, uint8_t *bounce)
+{
+	size_t rec = c->sealed ? KVBB_SEAL_BYTES : KVBB_RECORD_MAX, fi = 0, fpos = 0;
+	uint64_t off = 0;
+	/* As for replies from the pages in frames (held.h): the whole payload within the
+	 * timeout, so that a client reading a trickle cannot hold a worker (each write is
+	 * bounded by it too: at most twice the timeout in all). */
+	int64_t deadline = b->send_timeout_ms ? now_ms() + b->send_timeout_ms : INT64_MAX;
+
+	do {
+		struct iovec part[IOV_PER_RECORD], msg[IOV_PER_RECORD + 2];
+		uint8_t hdr[KVBB_HDR_LEN], tag[KVBB_TAG_LEN];
+		struct kvbb_hdr h = { 0, request_id, total, off, 0 };
+		int np = 0, nm = 0, rc;
+
+		/* up to rec bytes from the frames, at most IOV_PER_RECORD pieces */
+		while (fi < n && np < IOV_PER_RECORD && h.len < rec) {
+			size_t take = iov[fi].iov_len - fpos;
+
+			if (take > rec - h.len)
+				take = rec - h.len;
+			if (take) {
+				part[np].iov_base = (uint8_t *)iov[fi].iov_base + fpos;
+				part[np++].iov_len = take;
+				h.len += (uint32_t)take;
+				fpos += take;
+			}
+			if (fpos == iov[fi].iov_len) {
+				fi++;
+				fpos = 0;
+			}
+		}
+		if (off + h.len == total)
+			h.flags = KVBB_LAST;
+		kvbb_hdr_put(hdr, &h);
+		msg[nm].iov_base = hdr;
+		msg[nm++].iov_len = sizeof(hdr);
+		if (c->sealed) {
+			if (kvbb_seal(c->aead, c->counter, KVBB_DIR_RECORDS, hdr, sizeof(hdr), part,
+				      (size_t)np, bounce, tag))
+				return -EIO;
+			msg[nm].iov_base = bounce;
+			msg[nm++].iov_len = h.len;
+			msg[nm].iov_base = tag;
+			msg[nm++].iov_len = sizeof(tag);
+			atomic_fetch_add(&b->sealed_records, 1);
+		} else {
+			memcpy(msg + nm, part, (size_t)np * sizeof(*part));
+			nm += np;
+		}
+		c->counter++;
+		rc = write_all(c->fd, msg, nm);
+		if (rc)
+			return rc;
+		off += h.len;
+		if (off < total && now_ms() > deadline)
+			return -ETIMEDOUT;
+	} while (off < total);
+	return 0;
+}
+
+int bulk_send(struct bulk *b, const uint8_t ticket[KVBP_BULK_TICKET_LEN],
+	      const char *principal, uint64_t request_id, const struct iovec *iov, size_t n,
+	      uint64_t *sent)
+{
+	struct conn *c = NULL;
+	uint8_t *bounce = NULL;
+	uint64_t total = 0;
+	int rc;
+
+	for (size_t i = 0; i < n; i++)
+		total += iov[i].iov_len;
+	pthread_mutex_lock(&b->lock);
+	for (unsigned i = 0; i < BULK_MAX && !c; i++) {
+		struct conn *x = &b->conns[i];
+
+		if (x->used && !x->dead && x->fd >= 0 && !strcmp(x->principal, principal) &&
+		    !CRYPTO_memcmp(x->ticket, ticket, KVBP_BULK_TICKET_LEN))
+			c = x;
+	}
+	if (c)
+		c->users++;
+	pthread_mutex_unlock(&b->lock);
+	if (!c)
+		return -ENOENT;
+	pthread_mutex_lock(&c->send_lock);
+	if (c->sealed && !(bounce = malloc(KVBB_SEAL_BYTES)))
+		rc = -ENOMEM;
+	else
+		rc = send_records(b, c, request_id, iov, n, total, bounce);
+	pthread_mutex_unlock(&c->send_lock);
+	free(bounce);
+	pthread_mutex_lock(&b->lock);
+	c->users--;
+	if (rc) {
+		/* a half-sent payload leaves the stream unusable: the client opens another */
+		log_warn("bulk connection of %s closed: %s", principal, strerror(-rc));
+		c->dead = true;
+		if (c->fd >= 0)
+			shutdown(c->fd, SHUT_RDWR);
+	}
+	if (c->dead && !c->users)
+		conn_free(c);
+	pthread_mutex_unlock(&b->lock);
+	if (!rc) {
+		atomic_fetch_add(&b->bytes, total);
+		*sent = total;
+	}
+	return rc;
+}
+
+/* A whole hello arrived on s: bind its connection to the ticket's entry, or refuse it. */
+static void hello_done(struct bulk *b, struct shake *s)
+{
+	uint8_t ticket[KVBP_BULK_TICKET_LEN], ok = 1;
+	struct conn *c = NULL;
+
+	if (!kvbb_hello_ticket(s->buf, ticket)) {
+		pthread_mutex_lock(&b->lock);
+		for (unsigned i = 0; i < BULK_MAX && !c; i++) {
+			struct conn *x = &b->conns[i];
+
+			if (x->used && !x->dead && x->fd < 0 &&
+			    !CRYPTO_memcmp(x->ticket, ticket, sizeof(ticket)))
+				c = x;
+		}
+		/* over CURVE, the hello proves it comes from who got the key */
+		if (c && (!c->sealed || !kvbb_hello_check(s->buf, c->aead))) {
+			struct timeval tv = { b->send_timeout_ms / 1000,
+					      (b->send_timeout_ms % 1000) * 1000 };
+			int one = 1;
+
+			setsockopt(s->fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+			setsockopt(s->fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+			c->fd = s->fd;
+			ok = 0;
+		}
+		pthread_mutex_unlock(&b->lock);
+	}
+	if (send(s->fd, &ok, 1, MSG_DONTWAIT | MSG_NOSIGNAL) != 1 || ok) {
+		if (ok)
+			log_warn("bulk connection refused: %s", c ? "its hello failed the key's check"
+								 : "unknown or used ticket");
+		if (!ok) { /* the client is gone already */
+			pthread_mutex_lock(&b->lock);
+			conn_drop(c);
+			pthread_mutex_unlock(&b->lock);
+		} else {
+			close(s->fd);
+		}
+	}
+	s->fd = -1;
+}
+
+static void accept_one(struct bulk *b, int64_t now)
+{
+	int fd = accept4(b->listen_fd, NULL, NULL, SOCK_CLOEXEC);
+
+	if (fd < 0)
+		return;
+	for (unsigned i = 0; i < BULK_SHAKES; i++)
+		if (b->shakes[i].fd < 0) {
+			b->shakes[i] = (struct shake){ fd, 0, now + HELLO_MS, { 0 } };
+			return;
+		}
+	close(fd); /* too many hellos at once */
+}
+
+/* One turn of the accept thread: new connections, hellos, closed connections, expiry. */
+static void accept_turn(struct bulk *b)
+{
+	struct pollfd p[2 + BULK_SHAKES + BULK_MAX];
+	int who[2 + BULK_SHAKES + BULK_MAX]; /* shake i, or -1 - conn index */
+	unsigned np = 0;
+	int64_t now;
+
+	p[np++] = (struct pollfd){ b->wake[0], POLLIN, 0 };
+	p[np++] = (struct pollfd){ b->listen_fd, POLLIN, 0 };
+	for (unsigned i = 0; i < BULK_SHAKES; i++)
+		if (b->shakes[i].fd >= 0) {
+			who[np] = (int)i;
+			p[np++] = (struct pollfd){ b->shakes[i].fd, POLLIN, 0 };
+		}
+	pthread_mutex_lock(&b->lock);
+	for (unsigned i = 0; i < BULK_MAX; i++)
+		if (b->conns[i].used && !b->conns[i].dead && b->conns[i].fd >= 0) {
+			who[np] = -1 - (int)i;
+			p[np++] = (struct pollfd){ b->conns[i].fd, POLLIN, 0 };
+		}
+	pthread_mutex_unlock(&b->lock);
+	if (poll(p, np, 250) < 0)
+		return;
+	now = now_ms();
+	if (p[1].revents & POLLIN)
+		accept_one(b, now);
+	for (unsigned k = 2; k < np; k++) {
+		if (!p[k].revents)
+			continue;
+		if (who[k] >= 0) {
+			struct shake *s = &b->shakes[who[k]];
+			ssize_t r = recv(s->fd, s->buf + s->got, sizeof(s->buf) - s->got,
+					 MSG_DONTWAIT);
+
+			if (r > 0 && (s->got += (size_t)r) == sizeof(s->buf)) {
+				hello_done(b, s);
+			} else if (r == 0 || (r < 0 && errno != EAGAIN && errno != EINTR)) {
+				close(s->fd);
+				s->fd = -1;
+			}
+		} else {
+			/* a client never writes after its hello: readable means closed (or wrong) */
+			struct conn *c = &b->conns[-1 - who[k]];
+			uint8_t byte;
+			ssize_t r = recv(p[k].fd, &byte, 1, MSG_DONTWAIT);
+
+			if (r >= 0 || (errno != EAGAIN && errno != EINTR)) {
+				pthread_mutex_lock(&b->lock);
+				if (c->used && c->fd == p[k].fd && !c->dead)
+					conn_drop(c);
+				pthread_mutex_unlock(&b->lock);
+			}
+		}
+	}
+	for (unsigned i = 0; i < BULK_SHAKES; i++)
+		if (b->shakes[i].fd >= 0 && now > b->shakes[i].deadline_ms) {
+			close(b->shakes[i].fd);
+			b->shakes[i].fd = -1;
+		}
+	pthread_mutex_lock(&b->lock);
+	for (unsigned i = 0; i < BULK_MAX; i++) {
+		struct conn *c = &b->conns[i];
+
+		if (c->used && !c->dead && c->fd < 0 && now > c->deadline_ms)
+			conn_drop(c);
+	}
+	pthread_mutex_unlock(&b->lock);
+}
+
+static void *accept_main(void *arg)
+{
+	struct bulk *b = arg;
+
+	while (!atomic_load(&b->stop))
+		accept_turn(b);
+	return NULL;
+}
+
+static int listen_on(const char *host, unsigned port, int *fd_out, unsigned *port_out)
+{
+	struct addrinfo hints = { .ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM,
+				  .ai_flags = AI_PASSIVE | AI_NUMERICSERV }, *ai = NULL;
+	struct sockaddr_storage a;
+	socklen_t len = sizeof(a);
+	char serv[8];
+	int fd = -1, one = 1, rc;
+
+	snprintf(serv, sizeof(serv), "%u", port);
+	rc = getaddrinfo(!strcmp(host, "*") ? NULL : host, serv, &hints, &ai);
+	if (rc) {
+		log_err("bulk connections: cannot resolve %s: %s", host, gai_strerror(rc));
+		return -EINVAL;
+	}
+	fd = socket(ai->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+	if (fd < 0 || setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one)) ||
+	    bind(fd, ai->ai_addr, ai->ai_addrlen) || listen(fd, 64) ||
+	    getsockname(fd, (struct sockaddr *)&a, &len)) {
+		rc = -errno;
+		log_err("bulk connections: cannot listen on %s port %u: %s", host, port,
+			strerror(-rc));
+		if (fd >= 0)
+			close(fd);
+		freeaddrinfo(ai);
+		return rc;
+	}
+	freeaddrinfo(ai);
+	*fd_out = fd;
+	*port_out = ntohs(a.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&a)->sin6_port
+						  : ((struct sockaddr_in *)&a)->sin_port);
+	return 0;
+}
+
+int bulk_start(struct bulk **out, const char *host, unsigned port, unsigned send_timeout_ms)
+{
+	struct bulk *b = calloc(1, sizeof(*b));
+	sigset_t all, old;
+	int rc;
+
+	if (!b)
+		return -ENOMEM;
+	b->listen_fd = b->wake[0] = b->wake[1] = -1;
+	b->send_timeout_ms = send_timeout_ms;
+	pthread_mutex_init(&b->lock, NULL);
+	for (unsigned i = 0; i < BULK_MAX; i++) {
+		b->conns[i].fd = -1;
+		pthread_mutex_init(&b->conns[i].send_lock, NULL);
+	}
+	for (unsigned i = 0; i < BULK_SHAKES; i++)
+		b->shakes[i].fd = -1;
+	rc = listen_on(host, port, &b->listen_fd, &b->port);
+	if (!rc && pipe2(b->wake, O_CLOEXEC))
+		rc = -errno;
+	if (rc)
+		goto fail;
+	/* the accept thread takes no signals: the main loop handles them */
+	sigfillset(&all);
+	pthread_sigmask(SIG_BLOCK, &all, &old);
+	rc = -pthread_create(&b->thread, NULL, accept_main, b);
+	pthread_sigmask(SIG_SETMASK, &old, NULL);
+	if (rc)
+		goto fail;
+	b->started = true;
+	*out = b;
+	return 0;
+fail:
+	bulk_stop(&b);
+	return rc;
+}
+
+unsigned bulk_port(const struct bulk *b)
+{
+	return b->port;
+}
+
+void bulk_stop(struct bulk **bp)
+{
+	struct bulk *b = bp ? *bp : NULL;
+
+	if (!b)
+		return;
+	if (b->started) {
+		atomic_store(&b->stop, true);
+		if (write(b->wake[1], "", 1) < 0) {
+			/* the poll's timeout ends the thread anyway */
+		}
+		pthread_join(b->thread, NULL);
+	}
+	for (unsigned i = 0; i < BULK_SHAKES; i++)
+		if (b->shakes[i].fd >= 0)
+			close(b->shakes[i].fd);
+	for (unsigned i = 0; i < BULK_MAX; i++) {
+		if (b->conns[i].used)
+			conn_free(&b->conns[i]); /* the workers have stopped */
+		pthread_mutex_destroy(&b->conns[i].send_lock);
+	}
+	pthread_mutex_destroy(&b->lock);
+	if (b->listen_fd >= 0)
+		close(b->listen_fd);
+	if (b->wake[0] >= 0) {
+		close(b->wake[0]);
+		close(b->wake[1]);
+	}
+	free(b);
+	*bp = NULL;
+}
+
+void bulk_counts(struct bulk *b, uint64_t *open, uint64_t *sealed_records, uint64_t *bytes)
+{
+	uint64_t n = 0;
+
+	pthread_mutex_lock(&b->lock);
+	for (unsigned i = 0; i < BULK_MAX; i++)
+		n += b->conns[i].used && !b->conns[i].dead && b->conns[i].fd >= 0;
+	pthread_mutex_unlock(&b->lock);
+	*open = n;
+	*sealed_records = atomic_load(&b->sealed_records);
+	*bytes = atomic_load(&b->bytes);
+}

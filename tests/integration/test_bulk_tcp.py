@@ -1,0 +1,283 @@
+#!/usr/bin/env python3
+"""Bulk connections (docs/protocol.md#bulk-connections) through the real daemon and CLI,
+over real TCP sockets: a GET over CURVE takes its payload on a sealed bulk connection and
+reads back byte-exact; a TCP proxy between the client and the daemon that flips one bit
+of a record, of a record's header, or cuts the stream, gets the GET refused with the
+problem named and no output file written, and the daemon serves the next GET; a replayed
+hello is refused; a client with bulk connections off and a daemon without them (an older
+peer's behaviour) keep working with CURVE alone.
+
+usage: test_bulk_tcp.py KVBLENDD KVBLEND
+"""
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+
+import numpy as np
+
+import kvbtest
+
+KVBLENDD, KVBLEND = sys.argv[1], sys.argv[2]
+tmp = tempfile.mkdtemp(prefix="kvb-bulk-")
+check = kvbtest.Checks()
+HDR = 40  # a record's header (proto/bulk.h)
+TAG = 16
+ACK = 1  # the daemon's answer to the hello, first on the stream
+SEAL = 256 << 10  # bytes of a sealed record
+
+
+def keygen():
+    out = subprocess.run([KVBLEND, "keygen"], capture_output=True, text=True, check=True).stdout
+    d = dict(line.split(" ", 1) for line in out.splitlines())
+    return d["public"], d["secret"]
+
+
+class Proxy:
+    """TCP from 127.0.0.2:port to 127.0.0.1:port. Bytes from the daemon pass through
+    mutate(offset, data) (offset: of data in the connection's stream), which returns the
+    bytes to pass on, or None to cut the connection there. The first bytes each client
+    sends on a connection are kept in self.first (a bulk connection's hello)."""
+
+    def __init__(self, port, mutate=None):
+        self.port, self.mutate, self.first = port, mutate, []
+        self.ls = socket.create_server(("127.0.0.2", port))
+        self.stop = False
+        threading.Thread(target=self.accept, daemon=True).start()
+
+    def accept(self):
+        while not self.stop:
+            try:
+                c, _ = self.ls.accept()
+            except OSError:
+                return
+            s = socket.create_connection(("127.0.0.1", self.port))
+            threading.Thread(target=self.pump, args=(c, s, None, True), daemon=True).start()
+            threading.Thread(target=self.pump, args=(s, c, self.mutate, False),
+                             daemon=True).start()
+
+    def pump(self, src, dst, mutate, keep_first):
+        off = 0
+        try:
+            while True:
+                b = src.recv(1 << 16)
+                if not b:
+                    break
+                if keep_first and off == 0:
+                    self.first.append(b)
+                if mutate:
+                    b2 = mutate(off, b)
+                    if b2 is None:
+                        break
+                    off += len(b)
+                    b = b2
+                else:
+                    off += len(b)
+                dst.sendall(b)
+        except OSError:
+            pass
+        for x in (src, dst):
+            try:
+                x.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            x.close()
+
+    def close(self):
+        self.stop = True
+        try:
+            self.ls.shutdown(socket.SHUT_RDWR)  # wakes the accept()
+        except OSError:
+            pass
+        self.ls.close()
+
+
+def flip_at(pos):
+    """Flip the lowest bit of the stream's byte pos."""
+    pos += ACK
+
+    def mutate(off, b):
+        if off <= pos < off + len(b):
+            b = bytearray(b)
+            b[pos - off] ^= 1
+            return bytes(b)
+        return b
+    return mutate
+
+
+def cut_at(pos):
+    return lambda off, b: b if off + len(b) <= ACK + pos else None
+
+
+srv_pub, srv_sec = keygen()
+cli_pub, cli_sec = keygen()
+open(f"{tmp}/server.key", "w").write(f"{srv_sec}\n")
+open(f"{tmp}/clients", "w").write(f"{cli_pub} node-1\n")
+port, bulk_port = kvbtest.free_port(), kvbtest.free_port()
+keys = {"KVBLEND_SERVER_KEY": srv_pub, "KVBLEND_CLIENT_KEY": cli_sec}
+curve_flags = ("--curve-secret-key-file", f"{tmp}/server.key", "--curve-authorized-keys",
+               f"{tmp}/clients", "--map-size", "1G")
+
+# a chunk of 4 MiB: 16 sealed records
+layers, heads, dim, tokens = 4, 4, 64, 1024
+rng = np.random.default_rng(20)
+kv = rng.standard_normal((layers, 2, tokens, heads, dim)).astype(np.float16)
+np.save(f"{tmp}/kv.npy", kv)
+HASH = "ab" * 32
+
+
+def get(ep, name, env=None):
+    out = f"{tmp}/{name}.npy"
+    r = kvbtest.cli(KVBLEND, ep, "get", "--model", "m", "--hash", HASH, "--out", out,
+                    timeout_ms=5000, env={**keys, **(env or {})}, hang_s=60)
+    same = r.returncode == 0 and os.path.exists(out) and np.array_equal(np.load(out), kv)
+    return r, same, os.path.exists(out)
+
+
+def stat(d, name):
+    r = d.cli("stats", "--json")
+    import json
+    return json.loads(r.stdout).get(name, 0) if r.returncode == 0 else None
+
+
+d = kvbtest.Daemon(KVBLENDD, KVBLEND, tmp, "--tcp-bulk-port", str(bulk_port), *curve_flags,
+                   listen=f"ipc://{tmp}/kvblend.sock,tcp://127.0.0.1:{port}", timeout_ms=3000,
+                   hang_s=60)
+d.start()
+try:
+    r = d.cli("model", "add", "m", "--layers", str(layers), "--kv-heads", str(heads),
+              "--head-dim", str(dim), "--dtype", "f16", "--rope-theta", "10000")
+    check("model registered", r.returncode == 0, r.stderr)
+    r = d.cli("put", "--model", "m", "--kv", f"{tmp}/kv.npy", "--hash", HASH)
+    check("chunk put over IPC", r.returncode == 0, r.stderr)
+    direct = f"tcp://127.0.0.1:{port}"
+
+    r, same, _ = get(direct, "direct")
+    check("GET over CURVE TCP with a bulk connection: byte-exact", same, r.stderr)
+    check("its payload came in sealed records", stat(d, "bulk_records_sealed") >= 16,
+          str(stat(d, "bulk_records_sealed")))
+    sealed0 = stat(d, "bulk_records_sealed")
+
+    r, same, _ = get(direct, "nobulk", {"KVBLEND_NO_BULK": "1"})
+    check("a client without bulk connections (CURVE frames): byte-exact", same, r.stderr)
+    check("... and no record was sent for it", stat(d, "bulk_records_sealed") == sealed0)
+
+    cases = [
+        ("a flipped bit in a record's bytes", flip_at(HDR + 1000), "AES-256-GCM check"),
+        ("a flipped bit in the third record's bytes", flip_at(2 * (HDR + SEAL + TAG) + HDR + 5),
+         "AES-256-GCM check"),
+        ("a flipped bit in its tag", flip_at(HDR + SEAL + 3), "AES-256-GCM check"),
+        # the request id's low byte: the record names another request
+        ("a flipped bit in a record header's request id", flip_at(HDR + SEAL + TAG + 8),
+         "out of order"),
+        # the reserved word of the second header: not a record header
+        ("a flipped bit in a record header's reserved word",
+         flip_at(HDR + SEAL + TAG + 36), "malformed record header"),
+        # the offset's high byte: the record claims another place in the payload
+        ("a flipped bit in a record header's offset", flip_at(HDR + SEAL + TAG + 31),
+         "out of order"),
+        ("the stream cut mid-record", cut_at(3 * (HDR + SEAL + TAG) + 100), "mid-payload"),
+    ]
+    for what, mutate, words in cases:
+        pz, pb = Proxy(port), Proxy(bulk_port, mutate)
+        try:
+            r, _, wrote = get(f"tcp://127.0.0.2:{port}", "tampered")
+        finally:
+            pz.close()
+            pb.close()
+        check(f"{what}: GET refused naming it", r.returncode == 1 and words in r.stderr,
+              r.stderr)
+        check(f"{what}: no output written", not wrote)
+        r, same, _ = get(direct, "after")
+        check(f"{what}: the daemon serves the next GET byte-exact", same, r.stderr)
+
+    # a hello seen on the wire, replayed on a connection of the attacker's own
+    pz, pb = Proxy(port), Proxy(bulk_port)
+    try:
+        r, same, _ = get(f"tcp://127.0.0.2:{port}", "seen")
+    finally:
+        pz.close()
+        pb.close()
+    check("GET through an honest proxy: byte-exact", same, r.stderr)
+    hello = pb.first[0][:40] if pb.first else b""
+    check("the proxy saw the 40-byte hello", len(hello) == 40, repr(hello))
+    s = socket.create_connection(("127.0.0.1", bulk_port), timeout=5)
+    s.sendall(hello)
+    try:
+        ack = s.recv(1)
+    except OSError:
+        ack = b""
+    s.close()
+    check("a replayed hello is refused (its ticket was used)", ack in (b"\x01", b""), repr(ack))
+    s = socket.create_connection(("127.0.0.1", bulk_port), timeout=5)
+    s.sendall(b"\x00" * 40)
+    try:
+        ack = s.recv(1)
+    except OSError:
+        ack = b""
+    s.close()
+    check("garbage instead of a hello is refused", ack in (b"\x01", b""), repr(ack))
+    r, same, _ = get(direct, "end")
+    check("the daemon still serves", same, r.stderr)
+    check("refusals logged", "bulk connection refused" in d.log_text())
+
+    # One client across a daemon restart (Python binding over libkvblend, in a Python of
+    # its own: with libasan preloaded when libkvblend is built with ASan): its bulk
+    # connection dies with the daemon; the next GET still answers, and a new one opens.
+    here = os.path.dirname(os.path.abspath(__file__))
+    lib = os.path.join(os.path.dirname(os.path.abspath(KVBLEND)), "..", "lib", "libkvblend.so")
+    ldd = subprocess.run(["ldd", lib], capture_output=True, text=True).stdout
+    asan = next((ln.split()[2] for ln in ldd.splitlines() if "libasan" in ln), "")
+    env = {**os.environ, "KVBLEND_LIB": lib, "LD_PRELOAD": asan,
+           "PYTHONPATH": os.path.join(here, "..", "..", "client", "python", "src")}
+    if asan:  # (Python itself leaks by LeakSanitizer's count)
+        env["ASAN_OPTIONS"] = env.get("ASAN_OPTIONS", "") + ":detect_leaks=0"
+    child = subprocess.Popen([sys.executable, "-c", f"""
+import sys
+import numpy as np
+import kvblend
+kv = np.load({tmp + '/kv.npy'!r})
+c = kvblend.Client({direct!r}, timeout_ms=5000, server_key={srv_pub!r},
+                   client_secret_key={cli_sec!r})
+h = bytes.fromhex({HASH!r})
+print("first", np.array_equal(c.get("m", h), kv), flush=True)
+sys.stdin.readline()  # the daemon restarted
+try:
+    print("after", np.array_equal(c.get("m", h), kv), flush=True)
+except kvblend.KvblendError as e:
+    print("after False", e, flush=True)
+print("next", np.array_equal(c.get("m", h), kv), flush=True)
+c.close()
+"""], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    line = child.stdout.readline().strip()
+    check("Python client over a sealed bulk connection: byte-exact", line == "first True", line)
+    check("daemon exits 0 for a restart", d.stop() == 0)
+    d.start()
+    sealed0 = stat(d, "bulk_records_sealed")
+    child.stdin.write("\n")
+    child.stdin.flush()
+    line = child.stdout.readline().strip()
+    check("the first GET after the daemon restarted: byte-exact", line == "after True", line)
+    line = child.stdout.readline().strip()
+    check("the next GET: byte-exact, on a new sealed bulk connection",
+          line == "next True" and stat(d, "bulk_records_sealed") >= sealed0 + 16,
+          f"{line} {stat(d, 'bulk_records_sealed')}")
+    check("that client exits 0", child.wait(60) == 0)
+finally:
+    check("daemon exits 0", d.stop() == 0)
+
+# A daemon without bulk connections answers HELLO as an older one does: CURVE frames.
+d2 = kvbtest.Daemon(KVBLENDD, KVBLEND, tmp, "--tcp-bulk=false", *curve_flags, name="old",
+                    data=d.data, listen=f"ipc://{tmp}/old.sock,tcp://127.0.0.1:{port}",
+                    timeout_ms=3000, hang_s=60)
+d2.start()
+try:
+    r, same, _ = get(f"tcp://127.0.0.1:{port}", "old")
+    check("daemon with tcp_bulk = false: GET over CURVE frames, byte-exact", same, r.stderr)
+    check("... no bulk stats", stat(d2, "bulk_bytes") == 0)
+finally:
+    check("second daemon exits 0", d2.stop() == 0)
+kvbtest.remove(tmp)
+check.exit()
