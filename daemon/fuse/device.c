@@ -51,6 +51,25 @@ static size_t dev_align(size_t x)
 	return (x + DEV_ALIGN - 1) / DEV_ALIGN * DEV_ALIGN;
 }
 
+/*
+ * The array arr (n elements used of *cap, elem bytes each) with room for one more:
+ * arr itself, or arr grown by doubling (from 8), *cap updated; NULL when out of
+ * memory (arr unchanged, still the caller's). The lists of reaped and cached blocks
+ * and of pooled streams grow through here, under the table lock.
+ */
+static void *room_for_one(void *arr, size_t n, size_t *cap, size_t elem)
+{
+	size_t want = *cap ? 2 * *cap : 8;
+	void *p;
+
+	if (n < *cap)
+		return arr;
+	p = realloc(arr, want * elem);
+	if (p)
+		*cap = want;
+	return p;
+}
+
 /* Give a block back to the device (NULL: nothing). */
 static void block_free(struct fuse_table *t, bool host, void *p, size_t bytes)
 {
@@ -66,19 +85,14 @@ static void block_free(struct fuse_table *t, bool host, void *p, size_t bytes)
  */
 static void block_free_later(struct fuse_table *t, bool host, void *p, size_t bytes)
 {
+	struct dblock *r;
+
 	if (!p)
 		return;
 	pthread_mutex_lock(&t->lock);
-	if (t->n_reap == t->cap_reap) {
-		size_t cap = t->cap_reap ? 2 * t->cap_reap : 8;
-		struct dblock *r = realloc(t->reap, cap * sizeof(*r));
-
-		if (r) {
-			t->reap = r;
-			t->cap_reap = cap;
-		}
-	}
-	if (t->n_reap < t->cap_reap) {
+	r = room_for_one(t->reap, t->n_reap, &t->cap_reap, sizeof(*r));
+	if (r) {
+		t->reap = r;
 		t->reap[t->n_reap++] = (struct dblock){ p, bytes, host };
 		p = NULL;
 	}
@@ -193,16 +207,11 @@ static void streams_give(struct fuse_table *t, struct dev_sess *d, bool failed)
 		return;
 	pthread_mutex_lock(&t->lock);
 	if (!failed && ds.copy && ds.comp && ds.ev && t->n_spool < t->lim.max_sessions) {
-		if (t->n_spool == t->cap_spool) {
-			size_t cap = t->cap_spool ? 2 * t->cap_spool : 8;
-			struct dev_streams *p = realloc(t->spool, cap * sizeof(*p));
+		struct dev_streams *sp = room_for_one(t->spool, t->n_spool, &t->cap_spool,
+						      sizeof(*sp));
 
-			if (p) {
-				t->spool = p;
-				t->cap_spool = cap;
-			}
-		}
-		if (t->n_spool < t->cap_spool) {
+		if (sp) {
+			t->spool = sp;
 			t->spool[t->n_spool++] = ds;
 			ds.ev = NULL;
 			ds.copy = ds.comp = NULL;
@@ -339,16 +348,10 @@ static void block_give(struct fuse_table *t, bool host, void *p, size_t bytes)
 	fits = host ? t->bytes + (t->cached - t->cached_dev) + bytes <= t->lim.max_bytes
 		    : t->dev_bytes + t->cached_dev + bytes <= t->dev_budget;
 	if (fits) {
-		if (t->n_cache == t->cap_cache) {
-			size_t cap = t->cap_cache ? 2 * t->cap_cache : 8;
-			struct dblock *c = realloc(t->cache, cap * sizeof(*c));
+		struct dblock *c = room_for_one(t->cache, t->n_cache, &t->cap_cache, sizeof(*c));
 
-			if (c) {
-				t->cache = c;
-				t->cap_cache = cap;
-			}
-		}
-		if (t->n_cache < t->cap_cache) {
+		if (c) {
+			t->cache = c;
 			t->cache[t->n_cache++] = (struct dblock){ p, bytes, host };
 			t->cached += bytes;
 			if (!host)
