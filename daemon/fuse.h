@@ -196,6 +196,18 @@ void fuse_usage(struct fuse_table *t, uint64_t *sessions, uint64_t *bytes, uint6
  */
 uint64_t fuse_device_fallbacks(struct fuse_table *t);
 
+/*
+ * What the device path allocated and pinned, since the table was made (all 0 without a
+ * device): device and pinned host blocks allocated because the cache had none to give
+ * (a session's open costs none once the pools are warm), shared rings pinned in place
+ * (cudaHostRegister: once per segment, not per session) and unpinned, and rings
+ * pinned now.
+ */
+struct fuse_device_counts {
+	uint64_t allocs, registrations, unregistrations, pinned_rings;
+};
+void fuse_device_counts(struct fuse_table *t, struct fuse_device_counts *c);
+
 /* The RoPE configuration of a stored model. */
 void fuse_rope_config(const struct store_model *m, struct rope_config *c);
 

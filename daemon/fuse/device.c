@@ -2,6 +2,7 @@
 #include <errno.h>
 #include <inttypes.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -42,6 +43,33 @@ bool dev_usable(struct fuse_table *t)
 		block_flush(t); /* nothing will take these blocks again */
 	}
 	return false;
+}
+
+/* The shared-memory table's pinner (shm.h): the device's host_register, counted. */
+static int ring_pin(void *ctx, void *base, size_t bytes)
+{
+	struct fuse_table *t = ctx;
+	int rc = t->dev->host_register(t->dev, base, bytes);
+
+	if (!rc)
+		atomic_fetch_add(&t->n_registrations, 1);
+	return rc;
+}
+
+static void ring_unpin(void *ctx, void *base)
+{
+	struct fuse_table *t = ctx;
+
+	t->dev->host_unregister(t->dev, base);
+	atomic_fetch_add(&t->n_unregistrations, 1);
+}
+
+void dev_pinner_set(struct fuse_table *t, bool on)
+{
+	struct shm_pinner p = { ring_pin, ring_unpin, t };
+
+	if (t->dev && t->shm)
+		shm_set_pinner(t->shm, on ? &p : NULL);
 }
 
 #define DEV_ALIGN 256
@@ -266,10 +294,12 @@ void block_orphans_free(struct fuse_table *t)
 
 /*
  * A block of at least bytes (device, or pinned host memory): a cached one of up to
- * 1.25 times that, else a new one (after dropping the cache if the device is full).
- * *got: its real size, which the session is charged.
+ * 1.25 times that, else a new one (after dropping the cache if the device is full),
+ * counted in *allocs and the table's allocations. *got: its real size, which the
+ * session is charged.
  */
-static int block_take(struct fuse_table *t, bool host, size_t bytes, void **out, size_t *got)
+static int block_take(struct fuse_table *t, bool host, size_t bytes, void **out, size_t *got,
+		      uint32_t *allocs)
 {
 	const struct blend_device *d = t->dev;
 	int rc;
@@ -296,8 +326,11 @@ static int block_take(struct fuse_table *t, bool host, size_t bytes, void **out,
 			break;
 		block_flush(t);
 	}
-	if (!rc)
+	if (!rc) {
 		*got = bytes;
+		(*allocs)++;
+		atomic_fetch_add(&t->n_allocs, 1);
+	}
 	return rc;
 }
 
@@ -364,6 +397,19 @@ static void block_give(struct fuse_table *t, bool host, void *p, size_t bytes)
 	block_free_later(t, host, p, bytes);
 }
 
+/* Bytes of the chunks' spans and rotation tables, which end a session's device block. */
+static size_t dev_setup_bytes(const struct fuse_session *s)
+{
+	size_t off = dev_align((s->n_chunks + 1) * sizeof(struct blend_dev_span));
+
+	for (size_t i = 0; i < s->n_chunks; i++) {
+		const struct rope_table *r = &s->chunks[i].rot;
+
+		off += 2 * dev_align((size_t)r->rows * r->half * sizeof(float));
+	}
+	return off;
+}
+
 /* Carve (or, with base NULL, only measure) a session's device block; returns its size. */
 size_t dev_layout(const struct fuse_session *s, struct dev_sess *d, uint8_t *base)
 {
@@ -426,8 +472,7 @@ void dev_sess_free(struct fuse_table *t, struct fuse_session *s)
 	if (d->copy)
 		failed |= t->dev->stream_sync(t->dev, d->copy) != 0;
 	streams_give(t, d, failed);
-	if (d->registered)
-		t->dev->host_unregister(t->dev, s->ring_mem);
+	/* A shared ring stays pinned: the segment is, for its life (shm_pin). */
 	/* A block the node mapped stays readable there: it must not serve another session,
 	 * nor be freed while the node of an expired session may map it still. */
 	if (d->exported && s->expired)
@@ -465,24 +510,36 @@ static size_t stage_layout(const struct fuse_session *s, struct dev_sess *d, uin
 	CARVE(hcand, int32_t *, (n + 1) * sizeof(int32_t));
 	CARVE(hsel, int32_t *, (n + 1) * sizeof(int32_t));
 	CARVE(hdev, float *, (n + 1) * sizeof(float));
+	CARVE(halways, int32_t *, (s->n_fresh + 1) * sizeof(int32_t));
+	CARVE(hspans, uint8_t *, dev_setup_bytes(s));
 #undef CARVE
 	return off;
 }
 
 /*
- * The chunks as spans of a layer, with their tables on the device, uploaded to
- * d->spans on the compute stream (the caller syncs it before the host array goes).
+ * The fresh tokens, the chunks as spans of a layer and their rotation tables, staged
+ * in pinned memory (copies from pageable memory block the thread and run at a
+ * fraction of PCIe speed) and uploaded in two copies on the compute stream: the
+ * spans and the tables end the device block, in the layout dev_layout() gives them,
+ * and the staging mirrors it. The caller syncs the stream before the staging is
+ * used again.
  */
-static int dev_spans_upload(const struct blend_device *dv, const struct fuse_session *s,
+static int dev_setup_upload(const struct blend_device *dv, const struct fuse_session *s,
 			    struct dev_sess *d)
 {
-	struct blend_dev_span *sp = calloc(s->n_chunks + 1, sizeof(*sp));
+	struct blend_dev_span *sp = (struct blend_dev_span *)d->hspans;
 	uint32_t n = 0, rows = 0;
 	int rc;
 
-	if (!sp)
-		return -ENOMEM;
+	memcpy(d->halways, s->fresh, s->n_fresh * sizeof(int32_t));
 	for (size_t i = 0; i < s->n_chunks; i++) {
+		const struct rope_table *r = &s->chunks[i].rot;
+		size_t tb = (size_t)r->rows * r->half * sizeof(float);
+		uint8_t *h = d->hspans + ((const uint8_t *)d->tabs[i].cos - (uint8_t *)d->spans);
+
+		memcpy(h, r->cos, tb);
+		memcpy(h + ((const uint8_t *)d->tabs[i].sin - (const uint8_t *)d->tabs[i].cos),
+		       r->sin, tb);
 		if (!s->chunks[i].tokens)
 			continue;
 		sp[n] = (struct blend_dev_span){ d->tabs[i], s->chunks[i].off, s->chunks[i].tokens,
@@ -490,12 +547,11 @@ static int dev_spans_upload(const struct blend_device *dv, const struct fuse_ses
 		rows += s->chunks[i].tokens;
 		n++;
 	}
-	rc = dv->upload(dv, d->comp, d->spans, sp, n * sizeof(*sp));
-	if (!rc)
-		rc = dv->stream_sync(dv, d->comp); /* sp is read by the copy until then */
-	free(sp);
 	d->n_spans = n;
 	d->span_rows = rows;
+	rc = dv->upload(dv, d->comp, d->always, d->halways, s->n_fresh * sizeof(int32_t));
+	if (!rc)
+		rc = dv->upload(dv, d->comp, d->spans, d->hspans, dev_setup_bytes(s));
 	return rc;
 }
 
@@ -513,7 +569,8 @@ int dev_sess_setup(struct fuse_table *t, struct fuse_session *s, size_t ring_byt
 	int rc = 0;
 
 	if (!s->ring_mem) {
-		rc = block_take(t, true, ring_bytes, (void **)&d->hring, &d->hring_bytes);
+		rc = block_take(t, true, ring_bytes, (void **)&d->hring, &d->hring_bytes,
+				&d->allocs);
 		if (rc)
 			return dev_rc(rc);
 		s->ring_mem = d->hring;
@@ -530,37 +587,30 @@ int dev_sess_setup(struct fuse_table *t, struct fuse_session *s, size_t ring_byt
 			}
 		}
 		d->zeroed = (uint64_t)s->n_ring * 2 * s->n_fresh * s->row_bytes;
-	} else {
-		/* Unpinned, the copies still work, only slower: not a reason to refuse. */
-		d->registered = dv->host_register(dv, s->ring_mem, ring_bytes) == 0;
+	} else if (s->shm_id) {
+		/* Pinned in place once for the segment's life: a ring its owner's last session
+		 * left in the cache is pinned already. Unpinned, the copies still work, only
+		 * slower: not a reason to refuse. */
+		d->registered = shm_pin(t->shm, s->shm_id, &d->reg_fresh) == 0;
 		d->reg_bytes = ring_bytes;
 	}
-	rc = block_take(t, true, stage_layout(s, d, NULL), (void **)&d->hstage, &d->hstage_bytes);
+	rc = block_take(t, true, stage_layout(s, d, NULL), (void **)&d->hstage, &d->hstage_bytes,
+			&d->allocs);
 	if (rc)
 		return dev_rc(rc);
 	stage_layout(s, d, d->hstage);
 	rc = streams_take(t, s->n_ring, d);
 	if (!rc)
-		rc = block_take(t, false, d->blk_bytes, (void **)&d->blk, &d->blk_bytes);
+		rc = block_take(t, false, d->blk_bytes, (void **)&d->blk, &d->blk_bytes, &d->allocs);
 	if (rc)
 		return dev_rc(rc);
 	dev_layout(s, d, d->blk);
 	if (zero)
 		rc = dv->zero(dv, d->comp, d->blk, d->blk_bytes);
-	for (size_t i = 0; !rc && i < s->n_chunks; i++) {
-		const struct rope_table *r = &s->chunks[i].rot;
-		size_t tb = (size_t)r->rows * r->half * sizeof(float);
-
-		rc = dv->upload(dv, d->comp, (void *)d->tabs[i].cos, r->cos, tb);
-		if (!rc)
-			rc = dv->upload(dv, d->comp, (void *)d->tabs[i].sin, r->sin, tb);
-	}
 	if (!rc)
-		rc = dv->upload(dv, d->comp, d->always, s->fresh, s->n_fresh * sizeof(int32_t));
+		rc = dev_setup_upload(dv, s, d);
 	if (!rc)
-		rc = dev_spans_upload(dv, s, d);
-	if (!rc)
-		rc = dv->stream_sync(dv, d->comp);
+		rc = dv->stream_sync(dv, d->comp); /* the staging is read by the copies till then */
 	return dev_rc(rc);
 }
 

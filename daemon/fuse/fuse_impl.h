@@ -158,6 +158,9 @@ struct fuse_table {
 	/* Streams and events of closed sessions, for the next ones (under lock). */
 	struct dev_streams *spool;
 	size_t n_spool, cap_spool;
+	/* Device and pinned blocks allocated (cache misses), and shared rings pinned in
+	 * place (host_register) and unpinned, since the table was made. */
+	_Atomic uint64_t n_allocs, n_registrations, n_unregistrations;
 	struct shm_table *shm;
 	pthread_mutex_t lock; /* sessions, bytes, pins */
 	struct fuse_session **sessions;
@@ -196,7 +199,13 @@ struct dev_sess {
 	uint8_t *hk, *hv;
 	int32_t *hidx, *hcand, *hsel;
 	float *hdev;
+	/* What the open uploads: the fresh tokens, and the spans and rotation tables in
+	 * the layout they have at the end of the device block (dev_layout). */
+	int32_t *halways;
+	uint8_t *hspans;
+	uint32_t allocs;  /* blocks the open allocated (not from the cache) */
 	bool registered; /* the shared ring is pinned in place */
+	bool reg_fresh;	 /* this open pinned it (else it was pinned already: shm_pin) */
 	size_t reg_bytes; /* its size */
 	bool exported;	 /* the block is mapped by the node (CUDA IPC): never reused */
 	uint64_t zeroed; /* bytes of the pinned host ring zeroed at open */
@@ -290,6 +299,11 @@ void session_put(struct fuse_table *t, struct fuse_session *s);
  * path, as with --device cpu.
  */
 bool dev_usable(struct fuse_table *t);
+/*
+ * Make the shared-memory table pin rings on the device (on), or stop, unpinning every
+ * ring still pinned (off: at exit, with no session left). Nothing without a device.
+ */
+void dev_pinner_set(struct fuse_table *t, bool on);
 /* Why a load or a kernel failed: the device's own message (in buf) for DEV_FAILED, else the errno's. */
 const char *compute_error(const struct fuse_table *t, int rc, char *buf, size_t len);
 /* Drop every cached block and free those waiting for block_reap() (to make room on the
