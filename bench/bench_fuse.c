@@ -180,8 +180,9 @@ int main(int argc, char **argv)
 	printf("| tokens | chunks | selected | fused GB/s in place | ratio | fused GB/s copied out | "
 	       "ratio | memcpy GB/s | layer wait ms (memcpy of its bytes ms) | daemon merge "
 	       "ms/layer | daemon load ms/layer | H2D GB/s | in place / H2D | open ms | daemon CPU "
-	       "ms/layer | on device |\n");
-	printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+	       "ms/layer | on device | allocs per open (first; later) | pins per open (first; "
+	       "later) |\n");
+	printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
 	for (unsigned si = 0; si < n_sizes; si++) {
 		unsigned n_tokens = sizes[si], n_chunks = n_tokens >= 4096 ? 8 : 4;
 		unsigned cached = n_tokens - FRESH, per = cached / n_chunks;
@@ -194,6 +195,9 @@ int main(int argc, char **argv)
 		double *rates_copy = calloc(repeats, sizeof(double));
 		double *memcpys = calloc(repeats, sizeof(double)), merge_ms = 0, load_ms = 0;
 		double *opens = calloc(2 * repeats, sizeof(double)), cpu0, on_dev = -1;
+		/* the close's device_allocs and ring_registrations: first session, the rest */
+		double allocs[2] = { -1, 0 }, pins[2] = { -1, 0 };
+		char pool_cols[96] = "– | –";
 		unsigned all_layers = 0;
 		double h2d = cuda >= 0 ? h2d_gbps(cuda, 2 * layer_bytes, model.num_layers) : 0;
 		char h2d_cols[64] = "– | –";
@@ -276,6 +280,10 @@ int main(int argc, char **argv)
 					load_ms = st[i].value / (model.num_layers - 1);
 				if (!strcmp(st[i].name, "on_device"))
 					on_dev = st[i].value;
+				if (!strcmp(st[i].name, "device_allocs"))
+					allocs[r > 0] = r ? allocs[1] + st[i].value : st[i].value;
+				if (!strcmp(st[i].name, "ring_registrations"))
+					pins[r > 0] = r ? pins[1] + st[i].value : st[i].value;
 			}
 			all_layers += model.num_layers - 1;
 			free(st);
@@ -303,14 +311,17 @@ int main(int argc, char **argv)
 		if (h2d > 0)
 			snprintf(h2d_cols, sizeof(h2d_cols), "%.2f | %.2fx", h2d,
 				 rates[repeats / 2] / h2d);
+		if (allocs[0] >= 0)
+			snprintf(pool_cols, sizeof(pool_cols), "%.0f; %.2f | %.0f; %.2f", allocs[0],
+				 allocs[1] / (2 * repeats - 1), pins[0], pins[1] / (2 * repeats - 1));
 		printf("| %u | %u | %zu | %.2f | %.2fx | %.2f | %.2fx | %.2f | %.3f (%.3f) | %.3f | %.3f "
-		       "| %s | %.2f | %.3f | %s |\n",
+		       "| %s | %.2f | %.3f | %s | %s |\n",
 		       n_tokens, n_chunks, n_sel, rates[repeats / 2],
 		       rates[repeats / 2] / memcpys[repeats / 2], rates_copy[repeats / 2],
 		       rates_copy[repeats / 2] / memcpys[repeats / 2], memcpys[repeats / 2],
 		       waits[repeats / 2], 2 * layer_bytes / memcpys[repeats / 2] / 1e6, merge_ms,
 		       load_ms, h2d_cols, opens[repeats], all_layers ? cpu0 * 1e3 / all_layers : 0,
-		       on_dev < 0 ? "–" : on_dev > 0 ? "yes" : "no");
+		       on_dev < 0 ? "–" : on_dev > 0 ? "yes" : "no", pool_cols);
 		fflush(stdout);
 		free(segs);
 		free(fresh_kv);
@@ -335,7 +346,11 @@ int main(int argc, char **argv)
 	       "kvb_fuse_open() as the node sees it (median). Daemon CPU: the daemon's user and "
 	       "system CPU time over the size's runs per layer served (threads that spin waiting "
 	       "for a device show here). On device: where the daemon computed the session "
-	       "(FUSE_CLOSE's on_device).\n");
+	       "(FUSE_CLOSE's on_device). Allocs and pins per open: device and pinned blocks the "
+	       "session's open allocated (its pools had none to give) and shared rings it pinned "
+	       "(cudaHostRegister), for the size's first session and on average for the later ones "
+	       "(FUSE_CLOSE's device_allocs and ring_registrations; the goal is 0 for the later "
+	       "ones: pooled, pinned once per segment).\n");
 	kvb_close(&c);
 	bench_stop_daemon(pid, dir);
 	return 0;

@@ -130,6 +130,8 @@ failed_t=$(grep -cE "\*\*\*Failed|\(Failed\)|Exception" "$out/parity.log")
 ok_large=$(grep -c '^ok - ' "$out/large_parity.log")
 bad_large=$(grep -c '^not ok - ' "$out/large_parity.log")
 t=32768
+# Finding 6 from the daemon's own counts (bench_fuse's columns from FUSE_CLOSE's statistics).
+pool6="per session open at $t tokens on cuda: blocks allocated (first; later sessions on average) $(col "$out/bench_fuse_cuda.md" $t 17), shared rings pinned $(col "$out/bench_fuse_cuda.md" $t 18) (goal for later sessions: 0; 0); with --on-device $(col "$out/bench_fuse_cuda_ipc.md" $t 17) allocated (an exported block is never reused); open ms: cpu $(col "$out/bench_fuse_cpu.md" $t 14), cuda $(col "$out/bench_fuse_cuda.md" $t 14)"
 {
 	echo "gpu.sh summary ($(head -1 "$out/device.txt"); driver ${driver:-?}, compute mode ${mode:-?})"
 	echo "finding 1 (exported ring freed under the node's mapping): close order on the emulated export $(passed test_device_export "$out/device_tests.log"); on this GPU bench_fuse --on-device $(grep -q '^| 4096' "$out/bench_fuse_cuda_ipc.md" && echo 'fused through CUDA IPC at every size' || echo 'did NOT complete: see bench_fuse_cuda_ipc.md') (an unmap after the free would fault the node)"
@@ -137,11 +139,11 @@ t=32768
 	echo "finding 3 (driver floor): this build needs driver ${floor:-?} or newer, this machine has ${driver:-?}$(awk -v d="${driver%%.*}" -v f="${floor:-0}" 'BEGIN { if (d + 0 >= f + 0 && f + 0 > 0) print ": at or above the floor"; else print ": BELOW the floor or unknown" }'); start log: $(grep -o '\[CUDA runtime[^]]*\]' "$out/daemon_auto.log" | head -1)"
 	echo "finding 4 (skips counted as passes): gpu suite ${ran} passed, ${skipped} skipped, ${failed_t} failed (a skip fails the run)"
 	if [ -n "$trace" ]; then
-		echo "finding 5 (pageable copies): nsys cuda_memcpy_async rule: $(grep -ciE 'pageable' "$out/trace_pageable.txt") lines naming pageable memory (see trace_pageable.txt; 0 is the goal)"
-		echo "finding 6 (allocation in the hot path): 2 sessions traced: cudaMalloc $(api_calls cudaMalloc), cudaFree $(api_calls cudaFree), cudaMallocHost $(api_calls cudaMallocHost), cudaFreeHost $(api_calls cudaFreeHost), cudaHostRegister $(api_calls cudaHostRegister), cudaStreamCreateWithFlags $(api_calls cudaStreamCreateWithFlags) (the second session should add none); open ms at $t tokens: cpu $(col "$out/bench_fuse_cpu.md" $t 14), cuda $(col "$out/bench_fuse_cuda.md" $t 14)"
+		echo "finding 5 (pageable copies): nsys cuda_memcpy_async rule: $(grep -ciE 'pageable' "$out/trace_pageable.txt") lines naming pageable memory (see trace_pageable.txt; 0 is the goal); on the emulated device no copy of a session is pageable: test_device_export $(passed test_device_export "$out/device_tests.log")"
+		echo "finding 6 (allocation in the hot path): 2 sessions traced: cudaMalloc $(api_calls cudaMalloc), cudaFree $(api_calls cudaFree), cudaMallocHost $(api_calls cudaMallocHost), cudaFreeHost $(api_calls cudaFreeHost), cudaHostRegister $(api_calls cudaHostRegister), cudaHostUnregister $(api_calls cudaHostUnregister), cudaStreamCreateWithFlags $(api_calls cudaStreamCreateWithFlags) (the second session should add none: at most one cudaHostRegister, the shared ring's, and the spares' allocations off the open path); ${pool6}"
 	else
-		echo "finding 5 (pageable copies): not measured: nsys is not installed (fix in the code: fresh rows and replies staged through pinned memory)"
-		echo "finding 6 (allocation in the hot path): no trace (nsys not installed); open ms at $t tokens: cpu $(col "$out/bench_fuse_cpu.md" $t 14), cuda $(col "$out/bench_fuse_cuda.md" $t 14)"
+		echo "finding 5 (pageable copies): not traced: nsys is not installed; on the emulated device no copy of a session is pageable (fresh rows, replies, rotation tables and spans staged through pinned memory): test_device_export $(passed test_device_export "$out/device_tests.log")"
+		echo "finding 6 (allocation in the hot path): no trace (nsys not installed); ${pool6}"
 	fi
 	echo "finding 7 (waiting threads spin): start log says '$(grep -o 'waits [a-z]*' "$out/daemon_auto.log" | head -1)'; daemon CPU ms per layer at $t tokens: cuda $(col "$out/bench_fuse_cuda.md" $t 15) against a layer wait of $(col "$out/bench_fuse_cuda.md" $t 9 | cut -d'(' -f1) ms; cpu $(col "$out/bench_fuse_cpu.md" $t 15)"
 	if [ -n "$trace" ]; then

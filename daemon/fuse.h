@@ -181,7 +181,8 @@ uint32_t fuse_close(struct fuse_table *t, uint64_t id, const char *owner, struct
 
 /*
  * Free sessions idle longer than idle_s, and the device memory sessions gave up since
- * the last call; returns how many sessions. Waits for their device work and frees
+ * the last call (pinned shared rings released, too), and allocate spare blocks for the
+ * next sessions; returns how many sessions. Waits for their device work and frees
  * device memory, which stalls the device: call it off the thread that serves
  * sockets (kvblendd: the prefetch thread, once a second).
  */
@@ -200,11 +201,12 @@ uint64_t fuse_device_fallbacks(struct fuse_table *t);
  * What the device path allocated and pinned, since the table was made (all 0 without a
  * device): device and pinned host blocks allocated because the cache had none to give
  * (a session's open costs none once the pools are warm), shared rings pinned in place
- * (cudaHostRegister: once per segment, not per session) and unpinned, and rings
- * pinned now.
+ * (cudaHostRegister: once per segment, not per session) and unpinned, rings pinned
+ * now, and spare blocks allocated off the sessions' path (fuse_expire's thread) for
+ * the next session of a shape an open had to allocate for.
  */
 struct fuse_device_counts {
-	uint64_t allocs, registrations, unregistrations, pinned_rings;
+	uint64_t allocs, registrations, unregistrations, pinned_rings, spares;
 };
 void fuse_device_counts(struct fuse_table *t, struct fuse_device_counts *c);
 

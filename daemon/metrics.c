@@ -313,6 +313,9 @@ void metrics_write(struct server *srv, FILE *f)
 			gauge(f, "kvblend_fuse_device_pinned_rings",
 			      "Shared rings pinned now (in use, or kept for their owner's next "
 			      "session).", "gauge", (double)c.pinned_rings);
+			gauge(f, "kvblend_fuse_device_spares_total",
+			      "Spare blocks allocated off the sessions' path, for the next session of "
+			      "a shape an open had to allocate for.", "counter", (double)c.spares);
 		}
 	}
 }

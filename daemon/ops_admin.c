@@ -410,6 +410,7 @@ static void stats_device(struct stat_list *l, struct server *srv)
 			stat_add(l, "fuse_device_registrations", (double)c.registrations);
 			stat_add(l, "fuse_device_unregistrations", (double)c.unregistrations);
 			stat_add(l, "fuse_device_pinned_rings", (double)c.pinned_rings);
+			stat_add(l, "fuse_device_spares", (double)c.spares);
 		}
 	}
 }

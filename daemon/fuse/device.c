@@ -165,6 +165,7 @@ void block_flush(struct fuse_table *t)
 	t->cache = NULL;
 	t->n_cache = t->cap_cache = 0;
 	t->cached = t->cached_dev = 0;
+	t->n_want = 0; /* short of memory: no spares either */
 	pthread_mutex_unlock(&t->lock);
 	blocks_free(t, c, n);
 	block_reap(t);
@@ -292,6 +293,55 @@ void block_orphans_free(struct fuse_table *t)
 	t->n_orphans = 0;
 }
 
+static void block_give(struct fuse_table *t, bool host, void *p, size_t bytes);
+
+/* Note that a session's open had to allocate bytes (host: pinned), for block_spares(). */
+static void want_spare(struct fuse_table *t, bool host, size_t bytes)
+{
+	size_t n = sizeof(t->want) / sizeof(t->want[0]);
+
+	pthread_mutex_lock(&t->lock);
+	for (size_t i = 0; i < t->n_want; i++)
+		if (t->want[i].host == host && t->want[i].bytes == bytes)
+			goto out;
+	if (t->n_want == n) /* the oldest goes */
+		t->n_want--;
+	memmove(&t->want[1], &t->want[0], t->n_want * sizeof(t->want[0]));
+	t->want[0] = (struct dblock){ NULL, bytes, host };
+	t->n_want++;
+out:
+	pthread_mutex_unlock(&t->lock);
+}
+
+void block_spares(struct fuse_table *t)
+{
+	struct dblock want[sizeof(t->want) / sizeof(t->want[0])];
+	size_t n;
+
+	if (!t->dev || t->dev->broken(t->dev))
+		return;
+	pthread_mutex_lock(&t->lock);
+	n = t->n_want;
+	memcpy(want, t->want, n * sizeof(want[0]));
+	t->n_want = 0;
+	pthread_mutex_unlock(&t->lock);
+	for (size_t i = 0; i < n; i++) {
+		bool host = want[i].host, fits;
+		size_t bytes = want[i].bytes;
+		void *p = NULL;
+
+		pthread_mutex_lock(&t->lock);
+		fits = host ? t->bytes + (t->cached - t->cached_dev) + bytes <= t->lim.max_bytes
+			    : t->dev_bytes + t->cached_dev + bytes <= t->dev_budget;
+		pthread_mutex_unlock(&t->lock);
+		if (!fits || (host ? t->dev->host_alloc(t->dev, bytes, &p) :
+				     t->dev->alloc(t->dev, bytes, &p)))
+			continue; /* no room: the next session allocates, as before */
+		atomic_fetch_add(&t->n_spares, 1);
+		block_give(t, host, p, bytes);
+	}
+}
+
 /*
  * A block of at least bytes (device, or pinned host memory): a cached one of up to
  * 1.25 times that, else a new one (after dropping the cache if the device is full),
@@ -302,20 +352,26 @@ static int block_take(struct fuse_table *t, bool host, size_t bytes, void **out,
 		      uint32_t *allocs)
 {
 	const struct blend_device *d = t->dev;
+	struct dblock *best = NULL;
 	int rc;
 
+	/* The smallest that fits: a larger one may be what the session's next block needs
+	 * (its ring and its staging can be of similar sizes). */
 	pthread_mutex_lock(&t->lock);
 	for (size_t i = 0; i < t->n_cache; i++) {
 		struct dblock *b = &t->cache[i];
 
-		if (b->host != host || b->bytes < bytes || b->bytes - bytes > bytes / 4)
-			continue;
-		*out = b->p;
-		*got = b->bytes;
-		t->cached -= b->bytes;
+		if (b->host == host && b->bytes >= bytes && b->bytes - bytes <= bytes / 4 &&
+		    (!best || b->bytes < best->bytes))
+			best = b;
+	}
+	if (best) {
+		*out = best->p;
+		*got = best->bytes;
+		t->cached -= best->bytes;
 		if (!host)
-			t->cached_dev -= b->bytes;
-		*b = t->cache[--t->n_cache];
+			t->cached_dev -= best->bytes;
+		*best = t->cache[--t->n_cache];
 		pthread_mutex_unlock(&t->lock);
 		return 0;
 	}
@@ -330,6 +386,7 @@ static int block_take(struct fuse_table *t, bool host, size_t bytes, void **out,
 		*got = bytes;
 		(*allocs)++;
 		atomic_fetch_add(&t->n_allocs, 1);
+		want_spare(t, host, bytes);
 	}
 	return rc;
 }

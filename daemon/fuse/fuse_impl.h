@@ -161,6 +161,12 @@ struct fuse_table {
 	/* Device and pinned blocks allocated (cache misses), and shared rings pinned in
 	 * place (host_register) and unpinned, since the table was made. */
 	_Atomic uint64_t n_allocs, n_registrations, n_unregistrations;
+	/* Sizes a session's open had to allocate (a cache miss), the latest first: the
+	 * expiry thread allocates a spare of each into the cache, off the sessions' path,
+	 * so that the next session of that shape finds one (under lock). */
+	struct dblock want[8];
+	size_t n_want;
+	_Atomic uint64_t n_spares; /* spares allocated so */
 	struct shm_table *shm;
 	pthread_mutex_t lock; /* sessions, bytes, pins */
 	struct fuse_session **sessions;
@@ -312,6 +318,12 @@ void block_flush(struct fuse_table *t);
 /* Free the blocks sessions gave up since the last call (off the sessions' path: the
  * thread that expires sessions calls it, once a second). */
 void block_reap(struct fuse_table *t);
+/*
+ * Allocate into the cache a spare block of each size a session's open had to allocate
+ * since the last call, within the budgets (off the sessions' path: the thread that
+ * expires sessions calls it, once a second, after block_reap()).
+ */
+void block_spares(struct fuse_table *t);
 /* Free the pooled streams and events (at exit). */
 void dev_streams_flush(struct fuse_table *t);
 /* Free the orphaned blocks (at exit, when no node maps them any more). */

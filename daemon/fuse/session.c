@@ -318,6 +318,7 @@ unsigned fuse_expire(struct fuse_table *t)
 		session_free(t, gone[i]);
 	free(gone);
 	block_reap(t); /* device memory sessions gave up since the last call */
+	block_spares(t); /* and blocks for the next sessions, off their path */
 	if (t->dev && t->shm)
 		shm_reap(t->shm); /* pinned rings released (on the socket thread too) */
 	return n;
@@ -331,6 +332,7 @@ void fuse_device_counts(struct fuse_table *t, struct fuse_device_counts *c)
 	c->allocs = atomic_load(&t->n_allocs);
 	c->registrations = atomic_load(&t->n_registrations);
 	c->unregistrations = atomic_load(&t->n_unregistrations);
+	c->spares = atomic_load(&t->n_spares);
 	if (t->shm) {
 		uint64_t pins, unpins;
 

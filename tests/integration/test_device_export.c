@@ -5,7 +5,9 @@
  * unmaps it before the daemon frees it. The fake driver and the emulated device
  * note "map", "unmap" and "free" with the block's address in one file, in the
  * order they happened; and a session that expires mapped keeps its block until the
- * daemon exits. And device auto's placement per session: a node that takes its layers
+ * daemon exits. What a session's open allocates and pins (the emulated device notes it):
+ * a shared ring pinned once for its segment's life, no copy from pageable memory, pooled
+ * blocks, and spares allocated off the open path. And device auto's placement per session: a node that takes its layers
  * in host memory is fused on the CPU, one that maps the ring on the device. Run with
  * KVBLEND_TEST_DEVICE=emulated and LD_LIBRARY_PATH
  * on the fake driver (tests/CMakeLists.txt).
@@ -274,8 +276,10 @@ static void test_zero_only_fresh_rows(void **state)
 	 * device memory was freed on the sessions' path (pooled), only at exit. */
 	assert_true(allocs[0] >= 3); /* the pinned ring, the staging, the device block */
 	assert_int_equal(allocs[1], 0);
-	assert_int_equal(lines_of(log, "alloc") + lines_of(log, "host_alloc"), allocs[0]);
 	assert_int_equal(daemon_stat(c, "fuse_device_allocs"), allocs[0]);
+	/* and the spares the expiry thread allocated for a next session (see below) */
+	assert_int_equal(lines_of(log, "alloc") + lines_of(log, "host_alloc"),
+			 allocs[0] + daemon_stat(c, "fuse_device_spares"));
 	assert_int_equal(lines_of(log, "free") + lines_of(log, "host_free"), 0);
 	/* Every copy to and from the device was from pinned memory (the rotation tables
 	 * and spans too, staged), none from the request's frames or the reply. */
@@ -396,6 +400,77 @@ static void test_shared_ring_pinned_once(void **state)
 	free(kv);
 }
 
+/*
+ * A session's open that had to allocate (the cache had nothing of its shape) makes
+ * the expiry thread allocate a spare of each block into the cache, off the sessions'
+ * path: a second session of that shape opened while the first is still open
+ * allocates nothing on its open (device_allocs 0), and fuses as the first.
+ */
+static void test_spare_for_next_session(void **state)
+{
+	uint32_t ids[2] = { 9, 3 }, T = 14, F = 3, n = T + F, check = 1;
+	double ratio = 0.5;
+	size_t row = (size_t)H * D * 2, layer = 2 * (size_t)n * row;
+	struct kvb_fuse_params p = { &check, &ratio, 1, KVB_METRIC_VALUE };
+	uint16_t *kv = malloc((size_t)L * 2 * T * row);
+	uint8_t *rows = malloc(layer), *out[2], hash[KVB_HASH_LEN];
+	struct kvb_segment s[2];
+	kvb_fuse *fu[2];
+	double allocs[2];
+	struct daemon d;
+	kvb_client *c;
+
+	(void)state;
+	unsetenv("FAKE_CUDA_LOG");
+	unsetenv("KVBLEND_EMULATED_LOG");
+	daemon_start(&d, NULL);
+	c = daemon_client(&d, 1); /* the ring is the daemon's: pinned ring, staging, block */
+	assert_int_equal(kvb_model_register(c, &model, NULL), 0);
+	fill_f16(kv, (size_t)L * 2 * T * H * D, 41);
+	fill_f16((uint16_t *)rows, layer / 2, 42);
+	kvb_chunk_hash(ids, 2, hash);
+	assert_int_equal(kvb_put(c, "xm", hash, KVB_F16, T, 0, kv, (size_t)L * 2 * T * row, NULL),
+			 0);
+	memset(s, 0, sizeof(s));
+	memcpy(s[0].hash, hash, KVB_HASH_LEN);
+	s[1].fresh = 1;
+	s[1].count = F;
+	s[1].pos = T;
+	assert_int_equal(kvb_fuse_open(c, "xm", s, 2, &p, &fu[0], NULL, NULL), 0);
+	for (int i = 0; i < 50 && daemon_stat(c, "fuse_device_spares") < 3; i++)
+		usleep(100 * 1000);
+	assert_true(daemon_stat(c, "fuse_device_spares") >= 3);
+	assert_int_equal(kvb_fuse_open(c, "xm", s, 2, &p, &fu[1], NULL, NULL), 0);
+	for (int k = 0; k < 2; k++) {
+		struct kvb_stat *st;
+		size_t n_st;
+		int fused = 0;
+
+		out[k] = calloc(1, layer);
+		for (uint32_t l = kvb_fuse_next_layer(fu[k]); l < L; l++) {
+			const int32_t *sel;
+			size_t nr = kvb_fuse_rows(fu[k], &sel);
+
+			assert_int_equal(kvb_fuse_layer(c, fu[k], l, rows, rows + nr * row, out[k],
+							out[k] + layer / 2, &fused),
+					 0);
+		}
+		assert_int_equal(kvb_fuse_close(c, &fu[k], &st, &n_st), 0);
+		allocs[k] = stat_of(st, n_st, "device_allocs");
+		free(st);
+	}
+	assert_true(allocs[0] >= 3);
+	assert_true(allocs[1] == 0);
+	assert_memory_equal(out[0], out[1], layer);
+	kvb_close(&c);
+	daemon_stop(&d);
+	daemon_cleanup(&d);
+	free(out[0]);
+	free(out[1]);
+	free(rows);
+	free(kv);
+}
+
 /* The close statistic on_device of a closed session (-1: not given). */
 static double on_device_stat(const struct kvb_stat *st, size_t n)
 {
@@ -491,6 +566,7 @@ int main(void)
 		cmocka_unit_test(test_unmap_before_free),
 		cmocka_unit_test(test_zero_only_fresh_rows),
 		cmocka_unit_test(test_shared_ring_pinned_once),
+		cmocka_unit_test(test_spare_for_next_session),
 		cmocka_unit_test(test_expired_export_kept),
 		cmocka_unit_test(test_auto_places_per_session),
 	};
