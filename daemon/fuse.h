@@ -54,6 +54,14 @@ struct fuse_limits {
 	 * path, where no layer crosses PCIe twice (the choice device auto makes).
 	 */
 	bool dev_host;
+	/*
+	 * Device memory, and as much pinned host memory, allocated when the table is made,
+	 * from which sessions' blocks are carved (0: none): a session's open then calls
+	 * nothing on the device to allocate, nor its close to free. Blocks that do not
+	 * fit, and device rings a node maps (CUDA IPC maps a whole allocation), are
+	 * allocated as without it. Counts against neither budget until sessions hold it.
+	 */
+	uint64_t dev_reserve;
 };
 
 struct fuse_table;
@@ -203,10 +211,12 @@ uint64_t fuse_device_fallbacks(struct fuse_table *t);
  * (a session's open costs none once the pools are warm), shared rings pinned in place
  * (cudaHostRegister: once per segment, not per session) and unpinned, rings pinned
  * now, and spare blocks allocated off the sessions' path (fuse_expire's thread) for
- * the next session of a shape an open had to allocate for.
+ * the next session of a shape an open had to allocate for; and the reserve
+ * (dev_reserve, 0 without one) and what sessions hold of it, [0] device, [1] pinned.
  */
 struct fuse_device_counts {
 	uint64_t allocs, registrations, unregistrations, pinned_rings, spares;
+	uint64_t reserve_bytes, reserve_used[2];
 };
 void fuse_device_counts(struct fuse_table *t, struct fuse_device_counts *c);
 

@@ -316,6 +316,9 @@ void metrics_write(struct server *srv, FILE *f)
 			gauge(f, "kvblend_fuse_device_spares_total",
 			      "Spare blocks allocated off the sessions' path, for the next session of "
 			      "a shape an open had to allocate for.", "counter", (double)c.spares);
+			gauge(f, "kvblend_fuse_device_reserve_used_bytes",
+			      "Bytes of the device reserve (fuse_device_reserve) sessions hold.",
+			      "gauge", (double)c.reserve_used[0]);
 		}
 	}
 }

@@ -411,6 +411,9 @@ static void stats_device(struct stat_list *l, struct server *srv)
 			stat_add(l, "fuse_device_unregistrations", (double)c.unregistrations);
 			stat_add(l, "fuse_device_pinned_rings", (double)c.pinned_rings);
 			stat_add(l, "fuse_device_spares", (double)c.spares);
+			stat_add(l, "fuse_device_reserve_bytes", (double)c.reserve_bytes);
+			stat_add(l, "fuse_device_reserve_used_bytes", (double)c.reserve_used[0]);
+			stat_add(l, "fuse_pinned_reserve_used_bytes", (double)c.reserve_used[1]);
 		}
 	}
 }

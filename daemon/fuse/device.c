@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "arena.h"
 #include "fuse_impl.h"
 #include "hkvd.h"
 #include "log.h"
@@ -98,10 +99,60 @@ static void *room_for_one(void *arr, size_t n, size_t *cap, size_t elem)
 	return p;
 }
 
-/* Give a block back to the device (NULL: nothing). */
+/* The reserve's arena p was carved from (host: pinned), or NULL. */
+static struct arena *arena_of(const struct fuse_table *t, bool host, const void *p)
+{
+	struct arena *a = t->arena[host];
+
+	return p && a && arena_owns(a, p) ? a : NULL;
+}
+
+void dev_reserve_open(struct fuse_table *t)
+{
+	const struct blend_device *d = t->dev;
+	size_t bytes = (size_t)t->lim.dev_reserve;
+	int rc = 0;
+
+	if (!d || !bytes)
+		return;
+	for (int host = 0; host < 2 && !rc; host++) {
+		rc = host ? d->host_alloc(d, bytes, &t->reserve[1]) :
+			    d->alloc(d, bytes, &t->reserve[0]);
+		if (!rc)
+			rc = arena_new(t->reserve[host], bytes, DEV_ALIGN, &t->arena[host]);
+	}
+	if (rc) {
+		log_warn("fuse_device_reserve %zu: cannot reserve that much %s memory (%s): "
+			 "sessions' blocks are allocated as they open", bytes,
+			 t->reserve[0] ? "pinned host" : "device", strerror(-rc));
+		dev_reserve_close(t);
+		return;
+	}
+	log_info("fuse: %zu bytes of device memory and as many of pinned host memory reserved "
+		 "for sessions' blocks", bytes);
+}
+
+void dev_reserve_close(struct fuse_table *t)
+{
+	for (int host = 0; host < 2; host++)
+		arena_free(&t->arena[host]);
+	if (t->reserve[0])
+		t->dev->free(t->dev, t->reserve[0], (size_t)t->lim.dev_reserve);
+	if (t->reserve[1])
+		t->dev->host_free(t->dev, t->reserve[1]);
+	t->reserve[0] = t->reserve[1] = NULL;
+}
+
+/* Give a block back to the device, or to the reserve it came from (NULL: nothing). */
 static void block_free(struct fuse_table *t, bool host, void *p, size_t bytes)
 {
-	if (p && host)
+	struct arena *a = arena_of(t, host, p);
+
+	if (a) { /* bookkeeping only: no device call */
+		pthread_mutex_lock(&t->lock);
+		arena_give(a, p);
+		pthread_mutex_unlock(&t->lock);
+	} else if (p && host)
 		t->dev->host_free(t->dev, p);
 	else if (p)
 		t->dev->free(t->dev, p, bytes);
@@ -117,6 +168,10 @@ static void block_free_later(struct fuse_table *t, bool host, void *p, size_t by
 
 	if (!p)
 		return;
+	if (arena_of(t, host, p)) { /* back to the reserve: nothing stalls */
+		block_free(t, host, p, bytes);
+		return;
+	}
 	pthread_mutex_lock(&t->lock);
 	r = room_for_one(t->reap, t->n_reap, &t->cap_reap, sizeof(*r));
 	if (r) {
@@ -344,12 +399,12 @@ void block_spares(struct fuse_table *t)
 
 /*
  * A block of at least bytes (device, or pinned host memory): a cached one of up to
- * 1.25 times that, else a new one (after dropping the cache if the device is full),
- * counted in *allocs and the table's allocations. *got: its real size, which the
- * session is charged.
+ * 1.25 times that, else one carved from the reserve (unless reserve is false), else a
+ * new one (after dropping the cache if the device is full), counted in *allocs and the
+ * table's allocations. *got: its real size, which the session is charged.
  */
 static int block_take(struct fuse_table *t, bool host, size_t bytes, void **out, size_t *got,
-		      uint32_t *allocs)
+		      uint32_t *allocs, bool reserve)
 {
 	const struct blend_device *d = t->dev;
 	struct dblock *best = NULL;
@@ -372,6 +427,10 @@ static int block_take(struct fuse_table *t, bool host, size_t bytes, void **out,
 		if (!host)
 			t->cached_dev -= best->bytes;
 		*best = t->cache[--t->n_cache];
+		pthread_mutex_unlock(&t->lock);
+		return 0;
+	}
+	if (reserve && t->arena[host] && arena_take(t->arena[host], bytes, out, got) == 0) {
 		pthread_mutex_unlock(&t->lock);
 		return 0;
 	}
@@ -434,6 +493,10 @@ static void block_give(struct fuse_table *t, bool host, void *p, size_t bytes)
 
 	if (!p)
 		return;
+	if (arena_of(t, host, p)) { /* the reserve is the pool: back there, no cache needed */
+		block_free(t, host, p, bytes);
+		return;
+	}
 	pthread_mutex_lock(&t->lock);
 	fits = host ? t->bytes + (t->cached - t->cached_dev) + bytes <= t->lim.max_bytes
 		    : t->dev_bytes + t->cached_dev + bytes <= t->dev_budget;
@@ -627,7 +690,7 @@ int dev_sess_setup(struct fuse_table *t, struct fuse_session *s, size_t ring_byt
 
 	if (!s->ring_mem) {
 		rc = block_take(t, true, ring_bytes, (void **)&d->hring, &d->hring_bytes,
-				&d->allocs);
+				&d->allocs, true);
 		if (rc)
 			return dev_rc(rc);
 		s->ring_mem = d->hring;
@@ -652,13 +715,14 @@ int dev_sess_setup(struct fuse_table *t, struct fuse_session *s, size_t ring_byt
 		d->reg_bytes = ring_bytes;
 	}
 	rc = block_take(t, true, stage_layout(s, d, NULL), (void **)&d->hstage, &d->hstage_bytes,
-			&d->allocs);
+			&d->allocs, true);
 	if (rc)
 		return dev_rc(rc);
 	stage_layout(s, d, d->hstage);
 	rc = streams_take(t, s->n_ring, d);
 	if (!rc)
-		rc = block_take(t, false, d->blk_bytes, (void **)&d->blk, &d->blk_bytes, &d->allocs);
+		rc = block_take(t, false, d->blk_bytes, (void **)&d->blk, &d->blk_bytes, &d->allocs,
+				!zero); /* a node maps an exported block's whole allocation */
 	if (rc)
 		return dev_rc(rc);
 	dev_layout(s, d, d->blk);

@@ -167,6 +167,11 @@ struct fuse_table {
 	struct dblock want[8];
 	size_t n_want;
 	_Atomic uint64_t n_spares; /* spares allocated so */
+	/* lim.dev_reserve's memory, allocated when the table is made ([0] device, [1]
+	 * pinned host; NULL: none), and the arenas sessions' blocks are carved from
+	 * (under lock). */
+	void *reserve[2];
+	struct arena *arena[2];
 	struct shm_table *shm;
 	pthread_mutex_t lock; /* sessions, bytes, pins */
 	struct fuse_session **sessions;
@@ -174,6 +179,8 @@ struct fuse_table {
 	struct pin *pins;
 	size_t n_pins, cap_pins;
 };
+
+struct arena;
 
 /* ---- the device path: a session's ring in device memory ---- */
 
@@ -324,6 +331,11 @@ void block_reap(struct fuse_table *t);
  * expires sessions calls it, once a second, after block_reap()).
  */
 void block_spares(struct fuse_table *t);
+/* Allocate lim.dev_reserve of device and pinned memory for sessions' blocks (a failure
+ * is logged: blocks are then allocated as sessions need them). */
+void dev_reserve_open(struct fuse_table *t);
+/* Free the reserved memory (at exit, after block_flush()). */
+void dev_reserve_close(struct fuse_table *t);
 /* Free the pooled streams and events (at exit). */
 void dev_streams_flush(struct fuse_table *t);
 /* Free the orphaned blocks (at exit, when no node maps them any more). */

@@ -8,6 +8,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "arena.h"
 #include "fuse_impl.h"
 #include "log.h"
 
@@ -59,6 +60,7 @@ int fuse_table_new(const struct fuse_limits *l, struct store *store, struct pool
 	t->shm = shm;
 	pthread_mutex_init(&t->lock, NULL);
 	dev_pinner_set(t, true); /* shared rings pinned once for their life, not per session */
+	dev_reserve_open(t);
 	*out = t;
 	return 0;
 }
@@ -180,6 +182,7 @@ void fuse_table_free(struct fuse_table **tp)
 		block_flush(t);
 		block_orphans_free(t);
 		dev_streams_flush(t);
+		dev_reserve_close(t);
 	}
 	free(t->sessions);
 	free(t->pins);
@@ -333,6 +336,16 @@ void fuse_device_counts(struct fuse_table *t, struct fuse_device_counts *c)
 	c->registrations = atomic_load(&t->n_registrations);
 	c->unregistrations = atomic_load(&t->n_unregistrations);
 	c->spares = atomic_load(&t->n_spares);
+	pthread_mutex_lock(&t->lock);
+	for (int host = 0; host < 2; host++) {
+		size_t used = 0, bytes = 0;
+
+		if (t->arena[host])
+			arena_usage(t->arena[host], &used, &bytes);
+		c->reserve_used[host] = used;
+		c->reserve_bytes = bytes;
+	}
+	pthread_mutex_unlock(&t->lock);
 	if (t->shm) {
 		uint64_t pins, unpins;
 

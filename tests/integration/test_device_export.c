@@ -7,7 +7,7 @@
  * order they happened; and a session that expires mapped keeps its block until the
  * daemon exits. What a session's open allocates and pins (the emulated device notes it):
  * a shared ring pinned once for its segment's life, no copy from pageable memory, pooled
- * blocks, and spares allocated off the open path. And device auto's placement per session: a node that takes its layers
+ * blocks, spares allocated off the open path, and a reserve allocated at start. And device auto's placement per session: a node that takes its layers
  * in host memory is fused on the CPU, one that maps the ring on the device. Run with
  * KVBLEND_TEST_DEVICE=emulated and LD_LIBRARY_PATH
  * on the fake driver (tests/CMakeLists.txt).
@@ -471,6 +471,95 @@ static void test_spare_for_next_session(void **state)
 	free(kv);
 }
 
+/*
+ * With fuse_device_reserve, device and pinned memory are allocated once, at start
+ * (one "alloc" and one "host_alloc" on the emulated device), and two sessions open at
+ * once carve their blocks from it: neither open allocates (device_allocs 0), nothing
+ * is freed until exit, and the reserve is all free again once they closed.
+ */
+static void test_reserve(void **state)
+{
+	const char *args[] = { "--fuse-device-reserve", "1M", NULL };
+	uint32_t ids[2] = { 9, 4 }, T = 15, F = 2, n = T + F, check = 1;
+	double ratio = 0.5, allocs[2];
+	size_t row = (size_t)H * D * 2, layer = 2 * (size_t)n * row;
+	struct kvb_fuse_params p = { &check, &ratio, 1, KVB_METRIC_VALUE };
+	uint16_t *kv = malloc((size_t)L * 2 * T * row);
+	uint8_t *rows = malloc(layer), *out[2], hash[KVB_HASH_LEN];
+	char log[] = "/tmp/kvb-reserve-XXXXXX";
+	struct kvb_segment s[2];
+	kvb_fuse *fu[2];
+	struct daemon d;
+	kvb_client *c;
+	int fd = mkstemp(log);
+
+	(void)state;
+	assert_true(fd >= 0);
+	close(fd);
+	unsetenv("FAKE_CUDA_LOG");
+	setenv("KVBLEND_EMULATED_LOG", log, 1);
+	daemon_start(&d, args);
+	c = daemon_client(&d, 1);
+	assert_int_equal(lines_of(log, "alloc"), 1);
+	assert_int_equal(lines_of(log, "host_alloc"), 1);
+	assert_int_equal(daemon_stat(c, "fuse_device_reserve_bytes"), 1 << 20);
+	assert_int_equal(kvb_model_register(c, &model, NULL), 0);
+	fill_f16(kv, (size_t)L * 2 * T * H * D, 51);
+	fill_f16((uint16_t *)rows, layer / 2, 52);
+	kvb_chunk_hash(ids, 2, hash);
+	assert_int_equal(kvb_put(c, "xm", hash, KVB_F16, T, 0, kv, (size_t)L * 2 * T * row, NULL),
+			 0);
+	memset(s, 0, sizeof(s));
+	memcpy(s[0].hash, hash, KVB_HASH_LEN);
+	s[1].fresh = 1;
+	s[1].count = F;
+	s[1].pos = T;
+	assert_int_equal(kvb_fuse_open(c, "xm", s, 2, &p, &fu[0], NULL, NULL), 0);
+	assert_int_equal(kvb_fuse_open(c, "xm", s, 2, &p, &fu[1], NULL, NULL), 0);
+	assert_true(daemon_stat(c, "fuse_device_reserve_used_bytes") > 0);
+	assert_true(daemon_stat(c, "fuse_pinned_reserve_used_bytes") > 0);
+	for (int k = 0; k < 2; k++) {
+		struct kvb_stat *st;
+		size_t n_st;
+		int fused = 0;
+
+		out[k] = calloc(1, layer);
+		for (uint32_t l = kvb_fuse_next_layer(fu[k]); l < L; l++) {
+			const int32_t *sel;
+			size_t nr = kvb_fuse_rows(fu[k], &sel);
+
+			assert_int_equal(kvb_fuse_layer(c, fu[k], l, rows, rows + nr * row, out[k],
+							out[k] + layer / 2, &fused),
+					 0);
+		}
+		assert_int_equal(kvb_fuse_close(c, &fu[k], &st, &n_st), 0);
+		assert_true(stat_of(st, n_st, "on_device") == 1);
+		allocs[k] = stat_of(st, n_st, "device_allocs");
+		free(st);
+	}
+	assert_true(allocs[0] == 0);
+	assert_true(allocs[1] == 0);
+	assert_memory_equal(out[0], out[1], layer);
+	assert_int_equal(daemon_stat(c, "fuse_device_reserve_used_bytes"), 0);
+	assert_int_equal(daemon_stat(c, "fuse_pinned_reserve_used_bytes"), 0);
+	assert_int_equal(daemon_stat(c, "fuse_device_allocs"), 0);
+	assert_int_equal(lines_of(log, "alloc") + lines_of(log, "host_alloc"), 2);
+	assert_int_equal(lines_of(log, "free") + lines_of(log, "host_free"), 0);
+	assert_int_equal(lines_of(log, "pageable_upload") + lines_of(log, "pageable_download"),
+			 0);
+	kvb_close(&c);
+	daemon_stop(&d);
+	assert_int_equal(lines_of(log, "free"), 1); /* the reserve, at exit */
+	assert_int_equal(lines_of(log, "host_free"), 1);
+	daemon_cleanup(&d);
+	unsetenv("KVBLEND_EMULATED_LOG");
+	unlink(log);
+	free(out[0]);
+	free(out[1]);
+	free(rows);
+	free(kv);
+}
+
 /* The close statistic on_device of a closed session (-1: not given). */
 static double on_device_stat(const struct kvb_stat *st, size_t n)
 {
@@ -567,6 +656,7 @@ int main(void)
 		cmocka_unit_test(test_zero_only_fresh_rows),
 		cmocka_unit_test(test_shared_ring_pinned_once),
 		cmocka_unit_test(test_spare_for_next_session),
+		cmocka_unit_test(test_reserve),
 		cmocka_unit_test(test_expired_export_kept),
 		cmocka_unit_test(test_auto_places_per_session),
 	};
