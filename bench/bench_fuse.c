@@ -6,7 +6,7 @@
  * the node waits, and the daemon's own time per layer. Starts its own daemon.
  *
  * usage: bench_fuse [--daemon PATH] [--tokens 1024,4096,8192] [--repeats N] [--node-ms MS]
- *                   [--device auto|cpu|cuda[:N]|emulated] [--on-device]
+ *                   [--device auto|cpu|cuda[:N]|emulated] [--on-device] [--reserve SIZE]
  *
  * --node-ms: the node's own work per layer (its recompute of the selected
  * tokens), simulated by a sleep between layer calls; the daemon's loads run
@@ -15,7 +15,8 @@
  * cuda, the host-to-device bandwidth of the same bytes (pinned, one stream) is
  * measured in the same run, and fused layers per second are given against it.
  * --on-device: the in-place runs take the fused layers on the GPU (CUDA IPC,
- * kvb_fuse_device()) instead of the shared ring.
+ * kvb_fuse_device()) instead of the shared ring. --reserve: the daemon's
+ * --fuse-device-reserve (sessions' blocks carved from memory reserved at start).
  */
 #include <signal.h>
 #include <stdbool.h>
@@ -117,7 +118,8 @@ int main(int argc, char **argv)
 	double node_ms = 0;
 	bool on_device = false;
 	int cuda = -1; /* the daemon's CUDA device, for the host-to-device reference */
-	const char *device[3] = { "--device", "auto", NULL };
+	/* the daemon's --device, and --fuse-device-reserve when asked */
+	const char *device[5] = { "--device", "auto", NULL, NULL, NULL };
 	struct kvb_connect_opts o = { .timeout_ms = 120000 };
 	kvb_client *c;
 	pid_t pid;
@@ -136,11 +138,15 @@ int main(int argc, char **argv)
 				cuda = device[1][4] == ':' ? atoi(device[1] + 5) : 0;
 		} else if (!strcmp(argv[i], "--on-device")) {
 			on_device = true;
+		} else if (!strcmp(argv[i], "--reserve") && i + 1 < argc) {
+			device[2] = "--fuse-device-reserve";
+			device[3] = argv[++i];
 		} else if (!strcmp(argv[i], "--tokens") && i + 1 < argc) {
 			n_sizes = bench_parse_list(argv[++i], sizes, 8);
 		} else {
 			fprintf(stderr, "usage: bench_fuse [--daemon PATH] [--tokens 1024,4096,8192] "
-					"[--repeats N] [--node-ms MS] [--device D] [--on-device]\n");
+					"[--repeats N] [--node-ms MS] [--device D] [--on-device] "
+					"[--reserve SIZE]\n");
 			return 2;
 		}
 	}

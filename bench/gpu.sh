@@ -76,6 +76,10 @@ for dev in cpu cuda; do
 	build-gpu/bin/bench_fuse --device "$dev" --tokens "$sizes" --repeats 3 2>&1 |
 		tee "$out/bench_fuse_$dev.md"
 done
+# Sessions' blocks carved from memory the daemon reserved at start (fuse_device_reserve):
+# even the first session of a size should allocate nothing on its open.
+build-gpu/bin/bench_fuse --device cuda --reserve 4G --tokens "$sizes" --repeats 3 2>&1 |
+	tee "$out/bench_fuse_cuda_reserve.md"
 # The fused layers handed over on the GPU (CUDA IPC) instead of the shared ring.
 build-gpu/bin/bench_fuse --device cuda --on-device --tokens "$sizes" --repeats 3 2>&1 |
 	tee "$out/bench_fuse_cuda_ipc.md"
@@ -131,7 +135,7 @@ ok_large=$(grep -c '^ok - ' "$out/large_parity.log")
 bad_large=$(grep -c '^not ok - ' "$out/large_parity.log")
 t=32768
 # Finding 6 from the daemon's own counts (bench_fuse's columns from FUSE_CLOSE's statistics).
-pool6="per session open at $t tokens on cuda: blocks allocated (first; later sessions on average) $(col "$out/bench_fuse_cuda.md" $t 17), shared rings pinned $(col "$out/bench_fuse_cuda.md" $t 18) (goal for later sessions: 0; 0); with --on-device $(col "$out/bench_fuse_cuda_ipc.md" $t 17) allocated (an exported block is never reused); open ms: cpu $(col "$out/bench_fuse_cpu.md" $t 14), cuda $(col "$out/bench_fuse_cuda.md" $t 14)"
+pool6="per session open at $t tokens on cuda: blocks allocated (first; later sessions on average) $(col "$out/bench_fuse_cuda.md" $t 17), shared rings pinned $(col "$out/bench_fuse_cuda.md" $t 18) (goal for later sessions: 0; 0); with --on-device $(col "$out/bench_fuse_cuda_ipc.md" $t 17) allocated (an exported block is never reused); with --fuse-device-reserve 4G $(col "$out/bench_fuse_cuda_reserve.md" $t 17) allocated (goal: 0; 0); open ms: cpu $(col "$out/bench_fuse_cpu.md" $t 14), cuda $(col "$out/bench_fuse_cuda.md" $t 14), cuda with the reserve $(col "$out/bench_fuse_cuda_reserve.md" $t 14)"
 {
 	echo "gpu.sh summary ($(head -1 "$out/device.txt"); driver ${driver:-?}, compute mode ${mode:-?})"
 	echo "finding 1 (exported ring freed under the node's mapping): close order on the emulated export $(passed test_device_export "$out/device_tests.log"); on this GPU bench_fuse --on-device $(grep -q '^| 4096' "$out/bench_fuse_cuda_ipc.md" && echo 'fused through CUDA IPC at every size' || echo 'did NOT complete: see bench_fuse_cuda_ipc.md') (an unmap after the free would fault the node)"
