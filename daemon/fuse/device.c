@@ -651,7 +651,8 @@ static int dev_setup_upload(const struct blend_device *dv, const struct fuse_ses
 	uint32_t n = 0, rows = 0;
 	int rc;
 
-	memcpy(d->halways, s->fresh, s->n_fresh * sizeof(int32_t));
+	if (s->n_fresh)
+		memcpy(d->halways, s->fresh, s->n_fresh * sizeof(int32_t));
 	for (size_t i = 0; i < s->n_chunks; i++) {
 		const struct rope_table *r = &s->chunks[i].rot;
 		size_t tb = (size_t)r->rows * r->half * sizeof(float);
