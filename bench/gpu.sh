@@ -7,8 +7,8 @@
 # device tests of the CPU suite (emulated device); the daemon's start log under --device
 # auto; the benchmarks (bench_cuda: kernels against a device-to-device copy and the
 # pipelined upload against host-to-device bandwidth; bench_fuse with --device cpu, --device
-# cuda and --device cuda --on-device, each with the open time and the daemon's CPU time per
-# layer); and, where nsys is installed, a trace of device sessions (copies from pageable
+# cuda, --device cuda --reserve 4G and --device cuda --on-device, each with the open time,
+# the daemon's CPU time per layer and the blocks allocated and rings pinned per open); and, where nsys is installed, a trace of device sessions (copies from pageable
 # memory, kernel launches per layer, allocations). Last, a summary: for each of issue 23's
 # findings 1-13 one line saying what this run showed, printed and written to
 # OUT/summary.txt. Every log and table goes to OUT (default $OUT, else ./gpu-out). Needs
