@@ -157,7 +157,7 @@ pool6="per session open at $t tokens on cuda: blocks allocated (first; later ses
 	fi
 	echo "finding 9 (whole pinned ring zeroed at open): fresh rows only, checked on the emulated device ($(passed test_device_export "$out/device_tests.log")); open ms at $t tokens on cuda: $(col "$out/bench_fuse_cuda.md" $t 14)"
 	echo "finding 10 (no device budget): budget and host-path fallback $(passed test_device_fault "$out/device_tests.log") on the emulated device; on this GPU the default budget is 9/10 of $(nvidia-smi --query-gpu=memory.total --format=csv,noheader 2> /dev/null | head -1)"
-	echo "finding 11 (failed CUB size query): top-k of 400K candidates on the GPU: $(grep -E '^(not )?ok - top-' "$out/large_parity.log" | cut -d' ' -f1-2 | head -1 || echo '?')"
+	echo "finding 11 (failed CUB size query): top-k of 400K candidates on the GPU: $(grep -E '^(not )?ok - top-' "$out/large_parity.log" | grep -v 'too little scratch' | cut -d' ' -f1-2 | head -1 || echo '?'); with too little scratch: $(grep -E '^(not )?ok - top-.*too little scratch' "$out/large_parity.log" | cut -d' ' -f1-2 | head -1 || echo '?') (-EINVAL, no selection); a failing size query refuses the open on the emulated device: test_device_fault $(passed test_device_fault "$out/device_tests.log")"
 	echo "finding 12 (large-shape parity): ${ok_large} checks byte for byte as the CPU, ${bad_large} not (large_parity.log)"
 	for s in ${sizes//,/ }; do
 		cpu_c=$(col "$out/bench_fuse_cpu.md" "$s" 6)

@@ -136,7 +136,9 @@ struct blend_device {
  * host_unregister ("unregister"), and for each copy from or to host memory that is
  * neither host_alloc'd nor registered ("pageable_upload", "pageable_download": on
  * a GPU, a copy that blocks and runs slowly): tests of when an exported block is
- * freed and of what a session allocates, pins and copies. Returns 0 or -ENOMEM.
+ * freed and of what a session allocates, pins and copies. With
+ * KVBLEND_EMULATED_SCRATCH_FAIL=1 in the environment, select_scratch answers 0 (the
+ * device cannot say), as CUB's size query does when it fails. Returns 0 or -ENOMEM.
  */
 int blend_emu_open(uint64_t fail_after, bool sticky, struct blend_device **out);
 void blend_emu_close(struct blend_device **d);

@@ -17,6 +17,7 @@ struct emu {
 	_Atomic uint64_t calls; /* calls that queue work, for fail_after */
 	uint64_t fail_after;
 	bool sticky;		/* the injected failure is for good */
+	bool no_scratch;	/* KVBLEND_EMULATED_SCRATCH_FAIL: select_scratch fails */
 	_Atomic int failed;	/* a failure was injected: last_error says so */
 	/* Host memory that is pinned (host_alloc'd or registered), so that a copy from or
 	 * to any other host memory, pageable on a GPU, is noted (tests of finding 5). */
@@ -332,11 +333,11 @@ static int e_deviation(const struct blend_device *d, struct blend_stream *st,
 	return rc ? rc : cpu->deviation(cpu, s, fresh, stored, idx, n, out);
 }
 
+/* 0 (the device cannot say, as a failed CUB size query) with KVBLEND_EMULATED_SCRATCH_FAIL. */
 static size_t e_select_scratch(const struct blend_device *d, size_t n)
 {
-	(void)d;
 	(void)n;
-	return 1;
+	return E(d)->no_scratch ? 0 : 1;
 }
 
 static int e_select(const struct blend_device *d, struct blend_stream *st, const int32_t *cand,
@@ -404,6 +405,11 @@ static void e_memory(const struct blend_device *d, uint64_t *held, uint64_t *tot
 
 static void e_last_error(const struct blend_device *d, char *buf, size_t len)
 {
+	if (E(d)->no_scratch && !atomic_load(&E(d)->failed)) {
+		snprintf(buf, len, "emulated device: the top-k scratch size query failed "
+			 "(KVBLEND_EMULATED_SCRATCH_FAIL)");
+		return;
+	}
 	snprintf(buf, len, "%s", !atomic_load(&E(d)->failed) ? "" : E(d)->sticky ?
 		 "emulated device: injected sticky failure (fail_after, sticky)" :
 		 "emulated device: injected failure (fail_after)");
@@ -424,6 +430,8 @@ int blend_emu_open(uint64_t fail_after, bool sticky, struct blend_device **out)
 	e->fail_after = fail_after;
 	e->sticky = sticky;
 	e->log = getenv("KVBLEND_EMULATED_LOG");
+	e->no_scratch = getenv("KVBLEND_EMULATED_SCRATCH_FAIL") &&
+			!strcmp(getenv("KVBLEND_EMULATED_SCRATCH_FAIL"), "1");
 	pthread_mutex_init(&e->lock, NULL);
 	e->table = (struct blend_device){
 		.name = "emulated",
