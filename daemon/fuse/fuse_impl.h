@@ -133,6 +133,8 @@ struct dev_streams {
 	uint32_t n_ev;
 };
 
+struct arena; /* arena.h: the reserve's bookkeeping */
+
 struct fuse_table {
 	struct fuse_limits lim;
 	struct store *store;
@@ -179,8 +181,6 @@ struct fuse_table {
 	struct pin *pins;
 	size_t n_pins, cap_pins;
 };
-
-struct arena;
 
 /* ---- the device path: a session's ring in device memory ---- */
 
