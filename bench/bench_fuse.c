@@ -6,7 +6,7 @@
  * the node waits, and the daemon's own time per layer. Starts its own daemon.
  *
  * usage: bench_fuse [--daemon PATH] [--tokens 1024,4096,8192] [--repeats N] [--node-ms MS]
- *                   [--device auto|cpu|cuda[:N]|emulated] [--on-device]
+ *                   [--device auto|cpu|cuda[:N]|emulated] [--on-device] [--reserve SIZE]
  *
  * --node-ms: the node's own work per layer (its recompute of the selected
  * tokens), simulated by a sleep between layer calls; the daemon's loads run
@@ -15,7 +15,8 @@
  * cuda, the host-to-device bandwidth of the same bytes (pinned, one stream) is
  * measured in the same run, and fused layers per second are given against it.
  * --on-device: the in-place runs take the fused layers on the GPU (CUDA IPC,
- * kvb_fuse_device()) instead of the shared ring.
+ * kvb_fuse_device()) instead of the shared ring. --reserve: the daemon's
+ * --fuse-device-reserve (sessions' blocks carved from memory reserved at start).
  */
 #include <signal.h>
 #include <stdbool.h>
@@ -117,7 +118,8 @@ int main(int argc, char **argv)
 	double node_ms = 0;
 	bool on_device = false;
 	int cuda = -1; /* the daemon's CUDA device, for the host-to-device reference */
-	const char *device[3] = { "--device", "auto", NULL };
+	/* the daemon's --device, and --fuse-device-reserve when asked */
+	const char *device[5] = { "--device", "auto", NULL, NULL, NULL };
 	struct kvb_connect_opts o = { .timeout_ms = 120000 };
 	kvb_client *c;
 	pid_t pid;
@@ -136,11 +138,15 @@ int main(int argc, char **argv)
 				cuda = device[1][4] == ':' ? atoi(device[1] + 5) : 0;
 		} else if (!strcmp(argv[i], "--on-device")) {
 			on_device = true;
+		} else if (!strcmp(argv[i], "--reserve") && i + 1 < argc) {
+			device[2] = "--fuse-device-reserve";
+			device[3] = argv[++i];
 		} else if (!strcmp(argv[i], "--tokens") && i + 1 < argc) {
 			n_sizes = bench_parse_list(argv[++i], sizes, 8);
 		} else {
 			fprintf(stderr, "usage: bench_fuse [--daemon PATH] [--tokens 1024,4096,8192] "
-					"[--repeats N] [--node-ms MS] [--device D] [--on-device]\n");
+					"[--repeats N] [--node-ms MS] [--device D] [--on-device] "
+					"[--reserve SIZE]\n");
 			return 2;
 		}
 	}
@@ -180,8 +186,9 @@ int main(int argc, char **argv)
 	printf("| tokens | chunks | selected | fused GB/s in place | ratio | fused GB/s copied out | "
 	       "ratio | memcpy GB/s | layer wait ms (memcpy of its bytes ms) | daemon merge "
 	       "ms/layer | daemon load ms/layer | H2D GB/s | in place / H2D | open ms | daemon CPU "
-	       "ms/layer | on device |\n");
-	printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+	       "ms/layer | on device | allocs per open (first; later) | pins per open (first; "
+	       "later) |\n");
+	printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
 	for (unsigned si = 0; si < n_sizes; si++) {
 		unsigned n_tokens = sizes[si], n_chunks = n_tokens >= 4096 ? 8 : 4;
 		unsigned cached = n_tokens - FRESH, per = cached / n_chunks;
@@ -194,6 +201,9 @@ int main(int argc, char **argv)
 		double *rates_copy = calloc(repeats, sizeof(double));
 		double *memcpys = calloc(repeats, sizeof(double)), merge_ms = 0, load_ms = 0;
 		double *opens = calloc(2 * repeats, sizeof(double)), cpu0, on_dev = -1;
+		/* the close's device_allocs and ring_registrations: first session, the rest */
+		double allocs[2] = { -1, 0 }, pins[2] = { -1, 0 };
+		char pool_cols[96] = "– | –";
 		unsigned all_layers = 0;
 		double h2d = cuda >= 0 ? h2d_gbps(cuda, 2 * layer_bytes, model.num_layers) : 0;
 		char h2d_cols[64] = "– | –";
@@ -276,6 +286,10 @@ int main(int argc, char **argv)
 					load_ms = st[i].value / (model.num_layers - 1);
 				if (!strcmp(st[i].name, "on_device"))
 					on_dev = st[i].value;
+				if (!strcmp(st[i].name, "device_allocs"))
+					allocs[r > 0] = r ? allocs[1] + st[i].value : st[i].value;
+				if (!strcmp(st[i].name, "ring_registrations"))
+					pins[r > 0] = r ? pins[1] + st[i].value : st[i].value;
 			}
 			all_layers += model.num_layers - 1;
 			free(st);
@@ -303,14 +317,17 @@ int main(int argc, char **argv)
 		if (h2d > 0)
 			snprintf(h2d_cols, sizeof(h2d_cols), "%.2f | %.2fx", h2d,
 				 rates[repeats / 2] / h2d);
+		if (allocs[0] >= 0)
+			snprintf(pool_cols, sizeof(pool_cols), "%.0f; %.2f | %.0f; %.2f", allocs[0],
+				 allocs[1] / (2 * repeats - 1), pins[0], pins[1] / (2 * repeats - 1));
 		printf("| %u | %u | %zu | %.2f | %.2fx | %.2f | %.2fx | %.2f | %.3f (%.3f) | %.3f | %.3f "
-		       "| %s | %.2f | %.3f | %s |\n",
+		       "| %s | %.2f | %.3f | %s | %s |\n",
 		       n_tokens, n_chunks, n_sel, rates[repeats / 2],
 		       rates[repeats / 2] / memcpys[repeats / 2], rates_copy[repeats / 2],
 		       rates_copy[repeats / 2] / memcpys[repeats / 2], memcpys[repeats / 2],
 		       waits[repeats / 2], 2 * layer_bytes / memcpys[repeats / 2] / 1e6, merge_ms,
 		       load_ms, h2d_cols, opens[repeats], all_layers ? cpu0 * 1e3 / all_layers : 0,
-		       on_dev < 0 ? "–" : on_dev > 0 ? "yes" : "no");
+		       on_dev < 0 ? "–" : on_dev > 0 ? "yes" : "no", pool_cols);
 		fflush(stdout);
 		free(segs);
 		free(fresh_kv);
@@ -335,7 +352,11 @@ int main(int argc, char **argv)
 	       "kvb_fuse_open() as the node sees it (median). Daemon CPU: the daemon's user and "
 	       "system CPU time over the size's runs per layer served (threads that spin waiting "
 	       "for a device show here). On device: where the daemon computed the session "
-	       "(FUSE_CLOSE's on_device).\n");
+	       "(FUSE_CLOSE's on_device). Allocs and pins per open: device and pinned blocks the "
+	       "session's open allocated (its pools had none to give) and shared rings it pinned "
+	       "(cudaHostRegister), for the size's first session and on average for the later ones "
+	       "(FUSE_CLOSE's device_allocs and ring_registrations; the goal is 0 for the later "
+	       "ones: pooled, pinned once per segment).\n");
 	kvb_close(&c);
 	bench_stop_daemon(pid, dir);
 	return 0;

@@ -7,8 +7,8 @@
 # device tests of the CPU suite (emulated device); the daemon's start log under --device
 # auto; the benchmarks (bench_cuda: kernels against a device-to-device copy and the
 # pipelined upload against host-to-device bandwidth; bench_fuse with --device cpu, --device
-# cuda and --device cuda --on-device, each with the open time and the daemon's CPU time per
-# layer); and, where nsys is installed, a trace of device sessions (copies from pageable
+# cuda, --device cuda --reserve 4G and --device cuda --on-device, each with the open time,
+# the daemon's CPU time per layer and the blocks allocated and rings pinned per open); and, where nsys is installed, a trace of device sessions (copies from pageable
 # memory, kernel launches per layer, allocations). Last, a summary: for each of issue 23's
 # findings 1-13 one line saying what this run showed, printed and written to
 # OUT/summary.txt. Every log and table goes to OUT (default $OUT, else ./gpu-out). Needs
@@ -76,6 +76,10 @@ for dev in cpu cuda; do
 	build-gpu/bin/bench_fuse --device "$dev" --tokens "$sizes" --repeats 3 2>&1 |
 		tee "$out/bench_fuse_$dev.md"
 done
+# Sessions' blocks carved from memory the daemon reserved at start (fuse_device_reserve):
+# even the first session of a size should allocate nothing on its open.
+build-gpu/bin/bench_fuse --device cuda --reserve 4G --tokens "$sizes" --repeats 3 2>&1 |
+	tee "$out/bench_fuse_cuda_reserve.md"
 # The fused layers handed over on the GPU (CUDA IPC) instead of the shared ring.
 build-gpu/bin/bench_fuse --device cuda --on-device --tokens "$sizes" --repeats 3 2>&1 |
 	tee "$out/bench_fuse_cuda_ipc.md"
@@ -130,6 +134,8 @@ failed_t=$(grep -cE "\*\*\*Failed|\(Failed\)|Exception" "$out/parity.log")
 ok_large=$(grep -c '^ok - ' "$out/large_parity.log")
 bad_large=$(grep -c '^not ok - ' "$out/large_parity.log")
 t=32768
+# Finding 6 from the daemon's own counts (bench_fuse's columns from FUSE_CLOSE's statistics).
+pool6="per session open at $t tokens on cuda: blocks allocated (first; later sessions on average) $(col "$out/bench_fuse_cuda.md" $t 17), shared rings pinned $(col "$out/bench_fuse_cuda.md" $t 18) (goal for later sessions: 0; 0); with --on-device $(col "$out/bench_fuse_cuda_ipc.md" $t 17) allocated (an exported block is never reused); with --fuse-device-reserve 4G $(col "$out/bench_fuse_cuda_reserve.md" $t 17) allocated (goal: 0; 0); open ms: cpu $(col "$out/bench_fuse_cpu.md" $t 14), cuda $(col "$out/bench_fuse_cuda.md" $t 14), cuda with the reserve $(col "$out/bench_fuse_cuda_reserve.md" $t 14)"
 {
 	echo "gpu.sh summary ($(head -1 "$out/device.txt"); driver ${driver:-?}, compute mode ${mode:-?})"
 	echo "finding 1 (exported ring freed under the node's mapping): close order on the emulated export $(passed test_device_export "$out/device_tests.log"); on this GPU bench_fuse --on-device $(grep -q '^| 4096' "$out/bench_fuse_cuda_ipc.md" && echo 'fused through CUDA IPC at every size' || echo 'did NOT complete: see bench_fuse_cuda_ipc.md') (an unmap after the free would fault the node)"
@@ -137,11 +143,11 @@ t=32768
 	echo "finding 3 (driver floor): this build needs driver ${floor:-?} or newer, this machine has ${driver:-?}$(awk -v d="${driver%%.*}" -v f="${floor:-0}" 'BEGIN { if (d + 0 >= f + 0 && f + 0 > 0) print ": at or above the floor"; else print ": BELOW the floor or unknown" }'); start log: $(grep -o '\[CUDA runtime[^]]*\]' "$out/daemon_auto.log" | head -1)"
 	echo "finding 4 (skips counted as passes): gpu suite ${ran} passed, ${skipped} skipped, ${failed_t} failed (a skip fails the run)"
 	if [ -n "$trace" ]; then
-		echo "finding 5 (pageable copies): nsys cuda_memcpy_async rule: $(grep -ciE 'pageable' "$out/trace_pageable.txt") lines naming pageable memory (see trace_pageable.txt; 0 is the goal)"
-		echo "finding 6 (allocation in the hot path): 2 sessions traced: cudaMalloc $(api_calls cudaMalloc), cudaFree $(api_calls cudaFree), cudaMallocHost $(api_calls cudaMallocHost), cudaFreeHost $(api_calls cudaFreeHost), cudaHostRegister $(api_calls cudaHostRegister), cudaStreamCreateWithFlags $(api_calls cudaStreamCreateWithFlags) (the second session should add none); open ms at $t tokens: cpu $(col "$out/bench_fuse_cpu.md" $t 14), cuda $(col "$out/bench_fuse_cuda.md" $t 14)"
+		echo "finding 5 (pageable copies): nsys cuda_memcpy_async rule: $(grep -ciE 'pageable' "$out/trace_pageable.txt") lines naming pageable memory (see trace_pageable.txt; 0 is the goal); on the emulated device no copy of a session is pageable: test_device_export $(passed test_device_export "$out/device_tests.log")"
+		echo "finding 6 (allocation in the hot path): 2 sessions traced: cudaMalloc $(api_calls cudaMalloc), cudaFree $(api_calls cudaFree), cudaMallocHost $(api_calls cudaMallocHost), cudaFreeHost $(api_calls cudaFreeHost), cudaHostRegister $(api_calls cudaHostRegister), cudaHostUnregister $(api_calls cudaHostUnregister), cudaStreamCreateWithFlags $(api_calls cudaStreamCreateWithFlags) (the second session should add none: at most one cudaHostRegister, the shared ring's, and the spares' allocations off the open path); ${pool6}"
 	else
-		echo "finding 5 (pageable copies): not measured: nsys is not installed (fix in the code: fresh rows and replies staged through pinned memory)"
-		echo "finding 6 (allocation in the hot path): no trace (nsys not installed); open ms at $t tokens: cpu $(col "$out/bench_fuse_cpu.md" $t 14), cuda $(col "$out/bench_fuse_cuda.md" $t 14)"
+		echo "finding 5 (pageable copies): not traced: nsys is not installed; on the emulated device no copy of a session is pageable (fresh rows, replies, rotation tables and spans staged through pinned memory): test_device_export $(passed test_device_export "$out/device_tests.log")"
+		echo "finding 6 (allocation in the hot path): no trace (nsys not installed); ${pool6}"
 	fi
 	echo "finding 7 (waiting threads spin): start log says '$(grep -o 'waits [a-z]*' "$out/daemon_auto.log" | head -1)'; daemon CPU ms per layer at $t tokens: cuda $(col "$out/bench_fuse_cuda.md" $t 15) against a layer wait of $(col "$out/bench_fuse_cuda.md" $t 9 | cut -d'(' -f1) ms; cpu $(col "$out/bench_fuse_cpu.md" $t 15)"
 	if [ -n "$trace" ]; then
@@ -151,7 +157,7 @@ t=32768
 	fi
 	echo "finding 9 (whole pinned ring zeroed at open): fresh rows only, checked on the emulated device ($(passed test_device_export "$out/device_tests.log")); open ms at $t tokens on cuda: $(col "$out/bench_fuse_cuda.md" $t 14)"
 	echo "finding 10 (no device budget): budget and host-path fallback $(passed test_device_fault "$out/device_tests.log") on the emulated device; on this GPU the default budget is 9/10 of $(nvidia-smi --query-gpu=memory.total --format=csv,noheader 2> /dev/null | head -1)"
-	echo "finding 11 (failed CUB size query): top-k of 400K candidates on the GPU: $(grep -E '^(not )?ok - top-' "$out/large_parity.log" | cut -d' ' -f1-2 | head -1 || echo '?')"
+	echo "finding 11 (failed CUB size query): top-k of 400K candidates on the GPU: $(grep -E '^(not )?ok - top-' "$out/large_parity.log" | grep -v 'too little scratch' | cut -d' ' -f1-2 | head -1 || echo '?'); with too little scratch: $(grep -E '^(not )?ok - top-.*too little scratch' "$out/large_parity.log" | cut -d' ' -f1-2 | head -1 || echo '?') (-EINVAL, no selection); a failing size query refuses the open on the emulated device: test_device_fault $(passed test_device_fault "$out/device_tests.log")"
 	echo "finding 12 (large-shape parity): ${ok_large} checks byte for byte as the CPU, ${bad_large} not (large_parity.log)"
 	for s in ${sizes//,/ }; do
 		cpu_c=$(col "$out/bench_fuse_cpu.md" "$s" 6)

@@ -131,8 +131,14 @@ struct blend_device {
  * for tests of how callers survive one. With sticky, that failure is a sticky
  * one, as CUDA's illegal address is: every later call that queues work or
  * synchronizes fails too, and broken() says so. Where the environment names a
- * file in KVBLEND_EMULATED_LOG, each free of device memory appends "free ADDR" to
- * it (tests of when an exported block is freed). Returns 0 or -ENOMEM.
+ * file in KVBLEND_EMULATED_LOG, the device appends a line "WHAT ADDR" to it for
+ * each alloc, free, host_alloc, host_free, host_register ("register") and
+ * host_unregister ("unregister"), and for each copy from or to host memory that is
+ * neither host_alloc'd nor registered ("pageable_upload", "pageable_download": on
+ * a GPU, a copy that blocks and runs slowly): tests of when an exported block is
+ * freed and of what a session allocates, pins and copies. With
+ * KVBLEND_EMULATED_SCRATCH_FAIL=1 in the environment, select_scratch answers 0 (the
+ * device cannot say), as CUB's size query does when it fails. Returns 0 or -ENOMEM.
  */
 int blend_emu_open(uint64_t fail_after, bool sticky, struct blend_device **out);
 void blend_emu_close(struct blend_device **d);

@@ -1,5 +1,6 @@
 /* emu — the emulated device: device.h's table on host memory and the CPU kernels. */
 #include <errno.h>
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -16,7 +17,16 @@ struct emu {
 	_Atomic uint64_t calls; /* calls that queue work, for fail_after */
 	uint64_t fail_after;
 	bool sticky;		/* the injected failure is for good */
+	bool no_scratch;	/* KVBLEND_EMULATED_SCRATCH_FAIL: select_scratch fails */
 	_Atomic int failed;	/* a failure was injected: last_error says so */
+	/* Host memory that is pinned (host_alloc'd or registered), so that a copy from or
+	 * to any other host memory, pageable on a GPU, is noted (tests of finding 5). */
+	pthread_mutex_t lock;
+	struct pinned {
+		const uint8_t *p;
+		size_t bytes;
+	} *pinned;
+	size_t n_pinned, cap_pinned;
 };
 
 /* Streams and events exist only as distinct handles: all work is done at once. */
@@ -53,6 +63,26 @@ static int step(const struct blend_device *d)
 	return 0;
 }
 
+/*
+ * "WHAT ADDR" appended to the log, one write: tests read when a block is freed (the
+ * close order) and what a session allocates and pins ("alloc", "host_alloc",
+ * "register", "unregister", "free"), and any copy from or to pageable memory
+ * ("pageable_upload", "pageable_download").
+ */
+static void note(const struct emu *e, const char *what, const void *p)
+{
+	char line[64];
+	int n;
+	FILE *f;
+
+	if (!e->log || !(f = fopen(e->log, "a")))
+		return;
+	n = snprintf(line, sizeof(line), "%s %llx\n", what, (unsigned long long)(uintptr_t)p);
+	setvbuf(f, NULL, _IONBF, 0);
+	fwrite(line, 1, (size_t)n, f);
+	fclose(f);
+}
+
 static int e_alloc(const struct blend_device *d, size_t bytes, void **out)
 {
 	void *p;
@@ -63,59 +93,107 @@ static int e_alloc(const struct blend_device *d, size_t bytes, void **out)
 	if (!p)
 		return -ENOMEM;
 	atomic_fetch_add(&E(d)->held, bytes);
+	note(E(d), "alloc", p);
 	*out = p;
 	return 0;
-}
-
-/* "free ADDR" appended to the log, one write: tests of the close order read it. */
-static void note_free(const struct emu *e, const void *p)
-{
-	char line[64];
-	int n;
-	FILE *f;
-
-	if (!e->log || !(f = fopen(e->log, "a")))
-		return;
-	n = snprintf(line, sizeof(line), "free %llx\n", (unsigned long long)(uintptr_t)p);
-	setvbuf(f, NULL, _IONBF, 0);
-	fwrite(line, 1, (size_t)n, f);
-	fclose(f);
 }
 
 static void e_free(const struct blend_device *d, void *p, size_t bytes)
 {
 	if (!p)
 		return;
-	note_free(E(d), p);
+	note(E(d), "free", p);
 	free(p);
 	atomic_fetch_sub(&E(d)->held, bytes);
 }
 
+/* Note [p, p + bytes) as pinned: 0 or -ENOMEM. */
+static int pinned_add(struct emu *e, const void *p, size_t bytes)
+{
+	int rc = 0;
+
+	pthread_mutex_lock(&e->lock);
+	if (e->n_pinned == e->cap_pinned) {
+		size_t cap = e->cap_pinned ? 2 * e->cap_pinned : 16;
+		struct pinned *np = realloc(e->pinned, cap * sizeof(*np));
+
+		if (np) {
+			e->pinned = np;
+			e->cap_pinned = cap;
+		}
+	}
+	if (e->n_pinned < e->cap_pinned)
+		e->pinned[e->n_pinned++] = (struct pinned){ p, bytes };
+	else
+		rc = -ENOMEM;
+	pthread_mutex_unlock(&e->lock);
+	return rc;
+}
+
+static void pinned_drop(struct emu *e, const void *p)
+{
+	pthread_mutex_lock(&e->lock);
+	for (size_t i = 0; i < e->n_pinned; i++)
+		if (e->pinned[i].p == p) {
+			e->pinned[i] = e->pinned[--e->n_pinned];
+			break;
+		}
+	pthread_mutex_unlock(&e->lock);
+}
+
+/* Whether [p, p + n) lies in pinned host memory. */
+static bool is_pinned(struct emu *e, const void *p, size_t n)
+{
+	uintptr_t x = (uintptr_t)p;
+	bool in = false;
+
+	pthread_mutex_lock(&e->lock);
+	for (size_t i = 0; i < e->n_pinned && !in; i++) {
+		uintptr_t b = (uintptr_t)e->pinned[i].p;
+
+		in = x >= b && x - b <= e->pinned[i].bytes && n <= e->pinned[i].bytes - (x - b);
+	}
+	pthread_mutex_unlock(&e->lock);
+	return in;
+}
+
 static int e_host_alloc(const struct blend_device *d, size_t bytes, void **out)
 {
-	(void)d;
-	*out = malloc(bytes ? bytes : 1);
-	return *out ? 0 : -ENOMEM;
+	void *p = malloc(bytes ? bytes : 1);
+
+	if (!p)
+		return -ENOMEM;
+	if (pinned_add(E(d), p, bytes)) {
+		free(p);
+		return -ENOMEM;
+	}
+	note(E(d), "host_alloc", p);
+	*out = p;
+	return 0;
 }
 
 static void e_host_free(const struct blend_device *d, void *p)
 {
-	(void)d;
+	if (!p)
+		return;
+	pinned_drop(E(d), p);
+	note(E(d), "host_free", p);
 	free(p);
 }
 
 static int e_host_register(const struct blend_device *d, void *p, size_t bytes)
 {
-	(void)d;
-	(void)p;
-	(void)bytes;
-	return 0;
+	int rc = pinned_add(E(d), p, bytes);
+
+	if (!rc)
+		note(E(d), "register", p);
+	return rc;
 }
 
 static void e_host_unregister(const struct blend_device *d, void *p)
 {
-	(void)d;
-	(void)p;
+	pinned_drop(E(d), p);
+	note(E(d), "unregister", p);
 }
 
 static int e_stream_new(const struct blend_device *d, struct blend_stream **out)
@@ -185,6 +263,22 @@ static int e_copy(const struct blend_device *d, struct blend_stream *st, void *d
 	return rc;
 }
 
+static int e_upload(const struct blend_device *d, struct blend_stream *st, void *dev,
+		    const void *host, size_t n)
+{
+	if (n && E(d)->log && !is_pinned(E(d), host, n))
+		note(E(d), "pageable_upload", host);
+	return e_copy(d, st, dev, host, n);
+}
+
+static int e_download(const struct blend_device *d, struct blend_stream *st, void *host,
+		      const void *dev, size_t n)
+{
+	if (n && E(d)->log && !is_pinned(E(d), host, n))
+		note(E(d), "pageable_download", host);
+	return e_copy(d, st, host, dev, n);
+}
+
 static int e_zero(const struct blend_device *d, struct blend_stream *st, void *dev, size_t n)
 {
 	int rc = step(d);
@@ -239,11 +333,11 @@ static int e_deviation(const struct blend_device *d, struct blend_stream *st,
 	return rc ? rc : cpu->deviation(cpu, s, fresh, stored, idx, n, out);
 }
 
+/* 0 (the device cannot say, as a failed CUB size query) with KVBLEND_EMULATED_SCRATCH_FAIL. */
 static size_t e_select_scratch(const struct blend_device *d, size_t n)
 {
-	(void)d;
 	(void)n;
-	return 1;
+	return E(d)->no_scratch ? 0 : 1;
 }
 
 static int e_select(const struct blend_device *d, struct blend_stream *st, const int32_t *cand,
@@ -311,6 +405,11 @@ static void e_memory(const struct blend_device *d, uint64_t *held, uint64_t *tot
 
 static void e_last_error(const struct blend_device *d, char *buf, size_t len)
 {
+	if (E(d)->no_scratch && !atomic_load(&E(d)->failed)) {
+		snprintf(buf, len, "emulated device: the top-k scratch size query failed "
+			 "(KVBLEND_EMULATED_SCRATCH_FAIL)");
+		return;
+	}
 	snprintf(buf, len, "%s", !atomic_load(&E(d)->failed) ? "" : E(d)->sticky ?
 		 "emulated device: injected sticky failure (fail_after, sticky)" :
 		 "emulated device: injected failure (fail_after)");
@@ -331,6 +430,9 @@ int blend_emu_open(uint64_t fail_after, bool sticky, struct blend_device **out)
 	e->fail_after = fail_after;
 	e->sticky = sticky;
 	e->log = getenv("KVBLEND_EMULATED_LOG");
+	e->no_scratch = getenv("KVBLEND_EMULATED_SCRATCH_FAIL") &&
+			!strcmp(getenv("KVBLEND_EMULATED_SCRATCH_FAIL"), "1");
+	pthread_mutex_init(&e->lock, NULL);
 	e->table = (struct blend_device){
 		.name = "emulated",
 		.ctx = e,
@@ -348,8 +450,8 @@ int blend_emu_open(uint64_t fail_after, bool sticky, struct blend_device **out)
 		.event_record = e_event_record,
 		.event_wait = e_event_wait,
 		.event_sync = e_event_sync,
-		.upload = e_copy,
-		.download = e_copy,
+		.upload = e_upload,
+		.download = e_download,
 		.zero = e_zero,
 		.rotate = e_rotate,
 		.rotate_spans = e_rotate_spans,
@@ -372,6 +474,8 @@ void blend_emu_close(struct blend_device **dp)
 
 	if (!d)
 		return;
+	pthread_mutex_destroy(&E(d)->lock);
+	free(E(d)->pinned);
 	free(d->ctx);
 	*dp = NULL;
 }

@@ -78,6 +78,10 @@ static const struct key keys[] = {
 	  "device memory all fuse sessions may hold on the device (their device blocks, and "
 	  "blocks kept for the next session); 0: nine tenths of the device's memory. A session "
 	  "that does not fit, or meets the device out of memory, runs on the host path" },
+	{ "fuse_device_reserve", "SIZE", T_SIZE, OFF(fuse_device_reserve), 0, 1024 * GiB, "0",
+	  "device memory, and as much pinned host memory, allocated at start for fuse sessions' "
+	  "blocks on the device, so that no session's open allocates (or close frees) device or "
+	  "pinned memory; 0: none, blocks are allocated as sessions need them and pooled" },
 	{ "fuse_ring", "LAYERS", T_UINT, OFF(fuse_ring), 1, 64, "3",
 	  "layers of a fuse session loaded (read, decoded, re-rotated) ahead of the node" },
 	{ "fuse_idle", "SECONDS", T_UINT, OFF(fuse_idle), 1, 86400, "60",

@@ -44,6 +44,7 @@ struct config {
 	uint64_t fuse_max_tokens;
 	uint64_t fuse_max_bytes;
 	uint64_t fuse_device_max_bytes;
+	uint64_t fuse_device_reserve;
 	uint64_t fuse_ring;
 	uint64_t fuse_idle;
 	uint64_t capacity;

@@ -54,6 +54,14 @@ struct fuse_limits {
 	 * path, where no layer crosses PCIe twice (the choice device auto makes).
 	 */
 	bool dev_host;
+	/*
+	 * Device memory, and as much pinned host memory, allocated when the table is made,
+	 * from which sessions' blocks are carved (0: none): a session's open then calls
+	 * nothing on the device to allocate, nor its close to free. Blocks that do not
+	 * fit, and device rings a node maps (CUDA IPC maps a whole allocation), are
+	 * allocated as without it. Counts against neither budget until sessions hold it.
+	 */
+	uint64_t dev_reserve;
 };
 
 struct fuse_table;
@@ -181,7 +189,8 @@ uint32_t fuse_close(struct fuse_table *t, uint64_t id, const char *owner, struct
 
 /*
  * Free sessions idle longer than idle_s, and the device memory sessions gave up since
- * the last call; returns how many sessions. Waits for their device work and frees
+ * the last call (pinned shared rings released, too), and allocate spare blocks for the
+ * next sessions; returns how many sessions. Waits for their device work and frees
  * device memory, which stalls the device: call it off the thread that serves
  * sockets (kvblendd: the prefetch thread, once a second).
  */
@@ -195,6 +204,21 @@ void fuse_usage(struct fuse_table *t, uint64_t *sessions, uint64_t *bytes, uint6
  * (dev_max_bytes) was full, its memory short, or it had failed for good. 0 without one.
  */
 uint64_t fuse_device_fallbacks(struct fuse_table *t);
+
+/*
+ * What the device path allocated and pinned, since the table was made (all 0 without a
+ * device): device and pinned host blocks allocated because the cache had none to give
+ * (a session's open costs none once the pools are warm), shared rings pinned in place
+ * (cudaHostRegister: once per segment, not per session) and unpinned, rings pinned
+ * now, and spare blocks allocated off the sessions' path (fuse_expire's thread) for
+ * the next session of a shape an open had to allocate for; and the reserve
+ * (dev_reserve, 0 without one) and what sessions hold of it, [0] device, [1] pinned.
+ */
+struct fuse_device_counts {
+	uint64_t allocs, registrations, unregistrations, pinned_rings, spares;
+	uint64_t reserve_bytes, reserve_used[2];
+};
+void fuse_device_counts(struct fuse_table *t, struct fuse_device_counts *c);
 
 /* The RoPE configuration of a stored model. */
 void fuse_rope_config(const struct store_model *m, struct rope_config *c);

@@ -308,6 +308,30 @@ void metrics_write(struct server *srv, FILE *f)
 		      "Fuse sessions that ran on the host path though the daemon has a device: its "
 		      "budget (fuse_device_max_bytes) was full, its memory short, or it had failed.",
 		      "counter", (double)fuse_device_fallbacks(srv->fuse));
+		{
+			struct fuse_device_counts c;
+
+			fuse_device_counts(srv->fuse, &c);
+			gauge(f, "kvblend_fuse_device_allocs_total",
+			      "Device and pinned host blocks the fuse allocated because its pools had "
+			      "none to give (a session's open allocates none once they are warm).",
+			      "counter", (double)c.allocs);
+			gauge(f, "kvblend_fuse_device_registrations_total",
+			      "Shared rings pinned in place for the device (cudaHostRegister): once "
+			      "per segment, not per session.", "counter", (double)c.registrations);
+			gauge(f, "kvblend_fuse_device_unregistrations_total",
+			      "Shared rings unpinned, before their segment is unmapped.", "counter",
+			      (double)c.unregistrations);
+			gauge(f, "kvblend_fuse_device_pinned_rings",
+			      "Shared rings pinned now (in use, or kept for their owner's next "
+			      "session).", "gauge", (double)c.pinned_rings);
+			gauge(f, "kvblend_fuse_device_spares_total",
+			      "Spare blocks allocated off the sessions' path, for the next session of "
+			      "a shape an open had to allocate for.", "counter", (double)c.spares);
+			gauge(f, "kvblend_fuse_device_reserve_used_bytes",
+			      "Bytes of the device reserve (fuse_device_reserve) sessions hold.",
+			      "gauge", (double)c.reserve_used[0]);
+		}
 	}
 }
 

@@ -498,6 +498,20 @@ static void stats_device(struct stat_list *l, struct server *srv)
 		stat_add(l, "device_failed", srv->dev->broken(srv->dev));
 		/* Sessions the device had no room for (or had failed): on the host path. */
 		stat_add(l, "fuse_device_fallbacks", (double)fuse_device_fallbacks(srv->fuse));
+		{
+			struct fuse_device_counts c;
+
+			/* Allocations and pins on sessions' paths: flat once the pools are warm. */
+			fuse_device_counts(srv->fuse, &c);
+			stat_add(l, "fuse_device_allocs", (double)c.allocs);
+			stat_add(l, "fuse_device_registrations", (double)c.registrations);
+			stat_add(l, "fuse_device_unregistrations", (double)c.unregistrations);
+			stat_add(l, "fuse_device_pinned_rings", (double)c.pinned_rings);
+			stat_add(l, "fuse_device_spares", (double)c.spares);
+			stat_add(l, "fuse_device_reserve_bytes", (double)c.reserve_bytes);
+			stat_add(l, "fuse_device_reserve_used_bytes", (double)c.reserve_used[0]);
+			stat_add(l, "fuse_pinned_reserve_used_bytes", (double)c.reserve_used[1]);
+		}
 	}
 }
 

@@ -1023,7 +1023,7 @@ int server_start(struct server *srv, const struct config *cfg, struct store *sto
 		struct fuse_limits fl = { cfg->fuse_max_sessions, cfg->fuse_max_tokens,
 					  cfg->fuse_max_bytes, cfg->fuse_ring, cfg->fuse_idle,
 					  cfg->client_fuse_sessions, cfg->fuse_device_max_bytes,
-					  srv->dev_host };
+					  srv->dev_host, cfg->fuse_device_reserve };
 
 		rc = fuse_table_new(&fl, store, srv->pool, srv->blend, srv->dev, srv->shm,
 				    &srv->fuse);

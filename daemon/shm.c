@@ -33,6 +33,9 @@ struct segment {
 	bool ring;     /* a fuse ring: the daemon's, kept for the owner's next session */
 	bool detached; /* released: unmapped once users drop to 0 */
 	bool cached;   /* a released ring, idle in the reuse cache */
+	bool pinned;   /* pinned in place by the pinner (shm_pin) */
+	bool pinning;  /* a shm_pin() is pinning it now */
+	bool retired;  /* released while pinned: shm_reap() unpins and unmaps it */
 	char owner[SHM_OWNER_MAX];
 	time_t last_used;
 };
@@ -43,6 +46,9 @@ struct shm_table {
 	uint64_t max_one, max_total, total, idle_s, counter;
 	unsigned per_owner;
 	bool closing;
+	struct shm_pinner pinner;
+	bool has_pinner;
+	uint64_t pins, unpins;
 	/* descriptor server */
 	int listen_fd;
 	char path[sizeof(((struct sockaddr_un *)0)->sun_path)];
@@ -91,6 +97,21 @@ static void seg_destroy(struct shm_table *t, struct segment *s)
 		s->last_used = now_s();
 		return;
 	}
+	if (s->pinned && t->has_pinner && !t->closing) {
+		/* Unpinning stalls the device, and this may be the thread that serves
+		 * sockets: shm_reap() unpins and unmaps it. The slot stays taken till then. */
+		s->retired = true;
+		s->id = UINT64_MAX;
+		s->detached = true;
+		s->cached = false;
+		s->ring = false;
+		t->total -= s->size;
+		return;
+	}
+	if (s->pinned && t->has_pinner) {
+		t->pinner.unpin(t->pinner.ctx, s->base);
+		t->unpins++;
+	}
 	munmap(s->base, s->size);
 	close(s->fd);
 	t->total -= s->size;
@@ -111,6 +132,7 @@ void shm_table_free(struct shm_table **tp)
 		close(t->listen_fd);
 		unlink(t->path);
 	}
+	shm_reap(t);
 	t->closing = true;
 	for (int i = 0; i < SHM_SLOTS; i++)
 		if (t->seg[i].id && t->seg[i].id != UINT64_MAX)
@@ -164,12 +186,14 @@ static struct segment *free_slot(struct shm_table *t)
 	for (int i = 0; i < SHM_SLOTS; i++)
 		if (!t->seg[i].id)
 			return &t->seg[i];
-	/* every slot in use: a cached ring gives its slot up */
+	/* every slot in use: a cached ring gives its slot up (a pinned one only once
+	 * shm_reap() unmapped it) */
 	for (int i = 0; i < SHM_SLOTS; i++)
 		if (t->seg[i].cached) {
 			t->seg[i].ring = false;
 			seg_destroy(t, &t->seg[i]);
-			return &t->seg[i];
+			if (!t->seg[i].id)
+				return &t->seg[i];
 		}
 	return NULL;
 }
@@ -522,4 +546,118 @@ int shm_serve(struct shm_table *t, const char *path, unsigned mode)
 const char *shm_path(const struct shm_table *t)
 {
 	return t->serving ? t->path : "";
+}
+
+/* ---- pinning ---- */
+
+void shm_set_pinner(struct shm_table *t, const struct shm_pinner *p)
+{
+	if (p) {
+		pthread_mutex_lock(&t->lock);
+		t->pinner = *p;
+		t->has_pinner = true;
+		pthread_mutex_unlock(&t->lock);
+		return;
+	}
+	shm_reap(t);
+	/* Under the lock: this runs at shutdown, when no one waits on the table. */
+	pthread_mutex_lock(&t->lock);
+	for (int i = 0; t->has_pinner && i < SHM_SLOTS; i++) {
+		struct segment *s = &t->seg[i];
+
+		if (!s->pinned || s->id == UINT64_MAX) /* a retired one: shm_reap() above */
+			continue;
+		t->pinner.unpin(t->pinner.ctx, s->base);
+		t->unpins++;
+		s->pinned = false;
+	}
+	t->has_pinner = false;
+	pthread_mutex_unlock(&t->lock);
+}
+
+int shm_pin(struct shm_table *t, uint64_t id, bool *fresh)
+{
+	struct shm_pinner p;
+	struct segment *s;
+	void *base = NULL;
+	uint64_t size = 0;
+	int rc = 0;
+
+	pthread_mutex_lock(&t->lock);
+	s = find(t, id);
+	if (!s)
+		rc = -ENOENT;
+	else if (!t->has_pinner)
+		rc = -ENODEV;
+	else if (s->pinning)
+		rc = -EBUSY;
+	else if (s->pinned)
+		*fresh = false;
+	else {
+		s->pinning = true;
+		base = s->base;
+		size = s->size;
+		p = t->pinner;
+	}
+	pthread_mutex_unlock(&t->lock);
+	if (rc || !base)
+		return rc;
+	/* Outside the lock (pinning gigabytes takes a while): the caller holds the segment,
+	 * so it stays mapped. */
+	rc = p.pin(p.ctx, base, size);
+	pthread_mutex_lock(&t->lock);
+	s->pinning = false;
+	if (!rc) {
+		s->pinned = true;
+		t->pins++;
+		*fresh = true;
+	}
+	pthread_mutex_unlock(&t->lock);
+	return rc;
+}
+
+unsigned shm_reap(struct shm_table *t)
+{
+	unsigned n = 0;
+
+	for (;;) {
+		struct segment *s = NULL;
+		struct shm_pinner p = { 0 };
+		bool unpin = false;
+
+		pthread_mutex_lock(&t->lock);
+		for (int i = 0; i < SHM_SLOTS && !s; i++)
+			if (t->seg[i].retired)
+				s = &t->seg[i];
+		if (s) {
+			s->retired = false; /* the slot stays taken (id UINT64_MAX) till it is cleared */
+			unpin = t->has_pinner;
+			p = t->pinner;
+		}
+		pthread_mutex_unlock(&t->lock);
+		if (!s)
+			return n;
+		if (unpin)
+			p.unpin(p.ctx, s->base);
+		munmap(s->base, s->size);
+		close(s->fd);
+		pthread_mutex_lock(&t->lock);
+		t->unpins += unpin;
+		memset(s, 0, sizeof(*s));
+		pthread_mutex_unlock(&t->lock);
+		n++;
+	}
+}
+
+void shm_pin_counts(struct shm_table *t, uint64_t *pinned, uint64_t *pins, uint64_t *unpins)
+{
+	uint64_t n = 0;
+
+	pthread_mutex_lock(&t->lock);
+	for (int i = 0; i < SHM_SLOTS; i++)
+		n += t->seg[i].pinned && !t->seg[i].retired && t->seg[i].id != UINT64_MAX;
+	*pinned = n;
+	*pins = t->pins;
+	*unpins = t->unpins;
+	pthread_mutex_unlock(&t->lock);
 }

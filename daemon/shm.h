@@ -19,6 +19,7 @@
 #ifndef KVBLEND_DAEMON_SHM_H
 #define KVBLEND_DAEMON_SHM_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -90,5 +91,48 @@ unsigned shm_expire(struct shm_table *t);
 
 /* Segments attached and their bytes. */
 void shm_usage(struct shm_table *t, uint64_t *count, uint64_t *bytes);
+
+/*
+ * Pinning in place: the fuse device's page-locking of a ring segment (CUDA's
+ * cudaHostRegister), so that copies between the ring and the device run at full
+ * speed. A segment is pinned once for its life, not per session: it stays pinned
+ * while it waits in the ring cache for its owner's next session, and is unpinned
+ * only before it is unmapped. Unpinning stalls the device, so a pinned segment's
+ * unmapping, wherever it is decided (a detach, an eviction from the cache, an idle
+ * expiry on the thread that serves sockets), is deferred to shm_reap(), which the
+ * caller runs on a thread of its own. The bytes of a segment waiting there no longer
+ * count against max_total (it is unmapped within one reap).
+ */
+struct shm_pinner {
+	int (*pin)(void *ctx, void *base, size_t bytes); /* 0 or a negative errno */
+	void (*unpin)(void *ctx, void *base);
+	void *ctx;
+};
+
+/*
+ * Install pinner p (copied), or with NULL remove it: every segment still pinned is
+ * unpinned first (call it when no session holds one: at shutdown, before the device
+ * goes) and those waiting for shm_reap() are unmapped.
+ */
+void shm_set_pinner(struct shm_table *t, const struct shm_pinner *p);
+
+/*
+ * Pin segment id (held by the caller: shm_hold()) in place, all of its size, unless
+ * it is pinned already. Returns 0 with *fresh true when this call pinned it and false
+ * when it was pinned before (a ring reused from the cache); -ENOENT for an unknown
+ * id, -ENODEV with no pinner, -EBUSY while another thread pins it, or the pinner's
+ * errno (the segment is then not pinned; a later call tries again).
+ */
+int shm_pin(struct shm_table *t, uint64_t id, bool *fresh);
+
+/*
+ * Unpin and unmap the pinned segments released since the last call. Call it off the
+ * thread that serves sockets (kvblendd: the fuse's expiry thread, once a second).
+ * Returns how many.
+ */
+unsigned shm_reap(struct shm_table *t);
+
+/* Segments pinned now, and pins and unpins since the table was made. */
+void shm_pin_counts(struct shm_table *t, uint64_t *pinned, uint64_t *pins, uint64_t *unpins);
 
 #endif

@@ -2,10 +2,12 @@
 #include <errno.h>
 #include <inttypes.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "arena.h"
 #include "fuse_impl.h"
 #include "hkvd.h"
 #include "log.h"
@@ -44,6 +46,33 @@ bool dev_usable(struct fuse_table *t)
 	return false;
 }
 
+/* The shared-memory table's pinner (shm.h): the device's host_register, counted. */
+static int ring_pin(void *ctx, void *base, size_t bytes)
+{
+	struct fuse_table *t = ctx;
+	int rc = t->dev->host_register(t->dev, base, bytes);
+
+	if (!rc)
+		atomic_fetch_add(&t->n_registrations, 1);
+	return rc;
+}
+
+static void ring_unpin(void *ctx, void *base)
+{
+	struct fuse_table *t = ctx;
+
+	t->dev->host_unregister(t->dev, base);
+	atomic_fetch_add(&t->n_unregistrations, 1);
+}
+
+void dev_pinner_set(struct fuse_table *t, bool on)
+{
+	struct shm_pinner p = { ring_pin, ring_unpin, t };
+
+	if (t->dev && t->shm)
+		shm_set_pinner(t->shm, on ? &p : NULL);
+}
+
 #define DEV_ALIGN 256
 
 static size_t dev_align(size_t x)
@@ -51,10 +80,79 @@ static size_t dev_align(size_t x)
 	return (x + DEV_ALIGN - 1) / DEV_ALIGN * DEV_ALIGN;
 }
 
-/* Give a block back to the device (NULL: nothing). */
+/*
+ * The array arr (n elements used of *cap, elem bytes each) with room for one more:
+ * arr itself, or arr grown by doubling (from 8), *cap updated; NULL when out of
+ * memory (arr unchanged, still the caller's). The lists of reaped and cached blocks
+ * and of pooled streams grow through here, under the table lock.
+ */
+static void *room_for_one(void *arr, size_t n, size_t *cap, size_t elem)
+{
+	size_t want = *cap ? 2 * *cap : 8;
+	void *p;
+
+	if (n < *cap)
+		return arr;
+	p = realloc(arr, want * elem);
+	if (p)
+		*cap = want;
+	return p;
+}
+
+/* The reserve's arena p was carved from (host: pinned), or NULL. */
+static struct arena *arena_of(const struct fuse_table *t, bool host, const void *p)
+{
+	struct arena *a = t->arena[host];
+
+	return p && a && arena_owns(a, p) ? a : NULL;
+}
+
+void dev_reserve_open(struct fuse_table *t)
+{
+	const struct blend_device *d = t->dev;
+	size_t bytes = (size_t)t->lim.dev_reserve;
+	int rc = 0;
+
+	if (!d || !bytes)
+		return;
+	for (int host = 0; host < 2 && !rc; host++) {
+		rc = host ? d->host_alloc(d, bytes, &t->reserve[1]) :
+			    d->alloc(d, bytes, &t->reserve[0]);
+		if (!rc)
+			rc = arena_new(t->reserve[host], bytes, DEV_ALIGN, &t->arena[host]);
+	}
+	if (rc) {
+		log_warn("fuse_device_reserve %zu: cannot reserve that much %s memory (%s): "
+			 "sessions' blocks are allocated as they open", bytes,
+			 t->reserve[0] ? "pinned host" : "device", strerror(-rc));
+		dev_reserve_close(t);
+		return;
+	}
+	log_info("fuse: %zu bytes of device memory and as many of pinned host memory reserved "
+		 "for sessions' blocks", bytes);
+}
+
+void dev_reserve_close(struct fuse_table *t)
+{
+	for (int host = 0; host < 2; host++)
+		arena_free(&t->arena[host]);
+	if (t->reserve[0])
+		t->dev->free(t->dev, t->reserve[0], (size_t)t->lim.dev_reserve);
+	if (t->reserve[1])
+		t->dev->host_free(t->dev, t->reserve[1]);
+	t->reserve[0] = t->reserve[1] = NULL;
+}
+
+/* Give a block back to the device, or to the reserve it came from (NULL: nothing). */
 static void block_free(struct fuse_table *t, bool host, void *p, size_t bytes)
 {
-	if (p && host)
+	struct arena *a = arena_of(t, host, p);
+
+	if (a) { /* bookkeeping only: no device call */
+		pthread_mutex_lock(&t->lock);
+		arena_give(a, p);
+		pthread_mutex_unlock(&t->lock);
+	} else if (p && host)
 		t->dev->host_free(t->dev, p);
 	else if (p)
 		t->dev->free(t->dev, p, bytes);
@@ -66,19 +164,18 @@ static void block_free(struct fuse_table *t, bool host, void *p, size_t bytes)
  */
 static void block_free_later(struct fuse_table *t, bool host, void *p, size_t bytes)
 {
+	struct dblock *r;
+
 	if (!p)
 		return;
-	pthread_mutex_lock(&t->lock);
-	if (t->n_reap == t->cap_reap) {
-		size_t cap = t->cap_reap ? 2 * t->cap_reap : 8;
-		struct dblock *r = realloc(t->reap, cap * sizeof(*r));
-
-		if (r) {
-			t->reap = r;
-			t->cap_reap = cap;
-		}
+	if (arena_of(t, host, p)) { /* back to the reserve: nothing stalls */
+		block_free(t, host, p, bytes);
+		return;
 	}
-	if (t->n_reap < t->cap_reap) {
+	pthread_mutex_lock(&t->lock);
+	r = room_for_one(t->reap, t->n_reap, &t->cap_reap, sizeof(*r));
+	if (r) {
+		t->reap = r;
 		t->reap[t->n_reap++] = (struct dblock){ p, bytes, host };
 		p = NULL;
 	}
@@ -123,6 +220,7 @@ void block_flush(struct fuse_table *t)
 	t->cache = NULL;
 	t->n_cache = t->cap_cache = 0;
 	t->cached = t->cached_dev = 0;
+	t->n_want = 0; /* short of memory: no spares either */
 	pthread_mutex_unlock(&t->lock);
 	blocks_free(t, c, n);
 	block_reap(t);
@@ -193,16 +291,11 @@ static void streams_give(struct fuse_table *t, struct dev_sess *d, bool failed)
 		return;
 	pthread_mutex_lock(&t->lock);
 	if (!failed && ds.copy && ds.comp && ds.ev && t->n_spool < t->lim.max_sessions) {
-		if (t->n_spool == t->cap_spool) {
-			size_t cap = t->cap_spool ? 2 * t->cap_spool : 8;
-			struct dev_streams *p = realloc(t->spool, cap * sizeof(*p));
+		struct dev_streams *sp = room_for_one(t->spool, t->n_spool, &t->cap_spool,
+						      sizeof(*sp));
 
-			if (p) {
-				t->spool = p;
-				t->cap_spool = cap;
-			}
-		}
-		if (t->n_spool < t->cap_spool) {
+		if (sp) {
+			t->spool = sp;
 			t->spool[t->n_spool++] = ds;
 			ds.ev = NULL;
 			ds.copy = ds.comp = NULL;
@@ -255,28 +348,89 @@ void block_orphans_free(struct fuse_table *t)
 	t->n_orphans = 0;
 }
 
+static void block_give(struct fuse_table *t, bool host, void *p, size_t bytes);
+
+/* Note that a session's open had to allocate bytes (host: pinned), for block_spares(). */
+static void want_spare(struct fuse_table *t, bool host, size_t bytes)
+{
+	size_t n = sizeof(t->want) / sizeof(t->want[0]);
+
+	pthread_mutex_lock(&t->lock);
+	for (size_t i = 0; i < t->n_want; i++)
+		if (t->want[i].host == host && t->want[i].bytes == bytes)
+			goto out;
+	if (t->n_want == n) /* the oldest goes */
+		t->n_want--;
+	memmove(&t->want[1], &t->want[0], t->n_want * sizeof(t->want[0]));
+	t->want[0] = (struct dblock){ NULL, bytes, host };
+	t->n_want++;
+out:
+	pthread_mutex_unlock(&t->lock);
+}
+
+void block_spares(struct fuse_table *t)
+{
+	struct dblock want[sizeof(t->want) / sizeof(t->want[0])];
+	size_t n;
+
+	if (!t->dev || t->dev->broken(t->dev))
+		return;
+	pthread_mutex_lock(&t->lock);
+	n = t->n_want;
+	memcpy(want, t->want, n * sizeof(want[0]));
+	t->n_want = 0;
+	pthread_mutex_unlock(&t->lock);
+	for (size_t i = 0; i < n; i++) {
+		bool host = want[i].host, fits;
+		size_t bytes = want[i].bytes;
+		void *p = NULL;
+
+		pthread_mutex_lock(&t->lock);
+		fits = host ? t->bytes + (t->cached - t->cached_dev) + bytes <= t->lim.max_bytes
+			    : t->dev_bytes + t->cached_dev + bytes <= t->dev_budget;
+		pthread_mutex_unlock(&t->lock);
+		if (!fits || (host ? t->dev->host_alloc(t->dev, bytes, &p) :
+				     t->dev->alloc(t->dev, bytes, &p)))
+			continue; /* no room: the next session allocates, as before */
+		atomic_fetch_add(&t->n_spares, 1);
+		block_give(t, host, p, bytes);
+	}
+}
+
 /*
  * A block of at least bytes (device, or pinned host memory): a cached one of up to
- * 1.25 times that, else a new one (after dropping the cache if the device is full).
- * *got: its real size, which the session is charged.
+ * 1.25 times that, else one carved from the reserve (unless reserve is false), else a
+ * new one (after dropping the cache if the device is full), counted in *allocs and the
+ * table's allocations. *got: its real size, which the session is charged.
  */
-static int block_take(struct fuse_table *t, bool host, size_t bytes, void **out, size_t *got)
+static int block_take(struct fuse_table *t, bool host, size_t bytes, void **out, size_t *got,
+		      uint32_t *allocs, bool reserve)
 {
 	const struct blend_device *d = t->dev;
+	struct dblock *best = NULL;
 	int rc;
 
+	/* The smallest that fits: a larger one may be what the session's next block needs
+	 * (its ring and its staging can be of similar sizes). */
 	pthread_mutex_lock(&t->lock);
 	for (size_t i = 0; i < t->n_cache; i++) {
 		struct dblock *b = &t->cache[i];
 
-		if (b->host != host || b->bytes < bytes || b->bytes - bytes > bytes / 4)
-			continue;
-		*out = b->p;
-		*got = b->bytes;
-		t->cached -= b->bytes;
+		if (b->host == host && b->bytes >= bytes && b->bytes - bytes <= bytes / 4 &&
+		    (!best || b->bytes < best->bytes))
+			best = b;
+	}
+	if (best) {
+		*out = best->p;
+		*got = best->bytes;
+		t->cached -= best->bytes;
 		if (!host)
-			t->cached_dev -= b->bytes;
-		*b = t->cache[--t->n_cache];
+			t->cached_dev -= best->bytes;
+		*best = t->cache[--t->n_cache];
+		pthread_mutex_unlock(&t->lock);
+		return 0;
+	}
+	if (reserve && t->arena[host] && arena_take(t->arena[host], bytes, out, got) == 0) {
 		pthread_mutex_unlock(&t->lock);
 		return 0;
 	}
@@ -287,8 +441,12 @@ static int block_take(struct fuse_table *t, bool host, size_t bytes, void **out,
 			break;
 		block_flush(t);
 	}
-	if (!rc)
+	if (!rc) {
 		*got = bytes;
+		(*allocs)++;
+		atomic_fetch_add(&t->n_allocs, 1);
+		want_spare(t, host, bytes);
+	}
 	return rc;
 }
 
@@ -335,20 +493,18 @@ static void block_give(struct fuse_table *t, bool host, void *p, size_t bytes)
 
 	if (!p)
 		return;
+	if (arena_of(t, host, p)) { /* the reserve is the pool: back there, no cache needed */
+		block_free(t, host, p, bytes);
+		return;
+	}
 	pthread_mutex_lock(&t->lock);
 	fits = host ? t->bytes + (t->cached - t->cached_dev) + bytes <= t->lim.max_bytes
 		    : t->dev_bytes + t->cached_dev + bytes <= t->dev_budget;
 	if (fits) {
-		if (t->n_cache == t->cap_cache) {
-			size_t cap = t->cap_cache ? 2 * t->cap_cache : 8;
-			struct dblock *c = realloc(t->cache, cap * sizeof(*c));
+		struct dblock *c = room_for_one(t->cache, t->n_cache, &t->cap_cache, sizeof(*c));
 
-			if (c) {
-				t->cache = c;
-				t->cap_cache = cap;
-			}
-		}
-		if (t->n_cache < t->cap_cache) {
+		if (c) {
+			t->cache = c;
 			t->cache[t->n_cache++] = (struct dblock){ p, bytes, host };
 			t->cached += bytes;
 			if (!host)
@@ -359,6 +515,19 @@ static void block_give(struct fuse_table *t, bool host, void *p, size_t bytes)
 	}
 	pthread_mutex_unlock(&t->lock);
 	block_free_later(t, host, p, bytes);
+}
+
+/* Bytes of the chunks' spans and rotation tables, which end a session's device block. */
+static size_t dev_setup_bytes(const struct fuse_session *s)
+{
+	size_t off = dev_align((s->n_chunks + 1) * sizeof(struct blend_dev_span));
+
+	for (size_t i = 0; i < s->n_chunks; i++) {
+		const struct rope_table *r = &s->chunks[i].rot;
+
+		off += 2 * dev_align((size_t)r->rows * r->half * sizeof(float));
+	}
+	return off;
 }
 
 /* Carve (or, with base NULL, only measure) a session's device block; returns its size. */
@@ -423,8 +592,7 @@ void dev_sess_free(struct fuse_table *t, struct fuse_session *s)
 	if (d->copy)
 		failed |= t->dev->stream_sync(t->dev, d->copy) != 0;
 	streams_give(t, d, failed);
-	if (d->registered)
-		t->dev->host_unregister(t->dev, s->ring_mem);
+	/* A shared ring stays pinned: the segment is, for its life (shm_pin). */
 	/* A block the node mapped stays readable there: it must not serve another session,
 	 * nor be freed while the node of an expired session may map it still. */
 	if (d->exported && s->expired)
@@ -462,24 +630,37 @@ static size_t stage_layout(const struct fuse_session *s, struct dev_sess *d, uin
 	CARVE(hcand, int32_t *, (n + 1) * sizeof(int32_t));
 	CARVE(hsel, int32_t *, (n + 1) * sizeof(int32_t));
 	CARVE(hdev, float *, (n + 1) * sizeof(float));
+	CARVE(halways, int32_t *, (s->n_fresh + 1) * sizeof(int32_t));
+	CARVE(hspans, uint8_t *, dev_setup_bytes(s));
 #undef CARVE
 	return off;
 }
 
 /*
- * The chunks as spans of a layer, with their tables on the device, uploaded to
- * d->spans on the compute stream (the caller syncs it before the host array goes).
+ * The fresh tokens, the chunks as spans of a layer and their rotation tables, staged
+ * in pinned memory (copies from pageable memory block the thread and run at a
+ * fraction of PCIe speed) and uploaded in two copies on the compute stream: the
+ * spans and the tables end the device block, in the layout dev_layout() gives them,
+ * and the staging mirrors it. The caller syncs the stream before the staging is
+ * used again.
  */
-static int dev_spans_upload(const struct blend_device *dv, const struct fuse_session *s,
+static int dev_setup_upload(const struct blend_device *dv, const struct fuse_session *s,
 			    struct dev_sess *d)
 {
-	struct blend_dev_span *sp = calloc(s->n_chunks + 1, sizeof(*sp));
+	struct blend_dev_span *sp = (struct blend_dev_span *)d->hspans;
 	uint32_t n = 0, rows = 0;
 	int rc;
 
-	if (!sp)
-		return -ENOMEM;
+	if (s->n_fresh)
+		memcpy(d->halways, s->fresh, s->n_fresh * sizeof(int32_t));
 	for (size_t i = 0; i < s->n_chunks; i++) {
+		const struct rope_table *r = &s->chunks[i].rot;
+		size_t tb = (size_t)r->rows * r->half * sizeof(float);
+		uint8_t *h = d->hspans + ((const uint8_t *)d->tabs[i].cos - (uint8_t *)d->spans);
+
+		memcpy(h, r->cos, tb);
+		memcpy(h + ((const uint8_t *)d->tabs[i].sin - (const uint8_t *)d->tabs[i].cos),
+		       r->sin, tb);
 		if (!s->chunks[i].tokens)
 			continue;
 		sp[n] = (struct blend_dev_span){ d->tabs[i], s->chunks[i].off, s->chunks[i].tokens,
@@ -487,12 +668,11 @@ static int dev_spans_upload(const struct blend_device *dv, const struct fuse_ses
 		rows += s->chunks[i].tokens;
 		n++;
 	}
-	rc = dv->upload(dv, d->comp, d->spans, sp, n * sizeof(*sp));
-	if (!rc)
-		rc = dv->stream_sync(dv, d->comp); /* sp is read by the copy until then */
-	free(sp);
 	d->n_spans = n;
 	d->span_rows = rows;
+	rc = dv->upload(dv, d->comp, d->always, d->halways, s->n_fresh * sizeof(int32_t));
+	if (!rc)
+		rc = dv->upload(dv, d->comp, d->spans, d->hspans, dev_setup_bytes(s));
 	return rc;
 }
 
@@ -510,7 +690,8 @@ int dev_sess_setup(struct fuse_table *t, struct fuse_session *s, size_t ring_byt
 	int rc = 0;
 
 	if (!s->ring_mem) {
-		rc = block_take(t, true, ring_bytes, (void **)&d->hring, &d->hring_bytes);
+		rc = block_take(t, true, ring_bytes, (void **)&d->hring, &d->hring_bytes,
+				&d->allocs, true);
 		if (rc)
 			return dev_rc(rc);
 		s->ring_mem = d->hring;
@@ -527,37 +708,31 @@ int dev_sess_setup(struct fuse_table *t, struct fuse_session *s, size_t ring_byt
 			}
 		}
 		d->zeroed = (uint64_t)s->n_ring * 2 * s->n_fresh * s->row_bytes;
-	} else {
-		/* Unpinned, the copies still work, only slower: not a reason to refuse. */
-		d->registered = dv->host_register(dv, s->ring_mem, ring_bytes) == 0;
+	} else if (s->shm_id) {
+		/* Pinned in place once for the segment's life: a ring its owner's last session
+		 * left in the cache is pinned already. Unpinned, the copies still work, only
+		 * slower: not a reason to refuse. */
+		d->registered = shm_pin(t->shm, s->shm_id, &d->reg_fresh) == 0;
 		d->reg_bytes = ring_bytes;
 	}
-	rc = block_take(t, true, stage_layout(s, d, NULL), (void **)&d->hstage, &d->hstage_bytes);
+	rc = block_take(t, true, stage_layout(s, d, NULL), (void **)&d->hstage, &d->hstage_bytes,
+			&d->allocs, true);
 	if (rc)
 		return dev_rc(rc);
 	stage_layout(s, d, d->hstage);
 	rc = streams_take(t, s->n_ring, d);
 	if (!rc)
-		rc = block_take(t, false, d->blk_bytes, (void **)&d->blk, &d->blk_bytes);
+		rc = block_take(t, false, d->blk_bytes, (void **)&d->blk, &d->blk_bytes, &d->allocs,
+				!zero); /* a node maps an exported block's whole allocation */
 	if (rc)
 		return dev_rc(rc);
 	dev_layout(s, d, d->blk);
 	if (zero)
 		rc = dv->zero(dv, d->comp, d->blk, d->blk_bytes);
-	for (size_t i = 0; !rc && i < s->n_chunks; i++) {
-		const struct rope_table *r = &s->chunks[i].rot;
-		size_t tb = (size_t)r->rows * r->half * sizeof(float);
-
-		rc = dv->upload(dv, d->comp, (void *)d->tabs[i].cos, r->cos, tb);
-		if (!rc)
-			rc = dv->upload(dv, d->comp, (void *)d->tabs[i].sin, r->sin, tb);
-	}
 	if (!rc)
-		rc = dv->upload(dv, d->comp, d->always, s->fresh, s->n_fresh * sizeof(int32_t));
+		rc = dev_setup_upload(dv, s, d);
 	if (!rc)
-		rc = dev_spans_upload(dv, s, d);
-	if (!rc)
-		rc = dv->stream_sync(dv, d->comp);
+		rc = dv->stream_sync(dv, d->comp); /* the staging is read by the copies till then */
 	return dev_rc(rc);
 }
 

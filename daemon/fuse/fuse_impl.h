@@ -133,6 +133,8 @@ struct dev_streams {
 	uint32_t n_ev;
 };
 
+struct arena; /* arena.h: the reserve's bookkeeping */
+
 struct fuse_table {
 	struct fuse_limits lim;
 	struct store *store;
@@ -158,6 +160,20 @@ struct fuse_table {
 	/* Streams and events of closed sessions, for the next ones (under lock). */
 	struct dev_streams *spool;
 	size_t n_spool, cap_spool;
+	/* Device and pinned blocks allocated (cache misses), and shared rings pinned in
+	 * place (host_register) and unpinned, since the table was made. */
+	_Atomic uint64_t n_allocs, n_registrations, n_unregistrations;
+	/* Sizes a session's open had to allocate (a cache miss), the latest first: the
+	 * expiry thread allocates a spare of each into the cache, off the sessions' path,
+	 * so that the next session of that shape finds one (under lock). */
+	struct dblock want[8];
+	size_t n_want;
+	_Atomic uint64_t n_spares; /* spares allocated so */
+	/* lim.dev_reserve's memory, allocated when the table is made ([0] device, [1]
+	 * pinned host; NULL: none), and the arenas sessions' blocks are carved from
+	 * (under lock). */
+	void *reserve[2];
+	struct arena *arena[2];
 	struct shm_table *shm;
 	pthread_mutex_t lock; /* sessions, bytes, pins */
 	struct fuse_session **sessions;
@@ -196,7 +212,13 @@ struct dev_sess {
 	uint8_t *hk, *hv;
 	int32_t *hidx, *hcand, *hsel;
 	float *hdev;
+	/* What the open uploads: the fresh tokens, and the spans and rotation tables in
+	 * the layout they have at the end of the device block (dev_layout). */
+	int32_t *halways;
+	uint8_t *hspans;
+	uint32_t allocs;  /* blocks the open allocated (not from the cache) */
 	bool registered; /* the shared ring is pinned in place */
+	bool reg_fresh;	 /* this open pinned it (else it was pinned already: shm_pin) */
 	size_t reg_bytes; /* its size */
 	bool exported;	 /* the block is mapped by the node (CUDA IPC): never reused */
 	uint64_t zeroed; /* bytes of the pinned host ring zeroed at open */
@@ -290,6 +312,11 @@ void session_put(struct fuse_table *t, struct fuse_session *s);
  * path, as with --device cpu.
  */
 bool dev_usable(struct fuse_table *t);
+/*
+ * Make the shared-memory table pin rings on the device (on), or stop, unpinning every
+ * ring still pinned (off: at exit, with no session left). Nothing without a device.
+ */
+void dev_pinner_set(struct fuse_table *t, bool on);
 /* Why a load or a kernel failed: the device's own message (in buf) for DEV_FAILED, else the errno's. */
 const char *compute_error(const struct fuse_table *t, int rc, char *buf, size_t len);
 /* Drop every cached block and free those waiting for block_reap() (to make room on the
@@ -298,6 +325,17 @@ void block_flush(struct fuse_table *t);
 /* Free the blocks sessions gave up since the last call (off the sessions' path: the
  * thread that expires sessions calls it, once a second). */
 void block_reap(struct fuse_table *t);
+/*
+ * Allocate into the cache a spare block of each size a session's open had to allocate
+ * since the last call, within the budgets (off the sessions' path: the thread that
+ * expires sessions calls it, once a second, after block_reap()).
+ */
+void block_spares(struct fuse_table *t);
+/* Allocate lim.dev_reserve of device and pinned memory for sessions' blocks (a failure
+ * is logged: blocks are then allocated as sessions need them). */
+void dev_reserve_open(struct fuse_table *t);
+/* Free the reserved memory (at exit, after block_flush()). */
+void dev_reserve_close(struct fuse_table *t);
 /* Free the pooled streams and events (at exit). */
 void dev_streams_flush(struct fuse_table *t);
 /* Free the orphaned blocks (at exit, when no node maps them any more). */

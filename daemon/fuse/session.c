@@ -2,11 +2,13 @@
 #include <errno.h>
 #include <inttypes.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
+#include "arena.h"
 #include "fuse_impl.h"
 #include "log.h"
 
@@ -57,6 +59,8 @@ int fuse_table_new(const struct fuse_limits *l, struct store *store, struct pool
 	}
 	t->shm = shm;
 	pthread_mutex_init(&t->lock, NULL);
+	dev_pinner_set(t, true); /* shared rings pinned once for their life, not per session */
+	dev_reserve_open(t);
 	*out = t;
 	return 0;
 }
@@ -174,9 +178,11 @@ void fuse_table_free(struct fuse_table **tp)
 			session_free(t, s);
 		}
 	if (t->dev) {
+		dev_pinner_set(t, false);
 		block_flush(t);
 		block_orphans_free(t);
 		dev_streams_flush(t);
+		dev_reserve_close(t);
 	}
 	free(t->sessions);
 	free(t->pins);
@@ -251,7 +257,7 @@ uint32_t fuse_close(struct fuse_table *t, uint64_t id, const char *owner, struct
 	while (s->landing)
 		pthread_cond_wait(&s->cond, &s->lock);
 	pthread_mutex_unlock(&s->lock);
-	st = calloc(14, sizeof(*st));
+	st = calloc(16, sizeof(*st));
 	if (st) {
 		pthread_mutex_lock(&s->lock);
 #define STAT(nm, v) (snprintf(st[k].name, sizeof(st[k].name), "%s", nm), st[k++].value = (double)(v))
@@ -269,6 +275,10 @@ uint32_t fuse_close(struct fuse_table *t, uint64_t id, const char *owner, struct
 			STAT("on_device", s->dv != NULL);
 		if (s->dv && s->dv->hring) /* the pinned ring's bytes zeroed at open */
 			STAT("ring_zeroed_bytes", s->dv->zeroed);
+		if (s->dv) { /* 0 and 0 when its open took everything from the pools */
+			STAT("device_allocs", s->dv->allocs);
+			STAT("ring_registrations", s->dv->reg_fresh);
+		}
 		if (s->land) {
 			STAT("land_ms", s->ns_land / 1e6);
 			STAT("layers_landed", s->land_next - s->land_begin);
@@ -311,7 +321,36 @@ unsigned fuse_expire(struct fuse_table *t)
 		session_free(t, gone[i]);
 	free(gone);
 	block_reap(t); /* device memory sessions gave up since the last call */
+	block_spares(t); /* and blocks for the next sessions, off their path */
+	if (t->dev && t->shm)
+		shm_reap(t->shm); /* pinned rings released (on the socket thread too) */
 	return n;
+}
+
+void fuse_device_counts(struct fuse_table *t, struct fuse_device_counts *c)
+{
+	memset(c, 0, sizeof(*c));
+	if (!t->dev)
+		return;
+	c->allocs = atomic_load(&t->n_allocs);
+	c->registrations = atomic_load(&t->n_registrations);
+	c->unregistrations = atomic_load(&t->n_unregistrations);
+	c->spares = atomic_load(&t->n_spares);
+	pthread_mutex_lock(&t->lock);
+	for (int host = 0; host < 2; host++) {
+		size_t used = 0, bytes = 0;
+
+		if (t->arena[host])
+			arena_usage(t->arena[host], &used, &bytes);
+		c->reserve_used[host] = used;
+		c->reserve_bytes = bytes;
+	}
+	pthread_mutex_unlock(&t->lock);
+	if (t->shm) {
+		uint64_t pins, unpins;
+
+		shm_pin_counts(t->shm, &c->pinned_rings, &pins, &unpins);
+	}
 }
 
 uint64_t fuse_device_fallbacks(struct fuse_table *t)

@@ -303,6 +303,18 @@ static void test_select(uint32_t C)
 		  : n_out != (size_t)n_want
 		  ? "counts differ"
 		  : first_diff(got, want, n_out * sizeof(int32_t), diff, sizeof(diff)));
+	/* Scratch one byte short of what the device asked for: an error, never a success
+	 * with an empty (or any) selection (issue 23, finding 11). */
+	if (ok) {
+		size_t n_short = 12345;
+		int rc = dv->select(dv, st, dc, dd, C, k, da, n_always, dout, scratch,
+				    scratch_bytes - 1, &n_short);
+
+		snprintf(what, sizeof(what), "top-%zu of %u candidates with too little scratch: "
+			 "-EINVAL, no selection", k, C);
+		check(what, rc == -EINVAL && n_short == 12345,
+		      rc == 0 ? "succeeded" : "another error or a count written");
+	}
 	dv->free(dv, dc, C * sizeof(int32_t));
 	dv->free(dv, dd, C * sizeof(float));
 	dv->free(dv, da, n_always * sizeof(int32_t));

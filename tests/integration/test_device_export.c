@@ -5,7 +5,9 @@
  * unmaps it before the daemon frees it. The fake driver and the emulated device
  * note "map", "unmap" and "free" with the block's address in one file, in the
  * order they happened; and a session that expires mapped keeps its block until the
- * daemon exits. And device auto's placement per session: a node that takes its layers
+ * daemon exits. What a session's open allocates and pins (the emulated device notes it):
+ * a shared ring pinned once for its segment's life, no copy from pageable memory, pooled
+ * blocks, spares allocated off the open path, and a reserve allocated at start. And device auto's placement per session: a node that takes its layers
  * in host memory is fused on the CPU, one that maps the ring on the device. Run with
  * KVBLEND_TEST_DEVICE=emulated and LD_LIBRARY_PATH
  * on the fake driver (tests/CMakeLists.txt).
@@ -47,6 +49,30 @@ static int line_of(const char *log, const char *what, const char *addr)
 	if (f)
 		fclose(f);
 	return at;
+}
+
+/* Lines of the log that begin with "what " (what the emulated device noted). */
+static int lines_of(const char *log, const char *what)
+{
+	char line[256];
+	size_t len = strlen(what);
+	FILE *f = fopen(log, "r");
+	int n = 0;
+
+	while (f && fgets(line, sizeof(line), f))
+		n += !strncmp(line, what, len) && line[len] == ' ';
+	if (f)
+		fclose(f);
+	return n;
+}
+
+/* A close statistic by name (-1: not given). */
+static double stat_of(const struct kvb_stat *st, size_t n, const char *name)
+{
+	for (size_t i = 0; i < n; i++)
+		if (!strcmp(st[i].name, name))
+			return st[i].value;
+	return -1;
 }
 
 /* The address of the last "map ADDR" line of the fake driver's log into addr; asserts one. */
@@ -196,10 +222,9 @@ static void test_zero_only_fresh_rows(void **state)
 	struct kvb_fuse_params p = { &check, &ratio, 1, KVB_METRIC_VALUE };
 	uint16_t *kv = malloc((size_t)L * 2 * T * row);
 	uint8_t *rows = malloc(layer), *out[2];
-	double zeroed = -1, ring = -1;
+	double zeroed = -1, ring = -1, allocs[2] = { -1, -1 };
 	char log[] = "/tmp/kvb-pool-XXXXXX";
 	int fd = mkstemp(log);
-	struct stat lst;
 
 	(void)state;
 	assert_true(fd >= 0);
@@ -236,12 +261,9 @@ static void test_zero_only_fresh_rows(void **state)
 					 0);
 		}
 		assert_int_equal(kvb_fuse_close(c, &fu, &st, &n_st), 0);
-		for (size_t i = 0; i < n_st; i++) {
-			if (!strcmp(st[i].name, "ring_zeroed_bytes"))
-				zeroed = st[i].value;
-			if (!strcmp(st[i].name, "ring_bytes"))
-				ring = st[i].value;
-		}
+		zeroed = stat_of(st, n_st, "ring_zeroed_bytes");
+		ring = stat_of(st, n_st, "ring_bytes");
+		allocs[round] = stat_of(st, n_st, "device_allocs");
 		free(st);
 	}
 	/* Fresh rows of K and V in each slot: a whole number of slots' worth, F of the n
@@ -250,14 +272,285 @@ static void test_zero_only_fresh_rows(void **state)
 	assert_true((uint64_t)zeroed % (2 * F * row) == 0);
 	assert_true((uint64_t)zeroed * n <= (uint64_t)ring * F);
 	assert_memory_equal(out[0], out[1], layer);
-	/* The second session took the first one's blocks: no device memory was freed on
-	 * the sessions' path (pooled), only at exit. */
-	assert_int_equal(stat(log, &lst), 0);
-	assert_int_equal(lst.st_size, 0);
+	/* The second session took the first one's blocks: it allocated nothing, and no
+	 * device memory was freed on the sessions' path (pooled), only at exit. */
+	assert_true(allocs[0] >= 3); /* the pinned ring, the staging, the device block */
+	assert_int_equal(allocs[1], 0);
+	assert_int_equal(daemon_stat(c, "fuse_device_allocs"), allocs[0]);
+	/* and the spares the expiry thread allocated for a next session (see below) */
+	assert_int_equal(lines_of(log, "alloc") + lines_of(log, "host_alloc"),
+			 allocs[0] + daemon_stat(c, "fuse_device_spares"));
+	assert_int_equal(lines_of(log, "free") + lines_of(log, "host_free"), 0);
+	/* Every copy to and from the device was from pinned memory (the rotation tables
+	 * and spans too, staged), none from the request's frames or the reply. */
+	assert_int_equal(lines_of(log, "pageable_upload") + lines_of(log, "pageable_download"),
+			 0);
 	kvb_close(&c);
 	daemon_stop(&d);
-	assert_int_equal(stat(log, &lst), 0);
-	assert_true(lst.st_size > 0);
+	assert_true(lines_of(log, "free") > 0);
+	daemon_cleanup(&d);
+	unsetenv("KVBLEND_EMULATED_LOG");
+	unlink(log);
+	free(out[0]);
+	free(out[1]);
+	free(rows);
+	free(kv);
+}
+
+/*
+ * A shared ring (the segment the client maps) is pinned for the device once for the
+ * segment's life: the owner's second session reuses the segment from the ring cache,
+ * pinned already, and pins nothing (ring_registrations 0, one "register" line on
+ * the emulated device), nor allocates (device_allocs 0); no copy touches pageable
+ * memory. Idle past shm_idle, the cached segment is unpinned ("unregister", after
+ * the "register" of the same address) before it is unmapped.
+ */
+static void test_shared_ring_pinned_once(void **state)
+{
+	const char *args[] = { "--shm-idle", "3", NULL };
+	uint32_t ids[2] = { 8, 2 }, T = 18, F = 2, n = T + F, check = 1;
+	double ratio = 0.5, regs[2] = { -1, -1 }, allocs[2] = { -1, -1 };
+	size_t row = (size_t)H * D * 2, layer = 2 * (size_t)n * row;
+	struct kvb_fuse_params p = { &check, &ratio, 1, KVB_METRIC_VALUE };
+	uint16_t *kv = malloc((size_t)L * 2 * T * row);
+	uint8_t *rows = malloc(layer), *out[2], hash[KVB_HASH_LEN];
+	struct kvb_segment s[2];
+	char log[] = "/tmp/kvb-pin-XXXXXX", line[96], reg[32] = "";
+	struct daemon d;
+	kvb_client *c;
+	FILE *f;
+	int fd = mkstemp(log);
+
+	(void)state;
+	assert_true(fd >= 0);
+	close(fd);
+	unsetenv("FAKE_CUDA_LOG");
+	setenv("KVBLEND_EMULATED_LOG", log, 1);
+	daemon_start(&d, args);
+	c = daemon_client(&d, 0); /* shared memory: the ring is a segment it maps */
+	assert_int_equal(kvb_model_register(c, &model, NULL), 0);
+	fill_f16(kv, (size_t)L * 2 * T * H * D, 31);
+	fill_f16((uint16_t *)rows, layer / 2, 32);
+	kvb_chunk_hash(ids, 2, hash);
+	assert_int_equal(kvb_put(c, "xm", hash, KVB_F16, T, 0, kv, (size_t)L * 2 * T * row, NULL),
+			 0);
+	memset(s, 0, sizeof(s));
+	memcpy(s[0].hash, hash, KVB_HASH_LEN);
+	s[1].fresh = 1;
+	s[1].count = F;
+	s[1].pos = T;
+	for (int round = 0; round < 2; round++) {
+		kvb_fuse *fu;
+		struct kvb_stat *st;
+		size_t n_st;
+		int fused = 0;
+		const void *rk, *rv;
+
+		out[round] = calloc(1, layer);
+		assert_int_equal(kvb_fuse_open(c, "xm", s, 2, &p, &fu, NULL, NULL), 0);
+		for (uint32_t l = kvb_fuse_next_layer(fu); l < L; l++) {
+			const int32_t *sel;
+			size_t nr = kvb_fuse_rows(fu, &sel);
+
+			assert_int_equal(kvb_fuse_layer(c, fu, l, rows, rows + nr * row, out[round],
+							out[round] + layer / 2, &fused),
+					 0);
+		}
+		assert_int_equal(kvb_fuse_output(fu, &rk, &rv), 0); /* the ring is shared */
+		assert_int_equal(kvb_fuse_close(c, &fu, &st, &n_st), 0);
+		assert_true(stat_of(st, n_st, "on_device") == 1);
+		regs[round] = stat_of(st, n_st, "ring_registrations");
+		allocs[round] = stat_of(st, n_st, "device_allocs");
+		free(st);
+	}
+	assert_memory_equal(out[0], out[1], layer);
+	assert_true(regs[0] == 1);
+	assert_true(regs[1] == 0);
+	assert_true(allocs[0] >= 2); /* the staging, the device block */
+	assert_true(allocs[1] == 0);
+	assert_int_equal(lines_of(log, "register"), 1);
+	assert_int_equal(lines_of(log, "unregister"), 0);
+	assert_int_equal(lines_of(log, "pageable_upload") + lines_of(log, "pageable_download"),
+			 0);
+	assert_int_equal(daemon_stat(c, "fuse_device_registrations"), 1);
+	assert_int_equal(daemon_stat(c, "fuse_device_pinned_rings"), 1);
+	assert_int_equal(daemon_stat(c, "fuse_device_unregistrations"), 0);
+	/* Past shm_idle the cached ring is released: unpinned, the address pinned before. */
+	for (int i = 0; i < 100 && !lines_of(log, "unregister"); i++)
+		usleep(100 * 1000);
+	f = fopen(log, "r");
+	assert_non_null(f);
+	while (fgets(line, sizeof(line), f))
+		if (!strncmp(line, "register ", 9))
+			assert_int_equal(sscanf(line + 9, "%31s", reg), 1);
+	fclose(f);
+	assert_true(line_of(log, "register", reg) > 0);
+	assert_true(line_of(log, "unregister", reg) > line_of(log, "register", reg));
+	assert_int_equal(daemon_stat(c, "fuse_device_unregistrations"), 1);
+	assert_int_equal(daemon_stat(c, "fuse_device_pinned_rings"), 0);
+	kvb_close(&c);
+	daemon_stop(&d);
+	assert_int_equal(lines_of(log, "unregister"), 1);
+	daemon_cleanup(&d);
+	unsetenv("KVBLEND_EMULATED_LOG");
+	unlink(log);
+	free(out[0]);
+	free(out[1]);
+	free(rows);
+	free(kv);
+}
+
+/*
+ * A session's open that had to allocate (the cache had nothing of its shape) makes
+ * the expiry thread allocate a spare of each block into the cache, off the sessions'
+ * path: a second session of that shape opened while the first is still open
+ * allocates nothing on its open (device_allocs 0), and fuses as the first.
+ */
+static void test_spare_for_next_session(void **state)
+{
+	uint32_t ids[2] = { 9, 3 }, T = 14, F = 3, n = T + F, check = 1;
+	double ratio = 0.5;
+	size_t row = (size_t)H * D * 2, layer = 2 * (size_t)n * row;
+	struct kvb_fuse_params p = { &check, &ratio, 1, KVB_METRIC_VALUE };
+	uint16_t *kv = malloc((size_t)L * 2 * T * row);
+	uint8_t *rows = malloc(layer), *out[2], hash[KVB_HASH_LEN];
+	struct kvb_segment s[2];
+	kvb_fuse *fu[2];
+	double allocs[2];
+	struct daemon d;
+	kvb_client *c;
+
+	(void)state;
+	unsetenv("FAKE_CUDA_LOG");
+	unsetenv("KVBLEND_EMULATED_LOG");
+	daemon_start(&d, NULL);
+	c = daemon_client(&d, 1); /* the ring is the daemon's: pinned ring, staging, block */
+	assert_int_equal(kvb_model_register(c, &model, NULL), 0);
+	fill_f16(kv, (size_t)L * 2 * T * H * D, 41);
+	fill_f16((uint16_t *)rows, layer / 2, 42);
+	kvb_chunk_hash(ids, 2, hash);
+	assert_int_equal(kvb_put(c, "xm", hash, KVB_F16, T, 0, kv, (size_t)L * 2 * T * row, NULL),
+			 0);
+	memset(s, 0, sizeof(s));
+	memcpy(s[0].hash, hash, KVB_HASH_LEN);
+	s[1].fresh = 1;
+	s[1].count = F;
+	s[1].pos = T;
+	assert_int_equal(kvb_fuse_open(c, "xm", s, 2, &p, &fu[0], NULL, NULL), 0);
+	for (int i = 0; i < 50 && daemon_stat(c, "fuse_device_spares") < 3; i++)
+		usleep(100 * 1000);
+	assert_true(daemon_stat(c, "fuse_device_spares") >= 3);
+	assert_int_equal(kvb_fuse_open(c, "xm", s, 2, &p, &fu[1], NULL, NULL), 0);
+	for (int k = 0; k < 2; k++) {
+		struct kvb_stat *st;
+		size_t n_st;
+		int fused = 0;
+
+		out[k] = calloc(1, layer);
+		for (uint32_t l = kvb_fuse_next_layer(fu[k]); l < L; l++) {
+			const int32_t *sel;
+			size_t nr = kvb_fuse_rows(fu[k], &sel);
+
+			assert_int_equal(kvb_fuse_layer(c, fu[k], l, rows, rows + nr * row, out[k],
+							out[k] + layer / 2, &fused),
+					 0);
+		}
+		assert_int_equal(kvb_fuse_close(c, &fu[k], &st, &n_st), 0);
+		allocs[k] = stat_of(st, n_st, "device_allocs");
+		free(st);
+	}
+	assert_true(allocs[0] >= 3);
+	assert_true(allocs[1] == 0);
+	assert_memory_equal(out[0], out[1], layer);
+	kvb_close(&c);
+	daemon_stop(&d);
+	daemon_cleanup(&d);
+	free(out[0]);
+	free(out[1]);
+	free(rows);
+	free(kv);
+}
+
+/*
+ * With fuse_device_reserve, device and pinned memory are allocated once, at start
+ * (one "alloc" and one "host_alloc" on the emulated device), and two sessions open at
+ * once carve their blocks from it: neither open allocates (device_allocs 0), nothing
+ * is freed until exit, and the reserve is all free again once they closed.
+ */
+static void test_reserve(void **state)
+{
+	const char *args[] = { "--fuse-device-reserve", "1M", NULL };
+	uint32_t ids[2] = { 9, 4 }, T = 15, F = 2, n = T + F, check = 1;
+	double ratio = 0.5, allocs[2];
+	size_t row = (size_t)H * D * 2, layer = 2 * (size_t)n * row;
+	struct kvb_fuse_params p = { &check, &ratio, 1, KVB_METRIC_VALUE };
+	uint16_t *kv = malloc((size_t)L * 2 * T * row);
+	uint8_t *rows = malloc(layer), *out[2], hash[KVB_HASH_LEN];
+	char log[] = "/tmp/kvb-reserve-XXXXXX";
+	struct kvb_segment s[2];
+	kvb_fuse *fu[2];
+	struct daemon d;
+	kvb_client *c;
+	int fd = mkstemp(log);
+
+	(void)state;
+	assert_true(fd >= 0);
+	close(fd);
+	unsetenv("FAKE_CUDA_LOG");
+	setenv("KVBLEND_EMULATED_LOG", log, 1);
+	daemon_start(&d, args);
+	c = daemon_client(&d, 1);
+	assert_int_equal(lines_of(log, "alloc"), 1);
+	assert_int_equal(lines_of(log, "host_alloc"), 1);
+	assert_int_equal(daemon_stat(c, "fuse_device_reserve_bytes"), 1 << 20);
+	assert_int_equal(kvb_model_register(c, &model, NULL), 0);
+	fill_f16(kv, (size_t)L * 2 * T * H * D, 51);
+	fill_f16((uint16_t *)rows, layer / 2, 52);
+	kvb_chunk_hash(ids, 2, hash);
+	assert_int_equal(kvb_put(c, "xm", hash, KVB_F16, T, 0, kv, (size_t)L * 2 * T * row, NULL),
+			 0);
+	memset(s, 0, sizeof(s));
+	memcpy(s[0].hash, hash, KVB_HASH_LEN);
+	s[1].fresh = 1;
+	s[1].count = F;
+	s[1].pos = T;
+	assert_int_equal(kvb_fuse_open(c, "xm", s, 2, &p, &fu[0], NULL, NULL), 0);
+	assert_int_equal(kvb_fuse_open(c, "xm", s, 2, &p, &fu[1], NULL, NULL), 0);
+	assert_true(daemon_stat(c, "fuse_device_reserve_used_bytes") > 0);
+	assert_true(daemon_stat(c, "fuse_pinned_reserve_used_bytes") > 0);
+	for (int k = 0; k < 2; k++) {
+		struct kvb_stat *st;
+		size_t n_st;
+		int fused = 0;
+
+		out[k] = calloc(1, layer);
+		for (uint32_t l = kvb_fuse_next_layer(fu[k]); l < L; l++) {
+			const int32_t *sel;
+			size_t nr = kvb_fuse_rows(fu[k], &sel);
+
+			assert_int_equal(kvb_fuse_layer(c, fu[k], l, rows, rows + nr * row, out[k],
+							out[k] + layer / 2, &fused),
+					 0);
+		}
+		assert_int_equal(kvb_fuse_close(c, &fu[k], &st, &n_st), 0);
+		assert_true(stat_of(st, n_st, "on_device") == 1);
+		allocs[k] = stat_of(st, n_st, "device_allocs");
+		free(st);
+	}
+	assert_true(allocs[0] == 0);
+	assert_true(allocs[1] == 0);
+	assert_memory_equal(out[0], out[1], layer);
+	assert_int_equal(daemon_stat(c, "fuse_device_reserve_used_bytes"), 0);
+	assert_int_equal(daemon_stat(c, "fuse_pinned_reserve_used_bytes"), 0);
+	assert_int_equal(daemon_stat(c, "fuse_device_allocs"), 0);
+	assert_int_equal(lines_of(log, "alloc") + lines_of(log, "host_alloc"), 2);
+	assert_int_equal(lines_of(log, "free") + lines_of(log, "host_free"), 0);
+	assert_int_equal(lines_of(log, "pageable_upload") + lines_of(log, "pageable_download"),
+			 0);
+	kvb_close(&c);
+	daemon_stop(&d);
+	assert_int_equal(lines_of(log, "free"), 1); /* the reserve, at exit */
+	assert_int_equal(lines_of(log, "host_free"), 1);
 	daemon_cleanup(&d);
 	unsetenv("KVBLEND_EMULATED_LOG");
 	unlink(log);
@@ -361,6 +654,9 @@ int main(void)
 	const struct CMUnitTest tests[] = {
 		cmocka_unit_test(test_unmap_before_free),
 		cmocka_unit_test(test_zero_only_fresh_rows),
+		cmocka_unit_test(test_shared_ring_pinned_once),
+		cmocka_unit_test(test_spare_for_next_session),
+		cmocka_unit_test(test_reserve),
 		cmocka_unit_test(test_expired_export_kept),
 		cmocka_unit_test(test_auto_places_per_session),
 	};

@@ -11,9 +11,13 @@ is: every later device call fails. The daemon logs it once, says so in stats
 (device_failed 1), and serves every later session on the CPU path, bit for bit as
 --device cpu does, instead of failing them all until a restart.
 
-Last, the device's own budget (--fuse-device-max-bytes): a session whose device
+Then the device's own budget (--fuse-device-max-bytes): a session whose device
 block does not fit runs on the host path, bit for bit, and stats count it
 (fuse_device_fallbacks); one that fits runs on the device.
+
+Last, the top-k scratch size query failing (KVBLEND_EMULATED_SCRATCH_FAIL=1, as
+CUB's does): the session's open fails with `internal` naming the query, never
+a session that answers an empty selection; the daemon goes on serving.
 
 usage: test_device_fault.py KVBLENDD KVBLEND
 """
@@ -36,9 +40,10 @@ def cli(*args, ok=True):
     return d.cli(*args, ok=ok)
 
 
-def start(device, fail_after=0, sticky=False, flags=()):
+def start(device, fail_after=0, sticky=False, flags=(), extra_env=None):
     global d
     env = dict(os.environ)
+    env.update(extra_env or {})
     if fail_after:
         env["KVBLEND_EMULATED_FAIL_AFTER"] = str(fail_after)
     if sticky:
@@ -151,6 +156,20 @@ try:
               (stats.get("device_memory_bytes", 0) > 0) == on_device,
               str(stats.get("device_memory_bytes")))
         stop(d, tag)
+
+    tag = "scratch size query failing"
+    d = start("emulated", extra_env={"KVBLEND_EMULATED_SCRATCH_FAIL": "1"})
+    r = fuse("noscratch", ok=False)
+    check(f"{tag}: the open fails with internal, naming the query",
+          r.returncode != 0 and "internal" in r.stderr.lower() and
+          "top-k scratch" in r.stderr and "scratch size query failed" in r.stderr,
+          r.stderr.strip())
+    check(f"{tag}: no selection written", not os.path.exists(f"{TMP}/noscratch-sel.npy"))
+    check(f"{tag}: the daemon still answers", cli("ping", ok=False).returncode == 0)
+    stats = json.loads(cli("stats", "--json").stdout)
+    check(f"{tag}: no session left open", stats.get("fuse_sessions") == 0,
+          str(stats.get("fuse_sessions")))
+    stop(d, tag)
 finally:
     if check.failed:
         for f in sorted(os.listdir(TMP)):

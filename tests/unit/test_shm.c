@@ -1,6 +1,6 @@
 /* Unit tests of daemon/shm: limits, spans, owners and kinds, the per-owner share, detach
- * while in use, idle expiry, the ring cache (per owner), sealed segments, the descriptor
- * server, and ids that do not repeat. */
+ * while in use, idle expiry, the ring cache (per owner), rings pinned once for their life,
+ * sealed segments, the descriptor server, and ids that do not repeat. */
 #include <errno.h>
 #include <fcntl.h>
 #include <setjmp.h>
@@ -157,6 +157,129 @@ static void test_ring_cache(void **state)
 	shm_table_free(&t);
 }
 
+/* A pinner that counts, remembers what it pinned, and reads the memory it unpins. */
+struct pin_log {
+	unsigned pins, unpins;
+	void *base;
+	size_t bytes;
+	int fail; /* the next pin fails with this */
+};
+
+static int log_pin(void *ctx, void *base, size_t bytes)
+{
+	struct pin_log *l = ctx;
+
+	if (l->fail) {
+		int rc = l->fail;
+
+		l->fail = 0;
+		return rc;
+	}
+	l->pins++;
+	l->base = base;
+	l->bytes = bytes;
+	return 0;
+}
+
+static void log_unpin(void *ctx, void *base)
+{
+	struct pin_log *l = ctx;
+
+	/* Still mapped when unpinned (the pinned bytes are 7): this read faults otherwise. */
+	assert_int_equal(((volatile uint8_t *)base)[0], 7);
+	assert_ptr_equal(base, l->base);
+	l->unpins++;
+}
+
+/*
+ * A ring is pinned once for its life: a second pin, and its owner's next session
+ * reusing it from the cache, pin nothing new. Released for good (expired, evicted),
+ * it is unpinned only by shm_reap(), never on the thread that expires it, and
+ * while still mapped; removing the pinner unpins what is left. A failed pin leaves
+ * the ring unpinned, and a later pin tries again.
+ */
+static void test_pinned_once(void **state)
+{
+	struct pin_log l = { 0 };
+	struct shm_pinner pinner = { log_pin, log_unpin, &l };
+	struct shm_table *t;
+	uint64_t id, id2, actual, count, bytes, pinned, pins, unpins, big;
+	bool fresh = false;
+	void *p, *p2;
+
+	(void)state;
+	assert_int_equal(shm_table_new(8 * MiB, 16 * MiB, 1, 16, &t), 0);
+	assert_int_equal(shm_create_ring(t, 2 * MiB, A, &id, &actual), 0);
+	assert_int_equal(shm_hold(t, id, &p), 0);
+	assert_int_equal(shm_pin(t, id, &fresh), -ENODEV); /* no pinner yet */
+	shm_set_pinner(t, &pinner);
+	l.fail = -ENOMEM;
+	assert_int_equal(shm_pin(t, id, &fresh), -ENOMEM);
+	assert_int_equal(l.pins, 0);
+	assert_int_equal(shm_pin(t, id, &fresh), 0);
+	assert_true(fresh);
+	assert_ptr_equal(l.base, p);
+	assert_int_equal(l.bytes, 2 * MiB);
+	memset(p, 7, 2 * MiB);
+	assert_int_equal(shm_pin(t, id, &fresh), 0);
+	assert_false(fresh);
+	assert_int_equal(shm_pin(t, id + 1, &fresh), -ENOENT);
+	shm_release(t, id);
+	assert_int_equal(shm_detach(t, id, NULL), 0);
+	/* cached, still pinned; its owner's next ring is the same memory, pinned already */
+	shm_pin_counts(t, &pinned, &pins, &unpins);
+	assert_int_equal(pinned, 1);
+	assert_int_equal(l.unpins, 0);
+	assert_int_equal(shm_create_ring(t, 2 * MiB, A, &id2, &actual), 0);
+	assert_int_equal(shm_hold(t, id2, &p2), 0);
+	assert_ptr_equal(p2, p);
+	assert_int_equal(shm_pin(t, id2, &fresh), 0);
+	assert_false(fresh);
+	assert_int_equal(l.pins, 1);
+	shm_release(t, id2);
+	shm_detach(t, id2, NULL);
+	/* idle: released by the expiry, unpinned only by the reap */
+	sleep(2);
+	assert_int_equal(shm_expire(t), 1);
+	assert_int_equal(l.unpins, 0);
+	shm_usage(t, &count, &bytes);
+	assert_int_equal(bytes, 0);
+	assert_int_equal(shm_reap(t), 1);
+	assert_int_equal(l.unpins, 1);
+	assert_int_equal(shm_reap(t), 0);
+	shm_pin_counts(t, &pinned, &pins, &unpins);
+	assert_int_equal(pinned, 0);
+	assert_int_equal(pins, 1);
+	assert_int_equal(unpins, 1);
+	/* evicted from the cache for a plain segment's room: the same */
+	assert_int_equal(shm_create_ring(t, 8 * MiB, A, &id, &actual), 0);
+	assert_int_equal(shm_hold(t, id, &p), 0);
+	assert_int_equal(shm_pin(t, id, &fresh), 0);
+	assert_true(fresh);
+	memset(p, 7, 1);
+	shm_release(t, id);
+	shm_detach(t, id, NULL);
+	assert_int_equal(shm_create(t, 8 * MiB, A, &big), 0);
+	assert_int_equal(shm_create(t, 8 * MiB, A, &big), 0); /* the ring's room */
+	assert_int_equal(l.unpins, 1);
+	assert_int_equal(shm_reap(t), 1);
+	assert_int_equal(l.unpins, 2);
+	/* what is pinned when the pinner goes is unpinned then */
+	assert_int_equal(shm_detach(t, big, NULL), 0);
+	assert_int_equal(shm_create_ring(t, 4 * MiB, B, &id, &actual), 0);
+	assert_int_equal(shm_hold(t, id, &p), 0);
+	assert_int_equal(shm_pin(t, id, &fresh), 0);
+	memset(p, 7, 1);
+	shm_release(t, id);
+	shm_detach(t, id, NULL);
+	shm_set_pinner(t, NULL);
+	assert_int_equal(l.pins, 3);
+	assert_int_equal(l.unpins, 3);
+	shm_pin_counts(t, &pinned, &pins, &unpins);
+	assert_int_equal(pinned, 0);
+	shm_table_free(&t);
+}
+
 /* Fetch segment id's descriptor from the server at path, as the client library does. */
 static int fetch_fd(const char *path, uint64_t id, uint8_t *status)
 {
@@ -262,6 +385,7 @@ int main(void)
 		cmocka_unit_test(test_owner_share),
 		cmocka_unit_test(test_expiry),
 		cmocka_unit_test(test_ring_cache),
+		cmocka_unit_test(test_pinned_once),
 		cmocka_unit_test(test_descriptor_server),
 		cmocka_unit_test(test_ids_do_not_repeat),
 	};
