@@ -230,7 +230,9 @@ def main():
     import transformers
 
     tok = transformers.AutoTokenizer.from_pretrained(args.model)
-    d = Daemon()
+    # A landing session's node calls the daemon only at check layers: on a loaded machine
+    # the layers after the last one may outlast the default 60 s fuse_idle.
+    d = Daemon("--fuse-idle", "600")
     devs, fulls = {}, {}
     try:
         for arch in archs:
