@@ -20,7 +20,8 @@ one machine's forward pass does not change the weights. Each directory holds the
 model's safetensors file (hard-linked where the file system allows it, else copied), a
 second file with the tensors the architecture adds, an index naming both, the config,
 and the base tokenizer files. Built under a temporary name and renamed into place (an
-existing directory is kept: idempotent); about 10 s for the three. Each is then loaded
+existing directory is kept: idempotent); 62 s wall for the three on the loaded
+shared 2-core machine here, most of it importing torch and transformers. Each is then loaded
 with transformers and must give finite logits; Mistral's must equal the base model's
 bit for bit, Qwen2's and Qwen3's must differ from them.
 
