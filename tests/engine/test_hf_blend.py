@@ -16,7 +16,8 @@ a question (about 330 tokens):
     prefill + generate() token for token, and its fused KV equals the full prefill's KV;
     r = 0.15 twice gives the same fused KV bit for bit and the same tokens, and the same
     tokens as generate() from the NumPy reference's fused KV;
-(e) an architecture other than Llama is refused with kvblend.hf.Unsupported.
+(e) an architecture outside the Llama family (Gemma) is refused with kvblend.hf.Unsupported
+    (Mistral, Qwen2 and Qwen3: test_vllm_arch.py).
 Exit 0 when all pass, 1 on a failure, 77 when KVBLEND_SKIP_ENGINE=1.
 """
 
@@ -261,18 +262,17 @@ def run(model, twin, c, segs):
           f"({same} of {len(g1)} tokens at the same place as the full prefill's)")
     b.close()
 
-    # (e) another architecture.
-    qcfg = transformers.Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                                    num_attention_heads=2, num_key_value_heads=1,
+    # (e) another architecture (Gemma: a Llama-like layer the pass does not reproduce).
+    gcfg = transformers.GemmaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                    num_attention_heads=2, num_key_value_heads=1, head_dim=32,
                                     vocab_size=128)
     try:
-        kh.Blender(transformers.Qwen2ForCausalLM(qcfg), c)
-        fail("a Qwen2ForCausalLM was not refused")
+        kh.Blender(transformers.GemmaForCausalLM(gcfg), c)
+        fail("a GemmaForCausalLM was not refused")
     except kh.Unsupported as e:
-        if "Qwen2ForCausalLM is not supported" not in str(e):
+        if "GemmaForCausalLM is not supported" not in str(e):
             fail(f"refusal message: {e}")
         print(f"  (e) refused: {e}")
-
 
 if __name__ == "__main__":
     main()

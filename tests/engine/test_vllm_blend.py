@@ -4,7 +4,7 @@ Run with the engine venv's python (.ci/engine-env), KVBLEND_LIB set to the build
 libkvblend and KVBLEND_ENGINE_MODEL (or --model) to the model directory.
 
 (a) the connector's blend settings are checked (no engine): malformed ones raise naming
-    the key; an architecture the pass does not drive gives None (plain reuse);
+    the key; an architecture the pass does not drive (Gemma) gives None (plain reuse);
 (b) the reference: test_hf_blend's request through kvblend.hf against a real daemon
     (chunks stored by kvblend.hf under the connector's model name), value metric at
     layer 1, r = 0.15: fused KV and 16-token greedy continuation;
@@ -74,7 +74,7 @@ def check_config():
         except ValueError as e:
             if words not in str(e):
                 fail(f"{extra}: message {e!r} lacks {words!r}")
-    if vb.config_from_extra({"blend": {}}, "Qwen3ForCausalLM", 30) is not None:
+    if vb.config_from_extra({"blend": {}}, "GemmaForCausalLM", 30) is not None:
         fail("an architecture the pass does not drive should fall back to reuse")
     # A request's own settings: stripped for the reuse planner, merged over the connector's.
     segs = [[0, 4, "chunk"]]
@@ -92,7 +92,7 @@ def check_config():
         if "kvblend.blend.ratios" not in str(e):
             fail(f"message {e!r}")
     print(f"  (a) blend settings: defaults, {len(bad)} malformed ones refused by name, "
-          "Qwen3ForCausalLM served as plain reuse; a request's own settings split off, "
+          "GemmaForCausalLM served as plain reuse; a request's own settings split off, "
           "'blend': false is full reuse, a malformed override is a parameter error")
 
 

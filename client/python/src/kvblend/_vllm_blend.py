@@ -3,8 +3,10 @@
 The building block of blending inside vLLM: given the model vLLM runs (reached through
 kvblend's plugin, :mod:`kvblend._vllm_plugin`), a daemon and a prompt of stored chunks and
 fresh tokens, :func:`blend_prompt` runs the node's side of CacheBlend with the model's
-decoder layer modules (``input_layernorm``, ``self_attn.qkv_proj``, ``self_attn.
-rotary_emb``, ``self_attn.o_proj``, ``post_attention_layernorm``, ``mlp``) and attention
+decoder layer modules (``input_layernorm``, ``self_attn.qkv_proj``, Qwen3's ``self_attn.
+q_norm``/``k_norm``, ``self_attn.rotary_emb``, ``self_attn.o_proj``,
+``post_attention_layernorm``, ``mlp``; Llama, Mistral, Qwen2, Qwen3: :mod:`kvblend.
+_blend_arch`) and attention
 over the whole context with an exact causal mask in prompt order, the loop
 :mod:`kvblend._blend_loop` shares with :mod:`kvblend.hf`, and returns the fused KV.
 
@@ -27,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import _blend_arch as _arch
 from . import _vllm_plan as _plan
 from ._blend_loop import blend_layers, causal_attention
 from .client import Client, Model, chunk_hash
@@ -34,8 +37,9 @@ from .client import Client, Model, chunk_hash
 # Under "vllm." so that vLLM's logging configuration applies (as kvblend.vllm's lines).
 logger = logging.getLogger(f"vllm.{__name__}")
 
-#: vLLM model classes whose decoder layers this pass drives (vLLM's Llama structure).
-SUPPORTED_MODELS = ("LlamaForCausalLM",)
+#: Architectures (and vLLM model classes of the same name) whose decoder layers this pass
+#: drives: the Llama family (:mod:`kvblend._blend_arch`).
+SUPPORTED_MODELS = tuple(_arch.ARCHITECTURES)
 _NP = {torch.float32: np.float32, torch.float16: np.float16}
 _LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 _ATTN_PARTS = ("qkv_proj", "rotary_emb", "o_proj", "q_size", "kv_size", "head_dim", "scaling")
@@ -46,22 +50,21 @@ class BlendRefused(RuntimeError):
 
 
 class VllmLlamaOps:
-    """The layer operations of vLLM's Llama model (:class:`_blend_loop.LayerOps`).
+    """The layer operations of vLLM's Llama-family models (:class:`_blend_loop.LayerOps`).
 
     Raises
     ------
     BlendRefused
-        Another model class, tensor parallelism (a sharded projection), or a layer
-        without the parts this pass calls.
+        A model class other than :data:`SUPPORTED_MODELS` or an option of it the pass
+        does not reproduce (:func:`_blend_arch.for_vllm`), tensor parallelism (a sharded
+        projection), or a layer without the parts this pass calls.
     """
 
     def __init__(self, model: Any) -> None:
-        name = type(model).__name__
-        if name not in SUPPORTED_MODELS:
-            raise BlendRefused(
-                f"kvblend: {name} is not supported for blending "
-                f"(supported: {', '.join(SUPPORTED_MODELS)})"
-            )
+        try:
+            self.arch = _arch.for_vllm(model)
+        except _arch.ArchRefused as e:
+            raise BlendRefused(str(e)) from None
         self.layers = model.model.layers
         for i, layer in enumerate(self.layers):
             missing = [p for p in _LAYER_PARTS if not hasattr(layer, p)]
@@ -89,9 +92,12 @@ class VllmLlamaOps:
         x = mod.input_layernorm(h)
         qkv, _ = attn.qkv_proj(x)
         q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
-        q, k = attn.rotary_emb(rows, q.contiguous(), k.contiguous())
         d = attn.head_dim
         n = x.shape[0]
+        if self.arch.qk_norm:  # Qwen3: per head, before RoPE (as Qwen3Attention.forward)
+            q, k = _arch.norm_qk(self.arch, attn, q.reshape(n, -1, d), k.reshape(n, -1, d))
+            q, k = q.reshape(n, -1), k.reshape(n, -1)
+        q, k = attn.rotary_emb(rows, q.contiguous(), k.contiguous())
         return q.reshape(n, -1, d), k.reshape(n, -1, d), v.reshape(n, -1, d)
 
     def attend(self, layer: int, h, q, keys, values, rows) -> torch.Tensor:
@@ -224,12 +230,16 @@ def _settings(raw: Any, num_layers: int, base: BlendConfig, where: str) -> Blend
     return BlendConfig(checks, ratios, metric)
 
 
-def config_from_extra(extra: dict, architecture: str | None, num_layers: int) -> BlendConfig | None:
+def config_from_extra(
+    extra: dict, architecture: str | None, num_layers: int, hf_config: Any = None
+) -> BlendConfig | None:
     """Parse ``extra["blend"]`` (absent or None: no blending).
 
     ``{"check_layers": [1], "ratios": [0.15], "metric": "value"}`` (the defaults); ``{}``
     takes all defaults. Returns None, with the reason in the log, for a model whose
-    architecture this pass does not drive (its requests are served as plain reuse).
+    architecture (or an option of it in ``hf_config``, the model's Hugging Face config)
+    this pass does not drive (:func:`_blend_arch.check_config`): its requests are served
+    as plain reuse.
 
     Raises
     ------
@@ -240,13 +250,10 @@ def config_from_extra(extra: dict, architecture: str | None, num_layers: int) ->
     if raw is None:
         return None
     config = _settings(raw, num_layers, DEFAULT_CONFIG, "blend")
-    if architecture not in SUPPORTED_MODELS:
-        logger.warning(
-            "kvblend: blending refused for %s (supported: %s); its requests are served as "
-            "plain reuse",
-            architecture,
-            ", ".join(SUPPORTED_MODELS),
-        )
+    try:
+        _arch.check_config(architecture, hf_config, "kvblend: blending refused")
+    except _arch.ArchRefused as e:
+        logger.warning("%s; its requests are served as plain reuse", e)
         return None
     return config
 

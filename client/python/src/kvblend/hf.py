@@ -14,9 +14,11 @@ and merges. Useful on its own for offline RAG jobs, and to debug the blend loop 
         segs = [("fresh", head), ("chunk", doc1_ids), ("chunk", doc2_ids), ("fresh", q)]
         out = b.generate(segs, max_new_tokens=32, check_layers=(1,), ratios=(0.15,))
 
-Supported: ``LlamaForCausalLM`` (what SmolLM2, Llama 2/3 and TinyLlama load as) in
-float32 or float16 with the default RoPE, full attention, on any device (rows cross to the
-daemon through host memory). Anything else is refused with :class:`Unsupported`.
+Supported: the Llama family, ``LlamaForCausalLM`` (SmolLM2, Llama 2/3, TinyLlama),
+``MistralForCausalLM``, ``Qwen2ForCausalLM`` (bias on Q, K and V) and ``Qwen3ForCausalLM``
+(an RMSNorm per head on Q and K before RoPE; :mod:`kvblend._blend_arch`), in float32 or
+float16 with the default RoPE, full attention, on any device (rows cross to the daemon
+through host memory). Anything else is refused with :class:`Unsupported`.
 
 This module imports torch and transformers; ``import kvblend`` does not import it.
 """
@@ -32,14 +34,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import _blend_arch as _arch
 from ._blend_loop import blend_layers, causal_attention
 from .client import Client, Model, chunk_hash
 from .errors import KvblendError
 
-#: Architectures whose decoder layers this module drives (the structure it calls is
-#: LlamaDecoderLayer's; Mistral, Qwen2 and Qwen3 differ in sliding windows, biases and
-#: Q/K norms and are not checked here yet).
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+#: Architectures whose decoder layers this module drives (:mod:`kvblend._blend_arch`).
+SUPPORTED_ARCHITECTURES = tuple(_arch.ARCHITECTURES)
 _DTYPES = {torch.float32: ("f32", np.float32), torch.float16: ("f16", np.float16)}
 _METRICS = ("value", "key")
 
@@ -48,24 +49,36 @@ class Unsupported(ValueError):
     """The model is not one kvblend.hf can blend exactly; the message says why."""
 
 
-def _check_model(model: Any) -> None:
-    arch = type(model).__name__
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise Unsupported(
-            f"kvblend.hf: {arch} is not supported for blending "
-            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-        )
+def _sliding(cfg: Any) -> bool:
+    """Whether any layer attends through a sliding window.
+
+    Mistral's ``sliding_window``, Qwen's ``use_sliding_window``, or ``layer_types``.
+    """
+    if any(t != "full_attention" for t in getattr(cfg, "layer_types", None) or ()):
+        return True
+    if hasattr(cfg, "use_sliding_window"):
+        return bool(cfg.use_sliding_window and cfg.sliding_window)
+    return bool(getattr(cfg, "sliding_window", None))
+
+
+def _check_model(model: Any) -> _arch.Arch:
+    try:
+        arch = _arch.check_config(type(model).__name__, model.config, "kvblend.hf")
+        _arch.for_hf(model)
+    except _arch.ArchRefused as e:
+        raise Unsupported(str(e)) from None
     cfg = model.config
     rp = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
     rope_type = rp.get("rope_type", rp.get("type", "default"))
     if rope_type != "default":
         raise Unsupported(f"kvblend.hf: RoPE type {rope_type!r}; only the default RoPE is handled")
-    if getattr(cfg, "sliding_window", None):
+    if _sliding(cfg):
         raise Unsupported("kvblend.hf: sliding-window attention is not handled")
     if model.dtype not in _DTYPES:
         raise Unsupported(f"kvblend.hf: dtype {model.dtype}; float32 or float16")
     if cfg.num_attention_heads % cfg.num_key_value_heads:
         raise Unsupported("kvblend.hf: attention heads not a multiple of the KV heads")
+    return arch
 
 
 def _rope_theta(cfg: Any) -> float:
@@ -184,10 +197,10 @@ def _segments(segments: Sequence[tuple[str, Any]]) -> tuple[np.ndarray, list]:
 
 
 class _HfOps:
-    """The layer operations of a transformers Llama model (:class:`_blend_loop.LayerOps`)."""
+    """The layer operations of a transformers Llama-family model (:class:`_blend_loop.LayerOps`)."""
 
-    def __init__(self, model: Any, head_dim: int) -> None:
-        self.model, self.head_dim = model, head_dim
+    def __init__(self, model: Any, head_dim: int, arch: _arch.Arch) -> None:
+        self.model, self.head_dim, self.arch = model, head_dim, arch
         self.layers = model.model.layers
         self.num_layers = len(self.layers)
         self.device = next(model.parameters()).device
@@ -212,6 +225,7 @@ class _HfOps:
         q = attn.q_proj(x).view(x.shape[0], -1, d)
         k = attn.k_proj(x).view(x.shape[0], -1, d)
         v = attn.v_proj(x).view(x.shape[0], -1, d)
+        q, k = _arch.norm_qk(self.arch, attn, q, k)  # Qwen3's, before RoPE
         q, k = self.rope(q, k, self.cos[rows], self.sin[rows], unsqueeze_dim=1)
         return q, k, v
 
@@ -254,7 +268,7 @@ class Blender:
         client.model_register(self.spec)
         self.landing = client.endpoint.startswith("ipc://") if landing is None else landing
         self._region: np.ndarray | None = None
-        self._ops = _HfOps(model, self.spec.head_dim)
+        self._ops = _HfOps(model, self.spec.head_dim, _check_model(model))
 
     @property
     def session_kind(self) -> str:

@@ -261,7 +261,10 @@ class KvblendConnector(KVConnectorBase_V1):
         archs = list(getattr(vllm_config.model_config.hf_config, "architectures", None) or [])
         try:
             self.blend = blend.config_from_extra(
-                extra, archs[0] if archs else None, self.model.num_layers
+                extra,
+                archs[0] if archs else None,
+                self.model.num_layers,
+                vllm_config.model_config.hf_config,
             )
         except ValueError as e:
             raise _refuse(f"kv_connector_extra_config: {e}") from None

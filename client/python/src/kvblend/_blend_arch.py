@@ -1,0 +1,180 @@
+"""What each architecture of the Llama family asks of CacheBlend's layer operations.
+
+Llama, Mistral, Qwen2 and Qwen3 share one decoder layer (RMSNorm, QKV projection, RoPE,
+attention, output projection, RMSNorm, gated MLP) and differ where the blend pass must
+know it:
+
+- Llama and Mistral: the layer as is (Mistral's sliding window is refused upstream, by
+  the connector's and kvblend.hf's checks; vLLM's Llama 4 attention scaling and adaptive
+  RMSNorm on Mistral are refused here);
+- Qwen2: a bias on the Q, K and V projections. It lives inside the projection modules
+  (vLLM's ``qkv_proj``, transformers' ``q_proj``/``k_proj``/``v_proj``), which the pass
+  calls whole, so the bias needs no code of its own; it is checked to be there, so that
+  a checkpoint without it is not blended as if it were Qwen2;
+- Qwen3: an RMSNorm per head on Q and K (``q_norm``, ``k_norm``, over head_dim) after the
+  projection and before RoPE, and an explicit head_dim (taken from the config or vLLM's
+  attention module by both paths).
+
+:func:`for_vllm` and :func:`for_hf` check a loaded model and return its :class:`Arch`;
+:func:`norm_qk` is the one step the loop adds for Qwen3. Anything else raises
+:class:`ArchRefused` naming the architecture. Used by :mod:`kvblend._vllm_blend` and
+:mod:`kvblend.hf`; imports nothing but the standard library at import time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+class ArchRefused(ValueError):
+    """The model is not one the blend pass drives exactly; the message says why."""
+
+
+@dataclass(frozen=True)
+class Arch:
+    """One architecture's differences from Llama's decoder layer.
+
+    Attributes
+    ----------
+    name : str
+        The Hugging Face architecture (``config.architectures[0]``).
+    qkv_bias : bool
+        The Q, K and V projections carry a bias (applied by the projection modules).
+    qk_norm : bool
+        An RMSNorm per head on Q and K (``self_attn.q_norm``, ``self_attn.k_norm``)
+        before RoPE.
+    """
+
+    name: str
+    qkv_bias: bool = False
+    qk_norm: bool = False
+
+
+#: The architectures the blend pass drives, by Hugging Face architecture name. vLLM runs
+#: each as the model class of the same name (vLLM 0.32's registry).
+ARCHITECTURES = {
+    a.name: a
+    for a in (
+        Arch("LlamaForCausalLM"),
+        Arch("MistralForCausalLM"),
+        Arch("Qwen2ForCausalLM", qkv_bias=True),
+        Arch("Qwen3ForCausalLM", qk_norm=True),
+    )
+}
+
+
+def supported() -> str:
+    """Return the supported architectures, comma-separated, for messages."""
+    return ", ".join(ARCHITECTURES)
+
+
+def lookup(name: str | None, where: str) -> Arch:
+    """Return the :class:`Arch` of architecture ``name``.
+
+    Raises
+    ------
+    ArchRefused
+        ``name`` is not one of :data:`ARCHITECTURES`; the message starts with ``where``.
+    """
+    arch = ARCHITECTURES.get(name or "")
+    if arch is None:
+        raise ArchRefused(
+            f"{where}: {name} is not supported for blending (supported: {supported()})"
+        )
+    return arch
+
+
+#: Config options of supported architectures that change the layer in ways the pass does
+#: not reproduce (vLLM reads them from the Hugging Face config).
+_REFUSED_OPTIONS = {
+    "llama_4_scaling": "Llama 4 attention scaling",
+    "ada_rms_norm_t_cond": "an adaptive RMSNorm",
+    "dual_chunk_attention_config": "dual-chunk attention",
+}
+
+
+def check_config(name: str | None, hf_config: Any, where: str) -> Arch:
+    """Return the :class:`Arch` of architecture ``name`` whose Hugging Face config is given.
+
+    Decided from the config alone, so that vLLM's scheduler and worker processes agree
+    before any model is loaded.
+
+    Raises
+    ------
+    ArchRefused
+        ``name`` is not one of :data:`ARCHITECTURES`, or the config turns on an option
+        the pass does not reproduce; the message starts with ``where``.
+    """
+    arch = lookup(name, where)
+    for key, what in _REFUSED_OPTIONS.items():
+        if hf_config is not None and getattr(hf_config, key, None):
+            raise ArchRefused(f"{where}: {arch.name} with {what} ({key}) is not blended")
+    return arch
+
+
+def _check_parts(arch: Arch, attn: Any, layer: int, bias_of: list[Any], where: str) -> None:
+    """Check one attention module against what ``arch`` says it has."""
+    if arch.qk_norm and not (hasattr(attn, "q_norm") and hasattr(attn, "k_norm")):
+        raise ArchRefused(f"{where}: {arch.name} decoder layer {layer} has no q_norm/k_norm")
+    if not arch.qk_norm and (hasattr(attn, "q_norm") or hasattr(attn, "k_norm")):
+        raise ArchRefused(
+            f"{where}: {arch.name} decoder layer {layer} has Q/K norms the pass would skip"
+        )
+    if arch.qkv_bias and any(getattr(m, "bias", None) is None for m in bias_of):
+        raise ArchRefused(f"{where}: {arch.name} decoder layer {layer} has no QKV bias")
+
+
+def for_vllm(model: Any) -> Arch:
+    """Check the model vLLM runs and return its :class:`Arch` (by vLLM's model class).
+
+    Raises
+    ------
+    ArchRefused
+        Another model class, or one of Mistral's options the pass does not reproduce
+        (Llama 4 attention scaling, adaptive RMSNorm), Qwen's dual-chunk attention, or
+        layers without the norms or bias their architecture has.
+    """
+    where = "kvblend"
+    arch = lookup(type(model).__name__, where)
+    for i, layer in enumerate(model.model.layers):
+        attn = layer.self_attn
+        if getattr(attn, "do_llama_4_scaling", False):
+            raise ArchRefused(f"{where}: {arch.name} with {_REFUSED_OPTIONS['llama_4_scaling']}")
+        if getattr(layer, "ada_rms_norm_t_cond", None) is not None:
+            raise ArchRefused(
+                f"{where}: {arch.name} with {_REFUSED_OPTIONS['ada_rms_norm_t_cond']}"
+            )
+        if getattr(attn, "dual_chunk_attention_config", None):
+            raise ArchRefused(
+                f"{where}: {arch.name} with {_REFUSED_OPTIONS['dual_chunk_attention_config']}"
+            )
+        _check_parts(arch, attn, i, [getattr(attn, "qkv_proj", None)], where)
+    return arch
+
+
+def for_hf(model: Any) -> Arch:
+    """Check a transformers model and return its :class:`Arch` (by its class name).
+
+    Raises
+    ------
+    ArchRefused
+        Another model class, or layers without the norms or bias their architecture has.
+    """
+    where = "kvblend.hf"
+    arch = lookup(type(model).__name__, where)
+    for i, layer in enumerate(model.model.layers):
+        attn = layer.self_attn
+        projs = [getattr(attn, p, None) for p in ("q_proj", "k_proj", "v_proj")]
+        _check_parts(arch, attn, i, projs, where)
+    return arch
+
+
+def norm_qk(arch: Arch, attn: Any, q: Any, k: Any) -> tuple[Any, Any]:
+    """Apply ``arch``'s per-head norms to q [n, heads, d] and k [n, kv_heads, d] (before RoPE).
+
+    Returns q and k unchanged for an architecture without them.
+    """
+    if not arch.qk_norm:
+        return q, k
+    return attn.q_norm(q), attn.k_norm(k)

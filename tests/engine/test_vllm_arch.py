@@ -1,0 +1,260 @@
+"""CacheBlend inside vLLM for Mistral, Qwen2 and Qwen3, against kvblend.hf, in real engines.
+
+Run with the engine venv's python (.ci/engine-env), KVBLEND_LIB set to the build's
+libkvblend and KVBLEND_ENGINE_MODEL (or --model) to SmolLM2-135M-Instruct's directory.
+The three models are SmolLM2's real weights under each architecture's config
+(make_arch_models.py, built beside it on first use): Mistral the same tensors, Qwen2 with
+QKV biases, Qwen3 with per-head Q/K norms.
+
+(a) refusals, no engine: a Gemma config gives no blend settings (plain reuse) with the log
+    line naming it, and so does a Mistral config with Llama 4 attention scaling; a real
+    transformers Gemma model is refused by kvblend.hf (Unsupported) and by the vLLM pass's
+    adapter (BlendRefused), naming it;
+then for each architecture in turn, with one daemon:
+(b) kvblend.hf: the prompt of test_vllm_blend (three stored chunks, fresh separators, a
+    question) blended at layer 1, r = 0.15 (value metric), and 16 greedy tokens from it;
+    at r = 1.0 (every token recomputed) the fused KV equals transformers' own full prefill
+    of the model within TOL: the check that fails when an adapter skips Qwen3's norms or
+    Qwen2's bias (a skipped step changes K and V by far more than TOL: for Qwen2 and
+    Qwen3 the printed "path" figure is how far their full-prefill KV lies from the same
+    tensors without the bias or the norms, i.e. Mistral's);
+(c) one engine (KvblendConnector with blend at layer 1, r = 0.15, max_model_len 512): the
+    same request; the rows read back from vLLM's cache equal kvblend.hf's fused KV within
+    TOL of each layer's scale, and vLLM's 16 greedy tokens equal kvblend.hf's.
+Exit 0 when all pass, 1 on a failure, 77 when KVBLEND_SKIP_ENGINE=1.
+"""
+
+import argparse
+import gc
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+if os.environ.get("KVBLEND_SKIP_ENGINE") == "1":
+    print("test_vllm_arch: skipped (KVBLEND_SKIP_ENGINE=1)")
+    sys.exit(77)
+
+HERE = Path(__file__).resolve().parent
+MAX_TOKENS = 16
+CHECKS, RATIOS = (1,), (0.15,)
+ARCHS = ("mistral", "qwen2", "qwen3")
+# As test_vllm_blend: vLLM's modules against transformers' on the same float32 weights,
+# written into and read back from the cache bit for bit; and test_hf_blend's for the
+# blend at r = 1.0 against transformers' own prefill (float32 sums in other orders).
+TOL = 1e-4
+
+
+def fail(msg):
+    print(f"FAIL: {msg}")
+    sys.exit(1)
+
+
+def worst_dev(got, want):
+    """Largest |got - want| over each layer's K and V, relative to want's largest |value|."""
+    import numpy as np
+
+    worst = 0.0
+    for layer in range(want.shape[0]):
+        for p in range(2):
+            scale = float(np.abs(want[layer, p]).max())
+            worst = max(worst, float(np.abs(got[layer, p] - want[layer, p]).max()) / scale)
+    return worst
+
+
+def check_refusals(model_dirs):
+    """(a)."""
+    import transformers
+
+    import kvblend.hf as kh
+    from kvblend import _vllm_blend as vb
+
+    lines = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+
+    log = logging.getLogger(vb.logger.name)
+    log.addHandler(Keep())
+    for d in model_dirs.values():
+        cfg = transformers.AutoConfig.from_pretrained(d)
+        if vb.config_from_extra({"blend": {}}, cfg.architectures[0], 30, cfg) is None:
+            fail(f"{cfg.architectures[0]}: blending refused: {lines}")
+    cfg = transformers.AutoConfig.from_pretrained(model_dirs["mistral"])
+    cfg.llama_4_scaling = {"original_max_position_embeddings": 8192, "beta": 0.1}
+    gcfg = transformers.GemmaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                    num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                                    vocab_size=128)
+    for name, c, words in (("GemmaForCausalLM", gcfg, "GemmaForCausalLM is not supported"),
+                           ("MistralForCausalLM", cfg, "Llama 4 attention scaling")):
+        lines.clear()
+        if vb.config_from_extra({"blend": {}}, name, 30, c) is not None:
+            fail(f"{name} ({words}) was not refused for blending")
+        if len(lines) != 1 or words not in lines[0] or "served as plain reuse" not in lines[0]:
+            fail(f"{name}: log lines {lines}")
+        print(f"  (a) logged: {lines[0]}")
+    gemma = transformers.GemmaForCausalLM(gcfg)
+    for what, make, err in (("kvblend.hf", lambda: kh.model_spec(gemma), kh.Unsupported),
+                            ("the vLLM pass", lambda: vb.VllmLlamaOps(gemma), vb.BlendRefused)):
+        try:
+            make()
+            fail(f"{what} accepted a GemmaForCausalLM")
+        except err as e:
+            if "GemmaForCausalLM is not supported for blending" not in str(e):
+                fail(f"{what}: message {e!r}")
+            print(f"  (a) {what} refuses: {e}")
+
+
+def reference(arch, model_dir, endpoint, name, tok):
+    """(b): kvblend.hf's blends of the request; returns what (c) compares against.
+
+    ``tok`` is SmolLM2's tokenizer: the prompt is the same ids for every architecture
+    (transformers gives the Qwen2 directory its own Qwen2Tokenizer, 247 tokens for 250).
+    """
+    import numpy as np
+    import torch
+    import transformers
+
+    import kvblend
+    import kvblend.hf as kh
+    from test_hf_blend import build_segments
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.eval()
+    segs = build_segments(tok)
+    with kvblend.Client(endpoint, timeout_ms=120000) as c:
+        b = kh.Blender(model, c, name=name)
+        for kind, t in segs:
+            if kind == "chunk":
+                b.store(t)
+        ref = b.blend(segs, CHECKS, RATIOS)
+        tokens = b.generate(segs, MAX_TOKENS, blend=ref)
+        everything = b.blend(segs, CHECKS, (1.0,))
+        full = b.prefill_kv(ref.ids)
+        b.close()
+    dev = worst_dev(everything.kv.numpy(), full)
+    if dev > TOL:
+        fail(f"{arch}: kvblend.hf at r=1.0 differs from transformers' full prefill by {dev:.2e} "
+             f"of a layer's scale (tolerance {TOL:g})")
+    chunks, n = [], 0
+    for kind, t in segs:
+        if kind == "chunk":
+            chunks.append([n, len(t), "chunk"])
+        n += len(t)
+    print(f"  (b) {arch}: kvblend.hf: {n} tokens, {ref.selections[0].size} rows recomputed after "
+          f"layer {CHECKS[0]}; at r=1.0 within {dev:.1e} of transformers' full prefill; "
+          f"continuation {tok.decode(tokens)!r}")
+    del model
+    return ref, tokens, chunks, np.asarray(full)
+
+
+def run_engine(arch, model_dir, endpoint, name, ref, tokens, chunks, dump_dir):
+    """(c): one engine; returns the deviation of its cache from kvblend.hf's fused KV."""
+    import numpy as np
+    from test_vllm_blend import read_cache
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    for old in dump_dir.glob("load-*.npz"):
+        old.unlink()
+    extra = {"endpoint": endpoint, "model_name": name, "timeout_ms": 60000,
+             "blend": {"check_layers": list(CHECKS), "ratios": list(RATIOS)}}
+    t0 = time.monotonic()
+    llm = LLM(model=model_dir, enforce_eager=True, dtype="float32", max_model_len=512,
+              seed=0, enable_prefix_caching=False,
+              kv_transfer_config=KVTransferConfig(
+                  kv_connector="KvblendConnector", kv_connector_module_path="kvblend.vllm",
+                  kv_role="kv_both", kv_connector_extra_config=extra))
+    t1 = time.monotonic()
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
+                        extra_args={"kv_transfer_params": {"kvblend": {"segments": chunks}}})
+    out = llm.generate([TokensPrompt(prompt_token_ids=[int(i) for i in ref.ids])], [sp],
+                       use_tqdm=False)
+    got = list(out[0].outputs[0].token_ids)
+    t2 = time.monotonic()
+    del llm, out
+    gc.collect()
+    dumps = sorted(dump_dir.glob("load-*.npz"))
+    if len(dumps) != 1:
+        fail(f"{arch}: {len(dumps)} load dumps, expected the one blend")
+    n = chunks[-1][0] + chunks[-1][1]  # the claim: up to the end of the last chunk
+    dev = worst_dev(read_cache(np.load(dumps[0]), n), ref.kv.numpy()[:, :, :n])
+    if dev > TOL:
+        fail(f"{arch}: vLLM's cache differs from kvblend.hf's blend by {dev:.2e} of a layer's "
+             f"scale (tolerance {TOL:g})")
+    if got != tokens:
+        fail(f"{arch}: vLLM's continuation {got} != kvblend.hf's {tokens}")
+    print(f"  (c) {arch}: vLLM's cache after the blend: {n} rows within {dev:.1e} of kvblend.hf's "
+          f"fused KV; {len(got)} greedy tokens equal (engine start {t1 - t0:.0f} s, request "
+          f"{t2 - t1:.1f} s)")
+    return dev
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=os.environ.get("KVBLEND_ENGINE_MODEL"),
+                    help="SmolLM2-135M-Instruct's directory (the others are built beside it)")
+    ap.add_argument("--arch", action="append", choices=ARCHS, help="only these (repeatable)")
+    args = ap.parse_args()
+    if not args.model:
+        fail("no model: --model or KVBLEND_ENGINE_MODEL")
+    t0 = time.monotonic()
+    sys.path.insert(0, str(HERE))
+    from make_arch_models import ensure
+    from test_vllm_model_hook import install
+
+    archs = args.arch or list(ARCHS)
+    model_dirs = {a: str(d) for a, d in ensure(args.model).items()}
+    print(f"  models ready in {time.monotonic() - t0:.0f} s")
+    tmp = tempfile.mkdtemp(prefix="kvblend-arch.")
+    site = Path(tmp) / "site"
+    install(site)
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(site), str(HERE)])
+    sys.path[:0] = [str(site)]
+    for name in [m for m in sys.modules if m == "kvblend" or m.startswith("kvblend.")]:
+        del sys.modules[name]
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    dump_dir = Path(tmp) / "dump"
+    dump_dir.mkdir()
+    os.environ["KVBLEND_VLLM_DUMP_DIR"] = str(dump_dir)
+    check_refusals(model_dirs)
+
+    from daemon import Daemon
+
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(args.model)
+    # A landing session's node calls the daemon only at check layers: on a loaded machine
+    # the layers after the last one may outlast the default 60 s fuse_idle.
+    d = Daemon("--fuse-idle", "600")
+    devs, fulls = {}, {}
+    try:
+        for arch in archs:
+            name = f"arch-test-{arch}"
+            ref, tokens, chunks, fulls[arch] = reference(arch, model_dirs[arch], d.endpoint, name,
+                                                         tok)
+            devs[arch] = run_engine(arch, model_dirs[arch], d.endpoint, name, ref, tokens, chunks,
+                                    dump_dir)
+    finally:
+        d.stop()
+    for arch in ("qwen2", "qwen3"):
+        if arch in fulls and "mistral" in fulls:
+            path = worst_dev(fulls[arch], fulls["mistral"])
+            if path < 100 * TOL:
+                fail(f"{arch}: its full prefill is within {path:.1e} of the same tensors without "
+                     "its bias or norms: the test would not see them skipped")
+            print(f"  path: {arch}'s full-prefill KV lies {path:.2f} of a layer's scale from "
+                  "the same tensors without its " + ("bias" if arch == "qwen2" else "norms"))
+    shutil.rmtree(tmp, ignore_errors=True)
+    worst = ", ".join(f"{a} {v:.1e}" for a, v in devs.items())
+    print(f"test_vllm_arch: all passed in {time.monotonic() - t0:.0f} s (max deviation {worst})")
+
+
+if __name__ == "__main__":
+    main()
