@@ -217,7 +217,9 @@ def main():
 
     from daemon import Daemon
 
-    d = Daemon()
+    # fuse sessions idle up to 600 s (default 60): on a loaded machine the blend loop's
+    # layers between two daemon calls have taken longer (the session expired under it)
+    d = Daemon("--fuse-idle", "600")
     try:
         ref, fuse_segs, greedy, tok = reference(args, d.endpoint)
         run_engine(args, tmp, site, d.endpoint, ref, fuse_segs, greedy, tok)
