@@ -132,12 +132,17 @@ def main(argv=None):
     ap.add_argument("--fuse", choices=("landing", "classic"), default="landing")
     ap.add_argument("--json", help="write every per-request figure here")
     ap.add_argument("--from-json", nargs="+", help="tables (and --plot) from earlier --json "
-                    "files, their records together")
+                    "files, their records together, one per request (a request in several "
+                    "files: the last file's record)")
     ap.add_argument("--plot", help="PNG to write")
     args = ap.parse_args(argv)
     ratios = [float(x) for x in args.ratios.split(",")]
     if args.from_json:
-        records = sum((json.loads(Path(p).read_text())["records"] for p in args.from_json), [])
+        by_k = {}
+        for p in args.from_json:
+            for rec in json.loads(Path(p).read_text())["records"]:
+                by_k[rec["k"]] = rec
+        records = [by_k[k] for k in sorted(by_k)]
         print(table(records, ratios))
         if args.plot:
             plot(records, ratios, args.plot, f"{len(records)} requests")

@@ -11,7 +11,10 @@ process, the error ``loaded_model`` raises where no model was loaded. With
 ``kv_connector_extra_config["blend"]`` (endpoint, model name, prompt ids, fuse segments,
 check layers, ratios, metric, out path), the first ``start_load_kv`` also runs
 ``kvblend._vllm_blend.blend_prompt`` over that model against the daemon and saves the
-fused KV and selections (``.npz``) with the seconds it took.
+fused KV and selections (``.npz``) with the seconds it took; with ``question`` (how many
+of the prompt's last tokens are the question) also the connector's way with the
+attention metric: the context up to the question blended with the question previewed,
+its selection and A saved.
 Used by test_vllm_model_hook.py only.
 """
 
@@ -102,8 +105,16 @@ class ModelHookProbe(KVConnectorBase_V1):
                 kv, sels, stats = _vllm_blend.blend_prompt(
                     self.model, c, spec, b["ids"], segs, b["checks"], b["ratios"], b["metric"])
                 secs = time.perf_counter() - t0
-            np.savez(b["out"], kv=kv.numpy(), **{f"sel{i}": x for i, x in enumerate(sels)})
-            self.log("blend", {"error": None, "seconds": secs, "tokens": len(b["ids"])})
+                att, q = {}, b.get("question", 0)
+                if q:
+                    n = len(b["ids"]) - q
+                    _, sa, st = _vllm_blend.blend_prompt(
+                        self.model, c, spec, b["ids"][:n], segs[:-1], b["checks"], b["ratios"],
+                        "attention", b["ids"][n:])
+                    att = {"attention": st["attention"], "att_sel0": sa[0]}
+            np.savez(b["out"], kv=kv.numpy(), **{f"sel{i}": x for i, x in enumerate(sels)}, **att)
+            self.log("blend", {"error": None, "seconds": secs, "tokens": len(b["ids"]),
+                               "question": q, "preview_ms": st["preview_ms"] if q else 0.0})
         except Exception as e:  # noqa: BLE001 - reported to the test, not raised into vLLM
             self.log("blend", {"error": f"{type(e).__name__}: {e}"})
 

@@ -18,6 +18,11 @@ a question (about 330 tokens):
     tokens as generate() from the NumPy reference's fused KV;
 (e) an architecture outside the Llama family (Gemma) is refused with kvblend.hf.Unsupported
     (Mistral, Qwen2 and Qwen3: test_vllm_arch.py).
+(f) the attention metric (question-aware selection, issue 24) at layer 1, r=0.15: A from
+    kvblend's preview (kvblend._blend_preview, the connector's too) equals eval/qsel.py's
+    preview on the NumPy model within TOL_A, and the daemon's selection equals
+    eval/cacheblend.py's attention_select bit for bit, over the K and V the node sent, the
+    daemon's own re-rotated stored rows (get_rerotated) and the A it was given.
 Exit 0 when all pass, 1 on a failure, 77 when KVBLEND_SKIP_ENGINE=1.
 """
 
@@ -42,6 +47,7 @@ import kvblend  # noqa: E402
 import kvblend.hf as kh  # noqa: E402
 from cacheblend import (  # noqa: E402
     Request,
+    attention_select,
     blend_forward,
     deviation,
     hkvd_select,
@@ -50,6 +56,7 @@ from cacheblend import (  # noqa: E402
 from daemon import Daemon  # noqa: E402
 from model import Config  # noqa: E402
 from model import Model as NumpyModel  # noqa: E402
+from qsel import preview  # noqa: E402
 
 MAX_TOKENS = 16
 # Fused KV, HF node vs NumPy reference: both are float32 with the same operations, but the
@@ -62,6 +69,13 @@ TOL_FUSED = 1e-4
 # The daemon's re-rotation (float64 angles, float32 arithmetic) vs NumPy's (the same,
 # another order of operations) on a stored row: a few ulps of the layer's largest |k|.
 TOL_ROTATE = 2e-5
+# A, kvblend's preview (torch, transformers' modules, the daemon's re-rotation) vs
+# eval/qsel.py's (NumPy, NumPy's re-rotation): softmax weights summed over ~20 queries, 28
+# layers and 3 heads, each weight off by float32 rounding carried through 30 layers;
+# measured 9.2e-8 of A's largest entry here (vLLM's modules in test_vllm_model_hook: see
+# there). 1e-4 stays far below a wrong layer range, head grouping or mask (each moves A by
+# 1e-2 or more of its largest entry).
+TOL_A = 1e-4
 
 DOCS = [
     "The river delta is formed where a river meets a slower body of water and drops the "
@@ -262,6 +276,8 @@ def run(model, twin, c, segs):
           f"({same} of {len(g1)} tokens at the same place as the full prefill's)")
     b.close()
 
+    check_attention(b, c, req, twin, hashes)
+
     # (e) another architecture (Gemma: a Llama-like layer the pass does not reproduce).
     gcfg = transformers.GemmaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                                     num_attention_heads=2, num_key_value_heads=1, head_dim=32,
@@ -273,6 +289,38 @@ def run(model, twin, c, segs):
         if "GemmaForCausalLM is not supported" not in str(e):
             fail(f"refusal message: {e}")
         print(f"  (e) refused: {e}")
+
+
+def check_attention(b, c, req, twin, hashes):
+    """(f): the attention metric's A and selection against eval/qsel.py and cacheblend.py."""
+    layer, r = 1, 0.15
+    bl = b.blend([(k, list(t)) for k, t in req.segments], (layer,), (r,), "attention",
+                 keep_checks=True)
+    a_ref, _ = preview(twin, req, req.placed)
+    a = bl.attention
+    if a is None or a.shape != a_ref.shape:
+        fail(f"A: {None if a is None else a.shape}, reference {a_ref.shape}")
+    err = float(np.abs(a - a_ref).max() / np.abs(a_ref).max())
+    if err > TOL_A:
+        fail(f"A differs from eval/qsel.py's preview by {err:.2e} of its largest entry")
+    S, plane = bl.sent[layer], bl.checked[layer]  # [rows, 2, kv_heads, d]: K then V
+    is_cached = req.cached[S]
+    cand = S[is_cached]
+    placed = np.zeros((2, req.N) + plane.shape[2:], np.float32)  # the daemon's re-rotation
+    for (kind, s, t), h in zip([sp for sp in req.spans if sp[0] == "chunk"], hashes):
+        placed[:, s:s + t] = c.get_rerotated(b.spec.name, h, pos=s)[layer, :, :t]
+    cached_ord = np.searchsorted(np.flatnonzero(req.cached), cand)
+    k = select_count(r, int(req.cached.sum()))
+    ref = attention_select(plane[is_cached, 0], plane[is_cached, 1], placed[0, cand],
+                           placed[1, cand], a, cand, cached_ord, k, np.flatnonzero(~req.cached))
+    if not np.array_equal(ref, bl.selections[0]):
+        fail(f"attention: the daemon selected {bl.selections[0].size} rows, the reference "
+             f"{ref.size}; {np.setxor1d(ref, bl.selections[0]).size} differ")
+    top = np.flatnonzero(req.cached)[np.argsort(-a.sum(1))[:3]]
+    print(f"  (f) attention r={r}: A [{a.shape[0]}, {a.shape[1]}] within {err:.1e} of "
+          f"eval/qsel.py's (most read: tokens {top.tolist()}); {k} of {cand.size} cached "
+          f"selected, equal to attention_select bit for bit")
+
 
 if __name__ == "__main__":
     main()

@@ -65,7 +65,7 @@ def check_config():
            ({"blend": {"ratios": [1.5]}}, "in [0, 1]"),
            ({"blend": {"check_layers": [1, 2], "ratios": [0.1, 0.3]}}, "not increasing"),
            ({"blend": {"check_layers": [1, 2], "ratios": [0.1]}}, "one ratio per"),
-           ({"blend": {"metric": "cosine"}}, "'value' or 'key'"),
+           ({"blend": {"metric": "cosine"}}, "'value', 'key' or 'attention'"),
            ({"blend": {"check_layers": [1.7]}}, "list of ints")]
     for extra, words in bad:
         try:

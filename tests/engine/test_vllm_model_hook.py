@@ -17,7 +17,12 @@ libkvblend and KVBLEND_ENGINE_MODEL (or --model) to the model directory.
 (d) in that worker, at the first forward pass, kvblend._vllm_blend.blend_prompt over
     vLLM's model: its selection equals kvblend.hf's for the same request (test_hf_blend's,
     its chunks stored by kvblend.hf under the same model name, against a real daemon) and
-    its fused KV is within TOL_VLLM of kvblend.hf's.
+    its fused KV is within TOL_VLLM of kvblend.hf's; then the connector's way with the
+    attention metric (question-aware selection, issue 24): blend_prompt over the context
+    up to the last chunk with the question after it: its A (the question's preview over
+    vLLM's modules) equals eval/qsel.py's preview on the NumPy model holding the same
+    weights within TOL_A, and its selection equals kvblend.hf's (which test_hf_blend holds
+    bit for bit to eval/cacheblend.py's attention_select).
 Exit 0 when all pass, 1 on a failure, 77 when KVBLEND_SKIP_ENGINE=1.
 """
 
@@ -46,6 +51,7 @@ CHECKS, RATIOS, METRIC = (1,), (0.15,), "value"
 # cos/sin from its own float32 cache; measured 3.3e-6 of a layer's largest |value| over 30
 # layers. 1e-4 is 30x that and far below a wrong row (O(1) of the scale; test_hf_blend).
 TOL_VLLM = 1e-4
+TOL_A = 1e-4  # as test_hf_blend's (A off by float32 rounding through 30 layers)
 
 
 def fail(msg):
@@ -100,7 +106,10 @@ def reference(args, endpoint):
 
     import kvblend
     import kvblend.hf as kh
-    from test_hf_blend import build_segments
+    from test_hf_blend import build_segments, numpy_twin  # puts eval/ on the path
+
+    from cacheblend import Request
+    from qsel import preview
 
     model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     model.eval()
@@ -112,6 +121,12 @@ def reference(args, endpoint):
             if kind == "chunk":
                 b.store(t)
         ref = b.blend(segs, CHECKS, RATIOS, METRIC)
+        ref.att = b.blend(segs, CHECKS, RATIOS, "attention")
+        twin = numpy_twin(model)
+        req = Request([(k, list(t)) for k, t in segs],
+                      [c.get(NAME, kvblend.chunk_hash(t)) for k, t in segs if k == "chunk"],
+                      twin.cfg)
+        ref.att_numpy, _ = preview(twin, req, req.placed)
         b.close()
     fuse_segs, n = [], 0
     for kind, t in segs:
@@ -138,6 +153,17 @@ def check_blend(facts, ref, out_path):
         if not np.array_equal(got[f"sel{i}"], sel):
             fail(f"check layer {CHECKS[i]}: vLLM's pass selected "
                  f"{np.setxor1d(got[f'sel{i}'], sel).size} rows unlike kvblend.hf's")
+    n = len(ref.ids) - bl["question"]  # the context: up to the last chunk
+    want = ref.att.selections[0][ref.att.selections[0] < n]
+    if not np.array_equal(got["att_sel0"], want):
+        fail(f"attention: vLLM's pass selected {np.setxor1d(got['att_sel0'], want).size} rows "
+             f"unlike kvblend.hf's")
+    a, a_ref = got["attention"], ref.att_numpy
+    if a.shape != a_ref.shape:
+        fail(f"A of shape {a.shape}, eval/qsel.py's {a_ref.shape}")
+    err_a = float(np.abs(a - a_ref).max() / np.abs(a_ref).max())
+    if err_a > TOL_A:
+        fail(f"A from vLLM's modules differs from eval/qsel.py's by {err_a:.2e} of its largest")
     kv, want = got["kv"], ref.kv.numpy()
     worst = 0.0
     for layer in range(want.shape[0]):
@@ -151,6 +177,9 @@ def check_blend(facts, ref, out_path):
     print(f"  (d) blend pass over vLLM's modules in the worker ({bl['tokens']} tokens, "
           f"{bl['seconds']:.2f} s): selection equal to kvblend.hf's "
           f"({ref.selections[0].size} rows), fused KV within {worst:.1e} of each layer's scale")
+    print(f"  (d) attention metric ({n} tokens of context, {len(ref.ids) - n} of question, "
+          f"preview {bl['preview_ms']:.0f} ms): A within {err_a:.1e} of eval/qsel.py's, "
+          f"selection equal to kvblend.hf's ({got['att_sel0'].size} rows)")
 
 
 def main():
@@ -188,7 +217,9 @@ def main():
 
     from daemon import Daemon
 
-    d = Daemon()
+    # fuse sessions idle up to 600 s (default 60): on a loaded machine the blend loop's
+    # layers between two daemon calls have taken longer (the session expired under it)
+    d = Daemon("--fuse-idle", "600")
     try:
         ref, fuse_segs, greedy, tok = reference(args, d.endpoint)
         run_engine(args, tmp, site, d.endpoint, ref, fuse_segs, greedy, tok)
@@ -205,8 +236,9 @@ def run_engine(args, tmp, site, endpoint, ref, fuse_segs, greedy, tok):
 
     facts_path = Path(tmp) / "facts.jsonl"
     out_path = Path(tmp) / "blend.npz"
+    q = len(ref.ids) - fuse_segs[-1][1]  # the last segment, fresh: the question
     blend = {"endpoint": endpoint, "name": NAME, "ids": [int(i) for i in ref.ids],
-             "segments": fuse_segs, "checks": list(CHECKS), "ratios": list(RATIOS),
+             "segments": fuse_segs, "question": q, "checks": list(CHECKS), "ratios": list(RATIOS),
              "metric": METRIC, "out": str(out_path)}
     llm = LLM(model=args.model, enforce_eager=True, dtype="float32", max_model_len=4096,
               seed=0, enable_prefix_caching=False,

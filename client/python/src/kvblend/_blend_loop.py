@@ -76,6 +76,7 @@ def blend_layers(
     metric: str,
     landing: bool,
     keep_checks: bool = False,
+    attention: np.ndarray | None = None,
 ) -> LoopResult:
     """Run every layer of a prompt through an open fuse session.
 
@@ -94,11 +95,17 @@ def blend_layers(
     checks : list of int
         The session's check layers (empty: reuse only, the fresh rows computed).
     metric : str
-        ``"value"`` or ``"key"``.
+        ``"value"``, ``"key"`` or ``"attention"`` (K and V go at check layers).
     landing : bool
         Whether ``sess`` is a landing session.
     keep_checks : bool
         Keep the planes sent at check layers (:attr:`LoopResult.checked`).
+    attention : ndarray, optional
+        A for the attention metric ([chunk tokens, kv_heads] float32,
+        :mod:`kvblend._blend_preview`), given to the session before the first check.
+
+    At a check layer the selection is final when the daemon answers, so only the rows it
+    keeps finish the layer (attention and MLP): the others needed only their Q, K and V.
     """
     dev = ops.device
     n = ids.size
@@ -109,6 +116,8 @@ def blend_layers(
     first = checks[0] if checks else 0  # the first layer call of a classic session
     out = LoopResult(h=h, rows=rows)
     m = 1 if metric == "value" else 0
+    if attention is not None:
+        sess.attention(attention)  # goes with the first check layer's call
     for li in range(ops.num_layers):
         rows_t = torch.as_tensor(rows, device=dev)
         q, k, v = ops.qkv(li, h, rows_t)
@@ -117,7 +126,7 @@ def blend_layers(
         if landing:
             sess.wait(li, timeout=120)  # the daemon's rows first (at once for ours)
         kv[li, 0, rows_c], kv[li, 1, rows_c] = kc, vc
-        plane = (kc, vc)[m].numpy()
+        plane = (torch.stack((kc, vc), 1) if metric == "attention" else (kc, vc)[m]).numpy()
         if landing and li in checks:
             sess.check(li, plane)
             new = sess.rows().astype(np.int64)
@@ -130,9 +139,11 @@ def blend_layers(
         if new is not None and keep_checks:
             out.checked[li], out.sent[li] = plane.copy(), rows.copy()
         k_all, v_all = kv[li, 0].to(dev, q.dtype), kv[li, 1].to(dev, q.dtype)
-        h = ops.attend(li, h, q, k_all, v_all, rows_t)
-        if new is not None:
-            h, rows = h[torch.as_tensor(np.searchsorted(rows, new), device=dev)], new
+        if new is not None:  # the cheap check: only the kept rows finish the layer
+            keep = torch.as_tensor(np.searchsorted(rows, new), device=dev)
+            h, q, rows = h[keep], q[keep], new
+            rows_t = torch.as_tensor(rows, device=dev)
             out.selections.append(new)
+        h = ops.attend(li, h, q, k_all, v_all, rows_t)
     out.h, out.rows = h, rows
     return out

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -32,6 +32,7 @@ import torch
 from . import _blend_arch as _arch
 from . import _vllm_plan as _plan
 from ._blend_loop import blend_layers, causal_attention
+from ._blend_preview import land_chunks, question_attention
 from .client import Client, Model, chunk_hash
 
 # Under "vllm." so that vLLM's logging configuration applies (as kvblend.vllm's lines).
@@ -118,6 +119,7 @@ def blend_prompt(
     check_layers: Sequence[int],
     ratios: Sequence[float],
     metric: str = "value",
+    question: Sequence[int] = (),
 ) -> tuple[torch.Tensor, list[np.ndarray], dict]:
     """Blend a prompt over vLLM's model with a landing session; return the fused KV.
 
@@ -136,12 +138,25 @@ def blend_prompt(
         pos)`` for a stored chunk, ``(count, pos)`` for fresh tokens.
     check_layers, ratios, metric
         As :meth:`Client.fuse_open_into`.
+    question : sequence of int
+        The attention metric's question: the prompt's tokens right after ``ids`` (what
+        vLLM computes after the blend). Before the pass they run alone through every
+        layer over the stored chunks re-rotated (landed by a reuse-only session first)
+        and give A (:func:`kvblend._blend_preview.question_attention`), which goes to
+        the daemon with the first check layer.
 
     Returns
     -------
     (kv, selections, stats)
         The fused KV [layers, 2, N, kv_heads, head_dim] (CPU, the model's dtype), the
-        selection after each check layer, the daemon's session statistics.
+        selection after each check layer, the daemon's session statistics; with the
+        attention metric also ``stats["attention"]`` (A, [chunk tokens, kv_heads]) and
+        ``stats["preview_ms"]`` (landing and preview).
+
+    Raises
+    ------
+    ValueError
+        The attention metric with check layers and no question tokens.
     """
     ops = VllmLlamaOps(model)
     ids = np.asarray(ids, np.int64)
@@ -157,13 +172,23 @@ def blend_prompt(
     region = client.region(nbytes)
     try:
         buf = region[:nbytes].view(np_dtype).reshape(shape)
+        a, t_pre = None, time.perf_counter()
+        if metric == "attention" and check_layers:
+            land_chunks(client, spec.name, segments, buf, True)
+            q = np.asarray(question, np.int64)
+            rows = np.flatnonzero(cached)
+            a = question_attention(ops, torch.from_numpy(buf), rows, q, n + np.arange(q.size))
+        t_pre = time.perf_counter() - t_pre
         sess = client.fuse_open_into(
             spec.name, segments, buf[:, 0], buf[:, 1], list(check_layers), list(ratios), metric
         )
         try:
-            r = blend_layers(ops, sess, buf, ids, cached, list(check_layers), metric, True)
+            checks = list(check_layers)
+            r = blend_layers(ops, sess, buf, ids, cached, checks, metric, True, False, a)
         finally:
             stats = sess.close()
+        if a is not None:
+            stats.update(attention=a, preview_ms=t_pre * 1000)
         kv = torch.from_numpy(buf).clone()
     finally:
         client.free_region(region)
@@ -187,15 +212,19 @@ class BlendLoad:
     """One request's blend: its context and fuse segments.
 
     The context runs up to the end of the request's last stored chunk found; segments
-    are ``(hash, pos)`` for a chunk and ``(count, pos)`` for fresh tokens.
+    are ``(hash, pos)`` for a chunk and ``(count, pos)`` for fresh tokens. ``question``:
+    the prompt's tokens after the context (the attention metric's preview runs them).
     """
 
     ids: list[int]
     segments: list[tuple]
     config: BlendConfig
+    question: list[int] = field(default_factory=list)
 
 
 DEFAULT_CONFIG = BlendConfig((1,), (0.15,), "value")
+#: The selection metrics (docs/fuse.md): HKVD on V or K, or question-aware ("attention").
+METRICS = ("value", "key", "attention")
 
 
 def _settings(raw: Any, num_layers: int, base: BlendConfig, where: str) -> BlendConfig:
@@ -217,8 +246,8 @@ def _settings(raw: Any, num_layers: int, base: BlendConfig, where: str) -> Blend
         raise ValueError(f"{where}.ratios must be a list of numbers")
     checks, ratios = tuple(checks), tuple(float(r) for r in ratios)
     metric = raw.get("metric", base.metric)
-    if metric not in ("value", "key"):
-        raise ValueError(f"{where}.metric {metric!r}: 'value' or 'key'")
+    if metric not in METRICS:
+        raise ValueError(f"{where}.metric {metric!r}: 'value', 'key' or 'attention'")
     # no check layers (and no ratios): full reuse through the pass, every stored chunk
     # re-rotated in place and every fresh token computed, wherever the chunks sit
     if len(checks) != len(ratios):
@@ -326,7 +355,7 @@ def plan_blend(
             fuse.append((s.start - pos, pos))
         fuse.append((h, s.start))
         pos = s.end
-    return pos, BlendLoad(ids[:pos], fuse, config)
+    return pos, BlendLoad(ids[:pos], fuse, config, ids[pos:])
 
 
 def _fresh(seg: tuple) -> bool:
@@ -368,7 +397,15 @@ def load_blend(
     c = load.config
     t0 = time.perf_counter()
     kv, sels, stats = blend_prompt(
-        model, client, spec, load.ids, load.segments, c.check_layers, c.ratios, c.metric
+        model,
+        client,
+        spec,
+        load.ids,
+        load.segments,
+        c.check_layers,
+        c.ratios,
+        c.metric,
+        load.question,
     )
     t1 = time.perf_counter()
     pos = torch.arange(len(load.ids))
@@ -379,7 +416,8 @@ def load_blend(
         v_cache[layer][blk, :, off, :] = kv[layer, 1]
     logger.info(
         "kvblend: blend of %d tokens (%d recomputed after layer %d): pass %.3f s (daemon: "
-        "session %.0f ms, load %.1f ms, landing %.1f ms, compute %.2f ms), cache write %.3f s",
+        "session %.0f ms, load %.1f ms, landing %.1f ms, compute %.2f ms), cache write %.3f s; "
+        "metric %s, preview %.0f ms",
         len(load.ids),
         sels[-1].size if sels else int(sum(s[0] for s in load.segments if _fresh(s))),
         c.check_layers[-1] if c.check_layers else -1,
@@ -389,5 +427,7 @@ def load_blend(
         stats.get("land_ms", float("nan")),
         stats.get("compute_ms", float("nan")),
         time.perf_counter() - t1,
+        c.metric,
+        stats.get("preview_ms", 0.0),
     )
     return sels, stats

@@ -36,13 +36,14 @@ import torch
 
 from . import _blend_arch as _arch
 from ._blend_loop import blend_layers, causal_attention
+from ._blend_preview import land_chunks, question_attention
 from .client import Client, Model, chunk_hash
 from .errors import KvblendError
 
 #: Architectures whose decoder layers this module drives (:mod:`kvblend._blend_arch`).
 SUPPORTED_ARCHITECTURES = tuple(_arch.ARCHITECTURES)
 _DTYPES = {torch.float32: ("f32", np.float32), torch.float16: ("f16", np.float16)}
-_METRICS = ("value", "key")
+_METRICS = ("value", "key", "attention")
 
 
 class Unsupported(ValueError):
@@ -143,6 +144,9 @@ class Blend:
         ([rows, kv_heads, head_dim], for the rows :attr:`sent` names).
     sent : dict
         With ``keep_checks``: layer -> the token indices whose plane was sent.
+    attention : ndarray or None
+        The attention metric's A ([chunk tokens, kv_heads] float32, the question's
+        preview, :mod:`kvblend._blend_preview`); None for the other metrics.
     session : str
         ``"landing"`` or ``"classic"``: the kind of fuse session that served it.
     stats : dict
@@ -157,6 +161,7 @@ class Blend:
     selections: list = field(default_factory=list)
     checked: dict = field(default_factory=dict)
     sent: dict = field(default_factory=dict)
+    attention: np.ndarray | None = None
     session: str = "landing"
     stats: dict = field(default_factory=dict)
     seconds: float = 0.0
@@ -343,7 +348,11 @@ class Blender:
         check_layers, ratios : sequences
             Increasing layers, one ratio in [0, 1] per layer, not increasing.
         metric : str
-            ``"value"`` (CacheBlend) or ``"key"``.
+            ``"value"`` (CacheBlend), ``"key"``, or ``"attention"`` (question-aware,
+            docs/fuse.md): first the question (the last segment) runs alone through
+            every layer over the stored chunks re-rotated (a reuse-only session) and
+            gives A, where it reads them; the daemon weighs the K and V deviation at
+            the check layers by A.
         keep_checks : bool
             Keep the planes sent at check layers in :attr:`Blend.checked`.
 
@@ -356,7 +365,7 @@ class Blender:
         """
         t0 = time.perf_counter()
         if metric not in _METRICS:
-            raise ValueError(f"metric {metric!r}: value or key")
+            raise ValueError(f"metric {metric!r}: value, key or attention")
         checks = [int(c) for c in check_layers]
         nl, nh, d = self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim
         if any(not 0 <= c < nl for c in checks):
@@ -371,6 +380,13 @@ class Blender:
         for kind, s, t in spans:
             cached[s : s + t.size] = kind == "chunk"
         buf = self._buffer((nl, 2, n, nh, d))
+        a = None
+        if metric == "attention" and checks:
+            land_chunks(self.client, self.spec.name, segs, buf, self.landing)
+            kind, s, t = spans[-1]
+            self._ops.begin(n)
+            rows = np.flatnonzero(cached)
+            a = question_attention(self._ops, torch.from_numpy(buf), rows, t, np.arange(s, n))
         if self.landing:
             sess = self.client.fuse_open_into(
                 self.spec.name, segs, buf[:, 0], buf[:, 1], checks, list(ratios), metric
@@ -378,17 +394,17 @@ class Blender:
         else:
             sess = self.client.fuse_open(self.spec.name, segs, checks, list(ratios), metric)
         try:
-            out = self._run(sess, buf, ids, cached, checks, metric, keep_checks)
+            out = self._run(sess, buf, ids, cached, checks, metric, keep_checks, a)
         finally:
             stats = sess.close()
         out.stats, out.session = stats, self.session_kind
         out.seconds = time.perf_counter() - t0
         return out
 
-    def _run(self, sess, buf, ids, cached, checks, metric, keep_checks) -> Blend:
-        """Run the layer loop of :meth:`blend` on an open session."""
+    def _run(self, sess, buf, ids, cached, checks, metric, keep_checks, a=None) -> Blend:
+        """Run the layer loop of :meth:`blend` on an open session (A: the preview's)."""
         r = blend_layers(
-            self._ops, sess, buf, ids, cached, checks, metric, self.landing, keep_checks
+            self._ops, sess, buf, ids, cached, checks, metric, self.landing, keep_checks, a
         )
         if r.rows[-1] != ids.size - 1:
             raise KvblendError(-5, "kvblend.hf: the last prompt token was not recomputed")
@@ -397,7 +413,13 @@ class Blender:
         # the buffer is reused by the next blend: the Blend gets a copy
         kv = torch.from_numpy(buf).clone()
         return Blend(
-            ids=ids, kv=kv, logits=logits, selections=r.selections, checked=r.checked, sent=r.sent
+            ids=ids,
+            kv=kv,
+            logits=logits,
+            selections=r.selections,
+            checked=r.checked,
+            sent=r.sent,
+            attention=a,
         )
 
     @torch.no_grad()

@@ -1,0 +1,111 @@
+"""The question's preview for the attention metric (question-aware selection, issue 24).
+
+Before the blend pass the node runs only the question tokens through every layer over
+the stored chunks' KV, re-rotated to the prompt (plain reuse for the question), and sums
+A[j, h]: the question's softmax attention on chunk token j, over its queries, over
+layers :data:`PREVIEW_FROM` .. L-1 and over the query heads that read KV head h. The
+daemon weighs each chunk token's K and V deviation at the check layer by A
+(docs/fuse.md, "The attention metric"). The definition is eval/qsel.py's ``preview``
+(the NumPy node's), which tests/engine/test_hf_blend.py holds this one to.
+
+:func:`land_chunks` puts the re-rotated chunk rows of every layer into the request's KV
+buffer through a reuse-only fuse session; :func:`question_attention` runs the preview
+over them with a model's :class:`kvblend._blend_loop.LayerOps`. Shared by
+:mod:`kvblend.hf` and :mod:`kvblend._vllm_blend`. Imports torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+#: The first layer A sums (layers 0 and 1 attend broadly; eval/qsel.py's PREVIEW_FROM).
+PREVIEW_FROM = 2
+
+
+def land_chunks(
+    client: Any, model: str, segments: Sequence[tuple], buf: np.ndarray, landing: bool
+) -> None:
+    """Fill the stored chunks' rows of every layer of ``buf`` with the rows re-rotated.
+
+    ``buf`` is the request's KV [layers, 2, N, kv_heads, head_dim] (in a
+    :meth:`Client.region` when ``landing``); ``segments`` the fuse segments, ``(hash,
+    pos)`` or ``(count, pos)``. A reuse-only session (no check layers): a landing one
+    writes every layer into ``buf`` itself; a classic one returns each fused layer for
+    fresh rows of zeros (their rows in ``buf`` are zeros afterwards: the blend pass
+    computes them). Raises what the fuse calls raise (``NotFound`` for a chunk not stored).
+    """
+    nl = buf.shape[0]
+    if landing:
+        sess = client.fuse_open_into(model, segments, buf[:, 0], buf[:, 1])
+        try:
+            for layer in range(nl):
+                sess.wait(layer, timeout=120)
+        finally:
+            sess.close()
+        return
+    sess = client.fuse_open(model, segments, [], [])
+    try:
+        zeros = np.zeros((sess.rows().size,) + buf.shape[3:], buf.dtype)
+        for layer in range(nl):
+            sess.layer(layer, zeros, zeros, k_out=buf[layer, 0], v_out=buf[layer, 1])
+    finally:
+        sess.close()
+
+
+@torch.no_grad()
+def question_attention(
+    ops: Any,
+    kv: torch.Tensor,
+    cached: np.ndarray,
+    question: np.ndarray,
+    positions: np.ndarray,
+    first: int = PREVIEW_FROM,
+) -> np.ndarray:
+    """Return A [chunk tokens, kv_heads] float32: where the question reads each chunk token.
+
+    Parameters
+    ----------
+    ops : LayerOps
+        The model's layer operations (``begin`` must have been called for a prompt
+        covering ``positions``).
+    kv : torch.Tensor
+        The request's KV [layers, 2, N, kv_heads, head_dim] (CPU) whose rows ``cached``
+        hold the stored chunks re-rotated to their positions (:func:`land_chunks`).
+    cached : ndarray
+        Prompt indices of the chunk tokens, increasing: A's rows, in that order.
+    question, positions : ndarray
+        The question's token ids and their prompt positions, increasing and after every
+        chunk token. The question's queries read the chunk tokens and the question only
+        (the other fresh tokens are not computed), causally.
+    first : int
+        The first layer summed into A.
+    """
+    dev = ops.device
+    nc, nq = len(cached), len(question)
+    if nq == 0:
+        raise ValueError("the attention metric needs question tokens (none after the chunks)")
+    if nc and int(positions[0]) <= int(cached[-1]):
+        raise ValueError("the question must come after every chunk token")
+    cached_t = torch.as_tensor(cached, dtype=torch.long)
+    pos_t = torch.as_tensor(positions, dtype=torch.long, device=dev)
+    local = torch.arange(nc, nc + nq, device=dev)  # the question's rows among the keys
+    h = ops.embed(torch.as_tensor(question, dtype=torch.long, device=dev))
+    a = torch.zeros(kv.shape[3], nc, dtype=torch.float64, device=dev)
+    mask = torch.arange(nc + nq, device=dev)[None, :] > local[:, None]
+    for layer in range(ops.num_layers):
+        q, k, v = ops.qkv(layer, h, pos_t)
+        keys = torch.cat([kv[layer, 0, cached_t].to(dev, q.dtype), k])
+        values = torch.cat([kv[layer, 1, cached_t].to(dev, q.dtype), v])
+        if layer >= first and nc:
+            rep = q.shape[1] // keys.shape[1]
+            kt = keys.repeat_interleave(rep, dim=1).permute(1, 2, 0)  # [heads, d, keys]
+            s = torch.matmul(q.transpose(0, 1).float(), kt.float()) * (q.shape[2] ** -0.5)
+            p = torch.softmax(s.masked_fill(mask[None], float("-inf")), dim=-1)
+            on_chunks = p[:, :, :nc].sum(dim=1)  # [heads, chunk tokens]
+            a += on_chunks.reshape(keys.shape[1], rep, nc).sum(dim=1).double()
+        h = ops.attend(layer, h, q, keys, values, local)
+    return np.ascontiguousarray(a.T.float().cpu().numpy())
