@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
+from torch.nn.functional import scaled_dot_product_attention as sdpa
 
 
 class LayerOps(Protocol):
@@ -52,18 +53,23 @@ class LoopResult:
 def causal_attention(q, keys, values, rows, scaling: float) -> torch.Tensor:
     """Attention of q [n, heads, d] (the tokens rows) over keys, values [N, kv_heads, d].
 
-    Row i sees keys 0..rows[i] (causal in prompt order); grouped-query heads share a KV
-    head in order (query head j reads KV head j // (heads / kv_heads)). Softmax in float32.
-    Returns [n, heads * d].
+    Row i sees keys 0..rows[i] (causal in prompt order; rows increasing); grouped-query
+    heads share a KV head in order (query head j reads KV head j // (heads / kv_heads)).
+    Returns [n, heads * d]. PyTorch's fused attention (no [heads, n, N] scores
+    materialised, no copies of the KV per query head): a plain causal mask when the rows
+    are the whole prompt in order, else a boolean [n, N] mask.
     """
-    rep = q.shape[1] // keys.shape[1]
-    kt = keys.repeat_interleave(rep, dim=1).permute(1, 2, 0)  # [heads, d, N]
-    vt = values.repeat_interleave(rep, dim=1).transpose(0, 1)  # [heads, N, d]
-    s = torch.matmul(q.transpose(0, 1), kt) * scaling  # [heads, n, N]
-    mask = torch.arange(keys.shape[0], device=keys.device)[None, :] > rows[:, None]
-    s = s.masked_fill(mask[None], float("-inf"))
-    p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(p, vt).transpose(0, 1).reshape(q.shape[0], -1)
+    n, big_n = q.shape[0], keys.shape[0]
+    if n == 0:
+        return q.new_zeros(0, q.shape[1] * q.shape[2])
+    qt, kt, vt = (x.transpose(0, 1)[None] for x in (q, keys, values))
+    kw = {"scale": scaling, "enable_gqa": q.shape[1] != keys.shape[1]}
+    if n == big_n and bool(rows[-1] == n - 1):  # increasing rows: all of them, in order
+        o = sdpa(qt, kt, vt, is_causal=True, **kw)
+    else:
+        mask = torch.arange(big_n, device=keys.device)[None, :] <= rows[:, None]
+        o = sdpa(qt, kt, vt, attn_mask=mask, **kw)
+    return o[0].transpose(0, 1).reshape(n, -1)
 
 
 def blend_layers(
@@ -118,11 +124,13 @@ def blend_layers(
     m = 1 if metric == "value" else 0
     if attention is not None:
         sess.attention(attention)  # goes with the first check layer's call
+    # the rows as tensors, made again only when a check layer changes them (the attention
+    # may keep per-rows state, such as vLLM's request metadata, while they stay the same)
+    rows_t, rows_c = torch.as_tensor(rows, device=dev), torch.from_numpy(rows)
     for li in range(ops.num_layers):
-        rows_t = torch.as_tensor(rows, device=dev)
         q, k, v = ops.qkv(li, h, rows_t)
         kc, vc = k.to("cpu", ops.kv_dtype), v.to("cpu", ops.kv_dtype)
-        new, rows_c = None, torch.from_numpy(rows)
+        new = None
         if landing:
             sess.wait(li, timeout=120)  # the daemon's rows first (at once for ours)
         kv[li, 0, rows_c], kv[li, 1, rows_c] = kc, vc
@@ -142,7 +150,7 @@ def blend_layers(
         if new is not None:  # the cheap check: only the kept rows finish the layer
             keep = torch.as_tensor(np.searchsorted(rows, new), device=dev)
             h, q, rows = h[keep], q[keep], new
-            rows_t = torch.as_tensor(rows, device=dev)
+            rows_t, rows_c = torch.as_tensor(rows, device=dev), torch.from_numpy(rows)
             out.selections.append(new)
         h = ops.attend(li, h, q, k_all, v_all, rows_t)
     out.h, out.rows = h, rows

@@ -33,6 +33,7 @@ from . import _blend_arch as _arch
 from . import _vllm_plan as _plan
 from ._blend_loop import blend_layers, causal_attention
 from ._blend_preview import land_chunks, question_attention
+from ._vllm_attn import paged_attention_for
 from .client import Client, Model, chunk_hash
 
 # Under "vllm." so that vLLM's logging configuration applies (as kvblend.vllm's lines).
@@ -80,6 +81,12 @@ class VllmLlamaOps:
         self.kv_dtype = next(model.parameters()).dtype
         if self.kv_dtype not in _NP:
             raise BlendRefused(f"kvblend: dtype {self.kv_dtype}; float32 or float16")
+        a = self.layers[0].self_attn
+        # vLLM's CPU attention kernel where it applies (several times faster than PyTorch's)
+        self.attention = (
+            paged_attention_for(self.device, a.num_heads, a.num_kv_heads, a.head_dim, self.kv_dtype)
+            or causal_attention
+        )
 
     def begin(self, n: int) -> None:
         pass
@@ -104,7 +111,7 @@ class VllmLlamaOps:
     def attend(self, layer: int, h, q, keys, values, rows) -> torch.Tensor:
         mod = self.layers[layer]
         attn = mod.self_attn
-        o, _ = attn.o_proj(causal_attention(q, keys, values, rows, attn.scaling))
+        o, _ = attn.o_proj(self.attention(q, keys, values, rows, attn.scaling))
         h = h + o
         return h + mod.mlp(mod.post_attention_layernorm(h))
 
