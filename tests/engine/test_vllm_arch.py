@@ -200,6 +200,8 @@ def main():
     ap.add_argument("--model", default=os.environ.get("KVBLEND_ENGINE_MODEL"),
                     help="SmolLM2-135M-Instruct's directory (the others are built beside it)")
     ap.add_argument("--arch", action="append", choices=ARCHS, help="only these (repeatable)")
+    ap.add_argument("--no-engine", action="append", default=[], choices=ARCHS,
+                    help="kvblend.hf's part only for this one, no engine start (repeatable)")
     args = ap.parse_args()
     if not args.model:
         fail("no model: --model or KVBLEND_ENGINE_MODEL")
@@ -239,6 +241,9 @@ def main():
             name = f"arch-test-{arch}"
             ref, tokens, chunks, fulls[arch] = reference(arch, model_dirs[arch], d.endpoint, name,
                                                          tok)
+            if arch in args.no_engine:
+                print(f"  (c) {arch}: no engine start (--no-engine)")
+                continue
             devs[arch] = run_engine(arch, model_dirs[arch], d.endpoint, name, ref, tokens, chunks,
                                     dump_dir)
     finally:
