@@ -7,8 +7,11 @@
  *   plain       one TCP stream between two threads of this process: send() of the
  *               chunk's bytes, recv() into a buffer (the peer of the others);
  *   GET tcp     a client GETs the chunk from a over tcp:// into its buffer, as libkvblend
- *               does by default: the payload on the bulk connection (AES-256-GCM sealed
- *               under CURVE), received straight into the buffer;
+ *               does by default: the payload on the bulk connection (sealed under CURVE:
+ *               AEGIS-128L where both ends have AES instructions), received straight
+ *               into the buffer;
+ *   GCM         under CURVE, the same GET by a client that asks for AES-256-GCM
+ *               (KVBLEND_BULK_CIPHER=aes-256-gcm): the seal the daemon falls back to;
  *   frames      the same GET by a client with the bulk connection off (KVBLEND_NO_BULK=1):
  *               the payload in ZeroMQ frames (encrypted by CURVE), copied into the buffer;
  *   frames kept the same GET with kvb_get_layers(): the layers left in the frames;
@@ -30,7 +33,7 @@
  * --malloc-tune calls kvb_malloc_tune() first (what the frames paths needed to be fast).
  *
  * usage: bench_cluster [--daemon PATH] [--sizes 8,32] [--repeats N] [--no-curve]
- *                      [--malloc-tune] [--get-only]
+ *                      [--curve-only] [--malloc-tune] [--get-only]
  *
  * --get-only: the plain copy and the three GETs over TCP only (one PUT per size, no
  * fetch, local PUT or fuse columns: they print 0), for repeated runs on a busy machine.
@@ -307,10 +310,24 @@ static void fill(uint16_t *p, size_t n)
 	}
 }
 
-static double median(double *v, int n)
+/* GB/s of one kvb_get() of hash into dst by c, with the variable var set to val meanwhile
+ * (var may be NULL); exits naming what on failure. */
+static double timed_get(kvb_client *c, const uint8_t *hash, void *dst, size_t bytes,
+			const char *var, const char *val, const char *what)
 {
-	qsort(v, (size_t)n, sizeof(double), cmp_double);
-	return v[n / 2];
+	double t0;
+
+	if (var)
+		setenv(var, val, 1);
+	t0 = now_s();
+	if (kvb_get(c, model.name, hash, 0, 0, dst, bytes, NULL)) {
+		fprintf(stderr, "%s: %s\n", what, kvb_last_error(c));
+		exit(1);
+	}
+	t0 = now_s() - t0;
+	if (var)
+		unsetenv(var);
+	return bytes / t0 / 1e9;
 }
 
 static void run(const char *daemon, bool curve, const unsigned *sizes, unsigned n_sizes,
@@ -318,7 +335,7 @@ static void run(const char *daemon, bool curve, const unsigned *sizes, unsigned 
 {
 	struct node a = { "/tmp/kvb-bcl-a-XXXXXX" }, b = { "/tmp/kvb-bcl-b-XXXXXX" };
 	char peers[400], cmd[200];
-	kvb_client *ca, *cb, *ct, *cf;
+	kvb_client *ca, *cb, *ct, *cf, *cg;
 	const char *sk = curve ? pub_a : NULL, *ck = curve ? sec_c : NULL;
 
 	if (!mkdtemp(a.dir) || !mkdtemp(b.dir)) {
@@ -339,6 +356,7 @@ static void run(const char *daemon, bool curve, const unsigned *sizes, unsigned 
 	cb = connect_to(b.ipc, NULL, NULL);
 	ct = connect_to(a.tcp, sk, ck);
 	cf = connect_to(a.tcp, sk, ck);
+	cg = connect_to(a.tcp, sk, ck);
 	kvb_model_register(ca, &model, NULL);
 	kvb_model_register(cb, &model, NULL);
 	for (unsigned s = 0; s < n_sizes; s++) {
@@ -350,6 +368,8 @@ static void run(const char *daemon, bool curve, const unsigned *sizes, unsigned 
 		double r_plain, r_get[MAX_REPEATS], r_fetch[MAX_REPEATS], r_wall[MAX_REPEATS];
 		double r_frames[MAX_REPEATS], r_nobulk[MAX_REPEATS], r_plains[MAX_REPEATS];
 		double q_get[MAX_REPEATS], q_nobulk[MAX_REPEATS], q_frames[MAX_REPEATS];
+		double r_gcm[MAX_REPEATS], q_gcm[MAX_REPEATS];
+		char gcm[32];
 		struct plain pl;
 		double r_put[MAX_REPEATS];
 		double t_open_remote[4], t_open_local[4];
@@ -374,22 +394,16 @@ static void run(const char *daemon, bool curve, const unsigned *sizes, unsigned 
 		 * KVBLEND_NO_BULK at its first GET, which decides for it. */
 		plain_open(&pl, (const uint8_t *)src, bytes);
 		for (int r = -WARMUP; r < repeats; r++) {
-			double p = plain_round(&pl, (uint8_t *)dst), t0 = now_s(), g, f, l;
+			double p = plain_round(&pl, (uint8_t *)dst), t0, g, f, l, m = 0;
 			struct kvb_layers *lay;
 
-			if (kvb_get(ct, model.name, hashes[0], 0, 0, dst, bytes, NULL)) {
-				fprintf(stderr, "get tcp: %s\n", kvb_last_error(ct));
-				exit(1);
-			}
-			g = bytes / (now_s() - t0) / 1e9;
-			setenv("KVBLEND_NO_BULK", "1", 1);
-			t0 = now_s();
-			if (kvb_get(cf, model.name, hashes[0], 0, 0, dst, bytes, NULL)) {
-				fprintf(stderr, "get tcp frames: %s\n", kvb_last_error(cf));
-				exit(1);
-			}
-			f = bytes / (now_s() - t0) / 1e9;
-			unsetenv("KVBLEND_NO_BULK");
+			g = timed_get(ct, hashes[0], dst, bytes, NULL, NULL, "get tcp");
+			/* each client's first GET opens its bulk connection, as its variables say */
+			if (curve)
+				m = timed_get(cg, hashes[0], dst, bytes, "KVBLEND_BULK_CIPHER",
+					      "aes-256-gcm", "get tcp gcm");
+			f = timed_get(cf, hashes[0], dst, bytes, "KVBLEND_NO_BULK", "1",
+				      "get tcp frames");
 			t0 = now_s();
 			if (kvb_get_layers(ct, model.name, hashes[0], 0, 0, &lay)) {
 				fprintf(stderr, "get layers tcp: %s\n", kvb_last_error(ct));
@@ -404,11 +418,13 @@ static void run(const char *daemon, bool curve, const unsigned *sizes, unsigned 
 			r_nobulk[r] = f;
 			r_frames[r] = l;
 			q_get[r] = g / p;
+			r_gcm[r] = m;
+			q_gcm[r] = m / p;
 			q_nobulk[r] = f / p;
 			q_frames[r] = l / p;
 		}
 		plain_close(&pl);
-		r_plain = median(r_plains, repeats);
+		r_plain = bench_median(r_plains, repeats);
 		for (int r = 0; r < repeats && get_only; r++)
 			r_fetch[r] = r_wall[r] = r_put[r] = 0;
 		for (int r = 0; r < 4 && get_only; r++)
@@ -464,17 +480,24 @@ static void run(const char *daemon, bool curve, const unsigned *sizes, unsigned 
 			}
 			k += 8;
 		}
-		printf("| %s | %3u MiB | %5.2f | %5.2f (%.2fx) | %5.2f (%.2fx) | %5.2f (%.2fx) | %5.2f "
-		       "(%.2fx; %.2fx of PUT) | %5.2f | %5.2f | %6.1f ms (%.2f GB/s) | %5.1f ms |\n",
-		       curve ? "CURVE" : "plain", sizes[s], r_plain, median(r_get, repeats),
-		       median(q_get, repeats), median(r_nobulk, repeats),
-		       median(q_nobulk, repeats), median(r_frames, repeats),
-		       median(q_frames, repeats), median(r_fetch, repeats),
-		       median(r_fetch, repeats) / r_plain,
-		       median(r_fetch, repeats) / median(r_put, repeats), median(r_wall, repeats),
-		       median(r_put, repeats),
-		       median(t_open_remote, 4), 8.0 * bytes / (median(t_open_remote, 4) / 1e3) / 1e9,
-		       median(t_open_local, 4));
+		if (curve)
+			snprintf(gcm, sizeof(gcm), "%5.2f (%.2fx)", bench_median(r_gcm, repeats),
+				 bench_median(q_gcm, repeats));
+		else
+			snprintf(gcm, sizeof(gcm), "-");
+		printf("| %s | %3u MiB | %5.2f | %5.2f (%.2fx) | %s | %5.2f (%.2fx) | %5.2f (%.2fx) "
+		       "| %5.2f (%.2fx; %.2fx of PUT) | %5.2f | %5.2f | %6.1f ms (%.2f GB/s) | "
+		       "%5.1f ms |\n",
+		       curve ? "CURVE" : "plain", sizes[s], r_plain, bench_median(r_get, repeats),
+		       bench_median(q_get, repeats), gcm, bench_median(r_nobulk, repeats),
+		       bench_median(q_nobulk, repeats), bench_median(r_frames, repeats),
+		       bench_median(q_frames, repeats), bench_median(r_fetch, repeats),
+		       bench_median(r_fetch, repeats) / r_plain,
+		       bench_median(r_fetch, repeats) / bench_median(r_put, repeats),
+		       bench_median(r_wall, repeats), bench_median(r_put, repeats),
+		       bench_median(t_open_remote, 4),
+		       8.0 * bytes / (bench_median(t_open_remote, 4) / 1e3) / 1e9,
+		       bench_median(t_open_local, 4));
 		fflush(stdout);
 		free(src);
 		free(dst);
@@ -484,6 +507,7 @@ static void run(const char *daemon, bool curve, const unsigned *sizes, unsigned 
 	kvb_close(&cb);
 	kvb_close(&ct);
 	kvb_close(&cf);
+	kvb_close(&cg);
 	stop_node(&a);
 	stop_node(&b);
 	snprintf(cmd, sizeof(cmd), "rm -rf %s %s", a.dir, b.dir);
@@ -511,7 +535,7 @@ int main(int argc, char **argv)
 	char daemon_path[512];
 	unsigned sizes[8] = { 8, 32 }, n_sizes = 2;
 	int repeats = 7;
-	bool curve = true, tune = false, get_only = false;
+	bool curve = true, plain = true, tune = false, get_only = false;
 
 	bench_default_daemon(argv[0], daemon_path, sizeof(daemon_path));
 	for (int i = 1; i < argc; i++) {
@@ -537,13 +561,16 @@ int main(int argc, char **argv)
 			}
 		} else if (!strcmp(argv[i], "--no-curve")) {
 			curve = false;
+		} else if (!strcmp(argv[i], "--curve-only")) {
+			plain = false;
 		} else if (!strcmp(argv[i], "--get-only")) {
 			get_only = true;
 		} else if (!strcmp(argv[i], "--malloc-tune")) {
 			tune = true;
 		} else {
 			fprintf(stderr, "usage: bench_cluster [--daemon PATH] [--sizes 8,32] "
-					"[--repeats N] [--no-curve] [--malloc-tune] [--get-only]\n");
+					"[--repeats N] [--no-curve] [--curve-only] [--malloc-tune] "
+					"[--get-only]\n");
 			return 2;
 		}
 	}
@@ -562,11 +589,12 @@ int main(int argc, char **argv)
 	       "socket copy of the same round; client "
 	       "malloc %s; load average %s.\n\n",
 	       repeats, tune ? "tuned (kvb_malloc_tune)" : "glibc's defaults", loadavg());
-	printf("| transport | chunk | plain TCP copy | GET over TCP | GET, frames | GET, frames "
-	       "kept | fetch b<-a | GET via b (wall) | local PUT on b | fuse open on b, 8 remote "
-	       "chunks | same, local |\n");
-	printf("|---|---|---|---|---|---|---|---|---|---|---|\n");
-	run(daemon_path, false, sizes, n_sizes, repeats, get_only);
+	printf("| transport | chunk | plain TCP copy | GET over TCP | same, AES-256-GCM | GET, "
+	       "frames | GET, frames kept | fetch b<-a | GET via b (wall) | local PUT on b | fuse "
+	       "open on b, 8 remote chunks | same, local |\n");
+	printf("|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+	if (plain || !curve)
+		run(daemon_path, false, sizes, n_sizes, repeats, get_only);
 	if (curve)
 		run(daemon_path, true, sizes, n_sizes, repeats, get_only);
 	return 0;

@@ -31,6 +31,13 @@ static inline int cmp_double(const void *a, const void *b)
 }
 
 /* A comma-separated list of counts ("4096,32768") into v, at most max of them; how many. */
+/* The median of v[0..n) (sorts v); n >= 1. */
+static inline double bench_median(double *v, int n)
+{
+	qsort(v, (size_t)n, sizeof(double), cmp_double);
+	return v[n / 2];
+}
+
 static inline unsigned bench_parse_list(char *s, unsigned *v, unsigned max)
 {
 	char *save, *tok;

@@ -2,8 +2,10 @@
  * bulk — libkvblend's end of a bulk connection (docs/protocol.md#bulk-connections): GET
  * payloads over TCP arrive as records on a plain TCP connection, received straight into
  * the caller's buffer (no ZeroMQ frame is allocated, so no page of it is faulted in per
- * GET) and, when the daemon handed a key over CURVE, opened in place with AES-256-GCM.
- * See client_impl.h.
+ * GET) and, when the daemon handed a key over CURVE, opened in place with the cipher the
+ * daemon chose: AEGIS-128X2 or AEGIS-128L where this CPU has the AES instructions for
+ * it (and KVBLEND_BULK_CIPHER does not say otherwise), else AES-256-GCM. See
+ * client_impl.h.
  */
 #include <errno.h>
 #include <netdb.h>
@@ -14,6 +16,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -29,6 +32,7 @@ void kvbc_bulk_close(kvb_client *c)
 	kvbb_aead_free(&c->bulk_aead);
 	OPENSSL_cleanse(c->bulk_ticket, sizeof(c->bulk_ticket));
 	c->bulk_counter = 0;
+	c->bulk_have_hdr = false;
 	if (c->bulk_state > 0)
 		c->bulk_state = 0;
 }
@@ -71,10 +75,26 @@ static int connect_bulk(kvb_client *c, unsigned port)
 	return fd;
 }
 
+/* The ciphers to offer besides AES-256-GCM: those this CPU runs, or the one named by
+ * KVBLEND_BULK_CIPHER (aes-256-gcm, aegis-128l, aegis-128x2) when set. */
+static uint32_t offer_aeads(void)
+{
+	const char *want = getenv("KVBLEND_BULK_CIPHER");
+	uint32_t mask = kvbb_aeads();
+
+	if (!want || !*want)
+		return mask;
+	for (uint32_t c = 0; c <= KVBP_AEAD_MAX; c++)
+		if (!strcasecmp(want, kvbb_cipher_name(c)))
+			return mask & (c ? 1u << c : 0);
+	return mask;
+}
+
 /* The HELLO that asks for a bulk connection, then the connection and its hello. */
 static int open_bulk(kvb_client *c)
 {
-	struct call k = { .req = { .op = KVBP_OP_HELLO, .bulk_open = true } };
+	uint32_t offer = offer_aeads();
+	struct call k = { .req = { .op = KVBP_OP_HELLO, .bulk_open = true, .bulk_aeads = offer } };
 	uint8_t hello[KVBB_HELLO_LEN], ack = 1;
 	int rc = kvbc_call(c, &k);
 
@@ -83,13 +103,16 @@ static int open_bulk(kvb_client *c)
 		kvbc_call_done(&k);
 		return rc ? rc : -ENOTSUP;
 	}
-	if (c->curve && !k.rep.has_bulk_key) {
-		/* over CURVE, never take payloads in the clear */
+	if ((c->curve && !k.rep.has_bulk_key) ||
+	    (k.rep.bulk_aead != KVBP_AEAD_AES256GCM && !(offer & 1u << k.rep.bulk_aead))) {
+		/* over CURVE, never take payloads in the clear; nor a cipher not offered */
+		OPENSSL_cleanse(k.rep.bulk_key, sizeof(k.rep.bulk_key));
 		kvbc_call_done(&k);
 		return -EPROTO;
 	}
 	memcpy(c->bulk_ticket, k.rep.bulk_ticket, sizeof(c->bulk_ticket));
-	rc = k.rep.has_bulk_key ? kvbb_aead_new(&c->bulk_aead, k.rep.bulk_key) : 0;
+	rc = k.rep.has_bulk_key ? kvbb_aead_new(&c->bulk_aead, k.rep.bulk_key, k.rep.bulk_aead)
+				: 0;
 	OPENSSL_cleanse(k.rep.bulk_key, sizeof(k.rep.bulk_key));
 	if (!rc)
 		rc = connect_bulk(c, k.rep.bulk_port);
@@ -131,11 +154,13 @@ int kvbc_bulk_ready(kvb_client *c)
 	return 1;
 }
 
-/* Receive exactly len bytes into p: 0, -ETIMEDOUT or -EIO. */
-static int recv_all(int fd, uint8_t *p, size_t len)
+/* Fill iov[0..n) (modified) from fd: 0, -ETIMEDOUT or -EIO. */
+static int recv_iov_all(int fd, struct iovec *iov, int n)
 {
-	while (len) {
-		ssize_t r = recv(fd, p, len, MSG_WAITALL);
+	kvbb_iov_advance(&iov, &n, 0); /* empty pieces first */
+	while (n > 0) {
+		struct msghdr m = { .msg_iov = iov, .msg_iovlen = (size_t)n };
+		ssize_t r = recvmsg(fd, &m, MSG_WAITALL);
 
 		if (r < 0 && errno == EINTR)
 			continue;
@@ -143,10 +168,17 @@ static int recv_all(int fd, uint8_t *p, size_t len)
 			return -ETIMEDOUT;
 		if (r <= 0)
 			return -EIO;
-		p += r;
-		len -= (size_t)r;
+		kvbb_iov_advance(&iov, &n, (size_t)r);
 	}
 	return 0;
+}
+
+/* Receive exactly len bytes into p: 0, -ETIMEDOUT or -EIO. */
+static int recv_all(int fd, uint8_t *p, size_t len)
+{
+	struct iovec v = { p, len };
+
+	return recv_iov_all(fd, &v, 1);
 }
 
 static int bulk_fail(kvb_client *c, int rc, const char *fmt, ...)
@@ -167,17 +199,24 @@ int kvbc_bulk_record(kvb_client *c, struct call *k)
 {
 	uint8_t hdr[KVBB_HDR_LEN], tag[KVBB_TAG_LEN];
 	struct kvbb_hdr h;
-	ssize_t first = recv(c->bulk_fd, hdr, 1, 0);
-	int rc;
+	struct iovec v[3];
+	ssize_t first = 1;
+	int rc = 0;
 
-	if (first == 0 && !k->bulk_got) {
-		/* closed between payloads (the daemon restarted, or cut an idle reader): this
-		 * reply comes in frames if at all; the next GET opens another connection */
-		kvbc_bulk_close(c);
-		return 1;
+	if (c->bulk_have_hdr) { /* came with the record before */
+		memcpy(hdr, c->bulk_hdr, sizeof(hdr));
+		c->bulk_have_hdr = false;
+	} else {
+		first = recv(c->bulk_fd, hdr, 1, 0);
+		if (first == 0 && !k->bulk_got) {
+			/* closed between payloads (the daemon restarted, or cut an idle reader):
+			 * this reply comes in frames if at all; the next GET opens another */
+			kvbc_bulk_close(c);
+			return 1;
+		}
+		rc = first == 1 ? recv_all(c->bulk_fd, hdr + 1, sizeof(hdr) - 1)
+		     : first < 0 && (errno == EAGAIN || errno == EWOULDBLOCK) ? -ETIMEDOUT : -EIO;
 	}
-	rc = first == 1 ? recv_all(c->bulk_fd, hdr + 1, sizeof(hdr) - 1)
-	     : first < 0 && (errno == EAGAIN || errno == EWOULDBLOCK) ? -ETIMEDOUT : -EIO;
 	if (rc)
 		return bulk_fail(c, rc, "the bulk connection to %s %s", c->endpoint,
 				 rc == -ETIMEDOUT ? "timed out" : "closed mid-payload");
@@ -187,7 +226,7 @@ int kvbc_bulk_record(kvb_client *c, struct call *k)
 	/* every size checked before a byte lands in the caller's buffer */
 	if (h.request_id != k->req.request_id || h.offset != k->bulk_got || k->bulk_last ||
 	    h.len > h.total - h.offset || h.total < h.offset ||
-	    ((h.flags & KVBB_LAST) != 0) != (h.offset + h.len == h.total))
+	    (!(h.flags & KVBB_ABORT) && ((h.flags & KVBB_LAST) != 0) != (h.offset + h.len == h.total)))
 		return bulk_fail(c, KVB_E_PROTOCOL, "bulk record of request %llu at byte %llu is "
 				 "out of order (expected request %llu at byte %zu)",
 				 (unsigned long long)h.request_id, (unsigned long long)h.offset,
@@ -196,22 +235,29 @@ int kvbc_bulk_record(kvb_client *c, struct call *k)
 		return bulk_fail(c, -ENOBUFS, "buffer of %zu bytes does not match the %llu bytes "
 				 "of the requested layers", k->sink_len,
 				 (unsigned long long)h.total);
-	rc = recv_all(c->bulk_fd, k->sink + h.offset, h.len);
-	if (!rc && c->bulk_aead)
-		rc = recv_all(c->bulk_fd, tag, sizeof(tag));
+	/* the bytes, the tag, and the next record's header when one follows (the daemon
+	 * sends a payload's records back to back): one receive a record */
+	v[0] = (struct iovec){ k->sink + h.offset, h.len };
+	v[1] = (struct iovec){ tag, c->bulk_aead ? sizeof(tag) : 0 };
+	v[2] = (struct iovec){ c->bulk_hdr, h.flags & KVBB_LAST ? 0 : sizeof(c->bulk_hdr) };
+	rc = recv_iov_all(c->bulk_fd, v, 3);
 	if (rc)
 		return bulk_fail(c, rc, "the bulk connection to %s %s", c->endpoint,
 				 rc == -ETIMEDOUT ? "timed out" : "closed mid-payload");
 	if (c->bulk_aead && kvbb_open(c->bulk_aead, c->bulk_counter, KVBB_DIR_RECORDS, hdr,
 				      sizeof(hdr), k->sink + h.offset, h.len, tag))
 		return bulk_fail(c, KVB_E_PROTOCOL, "bulk record %llu (bytes %llu..%llu of request "
-				 "%llu) failed its AES-256-GCM check: altered on the wire; the "
-				 "payload is refused", (unsigned long long)c->bulk_counter,
+				 "%llu) failed its %s check: altered on the wire; the payload is "
+				 "refused", (unsigned long long)c->bulk_counter,
 				 (unsigned long long)h.offset,
 				 (unsigned long long)(h.offset + h.len),
-				 (unsigned long long)h.request_id);
+				 (unsigned long long)h.request_id, kvbb_aead_name(c->bulk_aead));
 	c->bulk_counter++;
+	c->bulk_have_hdr = !(h.flags & KVBB_LAST);
 	k->bulk_got += h.len;
 	k->bulk_last = h.flags & KVBB_LAST;
+	/* the daemon's copy failed its checksum as it was sent: the connection is still in
+	 * step (this record ends the payload); the call fails once its reply is in */
+	k->bulk_abort = h.flags & KVBB_ABORT;
 	return 0;
 }

@@ -127,8 +127,14 @@ static int recv_reply(kvb_client *c, struct call *k, int64_t deadline_ms)
 		if (rc == 0)
 			return -ETIMEDOUT;
 		if (n_its == 2 && (its[1].revents & (ZMQ_POLLIN | ZMQ_POLLERR))) {
-			/* the payload's records come before the reply: take them as they arrive */
-			rc = kvbc_bulk_record(c, k);
+			/* the payload's records come before the reply: take them as they arrive,
+			 * one after the other (each receive bounded by the timeout) up to the
+			 * last or the deadline, without a poll of the ZeroMQ socket for each */
+			do {
+				rc = kvbc_bulk_record(c, k);
+				clock_gettime(CLOCK_MONOTONIC, &now);
+			} while (!rc && !k->bulk_last && c->bulk_fd >= 0 &&
+				 now.tv_sec * 1000 + now.tv_nsec / 1000000 < deadline_ms);
 			if (rc < 0)
 				return rc;
 			if (!(its[0].revents & ZMQ_POLLIN))
@@ -236,6 +242,10 @@ static int bulk_rest(kvb_client *c, struct call *k)
 		rc = kvbc_bulk_record(c, k);
 	if (rc < 0)
 		return rc;
+	if (k->bulk_abort)
+		return kvbc_set_err(c, KVB_E_CORRUPT, "chunk failed its checksum on kvblendd at %s "
+				    "as it was sent, and was removed there; treat it as a miss",
+				    c->endpoint);
 	if (!k->bulk_last || k->bulk_got != k->rep.bulk_bytes) {
 		kvbc_bulk_close(c);
 		return kvbc_set_err(c, KVB_E_PROTOCOL, "the reply says %llu payload bytes; the "

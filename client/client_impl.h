@@ -72,12 +72,15 @@ struct kvb_client {
 	struct region regions[REGION_MAX];
 	struct kvb_cuda *cuda; /* kvb_fuse_device(): fused layers taken on the GPU */
 	/* the bulk connection (bulk.c): GET payloads over TCP, straight into the caller's
-	 * buffer; sealed (AES-256-GCM) when the daemon gave a key over CURVE */
+	 * buffer; sealed (AEGIS or AES-256-GCM) when the daemon gave a key over CURVE */
 	int bulk_fd;	/* -1: none open */
 	int bulk_state; /* 0: not tried yet, 1: open, -1: not offered (frames only) */
 	uint8_t bulk_ticket[KVBP_BULK_TICKET_LEN];
 	struct kvbb_aead *bulk_aead; /* NULL: records are not sealed */
 	uint64_t bulk_counter;	     /* records received: the next nonce */
+	/* the next record's header, received with the record before it (same payload) */
+	bool bulk_have_hdr;
+	uint8_t bulk_hdr[KVBB_HDR_LEN];
 };
 
 struct call {
@@ -100,6 +103,7 @@ struct call {
 	bool bulk;
 	size_t bulk_got;
 	bool bulk_last;
+	bool bulk_abort; /* the payload ended in an abort record (KVBB_ABORT) */
 };
 
 /* ---- call.c: one request and its reply ---- */

@@ -29,7 +29,7 @@
 #define HELLO_MS 5000		/* a new connection has this long to send its hello */
 #define IOV_PER_RECORD 64
 
-struct conn {
+struct bulk_conn {
 	bool used;
 	bool sealed;
 	bool dead; /* failed or closed by its client: freed when no worker holds it */
@@ -57,7 +57,7 @@ struct bulk {
 	bool started;
 	atomic_bool stop;
 	pthread_mutex_t lock; /* the table: used, fd, users, dead, deadline */
-	struct conn conns[BULK_MAX];
+	struct bulk_conn conns[BULK_MAX];
 	struct shake shakes[BULK_SHAKES]; /* the accept thread's only */
 	atomic_uint_fast64_t sealed_records, bytes;
 };
@@ -71,7 +71,7 @@ static int64_t now_ms(void)
 }
 
 /* With b->lock held, and no worker on it. */
-static void conn_free(struct conn *c)
+static void conn_free(struct bulk_conn *c)
 {
 	if (c->fd >= 0)
 		close(c->fd);
@@ -84,7 +84,7 @@ static void conn_free(struct conn *c)
 }
 
 /* With b->lock held: free it, or if a worker is writing, cut it and let the worker free it. */
-static void conn_drop(struct conn *c)
+static void conn_drop(struct bulk_conn *c)
 {
 	if (c->users) {
 		c->dead = true;
@@ -95,10 +95,10 @@ static void conn_drop(struct conn *c)
 	}
 }
 
-int bulk_open(struct bulk *b, const char *principal, bool sealed,
+int bulk_open(struct bulk *b, const char *principal, bool sealed, uint32_t cipher,
 	      uint8_t ticket[KVBP_BULK_TICKET_LEN], uint8_t key[KVBP_BULK_KEY_LEN])
 {
-	struct conn *slot = NULL;
+	struct bulk_conn *slot = NULL;
 	unsigned mine = 0;
 	uint8_t t[KVBP_BULK_TICKET_LEN], k[KVBP_BULK_KEY_LEN];
 	int rc = 0;
@@ -108,7 +108,7 @@ int bulk_open(struct bulk *b, const char *principal, bool sealed,
 		return -EIO;
 	pthread_mutex_lock(&b->lock);
 	for (unsigned i = 0; i < BULK_MAX; i++) {
-		struct conn *c = &b->conns[i];
+		struct bulk_conn *c = &b->conns[i];
 
 		if (!c->used) {
 			if (!slot)
@@ -122,7 +122,7 @@ int bulk_open(struct bulk *b, const char *principal, bool sealed,
 	else if (!slot)
 		rc = -ENOSPC;
 	else if (sealed)
-		rc = kvbb_aead_new(&slot->aead, k);
+		rc = kvbb_aead_new(&slot->aead, k, cipher);
 	if (!rc) {
 		slot->used = true;
 		slot->sealed = sealed;
@@ -150,22 +150,30 @@ static int write_all(int fd, struct iovec *iov, int n)
 			continue;
 		if (w < 0)
 			return errno == EAGAIN || errno == EWOULDBLOCK ? -ETIMEDOUT : -errno;
-		while (n > 0 && (size_t)w >= iov->iov_len) {
-			w -= (ssize_t)iov->iov_len;
-			iov++;
-			n--;
-		}
-		if (n > 0) {
-			iov->iov_base = (uint8_t *)iov->iov_base + w;
-			iov->iov_len -= (size_t)w;
-		}
+		kvbb_iov_advance(&iov, &n, (size_t)w);
 	}
 	return 0;
 }
 
+/* The abort record at off: no bytes, the last of the payload (sealed: its tag). */
+static int send_abort(struct bulk_conn *c, uint64_t request_id, uint64_t total, uint64_t off)
+{
+	struct kvbb_hdr h = { KVBB_LAST | KVBB_ABORT, request_id, total, off, 0 };
+	uint8_t hdr[KVBB_HDR_LEN], tag[KVBB_TAG_LEN];
+	struct iovec msg[2] = { { hdr, sizeof(hdr) }, { tag, sizeof(tag) } };
+
+	kvbb_hdr_put(hdr, &h);
+	if (c->sealed && kvbb_seal(c->aead, c->counter, KVBB_DIR_RECORDS, hdr, sizeof(hdr), NULL,
+				   0, NULL, tag))
+		return -EIO;
+	c->counter++;
+	return write_all(c->fd, msg, c->sealed ? 2 : 1);
+}
+
 /* The records of one payload, on c (its send_lock held). */
-static int send_records(struct bulk *b, struct conn *c, uint64_t request_id,
-			const struct iovec *iov, size_t n, uint64_t total, uint8_t *bounce)
+static int send_records(struct bulk *b, struct bulk_conn *c, uint64_t request_id,
+			const struct iovec *iov, size_t n, const struct bulk_check *check,
+			uint64_t total, uint8_t *bounce)
 {
 	size_t rec = c->sealed ? KVBB_SEAL_BYTES : KVBB_RECORD_MAX, fi = 0, fpos = 0;
 	uint64_t off = 0;
@@ -180,10 +188,16 @@ static int send_records(struct bulk *b, struct conn *c, uint64_t request_id,
 		struct kvbb_hdr h = { 0, request_id, total, off, 0 };
 		int np = 0, nm = 0, rc;
 
-		/* up to rec bytes from the frames, at most IOV_PER_RECORD pieces */
+		/* up to rec bytes from the frames, at most IOV_PER_RECORD pieces, each
+		 * checked before its first byte is taken */
 		while (fi < n && np < IOV_PER_RECORD && h.len < rec) {
 			size_t take = iov[fi].iov_len - fpos;
 
+			if (!fpos && check && check->fn(check->arg, fi)) {
+				/* nothing of this record went out yet: the abort replaces it */
+				rc = send_abort(c, request_id, total, off);
+				return rc ? rc : -EBADMSG;
+			}
 			if (take > rec - h.len)
 				take = rec - h.len;
 			if (take) {
@@ -226,20 +240,14 @@ static int send_records(struct bulk *b, struct conn *c, uint64_t request_id,
 	return 0;
 }
 
-int bulk_send(struct bulk *b, const uint8_t ticket[KVBP_BULK_TICKET_LEN],
-	      const char *principal, uint64_t request_id, const struct iovec *iov, size_t n,
-	      uint64_t *sent)
+int bulk_take(struct bulk *b, const uint8_t ticket[KVBP_BULK_TICKET_LEN], const char *principal,
+	      struct bulk_conn **out)
 {
-	struct conn *c = NULL;
-	uint8_t *bounce = NULL;
-	uint64_t total = 0;
-	int rc;
+	struct bulk_conn *c = NULL;
 
-	for (size_t i = 0; i < n; i++)
-		total += iov[i].iov_len;
 	pthread_mutex_lock(&b->lock);
 	for (unsigned i = 0; i < BULK_MAX && !c; i++) {
-		struct conn *x = &b->conns[i];
+		struct bulk_conn *x = &b->conns[i];
 
 		if (x->used && !x->dead && x->fd >= 0 && !strcmp(x->principal, principal) &&
 		    !CRYPTO_memcmp(x->ticket, ticket, KVBP_BULK_TICKET_LEN))
@@ -250,16 +258,30 @@ int bulk_send(struct bulk *b, const uint8_t ticket[KVBP_BULK_TICKET_LEN],
 	pthread_mutex_unlock(&b->lock);
 	if (!c)
 		return -ENOENT;
+	*out = c;
+	return 0;
+}
+
+int bulk_send(struct bulk *b, struct bulk_conn *c, uint64_t request_id,
+	      const struct iovec *iov, size_t n, const struct bulk_check *check, uint64_t *sent)
+{
+	const char *principal = c->principal;
+	uint8_t *bounce = NULL;
+	uint64_t total = 0;
+	int rc;
+
+	for (size_t i = 0; i < n; i++)
+		total += iov[i].iov_len;
 	pthread_mutex_lock(&c->send_lock);
 	if (c->sealed && !(bounce = malloc(KVBB_SEAL_BYTES)))
 		rc = -ENOMEM;
 	else
-		rc = send_records(b, c, request_id, iov, n, total, bounce);
+		rc = send_records(b, c, request_id, iov, n, check, total, bounce);
 	pthread_mutex_unlock(&c->send_lock);
 	free(bounce);
 	pthread_mutex_lock(&b->lock);
 	c->users--;
-	if (rc) {
+	if (rc && rc != -EBADMSG) {
 		/* a half-sent payload leaves the stream unusable: the client opens another */
 		log_warn("bulk connection of %s closed: %s", principal, strerror(-rc));
 		c->dead = true;
@@ -280,12 +302,12 @@ int bulk_send(struct bulk *b, const uint8_t ticket[KVBP_BULK_TICKET_LEN],
 static void hello_done(struct bulk *b, struct shake *s)
 {
 	uint8_t ticket[KVBP_BULK_TICKET_LEN], ok = 1;
-	struct conn *c = NULL;
+	struct bulk_conn *c = NULL;
 
 	if (!kvbb_hello_ticket(s->buf, ticket)) {
 		pthread_mutex_lock(&b->lock);
 		for (unsigned i = 0; i < BULK_MAX && !c; i++) {
-			struct conn *x = &b->conns[i];
+			struct bulk_conn *x = &b->conns[i];
 
 			if (x->used && !x->dead && x->fd < 0 &&
 			    !CRYPTO_memcmp(x->ticket, ticket, sizeof(ticket)))
@@ -376,7 +398,7 @@ static void accept_turn(struct bulk *b)
 			}
 		} else {
 			/* a client never writes after its hello: readable means closed (or wrong) */
-			struct conn *c = &b->conns[-1 - who[k]];
+			struct bulk_conn *c = &b->conns[-1 - who[k]];
 			uint8_t byte;
 			ssize_t r = recv(p[k].fd, &byte, 1, MSG_DONTWAIT);
 
@@ -395,7 +417,7 @@ static void accept_turn(struct bulk *b)
 		}
 	pthread_mutex_lock(&b->lock);
 	for (unsigned i = 0; i < BULK_MAX; i++) {
-		struct conn *c = &b->conns[i];
+		struct bulk_conn *c = &b->conns[i];
 
 		if (c->used && !c->dead && c->fd < 0 && now > c->deadline_ms)
 			conn_drop(c);

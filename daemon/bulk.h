@@ -3,11 +3,12 @@
  * connections beside the ZeroMQ endpoints on which GET payloads travel instead of
  * ZeroMQ frames, written from the store's pages by the worker that served the GET. A
  * client asks for one in a HELLO over TCP and gets a port, a random ticket and, when it
- * asked over CURVE, a fresh AES-256-GCM key; it connects, sends the hello (the ticket,
- * and a tag under the key) and the connection is bound to that client's identity. Records
- * on a sealed connection are AES-256-GCM sealed (proto/bulk.h); ZeroMQ never sees them,
- * so nothing is encrypted twice. One accept thread takes connections, checks hellos and
- * notices closed ones; the workers write.
+ * asked over CURVE, a fresh key and the cipher (AEGIS where both ends run it, else
+ * AES-256-GCM); it connects, sends the hello (the ticket, and a tag under the key) and
+ * the connection is bound to that client's identity. Records on a sealed connection are
+ * sealed (proto/bulk.h); ZeroMQ never sees them, so nothing is encrypted twice. One
+ * accept thread takes connections, checks hellos and notices closed ones; the workers
+ * write.
  */
 #ifndef KVBLEND_DAEMON_BULK_H
 #define KVBLEND_DAEMON_BULK_H
@@ -35,21 +36,40 @@ void bulk_stop(struct bulk **b);
 
 /*
  * A ticket for principal, waiting (10 s) for its connection; with sealed a fresh key
- * too (into key). 0, or -EDQUOT (the principal holds BULK_PER_PRINCIPAL), -ENOSPC (the
- * table is full), -EIO (no randomness).
+ * too (into key), for cipher (KVBP_AEAD_*). 0, or -EDQUOT (the principal holds
+ * BULK_PER_PRINCIPAL), -ENOSPC (the table is full), -EIO (no randomness), -ENOTSUP
+ * (the cipher is not available here).
  */
-int bulk_open(struct bulk *b, const char *principal, bool sealed,
+int bulk_open(struct bulk *b, const char *principal, bool sealed, uint32_t cipher,
 	      uint8_t ticket[KVBP_BULK_TICKET_LEN], uint8_t key[KVBP_BULK_KEY_LEN]);
 
+/* One payload's hold on a connection (bulk_take), until its bulk_send. */
+struct bulk_conn;
+
 /*
- * Send the iov[0..n) bytes of request request_id on principal's connection of ticket,
- * in records (sealed when its ticket was). 0 and *sent; -ENOENT: no such connection of
- * this principal (send the payload as frames instead); -EPIPE, -ETIMEDOUT, -EIO: the
- * connection failed and was closed (the client learns it from the reply).
+ * Take principal's connection of ticket for one payload: 0 and *out, or -ENOENT (no
+ * such connection of this principal: send the payload as frames instead). Every *out
+ * is given to bulk_send, once.
  */
-int bulk_send(struct bulk *b, const uint8_t ticket[KVBP_BULK_TICKET_LEN],
-	      const char *principal, uint64_t request_id, const struct iovec *iov, size_t n,
-	      uint64_t *sent);
+int bulk_take(struct bulk *b, const uint8_t ticket[KVBP_BULK_TICKET_LEN], const char *principal,
+	      struct bulk_conn **out);
+
+/* Called before the first byte of piece i of a payload goes out: 0, or nonzero to void
+ * the payload there (an abort record ends it). */
+struct bulk_check {
+	int (*fn)(void *arg, size_t i);
+	void *arg;
+};
+
+/*
+ * Send the iov[0..n) bytes of request request_id on c, in records (sealed when its
+ * ticket was), each piece after check (may be NULL) passed it, and give c back. 0 and
+ * *sent; -EBADMSG: check refused a piece, the abort record was sent (the connection
+ * stays usable); -EPIPE, -ETIMEDOUT, -EIO, -ENOMEM: the connection failed and was
+ * closed (the client sees the stream end mid-payload).
+ */
+int bulk_send(struct bulk *b, struct bulk_conn *c, uint64_t request_id,
+	      const struct iovec *iov, size_t n, const struct bulk_check *check, uint64_t *sent);
 
 /* Connections open now, records sealed and bytes sent so far (stats). */
 void bulk_counts(struct bulk *b, uint64_t *open, uint64_t *sealed_records, uint64_t *bytes);

@@ -55,6 +55,7 @@ struct config {
 	char curve_authorized_keys[PATH_MAX];
 	bool tcp_insecure;
 	bool tcp_bulk;		/* bulk connections for TCP clients' GET payloads */
+	bool tcp_bulk_aegis;	/* sealed with AEGIS where the client can */
 	uint64_t tcp_bulk_port; /* their port; 0 = a free one */
 	char tenants_file[PATH_MAX];
 	uint64_t drain_timeout;

@@ -435,16 +435,33 @@ int chunk_bytes(struct req *q, const struct store_model *m, uint32_t tokens,
 	return 0;
 }
 
+/* Log, remove and count a chunk that failed its checksum; its hash in hex into h. */
+static void drop_corrupt(struct server *srv, const struct store_model *m,
+			 const uint8_t hash[KVBP_HASH_LEN], char h[2 * KVBP_HASH_LEN + 1])
+{
+	hex(hash, h);
+	log_err("chunk %s of model '%s' failed its checksum; removing it", h, m->name);
+	if (fuse_delete_chunk(srv->fuse, m, hash) == 0)
+		atomic_fetch_add(&srv->stats.corrupt_removed, 1);
+}
+
 void remove_corrupt(struct req *q, const struct store_model *m)
 {
 	char h[2 * KVBP_HASH_LEN + 1];
 
-	hex(q->h.hash, h);
-	log_err("chunk %s of model '%s' failed its checksum; removing it", h, m->name);
-	if (fuse_delete_chunk(q->srv->fuse, m, q->h.hash) == 0)
-		atomic_fetch_add(&q->srv->stats.corrupt_removed, 1);
+	drop_corrupt(q->srv, m, q->h.hash, h);
 	fail(q, KVBP_CORRUPT, "chunk %s failed its checksum and was removed; treat it as a miss",
 	     h);
+}
+
+void ops_remove_corrupt(struct server *srv, struct reply_out *out)
+{
+	char h[2 * KVBP_HASH_LEN + 1];
+
+	drop_corrupt(srv, &out->verify_model, out->verify_hash, h);
+	out->rep.code = KVBP_CORRUPT;
+	snprintf(out->rep.message, sizeof(out->rep.message), "chunk %s failed its checksum and "
+		 "was removed; treat it as a miss", h);
 }
 
 typedef void (*op_fn)(struct req *q);

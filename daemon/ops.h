@@ -23,7 +23,22 @@ struct reply_out {
 	struct held_reply *held;
 	bool has_bulk; /* a GET that asked for its payload on a bulk connection (bulk.h) */
 	uint8_t bulk_ticket[KVBP_BULK_TICKET_LEN];
+	/* such a GET from the store's pages, not verified yet: its view (alive with the
+	 * payload frames, layer i in frames 2i and 2i+1), checked a layer at a time as the
+	 * bulk connection sends it (ops_verify_layer), or all at once before the frames
+	 * go to ZeroMQ instead (ops_verify_all); the chunk's model and hash, to remove it
+	 * if a layer fails (ops_remove_corrupt) */
+	const struct store_view *verify_view;
+	struct store_model verify_model;
+	uint8_t verify_hash[KVBP_HASH_LEN];
 };
+
+/* Layer i of out's unverified view: 0, or -EBADMSG (it failed its checksum). */
+int ops_verify_layer(const struct reply_out *out, uint32_t i);
+/* Every layer of it, on the helper threads: 0, or -EBADMSG. */
+int ops_verify_all(struct server *srv, const struct reply_out *out);
+/* Its chunk failed: logged, removed and counted; out becomes the `corrupt` error. */
+void ops_remove_corrupt(struct server *srv, struct reply_out *out);
 
 /* Why a request is answered with an error without being run. */
 enum ops_refuse {

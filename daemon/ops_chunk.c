@@ -287,7 +287,10 @@ static int get_from_view(struct req *q, const struct store_model *m, uint32_t lb
 		return 0;
 	}
 	c = (struct view_check){ v, le - lb, threads < le - lb ? threads : le - lb };
-	if (pool_run(q->srv->pool, c.parts, view_check_part, &c)) {
+	/* For a bulk connection, each layer is verified as it is sent (server.c: the check
+	 * reads it into the cache the send reads it from), not all first. */
+	if (!(q->out->has_bulk && q->srv->bulk) &&
+	    pool_run(q->srv->pool, c.parts, view_check_part, &c)) {
 		store_view_free(&v);
 		remove_corrupt(q, m);
 		return 0;
@@ -319,10 +322,30 @@ static int get_from_view(struct req *q, const struct store_model *m, uint32_t lb
 			}
 			q->out->n_payload = n;
 			q->out->rep.payload_frames = (uint32_t)n;
+			if (q->out->has_bulk && q->srv->bulk) {
+				q->out->verify_view = v;
+				q->out->verify_model = *m;
+				memcpy(q->out->verify_hash, q->h.hash, KVBP_HASH_LEN);
+			}
 		}
 	}
 	shared_buf_unref(NULL, hold);
 	return 0;
+}
+
+int ops_verify_layer(const struct reply_out *out, uint32_t i)
+{
+	return store_view_verify(out->verify_view, i) ? -EBADMSG : 0;
+}
+
+int ops_verify_all(struct server *srv, const struct reply_out *out)
+{
+	const struct store_view *v = out->verify_view;
+	uint32_t n = v->layer_end - v->layer_begin;
+	unsigned threads = pool_threads(srv->pool) + 1;
+	struct view_check c = { v, n, threads < n ? threads : n };
+
+	return pool_run(srv->pool, c.parts, view_check_part, &c) ? -EBADMSG : 0;
 }
 
 void op_get(struct req *q)

@@ -16,6 +16,7 @@
 #include <zmq.h>
 
 #include "bulk.h"
+#include "../proto/bulk.h"
 #include "clients.h"
 #include "../cluster/cluster.h"
 #include "cuda/cuda.h"
@@ -127,6 +128,7 @@ static int start_bulk(struct server *srv)
 {
 	const struct config *cfg = srv->cfg;
 	char host[CONFIG_ENDPOINT_MAX];
+	uint32_t best;
 	unsigned i;
 	char *colon;
 	int rc;
@@ -150,8 +152,13 @@ static int start_bulk(struct server *srv)
 			"tcp_bulk = false to go without)", host, cfg->tcp_bulk_port);
 		return rc;
 	}
-	log_info("bulk connections on %s port %u%s", host, bulk_port(srv->bulk),
-		 srv->frontends[1] ? " (AES-256-GCM for CURVE clients)" : "");
+	/* the best a client can get here: the CPU's fastest AEGIS, when allowed */
+	best = cfg->tcp_bulk_aegis ? kvbb_aead_pick(kvbb_aeads()) : KVBP_AEAD_AES256GCM;
+	log_info("bulk connections on %s port %u%s%s%s", host, bulk_port(srv->bulk),
+		 srv->frontends[1] ? " (sealed for CURVE clients: " : "",
+		 srv->frontends[1] ? kvbb_cipher_name(best) : "",
+		 !srv->frontends[1] ? "" : best ? " where the client runs it, else AES-256-GCM)"
+						: ")");
 	return 0;
 }
 
@@ -418,53 +425,74 @@ static void send_reply(struct server *srv, void *sock, zmq_msg_t *env, size_t n_
 	atomic_fetch_add(&srv->stats.bytes_out, bytes);
 }
 
-/*
- * A GET that asked for its payload on a bulk connection: write the frames there (from
- * the store's pages, sealed for a CURVE client) and send the reply without them. A
- * ticket this daemon does not know (expired, another client's) leaves the frames to
- * ZeroMQ; a connection that fails mid-way makes the reply an error, the stream being
- * unusable (the client opens another).
- */
-static void bulk_divert(struct server *srv, const char *principal, int fd,
-			struct reply_out *out)
+/* Before frame i of an unverified view goes out: its layer's checksums (frames K, V). */
+static int verify_frame(void *arg, size_t i)
 {
+	return i % 2 ? 0 : ops_verify_layer(arg, (uint32_t)(i / 2));
+}
+
+/*
+ * A GET that asked for its payload on a bulk connection: the reply first, without the
+ * frames (it travels through ZeroMQ's threads while the payload streams), then the
+ * frames on the bulk connection (from the store's pages, sealed for a CURVE client),
+ * each layer verified just before it is sent, when the view was left unverified (a
+ * layer that fails voids the payload with an abort record, and the chunk is removed).
+ * A ticket this daemon does not know (expired, another client's) leaves the frames to
+ * ZeroMQ, verified first (false: the caller sends the reply as usual). A connection
+ * that fails mid-way is closed, and the client sees the stream end mid-payload; it
+ * opens another.
+ */
+static bool bulk_divert(struct server *srv, void *sock, zmq_msg_t *env, size_t n_env,
+			const char *principal, struct reply_out *out)
+{
+	struct bulk_check check = { verify_frame, out };
 	struct iovec iov[2 * KVBP_LAYERS_IOV];
 	struct iovec *v = out->n_payload <= KVBP_LAYERS_IOV * 2 ? iov
 					: malloc(out->n_payload * sizeof(*v));
-	uint64_t sent = 0;
+	struct bulk_conn *bc;
+	zmq_msg_t *payload = out->payload;
+	size_t n_payload = out->n_payload;
+	uint64_t sent = 0, total = 0;
 	int rc;
 
 	if (!v)
-		return;
-	for (size_t i = 0; i < out->n_payload; i++) {
-		v[i].iov_base = zmq_msg_data(&out->payload[i]);
-		v[i].iov_len = zmq_msg_size(&out->payload[i]);
+		return false;
+	if (bulk_take(srv->bulk, out->bulk_ticket, principal, &bc)) {
+		if (v != iov)
+			free(v);
+		if (out->verify_view && ops_verify_all(srv, out)) {
+			/* the reply: corrupt, no frames (closed first: they hold the view) */
+			for (size_t i = 0; i < n_payload; i++)
+				zmq_msg_close(&payload[i]);
+			out->n_payload = 0;
+			ops_remove_corrupt(srv, out);
+		}
+		return false;
+	}
+	for (size_t i = 0; i < n_payload; i++) {
+		v[i].iov_base = zmq_msg_data(&payload[i]);
+		v[i].iov_len = zmq_msg_size(&payload[i]);
+		total += v[i].iov_len;
 	}
 	/* The bulk connection's writer has its own deadline: the ZeroMQ connection is not
-	 * the one to cut while it writes (held.h). Frames after all: registered again. */
+	 * the one to cut while it writes (held.h). */
 	if (out->held)
 		held_remove(&srv->held, out->held);
-	rc = bulk_send(srv->bulk, out->bulk_ticket, principal, out->rep.request_id, v,
-		       out->n_payload, &sent);
-	if (v != iov)
-		free(v);
-	if (rc == -ENOENT) {
-		if (out->held)
-			held_add(&srv->held, out->held, fd, principal);
-		return;
-	}
-	for (size_t i = 0; i < out->n_payload; i++)
-		zmq_msg_close(&out->payload[i]);
 	out->n_payload = 0;
 	out->rep.payload_frames = 0;
-	if (rc) {
-		out->rep.code = KVBP_INTERNAL;
-		snprintf(out->rep.message, sizeof(out->rep.message), "the bulk connection failed "
-			 "mid-payload (%s) and was closed; retry", strerror(-rc));
-		return;
-	}
-	out->rep.bulk_bytes = sent;
-	atomic_fetch_add(&srv->stats.bytes_out, sent);
+	out->rep.bulk_bytes = total;
+	send_reply(srv, sock, env, n_env, false, out);
+	rc = bulk_send(srv->bulk, bc, out->rep.request_id, v, n_payload,
+		       out->verify_view ? &check : NULL, &sent);
+	if (v != iov)
+		free(v);
+	for (size_t i = 0; i < n_payload; i++)
+		zmq_msg_close(&payload[i]);
+	if (rc == -EBADMSG)
+		ops_remove_corrupt(srv, out); /* once the frames let go of the view */
+	if (!rc)
+		atomic_fetch_add(&srv->stats.bytes_out, sent);
+	return true;
 }
 
 /* An error reply built without a request handler (refused envelope, shutting down). */
@@ -601,9 +629,10 @@ static void *worker_main(void *arg)
 			}
 			for (size_t i = env; i < n; i++)
 				zmq_msg_close(&frames[i]);
-			if (out.has_bulk && srv->bulk && out.rep.code == KVBP_OK && out.n_payload)
-				bulk_divert(srv, tag.principal, tag.fd, &out);
-			send_reply(srv, sock, frames, env, false, &out);
+			if (!out.has_bulk || !srv->bulk || out.rep.code != KVBP_OK ||
+			    !out.n_payload ||
+			    !bulk_divert(srv, sock, frames, env, tag.principal, &out))
+				send_reply(srv, sock, frames, env, false, &out);
 		}
 		{
 			uint64_t ns;

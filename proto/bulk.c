@@ -7,8 +7,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "aegis.h"
+
 struct kvbb_aead {
-	EVP_CIPHER_CTX *enc, *dec;
+	uint32_t cipher;
+	EVP_CIPHER_CTX *enc, *dec; /* AES-256-GCM */
+	uint8_t key[KVB_AEGIS_KEY_LEN]; /* AEGIS */
 };
 
 static void put32(uint8_t *p, uint32_t v)
@@ -46,8 +50,11 @@ void kvbb_hdr_put(uint8_t out[KVBB_HDR_LEN], const struct kvbb_hdr *h)
 
 int kvbb_hdr_get(const uint8_t in[KVBB_HDR_LEN], struct kvbb_hdr *h)
 {
-	if (get32(in) != KVBB_MAGIC_RECORD || get32(in + 36) || get32(in + 4) & ~KVBB_LAST ||
-	    get32(in + 32) > KVBB_RECORD_MAX)
+	uint32_t flags = get32(in + 4);
+
+	if (get32(in) != KVBB_MAGIC_RECORD || get32(in + 36) || flags & ~(KVBB_LAST | KVBB_ABORT) ||
+	    get32(in + 32) > KVBB_RECORD_MAX ||
+	    ((flags & KVBB_ABORT) && (flags != (KVBB_LAST | KVBB_ABORT) || get32(in + 32))))
 		return -EPROTO;
 	h->flags = get32(in + 4);
 	h->request_id = get64(in + 8);
@@ -57,13 +64,55 @@ int kvbb_hdr_get(const uint8_t in[KVBB_HDR_LEN], struct kvbb_hdr *h)
 	return 0;
 }
 
-int kvbb_aead_new(struct kvbb_aead **out, const uint8_t key[KVBP_BULK_KEY_LEN])
+static enum kvb_aegis_variant variant_of(uint32_t cipher)
 {
-	struct kvbb_aead *a = calloc(1, sizeof(*a));
+	return cipher == KVBP_AEAD_AEGIS128X2 ? KVB_AEGIS_128X2 : KVB_AEGIS_128L;
+}
+
+uint32_t kvbb_aeads(void)
+{
+	return (kvb_aegis_available(KVB_AEGIS_128L) ? 1u << KVBP_AEAD_AEGIS128L : 0) |
+	       (kvb_aegis_available(KVB_AEGIS_128X2) ? 1u << KVBP_AEAD_AEGIS128X2 : 0);
+}
+
+uint32_t kvbb_aead_pick(uint32_t mask)
+{
+	if (mask & 1u << KVBP_AEAD_AEGIS128X2)
+		return KVBP_AEAD_AEGIS128X2;
+	if (mask & 1u << KVBP_AEAD_AEGIS128L)
+		return KVBP_AEAD_AEGIS128L;
+	return KVBP_AEAD_AES256GCM;
+}
+
+const char *kvbb_cipher_name(uint32_t cipher)
+{
+	return cipher == KVBP_AEAD_AEGIS128X2  ? "AEGIS-128X2"
+	       : cipher == KVBP_AEAD_AEGIS128L ? "AEGIS-128L"
+					       : "AES-256-GCM";
+}
+
+const char *kvbb_aead_name(const struct kvbb_aead *a)
+{
+	return kvbb_cipher_name(a->cipher);
+}
+
+int kvbb_aead_new(struct kvbb_aead **out, const uint8_t key[KVBP_BULK_KEY_LEN], uint32_t cipher)
+{
+	struct kvbb_aead *a;
 	int rc = -ENOMEM;
 
+	if (cipher > KVBP_AEAD_MAX ||
+	    (cipher != KVBP_AEAD_AES256GCM && !(kvbb_aeads() & 1u << cipher)))
+		return -ENOTSUP;
+	a = calloc(1, sizeof(*a));
 	if (!a)
 		return -ENOMEM;
+	a->cipher = cipher;
+	if (cipher != KVBP_AEAD_AES256GCM) {
+		memcpy(a->key, key, sizeof(a->key));
+		*out = a;
+		return 0;
+	}
 	a->enc = EVP_CIPHER_CTX_new();
 	a->dec = EVP_CIPHER_CTX_new();
 	if (!a->enc || !a->dec)
@@ -86,24 +135,34 @@ void kvbb_aead_free(struct kvbb_aead **a)
 		return;
 	EVP_CIPHER_CTX_free((*a)->enc); /* clears the key schedule */
 	EVP_CIPHER_CTX_free((*a)->dec);
+	OPENSSL_cleanse((*a)->key, sizeof((*a)->key));
 	free(*a);
 	*a = NULL;
 }
 
-static void nonce_of(uint8_t iv[12], uint64_t counter, uint32_t dir)
+/* GCM's 12 bytes; AEGIS's 16 end in four zero bytes. */
+static void nonce_of(uint8_t iv[KVB_AEGIS_NONCE_LEN], uint64_t counter, uint32_t dir)
 {
 	put64(iv, counter);
 	put32(iv + 8, dir);
+	put32(iv + 12, 0);
 }
 
 int kvbb_seal(struct kvbb_aead *a, uint64_t counter, uint32_t dir, const uint8_t *ad,
 	      size_t ad_len, const struct iovec *iov, size_t n, uint8_t *out,
 	      uint8_t tag[KVBB_TAG_LEN])
 {
-	uint8_t iv[12];
+	uint8_t iv[KVB_AEGIS_NONCE_LEN];
 	int len;
 
 	nonce_of(iv, counter, dir);
+	if (a->cipher != KVBP_AEAD_AES256GCM) {
+		for (size_t i = 0; i < n; i++)
+			if (iov[i].iov_len > KVBB_RECORD_MAX)
+				return -EIO;
+		return kvb_aegis_seal(variant_of(a->cipher), a->key, iv, ad, ad_len, iov, n, out,
+				      tag) ? -EIO : 0;
+	}
 	if (EVP_EncryptInit_ex(a->enc, NULL, NULL, NULL, iv) != 1 ||
 	    (ad_len && EVP_EncryptUpdate(a->enc, NULL, &len, ad, (int)ad_len) != 1))
 		return -EIO;
@@ -122,12 +181,15 @@ int kvbb_seal(struct kvbb_aead *a, uint64_t counter, uint32_t dir, const uint8_t
 int kvbb_open(struct kvbb_aead *a, uint64_t counter, uint32_t dir, const uint8_t *ad,
 	      size_t ad_len, uint8_t *buf, size_t len, const uint8_t tag[KVBB_TAG_LEN])
 {
-	uint8_t iv[12], t[KVBB_TAG_LEN];
+	uint8_t iv[KVB_AEGIS_NONCE_LEN], t[KVBB_TAG_LEN];
 	int l;
 
 	if (len > KVBB_RECORD_MAX)
 		return -EBADMSG;
 	nonce_of(iv, counter, dir);
+	if (a->cipher != KVBP_AEAD_AES256GCM)
+		return kvb_aegis_open(variant_of(a->cipher), a->key, iv, ad, ad_len, buf, len, tag)
+			       ? -EBADMSG : 0;
 	memcpy(t, tag, sizeof(t));
 	if (EVP_DecryptInit_ex(a->dec, NULL, NULL, NULL, iv) != 1 ||
 	    (ad_len && EVP_DecryptUpdate(a->dec, NULL, &l, ad, (int)ad_len) != 1) ||
@@ -136,6 +198,19 @@ int kvbb_open(struct kvbb_aead *a, uint64_t counter, uint32_t dir, const uint8_t
 	    EVP_DecryptFinal_ex(a->dec, buf + len, &l) != 1)
 		return -EBADMSG;
 	return 0;
+}
+
+void kvbb_iov_advance(struct iovec **iov, int *n, size_t done)
+{
+	while (*n > 0 && done >= (*iov)->iov_len) {
+		done -= (*iov)->iov_len;
+		(*iov)++;
+		(*n)--;
+	}
+	if (*n > 0) {
+		(*iov)->iov_base = (uint8_t *)(*iov)->iov_base + done;
+		(*iov)->iov_len -= done;
+	}
 }
 
 int kvbb_hello_put(uint8_t out[KVBB_HELLO_LEN], const uint8_t ticket[KVBP_BULK_TICKET_LEN],

@@ -1,14 +1,16 @@
 /*
  * bulk — the byte format of bulk connections (docs/protocol.md#bulk-connections), shared
  * by the daemon and libkvblend: the hello a client opens one with, the header of each
- * record of a GET's payload, and the AES-256-GCM seal over both when the connection's
- * ticket was handed out over CURVE. Nothing here does I/O.
+ * record of a GET's payload, and the seal over both when the connection's ticket was
+ * handed out over CURVE: AEGIS-128X2 or AEGIS-128L (aegis.h) where both ends have the AES
+ * instructions for it and the daemon allows it, else AES-256-GCM. Nothing here does I/O.
  *
  * Nonces: 64-bit record counter of the connection (little-endian) then a 32-bit
  * direction (0 client to daemon: the hello, counter 0; 1 daemon to client: records,
- * counters 0, 1, 2, ... in the order sent). A key belongs to one connection and is never
- * reused, so no nonce repeats under a key. The associated data of a record is its
- * header: request id, offset, length, total and the last flag are bound to the bytes.
+ * counters 0, 1, 2, ... in the order sent); AEGIS's 16-byte nonce ends in four zero
+ * bytes. A key belongs to one connection and is never reused, so no nonce repeats under
+ * a key. The associated data of a record is its header: request id, offset, length,
+ * total and the last flag are bound to the bytes.
  */
 #ifndef KVBLEND_PROTO_BULK_H
 #define KVBLEND_PROTO_BULK_H
@@ -28,9 +30,14 @@
 #define KVBB_TAG_LEN 16
 /* Largest record a client accepts; the daemon sends at most this (sealed: KVBB_SEAL_BYTES). */
 #define KVBB_RECORD_MAX (4u << 20)
-/* Sealed records are this big: encrypted into a buffer that stays in the L2 cache. */
-#define KVBB_SEAL_BYTES (256u << 10)
+/* Sealed records are this big: encrypted into a buffer that stays in the L2 cache, and
+ * opened while still there (512 KiB: half of a recent core's L2; 256 KiB records ran no
+ * faster on bench_cluster, 1 MiB ones no faster either). */
+#define KVBB_SEAL_BYTES (512u << 10)
 #define KVBB_LAST 1u /* record flag: the payload's last record */
+/* Record flag, with KVBB_LAST and no bytes: the payload is void from this offset on (the
+ * daemon's copy of the chunk failed its checksum as it was sent; it removed it). */
+#define KVBB_ABORT 2u
 #define KVBB_DIR_HELLO 0u
 #define KVBB_DIR_RECORDS 1u
 
@@ -43,14 +50,27 @@ struct kvbb_hdr {
 };
 
 void kvbb_hdr_put(uint8_t out[KVBB_HDR_LEN], const struct kvbb_hdr *h);
-/* 0, or -EPROTO (not a record header: magic, reserved bytes, len above the max). */
+/* 0, or -EPROTO (not a record header: magic, reserved bytes, flags, len above the max,
+ * an abort record with bytes). */
 int kvbb_hdr_get(const uint8_t in[KVBB_HDR_LEN], struct kvbb_hdr *h);
 
-/* AES-256-GCM under one connection's key (OpenSSL's EVP). */
+/* One connection's seal: AES-256-GCM (OpenSSL's EVP) or AEGIS (aegis.h). */
 struct kvbb_aead;
 
-/* 0 and *out, or -ENOMEM / -ENOTSUP (no AES-256-GCM in this libcrypto). */
-int kvbb_aead_new(struct kvbb_aead **out, const uint8_t key[KVBP_BULK_KEY_LEN]);
+/* The ciphers this process can seal and open besides AES-256-GCM, a bit each
+ * (1 << KVBP_AEAD_*): what its CPU has the instructions for. */
+uint32_t kvbb_aeads(void);
+/* The fastest cipher of those in the mask (AES-256-GCM, always there, when none). */
+uint32_t kvbb_aead_pick(uint32_t mask);
+/*
+ * The seal of cipher (KVBP_AEAD_*) under key (AEGIS takes its first 16 bytes): 0 and
+ * *out, or -ENOMEM, or -ENOTSUP (no AES-256-GCM in this libcrypto; an AEGIS variant not
+ * in kvbb_aeads(); an unknown cipher).
+ */
+int kvbb_aead_new(struct kvbb_aead **out, const uint8_t key[KVBP_BULK_KEY_LEN], uint32_t cipher);
+/* A cipher's name, for messages: "AES-256-GCM", "AEGIS-128L", "AEGIS-128X2". */
+const char *kvbb_cipher_name(uint32_t cipher);
+const char *kvbb_aead_name(const struct kvbb_aead *a);
 /* Accepts NULL; sets *a to NULL; wipes the key. */
 void kvbb_aead_free(struct kvbb_aead **a);
 /*
@@ -63,6 +83,10 @@ int kvbb_seal(struct kvbb_aead *a, uint64_t counter, uint32_t dir, const uint8_t
 /* Decrypt buf[0..len) in place and check tag: 0, or -EBADMSG (altered: buf is garbage). */
 int kvbb_open(struct kvbb_aead *a, uint64_t counter, uint32_t dir, const uint8_t *ad,
 	      size_t ad_len, uint8_t *buf, size_t len, const uint8_t tag[KVBB_TAG_LEN]);
+
+/* Advance iov[0..*n) past done bytes (they went out, or came in): the pieces used up
+ * are dropped (*iov, *n move on), the next one is shortened. */
+void kvbb_iov_advance(struct iovec **iov, int *n, size_t done);
 
 /* The hello: magic, version, ticket, and with a the tag over those (counter 0, dir 0). */
 int kvbb_hello_put(uint8_t out[KVBB_HELLO_LEN], const uint8_t ticket[KVBP_BULK_TICKET_LEN],

@@ -227,6 +227,7 @@ int kvbp_request_encode(const struct kvbp_request *req, uint8_t **buf, size_t *l
 	pb.recompute = req->recompute;
 	pb.n_recompute = req->n_recompute;
 	pb.bulk_open = req->bulk_open;
+	pb.bulk_aeads = req->bulk_aeads;
 	if (req->has_bulk_ticket) {
 		pb.bulk_ticket.data = (uint8_t *)req->bulk_ticket;
 		pb.bulk_ticket.len = KVBP_BULK_TICKET_LEN;
@@ -369,6 +370,7 @@ int kvbp_request_decode(const void *buf, size_t len, struct kvbp_request *out, c
 	r.device_out = pb->device_out;
 	r.attention = pb->attention;
 	r.bulk_open = pb->bulk_open;
+	r.bulk_aeads = pb->bulk_aeads;
 	if (pb->bulk_ticket.len) {
 		if (pb->bulk_ticket.len != KVBP_BULK_TICKET_LEN) {
 			set_err(err, errlen, "bulk_ticket is %zu bytes; expected %d",
@@ -582,6 +584,7 @@ int kvbp_reply_encode(const struct kvbp_reply *rep, uint8_t **buf, size_t *len)
 	if (rep->bulk_port && rep->has_bulk_key) {
 		pb.bulk_key.data = (uint8_t *)rep->bulk_key;
 		pb.bulk_key.len = KVBP_BULK_KEY_LEN;
+		pb.bulk_aead = rep->bulk_aead;
 	}
 	if (rep->has_ipc) {
 		pb.ipc_handle.data = (uint8_t *)rep->ipc_handle;
@@ -712,19 +715,22 @@ int kvbp_reply_decode(const void *buf, size_t len, struct kvbp_reply *out, char 
 	r.bulk_bytes = pb->bulk_bytes;
 	if (pb->bulk_port) {
 		if (pb->bulk_port > 65535 || pb->bulk_ticket.len != KVBP_BULK_TICKET_LEN ||
-		    (pb->bulk_key.len && pb->bulk_key.len != KVBP_BULK_KEY_LEN)) {
+		    (pb->bulk_key.len && pb->bulk_key.len != KVBP_BULK_KEY_LEN) ||
+		    pb->bulk_aead > KVBP_AEAD_MAX) {
 			set_err(err, errlen, "reply's bulk port %u, ticket of %zu bytes, key of %zu "
-				"bytes; expected a port, %d and 0 or %d bytes", pb->bulk_port,
-				pb->bulk_ticket.len, pb->bulk_key.len, KVBP_BULK_TICKET_LEN,
-				KVBP_BULK_KEY_LEN);
+				"bytes, cipher %u; expected a port, %d and 0 or %d bytes, cipher 0 "
+				"to 2", pb->bulk_port, pb->bulk_ticket.len, pb->bulk_key.len,
+				pb->bulk_aead, KVBP_BULK_TICKET_LEN, KVBP_BULK_KEY_LEN);
 			kvblend__reply__free_unpacked(pb, NULL);
 			return KVBP_BAD_REQUEST;
 		}
 		r.bulk_port = pb->bulk_port;
 		memcpy(r.bulk_ticket, pb->bulk_ticket.data, KVBP_BULK_TICKET_LEN);
 		r.has_bulk_key = pb->bulk_key.len == KVBP_BULK_KEY_LEN;
-		if (r.has_bulk_key)
+		if (r.has_bulk_key) {
 			memcpy(r.bulk_key, pb->bulk_key.data, KVBP_BULK_KEY_LEN);
+			r.bulk_aead = pb->bulk_aead;
+		}
 	}
 	if (pb->ipc_handle.len) {
 		if (pb->ipc_handle.len != KVBP_IPC_HANDLE_LEN || !pb->device_pci ||

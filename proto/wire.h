@@ -39,6 +39,11 @@
 /* A bulk connection's ticket and AES-256-GCM key (docs/protocol.md#bulk-connections). */
 #define KVBP_BULK_TICKET_LEN 16
 #define KVBP_BULK_KEY_LEN 32
+/* A sealed bulk connection's cipher (Reply.bulk_aead). */
+#define KVBP_AEAD_AES256GCM 0u
+#define KVBP_AEAD_AEGIS128L 1u	/* under the key's first 16 bytes */
+#define KVBP_AEAD_AEGIS128X2 2u /* likewise */
+#define KVBP_AEAD_MAX KVBP_AEAD_AEGIS128X2
 
 enum kvbp_op {
 	KVBP_OP_NONE = 0,
@@ -216,6 +221,7 @@ struct kvbp_request {
 	size_t n_recompute;
 	bool cluster_check; /* STATS, HELLO: run the replication check (kvblend cluster check) */
 	bool bulk_open; /* HELLO: open a bulk connection */
+	uint32_t bulk_aeads; /* HELLO with bulk_open: 1 << KVBP_AEAD_* the client can open */
 	bool has_bulk_ticket; /* GET: send the payload on this bulk connection */
 	uint8_t bulk_ticket[KVBP_BULK_TICKET_LEN];
 };
@@ -265,6 +271,7 @@ struct kvbp_reply {
 	uint8_t bulk_ticket[KVBP_BULK_TICKET_LEN];
 	bool has_bulk_key; /* sealed bulk records (the HELLO came over CURVE) */
 	uint8_t bulk_key[KVBP_BULK_KEY_LEN];
+	uint32_t bulk_aead; /* with bulk_key: KVBP_AEAD_* */
 	uint64_t bulk_bytes; /* GET with a bulk ticket: payload bytes sent there */
 };
 

@@ -197,8 +197,9 @@ KVB_API int kvb_put(kvb_client *c, const char *model, const uint8_t hash[KVB_HAS
  * KVB_E_NOT_FOUND if absent; KVB_E_CORRUPT if it failed its checksum (the
  * daemon removed it). -ENOBUFS when out_bytes does not match (info is filled).
  * Over tcp:// the payload comes on the client's bulk connection (opened at the first
- * GET, docs/protocol.md#bulk-connections), received straight into out, AES-256-GCM
- * sealed over CURVE: no malloc tuning needed. KVB_E_PROTOCOL when a record of it was
+ * GET, docs/protocol.md#bulk-connections), received straight into out, sealed over
+ * CURVE (AEGIS where both ends run it, else AES-256-GCM; KVBLEND_BULK_CIPHER names one):
+ * no malloc tuning needed. KVB_E_PROTOCOL when a record of it was
  * altered on the wire or came out of order (kvb_last_error() names it; the
  * connection is closed, the next GET opens another). On any error out's contents
  * are unspecified. KVBLEND_NO_BULK=1 in the environment keeps a client to frames.

@@ -156,6 +156,27 @@ class Daemon:
             return f.read()
 
 
+def python_env(kvblend):
+    """The environment of a Python of its own that imports the kvblend package of this
+    tree over the libkvblend built beside the kvblend CLI (with libasan preloaded when
+    that library is built with ASan)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    lib = os.path.join(os.path.dirname(os.path.abspath(kvblend)), "..", "lib", "libkvblend.so")
+    ldd = subprocess.run(["ldd", lib], capture_output=True, text=True).stdout
+    asan = next((ln.split()[2] for ln in ldd.splitlines() if "libasan" in ln), "")
+    env = {**os.environ, "KVBLEND_LIB": lib, "LD_PRELOAD": asan,
+           "PYTHONPATH": os.path.join(here, "..", "..", "client", "python", "src")}
+    if asan:  # (Python itself leaks by LeakSanitizer's count)
+        env["ASAN_OPTIONS"] = env.get("ASAN_OPTIONS", "") + ":detect_leaks=0"
+    return env
+
+
+def python_client(kvblend, code, timeout=60):
+    """Run code in such a Python (python_env); its CompletedProcess (text)."""
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=python_env(kvblend), timeout=timeout)
+
+
 def wait_for(fn, seconds, step=0.1):
     """Call fn until it returns something true or seconds pass; its last value."""
     end = time.time() + seconds

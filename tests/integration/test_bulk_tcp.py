@@ -5,7 +5,10 @@ reads back byte-exact; a TCP proxy between the client and the daemon that flips 
 of a record, of a record's header, or cuts the stream, gets the GET refused with the
 problem named and no output file written, and the daemon serves the next GET; a replayed
 hello is refused; a client with bulk connections off and a daemon without them (an older
-peer's behaviour) keep working with CURVE alone.
+peer's behaviour) keep working with CURVE alone. The cipher: the fastest this CPU runs
+(AEGIS-128X2, AEGIS-128L, else AES-256-GCM) by default, each one a client names with
+KVBLEND_BULK_CIPHER, and AES-256-GCM always from a daemon with tcp_bulk_aegis = false;
+a flipped bit is caught under each, and the error names the cipher.
 
 usage: test_bulk_tcp.py KVBLENDD KVBLEND
 """
@@ -26,7 +29,7 @@ check = kvbtest.Checks()
 HDR = 40  # a record's header (proto/bulk.h)
 TAG = 16
 ACK = 1  # the daemon's answer to the hello, first on the stream
-SEAL = 256 << 10  # bytes of a sealed record
+SEAL = 512 << 10  # bytes of a sealed record (proto/bulk.h KVBB_SEAL_BYTES)
 
 
 def keygen():
@@ -111,6 +114,26 @@ def cut_at(pos):
     return lambda off, b: b if off + len(b) <= ACK + pos else None
 
 
+def cpu_ciphers():
+    """The bulk ciphers this CPU runs, fastest first (proto/aegis.c's checks)."""
+    flags = set()
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    out = []
+    if {"aes", "vaes", "avx2"} <= flags:
+        out.append("AEGIS-128X2")
+    if "aes" in flags:
+        out.append("AEGIS-128L")
+    return out + ["AES-256-GCM"]
+
+
+CIPHERS = cpu_ciphers()
+CIPHER = CIPHERS[0]  # what a client and the daemon on this machine agree on
+
+
 srv_pub, srv_sec = keygen()
 cli_pub, cli_sec = keygen()
 open(f"{tmp}/server.key", "w").write(f"{srv_sec}\n")
@@ -120,7 +143,7 @@ keys = {"KVBLEND_SERVER_KEY": srv_pub, "KVBLEND_CLIENT_KEY": cli_sec}
 curve_flags = ("--curve-secret-key-file", f"{tmp}/server.key", "--curve-authorized-keys",
                f"{tmp}/clients", "--map-size", "1G")
 
-# a chunk of 4 MiB: 16 sealed records
+# a chunk of 4 MiB: 8 sealed records
 layers, heads, dim, tokens = 4, 4, 64, 1024
 rng = np.random.default_rng(20)
 kv = rng.standard_normal((layers, 2, tokens, heads, dim)).astype(np.float16)
@@ -134,6 +157,17 @@ def get(ep, name, env=None):
                     timeout_ms=5000, env={**keys, **(env or {})}, hang_s=60)
     same = r.returncode == 0 and os.path.exists(out) and np.array_equal(np.load(out), kv)
     return r, same, os.path.exists(out)
+
+
+def tampered(mutate, env=None):
+    """A GET through proxies, the bulk one mutating the daemon's bytes: (result, wrote)."""
+    pz, pb = Proxy(port), Proxy(bulk_port, mutate)
+    try:
+        r, _, wrote = get(f"tcp://127.0.0.2:{port}", "tampered", env)
+    finally:
+        pz.close()
+        pb.close()
+    return r, wrote
 
 
 def stat(d, name):
@@ -156,7 +190,7 @@ try:
 
     r, same, _ = get(direct, "direct")
     check("GET over CURVE TCP with a bulk connection: byte-exact", same, r.stderr)
-    check("its payload came in sealed records", stat(d, "bulk_records_sealed") >= 16,
+    check("its payload came in sealed records", stat(d, "bulk_records_sealed") >= 8,
           str(stat(d, "bulk_records_sealed")))
     sealed0 = stat(d, "bulk_records_sealed")
 
@@ -165,10 +199,10 @@ try:
     check("... and no record was sent for it", stat(d, "bulk_records_sealed") == sealed0)
 
     cases = [
-        ("a flipped bit in a record's bytes", flip_at(HDR + 1000), "AES-256-GCM check"),
+        ("a flipped bit in a record's bytes", flip_at(HDR + 1000), f"{CIPHER} check"),
         ("a flipped bit in the third record's bytes", flip_at(2 * (HDR + SEAL + TAG) + HDR + 5),
-         "AES-256-GCM check"),
-        ("a flipped bit in its tag", flip_at(HDR + SEAL + 3), "AES-256-GCM check"),
+         f"{CIPHER} check"),
+        ("a flipped bit in its tag", flip_at(HDR + SEAL + 3), f"{CIPHER} check"),
         # the request id's low byte: the record names another request
         ("a flipped bit in a record header's request id", flip_at(HDR + SEAL + TAG + 8),
          "out of order"),
@@ -181,17 +215,22 @@ try:
         ("the stream cut mid-record", cut_at(3 * (HDR + SEAL + TAG) + 100), "mid-payload"),
     ]
     for what, mutate, words in cases:
-        pz, pb = Proxy(port), Proxy(bulk_port, mutate)
-        try:
-            r, _, wrote = get(f"tcp://127.0.0.2:{port}", "tampered")
-        finally:
-            pz.close()
-            pb.close()
+        r, wrote = tampered(mutate)
         check(f"{what}: GET refused naming it", r.returncode == 1 and words in r.stderr,
               r.stderr)
         check(f"{what}: no output written", not wrote)
         r, same, _ = get(direct, "after")
         check(f"{what}: the daemon serves the next GET byte-exact", same, r.stderr)
+
+    # each cipher this CPU runs, named by the client: byte-exact, and a flipped bit in
+    # the second record's bytes caught by that cipher's check
+    for name in CIPHERS:
+        env = {"KVBLEND_BULK_CIPHER": name.lower()}
+        r, same, _ = get(direct, "cipher", env)
+        check(f"KVBLEND_BULK_CIPHER={name.lower()}: byte-exact", same, r.stderr)
+        r, wrote = tampered(flip_at(HDR + SEAL + TAG + HDR + 77), env)
+        check(f"... a flipped bit refused by its {name} check",
+              r.returncode == 1 and f"{name} check" in r.stderr and not wrote, r.stderr)
 
     # a hello seen on the wire, replayed on a connection of the attacker's own
     pz, pb = Proxy(port), Proxy(bulk_port)
@@ -226,14 +265,7 @@ try:
     # One client across a daemon restart (Python binding over libkvblend, in a Python of
     # its own: with libasan preloaded when libkvblend is built with ASan): its bulk
     # connection dies with the daemon; the next GET still answers, and a new one opens.
-    here = os.path.dirname(os.path.abspath(__file__))
-    lib = os.path.join(os.path.dirname(os.path.abspath(KVBLEND)), "..", "lib", "libkvblend.so")
-    ldd = subprocess.run(["ldd", lib], capture_output=True, text=True).stdout
-    asan = next((ln.split()[2] for ln in ldd.splitlines() if "libasan" in ln), "")
-    env = {**os.environ, "KVBLEND_LIB": lib, "LD_PRELOAD": asan,
-           "PYTHONPATH": os.path.join(here, "..", "..", "client", "python", "src")}
-    if asan:  # (Python itself leaks by LeakSanitizer's count)
-        env["ASAN_OPTIONS"] = env.get("ASAN_OPTIONS", "") + ":detect_leaks=0"
+    env = kvbtest.python_env(KVBLEND)
     child = subprocess.Popen([sys.executable, "-c", f"""
 import sys
 import numpy as np
@@ -262,11 +294,26 @@ c.close()
     check("the first GET after the daemon restarted: byte-exact", line == "after True", line)
     line = child.stdout.readline().strip()
     check("the next GET: byte-exact, on a new sealed bulk connection",
-          line == "next True" and stat(d, "bulk_records_sealed") >= sealed0 + 16,
+          line == "next True" and stat(d, "bulk_records_sealed") >= sealed0 + 8,
           f"{line} {stat(d, 'bulk_records_sealed')}")
     check("that client exits 0", child.wait(60) == 0)
 finally:
     check("daemon exits 0", d.stop() == 0)
+
+# A daemon that allows AES-256-GCM only: a client offering AEGIS still gets AES-256-GCM.
+d3 = kvbtest.Daemon(KVBLENDD, KVBLEND, tmp, "--tcp-bulk-aegis=false", "--tcp-bulk-port",
+                    str(bulk_port), *curve_flags, name="gcm", data=d.data,
+                    listen=f"ipc://{tmp}/gcm.sock,tcp://127.0.0.1:{port}", timeout_ms=3000,
+                    hang_s=60)
+d3.start()
+try:
+    r, same, _ = get(f"tcp://127.0.0.1:{port}", "gcm")
+    check("daemon with tcp_bulk_aegis = false: GET byte-exact", same, r.stderr)
+    r, wrote = tampered(flip_at(HDR + 1000))
+    check("... its records are AES-256-GCM (a flipped bit fails that check)",
+          r.returncode == 1 and "AES-256-GCM check" in r.stderr and not wrote, r.stderr)
+finally:
+    check("AES-256-GCM daemon exits 0", d3.stop() == 0)
 
 # A daemon without bulk connections answers HELLO as an older one does: CURVE frames.
 d2 = kvbtest.Daemon(KVBLENDD, KVBLEND, tmp, "--tcp-bulk=false", *curve_flags, name="old",

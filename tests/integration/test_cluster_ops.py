@@ -327,6 +327,21 @@ def part_check():
           rc == 1 and out["under_replicated"] == 5 and
           mem["c"]["missing"] == 5 and mem["a"]["missing"] == mem["b"]["missing"] == 0,
           f"{rc} {out} {per}")
+    # the same check from Python (Client.cluster_check(), over kvb_cluster_check)
+    r = kvbtest.python_client(KVBLEND, f"""
+import json, kvblend
+c = kvblend.Client({f"ipc://{TMP}/a.sock"!r}, timeout_ms=20000)
+print(json.dumps(c.cluster_check()))
+c.close()
+""")
+    try:
+        py = json.loads(r.stdout)
+    except ValueError:
+        py = {}
+    check("Python Client.cluster_check(): the same 5 under R, c missing 5, 3 members",
+          py.get("check_under") == 5 and py.get("check_missing:c") == 5 and
+          py.get("check_members") == 3 and py.get("check_answered") == 3,
+          f"{r.stderr[-500:]} {py}")
     # the gauge: each member's own check (run in the background after the cluster check)
     ok = wait_for(lambda: all(stats(n)["cluster_under_replicated"] == per[n] for n in "abc"),
                   10)

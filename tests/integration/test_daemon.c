@@ -559,8 +559,9 @@ static void test_restart_keeps_chunks(void **state)
 	kvb_close(&c);
 }
 
-/* Flip one byte in the stored payload of one layer, with the daemon stopped. */
-static void corrupt_layer(const char *data_dir)
+/* Flip one byte in the stored payload of the first (or the last) layer record, with the
+ * daemon stopped. */
+static void corrupt_layer_at(const char *data_dir, MDB_cursor_op which)
 {
 	MDB_env *env;
 	MDB_txn *txn;
@@ -576,7 +577,7 @@ static void corrupt_layer(const char *data_dir)
 	assert_int_equal(mdb_txn_begin(env, NULL, 0, &txn), 0);
 	assert_int_equal(mdb_dbi_open(txn, "layers", 0, &dbi), 0);
 	assert_int_equal(mdb_cursor_open(txn, dbi, &cur), 0);
-	assert_int_equal(mdb_cursor_get(cur, &k, &v, MDB_FIRST), 0);
+	assert_int_equal(mdb_cursor_get(cur, &k, &v, which), 0);
 	copy = malloc(v.mv_size);
 	memcpy(copy, v.mv_data, v.mv_size);
 	copy[v.mv_size - 1] ^= 0x40; /* a payload byte of V, past every header */
@@ -588,6 +589,26 @@ static void corrupt_layer(const char *data_dir)
 	free(copy);
 }
 
+static void corrupt_layer(const char *data_dir)
+{
+	corrupt_layer_at(data_dir, MDB_FIRST);
+}
+
+/* A corrupt chunk was removed: h is not found, and corrupt_removed counts one; then a
+ * sound chunk (seed) is stored in its place. */
+static void removed_then_put(kvb_client *c, uint8_t h[KVB_HASH_LEN], uint32_t seed,
+			     uint32_t tokens, uint8_t *kv, size_t n)
+{
+	struct kvb_chunk_info ci;
+
+	assert_int_equal(kvb_lookup(c, "tiny", (const uint8_t(*)[KVB_HASH_LEN])h, 1, &ci), 0);
+	assert_false(ci.found);
+	assert_int_equal((uint64_t)daemon_stat(c, "corrupt_removed"), 1);
+	hash_of(seed, h);
+	fill(kv, n, seed);
+	assert_int_equal(kvb_put(c, "tiny", h, KVB_F16, tokens, 0, kv, n, NULL), 0);
+}
+
 /* A chunk of `tokens` stored, one payload byte flipped on disk: the GET says corrupt,
  * the chunk is gone, and a second chunk's GET of the same path still works. */
 static void corrupt_chunk_removed(struct daemon *d, uint32_t tokens)
@@ -596,7 +617,6 @@ static void corrupt_chunk_removed(struct daemon *d, uint32_t tokens)
 	kvb_client *c = daemon_client(d, 0);
 	size_t n = chunk_bytes(&tiny, tokens);
 	uint8_t h[KVB_HASH_LEN], *kv = malloc(n);
-	struct kvb_chunk_info ci;
 
 	register_tiny(c);
 	hash_of(31337, h);
@@ -610,13 +630,8 @@ static void corrupt_chunk_removed(struct daemon *d, uint32_t tokens)
 	memset(kv, 0, n);
 	assert_int_equal(kvb_get(c, "tiny", h, 0, 0, kv, n, NULL), KVB_E_CORRUPT);
 	assert_non_null(strstr(kvb_last_error(c), "failed its checksum and was removed"));
-	assert_int_equal(kvb_lookup(c, "tiny", (const uint8_t(*)[KVB_HASH_LEN])h, 1, &ci), 0);
-	assert_false(ci.found);
-	assert_int_equal((uint64_t)daemon_stat(c, "corrupt_removed"), 1);
 	/* The same path serves a sound chunk afterwards. */
-	hash_of(31338, h);
-	fill(kv, n, 31338);
-	assert_int_equal(kvb_put(c, "tiny", h, KVB_F16, tokens, 0, kv, n, NULL), 0);
+	removed_then_put(c, h, 31338, tokens, kv, n);
 	{
 		uint8_t *back = malloc(n);
 
@@ -641,6 +656,80 @@ static void test_corrupt_chunk_removed(void **state)
 static void test_corrupt_large_chunk_removed(void **state)
 {
 	corrupt_chunk_removed(*state, 2048);
+}
+
+/*
+ * A 768 KiB chunk over TCP, its payload on a bulk connection, where each layer is
+ * verified just before it is sent (docs/protocol.md#bulk-connections): a flipped byte
+ * in the last of its 3 layers voids the payload with an abort record, under CURVE after
+ * the first two layers' sealed record (512 KiB) went out. The GET says corrupt, the chunk is gone
+ * (counted), and the same client's next GET, on the same bulk connection, is exact.
+ */
+static void corrupt_chunk_removed_bulk(struct daemon *d, bool curve)
+{
+	char listen[400], keyfile[400], pub[41], sec[41], cpub[41], csec[41], tcp[64];
+	const char *args[] = { "--max-message", "4M", "--max-tokens", "4096", "--listen", listen,
+			       curve ? "--curve-secret-key-file" : NULL, keyfile, NULL };
+	uint32_t tokens = 4096;
+	size_t n = chunk_bytes(&tiny, tokens);
+	uint8_t h[KVB_HASH_LEN], *kv = malloc(n), *back = malloc(n);
+	struct kvb_connect_opts o = { .timeout_ms = 10000, .no_shm = 1 };
+	kvb_client *c = daemon_client(d, 0), *t;
+	FILE *f;
+
+	assert_non_null(kv);
+	assert_non_null(back);
+	register_tiny(c);
+	hash_of(4242, h);
+	fill(kv, n, 4242);
+	assert_int_equal(kvb_put(c, "tiny", h, KVB_F16, tokens, 0, kv, n, NULL), 0);
+	kvb_close(&c);
+	daemon_stop(d);
+	corrupt_layer_at(d->data_dir, MDB_LAST); /* its last layer: the only chunk */
+	snprintf(tcp, sizeof(tcp), "tcp://127.0.0.1:%d", free_tcp_port());
+	snprintf(listen, sizeof(listen), "%s", tcp); /* beside the IPC endpoint */
+	snprintf(keyfile, sizeof(keyfile), "%s/server.key", d->dir);
+	if (curve) {
+		assert_int_equal(kvb_curve_keypair(pub, sec), 0);
+		assert_int_equal(kvb_curve_keypair(cpub, csec), 0);
+		f = fopen(keyfile, "w");
+		assert_non_null(f);
+		fprintf(f, "%s\n", sec);
+		fclose(f);
+		o.server_key = pub;
+		o.client_secret_key = csec;
+	}
+	daemon_restart(d, args);
+	assert_int_equal(kvb_connect(tcp, &o, &t, NULL, 0), 0);
+	assert_int_equal(kvb_get(t, "tiny", h, 0, 0, back, n, NULL), KVB_E_CORRUPT);
+	/* the abort record's words, not those of a reply in frames */
+	assert_non_null(strstr(kvb_last_error(t), "failed its checksum on kvblendd at"));
+	assert_non_null(strstr(kvb_last_error(t), "as it was sent"));
+	c = daemon_client(d, 0);
+	assert_int_equal((uint64_t)daemon_stat(c, "bulk_connections"), 1);
+	/* under CURVE the first two layers' sealed record went out before the abort */
+	assert_int_equal((uint64_t)daemon_stat(c, "bulk_records_sealed"), curve ? 1 : 0);
+	/* a sound chunk, on the same bulk connection (still in step after the abort) */
+	removed_then_put(c, h, 4243, tokens, kv, n);
+	memset(back, 0, n);
+	assert_int_equal(kvb_get(t, "tiny", h, 0, 0, back, n, NULL), 0);
+	assert_memory_equal(kv, back, n);
+	assert_int_equal((uint64_t)daemon_stat(c, "bulk_connections"), 1);
+	assert_true(daemon_stat(c, "bulk_bytes") >= (double)n);
+	kvb_close(&t);
+	kvb_close(&c);
+	free(kv);
+	free(back);
+}
+
+static void test_corrupt_chunk_removed_bulk(void **state)
+{
+	corrupt_chunk_removed_bulk(*state, false);
+}
+
+static void test_corrupt_chunk_removed_bulk_curve(void **state)
+{
+	corrupt_chunk_removed_bulk(*state, true);
 }
 
 struct worker_arg {
@@ -750,6 +839,9 @@ int main(void)
 		cmocka_unit_test_setup_teardown(test_restart_keeps_chunks, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_corrupt_chunk_removed, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_corrupt_large_chunk_removed, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_corrupt_chunk_removed_bulk, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_corrupt_chunk_removed_bulk_curve, setup,
+						teardown),
 		cmocka_unit_test_setup_teardown(test_concurrent_clients, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_stats_no_walk, setup, teardown),
 		cmocka_unit_test(test_unreachable),

@@ -1,6 +1,7 @@
 /*
- * Unit tests of proto/bulk: record headers (round trip, every malformed field refused),
- * the seal against NIST's AES-256-GCM known answers (an independent reference), and
+ * Unit tests of proto/bulk and proto/aegis: record headers (round trip, every malformed
+ * field refused), the seals against known answers from independent references (NIST's
+ * for AES-256-GCM, the CFRG specification's for AEGIS-128L), and, for both ciphers,
  * every alteration a wire attacker can make refused: a flipped bit of the bytes, the
  * associated header or the tag, another nonce (record moved or replayed), another
  * direction, another key; the hello likewise.
@@ -15,7 +16,29 @@
 
 #include <cmocka.h>
 
+#include "aegis.h"
 #include "bulk.h"
+
+static uint32_t gcm = KVBP_AEAD_AES256GCM, aegis = KVBP_AEAD_AEGIS128L,
+		aegis_x2 = KVBP_AEAD_AEGIS128X2;
+
+/* The cipher a test runs with; skipped (with its reason) for an AEGIS variant on a CPU
+ * without the AES instructions it needs. */
+static uint32_t cipher_of(void **state)
+{
+	uint32_t c = *(uint32_t *)*state;
+
+	if (c != KVBP_AEAD_AES256GCM && !(kvbb_aeads() & 1u << c)) {
+		print_message("%s: this CPU lacks its AES instructions\n", kvbb_cipher_name(c));
+		skip();
+	}
+	return c;
+}
+
+static enum kvb_aegis_variant variant_of(uint32_t cipher)
+{
+	return cipher == KVBP_AEAD_AEGIS128X2 ? KVB_AEGIS_128X2 : KVB_AEGIS_128L;
+}
 
 static void test_hdr_roundtrip(void **state)
 {
@@ -48,6 +71,17 @@ static void test_hdr_malformed(void **state)
 	memcpy(x, b, sizeof(x));
 	x[39] = 1; /* reserved */
 	assert_int_equal(kvbb_hdr_get(x, &d), -EPROTO);
+	memcpy(x, b, sizeof(x));
+	x[4] = KVBB_ABORT; /* an abort that is not the last record */
+	assert_int_equal(kvbb_hdr_get(x, &d), -EPROTO);
+	x[4] = KVBB_ABORT | KVBB_LAST; /* an abort with bytes */
+	assert_int_equal(kvbb_hdr_get(x, &d), -EPROTO);
+	h.flags = KVBB_ABORT | KVBB_LAST; /* the abort record: no bytes */
+	h.len = 0;
+	kvbb_hdr_put(x, &h);
+	assert_int_equal(kvbb_hdr_get(x, &d), 0);
+	assert_int_equal(d.flags, KVBB_ABORT | KVBB_LAST);
+	h.flags = 0;
 	h.len = KVBB_RECORD_MAX + 1; /* above the largest record */
 	kvbb_hdr_put(x, &h);
 	assert_int_equal(kvbb_hdr_get(x, &d), -EPROTO);
@@ -73,7 +107,7 @@ static void test_seal_known_answers(void **state)
 	} h = { NULL };
 
 	(void)state;
-	assert_int_equal(kvbb_aead_new(&h.a, key), 0);
+	assert_int_equal(kvbb_aead_new(&h.a, key, KVBP_AEAD_AES256GCM), 0);
 	assert_int_equal(kvbb_seal(h.a, 0, 0, NULL, 0, NULL, 0, NULL, tag), 0);
 	unhex("530f8afbc74536b9a963b4f1c4cb738b", want);
 	assert_memory_equal(tag, want, 16);
@@ -99,15 +133,15 @@ static void test_seal_tamper(void **state)
 	struct iovec iov[3] = { { plain, 1 }, { plain + 1, 2999 }, { plain + 3000, N - 3000 } };
 	struct kvbb_hdr h = { 0, 7, N, 0, N };
 	struct kvbb_aead *a = NULL, *b = NULL;
+	uint32_t cipher = cipher_of(state);
 
-	(void)state;
 	for (int i = 0; i < N; i++)
 		plain[i] = (uint8_t)(i * 31 + 7);
 	memset(key, 0x5a, sizeof(key));
 	memset(other, 0xa5, sizeof(other));
 	kvbb_hdr_put(ad, &h);
-	assert_int_equal(kvbb_aead_new(&a, key), 0);
-	assert_int_equal(kvbb_aead_new(&b, other), 0);
+	assert_int_equal(kvbb_aead_new(&a, key, cipher), 0);
+	assert_int_equal(kvbb_aead_new(&b, other, cipher), 0);
 	/* pieces across frames seal as the whole */
 	assert_int_equal(kvbb_seal(a, 9, KVBB_DIR_RECORDS, ad, sizeof(ad), iov, 3, ct, tag), 0);
 	assert_memory_not_equal(ct, plain, N);
@@ -149,18 +183,180 @@ static void test_seal_tamper(void **state)
 	kvbb_aead_free(&b);
 }
 
+/*
+ * AEGIS-128L and AEGIS-128X2 against the test vectors of draft-irtf-cfrg-aegis-aead
+ * (appendix A): the module alone (any nonce), with the message in pieces split at every
+ * byte, and opened back; then through bulk.c, whose nonce is (counter, dir, 0).
+ */
+struct aegis_vector {
+	const char *key, *nonce, *ad, *msg, *ct, *tag;
+};
+
+#define X2_MSG "0405060704050607040506070405060704050607040506070405060704050607" \
+	       "0405060704050607040506070405060704050607040506070405060704050607" \
+	       "0405060704050607040506070405060704050607040506070405060704050607" \
+	       "040506070405060704050607040506070405060704050607"
+/* AEGIS-128X2: its initial-state vector (no message) and its vector 2 (120 bytes). */
+static const struct aegis_vector aegis_x2_vectors[] = {
+	{ "000102030405060708090a0b0c0d0e0f", "101112131415161718191a1b1c1d1e1f", "", "", "",
+	  "63117dc57756e402819a82e13eca8379" },
+	{ "000102030405060708090a0b0c0d0e0f", "101112131415161718191a1b1c1d1e1f",
+	  "0102030401020304", X2_MSG,
+	  "5795544301997f93621b278809d6331b3bfa6f18e90db12c4aa35965b5e98c5f"
+	  "c6fb4e54bcb6111842c20637252eff747cb3a8f85b37de80919a589fe0f24872"
+	  "bc926360696739e05520647e390989e1eb5fd42f99678a0276a498f8c454761c"
+	  "9d6aacb647ad56be62b29c22cd4b5761b38f43d5a5ee062f",
+	  "1aebc200804f405cab637f2adebb6d77" },
+};
+
+static const struct aegis_vector aegis_vectors[] = {
+	{ "00000000000000000000000000000000", "00000000000000000000000000000000", "",
+	  "00000000000000000000000000000000", "41de9000a7b5e40e2d68bb64d99ebb19",
+	  "f4d997cc9b94227ada4fe4165422b1c8" },
+	{ "00000000000000000000000000000000", "00000000000000000000000000000000", "", "", "",
+	  "83cc600dc4e3e7e62d4055826174f149" },
+	{ "10010000000000000000000000000000", "10000200000000000000000000000000",
+	  "0001020304050607",
+	  "000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f",
+	  "79d94593d8c2119d7e8fd9b8fc77845c5c077a05b2528b6ac54b563aed8efe84",
+	  "cc6f3372f6aa1bb82388d695c3962d9a" },
+	{ "10010000000000000000000000000000", "10000200000000000000000000000000",
+	  "0001020304050607", "000102030405060708090a0b0c0d", "79d94593d8c2119d7e8fd9b8fc77",
+	  "5c04b3dba849b2701effbe32c7f0fab7" },
+};
+
+static void test_aegis_known_answers(void **state)
+{
+	uint32_t cipher = cipher_of(state);
+	enum kvb_aegis_variant var = variant_of(cipher);
+	const struct aegis_vector *vs = cipher == KVBP_AEAD_AEGIS128X2 ? aegis_x2_vectors
+								       : aegis_vectors;
+	size_t nv = cipher == KVBP_AEAD_AEGIS128X2
+			    ? sizeof(aegis_x2_vectors) / sizeof(aegis_x2_vectors[0])
+			    : sizeof(aegis_vectors) / sizeof(aegis_vectors[0]);
+
+	for (size_t v = 0; v < nv; v++) {
+		const struct aegis_vector *t = &vs[v];
+		uint8_t key[16], nonce[16], ad[16], msg[128], want[128], want_tag[16], out[128];
+		uint8_t tag[16];
+		size_t ad_len = strlen(t->ad) / 2, len = strlen(t->msg) / 2;
+
+		unhex(t->key, key);
+		unhex(t->nonce, nonce);
+		unhex(t->ad, ad);
+		unhex(t->msg, msg);
+		unhex(t->ct, want);
+		unhex(t->tag, want_tag);
+		for (size_t cut = 0; cut <= len; cut++) {
+			struct iovec iov[3] = { { msg, cut }, { msg + cut, 0 }, { msg + cut, len - cut } };
+
+			memset(out, 0, sizeof(out));
+			assert_int_equal(kvb_aegis_seal(var, key, nonce, ad, ad_len, iov, 3, out, tag),
+					 0);
+			assert_memory_equal(out, want, len);
+			assert_memory_equal(tag, want_tag, 16);
+		}
+		memcpy(out, want, len);
+		assert_int_equal(kvb_aegis_open(var, key, nonce, ad, ad_len, out, len, want_tag), 0);
+		assert_memory_equal(out, msg, len);
+		want_tag[0] ^= 1; /* test vector 5's kind: the wrong tag is refused, no plaintext */
+		memcpy(out, want, len);
+		assert_int_equal(kvb_aegis_open(var, key, nonce, ad, ad_len, out, len, want_tag),
+				 -EBADMSG);
+		for (size_t i = 0; i < len; i++)
+			assert_int_equal(out[i], 0);
+	}
+}
+
+/* bulk.c's AEGIS: the key's first 16 bytes, nonce LE64(counter) || LE32(dir) || 0. */
+static void test_aegis_bulk_nonce(void **state)
+{
+	uint32_t cipher = cipher_of(state);
+	const struct aegis_vector *t = &aegis_vectors[2];
+	uint8_t key[KVBP_BULK_KEY_LEN], nonce[16], ad[8], msg[32], ct[32], tag[16], want[32];
+	uint8_t want_tag[16];
+	struct iovec iov = { msg, sizeof(msg) };
+	struct kvbb_aead *a = NULL;
+
+	memset(key, 0xee, sizeof(key)); /* bytes 16..31: not AEGIS's */
+	unhex(t->key, key);
+	unhex(t->ad, ad);
+	unhex(t->msg, msg);
+	memset(nonce, 0, sizeof(nonce));
+	nonce[0] = 0x2a;      /* counter 0x102a */
+	nonce[1] = 0x10;
+	nonce[8] = KVBB_DIR_RECORDS;
+	assert_int_equal(kvb_aegis_seal(variant_of(cipher), key, nonce, ad, sizeof(ad), &iov, 1,
+					want, want_tag), 0);
+	assert_int_equal(kvbb_aead_new(&a, key, cipher), 0);
+	assert_string_equal(kvbb_aead_name(a), kvbb_cipher_name(cipher));
+	assert_int_equal(kvbb_seal(a, 0x102a, KVBB_DIR_RECORDS, ad, sizeof(ad), &iov, 1, ct, tag), 0);
+	assert_memory_equal(ct, want, sizeof(ct));
+	assert_memory_equal(tag, want_tag, sizeof(tag));
+	assert_int_equal(kvbb_open(a, 0x102a, KVBB_DIR_RECORDS, ad, sizeof(ad), ct, sizeof(ct), tag), 0);
+	assert_memory_equal(ct, msg, sizeof(msg));
+	kvbb_aead_free(&a);
+	assert_int_equal(kvbb_aead_new(&a, key, 7), -ENOTSUP); /* an unknown cipher */
+	assert_null(a);
+}
+
+/* The daemon's choice: the fastest both ends run; AES-256-GCM when they share none. */
+static void test_cipher_pick(void **state)
+{
+	(void)state;
+	assert_int_equal(kvbb_aead_pick(0), KVBP_AEAD_AES256GCM);
+	assert_int_equal(kvbb_aead_pick(1u << KVBP_AEAD_AEGIS128L), KVBP_AEAD_AEGIS128L);
+	assert_int_equal(kvbb_aead_pick(1u << KVBP_AEAD_AEGIS128L | 1u << KVBP_AEAD_AEGIS128X2),
+			 KVBP_AEAD_AEGIS128X2);
+	assert_int_equal(kvbb_aead_pick(1u << 9), KVBP_AEAD_AES256GCM); /* unknown bits */
+	assert_string_equal(kvbb_cipher_name(KVBP_AEAD_AES256GCM), "AES-256-GCM");
+	assert_string_equal(kvbb_cipher_name(KVBP_AEAD_AEGIS128X2), "AEGIS-128X2");
+}
+
+/* Lengths around every block boundary, pieces of odd sizes: seal then open gives the
+ * bytes back, and the pieces seal as the whole. */
+static void test_seal_lengths(void **state)
+{
+	uint32_t cipher = cipher_of(state);
+	static uint8_t plain[700], whole[700], parts[700];
+	uint8_t key[KVBP_BULK_KEY_LEN], t1[KVBB_TAG_LEN], t2[KVBB_TAG_LEN];
+	struct kvbb_aead *a = NULL;
+
+	memset(key, 0x42, sizeof(key));
+	for (size_t i = 0; i < sizeof(plain); i++)
+		plain[i] = (uint8_t)(i * 131 + 17);
+	assert_int_equal(kvbb_aead_new(&a, key, cipher), 0);
+	for (size_t len = 0; len <= sizeof(plain); len += len < 70 ? 1 : 61) {
+		struct iovec one = { plain, len };
+		struct iovec many[5] = { { plain, len / 7 },
+					 { plain + len / 7, len / 5 },
+					 { plain + len / 7 + len / 5, 1 < len ? 1 : 0 },
+					 { plain + len / 7 + len / 5 + (1 < len ? 1 : 0), 0 },
+					 { plain + len / 7 + len / 5 + (1 < len ? 1 : 0),
+					   len - len / 7 - len / 5 - (1 < len ? 1 : 0) } };
+
+		assert_int_equal(kvbb_seal(a, len, 1, plain, 40, &one, 1, whole, t1), 0);
+		assert_int_equal(kvbb_seal(a, len, 1, plain, 40, many, 5, parts, t2), 0);
+		assert_memory_equal(parts, whole, len);
+		assert_memory_equal(t1, t2, sizeof(t1));
+		assert_int_equal(kvbb_open(a, len, 1, plain, 40, whole, len, t1), 0);
+		assert_memory_equal(whole, plain, len);
+	}
+	kvbb_aead_free(&a);
+}
+
 static void test_hello(void **state)
 {
 	uint8_t key[KVBP_BULK_KEY_LEN], ticket[KVBP_BULK_TICKET_LEN], got[KVBP_BULK_TICKET_LEN];
 	uint8_t hello[KVBB_HELLO_LEN], x[KVBB_HELLO_LEN];
 	struct kvbb_aead *a = NULL, *b = NULL;
+	uint32_t cipher = cipher_of(state);
 
-	(void)state;
 	memset(key, 3, sizeof(key));
 	memset(ticket, 0xcc, sizeof(ticket));
-	assert_int_equal(kvbb_aead_new(&a, key), 0);
+	assert_int_equal(kvbb_aead_new(&a, key, cipher), 0);
 	key[0] ^= 1;
-	assert_int_equal(kvbb_aead_new(&b, key), 0);
+	assert_int_equal(kvbb_aead_new(&b, key, cipher), 0);
 	assert_int_equal(kvbb_hello_put(hello, ticket, a), 0);
 	assert_int_equal(kvbb_hello_ticket(hello, got), 0);
 	assert_memory_equal(got, ticket, sizeof(ticket));
@@ -189,8 +385,20 @@ int main(void)
 		cmocka_unit_test(test_hdr_roundtrip),
 		cmocka_unit_test(test_hdr_malformed),
 		cmocka_unit_test(test_seal_known_answers),
-		cmocka_unit_test(test_seal_tamper),
-		cmocka_unit_test(test_hello),
+		cmocka_unit_test_prestate(test_aegis_known_answers, &aegis),
+		cmocka_unit_test_prestate(test_aegis_known_answers, &aegis_x2),
+		cmocka_unit_test_prestate(test_aegis_bulk_nonce, &aegis),
+		cmocka_unit_test_prestate(test_aegis_bulk_nonce, &aegis_x2),
+		cmocka_unit_test_prestate(test_cipher_pick, NULL),
+		cmocka_unit_test_prestate(test_seal_tamper, &gcm),
+		cmocka_unit_test_prestate(test_seal_tamper, &aegis),
+		cmocka_unit_test_prestate(test_seal_tamper, &aegis_x2),
+		cmocka_unit_test_prestate(test_seal_lengths, &gcm),
+		cmocka_unit_test_prestate(test_seal_lengths, &aegis),
+		cmocka_unit_test_prestate(test_seal_lengths, &aegis_x2),
+		cmocka_unit_test_prestate(test_hello, &gcm),
+		cmocka_unit_test_prestate(test_hello, &aegis),
+		cmocka_unit_test_prestate(test_hello, &aegis_x2),
 	};
 
 	return cmocka_run_group_tests(tests, NULL, NULL);

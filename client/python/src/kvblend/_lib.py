@@ -177,6 +177,7 @@ _PROTOTYPES = {
     "kvb_unpin": (_INT, [_P, _STR, _HASH]),
     "kvb_list": (_INT, [_P, _STR, ctypes.POINTER(ctypes.POINTER(KvbChunkInfo)), _PSZ]),
     "kvb_stats": (_INT, [_P, ctypes.POINTER(ctypes.POINTER(KvbStat)), _PSZ]),
+    "kvb_cluster_check": (_INT, [_P, ctypes.POINTER(ctypes.POINTER(KvbStat)), _PSZ]),
     "kvb_shared_buffer": (_P, [_P, _SZ]),
     "kvb_fuse_open": (
         _INT,

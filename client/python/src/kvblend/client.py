@@ -693,6 +693,24 @@ class Client:
             self._check(lib.kvb_stats(self._handle(), ctypes.byref(arr), ctypes.byref(n)))
         return _stats_dict(arr, n.value)
 
+    def cluster_check(self) -> dict[str, float]:
+        """Run the cluster's replication check (``kvblend cluster check``) on this member.
+
+        Returns the daemon's counters, as :meth:`stats`, with the check's: ``check_members``,
+        ``check_answered``, ``check_under`` (chunks with fewer than R copies among their
+        owners), ``check_beyond`` (copies held beyond R), and per member ``ID``
+        ``check_chunks:ID``, ``check_owned:ID``, ``check_beyond:ID``, ``check_missing:ID``,
+        ``check_unverified:ID``, ``check_answered:ID``. A daemon in no cluster returns no
+        ``check_*`` counter.
+        """
+        arr = ctypes.POINTER(KvbStat)()
+        n = ctypes.c_size_t(0)
+        with self._lock:
+            self._check(
+                lib.kvb_cluster_check(self._handle(), ctypes.byref(arr), ctypes.byref(n))
+            )
+        return _stats_dict(arr, n.value)
+
     def shared_buffer(self, nbytes: int) -> np.ndarray | None:
         """Return a uint8 NumPy view of ``nbytes`` in the shared-memory segment, or None.
 
