@@ -287,12 +287,13 @@ skip_runs = pytest.mark.skipif(os.environ.get("KVBLEND_EVAL_SKIP_RUNS") == "1",
 
 @skip_runs
 def test_daemon_smoke_run(daemon):
-    """eval/run --smoke --requests 1: a small request, every mode, end to end through a
-    kvblendd (one request: the modes' figures are tested against the reference above; this
-    run proves the orchestration, and CI's time is short)."""
+    """eval/run --smoke --requests 1 --ratios 0.3: a small request, every kind of mode (full
+    reuse, CacheBlend on values and on keys, gradual, EPIC) at one r, end to end through a
+    kvblendd (one request, one r: the modes' figures are tested against the reference
+    above; this run proves the orchestration, and CI's time is short)."""
     import run_eval
 
-    summary, records = run_eval.main(["--smoke", "--requests", "1"])
+    summary, records = run_eval.main(["--smoke", "--requests", "1", "--ratios", "0.3"])
     assert len(records) == 1
     for name, s in summary.items():
         assert np.isfinite(s["kl"]) and s["kl"] >= 0, name
