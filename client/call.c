@@ -127,9 +127,9 @@ static int recv_reply(kvb_client *c, struct call *k, int64_t deadline_ms)
 		if (rc == 0)
 			return -ETIMEDOUT;
 		if (n_its == 2 && (its[1].revents & (ZMQ_POLLIN | ZMQ_POLLERR))) {
-			/* the payload's records come before the reply: take them as they arrive,
-			 * one after the other (each receive bounded by the timeout) up to the
-			 * last or the deadline, without a poll of the ZeroMQ socket for each */
+			/* records before the reply is read: take them as they arrive, one after
+			 * the other (each receive bounded by the timeout) up to the last or the
+			 * deadline, without a poll of the ZeroMQ socket for each */
 			do {
 				rc = kvbc_bulk_record(c, k);
 				clock_gettime(CLOCK_MONOTONIC, &now);

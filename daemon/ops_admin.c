@@ -37,13 +37,14 @@ static void hello_bulk(struct req *q)
 {
 	struct kvbp_reply *r = &q->out->rep;
 	bool sealed = !strncmp(q->principal, "key:", 4) || !strncmp(q->principal, "curve:", 6);
-	/* the fastest AEGIS both ends run, when allowed; else AES-256-GCM */
-	uint32_t cipher = q->srv->cfg->tcp_bulk_aegis ? kvbb_aead_pick(q->h.bulk_aeads & kvbb_aeads())
-						      : KVBP_AEAD_AES256GCM;
+	uint32_t cipher;
 	int rc;
 
 	if (!q->srv->bulk || (!sealed && strncmp(q->principal, "tcp:", 4)))
 		return;
+	/* the fastest AEGIS both ends run, when allowed; else AES-256-GCM */
+	cipher = q->srv->cfg->tcp_bulk_aegis ? kvbb_aead_pick(q->h.bulk_aeads & kvbb_aeads())
+					     : KVBP_AEAD_AES256GCM;
 	rc = bulk_open(q->srv->bulk, q->principal, sealed, cipher, r->bulk_ticket, r->bulk_key);
 	if (rc) {
 		log_debug("no bulk connection for %s: %s", q->principal, strerror(-rc));

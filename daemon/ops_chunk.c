@@ -252,6 +252,16 @@ static int view_check_part(void *arg, size_t i)
 	return 0;
 }
 
+/* Every layer of v, split over the helper threads: 0, or -EBADMSG. */
+static int view_verify_all(struct server *srv, const struct store_view *v)
+{
+	uint32_t n = v->layer_end - v->layer_begin;
+	unsigned threads = pool_threads(srv->pool) + 1;
+	struct view_check c = { v, n, threads < n ? threads : n };
+
+	return pool_run(srv->pool, c.parts, view_check_part, &c) ? -EBADMSG : 0;
+}
+
 /*
  * Serve a GET of layers [lb, le) as frames pointing at the stored bytes: verify
  * every layer's checksums (split over the helper threads), then hand ZeroMQ
@@ -266,9 +276,9 @@ static int get_from_view(struct req *q, const struct store_model *m, uint32_t lb
 	struct store_chunk_info ci;
 	struct store_view *v = NULL;
 	struct shared_buf *hold;
-	struct view_check c;
 	size_t n = 2 * (size_t)(le - lb);
-	unsigned threads = pool_threads(q->srv->pool) + 1;
+	/* on a bulk connection, verified as sent (server.c) */
+	bool lazy = q->out->has_bulk && q->srv->bulk;
 	int rc = store_chunk_view(q->srv->store, m, q->h.hash, lb, le, &ci, &v);
 
 	if (rc == -EAGAIN)
@@ -286,11 +296,9 @@ static int get_from_view(struct req *q, const struct store_model *m, uint32_t lb
 		fail_store(q, rc, "get");
 		return 0;
 	}
-	c = (struct view_check){ v, le - lb, threads < le - lb ? threads : le - lb };
 	/* For a bulk connection, each layer is verified as it is sent (server.c: the check
 	 * reads it into the cache the send reads it from), not all first. */
-	if (!(q->out->has_bulk && q->srv->bulk) &&
-	    pool_run(q->srv->pool, c.parts, view_check_part, &c)) {
+	if (!lazy && view_verify_all(q->srv, v)) {
 		store_view_free(&v);
 		remove_corrupt(q, m);
 		return 0;
@@ -322,7 +330,7 @@ static int get_from_view(struct req *q, const struct store_model *m, uint32_t lb
 			}
 			q->out->n_payload = n;
 			q->out->rep.payload_frames = (uint32_t)n;
-			if (q->out->has_bulk && q->srv->bulk) {
+			if (lazy) {
 				q->out->verify_view = v;
 				q->out->verify_model = *m;
 				memcpy(q->out->verify_hash, q->h.hash, KVBP_HASH_LEN);
@@ -340,12 +348,7 @@ int ops_verify_layer(const struct reply_out *out, uint32_t i)
 
 int ops_verify_all(struct server *srv, const struct reply_out *out)
 {
-	const struct store_view *v = out->verify_view;
-	uint32_t n = v->layer_end - v->layer_begin;
-	unsigned threads = pool_threads(srv->pool) + 1;
-	struct view_check c = { v, n, threads < n ? threads : n };
-
-	return pool_run(srv->pool, c.parts, view_check_part, &c) ? -EBADMSG : 0;
+	return view_verify_all(srv, out->verify_view);
 }
 
 void op_get(struct req *q)

@@ -127,7 +127,7 @@ static int bind_endpoint(struct server *srv, const char *ep)
 static int start_bulk(struct server *srv)
 {
 	const struct config *cfg = srv->cfg;
-	char host[CONFIG_ENDPOINT_MAX];
+	char host[CONFIG_ENDPOINT_MAX], sealed[96] = "";
 	uint32_t best;
 	unsigned i;
 	char *colon;
@@ -152,13 +152,13 @@ static int start_bulk(struct server *srv)
 			"tcp_bulk = false to go without)", host, cfg->tcp_bulk_port);
 		return rc;
 	}
-	/* the best a client can get here: the CPU's fastest AEGIS, when allowed */
+	/* the best a CURVE client can get here: the CPU's fastest AEGIS, when allowed */
 	best = cfg->tcp_bulk_aegis ? kvbb_aead_pick(kvbb_aeads()) : KVBP_AEAD_AES256GCM;
-	log_info("bulk connections on %s port %u%s%s%s", host, bulk_port(srv->bulk),
-		 srv->frontends[1] ? " (sealed for CURVE clients: " : "",
-		 srv->frontends[1] ? kvbb_cipher_name(best) : "",
-		 !srv->frontends[1] ? "" : best ? " where the client runs it, else AES-256-GCM)"
-						: ")");
+	if (srv->frontends[1])
+		snprintf(sealed, sizeof(sealed), " (sealed for CURVE clients: %s%s)",
+			 kvbb_cipher_name(best),
+			 best ? " where the client runs it, else AES-256-GCM" : "");
+	log_info("bulk connections on %s port %u%s", host, bulk_port(srv->bulk), sealed);
 	return 0;
 }
 
@@ -455,9 +455,8 @@ static bool bulk_divert(struct server *srv, void *sock, zmq_msg_t *env, size_t n
 	uint64_t sent = 0, total = 0;
 	int rc;
 
-	if (!v)
-		return false;
-	if (bulk_take(srv->bulk, out->bulk_ticket, principal, &bc)) {
+	if (!v || bulk_take(srv->bulk, out->bulk_ticket, principal, &bc)) {
+		/* frames after all, every layer verified first */
 		if (v != iov)
 			free(v);
 		if (out->verify_view && ops_verify_all(srv, out)) {

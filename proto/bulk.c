@@ -56,7 +56,7 @@ int kvbb_hdr_get(const uint8_t in[KVBB_HDR_LEN], struct kvbb_hdr *h)
 	    get32(in + 32) > KVBB_RECORD_MAX ||
 	    ((flags & KVBB_ABORT) && (flags != (KVBB_LAST | KVBB_ABORT) || get32(in + 32))))
 		return -EPROTO;
-	h->flags = get32(in + 4);
+	h->flags = flags;
 	h->request_id = get64(in + 8);
 	h->total = get64(in + 16);
 	h->offset = get64(in + 24);

@@ -719,8 +719,8 @@ int kvbp_reply_decode(const void *buf, size_t len, struct kvbp_reply *out, char 
 		    pb->bulk_aead > KVBP_AEAD_MAX) {
 			set_err(err, errlen, "reply's bulk port %u, ticket of %zu bytes, key of %zu "
 				"bytes, cipher %u; expected a port, %d and 0 or %d bytes, cipher 0 "
-				"to 2", pb->bulk_port, pb->bulk_ticket.len, pb->bulk_key.len,
-				pb->bulk_aead, KVBP_BULK_TICKET_LEN, KVBP_BULK_KEY_LEN);
+				"to %u", pb->bulk_port, pb->bulk_ticket.len, pb->bulk_key.len,
+				pb->bulk_aead, KVBP_BULK_TICKET_LEN, KVBP_BULK_KEY_LEN, KVBP_AEAD_MAX);
 			kvblend__reply__free_unpacked(pb, NULL);
 			return KVBP_BAD_REQUEST;
 		}

@@ -589,11 +589,6 @@ static void corrupt_layer_at(const char *data_dir, MDB_cursor_op which)
 	free(copy);
 }
 
-static void corrupt_layer(const char *data_dir)
-{
-	corrupt_layer_at(data_dir, MDB_FIRST);
-}
-
 /* A corrupt chunk was removed: h is not found, and corrupt_removed counts one; then a
  * sound chunk (seed) is stored in its place. */
 static void removed_then_put(kvb_client *c, uint8_t h[KVB_HASH_LEN], uint32_t seed,
@@ -609,22 +604,32 @@ static void removed_then_put(kvb_client *c, uint8_t h[KVB_HASH_LEN], uint32_t se
 	assert_int_equal(kvb_put(c, "tiny", h, KVB_F16, tokens, 0, kv, n, NULL), 0);
 }
 
+/* Register tiny, store the chunk of `tokens` of seed under h (kv: its bytes, n long), stop
+ * the daemon and flip a payload byte of the first or the last layer record on disk. */
+static void put_then_corrupt(struct daemon *d, uint8_t h[KVB_HASH_LEN], uint32_t seed,
+			     uint32_t tokens, uint8_t *kv, size_t n, MDB_cursor_op which)
+{
+	kvb_client *c = daemon_client(d, 0);
+
+	register_tiny(c);
+	hash_of(seed, h);
+	fill(kv, n, seed);
+	assert_int_equal(kvb_put(c, "tiny", h, KVB_F16, tokens, 0, kv, n, NULL), 0);
+	kvb_close(&c);
+	daemon_stop(d);
+	corrupt_layer_at(d->data_dir, which);
+}
+
 /* A chunk of `tokens` stored, one payload byte flipped on disk: the GET says corrupt,
  * the chunk is gone, and a second chunk's GET of the same path still works. */
 static void corrupt_chunk_removed(struct daemon *d, uint32_t tokens)
 {
 	const char *args[] = { "--max-message", "4M", "--max-tokens", "4096", NULL };
-	kvb_client *c = daemon_client(d, 0);
 	size_t n = chunk_bytes(&tiny, tokens);
 	uint8_t h[KVB_HASH_LEN], *kv = malloc(n);
+	kvb_client *c;
 
-	register_tiny(c);
-	hash_of(31337, h);
-	fill(kv, n, 31337);
-	assert_int_equal(kvb_put(c, "tiny", h, KVB_F16, tokens, 0, kv, n, NULL), 0);
-	kvb_close(&c);
-	daemon_stop(d);
-	corrupt_layer(d->data_dir);
+	put_then_corrupt(d, h, 31337, tokens, kv, n, MDB_FIRST);
 	daemon_restart(d, args);
 	c = daemon_client(d, 0);
 	memset(kv, 0, n);
@@ -667,27 +672,21 @@ static void test_corrupt_large_chunk_removed(void **state)
  */
 static void corrupt_chunk_removed_bulk(struct daemon *d, bool curve)
 {
-	char listen[400], keyfile[400], pub[41], sec[41], cpub[41], csec[41], tcp[64];
-	const char *args[] = { "--max-message", "4M", "--max-tokens", "4096", "--listen", listen,
+	char keyfile[400], pub[41], sec[41], cpub[41], csec[41], tcp[64];
+	/* the TCP endpoint beside the harness's IPC one */
+	const char *args[] = { "--max-message", "4M", "--max-tokens", "4096", "--listen", tcp,
 			       curve ? "--curve-secret-key-file" : NULL, keyfile, NULL };
 	uint32_t tokens = 4096;
 	size_t n = chunk_bytes(&tiny, tokens);
 	uint8_t h[KVB_HASH_LEN], *kv = malloc(n), *back = malloc(n);
 	struct kvb_connect_opts o = { .timeout_ms = 10000, .no_shm = 1 };
-	kvb_client *c = daemon_client(d, 0), *t;
+	kvb_client *c, *t;
 	FILE *f;
 
 	assert_non_null(kv);
 	assert_non_null(back);
-	register_tiny(c);
-	hash_of(4242, h);
-	fill(kv, n, 4242);
-	assert_int_equal(kvb_put(c, "tiny", h, KVB_F16, tokens, 0, kv, n, NULL), 0);
-	kvb_close(&c);
-	daemon_stop(d);
-	corrupt_layer_at(d->data_dir, MDB_LAST); /* its last layer: the only chunk */
+	put_then_corrupt(d, h, 4242, tokens, kv, n, MDB_LAST); /* its last layer */
 	snprintf(tcp, sizeof(tcp), "tcp://127.0.0.1:%d", free_tcp_port());
-	snprintf(listen, sizeof(listen), "%s", tcp); /* beside the IPC endpoint */
 	snprintf(keyfile, sizeof(keyfile), "%s/server.key", d->dir);
 	if (curve) {
 		assert_int_equal(kvb_curve_keypair(pub, sec), 0);
