@@ -65,6 +65,26 @@ static time_t now_s(void)
 	return ts.tv_sec;
 }
 
+/*
+ * The span a segment of size bytes takes in the daemon's address space: its pages with
+ * a PROT_NONE guard page below and above, so that a write outside a layout (a bug, or a
+ * check that missed a wrap) faults instead of landing in the neighbouring client's
+ * segment (tests/integration/test_land.c, test_hostile.c).
+ */
+static size_t guarded_span(uint64_t size)
+{
+	size_t page = (size_t)sysconf(_SC_PAGESIZE);
+
+	return ((size_t)size + page - 1) / page * page + 2 * page;
+}
+
+static void unmap_guarded(void *base, uint64_t size)
+{
+	size_t page = (size_t)sysconf(_SC_PAGESIZE);
+
+	munmap((uint8_t *)base - page, guarded_span(size));
+}
+
 int shm_table_new(uint64_t max_one, uint64_t max_total, uint64_t idle_s, unsigned per_owner,
 		  struct shm_table **out)
 {
@@ -112,7 +132,7 @@ static void seg_destroy(struct shm_table *t, struct segment *s)
 		t->pinner.unpin(t->pinner.ctx, s->base);
 		t->unpins++;
 	}
-	munmap(s->base, s->size);
+	unmap_guarded(s->base, s->size);
 	close(s->fd);
 	t->total -= s->size;
 	memset(s, 0, sizeof(*s));
@@ -198,11 +218,12 @@ static struct segment *free_slot(struct shm_table *t)
 	return NULL;
 }
 
-/* A sealed memfd of size bytes, mapped. */
+/* A sealed memfd of size bytes, mapped between guard pages. */
 static int make_memfd(uint64_t size, int *fd_out, void **base_out)
 {
 	int fd = memfd_create("kvblend", MFD_CLOEXEC | MFD_ALLOW_SEALING), rc = 0;
-	void *base;
+	size_t page = (size_t)sysconf(_SC_PAGESIZE);
+	void *span, *base;
 
 	if (fd < 0)
 		return -errno;
@@ -212,9 +233,18 @@ static int make_memfd(uint64_t size, int *fd_out, void **base_out)
 		close(fd);
 		return rc;
 	}
-	base = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+	span = mmap(NULL, guarded_span(size), PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS |
+		    MAP_NORESERVE, -1, 0);
+	if (span == MAP_FAILED) {
+		rc = -errno;
+		close(fd);
+		return rc;
+	}
+	base = mmap((uint8_t *)span + page, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED,
+		    fd, 0);
 	if (base == MAP_FAILED) {
 		rc = -errno;
+		munmap(span, guarded_span(size));
 		close(fd);
 		return rc;
 	}
@@ -639,7 +669,7 @@ unsigned shm_reap(struct shm_table *t)
 			return n;
 		if (unpin)
 			p.unpin(p.ctx, s->base);
-		munmap(s->base, s->size);
+		unmap_guarded(s->base, s->size);
 		close(s->fd);
 		pthread_mutex_lock(&t->lock);
 		t->unpins += unpin;

@@ -13,16 +13,9 @@
 #include <unistd.h>
 
 #include "checksum.h"
+#include "ckd.h"
 #include "fuse_impl.h"
 #include "log.h"
-
-/* *out = a * b + c; false on overflow. */
-static bool mul_add(uint64_t a, uint64_t b, uint64_t c, uint64_t *out)
-{
-	uint64_t p;
-
-	return !__builtin_mul_overflow(a, b, &p) && !__builtin_add_overflow(p, c, out);
-}
 
 /* Publish that layers 0 .. v-1 are in place (or, with KVBP_LAND_FAILED, that landing stopped). */
 void land_publish(struct fuse_session *s, uint32_t v)
@@ -42,13 +35,15 @@ static bool land_extent(const struct fuse_session *s, const struct kvbp_layout *
 			uint64_t dstride, uint64_t *end)
 {
 	uint64_t tokens = y->page_tokens ? (s->n < y->page_tokens ? s->n : y->page_tokens) : s->n;
-	uint64_t tok_max, row_end, e;
+	uint64_t tok_max, head_max, row_end, e;
 
-	return mul_add(tokens - 1, tstride, page_max, &tok_max) &&
-	       mul_add(s->m.num_kv_heads - 1, hstride, 0, &row_end) &&
-	       mul_add(s->m.head_dim - 1, dstride, row_end + s->m.elem_size, &row_end) &&
-	       !__builtin_add_overflow(off, layer_max, &e) && !__builtin_add_overflow(e, tok_max, &e) &&
-	       !__builtin_add_overflow(e, row_end, end);
+	/* every step checked: a head stride near 2^64 must not wrap the extent to a few
+	 * bytes (issue 30: a write before the segment) */
+	return !ckd_mul_add(&tok_max, tokens - 1, tstride, page_max) &&
+	       !ckd_mul(&head_max, (uint64_t)s->m.num_kv_heads - 1, hstride) &&
+	       !ckd_mul_add(&row_end, (uint64_t)s->m.head_dim - 1, dstride, s->m.elem_size) &&
+	       !ckd_add(&row_end, row_end, head_max) &&
+	       !ckd_add3(&e, off, layer_max, tok_max) && !ckd_add(end, e, row_end);
 }
 
 /*
@@ -64,7 +59,7 @@ uint32_t land_setup(struct fuse_table *t, struct fuse_session *s,
 	bool k_own = y->k_dim_stride != 0;
 	void *base;
 
-	if (!mul_add(s->m.num_layers - 1, y->layer_stride, 0, &layer_max))
+	if (ckd_mul(&layer_max, (uint64_t)s->m.num_layers - 1, y->layer_stride))
 		return fail(err, errlen, KVBP_BAD_SHAPE, "landing layout: strides overflow");
 	if (y->page_tokens) {
 		uint64_t need = ((uint64_t)s->n + y->page_tokens - 1) / y->page_tokens;
@@ -76,7 +71,7 @@ uint32_t land_setup(struct fuse_table *t, struct fuse_session *s,
 		for (uint64_t i = 0; i < need; i++)
 			if (y->pages[i] > pm)
 				pm = y->pages[i];
-		if (!mul_add(pm, y->page_stride, 0, &pm))
+		if (ckd_mul(&pm, pm, y->page_stride))
 			return fail(err, errlen, KVBP_BAD_SHAPE, "landing layout: page offsets "
 				    "overflow");
 	} else if (y->n_pages) {

@@ -530,6 +530,61 @@ static void test_errors(void **state)
 	assert_int_equal(kvb_region_free(f->c, reg), -EINVAL);
 }
 
+/*
+ * Head strides that wrap the layout's extent (issue 30, defect 1): with 2 KV heads, a
+ * head stride of 2^64-1-j puts head 1 at j+1 bytes before the segment. The daemon must
+ * refuse the layout bad_shape (for V's strides and for K's own), write nothing, and
+ * serve on. A second region, allocated after the first (the kernel maps it just below),
+ * is the neighbour a wrapped write would hit: it must keep its bytes.
+ */
+static void test_head_strides_that_wrap(void **state)
+{
+	struct fixture *f = *state;
+	struct kvb_segment segs[4];
+	size_t ns = segments(f, segs), layer = (size_t)N * ROW, size = 2 * L * layer;
+	uint8_t *reg = kvb_region_alloc(f->c, size), *next = kvb_region_alloc(f->c, size);
+
+	assert_non_null(reg);
+	assert_non_null(next);
+	memset(next, 0x11, size);
+	for (int side = 0; side < 2; side++)
+		for (size_t j = 0; j < 4; j++) {
+			struct kvb_kv_layout y = { reg, reg + L * layer, layer, ROW, D * 2, 0, 0,
+						   NULL, 0 };
+			struct kvb_kv_strides ks = { ROW, D * 2, 2 };
+			struct timespec nap = { 0, 50 * 1000000 };
+			kvb_fuse *fu = NULL;
+			int rc;
+
+			memset(reg, 0x5a, size);
+			if (side)
+				ks.head_stride = SIZE_MAX - j;
+			else
+				y.head_stride = SIZE_MAX - j;
+			/* reuse only: the daemon lands every layer at once */
+			rc = kvb_fuse_open_into_strided(f->c, "lm", segs, ns, NULL, &y,
+							side ? &ks : NULL, &fu, NULL, NULL);
+			if (rc == 0) {
+				nanosleep(&nap, NULL);
+				kvb_fuse_close(f->c, &fu, NULL, NULL);
+				fail_msg("%s head stride 2^64-%zu accepted (the extent wrapped)",
+					 side ? "K's own" : "V's", j + 1);
+			}
+			assert_int_equal(rc, KVB_E_BAD_SHAPE);
+			assert_non_null(strstr(kvb_last_error(f->c), "overflow"));
+			nanosleep(&nap, NULL);
+			for (size_t i = 0; i < size; i++) {
+				if (reg[i] != 0x5a)
+					fail_msg("byte %zu of the refused layout's region written", i);
+				if (next[i] != 0x11)
+					fail_msg("byte %zu of the neighbouring region written", i);
+			}
+			assert_int_equal(kvb_ping(f->c, NULL, 0), 0);
+		}
+	assert_int_equal(kvb_region_free(f->c, next), 0);
+	assert_int_equal(kvb_region_free(f->c, reg), 0);
+}
+
 /* After close returns nothing more lands: the node may reuse its buffers at once. */
 static void test_nothing_lands_after_close(void **state)
 {
@@ -567,6 +622,7 @@ int main(void)
 		cmocka_unit_test_setup_teardown(test_paged_other_codecs, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_reuse_only, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_errors, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_head_strides_that_wrap, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_nothing_lands_after_close, setup, teardown),
 	};
 
