@@ -56,6 +56,7 @@ struct bulk {
 	pthread_t thread;
 	bool started;
 	atomic_bool stop;
+	bool closing; /* bulk_shutdown: no payload starts, every connection is cut (lock) */
 	pthread_mutex_t lock; /* the table: used, fd, users, dead, deadline */
 	struct bulk_conn conns[BULK_MAX];
 	struct shake shakes[BULK_SHAKES]; /* the accept thread's only */
@@ -139,24 +140,41 @@ int bulk_open(struct bulk *b, const char *principal, bool sealed, uint32_t ciphe
 	return rc;
 }
 
-/* Write all of iov (modified) to fd: 0, -ETIMEDOUT, -EPIPE or -errno. */
-static int write_all(int fd, struct iovec *iov, int n)
+/*
+ * Write all of iov (modified) to fd (non-blocking) by deadline_ms (CLOCK_MONOTONIC):
+ * 0, -ETIMEDOUT, -EPIPE or -errno. The deadline is the whole payload's, not one
+ * write's: a reader that drains a few bytes at a time cannot stretch it.
+ */
+static int write_all(int fd, struct iovec *iov, int n, int64_t deadline_ms)
 {
 	while (n > 0) {
 		struct msghdr m = { .msg_iov = iov, .msg_iovlen = (size_t)n };
-		ssize_t w = sendmsg(fd, &m, MSG_NOSIGNAL);
+		ssize_t w = sendmsg(fd, &m, MSG_NOSIGNAL | MSG_DONTWAIT);
 
 		if (w < 0 && errno == EINTR)
 			continue;
+		if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+			struct pollfd p = { fd, POLLOUT, 0 };
+			int64_t left = deadline_ms - now_ms();
+
+			if (left <= 0)
+				return -ETIMEDOUT;
+			if (poll(&p, 1, left > 1000 ? 1000 : (int)left) < 0 && errno != EINTR)
+				return -errno;
+			if (p.revents & (POLLERR | POLLHUP | POLLNVAL))
+				return -EPIPE; /* cut by bulk_shutdown, or the client left */
+			continue;
+		}
 		if (w < 0)
-			return errno == EAGAIN || errno == EWOULDBLOCK ? -ETIMEDOUT : -errno;
+			return -errno;
 		kvbb_iov_advance(&iov, &n, (size_t)w);
 	}
 	return 0;
 }
 
 /* The abort record at off: no bytes, the last of the payload (sealed: its tag). */
-static int send_abort(struct bulk_conn *c, uint64_t request_id, uint64_t total, uint64_t off)
+static int send_abort(struct bulk_conn *c, uint64_t request_id, uint64_t total, uint64_t off,
+		      int64_t deadline)
 {
 	struct kvbb_hdr h = { KVBB_LAST | KVBB_ABORT, request_id, total, off, 0 };
 	uint8_t hdr[KVBB_HDR_LEN], tag[KVBB_TAG_LEN];
@@ -167,20 +185,16 @@ static int send_abort(struct bulk_conn *c, uint64_t request_id, uint64_t total, 
 				   0, NULL, tag))
 		return -EIO;
 	c->counter++;
-	return write_all(c->fd, msg, c->sealed ? 2 : 1);
+	return write_all(c->fd, msg, c->sealed ? 2 : 1, deadline);
 }
 
 /* The records of one payload, on c (its send_lock held). */
 static int send_records(struct bulk *b, struct bulk_conn *c, uint64_t request_id,
 			const struct iovec *iov, size_t n, const struct bulk_check *check,
-			uint64_t total, uint8_t *bounce)
+			uint64_t total, uint8_t *bounce, int64_t deadline)
 {
 	size_t rec = c->sealed ? KVBB_SEAL_BYTES : KVBB_RECORD_MAX, fi = 0, fpos = 0;
 	uint64_t off = 0;
-	/* As for replies from the pages in frames (held.h): the whole payload within the
-	 * timeout, so that a client reading a trickle cannot hold a worker (each write is
-	 * bounded by it too: at most twice the timeout in all). */
-	int64_t deadline = b->send_timeout_ms ? now_ms() + b->send_timeout_ms : INT64_MAX;
 
 	do {
 		struct iovec part[IOV_PER_RECORD], msg[IOV_PER_RECORD + 2];
@@ -195,7 +209,7 @@ static int send_records(struct bulk *b, struct bulk_conn *c, uint64_t request_id
 
 			if (!fpos && check && check->fn(check->arg, fi)) {
 				/* nothing of this record went out yet: the abort replaces it */
-				rc = send_abort(c, request_id, total, off);
+				rc = send_abort(c, request_id, total, off, deadline);
 				return rc ? rc : -EBADMSG;
 			}
 			if (take > rec - h.len)
@@ -230,12 +244,10 @@ static int send_records(struct bulk *b, struct bulk_conn *c, uint64_t request_id
 			nm += np;
 		}
 		c->counter++;
-		rc = write_all(c->fd, msg, nm);
+		rc = write_all(c->fd, msg, nm, deadline);
 		if (rc)
 			return rc;
 		off += h.len;
-		if (off < total && now_ms() > deadline)
-			return -ETIMEDOUT;
 	} while (off < total);
 	return 0;
 }
@@ -246,7 +258,7 @@ int bulk_take(struct bulk *b, const uint8_t ticket[KVBP_BULK_TICKET_LEN], const 
 	struct bulk_conn *c = NULL;
 
 	pthread_mutex_lock(&b->lock);
-	for (unsigned i = 0; i < BULK_MAX && !c; i++) {
+	for (unsigned i = 0; i < BULK_MAX && !c && !b->closing; i++) {
 		struct bulk_conn *x = &b->conns[i];
 
 		if (x->used && !x->dead && x->fd >= 0 && !strcmp(x->principal, principal) &&
@@ -268,16 +280,27 @@ int bulk_send(struct bulk *b, struct bulk_conn *c, uint64_t request_id,
 	const char *principal = c->principal;
 	uint8_t *bounce = NULL;
 	uint64_t total = 0;
+	/*
+	 * As for replies from the pages in frames (held.h): the whole payload, the wait
+	 * for the connection's send lock included, within the timeout, so that a client
+	 * reading a trickle (or not at all) holds a worker no longer than that.
+	 */
+	int64_t deadline = b->send_timeout_ms ? now_ms() + b->send_timeout_ms : INT64_MAX;
+	struct timespec until = { deadline / 1000, (deadline % 1000) * 1000000 };
 	int rc;
 
 	for (size_t i = 0; i < n; i++)
 		total += iov[i].iov_len;
-	pthread_mutex_lock(&c->send_lock);
-	if (c->sealed && !(bounce = malloc(KVBB_SEAL_BYTES)))
-		rc = -ENOMEM;
-	else
-		rc = send_records(b, c, request_id, iov, n, check, total, bounce);
-	pthread_mutex_unlock(&c->send_lock);
+	rc = b->send_timeout_ms ? -pthread_mutex_clocklock(&c->send_lock, CLOCK_MONOTONIC, &until)
+				: -pthread_mutex_lock(&c->send_lock);
+	if (!rc) {
+		if (c->sealed && !(bounce = malloc(KVBB_SEAL_BYTES)))
+			rc = -ENOMEM;
+		else
+			rc = send_records(b, c, request_id, iov, n, check, total, bounce,
+					  deadline);
+		pthread_mutex_unlock(&c->send_lock);
+	}
 	free(bounce);
 	pthread_mutex_lock(&b->lock);
 	c->users--;
@@ -315,11 +338,10 @@ static void hello_done(struct bulk *b, struct shake *s)
 		}
 		/* over CURVE, the hello proves it comes from who got the key */
 		if (c && (!c->sealed || !kvbb_hello_check(s->buf, c->aead))) {
-			struct timeval tv = { b->send_timeout_ms / 1000,
-					      (b->send_timeout_ms % 1000) * 1000 };
-			int one = 1;
+			int one = 1, fl = fcntl(s->fd, F_GETFL);
 
-			setsockopt(s->fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+			/* writers poll it against their payload's deadline (write_all) */
+			fcntl(s->fd, F_SETFL, fl | O_NONBLOCK);
 			setsockopt(s->fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
 			c->fd = s->fd;
 			ok = 0;
@@ -540,6 +562,27 @@ void bulk_stop(struct bulk **bp)
 	}
 	free(b);
 	*bp = NULL;
+}
+
+void bulk_shutdown(struct bulk *b)
+{
+	unsigned cut = 0;
+
+	if (!b)
+		return;
+	pthread_mutex_lock(&b->lock);
+	b->closing = true;
+	for (unsigned i = 0; i < BULK_MAX; i++) {
+		struct bulk_conn *c = &b->conns[i];
+
+		if (c->used && !c->dead) {
+			cut += c->fd >= 0;
+			conn_drop(c);
+		}
+	}
+	pthread_mutex_unlock(&b->lock);
+	if (cut)
+		log_info("stopping: %u bulk connections cut (payloads in flight end there)", cut);
 }
 
 void bulk_counts(struct bulk *b, uint64_t *open, uint64_t *sealed_records, uint64_t *bytes)

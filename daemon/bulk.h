@@ -31,6 +31,12 @@ struct bulk;
 int bulk_start(struct bulk **out, const char *host, unsigned port, unsigned send_timeout_ms);
 /* The port it listens on. */
 unsigned bulk_port(const struct bulk *b);
+/*
+ * The daemon is stopping: cut every connection at once (shutdown(2): a worker writing
+ * a payload returns at once with -EPIPE) and take no payload from now on (bulk_take
+ * says -ENOENT: frames). Tickets still waiting are dropped. Accepts NULL.
+ */
+void bulk_shutdown(struct bulk *b);
 /* Stop the thread, close every connection. Accepts NULL; sets *b to NULL. */
 void bulk_stop(struct bulk **b);
 
@@ -63,10 +69,12 @@ struct bulk_check {
 
 /*
  * Send the iov[0..n) bytes of request request_id on c, in records (sealed when its
- * ticket was), each piece after check (may be NULL) passed it, and give c back. 0 and
- * *sent; -EBADMSG: check refused a piece, the abort record was sent (the connection
- * stays usable); -EPIPE, -ETIMEDOUT, -EIO, -ENOMEM: the connection failed and was
- * closed (the client sees the stream end mid-payload).
+ * ticket was), each piece after check (may be NULL) passed it, and give c back. The
+ * whole call, the wait for another payload on c included, takes at most
+ * send_timeout_ms (bulk_start): writes never block past it. 0 and *sent; -EBADMSG:
+ * check refused a piece, the abort record was sent (the connection stays usable);
+ * -EPIPE, -ETIMEDOUT, -EIO, -ENOMEM: the connection failed and was closed (the client
+ * sees the stream end mid-payload).
  */
 int bulk_send(struct bulk *b, struct bulk_conn *c, uint64_t request_id,
 	      const struct iovec *iov, size_t n, const struct bulk_check *check, uint64_t *sent);

@@ -1187,6 +1187,8 @@ void server_stop(struct server *srv)
 		 * the replies of requests in progress reach their clients.
 		 */
 		atomic_store(&srv->stopping, true);
+		/* a payload to a slow bulk reader must not hold the drain: cut them all */
+		bulk_shutdown(srv->bulk);
 		for (unsigned i = 0; i < srv->n_bound; i++)
 			if (!strncmp(srv->cfg->listen[i], "ipc://", 6))
 				unlink(srv->cfg->listen[i] + 6);
@@ -1216,6 +1218,7 @@ void server_stop(struct server *srv)
 			cluster_drain(srv->cluster);
 		}
 	}
+	bulk_shutdown(srv->bulk); /* (again: a stop without the drain) */
 	atomic_store(&srv->stop_workers, true);
 	for (unsigned i = 0; i < srv->n_workers; i++)
 		pthread_join(srv->threads[i], NULL);
