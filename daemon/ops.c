@@ -482,7 +482,7 @@ void ops_handle(struct server *srv, const struct ops_origin *from, zmq_msg_t *fr
 		size_t extra_frames, struct reply_out *out)
 {
 	struct req q = { .srv = srv, .principal = from->principal, .ns = from->ns ? from->ns : "",
-			 .acct = from->acct, .out = out, .fd = from->fd };
+			 .acct = from->acct, .out = out, .fd = from->fd, .lane = from->lane };
 	uint64_t total = 0;
 	char err[KVBP_MESSAGE_MAX];
 	int rc;
@@ -551,6 +551,10 @@ void ops_handle(struct server *srv, const struct ops_origin *from, zmq_msg_t *fr
 	}
 	handlers[q.h.op](&q);
 done:
+	if (out->defer) { /* counted when the lane runs it */
+		kvbp_request_clear(&q.h);
+		return;
+	}
 	atomic_fetch_add(&srv->stats.requests[out->op], 1);
 	if (out->rep.code && out->rep.code < KVBP_CODE_COUNT)
 		atomic_fetch_add(&srv->stats.errors[out->rep.code], 1);

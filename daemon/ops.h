@@ -22,6 +22,9 @@ struct reply_out {
 	 * payload frames; NULL for others */
 	struct held_reply *held;
 	bool has_bulk; /* a GET that asked for its payload on a bulk connection (bulk.h) */
+	/* too costly for a worker (the cluster-wide check): run it on the lane (lane.h),
+	 * which calls ops_handle again with from->lane set; nothing to send now */
+	bool defer;
 	uint8_t bulk_ticket[KVBP_BULK_TICKET_LEN];
 	/* such a GET from the store's pages, not verified yet: its view (alive with the
 	 * payload frames, layer i in frames 2i and 2i+1), checked a layer at a time as the
@@ -56,6 +59,7 @@ struct ops_origin {
 	struct client_acct *acct; /* its byte account: reply payloads are held on it */
 	enum ops_refuse refuse;
 	int fd; /* the connection's descriptor, for held.h; -1 unknown */
+	bool lane; /* run on the lane (lane.h): costly requests are run, not deferred */
 };
 
 /*

@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "bulk.h"
 #include "../proto/bulk.h"
@@ -18,6 +19,7 @@
 #include "cluster.h"
 #include "cuda/cuda.h"
 #include "fdguard.h"
+#include "lane.h"
 #include "log.h"
 #include "metrics.h"
 #include "pool.h"
@@ -33,6 +35,37 @@
  * on a daemon without bulk connections, or beyond the limits: the reply then has no
  * bulk_port and the client keeps to frames.
  */
+/*
+ * Who may run the cluster's replication check (docs/operations.md#limits-per-client):
+ * another member (cluster_is_member: its key, or its address on a keyless cluster)
+ * and an administrator, a local client on IPC running as root or as the daemon's own
+ * user (`kvblend cluster check` on a member's machine). Anyone else could make every
+ * member walk its whole store on demand.
+ */
+static bool may_check_cluster(const struct req *q)
+{
+	unsigned long uid;
+	char *end;
+
+	if (cluster_is_member(q->srv->cluster, q->principal))
+		return true;
+	if (strncmp(q->principal, "ipc:", 4))
+		return false;
+	uid = strtoul(q->principal + 4, &end, 10);
+	return *end == ':' && (uid == 0 || uid == (unsigned long)geteuid());
+}
+
+/* A cluster check asked for by someone who may not: refused, naming who may. */
+static bool refuse_check(struct req *q)
+{
+	if (may_check_cluster(q))
+		return false;
+	fail(q, KVBP_BAD_ARGUMENT, "cluster_check is for the cluster's members and for "
+	     "administrators (root or the daemon's user on its IPC endpoint); %s is neither",
+	     q->principal);
+	return true;
+}
+
 static void hello_bulk(struct req *q)
 {
 	struct kvbp_reply *r = &q->out->rep;
@@ -76,8 +109,13 @@ void op_hello(struct req *q)
 		}
 		/* kvblend cluster check on another member: check this member's share, in
 		 * the background (the gauge), and answer at once */
-		if (q->h.cluster_check && q->srv->cluster)
+		if (q->h.cluster_check && q->srv->cluster) {
+			if (refuse_check(q)) {
+				free(st);
+				return;
+			}
 			cluster_check_wanted(q->srv->cluster);
+		}
 		if (st && n) {
 			q->out->rep.stats = st;
 			q->out->rep.n_stats = n;
@@ -410,6 +448,14 @@ static void stats_server(struct stat_list *l, struct server *srv)
 	stat_add(l, "replies_from_pages", (double)atomic_load(&srv->held.count));
 	stat_add(l, "connections_cut_unread", (double)atomic_load(&srv->held.cut));
 	stat_add(l, "max_clients", (double)srv->max_clients);
+	if (srv->lane) {
+		unsigned waiting;
+		unsigned long done;
+
+		lane_counts(srv->lane, &waiting, &done);
+		stat_add(l, "lane_waiting", waiting);
+		stat_add(l, "lane_done", (double)done);
+	}
 	if (srv->bulk) {
 		uint64_t open, sealed, bytes;
 
@@ -532,6 +578,14 @@ void op_stats(struct req *q)
 
 	if (no_payload(q))
 		return;
+	if (srv->cluster && q->h.cluster_check) {
+		if (refuse_check(q))
+			return;
+		if (!q->lane) { /* every chunk of every model: not on a worker (lane.h) */
+			q->out->defer = true;
+			return;
+		}
+	}
 	rc = store_totals(srv->store, &t);
 	if (rc) {
 		fail_store(q, rc, "stats");

@@ -27,6 +27,7 @@ struct req {
 	size_t n_payload;
 	struct reply_out *out;
 	int fd; /* the connection's descriptor (held.h), -1 unknown */
+	bool lane; /* on the lane thread (lane.h), not a worker */
 };
 
 /*

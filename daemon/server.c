@@ -22,6 +22,7 @@
 #include "cuda/cuda.h"
 #include "curve.h"
 #include "fdguard.h"
+#include "lane.h"
 #include "log.h"
 #include "metrics.h"
 #include "notify.h"
@@ -29,6 +30,8 @@
 #include "pool.h"
 
 #define WORKER_ENDPOINT "inproc://kvblend-workers"
+#define LANE_ENDPOINT "inproc://kvblend-lane"
+#define LANE_WAITING 4 /* costly requests queued for the lane; beyond: busy */
 #define POLL_MS 200
 /* Layers whose payload a bulk diversion lists on the stack (more: malloc). */
 #define KVBP_LAYERS_IOV 128
@@ -565,6 +568,46 @@ static void *prefetch_main(void *arg)
 	return NULL;
 }
 
+/*
+ * A request too costly for a worker (out->defer): its frames to the lane (true), or,
+ * when the lane is full, out becomes `busy` to send as usual (false).
+ */
+static bool defer_to_lane(struct server *srv, zmq_msg_t *frames, size_t n, struct reply_out *out)
+{
+	int rc = srv->lane ? lane_submit(srv->lane, frames, n) : -ENOTSUP;
+
+	out->defer = false;
+	if (!rc)
+		return true;
+	out->rep.code = KVBP_BUSY;
+	snprintf(out->rep.message, sizeof(out->rep.message), "%d cluster checks wait already; "
+		 "retry when they are done", LANE_WAITING);
+	atomic_fetch_add(&srv->stats.requests[out->op], 1);
+	atomic_fetch_add(&srv->stats.errors[KVBP_BUSY], 1);
+	return false;
+}
+
+/* The lane runs a deferred request (lane.h): as a worker would, its reply on sock. */
+static void lane_run(void *ctx, void *sock, zmq_msg_t *frames, size_t n)
+{
+	struct server *srv = ctx;
+	struct req_tag tag;
+	struct ops_origin from;
+	struct reply_out out;
+
+	memcpy(&tag, zmq_msg_data(&frames[0]), sizeof(tag)); /* (checked by the worker) */
+	tag.principal[sizeof(tag.principal) - 1] = 0;
+	tag.ns[sizeof(tag.ns) - 1] = 0;
+	from = (struct ops_origin){ tag.principal, tag.ns, tag.acct,
+				    atomic_load(&srv->stopping) ? OPS_REFUSE_STOPPING : OPS_RUN,
+				    tag.fd, true };
+	ops_handle(srv, &from, frames + ENVELOPE_LEN, n - ENVELOPE_LEN, 0, &out);
+	for (size_t i = ENVELOPE_LEN; i < n; i++)
+		zmq_msg_close(&frames[i]);
+	send_reply(srv, sock, frames, ENVELOPE_LEN, false, &out);
+	reply_out_clear(&out);
+}
+
 static void *worker_main(void *arg)
 {
 	struct server *srv = arg;
@@ -599,7 +642,8 @@ static void *worker_main(void *arg)
 		}
 		extra += tag.extra;
 		tag.ns[sizeof(tag.ns) - 1] = 0;
-		from = (struct ops_origin){ tag.principal, tag.ns, tag.acct, tag.refuse, tag.fd };
+		from = (struct ops_origin){ tag.principal, tag.ns, tag.acct, tag.refuse, tag.fd,
+					    false };
 		/* A request queued here when the stop began is not started: busy, at once. */
 		if (from.refuse == OPS_RUN && atomic_load(&srv->stopping))
 			from.refuse = OPS_REFUSE_STOPPING;
@@ -625,6 +669,10 @@ static void *worker_main(void *arg)
 			} else {
 				ops_handle(srv, &from, frames + env, n - env, extra,
 					   &out);
+			}
+			if (out.defer && defer_to_lane(srv, frames, n, &out)) {
+				reply_out_clear(&out);
+				continue; /* the lane answers it */
 			}
 			for (size_t i = env; i < n; i++)
 				zmq_msg_close(&frames[i]);
@@ -770,14 +818,14 @@ static int forward_in(struct server *srv, unsigned i)
 }
 
 /* A reply from the workers to the frontend its tag names. */
-static int forward_out(struct server *srv)
+static int forward_reply(struct server *srv, void *from)
 {
 	zmq_msg_t tag;
 	unsigned i = 0;
 	int more;
 
 	zmq_msg_init(&tag);
-	if (zmq_msg_recv(&tag, srv->backend, ZMQ_DONTWAIT) < 0) {
+	if (zmq_msg_recv(&tag, from, ZMQ_DONTWAIT) < 0) {
 		zmq_msg_close(&tag);
 		return -errno;
 	}
@@ -800,14 +848,20 @@ static int forward_out(struct server *srv)
 			zmq_msg_t m;
 
 			zmq_msg_init(&m);
-			if (zmq_msg_recv(&m, srv->backend, 0) < 0)
+			if (zmq_msg_recv(&m, from, 0) < 0)
 				break;
 			more = zmq_msg_more(&m);
 			zmq_msg_close(&m);
 		}
 		return 0;
 	}
-	return forward(srv->backend, srv->frontends[i]);
+	return forward(from, srv->frontends[i]);
+}
+
+/* A worker's reply to its client. */
+static int forward_out(struct server *srv)
+{
+	return forward_reply(srv, srv->backend);
 }
 
 /* The evictor's question, in a cluster: is this daemon one of the chunk's owners? */
@@ -995,7 +1049,8 @@ int server_start(struct server *srv, const struct config *cfg, struct store *sto
 		return -errno;
 	srv->frontends[0] = zmq_socket(srv->zctx, ZMQ_ROUTER);
 	srv->backend = zmq_socket(srv->zctx, ZMQ_DEALER);
-	if (!srv->frontends[0] || !srv->backend)
+	srv->lane_out = zmq_socket(srv->zctx, ZMQ_PULL);
+	if (!srv->frontends[0] || !srv->backend || !srv->lane_out)
 		return -errno;
 	/* A hard cap per frame, above the soft max_message that gets a proper error reply,
 	 * so that a peer cannot make us buffer unbounded memory. */
@@ -1022,7 +1077,7 @@ int server_start(struct server *srv, const struct config *cfg, struct store *sto
 			return rc;
 		srv->n_bound++;
 	}
-	if (zmq_bind(srv->backend, WORKER_ENDPOINT))
+	if (zmq_bind(srv->backend, WORKER_ENDPOINT) || zmq_bind(srv->lane_out, LANE_ENDPOINT))
 		return -errno;
 	rc = start_bulk(srv);
 	if (rc)
@@ -1111,6 +1166,8 @@ int server_start(struct server *srv, const struct config *cfg, struct store *sto
 		rc = pthread_create(&srv->prefetcher, NULL, prefetch_main, srv);
 		srv->prefetcher_started = rc == 0;
 	}
+	if (!rc)
+		rc = -lane_start(&srv->lane, srv->zctx, LANE_ENDPOINT, lane_run, srv, LANE_WAITING);
 	pthread_sigmask(SIG_SETMASK, &old, NULL);
 	if (rc) {
 		log_err("cannot start worker threads: %s", strerror(rc));
@@ -1127,18 +1184,19 @@ int server_start(struct server *srv, const struct config *cfg, struct store *sto
 
 int server_run(struct server *srv, volatile int *stop, void (*tick)(struct server *))
 {
-	zmq_pollitem_t items[5] = { { srv->backend, 0, ZMQ_POLLIN, 0 },
+	zmq_pollitem_t items[6] = { { srv->backend, 0, ZMQ_POLLIN, 0 },
 				    { srv->frontends[0], 0, ZMQ_POLLIN, 0 },
 				    { srv->frontends[1], 0, ZMQ_POLLIN, 0 },
 				    { srv->monitors[0], 0, ZMQ_POLLIN, 0 },
 				    { srv->monitors[1], 0, ZMQ_POLLIN, 0 } };
-	int n_items = srv->frontends[1] ? 3 : 2;
+	int n_items = srv->frontends[1] ? 3 : 2, lane = 2 * n_items - 1;
 	struct timespec last = { 0 }, now;
 
 	if (!srv->frontends[1]) /* no CURVE frontend: its monitor neither */
 		items[2] = items[3];
+	items[lane] = (zmq_pollitem_t){ srv->lane_out, 0, ZMQ_POLLIN, 0 }; /* last */
 	while (!*stop) {
-		int rc = zmq_poll(items, 2 * n_items - 1, POLL_MS);
+		int rc = zmq_poll(items, lane + 1, POLL_MS);
 
 		if (rc < 0 && errno != EINTR)
 			log_warn("poll: %s", zmq_strerror(errno));
@@ -1148,6 +1206,8 @@ int server_run(struct server *srv, volatile int *stop, void (*tick)(struct serve
 				count_connection(srv, items[i].socket);
 		if (rc > 0 && (items[0].revents & ZMQ_POLLIN))
 			forward_out(srv);
+		if (rc > 0 && (items[lane].revents & ZMQ_POLLIN))
+			forward_reply(srv, srv->lane_out);
 		for (int i = 1; rc > 0 && i < n_items; i++)
 			if (items[i].revents & ZMQ_POLLIN)
 				forward_in(srv, (unsigned)i - 1);
@@ -1175,11 +1235,13 @@ void server_stop(struct server *srv)
 
 	if (srv->frontends[0] && srv->backend && srv->n_workers) {
 		uint64_t limit_ms = srv->cfg->drain_timeout * 1000;
-		zmq_pollitem_t items[3] = { { srv->backend, 0, ZMQ_POLLIN, 0 },
+		zmq_pollitem_t items[4] = { { srv->backend, 0, ZMQ_POLLIN, 0 },
 					    { srv->frontends[0], 0, ZMQ_POLLIN, 0 },
 					    { srv->frontends[1], 0, ZMQ_POLLIN, 0 } };
 		int n_items = srv->frontends[1] ? 3 : 2;
 		int64_t waited_ms = 0;
+
+		items[n_items] = (zmq_pollitem_t){ srv->lane_out, 0, ZMQ_POLLIN, 0 };
 
 		/*
 		 * Stop accepting: no new local client finds the socket files; requests that
@@ -1194,10 +1256,13 @@ void server_stop(struct server *srv)
 				unlink(srv->cfg->listen[i] + 6);
 		clock_gettime(CLOCK_MONOTONIC, &start);
 		while (srv->inflight && waited_ms < (int64_t)limit_ms) {
-			int rc = zmq_poll(items, n_items, 50);
+			int rc = zmq_poll(items, n_items + 1, 50);
 
 			if (rc > 0 && (items[0].revents & ZMQ_POLLIN))
 				while (forward_out(srv) == 0)
+					;
+			if (rc > 0 && (items[n_items].revents & ZMQ_POLLIN))
+				while (forward_reply(srv, srv->lane_out) == 0)
 					;
 			for (int i = 1; rc > 0 && i < n_items; i++)
 				if (items[i].revents & ZMQ_POLLIN)
@@ -1233,9 +1298,12 @@ void server_stop(struct server *srv)
 	free(srv->threads);
 	srv->threads = NULL;
 	srv->n_workers = 0;
+	lane_stop(&srv->lane);
 	bulk_stop(&srv->bulk); /* after the workers: none writes on a connection now */
 	/* Replies produced in the last moments. */
 	while (srv->backend && forward_out(srv) == 0)
+		;
+	while (srv->lane_out && forward_reply(srv, srv->lane_out) == 0)
 		;
 	for (int f = 0; f < 2; f++)
 		if (srv->monitors[f]) {
@@ -1252,7 +1320,9 @@ void server_stop(struct server *srv)
 		}
 	if (srv->backend)
 		zmq_close(srv->backend);
-	srv->frontends[0] = srv->frontends[1] = srv->backend = NULL;
+	if (srv->lane_out)
+		zmq_close(srv->lane_out);
+	srv->frontends[0] = srv->frontends[1] = srv->backend = srv->lane_out = NULL;
 	curve_auth_stop(&srv->zap);
 	if (srv->zctx)
 		zmq_ctx_term(srv->zctx);

@@ -76,6 +76,8 @@ struct server {
 	atomic_uint_fast64_t refused_keys;    /* CURVE handshakes with an unlisted key */
 	uint64_t max_clients; /* cfg->max_clients, or less to fit the descriptor limit */
 	void *backend;	/* DEALER, inproc, workers connect */
+	void *lane_out;	/* PULL, inproc: the lane's replies (lane.h) */
+	struct lane *lane;	/* costly requests, off the workers */
 	pthread_t *threads;
 	unsigned n_workers;
 	unsigned n_bound; /* endpoints of cfg->listen bound so far */

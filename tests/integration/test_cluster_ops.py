@@ -22,6 +22,7 @@ usage: test_cluster_ops.py KVBLENDD KVBLEND PLACE_TOOL PART
 """
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -293,7 +294,9 @@ def cluster_check(n):
 
 def part_check():
     # cache copies kept (cluster_cache_pct 100): the writer's copies are beyond R
-    up("abc", "--capacity", "1M", "--cluster-cache-pct", 100)
+    # (sockets any local user may open: the check must refuse such a user itself)
+    os.chmod(TMP, 0o711)
+    up("abc", "--capacity", "1M", "--cluster-cache-pct", 100, "--socket-mode", "0666")
     cc.add_model(cli, "a")
     chunks = cc.put_chunks(cli, TMP, "a", 0, 30, np.random.default_rng(11))
     ok = wait_for(lambda: settled("abc") and not short(chunks, "abc"), 30)
@@ -313,6 +316,19 @@ def part_check():
     check("a, the writer, holds copies beyond R; the total is theirs",
           mem["a"]["beyond"] > 0 and out["copies_beyond_r"] == sum(
               mem[n]["beyond"] for n in "abc"), str(out))
+    # issue 30, defect 3: the check ran on the lane, not a worker; and only members and
+    # administrators may run it (here: a local user who is neither root nor the daemon's)
+    check("the cluster check ran on the lane (lane_done), off the workers",
+          stats("b")["lane_done"] >= 1, str(stats("b").get("lane_done")))
+    nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", KVBLEND,
+              "--endpoint", f"ipc://{TMP}/b.sock", "--timeout", "20000"]
+    st = subprocess.run(nobody + ["stats", "--json"], capture_output=True, text=True)
+    ck = subprocess.run(nobody + ["cluster", "check", "--json"], capture_output=True,
+                        text=True)
+    check("an unprivileged local user: stats served, cluster check refused naming who may",
+          st.returncode == 0 and ck.returncode != 0 and
+          "members and for administrators" in ck.stderr,
+          f"stats {st.returncode} {st.stderr[-300:]}; check {ck.returncode} {ck.stderr[-300:]}")
     # c's copies of five chunks it owns, deleted: each has one copy left among its owners
     gone = sorted(want["c"])[:5]
     for h in gone:
