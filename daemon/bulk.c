@@ -35,6 +35,11 @@ struct bulk_conn {
 	bool dead; /* failed or closed by its client: freed when no worker holds it */
 	uint8_t ticket[KVBP_BULK_TICKET_LEN];
 	char principal[96];
+	/* the ZeroMQ connection the ticket was issued on (its routing id): only requests
+	 * on that connection may send payloads here, so that on loopback, where every
+	 * local process is one address, no other process can divert its payload here */
+	uint8_t conn_id[BULK_CONN_ID_MAX];
+	size_t conn_id_len;
 	struct kvbb_aead *aead;
 	int fd; /* -1: the ticket waits for its connection */
 	int64_t deadline_ms;
@@ -96,14 +101,17 @@ static void conn_drop(struct bulk_conn *c)
 	}
 }
 
-int bulk_open(struct bulk *b, const char *principal, bool sealed, uint32_t cipher,
-	      uint8_t ticket[KVBP_BULK_TICKET_LEN], uint8_t key[KVBP_BULK_KEY_LEN])
+int bulk_open(struct bulk *b, const char *principal, const void *conn_id, size_t conn_id_len,
+	      bool sealed, uint32_t cipher, uint8_t ticket[KVBP_BULK_TICKET_LEN],
+	      uint8_t key[KVBP_BULK_KEY_LEN])
 {
 	struct bulk_conn *slot = NULL;
 	unsigned mine = 0;
 	uint8_t t[KVBP_BULK_TICKET_LEN], k[KVBP_BULK_KEY_LEN];
 	int rc = 0;
 
+	if (conn_id_len > BULK_CONN_ID_MAX)
+		return -EINVAL;
 	if (getrandom(t, sizeof(t), 0) != sizeof(t) ||
 	    (sealed && getrandom(k, sizeof(k), 0) != sizeof(k)))
 		return -EIO;
@@ -131,6 +139,8 @@ int bulk_open(struct bulk *b, const char *principal, bool sealed, uint32_t ciphe
 		slot->deadline_ms = now_ms() + TICKET_MS;
 		memcpy(slot->ticket, t, sizeof(t));
 		snprintf(slot->principal, sizeof(slot->principal), "%s", principal);
+		memcpy(slot->conn_id, conn_id, conn_id_len);
+		slot->conn_id_len = conn_id_len;
 		memcpy(ticket, t, sizeof(t));
 		if (sealed)
 			memcpy(key, k, sizeof(k));
@@ -244,16 +254,21 @@ static int send_records(struct bulk *b, struct bulk_conn *c, uint64_t request_id
 			nm += np;
 		}
 		c->counter++;
+		/* counted before the write: a client that has read the last byte finds it
+		 * counted (taken back if the write fails) */
+		atomic_fetch_add(&b->bytes, h.len);
 		rc = write_all(c->fd, msg, nm, deadline);
-		if (rc)
+		if (rc) {
+			atomic_fetch_sub(&b->bytes, h.len);
 			return rc;
+		}
 		off += h.len;
 	} while (off < total);
 	return 0;
 }
 
 int bulk_take(struct bulk *b, const uint8_t ticket[KVBP_BULK_TICKET_LEN], const char *principal,
-	      struct bulk_conn **out)
+	      const void *conn_id, size_t conn_id_len, struct bulk_conn **out)
 {
 	struct bulk_conn *c = NULL;
 
@@ -262,6 +277,7 @@ int bulk_take(struct bulk *b, const uint8_t ticket[KVBP_BULK_TICKET_LEN], const 
 		struct bulk_conn *x = &b->conns[i];
 
 		if (x->used && !x->dead && x->fd >= 0 && !strcmp(x->principal, principal) &&
+		    x->conn_id_len == conn_id_len && !memcmp(x->conn_id, conn_id, conn_id_len) &&
 		    !CRYPTO_memcmp(x->ticket, ticket, KVBP_BULK_TICKET_LEN))
 			c = x;
 	}
@@ -314,10 +330,8 @@ int bulk_send(struct bulk *b, struct bulk_conn *c, uint64_t request_id,
 	if (c->dead && !c->users)
 		conn_free(c);
 	pthread_mutex_unlock(&b->lock);
-	if (!rc) {
-		atomic_fetch_add(&b->bytes, total);
+	if (!rc)
 		*sent = total;
-	}
 	return rc;
 }
 

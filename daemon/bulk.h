@@ -22,6 +22,9 @@
 
 struct bulk;
 
+/* Longest ZeroMQ routing id a ticket is bound to (ZeroMQ's own limit). */
+#define BULK_CONN_ID_MAX 255
+
 /*
  * Listen on host:port (port 0: a free one) and start the accept thread. send_timeout_ms
  * (0: none) bounds one payload's sending (reply_timeout_ms): a client that reads slower
@@ -41,24 +44,27 @@ void bulk_shutdown(struct bulk *b);
 void bulk_stop(struct bulk **b);
 
 /*
- * A ticket for principal, waiting (10 s) for its connection; with sealed a fresh key
+ * A ticket for principal on its ZeroMQ connection conn_id (the routing id, at most
+ * BULK_CONN_ID_MAX bytes), waiting (10 s) for its connection; with sealed a fresh key
  * too (into key), for cipher (KVBP_AEAD_*). 0, or -EDQUOT (the principal holds
  * BULK_PER_PRINCIPAL), -ENOSPC (the table is full), -EIO (no randomness), -ENOTSUP
- * (the cipher is not available here).
+ * (the cipher is not available here), -EINVAL (conn_id too long).
  */
-int bulk_open(struct bulk *b, const char *principal, bool sealed, uint32_t cipher,
-	      uint8_t ticket[KVBP_BULK_TICKET_LEN], uint8_t key[KVBP_BULK_KEY_LEN]);
+int bulk_open(struct bulk *b, const char *principal, const void *conn_id, size_t conn_id_len,
+	      bool sealed, uint32_t cipher, uint8_t ticket[KVBP_BULK_TICKET_LEN],
+	      uint8_t key[KVBP_BULK_KEY_LEN]);
 
 /* One payload's hold on a connection (bulk_take), until its bulk_send. */
 struct bulk_conn;
 
 /*
- * Take principal's connection of ticket for one payload: 0 and *out, or -ENOENT (no
- * such connection of this principal: send the payload as frames instead). Every *out
- * is given to bulk_send, once.
+ * Take principal's connection of ticket for one payload, asked for on the ZeroMQ
+ * connection conn_id: 0 and *out, or -ENOENT (no such connection of this principal
+ * and ZeroMQ connection: send the payload as frames instead). Every *out is given to
+ * bulk_send, once.
  */
 int bulk_take(struct bulk *b, const uint8_t ticket[KVBP_BULK_TICKET_LEN], const char *principal,
-	      struct bulk_conn **out);
+	      const void *conn_id, size_t conn_id_len, struct bulk_conn **out);
 
 /* Called before the first byte of piece i of a payload goes out: 0, or nonzero to void
  * the payload there (an abort record ends it). */

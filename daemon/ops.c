@@ -482,7 +482,8 @@ void ops_handle(struct server *srv, const struct ops_origin *from, zmq_msg_t *fr
 		size_t extra_frames, struct reply_out *out)
 {
 	struct req q = { .srv = srv, .principal = from->principal, .ns = from->ns ? from->ns : "",
-			 .acct = from->acct, .out = out, .fd = from->fd, .lane = from->lane };
+			 .acct = from->acct, .out = out, .fd = from->fd, .lane = from->lane,
+			 .conn_id = from->conn_id, .conn_id_len = from->conn_id_len };
 	uint64_t total = 0;
 	char err[KVBP_MESSAGE_MAX];
 	int rc;

@@ -60,6 +60,8 @@ struct ops_origin {
 	enum ops_refuse refuse;
 	int fd; /* the connection's descriptor, for held.h; -1 unknown */
 	bool lane; /* run on the lane (lane.h): costly requests are run, not deferred */
+	const void *conn_id; /* the ZeroMQ connection's routing id (bulk tickets bind to it) */
+	size_t conn_id_len;
 };
 
 /*

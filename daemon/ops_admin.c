@@ -78,7 +78,8 @@ static void hello_bulk(struct req *q)
 	/* the fastest AEGIS both ends run, when allowed; else AES-256-GCM */
 	cipher = q->srv->cfg->tcp_bulk_aegis ? kvbb_aead_pick(q->h.bulk_aeads & kvbb_aeads())
 					     : KVBP_AEAD_AES256GCM;
-	rc = bulk_open(q->srv->bulk, q->principal, sealed, cipher, r->bulk_ticket, r->bulk_key);
+	rc = bulk_open(q->srv->bulk, q->principal, q->conn_id, q->conn_id_len, sealed, cipher,
+		       r->bulk_ticket, r->bulk_key);
 	if (rc) {
 		log_debug("no bulk connection for %s: %s", q->principal, strerror(-rc));
 		return;

@@ -28,6 +28,8 @@ struct req {
 	struct reply_out *out;
 	int fd; /* the connection's descriptor (held.h), -1 unknown */
 	bool lane; /* on the lane thread (lane.h), not a worker */
+	const void *conn_id; /* the ZeroMQ connection's routing id */
+	size_t conn_id_len;
 };
 
 /*

@@ -458,7 +458,8 @@ static bool bulk_divert(struct server *srv, void *sock, zmq_msg_t *env, size_t n
 	uint64_t sent = 0, total = 0;
 	int rc;
 
-	if (!v || bulk_take(srv->bulk, out->bulk_ticket, principal, &bc)) {
+	if (!v || bulk_take(srv->bulk, out->bulk_ticket, principal, zmq_msg_data(&env[1]),
+			    zmq_msg_size(&env[1]), &bc)) {
 		/* frames after all, every layer verified first */
 		if (v != iov)
 			free(v);
@@ -600,7 +601,7 @@ static void lane_run(void *ctx, void *sock, zmq_msg_t *frames, size_t n)
 	tag.ns[sizeof(tag.ns) - 1] = 0;
 	from = (struct ops_origin){ tag.principal, tag.ns, tag.acct,
 				    atomic_load(&srv->stopping) ? OPS_REFUSE_STOPPING : OPS_RUN,
-				    tag.fd, true };
+				    tag.fd, true, zmq_msg_data(&frames[1]), zmq_msg_size(&frames[1]) };
 	ops_handle(srv, &from, frames + ENVELOPE_LEN, n - ENVELOPE_LEN, 0, &out);
 	for (size_t i = ENVELOPE_LEN; i < n; i++)
 		zmq_msg_close(&frames[i]);
@@ -643,7 +644,8 @@ static void *worker_main(void *arg)
 		extra += tag.extra;
 		tag.ns[sizeof(tag.ns) - 1] = 0;
 		from = (struct ops_origin){ tag.principal, tag.ns, tag.acct, tag.refuse, tag.fd,
-					    false };
+					    false, n > 1 ? zmq_msg_data(&frames[1]) : NULL,
+					    n > 1 ? zmq_msg_size(&frames[1]) : 0 };
 		/* A request queued here when the stop began is not started: busy, at once. */
 		if (from.refuse == OPS_RUN && atomic_load(&srv->stopping))
 			from.refuse = OPS_REFUSE_STOPPING;

@@ -562,6 +562,75 @@ static void a_never_reading_curve_bulk_reader_is_cut_and_others_served(void **st
 	stalled_bulk_readers(true, false);
 }
 
+/*
+ * A plain TCP ticket belongs to the ZeroMQ connection that got it (issue 30): on
+ * loopback every local process is one address, so another process that learns a
+ * ticket must not divert its own GET's payload onto that bulk connection. Its GET is
+ * answered in frames; nothing arrives on the ticket's connection; the ticket's own
+ * client still gets its payload there.
+ */
+static void a_ticket_works_only_on_its_own_connection(void **state)
+{
+	char tcp[64], bport[16];
+	const char *args[] = { "--listen", tcp, "--tcp-bulk-port", bport, NULL };
+	size_t bytes = (size_t)L * 2 * T * H * D * 2, frame = bytes / (2 * L), got = 0;
+	uint8_t *kv = malloc(bytes), hash[KVB_HASH_LEN], byte, *buf = malloc(bytes);
+	struct kvbp_request greq = { .op = KVBP_OP_GET, .request_id = 7, .has_hash = true,
+				     .has_bulk_ticket = true };
+	struct slow_reader a;
+	struct kvbp_reply rep;
+	struct daemon d;
+	struct raw other;
+	kvb_client *c;
+	size_t n_frames = 0;
+
+	(void)state;
+	assert_non_null(kv);
+	assert_non_null(buf);
+	snprintf(tcp, sizeof(tcp), "tcp://127.0.0.1:%d", free_port());
+	snprintf(bport, sizeof(bport), "%d", free_port());
+	daemon_start(&d, args);
+	c = daemon_client(&d, 1);
+	assert_int_equal(kvb_model_register(c, &model, NULL), 0);
+	fill_random(kv, bytes, 3);
+	hash_of(3, hash);
+	assert_int_equal(kvb_put(c, model.name, hash, KVB_F16, T, 0, kv, bytes, NULL), 0);
+	slow_reader_open(&a, tcp, NULL, NULL);
+
+	/* another ZeroMQ connection from the same address, with a's ticket */
+	raw_open(&other, tcp, 30000);
+	snprintf(greq.model_name, sizeof(greq.model_name), "%s", model.name);
+	memcpy(greq.hash, hash, KVB_HASH_LEN);
+	memcpy(greq.bulk_ticket, a.ticket, sizeof(greq.bulk_ticket));
+	raw_send(&other, &greq, NULL, NULL, 0);
+	assert_int_equal(raw_recv_frames(&other, &rep, &n_frames, raw_frame_sized, &frame),
+			 KVBP_OK);
+	assert_true(rep.bulk_bytes == 0);
+	assert_int_equal(n_frames, 2 * L); /* the payload in frames, to who asked */
+	kvbp_reply_clear(&rep);
+	{
+		struct timespec nap = { 0, 200 * 1000000 };
+
+		nanosleep(&nap, NULL);
+	}
+	assert_true(recv(a.fd, &byte, 1, MSG_DONTWAIT) < 0); /* nothing came on a's */
+	/* a itself: its payload on its bulk connection, whole */
+	slow_reader_get(&a, model.name, hash, bytes);
+	while (got < bytes) {
+		ssize_t r = recv(a.fd, buf, bytes, 0);
+
+		assert_true(r > 0);
+		got += (size_t)r;
+	}
+	raw_close(&other);
+	slow_reader_close(&a);
+	kvb_close(&c);
+	daemon_stop(&d);
+	daemon_cleanup(&d);
+	free(buf);
+	free(kv);
+}
+
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
@@ -572,6 +641,7 @@ int main(void)
 		cmocka_unit_test(a_never_reading_bulk_reader_is_cut_and_others_served),
 		cmocka_unit_test(a_trickling_curve_bulk_reader_is_cut_and_others_served),
 		cmocka_unit_test(a_never_reading_curve_bulk_reader_is_cut_and_others_served),
+		cmocka_unit_test(a_ticket_works_only_on_its_own_connection),
 	};
 
 	return cmocka_run_group_tests(tests, NULL, NULL);
