@@ -184,19 +184,25 @@ int kvbb_open(struct kvbb_aead *a, uint64_t counter, uint32_t dir, const uint8_t
 	uint8_t iv[KVB_AEGIS_NONCE_LEN], t[KVBB_TAG_LEN];
 	int l;
 
-	if (len > KVBB_RECORD_MAX)
+	if (len > KVBB_RECORD_MAX) {
+		OPENSSL_cleanse(buf, len); /* (the one contract: refused means zeroed) */
 		return -EBADMSG;
+	}
 	nonce_of(iv, counter, dir);
 	if (a->cipher != KVBP_AEAD_AES256GCM)
 		return kvb_aegis_open(variant_of(a->cipher), a->key, iv, ad, ad_len, buf, len, tag)
-			       ? -EBADMSG : 0;
+			       ? -EBADMSG : 0; /* (zeroes buf on failure itself) */
 	memcpy(t, tag, sizeof(t));
 	if (EVP_DecryptInit_ex(a->dec, NULL, NULL, NULL, iv) != 1 ||
 	    (ad_len && EVP_DecryptUpdate(a->dec, NULL, &l, ad, (int)ad_len) != 1) ||
 	    (len && EVP_DecryptUpdate(a->dec, buf, &l, buf, (int)len) != 1) ||
 	    EVP_CIPHER_CTX_ctrl(a->dec, EVP_CTRL_GCM_SET_TAG, KVBB_TAG_LEN, t) != 1 ||
-	    EVP_DecryptFinal_ex(a->dec, buf + len, &l) != 1)
+	    EVP_DecryptFinal_ex(a->dec, buf + len, &l) != 1) {
+		/* GCM decrypts before the tag is checked: no unauthenticated plaintext may
+		 * stay in the caller's buffer */
+		OPENSSL_cleanse(buf, len);
 		return -EBADMSG;
+	}
 	return 0;
 }
 

@@ -80,7 +80,7 @@ void kvbb_aead_free(struct kvbb_aead **a);
 int kvbb_seal(struct kvbb_aead *a, uint64_t counter, uint32_t dir, const uint8_t *ad,
 	      size_t ad_len, const struct iovec *iov, size_t n, uint8_t *out,
 	      uint8_t tag[KVBB_TAG_LEN]);
-/* Decrypt buf[0..len) in place and check tag: 0, or -EBADMSG (altered: buf is garbage). */
+/* Decrypt buf[0..len) in place and check tag: 0, or -EBADMSG (altered: buf is zeroed). */
 int kvbb_open(struct kvbb_aead *a, uint64_t counter, uint32_t dir, const uint8_t *ad,
 	      size_t ad_len, uint8_t *buf, size_t len, const uint8_t tag[KVBB_TAG_LEN]);
 

@@ -125,6 +125,15 @@ static void test_seal_known_answers(void **state)
 
 #define N 5000
 
+/* A refused record (-EBADMSG) leaves no byte of its unauthenticated plaintext behind. */
+static void refused(int rc, const uint8_t *buf, size_t len)
+{
+	assert_int_equal(rc, -EBADMSG);
+	for (size_t i = 0; i < len; i++)
+		if (buf[i])
+			fail_msg("byte %zu of a refused record left in the buffer: %02x", i, buf[i]);
+}
+
 static void test_seal_tamper(void **state)
 {
 	uint8_t key[KVBP_BULK_KEY_LEN], other[KVBP_BULK_KEY_LEN], ad[KVBB_HDR_LEN];
@@ -152,33 +161,30 @@ static void test_seal_tamper(void **state)
 	for (size_t pos = 0; pos < N; pos += 997) {
 		memcpy(buf, ct, N);
 		buf[pos] ^= 0x10;
-		assert_int_equal(kvbb_open(a, 9, KVBB_DIR_RECORDS, ad, sizeof(ad), buf, N, tag),
-				 -EBADMSG);
+		refused(kvbb_open(a, 9, KVBB_DIR_RECORDS, ad, sizeof(ad), buf, N, tag), buf, N);
 	}
 	/* a bit of the header (request id, offset, length, total, flags) */
 	for (size_t pos = 0; pos < sizeof(ad); pos++) {
 		memcpy(buf, ct, N);
 		ad[pos] ^= 1;
-		assert_int_equal(kvbb_open(a, 9, KVBB_DIR_RECORDS, ad, sizeof(ad), buf, N, tag),
-				 -EBADMSG);
+		refused(kvbb_open(a, 9, KVBB_DIR_RECORDS, ad, sizeof(ad), buf, N, tag), buf, N);
 		ad[pos] ^= 1;
 	}
 	/* the tag */
 	memcpy(t2, tag, sizeof(t2));
 	t2[15] ^= 0x80;
 	memcpy(buf, ct, N);
-	assert_int_equal(kvbb_open(a, 9, KVBB_DIR_RECORDS, ad, sizeof(ad), buf, N, t2), -EBADMSG);
+	refused(kvbb_open(a, 9, KVBB_DIR_RECORDS, ad, sizeof(ad), buf, N, t2), buf, N);
 	/* the record at another place on the connection (moved, replayed), the other
 	 * direction, another connection's key, cut short */
 	memcpy(buf, ct, N);
-	assert_int_equal(kvbb_open(a, 10, KVBB_DIR_RECORDS, ad, sizeof(ad), buf, N, tag), -EBADMSG);
+	refused(kvbb_open(a, 10, KVBB_DIR_RECORDS, ad, sizeof(ad), buf, N, tag), buf, N);
 	memcpy(buf, ct, N);
-	assert_int_equal(kvbb_open(a, 9, KVBB_DIR_HELLO, ad, sizeof(ad), buf, N, tag), -EBADMSG);
+	refused(kvbb_open(a, 9, KVBB_DIR_HELLO, ad, sizeof(ad), buf, N, tag), buf, N);
 	memcpy(buf, ct, N);
-	assert_int_equal(kvbb_open(b, 9, KVBB_DIR_RECORDS, ad, sizeof(ad), buf, N, tag), -EBADMSG);
+	refused(kvbb_open(b, 9, KVBB_DIR_RECORDS, ad, sizeof(ad), buf, N, tag), buf, N);
 	memcpy(buf, ct, N);
-	assert_int_equal(kvbb_open(a, 9, KVBB_DIR_RECORDS, ad, sizeof(ad), buf, N - 1, tag),
-			 -EBADMSG);
+	refused(kvbb_open(a, 9, KVBB_DIR_RECORDS, ad, sizeof(ad), buf, N - 1, tag), buf, N - 1);
 	kvbb_aead_free(&a);
 	kvbb_aead_free(&b);
 }
