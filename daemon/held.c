@@ -69,7 +69,7 @@ void held_remove(struct held_replies *h, struct held_reply *r)
 	atomic_fetch_sub(&h->count, 1);
 }
 
-unsigned held_expire(struct held_replies *h, int64_t timeout_ms)
+static unsigned expire(struct held_replies *h, int64_t timeout_ms, bool for_room)
 {
 	int64_t now = mono_ms();
 	unsigned n = 0;
@@ -92,11 +92,36 @@ unsigned held_expire(struct held_replies *h, int64_t timeout_ms)
 				o->cut = true;
 		n++;
 		atomic_fetch_add(&h->cut, 1);
-		log_warn("client %s left a reply from the store's pages unread for %" PRId64
-			 " ms (reply_timeout_ms %" PRId64 "): its connection is closed, since the "
-			 "reply holds a snapshot that keeps freed pages of the store from reuse",
-			 r->who, now - r->since_ms, timeout_ms);
+		if (for_room)
+			log_warn("client %s left a reply from the store's pages unread for %"
+				 PRId64 " ms while the store's map is full: its connection is "
+				 "closed, since the reply's snapshot keeps freed pages from reuse",
+				 r->who, now - r->since_ms);
+		else
+			log_warn("client %s left a reply from the store's pages unread for %"
+				 PRId64 " ms (reply_timeout_ms %" PRId64 "): its connection is "
+				 "closed, since the reply holds a snapshot that keeps freed pages "
+				 "of the store from reuse", r->who, now - r->since_ms, timeout_ms);
 	}
 	pthread_mutex_unlock(&h->lock);
+	return n;
+}
+
+unsigned held_expire(struct held_replies *h, int64_t timeout_ms)
+{
+	return expire(h, timeout_ms, false);
+}
+
+unsigned held_expire_for_room(struct held_replies *h, int64_t timeout_ms, int64_t wait_ms)
+{
+	unsigned n = expire(h, timeout_ms, true);
+
+	/* ZeroMQ drops what it queued for a shut connection on its own thread: give it a
+	 * moment to end the snapshots */
+	for (int64_t t0 = mono_ms(); n && atomic_load(&h->count) && mono_ms() - t0 < wait_ms;) {
+		struct timespec nap = { 0, 5 * 1000000 };
+
+		nanosleep(&nap, NULL);
+	}
 	return n;
 }

@@ -47,4 +47,13 @@ void held_remove(struct held_replies *h, struct held_reply *r);
  */
 unsigned held_expire(struct held_replies *h, int64_t timeout_ms);
 
+/*
+ * The store's map is full (a PUT's write failed for room): the same for replies held
+ * longer than timeout_ms (a short grace, far below reply_timeout_ms: a reader that
+ * keeps up has taken its reply by then), then wait up to wait_ms for their snapshots
+ * to end. An unread reply must not make the store `full` for everyone for the whole
+ * reply_timeout_ms. Returns how many connections were shut down.
+ */
+unsigned held_expire_for_room(struct held_replies *h, int64_t timeout_ms, int64_t wait_ms);
+
 #endif

@@ -21,6 +21,9 @@
 #include "pool.h"
 #include "rope.h"
 
+/* A reply from the store's pages unread this long while the map is full is cut (held.h). */
+#define HELD_GRACE_MS 100
+
 void op_put(struct req *q)
 {
 	struct store_model m;
@@ -106,6 +109,13 @@ void op_put(struct req *q)
 	}
 	rc = store_chunk_put(q->srv->store, &m, q->h.hash, q->h.num_tokens, q->h.base_pos,
 			     tensors, &ci);
+	/* A full map while replies from the store's pages wait unread: their snapshots
+	 * keep freed pages from reuse, so their connections go first (not only after
+	 * reply_timeout_ms; never when that is 0), then the write again. */
+	if (rc == -ENOSPC && q->srv->cfg->reply_timeout_ms &&
+	    held_expire_for_room(&q->srv->held, HELD_GRACE_MS, 500))
+		rc = store_chunk_put(q->srv->store, &m, q->h.hash, q->h.num_tokens,
+				     q->h.base_pos, tensors, &ci);
 	/* A full map: evict least recently used chunks and retry, a few times. */
 	for (int tries = 0; rc == -ENOSPC && tries < 3; tries++) {
 		int64_t freed = evictor_make_room(q->srv->evict, 2 * total + (1u << 20), q->ns);

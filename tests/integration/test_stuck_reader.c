@@ -187,6 +187,23 @@ static void a_stuck_reader_is_cut_off_at_the_deadline(void **state)
 	assert_true(cut >= 1);
 }
 
+/*
+ * Under the default deadline (5 s) the same churn fills the map well within it (about
+ * 60 rounds, 1.2 s): an unread reply must not make the store `full` for everyone that
+ * long. The PUT that finds the map full cuts the stuck connection at once and writes.
+ */
+static void a_stuck_reader_is_cut_when_the_map_is_full(void **state)
+{
+	double cut = -1;
+	int full = churn("5000", &cut);
+
+	(void)state;
+	if (full)
+		fail_msg("`full` at round %d of PUT+DELETE churn: the stuck reader's snapshot "
+			 "was kept although the map had no room", full);
+	assert_true(cut >= 1);
+}
+
 static int free_port(void)
 {
 	struct sockaddr_in a = { .sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
@@ -636,6 +653,7 @@ int main(void)
 	const struct CMUnitTest tests[] = {
 		cmocka_unit_test(a_stuck_reader_fills_the_map_without_a_deadline),
 		cmocka_unit_test(a_stuck_reader_is_cut_off_at_the_deadline),
+		cmocka_unit_test(a_stuck_reader_is_cut_when_the_map_is_full),
 		cmocka_unit_test(a_stuck_bulk_reader_is_cut_off_at_the_deadline),
 		cmocka_unit_test(a_trickling_bulk_reader_is_cut_and_others_served),
 		cmocka_unit_test(a_never_reading_bulk_reader_is_cut_and_others_served),
