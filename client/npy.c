@@ -6,6 +6,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "ckd.h"
+
 static const struct {
 	const char *descr;
 	size_t size;
@@ -109,7 +111,7 @@ int npy_parse(const void *buf, size_t len, struct npy *out, char *err, size_t er
 		errno = 0;
 		d = strtoull(p, &end, 10);
 		if (end == p || errno || a.ndim == NPY_MAX_DIMS ||
-		    __builtin_mul_overflow(a.count, (uint64_t)d, &a.count)) {
+		    ckd_mul(&a.count, a.count, (uint64_t)d)) {
 			free(h);
 			return bad(err, errlen, "bad or too large .npy shape");
 		}
@@ -117,7 +119,7 @@ int npy_parse(const void *buf, size_t len, struct npy *out, char *err, size_t er
 		p = end;
 	}
 	free(h);
-	if (__builtin_mul_overflow(a.count, (uint64_t)a.elem_size, &bytes) || bytes > len - off)
+	if (ckd_mul(&bytes, a.count, (uint64_t)a.elem_size) || bytes > len - off)
 		return bad(err, errlen, ".npy data is shorter than its shape says (truncated file?)");
 	if (bytes != len - off)
 		return bad(err, errlen, ".npy data is longer than its shape says");

@@ -8,6 +8,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "ckd.h"
 #include "log.h"
 
 enum key_type { T_PATH, T_LISTEN, T_UINT, T_SIZE, T_OCTAL, T_BOOL, T_LEVEL, T_DEVICE };
@@ -260,7 +261,7 @@ int config_parse_size(const char *s, uint64_t *out)
 		end++;
 	if (*end)
 		return -EINVAL;
-	if (__builtin_mul_overflow(v, mul, out))
+	if (ckd_mul(out, v, mul))
 		return -ERANGE;
 	return 0;
 }

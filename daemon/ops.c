@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "ckd.h"
 #include "clients.h"
 #include "cluster.h"
 #include "cuda/cuda.h"
@@ -423,7 +424,7 @@ int chunk_bytes(struct req *q, const struct store_model *m, uint32_t tokens,
 		return fail(q, KVBP_BAD_SHAPE, "num_tokens %" PRIu32 " exceeds max_tokens %" PRIu64,
 			    tokens, c->max_tokens);
 	tb = store_tensor_bytes(m, tokens);
-	if (!tb || __builtin_mul_overflow(tb, 2 * (uint64_t)layers, &t))
+	if (!tb || ckd_mul(&t, tb, 2 * (uint64_t)layers))
 		return fail(q, KVBP_BAD_SHAPE, "chunk size overflows: %" PRIu32 " tokens x %" PRIu32
 			    " heads x %" PRIu32 " dims x %" PRIu32 " layers", tokens,
 			    m->num_kv_heads, m->head_dim, layers);

@@ -406,6 +406,7 @@ void op_get(struct req *q)
 
 		/* A chunk alone at target_pos: dynamic NTK sees target_pos + T positions. */
 		fuse_rope_config(&m, &rc_cfg);
+		/* ckd-ok: two 32-bit numbers summed in 64 bits */
 		if ((uint64_t)q->h.target_pos + ci.num_tokens > UINT32_MAX) {
 			fail(q, KVBP_BAD_ARGUMENT, "target position %" PRIu32 " + %" PRIu32 " tokens "
 			     "overflows", q->h.target_pos, ci.num_tokens);
@@ -413,7 +414,8 @@ void op_get(struct req *q)
 		}
 		rc = rope_table_build(&rc_cfg, m.k_pre_rope, ci.num_tokens, ci.base_pos,
 				      (uint64_t)ci.base_pos + ci.num_tokens, q->h.target_pos,
-				      (uint64_t)q->h.target_pos + ci.num_tokens, &rot);
+				      (uint64_t)q->h.target_pos + ci.num_tokens, /* ckd-ok: above */
+				      &rot);
 		if (rc) {
 			fail(q, KVBP_INTERNAL, "rotation table: %s", strerror(-rc));
 			return;

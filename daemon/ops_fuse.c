@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "ckd.h"
 #include "clients.h"
 #include "cluster.h"
 #include "cuda/cuda.h"
@@ -167,9 +168,8 @@ static void fuse_check_layer(struct req *q, struct fuse_session *s,
 			     stride, row_bytes);
 			return;
 		}
-		if (plan->rows_in && (__builtin_mul_overflow((uint64_t)(plan->rows_in - 1), stride,
-							     &span) ||
-				      __builtin_add_overflow(span, row_bytes, &span))) {
+		if (plan->rows_in &&
+		    ckd_mul_add(&span, (uint64_t)(plan->rows_in - 1), stride, row_bytes)) {
 			fail(q, KVBP_BAD_SHAPE, "%" PRIu32 " rows %" PRIu64 " bytes apart overflow",
 			     plan->rows_in, stride);
 			return;

@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "ckd.h"
 #include "checksum.h"
 #include "quant.h"
 
@@ -50,7 +51,7 @@ size_t codec_bound(size_t raw_size)
 {
 	size_t n;
 
-	if (__builtin_add_overflow(raw_size, (size_t)CODEC_HEADER_SIZE + BLOSC_MAX_OVERHEAD, &n))
+	if (ckd_add(&n, raw_size, (size_t)CODEC_HEADER_SIZE + BLOSC_MAX_OVERHEAD))
 		return 0;
 	return n;
 }

@@ -7,6 +7,8 @@
 #include <pthread.h>
 #include <stdbool.h>
 
+#include "ckd.h"
+
 void quant_dec_rows_avx2(struct quant_dec *d, uint32_t a, uint32_t b, void *dst);
 int quant_encode_avx2(const struct quant_info *qi, const void *src, void *dst);
 
@@ -111,10 +113,10 @@ int quant_layout(enum quant_codec q, uint32_t rows, uint32_t channels, enum quan
 		scales = 4 * (size_t)(axis == QUANT_PER_CHANNEL ? channels : rows);
 		t.row_bytes = channels;
 	}
-	if (__builtin_mul_overflow(t.row_bytes, (size_t)rows, &data))
+	if (ckd_mul(&data, t.row_bytes, (size_t)rows))
 		return -EINVAL;
 	t.data_off = QUANT_HEADER_SIZE + scales;
-	if (__builtin_add_overflow(t.data_off, data, &t.size))
+	if (ckd_add(&t.size, t.data_off, data))
 		return -EINVAL;
 	*out = t;
 	return 0;

@@ -6,6 +6,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "ckd.h"
 #include "codec.h"
 
 /* A chunk record: version, tokens, base_pos, layers, raw, stored, created, checksum. */
@@ -200,7 +201,7 @@ int store_chunk_put(struct store *s, const struct store_model *m,
 	int rc;
 
 	if (!num_tokens || !tb || !bound || !m->num_layers ||
-	    __builtin_mul_overflow(bound, n_tensors, &total))
+	    ckd_mul(&total, bound, n_tensors))
 		return -EINVAL;
 	chunk_key(key, m->id, hash);
 	rc = st_chunk_exists(s, key);

@@ -5,6 +5,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "ckd.h"
+
 const MDB_val st_next_model_key = { 10, "next_model" };
 
 uint32_t st_dtype_size(uint32_t dtype)
@@ -16,9 +18,8 @@ uint64_t store_tensor_bytes(const struct store_model *m, uint32_t num_tokens)
 {
 	uint64_t n = num_tokens;
 
-	if (__builtin_mul_overflow(n, (uint64_t)m->num_kv_heads, &n) ||
-	    __builtin_mul_overflow(n, (uint64_t)m->head_dim, &n) ||
-	    __builtin_mul_overflow(n, (uint64_t)st_dtype_size(m->dtype), &n))
+	if (ckd_mul3(&n, n, m->num_kv_heads, m->head_dim) ||
+	    ckd_mul(&n, n, (uint64_t)st_dtype_size(m->dtype)))
 		return 0;
 	return n;
 }

@@ -62,6 +62,7 @@ uint32_t land_setup(struct fuse_table *t, struct fuse_session *s,
 	if (ckd_mul(&layer_max, (uint64_t)s->m.num_layers - 1, y->layer_stride))
 		return fail(err, errlen, KVBP_BAD_SHAPE, "landing layout: strides overflow");
 	if (y->page_tokens) {
+		/* ckd-ok: two 32-bit numbers summed in 64 bits */
 		uint64_t need = ((uint64_t)s->n + y->page_tokens - 1) / y->page_tokens;
 
 		if (y->n_pages < need)
@@ -92,8 +93,8 @@ uint32_t land_setup(struct fuse_table *t, struct fuse_session *s,
 	if (y->progress % 4 || y->progress > UINT64_MAX - 4)
 		return fail(err, errlen, KVBP_BAD_ARGUMENT, "landing layout: the progress word at "
 			    "%" PRIu64 " is not 4-byte aligned", y->progress);
-	if (y->progress + 4 > end)
-		end = y->progress + 4;
+	if (y->progress + 4 > end) /* ckd-ok: progress <= UINT64_MAX - 4, checked above */
+		end = y->progress + 4; /* ckd-ok: as above */
 	if (shm_acquire(t->shm, y->shm_id, owner, 0, end, &base))
 		return fail(err, errlen, KVBP_BAD_SHM, "landing layout: shared-memory segment %"
 			    PRIu64 " unknown, expired, not this client's, or smaller than the %"
@@ -109,6 +110,7 @@ uint32_t land_setup(struct fuse_table *t, struct fuse_session *s,
 	s->lay.pages = NULL;
 	s->lay.n_pages = 0;
 	if (y->page_tokens) {
+		/* ckd-ok: two 32-bit numbers summed in 64 bits */
 		size_t np = ((size_t)s->n + y->page_tokens - 1) / y->page_tokens;
 
 		s->lay.pages = malloc(np * sizeof(uint32_t));
@@ -117,6 +119,7 @@ uint32_t land_setup(struct fuse_table *t, struct fuse_session *s,
 		memcpy(s->lay.pages, y->pages, np * sizeof(uint32_t));
 		s->lay.n_pages = np;
 	}
+	/* ckd-ok: progress + 4 <= end, inside the segment shm_acquire checked */
 	s->progress = (_Atomic uint32_t *)((uint8_t *)base + y->progress);
 	s->land_begin = s->n_checks ? s->checks[0] + 1 : 0;
 	s->land_next = s->land_begin;
@@ -153,8 +156,10 @@ static inline uint64_t land_off(const struct fuse_session *s, uint64_t base, uin
 {
 	const struct kvbp_layout *y = &s->lay;
 
+	/* ckd-ok: l, t and the pages below their maxima, whose extent land_setup checked */
 	base += (uint64_t)l * y->layer_stride;
 	if (y->page_tokens)
+		/* ckd-ok: as above */
 		return base + (uint64_t)y->pages[t / y->page_tokens] * y->page_stride +
 		       (uint64_t)(t % y->page_tokens) * tstride;
 	return base + (uint64_t)t * tstride;

@@ -13,6 +13,7 @@
 #include <sys/random.h>
 #include <time.h>
 
+#include "ckd.h"
 #include "fuse_impl.h"
 #include "log.h"
 
@@ -139,7 +140,7 @@ static uint32_t open_resolve_chunks(struct fuse_table *t, const struct store_mod
 
 	for (size_t i = 0; i < q->n_segments; i++) {
 		const struct kvbp_segment *g = &q->segments[i];
-		uint64_t count = g->count;
+		uint64_t count = g->count, end;
 
 		if (!g->fresh) {
 			struct store_chunk_info ci;
@@ -161,11 +162,11 @@ static uint32_t open_resolve_chunks(struct fuse_table *t, const struct store_mod
 			s->n_chunks++;
 			s->n_cached += ci.num_tokens;
 		}
-		if ((uint64_t)g->pos + count > UINT32_MAX)
+		if (ckd_add(&end, (uint64_t)g->pos, count) || end > UINT32_MAX)
 			return fail(err, errlen, KVBP_BAD_SHAPE, "segment %zu: positions %" PRIu32
 				    "+%" PRIu64 " overflow", i, g->pos, count);
-		if (g->pos + count > p->max_pos_end)
-			p->max_pos_end = g->pos + count;
+		if (end > p->max_pos_end)
+			p->max_pos_end = end;
 		p->n += count;
 		if (p->n > t->lim.max_tokens)
 			return fail(err, errlen, KVBP_LIMIT, "the session would hold more than "
@@ -243,7 +244,7 @@ static uint32_t open_rotation_tables(const struct store_model *m, const struct k
 			if (g->fresh) {
 				for (uint32_t k = 0; k < g->count; k++)
 					s->fresh[s->n_fresh++] = (int32_t)(row + k);
-				row += g->count;
+				row += g->count; /* ckd-ok: row + count <= n, counted above */
 				continue;
 			}
 			{
