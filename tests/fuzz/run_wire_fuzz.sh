@@ -7,6 +7,7 @@
 # KVB_FUZZ_DEVICE: the daemon's --device (e.g. emulated: fuse sessions on the device path)
 # env:   KVB_FUZZ_KEEP=1 keeps the temporary directory (daemon log, saved .kvbw files)
 #        KVB_FUZZ_FOUND=DIR also copies the saved .kvbw files and the daemon log there
+#        KVB_FUZZ_LOG_LEVEL=info: the daemon's log level (default warn)
 set -u
 kvblendd=$1 fuzzer=$2 corpus=$3
 shift 3
@@ -17,7 +18,7 @@ max_message=4M
 "$kvblendd" --data-dir "$tmp/data" --listen "$ep" --map-size 256M --max-message "$max_message" \
 	--max-layers 16 --max-tokens 4096 --max-kv-heads 64 --max-head-dim 256 \
 	--shm-max 4M --shm-total 32M --shm-idle 5 --fuse-max-sessions 8 --fuse-max-tokens 2048 \
-	--fuse-idle 3 --fuse-max-bytes 64M --capacity 32M --no-sync --log-level warn \
+	--fuse-idle 3 --fuse-max-bytes 64M --capacity 32M --no-sync --log-level ${KVB_FUZZ_LOG_LEVEL:-warn} \
 	${KVB_FUZZ_DEVICE:+--device "$KVB_FUZZ_DEVICE"} 2>"$tmp/daemon.log" &
 pid=$!
 rc=0

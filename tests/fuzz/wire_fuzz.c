@@ -187,14 +187,17 @@ static bool check_reply(const struct msg *m, const struct msg *r, struct kvbp_re
 }
 
 /* Send HELLO or STATS on the control socket and wait for its own reply. */
-bool ping_one(uint32_t op, struct kvbp_reply *rep)
+bool ping_one(uint32_t op, struct kvbp_request *q_in, struct kvbp_reply *rep)
 {
 	struct kvbp_request q;
 	struct msg m, r;
 	double deadline = now_s() + wf_opt.ping_ms / 1000.0;
 	uint64_t id = PING_ID_BASE + wf_st.pings++;
 
-	memset(&q, 0, sizeof(q));
+	if (q_in)
+		q = *q_in;
+	else
+		memset(&q, 0, sizeof(q));
 	q.version = KVBP_VERSION;
 	q.request_id = id;
 	q.op = op;
@@ -289,13 +292,13 @@ bool liveness(const char *when)
 		save_log("daemon process died");
 		return false;
 	}
-	if (!ping_one(KVBP_OP_HELLO, &rep) || !rep.server_version[0]) {
+	if (!ping_one(KVBP_OP_HELLO, NULL, &rep) || !rep.server_version[0]) {
 		say("no answer to HELLO within %d ms %s", wf_opt.ping_ms, when);
 		save_log(process_alive() ? "daemon stopped answering HELLO" : "daemon process died");
 		return false;
 	}
 	kvbp_reply_clear(&rep);
-	if (!ping_one(KVBP_OP_STATS, &rep)) {
+	if (!ping_one(KVBP_OP_STATS, NULL, &rep)) {
 		say("no answer to STATS within %d ms %s", wf_opt.ping_ms, when);
 		save_log(process_alive() ? "daemon stopped answering STATS" : "daemon process died");
 		return false;
@@ -315,6 +318,13 @@ bool liveness(const char *when)
 		save_log("daemon process died");
 		return false;
 	}
+	if (canary_changed()) {
+		say("byte %zu of the canary segment, which no request names, was written %s",
+		    canary_changed() - 1, when);
+		save_log("a write outside the named segment (the canary changed)");
+		return false;
+	}
+	canary_keep();
 	return true;
 }
 
@@ -570,6 +580,9 @@ static void report(void)
 	    wf_st.sent, wf_st.by_kind[0], wf_st.by_kind[1], wf_st.by_kind[2], wf_st.by_kind[3], wf_st.by_kind[4],
 	    wf_st.by_kind[5], wf_st.by_kind[6], wf_st.answered, wf_st.ok, wf_st.errors, wf_st.internal, wf_st.unanswered, wf_st.retired,
 	    wf_st.strict_checked, wf_st.pings, wf_st.slowest * 1e3);
+	say("landing layouts: %" PRIu64 " FUSE_OPENs, %" PRIu64 " opened, %" PRIu64
+	    " refused bad_shape; the canary segment %s", wf_st.land_opens, wf_st.land_ok,
+	    wf_st.land_shape, !canary.map ? "NOT mapped" : canary_changed() ? "CHANGED" : "intact");
 	if (wf_opt.verbose)
 		for (unsigned op = 0; op < KVBP_OP_COUNT; op++)
 			say("  %-16s %8" PRIu64 " answered, %8" PRIu64 " ok", kvbp_op_name(op),

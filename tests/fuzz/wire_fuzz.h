@@ -46,6 +46,7 @@ enum learn {
 	LEARN_FUSE_LAYER,
 	LEARN_FUSE_CLOSE,
 	LEARN_CHUNK,	/* a request naming a chunk: a not_found reply (or a DELETE) drops it */
+	LEARN_SHM_DETACH, /* an ok reply: the segment (learn_session) is gone */
 };
 
 struct msg {
@@ -64,6 +65,8 @@ struct msg {
 	int learn_model;
 	bool learn_delete;
 	uint64_t learn_session;
+	bool landing; /* a FUSE_OPEN with a landing layout (gen_layout) */
+	uint64_t land_shm; /* the segment it names */
 };
 
 struct model_info {
@@ -111,6 +114,7 @@ struct wf_stats {
 	uint64_t by_kind[16];
 	uint64_t codes[KVBP_CODE_COUNT + 1];
 	uint64_t ok_by_op[KVBP_OP_COUNT], sent_by_op[KVBP_OP_COUNT];
+	uint64_t land_opens, land_ok, land_shape; /* landing layouts: sent, opened, bad_shape */
 };
 
 /* ---- wire_fuzz.c ---- */
@@ -127,7 +131,7 @@ double now_s(void);
 /* False when --pid names a process that is gone or a zombie; true without --pid. */
 bool process_alive(void);
 /* Send HELLO or STATS on wf_ctrl; true when its own reply is ok, decoded into *rep. */
-bool ping_one(uint32_t op, struct kvbp_reply *rep);
+bool ping_one(uint32_t op, struct kvbp_request *q, struct kvbp_reply *rep);
 /* HELLO, STATS and a burst of HELLOs answered within --ping-ms; false (logged, saved) if not. */
 bool liveness(const char *when);
 /* Send m on socket si, check and learn from its reply: 0, or -1 on a defect or a lost socket. */
@@ -171,6 +175,20 @@ extern bool sessions_full; /* an open hit fuse_max_sessions: close one of ours n
 extern uint64_t orphans[16];
 extern unsigned n_orphans;
 
+/* A segment no request names, its bytes CANARY_BYTE (setup); map NULL if unmapped. */
+#define CANARY_BYTE 0xc5
+extern struct shm_info canary;
+/* A segment of setup's that landing layouts name most often (kept alive as the canary). */
+extern struct shm_info landseg;
+/* Name the canary in a request that only reads it (a PUT from it), so that shm_idle never
+ * releases it. */
+void canary_keep(void);
+/* 0 while every canary byte is intact; else 1 + the offset of the first changed one. */
+size_t canary_changed(void);
+/* Segments of shms[] mapped here (their descriptors fetched from the daemon). */
+int shms_mapped(void);
+/* Map the segment of an SHM_ATTACH reply here: 0 and *out, or -1. */
+int shm_map_reply(const struct kvbp_reply *rep, struct shm_info *out);
 /* Forget segment i (unmapping it); the last one takes its place. */
 void shm_forget(int i);
 /* Update the state from the reply rep to m. */

@@ -475,6 +475,10 @@ static void gen_op(struct msg *m)
 		q.session_id = s->open && chance(70) ? s->id : pick_u64();
 	}
 	perturb(&q, chance(50) ? 0 : 1 + below(3));
+	if (q.op == KVBP_OP_SHM_DETACH && m->learn == LEARN_NONE) {
+		m->learn = LEARN_SHM_DETACH;
+		m->learn_session = q.shm_id;
+	}
 	if (q.op == KVBP_OP_PUT && !q.has_shm) {
 		uint32_t tokens = q.num_tokens;
 
@@ -534,6 +538,91 @@ void gen_put(struct msg *m, int mi, uint32_t tokens)
 }
 
 /* Fuse flows: open, layers in and out of order, close, with right and wrong values. */
+/* A value that breaks a stride or an offset: near 2^64 (a wrap), huge, zero, odd. */
+static uint64_t hostile_u64(void)
+{
+	switch (below(5)) {
+	case 0:
+		return UINT64_MAX - below(8);
+	case 1:
+		return (uint64_t)1 << (32 + below(32));
+	case 2:
+		return 0;
+	case 3:
+		return UINT64_MAX / (2 + below(64));
+	default:
+		return pick_u64();
+	}
+}
+
+/*
+ * A landing layout for FUSE_OPEN of n tokens of model mi into one of our segments
+ * (issue 30): contiguous, paged, with K's own strides (vLLM's CPU layout transposes K
+ * per page), mostly fitting the segment, and often with one to three fields made
+ * hostile. The daemon must refuse what does not fit, and never write outside the
+ * segment named (the canary and the guard pages see it).
+ */
+static void gen_layout(struct kvbp_request *q, int mi, uint64_t n)
+{
+	static uint32_t page_buf[256];
+	const struct kvbp_model *md = &models[mi].m;
+	const struct shm_info *s = landseg.map && (!n_shms || chance(70))
+					   ? &landseg : &shms[below((uint32_t)n_shms)];
+	uint64_t e = md->dtype == 3 ? 4 : 2, row = (uint64_t)md->num_kv_heads * md->head_dim * e;
+	uint64_t L = md->num_layers, side;
+	struct kvbp_layout *y = &q->land;
+
+	if (!n)
+		n = 1;
+	memset(y, 0, sizeof(*y));
+	q->has_land = true;
+	y->shm_id = chance(95) ? s->id : pick_u64();
+	y->token_stride = row;
+	y->head_stride = md->head_dim * e;
+	y->layer_stride = n * row;
+	if (chance(35)) { /* paged: a block table, pages in any order */
+		uint32_t pt = 1 + below(16), np = (uint32_t)((n + pt - 1) / pt);
+
+		if (np > 256)
+			np = 256;
+		y->page_tokens = pt;
+		y->page_stride = pt * row;
+		for (uint32_t i = 0; i < np; i++)
+			page_buf[i] = chance(95) ? below(np) : pick_u32();
+		y->pages = page_buf;
+		y->n_pages = chance(90) ? np : below(np + 1);
+		y->layer_stride = np * y->page_stride;
+	}
+	if (chance(35)) { /* K by its own strides: transposed per page, or per token */
+		y->k_dim_stride = y->page_tokens ? (uint64_t)y->page_tokens * e : e;
+		y->k_token_stride = y->page_tokens ? e : row;
+		y->k_head_stride = md->head_dim * (y->page_tokens ? y->page_tokens * e : e);
+	}
+	side = L * y->layer_stride;
+	y->k_offset = 0;
+	y->v_offset = side;
+	y->progress = 2 * side;
+	if (y->progress + 4 > s->size || chance(10))
+		y->progress = 4 * (uint64_t)below((uint32_t)(s->size / 4));
+	for (uint32_t k = chance(50) ? 1 + below(3) : 0; k > 0; k--) {
+		uint64_t v = hostile_u64();
+
+		switch (below(11)) {
+		case 0: y->k_offset = v; break;
+		case 1: y->v_offset = v; break;
+		case 2: y->layer_stride = v; break;
+		case 3: y->token_stride = v; break;
+		case 4: y->head_stride = v; break;
+		case 5: y->page_stride = v; break;
+		case 6: y->progress = v & ~(uint64_t)3; break;
+		case 7: y->k_token_stride = v; break;
+		case 8: y->k_head_stride = v; break;
+		case 9: y->k_dim_stride = v; break;
+		default: y->page_tokens = (uint32_t)v; break;
+		}
+	}
+}
+
 static void gen_fuse(struct msg *m)
 {
 	struct kvbp_request q;
@@ -632,6 +721,17 @@ static void gen_fuse(struct msg *m)
 				recompute_buf[i] = chance(90) ? (int32_t)(i * 3 + below(3)) :
 								(int32_t)pick_u32();
 			q.recompute = q.n_recompute ? recompute_buf : NULL;
+		}
+		if ((n_shms || landseg.map) && chance(40)) {
+			gen_layout(&q, mi, pos);
+			m->landing = true;
+			m->land_shm = q.land.shm_id;
+			if (chance(60)) { /* otherwise sound, reuse only: it lands at once */
+				q.reuse_only = true;
+				q.n_checks = q.n_ratios = q.n_recompute = 0;
+				q.recompute = NULL;
+				q.metric = 0;
+			}
 		}
 		q.shared_ring = chance(30);
 		q.device_out = chance(30); /* export the device ring (a device daemon) */

@@ -7,8 +7,12 @@
 #include <fcntl.h>
 #include <stdbool.h>
 #include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include "samples.h"
@@ -31,12 +35,113 @@ unsigned n_orphans;
 
 /* ---- state learned from replies ---- */
 
+struct shm_info canary, landseg;
+
+int shms_mapped(void)
+{
+	int n = 0;
+
+	for (int i = 0; i < n_shms; i++)
+		n += shms[i].map != NULL;
+	return n;
+}
+
+size_t canary_changed(void)
+{
+	for (size_t i = 0; canary.map && i < canary.size; i++)
+		if (canary.map[i] != CANARY_BYTE)
+			return i + 1;
+	return 0;
+}
+
+/* A PUT that reads its tensors from segment s: s counts as used (shm_idle). */
+static void segment_keep(const struct shm_info *s)
+{
+	struct kvbp_request q;
+	struct kvbp_reply rep;
+	uint64_t tb;
+
+	if (!s->map || !n_models)
+		return;
+	memset(&q, 0, sizeof(q));
+	tb = (uint64_t)models[0].m.num_kv_heads * models[0].m.head_dim *
+	     (models[0].m.dtype == 3 ? 4 : 2);
+	snprintf(q.model_name, sizeof(q.model_name), "%s", models[0].m.name);
+	q.has_hash = true;
+	fill_random(q.hash, KVBP_HASH_LEN);
+	q.num_tokens = 1;
+	q.has_shm = true;
+	q.shm_id = s->id;
+	q.shm_length = 2 * (uint64_t)models[0].m.num_layers * tb;
+	if (q.shm_length > s->size)
+		return;
+	memset(&rep, 0, sizeof(rep));
+	ping_one(KVBP_OP_PUT, &q, &rep); /* (ok, or full, or anything: the read is what counts) */
+	kvbp_reply_clear(&rep);
+}
+
+void canary_keep(void)
+{
+	segment_keep(&canary);
+	segment_keep(&landseg);
+}
+
 void shm_forget(int i)
 {
 	if (shms[i].map)
 		munmap(shms[i].map, shms[i].size);
 	shms[i] = shms[--n_shms];
 	memset(&shms[n_shms], 0, sizeof(shms[n_shms]));
+}
+
+/*
+ * The descriptor of segment id, from the daemon's descriptor socket at path (shm.h:
+ * the 8-byte id, little-endian; one status byte back with the descriptor). -1 if not.
+ */
+static int shm_fetch_fd(const char *path, uint64_t id)
+{
+	struct sockaddr_un a = { .sun_family = AF_UNIX };
+	uint8_t req[8], status = 1;
+	union {
+		char buf[CMSG_SPACE(sizeof(int))];
+		struct cmsghdr align;
+	} u;
+	struct iovec iov = { &status, 1 };
+	struct msghdr mh = { .msg_iov = &iov, .msg_iovlen = 1, .msg_control = u.buf,
+			     .msg_controllen = sizeof(u.buf) };
+	struct cmsghdr *cm;
+	int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0), fd = -1;
+
+	if (s < 0)
+		return -1;
+	snprintf(a.sun_path, sizeof(a.sun_path), "%s", path);
+	for (int i = 0; i < 8; i++)
+		req[i] = (uint8_t)(id >> (8 * i));
+	if (connect(s, (struct sockaddr *)&a, sizeof(a)) == 0 &&
+	    send(s, req, sizeof(req), MSG_NOSIGNAL) == sizeof(req) && recvmsg(s, &mh, 0) == 1 &&
+	    status == 0 && (cm = CMSG_FIRSTHDR(&mh)) && cm->cmsg_type == SCM_RIGHTS)
+		memcpy(&fd, CMSG_DATA(cm), sizeof(fd));
+	close(s);
+	return fd;
+}
+
+/* A segment attached (rep: SHM_ATTACH's reply), mapped here: 0 and *out, or -1. */
+int shm_map_reply(const struct kvbp_reply *rep, struct shm_info *out)
+{
+	struct shm_info s = { rep->shm_id, rep->shm_size, NULL };
+	int fd;
+
+	if (!rep->shm_id || !rep->shm_name[0] || !rep->shm_size || rep->shm_size > SHM_MAP_MAX)
+		return -1;
+	fd = shm_fetch_fd(rep->shm_name, rep->shm_id);
+	if (fd < 0)
+		return -1;
+	s.map = mmap(NULL, rep->shm_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+	close(fd);
+	if (s.map == MAP_FAILED)
+		return -1;
+	*out = s;
+	return 0;
 }
 
 static void learn_shm(const struct kvbp_reply *rep)
@@ -47,7 +152,7 @@ static void learn_shm(const struct kvbp_reply *rep)
 	if (!rep->shm_id || !rep->shm_name[0])
 		return;
 	if (rep->shm_size && rep->shm_size <= SHM_MAP_MAX) {
-		fd = shm_open(rep->shm_name, O_RDWR, 0);
+		fd = shm_fetch_fd(rep->shm_name, rep->shm_id);
 		if (fd >= 0) {
 			void *p = mmap(NULL, rep->shm_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
 
@@ -103,6 +208,22 @@ void learn(const struct msg *m, const struct kvbp_reply *rep)
 			forget_chunk(m->learn_hash);
 		break;
 	case LEARN_FUSE_OPEN:
+		if (m->landing) {
+			wf_st.land_opens++;
+			wf_st.land_ok += rep->code == KVBP_OK;
+			wf_st.land_shape += rep->code == KVBP_BAD_SHAPE;
+			/* a segment the daemon released (shm_idle) or never had: aim elsewhere */
+			if (rep->code == KVBP_BAD_SHM && strstr(rep->message, "smaller than the ")) {
+				unsigned long long span = strtoull(strstr(rep->message, "smaller than "
+									  "the ") + 17, NULL, 10);
+
+				for (int i = 0; i < n_shms; i++)
+					if (shms[i].id == m->land_shm && span <= shms[i].size) {
+						shm_forget(i);
+						break;
+					}
+			}
+		}
 		if (rep->code == KVBP_NOT_FOUND)
 			for (size_t i = 0; i < rep->n_chunks; i++)
 				forget_chunk(rep->chunks[i].hash);
@@ -128,6 +249,13 @@ void learn(const struct msg *m, const struct kvbp_reply *rep)
 		} else if (rep->code == KVBP_UNKNOWN_SESSION) {
 			s->open = false;
 		}
+		break;
+	case LEARN_SHM_DETACH:
+		for (int i = 0; rep->code == KVBP_OK && i < n_shms; i++)
+			if (shms[i].id == m->learn_session) {
+				shm_forget(i);
+				break;
+			}
 		break;
 	case LEARN_FUSE_CLOSE:
 		/* Closed, or gone; unless the request named it wrong on purpose. */
@@ -181,7 +309,7 @@ int setup(void)
 			return -1;
 		}
 		wf_opt.ping_ms = 500;
-		up = ping_one(KVBP_OP_HELLO, &rep);
+		up = ping_one(KVBP_OP_HELLO, NULL, &rep);
 		wf_opt.ping_ms = saved;
 		if (up)
 			kvbp_reply_clear(&rep);
@@ -250,8 +378,40 @@ int setup(void)
 		}
 		msg_free(&m);
 	}
+	/* The canary (issue 30): a segment no request names, filled with a pattern and
+	 * checked at every liveness check; a landing layout whose extent check missed a
+	 * wrap writes outside its own segment, into a guard page (the daemon dies) or into
+	 * another segment (this one shows it). */
+	{
+		struct kvbp_request q = { .version = KVBP_VERSION, .op = KVBP_OP_SHM_ATTACH,
+					  .shm_size = 1u << 20 };
+		struct msg m;
+
+		q.request_id = next_id++;
+		msg_init(&m, "setup");
+		msg_add_header(&m, &q);
+		m.id = q.request_id;
+		if (setup_request(&m, &rep)) {
+			if (rep.code == KVBP_OK && !shm_map_reply(&rep, &canary))
+				memset(canary.map, CANARY_BYTE, canary.size);
+			kvbp_reply_clear(&rep);
+		}
+		msg_free(&m);
+		/* and the segment landing layouts name most often, kept alive the same way */
+		q.request_id = next_id++;
+		msg_init(&m, "setup");
+		msg_add_header(&m, &q);
+		m.id = q.request_id;
+		if (setup_request(&m, &rep)) {
+			if (rep.code == KVBP_OK)
+				shm_map_reply(&rep, &landseg);
+			kvbp_reply_clear(&rep);
+		}
+		msg_free(&m);
+	}
 	setup_templates();
-	say("setup: %d models, %d chunks, %d shared-memory segments, %d stored chunks to "
-	    "replicate", n_models, n_chunks, n_shms, n_tmpls);
+	say("setup: %d models, %d chunks, %d shared-memory segments (%d mapped here), a "
+	    "canary segment%s, %d stored chunks to replicate", n_models, n_chunks, n_shms,
+	    shms_mapped(), canary.map ? "" : " NOT mapped", n_tmpls);
 	return 0;
 }
