@@ -534,15 +534,18 @@ static void test_errors(void **state)
  * Head strides that wrap the layout's extent (issue 30, defect 1): with 2 KV heads, a
  * head stride of 2^64-1-j puts head 1 at j+1 bytes before the segment. The daemon must
  * refuse the layout bad_shape (for V's strides and for K's own), write nothing, and
- * serve on. A second region, allocated after the first (the kernel maps it just below),
- * is the neighbour a wrapped write would hit: it must keep its bytes.
+ * serve on. A second client's region, allocated after the first (the kernel maps it
+ * just below, past the daemon's guard page), is the neighbour a wrapped write would
+ * hit: it must keep its bytes, and the daemon must live (a write into the guard page
+ * kills it).
  */
 static void test_head_strides_that_wrap(void **state)
 {
 	struct fixture *f = *state;
 	struct kvb_segment segs[4];
 	size_t ns = segments(f, segs), layer = (size_t)N * ROW, size = 2 * L * layer;
-	uint8_t *reg = kvb_region_alloc(f->c, size), *next = kvb_region_alloc(f->c, size);
+	kvb_client *other = daemon_client(&f->d, 0);
+	uint8_t *reg = kvb_region_alloc(f->c, size), *next = kvb_region_alloc(other, size);
 
 	assert_non_null(reg);
 	assert_non_null(next);
@@ -581,8 +584,9 @@ static void test_head_strides_that_wrap(void **state)
 			}
 			assert_int_equal(kvb_ping(f->c, NULL, 0), 0);
 		}
-	assert_int_equal(kvb_region_free(f->c, next), 0);
+	assert_int_equal(kvb_region_free(other, next), 0);
 	assert_int_equal(kvb_region_free(f->c, reg), 0);
+	kvb_close(&other);
 }
 
 /* After close returns nothing more lands: the node may reuse its buffers at once. */
