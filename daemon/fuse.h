@@ -3,7 +3,7 @@
  * ordered list of stored chunks and fresh tokens, then sends, layer by layer,
  * fresh K and V for the tokens the protocol asks for; the daemon answers with
  * the HKVD selection at check layers and with the fused KV of all tokens
- * otherwise (semantics in shared/DESIGN.md, "Fuse semantics").
+ * otherwise (semantics in docs/DESIGN.md, "Fuse semantics").
  *
  * Memory per session is a ring of a few layers of re-rotated stored KV, loaded
  * ahead of the node (fuse_prefetch after each reply), independent of the layer

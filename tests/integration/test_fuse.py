@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """End-to-end fuse through the real kvblendd and the kvblend CLI, checked against a
-NumPy reference of CacheBlend's fuse (shared/DESIGN.md, "Fuse semantics"): RoPE
+NumPy reference of CacheBlend's fuse (docs/DESIGN.md, "Fuse semantics"): RoPE
 re-rotation, HKVD selection with gradual filtering, merge; and get-rerotated. Models
 registered with a store codec (int8, fp8, int4) are checked against a NumPy
 quantizer written from store/quant.h: GET returns its dequantized KV bit for bit,
