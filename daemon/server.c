@@ -26,7 +26,7 @@
 #include "log.h"
 #include "metrics.h"
 #include "notify.h"
-#include "ops.h"
+#include "ops/ops.h"
 #include "pool.h"
 
 #define WORKER_ENDPOINT "inproc://kvblend-workers"

@@ -6,7 +6,7 @@
  * inproc DEALER that load-balances over worker
  * threads (DEALER sockets that keep the routing envelope). The main thread also acts on signal flags, expires
  * shared-memory segments and pings the systemd watchdog. Workers decode a
- * request, run it (ops.c) and reply.
+ * request, run it (ops/ops.c) and reply.
  */
 #ifndef KVBLEND_DAEMON_SERVER_H
 #define KVBLEND_DAEMON_SERVER_H

@@ -5,7 +5,7 @@ usage: lint_ckd.py SOURCE_ROOT
 Every size, offset and extent computed from a request's fields goes through
 common/ckd.h (ckd_add, ckd_mul, ckd_mul_add, ...), whose overflow is an error reply,
 never a wrapped number (issue 30: a head stride near 2^64 wrapped a landing extent
-and the daemon wrote before the client's segment). This lint reads daemon/ops*.c and
+and the daemon wrote before the client's segment). This lint reads daemon/ops/*.c and
 daemon/fuse/*.c and reports each binary `+`, `*`, `+=` or `*=` with an operand read
 off the wire: a request header's field (q->h.X), a landing layout's (y->X, lay.X), a
 segment's position or count (g->pos, g->count). A line is let through when it calls
@@ -82,7 +82,7 @@ def main():
         print("not ok 1 - the lint's own check: misjudged " + "; ".join(broken))
         print("0 passed, 1 failed")
         return 1
-    files = sorted(glob.glob(os.path.join(root, "daemon", "ops*.c")) +
+    files = sorted(glob.glob(os.path.join(root, "daemon", "ops", "*.c")) +
                    glob.glob(os.path.join(root, "daemon", "fuse", "*.c")))
     hits = []
     for f in files:

@@ -1,5 +1,5 @@
-/* ops_fuse — FUSE_OPEN, FUSE_LAYER and FUSE_CLOSE over the fuse session engine; see ops_impl.h. */
-#include "ops_impl.h"
+/* ops/fuse — FUSE_OPEN, FUSE_LAYER and FUSE_CLOSE over the fuse session engine; see impl.h. */
+#include "impl.h"
 
 #include <ctype.h>
 #include <errno.h>
@@ -15,7 +15,6 @@
 #include "ckd.h"
 #include "clients.h"
 #include "cluster.h"
-#include "cuda/cuda.h"
 #include "fdguard.h"
 #include "log.h"
 #include "metrics.h"

@@ -1,5 +1,5 @@
-/* ops — request dispatch and the helpers every handler shares; see ops.h and ops_impl.h. */
-#include "ops_impl.h"
+/* ops — request dispatch and the helpers every handler shares; see ops.h and impl.h. */
+#include "impl.h"
 
 #include <ctype.h>
 #include <errno.h>
@@ -15,7 +15,6 @@
 #include "ckd.h"
 #include "clients.h"
 #include "cluster.h"
-#include "cuda/cuda.h"
 #include "fdguard.h"
 #include "log.h"
 #include "metrics.h"

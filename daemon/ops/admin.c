@@ -1,5 +1,5 @@
-/* ops_admin — HELLO, models, STATS and shared-memory segments; see ops_impl.h. */
-#include "ops_impl.h"
+/* ops/admin — HELLO, models, STATS and shared-memory segments; see impl.h. */
+#include "impl.h"
 
 #include <ctype.h>
 #include <errno.h>

@@ -1,5 +1,5 @@
-/* ops_chunk — PUT, GET, LOOKUP, DELETE, LIST, PIN and UNPIN; see ops_impl.h. */
-#include "ops_impl.h"
+/* ops/chunk — PUT, GET, LOOKUP, DELETE, LIST, PIN and UNPIN; see impl.h. */
+#include "impl.h"
 
 #include <ctype.h>
 #include <errno.h>
@@ -14,7 +14,6 @@
 
 #include "clients.h"
 #include "cluster.h"
-#include "cuda/cuda.h"
 #include "fdguard.h"
 #include "log.h"
 #include "metrics.h"

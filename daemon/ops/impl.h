@@ -1,10 +1,10 @@
 /*
- * ops_impl — what the request handlers share (private to ops*.c): the request
+ * ops/impl — what the request handlers share (private to daemon/ops/): the request
  * being served, reply buffers held on the client's account, the one translation
  * of store errors into replies, model names and namespaces, model checks. The
- * handlers themselves live by concern: ops_chunk.c (PUT, GET, LOOKUP, DELETE,
- * LIST, PIN, UNPIN), ops_fuse.c (fuse sessions), ops_peer.c (FETCH, REPLICATE
- * between members), ops_admin.c (HELLO, models, STATS, shared memory); ops.c
+ * handlers themselves live by concern in daemon/ops/: chunk.c (PUT, GET, LOOKUP,
+ * DELETE, LIST, PIN, UNPIN), fuse.c (fuse sessions), peer.c (FETCH, REPLICATE
+ * between members), admin.c (HELLO, models, STATS, shared memory); ops.c
  * decodes, refuses what must be refused and dispatches.
  */
 #ifndef KVBLEND_DAEMON_OPS_IMPL_H

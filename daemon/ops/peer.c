@@ -1,5 +1,5 @@
-/* ops_peer — FETCH and REPLICATE, the requests members make of each other; see ops_impl.h. */
-#include "ops_impl.h"
+/* ops/peer — FETCH and REPLICATE, the requests members make of each other; see impl.h. */
+#include "impl.h"
 
 #include <ctype.h>
 #include <errno.h>
@@ -14,7 +14,6 @@
 
 #include "clients.h"
 #include "cluster.h"
-#include "cuda/cuda.h"
 #include "fdguard.h"
 #include "log.h"
 #include "metrics.h"
