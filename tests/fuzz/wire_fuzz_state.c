@@ -144,26 +144,22 @@ int shm_map_reply(const struct kvbp_reply *rep, struct shm_info *out)
 	return 0;
 }
 
+/* Segment s among the known ones (the oldest random one makes room). */
+static void learn_shm_info(const struct shm_info *s)
+{
+	if (n_shms == MAX_SHMS)
+		shm_forget((int)below(MAX_SHMS));
+	shms[n_shms++] = *s;
+}
+
 static void learn_shm(const struct kvbp_reply *rep)
 {
 	struct shm_info s = { rep->shm_id, rep->shm_size, NULL };
-	int fd;
 
 	if (!rep->shm_id || !rep->shm_name[0])
 		return;
-	if (rep->shm_size && rep->shm_size <= SHM_MAP_MAX) {
-		fd = shm_fetch_fd(rep->shm_name, rep->shm_id);
-		if (fd >= 0) {
-			void *p = mmap(NULL, rep->shm_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-
-			if (p != MAP_FAILED)
-				s.map = p;
-			close(fd);
-		}
-	}
-	if (n_shms == MAX_SHMS)
-		shm_forget((int)below(MAX_SHMS));
-	shms[n_shms++] = s;
+	shm_map_reply(rep, &s); /* (unmapped when it cannot be: still a segment to name) */
+	learn_shm_info(&s);
 }
 
 /* A chunk the daemon no longer has (deleted, evicted, removed as corrupt). */
@@ -293,10 +289,36 @@ static bool setup_request(struct msg *m, struct kvbp_reply *rep)
 	return false;
 }
 
+/* SHM_ATTACH of 1 MiB: true and *out when attached (out->map: mapped here, or NULL). */
+static bool setup_segment(struct shm_info *out)
+{
+	struct kvbp_request q = { .version = KVBP_VERSION, .op = KVBP_OP_SHM_ATTACH,
+				  .shm_size = 1u << 20 };
+	struct kvbp_reply rep;
+	struct msg m;
+	bool ok = false;
+
+	q.request_id = next_id++;
+	msg_init(&m, "setup");
+	msg_add_header(&m, &q);
+	m.id = q.request_id;
+	if (setup_request(&m, &rep)) {
+		if (rep.code == KVBP_OK) {
+			*out = (struct shm_info){ rep.shm_id, rep.shm_size, NULL };
+			shm_map_reply(&rep, out);
+			ok = true;
+		}
+		kvbp_reply_clear(&rep);
+	}
+	msg_free(&m);
+	return ok;
+}
+
 int setup(void)
 {
 	static const size_t model_samples[] = { 1, 2, 3 };
 	double deadline = now_s() + 30;
+	struct shm_info seg;
 	struct kvbp_reply rep;
 	bool up = false;
 
@@ -351,22 +373,8 @@ int setup(void)
 		return -1;
 	}
 	/* A segment to point PUTs, GETs and fuse layers at. */
-	{
-		struct kvbp_request q = { .version = KVBP_VERSION, .op = KVBP_OP_SHM_ATTACH,
-					  .shm_size = 1u << 20 };
-		struct msg m;
-
-		q.request_id = next_id++;
-		msg_init(&m, "setup");
-		msg_add_header(&m, &q);
-		m.id = q.request_id;
-		if (setup_request(&m, &rep)) {
-			if (rep.code == KVBP_OK)
-				learn_shm(&rep);
-			kvbp_reply_clear(&rep);
-		}
-		msg_free(&m);
-	}
+	if (setup_segment(&seg))
+		learn_shm_info(&seg);
 	for (int i = 0; i < 4 * n_models; i++) {
 		struct msg m;
 
@@ -381,34 +389,11 @@ int setup(void)
 	/* The canary (issue 30): a segment no request names, filled with a pattern and
 	 * checked at every liveness check; a landing layout whose extent check missed a
 	 * wrap writes outside its own segment, into a guard page (the daemon dies) or into
-	 * another segment (this one shows it). */
-	{
-		struct kvbp_request q = { .version = KVBP_VERSION, .op = KVBP_OP_SHM_ATTACH,
-					  .shm_size = 1u << 20 };
-		struct msg m;
-
-		q.request_id = next_id++;
-		msg_init(&m, "setup");
-		msg_add_header(&m, &q);
-		m.id = q.request_id;
-		if (setup_request(&m, &rep)) {
-			if (rep.code == KVBP_OK && !shm_map_reply(&rep, &canary))
-				memset(canary.map, CANARY_BYTE, canary.size);
-			kvbp_reply_clear(&rep);
-		}
-		msg_free(&m);
-		/* and the segment landing layouts name most often, kept alive the same way */
-		q.request_id = next_id++;
-		msg_init(&m, "setup");
-		msg_add_header(&m, &q);
-		m.id = q.request_id;
-		if (setup_request(&m, &rep)) {
-			if (rep.code == KVBP_OK)
-				shm_map_reply(&rep, &landseg);
-			kvbp_reply_clear(&rep);
-		}
-		msg_free(&m);
-	}
+	 * another segment (this one shows it). And the segment landing layouts name most
+	 * often, kept alive the same way. */
+	if (setup_segment(&canary) && canary.map)
+		memset(canary.map, CANARY_BYTE, canary.size);
+	setup_segment(&landseg);
 	setup_templates();
 	say("setup: %d models, %d chunks, %d shared-memory segments (%d mapped here), a "
 	    "canary segment%s, %d stored chunks to replicate", n_models, n_chunks, n_shms,
