@@ -177,6 +177,11 @@ int st_collect(struct store *s, MDB_dbi dbi, const uint8_t *prefix, size_t prefi
  * zero) in all and under store codec `codec` (the model's; none when out of
  * range), in txn: the write that adds or removes the chunk record.
  */
+/*
+ * Format 1 -> 2 in txn (store_upgrade.c): every record gets its checksum; chunk records
+ * that fail format 1's own checks are dropped with their layers. 0 or a negative errno.
+ */
+int st_upgrade_v1(struct store *s, MDB_txn *txn);
 int st_totals_recount(struct store *s, MDB_txn *txn, struct totals_rec *t);
 int st_totals_write(struct store *s, MDB_txn *txn, const struct totals_rec *t);
 int st_totals_update(struct store *s, MDB_txn *txn, uint32_t codec,
