@@ -75,9 +75,7 @@ static int connect_bulk(kvb_client *c, unsigned port)
 	return fd;
 }
 
-/* The ciphers to offer besides AES-256-GCM: those this CPU runs, or the one named by
- * KVBLEND_BULK_CIPHER (aes-256-gcm, aegis-128l, aegis-128x2) when set. */
-static uint32_t offer_aeads(void)
+uint32_t kvbc_bulk_offer(void)
 {
 	const char *want = getenv("KVBLEND_BULK_CIPHER");
 	uint32_t mask = kvbb_aeads();
@@ -90,33 +88,24 @@ static uint32_t offer_aeads(void)
 	return mask;
 }
 
-/* The HELLO that asks for a bulk connection, then the connection and its hello. */
-static int open_bulk(kvb_client *c)
+int kvbc_bulk_attach(kvb_client *c, struct kvbp_reply *rep, uint32_t offer)
 {
-	uint32_t offer = offer_aeads();
-	struct call k = { .req = { .op = KVBP_OP_HELLO, .bulk_open = true, .bulk_aeads = offer } };
 	uint8_t hello[KVBB_HELLO_LEN], ack = 1;
-	int rc = kvbc_call(c, &k);
+	int rc;
 
-	if (rc || !k.rep.bulk_port) {
-		/* an older daemon, tcp_bulk off, its limits: frames it is */
-		kvbc_call_done(&k);
-		return rc ? rc : -ENOTSUP;
-	}
-	if ((c->curve && !k.rep.has_bulk_key) ||
-	    (k.rep.bulk_aead != KVBP_AEAD_AES256GCM && !(offer & 1u << k.rep.bulk_aead))) {
+	if (!rep->bulk_port)
+		return -ENOTSUP; /* an older daemon, tcp_bulk off, its limits: frames it is */
+	if ((c->curve && !rep->has_bulk_key) ||
+	    (rep->bulk_aead != KVBP_AEAD_AES256GCM && !(offer & 1u << rep->bulk_aead))) {
 		/* over CURVE, never take payloads in the clear; nor a cipher not offered */
-		OPENSSL_cleanse(k.rep.bulk_key, sizeof(k.rep.bulk_key));
-		kvbc_call_done(&k);
+		OPENSSL_cleanse(rep->bulk_key, sizeof(rep->bulk_key));
 		return -EPROTO;
 	}
-	memcpy(c->bulk_ticket, k.rep.bulk_ticket, sizeof(c->bulk_ticket));
-	rc = k.rep.has_bulk_key ? kvbb_aead_new(&c->bulk_aead, k.rep.bulk_key, k.rep.bulk_aead)
-				: 0;
-	OPENSSL_cleanse(k.rep.bulk_key, sizeof(k.rep.bulk_key));
+	memcpy(c->bulk_ticket, rep->bulk_ticket, sizeof(c->bulk_ticket));
+	rc = rep->has_bulk_key ? kvbb_aead_new(&c->bulk_aead, rep->bulk_key, rep->bulk_aead) : 0;
+	OPENSSL_cleanse(rep->bulk_key, sizeof(rep->bulk_key));
 	if (!rc)
-		rc = connect_bulk(c, k.rep.bulk_port);
-	kvbc_call_done(&k);
+		rc = connect_bulk(c, rep->bulk_port);
 	if (rc < 0)
 		return rc;
 	c->bulk_fd = rc;
@@ -126,32 +115,6 @@ static int open_bulk(kvb_client *c)
 		    recv(c->bulk_fd, &ack, 1, MSG_WAITALL) != 1 || ack != 0))
 		rc = -ECONNREFUSED;
 	return rc;
-}
-
-int kvbc_bulk_ready(kvb_client *c)
-{
-	const char *off = getenv("KVBLEND_NO_BULK");
-	int rc;
-
-	if (c->bulk_state > 0)
-		return 1;
-	if (c->bulk_state < 0 || strncmp(c->endpoint, "tcp://", 6) || (off && *off == '1'))
-		return 0;
-	rc = open_bulk(c);
-	if (rc == -ETIMEDOUT || rc == -EIO || rc <= -1000) {
-		/* the daemon did not answer the HELLO: the GET would fail the same way */
-		kvbc_bulk_close(c);
-		return rc;
-	}
-	if (rc) {
-		/* none offered, or the connection could not be made: frames, for good */
-		kvbc_bulk_close(c);
-		c->bulk_state = -1;
-		c->err[0] = 0;
-		return 0;
-	}
-	c->bulk_state = 1;
-	return 1;
 }
 
 /* Fill iov[0..n) (modified) from fd: 0, -ETIMEDOUT or -EIO. */

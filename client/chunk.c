@@ -193,6 +193,52 @@ static int copy_behind(void *arg)
 	return 1;
 }
 
+/* The HELLO that asks for a bulk connection, then the connection (kvbc_bulk_attach). */
+static int open_bulk(kvb_client *c)
+{
+	uint32_t offer = kvbc_bulk_offer();
+	struct call k = { .req = { .op = KVBP_OP_HELLO, .bulk_open = true, .bulk_aeads = offer } };
+	int rc = kvbc_call(c, &k);
+
+	if (!rc)
+		rc = kvbc_bulk_attach(c, &k.rep, offer);
+	kvbc_call_done(&k);
+	return rc;
+}
+
+/*
+ * Whether GET payloads may come on the bulk connection: opens it on first use (a HELLO
+ * with bulk_open, then the TCP connection and its hello). 1: yes; 0: frames, over IPC,
+ * with KVBLEND_NO_BULK=1 in the environment, and for good when the daemon offers none
+ * (older, tcp_bulk off) or the connection cannot be made; or the HELLO's error
+ * (-ETIMEDOUT, -EIO, a KVB_E_* code; c->err says it), which the GET would meet too.
+ */
+static int bulk_ready(kvb_client *c)
+{
+	const char *off = getenv("KVBLEND_NO_BULK");
+	int rc;
+
+	if (c->bulk_state > 0)
+		return 1;
+	if (c->bulk_state < 0 || strncmp(c->endpoint, "tcp://", 6) || (off && *off == '1'))
+		return 0;
+	rc = open_bulk(c);
+	if (rc == -ETIMEDOUT || rc == -EIO || rc <= -1000) {
+		/* the daemon did not answer the HELLO: the GET would fail the same way */
+		kvbc_bulk_close(c);
+		return rc;
+	}
+	if (rc) {
+		/* none offered, or the connection could not be made: frames, for good */
+		kvbc_bulk_close(c);
+		c->bulk_state = -1;
+		c->err[0] = 0;
+		return 0;
+	}
+	c->bulk_state = 1;
+	return 1;
+}
+
 static int get_common(kvb_client *c, const char *model, const uint8_t hash[KVB_HASH_LEN],
 		      uint32_t layer_begin, uint32_t layer_end, bool rerotate, uint32_t pos,
 		      void *out, size_t out_bytes, struct kvb_chunk_info *info)
@@ -244,7 +290,7 @@ static int get_once(kvb_client *c, const char *model, const uint8_t hash[KVB_HAS
 		k.sink = dst;
 		k.sink_len = out_bytes;
 		/* over TCP: the payload on the bulk connection, straight into dst */
-		rc = kvbc_bulk_ready(c);
+		rc = bulk_ready(c);
 		if (rc < 0)
 			goto out;
 		if (rc) {

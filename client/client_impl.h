@@ -134,15 +134,18 @@ int kvbc_set_name(kvb_client *c, struct call *k, const char *model);
 
 /* ---- bulk.c: the bulk connection ---- */
 
+/* The ciphers to offer besides AES-256-GCM (1 << KVBP_AEAD_*): those this CPU runs, or
+ * the one KVBLEND_BULK_CIPHER names (aes-256-gcm, aegis-128l, aegis-128x2). */
+uint32_t kvbc_bulk_offer(void);
 /*
- * Whether GET payloads may come on the bulk connection: opens it on first use (a HELLO
- * with bulk_open, then the TCP connection and its hello). 1: yes; 0: frames, over IPC,
- * with KVBLEND_NO_BULK=1 in the environment, and for good when the daemon offers none
- * (older, tcp_bulk off) or the connection cannot be made; or the HELLO's error
- * (-ETIMEDOUT, -EIO, a KVB_E_* code; c->err says it), which the GET would meet too.
+ * The bulk connection a HELLO's reply rep offers (having offered offer): checked (over
+ * CURVE a key, and a cipher offered), connected, its hello sent and acknowledged. The
+ * key in rep is wiped. 0; -ENOTSUP (none offered), -EPROTO (an offer to refuse), or
+ * -errno of the connection. bulk.c, below the call layer: the HELLO itself is the
+ * caller's (chunk.c).
  */
-int kvbc_bulk_ready(kvb_client *c);
-/* Close the bulk connection; the next kvbc_bulk_ready() opens another. */
+int kvbc_bulk_attach(kvb_client *c, struct kvbp_reply *rep, uint32_t offer);
+/* Close the bulk connection; the next GET over TCP opens another (chunk.c). */
 void kvbc_bulk_close(kvb_client *c);
 /*
  * Receive one record of k's payload into k->sink (straight from the socket, opened in
