@@ -3,7 +3,8 @@
  * cluster and its members, the view (who is in placement), peer calls, and the
  * threads each module runs. The daemon sees only cluster.h.
  *
- * cluster.c: lifecycle, the view, placement queries, the operator's view.
+ * cluster.c: lifecycle, stats, the operator's view, who is a member.
+ * view.c: the shared view, placement queries over it, liveness, the shared helpers.
  * members.c: the static member list, the etcd registration and watch.
  * transfer.c: calls to a peer, the push queue and its thread, fetch and lookup.
  * rebalance.c: rebalance and repair passes, heartbeats.
@@ -186,7 +187,7 @@ static inline bool suspect(struct peer *p)
 /* Sleep on cond (its mutex held) for ms, or until signalled. */
 void wait_ms(pthread_cond_t *cond, pthread_mutex_t *mu, int64_t ms);
 
-/* ---- the view (cluster.c) ---- */
+/* ---- the view (view.c) ---- */
 
 void view_free(struct view *v);
 /* A copy of a view into out (the view lock held). 0 or -ENOMEM. */
