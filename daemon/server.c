@@ -1,4 +1,5 @@
-/* server — sockets, workers and the main loop of kvblendd; see server.h. */
+/* server — the composition of kvblendd: sockets bound, services and backends started,
+ * threads started, and the stop in reverse order; see server.h and server_impl.h. */
 #include "server.h"
 
 #include <arpa/inet.h>
@@ -28,13 +29,8 @@
 #include "notify.h"
 #include "ops/ops.h"
 #include "pool.h"
+#include "server_impl.h"
 
-#define WORKER_ENDPOINT "inproc://kvblend-workers"
-#define LANE_ENDPOINT "inproc://kvblend-lane"
-#define LANE_WAITING 4 /* costly requests queued for the lane; beyond: busy */
-#define POLL_MS 200
-/* Layers whose payload a bulk diversion lists on the stack (more: malloc). */
-#define KVBP_LAYERS_IOV 128
 /* Complete requests queued per client connection in the frontend socket. */
 static const int rcvhwm = 16;
 
@@ -257,29 +253,6 @@ static int guard_frontend(struct server *srv, int f)
 	return 0;
 }
 
-/* A connection came or went (a monitor event); main thread. */
-static void count_connection(struct server *srv, void *mon)
-{
-	zmq_msg_t ev, addr;
-	uint16_t event = 0;
-
-	zmq_msg_init(&ev);
-	zmq_msg_init(&addr);
-	if (zmq_msg_recv(&ev, mon, ZMQ_DONTWAIT) < 0)
-		goto out;
-	if (zmq_msg_more(&ev))
-		zmq_msg_recv(&addr, mon, ZMQ_DONTWAIT);
-	if (zmq_msg_size(&ev) >= 2)
-		memcpy(&event, zmq_msg_data(&ev), 2);
-	if (event == ZMQ_EVENT_ACCEPTED)
-		atomic_fetch_add(&srv->connections, 1);
-	else if (event == ZMQ_EVENT_DISCONNECTED && atomic_load(&srv->connections))
-		atomic_fetch_sub(&srv->connections, 1);
-out:
-	zmq_msg_close(&ev);
-	zmq_msg_close(&addr);
-}
-
 /* The ZAP handler that every handshake passes (curve.c), before any endpoint binds. */
 static int start_auth(struct server *srv)
 {
@@ -329,541 +302,6 @@ static int start_curve(struct server *srv, int64_t maxmsg)
 		return rc;
 	log_info("CURVE public key %s", public_key);
 	return 0;
-}
-
-/*
- * A request as the workers receive it: [tag] [routing id] [empty delimiter] [header]
- * [payload ...]. The tag is added by the main thread (struct req_tag); the routing id
- * by the ROUTER. The delimiter is required: REQ sockets add it, DEALER clients send it
- * themselves. Without it a payload frame could pass for the delimiter, so a message
- * whose third frame is not empty is refused as a whole.
- */
-#define ENVELOPE_LEN 3
-
-/* What the main thread tells a worker about a request, and gets back with the reply. */
-struct req_tag {
-	uint8_t frontend; /* index into srv->frontends */
-	uint32_t extra;	  /* frames dropped by the main thread (too many for a request) */
-	uint64_t reserved; /* bytes of its frames held for the client until the reply passes */
-	struct client_acct *acct; /* the client's record, referenced until the reply passes */
-	enum ops_refuse refuse; /* answer with an error without running it */
-	char principal[96]; /* who sent it (principal_of) */
-	char ns[TENANT_NAME_MAX + 1]; /* its namespace (tenants.h); "" the default */
-	int fd; /* its connection's descriptor (ZeroMQ's, for held.h), -1 unknown */
-};
-
-/* Receive one whole message, keeping at most cap frames; counts the rest in *extra.
- * The parts of a multipart message arrive together, so no call here blocks. */
-static int recv_frames(void *sock, zmq_msg_t *frames, size_t cap, size_t *n, size_t *extra)
-{
-	int more = 1;
-
-	*n = 0;
-	*extra = 0;
-	while (more) {
-		zmq_msg_t tmp, *m = *n < cap ? &frames[*n] : &tmp;
-
-		zmq_msg_init(m);
-		if (zmq_msg_recv(m, sock, ZMQ_DONTWAIT) < 0) {
-			int e = errno;
-
-			zmq_msg_close(m);
-			for (size_t i = 0; i < *n; i++)
-				zmq_msg_close(&frames[i]);
-			return -e;
-		}
-		more = zmq_msg_more(m);
-		if (m == &tmp) {
-			zmq_msg_close(m);
-			(*extra)++;
-		} else {
-			(*n)++;
-		}
-	}
-	return 0;
-}
-
-/* Does the message have the whole envelope, delimiter included? */
-static bool envelope_ok(zmq_msg_t *frames, size_t n)
-{
-	return n >= ENVELOPE_LEN && zmq_msg_size(&frames[ENVELOPE_LEN - 1]) == 0;
-}
-
-/*
- * Send the reply: the first n_env frames of env (tag and routing id, and the
- * delimiter when the request had one), then an empty delimiter when add_delim, then
- * the header and any payload.
- */
-static void send_reply(struct server *srv, void *sock, zmq_msg_t *env, size_t n_env,
-		       bool add_delim, struct reply_out *out)
-{
-	uint8_t *hdr = NULL;
-	size_t len = 0;
-	uint64_t bytes = 0;
-	bool payload = out->rep.code == KVBP_OK && out->n_payload;
-
-	if (!payload)
-		out->rep.payload_frames = 0;
-	for (size_t i = 0; i < n_env; i++)
-		if (zmq_msg_send(&env[i], sock, ZMQ_SNDMORE) < 0)
-			zmq_msg_close(&env[i]);
-	if (add_delim)
-		zmq_send(sock, "", 0, ZMQ_SNDMORE);
-	if (kvbp_reply_encode(&out->rep, &hdr, &len)) {
-		/* Out of memory: still answer, with an empty frame, rather than leave a hang. */
-		zmq_send(sock, "", 0, 0);
-		return;
-	}
-	zmq_send(sock, hdr, len, payload ? ZMQ_SNDMORE : 0);
-	bytes += len;
-	if (out->rep.has_bulk_key) { /* the key lives on only in the bulk connection */
-		OPENSSL_cleanse(hdr, len);
-		OPENSSL_cleanse(out->rep.bulk_key, sizeof(out->rep.bulk_key));
-	}
-	free(hdr);
-	for (size_t i = 0; payload && i < out->n_payload; i++) {
-		bytes += zmq_msg_size(&out->payload[i]);
-		zmq_msg_send(&out->payload[i], sock, i + 1 < out->n_payload ? ZMQ_SNDMORE : 0);
-	}
-	atomic_fetch_add(&srv->stats.bytes_out, bytes);
-}
-
-/* Before frame i of an unverified view goes out: its layer's checksums (frames K, V). */
-static int verify_frame(void *arg, size_t i)
-{
-	return i % 2 ? 0 : ops_verify_layer(arg, (uint32_t)(i / 2));
-}
-
-/*
- * A GET that asked for its payload on a bulk connection: the reply first, without the
- * frames (it travels through ZeroMQ's threads while the payload streams), then the
- * frames on the bulk connection (from the store's pages, sealed for a CURVE client),
- * each layer verified just before it is sent, when the view was left unverified (a
- * layer that fails voids the payload with an abort record, and the chunk is removed).
- * A ticket this daemon does not know (expired, another client's) leaves the frames to
- * ZeroMQ, verified first (false: the caller sends the reply as usual). A connection
- * that fails mid-way is closed, and the client sees the stream end mid-payload; it
- * opens another.
- */
-static bool bulk_divert(struct server *srv, void *sock, zmq_msg_t *env, size_t n_env,
-			const char *principal, struct reply_out *out)
-{
-	struct bulk_check check = { verify_frame, out };
-	struct iovec iov[2 * KVBP_LAYERS_IOV];
-	struct iovec *v = out->n_payload <= KVBP_LAYERS_IOV * 2 ? iov
-					: malloc(out->n_payload * sizeof(*v));
-	struct bulk_conn *bc;
-	zmq_msg_t *payload = out->payload;
-	size_t n_payload = out->n_payload;
-	uint64_t sent = 0, total = 0;
-	int rc;
-
-	if (!v || bulk_take(srv->bulk, out->bulk_ticket, principal, zmq_msg_data(&env[1]),
-			    zmq_msg_size(&env[1]), &bc)) {
-		/* frames after all, every layer verified first */
-		if (v != iov)
-			free(v);
-		if (out->verify_view && ops_verify_all(srv, out)) {
-			/* the reply: corrupt, no frames (closed first: they hold the view) */
-			for (size_t i = 0; i < n_payload; i++)
-				zmq_msg_close(&payload[i]);
-			out->n_payload = 0;
-			ops_remove_corrupt(srv, out);
-		}
-		return false;
-	}
-	for (size_t i = 0; i < n_payload; i++) {
-		v[i].iov_base = zmq_msg_data(&payload[i]);
-		v[i].iov_len = zmq_msg_size(&payload[i]);
-		total += v[i].iov_len;
-	}
-	/* The bulk connection's writer has its own deadline: the ZeroMQ connection is not
-	 * the one to cut while it writes (held.h). */
-	if (out->held)
-		held_remove(&srv->held, out->held);
-	out->n_payload = 0;
-	out->rep.payload_frames = 0;
-	out->rep.bulk_bytes = total;
-	send_reply(srv, sock, env, n_env, false, out);
-	rc = bulk_send(srv->bulk, bc, out->rep.request_id, v, n_payload,
-		       out->verify_view ? &check : NULL, &sent);
-	if (v != iov)
-		free(v);
-	for (size_t i = 0; i < n_payload; i++)
-		zmq_msg_close(&payload[i]);
-	if (rc == -EBADMSG)
-		ops_remove_corrupt(srv, out); /* once the frames let go of the view */
-	if (!rc)
-		atomic_fetch_add(&srv->stats.bytes_out, sent);
-	return true;
-}
-
-/* An error reply built without a request handler (refused envelope, shutting down). */
-static void reply_error(struct reply_out *out, uint32_t code, const char *msg)
-{
-	memset(out, 0, sizeof(*out));
-	out->rep.version = KVBP_VERSION;
-	out->rep.code = code;
-	out->op = KVBP_OP_COUNT;
-	snprintf(out->rep.message, sizeof(out->rep.message), "%s", msg);
-}
-
-/* Queue a fuse session for loading ahead; a session already queued is not queued twice. */
-static void prefetch_enqueue(struct server *srv, uint64_t id)
-{
-	pthread_mutex_lock(&srv->pf_lock);
-	for (unsigned i = 0; i < srv->pf_len; i++)
-		if (srv->pf_queue[(srv->pf_head + i) % srv->pf_cap] == id)
-			goto out;
-	/* Room for every session at once: a landing session is never dropped. */
-	if (srv->pf_len < srv->pf_cap) {
-		srv->pf_queue[(srv->pf_head + srv->pf_len) % srv->pf_cap] = id;
-		srv->pf_len++;
-		pthread_cond_signal(&srv->pf_cond);
-	}
-out:
-	pthread_mutex_unlock(&srv->pf_lock);
-}
-
-static void *prefetch_main(void *arg)
-{
-	struct server *srv = arg;
-
-	struct timespec last = { 0 }, now;
-
-	pthread_mutex_lock(&srv->pf_lock);
-	while (!srv->pf_stop) {
-		uint64_t id;
-
-		/*
-		 * Idle sessions expire here, not on the main thread: freeing a session waits
-		 * for its device work and gives device memory back, which stalls the device
-		 * and would stall every socket with it.
-		 */
-		clock_gettime(CLOCK_MONOTONIC, &now);
-		if (now.tv_sec != last.tv_sec) {
-			pthread_mutex_unlock(&srv->pf_lock);
-			fuse_expire(srv->fuse);
-			pthread_mutex_lock(&srv->pf_lock);
-			last = now;
-			continue;
-		}
-		if (!srv->pf_len) {
-			struct timespec until;
-
-			clock_gettime(CLOCK_REALTIME, &until);
-			until.tv_sec += 1;
-			pthread_cond_timedwait(&srv->pf_cond, &srv->pf_lock, &until);
-			continue;
-		}
-		id = srv->pf_queue[srv->pf_head];
-		srv->pf_head = (srv->pf_head + 1) % srv->pf_cap;
-		srv->pf_len--;
-		pthread_mutex_unlock(&srv->pf_lock);
-		/* A landing session with layers left goes to the back: sessions take turns. */
-		if (fuse_prefetch(srv->fuse, id))
-			prefetch_enqueue(srv, id);
-		pthread_mutex_lock(&srv->pf_lock);
-	}
-	pthread_mutex_unlock(&srv->pf_lock);
-	return NULL;
-}
-
-/*
- * A request too costly for a worker (out->defer): its frames to the lane (true), or,
- * when the lane is full, out becomes `busy` to send as usual (false).
- */
-static bool defer_to_lane(struct server *srv, zmq_msg_t *frames, size_t n, struct reply_out *out)
-{
-	int rc = srv->lane ? lane_submit(srv->lane, frames, n) : -ENOTSUP;
-
-	out->defer = false;
-	if (!rc)
-		return true;
-	out->rep.code = KVBP_BUSY;
-	snprintf(out->rep.message, sizeof(out->rep.message), "%d cluster checks wait already; "
-		 "retry when they are done", LANE_WAITING);
-	atomic_fetch_add(&srv->stats.requests[out->op], 1);
-	atomic_fetch_add(&srv->stats.errors[KVBP_BUSY], 1);
-	return false;
-}
-
-/* The lane runs a deferred request (lane.h): as a worker would, its reply on sock. */
-static void lane_run(void *ctx, void *sock, zmq_msg_t *frames, size_t n)
-{
-	struct server *srv = ctx;
-	struct req_tag tag;
-	struct ops_origin from;
-	struct reply_out out;
-
-	memcpy(&tag, zmq_msg_data(&frames[0]), sizeof(tag)); /* (checked by the worker) */
-	tag.principal[sizeof(tag.principal) - 1] = 0;
-	tag.ns[sizeof(tag.ns) - 1] = 0;
-	from = (struct ops_origin){ tag.principal, tag.ns, tag.acct,
-				    atomic_load(&srv->stopping) ? OPS_REFUSE_STOPPING : OPS_RUN,
-				    tag.fd, true, zmq_msg_data(&frames[1]), zmq_msg_size(&frames[1]) };
-	ops_handle(srv, &from, frames + ENVELOPE_LEN, n - ENVELOPE_LEN, 0, &out);
-	for (size_t i = ENVELOPE_LEN; i < n; i++)
-		zmq_msg_close(&frames[i]);
-	send_reply(srv, sock, frames, ENVELOPE_LEN, false, &out);
-	reply_out_clear(&out);
-}
-
-static void *worker_main(void *arg)
-{
-	struct server *srv = arg;
-	size_t cap = srv->in_cap + 1; /* the tag, then what the main thread forwarded */
-	zmq_msg_t *frames = calloc(cap, sizeof(*frames));
-	void *sock = zmq_socket(srv->zctx, ZMQ_DEALER);
-	int linger = 0;
-
-	if (!frames || !sock || zmq_setsockopt(sock, ZMQ_LINGER, &linger, sizeof(linger)) ||
-	    zmq_connect(sock, WORKER_ENDPOINT)) {
-		log_err("worker failed to start: %s", frames ? zmq_strerror(errno) : "no memory");
-		goto out;
-	}
-	while (!atomic_load(&srv->stop_workers)) {
-		zmq_pollitem_t it = { sock, 0, ZMQ_POLLIN, 0 };
-		struct reply_out out;
-		size_t n, extra, env;
-		struct timespec t0, t1;
-		zmq_msg_t empty;
-		struct req_tag tag;
-		struct ops_origin from;
-
-		if (zmq_poll(&it, 1, POLL_MS) <= 0 || !(it.revents & ZMQ_POLLIN))
-			continue;
-		if (recv_frames(sock, frames, cap, &n, &extra))
-			continue;
-		if (n && zmq_msg_size(&frames[0]) == sizeof(tag)) {
-			memcpy(&tag, zmq_msg_data(&frames[0]), sizeof(tag));
-			tag.principal[sizeof(tag.principal) - 1] = 0;
-		} else {
-			memset(&tag, 0, sizeof(tag));
-		}
-		extra += tag.extra;
-		tag.ns[sizeof(tag.ns) - 1] = 0;
-		from = (struct ops_origin){ tag.principal, tag.ns, tag.acct, tag.refuse, tag.fd,
-					    false, n > 1 ? zmq_msg_data(&frames[1]) : NULL,
-					    n > 1 ? zmq_msg_size(&frames[1]) : 0 };
-		/* A request queued here when the stop began is not started: busy, at once. */
-		if (from.refuse == OPS_RUN && atomic_load(&srv->stopping))
-			from.refuse = OPS_REFUSE_STOPPING;
-		clock_gettime(CLOCK_MONOTONIC, &t0);
-		if (!envelope_ok(frames, n)) {
-			/* Answered after the routing id, with a delimiter of our own. */
-			env = n < 2 ? n : 2;
-			reply_error(&out, KVBP_BAD_FRAMES, "message has no empty delimiter frame "
-				    "before its header; send [\"\"] [header] [payload ...] (see "
-				    "docs/protocol.md)");
-			atomic_fetch_add(&srv->stats.errors[KVBP_BAD_FRAMES], 1);
-			atomic_fetch_add(&srv->stats.requests[KVBP_OP_COUNT], 1);
-			for (size_t i = env; i < n; i++)
-				zmq_msg_close(&frames[i]);
-			send_reply(srv, sock, frames, env, true, &out);
-		} else {
-			env = ENVELOPE_LEN;
-			if (env == n) {
-				/* No header frame at all: answer as for an empty one. */
-				zmq_msg_init(&empty);
-				ops_handle(srv, &from, &empty, 1, extra, &out);
-				zmq_msg_close(&empty);
-			} else {
-				ops_handle(srv, &from, frames + env, n - env, extra,
-					   &out);
-			}
-			if (out.defer && defer_to_lane(srv, frames, n, &out)) {
-				reply_out_clear(&out);
-				continue; /* the lane answers it */
-			}
-			for (size_t i = env; i < n; i++)
-				zmq_msg_close(&frames[i]);
-			if (!out.has_bulk || !srv->bulk || out.rep.code != KVBP_OK ||
-			    !out.n_payload ||
-			    !bulk_divert(srv, sock, frames, env, tag.principal, &out))
-				send_reply(srv, sock, frames, env, false, &out);
-		}
-		{
-			uint64_t ns;
-
-			clock_gettime(CLOCK_MONOTONIC, &t1);
-			ns = (uint64_t)(t1.tv_sec - t0.tv_sec) * 1000000000u + (uint64_t)t1.tv_nsec -
-			     (uint64_t)t0.tv_nsec;
-			atomic_fetch_add(&srv->stats.lat_bucket[out.op][metrics_bucket(ns)], 1);
-			atomic_fetch_add(&srv->stats.lat_sum_ns[out.op], ns);
-			atomic_fetch_add(&srv->stats.lat_count[out.op], 1);
-		}
-		/* Work the node waits on next: load a fuse session's coming layers now. */
-		if (out.prefetch_session)
-			prefetch_enqueue(srv, out.prefetch_session);
-		reply_out_clear(&out);
-	}
-out:
-	if (sock)
-		zmq_close(sock);
-	free(frames);
-	atomic_fetch_sub(&srv->running_workers, 1);
-	return NULL;
-}
-
-/* Move one multipart message from one socket to another without copying its frames. */
-static int forward(void *from, void *to)
-{
-	int more = 1;
-
-	while (more) {
-		zmq_msg_t m;
-
-		zmq_msg_init(&m);
-		if (zmq_msg_recv(&m, from, ZMQ_DONTWAIT) < 0) {
-			zmq_msg_close(&m);
-			return -errno;
-		}
-		more = zmq_msg_more(&m);
-		if (zmq_msg_send(&m, to, more ? ZMQ_SNDMORE : 0) < 0)
-			zmq_msg_close(&m);
-	}
-	return 0;
-}
-
-/*
- * Who sent a message, as the transport tells it: on IPC the peer's Unix
- * credentials ("ipc:UID:GID:PID"), on TCP the CURVE key that the ZAP handler
- * admitted or else the peer's address. Shared-memory segments and fuse sessions
- * belong to it, and per-client limits are counted by it.
- */
-static void principal_of(zmq_msg_t *m, unsigned frontend, char *out, size_t len)
-{
-	const char *user = zmq_msg_gets(m, "User-Id");
-	const char *peer = zmq_msg_gets(m, "Peer-Address");
-
-	if (user && *user)
-		snprintf(out, len, "key:%s", user);
-	else if (peer && !strncmp(peer, "localhost:", 10) && frontend == 0)
-		snprintf(out, len, "ipc:%s", peer + 10);
-	else
-		snprintf(out, len, "%s:%s", frontend ? "curve" : "tcp", peer ? peer : "?");
-}
-
-/* The request's bytes are no longer held: its reply is on its way. */
-static void tag_done(struct server *srv, const struct req_tag *t)
-{
-	if (!t->acct)
-		return;
-	clients_release(srv->clients, t->acct, t->reserved);
-	clients_put(srv->clients, t->acct);
-}
-
-/*
- * A request from frontend i to the workers, with a tag in front (struct req_tag).
- * While stopping, requests still go to the workers, which answer them `busy` with
- * the request's id (the client matches replies by id) without running them; so do
- * requests that were queued for a worker but not started when the stop began.
- * Frames are moved, not copied; frames beyond what a request can have are dropped
- * here and counted in the tag, so that the worker answers bad_frames.
- */
-static int forward_in(struct server *srv, unsigned i)
-{
-	struct req_tag tag = { .frontend = (uint8_t)i };
-	zmq_msg_t *frames = srv->in_frames;
-	uint64_t bytes = 0;
-	size_t n, extra;
-	int rc;
-
-	rc = recv_frames(srv->frontends[i], frames, srv->in_cap, &n, &extra);
-	if (rc)
-		return rc;
-	if (!n)
-		return 0;
-	/* While stopping, the workers answer new requests `busy` without running them. */
-	tag.refuse = atomic_load(&srv->stopping) ? OPS_REFUSE_STOPPING : OPS_RUN;
-	tag.extra = extra > UINT32_MAX ? UINT32_MAX : (uint32_t)extra;
-	for (size_t k = 0; k < n; k++)
-		bytes += zmq_msg_size(&frames[k]);
-	/* (the routing id frame may carry no metadata when the ROUTER prefetched it) */
-	principal_of(&frames[n > 1 ? 1 : 0], i, tag.principal, sizeof(tag.principal));
-	/* (ZMQ_SRCFD: deprecated in libzmq, kept through 4.3; only held.h's deadline uses it) */
-	tag.fd = zmq_msg_get(&frames[n - 1], ZMQ_SRCFD);
-	snprintf(tag.ns, sizeof(tag.ns), "%s", tenants_of(srv->tenants, tag.principal));
-	/*
-	 * Hold the request's bytes for its client until the reply passes: a client over its
-	 * share, or all clients over max_inflight_bytes, gets `limit` at once (the worker
-	 * answers with the request's id), and its frames are freed right away.
-	 */
-	tag.acct = clients_get(srv->clients, tag.principal);
-	if (!tag.acct) {
-		tag.refuse = OPS_REFUSE_MEMORY;
-	} else if (tag.refuse == OPS_RUN) {
-		rc = clients_reserve(srv->clients, tag.acct, bytes);
-		if (rc == 0)
-			tag.reserved = bytes;
-		else
-			tag.refuse = rc == -EDQUOT ? OPS_REFUSE_CLIENT_BYTES : OPS_REFUSE_TOTAL_BYTES;
-	}
-	if (tag.refuse != OPS_RUN)
-		for (size_t k = 3; k < n; k++) { /* the payload is not needed to refuse */
-			zmq_msg_close(&frames[k]);
-			zmq_msg_init(&frames[k]);
-		}
-	if (zmq_send(srv->backend, &tag, sizeof(tag), ZMQ_SNDMORE) < 0) {
-		rc = -errno;
-		for (size_t k = 0; k < n; k++)
-			zmq_msg_close(&frames[k]);
-		tag_done(srv, &tag);
-		return rc;
-	}
-	for (size_t k = 0; k < n; k++)
-		if (zmq_msg_send(&frames[k], srv->backend, k + 1 < n ? ZMQ_SNDMORE : 0) < 0)
-			zmq_msg_close(&frames[k]);
-	srv->inflight++;
-	return 0;
-}
-
-/* A reply from the workers to the frontend its tag names. */
-static int forward_reply(struct server *srv, void *from)
-{
-	zmq_msg_t tag;
-	unsigned i = 0;
-	int more;
-
-	zmq_msg_init(&tag);
-	if (zmq_msg_recv(&tag, from, ZMQ_DONTWAIT) < 0) {
-		zmq_msg_close(&tag);
-		return -errno;
-	}
-	if (zmq_msg_size(&tag) == sizeof(struct req_tag)) {
-		struct req_tag t;
-
-		memcpy(&t, zmq_msg_data(&tag), sizeof(t));
-		i = t.frontend & 1;
-		tag_done(srv, &t);
-	}
-	more = zmq_msg_more(&tag);
-	zmq_msg_close(&tag);
-	if (srv->inflight)
-		srv->inflight--;
-	if (!more)
-		return 0;
-	if (!srv->frontends[i]) {
-		/* cannot happen; drain the rest rather than misroute it */
-		while (more) {
-			zmq_msg_t m;
-
-			zmq_msg_init(&m);
-			if (zmq_msg_recv(&m, from, 0) < 0)
-				break;
-			more = zmq_msg_more(&m);
-			zmq_msg_close(&m);
-		}
-		return 0;
-	}
-	return forward(from, srv->frontends[i]);
-}
-
-/* A worker's reply to its client. */
-static int forward_out(struct server *srv)
-{
-	return forward_reply(srv, srv->backend);
 }
 
 /* The evictor's question, in a cluster: is this daemon one of the chunk's owners? */
@@ -1157,7 +595,7 @@ int server_start(struct server *srv, const struct config *cfg, struct store *sto
 	}
 	for (unsigned i = 0; !rc && i < n_workers; i++) {
 		atomic_fetch_add(&srv->running_workers, 1);
-		rc = pthread_create(&srv->threads[i], NULL, worker_main, srv);
+		rc = pthread_create(&srv->threads[i], NULL, server_worker_main, srv);
 		if (rc) {
 			atomic_fetch_sub(&srv->running_workers, 1);
 			break;
@@ -1165,11 +603,11 @@ int server_start(struct server *srv, const struct config *cfg, struct store *sto
 		srv->n_workers++;
 	}
 	if (!rc) {
-		rc = pthread_create(&srv->prefetcher, NULL, prefetch_main, srv);
+		rc = pthread_create(&srv->prefetcher, NULL, server_prefetch_main, srv);
 		srv->prefetcher_started = rc == 0;
 	}
 	if (!rc)
-		rc = -lane_start(&srv->lane, srv->zctx, LANE_ENDPOINT, lane_run, srv, LANE_WAITING);
+		rc = -lane_start(&srv->lane, srv->zctx, LANE_ENDPOINT, server_lane_run, srv, LANE_WAITING);
 	pthread_sigmask(SIG_SETMASK, &old, NULL);
 	if (rc) {
 		log_err("cannot start worker threads: %s", strerror(rc));
@@ -1180,50 +618,6 @@ int server_start(struct server *srv, const struct config *cfg, struct store *sto
 		rc = metrics_start(srv, (uint16_t)cfg->metrics_port, &srv->metrics);
 		if (rc)
 			return rc;
-	}
-	return 0;
-}
-
-int server_run(struct server *srv, volatile int *stop, void (*tick)(struct server *))
-{
-	zmq_pollitem_t items[6] = { { srv->backend, 0, ZMQ_POLLIN, 0 },
-				    { srv->frontends[0], 0, ZMQ_POLLIN, 0 },
-				    { srv->frontends[1], 0, ZMQ_POLLIN, 0 },
-				    { srv->monitors[0], 0, ZMQ_POLLIN, 0 },
-				    { srv->monitors[1], 0, ZMQ_POLLIN, 0 } };
-	int n_items = srv->frontends[1] ? 3 : 2, lane = 2 * n_items - 1;
-	struct timespec last = { 0 }, now;
-
-	if (!srv->frontends[1]) /* no CURVE frontend: its monitor neither */
-		items[2] = items[3];
-	items[lane] = (zmq_pollitem_t){ srv->lane_out, 0, ZMQ_POLLIN, 0 }; /* last */
-	while (!*stop) {
-		int rc = zmq_poll(items, lane + 1, POLL_MS);
-
-		if (rc < 0 && errno != EINTR)
-			log_warn("poll: %s", zmq_strerror(errno));
-		/* connections first, so that the count the ZAP handler reads is current */
-		for (int i = n_items; rc > 0 && i < 2 * n_items - 1; i++)
-			if (items[i].revents & ZMQ_POLLIN)
-				count_connection(srv, items[i].socket);
-		if (rc > 0 && (items[0].revents & ZMQ_POLLIN))
-			forward_out(srv);
-		if (rc > 0 && (items[lane].revents & ZMQ_POLLIN))
-			forward_reply(srv, srv->lane_out);
-		for (int i = 1; rc > 0 && i < n_items; i++)
-			if (items[i].revents & ZMQ_POLLIN)
-				forward_in(srv, (unsigned)i - 1);
-		clock_gettime(CLOCK_MONOTONIC, &now);
-		if (tick)
-			tick(srv); /* cheap: the watchdog ping is rate-limited inside */
-		if (now.tv_sec != last.tv_sec) {
-			unsigned n = shm_expire(srv->shm);
-
-			if (n)
-				log_info("released %u idle shared-memory segments", n);
-			held_expire(&srv->held, (int64_t)srv->cfg->reply_timeout_ms);
-			last = now;
-		}
 	}
 	return 0;
 }
@@ -1261,14 +655,14 @@ void server_stop(struct server *srv)
 			int rc = zmq_poll(items, n_items + 1, 50);
 
 			if (rc > 0 && (items[0].revents & ZMQ_POLLIN))
-				while (forward_out(srv) == 0)
+				while (server_forward_out(srv) == 0)
 					;
 			if (rc > 0 && (items[n_items].revents & ZMQ_POLLIN))
-				while (forward_reply(srv, srv->lane_out) == 0)
+				while (server_forward_reply(srv, srv->lane_out) == 0)
 					;
 			for (int i = 1; rc > 0 && i < n_items; i++)
 				if (items[i].revents & ZMQ_POLLIN)
-					forward_in(srv, (unsigned)i - 1);
+					server_forward_in(srv, (unsigned)i - 1);
 			clock_gettime(CLOCK_MONOTONIC, &now);
 			waited_ms = (now.tv_sec - start.tv_sec) * 1000 +
 				    (now.tv_nsec - start.tv_nsec) / 1000000;
@@ -1303,9 +697,9 @@ void server_stop(struct server *srv)
 	lane_stop(&srv->lane);
 	bulk_stop(&srv->bulk); /* after the workers: none writes on a connection now */
 	/* Replies produced in the last moments. */
-	while (srv->backend && forward_out(srv) == 0)
+	while (srv->backend && server_forward_out(srv) == 0)
 		;
-	while (srv->lane_out && forward_reply(srv, srv->lane_out) == 0)
+	while (srv->lane_out && server_forward_reply(srv, srv->lane_out) == 0)
 		;
 	for (int f = 0; f < 2; f++)
 		if (srv->monitors[f]) {
