@@ -143,4 +143,52 @@ struct blend_device {
 int blend_emu_open(uint64_t fail_after, bool sticky, struct blend_device **out);
 void blend_emu_close(struct blend_device **d);
 
+/*
+ * Where the daemon's fuse sessions keep their rings (blend/devices.c): the one way the
+ * daemon reaches a device, CUDA or emulated, so that nothing outside blend/ calls the
+ * CUDA backend by name. which: BLEND_DEVICE_CPU (none), BLEND_DEVICE_AUTO (CUDA device
+ * 0 when it is there and usable, else none), BLEND_DEVICE_EMULATED (the emulated
+ * device, with emu's test hooks), or a CUDA ordinal (that device, or the open fails).
+ */
+#define BLEND_DEVICE_AUTO (-2)
+#define BLEND_DEVICE_CPU (-1)
+#define BLEND_DEVICE_EMULATED (-3)
+
+struct blend_devices;
+
+/* The emulated device's test hooks (blend_emu_open). */
+struct blend_emu_opts {
+	uint64_t fail_after;
+	bool sticky;
+	bool as_auto; /* sessions placed as device auto places them (dev_host false) */
+};
+
+/* What blend_devices_open() chose, and the lines that say so for the daemon's log. */
+struct blend_devices_info {
+	const struct blend_device *dev; /* NULL: sessions on the host (the CPU backend) */
+	/* Sessions whose node takes its layers in host memory run on dev too (a device
+	 * named, or emulated); false under device auto (no PCIe round trip). */
+	bool dev_host;
+	const char *model; /* the hardware's name ("NVIDIA H200"), "" without CUDA */
+	int ordinal;	   /* the CUDA ordinal, -1 without CUDA */
+	int level;	   /* of line: 0 info, 1 warning, 2 error (the open failed) */
+	char line[1024];   /* what was chosen and why (the driver floor included) */
+	char line2[256];   /* a second info line, or "" */
+};
+
+/*
+ * Open the device for which: 0 (info filled, *out set, possibly with no device), or
+ * -ENODEV (a named CUDA device is not usable: info->line says why) or -ENOMEM. cpu is
+ * the CPU backend's name, for the lines. *out is closed with blend_devices_close()
+ * after every session that used its device.
+ */
+int blend_devices_open(int which, const char *cpu, const struct blend_emu_opts *emu,
+		       struct blend_devices **out, struct blend_devices_info *info);
+/* Accepts NULL; sets *d to NULL. */
+void blend_devices_close(struct blend_devices **d);
+/* Whether this build has the CUDA backend, and the NVIDIA driver its runtime needs
+ * (one line, static text: for --help). */
+bool blend_devices_cuda_built(void);
+const char *blend_devices_cuda_floor(void);
+
 #endif

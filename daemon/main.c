@@ -11,7 +11,7 @@
 #include <unistd.h>
 
 #include "config.h"
-#include "cuda/cuda.h"
+#include "device.h"
 #include "../cluster/etcd.h"
 #include "log.h"
 #include "notify.h"
@@ -60,10 +60,10 @@ static void usage(FILE *f)
 		"\n"
 		"Settings (each also a key of the config file, with underscores):\n");
 	config_print_help(f);
-	if (blend_cuda_built())
+	if (blend_devices_cuda_built())
 		fprintf(f, "\nDevice cuda and auto: this build's\n  %s;\n"
 			   "with an older driver device cuda refuses to start and auto runs the\n"
-			   "fuse on the CPU, saying why in the log.\n", blend_cuda_driver_floor());
+			   "fuse on the CPU, saying why in the log.\n", blend_devices_cuda_floor());
 	else
 		fprintf(f, "\nThis build has no CUDA backend: device cuda refuses to start and\n"
 			   "auto runs the fuse on the CPU.\n");

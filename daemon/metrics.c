@@ -19,7 +19,6 @@
 #include <unistd.h>
 
 #include "../cluster/cluster.h"
-#include "cuda/cuda.h"
 #include "log.h"
 #include "state.h"
 
@@ -291,7 +290,7 @@ void metrics_write(struct server *srv, FILE *f)
 	fprintf(f, "# HELP kvblend_backend_info The fuse compute backend in use, and its device.\n"
 		   "# TYPE kvblend_backend_info gauge\nkvblend_backend_info{backend=\"%s\","
 		   "device=\"", srv->blend->name);
-	label_value(f, srv->gpu ? blend_cuda_name(srv->gpu) : srv->dev ? srv->dev->name : "cpu");
+	label_value(f, srv->dev_model[0] ? srv->dev_model : srv->dev ? srv->dev->name : "cpu");
 	fputs("\"} 1\n", f);
 	if (srv->dev) {
 		uint64_t held, total;

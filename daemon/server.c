@@ -20,7 +20,6 @@
 #include "../proto/bulk.h"
 #include "clients.h"
 #include "../cluster/cluster.h"
-#include "cuda/cuda.h"
 #include "curve.h"
 #include "fdguard.h"
 #include "lane.h"
@@ -334,73 +333,36 @@ static void owners_hold(void *ctx, uint32_t model_id, const uint8_t (*hashes)[ST
  */
 static int pick_backend(struct server *srv, int device)
 {
-	char why[256], name[256], drv[256];
-	int ordinal = device == CONFIG_DEVICE_AUTO ? 0 : device, rc;
-	uint64_t held, total;
+	const char *fa = getenv("KVBLEND_EMULATED_FAIL_AFTER");
+	const char *sticky = getenv("KVBLEND_EMULATED_STICKY");
+	const char *as_auto = getenv("KVBLEND_EMULATED_AUTO");
+	/* The emulated device's test hooks: the Nth device call fails, as a CUDA error
+	 * would; with KVBLEND_EMULATED_STICKY=1 for good, as an illegal address does; with
+	 * KVBLEND_EMULATED_AUTO=1 sessions are placed as device auto places them. */
+	struct blend_emu_opts emu = { fa ? strtoull(fa, NULL, 10) : 0,
+				      sticky && !strcmp(sticky, "1"),
+				      as_auto && !strcmp(as_auto, "1") };
+	struct blend_devices_info info;
+	int which = device == CONFIG_DEVICE_AUTO	 ? BLEND_DEVICE_AUTO
+		    : device == CONFIG_DEVICE_CPU	 ? BLEND_DEVICE_CPU
+		    : device == CONFIG_DEVICE_EMULATED ? BLEND_DEVICE_EMULATED
+						       : device;
+	int rc;
 
 	srv->blend = blend_cpu_backend();
-	if (device == CONFIG_DEVICE_CPU) {
-		log_info("fuse backend %s (device cpu)", srv->blend->name);
-		return 0;
-	}
-	if (device == CONFIG_DEVICE_EMULATED) {
-		const char *fa = getenv("KVBLEND_EMULATED_FAIL_AFTER");
-		const char *sticky = getenv("KVBLEND_EMULATED_STICKY");
-
-		const char *as_auto = getenv("KVBLEND_EMULATED_AUTO");
-
-		/* The test hooks: the Nth device call fails, as a CUDA error would; with
-		 * KVBLEND_EMULATED_STICKY=1 for good, as an illegal address does; with
-		 * KVBLEND_EMULATED_AUTO=1 sessions are placed as device auto places them. */
-		if (blend_emu_open(fa ? strtoull(fa, NULL, 10) : 0, sticky && !strcmp(sticky, "1"),
-				   &srv->emu))
-			return -ENOMEM;
-		srv->dev = srv->emu;
-		srv->dev_host = !(as_auto && !strcmp(as_auto, "1"));
-		log_info("fuse backend %s, sessions on the emulated device (host memory standing "
-			 "in for a GPU's, for tests: slower than device cpu)%s", srv->blend->name,
-			 srv->dev_host ? "" : "; sessions placed as device auto places them");
-		return 0;
-	}
-	/* The driver floor goes into the one line that says the outcome: a driver below it
-	 * is why cuda refuses and auto runs on the CPU. */
-	{
-		int v = blend_cuda_driver_version();
-
-		if (v > 0)
-			snprintf(drv, sizeof(drv), "%s; the driver here supports CUDA %d.%d",
-				 blend_cuda_driver_floor(), v / 1000, v % 1000 / 10);
-		else
-			snprintf(drv, sizeof(drv), "%s; no NVIDIA driver here",
-				 blend_cuda_driver_floor());
-	}
-	if (device == CONFIG_DEVICE_AUTO &&
-	    blend_cuda_probe(0, name, sizeof(name), why, sizeof(why))) {
-		log_info("fuse backend %s (device auto: %s) [%s]", srv->blend->name, why, drv);
-		return 0;
-	}
-	rc = blend_cuda_open(ordinal, &srv->gpu, why, sizeof(why));
-	if (rc && device == CONFIG_DEVICE_AUTO) {
-		log_warn("fuse backend %s (device auto: CUDA device 0, %s, is there but not usable: "
-			 "%s) [%s]", srv->blend->name, name, why, drv);
-		return 0;
-	}
-	if (rc) {
-		log_err("device cuda:%d: %s [%s]", ordinal, why, drv);
-		return -ENODEV;
-	}
-	blend_cuda_memory(srv->gpu, &held, &total);
-	srv->dev = blend_cuda_device(srv->gpu);
-	srv->dev_host = device != CONFIG_DEVICE_AUTO;
-	log_info("fuse sessions on CUDA device %d (%s, %" PRIu64 " MiB%s, %s); landing sessions "
-		 "and re-rotated GETs on %s [%s]", ordinal, blend_cuda_name(srv->gpu), total >> 20,
-		 device == CONFIG_DEVICE_AUTO ? ", device auto" : "",
-		 blend_cuda_blocking_sync(srv->gpu) ? "waits block" : "waits spin: blocking sync refused",
-		 srv->blend->name, drv);
-	if (!srv->dev_host)
-		log_info("device auto: a session runs on CUDA device %d when its node maps the "
-			 "device ring, else on %s (its layers would cross PCIe twice)", ordinal,
-			 srv->blend->name);
+	rc = blend_devices_open(which, srv->blend->name, &emu, &srv->devices, &info);
+	if (rc == -ENOMEM)
+		return rc;
+	log_msg(info.level == 2 ? LOG_LVL_ERROR : info.level ? LOG_LVL_WARN : LOG_LVL_INFO, "%s",
+		info.line);
+	if (rc)
+		return rc;
+	if (info.line2[0])
+		log_info("%s", info.line2);
+	srv->dev = info.dev;
+	srv->dev_host = info.dev_host;
+	srv->dev_model = info.model;
+	srv->dev_ordinal = info.ordinal;
 	return 0;
 }
 
@@ -457,6 +419,8 @@ int server_start(struct server *srv, const struct config *cfg, struct store *sto
 	sigset_t all, old;
 
 	memset(srv, 0, sizeof(*srv));
+	srv->dev_model = "";
+	srv->dev_ordinal = -1;
 	held_init(&srv->held);
 	srv->cfg = cfg;
 	srv->store = store;
@@ -734,8 +698,7 @@ void server_stop(struct server *srv)
 	metrics_stop(&srv->metrics);
 	evictor_free(&srv->evict);
 	fuse_table_free(&srv->fuse);
-	blend_cuda_close(&srv->gpu); /* after the sessions that used it */
-	blend_emu_close(&srv->emu);
+	blend_devices_close(&srv->devices); /* after the sessions that used it */
 	shm_table_free(&srv->shm);
 	pool_free(&srv->pool);
 	clients_free(&srv->clients); /* after the context: ZeroMQ released every reply */

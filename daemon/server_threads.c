@@ -20,7 +20,6 @@
 #include "../proto/bulk.h"
 #include "clients.h"
 #include "../cluster/cluster.h"
-#include "cuda/cuda.h"
 #include "curve.h"
 #include "fdguard.h"
 #include "lane.h"

@@ -57,9 +57,10 @@ struct server {
 	struct cluster *cluster; /* NULL: no cluster */
 	struct metrics *metrics;
 	const struct blend_backend *blend; /* fuse compute backend */
-	struct blend_cuda *gpu; /* its CUDA device, when it runs on one (else NULL) */
+	struct blend_devices *devices; /* the device opened for it (blend/device.h) */
 	const struct blend_device *dev; /* where fuse sessions keep their rings (NULL: host) */
-	struct blend_device *emu;	/* the emulated device, when configured */
+	const char *dev_model; /* the CUDA device's name, "" when none */
+	int dev_ordinal;       /* its CUDA ordinal, -1 when none */
 	/* Sessions whose node takes its layers in host memory run on dev too (device cuda,
 	 * emulated); false under device auto, where they run on the CPU (no PCIe round trip). */
 	bool dev_host;

@@ -17,7 +17,6 @@
 #include "../proto/bulk.h"
 #include "clients.h"
 #include "cluster.h"
-#include "cuda/cuda.h"
 #include "fdguard.h"
 #include "lane.h"
 #include "log.h"
@@ -528,16 +527,16 @@ static void stats_device(struct stat_list *l, struct server *srv)
 
 	snprintf(nm, sizeof(nm), "backend_%s", srv->blend->name);
 	stat_add(l, nm, 1);
-	if (srv->gpu) {
+	if (srv->dev_ordinal >= 0) {
 		size_t k = (size_t)snprintf(nm, sizeof(nm), "device_name_%s",
-					    blend_cuda_name(srv->gpu));
+					    srv->dev_model);
 
 		/* The name as a stat name: words joined by '_' ("NVIDIA_H200"). */
 		for (k = k < sizeof(nm) ? k : sizeof(nm) - 1; k-- > 12;)
 			if (nm[k] == ' ')
 				nm[k] = '_';
 		stat_add(l, nm, 1);
-		stat_add(l, "device_cuda_ordinal", blend_cuda_ordinal(srv->gpu));
+		stat_add(l, "device_cuda_ordinal", srv->dev_ordinal);
 	}
 	if (srv->dev) {
 		uint64_t held, total;

@@ -256,7 +256,7 @@ void op_fuse_layer(struct req *q)
 	if (q->h.device_out && !plan.device_ring) {
 		fail(q, KVBP_BAD_ARGUMENT, "device_out: this session's ring is not exported (the "
 		     "daemon fuses on %s, or the open did not ask for device_out); take the layer "
-		     "in host memory", q->srv->gpu ? "a CUDA device, but the export failed" :
+		     "in host memory", q->srv->dev_ordinal >= 0 ? "a CUDA device, but the export failed" :
 		     "no CUDA device");
 		goto out;
 	}
