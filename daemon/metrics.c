@@ -19,6 +19,7 @@
 #include <unistd.h>
 
 #include "../cluster/cluster.h"
+#include "counters.h"
 #include "log.h"
 #include "state.h"
 
@@ -156,16 +157,9 @@ static void member_series(FILE *f, struct cluster *c)
 void metrics_write(struct server *srv, FILE *f)
 {
 	struct server_stats *st = &srv->stats;
-	struct store_totals t = { 0 };
-	struct evict_stats es;
-	struct timespec now;
-	uint64_t fs, fb, fp, shm_n, shm_b;
+	struct counter_snap snap;
 
-	store_totals(srv->store, &t);
-	evictor_stats(srv->evict, &es);
-	fuse_usage(srv->fuse, &fs, &fb, &fp);
-	shm_usage(srv->shm, &shm_n, &shm_b);
-	clock_gettime(CLOCK_MONOTONIC, &now);
+	counters_snap(srv, &snap);
 	fprintf(f, "# HELP kvblend_requests_total Requests handled, by operation.\n"
 		   "# TYPE kvblend_requests_total counter\n");
 	for (uint32_t op = 1; op <= KVBP_OP_COUNT; op++)
@@ -200,138 +194,18 @@ void metrics_write(struct server *srv, FILE *f)
 		fprintf(f, "kvblend_request_duration_seconds_count{op=\"%s\"} %" PRIu64 "\n", name,
 			(uint64_t)atomic_load(&st->lat_count[op]));
 	}
-	gauge(f, "kvblend_received_bytes_total", "Bytes of requests received.", "counter",
-	      (double)atomic_load(&st->bytes_in));
-	gauge(f, "kvblend_sent_bytes_total", "Bytes of replies sent over sockets.", "counter",
-	      (double)atomic_load(&st->bytes_out));
-	gauge(f, "kvblend_lookup_hits_total", "Lookups of stored chunks.", "counter",
-	      (double)atomic_load(&st->lookup_hits));
-	gauge(f, "kvblend_lookup_misses_total", "Lookups of chunks not stored.", "counter",
-	      (double)atomic_load(&st->lookup_misses));
-	gauge(f, "kvblend_evictions_total", "Chunks evicted.", "counter", (double)es.evicted);
-	gauge(f, "kvblend_evicted_bytes_total", "Stored bytes freed by eviction.", "counter",
-	      (double)es.evicted_bytes);
-	gauge(f, "kvblend_corrupt_removed_total", "Chunks that failed a checksum and were removed.",
-	      "counter", (double)atomic_load(&st->corrupt_removed));
-	gauge(f, "kvblend_chunks", "Chunks stored.", "gauge", (double)t.chunks);
-	gauge(f, "kvblend_stored_bytes", "Bytes of chunks as stored (encoded).", "gauge",
-	      (double)t.stored_bytes);
-	gauge(f, "kvblend_raw_bytes", "Bytes of chunks decoded.", "gauge", (double)t.raw_bytes);
-	gauge(f, "kvblend_compression_ratio", "Raw bytes over stored bytes.", "gauge",
-	      t.stored_bytes ? (double)t.raw_bytes / (double)t.stored_bytes : 1.0);
-	gauge(f, "kvblend_capacity_bytes", "Configured capacity (0: none).", "gauge",
-	      (double)srv->cfg->capacity);
-	gauge(f, "kvblend_map_used_bytes", "LMDB map in use.", "gauge", (double)t.map_used);
-	gauge(f, "kvblend_pinned_chunks", "Chunks pinned against eviction with a TTL.", "gauge",
-	      (double)es.pins);
-	gauge(f, "kvblend_fuse_sessions", "Open fuse sessions.", "gauge", (double)fs);
-	gauge(f, "kvblend_fuse_ring_bytes", "Memory held by fuse sessions' rings.", "gauge",
-	      (double)fb);
-	gauge(f, "kvblend_shm_segments", "Shared-memory segments of clients.", "gauge",
-	      (double)shm_n);
-	gauge(f, "kvblend_uptime_seconds", "Seconds since start.", "gauge",
-	      (double)(now.tv_sec - srv->started.tv_sec));
-	if (srv->cluster) {
-		struct cluster_stats cs;
-
-		cluster_stats(srv->cluster, &cs);
-		gauge(f, "kvblend_cluster_members", "Members in placement, this daemon included.",
-		      "gauge", (double)cs.members);
-		gauge(f, "kvblend_cluster_suspect_members", "Members skipped after a missed deadline.",
-		      "gauge", (double)cs.suspect);
-		gauge(f, "kvblend_cluster_pushes_owed", "Chunk copies still to send to their owners.",
-		      "gauge", (double)cs.pushes_owed);
-		gauge(f, "kvblend_cluster_pushes_total", "Chunk copies sent to their owners.",
-		      "counter", (double)cs.pushes_done);
-		gauge(f, "kvblend_cluster_push_failures_total", "Chunk copies an owner refused.",
-		      "counter", (double)cs.push_failures);
-		gauge(f, "kvblend_cluster_rebalance_pushes_total",
-		      "Chunk copies sent to members that joined or returned.", "counter",
-		      (double)cs.rebalance_pushes);
-		gauge(f, "kvblend_cluster_remote_hits_total", "Chunks fetched from other members.",
-		      "counter", (double)cs.remote_hits);
-		gauge(f, "kvblend_cluster_remote_misses_total", "Local misses no member could serve.",
-		      "counter", (double)cs.remote_misses);
-		gauge(f, "kvblend_cluster_fetch_failures_total",
-		      "Fetches from a member that failed (no answer, bad bytes).", "counter",
-		      (double)cs.fetch_failures);
-		gauge(f, "kvblend_cluster_fetched_bytes_total", "Stored bytes fetched from members.",
-		      "counter", (double)cs.fetched_bytes);
-		gauge(f, "kvblend_cluster_fetch_seconds_total", "Time in successful fetches.",
-		      "counter", cs.fetch_ms / 1e3);
-		gauge(f, "kvblend_cluster_cache_bytes",
-		      "Stored bytes of cache copies (chunks held here, owned elsewhere).", "gauge",
-		      (double)es.cache_bytes);
-		gauge(f, "kvblend_cluster_cache_reclaimed_total",
-		      "Cache copies evicted once their owners held them.", "counter",
-		      (double)es.cache_reclaimed);
-		gauge(f, "kvblend_cluster_hedged_total",
-		      "Fetches that also asked the next member after cluster_hedge_ms.", "counter",
-		      (double)cs.hedged);
-		gauge(f, "kvblend_cluster_membership_changes_total", "Changes of the membership seen.",
-		      "counter", (double)cs.membership_changes);
-		if (cs.etcd)
-			gauge(f, "kvblend_cluster_etcd_up", "Whether etcd answered the last call.",
-			      "gauge", cs.etcd_ok);
-		{
-			struct cluster_check ck;
-
-			cluster_check_last(srv->cluster, &ck);
-			gauge(f, "kvblend_cluster_under_replicated_chunks",
-			      "Chunks with fewer than cluster_replicas copies among their owners, "
-			      "counted here at the last replication check (kvblend cluster check, "
-			      "repair passes).", "gauge", (double)ck.under);
-			gauge(f, "kvblend_cluster_copies_beyond_r",
-			      "Chunks held here that this member does not own (copies beyond R), at "
-			      "the last replication check.", "gauge", (double)ck.beyond);
-		}
+	/* every single-valued figure, from the table STATS prints too (counters.h) */
+	for (size_t i = 0; i < n_counters; i++)
+		if (counters[i].prom && counter_present(&counters[i], &snap))
+			gauge(f, counters[i].prom, counters[i].help,
+			      counters[i].monotonic ? "counter" : "gauge", counters[i].value(&snap));
+	if (srv->cluster)
 		member_series(f, srv->cluster);
-	}
 	fprintf(f, "# HELP kvblend_backend_info The fuse compute backend in use, and its device.\n"
 		   "# TYPE kvblend_backend_info gauge\nkvblend_backend_info{backend=\"%s\","
 		   "device=\"", srv->blend->name);
 	label_value(f, srv->dev_model[0] ? srv->dev_model : srv->dev ? srv->dev->name : "cpu");
 	fputs("\"} 1\n", f);
-	if (srv->dev) {
-		uint64_t held, total;
-
-		srv->dev->memory(srv->dev, &held, &total);
-		gauge(f, "kvblend_device_memory_bytes",
-		      "Device memory the fuse holds on its device.", "gauge", (double)held);
-		gauge(f, "kvblend_device_memory_total_bytes", "The CUDA device's memory.", "gauge",
-		      (double)total);
-		gauge(f, "kvblend_device_failed",
-		      "1 once the device failed for good (a sticky error): new fuse sessions run "
-		      "on the CPU until a restart.", "gauge", srv->dev->broken(srv->dev));
-		gauge(f, "kvblend_fuse_device_fallbacks_total",
-		      "Fuse sessions that ran on the host path though the daemon has a device: its "
-		      "budget (fuse_device_max_bytes) was full, its memory short, or it had failed.",
-		      "counter", (double)fuse_device_fallbacks(srv->fuse));
-		{
-			struct fuse_device_counts c;
-
-			fuse_device_counts(srv->fuse, &c);
-			gauge(f, "kvblend_fuse_device_allocs_total",
-			      "Device and pinned host blocks the fuse allocated because its pools had "
-			      "none to give (a session's open allocates none once they are warm).",
-			      "counter", (double)c.allocs);
-			gauge(f, "kvblend_fuse_device_registrations_total",
-			      "Shared rings pinned in place for the device (cudaHostRegister): once "
-			      "per segment, not per session.", "counter", (double)c.registrations);
-			gauge(f, "kvblend_fuse_device_unregistrations_total",
-			      "Shared rings unpinned, before their segment is unmapped.", "counter",
-			      (double)c.unregistrations);
-			gauge(f, "kvblend_fuse_device_pinned_rings",
-			      "Shared rings pinned now (in use, or kept for their owner's next "
-			      "session).", "gauge", (double)c.pinned_rings);
-			gauge(f, "kvblend_fuse_device_spares_total",
-			      "Spare blocks allocated off the sessions' path, for the next session of "
-			      "a shape an open had to allocate for.", "counter", (double)c.spares);
-			gauge(f, "kvblend_fuse_device_reserve_used_bytes",
-			      "Bytes of the device reserve (fuse_device_reserve) sessions hold.",
-			      "gauge", (double)c.reserve_used[0]);
-		}
-	}
 }
 
 static uint64_t now_ms(void)

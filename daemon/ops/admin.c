@@ -16,6 +16,7 @@
 #include "bulk.h"
 #include "../proto/bulk.h"
 #include "clients.h"
+#include "counters.h"
 #include "cluster.h"
 #include "fdguard.h"
 #include "lane.h"
@@ -309,17 +310,11 @@ static void member_stat(void *ctx, const struct cluster_member *mb)
 	stat_add(m->l, nm, (double)mb->held_bytes);
 }
 
-/* The store: what it holds, per codec from its kept totals (no walk of the chunks). */
-static void stats_store(struct stat_list *l, struct store *store, const struct store_totals *t)
+/* The store's chunks per codec, from its kept totals (no walk of the chunks). */
+static void stats_codecs(struct stat_list *l, const struct store_totals *t)
 {
 	static const char *const names[STORE_CODECS] = { "dtype", "fp8", "int8", "int4" };
 
-	stat_add(l, "models", (double)t->models);
-	stat_add(l, "chunks", (double)t->chunks);
-	stat_add(l, "raw_bytes", (double)t->raw_bytes);
-	stat_add(l, "stored_bytes", (double)t->stored_bytes);
-	stat_add(l, "compression_ratio",
-		 t->stored_bytes ? (double)t->raw_bytes / (double)t->stored_bytes : 1.0);
 	for (int c = 0; c < STORE_CODECS; c++) {
 		char nm[64];
 
@@ -332,17 +327,6 @@ static void stats_store(struct stat_list *l, struct store *store, const struct s
 		snprintf(nm, sizeof(nm), "store_%s_stored_bytes", names[c]);
 		stat_add(l, nm, (double)t->codec[c].stored_bytes);
 	}
-	stat_add(l, "store_chunk_walks", (double)store_chunk_walks(store));
-	stat_add(l, "map_size_bytes", (double)t->map_size);
-	stat_add(l, "map_used_bytes", (double)t->map_used);
-}
-
-static uint64_t wall_now_ms(void)
-{
-	struct timespec now;
-
-	clock_gettime(CLOCK_REALTIME, &now);
-	return (uint64_t)now.tv_sec * 1000 + (uint64_t)now.tv_nsec / 1000000;
 }
 
 /*
@@ -383,108 +367,12 @@ static void stats_check(struct stat_list *l, struct cluster *c)
 	free(m);
 }
 
-/* The cluster: its counters, and each member (member_stat). */
-static void stats_cluster(struct stat_list *l, struct cluster *c, struct kvbp_reply *rep)
+/* Each member of the cluster (member_stat): in the stats and in the reply. */
+static void stats_members(struct stat_list *l, struct cluster *c, struct kvbp_reply *rep)
 {
 	struct member_stats ms = { l, rep, 0 };
-	struct cluster_stats cs;
 
-	cluster_stats(c, &cs);
-	stat_add(l, "cluster_members", (double)cs.members);
-	stat_add(l, "cluster_suspect", (double)cs.suspect);
-	stat_add(l, "cluster_pushes_owed", (double)cs.pushes_owed);
-	stat_add(l, "cluster_pushes_done", (double)cs.pushes_done);
-	stat_add(l, "cluster_push_failures", (double)cs.push_failures);
-	stat_add(l, "cluster_remote_hits", (double)cs.remote_hits);
-	stat_add(l, "cluster_remote_misses", (double)cs.remote_misses);
-	stat_add(l, "cluster_fetch_failures", (double)cs.fetch_failures);
-	stat_add(l, "cluster_fetched_bytes", (double)cs.fetched_bytes);
-	stat_add(l, "cluster_fetch_ms", cs.fetch_ms);
-	stat_add(l, "cluster_rebalance_pushes", (double)cs.rebalance_pushes);
-	stat_add(l, "cluster_rebalance_skipped", (double)cs.rebalance_skipped);
-	stat_add(l, "cluster_membership_changes", (double)cs.membership_changes);
-	stat_add(l, "cluster_peer_busy", (double)cs.peer_busy);
-	stat_add(l, "cluster_hedged", (double)cs.hedged);
-	if (cs.etcd) {
-		stat_add(l, "cluster_etcd_ok", cs.etcd_ok);
-		stat_add(l, "cluster_etcd_errors", (double)cs.etcd_errors);
-		stat_add(l, "cluster_etcd_last_ok_age_ms",
-			 cs.etcd_last_ok_ms ? (double)(wall_now_ms() - cs.etcd_last_ok_ms) : -1);
-	}
-	/* the last replication check's gauges (kvblend cluster check, repair passes) */
-	{
-		struct cluster_check ck;
-
-		cluster_check_last(c, &ck);
-		stat_add(l, "cluster_under_replicated", (double)ck.under);
-		stat_add(l, "cluster_copies_beyond_r", (double)ck.beyond);
-		stat_add(l, "cluster_check_age_ms",
-			 ck.at_ms ? (double)(wall_now_ms() - ck.at_ms) : -1);
-	}
-	/* per member: member:ID, owed:ID, seen_ms:ID, chunks:ID, bytes:ID */
 	cluster_members(c, member_stat, &ms);
-}
-
-/* The server: shared memory, traffic, clients and connections. */
-static void stats_server(struct stat_list *l, struct server *srv)
-{
-	uint64_t shm_n, shm_bytes, held, n_clients;
-
-	shm_usage(srv->shm, &shm_n, &shm_bytes);
-	stat_add(l, "shm_segments", (double)shm_n);
-	stat_add(l, "shm_bytes", (double)shm_bytes);
-	stat_add(l, "bytes_in", (double)atomic_load(&srv->stats.bytes_in));
-	stat_add(l, "bytes_out", (double)atomic_load(&srv->stats.bytes_out));
-	stat_add(l, "lookup_hits", (double)atomic_load(&srv->stats.lookup_hits));
-	stat_add(l, "lookup_misses", (double)atomic_load(&srv->stats.lookup_misses));
-	stat_add(l, "corrupt_removed", (double)atomic_load(&srv->stats.corrupt_removed));
-	clients_usage(srv->clients, &held, &n_clients);
-	stat_add(l, "inflight_bytes", (double)held);
-	stat_add(l, "clients", (double)n_clients);
-	stat_add(l, "connections", (double)atomic_load(&srv->connections));
-	stat_add(l, "connections_refused", (double)atomic_load(&srv->refused_clients));
-	stat_add(l, "curve_keys_refused", (double)atomic_load(&srv->refused_keys));
-	stat_add(l, "connections_dropped_no_fd", (double)fdguard_dropped());
-	stat_add(l, "replies_from_pages", (double)atomic_load(&srv->held.count));
-	stat_add(l, "connections_cut_unread", (double)atomic_load(&srv->held.cut));
-	stat_add(l, "max_clients", (double)srv->max_clients);
-	if (srv->lane) {
-		unsigned waiting;
-		unsigned long done;
-
-		lane_counts(srv->lane, &waiting, &done);
-		stat_add(l, "lane_waiting", waiting);
-		stat_add(l, "lane_done", (double)done);
-	}
-	if (srv->bulk) {
-		uint64_t open, sealed, bytes;
-
-		bulk_counts(srv->bulk, &open, &sealed, &bytes);
-		stat_add(l, "bulk_connections", (double)open);
-		stat_add(l, "bulk_records_sealed", (double)sealed);
-		stat_add(l, "bulk_bytes", (double)bytes);
-	}
-}
-
-/* Eviction and the fuse session engine. */
-static void stats_evict_fuse(struct stat_list *l, struct server *srv)
-{
-	struct evict_stats es;
-	uint64_t fs, fb, fp;
-
-	evictor_stats(srv->evict, &es);
-	stat_add(l, "capacity_bytes", (double)srv->cfg->capacity);
-	stat_add(l, "evictions", (double)es.evicted);
-	stat_add(l, "evicted_bytes", (double)es.evicted_bytes);
-	stat_add(l, "pinned_chunks", (double)es.pins);
-	if (srv->cluster) {
-		stat_add(l, "cluster_cache_bytes", (double)es.cache_bytes);
-		stat_add(l, "cluster_cache_reclaimed", (double)es.cache_reclaimed);
-	}
-	fuse_usage(srv->fuse, &fs, &fb, &fp);
-	stat_add(l, "fuse_sessions", (double)fs);
-	stat_add(l, "fuse_ring_bytes", (double)fb);
-	stat_add(l, "fuse_pinned_chunks", (double)fp);
 }
 
 /* Requests and errors by kind; latency by operation: mean, and the 99th percentile as its
@@ -520,7 +408,7 @@ static void stats_requests(struct stat_list *l, const struct server_stats *st)
 	}
 }
 
-/* The fuse backend and the device it runs on. */
+/* The fuse backend and the device it runs on, by name (the figures are counters.c's). */
 static void stats_device(struct stat_list *l, struct server *srv)
 {
 	char nm[64];
@@ -528,8 +416,7 @@ static void stats_device(struct stat_list *l, struct server *srv)
 	snprintf(nm, sizeof(nm), "backend_%s", srv->blend->name);
 	stat_add(l, nm, 1);
 	if (srv->dev_ordinal >= 0) {
-		size_t k = (size_t)snprintf(nm, sizeof(nm), "device_name_%s",
-					    srv->dev_model);
+		size_t k = (size_t)snprintf(nm, sizeof(nm), "device_name_%s", srv->dev_model);
 
 		/* The name as a stat name: words joined by '_' ("NVIDIA_H200"). */
 		for (k = k < sizeof(nm) ? k : sizeof(nm) - 1; k-- > 12;)
@@ -539,31 +426,8 @@ static void stats_device(struct stat_list *l, struct server *srv)
 		stat_add(l, "device_cuda_ordinal", srv->dev_ordinal);
 	}
 	if (srv->dev) {
-		uint64_t held, total;
-
 		snprintf(nm, sizeof(nm), "device_%s", srv->dev->name);
 		stat_add(l, nm, 1);
-		srv->dev->memory(srv->dev, &held, &total);
-		stat_add(l, "device_memory_bytes", (double)held);
-		stat_add(l, "device_memory_total_bytes", (double)total);
-		/* 1 once it failed for good: new fuse sessions run on the CPU. */
-		stat_add(l, "device_failed", srv->dev->broken(srv->dev));
-		/* Sessions the device had no room for (or had failed): on the host path. */
-		stat_add(l, "fuse_device_fallbacks", (double)fuse_device_fallbacks(srv->fuse));
-		{
-			struct fuse_device_counts c;
-
-			/* Allocations and pins on sessions' paths: flat once the pools are warm. */
-			fuse_device_counts(srv->fuse, &c);
-			stat_add(l, "fuse_device_allocs", (double)c.allocs);
-			stat_add(l, "fuse_device_registrations", (double)c.registrations);
-			stat_add(l, "fuse_device_unregistrations", (double)c.unregistrations);
-			stat_add(l, "fuse_device_pinned_rings", (double)c.pinned_rings);
-			stat_add(l, "fuse_device_spares", (double)c.spares);
-			stat_add(l, "fuse_device_reserve_bytes", (double)c.reserve_bytes);
-			stat_add(l, "fuse_device_reserve_used_bytes", (double)c.reserve_used[0]);
-			stat_add(l, "fuse_pinned_reserve_used_bytes", (double)c.reserve_used[1]);
-		}
 	}
 }
 
@@ -572,9 +436,7 @@ void op_stats(struct req *q)
 {
 	struct server *srv = q->srv;
 	struct stat_list l = { .cap = 128 + 3 * KVBP_OP_COUNT + KVBP_CODE_COUNT + 12 * 1024 };
-	struct store_totals t;
-	struct timespec now;
-	int rc;
+	struct counter_snap snap;
 
 	if (no_payload(q))
 		return;
@@ -586,27 +448,25 @@ void op_stats(struct req *q)
 			return;
 		}
 	}
-	rc = store_totals(srv->store, &t);
-	if (rc) {
-		fail_store(q, rc, "stats");
-		return;
-	}
 	l.s = calloc(l.cap, sizeof(*l.s));
 	if (!l.s) {
 		fail(q, KVBP_LIMIT, "out of memory");
 		return;
 	}
-	clock_gettime(CLOCK_MONOTONIC, &now);
-	stat_add(&l, "uptime_seconds", (double)(now.tv_sec - srv->started.tv_sec) +
-					       (double)(now.tv_nsec - srv->started.tv_nsec) / 1e9);
-	stat_add(&l, "workers", srv->n_workers);
-	stats_store(&l, srv->store, &t);
 	if (srv->cluster && q->h.cluster_check)
 		stats_check(&l, srv->cluster); /* first: the gauges below then show it */
+	counters_snap(srv, &snap);
+	if (!snap.have_totals) {
+		free(l.s);
+		fail_store(q, store_totals(srv->store, &snap.t), "stats");
+		return;
+	}
+	for (size_t i = 0; i < n_counters; i++)
+		if (counters[i].stat && counter_present(&counters[i], &snap))
+			stat_add(&l, counters[i].stat, counters[i].value(&snap));
+	stats_codecs(&l, &snap.t);
 	if (srv->cluster)
-		stats_cluster(&l, srv->cluster, &q->out->rep);
-	stats_server(&l, srv);
-	stats_evict_fuse(&l, srv);
+		stats_members(&l, srv->cluster, &q->out->rep);
 	stats_requests(&l, &srv->stats);
 	stats_device(&l, srv);
 	q->out->rep.stats = l.s;
