@@ -13,8 +13,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "bench_common.h"
-#include "bulk.h"
+#include "bench/bench_common.h"
+#include "proto/bulk.h"
 
 #define MAX_REPEATS 64
 #define TURNS 200 /* records per timing */

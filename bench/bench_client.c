@@ -11,7 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-#include "bench_common.h"
+#include "bench/bench_common.h"
 
 int main(int argc, char **argv)
 {

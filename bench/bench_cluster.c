@@ -55,9 +55,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "bench_common.h"
-#include "kvblend.h"
-#include "place.h"
+#include "bench/bench_common.h"
+#include "client/include/kvblend.h"
+#include "cluster/place.h"
 
 #define MAX_REPEATS 64
 /* Untimed rounds first, on the same connection: TCP's window and the allocators' pools

@@ -13,7 +13,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "kvblend.h"
+#include "client/include/kvblend.h"
 
 static inline double now_s(void)
 {

@@ -24,10 +24,10 @@
 #include <string.h>
 #include <time.h>
 
-#include "bench_common.h"
-#include "cuda/cuda.h"
-#include "hkvd.h"
-#include "rope.h"
+#include "bench/bench_common.h"
+#include "blend/cuda/cuda.h"
+#include "blend/hkvd.h"
+#include "blend/rope.h"
 
 #define HEADS 8
 #define DIM 128

@@ -27,8 +27,8 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "bench_common.h"
-#include "kvblend.h"
+#include "bench/bench_common.h"
+#include "client/include/kvblend.h"
 
 #define FRESH 32
 #define CHECK 1

@@ -28,9 +28,9 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "bench_common.h"
-#include "cuda/cuda.h"
-#include "kvblend.h"
+#include "bench/bench_common.h"
+#include "blend/cuda/cuda.h"
+#include "client/include/kvblend.h"
 
 static const struct kvb_model model = { .name = "bench-mistral", .num_layers = 32,
 					.num_kv_heads = 8, .head_dim = 128, .dtype = KVB_F16,

@@ -18,9 +18,9 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "codec.h"
-#include "bench_common.h"
-#include "kvblend.h"
+#include "store/codec.h"
+#include "bench/bench_common.h"
+#include "client/include/kvblend.h"
 
 /* Mistral-7B-shaped KV: 32 layers, 8 KV heads, head_dim 128, f16: 128 KiB a token. */
 static const struct kvb_model model = { .name = "bench-mistral", .num_layers = 32,

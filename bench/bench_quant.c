@@ -25,9 +25,9 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "bench_common.h"
-#include "half.h"
-#include "kvblend.h"
+#include "bench/bench_common.h"
+#include "common/half.h"
+#include "client/include/kvblend.h"
 
 #define L 32
 #define H 8

@@ -19,7 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "bench_common.h"
+#include "bench/bench_common.h"
 
 /* One token, one layer, one head of 16 f16: 64 bytes of K and V per chunk. */
 static const struct kvb_model model = { .name = "bench_stats", .num_layers = 1, .num_kv_heads = 1,

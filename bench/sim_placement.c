@@ -14,7 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../cluster/place.h"
+#include "cluster/place.h"
 
 #define RMAX 8
 

@@ -20,7 +20,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "rope.h"
+#include "blend/rope.h"
 
 enum blend_dtype { BLEND_F16 = 1, BLEND_BF16 = 2, BLEND_F32 = 3 };
 

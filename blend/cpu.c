@@ -1,6 +1,6 @@
 /* cpu — the CPU blend backend: kernel dispatch by instruction set, and merge; see backend.h. */
-#include "backend.h"
-#include "hkvd.h"
+#include "blend/backend.h"
+#include "blend/hkvd.h"
 
 #include <stdbool.h>
 #include <string.h>

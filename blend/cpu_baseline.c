@@ -1,3 +1,3 @@
 /* cpu_baseline — the baseline build of the CPU blend kernels (kernels_impl.h). */
 #define KERNEL_SUFFIX baseline
-#include "kernels_impl.h"
+#include "blend/kernels_impl.h"

@@ -23,7 +23,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "backend.h"
+#include "blend/backend.h"
 
 struct blend_stream;
 struct blend_event;

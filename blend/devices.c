@@ -4,8 +4,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-#include "cuda/cuda.h"
-#include "device.h"
+#include "blend/cuda/cuda.h"
+#include "blend/device.h"
 
 struct blend_devices {
 	struct blend_cuda *gpu;	  /* a CUDA device (NULL: none) */

@@ -14,8 +14,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "backend.h"
-#include "half.h"
+#include "blend/backend.h"
+#include "common/half.h"
 
 /*
  * Element i of a tensor of dtype dt. On the host p may be any byte address; on the

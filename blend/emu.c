@@ -6,8 +6,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "device.h"
-#include "hkvd.h"
+#include "blend/device.h"
+#include "blend/hkvd.h"
 
 struct emu {
 	struct blend_device table;

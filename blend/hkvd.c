@@ -1,12 +1,12 @@
 /* hkvd — top-k selection by KV deviation; see hkvd.h. */
-#include "hkvd.h"
+#include "blend/hkvd.h"
 
 #include <errno.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "elem.h"
+#include "blend/elem.h"
 
 size_t hkvd_count(double ratio, size_t n_cached)
 {

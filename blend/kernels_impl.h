@@ -12,8 +12,8 @@
 #include <immintrin.h>
 #endif
 
-#include "backend.h"
-#include "elem.h"
+#include "blend/backend.h"
+#include "blend/elem.h"
 
 #define KCAT_(a, b) a##b
 #define KCAT(a, b) KCAT_(a, b)

@@ -1,11 +1,11 @@
 /* qsel — question-aware selection scores; see qsel.h. */
-#include "qsel.h"
+#include "blend/qsel.h"
 
 #include <errno.h>
 #include <math.h>
 #include <stdlib.h>
 
-#include "elem.h"
+#include "blend/elem.h"
 
 void qsel_head_deviation(const struct blend_shape *s, const uint8_t *fresh, size_t stride,
 			 const uint8_t *stored, const int32_t *idx, size_t n, float *out)

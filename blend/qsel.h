@@ -15,7 +15,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "backend.h"
+#include "blend/backend.h"
 
 /*
  * Squared deviation per head: out[i * heads + h] = sum over d = 0 .. head_dim-1,

@@ -1,5 +1,5 @@
 /* rope — RoPE frequencies and re-rotation tables; see rope.h. */
-#include "rope.h"
+#include "blend/rope.h"
 
 #include <errno.h>
 #include <math.h>

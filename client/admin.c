@@ -5,7 +5,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-#include "client_impl.h"
+#include "client/client_impl.h"
 
 /* The counters of a STATS reply into a malloc'd array (0 or -ENOMEM). */
 static int stats_out(kvb_client *c, const struct kvbp_reply *rep, struct kvb_stat **out,

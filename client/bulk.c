@@ -22,7 +22,7 @@
 
 #include <openssl/crypto.h>
 
-#include "client_impl.h"
+#include "client/client_impl.h"
 
 void kvbc_bulk_close(kvb_client *c)
 {

@@ -10,7 +10,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "client_impl.h"
+#include "client/client_impl.h"
 
 _Static_assert(KVB_E_BUSY == -1000 - KVBP_BUSY, "client codes drifted from the wire");
 

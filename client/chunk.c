@@ -11,7 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "client_impl.h"
+#include "client/client_impl.h"
 
 void kvb_chunk_hash(const uint32_t *ids, size_t n, uint8_t out[KVB_HASH_LEN])
 {

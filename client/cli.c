@@ -9,7 +9,7 @@
 #include <string.h>
 #include <inttypes.h>
 
-#include "cli.h"
+#include "client/cli.h"
 
 #ifndef KVBLEND_VERSION
 #define KVBLEND_VERSION "0.0.0"

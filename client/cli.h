@@ -12,7 +12,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "kvblend.h"
+#include "client/include/kvblend.h"
 
 /* The command line; i is the next argument to read. */
 struct args {

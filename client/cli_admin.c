@@ -10,7 +10,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "cli.h"
+#include "client/cli.h"
 
 /* A counter as a person reads it: whole numbers in full (bytes, chunks), the rest in %g. */
 static void print_stat(const char *name, double v)

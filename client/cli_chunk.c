@@ -8,8 +8,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "cli.h"
-#include "npy.h"
+#include "client/cli.h"
+#include "client/npy.h"
 
 int cmd_hash(kvb_client *c, struct args *a)
 {

@@ -10,8 +10,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "cli.h"
-#include "npy.h"
+#include "client/cli.h"
+#include "client/npy.h"
 
 const char usage_text[] =
 	"usage: kvblend [--endpoint E] [--timeout MS] COMMAND [ARGS]\n"

@@ -9,8 +9,8 @@
 #include <string.h>
 #include <time.h>
 
-#include "cli.h"
-#include "npy.h"
+#include "client/cli.h"
+#include "client/npy.h"
 
 /* "A,B,C" into up to max numbers; returns the count or -1. */
 static int parse_list(const char *s, double *out, int max)

@@ -15,7 +15,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "client_impl.h"
+#include "client/client_impl.h"
 
 #define DEFAULT_TIMEOUT_MS 5000
 #define DEFAULT_SHM (64u << 20)

@@ -26,10 +26,10 @@
 #include <stdint.h>
 #include <zmq.h>
 
-#include "../proto/bulk.h"
-#include "../proto/wire.h"
-#include "cudaipc.h"
-#include "kvblend.h"
+#include "proto/bulk.h"
+#include "proto/wire.h"
+#include "client/cudaipc.h"
+#include "client/include/kvblend.h"
 
 /*
  * A region starts with REGION_HEAD bytes of progress words (one per landing

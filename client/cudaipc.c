@@ -1,5 +1,5 @@
 /* cudaipc — mapping the daemon's device memory through the driver API; see cudaipc.h. */
-#include "cudaipc.h"
+#include "client/cudaipc.h"
 
 #include <dlfcn.h>
 #include <errno.h>

@@ -14,7 +14,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "client_impl.h"
+#include "client/client_impl.h"
 
 struct kvb_fuse {
 	uint64_t id;

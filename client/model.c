@@ -8,7 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "client_impl.h"
+#include "client/client_impl.h"
 
 size_t kvb_dtype_size(enum kvb_dtype dtype)
 {

@@ -1,12 +1,12 @@
 /* npy — NumPy .npy reader and writer; see npy.h. */
-#include "npy.h"
+#include "client/npy.h"
 
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "ckd.h"
+#include "common/ckd.h"
 
 static const struct {
 	const char *descr;

@@ -14,7 +14,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
-#include "client_impl.h"
+#include "client/client_impl.h"
 
 void kvbc_shm_unmap(kvb_client *c, bool tell)
 {

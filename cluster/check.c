@@ -3,7 +3,7 @@
  * which copies here are beyond R (see cluster.h, struct cluster_check); and the
  * same from every other member, asked with a HELLO.
  */
-#include "cluster_impl.h"
+#include "cluster/cluster_impl.h"
 
 #include <errno.h>
 #include <stdatomic.h>

@@ -1,6 +1,6 @@
 /* cluster — chunks shared across daemons: the lifecycle (start, stop), stats, who is a
  * member; see cluster.h and docs/cluster.md. The shared view is view.c's. */
-#include "cluster.h"
+#include "cluster/cluster.h"
 
 #include <errno.h>
 #include <inttypes.h>
@@ -14,7 +14,7 @@
 #include <unistd.h>
 #include <zmq.h>
 
-#include "cluster_impl.h"
+#include "cluster/cluster_impl.h"
 
 /* ---- lifecycle ---- */
 

@@ -34,8 +34,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "../proto/wire.h"
-#include "../store/store.h"
+#include "proto/wire.h"
+#include "store/store.h"
 
 #define CLUSTER_ENDPOINT_MAX 256 /* an endpoint with its NUL, as the daemon's listen */
 

@@ -21,11 +21,11 @@
 #include <time.h>
 #include <zmq.h>
 
-#include "../proto/wire.h"
-#include "../store/store.h"
-#include "cluster.h"
-#include "etcd.h"
-#include "place.h"
+#include "proto/wire.h"
+#include "store/store.h"
+#include "cluster/cluster.h"
+#include "cluster/etcd.h"
+#include "cluster/place.h"
 
 #define POOL 4		      /* idle sockets kept per peer */
 #define SUSPECT_MS 2000	      /* a peer that missed a deadline is skipped this long */

@@ -1,5 +1,5 @@
 /* etcd — etcd v3 through its JSON gateway; see etcd.h. */
-#include "etcd.h"
+#include "cluster/etcd.h"
 
 #include <curl/curl.h>
 #include <errno.h>

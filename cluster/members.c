@@ -3,7 +3,7 @@
  * or etcd, where this daemon keeps its record under a lease and watches the
  * others' records, applied to the peers and the view as they change.
  */
-#include "cluster_impl.h"
+#include "cluster/cluster_impl.h"
 
 #include <ctype.h>
 #include <errno.h>
@@ -16,7 +16,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "record.h"
+#include "cluster/record.h"
 
 /* ---- the members: a static list, or etcd's records ---- */
 

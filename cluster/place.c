@@ -1,5 +1,5 @@
 /* place — weighted rendezvous hashing; see place.h. */
-#include "place.h"
+#include "cluster/place.h"
 
 #include <math.h>
 #include <string.h>

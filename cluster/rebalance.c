@@ -3,7 +3,7 @@
  * membership change, the chunks held here whose owners changed; in a repair pass,
  * every chunk held here to each owner that lacks it. And heartbeats.
  */
-#include "cluster_impl.h"
+#include "cluster/cluster_impl.h"
 
 #include <errno.h>
 #include <inttypes.h>

@@ -1,5 +1,5 @@
 /* record — a cluster member's record in etcd; see record.h. */
-#include "record.h"
+#include "cluster/record.h"
 
 #include <errno.h>
 #include <json-c/json.h>

@@ -3,7 +3,7 @@
  * sockets per peer and one call with a deadline, the read path (fetch, lookup)
  * and the write path (the push queue and its thread).
  */
-#include "cluster_impl.h"
+#include "cluster/cluster_impl.h"
 
 #include <errno.h>
 #include <limits.h>

@@ -15,8 +15,8 @@
 #include <string.h>
 #include <time.h>
 
-#include "cluster.h"
-#include "cluster_impl.h"
+#include "cluster/cluster.h"
+#include "cluster/cluster_impl.h"
 
 void cluster_logf(const struct cluster *c, int level, const char *fmt, ...)
 {

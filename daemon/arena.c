@@ -1,5 +1,5 @@
 /* arena — first-fit ranges of a region the caller holds; see arena.h. */
-#include "arena.h"
+#include "daemon/arena.h"
 
 #include <errno.h>
 #include <stdint.h>

@@ -1,5 +1,5 @@
 /* bulk — the daemon's bulk connections; see bulk.h and docs/protocol.md#bulk-connections. */
-#include "bulk.h"
+#include "daemon/bulk.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -19,8 +19,8 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "../proto/bulk.h"
-#include "log.h"
+#include "proto/bulk.h"
+#include "daemon/log.h"
 
 #define BULK_MAX 256		/* connections and waiting tickets, all clients */
 #define BULK_PER_PRINCIPAL 16	/* of one client identity */

@@ -18,7 +18,7 @@
 #include <stdint.h>
 #include <sys/uio.h>
 
-#include "../proto/wire.h"
+#include "proto/wire.h"
 
 struct bulk;
 

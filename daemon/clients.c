@@ -1,5 +1,5 @@
 /* clients — per-client byte accounting; see clients.h. */
-#include "clients.h"
+#include "daemon/clients.h"
 
 #include <errno.h>
 #include <pthread.h>

@@ -1,5 +1,5 @@
 /* config — table-driven settings for kvblendd; see config.h. */
-#include "config.h"
+#include "daemon/config.h"
 
 #include <errno.h>
 #include <ini.h>
@@ -8,8 +8,8 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "ckd.h"
-#include "log.h"
+#include "common/ckd.h"
+#include "daemon/log.h"
 
 enum key_type { T_PATH, T_LISTEN, T_UINT, T_SIZE, T_OCTAL, T_BOOL, T_LEVEL, T_DEVICE };
 

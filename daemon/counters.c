@@ -1,15 +1,15 @@
 /* counters — the table STATS and /metrics print from; see counters.h. */
-#include "counters.h"
+#include "daemon/counters.h"
 
 #include <stdatomic.h>
 #include <string.h>
 #include <time.h>
 
-#include "bulk.h"
-#include "clients.h"
-#include "fdguard.h"
-#include "lane.h"
-#include "shm.h"
+#include "daemon/bulk.h"
+#include "daemon/clients.h"
+#include "daemon/fdguard.h"
+#include "daemon/lane.h"
+#include "daemon/shm.h"
 
 void counters_snap(struct server *srv, struct counter_snap *s)
 {

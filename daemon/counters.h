@@ -16,10 +16,10 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "../cluster/cluster.h"
-#include "evict.h"
-#include "fuse.h"
-#include "state.h"
+#include "cluster/cluster.h"
+#include "daemon/evict.h"
+#include "daemon/fuse.h"
+#include "daemon/state.h"
 
 struct counter_snap {
 	struct server *srv;

@@ -1,5 +1,5 @@
 /* curve — CURVE keys and ZAP authentication for kvblendd; see curve.h. */
-#include "curve.h"
+#include "daemon/curve.h"
 
 #include <ctype.h>
 #include <errno.h>
@@ -12,7 +12,7 @@
 #include <string.h>
 #include <zmq.h>
 
-#include "log.h"
+#include "daemon/log.h"
 
 #define KEY_Z85 40
 #define KEY_BIN 32

@@ -1,5 +1,5 @@
 /* evict — capacity and LRU eviction; see evict.h. */
-#include "evict.h"
+#include "daemon/evict.h"
 
 #include <errno.h>
 #include <inttypes.h>
@@ -9,8 +9,8 @@
 #include <string.h>
 #include <time.h>
 
-#include "log.h"
-#include "tenants.h"
+#include "daemon/log.h"
+#include "daemon/tenants.h"
 
 #define KEY_LEN (4 + STORE_HASH_LEN)
 #define CACHE_PASS_S 5	  /* cache passes after chunks arrive: at most this often, */

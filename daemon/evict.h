@@ -20,9 +20,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "../store/store.h"
-#include "fuse.h"
-#include "tenants.h"
+#include "store/store.h"
+#include "daemon/fuse.h"
+#include "daemon/tenants.h"
 
 struct evictor;
 

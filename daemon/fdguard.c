@@ -1,5 +1,5 @@
 /* fdguard — accept() that survives EMFILE; see fdguard.h. */
-#include "fdguard.h"
+#include "daemon/fdguard.h"
 
 #include <errno.h>
 #include <fcntl.h>

@@ -28,12 +28,12 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "../proto/wire.h"
-#include "../store/store.h"
-#include "backend.h"
-#include "device.h"
-#include "pool.h"
-#include "shm.h"
+#include "proto/wire.h"
+#include "store/store.h"
+#include "blend/backend.h"
+#include "blend/device.h"
+#include "daemon/pool.h"
+#include "daemon/shm.h"
 
 struct fuse_limits {
 	uint64_t max_sessions;

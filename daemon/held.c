@@ -1,5 +1,5 @@
 /* held — replies sent from the store's pages, and their deadline; see held.h. */
-#include "held.h"
+#include "daemon/held.h"
 
 #include <inttypes.h>
 #include <stdio.h>
@@ -8,7 +8,7 @@
 #include <sys/stat.h>
 #include <time.h>
 
-#include "log.h"
+#include "daemon/log.h"
 
 static int64_t mono_ms(void)
 {

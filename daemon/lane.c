@@ -1,5 +1,5 @@
 /* lane — a thread for costly requests, off the workers; see lane.h. */
-#include "lane.h"
+#include "daemon/lane.h"
 
 #include <errno.h>
 #include <pthread.h>
@@ -7,7 +7,7 @@
 #include <stdbool.h>
 #include <stdlib.h>
 
-#include "log.h"
+#include "daemon/log.h"
 
 struct job {
 	zmq_msg_t frames[LANE_FRAMES];

@@ -1,5 +1,5 @@
 /* log — leveled logging to stderr; see log.h. */
-#include "log.h"
+#include "daemon/log.h"
 
 #include <stdarg.h>
 #include <stdatomic.h>

@@ -10,12 +10,12 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "config.h"
-#include "device.h"
-#include "../cluster/etcd.h"
-#include "log.h"
-#include "notify.h"
-#include "server.h"
+#include "daemon/config.h"
+#include "blend/device.h"
+#include "cluster/etcd.h"
+#include "daemon/log.h"
+#include "daemon/notify.h"
+#include "daemon/server.h"
 
 #ifndef KVBLEND_VERSION
 #define KVBLEND_VERSION "0.0.0"

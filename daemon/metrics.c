@@ -1,5 +1,5 @@
 /* metrics — Prometheus endpoint of kvblendd; see metrics.h. */
-#include "metrics.h"
+#include "daemon/metrics.h"
 
 #include <arpa/inet.h>
 #include <errno.h>
@@ -18,10 +18,10 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "../cluster/cluster.h"
-#include "counters.h"
-#include "log.h"
-#include "state.h"
+#include "cluster/cluster.h"
+#include "daemon/counters.h"
+#include "daemon/log.h"
+#include "daemon/state.h"
 
 const double metrics_bucket_le[METRICS_BUCKETS] = { 0.0001, 0.00025, 0.0005, 0.001, 0.0025,
 						     0.005,  0.01,    0.025,  0.05,  0.1,

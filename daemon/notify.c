@@ -1,5 +1,5 @@
 /* notify — sd_notify wrapper; see notify.h. */
-#include "notify.h"
+#include "daemon/notify.h"
 
 #include <stdarg.h>
 #include <stdio.h>

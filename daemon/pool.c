@@ -1,5 +1,5 @@
 /* pool — helper threads for splitting bulk work; see pool.h. */
-#include "pool.h"
+#include "daemon/pool.h"
 
 #include <errno.h>
 #include <pthread.h>

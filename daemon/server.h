@@ -11,7 +11,7 @@
 #ifndef KVBLEND_DAEMON_SERVER_H
 #define KVBLEND_DAEMON_SERVER_H
 
-#include "state.h"
+#include "daemon/state.h"
 
 /* Bind sockets and start workers. Returns 0 or a negative errno with a message logged. */
 int server_start(struct server *srv, const struct config *cfg, struct store *store);

@@ -13,9 +13,9 @@
 
 #include <zmq.h>
 
-#include "ops/ops.h"
-#include "state.h"
-#include "tenants.h"
+#include "daemon/ops/ops.h"
+#include "daemon/state.h"
+#include "daemon/tenants.h"
 
 #define WORKER_ENDPOINT "inproc://kvblend-workers"
 #define LANE_ENDPOINT "inproc://kvblend-lane"

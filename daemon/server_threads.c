@@ -1,6 +1,6 @@
 /* server_threads — kvblendd's worker threads, the prefetch thread and the lane's
  * runner: a request decoded, run and answered; see server_impl.h. */
-#include "server.h"
+#include "daemon/server.h"
 
 #include <arpa/inet.h>
 #include <errno.h>
@@ -16,19 +16,19 @@
 #include <openssl/crypto.h>
 #include <zmq.h>
 
-#include "bulk.h"
-#include "../proto/bulk.h"
-#include "clients.h"
-#include "../cluster/cluster.h"
-#include "curve.h"
-#include "fdguard.h"
-#include "lane.h"
-#include "log.h"
-#include "metrics.h"
-#include "notify.h"
-#include "ops/ops.h"
-#include "pool.h"
-#include "server_impl.h"
+#include "daemon/bulk.h"
+#include "proto/bulk.h"
+#include "daemon/clients.h"
+#include "cluster/cluster.h"
+#include "daemon/curve.h"
+#include "daemon/fdguard.h"
+#include "daemon/lane.h"
+#include "daemon/log.h"
+#include "daemon/metrics.h"
+#include "daemon/notify.h"
+#include "daemon/ops/ops.h"
+#include "daemon/pool.h"
+#include "daemon/server_impl.h"
 
 /* Layers whose payload a bulk diversion lists on the stack (more: malloc). */
 #define KVBP_LAYERS_IOV 128

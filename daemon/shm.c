@@ -1,5 +1,5 @@
 /* shm — client shared-memory segments; see shm.h. */
-#include "shm.h"
+#include "daemon/shm.h"
 
 #include <errno.h>
 #include <fcntl.h>

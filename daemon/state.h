@@ -14,15 +14,15 @@
 #include <time.h>
 #include <zmq.h>
 
-#include "held.h"
-#include "clients.h"
-#include "config.h"
-#include "tenants.h"
-#include "evict.h"
-#include "fuse.h"
-#include "shm.h"
-#include "../proto/wire.h"
-#include "../store/store.h"
+#include "daemon/held.h"
+#include "daemon/clients.h"
+#include "daemon/config.h"
+#include "daemon/tenants.h"
+#include "daemon/evict.h"
+#include "daemon/fuse.h"
+#include "daemon/shm.h"
+#include "proto/wire.h"
+#include "store/store.h"
 
 struct metrics; /* metrics.h: the Prometheus endpoint */
 

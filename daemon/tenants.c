@@ -1,5 +1,5 @@
 /* tenants — namespaces bound to client identities; see tenants.h. */
-#include "tenants.h"
+#include "daemon/tenants.h"
 
 #include <ctype.h>
 #include <errno.h>

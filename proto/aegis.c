@@ -5,7 +5,7 @@
  * and lane. The body is aegis_impl.h, included once per vector width; the state lives
  * in local variables (eight vector registers) through each whole call.
  */
-#include "aegis.h"
+#include "proto/aegis.h"
 
 #include <errno.h>
 #include <string.h>
@@ -32,7 +32,7 @@ static const uint8_t c1_bytes[16] = { 0xdb, 0x3d, 0x18, 0x55, 0x6d, 0xc2, 0x2f, 
 #define V_BCAST(p) V_LOAD(p)
 #define V_CTX _mm_setzero_si128()
 #define V_FOLD(v) (v)
-#include "aegis_impl.h"
+#include "proto/aegis_impl.h"
 #undef VEC
 #undef BLOCK
 #undef TARGET
@@ -59,7 +59,7 @@ static const uint8_t c1_bytes[16] = { 0xdb, 0x3d, 0x18, 0x55, 0x6d, 0xc2, 0x2f, 
 #define V_BCAST(p) _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(const void *)(p)))
 #define V_CTX _mm256_set_epi64x(0, 0x0101, 0, 0x0100)
 #define V_FOLD(v) _mm_xor_si128(_mm256_castsi256_si128(v), _mm256_extracti128_si256((v), 1))
-#include "aegis_impl.h"
+#include "proto/aegis_impl.h"
 
 bool kvb_aegis_available(enum kvb_aegis_variant v)
 {

@@ -1,5 +1,5 @@
 /* bulk — bulk connections' byte format and seal; see bulk.h. */
-#include "bulk.h"
+#include "proto/bulk.h"
 
 #include <errno.h>
 #include <openssl/crypto.h>
@@ -7,7 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "aegis.h"
+#include "proto/aegis.h"
 
 struct kvbb_aead {
 	uint32_t cipher;

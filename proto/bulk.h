@@ -20,7 +20,7 @@
 #include <stdint.h>
 #include <sys/uio.h>
 
-#include "wire.h"
+#include "proto/wire.h"
 
 #define KVBB_MAGIC_HELLO 0x4242564bu  /* "KVBB" */
 #define KVBB_MAGIC_RECORD 0x5242564bu /* "KVBR" */

@@ -1,5 +1,5 @@
 /* wire — protobuf-c glue for the kvblend header frame; see wire.h. */
-#include "wire.h"
+#include "proto/wire.h"
 
 #include <errno.h>
 #include <stdarg.h>

@@ -1,8 +1,8 @@
 /* checksum — XXH3-64 with run-time SIMD choice; see checksum.h. */
-#include "checksum.h"
+#include "store/checksum.h"
 
 #define CHECKSUM_SUFFIX sse2
-#include "checksum_impl.h"
+#include "store/checksum_impl.h"
 
 uint64_t checksum_avx2(const void *buf, size_t len);
 uint64_t checksum_copy_avx2(void *dst, const void *src, size_t n);

@@ -2,4 +2,4 @@
 #include <stdint.h>
 
 #define CHECKSUM_SUFFIX avx2
-#include "checksum_impl.h"
+#include "store/checksum_impl.h"

@@ -1,14 +1,14 @@
 /* codec — bitshuffle+LZ4 or raw tensor encoding with checksums; see codec.h. */
-#include "codec.h"
+#include "store/codec.h"
 
 #include <blosc.h>
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "ckd.h"
-#include "checksum.h"
-#include "quant.h"
+#include "common/ckd.h"
+#include "store/checksum.h"
+#include "store/quant.h"
 
 #define CODEC_MAGIC 0x5442564bu /* "KVBT" little-endian */
 /* Tensors this large are judged on a sample before a full attempt. */

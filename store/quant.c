@@ -1,13 +1,13 @@
 /* quant — quantized KV tensors; see quant.h. */
 #define QUANT_SUFFIX base
-#include "quant_impl.h"
+#include "store/quant_impl.h"
 
 #include <errno.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdbool.h>
 
-#include "ckd.h"
+#include "common/ckd.h"
 
 void quant_dec_rows_avx2(struct quant_dec *d, uint32_t a, uint32_t b, void *dst);
 int quant_encode_avx2(const struct quant_info *qi, const void *src, void *dst);

@@ -1,3 +1,3 @@
 /* quant — the decode kernel built for AVX2 + F16C (chosen at run time by quant.c). */
 #define QUANT_SUFFIX avx2
-#include "quant_impl.h"
+#include "store/quant_impl.h"

@@ -19,8 +19,8 @@
 #define QUANT_SIMD 0
 #endif
 
-#include "half.h"
-#include "quant.h"
+#include "common/half.h"
+#include "store/quant.h"
 
 #define QCAT_(a, b) a##b
 #define QCAT(a, b) QCAT_(a, b)

@@ -1,5 +1,5 @@
 /* store — the environment: errors, transactions, totals, open; see store.h. */
-#include "store_impl.h"
+#include "store/store_impl.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -10,8 +10,8 @@
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 
-#include "checksum.h"
-#include "codec.h"
+#include "store/checksum.h"
+#include "store/codec.h"
 
 static const MDB_val format_key = { 6, "format" };
 

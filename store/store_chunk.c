@@ -1,13 +1,13 @@
 /* store_chunk — chunk records: put, get, view, info, lookup, delete, list, scan; see store.h. */
-#include "store_impl.h"
+#include "store/store_impl.h"
 
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
-#include "ckd.h"
-#include "codec.h"
+#include "common/ckd.h"
+#include "store/codec.h"
 
 /* A chunk record: version, tokens, base_pos, layers, raw, stored, created, checksum. */
 void st_chunk_rec_encode(uint8_t *p, const MDB_val *k, const struct store_chunk_info *c)

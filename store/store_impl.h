@@ -23,7 +23,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "store.h"
+#include "store/store.h"
 
 /*
  * On-disk format. 2: every chunk, model and counter record carries an XXH3-64

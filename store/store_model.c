@@ -1,11 +1,11 @@
 /* store_model — model records; see store.h for the contract. */
-#include "store_impl.h"
+#include "store/store_impl.h"
 
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "ckd.h"
+#include "common/ckd.h"
 
 const MDB_val st_next_model_key = { 10, "next_model" };
 

@@ -1,5 +1,5 @@
 /* store_owed — pushes owed to cluster peers, kept across restarts; see store.h. */
-#include "store_impl.h"
+#include "store/store_impl.h"
 
 #include <errno.h>
 #include <string.h>

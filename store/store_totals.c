@@ -3,7 +3,7 @@
  * meta table and updated with every write, its recount and repair, and store_totals();
  * see store.h and store_impl.h.
  */
-#include "store_impl.h"
+#include "store/store_impl.h"
 
 #include <errno.h>
 #include <fcntl.h>

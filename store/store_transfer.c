@@ -1,11 +1,11 @@
 /* store_transfer — chunks as stored, between members: export and import; see store.h. */
-#include "store_impl.h"
+#include "store/store_impl.h"
 
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "codec.h"
+#include "store/codec.h"
 
 int store_chunk_export(struct store *s, const struct store_model *m,
 		       const uint8_t hash[STORE_HASH_LEN], struct store_chunk_info *info,

@@ -3,7 +3,7 @@
  * write transaction; over the chunk and model records (store_chunk.c, store_model.c),
  * which know nothing of it. See store_impl.h.
  */
-#include "store_impl.h"
+#include "store/store_impl.h"
 
 #include <errno.h>
 #include <lmdb.h>

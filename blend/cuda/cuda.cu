@@ -12,9 +12,9 @@
 #include <string.h>
 
 extern "C" {
-#include "cuda.h"
+#include "blend/cuda/cuda.h"
 }
-#include "../elem.h"
+#include "blend/elem.h"
 
 /* Host calls that stage rows through the device run on one of these at a time. */
 #define LANES 4

@@ -24,8 +24,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "../backend.h"
-#include "../device.h"
+#include "blend/backend.h"
+#include "blend/device.h"
 
 struct blend_cuda;
 

@@ -1,5 +1,5 @@
 /* none — the CUDA backend's functions in a build without CUDA (KVB_CUDA off); see cuda.h. */
-#include "cuda.h"
+#include "blend/cuda/cuda.h"
 
 #include <errno.h>
 #include <stdio.h>

@@ -7,10 +7,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "arena.h"
-#include "fuse_impl.h"
-#include "hkvd.h"
-#include "log.h"
+#include "daemon/arena.h"
+#include "daemon/fuse/fuse_impl.h"
+#include "blend/hkvd.h"
+#include "daemon/log.h"
 
 /* Why a load or a kernel failed: the device's own message for DEV_FAILED, else the errno's. */
 const char *compute_error(const struct fuse_table *t, int rc, char *buf, size_t len)

@@ -30,9 +30,9 @@
 #include <string.h>
 #include <time.h>
 
-#include "codec.h"
-#include "device.h"
-#include "fuse.h"
+#include "store/codec.h"
+#include "blend/device.h"
+#include "daemon/fuse.h"
 
 enum slot_state { SLOT_EMPTY = 0, SLOT_LOADING, SLOT_READY, SLOT_FAILED, SLOT_SERVED };
 

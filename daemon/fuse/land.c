@@ -12,10 +12,10 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "checksum.h"
-#include "ckd.h"
-#include "fuse_impl.h"
-#include "log.h"
+#include "store/checksum.h"
+#include "common/ckd.h"
+#include "daemon/fuse/fuse_impl.h"
+#include "daemon/log.h"
 
 /* Publish that layers 0 .. v-1 are in place (or, with KVBP_LAND_FAILED, that landing stopped). */
 void land_publish(struct fuse_session *s, uint32_t v)

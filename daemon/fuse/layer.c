@@ -7,10 +7,10 @@
 #include <string.h>
 #include <time.h>
 
-#include "fuse_impl.h"
-#include "hkvd.h"
-#include "log.h"
-#include "qsel.h"
+#include "daemon/fuse/fuse_impl.h"
+#include "blend/hkvd.h"
+#include "daemon/log.h"
+#include "blend/qsel.h"
 
 bool fuse_prefetch(struct fuse_table *t, uint64_t id)
 {

@@ -2,7 +2,7 @@
 #include <pthread.h>
 #include <time.h>
 
-#include "fuse_impl.h"
+#include "daemon/fuse/fuse_impl.h"
 
 void rotate_rows(void *arg, const void *src, void *dst, size_t off, size_t len)
 {

@@ -13,9 +13,9 @@
 #include <sys/random.h>
 #include <time.h>
 
-#include "ckd.h"
-#include "fuse_impl.h"
-#include "log.h"
+#include "common/ckd.h"
+#include "daemon/fuse/fuse_impl.h"
+#include "daemon/log.h"
 
 /* What the steps of one open work out and hand on. */
 struct open_plan {

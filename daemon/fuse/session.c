@@ -8,9 +8,9 @@
 #include <string.h>
 #include <time.h>
 
-#include "arena.h"
-#include "fuse_impl.h"
-#include "log.h"
+#include "daemon/arena.h"
+#include "daemon/fuse/fuse_impl.h"
+#include "daemon/log.h"
 
 void fuse_rope_config(const struct store_model *m, struct rope_config *c)
 {

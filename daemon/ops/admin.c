@@ -1,5 +1,5 @@
 /* ops/admin — HELLO, models, STATS and shared-memory segments; see impl.h. */
-#include "impl.h"
+#include "daemon/ops/impl.h"
 
 #include <ctype.h>
 #include <errno.h>
@@ -13,17 +13,17 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "bulk.h"
-#include "../proto/bulk.h"
-#include "clients.h"
-#include "counters.h"
-#include "cluster.h"
-#include "fdguard.h"
-#include "lane.h"
-#include "log.h"
-#include "metrics.h"
-#include "pool.h"
-#include "rope.h"
+#include "daemon/bulk.h"
+#include "proto/bulk.h"
+#include "daemon/clients.h"
+#include "daemon/counters.h"
+#include "cluster/cluster.h"
+#include "daemon/fdguard.h"
+#include "daemon/lane.h"
+#include "daemon/log.h"
+#include "daemon/metrics.h"
+#include "daemon/pool.h"
+#include "blend/rope.h"
 
 #ifndef KVBLEND_VERSION
 #define KVBLEND_VERSION "0.0.0"

@@ -1,5 +1,5 @@
 /* ops/chunk — PUT, GET, LOOKUP, DELETE, LIST, PIN and UNPIN; see impl.h. */
-#include "impl.h"
+#include "daemon/ops/impl.h"
 
 #include <ctype.h>
 #include <errno.h>
@@ -12,13 +12,13 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "clients.h"
-#include "cluster.h"
-#include "fdguard.h"
-#include "log.h"
-#include "metrics.h"
-#include "pool.h"
-#include "rope.h"
+#include "daemon/clients.h"
+#include "cluster/cluster.h"
+#include "daemon/fdguard.h"
+#include "daemon/log.h"
+#include "daemon/metrics.h"
+#include "daemon/pool.h"
+#include "blend/rope.h"
 
 /* A reply from the store's pages unread this long while the map is full is cut (held.h). */
 #define HELD_GRACE_MS 100

@@ -15,7 +15,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "ops.h"
+#include "daemon/ops/ops.h"
 
 struct req {
 	struct server *srv;

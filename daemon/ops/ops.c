@@ -1,5 +1,5 @@
 /* ops — request dispatch and the helpers every handler shares; see ops.h and impl.h. */
-#include "impl.h"
+#include "daemon/ops/impl.h"
 
 #include <ctype.h>
 #include <errno.h>
@@ -12,14 +12,14 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "ckd.h"
-#include "clients.h"
-#include "cluster.h"
-#include "fdguard.h"
-#include "log.h"
-#include "metrics.h"
-#include "pool.h"
-#include "rope.h"
+#include "common/ckd.h"
+#include "daemon/clients.h"
+#include "cluster/cluster.h"
+#include "daemon/fdguard.h"
+#include "daemon/log.h"
+#include "daemon/metrics.h"
+#include "daemon/pool.h"
+#include "blend/rope.h"
 
 void shared_buf_unref(void *data, void *hint)
 {

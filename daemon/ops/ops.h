@@ -10,7 +10,7 @@
 #include <stddef.h>
 #include <zmq.h>
 
-#include "state.h"
+#include "daemon/state.h"
 
 struct reply_out {
 	struct kvbp_reply rep;

@@ -1,5 +1,5 @@
 /* ops/peer — FETCH and REPLICATE, the requests members make of each other; see impl.h. */
-#include "impl.h"
+#include "daemon/ops/impl.h"
 
 #include <ctype.h>
 #include <errno.h>
@@ -12,13 +12,13 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "clients.h"
-#include "cluster.h"
-#include "fdguard.h"
-#include "log.h"
-#include "metrics.h"
-#include "pool.h"
-#include "rope.h"
+#include "daemon/clients.h"
+#include "cluster/cluster.h"
+#include "daemon/fdguard.h"
+#include "daemon/log.h"
+#include "daemon/metrics.h"
+#include "daemon/pool.h"
+#include "blend/rope.h"
 
 /* FETCH (between daemons): a chunk's stored bytes, one frame per layer. */
 struct fetch_copy {

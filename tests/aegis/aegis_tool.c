@@ -15,7 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "aegis.h"
+#include "proto/aegis.h"
 
 #define MAX_BYTES (1u << 20)
 

@@ -22,12 +22,12 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "backend.h"
-#include "cuda/cuda.h"
-#include "hkvd.h"
-#include "kvblend.h"
-#include "npy.h"
-#include "rope.h"
+#include "blend/backend.h"
+#include "blend/cuda/cuda.h"
+#include "blend/hkvd.h"
+#include "client/include/kvblend.h"
+#include "client/npy.h"
+#include "blend/rope.h"
 
 static const char *arg(int argc, char **argv, const char *name)
 {

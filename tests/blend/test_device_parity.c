@@ -21,11 +21,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "backend.h"
-#include "cuda/cuda.h"
-#include "device.h"
-#include "elem.h"
-#include "rope.h"
+#include "blend/backend.h"
+#include "blend/cuda/cuda.h"
+#include "blend/device.h"
+#include "blend/elem.h"
+#include "blend/rope.h"
 
 static int failures;
 static const struct blend_device *dv;

@@ -15,7 +15,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "kvblend.h"
+#include "client/include/kvblend.h"
 
 static const struct kvb_model model = { .name = "crash", .num_layers = 4, .num_kv_heads = 2,
 					.head_dim = 64, .dtype = KVB_F16, .rope_theta = 1e4 };

@@ -11,8 +11,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "fuzz.h"
-#include "record.h"
+#include "tests/fuzz/fuzz.h"
+#include "cluster/record.h"
 
 #define CHECK(cond)                                                             \
 	do {                                                                    \

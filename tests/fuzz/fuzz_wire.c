@@ -19,8 +19,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "fuzz.h"
-#include "wire.h"
+#include "tests/fuzz/fuzz.h"
+#include "proto/wire.h"
 
 #define ERR_LEN 256
 

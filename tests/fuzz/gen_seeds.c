@@ -7,7 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-#include "samples.h"
+#include "tests/fuzz/samples.h"
 
 int main(int argc, char **argv)
 {

@@ -14,7 +14,7 @@
 #include <string.h>
 #include <sys/stat.h>
 
-#include "fuzz.h"
+#include "tests/fuzz/fuzz.h"
 
 /* Exactly len bytes in a buffer of exactly len bytes, so ASan sees any over-read. */
 static int replay_file(const char *path)

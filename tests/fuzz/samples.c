@@ -1,5 +1,5 @@
 /* samples — well-formed requests of every operation; see samples.h. */
-#include "samples.h"
+#include "tests/fuzz/samples.h"
 
 #include <stdio.h>
 #include <string.h>

@@ -7,7 +7,7 @@
 
 #include <stddef.h>
 
-#include "wire.h"
+#include "proto/wire.h"
 
 /* How many samples there are. */
 size_t fuzz_sample_count(void);

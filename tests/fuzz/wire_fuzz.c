@@ -39,8 +39,8 @@
 
 #include <zmq.h>
 
-#include "wire.h"
-#include "wire_fuzz.h"
+#include "proto/wire.h"
+#include "tests/fuzz/wire_fuzz.h"
 
 #define FUZZ_SOCKETS 3
 #define PING_ID_BASE 0xfeed000000000000ull

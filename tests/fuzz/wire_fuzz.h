@@ -22,7 +22,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "wire.h"
+#include "proto/wire.h"
 
 #define LOG_MSGS 256
 #define MAX_MODELS 8

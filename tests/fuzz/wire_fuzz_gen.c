@@ -12,9 +12,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "samples.h"
-#include "wire.h"
-#include "wire_fuzz.h"
+#include "tests/fuzz/samples.h"
+#include "proto/wire.h"
+#include "tests/fuzz/wire_fuzz.h"
 
 uint64_t rng_state;
 

@@ -9,8 +9,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "wire.h"
-#include "wire_fuzz.h"
+#include "proto/wire.h"
+#include "tests/fuzz/wire_fuzz.h"
 
 /* ---- hand-encoded protobuf ---- */
 

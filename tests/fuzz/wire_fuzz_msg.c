@@ -19,8 +19,8 @@
 
 #include <zmq.h>
 
-#include "wire.h"
-#include "wire_fuzz.h"
+#include "proto/wire.h"
+#include "tests/fuzz/wire_fuzz.h"
 
 #define KVBW_MAGIC "KVBWIRE1"
 

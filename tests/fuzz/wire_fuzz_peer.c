@@ -7,8 +7,8 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "wire.h"
-#include "wire_fuzz.h"
+#include "proto/wire.h"
+#include "tests/fuzz/wire_fuzz.h"
 
 /*
  * What members send each other (FETCH, LOOKUP with local_only, REPLICATE), with model

@@ -15,9 +15,9 @@
 #include <sys/un.h>
 #include <unistd.h>
 
-#include "samples.h"
-#include "wire.h"
-#include "wire_fuzz.h"
+#include "tests/fuzz/samples.h"
+#include "proto/wire.h"
+#include "tests/fuzz/wire_fuzz.h"
 
 uint64_t next_id = 1;
 

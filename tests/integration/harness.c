@@ -1,5 +1,5 @@
 /* harness — real kvblendd for integration tests; see harness.h. */
-#include "harness.h"
+#include "tests/integration/harness.h"
 
 #include <errno.h>
 #include <fcntl.h>

@@ -10,7 +10,7 @@
 #include <stdint.h>
 #include <sys/types.h>
 
-#include "kvblend.h"
+#include "client/include/kvblend.h"
 
 struct daemon {
 	pid_t pid;

@@ -8,7 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "place.h"
+#include "cluster/place.h"
 
 int main(int argc, char **argv)
 {

@@ -1,5 +1,5 @@
 /* rawreq — raw protocol requests for the integration tests; see rawreq.h. */
-#include "rawreq.h"
+#include "tests/integration/rawreq.h"
 
 #include <setjmp.h>
 #include <stdarg.h>

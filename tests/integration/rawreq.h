@@ -13,7 +13,7 @@
 
 #include <zmq.h>
 
-#include "wire.h"
+#include "proto/wire.h"
 
 /* A DEALER socket and its own context (so that a forked child opens its own). */
 struct raw {

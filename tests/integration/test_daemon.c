@@ -16,8 +16,8 @@
 
 #include <cmocka.h>
 
-#include "harness.h"
-#include "rawreq.h"
+#include "tests/integration/harness.h"
+#include "tests/integration/rawreq.h"
 
 static const struct kvb_model tiny = { .name = "tiny", .num_layers = 3, .num_kv_heads = 2,
 				       .head_dim = 8, .dtype = KVB_F16, .rope_theta = 10000 };

@@ -24,7 +24,7 @@
 
 #include <cmocka.h>
 
-#include "harness.h"
+#include "tests/integration/harness.h"
 
 #define L 3
 #define H 2

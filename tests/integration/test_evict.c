@@ -16,7 +16,7 @@
 
 #include <cmocka.h>
 
-#include "harness.h"
+#include "tests/integration/harness.h"
 
 static void fill(uint8_t *p, size_t n, uint64_t seed)
 {

@@ -20,8 +20,8 @@
 
 #include <cmocka.h>
 
-#include "harness.h"
-#include "rawreq.h"
+#include "tests/integration/harness.h"
+#include "tests/integration/rawreq.h"
 
 #define L 4
 #define H 2

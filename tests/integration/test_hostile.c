@@ -29,8 +29,8 @@
 
 #include <cmocka.h>
 
-#include "harness.h"
-#include "rawreq.h"
+#include "tests/integration/harness.h"
+#include "tests/integration/rawreq.h"
 
 /* ---- a model and a few chunks ---- */
 

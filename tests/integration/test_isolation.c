@@ -21,9 +21,9 @@
 
 #include <zmq.h>
 
-#include "harness.h"
-#include "rawreq.h"
-#include "wire.h"
+#include "tests/integration/harness.h"
+#include "tests/integration/rawreq.h"
+#include "proto/wire.h"
 
 #define L 2
 #define H 2

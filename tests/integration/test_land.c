@@ -20,7 +20,7 @@
 
 #include <cmocka.h>
 
-#include "harness.h"
+#include "tests/integration/harness.h"
 
 #define L 6
 #define H 2

@@ -37,10 +37,10 @@
 
 #include <zmq.h>
 
-#include "bulk.h"
-#include "harness.h"
-#include "rawreq.h"
-#include "wire.h"
+#include "proto/bulk.h"
+#include "tests/integration/harness.h"
+#include "tests/integration/rawreq.h"
+#include "proto/wire.h"
 
 #define L 2
 #define H 4

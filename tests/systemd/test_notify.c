@@ -23,7 +23,7 @@
 
 #include <cmocka.h>
 
-#include "kvblend.h"
+#include "client/include/kvblend.h"
 
 static double now_s(void)
 {

@@ -11,7 +11,7 @@
 
 #include <cmocka.h>
 
-#include "arena.h"
+#include "daemon/arena.h"
 
 static void test_errors_and_first_fit(void **state)
 {

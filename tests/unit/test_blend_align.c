@@ -16,9 +16,9 @@
 
 #include <cmocka.h>
 
-#include "backend.h"
-#include "cuda/cuda.h"
-#include "rope.h"
+#include "blend/backend.h"
+#include "blend/cuda/cuda.h"
+#include "blend/rope.h"
 
 #define ROWS 5
 

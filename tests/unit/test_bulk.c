@@ -16,8 +16,8 @@
 
 #include <cmocka.h>
 
-#include "aegis.h"
-#include "bulk.h"
+#include "proto/aegis.h"
+#include "proto/bulk.h"
 
 static uint32_t gcm = KVBP_AEAD_AES256GCM, aegis = KVBP_AEAD_AEGIS128L,
 		aegis_x2 = KVBP_AEAD_AEGIS128X2;

@@ -9,7 +9,7 @@
 
 #include <cmocka.h>
 
-#include "checksum.h"
+#include "store/checksum.h"
 
 static void test_matches_reference(void **state)
 {

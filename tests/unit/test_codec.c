@@ -10,7 +10,7 @@
 
 #include <cmocka.h>
 
-#include "codec.h"
+#include "store/codec.h"
 
 static uint64_t rng = 88172645463325252ull;
 

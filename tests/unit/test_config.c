@@ -11,7 +11,7 @@
 
 #include <cmocka.h>
 
-#include "config.h"
+#include "daemon/config.h"
 
 static void test_defaults(void **state)
 {

@@ -27,12 +27,12 @@
 
 #include <cmocka.h>
 
-#include "backend.h"
-#include "fuse.h"
-#include "half.h"
-#include "pool.h"
-#include "shm.h"
-#include "store.h"
+#include "blend/backend.h"
+#include "daemon/fuse.h"
+#include "common/half.h"
+#include "daemon/pool.h"
+#include "daemon/shm.h"
+#include "store/store.h"
 
 #define L 4
 #define H 2

@@ -11,7 +11,7 @@
 
 #include <cmocka.h>
 
-#include "npy.h"
+#include "client/npy.h"
 
 static void test_roundtrip(void **state)
 {

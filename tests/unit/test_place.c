@@ -12,7 +12,7 @@
 
 #include <cmocka.h>
 
-#include "place.h"
+#include "cluster/place.h"
 
 static void hash_of(unsigned i, uint8_t h[PLACE_HASH_LEN])
 {

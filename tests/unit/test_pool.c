@@ -10,7 +10,7 @@
 
 #include <cmocka.h>
 
-#include "pool.h"
+#include "daemon/pool.h"
 
 struct counts {
 	atomic_int hits[1000];

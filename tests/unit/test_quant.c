@@ -19,8 +19,8 @@
 
 #include <cmocka.h>
 
-#include "half.h"
-#include "quant.h"
+#include "common/half.h"
+#include "store/quant.h"
 
 void quant_dec_rows_base(struct quant_dec *d, uint32_t a, uint32_t b, void *dst);
 void quant_dec_rows_avx2(struct quant_dec *d, uint32_t a, uint32_t b, void *dst);

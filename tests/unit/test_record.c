@@ -15,7 +15,7 @@
 
 #include <cmocka.h>
 
-#include "record.h"
+#include "cluster/record.h"
 
 #define KEY "rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7"
 

@@ -17,7 +17,7 @@
 
 #include <cmocka.h>
 
-#include "shm.h"
+#include "daemon/shm.h"
 
 #define MiB (1u << 20)
 #define A "ipc:1000:1000:11"

@@ -17,9 +17,9 @@
 
 #include <cmocka.h>
 
-#include "checksum.h"
-#include "codec.h"
-#include "store.h"
+#include "store/checksum.h"
+#include "store/codec.h"
+#include "store/store.h"
 
 struct fixture {
 	char dir[64];

@@ -11,7 +11,7 @@
 
 #include <cmocka.h>
 
-#include "tenants.h"
+#include "daemon/tenants.h"
 
 #define KEY "rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7"
 

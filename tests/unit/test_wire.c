@@ -10,8 +10,8 @@
 
 #include <cmocka.h>
 
-#include "kvblend.h"
-#include "wire.h"
+#include "client/include/kvblend.h"
+#include "proto/wire.h"
 
 static void test_request_roundtrip(void **state)
 {
