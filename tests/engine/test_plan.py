@@ -102,6 +102,7 @@ def run(d):
               _raises(lambda: plan.plan_request(cl, "nope", 2, {"kvblend": {"segments": [A]}},
                                                 prompt, 0)), "UnknownModel")
         separator(cl, rng, a, b, c, prompt[90:])
+        one_lookup(cl, prompt)
 
     bad = [
         ("kvblend not a dict", {"kvblend": [1]}),
@@ -128,6 +129,41 @@ def run(d):
     check("full blocks of 100..300 (bs 64)", list(layout.full_blocks(100, 300, 64)), [2, 3])
     check("full blocks of 0..128 (bs 128)", list(layout.full_blocks(0, 128, 128)), [0])
     check("full blocks of 0..127 (bs 128)", list(layout.full_blocks(0, 127, 128)), [])
+
+
+class Counting:
+    """A client that counts its lookups (the planner asks the daemon once per request)."""
+
+    def __init__(self, cl):
+        self.cl, self.lookups = cl, 0
+
+    def lookup(self, *args):
+        self.lookups += 1
+        return self.cl.lookup(*args)
+
+
+def one_lookup(cl, prompt):
+    """With blending configured: one lookup per request, a declined blend planned from it."""
+    A, B, C = [0, 30, "chunk"], [30, 20, "chunk"], [50, 40, "chunk"]
+    h = [kvblend.chunk_hash(prompt[s:e]) for s, e in ((0, 30), (30, 50), (50, 90))]
+    for what, segs, ids, want in (
+            ("a blend of the context", [A, B, C, [90, 10, "fresh"]], prompt,
+             (90, [], list(zip(h, (0, 30, 50))))),
+            ("declined (the last chunk ends the prompt): reuse", [A, B, C], prompt[:90],
+             (89, [(0, 0, 30), (30, 30, 50), (50, 50, 89)], None)),
+            ("declined (nothing found): reuse", [[0, 30, "fresh"], [30, 60, "chunk"]], prompt,
+             (0, [], None))):
+        counting = Counting(cl)
+        p = plan.plan_request(counting, MODEL.name, MODEL.num_layers,
+                              {"kvblend": {"segments": segs}}, ids, 0, None, plan.DEFAULT_CONFIG)
+        got = (p.tokens, [(ld.start, ld.first, ld.last) for ld in p.loads],
+               p.blend.segments if p.blend else None)
+        check(f"blend configured, {what}", got, want)
+        check(f"blend configured, {what}: lookups", counting.lookups, 1)
+    p = plan.parse_request({"kvblend": {"segments": [[0, 30, "chunk"]], "store": True}},
+                           prompt[:30], 0, MODEL.num_layers, None, plan.DEFAULT_CONFIG)
+    check("blend configured, a store request is not blended", p.blend, None)
+    check("a store request's chunk hashed once, by the planner", p.hashes, (h[0],))
 
 
 def separator(cl, rng, a, b, c, q):
