@@ -310,13 +310,13 @@ def main():
     # the figures go to the original stdout.
     tmp = tempfile.mkdtemp(prefix="kvblend-bench-vllm.")
     # the blend pass needs kvblend's vllm.general_plugins entry point: a pip install
-    engine_tests = str(ROOT / "tests" / "engine")
-    sys.path.insert(0, engine_tests)
-    from test_vllm_model_hook import install
+    eval_dir = str(ROOT / "eval")
+    sys.path.insert(0, eval_dir)
+    from engine_setup import install_package
 
     site = Path(tmp) / "site"
-    install(site)
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(site), engine_tests])
+    install_package(site)
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(site), eval_dir])
     sys.path[:0] = [str(site)]
     for name in [m for m in sys.modules if m == "kvblend" or m.startswith("kvblend.")]:
         del sys.modules[name]

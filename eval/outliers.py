@@ -3,7 +3,7 @@
 Reads top to bottom: load the model, build run_eval.py's requests (the first 12
 of seed 11), prefill each chunk alone as kvblendd would store it, quantize its
 KV the way the store does (docs/storage.md "Quantized storage"; the semantics
-of tests/blend/kvref.py's ref_dequantize, vectorized here and checked against
+of eval/kvref.py's ref_dequantize, vectorized here and checked against
 it bit for bit at start), optionally keeping some values in full precision,
 then run full reuse and CacheBlend (value metric, check layer 1, r = 0.15) with
 the NumPy reference (cacheblend.py; the daemon matches it bit for bit) against
@@ -42,7 +42,6 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "tests" / "blend"))
 import kvref  # noqa: E402
 from cacheblend import Request, blend_forward, kl_top1  # noqa: E402
 from model import Model  # noqa: E402

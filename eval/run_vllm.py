@@ -47,7 +47,6 @@ if os.environ.get("KVBLEND_SKIP_ENGINE") == "1":
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-ENGINE_TESTS = ROOT / "tests" / "engine"
 NAME = "smollm2-eval-vllm"
 CHECK_LAYER = 1
 
@@ -176,7 +175,7 @@ def main():
     ratios = [float(r) for r in args.ratios.split(",")]
     t_start = time.monotonic()
 
-    sys.path[:0] = [str(HERE), str(ENGINE_TESTS)]
+    sys.path[:0] = [str(HERE)]
     import run_eval
     from cacheblend import kl_top1
 
@@ -188,12 +187,12 @@ def main():
 
     # kvblend installed as a package (its vllm.general_plugins entry point gives the
     # worker the model), as test_vllm_blend does
-    from test_vllm_model_hook import install
+    from engine_setup import install_package
 
     tmp = tempfile.mkdtemp(prefix="kvblend-eval-vllm.")
     site = Path(tmp) / "site"
-    install(site)
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(site), str(ENGINE_TESTS)])
+    install_package(site)
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(site), str(HERE)])
     sys.path[:0] = [str(site)]
     for name in [m for m in sys.modules if m == "kvblend" or m.startswith("kvblend.")]:
         del sys.modules[name]
@@ -202,7 +201,7 @@ def main():
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the worker in this process
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 
-    from daemon import Daemon
+    from engine_setup import Daemon
 
     d = Daemon()
     try:

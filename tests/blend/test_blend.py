@@ -18,7 +18,9 @@ import tempfile
 
 import numpy as np
 
-from kvref import (EPS, from_dtype, pair_index, ref_inv_freq, ref_rotate, ref_select,
+# The reference (eval/kvref.py) is shared with eval/outliers.py: tests import eval/.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "eval"))
+from kvref import (EPS, from_dtype, pair_index, ref_inv_freq, ref_rotate, ref_select,  # noqa: E402
                    to_dtype)
 
 TOOL = sys.argv[1]

@@ -1,6 +1,6 @@
 """A v1 KV connector that transfers nothing and checks what kvblend's model hook hands it.
 
-In each process it asks ``kvblend._vllm_plugin.loaded_model`` for the model of its
+In each process it asks ``kvblend.vllm.plugin.loaded_model`` for the model of its
 ``vllm_config`` and appends one JSON object per observation to
 ``kv_connector_extra_config["facts_path"]``: in the worker (``register_kv_caches``) the
 model's class, the kvblend package it came from, whether the attention module at each KV
@@ -10,7 +10,7 @@ whether the forward context's attention modules are that model's; in the schedul
 process, the error ``loaded_model`` raises where no model was loaded. With
 ``kv_connector_extra_config["blend"]`` (endpoint, model name, prompt ids, fuse segments,
 check layers, ratios, metric, out path), the first ``start_load_kv`` also runs
-``kvblend._vllm_blend.blend_prompt`` over that model against the daemon and saves the
+``kvblend.vllm.blend.blend_prompt`` over that model against the daemon and saves the
 fused KV and selections (``.npz``) with the seconds it took; with ``question`` (how many
 of the prompt's last tokens are the question) also the connector's way with the
 attention metric: the context up to the question blended with the question previewed,
@@ -32,7 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 import kvblend
-from kvblend import _vllm_plugin
+from kvblend.vllm import plugin
 
 
 class _Meta(KVConnectorMetadata):
@@ -51,9 +51,9 @@ class ModelHookProbe(KVConnectorBase_V1):
         self.checked_forward = False
         if role.name == "SCHEDULER":
             try:
-                _vllm_plugin.loaded_model(vllm_config)
+                plugin.loaded_model(vllm_config)
                 self.log("scheduler", {"error": None})
-            except _vllm_plugin.ModelUnreachable as e:
+            except plugin.ModelUnreachable as e:
                 self.log("scheduler", {"error": str(e)})
 
     def log(self, event, facts):
@@ -65,8 +65,8 @@ class ModelHookProbe(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
         facts: dict[str, Any] = {"kvblend_file": kvblend.__file__}
         try:
-            self.model = _vllm_plugin.loaded_model(self._vllm_config)
-        except _vllm_plugin.ModelUnreachable as e:
+            self.model = plugin.loaded_model(self._vllm_config)
+        except plugin.ModelUnreachable as e:
             self.log("worker", {**facts, "error": str(e)})
             return
         static = self._vllm_config.compilation_config.static_forward_context
@@ -95,20 +95,20 @@ class ModelHookProbe(KVConnectorBase_V1):
             self.run_blend(self.blend)
 
     def run_blend(self, b):
-        from kvblend import _vllm_blend
+        from kvblend.vllm import blend
 
         segs = [(bytes.fromhex(x), p) if isinstance(x, str) else (x, p) for x, p in b["segments"]]
         try:
             with kvblend.Client(b["endpoint"], timeout_ms=120000) as c:
                 spec = c.model_get(b["name"])
                 t0 = time.perf_counter()
-                kv, sels, stats = _vllm_blend.blend_prompt(
+                kv, sels, stats = blend.blend_prompt(
                     self.model, c, spec, b["ids"], segs, b["checks"], b["ratios"], b["metric"])
                 secs = time.perf_counter() - t0
                 att, q = {}, b.get("question", 0)
                 if q:
                     n = len(b["ids"]) - q
-                    _, sa, st = _vllm_blend.blend_prompt(
+                    _, sa, st = blend.blend_prompt(
                         self.model, c, spec, b["ids"][:n], segs[:-1], b["checks"], b["ratios"],
                         "attention", b["ids"][n:])
                     att = {"attention": st["attention"], "att_sel0": sa[0]}

@@ -3,9 +3,9 @@
 Run with the engine venv's python (.ci/engine-env); no engine start, no daemon. For the
 shapes of the blend pass (SmolLM2's 9 query / 3 KV heads of 64, and a model without
 grouped queries) and prompts of a few hundred tokens:
-(a) kvblend._vllm_attn.runs splits increasing positions into runs of consecutive ones;
-(b) kvblend._blend_loop.causal_attention (PyTorch's fused attention) and
-    kvblend._vllm_attn.PagedAttention (vLLM's cpu_attention_with_kv_cache over a scratch
+(a) kvblend.blend.attention.runs splits increasing positions into runs of consecutive ones;
+(b) kvblend.blend.attention.causal_attention (PyTorch's fused attention) and
+    kvblend.vllm.attention.PagedAttention (vLLM's cpu_attention_with_kv_cache over a scratch
     paged cache) both equal a float64 dense reference with an exact causal mask in prompt
     order, for every row in order (a layer before the check), a scattered selection with
     a fresh run at the end (a layer after it), isolated rows, one row, no rows; the paged
@@ -23,8 +23,8 @@ if os.environ.get("KVBLEND_SKIP_ENGINE") == "1":
 import numpy as np
 import torch
 
-from kvblend._blend_loop import causal_attention
-from kvblend._vllm_attn import paged_attention_for, runs
+from kvblend.blend.attention import causal_attention, runs
+from kvblend.vllm.attention import paged_attention_for
 
 # float32 attention against a float64 reference, rows of up to ~700 keys with unit-scale
 # random inputs: measured errors are below 1e-6 (float32 accumulation order); 1e-5 leaves

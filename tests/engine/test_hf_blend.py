@@ -19,7 +19,7 @@ a question (about 330 tokens):
 (e) an architecture outside the Llama family (Gemma) is refused with kvblend.hf.Unsupported
     (Mistral, Qwen2 and Qwen3: test_vllm_arch.py).
 (f) the attention metric (question-aware selection, issue 24) at layer 1, r=0.15: A from
-    kvblend's preview (kvblend._blend_preview, the connector's too) equals eval/qsel.py's
+    kvblend's preview (kvblend.blend.preview, the connector's too) equals eval/qsel.py's
     preview on the NumPy model within TOL_A, and the daemon's selection equals
     eval/cacheblend.py's attention_select bit for bit, over the K and V the node sent, the
     daemon's own re-rotated stored rows (get_rerotated) and the A it was given.

@@ -1,13 +1,13 @@
 """The connector's scheduler-side logic against a real kvblendd, without an engine.
 
-Parsing of kv_transfer_params and the claim (kvblend._vllm_plan.plan_request, what
+Parsing of kv_transfer_params and the claim (kvblend.vllm.plan.plan_request, what
 KvblendConnector.get_num_new_matched_tokens answers) for: all chunks found, a middle
 chunk missing, a fresh span in the middle, nothing found, the whole prompt covered (one
 token left to vLLM), a resumed request (num_computed > 0), bad parameters, and a chunk
 stored with another length; and chunk boundaries by a configured separator token sequence
 (chunks end with the separator, the rest is fresh; explicit parameters win; bad
 configurations refused); and the worker's region for vLLM's KV cache
-(kvblend._vllm_land.CacheRegion): the one allocation taken, and refusals that name the
+(kvblend.vllm.landing.CacheRegion): the one allocation taken, and refusals that name the
 daemon's setting (shm_max) or the endpoint. Exit 0 when every check passes, 77 when skipped.
 """
 
@@ -23,10 +23,16 @@ if os.environ.get("KVBLEND_SKIP_ENGINE") == "1":
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kvblend  # noqa: E402
 from daemon import Daemon  # noqa: E402
-from kvblend import _vllm_plan as plan  # noqa: E402
+from kvblend.vllm import layout, plan  # noqa: E402
 
 MODEL = kvblend.Model("plan-test", 2, 1, 8, dtype="f32", rope_theta=1e5)
 failures = []
+
+
+def answer(*args):
+    """plan.plan_request's claim as (tokens, chunk loads)."""
+    p = plan.plan_request(*args)
+    return p.tokens, p.loads
 
 
 def check(what, got, want):
@@ -65,8 +71,8 @@ def run(d):
                np.zeros(MODEL.kv_shape(3), np.float32))
 
         def claim(segs, nc=0, ids=prompt, store=False):
-            n, loads = plan.plan_request(cl, MODEL.name, MODEL.num_layers,
-                                         {"kvblend": {"segments": segs, "store": store}}, ids, nc)
+            n, loads = answer(cl, MODEL.name, MODEL.num_layers,
+                              {"kvblend": {"segments": segs, "store": store}}, ids, nc)
             return n, [(ld.start, ld.first, ld.last) for ld in loads]
 
         A, B, C = [0, 30, "chunk"], [30, 20, "chunk"], [50, 40, "chunk"]
@@ -90,12 +96,13 @@ def run(d):
               (50, [(30, 40, 50), (50, 50, 90)]))
         check("resumed past the chunks", claim([A, B, C, Q], nc=95), (0, []))
         check("stored with another length", claim([[90, 5, "chunk"]]), (0, []))
-        check("no kvblend key", plan.plan_request(cl, MODEL.name, 2, {"x": 1}, prompt, 0), (0, []))
-        check("no params", plan.plan_request(cl, MODEL.name, 2, None, prompt, 0), (0, []))
+        check("no kvblend key", answer(cl, MODEL.name, 2, {"x": 1}, prompt, 0), (0, []))
+        check("no params", answer(cl, MODEL.name, 2, None, prompt, 0), (0, []))
         check("unknown model: daemon error",
               _raises(lambda: plan.plan_request(cl, "nope", 2, {"kvblend": {"segments": [A]}},
                                                 prompt, 0)), "UnknownModel")
         separator(cl, rng, a, b, c, prompt[90:])
+        one_lookup(cl, prompt)
 
     bad = [
         ("kvblend not a dict", {"kvblend": [1]}),
@@ -119,9 +126,44 @@ def run(d):
     check("store shape ok", plan.store_shape_error(p, 100), None)
     p = plan.parse_params({"kvblend": {"segments": [[0, 50, "chunk"]], "store": True}}, 100)
     check("store shape refused", plan.store_shape_error(p, 100) is not None, True)
-    check("full blocks of 100..300 (bs 64)", list(plan.full_blocks(100, 300, 64)), [2, 3])
-    check("full blocks of 0..128 (bs 128)", list(plan.full_blocks(0, 128, 128)), [0])
-    check("full blocks of 0..127 (bs 128)", list(plan.full_blocks(0, 127, 128)), [])
+    check("full blocks of 100..300 (bs 64)", list(layout.full_blocks(100, 300, 64)), [2, 3])
+    check("full blocks of 0..128 (bs 128)", list(layout.full_blocks(0, 128, 128)), [0])
+    check("full blocks of 0..127 (bs 128)", list(layout.full_blocks(0, 127, 128)), [])
+
+
+class Counting:
+    """A client that counts its lookups (the planner asks the daemon once per request)."""
+
+    def __init__(self, cl):
+        self.cl, self.lookups = cl, 0
+
+    def lookup(self, *args):
+        self.lookups += 1
+        return self.cl.lookup(*args)
+
+
+def one_lookup(cl, prompt):
+    """With blending configured: one lookup per request, a declined blend planned from it."""
+    A, B, C = [0, 30, "chunk"], [30, 20, "chunk"], [50, 40, "chunk"]
+    h = [kvblend.chunk_hash(prompt[s:e]) for s, e in ((0, 30), (30, 50), (50, 90))]
+    for what, segs, ids, want in (
+            ("a blend of the context", [A, B, C, [90, 10, "fresh"]], prompt,
+             (90, [], list(zip(h, (0, 30, 50))))),
+            ("declined (the last chunk ends the prompt): reuse", [A, B, C], prompt[:90],
+             (89, [(0, 0, 30), (30, 30, 50), (50, 50, 89)], None)),
+            ("declined (nothing found): reuse", [[0, 30, "fresh"], [30, 60, "chunk"]], prompt,
+             (0, [], None))):
+        counting = Counting(cl)
+        p = plan.plan_request(counting, MODEL.name, MODEL.num_layers,
+                              {"kvblend": {"segments": segs}}, ids, 0, None, plan.DEFAULT_CONFIG)
+        got = (p.tokens, [(ld.start, ld.first, ld.last) for ld in p.loads],
+               p.blend.segments if p.blend else None)
+        check(f"blend configured, {what}", got, want)
+        check(f"blend configured, {what}: lookups", counting.lookups, 1)
+    p = plan.parse_request({"kvblend": {"segments": [[0, 30, "chunk"]], "store": True}},
+                           prompt[:30], 0, MODEL.num_layers, None, plan.DEFAULT_CONFIG)
+    check("blend configured, a store request is not blended", p.blend, None)
+    check("a store request's chunk hashed once, by the planner", p.hashes, (h[0],))
 
 
 def separator(cl, rng, a, b, c, q):
@@ -133,7 +175,7 @@ def separator(cl, rng, a, b, c, q):
                rng.standard_normal(MODEL.kv_shape(len(ids))).astype(np.float32))
 
     def sclaim(ids, nc=0, params=None):
-        n, loads = plan.plan_request(cl, MODEL.name, MODEL.num_layers, params, ids, nc, sep)
+        n, loads = answer(cl, MODEL.name, MODEL.num_layers, params, ids, nc, sep)
         return n, [(ld.start, ld.first, ld.last) for ld in loads]
 
     na, nb = len(sa), len(sb)
@@ -148,7 +190,7 @@ def separator(cl, rng, a, b, c, q):
     check("separator: explicit parameters win",
           sclaim(sa + sb + q, params={"kvblend": {"segments": [[0, na, "chunk"]]}}),
           (na, [(0, 0, na)]))
-    check("separator: without one configured", plan.plan_request(
+    check("separator: without one configured", answer(
         cl, MODEL.name, MODEL.num_layers, None, sa + sb + q, 0), (0, []))
 
     def segs(ids, sp):
@@ -176,7 +218,7 @@ def region(d):
     import logging
 
     import torch
-    from kvblend._vllm_land import CacheRegion
+    from kvblend.vllm.landing import CacheRegion
 
     lines = []
 

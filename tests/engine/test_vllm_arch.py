@@ -70,7 +70,8 @@ def check_refusals(model_dirs):
     import transformers
 
     import kvblend.hf as kh
-    from kvblend import _vllm_blend as vb
+    from kvblend.vllm import blend as vb
+    from kvblend.vllm import config
 
     lines = []
 
@@ -78,11 +79,11 @@ def check_refusals(model_dirs):
         def emit(self, record):
             lines.append(record.getMessage())
 
-    log = logging.getLogger(vb.logger.name)
+    log = logging.getLogger(config.logger.name)
     log.addHandler(Keep())
     for d in model_dirs.values():
         cfg = transformers.AutoConfig.from_pretrained(d)
-        if vb.config_from_extra({"blend": {}}, cfg.architectures[0], 30, cfg) is None:
+        if config.config_from_extra({"blend": {}}, cfg.architectures[0], 30, cfg) is None:
             fail(f"{cfg.architectures[0]}: blending refused: {lines}")
     cfg = transformers.AutoConfig.from_pretrained(model_dirs["mistral"])
     cfg.llama_4_scaling = {"original_max_position_embeddings": 8192, "beta": 0.1}
@@ -92,7 +93,7 @@ def check_refusals(model_dirs):
     for name, c, words in (("GemmaForCausalLM", gcfg, "GemmaForCausalLM is not supported"),
                            ("MistralForCausalLM", cfg, "Llama 4 attention scaling")):
         lines.clear()
-        if vb.config_from_extra({"blend": {}}, name, 30, c) is not None:
+        if config.config_from_extra({"blend": {}}, name, 30, c) is not None:
             fail(f"{name} ({words}) was not refused for blending")
         if len(lines) != 1 or words not in lines[0] or "served as plain reuse" not in lines[0]:
             fail(f"{name}: log lines {lines}")

@@ -51,12 +51,12 @@ def fail(msg):
 
 def check_config():
     """(a)."""
-    from kvblend import _vllm_blend as vb
+    from kvblend.vllm import config, plan
 
-    good = vb.config_from_extra({"blend": {}}, "LlamaForCausalLM", 30)
-    if good != vb.BlendConfig((1,), (0.15,), "value"):
+    good = config.config_from_extra({"blend": {}}, "LlamaForCausalLM", 30)
+    if good != plan.BlendConfig((1,), (0.15,), "value"):
         fail(f"defaults: {good}")
-    if vb.config_from_extra({}, "LlamaForCausalLM", 30) is not None:
+    if config.config_from_extra({}, "LlamaForCausalLM", 30) is not None:
         fail("no blend key should mean no blending")
     bad = [({"blend": []}, "blend must be a dict"),
            ({"blend": {"ratio": [0.1]}}, "unknown keys"),
@@ -69,24 +69,24 @@ def check_config():
            ({"blend": {"check_layers": [1.7]}}, "list of ints")]
     for extra, words in bad:
         try:
-            vb.config_from_extra(extra, "LlamaForCausalLM", 30)
+            config.config_from_extra(extra, "LlamaForCausalLM", 30)
             fail(f"{extra} accepted")
         except ValueError as e:
             if words not in str(e):
                 fail(f"{extra}: message {e!r} lacks {words!r}")
-    if vb.config_from_extra({"blend": {}}, "GemmaForCausalLM", 30) is not None:
+    if config.config_from_extra({"blend": {}}, "GemmaForCausalLM", 30) is not None:
         fail("an architecture the pass does not drive should fall back to reuse")
     # A request's own settings: stripped for the reuse planner, merged over the connector's.
     segs = [[0, 4, "chunk"]]
     kvp = {"kvblend": {"segments": segs, "blend": {"ratios": [1.0]}}}
-    if vb.split_override(kvp) != ({"kvblend": {"segments": segs}}, {"ratios": [1.0]}):
-        fail(f"split_override: {vb.split_override(kvp)}")
+    if plan.split_override(kvp) != ({"kvblend": {"segments": segs}}, {"ratios": [1.0]}):
+        fail(f"split_override: {plan.split_override(kvp)}")
     off = {"kvblend": {"segments": segs, "blend": False}}
-    if vb.plan_blend(None, NAME, 30, off, list(range(8)), 0, good) is not None:
+    if plan.parse_request(off, list(range(8)), 0, 30, None, good).blend is not None:
         fail("'blend': false should plan full reuse")
     try:
-        vb.plan_blend(None, NAME, 30, {"kvblend": {"segments": segs, "blend": {"ratios": [2]}}},
-                      list(range(8)), 0, good)
+        plan.parse_request({"kvblend": {"segments": segs, "blend": {"ratios": [2]}}},
+                           list(range(8)), 0, 30, None, good)
         fail("a request's malformed blend settings were accepted")
     except ValueError as e:  # ParamError: the request is served as plain vLLM, logged
         if "kvblend.blend.ratios" not in str(e):

@@ -14,7 +14,7 @@ libkvblend and KVBLEND_ENGINE_MODEL (or --model) to the model directory.
     forward context's attention modules are that model's; in the scheduler process
     (no model there) ``loaded_model`` raises with a message saying so; the engine
     generates the same 16 greedy tokens for a prompt as transformers does;
-(d) in that worker, at the first forward pass, kvblend._vllm_blend.blend_prompt over
+(d) in that worker, at the first forward pass, kvblend.vllm.blend.blend_prompt over
     vLLM's model: its selection equals kvblend.hf's for the same request (test_hf_blend's,
     its chunks stored by kvblend.hf under the same model name, against a real daemon) and
     its fused KV is within TOL_VLLM of kvblend.hf's; then the connector's way with the
@@ -30,7 +30,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,7 +40,6 @@ if os.environ.get("KVBLEND_SKIP_ENGINE") == "1":
     sys.exit(77)
 
 HERE = Path(__file__).resolve().parent
-PACKAGE = HERE.parent.parent / "client" / "python"
 PROMPT = "The capital of France is"
 MAX_TOKENS = 16
 NAME = "smollm2-hook-test"
@@ -60,34 +58,15 @@ def fail(msg):
 
 
 def install(target):
-    """(a): pip install the package into target; return its entry point lines.
+    """(a): pip install the package into target, with its entry point (eval/engine_setup.py)."""
+    from daemon import install_package
 
-    As test_install.sh does: pip of a venv over Debian's python3 (its setuptools and
-    wheel), offline, without build isolation; KVBLEND_BUNDLE=0 (no library build).
-    """
-    env = dict(os.environ, KVBLEND_BUNDLE="0", PIP_DISABLE_PIP_VERSION_CHECK="1")
-    env.pop("PYTHONPATH", None)
-    with tempfile.TemporaryDirectory(prefix="kvblend-src.") as tmp:
-        src, venv = Path(tmp) / "src", Path(tmp) / "venv"
-        src.mkdir()
-        # A copy of the package without build/ (a bundled build there is not wanted here).
-        subprocess.run(["cp", "-r", str(PACKAGE / "pyproject.toml"), str(PACKAGE / "setup.py"),
-                        str(PACKAGE / "README.md"), str(PACKAGE / "src"), str(src)], check=True)
-        subprocess.run(["/usr/bin/python3", "-m", "venv", "--system-site-packages", str(venv)],
-                       check=True)
-        r = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet",
-                            "--no-deps", "--no-index", "--no-build-isolation", "--target",
-                            str(target), str(src)], env=env, capture_output=True, text=True)
-    if r.returncode:
-        fail(f"pip install failed:\n{r.stdout}\n{r.stderr}")
-    eps = list(Path(target).glob("kvblend-*.dist-info/entry_points.txt"))
-    if not eps:
-        fail("the installed package has no entry_points.txt")
-    text = eps[0].read_text()
-    if "[vllm.general_plugins]" not in text or "kvblend._vllm_plugin:register" not in text:
-        fail(f"entry point missing:\n{text}")
+    try:
+        install_package(target)
+    except RuntimeError as e:
+        fail(str(e))
     print("  (a) installed; entry point vllm.general_plugins: kvblend = "
-          "kvblend._vllm_plugin:register")
+          "kvblend.vllm.plugin:register")
 
 
 def read_facts(path):
@@ -201,16 +180,16 @@ def main():
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
-    from kvblend import _vllm_plugin
+    from kvblend.vllm import plugin
 
     class _Cfg:  # the attributes loaded_model reads of a VllmConfig
         class model_config:  # noqa: N801
             model = args.model
 
     try:
-        _vllm_plugin.loaded_model(_Cfg)
+        plugin.loaded_model(_Cfg)
         fail("loaded_model answered before the plugin ran")
-    except _vllm_plugin.ModelUnreachable as e:
+    except plugin.ModelUnreachable as e:
         if "plugin did not run" not in str(e) or "pip install" not in str(e):
             fail(f"unclear refusal: {e}")
         print(f"  (b) without the plugin: {e}")

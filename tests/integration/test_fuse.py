@@ -19,11 +19,12 @@ import kvbtest
 
 KVBLENDD, KVBLEND = sys.argv[1], sys.argv[2]
 sys.path.insert(0, sys.argv[3])
-from kvref import (EPS, from_dtype, ref_dequantize, ref_inv_freq, ref_rotate,  # noqa: E402
-                   ref_select, to_dtype)
-# The attention metric's reference is the one eval/ uses (eval/cacheblend.py).
+# The references are eval/'s: kvref.py (RoPE, dtypes, selection, the store's quantizers)
+# and, for the attention metric, cacheblend.py.
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "eval"))
 from cacheblend import attention_select, select_count  # noqa: E402
+from kvref import (EPS, from_dtype, ref_dequantize, ref_inv_freq, ref_rotate,  # noqa: E402
+                   ref_select, to_dtype)
 
 TMP = tempfile.mkdtemp(prefix="kvb-fuse-")
 check = kvbtest.Checks()

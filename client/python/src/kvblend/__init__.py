@@ -26,19 +26,7 @@ Examples
 """
 
 from ._lib import lib as _cdll
-from .client import (
-    ChunkInfo,
-    Client,
-    FuseSession,
-    LandingSession,
-    Layers,
-    Model,
-    Segment,
-    chunk_hash,
-    default_endpoint,
-    hash_hex,
-    malloc_tune,
-)
+from .client import Client, chunk_hash, default_endpoint, hash_hex, malloc_tune
 from .errors import (
     BadArgument,
     BadShape,
@@ -60,6 +48,8 @@ from .errors import (
     UnknownModel,
     UnknownSession,
 )
+from .sessions import FuseSession, LandingSession, Layers
+from .types import ChunkInfo, Model, Segment
 
 __version__ = "0.1.0"
 

@@ -9,7 +9,7 @@ import numpy as np
 from . import _lib
 
 if TYPE_CHECKING:
-    from .client import Model
+    from .types import Model
 
 
 def _as_array(x: Any) -> np.ndarray:

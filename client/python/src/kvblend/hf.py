@@ -16,7 +16,7 @@ and merges. Useful on its own for offline RAG jobs, and to debug the blend loop 
 
 Supported: the Llama family, ``LlamaForCausalLM`` (SmolLM2, Llama 2/3, TinyLlama),
 ``MistralForCausalLM``, ``Qwen2ForCausalLM`` (bias on Q, K and V) and ``Qwen3ForCausalLM``
-(an RMSNorm per head on Q and K before RoPE; :mod:`kvblend._blend_arch`), in float32 or
+(an RMSNorm per head on Q and K before RoPE; :mod:`kvblend.blend.arch`), in float32 or
 float16 with the default RoPE, full attention, on any device (rows cross to the daemon
 through host memory). Anything else is refused with :class:`Unsupported`.
 
@@ -34,13 +34,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import _blend_arch as _arch
-from ._blend_loop import blend_layers, causal_attention
-from ._blend_preview import land_chunks, question_attention
-from .client import Client, Model, chunk_hash
+from .blend import arch as _arch
+from .blend.attention import causal_attention
+from .blend.loop import blend_layers
+from .blend.preview import land_chunks, question_attention
+from .client import Client, chunk_hash
 from .errors import KvblendError
+from .types import Model
 
-#: Architectures whose decoder layers this module drives (:mod:`kvblend._blend_arch`).
+#: Architectures whose decoder layers this module drives (:mod:`kvblend.blend.arch`).
 SUPPORTED_ARCHITECTURES = tuple(_arch.ARCHITECTURES)
 _DTYPES = {torch.float32: ("f32", np.float32), torch.float16: ("f16", np.float16)}
 _METRICS = ("value", "key", "attention")
@@ -146,7 +148,7 @@ class Blend:
         With ``keep_checks``: layer -> the token indices whose plane was sent.
     attention : ndarray or None
         The attention metric's A ([chunk tokens, kv_heads] float32, the question's
-        preview, :mod:`kvblend._blend_preview`); None for the other metrics.
+        preview, :mod:`kvblend.blend.preview`); None for the other metrics.
     session : str
         ``"landing"`` or ``"classic"``: the kind of fuse session that served it.
     stats : dict
@@ -202,7 +204,10 @@ def _segments(segments: Sequence[tuple[str, Any]]) -> tuple[np.ndarray, list]:
 
 
 class _HfOps:
-    """The layer operations of a transformers Llama-family model (:class:`_blend_loop.LayerOps`)."""
+    """Layer operations of a transformers Llama-family model.
+
+    The :class:`kvblend.blend.loop.LayerOps` that :func:`blend_layers` drives.
+    """
 
     def __init__(self, model: Any, head_dim: int, arch: _arch.Arch) -> None:
         self.model, self.head_dim, self.arch = model, head_dim, arch

@@ -10,9 +10,10 @@ import numpy as np
 from ._arrays import _as_array, _dtype_ok, _row_shape_ok, _stats_dict
 from ._lib import KvbStat, lib
 from .errors import BadArgument
+from .types import ChunkInfo, Model
 
 if TYPE_CHECKING:
-    from .client import Client, Model
+    from .client import Client
 
 
 class Layers:
@@ -29,8 +30,6 @@ class Layers:
         c = ptr.contents
         self.layer_begin: int = c.layer_begin
         self.layer_end: int = c.layer_end
-        from .client import ChunkInfo  # (client.py imports this module: not at the top)
-
         self.info = ChunkInfo._from_c(c.info)
         n = c.layer_end - c.layer_begin
         shape = (c.info.num_tokens, model.num_kv_heads, model.head_dim)

@@ -17,7 +17,7 @@ know it:
 
 :func:`for_vllm` and :func:`for_hf` check a loaded model and return its :class:`Arch`;
 :func:`norm_qk` is the one step the loop adds for Qwen3. Anything else raises
-:class:`ArchRefused` naming the architecture. Used by :mod:`kvblend._vllm_blend` and
+:class:`ArchRefused` naming the architecture. Used by :mod:`kvblend.vllm.blend` and
 :mod:`kvblend.hf`; imports nothing but the standard library at import time.
 """
 

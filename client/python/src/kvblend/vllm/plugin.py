@@ -2,7 +2,7 @@
 
 vLLM hands a KV connector its cache tensors but never the model; CacheBlend's blend pass
 needs the model's layer modules. kvblend registers a ``vllm.general_plugins`` entry point
-(``kvblend = "kvblend._vllm_plugin:register"`` in client/python's pyproject.toml), which
+(``kvblend = "kvblend.vllm.plugin:register"`` in client/python's pyproject.toml), which
 vLLM calls in every process it starts (the front end, EngineCore, each worker) before it
 builds the worker. :func:`register` wraps vLLM's ``get_model_loader`` so that every model
 loader it hands out records the model its ``load_model`` returns; the connector's worker
@@ -15,7 +15,8 @@ that stays so (vLLM 0.32; :data:`SUPPORTED_VLLM`); where it does not, the wrappe
 installed, :func:`loaded_model` raises :class:`ModelUnreachable` with the reason, and the
 connector refuses to blend (docs/vllm.md).
 
-This module imports nothing from torch or vLLM until :func:`register` runs.
+This module imports nothing from torch or vLLM until :func:`register` runs (nor does
+:mod:`kvblend.vllm`, whose connector is imported only when asked for).
 """
 
 from __future__ import annotations

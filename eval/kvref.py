@@ -1,6 +1,8 @@
 """Independent NumPy reference of kvblend's blend computations, in float64: RoPE inverse
 frequencies for every scaling type (from the papers and the Hugging Face transformers
-formulas), rotation, dtype rounding, and HKVD selection. Shared by the blend and fuse tests.
+formulas), rotation, dtype rounding, and HKVD selection. Shared by the blend and fuse tests
+(tests/blend/test_blend.py, tests/integration/test_fuse.py) and eval/outliers.py; it lives in
+eval/ because tests may import eval/, never the reverse.
 """
 import math
 

@@ -1,12 +1,13 @@
 """The blend pass's attention through vLLM's own CPU attention kernel.
 
-:func:`kvblend._blend_loop.causal_attention` computes the attention of some rows of a
+:func:`kvblend.blend.attention.causal_attention` computes the attention of some rows of a
 prompt over the whole layer's KV with an exact causal mask in prompt order, in PyTorch.
 On vLLM's CPU build the same thing runs several times faster through the kernel vLLM's
 own prefill uses (``cpu_attention_with_kv_cache`` over a paged cache), which takes the
-rows as requests: each run of consecutive rows p..q is one request of q - p + 1 queries
-over the keys 0..q (a causal prefill of the run's tokens with the keys before them as
-context), so every row i sees keys 0..rows[i] and no other. :class:`PagedAttention` keeps
+rows as requests (:func:`kvblend.blend.attention.runs`): each run of consecutive rows
+p..q is one request of q - p + 1 queries over the keys 0..q (a causal prefill of the
+run's tokens with the keys before them as context), so every row i sees keys 0..rows[i]
+and no other. :class:`PagedAttention` keeps
 one layer's KV in a scratch paged cache of its own (not vLLM's: the blend's cache write
 stays where it was) and is reused across layers and prompts.
 
@@ -14,34 +15,19 @@ Relies on vLLM's private ops (``vllm._custom_ops.cpu_attn_reshape_and_cache``,
 ``cpu_attn_get_scheduler_metadata``, ``cpu_attention_with_kv_cache``, the "vec" ISA) as
 vLLM 0.32 has them; :func:`paged_attention_for` returns None where they are missing or do
 not fit (another device, head size or dtype), and the caller falls back to
-``causal_attention``. Imports torch; imported only by :mod:`kvblend._vllm_blend`.
+``causal_attention``. Imports torch; imported only by :mod:`kvblend.vllm.blend`.
 """
 
 from __future__ import annotations
 
-import numpy as np
 import torch
+
+from ..blend.attention import runs
 
 #: Tokens per block of the scratch cache (the "vec" ISA needs a multiple of 32).
 BLOCK_SIZE = 32
 _HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def runs(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Split increasing positions ``rows`` into runs of consecutive ones.
-
-    Returns (query_start_loc [runs + 1], seq_lens [runs]) as int32: run j holds the rows
-    query_start_loc[j]..query_start_loc[j + 1] - 1, and its last position is
-    seq_lens[j] - 1.
-    """
-    rows = np.asarray(rows, np.int64)
-    if rows.size == 0:
-        return np.zeros(1, np.int32), np.zeros(0, np.int32)
-    ends = np.flatnonzero(np.diff(rows) != 1)  # the last index of each run but the last
-    last = np.append(ends, rows.size - 1)
-    qsl = np.concatenate(([0], last + 1)).astype(np.int32)
-    return qsl, (rows[last] + 1).astype(np.int32)
 
 
 class PagedAttention:
@@ -99,7 +85,7 @@ class PagedAttention:
         self._rows = rows
 
     def __call__(self, q, keys, values, rows, scaling: float) -> torch.Tensor:
-        """Attend as :func:`kvblend._blend_loop.causal_attention` does.
+        """Attend as :func:`kvblend.blend.attention.causal_attention` does.
 
         q [n, heads, d] of the increasing positions rows, keys and values [N, kv_heads, d];
         returns [n, heads * d].

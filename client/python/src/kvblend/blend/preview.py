@@ -10,8 +10,8 @@ daemon weighs each chunk token's K and V deviation at the check layer by A
 
 :func:`land_chunks` puts the re-rotated chunk rows of every layer into the request's KV
 buffer through a reuse-only fuse session; :func:`question_attention` runs the preview
-over them with a model's :class:`kvblend._blend_loop.LayerOps`. Shared by
-:mod:`kvblend.hf` and :mod:`kvblend._vllm_blend`. Imports torch.
+over them with a model's :class:`kvblend.blend.loop.LayerOps`. Shared by
+:mod:`kvblend.hf` and :mod:`kvblend.vllm.blend`. Imports torch.
 """
 
 from __future__ import annotations

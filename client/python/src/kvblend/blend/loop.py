@@ -1,6 +1,6 @@
 """The node's side of CacheBlend, one layer at a time, over any model's layer operations.
 
-Shared by :mod:`kvblend.hf` (transformers' modules) and :mod:`kvblend._vllm_blend` (vLLM's
+Shared by :mod:`kvblend.hf` (transformers' modules) and :mod:`kvblend.vllm.blend` (vLLM's
 modules): both hand :func:`blend_layers` an object with the model's per-layer operations
 and an open fuse session, and get back the hidden states of the rows still computed after
 the last layer. The session does the rest (re-rotation of the stored chunks, the selection
@@ -14,7 +14,6 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
-from torch.nn.functional import scaled_dot_product_attention as sdpa
 
 
 class LayerOps(Protocol):
@@ -48,28 +47,6 @@ class LoopResult:
     selections: list = field(default_factory=list)
     checked: dict = field(default_factory=dict)
     sent: dict = field(default_factory=dict)
-
-
-def causal_attention(q, keys, values, rows, scaling: float) -> torch.Tensor:
-    """Attention of q [n, heads, d] (the tokens rows) over keys, values [N, kv_heads, d].
-
-    Row i sees keys 0..rows[i] (causal in prompt order; rows increasing); grouped-query
-    heads share a KV head in order (query head j reads KV head j // (heads / kv_heads)).
-    Returns [n, heads * d]. PyTorch's fused attention (no [heads, n, N] scores
-    materialised, no copies of the KV per query head): a plain causal mask when the rows
-    are the whole prompt in order, else a boolean [n, N] mask.
-    """
-    n, big_n = q.shape[0], keys.shape[0]
-    if n == 0:
-        return q.new_zeros(0, q.shape[1] * q.shape[2])
-    qt, kt, vt = (x.transpose(0, 1)[None] for x in (q, keys, values))
-    kw = {"scale": scaling, "enable_gqa": q.shape[1] != keys.shape[1]}
-    if n == big_n and bool(rows[-1] == n - 1):  # increasing rows: all of them, in order
-        o = sdpa(qt, kt, vt, is_causal=True, **kw)
-    else:
-        mask = torch.arange(big_n, device=keys.device)[None, :] <= rows[:, None]
-        o = sdpa(qt, kt, vt, attn_mask=mask, **kw)
-    return o[0].transpose(0, 1).reshape(n, -1)
 
 
 def blend_layers(
@@ -108,7 +85,7 @@ def blend_layers(
         Keep the planes sent at check layers (:attr:`LoopResult.checked`).
     attention : ndarray, optional
         A for the attention metric ([chunk tokens, kv_heads] float32,
-        :mod:`kvblend._blend_preview`), given to the session before the first check.
+        :mod:`kvblend.blend.preview`), given to the session before the first check.
 
     At a check layer the selection is final when the daemon answers, so only the rows it
     keeps finish the layer (attention and MLP): the others needed only their Q, K and V.

@@ -8,9 +8,9 @@ memory the daemon may write. A loading request then opens a reuse-only landing s
 keys re-rotated to their positions, straight into vLLM's cache layer by layer ahead of the
 forward pass, and ``wait_for_layer_load`` waits on the session's progress word.
 
-vLLM's CPU "vec" cache keeps, per block and KV head, K transposed ``[head_dim,
-block_size]`` then V rows ``[block_size, head_dim]``: the K array handed to the daemon has
-strides of its own (``kvb_fuse_open_into_strided``).
+The arrays handed to the daemon come from :func:`kvblend.vllm.layout.region_views` (vLLM's
+CPU cache transposes K per block: the K array has strides of its own,
+``kvb_fuse_open_into_strided``).
 
 Anything that does not hold (a ``tcp://`` endpoint, shared memory refused or too small, an
 allocation of another shape, a layout that is not one allocation with a uniform stride
@@ -29,10 +29,12 @@ import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
 
-from . import _vllm_plan as plan
-from .client import Client, Model
-from .errors import BadShm, KvblendError, NotFound, UnknownSession
-from .sessions import LandingSession
+from ..client import Client
+from ..errors import BadShm, KvblendError, NotFound, UnknownSession
+from ..sessions import LandingSession
+from ..types import Model
+from .layout import region_views
+from .plan import ChunkLoad
 
 
 class _TakeAllocation(TorchFunctionMode):
@@ -137,36 +139,19 @@ class CacheRegion:
         if not self.taken:
             self.off("vLLM did not allocate its KV cache as one torch.zeros(int8) (another vLLM?)")
             return
-        base = self.buf.ctypes.data
-        es = np.dtype(model.np_dtype).itemsize
-        ptrs = [t.data_ptr() for t in layers]
-        ls = ptrs[1] - ptrs[0] if len(ptrs) > 1 else 0
-        nb, heads = layers[0].shape[0], model.num_kv_heads
-        hd, bs = model.head_dim, block_size
-        block = heads * 2 * bs * hd * es
-        if (
-            any(p != ptrs[0] + i * ls for i, p in enumerate(ptrs))
-            or ptrs[0] < base
-            or ptrs[-1] + nb * block > base + self.size
-        ):
+        views = region_views(self.buf, self.size, layers, model, block_size)
+        if views is None:
             self.off("vLLM's cache layers are not in the region at one stride")
             return
-        arr = self.buf[ptrs[0] - base :].view(model.np_dtype)
-        shape = (len(layers), nb, bs, heads, hd)
-        self.k = np.lib.stride_tricks.as_strided(
-            arr, shape, (ls, block, es, 2 * bs * hd * es, bs * es)
-        )
-        self.v = np.lib.stride_tricks.as_strided(
-            arr[bs * hd :], shape, (ls, block, hd * es, 2 * bs * hd * es, es)
-        )
-        self.block_size = bs
+        self.k, self.v = views
+        self.block_size = block_size
         self.active = True
         self.log.info(
             "kvblend: vLLM's KV cache (%d bytes) is in a kvblend region: loads land directly",
             self.size,
         )
 
-    def open(self, model_name: str, req_id: str, chunks: list[plan.ChunkLoad], blocks: list[int]):
+    def open(self, model_name: str, req_id: str, chunks: list[ChunkLoad], blocks: list[int]):
         """Open a landing session for a load; False when this load takes the copy path.
 
         Only a load whose chunks lie back to back from position 0, each from its first

@@ -1,0 +1,14 @@
+"""CacheBlend's node side, independent of any engine: the blend pass over a model's layers.
+
+- :mod:`~kvblend.blend.loop`: the layer loop over an open fuse session
+  (:func:`~kvblend.blend.loop.blend_layers`) and the layer operations it asks of a model
+  (:class:`~kvblend.blend.loop.LayerOps`);
+- :mod:`~kvblend.blend.attention`: the attention of some rows over a layer's KV, causal
+  in prompt order;
+- :mod:`~kvblend.blend.preview`: the question's preview for the attention metric;
+- :mod:`~kvblend.blend.arch`: what each architecture of the Llama family asks of the pass.
+
+Used by :mod:`kvblend.hf` (transformers' modules) and :mod:`kvblend.vllm` (vLLM's). This
+package imports nothing itself: ``loop``, ``attention`` and ``preview`` import torch when
+imported, ``arch`` only the standard library; ``import kvblend`` imports none of them.
+"""

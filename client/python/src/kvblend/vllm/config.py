@@ -1,0 +1,254 @@
+"""The connector's configuration: vLLM's engine checked and described as a kvblend Model.
+
+:func:`connector_config` reads what the connector needs from vLLM's config once, at
+start (the daemon's endpoint, the model's name and exact description, the chunk
+separator, the blend settings) and refuses, with :class:`Refused` naming the reason, an
+engine whose KV kvblend cannot describe exactly or serve safely (docs/vllm.md, "What is
+supported"). Imports torch and vLLM.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import vllm
+from vllm.logger import init_logger
+
+from ..blend import arch as _arch
+from ..client import default_endpoint
+from ..types import Model
+from . import plan
+from .plan import DEFAULT_CONFIG, BlendConfig, blend_settings
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+# The connector's one logger (its configuration, scheduler, worker and landing): under
+# "vllm." so that vLLM's logging configuration (format, level) applies to our lines.
+logger = init_logger("vllm.kvblend.vllm")
+
+#: vLLM versions this connector is written against (the CPU cache layout and the v1
+#: connector interface both change between minor versions).
+SUPPORTED_VLLM = "0.32"
+
+_ROPE_SCALINGS = ("none", "default", "linear", "llama3", "yarn", "dynamic")
+# Architectures whose attention kvblend describes exactly: full attention, neox RoPE on
+# all heads, keys cached after RoPE.
+_NEOX_ARCHS = {
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+}
+_DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+
+
+class Refused(RuntimeError):
+    """The connector cannot serve this engine exactly; the message says why."""
+
+
+def refuse(msg: str) -> Refused:
+    """Log why the connector refuses to start and return the :class:`Refused` to raise."""
+    logger.error("kvblend: refusing to start: %s", msg)
+    return Refused(f"kvblend: {msg}")
+
+
+def check_version() -> None:
+    """Refuse a vLLM other than :data:`SUPPORTED_VLLM` (its connector interface and cache)."""
+    v = getattr(vllm, "__version__", "unknown")
+    if not (v == SUPPORTED_VLLM or v.startswith(SUPPORTED_VLLM + ".")):
+        raise refuse(f"vLLM {v} is not supported: kvblend.vllm supports vLLM {SUPPORTED_VLLM}.x")
+
+
+def _scaling_spec(rs: dict[str, Any] | None, max_pos: int | None) -> str:
+    """Kvblend's SPEC for a Hugging Face rope scaling dict (rope_parameters in transformers 5)."""
+    if not rs:
+        return "none"
+    kind = rs.get("rope_type", rs.get("type", "default"))
+    if kind not in _ROPE_SCALINGS:
+        raise refuse(f"rope scaling type {kind!r} is not one kvblend re-rotates exactly")
+    if kind in ("none", "default"):
+        return "none"
+    f = rs.get("factor")
+    if not isinstance(f, (int, float)):
+        raise refuse(f"rope scaling {kind!r} without a numeric factor")
+    if kind == "linear":
+        return f"linear:{f}"
+    orig = rs.get("original_max_position_embeddings") or max_pos
+    if kind == "llama3":
+        return (
+            f"llama3:{f},{rs['low_freq_factor']},{rs['high_freq_factor']},"
+            f"{rs['original_max_position_embeddings']}"
+        )
+    if kind == "yarn":
+        for extra in ("attention_factor", "mscale", "mscale_all_dim"):
+            if rs.get(extra) not in (None, 1, 1.0, 0):
+                raise refuse(f"yarn with {extra}={rs[extra]} is not described by kvblend")
+        return f"yarn:{f},{orig},{rs.get('beta_fast', 32)},{rs.get('beta_slow', 1)}"
+    return f"dynamic:{f},{orig}"
+
+
+def model_from_vllm(vllm_config: VllmConfig, name: str) -> Model:
+    """Return the kvblend Model that describes the engine's KV exactly.
+
+    Raises
+    ------
+    Refused
+        MLA, sliding window, an architecture or RoPE scaling kvblend cannot describe,
+        tensor or pipeline parallelism, a quantized KV cache, an unsupported dtype.
+    """
+    mc = vllm_config.model_config
+    hf = mc.hf_text_config
+    archs = list(getattr(mc.hf_config, "architectures", None) or [])
+    if not archs or archs[0] not in _NEOX_ARCHS:
+        raise refuse(
+            f"architecture {archs} is not one whose KV kvblend describes exactly "
+            f"(supported: {sorted(_NEOX_ARCHS)})"
+        )
+    if mc.use_mla:
+        raise refuse("MLA attention (latent KV) is not supported")
+    if (
+        mc.get_sliding_window() is not None
+        or getattr(hf, "layer_types", None)
+        and any(t != "full_attention" for t in hf.layer_types)
+    ):
+        raise refuse("sliding-window attention layers are not supported")
+    pc = vllm_config.parallel_config
+    if pc.tensor_parallel_size != 1 or pc.pipeline_parallel_size != 1:
+        raise refuse("tensor or pipeline parallelism is not supported yet")
+    cache_dtype = str(vllm_config.cache_config.cache_dtype)
+    if cache_dtype != "auto":
+        raise refuse(f"kv_cache_dtype {cache_dtype!r}: only 'auto' (the model's dtype)")
+    dtype = _DTYPES.get(mc.dtype)
+    if dtype is None:
+        raise refuse(f"dtype {mc.dtype} (float32, float16 or bfloat16 only)")
+    rp = dict(getattr(hf, "rope_parameters", None) or {})
+    theta = rp.get("rope_theta", getattr(hf, "rope_theta", None))
+    if theta is None:
+        raise refuse("the model config has no rope_theta")
+    scaling = rp if rp.get("rope_type", "default") != "default" else None
+    if scaling is None:
+        scaling = getattr(hf, "rope_scaling", None)
+    head_dim = mc.get_head_size()
+    prf = rp.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", 1.0)) or 1.0
+    rotary = int(head_dim * prf)
+    return Model(
+        name=name,
+        num_layers=mc.get_num_layers(pc),
+        num_kv_heads=mc.get_total_num_kv_heads(),
+        head_dim=head_dim,
+        dtype=dtype,
+        rope_theta=float(theta),
+        rope_style="neox",
+        rotary_dim=0 if rotary == head_dim else rotary,
+        scaling=_scaling_spec(scaling, getattr(hf, "max_position_embeddings", None)),
+        k_pre_rope=False,
+    )
+
+
+def default_model_name(vllm_config: VllmConfig) -> str:
+    """Return ``vllm:<served model name>:<dtype>``, cut to kvblend's 64-byte limit."""
+    mc = vllm_config.model_config
+    served = mc.served_model_name
+    if isinstance(served, (list, tuple)):
+        served = served[0]
+    base = os.path.basename(str(served or mc.model).rstrip("/")) or "model"
+    name = f"vllm:{base}:{_DTYPES.get(mc.dtype, 'x')}"
+    return name.encode()[:64].decode(errors="ignore")
+
+
+def config_from_extra(
+    extra: dict, architecture: str | None, num_layers: int, hf_config: Any = None
+) -> BlendConfig | None:
+    """Parse ``extra["blend"]`` (absent or None: no blending).
+
+    ``{"check_layers": [1], "ratios": [0.15], "metric": "value"}`` (the defaults); ``{}``
+    takes all defaults. Returns None, with the reason in the log, for a model whose
+    architecture (or an option of it in ``hf_config``, the model's Hugging Face config)
+    the blend pass does not drive (:func:`kvblend.blend.arch.check_config`): its requests are served
+    as plain reuse.
+
+    Raises
+    ------
+    ValueError
+        Malformed settings; the message names the key.
+    """
+    raw = extra.get("blend")
+    if raw is None:
+        return None
+    config = blend_settings(raw, num_layers, DEFAULT_CONFIG, "blend")
+    try:
+        _arch.check_config(architecture, hf_config, "kvblend: blending refused")
+    except _arch.ArchRefused as e:
+        logger.warning("%s; its requests are served as plain reuse", e)
+        return None
+    return config
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """What the connector runs with, read once from vLLM's config (:func:`connector_config`)."""
+
+    endpoint: str
+    timeout_ms: int
+    model_name: str
+    separator: tuple[int, ...] | None
+    model: Model
+    block_size: int
+    blend: BlendConfig | None
+
+
+def connector_config(vllm_config: VllmConfig) -> ConnectorConfig:
+    """Read and check the connector's configuration (``kv_connector_extra_config``).
+
+    Sets vLLM's ``kv_load_failure_policy`` to "recompute" (a failed load must be
+    recomputed, never served and never fail the request).
+
+    Raises
+    ------
+    Refused
+        A malformed ``chunk_separator`` or ``blend``, prefix caching on, or an engine
+        :func:`model_from_vllm` refuses.
+    """
+    extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+    endpoint: str = extra.get("endpoint") or default_endpoint()
+    timeout_ms = int(extra.get("timeout_ms", 5000))
+    model_name: str = extra.get("model_name") or default_model_name(vllm_config)
+    try:
+        separator = plan.parse_separator(extra.get("chunk_separator"))
+    except plan.ParamError as e:
+        raise refuse(str(e)) from None
+    if vllm_config.cache_config.enable_prefix_caching:
+        raise refuse(
+            "prefix caching must be off (enable_prefix_caching=False): blocks filled "
+            "from chunks at new positions must not be reused as if computed after "
+            "their prefix"
+        )
+    tc = vllm_config.kv_transfer_config
+    if tc.kv_load_failure_policy != "recompute":
+        # A failed load must be recomputed, never served and never fail the request.
+        logger.info("kvblend: kv_load_failure_policy set to 'recompute'")
+        tc.kv_load_failure_policy = "recompute"
+    model = model_from_vllm(vllm_config, model_name)
+    archs = list(getattr(vllm_config.model_config.hf_config, "architectures", None) or [])
+    try:
+        blend = config_from_extra(
+            extra,
+            archs[0] if archs else None,
+            model.num_layers,
+            vllm_config.model_config.hf_config,
+        )
+    except ValueError as e:
+        raise refuse(f"kv_connector_extra_config: {e}") from None
+    return ConnectorConfig(
+        endpoint=endpoint,
+        timeout_ms=timeout_ms,
+        model_name=model_name,
+        separator=separator,
+        model=model,
+        block_size=vllm_config.cache_config.block_size,
+        blend=blend,
+    )

@@ -1,0 +1,117 @@
+"""KvblendConnector: vLLM's v1 KV connector interface, delegated to its two halves.
+
+vLLM makes one connector per process, for one role: in the scheduler process its
+scheduler-side calls go to :class:`~kvblend.vllm.scheduler.SchedulerSide`, in each worker
+its worker-side calls go to :class:`~kvblend.vllm.worker.WorkerSide`. This class only
+checks the engine at start (:func:`kvblend.vllm.config.connector_config`), builds the
+half and passes vLLM's calls (and the step's metadata) on. Imports torch and vLLM.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from .config import check_version, connector_config, logger
+from .daemon import DaemonLink
+from .metadata import KvblendMetadata
+from .scheduler import SchedulerSide
+from .worker import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+
+class KvblendConnector(KVConnectorBase_V1):
+    """vLLM v1 KV connector backed by kvblendd (see :mod:`kvblend.vllm`)."""
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        check_version()
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        cfg = connector_config(vllm_config)
+        self.config = cfg
+        # only the worker stores, so only its connection registers the model
+        daemon = DaemonLink(
+            cfg.endpoint, cfg.timeout_ms, cfg.model if role == KVConnectorRole.WORKER else None
+        )
+        self.scheduler = SchedulerSide(cfg, daemon)
+        self.worker = WorkerSide(cfg, daemon, vllm_config, kv_cache_config)
+        logger.info(
+            "kvblend: connector (%s) on %s, model %r", role.name, cfg.endpoint, cfg.model_name
+        )
+
+    def _meta(self) -> KvblendMetadata:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvblendMetadata)
+        return meta
+
+    # ---- scheduler side ----
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """Return the tokens from ``num_computed_tokens`` on that stored chunks provide."""
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        """Record the request's blocks and claim; note a request that stores."""
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """Return this step's loads and completed stores; loaded blocks are not zeroed."""
+        return self.scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, Any]:
+        """Forget the request; its blocks are vLLM's to free at once."""
+        return self.scheduler.request_finished(request, block_ids)
+
+    # ---- worker side ----
+
+    def get_mem_pool_context(self) -> Any:
+        """Place vLLM's one KV-cache allocation in a kvblend region (ipc:// daemons)."""
+        return self.worker.get_mem_pool_context()
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Keep K and V views of each layer's cache (CPU "vec" layout); register the model."""
+        self.worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        """Land (or write) each claimed chunk, re-rotated to its position, in its blocks."""
+        self.worker.start_load_kv(self._meta())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Wait until this step's landing sessions have the layer in vLLM's cache."""
+        self.worker.wait_for_layer_load(layer_name)
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        """Gather this layer's K and V of each storing request's chunk into host memory."""
+        self.worker.save_kv_layer(layer_name, self._meta())
+
+    def wait_for_save(self) -> None:
+        """Close this step's landing sessions; PUT each chunk gathered this step."""
+        self.worker.wait_for_save(self._meta())
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Return the blocks whose load failed this step (vLLM recomputes them)."""
+        return self.worker.get_block_ids_with_load_errors()
+
+    def shutdown(self) -> None:
+        """Close the daemon connection (the region's client stays: vLLM's cache lives there)."""
+        self.worker.shutdown()

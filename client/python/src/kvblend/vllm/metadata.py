@@ -1,0 +1,44 @@
+"""What the connector's scheduler half hands its worker half each step (vLLM's metadata).
+
+vLLM carries a :class:`KvblendMetadata` from the scheduler process to the workers with
+every step: the loads to write into requests' blocks before the forward pass, and the
+stores to gather from them after it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from .plan import BlendLoad, ChunkLoad
+
+
+@dataclass
+class LoadSpec:
+    """One request's chunks to write into its blocks this step."""
+
+    req_id: str
+    chunks: list[ChunkLoad]
+    block_ids: list[int]
+    block_size: int
+    blend: BlendLoad | None = None  # a CacheBlend load instead of the chunks
+
+
+@dataclass
+class StoreSpec:
+    """One request whose prompt (one chunk) is stored once this step has prefilled it."""
+
+    req_id: str
+    hash: bytes
+    length: int
+    block_ids: list[int]
+    block_size: int
+
+
+@dataclass
+class KvblendMetadata(KVConnectorMetadata):
+    """What the worker does in one step."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    stores: list[StoreSpec] = field(default_factory=list)

@@ -1,0 +1,557 @@
+"""The connector's one planner: a request's parameters, its chunks looked up, its claim.
+
+kvblend.vllm's scheduler side asks :func:`plan_request` once per request: one parse of
+``kv_transfer_params["kvblend"]`` (:func:`parse_request`: the segments, or the
+configured separator's; the request's blend settings), one hash of each chunk segment,
+one daemon lookup, then one decision: a CacheBlend load of the context up to the last
+chunk found (:class:`BlendLoad`), or plain reuse of the chunks from the start of the
+prompt up to the first token vLLM must compute (:func:`claim`). The :class:`Plan` is kept
+by the scheduler and used again when vLLM allocates the request's blocks. Everything
+but the lookup is a pure function, tested without an engine; no vLLM or torch import.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..client import chunk_hash
+
+#: Most segments one request may name (a bound on the work a request can ask for).
+MAX_SEGMENTS = 4096
+
+CHUNK = "chunk"
+FRESH = "fresh"
+
+
+class ParamError(ValueError):
+    """A request's kvblend parameters are malformed; the message names the problem."""
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One span of the prompt: tokens ``start .. start + length - 1``, a chunk or fresh."""
+
+    start: int
+    length: int
+    kind: str
+
+    @property
+    def end(self) -> int:
+        """One past the segment's last token."""
+        return self.start + self.length
+
+
+@dataclass(frozen=True)
+class Params:
+    """A request's validated kvblend parameters."""
+
+    segments: tuple[Segment, ...]
+    store: bool
+
+
+@dataclass(frozen=True)
+class ChunkLoad:
+    """Rows ``first .. last - 1`` (prompt positions) of the chunk ``hash`` at ``start``."""
+
+    hash: bytes
+    start: int
+    length: int
+    first: int
+    last: int
+
+
+def _int(x: Any, what: str) -> int:
+    if isinstance(x, bool) or not isinstance(x, int):
+        raise ParamError(f"{what} must be an integer, got {type(x).__name__}")
+    return x
+
+
+def parse_params(kv_transfer_params: Any, prompt_len: int) -> Params | None:
+    """Validate ``kv_transfer_params``; None when it has no ``"kvblend"`` key.
+
+    Parameters
+    ----------
+    kv_transfer_params : Any
+        The request's ``kv_transfer_params`` (a dict, or None).
+    prompt_len : int
+        Tokens in the prompt.
+
+    Returns
+    -------
+    Params or None
+        Segments sorted by start, non-overlapping, each of at least one token and
+        inside the prompt (tokens no segment names are fresh); ``store`` False unless
+        given as True.
+
+    Raises
+    ------
+    ParamError
+        The parameters are malformed; the message says how.
+    """
+    if kv_transfer_params is None:
+        return None
+    if not isinstance(kv_transfer_params, dict):
+        kind = type(kv_transfer_params).__name__
+        raise ParamError(f"kv_transfer_params must be a dict, got {kind}")
+    if "kvblend" not in kv_transfer_params:
+        return None
+    p = kv_transfer_params["kvblend"]
+    if not isinstance(p, dict):
+        raise ParamError(f"kvblend must be a dict, got {type(p).__name__}")
+    unknown = set(p) - {"segments", "store"}
+    if unknown:
+        raise ParamError(f"kvblend: unknown keys {sorted(map(str, unknown))}")
+    store = p.get("store", False)
+    if not isinstance(store, bool):
+        raise ParamError(f"kvblend.store must be a bool, got {type(store).__name__}")
+    raw = p.get("segments", [])
+    if not isinstance(raw, (list, tuple)):
+        raise ParamError(f"kvblend.segments must be a list, got {type(raw).__name__}")
+    if len(raw) > MAX_SEGMENTS:
+        raise ParamError(f"kvblend.segments: {len(raw)} segments, at most {MAX_SEGMENTS}")
+    segs = []
+    end = 0
+    for i, s in enumerate(raw):
+        if not isinstance(s, (list, tuple)) or len(s) != 3:
+            raise ParamError(f"kvblend.segments[{i}] must be [start, length, kind]")
+        start = _int(s[0], f"kvblend.segments[{i}] start")
+        length = _int(s[1], f"kvblend.segments[{i}] length")
+        kind = s[2]
+        if kind not in (CHUNK, FRESH):
+            raise ParamError(f"kvblend.segments[{i}] kind must be 'chunk' or 'fresh', got {kind!r}")
+        if start < 0:
+            raise ParamError(f"kvblend.segments[{i}] start {start} < 0")
+        if length < 1:
+            raise ParamError(f"kvblend.segments[{i}] length {length} < 1")
+        if start < end:
+            raise ParamError(
+                f"kvblend.segments[{i}] starts at {start}, before the previous one ends ({end})"
+            )
+        if start + length > prompt_len:
+            raise ParamError(
+                f"kvblend.segments[{i}] ends at {start + length}, past the prompt ({prompt_len})"
+            )
+        end = start + length
+        segs.append(Segment(start, length, kind))
+    return Params(tuple(segs), store)
+
+
+#: Longest chunk separator (tokens) the connector accepts in its configuration.
+MAX_SEPARATOR = 64
+
+
+def parse_separator(raw: Any) -> tuple[int, ...] | None:
+    """Validate ``kv_connector_extra_config["chunk_separator"]``: token ids, or None.
+
+    Raises
+    ------
+    ParamError
+        Not a non-empty list of at most MAX_SEPARATOR token ids (ints in [0, 2**32)).
+    """
+    if raw is None:
+        return None
+    if not isinstance(raw, (list, tuple)) or not 1 <= len(raw) <= MAX_SEPARATOR:
+        raise ParamError(
+            f"chunk_separator must be a list of 1 to {MAX_SEPARATOR} token ids, got {raw!r}"
+        )
+    ids = tuple(_int(t, "chunk_separator token") for t in raw)
+    if any(not 0 <= t < 2**32 for t in ids):
+        raise ParamError(f"chunk_separator token ids must be in [0, 2**32), got {list(ids)}")
+    return ids
+
+
+def separator_params(prompt_ids: Sequence[int], sep: Sequence[int]) -> Params | None:
+    """Segments of a prompt split by a separator token sequence; None when it has none.
+
+    Every occurrence of ``sep`` (left to right, not overlapping) ends a chunk: chunk i
+    runs from the end of the previous separator (or the prompt's start) through the end
+    of separator i, separator included, so that chunks lie back to back and all can be
+    loaded. The tokens after the last separator are fresh. Store such chunks with their
+    trailing separator (``store_documents(llm, [doc + sep, ...])``).
+
+    Raises
+    ------
+    ParamError
+        More than MAX_SEGMENTS segments.
+    """
+    ids, m = list(prompt_ids), len(sep)
+    sep = list(sep)
+    segs: list[Segment] = []
+    start = i = 0
+    while i + m <= len(ids):
+        if ids[i] == sep[0] and ids[i : i + m] == sep:
+            segs.append(Segment(start, i + m - start, CHUNK))
+            start = i = i + m
+            if len(segs) >= MAX_SEGMENTS:
+                raise ParamError(f"the prompt has more than {MAX_SEGMENTS - 1} chunk separators")
+            continue
+        i += 1
+    if not segs:
+        return None
+    if start < len(ids):
+        segs.append(Segment(start, len(ids) - start, FRESH))
+    return Params(tuple(segs), False)
+
+
+def chunk_segments(params: Params) -> list[Segment]:
+    """Return the chunk segments of ``params``, in prompt order."""
+    return [s for s in params.segments if s.kind == CHUNK]
+
+
+def store_shape_error(params: Params, prompt_len: int) -> str | None:
+    """Return why ``params`` cannot store (None if it can): one chunk at 0 covering the prompt."""
+    s = params.segments
+    if len(s) != 1 or s[0].kind != CHUNK or s[0].start != 0 or s[0].length != prompt_len:
+        return (
+            "store needs the prompt to be one chunk segment [0, prompt_len, 'chunk'] "
+            "(each chunk is prefilled alone)"
+        )
+    return None
+
+
+def claim(
+    params: Params,
+    hashes: Sequence[bytes],
+    found: Sequence[bool],
+    num_computed: int,
+    prompt_len: int,
+) -> tuple[int, list[ChunkLoad]]:
+    """Return how many tokens from ``num_computed`` on the connector provides, and whence.
+
+    Parameters
+    ----------
+    params : Params
+        The request's parameters.
+    hashes, found : sequence
+        Per chunk segment (in order): its hash and whether the daemon holds it with the
+        segment's length.
+    num_computed : int
+        Tokens vLLM already has.
+    prompt_len : int
+        Tokens in the prompt.
+
+    Returns
+    -------
+    (int, list of ChunkLoad)
+        The claimed tokens, contiguous from ``num_computed`` up to the first token that
+        must be computed (a fresh span, a gap, a missing chunk) and never the last
+        prompt token; and the chunk rows that fill them.
+    """
+    pos = num_computed
+    ci = 0
+    covering: list[tuple[Segment, bytes]] = []
+    for s in params.segments:
+        if s.kind == CHUNK:
+            h, ok = hashes[ci], found[ci]
+            ci += 1
+        if s.end <= pos:
+            continue
+        if s.start > pos or s.kind != CHUNK or not ok:
+            break
+        covering.append((s, h))
+        pos = s.end
+    end = min(pos, prompt_len - 1)
+    if end <= num_computed:
+        return 0, []
+    loads = [
+        ChunkLoad(h, s.start, s.length, max(s.start, num_computed), min(s.end, end))
+        for s, h in covering
+        if max(s.start, num_computed) < min(s.end, end)
+    ]
+    return end - num_computed, loads
+
+
+# --- CacheBlend: the connector's and a request's blend settings ---------------------------
+
+
+@dataclass(frozen=True)
+class BlendConfig:
+    """``kv_connector_extra_config["blend"]``: check layers, ratios and metric."""
+
+    check_layers: tuple[int, ...]
+    ratios: tuple[float, ...]
+    metric: str
+
+
+@dataclass
+class BlendLoad:
+    """One request's blend: its context and fuse segments.
+
+    The context runs up to the end of the request's last stored chunk found; segments
+    are ``(hash, pos)`` for a chunk and ``(count, pos)`` for fresh tokens. ``question``:
+    the prompt's tokens after the context (the attention metric's preview runs them).
+    """
+
+    ids: list[int]
+    segments: list[tuple]
+    config: BlendConfig
+    question: list[int] = field(default_factory=list)
+
+
+DEFAULT_CONFIG = BlendConfig((1,), (0.15,), "value")
+#: The selection metrics (docs/fuse.md): HKVD on V or K, or question-aware ("attention").
+METRICS = ("value", "key", "attention")
+
+
+def blend_settings(raw: Any, num_layers: int, base: BlendConfig, where: str) -> BlendConfig:
+    """Check blend settings ``raw`` (a dict); keys it lacks keep ``base``'s values."""
+    if not isinstance(raw, dict):
+        raise ValueError(f"{where} must be a dict, got {type(raw).__name__}")
+    unknown = set(raw) - {"check_layers", "ratios", "metric"}
+    if unknown:
+        raise ValueError(f"{where}: unknown keys {sorted(map(str, unknown))}")
+    checks = raw.get("check_layers", base.check_layers)
+    ratios = raw.get("ratios", base.ratios)
+    if not isinstance(checks, (list, tuple)) or not all(
+        isinstance(c, int) and not isinstance(c, bool) for c in checks
+    ):
+        raise ValueError(f"{where}.check_layers must be a list of ints")
+    if not isinstance(ratios, (list, tuple)) or not all(
+        isinstance(r, (int, float)) and not isinstance(r, bool) for r in ratios
+    ):
+        raise ValueError(f"{where}.ratios must be a list of numbers")
+    checks, ratios = tuple(checks), tuple(float(r) for r in ratios)
+    metric = raw.get("metric", base.metric)
+    if metric not in METRICS:
+        raise ValueError(f"{where}.metric {metric!r}: 'value', 'key' or 'attention'")
+    # no check layers (and no ratios): full reuse through the pass, every stored chunk
+    # re-rotated in place and every fresh token computed, wherever the chunks sit
+    if len(checks) != len(ratios):
+        raise ValueError(f"{where}: one ratio per check layer")
+    if any(not 0 <= c < num_layers for c in checks) or list(checks) != sorted(set(checks)):
+        raise ValueError(f"{where}.check_layers {list(checks)}: increasing, in 0..{num_layers - 1}")
+    if any(not 0.0 <= r <= 1.0 for r in ratios) or list(ratios) != sorted(ratios, reverse=True):
+        raise ValueError(f"{where}.ratios {list(ratios)}: in [0, 1], not increasing")
+    return BlendConfig(checks, ratios, metric)
+
+
+def split_override(kv_transfer_params: Any) -> tuple[Any, Any]:
+    """Return ``(kv_transfer_params without kvblend.blend, that value or None)``.
+
+    A request may carry ``{"kvblend": {..., "blend": {...} | false}}``: settings that
+    override the connector's for it (keys it lacks keep the connector's), or false for
+    full reuse. The rest goes to the reuse planner, which knows no ``blend`` key.
+    """
+    kvp = kv_transfer_params
+    if isinstance(kvp, dict) and isinstance(kvp.get("kvblend"), dict) and "blend" in kvp["kvblend"]:
+        inner = dict(kvp["kvblend"])
+        override = inner.pop("blend")
+        return {**kvp, "kvblend": inner}, override
+    return kvp, None
+
+
+# --- the planner: one parse, one hash, one lookup per request ------------------------------
+
+
+@dataclass(frozen=True)
+class Parsed:
+    """A request's parameters as the planner read them (no daemon asked yet).
+
+    Attributes
+    ----------
+    ids : list of int
+        The prompt.
+    params : Params or None
+        The request's segments (its own, or the configured separator's); None for a
+        request without kvblend parameters (nor a separator in its prompt).
+    blend : BlendConfig or None
+        The settings to blend it with (the connector's, overridden by the request's);
+        None when it is not one to blend: no blending configured, no kvblend parameters
+        of its own, a store request, ``"blend": false``, or tokens already computed.
+    hashes : tuple of bytes
+        The hash of each chunk segment of ``params``, in prompt order.
+    """
+
+    ids: list[int]
+    params: Params | None
+    blend: BlendConfig | None = None
+    hashes: tuple[bytes, ...] = ()
+
+
+def parse_request(
+    kv_transfer_params: Any,
+    prompt_ids: Sequence[int],
+    num_computed: int,
+    num_layers: int,
+    separator: Sequence[int] | None = None,
+    blend: BlendConfig | None = None,
+) -> Parsed:
+    """Parse a request's parameters and hash its chunks (the planner's first step).
+
+    Parameters
+    ----------
+    kv_transfer_params : Any
+        The request's ``kv_transfer_params``.
+    prompt_ids : sequence of int
+        The prompt.
+    num_computed : int
+        Tokens vLLM already has (a request is blended only from the start).
+    num_layers : int
+        The model's layers (bounds the check layers of a request's blend settings).
+    separator : sequence of int, optional
+        The configured chunk separator: a request without kvblend parameters is split
+        by it (:func:`separator_params`; such a request is never blended).
+    blend : BlendConfig, optional
+        The connector's blend settings; None: blending is not configured, and a
+        request's own settings are ignored.
+
+    Raises
+    ------
+    ParamError
+        Malformed parameters (a request's blend settings included, when they apply).
+    """
+    ids = list(prompt_ids)
+    kvp, override = split_override(kv_transfer_params)
+    params = parse_params(kvp, len(ids))
+    config = None
+    if (
+        blend is not None
+        and params is not None
+        and not params.store
+        and num_computed == 0
+        and override is not False
+    ):
+        config = blend
+        if override is not None:
+            try:
+                config = blend_settings(override, num_layers, blend, "kvblend.blend")
+            except ValueError as e:
+                raise ParamError(str(e)) from None
+    if params is None and separator:
+        params = separator_params(ids, separator)
+    hashes = () if params is None else tuple(
+        chunk_hash(ids[s.start : s.end]) for s in chunk_segments(params)
+    )
+    return Parsed(ids, params, config, hashes)
+
+
+@dataclass
+class Plan:
+    """The planner's answer for one request.
+
+    Attributes
+    ----------
+    tokens : int
+        Tokens from ``num_computed`` on the connector provides (0: none).
+    loads : list of ChunkLoad
+        The chunk rows that fill them (plain reuse; empty for a blend).
+    blend : BlendLoad or None
+        The request's CacheBlend load instead of ``loads``.
+    parsed : Parsed or None
+        What the planner read (None when the parameters were malformed).
+    """
+
+    tokens: int = 0
+    loads: list[ChunkLoad] = field(default_factory=list)
+    blend: BlendLoad | None = None
+    parsed: Parsed | None = None
+
+
+def lookup_plan(
+    client: Any, model_name: str, num_layers: int, parsed: Parsed, num_computed: int
+) -> Plan:
+    """Look a parsed request's chunks up (one lookup) and claim: a blend, or plain reuse.
+
+    A request to blend (``parsed.blend``) claims every token up to the end of the last
+    stored chunk found, chunks not found becoming fresh tokens of its fuse session; it
+    falls back to plain reuse, on the same lookup, when no chunk is found or a found
+    chunk ends the prompt (vLLM must compute the last token). Plain reuse claims as
+    :func:`claim`.
+
+    Parameters
+    ----------
+    client : kvblend.Client
+        Connected to the daemon.
+    model_name : str
+        The model the chunks are stored under.
+    num_layers : int
+        The model's layers (a chunk stored with fewer is treated as missing).
+    parsed : Parsed
+        From :func:`parse_request`.
+    num_computed : int
+        Tokens vLLM already has.
+
+    Raises
+    ------
+    KvblendError
+        The lookup failed.
+    """
+    ids, params = parsed.ids, parsed.params
+    if params is None:
+        return Plan(parsed=parsed)
+    segs = chunk_segments(params)
+    if not segs:
+        return Plan(parsed=parsed)
+    hashes = parsed.hashes
+    infos = client.lookup(model_name, list(hashes))
+    found = [
+        i.found and i.num_tokens == s.length and i.num_layers == num_layers
+        for i, s in zip(infos, segs)
+    ]
+    if parsed.blend is not None:
+        got = [(s, h) for s, h, ok in zip(segs, hashes, found) if ok]
+        if got and got[-1][0].end < len(ids):
+            fuse, pos = [], 0
+            for s, h in got:
+                if s.start > pos:
+                    fuse.append((s.start - pos, pos))
+                fuse.append((h, s.start))
+                pos = s.end
+            return Plan(pos, [], BlendLoad(ids[:pos], fuse, parsed.blend, ids[pos:]), parsed)
+    n, loads = claim(params, hashes, found, num_computed, len(ids))
+    return Plan(n, loads, None, parsed)
+
+
+def plan_request(
+    client: Any,
+    model_name: str,
+    num_layers: int,
+    kv_transfer_params: Any,
+    prompt_ids: Sequence[int],
+    num_computed: int,
+    separator: Sequence[int] | None = None,
+    blend: BlendConfig | None = None,
+) -> Plan:
+    """Parse a request's parameters, look its chunks up, and claim (the scheduler's answer).
+
+    :func:`parse_request`, then :func:`lookup_plan`: one parse, one hash of each chunk,
+    one lookup.
+
+    Parameters
+    ----------
+    client : kvblend.Client
+        Connected to the daemon.
+    model_name : str
+        The model the chunks are stored under.
+    num_layers : int
+        The model's layers (a chunk stored with fewer is treated as missing).
+    kv_transfer_params : Any
+        The request's ``kv_transfer_params``.
+    prompt_ids : sequence of int
+        The prompt.
+    num_computed : int
+        Tokens vLLM already has.
+    separator : sequence of int, optional
+        The configured chunk separator (:func:`parse_request`).
+    blend : BlendConfig, optional
+        The connector's blend settings (:func:`parse_request`).
+
+    Returns
+    -------
+    Plan
+        ``tokens`` 0 for a request without kvblend parameters (nor a separator in its
+        prompt), or none of whose chunks is found from ``num_computed`` on.
+
+    Raises
+    ------
+    ParamError
+        Malformed parameters.
+    KvblendError
+        The lookup failed.
+    """
+    parsed = parse_request(
+        kv_transfer_params, prompt_ids, num_computed, num_layers, separator, blend
+    )
+    return lookup_plan(client, model_name, num_layers, parsed, num_computed)

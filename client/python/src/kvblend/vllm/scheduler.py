@@ -1,0 +1,199 @@
+"""The connector's scheduler half: claims, block bookkeeping and the step's metadata.
+
+Runs in vLLM's scheduler process. :meth:`SchedulerSide.get_num_new_matched_tokens` asks
+the planner once (:func:`kvblend.vllm.plan.plan_request`: one parse, one hash, one
+lookup) and keeps its :class:`~kvblend.vllm.plan.Plan`, which
+:meth:`SchedulerSide.update_state_after_alloc` uses with the request's blocks: a load for
+the worker, or a store to gather once the prompt is prefilled.
+:meth:`SchedulerSide.build_connector_meta` hands both to the worker each step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ..client import chunk_hash
+from ..errors import KvblendError
+from . import plan
+from .config import ConnectorConfig, logger
+from .daemon import DaemonLink
+from .layout import full_blocks
+from .metadata import KvblendMetadata, LoadSpec, StoreSpec
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+
+@dataclass
+class _Pending:
+    """Scheduler-side state of a request that stores."""
+
+    hash: bytes
+    length: int
+    block_ids: list[int]
+
+
+class SchedulerSide:
+    """The scheduler's half of :class:`kvblend.vllm.KvblendConnector`.
+
+    Parameters
+    ----------
+    config : ConnectorConfig
+        The connector's configuration.
+    daemon : DaemonLink
+        The connection the lookups go through.
+    """
+
+    def __init__(self, config: ConnectorConfig, daemon: DaemonLink) -> None:
+        self.config = config
+        self.daemon = daemon
+        self._logged: set[str] = set()
+        self._plans: dict[str, plan.Plan] = {}  # the last answer, for update_state_after_alloc
+        self._loads: list[LoadSpec] = []
+        self._stores: dict[str, _Pending] = {}
+
+    def _log_once(self, key: str, msg: str, *args: Any) -> None:
+        if key not in self._logged:
+            self._logged.add(key)
+            logger.warning("kvblend: " + msg, *args)
+
+    def _plan(self, request: Request, num_computed_tokens: int) -> plan.Plan:
+        """Plan a request; a malformed one or a daemon error plans nothing (logged once)."""
+        cfg = self.config
+        if cfg.blend is None and plan.split_override(request.kv_transfer_params)[1] is not None:
+            self._log_once(
+                "override",
+                "requests carry blend settings, but 'blend' is "
+                "not configured (or refused): full reuse",
+            )
+        try:
+            parsed = plan.parse_request(
+                request.kv_transfer_params,
+                request.prompt_token_ids or [],
+                num_computed_tokens,
+                cfg.model.num_layers,
+                cfg.separator,
+                cfg.blend,
+            )
+        except plan.ParamError as e:
+            # Once per request: vLLM asks again while the request waits for blocks.
+            self._log_once(
+                "params:" + request.request_id,
+                "request %s served without kvblend: %s",
+                request.request_id,
+                e,
+            )
+            return plan.Plan()
+        try:
+            out = plan.lookup_plan(
+                self.daemon.client(),
+                cfg.model_name,
+                cfg.model.num_layers,
+                parsed,
+                num_computed_tokens,
+            )
+        except KvblendError as e:
+            self.daemon.drop()
+            self._log_once("lookup", "daemon error, serving without kvblend: %s", e)
+            return plan.Plan(parsed=parsed)
+        self._logged.discard("lookup")  # log the next outage again
+        return out
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """Return the tokens from ``num_computed_tokens`` on that stored chunks provide."""
+        p = self._plan(request, num_computed_tokens)
+        self._plans[request.request_id] = p  # kept for update_state_after_alloc
+        return p.tokens, False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        """Record the request's blocks and claim; note a request that stores.
+
+        Uses the plan :meth:`get_num_new_matched_tokens` kept (no second lookup); a
+        request vLLM did not ask about this time has its parameters parsed here.
+        """
+        rid = request.request_id
+        p = self._plans.pop(rid, None)
+        block_ids = list(blocks.get_block_ids()[0])
+        bs = self.config.block_size
+        if num_external_tokens > 0:
+            if p is None or p.tokens != num_external_tokens:
+                self._log_once("claim", "claim changed under vLLM for %s: no load", rid)
+                return
+            if p.blend is not None:
+                self._loads.append(LoadSpec(rid, [], block_ids, bs, p.blend))
+                return
+            self._loads.append(LoadSpec(rid, p.loads, block_ids, bs))
+            return
+        ids = request.prompt_token_ids or []
+        if p is not None:
+            params = p.parsed.params if p.parsed is not None else None
+        else:
+            try:
+                params = plan.parse_params(
+                    plan.split_override(request.kv_transfer_params)[0], len(ids)
+                )
+            except plan.ParamError:
+                return
+        if params is None or not params.store:
+            return
+        why = plan.store_shape_error(params, len(ids))
+        if why:
+            logger.warning("kvblend: request %s not stored: %s", rid, why)
+            return
+        # the planner hashed the one chunk, which is the whole prompt
+        h = p.parsed.hashes[0] if p is not None else chunk_hash(ids)
+        self._stores[rid] = _Pending(h, len(ids), block_ids)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvblendMetadata:
+        """Return this step's loads and completed stores; loaded blocks are not zeroed."""
+        meta = KvblendMetadata(loads=self._loads)
+        self._loads = []
+        overwritten: set[int] = set()
+        for ld in meta.loads:
+            spans = [(c.first, c.last) for c in ld.chunks]
+            if ld.blend is not None:
+                spans.append((0, len(ld.blend.ids)))
+            for first, last in spans:
+                for b in full_blocks(first, last, ld.block_size):
+                    overwritten.add(ld.block_ids[b])
+        zero = scheduler_output.new_block_ids_to_zero
+        if zero and overwritten:
+            scheduler_output.new_block_ids_to_zero = [b for b in zero if b not in overwritten]
+        scheduled = scheduler_output.num_scheduled_tokens
+        progress: dict[str, int] = {}
+        for r in scheduler_output.scheduled_new_reqs:
+            if r.req_id in self._stores:
+                self._stores[r.req_id].block_ids = list(r.block_ids[0])
+                progress[r.req_id] = r.num_computed_tokens
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            if rid in self._stores:
+                new = cached.new_block_ids[i]
+                if rid in cached.resumed_req_ids:
+                    # Resumed after preemption: new_block_ids is its whole block list.
+                    self._stores[rid].block_ids = list(new[0]) if new else []
+                elif new:
+                    self._stores[rid].block_ids.extend(new[0])
+                progress[rid] = cached.num_computed_tokens[i]
+        for rid, done in progress.items():
+            st = self._stores[rid]
+            if done + scheduled.get(rid, 0) >= st.length:
+                spec = StoreSpec(rid, st.hash, st.length, st.block_ids, self.config.block_size)
+                meta.stores.append(spec)
+                del self._stores[rid]
+        return meta
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, Any]:
+        """Forget the request; its blocks are vLLM's to free at once."""
+        self._plans.pop(request.request_id, None)
+        self._stores.pop(request.request_id, None)
+        self._logged.discard("params:" + request.request_id)
+        return False, None
+

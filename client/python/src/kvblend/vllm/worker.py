@@ -1,0 +1,263 @@
+"""The connector's worker half: chunks into vLLM's cache before the forward pass, out after.
+
+Runs in each vLLM worker process. It keeps views of vLLM's cache
+(:class:`kvblend.vllm.layout.PagedCache`), and with the cache in a kvblend region
+(:class:`kvblend.vllm.landing.CacheRegion`) lets the daemon land loads straight into it;
+other loads are copied from the daemon's reply, and blends run the blend pass over vLLM's
+model (:mod:`kvblend.vllm.blend`). A failed load is reported to vLLM, which recomputes
+its blocks. Stores gather a prefilled prompt's rows layer by layer and PUT them.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from ..errors import KvblendError
+from . import blend
+from .config import ConnectorConfig, logger, refuse
+from .daemon import DaemonLink
+from .landing import CacheRegion
+from .layout import LayoutError, PagedCache, blocks_of
+from .metadata import KvblendMetadata, LoadSpec
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+#: Test hook: while the file this names exists, the worker's next load fails (and removes it).
+FAIL_LOAD_ENV = "KVBLEND_VLLM_FAIL_LOAD_FILE"
+
+#: Test hook: while the file this names exists, loads are copied, not landed.
+COPY_ENV = "KVBLEND_VLLM_COPY_FILE"
+
+#: Debug hook: when set to a folder, the worker writes the raw cache blocks it filled in
+#: each load there (``load-<n>.npz``), for tests that check the landed rows independently.
+DUMP_ENV = "KVBLEND_VLLM_DUMP_DIR"
+
+
+class WorkerSide:
+    """The worker's half of :class:`kvblend.vllm.KvblendConnector`.
+
+    Parameters
+    ----------
+    config : ConnectorConfig
+        The connector's configuration.
+    daemon : DaemonLink
+        The connection loads and stores go through (it registers the model).
+    vllm_config : VllmConfig
+        vLLM's configuration (its forward context, the model for blending).
+    kv_cache_config : KVCacheConfig
+        vLLM's KV-cache allocations.
+    """
+
+    def __init__(
+        self,
+        config: ConnectorConfig,
+        daemon: DaemonLink,
+        vllm_config: VllmConfig,
+        kv_cache_config: KVCacheConfig,
+    ) -> None:
+        self.config = config
+        self.daemon = daemon
+        self._vllm_config = vllm_config
+        self._kv_cache_config = kv_cache_config
+        self.cache = PagedCache(config.model, config.block_size)
+        self._blend_model: Any = None
+        self._load_errors: set[int] = set()
+        self._gathered: dict[str, np.ndarray] = {}
+        self._dump_dir = os.environ.get(DUMP_ENV)
+        self._dumps = 0
+        self._region: CacheRegion | None = None  # the cache in a kvblend region (landing)
+        self._landing: dict[str, LoadSpec] = {}  # this step's loads the daemon lands
+
+    def get_mem_pool_context(self) -> Any:
+        """Place vLLM's one KV-cache allocation in a kvblend region (ipc:// daemons).
+
+        Returns a context (see :mod:`kvblend.vllm.landing`) or None: vLLM then allocates
+        as usual and loads take the copy path (one log line says why).
+        """
+        sizes = {t.size for t in self._kv_cache_config.kv_cache_tensors}
+        if len(sizes) != 1:
+            logger.warning("kvblend: landing off: %d KV-cache allocations, not one", len(sizes))
+            return None
+        cfg = self.config
+        self._region = CacheRegion(cfg.endpoint, cfg.timeout_ms, sizes.pop(), logger)
+        return self._region.context()
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Keep K and V views of each layer's cache (CPU "vec" layout); register the model."""
+        ctx = self._vllm_config.compilation_config.static_forward_context
+        try:
+            self.cache.register(kv_caches, ctx)
+        except LayoutError as e:
+            raise refuse(str(e)) from None
+        if self.config.blend is not None:
+            try:
+                self._blend_model = blend.worker_model(self._vllm_config)
+            except (RuntimeError, AttributeError) as e:
+                raise refuse(f"blending configured, but {e}") from None
+        if self._region is not None:
+            layers = self.cache.layers_in_order()
+            self._region.attach(layers, self.config.model, self.cache.block_size)
+        try:
+            self.daemon.client()
+        except KvblendError as e:
+            self.daemon.drop()
+            logger.warning("kvblend: daemon not reachable at start (%s); retrying per request", e)
+
+    def start_load_kv(self, meta: KvblendMetadata) -> None:
+        """Land (or write) each claimed chunk, re-rotated to its position, in the request's blocks.
+
+        With the cache in a region, a load whose chunks lie back to back from position 0
+        gets a landing session: the daemon writes the layers itself, and
+        wait_for_layer_load waits for each. Other loads are copied here from the
+        daemon's reply.
+        """
+        cfg = self.config
+        for ld in meta.loads:
+            t0 = time.monotonic()
+            try:
+                fail = os.environ.get(FAIL_LOAD_ENV)
+                if fail and os.path.exists(fail):
+                    os.unlink(fail)
+                    raise RuntimeError("load failure injected by " + FAIL_LOAD_ENV)
+                copy = os.environ.get(COPY_ENV)
+                if (
+                    self._region is not None
+                    and ld.blend is None
+                    and not (copy and os.path.exists(copy))
+                    and self._region.open(cfg.model_name, ld.req_id, ld.chunks, ld.block_ids)
+                ):
+                    self._landing[ld.req_id] = ld
+                    continue
+                client = self.daemon.client()
+                if ld.blend is not None:
+                    blend.load_blend(
+                        self._blend_model, client, cfg.model, ld.blend, ld.block_ids, self.cache
+                    )
+                for c in ld.chunks:
+                    kv = client.get_rerotated(cfg.model_name, c.hash, pos=c.start)
+                    rows = torch.from_numpy(kv[:, :, c.first - c.start : c.last - c.start])
+                    self.cache.write(ld.block_ids, c.first, rows)
+            except (KvblendError, ValueError, IndexError, RuntimeError, TimeoutError) as e:
+                self.daemon.drop()
+                self._load_failed(ld, str(e))
+                continue
+            logger.info(
+                "kvblend: %s %d tokens of %s in %.3f s%s",
+                "blended" if ld.blend is not None else "loaded",
+                sum(c.last - c.first for c in ld.chunks) + len(ld.blend.ids if ld.blend else []),
+                ld.req_id,
+                time.monotonic() - t0,
+                "" if ld.blend is not None else " (copied from the daemon's reply)",
+            )
+            if self._dump_dir:
+                self._dump(ld, "blended" if ld.blend is not None else "copied")
+
+    def _spans(self, ld: LoadSpec) -> list[tuple[int, int]]:
+        """The prompt positions a load writes, as (first, last) spans."""
+        spans = [(c.first, c.last) for c in ld.chunks]
+        if ld.blend is not None:
+            spans.append((0, len(ld.blend.ids)))
+        return spans
+
+    def _load_failed(self, ld: LoadSpec, why: str) -> None:
+        """Report a load's blocks to vLLM, which recomputes them (policy 'recompute')."""
+        bad = blocks_of(ld.block_ids, self._spans(ld), self.config.block_size)
+        self._load_errors |= bad
+        logger.warning(
+            "kvblend: load for %s failed (%s); vLLM recomputes its %d blocks",
+            ld.req_id,
+            why,
+            len(bad),
+        )
+
+    def _landed(self) -> None:
+        """Close this step's landing sessions: log each load, report the failed ones."""
+        assert self._region is not None
+        for rid, (st, secs, failed) in self._region.close_all().items():
+            ld = self._landing.pop(rid)
+            if failed:
+                self._load_failed(ld, "landing stopped")
+                continue
+            logger.info(
+                "kvblend: loaded %d tokens of %s in %.3f s (landed by kvblendd in vLLM's cache: "
+                "the time the engine waited; %d layers, daemon landing %.1f ms)",
+                sum(c.last - c.first for c in ld.chunks),
+                rid,
+                secs,
+                int(st.get("layers_landed", 0)),
+                st.get("land_ms", 0.0),
+            )
+            if self._dump_dir:
+                self._dump(ld, "landed")
+
+    def _dump(self, ld: LoadSpec, how: str) -> None:
+        """Write the raw blocks a load touched (debug hook for tests, DUMP_ENV)."""
+        blocks = sorted(blocks_of(ld.block_ids, self._spans(ld), self.config.block_size))
+        raw = self.cache.raw_blocks(blocks)
+        path = os.path.join(self._dump_dir, f"load-{self._dumps}.npz")
+        self._dumps += 1
+        np.savez(
+            path,
+            raw=raw,
+            blocks=np.array(blocks),
+            block_ids=np.array(ld.block_ids),
+            block_size=self.config.block_size,
+            chunks=np.array([[c.start, c.length, c.first, c.last] for c in ld.chunks]),
+            hashes=np.array([c.hash.hex() for c in ld.chunks]),
+            path=how,  # "landed" or "copied"
+        )
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Wait until this step's landing sessions have the layer in vLLM's cache.
+
+        Copied loads were written in start_load_kv. A session that stops (an error, or
+        past ``timeout_ms``) has its blocks recomputed by vLLM (reported at the step's end).
+        """
+        if self._region is None or not self._region.sessions:
+            return
+        self._region.wait(self.cache.layer_of[layer_name], self.config.timeout_ms / 1000)
+
+    def save_kv_layer(self, layer_name: str, meta: KvblendMetadata) -> None:
+        """Gather this layer's K and V of each storing request's chunk into host memory."""
+        if not meta.stores:
+            return
+        model = self.config.model
+        layer = self.cache.layer_of[layer_name]
+        for st in meta.stores:
+            buf = self._gathered.get(st.req_id)
+            if buf is None:
+                buf = np.empty(model.kv_shape(st.length), model.np_dtype)
+                self._gathered[st.req_id] = buf
+            self.cache.gather(layer, st.block_ids, st.length, buf[layer])
+
+    def wait_for_save(self, meta: KvblendMetadata) -> None:
+        """Close this step's landing sessions; PUT each chunk gathered this step (position 0)."""
+        if self._region is not None and self._region.sessions:
+            self._landed()
+        for st in meta.stores:
+            buf = self._gathered.pop(st.req_id, None)
+            if buf is None:
+                continue
+            try:
+                self.daemon.client().put(self.config.model_name, st.hash, buf, base_pos=0)
+            except KvblendError as e:
+                self.daemon.drop()
+                logger.warning("kvblend: storing %s failed: %s", st.req_id, e)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Return the blocks whose load failed this step (vLLM recomputes them)."""
+        bad, self._load_errors = self._load_errors, set()
+        return bad
+
+    def shutdown(self) -> None:
+        """Close the daemon connection (the region's client stays: vLLM's cache lives there)."""
+        if self._region is not None and self._region.sessions:
+            self._landed()
+        self.daemon.drop()

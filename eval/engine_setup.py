@@ -1,0 +1,108 @@
+"""What running kvblend inside vLLM needs: the package installed, and a kvblendd.
+
+:func:`install_package` pip-installs client/python into a folder, so that vLLM's
+processes find kvblend's ``vllm.general_plugins`` entry point (the blend pass needs the
+model it hands over); :class:`Daemon` starts and stops a real kvblendd on a temporary
+data directory and IPC socket. Used by eval/run_vllm.py, bench/bench_vllm.py and the
+engine tests (tests/engine/daemon.py): tests import eval/, never the reverse. kvblend
+is imported when a daemon starts, not before: a caller that installs the package first
+and then drops kvblend from sys.modules gets the installed copy here too.
+"""
+
+import os
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "client" / "python"
+#: The entry point the installed package must carry.
+ENTRY_POINT = "kvblend.vllm.plugin:register"
+
+
+def install_package(target):
+    """Pip install client/python into the folder target; return its entry_points.txt text.
+
+    As client/python/test_install.sh does: pip of a venv over Debian's python3 (its
+    setuptools and wheel), offline, without build isolation; KVBLEND_BUNDLE=0 (no
+    library build: $KVBLEND_LIB names the build's).
+
+    Raises
+    ------
+    RuntimeError
+        pip failed, or the installed package lacks the ``vllm.general_plugins`` entry
+        point :data:`ENTRY_POINT`.
+    """
+    env = dict(os.environ, KVBLEND_BUNDLE="0", PIP_DISABLE_PIP_VERSION_CHECK="1")
+    env.pop("PYTHONPATH", None)
+    with tempfile.TemporaryDirectory(prefix="kvblend-src.") as tmp:
+        src, venv = Path(tmp) / "src", Path(tmp) / "venv"
+        src.mkdir()
+        # A copy of the package without build/ (a bundled build there is not wanted here).
+        subprocess.run(["cp", "-r", str(PACKAGE / "pyproject.toml"), str(PACKAGE / "setup.py"),
+                        str(PACKAGE / "README.md"), str(PACKAGE / "src"), str(src)], check=True)
+        subprocess.run(["/usr/bin/python3", "-m", "venv", "--system-site-packages", str(venv)],
+                       check=True)
+        r = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet",
+                            "--no-deps", "--no-index", "--no-build-isolation", "--target",
+                            str(target), str(src)], env=env, capture_output=True, text=True)
+    if r.returncode:
+        raise RuntimeError(f"pip install failed:\n{r.stdout}\n{r.stderr}")
+    eps = list(Path(target).glob("kvblend-*.dist-info/entry_points.txt"))
+    if not eps:
+        raise RuntimeError("the installed package has no entry_points.txt")
+    text = eps[0].read_text()
+    if "[vllm.general_plugins]" not in text or ENTRY_POINT not in text:
+        raise RuntimeError(f"entry point missing:\n{text}")
+    return text
+
+
+def kvblendd_path():
+    """kvblendd next to the libkvblend the tests load ($KVBLEND_LIB), or $KVBLENDD."""
+    if os.environ.get("KVBLENDD"):
+        return os.environ["KVBLENDD"]
+    import kvblend
+
+    lib = Path(kvblend.library_path).resolve()
+    return str(lib.parent.parent / "bin" / "kvblendd")
+
+
+class Daemon:
+    """A kvblendd child process; ``endpoint`` is its IPC socket."""
+
+    def __init__(self, *args):
+        """Start kvblendd; ``args`` are extra command-line options."""
+        import kvblend
+
+        self.dir = tempfile.mkdtemp(prefix="kvblend-engine.")
+        self.endpoint = f"ipc://{self.dir}/kvblend.sock"
+        self.log = open(f"{self.dir}/kvblendd.log", "w")
+        self.proc = subprocess.Popen(
+            [kvblendd_path(), "--data-dir", f"{self.dir}/data", "--listen", self.endpoint,
+             "--workers", "2", *args], stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with kvblend.Client(self.endpoint, timeout_ms=500) as c:
+                    c.ping()
+                return
+            except kvblend.KvblendError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"kvblendd did not start; log in {self.dir}") from None
+                time.sleep(0.1)
+
+    def stats(self):
+        import kvblend
+
+        with kvblend.Client(self.endpoint, timeout_ms=2000) as c:
+            return c.stats()
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
