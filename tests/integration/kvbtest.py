@@ -40,11 +40,21 @@ class Checks:
         sys.exit(1 if self.failed else 0)
 
 
+_ports_given = set()
+
+
 def free_port():
-    """A TCP port on 127.0.0.1 that nothing listens on now (the kernel's choice)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1 that nothing listens on now (the kernel's choice), never one
+    this process was given before: the kernel may hand the same free port out twice, and two
+    daemons (or a daemon and etcd) told the same port make one of them fail to start."""
+    for _ in range(1000):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _ports_given:
+            _ports_given.add(port)
+            return port
+    raise RuntimeError("free_port: the kernel keeps handing out ports given before")
 
 
 def remove(tmp):
