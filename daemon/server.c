@@ -693,10 +693,13 @@ void server_stop(struct server *srv)
 			unlink(srv->cfg->listen[i] + 6);
 	free(srv->in_frames);
 	free(srv->pf_queue);
-	cluster_free(&srv->cluster);
 	srv->in_frames = NULL;
+	/* the metrics thread and the evictor's (owns_chunk, owners_hold) call into the
+	 * cluster: both stopped before it is freed (ASan caught the evictor's call ending on
+	 * a freed member at a stop) */
 	metrics_stop(&srv->metrics);
 	evictor_free(&srv->evict);
+	cluster_free(&srv->cluster);
 	fuse_table_free(&srv->fuse);
 	blend_devices_close(&srv->devices); /* after the sessions that used it */
 	shm_table_free(&srv->shm);
