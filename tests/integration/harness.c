@@ -195,3 +195,16 @@ int free_tcp_port(void)
 	close(fd);
 	return ntohs(a.sin_port);
 }
+
+void daemon_curve_key(const struct daemon *d, char keyfile[400], char pub[41])
+{
+	char sec[41];
+	FILE *f;
+
+	snprintf(keyfile, 400, "%s/server.key", d->dir);
+	assert_int_equal(kvb_curve_keypair(pub, sec), 0);
+	f = fopen(keyfile, "w");
+	assert_non_null(f);
+	fprintf(f, "%s\n", sec);
+	fclose(f);
+}

@@ -39,6 +39,12 @@ void fill_f16(uint16_t *p, size_t n, uint32_t seed);
 /* A TCP port on 127.0.0.1 that nothing listens on now (the kernel's choice). */
 int free_tcp_port(void);
 
+/*
+ * A fresh CURVE key pair for d's server: the secret written to keyfile (d->dir/server.key,
+ * for --curve-secret-key-file), the public key into pub (Z85, 40 characters and NUL).
+ */
+void daemon_curve_key(const struct daemon *d, char keyfile[400], char pub[41]);
+
 /* A client connected to d; asserts success. */
 kvb_client *daemon_client(const struct daemon *d, int no_shm);
 

@@ -672,7 +672,7 @@ static void test_corrupt_large_chunk_removed(void **state)
  */
 static void corrupt_chunk_removed_bulk(struct daemon *d, bool curve)
 {
-	char keyfile[400], pub[41], sec[41], cpub[41], csec[41], tcp[64];
+	char keyfile[400], pub[41], cpub[41], csec[41], tcp[64];
 	/* the TCP endpoint beside the harness's IPC one */
 	const char *args[] = { "--max-message", "4M", "--max-tokens", "4096", "--listen", tcp,
 			       curve ? "--curve-secret-key-file" : NULL, keyfile, NULL };
@@ -681,7 +681,6 @@ static void corrupt_chunk_removed_bulk(struct daemon *d, bool curve)
 	uint8_t h[KVB_HASH_LEN], *kv = malloc(n), *back = malloc(n);
 	struct kvb_connect_opts o = { .timeout_ms = 10000, .no_shm = 1 };
 	kvb_client *c, *t;
-	FILE *f;
 
 	assert_non_null(kv);
 	assert_non_null(back);
@@ -689,12 +688,8 @@ static void corrupt_chunk_removed_bulk(struct daemon *d, bool curve)
 	snprintf(tcp, sizeof(tcp), "tcp://127.0.0.1:%d", free_tcp_port());
 	snprintf(keyfile, sizeof(keyfile), "%s/server.key", d->dir);
 	if (curve) {
-		assert_int_equal(kvb_curve_keypair(pub, sec), 0);
+		daemon_curve_key(d, keyfile, pub);
 		assert_int_equal(kvb_curve_keypair(cpub, csec), 0);
-		f = fopen(keyfile, "w");
-		assert_non_null(f);
-		fprintf(f, "%s\n", sec);
-		fclose(f);
 		o.server_key = pub;
 		o.client_secret_key = csec;
 	}

@@ -204,19 +204,6 @@ static void a_stuck_reader_is_cut_when_the_map_is_full(void **state)
 	assert_true(cut >= 1);
 }
 
-static int free_port(void)
-{
-	struct sockaddr_in a = { .sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
-	socklen_t len = sizeof(a);
-	int s = socket(AF_INET, SOCK_STREAM, 0), port;
-
-	assert_int_equal(bind(s, (struct sockaddr *)&a, sizeof(a)), 0);
-	getsockname(s, (struct sockaddr *)&a, &len);
-	port = ntohs(a.sin_port);
-	close(s);
-	return port;
-}
-
 /*
  * The same on a bulk connection (docs/protocol.md#bulk-connections): a TCP client that
  * opens one, GETs a chunk far larger than the sockets' buffers and never reads it would
@@ -252,8 +239,8 @@ static void a_stuck_bulk_reader_is_cut_off_at_the_deadline(void **state)
 
 	(void)state;
 	assert_non_null(kv);
-	snprintf(tcp, sizeof(tcp), "tcp://127.0.0.1:%d", free_port());
-	snprintf(bport, sizeof(bport), "%d", free_port());
+	snprintf(tcp, sizeof(tcp), "tcp://127.0.0.1:%d", free_tcp_port());
+	snprintf(bport, sizeof(bport), "%d", free_tcp_port());
 	daemon_start(&d, args);
 	assert_int_equal(kvb_connect(d.endpoint, &o, &c, NULL, 0), 0);
 	assert_int_equal(kvb_model_register(c, &big, NULL), 0);
@@ -442,7 +429,7 @@ static const struct kvb_model slow_model = { .name = "slow", .num_layers = L, .n
  */
 static void stalled_bulk_readers(bool curve, bool trickle)
 {
-	char tcp[64], bport[16], keyfile[400], pub[41], sec[41], cpub[41], csec[41];
+	char tcp[64], bport[16], keyfile[400], pub[41], cpub[41], csec[41];
 	const char *args[] = { "--workers", "2", "--drain-timeout", "3", "--reply-timeout-ms",
 			       "1000", "--listen", tcp, "--tcp-bulk-port", bport,
 			       curve ? "--curve-secret-key-file" : NULL, keyfile, NULL };
@@ -457,19 +444,13 @@ static void stalled_bulk_readers(bool curve, bool trickle)
 	double worst = 0, cut_after;
 
 	assert_non_null(kv);
-	snprintf(tcp, sizeof(tcp), "tcp://127.0.0.1:%d", free_port());
-	snprintf(bport, sizeof(bport), "%d", free_port());
+	snprintf(tcp, sizeof(tcp), "tcp://127.0.0.1:%d", free_tcp_port());
+	snprintf(bport, sizeof(bport), "%d", free_tcp_port());
 	daemon_start(&d, NULL); /* (for its directory: restarted below with the flags) */
 	snprintf(keyfile, sizeof(keyfile), "%s/server.key", d.dir);
 	if (curve) {
-		FILE *f;
-
-		assert_int_equal(kvb_curve_keypair(pub, sec), 0);
+		daemon_curve_key(&d, keyfile, pub);
 		assert_int_equal(kvb_curve_keypair(cpub, csec), 0);
-		f = fopen(keyfile, "w");
-		assert_non_null(f);
-		fprintf(f, "%s\n", sec);
-		fclose(f);
 	}
 	daemon_restart(&d, args);
 	c = daemon_client(&d, 1);
@@ -604,8 +585,8 @@ static void a_ticket_works_only_on_its_own_connection(void **state)
 	(void)state;
 	assert_non_null(kv);
 	assert_non_null(buf);
-	snprintf(tcp, sizeof(tcp), "tcp://127.0.0.1:%d", free_port());
-	snprintf(bport, sizeof(bport), "%d", free_port());
+	snprintf(tcp, sizeof(tcp), "tcp://127.0.0.1:%d", free_tcp_port());
+	snprintf(bport, sizeof(bport), "%d", free_tcp_port());
 	daemon_start(&d, args);
 	c = daemon_client(&d, 1);
 	assert_int_equal(kvb_model_register(c, &model, NULL), 0);
