@@ -257,6 +257,15 @@ void kvb_close(kvb_client **cp)
 }
 
 
+int kvb_set_timeout(kvb_client *c, int timeout_ms)
+{
+	if (!c || timeout_ms <= 0)
+		return -EINVAL;
+	c->timeout_ms = timeout_ms;
+	return 0;
+}
+
+
 int kvb_ping(kvb_client *c, char *version, size_t len)
 {
 	struct call k = { .req = { .op = KVBP_OP_HELLO } };

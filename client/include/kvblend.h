@@ -20,7 +20,8 @@
  * Data placed in kvb_shared_buffer() crosses with no client-side copy at all.
  *
  * ABI: libkvblend.so.1; every function below is bound to symbol version KVBLEND_1
- * (client/kvblend.map; kvb_fuse_open_into_strided to KVBLEND_1.1), and nothing else is exported. A compatible addition (a new
+ * (client/kvblend.map; kvb_fuse_open_into_strided and the node's selections to KVBLEND_1.1,
+ * kvb_set_timeout to KVBLEND_1.2), and nothing else is exported. A compatible addition (a new
  * function, enum value or error code) keeps the soname: its functions go into a new
  * version node (KVBLEND_1.1, ...) that inherits the last. Any other change (a field
  * added to, removed from or moved in a struct the caller allocates or reads, such as
@@ -156,6 +157,14 @@ KVB_API int kvb_connect(const char *endpoint, const struct kvb_connect_opts *opt
 
 /* Close the connection and release its shared memory. Accepts NULL; sets *c to NULL. */
 KVB_API void kvb_close(kvb_client **c);
+
+/*
+ * Set the per-call timeout of every later call on c (timeout_ms > 0), e.g. short before
+ * closing a connection whose daemon stopped answering, so that the close's own calls
+ * (sessions, regions) do not each wait the full timeout. Returns 0, or -EINVAL for
+ * timeout_ms <= 0. Since KVBLEND_1.2.
+ */
+KVB_API int kvb_set_timeout(kvb_client *c, int timeout_ms);
 
 /* Message of the client's last failed call ("" after a success). Owned by the client. */
 KVB_API const char *kvb_last_error(const kvb_client *c);

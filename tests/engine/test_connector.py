@@ -14,7 +14,9 @@ serves every request:
     stored chunks with the keys rotated to their new positions by NumPy;
 (d) doc1 + an unstored document + question: served, output equal to plain vLLM's;
 (e) bad parameters: output equal to plain vLLM's, and the engine serves the next request;
-(f) the daemon killed: a reuse request's output equals plain vLLM's;
+(f) the daemon killed: a reuse request's output equals plain vLLM's; 4 plain requests take
+    no longer than with the daemon up (they never ask it), and a second kvblend request
+    does not wait for it (the connector's circuit breaker);
 (g) a load that fails in the worker (a test hook): vLLM recomputes, output equals plain;
 (h) chunk boundaries by the configured separator (no request parameters): doc3 + SEP stored,
     doc3 + SEP + question lands the chunk and its output equals plain vLLM's (a request
@@ -345,14 +347,31 @@ def run(model_dir, d, dump_dir, report, np, kvblend):
     check("(j) preemption: every output equals plain vLLM",
           all(g == plain_b for g in got), str([g == plain_b for g in got]))
 
-    # (f)
+    # (f) the daemon killed between requests: plain requests never wait for it, a kvblend
+    # request waits at most about one timeout_ms (2 s here) once, then none while the
+    # connector's circuit breaker is open
+    def timed_plain():
+        t = time.monotonic()
+        out = gen([p_c] * 4, [None] * 4)
+        return time.monotonic() - t, out
+
+    base_s, _ = timed_plain()
     d.stop()
     t = time.monotonic()
     got = gen([p_b], [segs((0, l1, "chunk"), (l1, len(q), "fresh"))])[0]
     report["daemon_down_request_s"] = round(time.monotonic() - t, 2)
     check("(f) daemon killed: output equals plain vLLM", got == plain_b)
-    got = gen([p_c], [None])[0]
-    check("(f) engine still serves plain requests", got == plain_c)
+    down_s, outs = timed_plain()
+    report["plain_4_s"], report["plain_4_daemon_down_s"] = round(base_s, 2), round(down_s, 2)
+    check("(f) engine still serves plain requests", all(o == plain_c for o in outs))
+    check("(f) 4 plain requests with the daemon down take no longer than with it up",
+          down_s < 1.5 * base_s + 0.5, f"{down_s:.2f} s against {base_s:.2f} s")
+    t = time.monotonic()
+    got = gen([p_b], [segs((0, l1, "chunk"), (l1, len(q), "fresh"))])[0]
+    again_s = time.monotonic() - t
+    report["daemon_down_second_request_s"] = round(again_s, 2)
+    check("(f) a second kvblend request during the outage does not wait for the daemon",
+          got == plain_b and again_s < base_s / 4 + 1.0, f"{again_s:.2f} s")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,10 @@ libkvblend and KVBLEND_ENGINE_MODEL (or --model) to the model directory.
     greedy continuation vLLM computes over them equals kvblend.hf's token for token;
 (d) in the same engine, the same prompt with its own settings ({"blend": {"ratios":
     [1.0]}} in its parameters): the cache rows equal kvblend.hf's r=1.0 blend (every token
-    recomputed) and so does the continuation.
+    recomputed) and so does the continuation;
+(e) prefix caching on (the engine runs with it): behind a system prompt of more than a
+    block, a blend after the prefix-cache hit equals the blend with nothing cached, and
+    the same prompt without kvblend is never handed blended blocks (prefix_caching).
 Exit 0 when all pass, 1 on a failure, 77 when KVBLEND_SKIP_ENGINE=1.
 """
 
@@ -215,8 +218,10 @@ def run_engine(model_dir, endpoint, ref, reuse, tokens, chunks, dump_dir, everyt
 
     extra = {"endpoint": endpoint, "model_name": NAME, "timeout_ms": 60000,
              "blend": {"check_layers": list(CHECKS), "ratios": list(RATIOS)}}
+    # prefix caching on (vLLM's default): (c) and (d) have no exact prefix of a full
+    # block (the header is shorter than one), (e) has one
     llm = LLM(model=model_dir, enforce_eager=True, dtype="float32", max_model_len=4096,
-              seed=0, enable_prefix_caching=False,
+              seed=0, enable_prefix_caching=True,
               kv_transfer_config=KVTransferConfig(
                   kv_connector="KvblendConnector", kv_connector_module_path="kvblend.vllm",
                   kv_role="kv_both", kv_connector_extra_config=extra))
@@ -227,10 +232,11 @@ def run_engine(model_dir, endpoint, ref, reuse, tokens, chunks, dump_dir, everyt
                             extra_args={"kv_transfer_params": {"kvblend": params}})
         out = llm.generate([TokensPrompt(prompt_token_ids=ids)], [sp], use_tqdm=False)
         got.append(list(out[0].outputs[0].token_ids))
-    del llm
     dumps = sorted(dump_dir.glob("load-*.npz"))
     if len(dumps) != 2:
         fail(f"{len(dumps)} load dumps, expected the two blends")
+    prefix_caching(llm, ids, chunks)
+    del llm
     n = chunks[-1][0] + chunks[-1][1]  # the claim: up to the end of the last chunk
     compare_cache(np.load(dumps[0]), ref.kv, reuse.kv, n, "r=0.15")
     if got[0] != tokens:
@@ -241,6 +247,93 @@ def run_engine(model_dir, endpoint, ref, reuse, tokens, chunks, dump_dir, everyt
         fail(f"r=1.0: vLLM's continuation {got[1]} != kvblend.hf's {tokens_all}")
     print(f"  (d) the request's own ratios [1.0]: {len(got[1])} greedy tokens equal to "
           "kvblend.hf's at r=1.0")
+
+
+SYSTEM = ("<|im_start|>system\nYou are a careful assistant for a library of short documents "
+          "about nature. Read every document before you answer. Answer in one or two plain "
+          "sentences, name the document your answer comes from, and say so when no document "
+          "answers the question. Do not invent facts, figures or names that the documents do "
+          "not give, and do not repeat the question. Keep the tone friendly and the wording "
+          "simple, as if for a curious twelve-year-old reader. When two documents disagree, "
+          "say which one says what and do not pick a side. When a question asks for a number, "
+          "give the number with its unit exactly as the document writes it. When a question "
+          "is about a place, name the place and the document. Answer in English even when a "
+          "document quotes another language, and quote at most one short phrase from any "
+          "document.<|im_end|>\n<|im_start|>user\n")
+
+
+def prefix_caching(llm, ids, chunks):
+    """(e) prefix caching on: an exact system prompt is a prefix-cache hit, a blend after it
+    equals the same blend with nothing cached, and blended blocks are never handed out.
+
+    The prompt: a system prompt of more than one block, then the stored chunks with the
+    fresh text between them and the question. (1) blended with nothing cached (after
+    ``reset_prefix_cache``): the reference; (2) again: vLLM's prefix cache holds the
+    system prompt's full blocks (exact: computed after the same prefix), so the connector
+    is asked from there on and blends the rest, writing only the rows after the hit; its
+    greedy tokens and first logprobs must equal (1)'s; (3) the same prompt opted out of
+    kvblend (``segments: []``, plain vLLM): its prefix-cache hit must stop at the system
+    prompt, because the blocks after it hold blended KV (not what the prefix computes;
+    the connector fences them out of the prefix cache), and its logprobs must equal the
+    same prompt's with ``skip_reading_prefix_cache`` (a full prefill).
+    """
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(llm.llm_engine.model_config.tokenizer)
+    sys_ids = tok.encode(SYSTEM)
+    head = chunks[0][0]  # the old prompt's fresh header, replaced by the system prompt
+    prompt = sys_ids + ids[head:]
+    segs = [[s - head + len(sys_ids), n, k] for s, n, k in chunks]
+    bs = llm.llm_engine.vllm_config.cache_config.block_size
+    exact = len(sys_ids) // bs * bs
+    if exact == 0:
+        fail(f"(e) the system prompt ({len(sys_ids)} tokens) is shorter than a block ({bs})")
+
+    def run(params, **kw):
+        sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=5,
+                            extra_args={"kv_transfer_params": {"kvblend": params}}, **kw)
+        out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], [sp], use_tqdm=False)[0]
+        first = out.outputs[0].logprobs[0]
+        # vLLM's own prefix-cache hits, as the connector's response parameters say them
+        # (RequestOutput.num_cached_tokens counts the connector's tokens too)
+        said = (out.kv_transfer_params or {}).get("kvblend") or {}
+        if "prefix_cached" not in said:
+            fail(f"(e) no kvblend provenance in the response: {out.kv_transfer_params}")
+        return (list(out.outputs[0].token_ids), {t: lp.logprob for t, lp in first.items()},
+                said["prefix_cached"])
+
+    def gap(a, b):
+        return max(abs(a[t] - b[t]) for t in a) if set(a) == set(b) else float("inf")
+
+    llm.reset_prefix_cache()
+    ref_tokens, ref_lp, cached = run({"segments": segs})
+    if cached:
+        fail(f"(e) {cached} prefix-cache hits after reset_prefix_cache")
+    tokens, lp, cached = run({"segments": segs})
+    if cached != exact:
+        fail(f"(e) blend after the system prompt: {cached} prefix-cache hits, expected "
+             f"the system prompt's {exact} (full blocks)")
+    if tokens != ref_tokens or gap(lp, ref_lp) > 1e-3:
+        fail(f"(e) the blend after a prefix-cache hit differs from the one without: tokens "
+             f"{tokens} vs {ref_tokens}, first logprobs {gap(lp, ref_lp):.2e} apart")
+    print(f"  (e) blend after {cached} prefix-cache hits (the system prompt): greedy tokens "
+          f"equal to the blend with nothing cached, first logprobs {gap(lp, ref_lp):.1e} apart")
+    plain_tokens, plain_lp, cached = run({"segments": []})
+    # (after it: a full prefill caches exact blocks the plain request would then hit)
+    full_tokens, full_lp, _ = run({"segments": []}, skip_reading_prefix_cache=True)
+    if cached > exact:
+        fail(f"(e) a plain request got {cached} prefix-cache hits: past the system prompt "
+             f"({exact}), blocks holding blended KV were handed out")
+    if plain_tokens != full_tokens or gap(plain_lp, full_lp) > 1e-3:
+        fail(f"(e) the plain request after blends differs from a full prefill: first "
+             f"logprobs {gap(plain_lp, full_lp):.2e} apart")
+    away = gap(lp, full_lp)
+    away = "another top 5" if away == float("inf") else f"{away:.2f} away"
+    print(f"  (e) the same prompt without kvblend: {cached} prefix-cache hits (the system "
+          f"prompt only), output equal to a full prefill (first logprobs "
+          f"{gap(plain_lp, full_lp):.1e} apart; the blend's: {away})")
 
 
 if __name__ == "__main__":

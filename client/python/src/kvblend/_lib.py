@@ -152,6 +152,7 @@ _PSZ = ctypes.POINTER(ctypes.c_size_t)
 _PROTOTYPES = {
     "kvb_connect": (_INT, [_STR, ctypes.POINTER(KvbConnectOpts), ctypes.POINTER(_P), _STR, _SZ]),
     "kvb_close": (None, [ctypes.POINTER(_P)]),
+    "kvb_set_timeout": (_INT, [_P, _INT]),
     "kvb_last_error": (_STR, [_P]),
     "kvb_strerror": (_STR, [_INT]),
     "kvb_default_endpoint": (_STR, []),

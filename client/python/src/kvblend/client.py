@@ -179,6 +179,18 @@ class Client:
                 lib.kvb_close(ctypes.byref(self._c))
                 self._c = ctypes.c_void_p()
 
+    def set_timeout(self, timeout_ms: int) -> None:
+        """Set the per-call timeout of later calls (e.g. short before closing a connection
+        whose daemon stopped answering, so that the close's own calls return soon).
+
+        Raises
+        ------
+        KvblendError
+            ``timeout_ms`` is not positive (``EINVAL``).
+        """
+        with self._lock:
+            self._check(lib.kvb_set_timeout(self._handle(), int(timeout_ms)))
+
     @property
     def closed(self) -> bool:
         """Whether :meth:`close` was called."""

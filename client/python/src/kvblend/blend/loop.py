@@ -10,6 +10,7 @@ at check layers, the merge). Imports torch; ``import kvblend`` does not import i
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import numpy as np
@@ -60,6 +61,7 @@ def blend_layers(
     landing: bool,
     keep_checks: bool = False,
     attention: np.ndarray | None = None,
+    wait: Callable[[Any, int], None] | None = None,
 ) -> LoopResult:
     """Run every layer of a prompt through an open fuse session.
 
@@ -86,6 +88,10 @@ def blend_layers(
     attention : ndarray, optional
         A for the attention metric ([chunk tokens, kv_heads] float32,
         :mod:`kvblend.blend.preview`), given to the session before the first check.
+    wait : callable, optional
+        ``wait(sess, layer)`` waits for a landing session's layer (the vLLM worker's
+        bounds it by the connector's ``timeout_ms`` and ends it when the daemon is gone);
+        default ``sess.wait(layer, timeout=120)``.
 
     At a check layer the selection is final when the daemon answers, so only the rows it
     keeps finish the layer (attention and MLP): the others needed only their Q, K and V.
@@ -109,7 +115,11 @@ def blend_layers(
         kc, vc = k.to("cpu", ops.kv_dtype), v.to("cpu", ops.kv_dtype)
         new = None
         if landing:
-            sess.wait(li, timeout=120)  # the daemon's rows first (at once for ours)
+            # the daemon's rows first (at once for ours)
+            if wait is None:
+                sess.wait(li, timeout=120)
+            else:
+                wait(sess, li)
         kv[li, 0, rows_c], kv[li, 1, rows_c] = kc, vc
         plane = (torch.stack((kc, vc), 1) if metric == "attention" else (kc, vc)[m]).numpy()
         if landing and li in checks:

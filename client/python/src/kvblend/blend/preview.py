@@ -16,7 +16,7 @@ over them with a model's :class:`kvblend.blend.loop.LayerOps`. Shared by
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -27,7 +27,12 @@ PREVIEW_FROM = 2
 
 
 def land_chunks(
-    client: Any, model: str, segments: Sequence[tuple], buf: np.ndarray, landing: bool
+    client: Any,
+    model: str,
+    segments: Sequence[tuple],
+    buf: np.ndarray,
+    landing: bool,
+    wait: Callable[[Any, int], None] | None = None,
 ) -> None:
     """Fill the stored chunks' rows of every layer of ``buf`` with the rows re-rotated.
 
@@ -37,13 +42,17 @@ def land_chunks(
     writes every layer into ``buf`` itself; a classic one returns each fused layer for
     fresh rows of zeros (their rows in ``buf`` are zeros afterwards: the blend pass
     computes them). Raises what the fuse calls raise (``NotFound`` for a chunk not stored).
+    ``wait(sess, layer)`` waits for a landed layer (default ``sess.wait(layer, timeout=120)``).
     """
     nl = buf.shape[0]
     if landing:
         sess = client.fuse_open_into(model, segments, buf[:, 0], buf[:, 1])
         try:
             for layer in range(nl):
-                sess.wait(layer, timeout=120)
+                if wait is None:
+                    sess.wait(layer, timeout=120)
+                else:
+                    wait(sess, layer)
         finally:
             sess.close()
         return

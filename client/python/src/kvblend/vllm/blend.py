@@ -33,8 +33,10 @@ from ..blend.attention import causal_attention
 from ..blend.loop import blend_layers
 from ..blend.preview import land_chunks, question_attention
 from ..client import Client
+from ..errors import KvblendError, Unavailable
 from ..types import Model
 from .attention import paged_attention_for
+from .daemon import CLOSE_TIMEOUT_MS, wait_layer
 from .layout import PagedCache
 from .plan import BlendLoad
 from .plugin import loaded_model
@@ -130,6 +132,7 @@ def blend_prompt(
     ratios: Sequence[float],
     metric: str = "value",
     question: Sequence[int] = (),
+    wait_s: float = 120.0,
 ) -> tuple[torch.Tensor, list[np.ndarray], dict]:
     """Blend a prompt over vLLM's model with a landing session; return the fused KV.
 
@@ -154,6 +157,9 @@ def blend_prompt(
         layer over the stored chunks re-rotated (landed by a reuse-only session first)
         and give A (:func:`kvblend.blend.preview.question_attention`), which goes to
         the daemon with the first check layer.
+    wait_s : float
+        The longest wait for one landed layer (the connector's ``timeout_ms``); a daemon
+        found gone ends the wait at once (:func:`kvblend.vllm.daemon.wait_layer`).
 
     Returns
     -------
@@ -179,12 +185,18 @@ def blend_prompt(
     shape = spec.kv_shape(n)
     np_dtype = _NP[ops.kv_dtype]
     nbytes = int(np.prod(shape)) * np.dtype(np_dtype).itemsize
+    endpoint = client.endpoint
+
+    def wait(sess: Any, layer: int) -> None:
+        wait_layer(sess, layer, wait_s, endpoint)
+
     region = client.region(nbytes)
+    done = False
     try:
         buf = region[:nbytes].view(np_dtype).reshape(shape)
         a, t_pre = None, time.perf_counter()
         if metric == "attention" and check_layers:
-            land_chunks(client, spec.name, segments, buf, True)
+            land_chunks(client, spec.name, segments, buf, True, wait)
             q = np.asarray(question, np.int64)
             rows = np.flatnonzero(cached)
             a = question_attention(ops, torch.from_numpy(buf), rows, q, n + np.arange(q.size))
@@ -192,17 +204,40 @@ def blend_prompt(
         sess = client.fuse_open_into(
             spec.name, segments, buf[:, 0], buf[:, 1], list(check_layers), list(ratios), metric
         )
+        down = False
         try:
             checks = list(check_layers)
-            r = blend_layers(ops, sess, buf, ids, cached, checks, metric, True, False, a)
+            r = blend_layers(ops, sess, buf, ids, cached, checks, metric, True, False, a, wait)
+        except (Unavailable, TimeoutError):
+            # the daemon is gone or not answering: the closes below must not each wait
+            # the whole timeout, and their errors are this one's
+            down = True
+            client.set_timeout(CLOSE_TIMEOUT_MS)
+            raise
         finally:
-            stats = sess.close()
+            stats = _close_quietly(sess) if down else sess.close()
         if a is not None:
             stats.update(attention=a, preview_ms=t_pre * 1000)
         kv = torch.from_numpy(buf).clone()
+        done = True
+    except (Unavailable, TimeoutError):
+        client.set_timeout(CLOSE_TIMEOUT_MS)  # (the preview's landing) as above
+        raise
     finally:
-        client.free_region(region)
+        try:
+            client.free_region(region)
+        except KvblendError:
+            if done:
+                raise  # after a failure, the failure is what the caller hears of
     return kv, r.selections, stats
+
+
+def _close_quietly(sess: Any) -> dict:
+    """Close a session; after a daemon failure its error is the pass's, not the close's."""
+    try:
+        return sess.close()
+    except KvblendError:
+        return {}
 
 
 def _fresh(seg: tuple) -> bool:
@@ -230,12 +265,14 @@ def load_blend(
     load: BlendLoad,
     block_ids: Sequence[int],
     cache: PagedCache,
+    wait_s: float = 120.0,
 ) -> tuple[list[np.ndarray], dict]:
     """Blend a request's context and write the fused rows into vLLM's paged cache.
 
     ``cache`` holds the worker's views of vLLM's cache (:class:`kvblend.vllm.layout.
     PagedCache`); the rows go to prompt positions 0 .. len(load.ids) - 1 through
-    ``block_ids``. Returns the selections and the daemon's statistics.
+    ``block_ids``. Returns the selections and the daemon's statistics. ``wait_s``: the
+    longest wait for one landed layer.
     """
     c = load.config
     t0 = time.perf_counter()
@@ -249,9 +286,10 @@ def load_blend(
         c.ratios,
         c.metric,
         load.question,
+        wait_s,
     )
     t1 = time.perf_counter()
-    cache.write(block_ids, 0, kv)
+    cache.write(block_ids, load.skip, kv[:, :, load.skip :])  # vLLM has the rows before
     logger.info(
         "kvblend: blend of %d tokens (%d recomputed after layer %d): pass %.3f s (daemon: "
         "session %.0f ms, load %.1f ms, landing %.1f ms, compute %.2f ms), cache write %.3f s; "

@@ -199,6 +199,7 @@ class ConnectorConfig:
     model: Model
     block_size: int
     blend: BlendConfig | None
+    prefix_caching: bool = False
 
 
 def connector_config(vllm_config: VllmConfig) -> ConnectorConfig:
@@ -210,7 +211,7 @@ def connector_config(vllm_config: VllmConfig) -> ConnectorConfig:
     Raises
     ------
     Refused
-        A malformed ``chunk_separator`` or ``blend``, prefix caching on, or an engine
+        A malformed ``chunk_separator`` or ``blend``, or an engine
         :func:`model_from_vllm` refuses.
     """
     extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
@@ -221,12 +222,6 @@ def connector_config(vllm_config: VllmConfig) -> ConnectorConfig:
         separator = plan.parse_separator(extra.get("chunk_separator"))
     except plan.ParamError as e:
         raise refuse(str(e)) from None
-    if vllm_config.cache_config.enable_prefix_caching:
-        raise refuse(
-            "prefix caching must be off (enable_prefix_caching=False): blocks filled "
-            "from chunks at new positions must not be reused as if computed after "
-            "their prefix"
-        )
     tc = vllm_config.kv_transfer_config
     if tc.kv_load_failure_policy != "recompute":
         # A failed load must be recomputed, never served and never fail the request.
@@ -251,4 +246,5 @@ def connector_config(vllm_config: VllmConfig) -> ConnectorConfig:
         model=model,
         block_size=vllm_config.cache_config.block_size,
         blend=blend,
+        prefix_caching=bool(vllm_config.cache_config.enable_prefix_caching),
     )

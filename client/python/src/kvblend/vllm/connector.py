@@ -45,9 +45,12 @@ class KvblendConnector(KVConnectorBase_V1):
         self.config = cfg
         # only the worker stores, so only its connection registers the model
         daemon = DaemonLink(
-            cfg.endpoint, cfg.timeout_ms, cfg.model if role == KVConnectorRole.WORKER else None
+            cfg.endpoint,
+            cfg.timeout_ms,
+            cfg.model if role == KVConnectorRole.WORKER else None,
+            logger,
         )
-        self.scheduler = SchedulerSide(cfg, daemon)
+        self.scheduler = SchedulerSide(cfg, daemon, kv_cache_config)
         self.worker = WorkerSide(cfg, daemon, vllm_config, kv_cache_config)
         logger.info(
             "kvblend: connector (%s) on %s, model %r", role.name, cfg.endpoint, cfg.model_name

@@ -30,9 +30,10 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ..client import Client
-from ..errors import BadShm, KvblendError, NotFound, UnknownSession
+from ..errors import BadShm, KvblendError, NotFound, Unavailable, UnknownSession
 from ..sessions import LandingSession
 from ..types import Model
+from .daemon import wait_layer
 from .layout import region_views
 from .plan import ChunkLoad
 
@@ -100,6 +101,8 @@ class CacheRegion:
         # this step's sessions, and the seconds each has held the engine (open + waits)
         self.sessions: dict[str, tuple[LandingSession, list[float]]] = {}
         self.failed: set[str] = set()  # this step's sessions that stopped landing
+        self.gone = False  # this step found the daemon gone or not answering: no closes
+        self.stalled = False  # a wait of this step timed out or found the daemon gone
 
     def off(self, why: str) -> None:
         """Leave landing off for good (copy path), with one log line."""
@@ -185,6 +188,8 @@ class CacheRegion:
             return False
         except (NotFound, UnknownSession):
             return False
+        except Unavailable:
+            raise  # the daemon is down: the load fails (a copy would wait as long again)
         except KvblendError as e:
             if e.name in ("ENOTSUP", "EOPNOTSUPP"):  # a kvblendd older than K strides
                 self.off(f"the daemon cannot land vLLM's transposed K ({e})")
@@ -195,16 +200,33 @@ class CacheRegion:
         return True
 
     def wait(self, layer: int, timeout_s: float) -> list[str]:
-        """Wait until ``layer`` landed in every open session; return the requests that failed."""
+        """Wait until ``layer`` landed in every open session; return the requests that failed.
+
+        A session that stops fails alone. A wait that times out, or finds the daemon gone
+        (:func:`kvblend.vllm.daemon.wait_layer` looks every 0.25 s), fails every session
+        of the step at once (one daemon lands them all), so that a dead daemon holds the
+        engine about one ``timeout_s`` per step, not one per session; :attr:`gone` says so.
+        """
         bad = []
         for rid, (s, held) in self.sessions.items():
             if rid in self.failed:
                 continue
             t0 = time.monotonic()
             try:
-                s.wait(layer, timeout_s)
+                wait_layer(s, layer, timeout_s, self.endpoint)
                 held[0] += time.monotonic() - t0
-            except (KvblendError, TimeoutError) as e:
+            except (Unavailable, TimeoutError) as e:
+                held[0] += time.monotonic() - t0
+                self.log.warning(
+                    "kvblend: landing stopped at layer %d (%s): %d sessions of this step fail",
+                    layer, e, len(self.sessions) - len(self.failed),
+                )
+                self.gone = isinstance(e, Unavailable)
+                self.stalled = True
+                bad += [r for r in self.sessions if r not in self.failed]
+                self.failed.update(self.sessions)
+                break
+            except KvblendError as e:
                 self.log.warning("kvblend: landing for %s stopped at layer %d: %s", rid, layer, e)
                 self.failed.add(rid)
                 bad.append(rid)
@@ -219,12 +241,24 @@ class CacheRegion:
         out = {}
         for rid, (s, held) in self.sessions.items():
             failed = rid in self.failed
-            try:
-                st = s.close()
-            except KvblendError as e:
-                st, failed = {}, True
-                self.log.warning("kvblend: closing the landing session of %s: %s", rid, e)
+            st: dict = {}
+            if self.gone:
+                # the daemon's process is gone, and its sessions with it: a close would
+                # only wait out the timeout
+                failed = True
+            else:
+                try:
+                    st = s.close()
+                except Unavailable as e:
+                    # not answering (it may be stopped, not dead): the close stays queued
+                    # for it; the next sessions' closes would wait as long each
+                    failed, self.gone = True, True
+                    self.log.warning("kvblend: closing the landing session of %s: %s", rid, e)
+                except KvblendError as e:
+                    failed = True
+                    self.log.warning("kvblend: closing the landing session of %s: %s", rid, e)
             out[rid] = (st, held[0], failed or bool(st.get("land_failed")))
         self.sessions = {}
         self.failed = set()
+        self.gone = self.stalled = False
         return out

@@ -282,12 +282,17 @@ class BlendLoad:
     The context runs up to the end of the request's last stored chunk found; segments
     are ``(hash, pos)`` for a chunk and ``(count, pos)`` for fresh tokens. ``question``:
     the prompt's tokens after the context (the attention metric's preview runs them).
+    ``skip``: the prompt's first tokens vLLM already holds (prefix-cache hits), not
+    written.
     """
 
     ids: list[int]
     segments: list[tuple]
     config: BlendConfig
     question: list[int] = field(default_factory=list)
+    #: Tokens vLLM already has (its prefix cache): the pass computes them as fresh
+    #: tokens but writes only the rows from here on (those blocks are the request's own).
+    skip: int = 0
 
 
 DEFAULT_CONFIG = BlendConfig((1,), (0.15,), "value")
@@ -359,7 +364,7 @@ class Parsed:
     blend : BlendConfig or None
         The settings to blend it with (the connector's, overridden by the request's);
         None when it is not one to blend: no blending configured, no kvblend parameters
-        of its own, a store request, ``"blend": false``, or tokens already computed.
+        of its own, a store request, or ``"blend": false``.
     hashes : tuple of bytes
         The hash of each chunk segment of ``params``, in prompt order.
     """
@@ -387,7 +392,8 @@ def parse_request(
     prompt_ids : sequence of int
         The prompt.
     num_computed : int
-        Tokens vLLM already has (a request is blended only from the start).
+        Tokens vLLM already has (its prefix cache; a blend computes them again but
+        writes only what follows).
     num_layers : int
         The model's layers (bounds the check layers of a request's blend settings).
     separator : sequence of int, optional
@@ -410,7 +416,6 @@ def parse_request(
         blend is not None
         and params is not None
         and not params.store
-        and num_computed == 0
         and override is not False
     ):
         config = blend
@@ -448,16 +453,37 @@ class Plan:
     blend: BlendLoad | None = None
     parsed: Parsed | None = None
 
+    @property
+    def first_inexact(self) -> int | None:
+        """The first prompt position whose KV the load makes differ from a prefill.
+
+        A chunk at position 0 is exact (it was stored prefilled alone from 0); a chunk
+        anywhere else was not computed after what now precedes it, and every token
+        after it attends to it. None when nothing is loaded or the load is exact: the
+        blocks from this position's on must never be handed to another request by
+        vLLM's prefix cache (:meth:`kvblend.vllm.scheduler.SchedulerSide` fences them).
+        """
+        if self.tokens <= 0:
+            return None
+        if self.blend is not None:
+            starts = [int(pos) for ref, pos in self.blend.segments if not isinstance(ref, int)]
+        else:
+            starts = [c.start for c in self.loads]
+        inexact = [p for p in starts if p > 0]
+        return min(inexact) if inexact else None
+
 
 def lookup_plan(
     client: Any, model_name: str, num_layers: int, parsed: Parsed, num_computed: int
 ) -> Plan:
     """Look a parsed request's chunks up (one lookup) and claim: a blend, or plain reuse.
 
-    A request to blend (``parsed.blend``) claims every token up to the end of the last
-    stored chunk found, chunks not found becoming fresh tokens of its fuse session; it
-    falls back to plain reuse, on the same lookup, when no chunk is found or a found
-    chunk ends the prompt (vLLM must compute the last token). Plain reuse claims as
+    A request to blend (``parsed.blend``) claims every token from ``num_computed`` up to
+    the end of the last stored chunk found, chunks not found becoming fresh tokens of its
+    fuse session (so are the tokens vLLM already has, which the pass computes again and
+    does not write); it falls back to plain reuse, on the same lookup, when no chunk is
+    found, a found chunk ends the prompt (vLLM must compute the last token), or vLLM
+    already has every token up to the last chunk's end. Plain reuse claims as
     :func:`claim`.
 
     Parameters
@@ -492,14 +518,15 @@ def lookup_plan(
     ]
     if parsed.blend is not None:
         got = [(s, h) for s, h, ok in zip(segs, hashes, found) if ok]
-        if got and got[-1][0].end < len(ids):
+        if got and num_computed < got[-1][0].end < len(ids):
             fuse, pos = [], 0
             for s, h in got:
                 if s.start > pos:
                     fuse.append((s.start - pos, pos))
                 fuse.append((h, s.start))
                 pos = s.end
-            return Plan(pos, [], BlendLoad(ids[:pos], fuse, parsed.blend, ids[pos:]), parsed)
+            load = BlendLoad(ids[:pos], fuse, parsed.blend, ids[pos:], num_computed)
+            return Plan(pos - num_computed, [], load, parsed)
     n, loads = claim(params, hashes, found, num_computed, len(ids))
     return Plan(n, loads, None, parsed)
 

@@ -10,6 +10,7 @@ the worker, or a store to gather once the prompt is prefilled.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -47,9 +48,15 @@ class SchedulerSide:
         The connection the lookups go through.
     """
 
-    def __init__(self, config: ConnectorConfig, daemon: DaemonLink) -> None:
+    def __init__(
+        self, config: ConnectorConfig, daemon: DaemonLink, kv_cache_config: Any = None
+    ) -> None:
         self.config = config
         self.daemon = daemon
+        # vLLM sets its hash_block_size after the connector is made: read it per request
+        self._kv_cache_config = kv_cache_config
+        self._fenced: dict[str, tuple[int, list]] = {}  # rid: (first hash fenced, originals)
+        self._said: dict[str, dict[str, int]] = {}  # rid: what the response will say
         self._logged: set[str] = set()
         self._plans: dict[str, plan.Plan] = {}  # the last answer, for update_state_after_alloc
         self._loads: list[LoadSpec] = []
@@ -87,6 +94,10 @@ class SchedulerSide:
                 e,
             )
             return plan.Plan()
+        if not parsed.hashes:
+            # no chunk to look up (no kvblend parameters, no separator in the prompt):
+            # plain vLLM, and the daemon is not asked (nor waited for when it is down)
+            return plan.Plan(parsed=parsed)
         try:
             out = plan.lookup_plan(
                 self.daemon.client(),
@@ -96,10 +107,10 @@ class SchedulerSide:
                 num_computed_tokens,
             )
         except KvblendError as e:
-            self.daemon.drop()
-            self._log_once("lookup", "daemon error, serving without kvblend: %s", e)
+            # the link logs the outage once and fails at once during its back-off
+            self.daemon.failed(e)
             return plan.Plan(parsed=parsed)
-        self._logged.discard("lookup")  # log the next outage again
+        self.daemon.ok()
         return out
 
     def get_num_new_matched_tokens(
@@ -108,7 +119,54 @@ class SchedulerSide:
         """Return the tokens from ``num_computed_tokens`` on that stored chunks provide."""
         p = self._plan(request, num_computed_tokens)
         self._plans[request.request_id] = p  # kept for update_state_after_alloc
+        self._fence(request, p)
+        n = len(request.prompt_token_ids or [])
+        self._said[request.request_id] = {
+            "prompt_tokens": n,
+            "prefix_cached": num_computed_tokens,
+            "reused": 0,
+            "blended": 0,
+            "computed": n - num_computed_tokens,
+            "stored": 0,
+        }
         return p.tokens, False
+
+    def _fence(self, request: Request, p: plan.Plan) -> None:
+        """Keep the blocks a load makes inexact out of vLLM's prefix cache.
+
+        vLLM caches a request's full blocks under ``request.block_hashes``: hash i
+        fingerprints the prompt's tokens up to the end of block i (chained), and a later
+        request with the same tokens gets the block as if computed after that prefix.
+        From the block holding :attr:`kvblend.vllm.plan.Plan.first_inexact` on, the KV
+        is not that, so those hashes are replaced by hashes of their own (the original
+        and the request's id through BLAKE2b): vLLM still caches the blocks, under names
+        no other request has, and the hashes of blocks appended later chain from them.
+        The exact prefix before (a system prompt, a chat header, a chunk at position 0)
+        keeps its hashes and vLLM's prefix caching. vLLM may ask again before it
+        schedules the request: the originals are put back first, so the fence follows the
+        latest plan.
+        """
+        rid = request.request_id
+        hashes = request.block_hashes
+        old = self._fenced.pop(rid, None)
+        if old is not None:
+            k, orig = old
+            hashes[k : k + len(orig)] = orig
+        first = p.first_inexact
+        if first is None or not self.config.prefix_caching:
+            return
+        hbs = getattr(self._kv_cache_config, "hash_block_size", None) or self.config.block_size
+        k = first // hbs
+        if k >= len(hashes):
+            return  # no full block there yet: later hashes chain from the request's own
+        orig = list(hashes[k:])
+        salt = rid.encode()
+        hashes[k:] = [
+            type(h)(hashlib.blake2b(bytes(h) + b"kvblend-fence" + salt,
+                                    digest_size=len(h)).digest())
+            for h in orig
+        ]
+        self._fenced[rid] = (k, orig)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -126,6 +184,10 @@ class SchedulerSide:
             if p is None or p.tokens != num_external_tokens:
                 self._log_once("claim", "claim changed under vLLM for %s: no load", rid)
                 return
+            said = self._said.get(rid)
+            if said is not None:
+                said["blended" if p.blend is not None else "reused"] = num_external_tokens
+                said["computed"] -= num_external_tokens
             if p.blend is not None:
                 self._loads.append(LoadSpec(rid, [], block_ids, bs, p.blend))
                 return
@@ -150,6 +212,8 @@ class SchedulerSide:
         # the planner hashed the one chunk, which is the whole prompt
         h = p.parsed.hashes[0] if p is not None else chunk_hash(ids)
         self._stores[rid] = _Pending(h, len(ids), block_ids)
+        if rid in self._said:
+            self._said[rid]["stored"] = len(ids)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvblendMetadata:
         """Return this step's loads and completed stores; loaded blocks are not zeroed."""
@@ -159,7 +223,7 @@ class SchedulerSide:
         for ld in meta.loads:
             spans = [(c.first, c.last) for c in ld.chunks]
             if ld.blend is not None:
-                spans.append((0, len(ld.blend.ids)))
+                spans.append((ld.blend.skip, len(ld.blend.ids)))
             for first, last in spans:
                 for b in full_blocks(first, last, ld.block_size):
                     overwritten.add(ld.block_ids[b])
@@ -191,9 +255,19 @@ class SchedulerSide:
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, Any]:
-        """Forget the request; its blocks are vLLM's to free at once."""
+        """Forget the request; its blocks are vLLM's to free at once.
+
+        Returns the request's ``kv_transfer_params`` for its response (vLLM hands them to
+        the client): ``{"kvblend": {"prompt_tokens", "prefix_cached" (vLLM's own prefix
+        cache), "reused" (chunks loaded as stored, keys re-rotated), "blended" (the
+        context of a CacheBlend load, its selected tokens recomputed by the pass),
+        "computed" (by vLLM after the claim), "stored" (tokens of the chunk stored)}}``,
+        as scheduled when the request last started (a resumed request: its last start).
+        """
+        said = self._said.pop(request.request_id, None)
         self._plans.pop(request.request_id, None)
         self._stores.pop(request.request_id, None)
+        self._fenced.pop(request.request_id, None)
         self._logged.discard("params:" + request.request_id)
-        return False, None
+        return False, ({"kvblend": said} if said is not None else None)
 

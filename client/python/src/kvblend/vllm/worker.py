@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from ..errors import KvblendError
+from ..errors import KvblendError, Unavailable
 from . import blend
 from .config import ConnectorConfig, logger, refuse
 from .daemon import DaemonLink
@@ -106,9 +106,8 @@ class WorkerSide:
             self._region.attach(layers, self.config.model, self.cache.block_size)
         try:
             self.daemon.client()
-        except KvblendError as e:
-            self.daemon.drop()
-            logger.warning("kvblend: daemon not reachable at start (%s); retrying per request", e)
+        except KvblendError:
+            pass  # the link logged it, and retries with a back-off
 
     def start_load_kv(self, meta: KvblendMetadata) -> None:
         """Land (or write) each claimed chunk, re-rotated to its position, in the request's blocks.
@@ -126,6 +125,9 @@ class WorkerSide:
                 if fail and os.path.exists(fail):
                     os.unlink(fail)
                     raise RuntimeError("load failure injected by " + FAIL_LOAD_ENV)
+                # at once while the daemon is known down (the link's back-off): the load
+                # fails without a call, and vLLM recomputes it
+                client = self.daemon.client()
                 copy = os.environ.get(COPY_ENV)
                 if (
                     self._region is not None
@@ -135,23 +137,29 @@ class WorkerSide:
                 ):
                     self._landing[ld.req_id] = ld
                     continue
-                client = self.daemon.client()
                 if ld.blend is not None:
                     blend.load_blend(
-                        self._blend_model, client, cfg.model, ld.blend, ld.block_ids, self.cache
+                        self._blend_model, client, cfg.model, ld.blend, ld.block_ids,
+                        self.cache, cfg.timeout_ms / 1000,
                     )
                 for c in ld.chunks:
                     kv = client.get_rerotated(cfg.model_name, c.hash, pos=c.start)
                     rows = torch.from_numpy(kv[:, :, c.first - c.start : c.last - c.start])
                     self.cache.write(ld.block_ids, c.first, rows)
-            except (KvblendError, ValueError, IndexError, RuntimeError, TimeoutError) as e:
+            except (Unavailable, TimeoutError) as e:
+                self.daemon.failed(e)  # opens the link: this step's other loads fail at once
+                self._load_failed(ld, str(e))
+                continue
+            except (KvblendError, ValueError, IndexError, RuntimeError) as e:
                 self.daemon.drop()
                 self._load_failed(ld, str(e))
                 continue
+            self.daemon.ok()
             logger.info(
                 "kvblend: %s %d tokens of %s in %.3f s%s",
                 "blended" if ld.blend is not None else "loaded",
-                sum(c.last - c.first for c in ld.chunks) + len(ld.blend.ids if ld.blend else []),
+                sum(c.last - c.first for c in ld.chunks)
+                + (len(ld.blend.ids) - ld.blend.skip if ld.blend else 0),
                 ld.req_id,
                 time.monotonic() - t0,
                 "" if ld.blend is not None else " (copied from the daemon's reply)",
@@ -163,7 +171,7 @@ class WorkerSide:
         """The prompt positions a load writes, as (first, last) spans."""
         spans = [(c.first, c.last) for c in ld.chunks]
         if ld.blend is not None:
-            spans.append((0, len(ld.blend.ids)))
+            spans.append((ld.blend.skip, len(ld.blend.ids)))
         return spans
 
     def _load_failed(self, ld: LoadSpec, why: str) -> None:
@@ -223,6 +231,8 @@ class WorkerSide:
         if self._region is None or not self._region.sessions:
             return
         self._region.wait(self.cache.layer_of[layer_name], self.config.timeout_ms / 1000)
+        if self._region.stalled and not self.daemon.is_open:
+            self.daemon.failed("a landing wait found the daemon gone or not answering")
 
     def save_kv_layer(self, layer_name: str, meta: KvblendMetadata) -> None:
         """Gather this layer's K and V of each storing request's chunk into host memory."""
@@ -247,9 +257,15 @@ class WorkerSide:
                 continue
             try:
                 self.daemon.client().put(self.config.model_name, st.hash, buf, base_pos=0)
+            except (Unavailable, TimeoutError) as e:
+                self.daemon.failed(e)
+                logger.warning("kvblend: storing %s failed: %s", st.req_id, e)
+                continue
             except KvblendError as e:
                 self.daemon.drop()
                 logger.warning("kvblend: storing %s failed: %s", st.req_id, e)
+                continue
+            self.daemon.ok()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Return the blocks whose load failed this step (vLLM recomputes them)."""

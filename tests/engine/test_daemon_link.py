@@ -1,0 +1,218 @@
+"""The connector's link to kvblendd when the daemon dies, against a real kvblendd (no engine).
+
+kvblend.vllm.daemon.DaemonLink, the circuit breaker every connector call goes through:
+a daemon killed with SIGKILL costs the first call one timeout, then every call fails at
+once (no wait) during the back-off, a retry probes the socket and fails at once while
+the daemon is gone, one log line opens the outage and one closes it when a restarted
+daemon on the same socket answers again. kvblend.vllm.daemon.wait_layer: a landing wait
+on a layer the daemon will not land (it waits for a check plane) ends within about one
+probe slice when the daemon is killed, not after its timeout. And the planner's
+``first_inexact`` (the position from which the scheduler fences blocks out of vLLM's
+prefix cache) and a blend over a prefix vLLM already holds. The link's close after a failure
+(an open session and a region) takes well under one timeout. Exit 0 when every check
+passes, 77 when skipped.
+"""
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+if os.environ.get("KVBLEND_SKIP_ENGINE") == "1":
+    print("test_daemon_link: skipped (KVBLEND_SKIP_ENGINE=1)")
+    sys.exit(77)
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import kvblend  # noqa: E402
+from daemon import Daemon  # noqa: E402
+from kvblend.vllm import plan  # noqa: E402
+from kvblend.vllm.daemon import DaemonDown, DaemonLink, probe, wait_layer  # noqa: E402
+
+MODEL = kvblend.Model("link-test", 4, 1, 8, dtype="f32", rope_theta=1e5)
+failures = []
+
+
+def check(what, ok, detail=""):
+    print(f"{'ok  ' if ok else 'FAIL'} {what}" + (f": {detail}" if detail else ""))
+    if not ok:
+        failures.append(what)
+
+
+class Lines(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+def timed(fn):
+    t0 = time.monotonic()
+    try:
+        fn()
+        err = None
+    except (kvblend.KvblendError, TimeoutError) as e:
+        err = e
+    return time.monotonic() - t0, err
+
+
+def breaker(d):
+    log = logging.getLogger("test-link")
+    lines = Lines()
+    log.addHandler(lines)
+    log.propagate = False
+    link = DaemonLink(d.endpoint, 2000, MODEL, log)
+    h = kvblend.chunk_hash([1, 2, 3])
+    link.client().lookup(MODEL.name, [h])
+    link.ok()
+    check("a live daemon: no log line", lines.lines == [], str(lines.lines))
+    check("probe of a live daemon", probe(d.endpoint, 1.0) is None)
+
+    d.proc.send_signal(signal.SIGKILL)
+    d.proc.wait()
+    check("probe of a killed daemon fails", probe(d.endpoint, 1.0) is not None,
+          str(probe(d.endpoint, 1.0)))
+    secs, err = timed(lambda: link.client().lookup(MODEL.name, [h]))
+    check("the first call after the kill fails within the timeout", err is not None
+          and secs < 3.0, f"{secs:.2f} s, {err!r}")
+    link.failed(err)
+    check("the link opens with one log line", len(lines.lines) == 1 and link.is_open,
+          str(lines.lines))
+    secs, err = timed(link.client)
+    check("during the back-off a call fails at once", isinstance(err, DaemonDown)
+          and secs < 0.05, f"{secs * 1000:.1f} ms")
+    time.sleep(1.1)
+    secs, err = timed(link.client)
+    check("after it, a probe fails at once while the daemon is gone",
+          isinstance(err, DaemonDown) and secs < 0.5, f"{secs * 1000:.1f} ms, {err}")
+    worst = 0.0
+    for _ in range(200):  # the scheduler asking for 200 requests during the outage
+        s, err = timed(link.client)
+        worst = max(worst, s)
+    check("200 calls during the outage wait at most 50 ms each", worst < 0.05,
+          f"worst {worst * 1000:.2f} ms")
+    check("still one log line", len(lines.lines) == 1, str(lines.lines))
+
+    # a daemon restarted on the same socket: the next retry (2 s back-off) reconnects
+    log_file = open(os.path.join(d.dir, "kvblendd-2.log"), "w")
+    d.proc = subprocess.Popen(d.proc.args, stdout=log_file, stderr=subprocess.STDOUT)
+    deadline, back = time.monotonic() + 15, None
+    while time.monotonic() < deadline:
+        try:
+            link.client().lookup(MODEL.name, [h])
+            link.ok()
+            back = time.monotonic()
+            break
+        except kvblend.KvblendError as e:
+            link.failed(e)
+            time.sleep(0.1)
+    check("a restarted daemon is used again", back is not None and not link.is_open)
+    check("one log line closes the outage", len(lines.lines) == 2
+          and "answers again" in lines.lines[-1], str(lines.lines[-1:]))
+
+
+class NeverLands:
+    """A landing session whose next layer never lands.
+
+    The daemon lands a real session's layers as soon as it is opened (microseconds for a
+    test chunk), so a kill cannot be timed to fall before a layer; this stands in for
+    the session's futex wait, timing out as kvb_fuse_wait does. The daemon, its kill
+    and the probe that ends the wait are real.
+    """
+
+    def wait(self, layer, timeout):
+        time.sleep(timeout)
+        raise TimeoutError(f"layer {layer} not landed within {timeout * 1000:.0f} ms")
+
+
+def landing_wait(d):
+    """A landing wait and the connection's close when the daemon is killed under them."""
+    link = DaemonLink(d.endpoint, 5000, MODEL, logging.getLogger("test-link"))
+    c = link.client()
+    n = 16
+    kv = np.random.default_rng(1).standard_normal(MODEL.kv_shape(n)).astype(np.float32)
+    h = kvblend.chunk_hash(list(range(n)))
+    c.put(MODEL.name, h, kv, base_pos=0)
+    shape = MODEL.kv_shape(n + 4)
+    nbytes = int(np.prod(shape)) * 4
+    region = c.region(nbytes)
+    buf = region[:nbytes].view(np.float32).reshape(shape)
+    sess = c.fuse_open_into(MODEL.name, [(h, 0), (4, n)], buf[:, 0], buf[:, 1], [1], [0.5])
+    wait_layer(sess, 0, 2.0, d.endpoint)  # a live daemon: lands at once
+    secs, err = timed(lambda: wait_layer(NeverLands(), 1, 0.6, d.endpoint))
+    check("a live daemon: a layer that does not land times out after its timeout",
+          0.55 < secs < 1.5 and type(err) is TimeoutError, f"{secs:.2f} s, {err!r}")
+    d.proc.send_signal(signal.SIGKILL)
+    d.proc.wait()
+    t0 = time.monotonic()
+    try:
+        wait_layer(NeverLands(), 2, 10.0, d.endpoint)
+        err = None
+    except (kvblend.KvblendError, TimeoutError) as e:
+        err = e
+    secs = time.monotonic() - t0
+    check("a landing wait ends soon after the daemon is killed (timeout 10 s)",
+          isinstance(err, kvblend.errors.Unavailable) and secs < 1.0, f"{secs:.2f} s, {err!r}")
+    # the link closes the connection, its open session and its region (timeout 5 s each)
+    secs, _ = timed(lambda: link.failed(err))
+    check("closing the connection after the failure takes under 1.5 s", secs < 1.5,
+          f"{secs:.2f} s")
+
+
+def first_inexact():
+    cfg = plan.DEFAULT_CONFIG
+    ld = plan.ChunkLoad
+    p = plan.Plan(10, [ld(b"a", 0, 10, 0, 10)])
+    check("a chunk at position 0 is exact", p.first_inexact is None)
+    p = plan.Plan(20, [ld(b"a", 0, 10, 0, 10), ld(b"b", 10, 10, 10, 20)])
+    check("the second chunk is the first inexact position", p.first_inexact == 10)
+    p = plan.Plan(15, [ld(b"b", 5, 10, 5, 15)])
+    check("a chunk after a prefix vLLM has", p.first_inexact == 5)
+    b = plan.BlendLoad(list(range(30)), [(4, 0), (b"a", 4), (b"b", 14)], cfg, [], 0)
+    check("a blend: its first chunk's position", plan.Plan(28, [], b).first_inexact == 4)
+    check("nothing loaded", plan.Plan(0).first_inexact is None)
+
+
+def blend_after_prefix(d):
+    """A blend planned for a request whose first 8 tokens are prefix-cache hits."""
+    c = kvblend.Client(d.endpoint, timeout_ms=5000)
+    c.model_register(MODEL)
+    prompt = list(range(100, 140))
+    doc = prompt[10:30]
+    kv = np.zeros(MODEL.kv_shape(len(doc)), np.float32)
+    c.put(MODEL.name, kvblend.chunk_hash(doc), kv, base_pos=0)
+    kvp = {"kvblend": {"segments": [[10, 20, "chunk"]]}}
+    p = plan.plan_request(c, MODEL.name, 4, kvp, prompt, 8, None, plan.DEFAULT_CONFIG)
+    check("a blend after 8 computed tokens claims up to the chunk's end",
+          p.blend is not None and p.tokens == 22 and p.blend.skip == 8
+          and p.blend.ids == prompt[:30], f"tokens {p.tokens}")
+    p = plan.plan_request(c, MODEL.name, 4, kvp, prompt, 32, None, plan.DEFAULT_CONFIG)
+    check("vLLM has everything up to the chunk's end: no blend, no claim",
+          p.blend is None and p.tokens == 0, f"tokens {p.tokens}")
+    c.close()
+
+
+def main():
+    first_inexact()
+    d = Daemon()
+    try:
+        blend_after_prefix(d)
+        breaker(d)
+    finally:
+        d.stop()
+    d = Daemon()
+    try:
+        landing_wait(d)
+    finally:
+        d.stop()
+    print("test_daemon_link: " + ("FAILED " + ", ".join(failures) if failures else "passed"))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
