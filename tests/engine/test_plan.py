@@ -6,7 +6,9 @@ chunk missing, a fresh span in the middle, nothing found, the whole prompt cover
 token left to vLLM), a resumed request (num_computed > 0), bad parameters, and a chunk
 stored with another length; and chunk boundaries by a configured separator token sequence
 (chunks end with the separator, the rest is fresh; explicit parameters win; bad
-configurations refused); and the worker's region for vLLM's KV cache
+configurations refused); a separator given as text (kvblend.vllm.separator's boundary
+check with SmolLM2's tokenizer, and the connector's configuration reading it through
+vLLM's tokenizer); and the worker's region for vLLM's KV cache
 (kvblend.vllm.landing.CacheRegion): the one allocation taken, and refusals that name the
 daemon's setting (shm_max) or the endpoint. Exit 0 when every check passes, 77 when skipped.
 """
@@ -103,6 +105,8 @@ def run(d):
                                                 prompt, 0)), "UnknownModel")
         separator(cl, rng, a, b, c, prompt[90:])
         one_lookup(cl, prompt)
+    separator_text()
+    separator_config()
 
     bad = [
         ("kvblend not a dict", {"kvblend": [1]}),
@@ -211,6 +215,99 @@ def separator(cl, rng, a, b, c, q):
                       ("a float", [1.0])):
         check(f"config refused: {what}", _raises(lambda r=raw: plan.parse_separator(r)),
               "ParamError")
+
+
+def separator_text():
+    """chunk_separator_text: the boundary check with SmolLM2's tokenizer (transformers)."""
+    from kvblend.vllm import separator as sp
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(os.environ["KVBLEND_ENGINE_MODEL"])
+
+    def encode(text):
+        return tok.encode(text, add_special_tokens=False)
+
+    special = set(tok.all_special_ids)
+    vocab = ["" if i in special else tok.decode([i]) for i in range(len(tok))]
+    pairs = sp.contexts(vocab)
+    check("separator text: contexts are deterministic", pairs == sp.contexts(vocab), True)
+    check("separator text: contexts, fixed and sampled", len(pairs),
+          2 * len(sp.EDGES) + sp.SAMPLES)
+    check("separator text: another seed, other contexts", pairs != sp.contexts(vocab, seed=1),
+          True)
+    # What each candidate does with this tokenizer (docs/vllm.md quotes these lines).
+    passing = []
+    for c in sp.CANDIDATES + ("\n\n###\n\n", "<|im_end|>", "<file_sep>"):
+        why = sp.boundary_error(c, encode, pairs)
+        print(f"     {c!r}: {encode(c)}: {'passes' if why is None else why}")
+        if why is None:
+            passing.append(c)
+    check("separator text: SmolLM2's passing strings", passing,
+          ["<|endoftext|>", "<|im_end|>", "<file_sep>"])
+    check("separator text: <|endoftext|> is its id",
+          sp.check_separator("<|endoftext|>", encode, vocab), tuple(encode("<|endoftext|>")))
+    for text, where in ((" # # ", "between '' and 'word'"),
+                        ("\n\n###\n\n", "between '' and 'word'")):
+        try:
+            sp.check_separator(text, encode, vocab)
+            msg = None
+        except sp.SeparatorError as e:
+            msg = str(e)
+        check(f"separator text: {text!r} refused", msg is not None, True)
+        msg = msg or ""
+        check(f"separator text: {text!r}: one line naming the context and an alternative",
+              ("\n" not in msg, where in msg, "'<|endoftext|>' passes for this tokenizer" in msg),
+              (True, True, True))
+    # a tokenizer that merges everything: no candidate passes, the ids are the way out
+    try:
+        sp.check_separator("##", lambda t: [len(t)] if t else [], vocab[:1000])
+        msg = ""
+    except sp.SeparatorError as e:
+        msg = str(e)
+    check("separator text: nothing passes: says give chunk_separator",
+          "give chunk_separator (token ids) instead" in msg, True)
+    # one id per character: every separator is a stable boundary
+    check("separator text: a character tokenizer",
+          sp.check_separator(" # # ", lambda t: [ord(ch) for ch in t], vocab[:1000]),
+          (32, 35, 32, 35, 32))
+    for bad in ("", None, 5):
+        check(f"separator text: {bad!r} refused",
+              _raises(lambda b=bad: sp.check_separator(b, encode, vocab)), "SeparatorError")
+
+
+def separator_config():
+    """The connector's configuration reads chunk_separator_text through vLLM's tokenizer."""
+    from types import SimpleNamespace as Ns
+
+    from kvblend.vllm import config
+
+    mc = Ns(tokenizer=os.environ["KVBLEND_ENGINE_MODEL"], runner_type="generate",
+            tokenizer_mode="auto", tokenizer_revision=None, trust_remote_code=False,
+            skip_tokenizer_init=False, hf_config=None)  # what cached_tokenizer_from_config reads
+    vc = Ns(model_config=mc)
+
+    def ids(extra):
+        try:
+            return config.separator_from_extra(extra, vc)
+        except config.Refused as e:
+            return str(e)
+
+    check("separator config: text", ids({"chunk_separator_text": "<|endoftext|>"}), (0,))
+    check("separator config: ids", ids({"chunk_separator": [5, 6]}), (5, 6))
+    check("separator config: none", ids({}), None)
+    check("separator config: both refused",
+          ids({"chunk_separator_text": "<|endoftext|>", "chunk_separator": [0]}),
+          "kvblend: kv_connector_extra_config: give chunk_separator (token ids) or "
+          "chunk_separator_text, not both")
+    got = ids({"chunk_separator_text": " # # "})
+    check("separator config: ' # # ' refused, naming an alternative",
+          got.startswith("kvblend: kv_connector_extra_config: chunk_separator_text ' # # ' is "
+                         "not a stable token boundary: between") and got.endswith(
+                             "'<|endoftext|>' passes for this tokenizer"), True)
+    check("separator config: no tokenizer refused",
+          _raises(lambda: config.separator_from_extra(
+              {"chunk_separator_text": "x"}, Ns(model_config=Ns(skip_tokenizer_init=True)))),
+          "Refused")
 
 
 def region(d):
