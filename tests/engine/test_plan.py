@@ -6,7 +6,7 @@ chunk missing, a fresh span in the middle, nothing found, the whole prompt cover
 token left to vLLM), a resumed request (num_computed > 0), bad parameters, and a chunk
 stored with another length; and chunk boundaries by a configured separator token sequence
 (chunks end with the separator, the rest is fresh; explicit parameters win; bad
-configurations refused); a separator given as text (kvblend.vllm.separator's boundary
+configurations refused; blended when blending is configured); a separator given as text (kvblend.vllm.separator's boundary
 check with SmolLM2's tokenizer, and the connector's configuration reading it through
 vLLM's tokenizer); and the worker's region for vLLM's KV cache
 (kvblend.vllm.landing.CacheRegion): the one allocation taken, and refusals that name the
@@ -196,6 +196,40 @@ def separator(cl, rng, a, b, c, q):
           (na, [(0, 0, na)]))
     check("separator: without one configured", answer(
         cl, MODEL.name, MODEL.num_layers, None, sa + sb + q, 0), (0, []))
+
+    def sblend(ids, nc=0, params=None):
+        p = plan.plan_request(cl, MODEL.name, MODEL.num_layers, params, ids, nc, sep,
+                              plan.DEFAULT_CONFIG)
+        return (p.tokens, [(ld.start, ld.first, ld.last) for ld in p.loads],
+                p.blend.segments if p.blend else None)
+
+    ha, hb = kvblend.chunk_hash(sa), kvblend.chunk_hash(sb)
+    nc_ = len(c) + len(sep)
+    check("separator, blend configured: a blend of both chunks", sblend(sa + sb + q),
+          (na + nb, [], [(ha, 0), (hb, na)]))
+    check("separator, blend configured: a chunk not stored is fresh in the blend",
+          sblend(sa + c + sep + sb + q),
+          (na + nc_ + nb, [], [(ha, 0), (nc_, na), (hb, na + nc_)]))
+    check("separator, blend configured: the first chunk not stored",
+          sblend(c + sep + sb + q), (nc_ + nb, [], [(nc_, 0), (hb, nc_)]))
+    check("separator, blend configured: last chunk ends the prompt: reuse", sblend(sa + sb),
+          (na + nb - 1, [(0, 0, na), (na, na, na + nb - 1)], None))
+    check("separator, blend configured: resumed: reuse", sblend(sa + sb + q, nc=na + 3),
+          (nb - 3, [(na, na + 3, na + nb)], None))
+    check("separator, blend configured: segments [] opts out",
+          sblend(sa + sb + q, params={"kvblend": {"segments": []}}), (0, [], None))
+    check("separator, blend configured: explicit parameters win",
+          sblend(sa + sb + q, params={"kvblend": {"segments": [[0, na, "chunk"]]}}),
+          (na, [], [(ha, 0)]))
+    check("separator, blend configured: explicit blend false: reuse",
+          sblend(sa + sb + q, params={"kvblend": {"segments": [[0, na, "chunk"]],
+                                                  "blend": False}}),
+          (na, [(0, 0, na)], None))
+    parsed = plan.parse_request(None, sa + sb + q, 0, MODEL.num_layers, sep, plan.DEFAULT_CONFIG)
+    check("separator, blend configured: the connector's settings", parsed.blend,
+          plan.DEFAULT_CONFIG)
+    parsed = plan.parse_request(None, sa + sb + q, 0, MODEL.num_layers, sep, None)
+    check("separator, blend not configured: not blended", parsed.blend, None)
 
     def segs(ids, sp):
         p = plan.separator_params(ids, sp)

@@ -358,8 +358,9 @@ class Parsed:
         request without kvblend parameters (nor a separator in its prompt).
     blend : BlendConfig or None
         The settings to blend it with (the connector's, overridden by the request's);
-        None when it is not one to blend: no blending configured, no kvblend parameters
-        of its own, a store request, ``"blend": false``, or tokens already computed.
+        None when it is not one to blend: no blending configured, no segments (its own
+        or the separator's), a store request, ``"blend": false``, or tokens already
+        computed.
     hashes : tuple of bytes
         The hash of each chunk segment of ``params``, in prompt order.
     """
@@ -392,7 +393,8 @@ def parse_request(
         The model's layers (bounds the check layers of a request's blend settings).
     separator : sequence of int, optional
         The configured chunk separator: a request without kvblend parameters is split
-        by it (:func:`separator_params`; such a request is never blended).
+        by it (:func:`separator_params`), and blended with the connector's settings
+        like a request that names its segments.
     blend : BlendConfig, optional
         The connector's blend settings; None: blending is not configured, and a
         request's own settings are ignored.
@@ -405,6 +407,8 @@ def parse_request(
     ids = list(prompt_ids)
     kvp, override = split_override(kv_transfer_params)
     params = parse_params(kvp, len(ids))
+    if params is None and separator:
+        params = separator_params(ids, separator)  # no override: it has no kvblend key
     config = None
     if (
         blend is not None
@@ -419,8 +423,6 @@ def parse_request(
                 config = blend_settings(override, num_layers, blend, "kvblend.blend")
             except ValueError as e:
                 raise ParamError(str(e)) from None
-    if params is None and separator:
-        params = separator_params(ids, separator)
     hashes = () if params is None else tuple(
         chunk_hash(ids[s.start : s.end]) for s in chunk_segments(params)
     )
