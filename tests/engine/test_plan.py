@@ -6,11 +6,12 @@ chunk missing, a fresh span in the middle, nothing found, the whole prompt cover
 token left to vLLM), a resumed request (num_computed > 0), bad parameters, and a chunk
 stored with another length; and chunk boundaries by a configured separator token sequence
 (chunks end with the separator, the rest is fresh; explicit parameters win; bad
-configurations refused; blended when blending is configured); a separator given as text (kvblend.vllm.separator's boundary
-check with SmolLM2's tokenizer, and the connector's configuration reading it through
-vLLM's tokenizer); and the worker's region for vLLM's KV cache
-(kvblend.vllm.landing.CacheRegion): the one allocation taken, and refusals that name the
-daemon's setting (shm_max) or the endpoint. Exit 0 when every check passes, 77 when skipped.
+configurations refused; blended when blending is configured); a separator given as text
+(kvblend.vllm.separator's boundary check with SmolLM2's tokenizer, and the connector's
+configuration reading it through vLLM's tokenizer); chunk keys scoped by LoRA adapter and
+cache salt (kvblend.scoped_chunk_hash, the planner's lookups, the scheduler's stores); and
+the worker's region for vLLM's KV cache (kvblend.vllm.landing.CacheRegion): the one
+allocation taken, and refusals that name the daemon's setting (shm_max) or the endpoint. Exit 0 when every check passes, 77 when skipped.
 """
 
 import os
@@ -105,8 +106,10 @@ def run(d):
                                                 prompt, 0)), "UnknownModel")
         separator(cl, rng, a, b, c, prompt[90:])
         one_lookup(cl, prompt)
+        scoped(cl, rng, prompt)
     separator_text()
     separator_config()
+    scheduler_store_scope()
 
     bad = [
         ("kvblend not a dict", {"kvblend": [1]}),
@@ -251,6 +254,73 @@ def separator(cl, rng, a, b, c, q):
               "ParamError")
 
 
+def scoped(cl, rng, prompt):
+    """Chunk keys scoped by LoRA adapter and cache salt (kvblend.scoped_chunk_hash)."""
+    import hashlib
+    from types import SimpleNamespace as Ns
+
+    ids = prompt[:30]
+    lora = Ns(lora_name="sql", lora_int_id=1)
+    s_none = plan.request_scope(Ns(lora_request=None, cache_salt=None))
+    s_salt = plan.request_scope(Ns(lora_request=None, cache_salt="tenant-a"))
+    s_salt2 = plan.request_scope(Ns(lora_request=None, cache_salt="tenant-b"))
+    s_lora = plan.request_scope(Ns(lora_request=lora, cache_salt=None))
+    s_lora2 = plan.request_scope(Ns(lora_request=Ns(lora_name="sql", lora_int_id=2),
+                                    cache_salt=None))
+    s_both = plan.request_scope(Ns(lora_request=lora, cache_salt="tenant-a"))
+    check("scope: none", s_none, b"")
+    check("scope: an empty salt is none", plan.request_scope(Ns(cache_salt="")), b"")
+    check("scope: salt", s_salt, b'{"salt":"tenant-a"}')
+    check("scope: adapter and salt", s_both, b'{"lora":["sql",1],"salt":"tenant-a"}')
+    check("scoped hash: no scope is chunk_hash", kvblend.scoped_chunk_hash(ids, s_none),
+          kvblend.chunk_hash(ids))
+    hashes = [kvblend.scoped_chunk_hash(ids, s)
+              for s in (s_none, s_salt, s_salt2, s_lora, s_lora2, s_both)]
+    check("scoped hash: one per salt and adapter", len(set(hashes)), 6)
+    want = hashlib.blake2b(len(s_salt).to_bytes(4, "little") + s_salt
+                           + np.asarray(ids, "<u4").tobytes(), digest_size=32,
+                           person=b"kvblend scope v1").digest()
+    check("scoped hash: the documented formula", kvblend.scoped_chunk_hash(ids, s_salt), want)
+    check("scoped hash: a str scope refused",
+          _raises(lambda: kvblend.scoped_chunk_hash(ids, "x")), "BadArgument")
+
+    # prompt[:30] is stored under tenant-a's key only (a model of its own)
+    params = {"kvblend": {"segments": [[0, 30, "chunk"]]}}
+    long = prompt[:30] + [7] * 20
+
+    def sclaim(scope, sep=None, p=params, ids=long):
+        r = plan.plan_request(cl, "plan-test-scoped", MODEL.num_layers, p, ids, 0, sep, None,
+                              scope)
+        return r.tokens, [(ld.hash, ld.start, ld.last) for ld in r.loads]
+
+    cl.model_register(kvblend.Model("plan-test-scoped", 2, 1, 8, dtype="f32", rope_theta=1e5))
+    cl.put("plan-test-scoped", kvblend.scoped_chunk_hash(ids, s_salt),
+           rng.standard_normal(MODEL.kv_shape(len(ids))).astype(np.float32))
+    check("scoped lookup: the same salt finds it", sclaim(s_salt),
+          (30, [(kvblend.scoped_chunk_hash(ids, s_salt), 0, 30)]))
+    check("scoped lookup: no scope does not", sclaim(b""), (0, []))
+    check("scoped lookup: another salt does not", sclaim(s_salt2), (0, []))
+    check("scoped lookup: an adapter does not", sclaim(s_both), (0, []))
+    sep = [50001, 50002]
+    sd = ids + sep
+    cl.put("plan-test-scoped", kvblend.scoped_chunk_hash(sd, s_lora),
+           rng.standard_normal(MODEL.kv_shape(len(sd))).astype(np.float32))
+    check("scoped lookup: separator chunks under the adapter",
+          sclaim(s_lora, sep, None, sd + [7] * 5),
+          (32, [(kvblend.scoped_chunk_hash(sd, s_lora), 0, 32)]))
+    check("scoped lookup: separator chunks, another adapter id",
+          sclaim(s_lora2, sep, None, sd + [7] * 5), (0, []))
+    p = plan.parse_request({"kvblend": {"segments": [[0, 30, "chunk"]], "store": True}},
+                           ids, 0, MODEL.num_layers, None, None, s_both)
+    check("scoped store: the store's key is scoped", p.hashes,
+          (kvblend.scoped_chunk_hash(ids, s_both),))
+    p = plan.parse_request({"kvblend": {"segments": [[0, 30, "chunk"]]}}, long, 0,
+                           MODEL.num_layers, None, plan.DEFAULT_CONFIG, s_salt)
+    r = plan.lookup_plan(cl, "plan-test-scoped", MODEL.num_layers, p, 0)
+    check("scoped blend: its segments carry the scoped key", r.blend.segments if r.blend else None,
+          [(kvblend.scoped_chunk_hash(ids, s_salt), 0)])
+
+
 def separator_text():
     """chunk_separator_text: the boundary check with SmolLM2's tokenizer (transformers)."""
     from kvblend.vllm import separator as sp
@@ -342,6 +412,22 @@ def separator_config():
           _raises(lambda: config.separator_from_extra(
               {"chunk_separator_text": "x"}, Ns(model_config=Ns(skip_tokenizer_init=True)))),
           "Refused")
+
+
+def scheduler_store_scope():
+    """A store vLLM did not ask about first is keyed in the request's scope too."""
+    from types import SimpleNamespace as Ns
+
+    from kvblend.vllm.scheduler import SchedulerSide
+
+    ids = list(range(100, 140))
+    side = SchedulerSide(Ns(block_size=16), None)
+    req = Ns(request_id="r1", prompt_token_ids=ids, lora_request=None, cache_salt="tenant-a",
+             kv_transfer_params={"kvblend": {"segments": [[0, 40, "chunk"]], "store": True}})
+    side.update_state_after_alloc(req, Ns(get_block_ids=lambda: ([3, 4, 5],)), 0)
+    pending = side._stores.get("r1")
+    check("scheduler: an unplanned store's key is scoped", pending and pending.hash,
+          kvblend.scoped_chunk_hash(ids, b'{"salt":"tenant-a"}'))
 
 
 def region(d):
