@@ -6,9 +6,12 @@ chunk missing, a fresh span in the middle, nothing found, the whole prompt cover
 token left to vLLM), a resumed request (num_computed > 0), bad parameters, and a chunk
 stored with another length; and chunk boundaries by a configured separator token sequence
 (chunks end with the separator, the rest is fresh; explicit parameters win; bad
-configurations refused); and the worker's region for vLLM's KV cache
-(kvblend.vllm.landing.CacheRegion): the one allocation taken, and refusals that name the
-daemon's setting (shm_max) or the endpoint. Exit 0 when every check passes, 77 when skipped.
+configurations refused; blended when blending is configured); a separator given as text
+(kvblend.vllm.separator's boundary check with SmolLM2's tokenizer, and the connector's
+configuration reading it through vLLM's tokenizer); chunk keys scoped by LoRA adapter and
+cache salt (kvblend.scoped_chunk_hash, the planner's lookups, the scheduler's stores); and
+the worker's region for vLLM's KV cache (kvblend.vllm.landing.CacheRegion): the one
+allocation taken, and refusals that name the daemon's setting (shm_max) or the endpoint. Exit 0 when every check passes, 77 when skipped.
 """
 
 import os
@@ -103,6 +106,10 @@ def run(d):
                                                 prompt, 0)), "UnknownModel")
         separator(cl, rng, a, b, c, prompt[90:])
         one_lookup(cl, prompt)
+        scoped(cl, rng, prompt)
+    separator_text()
+    separator_config()
+    scheduler_store_scope()
 
     bad = [
         ("kvblend not a dict", {"kvblend": [1]}),
@@ -193,6 +200,40 @@ def separator(cl, rng, a, b, c, q):
     check("separator: without one configured", answer(
         cl, MODEL.name, MODEL.num_layers, None, sa + sb + q, 0), (0, []))
 
+    def sblend(ids, nc=0, params=None):
+        p = plan.plan_request(cl, MODEL.name, MODEL.num_layers, params, ids, nc, sep,
+                              plan.DEFAULT_CONFIG)
+        return (p.tokens, [(ld.start, ld.first, ld.last) for ld in p.loads],
+                p.blend.segments if p.blend else None)
+
+    ha, hb = kvblend.chunk_hash(sa), kvblend.chunk_hash(sb)
+    nc_ = len(c) + len(sep)
+    check("separator, blend configured: a blend of both chunks", sblend(sa + sb + q),
+          (na + nb, [], [(ha, 0), (hb, na)]))
+    check("separator, blend configured: a chunk not stored is fresh in the blend",
+          sblend(sa + c + sep + sb + q),
+          (na + nc_ + nb, [], [(ha, 0), (nc_, na), (hb, na + nc_)]))
+    check("separator, blend configured: the first chunk not stored",
+          sblend(c + sep + sb + q), (nc_ + nb, [], [(nc_, 0), (hb, nc_)]))
+    check("separator, blend configured: last chunk ends the prompt: reuse", sblend(sa + sb),
+          (na + nb - 1, [(0, 0, na), (na, na, na + nb - 1)], None))
+    check("separator, blend configured: resumed: reuse", sblend(sa + sb + q, nc=na + 3),
+          (nb - 3, [(na, na + 3, na + nb)], None))
+    check("separator, blend configured: segments [] opts out",
+          sblend(sa + sb + q, params={"kvblend": {"segments": []}}), (0, [], None))
+    check("separator, blend configured: explicit parameters win",
+          sblend(sa + sb + q, params={"kvblend": {"segments": [[0, na, "chunk"]]}}),
+          (na, [], [(ha, 0)]))
+    check("separator, blend configured: explicit blend false: reuse",
+          sblend(sa + sb + q, params={"kvblend": {"segments": [[0, na, "chunk"]],
+                                                  "blend": False}}),
+          (na, [(0, 0, na)], None))
+    parsed = plan.parse_request(None, sa + sb + q, 0, MODEL.num_layers, sep, plan.DEFAULT_CONFIG)
+    check("separator, blend configured: the connector's settings", parsed.blend,
+          plan.DEFAULT_CONFIG)
+    parsed = plan.parse_request(None, sa + sb + q, 0, MODEL.num_layers, sep, None)
+    check("separator, blend not configured: not blended", parsed.blend, None)
+
     def segs(ids, sp):
         p = plan.separator_params(ids, sp)
         return None if p is None else [(x.start, x.length, x.kind) for x in p.segments]
@@ -211,6 +252,182 @@ def separator(cl, rng, a, b, c, q):
                       ("a float", [1.0])):
         check(f"config refused: {what}", _raises(lambda r=raw: plan.parse_separator(r)),
               "ParamError")
+
+
+def scoped(cl, rng, prompt):
+    """Chunk keys scoped by LoRA adapter and cache salt (kvblend.scoped_chunk_hash)."""
+    import hashlib
+    from types import SimpleNamespace as Ns
+
+    ids = prompt[:30]
+    lora = Ns(lora_name="sql", lora_int_id=1)
+    s_none = plan.request_scope(Ns(lora_request=None, cache_salt=None))
+    s_salt = plan.request_scope(Ns(lora_request=None, cache_salt="tenant-a"))
+    s_salt2 = plan.request_scope(Ns(lora_request=None, cache_salt="tenant-b"))
+    s_lora = plan.request_scope(Ns(lora_request=lora, cache_salt=None))
+    s_lora2 = plan.request_scope(Ns(lora_request=Ns(lora_name="sql", lora_int_id=2),
+                                    cache_salt=None))
+    s_both = plan.request_scope(Ns(lora_request=lora, cache_salt="tenant-a"))
+    check("scope: none", s_none, b"")
+    check("scope: an empty salt is none", plan.request_scope(Ns(cache_salt="")), b"")
+    check("scope: salt", s_salt, b'{"salt":"tenant-a"}')
+    check("scope: adapter and salt", s_both, b'{"lora":["sql",1],"salt":"tenant-a"}')
+    check("scoped hash: no scope is chunk_hash", kvblend.scoped_chunk_hash(ids, s_none),
+          kvblend.chunk_hash(ids))
+    hashes = [kvblend.scoped_chunk_hash(ids, s)
+              for s in (s_none, s_salt, s_salt2, s_lora, s_lora2, s_both)]
+    check("scoped hash: one per salt and adapter", len(set(hashes)), 6)
+    want = hashlib.blake2b(len(s_salt).to_bytes(4, "little") + s_salt
+                           + np.asarray(ids, "<u4").tobytes(), digest_size=32,
+                           person=b"kvblend scope v1").digest()
+    check("scoped hash: the documented formula", kvblend.scoped_chunk_hash(ids, s_salt), want)
+    check("scoped hash: a str scope refused",
+          _raises(lambda: kvblend.scoped_chunk_hash(ids, "x")), "BadArgument")
+
+    # prompt[:30] is stored under tenant-a's key only (a model of its own)
+    params = {"kvblend": {"segments": [[0, 30, "chunk"]]}}
+    long = prompt[:30] + [7] * 20
+
+    def sclaim(scope, sep=None, p=params, ids=long):
+        r = plan.plan_request(cl, "plan-test-scoped", MODEL.num_layers, p, ids, 0, sep, None,
+                              scope)
+        return r.tokens, [(ld.hash, ld.start, ld.last) for ld in r.loads]
+
+    cl.model_register(kvblend.Model("plan-test-scoped", 2, 1, 8, dtype="f32", rope_theta=1e5))
+    cl.put("plan-test-scoped", kvblend.scoped_chunk_hash(ids, s_salt),
+           rng.standard_normal(MODEL.kv_shape(len(ids))).astype(np.float32))
+    check("scoped lookup: the same salt finds it", sclaim(s_salt),
+          (30, [(kvblend.scoped_chunk_hash(ids, s_salt), 0, 30)]))
+    check("scoped lookup: no scope does not", sclaim(b""), (0, []))
+    check("scoped lookup: another salt does not", sclaim(s_salt2), (0, []))
+    check("scoped lookup: an adapter does not", sclaim(s_both), (0, []))
+    sep = [50001, 50002]
+    sd = ids + sep
+    cl.put("plan-test-scoped", kvblend.scoped_chunk_hash(sd, s_lora),
+           rng.standard_normal(MODEL.kv_shape(len(sd))).astype(np.float32))
+    check("scoped lookup: separator chunks under the adapter",
+          sclaim(s_lora, sep, None, sd + [7] * 5),
+          (32, [(kvblend.scoped_chunk_hash(sd, s_lora), 0, 32)]))
+    check("scoped lookup: separator chunks, another adapter id",
+          sclaim(s_lora2, sep, None, sd + [7] * 5), (0, []))
+    p = plan.parse_request({"kvblend": {"segments": [[0, 30, "chunk"]], "store": True}},
+                           ids, 0, MODEL.num_layers, None, None, s_both)
+    check("scoped store: the store's key is scoped", p.hashes,
+          (kvblend.scoped_chunk_hash(ids, s_both),))
+    p = plan.parse_request({"kvblend": {"segments": [[0, 30, "chunk"]]}}, long, 0,
+                           MODEL.num_layers, None, plan.DEFAULT_CONFIG, s_salt)
+    r = plan.lookup_plan(cl, "plan-test-scoped", MODEL.num_layers, p, 0)
+    check("scoped blend: its segments carry the scoped key", r.blend.segments if r.blend else None,
+          [(kvblend.scoped_chunk_hash(ids, s_salt), 0)])
+
+
+def separator_text():
+    """chunk_separator_text: the boundary check with SmolLM2's tokenizer (transformers)."""
+    from kvblend.vllm import separator as sp
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(os.environ["KVBLEND_ENGINE_MODEL"])
+
+    def encode(text):
+        return tok.encode(text, add_special_tokens=False)
+
+    special = set(tok.all_special_ids)
+    vocab = ["" if i in special else tok.decode([i]) for i in range(len(tok))]
+    pairs = sp.contexts(vocab)
+    check("separator text: contexts are deterministic", pairs == sp.contexts(vocab), True)
+    check("separator text: contexts, fixed and sampled", len(pairs),
+          2 * len(sp.EDGES) + sp.SAMPLES)
+    check("separator text: another seed, other contexts", pairs != sp.contexts(vocab, seed=1),
+          True)
+    # What each candidate does with this tokenizer (docs/vllm.md quotes these lines).
+    passing = []
+    for c in sp.CANDIDATES + ("\n\n###\n\n", "<|im_end|>", "<file_sep>"):
+        why = sp.boundary_error(c, encode, pairs)
+        print(f"     {c!r}: {encode(c)}: {'passes' if why is None else why}")
+        if why is None:
+            passing.append(c)
+    check("separator text: SmolLM2's passing strings", passing,
+          ["<|endoftext|>", "<|im_end|>", "<file_sep>"])
+    check("separator text: <|endoftext|> is its id",
+          sp.check_separator("<|endoftext|>", encode, vocab), tuple(encode("<|endoftext|>")))
+    for text, where in ((" # # ", "between '' and 'word'"),
+                        ("\n\n###\n\n", "between '' and 'word'")):
+        try:
+            sp.check_separator(text, encode, vocab)
+            msg = None
+        except sp.SeparatorError as e:
+            msg = str(e)
+        check(f"separator text: {text!r} refused", msg is not None, True)
+        msg = msg or ""
+        check(f"separator text: {text!r}: one line naming the context and an alternative",
+              ("\n" not in msg, where in msg, "'<|endoftext|>' passes for this tokenizer" in msg),
+              (True, True, True))
+    # a tokenizer that merges everything: no candidate passes, the ids are the way out
+    try:
+        sp.check_separator("##", lambda t: [len(t)] if t else [], vocab[:1000])
+        msg = ""
+    except sp.SeparatorError as e:
+        msg = str(e)
+    check("separator text: nothing passes: says give chunk_separator",
+          "give chunk_separator (token ids) instead" in msg, True)
+    # one id per character: every separator is a stable boundary
+    check("separator text: a character tokenizer",
+          sp.check_separator(" # # ", lambda t: [ord(ch) for ch in t], vocab[:1000]),
+          (32, 35, 32, 35, 32))
+    for bad in ("", None, 5):
+        check(f"separator text: {bad!r} refused",
+              _raises(lambda b=bad: sp.check_separator(b, encode, vocab)), "SeparatorError")
+
+
+def separator_config():
+    """The connector's configuration reads chunk_separator_text through vLLM's tokenizer."""
+    from types import SimpleNamespace as Ns
+
+    from kvblend.vllm import config
+
+    mc = Ns(tokenizer=os.environ["KVBLEND_ENGINE_MODEL"], runner_type="generate",
+            tokenizer_mode="auto", tokenizer_revision=None, trust_remote_code=False,
+            skip_tokenizer_init=False, hf_config=None)  # what cached_tokenizer_from_config reads
+    vc = Ns(model_config=mc)
+
+    def ids(extra):
+        try:
+            return config.separator_from_extra(extra, vc)
+        except config.Refused as e:
+            return str(e)
+
+    check("separator config: text", ids({"chunk_separator_text": "<|endoftext|>"}), (0,))
+    check("separator config: ids", ids({"chunk_separator": [5, 6]}), (5, 6))
+    check("separator config: none", ids({}), None)
+    check("separator config: both refused",
+          ids({"chunk_separator_text": "<|endoftext|>", "chunk_separator": [0]}),
+          "kvblend: kv_connector_extra_config: give chunk_separator (token ids) or "
+          "chunk_separator_text, not both")
+    got = ids({"chunk_separator_text": " # # "})
+    check("separator config: ' # # ' refused, naming an alternative",
+          got.startswith("kvblend: kv_connector_extra_config: chunk_separator_text ' # # ' is "
+                         "not a stable token boundary: between") and got.endswith(
+                             "'<|endoftext|>' passes for this tokenizer"), True)
+    check("separator config: no tokenizer refused",
+          _raises(lambda: config.separator_from_extra(
+              {"chunk_separator_text": "x"}, Ns(model_config=Ns(skip_tokenizer_init=True)))),
+          "Refused")
+
+
+def scheduler_store_scope():
+    """A store vLLM did not ask about first is keyed in the request's scope too."""
+    from types import SimpleNamespace as Ns
+
+    from kvblend.vllm.scheduler import SchedulerSide
+
+    ids = list(range(100, 140))
+    side = SchedulerSide(Ns(block_size=16), None)
+    req = Ns(request_id="r1", prompt_token_ids=ids, lora_request=None, cache_salt="tenant-a",
+             kv_transfer_params={"kvblend": {"segments": [[0, 40, "chunk"]], "store": True}})
+    side.update_state_after_alloc(req, Ns(get_block_ids=lambda: ([3, 4, 5],)), 0)
+    pending = side._stores.get("r1")
+    check("scheduler: an unplanned store's key is scoped", pending and pending.hash,
+          kvblend.scoped_chunk_hash(ids, b'{"salt":"tenant-a"}'))
 
 
 def region(d):

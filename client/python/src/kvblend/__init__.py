@@ -26,7 +26,14 @@ Examples
 """
 
 from ._lib import lib as _cdll
-from .client import Client, chunk_hash, default_endpoint, hash_hex, malloc_tune
+from .client import (
+    Client,
+    chunk_hash,
+    default_endpoint,
+    hash_hex,
+    malloc_tune,
+    scoped_chunk_hash,
+)
 from .errors import (
     BadArgument,
     BadShape,
@@ -88,4 +95,5 @@ __all__ = [
     "hash_hex",
     "library_path",
     "malloc_tune",
+    "scoped_chunk_hash",
 ]

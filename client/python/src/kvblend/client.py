@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import builtins
 import ctypes
+import hashlib
 import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -41,6 +42,7 @@ __all__ = [
     "default_endpoint",
     "hash_hex",
     "malloc_tune",
+    "scoped_chunk_hash",
 ]
 
 
@@ -75,15 +77,61 @@ def chunk_hash(token_ids: Iterable[int] | np.ndarray) -> bytes:
     bytes
         The 32-byte hash.
     """
+    ids = _token_ids(token_ids)
+    out = _lib.HashArray()
+    lib.kvb_chunk_hash(ids.ctypes.data_as(ctypes.POINTER(ctypes.c_uint32)), ids.size, out)
+    return bytes(out)
+
+
+#: BLAKE2b's personalization for :func:`scoped_chunk_hash` (16 bytes): its hashes can never
+#: equal :func:`chunk_hash`'s, whatever the ids.
+SCOPE_PERSON = b"kvblend scope v1"
+
+
+def scoped_chunk_hash(token_ids: Iterable[int] | np.ndarray, scope: bytes = b"") -> bytes:
+    """Chunk hash of token ids within a scope (a LoRA adapter, a cache salt).
+
+    An empty scope gives :func:`chunk_hash` itself, so chunks stored without a scope keep
+    their keys. Otherwise BLAKE2b-256 personalized with :data:`SCOPE_PERSON` over the
+    scope's length (uint32 LE), the scope and the ids as little-endian uint32:
+    ``hashlib.blake2b(len(scope).to_bytes(4, 'little') + scope + np.asarray(ids,
+    '<u4').tobytes(), digest_size=32, person=b'kvblend scope v1').digest()``. KV computed
+    under one scope is never found under another.
+
+    Parameters
+    ----------
+    token_ids : sequence of int or array
+        The chunk's token ids (each in 0 .. 2**32 - 1).
+    scope : bytes
+        What the KV depends on beyond the model and the ids (kvblend.vllm: the request's
+        LoRA adapter and cache salt, :func:`kvblend.vllm.plan.request_scope`).
+
+    Returns
+    -------
+    bytes
+        The 32-byte hash.
+    """
+    if not scope:
+        return chunk_hash(token_ids)
+    if not isinstance(scope, bytes):
+        raise BadArgument(-22, f"scope must be bytes, got {type(scope).__name__}")
+    if len(scope) > 0xFFFFFFFF:
+        raise BadArgument(-22, "scope longer than 2**32 - 1 bytes")
+    h = hashlib.blake2b(digest_size=HASH_LEN, person=SCOPE_PERSON)
+    h.update(len(scope).to_bytes(4, "little"))
+    h.update(scope)
+    h.update(_token_ids(token_ids).tobytes())
+    return h.digest()
+
+
+def _token_ids(token_ids: Iterable[int] | np.ndarray) -> np.ndarray:
+    """Return the ids as a contiguous little-endian uint32 array, checked."""
     ids = np.asarray(_as_array(token_ids)).reshape(-1)
     if ids.size and not np.issubdtype(ids.dtype, np.integer):
         raise BadArgument(-22, f"token ids must be integers, got {ids.dtype}")
     if ids.size and (int(ids.min()) < 0 or int(ids.max()) > 0xFFFFFFFF):
         raise BadArgument(-22, "token ids must lie in 0 .. 2**32 - 1")
-    ids = np.ascontiguousarray(ids, dtype="<u4")
-    out = _lib.HashArray()
-    lib.kvb_chunk_hash(ids.ctypes.data_as(ctypes.POINTER(ctypes.c_uint32)), ids.size, out)
-    return bytes(out)
+    return np.ascontiguousarray(ids, dtype="<u4")
 
 
 def hash_hex(h: HashLike) -> str:

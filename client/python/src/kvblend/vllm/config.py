@@ -2,14 +2,15 @@
 
 :func:`connector_config` reads what the connector needs from vLLM's config once, at
 start (the daemon's endpoint, the model's name and exact description, the chunk
-separator, the blend settings) and refuses, with :class:`Refused` naming the reason, an
-engine whose KV kvblend cannot describe exactly or serve safely (docs/vllm.md, "What is
-supported"). Imports torch and vLLM.
+separator, given as ids or as text tokenized here, the blend settings) and refuses, with
+:class:`Refused` naming the reason, an engine whose KV kvblend cannot describe exactly or
+serve safely (docs/vllm.md, "What is supported"). Imports torch and vLLM.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +22,7 @@ from ..blend import arch as _arch
 from ..client import default_endpoint
 from ..types import Model
 from . import plan
+from . import separator as _separator
 from .plan import DEFAULT_CONFIG, BlendConfig, blend_settings
 
 if TYPE_CHECKING:
@@ -188,6 +190,65 @@ def config_from_extra(
     return config
 
 
+class _DecodedVocabulary(Sequence):
+    """The tokenizer's tokens decoded one by one, on demand (the check samples a few)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.special = set(getattr(tokenizer, "all_special_ids", None) or ())
+
+    def __len__(self) -> int:
+        return len(self.tokenizer)
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        return "" if i in self.special else self.tokenizer.decode([i])
+
+
+def separator_from_extra(extra: dict, vllm_config: VllmConfig) -> tuple[int, ...] | None:
+    """Return the chunk separator's ids: ``chunk_separator`` or ``chunk_separator_text``.
+
+    ``chunk_separator_text`` is tokenized with the engine's tokenizer (vLLM's
+    ``cached_tokenizer_from_config``, the one its front end and structured output use)
+    without special tokens, and checked to be a stable token boundary
+    (:func:`kvblend.vllm.separator.check_separator`).
+
+    Raises
+    ------
+    Refused
+        Both keys given, malformed ids, no tokenizer (``skip_tokenizer_init``), or a text
+        that fails the check (the message names the context and a candidate that passes).
+    """
+    text = extra.get("chunk_separator_text")
+    if text is not None and extra.get("chunk_separator") is not None:
+        raise refuse(
+            "kv_connector_extra_config: give chunk_separator (token ids) or "
+            "chunk_separator_text, not both"
+        )
+    if text is None:
+        try:
+            return plan.parse_separator(extra.get("chunk_separator"))
+        except plan.ParamError as e:
+            raise refuse(str(e)) from None
+    from vllm.tokenizers import cached_tokenizer_from_config
+
+    tok = cached_tokenizer_from_config(vllm_config.model_config)
+    if tok is None:
+        raise refuse("chunk_separator_text needs the engine's tokenizer (skip_tokenizer_init)")
+
+    def encode(s: str) -> list[int]:
+        return list(tok.encode(s, add_special_tokens=False))
+
+    try:
+        ids = _separator.check_separator(text, encode, _DecodedVocabulary(tok))
+        plan.parse_separator(list(ids))
+    except (_separator.SeparatorError, plan.ParamError) as e:
+        raise refuse(f"kv_connector_extra_config: {e}") from None
+    logger.info("kvblend: chunk_separator_text %r is the token ids %s", text, list(ids))
+    return ids
+
+
 @dataclass(frozen=True)
 class ConnectorConfig:
     """What the connector runs with, read once from vLLM's config (:func:`connector_config`)."""
@@ -211,17 +272,14 @@ def connector_config(vllm_config: VllmConfig) -> ConnectorConfig:
     Raises
     ------
     Refused
-        A malformed ``chunk_separator`` or ``blend``, or an engine
-        :func:`model_from_vllm` refuses.
+        A malformed ``chunk_separator``, ``chunk_separator_text`` or ``blend``, or an
+        engine :func:`model_from_vllm` refuses.
     """
     extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
     endpoint: str = extra.get("endpoint") or default_endpoint()
     timeout_ms = int(extra.get("timeout_ms", 5000))
     model_name: str = extra.get("model_name") or default_model_name(vllm_config)
-    try:
-        separator = plan.parse_separator(extra.get("chunk_separator"))
-    except plan.ParamError as e:
-        raise refuse(str(e)) from None
+    separator = separator_from_extra(extra, vllm_config)
     tc = vllm_config.kv_transfer_config
     if tc.kv_load_failure_policy != "recompute":
         # A failed load must be recomputed, never served and never fail the request.

@@ -6,17 +6,20 @@ configured separator's; the request's blend settings), one hash of each chunk se
 one daemon lookup, then one decision: a CacheBlend load of the context up to the last
 chunk found (:class:`BlendLoad`), or plain reuse of the chunks from the start of the
 prompt up to the first token vLLM must compute (:func:`claim`). The :class:`Plan` is kept
-by the scheduler and used again when vLLM allocates the request's blocks. Everything
+by the scheduler and used again when vLLM allocates the request's blocks. Chunks are
+hashed within the request's scope (:func:`request_scope`: its LoRA adapter and cache
+salt), so KV computed under one adapter or salt is never loaded for another. Everything
 but the lookup is a pure function, tested without an engine; no vLLM or torch import.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..client import chunk_hash
+from ..client import scoped_chunk_hash
 
 #: Most segments one request may name (a bound on the work a request can ask for).
 MAX_SEGMENTS = 4096
@@ -350,6 +353,27 @@ def split_override(kv_transfer_params: Any) -> tuple[Any, Any]:
 # --- the planner: one parse, one hash, one lookup per request ------------------------------
 
 
+def request_scope(request: Any) -> bytes:
+    """Return what a vLLM request's KV depends on beyond the model and its token ids.
+
+    Its LoRA adapter (``request.lora_request``: its ``lora_name`` and ``lora_int_id``) and
+    its cache salt (``request.cache_salt``), as canonical JSON (keys sorted, no spaces,
+    UTF-8), e.g. ``{"lora":["sql",1],"salt":"tenant-a"}``; ``b""`` for a request with
+    neither, whose chunks keep :func:`kvblend.chunk_hash`'s keys. Read by attribute, so
+    any object with those attributes will do (no vLLM import).
+    """
+    scope: dict[str, Any] = {}
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        scope["lora"] = [str(lora.lora_name), int(lora.lora_int_id)]
+    salt = getattr(request, "cache_salt", None)
+    if salt:
+        scope["salt"] = str(salt)
+    if not scope:
+        return b""
+    return json.dumps(scope, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
 @dataclass(frozen=True)
 class Parsed:
     """A request's parameters as the planner read them (no daemon asked yet).
@@ -363,10 +387,11 @@ class Parsed:
         request without kvblend parameters (nor a separator in its prompt).
     blend : BlendConfig or None
         The settings to blend it with (the connector's, overridden by the request's);
-        None when it is not one to blend: no blending configured, no kvblend parameters
-        of its own, a store request, or ``"blend": false``.
+        None when it is not one to blend: no blending configured, no segments (its own
+        or the separator's), a store request, or ``"blend": false``.
     hashes : tuple of bytes
-        The hash of each chunk segment of ``params``, in prompt order.
+        The hash of each chunk segment of ``params`` within the request's scope
+        (:func:`kvblend.scoped_chunk_hash`), in prompt order.
     """
 
     ids: list[int]
@@ -382,6 +407,7 @@ def parse_request(
     num_layers: int,
     separator: Sequence[int] | None = None,
     blend: BlendConfig | None = None,
+    scope: bytes = b"",
 ) -> Parsed:
     """Parse a request's parameters and hash its chunks (the planner's first step).
 
@@ -398,10 +424,13 @@ def parse_request(
         The model's layers (bounds the check layers of a request's blend settings).
     separator : sequence of int, optional
         The configured chunk separator: a request without kvblend parameters is split
-        by it (:func:`separator_params`; such a request is never blended).
+        by it (:func:`separator_params`), and blended with the connector's settings
+        like a request that names its segments.
     blend : BlendConfig, optional
         The connector's blend settings; None: blending is not configured, and a
         request's own settings are ignored.
+    scope : bytes, optional
+        The request's scope (:func:`request_scope`); every chunk is hashed within it.
 
     Raises
     ------
@@ -411,6 +440,8 @@ def parse_request(
     ids = list(prompt_ids)
     kvp, override = split_override(kv_transfer_params)
     params = parse_params(kvp, len(ids))
+    if params is None and separator:
+        params = separator_params(ids, separator)  # no override: it has no kvblend key
     config = None
     if (
         blend is not None
@@ -424,10 +455,8 @@ def parse_request(
                 config = blend_settings(override, num_layers, blend, "kvblend.blend")
             except ValueError as e:
                 raise ParamError(str(e)) from None
-    if params is None and separator:
-        params = separator_params(ids, separator)
     hashes = () if params is None else tuple(
-        chunk_hash(ids[s.start : s.end]) for s in chunk_segments(params)
+        scoped_chunk_hash(ids[s.start : s.end], scope) for s in chunk_segments(params)
     )
     return Parsed(ids, params, config, hashes)
 
@@ -540,6 +569,7 @@ def plan_request(
     num_computed: int,
     separator: Sequence[int] | None = None,
     blend: BlendConfig | None = None,
+    scope: bytes = b"",
 ) -> Plan:
     """Parse a request's parameters, look its chunks up, and claim (the scheduler's answer).
 
@@ -564,6 +594,8 @@ def plan_request(
         The configured chunk separator (:func:`parse_request`).
     blend : BlendConfig, optional
         The connector's blend settings (:func:`parse_request`).
+    scope : bytes, optional
+        The request's scope (:func:`request_scope`).
 
     Returns
     -------
@@ -579,6 +611,6 @@ def plan_request(
         The lookup failed.
     """
     parsed = parse_request(
-        kv_transfer_params, prompt_ids, num_computed, num_layers, separator, blend
+        kv_transfer_params, prompt_ids, num_computed, num_layers, separator, blend, scope
     )
     return lookup_plan(client, model_name, num_layers, parsed, num_computed)

@@ -14,7 +14,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..client import chunk_hash
+from ..client import scoped_chunk_hash
 from ..errors import KvblendError
 from . import plan
 from .config import ConnectorConfig, logger
@@ -84,6 +84,7 @@ class SchedulerSide:
                 cfg.model.num_layers,
                 cfg.separator,
                 cfg.blend,
+                plan.request_scope(request),
             )
         except plan.ParamError as e:
             # Once per request: vLLM asks again while the request waits for blocks.
@@ -210,7 +211,8 @@ class SchedulerSide:
             logger.warning("kvblend: request %s not stored: %s", rid, why)
             return
         # the planner hashed the one chunk, which is the whole prompt
-        h = p.parsed.hashes[0] if p is not None else chunk_hash(ids)
+        scope = plan.request_scope(request)
+        h = p.parsed.hashes[0] if p is not None else scoped_chunk_hash(ids, scope)
         self._stores[rid] = _Pending(h, len(ids), block_ids)
         if rid in self._said:
             self._said[rid]["stored"] = len(ids)
