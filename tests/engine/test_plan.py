@@ -217,8 +217,10 @@ def separator(cl, rng, a, b, c, q):
           sblend(c + sep + sb + q), (nc_ + nb, [], [(nc_, 0), (hb, nc_)]))
     check("separator, blend configured: last chunk ends the prompt: reuse", sblend(sa + sb),
           (na + nb - 1, [(0, 0, na), (na, na, na + nb - 1)], None))
-    check("separator, blend configured: resumed: reuse", sblend(sa + sb + q, nc=na + 3),
-          (nb - 3, [(na, na + 3, na + nb)], None))
+    # tokens vLLM has (a prefix-cache hit, a resumed request): the pass blends the whole
+    # context and writes from there on
+    check("separator, blend configured: after computed tokens: a blend from there",
+          sblend(sa + sb + q, nc=na + 3), (nb - 3, [], [(ha, 0), (hb, na)]))
     check("separator, blend configured: segments [] opts out",
           sblend(sa + sb + q, params={"kvblend": {"segments": []}}), (0, [], None))
     check("separator, blend configured: explicit parameters win",
