@@ -19,8 +19,9 @@ serves every request:
     does not wait for it (the connector's circuit breaker);
 (g) a load that fails in the worker (a test hook): vLLM recomputes, output equals plain;
 (h) chunk boundaries by the configured separator (no request parameters): doc3 + SEP stored,
-    doc3 + SEP + question lands the chunk and its output equals plain vLLM's (a request
-    with empty kvblend segments, which the separator does not touch);
+    SEP + doc3 + SEP + question is split (the fresh prefix SEP, the chunk doc3 + SEP, the
+    question), the chunk looked up and found, nothing loaded without blending (a chunk after
+    a fresh prefix needs the blend pass), output equal to plain vLLM's;
 (i) a storing request prefilled in two steps (chunked prefill: the engine takes 256 tokens
     a step): stored once complete, and its exact-prefix reuse equals plain vLLM;
 (j) preemption: six reuse requests at once in a cache of 7 usable blocks (each needs a
@@ -310,16 +311,22 @@ def run(model_dir, d, dump_dir, report, np, kvblend):
     check("(g) failed load: output equals plain vLLM", got == plain_b,
           f"{tok.decode(got)!r}")
 
-    # (h) the separator: a chunk ends with it, what follows the last one is fresh
+    # (h) the separator (LMCache's convention): the prefix through the first separator is
+    # fresh, each piece between two separators (with its closing one) is a chunk, the rest
+    # is fresh. Without blending, only chunks after tokens vLLM already has can be loaded:
+    # the request is split and looked up, nothing is claimed after its fresh prefix
     s3 = docs[2] + SEP
     store_documents(llm, [s3])
-    p_h = s3 + q
+    p_h = SEP + s3 + q
     plain_h = gen([p_h], [{"kvblend": {"segments": []}}])[0]
     st0 = d.stats()
     got = gen([p_h], [None])[0]
     st1 = d.stats()
-    check("(h) separator: the chunk landed",
-          st1["requests_fuse_open"] - st0["requests_fuse_open"] == 1)
+    check("(h) separator: the chunk between two separators is looked up and found",
+          st1["lookup_hits"] - st0["lookup_hits"] == 1,
+          f"{st1['lookup_hits'] - st0['lookup_hits']} hits")
+    check("(h) separator, no blending: nothing loaded after the fresh prefix",
+          st1["requests_fuse_open"] == st0["requests_fuse_open"])
     check("(h) separator: output equals plain vLLM", got == plain_h, f"{tok.decode(got)!r}")
 
     # (i) a storing request over two steps (chunked prefill), then reused as a prefix

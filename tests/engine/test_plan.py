@@ -5,7 +5,8 @@ KvblendConnector.get_num_new_matched_tokens answers) for: all chunks found, a mi
 chunk missing, a fresh span in the middle, nothing found, the whole prompt covered (one
 token left to vLLM), a resumed request (num_computed > 0), bad parameters, and a chunk
 stored with another length; and chunk boundaries by a configured separator token sequence
-(chunks end with the separator, the rest is fresh; explicit parameters win; bad
+(the prefix through the first separator is fresh, each chunk ends with its closing
+separator, the rest is fresh; explicit parameters win; bad
 configurations refused; blended when blending is configured); a separator given as text
 (kvblend.vllm.separator's boundary check with SmolLM2's tokenizer, and the connector's
 configuration reading it through vLLM's tokenizer); chunk keys scoped by LoRA adapter and
@@ -174,8 +175,11 @@ def one_lookup(cl, prompt):
 
 
 def separator(cl, rng, a, b, c, q):
-    """Chunk boundaries by a separator: stored chunks are documents + separator."""
+    """Chunk boundaries by a separator (LMCache's convention): the text through the first
+    separator is a prefix (fresh), each piece between two separators with its closing
+    one is a chunk (stored as document + separator), the rest is fresh."""
     sep = [50001, 50002]  # outside the random prompt's ids (< 50000)
+    pre = [11, 12, 13] + sep  # an instruction and the first separator
     sa, sb = a + sep, b + sep
     for ids in (sa, sb):
         cl.put(MODEL.name, kvblend.chunk_hash(ids),
@@ -185,20 +189,19 @@ def separator(cl, rng, a, b, c, q):
         n, loads = answer(cl, MODEL.name, MODEL.num_layers, params, ids, nc, sep)
         return n, [(ld.start, ld.first, ld.last) for ld in loads]
 
-    na, nb = len(sa), len(sb)
-    check("separator: both chunks, fresh question", sclaim(sa + sb + q),
-          (na + nb, [(0, 0, na), (na, na, na + nb)]))
-    check("separator: prompt ends with one: one token left", sclaim(sa + sb),
-          (na + nb - 1, [(0, 0, na), (na, na, na + nb - 1)]))
+    npre, na, nb = len(pre), len(sa), len(sb)
+    # plain reuse loads only what follows tokens vLLM has: the prefix is fresh
+    check("separator: the prefix is fresh: nothing claimed", sclaim(pre + sa + sb + q), (0, []))
+    check("separator: the prefix computed (a prefix-cache hit): both chunks",
+          sclaim(pre + sa + sb + q, nc=npre),
+          (na + nb, [(npre, npre, npre + na), (npre + na, npre + na, npre + na + nb)]))
     check("separator: none in the prompt", sclaim(a + b + q), (0, []))
-    check("separator: middle chunk not stored", sclaim(sa + c + sep + sb + q), (na, [(0, 0, na)]))
-    check("separator: resumed inside the second chunk", sclaim(sa + sb + q, nc=na + 3),
-          (nb - 3, [(na, na + 3, na + nb)]))
+    check("separator: one in the prompt: no chunk", sclaim(pre + q, nc=npre), (0, []))
     check("separator: explicit parameters win",
           sclaim(sa + sb + q, params={"kvblend": {"segments": [[0, na, "chunk"]]}}),
           (na, [(0, 0, na)]))
     check("separator: without one configured", answer(
-        cl, MODEL.name, MODEL.num_layers, None, sa + sb + q, 0), (0, []))
+        cl, MODEL.name, MODEL.num_layers, None, pre + sa + sb + q, 0), (0, []))
 
     def sblend(ids, nc=0, params=None):
         p = plan.plan_request(cl, MODEL.name, MODEL.num_layers, params, ids, nc, sep,
@@ -208,21 +211,25 @@ def separator(cl, rng, a, b, c, q):
 
     ha, hb = kvblend.chunk_hash(sa), kvblend.chunk_hash(sb)
     nc_ = len(c) + len(sep)
-    check("separator, blend configured: a blend of both chunks", sblend(sa + sb + q),
-          (na + nb, [], [(ha, 0), (hb, na)]))
+    check("separator, blend configured: a blend of both chunks after the prefix",
+          sblend(pre + sa + sb + q),
+          (npre + na + nb, [], [(npre, 0), (ha, npre), (hb, npre + na)]))
+    check("separator, blend configured: another order, the same chunks",
+          sblend(pre + sb + sa + q),
+          (npre + na + nb, [], [(npre, 0), (hb, npre), (ha, npre + nb)]))
     check("separator, blend configured: a chunk not stored is fresh in the blend",
-          sblend(sa + c + sep + sb + q),
-          (na + nc_ + nb, [], [(ha, 0), (nc_, na), (hb, na + nc_)]))
-    check("separator, blend configured: the first chunk not stored",
-          sblend(c + sep + sb + q), (nc_ + nb, [], [(nc_, 0), (hb, nc_)]))
-    check("separator, blend configured: last chunk ends the prompt: reuse", sblend(sa + sb),
-          (na + nb - 1, [(0, 0, na), (na, na, na + nb - 1)], None))
+          sblend(pre + sa + c + sep + sb + q),
+          (npre + na + nc_ + nb, [], [(npre, 0), (ha, npre), (nc_, npre + na),
+                                      (hb, npre + na + nc_)]))
+    check("separator, blend configured: last chunk ends the prompt: no blend",
+          sblend(pre + sa + sb), (0, [], None))
     # tokens vLLM has (a prefix-cache hit, a resumed request): the pass blends the whole
     # context and writes from there on
     check("separator, blend configured: after computed tokens: a blend from there",
-          sblend(sa + sb + q, nc=na + 3), (nb - 3, [], [(ha, 0), (hb, na)]))
+          sblend(pre + sa + sb + q, nc=npre + 3),
+          (na + nb - 3, [], [(npre, 0), (ha, npre), (hb, npre + na)]))
     check("separator, blend configured: segments [] opts out",
-          sblend(sa + sb + q, params={"kvblend": {"segments": []}}), (0, [], None))
+          sblend(pre + sa + sb + q, params={"kvblend": {"segments": []}}), (0, [], None))
     check("separator, blend configured: explicit parameters win",
           sblend(sa + sb + q, params={"kvblend": {"segments": [[0, na, "chunk"]]}}),
           (na, [], [(ha, 0)]))
@@ -230,10 +237,11 @@ def separator(cl, rng, a, b, c, q):
           sblend(sa + sb + q, params={"kvblend": {"segments": [[0, na, "chunk"]],
                                                   "blend": False}}),
           (na, [(0, 0, na)], None))
-    parsed = plan.parse_request(None, sa + sb + q, 0, MODEL.num_layers, sep, plan.DEFAULT_CONFIG)
+    parsed = plan.parse_request(None, pre + sa + sb + q, 0, MODEL.num_layers, sep,
+                                plan.DEFAULT_CONFIG)
     check("separator, blend configured: the connector's settings", parsed.blend,
           plan.DEFAULT_CONFIG)
-    parsed = plan.parse_request(None, sa + sb + q, 0, MODEL.num_layers, sep, None)
+    parsed = plan.parse_request(None, pre + sa + sb + q, 0, MODEL.num_layers, sep, None)
     check("separator, blend not configured: not blended", parsed.blend, None)
 
     def segs(ids, sp):
@@ -241,9 +249,12 @@ def separator(cl, rng, a, b, c, q):
         return None if p is None else [(x.start, x.length, x.kind) for x in p.segments]
 
     check("split: leading and doubled separators", segs([9, 9, 1, 9, 9, 9, 9, 2], [9, 9]),
-          [(0, 2, "chunk"), (2, 3, "chunk"), (5, 2, "chunk"), (7, 1, "fresh")])
-    check("split: not overlapping", segs([5, 5, 5, 1], [5, 5]), [(0, 2, "chunk"), (2, 2, "fresh")])
-    check("split: the separator alone", segs([3], [3]), [(0, 1, "chunk")])
+          [(0, 2, "fresh"), (2, 3, "chunk"), (5, 2, "chunk"), (7, 1, "fresh")])
+    check("split: not overlapping", segs([5, 5, 5, 1], [5, 5]), [(0, 2, "fresh"), (2, 2, "fresh")])
+    check("split: the separator alone", segs([3], [3]), [(0, 1, "fresh")])
+    check("split: prefix, two documents, question",
+          segs([1, 0, 2, 2, 0, 3, 0, 4], [0]),
+          [(0, 2, "fresh"), (2, 3, "chunk"), (5, 2, "chunk"), (7, 1, "fresh")])
     check("split: a partial separator at the end", segs([1, 2, 3, 4], [4, 5]), None)
     check("split: too many separators",
           _raises(lambda: plan.separator_params([7] * 5000, [7])), "ParamError")
@@ -290,8 +301,8 @@ def scoped(cl, rng, prompt):
     params = {"kvblend": {"segments": [[0, 30, "chunk"]]}}
     long = prompt[:30] + [7] * 20
 
-    def sclaim(scope, sep=None, p=params, ids=long):
-        r = plan.plan_request(cl, "plan-test-scoped", MODEL.num_layers, p, ids, 0, sep, None,
+    def sclaim(scope, sep=None, p=params, ids=long, nc=0):
+        r = plan.plan_request(cl, "plan-test-scoped", MODEL.num_layers, p, ids, nc, sep, None,
                               scope)
         return r.tokens, [(ld.hash, ld.start, ld.last) for ld in r.loads]
 
@@ -308,10 +319,10 @@ def scoped(cl, rng, prompt):
     cl.put("plan-test-scoped", kvblend.scoped_chunk_hash(sd, s_lora),
            rng.standard_normal(MODEL.kv_shape(len(sd))).astype(np.float32))
     check("scoped lookup: separator chunks under the adapter",
-          sclaim(s_lora, sep, None, sd + [7] * 5),
-          (32, [(kvblend.scoped_chunk_hash(sd, s_lora), 0, 32)]))
+          sclaim(s_lora, sep, None, sep + sd + [7] * 5, 2),
+          (32, [(kvblend.scoped_chunk_hash(sd, s_lora), 2, 34)]))
     check("scoped lookup: separator chunks, another adapter id",
-          sclaim(s_lora2, sep, None, sd + [7] * 5), (0, []))
+          sclaim(s_lora2, sep, None, sep + sd + [7] * 5, 2), (0, []))
     p = plan.parse_request({"kvblend": {"segments": [[0, 30, "chunk"]], "store": True}},
                            ids, 0, MODEL.num_layers, None, None, s_both)
     check("scoped store: the store's key is scoped", p.hashes,

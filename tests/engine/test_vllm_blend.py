@@ -21,7 +21,10 @@ libkvblend and KVBLEND_ENGINE_MODEL (or --model) to the model directory.
     recomputed) and so does the continuation;
 (e) prefix caching on (the engine runs with it): behind a system prompt of more than a
     block, a blend after the prefix-cache hit equals the blend with nothing cached, and
-    the same prompt without kvblend is never handed blended blocks (prefix_caching).
+    the same prompt without kvblend is never handed blended blocks (prefix_caching);
+(f) store on a miss with the text separator "<|endoftext|>": chunks missed by concurrent
+    separator-split requests stored once, equal to store_documents', and the same
+    documents in another order blended (store_on_miss).
 Exit 0 when all pass, 1 on a failure, 77 when KVBLEND_SKIP_ENGINE=1.
 """
 
@@ -217,7 +220,8 @@ def run_engine(model_dir, endpoint, ref, reuse, tokens, chunks, dump_dir, everyt
     from vllm.inputs import TokensPrompt
 
     extra = {"endpoint": endpoint, "model_name": NAME, "timeout_ms": 60000,
-             "blend": {"check_layers": list(CHECKS), "ratios": list(RATIOS)}}
+             "blend": {"check_layers": list(CHECKS), "ratios": list(RATIOS)},
+             "chunk_separator_text": SEPARATOR}
     # prefix caching on (vLLM's default): (c) and (d) have no exact prefix of a full
     # block (the header is shorter than one), (e) has one
     llm = LLM(model=model_dir, enforce_eager=True, dtype="float32", max_model_len=4096,
@@ -236,6 +240,7 @@ def run_engine(model_dir, endpoint, ref, reuse, tokens, chunks, dump_dir, everyt
     if len(dumps) != 2:
         fail(f"{len(dumps)} load dumps, expected the two blends")
     prefix_caching(llm, ids, chunks)
+    store_on_miss(llm, endpoint)
     del llm
     n = chunks[-1][0] + chunks[-1][1]  # the claim: up to the end of the last chunk
     compare_cache(np.load(dumps[0]), ref.kv, reuse.kv, n, "r=0.15")
@@ -334,6 +339,120 @@ def prefix_caching(llm, ids, chunks):
     print(f"  (e) the same prompt without kvblend: {cached} prefix-cache hits (the system "
           f"prompt only), output equal to a full prefill (first logprobs "
           f"{gap(plain_lp, full_lp):.1e} apart; the blend's: {away})")
+
+
+SEPARATOR = "<|endoftext|>"  # SmolLM2's id 0: a separator its tokenizer keeps apart
+MISSED = [
+    "Glaciers form where more snow falls in winter than melts in summer. Year after year the "
+    "snow is pressed into dense ice that flows slowly downhill under its own weight, carving "
+    "valleys, carrying rocks and leaving lakes behind when it retreats.",
+    "Coral reefs are built by tiny animals called polyps that take calcium from sea water to "
+    "make hard skeletons. Reefs grow only a few centimetres a year, need clear warm water and "
+    "sunlight, and shelter about a quarter of all fish species in the ocean.",
+]
+
+
+def store_on_miss(llm, endpoint):
+    """(f) store on a miss: separator-split requests whose documents are not stored.
+
+    Three concurrent requests "instruction SEP d1 SEP d2 SEP question" miss both chunks
+    ("d SEP"); each chunk is prefilled alone on the worker's thread and stored once (two
+    PUTs, not six); its KV equals what store_documents stores for the same ids; then the
+    same documents in the other order are blended (the response says so).
+    """
+    import numpy as np
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    import kvblend
+    from kvblend.vllm import store_documents
+
+    tok = llm.get_tokenizer()
+    enc = lambda t: tok.encode(t, add_special_tokens=False)  # noqa: E731
+    sep = enc(SEPARATOR)
+    if sep != [0]:
+        fail(f"(f) {SEPARATOR!r} is {sep}, expected [0]")
+    instr = enc("<|im_start|>user\nAnswer from the documents.")
+    docs = [enc(d) for d in MISSED]
+    question = enc("Which document talks about ice?<|im_end|>\n<|im_start|>assistant\n")
+
+    def prompt(order):
+        return instr + sep + [t for i in order for t in docs[i] + sep] + question
+
+    hashes = [kvblend.chunk_hash(d + sep) for d in docs]
+    sp = SamplingParams(temperature=0.0, max_tokens=4)
+    c = kvblend.Client(endpoint, timeout_ms=10000)
+    puts0 = c.stats().get("requests_put", 0)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=prompt([0, 1]))] * 3, [sp] * 3,
+                        use_tqdm=False)
+    said = [(o.kv_transfer_params or {}).get("kvblend", {}) for o in outs]
+    deadline = time.monotonic() + 120
+    while not all(i.found for i in c.lookup(NAME, hashes)):
+        if time.monotonic() > deadline:
+            fail("(f) the missed chunks were not stored within 120 s")
+        time.sleep(0.5)
+    puts = c.stats().get("requests_put", 0) - puts0
+    if puts != 2:
+        fail(f"(f) 3 requests missing the same 2 chunks made {puts} PUTs, expected 2")
+    print(f"  (f) 3 concurrent requests missed 2 chunks: stored once each ({puts} PUTs), "
+          f"responses {said[0]}")
+    # the stores ran on the worker's thread beside these requests' steps: their outputs
+    # must be what the same prompt gives alone, with nothing stored meanwhile
+    alone = llm.generate([TokensPrompt(prompt_token_ids=prompt([0, 1]))],
+                         [SamplingParams(temperature=0.0, max_tokens=4, extra_args={
+                             "kv_transfer_params": {"kvblend": {"segments": []}}})],
+                         use_tqdm=False)[0]
+    got = [list(o.outputs[0].token_ids) for o in outs]
+    if any(g != list(alone.outputs[0].token_ids) for g in got):
+        fail(f"(f) requests whose misses were being stored: {got}, alone: "
+             f"{list(alone.outputs[0].token_ids)}")
+    missed_kv = [c.get(NAME, h) for h in hashes]
+    for h in hashes:
+        c.delete(NAME, h)
+    store_documents(llm, [d + sep for d in docs])
+    # a third opinion: transformers' prefill of the same ids (kvblend.hf)
+    import torch
+    import transformers
+
+    import kvblend.hf as kh
+
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+        llm.llm_engine.model_config.model, dtype=torch.float32).eval()
+    hf = kh.Blender(hf_model, c, name=NAME + "-hf")
+    doc_kv = [c.get(NAME, h) for h in hashes]
+    for i, d in enumerate(docs):
+        want = hf.prefill_kv(d + sep)
+        for what, got_kv in (("stored on a miss", missed_kv[i]), ("store_documents", doc_kv[i])):
+            errs = [float(np.abs(got_kv[la, p] - want[la, p]).max()
+                          / np.abs(want[la, p]).max())
+                    for la in range(want.shape[0]) for p in range(2)]
+            print(f"  (f) chunk {i} {what} against transformers' prefill: worst "
+                  f"{max(errs):.1e} of a layer's scale (first layer off: "
+                  f"{next((j // 2 for j, e in enumerate(errs) if e > TOL), None)})")
+    worst, where = 0.0, None
+    for i, h in enumerate(hashes):
+        ref = c.get(NAME, h)
+        for layer in range(ref.shape[0]):
+            for p in range(2):
+                scale = float(np.abs(ref[layer, p]).max())
+                diff = np.abs(missed_kv[i][layer, p] - ref[layer, p]).max(axis=(1, 2))
+                err = float(diff.max()) / scale
+                if err > worst:
+                    worst, where = err, (i, layer, "KV"[p], int(np.argmax(diff > TOL * scale)))
+    if worst > TOL:
+        fail(f"(f) a chunk stored on a miss differs from store_documents' by {worst:.2e} of "
+             f"a layer's scale (tolerance {TOL:g}; chunk, layer, K/V, first token off: "
+             f"{where})")
+    print(f"  (f) the chunks stored on a miss equal store_documents' within {worst:.1e} of "
+          "each layer's scale")
+    out = llm.generate([TokensPrompt(prompt_token_ids=prompt([1, 0]))], [sp],
+                       use_tqdm=False)[0]
+    said = (out.kv_transfer_params or {}).get("kvblend", {})
+    n_ctx = len(instr) + len(sep) + sum(len(d) + len(sep) for d in docs)
+    if said.get("blended", 0) + said.get("prefix_cached", 0) != n_ctx:
+        fail(f"(f) the documents in the other order: not blended as a whole context: {said}")
+    print(f"  (f) the same documents in the other order: blended ({said})")
+    c.close()
 
 
 if __name__ == "__main__":

@@ -142,3 +142,30 @@ def blend_layers(
         h = ops.attend(li, h, q, k_all, v_all, rows_t)
     out.h, out.rows = h, rows
     return out
+
+
+@torch.no_grad()
+def prefill(ops: LayerOps, ids: np.ndarray, out: np.ndarray, lock: Any = None) -> None:
+    """Prefill a token sequence alone, from position 0, and keep its KV: a chunk as kvblend
+    stores it.
+
+    ``out`` is [layers, 2, n, kv_heads, head_dim] in the model's KV dtype (``ops.kv_dtype``);
+    each layer's K (after RoPE) and V of every token are written there. Every token
+    attends causally to the ones before it, as in an engine's prefill of the same ids.
+    ``lock`` (a context manager, optional) is held around each layer: a caller beside an
+    engine takes the engine's steps' lock, so that the two never compute at once.
+    """
+    dev = ops.device
+    n = ids.size
+    kv = torch.from_numpy(out)
+    rows_t = torch.arange(n, device=dev)
+    lock = lock if lock is not None else contextlib.nullcontext()
+    ops.begin(n)
+    with lock:
+        h = ops.embed(torch.as_tensor(ids, device=dev))
+    for li in range(ops.num_layers):
+        with lock:
+            q, k, v = ops.qkv(li, h, rows_t)
+            kv[li, 0], kv[li, 1] = k.to("cpu", ops.kv_dtype), v.to("cpu", ops.kv_dtype)
+            if li + 1 < ops.num_layers:  # the last layer's output is not needed
+                h = ops.attend(li, h, q, k.to(q.dtype), v.to(q.dtype), rows_t)

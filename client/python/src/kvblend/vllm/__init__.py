@@ -21,6 +21,8 @@ The package, by role:
 - :mod:`.plan`: the one planner (parse, hash, look up, claim; no torch or vLLM);
 - :mod:`.layout`: the one module that knows vLLM's cache layout;
 - :mod:`.landing`: vLLM's cache in a kvblend region, written by the daemon;
+- :mod:`.misses`: chunks a separator-split request missed, prefilled alone and stored;
+- :mod:`.separator`: a separator given as text, checked against the engine's tokenizer;
 - :mod:`.blend`, :mod:`.attention`: the blend pass over vLLM's modules and vLLM's CPU
   attention kernel (the pass itself is :mod:`kvblend.blend`'s);
 - :mod:`.config`, :mod:`.daemon`, :mod:`.metadata`: the engine checked at start, the

@@ -261,6 +261,8 @@ class ConnectorConfig:
     block_size: int
     blend: BlendConfig | None
     prefix_caching: bool = False
+    store_on_miss: bool = False
+    store_tokens_per_step: int = 2048
 
 
 def connector_config(vllm_config: VllmConfig) -> ConnectorConfig:
@@ -296,6 +298,22 @@ def connector_config(vllm_config: VllmConfig) -> ConnectorConfig:
         )
     except ValueError as e:
         raise refuse(f"kv_connector_extra_config: {e}") from None
+    store_on_miss = extra.get("store_on_miss", separator is not None)
+    if not isinstance(store_on_miss, bool):
+        raise refuse(f"kv_connector_extra_config: store_on_miss must be a bool, got {store_on_miss!r}")
+    per_step = extra.get("store_tokens_per_step", 2048)
+    if isinstance(per_step, bool) or not isinstance(per_step, int) or not 1 <= per_step <= 1 << 20:
+        raise refuse(
+            f"kv_connector_extra_config: store_tokens_per_step must be an int in "
+            f"[1, 1048576], got {per_step!r}"
+        )
+    if separator is not None and blend is None:
+        logger.warning(
+            "kvblend: a chunk separator without 'blend': the text before the first "
+            "separator is computed by vLLM, so the chunks after it are loaded only after "
+            "a prefix-cache hit on all of it; configure 'blend' (CacheBlend, or "
+            "{\"check_layers\": [], \"ratios\": []} for full reuse) to load them"
+        )
     return ConnectorConfig(
         endpoint=endpoint,
         timeout_ms=timeout_ms,
@@ -305,4 +323,6 @@ def connector_config(vllm_config: VllmConfig) -> ConnectorConfig:
         block_size=vllm_config.cache_config.block_size,
         blend=blend,
         prefix_caching=bool(vllm_config.cache_config.enable_prefix_caching),
+        store_on_miss=store_on_miss,
+        store_tokens_per_step=per_step,
     )

@@ -85,6 +85,16 @@ class KvblendConnector(KVConnectorBase_V1):
 
     # ---- worker side ----
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Take this step's metadata (before its forward pass)."""
+        super().bind_connector_metadata(connector_metadata)
+        self.worker.step_begin()
+
+    def clear_connector_metadata(self) -> None:
+        """Drop this step's metadata (after its forward pass and saves)."""
+        self.worker.step_end()
+        super().clear_connector_metadata()
+
     def get_mem_pool_context(self) -> Any:
         """Place vLLM's one KV-cache allocation in a kvblend region (ipc:// daemons)."""
         return self.worker.get_mem_pool_context()

@@ -37,8 +37,17 @@ class StoreSpec:
 
 
 @dataclass
+class MissSpec:
+    """A chunk a request missed, to prefill alone from position 0 and store (a miss)."""
+
+    hash: bytes
+    ids: list[int]
+
+
+@dataclass
 class KvblendMetadata(KVConnectorMetadata):
     """What the worker does in one step."""
 
     loads: list[LoadSpec] = field(default_factory=list)
     stores: list[StoreSpec] = field(default_factory=list)
+    misses: list[MissSpec] = field(default_factory=list)

@@ -168,11 +168,15 @@ def parse_separator(raw: Any) -> tuple[int, ...] | None:
 def separator_params(prompt_ids: Sequence[int], sep: Sequence[int]) -> Params | None:
     """Segments of a prompt split by a separator token sequence; None when it has none.
 
-    Every occurrence of ``sep`` (left to right, not overlapping) ends a chunk: chunk i
-    runs from the end of the previous separator (or the prompt's start) through the end
-    of separator i, separator included, so that chunks lie back to back and all can be
-    loaded. The tokens after the last separator are fresh. Store such chunks with their
-    trailing separator (``store_documents(llm, [doc + sep, ...])``).
+    The occurrences of ``sep`` (left to right, not overlapping) cut the prompt as
+    LMCache's ``blend_special_str`` does: the tokens up to and through the first
+    separator are the prefix (an instruction, a system prompt, a chat template's header:
+    fresh, computed by vLLM or found in its prefix cache); each piece between two
+    separators, with the separator that closes it, is a chunk (a document: stored as
+    ``doc + sep``, ``store_documents(llm, [doc + sep, ...])``); the tokens after the last
+    separator are fresh (the question). So ``prefix S d1 S d2 S question`` has the chunks
+    ``d1 S`` and ``d2 S``, back to back after the prefix. A prompt with one separator
+    has no chunk (segments of the prefix and the rest, both fresh).
 
     Raises
     ------
@@ -181,20 +185,22 @@ def separator_params(prompt_ids: Sequence[int], sep: Sequence[int]) -> Params | 
     """
     ids, m = list(prompt_ids), len(sep)
     sep = list(sep)
-    segs: list[Segment] = []
-    start = i = 0
+    ends: list[int] = []  # one past each separator
+    i = 0
     while i + m <= len(ids):
         if ids[i] == sep[0] and ids[i : i + m] == sep:
-            segs.append(Segment(start, i + m - start, CHUNK))
-            start = i = i + m
-            if len(segs) >= MAX_SEGMENTS:
+            i += m
+            ends.append(i)
+            if len(ends) > MAX_SEGMENTS - 1:
                 raise ParamError(f"the prompt has more than {MAX_SEGMENTS - 1} chunk separators")
             continue
         i += 1
-    if not segs:
+    if not ends:
         return None
-    if start < len(ids):
-        segs.append(Segment(start, len(ids) - start, FRESH))
+    segs = [Segment(0, ends[0], FRESH)]
+    segs += [Segment(a, b - a, CHUNK) for a, b in zip(ends, ends[1:])]
+    if ends[-1] < len(ids):
+        segs.append(Segment(ends[-1], len(ids) - ends[-1], FRESH))
     return Params(tuple(segs), False)
 
 
@@ -392,12 +398,16 @@ class Parsed:
     hashes : tuple of bytes
         The hash of each chunk segment of ``params`` within the request's scope
         (:func:`kvblend.scoped_chunk_hash`), in prompt order.
+    by_separator : bool
+        ``params`` came from the configured separator (the request named none): its
+        chunks not found are stored on a miss.
     """
 
     ids: list[int]
     params: Params | None
     blend: BlendConfig | None = None
     hashes: tuple[bytes, ...] = ()
+    by_separator: bool = False
 
 
 def parse_request(
@@ -440,8 +450,10 @@ def parse_request(
     ids = list(prompt_ids)
     kvp, override = split_override(kv_transfer_params)
     params = parse_params(kvp, len(ids))
+    by_separator = False
     if params is None and separator:
         params = separator_params(ids, separator)  # no override: it has no kvblend key
+        by_separator = params is not None
     config = None
     if (
         blend is not None
@@ -458,7 +470,7 @@ def parse_request(
     hashes = () if params is None else tuple(
         scoped_chunk_hash(ids[s.start : s.end], scope) for s in chunk_segments(params)
     )
-    return Parsed(ids, params, config, hashes)
+    return Parsed(ids, params, config, hashes, by_separator)
 
 
 @dataclass
@@ -481,6 +493,8 @@ class Plan:
     loads: list[ChunkLoad] = field(default_factory=list)
     blend: BlendLoad | None = None
     parsed: Parsed | None = None
+    #: The chunk segments the daemon does not hold, as ``(hash, start, length)``.
+    missing: list[tuple[bytes, int, int]] = field(default_factory=list)
 
     @property
     def first_inexact(self) -> int | None:
@@ -545,6 +559,7 @@ def lookup_plan(
         i.found and i.num_tokens == s.length and i.num_layers == num_layers
         for i, s in zip(infos, segs)
     ]
+    missing = [(h, s.start, s.length) for s, h, ok in zip(segs, hashes, found) if not ok]
     if parsed.blend is not None:
         got = [(s, h) for s, h, ok in zip(segs, hashes, found) if ok]
         if got and num_computed < got[-1][0].end < len(ids):
@@ -555,9 +570,9 @@ def lookup_plan(
                 fuse.append((h, s.start))
                 pos = s.end
             load = BlendLoad(ids[:pos], fuse, parsed.blend, ids[pos:], num_computed)
-            return Plan(pos - num_computed, [], load, parsed)
+            return Plan(pos - num_computed, [], load, parsed, missing)
     n, loads = claim(params, hashes, found, num_computed, len(ids))
-    return Plan(n, loads, None, parsed)
+    return Plan(n, loads, None, parsed, missing)
 
 
 def plan_request(

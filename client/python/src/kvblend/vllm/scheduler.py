@@ -11,6 +11,8 @@ the worker, or a store to gather once the prompt is prefilled.
 from __future__ import annotations
 
 import hashlib
+import time
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -20,12 +22,18 @@ from . import plan
 from .config import ConnectorConfig, logger
 from .daemon import DaemonLink
 from .layout import full_blocks
-from .metadata import KvblendMetadata, LoadSpec, StoreSpec
+from .metadata import KvblendMetadata, LoadSpec, MissSpec, StoreSpec
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
+
+
+#: A missed chunk is queued for storing at most once in this many seconds.
+MISS_WINDOW_S = 120.0
+#: Most missed chunks waiting to be stored (older ones are dropped first).
+MAX_QUEUED_MISSES = 1024
 
 
 @dataclass
@@ -57,6 +65,9 @@ class SchedulerSide:
         self._kv_cache_config = kv_cache_config
         self._fenced: dict[str, tuple[int, list]] = {}  # rid: (first hash fenced, originals)
         self._said: dict[str, dict[str, int]] = {}  # rid: what the response will say
+        # chunks missed by separator-split requests, to prefill alone and store
+        self._misses: deque[MissSpec] = deque()
+        self._missed: OrderedDict[bytes, float] = OrderedDict()  # hash: when it was queued
         self._logged: set[str] = set()
         self._plans: dict[str, plan.Plan] = {}  # the last answer, for update_state_after_alloc
         self._loads: list[LoadSpec] = []
@@ -179,6 +190,8 @@ class SchedulerSide:
         """
         rid = request.request_id
         p = self._plans.pop(rid, None)
+        if p is not None and p.missing and self.config.store_on_miss:
+            self._queue_misses(p)
         block_ids = list(blocks.get_block_ids()[0])
         bs = self.config.block_size
         if num_external_tokens > 0:
@@ -217,10 +230,37 @@ class SchedulerSide:
         if rid in self._said:
             self._said[rid]["stored"] = len(ids)
 
+    def _queue_misses(self, p: plan.Plan) -> None:
+        """Queue the chunks a separator-split request missed, each once.
+
+        A chunk queued in the last :data:`MISS_WINDOW_S` seconds is not queued again
+        (concurrent requests that miss the same document store it once; one whose store
+        failed is tried again after the window).
+        """
+        if p.parsed is None or not p.parsed.by_separator:
+            return
+        now = time.monotonic()
+        while self._missed and next(iter(self._missed.values())) < now - MISS_WINDOW_S:
+            self._missed.popitem(last=False)
+        ids = p.parsed.ids
+        for h, start, length in p.missing:
+            if h in self._missed or length < 1:
+                continue
+            self._missed[h] = now
+            self._misses.append(MissSpec(h, ids[start : start + length]))
+        while len(self._misses) > MAX_QUEUED_MISSES:  # the oldest go first
+            self._missed.pop(self._misses.popleft().hash, None)
+
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvblendMetadata:
-        """Return this step's loads and completed stores; loaded blocks are not zeroed."""
+        """Return this step's loads, completed stores and missed chunks to store; loaded
+        blocks are not zeroed."""
         meta = KvblendMetadata(loads=self._loads)
         self._loads = []
+        budget = self.config.store_tokens_per_step
+        while self._misses and (not meta.misses or len(self._misses[0].ids) <= budget):
+            m = self._misses.popleft()
+            meta.misses.append(m)
+            budget -= len(m.ids)
         overwritten: set[int] = set()
         for ld in meta.loads:
             spans = [(c.first, c.last) for c in ld.chunks]

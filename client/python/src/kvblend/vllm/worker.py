@@ -11,6 +11,7 @@ its blocks. Stores gather a prefilled prompt's rows layer by layer and PUT them.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +23,7 @@ from . import blend
 from .config import ConnectorConfig, logger, refuse
 from .daemon import DaemonLink
 from .landing import CacheRegion
+from .misses import MissStorer
 from .layout import LayoutError, PagedCache, blocks_of
 from .metadata import KvblendMetadata, LoadSpec
 
@@ -74,6 +76,10 @@ class WorkerSide:
         self._dumps = 0
         self._region: CacheRegion | None = None  # the cache in a kvblend region (landing)
         self._landing: dict[str, LoadSpec] = {}  # this step's loads the daemon lands
+        self._misses: MissStorer | None = None  # store on a miss
+        # held while vLLM's step has metadata bound: the miss thread computes between steps
+        self._step_lock = threading.Lock()
+        self._in_step = False
 
     def get_mem_pool_context(self) -> Any:
         """Place vLLM's one KV-cache allocation in a kvblend region (ipc:// daemons).
@@ -101,6 +107,8 @@ class WorkerSide:
                 self._blend_model = blend.worker_model(self._vllm_config)
             except (RuntimeError, AttributeError) as e:
                 raise refuse(f"blending configured, but {e}") from None
+        if self.config.store_on_miss:
+            self._start_misses()
         if self._region is not None:
             layers = self.cache.layers_in_order()
             self._region.attach(layers, self.config.model, self.cache.block_size)
@@ -108,6 +116,39 @@ class WorkerSide:
             self.daemon.client()
         except KvblendError:
             pass  # the link logged it, and retries with a back-off
+
+    def _start_misses(self) -> None:
+        """Start storing missed chunks (needs the model, as the blend pass; else one line)."""
+        model = self._blend_model
+        if model is None:
+            try:
+                model = blend.worker_model(self._vllm_config)
+            except (RuntimeError, AttributeError) as e:
+                logger.warning("kvblend: store on a miss off: %s", e)
+                return
+        cfg = self.config
+        link = DaemonLink(cfg.endpoint, cfg.timeout_ms, cfg.model, logger)
+        self._misses = MissStorer(model, cfg.model, link, logger, self._step_lock)
+        logger.info(
+            "kvblend: store on a miss on (at most %d tokens a step)", cfg.store_tokens_per_step
+        )
+
+    def step_begin(self) -> None:
+        """vLLM bound this step's metadata: its forward pass follows.
+
+        The miss thread computes between steps only (vLLM's CPU kernels are not safe to
+        run beside its forward pass): this waits for at most one layer of a missed
+        chunk's prefill.
+        """
+        if self._misses is not None and not self._in_step:
+            self._step_lock.acquire()
+            self._in_step = True
+
+    def step_end(self) -> None:
+        """vLLM cleared this step's metadata: the forward pass is over."""
+        if self._in_step:
+            self._in_step = False
+            self._step_lock.release()
 
     def start_load_kv(self, meta: KvblendMetadata) -> None:
         """Land (or write) each claimed chunk, re-rotated to its position, in the request's blocks.
@@ -251,6 +292,8 @@ class WorkerSide:
         """Close this step's landing sessions; PUT each chunk gathered this step (position 0)."""
         if self._region is not None and self._region.sessions:
             self._landed()
+        if meta.misses and self._misses is not None:
+            self._misses.submit(meta.misses)  # prefilled and stored on the thread
         for st in meta.stores:
             buf = self._gathered.pop(st.req_id, None)
             if buf is None:
@@ -276,4 +319,6 @@ class WorkerSide:
         """Close the daemon connection (the region's client stays: vLLM's cache lives there)."""
         if self._region is not None and self._region.sessions:
             self._landed()
+        if self._misses is not None:
+            self._misses.close()
         self.daemon.drop()
