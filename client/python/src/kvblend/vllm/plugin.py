@@ -127,7 +127,8 @@ def loaded_model(vllm_config: Any) -> Any:
     if why:
         raise ModelUnreachable(
             f"kvblend: the model is not reachable from the connector: {why} (install kvblend "
-            "as a package in vLLM's environment, pip install './client/python[vllm]', so that "
+            "as a package in vLLM's environment (uv pip install ./client/python, docs/vllm.md "
+            "\"Install\"), so that "
             "its vllm.general_plugins entry point loads, and keep 'kvblend' in VLLM_PLUGINS "
             "if that is set)"
         )
