@@ -9,7 +9,9 @@ on a layer the daemon will not land (it waits for a check plane) ends within abo
 probe slice when the daemon is killed, not after its timeout. And the planner's
 ``first_inexact`` (the position from which the scheduler fences blocks out of vLLM's
 prefix cache) and a blend over a prefix vLLM already holds. The link's close after a failure
-(an open session and a region) takes well under one timeout. Exit 0 when every check
+(an open session and a region) takes well under one timeout. The scheduler side with no
+daemon: requests without kvblend parameters never wait, those with them wait one timeout
+once and then none. Exit 0 when every check
 passes, 77 when skipped.
 """
 
@@ -197,8 +199,59 @@ def blend_after_prefix(d):
     c.close()
 
 
+class Request:
+    """The attributes of vLLM's Request that the scheduler side reads (no engine here)."""
+
+    def __init__(self, rid, ids, kv_transfer_params=None):
+        self.request_id = rid
+        self.prompt_token_ids = ids
+        self.kv_transfer_params = kv_transfer_params
+        self.block_hashes = []
+        self.cache_salt = None
+        self.lora_request = None
+
+
+def scheduler_outage():
+    """The scheduler side with no daemon at its endpoint: a request without kvblend
+    parameters or separator never waits; one with them waits one timeout once, then none."""
+    from kvblend.vllm.config import ConnectorConfig
+    from kvblend.vllm.scheduler import SchedulerSide
+
+    endpoint = "tcp://127.0.0.1:9"  # the discard port: nothing listens, the connect fails
+    cfg = ConnectorConfig(endpoint, 1500, MODEL.name, (50001,), MODEL, 16, None)
+    log = logging.getLogger("test-link-sched")
+    lines = Lines()
+    log.addHandler(lines)
+    log.propagate = False
+    side = SchedulerSide(cfg, DaemonLink(endpoint, 1500, None, log))
+    ids = list(range(100, 160))
+    worst = 0.0
+    for i in range(100):
+        t0 = time.monotonic()
+        got = side.get_num_new_matched_tokens(Request(f"plain-{i}", ids), 0)
+        worst = max(worst, time.monotonic() - t0)
+    check("100 plain requests with the daemon down: none waits (and nothing claimed)",
+          worst < 0.05 and got == (0, False) and not lines.lines,
+          f"worst {worst * 1000:.2f} ms, {lines.lines}")
+    sep_ids = [1, 2, 50001, 3, 4, 50001, 5, 6, 50001, 7]
+    kvp = {"kvblend": {"segments": [[0, 30, "chunk"]]}}
+    secs, _ = timed(lambda: side.get_num_new_matched_tokens(Request("kvb-0", ids, kvp), 0))
+    check("the first kvblend request waits at most about one timeout (1.5 s)",
+          secs < 2.5 and len(lines.lines) == 1, f"{secs:.2f} s, {lines.lines}")
+    worst = 0.0
+    for i in range(100):
+        req = Request(f"kvb-{i + 1}", sep_ids) if i % 2 else Request(f"kvb-{i + 1}", ids, kvp)
+        t0 = time.monotonic()
+        got = side.get_num_new_matched_tokens(req, 0)
+        worst = max(worst, time.monotonic() - t0)
+    check("100 more kvblend requests (segments, separators) during the outage: none waits",
+          worst < 0.05 and got == (0, False) and len(lines.lines) == 1,
+          f"worst {worst * 1000:.2f} ms")
+
+
 def main():
     first_inexact()
+    scheduler_outage()
     d = Daemon()
     try:
         blend_after_prefix(d)

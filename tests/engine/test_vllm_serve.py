@@ -20,8 +20,8 @@ install_package, without the library: $KVBLEND_LIB names the build's).
     response carrying ``kv_transfer_params.kvblend`` with its six counts; the same
     prompt length for both; the second, sharing the system prompt, has
     ``prefix_cached`` > 0;
-(d) check_store_and_blend: the first request stores on a miss, the reordered second is
-    blended (TODO: store on a miss is not built yet; the hook prints the counts);
+(d) check_store_and_blend: the first request stores its documents on a miss, the
+    reordered second (after the client's pause) is blended;
 (e) a plain chat request (no separator) twice: the same greedy answer both times, the
     second from vLLM's prefix cache, nothing reused, blended or stored; the client's
     prompt opted out with ``extra_body={"kv_transfer_params": {"kvblend": {"segments":
@@ -163,19 +163,18 @@ def said(params, what):
 
 
 def check_store_and_blend(responses):
-    """(d) the finished feature: store on a miss, then blend the reordered documents.
+    """(d) store on a miss, then a blend of the reordered documents.
 
-    ``responses`` are the client's two ``kvblend`` dicts, in order.
-    TODO(issue 32, store on a miss): once the connector stores a separator-split
-    request's missing chunks, replace the print with these checks:
-
-        if responses[0]["stored"] <= 0:
-            fail(f"(d) the first request stored nothing on a miss: {responses[0]}")
-        if responses[1]["blended"] <= 0:
-            fail(f"(d) the reordered second request was not blended: {responses[1]}")
+    ``responses`` are the client's two ``kvblend`` dicts, in order: the first request
+    misses every document and queues them to be stored (``stored`` > 0); the second, the
+    same documents in another order, finds them and is blended (``blended`` > 0).
     """
-    print(f"  (d) TODO (store on a miss not built yet): first stored "
-          f"{responses[0]['stored']}, second blended {responses[1]['blended']}")
+    if responses[0]["stored"] <= 0:
+        fail(f"(d) the first request stored nothing on a miss: {responses[0]}")
+    if responses[1]["blended"] <= 0:
+        fail(f"(d) the reordered second request was not blended: {responses[1]}")
+    print(f"  (d) the first request stored {responses[0]['stored']} tokens on a miss, the "
+          f"second blended {responses[1]['blended']}")
 
 
 def run_client(block, env, tmp):

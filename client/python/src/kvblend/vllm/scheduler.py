@@ -191,7 +191,9 @@ class SchedulerSide:
         rid = request.request_id
         p = self._plans.pop(rid, None)
         if p is not None and p.missing and self.config.store_on_miss:
-            self._queue_misses(p)
+            queued = self._queue_misses(p)
+            if queued and rid in self._said:
+                self._said[rid]["stored"] += queued
         block_ids = list(blocks.get_block_ids()[0])
         bs = self.config.block_size
         if num_external_tokens > 0:
@@ -230,26 +232,29 @@ class SchedulerSide:
         if rid in self._said:
             self._said[rid]["stored"] = len(ids)
 
-    def _queue_misses(self, p: plan.Plan) -> None:
+    def _queue_misses(self, p: plan.Plan) -> int:
         """Queue the chunks a separator-split request missed, each once.
 
         A chunk queued in the last :data:`MISS_WINDOW_S` seconds is not queued again
         (concurrent requests that miss the same document store it once; one whose store
-        failed is tried again after the window).
+        failed is tried again after the window). Returns the tokens this request queued.
         """
         if p.parsed is None or not p.parsed.by_separator:
-            return
+            return 0
         now = time.monotonic()
         while self._missed and next(iter(self._missed.values())) < now - MISS_WINDOW_S:
             self._missed.popitem(last=False)
         ids = p.parsed.ids
+        queued = 0
         for h, start, length in p.missing:
             if h in self._missed or length < 1:
                 continue
             self._missed[h] = now
             self._misses.append(MissSpec(h, ids[start : start + length]))
+            queued += length
         while len(self._misses) > MAX_QUEUED_MISSES:  # the oldest go first
             self._missed.pop(self._misses.popleft().hash, None)
+        return queued
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvblendMetadata:
         """Return this step's loads, completed stores and missed chunks to store; loaded
@@ -303,7 +308,8 @@ class SchedulerSide:
         the client): ``{"kvblend": {"prompt_tokens", "prefix_cached" (vLLM's own prefix
         cache), "reused" (chunks loaded as stored, keys re-rotated), "blended" (the
         context of a CacheBlend load, its selected tokens recomputed by the pass),
-        "computed" (by vLLM after the claim), "stored" (tokens of the chunk stored)}}``,
+        "computed" (by vLLM after the claim), "stored" (tokens this request stores: its
+        prompt with ``store``, or the chunks it missed, queued to be stored on a miss)}}``,
         as scheduled when the request last started (a resumed request: its last start).
         """
         said = self._said.pop(request.request_id, None)
