@@ -9,8 +9,9 @@ at check layers, the merge). Imports torch; ``import kvblend`` does not import i
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import contextlib
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np

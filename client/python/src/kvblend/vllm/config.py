@@ -300,7 +300,9 @@ def connector_config(vllm_config: VllmConfig) -> ConnectorConfig:
         raise refuse(f"kv_connector_extra_config: {e}") from None
     store_on_miss = extra.get("store_on_miss", separator is not None)
     if not isinstance(store_on_miss, bool):
-        raise refuse(f"kv_connector_extra_config: store_on_miss must be a bool, got {store_on_miss!r}")
+        raise refuse(
+            f"kv_connector_extra_config: store_on_miss must be a bool, got {store_on_miss!r}"
+        )
     per_step = extra.get("store_tokens_per_step", 2048)
     if isinstance(per_step, bool) or not isinstance(per_step, int) or not 1 <= per_step <= 1 << 20:
         raise refuse(

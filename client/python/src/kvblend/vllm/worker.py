@@ -23,9 +23,9 @@ from . import blend
 from .config import ConnectorConfig, logger, refuse
 from .daemon import DaemonLink
 from .landing import CacheRegion
-from .misses import MissStorer
 from .layout import LayoutError, PagedCache, blocks_of
 from .metadata import KvblendMetadata, LoadSpec
+from .misses import MissStorer
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
