@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import logging
 import socket
-import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 from ..client import Client
@@ -90,8 +88,9 @@ class DaemonLink:
         side only looks chunks up).
     logger : logging.Logger, optional
         Where the open and close lines go (``kvblend: daemon ... unreachable``).
-    clock : callable, optional
-        Monotonic seconds (tests).
+
+    One thread uses a link (the scheduler's, the worker's, the worker's miss thread each
+    have their own).
     """
 
     def __init__(
@@ -100,16 +99,13 @@ class DaemonLink:
         timeout_ms: int,
         model: Model | None = None,
         logger: logging.Logger | None = None,
-        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.endpoint = endpoint
         self.timeout_ms = timeout_ms
         self.model = model
         self.log = logger or logging.getLogger("kvblend.vllm")
-        self._clock = clock
         self._client: Client | None = None
         self._registered = False
-        self._lock = threading.Lock()
         self._down_since: float | None = None  # the link is open since then
         self._retry_at = 0.0
         self._backoff = BACKOFF_FIRST_S
@@ -132,7 +128,7 @@ class DaemonLink:
             The daemon cannot be reached, or refuses the model (the link opens).
         """
         if self._down_since is not None:
-            now = self._clock()
+            now = time.monotonic()
             if now < self._retry_at:
                 raise DaemonDown(f"kvblendd unreachable ({self._why}); retry in "
                                  f"{self._retry_at - now:.1f} s")
@@ -156,16 +152,13 @@ class DaemonLink:
         """Record a call that succeeded: an open link closes (one log line)."""
         if self._down_since is None:
             return
-        with self._lock:
-            if self._down_since is None:
-                return
-            self.log.warning(
-                "kvblend: daemon at %s answers again after %.1f s: kvblend on",
-                self.endpoint,
-                self._clock() - self._down_since,
-            )
-            self._down_since = None
-            self._backoff = BACKOFF_FIRST_S
+        self.log.warning(
+            "kvblend: daemon at %s answers again after %.1f s: kvblend on",
+            self.endpoint,
+            time.monotonic() - self._down_since,
+        )
+        self._down_since = None
+        self._backoff = BACKOFF_FIRST_S
 
     def failed(self, error: BaseException | str) -> None:
         """Record a failed call: close the connection (it may be half-way through a
@@ -175,28 +168,27 @@ class DaemonLink:
             return
         self._last_error = error
         why = str(error) or type(error).__name__
-        with self._lock:
-            if self._down_since is None:
-                self._down_since = self._clock()
-                self._backoff = BACKOFF_FIRST_S
-                self._why = why
-                self._retry_at = self._down_since + self._backoff
-                self.log.warning(
-                    "kvblend: daemon at %s unreachable (%s): requests are served without "
-                    "kvblend, retrying after %.0f s and backing off up to %.0f s",
-                    self.endpoint,
-                    why,
-                    self._backoff,
-                    BACKOFF_MAX_S,
-                )
-            else:
-                self._reopen(why)
+        if self._down_since is not None:
+            self._reopen(why)
+            return
+        self._down_since = time.monotonic()
+        self._backoff = BACKOFF_FIRST_S
+        self._why = why
+        self._retry_at = self._down_since + self._backoff
+        self.log.warning(
+            "kvblend: daemon at %s unreachable (%s): requests are served without kvblend, "
+            "retrying after %.0f s and backing off up to %.0f s",
+            self.endpoint,
+            why,
+            self._backoff,
+            BACKOFF_MAX_S,
+        )
 
     def _reopen(self, why: str) -> None:
         """A retry failed: wait twice as long before the next (at most BACKOFF_MAX_S)."""
         self._backoff = min(self._backoff * 2, BACKOFF_MAX_S)
         self._why = why
-        self._retry_at = self._clock() + self._backoff
+        self._retry_at = time.monotonic() + self._backoff
 
     def drop(self, fast: bool = False) -> None:
         """Close the connection without opening the link (the next call reconnects).
@@ -212,7 +204,6 @@ class DaemonLink:
             except KvblendError:
                 pass
         self._client = None
-
 
 
 #: How often a landing wait looks whether the daemon is still there (seconds).
