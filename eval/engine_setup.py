@@ -67,29 +67,41 @@ def kvblendd_path():
     return str(lib.parent.parent / "bin" / "kvblendd")
 
 
+def wait_for_daemon(endpoint, alive, seconds=30.0):
+    """Wait until a kvblendd answers a ping on ``endpoint``.
+
+    ``alive()`` says whether its process still runs. Raises RuntimeError when it died or
+    did not answer within ``seconds``.
+    """
+    import kvblend
+
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            with kvblend.Client(endpoint, timeout_ms=500) as c:
+                c.ping()
+            return
+        except kvblend.KvblendError:
+            if not alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"kvblendd did not start on {endpoint}") from None
+            time.sleep(0.1)
+
+
 class Daemon:
     """A kvblendd child process; ``endpoint`` is its IPC socket."""
 
     def __init__(self, *args):
         """Start kvblendd; ``args`` are extra command-line options."""
-        import kvblend
-
         self.dir = tempfile.mkdtemp(prefix="kvblend-engine.")
         self.endpoint = f"ipc://{self.dir}/kvblend.sock"
         self.log = open(f"{self.dir}/kvblendd.log", "w")
         self.proc = subprocess.Popen(
             [kvblendd_path(), "--data-dir", f"{self.dir}/data", "--listen", self.endpoint,
              "--workers", "2", *args], stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                with kvblend.Client(self.endpoint, timeout_ms=500) as c:
-                    c.ping()
-                return
-            except kvblend.KvblendError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"kvblendd did not start; log in {self.dir}") from None
-                time.sleep(0.1)
+        try:
+            wait_for_daemon(self.endpoint, lambda: self.proc.poll() is None)
+        except RuntimeError as e:
+            raise RuntimeError(f"{e}; log in {self.dir}") from None
 
     def stats(self):
         import kvblend

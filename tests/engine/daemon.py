@@ -11,6 +11,6 @@ _EVAL = str(Path(__file__).resolve().parents[2] / "eval")
 if _EVAL not in sys.path:
     sys.path.append(_EVAL)
 
-from engine_setup import Daemon, install_package, kvblendd_path  # noqa: E402
+from engine_setup import Daemon, install_package, kvblendd_path, wait_for_daemon  # noqa: E402
 
-__all__ = ["Daemon", "install_package", "kvblendd_path"]
+__all__ = ["Daemon", "install_package", "kvblendd_path", "wait_for_daemon"]

@@ -121,21 +121,6 @@ class Shell:
         self.log.close()
 
 
-def wait_daemon(endpoint, daemon):
-    import kvblend
-
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            with kvblend.Client(endpoint, timeout_ms=500) as c:
-                c.ping()
-            return
-        except kvblend.KvblendError:
-            if not daemon.alive() or time.monotonic() > deadline:
-                fail(f"(a) kvblendd did not start:\n{daemon.tail()}")
-            time.sleep(0.1)
-
-
 def wait_health(port, server):
     t0 = time.monotonic()
     while True:
@@ -244,7 +229,7 @@ def main():
         if not os.environ.get(var):
             fail(f"${var} is not set (run through tests/engine/run.sh)")
     sys.path.insert(0, str(HERE))
-    from daemon import install_package
+    from daemon import install_package, wait_for_daemon
 
     tmp = tempfile.mkdtemp(prefix="kvblend-serve.")
     site = Path(tmp) / "site"
@@ -261,7 +246,10 @@ def main():
     try:
         daemon = Shell("daemon", blocks["env"], blocks["daemon"], env, tmp)
         started.append(daemon)
-        wait_daemon(f"ipc://{tmp}/rag/kvblend.sock", daemon)
+        try:
+            wait_for_daemon(f"ipc://{tmp}/rag/kvblend.sock", daemon.alive)
+        except RuntimeError as e:
+            fail(f"(a) {e}:\n{daemon.tail()}")
         print("  (a) kvblendd started by the docs' daemon block answers on "
               "ipc://$RAG_DIR/kvblend.sock")
 
