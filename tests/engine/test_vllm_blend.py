@@ -24,7 +24,10 @@ libkvblend and KVBLEND_ENGINE_MODEL (or --model) to the model directory.
     the same prompt without kvblend is never handed blended blocks (prefix_caching);
 (f) store on a miss with the text separator "<|endoftext|>": chunks missed by concurrent
     separator-split requests stored once, equal to store_documents', and the same
-    documents in another order blended (store_on_miss).
+    documents in another order blended (store_on_miss);
+(g) blends batched: three requests of (c) and (d) in one generate call; those of one step
+    are blended in one pass over the layers, each equal to its own blend alone (batched,
+    run after (d)).
 Exit 0 when all pass, 1 on a failure, 77 when KVBLEND_SKIP_ENGINE=1.
 """
 
@@ -239,6 +242,7 @@ def run_engine(model_dir, endpoint, ref, reuse, tokens, chunks, dump_dir, everyt
     dumps = sorted(dump_dir.glob("load-*.npz"))
     if len(dumps) != 2:
         fail(f"{len(dumps)} load dumps, expected the two blends")
+    batched(llm, ids, chunks, dump_dir, ref, everything, got)
     prefix_caching(llm, ids, chunks)
     store_on_miss(llm, endpoint)
     del llm
@@ -252,6 +256,48 @@ def run_engine(model_dir, endpoint, ref, reuse, tokens, chunks, dump_dir, everyt
         fail(f"r=1.0: vLLM's continuation {got[1]} != kvblend.hf's {tokens_all}")
     print(f"  (d) the request's own ratios [1.0]: {len(got[1])} greedy tokens equal to "
           "kvblend.hf's at r=1.0")
+
+
+def batched(llm, ids, chunks, dump_dir, ref, everything, got):
+    """(g) blends batched: (c)'s and (d)'s requests and a second r=0.15 one in one generate
+    call; those scheduled in one step are blended in one pass over the layers (the dumps
+    say how many: 2 or 3); each one's cache rows and continuation equal its blend alone."""
+    import numpy as np
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    before = set(dump_dir.glob("load-*.npz"))
+    settings = [{"segments": chunks}, {"segments": chunks, "blend": {"ratios": [1.0]}},
+                {"segments": chunks}]
+    sps = [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
+                          extra_args={"kv_transfer_params": {"kvblend": p}}) for p in settings]
+    outs = llm.generate([TokensPrompt(prompt_token_ids=ids)] * 3, sps, use_tqdm=False)
+    toks = [list(o.outputs[0].token_ids) for o in outs]
+    want = [got[0], got[1], got[0]]
+    if toks != want:
+        fail(f"batched blends: continuations {toks} != alone {want}")
+    dumps = sorted(set(dump_dir.glob("load-*.npz")) - before,
+                   key=lambda x: int(x.stem.split("-")[1]))
+    if len(dumps) != 3:
+        fail(f"batched blends: {len(dumps)} load dumps, expected 3")
+    # vLLM schedules what has arrived when a step starts: the first request may have a
+    # step of its own, the others arrive during its blend and share the next one
+    batches = [int(np.load(x)["batch"]) for x in dumps]
+    if max(batches) < 2 or any(batches.count(b) % b for b in batches):
+        fail(f"batched blends: passes of {batches} requests, expected one pass of 2 or 3")
+    n = chunks[-1][0] + chunks[-1][1]
+    refs = {"r=0.15": ref.kv.numpy(), "r=1.0": everything.kv.numpy()}
+    for x in dumps:  # each dump is one of the two blends (the order is vLLM's)
+        kv = read_cache(np.load(x), n)
+        errs = {k: max(float(np.abs(kv[la, p] - w[la, p, :n]).max())
+                       / float(np.abs(w[la, p, :n]).max())
+                       for la in range(kv.shape[0]) for p in range(2))
+                for k, w in refs.items()}
+        if min(errs.values()) > TOL:
+            fail(f"batched blends: {x.name} matches no blend alone ({errs})")
+    print(f"  (g) 3 requests (r=0.15, r=1.0, r=0.15) in one generate call, blended in passes of "
+          f"{sorted(set(batches))} requests: each one's cache rows within {TOL:g} of its blend "
+          "alone, continuations equal")
 
 
 SYSTEM = ("<|im_start|>system\nYou are a careful assistant for a library of short documents "

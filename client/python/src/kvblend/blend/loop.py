@@ -51,6 +51,21 @@ class LoopResult:
     sent: dict = field(default_factory=dict)
 
 
+@dataclass
+class Prompt:
+    """One prompt of a batch (:func:`blend_batch`).
+
+    Its open session, KV buffer, token ids, which tokens are stored chunk rows, and A for
+    the attention metric (optional).
+    """
+
+    sess: Any
+    buf: np.ndarray
+    ids: np.ndarray
+    cached: np.ndarray
+    attention: np.ndarray | None = None
+
+
 def blend_layers(
     ops: LayerOps,
     sess: Any,
@@ -64,7 +79,7 @@ def blend_layers(
     attention: np.ndarray | None = None,
     wait: Callable[[Any, int], None] | None = None,
 ) -> LoopResult:
-    """Run every layer of a prompt through an open fuse session.
+    """Run every layer of one prompt through an open fuse session.
 
     Parameters
     ----------
@@ -97,52 +112,99 @@ def blend_layers(
     At a check layer the selection is final when the daemon answers, so only the rows it
     keeps finish the layer (attention and MLP): the others needed only their Q, K and V.
     """
+    p = Prompt(sess, buf, ids, cached, attention)
+    return blend_batch(ops, [p], checks, metric, landing, keep_checks, wait)[0]
+
+
+def blend_batch(
+    ops: LayerOps,
+    prompts: list[Prompt],
+    checks: list[int],
+    metric: str,
+    landing: bool,
+    keep_checks: bool = False,
+    wait: Callable[[Any, int], None] | None = None,
+) -> list[LoopResult]:
+    """Run every layer of several prompts together, each through its own open session.
+
+    As :func:`blend_layers` for each prompt (the same check layers and metric for all),
+    with one pass over the layers: per layer the rows of every prompt go through the
+    projections and the MLP as one batch (``ops.qkv`` and, where ``ops`` has it,
+    ``ops.attend_many(layer, hs, qs, keys, values, rows)``, which attends each prompt
+    over its own KV; else ``ops.attend`` per prompt). The sessions are all open before
+    the first layer, so the daemon lands every prompt's stored rows while the node
+    computes. Returns one :class:`LoopResult` per prompt, in order.
+    """
     dev = ops.device
-    n = ids.size
-    kv = torch.from_numpy(buf)  # shares the buffer (the region, when landing)
-    rows = np.arange(n) if checks else np.flatnonzero(~cached)
-    ops.begin(n)
-    h = ops.embed(torch.as_tensor(ids[rows], device=dev))
     first = checks[0] if checks else 0  # the first layer call of a classic session
-    out = LoopResult(h=h, rows=rows)
     m = 1 if metric == "value" else 0
-    if attention is not None:
-        sess.attention(attention)  # goes with the first check layer's call
+    outs, kvs, hs = [], [], []
+    for p in prompts:
+        rows = np.arange(p.ids.size) if checks else np.flatnonzero(~p.cached)
+        outs.append(LoopResult(h=None, rows=rows))
+        kvs.append(torch.from_numpy(p.buf))  # shares the buffer (the region, when landing)
+        if p.attention is not None:
+            p.sess.attention(p.attention)  # goes with the first check layer's call
+    ops.begin(max(p.ids.size for p in prompts))
+    ids = [p.ids[o.rows] for p, o in zip(prompts, outs)]
+    hs = _split(ops.embed(torch.as_tensor(np.concatenate(ids), device=dev)), outs)
     # the rows as tensors, made again only when a check layer changes them (the attention
     # may keep per-rows state, such as vLLM's request metadata, while they stay the same)
-    rows_t, rows_c = torch.as_tensor(rows, device=dev), torch.from_numpy(rows)
+    rows_t = [torch.as_tensor(o.rows, device=dev) for o in outs]
+    rows_c = [torch.from_numpy(o.rows) for o in outs]
+    many = getattr(ops, "attend_many", None)
     for li in range(ops.num_layers):
-        q, k, v = ops.qkv(li, h, rows_t)
-        kc, vc = k.to("cpu", ops.kv_dtype), v.to("cpu", ops.kv_dtype)
-        new = None
-        if landing:
-            # the daemon's rows first (at once for ours)
-            if wait is None:
-                sess.wait(li, timeout=120)
-            else:
-                wait(sess, li)
-        kv[li, 0, rows_c], kv[li, 1, rows_c] = kc, vc
-        plane = (torch.stack((kc, vc), 1) if metric == "attention" else (kc, vc)[m]).numpy()
-        if landing and li in checks:
-            sess.check(li, plane)
-            new = sess.rows().astype(np.int64)
-        elif not landing and li >= first:
-            # fills the fused layer (own rows included) from the layer after the first
-            # check layer on; at the first check layer the layer is the node's own
-            sess.layer(li, kc.numpy(), vc.numpy(), k_out=buf[li, 0], v_out=buf[li, 1])
-            if li in checks:
-                new = sess.rows().astype(np.int64)
-        if new is not None and keep_checks:
-            out.checked[li], out.sent[li] = plane.copy(), rows.copy()
-        k_all, v_all = kv[li, 0].to(dev, q.dtype), kv[li, 1].to(dev, q.dtype)
-        if new is not None:  # the cheap check: only the kept rows finish the layer
-            keep = torch.as_tensor(np.searchsorted(rows, new), device=dev)
-            h, q, rows = h[keep], q[keep], new
-            rows_t, rows_c = torch.as_tensor(rows, device=dev), torch.from_numpy(rows)
-            out.selections.append(new)
-        h = ops.attend(li, h, q, k_all, v_all, rows_t)
-    out.h, out.rows = h, rows
-    return out
+        q, k, v = ops.qkv(li, _cat(hs), _cat(rows_t))
+        qs, ks, vs = _split(q, outs), _split(k, outs), _split(v, outs)
+        k_all, v_all = [], []
+        for i, (p, o) in enumerate(zip(prompts, outs)):
+            kc, vc = ks[i].to("cpu", ops.kv_dtype), vs[i].to("cpu", ops.kv_dtype)
+            kv, new = kvs[i], None
+            if landing:
+                # the daemon's rows first (at once for ours)
+                if wait is None:
+                    p.sess.wait(li, timeout=120)
+                else:
+                    wait(p.sess, li)
+            kv[li, 0, rows_c[i]], kv[li, 1, rows_c[i]] = kc, vc
+            plane = (torch.stack((kc, vc), 1) if metric == "attention" else (kc, vc)[m]).numpy()
+            if landing and li in checks:
+                p.sess.check(li, plane)
+                new = p.sess.rows().astype(np.int64)
+            elif not landing and li >= first:
+                # fills the fused layer (own rows included) from the layer after the first
+                # check layer on; at the first check layer the layer is the node's own
+                p.sess.layer(li, kc.numpy(), vc.numpy(), k_out=p.buf[li, 0], v_out=p.buf[li, 1])
+                if li in checks:
+                    new = p.sess.rows().astype(np.int64)
+            if new is not None and keep_checks:
+                o.checked[li], o.sent[li] = plane.copy(), o.rows.copy()
+            k_all.append(kv[li, 0].to(dev, q.dtype))
+            v_all.append(kv[li, 1].to(dev, q.dtype))
+            if new is not None:  # the cheap check: only the kept rows finish the layer
+                keep = torch.as_tensor(np.searchsorted(o.rows, new), device=dev)
+                hs[i], qs[i], o.rows = hs[i][keep], qs[i][keep], new
+                rows_t[i], rows_c[i] = torch.as_tensor(new, device=dev), torch.from_numpy(new)
+                o.selections.append(new)
+        if many is not None:
+            hs = many(li, hs, qs, k_all, v_all, rows_t)
+        else:
+            hs = [ops.attend(li, *x) for x in zip(hs, qs, k_all, v_all, rows_t)]
+    for o, h in zip(outs, hs):
+        o.h = h
+    return outs
+
+
+def _cat(xs: list[torch.Tensor]) -> torch.Tensor:
+    """Concatenate along rows (one tensor: itself, no copy)."""
+    return xs[0] if len(xs) == 1 else torch.cat(xs)
+
+
+def _split(x: torch.Tensor, outs: list[LoopResult]) -> list[torch.Tensor]:
+    """Split rows back per prompt, by each prompt's current rows."""
+    if len(outs) == 1:
+        return [x]
+    return list(torch.split(x, [o.rows.size for o in outs]))
 
 
 @torch.no_grad()

@@ -20,6 +20,7 @@ not fit (another device, head size or dtype), and the caller falls back to
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..blend.attention import runs
@@ -45,32 +46,51 @@ class PagedAttention:
             dtype,
         )
         self.cache = torch.empty(0, dtype=dtype)
-        self._n = -1  # the prompt length the cache, table and slots are laid out for
-        self._rows: torch.Tensor | None = None  # the rows the request metadata describes
+        self._ns: tuple[int, ...] = ()  # the prompt lengths the cache is laid out for
+        self._rows: list[torch.Tensor] | None = None  # the rows the metadata describes
 
-    def _layout(self, n: int) -> None:
-        """Size the scratch cache, block table and slot mapping for a prompt of n tokens."""
-        if n == self._n:
+    def _layout(self, ns: tuple[int, ...]) -> None:
+        """Lay out the scratch cache for prompts of ns tokens, each in its own blocks.
+
+        Sets the slots of every prompt's keys and each prompt's row of the block table.
+        """
+        if ns == self._ns:
             return
-        blocks = -(-n // BLOCK_SIZE)
-        if self.cache.shape[0] < blocks:
+        blocks = [-(-n // BLOCK_SIZE) for n in ns]
+        total = sum(blocks)
+        if self.cache.shape[0] < total:
             self.cache = torch.zeros(
-                blocks, self.kv_heads, 2 * BLOCK_SIZE, self.head_dim, dtype=self.dtype
+                total, self.kv_heads, 2 * BLOCK_SIZE, self.head_dim, dtype=self.dtype
             )
-        self.key_cache, self.value_cache = self.cache[:blocks].chunk(2, dim=2)
-        self.table = torch.arange(blocks, dtype=torch.int32)[None]
-        self.slots = torch.arange(n, dtype=torch.int64)
-        self._n, self._rows = n, None
+        self.key_cache, self.value_cache = self.cache[:total].chunk(2, dim=2)
+        base = [sum(blocks[:i]) for i in range(len(ns))]
+        self.tables = torch.zeros(len(ns), max(blocks), dtype=torch.int32)
+        for i, (b, nb) in enumerate(zip(base, blocks)):  # (the rest of a row is never read)
+            self.tables[i, :nb] = torch.arange(b, b + nb, dtype=torch.int32)
+        self.slots = torch.cat(
+            [torch.arange(b * BLOCK_SIZE, b * BLOCK_SIZE + n) for b, n in zip(base, ns)]
+        )
+        self._ns, self._rows = ns, None
 
-    def _requests(self, rows: torch.Tensor) -> None:
-        """One request per run of consecutive rows (kept while the rows stay the same)."""
-        if rows is self._rows:  # held here, so no other tensor can be the same object
+    def _requests(self, rows: list[torch.Tensor]) -> None:
+        """One request per run of consecutive rows of each prompt (kept while rows stay)."""
+        if (
+            self._rows is not None
+            and len(rows) == len(self._rows)
+            and all(a is b for a, b in zip(rows, self._rows))
+        ):  # held here, so no other tensor can be the same object
             return
-        qsl, seq_lens = runs(rows.cpu().numpy())
-        self.qsl, self.seq_lens = torch.from_numpy(qsl), torch.from_numpy(seq_lens)
-        self.block_table = self.table.expand(seq_lens.size, -1)
+        qsl, seq_lens, table = [np.zeros(1, np.int32)], [], []
+        for i, r in enumerate(rows):
+            q, lens = runs(r.cpu().numpy())
+            qsl.append(q[1:] + qsl[-1][-1])
+            seq_lens.append(lens)
+            table.append(np.full(lens.size, i))
+        self.qsl = torch.from_numpy(np.concatenate(qsl))
+        self.seq_lens = torch.from_numpy(np.concatenate(seq_lens))
+        self.block_table = self.tables[torch.from_numpy(np.concatenate(table))]
         self.meta = self.ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=int(seq_lens.size),
+            num_reqs=int(self.seq_lens.numel()),
             num_heads=self.heads,
             num_kv_heads=self.kv_heads,
             head_dim=self.head_dim,
@@ -82,7 +102,7 @@ class PagedAttention:
             isa="vec",
             enable_kv_split=False,
         )
-        self._rows = rows
+        self._rows = list(rows)
 
     def __call__(self, q, keys, values, rows, scaling: float) -> torch.Tensor:
         """Attend as :func:`kvblend.blend.attention.causal_attention` does.
@@ -90,15 +110,23 @@ class PagedAttention:
         q [n, heads, d] of the increasing positions rows, keys and values [N, kv_heads, d];
         returns [n, heads * d].
         """
-        if q.shape[0] == 0:
-            return q.new_zeros(0, q.shape[1] * q.shape[2])
-        n = keys.shape[0]
-        self._layout(n)
+        return self.many([q], [keys], [values], [rows], scaling)
+
+    def many(self, qs, keys, values, rows, scaling: float) -> torch.Tensor:
+        """Attend several prompts in one kernel call, each over its own KV.
+
+        Lists, one entry a prompt, as :meth:`__call__` takes them; returns the prompts'
+        outputs one after another, [sum of n, heads * d].
+        """
+        n = sum(q.shape[0] for q in qs)
+        if n == 0:
+            return qs[0].new_zeros(0, qs[0].shape[1] * qs[0].shape[2])
+        self._layout(tuple(k.shape[0] for k in keys))
         self._requests(rows)
         self.ops.cpu_attn_reshape_and_cache(
-            keys, values, self.key_cache, self.value_cache, self.slots, "vec"
+            _cat(keys), _cat(values), self.key_cache, self.value_cache, self.slots, "vec"
         )
-        q = q.contiguous()
+        q = _cat(qs).contiguous()
         out = torch.empty_like(q)
         self.ops.cpu_attention_with_kv_cache(
             query=q,
@@ -116,7 +144,11 @@ class PagedAttention:
             scheduler_metadata=self.meta,
             s_aux=None,
         )
-        return out.reshape(q.shape[0], -1)
+        return out.reshape(n, -1)
+
+
+def _cat(xs: list[torch.Tensor]) -> torch.Tensor:
+    return xs[0] if len(xs) == 1 else torch.cat(xs)
 
 
 def paged_attention_for(

@@ -13,29 +13,31 @@ returns the fused KV.
 The connector's side (docs/vllm.md, "CacheBlend"): the blend settings are read by
 :mod:`kvblend.vllm.config`, the scheduler's claim (the context up to the end of the last
 stored chunk found) is the planner's (:mod:`kvblend.vllm.plan`); :func:`worker_model` and
-:func:`load_blend` are the worker's (blend, then write the fused rows into vLLM's paged
-cache). Tested in real engines by tests/engine/test_vllm_model_hook.py and
+:func:`load_blends` are the worker's (blend a step's requests in one pass, then write
+the fused rows into vLLM's paged cache). Tested in real engines by tests/engine/test_vllm_model_hook.py and
 test_vllm_blend.py against kvblend.hf's blend of the same prompt.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
 from ..blend import arch as _arch
+from ..blend import loop as _loop
 from ..blend.attention import causal_attention
-from ..blend.loop import blend_layers
 from ..blend.preview import land_chunks, question_attention
 from ..client import Client
 from ..errors import KvblendError, Unavailable
 from ..types import Model
-from .attention import paged_attention_for
+from .attention import PagedAttention, paged_attention_for
 from .daemon import CLOSE_TIMEOUT_MS, wait_layer
 from .layout import PagedCache
 from .plan import BlendLoad
@@ -114,11 +116,24 @@ class VllmLlamaOps:
         return q.reshape(n, -1, d), k.reshape(n, -1, d), v.reshape(n, -1, d)
 
     def attend(self, layer: int, h, q, keys, values, rows) -> torch.Tensor:
+        return self.attend_many(layer, [h], [q], [keys], [values], [rows])[0]
+
+    def attend_many(self, layer: int, hs, qs, keys, values, rows) -> list[torch.Tensor]:
+        """Finish the layer for several prompts (lists, one entry a prompt).
+
+        Each attends over its own KV (one kernel call where vLLM's applies); then the
+        output projection and the MLP run over all their rows at once.
+        """
         mod = self.layers[layer]
         attn = mod.self_attn
-        o, _ = attn.o_proj(self.attention(q, keys, values, rows, attn.scaling))
-        h = h + o
-        return h + mod.mlp(mod.post_attention_layernorm(h))
+        if isinstance(self.attention, PagedAttention):
+            a = self.attention.many(qs, keys, values, rows, attn.scaling)
+        else:
+            a = torch.cat([self.attention(*x, attn.scaling) for x in zip(qs, keys, values, rows)])
+        o, _ = attn.o_proj(a)
+        h = (hs[0] if len(hs) == 1 else torch.cat(hs)) + o
+        h = h + mod.mlp(mod.post_attention_layernorm(h))
+        return [h] if len(hs) == 1 else list(torch.split(h, [x.shape[0] for x in hs]))
 
 
 @torch.no_grad()
@@ -174,40 +189,117 @@ def blend_prompt(
     ValueError
         The attention metric with check layers and no question tokens.
     """
+    job = BlendJob(ids, segments, ratios, question)
+    return blend_prompts(model, client, spec, [job], check_layers, metric, wait_s)[0]
+
+
+@dataclass
+class BlendJob:
+    """One prompt of :func:`blend_prompts` (as :func:`blend_prompt` takes it)."""
+
+    ids: Sequence[int]
+    segments: Sequence[tuple]
+    ratios: Sequence[float]
+    question: Sequence[int] = ()
+
+
+@torch.no_grad()
+def blend_prompts(
+    model: Any,
+    client: Client,
+    spec: Model,
+    jobs: Sequence[BlendJob],
+    check_layers: Sequence[int],
+    metric: str = "value",
+    wait_s: float = 120.0,
+    sink: Callable[[int, torch.Tensor], None] | None = None,
+) -> list[tuple[torch.Tensor | None, list[np.ndarray], dict]]:
+    """Blend several prompts in one pass over the layers (:func:`kvblend.blend.loop.blend_batch`).
+
+    Returns what :func:`blend_prompt` returns, for each prompt, in order.
+
+    Every prompt has its own region and landing session, all open before the first
+    layer; the prompts share the check layers and the metric (each has its ratios). A
+    region the daemon refuses (its ``shm_max``) ends the batch there: the prompts after
+    it run in the next pass. The daemon gone or silent fails the whole call.
+
+    ``sink(i, kv)``, when given, is called with prompt i's fused KV where it lies (in the
+    region, valid only during the call) instead of returning a copy (``kv`` is None).
+    """
     ops = VllmLlamaOps(model)
-    ids = np.asarray(ids, np.int64)
-    n = ids.size
-    cached = np.zeros(n, bool)
-    starts = [int(seg[1]) for seg in segments] + [n]
-    for i, seg in enumerate(segments):  # a chunk runs up to the next segment
-        if not isinstance(seg[0], int):
-            cached[starts[i] : starts[i + 1]] = True
-    shape = spec.kv_shape(n)
+    out: list = []
+    while len(out) < len(jobs):
+        first = len(out)
+        put = None if sink is None else functools.partial(_shifted, sink, first)
+        out += _blend_batch(ops, client, spec, jobs[first:], check_layers, metric, wait_s, put)
+    return out
+
+
+def _blend_batch(
+    ops: VllmLlamaOps,
+    client: Client,
+    spec: Model,
+    jobs: Sequence[BlendJob],
+    check_layers: Sequence[int],
+    metric: str,
+    wait_s: float,
+    sink: Callable[[int, torch.Tensor], None] | None,
+) -> list[tuple[torch.Tensor | None, list[np.ndarray], dict]]:
+    """Blend the first prompts of ``jobs`` whose regions the daemon grants (one at least)."""
     np_dtype = _NP[ops.kv_dtype]
-    nbytes = int(np.prod(shape)) * np.dtype(np_dtype).itemsize
     endpoint = client.endpoint
 
     def wait(sess: Any, layer: int) -> None:
         wait_layer(sess, layer, wait_s, endpoint)
 
-    region = client.region(nbytes)
-    done = False
+    regions: list[np.ndarray] = []
+    sessions: list[Any] = []
+    previews: list[float] = []
+    done = down = False
     try:
-        buf = region[:nbytes].view(np_dtype).reshape(shape)
-        a, t_pre = None, time.perf_counter()
-        if metric == "attention" and check_layers:
-            land_chunks(client, spec.name, segments, buf, True, wait)
-            q = np.asarray(question, np.int64)
-            rows = np.flatnonzero(cached)
-            a = question_attention(ops, torch.from_numpy(buf), rows, q, n + np.arange(q.size))
-        t_pre = time.perf_counter() - t_pre
-        sess = client.fuse_open_into(
-            spec.name, segments, buf[:, 0], buf[:, 1], list(check_layers), list(ratios), metric
-        )
-        down = False
+        prompts = []
+        for job in jobs:
+            ids = np.asarray(job.ids, np.int64)
+            shape = spec.kv_shape(ids.size)
+            nbytes = int(np.prod(shape)) * np.dtype(np_dtype).itemsize
+            try:
+                regions.append(client.region(nbytes))
+            except Unavailable:
+                raise
+            except KvblendError:
+                if not regions:
+                    raise
+                break  # the daemon's shm_max: the rest in the next pass
+            buf = regions[-1][:nbytes].view(np_dtype).reshape(shape)
+            cached = np.zeros(ids.size, bool)
+            starts = [int(seg[1]) for seg in job.segments] + [ids.size]
+            for i, seg in enumerate(job.segments):  # a chunk runs up to the next segment
+                if not _fresh(seg):
+                    cached[starts[i] : starts[i + 1]] = True
+            a, t_pre = None, time.perf_counter()
+            if metric == "attention" and check_layers:
+                land_chunks(client, spec.name, job.segments, buf, True, wait)
+                q = np.asarray(job.question, np.int64)
+                rows = np.flatnonzero(cached)
+                a = question_attention(
+                    ops, torch.from_numpy(buf), rows, q, ids.size + np.arange(q.size)
+                )
+            t_pre = time.perf_counter() - t_pre
+            sessions.append(
+                client.fuse_open_into(
+                    spec.name,
+                    job.segments,
+                    buf[:, 0],
+                    buf[:, 1],
+                    list(check_layers),
+                    list(job.ratios),
+                    metric,
+                )
+            )
+            prompts.append(_loop.Prompt(sessions[-1], buf, ids, cached, a))
+            previews.append(t_pre)
         try:
-            checks = list(check_layers)
-            r = blend_layers(ops, sess, buf, ids, cached, checks, metric, True, False, a, wait)
+            rs = _loop.blend_batch(ops, prompts, list(check_layers), metric, True, False, wait)
         except (Unavailable, TimeoutError):
             # the daemon is gone or not answering: the closes below must not each wait
             # the whole timeout, and their errors are this one's
@@ -215,21 +307,36 @@ def blend_prompt(
             client.set_timeout(CLOSE_TIMEOUT_MS)
             raise
         finally:
-            stats = _close_quietly(sess) if down else sess.close()
-        if a is not None:
-            stats.update(attention=a, preview_ms=t_pre * 1000)
-        kv = torch.from_numpy(buf).clone()
+            stats = [_close_quietly(x) if down else x.close() for x in sessions]
+            sessions = []
+        out = []
+        for i, (p, r, st, t_pre) in enumerate(zip(prompts, rs, stats, previews)):
+            if p.attention is not None:
+                st.update(attention=p.attention, preview_ms=t_pre * 1000)
+            kv = torch.from_numpy(p.buf)
+            if sink is not None:
+                sink(i, kv)
+            out.append((kv.clone() if sink is None else None, r.selections, st))
         done = True
+        return out
     except (Unavailable, TimeoutError):
-        client.set_timeout(CLOSE_TIMEOUT_MS)  # (the preview's landing) as above
+        client.set_timeout(CLOSE_TIMEOUT_MS)  # (the preview's landing, the closes) as above
         raise
     finally:
-        try:
-            client.free_region(region)
-        except KvblendError:
-            if done:
-                raise  # after a failure, the failure is what the caller hears of
-    return kv, r.selections, stats
+        for x in sessions:  # opened before a failure: closed without a word
+            _close_quietly(x)
+        for region in regions:
+            try:
+                client.free_region(region)
+            except KvblendError:
+                if done:
+                    raise  # after a failure, the failure is what the caller hears of
+
+
+def _shifted(
+    sink: Callable[[int, torch.Tensor], None], first: int, i: int, kv: torch.Tensor
+) -> None:
+    sink(first + i, kv)
 
 
 def _close_quietly(sess: Any) -> dict:
@@ -258,52 +365,67 @@ def worker_model(vllm_config: Any) -> Any:
     return model
 
 
-def load_blend(
+def load_blends(
     model: Any,
     client: Client,
     spec: Model,
-    load: BlendLoad,
-    block_ids: Sequence[int],
+    loads: Sequence[tuple[BlendLoad, Sequence[int]]],
     cache: PagedCache,
     wait_s: float = 120.0,
-) -> tuple[list[np.ndarray], dict]:
-    """Blend a request's context and write the fused rows into vLLM's paged cache.
+) -> list[tuple[list[np.ndarray], dict]]:
+    """Blend requests' contexts, batched, and write the fused rows into vLLM's paged cache.
 
-    ``cache`` holds the worker's views of vLLM's cache (:class:`kvblend.vllm.layout.
-    PagedCache`); the rows go to prompt positions 0 .. len(load.ids) - 1 through
-    ``block_ids``. Returns the selections and the daemon's statistics. ``wait_s``: the
-    longest wait for one landed layer.
+    ``loads``: each request's :class:`BlendLoad` and its vLLM block ids. Requests with the
+    same check layers and metric run in one pass (:func:`blend_prompts`). ``cache`` holds
+    the worker's views of vLLM's cache (:class:`kvblend.vllm.layout.PagedCache`); a
+    request's rows go to prompt positions ``load.skip`` .. ``len(load.ids) - 1`` through
+    its block ids (vLLM holds the ones before). Returns each request's selections and
+    the daemon's statistics, in order. ``wait_s``: the longest wait for one landed layer.
+    Any failure fails the call (the caller may run the requests one at a time).
     """
-    c = load.config
-    t0 = time.perf_counter()
-    kv, sels, stats = blend_prompt(
-        model,
-        client,
-        spec,
-        load.ids,
-        load.segments,
-        c.check_layers,
-        c.ratios,
-        c.metric,
-        load.question,
-        wait_s,
-    )
-    t1 = time.perf_counter()
-    cache.write(block_ids, load.skip, kv[:, :, load.skip :])  # vLLM has the rows before
-    logger.info(
-        "kvblend: blend of %d tokens (%d recomputed after layer %d): pass %.3f s (daemon: "
-        "session %.0f ms, load %.1f ms, landing %.1f ms, compute %.2f ms), cache write %.3f s; "
-        "metric %s, preview %.0f ms",
-        len(load.ids),
-        sels[-1].size if sels else int(sum(s[0] for s in load.segments if _fresh(s))),
-        c.check_layers[-1] if c.check_layers else -1,
-        t1 - t0,
-        stats.get("lifetime_ms", float("nan")),
-        stats.get("load_ms", float("nan")),
-        stats.get("land_ms", float("nan")),
-        stats.get("compute_ms", float("nan")),
-        time.perf_counter() - t1,
-        c.metric,
-        stats.get("preview_ms", 0.0),
-    )
-    return sels, stats
+    out: list = [None] * len(loads)
+    groups: dict[tuple, list[int]] = {}
+    for i, (ld, _) in enumerate(loads):
+        groups.setdefault((tuple(ld.config.check_layers), ld.config.metric), []).append(i)
+    for (checks, metric), idx in groups.items():
+        t0 = time.perf_counter()
+        writes = [0.0]
+
+        def sink(j: int, kv: torch.Tensor, idx: list[int] = idx, writes: list = writes) -> None:
+            t = time.perf_counter()
+            ld, block_ids = loads[idx[j]]
+            cache.write(block_ids, ld.skip, kv[:, :, ld.skip :])  # vLLM has the rows before
+            writes[0] += time.perf_counter() - t
+
+        jobs = [
+            BlendJob(
+                loads[i][0].ids,
+                loads[i][0].segments,
+                loads[i][0].config.ratios,
+                loads[i][0].question,
+            )
+            for i in idx
+        ]
+        res = blend_prompts(model, client, spec, jobs, checks, metric, wait_s, sink)
+        secs = time.perf_counter() - t0
+        for i, (_, sels, stats) in zip(idx, res):
+            ld = loads[i][0]
+            logger.info(
+                "kvblend: blend of %d tokens (%d recomputed after layer %d): pass %.3f s for "
+                "%d requests (daemon: session %.0f ms, load %.1f ms, landing %.1f ms, compute "
+                "%.2f ms), cache write %.3f s; metric %s, preview %.0f ms",
+                len(ld.ids),
+                sels[-1].size if sels else int(sum(s[0] for s in ld.segments if _fresh(s))),
+                checks[-1] if checks else -1,
+                secs - writes[0],
+                len(idx),
+                stats.get("lifetime_ms", float("nan")),
+                stats.get("load_ms", float("nan")),
+                stats.get("land_ms", float("nan")),
+                stats.get("compute_ms", float("nan")),
+                writes[0],
+                metric,
+                stats.get("preview_ms", 0.0),
+            )
+            out[i] = (sels, stats)
+    return out

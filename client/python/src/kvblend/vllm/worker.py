@@ -159,6 +159,7 @@ class WorkerSide:
         daemon's reply.
         """
         cfg = self.config
+        blends: list[LoadSpec] = []
         for ld in meta.loads:
             t0 = time.monotonic()
             try:
@@ -169,20 +170,17 @@ class WorkerSide:
                 # at once while the daemon is known down (the link's back-off): the load
                 # fails without a call, and vLLM recomputes it
                 client = self.daemon.client()
+                if ld.blend is not None:
+                    blends.append(ld)  # after the loop, all in one pass
+                    continue
                 copy = os.environ.get(COPY_ENV)
                 if (
                     self._region is not None
-                    and ld.blend is None
                     and not (copy and os.path.exists(copy))
                     and self._region.open(cfg.model_name, ld.req_id, ld.chunks, ld.block_ids)
                 ):
                     self._landing[ld.req_id] = ld
                     continue
-                if ld.blend is not None:
-                    blend.load_blend(
-                        self._blend_model, client, cfg.model, ld.blend, ld.block_ids,
-                        self.cache, cfg.timeout_ms / 1000,
-                    )
                 for c in ld.chunks:
                     kv = client.get_rerotated(cfg.model_name, c.hash, pos=c.start)
                     rows = torch.from_numpy(kv[:, :, c.first - c.start : c.last - c.start])
@@ -195,18 +193,61 @@ class WorkerSide:
                 self.daemon.drop()
                 self._load_failed(ld, str(e))
                 continue
-            self.daemon.ok()
-            logger.info(
-                "kvblend: %s %d tokens of %s in %.3f s%s",
-                "blended" if ld.blend is not None else "loaded",
-                sum(c.last - c.first for c in ld.chunks)
-                + (len(ld.blend.ids) - ld.blend.skip if ld.blend else 0),
-                ld.req_id,
-                time.monotonic() - t0,
-                "" if ld.blend is not None else " (copied from the daemon's reply)",
+            self._loaded(ld, t0)
+        if blends:
+            self._blend(blends)
+
+    def _blend(self, loads: list[LoadSpec]) -> None:
+        """Blend this step's requests in one pass (:func:`kvblend.vllm.blend.load_blends`).
+
+        The daemon gone or silent fails them all; any other failure of the pass runs them
+        again one at a time, so that only the request at fault is recomputed by vLLM.
+        """
+        cfg = self.config
+        t0 = time.monotonic()
+        try:
+            client = self.daemon.client()
+            blend.load_blends(
+                self._blend_model,
+                client,
+                cfg.model,
+                [(ld.blend, ld.block_ids) for ld in loads],
+                self.cache,
+                cfg.timeout_ms / 1000,
             )
-            if self._dump_dir:
-                self._dump(ld, "blended" if ld.blend is not None else "copied")
+        except (Unavailable, TimeoutError) as e:
+            self.daemon.failed(e)
+            for ld in loads:
+                self._load_failed(ld, str(e))
+            return
+        except (KvblendError, ValueError, IndexError, RuntimeError) as e:
+            self.daemon.drop()
+            if len(loads) == 1:
+                self._load_failed(loads[0], str(e))
+                return
+            logger.warning(
+                "kvblend: a blend of %d requests failed (%s); one at a time", len(loads), e
+            )
+            for ld in loads:
+                self._blend([ld])
+            return
+        for ld in loads:
+            self._loaded(ld, t0, len(loads))
+
+    def _loaded(self, ld: LoadSpec, t0: float, batch: int = 1) -> None:
+        """Log a load done (copied or blended here) and keep its blocks when asked to."""
+        self.daemon.ok()
+        logger.info(
+            "kvblend: %s %d tokens of %s in %.3f s%s",
+            "blended" if ld.blend is not None else "loaded",
+            sum(c.last - c.first for c in ld.chunks)
+            + (len(ld.blend.ids) - ld.blend.skip if ld.blend else 0),
+            ld.req_id,
+            time.monotonic() - t0,
+            "" if ld.blend is not None else " (copied from the daemon's reply)",
+        )
+        if self._dump_dir:
+            self._dump(ld, "blended" if ld.blend is not None else "copied", batch)
 
     def _spans(self, ld: LoadSpec) -> list[tuple[int, int]]:
         """The prompt positions a load writes, as (first, last) spans."""
@@ -246,8 +287,11 @@ class WorkerSide:
             if self._dump_dir:
                 self._dump(ld, "landed")
 
-    def _dump(self, ld: LoadSpec, how: str) -> None:
-        """Write the raw blocks a load touched (debug hook for tests, DUMP_ENV)."""
+    def _dump(self, ld: LoadSpec, how: str, batch: int = 1) -> None:
+        """Write the raw blocks a load touched (debug hook for tests, DUMP_ENV).
+
+        ``batch``: how many requests the load's blend pass ran together.
+        """
         blocks = sorted(blocks_of(ld.block_ids, self._spans(ld), self.config.block_size))
         raw = self.cache.raw_blocks(blocks)
         path = os.path.join(self._dump_dir, f"load-{self._dumps}.npz")
@@ -260,7 +304,8 @@ class WorkerSide:
             block_size=self.config.block_size,
             chunks=np.array([[c.start, c.length, c.first, c.last] for c in ld.chunks]),
             hashes=np.array([c.hash.hex() for c in ld.chunks]),
-            path=how,  # "landed" or "copied"
+            path=how,  # "landed", "copied" or "blended"
+            batch=batch,
         )
 
     def wait_for_layer_load(self, layer_name: str) -> None:
