@@ -462,7 +462,7 @@ def svg_plot(rows, path, title):
     panel(pad, "TTFT p50 (dark) and p90 (light), ms",
           [[s["ttft_p50_s"] * 1000 for s in rows], [s["ttft_p90_s"] * 1000 for s in rows]],
           ["#1f5fa8", "#9cc3ea"], lambda v: f"{v:.0f}")
-    panel(pad + pw + gap, "KL at the first token against plain (mean)",
+    panel(pad + pw + gap, "KL at the first token against plain (mean, requests without NaN)",
           [[s["kl_mean"] for s in rows]], ["#b5452b"], lambda v: f"{v:.3f}")
     parts.append("</svg>")
     Path(path).write_text("\n".join(parts) + "\n")
@@ -478,7 +478,7 @@ def run_config(name, args, prompts, warm, tmp, env):
             recs = asyncio.run(send_all(port, prompts, args.rate, warm))
         except Exception as e:
             died = [ln for ln in Path(procs[-1].log_path).read_text(errors="replace").splitlines()
-                    if "malloc" in ln or "died" in ln or "Segmentation" in ln]
+                    if "malloc(" in ln or "died" in ln or "Segmentation" in ln]
             raise RuntimeError(f"{type(e).__name__}: {e} {died[:3]}") from e
         wall = time.monotonic() - t0
         lookups = None
