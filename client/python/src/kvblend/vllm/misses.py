@@ -53,10 +53,10 @@ class MissStorer:
         spec: Model,
         link: DaemonLink,
         logger: logging.Logger,
-        step_lock: threading.Lock | None = None,
+        step_lock: threading.RLock | None = None,
     ) -> None:
         self.model = model
-        self.step_lock = step_lock or threading.Lock()
+        self.step_lock = step_lock or threading.RLock()
         self.spec = spec
         self.link = link
         self.log = logger
@@ -99,6 +99,9 @@ class MissStorer:
             try:
                 buf = np.empty(self.spec.kv_shape(len(m.ids)), np_dtype)
                 prefill(ops, np.asarray(m.ids, np.int64), buf, self.step_lock)
+                bad = buf.size - int(np.count_nonzero(np.isfinite(buf)))
+                if bad:  # never stored: every later request would load it
+                    raise ValueError(f"its prefill gave {bad} values that are not finite")
                 self.link.client().put(self.spec.name, m.hash, buf, base_pos=0)
             except (Unavailable, TimeoutError) as e:
                 self.link.failed(e)

@@ -78,7 +78,8 @@ class WorkerSide:
         self._landing: dict[str, LoadSpec] = {}  # this step's loads the daemon lands
         self._misses: MissStorer | None = None  # store on a miss
         # held while vLLM's step has metadata bound: the miss thread computes between steps
-        self._step_lock = threading.Lock()
+        # reentrant: vLLM may compute logits (which take it) before it clears the step
+        self._step_lock = threading.RLock()
         self._in_step = False
 
     def get_mem_pool_context(self) -> Any:
@@ -129,6 +130,11 @@ class WorkerSide:
         cfg = self.config
         link = DaemonLink(cfg.endpoint, cfg.timeout_ms, cfg.model, logger)
         self._misses = MissStorer(model, cfg.model, link, logger, self._step_lock)
+        # vLLM computes a step's logits after clear_connector_metadata, outside the step's
+        # hold of the lock, with the same CPU kernels the thread's layers use, which are not
+        # safe to run from two threads at once (run together, they gave NaN rows in stored
+        # chunks and a corrupted heap): the logits take the lock too
+        _lock_logits(model, self._step_lock)
         logger.info(
             "kvblend: store on a miss on (at most %d tokens a step)", cfg.store_tokens_per_step
         )
@@ -367,3 +373,17 @@ class WorkerSide:
         if self._misses is not None:
             self._misses.close()
         self.daemon.drop()
+
+
+def _lock_logits(model: Any, lock: threading.RLock) -> None:
+    """Make ``model.compute_logits`` hold ``lock`` while it runs (once per model)."""
+    inner = getattr(model, "compute_logits", None)
+    if inner is None or getattr(inner, "_kvblend_locked", False):
+        return
+
+    def compute_logits(*args: Any, **kwargs: Any) -> Any:
+        with lock:
+            return inner(*args, **kwargs)
+
+    compute_logits._kvblend_locked = True  # type: ignore[attr-defined]
+    model.compute_logits = compute_logits
