@@ -3,13 +3,15 @@
 :func:`install_package` pip-installs client/python into a folder, so that vLLM's
 processes find kvblend's ``vllm.general_plugins`` entry point (the blend pass needs the
 model it hands over); :class:`Daemon` starts and stops a real kvblendd on a temporary
-data directory and IPC socket. Used by eval/run_vllm.py, bench/bench_vllm.py and the
-engine tests (tests/engine/daemon.py): tests import eval/, never the reverse. kvblend
-is imported when a daemon starts, not before: a caller that installs the package first
-and then drops kvblend from sys.modules gets the installed copy here too.
+data directory and IPC socket, :func:`cluster` several on one static member list. Used
+by eval/run_vllm.py, bench/bench_vllm.py and the engine tests (tests/engine/daemon.py):
+tests import eval/, never the reverse. kvblend is imported when a daemon starts, not
+before: a caller that installs the package first and then drops kvblend from
+sys.modules gets the installed copy here too.
 """
 
 import os
+import socket
 import subprocess
 import tempfile
 import time
@@ -88,15 +90,18 @@ def wait_for_daemon(endpoint, alive, seconds=30.0):
 
 
 class Daemon:
-    """A kvblendd child process; ``endpoint`` is its IPC socket."""
+    """A kvblendd child process; ``endpoint`` is its IPC socket, its log ``dir``/kvblendd.log."""
 
-    def __init__(self, *args):
-        """Start kvblendd; ``args`` are extra command-line options."""
+    def __init__(self, *args, tcp=None):
+        """Start kvblendd; ``args`` are extra command-line options, ``tcp`` a
+        ``tcp://HOST:PORT`` it listens on besides the IPC socket (for other members)."""
         self.dir = tempfile.mkdtemp(prefix="kvblend-engine.")
         self.endpoint = f"ipc://{self.dir}/kvblend.sock"
+        self.tcp = tcp
+        listen = f"{self.endpoint},{tcp}" if tcp else self.endpoint
         self.log = open(f"{self.dir}/kvblendd.log", "w")
         self.proc = subprocess.Popen(
-            [kvblendd_path(), "--data-dir", f"{self.dir}/data", "--listen", self.endpoint,
+            [kvblendd_path(), "--data-dir", f"{self.dir}/data", "--listen", listen,
              "--workers", "2", *args], stdout=self.log, stderr=subprocess.STDOUT)
         try:
             wait_for_daemon(self.endpoint, lambda: self.proc.poll() is None)
@@ -118,3 +123,32 @@ class Daemon:
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
+
+
+def cluster(ids, *args):
+    """Start one :class:`Daemon` per id of ``ids``, members of one static cluster.
+
+    Each has its own data directory and IPC socket (for its engine) and a free port on
+    loopback (for the others: plain TCP, which kvblendd allows on loopback), and all are
+    given the same ``--cluster-peers`` list (docs/cluster.md); ``args`` are extra options
+    for every member. Returns the daemons in the order of ``ids``; on a failed start the
+    ones started are stopped and the RuntimeError raised.
+    """
+    socks = [socket.socket() for _ in ids]
+    try:
+        for s in socks:  # all bound at once: no port handed out twice
+            s.bind(("127.0.0.1", 0))
+        tcp = {i: f"tcp://127.0.0.1:{s.getsockname()[1]}" for i, s in zip(ids, socks)}
+    finally:
+        for s in socks:
+            s.close()
+    peers = ",".join(f"{i}={tcp[i]}" for i in ids)
+    started = []
+    try:
+        for i in ids:
+            started.append(Daemon("--node-id", i, "--cluster-peers", peers, *args, tcp=tcp[i]))
+    except BaseException:
+        for d in started:
+            d.stop()
+        raise
+    return started
