@@ -13,6 +13,11 @@
  *
  * usage: bench_engine [--daemon PATH] [--shape mistral|smollm|both] [--tokens 1024,4096,8192]
  *                     [--node-ms 0,1,3] [--repeats N] [--layout rows|paged|both]
+ *                     [--verify once|always|scrub-only]
+ *
+ * --verify: the daemon's verify setting (docs/storage.md#verification), once by
+ * default as the daemon's; each landing reads the same chunks, so under once only
+ * the first run of a size computes checksums.
  *
  * The node's compute is a sleep to a deadline (its GPU works; its CPU is free
  * for the daemon), so a layer's wait is the time the daemon was not hidden.
@@ -293,7 +298,7 @@ int main(int argc, char **argv)
 	int layout_lo = 0, layout_hi = 1; /* 0 rows, 1 paged */
 	/* Stored raw, as real KV is (bitshuffle+LZ4 saves under 1% on it; this fill would compress). */
 	const char *extra[] = { "--shm-max", "4G", "--shm-total", "16G", "--compress-min-saving",
-				"100", NULL };
+				"100", "--verify", "once", NULL };
 	struct kvb_connect_opts o = { .timeout_ms = 120000 };
 	kvb_client *c;
 	pid_t pid;
@@ -312,6 +317,8 @@ int main(int argc, char **argv)
 			i++;
 			shape_lo = !strcmp(argv[i], "smollm");
 			shape_hi = !strcmp(argv[i], "mistral") ? 1 : 2;
+		} else if (!strcmp(argv[i], "--verify") && i + 1 < argc) {
+			extra[7] = argv[++i];
 		} else if (!strcmp(argv[i], "--layout") && i + 1 < argc) {
 			i++;
 			layout_lo = !strcmp(argv[i], "paged");
@@ -319,7 +326,7 @@ int main(int argc, char **argv)
 		} else {
 			fprintf(stderr, "usage: bench_engine [--daemon PATH] [--shape mistral|smollm|both] "
 					"[--tokens 1024,4096,8192] [--node-ms 0,1,3] [--repeats N] "
-					"[--layout rows|paged|both]\n");
+					"[--layout rows|paged|both] [--verify once|always|scrub-only]\n");
 			return 2;
 		}
 	}
@@ -333,8 +340,8 @@ int main(int argc, char **argv)
 		kill(pid, SIGKILL);
 		return 1;
 	}
-	printf("kvblend bench_engine: r = %.2f, check layer %d, %d fresh tokens, median of %u runs\n",
-	       RATIO, CHECK, FRESH, repeats);
+	printf("kvblend bench_engine: r = %.2f, check layer %d, %d fresh tokens, median of %u runs, "
+	       "verify = %s\n", RATIO, CHECK, FRESH, repeats, extra[7]);
 	for (unsigned si = shape_lo; si < shape_hi; si++)
 	for (int paged = layout_lo; paged < layout_hi; paged++) {
 		const struct kvb_model *m = &shapes[si].m;

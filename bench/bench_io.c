@@ -4,6 +4,11 @@
  * to memcpy. Starts its own kvblendd on a temporary directory.
  *
  * usage: bench_io [--daemon PATH] [--sync] [--seconds S] [--sizes 1,8,32]
+ *                 [--verify once|always|scrub-only]
+ *
+ * --verify: the daemon's verify setting (docs/storage.md#verification; once, the
+ * daemon's default): GETs read the same chunks again and again, so under once
+ * only the first GET of a chunk computes its checksums.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -104,6 +109,7 @@ int main(int argc, char **argv)
 	unsigned sizes_mib[8] = { 1, 8, 32 }, n_sizes = 3;
 	double seconds = 1.0;
 	bool sync = false;
+	const char *extra[] = { "--verify", "once", NULL };
 	pid_t pid;
 	kvb_client *shm_c, *frame_c;
 	struct kvb_connect_opts o_shm = { .timeout_ms = 60000 }, o_fr = { .timeout_ms = 60000,
@@ -118,17 +124,19 @@ int main(int argc, char **argv)
 			sync = true;
 		else if (!strcmp(argv[i], "--seconds") && i + 1 < argc)
 			seconds = atof(argv[++i]);
+		else if (!strcmp(argv[i], "--verify") && i + 1 < argc)
+			extra[1] = argv[++i];
 		else if (!strcmp(argv[i], "--sizes") && i + 1 < argc) {
 			n_sizes = bench_parse_list(argv[++i], sizes_mib, 8);
 		} else {
 			fprintf(stderr, "usage: bench_io [--daemon PATH] [--sync] [--seconds S] "
-					"[--sizes 1,8,32]\n");
+					"[--sizes 1,8,32] [--verify once|always|scrub-only]\n");
 			return 2;
 		}
 	}
 	if (!mkdtemp(dir))
 		return 1;
-	pid = bench_start_daemon(daemon_path, dir, ep, sizeof(ep), sync);
+	pid = bench_start_daemon_with(daemon_path, dir, ep, sizeof(ep), sync, extra);
 	if (kvb_connect(ep, &o_shm, &shm_c, NULL, 0) || kvb_connect(ep, &o_fr, &frame_c, NULL, 0) ||
 	    kvb_model_register(shm_c, &model, NULL)) {
 		fprintf(stderr, "bench_io: cannot set up the client\n");
@@ -136,9 +144,10 @@ int main(int argc, char **argv)
 		return 1;
 	}
 	printf("kvblend bench_io: model %u layers x %u kv heads x head_dim %u f16 (%u KiB/token); "
-	       "%s commits; >= %.1f s per cell\n", model.num_layers, model.num_kv_heads,
-	       model.head_dim, 2 * model.num_layers * model.num_kv_heads * model.head_dim * 2 / 1024,
-	       sync ? "fsync'd" : "no-sync", seconds);
+	       "%s commits; >= %.1f s per cell; verify = %s\n", model.num_layers,
+	       model.num_kv_heads, model.head_dim,
+	       2 * model.num_layers * model.num_kv_heads * model.head_dim * 2 / 1024,
+	       sync ? "fsync'd" : "no-sync", seconds, extra[1]);
 	printf("median GB/s, and in parentheses the ratio to memcpy of the same bytes in this "
 	       "run\n\n");
 	printf("| chunk | memcpy | file write | PUT shm | PUT frames | GET shm | GET shm-buf | "

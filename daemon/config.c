@@ -11,7 +11,7 @@
 #include "common/ckd.h"
 #include "daemon/log.h"
 
-enum key_type { T_PATH, T_LISTEN, T_UINT, T_SIZE, T_OCTAL, T_BOOL, T_LEVEL, T_DEVICE };
+enum key_type { T_PATH, T_LISTEN, T_UINT, T_SIZE, T_OCTAL, T_BOOL, T_LEVEL, T_DEVICE, T_VERIFY };
 
 struct key {
 	const char *name;
@@ -60,6 +60,15 @@ static const struct key keys[] = {
 	{ "no_sync", NULL, T_BOOL, OFF(no_sync), 0, 1, "false",
 	  "skip fsync at each commit: faster PUTs; a power failure loses recent chunks "
 	  "(a process crash loses nothing)" },
+	{ "verify", "WHEN", T_VERIFY, OFF(verify), 0, 2, "once",
+	  "when reads check stored tensors' checksums: once (the first read since the chunk's "
+	  "pages came from disk, again after verify_ttl or when any page left the page "
+	  "cache), always (every read), or scrub-only (never on reads; the scrub alone)" },
+	{ "verify_ttl", "SECONDS", T_UINT, OFF(verify_ttl), 1, 86400, "300",
+	  "verify=once: seconds a chunk layer, once verified, is served without its checksum" },
+	{ "scrub_mb_per_s", "MB", T_UINT, OFF(scrub_mb_per_s), 0, 100000, "16",
+	  "background scrub: megabytes of stored chunks re-verified per second, in a loop over "
+	  "the store; a corrupt chunk is removed and counted as reads do; 0 = no scrub" },
 	{ "shm_max", "SIZE", T_SIZE, OFF(shm_max), 1 * MiB, 64 * GiB, "1G",
 	  "largest shared-memory segment one local client may attach" },
 	{ "shm_total", "SIZE", T_SIZE, OFF(shm_total), 0, 1024 * GiB, "8G",
@@ -361,6 +370,15 @@ int config_set(struct config *c, const char *key, const char *value, enum config
 		}
 		*(int *)field = rc;
 		return 0;
+	case T_VERIFY:
+		if (!strcmp(value, "once") || !strcmp(value, "always") ||
+		    !strcmp(value, "scrub-only")) {
+			*(int *)field = !strcmp(value, "once") ? 0 : !strcmp(value, "always") ? 1 : 2;
+			return 0;
+		}
+		snprintf(err, errlen, "%s: invalid value '%s'; expected once, always or scrub-only",
+			 k->name, value);
+		return -EINVAL;
 	case T_DEVICE:
 		if (!strcmp(value, "auto") || !strcmp(value, "cpu") || !strcmp(value, "cuda") ||
 		    !strcmp(value, "emulated")) {
@@ -598,6 +616,12 @@ void config_print(FILE *f, const struct config *c)
 		case T_LEVEL:
 			fprintf(f, "%s = %s\n", k->name, log_level_name(*(const int *)field));
 			break;
+		case T_VERIFY: {
+			static const char *const names[] = { "once", "always", "scrub-only" };
+
+			fprintf(f, "%s = %s\n", k->name, names[*(const int *)field]);
+			break;
+		}
 		case T_DEVICE: {
 			int d = *(const int *)field;
 

@@ -36,6 +36,9 @@ struct config {
 	uint64_t compress_min_saving; /* percent */
 	uint64_t socket_mode;	      /* octal */
 	bool no_sync;
+	int verify;		 /* enum store_verify: 0 once, 1 always, 2 scrub-only */
+	uint64_t verify_ttl;	 /* seconds */
+	uint64_t scrub_mb_per_s; /* 0: no scrub */
 	uint64_t shm_max;
 	uint64_t shm_total;
 	uint64_t shm_idle;

@@ -21,6 +21,7 @@ void counters_snap(struct server *srv, struct counter_snap *s)
 	if (!s->have_totals)
 		memset(&s->t, 0, sizeof(s->t));
 	s->chunk_walks = store_chunk_walks(srv->store);
+	store_verify_counts(srv->store, &s->vc);
 	evictor_stats(srv->evict, &s->es);
 	fuse_usage(srv->fuse, &s->fuse_sessions, &s->fuse_bytes, &s->fuse_pins);
 	shm_usage(srv->shm, &s->shm_n, &s->shm_bytes);
@@ -81,6 +82,11 @@ VALUE(v_raw, s->t.raw_bytes)
 VALUE(v_stored, s->t.stored_bytes)
 VALUE(v_ratio, s->t.stored_bytes ? (double)s->t.raw_bytes / (double)s->t.stored_bytes : 1.0)
 VALUE(v_walks, s->chunk_walks)
+VALUE(v_verified, s->vc.verified)
+VALUE(v_trusted, s->vc.trusted)
+VALUE(v_forgotten, s->vc.forgotten)
+VALUE(v_scrubbed, s->vc.scrubbed_bytes)
+VALUE(v_scrub_passes, s->vc.scrub_passes)
 VALUE(v_map_size, s->t.map_size)
 VALUE(v_map_used, s->t.map_used)
 VALUE(v_shm_n, s->shm_n)
@@ -164,6 +170,16 @@ const struct counter counters[] = {
 	{ "compression_ratio", "kvblend_compression_ratio", "Raw bytes over stored bytes.", G,
 	  NEED_NONE, v_ratio },
 	{ "store_chunk_walks", NULL, NULL, C, NEED_NONE, v_walks },
+	{ "verify_checked", "kvblend_verify_checked_total",
+	  "Chunk layers read whose checksums the read computed.", C, NEED_NONE, v_verified },
+	{ "verify_trusted", "kvblend_verify_trusted_total",
+	  "Chunk layers read without their checksums, verified earlier in the same residency "
+	  "(verify=once).", C, NEED_NONE, v_trusted },
+	{ "verify_forgotten", NULL, NULL, C, NEED_NONE, v_forgotten },
+	{ "scrub_bytes", "kvblend_scrub_bytes_total", "Stored bytes the scrub re-verified.", C,
+	  NEED_NONE, v_scrubbed },
+	{ "scrub_passes", "kvblend_scrub_passes_total", "Whole passes of the scrub over the store.",
+	  C, NEED_NONE, v_scrub_passes },
 	{ "map_size_bytes", NULL, NULL, G, NEED_NONE, v_map_size },
 	{ "map_used_bytes", "kvblend_map_used_bytes", "LMDB map in use.", G, NEED_NONE,
 	  v_map_used },

@@ -26,6 +26,7 @@ struct counter_snap {
 	struct store_totals t; /* zeroed when the store could not say */
 	bool have_totals;
 	uint64_t chunk_walks;
+	struct store_verify_counts vc;
 	struct evict_stats es;
 	uint64_t fuse_sessions, fuse_bytes, fuse_pins;
 	uint64_t shm_n, shm_bytes, held, n_clients;

@@ -354,6 +354,8 @@ int main(int argc, char **argv)
 	sopts.max_readers = (unsigned)cfg.max_readers;
 	sopts.min_saving = (double)cfg.compress_min_saving / 100.0;
 	sopts.no_sync = cfg.no_sync;
+	sopts.verify = (enum store_verify)cfg.verify;
+	sopts.verify_ttl_s = (unsigned)cfg.verify_ttl;
 	rc = store_open(&sopts, &store);
 	if (rc) {
 		log_err("cannot open store in %s: %s", cfg.data_dir,

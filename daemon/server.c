@@ -557,6 +557,9 @@ int server_start(struct server *srv, const struct config *cfg, struct store *sto
 				  room / 100 * cfg->cluster_cache_pct +
 					  room % 100 * cfg->cluster_cache_pct / 100);
 	}
+	if (!rc && cfg->scrub_mb_per_s)
+		rc = scrubber_new(store, cfg->scrub_mb_per_s * 1000000, ops_scrub_corrupt, srv,
+				  &srv->scrub);
 	for (unsigned i = 0; !rc && i < n_workers; i++) {
 		atomic_fetch_add(&srv->running_workers, 1);
 		rc = pthread_create(&srv->threads[i], NULL, server_worker_main, srv);
@@ -698,6 +701,7 @@ void server_stop(struct server *srv)
 	 * cluster: both stopped before it is freed (ASan caught the evictor's call ending on
 	 * a freed member at a stop) */
 	metrics_stop(&srv->metrics);
+	scrubber_free(&srv->scrub); /* it removes chunks through the fuse table */
 	evictor_free(&srv->evict);
 	cluster_free(&srv->cluster);
 	fuse_table_free(&srv->fuse);

@@ -19,6 +19,7 @@
 #include "daemon/config.h"
 #include "daemon/tenants.h"
 #include "daemon/evict.h"
+#include "daemon/scrub.h"
 #include "daemon/fuse.h"
 #include "daemon/shm.h"
 #include "proto/wire.h"
@@ -54,6 +55,7 @@ struct server {
 	struct pool *pool; /* helpers that split one request's bulk work */
 	struct fuse_table *fuse;
 	struct evictor *evict;
+	struct scrubber *scrub;	 /* NULL: scrub_mb_per_s 0 */
 	struct cluster *cluster; /* NULL: no cluster */
 	struct metrics *metrics;
 	const struct blend_backend *blend; /* fuse compute backend */

@@ -98,6 +98,17 @@ int codec_peek(const void *src, size_t src_len, struct codec_header *h);
  */
 int codec_decode(const void *src, size_t src_len, void *dst, size_t dst_len, size_t *consumed);
 
+/*
+ * Flags of the decoding calls below. CODEC_TRUSTED: the caller has verified
+ * these very bytes already (store.h, "verify once per residency"): decode
+ * without computing the checksum. The header is still checked.
+ */
+#define CODEC_TRUSTED 1u
+
+/* codec_decode() with flags. */
+int codec_decode_flags(const void *src, size_t src_len, void *dst, size_t dst_len,
+		       size_t *consumed, unsigned flags);
+
 
 /*
  * Check one encoded tensor at src without keeping its decoded bytes: a
@@ -108,6 +119,16 @@ int codec_decode(const void *src, size_t src_len, void *dst, size_t dst_len, siz
  */
 int codec_verify(const void *src, size_t src_len, size_t raw_size, uint32_t dtype,
 		 void *scratch, size_t *consumed);
+
+/*
+ * Check one encoded tensor at src against its own header alone (the scrub: no
+ * model at hand): its checksum, decompressing into *scratch (grown with
+ * realloc to the raw size; *scratch_cap its size; free it when done) when it is
+ * compressed. Returns 0 with the encoded length in *consumed, -EBADMSG, or
+ * -ENOMEM.
+ */
+int codec_check(const void *src, size_t src_len, void **scratch, size_t *scratch_cap,
+		size_t *consumed);
 
 /*
  * A transform applied while decoding: fn(ctx, src, dst, off, len) writes the
@@ -128,7 +149,7 @@ struct codec_xform {
  * place. Same errors as codec_decode(); on -EBADMSG dst holds garbage.
  */
 int codec_decode_xform(const void *src, size_t src_len, void *dst, size_t dst_len,
-		       size_t *consumed, const struct codec_xform *x);
+		       size_t *consumed, const struct codec_xform *x, unsigned flags);
 
 /*
  * Decode one tensor of raw_size bytes and hand it to x->fn(ctx, src, NULL, off,
@@ -138,9 +159,10 @@ int codec_decode_xform(const void *src, size_t src_len, void *dst, size_t dst_le
  * checksum_apply_block(x->unit) bytes); compressed and quantized ones are decoded
  * whole into a temporary buffer, verified, then handed over in blocks of that
  * size. Errors as codec_decode(), plus -ENOMEM; on -EBADMSG the transform may
- * already have written garbage, never to be served.
+ * already have written garbage, never to be served. flags: CODEC_TRUSTED or 0
+ * (so for codec_decode_xform()).
  */
 int codec_apply(const void *src, size_t src_len, size_t raw_size, size_t *consumed,
-		const struct codec_xform *x);
+		const struct codec_xform *x, unsigned flags);
 
 #endif

@@ -86,6 +86,8 @@ int st_commit(struct store *s, MDB_txn *txn, uint64_t need)
 
 	if (!rc && need)
 		disk_reserve(s); /* the file grew into the reserve: renew it */
+	if (!rc)
+		st_mtime_note(s);
 	return rc;
 }
 
@@ -235,6 +237,9 @@ int store_open(const struct store_opts *opts, struct store **out)
 		goto fail;
 	st_totals_repair(s);
 	disk_reserve(s);
+	rc = st_verify_open(s, opts);
+	if (rc)
+		goto fail;
 	*out = s;
 	return 0;
 fail:
@@ -252,6 +257,7 @@ void store_close(struct store **sp)
 		mdb_txn_abort(s->pool[i]);
 	if (s->env)
 		mdb_env_close(s->env);
+	st_verify_close(s);
 	pthread_mutex_destroy(&s->pool_lock);
 	free(s);
 	*sp = NULL;

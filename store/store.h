@@ -4,8 +4,8 @@
  * A chunk is keyed by (model, 32-byte hash) and holds T tokens of K and V per
  * layer. All layers and the chunk record are written in one LMDB write
  * transaction, so a chunk is visible whole or not at all. Chunks are immutable.
- * Every tensor is encoded by codec.h and its checksum verified on every read;
- * every chunk, model and counter record carries an XXH3-64 checksum of its key
+ * Every tensor is encoded by codec.h and its checksum verified when read (once
+ * per residency in the page cache by default: enum store_verify); every chunk, model and counter record carries an XXH3-64 checksum of its key
  * and bytes, verified on every read too (docs/storage.md).
  *
  * Thread-safety: one struct store may be used from any number of threads.
@@ -30,12 +30,24 @@
 
 struct store;
 
+/*
+ * When a read checks the tensors' checksums (docs/storage.md#verification):
+ * ONCE (the default) the first read of a value since its pages came from disk,
+ * then again when any page left the page cache, when the entry is older than
+ * verify_ttl_s, or when another process wrote the data file; ALWAYS every read;
+ * SCRUB_ONLY never on reads (only store_scrub() checks).
+ */
+enum store_verify { STORE_VERIFY_ONCE, STORE_VERIFY_ALWAYS, STORE_VERIFY_SCRUB_ONLY };
+
 struct store_opts {
 	const char *dir;      /* LMDB environment directory; created (0750) if missing */
 	uint64_t map_size;    /* bytes; a sparse upper bound on the data file */
 	unsigned max_readers; /* concurrent read transactions */
 	double min_saving;    /* codec: store compressed only if it saves this share (0..1) */
 	bool no_sync;	      /* skip fsync at commit (faster, loses recent chunks on power loss) */
+	enum store_verify verify;
+	unsigned verify_ttl_s;	/* ONCE: how long a verified value stays trusted; 0: 300 */
+	size_t verify_entries;	/* ONCE: layer values remembered; 0: 1M (16 MiB) */
 };
 
 /* A model: KV layout and RoPE configuration. The store keeps the RoPE fields as given. */
@@ -307,6 +319,35 @@ uint64_t store_chunk_walks(struct store *s);
 #define STORE_OWED_PEER_MAX 64
 int store_owed_put(struct store *s, const char *peer, uint32_t model_id, const uint8_t *hash,
 		   bool owed);
+/* Reads by how their checksums were handled since store_open(). */
+struct store_verify_counts {
+	uint64_t verified;	/* layer values whose checksums a read computed */
+	uint64_t trusted;	/* layer values served without, verified earlier (ONCE) */
+	uint64_t forgotten;	/* times every entry was dropped: the data file written by another process */
+	uint64_t scrubbed_bytes; /* bytes store_scrub() checked */
+	uint64_t scrub_passes;	/* whole passes store_scrub() finished */
+};
+
+void store_verify_counts(struct store *s, struct store_verify_counts *out);
+
+/*
+ * The scrub: check stored layer values against their checksums, in key order,
+ * resuming where the last call stopped (sc starts zeroed), until about budget
+ * bytes were read; after the last value the next call starts over. A value that
+ * passes counts as verified (ONCE); for a corrupt one corrupt(ctx, model_id,
+ * hash) is called (once per chunk per call, after the scrub's read transaction
+ * ended, so it may delete the chunk). Returns the bytes read (0 with an empty
+ * store) or a negative errno.
+ */
+struct store_scrub {
+	uint8_t pos[4 + STORE_HASH_LEN + 4]; /* the last layer key checked */
+	bool started;
+};
+
+int64_t store_scrub(struct store *s, struct store_scrub *sc, uint64_t budget,
+		    void (*corrupt)(void *ctx, uint32_t model_id, const uint8_t *hash),
+		    void *ctx);
+
 int store_owed_scan(struct store *s,
 		    int (*fn)(void *ctx, const char *peer, uint32_t model_id, const uint8_t *hash),
 		    void *ctx);

@@ -68,6 +68,7 @@ int st_chunk_purge(struct store *s, MDB_txn *txn, const uint8_t *key,
 	       !memcmp(k.mv_data, key, CHUNK_KEY_LEN)) {
 		struct codec_header hk, hv;
 
+		st_layer_forget(s, k.mv_data, &v);
 		freed->stored_bytes += v.mv_size;
 		/* Best effort: a layer too damaged to say its raw size counts nothing. */
 		if (!codec_peek(v.mv_data, v.mv_size, &hk) &&
@@ -321,11 +322,16 @@ int store_chunk_get(struct store *s, const struct store_model *m,
 		rc = st_err_from_mdb(mdb_get(txn, s->layers, &k, &v));
 		if (rc == -ENOENT)
 			rc = -EBADMSG; /* the chunk record exists, so its layers must */
-		if (!rc)
-			rc = codec_decode(v.mv_data, v.mv_size, out, tb, &used);
-		if (!rc)
-			rc = codec_decode((const uint8_t *)v.mv_data + used, v.mv_size - used,
-					  out + tb, tb, NULL);
+		if (!rc) {
+			uint64_t fp;
+			unsigned fl = st_read_flags(s, key, &v, &fp);
+
+			rc = codec_decode_flags(v.mv_data, v.mv_size, out, tb, &used, fl);
+			if (!rc)
+				rc = codec_decode_flags((const uint8_t *)v.mv_data + used,
+							v.mv_size - used, out + tb, tb, NULL, fl);
+			st_read_done(s, fp, fl, rc);
+		}
 		if (rc == -EINVAL)
 			rc = -EBADMSG;
 		out += 2 * tb;
@@ -342,6 +348,9 @@ struct view_impl {
 	uint32_t dtype;
 	const uint8_t **enc; /* [2 * i] K, [2 * i + 1] V: header and payload */
 	size_t *enc_len;
+	struct store *s;
+	unsigned *flags;     /* [i]: st_read_flags() of layer i, taken before anything read it */
+	uint64_t *fp;
 };
 
 int store_chunk_view(struct store *s, const struct store_model *m,
@@ -364,7 +373,10 @@ int store_chunk_view(struct store *s, const struct store_model *m,
 	w->pub.v = calloc(n, sizeof(*w->pub.v));
 	w->enc = calloc(2 * (size_t)n, sizeof(*w->enc));
 	w->enc_len = calloc(2 * (size_t)n, sizeof(*w->enc_len));
-	if (!w->pub.k || !w->pub.v || !w->enc || !w->enc_len) {
+	w->flags = calloc(n, sizeof(*w->flags));
+	w->fp = calloc(n, sizeof(*w->fp));
+	w->s = s;
+	if (!w->pub.k || !w->pub.v || !w->enc || !w->enc_len || !w->flags || !w->fp) {
 		rc = -ENOMEM;
 		goto fail;
 	}
@@ -393,6 +405,7 @@ int store_chunk_view(struct store *s, const struct store_model *m,
 			rc = rc == -ENOENT ? -EBADMSG : rc; /* the record exists: so must its layers */
 			goto fail;
 		}
+		w->flags[i] = st_read_flags(s, key, &v, &w->fp[i]);
 		p = v.mv_data;
 		left = v.mv_size;
 		for (int t = 0; t < 2; t++) {
@@ -428,12 +441,14 @@ int store_view_verify(const struct store_view *v, uint32_t i)
 {
 	const struct view_impl *w = (const struct view_impl *)v;
 	size_t used;
+	int rc = 0;
 
-	for (int t = 0; t < 2; t++)
+	for (int t = 0; t < 2 && !rc && !(w->flags[i] & CODEC_TRUSTED); t++)
 		if (codec_verify(w->enc[2 * i + t], w->enc_len[2 * i + t], v->tensor_bytes, w->dtype,
 				 NULL, &used))
-			return -EBADMSG;
-	return 0;
+			rc = -EBADMSG;
+	st_read_done(w->s, w->fp[i], w->flags[i], rc);
+	return rc;
 }
 
 void store_view_free(struct store_view **vp)
@@ -448,6 +463,8 @@ void store_view_free(struct store_view **vp)
 	free(w->pub.v);
 	free(w->enc);
 	free(w->enc_len);
+	free(w->flags);
+	free(w->fp);
 	free(w);
 	*vp = NULL;
 }
@@ -480,24 +497,25 @@ struct layer_use {
 	uint64_t tensor_bytes;
 };
 
-static int use_layer(const MDB_val *v, const struct layer_use *u)
+static int use_layer(const MDB_val *v, const struct layer_use *u, unsigned fl)
 {
 	size_t used = 0;
 	int rc;
 
 	if (u->v_xform) {
-		rc = codec_apply(v->mv_data, v->mv_size, u->tensor_bytes, &used, u->k_xform);
+		rc = codec_apply(v->mv_data, v->mv_size, u->tensor_bytes, &used, u->k_xform, fl);
 		if (!rc)
 			rc = codec_apply((const uint8_t *)v->mv_data + used, v->mv_size - used,
-					 u->tensor_bytes, NULL, u->v_xform);
+					 u->tensor_bytes, NULL, u->v_xform, fl);
 		return rc;
 	}
 	rc = u->k_xform ? codec_decode_xform(v->mv_data, v->mv_size, u->k_dst, u->tensor_bytes,
-					     &used, u->k_xform)
-			: codec_decode(v->mv_data, v->mv_size, u->k_dst, u->tensor_bytes, &used);
+					     &used, u->k_xform, fl)
+			: codec_decode_flags(v->mv_data, v->mv_size, u->k_dst, u->tensor_bytes,
+					     &used, fl);
 	if (!rc)
-		rc = codec_decode((const uint8_t *)v->mv_data + used, v->mv_size - used, u->v_dst,
-				  u->tensor_bytes, NULL);
+		rc = codec_decode_flags((const uint8_t *)v->mv_data + used, v->mv_size - used,
+					u->v_dst, u->tensor_bytes, NULL, fl);
 	return rc;
 }
 
@@ -515,8 +533,16 @@ static int with_layer(struct store *s, const struct store_model *m,
 	if (rc)
 		return rc;
 	rc = layer_value(s, txn, m, hash, layer, u->tensor_bytes, &v);
-	if (!rc)
-		rc = use_layer(&v, u);
+	if (!rc) {
+		uint8_t key[LAYER_KEY_LEN];
+		uint64_t fp;
+		unsigned fl;
+
+		layer_key(key, m->id, hash, layer);
+		fl = st_read_flags(s, key, &v, &fp);
+		rc = use_layer(&v, u, fl);
+		st_read_done(s, fp, fl, rc);
+	}
 	if (rc == -EINVAL)
 		rc = -EBADMSG;
 	st_rtxn_end(s, txn);

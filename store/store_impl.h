@@ -64,6 +64,12 @@ struct store {
 	MDB_txn *pool[RTXN_POOL_MAX]; /* reset read transactions, renewed on use */
 	unsigned pool_n;
 	atomic_uint_least64_t chunk_walks; /* store_chunk_walks() */
+	/* Verification (store_verify.c). */
+	enum store_verify verify;
+	struct st_verified *verified;	  /* ONCE */
+	int data_fd;			  /* the data file, for its modification time */
+	atomic_int_least64_t own_mtime;	  /* ns: the data file's after this store's last commit */
+	atomic_uint_least64_t n_verified, n_trusted, n_forgotten, n_scrubbed, n_passes;
 };
 
 /* The totals record: in all, and by the store codec of each chunk's model. */
@@ -148,6 +154,19 @@ int st_commit(struct store *s, MDB_txn *txn, uint64_t need);
 
 /* Commit a transaction that changes nothing: the pages freed before become reusable. */
 int st_txn_advance(struct store *s);
+
+/*
+ * Verification of a layer value v read under layer key `key` (store_verify.c):
+ * st_read_flags() says whether the read may skip the checksums (CODEC_TRUSTED)
+ * and fills *fp (0: not to be remembered); st_read_done() records the outcome.
+ * st_mtime_note() follows each commit; st_layer_forget() each deleted value.
+ */
+unsigned st_read_flags(struct store *s, const uint8_t *key, const MDB_val *v, uint64_t *fp);
+void st_read_done(struct store *s, uint64_t fp, unsigned flags, int rc);
+void st_mtime_note(struct store *s);
+void st_layer_forget(struct store *s, const uint8_t *key, const MDB_val *v);
+int st_verify_open(struct store *s, const struct store_opts *o);
+void st_verify_close(struct store *s);
 
 /* XXH3-64 of a record's key and body; whether v is body_len bytes plus a matching sum. */
 uint64_t st_rec_sum(const MDB_val *k, const void *body, size_t body_len);

@@ -454,6 +454,21 @@ void remove_corrupt(struct req *q, const struct store_model *m)
 	     h);
 }
 
+void ops_scrub_corrupt(void *arg, uint32_t model_id, const uint8_t *hash)
+{
+	struct server *srv = arg;
+	char h[2 * KVBP_HASH_LEN + 1];
+	struct store_model m;
+
+	if (store_model_by_id(srv->store, model_id, &m)) {
+		hex(hash, h);
+		log_err("scrub: chunk %s of model id %" PRIu32 " failed its checksum and its model "
+			"cannot be read; left in place", h, model_id);
+		return;
+	}
+	drop_corrupt(srv, &m, hash, h);
+}
+
 void ops_remove_corrupt(struct server *srv, struct reply_out *out)
 {
 	char h[2 * KVBP_HASH_LEN + 1];

@@ -13,6 +13,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include <cmocka.h>
 
@@ -624,7 +625,9 @@ static void put_then_corrupt(struct daemon *d, uint8_t h[KVB_HASH_LEN], uint32_t
  * the chunk is gone, and a second chunk's GET of the same path still works. */
 static void corrupt_chunk_removed(struct daemon *d, uint32_t tokens)
 {
-	const char *args[] = { "--max-message", "4M", "--max-tokens", "4096", NULL };
+	/* no scrub: it would find the flipped byte before the GET does */
+	const char *args[] = { "--max-message", "4M", "--max-tokens", "4096", "--scrub-mb-per-s",
+			       "0", NULL };
 	size_t n = chunk_bytes(&tiny, tokens);
 	uint8_t h[KVB_HASH_LEN], *kv = malloc(n);
 	kvb_client *c;
@@ -651,6 +654,45 @@ static void corrupt_chunk_removed(struct daemon *d, uint32_t tokens)
 	kvb_close(&c);
 }
 
+/* The scrub finds a flipped byte nobody reads: the chunk is removed and counted, and a
+ * read after says it is not there. Sound chunks read twice are verified once
+ * (verify=once, the default), then trusted. */
+static void test_scrub_removes_corrupt(void **state)
+{
+	struct daemon *d = *state;
+	const char *args[] = { "--max-message", "4M", "--scrub-mb-per-s", "100", NULL };
+	uint32_t tokens = 2048;
+	size_t n = chunk_bytes(&tiny, tokens);
+	uint8_t h[KVB_HASH_LEN], sound[KVB_HASH_LEN], *kv = malloc(n), *back = malloc(n);
+	struct kvb_chunk_info ci;
+	kvb_client *c;
+	double t0, t1;
+	int i;
+
+	put_then_corrupt(d, h, 777, tokens, kv, n, MDB_LAST);
+	daemon_restart(d, args);
+	c = daemon_client(d, 0);
+	for (i = 0; i < 100 && daemon_stat(c, "corrupt_removed") < 1; i++)
+		usleep(50000);
+	assert_int_equal((uint64_t)daemon_stat(c, "corrupt_removed"), 1);
+	assert_true(daemon_stat(c, "scrub_bytes") > 0);
+	assert_int_equal(kvb_lookup(c, "tiny", (const uint8_t(*)[KVB_HASH_LEN])h, 1, &ci), 0);
+	assert_false(ci.found);
+	/* A sound chunk: its first GET computes the checksums, the second trusts them. */
+	hash_of(778, sound);
+	fill(kv, n, 778);
+	assert_int_equal(kvb_put(c, "tiny", sound, KVB_F16, tokens, 0, kv, n, NULL), 0);
+	t0 = daemon_stat(c, "verify_trusted");
+	assert_int_equal(kvb_get(c, "tiny", sound, 0, 0, back, n, NULL), 0);
+	assert_int_equal(kvb_get(c, "tiny", sound, 0, 0, back, n, NULL), 0);
+	assert_memory_equal(kv, back, n);
+	t1 = daemon_stat(c, "verify_trusted");
+	assert_true(t1 - t0 >= 3); /* tiny has 3 layers: the second GET trusted them all */
+	free(kv);
+	free(back);
+	kvb_close(&c);
+}
+
 /* A small chunk: decoded into a reply buffer. */
 static void test_corrupt_chunk_removed(void **state)
 {
@@ -674,8 +716,9 @@ static void corrupt_chunk_removed_bulk(struct daemon *d, bool curve)
 {
 	char keyfile[400], pub[41], cpub[41], csec[41], tcp[64];
 	/* the TCP endpoint beside the harness's IPC one */
-	const char *args[] = { "--max-message", "4M", "--max-tokens", "4096", "--listen", tcp,
-			       curve ? "--curve-secret-key-file" : NULL, keyfile, NULL };
+	const char *args[] = { "--max-message", "4M", "--max-tokens", "4096", "--scrub-mb-per-s",
+			       "0", "--listen", tcp, curve ? "--curve-secret-key-file" : NULL,
+			       keyfile, NULL };
 	uint32_t tokens = 4096;
 	size_t n = chunk_bytes(&tiny, tokens);
 	uint8_t h[KVB_HASH_LEN], *kv = malloc(n), *back = malloc(n);
@@ -832,6 +875,7 @@ int main(void)
 		cmocka_unit_test(test_shape_overflow),
 		cmocka_unit_test_setup_teardown(test_restart_keeps_chunks, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_corrupt_chunk_removed, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_scrub_removes_corrupt, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_corrupt_large_chunk_removed, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_corrupt_chunk_removed_bulk, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_corrupt_chunk_removed_bulk_curve, setup,

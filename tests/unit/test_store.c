@@ -3,6 +3,7 @@
  * of tensors and of records, the format 1 upgrade, reopen, a full file system.
  */
 #include <errno.h>
+#include <fcntl.h>
 #include <lmdb.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -1216,6 +1217,176 @@ static void test_totals_read_no_walk(void **state)
 	check_totals_match_scan(f->s);
 }
 
+
+/* ---- verification once per residency (store.h, enum store_verify) ---- */
+
+static int reopen_verify(struct fixture *f, enum store_verify mode)
+{
+	struct store_opts o = { .dir = f->dir, .map_size = 64u << 20, .max_readers = 16,
+				.min_saving = 0.1, .verify = mode };
+
+	store_close(&f->s);
+	return store_open(&o, &f->s);
+}
+
+/* Flip one byte of the data file where `needle` (16 bytes of a stored tensor) is, with
+ * pwrite() while the store is open: the page cache changes under the store. */
+static void flip_in_file(const char *dir, const uint8_t *needle)
+{
+	char path[128];
+	struct stat st;
+	uint8_t *buf, b;
+	int fd;
+	void *at;
+
+	snprintf(path, sizeof(path), "%s/data.mdb", dir);
+	fd = open(path, O_RDWR);
+	assert_true(fd >= 0);
+	assert_int_equal(fstat(fd, &st), 0);
+	buf = malloc((size_t)st.st_size);
+	assert_int_equal(pread(fd, buf, (size_t)st.st_size, 0), st.st_size);
+	at = memmem(buf, (size_t)st.st_size, needle, 16);
+	assert_non_null(at);
+	b = *(uint8_t *)at ^ 0x10;
+	/* The file's modification time has the kernel's clock tick (a few ms): a write in
+	 * the same tick as the store's last commit would look like the store's own. */
+	usleep(20000);
+	assert_int_equal(pwrite(fd, &b, 1, (uint8_t *)at - buf), 1);
+	close(fd);
+	free(buf);
+}
+
+/* ONCE: the first read verifies each layer, the next ones trust it; bytes changed in the
+ * data file by another writer are caught on the next read all the same. */
+static void test_verify_once(void **state)
+{
+	struct fixture *f = *state;
+	const void *t[8];
+	uint32_t tokens = 128; /* 8 KiB a tensor: values larger than a page */
+	uint8_t h[STORE_HASH_LEN], *kv = make_chunk(&f->m, tokens, 40, t);
+	uint64_t total = 2 * store_tensor_bytes(&f->m, tokens) * 4;
+	uint8_t *out = malloc(total);
+	struct store_verify_counts c0, c1, c2, c3;
+
+	assert_int_equal(reopen_verify(f, STORE_VERIFY_ONCE), 0);
+	hash_n(h, 40);
+	assert_int_equal(store_chunk_put(f->s, &f->m, h, tokens, 0, t, NULL), 0);
+	store_verify_counts(f->s, &c0);
+	assert_int_equal(store_chunk_get(f->s, &f->m, h, 0, 4, out, total, NULL), 0);
+	assert_memory_equal(out, kv, total);
+	store_verify_counts(f->s, &c1);
+	assert_int_equal(c1.verified - c0.verified, 4);
+	assert_int_equal(c1.trusted - c0.trusted, 0);
+	memset(out, 0, total);
+	assert_int_equal(store_chunk_get(f->s, &f->m, h, 0, 4, out, total, NULL), 0);
+	assert_memory_equal(out, kv, total);
+	store_verify_counts(f->s, &c2);
+	assert_int_equal(c2.verified - c1.verified, 0);
+	assert_int_equal(c2.trusted - c1.trusted, 4);
+	/* A byte of layer 1's V changed in the page cache by another writer. */
+	flip_in_file(f->dir, (const uint8_t *)t[3] + 100);
+	assert_int_equal(store_chunk_get(f->s, &f->m, h, 0, 4, out, total, NULL), -EBADMSG);
+	store_verify_counts(f->s, &c3);
+	assert_int_equal(c3.forgotten - c2.forgotten, 1);
+	/* The untouched layers were verified again, and are trusted after. */
+	assert_int_equal(store_chunk_get(f->s, &f->m, h, 2, 4, out, total / 2, NULL), 0);
+	assert_int_equal(store_chunk_get(f->s, &f->m, h, 2, 4, out, total / 2, NULL), 0);
+	store_verify_counts(f->s, &c1);
+	assert_true(c1.trusted - c3.trusted >= 2);
+	free(kv);
+	free(out);
+}
+
+/* ALWAYS: every read computes the checksums. */
+static void test_verify_always(void **state)
+{
+	struct fixture *f = *state;
+	const void *t[8];
+	uint32_t tokens = 128;
+	uint8_t h[STORE_HASH_LEN], *kv = make_chunk(&f->m, tokens, 41, t);
+	uint64_t total = 2 * store_tensor_bytes(&f->m, tokens) * 4;
+	uint8_t *out = malloc(total);
+	struct store_verify_counts c0, c1;
+
+	assert_int_equal(reopen_verify(f, STORE_VERIFY_ALWAYS), 0);
+	hash_n(h, 41);
+	assert_int_equal(store_chunk_put(f->s, &f->m, h, tokens, 0, t, NULL), 0);
+	store_verify_counts(f->s, &c0);
+	for (int i = 0; i < 3; i++)
+		assert_int_equal(store_chunk_get(f->s, &f->m, h, 0, 4, out, total, NULL), 0);
+	store_verify_counts(f->s, &c1);
+	assert_int_equal(c1.verified - c0.verified, 12);
+	assert_int_equal(c1.trusted, 0);
+	free(kv);
+	free(out);
+}
+
+struct scrub_seen {
+	int n;
+	uint32_t model_id;
+	uint8_t hash[STORE_HASH_LEN];
+};
+
+static void scrub_corrupt(void *ctx, uint32_t model_id, const uint8_t *hash)
+{
+	struct scrub_seen *s = ctx;
+
+	s->n++;
+	s->model_id = model_id;
+	memcpy(s->hash, hash, STORE_HASH_LEN);
+}
+
+/* The scrub walks the store in budgets, resumes where it stopped, and names the chunk a
+ * flipped byte is in (SCRUB_ONLY: reads skip the checksums, the scrub is the check). */
+static void test_scrub(void **state)
+{
+	struct fixture *f = *state;
+	const void *t[8];
+	uint32_t tokens = 128;
+	uint8_t h[STORE_HASH_LEN], bad[STORE_HASH_LEN], *kv[3];
+	uint64_t total = 2 * store_tensor_bytes(&f->m, tokens) * 4;
+	struct store_scrub sc = { 0 };
+	struct scrub_seen seen = { 0 };
+	struct store_verify_counts c;
+	uint64_t all = 0;
+	int calls = 0;
+	int64_t r;
+
+	assert_int_equal(reopen_verify(f, STORE_VERIFY_SCRUB_ONLY), 0);
+	for (int i = 0; i < 3; i++) {
+		kv[i] = make_chunk(&f->m, tokens, 50 + i, t);
+		hash_n(h, 50 + i);
+		assert_int_equal(store_chunk_put(f->s, &f->m, h, tokens, 0, t, NULL), 0);
+		if (i == 1) {
+			memcpy(bad, h, STORE_HASH_LEN);
+			flip_in_file(f->dir, (const uint8_t *)t[4] + 64);
+		}
+	}
+	/* A budget of one value at a time: 12 values, one pass, one chunk reported. */
+	do {
+		r = store_scrub(f->s, &sc, 1, scrub_corrupt, &seen);
+		assert_true(r >= 0);
+		all += (uint64_t)r;
+		calls++;
+	} while (sc.started && calls < 100);
+	assert_int_equal(calls, 12);
+	assert_true(all >= total * 3);
+	assert_int_equal(seen.n, 1);
+	assert_int_equal(seen.model_id, f->m.id);
+	assert_memory_equal(seen.hash, bad, STORE_HASH_LEN);
+	store_verify_counts(f->s, &c);
+	assert_int_equal(c.scrub_passes, 1);
+	assert_int_equal(c.scrubbed_bytes, all);
+	/* Once the chunk is gone, a whole pass in one call finds nothing. */
+	assert_int_equal(store_chunk_delete(f->s, &f->m, bad), 0);
+	seen.n = 0;
+	r = store_scrub(f->s, &sc, UINT64_MAX, scrub_corrupt, &seen);
+	assert_true(r > 0 && (uint64_t)r >= total * 2);
+	assert_int_equal(seen.n, 0);
+	for (int i = 0; i < 3; i++)
+		free(kv[i]);
+}
+
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
@@ -1239,6 +1410,9 @@ int main(void)
 		cmocka_unit_test_setup_teardown(test_disk_filled_by_another, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_codec_totals_kept, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_totals_read_no_walk, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_verify_once, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_verify_always, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_scrub, setup, teardown),
 	};
 
 	return cmocka_run_group_tests(tests, NULL, NULL);
