@@ -82,9 +82,6 @@ import os
 import random
 import re
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -195,49 +192,9 @@ def first_sight(queries):
     return out
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Proc:
-    """A child in its own process group, logging to a file; stop() ends the group."""
-
-    def __init__(self, argv, log_path, env):
-        self.log_path = log_path
-        self.log = open(log_path, "w")  # noqa: SIM115 (open while the child runs)
-        self.proc = subprocess.Popen(argv, env=env, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-
-    def alive(self):
-        return self.proc.poll() is None
-
-    def tail(self, n=40):
-        self.log.flush()
-        return "\n".join(Path(self.log_path).read_text(errors="replace").splitlines()[-n:])
-
-    def stop(self):
-        for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                self.proc.wait(wait)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        try:  # children of the group may outlive the leader
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.log.close()
-
-
 def start_server(name, cfg, model, tmp, env):
     """kvblendd (kvblend configurations) and the OpenAI server; returns (procs, port, ep)."""
-    from engine_setup import wait_for_daemon
+    from engine_setup import Group, free_port, wait_for_daemon
 
     d = Path(tmp) / name
     d.mkdir()
@@ -250,7 +207,7 @@ def start_server(name, cfg, model, tmp, env):
         argv.append("--no-enable-prefix-caching")
     if cfg["kv"] is not None:
         ep = f"ipc://{d}/kvblend.sock"
-        daemon = Proc([os.environ["KVBLENDD"], "--data-dir", f"{d}/data", "--listen", ep,
+        daemon = Group([os.environ["KVBLENDD"], "--data-dir", f"{d}/data", "--listen", ep,
                        "--workers", "2", "--shm-max", "2G"], f"{d}/kvblendd.log", env)
         procs.append(daemon)
         wait_for_daemon(ep, daemon.alive)
@@ -259,7 +216,7 @@ def start_server(name, cfg, model, tmp, env):
             {"kv_connector": "KvblendConnector", "kv_connector_module_path": "kvblend.vllm",
              "kv_role": "kv_both", "kv_connector_extra_config": extra})]
     port = free_port()
-    server = Proc(argv + ["--port", str(port)], f"{d}/server.log", env)
+    server = Group(argv + ["--port", str(port)], f"{d}/server.log", env)
     procs.append(server)
     t0 = time.monotonic()
     while True:

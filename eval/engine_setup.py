@@ -3,7 +3,9 @@
 :func:`install_package` pip-installs client/python into a folder, so that vLLM's
 processes find kvblend's ``vllm.general_plugins`` entry point (the blend pass needs the
 model it hands over); :class:`Daemon` starts and stops a real kvblendd on a temporary
-data directory and IPC socket, :func:`cluster` several on one static member list. Used
+data directory and IPC socket, :func:`cluster` several on one static member list;
+:class:`Group` runs any other child (vLLM's server, a shell block) in a process group of
+its own, and :func:`free_port` finds a port for it. Used
 by eval/run_vllm.py, bench/bench_vllm.py and the engine tests (tests/engine/daemon.py):
 tests import eval/, never the reverse. kvblend is imported when a daemon starts, not
 before: a caller that installs the package first and then drops kvblend from
@@ -11,6 +13,8 @@ sys.modules gets the installed copy here too.
 """
 
 import os
+import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -114,7 +118,13 @@ class Daemon:
         with kvblend.Client(self.endpoint, timeout_ms=2000) as c:
             return c.stats()
 
-    def stop(self):
+    def stop(self, keep=False):
+        """Stop kvblendd (SIGTERM, then SIGKILL after 10 s) and remove its directory.
+
+        The directory (data and log) stays when ``keep`` is true, when the daemon
+        did not exit cleanly (a crash, a kill: the log is the evidence; its path is
+        printed), or when ``KVBLEND_KEEP_DAEMON_DIRS`` is set in the environment.
+        """
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -123,6 +133,13 @@ class Daemon:
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
+        clean = self.proc.returncode == 0
+        if keep or not clean or os.environ.get("KVBLEND_KEEP_DAEMON_DIRS"):
+            if not clean:
+                print(f"kvblendd exited with {self.proc.returncode}; its log: "
+                      f"{self.dir}/kvblendd.log")
+            return
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def cluster(ids, *args):
@@ -152,3 +169,49 @@ def cluster(ids, *args):
             d.stop()
         raise
     return started
+
+
+def free_port():
+    """A TCP port on 127.0.0.1 that is free now (the caller binds it soon after)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Group:
+    """A child in a process group of its own, logging to log_path; stop() ends the group.
+
+    vLLM's server forks engine processes: ending only the leader would leave them
+    running, so stop() signals the whole group (SIGTERM, then SIGKILL).
+    """
+
+    def __init__(self, argv, log_path, env):
+        self.log_path = Path(log_path)
+        self.log = open(self.log_path, "w")  # noqa: SIM115 (open while the child runs)
+        self.proc = subprocess.Popen(argv, env=env, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    def alive(self):
+        return self.proc.poll() is None
+
+    def tail(self, n=40):
+        """The log's last n lines."""
+        self.log.flush()
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+    def stop(self):
+        for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.proc.wait(wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        try:  # children of the group may outlive the leader
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.log.close()

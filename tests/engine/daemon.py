@@ -14,10 +14,13 @@ if _EVAL not in sys.path:
 
 from engine_setup import (  # noqa: E402
     Daemon,
+    Group,
     cluster,
+    free_port,
     install_package,
     kvblendd_path,
     wait_for_daemon,
 )
 
-__all__ = ["Daemon", "cluster", "install_package", "kvblendd_path", "wait_for_daemon"]
+__all__ = ["Daemon", "Group", "cluster", "free_port", "install_package", "kvblendd_path",
+           "wait_for_daemon"]

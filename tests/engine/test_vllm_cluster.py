@@ -379,11 +379,9 @@ def main():
         ok = True
     finally:
         for d in (b, a):
-            d.stop()
+            d.stop(keep=not ok)
         if not ok:
             print(f"daemon logs kept: {a.dir}/kvblendd.log, {b.dir}/kvblendd.log")
-    for d in (a, b):
-        shutil.rmtree(d.dir, ignore_errors=True)
     shutil.rmtree(tmp, ignore_errors=True)
     print(f"test_vllm_cluster: all passed in {time.monotonic() - t0:.0f} s")
 

@@ -34,8 +34,6 @@ import json
 import os
 import re
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -75,50 +73,6 @@ def doc_blocks(text):
     if missing:
         fail(f"docs/vllm.md: no block marked {missing} (a fence right after the comment)")
     return found
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Shell:
-    """One docs block run by bash after the env block, in its own process group."""
-
-    def __init__(self, name, env_block, block, env, logdir):
-        self.name = name
-        self.log_path = Path(logdir) / f"{name}.log"
-        self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(["bash", "-euc", env_block + block], env=env,
-                                     stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-
-    def alive(self):
-        return self.proc.poll() is None
-
-    def tail(self, n=40):
-        self.log.flush()
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-
-    def stop(self):
-        """SIGTERM to the whole group (vLLM's engine processes too), then SIGKILL."""
-        for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                self.proc.wait(wait)
-            except subprocess.TimeoutExpired:
-                continue
-            # the leader is gone; children of the group may linger: make sure
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            break
-        self.log.close()
 
 
 def wait_health(port, server):
@@ -229,7 +183,7 @@ def main():
         if not os.environ.get(var):
             fail(f"${var} is not set (run through tests/engine/run.sh)")
     sys.path.insert(0, str(HERE))
-    from daemon import install_package, wait_for_daemon
+    from daemon import Group, free_port, install_package, wait_for_daemon
 
     tmp = tempfile.mkdtemp(prefix="kvblend-serve.")
     site = Path(tmp) / "site"
@@ -244,7 +198,8 @@ def main():
                RAG_DIR=f"{tmp}/rag", PORT=str(port), PYTHONPATH=str(site))
     started, ok = [], False
     try:
-        daemon = Shell("daemon", blocks["env"], blocks["daemon"], env, tmp)
+        daemon = Group(["bash", "-euc", blocks["env"] + blocks["daemon"]],
+                       Path(tmp) / "daemon.log", env)
         started.append(daemon)
         try:
             wait_for_daemon(f"ipc://{tmp}/rag/kvblend.sock", daemon.alive)
@@ -253,7 +208,8 @@ def main():
         print("  (a) kvblendd started by the docs' daemon block answers on "
               "ipc://$RAG_DIR/kvblend.sock")
 
-        server = Shell("server", blocks["env"], blocks["server"], env, tmp)
+        server = Group(["bash", "-euc", blocks["env"] + blocks["server"]],
+                       Path(tmp) / "server.log", env)
         started.append(server)
         secs = wait_health(port, server)
         log = server.log_path.read_text(errors="replace")
