@@ -426,7 +426,9 @@ def store_on_miss(llm, endpoint):
         return instr + sep + [t for i in order for t in docs[i] + sep] + question
 
     hashes = [kvblend.chunk_hash(d + sep) for d in docs]
-    sp = SamplingParams(temperature=0.0, max_tokens=4)
+    # 64 tokens each, past any end: the stores run on the worker's thread during these
+    # requests' decode steps too (a41efd6: a store racing a step's logits gave NaN)
+    sp = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     c = kvblend.Client(endpoint, timeout_ms=10000)
     puts0 = c.stats().get("requests_put", 0)
     outs = llm.generate([TokensPrompt(prompt_token_ids=prompt([0, 1]))] * 3, [sp] * 3,
@@ -444,9 +446,9 @@ def store_on_miss(llm, endpoint):
           f"responses {said[0]}")
     # the stores ran on the worker's thread beside these requests' steps: their outputs
     # must be what the same prompt gives alone, with nothing stored meanwhile
-    alone = llm.generate([TokensPrompt(prompt_token_ids=prompt([0, 1]))],
-                         [SamplingParams(temperature=0.0, max_tokens=4, extra_args={
-                             "kv_transfer_params": {"kvblend": {"segments": []}}})],
+    plain = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True, extra_args={
+        "kv_transfer_params": {"kvblend": {"segments": []}}})
+    alone = llm.generate([TokensPrompt(prompt_token_ids=prompt([0, 1]))], [plain],
                          use_tqdm=False)[0]
     got = [list(o.outputs[0].token_ids) for o in outs]
     if any(g != list(alone.outputs[0].token_ids) for g in got):
