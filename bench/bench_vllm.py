@@ -23,7 +23,8 @@ requests vLLM schedules in one step run in one pass over the layers). The daemon
 started with shm_max above VLLM_CPU_KVCACHE_SPACE, so that vLLM's cache lies in a
 kvblend region and reuse loads are landed by the daemon (docs/vllm.md). Per layer: the
 connector's load time (its log line "loaded N tokens ... in X s": for a landed load the
-time the engine waited for it, opening the session and the per-layer waits; for a copied
+time it held the engine, opening the session, the per-layer waits and the close (the
+close since 2026-12-02); for a copied
 one the get_rerotated calls and the writes into vLLM's cache), the daemon's landing time
 (the same line: all layers written into vLLM's cache), and get_rerotated of the same five
 chunks called from this process (re-rotation and transfer, no cache writes), each divided

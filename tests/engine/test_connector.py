@@ -26,7 +26,12 @@ serves every request:
     a step): stored once complete, and its exact-prefix reuse equals plain vLLM;
 (j) preemption: six reuse requests at once in a cache of 7 usable blocks (each needs a
     second block as it decodes): vLLM preempts and resumes some, which load again; every
-    output equals plain vLLM's.
+    output equals plain vLLM's;
+(k) a daemon slowed on purpose (stopped with SIGSTOP 990 ms in every second, so each of
+    its answers waits up to 1 s): the first reuse requests' loads cost the engine more
+    than prefilling their tokens, the connector measures it, and the later reuse requests
+    are computed instead ("load_declined" in the response, no landing opened); every
+    output equals plain vLLM's (kvblend.vllm.cost).
 The engine runs with a small cache (8 blocks of 128 tokens) and 256 tokens a step, so that
 (i) and (j) happen.
 Exit 0 when all pass, 1 on a failure, 77 when KVBLEND_SKIP_ENGINE=1.
@@ -36,8 +41,10 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -354,6 +361,9 @@ def run(model_dir, d, dump_dir, report, np, kvblend):
     check("(j) preemption: every output equals plain vLLM",
           all(g == plain_b for g in got), str([g == plain_b for g in got]))
 
+    # (k) a slowed daemon: a load that loses is computed instead
+    slowed_loads(llm, d, p_b, plain_b, l1, len(q), report)
+
     # (f) the daemon killed between requests: outputs equal plain vLLM's. The times go to
     # the report only (a shared machine makes them noisy); test_vllm_daemon_link holds the
     # circuit breaker to its bounds without an engine
@@ -376,6 +386,53 @@ def run(model_dir, d, dump_dir, report, np, kvblend):
     report["daemon_down_second_request_s"] = round(time.monotonic() - t, 2)
     check("(f) a second kvblend request during the outage: output equals plain vLLM",
           got == plain_b)
+
+def slowed_loads(llm, d, prompt, plain, n_chunk, n_fresh, report):
+    """(k) Loads from a daemon slowed on purpose lose to prefill: computed instead."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    seg = {"kvblend": {"segments": [[0, n_chunk, "chunk"], [n_chunk, n_fresh, "fresh"]]}}
+    stop = threading.Event()
+
+    def throttle():  # the daemon runs 10 ms in every second
+        pid = d.proc.pid
+        while not stop.is_set():
+            os.kill(pid, signal.SIGSTOP)
+            time.sleep(0.99)
+            os.kill(pid, signal.SIGCONT)
+            time.sleep(0.01)
+        os.kill(pid, signal.SIGCONT)
+
+    opens0 = d.stats()["requests_fuse_open"]
+    th = threading.Thread(target=throttle, daemon=True)
+    th.start()
+    said, got, secs = [], [], []
+    try:
+        for _ in range(4):
+            sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                                extra_args={"kv_transfer_params": seg})
+            t = time.monotonic()
+            out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], [sp], use_tqdm=False)[0]
+            secs.append(round(time.monotonic() - t, 2))
+            said.append((out.kv_transfer_params or {}).get("kvblend", {}))
+            got.append(list(out.outputs[0].token_ids))
+    finally:
+        stop.set()
+        th.join()
+    opens = d.stats()["requests_fuse_open"] - opens0
+    report["k_request_s"], report["k_said"], report["k_opens"] = secs, said, opens
+    check("(k) slowed daemon: every output equals plain vLLM", all(g == plain for g in got),
+          str([g == plain for g in got]))
+    declined = [s.get("load_declined", 0) for s in said]
+    loaded = [s.get("reused", 0) for s in said]
+    check("(k) slow loads measured, then the requests are computed instead",
+          loaded[0] == n_chunk and declined[0] == 0 and declined[-1] == n_chunk
+          and all(x in (0, n_chunk) for x in declined)
+          and all((a == 0) != (b == 0) for a, b in zip(loaded, declined))
+          and opens == sum(1 for x in loaded if x),
+          f"load_declined {declined}, reused {loaded}, landings opened {opens}, said {said}")
+
 
 if __name__ == "__main__":
     sys.exit(main())

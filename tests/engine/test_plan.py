@@ -434,13 +434,31 @@ def scheduler_store_scope():
     from kvblend.vllm.scheduler import SchedulerSide
 
     ids = list(range(100, 140))
-    side = SchedulerSide(Ns(block_size=16), None)
+    side = SchedulerSide(Ns(block_size=16, load_cost_margin=1.0, load_cost_check=True), None)
     req = Ns(request_id="r1", prompt_token_ids=ids, lora_request=None, cache_salt="tenant-a",
              kv_transfer_params={"kvblend": {"segments": [[0, 40, "chunk"]], "store": True}})
     side.update_state_after_alloc(req, Ns(get_block_ids=lambda: ([3, 4, 5],)), 0)
     pending = side._stores.get("r1")
     check("scheduler: an unplanned store's key is scoped", pending and pending.hash,
           kvblend.scoped_chunk_hash(ids, b'{"salt":"tenant-a"}'))
+    # what the finished requests said, summed for vLLM's connector stats
+    from kvblend.vllm.stats import KvblendStats
+
+    side._said["r1"] = {"prompt_tokens": 40, "prefix_cached": 0, "reused": 30, "blended": 0,
+                        "computed": 10, "stored": 40, "load_declined": 0}
+    side._said["r2"] = {"prompt_tokens": 50, "prefix_cached": 16, "reused": 0, "blended": 0,
+                        "computed": 34, "stored": 0, "load_declined": 20}
+    side.request_finished(req, [])
+    side.request_finished(Ns(request_id="r2"), [])
+    side.update_connector_output(Ns(kv_connector_worker_meta=None))
+    st = KvblendStats(data=side.take_stats())
+    other = KvblendStats(data={"requests": 1, "recomputed_after_failure": 7})
+    got = st.aggregate(other).reduce()
+    check("scheduler: connector stats sum the finished requests",
+          (got["requests"], got["prompt_tokens"], got["prefix_cached"], got["reused"],
+           got["computed"], got["load_declined"], got["stored"],
+           got["recomputed_after_failure"]), (3, 90, 16, 30, 44, 20, 40, 7))
+    check("scheduler: stats taken are reset", side.take_stats(), None)
 
 
 def region(d):

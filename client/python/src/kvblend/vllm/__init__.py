@@ -22,6 +22,8 @@ The package, by role:
 - :mod:`.layout`: the one module that knows vLLM's cache layout;
 - :mod:`.landing`: vLLM's cache in a kvblend region, written by the daemon;
 - :mod:`.misses`: chunks a separator-split request missed, prefilled alone and stored;
+- :mod:`.cost`: whether a load pays, from the load and prefill times the worker measures
+  (no torch or vLLM); :mod:`.stats`: the requests' figures in vLLM's connector stats;
 - :mod:`.separator`: a separator given as text, checked against the engine's tokenizer;
 - :mod:`.blend`, :mod:`.attention`: the blend pass over vLLM's modules and vLLM's CPU
   attention kernel (the pass itself is :mod:`kvblend.blend`'s);

@@ -263,6 +263,8 @@ class ConnectorConfig:
     prefix_caching: bool = False
     store_on_miss: bool = False
     store_tokens_per_step: int = 2048
+    load_cost_check: bool = True
+    load_cost_margin: float = 1.0
 
 
 def connector_config(vllm_config: VllmConfig) -> ConnectorConfig:
@@ -309,6 +311,15 @@ def connector_config(vllm_config: VllmConfig) -> ConnectorConfig:
             f"kv_connector_extra_config: store_tokens_per_step must be an int in "
             f"[1, 1048576], got {per_step!r}"
         )
+    check = extra.get("load_cost_check", True)
+    if not isinstance(check, bool):
+        raise refuse(f"kv_connector_extra_config: load_cost_check must be a bool, got {check!r}")
+    margin = extra.get("load_cost_margin", 1.0)
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 < margin <= 100:
+        raise refuse(
+            f"kv_connector_extra_config: load_cost_margin must be a number in (0, 100], "
+            f"got {margin!r}"
+        )
     if separator is not None and blend is None:
         logger.warning(
             "kvblend: a chunk separator without 'blend': the text before the first "
@@ -327,4 +338,6 @@ def connector_config(vllm_config: VllmConfig) -> ConnectorConfig:
         prefix_caching=bool(vllm_config.cache_config.enable_prefix_caching),
         store_on_miss=store_on_miss,
         store_tokens_per_step=per_step,
+        load_cost_check=check,
+        load_cost_margin=float(margin),
     )

@@ -16,18 +16,22 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 
 from .config import check_version, connector_config, logger
 from .daemon import DaemonLink
 from .metadata import KvblendMetadata
 from .scheduler import SchedulerSide
+from .stats import KvblendStats
 from .worker import WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
@@ -88,7 +92,9 @@ class KvblendConnector(KVConnectorBase_V1):
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         """Take this step's metadata (before its forward pass)."""
         super().bind_connector_metadata(connector_metadata)
-        self.worker.step_begin()
+        self.worker.step_begin(
+            connector_metadata if isinstance(connector_metadata, KvblendMetadata) else None
+        )
 
     def clear_connector_metadata(self) -> None:
         """Drop this step's metadata (after its forward pass and saves)."""
@@ -120,6 +126,27 @@ class KvblendConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         """Close this step's landing sessions; PUT each chunk gathered this step."""
         self.worker.wait_for_save(self._meta())
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        """This step's load and prefill times, for the scheduler's cost model."""
+        return self.worker.build_worker_meta()
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Take the workers' load and prefill times (:mod:`kvblend.vllm.cost`)."""
+        self.scheduler.update_connector_output(connector_output)
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """Where the finished requests' KV came from (scheduler role; the workers' part,
+        loads that failed, reaches the scheduler with the step's output)."""
+        if self._role != KVConnectorRole.SCHEDULER:
+            return None
+        data = self.scheduler.take_stats()
+        return None if data is None else KvblendStats(data=data)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+        """The stats object for data vLLM aggregated (:mod:`kvblend.vllm.stats`)."""
+        return KvblendStats() if data is None else KvblendStats(data=dict(data))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Return the blocks whose load failed this step (vLLM recomputes them)."""

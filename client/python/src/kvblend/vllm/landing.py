@@ -98,7 +98,7 @@ class CacheRegion:
         self.k: np.ndarray | None = None  # [layers, blocks, block_size, heads, hd], K's strides
         self.v: np.ndarray | None = None
         self.block_size = 0
-        # this step's sessions, and the seconds each has held the engine (open + waits)
+        # this step's sessions, and the seconds each has held the engine (open, waits, close)
         self.sessions: dict[str, tuple[LandingSession, list[float]]] = {}
         self.failed: set[str] = set()  # this step's sessions that stopped landing
         self.gone = False  # this step found the daemon gone or not answering: no closes
@@ -235,8 +235,8 @@ class CacheRegion:
     def close_all(self) -> dict[str, tuple[dict, float, bool]]:
         """Close this step's sessions.
 
-        Returns, per request, its close stats, the seconds it held the engine (open and
-        waits), and whether it failed.
+        Returns, per request, its close stats, the seconds it held the engine (open, waits
+        and close), and whether it failed.
         """
         out = {}
         for rid, (s, held) in self.sessions.items():
@@ -247,8 +247,10 @@ class CacheRegion:
                 # only wait out the timeout
                 failed = True
             else:
+                t0 = time.monotonic()
                 try:
                     st = s.close()
+                    held[0] += time.monotonic() - t0
                 except Unavailable as e:
                     # not answering (it may be stopped, not dead): the close stays queued
                     # for it; the next sessions' closes would wait as long each

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
 
 from .plan import BlendLoad, ChunkLoad
 
@@ -51,3 +54,25 @@ class KvblendMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     stores: list[StoreSpec] = field(default_factory=list)
     misses: list[MissSpec] = field(default_factory=list)
+    #: tokens the step computes, all requests together (the prefill rate's measure)
+    scheduled_tokens: int = 0
+
+
+@dataclass
+class KvblendWorkerMeta(KVConnectorWorkerMetadata):
+    """What the worker measured in one step, for the scheduler's cost model.
+
+    ``samples`` are ``(kind, tokens, seconds)`` (:mod:`kvblend.vllm.cost`): each load's
+    time on the engine, and the step's forward pass when it loaded nothing.
+    """
+
+    samples: list[tuple[str, int, float]] = field(default_factory=list)
+    #: tokens of loads that failed this step (vLLM recomputes them)
+    failed_tokens: int = 0
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        """All workers' samples of the step together."""
+        assert isinstance(other, KvblendWorkerMeta)
+        return KvblendWorkerMeta(
+            self.samples + other.samples, self.failed_tokens + other.failed_tokens
+        )

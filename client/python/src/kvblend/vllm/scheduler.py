@@ -18,15 +18,16 @@ from typing import TYPE_CHECKING, Any
 
 from ..client import scoped_chunk_hash
 from ..errors import KvblendError
-from . import plan
+from . import cost, plan
 from .config import ConnectorConfig, logger
 from .daemon import DaemonLink
 from .layout import full_blocks
-from .metadata import KvblendMetadata, LoadSpec, MissSpec, StoreSpec
+from .metadata import KvblendMetadata, KvblendWorkerMeta, LoadSpec, MissSpec, StoreSpec
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 
@@ -34,6 +35,11 @@ if TYPE_CHECKING:
 MISS_WINDOW_S = 120.0
 #: Most missed chunks waiting to be stored (older ones are dropped first).
 MAX_QUEUED_MISSES = 1024
+
+
+def _us(spt: float | None) -> str:
+    """Seconds per token for a log line."""
+    return "unmeasured" if spt is None else f"{spt * 1e6:.0f} us"
 
 
 @dataclass
@@ -72,6 +78,8 @@ class SchedulerSide:
         self._plans: dict[str, plan.Plan] = {}  # the last answer, for update_state_after_alloc
         self._loads: list[LoadSpec] = []
         self._stores: dict[str, _Pending] = {}
+        self.cost = cost.CostModel(config.load_cost_margin, config.load_cost_check)
+        self._totals: dict[str, int] = {}  # vLLM's connector stats (kvblend.vllm.stats)
 
     def _log_once(self, key: str, msg: str, *args: Any) -> None:
         if key not in self._logged:
@@ -130,6 +138,10 @@ class SchedulerSide:
     ) -> tuple[int | None, bool]:
         """Return the tokens from ``num_computed_tokens`` on that stored chunks provide."""
         p = self._plan(request, num_computed_tokens)
+        declined = 0
+        if p.tokens > 0 and not self._worth_loading(p):
+            declined = p.tokens
+            p = plan.Plan(parsed=p.parsed, missing=p.missing)  # computed; misses still stored
         self._plans[request.request_id] = p  # kept for update_state_after_alloc
         self._fence(request, p)
         n = len(request.prompt_token_ids or [])
@@ -140,8 +152,45 @@ class SchedulerSide:
             "blended": 0,
             "computed": n - num_computed_tokens,
             "stored": 0,
+            "load_declined": declined,
         }
         return p.tokens, False
+
+    def _worth_loading(self, p: plan.Plan) -> bool:
+        """Whether loading the plan's tokens costs less than computing them (logged per change)."""
+        kind = cost.BLEND if p.blend is not None else cost.REUSE
+        load, d, changed = self.cost.pays(kind, p.tokens)
+        if changed:
+            if d.pays:
+                logger.info(
+                    "kvblend: loading (%s) pays again: %s a token against prefill's %s",
+                    kind, _us(d.load_spt), _us(d.prefill_spt),
+                )
+            else:
+                logger.warning(
+                    "kvblend: loading (%s) costs %s a token, prefill %s: computing instead "
+                    "(one load every %.0f s measures the daemon again)",
+                    kind, _us(d.load_spt), _us(d.prefill_spt), cost.PROBE_S,
+                )
+        return load
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Take the workers' load and prefill times of the last step."""
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(meta, KvblendWorkerMeta):
+            self.cost.note(meta.samples)
+            if meta.failed_tokens:
+                self._count("recomputed_after_failure", meta.failed_tokens)
+
+    def _count(self, key: str, n: int) -> None:
+        self._totals[key] = self._totals.get(key, 0) + n
+
+    def take_stats(self) -> dict[str, int] | None:
+        """The figures of the requests finished since the last call (None: none)."""
+        if not any(self._totals.values()):
+            return None
+        out, self._totals = self._totals, {}
+        return out
 
     def _fence(self, request: Request, p: plan.Plan) -> None:
         """Keep the blocks a load makes inexact out of vLLM's prefix cache.
@@ -259,7 +308,9 @@ class SchedulerSide:
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvblendMetadata:
         """Return this step's loads, completed stores and missed chunks to store; loaded
         blocks are not zeroed."""
-        meta = KvblendMetadata(loads=self._loads)
+        meta = KvblendMetadata(
+            loads=self._loads, scheduled_tokens=scheduler_output.total_num_scheduled_tokens
+        )
         self._loads = []
         budget = self.config.store_tokens_per_step
         while self._misses and (not meta.misses or len(self._misses[0].ids) <= budget):
@@ -309,10 +360,16 @@ class SchedulerSide:
         cache), "reused" (chunks loaded as stored, keys re-rotated), "blended" (the
         context of a CacheBlend load, its selected tokens recomputed by the pass),
         "computed" (by vLLM after the claim), "stored" (tokens this request stores: its
-        prompt with ``store``, or the chunks it missed, queued to be stored on a miss)}}``,
+        prompt with ``store``, or the chunks it missed, queued to be stored on a miss),
+        "load_declined" (tokens stored chunks could have provided, computed instead
+        because loading them costs more than computing them: :mod:`kvblend.vllm.cost`)}}``,
         as scheduled when the request last started (a resumed request: its last start).
         """
         said = self._said.pop(request.request_id, None)
+        if said is not None:
+            self._count("requests", 1)
+            for k, v in said.items():
+                self._count(k, v)
         self._plans.pop(request.request_id, None)
         self._stores.pop(request.request_id, None)
         self._fenced.pop(request.request_id, None)

@@ -19,12 +19,12 @@ import numpy as np
 import torch
 
 from ..errors import KvblendError, Unavailable
-from . import blend
+from . import blend, cost
 from .config import ConnectorConfig, logger, refuse
 from .daemon import DaemonLink
 from .landing import CacheRegion
 from .layout import LayoutError, PagedCache, blocks_of
-from .metadata import KvblendMetadata, LoadSpec
+from .metadata import KvblendMetadata, KvblendWorkerMeta, LoadSpec
 from .misses import MissStorer
 
 if TYPE_CHECKING:
@@ -81,6 +81,11 @@ class WorkerSide:
         # reentrant: vLLM may compute logits (which take it) before it clears the step
         self._step_lock = threading.RLock()
         self._in_step = False
+        # the cost model's samples (kvblend.vllm.cost), sent to the scheduler each step
+        self._samples: list[tuple[str, int, float]] = []
+        self._failed_tokens = 0
+        self._step_t0: float | None = None
+        self._step_tokens = 0
 
     def get_mem_pool_context(self) -> Any:
         """Place vLLM's one KV-cache allocation in a kvblend region (ipc:// daemons).
@@ -139,22 +144,39 @@ class WorkerSide:
             "kvblend: store on a miss on (at most %d tokens a step)", cfg.store_tokens_per_step
         )
 
-    def step_begin(self) -> None:
+    def step_begin(self, meta: KvblendMetadata | None = None) -> None:
         """vLLM bound this step's metadata: its forward pass follows.
 
         The miss thread computes between steps only (vLLM's CPU kernels are not safe to
         run beside its forward pass): this waits for at most one layer of a missed
-        chunk's prefill.
+        chunk's prefill. A step that loads nothing is timed (the prefill rate).
         """
         if self._misses is not None and not self._in_step:
             self._step_lock.acquire()
             self._in_step = True
+        self._step_t0 = None
+        if meta is not None and not meta.loads and meta.scheduled_tokens >= cost.MIN_STEP_TOKENS:
+            self._step_tokens = meta.scheduled_tokens
+            self._step_t0 = time.monotonic()
 
     def step_end(self) -> None:
         """vLLM cleared this step's metadata: the forward pass is over."""
+        if self._step_t0 is not None:
+            self._samples.append(
+                (cost.PREFILL, self._step_tokens, time.monotonic() - self._step_t0)
+            )
+            self._step_t0 = None
         if self._in_step:
             self._in_step = False
             self._step_lock.release()
+
+    def build_worker_meta(self) -> KvblendWorkerMeta | None:
+        """This step's cost samples and failed loads for the scheduler (None: nothing)."""
+        if not self._samples and not self._failed_tokens:
+            return None
+        out = KvblendWorkerMeta(self._samples, self._failed_tokens)
+        self._samples, self._failed_tokens = [], 0
+        return out
 
     def start_load_kv(self, meta: KvblendMetadata) -> None:
         """Land (or write) each claimed chunk, re-rotated to its position, in the request's blocks.
@@ -193,6 +215,11 @@ class WorkerSide:
                     self.cache.write(ld.block_ids, c.first, rows)
             except (Unavailable, TimeoutError) as e:
                 self.daemon.failed(e)  # opens the link: this step's other loads fail at once
+                if isinstance(e, TimeoutError):  # the deadline passed: that is its cost
+                    self._samples.append(
+                        (cost.REUSE, sum(c.last - c.first for c in ld.chunks),
+                         time.monotonic() - t0)
+                    )
                 self._load_failed(ld, str(e))
                 continue
             except (KvblendError, ValueError, IndexError, RuntimeError) as e:
@@ -237,19 +264,28 @@ class WorkerSide:
             for ld in loads:
                 self._blend([ld])
             return
+        self._samples.append(
+            (cost.BLEND, sum(len(ld.blend.ids) - ld.blend.skip for ld in loads if ld.blend),
+             time.monotonic() - t0)
+        )
         for ld in loads:
             self._loaded(ld, t0, len(loads))
 
     def _loaded(self, ld: LoadSpec, t0: float, batch: int = 1) -> None:
         """Log a load done (copied or blended here) and keep its blocks when asked to."""
         self.daemon.ok()
+        tokens = sum(c.last - c.first for c in ld.chunks) + (
+            len(ld.blend.ids) - ld.blend.skip if ld.blend else 0
+        )
+        secs = time.monotonic() - t0
+        if ld.blend is None:
+            self._samples.append((cost.REUSE, tokens, secs))
         logger.info(
             "kvblend: %s %d tokens of %s in %.3f s%s",
             "blended" if ld.blend is not None else "loaded",
-            sum(c.last - c.first for c in ld.chunks)
-            + (len(ld.blend.ids) - ld.blend.skip if ld.blend else 0),
+            tokens,
             ld.req_id,
-            time.monotonic() - t0,
+            secs,
             "" if ld.blend is not None else " (copied from the daemon's reply)",
         )
         if self._dump_dir:
@@ -266,6 +302,7 @@ class WorkerSide:
         """Report a load's blocks to vLLM, which recomputes them (policy 'recompute')."""
         bad = blocks_of(ld.block_ids, self._spans(ld), self.config.block_size)
         self._load_errors |= bad
+        self._failed_tokens += sum(last - first for first, last in self._spans(ld))
         logger.warning(
             "kvblend: load for %s failed (%s); vLLM recomputes its %d blocks",
             ld.req_id,
@@ -278,12 +315,16 @@ class WorkerSide:
         assert self._region is not None
         for rid, (st, secs, failed) in self._region.close_all().items():
             ld = self._landing.pop(rid)
+            # what the landing cost the engine: opening it, the time it waited for the layers
+            # and closing it (a session that stopped at the deadline cost that much too)
+            self._samples.append((cost.REUSE, sum(c.last - c.first for c in ld.chunks), secs))
             if failed:
                 self._load_failed(ld, "landing stopped")
                 continue
             logger.info(
                 "kvblend: loaded %d tokens of %s in %.3f s (landed by kvblendd in vLLM's cache: "
-                "the time the engine waited; %d layers, daemon landing %.1f ms)",
+                "the time it held the engine: open, waits, close; %d layers, daemon landing "
+                "%.1f ms)",
                 sum(c.last - c.first for c in ld.chunks),
                 rid,
                 secs,

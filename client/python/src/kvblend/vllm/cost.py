@@ -1,0 +1,113 @@
+"""Whether a load pays: its expected time against the prefill it replaces.
+
+A load is worth it only while it costs the engine less than computing the same tokens
+(the SIFT paper's warning: on a slow link or a loaded daemon, loading a chunk can take
+longer than the prefill it replaces, and then a connector makes TTFT worse). The worker
+measures both rates as the engine runs and reports them to the scheduler each step
+(:class:`kvblend.vllm.metadata.KvblendWorkerMeta`); the scheduler asks
+:meth:`CostModel.pays` before it claims a request's tokens, and computes them instead
+when loading would lose.
+
+Rates are seconds per token, exponentially weighted (:data:`WEIGHT` to the newest
+sample, :data:`SLOWER_WEIGHT` to one slower than the rate): a load's time is what the
+engine spent on it (a copied load or a blend pass: its whole time; a landing session:
+opening it, the time the engine waited for its layers (the daemon lands them beside the
+forward pass) and closing it); the prefill's is the forward pass of steps
+that computed at least :data:`MIN_STEP_TOKENS` tokens and loaded nothing. Until both
+are measured, loads go ahead (the first loads measure them). Once loading loses, one
+load every :data:`PROBE_S` seconds still goes ahead to measure the daemon again, so a
+daemon that recovers is used again.
+
+Pure Python (no torch, no vLLM): unit-tested on its own.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+#: Weight of the newest sample in the running rates; a sample slower than the rate
+#: weighs :data:`SLOWER_WEIGHT` (a daemon that slows down is noticed within a load or two,
+#: one that recovers is trusted again more slowly, through probes).
+WEIGHT = 0.3
+SLOWER_WEIGHT = 0.6
+#: Steps that computed fewer tokens (decode steps) say little about the prefill rate.
+MIN_STEP_TOKENS = 64
+#: While loading loses, one load in this many seconds goes ahead to measure again.
+PROBE_S = 30.0
+
+#: Sample kinds: tokens loaded as stored (re-rotated), tokens blended, tokens prefilled.
+REUSE, BLEND, PREFILL = "reuse", "blend", "prefill"
+
+
+@dataclass
+class Decision:
+    """The last answer for a kind of load, for the log line when it changes."""
+
+    pays: bool = True
+    load_spt: float | None = None
+    prefill_spt: float | None = None
+
+
+@dataclass
+class CostModel:
+    """Running load and prefill rates, and the decision they give.
+
+    Parameters
+    ----------
+    margin : float
+        A load goes ahead while its seconds per token are at most ``margin`` times the
+        prefill's (1.0: whichever is faster).
+    enabled : bool
+        False: every load goes ahead (``load_cost_check: false``).
+    clock : callable
+        Seconds, monotonic (tests pass their own).
+    """
+
+    margin: float = 1.0
+    enabled: bool = True
+    clock: Callable[[], float] = time.monotonic
+    spt: dict[str, float] = field(default_factory=dict)
+    declined_loads: int = 0
+    declined_tokens: int = 0
+    _last: dict[str, Decision] = field(default_factory=dict)
+    _probed: dict[str, float] = field(default_factory=dict)
+
+    def note(self, samples: Iterable[tuple[str, int, float]]) -> None:
+        """Take the worker's samples: ``(kind, tokens, seconds)`` each."""
+        for kind, tokens, seconds in samples:
+            if tokens <= 0 or seconds < 0:
+                continue
+            if kind == PREFILL and tokens < MIN_STEP_TOKENS:
+                continue
+            rate = seconds / tokens
+            old = self.spt.get(kind)
+            w = SLOWER_WEIGHT if old is not None and rate > old else WEIGHT
+            self.spt[kind] = rate if old is None else (1 - w) * old + w * rate
+
+    def pays(self, kind: str, tokens: int) -> tuple[bool, Decision, bool]:
+        """Whether to load ``tokens`` tokens of this kind rather than compute them.
+
+        Returns ``(load, decision, changed)``: ``changed`` is true when the decision for
+        this kind differs from the last one (the caller logs it once per change). A
+        declined load is counted in :attr:`declined_loads` and :attr:`declined_tokens`.
+        """
+        load, prefill = self.spt.get(kind), self.spt.get(PREFILL)
+        d = Decision(True, load, prefill)
+        if self.enabled and tokens > 0 and load is not None and prefill is not None:
+            d.pays = load <= prefill * self.margin
+        last = self._last.get(kind, Decision())
+        changed = d.pays != last.pays
+        self._last[kind] = d
+        if d.pays:
+            return True, d, changed
+        now = self.clock()
+        if changed:
+            self._probed[kind] = now  # the window starts when loading starts to lose
+        elif now - self._probed.get(kind, now) >= PROBE_S:
+            self._probed[kind] = now
+            return True, d, changed  # a probe: this load measures the daemon again
+        self.declined_loads += 1
+        self.declined_tokens += tokens
+        return False, d, changed

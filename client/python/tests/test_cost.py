@@ -1,0 +1,78 @@
+"""kvblend.vllm.cost: the load-or-compute decision from measured rates (no engine)."""
+
+from __future__ import annotations
+
+from kvblend.vllm import cost
+
+
+class Clock:
+    """A clock the test moves."""
+
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def model(**kw):
+    clock = Clock()
+    return cost.CostModel(clock=clock, **kw), clock
+
+
+def test_loads_until_both_rates_are_measured():
+    m, _ = model()
+    assert m.pays(cost.REUSE, 512)[0]
+    m.note([(cost.REUSE, 512, 10.0)])  # very slow, but no prefill rate yet
+    assert m.pays(cost.REUSE, 512)[0]
+    assert m.declined_loads == 0
+
+
+def test_decode_steps_do_not_measure_the_prefill():
+    m, _ = model()
+    m.note([(cost.PREFILL, cost.MIN_STEP_TOKENS - 1, 5.0), (cost.REUSE, 100, 1.0)])
+    assert cost.PREFILL not in m.spt
+    assert m.pays(cost.REUSE, 100)[0]
+
+
+def test_a_load_that_loses_is_computed_and_counted():
+    m, clock = model()
+    m.note([(cost.PREFILL, 1000, 1.0)])  # 1 ms a token
+    m.note([(cost.REUSE, 1000, 0.05)])  # 50 us a token: loading pays
+    ok, d, changed = m.pays(cost.REUSE, 300)
+    assert ok and d.pays and not changed
+    for _ in range(20):  # the daemon slows down: 5 ms a token
+        m.note([(cost.REUSE, 1000, 5.0)])
+    ok, d, changed = m.pays(cost.REUSE, 300)
+    assert not ok and not d.pays and changed
+    assert d.load_spt > d.prefill_spt
+    ok, _, changed = m.pays(cost.REUSE, 200)
+    assert not ok and not changed
+    assert (m.declined_loads, m.declined_tokens) == (2, 500)
+    # blends are judged on their own rate
+    assert m.pays(cost.BLEND, 300)[0]
+
+
+def test_a_probe_measures_again_and_a_recovered_daemon_is_used():
+    m, clock = model()
+    m.note([(cost.PREFILL, 1000, 1.0)] + [(cost.REUSE, 1000, 5.0)] * 5)
+    assert not m.pays(cost.REUSE, 100)[0]
+    clock.t += cost.PROBE_S - 1
+    assert not m.pays(cost.REUSE, 100)[0]
+    clock.t += 1
+    assert m.pays(cost.REUSE, 100)[0]  # the probe goes ahead
+    assert not m.pays(cost.REUSE, 100)[0]  # and only one
+    for _ in range(20):  # what the probes measure: the daemon is fast again
+        m.note([(cost.REUSE, 1000, 0.01)])
+    ok, d, changed = m.pays(cost.REUSE, 100)
+    assert ok and d.pays and changed
+
+
+def test_margin_and_off_switch():
+    m, _ = model(margin=3.0)
+    m.note([(cost.PREFILL, 1000, 1.0), (cost.REUSE, 1000, 2.0)])
+    assert m.pays(cost.REUSE, 100)[0]  # twice the prefill's time, within 3x
+    off, _ = model(enabled=False)
+    off.note([(cost.PREFILL, 1000, 1.0), (cost.REUSE, 1000, 50.0)])
+    assert off.pays(cost.REUSE, 100)[0]
+    assert off.declined_loads == 0
