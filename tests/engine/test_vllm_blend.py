@@ -222,9 +222,10 @@ def run_engine(model_dir, endpoint, ref, reuse, tokens, chunks, dump_dir, everyt
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
 
+    # load_cost_check off: every blend asked for is run (test_vllm_connector (k) tests it)
     extra = {"endpoint": endpoint, "model_name": NAME, "timeout_ms": 60000,
              "blend": {"check_layers": list(CHECKS), "ratios": list(RATIOS)},
-             "chunk_separator_text": SEPARATOR}
+             "chunk_separator_text": SEPARATOR, "load_cost_check": False}
     # prefix caching on (vLLM's default): (c) and (d) have no exact prefix of a full
     # block (the header is shorter than one), (e) has one
     llm = LLM(model=model_dir, enforce_eager=True, dtype="float32", max_model_len=4096,

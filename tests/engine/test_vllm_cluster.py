@@ -127,8 +127,9 @@ def start_engine(model_dir, endpoint):
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
+    # load_cost_check off: a fetch from the other member is slow, and must be loaded here
     extra = {"endpoint": endpoint, "timeout_ms": 60000, "chunk_separator_text": SEPARATOR,
-             "blend": {}}
+             "blend": {}, "load_cost_check": False}
     t0 = time.monotonic()
     llm = LLM(model=model_dir, enforce_eager=True, dtype="float32", max_model_len=1024,
               seed=0, enable_prefix_caching=True,

@@ -23,9 +23,13 @@ def model(**kw):
 def test_loads_until_both_rates_are_measured():
     m, _ = model()
     assert m.pays(cost.REUSE, 512)[0]
-    m.note([(cost.REUSE, 512, 10.0)])  # very slow, but no prefill rate yet
+    m.note([(cost.REUSE, 512, 10.0)] * cost.MIN_SAMPLES)  # very slow, but no prefill rate
+    assert m.pays(cost.REUSE, 512)[0]
+    m.note([(cost.PREFILL, 512, 0.5)] * (cost.MIN_SAMPLES - 1))  # not enough steps yet
     assert m.pays(cost.REUSE, 512)[0]
     assert m.declined_loads == 0
+    m.note([(cost.PREFILL, 512, 0.5)])
+    assert not m.pays(cost.REUSE, 512)[0]
 
 
 def test_decode_steps_do_not_measure_the_prefill():
@@ -37,8 +41,8 @@ def test_decode_steps_do_not_measure_the_prefill():
 
 def test_a_load_that_loses_is_computed_and_counted():
     m, clock = model()
-    m.note([(cost.PREFILL, 1000, 1.0)])  # 1 ms a token
-    m.note([(cost.REUSE, 1000, 0.05)])  # 50 us a token: loading pays
+    m.note([(cost.PREFILL, 1000, 1.0)] * 3)  # 1 ms a token
+    m.note([(cost.REUSE, 1000, 0.05)] * 3)  # 50 us a token: loading pays
     ok, d, changed = m.pays(cost.REUSE, 300)
     assert ok and d.pays and not changed
     for _ in range(20):  # the daemon slows down: 5 ms a token
@@ -55,7 +59,7 @@ def test_a_load_that_loses_is_computed_and_counted():
 
 def test_a_probe_measures_again_and_a_recovered_daemon_is_used():
     m, clock = model()
-    m.note([(cost.PREFILL, 1000, 1.0)] + [(cost.REUSE, 1000, 5.0)] * 5)
+    m.note([(cost.PREFILL, 1000, 1.0)] * 3 + [(cost.REUSE, 1000, 5.0)] * 5)
     assert not m.pays(cost.REUSE, 100)[0]
     clock.t += cost.PROBE_S - 1
     assert not m.pays(cost.REUSE, 100)[0]
@@ -70,9 +74,9 @@ def test_a_probe_measures_again_and_a_recovered_daemon_is_used():
 
 def test_margin_and_off_switch():
     m, _ = model(margin=3.0)
-    m.note([(cost.PREFILL, 1000, 1.0), (cost.REUSE, 1000, 2.0)])
+    m.note([(cost.PREFILL, 1000, 1.0), (cost.REUSE, 1000, 2.0)] * 3)
     assert m.pays(cost.REUSE, 100)[0]  # twice the prefill's time, within 3x
     off, _ = model(enabled=False)
-    off.note([(cost.PREFILL, 1000, 1.0), (cost.REUSE, 1000, 50.0)])
+    off.note([(cost.PREFILL, 1000, 1.0), (cost.REUSE, 1000, 50.0)] * 3)
     assert off.pays(cost.REUSE, 100)[0]
     assert off.declined_loads == 0

@@ -14,7 +14,7 @@ engine spent on it (a copied load or a blend pass: its whole time; a landing ses
 opening it, the time the engine waited for its layers (the daemon lands them beside the
 forward pass) and closing it); the prefill's is the forward pass of steps
 that computed at least :data:`MIN_STEP_TOKENS` tokens and loaded nothing. Until both
-are measured, loads go ahead (the first loads measure them). Once loading loses, one
+have :data:`MIN_SAMPLES` samples, loads go ahead (the first loads measure them). Once loading loses, one
 load every :data:`PROBE_S` seconds still goes ahead to measure the daemon again, so a
 daemon that recovers is used again.
 
@@ -36,6 +36,9 @@ SLOWER_WEIGHT = 0.6
 MIN_STEP_TOKENS = 64
 #: While loading loses, one load in this many seconds goes ahead to measure again.
 PROBE_S = 30.0
+#: Samples of a kind (and of prefill steps) before a decision: the first loads and steps
+#: of an engine carry one-time costs (allocations, first calls) that say nothing of the rate.
+MIN_SAMPLES = 3
 
 #: Sample kinds: tokens loaded as stored (re-rotated), tokens blended, tokens prefilled.
 REUSE, BLEND, PREFILL = "reuse", "blend", "prefill"
@@ -69,6 +72,7 @@ class CostModel:
     enabled: bool = True
     clock: Callable[[], float] = time.monotonic
     spt: dict[str, float] = field(default_factory=dict)
+    samples: dict[str, int] = field(default_factory=dict)
     declined_loads: int = 0
     declined_tokens: int = 0
     _last: dict[str, Decision] = field(default_factory=dict)
@@ -82,6 +86,7 @@ class CostModel:
             if kind == PREFILL and tokens < MIN_STEP_TOKENS:
                 continue
             rate = seconds / tokens
+            self.samples[kind] = self.samples.get(kind, 0) + 1
             old = self.spt.get(kind)
             w = SLOWER_WEIGHT if old is not None and rate > old else WEIGHT
             self.spt[kind] = rate if old is None else (1 - w) * old + w * rate
@@ -95,7 +100,8 @@ class CostModel:
         """
         load, prefill = self.spt.get(kind), self.spt.get(PREFILL)
         d = Decision(True, load, prefill)
-        if self.enabled and tokens > 0 and load is not None and prefill is not None:
+        measured = min(self.samples.get(kind, 0), self.samples.get(PREFILL, 0)) >= MIN_SAMPLES
+        if self.enabled and tokens > 0 and measured:
             d.pays = load <= prefill * self.margin
         last = self._last.get(kind, Decision())
         changed = d.pays != last.pays
