@@ -6,8 +6,12 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/un.h>
 
 #include "kvblend.pb-c.h"
+
+_Static_assert(KVBP_SHM_PATH_MAX == sizeof(((struct sockaddr_un *)0)->sun_path),
+	       "KVBP_SHM_PATH_MAX is a Unix socket path's size");
 
 _Static_assert((int)KVBLEND__OP__SHM_DETACH == (int)KVBP_OP_SHM_DETACH, "op numbering drifted");
 _Static_assert((int)KVBLEND__CODE__BUSY == (int)KVBP_BUSY, "code numbering drifted");
@@ -695,6 +699,13 @@ int kvbp_reply_decode(const void *buf, size_t len, struct kvbp_reply *out, char 
 	snprintf(r.message, sizeof(r.message), "%s", pb->message ? pb->message : "");
 	snprintf(r.server_version, sizeof(r.server_version), "%s",
 		 pb->server_version ? pb->server_version : "");
+	if (pb->shm_name && strlen(pb->shm_name) >= sizeof(r.shm_name)) {
+		/* cut short, it would name another socket (a 64-byte field once did) */
+		set_err(err, errlen, "reply's shared-memory socket path is %zu bytes; at most %zu",
+			strlen(pb->shm_name), sizeof(r.shm_name) - 1);
+		kvblend__reply__free_unpacked(pb, NULL);
+		return KVBP_BAD_REQUEST;
+	}
 	snprintf(r.shm_name, sizeof(r.shm_name), "%s", pb->shm_name ? pb->shm_name : "");
 	r.existed = pb->existed;
 	r.payload_frames = pb->payload_frames;

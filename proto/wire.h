@@ -15,6 +15,9 @@
 #define KVBP_VERSION 1
 #define KVBP_HASH_LEN 32
 #define KVBP_NAME_MAX 64
+/* The shared-memory descriptor socket's path, NUL included: a Unix socket path's most
+ * (sizeof sockaddr_un.sun_path on Linux). */
+#define KVBP_SHM_PATH_MAX 108
 #define KVBP_MESSAGE_MAX 256
 /* Upper bound on hashes in one LOOKUP; the message size limit applies too. */
 #define KVBP_LOOKUP_MAX 65536
@@ -248,7 +251,7 @@ struct kvbp_reply {
 	uint32_t layer_end;
 	uint64_t shm_id;
 	uint64_t shm_size;
-	char shm_name[64];
+	char shm_name[KVBP_SHM_PATH_MAX]; /* the descriptor socket's path */
 	uint64_t session_id;
 	uint32_t num_tokens;
 	int32_t *selection; /* owned */

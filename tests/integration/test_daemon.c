@@ -13,6 +13,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cmocka.h>
@@ -693,6 +694,51 @@ static void test_scrub_removes_corrupt(void **state)
 	kvb_close(&c);
 }
 
+/*
+ * An IPC socket path of 100 bytes (its descriptor socket, PATH.shm, 104: under a Unix
+ * socket path's 108). The reply named the descriptor socket in a 64-byte field, so any
+ * path of 64 bytes or more was cut short, and every shared-memory use (a region, a PUT or
+ * GET through the client's segment) failed with "cannot fetch shared-memory segment".
+ */
+static void test_shm_long_socket_path(void **state)
+{
+	struct daemon *d = *state;
+	uint32_t tokens = 4096; /* 768 KiB: through the client's shared-memory segment */
+	size_t n = chunk_bytes(&tiny, tokens);
+	uint8_t h[KVB_HASH_LEN], *kv = malloc(n), *back = malloc(n);
+	char sub[300], path[300];
+	size_t len;
+	kvb_client *c;
+	void *region;
+
+	daemon_stop(d);
+	snprintf(sub, sizeof(sub), "%s/", d->dir);
+	len = strlen(sub);
+	assert_true(len < 100 - 7);
+	memset(sub + len, 'd', 100 - 7 - len); /* DIR/ddd...d/s.sock: 100 bytes */
+	sub[100 - 7] = '\0';
+	assert_int_equal(mkdir(sub, 0700), 0);
+	snprintf(path, sizeof(path), "%s/s.sock", sub);
+	assert_int_equal(strlen(path), 100);
+	snprintf(d->endpoint, sizeof(d->endpoint), "ipc://%s", path);
+	daemon_restart(d, (const char *[]){ "--max-message", "4M", "--max-tokens", "4096", NULL });
+	c = daemon_client(d, 0);
+	register_tiny(c);
+	region = kvb_region_alloc(c, 1u << 20);
+	assert_non_null(region);
+	memset(region, 0x5a, 1u << 20);
+	hash_of(4100, h);
+	fill(kv, n, 4100);
+	assert_int_equal(kvb_put(c, "tiny", h, KVB_F16, tokens, 0, kv, n, NULL), 0);
+	assert_int_equal(kvb_get(c, "tiny", h, 0, 0, back, n, NULL), 0);
+	assert_memory_equal(kv, back, n);
+	assert_true(daemon_stat(c, "shm_segments") >= 2); /* the region and the client's own */
+	kvb_region_free(c, region);
+	free(kv);
+	free(back);
+	kvb_close(&c);
+}
+
 /* A small chunk: decoded into a reply buffer. */
 static void test_corrupt_chunk_removed(void **state)
 {
@@ -876,6 +922,7 @@ int main(void)
 		cmocka_unit_test_setup_teardown(test_restart_keeps_chunks, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_corrupt_chunk_removed, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_scrub_removes_corrupt, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_shm_long_socket_path, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_corrupt_large_chunk_removed, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_corrupt_chunk_removed_bulk, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_corrupt_chunk_removed_bulk_curve, setup,
