@@ -706,7 +706,7 @@ static void test_shm_long_socket_path(void **state)
 	uint32_t tokens = 4096; /* 768 KiB: through the client's shared-memory segment */
 	size_t n = chunk_bytes(&tiny, tokens);
 	uint8_t h[KVB_HASH_LEN], *kv = malloc(n), *back = malloc(n);
-	char sub[300], path[300];
+	char sub[264], path[272];
 	size_t len;
 	kvb_client *c;
 	void *region;
