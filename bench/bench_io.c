@@ -6,6 +6,11 @@
  * usage: bench_io [--daemon PATH] [--sync] [--seconds S] [--sizes 1,8,32]
  *                 [--verify once|always|scrub-only]
  *
+ * "2 copies": two memcpys of the same size at once, one on each of two threads, as
+ * the bytes a second through both: what a GET into a private buffer (the daemon's
+ * copy into the shared segment, the client's copy out of it, overlapped) can reach
+ * at best on this machine, where two copies at once may share one memory bandwidth.
+ *
  * --verify: the daemon's verify setting (docs/storage.md#verification; once, the
  * daemon's default): GETs read the same chunks again and again, so under once
  * only the first GET of a chunk computes its checksums.
@@ -13,6 +18,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <math.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdbool.h>
 #include <stdint.h>
@@ -103,6 +109,36 @@ static void fill_kv(uint16_t *p, size_t n, uint64_t seed)
 		(gbps) = rates_[runs_ / 2];                                            \
 	} while (0)
 
+/* The second copy of "2 copies": a thread that copies when the main thread does. */
+struct copier {
+	pthread_barrier_t go, done;
+	const void *src;
+	void *dst;
+	size_t len;
+	bool stop;
+};
+
+static void *copier_main(void *arg)
+{
+	struct copier *c = arg;
+
+	for (;;) {
+		pthread_barrier_wait(&c->go);
+		if (c->stop)
+			return NULL;
+		memcpy(c->dst, c->src, c->len);
+		pthread_barrier_wait(&c->done);
+	}
+}
+
+/* Two copies of len bytes at once (src to dst here, and the copier's), both done. */
+static void two_copies(struct copier *c, void *dst, const void *src, size_t len)
+{
+	pthread_barrier_wait(&c->go);
+	memcpy(dst, src, len);
+	pthread_barrier_wait(&c->done);
+}
+
 int main(int argc, char **argv)
 {
 	char daemon_path[512], dir[] = "/tmp/kvb-bench-XXXXXX", ep[300];
@@ -115,6 +151,8 @@ int main(int argc, char **argv)
 	struct kvb_connect_opts o_shm = { .timeout_ms = 60000 }, o_fr = { .timeout_ms = 60000,
 									 .no_shm = 1 };
 	uint64_t seq = 1;
+	struct copier cp = { 0 };
+	pthread_t cp_thread;
 
 	bench_default_daemon(argv[0], daemon_path, sizeof(daemon_path));
 	for (int i = 1; i < argc; i++) {
@@ -150,9 +188,16 @@ int main(int argc, char **argv)
 	       sync ? "fsync'd" : "no-sync", seconds, extra[1]);
 	printf("median GB/s, and in parentheses the ratio to memcpy of the same bytes in this "
 	       "run\n\n");
-	printf("| chunk | memcpy | file write | PUT shm | PUT frames | GET shm | GET shm-buf | "
-	       "GET frames | codec compress | codec decompress | codec ratio |\n");
-	printf("|---|---|---|---|---|---|---|---|---|---|---|\n");
+	printf("| chunk | memcpy | 2 copies | file write | PUT shm | PUT frames | GET shm | "
+	       "GET shm-buf | GET frames | codec compress | codec decompress | codec ratio |\n");
+	printf("|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+	pthread_barrier_init(&cp.go, NULL, 2);
+	pthread_barrier_init(&cp.done, NULL, 2);
+	if (pthread_create(&cp_thread, NULL, copier_main, &cp)) {
+		fprintf(stderr, "bench_io: cannot start the copier thread\n");
+		kill(pid, SIGKILL);
+		return 1;
+	}
 	for (unsigned s = 0; s < n_sizes; s++) {
 		size_t bytes = (size_t)sizes_mib[s] << 20;
 		size_t tok_bytes = (size_t)2 * model.num_layers * model.num_kv_heads * model.head_dim * 2;
@@ -160,7 +205,8 @@ int main(int argc, char **argv)
 		size_t tb = bytes / model.num_layers / 2;
 		uint16_t *src = malloc(bytes), *dst = malloc(bytes);
 		uint8_t *enc = malloc(codec_bound(tb)), h[KVB_HASH_LEN];
-		double c_memcpy, c_write, c_put, c_put_fr, c_get, c_get_direct, c_get_fr, c_comp,
+		uint16_t *src2 = malloc(bytes), *dst2 = malloc(bytes);
+		double c_memcpy, c_two, c_write, c_put, c_put_fr, c_get, c_get_direct, c_get_fr, c_comp,
 			c_decomp;
 		size_t enc_total = 0, len = 0;
 		char wpath[400];
@@ -171,6 +217,12 @@ int main(int argc, char **argv)
 		fill_kv(src, bytes / 2, s + 1);
 		memset(dst, 1, bytes);
 		MEASURE(c_memcpy, bytes, seconds, memcpy(dst, src, bytes));
+		memcpy(src2, src, bytes);
+		memset(dst2, 1, bytes);
+		cp.src = src2;
+		cp.dst = dst2;
+		cp.len = bytes;
+		MEASURE(c_two, bytes, seconds, two_copies(&cp, dst, src, bytes));
 		/* The disk's own sustained speed for the same bytes: appended to a file in the
 		 * data directory (and fsync'd with --sync), kept until the cell ends so that
 		 * writeback throttles it as it throttles LMDB. The peer of PUT. */
@@ -226,24 +278,33 @@ int main(int argc, char **argv)
 			if (kvb_get(frame_c, model.name, h, 0, 0, dst, bytes, NULL))
 				fprintf(stderr, "get: %s\n", kvb_last_error(frame_c));
 		});
-		printf("| %3u MiB | %5.2f | %5.2f | %5.2f (%.2fx; %.2fx of write) | %5.2f (%.2fx) | "
-		       "%5.2f (%.2fx) | %5.2f (%.2fx) | %5.2f (%.2fx) | %5.2f (%.2fx) | %5.2f (%.2fx) "
-		       "| %.3fx |\n",
-		       sizes_mib[s], c_memcpy, c_write, c_put, c_put / c_memcpy, c_put / c_write,
-		       c_put_fr, c_put_fr / c_memcpy, c_get, c_get / c_memcpy, c_get_direct,
+		printf("| %3u MiB | %5.2f | %5.2f (%.2fx) | %5.2f | %5.2f (%.2fx; %.2fx of write) | "
+		       "%5.2f (%.2fx) | %5.2f (%.2fx; %.2fx of 2 copies) | %5.2f (%.2fx) | "
+		       "%5.2f (%.2fx) | %5.2f (%.2fx) | %5.2f (%.2fx) | %.3fx |\n",
+		       sizes_mib[s], c_memcpy, c_two, c_two / c_memcpy, c_write, c_put,
+		       c_put / c_memcpy, c_put / c_write, c_put_fr, c_put_fr / c_memcpy, c_get,
+		       c_get / c_memcpy, c_get / c_two, c_get_direct,
 		       c_get_direct / c_memcpy, c_get_fr, c_get_fr / c_memcpy, c_comp,
 		       c_comp / c_memcpy, c_decomp, c_decomp / c_memcpy,
 		       (double)bytes / (double)enc_total);
 		fflush(stdout);
 		free(src);
 		free(dst);
+		free(src2);
+		free(dst2);
 		free(enc);
 	}
+	cp.stop = true;
+	pthread_barrier_wait(&cp.go);
+	pthread_join(cp_thread, NULL);
 	kvb_close(&shm_c);
 	kvb_close(&frame_c);
 	bench_stop_daemon(pid, dir);
 	printf("\nshm: through the client's shared-memory segment (the default on ipc://); "
 	       "shm-buf: into kvb_shared_buffer(), no client-side copy; frames: ZeroMQ payload "
-	       "frames (the tcp:// path). PUT is also given as a ratio to the file write.\n");
+	       "frames (the tcp:// path). PUT is also given as a ratio to the file write. 2 copies: "
+	       "two memcpys of the chunk at once on two threads, the bound of a GET into a "
+	       "private buffer (two copies, overlapped); GET shm is also given as a ratio to "
+	       "it.\n");
 	return 0;
 }
