@@ -197,7 +197,10 @@ def run(model_dir, d, dump_dir, report, np, kvblend):
               kv_transfer_config=KVTransferConfig(
                   kv_connector="KvblendConnector", kv_connector_module_path="kvblend.vllm",
                   kv_role="kv_both",
+                  # lookup_timeout_ms as timeout_ms: (k) slows the daemon to answers of
+                  # up to 1 s, and its lookups must get through to test the loads
                   kv_connector_extra_config={"endpoint": d.endpoint, "timeout_ms": 2000,
+                                             "lookup_timeout_ms": 2000,
                                              "model_name": "smollm2-test",
                                              "chunk_separator": SEP}))
     report["engine_start_s"] = round(time.monotonic() - t0, 1)

@@ -4,7 +4,10 @@ kvblend.vllm.daemon.DaemonLink, the circuit breaker every connector call goes th
 a daemon killed with SIGKILL costs the first call one timeout, then every call fails at
 once (no wait) during the back-off, a retry probes the socket and fails at once while
 the daemon is gone, one log line opens the outage and one closes it when a restarted
-daemon on the same socket answers again. kvblend.vllm.daemon.wait_layer: a landing wait
+daemon on the same socket answers again. A daemon that accepts but does not answer
+(stopped with SIGSTOP): the scheduler side's lookup waits at most its lookup_timeout_ms
+(0.3 s here), then requests wait for nothing during the back-off, and the link closes
+once the daemon runs again. kvblend.vllm.daemon.wait_layer: a landing wait
 on a layer the daemon will not land (it waits for a check plane) ends within about one
 probe slice when the daemon is killed, not after its timeout. And the planner's
 ``first_inexact`` (the position from which the scheduler fences blocks out of vLLM's
@@ -249,12 +252,58 @@ def scheduler_outage():
           f"worst {worst * 1000:.2f} ms")
 
 
+def scheduler_stopped_daemon(d):
+    """The scheduler side against a daemon that accepts connections but does not answer
+    (SIGSTOP): one lookup waits its lookup deadline, the next requests none, and the link
+    closes when the daemon answers again."""
+    from kvblend.vllm.config import ConnectorConfig
+    from kvblend.vllm.scheduler import SchedulerSide
+
+    cfg = ConnectorConfig(d.endpoint, 5000, MODEL.name, None, MODEL, 16, None,
+                          lookup_timeout_ms=300)
+    log = logging.getLogger("test-link-stopped")
+    lines = Lines()
+    log.addHandler(lines)
+    log.propagate = False
+    # the connector gives the scheduler's link lookup_timeout_ms (connector.py)
+    side = SchedulerSide(cfg, DaemonLink(d.endpoint, cfg.lookup_timeout_ms, None, log))
+    ids = list(range(100, 160))
+    kvp = {"kvblend": {"segments": [[0, 30, "chunk"]]}}
+    secs, _ = timed(lambda: side.get_num_new_matched_tokens(Request("live", ids, kvp), 0))
+    check("a lookup of a live daemon", secs < 0.3 and not side.daemon.is_open,
+          f"{secs * 1000:.1f} ms")
+    d.proc.send_signal(signal.SIGSTOP)
+    try:
+        secs, _ = timed(lambda: side.get_num_new_matched_tokens(Request("s-0", ids, kvp), 0))
+        check("a stopped daemon: the lookup waits about lookup_timeout_ms (0.3 s), not "
+              "timeout_ms (5 s)", 0.25 < secs < 1.5 and side.daemon.is_open
+              and len(lines.lines) == 1, f"{secs:.2f} s, {lines.lines}")
+        worst = 0.0
+        for i in range(50):
+            t0 = time.monotonic()
+            got = side.get_num_new_matched_tokens(Request(f"s-{i + 1}", ids, kvp), 0)
+            worst = max(worst, time.monotonic() - t0)
+        check("50 requests during the back-off wait for nothing and claim nothing",
+              worst < 0.05 and got == (0, False), f"worst {worst * 1000:.2f} ms, {got}")
+    finally:
+        d.proc.send_signal(signal.SIGCONT)
+    deadline, back = time.monotonic() + 15, False
+    while time.monotonic() < deadline and not back:
+        side.get_num_new_matched_tokens(Request("again", ids, kvp), 0)
+        back = not side.daemon.is_open
+        time.sleep(0.1)
+    check("the daemon running again: the link closes, one line says so", back
+          and len(lines.lines) == 2 and "answers again" in lines.lines[-1],
+          str(lines.lines))
+
+
 def main():
     first_inexact()
     scheduler_outage()
     d = Daemon()
     try:
         blend_after_prefix(d)
+        scheduler_stopped_daemon(d)
         breaker(d)
     finally:
         d.stop()

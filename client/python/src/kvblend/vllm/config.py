@@ -265,6 +265,7 @@ class ConnectorConfig:
     store_tokens_per_step: int = 2048
     load_cost_check: bool = True
     load_cost_margin: float = 1.0
+    lookup_timeout_ms: int = 500
 
 
 def connector_config(vllm_config: VllmConfig) -> ConnectorConfig:
@@ -281,7 +282,22 @@ def connector_config(vllm_config: VllmConfig) -> ConnectorConfig:
     """
     extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
     endpoint: str = extra.get("endpoint") or default_endpoint()
-    timeout_ms = int(extra.get("timeout_ms", 5000))
+    timeout_ms = extra.get("timeout_ms", 5000)
+    if isinstance(timeout_ms, bool) or not isinstance(timeout_ms, int) or not (
+        1 <= timeout_ms <= 3_600_000
+    ):
+        raise refuse(
+            f"kv_connector_extra_config: timeout_ms must be an int in [1, 3600000], "
+            f"got {timeout_ms!r}"
+        )
+    lookup_timeout_ms = extra.get("lookup_timeout_ms", min(500, timeout_ms))
+    if isinstance(lookup_timeout_ms, bool) or not isinstance(lookup_timeout_ms, int) or not (
+        1 <= lookup_timeout_ms <= 3_600_000
+    ):
+        raise refuse(
+            f"kv_connector_extra_config: lookup_timeout_ms must be an int in [1, 3600000], "
+            f"got {lookup_timeout_ms!r}"
+        )
     model_name: str = extra.get("model_name") or default_model_name(vllm_config)
     separator = separator_from_extra(extra, vllm_config)
     tc = vllm_config.kv_transfer_config
@@ -340,4 +356,5 @@ def connector_config(vllm_config: VllmConfig) -> ConnectorConfig:
         store_tokens_per_step=per_step,
         load_cost_check=check,
         load_cost_margin=float(margin),
+        lookup_timeout_ms=lookup_timeout_ms,
     )

@@ -31,9 +31,9 @@ if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 
@@ -47,11 +47,14 @@ class KvblendConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         cfg = connector_config(vllm_config)
         self.config = cfg
-        # only the worker stores, so only its connection registers the model
+        # only the worker stores, so only its connection registers the model; the
+        # scheduler's only looks chunks up, on vLLM's scheduling loop, under its own
+        # shorter deadline (a slow daemon must not hold every request up)
+        worker = role == KVConnectorRole.WORKER
         daemon = DaemonLink(
             cfg.endpoint,
-            cfg.timeout_ms,
-            cfg.model if role == KVConnectorRole.WORKER else None,
+            cfg.timeout_ms if worker else cfg.lookup_timeout_ms,
+            cfg.model if worker else None,
             logger,
         )
         self.scheduler = SchedulerSide(cfg, daemon, kv_cache_config)
@@ -128,7 +131,7 @@ class KvblendConnector(KVConnectorBase_V1):
         self.worker.wait_for_save(self._meta())
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        """This step's load and prefill times, for the scheduler's cost model."""
+        """Return this step's load and prefill times, for the scheduler's cost model."""
         return self.worker.build_worker_meta()
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -136,8 +139,10 @@ class KvblendConnector(KVConnectorBase_V1):
         self.scheduler.update_connector_output(connector_output)
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        """Where the finished requests' KV came from (scheduler role; the workers' part,
-        loads that failed, reaches the scheduler with the step's output)."""
+        """Return where the finished requests' KV came from (scheduler role).
+
+        The workers' part, loads that failed, reaches the scheduler with the step's output.
+        """
         if self._role != KVConnectorRole.SCHEDULER:
             return None
         data = self.scheduler.take_stats()
@@ -145,7 +150,7 @@ class KvblendConnector(KVConnectorBase_V1):
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
-        """The stats object for data vLLM aggregated (:mod:`kvblend.vllm.stats`)."""
+        """Return the stats object for data vLLM aggregated (:mod:`kvblend.vllm.stats`)."""
         return KvblendStats() if data is None else KvblendStats(data=dict(data))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
