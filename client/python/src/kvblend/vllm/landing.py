@@ -34,7 +34,7 @@ from ..errors import BadShm, KvblendError, NotFound, Unavailable, UnknownSession
 from ..sessions import LandingSession
 from ..types import Model
 from .daemon import wait_layer
-from .layout import region_views
+from .layout import CPU_VEC, region_views
 from .plan import ChunkLoad
 
 
@@ -135,14 +135,20 @@ class CacheRegion:
             return None
         return _TakeAllocation(self)
 
-    def attach(self, layers: Sequence[torch.Tensor], model: Model, block_size: int) -> None:
-        """Check that vLLM's layers (in layer order) lie in the region; set K and V views."""
+    def attach(
+        self,
+        layers: Sequence[torch.Tensor],
+        model: Model,
+        block_size: int,
+        kind: str = CPU_VEC,
+    ) -> None:
+        """Check that vLLM's layers (layer order, layout ``kind``) lie in the region; view them."""
         if self.buf is None:
             return
         if not self.taken:
             self.off("vLLM did not allocate its KV cache as one torch.zeros(int8) (another vLLM?)")
             return
-        views = region_views(self.buf, self.size, layers, model, block_size)
+        views = region_views(self.buf, self.size, layers, model, block_size, kind)
         if views is None:
             self.off("vLLM's cache layers are not in the region at one stride")
             return

@@ -1,18 +1,28 @@
-"""vLLM's KV cache as the connector reads and writes it: the one module that knows its layout.
+"""vLLM's KV cache as the connector reads and writes it: the one module that knows its layouts.
 
-vLLM 0.32 on the CPU (attention ISA "vec", ``cpu_attn.py``) views each layer's cache as
-``[num_blocks, kv_heads, block_size, 2 * head_dim]``, but lays the bytes out per block and
-KV head as K transposed ``[head_dim, block_size]``, then V rows ``[block_size, head_dim]``.
-All layers lie in one allocation (``allocate_kv_cache``) at a uniform stride. A request's
-token at prompt position p sits in block ``block_ids[p // block_size]``, slot
-``p % block_size``.
+Two layouts, both one allocation for all layers (``allocate_kv_cache``) at a uniform
+layer stride, both viewed by vLLM per layer as ``[num_blocks, kv_heads, block_size,
+2 * head_dim]``:
+
+- :data:`CPU_VEC`, vLLM 0.32 on the CPU (attention ISA "vec", ``cpu_attn.py``): the
+  bytes are laid out per block and KV head as K transposed ``[head_dim, block_size]``,
+  then V rows ``[block_size, head_dim]``.
+- :data:`INTERLEAVED`, vLLM's GPU backends: the view means what it says, each token's K
+  then its V in the last dimension (K first, ``split(head_size, -1)``), in the physical
+  order ``KVCacheLayout`` picks (``vllm/v1/kv_cache_layout.py``: LBNHC "NHD", the
+  default, or LBHNC "HND", or a block-outermost order); the view's strides say which, and
+  this module reads them rather than assuming one. Its operations are device-agnostic
+  torch ops. What has run where: docs/vllm.md ("GPUs").
+
+A request's token at prompt position p sits in block ``block_ids[p // block_size]``,
+slot ``p % block_size``.
 
 :class:`PagedCache` keeps the worker's K and V views of every layer and moves token rows
 in and out by prompt position through a request's block table (the copy path, the blend's
 cache write, the store's gather, the debug dump); :func:`region_views` describes the same
 cache to the daemon as strided arrays (the landing path); :func:`full_blocks` and
-:func:`blocks_of` are the block-table arithmetic. Another device, ISA or shape is refused
-with the reason (:class:`LayoutError`), never guessed.
+:func:`blocks_of` are the block-table arithmetic. Another ISA or shape is refused with the
+reason (:class:`LayoutError`), never guessed.
 """
 
 from __future__ import annotations
@@ -29,6 +39,13 @@ from ..types import Model
 
 class LayoutError(ValueError):
     """vLLM's cache is not in the layout this module knows; the message says why."""
+
+
+#: vLLM's CPU backend ("vec" ISA): per block and head, K transposed, then V rows.
+CPU_VEC = "cpu-vec"
+#: vLLM's GPU backends: each token's K then V in the view's last dimension, any physical
+#: order of blocks, heads and slots (the view's strides).
+INTERLEAVED = "interleaved"
 
 
 def full_blocks(first: int, last: int, block_size: int) -> range:
@@ -66,40 +83,69 @@ class PagedCache:
     def __init__(self, model: Model, block_size: int) -> None:
         self.model = model
         self.block_size = block_size
-        self.k: list[torch.Tensor] = []  # per layer [blocks, heads, head_dim, block_size]
-        self.v: list[torch.Tensor] = []  # per layer [blocks, heads, block_size, head_dim]
+        self.kind = CPU_VEC  # or INTERLEAVED, set by register()
+        # per layer: CPU_VEC K [blocks, heads, head_dim, block_size], INTERLEAVED K
+        # [blocks, heads, block_size, head_dim]; V [blocks, heads, block_size, head_dim]
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
         self.raw: list[torch.Tensor] = []  # per layer, as vLLM handed it
         self.layer_of: dict[str, int] = {}  # vLLM's layer name -> model layer
 
-    def register(self, kv_caches: dict[str, torch.Tensor], forward_context: dict) -> None:
+    def register(
+        self, kv_caches: dict[str, torch.Tensor], forward_context: dict, kind: str | None = None
+    ) -> None:
         """Take K and V views of each layer's cache (``register_kv_caches``' argument).
 
         ``forward_context`` is vLLM's static forward context (layer name -> attention
-        module, whose ``isa`` names the layout).
+        module, whose ``isa`` names the CPU backend's layout). ``kind``: the layout; None
+        decides by the device: :data:`CPU_VEC` on the CPU (the ISA must be "vec"),
+        :data:`INTERLEAVED` elsewhere. Tests pass :data:`INTERLEAVED` for CPU tensors
+        laid out as on a GPU.
 
         Raises
         ------
         LayoutError
-            A layer not on the CPU with the "vec" ISA, of another shape or not contiguous,
-            or as many layers as the model does not have.
+            A CPU layer whose ISA is not "vec", a layer of another shape, not contiguous
+            (CPU_VEC) or with head_dim not contiguous (INTERLEAVED), layers of different
+            strides, or as many layers as the model does not have.
         """
-        bs, hd = self.block_size, self.model.head_dim
+        bs, hd, heads = self.block_size, self.model.head_dim, self.model.num_kv_heads
+        strides = None
         for i, (name, t) in enumerate(kv_caches.items()):
+            k = kind or (CPU_VEC if t.device.type == "cpu" else INTERLEAVED)
+            if i == 0:
+                self.kind = k
             isa = getattr(forward_context.get(name), "isa", None)
-            if t.device.type != "cpu" or isa != "vec":
+            nb = t.shape[0]
+            if t.dim() != 4 or tuple(t.shape) != (nb, heads, bs, 2 * hd):
                 raise LayoutError(
-                    f"layer {name}: attention ISA {isa!r} on {t.device.type}; kvblend knows "
-                    "only the CPU 'vec' cache layout (float32)"
+                    f"layer {name}: cache shape {tuple(t.shape)} is not the one expected "
+                    f"([blocks, {heads}, {bs}, {2 * hd}])"
                 )
-            nb, heads = t.shape[0], t.shape[1]
-            if tuple(t.shape) != (nb, self.model.num_kv_heads, bs, 2 * hd) or not t.is_contiguous():
-                raise LayoutError(
-                    f"layer {name}: cache shape {tuple(t.shape)} is not the one expected"
-                )
-            raw = t.view(nb, heads, 2 * bs * hd)
-            # Per block and head: K transposed [head_dim, block_size], then V rows.
-            self.k.append(raw[:, :, : bs * hd].view(nb, heads, hd, bs))
-            self.v.append(raw[:, :, bs * hd :].view(nb, heads, bs, hd))
+            if k == CPU_VEC:
+                if t.device.type != "cpu" or isa != "vec":
+                    raise LayoutError(
+                        f"layer {name}: attention ISA {isa!r} on {t.device.type}; kvblend "
+                        "knows the CPU 'vec' cache layout and the GPU backends' "
+                        "(K and V interleaved per token)"
+                    )
+                if not t.is_contiguous():
+                    raise LayoutError(f"layer {name}: the CPU cache is not contiguous")
+                raw = t.view(nb, heads, 2 * bs * hd)
+                # Per block and head: K transposed [head_dim, block_size], then V rows.
+                self.k.append(raw[:, :, : bs * hd].view(nb, heads, hd, bs))
+                self.v.append(raw[:, :, bs * hd :].view(nb, heads, bs, hd))
+            elif k == INTERLEAVED:
+                if t.stride(-1) != 1 or strides not in (None, t.stride()):
+                    raise LayoutError(
+                        f"layer {name}: strides {t.stride()}: head_dim must be contiguous "
+                        "and every layer laid out alike"
+                    )
+                strides = t.stride()
+                self.k.append(t[..., :hd])
+                self.v.append(t[..., hd:])
+            else:
+                raise LayoutError(f"unknown cache layout {k!r}")
             self.raw.append(t)
             m = re.search(r"\.(\d+)\.", name)
             self.layer_of[name] = int(m.group(1)) if m else i
@@ -115,29 +161,44 @@ class PagedCache:
     def write(self, block_ids: Sequence[int], first: int, rows: torch.Tensor) -> None:
         """Write ``rows`` [layers, 2, n, kv_heads, head_dim] into the cache.
 
-        At prompt positions ``first .. first + n - 1`` through the request's block table.
+        At prompt positions ``first .. first + n - 1`` through the request's block table;
+        ``rows`` may be on another device than the cache (copied to the cache's).
         """
         blk, off = slots(block_ids, first, first + rows.shape[2], self.block_size)
         for layer in range(rows.shape[0]):
-            self.k[layer][blk, :, :, off] = rows[layer, 0]
-            self.v[layer][blk, :, off, :] = rows[layer, 1]
+            r = rows[layer].to(self.v[layer].device)
+            if self.kind == CPU_VEC:
+                self.k[layer][blk, :, :, off] = r[0]
+            else:
+                self.k[layer][blk, :, off, :] = r[0]
+            self.v[layer][blk, :, off, :] = r[1]
 
     def gather(self, layer: int, block_ids: Sequence[int], length: int, out: np.ndarray) -> None:
         """Copy one layer's K and V of prompt positions 0 .. length - 1 into ``out``.
 
-        ``out`` is [2, length, kv_heads, head_dim] (K, then V) in the model's dtype.
+        ``out`` is [2, length, kv_heads, head_dim] (K, then V) in the model's dtype, on
+        the host.
         """
         blk, off = slots(block_ids, 0, length, self.block_size)
-        torch.from_numpy(out[0])[:] = self.k[layer][blk, :, :, off]
-        torch.from_numpy(out[1])[:] = self.v[layer][blk, :, off, :]
+        if self.kind == CPU_VEC:
+            k = self.k[layer][blk, :, :, off]
+        else:
+            k = self.k[layer][blk, :, off, :]
+        torch.from_numpy(out[0])[:] = k.cpu()
+        torch.from_numpy(out[1])[:] = self.v[layer][blk, :, off, :].cpu()
 
     def raw_blocks(self, blocks: Sequence[int]) -> np.ndarray:
         """Return the raw bytes' view of ``blocks`` in every layer [layers, len(blocks), ...]."""
-        return torch.stack([t[list(blocks)] for t in self.raw]).numpy()
+        return torch.stack([t[list(blocks)] for t in self.raw]).cpu().numpy()
 
 
 def region_views(
-    buf: np.ndarray, size: int, layers: Sequence[Any], model: Model, block_size: int
+    buf: np.ndarray,
+    size: int,
+    layers: Sequence[Any],
+    model: Model,
+    block_size: int,
+    kind: str = CPU_VEC,
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """Describe vLLM's cache inside a region as K and V arrays for the daemon.
 
@@ -151,14 +212,16 @@ def region_views(
         The model (dtype, KV heads, head_dim).
     block_size : int
         Tokens per block.
+    kind : str
+        The layout (:attr:`PagedCache.kind`).
 
     Returns
     -------
     (k, v) or None
-        Strided views ``[layers, blocks, block_size, kv_heads, head_dim]`` of the region:
-        V with plain row strides, K with the transposed block's own (for
-        ``kvb_fuse_open_into_strided``); None when the layers are not in the region at
-        one stride.
+        Strided views ``[layers, blocks, block_size, kv_heads, head_dim]`` of the region.
+        CPU_VEC: V with plain row strides, K with the transposed block's own (for
+        ``kvb_fuse_open_into_strided``); INTERLEAVED: K and V with the view's own strides,
+        V head_dim after K's. None when the layers are not in the region at one stride.
     """
     base = buf.ctypes.data
     es = np.dtype(model.np_dtype).itemsize
@@ -166,15 +229,25 @@ def region_views(
     ls = ptrs[1] - ptrs[0] if len(ptrs) > 1 else 0
     nb, heads = layers[0].shape[0], model.num_kv_heads
     hd, bs = model.head_dim, block_size
-    block = heads * 2 * bs * hd * es
+    # the bytes one layer's view spans from its first element
+    span = es * (1 + sum((n - 1) * st for n, st in zip(layers[0].shape, layers[0].stride())))
     if (
-        any(p != ptrs[0] + i * ls for i, p in enumerate(ptrs))
+        ls < 0
+        or any(p != ptrs[0] + i * ls for i, p in enumerate(ptrs))
+        or any(t.stride() != layers[0].stride() for t in layers)
         or ptrs[0] < base
-        or ptrs[-1] + nb * block > base + size
+        or ptrs[-1] + span > base + size
     ):
         return None
     arr = buf[ptrs[0] - base :].view(model.np_dtype)
     shape = (len(layers), nb, bs, heads, hd)
+    if kind == INTERLEAVED:
+        sb, sh, sn, _ = (x * es for x in layers[0].stride())
+        strides = (ls, sb, sn, sh, es)
+        k = np.lib.stride_tricks.as_strided(arr, shape, strides)
+        v = np.lib.stride_tricks.as_strided(arr[hd:], shape, strides)
+        return k, v
+    block = heads * 2 * bs * hd * es
     k = np.lib.stride_tricks.as_strided(arr, shape, (ls, block, es, 2 * bs * hd * es, bs * es))
     v = np.lib.stride_tricks.as_strided(
         arr[bs * hd :], shape, (ls, block, hd * es, 2 * bs * hd * es, es)

@@ -102,8 +102,16 @@ class WorkerSide:
         return self._region.context()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Keep K and V views of each layer's cache (CPU "vec" layout); register the model."""
+        """Keep K and V views of each layer's cache (kvblend.vllm.layout); register the model."""
         ctx = self._vllm_config.compilation_config.static_forward_context
+        devices = sorted({t.device.type for t in kv_caches.values()})
+        if devices != ["cpu"]:
+            # the layouts are known (layout.INTERLEAVED), the blend pass and the landing
+            # into device memory are not built: refused rather than run untested
+            raise refuse(
+                f"KV cache on {devices}: the connector runs on vLLM's CPU build only so far "
+                "(docs/vllm.md, \"GPUs\")"
+            )
         try:
             self.cache.register(kv_caches, ctx)
         except LayoutError as e:
@@ -117,7 +125,9 @@ class WorkerSide:
             self._start_misses()
         if self._region is not None:
             layers = self.cache.layers_in_order()
-            self._region.attach(layers, self.config.model, self.cache.block_size)
+            self._region.attach(
+                layers, self.config.model, self.cache.block_size, self.cache.kind
+            )
         try:
             self.daemon.client()
         except KvblendError:

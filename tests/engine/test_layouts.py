@@ -1,0 +1,186 @@
+"""kvblend.vllm.layout in vLLM's GPU cache layouts, on CPU tensors (ctest test_vllm_layouts).
+
+No GPU and no engine: each layer's cache is made by vLLM's own ``create_kv_cache_views``
+(vllm/v1/kv_cache_interface.py) over one int8 allocation in a kvblend region, in the
+physical orders ``KVCacheLayout`` gives the GPU backends: LBNHC ("NHD", FlashAttention's
+default), LBHNC ("HND", FlashInfer) and BLNHC (block-outermost); beside them the CPU
+backend's "vec" cache over the same kind of allocation, the layout the connector runs on
+today. For each GPU layout (kvblend.vllm.layout.INTERLEAVED):
+
+(a) PagedCache.write of rows at prompt positions through a shuffled block table puts
+    each token's K at ``view[block, head, slot, :head_dim]`` and its V after it, as
+    vLLM's GPU kernels read them (vLLM's view indexed directly), and gather reads the
+    same rows back;
+(b) a landing (reuse only, two chunks of 21 and 18 tokens, the second re-rotated by 21
+    positions, blocks of 16: chunks and blocks do not line up) through region_views and
+    a real kvblendd lands, in every layer, rows byte for byte equal to those the same
+    landing puts in the CPU "vec" cache;
+(c) the refusals: head_dim not contiguous, a CPU ISA other than "vec".
+
+Exit 0 when every check passes, 1 on a failure, 77 when KVBLEND_SKIP_ENGINE=1.
+"""
+
+import os
+import sys
+
+if os.environ.get("KVBLEND_SKIP_ENGINE") == "1":
+    print("test_layouts: skipped (KVBLEND_SKIP_ENGINE=1)")
+    sys.exit(77)
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import kvblend  # noqa: E402
+from kvblend.vllm import layout as L  # noqa: E402
+
+from daemon import Daemon  # noqa: E402
+
+MODEL = kvblend.Model("layout-test", 4, 2, 16, dtype="f32", rope_theta=1e4)
+BS, NB = 16, 9  # tokens a block, blocks a layer
+NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(MODEL.num_layers)]
+TA, TB = 21, 18  # the two chunks' tokens
+TABLE = [7, 2, 5]  # the request's block table: 39 tokens in 3 blocks
+failures = []
+
+
+def check(what, ok, detail=""):
+    print(f"{'ok  ' if ok else 'FAIL'} {what}" + (f": {detail}" if detail else ""))
+    if not ok:
+        failures.append(what)
+
+
+class Attn:
+    """A forward-context entry: vLLM's CPU attention modules carry ``isa``."""
+
+    def __init__(self, isa=None):
+        if isa is not None:
+            self.isa = isa
+
+
+def spec():
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    return FullAttentionSpec(block_size=BS, num_kv_heads=MODEL.num_kv_heads,
+                             head_size=MODEL.head_dim, dtype=torch.float32)
+
+
+def views(buf, layout):
+    """Each layer's cache as vLLM makes it in ``layout`` over ``buf`` (int8)."""
+    from vllm.v1.kv_cache_interface import KVCacheTensor, create_kv_cache_views
+
+    page = spec().page_size_bytes
+    n = len(NAMES)
+    if layout.is_layer_compact:
+        t = KVCacheTensor(size=page * NB * n, layers=NAMES, layer_stride=page * NB,
+                          block_stride=page)
+    else:
+        t = KVCacheTensor(size=page * NB * n, layers=NAMES, layer_stride=page,
+                          block_stride=page * n)
+    return dict(zip(NAMES, create_kv_cache_views(buf, spec(), NB, layout, t))), page * NB * n
+
+
+def land(c, cache, region, size, segs):
+    """Land segs (reuse only) into cache's region; each layer's rows, gathered back."""
+    k, v = L.region_views(region, size, cache.layers_in_order(), MODEL, BS, cache.kind)
+    region[:size] = 0
+    s = c.fuse_open_into(MODEL.name, segs, k, v, pages=TABLE)
+    for layer in range(MODEL.num_layers):
+        s.wait(layer, timeout=10)
+    landed = s.close()["layers_landed"]
+    out = np.zeros((MODEL.num_layers, 2, TA + TB, MODEL.num_kv_heads, MODEL.head_dim),
+                   np.float32)
+    for layer in range(MODEL.num_layers):
+        cache.gather(layer, TABLE, TA + TB, out[layer])
+    return landed, out
+
+
+def main():
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    rng = np.random.default_rng(3)
+    shape = (MODEL.num_layers, 2)
+    kv_a = rng.standard_normal((*shape, TA, 2, 16)).astype(np.float32)
+    kv_b = rng.standard_normal((*shape, TB, 2, 16)).astype(np.float32)
+    ha, hb = kvblend.chunk_hash(list(range(TA))), kvblend.chunk_hash(list(range(50, 50 + TB)))
+    d = Daemon()
+    try:
+        with kvblend.Client(d.endpoint, timeout_ms=10000) as c:
+            c.model_register(MODEL)
+            c.put(MODEL.name, ha, kv_a)
+            c.put(MODEL.name, hb, kv_b)
+            segs = [(ha, 0), (hb, TA)]
+            # the reference: the CPU backend's cache (contiguous per layer), vec ISA
+            size = spec().page_size_bytes * NB * len(NAMES)
+            region = c.region(size)
+            buf = torch.from_numpy(region[:size]).view(torch.int8)
+            vec_views, _ = views(buf, KVCacheLayout.LBHNC)
+            vec = L.PagedCache(MODEL, BS)
+            vec.register(vec_views, {n: Attn("vec") for n in NAMES})
+            check("the CPU cache is CPU_VEC", vec.kind == L.CPU_VEC)
+            landed, want = land(c, vec, region, size, segs)
+            check("the CPU 'vec' landing lands every layer", landed == MODEL.num_layers,
+                  str(landed))
+            check("its chunk a rows are the stored ones (position 0: no rotation)",
+                  np.array_equal(want[:, :, :TA], kv_a))
+            check("its chunk b V rows are the stored ones, its K rows re-rotated",
+                  np.array_equal(want[:, 1, TA:], kv_b[:, 1])
+                  and not np.array_equal(want[:, 0, TA:], kv_b[:, 0]))
+            rows = rng.standard_normal((*shape, TA + TB, 2, 16)).astype(np.float32)
+            for layout in (KVCacheLayout.LBNHC, KVCacheLayout.LBHNC, KVCacheLayout.BLNHC):
+                name = layout.name
+                kv, _ = views(buf, layout)
+                cache = L.PagedCache(MODEL, BS)
+                cache.register(kv, {n: Attn() for n in NAMES}, kind=L.INTERLEAVED)
+                # (a) rows where vLLM's GPU kernels read them
+                region[:size] = 0
+                cache.write(TABLE, 0, torch.from_numpy(rows))
+                placed = all(
+                    torch.equal(kv[NAMES[i]][TABLE[p // BS], :, p % BS, :16],
+                                torch.from_numpy(rows[i, 0, p]))
+                    and torch.equal(kv[NAMES[i]][TABLE[p // BS], :, p % BS, 16:],
+                                    torch.from_numpy(rows[i, 1, p]))
+                    for i in range(MODEL.num_layers) for p in range(TA + TB))
+                check(f"(a) {name}: each token's K then V at view[block, head, slot]", placed)
+                back = np.zeros_like(rows)
+                for i in range(MODEL.num_layers):
+                    cache.gather(i, TABLE, TA + TB, back[i])
+                check(f"(a) {name}: gather reads the written rows back",
+                      np.array_equal(back, rows))
+                # (b) the daemon lands where the CPU path's landing does
+                landed, got = land(c, cache, region, size, segs)
+                check(f"(b) {name}: every layer landed", landed == MODEL.num_layers,
+                      str(landed))
+                check(f"(b) {name}: landed rows equal the CPU 'vec' landing's, byte for byte",
+                      got.tobytes() == want.tobytes(),
+                      f"max diff {float(np.abs(got - want).max()):.3g}")
+            # (c) refusals
+            kv, _ = views(buf, KVCacheLayout.LBNHC)
+            bad = {n: t.transpose(2, 1) for n, t in kv.items()}  # heads and slots swapped
+            try:
+                L.PagedCache(MODEL, BS).register(bad, {}, kind=L.INTERLEAVED)
+                check("(c) a view of another shape is refused", False)
+            except L.LayoutError as e:
+                check("(c) a view of another shape is refused", "shape" in str(e), str(e))
+            hd2 = 2 * MODEL.head_dim
+            odd = {n: torch.zeros(NB, MODEL.num_kv_heads, BS, 2 * hd2)[..., ::2] for n in NAMES}
+            try:
+                L.PagedCache(MODEL, BS).register(odd, {}, kind=L.INTERLEAVED)
+                check("(c) head_dim not contiguous is refused", False)
+            except L.LayoutError as e:
+                check("(c) head_dim not contiguous is refused", "contiguous" in str(e), str(e))
+            try:
+                L.PagedCache(MODEL, BS).register(vec_views, {n: Attn("amx") for n in NAMES})
+                check("(c) a CPU ISA other than 'vec' is refused", False)
+            except L.LayoutError as e:
+                check("(c) a CPU ISA other than 'vec' is refused", "'amx'" in str(e), str(e))
+            del buf, kv, vec_views, bad, odd, vec, cache
+            c.free_region(region)
+    finally:
+        d.stop()
+    print("test_layouts: " + ("FAILED " + ", ".join(failures) if failures else "passed"))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
