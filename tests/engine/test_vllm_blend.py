@@ -16,6 +16,7 @@ libkvblend and KVBLEND_ENGINE_MODEL (or --model) to the model directory.
     connector's debug dump, decoded with the CPU "vec" layout) equal kvblend.hf's fused
     KV within TOL (not full reuse's: those differ by O(1) after the check layer), and the
     greedy continuation vLLM computes over them equals kvblend.hf's token for token;
+    and the worker's RoPE self-test ran at start over all 30 layers against the daemon;
 (d) in the same engine, the same prompt with its own settings ({"blend": {"ratios":
     [1.0]}} in its parameters): the cache rows equal kvblend.hf's r=1.0 blend (every token
     recomputed) and so does the continuation;
@@ -233,6 +234,7 @@ def run_engine(model_dir, endpoint, ref, reuse, tokens, chunks, dump_dir, everyt
               kv_transfer_config=KVTransferConfig(
                   kv_connector="KvblendConnector", kv_connector_module_path="kvblend.vllm",
                   kv_role="kv_both", kv_connector_extra_config=extra))
+    rope_self_test(endpoint)
     ids = [int(i) for i in ref.ids]
     got = []
     for params in ({"segments": chunks}, {"segments": chunks, "blend": {"ratios": [1.0]}}):
@@ -257,6 +259,19 @@ def run_engine(model_dir, endpoint, ref, reuse, tokens, chunks, dump_dir, everyt
         fail(f"r=1.0: vLLM's continuation {got[1]} != kvblend.hf's {tokens_all}")
     print(f"  (d) the request's own ratios [1.0]: {len(got[1])} greedy tokens equal to "
           "kvblend.hf's at r=1.0")
+
+
+def rope_self_test(endpoint):
+    """The worker ran its RoPE self-test at start (kvblend.vllm.selftest) against the
+    daemon, over every layer, and it passed (the engine started)."""
+    import kvblend
+
+    with kvblend.Client(endpoint, timeout_ms=10000) as c:
+        probes = [(m.name, m.num_layers) for m in c.model_list()
+                  if m.name.startswith("kvblend-selftest-")]
+    if len(probes) != 1 or probes[0][1] != 30:
+        fail(f"no RoPE self-test of the model's 30 layers in the daemon: {probes}")
+    print(f"  the RoPE self-test ran at start over all 30 layers ({probes[0][0]})")
 
 
 def batched(llm, ids, chunks, dump_dir, ref, everything, got):

@@ -19,13 +19,14 @@ import numpy as np
 import torch
 
 from ..errors import KvblendError, Unavailable
-from . import blend, cost
+from . import blend, cost, selftest
 from .config import ConnectorConfig, logger, refuse
 from .daemon import DaemonLink
 from .landing import CacheRegion
 from .layout import LayoutError, PagedCache, blocks_of
 from .metadata import KvblendMetadata, KvblendWorkerMeta, LoadSpec
 from .misses import MissStorer
+from .plugin import ModelUnreachable, loaded_model
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -86,6 +87,11 @@ class WorkerSide:
         self._failed_tokens = 0
         self._step_t0: float | None = None
         self._step_tokens = 0
+        # the RoPE self-test (kvblend.vllm.selftest): the rotary modules it still has to
+        # check (run at start, or before the first load when the daemon was down then),
+        # and why loads are refused for good when it failed
+        self._rope_pending: list[tuple[str, Any]] | None = None
+        self._rope_bad: str | None = None
 
     def get_mem_pool_context(self) -> Any:
         """Place vLLM's one KV-cache allocation in a kvblend region (ipc:// daemons).
@@ -123,6 +129,7 @@ class WorkerSide:
                 raise refuse(f"blending configured, but {e}") from None
         if self.config.store_on_miss:
             self._start_misses()
+        self._start_self_test()
         if self._region is not None:
             layers = self.cache.layers_in_order()
             self._region.attach(
@@ -132,6 +139,46 @@ class WorkerSide:
             self.daemon.client()
         except KvblendError:
             pass  # the link logged it, and retries with a back-off
+
+    def _start_self_test(self) -> None:
+        """Check the daemon's re-rotation against vLLM's rotary modules (kvblend.vllm.selftest).
+
+        A failure refuses the start; with the daemon down, it runs before the first load.
+        """
+        model = self._blend_model
+        try:
+            if model is None:
+                model = loaded_model(self._vllm_config)
+            self._rope_pending = selftest.rotaries_of(model)
+        except (ModelUnreachable, AttributeError) as e:
+            logger.warning("kvblend: RoPE self-test not run (%s): loads trust the "
+                           "model's description", e)
+            return
+        try:
+            self._self_test(self.daemon.client())
+        except selftest.SelfTestFailed as e:
+            raise refuse(str(e)) from None
+        except KvblendError as e:
+            logger.info("kvblend: RoPE self-test deferred to the first load (%s)", e)
+
+    def _self_test(self, client: Any) -> None:
+        """Run the self-test if it has not passed yet (raises SelfTestFailed, KvblendError)."""
+        if self._rope_bad is not None:
+            raise selftest.SelfTestFailed(self._rope_bad)
+        if self._rope_pending is None:
+            return
+        from vllm.config import set_current_vllm_config
+
+        try:
+            with set_current_vllm_config(self._vllm_config):
+                line = selftest.run(client, self.config.model, self._rope_pending)
+        except selftest.SelfTestFailed as e:
+            self._rope_bad = str(e)
+            self._rope_pending = None
+            logger.error("%s; every load is computed instead", e)
+            raise
+        self._rope_pending = None
+        logger.info("kvblend: %s", line)
 
     def _start_misses(self) -> None:
         """Start storing missed chunks (needs the model, as the blend pass; else one line)."""
@@ -208,6 +255,7 @@ class WorkerSide:
                 # at once while the daemon is known down (the link's back-off): the load
                 # fails without a call, and vLLM recomputes it
                 client = self.daemon.client()
+                self._self_test(client)
                 if ld.blend is not None:
                     blends.append(ld)  # after the loop, all in one pass
                     continue
@@ -230,6 +278,9 @@ class WorkerSide:
                         (cost.REUSE, sum(c.last - c.first for c in ld.chunks),
                          time.monotonic() - t0)
                     )
+                self._load_failed(ld, str(e))
+                continue
+            except selftest.SelfTestFailed as e:
                 self._load_failed(ld, str(e))
                 continue
             except (KvblendError, ValueError, IndexError, RuntimeError) as e:
