@@ -7,7 +7,10 @@ test_vllm_selftest), on vLLM's own rotary modules (``get_rope``), no engine.
 (b) it refuses, naming the layer, a description that is wrong: theta off by 1%, the
     scaling left out, linear scaling's factor wrong, the rotary dim wrong; and a model
     whose last layer alone rotates differently is refused at that layer;
-(c) it leaves nothing stored: the test chunk is deleted.
+(c) it leaves nothing stored: the test chunk is deleted;
+(d) the worker's gate (WorkerSide._self_test, as run before a load when the daemon was
+    down at start): a wrong description fails once against the daemon, then every later
+    call fails at once without the daemon; a sound one passes once, then asks nothing.
 
 Exit 0 when every check passes, 1 on a failure, 77 when KVBLEND_SKIP_ENGINE=1.
 """
@@ -55,6 +58,41 @@ def model(dtype, theta=10000.0, rotary_dim=0, scaling="none"):
 def layers(params, dtype, n=2):
     r = rope(params, dtype)
     return [(f"model.layers.{i}.self_attn.rotary_emb", r) for i in range(n)]
+
+
+def worker_gate(c, vllm_config):
+    """(d) WorkerSide._self_test on a worker made without an engine (the attributes it reads)."""
+    from types import SimpleNamespace
+
+    from kvblend.vllm.worker import WorkerSide
+
+    def worker(desc):
+        w = WorkerSide.__new__(WorkerSide)
+        w.config = SimpleNamespace(model=model("f32", **desc))
+        w._vllm_config = vllm_config
+        w._rope_bad = None
+        w._rope_pending = layers({"rope_theta": 10000.0}, "f32")
+        return w
+
+    w = worker({"theta": 20000.0})
+    try:
+        w._self_test(c)
+        check("(d) a wrong description fails the gate", False, "passed")
+    except selftest.SelfTestFailed as e:
+        check("(d) a wrong description fails the gate", "layer 0" in str(e), str(e))
+    try:
+        w._self_test(None)  # no daemon: a call would raise AttributeError
+        check("(d) later loads fail at once, without the daemon", False, "passed")
+    except selftest.SelfTestFailed as e:
+        check("(d) later loads fail at once, without the daemon", "layer 0" in str(e))
+    w = worker({})
+    try:
+        w._self_test(c)
+        w._self_test(None)
+        check("(d) a sound description passes once, then asks nothing",
+              w._rope_pending is None and w._rope_bad is None)
+    except (selftest.SelfTestFailed, AttributeError) as e:
+        check("(d) a sound description passes once, then asks nothing", False, repr(e))
 
 
 def main():
@@ -109,6 +147,7 @@ def main():
             except selftest.SelfTestFailed as e:
                 check("(b) one layer rotating differently: refused at that layer",
                       "at layer 2 " in str(e), str(e))
+            worker_gate(c, VllmConfig())
             left = [m.name for m in c.model_list() if m.name.startswith("kvblend-selftest-")]
             held = sum(len(c.list(n)) for n in left)
             check("(c) nothing stored afterwards", held == 0 and len(left) > 0,
