@@ -155,6 +155,7 @@ static int bulk_fail(kvb_client *c, int rc, const char *fmt, ...)
 	va_start(ap, fmt);
 	vsnprintf(c->err, sizeof(c->err), fmt, ap);
 	va_end(ap);
+	c->err_code = rc;
 	return rc;
 }
 

@@ -21,6 +21,7 @@ int kvbc_set_err(kvb_client *c, int rc, const char *fmt, ...)
 	va_start(ap, fmt);
 	vsnprintf(c->err, sizeof(c->err), fmt, ap);
 	va_end(ap);
+	c->err_code = rc;
 	return rc;
 }
 
@@ -265,6 +266,7 @@ int kvbc_call(kvb_client *c, struct call *k)
 	int rc;
 
 	c->err[0] = 0;
+	c->err_code = 0;
 	if (!c->sock && kvbc_open_socket(c))
 		return kvbc_set_err(c, -EIO, "cannot open a socket to %s", c->endpoint);
 	k->req.version = KVBP_VERSION;

@@ -26,6 +26,14 @@ const char *kvb_last_error(const kvb_client *c)
 	return c ? c->err : "";
 }
 
+int kvb_last_code(const kvb_client *c)
+{
+	/* a success clears err; a message set without kvbc_set_err() has no code of its own */
+	if (!c || !c->err[0])
+		return 0;
+	return c->err_code ? c->err_code : KVB_E_INTERNAL;
+}
+
 const char *kvb_strerror(int code)
 {
 	static const char *const server[] = {

@@ -55,6 +55,7 @@ struct kvb_client {
 	char server_key[41], public_key[41], secret_key[41];
 	uint64_t next_id;
 	char err[512];
+	int err_code; /* the code kvbc_set_err() was given with err (kvb_last_code) */
 	/* Payload frames ZeroMQ still reads from the caller's memory (zero-copy sends). */
 	atomic_int in_flight;
 	/* shared memory */

@@ -21,7 +21,7 @@
  *
  * ABI: libkvblend.so.1; every function below is bound to symbol version KVBLEND_1
  * (client/kvblend.map; kvb_fuse_open_into_strided and the node's selections to KVBLEND_1.1,
- * kvb_set_timeout to KVBLEND_1.2), and nothing else is exported. A compatible addition (a new
+ * kvb_set_timeout to KVBLEND_1.2, kvb_last_code to KVBLEND_1.3), and nothing else is exported. A compatible addition (a new
  * function, enum value or error code) keeps the soname: its functions go into a new
  * version node (KVBLEND_1.1, ...) that inherits the last. Any other change (a field
  * added to, removed from or moved in a struct the caller allocates or reads, such as
@@ -168,6 +168,10 @@ KVB_API int kvb_set_timeout(kvb_client *c, int timeout_ms);
 
 /* Message of the client's last failed call ("" after a success). Owned by the client. */
 KVB_API const char *kvb_last_error(const kvb_client *c);
+/* Code of the client's last failed call, as the call would have returned it (a negative
+ * errno or a KVB_E_* code; 0 after a success): for the calls that return a pointer
+ * (kvb_region_alloc(), kvb_shared_buffer()), whose NULL does not say why. */
+KVB_API int kvb_last_code(const kvb_client *c);
 
 /* Static description of a code returned by any call. */
 KVB_API const char *kvb_strerror(int code);

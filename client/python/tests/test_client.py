@@ -454,3 +454,14 @@ def test_structs_match_the_header():
             import ctypes
 
             assert ctypes.sizeof(structs[what]) == int(n), what
+
+
+def test_region_refusals_carry_their_code(client):
+    """A refused region raises the error its code names (kvb_last_code), not a guess."""
+    with pytest.raises(kvblend.BadArgument, match="region of 0 bytes"):
+        client.region(0)
+    # far over the daemon's shm_max: its bad_argument, where a guess from the message
+    # ("shared-memory ...") said ENOMEM before
+    with pytest.raises(kvblend.BadArgument, match="shm_max") as e:
+        client.region(1 << 40)
+    assert e.value.name == "bad_argument", e.value.name

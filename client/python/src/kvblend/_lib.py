@@ -154,6 +154,7 @@ _PROTOTYPES = {
     "kvb_close": (None, [ctypes.POINTER(_P)]),
     "kvb_set_timeout": (_INT, [_P, _INT]),
     "kvb_last_error": (_STR, [_P]),
+    "kvb_last_code": (_INT, [_P]),
     "kvb_strerror": (_STR, [_INT]),
     "kvb_default_endpoint": (_STR, []),
     "kvb_ping": (_INT, [_P, _STR, _SZ]),

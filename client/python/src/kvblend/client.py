@@ -655,7 +655,7 @@ class Client:
             p = lib.kvb_region_alloc(self._handle(), nbytes)
             if not p:
                 msg = lib.kvb_last_error(self._c).decode(errors="replace")
-                raise error_for(-12 if "memory" in msg else -95, msg)
+                raise error_for(lib.kvb_last_code(self._c) or -95, msg)
         return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(p))
 
     def free_region(self, region: np.ndarray) -> None:
