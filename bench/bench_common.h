@@ -5,7 +5,9 @@
 #ifndef KVBLEND_BENCH_COMMON_H
 #define KVBLEND_BENCH_COMMON_H
 
+#include <pthread.h>
 #include <signal.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -28,6 +30,61 @@ static inline int cmp_double(const void *a, const void *b)
 	double x = *(const double *)a, y = *(const double *)b;
 
 	return x < y ? -1 : x > y;
+}
+
+/*
+ * "2 copies": a thread that copies src to dst (len bytes) each time the caller makes
+ * its own copy in bench_two_copies(), so that two memcpys run at once: the bound of a
+ * GET into a private buffer (two copies, overlapped). bench_copier_start() before,
+ * bench_copier_stop() after; link with Threads::Threads.
+ */
+struct bench_copier {
+	pthread_barrier_t go, done;
+	pthread_t thread;
+	const void *src;
+	void *dst;
+	size_t len;
+	bool stop;
+};
+
+static inline void *bench_copier_main(void *arg)
+{
+	struct bench_copier *c = arg;
+
+	for (;;) {
+		pthread_barrier_wait(&c->go);
+		if (c->stop)
+			return NULL;
+		memcpy(c->dst, c->src, c->len);
+		pthread_barrier_wait(&c->done);
+	}
+}
+
+/* 0, or -1 when the thread cannot be started. */
+static inline int bench_copier_start(struct bench_copier *c)
+{
+	c->stop = false;
+	pthread_barrier_init(&c->go, NULL, 2);
+	pthread_barrier_init(&c->done, NULL, 2);
+	return pthread_create(&c->thread, NULL, bench_copier_main, c) ? -1 : 0;
+}
+
+/* Copy len bytes from src to dst here while the copier makes its copy; both done. */
+static inline void bench_two_copies(struct bench_copier *c, void *dst, const void *src,
+				    size_t len)
+{
+	pthread_barrier_wait(&c->go);
+	memcpy(dst, src, len);
+	pthread_barrier_wait(&c->done);
+}
+
+static inline void bench_copier_stop(struct bench_copier *c)
+{
+	c->stop = true;
+	pthread_barrier_wait(&c->go);
+	pthread_join(c->thread, NULL);
+	pthread_barrier_destroy(&c->go);
+	pthread_barrier_destroy(&c->done);
 }
 
 /* A comma-separated list of counts ("4096,32768") into v, at most max of them; how many. */

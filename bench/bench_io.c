@@ -18,7 +18,6 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <math.h>
-#include <pthread.h>
 #include <signal.h>
 #include <stdbool.h>
 #include <stdint.h>
@@ -109,36 +108,6 @@ static void fill_kv(uint16_t *p, size_t n, uint64_t seed)
 		(gbps) = rates_[runs_ / 2];                                            \
 	} while (0)
 
-/* The second copy of "2 copies": a thread that copies when the main thread does. */
-struct copier {
-	pthread_barrier_t go, done;
-	const void *src;
-	void *dst;
-	size_t len;
-	bool stop;
-};
-
-static void *copier_main(void *arg)
-{
-	struct copier *c = arg;
-
-	for (;;) {
-		pthread_barrier_wait(&c->go);
-		if (c->stop)
-			return NULL;
-		memcpy(c->dst, c->src, c->len);
-		pthread_barrier_wait(&c->done);
-	}
-}
-
-/* Two copies of len bytes at once (src to dst here, and the copier's), both done. */
-static void two_copies(struct copier *c, void *dst, const void *src, size_t len)
-{
-	pthread_barrier_wait(&c->go);
-	memcpy(dst, src, len);
-	pthread_barrier_wait(&c->done);
-}
-
 int main(int argc, char **argv)
 {
 	char daemon_path[512], dir[] = "/tmp/kvb-bench-XXXXXX", ep[300];
@@ -151,8 +120,7 @@ int main(int argc, char **argv)
 	struct kvb_connect_opts o_shm = { .timeout_ms = 60000 }, o_fr = { .timeout_ms = 60000,
 									 .no_shm = 1 };
 	uint64_t seq = 1;
-	struct copier cp = { 0 };
-	pthread_t cp_thread;
+	struct bench_copier cp = { 0 };
 
 	bench_default_daemon(argv[0], daemon_path, sizeof(daemon_path));
 	for (int i = 1; i < argc; i++) {
@@ -191,9 +159,7 @@ int main(int argc, char **argv)
 	printf("| chunk | memcpy | 2 copies | file write | PUT shm | PUT frames | GET shm | "
 	       "GET shm-buf | GET frames | codec compress | codec decompress | codec ratio |\n");
 	printf("|---|---|---|---|---|---|---|---|---|---|---|---|\n");
-	pthread_barrier_init(&cp.go, NULL, 2);
-	pthread_barrier_init(&cp.done, NULL, 2);
-	if (pthread_create(&cp_thread, NULL, copier_main, &cp)) {
+	if (bench_copier_start(&cp)) {
 		fprintf(stderr, "bench_io: cannot start the copier thread\n");
 		kill(pid, SIGKILL);
 		return 1;
@@ -222,7 +188,7 @@ int main(int argc, char **argv)
 		cp.src = src2;
 		cp.dst = dst2;
 		cp.len = bytes;
-		MEASURE(c_two, bytes, seconds, two_copies(&cp, dst, src, bytes));
+		MEASURE(c_two, bytes, seconds, bench_two_copies(&cp, dst, src, bytes));
 		/* The disk's own sustained speed for the same bytes: appended to a file in the
 		 * data directory (and fsync'd with --sync), kept until the cell ends so that
 		 * writeback throttles it as it throttles LMDB. The peer of PUT. */
@@ -294,9 +260,7 @@ int main(int argc, char **argv)
 		free(dst2);
 		free(enc);
 	}
-	cp.stop = true;
-	pthread_barrier_wait(&cp.go);
-	pthread_join(cp_thread, NULL);
+	bench_copier_stop(&cp);
 	kvb_close(&shm_c);
 	kvb_close(&frame_c);
 	bench_stop_daemon(pid, dir);

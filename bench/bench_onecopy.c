@@ -22,7 +22,6 @@
 #endif
 #include <errno.h>
 #include <fcntl.h>
-#include <pthread.h>
 #include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -38,47 +37,6 @@
 
 #define PIPE_BYTES (1u << 20)
 #define MAX_ROUNDS 1000
-
-static double now(void)
-{
-	struct timespec t;
-
-	clock_gettime(CLOCK_MONOTONIC, &t);
-	return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
-}
-
-static int cmp(const void *a, const void *b)
-{
-	double x = *(const double *)a, y = *(const double *)b;
-
-	return (x > y) - (x < y);
-}
-
-static double median(double *v, int n)
-{
-	qsort(v, (size_t)n, sizeof(*v), cmp);
-	return v[n / 2];
-}
-
-struct copy_job {
-	pthread_barrier_t *go, *done;
-	const uint8_t *src;
-	uint8_t *dst;
-	size_t len;
-	int rounds;
-};
-
-static void *copier(void *arg)
-{
-	struct copy_job *j = arg;
-
-	for (int r = 0; r < j->rounds; r++) {
-		pthread_barrier_wait(j->go);
-		memcpy(j->dst, j->src, j->len);
-		pthread_barrier_wait(j->done);
-	}
-	return NULL;
-}
 
 /* Read exactly n bytes from fd into p; 0 or -1. */
 static int read_all(int fd, uint8_t *p, size_t n)
@@ -104,9 +62,7 @@ static int one_size(size_t bytes, int rounds)
 	uint8_t *src, *dst = malloc(bytes), *dst2 = malloc(bytes), *fill = malloc(bytes);
 	double mc[MAX_ROUNDS], two[MAX_ROUNDS], vs[MAX_ROUNDS], pw[MAX_ROUNDS];
 	int fd, p[2] = { -1, -1 }, q[2] = { -1, -1 }, rc = 1;
-	pthread_barrier_t go, done;
-	pthread_t th;
-	struct copy_job job = { &go, &done, NULL, dst2, bytes, rounds };
+	struct bench_copier cp = { 0 };
 	pid_t pid;
 
 	snprintf(path, sizeof(path), "%s/kvb-onecopy-XXXXXX", tmp && *tmp ? tmp : "/tmp");
@@ -123,25 +79,24 @@ static int one_size(size_t bytes, int rounds)
 		return 1;
 	memcpy(dst, src, bytes); /* in the page cache, mapped */
 	memset(dst2, 1, bytes);
-	job.src = src;
+	cp.src = src;
+	cp.dst = dst2;
+	cp.len = bytes;
 	for (int r = 0; r < rounds; r++) {
-		double t = now();
+		double t = now_s();
 
 		memcpy(dst, src, bytes);
-		mc[r] = (double)bytes / (now() - t) / 1e9;
+		mc[r] = (double)bytes / (now_s() - t) / 1e9;
 	}
-	pthread_barrier_init(&go, NULL, 2);
-	pthread_barrier_init(&done, NULL, 2);
-	pthread_create(&th, NULL, copier, &job);
+	if (bench_copier_start(&cp))
+		return 1;
 	for (int r = 0; r < rounds; r++) {
-		double t = now();
+		double t = now_s();
 
-		pthread_barrier_wait(&go);
-		memcpy(dst, src, bytes);
-		pthread_barrier_wait(&done);
-		two[r] = (double)bytes / (now() - t) / 1e9;
+		bench_two_copies(&cp, dst, src, bytes);
+		two[r] = (double)bytes / (now_s() - t) / 1e9;
 	}
-	pthread_join(th, NULL);
+	bench_copier_stop(&cp);
 	/* vmsplice: the child gives the mapping's pages to a pipe, the parent reads them */
 	if (pipe(p) || pipe(q))
 		return 1;
@@ -169,11 +124,11 @@ static int one_size(size_t bytes, int rounds)
 	p[1] = -1;
 	memset(dst, 0, bytes);
 	for (int r = 0; r < rounds; r++) {
-		double t = now();
+		double t = now_s();
 
 		if (write(q[1], "g", 1) != 1 || read_all(p[0], dst, bytes))
 			goto out;
-		vs[r] = (double)bytes / (now() - t) / 1e9;
+		vs[r] = (double)bytes / (now_s() - t) / 1e9;
 	}
 	waitpid(pid, NULL, 0);
 	if (memcmp(dst, fill, bytes)) {
@@ -209,13 +164,13 @@ static int one_size(size_t bytes, int rounds)
 	}
 	for (int r = 0; r < rounds; r++) {
 		char c = 'w';
-		double t = now();
+		double t = now_s();
 
 		if (write(p[1], &c, 1) != 1 || read(q[0], &c, 1) != 1) {
 			fprintf(stderr, "bench_onecopy: process_vm_writev failed (ptrace rights?)\n");
 			goto out;
 		}
-		pw[r] = (double)bytes / (now() - t) / 1e9;
+		pw[r] = (double)bytes / (now_s() - t) / 1e9;
 	}
 	waitpid(pid, NULL, 0);
 	if (memcmp(dst, fill, bytes)) {
@@ -223,8 +178,8 @@ static int one_size(size_t bytes, int rounds)
 		goto out;
 	}
 	{
-		double m = median(mc, rounds), t2 = median(two, rounds), v = median(vs, rounds),
-		       w = median(pw, rounds);
+		double m = bench_median(mc, rounds), t2 = bench_median(two, rounds), v = bench_median(vs, rounds),
+		       w = bench_median(pw, rounds);
 
 		printf("| %3zu MiB | %5.2f | %5.2f (%.2fx) | %5.2f (%.2fx) | %5.2f (%.2fx) |\n",
 		       bytes >> 20, m, t2, t2 / m, v, v / m, w, w / m);

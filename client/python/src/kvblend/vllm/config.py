@@ -268,6 +268,14 @@ class ConnectorConfig:
     lookup_timeout_ms: int = 500
 
 
+def _int_key(extra: dict, key: str, default: int, lo: int, hi: int) -> int:
+    """Return ``extra[key]`` (``default`` when absent), an int in [lo, hi], else refuse."""
+    v = extra.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise refuse(f"kv_connector_extra_config: {key} must be an int in [{lo}, {hi}], got {v!r}")
+    return v
+
+
 def connector_config(vllm_config: VllmConfig) -> ConnectorConfig:
     """Read and check the connector's configuration (``kv_connector_extra_config``).
 
@@ -282,22 +290,8 @@ def connector_config(vllm_config: VllmConfig) -> ConnectorConfig:
     """
     extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
     endpoint: str = extra.get("endpoint") or default_endpoint()
-    timeout_ms = extra.get("timeout_ms", 5000)
-    if isinstance(timeout_ms, bool) or not isinstance(timeout_ms, int) or not (
-        1 <= timeout_ms <= 3_600_000
-    ):
-        raise refuse(
-            f"kv_connector_extra_config: timeout_ms must be an int in [1, 3600000], "
-            f"got {timeout_ms!r}"
-        )
-    lookup_timeout_ms = extra.get("lookup_timeout_ms", min(500, timeout_ms))
-    if isinstance(lookup_timeout_ms, bool) or not isinstance(lookup_timeout_ms, int) or not (
-        1 <= lookup_timeout_ms <= 3_600_000
-    ):
-        raise refuse(
-            f"kv_connector_extra_config: lookup_timeout_ms must be an int in [1, 3600000], "
-            f"got {lookup_timeout_ms!r}"
-        )
+    timeout_ms = _int_key(extra, "timeout_ms", 5000, 1, 3_600_000)
+    lookup_timeout_ms = _int_key(extra, "lookup_timeout_ms", min(500, timeout_ms), 1, 3_600_000)
     model_name: str = extra.get("model_name") or default_model_name(vllm_config)
     separator = separator_from_extra(extra, vllm_config)
     tc = vllm_config.kv_transfer_config
@@ -321,12 +315,7 @@ def connector_config(vllm_config: VllmConfig) -> ConnectorConfig:
         raise refuse(
             f"kv_connector_extra_config: store_on_miss must be a bool, got {store_on_miss!r}"
         )
-    per_step = extra.get("store_tokens_per_step", 2048)
-    if isinstance(per_step, bool) or not isinstance(per_step, int) or not 1 <= per_step <= 1 << 20:
-        raise refuse(
-            f"kv_connector_extra_config: store_tokens_per_step must be an int in "
-            f"[1, 1048576], got {per_step!r}"
-        )
+    per_step = _int_key(extra, "store_tokens_per_step", 2048, 1, 1 << 20)
     check = extra.get("load_cost_check", True)
     if not isinstance(check, bool):
         raise refuse(f"kv_connector_extra_config: load_cost_check must be a bool, got {check!r}")

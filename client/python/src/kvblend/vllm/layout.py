@@ -84,8 +84,8 @@ class PagedCache:
         self.model = model
         self.block_size = block_size
         self.kind = CPU_VEC  # or INTERLEAVED, set by register()
-        # per layer: CPU_VEC K [blocks, heads, head_dim, block_size], INTERLEAVED K
-        # [blocks, heads, block_size, head_dim]; V [blocks, heads, block_size, head_dim]
+        # per layer [blocks, heads, block_size, head_dim] views, whatever the layout (CPU_VEC
+        # K: the transposed block seen through a transposed view)
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
         self.raw: list[torch.Tensor] = []  # per layer, as vLLM handed it
@@ -111,10 +111,9 @@ class PagedCache:
         """
         bs, hd, heads = self.block_size, self.model.head_dim, self.model.num_kv_heads
         strides = None
+        on_cpu = all(t.device.type == "cpu" for t in kv_caches.values())
+        self.kind = k = kind or (CPU_VEC if on_cpu else INTERLEAVED)
         for i, (name, t) in enumerate(kv_caches.items()):
-            k = kind or (CPU_VEC if t.device.type == "cpu" else INTERLEAVED)
-            if i == 0:
-                self.kind = k
             isa = getattr(forward_context.get(name), "isa", None)
             nb = t.shape[0]
             if t.dim() != 4 or tuple(t.shape) != (nb, heads, bs, 2 * hd):
@@ -133,7 +132,7 @@ class PagedCache:
                     raise LayoutError(f"layer {name}: the CPU cache is not contiguous")
                 raw = t.view(nb, heads, 2 * bs * hd)
                 # Per block and head: K transposed [head_dim, block_size], then V rows.
-                self.k.append(raw[:, :, : bs * hd].view(nb, heads, hd, bs))
+                self.k.append(raw[:, :, : bs * hd].view(nb, heads, hd, bs).transpose(2, 3))
                 self.v.append(raw[:, :, bs * hd :].view(nb, heads, bs, hd))
             elif k == INTERLEAVED:
                 if t.stride(-1) != 1 or strides not in (None, t.stride()):
@@ -167,10 +166,7 @@ class PagedCache:
         blk, off = slots(block_ids, first, first + rows.shape[2], self.block_size)
         for layer in range(rows.shape[0]):
             r = rows[layer].to(self.v[layer].device)
-            if self.kind == CPU_VEC:
-                self.k[layer][blk, :, :, off] = r[0]
-            else:
-                self.k[layer][blk, :, off, :] = r[0]
+            self.k[layer][blk, :, off, :] = r[0]
             self.v[layer][blk, :, off, :] = r[1]
 
     def gather(self, layer: int, block_ids: Sequence[int], length: int, out: np.ndarray) -> None:
@@ -180,11 +176,7 @@ class PagedCache:
         the host.
         """
         blk, off = slots(block_ids, 0, length, self.block_size)
-        if self.kind == CPU_VEC:
-            k = self.k[layer][blk, :, :, off]
-        else:
-            k = self.k[layer][blk, :, off, :]
-        torch.from_numpy(out[0])[:] = k.cpu()
+        torch.from_numpy(out[0])[:] = self.k[layer][blk, :, off, :].cpu()
         torch.from_numpy(out[1])[:] = self.v[layer][blk, :, off, :].cpu()
 
     def raw_blocks(self, blocks: Sequence[int]) -> np.ndarray:

@@ -159,6 +159,7 @@ class WorkerSide:
         except selftest.SelfTestFailed as e:
             raise refuse(str(e)) from None
         except KvblendError as e:
+            self.daemon.failed(e)  # as any failed call: the link opens and backs off
             logger.info("kvblend: RoPE self-test deferred to the first load (%s)", e)
 
     def _self_test(self, client: Any) -> None:
