@@ -80,3 +80,43 @@ def test_margin_and_off_switch():
     off.note([(cost.PREFILL, 1000, 1.0), (cost.REUSE, 1000, 50.0)] * 3)
     assert off.pays(cost.REUSE, 100)[0]
     assert off.declined_loads == 0
+
+
+def blend_sample(context, computed, a=0.0003, b=0.0012):
+    """A blend pass's sample with a known cost: ``a`` per context token, ``b`` per computed."""
+    return (cost.BLEND, context, a * context + b * computed, computed, context)
+
+
+def test_a_blend_is_judged_by_its_share_of_stored_tokens():
+    m, _ = model()
+    m.note([(cost.PREFILL, 1000, 1.0)] * 3)  # 1 ms a token
+    # passes of several shapes: 0.3 ms a context token and 1.2 ms a computed one
+    m.note([blend_sample(800, 300), blend_sample(900, 150), blend_sample(700, 350)])
+    a, b = m.blend_coefficients()
+    assert abs(a - 0.0003) < 1e-9 and abs(b - 0.0012) < 1e-9
+    # mostly stored (150 of 900 computed): 0.47 s against 0.9 s of prefill
+    ok, d, _ = m.pays(cost.BLEND, 900, 900, 150)
+    assert ok and abs(d.load_spt - (0.0003 * 900 + 0.0012 * 150) / 900) < 1e-12
+    # mostly missing (700 of 900 computed): 1.11 s against 0.9 s: computed instead
+    ok, d, changed = m.pays(cost.BLEND, 900, 900, 700)
+    assert not ok and changed and d.load_spt > d.prefill_spt
+    # the scalar rate alone (no counts given) would have let it through
+    assert m.spt[cost.BLEND] < m.spt[cost.PREFILL]
+    assert m.pays(cost.BLEND, 900)[0]
+
+
+def test_the_blend_fit_waits_for_samples_that_determine_it():
+    m, _ = model()
+    m.note([(cost.PREFILL, 1000, 1.0)] * 3)
+    m.note([blend_sample(1000, 300)] * 3)  # one shape: a and b not told apart
+    assert m.blend_coefficients() is None
+    # the per-token rate decides then: 0.66 ms a token, whatever the request's share
+    assert m.pays(cost.BLEND, 900, 900, 850)[0]
+    # old samples fade: a slower daemon shows within a few passes
+    m.note([blend_sample(1000, 200), blend_sample(600, 500)])
+    assert m.blend_coefficients() is not None
+    for _ in range(20):
+        m.note([blend_sample(1000, 200, a=0.002), blend_sample(600, 500, a=0.002)])
+    a, _ = m.blend_coefficients()
+    assert a > 0.0019
+    assert not m.pays(cost.BLEND, 900, 900, 150)[0]

@@ -14,9 +14,20 @@ engine spent on it (a copied load or a blend pass: its whole time; a landing ses
 opening it, the time the engine waited for its layers (the daemon lands them beside the
 forward pass) and closing it); the prefill's is the forward pass of steps
 that computed at least :data:`MIN_STEP_TOKENS` tokens and loaded nothing. Until both
-have :data:`MIN_SAMPLES` samples, loads go ahead (the first loads measure them). Once loading loses, one
-load every :data:`PROBE_S` seconds still goes ahead to measure the daemon again, so a
-daemon that recovers is used again.
+have :data:`MIN_SAMPLES` samples, loads go ahead (the first loads measure them). Once
+loading loses, one load every :data:`PROBE_S` seconds still goes ahead to measure the
+daemon again, so a daemon that recovers is used again.
+
+A blend is judged request by request. Its pass computes every context token through
+the check layers and only the selected ones after them, so its time depends on how much
+of the context was found stored: a blend whose chunks are mostly missing costs what a
+prefill costs, plus the landing. The worker's blend samples carry both counts
+(``(BLEND, claimed tokens, seconds, computed, context)``, computed = the rows recomputed
+after the last check layer, fresh tokens included), and the model fits
+``seconds = a * context + b * computed`` by least squares over the recent samples
+(:data:`FIT_KEEP` per sample); a request's blend goes ahead when ``a * context + b *
+predicted computed`` is at most ``margin`` times the prefill of the tokens it claims. Until
+the fit is determined (samples of one shape only) it uses the blend's per-token rate.
 
 Pure Python (no torch, no vLLM): unit-tested on its own.
 """
@@ -39,6 +50,10 @@ PROBE_S = 30.0
 #: Samples of a kind (and of prefill steps) before a decision: the first loads and steps
 #: of an engine carry one-time costs (allocations, first calls) that say nothing of the rate.
 MIN_SAMPLES = 3
+
+#: Weight kept by the blend fit's sums at each new sample (about 1 / (1 - FIT_KEEP)
+#: recent samples count).
+FIT_KEEP = 0.85
 
 #: Sample kinds: tokens loaded as stored (re-rotated), tokens blended, tokens prefilled.
 REUSE, BLEND, PREFILL = "reuse", "blend", "prefill"
@@ -77,12 +92,24 @@ class CostModel:
     declined_tokens: int = 0
     _last: dict[str, Decision] = field(default_factory=dict)
     _probed: dict[str, float] = field(default_factory=dict)
+    #: The blend fit's decayed sums: n*n, n*m, m*m, n*y, m*y (n context, m computed).
+    _fit: list[float] = field(default_factory=lambda: [0.0] * 5)
 
-    def note(self, samples: Iterable[tuple[str, int, float]]) -> None:
-        """Take the worker's samples: ``(kind, tokens, seconds)`` each."""
-        for kind, tokens, seconds in samples:
+    def note(self, samples: Iterable[tuple]) -> None:
+        """Take the worker's samples: ``(kind, tokens, seconds)`` each.
+
+        A blend's may add ``computed, context``: the rows its pass recomputed after the
+        last check layer and the tokens of its context (the fit's two counts).
+        """
+        for kind, tokens, seconds, *rest in samples:
             if tokens <= 0 or seconds < 0:
                 continue
+            if kind == BLEND and len(rest) == 2 and rest[1] > 0:
+                n, m = float(rest[1]), float(min(max(rest[0], 0), rest[1]))
+                self._fit = [
+                    FIT_KEEP * a + b
+                    for a, b in zip(self._fit, (n * n, n * m, m * m, n * seconds, m * seconds))
+                ]
             if kind == PREFILL and tokens < MIN_STEP_TOKENS:
                 continue
             rate = seconds / tokens
@@ -91,14 +118,37 @@ class CostModel:
             w = SLOWER_WEIGHT if old is not None and rate > old else WEIGHT
             self.spt[kind] = rate if old is None else (1 - w) * old + w * rate
 
-    def pays(self, kind: str, tokens: int) -> tuple[bool, Decision, bool]:
+    def blend_coefficients(self) -> tuple[float, float] | None:
+        """Return the fit's (seconds per context token, seconds per computed token), or None.
+
+        None while the samples do not determine both (all of one shape) or the fit has a
+        negative term (noise); the blend's per-token rate is used then.
+        """
+        nn, nm, mm, ny, my = self._fit
+        det = nn * mm - nm * nm
+        if nn <= 0 or mm <= 0 or det <= 0.01 * nn * mm:
+            return None
+        a, b = (ny * mm - my * nm) / det, (my * nn - ny * nm) / det
+        return (a, b) if a >= 0 and b >= 0 else None
+
+    def pays(
+        self, kind: str, tokens: int, context: int | None = None, computed: int | None = None
+    ) -> tuple[bool, Decision, bool]:
         """Whether to load ``tokens`` tokens of this kind rather than compute them.
+
+        A blend may say its pass's ``context`` tokens and how many it will compute
+        (``computed``): its time is then predicted by the fit (see the module's text),
+        and :attr:`Decision.load_spt` is that prediction per claimed token.
 
         Returns ``(load, decision, changed)``: ``changed`` is true when the decision for
         this kind differs from the last one (the caller logs it once per change). A
         declined load is counted in :attr:`declined_loads` and :attr:`declined_tokens`.
         """
         load, prefill = self.spt.get(kind), self.spt.get(PREFILL)
+        fit = self.blend_coefficients() if kind == BLEND and computed is not None else None
+        if fit is not None and tokens > 0:
+            n = tokens if context is None else context
+            load = (fit[0] * n + fit[1] * min(computed, n)) / tokens
         d = Decision(True, load, prefill)
         measured = min(self.samples.get(kind, 0), self.samples.get(PREFILL, 0)) >= MIN_SAMPLES
         if self.enabled and tokens > 0 and measured:

@@ -303,6 +303,21 @@ class BlendLoad:
     #: tokens but writes only the rows from here on (those blocks are the request's own).
     skip: int = 0
 
+    def fresh_tokens(self) -> int:
+        """Tokens of the context no stored chunk provides (the pass computes them all)."""
+        return sum(int(ref) for ref, _ in self.segments if isinstance(ref, int))
+
+    def predicted_computed(self) -> int:
+        """Return the rows the pass will compute after its last check layer.
+
+        The fresh tokens and the last ratio's share of the stored chunks' (a pass
+        without check layers recomputes only the fresh tokens).
+        """
+        fresh = self.fresh_tokens()
+        if not self.config.check_layers or not self.config.ratios:
+            return fresh
+        return fresh + int(round(self.config.ratios[-1] * (len(self.ids) - fresh)))
+
 
 DEFAULT_CONFIG = BlendConfig((1,), (0.15,), "value")
 #: The selection metrics (docs/fuse.md): HKVD on V or K, or question-aware ("attention").

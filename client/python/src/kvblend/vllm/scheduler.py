@@ -79,6 +79,7 @@ class SchedulerSide:
         self._loads: list[LoadSpec] = []
         self._stores: dict[str, _Pending] = {}
         self.cost = cost.CostModel(config.load_cost_margin, config.load_cost_check)
+        self._blend_declined_logged = -float("inf")
         self._totals: dict[str, int] = {}  # vLLM's connector stats (kvblend.vllm.stats)
 
     def _log_once(self, key: str, msg: str, *args: Any) -> None:
@@ -158,8 +159,29 @@ class SchedulerSide:
 
     def _worth_loading(self, p: plan.Plan) -> bool:
         """Whether loading the plan's tokens costs less than computing them (logged per change)."""
-        kind = cost.BLEND if p.blend is not None else cost.REUSE
-        load, d, changed = self.cost.pays(kind, p.tokens)
+        if p.blend is not None:  # judged by its own share of stored tokens
+            computed = p.blend.predicted_computed()
+            load, d, changed = self.cost.pays(cost.BLEND, p.tokens, len(p.blend.ids), computed)
+            kind = cost.BLEND
+            if self.cost.blend_coefficients() is None:
+                pass  # the per-token rate decided: logged per change, as reuse
+            elif d.pays:
+                return load  # decided per request: no line per change
+            else:  # one line a window, not one per change
+                now = time.monotonic()
+                if now - self._blend_declined_logged >= cost.PROBE_S:
+                    self._blend_declined_logged = now
+                    logger.info(
+                        "kvblend: a blend of %d tokens recomputing %d costs %s a token, "
+                        "prefill %s: computed instead (blends are judged per request; this "
+                        "line at most every %.0f s)",
+                        len(p.blend.ids), computed, _us(d.load_spt), _us(d.prefill_spt),
+                        cost.PROBE_S,
+                    )
+                return load
+        else:
+            kind = cost.REUSE
+            load, d, changed = self.cost.pays(kind, p.tokens)
         if changed:
             if d.pays:
                 logger.info(

@@ -302,7 +302,7 @@ class WorkerSide:
         t0 = time.monotonic()
         try:
             client = self.daemon.client()
-            blend.load_blends(
+            res = blend.load_blends(
                 self._blend_model,
                 client,
                 cfg.model,
@@ -326,9 +326,13 @@ class WorkerSide:
             for ld in loads:
                 self._blend([ld])
             return
+        # the claimed tokens, and the fit's two counts (kvblend.vllm.cost)
         self._samples.append(
-            (cost.BLEND, sum(len(ld.blend.ids) - ld.blend.skip for ld in loads if ld.blend),
-             time.monotonic() - t0)
+            (cost.BLEND, sum(len(ld.blend.ids) - ld.blend.skip for ld in loads),
+             time.monotonic() - t0,
+             sum(int(sels[-1].size) if sels else ld.blend.fresh_tokens()
+                 for ld, (sels, _) in zip(loads, res)),
+             sum(len(ld.blend.ids) for ld in loads))
         )
         for ld in loads:
             self._loaded(ld, t0, len(loads))
