@@ -8,8 +8,17 @@ r run HKVD with the value and the key metric (check layer 1), the attention rule
 at r, each against the full prefill; print the table and the per-request wins, draw
 the plot. The budget and the rules are eval/qsel.py's.
 
+Issue 35 adds the published field at the same budget (eval/rules.py, eval/RULES.md):
+ProphetKV-, InfoFlow- and QCFuse-style previews, EPIC's chunk starts and the oracle
+deviation (a ceiling); --rules picks which rules run (HKVD V always: it is the baseline
+of the paired intervals, which are also given against the best rule other than the
+oracle). --profile-critical N prints, per layer, how much of the all-layer selection (A's
+top r n) and of the oracle's the question's attention on that layer finds (N requests
+drawn outside the evaluated ones): the profiling behind QCFuse's critical layer.
+
     eval/run --build DIR --qsel [--requests 50] [--questions paraphrased]
     python eval/run_qsel.py --build DIR [--requests N] [--ratios 0.05,0.15,0.3]
+        [--rules "HKVD V,attention,A alone,ProphetKV,InfoFlow,QCFuse,EPIC,oracle"]
 """
 
 import argparse
@@ -25,13 +34,16 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import node  # noqa: E402
 import qsel  # noqa: E402
+import rules as pub  # noqa: E402
 from cacheblend import Request, kl_top1, select_count  # noqa: E402
 from model import Model  # noqa: E402
 from run_eval import (SHAPES, answer_logits, build_request, full_prefill, greedy,  # noqa: E402
                       load_documents)
 from tokenizer import SmolTokenizer  # noqa: E402
 
-RULES = ("HKVD V", "HKVD K", "attention", "A alone")
+RULES = ("HKVD V", "HKVD K", "attention", "A alone") + pub.NEW_RULES
+DEFAULT_RULES = ("HKVD V", "HKVD K", "attention", "A alone")
+PROFILE_FIRST = 1000  # --profile-critical draws requests 1000.., never evaluated
 PARAPHRASED = HERE / "paraphrased_questions.json"
 
 
@@ -49,8 +61,10 @@ def paraphrased_request(k, seed, docs, tok, shape, questions):
     return segments, dict(info, question=question)
 
 
-def run_rule(rule, r, model, store, fuse, req, hashes, rows):
+def run_rule(rule, r, model, store, fuse, req, hashes, rows, previews=None, oracle=None):
     """(logits at rows, fused KV, selection, timing, budget used) of one rule at r."""
+    if rule in pub.NEW_RULES:
+        return pub.run_new_rule(rule, r, model, fuse, req, hashes, rows, previews, oracle)
     b = qsel.Budget(model.cfg, int(req.cached.sum()), len(qsel.question_rows(req)))
     if rule in ("HKVD V", "HKVD K"):
         metric = "value" if rule == "HKVD V" else "key"
@@ -61,37 +75,66 @@ def run_rule(rule, r, model, store, fuse, req, hashes, rows):
     return qsel.forward_alone(model, store, fuse, req, hashes, rows, r)
 
 
+def rules_in(records, ratios):
+    """The rules every record has at every r, in RULES' order."""
+    return [rule for rule in RULES
+            if all(f"{rule} r={r:g}" in rec["modes"] for rec in records for r in ratios)]
+
+
+def paired(records, a, b, r, rng):
+    """Mean of KL a - KL b over the requests, its paired 90% bootstrap interval (2000
+    resamples of the requests) and the share of requests where a is below b."""
+    d = np.array([rec["modes"][f"{a} r={r:g}"]["kl"] - rec["modes"][f"{b} r={r:g}"]["kl"]
+                  for rec in records])
+    boot = d[rng.integers(0, len(d), (2000, len(d)))].mean(1)
+    lo, hi = np.percentile(boot, [5, 95])
+    return d.mean(), lo, hi, (d < 0).mean()
+
+
 def table(records, ratios):
     """The equal-budget table and the paired comparisons, as markdown."""
+    present = rules_in(records, ratios)
+    has_k = "HKVD K" in present
     lines = [("| r | rule | budget used | mean KL | KL 1st token | top-1 | greedy prefix | "
-              "greedy exact | KL lower than HKVD V on | than HKVD K on |"),
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+              "greedy exact | KL lower than HKVD V on | than HKVD K on | tokens kept | preview s | "
+              "total s |"),
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in ratios:
-        for rule in RULES:
+        for rule in present:
             m = [rec["modes"][f"{rule} r={r:g}"] for rec in records]
             v = [rec["modes"][f"HKVD V r={r:g}"]["kl"] for rec in records]
-            kk = [rec["modes"][f"HKVD K r={r:g}"]["kl"] for rec in records]
             kl = np.array([x["kl"] for x in m])
             wins_v = "-" if rule == "HKVD V" else f"{(kl < np.array(v)).sum()}/{len(kl)}"
-            wins_k = "-" if rule == "HKVD K" else f"{(kl < np.array(kk)).sum()}/{len(kl)}"
+            wins_k = "n/a"
+            if has_k:
+                kk = [rec["modes"][f"HKVD K r={r:g}"]["kl"] for rec in records]
+                wins_k = "-" if rule == "HKVD K" else f"{(kl < np.array(kk)).sum()}/{len(kl)}"
             lines.append(
                 f"| {r:g} | {rule} | {np.mean([x['budget'] for x in m]):.3f} | {kl.mean():.4f} "
                 f"| {np.mean([x['kl_first'] for x in m]):.4f} "
                 f"| {np.mean([x['top1'] for x in m]):.1%} "
                 f"| {np.mean([x['prefix'] for x in m]):.1%} "
-                f"| {np.mean([x['exact'] for x in m]):.0%} | {wins_v} | {wins_k} |")
+                f"| {np.mean([x['exact'] for x in m]):.0%} | {wins_v} | {wins_k} "
+                f"| {np.mean([x['recomputed'] for x in m]):.1%} "
+                f"| {np.mean([x.get('preview', 0.0) for x in m]):.2f} "
+                f"| {np.mean([x['total'] for x in m]):.2f} |")
     lines += ["", "| r | A | B | KL A - KL B | 90% CI | requests where A < B |",
               "| --- | --- | --- | --- | --- | --- |"]
     rng = np.random.default_rng(0)
     for r in ratios:
-        for a, b in (("attention", "HKVD V"), ("attention", "HKVD K"), ("A alone", "HKVD V"),
-                     ("attention", "A alone")):
-            d = np.array([rec["modes"][f"{a} r={r:g}"]["kl"] - rec["modes"][f"{b} r={r:g}"]["kl"]
-                          for rec in records])
-            boot = d[rng.integers(0, len(d), (2000, len(d)))].mean(1)
-            lo, hi = np.percentile(boot, [5, 95])
-            lines.append(f"| {r:g} | {a} | {b} | {d.mean():+.4f} | {lo:+.4f} .. {hi:+.4f} "
-                         f"| {(d < 0).mean():.0%} |")
+        pairs = [(a, b) for a, b in (("attention", "HKVD V"), ("attention", "HKVD K"),
+                                     ("A alone", "HKVD V"), ("attention", "A alone"))
+                 if a in present and b in present]
+        pairs += [(a, "HKVD V") for a in present if a in pub.NEW_RULES]
+        if any(a in pub.NEW_RULES for a in present):  # and against the best runnable rule
+            runnable = [a for a in present if a != "oracle"]
+            best = min(runnable, key=lambda a: np.mean(
+                [rec["modes"][f"{a} r={r:g}"]["kl"] for rec in records]))
+            pairs += [(a, best) for a in runnable if a != best and (a, best) not in pairs]
+        for a, b in pairs:
+            mean, lo, hi, share = paired(records, a, b, r, rng)
+            lines.append(f"| {r:g} | {a} | {b} | {mean:+.4f} | {lo:+.4f} .. {hi:+.4f} "
+                         f"| {share:.0%} |")
     reuse = np.mean([rec["modes"]["full reuse"]["kl"] for rec in records])
     lines.append(f"\nfull reuse: mean KL {reuse:.4f}; {len(records)} requests")
     return "\n".join(lines)
@@ -104,7 +147,8 @@ def plot(records, ratios, path, title):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for rule, style in zip(RULES, ("o-", "s-", "^-", "v--")):
+    styles = ("o-", "s-", "^-", "v--", "<-", ">-", ">:", "D-", "x--", "*:")
+    for rule, style in zip(rules_in(records, ratios), styles):
         xs = [np.mean([rec["modes"][f"{rule} r={r:g}"]["budget"] for rec in records])
               for r in ratios]
         ys = [np.mean([rec["modes"][f"{rule} r={r:g}"]["kl"] for rec in records])
@@ -121,6 +165,61 @@ def plot(records, ratios, path, title):
     print(f"plot: {path}")
 
 
+def profile_critical(args, model, tok, docs, paraphrased, shape, ratios):
+    """QCFuse's critical-layer profiling: on N requests outside the evaluated ones (k =
+    1000..), per layer l, the share of a target's top k (k = floor(r n), r the middle ratio)
+    that the top k of the question's attention on layer l holds, the question reading only
+    the anchors before l ("anchored", QCFuse's compressed preview) or every chunk token
+    ("full view"). Targets: the all-layer, full-view selection (the top of A, which the
+    compressed view stands in for: the layer is chosen on this one) and the oracle's.
+    Prints the table; returns the shares [requests, target, view, layer]."""
+    r = ratios[len(ratios) // 2]
+    L = model.cfg.n_layers
+    shares, a_oracle = [], []
+    with node.Daemon(args.build) as daemon, daemon.client() as client:
+        store = node.ChunkStore(client, model)
+        for k in range(PROFILE_FIRST, PROFILE_FIRST + args.profile_critical):
+            if paraphrased:
+                segments, info = paraphrased_request(k, args.seed, docs, tok, shape, paraphrased)
+            else:
+                segments, info = build_request(k, args.seed, docs, tok, shape)
+            hashes = [store.ensure(s) for kind, s in segments if kind == "chunk"]
+            req = Request(segments, None, model.cfg)
+            _, kv_full, _, _ = full_prefill(model, req.ids, np.array([req.N - 1]))
+            placed, _ = store.placed(req, hashes)
+            cached = np.flatnonzero(req.cached)
+            n = len(cached)
+            kk = select_count(r, n)
+            oracle = pub.oracle_score(kv_full, placed, cached)
+            del kv_full
+            att, _ = pub.question_pass(model, req, placed)
+            targets = [set(pub.top_tokens(att[qsel.PREVIEW_FROM:].sum((0, 2)), req, kk)),
+                       set(pub.top_tokens(oracle, req, kk))]
+            a_oracle.append(len(targets[0] & targets[1]) / kk)
+            x = np.zeros((2, 2, L))
+            for l in range(L):
+                att_a, _ = pub.question_pass(model, req, placed, view=pub.anchors(req),
+                                             last_layer=l)
+                for v, a in enumerate((att_a, att)):
+                    got = set(pub.top_tokens(a[l].sum(1), req, kk))
+                    for t, want in enumerate(targets):
+                        x[t, v, l] = len(want & got) / kk
+            shares.append(x)
+            print(f"profile req {k} N={req.N} n={n} k={kk}: anchored best layer "
+                  f"{int(np.argmax(x[0, 0]))} ({x[0, 0].max():.2f} of A's top k, "
+                  f"{x[1, 0, int(np.argmax(x[0, 0]))]:.2f} of the oracle's)", flush=True)
+    m = np.mean(shares, axis=0)
+    print("\n| layer | of A's top k: anchored | full view | of the oracle's: anchored | "
+          "full view |\n| --- | --- | --- | --- | --- |")
+    for l in range(L):
+        print(f"| {l} | {m[0, 0, l]:.3f} | {m[0, 1, l]:.3f} | {m[1, 0, l]:.3f} "
+              f"| {m[1, 1, l]:.3f} |")
+    print(f"anchored: best layer {int(np.argmax(m[0, 0]))} (of A's top k) over "
+          f"{len(shares)} requests at r = {r:g}; A's top k holds {np.mean(a_oracle):.3f} of "
+          f"the oracle's")
+    return np.array(shares)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--build")
@@ -135,8 +234,19 @@ def main(argv=None):
                     "files, their records together, one per request (a request in several "
                     "files: the last file's record)")
     ap.add_argument("--plot", help="PNG to write")
+    ap.add_argument("--rules", default=",".join(DEFAULT_RULES),
+                    help=f"comma-separated, of: {', '.join(RULES)} (HKVD V always runs)")
+    ap.add_argument("--critical-layer", type=int, default=pub.CRITICAL_LAYER,
+                    help="QCFuse's critical layer")
+    ap.add_argument("--profile-critical", type=int, metavar="N",
+                    help="print the per-layer overlap with the oracle on N requests, no run")
     args = ap.parse_args(argv)
     ratios = [float(x) for x in args.ratios.split(",")]
+    chosen = [x.strip() for x in args.rules.split(",") if x.strip()]
+    bad = [x for x in chosen if x not in RULES]
+    if bad:
+        ap.error(f"--rules: unknown {bad}; known: {', '.join(RULES)}")
+    chosen = [rule for rule in RULES if rule in chosen or rule == "HKVD V"]
     if args.from_json:
         by_k = {}
         for p in args.from_json:
@@ -155,7 +265,10 @@ def main(argv=None):
     paraphrased = json.loads(PARAPHRASED.read_text()) if args.questions == "paraphrased" else None
     shape = SHAPES["full"]
     print(f"OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', '(unset)')}; fuse "
-          f"{args.fuse}; questions {args.questions}; f_qkv {qsel.f_qkv(model.cfg):.3f}")
+          f"{args.fuse}; questions {args.questions}; f_qkv {qsel.f_qkv(model.cfg):.3f}; "
+          f"rules {', '.join(chosen)}; critical layer {args.critical_layer}")
+    if args.profile_critical:
+        return profile_critical(args, model, tok, docs, paraphrased, shape, ratios)
     records = []
     with node.Daemon(args.build) as daemon, daemon.client() as client:
         store = node.ChunkStore(client, model)
@@ -171,19 +284,26 @@ def main(argv=None):
             last, kv_full, _, _ = full_prefill(model, req.ids, probe)
             answer = greedy(model, kv_full, last, shape["answer"], (tok.eos,))
             ref = answer_logits(model, kv_full, last, answer)
+            oracle = None
+            if "oracle" in chosen:
+                placed, _ = store.placed(req, hashes)
+                oracle = pub.oracle_score(kv_full, placed, np.flatnonzero(req.cached))
+                del placed
             del kv_full
+            previews = pub.Previews(model, store, req, hashes, args.critical_layer)
             rec = {"k": k, "N": req.N, "A": len(answer), "n_cached": int(req.cached.sum()),
                    "q": len(qsel.question_rows(req)), **info, "answer": tok.decode(answer),
                    "modes": {}}
             rows = np.array([req.N - 1])
             runs = [("full reuse", None)] + [(f"{rule} r={r:g}", (rule, r))
-                                             for r in ratios for rule in RULES]
+                                             for r in ratios for rule in chosen]
             for name, what in runs:
                 if what is None:
                     out = node.static_forward(model, store, req, hashes, rows)
                     out = (*out, 0.0)
                 else:
-                    out = run_rule(what[0], what[1], model, store, fuse, req, hashes, rows)
+                    out = run_rule(what[0], what[1], model, store, fuse, req, hashes, rows,
+                                   previews, oracle)
                 last_m, kv_m, S, t, budget = out
                 logits = answer_logits(model, kv_m, last_m, answer)
                 del kv_m
@@ -199,7 +319,7 @@ def main(argv=None):
             m = rec["modes"]
             mid = f"r={ratios[len(ratios) // 2]:g}"
             print(f"req {k:2d} N={req.N} q={rec['q']} " + " ".join(
-                f"{rule} {m[f'{rule} {mid}']['kl']:.4f}" for rule in RULES)
+                f"{rule} {m[f'{rule} {mid}']['kl']:.4f}" for rule in chosen)
                 + f" | reuse {m['full reuse']['kl']:.4f} | {info['question'][:50]!r} "
                 f"| {time.time() - t_start:.0f}s", flush=True)
             if args.json:  # after every request: a run stopped early keeps what it did

@@ -375,3 +375,232 @@ def test_daemon_codecs_smoke_run(daemon):
         assert blend["kl"] < reuse["kl"], c
     assert e["f16"]["modes"]["full reuse"]["kl_lossless"] == 0
     assert 0 < e["int8"]["modes"]["full reuse"]["kl_lossless"] < 1e-2
+
+
+# --- issue 35: the published field's rules (eval/rules.py), pure NumPy -----------------------
+
+def tiny_model(seed=0, n_layers=4):
+    """A random LLaMA-shaped model small enough for a unit test (not SmolLM2): 4 layers, dim
+    16, 4 query heads over 2 KV heads of 4 dims."""
+    from model import Config
+
+    cfg = Config(n_layers=n_layers, dim=16, n_heads=4, n_kv_heads=2, head_dim=4, ffn_dim=24,
+                 vocab=64, rope_theta=10000.0, rms_eps=1e-5, rope_style="gptj")
+    rng = np.random.default_rng(seed)
+
+    def w(*shape):
+        return (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
+
+    t = {"token_embd.weight": w(cfg.vocab, cfg.dim), "output_norm.weight": np.ones(16, np.float32)}
+    for l in range(n_layers):
+        t.update({f"blk.{l}.attn_norm.weight": np.ones(16, np.float32),
+                  f"blk.{l}.ffn_norm.weight": np.ones(16, np.float32),
+                  f"blk.{l}.attn_q.weight": 3 * w(16, 16), f"blk.{l}.attn_k.weight": 3 * w(8, 16),
+                  f"blk.{l}.attn_v.weight": w(8, 16), f"blk.{l}.attn_output.weight": w(16, 16),
+                  f"blk.{l}.ffn_gate.weight": w(24, 16), f"blk.{l}.ffn_up.weight": w(24, 16),
+                  f"blk.{l}.ffn_down.weight": w(16, 24)})
+    t["output.weight"] = t["token_embd.weight"]
+    return Model(cfg, t, None)
+
+
+def tiny_request(model, lengths=(70, 33), seed=1):
+    """Fresh head, chunks of the given lengths (not multiples of any block size) each after a
+    fresh separator, a fresh 5-token question; chunks prefilled alone at 0.."""
+    rng = np.random.default_rng(seed)
+    ids = lambda n: [int(x) for x in rng.integers(0, model.cfg.vocab, n)]  # noqa: E731
+    segments = [("fresh", ids(4))]
+    for T in lengths:
+        segments += [("chunk", ids(T)), ("fresh", ids(2))]
+    segments[-1] = ("fresh", ids(5))
+    stored = [model.prefill(s, logits_for="last")[1] for kind, s in segments if kind == "chunk"]
+    return Request(segments, stored, model.cfg), stored
+
+
+@numpy_only
+def test_rules_question_pass_matches_preview():
+    """rules.question_pass on every chunk token is qsel.preview's A layer by layer (float64
+    against float32 sums of the same softmax: 1e-5 relative); the anchored view reads only
+    the anchors (one every 32 tokens of each chunk, seams included) before its last layer."""
+    import qsel
+    import rules
+
+    model = tiny_model()
+    req, _ = tiny_request(model)
+    a, _ = qsel.preview(model, req, req.placed)
+    att, _ = rules.question_pass(model, req, req.placed)
+    assert att.shape == (4, 103, 2)
+    np.testing.assert_allclose(att[qsel.PREVIEW_FROM:].sum(0), a, rtol=1e-5, atol=1e-7)
+    anc = rules.anchors(req)
+    s1, s2 = [s for kind, s, _ in req.spans if kind == "chunk"]
+    assert anc.tolist() == [s1, s1 + 32, s1 + 64, s2, s2 + 32]  # 70 and 33 tokens
+    att_a, _ = rules.question_pass(model, req, req.placed, view=anc, last_layer=2)
+    ords = np.searchsorted(np.flatnonzero(req.cached), anc)
+    off = np.setdiff1d(np.arange(103), ords)
+    assert (att_a[:2, off] == 0).all() and (att_a[:2, ords] > 0).all()
+    assert (att_a[2] > 0).all() and (att_a[3] == 0).all()  # every token on the last, none after
+    full_view, _ = rules.question_pass(model, req, req.placed, view=None, last_layer=2)
+    np.testing.assert_allclose(full_view[:3], att[:3], rtol=1e-12)
+
+
+@numpy_only
+def test_rules_scores_on_synthetic_attention():
+    """Each score on a hand-made case where it must differ from the plain sum of A."""
+    import rules
+
+    att = np.zeros((4, 3, 2))  # layers x tokens x kv heads
+    att[0] = 50.0  # layers before PREVIEW_FROM are not read
+    att[2, :, 0] = [10, 1, 1]  # a layer whose mass sits on token 0
+    att[3, :, 1] = [0, 1, 0]  # a quiet layer that reads token 1 only
+    plain = att[2:].sum((0, 2))
+    assert plain.argmax() == 0
+    fused = rules.prophet_score(att)  # [0.417, 0.542, 0.042]: each layer counts the same
+    np.testing.assert_allclose(fused, [(10 / 12) / 2, (1 / 12 + 1) / 2, (1 / 12) / 2])
+    assert fused.argmax() == 1
+    v = np.ones((4, 3, 2, 4))
+    v[:, 2] *= 20  # token 2's values are 20x longer: it writes more into the question
+    flow = rules.infoflow_score(att, v)
+    np.testing.assert_allclose(flow, (att[2:] * np.linalg.norm(v[2:], axis=-1)).sum((0, 2)))
+    assert flow.argmax() == 2
+    assert rules.qcfuse_score(att, 3).tolist() == [0, 1, 0]
+    req = Request([("fresh", [1]), ("chunk", [2, 3, 4]), ("fresh", [5])], None, None)
+    assert rules.top_tokens(flow, req, 2).tolist() == [1, 3]  # prompt indices, sorted
+    assert rules.top_tokens(np.zeros(3), req, 2).tolist() == [1, 2]  # ties: lower index
+
+
+@numpy_only
+def test_rules_oracle_score_scales_layers():
+    """The oracle divides each layer's deviation by the layer's mean: a token that deviates
+    only in a layer of small scale can outrank tokens of a layer of large scale."""
+    import rules
+
+    full = np.zeros((2, 2, 5, 1, 2))
+    placed = full.copy()
+    cached = np.array([1, 2, 3])
+    full[0, 1, 1, 0, 0] = full[0, 1, 2, 0, 0] = 10.0  # layer 0: tokens 1, 2 by 100 each
+    full[1, 0, 3, 0, 1] = 1.0  # layer 1: token 3 by 1
+    score = rules.oracle_score(full, placed, cached)
+    np.testing.assert_allclose(score, [1.5, 1.5, 3.0])
+    assert score.argmax() == 2
+    assert (rules.oracle_score(placed, placed, cached) == 0).all()
+
+
+@numpy_only
+def test_rules_budget_charges_each_pass():
+    """At HKVD's budget, a rule whose preview costs q x L rows keeps fewer tokens than EPIC
+    and the oracle (no pass charged) and than QCFuse (q x (c + 1) rows); no rule exceeds the
+    budget and one token more would."""
+    import qsel
+    import rules
+    from cacheblend import select_count
+    from model import Config
+
+    cfg = Config(n_layers=30, dim=576, n_heads=9, n_kv_heads=3, head_dim=64, ffn_dim=1536,
+                 vocab=10, rope_theta=1e5, rms_eps=1e-5, rope_style="gptj")
+    b = qsel.Budget(cfg, 1000, 22)
+    target = b.hkvd(select_count(0.15, 1000))
+    ks = {}
+    for name, rows in (("free", 0), ("full preview", 22 * 30), ("qcfuse c=15", 22 * 16)):
+        k = rules.solve_k(b, target, rows)
+        assert rules.selected_budget(b, k, rows) <= target + 1e-12
+        assert rules.selected_budget(b, k + 1, rows) > target
+        ks[name] = k
+    assert ks["free"] > ks["qcfuse c=15"] > ks["full preview"]
+    a_alone = b.solve(b.alone, target)  # qsel's A alone charges the same full preview
+    assert a_alone == ks["full preview"]
+
+
+class _RefFuse:
+    """fuse_forward's fuse contract in NumPy (no daemon): a session given the node's
+    selection; every other row of each layer is the placed (stale) KV."""
+
+    def __init__(self, req):
+        self.req = req
+
+    def open(self, segments, checks, ratios, metric, kv, attention=None, recompute=None):
+        self.kv, self.seconds = kv, 0.0
+        self.S = np.union1d(np.flatnonzero(~self.req.cached), recompute).astype(np.int64)
+        return 0
+
+    def rows(self):
+        return self.S
+
+    def layer(self, l, k, v):
+        self.kv[l] = self.req.placed[l]
+        self.kv[l, 0, self.S], self.kv[l, 1, self.S] = k, v
+
+    def close(self):
+        return {}
+
+
+class _RefStore:
+    def __init__(self, req, stored):
+        self.req, self.stored = req, stored
+
+    def placed(self, req, hashes):
+        return req.placed, 0.0
+
+    def get(self, h):
+        return self.stored[h]
+
+
+@numpy_only
+def test_rules_run_end_to_end_on_reference_fuse():
+    """Every new rule through run_new_rule on the tiny model, with a NumPy stand-in for the
+    daemon's session: the selection is the rule's top k at HKVD's budget, the logits are
+    cacheblend.blend_forward's on that selection, no budget exceeds HKVD's at r, EPIC takes
+    chunk starts and the oracle recomputes the tokens that deviate most."""
+    import rules
+    from cacheblend import select_count
+
+    model = tiny_model()
+    req, stored = tiny_request(model)
+    hashes = [0, 1]
+    store = _RefStore(req, stored)
+    full_kv = model.prefill(req.ids, logits_for="last")[1]
+    cached = np.flatnonzero(req.cached)
+    oracle = rules.oracle_score(full_kv, req.placed, cached)
+    previews = rules.Previews(model, store, req, hashes, critical_layer=2)
+    rows = np.array([req.N - 1])
+    b = rules.Budget(model.cfg, len(cached), 5)
+    target = b.hkvd(select_count(0.3, len(cached)))
+    fresh = np.flatnonzero(~req.cached)
+    for rule in rules.NEW_RULES:
+        logits, kv, S, t, used = rules.run_new_rule(rule, 0.3, model, _RefFuse(req), req,
+                                                    hashes, rows, previews, oracle)
+        assert used <= target + 1e-12, rule
+        sel = np.setdiff1d(S, fresh)
+        assert len(sel) >= 1, rule
+        ref, ref_kv, _ = blend_forward(model, req, rows, recompute=sel)
+        assert np.abs(logits - ref).max() < 1e-4, rule
+        if rule == "EPIC":
+            starts = [s for kind, s, _ in req.spans if kind == "chunk"]
+            assert set(starts) <= set(sel.tolist())
+        if rule == "oracle":
+            assert sel.tolist() == rules.top_tokens(oracle, req, len(sel)).tolist()
+        if rule == "QCFuse":  # charged q x (c + 1) rows, not q x L
+            assert len(sel) == rules.solve_k(b, target, 5 * 3)
+    assert set(previews.cache) == {"full", "local", "anchored"}
+
+
+@numpy_only
+def test_rules_table_pairs_against_hkvd_and_best():
+    """run_qsel's table on made-up records: only the rules every record has, each new rule
+    paired against HKVD V and every runnable rule against the best one (the oracle never
+    counts as the best: it cannot run)."""
+    import run_qsel
+
+    rng = np.random.default_rng(3)
+    records = []
+    for k in range(6):
+        modes = {"full reuse": {"kl": 0.2}}
+        for rule, kl in (("HKVD V", 0.05), ("ProphetKV", 0.03), ("QCFuse", 0.04),
+                         ("oracle", 0.01)):
+            modes[f"{rule} r=0.15"] = dict(kl=kl + 0.001 * rng.random(), kl_first=kl, top1=0.9,
+                                           prefix=0.5, exact=0.0, budget=0.2, total=1.0,
+                                           recomputed=0.15)
+        records.append({"k": k, "modes": modes})
+    out = run_qsel.table(records, [0.15])
+    assert "| 0.15 | QCFuse | HKVD V |" in out and "| 0.15 | oracle | HKVD V |" in out
+    assert "| 0.15 | QCFuse | ProphetKV |" in out and "| 0.15 | HKVD V | ProphetKV |" in out
+    assert "| ProphetKV | oracle |" not in out and "HKVD K" not in out.split("\n")[2]
+    assert "6 requests" in out
