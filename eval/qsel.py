@@ -38,39 +38,59 @@ def question_rows(req):
     return np.arange(s, s + T)
 
 
-def preview(model, req, placed):
-    """A [chunk tokens, kv_heads] float32 from the question's pass over placed, the stored
-    KV re-rotated to the prompt ([layers, 2, N, kv_heads, d]); and its seconds."""
+def question_pass(model, req, placed, view=None, last_layer=None):
+    """The question tokens (the last fresh span) through layers 0 .. last_layer (default
+    every layer) over placed ([layers, 2, N, kv_heads, d]: the chunk tokens' stale KV, at
+    whatever positions the caller rotated them to) and their own KV.
+
+    view: prompt indices of the chunk tokens the question reads on the layers before
+    last_layer (default every chunk token); on last_layer it reads every chunk token.
+    Returns att [layers, chunk tokens, kv_heads] float64: per layer, the question's softmax
+    attention on each chunk token summed over its queries and the query heads of each KV
+    head (zero on layers not run, and on tokens outside the view), and the seconds."""
     c = model.cfg
     t0 = time.perf_counter()
     rows = question_rows(req)
     cached = np.flatnonzero(req.cached)
-    keys = np.concatenate([cached, rows])  # what the preview's queries may read, in order
+    last = c.n_layers - 1 if last_layer is None else last_layer
+    view_ord = (np.arange(len(cached)) if view is None
+                else np.searchsorted(cached, np.asarray(view, np.int64)))
     rep = c.n_heads // c.n_kv_heads
-    a = np.zeros((len(cached), c.n_kv_heads), np.float64)
+    att = np.zeros((c.n_layers, len(cached), c.n_kv_heads))
     h = model.embed(req.ids[rows])
     t = model.t
-    for l in range(c.n_layers):
+    for l in range(last + 1):
+        ords = np.arange(len(cached)) if l == last else view_ord
         q, k, v = model.qkv(l, h, req.pos[rows])
-        K = np.concatenate([placed[l, 0, cached], k])
-        V = np.concatenate([placed[l, 1, cached], v])
-        Kh = np.repeat(K, rep, axis=1).transpose(1, 2, 0)  # [heads, d, keys]
-        Vh = np.repeat(V, rep, axis=1).transpose(1, 0, 2)  # [heads, keys, d]
+        keys = np.concatenate([cached[ords], rows])
+        K = np.concatenate([placed[l, 0, cached[ords]], k])
+        V = np.concatenate([placed[l, 1, cached[ords]], v])
+        Kh = np.repeat(K, rep, axis=1).transpose(1, 2, 0)
+        Vh = np.repeat(V, rep, axis=1).transpose(1, 0, 2)
         s = np.matmul(q.transpose(1, 0, 2), Kh) / np.float32(np.sqrt(c.head_dim))
-        mask = keys[None, :] > rows[:, None]
-        s = np.where(mask[None], np.float32(-np.inf), s)
+        s = np.where((keys[None, :] > rows[:, None])[None], np.float32(-np.inf), s)
         s = np.exp(s - s.max(axis=-1, keepdims=True))
         s /= s.sum(axis=-1, keepdims=True)  # [heads, q, keys]
-        if l >= PREVIEW_FROM:
-            on_chunks = s[:, :, : len(cached)].sum(axis=1)  # [heads, chunk tokens]
-            a += on_chunks.reshape(c.n_kv_heads, rep, -1).sum(axis=1).T
+        on = s[:, :, : len(ords)].sum(axis=1)  # [heads, view tokens]
+        att[l, ords] = on.reshape(c.n_kv_heads, rep, -1).sum(axis=1).T
+        if l == last:
+            break
         o = np.matmul(s, Vh).transpose(1, 0, 2).reshape(len(rows), c.dim)
         h = h + o @ t[f"blk.{l}.attn_output.weight"].T
         x = rms_norm(h, t[f"blk.{l}.ffn_norm.weight"], c.rms_eps)
         g = x @ t[f"blk.{l}.ffn_gate.weight"].T
         u = x @ t[f"blk.{l}.ffn_up.weight"].T
         h = h + (g / (1 + np.exp(-g)) * u) @ t[f"blk.{l}.ffn_down.weight"].T
-    return a.astype(np.float32), time.perf_counter() - t0
+    return att, time.perf_counter() - t0
+
+
+def preview(model, req, placed):
+    """A [chunk tokens, kv_heads] float32 from the question's pass over placed, the stored
+    KV re-rotated to the prompt ([layers, 2, N, kv_heads, d]); and its seconds: the
+    question's attention on the chunk tokens summed over layers PREVIEW_FROM .. L-1
+    (:func:`question_pass`)."""
+    att, secs = question_pass(model, req, placed)
+    return att[PREVIEW_FROM:].sum(axis=0).astype(np.float32), secs
 
 
 def f_qkv(cfg):

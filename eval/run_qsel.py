@@ -165,6 +165,16 @@ def plot(records, ratios, path, title):
     print(f"plot: {path}")
 
 
+def load_request(k, args, model, tok, docs, paraphrased, shape, store):
+    """Request k (paraphrased when given) with its chunks stored: segments, info, hashes, req."""
+    if paraphrased:
+        segments, info = paraphrased_request(k, args.seed, docs, tok, shape, paraphrased)
+    else:
+        segments, info = build_request(k, args.seed, docs, tok, shape)
+    hashes = [store.ensure(s) for kind, s in segments if kind == "chunk"]
+    return segments, info, hashes, Request(segments, None, model.cfg)
+
+
 def profile_critical(args, model, tok, docs, paraphrased, shape, ratios):
     """QCFuse's critical-layer profiling: on N requests outside the evaluated ones (k =
     1000..), per layer l, the share of a target's top k (k = floor(r n), r the middle ratio)
@@ -179,12 +189,9 @@ def profile_critical(args, model, tok, docs, paraphrased, shape, ratios):
     with node.Daemon(args.build) as daemon, daemon.client() as client:
         store = node.ChunkStore(client, model)
         for k in range(PROFILE_FIRST, PROFILE_FIRST + args.profile_critical):
-            if paraphrased:
-                segments, info = paraphrased_request(k, args.seed, docs, tok, shape, paraphrased)
-            else:
-                segments, info = build_request(k, args.seed, docs, tok, shape)
-            hashes = [store.ensure(s) for kind, s in segments if kind == "chunk"]
-            req = Request(segments, None, model.cfg)
+            _, _, hashes, req = load_request(
+                k, args, model, tok, docs, paraphrased, shape, store
+            )
             _, kv_full, _, _ = full_prefill(model, req.ids, np.array([req.N - 1]))
             placed, _ = store.placed(req, hashes)
             cached = np.flatnonzero(req.cached)
@@ -192,13 +199,13 @@ def profile_critical(args, model, tok, docs, paraphrased, shape, ratios):
             kk = select_count(r, n)
             oracle = pub.oracle_score(kv_full, placed, cached)
             del kv_full
-            att, _ = pub.question_pass(model, req, placed)
+            att, _ = qsel.question_pass(model, req, placed)
             targets = [set(pub.top_tokens(att[qsel.PREVIEW_FROM:].sum((0, 2)), req, kk)),
                        set(pub.top_tokens(oracle, req, kk))]
             a_oracle.append(len(targets[0] & targets[1]) / kk)
             x = np.zeros((2, 2, L))
             for l in range(L):
-                att_a, _ = pub.question_pass(model, req, placed, view=pub.anchors(req),
+                att_a, _ = qsel.question_pass(model, req, placed, view=pub.anchors(req),
                                              last_layer=l)
                 for v, a in enumerate((att_a, att)):
                     got = set(pub.top_tokens(a[l].sum(1), req, kk))
@@ -274,12 +281,9 @@ def main(argv=None):
         store = node.ChunkStore(client, model)
         fuse = (node.LandingFuse(client) if args.fuse == "landing" else node.DaemonFuse(client))
         for k in range(args.first, args.first + args.requests):
-            if paraphrased:
-                segments, info = paraphrased_request(k, args.seed, docs, tok, shape, paraphrased)
-            else:
-                segments, info = build_request(k, args.seed, docs, tok, shape)
-            hashes = [store.ensure(s) for kind, s in segments if kind == "chunk"]
-            req = Request(segments, None, model.cfg)
+            segments, info, hashes, req = load_request(
+                k, args, model, tok, docs, paraphrased, shape, store
+            )
             probe = np.array([req.N - 1])
             last, kv_full, _, _ = full_prefill(model, req.ids, probe)
             answer = greedy(model, kv_full, last, shape["answer"], (tok.eos,))
