@@ -183,7 +183,7 @@ def main():
         if not os.environ.get(var):
             fail(f"${var} is not set (run through tests/engine/run.sh)")
     sys.path.insert(0, str(HERE))
-    from daemon import Group, free_port, install_package, wait_for_daemon
+    from fixtures import Group, free_port, install_package, wait_for_daemon
 
     tmp = tempfile.mkdtemp(prefix="kvblend-serve.")
     site = Path(tmp) / "site"
@@ -195,7 +195,11 @@ def main():
     port = free_port()
     env = dict(os.environ, VENV=str(Path(sys.executable).parent.parent),
                MODEL=os.environ["KVBLEND_ENGINE_MODEL"], KVBLENDD=os.environ["KVBLENDD"],
-               RAG_DIR=f"{tmp}/rag", PORT=str(port), PYTHONPATH=str(site))
+               RAG_DIR=f"{tmp}/rag", PORT=str(port), PYTHONPATH=str(site),
+               # a crash of the server's processes prints every thread's Python stack to
+               # its log, which a failure prints (it failed once in CI: the server gone
+               # during the first request, its log lost with the machine)
+               PYTHONFAULTHANDLER="1")
     started, ok = [], False
     try:
         daemon = Group(["bash", "-euc", blocks["env"] + blocks["daemon"]],
@@ -237,6 +241,9 @@ def main():
         ok = True
     except Failed as e:
         print(f"FAIL: {e}")
+        # the logs are gone with a CI machine: say what the server and the daemon said last
+        for s in started:
+            print(f"--- the last lines of {s.log_path.name} ---\n{s.tail(80)}")
     finally:
         for s in reversed(started):
             s.stop()

@@ -9,6 +9,20 @@ so the request's first token does not wait for it; its connection to the daemon 
 own (behind its own circuit breaker). A failed store is logged and changes no output.
 The scheduler queues each missed chunk once (:class:`kvblend.vllm.scheduler.SchedulerSide`)
 and hands the worker at most ``store_tokens_per_step`` tokens of them a step.
+
+The thread and vLLM never compute at once. vLLM's CPU kernels keep state shared by every
+call in the process: one oneDNN scratchpad and stream for all its matrix products, which
+the attention's scheduler metadata resizes (frees and allocates again) when a step needs
+more. The thread's layers use the same matrix products. A resize while the thread was in
+one corrupted the heap (CI, 2026-12-03: ``malloc(): unsorted double linked list
+corrupted`` in the first decode step after a request's misses were queued). The resize runs
+in vLLM's input preparation, before the connector hears of the step. So
+:func:`kvblend.vllm.plugin.lock_runner_steps` makes vLLM's model runner hold
+:data:`kvblend.vllm.plugin.STEPS` around all of ``execute_model`` (inputs, attention
+metadata, forward, logits) and ``sample_tokens``; the thread takes it around each layer.
+It computes only while the worker waits for a step, and a step waits for at most one
+layer of a missed chunk. Where the runner cannot be wrapped (another vLLM), store on a
+miss is off, with the reason logged.
 """
 
 from __future__ import annotations
@@ -27,9 +41,11 @@ from ..errors import KvblendError, Unavailable
 from ..types import Model
 from .daemon import DaemonLink
 from .metadata import MissSpec
+from .plugin import STEPS
 
 #: Missed chunks waiting on the worker's thread at most (more are dropped, logged).
 MAX_WAITING = 256
+
 
 
 class MissStorer:
@@ -53,10 +69,8 @@ class MissStorer:
         spec: Model,
         link: DaemonLink,
         logger: logging.Logger,
-        step_lock: threading.RLock | None = None,
     ) -> None:
         self.model = model
-        self.step_lock = step_lock or threading.RLock()
         self.spec = spec
         self.link = link
         self.log = logger
@@ -98,7 +112,7 @@ class MissStorer:
             t0 = time.monotonic()
             try:
                 buf = np.empty(self.spec.kv_shape(len(m.ids)), np_dtype)
-                prefill(ops, np.asarray(m.ids, np.int64), buf, self.step_lock)
+                prefill(ops, np.asarray(m.ids, np.int64), buf, STEPS)
                 bad = buf.size - int(np.count_nonzero(np.isfinite(buf)))
                 if bad:  # never stored: every later request would load it
                     raise ValueError(f"its prefill gave {bad} values that are not finite")

@@ -15,13 +15,19 @@ that stays so (vLLM 0.32; :data:`SUPPORTED_VLLM`); where it does not, the wrappe
 installed, :func:`loaded_model` raises :class:`ModelUnreachable` with the reason, and the
 connector refuses to blend (docs/vllm.md).
 
+The second hook, :func:`lock_runner_steps`, is installed by the connector's worker side when
+it stores on a miss: vLLM's model runner then holds :data:`STEPS` while it computes a step,
+so that kvblend's own thread never computes beside it (:mod:`kvblend.vllm.misses` says why).
+
 This module imports nothing from torch or vLLM until :func:`register` runs (nor does
 :mod:`kvblend.vllm`, whose connector is imported only when asked for).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import sys
 import threading
 from typing import Any
 
@@ -138,3 +144,50 @@ def loaded_model(vllm_config: Any) -> Any:
             "through vLLM's model loader in this process yet"
         )
     return found[-1]
+
+
+#: Held by vLLM's model runner around each step (:func:`lock_runner_steps`) and by the
+#: store-on-miss thread around each layer (:mod:`kvblend.vllm.misses`): one per process.
+STEPS = threading.RLock()
+
+#: The model runner's methods that compute (inputs and metadata, forward, sampling).
+RUNNER_METHODS = ("execute_model", "sample_tokens")
+RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
+
+
+def _held(fn: Any) -> Any:
+    @functools.wraps(fn)
+    def locked(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with STEPS:
+            return fn(self, *args, **kwargs)
+
+    locked._kvblend_steps = True  # type: ignore[attr-defined]
+    return locked
+
+
+def lock_runner_steps() -> str | None:
+    """Make vLLM's model runners hold :data:`STEPS` while they compute a step.
+
+    Wraps ``execute_model`` and ``sample_tokens`` of ``GPUModelRunner`` (the CPU runner
+    is its subclass) and of every loaded subclass that defines its own, once per process.
+    Returns None, or why it could not (the runner's module is not loaded in this process,
+    or lacks a method).
+    """
+    mod = sys.modules.get(RUNNER_MODULE)
+    base = getattr(mod, "GPUModelRunner", None)
+    if base is None:
+        return f"vLLM's model runner ({RUNNER_MODULE}.GPUModelRunner) is not loaded here"
+    classes, todo = [], [base]
+    while todo:
+        cls = todo.pop()
+        classes.append(cls)
+        todo.extend(cls.__subclasses__())
+    for name in RUNNER_METHODS:
+        if not callable(getattr(base, name, None)):
+            return f"vLLM's GPUModelRunner has no {name}"
+    for cls in classes:
+        for name in RUNNER_METHODS:
+            fn = cls.__dict__.get(name)
+            if fn is not None and not getattr(fn, "_kvblend_steps", False):
+                setattr(cls, name, _held(fn))
+    return None

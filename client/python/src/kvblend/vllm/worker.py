@@ -11,7 +11,6 @@ its blocks. Stores gather a prefilled prompt's rows layer by layer and PUT them.
 from __future__ import annotations
 
 import os
-import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +25,7 @@ from .landing import CacheRegion
 from .layout import LayoutError, PagedCache, blocks_of
 from .metadata import KvblendMetadata, KvblendWorkerMeta, LoadSpec
 from .misses import MissStorer
-from .plugin import ModelUnreachable, loaded_model
+from .plugin import ModelUnreachable, loaded_model, lock_runner_steps
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -78,10 +77,6 @@ class WorkerSide:
         self._region: CacheRegion | None = None  # the cache in a kvblend region (landing)
         self._landing: dict[str, LoadSpec] = {}  # this step's loads the daemon lands
         self._misses: MissStorer | None = None  # store on a miss
-        # held while vLLM's step has metadata bound: the miss thread computes between steps
-        # reentrant: vLLM may compute logits (which take it) before it clears the step
-        self._step_lock = threading.RLock()
-        self._in_step = False
         # the cost model's samples (kvblend.vllm.cost), sent to the scheduler each step
         self._samples: list[tuple[str, int, float]] = []
         self._failed_tokens = 0
@@ -190,14 +185,14 @@ class WorkerSide:
             except (RuntimeError, AttributeError) as e:
                 logger.warning("kvblend: store on a miss off: %s", e)
                 return
+        # the thread computes only while vLLM's runner does not (kvblend.vllm.misses)
+        why = lock_runner_steps()
+        if why is not None:
+            logger.warning("kvblend: store on a miss off: %s", why)
+            return
         cfg = self.config
         link = DaemonLink(cfg.endpoint, cfg.timeout_ms, cfg.model, logger)
-        self._misses = MissStorer(model, cfg.model, link, logger, self._step_lock)
-        # vLLM computes a step's logits after clear_connector_metadata, outside the step's
-        # hold of the lock, with the same CPU kernels the thread's layers use, which are not
-        # safe to run from two threads at once (run together, they gave NaN rows in stored
-        # chunks and a corrupted heap): the logits take the lock too
-        _lock_logits(model, self._step_lock)
+        self._misses = MissStorer(model, cfg.model, link, logger)
         logger.info(
             "kvblend: store on a miss on (at most %d tokens a step)", cfg.store_tokens_per_step
         )
@@ -205,13 +200,8 @@ class WorkerSide:
     def step_begin(self, meta: KvblendMetadata | None = None) -> None:
         """vLLM bound this step's metadata: its forward pass follows.
 
-        The miss thread computes between steps only (vLLM's CPU kernels are not safe to
-        run beside its forward pass): this waits for at most one layer of a missed
-        chunk's prefill. A step that loads nothing is timed (the prefill rate).
+        A step that loads nothing is timed (the prefill rate).
         """
-        if self._misses is not None and not self._in_step:
-            self._step_lock.acquire()
-            self._in_step = True
         self._step_t0 = None
         if meta is not None and not meta.loads and meta.scheduled_tokens >= cost.MIN_STEP_TOKENS:
             self._step_tokens = meta.scheduled_tokens
@@ -224,9 +214,6 @@ class WorkerSide:
                 (cost.PREFILL, self._step_tokens, time.monotonic() - self._step_t0)
             )
             self._step_t0 = None
-        if self._in_step:
-            self._in_step = False
-            self._step_lock.release()
 
     def build_worker_meta(self) -> KvblendWorkerMeta | None:
         """This step's cost samples and failed loads for the scheduler (None: nothing)."""
@@ -481,16 +468,3 @@ class WorkerSide:
             self._misses.close()
         self.daemon.drop()
 
-
-def _lock_logits(model: Any, lock: threading.RLock) -> None:
-    """Make ``model.compute_logits`` hold ``lock`` while it runs (once per model)."""
-    inner = getattr(model, "compute_logits", None)
-    if inner is None or getattr(inner, "_kvblend_locked", False):
-        return
-
-    def compute_logits(*args: Any, **kwargs: Any) -> Any:
-        with lock:
-            return inner(*args, **kwargs)
-
-    compute_logits._kvblend_locked = True  # type: ignore[attr-defined]
-    model.compute_logits = compute_logits

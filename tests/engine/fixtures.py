@@ -1,0 +1,116 @@
+"""What the engine tests share: a real kvblendd, the package installed as vLLM sees it, the
+blend tests' prompt, the NumPy reference twin of a model, and reading a load dump.
+
+The daemon harness lives in eval/engine_setup.py (Daemon, cluster, Group, ...) so that
+eval/run_vllm.py and bench/bench_vllm.py share it without importing a test file; tests
+import eval/, never the reverse, and no test file imports another: what two tests share
+lives here.
+"""
+
+import sys
+from pathlib import Path
+
+_EVAL = str(Path(__file__).resolve().parents[2] / "eval")
+if _EVAL not in sys.path:
+    sys.path.append(_EVAL)
+
+from engine_setup import (  # noqa: E402
+    Daemon,
+    Group,
+    cluster,
+    free_port,
+    install_package,
+    kvblendd_path,
+    wait_for_daemon,
+)
+
+__all__ = ["DOCS", "QUESTION", "Daemon", "Group", "build_segments", "cluster", "free_port",
+           "install", "install_package", "kvblendd_path", "numpy_twin", "read_cache",
+           "wait_for_daemon"]
+
+# The blend tests' prompt (test_hf_blend, test_vllm_blend, test_vllm_arch,
+# test_vllm_model_hook): three documents between fresh text, then the question.
+DOCS = [
+    "The river delta is formed where a river meets a slower body of water and drops the "
+    "sediment it carries. Over centuries the deposits build new land, split the river into "
+    "many channels and create wetlands that shelter birds, fish and plants. Large deltas "
+    "such as the Nile, the Ganges and the Mississippi feed millions of people.",
+    "A lighthouse is a tower with a bright lamp at the top that guides ships at night. The "
+    "first lighthouses burned wood or coal; later ones used oil lamps and curved mirrors, "
+    "and from the nineteenth century on Fresnel lenses focused the light into a beam that "
+    "could be seen more than thirty kilometres out at sea.",
+    "Honey bees live in colonies of tens of thousands of workers and one queen. Workers "
+    "collect nectar and pollen, build wax combs, care for the young and defend the hive. "
+    "When a forager finds flowers she returns and performs a waggle dance whose angle and "
+    "length tell her sisters the direction and distance of the food.",
+]
+QUESTION = "Which document explains how bees share where the flowers are, and how?"
+
+
+def build_segments(tok):
+    """The blend tests' prompt as [("fresh"|"chunk", ids)], tokenized by ``tok``."""
+    head = tok.encode("<|im_start|>system\nAnswer using the documents.<|im_end|>\n"
+                      "<|im_start|>user\nDocument 1:\n")
+    segs = [("fresh", head)]
+    for i, d in enumerate(DOCS):
+        segs.append(("chunk", tok.encode(d)))
+        tail = (f"\n\nDocument {i + 2}:\n" if i + 1 < len(DOCS) else
+                f"\n\nQuestion: {QUESTION}<|im_end|>\n<|im_start|>assistant\n")
+        segs.append(("fresh", tok.encode(tail)))
+    return segs
+
+
+def numpy_twin(model):
+    """eval/model.py's NumPy Model holding a HF Llama-family model's weights (neox layout)."""
+    import kvblend.hf as kh
+    from model import Config
+    from model import Model as NumpyModel
+
+    c = model.config
+    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    t = {"token_embd.weight": sd["model.embed_tokens.weight"],
+         "output_norm.weight": sd["model.norm.weight"],
+         "output.weight": sd.get("lm_head.weight", sd["model.embed_tokens.weight"])}
+    names = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj",
+             "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+             "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
+             "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+    for layer in range(c.num_hidden_layers):
+        for ours, theirs in names.items():
+            t[f"blk.{layer}.{ours}.weight"] = sd[f"model.layers.{layer}.{theirs}.weight"]
+    cfg = Config(n_layers=c.num_hidden_layers, dim=c.hidden_size, n_heads=c.num_attention_heads,
+                 n_kv_heads=c.num_key_value_heads, head_dim=c.hidden_size // c.num_attention_heads,
+                 ffn_dim=c.intermediate_size, vocab=c.vocab_size,
+                 rope_theta=kh._rope_theta(c), rms_eps=float(c.rms_norm_eps), rope_style="neox")
+    return NumpyModel(cfg, t, None)
+
+
+def read_cache(dump, n):
+    """K and V [layers, 2, n, kv_heads, head_dim] of prompt rows 0..n-1 from a load dump
+    (vLLM's CPU "vec" blocks: per block and head, K transposed, then V)."""
+    import numpy as np
+
+    raw, blocks = dump["raw"], list(dump["blocks"])
+    table, bs = list(dump["block_ids"]), int(dump["block_size"])
+    L, B, H = raw.shape[0], raw.shape[1], raw.shape[2]
+    a = raw.reshape(L, B, H, 2, -1)
+    hd = a.shape[-1] // bs
+    k = a[:, :, :, 0].reshape(L, B, H, hd, bs).swapaxes(-1, -2)  # K stored transposed
+    v = a[:, :, :, 1].reshape(L, B, H, bs, hd)
+    out = np.empty((L, 2, n, H, hd), np.float32)
+    for t in range(n):
+        j = blocks.index(table[t // bs])
+        out[:, 0, t], out[:, 1, t] = k[:, j, :, t % bs], v[:, j, :, t % bs]
+    return out
+
+
+def install(target):
+    """pip install the package into ``target`` with its entry point (the tests' step (a));
+    a failure ends the test (exit 1)."""
+    try:
+        install_package(target)
+    except RuntimeError as e:
+        print(f"FAIL: {e}")
+        sys.exit(1)
+    print("  (a) installed; entry point vllm.general_plugins: kvblend = "
+          "kvblend.vllm.plugin:register")
