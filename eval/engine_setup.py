@@ -6,7 +6,7 @@ model it hands over); :class:`Daemon` starts and stops a real kvblendd on a temp
 data directory and IPC socket, :func:`cluster` several on one static member list;
 :class:`Group` runs any other child (vLLM's server, a shell block) in a process group of
 its own, and :func:`free_port` finds a port for it. Used
-by eval/run_vllm.py, bench/bench_vllm.py and the engine tests (tests/engine/daemon.py):
+by eval/run_vllm.py, bench/bench_vllm.py and the engine tests (tests/engine/fixtures.py):
 tests import eval/, never the reverse. kvblend is imported when a daemon starts, not
 before: a caller that installs the package first and then drops kvblend from
 sys.modules gets the installed copy here too.

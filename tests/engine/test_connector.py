@@ -169,7 +169,7 @@ def main():
 
     import numpy as np
     import kvblend
-    from daemon import Daemon
+    from fixtures import Daemon
 
     d = Daemon()
     report = {}

@@ -33,7 +33,7 @@ if os.environ.get("KVBLEND_SKIP_ENGINE") == "1":
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kvblend  # noqa: E402
-from daemon import Daemon  # noqa: E402
+from fixtures import Daemon  # noqa: E402
 from kvblend.vllm import plan  # noqa: E402
 from kvblend.vllm.daemon import DaemonDown, DaemonLink, probe, wait_layer  # noqa: E402
 

@@ -53,9 +53,7 @@ from cacheblend import (  # noqa: E402
     hkvd_select,
     select_count,
 )
-from daemon import Daemon  # noqa: E402
-from model import Config  # noqa: E402
-from model import Model as NumpyModel  # noqa: E402
+from fixtures import Daemon, build_segments, numpy_twin  # noqa: E402
 from qsel import preview  # noqa: E402
 
 MAX_TOKENS = 16
@@ -77,59 +75,9 @@ TOL_ROTATE = 2e-5
 # 1e-2 or more of its largest entry).
 TOL_A = 1e-4
 
-DOCS = [
-    "The river delta is formed where a river meets a slower body of water and drops the "
-    "sediment it carries. Over centuries the deposits build new land, split the river into "
-    "many channels and create wetlands that shelter birds, fish and plants. Large deltas "
-    "such as the Nile, the Ganges and the Mississippi feed millions of people.",
-    "A lighthouse is a tower with a bright lamp at the top that guides ships at night. The "
-    "first lighthouses burned wood or coal; later ones used oil lamps and curved mirrors, "
-    "and from the nineteenth century on Fresnel lenses focused the light into a beam that "
-    "could be seen more than thirty kilometres out at sea.",
-    "Honey bees live in colonies of tens of thousands of workers and one queen. Workers "
-    "collect nectar and pollen, build wax combs, care for the young and defend the hive. "
-    "When a forager finds flowers she returns and performs a waggle dance whose angle and "
-    "length tell her sisters the direction and distance of the food.",
-]
-QUESTION = "Which document explains how bees share where the flowers are, and how?"
-
-
 def fail(msg):
     print(f"FAIL: {msg}")
     sys.exit(1)
-
-
-def numpy_twin(model):
-    """eval/model.py's NumPy Model holding the HF model's weights (HF = neox layout)."""
-    c = model.config
-    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
-    t = {"token_embd.weight": sd["model.embed_tokens.weight"],
-         "output_norm.weight": sd["model.norm.weight"],
-         "output.weight": sd.get("lm_head.weight", sd["model.embed_tokens.weight"])}
-    names = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj",
-             "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-             "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
-             "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
-    for layer in range(c.num_hidden_layers):
-        for ours, theirs in names.items():
-            t[f"blk.{layer}.{ours}.weight"] = sd[f"model.layers.{layer}.{theirs}.weight"]
-    cfg = Config(n_layers=c.num_hidden_layers, dim=c.hidden_size, n_heads=c.num_attention_heads,
-                 n_kv_heads=c.num_key_value_heads, head_dim=c.hidden_size // c.num_attention_heads,
-                 ffn_dim=c.intermediate_size, vocab=c.vocab_size,
-                 rope_theta=kh._rope_theta(c), rms_eps=float(c.rms_norm_eps), rope_style="neox")
-    return NumpyModel(cfg, t, None)
-
-
-def build_segments(tok):
-    head = tok.encode("<|im_start|>system\nAnswer using the documents.<|im_end|>\n"
-                      "<|im_start|>user\nDocument 1:\n")
-    segs = [("fresh", head)]
-    for i, d in enumerate(DOCS):
-        segs.append(("chunk", tok.encode(d)))
-        tail = (f"\n\nDocument {i + 2}:\n" if i + 1 < len(DOCS) else
-                f"\n\nQuestion: {QUESTION}<|im_end|>\n<|im_start|>assistant\n")
-        segs.append(("fresh", tok.encode(tail)))
-    return segs
 
 
 def check_selection(bl, req, checks, ratios, metric):

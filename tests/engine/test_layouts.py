@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kvblend  # noqa: E402
 from kvblend.vllm import layout as L  # noqa: E402
 
-from daemon import Daemon  # noqa: E402
+from fixtures import Daemon  # noqa: E402
 
 MODEL = kvblend.Model("layout-test", 4, 2, 16, dtype="f32", rope_theta=1e4)
 BS, NB = 16, 9  # tokens a block, blocks a layer

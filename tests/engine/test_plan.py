@@ -26,7 +26,7 @@ if os.environ.get("KVBLEND_SKIP_ENGINE") == "1":
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kvblend  # noqa: E402
-from daemon import Daemon  # noqa: E402
+from fixtures import Daemon  # noqa: E402
 from kvblend.vllm import layout, plan  # noqa: E402
 
 MODEL = kvblend.Model("plan-test", 2, 1, 8, dtype="f32", rope_theta=1e5)

@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kvblend  # noqa: E402
 from kvblend.vllm import selftest  # noqa: E402
 
-from daemon import Daemon  # noqa: E402
+from fixtures import Daemon  # noqa: E402
 
 failures = []
 HD, HEADS, MAXPOS = 64, 2, 4096

@@ -122,7 +122,7 @@ def reference(arch, model_dir, endpoint, name, tok):
 
     import kvblend
     import kvblend.hf as kh
-    from test_hf_blend import build_segments
+    from fixtures import build_segments
 
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.eval()
@@ -156,7 +156,7 @@ def reference(arch, model_dir, endpoint, name, tok):
 def run_engine(arch, model_dir, endpoint, name, ref, tokens, chunks, dump_dir):
     """(c): one engine; returns the deviation of its cache from kvblend.hf's fused KV."""
     import numpy as np
-    from test_vllm_blend import read_cache
+    from fixtures import read_cache
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
@@ -211,7 +211,7 @@ def main():
     t0 = time.monotonic()
     sys.path.insert(0, str(HERE))
     from make_arch_models import ensure
-    from test_vllm_model_hook import install
+    from fixtures import install
 
     archs = args.arch or list(ARCHS)
     model_dirs = {a: str(d) for a, d in ensure(args.model).items()}
@@ -230,7 +230,7 @@ def main():
     os.environ["KVBLEND_VLLM_DUMP_DIR"] = str(dump_dir)
     check_refusals(model_dirs)
 
-    from daemon import Daemon
+    from fixtures import Daemon
 
     import transformers
 

@@ -45,6 +45,9 @@ if os.environ.get("KVBLEND_SKIP_ENGINE") == "1":
     sys.exit(77)
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from fixtures import read_cache  # noqa: E402
+
 MAX_TOKENS = 16
 NAME = "smollm2-blend-test"
 CHECKS, RATIOS = (1,), (0.15,)
@@ -113,7 +116,7 @@ def reference(model_dir, endpoint):
 
     import kvblend
     import kvblend.hf as kh
-    from test_hf_blend import build_segments
+    from fixtures import build_segments
 
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.eval()
@@ -140,24 +143,6 @@ def reference(model_dir, endpoint):
     return ref, reuse, tokens, chunks, everything, tokens_all
 
 
-def read_cache(dump, n):
-    """K and V [layers, 2, n, kv_heads, head_dim] of prompt rows 0..n-1 from a load dump."""
-    import numpy as np
-
-    raw, blocks = dump["raw"], list(dump["blocks"])
-    table, bs = list(dump["block_ids"]), int(dump["block_size"])
-    L, B, H = raw.shape[0], raw.shape[1], raw.shape[2]
-    a = raw.reshape(L, B, H, 2, -1)
-    hd = a.shape[-1] // bs
-    k = a[:, :, :, 0].reshape(L, B, H, hd, bs).swapaxes(-1, -2)  # K stored transposed
-    v = a[:, :, :, 1].reshape(L, B, H, bs, hd)
-    out = np.empty((L, 2, n, H, hd), np.float32)
-    for t in range(n):
-        j = blocks.index(table[t // bs])
-        out[:, 0, t], out[:, 1, t] = k[:, j, :, t % bs], v[:, j, :, t % bs]
-    return out
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=os.environ.get("KVBLEND_ENGINE_MODEL"))
@@ -166,7 +151,7 @@ def main():
         fail("no model: --model or KVBLEND_ENGINE_MODEL")
     t0 = time.monotonic()
     sys.path.insert(0, str(HERE))
-    from test_vllm_model_hook import install
+    from fixtures import install
 
     tmp = tempfile.mkdtemp(prefix="kvblend-blend.")
     site = Path(tmp) / "site"
@@ -182,7 +167,7 @@ def main():
     os.environ["KVBLEND_VLLM_DUMP_DIR"] = str(dump_dir)
     check_config()
 
-    from daemon import Daemon
+    from fixtures import Daemon
 
     d = Daemon()
     try:

@@ -332,7 +332,7 @@ def main():
     place_tool = args.place_tool or str(Path(os.environ["KVBLENDD"]).parent / "place_tool")
     t0 = time.monotonic()
     sys.path.insert(0, str(HERE))
-    from daemon import cluster, install_package
+    from fixtures import cluster, install_package
 
     # kvblend installed with pip (its vllm.general_plugins entry point: the blend pass and
     # the stores on a miss need the model in the worker), and imported from there

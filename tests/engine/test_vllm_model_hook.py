@@ -57,18 +57,6 @@ def fail(msg):
     sys.exit(1)
 
 
-def install(target):
-    """(a): pip install the package into target, with its entry point (eval/engine_setup.py)."""
-    from daemon import install_package
-
-    try:
-        install_package(target)
-    except RuntimeError as e:
-        fail(str(e))
-    print("  (a) installed; entry point vllm.general_plugins: kvblend = "
-          "kvblend.vllm.plugin:register")
-
-
 def read_facts(path):
     facts = {}
     for line in Path(path).read_text().splitlines():
@@ -85,7 +73,7 @@ def reference(args, endpoint):
 
     import kvblend
     import kvblend.hf as kh
-    from test_hf_blend import build_segments, numpy_twin  # puts eval/ on the path
+    from fixtures import build_segments, numpy_twin
 
     from cacheblend import Request
     from qsel import preview
@@ -168,6 +156,8 @@ def main():
     if not args.model:
         fail("no model: --model or KVBLEND_ENGINE_MODEL")
     t0 = time.monotonic()
+    from fixtures import install
+
     tmp = tempfile.mkdtemp(prefix="kvblend-hook.")
     site = Path(tmp) / "site"
     install(site)
@@ -194,7 +184,7 @@ def main():
             fail(f"unclear refusal: {e}")
         print(f"  (b) without the plugin: {e}")
 
-    from daemon import Daemon
+    from fixtures import Daemon
 
     # fuse sessions idle up to 600 s (default 60): on a loaded machine the blend loop's
     # layers between two daemon calls have taken longer (the session expired under it)
