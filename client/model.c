@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "client/client_impl.h"
+#include "common/model_fields.h"
 
 size_t kvb_dtype_size(enum kvb_dtype dtype)
 {
@@ -170,48 +171,14 @@ static void model_to_wire(const struct kvb_model *m, struct kvbp_model *w)
 {
 	memset(w, 0, sizeof(*w));
 	snprintf(w->name, sizeof(w->name), "%s", m->name);
-	w->num_layers = m->num_layers;
-	w->num_kv_heads = m->num_kv_heads;
-	w->head_dim = m->head_dim;
-	w->dtype = (uint32_t)m->dtype;
-	w->rope_theta = m->rope_theta;
-	w->rope_style = (uint32_t)m->rope_style;
-	w->rotary_dim = m->rotary_dim;
-	w->scaling = (uint32_t)m->scaling;
-	w->factor = m->factor;
-	w->low_freq_factor = m->low_freq_factor;
-	w->high_freq_factor = m->high_freq_factor;
-	w->original_max_pos = m->original_max_pos;
-	w->beta_fast = m->beta_fast;
-	w->beta_slow = m->beta_slow;
-	w->max_pos = m->max_pos;
-	w->k_pre_rope = m->k_pre_rope != 0;
-	w->store_codec = (uint32_t)m->store_codec;
-	w->store_group = m->store_group;
+	KVB_MODEL_COPY(w, m);
 }
 
 static void model_from_wire(const struct kvbp_model *w, struct kvb_model *m)
 {
 	memset(m, 0, sizeof(*m));
 	snprintf(m->name, sizeof(m->name), "%s", w->name);
-	m->num_layers = w->num_layers;
-	m->num_kv_heads = w->num_kv_heads;
-	m->head_dim = w->head_dim;
-	m->dtype = (enum kvb_dtype)w->dtype;
-	m->rope_theta = w->rope_theta;
-	m->rope_style = (enum kvb_rope_style)w->rope_style;
-	m->rotary_dim = w->rotary_dim;
-	m->scaling = (enum kvb_rope_scaling)w->scaling;
-	m->factor = w->factor;
-	m->low_freq_factor = w->low_freq_factor;
-	m->high_freq_factor = w->high_freq_factor;
-	m->original_max_pos = w->original_max_pos;
-	m->beta_fast = w->beta_fast;
-	m->beta_slow = w->beta_slow;
-	m->max_pos = w->max_pos;
-	m->k_pre_rope = w->k_pre_rope;
-	m->store_codec = (enum kvb_store_codec)w->store_codec;
-	m->store_group = w->store_group;
+	KVB_MODEL_COPY(m, w);
 }
 
 int kvb_model_register(kvb_client *c, const struct kvb_model *m, int *existed)

@@ -8,6 +8,7 @@
 #include <string.h>
 #include <sys/un.h>
 
+#include "common/model_fields.h"
 #include "kvblend.pb-c.h"
 
 _Static_assert(KVBP_SHM_PATH_MAX == sizeof(((struct sockaddr_un *)0)->sun_path),
@@ -105,24 +106,7 @@ __attribute__((format(printf, 3, 4))) static void set_err(char *err, size_t errl
 static void model_to_pb(const struct kvbp_model *m, Kvblend__Model *pb)
 {
 	pb->name = (char *)m->name;
-	pb->num_layers = m->num_layers;
-	pb->num_kv_heads = m->num_kv_heads;
-	pb->head_dim = m->head_dim;
-	pb->dtype = (Kvblend__Dtype)m->dtype;
-	pb->rope_theta = m->rope_theta;
-	pb->rope_style = (Kvblend__RopeStyle)m->rope_style;
-	pb->rotary_dim = m->rotary_dim;
-	pb->scaling = (Kvblend__RopeScaling)m->scaling;
-	pb->factor = m->factor;
-	pb->low_freq_factor = m->low_freq_factor;
-	pb->high_freq_factor = m->high_freq_factor;
-	pb->original_max_pos = m->original_max_pos;
-	pb->beta_fast = m->beta_fast;
-	pb->beta_slow = m->beta_slow;
-	pb->max_pos = m->max_pos;
-	pb->k_pre_rope = m->k_pre_rope;
-	pb->store_codec = m->store_codec;
-	pb->store_group = m->store_group;
+	KVB_MODEL_COPY(pb, m);
 }
 
 static int copy_name(char *dst, const char *src, const char *what, char *err, size_t errlen)
@@ -144,24 +128,7 @@ static int model_from_pb(const Kvblend__Model *pb, struct kvbp_model *m, char *e
 
 	if (rc)
 		return rc;
-	m->num_layers = pb->num_layers;
-	m->num_kv_heads = pb->num_kv_heads;
-	m->head_dim = pb->head_dim;
-	m->dtype = pb->dtype;
-	m->rope_theta = pb->rope_theta;
-	m->rope_style = pb->rope_style;
-	m->rotary_dim = pb->rotary_dim;
-	m->scaling = pb->scaling;
-	m->factor = pb->factor;
-	m->low_freq_factor = pb->low_freq_factor;
-	m->high_freq_factor = pb->high_freq_factor;
-	m->original_max_pos = pb->original_max_pos;
-	m->beta_fast = pb->beta_fast;
-	m->beta_slow = pb->beta_slow;
-	m->max_pos = pb->max_pos;
-	m->k_pre_rope = pb->k_pre_rope;
-	m->store_codec = pb->store_codec;
-	m->store_group = pb->store_group;
+	KVB_MODEL_COPY(m, pb);
 	return KVBP_OK;
 }
 

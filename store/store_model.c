@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "common/ckd.h"
+#include "common/model_fields.h"
 
 const MDB_val st_next_model_key = { 10, "next_model" };
 
@@ -175,16 +176,7 @@ static int next_model_id(struct store *s, MDB_txn *txn, uint32_t *out)
 
 bool store_model_same(const struct store_model *a, const struct store_model *b)
 {
-	return a->num_layers == b->num_layers && a->num_kv_heads == b->num_kv_heads &&
-	       a->head_dim == b->head_dim && a->dtype == b->dtype &&
-	       a->rope_theta == b->rope_theta && a->rope_style == b->rope_style &&
-	       a->rotary_dim == b->rotary_dim && a->scaling == b->scaling &&
-	       a->factor == b->factor && a->low_freq_factor == b->low_freq_factor &&
-	       a->high_freq_factor == b->high_freq_factor &&
-	       a->original_max_pos == b->original_max_pos && a->beta_fast == b->beta_fast &&
-	       a->beta_slow == b->beta_slow && a->max_pos == b->max_pos &&
-	       a->k_pre_rope == b->k_pre_rope && a->store_codec == b->store_codec &&
-	       a->store_group == b->store_group;
+	return KVB_MODEL_SAME(a, b);
 }
 
 int store_model_register(struct store *s, struct store_model *m)

@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "common/ckd.h"
+#include "common/model_fields.h"
 #include "daemon/clients.h"
 #include "cluster/cluster.h"
 #include "daemon/fdguard.h"
@@ -253,48 +254,14 @@ void model_from_store(const struct store_model *s, struct kvbp_model *m)
 {
 	memset(m, 0, sizeof(*m));
 	snprintf(m->name, sizeof(m->name), "%s", s->name);
-	m->num_layers = s->num_layers;
-	m->num_kv_heads = s->num_kv_heads;
-	m->head_dim = s->head_dim;
-	m->dtype = s->dtype;
-	m->rope_theta = s->rope_theta;
-	m->rope_style = s->rope_style;
-	m->rotary_dim = s->rotary_dim;
-	m->scaling = s->scaling;
-	m->factor = s->factor;
-	m->low_freq_factor = s->low_freq_factor;
-	m->high_freq_factor = s->high_freq_factor;
-	m->original_max_pos = s->original_max_pos;
-	m->beta_fast = s->beta_fast;
-	m->beta_slow = s->beta_slow;
-	m->max_pos = s->max_pos;
-	m->k_pre_rope = s->k_pre_rope;
-	m->store_codec = s->store_codec;
-	m->store_group = s->store_group;
+	KVB_MODEL_COPY(m, s);
 }
 
 void model_to_store(const struct kvbp_model *m, struct store_model *s)
 {
 	memset(s, 0, sizeof(*s));
 	snprintf(s->name, sizeof(s->name), "%s", m->name);
-	s->num_layers = m->num_layers;
-	s->num_kv_heads = m->num_kv_heads;
-	s->head_dim = m->head_dim;
-	s->dtype = m->dtype;
-	s->rope_theta = m->rope_theta;
-	s->rope_style = m->rope_style;
-	s->rotary_dim = m->rotary_dim;
-	s->scaling = m->scaling;
-	s->factor = m->factor;
-	s->low_freq_factor = m->low_freq_factor;
-	s->high_freq_factor = m->high_freq_factor;
-	s->original_max_pos = m->original_max_pos;
-	s->beta_fast = m->beta_fast;
-	s->beta_slow = m->beta_slow;
-	s->max_pos = m->max_pos;
-	s->k_pre_rope = m->k_pre_rope;
-	s->store_codec = m->store_codec;
-	s->store_group = m->store_group;
+	KVB_MODEL_COPY(s, m);
 }
 
 static bool positive(double x)
