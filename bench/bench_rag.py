@@ -66,6 +66,8 @@ vllm.general_plugins entry point in vLLM's processes).
 
 usage: bench_rag.py [--queries 200] [--docs 100] [--first-sight-every 10] [--rate 0.15]
        [--zipf 1.0] [--seed 0] [--configs plain,prefix,reuse,blend-value,blend-attention]
+       (blend-value-idle, on request: blend-value with store_idle_ms 20, each layer of a
+       store after 20 ms of idle engine)
        [--out FILE.json] [--plot docs/bench_rag.svg] [--model DIR]
        bench_rag.py --from-json FILE.json [--plot FILE.svg]   (the table of a saved run)
 (with the engine venv's python from .ci/engine-env, which tests/engine/run.sh sets up:
@@ -113,7 +115,12 @@ CONFIGS = {
     "reuse": {"prefix_caching": True, "kv": {"blend": {"check_layers": [], "ratios": []}}},
     "blend-value": {"prefix_caching": True, "kv": {"blend": {}}},
     "blend-attention": {"prefix_caching": True, "kv": {"blend": {"metric": "attention"}}},
+    # CacheBlend with each layer of a store waiting for 20 ms of idle engine first
+    # (store_idle_ms; blend-value's stores run as soon as the engine is between steps)
+    "blend-value-idle": {"prefix_caching": True, "kv": {"blend": {}, "store_idle_ms": 20}},
 }
+#: Run when --configs is not given (blend-value-idle only when asked for).
+DEFAULT_CONFIGS = ("plain", "prefix", "reuse", "blend-value", "blend-attention")
 MAX_TOKENS = 32
 TOP = 20
 START_TIMEOUT = 900
@@ -486,7 +493,8 @@ def main():
                     help="every Nth query retrieves documents no other query does (0: none)")
     ap.add_argument("--zipf", type=float, default=1.0, help="popularity exponent")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
+                    help=f"comma-separated, plain first, from {', '.join(CONFIGS)}")
     ap.add_argument("--out", help="write every figure and request record as JSON here")
     ap.add_argument("--plot", help="write an SVG plot here (e.g. docs/bench_rag.svg)")
     ap.add_argument("--model", default=os.environ.get("KVBLEND_ENGINE_MODEL"))

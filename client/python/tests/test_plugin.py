@@ -106,3 +106,65 @@ def test_a_step_waits_for_the_thread(runner_module):
     t.join(5)
     step.join(5)
     assert order == ["layer", "execute"]
+
+
+class Clock:
+    """A clock that moves only when the waiter sleeps."""
+
+    def __init__(self) -> None:
+        self.t = 100.0
+        self.slept = 0
+
+    def __call__(self) -> float:
+        return self.t
+
+    def sleep(self, s: float) -> None:
+        self.slept += 1
+        self.t += s
+
+
+def test_background_work_waits_for_the_runner_to_idle(monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr(plugin, "_runner", {"busy": 0, "last_end": clock.t - 0.001})
+    b = plugin.BetweenSteps(0.02, patience_s=0.25, clock=clock, sleep=clock.sleep)
+    b.wait()  # the last step ended 1 ms ago: waits until 20 ms have passed since
+    assert 100.019 - 1e-9 <= clock.t <= 100.019 + plugin.POLL_S + 1e-9
+    assert b.waited_out == 0
+    clock.slept = 0
+    b.wait()  # idle since: at once
+    assert clock.slept == 0
+
+
+def test_background_work_runs_after_its_patience(monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr(plugin, "_runner", {"busy": 1, "last_end": 0.0})  # a step running
+    b = plugin.BetweenSteps(0.02, patience_s=0.25, clock=clock, sleep=clock.sleep)
+    with b:
+        assert held()
+    assert 100.25 - 1e-9 <= clock.t <= 100.25 + plugin.POLL_S + 1e-9
+    assert b.waited_out == 1 and not held()
+
+
+def test_idle_zero_takes_the_lock_at_once(monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr(plugin, "_runner", {"busy": 1, "last_end": 0.0})
+    with plugin.BetweenSteps(0, clock=clock, sleep=clock.sleep):
+        assert held()
+    assert clock.slept == 0
+
+
+def test_the_runner_marks_its_steps(monkeypatch):
+    class Runner:
+        def execute_model(self):
+            return plugin._runner["busy"]
+
+        def sample_tokens(self):
+            return plugin._runner["busy"]
+
+    mod = types.ModuleType(plugin.RUNNER_MODULE)
+    mod.GPUModelRunner = Runner
+    monkeypatch.setitem(sys.modules, plugin.RUNNER_MODULE, mod)
+    monkeypatch.setattr(plugin, "_runner", {"busy": 0, "last_end": 0.0})
+    assert plugin.lock_runner_steps() is None
+    assert Runner().execute_model() == 1 and Runner().sample_tokens() == 1  # busy inside
+    assert plugin._runner["busy"] == 0 and plugin._runner["last_end"] > 0  # idle after

@@ -263,6 +263,7 @@ class ConnectorConfig:
     prefix_caching: bool = False
     store_on_miss: bool = False
     store_tokens_per_step: int = 2048
+    store_idle_ms: int = 0
     load_cost_check: bool = True
     load_cost_margin: float = 1.0
     lookup_timeout_ms: int = 500
@@ -316,6 +317,7 @@ def connector_config(vllm_config: VllmConfig) -> ConnectorConfig:
             f"kv_connector_extra_config: store_on_miss must be a bool, got {store_on_miss!r}"
         )
     per_step = _int_key(extra, "store_tokens_per_step", 2048, 1, 1 << 20)
+    idle_ms = _int_key(extra, "store_idle_ms", 0, 0, 60_000)
     check = extra.get("load_cost_check", True)
     if not isinstance(check, bool):
         raise refuse(f"kv_connector_extra_config: load_cost_check must be a bool, got {check!r}")
@@ -343,6 +345,7 @@ def connector_config(vllm_config: VllmConfig) -> ConnectorConfig:
         prefix_caching=bool(vllm_config.cache_config.enable_prefix_caching),
         store_on_miss=store_on_miss,
         store_tokens_per_step=per_step,
+        store_idle_ms=idle_ms,
         load_cost_check=check,
         load_cost_margin=float(margin),
         lookup_timeout_ms=lookup_timeout_ms,

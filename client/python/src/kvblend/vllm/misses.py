@@ -23,6 +23,12 @@ metadata, forward, logits) and ``sample_tokens``; the thread takes it around eac
 It computes only while the worker waits for a step, and a step waits for at most one
 layer of a missed chunk. Where the runner cannot be wrapped (another vLLM), store on a
 miss is off, with the reason logged.
+
+With ``store_idle_ms`` > 0 (default 0), requests come first: each layer waits until the
+runner has computed nothing for that long (the engine has no step to run), or for
+:data:`kvblend.vllm.plugin.PATIENCE_S` at most (:class:`kvblend.vllm.plugin.BetweenSteps`).
+Measured (docs/vllm.md): first-sight requests barely faster, and far fewer chunks found,
+since the stores lag: so off by default.
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ from ..errors import KvblendError, Unavailable
 from ..types import Model
 from .daemon import DaemonLink
 from .metadata import MissSpec
-from .plugin import STEPS
+from .plugin import BetweenSteps
 
 #: Missed chunks waiting on the worker's thread at most (more are dropped, logged).
 MAX_WAITING = 256
@@ -69,8 +75,10 @@ class MissStorer:
         spec: Model,
         link: DaemonLink,
         logger: logging.Logger,
+        idle_s: float = 0.0,
     ) -> None:
         self.model = model
+        self.between = BetweenSteps(idle_s)
         self.spec = spec
         self.link = link
         self.log = logger
@@ -112,7 +120,7 @@ class MissStorer:
             t0 = time.monotonic()
             try:
                 buf = np.empty(self.spec.kv_shape(len(m.ids)), np_dtype)
-                prefill(ops, np.asarray(m.ids, np.int64), buf, STEPS)
+                prefill(ops, np.asarray(m.ids, np.int64), buf, self.between)
                 bad = buf.size - int(np.count_nonzero(np.isfinite(buf)))
                 if bad:  # never stored: every later request would load it
                     raise ValueError(f"its prefill gave {bad} values that are not finite")

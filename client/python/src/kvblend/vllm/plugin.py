@@ -29,6 +29,7 @@ import functools
 import logging
 import sys
 import threading
+import time
 from typing import Any
 
 #: vLLM versions whose model loading this hook is written against.
@@ -155,14 +156,77 @@ RUNNER_METHODS = ("execute_model", "sample_tokens")
 RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
 
 
+#: What the runner is doing: how many of its calls are computing (0 or 1), and when the
+#: last one ended (time.monotonic()); written under STEPS, read by :class:`BetweenSteps`.
+_runner: dict[str, float] = {"busy": 0, "last_end": 0.0}
+#: :class:`BetweenSteps` looks at the runner this often while it waits.
+POLL_S = 0.005
+#: The longest a unit of background work waits for the runner to idle: under a load that
+#: never idles, one unit (a layer of a missed chunk) runs this often, no more.
+PATIENCE_S = 0.25
+
+
 def _held(fn: Any) -> Any:
     @functools.wraps(fn)
     def locked(self: Any, *args: Any, **kwargs: Any) -> Any:
         with STEPS:
-            return fn(self, *args, **kwargs)
+            _runner["busy"] += 1
+            try:
+                return fn(self, *args, **kwargs)
+            finally:
+                _runner["busy"] -= 1
+                _runner["last_end"] = time.monotonic()
 
     locked._kvblend_steps = True  # type: ignore[attr-defined]
     return locked
+
+
+class BetweenSteps:
+    """Hold :data:`STEPS` for one unit of background work, after the runner idles.
+
+    Entering waits until the model runner has computed nothing for ``idle_s`` (the engine
+    has no step to run: it waits for requests), or for :data:`PATIENCE_S` at most, then
+    takes :data:`STEPS`. So background work (the store-on-miss thread's layers) runs while
+    the engine idles, and under a load that never idles one unit runs every
+    :data:`PATIENCE_S`: a request's steps are held up by one unit in that time at most.
+    ``idle_s`` 0: take the lock at once (the runner's next step waits for the unit).
+    ``waited_out``: the units that ran because the patience ran out.
+    """
+
+    def __init__(
+        self,
+        idle_s: float,
+        patience_s: float = PATIENCE_S,
+        clock: Any = time.monotonic,
+        sleep: Any = time.sleep,
+    ) -> None:
+        self.idle_s = idle_s
+        self.patience_s = patience_s
+        self.clock = clock
+        self.sleep = sleep
+        self.waited_out = 0
+
+    def wait(self) -> None:
+        """Return once the runner idled ``idle_s``, or after ``patience_s``."""
+        if self.idle_s <= 0:
+            return
+        t0 = self.clock()
+        while True:
+            now = self.clock()
+            if not _runner["busy"] and now - _runner["last_end"] >= self.idle_s:
+                return
+            if now - t0 >= self.patience_s:
+                self.waited_out += 1
+                return
+            self.sleep(POLL_S)
+
+    def __enter__(self) -> BetweenSteps:
+        self.wait()
+        STEPS.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        STEPS.release()
 
 
 def lock_runner_steps() -> str | None:

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from ..errors import KvblendError, Unavailable
-from . import blend, cost, selftest
+from . import blend, cost, plugin, selftest
 from .config import ConnectorConfig, logger, refuse
 from .daemon import DaemonLink
 from .landing import CacheRegion
@@ -192,9 +192,11 @@ class WorkerSide:
             return
         cfg = self.config
         link = DaemonLink(cfg.endpoint, cfg.timeout_ms, cfg.model, logger)
-        self._misses = MissStorer(model, cfg.model, link, logger)
+        self._misses = MissStorer(model, cfg.model, link, logger, cfg.store_idle_ms / 1000)
         logger.info(
-            "kvblend: store on a miss on (at most %d tokens a step)", cfg.store_tokens_per_step
+            "kvblend: store on a miss on (at most %d tokens a step; each layer after the "
+            "engine idled %d ms, or after %.0f ms)",
+            cfg.store_tokens_per_step, cfg.store_idle_ms, plugin.PATIENCE_S * 1000,
         )
 
     def step_begin(self, meta: KvblendMetadata | None = None) -> None:
