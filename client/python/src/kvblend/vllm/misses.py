@@ -53,7 +53,6 @@ from .plugin import BetweenSteps
 MAX_WAITING = 256
 
 
-
 class MissStorer:
     """The worker's thread that prefills missed chunks alone and stores them.
 

@@ -25,7 +25,7 @@ from .landing import CacheRegion
 from .layout import LayoutError, PagedCache, blocks_of
 from .metadata import KvblendMetadata, KvblendWorkerMeta, LoadSpec
 from .misses import MissStorer
-from .plugin import ModelUnreachable, loaded_model, lock_runner_steps
+from .plugin import ModelUnreachable, loaded_model
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -186,17 +186,20 @@ class WorkerSide:
                 logger.warning("kvblend: store on a miss off: %s", e)
                 return
         # the thread computes only while vLLM's runner does not (kvblend.vllm.misses)
-        why = lock_runner_steps()
+        why = plugin.lock_runner_steps()
         if why is not None:
             logger.warning("kvblend: store on a miss off: %s", why)
             return
         cfg = self.config
         link = DaemonLink(cfg.endpoint, cfg.timeout_ms, cfg.model, logger)
         self._misses = MissStorer(model, cfg.model, link, logger, cfg.store_idle_ms / 1000)
+        idle = (
+            f"; each layer after the engine idled {cfg.store_idle_ms} ms, or after "
+            f"{plugin.PATIENCE_S * 1000:.0f} ms" if cfg.store_idle_ms else ""
+        )
         logger.info(
-            "kvblend: store on a miss on (at most %d tokens a step; each layer after the "
-            "engine idled %d ms, or after %.0f ms)",
-            cfg.store_tokens_per_step, cfg.store_idle_ms, plugin.PATIENCE_S * 1000,
+            "kvblend: store on a miss on (at most %d tokens a step%s)",
+            cfg.store_tokens_per_step, idle,
         )
 
     def step_begin(self, meta: KvblendMetadata | None = None) -> None:
@@ -469,4 +472,3 @@ class WorkerSide:
         if self._misses is not None:
             self._misses.close()
         self.daemon.drop()
-
