@@ -30,6 +30,18 @@ static inline size_t blend_dtype_size(enum blend_dtype dt)
 	return dt == BLEND_F32 ? 4 : (dt == BLEND_F16 || dt == BLEND_BF16) ? 2 : 0;
 }
 
+/*
+ * Where rotate_to writes its rows: row r's head h at dst + r * row_stride +
+ * h * head_stride (a node's own cache: paged, heads apart). With stream set the
+ * stores may bypass the CPU's caches (non-temporal: for rows no one reads soon);
+ * the caller then calls blend_stream_fence() before another thread reads them.
+ */
+struct blend_out {
+	size_t row_stride;
+	size_t head_stride;
+	int stream;
+};
+
 struct blend_shape {
 	uint32_t heads;
 	uint32_t head_dim;
@@ -81,7 +93,30 @@ struct blend_backend {
 	long (*select)(const struct blend_backend *be, const int32_t *cand, const float *dev,
 		       size_t n_cand, size_t k, const int32_t *always, size_t n_always,
 		       int32_t *out);
+	/*
+	 * rotate, with each output row and head placed by out (struct blend_out): the
+	 * same bits as rotate into contiguous rows and a copy of each head. src rows
+	 * are contiguous as rotate's; src and dst must not overlap unless out is
+	 * rotate's own contiguous layout. NULL where the backend cannot write host
+	 * memory in place (a device backend): the caller rotates, then copies.
+	 */
+	int (*rotate_to)(const struct blend_backend *be, const struct blend_shape *s,
+			 const struct rope_table *t, const void *src, void *dst,
+			 const struct blend_out *out, uint32_t row0, uint32_t n);
 };
+
+/*
+ * Make the non-temporal stores this thread issued (rotate_to with stream,
+ * blend_stream_copy) visible before what it publishes next: a store fence on x86.
+ */
+void blend_stream_fence(void);
+
+/*
+ * memcpy of n bytes, with non-temporal stores where dst and n are whole cache
+ * lines (64 bytes) on x86; a plain memcpy elsewhere. Fence with
+ * blend_stream_fence() as above.
+ */
+void blend_stream_copy(void *dst, const void *src, size_t n);
 
 /* The CPU backend with the widest SIMD this CPU has (AVX-512, AVX2+F16C, or the
  * baseline). All give bit-identical results. Its name says which ("cpu-avx2"). */

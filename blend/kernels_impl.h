@@ -25,6 +25,9 @@
 int KFN(blend_rotate)(const struct blend_backend *be, const struct blend_shape *s,
 		      const struct rope_table *t, const void *src, void *dst, uint32_t row0,
 		      uint32_t n);
+int KFN(blend_rotate_to)(const struct blend_backend *be, const struct blend_shape *s,
+			 const struct rope_table *t, const void *src, void *dst,
+			 const struct blend_out *out, uint32_t row0, uint32_t n);
 int KFN(blend_deviation)(const struct blend_backend *be, const struct blend_shape *s,
 			 const void *fresh, const void *stored, const int32_t *idx, size_t n,
 			 float *out);
@@ -95,13 +98,25 @@ static void KFN(store)(enum blend_dtype dt, const float *restrict in, void *dst,
 }
 
 #if defined(__F16C__) && defined(__AVX2__)
+/* Eight f16 to p: a non-temporal store when nt (p then 16-byte aligned). */
+static inline void KFN(put8h)(uint8_t *p, __m128i v, int nt)
+{
+	if (nt)
+		_mm_stream_si128((__m128i *)(void *)p, v);
+	else
+		_mm_storeu_si128((void *)p, v);
+}
+
 /*
  * f16, neox pairs, half a multiple of 8: convert, rotate and convert back in
  * registers, 8 pairs at a time. The same operations in the same order as the
- * general path (elem_rotate_pair, no FMA), so the results are identical.
+ * general path (elem_rotate_pair, no FMA), so the results are identical. Output
+ * rows rs and heads hs bytes apart; nt: non-temporal stores (the caller checked
+ * that every 16-byte store is aligned).
  */
 static void KFN(rotate_f16_neox)(const struct blend_shape *s, const struct rope_table *t,
-				 const uint8_t *src, uint8_t *dst, uint32_t row0, uint32_t n)
+				 const uint8_t *src, uint8_t *dst, size_t rs, size_t hs, int nt,
+				 uint32_t row0, uint32_t n)
 {
 	size_t hd = s->head_dim, half = s->rotary_dim / 2;
 	const __m256 sc = _mm256_set1_ps(t->scale);
@@ -113,7 +128,7 @@ static void KFN(rotate_f16_neox)(const struct blend_shape *s, const struct rope_
 		for (uint32_t h = 0; h < s->heads; h++) {
 			/* Byte pointers: the rows may sit at any address (see get16). */
 			const uint8_t *x = src + ((size_t)r * s->heads + h) * hd * 2;
-			uint8_t *y = dst + ((size_t)r * s->heads + h) * hd * 2;
+			uint8_t *y = dst + r * rs + h * hs;
 
 			for (size_t j = 0; j < half; j += 8) {
 				__m256 x1 =
@@ -126,10 +141,10 @@ static void KFN(rotate_f16_neox)(const struct blend_shape *s, const struct rope_
 				__m256 y2 = _mm256_mul_ps(_mm256_add_ps(_mm256_mul_ps(x2, cj),
 									_mm256_mul_ps(x1, sj)), sc);
 
-				_mm_storeu_si128((void *)(y + 2 * j),
-						 _mm256_cvtps_ph(y1, _MM_FROUND_TO_NEAREST_INT));
-				_mm_storeu_si128((void *)(y + 2 * (half + j)),
-						 _mm256_cvtps_ph(y2, _MM_FROUND_TO_NEAREST_INT));
+				KFN(put8h)(y + 2 * j, _mm256_cvtps_ph(y1, _MM_FROUND_TO_NEAREST_INT),
+					   nt);
+				KFN(put8h)(y + 2 * (half + j),
+					   _mm256_cvtps_ph(y2, _MM_FROUND_TO_NEAREST_INT), nt);
 			}
 			if (y != x)
 				memcpy(y + 4 * half, x + 4 * half, (hd - 2 * half) * 2);
@@ -138,18 +153,23 @@ static void KFN(rotate_f16_neox)(const struct blend_shape *s, const struct rope_
 }
 #endif
 
-int KFN(blend_rotate)(const struct blend_backend *be, const struct blend_shape *s,
-		      const struct rope_table *t, const void *src, void *dst, uint32_t row0,
-		      uint32_t n)
+int KFN(blend_rotate_to)(const struct blend_backend *be, const struct blend_shape *s,
+			 const struct rope_table *t, const void *src, void *dst,
+			 const struct blend_out *out, uint32_t row0, uint32_t n)
 {
 	size_t es = blend_dtype_size(s->dtype), hd = s->head_dim, half = s->rotary_dim / 2;
+	size_t rs = out->row_stride, hs = out->head_stride;
 	float x[KMAX_DIM], y[KMAX_DIM], a[KMAX_DIM / 2], b[KMAX_DIM / 2];
 	const float sc = t->scale;
 
 	(void)be;
 #if defined(__F16C__) && defined(__AVX2__)
 	if (s->dtype == BLEND_F16 && s->style == ROPE_NEOX && half % 8 == 0) {
-		KFN(rotate_f16_neox)(s, t, src, dst, row0, n);
+		/* streamed only where every 16-byte store is aligned (half % 8 == 0: the
+		 * rotated part of a head is whole 16-byte words from the head's start) */
+		int nt = out->stream && half && ((uintptr_t)dst | rs | hs) % 16 == 0;
+
+		KFN(rotate_f16_neox)(s, t, src, dst, rs, hs, nt, row0, n);
 		return 0;
 	}
 #endif
@@ -179,10 +199,20 @@ int KFN(blend_rotate)(const struct blend_backend *be, const struct blend_shape *
 			}
 			for (size_t j = 2 * half; j < hd; j++)
 				y[j] = x[j];
-			KFN(store)(s->dtype, y, (uint8_t *)dst + off, hd);
+			KFN(store)(s->dtype, y, (uint8_t *)dst + r * rs + h * hs, hd);
 		}
 	}
 	return 0;
+}
+
+int KFN(blend_rotate)(const struct blend_backend *be, const struct blend_shape *s,
+		      const struct rope_table *t, const void *src, void *dst, uint32_t row0,
+		      uint32_t n)
+{
+	size_t hb = (size_t)s->head_dim * blend_dtype_size(s->dtype);
+	struct blend_out o = { s->heads * hb, hb, 0 };
+
+	return KFN(blend_rotate_to)(be, s, t, src, dst, &o, row0, n);
 }
 
 int KFN(blend_deviation)(const struct blend_backend *be, const struct blend_shape *s,

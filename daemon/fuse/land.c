@@ -17,6 +17,15 @@
 #include "daemon/fuse/fuse_impl.h"
 #include "daemon/log.h"
 
+/*
+ * Scattered rows (paged, or heads apart) go to memory with non-temporal stores once
+ * a layer is at least this large: each row is a few cache lines at its own place,
+ * and ordinary stores first read every line they fill (read for ownership), a
+ * third more memory traffic, while a layer this size leaves the caches before
+ * the engine reads it anyway. Measured: docs/benchmarks.md#landing.
+ */
+#define LAND_STREAM_MIN (1u << 20)
+
 /* Publish that layers 0 .. v-1 are in place (or, with KVBP_LAND_FAILED, that landing stopped). */
 void land_publish(struct fuse_session *s, uint32_t v)
 {
@@ -125,6 +134,8 @@ uint32_t land_setup(struct fuse_table *t, struct fuse_session *s,
 	s->land_next = s->land_begin;
 	s->direct = !k_own && !y->page_tokens && y->token_stride == s->row_bytes &&
 		    y->head_stride == (uint64_t)s->m.head_dim * s->m.elem_size;
+	/* ckd-ok: n < 2^32 tokens of row_bytes, both checked when the session opened */
+	s->stream = !s->direct && 2 * (uint64_t)s->n * s->row_bytes >= LAND_STREAM_MIN;
 	return KVBP_OK;
 }
 
@@ -202,6 +213,16 @@ static void land_k_strided(const struct fuse_session *s, uint32_t l, uint32_t a,
 	}
 }
 
+/* n bytes into the node's buffers: streamed where the session streams (see LAND_STREAM_MIN). */
+static inline void land_copy(const struct fuse_session *s, uint8_t *dst, const uint8_t *src,
+			     size_t n)
+{
+	if (s->stream)
+		blend_stream_copy(dst, src, n);
+	else
+		memcpy(dst, src, n);
+}
+
 /*
  * Write n rows (src: [n][heads][head_dim]) from token t on into layer l of V, or of
  * K (kv 0) by its own strides where the layout gives K some.
@@ -221,11 +242,11 @@ static void land_put_rows(const struct fuse_session *s, int kv, uint32_t l, uint
 		uint8_t *dst = s->land_mem + land_off(s, base, ts, l, t + i);
 
 		if (s->lay.head_stride == hb) {
-			memcpy(dst, src, s->row_bytes);
+			land_copy(s, dst, src, s->row_bytes);
 			continue;
 		}
 		for (uint32_t h = 0; h < s->m.num_kv_heads; h++)
-			memcpy(dst + h * s->lay.head_stride, src + h * hb, hb);
+			land_copy(s, dst + h * s->lay.head_stride, src + h * hb, hb);
 	}
 }
 
@@ -249,6 +270,31 @@ struct land_scatter {
 	uint8_t *tmp;	       /* K: a block of re-rotated rows */
 };
 
+/*
+ * K rows [r, r + n) of the chunk (src: row r), re-rotated straight into the node's
+ * buffers by the backend's rotate_to, a page's run at a time.
+ */
+static void land_rotate_to(struct land_scatter *a, const uint8_t *src, uint32_t r, uint32_t n)
+{
+	const struct fuse_session *s = a->s;
+	const struct blend_backend *be = a->rx->be;
+	struct blend_out o = { s->lay.k_token_stride, s->lay.k_head_stride, s->stream };
+	uint32_t pt = s->lay.page_tokens;
+
+	for (uint32_t run; n && !a->rx->err; r += run, n -= run, src += (size_t)run * s->row_bytes) {
+		uint32_t t = a->row0 + r;
+		int rc;
+
+		run = pt && n > pt - t % pt ? pt - t % pt : n; /* a run ends with its page */
+		rc = be->rotate_to(be, &s->shape, &a->rx->c->rot, src,
+				   s->land_mem + land_off(s, s->lay.k_offset, s->lay.k_token_stride,
+							  a->layer, t),
+				   &o, r, run);
+		if (rc)
+			a->rx->err = rc;
+	}
+}
+
 /* codec_apply's transform: a verified block of stored rows, written where the node keeps them. */
 static void land_scatter(void *arg, const void *src, void *dst, size_t off, size_t len)
 {
@@ -256,6 +302,10 @@ static void land_scatter(void *arg, const void *src, void *dst, size_t off, size
 	size_t rb = a->s->row_bytes;
 
 	(void)dst;
+	if (a->rx && !a->tmp) {
+		land_rotate_to(a, src, (uint32_t)(off / rb), (uint32_t)(len / rb));
+		return;
+	}
 	if (a->rx) {
 		rotate_rows(a->rx, src, a->tmp, off, len);
 		if (a->rx->err)
@@ -268,8 +318,10 @@ static void land_scatter(void *arg, const void *src, void *dst, size_t off, size
 
 /*
  * Land chunk c of layer l where the node's rows are not contiguous (paged, or
- * heads apart): one pass, each block verified, re-rotated into a cache-sized
- * scratch and scattered while it is in cache.
+ * heads apart): one pass, each block verified, its K re-rotated straight into
+ * place (the backend's rotate_to), or where the backend cannot (a device) or K
+ * has its own element strides, re-rotated into a cache-sized scratch and
+ * scattered while it is in cache.
  */
 static int land_scattered(struct fuse_table *t, struct fuse_session *s, struct chunk_ref *c,
 			  uint32_t l)
@@ -281,9 +333,11 @@ static int land_scattered(struct fuse_table *t, struct fuse_session *s, struct c
 	struct codec_xform vx = { land_scatter, &vs, s->row_bytes };
 	int rc;
 
-	ks.tmp = malloc(checksum_apply_block(s->row_bytes));
-	if (!ks.tmp)
-		return -ENOMEM;
+	if (!t->be->rotate_to || s->lay.k_dim_stride) {
+		ks.tmp = malloc(checksum_apply_block(s->row_bytes));
+		if (!ks.tmp)
+			return -ENOMEM;
+	}
 	rc = store_chunk_apply_layer(t->store, &s->m, c->hash, l,
 				     (uint64_t)c->tokens * s->row_bytes, &kx, &vx);
 	free(ks.tmp);
@@ -303,9 +357,12 @@ static int land_chunk(void *arg, size_t i)
 	struct land_job *j = arg;
 	struct fuse_session *s = j->s;
 	struct chunk_ref *c = &s->chunks[i];
+	int rc;
 
 	if (j->from) {
 		land_rows(s, j->from, j->layer, c->off, c->off + c->tokens);
+		if (s->stream)
+			blend_stream_fence();
 		return 0;
 	}
 	if (s->direct) {
@@ -322,7 +379,10 @@ static int land_chunk(void *arg, size_t i)
 								    c->off),
 					     (uint64_t)c->tokens * s->row_bytes, &x);
 	}
-	return land_scattered(j->t, s, c, j->layer);
+	rc = land_scattered(j->t, s, c, j->layer);
+	if (s->stream)
+		blend_stream_fence(); /* before the layer is published (land_step) */
+	return rc;
 }
 
 /* Make check slot i READY, loading it here unless another thread is; session lock held. */

@@ -617,6 +617,116 @@ static void test_nothing_lands_after_close(void **state)
 	assert_int_equal(kvb_region_free(f->c, reg), 0);
 }
 
+/*
+ * A layer of megabytes (8 heads x 128, f16: the rotate's fast path) lands paged as
+ * vLLM's CPU cache is, with non-temporal stores (LAND_STREAM_MIN), through both of
+ * landing's paths (a later check layer's slot, and rotated straight from the store):
+ * every chunk token the node did not recompute is what the contiguous layout (one
+ * memcpy-sized write per chunk, never streamed) got, and no byte between heads or
+ * past the chunk moved.
+ */
+enum { WL = 4, WH = 8, WD = 128, WROW = WH * WD * 2, WFRESH = 7, WCHUNK = 600,
+       WN = WFRESH + WCHUNK, WPT = 128, WNB = (WN + WPT - 1) / WPT };
+
+static size_t land_wide(kvb_client *c, const struct kvb_segment *segs,
+			const struct kvb_kv_layout *y, const uint8_t *vfresh, int32_t *sel)
+{
+	/* layer 2 is a later check layer: it lands from its slot, layer 3 from the store */
+	uint32_t checks[2] = { 1, 2 };
+	double ratios[2] = { 0.3, 0.15 };
+	struct kvb_fuse_params p = { checks, ratios, 2, KVB_METRIC_VALUE };
+	const int32_t *rows;
+	size_t nr = 0;
+	kvb_fuse *fu;
+
+	assert_int_equal(kvb_fuse_open_into(c, "lmw", segs, 2, &p, y, &fu, NULL, NULL), 0);
+	for (uint32_t l = 0; l < WL; l++) {
+		nr = kvb_fuse_rows(fu, &rows);
+		assert_int_equal(kvb_fuse_wait(c, fu, l, l <= checks[0] ? 0 : 10000), 0);
+		if (l == checks[0] || l == checks[1]) {
+			uint8_t *pk = malloc(nr * WROW);
+
+			for (size_t i = 0; i < nr; i++)
+				memcpy(pk + i * WROW, vfresh + (size_t)rows[i] * WROW, WROW);
+			assert_int_equal(kvb_fuse_check(c, fu, l, pk, 0, NULL, NULL), 0);
+			free(pk);
+			nr = kvb_fuse_rows(fu, &rows);
+		}
+	}
+	memcpy(sel, rows, nr * sizeof(int32_t));
+	assert_int_equal(kvb_fuse_close(c, &fu, NULL, NULL), 0);
+	return nr;
+}
+
+static void test_wide_paged_streams(void **state)
+{
+	struct fixture *f = *state;
+	struct kvb_model m = { .name = "lmw", .num_layers = WL, .num_kv_heads = WH,
+			       .head_dim = WD, .dtype = KVB_F16, .rope_theta = 1e6 };
+	size_t hb = WD * 2, hs = 2 * WPT * hb, ps = WH * hs, pls = WNB * ps;
+	size_t cls = (size_t)WN * WROW, kv_bytes = (size_t)WL * 2 * WCHUNK * WROW;
+	uint16_t *kv = malloc(kv_bytes);
+	uint8_t *vfresh = malloc((size_t)WN * WROW);
+	uint8_t *cont = kvb_region_alloc(f->c, 2 * WL * cls);
+	uint8_t *paged = kvb_region_alloc(f->c, WL * pls);
+	uint32_t pages[WNB];
+	struct kvb_kv_layout yc = { cont, cont + WL * cls, cls, WROW, hb, 0, 0, NULL, 0 };
+	struct kvb_kv_layout yp = { paged, paged + WPT * hb, pls, hb, hs, WPT, ps, pages, WNB };
+	struct kvb_segment segs[2];
+	int32_t sel_c[WN], sel_p[WN];
+	size_t n_c, n_p;
+	uint32_t ids[2] = { 93, 1 };
+
+	assert_non_null(cont);
+	assert_non_null(paged);
+	assert_int_equal(kvb_model_register(f->c, &m, NULL), 0);
+	fill_f16(kv, kv_bytes / 2, 77);
+	fill_f16((uint16_t *)vfresh, (size_t)WN * WROW / 2, 78);
+	memset(segs, 0, sizeof(segs));
+	kvb_chunk_hash(ids, 2, segs[1].hash);
+	/* stored at 40, lands at WFRESH: every K row is re-rotated */
+	assert_int_equal(kvb_put(f->c, "lmw", segs[1].hash, KVB_F16, WCHUNK, 40, kv, kv_bytes,
+				 NULL), 0);
+	segs[0].fresh = 1;
+	segs[0].count = WFRESH;
+	segs[1].pos = WFRESH;
+	for (uint32_t i = 0; i < WNB; i++)
+		pages[i] = (i * 3 + 1) % WNB;
+	memset(cont, 0x5a, 2 * WL * cls);
+	memset(paged, 0x5a, WL * pls);
+	n_c = land_wide(f->c, segs, &yc, vfresh, sel_c);
+	n_p = land_wide(f->c, segs, &yp, vfresh, sel_p);
+	assert_int_equal(n_c, n_p);
+	assert_memory_equal(sel_c, sel_p, n_c * sizeof(int32_t));
+	for (uint32_t l = 2; l < WL; l++)
+		for (int v = 0; v < 2; v++)
+			for (uint32_t t = 0, j = 0; t < WNB * WPT; t++) {
+				bool chunk = t >= WFRESH && t < WN, node = j < n_c &&
+								   (uint32_t)sel_c[j] == t;
+				uint8_t *pt = paged + l * pls + pages[t / WPT] * ps + v * WPT * hb +
+					      (t % WPT) * hb;
+
+				j += node;
+				for (uint32_t h = 0; h < WH; h++) {
+					const uint8_t *want = cont + (size_t)v * WL * cls +
+							      l * cls + (size_t)t * WROW + h * hb;
+
+					if (chunk && !node && memcmp(pt + h * hs, want, hb))
+						fail_msg("layer %u %c token %u head %u differs", l,
+							 v ? 'V' : 'K', t, h);
+					if (!chunk)
+						for (size_t b = 0; b < hb; b++)
+							if (pt[h * hs + b] != 0x5a)
+								fail_msg("layer %u token %u: written "
+									 "outside the chunk", l, t);
+				}
+			}
+	free(kv);
+	free(vfresh);
+	assert_int_equal(kvb_region_free(f->c, cont), 0);
+	assert_int_equal(kvb_region_free(f->c, paged), 0);
+}
+
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
@@ -628,6 +738,7 @@ int main(void)
 		cmocka_unit_test_setup_teardown(test_errors, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_head_strides_that_wrap, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_nothing_lands_after_close, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_wide_paged_streams, setup, teardown),
 	};
 
 	return cmocka_run_group_tests(tests, NULL, NULL);

@@ -177,6 +177,93 @@ static void test_unaligned_equals_aligned(void **state)
 	assert_true(ran > 0);
 }
 
+/*
+ * rotate_to (landing's K into a node's paged cache) gives rotate's bits with each head
+ * where the strides say, streamed or not, at aligned and odd addresses, and touches
+ * no byte between the heads it writes. Laid out as vLLM's CPU cache is: a head's
+ * slots of a page one after another, heads a page of K and V apart.
+ */
+static void test_rotate_to_places_heads(void **state)
+{
+	unsigned ran = 0;
+
+	(void)state;
+	for (size_t i = 0; i < sizeof(isas) / sizeof(isas[0]); i++) {
+		const struct blend_backend *be = blend_cpu_backend_isa(isas[i]);
+
+		if (!be)
+			continue;
+		assert_non_null(be->rotate_to);
+		for (size_t c = 0; c < sizeof(cases) / sizeof(cases[0]); c++)
+			for (size_t d = 0; d < sizeof(dtypes) / sizeof(dtypes[0]); d++)
+				for (int mode = 0; mode < 4; mode++) {
+					const struct align_case *k = &cases[c];
+					enum blend_dtype dt = dtypes[d];
+					struct blend_shape s = { k->heads, k->head_dim, k->rotary_dim,
+								 k->style, dt };
+					struct rope_config rc = { .head_dim = k->head_dim,
+								  .rotary_dim = k->rotary_dim,
+								  .style = k->style, .theta = 1e4 };
+					size_t hb = k->head_dim * blend_dtype_size(dt);
+					size_t row = k->heads * hb, bytes = ROWS * row;
+					/* 64-byte-aligned strides, or odd ones (never streamed) */
+					size_t ts = mode & 1 ? hb + 3 : (hb + 63) / 64 * 64;
+					size_t hs = 2 * ROWS * ts + (mode & 1 ? 5 : 0);
+					size_t span = k->heads * hs, off = mode & 1 ? 3 : 0;
+					struct blend_out o = { ts, hs, mode >> 1 };
+					struct rope_table t;
+					void *b1, *b2, *b3;
+					uint8_t *src = at_offset(bytes, 0, &b1);
+					uint8_t *want = at_offset(bytes, 0, &b2);
+					uint8_t *dst = at_offset(span, off, &b3);
+
+					assert_int_equal(rope_table_build(&rc, true, ROWS, 0, ROWS, 9,
+									  64, &t), 0);
+					fill(dt, src, bytes / blend_dtype_size(dt));
+					assert_int_equal(be->rotate(be, &s, &t, src, want, 0, ROWS), 0);
+					/* rows 1.. from table row 1, as landing's runs start mid-chunk */
+					assert_int_equal(be->rotate_to(be, &s, &t, src, dst, &o, 0, 1), 0);
+					assert_int_equal(be->rotate_to(be, &s, &t, src + row, dst + ts,
+								       &o, 1, ROWS - 1), 0);
+					blend_stream_fence();
+					for (uint32_t h = 0; h < k->heads; h++)
+						for (uint32_t r = 0; r < ROWS; r++) {
+							uint8_t *p = dst + h * hs + r * ts;
+
+							assert_memory_equal(p, want + r * row + h * hb, hb);
+							for (size_t b = hb; b < ts; b++)
+								assert_int_equal(p[b], 0xa5);
+						}
+					rope_table_free(&t);
+					free(b1), free(b2), free(b3);
+					ran++;
+				}
+	}
+	assert_true(ran > 0);
+}
+
+/* blend_stream_copy copies every byte at every alignment and length, streamed or not. */
+static void test_stream_copy(void **state)
+{
+	static const size_t lens[] = { 0, 1, 63, 64, 128, 192, 256, 4096 + 64 };
+	void *b1, *b2;
+	uint8_t *src = at_offset(8192, 0, &b1);
+
+	(void)state;
+	fill(BLEND_F16, src, 4096);
+	for (size_t l = 0; l < sizeof(lens) / sizeof(lens[0]); l++)
+		for (size_t off = 0; off < 3; off++) {
+			uint8_t *dst = at_offset(lens[l] + 64, off * 31, &b2);
+
+			blend_stream_copy(dst, src + off, lens[l]);
+			blend_stream_fence();
+			assert_memory_equal(dst, src + off, lens[l]);
+			assert_int_equal(dst[lens[l]], 0xa5);
+			free(b2);
+		}
+	free(b1);
+}
+
 /* The widest backend the daemon picks must agree with the baseline bit for bit at an
  * odd offset too (the reference the NumPy tests check). */
 static void test_isas_agree_unaligned(void **state)
@@ -218,6 +305,8 @@ int main(void)
 	const struct CMUnitTest tests[] = {
 		cmocka_unit_test(test_unaligned_equals_aligned),
 		cmocka_unit_test(test_isas_agree_unaligned),
+		cmocka_unit_test(test_rotate_to_places_heads),
+		cmocka_unit_test(test_stream_copy),
 	};
 
 	int rc = cmocka_run_group_tests(tests, NULL, NULL);
