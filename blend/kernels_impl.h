@@ -98,27 +98,67 @@ static void KFN(store)(enum blend_dtype dt, const float *restrict in, void *dst,
 }
 
 #if defined(__F16C__) && defined(__AVX2__)
-/* Eight f16 to p: a non-temporal store when nt (p then 16-byte aligned). */
-static inline void KFN(put8h)(uint8_t *p, __m128i v, int nt)
+/* Eight elements of dtype dt from p (any address), as fp32. */
+static inline __m256 KFN(load8)(enum blend_dtype dt, const uint8_t *p)
 {
+	if (dt == BLEND_F32)
+		return _mm256_loadu_ps((const float *)(const void *)p);
+	if (dt == BLEND_BF16)
+		return _mm256_castsi256_ps(_mm256_slli_epi32(
+			_mm256_cvtepu16_epi32(_mm_loadu_si128((const void *)p)), 16));
+	return _mm256_cvtph_ps(_mm_loadu_si128((const void *)p));
+}
+
+/* Eight bf16 of v, rounded as f32_to_bf16 (half.h) does, NaN included. */
+static inline __m128i KFN(to_bf16x8)(__m256 v)
+{
+	__m256i x = _mm256_castps_si256(v);
+	__m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x7fffffff)),
+					 _mm256_set1_epi32(0x7f800000));
+	__m256i odd = _mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(1));
+	__m256i r = _mm256_srli_epi32(
+		_mm256_add_epi32(x, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd)), 16);
+	__m256i q = _mm256_or_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(0x40));
+
+	r = _mm256_blendv_epi8(r, q, nan);
+	/* 32 to 16 bits (every value fits), lanes back in order */
+	r = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+	return _mm256_castsi256_si128(r);
+}
+
+/* Eight elements of v to p in dtype dt: non-temporal when nt (p then aligned to the
+ * store: 16 bytes, or 32 for f32). */
+static inline void KFN(store8)(enum blend_dtype dt, uint8_t *p, __m256 v, int nt)
+{
+	__m128i h;
+
+	if (dt == BLEND_F32) {
+		if (nt)
+			_mm256_stream_ps((float *)(void *)p, v);
+		else
+			_mm256_storeu_ps((float *)(void *)p, v);
+		return;
+	}
+	h = dt == BLEND_BF16 ? KFN(to_bf16x8)(v) : _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT);
 	if (nt)
-		_mm_stream_si128((__m128i *)(void *)p, v);
+		_mm_stream_si128((__m128i *)(void *)p, h);
 	else
-		_mm_storeu_si128((void *)p, v);
+		_mm_storeu_si128((void *)p, h);
 }
 
 /*
- * f16, neox pairs, half a multiple of 8: convert, rotate and convert back in
+ * Neox pairs, half a multiple of 8, any dtype: convert, rotate and convert back in
  * registers, 8 pairs at a time. The same operations in the same order as the
- * general path (elem_rotate_pair, no FMA), so the results are identical. Output
- * rows rs and heads hs bytes apart; nt: non-temporal stores (the caller checked
- * that every 16-byte store is aligned).
+ * general path (elem_rotate_pair, no FMA; the same rounding back), so the results
+ * are identical. Output rows rs and heads hs bytes apart; nt: non-temporal stores
+ * (the caller checked that every store is aligned).
  */
-static void KFN(rotate_f16_neox)(const struct blend_shape *s, const struct rope_table *t,
-				 const uint8_t *src, uint8_t *dst, size_t rs, size_t hs, int nt,
-				 uint32_t row0, uint32_t n)
+static void KFN(rotate_neox8)(const struct blend_shape *s, const struct rope_table *t,
+			      const uint8_t *src, uint8_t *dst, size_t rs, size_t hs, int nt,
+			      uint32_t row0, uint32_t n)
 {
-	size_t hd = s->head_dim, half = s->rotary_dim / 2;
+	enum blend_dtype dt = s->dtype;
+	size_t es = blend_dtype_size(dt), hd = s->head_dim, half = s->rotary_dim / 2;
 	const __m256 sc = _mm256_set1_ps(t->scale);
 
 	for (uint32_t r = 0; r < n; r++) {
@@ -127,27 +167,23 @@ static void KFN(rotate_f16_neox)(const struct blend_shape *s, const struct rope_
 
 		for (uint32_t h = 0; h < s->heads; h++) {
 			/* Byte pointers: the rows may sit at any address (see get16). */
-			const uint8_t *x = src + ((size_t)r * s->heads + h) * hd * 2;
+			const uint8_t *x = src + ((size_t)r * s->heads + h) * hd * es;
 			uint8_t *y = dst + r * rs + h * hs;
 
 			for (size_t j = 0; j < half; j += 8) {
-				__m256 x1 =
-					_mm256_cvtph_ps(_mm_loadu_si128((const void *)(x + 2 * j)));
-				__m256 x2 = _mm256_cvtph_ps(
-					_mm_loadu_si128((const void *)(x + 2 * (half + j))));
+				__m256 x1 = KFN(load8)(dt, x + es * j);
+				__m256 x2 = KFN(load8)(dt, x + es * (half + j));
 				__m256 cj = _mm256_loadu_ps(c + j), sj = _mm256_loadu_ps(sn + j);
 				__m256 y1 = _mm256_mul_ps(_mm256_sub_ps(_mm256_mul_ps(x1, cj),
 									_mm256_mul_ps(x2, sj)), sc);
 				__m256 y2 = _mm256_mul_ps(_mm256_add_ps(_mm256_mul_ps(x2, cj),
 									_mm256_mul_ps(x1, sj)), sc);
 
-				KFN(put8h)(y + 2 * j, _mm256_cvtps_ph(y1, _MM_FROUND_TO_NEAREST_INT),
-					   nt);
-				KFN(put8h)(y + 2 * (half + j),
-					   _mm256_cvtps_ph(y2, _MM_FROUND_TO_NEAREST_INT), nt);
+				KFN(store8)(dt, y + es * j, y1, nt);
+				KFN(store8)(dt, y + es * (half + j), y2, nt);
 			}
 			if (y != x)
-				memcpy(y + 4 * half, x + 4 * half, (hd - 2 * half) * 2);
+				memcpy(y + 2 * half * es, x + 2 * half * es, (hd - 2 * half) * es);
 		}
 	}
 }
@@ -164,12 +200,12 @@ int KFN(blend_rotate_to)(const struct blend_backend *be, const struct blend_shap
 
 	(void)be;
 #if defined(__F16C__) && defined(__AVX2__)
-	if (s->dtype == BLEND_F16 && s->style == ROPE_NEOX && half % 8 == 0) {
-		/* streamed only where every 16-byte store is aligned (half % 8 == 0: the
-		 * rotated part of a head is whole 16-byte words from the head's start) */
-		int nt = out->stream && half && ((uintptr_t)dst | rs | hs) % 16 == 0;
+	if (s->style == ROPE_NEOX && half % 8 == 0 && es) {
+		/* streamed only where every store is aligned (half % 8 == 0: the rotated
+		 * part of a head is whole stores of 8 elements from the head's start) */
+		int nt = out->stream && half && ((uintptr_t)dst | rs | hs) % (8 * es) == 0;
 
-		KFN(rotate_f16_neox)(s, t, src, dst, rs, hs, nt, row0, n);
+		KFN(rotate_neox8)(s, t, src, dst, rs, hs, nt, row0, n);
 		return 0;
 	}
 #endif
