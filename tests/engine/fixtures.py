@@ -62,7 +62,7 @@ def build_segments(tok):
 
 def numpy_twin(model):
     """eval/model.py's NumPy Model holding a HF Llama-family model's weights (neox layout)."""
-    import kvblend.hf as kh
+    from kvblend import describe
     from model import Config
     from model import Model as NumpyModel
 
@@ -81,7 +81,7 @@ def numpy_twin(model):
     cfg = Config(n_layers=c.num_hidden_layers, dim=c.hidden_size, n_heads=c.num_attention_heads,
                  n_kv_heads=c.num_key_value_heads, head_dim=c.hidden_size // c.num_attention_heads,
                  ffn_dim=c.intermediate_size, vocab=c.vocab_size,
-                 rope_theta=kh._rope_theta(c), rms_eps=float(c.rms_norm_eps), rope_style="neox")
+                 rope_theta=describe.rope_theta(c), rms_eps=float(c.rms_norm_eps), rope_style="neox")
     return NumpyModel(cfg, t, None)
 
 

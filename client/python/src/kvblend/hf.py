@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import describe as _describe
 from .blend import arch as _arch
 from .blend.attention import causal_attention
 from .blend.loop import blend_layers
@@ -84,14 +85,6 @@ def _check_model(model: Any) -> _arch.Arch:
     return arch
 
 
-def _rope_theta(cfg: Any) -> float:
-    rp = getattr(cfg, "rope_parameters", None) or {}
-    theta = rp.get("rope_theta", getattr(cfg, "rope_theta", None))
-    if theta is None:
-        raise Unsupported("kvblend.hf: the config names no rope_theta")
-    return float(theta)
-
-
 def model_spec(model: Any, name: str | None = None) -> Model:
     """Describe an HF model's KV as a kvblend :class:`Model` (keys after RoPE, neox pairs).
 
@@ -114,15 +107,17 @@ def model_spec(model: Any, name: str | None = None) -> Model:
     if name is None:
         base = str(getattr(cfg, "_name_or_path", "") or "model").rstrip("/").split("/")[-1]
         name = f"hf:{base}:{dtype}"[:64]
-    return Model(
-        name,
-        cfg.num_hidden_layers,
-        cfg.num_key_value_heads,
-        head_dim,
-        dtype=dtype,
-        rope_theta=_rope_theta(cfg),
-        rope_style="neox",  # HF's rotate_half pairs (j, j + d/2)
-    )
+    try:
+        return _describe.describe(
+            cfg,
+            name=name,
+            dtype=dtype,
+            num_layers=cfg.num_hidden_layers,
+            num_kv_heads=cfg.num_key_value_heads,
+            head_dim=head_dim,
+        )
+    except _describe.Undescribable as e:
+        raise Unsupported(f"kvblend.hf: {e}") from None
 
 
 @dataclass

@@ -18,6 +18,7 @@ import torch
 import vllm
 from vllm.logger import init_logger
 
+from .. import describe as _describe
 from ..blend import arch as _arch
 from ..client import default_endpoint
 from ..types import Model
@@ -36,7 +37,6 @@ logger = init_logger("vllm.kvblend.vllm")
 #: connector interface both change between minor versions).
 SUPPORTED_VLLM = "0.32"
 
-_ROPE_SCALINGS = ("none", "default", "linear", "llama3", "yarn", "dynamic")
 # Architectures whose attention kvblend describes exactly: full attention, neox RoPE on
 # all heads, keys cached after RoPE.
 _NEOX_ARCHS = {
@@ -63,34 +63,6 @@ def check_version() -> None:
     v = getattr(vllm, "__version__", "unknown")
     if not (v == SUPPORTED_VLLM or v.startswith(SUPPORTED_VLLM + ".")):
         raise refuse(f"vLLM {v} is not supported: kvblend.vllm supports vLLM {SUPPORTED_VLLM}.x")
-
-
-def _scaling_spec(rs: dict[str, Any] | None, max_pos: int | None) -> str:
-    """Kvblend's SPEC for a Hugging Face rope scaling dict (rope_parameters in transformers 5)."""
-    if not rs:
-        return "none"
-    kind = rs.get("rope_type", rs.get("type", "default"))
-    if kind not in _ROPE_SCALINGS:
-        raise refuse(f"rope scaling type {kind!r} is not one kvblend re-rotates exactly")
-    if kind in ("none", "default"):
-        return "none"
-    f = rs.get("factor")
-    if not isinstance(f, (int, float)):
-        raise refuse(f"rope scaling {kind!r} without a numeric factor")
-    if kind == "linear":
-        return f"linear:{f}"
-    orig = rs.get("original_max_position_embeddings") or max_pos
-    if kind == "llama3":
-        return (
-            f"llama3:{f},{rs['low_freq_factor']},{rs['high_freq_factor']},"
-            f"{rs['original_max_position_embeddings']}"
-        )
-    if kind == "yarn":
-        for extra in ("attention_factor", "mscale", "mscale_all_dim"):
-            if rs.get(extra) not in (None, 1, 1.0, 0):
-                raise refuse(f"yarn with {extra}={rs[extra]} is not described by kvblend")
-        return f"yarn:{f},{orig},{rs.get('beta_fast', 32)},{rs.get('beta_slow', 1)}"
-    return f"dynamic:{f},{orig}"
 
 
 def model_from_vllm(vllm_config: VllmConfig, name: str) -> Model:
@@ -127,28 +99,17 @@ def model_from_vllm(vllm_config: VllmConfig, name: str) -> Model:
     dtype = _DTYPES.get(mc.dtype)
     if dtype is None:
         raise refuse(f"dtype {mc.dtype} (float32, float16 or bfloat16 only)")
-    rp = dict(getattr(hf, "rope_parameters", None) or {})
-    theta = rp.get("rope_theta", getattr(hf, "rope_theta", None))
-    if theta is None:
-        raise refuse("the model config has no rope_theta")
-    scaling = rp if rp.get("rope_type", "default") != "default" else None
-    if scaling is None:
-        scaling = getattr(hf, "rope_scaling", None)
-    head_dim = mc.get_head_size()
-    prf = rp.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", 1.0)) or 1.0
-    rotary = int(head_dim * prf)
-    return Model(
-        name=name,
-        num_layers=mc.get_num_layers(pc),
-        num_kv_heads=mc.get_total_num_kv_heads(),
-        head_dim=head_dim,
-        dtype=dtype,
-        rope_theta=float(theta),
-        rope_style="neox",
-        rotary_dim=0 if rotary == head_dim else rotary,
-        scaling=_scaling_spec(scaling, getattr(hf, "max_position_embeddings", None)),
-        k_pre_rope=False,
-    )
+    try:
+        return _describe.describe(
+            hf,
+            name=name,
+            dtype=dtype,
+            num_layers=mc.get_num_layers(pc),
+            num_kv_heads=mc.get_total_num_kv_heads(),
+            head_dim=mc.get_head_size(),
+        )
+    except _describe.Undescribable as e:
+        raise refuse(str(e)) from None
 
 
 def default_model_name(vllm_config: VllmConfig) -> str:

@@ -1,0 +1,64 @@
+"""kvblend.describe: a model's RoPE read from a Hugging Face config, for both engines.
+
+Configs are attribute bags as transformers 4 and 5 write them; each described Model
+goes through libkvblend's own parser of the scaling SPEC (Model._to_c), so a SPEC
+the daemon would refuse fails here.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from kvblend import describe
+
+
+def cfg(**kw):
+    return SimpleNamespace(max_position_embeddings=4096, **kw)
+
+
+def model(c, head_dim=64):
+    m = describe.describe(c, name="d", dtype="bf16", num_layers=2, num_kv_heads=1,
+                          head_dim=head_dim)
+    m._to_c()  # libkvblend parses the SPEC
+    return m
+
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+@pytest.mark.parametrize("c, theta, scaling, rotary", [
+    (cfg(rope_theta=1e4), 1e4, "none", 0),
+    (cfg(rope_parameters={"rope_theta": 5e5, "rope_type": "default"}), 5e5, "none", 0),
+    (cfg(rope_theta=1e4, rope_scaling={"type": "linear", "factor": 4.0}), 1e4,
+     "linear:4.0", 0),
+    (cfg(rope_parameters={"rope_theta": 5e5, **LLAMA3}), 5e5,
+     "llama3:8.0,1.0,4.0,8192", 0),
+    (cfg(rope_theta=1e4, rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                       "original_max_position_embeddings": 1024}), 1e4,
+     "yarn:4.0,1024,32,1", 0),
+    (cfg(rope_theta=1e4, rope_scaling={"rope_type": "dynamic", "factor": 2.0}), 1e4,
+     "dynamic:2.0,4096", 0),
+    (cfg(rope_theta=1e4, partial_rotary_factor=0.5), 1e4, "none", 32),
+    (cfg(rope_parameters={"rope_theta": 1e4, "partial_rotary_factor": 0.25}), 1e4, "none", 16),
+])
+def test_describes(c, theta, scaling, rotary):
+    m = model(c)
+    assert (m.rope_theta, m.rope_style, m.rotary_dim, m.k_pre_rope) == (theta, "neox", rotary,
+                                                                        False)
+    assert describe.scaling_spec(describe.rope_scaling(c), 4096) == scaling
+    assert (m.num_layers, m.num_kv_heads, m.head_dim, m.dtype) == (2, 1, 64, "bf16")
+
+
+@pytest.mark.parametrize("c, words", [
+    (cfg(), "no rope_theta"),
+    (cfg(rope_theta=1e4, rope_scaling={"rope_type": "longrope", "factor": 2.0}), "longrope"),
+    (cfg(rope_theta=1e4, rope_scaling={"rope_type": "linear"}), "numeric factor"),
+    (cfg(rope_theta=1e4, rope_scaling={"rope_type": "yarn", "factor": 4.0, "mscale": 0.7}),
+     "mscale"),
+])
+def test_refuses_naming_the_field(c, words):
+    with pytest.raises(describe.Undescribable, match=words):
+        model(c)
