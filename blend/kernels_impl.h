@@ -153,11 +153,11 @@ static inline void KFN(store8)(enum blend_dtype dt, uint8_t *p, __m256 v, int nt
  * are identical. Output rows rs and heads hs bytes apart; nt: non-temporal stores
  * (the caller checked that every store is aligned).
  */
-static void KFN(rotate_neox8)(const struct blend_shape *s, const struct rope_table *t,
-			      const uint8_t *src, uint8_t *dst, size_t rs, size_t hs, int nt,
-			      uint32_t row0, uint32_t n)
+static inline __attribute__((always_inline)) void
+KFN(rotate_neox8)(enum blend_dtype dt, int nt, const struct blend_shape *s,
+		  const struct rope_table *t, const uint8_t *src, uint8_t *dst, size_t rs,
+		  size_t hs, uint32_t row0, uint32_t n)
 {
-	enum blend_dtype dt = s->dtype;
 	size_t es = blend_dtype_size(dt), hd = s->head_dim, half = s->rotary_dim / 2;
 	const __m256 sc = _mm256_set1_ps(t->scale);
 
@@ -205,7 +205,15 @@ int KFN(blend_rotate_to)(const struct blend_backend *be, const struct blend_shap
 		 * part of a head is whole stores of 8 elements from the head's start) */
 		int nt = out->stream && half && ((uintptr_t)dst | rs | hs) % (8 * es) == 0;
 
-		KFN(rotate_neox8)(s, t, src, dst, rs, hs, nt, row0, n);
+		/* one loop per dtype and store kind: no branch left in the inner loop */
+#define ROTATE8(dt_, nt_) KFN(rotate_neox8)(dt_, nt_, s, t, src, dst, rs, hs, row0, n)
+		if (s->dtype == BLEND_F16)
+			nt ? ROTATE8(BLEND_F16, 1) : ROTATE8(BLEND_F16, 0);
+		else if (s->dtype == BLEND_BF16)
+			nt ? ROTATE8(BLEND_BF16, 1) : ROTATE8(BLEND_BF16, 0);
+		else
+			nt ? ROTATE8(BLEND_F32, 1) : ROTATE8(BLEND_F32, 0);
+#undef ROTATE8
 		return 0;
 	}
 #endif
