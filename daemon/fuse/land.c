@@ -22,7 +22,7 @@
  * a layer is at least this large: each row is a few cache lines at its own place,
  * and ordinary stores first read every line they fill (read for ownership), a
  * third more memory traffic, while a layer this size leaves the caches before
- * the engine reads it anyway. Measured: docs/benchmarks.md#landing.
+ * the engine reads it anyway. Measured: docs/benchmarks.md, "Paged landing".
  */
 #define LAND_STREAM_MIN (1u << 20)
 
