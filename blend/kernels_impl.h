@@ -203,7 +203,7 @@ int KFN(blend_rotate_to)(const struct blend_backend *be, const struct blend_shap
 	if (s->style == ROPE_NEOX && half % 8 == 0 && es) {
 		/* streamed only where every store is aligned (half % 8 == 0: the rotated
 		 * part of a head is whole stores of 8 elements from the head's start) */
-		int nt = out->stream && half && ((uintptr_t)dst | rs | hs) % (8 * es) == 0;
+		int nt = out->stream && ((uintptr_t)dst | rs | hs) % (8 * es) == 0;
 
 		/* one loop per dtype and store kind: no branch left in the inner loop */
 #define ROTATE8(dt_, nt_) KFN(rotate_neox8)(dt_, nt_, s, t, src, dst, rs, hs, row0, n)

@@ -357,19 +357,16 @@ static int land_chunk(void *arg, size_t i)
 	struct land_job *j = arg;
 	struct fuse_session *s = j->s;
 	struct chunk_ref *c = &s->chunks[i];
-	int rc;
+	int rc = 0;
 
 	if (j->from) {
 		land_rows(s, j->from, j->layer, c->off, c->off + c->tokens);
-		if (s->stream)
-			blend_stream_fence();
-		return 0;
-	}
-	if (s->direct) {
+	} else if (s->direct) {
 		struct rotate_ctx rx = { j->t->be, s, c };
 		struct codec_xform x = { rotate_rows, &rx, s->row_bytes };
 
-		/* One pass: verify, re-rotate, write where the node keeps the rows. */
+		/* One pass: verify, re-rotate, write where the node keeps the rows (one
+		 * contiguous write a chunk: never streamed). */
 		return store_chunk_get_layer(j->t->store, &s->m, c->hash, j->layer,
 					     s->land_mem + land_off(s, s->lay.k_offset,
 								    s->lay.token_stride, j->layer,
@@ -378,8 +375,9 @@ static int land_chunk(void *arg, size_t i)
 								    s->lay.token_stride, j->layer,
 								    c->off),
 					     (uint64_t)c->tokens * s->row_bytes, &x);
+	} else {
+		rc = land_scattered(j->t, s, c, j->layer);
 	}
-	rc = land_scattered(j->t, s, c, j->layer);
 	if (s->stream)
 		blend_stream_fence(); /* before the layer is published (land_step) */
 	return rc;

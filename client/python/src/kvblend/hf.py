@@ -72,8 +72,8 @@ def _check_model(model: Any) -> _arch.Arch:
     except _arch.ArchRefused as e:
         raise Unsupported(str(e)) from None
     cfg = model.config
-    rp = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
-    rope_type = rp.get("rope_type", rp.get("type", "default"))
+    rs = _describe.rope_scaling(cfg) or {}
+    rope_type = rs.get("rope_type", rs.get("type", "default"))
     if rope_type != "default":
         raise Unsupported(f"kvblend.hf: RoPE type {rope_type!r}; only the default RoPE is handled")
     if _sliding(cfg):
