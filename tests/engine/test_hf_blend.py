@@ -23,6 +23,10 @@ a question (about 330 tokens):
     preview on the NumPy model within TOL_A, and the daemon's selection equals
     eval/cacheblend.py's attention_select bit for bit, over the K and V the node sent, the
     daemon's own re-rotated stored rows (get_rerotated) and the A it was given.
+(g) the question metric (A alone, no check layer, issue 35) at r=0.15: its selection is
+    eval/qsel.py's alone_selection over the same A, and the fused KV and last-token logits
+    equal eval/cacheblend.py's blend_forward recomputing those rows at every layer; at
+    r=1.0 the fused KV equals transformers' full prefill, at r=0 full reuse's.
 Exit 0 when all pass, 1 on a failure, 77 when KVBLEND_SKIP_ENGINE=1.
 """
 
@@ -54,7 +58,7 @@ from cacheblend import (  # noqa: E402
     select_count,
 )
 from fixtures import Daemon, build_segments, numpy_twin  # noqa: E402
-from qsel import preview  # noqa: E402
+from qsel import alone_selection, preview  # noqa: E402
 
 MAX_TOKENS = 16
 # Fused KV, HF node vs NumPy reference: both are float32 with the same operations, but the
@@ -225,6 +229,7 @@ def run(model, twin, c, segs):
     b.close()
 
     check_attention(b, c, req, twin, hashes)
+    check_question(b, req, twin, full_kv)
 
     # (e) another architecture (Gemma: a Llama-like layer the pass does not reproduce).
     gcfg = transformers.GemmaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
@@ -268,6 +273,35 @@ def check_attention(b, c, req, twin, hashes):
     print(f"  (f) attention r={r}: A [{a.shape[0]}, {a.shape[1]}] within {err:.1e} of "
           f"eval/qsel.py's (most read: tokens {top.tolist()}); {k} of {cand.size} cached "
           f"selected, equal to attention_select bit for bit")
+
+
+def check_question(b, req, twin, full_kv):
+    """(g): the question metric against the NumPy node recomputing the same rows."""
+    r = 0.15
+    bl = b.blend(req.segments, ratios=(r,), metric="question")
+    fresh = np.flatnonzero(~req.cached)
+    k = select_count(r, int(req.cached.sum()))
+    sel = alone_selection(bl.attention, req, k)
+    if len(bl.selections) != 1 or not np.array_equal(bl.selections[0], np.union1d(fresh, sel)):
+        fail(f"question: rows computed {[x.size for x in bl.selections]}, expected "
+             f"{fresh.size} fresh + {sel.size} selected")
+    logits, ref_kv, _ = blend_forward(twin, req, np.array([req.N - 1]), recompute=sel)
+    worst = compare_fused(bl.kv.numpy(), ref_kv, f"question r={r}")
+    lg = float(np.abs(bl.logits.numpy() - logits[0]).max() / np.abs(logits).max())
+    if lg > TOL_FUSED:
+        fail(f"question: last-token logits differ by {lg:.2e} of their scale")
+    everything = b.blend(req.segments, ratios=(1.0,), metric="question")
+    compare_fused(everything.kv.numpy(), full_kv, "question r=1.0 vs transformers' full prefill")
+    none = b.blend(req.segments, ratios=(0.0,), metric="question")
+    _, reuse_kv, _ = blend_forward(twin, req, np.array([req.N - 1]))
+    compare_fused(none.kv.numpy(), reuse_kv, "question r=0 vs full reuse")
+    try:
+        b.blend(req.segments, (1,), (r,), "question")
+        fail("the question metric with a check layer was not refused")
+    except ValueError as e:
+        print(f"  (g) refused with a check layer: {e}")
+    print(f"  (g) question r={r}: {sel.size} chunk tokens by A alone, the NumPy node's "
+          f"selection; fused KV within {worst:.1e}, logits within {lg:.1e}")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,8 @@ libkvblend and KVBLEND_ENGINE_MODEL (or --model) to the model directory.
     and the worker's RoPE self-test ran at start over all 30 layers against the daemon;
 (d) in the same engine, the same prompt with its own settings ({"blend": {"ratios":
     [1.0]}} in its parameters): the cache rows equal kvblend.hf's r=1.0 blend (every token
-    recomputed) and so does the continuation;
+    recomputed) and so does the continuation; and with {"blend": {"metric": "question"}}
+    (A alone, no check layer): the cache rows and continuation equal kvblend.hf's;
 (e) prefix caching on (the engine runs with it): behind a system prompt of more than a
     block, a blend after the prefix-cache hit equals the blend with nothing cached, and
     the same prompt without kvblend is never handed blended blocks (prefix_caching);
@@ -69,6 +70,9 @@ def check_config():
     good = config.config_from_extra({"blend": {}}, "LlamaForCausalLM", 30)
     if good != plan.BlendConfig((1,), (0.15,), "value"):
         fail(f"defaults: {good}")
+    q = config.config_from_extra({"blend": {"metric": "question"}}, "LlamaForCausalLM", 30)
+    if q != plan.BlendConfig((), (0.15,), "question"):
+        fail(f"the question metric's defaults: {q}")
     if config.config_from_extra({}, "LlamaForCausalLM", 30) is not None:
         fail("no blend key should mean no blending")
     bad = [({"blend": []}, "blend must be a dict"),
@@ -78,7 +82,9 @@ def check_config():
            ({"blend": {"ratios": [1.5]}}, "in [0, 1]"),
            ({"blend": {"check_layers": [1, 2], "ratios": [0.1, 0.3]}}, "not increasing"),
            ({"blend": {"check_layers": [1, 2], "ratios": [0.1]}}, "one ratio per"),
-           ({"blend": {"metric": "cosine"}}, "'value', 'key' or 'attention'"),
+           ({"blend": {"metric": "cosine"}}, "'value', 'key', 'attention', 'question'"),
+           ({"blend": {"metric": "question", "check_layers": [1]}}, "must be empty"),
+           ({"blend": {"metric": "question", "ratios": [0.3, 0.1]}}, "one ratio for the"),
            ({"blend": {"check_layers": [1.7]}}, "list of ints")]
     for extra, words in bad:
         try:
@@ -132,6 +138,8 @@ def reference(model_dir, endpoint):
         reuse = b.blend(segs, (), ())
         everything = b.blend(segs, CHECKS, (1.0,))
         tokens_all = b.generate(segs, MAX_TOKENS, blend=everything)
+        question = b.blend(segs, ratios=RATIOS, metric="question")
+        question.tokens = b.generate(segs, MAX_TOKENS, blend=question)
         b.close()
     chunks, n = [], 0
     for kind, t in segs:
@@ -140,7 +148,7 @@ def reference(model_dir, endpoint):
         n += len(t)
     print(f"  (b) kvblend.hf: {n} tokens, {ref.selections[0].size} rows recomputed after layer "
           f"{CHECKS[0]}; continuation {tok.decode(tokens)!r}")
-    return ref, reuse, tokens, chunks, everything, tokens_all
+    return ref, reuse, tokens, chunks, everything, tokens_all, question
 
 
 def main():
@@ -171,9 +179,10 @@ def main():
 
     d = Daemon()
     try:
-        ref, reuse, tokens, chunks, everything, tokens_all = reference(args.model, d.endpoint)
+        ref, reuse, tokens, chunks, everything, tokens_all, question = reference(
+            args.model, d.endpoint)
         run_engine(args.model, d.endpoint, ref, reuse, tokens, chunks, dump_dir,
-                   everything, tokens_all)
+                   everything, tokens_all, question)
     finally:
         d.stop()
     shutil.rmtree(tmp, ignore_errors=True)
@@ -201,8 +210,9 @@ def compare_cache(dump, want, plain, n, what):
 
 
 def run_engine(model_dir, endpoint, ref, reuse, tokens, chunks, dump_dir, everything,
-               tokens_all):
-    """(c), and (d): the same prompt with its own settings, ratios [1.0]."""
+               tokens_all, question):
+    """(c), and (d): the same prompt with its own settings, ratios [1.0], and the question
+    metric."""
     import numpy as np
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
@@ -222,14 +232,15 @@ def run_engine(model_dir, endpoint, ref, reuse, tokens, chunks, dump_dir, everyt
     rope_self_test(endpoint)
     ids = [int(i) for i in ref.ids]
     got = []
-    for params in ({"segments": chunks}, {"segments": chunks, "blend": {"ratios": [1.0]}}):
+    for params in ({"segments": chunks}, {"segments": chunks, "blend": {"ratios": [1.0]}},
+                   {"segments": chunks, "blend": {"metric": "question"}}):
         sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
                             extra_args={"kv_transfer_params": {"kvblend": params}})
         out = llm.generate([TokensPrompt(prompt_token_ids=ids)], [sp], use_tqdm=False)
         got.append(list(out[0].outputs[0].token_ids))
     dumps = sorted(dump_dir.glob("load-*.npz"))
-    if len(dumps) != 2:
-        fail(f"{len(dumps)} load dumps, expected the two blends")
+    if len(dumps) != 3:
+        fail(f"{len(dumps)} load dumps, expected the three blends")
     batched(llm, ids, chunks, dump_dir, ref, everything, got)
     prefix_caching(llm, ids, chunks)
     store_on_miss(llm, endpoint)
@@ -244,6 +255,11 @@ def run_engine(model_dir, endpoint, ref, reuse, tokens, chunks, dump_dir, everyt
         fail(f"r=1.0: vLLM's continuation {got[1]} != kvblend.hf's {tokens_all}")
     print(f"  (d) the request's own ratios [1.0]: {len(got[1])} greedy tokens equal to "
           "kvblend.hf's at r=1.0")
+    compare_cache(np.load(dumps[2]), question.kv, reuse.kv, n, "the request's question metric")
+    if got[2] != question.tokens:
+        fail(f"question metric: vLLM's continuation {got[2]} != kvblend.hf's {question.tokens}")
+    print(f"  (d) the request's question metric (A alone, r=0.15): {len(got[2])} greedy tokens "
+          "equal to kvblend.hf's")
 
 
 def rope_self_test(endpoint):

@@ -37,8 +37,8 @@ import torch
 from . import describe as _describe
 from .blend import arch as _arch
 from .blend.attention import causal_attention
-from .blend.loop import blend_layers
-from .blend.preview import land_chunks, question_attention
+from .blend.loop import Prompt, blend_batch, blend_layers
+from .blend.preview import land_chunks, question_attention, top_rows
 from .client import Client, chunk_hash
 from .errors import KvblendError
 from .types import Model
@@ -46,7 +46,7 @@ from .types import Model
 #: Architectures whose decoder layers this module drives (:mod:`kvblend.blend.arch`).
 SUPPORTED_ARCHITECTURES = tuple(_arch.ARCHITECTURES)
 _DTYPES = {torch.float32: ("f32", np.float32), torch.float16: ("f16", np.float16)}
-_METRICS = ("value", "key", "attention")
+_METRICS = ("value", "key", "attention", "question")
 
 
 class Unsupported(ValueError):
@@ -327,7 +327,7 @@ class Blender:
     def blend(
         self,
         segments: Sequence[tuple[str, Any]],
-        check_layers: Sequence[int] = (1,),
+        check_layers: Sequence[int] | None = None,
         ratios: Sequence[float] = (0.15,),
         metric: str = "value",
         keep_checks: bool = False,
@@ -346,13 +346,17 @@ class Blender:
             The prompt in order: ``("chunk", ids)`` for a stored chunk (:meth:`store`),
             ``("fresh", ids)`` for tokens to compute. The last segment must be fresh.
         check_layers, ratios : sequences
-            Increasing layers, one ratio in [0, 1] per layer, not increasing.
+            Increasing layers, one ratio in [0, 1] per layer, not increasing. The
+            check layers default to ``(1,)``, and to none for the question metric,
+            which takes one ratio: the share of chunk tokens recomputed at every layer.
         metric : str
-            ``"value"`` (CacheBlend), ``"key"``, or ``"attention"`` (question-aware,
+            ``"value"`` (CacheBlend), ``"key"``, ``"attention"`` (question-aware,
             docs/fuse.md): first the question (the last segment) runs alone through
             every layer over the stored chunks re-rotated (a reuse-only session) and
             gives A, where it reads them; the daemon weighs the K and V deviation at
-            the check layers by A.
+            the check layers by A. Or ``"question"`` (A³-style, no check layer): the
+            same preview, then the chunk tokens with the largest A summed over heads
+            are recomputed at every layer with the fresh ones, over the landed rows.
         keep_checks : bool
             Keep the planes sent at check layers in :attr:`Blend.checked`.
 
@@ -365,8 +369,12 @@ class Blender:
         """
         t0 = time.perf_counter()
         if metric not in _METRICS:
-            raise ValueError(f"metric {metric!r}: value, key or attention")
+            raise ValueError(f"metric {metric!r}: value, key, attention or question")
+        if check_layers is None:
+            check_layers = () if metric == "question" else (1,)
         checks = [int(c) for c in check_layers]
+        if metric == "question" and (checks or len(ratios) != 1):
+            raise ValueError("the question metric takes no check layers and one ratio")
         nl, nh, d = self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim
         if any(not 0 <= c < nl for c in checks):
             raise ValueError(f"check layers {checks}: each in 0..{nl - 1}")
@@ -381,12 +389,21 @@ class Blender:
             cached[s : s + t.size] = kind == "chunk"
         buf = self._buffer((nl, 2, n, nh, d))
         a = None
-        if metric == "attention" and checks:
-            land_chunks(self.client, self.spec.name, segs, buf, self.landing)
+        if metric == "question" or (metric == "attention" and checks):
+            landed = land_chunks(self.client, self.spec.name, segs, buf, self.landing)
             kind, s, t = spans[-1]
             self._ops.begin(n)
             rows = np.flatnonzero(cached)
             a = question_attention(self._ops, torch.from_numpy(buf), rows, t, np.arange(s, n))
+            if metric == "question":
+                own = np.union1d(np.flatnonzero(~cached), top_rows(a, rows, float(ratios[0])))
+                p = Prompt(None, buf, ids, cached, a, own)
+                r = blend_batch(self._ops, [p], [], metric, self.landing, keep_checks)[0]
+                r.selections.append(own)
+                out = self._finish(r, buf, ids, a)
+                out.stats, out.session = landed, self.session_kind
+                out.seconds = time.perf_counter() - t0
+                return out
         if self.landing:
             sess = self.client.fuse_open_into(
                 self.spec.name, segs, buf[:, 0], buf[:, 1], checks, list(ratios), metric
@@ -406,6 +423,10 @@ class Blender:
         r = blend_layers(
             self._ops, sess, buf, ids, cached, checks, metric, self.landing, keep_checks, a
         )
+        return self._finish(r, buf, ids, a)
+
+    def _finish(self, r: Any, buf: np.ndarray, ids: np.ndarray, a: Any) -> Blend:
+        """Return the Blend of a finished layer loop: last row's logits, a copy of the KV."""
         if r.rows[-1] != ids.size - 1:
             raise KvblendError(-5, "kvblend.hf: the last prompt token was not recomputed")
         inner = self.model.model
@@ -427,7 +448,7 @@ class Blender:
         self,
         segments: Sequence[tuple[str, Any]],
         max_new_tokens: int = 32,
-        check_layers: Sequence[int] = (1,),
+        check_layers: Sequence[int] | None = None,
         ratios: Sequence[float] = (0.15,),
         metric: str = "value",
         blend: Blend | None = None,

@@ -56,7 +56,10 @@ class Prompt:
     """One prompt of a batch (:func:`blend_batch`).
 
     Its open session, KV buffer, token ids, which tokens are stored chunk rows, and A for
-    the attention metric (optional).
+    the attention metric (optional). ``sess`` None: ``buf`` holds every stored row
+    already (landed for the question metric's preview) and the node computes
+    ``recompute`` (sorted prompt indices: the fresh tokens and the selected chunk
+    tokens) at every layer, with no daemon call; the batch has no check layers then.
     """
 
     sess: Any
@@ -64,6 +67,7 @@ class Prompt:
     ids: np.ndarray
     cached: np.ndarray
     attention: np.ndarray | None = None
+    recompute: np.ndarray | None = None
 
 
 def blend_layers(
@@ -140,10 +144,15 @@ def blend_batch(
     m = 1 if metric == "value" else 0
     outs, kvs, hs = [], [], []
     for p in prompts:
-        rows = np.arange(p.ids.size) if checks else np.flatnonzero(~p.cached)
+        if p.sess is None:
+            if checks or p.recompute is None:
+                raise ValueError("a prompt without a session needs its rows and no check layers")
+            rows = np.asarray(p.recompute, np.int64)
+        else:
+            rows = np.arange(p.ids.size) if checks else np.flatnonzero(~p.cached)
         outs.append(LoopResult(h=None, rows=rows))
         kvs.append(torch.from_numpy(p.buf))  # shares the buffer (the region, when landing)
-        if p.attention is not None:
+        if p.attention is not None and p.sess is not None:
             p.sess.attention(p.attention)  # goes with the first check layer's call
     ops.begin(max(p.ids.size for p in prompts))
     ids = [p.ids[o.rows] for p, o in zip(prompts, outs)]
@@ -160,7 +169,7 @@ def blend_batch(
         for i, (p, o) in enumerate(zip(prompts, outs)):
             kc, vc = ks[i].to("cpu", ops.kv_dtype), vs[i].to("cpu", ops.kv_dtype)
             kv, new = kvs[i], None
-            if landing:
+            if landing and p.sess is not None:
                 # the daemon's rows first (at once for ours)
                 if wait is None:
                     p.sess.wait(li, timeout=120)
@@ -171,7 +180,7 @@ def blend_batch(
             if landing and li in checks:
                 p.sess.check(li, plane)
                 new = p.sess.rows().astype(np.int64)
-            elif not landing and li >= first:
+            elif not landing and li >= first and p.sess is not None:
                 # fills the fused layer (own rows included) from the layer after the first
                 # check layer on; at the first check layer the layer is the node's own
                 p.sess.layer(li, kc.numpy(), vc.numpy(), k_out=p.buf[li, 0], v_out=p.buf[li, 1])

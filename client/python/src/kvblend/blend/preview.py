@@ -8,6 +8,10 @@ daemon weighs each chunk token's K and V deviation at the check layer by A
 (docs/fuse.md, "The attention metric"). The definition is eval/qsel.py's ``preview``
 (the NumPy node's), which tests/engine/test_hf_blend.py holds this one to.
 
+The question metric (A³-style, arXiv 2511.17560; eval/RULES.md's "A alone") uses A with
+no check layer at all: :func:`top_rows` picks the chunk tokens the question reads most,
+and the pass recomputes those at every layer over the landed rows.
+
 :func:`land_chunks` puts the re-rotated chunk rows of every layer into the request's KV
 buffer through a reuse-only fuse session; :func:`question_attention` runs the preview
 over them with a model's :class:`kvblend.blend.loop.LayerOps`. Shared by
@@ -33,7 +37,7 @@ def land_chunks(
     buf: np.ndarray,
     landing: bool,
     wait: Callable[[Any, int], None] | None = None,
-) -> None:
+) -> dict:
     """Fill the stored chunks' rows of every layer of ``buf`` with the rows re-rotated.
 
     ``buf`` is the request's KV [layers, 2, N, kv_heads, head_dim] (in a
@@ -43,6 +47,7 @@ def land_chunks(
     fresh rows of zeros (their rows in ``buf`` are zeros afterwards: the blend pass
     computes them). Raises what the fuse calls raise (``NotFound`` for a chunk not stored).
     ``wait(sess, layer)`` waits for a landed layer (default ``sess.wait(layer, timeout=120)``).
+    Returns the session's statistics (:meth:`FuseSession.close`).
     """
     nl = buf.shape[0]
     if landing:
@@ -53,16 +58,27 @@ def land_chunks(
                     sess.wait(layer, timeout=120)
                 else:
                     wait(sess, layer)
-        finally:
-            sess.close()
-        return
+        except BaseException:
+            _close_after_failure(sess)
+            raise
+        return sess.close()
     sess = client.fuse_open(model, segments, [], [])
     try:
         zeros = np.zeros((sess.rows().size,) + buf.shape[3:], buf.dtype)
         for layer in range(nl):
             sess.layer(layer, zeros, zeros, k_out=buf[layer, 0], v_out=buf[layer, 1])
-    finally:
+    except BaseException:
+        _close_after_failure(sess)
+        raise
+    return sess.close()
+
+
+def _close_after_failure(sess: Any) -> None:
+    """Close a session after a failure, which stays the one the caller hears of."""
+    try:
         sess.close()
+    except Exception:  # noqa: BLE001 - the first failure is the one to report
+        pass
 
 
 @torch.no_grad()
@@ -118,3 +134,31 @@ def question_attention(
             a += on_chunks.reshape(keys.shape[1], rep, nc).sum(dim=1).double()
         h = ops.attend(layer, h, q, keys, values, local)
     return np.ascontiguousarray(a.T.float().cpu().numpy())
+
+
+def select_count(ratio: float, n: int) -> int:
+    """Return how many of n chunk tokens a ratio recomputes.
+
+    floor(ratio n), at least 1 when ratio > 0, at most n (the daemon's HKVD count,
+    docs/fuse.md).
+    """
+    if not ratio > 0 or n <= 0:
+        return 0
+    return min(max(int(np.floor(ratio * n)), 1), n)
+
+
+def top_rows(a: np.ndarray, cached: np.ndarray, ratio: float) -> np.ndarray:
+    """Return the question metric's selection: the chunk tokens the question reads most.
+
+    ``a`` is :func:`question_attention`'s A [chunk tokens, kv_heads] for the prompt
+    indices ``cached`` (increasing). Returns the :func:`select_count` of them with the
+    largest A summed over heads (ties to the lower index), as sorted prompt indices
+    (int64).
+    """
+    cached = np.asarray(cached, np.int64)
+    if a.shape[0] != cached.size:
+        raise ValueError(f"A has {a.shape[0]} rows for {cached.size} chunk tokens")
+    k = select_count(ratio, cached.size)
+    score = a.astype(np.float64).sum(axis=1)
+    order = np.argsort(-score, kind="stable")[:k]
+    return np.sort(cached[order])

@@ -33,7 +33,7 @@ import torch
 from ..blend import arch as _arch
 from ..blend import loop as _loop
 from ..blend.attention import causal_attention
-from ..blend.preview import land_chunks, question_attention
+from ..blend.preview import land_chunks, question_attention, top_rows
 from ..client import Client
 from ..errors import KvblendError, Unavailable
 from ..types import Model
@@ -255,6 +255,7 @@ def _blend_batch(
     regions: list[np.ndarray] = []
     sessions: list[Any] = []
     previews: list[float] = []
+    landings: list[dict] = []  # the question metric's landing session's statistics
     done = down = False
     try:
         prompts = []
@@ -276,28 +277,38 @@ def _blend_batch(
             for i, seg in enumerate(job.segments):  # a chunk runs up to the next segment
                 if not _fresh(seg):
                     cached[starts[i] : starts[i + 1]] = True
-            a, t_pre = None, time.perf_counter()
-            if metric == "attention" and check_layers:
-                land_chunks(client, spec.name, job.segments, buf, True, wait)
+            a, t_pre, landed = None, time.perf_counter(), {}
+            if metric in ("attention", "question") and (check_layers or metric == "question"):
+                landed = land_chunks(client, spec.name, job.segments, buf, True, wait)
                 q = np.asarray(job.question, np.int64)
                 rows = np.flatnonzero(cached)
+                ops.begin(ids.size + q.size)
                 a = question_attention(
                     ops, torch.from_numpy(buf), rows, q, ids.size + np.arange(q.size)
                 )
             t_pre = time.perf_counter() - t_pre
-            sessions.append(
-                client.fuse_open_into(
-                    spec.name,
-                    job.segments,
-                    buf[:, 0],
-                    buf[:, 1],
-                    list(check_layers),
-                    list(job.ratios),
-                    metric,
+            if metric == "question":
+                # every stored row is in place: the pass computes the fresh tokens and the
+                # ones the question reads most at every layer, with no daemon call
+                ratio = job.ratios[-1] if job.ratios else 0.0
+                own = np.union1d(np.flatnonzero(~cached), top_rows(a, rows, ratio))
+                sessions.append(None)
+                prompts.append(_loop.Prompt(None, buf, ids, cached, a, own))
+            else:
+                sessions.append(
+                    client.fuse_open_into(
+                        spec.name,
+                        job.segments,
+                        buf[:, 0],
+                        buf[:, 1],
+                        list(check_layers),
+                        list(job.ratios),
+                        metric,
+                    )
                 )
-            )
-            prompts.append(_loop.Prompt(sessions[-1], buf, ids, cached, a))
+                prompts.append(_loop.Prompt(sessions[-1], buf, ids, cached, a))
             previews.append(t_pre)
+            landings.append(landed)
         try:
             rs = _loop.blend_batch(ops, prompts, list(check_layers), metric, True, False, wait)
         except (Unavailable, TimeoutError):
@@ -307,10 +318,15 @@ def _blend_batch(
             client.set_timeout(CLOSE_TIMEOUT_MS)
             raise
         finally:
-            stats = [_close_quietly(x) if down else x.close() for x in sessions]
+            stats = [
+                dict(landings[i]) if x is None else _close_quietly(x) if down else x.close()
+                for i, x in enumerate(sessions)
+            ]
             sessions = []
         out = []
         for i, (p, r, st, t_pre) in enumerate(zip(prompts, rs, stats, previews)):
+            if p.recompute is not None:
+                r.selections.append(p.recompute)
             if p.attention is not None:
                 st.update(attention=p.attention, preview_ms=t_pre * 1000)
             kv = torch.from_numpy(p.buf)
@@ -324,7 +340,8 @@ def _blend_batch(
         raise
     finally:
         for x in sessions:  # opened before a failure: closed without a word
-            _close_quietly(x)
+            if x is not None:
+                _close_quietly(x)
         for region in regions:
             try:
                 client.free_region(region)

@@ -311,17 +311,29 @@ class BlendLoad:
         """Return the rows the pass will compute after its last check layer.
 
         The fresh tokens and the last ratio's share of the stored chunks' (a pass
-        without check layers recomputes only the fresh tokens).
+        without check layers recomputes only the fresh tokens, but for the question
+        metric's, which recomputes its share at every layer).
         """
         fresh = self.fresh_tokens()
-        if not self.config.check_layers or not self.config.ratios:
+        if not self.config.ratios or (
+            not self.config.check_layers and self.config.metric != "question"
+        ):
             return fresh
         return fresh + int(round(self.config.ratios[-1] * (len(self.ids) - fresh)))
 
 
 DEFAULT_CONFIG = BlendConfig((1,), (0.15,), "value")
-#: The selection metrics (docs/fuse.md): HKVD on V or K, or question-aware ("attention").
-METRICS = ("value", "key", "attention")
+#: The selection metrics (docs/fuse.md): HKVD on V or K, question-aware HKVD
+#: ("attention"), or the question's attention alone with no check layer ("question").
+METRICS = ("value", "key", "attention", "question")
+#: Each metric's check layers and ratios when the settings name the metric but not them
+#: and the base settings are of the other kind (check layers or none).
+METRIC_DEFAULTS = {
+    "value": ((1,), (0.15,)),
+    "key": ((1,), (0.15,)),
+    "attention": ((1,), (0.15,)),
+    "question": ((), (0.15,)),
+}
 
 
 def blend_settings(raw: Any, num_layers: int, base: BlendConfig, where: str) -> BlendConfig:
@@ -331,6 +343,11 @@ def blend_settings(raw: Any, num_layers: int, base: BlendConfig, where: str) -> 
     unknown = set(raw) - {"check_layers", "ratios", "metric"}
     if unknown:
         raise ValueError(f"{where}: unknown keys {sorted(map(str, unknown))}")
+    metric = raw.get("metric", base.metric)
+    if metric not in METRICS:
+        raise ValueError(f"{where}.metric {metric!r}: {', '.join(map(repr, METRICS))}")
+    if (metric == "question") != (base.metric == "question"):
+        base = BlendConfig(*METRIC_DEFAULTS[metric], metric)
     checks = raw.get("check_layers", base.check_layers)
     ratios = raw.get("ratios", base.ratios)
     if not isinstance(checks, (list, tuple)) or not all(
@@ -342,12 +359,15 @@ def blend_settings(raw: Any, num_layers: int, base: BlendConfig, where: str) -> 
     ):
         raise ValueError(f"{where}.ratios must be a list of numbers")
     checks, ratios = tuple(checks), tuple(float(r) for r in ratios)
-    metric = raw.get("metric", base.metric)
-    if metric not in METRICS:
-        raise ValueError(f"{where}.metric {metric!r}: 'value', 'key' or 'attention'")
+    if metric == "question":
+        # no check layer: one ratio, the share of chunk tokens recomputed at every layer
+        if checks:
+            raise ValueError(f"{where}.check_layers must be empty for the question metric")
+        if len(ratios) != 1:
+            raise ValueError(f"{where}.ratios: one ratio for the question metric")
     # no check layers (and no ratios): full reuse through the pass, every stored chunk
     # re-rotated in place and every fresh token computed, wherever the chunks sit
-    if len(checks) != len(ratios):
+    elif len(checks) != len(ratios):
         raise ValueError(f"{where}: one ratio per check layer")
     if any(not 0 <= c < num_layers for c in checks) or list(checks) != sorted(set(checks)):
         raise ValueError(f"{where}.check_layers {list(checks)}: increasing, in 0..{num_layers - 1}")
