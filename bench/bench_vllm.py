@@ -10,7 +10,9 @@ prefills every token), reuse (segments: five chunks, then the question, with "bl
 false: the connector loads the chunks re-rotated to their positions, vLLM computes the
 question) and blend (the same segments, CacheBlend at --ratio, value metric, check layer
 1: the connector's blend pass over vLLM's own layer modules, then vLLM computes the
-question), in turn, REPEATS times after one untimed round; the question alone (plain, a
+question; with --metrics, one blend per metric named, each a mode of its own: the
+attention metric's preview and check layer 1, the question metric's preview and no check
+layer, its ratio the share of chunk tokens recomputed at every layer), in turn, REPEATS times after one untimed round; the question alone (plain, a
 few dozen tokens) is timed with them, as the floor of any request on this engine. The
 blend's parts come from the connector's log line per blend ("kvblend: blend of N tokens
 ... pass X s (daemon: session, load, landing, compute ms), cache write Y s"): the pass
@@ -18,7 +20,7 @@ blend's parts come from the connector's log line per blend ("kvblend: blend of N
 load + landing + compute (its threads; on the critical path only as waits) and the write
 into vLLM's cache. Then --concurrent requests at the --concurrent-size prompt (the same
 chunks, each with its own question) submitted to the engine at once, plain against
-blend: requests per second, and TTFT p50/p90 over those requests (the blends of the
+blend (each of --metrics in turn): requests per second, and TTFT p50/p90 over those requests (the blends of the
 requests vLLM schedules in one step run in one pass over the layers). The daemon is
 started with shm_max above VLLM_CPU_KVCACHE_SPACE, so that vLLM's cache lies in a
 kvblend region and reuse loads are landed by the daemon (docs/vllm.md). Per layer: the
@@ -35,7 +37,8 @@ time. kvblend is installed with pip into a temporary folder first (the blend pas
 its vllm.general_plugins entry point, as tests/engine/test_vllm_blend.py does).
 
 usage: bench_vllm.py BUILD_DIR [--repeats N] [--sizes 1024,2048,4096] [--ratio 0.15]
-       [--concurrent 8] [--concurrent-size 2048] [--model DIR]
+       [--metrics value[,attention,question]] [--concurrent 8] [--concurrent-size 2048]
+       [--model DIR]
 (with the engine venv's python from .ci/engine-env, the build's libkvblend and
 client/python/src on PYTHONPATH, which tests/engine/run.sh sets up:
 tests/engine/run.sh build/lib/libkvblend.so build/bin/kvblendd bench/bench_vllm.py build)
@@ -65,7 +68,8 @@ LOADED = re.compile(
 BLENDED = re.compile(r"kvblend: blend of (\d+) tokens \((\d+) recomputed after layer -?\d+\): "
                      r"pass ([0-9.]+) s (?:for \d+ requests )?\(daemon: session [0-9.]+ ms, "
                      r"load ([0-9.]+) ms, landing ([0-9.]+) ms, compute ([0-9.]+) ms\), "
-                     r"cache write ([0-9.]+) s")
+                     r"cache write ([0-9.]+) s(?:; metric (\w+), preview ([0-9.]+) ms"
+                     r"(?: \(([0-9.]+) ms of it waiting)?)?")
 
 
 def start_daemon(build, tmp):
@@ -145,14 +149,16 @@ def run(args, ep, out, log_path):
             pos += len(d)
         segs.append([pos, len(q), "fresh"])
         reuse = {"kvblend": {"segments": segs, "blend": False}}
-        blend = {"kvblend": {"segments": segs}}
-        times = {"plain": [], "reuse": [], "blend": [], "question": []}
+        blends_by = {f"blend-{m}": {"kvblend": {"segments": segs, "blend": {
+            "metric": m, "ratios": [args.ratio]}}} for m in args.metrics}
+        times = {"plain": [], "reuse": [], "question": [], **{k: [] for k in blends_by}}
         first = {}
         text = Path(log_path).read_text(errors="replace")
         loads_before, blends_before = len(LOADED.findall(text)), len(BLENDED.findall(text))
         for rep in range(args.repeats + 1):
-            for mode, p, params in (("plain", prompt, None), ("reuse", prompt, reuse),
-                                    ("blend", prompt, blend), ("question", q, None)):
+            modes = [("plain", prompt, None), ("reuse", prompt, reuse)]
+            modes += [(k, prompt, v) for k, v in blends_by.items()] + [("question", q, None)]
+            for mode, p, params in modes:
                 t, tok0 = ttft(p, params)
                 first[mode] = tok0
                 if rep:
@@ -163,7 +169,9 @@ def run(args, ep, out, log_path):
         mine = [x for x in loads if int(x[0]) == pos][1:]  # skip the untimed pair's
         load_s = [float(x[2]) for x in mine]
         land_s = [float(x[4]) / 1000 for x in mine if x[3] == "landed" and x[4]]
-        blends = [b for b in BLENDED.findall(text)[blends_before:] if int(b[0]) == pos][1:]
+        logged = [b for b in BLENDED.findall(text)[blends_before:] if int(b[0]) == pos]
+        by_metric = {m: [b for b in logged if b[7] == m][1:] for m in args.metrics}
+        blends = by_metric[args.metrics[0]]
         direct = []
         with kvblend.Client(ep, timeout_ms=10000) as c:
             for _ in range(args.repeats):
@@ -187,6 +195,20 @@ def run(args, ep, out, log_path):
             "plain_s": [round(x, 3) for x in times["plain"]],
             "reuse_s": [round(x, 3) for x in times["reuse"]],
         }
+        for m in args.metrics:
+            ts, bs = times[f"blend-{m}"], by_metric[m]
+            r.setdefault("metrics", {})[m] = {
+                "median_s": statistics.median(ts), "min_s": min(ts),
+                "ratio_median": statistics.median(ts) / r["plain_median_s"],
+                "recomputed": int(bs[0][1]) if bs else None,
+                "pass_median_s": statistics.median(float(b[2]) for b in bs) if bs else None,
+                "preview_median_ms": statistics.median(float(b[8]) for b in bs) if bs else None,
+                "preview_wait_median_ms": statistics.median(float(b[9] or 0) for b in bs)
+                if bs else None,
+                "same_first_token": first["plain"] == first[f"blend-{m}"],
+                "s": [round(x, 3) for x in ts]}
+        times["blend"], first["blend"] = times[f"blend-{args.metrics[0]}"], first[
+            f"blend-{args.metrics[0]}"]
         med = lambda i: statistics.median(float(b[i]) for b in blends) if blends else None  # noqa: E731
         r.update({
             "blend_median_s": statistics.median(times["blend"]), "blend_min_s": min(times["blend"]),
@@ -221,14 +243,16 @@ def concurrent(llm, docs, segs, pos, tok, args, out):
     prompts = [ctx + tok.encode(QUESTION.replace("Question:", f"Question {i + 1}:"),
                                 add_special_tokens=False) for i in range(n)]
     chunk_segs = [s for s in segs if s[2] == "chunk"]
-    times = {"plain": [], "blend": []}
-    ttfts = {"plain": [], "blend": []}
+    modes = ["plain"] + [f"blend-{m}" for m in args.metrics]
+    times = {m: [] for m in modes}
+    ttfts = {m: [] for m in modes}
     eng = llm.llm_engine
     for rep in range(args.repeats + 1):
-        for mode in ("plain", "blend"):
-            sps = [SamplingParams(temperature=0.0, max_tokens=1, extra_args=None if mode == "plain"
-                                  else {"kv_transfer_params": {"kvblend": {"segments":
-                                                                           chunk_segs}}})
+        for mode in modes:
+            params = None if mode == "plain" else {"kv_transfer_params": {"kvblend": {
+                "segments": chunk_segs, "blend": {"metric": mode.split("-", 1)[1],
+                                                  "ratios": [args.ratio]}}}}
+            sps = [SamplingParams(temperature=0.0, max_tokens=1, extra_args=params)
                    for _ in prompts]
             t = time.monotonic()
             for i, (p, sp) in enumerate(zip(prompts, sps)):
@@ -241,11 +265,12 @@ def concurrent(llm, docs, segs, pos, tok, args, out):
             if rep:
                 times[mode].append(time.monotonic() - t)
                 ttfts[mode] += first.values()
+    times["blend"], ttfts["blend"] = times[modes[1]], ttfts[modes[1]]
     q = lambda xs, f: statistics.quantiles(xs, n=10)[int(f * 10) - 1] if len(xs) > 1 else xs[0]  # noqa: E731
     r = {"concurrent": n, "tokens": len(prompts[0]), "loadavg": os.getloadavg(),
          "plain_batch_s": [round(x, 3) for x in times["plain"]],
          "blend_batch_s": [round(x, 3) for x in times["blend"]]}
-    for mode in ("plain", "blend"):
+    for mode in ["plain", "blend"] + modes[1:]:
         r[f"{mode}_rps"] = n / statistics.median(times[mode])
         r[f"{mode}_ttft_p50_s"] = statistics.median(ttfts[mode])
         r[f"{mode}_ttft_p90_s"] = q(ttfts[mode], 0.9)
@@ -295,6 +320,19 @@ def table(rows, out):
             f"| {ms(r['cache_write_median_s'])} | {rest} | {r['same_first_token_blend']} |")
     out("")
     out("target: blend/plain <= 0.5x from 2K tokens on")
+    if any(len(r.get("metrics", {})) > 1 for r in rows):
+        out("")
+        out("| prompt | metric | blend TTFT median (min) | blend/plain median | rows computed "
+            "| pass | preview | same 1st token |")
+        out("|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            for m, x in r["metrics"].items():
+                pv = "-" if x["preview_median_ms"] is None else (
+                    f"{x['preview_median_ms']:.0f} ms ({x['preview_wait_median_ms']:.0f} ms "
+                    "waiting for landing)")
+                out(f"| {r['tokens']} tokens | {m} | {ms(x['median_s'])} ({ms(x['min_s'])}) "
+                    f"| {x['ratio_median']:.2f}x | {x['recomputed']} | {ms(x['pass_median_s'])} "
+                    f"| {pv} | {x['same_first_token']} |")
     for c in conc:
         out("")
         out(f"{c['concurrent']} concurrent requests of {c['tokens']} tokens (submitted at once, "
@@ -303,6 +341,10 @@ def table(rows, out):
             f"load average {', '.join(f'{x:.1f}' for x in c['loadavg'])})")
         out(f"  TTFT p50 / p90: plain {c['plain_ttft_p50_s']:.2f} / {c['plain_ttft_p90_s']:.2f} s, "
             f"blend {c['blend_ttft_p50_s']:.2f} / {c['blend_ttft_p90_s']:.2f} s")
+        for k in [k[:-4] for k in c if k.startswith("blend-") and k.endswith("_rps")]:
+            out(f"  {k[6:]} metric: {c[k + '_rps']:.2f} req/s "
+                f"({c[k + '_rps'] / c['plain_rps']:.2f}x plain), TTFT p50 / p90 "
+                f"{c[k + '_ttft_p50_s']:.2f} / {c[k + '_ttft_p90_s']:.2f} s")
 
 
 def main():
@@ -311,6 +353,10 @@ def main():
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--sizes", default="1024,2048,4096")
     ap.add_argument("--ratio", type=float, default=0.15, help="CacheBlend's r (check layer 1)")
+    ap.add_argument("--metrics", default="value",
+                    help="blend metrics timed side by side, comma-separated (value, key, "
+                         "attention, question); the first one is the blend of the tables "
+                         "above and of the concurrency run")
     ap.add_argument("--concurrent", type=int, default=8,
                     help="requests in the concurrency run (0: none)")
     ap.add_argument("--concurrent-size", type=int, default=2048,
@@ -318,6 +364,7 @@ def main():
     ap.add_argument("--model", default=os.environ.get("KVBLEND_ENGINE_MODEL"))
     args = ap.parse_args()
     args.sizes = [int(x) for x in args.sizes.split(",")]
+    args.metrics = args.metrics.split(",")
     if not args.model:
         print("bench_vllm: give --model or KVBLEND_ENGINE_MODEL", file=sys.stderr)
         return 2

@@ -38,7 +38,7 @@ from . import describe as _describe
 from .blend import arch as _arch
 from .blend.attention import causal_attention
 from .blend.loop import Prompt, blend_batch, blend_layers
-from .blend.preview import land_chunks, question_attention, top_rows
+from .blend.preview import land_chunks, landed_preview, question_attention, top_rows
 from .client import Client, chunk_hash
 from .errors import KvblendError
 from .types import Model
@@ -390,11 +390,16 @@ class Blender:
         buf = self._buffer((nl, 2, n, nh, d))
         a = None
         if metric == "question" or (metric == "attention" and checks):
-            landed = land_chunks(self.client, self.spec.name, segs, buf, self.landing)
             kind, s, t = spans[-1]
             self._ops.begin(n)
             rows = np.flatnonzero(cached)
-            a = question_attention(self._ops, torch.from_numpy(buf), rows, t, np.arange(s, n))
+            if self.landing:  # the preview runs as the layers land
+                a, landed = landed_preview(
+                    self.client, self.spec.name, segs, buf, self._ops, rows, t, np.arange(s, n)
+                )
+            else:
+                landed = land_chunks(self.client, self.spec.name, segs, buf, False)
+                a = question_attention(self._ops, torch.from_numpy(buf), rows, t, np.arange(s, n))
             if metric == "question":
                 own = np.union1d(np.flatnonzero(~cached), top_rows(a, rows, float(ratios[0])))
                 p = Prompt(None, buf, ids, cached, a, own)

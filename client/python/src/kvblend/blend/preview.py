@@ -20,6 +20,7 @@ over them with a model's :class:`kvblend.blend.loop.LayerOps`. Shared by
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -89,6 +90,7 @@ def question_attention(
     question: np.ndarray,
     positions: np.ndarray,
     first: int = PREVIEW_FROM,
+    ready: Callable[[int], None] | None = None,
 ) -> np.ndarray:
     """Return A [chunk tokens, kv_heads] float32: where the question reads each chunk token.
 
@@ -108,6 +110,9 @@ def question_attention(
         (the other fresh tokens are not computed), causally.
     first : int
         The first layer summed into A.
+    ready : callable, optional
+        ``ready(layer)`` returns once that layer's chunk rows are in ``kv`` (a landing
+        session still writing the later ones: :func:`landed_preview`).
     """
     dev = ops.device
     nc, nq = len(cached), len(question)
@@ -120,18 +125,30 @@ def question_attention(
     local = torch.arange(nc, nc + nq, device=dev)  # the question's rows among the keys
     h = ops.embed(torch.as_tensor(question, dtype=torch.long, device=dev))
     a = torch.zeros(kv.shape[3], nc, dtype=torch.float64, device=dev)
-    mask = torch.arange(nc + nq, device=dev)[None, :] > local[:, None]
+    # the question's scores on its own keys, causally (-inf after the query's own key)
+    after = torch.ones(nq, nq, dtype=torch.bool, device=dev).triu_(1)
+    causal = torch.zeros(nq, nq, device=dev).masked_fill_(after, float("-inf"))
+    keys = values = None
     for layer in range(ops.num_layers):
         q, k, v = ops.qkv(layer, h, pos_t)
-        keys = torch.cat([kv[layer, 0, cached_t].to(dev, q.dtype), k])
-        values = torch.cat([kv[layer, 1, cached_t].to(dev, q.dtype), v])
+        if ready is not None:
+            ready(layer)
+        if keys is None:  # one buffer for every layer: chunk rows, then the question's
+            keys = torch.empty((nc + nq,) + tuple(k.shape[1:]), dtype=q.dtype, device=dev)
+            values = torch.empty_like(keys)
+        keys[:nc].copy_(kv[layer, 0, cached_t])
+        values[:nc].copy_(kv[layer, 1, cached_t])
+        keys[nc:], values[nc:] = k, v
         if layer >= first and nc:
-            rep = q.shape[1] // keys.shape[1]
-            kt = keys.repeat_interleave(rep, dim=1).permute(1, 2, 0)  # [heads, d, keys]
-            s = torch.matmul(q.transpose(0, 1).float(), kt.float()) * (q.shape[2] ** -0.5)
-            p = torch.softmax(s.masked_fill(mask[None], float("-inf")), dim=-1)
-            on_chunks = p[:, :, :nc].sum(dim=1)  # [heads, chunk tokens]
-            a += on_chunks.reshape(keys.shape[1], rep, nc).sum(dim=1).double()
+            kvh, d = keys.shape[1], q.shape[2]
+            rep = q.shape[1] // kvh
+            # per KV head, the queries of the heads that read it (head = kv head x rep + i)
+            # as rows: [kv heads, rep x question, d] against [kv heads, d, keys]
+            qg = q.float().reshape(nq, kvh, rep, d).permute(1, 2, 0, 3).reshape(kvh, -1, d)
+            s = torch.bmm(qg, keys.float().permute(1, 2, 0)).mul_(d**-0.5)
+            s[:, :, nc:] += causal.repeat(rep, 1)
+            p = torch.softmax(s, dim=-1)
+            a += p[:, :, :nc].sum(dim=1).double()
         h = ops.attend(layer, h, q, keys, values, local)
     return np.ascontiguousarray(a.T.float().cpu().numpy())
 
@@ -162,3 +179,42 @@ def top_rows(a: np.ndarray, cached: np.ndarray, ratio: float) -> np.ndarray:
     score = a.astype(np.float64).sum(axis=1)
     order = np.argsort(-score, kind="stable")[:k]
     return np.sort(cached[order])
+
+
+def landed_preview(
+    client: Any,
+    model: str,
+    segments: Sequence[tuple],
+    buf: np.ndarray,
+    ops: Any,
+    cached: np.ndarray,
+    question: np.ndarray,
+    positions: np.ndarray,
+    wait: Callable[[Any, int], None] | None = None,
+) -> tuple[np.ndarray, dict]:
+    """Land the stored chunks into ``buf`` and run the preview as the layers arrive.
+
+    As :func:`land_chunks` with ``landing`` followed by :func:`question_attention`, but
+    each layer of the preview waits only for its own landed layer, so the daemon's
+    landing overlaps the question's pass. Returns (A, the landing session's statistics
+    with ``preview_wait_ms``: the time the preview waited for landed layers).
+    """
+    sess = client.fuse_open_into(model, segments, buf[:, 0], buf[:, 1])
+    waited = [0.0]
+    try:
+
+        def ready(layer: int) -> None:
+            t = time.perf_counter()
+            if wait is None:
+                sess.wait(layer, timeout=120)
+            else:
+                wait(sess, layer)
+            waited[0] += time.perf_counter() - t
+
+        a = question_attention(ops, torch.from_numpy(buf), cached, question, positions, ready=ready)
+    except BaseException:
+        _close_after_failure(sess)
+        raise
+    stats = sess.close()
+    stats["preview_wait_ms"] = waited[0] * 1000
+    return a, stats

@@ -33,7 +33,7 @@ import torch
 from ..blend import arch as _arch
 from ..blend import loop as _loop
 from ..blend.attention import causal_attention
-from ..blend.preview import land_chunks, question_attention, top_rows
+from ..blend.preview import landed_preview, top_rows
 from ..client import Client
 from ..errors import KvblendError, Unavailable
 from ..types import Model
@@ -279,12 +279,19 @@ def _blend_batch(
                     cached[starts[i] : starts[i + 1]] = True
             a, t_pre, landed = None, time.perf_counter(), {}
             if metric in ("attention", "question") and (check_layers or metric == "question"):
-                landed = land_chunks(client, spec.name, job.segments, buf, True, wait)
                 q = np.asarray(job.question, np.int64)
                 rows = np.flatnonzero(cached)
                 ops.begin(ids.size + q.size)
-                a = question_attention(
-                    ops, torch.from_numpy(buf), rows, q, ids.size + np.arange(q.size)
+                a, landed = landed_preview(
+                    client,
+                    spec.name,
+                    job.segments,
+                    buf,
+                    ops,
+                    rows,
+                    q,
+                    ids.size + np.arange(q.size),
+                    wait,
                 )
             t_pre = time.perf_counter() - t_pre
             if metric == "question":
@@ -430,7 +437,8 @@ def load_blends(
             logger.info(
                 "kvblend: blend of %d tokens (%d recomputed after layer %d): pass %.3f s for "
                 "%d requests (daemon: session %.0f ms, load %.1f ms, landing %.1f ms, compute "
-                "%.2f ms), cache write %.3f s; metric %s, preview %.0f ms",
+                "%.2f ms), cache write %.3f s; metric %s, preview %.0f ms (%.0f ms of it "
+                "waiting for landed layers)",
                 len(ld.ids),
                 sels[-1].size if sels else int(sum(s[0] for s in ld.segments if _fresh(s))),
                 checks[-1] if checks else -1,
@@ -443,6 +451,7 @@ def load_blends(
                 writes[0],
                 metric,
                 stats.get("preview_ms", 0.0),
+                stats.get("preview_wait_ms", 0.0),
             )
             out[i] = (sels, stats)
     return out
