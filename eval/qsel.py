@@ -168,16 +168,20 @@ def forward_attention(model, store, fuse, req, hashes, rows, r_hkvd, check_layer
     return out[0], out[1], out[2], t, b.attention(k)
 
 
-def forward_alone(model, store, fuse, req, hashes, rows, r_hkvd):
+def forward_alone(model, store, fuse, req, hashes, rows, r_hkvd, literal=False):
     """The top of A alone at HKVD's budget at r_hkvd, no check layer: the node's selection
-    given at open (recompute). Same returns as forward_attention."""
+    given at open (recompute). Same returns as forward_attention. ``literal``: r_hkvd is
+    the share of chunk tokens recomputed (select_count), as the vLLM connector's and
+    kvblend.hf's "question" metric reads its ratio, not HKVD's budget."""
     t0 = time.perf_counter()
     placed, t_get = store.placed(req, hashes)
     a, _ = preview(model, req, placed)
     del placed
     t_pre = time.perf_counter() - t0
     b = Budget(model.cfg, int(req.cached.sum()), len(question_rows(req)))
-    k = b.solve(b.alone, b.hkvd(select_count(r_hkvd, b.n)))
+    k = select_count(r_hkvd, b.n)
+    if not literal:
+        k = b.solve(b.alone, b.hkvd(k))
     sel = alone_selection(a, req, k)
     out = fuse_forward(model, req, hashes, fuse, (), (), "value", rows, recompute=sel)
     t = out[3]

@@ -158,11 +158,15 @@ class Previews:
 
 
 NEW_RULES = ("ProphetKV", "InfoFlow", "InfoFlow local", "QCFuse", "EPIC", "oracle")
+#: QCFuse-style as the vLLM connector's "anchored" metric runs it: r of the chunk tokens
+#: recomputed, not HKVD's budget at r (less compute at the same r).
+LITERAL_RULES = ("anchored",)
 
 
 def run_new_rule(rule, r_hkvd, model, fuse, req, hashes, rows, previews, oracle=None):
-    """One of NEW_RULES at HKVD's budget at r_hkvd: (logits at rows, fused KV, selection,
-    timing, budget used). oracle: oracle_score of the request (for "oracle")."""
+    """One of NEW_RULES at HKVD's budget at r_hkvd, or of LITERAL_RULES at r_hkvd
+    itself: (logits at rows, fused KV, selection, timing, budget used). oracle:
+    oracle_score of the request (for "oracle")."""
     from cacheblend import select_count
 
     b = Budget(model.cfg, int(req.cached.sum()), len(question_rows(req)))
@@ -177,7 +181,7 @@ def run_new_rule(rule, r_hkvd, model, fuse, req, hashes, rows, previews, oracle=
         k = solve_k(b, target, 0)
         return (*forward_selected(model, fuse, req, hashes, rows, top_tokens(oracle, req, k),
                                   0.0), selected_budget(b, k, 0))
-    if rule == "QCFuse":
+    if rule in ("QCFuse", "anchored"):
         att, secs, _ = previews.get("anchored")
         charge = q * (previews.critical + 1)
         score = qcfuse_score(att, previews.critical)
@@ -185,7 +189,7 @@ def run_new_rule(rule, r_hkvd, model, fuse, req, hashes, rows, previews, oracle=
         att, secs, v = previews.get("local" if rule == "InfoFlow local" else "full")
         charge = q * L
         score = prophet_score(att) if rule == "ProphetKV" else infoflow_score(att, v)
-    k = solve_k(b, target, charge)
+    k = select_count(r_hkvd, b.n) if rule == "anchored" else solve_k(b, target, charge)
     sel = top_tokens(score, req, k)
     return (*forward_selected(model, fuse, req, hashes, rows, sel, secs),
             selected_budget(b, k, charge))

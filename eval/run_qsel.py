@@ -12,7 +12,10 @@ Issue 35 adds the published field at the same budget (eval/rules.py, eval/RULES.
 ProphetKV-, InfoFlow- and QCFuse-style previews, EPIC's chunk starts and the oracle
 deviation (a ceiling); --rules picks which rules run (HKVD V always: it is the baseline
 of the paired intervals, which are also given against the best rule other than the
-oracle). --profile-critical N prints, per layer, how much of the all-layer selection (A's
+oracle). "question" and "anchored" are A alone and QCFuse-style as the vLLM connector's
+and kvblend.hf's metrics of those names run them: r of the chunk tokens recomputed (not
+HKVD's budget at r, so less compute).
+--profile-critical N prints, per layer, how much of the all-layer selection (A's
 top r n) and of the oracle's the question's attention on that layer finds (N requests
 drawn outside the evaluated ones): the profiling behind QCFuse's critical layer.
 
@@ -41,7 +44,8 @@ from run_eval import (SHAPES, answer_logits, build_request, full_prefill, greedy
                       load_documents)
 from tokenizer import SmolTokenizer  # noqa: E402
 
-RULES = ("HKVD V", "HKVD K", "attention", "A alone") + pub.NEW_RULES
+RULES = ("HKVD V", "HKVD K", "attention", "A alone", "question") + pub.NEW_RULES
+RULES += pub.LITERAL_RULES
 DEFAULT_RULES = ("HKVD V", "HKVD K", "attention", "A alone")
 PROFILE_FIRST = 1000  # --profile-critical draws requests 1000.., never evaluated
 PARAPHRASED = HERE / "paraphrased_questions.json"
@@ -63,7 +67,7 @@ def paraphrased_request(k, seed, docs, tok, shape, questions):
 
 def run_rule(rule, r, model, store, fuse, req, hashes, rows, previews=None, oracle=None):
     """(logits at rows, fused KV, selection, timing, budget used) of one rule at r."""
-    if rule in pub.NEW_RULES:
+    if rule in pub.NEW_RULES + pub.LITERAL_RULES:
         return pub.run_new_rule(rule, r, model, fuse, req, hashes, rows, previews, oracle)
     b = qsel.Budget(model.cfg, int(req.cached.sum()), len(qsel.question_rows(req)))
     if rule in ("HKVD V", "HKVD K"):
@@ -72,7 +76,8 @@ def run_rule(rule, r, model, store, fuse, req, hashes, rows, previews=None, orac
         return (*out, b.hkvd(select_count(r, b.n)))
     if rule == "attention":
         return qsel.forward_attention(model, store, fuse, req, hashes, rows, r)
-    return qsel.forward_alone(model, store, fuse, req, hashes, rows, r)
+    # "question": A alone as the connector's question metric runs it, r chunk tokens
+    return qsel.forward_alone(model, store, fuse, req, hashes, rows, r, rule == "question")
 
 
 def rules_in(records, ratios):
@@ -123,7 +128,9 @@ def table(records, ratios):
     rng = np.random.default_rng(0)
     for r in ratios:
         pairs = [(a, b) for a, b in (("attention", "HKVD V"), ("attention", "HKVD K"),
-                                     ("A alone", "HKVD V"), ("attention", "A alone"))
+                                     ("A alone", "HKVD V"), ("attention", "A alone"),
+                                     ("question", "HKVD V"), ("question", "A alone"),
+                                     ("anchored", "HKVD V"), ("anchored", "QCFuse"))
                  if a in present and b in present]
         pairs += [(a, "HKVD V") for a in present if a in pub.NEW_RULES]
         if any(a in pub.NEW_RULES for a in present):  # and against the best runnable rule

@@ -580,6 +580,13 @@ def test_rules_run_end_to_end_on_reference_fuse():
         if rule == "QCFuse":  # charged q x (c + 1) rows, not q x L
             assert len(sel) == rules.solve_k(b, target, 5 * 3)
     assert set(previews.cache) == {"full", "local", "anchored"}
+    # the connector's anchored metric: r of the chunk tokens, QCFuse's score, no budget solve
+    logits, kv, S, t, used = rules.run_new_rule("anchored", 0.3, model, _RefFuse(req), req,
+                                                hashes, rows, previews, oracle)
+    sel = np.setdiff1d(S, fresh)
+    att = previews.get("anchored")[0]
+    k = select_count(0.3, len(cached))
+    assert sel.tolist() == rules.top_tokens(rules.qcfuse_score(att, 2), req, k).tolist()
 
 
 @numpy_only

@@ -27,6 +27,10 @@ a question (about 330 tokens):
     eval/qsel.py's alone_selection over the same A, and the fused KV and last-token logits
     equal eval/cacheblend.py's blend_forward recomputing those rows at every layer; at
     r=1.0 the fused KV equals transformers' full prefill, at r=0 full reuse's.
+(h) the anchored metric (QCFuse-style compressed preview, issue 35) at r=0.15: A summed
+    over heads equals eval/rules.py's qcfuse_score over eval/qsel.py's question_pass with
+    the same anchors and critical layer within TOL_A, the selection is its top tokens, and
+    the fused KV equals blend_forward recomputing them, and a classic session's bit for bit.
 Exit 0 when all pass, 1 on a failure, 77 when KVBLEND_SKIP_ENGINE=1.
 """
 
@@ -58,7 +62,8 @@ from cacheblend import (  # noqa: E402
     select_count,
 )
 from fixtures import Daemon, build_segments, numpy_twin  # noqa: E402
-from qsel import alone_selection, preview  # noqa: E402
+from qsel import alone_selection, preview, question_pass  # noqa: E402
+from rules import CRITICAL_LAYER, anchors, qcfuse_score, top_tokens  # noqa: E402
 
 MAX_TOKENS = 16
 # Fused KV, HF node vs NumPy reference: both are float32 with the same operations, but the
@@ -230,6 +235,7 @@ def run(model, twin, c, segs):
 
     check_attention(b, c, req, twin, hashes)
     check_question(b, req, twin, full_kv)
+    check_anchored(b, req, twin)
 
     # (e) another architecture (Gemma: a Llama-like layer the pass does not reproduce).
     gcfg = transformers.GemmaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
@@ -302,6 +308,35 @@ def check_question(b, req, twin, full_kv):
         print(f"  (g) refused with a check layer: {e}")
     print(f"  (g) question r={r}: {sel.size} chunk tokens by A alone, the NumPy node's "
           f"selection; fused KV within {worst:.1e}, logits within {lg:.1e}")
+
+
+def check_anchored(b, req, twin):
+    """(h): the anchored metric against eval/rules.py's QCFuse-style score and selection."""
+    r = 0.15
+    if kh.critical_layer(twin.cfg.n_layers) != CRITICAL_LAYER:
+        fail(f"critical layer {kh.critical_layer(twin.cfg.n_layers)}, eval's {CRITICAL_LAYER}")
+    bl = b.blend(req.segments, ratios=(r,), metric="anchored")
+    att, _ = question_pass(twin, req, req.placed, view=anchors(req), last_layer=CRITICAL_LAYER)
+    ref = qcfuse_score(att, CRITICAL_LAYER)
+    got = bl.attention.sum(axis=1)
+    err = float(np.abs(got - ref).max() / np.abs(ref).max())
+    if err > TOL_A:
+        fail(f"anchored: A differs from eval/rules.py's qcfuse_score by {err:.2e}")
+    k = select_count(r, int(req.cached.sum()))
+    sel = top_tokens(ref, req, k)
+    fresh = np.flatnonzero(~req.cached)
+    if not np.array_equal(bl.selections[0], np.union1d(fresh, sel)):
+        fail(f"anchored: {np.setxor1d(bl.selections[0], np.union1d(fresh, sel)).size} rows "
+             "differ from eval's top tokens")
+    logits, ref_kv, _ = blend_forward(twin, req, np.array([req.N - 1]), recompute=sel)
+    worst = compare_fused(bl.kv.numpy(), ref_kv, f"anchored r={r}")
+    classic = kh.Blender(b.model, b.client, landing=False)
+    cl = classic.blend(req.segments, ratios=(r,), metric="anchored")
+    if not torch.equal(cl.kv, bl.kv) or not np.array_equal(cl.selections[0], bl.selections[0]):
+        fail("anchored: the classic session's blend differs from the landing one's")
+    print(f"  (h) anchored r={r}: A within {err:.1e} of eval's qcfuse_score (anchors every 32, "
+          f"layer {CRITICAL_LAYER}); {sel.size} tokens, eval's selection; fused KV within "
+          f"{worst:.1e}, the classic session's bit for bit")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,8 @@ libkvblend and KVBLEND_ENGINE_MODEL (or --model) to the model directory.
 (d) in the same engine, the same prompt with its own settings ({"blend": {"ratios":
     [1.0]}} in its parameters): the cache rows equal kvblend.hf's r=1.0 blend (every token
     recomputed) and so does the continuation; and with {"blend": {"metric": "question"}}
-    (A alone, no check layer): the cache rows and continuation equal kvblend.hf's;
+    (A alone, no check layer) and "anchored" (QCFuse-style): the cache rows and
+    continuation equal kvblend.hf's;
 (e) prefix caching on (the engine runs with it): behind a system prompt of more than a
     block, a blend after the prefix-cache hit equals the blend with nothing cached, and
     the same prompt without kvblend is never handed blended blocks (prefix_caching);
@@ -138,8 +139,10 @@ def reference(model_dir, endpoint):
         reuse = b.blend(segs, (), ())
         everything = b.blend(segs, CHECKS, (1.0,))
         tokens_all = b.generate(segs, MAX_TOKENS, blend=everything)
-        question = b.blend(segs, ratios=RATIOS, metric="question")
-        question.tokens = b.generate(segs, MAX_TOKENS, blend=question)
+        question = {}  # the metrics with no check layer: the node's own selection
+        for m in ("question", "anchored"):
+            question[m] = b.blend(segs, ratios=RATIOS, metric=m)
+            question[m].tokens = b.generate(segs, MAX_TOKENS, blend=question[m])
         b.close()
     chunks, n = [], 0
     for kind, t in segs:
@@ -233,14 +236,15 @@ def run_engine(model_dir, endpoint, ref, reuse, tokens, chunks, dump_dir, everyt
     ids = [int(i) for i in ref.ids]
     got = []
     for params in ({"segments": chunks}, {"segments": chunks, "blend": {"ratios": [1.0]}},
-                   {"segments": chunks, "blend": {"metric": "question"}}):
+                   {"segments": chunks, "blend": {"metric": "question"}},
+                   {"segments": chunks, "blend": {"metric": "anchored"}}):
         sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
                             extra_args={"kv_transfer_params": {"kvblend": params}})
         out = llm.generate([TokensPrompt(prompt_token_ids=ids)], [sp], use_tqdm=False)
         got.append(list(out[0].outputs[0].token_ids))
     dumps = sorted(dump_dir.glob("load-*.npz"))
-    if len(dumps) != 3:
-        fail(f"{len(dumps)} load dumps, expected the three blends")
+    if len(dumps) != 4:
+        fail(f"{len(dumps)} load dumps, expected the four blends")
     batched(llm, ids, chunks, dump_dir, ref, everything, got)
     prefix_caching(llm, ids, chunks)
     store_on_miss(llm, endpoint)
@@ -255,11 +259,13 @@ def run_engine(model_dir, endpoint, ref, reuse, tokens, chunks, dump_dir, everyt
         fail(f"r=1.0: vLLM's continuation {got[1]} != kvblend.hf's {tokens_all}")
     print(f"  (d) the request's own ratios [1.0]: {len(got[1])} greedy tokens equal to "
           "kvblend.hf's at r=1.0")
-    compare_cache(np.load(dumps[2]), question.kv, reuse.kv, n, "the request's question metric")
-    if got[2] != question.tokens:
-        fail(f"question metric: vLLM's continuation {got[2]} != kvblend.hf's {question.tokens}")
-    print(f"  (d) the request's question metric (A alone, r=0.15): {len(got[2])} greedy tokens "
-          "equal to kvblend.hf's")
+    for i, m in ((2, "question"), (3, "anchored")):
+        want = question[m]
+        compare_cache(np.load(dumps[i]), want.kv, reuse.kv, n, f"the request's {m} metric")
+        if got[i] != want.tokens:
+            fail(f"{m} metric: vLLM's continuation {got[i]} != kvblend.hf's {want.tokens}")
+        print(f"  (d) the request's {m} metric (no check layer, r=0.15): {len(got[i])} greedy "
+              "tokens equal to kvblend.hf's")
 
 
 def rope_self_test(endpoint):

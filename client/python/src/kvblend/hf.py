@@ -38,7 +38,14 @@ from . import describe as _describe
 from .blend import arch as _arch
 from .blend.attention import causal_attention
 from .blend.loop import Prompt, blend_batch, blend_layers
-from .blend.preview import land_chunks, landed_preview, question_attention, top_rows
+from .blend.preview import (
+    anchors,
+    critical_layer,
+    land_chunks,
+    landed_preview,
+    question_attention,
+    top_rows,
+)
 from .client import Client, chunk_hash
 from .errors import KvblendError
 from .types import Model
@@ -46,7 +53,8 @@ from .types import Model
 #: Architectures whose decoder layers this module drives (:mod:`kvblend.blend.arch`).
 SUPPORTED_ARCHITECTURES = tuple(_arch.ARCHITECTURES)
 _DTYPES = {torch.float32: ("f32", np.float32), torch.float16: ("f16", np.float16)}
-_METRICS = ("value", "key", "attention", "question")
+_METRICS = ("value", "key", "attention", "question", "anchored")
+_NODE_SELECTS = ("question", "anchored")  # no check layer: the node selects
 
 
 class Unsupported(ValueError):
@@ -357,6 +365,10 @@ class Blender:
             the check layers by A. Or ``"question"`` (A³-style, no check layer): the
             same preview, then the chunk tokens with the largest A summed over heads
             are recomputed at every layer with the fresh ones, over the landed rows.
+            Or ``"anchored"`` (QCFuse-style): as ``"question"`` with a compressed
+            preview: the question runs through layers 0 .. :func:`critical_layer` only,
+            reading one anchor token every 32 of each chunk before that layer and every
+            chunk token at it, where its attention alone is A.
         keep_checks : bool
             Keep the planes sent at check layers in :attr:`Blend.checked`.
 
@@ -369,12 +381,12 @@ class Blender:
         """
         t0 = time.perf_counter()
         if metric not in _METRICS:
-            raise ValueError(f"metric {metric!r}: value, key, attention or question")
+            raise ValueError(f"metric {metric!r}: value, key, attention, question or anchored")
         if check_layers is None:
-            check_layers = () if metric == "question" else (1,)
+            check_layers = () if metric in _NODE_SELECTS else (1,)
         checks = [int(c) for c in check_layers]
-        if metric == "question" and (checks or len(ratios) != 1):
-            raise ValueError("the question metric takes no check layers and one ratio")
+        if metric in _NODE_SELECTS and (checks or len(ratios) != 1):
+            raise ValueError(f"the {metric} metric takes no check layers and one ratio")
         nl, nh, d = self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim
         if any(not 0 <= c < nl for c in checks):
             raise ValueError(f"check layers {checks}: each in 0..{nl - 1}")
@@ -389,26 +401,21 @@ class Blender:
             cached[s : s + t.size] = kind == "chunk"
         buf = self._buffer((nl, 2, n, nh, d))
         a = None
-        if metric == "question" or (metric == "attention" and checks):
+        if metric in _NODE_SELECTS:
+            out = self._blend_selected(segs, spans, buf, ids, cached, metric, ratios, keep_checks)
+            out.seconds = time.perf_counter() - t0
+            return out
+        if metric == "attention" and checks:
             kind, s, t = spans[-1]
             self._ops.begin(n)
             rows = np.flatnonzero(cached)
             if self.landing:  # the preview runs as the layers land
-                a, landed = landed_preview(
+                a, _ = landed_preview(
                     self.client, self.spec.name, segs, buf, self._ops, rows, t, np.arange(s, n)
                 )
             else:
-                landed = land_chunks(self.client, self.spec.name, segs, buf, False)
+                land_chunks(self.client, self.spec.name, segs, buf, False)
                 a = question_attention(self._ops, torch.from_numpy(buf), rows, t, np.arange(s, n))
-            if metric == "question":
-                own = np.union1d(np.flatnonzero(~cached), top_rows(a, rows, float(ratios[0])))
-                p = Prompt(None, buf, ids, cached, a, own)
-                r = blend_batch(self._ops, [p], [], metric, self.landing, keep_checks)[0]
-                r.selections.append(own)
-                out = self._finish(r, buf, ids, a)
-                out.stats, out.session = landed, self.session_kind
-                out.seconds = time.perf_counter() - t0
-                return out
         if self.landing:
             sess = self.client.fuse_open_into(
                 self.spec.name, segs, buf[:, 0], buf[:, 1], checks, list(ratios), metric
@@ -421,6 +428,55 @@ class Blender:
             stats = sess.close()
         out.stats, out.session = stats, self.session_kind
         out.seconds = time.perf_counter() - t0
+        return out
+
+    def _blend_selected(self, segs, spans, buf, ids, cached, metric, ratios, keep) -> Blend:
+        """Blend with the question or anchored metric.
+
+        The preview, then the node's own selection recomputed at every layer over the
+        stored rows (a reuse-only session).
+        """
+        kind, s, t = spans[-1]
+        n = ids.size
+        self._ops.begin(n)
+        rows = np.flatnonzero(cached)
+        view = last = None
+        if metric == "anchored":
+            view = anchors([(st, tt.size) for k, st, tt in spans if k == "chunk"])
+            last = critical_layer(self.spec.num_layers)
+
+        def select(sess: Any, ready: Any) -> tuple:
+            a = question_attention(
+                self._ops,
+                torch.from_numpy(buf),
+                rows,
+                t,
+                np.arange(s, n),
+                ready=ready,
+                view=view,
+                last=last,
+            )
+            own = np.union1d(np.flatnonzero(~cached), top_rows(a, rows, float(ratios[0])))
+            p = Prompt(sess, buf, ids, cached, a, own)
+            return a, own, blend_batch(self._ops, [p], [], metric, self.landing, keep)[0]
+
+        if self.landing:  # the preview and the pass each wait for a layer as it lands
+            sess = self.client.fuse_open_into(self.spec.name, segs, buf[:, 0], buf[:, 1])
+            try:
+                a, own, r = select(sess, lambda layer: sess.wait(layer, timeout=120))
+            except BaseException:
+                try:
+                    sess.close()
+                except KvblendError:
+                    pass  # the first failure is the one to report
+                raise
+            stats = sess.close()
+        else:
+            stats = land_chunks(self.client, self.spec.name, segs, buf, False)
+            a, own, r = select(None, None)
+        r.selections.append(own)
+        out = self._finish(r, buf, ids, a)
+        out.stats, out.session = stats, self.session_kind
         return out
 
     def _run(self, sess, buf, ids, cached, checks, metric, keep_checks, a=None) -> Blend:

@@ -56,10 +56,10 @@ class Prompt:
     """One prompt of a batch (:func:`blend_batch`).
 
     Its open session, KV buffer, token ids, which tokens are stored chunk rows, and A for
-    the attention metric (optional). ``sess`` None: ``buf`` holds every stored row
-    already (landed for the question metric's preview) and the node computes
-    ``recompute`` (sorted prompt indices: the fresh tokens and the selected chunk
-    tokens) at every layer, with no daemon call; the batch has no check layers then.
+    the attention metric (optional). ``recompute`` (sorted prompt indices: the fresh
+    tokens and the chunk tokens the node selected) are the rows the node computes at
+    every layer, with no check layer: ``sess`` is then a reuse-only landing session
+    (waited for layer by layer), or None when ``buf`` holds every stored row already.
     """
 
     sess: Any
@@ -144,15 +144,17 @@ def blend_batch(
     m = 1 if metric == "value" else 0
     outs, kvs, hs = [], [], []
     for p in prompts:
-        if p.sess is None:
-            if checks or p.recompute is None:
-                raise ValueError("a prompt without a session needs its rows and no check layers")
+        if p.recompute is not None:
+            if checks:
+                raise ValueError("a prompt with its own rows takes no check layers")
             rows = np.asarray(p.recompute, np.int64)
+        elif p.sess is None:
+            raise ValueError("a prompt without a session needs its own rows")
         else:
             rows = np.arange(p.ids.size) if checks else np.flatnonzero(~p.cached)
         outs.append(LoopResult(h=None, rows=rows))
         kvs.append(torch.from_numpy(p.buf))  # shares the buffer (the region, when landing)
-        if p.attention is not None and p.sess is not None:
+        if p.attention is not None and p.recompute is None:
             p.sess.attention(p.attention)  # goes with the first check layer's call
     ops.begin(max(p.ids.size for p in prompts))
     ids = [p.ids[o.rows] for p, o in zip(prompts, outs)]

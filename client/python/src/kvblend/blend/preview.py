@@ -91,6 +91,8 @@ def question_attention(
     positions: np.ndarray,
     first: int = PREVIEW_FROM,
     ready: Callable[[int], None] | None = None,
+    view: np.ndarray | None = None,
+    last: int | None = None,
 ) -> np.ndarray:
     """Return A [chunk tokens, kv_heads] float32: where the question reads each chunk token.
 
@@ -113,6 +115,11 @@ def question_attention(
     ready : callable, optional
         ``ready(layer)`` returns once that layer's chunk rows are in ``kv`` (a landing
         session still writing the later ones: :func:`landed_preview`).
+    view, last : optional
+        The compressed preview (QCFuse-style, :func:`anchors`): the question runs through
+        layers 0 .. ``last`` only, reading on the layers before ``last`` only the chunk
+        tokens ``view`` (prompt indices, a subset of ``cached``); on ``last`` it reads
+        every chunk token, and A is its attention there alone (``first`` unused).
     """
     dev = ops.device
     nc, nq = len(cached), len(question)
@@ -120,26 +127,36 @@ def question_attention(
         raise ValueError("the attention metric needs question tokens (none after the chunks)")
     if nc and int(positions[0]) <= int(cached[-1]):
         raise ValueError("the question must come after every chunk token")
+    stop = ops.num_layers - 1 if last is None else int(last)
+    if not 0 <= stop < ops.num_layers:
+        raise ValueError(f"preview layer {stop}: in 0..{ops.num_layers - 1}")
     cached_t = torch.as_tensor(cached, dtype=torch.long)
+    view_t = cached_t if view is None else torch.as_tensor(view, dtype=torch.long)
+    if last is not None and not np.isin(view_t.numpy(), cached).all():
+        raise ValueError("the preview's view must be chunk tokens")
     pos_t = torch.as_tensor(positions, dtype=torch.long, device=dev)
-    local = torch.arange(nc, nc + nq, device=dev)  # the question's rows among the keys
+    # the question's rows among the keys: after every chunk token, or after the view's
+    locals_ = {m: torch.arange(m, m + nq, device=dev) for m in {nc, len(view_t)}}
     h = ops.embed(torch.as_tensor(question, dtype=torch.long, device=dev))
     a = torch.zeros(kv.shape[3], nc, dtype=torch.float64, device=dev)
     # the question's scores on its own keys, causally (-inf after the query's own key)
     after = torch.ones(nq, nq, dtype=torch.bool, device=dev).triu_(1)
     causal = torch.zeros(nq, nq, device=dev).masked_fill_(after, float("-inf"))
-    keys = values = None
-    for layer in range(ops.num_layers):
+    buf_k = buf_v = None
+    for layer in range(stop + 1):
         q, k, v = ops.qkv(layer, h, pos_t)
         if ready is not None:
             ready(layer)
-        if keys is None:  # one buffer for every layer: chunk rows, then the question's
-            keys = torch.empty((nc + nq,) + tuple(k.shape[1:]), dtype=q.dtype, device=dev)
-            values = torch.empty_like(keys)
-        keys[:nc].copy_(kv[layer, 0, cached_t])
-        values[:nc].copy_(kv[layer, 1, cached_t])
-        keys[nc:], values[nc:] = k, v
-        if layer >= first and nc:
+        if buf_k is None:  # one buffer for every layer: chunk rows, then the question's
+            buf_k = torch.empty((nc + nq,) + tuple(k.shape[1:]), dtype=q.dtype, device=dev)
+            buf_v = torch.empty_like(buf_k)
+        rows = cached_t if last is None or layer == stop else view_t
+        m = len(rows)
+        keys, values = buf_k[: m + nq], buf_v[: m + nq]
+        keys[:m].copy_(kv[layer, 0, rows])
+        values[:m].copy_(kv[layer, 1, rows])
+        keys[m:], values[m:] = k, v
+        if nc and (layer == stop if last is not None else layer >= first):
             kvh, d = keys.shape[1], q.shape[2]
             rep = q.shape[1] // kvh
             # per KV head, the queries of the heads that read it (head = kv head x rep + i)
@@ -149,8 +166,33 @@ def question_attention(
             s[:, :, nc:] += causal.repeat(rep, 1)
             p = torch.softmax(s, dim=-1)
             a += p[:, :, :nc].sum(dim=1).double()
-        h = ops.attend(layer, h, q, keys, values, local)
+        if layer == stop:  # the last layer's output is not needed
+            break
+        h = ops.attend(layer, h, q, keys, values, locals_[m])
     return np.ascontiguousarray(a.T.float().cpu().numpy())
+
+
+#: The compressed preview (QCFuse-style): one anchor every ANCHOR_EVERY chunk tokens, each
+#: chunk's first included (eval/rules.py's qcfuse).
+ANCHOR_EVERY = 32
+
+
+def anchors(spans: Sequence[tuple[int, int]], every: int = ANCHOR_EVERY) -> np.ndarray:
+    """Return the anchor tokens of the chunks at ``spans`` ((start, length) in the prompt).
+
+    In each chunk its first token and one every ``every`` tokens after it, increasing.
+    """
+    parts = [np.arange(s, s + n, every, dtype=np.int64) for s, n in spans]
+    return np.concatenate(parts) if parts else np.empty(0, np.int64)
+
+
+def critical_layer(num_layers: int) -> int:
+    """Return the compressed preview's layer for a model of ``num_layers`` layers.
+
+    One fifth of the way in, at least layer 2 (layer 6 of SmolLM2's 30, which
+    ``run_qsel.py --profile-critical`` picked; eval/RULES.md).
+    """
+    return min(max(2, round(num_layers / 5)), num_layers - 1)
 
 
 def select_count(ratio: float, n: int) -> int:

@@ -33,14 +33,20 @@ import torch
 from ..blend import arch as _arch
 from ..blend import loop as _loop
 from ..blend.attention import causal_attention
-from ..blend.preview import landed_preview, top_rows
+from ..blend.preview import (
+    anchors,
+    critical_layer,
+    landed_preview,
+    question_attention,
+    top_rows,
+)
 from ..client import Client
 from ..errors import KvblendError, Unavailable
 from ..types import Model
 from .attention import PagedAttention, paged_attention_for
 from .daemon import CLOSE_TIMEOUT_MS, wait_layer
 from .layout import PagedCache
-from .plan import BlendLoad
+from .plan import NODE_SELECTS, BlendLoad
 from .plugin import loaded_model
 
 # Under "vllm." so that vLLM's logging configuration applies (as kvblend.vllm's lines).
@@ -255,7 +261,7 @@ def _blend_batch(
     regions: list[np.ndarray] = []
     sessions: list[Any] = []
     previews: list[float] = []
-    landings: list[dict] = []  # the question metric's landing session's statistics
+    pre_wait: list[float] = []  # of each preview, the seconds it waited for landed layers
     done = down = False
     try:
         prompts = []
@@ -277,31 +283,55 @@ def _blend_batch(
             for i, seg in enumerate(job.segments):  # a chunk runs up to the next segment
                 if not _fresh(seg):
                     cached[starts[i] : starts[i + 1]] = True
-            a, t_pre, landed = None, time.perf_counter(), {}
-            if metric in ("attention", "question") and (check_layers or metric == "question"):
-                q = np.asarray(job.question, np.int64)
-                rows = np.flatnonzero(cached)
+            a, t_pre = None, time.perf_counter()
+            q = np.asarray(job.question, np.int64)
+            rows = np.flatnonzero(cached)
+            qpos = ids.size + np.arange(q.size)
+            if metric in NODE_SELECTS:
+                # a reuse-only landing session: the preview reads each layer as it lands,
+                # then the pass recomputes the fresh tokens and the chunk tokens the
+                # question reads most at every layer over the stored rows (no check layer)
+                sess = client.fuse_open_into(spec.name, job.segments, buf[:, 0], buf[:, 1])
+                sessions.append(sess)
+                waited = [0.0]
+
+                def ready(layer: int, sess: Any = sess, waited: list = waited) -> None:
+                    t = time.perf_counter()
+                    wait(sess, layer)
+                    waited[0] += time.perf_counter() - t
+
                 ops.begin(ids.size + q.size)
-                a, landed = landed_preview(
-                    client,
-                    spec.name,
-                    job.segments,
-                    buf,
+                view, last = None, None
+                if metric == "anchored":
+                    spans = [
+                        (starts[i], starts[i + 1] - starts[i])
+                        for i, seg in enumerate(job.segments)
+                        if not _fresh(seg)
+                    ]
+                    view, last = anchors(spans), critical_layer(ops.num_layers)
+                a = question_attention(
                     ops,
+                    torch.from_numpy(buf),
                     rows,
                     q,
-                    ids.size + np.arange(q.size),
-                    wait,
+                    qpos,
+                    ready=ready,
+                    view=view,
+                    last=last,
                 )
-            t_pre = time.perf_counter() - t_pre
-            if metric == "question":
-                # every stored row is in place: the pass computes the fresh tokens and the
-                # ones the question reads most at every layer, with no daemon call
                 ratio = job.ratios[-1] if job.ratios else 0.0
                 own = np.union1d(np.flatnonzero(~cached), top_rows(a, rows, ratio))
-                sessions.append(None)
-                prompts.append(_loop.Prompt(None, buf, ids, cached, a, own))
+                prompts.append(_loop.Prompt(sess, buf, ids, cached, a, own))
+                pre_wait.append(waited[0])
             else:
+                if metric == "attention" and check_layers:
+                    ops.begin(ids.size + q.size)
+                    a, landed = landed_preview(
+                        client, spec.name, job.segments, buf, ops, rows, q, qpos, wait
+                    )
+                    pre_wait.append(landed.get("preview_wait_ms", 0.0) / 1000)
+                else:
+                    pre_wait.append(0.0)
                 sessions.append(
                     client.fuse_open_into(
                         spec.name,
@@ -314,8 +344,8 @@ def _blend_batch(
                     )
                 )
                 prompts.append(_loop.Prompt(sessions[-1], buf, ids, cached, a))
+            t_pre = time.perf_counter() - t_pre
             previews.append(t_pre)
-            landings.append(landed)
         try:
             rs = _loop.blend_batch(ops, prompts, list(check_layers), metric, True, False, wait)
         except (Unavailable, TimeoutError):
@@ -325,17 +355,16 @@ def _blend_batch(
             client.set_timeout(CLOSE_TIMEOUT_MS)
             raise
         finally:
-            stats = [
-                dict(landings[i]) if x is None else _close_quietly(x) if down else x.close()
-                for i, x in enumerate(sessions)
-            ]
+            stats = [_close_quietly(x) if down else x.close() for x in sessions]
             sessions = []
         out = []
-        for i, (p, r, st, t_pre) in enumerate(zip(prompts, rs, stats, previews)):
+        for i, (p, r, st, t_pre, t_wait) in enumerate(zip(prompts, rs, stats, previews, pre_wait)):
             if p.recompute is not None:
                 r.selections.append(p.recompute)
             if p.attention is not None:
-                st.update(attention=p.attention, preview_ms=t_pre * 1000)
+                st.update(
+                    attention=p.attention, preview_ms=t_pre * 1000, preview_wait_ms=t_wait * 1000
+                )
             kv = torch.from_numpy(p.buf)
             if sink is not None:
                 sink(i, kv)
@@ -347,8 +376,7 @@ def _blend_batch(
         raise
     finally:
         for x in sessions:  # opened before a failure: closed without a word
-            if x is not None:
-                _close_quietly(x)
+            _close_quietly(x)
         for region in regions:
             try:
                 client.free_region(region)

@@ -316,7 +316,7 @@ class BlendLoad:
         """
         fresh = self.fresh_tokens()
         if not self.config.ratios or (
-            not self.config.check_layers and self.config.metric != "question"
+            not self.config.check_layers and self.config.metric not in NODE_SELECTS
         ):
             return fresh
         return fresh + int(round(self.config.ratios[-1] * (len(self.ids) - fresh)))
@@ -324,8 +324,11 @@ class BlendLoad:
 
 DEFAULT_CONFIG = BlendConfig((1,), (0.15,), "value")
 #: The selection metrics (docs/fuse.md): HKVD on V or K, question-aware HKVD
-#: ("attention"), or the question's attention alone with no check layer ("question").
-METRICS = ("value", "key", "attention", "question")
+#: ("attention"), or the question's attention alone with no check layer: its attention
+#: summed over layers ("question"), or at one layer over anchor tokens ("anchored").
+METRICS = ("value", "key", "attention", "question", "anchored")
+#: The metrics whose selection the node makes itself from its preview, with no check layer.
+NODE_SELECTS = ("question", "anchored")
 #: Each metric's check layers and ratios when the settings name the metric but not them
 #: and the base settings are of the other kind (check layers or none).
 METRIC_DEFAULTS = {
@@ -333,6 +336,7 @@ METRIC_DEFAULTS = {
     "key": ((1,), (0.15,)),
     "attention": ((1,), (0.15,)),
     "question": ((), (0.15,)),
+    "anchored": ((), (0.15,)),
 }
 
 
@@ -346,7 +350,7 @@ def blend_settings(raw: Any, num_layers: int, base: BlendConfig, where: str) -> 
     metric = raw.get("metric", base.metric)
     if metric not in METRICS:
         raise ValueError(f"{where}.metric {metric!r}: {', '.join(map(repr, METRICS))}")
-    if (metric == "question") != (base.metric == "question"):
+    if (metric in NODE_SELECTS) != (base.metric in NODE_SELECTS):
         base = BlendConfig(*METRIC_DEFAULTS[metric], metric)
     checks = raw.get("check_layers", base.check_layers)
     ratios = raw.get("ratios", base.ratios)
@@ -359,12 +363,12 @@ def blend_settings(raw: Any, num_layers: int, base: BlendConfig, where: str) -> 
     ):
         raise ValueError(f"{where}.ratios must be a list of numbers")
     checks, ratios = tuple(checks), tuple(float(r) for r in ratios)
-    if metric == "question":
+    if metric in NODE_SELECTS:
         # no check layer: one ratio, the share of chunk tokens recomputed at every layer
         if checks:
-            raise ValueError(f"{where}.check_layers must be empty for the question metric")
+            raise ValueError(f"{where}.check_layers must be empty for the {metric} metric")
         if len(ratios) != 1:
-            raise ValueError(f"{where}.ratios: one ratio for the question metric")
+            raise ValueError(f"{where}.ratios: one ratio for the {metric} metric")
     # no check layers (and no ratios): full reuse through the pass, every stored chunk
     # re-rotated in place and every fresh token computed, wherever the chunks sit
     elif len(checks) != len(ratios):
@@ -490,20 +494,17 @@ def parse_request(
         params = separator_params(ids, separator)  # no override: it has no kvblend key
         by_separator = params is not None
     config = None
-    if (
-        blend is not None
-        and params is not None
-        and not params.store
-        and override is not False
-    ):
+    if blend is not None and params is not None and not params.store and override is not False:
         config = blend
         if override is not None:
             try:
                 config = blend_settings(override, num_layers, blend, "kvblend.blend")
             except ValueError as e:
                 raise ParamError(str(e)) from None
-    hashes = () if params is None else tuple(
-        scoped_chunk_hash(ids[s.start : s.end], scope) for s in chunk_segments(params)
+    hashes = (
+        ()
+        if params is None
+        else tuple(scoped_chunk_hash(ids[s.start : s.end], scope) for s in chunk_segments(params))
     )
     return Parsed(ids, params, config, hashes, by_separator)
 
