@@ -37,7 +37,8 @@ time. kvblend is installed with pip into a temporary folder first (the blend pas
 its vllm.general_plugins entry point, as tests/engine/test_vllm_blend.py does).
 
 usage: bench_vllm.py BUILD_DIR [--repeats N] [--sizes 1024,2048,4096] [--ratio 0.15]
-       [--metrics value[,attention,question]] [--concurrent 8] [--concurrent-size 2048]
+       [--metrics value[,attention,question:R,anchored:R]] [--concurrent 8]
+       [--concurrent-size 2048]
        [--model DIR]
 (with the engine venv's python from .ci/engine-env, the build's libkvblend and
 client/python/src on PYTHONPATH, which tests/engine/run.sh sets up:
@@ -150,7 +151,7 @@ def run(args, ep, out, log_path):
         segs.append([pos, len(q), "fresh"])
         reuse = {"kvblend": {"segments": segs, "blend": False}}
         blends_by = {f"blend-{m}": {"kvblend": {"segments": segs, "blend": {
-            "metric": m, "ratios": [args.ratio]}}} for m in args.metrics}
+            "metric": m, "ratios": [args.ratios[m]]}}} for m in args.metrics}
         times = {"plain": [], "reuse": [], "question": [], **{k: [] for k in blends_by}}
         first = {}
         text = Path(log_path).read_text(errors="replace")
@@ -198,7 +199,7 @@ def run(args, ep, out, log_path):
         for m in args.metrics:
             ts, bs = times[f"blend-{m}"], by_metric[m]
             r.setdefault("metrics", {})[m] = {
-                "median_s": statistics.median(ts), "min_s": min(ts),
+                "ratio": args.ratios[m], "median_s": statistics.median(ts), "min_s": min(ts),
                 "ratio_median": statistics.median(ts) / r["plain_median_s"],
                 "recomputed": int(bs[0][1]) if bs else None,
                 "pass_median_s": statistics.median(float(b[2]) for b in bs) if bs else None,
@@ -251,7 +252,7 @@ def concurrent(llm, docs, segs, pos, tok, args, out):
         for mode in modes:
             params = None if mode == "plain" else {"kv_transfer_params": {"kvblend": {
                 "segments": chunk_segs, "blend": {"metric": mode.split("-", 1)[1],
-                                                  "ratios": [args.ratio]}}}}
+                                                  "ratios": [args.ratios[mode[6:]]]}}}}
             sps = [SamplingParams(temperature=0.0, max_tokens=1, extra_args=params)
                    for _ in prompts]
             t = time.monotonic()
@@ -330,7 +331,8 @@ def table(rows, out):
                 pv = "-" if x["preview_median_ms"] is None else (
                     f"{x['preview_median_ms']:.0f} ms ({x['preview_wait_median_ms']:.0f} ms "
                     "waiting for landing)")
-                out(f"| {r['tokens']} tokens | {m} | {ms(x['median_s'])} ({ms(x['min_s'])}) "
+                out(f"| {r['tokens']} tokens | {m} r={x['ratio']:g} "
+                    f"| {ms(x['median_s'])} ({ms(x['min_s'])}) "
                     f"| {x['ratio_median']:.2f}x | {x['recomputed']} | {ms(x['pass_median_s'])} "
                     f"| {pv} | {x['same_first_token']} |")
     for c in conc:
@@ -355,8 +357,8 @@ def main():
     ap.add_argument("--ratio", type=float, default=0.15, help="CacheBlend's r (check layer 1)")
     ap.add_argument("--metrics", default="value",
                     help="blend metrics timed side by side, comma-separated (value, key, "
-                         "attention, question); the first one is the blend of the tables "
-                         "above and of the concurrency run")
+                         "attention, question, anchored), each optionally :ratio (e.g. "
+                         "anchored:0.2); the first one is the blend of the tables")
     ap.add_argument("--concurrent", type=int, default=8,
                     help="requests in the concurrency run (0: none)")
     ap.add_argument("--concurrent-size", type=int, default=2048,
@@ -364,7 +366,10 @@ def main():
     ap.add_argument("--model", default=os.environ.get("KVBLEND_ENGINE_MODEL"))
     args = ap.parse_args()
     args.sizes = [int(x) for x in args.sizes.split(",")]
-    args.metrics = args.metrics.split(",")
+    # "metric" or "metric:ratio" (that metric's own ratio; --ratio otherwise)
+    args.ratios = {m.split(":")[0]: float(m.split(":")[1]) if ":" in m else args.ratio
+                   for m in args.metrics.split(",")}
+    args.metrics = list(args.ratios)
     if not args.model:
         print("bench_vllm: give --model or KVBLEND_ENGINE_MODEL", file=sys.stderr)
         return 2

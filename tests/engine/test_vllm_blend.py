@@ -236,8 +236,8 @@ def run_engine(model_dir, endpoint, ref, reuse, tokens, chunks, dump_dir, everyt
     ids = [int(i) for i in ref.ids]
     got = []
     for params in ({"segments": chunks}, {"segments": chunks, "blend": {"ratios": [1.0]}},
-                   {"segments": chunks, "blend": {"metric": "question"}},
-                   {"segments": chunks, "blend": {"metric": "anchored"}}):
+                   *({"segments": chunks, "blend": {"metric": m, "ratios": list(RATIOS)}}
+                     for m in ("question", "anchored"))):
         sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
                             extra_args={"kv_transfer_params": {"kvblend": params}})
         out = llm.generate([TokensPrompt(prompt_token_ids=ids)], [sp], use_tqdm=False)
