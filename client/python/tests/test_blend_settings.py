@@ -1,0 +1,64 @@
+"""kvblend.vllm.plan: the connector's blend settings, the node-selecting metrics (no engine)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvblend.vllm import plan
+
+L = 30
+
+
+def settings(raw, base=plan.DEFAULT_CONFIG):
+    return plan.blend_settings(raw, L, base, "blend")
+
+
+def test_defaults_are_cacheblend_value_metric():
+    assert settings({}) == plan.BlendConfig((1,), (0.15,), "value")
+
+
+@pytest.mark.parametrize("metric", plan.NODE_SELECTS)
+def test_node_selecting_metric_takes_its_own_defaults(metric):
+    # named over the check-layer default: no check layer, one ratio
+    assert settings({"metric": metric}) == plan.BlendConfig((), (0.15,), metric)
+    own = settings({"metric": metric, "ratios": [0.3]})
+    assert own == plan.BlendConfig((), (0.3,), metric)
+    # a request's override over it keeps its kind, or brings the check layer back
+    assert settings({"ratios": [0.05]}, own) == plan.BlendConfig((), (0.05,), metric)
+    assert settings({"metric": "value"}, own) == plan.BlendConfig((1,), (0.15,), "value")
+    assert settings({"metric": "attention"}, own) == plan.BlendConfig((1,), (0.15,), "attention")
+
+
+@pytest.mark.parametrize("metric", plan.NODE_SELECTS)
+@pytest.mark.parametrize(
+    "raw, words",
+    [
+        ({"check_layers": [1]}, "check_layers must be empty"),
+        ({"ratios": [0.3, 0.1]}, "one ratio for the"),
+        ({"ratios": []}, "one ratio for the"),
+        ({"ratios": [1.5]}, "in [0, 1]"),
+    ],
+)
+def test_node_selecting_metric_refuses_check_layers_and_ratio_lists(metric, raw, words):
+    with pytest.raises(ValueError) as e:
+        settings({"metric": metric, **raw})
+    assert words in str(e.value)
+
+
+def test_unknown_metric_names_every_metric():
+    with pytest.raises(ValueError) as e:
+        settings({"metric": "cosine"})
+    for m in plan.METRICS:
+        assert repr(m) in str(e.value)
+
+
+def test_predicted_computed_counts_the_node_selection():
+    # 100 context tokens: 20 fresh, then 80 of a chunk
+    segs = [(20, 0), (b"\0" * 32, 20)]
+    ids = list(range(100))
+    q = plan.BlendLoad(ids, segs, plan.BlendConfig((), (0.25,), "anchored"))
+    assert q.predicted_computed() == 20 + 20  # the fresh tokens and 0.25 of 80
+    v = plan.BlendLoad(ids, segs, plan.BlendConfig((1,), (0.25,), "value"))
+    assert v.predicted_computed() == 40
+    reuse = plan.BlendLoad(ids, segs, plan.BlendConfig((), (), "value"))
+    assert reuse.predicted_computed() == 20
