@@ -12,7 +12,7 @@ the prompt (the exact RoPE delta rotation) and runs the model in these modes:
   check layer the deviation of V (or K) between the fresh and the stored row
   narrows the recomputed set to the top r_i of cached tokens (plus every fresh
   token); from the next layer on only those are recomputed and the rest keep
-  the re-rotated stored KV (docs/fuse.md, shared/DESIGN.md "Fuse semantics");
+  the re-rotated stored KV (docs/fuse.md, docs/DESIGN.md "Fuse semantics");
 * static selection (EPIC, arXiv 2410.15332): a fixed set of cached tokens,
   e.g. the first tokens of each chunk, plus every fresh token is recomputed at
   every layer; no layer is fully prefilled.
