@@ -17,13 +17,12 @@ usage: python3 bench/bench_land_layout.py BUILD_DIR [--repeats N] [--chunk TOKEN
 import argparse
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
 
 L, H, HD, BS, ES = 30, 3, 64, 128, 4
 
@@ -38,27 +37,14 @@ def main():
     os.environ.setdefault("KVBLEND_LIB", str(build / "lib" / "libkvblend.so"))
     import kvblend
 
-    tmp = tempfile.mkdtemp(prefix="kvblend-bench-land.")
-    ep = f"ipc://{tmp}/kvblend.sock"
-    with open(f"{tmp}/kvblendd.log", "w") as log:
-        proc = subprocess.Popen([str(build / "bin" / "kvblendd"), "--data-dir", f"{tmp}/data",
-                                 "--listen", ep, "--shm-max", "2G"], stdout=log,
-                                stderr=subprocess.STDOUT)
+    sys.path.insert(0, str(ROOT / "eval"))
+    from engine_setup import Daemon  # the one Python harness that starts a kvblendd
+
+    d = Daemon("--shm-max", "2G", kvblendd=str(build / "bin" / "kvblendd"), workers=None)
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                with kvblend.Client(ep, timeout_ms=500) as c:
-                    c.ping()
-                break
-            except kvblend.KvblendError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"kvblendd did not start; log in {tmp}") from None
-                time.sleep(0.1)
-        run(kvblend, ep, args)
+        run(kvblend, d.endpoint, args)
     finally:
-        proc.terminate()
-        proc.wait(10)
+        d.stop()
 
 
 def run(kvblend, ep, args):

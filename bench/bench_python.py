@@ -16,11 +16,9 @@ test_python, with KVBLEND_LIB=BUILD_DIR/lib/libkvblend.so)
 import argparse
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 import numpy as np
@@ -31,20 +29,14 @@ SMALL = kvblend.Model("small", num_layers=4, num_kv_heads=4, head_dim=64, dtype=
 LARGE = kvblend.Model("large", num_layers=32, num_kv_heads=8, head_dim=128, dtype="f16")
 
 
-def start_daemon(build, tmp):
-    ep = f"ipc://{tmp}/kvblend.sock"
-    proc = subprocess.Popen(
-        [f"{build}/bin/kvblendd", "--data-dir", f"{tmp}/data", "--listen", ep,
-         "--map-size", "4G", "--no-sync", "--log-level", "warn"])
-    for _ in range(100):
-        try:
-            with kvblend.Client(ep, timeout_ms=200) as c:
-                c.ping()
-            return proc, ep
-        except kvblend.KvblendError:
-            time.sleep(0.05)
-    proc.kill()
-    sys.exit("bench_python: kvblendd did not start")
+def start_daemon(build):
+    """A kvblendd of this build through eval/engine_setup.py's Daemon (the one Python
+    harness that starts one), with its own data directory and IPC socket."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "eval"))
+    from engine_setup import Daemon
+
+    return Daemon("--map-size", "4G", "--no-sync", "--log-level", "warn",
+                  kvblendd=f"{build}/bin/kvblendd", workers=None)
 
 
 def store(c, model, tokens, seed):
@@ -81,21 +73,20 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     a = ap.parse_args()
     build = os.path.abspath(a.build)
-    with tempfile.TemporaryDirectory(prefix="kvb-benchpy-") as tmp:
-        proc, ep = start_daemon(build, tmp)
-        try:
-            with kvblend.Client(ep) as c:
-                hs, ns = store(c, SMALL, 16, 1)      # 64 KiB
-                hl, nl = store(c, LARGE, 256, 1000)  # 32 MiB
-                rows = {"c_small": [], "py_small": [], "c_large": [], "py_large": []}
-                for _ in range(a.rounds):
-                    rows["c_small"].append(c_get(build, ep, "small", hs, ns, 2000)["median_s"])
-                    rows["py_small"].append(python_get(c, "small", hs, ns, 2000)["median_s"])
-                    rows["c_large"].append(c_get(build, ep, "large", hl, nl, 20)["gbps"])
-                    rows["py_large"].append(python_get(c, "large", hl, nl, 20)["gbps"])
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait()
+    d = start_daemon(build)
+    ep = d.endpoint
+    try:
+        with kvblend.Client(ep) as c:
+            hs, ns = store(c, SMALL, 16, 1)      # 64 KiB
+            hl, nl = store(c, LARGE, 256, 1000)  # 32 MiB
+            rows = {"c_small": [], "py_small": [], "c_large": [], "py_large": []}
+            for _ in range(a.rounds):
+                rows["c_small"].append(c_get(build, ep, "small", hs, ns, 2000)["median_s"])
+                rows["py_small"].append(python_get(c, "small", hs, ns, 2000)["median_s"])
+                rows["c_large"].append(c_get(build, ep, "large", hl, nl, 20)["gbps"])
+                rows["py_large"].append(python_get(c, "large", hl, nl, 20)["gbps"])
+    finally:
+        d.stop()
     m = {k: statistics.median(v) for k, v in rows.items()}
     print(f"kvblend bench_python: median of {a.rounds} alternating rounds, GET into a private buffer")
     print()

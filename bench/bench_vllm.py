@@ -51,7 +51,6 @@ import os
 import re
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -73,26 +72,13 @@ BLENDED = re.compile(r"kvblend: blend of (\d+) tokens \((\d+) recomputed after l
                      r"(?: \(([0-9.]+) ms of it waiting)?)?")
 
 
-def start_daemon(build, tmp):
-    ep = f"ipc://{tmp}/kvblend.sock"
-    log = open(f"{tmp}/kvblendd.log", "w")
-    # vLLM's whole KV cache is one shared-memory region: shm_max above it
-    shm = f"{int(float(os.environ['VLLM_CPU_KVCACHE_SPACE'])) + 1}G"
-    proc = subprocess.Popen(
-        [f"{build}/bin/kvblendd", "--data-dir", f"{tmp}/data", "--listen", ep,
-         "--workers", "2", "--shm-max", shm], stdout=log, stderr=subprocess.STDOUT)
-    import kvblend
+def start_daemon(build):
+    """kvblendd of this build (eval/engine_setup.py's Daemon), shm_max above vLLM's whole
+    KV cache, which is one shared-memory region."""
+    from engine_setup import Daemon
 
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            with kvblend.Client(ep, timeout_ms=500) as c:
-                c.ping()
-            return proc, ep
-        except kvblend.KvblendError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"kvblendd did not start; log in {tmp}") from None
-            time.sleep(0.1)
+    shm = f"{int(float(os.environ['VLLM_CPU_KVCACHE_SPACE'])) + 1}G"
+    return Daemon("--shm-max", shm, kvblendd=f"{build}/bin/kvblendd")
 
 
 def chunks_for(tok, per_chunk, skip):
@@ -396,7 +382,8 @@ def main():
     saved = os.fdopen(os.dup(1), "w", buffering=1)
     out = lambda s: print(s, file=saved, flush=True)  # noqa: E731
     out(f"load average before: {os.getloadavg()}, cpus {os.cpu_count()}, log {log_path}")
-    proc, ep = start_daemon(build, tmp)
+    daemon = start_daemon(build)
+    ep = daemon.endpoint
     logf = open(log_path, "w")
     sys.stdout.flush()
     sys.stderr.flush()
@@ -412,8 +399,7 @@ def main():
         rc = 1
     finally:
         out(f"load average after: {os.getloadavg()}")
-        proc.terminate()
-        proc.wait(10)
+        daemon.stop(keep=rc != 0)
     if rc == 0:
         shutil.rmtree(tmp, ignore_errors=True)
     return rc  # vLLM shuts its engine processes down at exit

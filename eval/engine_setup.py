@@ -96,17 +96,20 @@ def wait_for_daemon(endpoint, alive, seconds=30.0):
 class Daemon:
     """A kvblendd child process; ``endpoint`` is its IPC socket, its log ``dir``/kvblendd.log."""
 
-    def __init__(self, *args, tcp=None):
+    def __init__(self, *args, tcp=None, kvblendd=None, workers=2):
         """Start kvblendd; ``args`` are extra command-line options, ``tcp`` a
-        ``tcp://HOST:PORT`` it listens on besides the IPC socket (for other members)."""
+        ``tcp://HOST:PORT`` it listens on besides the IPC socket (for other members).
+        ``kvblendd``: the binary (default :func:`kvblendd_path`); ``workers``: its
+        ``--workers`` (None: the daemon's default)."""
         self.dir = tempfile.mkdtemp(prefix="kvblend-engine.")
         self.endpoint = f"ipc://{self.dir}/kvblend.sock"
         self.tcp = tcp
         listen = f"{self.endpoint},{tcp}" if tcp else self.endpoint
         self.log = open(f"{self.dir}/kvblendd.log", "w")
+        opts = [] if workers is None else ["--workers", str(workers)]
         self.proc = subprocess.Popen(
-            [kvblendd_path(), "--data-dir", f"{self.dir}/data", "--listen", listen,
-             "--workers", "2", *args], stdout=self.log, stderr=subprocess.STDOUT)
+            [kvblendd or kvblendd_path(), "--data-dir", f"{self.dir}/data", "--listen", listen,
+             *opts, *args], stdout=self.log, stderr=subprocess.STDOUT)
         try:
             wait_for_daemon(self.endpoint, lambda: self.proc.poll() is None)
         except RuntimeError as e:
