@@ -11,17 +11,19 @@ false: the connector loads the chunks re-rotated to their positions, vLLM comput
 question) and blend (the same segments, CacheBlend at --ratio, value metric, check layer
 1: the connector's blend pass over vLLM's own layer modules, then vLLM computes the
 question; with --metrics, one blend per metric named, each a mode of its own: the
-attention metric's preview and check layer 1, the question metric's preview and no check
-layer, its ratio the share of chunk tokens recomputed at every layer), in turn, REPEATS times after one untimed round; the question alone (plain, a
-few dozen tokens) is timed with them, as the floor of any request on this engine. The
+attention metric's preview and check layer 1, the question and anchored metrics' preview
+and no check layer, their ratio the share of chunk tokens recomputed at every layer), in
+turn, REPEATS times after one untimed round; the question alone (plain, a few dozen
+tokens) is timed with them, as the floor of any request on this engine. The
 blend's parts come from the connector's log line per blend ("kvblend: blend of N tokens
 ... pass X s (daemon: session, load, landing, compute ms), cache write Y s"): the pass
 (the node's layers, the check and the waits for the daemon's landing), the daemon's own
 load + landing + compute (its threads; on the critical path only as waits) and the write
 into vLLM's cache. Then --concurrent requests at the --concurrent-size prompt (the same
 chunks, each with its own question) submitted to the engine at once, plain against
-blend (each of --metrics in turn): requests per second, and TTFT p50/p90 over those requests (the blends of the
-requests vLLM schedules in one step run in one pass over the layers). The daemon is
+blend (each of --metrics in turn): requests per second, and TTFT p50/p90 over those
+requests (the blends of the requests vLLM schedules in one step run in one pass over the
+layers). The daemon is
 started with shm_max above VLLM_CPU_KVCACHE_SPACE, so that vLLM's cache lies in a
 kvblend region and reuse loads are landed by the daemon (docs/vllm.md). Per layer: the
 connector's load time (its log line "loaded N tokens ... in X s": for a landed load the
@@ -38,8 +40,7 @@ its vllm.general_plugins entry point, as tests/engine/test_vllm_blend.py does).
 
 usage: bench_vllm.py BUILD_DIR [--repeats N] [--sizes 1024,2048,4096] [--ratio 0.15]
        [--metrics value[,attention,question:R,anchored:R]] [--concurrent 8]
-       [--concurrent-size 2048]
-       [--model DIR]
+       [--concurrent-size 2048] [--model DIR]
 (with the engine venv's python from .ci/engine-env, the build's libkvblend and
 client/python/src on PYTHONPATH, which tests/engine/run.sh sets up:
 tests/engine/run.sh build/lib/libkvblend.so build/bin/kvblendd bench/bench_vllm.py build)
@@ -353,9 +354,13 @@ def main():
     args = ap.parse_args()
     args.sizes = [int(x) for x in args.sizes.split(",")]
     # "metric" or "metric:ratio" (that metric's own ratio; --ratio otherwise)
+    named = [m.split(":")[0] for m in args.metrics.split(",")]
+    if len(set(named)) != len(named):
+        print(f"bench_vllm: --metrics names a metric twice: {args.metrics}", file=sys.stderr)
+        return 2
     args.ratios = {m.split(":")[0]: float(m.split(":")[1]) if ":" in m else args.ratio
                    for m in args.metrics.split(",")}
-    args.metrics = list(args.ratios)
+    args.metrics = named
     if not args.model:
         print("bench_vllm: give --model or KVBLEND_ENGINE_MODEL", file=sys.stderr)
         return 2

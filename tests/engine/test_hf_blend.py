@@ -53,6 +53,7 @@ import transformers  # noqa: E402
 
 import kvblend  # noqa: E402
 import kvblend.hf as kh  # noqa: E402
+from kvblend.blend.preview import critical_layer  # noqa: E402
 from cacheblend import (  # noqa: E402
     Request,
     attention_select,
@@ -313,8 +314,8 @@ def check_question(b, req, twin, full_kv):
 def check_anchored(b, req, twin):
     """(h): the anchored metric against eval/rules.py's QCFuse-style score and selection."""
     r = 0.15
-    if kh.critical_layer(twin.cfg.n_layers) != CRITICAL_LAYER:
-        fail(f"critical layer {kh.critical_layer(twin.cfg.n_layers)}, eval's {CRITICAL_LAYER}")
+    if critical_layer(twin.cfg.n_layers) != CRITICAL_LAYER:
+        fail(f"critical layer {critical_layer(twin.cfg.n_layers)}, eval's {CRITICAL_LAYER}")
     bl = b.blend(req.segments, ratios=(r,), metric="anchored")
     att, _ = question_pass(twin, req, req.placed, view=anchors(req), last_layer=CRITICAL_LAYER)
     ref = qcfuse_score(att, CRITICAL_LAYER)

@@ -39,12 +39,12 @@ from .blend import arch as _arch
 from .blend.attention import causal_attention
 from .blend.loop import Prompt, blend_batch, blend_layers
 from .blend.preview import (
-    anchors,
-    critical_layer,
+    LayerWait,
+    _close_after_failure,
     land_chunks,
     landed_preview,
+    node_selection,
     question_attention,
-    top_rows,
 )
 from .client import Client, chunk_hash
 from .errors import KvblendError
@@ -366,9 +366,10 @@ class Blender:
             same preview, then the chunk tokens with the largest A summed over heads
             are recomputed at every layer with the fresh ones, over the landed rows.
             Or ``"anchored"`` (QCFuse-style): as ``"question"`` with a compressed
-            preview: the question runs through layers 0 .. :func:`critical_layer` only,
-            reading one anchor token every 32 of each chunk before that layer and every
-            chunk token at it, where its attention alone is A.
+            preview: the question runs through layers 0 ..
+            :func:`kvblend.blend.preview.critical_layer` only, reading one anchor token
+            every 32 of each chunk before that layer and every chunk token at it, where
+            its attention alone is A.
         keep_checks : bool
             Keep the planes sent at check layers in :attr:`Blend.checked`.
 
@@ -439,36 +440,29 @@ class Blender:
         kind, s, t = spans[-1]
         n = ids.size
         self._ops.begin(n)
-        rows = np.flatnonzero(cached)
-        view = last = None
-        if metric == "anchored":
-            view = anchors([(st, tt.size) for k, st, tt in spans if k == "chunk"])
-            last = critical_layer(self.spec.num_layers)
+        chunks = [(st, tt.size) for k, st, tt in spans if k == "chunk"]
 
         def select(sess: Any, ready: Any) -> tuple:
-            a = question_attention(
+            a, own = node_selection(
                 self._ops,
                 torch.from_numpy(buf),
-                rows,
+                cached,
+                chunks,
                 t,
                 np.arange(s, n),
-                ready=ready,
-                view=view,
-                last=last,
+                metric,
+                float(ratios[0]),
+                ready,
             )
-            own = np.union1d(np.flatnonzero(~cached), top_rows(a, rows, float(ratios[0])))
             p = Prompt(sess, buf, ids, cached, a, own)
             return a, own, blend_batch(self._ops, [p], [], metric, self.landing, keep)[0]
 
         if self.landing:  # the preview and the pass each wait for a layer as it lands
             sess = self.client.fuse_open_into(self.spec.name, segs, buf[:, 0], buf[:, 1])
             try:
-                a, own, r = select(sess, lambda layer: sess.wait(layer, timeout=120))
+                a, own, r = select(sess, LayerWait(sess))
             except BaseException:
-                try:
-                    sess.close()
-                except KvblendError:
-                    pass  # the first failure is the one to report
+                _close_after_failure(sess)  # the first failure is the one to report
                 raise
             stats = sess.close()
         else:

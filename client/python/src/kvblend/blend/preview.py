@@ -54,11 +54,9 @@ def land_chunks(
     if landing:
         sess = client.fuse_open_into(model, segments, buf[:, 0], buf[:, 1])
         try:
+            ready = LayerWait(sess, wait)
             for layer in range(nl):
-                if wait is None:
-                    sess.wait(layer, timeout=120)
-                else:
-                    wait(sess, layer)
+                ready(layer)
         except BaseException:
             _close_after_failure(sess)
             raise
@@ -72,6 +70,26 @@ def land_chunks(
         _close_after_failure(sess)
         raise
     return sess.close()
+
+
+class LayerWait:
+    """``ready(layer)`` for a landing session: returns once that layer has landed.
+
+    ``wait(sess, layer)`` waits (default ``sess.wait(layer, timeout=120)``); the seconds
+    spent waiting add up in :attr:`seconds`.
+    """
+
+    def __init__(self, sess: Any, wait: Callable[[Any, int], None] | None = None) -> None:
+        self.sess, self.wait, self.seconds = sess, wait, 0.0
+
+    def __call__(self, layer: int) -> None:
+        """Wait until ``layer`` has landed."""
+        t = time.perf_counter()
+        if self.wait is None:
+            self.sess.wait(layer, timeout=120)
+        else:
+            self.wait(self.sess, layer)
+        self.seconds += time.perf_counter() - t
 
 
 def _close_after_failure(sess: Any) -> None:
@@ -242,21 +260,40 @@ def landed_preview(
     with ``preview_wait_ms``: the time the preview waited for landed layers).
     """
     sess = client.fuse_open_into(model, segments, buf[:, 0], buf[:, 1])
-    waited = [0.0]
+    ready = LayerWait(sess, wait)
     try:
-
-        def ready(layer: int) -> None:
-            t = time.perf_counter()
-            if wait is None:
-                sess.wait(layer, timeout=120)
-            else:
-                wait(sess, layer)
-            waited[0] += time.perf_counter() - t
-
         a = question_attention(ops, torch.from_numpy(buf), cached, question, positions, ready=ready)
     except BaseException:
         _close_after_failure(sess)
         raise
     stats = sess.close()
-    stats["preview_wait_ms"] = waited[0] * 1000
+    stats["preview_wait_ms"] = ready.seconds * 1000
     return a, stats
+
+
+def node_selection(
+    ops: Any,
+    kv: torch.Tensor,
+    cached: np.ndarray,
+    chunk_spans: Sequence[tuple[int, int]],
+    question: np.ndarray,
+    positions: np.ndarray,
+    metric: str,
+    ratio: float,
+    ready: Callable[[int], None] | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Return the question or anchored metric's preview and the node's own selection.
+
+    ``cached`` is the prompt's mask of stored chunk rows, ``chunk_spans`` the chunks'
+    (start, length); ``question``, ``positions`` and ``ready`` as
+    :func:`question_attention`, which runs over every layer (``"question"``) or as the
+    compressed preview (``"anchored"``: :func:`anchors`, :func:`critical_layer`). Returns
+    (A, the rows the pass recomputes at every layer: the fresh tokens and
+    :func:`top_rows` at ``ratio``, sorted).
+    """
+    rows = np.flatnonzero(cached)
+    view = last = None
+    if metric == "anchored":
+        view, last = anchors(chunk_spans), critical_layer(ops.num_layers)
+    a = question_attention(ops, kv, rows, question, positions, ready=ready, view=view, last=last)
+    return a, np.union1d(np.flatnonzero(~cached), top_rows(a, rows, ratio))

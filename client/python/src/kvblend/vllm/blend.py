@@ -33,13 +33,7 @@ import torch
 from ..blend import arch as _arch
 from ..blend import loop as _loop
 from ..blend.attention import causal_attention
-from ..blend.preview import (
-    anchors,
-    critical_layer,
-    landed_preview,
-    question_attention,
-    top_rows,
-)
+from ..blend.preview import LayerWait, landed_preview, node_selection
 from ..client import Client
 from ..errors import KvblendError, Unavailable
 from ..types import Model
@@ -293,36 +287,26 @@ def _blend_batch(
                 # question reads most at every layer over the stored rows (no check layer)
                 sess = client.fuse_open_into(spec.name, job.segments, buf[:, 0], buf[:, 1])
                 sessions.append(sess)
-                waited = [0.0]
-
-                def ready(layer: int, sess: Any = sess, waited: list = waited) -> None:
-                    t = time.perf_counter()
-                    wait(sess, layer)
-                    waited[0] += time.perf_counter() - t
-
+                ready = LayerWait(sess, wait)
                 ops.begin(ids.size + q.size)
-                view, last = None, None
-                if metric == "anchored":
-                    spans = [
-                        (starts[i], starts[i + 1] - starts[i])
-                        for i, seg in enumerate(job.segments)
-                        if not _fresh(seg)
-                    ]
-                    view, last = anchors(spans), critical_layer(ops.num_layers)
-                a = question_attention(
+                spans = [
+                    (starts[i], starts[i + 1] - starts[i])
+                    for i, seg in enumerate(job.segments)
+                    if not _fresh(seg)
+                ]
+                a, own = node_selection(
                     ops,
                     torch.from_numpy(buf),
-                    rows,
+                    cached,
+                    spans,
                     q,
                     qpos,
-                    ready=ready,
-                    view=view,
-                    last=last,
+                    metric,
+                    job.ratios[-1],
+                    ready,
                 )
-                ratio = job.ratios[-1] if job.ratios else 0.0
-                own = np.union1d(np.flatnonzero(~cached), top_rows(a, rows, ratio))
                 prompts.append(_loop.Prompt(sess, buf, ids, cached, a, own))
-                pre_wait.append(waited[0])
+                pre_wait.append(ready.seconds)
             else:
                 if metric == "attention" and check_layers:
                     ops.begin(ids.size + q.size)
