@@ -15,6 +15,12 @@
  *   frames      the same GET by a client with the bulk connection off (KVBLEND_NO_BULK=1):
  *               the payload in ZeroMQ frames (encrypted by CURVE), copied into the buffer;
  *   frames kept the same GET with kvb_get_layers(): the layers left in the frames;
+ *   PUT tcp     a client PUTs the same chunk to a over tcp:// from its buffer, as
+ *               libkvblend does by default: the payload on the bulk connection (sealed
+ *               under CURVE), read by the daemon into a buffer of its own; the chunk is
+ *               stored already, so what is timed is the transfer, not the disk (the
+ *               daemon reads the whole payload before it looks the chunk up);
+ *   PUT frames  the same PUT with the bulk connection off: ZeroMQ frames (CURVE);
  *   fetch       a client GETs, through b's IPC socket, a chunk only a holds: b fetches
  *               it (FETCH over TCP), verifies and stores it, then serves it; the
  *               figure is b's own fetch time (stats cluster_fetch_ms), the client's
@@ -310,6 +316,20 @@ static void fill(uint16_t *p, size_t n)
 	}
 }
 
+/* GB/s of one kvb_put() of src (a chunk stored already) by c; exits naming what on failure. */
+static double timed_put(kvb_client *c, const uint8_t *hash, const void *src, uint32_t tokens,
+			size_t bytes, const char *what)
+{
+	double t0 = now_s();
+	int existed = 0;
+
+	if (kvb_put(c, model.name, hash, KVB_F16, tokens, 0, src, bytes, &existed) || !existed) {
+		fprintf(stderr, "%s: %s\n", what, existed ? kvb_last_error(c) : "not stored yet");
+		exit(1);
+	}
+	return bytes / (now_s() - t0) / 1e9;
+}
+
 /* GB/s of one kvb_get() of hash into dst by c, with the variable var set to val meanwhile
  * (var may be NULL); exits naming what on failure. */
 static double timed_get(kvb_client *c, const uint8_t *hash, void *dst, size_t bytes,
@@ -369,6 +389,8 @@ static void run(const char *daemon, bool curve, const unsigned *sizes, unsigned 
 		double r_frames[MAX_REPEATS], r_nobulk[MAX_REPEATS], r_plains[MAX_REPEATS];
 		double q_get[MAX_REPEATS], q_nobulk[MAX_REPEATS], q_frames[MAX_REPEATS];
 		double r_gcm[MAX_REPEATS], q_gcm[MAX_REPEATS];
+		double r_tput[MAX_REPEATS], q_tput[MAX_REPEATS], r_fput[MAX_REPEATS];
+		double q_fput[MAX_REPEATS];
 		char gcm[32];
 		struct plain pl;
 		double r_put[MAX_REPEATS];
@@ -394,7 +416,7 @@ static void run(const char *daemon, bool curve, const unsigned *sizes, unsigned 
 		 * KVBLEND_NO_BULK at its first GET, which decides for it. */
 		plain_open(&pl, (const uint8_t *)src, bytes);
 		for (int r = -WARMUP; r < repeats; r++) {
-			double p = plain_round(&pl, (uint8_t *)dst), t0, g, f, l, m = 0;
+			double p = plain_round(&pl, (uint8_t *)dst), t0, g, f, l, m = 0, u, v;
 			struct kvb_layers *lay;
 
 			g = timed_get(ct, hashes[0], dst, bytes, NULL, NULL, "get tcp");
@@ -411,8 +433,15 @@ static void run(const char *daemon, bool curve, const unsigned *sizes, unsigned 
 			}
 			l = bytes / (now_s() - t0) / 1e9;
 			kvb_layers_free(&lay);
+			/* the chunk back, over the bulk connection, then in frames (cf has it off) */
+			u = timed_put(ct, hashes[0], src, tokens, bytes, "put tcp");
+			v = timed_put(cf, hashes[0], src, tokens, bytes, "put tcp frames");
 			if (r < 0)
 				continue;
+			r_tput[r] = u;
+			q_tput[r] = u / p;
+			r_fput[r] = v;
+			q_fput[r] = v / p;
 			r_plains[r] = p;
 			r_get[r] = g;
 			r_nobulk[r] = f;
@@ -486,12 +515,15 @@ static void run(const char *daemon, bool curve, const unsigned *sizes, unsigned 
 		else
 			snprintf(gcm, sizeof(gcm), "-");
 		printf("| %s | %3u MiB | %5.2f | %5.2f (%.2fx) | %s | %5.2f (%.2fx) | %5.2f (%.2fx) "
+		       "| %5.2f (%.2fx) | %5.2f (%.2fx) "
 		       "| %5.2f (%.2fx; %.2fx of PUT) | %5.2f | %5.2f | %6.1f ms (%.2f GB/s) | "
 		       "%5.1f ms |\n",
 		       curve ? "CURVE" : "plain", sizes[s], r_plain, bench_median(r_get, repeats),
 		       bench_median(q_get, repeats), gcm, bench_median(r_nobulk, repeats),
 		       bench_median(q_nobulk, repeats), bench_median(r_frames, repeats),
-		       bench_median(q_frames, repeats), bench_median(r_fetch, repeats),
+		       bench_median(q_frames, repeats), bench_median(r_tput, repeats),
+		       bench_median(q_tput, repeats), bench_median(r_fput, repeats),
+		       bench_median(q_fput, repeats), bench_median(r_fetch, repeats),
 		       bench_median(r_fetch, repeats) / r_plain,
 		       bench_median(r_fetch, repeats) / bench_median(r_put, repeats),
 		       bench_median(r_wall, repeats), bench_median(r_put, repeats),
@@ -585,14 +617,15 @@ int main(int argc, char **argv)
 		return 1;
 	}
 	printf("Two kvblendd on loopback TCP, Mistral-7B-shaped chunks (f16); GB/s of the chunk's "
-	       "bytes, medians of %d; GET ratios: medians of each round's ratio to the plain "
+	       "bytes, medians of %d; GET and PUT ratios: medians of each round's ratio to the plain "
 	       "socket copy of the same round; client "
 	       "malloc %s; load average %s.\n\n",
 	       repeats, tune ? "tuned (kvb_malloc_tune)" : "glibc's defaults", loadavg());
 	printf("| transport | chunk | plain TCP copy | GET over TCP | same, AES-256-GCM | GET, "
-	       "frames | GET, frames kept | fetch b<-a | GET via b (wall) | local PUT on b | fuse "
-	       "open on b, 8 remote chunks | same, local |\n");
-	printf("|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+	       "frames | GET, frames kept | PUT over TCP (stored already) | PUT, frames | fetch "
+	       "b<-a | GET via b (wall) | local PUT on b | fuse open on b, 8 remote chunks | "
+	       "same, local |\n");
+	printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
 	if (plain || !curve)
 		run(daemon_path, false, sizes, n_sizes, repeats, get_only);
 	if (curve)

@@ -1,5 +1,6 @@
 /*
- * bulk — libkvblend's end of a bulk connection (docs/protocol.md#bulk-connections): GET
+ * bulk — libkvblend's end of a bulk connection (docs/protocol.md#bulk-connections): PUT
+ * payloads over TCP leave as records on it, sealed from the caller's buffer; GET
  * payloads over TCP arrive as records on a plain TCP connection, received straight into
  * the caller's buffer (no ZeroMQ frame is allocated, so no page of it is faulted in per
  * GET) and, when the daemon handed a key over CURVE, opened in place with the cipher the
@@ -32,6 +33,8 @@ void kvbc_bulk_close(kvb_client *c)
 	kvbb_aead_free(&c->bulk_aead);
 	OPENSSL_cleanse(c->bulk_ticket, sizeof(c->bulk_ticket));
 	c->bulk_counter = 0;
+	c->bulk_scounter = 1;
+	c->bulk_put = false;
 	c->bulk_have_hdr = false;
 	if (c->bulk_state > 0)
 		c->bulk_state = 0;
@@ -110,6 +113,8 @@ int kvbc_bulk_attach(kvb_client *c, struct kvbp_reply *rep, uint32_t offer)
 		return rc;
 	c->bulk_fd = rc;
 	c->bulk_counter = 0;
+	c->bulk_scounter = 1;
+	c->bulk_put = rep->bulk_put;
 	rc = kvbb_hello_put(hello, c->bulk_ticket, c->bulk_aead);
 	if (!rc && (send(c->bulk_fd, hello, sizeof(hello), MSG_NOSIGNAL) != sizeof(hello) ||
 		    recv(c->bulk_fd, &ack, 1, MSG_WAITALL) != 1 || ack != 0))
@@ -146,6 +151,64 @@ static int recv_all(int fd, uint8_t *p, size_t len)
 
 static int bulk_fail(kvb_client *c, int rc, const char *fmt, ...)
 	__attribute__((format(printf, 3, 4)));
+
+/* Write all of iov[0..n) (modified) to fd (blocking, each wait bounded): 0, -ETIMEDOUT, -EPIPE. */
+static int send_iov_all(int fd, struct iovec *iov, int n)
+{
+	kvbb_iov_advance(&iov, &n, 0);
+	while (n > 0) {
+		struct msghdr m = { .msg_iov = iov, .msg_iovlen = (size_t)n };
+		ssize_t w = sendmsg(fd, &m, MSG_NOSIGNAL);
+
+		if (w < 0 && errno == EINTR)
+			continue;
+		if (w < 0)
+			return errno == EAGAIN || errno == EWOULDBLOCK ? -ETIMEDOUT : -EPIPE;
+		kvbb_iov_advance(&iov, &n, (size_t)w);
+	}
+	return 0;
+}
+
+int kvbc_bulk_send(kvb_client *c, const struct call *k)
+{
+	size_t rec = c->bulk_aead ? KVBB_SEAL_BYTES : KVBB_RECORD_MAX, off = 0;
+	uint8_t *bounce = NULL;
+	int rc = 0;
+
+	if (c->bulk_aead && !(bounce = malloc(KVBB_SEAL_BYTES)))
+		return bulk_fail(c, -ENOMEM, "out of memory for a bulk record");
+	do {
+		size_t len = k->bulk_out_len - off < rec ? k->bulk_out_len - off : rec;
+		struct kvbb_hdr h = { off + len == k->bulk_out_len ? KVBB_LAST : 0,
+				      k->req.request_id, k->bulk_out_len, off, (uint32_t)len };
+		uint8_t hdr[KVBB_HDR_LEN], tag[KVBB_TAG_LEN];
+		struct iovec v[3] = { { hdr, sizeof(hdr) },
+				      { (void *)(k->bulk_out + off), len },
+				      { tag, 0 } };
+
+		kvbb_hdr_put(hdr, &h);
+		if (c->bulk_aead) {
+			if (kvbb_seal(c->bulk_aead, c->bulk_scounter, KVBB_DIR_PUT, hdr, sizeof(hdr),
+				      &v[1], 1, bounce, tag)) {
+				rc = -EIO;
+				break;
+			}
+			v[1].iov_base = bounce;
+			v[2].iov_len = sizeof(tag);
+		}
+		c->bulk_scounter++;
+		if ((rc = send_iov_all(c->bulk_fd, v, 3)))
+			break;
+		off += len;
+	} while (off < k->bulk_out_len);
+	free(bounce);
+	if (rc)
+		return bulk_fail(c, rc, "the bulk connection to %s %s after %zu of the PUT's %zu "
+				 "bytes", c->endpoint, rc == -ETIMEDOUT ? "timed out"
+				 : rc == -EIO ? "could not seal a record" : "closed", off,
+				 k->bulk_out_len);
+	return 0;
+}
 
 static int bulk_fail(kvb_client *c, int rc, const char *fmt, ...)
 {

@@ -297,6 +297,10 @@ int kvbc_call(kvb_client *c, struct call *k)
 		return kvbc_set_err(c, -EIO, "cannot send to %s: %s", c->endpoint,
 				    zmq_strerror(zmq_errno()));
 	}
+	/* a PUT's payload on the bulk connection: if that fails, the daemon's reply (an
+	 * error: it stores nothing it has not wholly received) still follows */
+	if (k->bulk_out)
+		k->bulk_out_rc = kvbc_bulk_send(c, k);
 	clock_gettime(CLOCK_MONOTONIC, &now);
 	rc = recv_reply(c, k, now.tv_sec * 1000 + now.tv_nsec / 1000000 + c->timeout_ms);
 	if (rc == -ETIMEDOUT) {
@@ -313,6 +317,9 @@ int kvbc_call(kvb_client *c, struct call *k)
 		return rc;
 	if (k->rep.code)
 		return kvbc_set_err(c, -1000 - (int)k->rep.code, "%s", k->rep.message);
+	if (k->bulk_out_rc) /* (a daemon never stores a payload it did not wholly receive) */
+		return kvbc_set_err(c, KVB_E_PROTOCOL, "the daemon stored a PUT whose bulk payload "
+				    "failed to send");
 	return 0;
 }
 

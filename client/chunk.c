@@ -83,7 +83,8 @@ static void chunk_from_wire(const struct kvbp_chunk *w, struct kvb_chunk_info *c
 }
 static int put_once(kvb_client *c, const char *model, const uint8_t hash[KVB_HASH_LEN],
 		    enum kvb_dtype dtype, uint32_t num_tokens, uint32_t base_pos, const void *kv,
-		    size_t kv_bytes, int *existed);
+		    size_t kv_bytes, int *existed, bool *bulk_failed);
+static int bulk_ready(kvb_client *c);
 static int get_once(kvb_client *c, const char *model, const uint8_t hash[KVB_HASH_LEN],
 		    uint32_t layer_begin, uint32_t layer_end, bool rerotate, uint32_t pos,
 		    void *out, size_t out_bytes, struct kvb_chunk_info *info);
@@ -92,18 +93,24 @@ int kvb_put(kvb_client *c, const char *model, const uint8_t hash[KVB_HASH_LEN],
 	    enum kvb_dtype dtype, uint32_t num_tokens, uint32_t base_pos, const void *kv,
 	    size_t kv_bytes, int *existed)
 {
-	bool had = c->shm_base != NULL;
-	int rc = put_once(c, model, hash, dtype, num_tokens, base_pos, kv, kv_bytes, existed);
+	bool had = c->shm_base != NULL, bulk_failed = false;
+	int rc = put_once(c, model, hash, dtype, num_tokens, base_pos, kv, kv_bytes, existed,
+			  &bulk_failed);
 
-	/* Once, with a new segment; kv stays readable if it was in the lost one. */
-	if (kvbc_shm_lost(c, rc, had))
-		rc = put_once(c, model, hash, dtype, num_tokens, base_pos, kv, kv_bytes, existed);
+	/* Once, with a new segment; kv stays readable if it was in the lost one. Once, on a
+	 * new bulk connection, when the one it went on failed or the daemon no longer had it
+	 * (a restart, an idle connection cut): nothing of it was stored. */
+	if (kvbc_shm_lost(c, rc, had) || bulk_failed) {
+		kvbc_bulk_close(c);
+		rc = put_once(c, model, hash, dtype, num_tokens, base_pos, kv, kv_bytes, existed,
+			      &bulk_failed);
+	}
 	return rc;
 }
 
 static int put_once(kvb_client *c, const char *model, const uint8_t hash[KVB_HASH_LEN],
 		    enum kvb_dtype dtype, uint32_t num_tokens, uint32_t base_pos, const void *kv,
-		    size_t kv_bytes, int *existed)
+		    size_t kv_bytes, int *existed, bool *bulk_failed)
 {
 	struct call k = { .req = { .op = KVBP_OP_PUT, .has_hash = true, .dtype = (uint32_t)dtype,
 				   .num_tokens = num_tokens, .base_pos = base_pos } };
@@ -119,7 +126,16 @@ static int put_once(kvb_client *c, const char *model, const uint8_t hash[KVB_HAS
 		return kvbc_set_err(c, -EINVAL, "%zu bytes cannot hold K and V of %" PRIu32
 				    " tokens of %zu-byte elements", kv_bytes, num_tokens, esize);
 	memcpy(k.req.hash, hash, KVB_HASH_LEN);
-	if (kvbc_in_shm(c, kv, kv_bytes) || (c->shm_ok && kvbc_shm_ensure(c, kv_bytes))) {
+	if (!kvbc_in_shm(c, kv, kv_bytes) && bulk_ready(c) == 1 && c->bulk_put) {
+		/* over TCP: the payload on the bulk connection, straight from kv */
+		k.req.has_bulk_ticket = true;
+		memcpy(k.req.bulk_ticket, c->bulk_ticket, sizeof(k.req.bulk_ticket));
+		k.bulk_out = kv;
+		k.bulk_out_len = kv_bytes;
+		rc = kvbc_call(c, &k);
+		*bulk_failed = rc && (k.bulk_out_rc || rc == KVB_E_BAD_FRAMES);
+	} else if (kvbc_in_shm(c, kv, kv_bytes) ||
+		   (c->shm_ok && kvbc_shm_ensure(c, kv_bytes))) {
 		if (!kvbc_in_shm(c, kv, kv_bytes))
 			memcpy(c->shm_base, kv, kv_bytes);
 		k.req.has_shm = true;

@@ -79,6 +79,8 @@ struct kvb_client {
 	uint8_t bulk_ticket[KVBP_BULK_TICKET_LEN];
 	struct kvbb_aead *bulk_aead; /* NULL: records are not sealed */
 	uint64_t bulk_counter;	     /* records received: the next nonce */
+	uint64_t bulk_scounter;	     /* PUT records sent, plus one (the hello): the next nonce */
+	bool bulk_put;		     /* the daemon takes PUT payloads on it */
 	/* the next record's header, received with the record before it (same payload) */
 	bool bulk_have_hdr;
 	uint8_t bulk_hdr[KVBB_HDR_LEN];
@@ -105,6 +107,11 @@ struct call {
 	size_t bulk_got;
 	bool bulk_last;
 	bool bulk_abort; /* the payload ended in an abort record (KVBB_ABORT) */
+	/* or a PUT's payload, sent as records on c->bulk_fd after the request (bulk.c);
+	 * bulk_out_rc: how that went (0, or the connection failed and was closed) */
+	const uint8_t *bulk_out;
+	size_t bulk_out_len;
+	int bulk_out_rc;
 };
 
 /* ---- call.c: one request and its reply ---- */
@@ -148,6 +155,12 @@ uint32_t kvbc_bulk_offer(void);
 int kvbc_bulk_attach(kvb_client *c, struct kvbp_reply *rep, uint32_t offer);
 /* Close the bulk connection; the next GET over TCP opens another (chunk.c). */
 void kvbc_bulk_close(kvb_client *c);
+/*
+ * Send k->bulk_out as the records of request k->req.request_id (sealed when the
+ * connection is): 0, or -ETIMEDOUT / -EPIPE / -EIO with the connection closed and c->err
+ * saying why (the daemon's reply, which follows, names its side).
+ */
+int kvbc_bulk_send(kvb_client *c, const struct call *k);
 /*
  * Receive one record of k's payload into k->sink (straight from the socket, opened in
  * place when sealed). 0; 1 when the connection was closed before this payload began

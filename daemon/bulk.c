@@ -2,6 +2,7 @@
 #include "daemon/bulk.h"
 
 #include <errno.h>
+#include <inttypes.h>
 #include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
@@ -45,7 +46,8 @@ struct bulk_conn {
 	int64_t deadline_ms;
 	unsigned users; /* workers sending on it */
 	uint64_t counter; /* records sent: the next nonce */
-	pthread_mutex_t send_lock;
+	uint64_t rcounter; /* PUT records received, plus one (the hello): the next nonce */
+	pthread_mutex_t send_lock, recv_lock;
 };
 
 struct shake {
@@ -65,7 +67,7 @@ struct bulk {
 	pthread_mutex_t lock; /* the table: used, fd, users, dead, deadline */
 	struct bulk_conn conns[BULK_MAX];
 	struct shake shakes[BULK_SHAKES]; /* the accept thread's only */
-	atomic_uint_fast64_t sealed_records, bytes;
+	atomic_uint_fast64_t sealed_records, bytes, opened_records, bytes_in;
 };
 
 static int64_t now_ms(void)
@@ -87,6 +89,7 @@ static void conn_free(struct bulk_conn *c)
 	c->used = c->dead = false;
 	c->users = 0;
 	c->counter = 0;
+	c->rcounter = 1;
 }
 
 /* With b->lock held: free it, or if a worker is writing, cut it and let the worker free it. */
@@ -290,6 +293,25 @@ int bulk_take(struct bulk *b, const uint8_t ticket[KVBP_BULK_TICKET_LEN], const 
 	return 0;
 }
 
+/* A worker is done with c: with cut, close it (logged with why unless NULL); freed when
+ * no other worker holds it and it is closed. */
+static void conn_give_back(struct bulk *b, struct bulk_conn *c, bool cut, const char *principal,
+			   const char *why)
+{
+	pthread_mutex_lock(&b->lock);
+	c->users--;
+	if (cut) {
+		if (why)
+			log_warn("bulk connection of %s closed: %s", principal, why);
+		c->dead = true;
+		if (c->fd >= 0)
+			shutdown(c->fd, SHUT_RDWR);
+	}
+	if (c->dead && !c->users)
+		conn_free(c);
+	pthread_mutex_unlock(&b->lock);
+}
+
 int bulk_send(struct bulk *b, struct bulk_conn *c, uint64_t request_id,
 	      const struct iovec *iov, size_t n, const struct bulk_check *check, uint64_t *sent)
 {
@@ -318,20 +340,137 @@ int bulk_send(struct bulk *b, struct bulk_conn *c, uint64_t request_id,
 		pthread_mutex_unlock(&c->send_lock);
 	}
 	free(bounce);
-	pthread_mutex_lock(&b->lock);
-	c->users--;
-	if (rc && rc != -EBADMSG) {
-		/* a half-sent payload leaves the stream unusable: the client opens another */
-		log_warn("bulk connection of %s closed: %s", principal, strerror(-rc));
-		c->dead = true;
-		if (c->fd >= 0)
-			shutdown(c->fd, SHUT_RDWR);
-	}
-	if (c->dead && !c->users)
-		conn_free(c);
-	pthread_mutex_unlock(&b->lock);
+	/* a half-sent payload leaves the stream unusable: the client opens another */
+	conn_give_back(b, c, rc && rc != -EBADMSG, principal, strerror(-rc));
 	if (!rc)
 		*sent = total;
+	return rc;
+}
+
+/*
+ * Fill iov[0..n) (modified) from fd by deadline_ms: 0, -ETIMEDOUT, -EPIPE (closed, cut
+ * or failed) or -errno. Blocking reads of all that is asked (the kernel wakes the
+ * reader when it is there, not at every segment), each bounded by SO_RCVTIMEO, at most
+ * a second, so that the deadline is the whole payload's: a client that sends a few
+ * bytes at a time cannot stretch it. bulk_shutdown's shutdown(2) ends a read at once.
+ */
+static int read_all(int fd, struct iovec *iov, int n, int64_t deadline_ms)
+{
+	kvbb_iov_advance(&iov, &n, 0);
+	while (n > 0) {
+		struct msghdr m = { .msg_iov = iov, .msg_iovlen = (size_t)n };
+		int64_t left = deadline_ms - now_ms();
+		struct timeval tv;
+		ssize_t r;
+
+		if (left <= 0)
+			return -ETIMEDOUT;
+		if (left > 1000)
+			left = 1000;
+		tv = (struct timeval){ 0, (suseconds_t)left * 1000 };
+		if (tv.tv_usec >= 1000000)
+			tv = (struct timeval){ 1, 0 };
+		if (setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv)))
+			return -errno;
+		r = recvmsg(fd, &m, MSG_WAITALL);
+		if (r < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK))
+			continue; /* (the deadline is checked above) */
+		if (r == 0)
+			return -EPIPE;
+		if (r < 0)
+			return -errno;
+		kvbb_iov_advance(&iov, &n, (size_t)r);
+	}
+	return 0;
+}
+
+/* The records of one PUT payload into buf[0..total), on c (its recv_lock held). */
+static int recv_records(struct bulk *b, struct bulk_conn *c, uint64_t request_id,
+			uint8_t *buf, uint64_t total, int64_t deadline, char *why, size_t why_len)
+{
+	uint8_t hdr[KVBB_HDR_LEN], next[KVBB_HDR_LEN];
+	bool have = false;
+	uint64_t off = 0;
+	int rc;
+
+	do {
+		uint8_t tag[KVBB_TAG_LEN];
+		struct kvbb_hdr h;
+		struct iovec v[3];
+
+		v[0] = (struct iovec){ hdr, sizeof(hdr) };
+		if (have) /* came with the record before */
+			memcpy(hdr, next, sizeof(hdr));
+		else if ((rc = read_all(c->fd, v, 1, deadline))) {
+			snprintf(why, why_len, "the bulk connection %s after %" PRIu64 " of the "
+				 "payload's %" PRIu64 " bytes", rc == -ETIMEDOUT ? "timed out"
+				 : "closed", off, total);
+			return rc;
+		}
+		/* every size checked before a byte lands in buf */
+		if (kvbb_hdr_get(hdr, &h) || (h.flags & KVBB_ABORT)) {
+			snprintf(why, why_len, "bulk record %" PRIu64 " has a malformed header",
+				 c->rcounter);
+			return -EPROTO;
+		}
+		if (h.request_id != request_id || h.total != total || h.offset != off ||
+		    h.len > total - off || (!h.len && total) ||
+		    ((h.flags & KVBB_LAST) != 0) != (off + h.len == total)) {
+			snprintf(why, why_len, "bulk record of request %" PRIu64 " at byte %" PRIu64
+				 " of %" PRIu64 " (%" PRIu32 " bytes) does not follow: expected "
+				 "request %" PRIu64 " at byte %" PRIu64 " of %" PRIu64, h.request_id,
+				 h.offset, h.total, h.len, request_id, off, total);
+			return -EPROTO;
+		}
+		/* the bytes, the tag, and the next record's header when one follows (a client
+		 * sends a payload's records back to back): one read a record */
+		have = !(h.flags & KVBB_LAST);
+		v[0] = (struct iovec){ buf + off, h.len };
+		v[1] = (struct iovec){ tag, c->sealed ? sizeof(tag) : 0 };
+		v[2] = (struct iovec){ next, have ? sizeof(next) : 0 };
+		if ((rc = read_all(c->fd, v, 3, deadline))) {
+			snprintf(why, why_len, "the bulk connection %s after %" PRIu64 " of the "
+				 "payload's %" PRIu64 " bytes", rc == -ETIMEDOUT ? "timed out"
+				 : "closed", off, total);
+			return rc;
+		}
+		if (c->sealed) {
+			if (kvbb_open(c->aead, c->rcounter, KVBB_DIR_PUT, hdr, sizeof(hdr), buf + off,
+				      h.len, tag)) {
+				snprintf(why, why_len, "bulk record %" PRIu64 " (bytes %" PRIu64
+					 "..%" PRIu64 ") failed its %s check: altered on the wire",
+					 c->rcounter, off, off + h.len, kvbb_aead_name(c->aead));
+				return -EBADMSG;
+			}
+			atomic_fetch_add(&b->opened_records, 1);
+		}
+		c->rcounter++;
+		off += h.len;
+		atomic_fetch_add(&b->bytes_in, h.len);
+	} while (off < total);
+	return 0;
+}
+
+int bulk_recv(struct bulk *b, struct bulk_conn *c, uint64_t request_id, void *buf,
+	      uint64_t total, char *why, size_t why_len)
+{
+	const char *principal = c->principal;
+	/* a PUT's payload is never unbounded in time: without a reply timeout, 30 s */
+	int64_t deadline = now_ms() + (b->send_timeout_ms ? b->send_timeout_ms : 30000);
+	struct timespec until = { deadline / 1000, (deadline % 1000) * 1000000 };
+	int rc = -pthread_mutex_clocklock(&c->recv_lock, CLOCK_MONOTONIC, &until);
+
+	if (rc) {
+		snprintf(why, why_len, "another payload held the bulk connection past the "
+			 "deadline");
+	} else {
+		rc = buf ? recv_records(b, c, request_id, buf, total, deadline, why, why_len)
+			 : -ECANCELED;
+		pthread_mutex_unlock(&c->recv_lock);
+	}
+	/* its records not (all) read: the stream is out of step, the client opens
+	 * another (its writes fail at once instead of waiting for a reader) */
+	conn_give_back(b, c, rc != 0, principal, rc == -ECANCELED ? NULL : why);
 	return rc;
 }
 
@@ -352,10 +491,10 @@ static void hello_done(struct bulk *b, struct shake *s)
 		}
 		/* over CURVE, the hello proves it comes from who got the key */
 		if (c && (!c->sealed || !kvbb_hello_check(s->buf, c->aead))) {
-			int one = 1, fl = fcntl(s->fd, F_GETFL);
+			int one = 1;
 
-			/* writers poll it against their payload's deadline (write_all) */
-			fcntl(s->fd, F_SETFL, fl | O_NONBLOCK);
+			/* blocking: writers send with MSG_DONTWAIT and poll against their
+			 * payload's deadline (write_all); readers wait in the kernel (read_all) */
 			setsockopt(s->fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
 			c->fd = s->fd;
 			ok = 0;
@@ -410,7 +549,8 @@ static void accept_turn(struct bulk *b)
 	for (unsigned i = 0; i < BULK_MAX; i++)
 		if (b->conns[i].used && !b->conns[i].dead && b->conns[i].fd >= 0) {
 			who[np] = -1 - (int)i;
-			p[np++] = (struct pollfd){ b->conns[i].fd, POLLIN, 0 };
+			/* not POLLIN: a PUT's records may wait there for their worker */
+			p[np++] = (struct pollfd){ b->conns[i].fd, POLLRDHUP, 0 };
 		}
 	pthread_mutex_unlock(&b->lock);
 	if (poll(p, np, 250) < 0)
@@ -433,17 +573,14 @@ static void accept_turn(struct bulk *b)
 				s->fd = -1;
 			}
 		} else {
-			/* a client never writes after its hello: readable means closed (or wrong) */
+			/* the client closed it (or it failed): a worker reading a PUT from it
+			 * has what was sent before; the rest fails there */
 			struct bulk_conn *c = &b->conns[-1 - who[k]];
-			uint8_t byte;
-			ssize_t r = recv(p[k].fd, &byte, 1, MSG_DONTWAIT);
 
-			if (r >= 0 || (errno != EAGAIN && errno != EINTR)) {
-				pthread_mutex_lock(&b->lock);
-				if (c->used && c->fd == p[k].fd && !c->dead)
-					conn_drop(c);
-				pthread_mutex_unlock(&b->lock);
-			}
+			pthread_mutex_lock(&b->lock);
+			if (c->used && c->fd == p[k].fd && !c->dead)
+				conn_drop(c);
+			pthread_mutex_unlock(&b->lock);
 		}
 	}
 	for (unsigned i = 0; i < BULK_SHAKES; i++)
@@ -517,7 +654,9 @@ int bulk_start(struct bulk **out, const char *host, unsigned port, unsigned send
 	pthread_mutex_init(&b->lock, NULL);
 	for (unsigned i = 0; i < BULK_MAX; i++) {
 		b->conns[i].fd = -1;
+		b->conns[i].rcounter = 1;
 		pthread_mutex_init(&b->conns[i].send_lock, NULL);
+		pthread_mutex_init(&b->conns[i].recv_lock, NULL);
 	}
 	for (unsigned i = 0; i < BULK_SHAKES; i++)
 		b->shakes[i].fd = -1;
@@ -566,6 +705,7 @@ void bulk_stop(struct bulk **bp)
 		if (b->conns[i].used)
 			conn_free(&b->conns[i]); /* the workers have stopped */
 		pthread_mutex_destroy(&b->conns[i].send_lock);
+		pthread_mutex_destroy(&b->conns[i].recv_lock);
 	}
 	pthread_mutex_destroy(&b->lock);
 	if (b->listen_fd >= 0)
@@ -599,7 +739,7 @@ void bulk_shutdown(struct bulk *b)
 		log_info("stopping: %u bulk connections cut (payloads in flight end there)", cut);
 }
 
-void bulk_counts(struct bulk *b, uint64_t *open, uint64_t *sealed_records, uint64_t *bytes)
+void bulk_counts(struct bulk *b, struct bulk_stats *out)
 {
 	uint64_t n = 0;
 
@@ -607,7 +747,9 @@ void bulk_counts(struct bulk *b, uint64_t *open, uint64_t *sealed_records, uint6
 	for (unsigned i = 0; i < BULK_MAX; i++)
 		n += b->conns[i].used && !b->conns[i].dead && b->conns[i].fd >= 0;
 	pthread_mutex_unlock(&b->lock);
-	*open = n;
-	*sealed_records = atomic_load(&b->sealed_records);
-	*bytes = atomic_load(&b->bytes);
+	out->open = n;
+	out->sealed_records = atomic_load(&b->sealed_records);
+	out->bytes = atomic_load(&b->bytes);
+	out->opened_records = atomic_load(&b->opened_records);
+	out->bytes_in = atomic_load(&b->bytes_in);
 }

@@ -1,14 +1,15 @@
 /*
  * bulk — the daemon's bulk connections (docs/protocol.md#bulk-connections): plain TCP
  * connections beside the ZeroMQ endpoints on which GET payloads travel instead of
- * ZeroMQ frames, written from the store's pages by the worker that served the GET. A
+ * ZeroMQ frames, written from the store's pages by the worker that served the GET, and
+ * PUT payloads the other way, read by the worker that stores them. A
  * client asks for one in a HELLO over TCP and gets a port, a random ticket and, when it
  * asked over CURVE, a fresh key and the cipher (AEGIS where both ends run it, else
  * AES-256-GCM); it connects, sends the hello (the ticket, and a tag under the key) and
  * the connection is bound to that client's identity. Records on a sealed connection are
  * sealed (proto/bulk.h); ZeroMQ never sees them, so nothing is encrypted twice. One
  * accept thread takes connections, checks hellos and notices closed ones; the workers
- * write.
+ * write and read.
  */
 #ifndef KVBLEND_DAEMON_BULK_H
 #define KVBLEND_DAEMON_BULK_H
@@ -54,14 +55,14 @@ int bulk_open(struct bulk *b, const char *principal, const void *conn_id, size_t
 	      bool sealed, uint32_t cipher, uint8_t ticket[KVBP_BULK_TICKET_LEN],
 	      uint8_t key[KVBP_BULK_KEY_LEN]);
 
-/* One payload's hold on a connection (bulk_take), until its bulk_send. */
+/* One payload's hold on a connection (bulk_take), until its bulk_send or bulk_recv. */
 struct bulk_conn;
 
 /*
  * Take principal's connection of ticket for one payload, asked for on the ZeroMQ
  * connection conn_id: 0 and *out, or -ENOENT (no such connection of this principal
  * and ZeroMQ connection: send the payload as frames instead). Every *out is given to
- * bulk_send, once.
+ * bulk_send or bulk_recv, once.
  */
 int bulk_take(struct bulk *b, const uint8_t ticket[KVBP_BULK_TICKET_LEN], const char *principal,
 	      const void *conn_id, size_t conn_id_len, struct bulk_conn **out);
@@ -85,7 +86,27 @@ struct bulk_check {
 int bulk_send(struct bulk *b, struct bulk_conn *c, uint64_t request_id,
 	      const struct iovec *iov, size_t n, const struct bulk_check *check, uint64_t *sent);
 
-/* Connections open now, records sealed and bytes sent so far (stats). */
-void bulk_counts(struct bulk *b, uint64_t *open, uint64_t *sealed_records, uint64_t *bytes);
+/*
+ * Receive the total bytes of PUT request request_id from c into buf, record by record
+ * (opened when its ticket was sealed; every header checked before its bytes land), and
+ * give c back. Bounded by send_timeout_ms (30 s when that is 0), the wait for the
+ * connection's receive lock included. 0; or the connection is closed (its stream is out
+ * of step; the client's writes fail at once) and why says what happened: -EPROTO (a
+ * malformed or out-of-order record), -EBADMSG (altered on the wire), -ETIMEDOUT,
+ * -EPIPE, -errno. With buf NULL: the PUT was refused before its payload: c is closed
+ * and given back, -ECANCELED.
+ */
+int bulk_recv(struct bulk *b, struct bulk_conn *c, uint64_t request_id, void *buf,
+	      uint64_t total, char *why, size_t why_len);
+
+/* What the bulk connections did so far (stats). */
+struct bulk_stats {
+	uint64_t open;		  /* connections open now */
+	uint64_t sealed_records;  /* records sealed (GET payloads) */
+	uint64_t bytes;		  /* GET payload bytes sent */
+	uint64_t opened_records;  /* sealed records received and opened (PUT payloads) */
+	uint64_t bytes_in;	  /* PUT payload bytes received */
+};
+void bulk_counts(struct bulk *b, struct bulk_stats *out);
 
 #endif

@@ -36,7 +36,7 @@ void counters_snap(struct server *srv, struct counter_snap *s)
 		cluster_check_last(srv->cluster, &s->ck);
 	}
 	if (srv->bulk)
-		bulk_counts(srv->bulk, &s->bulk_open, &s->bulk_sealed, &s->bulk_bytes);
+		bulk_counts(srv->bulk, &s->bulk);
 	if (srv->lane)
 		lane_counts(srv->lane, &s->lane_waiting, &s->lane_done);
 	if (srv->dev) {
@@ -107,9 +107,11 @@ VALUE(v_cut_unread, atomic_load(&s->srv->held.cut))
 VALUE(v_max_clients, s->srv->max_clients)
 VALUE(v_lane_waiting, s->lane_waiting)
 VALUE(v_lane_done, s->lane_done)
-VALUE(v_bulk_open, s->bulk_open)
-VALUE(v_bulk_sealed, s->bulk_sealed)
-VALUE(v_bulk_bytes, s->bulk_bytes)
+VALUE(v_bulk_open, s->bulk.open)
+VALUE(v_bulk_sealed, s->bulk.sealed_records)
+VALUE(v_bulk_bytes, s->bulk.bytes)
+VALUE(v_bulk_opened, s->bulk.opened_records)
+VALUE(v_bulk_bytes_in, s->bulk.bytes_in)
 VALUE(v_capacity, s->srv->cfg->capacity)
 VALUE(v_evicted, s->es.evicted)
 VALUE(v_evicted_bytes, s->es.evicted_bytes)
@@ -256,6 +258,8 @@ const struct counter counters[] = {
 	{ "bulk_connections", NULL, NULL, G, NEED_BULK, v_bulk_open },
 	{ "bulk_records_sealed", NULL, NULL, C, NEED_BULK, v_bulk_sealed },
 	{ "bulk_bytes", NULL, NULL, C, NEED_BULK, v_bulk_bytes },
+	{ "bulk_records_opened", NULL, NULL, C, NEED_BULK, v_bulk_opened },
+	{ "bulk_bytes_received", NULL, NULL, C, NEED_BULK, v_bulk_bytes_in },
 	/* eviction and the fuse engine */
 	{ "capacity_bytes", "kvblend_capacity_bytes", "Configured capacity (0: none).", G,
 	  NEED_NONE, v_capacity },

@@ -17,6 +17,7 @@
 #include <stdint.h>
 
 #include "cluster/cluster.h"
+#include "daemon/bulk.h"
 #include "daemon/evict.h"
 #include "daemon/fuse.h"
 #include "daemon/state.h"
@@ -34,7 +35,7 @@ struct counter_snap {
 	uint64_t wall_ms;
 	struct cluster_stats cs;	  /* with srv->cluster */
 	struct cluster_check ck;	  /* with srv->cluster: the last check */
-	uint64_t bulk_open, bulk_sealed, bulk_bytes; /* with srv->bulk */
+	struct bulk_stats bulk; /* with srv->bulk */
 	unsigned lane_waiting;			     /* with srv->lane */
 	unsigned long lane_done;
 	uint64_t dev_held, dev_total; /* with srv->dev */

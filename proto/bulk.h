@@ -5,10 +5,13 @@
  * handed out over CURVE: AEGIS-128X2 or AEGIS-128L (aegis.h) where both ends have the AES
  * instructions for it and the daemon allows it, else AES-256-GCM. Nothing here does I/O.
  *
+ * Records go both ways: a GET's payload from the daemon, a PUT's payload from the
+ * client (same header; the client never sends an abort record).
+ *
  * Nonces: 64-bit record counter of the connection (little-endian) then a 32-bit
- * direction (0 client to daemon: the hello, counter 0; 1 daemon to client: records,
- * counters 0, 1, 2, ... in the order sent); AEGIS's 16-byte nonce ends in four zero
- * bytes. A key belongs to one connection and is never reused, so no nonce repeats under
+ * direction (0 client to daemon: the hello, counter 0, then PUT records, counters 1,
+ * 2, ... in the order sent; 1 daemon to client: records, counters 0, 1, 2, ... in the
+ * order sent); AEGIS's 16-byte nonce ends in four zero bytes. A key belongs to one connection and is never reused, so no nonce repeats under
  * a key. The associated data of a record is its header: request id, offset, length,
  * total and the last flag are bound to the bytes.
  */
@@ -40,6 +43,7 @@
 #define KVBB_ABORT 2u
 #define KVBB_DIR_HELLO 0u
 #define KVBB_DIR_RECORDS 1u
+#define KVBB_DIR_PUT 0u /* a PUT's records, client to daemon: counters from 1 */
 
 struct kvbb_hdr {
 	uint32_t flags;

@@ -548,6 +548,7 @@ int kvbp_reply_encode(const struct kvbp_reply *rep, uint8_t **buf, size_t *len)
 	pb.land_k_strided = rep->land_k_strided;
 	pb.bulk_port = rep->bulk_port;
 	pb.bulk_bytes = rep->bulk_bytes;
+	pb.bulk_put = rep->bulk_put;
 	if (rep->bulk_port) {
 		pb.bulk_ticket.data = (uint8_t *)rep->bulk_ticket;
 		pb.bulk_ticket.len = KVBP_BULK_TICKET_LEN;
@@ -691,6 +692,7 @@ int kvbp_reply_decode(const void *buf, size_t len, struct kvbp_reply *out, char 
 	r.slot_bytes = pb->slot_bytes;
 	r.land_k_strided = pb->land_k_strided;
 	r.bulk_bytes = pb->bulk_bytes;
+	r.bulk_put = pb->bulk_put;
 	if (pb->bulk_port) {
 		if (pb->bulk_port > 65535 || pb->bulk_ticket.len != KVBP_BULK_TICKET_LEN ||
 		    (pb->bulk_key.len && pb->bulk_key.len != KVBP_BULK_KEY_LEN) ||

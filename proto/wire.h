@@ -225,7 +225,7 @@ struct kvbp_request {
 	bool cluster_check; /* STATS, HELLO: run the replication check (kvblend cluster check) */
 	bool bulk_open; /* HELLO: open a bulk connection */
 	uint32_t bulk_aeads; /* HELLO with bulk_open: 1 << KVBP_AEAD_* the client can open */
-	bool has_bulk_ticket; /* GET: send the payload on this bulk connection */
+	bool has_bulk_ticket; /* GET: send the payload on this bulk connection; PUT: it comes there */
 	uint8_t bulk_ticket[KVBP_BULK_TICKET_LEN];
 };
 
@@ -276,6 +276,7 @@ struct kvbp_reply {
 	uint8_t bulk_key[KVBP_BULK_KEY_LEN];
 	uint32_t bulk_aead; /* with bulk_key: KVBP_AEAD_* */
 	uint64_t bulk_bytes; /* GET with a bulk ticket: payload bytes sent there */
+	bool bulk_put; /* HELLO with bulk_open: PUT payloads may come on the connection */
 };
 
 /*

@@ -197,7 +197,9 @@ KVB_API int kvb_model_get(kvb_client *c, const char *name, struct kvb_model *out
  * Store a chunk of num_tokens tokens whose keys were rotated at positions
  * base_pos.. . kv holds kv_bytes = layers x 2 x T x heads x head_dim x
  * dtype size bytes. *existed (may be NULL) is 1 when the chunk was already
- * stored (nothing is written: chunks are immutable).
+ * stored (nothing is written: chunks are immutable). Over tcp:// the payload
+ * goes on the client's bulk connection where the daemon takes it there
+ * (docs/protocol.md#bulk-connections), sealed over CURVE, else in frames.
  */
 KVB_API int kvb_put(kvb_client *c, const char *model, const uint8_t hash[KVB_HASH_LEN],
 	    enum kvb_dtype dtype, uint32_t num_tokens, uint32_t base_pos, const void *kv,

@@ -87,6 +87,7 @@ static void hello_bulk(struct req *q)
 	r->bulk_port = bulk_port(q->srv->bulk);
 	r->has_bulk_key = sealed;
 	r->bulk_aead = cipher;
+	r->bulk_put = true;
 }
 
 void op_hello(struct req *q)

@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "daemon/bulk.h"
 #include "daemon/clients.h"
 #include "cluster/cluster.h"
 #include "daemon/fdguard.h"
@@ -23,11 +24,17 @@
 /* A reply from the store's pages unread this long while the map is full is cut (held.h). */
 #define HELD_GRACE_MS 100
 
-void op_put(struct req *q)
+/*
+ * A PUT: its payload in frames, in the client's shared memory, or (*bc, taken by
+ * op_put) as records on its bulk connection, read here once the request's sizes are
+ * checked; *bc is set to NULL once given back.
+ */
+static void put_run(struct req *q, struct bulk_conn **bc)
 {
 	struct store_model m;
 	struct store_chunk_info ci;
 	const void **tensors = NULL;
+	struct shared_buf *in = NULL;
 	uint8_t *snapshot = NULL;
 	uint64_t tb, total;
 	void *shm = NULL;
@@ -52,7 +59,30 @@ void op_put(struct req *q)
 		fail(q, KVBP_LIMIT, "out of memory");
 		return;
 	}
-	if (q->h.has_shm) {
+	if (*bc) {
+		char why[256];
+
+		if (q->n_payload || q->h.has_shm) {
+			fail(q, KVBP_BAD_FRAMES, "put with a bulk payload takes no payload frames "
+			     "and no shared memory; got %zu frames%s", q->n_payload,
+			     q->h.has_shm ? " and a segment" : "");
+			goto out;
+		}
+		/* held on the client's account, as a reply of that size would be */
+		in = reply_buf(q, total);
+		if (!in)
+			goto out;
+		rc = bulk_recv(q->srv->bulk, *bc, q->h.request_id, in->data, total, why,
+			       sizeof(why));
+		*bc = NULL;
+		if (rc) {
+			fail(q, KVBP_BAD_FRAMES, "put of %" PRIu64 " bytes on the bulk connection: "
+			     "%s; nothing stored", total, why);
+			goto out;
+		}
+		for (size_t i = 0; i < 2 * (size_t)m.num_layers; i++)
+			tensors[i] = in->data + i * tb;
+	} else if (q->h.has_shm) {
 		if (q->n_payload) {
 			fail(q, KVBP_BAD_FRAMES, "put with a shared-memory payload takes no payload "
 			     "frames; got %zu", q->n_payload);
@@ -144,8 +174,46 @@ void op_put(struct req *q)
 out:
 	if (shm)
 		shm_release(q->srv->shm, q->h.shm_id);
+	if (in)
+		shared_buf_unref(NULL, in);
 	free(snapshot);
 	free(tensors);
+}
+
+void put_void_bulk(struct req *q)
+{
+	struct bulk_conn *bc;
+	char why[8];
+
+	if (q->srv->bulk && !bulk_take(q->srv->bulk, q->h.bulk_ticket, q->principal, q->conn_id,
+				       q->conn_id_len, &bc))
+		bulk_recv(q->srv->bulk, bc, q->h.request_id, NULL, 0, why, sizeof(why));
+}
+
+void op_put(struct req *q)
+{
+	struct bulk_conn *bc = NULL;
+	char why[8];
+
+	if (q->h.has_bulk_ticket) {
+		if (!q->srv->bulk) {
+			fail(q, KVBP_BAD_FRAMES, "put with a bulk ticket, but this daemon has no bulk "
+			     "connections (tcp_bulk_port 0): send the payload in frames");
+			return;
+		}
+		if (bulk_take(q->srv->bulk, q->h.bulk_ticket, q->principal, q->conn_id,
+			      q->conn_id_len, &bc)) {
+			fail(q, KVBP_BAD_FRAMES, "put with a bulk ticket this client has no open bulk "
+			     "connection for on this connection (closed, expired or never opened): "
+			     "open another, or send the payload in frames");
+			return;
+		}
+	}
+	put_run(q, &bc);
+	/* refused before its payload was read: the connection is closed, so that the
+	 * client's writes fail at once and its stream never falls out of step */
+	if (bc)
+		bulk_recv(q->srv->bulk, bc, q->h.request_id, NULL, 0, why, sizeof(why));
 }
 
 /* A large GET is decoded by several threads, each taking a contiguous run of layers. */

@@ -112,6 +112,9 @@ void op_stats(struct req *q);
 void op_shm_attach(struct req *q);
 void op_shm_detach(struct req *q);
 void op_put(struct req *q);
+/* A PUT refused before it ran whose payload waits on its bulk connection: close that
+ * connection, so that the client's writes fail at once. */
+void put_void_bulk(struct req *q);
 void op_get(struct req *q);
 void op_lookup(struct req *q);
 void op_delete(struct req *q);

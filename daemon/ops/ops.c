@@ -468,6 +468,7 @@ void ops_handle(struct server *srv, const struct ops_origin *from, zmq_msg_t *fr
 			 .conn_id = from->conn_id, .conn_id_len = from->conn_id_len };
 	uint64_t total = 0;
 	char err[KVBP_MESSAGE_MAX];
+	bool ran = false;
 	int rc;
 
 	memset(out, 0, sizeof(*out));
@@ -532,8 +533,12 @@ void ops_handle(struct server *srv, const struct ops_origin *from, zmq_msg_t *fr
 		out->has_bulk = true;
 		memcpy(out->bulk_ticket, q.h.bulk_ticket, sizeof(out->bulk_ticket));
 	}
+	ran = true;
 	handlers[q.h.op](&q);
 done:
+	/* a PUT refused unrun whose payload waits on its bulk connection */
+	if (!rc && !ran && q.h.op == KVBP_OP_PUT && q.h.has_bulk_ticket)
+		put_void_bulk(&q);
 	if (out->defer) { /* counted when the lane runs it */
 		kvbp_request_clear(&q.h);
 		return;

@@ -10,6 +10,11 @@ peer's behaviour) keep working with CURVE alone. The cipher: the fastest this CP
 KVBLEND_BULK_CIPHER, and AES-256-GCM always from a daemon with tcp_bulk_aegis = false;
 a flipped bit is caught under each, and the error names the cipher.
 
+PUT payloads go the other way on the same connection: a PUT over CURVE sends its
+payload in sealed records and reads back byte-exact; a proxy that flips a bit of the
+client's record bytes, tag or header, or cuts its stream, gets the PUT refused with the
+problem named, nothing stored, and the daemon serves the next PUT.
+
 usage: test_bulk_tcp.py KVBLENDD KVBLEND
 """
 import os
@@ -18,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 
 import numpy as np
 
@@ -44,8 +50,9 @@ class Proxy:
     bytes to pass on, or None to cut the connection there. The first bytes each client
     sends on a connection are kept in self.first (a bulk connection's hello)."""
 
-    def __init__(self, port, mutate=None):
+    def __init__(self, port, mutate=None, mutate_up=None):
         self.port, self.mutate, self.first = port, mutate, []
+        self.mutate_up = mutate_up  # the same for bytes from the client
         self.ls = socket.create_server(("127.0.0.2", port))
         self.stop = False
         threading.Thread(target=self.accept, daemon=True).start()
@@ -57,7 +64,8 @@ class Proxy:
             except OSError:
                 return
             s = socket.create_connection(("127.0.0.1", self.port))
-            threading.Thread(target=self.pump, args=(c, s, None, True), daemon=True).start()
+            threading.Thread(target=self.pump, args=(c, s, self.mutate_up, True),
+                             daemon=True).start()
             threading.Thread(target=self.pump, args=(s, c, self.mutate, False),
                              daemon=True).start()
 
@@ -97,9 +105,9 @@ class Proxy:
         self.ls.close()
 
 
-def flip_at(pos):
-    """Flip the lowest bit of the stream's byte pos."""
-    pos += ACK
+def flip_at(pos, skip=ACK):
+    """Flip the lowest bit of the stream's byte pos (after its first skip bytes)."""
+    pos += skip
 
     def mutate(off, b):
         if off <= pos < off + len(b):
@@ -112,6 +120,18 @@ def flip_at(pos):
 
 def cut_at(pos):
     return lambda off, b: b if off + len(b) <= ACK + pos else None
+
+
+HELLO = 40  # a client's stream starts with its hello (proto/bulk.h KVBB_HELLO_LEN)
+
+
+def flip_up(pos):
+    """Flip the lowest bit of byte pos of the client's records (after its hello)."""
+    return flip_at(pos, HELLO)
+
+
+def cut_up(pos):
+    return lambda off, b: b if off + len(b) <= HELLO + pos else b[:HELLO + pos - off] or None
 
 
 def cpu_ciphers():
@@ -170,6 +190,20 @@ def tampered(mutate, env=None):
     return r, wrote
 
 
+def put(ep, h, env=None, path=None):
+    return kvbtest.cli(KVBLEND, ep, "put", "--model", "m", "--kv", path or f"{tmp}/kv.npy",
+                       "--hash", h, timeout_ms=5000, env={**keys, **(env or {})}, hang_s=60)
+
+
+def stored(ep, h):
+    out = f"{tmp}/stored.npy"
+    if os.path.exists(out):
+        os.remove(out)
+    r = kvbtest.cli(KVBLEND, ep, "get", "--model", "m", "--hash", h, "--out", out,
+                    timeout_ms=5000, env=keys, hang_s=60)
+    return r.returncode == 0 and np.array_equal(np.load(out), kv)
+
+
 def stat(d, name):
     r = d.cli("stats", "--json")
     import json
@@ -221,6 +255,104 @@ try:
         check(f"{what}: no output written", not wrote)
         r, same, _ = get(direct, "after")
         check(f"{what}: the daemon serves the next GET byte-exact", same, r.stderr)
+
+    # PUT over CURVE TCP: the payload in sealed records from the client
+    opened0, in0 = stat(d, "bulk_records_opened"), stat(d, "bulk_bytes_received")
+    r = put(direct, "c1" * 32)
+    check("PUT over CURVE TCP with a bulk connection", r.returncode == 0, r.stderr)
+    check("... its payload came in sealed records",
+          stat(d, "bulk_records_opened") >= opened0 + 8 and
+          stat(d, "bulk_bytes_received") >= in0 + kv.nbytes,
+          f"{stat(d, 'bulk_records_opened')} {stat(d, 'bulk_bytes_received')}")
+    check("... and reads back byte-exact", stored(direct, "c1" * 32))
+    in0 = stat(d, "bulk_bytes_received")
+    r = put(direct, "c2" * 32, {"KVBLEND_NO_BULK": "1"})
+    check("PUT without bulk connections (CURVE frames)", r.returncode == 0, r.stderr)
+    check("... no bulk bytes for it, and byte-exact",
+          stat(d, "bulk_bytes_received") == in0 and stored(direct, "c2" * 32))
+    REC = HDR + SEAL + TAG
+    put_cases = [
+        ("a flipped bit in a PUT record's bytes", flip_up(HDR + 1000), f"{CIPHER} check"),
+        ("a flipped bit in the fourth PUT record's bytes", flip_up(3 * REC + HDR + 9),
+         f"{CIPHER} check"),
+        ("a flipped bit in a PUT record's tag", flip_up(REC - 2), f"{CIPHER} check"),
+        ("a flipped bit in a PUT record header's request id", flip_up(REC + 8),
+         "does not follow"),
+        ("a flipped bit in a PUT record header's total", flip_up(REC + 16), "does not follow"),
+        ("a flipped bit in a PUT record header's magic", flip_up(REC + 1), "malformed header"),
+        ("the PUT's stream cut mid-record", cut_up(2 * REC + 100), "closed after"),
+    ]
+    for i, (what, mutate, words) in enumerate(put_cases):
+        h = f"{0xd0 + i:02x}" * 32
+        pz, pb = Proxy(port), Proxy(bulk_port, mutate_up=mutate)
+        try:
+            r = put(f"tcp://127.0.0.2:{port}", h)
+        finally:
+            pz.close()
+            pb.close()
+        check(f"{what}: PUT refused naming it", r.returncode == 1 and words in r.stderr,
+              r.stderr)
+        r2 = d.cli("lookup", "--model", "m", h)
+        check(f"{what}: nothing stored", r2.returncode == 0 and "missing" in r2.stdout,
+              r2.stdout + r2.stderr)
+        r = put(direct, h)
+        check(f"{what}: the daemon takes the next PUT", r.returncode == 0 and stored(direct, h),
+              r.stderr)
+
+    # a PUT refused before its payload is read (an unknown model), 64 MiB on the bulk
+    # connection: the daemon closes that connection, so the client's writes fail at once
+    # and it reports the daemon's reason, not a timeout of its writes
+    code = f"""
+import time
+import numpy as np
+import kvblend
+c = kvblend.Client({direct!r}, timeout_ms=20000, server_key={srv_pub!r},
+                   client_secret_key={cli_sec!r})
+big = np.ones((4, 2, 16384, 4, 64), np.float16)
+t0 = time.monotonic()
+try:
+    c.put("nosuch", bytes.fromhex("e1" * 32), big)
+    print("stored")
+except kvblend.KvblendError as e:
+    print(f"{{time.monotonic() - t0:.2f}}", e)
+c.close()
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env=kvbtest.python_env(KVBLEND), timeout=120)
+    took = float(r.stdout.split()[0]) if r.stdout[:1].isdigit() else 99
+    check("a 64 MiB PUT of an unknown model on the bulk connection: refused naming it, at "
+          "once", "unknown model" in r.stdout and took < 10, r.stdout + r.stderr)
+    r = put(direct, "e2" * 32)
+    check("... and the next PUT goes through", r.returncode == 0 and stored(direct, "e2" * 32),
+          r.stderr)
+
+    # a client that trickles its PUT payload holds a worker no longer than
+    # reply_timeout_ms (5 s): the PUT is refused naming it, nothing stored, and other
+    # clients are served
+    def trickle(off, b):
+        time.sleep(0.2)
+        return b
+    pz, pb = Proxy(port), Proxy(bulk_port, mutate_up=trickle)
+    box = {}
+    t = threading.Thread(target=lambda: box.update(r=put(f"tcp://127.0.0.2:{port}", "e3" * 32)))
+    t0 = time.monotonic()
+    t.start()
+    time.sleep(1)
+    # (a request the main thread queued behind the held worker waits for the deadline,
+    # as behind a GET's stalled bulk reader: test_stuck_reader)
+    r2 = d.cli("lookup", "--model", "m", HASH, timeout_ms=15000)
+    check("while one PUT trickles, another client is served", r2.returncode == 0 and
+          "missing" not in r2.stdout, r2.stderr)
+    t.join(120)
+    took = time.monotonic() - t0
+    pz.close()
+    pb.close()
+    r = box.get("r")
+    check("a trickled PUT payload is cut at the daemon's deadline, naming it",
+          r is not None and r.returncode == 1 and "timed out" in r.stderr and took < 30,
+          f"{took:.1f} s: {r and r.stderr}")
+    r2 = d.cli("lookup", "--model", "m", "e3" * 32)
+    check("... nothing of it stored", "missing" in r2.stdout, r2.stdout + r2.stderr)
 
     # each cipher this CPU runs, named by the client: byte-exact, and a flipped bit in
     # the second record's bytes caught by that cipher's check
