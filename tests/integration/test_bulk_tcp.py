@@ -413,6 +413,8 @@ try:
 except kvblend.KvblendError as e:
     print("after False", e, flush=True)
 print("next", np.array_equal(c.get("m", h), kv), flush=True)
+h2 = bytes.fromhex("f1" * 32)
+print("put", c.put("m", h2, kv) is False and np.array_equal(c.get("m", h2), kv), flush=True)
 c.close()
 """], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     line = child.stdout.readline().strip()
@@ -428,6 +430,9 @@ c.close()
     check("the next GET: byte-exact, on a new sealed bulk connection",
           line == "next True" and stat(d, "bulk_records_sealed") >= sealed0 + 8,
           f"{line} {stat(d, 'bulk_records_sealed')}")
+    line = child.stdout.readline().strip()
+    check("a PUT from Python over the sealed bulk connection reads back byte-exact",
+          line == "put True" and stat(d, "bulk_records_opened") >= 8, line)
     check("that client exits 0", child.wait(60) == 0)
 finally:
     check("daemon exits 0", d.stop() == 0)
