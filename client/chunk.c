@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "client/client_impl.h"
 
@@ -85,6 +86,23 @@ static int put_once(kvb_client *c, const char *model, const uint8_t hash[KVB_HAS
 		    enum kvb_dtype dtype, uint32_t num_tokens, uint32_t base_pos, const void *kv,
 		    size_t kv_bytes, int *existed, bool *bulk_failed);
 static int bulk_ready(kvb_client *c);
+
+/* After a PUT's bulk payload failed, PUTs go in frames this long. */
+#define BULK_PUT_BACKOFF_MS 60000
+
+static int64_t mono_ms(void)
+{
+	struct timespec now;
+
+	clock_gettime(CLOCK_MONOTONIC, &now);
+	return now.tv_sec * 1000 + now.tv_nsec / 1000000;
+}
+
+/* Whether a PUT may try the bulk connection now (not within the backoff of a failed one). */
+static bool bulk_put_ok(const kvb_client *c)
+{
+	return !c->bulk_put_after_ms || mono_ms() >= c->bulk_put_after_ms;
+}
 static int get_once(kvb_client *c, const char *model, const uint8_t hash[KVB_HASH_LEN],
 		    uint32_t layer_begin, uint32_t layer_end, bool rerotate, uint32_t pos,
 		    void *out, size_t out_bytes, struct kvb_chunk_info *info);
@@ -97,14 +115,17 @@ int kvb_put(kvb_client *c, const char *model, const uint8_t hash[KVB_HASH_LEN],
 	int rc = put_once(c, model, hash, dtype, num_tokens, base_pos, kv, kv_bytes, existed,
 			  &bulk_failed);
 
-	/* Once, with a new segment; kv stays readable if it was in the lost one. Once, on a
-	 * new bulk connection, when the one it went on failed or the daemon no longer had it
-	 * (a restart, an idle connection cut): nothing of it was stored. */
-	if (kvbc_shm_lost(c, rc, had) || bulk_failed) {
-		kvbc_bulk_close(c);
+	/* Once, with a new segment; kv stays readable if it was in the lost one. Once, in
+	 * frames, when its bulk connection failed, the daemon no longer had it (a restart,
+	 * an idle connection cut), or the payload fell behind the daemon's schedule (a slow
+	 * link): nothing of it was stored. PUTs stay in frames for a minute after. */
+	if (bulk_failed) {
+		kvbc_bulk_close(c); /* (the daemon closed it: its stream is out of step) */
+		c->bulk_put_after_ms = mono_ms() + BULK_PUT_BACKOFF_MS;
+	}
+	if (kvbc_shm_lost(c, rc, had) || bulk_failed)
 		rc = put_once(c, model, hash, dtype, num_tokens, base_pos, kv, kv_bytes, existed,
 			      &bulk_failed);
-	}
 	return rc;
 }
 
@@ -126,7 +147,7 @@ static int put_once(kvb_client *c, const char *model, const uint8_t hash[KVB_HAS
 		return kvbc_set_err(c, -EINVAL, "%zu bytes cannot hold K and V of %" PRIu32
 				    " tokens of %zu-byte elements", kv_bytes, num_tokens, esize);
 	memcpy(k.req.hash, hash, KVB_HASH_LEN);
-	if (!kvbc_in_shm(c, kv, kv_bytes) && bulk_ready(c) == 1 && c->bulk_put) {
+	if (!kvbc_in_shm(c, kv, kv_bytes) && bulk_put_ok(c) && bulk_ready(c) == 1 && c->bulk_put) {
 		/* over TCP: the payload on the bulk connection, straight from kv */
 		k.req.has_bulk_ticket = true;
 		memcpy(k.req.bulk_ticket, c->bulk_ticket, sizeof(k.req.bulk_ticket));

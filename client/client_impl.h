@@ -81,6 +81,7 @@ struct kvb_client {
 	uint64_t bulk_counter;	     /* records received: the next nonce */
 	uint64_t bulk_scounter;	     /* PUT records sent, plus one (the hello): the next nonce */
 	bool bulk_put;		     /* the daemon takes PUT payloads on it */
+	int64_t bulk_put_after_ms;   /* a PUT on it failed: PUTs in frames until then */
 	/* the next record's header, received with the record before it (same payload) */
 	bool bulk_have_hdr;
 	uint8_t bulk_hdr[KVBB_HDR_LEN];

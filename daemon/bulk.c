@@ -29,6 +29,17 @@
 #define TICKET_MS 10000		/* a ticket waits this long for its connection */
 #define HELLO_MS 5000		/* a new connection has this long to send its hello */
 #define IOV_PER_RECORD 64
+/*
+ * A PUT's records hold the worker that reads them, so they must come as fast as a
+ * client that sends them right after its request does: the first within PUT_START_MS
+ * of the worker taking the PUT (a client writes them before ZeroMQ has even passed the
+ * request on), every byte at most PUT_START_MS behind a rate of PUT_MIN_BYTES_PER_MS
+ * (100 MB/s) after that. A client that sends nothing, trickles, or sits behind a slower
+ * link is cut at once and sends its PUT in frames instead (libkvblend does), which
+ * ZeroMQ receives without a worker; no client holds a worker long for nothing.
+ */
+#define PUT_START_MS 200
+#define PUT_MIN_BYTES_PER_MS 100000
 
 struct bulk_conn {
 	bool used;
@@ -384,9 +395,37 @@ static int read_all(int fd, struct iovec *iov, int n, int64_t deadline_ms)
 	return 0;
 }
 
-/* The records of one PUT payload into buf[0..total), on c (its recv_lock held). */
+/* When the bytes up to offset `upto` of a PUT started at start_ms are due (not after end). */
+static int64_t put_due(int64_t start_ms, uint64_t upto, int64_t end_ms)
+{
+	uint64_t ms = upto / PUT_MIN_BYTES_PER_MS;
+
+	return ms < (uint64_t)(end_ms - start_ms) && start_ms + PUT_START_MS + (int64_t)ms < end_ms
+		       ? start_ms + PUT_START_MS + (int64_t)ms
+		       : end_ms;
+}
+
+/* why for a read of a PUT's records that failed with rc, off bytes in, due at due. */
+static void put_failed(char *why, size_t why_len, int rc, uint64_t off, uint64_t total,
+		       int64_t start_ms, int64_t due, int64_t end_ms)
+{
+	if (rc == -ETIMEDOUT && due < end_ms)
+		snprintf(why, why_len, "the bulk connection fell behind: %" PRIu64 " of the "
+			 "payload's %" PRIu64 " bytes in %lld ms (a PUT's records must start "
+			 "within %d ms and keep up with %d MB/s; send it in frames instead)", off,
+			 total, (long long)(now_ms() - start_ms), PUT_START_MS,
+			 PUT_MIN_BYTES_PER_MS / 1000);
+	else
+		snprintf(why, why_len, "the bulk connection %s after %" PRIu64 " of the "
+			 "payload's %" PRIu64 " bytes", rc == -ETIMEDOUT ? "timed out" : "closed",
+			 off, total);
+}
+
+/* The records of one PUT payload into buf[0..total), on c (its recv_lock held), started
+ * at start_ms, whole by deadline. */
 static int recv_records(struct bulk *b, struct bulk_conn *c, uint64_t request_id,
-			uint8_t *buf, uint64_t total, int64_t deadline, char *why, size_t why_len)
+			uint8_t *buf, uint64_t total, int64_t start_ms, int64_t deadline,
+			char *why, size_t why_len)
 {
 	uint8_t hdr[KVBB_HDR_LEN], next[KVBB_HDR_LEN];
 	bool have = false;
@@ -398,13 +437,13 @@ static int recv_records(struct bulk *b, struct bulk_conn *c, uint64_t request_id
 		struct kvbb_hdr h;
 		struct iovec v[3];
 
+		int64_t due = put_due(start_ms, off + sizeof(hdr), deadline);
+
 		v[0] = (struct iovec){ hdr, sizeof(hdr) };
 		if (have) /* came with the record before */
 			memcpy(hdr, next, sizeof(hdr));
-		else if ((rc = read_all(c->fd, v, 1, deadline))) {
-			snprintf(why, why_len, "the bulk connection %s after %" PRIu64 " of the "
-				 "payload's %" PRIu64 " bytes", rc == -ETIMEDOUT ? "timed out"
-				 : "closed", off, total);
+		else if ((rc = read_all(c->fd, v, 1, due))) {
+			put_failed(why, why_len, rc, off, total, start_ms, due, deadline);
 			return rc;
 		}
 		/* every size checked before a byte lands in buf */
@@ -428,10 +467,9 @@ static int recv_records(struct bulk *b, struct bulk_conn *c, uint64_t request_id
 		v[0] = (struct iovec){ buf + off, h.len };
 		v[1] = (struct iovec){ tag, c->sealed ? sizeof(tag) : 0 };
 		v[2] = (struct iovec){ next, have ? sizeof(next) : 0 };
-		if ((rc = read_all(c->fd, v, 3, deadline))) {
-			snprintf(why, why_len, "the bulk connection %s after %" PRIu64 " of the "
-				 "payload's %" PRIu64 " bytes", rc == -ETIMEDOUT ? "timed out"
-				 : "closed", off, total);
+		due = put_due(start_ms, off + h.len, deadline);
+		if ((rc = read_all(c->fd, v, 3, due))) {
+			put_failed(why, why_len, rc, off, total, start_ms, due, deadline);
 			return rc;
 		}
 		if (c->sealed) {
@@ -456,7 +494,8 @@ int bulk_recv(struct bulk *b, struct bulk_conn *c, uint64_t request_id, void *bu
 {
 	const char *principal = c->principal;
 	/* a PUT's payload is never unbounded in time: without a reply timeout, 30 s */
-	int64_t deadline = now_ms() + (b->send_timeout_ms ? b->send_timeout_ms : 30000);
+	int64_t start = now_ms(), deadline = start + (b->send_timeout_ms ? b->send_timeout_ms
+									     : 30000);
 	struct timespec until = { deadline / 1000, (deadline % 1000) * 1000000 };
 	int rc = -pthread_mutex_clocklock(&c->recv_lock, CLOCK_MONOTONIC, &until);
 
@@ -464,7 +503,8 @@ int bulk_recv(struct bulk *b, struct bulk_conn *c, uint64_t request_id, void *bu
 		snprintf(why, why_len, "another payload held the bulk connection past the "
 			 "deadline");
 	} else {
-		rc = buf ? recv_records(b, c, request_id, buf, total, deadline, why, why_len)
+		rc = buf ? recv_records(b, c, request_id, buf, total, start, deadline, why,
+					why_len)
 			 : -ECANCELED;
 		pthread_mutex_unlock(&c->recv_lock);
 	}

@@ -90,10 +90,12 @@ int bulk_send(struct bulk *b, struct bulk_conn *c, uint64_t request_id,
  * Receive the total bytes of PUT request request_id from c into buf, record by record
  * (opened when its ticket was sealed; every header checked before its bytes land), and
  * give c back. Bounded by send_timeout_ms (30 s when that is 0), the wait for the
- * connection's receive lock included. 0; or the connection is closed (its stream is out
- * of step; the client's writes fail at once) and why says what happened: -EPROTO (a
- * malformed or out-of-order record), -EBADMSG (altered on the wire), -ETIMEDOUT,
- * -EPIPE, -errno. With buf NULL: the PUT was refused before its payload: c is closed
+ * connection's receive lock included, and by a schedule: the first record within
+ * 200 ms, then at least 100 MB/s (bulk.c PUT_START_MS): the worker waits on no slow
+ * client. 0; or the connection is closed (its stream is out of step; the client's
+ * writes fail at once) and why says what happened: -EPROTO (a malformed or
+ * out-of-order record), -EBADMSG (altered on the wire), -ETIMEDOUT (fell behind, or
+ * the deadline), -EPIPE, -errno. With buf NULL: the PUT was refused before its payload: c is closed
  * and given back, -ECANCELED.
  */
 int bulk_recv(struct bulk *b, struct bulk_conn *c, uint64_t request_id, void *buf,
