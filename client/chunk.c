@@ -119,10 +119,8 @@ int kvb_put(kvb_client *c, const char *model, const uint8_t hash[KVB_HASH_LEN],
 	 * frames, when its bulk connection failed, the daemon no longer had it (a restart,
 	 * an idle connection cut), or the payload fell behind the daemon's schedule (a slow
 	 * link): nothing of it was stored. PUTs stay in frames for a minute after. */
-	if (bulk_failed) {
-		kvbc_bulk_close(c); /* (the daemon closed it: its stream is out of step) */
+	if (bulk_failed)
 		c->bulk_put_after_ms = mono_ms() + BULK_PUT_BACKOFF_MS;
-	}
 	if (kvbc_shm_lost(c, rc, had) || bulk_failed)
 		rc = put_once(c, model, hash, dtype, num_tokens, base_pos, kv, kv_bytes, existed,
 			      &bulk_failed);
@@ -154,7 +152,12 @@ static int put_once(kvb_client *c, const char *model, const uint8_t hash[KVB_HAS
 		k.bulk_out = kv;
 		k.bulk_out_len = kv_bytes;
 		rc = kvbc_call(c, &k);
-		*bulk_failed = rc && (k.bulk_out_rc || rc == KVB_E_BAD_FRAMES);
+		/* the daemon refused the records (bad_frames), or no reply came after the
+		 * connection failed: again in frames; a refusal of the request itself
+		 * (unknown model, a limit, ...) stands */
+		*bulk_failed = rc == KVB_E_BAD_FRAMES || (k.bulk_out_rc && rc < 0 && rc > -1000);
+		if (rc) /* a failed PUT's connection the daemon closed: the next call opens one */
+			kvbc_bulk_close(c);
 	} else if (kvbc_in_shm(c, kv, kv_bytes) ||
 		   (c->shm_ok && kvbc_shm_ensure(c, kv_bytes))) {
 		if (!kvbc_in_shm(c, kv, kv_bytes))

@@ -17,6 +17,7 @@
 #include <zmq.h>
 
 #include "daemon/bulk.h"
+#include "daemon/work.h"
 #include "proto/bulk.h"
 #include "daemon/clients.h"
 #include "cluster/cluster.h"
@@ -542,7 +543,7 @@ int server_start(struct server *srv, const struct config *cfg, struct store *sto
 	pthread_mutex_init(&srv->pf_lock, NULL);
 	pthread_cond_init(&srv->pf_cond, NULL);
 	srv->threads = calloc(n_workers, sizeof(*srv->threads));
-	if (!srv->threads)
+	if (!srv->threads || work_new(WORK_QUEUE, &srv->work))
 		return -ENOMEM;
 	/* Threads start with signals blocked; only the main thread takes them. */
 	sigfillset(&all);
@@ -619,7 +620,11 @@ void server_stop(struct server *srv)
 				unlink(srv->cfg->listen[i] + 6);
 		clock_gettime(CLOCK_MONOTONIC, &start);
 		while (srv->inflight && waited_ms < (int64_t)limit_ms) {
-			int rc = zmq_poll(items, n_items + 1, 50);
+			int rc;
+
+			for (int i = 1; i < n_items; i++)
+				items[i].events = work_full(srv->work) ? 0 : ZMQ_POLLIN;
+			rc = zmq_poll(items, n_items + 1, 50);
 
 			if (rc > 0 && (items[0].revents & ZMQ_POLLIN))
 				while (server_forward_out(srv) == 0)
@@ -662,6 +667,7 @@ void server_stop(struct server *srv)
 	srv->threads = NULL;
 	srv->n_workers = 0;
 	lane_stop(&srv->lane);
+	work_free(&srv->work); /* requests never started: their clients get no reply */
 	bulk_stop(&srv->bulk); /* after the workers: none writes on a connection now */
 	/* Replies produced in the last moments. */
 	while (srv->backend && server_forward_out(srv) == 0)

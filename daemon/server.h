@@ -2,9 +2,9 @@
  * server — kvblendd's sockets, worker threads and main loop.
  *
  * ROUTER sockets bound to the configured endpoints (a CURVE one for TCP when a
- * server key is configured); the main thread moves messages between them and an
- * inproc DEALER that load-balances over worker
- * threads (DEALER sockets that keep the routing envelope). The main thread also acts on signal flags, expires
+ * server key is configured); the main thread moves requests from them into one queue
+ * that idle worker threads take from (work.h), and the workers' replies (on an inproc
+ * DEALER that keeps the routing envelope) back to them. The main thread also acts on signal flags, expires
  * shared-memory segments and pings the systemd watchdog. Workers decode a
  * request, run it (ops/ops.c) and reply.
  */

@@ -21,6 +21,9 @@
 #define LANE_ENDPOINT "inproc://kvblend-lane"
 #define LANE_WAITING 4 /* costly requests queued for the lane; beyond: busy */
 #define POLL_MS 200
+/* Requests queued for the workers at most (work.h); past it the main thread stops
+ * reading its sockets until a worker takes one. */
+#define WORK_QUEUE 4096
 /*
  * A request as the workers receive it: [tag] [routing id] [empty delimiter] [header]
  * [payload ...]. The tag is added by the main thread (struct req_tag); the routing id

@@ -1,6 +1,7 @@
 /* server_loop — the main thread of kvblendd: requests from the frontends to the workers,
  * replies back, connections counted, the periodic work; see server_impl.h. */
 #include "daemon/server.h"
+#include "daemon/work.h"
 
 #include <arpa/inet.h>
 #include <errno.h>
@@ -152,16 +153,14 @@ int server_forward_in(struct server *srv, unsigned i)
 			zmq_msg_close(&frames[k]);
 			zmq_msg_init(&frames[k]);
 		}
-	if (zmq_send(srv->backend, &tag, sizeof(tag), ZMQ_SNDMORE) < 0) {
-		rc = -errno;
-		for (size_t k = 0; k < n; k++)
-			zmq_msg_close(&frames[k]);
+	/* to the first idle worker (work.h) */
+	rc = work_push(srv->work, &tag, sizeof(tag), frames, n);
+	for (size_t k = 0; k < n; k++)
+		zmq_msg_close(&frames[k]);
+	if (rc) {
 		tag_done(srv, &tag);
 		return rc;
 	}
-	for (size_t k = 0; k < n; k++)
-		if (zmq_msg_send(&frames[k], srv->backend, k + 1 < n ? ZMQ_SNDMORE : 0) < 0)
-			zmq_msg_close(&frames[k]);
 	srv->inflight++;
 	return 0;
 }
@@ -227,7 +226,12 @@ int server_run(struct server *srv, volatile int *stop, void (*tick)(struct serve
 		items[2] = items[3];
 	items[lane] = (zmq_pollitem_t){ srv->lane_out, 0, ZMQ_POLLIN, 0 }; /* last */
 	while (!*stop) {
-		int rc = zmq_poll(items, lane + 1, POLL_MS);
+		int rc;
+
+		/* the workers' queue full: requests wait in the sockets (their HWM, then TCP) */
+		for (int i = 1; i < n_items; i++)
+			items[i].events = work_full(srv->work) ? 0 : ZMQ_POLLIN;
+		rc = zmq_poll(items, lane + 1, POLL_MS);
 
 		if (rc < 0 && errno != EINTR)
 			log_warn("poll: %s", zmq_strerror(errno));

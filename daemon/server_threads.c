@@ -17,6 +17,7 @@
 #include <zmq.h>
 
 #include "daemon/bulk.h"
+#include "daemon/work.h"
 #include "proto/bulk.h"
 #include "daemon/clients.h"
 #include "cluster/cluster.h"
@@ -303,7 +304,6 @@ void *server_worker_main(void *arg)
 		goto out;
 	}
 	while (!atomic_load(&srv->stop_workers)) {
-		zmq_pollitem_t it = { sock, 0, ZMQ_POLLIN, 0 };
 		struct reply_out out;
 		size_t n, extra, env;
 		struct timespec t0, t1;
@@ -311,9 +311,10 @@ void *server_worker_main(void *arg)
 		struct req_tag tag;
 		struct ops_origin from;
 
-		if (zmq_poll(&it, 1, POLL_MS) <= 0 || !(it.revents & ZMQ_POLLIN))
-			continue;
-		if (server_recv_frames(sock, frames, cap, &n, &extra))
+		/* the oldest request, when this worker is free (work.h); replies on sock */
+		n = work_pop(srv->work, frames, cap, POLL_MS);
+		extra = 0;
+		if (!n)
 			continue;
 		if (n && zmq_msg_size(&frames[0]) == sizeof(tag)) {
 			memcpy(&tag, zmq_msg_data(&frames[0]), sizeof(tag));

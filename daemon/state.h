@@ -78,7 +78,8 @@ struct server {
 	atomic_uint_fast64_t refused_clients; /* handshakes refused beyond max_clients */
 	atomic_uint_fast64_t refused_keys;    /* CURVE handshakes with an unlisted key */
 	uint64_t max_clients; /* cfg->max_clients, or less to fit the descriptor limit */
-	void *backend;	/* DEALER, inproc, workers connect */
+	void *backend;	/* DEALER, inproc, workers connect: their replies */
+	struct work *work; /* requests to the workers, taken by the idle ones (work.h) */
 	void *lane_out;	/* PULL, inproc: the lane's replies (lane.h) */
 	struct lane *lane;	/* costly requests, off the workers */
 	pthread_t *threads;

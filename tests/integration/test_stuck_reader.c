@@ -536,6 +536,59 @@ static void stalled_bulk_readers(bool curve, bool trickle)
 	free(kv);
 }
 
+/*
+ * One reader that never reads holds one worker (writing its payload) until
+ * reply_timeout_ms (3 s here); the other worker is idle. Requests from another client
+ * meanwhile go to the idle worker (daemon/work.h), every one of them: none waits behind
+ * the held worker, as every other one did when requests were dealt to the workers in
+ * turn.
+ */
+static void one_stalled_reader_holds_one_worker_only(void **state)
+{
+	char tcp[64], bport[16];
+	const char *args[] = { "--workers", "2", "--reply-timeout-ms", "3000", "--listen", tcp,
+			       "--tcp-bulk-port", bport, NULL };
+	size_t bytes = (size_t)L * 2 * BIG_T * H * D * 2;
+	uint8_t *kv = malloc(bytes), hash[KVB_HASH_LEN];
+	struct slow_reader rd;
+	struct daemon d;
+	kvb_client *c, *victim;
+	double worst = 0;
+
+	(void)state;
+	assert_non_null(kv);
+	snprintf(tcp, sizeof(tcp), "tcp://127.0.0.1:%d", free_tcp_port());
+	snprintf(bport, sizeof(bport), "%d", free_tcp_port());
+	daemon_start(&d, args);
+	c = daemon_client(&d, 1);
+	victim = daemon_client(&d, 1);
+	assert_int_equal(kvb_model_register(c, &slow_model, NULL), 0);
+	fill_random(kv, bytes, 11);
+	hash_of(111, hash);
+	assert_int_equal(kvb_put(c, slow_model.name, hash, KVB_F16, BIG_T, 0, kv, bytes, NULL), 0);
+	slow_reader_open(&rd, tcp, NULL, NULL);
+	slow_reader_get(&rd, slow_model.name, hash, bytes); /* a worker now writes, stalled */
+	for (int i = 0; i < 16; i++) {
+		struct timespec p0;
+		double took;
+
+		clock_gettime(CLOCK_MONOTONIC, &p0);
+		assert_int_equal(kvb_ping(victim, NULL, 0), 0);
+		took = since(&p0);
+		worst = took > worst ? took : worst;
+	}
+	print_message("one stalled bulk reader, 2 workers: 16 pings from another client, the "
+		      "slowest %.3f s\n", worst);
+	/* a ping dealt to the held worker would wait out its 3 s deadline */
+	assert_true(worst < 1.5);
+	slow_reader_close(&rd);
+	kvb_close(&c);
+	kvb_close(&victim);
+	daemon_stop(&d);
+	daemon_cleanup(&d);
+	free(kv);
+}
+
 static void a_trickling_bulk_reader_is_cut_and_others_served(void **state)
 {
 	(void)state;
@@ -636,6 +689,7 @@ int main(void)
 		cmocka_unit_test(a_stuck_reader_is_cut_off_at_the_deadline),
 		cmocka_unit_test(a_stuck_reader_is_cut_when_the_map_is_full),
 		cmocka_unit_test(a_stuck_bulk_reader_is_cut_off_at_the_deadline),
+		cmocka_unit_test(one_stalled_reader_holds_one_worker_only),
 		cmocka_unit_test(a_trickling_bulk_reader_is_cut_and_others_served),
 		cmocka_unit_test(a_never_reading_bulk_reader_is_cut_and_others_served),
 		cmocka_unit_test(a_trickling_curve_bulk_reader_is_cut_and_others_served),
