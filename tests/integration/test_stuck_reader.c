@@ -317,6 +317,23 @@ static double since(const struct timespec *t0)
 	return (double)(t1.tv_sec - t0->tv_sec) + (t1.tv_nsec - t0->tv_nsec) / 1e9;
 }
 
+/* The slowest of n pings by c, in seconds (each must answer). */
+static double slowest_ping(kvb_client *c, int n)
+{
+	double worst = 0;
+
+	for (int i = 0; i < n; i++) {
+		struct timespec p0;
+		double took;
+
+		clock_gettime(CLOCK_MONOTONIC, &p0);
+		assert_int_equal(kvb_ping(c, NULL, 0), 0);
+		took = since(&p0);
+		worst = took > worst ? took : worst;
+	}
+	return worst;
+}
+
 /* A hostile TCP client with a bulk connection whose socket it reads slowly or never. */
 struct slow_reader {
 	struct raw r;
@@ -441,7 +458,7 @@ static void stalled_bulk_readers(bool curve, bool trickle)
 	struct daemon d;
 	pthread_t th;
 	kvb_client *c, *victim;
-	double worst = 0, cut_after;
+	double worst, cut_after;
 
 	assert_non_null(kv);
 	snprintf(tcp, sizeof(tcp), "tcp://127.0.0.1:%d", free_tcp_port());
@@ -468,15 +485,7 @@ static void stalled_bulk_readers(bool curve, bool trickle)
 	if (trickle)
 		assert_int_equal(pthread_create(&th, NULL, trickle_main, &t), 0);
 	/* the workers are (or were) held by the payloads: another client is answered */
-	for (int i = 0; i < 8; i++) {
-		struct timespec p0;
-		double took;
-
-		clock_gettime(CLOCK_MONOTONIC, &p0);
-		assert_int_equal(kvb_ping(victim, NULL, 0), 0);
-		took = since(&p0);
-		worst = took > worst ? took : worst;
-	}
+	worst = slowest_ping(victim, 8);
 	while (daemon_stat(c, "bulk_connections") > 0) {
 		struct timespec nap = { 0, 20 * 1000 * 1000 };
 
@@ -553,7 +562,7 @@ static void one_stalled_reader_holds_one_worker_only(void **state)
 	struct slow_reader rd;
 	struct daemon d;
 	kvb_client *c, *victim;
-	double worst = 0;
+	double worst;
 
 	(void)state;
 	assert_non_null(kv);
@@ -568,15 +577,7 @@ static void one_stalled_reader_holds_one_worker_only(void **state)
 	assert_int_equal(kvb_put(c, slow_model.name, hash, KVB_F16, BIG_T, 0, kv, bytes, NULL), 0);
 	slow_reader_open(&rd, tcp, NULL, NULL);
 	slow_reader_get(&rd, slow_model.name, hash, bytes); /* a worker now writes, stalled */
-	for (int i = 0; i < 16; i++) {
-		struct timespec p0;
-		double took;
-
-		clock_gettime(CLOCK_MONOTONIC, &p0);
-		assert_int_equal(kvb_ping(victim, NULL, 0), 0);
-		took = since(&p0);
-		worst = took > worst ? took : worst;
-	}
+	worst = slowest_ping(victim, 16);
 	print_message("one stalled bulk reader, 2 workers: 16 pings from another client, the "
 		      "slowest %.3f s\n", worst);
 	/* a ping dealt to the held worker would wait out its 3 s deadline */
