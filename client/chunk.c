@@ -86,6 +86,9 @@ static int put_once(kvb_client *c, const char *model, const uint8_t hash[KVB_HAS
 		    enum kvb_dtype dtype, uint32_t num_tokens, uint32_t base_pos, const void *kv,
 		    size_t kv_bytes, int *existed, bool *bulk_failed);
 static int bulk_ready(kvb_client *c);
+static int get_once(kvb_client *c, const char *model, const uint8_t hash[KVB_HASH_LEN],
+		    uint32_t layer_begin, uint32_t layer_end, bool rerotate, uint32_t pos,
+		    void *out, size_t out_bytes, struct kvb_chunk_info *info);
 
 /* After a PUT's bulk payload failed, PUTs go in frames this long. */
 #define BULK_PUT_BACKOFF_MS 60000
@@ -103,9 +106,6 @@ static bool bulk_put_ok(const kvb_client *c)
 {
 	return !c->bulk_put_after_ms || mono_ms() >= c->bulk_put_after_ms;
 }
-static int get_once(kvb_client *c, const char *model, const uint8_t hash[KVB_HASH_LEN],
-		    uint32_t layer_begin, uint32_t layer_end, bool rerotate, uint32_t pos,
-		    void *out, size_t out_bytes, struct kvb_chunk_info *info);
 
 int kvb_put(kvb_client *c, const char *model, const uint8_t hash[KVB_HASH_LEN],
 	    enum kvb_dtype dtype, uint32_t num_tokens, uint32_t base_pos, const void *kv,

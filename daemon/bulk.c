@@ -2,8 +2,8 @@
 #include "daemon/bulk.h"
 
 #include <errno.h>
-#include <inttypes.h>
 #include <fcntl.h>
+#include <inttypes.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -378,9 +378,7 @@ static int read_all(int fd, struct iovec *iov, int n, int64_t deadline_ms)
 			return -ETIMEDOUT;
 		if (left > 1000)
 			left = 1000;
-		tv = (struct timeval){ 0, (suseconds_t)left * 1000 };
-		if (tv.tv_usec >= 1000000)
-			tv = (struct timeval){ 1, 0 };
+		tv = (struct timeval){ left / 1000, (suseconds_t)(left % 1000) * 1000 };
 		if (setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv)))
 			return -errno;
 		r = recvmsg(fd, &m, MSG_WAITALL);
@@ -398,11 +396,10 @@ static int read_all(int fd, struct iovec *iov, int n, int64_t deadline_ms)
 /* When the bytes up to offset `upto` of a PUT started at start_ms are due (not after end). */
 static int64_t put_due(int64_t start_ms, uint64_t upto, int64_t end_ms)
 {
-	uint64_t ms = upto / PUT_MIN_BYTES_PER_MS;
+	/* (upto is at most max_message: the sum cannot overflow) */
+	int64_t due = start_ms + PUT_START_MS + (int64_t)(upto / PUT_MIN_BYTES_PER_MS);
 
-	return ms < (uint64_t)(end_ms - start_ms) && start_ms + PUT_START_MS + (int64_t)ms < end_ms
-		       ? start_ms + PUT_START_MS + (int64_t)ms
-		       : end_ms;
+	return due < end_ms ? due : end_ms;
 }
 
 /* why for a read of a PUT's records that failed with rc, off bytes in, due at due. */
@@ -433,11 +430,10 @@ static int recv_records(struct bulk *b, struct bulk_conn *c, uint64_t request_id
 	int rc;
 
 	do {
+		int64_t due = put_due(start_ms, off + sizeof(hdr), deadline);
 		uint8_t tag[KVBB_TAG_LEN];
 		struct kvbb_hdr h;
 		struct iovec v[3];
-
-		int64_t due = put_due(start_ms, off + sizeof(hdr), deadline);
 
 		v[0] = (struct iovec){ hdr, sizeof(hdr) };
 		if (have) /* came with the record before */
@@ -503,15 +499,18 @@ int bulk_recv(struct bulk *b, struct bulk_conn *c, uint64_t request_id, void *bu
 		snprintf(why, why_len, "another payload held the bulk connection past the "
 			 "deadline");
 	} else {
-		rc = buf ? recv_records(b, c, request_id, buf, total, start, deadline, why,
-					why_len)
-			 : -ECANCELED;
+		rc = recv_records(b, c, request_id, buf, total, start, deadline, why, why_len);
 		pthread_mutex_unlock(&c->recv_lock);
 	}
 	/* its records not (all) read: the stream is out of step, the client opens
 	 * another (its writes fail at once instead of waiting for a reader) */
-	conn_give_back(b, c, rc != 0, principal, rc == -ECANCELED ? NULL : why);
+	conn_give_back(b, c, rc != 0, principal, why);
 	return rc;
+}
+
+void bulk_cut(struct bulk *b, struct bulk_conn *c)
+{
+	conn_give_back(b, c, true, c->principal, NULL);
 }
 
 /* A whole hello arrived on s: bind its connection to the ticket's entry, or refuse it. */

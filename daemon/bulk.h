@@ -95,11 +95,13 @@ int bulk_send(struct bulk *b, struct bulk_conn *c, uint64_t request_id,
  * client. 0; or the connection is closed (its stream is out of step; the client's
  * writes fail at once) and why says what happened: -EPROTO (a malformed or
  * out-of-order record), -EBADMSG (altered on the wire), -ETIMEDOUT (fell behind, or
- * the deadline), -EPIPE, -errno. With buf NULL: the PUT was refused before its payload: c is closed
- * and given back, -ECANCELED.
+ * the deadline), -EPIPE, -errno.
  */
 int bulk_recv(struct bulk *b, struct bulk_conn *c, uint64_t request_id, void *buf,
 	      uint64_t total, char *why, size_t why_len);
+/* Give c back closed, its records unread (the PUT was refused before its payload), so
+ * that the client's writes fail at once and its stream never falls out of step. */
+void bulk_cut(struct bulk *b, struct bulk_conn *c);
 
 /* What the bulk connections did so far (stats). */
 struct bulk_stats {

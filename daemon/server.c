@@ -622,8 +622,7 @@ void server_stop(struct server *srv)
 		while (srv->inflight && waited_ms < (int64_t)limit_ms) {
 			int rc;
 
-			for (int i = 1; i < n_items; i++)
-				items[i].events = work_full(srv->work) ? 0 : ZMQ_POLLIN;
+			server_gate_frontends(srv, items + 1, n_items - 1);
 			rc = zmq_poll(items, n_items + 1, 50);
 
 			if (rc > 0 && (items[0].revents & ZMQ_POLLIN))

@@ -66,6 +66,8 @@ int server_forward_in(struct server *srv, unsigned i);
 int server_forward_reply(struct server *srv, void *from);
 /* A worker's reply to its client: server_forward_reply from the backend. */
 int server_forward_out(struct server *srv);
+/* The frontends' poll items[0..n): read only while the workers' queue has room. */
+void server_gate_frontends(struct server *srv, zmq_pollitem_t *items, int n);
 /* A connection event on a frontend's monitor socket mon: the live count follows it. */
 void server_count_connection(struct server *srv, void *mon);
 

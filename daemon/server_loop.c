@@ -212,6 +212,15 @@ int server_forward_out(struct server *srv)
 	return server_forward_reply(srv, srv->backend);
 }
 
+void server_gate_frontends(struct server *srv, zmq_pollitem_t *items, int n)
+{
+	/* the workers' queue full: requests wait in the sockets (their HWM, then TCP) */
+	short events = work_full(srv->work) ? 0 : ZMQ_POLLIN;
+
+	for (int i = 0; i < n; i++)
+		items[i].events = events;
+}
+
 int server_run(struct server *srv, volatile int *stop, void (*tick)(struct server *))
 {
 	zmq_pollitem_t items[6] = { { srv->backend, 0, ZMQ_POLLIN, 0 },
@@ -228,9 +237,7 @@ int server_run(struct server *srv, volatile int *stop, void (*tick)(struct serve
 	while (!*stop) {
 		int rc;
 
-		/* the workers' queue full: requests wait in the sockets (their HWM, then TCP) */
-		for (int i = 1; i < n_items; i++)
-			items[i].events = work_full(srv->work) ? 0 : ZMQ_POLLIN;
+		server_gate_frontends(srv, items + 1, n_items - 1);
 		rc = zmq_poll(items, lane + 1, POLL_MS);
 
 		if (rc < 0 && errno != EINTR)

@@ -183,17 +183,15 @@ out:
 void put_void_bulk(struct req *q)
 {
 	struct bulk_conn *bc;
-	char why[8];
 
 	if (q->srv->bulk && !bulk_take(q->srv->bulk, q->h.bulk_ticket, q->principal, q->conn_id,
 				       q->conn_id_len, &bc))
-		bulk_recv(q->srv->bulk, bc, q->h.request_id, NULL, 0, why, sizeof(why));
+		bulk_cut(q->srv->bulk, bc);
 }
 
 void op_put(struct req *q)
 {
 	struct bulk_conn *bc = NULL;
-	char why[8];
 
 	if (q->h.has_bulk_ticket) {
 		if (!q->srv->bulk) {
@@ -210,10 +208,8 @@ void op_put(struct req *q)
 		}
 	}
 	put_run(q, &bc);
-	/* refused before its payload was read: the connection is closed, so that the
-	 * client's writes fail at once and its stream never falls out of step */
-	if (bc)
-		bulk_recv(q->srv->bulk, bc, q->h.request_id, NULL, 0, why, sizeof(why));
+	if (bc) /* refused before its payload was read */
+		bulk_cut(q->srv->bulk, bc);
 }
 
 /* A large GET is decoded by several threads, each taking a contiguous run of layers. */
