@@ -14,9 +14,12 @@
  *   three layers on the device): fused layers per second, as bytes, against
  *   the host-to-device bandwidth of the same uploads alone (target >= 0.7).
  *
- * Exits 77 with the reason when there is no usable CUDA device.
+ * It drives the device through blend/'s device table (device.h), opened as the daemon
+ * opens it (blend_devices_open), so that --device emulated runs the same code on host
+ * memory: a check that the benchmark runs (CI), not a figure. Exits 77 with the
+ * reason when the CUDA device is not usable.
  *
- * usage: bench_cuda [--tokens 4096,32768] [--repeats N] [--device N]
+ * usage: bench_cuda [--tokens 4096,32768] [--repeats N] [--device N|emulated]
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -25,7 +28,7 @@
 #include <time.h>
 
 #include "bench/bench_common.h"
-#include "blend/cuda/cuda.h"
+#include "blend/device.h"
 #include "blend/hkvd.h"
 #include "blend/rope.h"
 
@@ -48,11 +51,20 @@ static double median(double *v, unsigned n)
 		int rc_ = (call);                                                          \
 		if (rc_) {                                                                 \
 			char why_[256];                                                    \
-			blend_cuda_last_error(d, why_, sizeof(why_));                      \
+			d->last_error(d, why_, sizeof(why_));                              \
 			fprintf(stderr, "bench_cuda: %s: %d (%s)\n", #call, rc_, why_);    \
 			exit(1);                                                           \
 		}                                                                          \
 	} while (0)
+
+/* Work queued on waiter from now on waits for what is queued on `on` now (through ev). */
+static int stream_wait(const struct blend_device *d, struct blend_stream *waiter,
+		       struct blend_stream *on, struct blend_event *ev)
+{
+	int rc = d->event_record(d, ev, on);
+
+	return rc ? rc : d->event_wait(d, waiter, ev);
+}
 
 struct layer_bufs {
 	void *k, *v;
@@ -60,11 +72,11 @@ struct layer_bufs {
 
 /* One size's device state: what a layer's kernels read and write besides the layer. */
 struct run {
-	struct blend_cuda *d;
-	struct blend_cuda_stream *cs; /* the kernels' stream */
+	const struct blend_device *d;
+	struct blend_stream *cs; /* the kernels' stream */
 	struct blend_shape s;
 	unsigned tokens, n_chunks;
-	const struct blend_cuda_table *tabs; /* one per chunk */
+	const struct blend_dev_table *tabs; /* one per chunk */
 	void *fresh_all, *dev_out, *cand, *always, *sel, *scr, *fk, *fv;
 	size_t k, n_sel, scratch, n_sel_out;
 };
@@ -73,66 +85,69 @@ struct run {
  * deviation and the top-k; from it on the scatter of the selected fresh rows. */
 static void layer_kernels(struct run *r, unsigned l, struct layer_bufs *b)
 {
-	struct blend_cuda *d = r->d;
+	const struct blend_device *d = r->d;
 
 	for (unsigned c = 0; c < r->n_chunks; c++) {
 		unsigned rows = c + 1 < r->n_chunks ? CHUNK : r->tokens - c * CHUNK;
 		uint8_t *kc = (uint8_t *)b->k + (size_t)c * CHUNK * ROW;
 
-		CHECK(blend_cuda_rotate_dev(r->cs, &r->s, &r->tabs[c], kc, kc, rows));
+		CHECK(d->rotate(d, r->cs, &r->s, &r->tabs[c], kc, kc, rows));
 	}
 	if (l == 1) {
-		CHECK(blend_cuda_deviation_dev(r->cs, &r->s, r->fresh_all, b->v, NULL, r->tokens,
-					       r->dev_out));
-		CHECK(blend_cuda_select_dev(r->cs, r->cand, r->dev_out, r->tokens - FRESH, r->k,
-					    r->always, FRESH, r->sel, r->scr, r->scratch,
-					    &r->n_sel_out));
+		CHECK(d->deviation(d, r->cs, &r->s, r->fresh_all, b->v, NULL, r->tokens,
+				   r->dev_out));
+		CHECK(d->select(d, r->cs, r->cand, r->dev_out, r->tokens - FRESH, r->k, r->always,
+				FRESH, r->sel, r->scr, r->scratch, &r->n_sel_out));
 	}
 	if (l >= 1) {
-		CHECK(blend_cuda_scatter_dev(r->cs, &r->s, b->k, r->fk, r->sel, r->n_sel));
-		CHECK(blend_cuda_scatter_dev(r->cs, &r->s, b->v, r->fv, r->sel, r->n_sel));
+		CHECK(d->scatter(d, r->cs, &r->s, b->k, r->fk, r->sel, r->n_sel));
+		CHECK(d->scatter(d, r->cs, &r->s, b->v, r->fv, r->sel, r->n_sel));
 	}
 }
 
 int main(int argc, char **argv)
 {
 	unsigned sizes[8] = { 4096, 32768 }, n_sizes = 2, repeats = 5;
-	int ordinal = 0;
-	struct blend_cuda *d;
-	char why[256];
+	int which = 0;
+	struct blend_devices *devs;
+	struct blend_devices_info info;
+	const struct blend_device *d;
 
 	for (int i = 1; i < argc; i++) {
 		if (!strcmp(argv[i], "--repeats") && i + 1 < argc) {
 			repeats = (unsigned)atoi(argv[++i]);
 		} else if (!strcmp(argv[i], "--device") && i + 1 < argc) {
-			ordinal = atoi(argv[++i]);
+			i++;
+			which = !strcmp(argv[i], "emulated") ? BLEND_DEVICE_EMULATED : atoi(argv[i]);
 		} else if (!strcmp(argv[i], "--tokens") && i + 1 < argc) {
 			n_sizes = bench_parse_list(argv[++i], sizes, 8);
 		} else {
 			fprintf(stderr, "usage: bench_cuda [--tokens 4096,32768] [--repeats N] "
-					"[--device N]\n");
+					"[--device N|emulated]\n");
 			return 2;
 		}
 	}
 	if (!repeats)
 		repeats = 1;
-	if (blend_cuda_open(ordinal, &d, why, sizeof(why))) {
-		printf("bench_cuda: skipped: %s\n", why);
+	if (blend_devices_open(which, "cpu", NULL, &devs, &info)) {
+		printf("bench_cuda: skipped: %s\n", info.line);
 		return 77;
 	}
+	d = info.dev;
 	printf("kvblend bench_cuda on %s: %d layers x %d kv heads x head_dim %d f16, r = 0.15, "
 	       "check layer 1, chunks of %d tokens, %d fresh; median of %u runs\n\n",
-	       blend_cuda_name(d), LAYERS, HEADS, DIM, CHUNK, FRESH, repeats);
+	       which == BLEND_DEVICE_EMULATED ? "the emulated device" : info.model, LAYERS, HEADS, DIM, CHUNK, FRESH, repeats);
 	printf("| tokens | kernels ms/layer | D2D copy ms/layer | ratio | pipelined fused GB/s | "
 	       "H2D GB/s | ratio |\n|---|---|---|---|---|---|---|\n");
 	for (unsigned si = 0; si < n_sizes; si++) {
 		unsigned T = sizes[si], n_chunks = (T + CHUNK - 1) / CHUNK;
 		size_t plane = (size_t)T * ROW, k = hkvd_count(0.15, T - FRESH);
-		size_t n_sel = k + FRESH, scratch = blend_cuda_select_scratch(T);
+		size_t n_sel = k + FRESH, scratch = d->select_scratch(d, T);
 		struct blend_shape s = { HEADS, DIM, DIM, ROPE_NEOX, BLEND_F16 };
 		struct rope_config rc = { .head_dim = DIM, .rotary_dim = DIM, .style = ROPE_NEOX,
 					  .theta = 1e6 };
-		struct blend_cuda_stream *cs, *xs;
+		struct blend_stream *cs, *xs;
+		struct blend_event *ev;
 		struct layer_bufs ring[RING];
 		void *fk, *fv, *fresh_all, *scr, *tab, *dev_out, *cand, *always, *sel, *copy;
 		uint16_t *host;
@@ -141,26 +156,27 @@ int main(int argc, char **argv)
 		double *t_copy = calloc(repeats, sizeof(double));
 		double *t_pipe = calloc(repeats, sizeof(double));
 		double *t_h2d = calloc(repeats, sizeof(double));
-		struct blend_cuda_table *tabs = calloc(n_chunks, sizeof(*tabs));
+		struct blend_dev_table *tabs = calloc(n_chunks, sizeof(*tabs));
 		struct run run;
 
-		CHECK(blend_cuda_stream_new(d, &cs));
-		CHECK(blend_cuda_stream_new(d, &xs));
+		CHECK(d->stream_new(d, &cs));
+		CHECK(d->stream_new(d, &xs));
+		CHECK(d->event_new(d, &ev));
 		for (int r = 0; r < RING; r++) {
-			CHECK(blend_cuda_alloc(d, plane, &ring[r].k));
-			CHECK(blend_cuda_alloc(d, plane, &ring[r].v));
+			CHECK(d->alloc(d, plane, &ring[r].k));
+			CHECK(d->alloc(d, plane, &ring[r].v));
 		}
-		CHECK(blend_cuda_alloc(d, n_sel * ROW, &fk));
-		CHECK(blend_cuda_alloc(d, n_sel * ROW, &fv));
-		CHECK(blend_cuda_alloc(d, plane, &fresh_all));
-		CHECK(blend_cuda_alloc(d, 2 * plane, &copy));
-		CHECK(blend_cuda_alloc(d, scratch ? scratch : 1, &scr));
-		CHECK(blend_cuda_alloc(d, (size_t)T * 4, &dev_out));
-		CHECK(blend_cuda_alloc(d, (size_t)T * 4, &cand));
-		CHECK(blend_cuda_alloc(d, FRESH * 4, &always));
-		CHECK(blend_cuda_alloc(d, (size_t)T * 4, &sel));
-		CHECK(blend_cuda_alloc(d, (size_t)n_chunks * 2 * DIM / 2 * 4, &tab));
-		CHECK(blend_cuda_host_alloc(d, 2 * plane, (void **)&host));
+		CHECK(d->alloc(d, n_sel * ROW, &fk));
+		CHECK(d->alloc(d, n_sel * ROW, &fv));
+		CHECK(d->alloc(d, plane, &fresh_all));
+		CHECK(d->alloc(d, 2 * plane, &copy));
+		CHECK(d->alloc(d, scratch ? scratch : 1, &scr));
+		CHECK(d->alloc(d, (size_t)T * 4, &dev_out));
+		CHECK(d->alloc(d, (size_t)T * 4, &cand));
+		CHECK(d->alloc(d, FRESH * 4, &always));
+		CHECK(d->alloc(d, (size_t)T * 4, &sel));
+		CHECK(d->alloc(d, (size_t)n_chunks * 2 * DIM / 2 * 4, &tab));
+		CHECK(d->host_alloc(d, 2 * plane, (void **)&host));
 		hcand = malloc((size_t)T * 4);
 		halw = malloc(FRESH * 4);
 		/* Stored K and V: random f16 of magnitude 2^-2..2^1; candidates are the cached
@@ -178,13 +194,13 @@ int main(int argc, char **argv)
 			hcand[i] = (int32_t)i;
 		for (unsigned i = 0; i < FRESH; i++)
 			halw[i] = (int32_t)(T - FRESH + i);
-		CHECK(blend_cuda_upload(cs, cand, hcand, (size_t)(T - FRESH) * 4));
-		CHECK(blend_cuda_upload(cs, always, halw, FRESH * 4));
+		CHECK(d->upload(d, cs, cand, hcand, (size_t)(T - FRESH) * 4));
+		CHECK(d->upload(d, cs, always, halw, FRESH * 4));
 		for (int r = 0; r < RING; r++) {
-			CHECK(blend_cuda_upload(cs, ring[r].k, host, plane));
-			CHECK(blend_cuda_upload(cs, ring[r].v, host + plane / 2, plane));
+			CHECK(d->upload(d, cs, ring[r].k, host, plane));
+			CHECK(d->upload(d, cs, ring[r].v, host + plane / 2, plane));
 		}
-		CHECK(blend_cuda_upload(cs, fresh_all, host + plane / 4, plane));
+		CHECK(d->upload(d, cs, fresh_all, host + plane / 4, plane));
 		/* One rotation table per chunk: post-RoPE keys moved by (new - old), one row. */
 		for (unsigned c = 0; c < n_chunks; c++) {
 			struct rope_table t;
@@ -192,13 +208,13 @@ int main(int argc, char **argv)
 
 			if (rope_table_build(&rc, false, CHUNK, 7 * c, 0, c * CHUNK, T, &t))
 				return 1;
-			CHECK(blend_cuda_upload(cs, dc, t.cos, DIM / 2 * 4));
-			CHECK(blend_cuda_upload(cs, dc + DIM / 2, t.sin, DIM / 2 * 4));
-			tabs[c] = (struct blend_cuda_table){ dc, dc + DIM / 2, 1, t.scale };
-			CHECK(blend_cuda_stream_sync(cs));
+			CHECK(d->upload(d, cs, dc, t.cos, DIM / 2 * 4));
+			CHECK(d->upload(d, cs, dc + DIM / 2, t.sin, DIM / 2 * 4));
+			tabs[c] = (struct blend_dev_table){ dc, dc + DIM / 2, 1, t.scale };
+			CHECK(d->stream_sync(d, cs));
 			rope_table_free(&t);
 		}
-		CHECK(blend_cuda_stream_sync(cs));
+		CHECK(d->stream_sync(d, cs));
 		run = (struct run){ .d = d, .cs = cs, .s = s, .tokens = T, .n_chunks = n_chunks,
 				    .tabs = tabs, .fresh_all = fresh_all, .dev_out = dev_out,
 				    .cand = cand, .always = always, .sel = sel, .scr = scr,
@@ -212,7 +228,7 @@ int main(int argc, char **argv)
 			t0 = now_s();
 			for (unsigned l = 0; l < LAYERS; l++)
 				layer_kernels(&run, l, &ring[l % RING]);
-			CHECK(blend_cuda_stream_sync(cs));
+			CHECK(d->stream_sync(d, cs));
 			if (rep)
 				t_kern[rep - 1] = (now_s() - t0) / LAYERS;
 
@@ -221,10 +237,10 @@ int main(int argc, char **argv)
 			for (unsigned l = 0; l < LAYERS; l++) {
 				struct layer_bufs *b = &ring[l % RING];
 
-				CHECK(blend_cuda_copy(cs, copy, b->k, plane));
-				CHECK(blend_cuda_copy(cs, (uint8_t *)copy + plane, b->v, plane));
+				CHECK(d->copy(d, cs, copy, b->k, plane));
+				CHECK(d->copy(d, cs, (uint8_t *)copy + plane, b->v, plane));
 			}
-			CHECK(blend_cuda_stream_sync(cs));
+			CHECK(d->stream_sync(d, cs));
 			if (rep)
 				t_copy[rep - 1] = (now_s() - t0) / LAYERS;
 
@@ -233,10 +249,10 @@ int main(int argc, char **argv)
 			for (unsigned l = 0; l < LAYERS; l++) {
 				struct layer_bufs *b = &ring[l % RING];
 
-				CHECK(blend_cuda_upload(xs, b->k, host, plane));
-				CHECK(blend_cuda_upload(xs, b->v, host + plane / 2, plane));
+				CHECK(d->upload(d, xs, b->k, host, plane));
+				CHECK(d->upload(d, xs, b->v, host + plane / 2, plane));
 			}
-			CHECK(blend_cuda_stream_sync(xs));
+			CHECK(d->stream_sync(d, xs));
 			if (rep)
 				t_h2d[rep - 1] = now_s() - t0;
 
@@ -247,20 +263,20 @@ int main(int argc, char **argv)
 			t0 = now_s();
 			for (unsigned l = 0; l < LAYERS + 1; l++) {
 				if (l < LAYERS)
-					CHECK(blend_cuda_stream_wait(xs, cs));
+					CHECK(stream_wait(d, xs, cs, ev));
 				if (l >= 1)
-					CHECK(blend_cuda_stream_wait(cs, xs));
+					CHECK(stream_wait(d, cs, xs, ev));
 				if (l >= 1)
 					layer_kernels(&run, l - 1, &ring[(l - 1) % RING]);
 				if (l < LAYERS) {
 					struct layer_bufs *b = &ring[l % RING];
 
-					CHECK(blend_cuda_upload(xs, b->k, host, plane));
-					CHECK(blend_cuda_upload(xs, b->v, host + plane / 2, plane));
+					CHECK(d->upload(d, xs, b->k, host, plane));
+					CHECK(d->upload(d, xs, b->v, host + plane / 2, plane));
 				}
 			}
-			CHECK(blend_cuda_stream_sync(cs));
-			CHECK(blend_cuda_stream_sync(xs));
+			CHECK(d->stream_sync(d, cs));
+			CHECK(d->stream_sync(d, xs));
 			if (rep)
 				t_pipe[rep - 1] = now_s() - t0;
 		}
@@ -276,22 +292,23 @@ int main(int argc, char **argv)
 			fprintf(stderr, "bench_cuda: selected %zu, expected %zu\n", run.n_sel_out,
 				n_sel);
 		for (int r = 0; r < RING; r++) {
-			blend_cuda_free(d, ring[r].k, plane);
-			blend_cuda_free(d, ring[r].v, plane);
+			d->free(d, ring[r].k, plane);
+			d->free(d, ring[r].v, plane);
 		}
-		blend_cuda_free(d, fk, n_sel * ROW);
-		blend_cuda_free(d, fv, n_sel * ROW);
-		blend_cuda_free(d, fresh_all, plane);
-		blend_cuda_free(d, copy, 2 * plane);
-		blend_cuda_free(d, scr, scratch ? scratch : 1);
-		blend_cuda_free(d, dev_out, (size_t)T * 4);
-		blend_cuda_free(d, cand, (size_t)T * 4);
-		blend_cuda_free(d, always, FRESH * 4);
-		blend_cuda_free(d, sel, (size_t)T * 4);
-		blend_cuda_free(d, tab, (size_t)n_chunks * DIM * 4);
-		blend_cuda_host_free(d, host);
-		blend_cuda_stream_free(&cs);
-		blend_cuda_stream_free(&xs);
+		d->free(d, fk, n_sel * ROW);
+		d->free(d, fv, n_sel * ROW);
+		d->free(d, fresh_all, plane);
+		d->free(d, copy, 2 * plane);
+		d->free(d, scr, scratch ? scratch : 1);
+		d->free(d, dev_out, (size_t)T * 4);
+		d->free(d, cand, (size_t)T * 4);
+		d->free(d, always, FRESH * 4);
+		d->free(d, sel, (size_t)T * 4);
+		d->free(d, tab, (size_t)n_chunks * DIM * 4);
+		d->host_free(d, host);
+		d->stream_free(d, cs);
+		d->stream_free(d, xs);
+		d->event_free(d, ev);
 		free(hcand);
 		free(halw);
 		free(tabs);
@@ -300,6 +317,6 @@ int main(int argc, char **argv)
 		free(t_pipe);
 		free(t_h2d);
 	}
-	blend_cuda_close(&d);
+	blend_devices_close(&devs);
 	return 0;
 }

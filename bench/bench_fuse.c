@@ -29,7 +29,7 @@
 #include <unistd.h>
 
 #include "bench/bench_common.h"
-#include "blend/cuda/cuda.h"
+#include "blend/device.h"
 #include "client/include/kvblend.h"
 
 static const struct kvb_model model = { .name = "bench-mistral", .num_layers = 32,
@@ -72,42 +72,48 @@ static double cpu_seconds(pid_t pid)
 }
 
 /*
- * Host-to-device bandwidth on CUDA device `ordinal`: `count` copies of `bytes` from
- * pinned memory on one stream, GB/s; 0 when there is no device (why on stderr).
+ * Host-to-device bandwidth on CUDA device `ordinal` (opened through blend/'s device
+ * table, as the daemon opens it): `count` copies of `bytes` from pinned memory on one
+ * stream, GB/s; 0 when there is no device (why on stderr).
  */
 static double h2d_gbps(int ordinal, size_t bytes, unsigned count)
 {
-	struct blend_cuda *d = NULL;
-	struct blend_cuda_stream *st = NULL;
+	struct blend_devices *devs = NULL;
+	struct blend_devices_info info;
+	const struct blend_device *d;
+	struct blend_stream *st = NULL;
 	void *host = NULL, *dev = NULL;
-	char err[256];
 	double t = 0;
-	int rc = blend_cuda_open(ordinal, &d, err, sizeof(err));
+	int rc = blend_devices_open(ordinal, "cpu", NULL, &devs, &info);
 
 	if (rc) {
-		fprintf(stderr, "bench_fuse: no host-to-device reference: %s\n", err);
+		fprintf(stderr, "bench_fuse: no host-to-device reference: %s\n", info.line);
 		return 0;
 	}
-	rc = blend_cuda_stream_new(d, &st);
+	d = info.dev;
+	rc = d->stream_new(d, &st);
 	if (!rc)
-		rc = blend_cuda_host_alloc(d, bytes, &host);
+		rc = d->host_alloc(d, bytes, &host);
 	if (!rc)
-		rc = blend_cuda_alloc(d, bytes, &dev);
+		rc = d->alloc(d, bytes, &dev);
 	if (!rc) {
 		memset(host, 1, bytes);
-		rc = blend_cuda_upload(st, dev, host, bytes) || blend_cuda_stream_sync(st);
+		rc = d->upload(d, st, dev, host, bytes) || d->stream_sync(d, st);
 	}
 	if (!rc) {
 		t = now_s();
 		for (unsigned i = 0; i < count && !rc; i++)
-			rc = blend_cuda_upload(st, dev, host, bytes);
-		rc = rc || blend_cuda_stream_sync(st);
+			rc = d->upload(d, st, dev, host, bytes);
+		rc = rc || d->stream_sync(d, st);
 		t = now_s() - t;
 	}
-	blend_cuda_stream_free(&st);
-	blend_cuda_free(d, dev, bytes);
-	blend_cuda_host_free(d, host);
-	blend_cuda_close(&d);
+	if (st)
+		d->stream_free(d, st);
+	if (dev)
+		d->free(d, dev, bytes);
+	if (host)
+		d->host_free(d, host);
+	blend_devices_close(&devs);
 	return rc || t <= 0 ? 0 : (double)bytes * count / t / 1e9;
 }
 

@@ -72,7 +72,8 @@ struct blend_backend {
 	/*
 	 * out[i] = sum over heads x head_dim of (fresh[i] - stored[idx[i]])^2, in
 	 * fp32 in the lane order of elem.h, for i in [0, n): fresh rows are
-	 * consecutive, stored rows are picked by idx from an array of rows.
+	 * consecutive, stored rows are picked by idx from an array of rows (idx
+	 * NULL: stored row i, as the CUDA kernels take it).
 	 */
 	int (*deviation)(const struct blend_backend *be, const struct blend_shape *s,
 			 const void *fresh, const void *stored, const int32_t *idx, size_t n,

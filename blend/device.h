@@ -75,6 +75,9 @@ struct blend_device {
 		      const void *host, size_t n);
 	int (*download)(const struct blend_device *d, struct blend_stream *st, void *host,
 			const void *dev, size_t n);
+	/* Device memory to device memory (the references benchmarks measure against). */
+	int (*copy)(const struct blend_device *d, struct blend_stream *st, void *dst,
+		    const void *src, size_t n);
 	int (*zero)(const struct blend_device *d, struct blend_stream *st, void *dev, size_t n);
 
 	/* The kernels, with the contracts of cuda.h's *_dev functions. */

@@ -452,6 +452,7 @@ int blend_emu_open(uint64_t fail_after, bool sticky, struct blend_device **out)
 		.event_sync = e_event_sync,
 		.upload = e_upload,
 		.download = e_download,
+		.copy = e_copy,
 		.zero = e_zero,
 		.rotate = e_rotate,
 		.rotate_spans = e_rotate_spans,

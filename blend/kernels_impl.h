@@ -269,7 +269,7 @@ int KFN(blend_deviation)(const struct blend_backend *be, const struct blend_shap
 	(void)be;
 	for (size_t i = 0; i < n; i++) {
 		const uint8_t *f = (const uint8_t *)fresh + i * row * es;
-		const uint8_t *o = (const uint8_t *)stored + (size_t)idx[i] * row * es;
+		const uint8_t *o = (const uint8_t *)stored + (idx ? (size_t)idx[i] : i) * row * es;
 		/* Eight partial sums, then a fixed tree: the same order at every SIMD width. */
 		float acc[8] = { 0 };
 

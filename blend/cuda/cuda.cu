@@ -643,7 +643,8 @@ static int staged_deviation(const struct blend_backend *be, const struct blend_s
 		return rc;
 	st.st = l->st;
 	for (size_t i = 0; i < n; i++)
-		memcpy(l->host + i * rb, (const uint8_t *)stored + (size_t)idx[i] * rb, rb);
+		memcpy(l->host + i * rb, (const uint8_t *)stored + (idx ? (size_t)idx[i] : i) * rb,
+		       rb);
 	rc = blend_cuda_upload(&st, l->dev, fresh, data);
 	if (!rc)
 		rc = blend_cuda_upload(&st, l->dev + align_up(data), l->host, data);
@@ -1149,6 +1150,14 @@ static int t_download(const struct blend_device *t, struct blend_stream *st, voi
 	return rc ? rc : blend_cuda_download(S(st), host, dev, n);
 }
 
+static int t_copy(const struct blend_device *t, struct blend_stream *st, void *dst,
+		  const void *src, size_t n)
+{
+	int rc = bind(D(t));
+
+	return rc ? rc : blend_cuda_copy(S(st), dst, src, n);
+}
+
 static int t_zero(const struct blend_device *t, struct blend_stream *st, void *dev, size_t n)
 {
 	int rc = n ? bind(D(t)) : 0;
@@ -1273,6 +1282,7 @@ extern "C" const struct blend_device *blend_cuda_device(struct blend_cuda *d)
 	t->event_sync = t_event_sync;
 	t->upload = t_upload;
 	t->download = t_download;
+	t->copy = t_copy;
 	t->zero = t_zero;
 	t->rotate = t_rotate;
 	t->rotate_spans = t_rotate_spans;

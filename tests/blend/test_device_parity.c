@@ -22,7 +22,6 @@
 #include <string.h>
 
 #include "blend/backend.h"
-#include "blend/cuda/cuda.h"
 #include "blend/device.h"
 #include "blend/elem.h"
 #include "blend/rope.h"
@@ -333,25 +332,21 @@ int main(int argc, char **argv)
 {
 	const char *which = argc > 1 ? argv[1] : "";
 	bool small = argc > 2 && !strcmp(argv[2], "--small");
-	struct blend_device *emu = NULL;
-	struct blend_cuda *gpu = NULL;
-	char why[256];
+	struct blend_devices *devs = NULL;
+	struct blend_devices_info info;
 
 	cpu = blend_cpu_backend();
-	if (!strcmp(which, "cuda")) {
-		if (blend_cuda_open(0, &gpu, why, sizeof(why))) {
-			printf("skip: %s\n", why);
-			return 77;
-		}
-		dv = blend_cuda_device(gpu);
-	} else if (!strcmp(which, "emulated")) {
-		if (blend_emu_open(0, false, &emu))
-			return 2;
-		dv = emu;
-	} else {
+	if (strcmp(which, "cuda") && strcmp(which, "emulated")) {
 		fprintf(stderr, "usage: test_device_parity cuda|emulated [--small]\n");
 		return 2;
 	}
+	/* Opened as the daemon opens its device (blend/devices.c). */
+	if (blend_devices_open(strcmp(which, "cuda") ? BLEND_DEVICE_EMULATED : 0, cpu->name, NULL,
+			       &devs, &info)) {
+		printf("skip: %s\n", info.line);
+		return 77;
+	}
+	dv = info.dev;
 	if (dv->stream_new(dv, &st)) {
 		fprintf(stderr, "cannot make a stream\n");
 		return 2;
@@ -364,7 +359,6 @@ int main(int argc, char **argv)
 	test_merge(small ? 600 : 9000);
 	test_select(small ? 20000 : 400000);
 	dv->stream_free(dv, st);
-	blend_emu_close(&emu);
-	blend_cuda_close(&gpu);
+	blend_devices_close(&devs);
 	return failures ? 1 : 0;
 }
