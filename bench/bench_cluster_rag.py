@@ -2,7 +2,7 @@
 """The cluster's chunk hit rate on a RAG trace, and what a read from another member costs.
 
 Issue 34. Starts --members real kvblendd daemons as members of one static cluster
-(eval/engine_setup.py's cluster(): own data directory and IPC socket each, loopback TCP
+(eval/harness.py's cluster(): own data directory and IPC socket each, loopback TCP
 between them, cluster_replicas --replicas, --capacity each, no_sync, no drain on stop),
 registers one small model on every member, then runs --clients client processes. Client
 i is attached to member i mod --members (its local member, over IPC) and replays its own
@@ -375,7 +375,7 @@ def main():
     os.environ.setdefault("KVBLEND_LIB", str(build / "lib" / "libkvblend.so"))
     os.environ.setdefault("KVBLENDD", str(build / "bin" / "kvblendd"))
     import kvblend
-    from engine_setup import cluster
+    from harness import cluster
 
     signal.signal(signal.SIGTERM, stop_on_sigterm)
     command = shlex.join([sys.executable, *sys.argv])
@@ -384,7 +384,7 @@ def main():
                            args.seed)
     n_warm = int(args.queries * args.warmup)
     work = tempfile.mkdtemp(prefix="kvblend-cluster-rag.")
-    tempfile.tempdir = work  # the members' folders (engine_setup.Daemon) go in here
+    tempfile.tempdir = work  # the members' folders (harness.Daemon) go in here
     daemons = {}
     t_all = time.monotonic()
     try:

@@ -2,7 +2,7 @@
 """Join traffic: a member joining a cluster, in chunk transfers per chunk moved.
 
 Starts a real etcd (Debian's etcd-server) and three kvblendd members on loopback
-(R = 2, equal capacities), PUTs CHUNKS chunks of realistic KV (f16, stored raw)
+(R = 2, equal capacities; eval/harness.py's Etcd and Daemon), PUTs CHUNKS chunks of realistic KV (f16, stored raw)
 through one of them and waits until every owner holds its chunks; then starts a
 fourth member and times until `kvblend cluster check` finds every chunk on its
 owners again. Prints the chunks that moved (the joiner's owned chunks: each gets
@@ -19,32 +19,17 @@ import argparse
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 
 import numpy as np
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "eval"))
+from harness import Daemon, Etcd, free_port, wait_for  # noqa: E402
+
 L, H, D = 32, 8, 128  # Mistral-7B's KV shape
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait(fn, seconds, step=0.2):
-    end = time.time() + seconds
-    while time.time() < end:
-        if fn():
-            return True
-        time.sleep(step)
-    return False
 
 
 def main():
@@ -70,39 +55,26 @@ def main():
         return json.loads(cli(n, "stats", "--json").stdout)
 
     try:
-        port, peer = free_port(), free_port()
-        url = f"http://127.0.0.1:{port}"
-        etcd = shutil.which("etcd") or "/usr/bin/etcd"
-        with open(f"{tmp}/etcd.log", "w") as log:
-            procs.append(subprocess.Popen(
-                [etcd, "--name", "bj", "--data-dir", f"{tmp}/etcd", "--listen-client-urls",
-                 url, "--advertise-client-urls", url, "--listen-peer-urls",
-                 f"http://127.0.0.1:{peer}", "--initial-advertise-peer-urls",
-                 f"http://127.0.0.1:{peer}", "--initial-cluster",
-                 f"bj=http://127.0.0.1:{peer}"], stdout=log, stderr=subprocess.STDOUT))
-
-        def etcd_up():
-            try:
-                return bool(urllib.request.urlopen(f"{url}/version", timeout=1).read())
-            except OSError:
-                return False
-        if not wait(etcd_up, 20):
+        etcd = Etcd(tmp, name="bj")
+        procs.append(etcd)
+        if not etcd.start():
             sys.exit("etcd did not start")
+        url = etcd.url
 
         def start(n):
-            with open(f"{tmp}/{n}.log", "w") as log:
-                procs.append(subprocess.Popen(
-                    [f"{a.build}/bin/kvblendd", "--data-dir", f"{tmp}/{n}", "--listen",
-                     f"ipc://{tmp}/{n}.sock,tcp://127.0.0.1:{free_port()}", "--node-id", n,
-                     "--cluster-etcd", url, "--capacity", "8G", "--map-size", "16G",
-                     "--cluster-replicas", "2", "--cluster-rebalance-rate", a.rate,
-                     "--no-sync", "--log-level", "warn"], stdout=log, stderr=log))
-            if not wait(lambda: cli(n, "ping").returncode == 0, 20):
-                sys.exit(f"{n} did not start")
+            try:
+                procs.append(Daemon(
+                    "--node-id", n, "--cluster-etcd", url, "--capacity", "8G", "--map-size",
+                    "16G", "--cluster-replicas", "2", "--cluster-rebalance-rate", a.rate,
+                    "--no-sync", "--log-level", "warn", kvblendd=f"{a.build}/bin/kvblendd",
+                    kvblend_cli=cli_bin, dir=tmp, name=n,
+                    tcp=f"tcp://127.0.0.1:{free_port()}", workers=None))
+            except RuntimeError as e:
+                sys.exit(f"{n}: {e}")
 
         for n in "abc":
             start(n)
-        wait(lambda: all(stats(n)["cluster_members"] == 3 for n in "abc"), 20)
+        wait_for(lambda: all(stats(n)["cluster_members"] == 3 for n in "abc"), 20)
         cli("a", "model", "add", "bj", "--layers", L, "--kv-heads", H, "--head-dim", D,
             "--dtype", "f16", "--rope-theta", 10000)
         rng = np.random.default_rng(20)
@@ -117,17 +89,17 @@ def main():
         def placed():
             r = cli("a", "cluster", "check", "--json")
             return r.returncode == 0 and json.loads(r.stdout)["under_replicated"] == 0
-        if not wait(lambda: placed() and all(stats(n)["cluster_pushes_owed"] == 0
+        if not wait_for(lambda: placed() and all(stats(n)["cluster_pushes_owed"] == 0
                                              for n in "abc"), 120, 0.5):
             sys.exit("the chunks did not settle on their owners")
         time.sleep(2)  # chunks stored well before the join (stored seconds are whole)
         before = sum(stats(n)["cluster_rebalance_pushes"] for n in "abc")
         t0 = time.time()
         start("d")
-        if not wait(lambda: stats("d")["cluster_members"] == 4 and placed(), 600, 0.2):
+        if not wait_for(lambda: stats("d")["cluster_members"] == 4 and placed(), 600, 0.2):
             sys.exit("the joiner did not receive its chunks")
         took = time.time() - t0
-        wait(lambda: all(stats(n)["cluster_pushes_owed"] == 0 for n in "abcd"), 60)
+        wait_for(lambda: all(stats(n)["cluster_pushes_owed"] == 0 for n in "abcd"), 60)
         time.sleep(1)  # a late duplicate would show here
         sent = sum(stats(n)["cluster_rebalance_pushes"] for n in "abc") - before
         out = json.loads(cli("a", "cluster", "check", "--json").stdout)
@@ -145,13 +117,7 @@ def main():
               f"{rate / limit:.2f}x of {limit / 1e6:.0f} MB/s |")
     finally:
         for p in reversed(procs):
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in reversed(procs):
-            try:
-                p.wait(60)
-            except subprocess.TimeoutExpired:
-                p.kill()
+            p.stop()
         if not os.environ.get("KVB_KEEP_TMP"):
             shutil.rmtree(tmp, ignore_errors=True)
 

@@ -38,7 +38,7 @@ def main():
     import kvblend
 
     sys.path.insert(0, str(ROOT / "eval"))
-    from engine_setup import Daemon  # the one Python harness that starts a kvblendd
+    from harness import Daemon  # the one Python harness that starts a kvblendd
 
     d = Daemon("--shm-max", "2G", kvblendd=str(build / "bin" / "kvblendd"), workers=None)
     try:

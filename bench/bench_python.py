@@ -30,10 +30,10 @@ LARGE = kvblend.Model("large", num_layers=32, num_kv_heads=8, head_dim=128, dtyp
 
 
 def start_daemon(build):
-    """A kvblendd of this build through eval/engine_setup.py's Daemon (the one Python
+    """A kvblendd of this build through eval/harness.py's Daemon (the one Python
     harness that starts one), with its own data directory and IPC socket."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "eval"))
-    from engine_setup import Daemon
+    from harness import Daemon
 
     return Daemon("--map-size", "4G", "--no-sync", "--log-level", "warn",
                   kvblendd=f"{build}/bin/kvblendd", workers=None)

@@ -201,7 +201,7 @@ def first_sight(queries):
 
 def start_server(name, cfg, model, tmp, env):
     """kvblendd (kvblend configurations) and the OpenAI server; returns (procs, port, ep)."""
-    from engine_setup import Group, free_port, wait_for_daemon
+    from harness import Daemon, Group, free_port
 
     d = Path(tmp) / name
     d.mkdir()
@@ -214,10 +214,7 @@ def start_server(name, cfg, model, tmp, env):
         argv.append("--no-enable-prefix-caching")
     if cfg["kv"] is not None:
         ep = f"ipc://{d}/kvblend.sock"
-        daemon = Group([os.environ["KVBLENDD"], "--data-dir", f"{d}/data", "--listen", ep,
-                       "--workers", "2", "--shm-max", "2G"], f"{d}/kvblendd.log", env)
-        procs.append(daemon)
-        wait_for_daemon(ep, daemon.alive)
+        procs.append(Daemon("--shm-max", "2G", kvblendd=os.environ["KVBLENDD"], dir=d))
         extra = {"endpoint": ep, "chunk_separator_text": SEP, **cfg["kv"]}
         argv += ["--kv-transfer-config", json.dumps(
             {"kv_connector": "KvblendConnector", "kv_connector_module_path": "kvblend.vllm",

@@ -74,9 +74,9 @@ BLENDED = re.compile(r"kvblend: blend of (\d+) tokens \((\d+) recomputed after l
 
 
 def start_daemon(build):
-    """kvblendd of this build (eval/engine_setup.py's Daemon), shm_max above vLLM's whole
+    """kvblendd of this build (eval/harness.py's Daemon), shm_max above vLLM's whole
     KV cache, which is one shared-memory region."""
-    from engine_setup import Daemon
+    from harness import Daemon
 
     shm = f"{int(float(os.environ['VLLM_CPU_KVCACHE_SPACE'])) + 1}G"
     return Daemon("--shm-max", shm, kvblendd=f"{build}/bin/kvblendd")

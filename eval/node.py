@@ -4,8 +4,8 @@ The node is the NumPy model of model.py; kvblendd is the daemon built from this
 checkout, started on a temporary directory and IPC socket; they talk through
 the Python client (client/python, ctypes over the build's libkvblend).
 
-* ``Daemon`` starts a kvblendd of its own (a small config file: data dir,
-  ``listen = ipc://...``) and stops it with SIGTERM.
+* ``Daemon`` starts a kvblendd of its own (eval/harness.py's, with a small config
+  file) and stops it with SIGTERM.
 * ``ChunkStore`` registers the model (f32 by default, the GGUF's RoPE theta and
   style; optionally f16, or a quantized store codec) and stores chunks the way a
   node does: each prefilled alone at its base position and PUT with its KV; it
@@ -26,16 +26,13 @@ time inside client calls, and the daemon's own figures for the session.
 """
 
 import os
-import signal
-import shutil
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
+import harness
 from cacheblend import Request, blend_forward
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,11 +65,14 @@ def import_kvblend(build=None):
     return kvblend
 
 
-class Daemon:
-    """A kvblendd of its own on a temporary data directory and IPC socket.
+class Daemon(harness.Daemon):
+    """A kvblendd of this build (build: the build directory, see build_dir) on a temporary
+    folder of its own (eval/harness.py's Daemon), the Python client imported over the
+    build's libkvblend.
 
     settings: extra config keys (docs/configuration.md), e.g. fuse_ring=4. A context
-    manager; stop() sends SIGTERM and returns the exit status.
+    manager; stop() sends SIGTERM and returns the exit status (self.problems: the log's
+    warning and error lines); version is what its first ping answered.
     """
 
     def __init__(self, build=None, **settings):
@@ -80,62 +80,14 @@ class Daemon:
         binary = daemon_binary(build)
         if not os.access(binary, os.X_OK):
             raise FileNotFoundError(f"kvblendd not found at {binary}; build first")
-        self.dir = Path(tempfile.mkdtemp(prefix="kvb-eval-"))
-        self.endpoint = f"ipc://{self.dir}/kvblend.sock"
-        conf = {"data_dir": self.dir / "data", "listen": self.endpoint, "map_size": "16G",
-                "no_sync": "true", "log_level": "info", "fuse_idle": 600}
+        conf = {"map_size": "16G", "no_sync": "true", "log_level": "info", "fuse_idle": 600}
         conf.update(settings)
-        self.problems = []
-        self.config = self.dir / "kvblendd.conf"
-        self.config.write_text("".join(f"{k} = {v}\n" for k, v in conf.items()))
-        self.log = self.dir / "kvblendd.log"
-        env = dict(os.environ)
-        env.pop("LD_PRELOAD", None)  # run_smoke.sh's libasan preload is for Python only
-        if "KVBLEND_DAEMON_ASAN_OPTIONS" in env:
-            env["ASAN_OPTIONS"] = env["KVBLEND_DAEMON_ASAN_OPTIONS"]
-        with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen([str(binary), "--config", str(self.config)],
-                                         stdout=log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                with self.kvblend.Client(self.endpoint, timeout_ms=200) as c:
-                    self.version = c.ping()
-                    return
-            except self.kvblend.Unavailable:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    self.proc.kill()
-                    self.proc.wait()
-                    raise RuntimeError(f"kvblendd did not start:\n{self.tail()}") from None
-                time.sleep(0.05)
+        super().__init__(kvblendd=binary, config=conf, workers=None)
+        with self.client(timeout_ms=2000) as c:
+            self.version = c.ping()
 
-    def client(self, timeout_ms=120000):
-        return self.kvblend.Client(self.endpoint, timeout_ms=timeout_ms)
-
-    def tail(self):
-        return self.log.read_text(errors="replace")[-4000:] if self.log.exists() else ""
-
-    def stop(self):
-        """SIGTERM, wait (60 s, then SIGKILL); keep the log's lines that are warnings or
-        errors in self.problems; remove the directory; the exit status."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if self.dir.exists():
-            self.problems = [line for line in self.log.read_text(errors="replace").splitlines()
-                             if any(w in line.lower() for w in ("warn", "error", "fail"))]
-        shutil.rmtree(self.dir, ignore_errors=True)
-        return self.proc.returncode
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.stop()
+    def stop(self, timeout=60, keep=False):
+        return super().stop(timeout, keep)
 
 
 class ChunkStore:

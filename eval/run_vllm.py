@@ -201,7 +201,7 @@ def main():
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the worker in this process
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 
-    from engine_setup import Daemon
+    from harness import Daemon
 
     d = Daemon()
     try:

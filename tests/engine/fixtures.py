@@ -1,10 +1,10 @@
 """What the engine tests share: a real kvblendd, the package installed as vLLM sees it, the
 blend tests' prompt, the NumPy reference twin of a model, and reading a load dump.
 
-The daemon harness lives in eval/engine_setup.py (Daemon, cluster, Group, ...) so that
-eval/run_vllm.py and bench/bench_vllm.py share it without importing a test file; tests
-import eval/, never the reverse, and no test file imports another: what two tests share
-lives here.
+The daemon harness lives in eval/harness.py (Daemon, cluster, Group, ...) and the package
+install in eval/engine_setup.py, so that eval/ and bench/ share them without importing a
+test file; tests import eval/, never the reverse, and no test file imports another: what
+two tests share lives here.
 """
 
 import sys
@@ -14,12 +14,12 @@ _EVAL = str(Path(__file__).resolve().parents[2] / "eval")
 if _EVAL not in sys.path:
     sys.path.append(_EVAL)
 
-from engine_setup import (  # noqa: E402
+from engine_setup import install_package  # noqa: E402
+from harness import (  # noqa: E402
     Daemon,
     Group,
     cluster,
     free_port,
-    install_package,
     kvblendd_path,
     wait_for_daemon,
 )

@@ -4,7 +4,7 @@ Run with the engine venv's python (.ci/engine-env; tests/engine/run.sh sets KVBL
 KVBLENDD and KVBLEND_ENGINE_MODEL). ``--place-tool`` names the daemons' placement code as
 a program (tests/integration/place_tool.c; default: beside $KVBLENDD).
 
-Two kvblendd, node-a and node-b, on one static member list (eval/engine_setup.py's
+Two kvblendd, node-a and node-b, on one static member list (eval/harness.py's
 ``cluster``: each its own data directory, an IPC socket for its engine and a loopback TCP
 port for the other), with ``cluster_replicas`` 1: every chunk has one owner, so the chunks
 node-b owns reach it pushed after node-a's PUT, and those node-a owns are fetched from

@@ -1,13 +1,12 @@
-"""Fixtures: a real kvblendd on a temporary data directory and IPC socket."""
+"""Fixtures: a real kvblendd on a temporary data directory and IPC socket (eval/harness.py's
+Daemon, the one Python harness that starts one)."""
 
 from __future__ import annotations
 
 import itertools
 import os
-import signal
-import subprocess
+import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,8 @@ import pytest
 import kvblend
 
 ROOT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(ROOT / "eval"))
+from harness import Daemon  # noqa: E402
 
 
 def _daemon_path() -> str:
@@ -24,68 +25,13 @@ def _daemon_path() -> str:
     return p
 
 
-def _daemon_env() -> dict[str, str]:
-    """The daemon's environment: not the Python process's ASan preload (run_tests.sh)."""
-    env = dict(os.environ)
-    env.pop("LD_PRELOAD", None)
-    if "KVBLEND_DAEMON_ASAN_OPTIONS" in env:
-        env["ASAN_OPTIONS"] = env["KVBLEND_DAEMON_ASAN_OPTIONS"]
-    return env
-
-
-class Daemon:
-    def __init__(self, tmp: str) -> None:
-        self.dir = tmp
-        self.endpoint = f"ipc://{tmp}/kvblend.sock"
-        self.log = f"{tmp}/kvblendd.log"
-        with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(
-                [
-                    _daemon_path(),
-                    "--data-dir",
-                    f"{tmp}/data",
-                    "--listen",
-                    self.endpoint,
-                    "--map-size",
-                    "1G",
-                    "--log-level",
-                    "debug",
-                ],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=_daemon_env(),
-            )
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                with kvblend.Client(self.endpoint, timeout_ms=200):
-                    return
-            except kvblend.Unavailable:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    self.proc.kill()
-                    raise RuntimeError(f"kvblendd did not start:\n{self.tail()}") from None
-                time.sleep(0.05)
-
-    def tail(self) -> str:
-        with open(self.log, errors="replace") as f:
-            return f.read()[-4000:]
-
-    def stop(self) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            return -9
-
-
 @pytest.fixture(scope="session")
 def daemon():
     with tempfile.TemporaryDirectory(prefix="kvb-py-") as tmp:
-        d = Daemon(tmp)
+        d = Daemon("--map-size", "1G", "--log-level", "debug", kvblendd=_daemon_path(),
+                   dir=tmp, workers=None)
         yield d
-        rc = d.stop()
+        rc = d.stop(timeout=60)
         assert rc == 0, f"kvblendd exited with {rc} on SIGTERM:\n{d.tail()}"
 
 
