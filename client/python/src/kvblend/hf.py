@@ -243,9 +243,15 @@ class _HfOps:
         return q, k, v
 
     def attend(self, layer: int, h, q, keys, values, rows) -> torch.Tensor:
+        attn = self.layers[layer].self_attn
+        return self.finish(layer, h, causal_attention(q, keys, values, rows, attn.scaling))
+
+    def scaling(self, layer: int) -> float:
+        return float(self.layers[layer].self_attn.scaling)
+
+    def finish(self, layer: int, h: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
         mod = self.layers[layer]
-        attn = mod.self_attn
-        h = h + attn.o_proj(causal_attention(q, keys, values, rows, attn.scaling))
+        h = h + mod.self_attn.o_proj(a)
         return h + mod.mlp(mod.post_attention_layernorm(h))
 
 

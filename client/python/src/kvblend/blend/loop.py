@@ -27,7 +27,10 @@ class LayerOps(Protocol):
     k and v [n, kv_heads, d] of the tokens rows (positions = prompt indices), k and q
     after RoPE; ``attend(layer, h, q, keys, values, rows)`` finishes the layer for those
     rows over the layer's whole KV [N, kv_heads, d] with an exact causal mask in prompt
-    order and returns the next hidden states.
+    order and returns the next hidden states. Optional (the question's preview computes
+    its attention itself where they are there): ``scaling(layer)``, the softmax scale of
+    the layer's attention, and ``finish(layer, h, a)``, the layer after its attention
+    output a [n, heads * d] (the output projection, the MLP and their residuals).
     """
 
     device: torch.device

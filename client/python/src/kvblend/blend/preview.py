@@ -160,6 +160,9 @@ def question_attention(
     # the question's scores on its own keys, causally (-inf after the query's own key)
     after = torch.ones(nq, nq, dtype=torch.bool, device=dev).triu_(1)
     causal = torch.zeros(nq, nq, device=dev).masked_fill_(after, float("-inf"))
+    # With ops.finish the preview's own softmax is the layer's attention too (one bmm
+    # more), instead of a second pass over the keys by the model's attention kernel.
+    fused = hasattr(ops, "finish") and hasattr(ops, "scaling")
     buf_k = buf_v = None
     for layer in range(stop + 1):
         q, k, v = ops.qkv(layer, h, pos_t)
@@ -174,20 +177,42 @@ def question_attention(
         keys[:m].copy_(kv[layer, 0, rows])
         values[:m].copy_(kv[layer, 1, rows])
         keys[m:], values[m:] = k, v
-        if nc and (layer == stop if last is not None else layer >= first):
-            kvh, d = keys.shape[1], q.shape[2]
-            rep = q.shape[1] // kvh
-            # per KV head, the queries of the heads that read it (head = kv head x rep + i)
-            # as rows: [kv heads, rep x question, d] against [kv heads, d, keys]
-            qg = q.float().reshape(nq, kvh, rep, d).permute(1, 2, 0, 3).reshape(kvh, -1, d)
-            s = torch.bmm(qg, keys.float().permute(1, 2, 0)).mul_(d**-0.5)
-            s[:, :, nc:] += causal.repeat(rep, 1)
-            p = torch.softmax(s, dim=-1)
-            a += p[:, :, :nc].sum(dim=1).double()
+        scored = nc and (layer == stop if last is not None else layer >= first)
+        p = None
+        if scored or (fused and layer < stop):
+            scale = ops.scaling(layer) if fused else q.shape[2] ** -0.5
+            p = _probs(q, keys, m, causal, scale)
+        if scored:
+            a += p[:, :, :m].sum(dim=1).double()
         if layer == stop:  # the last layer's output is not needed
             break
-        h = ops.attend(layer, h, q, keys, values, locals_[m])
+        if fused:
+            h = ops.finish(layer, h, _attend(p, values, nq).to(h.dtype))
+        else:
+            h = ops.attend(layer, h, q, keys, values, locals_[m])
     return np.ascontiguousarray(a.T.float().cpu().numpy())
+
+
+def _probs(q: torch.Tensor, keys: torch.Tensor, m: int, causal: torch.Tensor,
+           scale: float) -> torch.Tensor:
+    """The question's softmax attention in float32, [kv heads, rep x question, m + question].
+
+    Per KV head the queries of the heads that read it (head = kv head x rep + i) as rows,
+    against the m chunk rows of ``keys`` and then the question's own, causally.
+    """
+    nq, kvh, d = q.shape[0], keys.shape[1], q.shape[2]
+    rep = q.shape[1] // kvh
+    qg = q.float().reshape(nq, kvh, rep, d).permute(1, 2, 0, 3).reshape(kvh, -1, d)
+    s = torch.bmm(qg, keys.float().permute(1, 2, 0)).mul_(scale)
+    s[:, :, m:] += causal.repeat(rep, 1)
+    return torch.softmax(s, dim=-1)
+
+
+def _attend(p: torch.Tensor, values: torch.Tensor, nq: int) -> torch.Tensor:
+    """The attention output [question, heads x d] of :func:`_probs`'s p over ``values``."""
+    kvh, d = values.shape[1], values.shape[2]
+    o = torch.bmm(p, values.float().permute(1, 0, 2))  # [kv heads, rep x question, d]
+    return o.reshape(kvh, -1, nq, d).permute(2, 0, 1, 3).reshape(nq, -1)
 
 
 #: The compressed preview (QCFuse-style): one anchor every ANCHOR_EVERY chunk tokens, each

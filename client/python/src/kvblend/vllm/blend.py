@@ -130,10 +130,18 @@ class VllmLlamaOps:
             a = self.attention.many(qs, keys, values, rows, attn.scaling)
         else:
             a = torch.cat([self.attention(*x, attn.scaling) for x in zip(qs, keys, values, rows)])
-        o, _ = attn.o_proj(a)
-        h = (hs[0] if len(hs) == 1 else torch.cat(hs)) + o
-        h = h + mod.mlp(mod.post_attention_layernorm(h))
+        h = self.finish(layer, hs[0] if len(hs) == 1 else torch.cat(hs), a)
         return [h] if len(hs) == 1 else list(torch.split(h, [x.shape[0] for x in hs]))
+
+    def scaling(self, layer: int) -> float:
+        return float(self.layers[layer].self_attn.scaling)
+
+    def finish(self, layer: int, h: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        """The layer after its attention: h + o_proj(a), then the MLP's residual."""
+        mod = self.layers[layer]
+        o, _ = mod.self_attn.o_proj(a)
+        h = h + o
+        return h + mod.mlp(mod.post_attention_layernorm(h))
 
 
 @torch.no_grad()
