@@ -34,8 +34,16 @@ if TYPE_CHECKING:
 logger = init_logger("vllm.kvblend.vllm")
 
 #: vLLM versions this connector is written against (the CPU cache layout and the v1
-#: connector interface both change between minor versions).
-SUPPORTED_VLLM = "0.32"
+#: connector interface both change between minor versions). 0.33's connector interface
+#: adds only the sleep-mode hooks (the connector refuses sleep mode), and the modules the
+#: connector reads did not change in ways it uses (tests/engine/test_vllm_interface.py
+#: checks both against the published sources).
+SUPPORTED_VLLM = ("0.32", "0.33")
+
+
+def version_supported(version: str) -> bool:
+    """Whether ``version`` (vLLM's ``__version__``) is one of :data:`SUPPORTED_VLLM`."""
+    return any(version == v or version.startswith(v + ".") for v in SUPPORTED_VLLM)
 
 # Architectures whose attention kvblend describes exactly: full attention, neox RoPE on
 # all heads, keys cached after RoPE.
@@ -61,8 +69,9 @@ def refuse(msg: str) -> Refused:
 def check_version() -> None:
     """Refuse a vLLM other than :data:`SUPPORTED_VLLM` (its connector interface and cache)."""
     v = getattr(vllm, "__version__", "unknown")
-    if not (v == SUPPORTED_VLLM or v.startswith(SUPPORTED_VLLM + ".")):
-        raise refuse(f"vLLM {v} is not supported: kvblend.vllm supports vLLM {SUPPORTED_VLLM}.x")
+    if not version_supported(v):
+        ok = " and ".join(f"{x}.x" for x in SUPPORTED_VLLM)
+        raise refuse(f"vLLM {v} is not supported: kvblend.vllm supports vLLM {ok}")
 
 
 def model_from_vllm(vllm_config: VllmConfig, name: str) -> Model:

@@ -149,6 +149,16 @@ class KvblendConnector(KVConnectorBase_V1):
         return None if data is None else KvblendStats(data=data)
 
     @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """No (vLLM 0.33's hook: vLLM then refuses ``enable_sleep_mode`` at start).
+
+        The daemon writes into vLLM's KV cache through the region (or handle) it was given
+        when the cache was allocated; sleep mode frees that memory and maps new memory at
+        wake-up, which landing sessions would still write into the old.
+        """
+        return False
+
+    @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
         """Return the stats object for data vLLM aggregated (:mod:`kvblend.vllm.stats`)."""
         return KvblendStats() if data is None else KvblendStats(data=dict(data))

@@ -32,8 +32,9 @@ import threading
 import time
 from typing import Any
 
-#: vLLM versions whose model loading this hook is written against.
-SUPPORTED_VLLM = "0.32"
+#: vLLM versions whose model loading this hook is written against (its module is the
+#: same in 0.32 and 0.33).
+SUPPORTED_VLLM = ("0.32", "0.33")
 
 _lock = threading.Lock()
 _state: dict[str, Any] = {"registered": False, "why_not": "the kvblend vLLM plugin did not run"}
@@ -90,8 +91,9 @@ def register() -> None:
         _give_up(f"vLLM's model loader could not be imported: {e}")
         return
     version = getattr(vllm, "__version__", "?")
-    if not (version == SUPPORTED_VLLM or version.startswith(SUPPORTED_VLLM + ".")):
-        _give_up(f"vLLM {version}: the model-loading hook is written for vLLM {SUPPORTED_VLLM}.x")
+    if not any(version == v or version.startswith(v + ".") for v in SUPPORTED_VLLM):
+        _give_up(f"vLLM {version}: the model-loading hook is written for vLLM "
+                 + " and ".join(f"{v}.x" for v in SUPPORTED_VLLM))
         return
     original = getattr(ml, "get_model_loader", None)
     if not callable(original) or not callable(getattr(ml, "get_model", None)):

@@ -1,0 +1,208 @@
+"""kvblend.vllm against the published sources of every vLLM it supports (issue 33).
+
+Only vLLM 0.32 has a CPU build on PyPI, so the engine tests run on 0.32; this test holds
+the connector to the source release of each version in SUPPORTED_VLLM (PyPI's sdist,
+downloaded once into $KVBLEND_ENGINE_CACHE/vllm-src, its sha256 checked against PyPI's
+index), read with ``ast``, nothing imported:
+
+(a) every abstract method of KVConnectorBase_V1 is defined by KvblendConnector;
+(b) every public method KvblendConnector defines overrides one of the base, with the
+    same parameters and the same kind (class method or not), __init__ included (a hook of
+    a later release, which an earlier one never calls, may be missing from its base);
+(c) the base's methods are those of 0.32 plus the ones in NEW, each with the choice
+    kvblend made for it: a hook added in a later release fails here until it is decided;
+(d) every name kvblend imports from vllm (``from vllm.x import y`` in client/python/src)
+    is defined in that module of every supported version;
+(e) the connector's start-up gate takes those versions and no other.
+
+Exit 0 when all pass, 1 on a failure, 77 when KVBLEND_SKIP_ENGINE=1.
+"""
+
+import ast
+import hashlib
+import json
+import os
+import sys
+import tarfile
+import urllib.request
+from pathlib import Path
+
+if os.environ.get("KVBLEND_SKIP_ENGINE") == "1":
+    print("test_vllm_interface: skipped (KVBLEND_SKIP_ENGINE=1)")
+    sys.exit(77)
+
+ROOT = Path(__file__).resolve().parents[2]
+SRC = ROOT / "client" / "python" / "src"
+CACHE = Path(os.environ.get("KVBLEND_ENGINE_CACHE", "/var/cache/kvblend")) / "vllm-src"
+BASE = "vllm/distributed/kv_transfer/kv_connector/v1/base.py"
+CLASS = "KVConnectorBase_V1"
+
+# The connector's interface in 0.32 is the reference; what later releases add, and why
+# kvblend is right with it.
+NEW = {
+    "0.33": {
+        "supports_sleep_mode": "overridden: False, so vLLM refuses enable_sleep_mode",
+        "unregister_kv_caches": "the base's no-op: only sleep mode calls it",
+        "restore_kv_caches": "the base's no-op: only sleep mode calls it",
+    },
+}
+
+failures = []
+
+
+def check(name, ok, detail=""):
+    print(f"{'ok  ' if ok else 'FAIL'} {name}{': ' + detail if detail else ''}", flush=True)
+    if not ok:
+        failures.append(name)
+
+
+def sdist(version):
+    """The path of vLLM's sdist for version, downloaded (and checked) on first use."""
+    path = CACHE / f"vllm-{version}.tar.gz"
+    if path.exists():
+        return path
+    req = urllib.request.Request("https://pypi.org/simple/vllm/",
+                                 headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        files = json.load(r)["files"]
+    f = next(x for x in files if x["filename"] == f"vllm-{version}.tar.gz")
+    CACHE.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".part")
+    with urllib.request.urlopen(f["url"], timeout=600) as r, open(tmp, "wb") as out:
+        h = hashlib.sha256()
+        while chunk := r.read(1 << 20):
+            h.update(chunk)
+            out.write(chunk)
+    if h.hexdigest() != f["hashes"]["sha256"]:
+        tmp.unlink()
+        raise RuntimeError(f"vllm-{version}.tar.gz: sha256 differs from PyPI's index")
+    tmp.rename(path)
+    return path
+
+
+class Source:
+    """The Python files of one vLLM release, read from its sdist on demand."""
+
+    def __init__(self, version):
+        self.version = version
+        self.tar = tarfile.open(sdist(version))
+        self.prefix = f"vllm-{version}/"
+        self.names = set(self.tar.getnames())
+
+    def read(self, rel):
+        name = self.prefix + rel
+        if name not in self.names:
+            return None
+        return self.tar.extractfile(name).read().decode()
+
+    def module(self, dotted):
+        """The AST of module dotted (a .py file or a package's __init__.py), or None."""
+        rel = dotted.replace(".", "/")
+        text = self.read(rel + ".py") or self.read(rel + "/__init__.py")
+        return None if text is None else ast.parse(text)
+
+
+def methods(tree, cls):
+    """{name: (kind, parameter names, abstract)} of class cls in tree."""
+    node = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == cls)
+    out = {}
+    for f in node.body:
+        if not isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        decos = {d.id if isinstance(d, ast.Name) else getattr(d, "attr", "") for d in
+                 f.decorator_list}
+        kind = "classmethod" if "classmethod" in decos else \
+            "staticmethod" if "staticmethod" in decos else "method"
+        a = f.args
+        params = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs]
+        out[f.name] = (kind, params, "abstractmethod" in decos)
+    return out
+
+
+def defined_names(tree):
+    """Names a module defines at its top level (defs, classes, assignments, imports)."""
+    names = set()
+    for n in tree.body:
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(n.name)
+        elif isinstance(n, (ast.Assign, ast.AnnAssign)):
+            targets = n.targets if isinstance(n, ast.Assign) else [n.target]
+            names.update(t.id for t in targets if isinstance(t, ast.Name))
+        elif isinstance(n, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in n.names)
+        elif isinstance(n, (ast.If, ast.Try)):  # TYPE_CHECKING blocks, fallbacks
+            names |= defined_names(ast.Module(body=n.body + getattr(n, "orelse", []),
+                                              type_ignores=[]))
+    return names
+
+
+def kvblend_imports():
+    """{(module, name): files} of every ``from vllm... import name`` in the package."""
+    out = {}
+    for p in sorted(SRC.rglob("*.py")):
+        for n in ast.walk(ast.parse(p.read_text())):
+            if isinstance(n, ast.ImportFrom) and n.module and n.level == 0 and (
+                    n.module == "vllm" or n.module.startswith("vllm.")):
+                for a in n.names:
+                    out.setdefault((n.module, a.name), []).append(p.relative_to(SRC).as_posix())
+    return out
+
+
+def main():
+    sys.path.insert(0, str(SRC))
+    from kvblend.vllm.config import SUPPORTED_VLLM, version_supported  # the engine venv
+
+    cases = {"0.32.0": True, "0.32.1": True, "0.33.0": True, "0.33.2.post1": True,
+             "0.34.0": False, "0.31.9": False, "0.3": False, "0.320.0": False}
+    got = {v: version_supported(v) for v in cases}
+    check("(e) the start-up gate takes 0.32.x and 0.33.x only", got == cases, str(got))
+
+    ours = methods(ast.parse((SRC / "kvblend/vllm/connector.py").read_text()),
+                   "KvblendConnector")
+    imports = kvblend_imports()
+    reference = None
+    for minor in SUPPORTED_VLLM:
+        src = Source(f"{minor}.0")
+        base = methods(ast.parse(src.read(BASE)), CLASS)
+        if reference is None:
+            reference = base
+        v = src.version
+        abstract = sorted(n for n, (_, _, ab) in base.items() if ab)
+        missing = [n for n in abstract if n not in ours]
+        check(f"{v}: the base's {len(abstract)} abstract methods are all defined",
+              not missing, f"missing {missing}")
+        wrong = []
+        later = {n for m, d in NEW.items() if m != minor for n in d}  # not called here
+        for name, (kind, params, _) in sorted(ours.items()):
+            if name.startswith("_") and name != "__init__":
+                continue  # the connector's own helpers
+            if name not in base:
+                if name not in later:
+                    wrong.append(f"{name}: not in the base")
+            elif base[name][:2] != (kind, params):
+                wrong.append(f"{name}: ours {kind} {params}, the base's {base[name][:2]}")
+        check(f"{v}: the connector's {len(ours)} methods override the base's, same parameters",
+              not wrong, "; ".join(wrong))
+        added = sorted(set(base) - set(reference))
+        gone = sorted(set(reference) - set(base))
+        decided = NEW.get(minor, {})
+        check(f"{v}: the base's methods beyond 0.32's are decided",
+              set(added) == set(decided) and not gone,
+              f"added {added}, removed {gone}, decided {sorted(decided)}")
+        for name in added:
+            print(f"     {name}: {decided.get(name, 'NOT DECIDED')}")
+        unresolved = []
+        for (mod, name), files in sorted(imports.items()):
+            tree = src.module(mod)
+            sub = src.module(f"{mod}.{name}")  # from package import submodule
+            if tree is None or (name not in defined_names(tree) and sub is None):
+                unresolved.append(f"{mod}.{name} ({', '.join(files)})")
+        check(f"{v}: the {len(imports)} names kvblend imports from vllm are there",
+              not unresolved, "; ".join(unresolved))
+    check("the connector refuses sleep mode", "supports_sleep_mode" in ours)
+    print("test_vllm_interface: " + ("FAILED " + ", ".join(failures) if failures else "passed"))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
