@@ -182,56 +182,31 @@ static char pub_a[41], sec_a[41], pub_b[41], sec_b[41], pub_c[41], sec_c[41];
 static void start_node(const char *daemon, struct node *n, const char *id, const char *peers,
 		       bool curve, const char *secret)
 {
-	char data[300], listen_arg[400];
+	char listen_arg[400], auth[300];
+	const char *extra[20] = { "--listen", listen_arg, "--node-id", id, "--cluster-peers", peers,
+				  "--cluster-replicas", "1", "--cluster-timeout-ms", "30000" };
+	int k = 10;
 
-	snprintf(data, sizeof(data), "%s/data", n->dir);
+	/* the daemon as every benchmark starts one (bench_common.h), on IPC and TCP */
 	snprintf(n->ipc, sizeof(n->ipc), "ipc://%s/kvblend.sock", n->dir);
 	snprintf(listen_arg, sizeof(listen_arg), "%s,%s", n->ipc, n->tcp);
+	snprintf(auth, sizeof(auth), "%s/authorized", n->dir);
 	if (curve) {
-		char auth[300];
 		FILE *f;
 
 		snprintf(n->key_file, sizeof(n->key_file), "%s/key", n->dir);
 		f = fopen(n->key_file, "w");
 		fprintf(f, "%s\n", secret);
 		fclose(f);
-		snprintf(auth, sizeof(auth), "%s/authorized", n->dir);
 		f = fopen(auth, "w");
 		fprintf(f, "%s a\n%s b\n%s client\n", pub_a, pub_b, pub_c);
 		fclose(f);
+		extra[k++] = "--curve-secret-key-file";
+		extra[k++] = n->key_file;
+		extra[k++] = "--curve-authorized-keys";
+		extra[k++] = auth;
 	}
-	n->pid = fork();
-	if (n->pid == 0) {
-		char auth[300];
-		const char *argv[40] = { daemon, "--data-dir", data, "--listen", listen_arg,
-					 "--map-size", "64G", "--max-message", "1G", "--no-sync",
-					 "--log-level", "warn", "--node-id", id, "--cluster-peers",
-					 peers, "--cluster-replicas", "1", "--cluster-timeout-ms",
-					 "30000" };
-		int k = 20;
-
-		snprintf(auth, sizeof(auth), "%s/authorized", n->dir);
-		if (curve) {
-			argv[k++] = "--curve-secret-key-file";
-			argv[k++] = n->key_file;
-			argv[k++] = "--curve-authorized-keys";
-			argv[k++] = auth;
-		}
-		execv(daemon, (char *const *)argv);
-		_exit(127);
-	}
-	for (int i = 0; i < 200; i++) {
-		struct kvb_connect_opts o = { .timeout_ms = 200 };
-		kvb_client *c;
-
-		if (kvb_connect(n->ipc, &o, &c, NULL, 0) == 0) {
-			kvb_close(&c);
-			return;
-		}
-		usleep(50000);
-	}
-	fprintf(stderr, "bench_cluster: kvblendd %s did not start\n", id);
-	exit(1);
+	n->pid = bench_start_daemon_with(daemon, n->dir, n->ipc, sizeof(n->ipc), 0, extra);
 }
 
 static void stop_node(struct node *n)

@@ -115,7 +115,9 @@ static inline void bench_default_daemon(const char *argv0, char *path, size_t le
 
 /*
  * Start kvblendd on dir/data and ipc://dir/kvblend.sock (endpoint written to ep)
- * with --no-sync unless sync, and wait until it answers. Exits on failure.
+ * with --no-sync unless sync, and wait until it answers. Exits on failure. extra:
+ * more options, NULL-terminated; an extra --listen replaces the default one (it must
+ * name ep among its endpoints: the wait connects there).
  */
 static inline pid_t bench_start_daemon_with(const char *path, const char *dir, char *ep,
 					    size_t ep_len, int sync, const char *const *extra)
@@ -127,10 +129,16 @@ static inline pid_t bench_start_daemon_with(const char *path, const char *dir, c
 	snprintf(ep, ep_len, "ipc://%s/kvblend.sock", dir);
 	pid = fork();
 	if (pid == 0) {
-		const char *argv[32] = { path, "--data-dir", data, "--listen", ep, "--map-size", "64G",
+		const char *argv[32] = { path, "--data-dir", data, "--map-size", "64G",
 					 "--max-message", "1G", "--log-level", "warn" };
-		int n = 11;
+		int n = 9, listen = 0;
 
+		for (int i = 0; extra && extra[i]; i++)
+			listen |= !strcmp(extra[i], "--listen");
+		if (!listen) {
+			argv[n++] = "--listen";
+			argv[n++] = ep;
+		}
 		if (!sync)
 			argv[n++] = "--no-sync";
 		for (int i = 0; extra && extra[i] && n < 31; i++)
