@@ -114,13 +114,21 @@ void clients_put(struct clients *t, struct client_acct *a)
 
 int clients_reserve(struct clients *t, struct client_acct *a, uint64_t bytes)
 {
+	return clients_reserve_more(t, a, bytes, 0);
+}
+
+int clients_reserve_more(struct clients *t, struct client_acct *a, uint64_t bytes,
+			 uint64_t own)
+{
 	int rc = 0;
 
 	pthread_mutex_lock(&t->lock);
-	if (t->held && bytes > t->total_max - (t->held < t->total_max ? t->held : t->total_max))
+	if (t->held > own &&
+	    bytes > t->total_max - (t->held < t->total_max ? t->held : t->total_max))
 		rc = -ENOBUFS;
-	else if (a->held && bytes > t->per_client - (a->held < t->per_client ? a->held
-									 : t->per_client))
+	else if (a->held > own && bytes > t->per_client - (a->held < t->per_client
+								   ? a->held
+								   : t->per_client))
 		rc = -EDQUOT;
 	if (!rc) {
 		a->held += bytes;

@@ -35,6 +35,13 @@ void clients_put(struct clients *t, struct client_acct *a);
  * -EDQUOT when a's share would be exceeded, -ENOBUFS when the total would be.
  */
 int clients_reserve(struct clients *t, struct client_acct *a, uint64_t bytes);
+/*
+ * As clients_reserve, for more bytes of a request whose own `own` bytes a holds
+ * already (a PUT's payload read after its header): admitted as one request of own +
+ * bytes would be, so always when a holds nothing but that request.
+ */
+int clients_reserve_more(struct clients *t, struct client_acct *a, uint64_t bytes,
+			 uint64_t own);
 void clients_release(struct clients *t, struct client_acct *a, uint64_t bytes);
 
 /* Bytes a holds now; bytes all hold now; clients with a record. */

@@ -139,7 +139,8 @@ static const struct key keys[] = {
 	{ "client_inflight_bytes", "SIZE", T_SIZE, OFF(client_inflight_bytes), 1 * MiB, 1024 * GiB,
 	  "1G",
 	  "request and unread reply bytes held for one client (a process on IPC, a key or "
-	  "address on TCP); one request is always admitted when the client holds nothing" },
+	  "address on TCP); one request and its reply are always admitted when the client "
+	  "holds nothing else" },
 	{ "reply_timeout_ms", "MS", T_UINT, OFF(reply_timeout_ms), 0, 3600000, "5000",
 	  "a client that leaves a reply served from the store's pages (a GET of a raw chunk of "
 	  "256 KiB or more) unsent this long is disconnected: such a reply holds a snapshot "

@@ -282,7 +282,8 @@ void server_lane_run(void *ctx, void *sock, zmq_msg_t *frames, size_t n)
 	tag.ns[sizeof(tag.ns) - 1] = 0;
 	from = (struct ops_origin){ tag.principal, tag.ns, tag.acct,
 				    atomic_load(&srv->stopping) ? OPS_REFUSE_STOPPING : OPS_RUN,
-				    tag.fd, true, zmq_msg_data(&frames[1]), zmq_msg_size(&frames[1]) };
+				    tag.fd, true, zmq_msg_data(&frames[1]), zmq_msg_size(&frames[1]),
+				    tag.reserved };
 	ops_handle(srv, &from, frames + ENVELOPE_LEN, n - ENVELOPE_LEN, 0, &out);
 	for (size_t i = ENVELOPE_LEN; i < n; i++)
 		zmq_msg_close(&frames[i]);
@@ -326,7 +327,7 @@ void *server_worker_main(void *arg)
 		tag.ns[sizeof(tag.ns) - 1] = 0;
 		from = (struct ops_origin){ tag.principal, tag.ns, tag.acct, tag.refuse, tag.fd,
 					    false, n > 1 ? zmq_msg_data(&frames[1]) : NULL,
-					    n > 1 ? zmq_msg_size(&frames[1]) : 0 };
+					    n > 1 ? zmq_msg_size(&frames[1]) : 0, tag.reserved };
 		/* A request queued here when the stop began is not started: busy, at once. */
 		if (from.refuse == OPS_RUN && atomic_load(&srv->stopping))
 			from.refuse = OPS_REFUSE_STOPPING;

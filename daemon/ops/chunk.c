@@ -68,7 +68,7 @@ static void put_run(struct req *q, struct bulk_conn **bc)
 			     q->h.has_shm ? " and a segment" : "");
 			goto out;
 		}
-		/* held on the client's account, as a reply of that size would be */
+		/* held on the client's account with the request, as its frames would be */
 		in = reply_buf(q, total);
 		if (!in)
 			goto out;

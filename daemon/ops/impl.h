@@ -30,6 +30,7 @@ struct req {
 	bool lane; /* on the lane thread (lane.h), not a worker */
 	const void *conn_id; /* the ZeroMQ connection's routing id */
 	size_t conn_id_len;
+	uint64_t reserved; /* this request's own bytes held on acct (reply_hold) */
 };
 
 /*
@@ -58,7 +59,8 @@ __attribute__((format(printf, 3, 4))) int fail(struct req *q, uint32_t code, con
 
 /*
  * A reply buffer of len bytes (data_len of them for data), held on the client's
- * account; NULL with a reply naming the limit (or memory) that refused it.
+ * account with the request's own bytes (a client that holds nothing else is admitted
+ * whatever the size); NULL with a reply naming the limit (or memory) that refused it.
  */
 struct shared_buf *reply_hold(struct req *q, size_t len, size_t data_len);
 struct shared_buf *reply_buf(struct req *q, size_t len);

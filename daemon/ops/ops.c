@@ -59,8 +59,10 @@ struct shared_buf *reply_hold(struct req *q, size_t len, size_t data_len)
 	struct shared_buf *b;
 	int rc = 0;
 
+	/* with the request's own bytes, as one exchange: a client that holds nothing else
+	 * gets its one request and reply of any admissible size */
 	if (q->acct)
-		rc = clients_reserve(q->srv->clients, q->acct, len);
+		rc = clients_reserve_more(q->srv->clients, q->acct, len, q->reserved);
 	if (rc == -EDQUOT) {
 		fail(q, KVBP_LIMIT, "this client's requests and unread replies hold %" PRIu64
 		     " bytes; a %zu-byte reply would pass client_inflight_bytes (%" PRIu64 "): "
@@ -465,7 +467,8 @@ void ops_handle(struct server *srv, const struct ops_origin *from, zmq_msg_t *fr
 {
 	struct req q = { .srv = srv, .principal = from->principal, .ns = from->ns ? from->ns : "",
 			 .acct = from->acct, .out = out, .fd = from->fd, .lane = from->lane,
-			 .conn_id = from->conn_id, .conn_id_len = from->conn_id_len };
+			 .conn_id = from->conn_id, .conn_id_len = from->conn_id_len,
+			 .reserved = from->reserved };
 	uint64_t total = 0;
 	char err[KVBP_MESSAGE_MAX];
 	bool ran = false;

@@ -65,6 +65,7 @@ struct ops_origin {
 	bool lane; /* run on the lane (lane.h): costly requests are run, not deferred */
 	const void *conn_id; /* the ZeroMQ connection's routing id (bulk tickets bind to it) */
 	size_t conn_id_len;
+	uint64_t reserved; /* the request's own bytes held on acct */
 };
 
 /*

@@ -13,7 +13,8 @@ a flipped bit is caught under each, and the error names the cipher.
 PUT payloads go the other way on the same connection: a PUT over CURVE sends its
 payload in sealed records and reads back byte-exact; a proxy that flips a bit of the
 client's record bytes, tag or header, or cuts its stream, gets the PUT refused with the
-problem named, nothing stored, and the daemon serves the next PUT.
+problem named, nothing stored, and the daemon serves the next PUT. A chunk of exactly
+max_message goes through the bulk connection as it would in frames.
 
 usage: test_bulk_tcp.py KVBLENDD KVBLEND
 """
@@ -460,6 +461,23 @@ try:
           r.returncode == 1 and "AES-256-GCM check" in r.stderr and not wrote, r.stderr)
 finally:
     check("AES-256-GCM daemon exits 0", d3.stop() == 0)
+
+# A chunk of exactly max_message, with a client share of the same size: admitted over the
+# bulk connection as in frames (its records are held as part of the request, not beside it).
+d4 = kvbtest.Daemon(KVBLENDD, KVBLEND, tmp, "--tcp-bulk-port", str(bulk_port), *curve_flags,
+                    "--max-message", str(kv.nbytes), "--client-inflight-bytes", str(kv.nbytes),
+                    name="edge", listen=f"ipc://{tmp}/edge.sock,tcp://127.0.0.1:{port}",
+                    timeout_ms=3000, hang_s=60)
+d4.start()
+try:
+    d4.cli("model", "add", "m", "--layers", str(layers), "--kv-heads", str(heads),
+           "--head-dim", str(dim), "--dtype", "f16", "--rope-theta", "10000", ok=True)
+    r = put(f"tcp://127.0.0.1:{port}", "e1" * 32)
+    check(f"a PUT of exactly max_message ({kv.nbytes} bytes) over the bulk connection",
+          r.returncode == 0 and stat(d4, "bulk_records_opened") >= 8, r.stderr)
+    check("... reads back byte-exact", stored(f"tcp://127.0.0.1:{port}", "e1" * 32))
+finally:
+    check("max_message daemon exits 0", d4.stop() == 0)
 
 # A daemon without bulk connections answers HELLO as an older one does: CURVE frames.
 d2 = kvbtest.Daemon(KVBLENDD, KVBLEND, tmp, "--tcp-bulk=false", *curve_flags, name="old",
