@@ -6,6 +6,7 @@
 #include <setjmp.h>
 #include <signal.h>
 #include <stdarg.h>
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -66,7 +67,12 @@ static void spawn(struct daemon *d, const char *const *extra)
 			return;
 		}
 		if (waitpid(d->pid, &status, WNOHANG) == d->pid) {
+			char cmd[400];
+
 			d->pid = 0;
+			snprintf(cmd, sizeof(cmd), "tail -n 20 %s >&2", d->log_path);
+			if (system(cmd) < 0)
+				perror("system");
 			fail_msg("kvblendd exited during start-up; see %s", d->log_path);
 		}
 		usleep(50000);
@@ -183,17 +189,55 @@ double daemon_stat(kvb_client *c, const char *name)
 	return v;
 }
 
+/*
+ * A port below the kernel's ephemeral range (ip_local_port_range), free now and never
+ * handed out before by this process: a port the kernel picks for bind(0) is an ephemeral
+ * one, which any outgoing connection may take between this check and the daemon's
+ * bind (CI once saw a daemon fail to start with "Address already in use"), and the
+ * kernel may hand the same one out twice in a row.
+ */
 int free_tcp_port(void)
 {
-	struct sockaddr_in a = { .sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
-	socklen_t len = sizeof(a);
-	int fd = socket(AF_INET, SOCK_STREAM, 0);
+	static int given[256];
+	static size_t n_given;
+	static unsigned seed;
+	int low = 32768;
+	FILE *f = fopen("/proc/sys/net/ipv4/ip_local_port_range", "r");
 
-	assert_true(fd >= 0);
-	assert_int_equal(bind(fd, (struct sockaddr *)&a, sizeof(a)), 0);
-	assert_int_equal(getsockname(fd, (struct sockaddr *)&a, &len), 0);
-	close(fd);
-	return ntohs(a.sin_port);
+	if (f) {
+		if (fscanf(f, "%d", &low) != 1)
+			low = 32768;
+		fclose(f);
+	}
+	if (!seed)
+		seed = (unsigned)getpid() ^ (unsigned)time(NULL);
+	for (int tries = 0; tries < 4000; tries++) {
+		struct sockaddr_in a = { .sin_family = AF_INET,
+					 .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
+		socklen_t len = sizeof(a);
+		int fd = socket(AF_INET, SOCK_STREAM, 0), port = 0, ok;
+		bool seen = false;
+
+		assert_true(fd >= 0);
+		/* below the ephemeral range when it leaves room (10000 and up), else the kernel's */
+		if (low > 12000)
+			a.sin_port = htons((uint16_t)(10000 + rand_r(&seed) % (unsigned)(low - 10000)));
+		ok = bind(fd, (struct sockaddr *)&a, sizeof(a)) == 0 &&
+		     getsockname(fd, (struct sockaddr *)&a, &len) == 0;
+		close(fd);
+		if (!ok)
+			continue;
+		port = ntohs(a.sin_port);
+		for (size_t i = 0; i < n_given; i++)
+			seen = seen || given[i] == port;
+		if (seen)
+			continue;
+		if (n_given < sizeof(given) / sizeof(given[0]))
+			given[n_given++] = port;
+		return port;
+	}
+	fail_msg("free_tcp_port: no free port found");
+	return -1;
 }
 
 void daemon_curve_key(const struct daemon *d, char keyfile[400], char pub[41])
