@@ -17,6 +17,7 @@ that imports (:meth:`Daemon.ready`; kvbtest pings with the CLI instead).
 """
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -31,17 +32,28 @@ _ports_given = set()
 
 
 def free_port():
-    """A TCP port on 127.0.0.1 that nothing listens on now (the kernel's choice), never one
-    this process was given before: the kernel may hand the same free port out twice, and two
-    daemons (or a daemon and etcd) told the same port make one of them fail to start."""
-    for _ in range(1000):
+    """A TCP port on 127.0.0.1 that nothing listens on now, never one this process was
+    given before, and below the kernel's ephemeral range where that leaves room: a port
+    the kernel picks for bind(0) is an ephemeral one, which any outgoing connection may
+    take before the daemon binds it, and the kernel may hand the same one out twice."""
+    low = 32768
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    rng = random.Random(os.getpid() ^ time.monotonic_ns())
+    for _ in range(4000):
+        want = rng.randrange(10000, low) if low > 12000 else 0
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
+            try:
+                s.bind(("127.0.0.1", want))
+            except OSError:
+                continue
             port = s.getsockname()[1]
         if port not in _ports_given:
             _ports_given.add(port)
             return port
-    raise RuntimeError("free_port: the kernel keeps handing out ports given before")
+    raise RuntimeError("free_port: no free port found in 4000 tries")
 
 
 def wait_for(fn, seconds, step=0.1):
