@@ -46,18 +46,11 @@ static int connect_bulk(kvb_client *c, unsigned port)
 	struct addrinfo hints = { .ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM,
 				  .ai_flags = AI_NUMERICSERV }, *ai = NULL;
 	struct timeval tv = { c->timeout_ms / 1000, (c->timeout_ms % 1000) * 1000 };
-	char host[512], serv[8], *colon;
+	char host[512], serv[8];
 	int fd, one = 1;
 
-	snprintf(host, sizeof(host), "%s", c->endpoint + 6);
-	colon = strrchr(host, ':');
-	if (!colon)
+	if (kvbb_endpoint_host(c->endpoint, host, sizeof(host)))
 		return -EINVAL;
-	*colon = 0;
-	if (host[0] == '[' && colon > host + 1 && colon[-1] == ']') {
-		colon[-1] = 0;
-		memmove(host, host + 1, strlen(host));
-	}
 	snprintf(serv, sizeof(serv), "%u", port);
 	if (getaddrinfo(host, serv, &hints, &ai))
 		return -EHOSTUNREACH;

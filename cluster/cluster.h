@@ -65,6 +65,8 @@ struct cluster_opts {
 	int timeout_ms;		/* cluster_timeout_ms: every remote call's deadline */
 	int hedge_ms;		/* cluster_hedge_ms: a fetch not answered this long also asks
 				 * the next member; 0 never */
+	bool bulk;		/* cluster_bulk: FETCH and REPLICATE payloads to and from
+				 * peers over tcp:// on bulk connections where they offer one */
 	uint64_t rebalance_rate; /* cluster_rebalance_rate: bytes/s of rebalance pushes */
 	uint64_t repair_interval_s; /* cluster_repair_interval: 0 never */
 	int lease_ttl_s;	    /* cluster_lease_ttl: the etcd lease */
@@ -140,6 +142,8 @@ struct cluster_stats {
 	uint64_t rebalance_pushes, rebalance_skipped; /* to new owners; skipped: they had it */
 	uint64_t membership_changes, peer_busy;	      /* peer_busy: calls refused, in-flight cap */
 	uint64_t hedged; /* fetches that asked a further member after cluster_hedge_ms */
+	uint64_t bulk_fetches; /* fetched chunks whose bytes came on a bulk connection */
+	uint64_t bulk_pushes;  /* chunks pushed (REPLICATE) whose bytes went on one */
 	bool etcd, etcd_ok;			      /* membership from etcd; etcd answers now */
 	uint64_t etcd_errors, etcd_last_ok_ms;	      /* failed etcd calls; last success (unix ms) */
 };

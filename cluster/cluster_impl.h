@@ -7,6 +7,7 @@
  * view.c: the shared view, placement queries over it, liveness, the shared helpers.
  * members.c: the static member list, the etcd registration and watch.
  * transfer.c: calls to a peer, the push queue and its thread, fetch and lookup.
+ * bulk.c: a member's end of bulk connections to its peers (FETCH payloads).
  * rebalance.c: rebalance and repair passes, heartbeats.
  */
 #ifndef KVBLEND_CLUSTER_CLUSTER_IMPL_H
@@ -45,7 +46,7 @@ struct peer {
 	bool live; /* listed statically, or registered in etcd (view lock) */
 	bool in_view; /* in placement: live, or gone less than cluster_grace (view lock) */
 	pthread_mutex_t lock;
-	void *idle[POOL];
+	struct psock *idle[POOL];
 	unsigned n_idle;
 	atomic_int_fast64_t suspect_until; /* ms, monotonic */
 	atomic_int_fast64_t last_reply;	   /* ms, realtime; 0 never */
@@ -82,6 +83,7 @@ struct cluster {
 	unsigned replicas;
 	int timeout_ms;
 	int64_t hedge_ms; /* cluster_hedge_ms: 0 never hedge */
+	bool bulk;	  /* cluster_bulk: FETCH payloads on bulk connections (bulk.c) */
 	int64_t forget_after_ms; /* cluster_forget_after */
 	int64_t grace_ms;	 /* cluster_grace: a member gone stays placed this long */
 	int64_t drain_ms;	 /* cluster_drain_timeout: 0 no drain */
@@ -107,7 +109,7 @@ struct cluster {
 	int64_t rebalance_next_ns; /* the rate limit: no rebalance push before this */
 	atomic_uint_fast64_t pushes_done, push_failures, remote_hits, remote_misses,
 		fetch_failures, fetched_bytes, fetch_ns, in_flight, rebalance_pushes,
-		rebalance_skipped, peer_busy, hedged;
+		rebalance_skipped, peer_busy, hedged, bulk_fetches, bulk_pushes;
 	/* rebalance after a membership change (its own thread) */
 	pthread_t rebalancer;
 	bool rebalancer_started;
@@ -141,12 +143,49 @@ struct cluster {
 	struct cluster_check last_check;
 };
 
-/* A peer's reply: its decoded header, and the payload frames after it. */
+/* A peer's reply: its decoded header, and the payload frames after it, or its payload
+ * from the bulk connection (rep.bulk_bytes in bulk, in the parts rep.bulk_parts). */
 struct call_out {
 	struct kvbp_reply rep;
 	zmq_msg_t *frames;
 	size_t n_frames;
+	uint8_t *bulk;
 };
+
+/* A socket to a peer (pooled per peer), with its bulk connection (bulk.c) when the
+ * peer offered one: fd >= 0, sealed with aead when the ticket came over CURVE. */
+struct psock {
+	void *s;
+	int fd;
+	struct kvbb_aead *aead;
+	uint8_t ticket[KVBP_BULK_TICKET_LEN];
+	uint64_t rcounter; /* the next record's counter, peer to this member */
+	uint64_t scounter; /* the next record's counter, this member to the peer (from 1) */
+	bool put;	   /* the peer takes REPLICATE payloads on it (HELLO's bulk_put) */
+	bool spoilt;	   /* its bulk connection fell out of step: closed after this call */
+};
+
+/* A socket to endpoint (CURVE towards key when both ends have keys), with a bulk
+ * connection when cluster_bulk and the peer offer one; NULL when the socket cannot be
+ * made or the peer does not answer its HELLO by cluster_timeout_ms. */
+struct psock *psock_new(struct cluster *c, const char *endpoint, const char *key);
+void psock_free(struct psock *ps);
+/*
+ * Receive the payload of FETCH reply o (rep.bulk_bytes > 0) on ps's bulk connection
+ * into o->bulk, by the deadline (ms, monotonic), after checking the parts it names
+ * against m. 0; or -EPROTO, -EBADMSG (altered on the wire), -ETIMEDOUT, -EIO, -ENOMEM,
+ * with why: ps's connection is then out of step, and ps must be closed.
+ */
+/*
+ * Send the payload of REPLICATE request_id (the concatenation of blobs[0..n), lens
+ * bytes each) as records on ps's bulk connection (sealed when it is), by the deadline.
+ * 0; or -ETIMEDOUT, -EIO, -ENOMEM: ps's connection is then out of step, and ps must be
+ * closed.
+ */
+int psock_send_payload(struct psock *ps, uint64_t request_id, const void *const *blobs,
+		       const size_t *lens, size_t n, int64_t deadline);
+int psock_fetch_payload(struct cluster *c, struct psock *ps, const struct store_model *m,
+			struct call_out *o, int64_t deadline, char *why, size_t why_len);
 
 /* A log line through the daemon's callback (cluster_opts.log), as printf formats it. */
 void cluster_logf(const struct cluster *c, int level, const char *fmt, ...)
@@ -229,8 +268,10 @@ void *watcher_main(void *arg);
 
 void call_out_free(struct call_out *o);
 /*
- * Send req (and its payload frames) to peer p and wait for the reply until the
- * deadline. Returns 0 with out filled (out->rep.code may be an error), or
+ * Send req (and its payload frames: on the socket's bulk connection when cluster_bulk
+ * and the peer takes them there, in frames once more if it refuses them there) to
+ * peer p and wait for the reply until the deadline. Returns 0 with out filled
+ * (out->rep.code may be an error), or
  * -ETIMEDOUT / -EIO / -ENOMEM, the peer then marked suspect; -EBUSY (not marked)
  * when PEER_INFLIGHT_MAX calls to p are under way.
  */

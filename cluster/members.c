@@ -59,7 +59,7 @@ static struct peer *peer_find(struct cluster *c, const char *id)
 void peer_drop_idle(struct peer *p)
 {
 	while (p->n_idle)
-		zmq_close(p->idle[--p->n_idle]);
+		psock_free(p->idle[--p->n_idle]);
 }
 
 /* One "id=tcp://host:port[=key]" of cluster_peers. */

@@ -13,52 +13,33 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 /* ---- calls to a peer ---- */
 
-static void *sock_get(struct cluster *c, struct peer *p)
+static struct psock *sock_get(struct cluster *c, struct peer *p)
 {
-	void *s = NULL;
-	int zero = 0;
-
+	struct psock *ps = NULL;
 	char endpoint[CLUSTER_ENDPOINT_MAX], key[41];
 
 	pthread_mutex_lock(&p->lock);
 	if (p->n_idle)
-		s = p->idle[--p->n_idle];
+		ps = p->idle[--p->n_idle];
 	memcpy(endpoint, p->endpoint, sizeof(endpoint));
 	memcpy(key, p->key, sizeof(key));
 	pthread_mutex_unlock(&p->lock);
-	if (s)
-		return s;
-	s = zmq_socket(c->zctx, ZMQ_DEALER);
-	if (!s)
-		return NULL;
-	zmq_setsockopt(s, ZMQ_LINGER, &zero, sizeof(zero));
-	if (key[0] && c->secret[0] &&
-	    (zmq_setsockopt(s, ZMQ_CURVE_SERVERKEY, key, 40) ||
-	     zmq_setsockopt(s, ZMQ_CURVE_PUBLICKEY, c->public_key, 40) ||
-	     zmq_setsockopt(s, ZMQ_CURVE_SECRETKEY, c->secret, 40))) {
-		zmq_close(s);
-		return NULL;
-	}
-	if (!endpoint[0] || zmq_connect(s, endpoint)) {
-		zmq_close(s);
-		return NULL;
-	}
-	return s;
+	return ps ? ps : psock_new(c, endpoint, key);
 }
 
-static void sock_put(struct peer *p, void *s, bool good)
+static void sock_put(struct peer *p, struct psock *ps, bool good)
 {
 	pthread_mutex_lock(&p->lock);
-	if (good && p->n_idle < POOL) {
-		p->idle[p->n_idle++] = s;
-		s = NULL;
+	if (good && !ps->spoilt && p->n_idle < POOL) {
+		p->idle[p->n_idle++] = ps;
+		ps = NULL;
 	}
 	pthread_mutex_unlock(&p->lock);
-	if (s)
-		zmq_close(s); /* a late reply can never answer a later call */
+	psock_free(ps); /* a late reply can never answer a later call */
 }
 
 void call_out_free(struct call_out *o)
@@ -66,6 +47,8 @@ void call_out_free(struct call_out *o)
 	for (size_t i = 0; i < o->n_frames; i++)
 		zmq_msg_close(&o->frames[i]);
 	free(o->frames);
+	free(o->bulk);
+	o->bulk = NULL;
 	o->frames = NULL;
 	o->n_frames = 0;
 	kvbp_reply_clear(&o->rep);
@@ -74,7 +57,7 @@ void call_out_free(struct call_out *o)
 /* One call under way to a peer: the socket it went out on and the reply it waits for. */
 struct call {
 	struct peer *p;
-	void *s;
+	struct psock *ps;
 	uint64_t id;
 	int64_t deadline; /* ms, monotonic */
 };
@@ -82,16 +65,19 @@ struct call {
 static void call_end(struct cluster *c, struct call *cl, int rc);
 
 /*
- * Send req (and its payload frames) to p. Returns 0 with cl under way (call_end
+ * Send req (and its payload frames) to p; with bulk, asking for the reply's payload on
+ * the socket's bulk connection when it has one. Returns 0 with cl under way (call_end
  * must follow), or -EBUSY (the in-flight cap; p not marked), -EIO (p marked
  * when the send failed) or -ENOMEM, the call then over.
  */
 static int call_send(struct cluster *c, struct peer *p, struct kvbp_request *req,
-		     const void *const *frames, const size_t *lens, size_t n_frames,
+		     const void *const *frames, const size_t *lens, size_t n_frames, bool bulk,
 		     struct call *cl)
 {
 	uint8_t *hdr = NULL;
+	uint64_t *parts = NULL;
 	size_t hlen;
+	bool on_bulk;
 	int rc = 0;
 
 	if (atomic_fetch_add(&p->in_flight, 1) >= PEER_INFLIGHT_MAX) {
@@ -101,28 +87,66 @@ static int call_send(struct cluster *c, struct peer *p, struct kvbp_request *req
 	}
 	cl->p = p;
 	cl->deadline = now_ms() + c->timeout_ms;
-	cl->s = sock_get(c, p);
-	if (!cl->s) {
+	cl->ps = sock_get(c, p);
+	if (!cl->ps) {
+		/* a new socket's HELLO (bulk.c) went unanswered: as a call that missed its
+		 * deadline, the peer is skipped for a while */
+		atomic_store(&p->suspect_until, now_ms() + SUSPECT_MS);
+		cl_warn(c, "cluster: member '%s': no answer to a new connection's HELLO within "
+			"cluster_timeout_ms; skipped for %d ms", p->id, SUSPECT_MS);
 		atomic_fetch_sub(&p->in_flight, 1);
 		return -EIO;
 	}
+	/* a payload goes on the bulk connection when the peer takes it there (bulk_put) */
+	req->has_bulk_ticket = bulk && cl->ps->fd >= 0 && (!n_frames || cl->ps->put);
+	if (req->has_bulk_ticket) {
+		memcpy(req->bulk_ticket, cl->ps->ticket, sizeof(req->bulk_ticket));
+		if (n_frames && !(parts = malloc(n_frames * sizeof(*parts)))) {
+			sock_put(p, cl->ps, true);
+			atomic_fetch_sub(&p->in_flight, 1);
+			return -ENOMEM;
+		}
+		for (size_t i = 0; parts && i < n_frames; i++)
+			parts[i] = lens[i];
+		req->bulk_parts = parts;
+		req->n_bulk_parts = parts ? n_frames : 0;
+	}
+	on_bulk = req->has_bulk_ticket && n_frames;
 	req->version = KVBP_VERSION;
 	req->request_id = cl->id = atomic_fetch_add(&c->next_id, 1) + 1;
 	req->local_only = true; /* the peer answers from its own store: no call back */
-	req->payload_frames = (uint32_t)n_frames;
-	if (kvbp_request_encode(req, &hdr, &hlen)) {
-		sock_put(p, cl->s, true);
+	req->payload_frames = on_bulk ? 0 : (uint32_t)n_frames;
+	rc = kvbp_request_encode(req, &hdr, &hlen) ? -ENOMEM : 0;
+	req->bulk_parts = NULL; /* the caller's request never points at parts freed here */
+	req->n_bulk_parts = 0;
+	free(parts);
+	if (rc) {
+		sock_put(p, cl->ps, true);
 		atomic_fetch_sub(&p->in_flight, 1);
-		return -ENOMEM;
+		return rc;
 	}
-	if (zmq_send(cl->s, "", 0, ZMQ_SNDMORE | ZMQ_DONTWAIT) < 0 ||
-	    zmq_send(cl->s, hdr, hlen, (n_frames ? ZMQ_SNDMORE : 0) | ZMQ_DONTWAIT) < 0)
+	if (zmq_send(cl->ps->s, "", 0, ZMQ_SNDMORE | ZMQ_DONTWAIT) < 0 ||
+	    zmq_send(cl->ps->s, hdr, hlen, (n_frames && !on_bulk ? ZMQ_SNDMORE : 0) |
+		     ZMQ_DONTWAIT) < 0)
 		rc = -EIO;
 	free(hdr);
-	for (size_t i = 0; !rc && i < n_frames; i++)
-		if (zmq_send(cl->s, frames[i], lens[i],
+	for (size_t i = 0; !rc && !on_bulk && i < n_frames; i++)
+		if (zmq_send(cl->ps->s, frames[i], lens[i],
 			     (i + 1 < n_frames ? ZMQ_SNDMORE : 0) | ZMQ_DONTWAIT) < 0)
 			rc = -EIO;
+	if (!rc && on_bulk) {
+		int brc = psock_send_payload(cl->ps, cl->id, frames, lens, n_frames,
+					     cl->deadline);
+
+		/* the peer may have refused the request and cut the connection before
+		 * reading (its reply says why), or fallen behind: the connection is out of
+		 * step either way, and the reply or the deadline ends the call */
+		if (brc) {
+			cl_warn(c, "cluster: member '%s': the bulk connection %s mid-payload",
+				p->id, brc == -ETIMEDOUT ? "timed out" : "closed");
+			cl->ps->spoilt = true;
+		}
+	}
 	if (rc)
 		call_end(c, cl, rc); /* (call_end is defined below) */
 	return rc;
@@ -143,7 +167,7 @@ static int call_recv(struct call *cl, struct call_out *out)
 	memset(out, 0, sizeof(*out));
 	for (; more && np < 2; np++) {
 		zmq_msg_init(&parts[np]);
-		if (zmq_msg_recv(&parts[np], cl->s, ZMQ_DONTWAIT) < 0) {
+		if (zmq_msg_recv(&parts[np], cl->ps->s, ZMQ_DONTWAIT) < 0) {
 			zmq_msg_close(&parts[np]);
 			rc = np == 0 && zmq_errno() == EAGAIN ? 1 : -EIO;
 			break;
@@ -161,7 +185,7 @@ static int call_recv(struct call *cl, struct call_out *out)
 			out->frames = f;
 		}
 		zmq_msg_init(&out->frames[out->n_frames]);
-		if (zmq_msg_recv(&out->frames[out->n_frames], cl->s, 0) < 0) {
+		if (zmq_msg_recv(&out->frames[out->n_frames], cl->ps->s, 0) < 0) {
 			zmq_msg_close(&out->frames[out->n_frames]);
 			rc = -EIO;
 			break;
@@ -199,28 +223,24 @@ static void call_end(struct cluster *c, struct call *cl, int rc)
 		atomic_store(&p->suspect_until, 0);
 		atomic_store(&p->last_reply, wall_ms());
 	}
-	sock_put(p, cl->s, rc == 0);
+	sock_put(p, cl->ps, rc == 0);
 	atomic_fetch_sub(&p->in_flight, 1);
 }
 
-/*
- * Send req (and its payload frames) to peer p and wait for the reply until the
- * deadline. Returns 0 with out filled (out->rep.code may be an error), or
- * -ETIMEDOUT / -EIO / -ENOMEM, the peer then marked suspect.
- */
-int peer_call(struct cluster *c, struct peer *p, struct kvbp_request *req,
-	      const void *const *frames, const size_t *lens, size_t n_frames,
-	      struct call_out *out)
+/* peer_call, its payload on the socket's bulk connection when bulk and the peer takes it */
+static int peer_call_once(struct cluster *c, struct peer *p, struct kvbp_request *req,
+			  const void *const *frames, const size_t *lens, size_t n_frames,
+			  bool bulk, struct call_out *out)
 {
 	struct call cl;
 	int rc;
 
 	memset(out, 0, sizeof(*out));
-	rc = call_send(c, p, req, frames, lens, n_frames, &cl);
+	rc = call_send(c, p, req, frames, lens, n_frames, bulk, &cl);
 	if (rc)
 		return rc;
 	for (;;) {
-		zmq_pollitem_t it = { cl.s, 0, ZMQ_POLLIN, 0 };
+		zmq_pollitem_t it = { cl.ps->s, 0, ZMQ_POLLIN, 0 };
 		int64_t left = cl.deadline - now_ms();
 
 		if (left <= 0) {
@@ -234,7 +254,31 @@ int peer_call(struct cluster *c, struct peer *p, struct kvbp_request *req,
 			break;
 		rc = 0; /* someone else's late reply: keep waiting */
 	}
+	/* a payload the peer refused on the bulk connection: it closed the connection
+	 * (out of step), so this socket is closed too; the next opens another */
+	if (!rc && n_frames && req->has_bulk_ticket && out->rep.code == KVBP_BAD_FRAMES)
+		cl.ps->spoilt = true;
 	call_end(c, &cl, rc);
+	return rc;
+}
+
+int peer_call(struct cluster *c, struct peer *p, struct kvbp_request *req,
+	      const void *const *frames, const size_t *lens, size_t n_frames,
+	      struct call_out *out)
+{
+	bool bulk = c->bulk && n_frames;
+	int rc = peer_call_once(c, p, req, frames, lens, n_frames, bulk, out);
+
+	/* refused on the bulk connection (the peer fell behind reading it, a record
+	 * altered on the way): once more in frames, as libkvblend does a PUT */
+	if (!rc && bulk && req->has_bulk_ticket && out->rep.code == KVBP_BAD_FRAMES) {
+		cl_warn(c, "cluster: member '%s' refused a payload on the bulk connection (%s); "
+			"sent again in frames", p->id, out->rep.message);
+		call_out_free(out);
+		rc = peer_call_once(c, p, req, frames, lens, n_frames, false, out);
+	}
+	if (!rc && bulk && req->has_bulk_ticket && out->rep.code == KVBP_OK)
+		atomic_fetch_add(&c->bulk_pushes, 1);
 	return rc;
 }
 
@@ -255,28 +299,33 @@ static int fetch_store(struct cluster *c, const struct store_model *m, const uin
 
 	if (o->rep.code == KVBP_NOT_FOUND)
 		return -ENOENT;
-	if (o->rep.code || o->rep.n_chunks != 1 || o->n_frames != m->num_layers) {
+	if (o->rep.code || o->rep.n_chunks != 1 ||
+	    (o->bulk ? o->rep.n_bulk_parts : o->n_frames) != m->num_layers) {
 		cl_warn(c, "cluster: fetch from '%s': %s", p->id,
 			o->rep.code ? o->rep.message : "reply of the wrong shape");
 		atomic_fetch_add(&c->fetch_failures, 1);
 		return -ENOENT;
 	}
-	blobs = calloc(o->n_frames, sizeof(*blobs));
-	lens = calloc(o->n_frames, sizeof(*lens));
+	blobs = calloc(m->num_layers, sizeof(*blobs));
+	lens = calloc(m->num_layers, sizeof(*lens));
 	if (!blobs || !lens) {
 		free(blobs);
 		free(lens);
 		return -ENOMEM;
 	}
-	for (size_t l = 0; l < o->n_frames; l++) {
-		blobs[l] = zmq_msg_data(&o->frames[l]);
-		bytes += lens[l] = zmq_msg_size(&o->frames[l]);
+	for (size_t l = 0; l < m->num_layers; l++) {
+		/* bulk: the parts were checked to add up to the bytes received */
+		blobs[l] = o->bulk ? o->bulk + bytes : zmq_msg_data(&o->frames[l]);
+		lens[l] = o->bulk ? o->rep.bulk_parts[l] : zmq_msg_size(&o->frames[l]);
+		bytes += lens[l];
 	}
 	rc = store_chunk_import(c->store, m, hash, o->rep.chunks[0].num_tokens,
 				o->rep.chunks[0].base_pos, blobs, lens, NULL);
 	free(blobs);
 	free(lens);
 	if (rc >= 0) {
+		if (o->bulk)
+			atomic_fetch_add(&c->bulk_fetches, 1);
 		atomic_fetch_add(&c->remote_hits, 1);
 		atomic_fetch_add(&c->fetched_bytes, bytes);
 		atomic_fetch_add(&c->fetch_ns, (uint64_t)(now_ns() - t0_ns));
@@ -322,7 +371,7 @@ int cluster_fetch(struct cluster *c, const struct store_model *m, const uint8_t 
 			c->describe(m, &q.model);
 			snprintf(q.model_name, sizeof(q.model_name), "%s", m->name);
 			memcpy(q.hash, hash, KVBP_HASH_LEN);
-			if (call_send(c, p, &q, NULL, NULL, 0, &cl[n_cl])) {
+			if (call_send(c, p, &q, NULL, NULL, 0, c->bulk, &cl[n_cl])) {
 				atomic_fetch_add(&c->fetch_failures, 1);
 				continue;
 			}
@@ -336,7 +385,7 @@ int cluster_fetch(struct cluster *c, const struct store_model *m, const uint8_t 
 			break; /* no member left to ask */
 		wake = cl[0].deadline;
 		for (size_t i = 0; i < n_cl; i++) {
-			it[i] = (zmq_pollitem_t){ cl[i].s, 0, ZMQ_POLLIN, 0 };
+			it[i] = (zmq_pollitem_t){ cl[i].ps->s, 0, ZMQ_POLLIN, 0 };
 			if (cl[i].deadline < wake)
 				wake = cl[i].deadline;
 		}
@@ -355,6 +404,19 @@ int cluster_fetch(struct cluster *c, const struct store_model *m, const uint8_t 
 			if (r == 1) {
 				i++;
 				continue;
+			}
+			if (r == 0 && o.rep.code == KVBP_OK && o.rep.bulk_bytes) {
+				char why[192];
+
+				r = psock_fetch_payload(c, cl[i].ps, m, &o, cl[i].deadline, why,
+							sizeof(why));
+				if (r) {
+					cl_warn(c, "cluster: fetch from '%s' on its bulk connection: "
+						"%s", cl[i].p->id, why);
+					cl[i].ps->spoilt = true;
+					call_out_free(&o);
+					r = r == -ETIMEDOUT ? -ETIMEDOUT : -EIO;
+				}
 			}
 			call_end(c, &cl[i], r);
 			if (r == 0) {

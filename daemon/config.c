@@ -215,6 +215,10 @@ static const struct key keys[] = {
 	  "a fetch from a member that has not answered this long also asks the next member "
 	  "(the first answer wins), so a dead owner costs this, not cluster_timeout_ms; "
 	  "0 = wait for each member's deadline" },
+	{ "cluster_bulk", NULL, T_BOOL, OFF(cluster_bulk), 0, 1, "true",
+	  "fetch chunks from members and push chunks to them over tcp:// on bulk connections "
+	  "where they offer one (their tcp_bulk; sealed under CURVE): at the socket's speed; "
+	  "false = in ZeroMQ frames (encrypted by CURVE)" },
 	{ "log_level", "LEVEL", T_LEVEL, OFF(log_level), 0, 3, "info", "error, warn, info or debug" },
 	{ "device", "DEVICE", T_DEVICE, OFF(device), 0, 1023, "auto",
 	  "where fuse sessions compute: cpu, cuda[:N] (their rings on CUDA device N, 0 by "

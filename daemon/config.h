@@ -85,6 +85,7 @@ struct config {
 	uint64_t cluster_replicas;
 	uint64_t cluster_timeout_ms;
 	uint64_t cluster_hedge_ms;
+	bool cluster_bulk;
 	uint64_t cluster_grace;
 	uint64_t cluster_cache_pct;
 	uint64_t cluster_drain_timeout;

@@ -137,6 +137,8 @@ VALUE(v_rebalance_skipped, s->cs.rebalance_skipped)
 VALUE(v_changes, s->cs.membership_changes)
 VALUE(v_peer_busy, s->cs.peer_busy)
 VALUE(v_hedged, s->cs.hedged)
+VALUE(v_bulk_fetches, s->cs.bulk_fetches)
+VALUE(v_bulk_pushes, s->cs.bulk_pushes)
 VALUE(v_etcd_ok, s->cs.etcd_ok)
 VALUE(v_etcd_errors, s->cs.etcd_errors)
 VALUE(v_etcd_age, s->cs.etcd_last_ok_ms ? (double)(s->wall_ms - s->cs.etcd_last_ok_ms) : -1)
@@ -218,6 +220,12 @@ const struct counter counters[] = {
 	{ "cluster_hedged", "kvblend_cluster_hedged_total",
 	  "Fetches that also asked the next member after cluster_hedge_ms.", C, NEED_CLUSTER,
 	  v_hedged },
+	{ "cluster_bulk_fetches", "kvblend_cluster_bulk_fetches_total",
+	  "Chunks fetched from members whose bytes came on a bulk connection.", C, NEED_CLUSTER,
+	  v_bulk_fetches },
+	{ "cluster_bulk_pushes", "kvblend_cluster_bulk_pushes_total",
+	  "Chunks pushed to members whose bytes went on a bulk connection.", C, NEED_CLUSTER,
+	  v_bulk_pushes },
 	{ "cluster_etcd_ok", "kvblend_cluster_etcd_up", "Whether etcd answered the last call.",
 	  G, NEED_ETCD, v_etcd_ok },
 	{ "cluster_etcd_errors", NULL, NULL, C, NEED_ETCD, v_etcd_errors },

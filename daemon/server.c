@@ -392,6 +392,7 @@ static int cluster_start(const struct config *cfg, struct store *store, const ch
 		.replicas = (unsigned)cfg->cluster_replicas,
 		.timeout_ms = (int)cfg->cluster_timeout_ms,
 		.hedge_ms = (int)cfg->cluster_hedge_ms,
+		.bulk = cfg->cluster_bulk,
 		.rebalance_rate = cfg->cluster_rebalance_rate,
 		.repair_interval_s = cfg->cluster_repair_interval,
 		.lease_ttl_s = (int)cfg->cluster_lease_ttl,

@@ -139,7 +139,11 @@ static bool bulk_divert(struct server *srv, void *sock, zmq_msg_t *env, size_t n
 	uint64_t sent = 0, total = 0;
 	int rc;
 
-	if (!v || bulk_take(srv->bulk, out->bulk_ticket, principal, zmq_msg_data(&env[1]),
+	/* a FETCH's parts are each layer's stored bytes, of sizes the member cannot know */
+	if (v && out->op == KVBP_OP_FETCH)
+		out->rep.bulk_parts = malloc(n_payload * sizeof(uint64_t));
+	if (!v || (out->op == KVBP_OP_FETCH && !out->rep.bulk_parts) ||
+	    bulk_take(srv->bulk, out->bulk_ticket, principal, zmq_msg_data(&env[1]),
 			    zmq_msg_size(&env[1]), &bc)) {
 		/* frames after all, every layer verified first */
 		if (v != iov)
@@ -157,7 +161,10 @@ static bool bulk_divert(struct server *srv, void *sock, zmq_msg_t *env, size_t n
 		v[i].iov_base = zmq_msg_data(&payload[i]);
 		v[i].iov_len = zmq_msg_size(&payload[i]);
 		total += v[i].iov_len;
+		if (out->rep.bulk_parts)
+			out->rep.bulk_parts[i] = v[i].iov_len;
 	}
+	out->rep.n_bulk_parts = out->rep.bulk_parts ? n_payload : 0;
 	/* The bulk connection's writer has its own deadline: the ZeroMQ connection is not
 	 * the one to cut while it writes (held.h). */
 	if (out->held)

@@ -245,3 +245,20 @@ int kvbb_hello_check(const uint8_t in[KVBB_HELLO_LEN], struct kvbb_aead *a)
 
 	return kvbb_open(a, 0, KVBB_DIR_HELLO, in, 24, none, 0, in + 24);
 }
+
+int kvbb_endpoint_host(const char *endpoint, char *host, size_t len)
+{
+	char *colon;
+
+	if (strncmp(endpoint, "tcp://", 6) || (size_t)snprintf(host, len, "%s", endpoint + 6) >= len)
+		return -EINVAL;
+	colon = strrchr(host, ':');
+	if (!colon)
+		return -EINVAL;
+	*colon = 0;
+	if (host[0] == '[' && colon > host + 1 && colon[-1] == ']') {
+		colon[-1] = 0;
+		memmove(host, host + 1, strlen(host));
+	}
+	return 0;
+}

@@ -92,6 +92,10 @@ int kvbb_open(struct kvbb_aead *a, uint64_t counter, uint32_t dir, const uint8_t
  * are dropped (*iov, *n move on), the next one is shortened. */
 void kvbb_iov_advance(struct iovec **iov, int *n, size_t done);
 
+/* The host of a tcp://HOST:PORT endpoint (an IPv6 address without its brackets), where
+ * its bulk connection is opened, into host (len bytes): 0, or -EINVAL (not one). */
+int kvbb_endpoint_host(const char *endpoint, char *host, size_t len);
+
 /* The hello: magic, version, ticket, and with a the tag over those (counter 0, dir 0). */
 int kvbb_hello_put(uint8_t out[KVBB_HELLO_LEN], const uint8_t ticket[KVBP_BULK_TICKET_LEN],
 		   struct kvbb_aead *a);

@@ -203,6 +203,8 @@ int kvbp_request_encode(const struct kvbp_request *req, uint8_t **buf, size_t *l
 		pb.bulk_ticket.data = (uint8_t *)req->bulk_ticket;
 		pb.bulk_ticket.len = KVBP_BULK_TICKET_LEN;
 	}
+	pb.bulk_parts = req->bulk_parts;
+	pb.n_bulk_parts = req->n_bulk_parts;
 	if (req->has_land) {
 		land.shm_id = req->land.shm_id;
 		land.k_offset = req->land.k_offset;
@@ -270,6 +272,26 @@ int kvbp_request_encode(const struct kvbp_request *req, uint8_t **buf, size_t *l
 	free(segs);
 	free(seg_ptrs);
 	return rc;
+}
+
+/* bulk_parts off the wire: at most KVBP_BULK_PARTS_MAX (else too_many, named), copied. */
+static int parts_copy(const uint64_t *in, size_t n, uint64_t **out, size_t *n_out,
+		      int too_many, char *err, size_t errlen)
+{
+	if (!n)
+		return KVBP_OK;
+	if (n > KVBP_BULK_PARTS_MAX) {
+		set_err(err, errlen, "%zu bulk_parts; the limit is %d", n, KVBP_BULK_PARTS_MAX);
+		return too_many;
+	}
+	*out = malloc(n * sizeof(uint64_t));
+	if (!*out) {
+		set_err(err, errlen, "out of memory for %zu bulk_parts", n);
+		return KVBP_INTERNAL;
+	}
+	memcpy(*out, in, n * sizeof(uint64_t));
+	*n_out = n;
+	return KVBP_OK;
 }
 
 int kvbp_request_decode(const void *buf, size_t len, struct kvbp_request *out, char *err,
@@ -352,6 +374,10 @@ int kvbp_request_decode(const void *buf, size_t len, struct kvbp_request *out, c
 		r.has_bulk_ticket = true;
 		memcpy(r.bulk_ticket, pb->bulk_ticket.data, KVBP_BULK_TICKET_LEN);
 	}
+	rc = parts_copy(pb->bulk_parts, pb->n_bulk_parts, &r.bulk_parts, &r.n_bulk_parts,
+			KVBP_TOO_LARGE, err, errlen);
+	if (rc)
+		goto out;
 	if (pb->n_recompute > KVBP_RECOMPUTE_MAX) {
 		set_err(err, errlen, "%zu recompute tokens; the limit is %u", pb->n_recompute,
 			KVBP_RECOMPUTE_MAX);
@@ -500,6 +526,9 @@ void kvbp_request_clear(struct kvbp_request *req)
 	free(req->ratios);
 	free(req->land.pages);
 	free(req->recompute);
+	free(req->bulk_parts);
+	req->bulk_parts = NULL;
+	req->n_bulk_parts = 0;
 	req->recompute = NULL;
 	req->n_recompute = 0;
 	req->land.pages = NULL;
@@ -549,6 +578,8 @@ int kvbp_reply_encode(const struct kvbp_reply *rep, uint8_t **buf, size_t *len)
 	pb.bulk_port = rep->bulk_port;
 	pb.bulk_bytes = rep->bulk_bytes;
 	pb.bulk_put = rep->bulk_put;
+	pb.bulk_parts = rep->bulk_parts;
+	pb.n_bulk_parts = rep->n_bulk_parts;
 	if (rep->bulk_port) {
 		pb.bulk_ticket.data = (uint8_t *)rep->bulk_ticket;
 		pb.bulk_ticket.len = KVBP_BULK_TICKET_LEN;
@@ -733,6 +764,10 @@ int kvbp_reply_decode(const void *buf, size_t len, struct kvbp_reply *out, char 
 		memcpy(r.selection, pb->selection, pb->n_selection * sizeof(int32_t));
 		r.n_selection = pb->n_selection;
 	}
+	rc = parts_copy(pb->bulk_parts, pb->n_bulk_parts, &r.bulk_parts, &r.n_bulk_parts,
+			KVBP_BAD_REQUEST, err, errlen);
+	if (rc)
+		goto out;
 	if (pb->n_dropped) {
 		r.dropped = malloc(pb->n_dropped * sizeof(int32_t));
 		if (!r.dropped)
@@ -825,6 +860,9 @@ void kvbp_reply_clear(struct kvbp_reply *rep)
 	rep->n_members = 0;
 	free(rep->selection);
 	free(rep->dropped);
+	free(rep->bulk_parts);
+	rep->bulk_parts = NULL;
+	rep->n_bulk_parts = 0;
 	rep->dropped = NULL;
 	rep->n_dropped = 0;
 	rep->models = NULL;

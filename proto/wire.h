@@ -42,6 +42,7 @@
 /* A bulk connection's ticket and AES-256-GCM key (docs/protocol.md#bulk-connections). */
 #define KVBP_BULK_TICKET_LEN 16
 #define KVBP_BULK_KEY_LEN 32
+#define KVBP_BULK_PARTS_MAX 4096 /* parts of a bulk payload named in one message (layers) */
 /* A sealed bulk connection's cipher (Reply.bulk_aead). */
 #define KVBP_AEAD_AES256GCM 0u
 #define KVBP_AEAD_AEGIS128L 1u	/* under the key's first 16 bytes */
@@ -227,6 +228,11 @@ struct kvbp_request {
 	uint32_t bulk_aeads; /* HELLO with bulk_open: 1 << KVBP_AEAD_* the client can open */
 	bool has_bulk_ticket; /* GET: send the payload on this bulk connection; PUT: it comes there */
 	uint8_t bulk_ticket[KVBP_BULK_TICKET_LEN];
+	/* REPLICATE with a bulk ticket: each layer's stored bytes, in order (at most
+	 * KVBP_BULK_PARTS_MAX); the caller's array on encode, owned on decode (freed by
+	 * kvbp_request_clear()) */
+	uint64_t *bulk_parts;
+	size_t n_bulk_parts;
 };
 
 #define KVBP_IPC_HANDLE_LEN 64 /* a CUDA IPC memory handle */
@@ -277,6 +283,8 @@ struct kvbp_reply {
 	uint32_t bulk_aead; /* with bulk_key: KVBP_AEAD_* */
 	uint64_t bulk_bytes; /* GET with a bulk ticket: payload bytes sent there */
 	bool bulk_put; /* HELLO with bulk_open: PUT payloads may come on the connection */
+	uint64_t *bulk_parts; /* FETCH with a bulk ticket: each layer's stored bytes (owned) */
+	size_t n_bulk_parts;
 };
 
 /*

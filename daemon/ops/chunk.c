@@ -189,24 +189,28 @@ void put_void_bulk(struct req *q)
 		bulk_cut(q->srv->bulk, bc);
 }
 
+int take_bulk_payload(struct req *q, const char *what, struct bulk_conn **bc)
+{
+	*bc = NULL;
+	if (!q->h.has_bulk_ticket)
+		return 0;
+	if (!q->srv->bulk)
+		return fail(q, KVBP_BAD_FRAMES, "%s with a bulk ticket, but this daemon has no "
+			    "bulk connections (tcp_bulk off): send the payload in frames", what);
+	if (bulk_take(q->srv->bulk, q->h.bulk_ticket, q->principal, q->conn_id, q->conn_id_len,
+		      bc))
+		return fail(q, KVBP_BAD_FRAMES, "%s with a bulk ticket this client has no open "
+			    "bulk connection for on this connection (closed, expired or never "
+			    "opened): open another, or send the payload in frames", what);
+	return 0;
+}
+
 void op_put(struct req *q)
 {
-	struct bulk_conn *bc = NULL;
+	struct bulk_conn *bc;
 
-	if (q->h.has_bulk_ticket) {
-		if (!q->srv->bulk) {
-			fail(q, KVBP_BAD_FRAMES, "put with a bulk ticket, but this daemon has no bulk "
-			     "connections (tcp_bulk_port 0): send the payload in frames");
-			return;
-		}
-		if (bulk_take(q->srv->bulk, q->h.bulk_ticket, q->principal, q->conn_id,
-			      q->conn_id_len, &bc)) {
-			fail(q, KVBP_BAD_FRAMES, "put with a bulk ticket this client has no open bulk "
-			     "connection for on this connection (closed, expired or never opened): "
-			     "open another, or send the payload in frames");
-			return;
-		}
-	}
+	if (take_bulk_payload(q, "put", &bc))
+		return;
 	put_run(q, &bc);
 	if (bc) /* refused before its payload was read */
 		bulk_cut(q->srv->bulk, bc);

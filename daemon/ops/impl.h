@@ -117,6 +117,13 @@ void op_put(struct req *q);
 /* A PUT refused before it ran whose payload waits on its bulk connection: close that
  * connection, so that the client's writes fail at once. */
 void put_void_bulk(struct req *q);
+struct bulk_conn;
+/*
+ * A PUT's or REPLICATE's (what) bulk connection when it names a ticket: 0 and *bc
+ * (NULL without a ticket), or -1 with q failed (no bulk connections here, or none of
+ * this client's on this ZeroMQ connection). *bc goes to bulk_recv or bulk_cut.
+ */
+int take_bulk_payload(struct req *q, const char *what, struct bulk_conn **bc);
 void op_get(struct req *q);
 void op_lookup(struct req *q);
 void op_delete(struct req *q);

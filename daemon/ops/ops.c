@@ -532,15 +532,18 @@ void ops_handle(struct server *srv, const struct ops_origin *from, zmq_msg_t *fr
 	}
 	q.payload = frames + 1;
 	q.n_payload = n - 1;
-	if (q.h.op == KVBP_OP_GET && q.h.has_bulk_ticket) {
+	/* GET's payload, and FETCH's (the stored bytes a member asked for), may go out on
+	 * the bulk connection of the ticket (server_threads.c: bulk_divert) */
+	if ((q.h.op == KVBP_OP_GET || q.h.op == KVBP_OP_FETCH) && q.h.has_bulk_ticket) {
 		out->has_bulk = true;
 		memcpy(out->bulk_ticket, q.h.bulk_ticket, sizeof(out->bulk_ticket));
 	}
 	ran = true;
 	handlers[q.h.op](&q);
 done:
-	/* a PUT refused unrun whose payload waits on its bulk connection */
-	if (!rc && !ran && q.h.op == KVBP_OP_PUT && q.h.has_bulk_ticket)
+	/* a PUT or REPLICATE refused unrun whose payload waits on its bulk connection */
+	if (!rc && !ran && (q.h.op == KVBP_OP_PUT || q.h.op == KVBP_OP_REPLICATE) &&
+	    q.h.has_bulk_ticket)
 		put_void_bulk(&q);
 	if (out->defer) { /* counted when the lane runs it */
 		kvbp_request_clear(&q.h);

@@ -8,11 +8,14 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdarg.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/ckd.h"
 #include "daemon/clients.h"
+#include "daemon/bulk.h"
 #include "cluster/cluster.h"
 #include "daemon/fdguard.h"
 #include "daemon/log.h"
@@ -111,13 +114,18 @@ out:
 		shared_buf_unref(NULL, buf);
 }
 
-/* REPLICATE (between daemons): store a chunk from its stored bytes, one frame per layer. */
-void op_replicate(struct req *q)
+/*
+ * REPLICATE (between daemons): store a chunk from its stored bytes, one frame per layer,
+ * or (*bc, taken by op_replicate) the layers back to back as records on the member's
+ * bulk connection, their sizes in bulk_parts; *bc is set to NULL once given back.
+ */
+static void replicate_run(struct req *q, struct bulk_conn **bc)
 {
 	struct store_model m;
 	struct store_chunk_info ci;
 	const void **blobs = NULL;
 	size_t *lens = NULL;
+	struct shared_buf *in = NULL;
 	uint64_t tb, total;
 	int rc;
 
@@ -147,10 +155,12 @@ void op_replicate(struct req *q)
 		return;
 	if (chunk_bytes(q, &m, q->h.num_tokens, m.num_layers, &tb, &total))
 		return;
-	if (q->n_payload != m.num_layers || q->h.payload_frames != q->n_payload) {
+	if (*bc ? q->n_payload || q->h.n_bulk_parts != m.num_layers
+		: q->n_payload != m.num_layers || q->h.payload_frames != q->n_payload) {
 		fail(q, KVBP_BAD_FRAMES, "replicate of a %" PRIu32 "-layer model takes %" PRIu32
-		     " payload frames (a layer's stored bytes each); got %zu", m.num_layers,
-		     m.num_layers, q->n_payload);
+		     " payload frames (a layer's stored bytes each), or on a bulk connection "
+		     "no frames and %" PRIu32 " bulk_parts; got %zu frames, %zu parts",
+		     m.num_layers, m.num_layers, m.num_layers, q->n_payload, q->h.n_bulk_parts);
 		return;
 	}
 	blobs = calloc(m.num_layers, sizeof(*blobs));
@@ -159,9 +169,42 @@ void op_replicate(struct req *q)
 		fail(q, KVBP_LIMIT, "out of memory");
 		goto out;
 	}
-	for (uint32_t l = 0; l < m.num_layers; l++) {
-		blobs[l] = zmq_msg_data(&q->payload[l]);
-		lens[l] = zmq_msg_size(&q->payload[l]);
+	if (*bc) {
+		uint64_t sum = 0, bound;
+		char why[256];
+
+		/* stored bytes: at most twice the raw ones (a codec's worst case and the
+		 * headers fit well within), as a FETCH's parts are checked (cluster/bulk.c) */
+		for (uint32_t l = 0; l < m.num_layers; l++)
+			if (q->h.bulk_parts[l] > SIZE_MAX ||
+			    ckd_add(&sum, sum, q->h.bulk_parts[l]))
+				sum = UINT64_MAX;
+		if (ckd_mul(&bound, total, 2) || !sum || sum > bound) {
+			fail(q, KVBP_BAD_FRAMES, "replicate on the bulk connection: bulk_parts add "
+			     "up to %" PRIu64 " bytes, for a chunk of %" PRIu64 " raw bytes; nothing "
+			     "stored", sum, total);
+			goto out;
+		}
+		/* held on the member's account with the request, as its frames would be */
+		in = reply_buf(q, sum);
+		if (!in)
+			goto out;
+		rc = bulk_recv(q->srv->bulk, *bc, q->h.request_id, in->data, sum, why, sizeof(why));
+		*bc = NULL;
+		if (rc) {
+			fail(q, KVBP_BAD_FRAMES, "replicate of %" PRIu64 " bytes on the bulk "
+			     "connection: %s; nothing stored", sum, why);
+			goto out;
+		}
+		for (uint64_t l = 0, off = 0; l < m.num_layers; off += q->h.bulk_parts[l++]) {
+			blobs[l] = in->data + off;
+			lens[l] = (size_t)q->h.bulk_parts[l];
+		}
+	} else {
+		for (uint32_t l = 0; l < m.num_layers; l++) {
+			blobs[l] = zmq_msg_data(&q->payload[l]);
+			lens[l] = zmq_msg_size(&q->payload[l]);
+		}
 	}
 	rc = store_chunk_import(q->srv->store, &m, q->h.hash, q->h.num_tokens, q->h.base_pos,
 				blobs, lens, &ci);
@@ -186,6 +229,19 @@ void op_replicate(struct req *q)
 	q->out->rep.existed = rc == 1;
 	one_chunk_reply(q, q->h.hash, &ci);
 out:
+	if (in)
+		shared_buf_unref(NULL, in);
 	free(blobs);
 	free(lens);
+}
+
+void op_replicate(struct req *q)
+{
+	struct bulk_conn *bc;
+
+	if (take_bulk_payload(q, "replicate", &bc))
+		return;
+	replicate_run(q, &bc);
+	if (bc) /* refused before its payload was read */
+		bulk_cut(q->srv->bulk, bc);
 }

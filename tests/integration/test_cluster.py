@@ -44,10 +44,11 @@ def cli(n, *args, ok=True):
     return kvbtest.cli(KVBLEND, ep(n), *args, timeout_ms=20000, ok=ok, label=f"kvblend@{n}")
 
 
-def start(n, peers=PEERS, wait=True):
+def start(n, peers=PEERS, wait=True, extra=()):
     d = kvbtest.Daemon(KVBLENDD, KVBLEND, TMP, "--map-size", "1G", "--node-id", n,
                        "--cluster-peers", peers, "--cluster-replicas", "2",
-                       "--cluster-timeout-ms", TIMEOUT_MS, "--log-level", "debug", name=n,
+                       "--cluster-timeout-ms", TIMEOUT_MS, "--log-level", "debug", *extra,
+                       name=n,
                        listen=f"{ep(n)},tcp://127.0.0.1:{NODES[n]}")
     procs[n] = d
     d.start(wait)
@@ -88,10 +89,17 @@ try:
     st = stats("c")
     check("C fetched what it does not own", st["cluster_remote_hits"] > 0 and
           st["cluster_fetched_bytes"] > 0, str(st.get("cluster_remote_hits")))
+    check("C's fetches came on bulk connections (cluster_bulk, the default)",
+          st["cluster_bulk_fetches"] == st["cluster_remote_hits"],
+          f'{st["cluster_bulk_fetches"]} of {st["cluster_remote_hits"]}')
     check("A pushed every chunk to its owners", wait_owed("a"), str(stats("a")))
     pushes = stats("a")["cluster_pushes_done"]
     check("A pushed one or two copies per chunk (to owners other than itself)",
           12 <= pushes <= 24, f"pushes {pushes}")
+    bulk = stats("a")["cluster_bulk_pushes"]
+    received = sum(stats(n)["bulk_bytes_received"] for n in "bc")
+    check("A's pushes went on bulk connections, B and C read them there",
+          bulk == pushes and received > 0, f"{bulk} of {pushes}; {received} bytes received")
 
     # R = 2: the node that took the PUTs dies; every chunk is still readable elsewhere.
     procs["a"].send_signal(signal.SIGKILL)
@@ -162,6 +170,23 @@ try:
               "cluster_remote_misses" in out, out)
     finally:
         procs["c"].send_signal(signal.SIGCONT)
+
+    # Frames where bulk connections are off: C does not ask for them (cluster_bulk
+    # false), B offers none (tcp_bulk false); chunks still move, byte for byte.
+    for n, flag in (("c", "--cluster-bulk"), ("b", "--tcp-bulk")):
+        procs[n].send_signal(signal.SIGTERM)
+        procs[n].wait()
+        start(n, extra=(flag, "false"))
+    third = cc.put_chunks(cli, TMP, "a", 200, 8, rng)
+    check("A's pushes settle with B offering no bulk connection", wait_owed("a"),
+          str(stats("a")))
+    bad = cc.readable(cli, TMP, "c", third) + cc.readable(cli, TMP, "b", third)
+    st = stats("c")
+    check("without bulk connections, chunks move in frames, byte for byte",
+          not bad and st["cluster_remote_hits"] > 0 and st["cluster_bulk_fetches"] == 0 and
+          "bulk_bytes_received" not in stats("b"),
+          f'{bad}; C: {st["cluster_remote_hits"]} fetched, {st["cluster_bulk_fetches"]} on '
+          'bulk connections')
 
     # A fuse on B over chunks stored on A (and C): the same fused bytes as on A.
     check("a fuse on B over chunks held elsewhere equals the fuse on A",

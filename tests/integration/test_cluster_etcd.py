@@ -156,12 +156,24 @@ try:
     rng = np.random.default_rng(5)
     chunks = cc.put_chunks(cli, TMP, "a", 0, 16, rng)
     check("A's pushes settle", wait_for(lambda: settled("a"), 30), str(stats("a")))
+    opened = sum(stats(n)["bulk_records_opened"] for n in "bc")
+    check("A's pushes went on bulk connections, sealed (CURVE between members)",
+          stats("a")["cluster_bulk_pushes"] == stats("a")["cluster_pushes_done"] > 0 and
+          opened > 0, f'{stats("a")["cluster_bulk_pushes"]} of '
+          f'{stats("a")["cluster_pushes_done"]}; {opened} records opened')
     check("B and C learnt the model from the pushed chunks",
           all("cm" in cli(n, "model", "ls").stdout for n in "bc"))
     bad = missing_at_owners(chunks, "abc")
     check("every chunk sits on the R owners rendezvous hashing names", not bad, str(bad))
+    hits0 = stats("c")
+    sealed0 = sum(stats(n)["bulk_records_sealed"] for n in "ab")
     bad = cc.readable(cli, TMP, "c", chunks)
     check("a chunk PUT on A is readable on C, byte for byte", not bad, str(bad))
+    hits = {k: stats("c")[k] - hits0[k] for k in ("cluster_remote_hits", "cluster_bulk_fetches")}
+    hits["sealed by A and B"] = sum(stats(n)["bulk_records_sealed"] for n in "ab") - sealed0
+    check("C's fetches came on bulk connections, sealed (CURVE between members)",
+          hits["cluster_remote_hits"] > 0 and hits["sealed by A and B"] > 0 and
+          hits["cluster_bulk_fetches"] == hits["cluster_remote_hits"], str(hits))
 
     # R = 2: any one node SIGKILLed, every chunk is readable from the other two.
     for victim in "abc":

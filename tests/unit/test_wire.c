@@ -154,6 +154,53 @@ static void test_reply_roundtrip(void **state)
 	free(buf);
 }
 
+/*
+ * bulk_parts (FETCH replies, REPLICATE requests on a bulk connection) round-trip both
+ * ways; more than KVBP_BULK_PARTS_MAX are refused, naming the limit.
+ */
+static void test_bulk_parts(void **state)
+{
+	uint64_t parts[3] = { 1, 1ull << 40, 7 }, *many = calloc(KVBP_BULK_PARTS_MAX + 1, 8);
+	struct kvbp_request q = { .version = 1, .op = KVBP_OP_REPLICATE, .request_id = 9,
+				  .has_bulk_ticket = true, .bulk_parts = parts, .n_bulk_parts = 3 };
+	struct kvbp_reply r = { .version = 1, .request_id = 9, .bulk_bytes = 12,
+				.bulk_parts = parts, .n_bulk_parts = 3 };
+	struct kvbp_request dq;
+	struct kvbp_reply dr;
+	uint8_t *buf;
+	size_t len;
+	char err[256];
+
+	(void)state;
+	assert_non_null(many);
+	assert_int_equal(kvbp_request_encode(&q, &buf, &len), 0);
+	assert_int_equal(kvbp_request_decode(buf, len, &dq, err, sizeof(err)), KVBP_OK);
+	free(buf);
+	assert_int_equal(dq.n_bulk_parts, 3);
+	assert_memory_equal(dq.bulk_parts, parts, sizeof(parts));
+	kvbp_request_clear(&dq);
+	assert_null(dq.bulk_parts);
+	assert_int_equal(kvbp_reply_encode(&r, &buf, &len), 0);
+	assert_int_equal(kvbp_reply_decode(buf, len, &dr, err, sizeof(err)), KVBP_OK);
+	free(buf);
+	assert_int_equal(dr.n_bulk_parts, 3);
+	assert_memory_equal(dr.bulk_parts, parts, sizeof(parts));
+	kvbp_reply_clear(&dr);
+	assert_null(dr.bulk_parts);
+
+	q.bulk_parts = r.bulk_parts = many;
+	q.n_bulk_parts = r.n_bulk_parts = KVBP_BULK_PARTS_MAX + 1;
+	assert_int_equal(kvbp_request_encode(&q, &buf, &len), 0);
+	assert_int_equal(kvbp_request_decode(buf, len, &dq, err, sizeof(err)), KVBP_TOO_LARGE);
+	assert_non_null(strstr(err, "bulk_parts"));
+	free(buf);
+	assert_int_equal(kvbp_reply_encode(&r, &buf, &len), 0);
+	assert_int_equal(kvbp_reply_decode(buf, len, &dr, err, sizeof(err)), KVBP_BAD_REQUEST);
+	assert_non_null(strstr(err, "bulk_parts"));
+	free(buf);
+	free(many);
+}
+
 /* STATS in a cluster: members round-trip; an id or endpoint longer than its field is cut. */
 static void test_members(void **state)
 {
@@ -301,6 +348,7 @@ int main(void)
 		cmocka_unit_test(test_code_numbering),
 		cmocka_unit_test(test_members),
 		cmocka_unit_test(test_fuse_fields),
+		cmocka_unit_test(test_bulk_parts),
 	};
 
 	return cmocka_run_group_tests(tests, NULL, NULL);
