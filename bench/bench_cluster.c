@@ -3,7 +3,8 @@
  * plain TCP socket copy of the same bytes in the same run, with and without CURVE.
  *
  * Two daemons, a and b, are members of a static cluster (R = 1); the chunks are put
- * on a, which owns them. Measured, per chunk size:
+ * on a, which owns them (a third, c, knows a only: the frames fetch). Measured, per
+ * chunk size:
  *   plain       one TCP stream between two threads of this process: send() of the
  *               chunk's bytes, recv() into a buffer (the peer of the others);
  *   GET tcp     a client GETs the chunk from a over tcp:// into its buffer, as libkvblend
@@ -24,7 +25,13 @@
  *   fetch       a client GETs, through b's IPC socket, a chunk only a holds: b fetches
  *               it (FETCH over TCP), verifies and stores it, then serves it; the
  *               figure is b's own fetch time (stats cluster_fetch_ms), the client's
- *               wall time beside it;
+ *               wall time beside it; b moves it on its bulk connection to a
+ *               (cluster_bulk), sealed under CURVE;
+ *   wire        of that fetch, the time until the bytes were on b (stats
+ *               cluster_fetch_wire_ms: the request, a's export, the transfer; not the
+ *               checks and the store), as a ratio to the plain copy; beside it the same
+ *               for a third daemon c that fetches from a in ZeroMQ frames
+ *               (cluster_bulk false; CURVE-encrypted), in the same rounds;
  *   PUT         a local PUT on b of the same bytes (IPC): the least that storing a
  *               fetched copy costs, the disk's share of the fetch;
  *   fuse open   a fuse session opened on b over 8 chunks held only on a (they are
@@ -180,12 +187,19 @@ struct node {
 static char pub_a[41], sec_a[41], pub_b[41], sec_b[41], pub_c[41], sec_c[41];
 
 static void start_node(const char *daemon, struct node *n, const char *id, const char *peers,
-		       bool curve, const char *secret)
+		       bool curve, const char *secret, bool frames)
 {
 	char listen_arg[400], auth[300];
+	/* no drain on the way out: the benchmark keeps nothing */
 	const char *extra[20] = { "--listen", listen_arg, "--node-id", id, "--cluster-peers", peers,
-				  "--cluster-replicas", "1", "--cluster-timeout-ms", "30000" };
-	int k = 10;
+				  "--cluster-replicas", "1", "--cluster-timeout-ms", "30000",
+				  "--cluster-drain-timeout", "0" };
+	int k = 12;
+
+	if (frames) { /* fetches in ZeroMQ frames, as before bulk connections between members */
+		extra[k++] = "--cluster-bulk";
+		extra[k++] = "false";
+	}
 
 	/* the daemon as every benchmark starts one (bench_common.h), on IPC and TCP */
 	snprintf(n->ipc, sizeof(n->ipc), "ipc://%s/kvblend.sock", n->dir);
@@ -328,39 +342,54 @@ static double timed_get(kvb_client *c, const uint8_t *hash, void *dst, size_t by
 static void run(const char *daemon, bool curve, const unsigned *sizes, unsigned n_sizes,
 		int repeats, bool get_only)
 {
-	struct node a = { "/tmp/kvb-bcl-a-XXXXXX" }, b = { "/tmp/kvb-bcl-b-XXXXXX" };
-	char peers[400], cmd[200];
-	kvb_client *ca, *cb, *ct, *cf, *cg;
+	struct node a = { "/tmp/kvb-bcl-a-XXXXXX" }, b = { "/tmp/kvb-bcl-b-XXXXXX" },
+		    c = { "/tmp/kvb-bcl-c-XXXXXX" };
+	char peers[400], peers_c[400], cmd[300];
+	kvb_client *ca, *cb, *cc, *ct, *cf, *cg;
 	const char *sk = curve ? pub_a : NULL, *ck = curve ? sec_c : NULL;
 
-	if (!mkdtemp(a.dir) || !mkdtemp(b.dir)) {
+	if (!mkdtemp(a.dir) || !mkdtemp(b.dir) || !mkdtemp(c.dir)) {
 		perror("mkdtemp");
 		exit(1);
 	}
 	a.port = free_port();
 	b.port = free_port();
+	c.port = free_port();
 	snprintf(a.tcp, sizeof(a.tcp), "tcp://127.0.0.1:%d", a.port);
 	snprintf(b.tcp, sizeof(b.tcp), "tcp://127.0.0.1:%d", b.port);
+	snprintf(c.tcp, sizeof(c.tcp), "tcp://127.0.0.1:%d", c.port);
 	if (curve)
 		snprintf(peers, sizeof(peers), "a=%s=%s,b=%s=%s", a.tcp, pub_a, b.tcp, pub_b);
 	else
 		snprintf(peers, sizeof(peers), "a=%s,b=%s", a.tcp, b.tcp);
-	start_node(daemon, &a, "a", peers, curve, sec_a);
-	start_node(daemon, &b, "b", peers, curve, sec_b);
+	/* c knows a only, fetches from it in frames (its key is the client's, which a
+	 * authorizes), and is no member a knows of */
+	if (curve)
+		snprintf(peers_c, sizeof(peers_c), "a=%s=%s", a.tcp, pub_a);
+	else
+		snprintf(peers_c, sizeof(peers_c), "a=%s", a.tcp);
+	start_node(daemon, &a, "a", peers, curve, sec_a, false);
+	start_node(daemon, &b, "b", peers, curve, sec_b, false);
+	if (!get_only)
+		start_node(daemon, &c, "c", peers_c, curve, sec_c, true);
 	ca = connect_to(a.ipc, NULL, NULL);
 	cb = connect_to(b.ipc, NULL, NULL);
+	cc = get_only ? NULL : connect_to(c.ipc, NULL, NULL);
 	ct = connect_to(a.tcp, sk, ck);
 	cf = connect_to(a.tcp, sk, ck);
 	cg = connect_to(a.tcp, sk, ck);
 	kvb_model_register(ca, &model, NULL);
 	kvb_model_register(cb, &model, NULL);
+	if (cc)
+		kvb_model_register(cc, &model, NULL);
 	for (unsigned s = 0; s < n_sizes; s++) {
 		size_t tok_bytes = (size_t)2 * model.num_layers * model.num_kv_heads * model.head_dim * 2;
 		uint32_t tokens = (uint32_t)(((size_t)sizes[s] << 20) / tok_bytes);
 		size_t bytes = (size_t)tokens * tok_bytes;
 		uint16_t *src = malloc(bytes), *dst = malloc(bytes);
-		uint8_t(*hashes)[KVB_HASH_LEN] = calloc((size_t)repeats + 8 * 4, KVB_HASH_LEN);
+		uint8_t(*hashes)[KVB_HASH_LEN] = calloc((size_t)2 * repeats + 8 * 4, KVB_HASH_LEN);
 		double r_plain, r_get[MAX_REPEATS], r_fetch[MAX_REPEATS], r_wall[MAX_REPEATS];
+		double r_wire[MAX_REPEATS], r_cwire[MAX_REPEATS];
 		double r_frames[MAX_REPEATS], r_nobulk[MAX_REPEATS], r_plains[MAX_REPEATS];
 		double q_get[MAX_REPEATS], q_nobulk[MAX_REPEATS], q_frames[MAX_REPEATS];
 		double r_gcm[MAX_REPEATS], q_gcm[MAX_REPEATS];
@@ -374,7 +403,7 @@ static void run(const char *daemon, bool curve, const unsigned *sizes, unsigned 
 
 		fill(src, bytes / 2);
 		/* chunks on a only (b fetches them); the first one also for GET over TCP */
-		for (int i = 0; i < (get_only ? 1 : repeats + 8 * 4); i++) {
+		for (int i = 0; i < (get_only ? 1 : 2 * repeats + 8 * 4); i++) {
 			hash_owned_by(hashes[i], 0);
 			((uint8_t *)src)[i % 64] ^= 1; /* distinct bytes per chunk */
 			if (kvb_put(ca, model.name, hashes[i], KVB_F16, tokens, 0, src, bytes, NULL)) {
@@ -430,11 +459,13 @@ static void run(const char *daemon, bool curve, const unsigned *sizes, unsigned 
 		plain_close(&pl);
 		r_plain = bench_median(r_plains, repeats);
 		for (int r = 0; r < repeats && get_only; r++)
-			r_fetch[r] = r_wall[r] = r_put[r] = 0;
+			r_fetch[r] = r_wall[r] = r_put[r] = r_wire[r] = r_cwire[r] = 0;
 		for (int r = 0; r < 4 && get_only; r++)
 			t_open_remote[r] = t_open_local[r] = 0;
+		/* rounds of: a fetch by b (on its bulk connection), one by c (in frames) */
 		for (int r = 0; r < repeats && !get_only; r++, k++) {
 			double ms0 = stat_of(cb, "cluster_fetch_ms"), t0 = now_s(), ms;
+			double w0 = stat_of(cb, "cluster_fetch_wire_ms"), cw0;
 
 			if (kvb_get(cb, model.name, hashes[k], 0, 0, dst, bytes, NULL)) {
 				fprintf(stderr, "get via b: %s\n", kvb_last_error(cb));
@@ -443,6 +474,16 @@ static void run(const char *daemon, bool curve, const unsigned *sizes, unsigned 
 			r_wall[r] = bytes / (now_s() - t0) / 1e9;
 			ms = stat_of(cb, "cluster_fetch_ms") - ms0;
 			r_fetch[r] = ms > 0 ? bytes / (ms / 1e3) / 1e9 : 0;
+			ms = stat_of(cb, "cluster_fetch_wire_ms") - w0;
+			r_wire[r] = ms > 0 ? bytes / (ms / 1e3) / 1e9 : 0;
+			cw0 = stat_of(cc, "cluster_fetch_wire_ms");
+			if (kvb_get(cc, model.name, hashes[repeats + 8 * 4 + r], 0, 0, dst, bytes,
+				    NULL)) {
+				fprintf(stderr, "get via c: %s\n", kvb_last_error(cc));
+				exit(1);
+			}
+			ms = stat_of(cc, "cluster_fetch_wire_ms") - cw0;
+			r_cwire[r] = ms > 0 ? bytes / (ms / 1e3) / 1e9 : 0;
 		}
 		/* the local PUT on b of the same bytes (a chunk b owns: nothing pushed): what
 		 * storing a fetched copy costs at least */
@@ -491,8 +532,8 @@ static void run(const char *daemon, bool curve, const unsigned *sizes, unsigned 
 			snprintf(gcm, sizeof(gcm), "-");
 		printf("| %s | %3u MiB | %5.2f | %5.2f (%.2fx) | %s | %5.2f (%.2fx) | %5.2f (%.2fx) "
 		       "| %5.2f (%.2fx) | %5.2f (%.2fx) "
-		       "| %5.2f (%.2fx; %.2fx of PUT) | %5.2f | %5.2f | %6.1f ms (%.2f GB/s) | "
-		       "%5.1f ms |\n",
+		       "| %5.2f (%.2fx; %.2fx of PUT) | %5.2f (%.2fx) | %5.2f (%.2fx) | %5.2f | %5.2f "
+		       "| %6.1f ms (%.2f GB/s) | %5.1f ms |\n",
 		       curve ? "CURVE" : "plain", sizes[s], r_plain, bench_median(r_get, repeats),
 		       bench_median(q_get, repeats), gcm, bench_median(r_nobulk, repeats),
 		       bench_median(q_nobulk, repeats), bench_median(r_frames, repeats),
@@ -501,6 +542,8 @@ static void run(const char *daemon, bool curve, const unsigned *sizes, unsigned 
 		       bench_median(q_fput, repeats), bench_median(r_fetch, repeats),
 		       bench_median(r_fetch, repeats) / r_plain,
 		       bench_median(r_fetch, repeats) / bench_median(r_put, repeats),
+		       bench_median(r_wire, repeats), bench_median(r_wire, repeats) / r_plain,
+		       bench_median(r_cwire, repeats), bench_median(r_cwire, repeats) / r_plain,
 		       bench_median(r_wall, repeats), bench_median(r_put, repeats),
 		       bench_median(t_open_remote, 4),
 		       8.0 * bytes / (bench_median(t_open_remote, 4) / 1e3) / 1e9,
@@ -512,12 +555,17 @@ static void run(const char *daemon, bool curve, const unsigned *sizes, unsigned 
 	}
 	kvb_close(&ca);
 	kvb_close(&cb);
+	if (cc)
+		kvb_close(&cc);
 	kvb_close(&ct);
 	kvb_close(&cf);
 	kvb_close(&cg);
-	stop_node(&a);
+	/* the others first: each drains what it owns to a on its way out */
+	if (!get_only)
+		stop_node(&c);
 	stop_node(&b);
-	snprintf(cmd, sizeof(cmd), "rm -rf %s %s", a.dir, b.dir);
+	stop_node(&a);
+	snprintf(cmd, sizeof(cmd), "rm -rf %s %s %s", a.dir, b.dir, c.dir);
 	if (system(cmd) < 0)
 		perror("system");
 }
@@ -598,9 +646,9 @@ int main(int argc, char **argv)
 	       repeats, tune ? "tuned (kvb_malloc_tune)" : "glibc's defaults", loadavg());
 	printf("| transport | chunk | plain TCP copy | GET over TCP | same, AES-256-GCM | GET, "
 	       "frames | GET, frames kept | PUT over TCP (stored already) | PUT, frames | fetch "
-	       "b<-a | GET via b (wall) | local PUT on b | fuse open on b, 8 remote chunks | "
-	       "same, local |\n");
-	printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+	       "b<-a | its wire, bulk | c<-a's wire, frames | GET via b (wall) | local PUT on b "
+	       "| fuse open on b, 8 remote chunks | same, local |\n");
+	printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
 	if (plain || !curve)
 		run(daemon_path, false, sizes, n_sizes, repeats, get_only);
 	if (curve)

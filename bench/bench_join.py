@@ -9,7 +9,12 @@ owners again. Prints the chunks that moved (the joiner's owned chunks: each gets
 one new copy), the transfers the others made for it (their rebalance pushes),
 their ratio (1.00: one sender per moved chunk; issue 20 measured 3.25 before),
 and the rate of the moved bytes against cluster_rebalance_rate, the limit each
-sender keeps to. Prints figures; never passes or fails.
+sender keeps to, and against a plain single-stream TCP copy of the same bytes on
+loopback right after. The join's time runs from the joiner's start to every chunk
+found on its owners (the joiner's start, its registration and the rebalance's
+LOOKUPs are in it); the moving phase, from the first chunk the joiner holds to the
+last (its count polled every 50 ms), is what is compared with the plain copy.
+Prints figures; never passes or fails.
 
 usage: bench_join.py BUILD_DIR [--chunks N] [--tokens T] [--rate SIZE]
 (needs numpy and etcd on PATH or in /usr/bin)
@@ -19,9 +24,11 @@ import argparse
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import numpy as np
@@ -30,6 +37,41 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from harness import Daemon, Etcd, free_port, wait_for  # noqa: E402
 
 L, H, D = 32, 8, 128  # Mistral-7B's KV shape
+
+
+def plain_copy_rate(chunk_bytes, count):
+    """Bytes/s of a plain single-stream TCP copy on loopback of count chunks of chunk_bytes
+    (send from one buffer, recv_into another, two threads): the socket's speed here, now."""
+    src = np.random.default_rng(1).integers(0, 255, chunk_bytes, dtype=np.uint8).tobytes()
+    dst = bytearray(chunk_bytes)
+    ls = socket.create_server(("127.0.0.1", 0))
+    port = ls.getsockname()[1]
+    done = threading.Event()
+
+    def sink():
+        c, _ = ls.accept()
+        view = memoryview(dst)
+        for _ in range(count):
+            got = 0
+            while got < chunk_bytes:
+                n = c.recv_into(view[got:], chunk_bytes - got)
+                if not n:
+                    return
+                got += n
+        c.close()
+        done.set()
+
+    t = threading.Thread(target=sink, daemon=True)
+    t.start()
+    s = socket.create_connection(("127.0.0.1", port))
+    t0 = time.time()
+    for _ in range(count):
+        s.sendall(src)
+    done.wait(60)
+    took = time.time() - t0
+    s.close()
+    ls.close()
+    return count * chunk_bytes / took
 
 
 def main():
@@ -96,8 +138,22 @@ def main():
         before = sum(stats(n)["cluster_rebalance_pushes"] for n in "abc")
         t0 = time.time()
         start("d")
-        if not wait_for(lambda: stats("d")["cluster_members"] == 4 and placed(), 600, 0.2):
-            sys.exit("the joiner did not receive its chunks")
+        # the joiner's chunk count, polled: when the first and the last chunk arrived
+        first = last = None
+        held = 0
+        end = t0 + 600
+        while True:
+            now_held = stats("d")["chunks"]
+            now = time.time()
+            if now_held and first is None:
+                first = now
+            if now_held != held:
+                held, last = now_held, now
+            if held and now - last > 0.5 and stats("d")["cluster_members"] == 4 and placed():
+                break
+            if now > end:
+                sys.exit("the joiner did not receive its chunks")
+            time.sleep(0.05)
         took = time.time() - t0
         wait_for(lambda: all(stats(n)["cluster_pushes_owed"] == 0 for n in "abcd"), 60)
         time.sleep(1)  # a late duplicate would show here
@@ -109,12 +165,21 @@ def main():
             if a.rate[-1] in "KMG" else int(a.rate)
         print(f"# bench_join: 3 members + 1 joining, R = 2, {a.chunks} chunks of "
               f"{chunk_bytes / (1 << 20):.2f} MiB (f16, stored raw), loopback, no_sync")
+        plain = plain_copy_rate(chunk_bytes, max(moved, 1))
+        # the moving phase: from the first chunk on the joiner to the last (the rest
+        # is the joiner's start, its registration and the rebalance's LOOKUPs)
+        phase = (last - first) if first and last and last > first else float("nan")
+        moving = (held - 1) * chunk_bytes / phase if held > 1 else float("nan")
         print("| chunks moved | transfers | per chunk moved | bytes moved | join to settled "
-              "| moved bytes/s | of cluster_rebalance_rate |")
-        print("|---|---|---|---|---|---|---|")
+              "| moved bytes/s | of cluster_rebalance_rate | first to last chunk on the "
+              "joiner | its bytes/s | of a plain TCP copy |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         print(f"| {moved} | {sent} | {sent / moved if moved else float('nan'):.2f} | "
               f"{moved * chunk_bytes / 1e6:.1f} MB | {took:.2f} s | {rate / 1e6:.1f} MB/s | "
-              f"{rate / limit:.2f}x of {limit / 1e6:.0f} MB/s |")
+              f"{rate / limit:.2f}x of {limit / 1e6:.0f} MB/s | {phase:.2f} s | "
+              f"{moving / 1e6:.1f} MB/s | {moving / plain:.2f}x of {plain / 1e6:.0f} MB/s |")
+        bulk = sum(stats(n)["cluster_bulk_pushes"] for n in "abc")
+        print(f"# pushes on bulk connections (cluster_bulk_pushes, a b c): {bulk}")
     finally:
         for p in reversed(procs):
             p.stop()

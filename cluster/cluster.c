@@ -176,6 +176,7 @@ void cluster_stats(struct cluster *c, struct cluster_stats *out)
 	out->fetch_failures = atomic_load(&c->fetch_failures);
 	out->fetched_bytes = atomic_load(&c->fetched_bytes);
 	out->fetch_ms = (double)atomic_load(&c->fetch_ns) / 1e6;
+	out->fetch_wire_ms = (double)atomic_load(&c->fetch_wire_ns) / 1e6;
 	out->rebalance_pushes = atomic_load(&c->rebalance_pushes);
 	out->rebalance_skipped = atomic_load(&c->rebalance_skipped);
 	out->membership_changes = atomic_load(&c->membership_changes);

@@ -139,6 +139,7 @@ struct cluster_stats {
 	uint64_t pushes_owed, pushes_done, push_failures;
 	uint64_t remote_hits, remote_misses, fetch_failures, fetched_bytes;
 	double fetch_ms; /* total time in successful fetches */
+	double fetch_wire_ms; /* of it, until the bytes were here (before checks and store) */
 	uint64_t rebalance_pushes, rebalance_skipped; /* to new owners; skipped: they had it */
 	uint64_t membership_changes, peer_busy;	      /* peer_busy: calls refused, in-flight cap */
 	uint64_t hedged; /* fetches that asked a further member after cluster_hedge_ms */

@@ -108,7 +108,7 @@ struct cluster {
 	uint64_t rebalance_rate;
 	int64_t rebalance_next_ns; /* the rate limit: no rebalance push before this */
 	atomic_uint_fast64_t pushes_done, push_failures, remote_hits, remote_misses,
-		fetch_failures, fetched_bytes, fetch_ns, in_flight, rebalance_pushes,
+		fetch_failures, fetched_bytes, fetch_ns, fetch_wire_ns, in_flight, rebalance_pushes,
 		rebalance_skipped, peer_busy, hedged, bulk_fetches, bulk_pushes;
 	/* rebalance after a membership change (its own thread) */
 	pthread_t rebalancer;

@@ -290,7 +290,7 @@ int peer_call(struct cluster *c, struct peer *p, struct kvbp_request *req,
  * negative errno when this store cannot take it.
  */
 static int fetch_store(struct cluster *c, const struct store_model *m, const uint8_t *hash,
-		       struct peer *p, struct call_out *o, int64_t t0_ns)
+		       struct peer *p, struct call_out *o, int64_t t0_ns, int64_t wire_ns)
 {
 	const void **blobs;
 	size_t *lens;
@@ -329,6 +329,7 @@ static int fetch_store(struct cluster *c, const struct store_model *m, const uin
 		atomic_fetch_add(&c->remote_hits, 1);
 		atomic_fetch_add(&c->fetched_bytes, bytes);
 		atomic_fetch_add(&c->fetch_ns, (uint64_t)(now_ns() - t0_ns));
+		atomic_fetch_add(&c->fetch_wire_ns, (uint64_t)wire_ns);
 		return 0;
 	}
 	cl_warn(c, "cluster: chunk from '%s' refused: %s", p->id,
@@ -420,7 +421,8 @@ int cluster_fetch(struct cluster *c, const struct store_model *m, const uint8_t 
 			}
 			call_end(c, &cl[i], r);
 			if (r == 0) {
-				rc = fetch_store(c, m, hash, cl[i].p, &o, t0[i]);
+				/* the bytes are here: the wire's share, before checks and store */
+				rc = fetch_store(c, m, hash, cl[i].p, &o, t0[i], now_ns() - t0[i]);
 				call_out_free(&o);
 			} else {
 				atomic_fetch_add(&c->fetch_failures, 1);

@@ -131,6 +131,7 @@ VALUE(v_remote_misses, s->cs.remote_misses)
 VALUE(v_fetch_failures, s->cs.fetch_failures)
 VALUE(v_fetched, s->cs.fetched_bytes)
 VALUE(v_fetch_ms, s->cs.fetch_ms)
+VALUE(v_fetch_wire_ms, s->cs.fetch_wire_ms)
 VALUE(v_fetch_s, s->cs.fetch_ms / 1e3)
 VALUE(v_rebalance, s->cs.rebalance_pushes)
 VALUE(v_rebalance_skipped, s->cs.rebalance_skipped)
@@ -208,6 +209,7 @@ const struct counter counters[] = {
 	{ "cluster_fetched_bytes", "kvblend_cluster_fetched_bytes_total",
 	  "Stored bytes fetched from members.", C, NEED_CLUSTER, v_fetched },
 	{ "cluster_fetch_ms", NULL, NULL, C, NEED_CLUSTER, v_fetch_ms },
+	{ "cluster_fetch_wire_ms", NULL, NULL, C, NEED_CLUSTER, v_fetch_wire_ms },
 	{ NULL, "kvblend_cluster_fetch_seconds_total", "Time in successful fetches.", C,
 	  NEED_CLUSTER, v_fetch_s },
 	{ "cluster_rebalance_pushes", "kvblend_cluster_rebalance_pushes_total",
