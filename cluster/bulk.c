@@ -158,13 +158,18 @@ static int psock_bulk(struct cluster *c, struct psock *ps, const char *endpoint,
 		int64_t left = deadline - now_ms();
 		zmq_msg_t parts[2];
 		char derr[128];
-		int n = 0, more = 1;
+		int n = 0, more = 1, r;
 
 		if (left <= 0) {
 			rc = -ETIMEDOUT;
 			break;
 		}
-		if (zmq_poll(&it, 1, (long)left) <= 0)
+		r = zmq_poll(&it, 1, (long)left);
+		if (r < 0 && zmq_errno() != EINTR) {
+			rc = -EIO; /* the context is ending */
+			break;
+		}
+		if (r <= 0)
 			continue;
 		for (; more && n < 2; n++) {
 			zmq_msg_init(&parts[n]);
@@ -233,9 +238,21 @@ struct psock *psock_new(struct cluster *c, const char *endpoint, const char *key
 		goto fail;
 	if (!endpoint[0] || zmq_connect(ps->s, endpoint))
 		goto fail;
-	if (c->bulk && !strncmp(endpoint, "tcp://", 6) &&
-	    psock_bulk(c, ps, endpoint, curve, now_ms() + c->timeout_ms))
-		goto fail; /* the peer did not answer: the call would not be either */
+	if (c->bulk && !strncmp(endpoint, "tcp://", 6)) {
+		/* The HELLO is waited for no longer than a fetch waits before it asks the
+		 * next member (cluster_hedge_ms), so that a silent peer costs a fetch no
+		 * more than before. Unanswered by then, the socket goes on in frames for
+		 * this one call (its reply to the HELLO, when it comes, is skipped as a
+		 * late one), and is closed after it; without hedging, the peer did not
+		 * answer within the call's own deadline, and neither would the call. */
+		bool hedged = c->hedge_ms > 0 && c->hedge_ms < c->timeout_ms;
+		int rc = psock_bulk(c, ps, endpoint, curve,
+				    now_ms() + (hedged ? c->hedge_ms : c->timeout_ms));
+
+		if (rc && !hedged)
+			goto fail;
+		ps->spoilt = rc != 0;
+	}
 	return ps;
 fail:
 	psock_free(ps);
@@ -245,8 +262,7 @@ fail:
 /*
  * The parts of a FETCH reply's payload on ps's bulk connection: the reply must name
  * one part per layer of m, adding up to its bulk_bytes, and no more than a chunk of
- * its tokens can take stored (twice the raw bytes: a codec's worst case and the
- * headers fit well within), and at most 16 GiB. 0, or -EPROTO with why.
+ * its tokens can take stored (kvbb_stored_max). 0, or -EPROTO with why.
  */
 static int check_parts(const struct store_model *m, const struct kvbp_reply *rep, char *why,
 		       size_t why_len)
@@ -264,8 +280,9 @@ static int check_parts(const struct store_model *m, const struct kvbp_reply *rep
 			return -EPROTO;
 		}
 	raw = store_tensor_bytes(m, rep->chunks[0].num_tokens);
-	if (!raw || ckd_mul3(&bound, raw, 2ull * m->num_layers, 2) || ckd_add(&bound, bound, 1u << 20) || sum != rep->bulk_bytes ||
-	    sum > bound || sum == 0 || sum > (16ull << 30)) {
+	if (!raw || ckd_mul3(&raw, raw, 2ull, m->num_layers) ||
+	    kvbb_stored_max(raw, m->num_layers, &bound) || sum != rep->bulk_bytes ||
+	    sum > bound || sum == 0) {
 		snprintf(why, why_len, "%llu bytes in parts adding up to %llu, for a chunk of %u "
 			 "tokens", (unsigned long long)rep->bulk_bytes, (unsigned long long)sum,
 			 rep->chunks[0].num_tokens);
@@ -304,7 +321,7 @@ int psock_fetch_payload(struct cluster *c, struct psock *ps, const struct store_
 		/* every size checked before a byte lands */
 		if (kvbb_hdr_get(hdr, &h) || h.request_id != o->rep.request_id || h.offset != got ||
 		    h.total != o->rep.bulk_bytes || h.len > h.total - h.offset ||
-		    h.len > KVBB_RECORD_MAX || (h.flags & KVBB_ABORT) ||
+		    h.len > KVBB_RECORD_MAX || !h.len || (h.flags & KVBB_ABORT) ||
 		    ((h.flags & KVBB_LAST) != 0) != (h.offset + h.len == h.total)) {
 			snprintf(why, why_len, "record at byte %llu of %llu malformed, out of order "
 				 "or aborted", (unsigned long long)h.offset,

@@ -20,6 +20,7 @@
 
 #include <stdbool.h>
 #include <stddef.h>
+#include <errno.h>
 #include <stdint.h>
 #include <sys/uio.h>
 
@@ -91,6 +92,24 @@ int kvbb_open(struct kvbb_aead *a, uint64_t counter, uint32_t dir, const uint8_t
 /* Advance iov[0..*n) past done bytes (they went out, or came in): the pieces used up
  * are dropped (*iov, *n move on), the next one is shortened. */
 void kvbb_iov_advance(struct iovec **iov, int *n, size_t done);
+
+/*
+ * The most bytes a chunk's stored layers may take as a payload between members (FETCH
+ * and REPLICATE on a bulk connection), for raw_total bytes of K and V over num_layers
+ * layers: twice the raw bytes and 4 KiB a layer (a codec's worst case and its headers
+ * fit well within), at most 16 GiB. 0 and *out, or -EOVERFLOW.
+ */
+static inline int kvbb_stored_max(uint64_t raw_total, uint32_t num_layers, uint64_t *out)
+{
+	uint64_t twice, slack, sum;
+
+	if (__builtin_mul_overflow(raw_total, 2, &twice) ||
+	    __builtin_mul_overflow((uint64_t)num_layers, 4096, &slack) ||
+	    __builtin_add_overflow(twice, slack, &sum))
+		return -EOVERFLOW;
+	*out = sum < (16ull << 30) ? sum : (16ull << 30);
+	return 0;
+}
 
 /* The host of a tcp://HOST:PORT endpoint (an IPv6 address without its brackets), where
  * its bulk connection is opened, into host (len bytes): 0, or -EINVAL (not one). */

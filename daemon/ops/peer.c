@@ -16,6 +16,7 @@
 #include "common/ckd.h"
 #include "daemon/clients.h"
 #include "daemon/bulk.h"
+#include "proto/bulk.h"
 #include "cluster/cluster.h"
 #include "daemon/fdguard.h"
 #include "daemon/log.h"
@@ -173,13 +174,13 @@ static void replicate_run(struct req *q, struct bulk_conn **bc)
 		uint64_t sum = 0, bound;
 		char why[256];
 
-		/* stored bytes: at most twice the raw ones (a codec's worst case and the
-		 * headers fit well within), as a FETCH's parts are checked (cluster/bulk.c) */
+		/* stored bytes: no more than a chunk of these tokens can take stored
+		 * (kvbb_stored_max), as a FETCH's parts are checked (cluster/bulk.c) */
 		for (uint32_t l = 0; l < m.num_layers; l++)
 			if (q->h.bulk_parts[l] > SIZE_MAX ||
 			    ckd_add(&sum, sum, q->h.bulk_parts[l]))
 				sum = UINT64_MAX;
-		if (ckd_mul(&bound, total, 2) || !sum || sum > bound) {
+		if (kvbb_stored_max(total, m.num_layers, &bound) || !sum || sum > bound) {
 			fail(q, KVBP_BAD_FRAMES, "replicate on the bulk connection: bulk_parts add "
 			     "up to %" PRIu64 " bytes, for a chunk of %" PRIu64 " raw bytes; nothing "
 			     "stored", sum, total);
