@@ -26,6 +26,9 @@
 #include "common/ckd.h"
 #include "proto/bulk.h"
 
+/* A new socket's HELLO, when fetches hedge: waited for this long at most (psock_new). */
+#define HELLO_MAX_MS 500
+
 void psock_free(struct psock *ps)
 {
 	if (!ps)
@@ -239,15 +242,17 @@ struct psock *psock_new(struct cluster *c, const char *endpoint, const char *key
 	if (!endpoint[0] || zmq_connect(ps->s, endpoint))
 		goto fail;
 	if (c->bulk && !strncmp(endpoint, "tcp://", 6)) {
-		/* The HELLO is waited for no longer than a fetch waits before it asks the
-		 * next member (cluster_hedge_ms), so that a silent peer costs a fetch no
-		 * more than before. Unanswered by then, the socket goes on in frames for
-		 * this one call (its reply to the HELLO, when it comes, is skipped as a
-		 * late one), and is closed after it; without hedging, the peer did not
-		 * answer within the call's own deadline, and neither would the call. */
-		bool hedged = c->hedge_ms > 0 && c->hedge_ms < c->timeout_ms;
+		/* With hedging, the HELLO is waited for HELLO_MAX_MS at most (or
+		 * cluster_hedge_ms, when longer), so that a silent peer delays a fetch on
+		 * a new socket by that, not by cluster_timeout_ms. Unanswered by then, the
+		 * socket goes on in frames for this one call (its reply to the HELLO, when
+		 * it comes, is skipped as a late one), and is closed after it. Without
+		 * hedging, the peer did not answer within the call's own deadline, and
+		 * neither would the call. */
+		int64_t wait = c->hedge_ms > HELLO_MAX_MS ? c->hedge_ms : HELLO_MAX_MS;
+		bool hedged = c->hedge_ms > 0 && wait < c->timeout_ms;
 		int rc = psock_bulk(c, ps, endpoint, curve,
-				    now_ms() + (hedged ? c->hedge_ms : c->timeout_ms));
+				    now_ms() + (hedged ? wait : c->timeout_ms));
 
 		if (rc && !hedged)
 			goto fail;
