@@ -197,6 +197,7 @@ static void replicate_run(struct req *q, struct bulk_conn **bc)
 			     "connection: %s; nothing stored", sum, why);
 			goto out;
 		}
+		/* ckd-ok: the parts' running sum, checked above to add up to sum */
 		for (uint64_t l = 0, off = 0; l < m.num_layers; off += q->h.bulk_parts[l++]) {
 			blobs[l] = in->data + off;
 			lens[l] = (size_t)q->h.bulk_parts[l];
