@@ -26,9 +26,6 @@
 #include "common/ckd.h"
 #include "proto/bulk.h"
 
-/* A new socket's HELLO, when fetches hedge: waited for this long at most (psock_new). */
-#define HELLO_MAX_MS 500
-
 void psock_free(struct psock *ps)
 {
 	if (!ps)
@@ -242,14 +239,14 @@ struct psock *psock_new(struct cluster *c, const char *endpoint, const char *key
 	if (!endpoint[0] || zmq_connect(ps->s, endpoint))
 		goto fail;
 	if (c->bulk && !strncmp(endpoint, "tcp://", 6)) {
-		/* With hedging, the HELLO is waited for HELLO_MAX_MS at most (or
-		 * cluster_hedge_ms, when longer), so that a silent peer delays a fetch on
-		 * a new socket by that, not by cluster_timeout_ms. Unanswered by then, the
-		 * socket goes on in frames for this one call (its reply to the HELLO, when
-		 * it comes, is skipped as a late one), and is closed after it. Without
+		/* With hedging, the HELLO is waited for cluster_hedge_ms at most, so that a
+		 * silent peer delays a fetch on a new socket by that, not by
+		 * cluster_timeout_ms (test_cluster_hedge). Unanswered by then, the socket
+		 * goes on in frames for this one call (its reply to the HELLO, when it
+		 * comes, is skipped as a late one), and is closed after it. Without
 		 * hedging, the peer did not answer within the call's own deadline, and
 		 * neither would the call. */
-		int64_t wait = c->hedge_ms > HELLO_MAX_MS ? c->hedge_ms : HELLO_MAX_MS;
+		int64_t wait = c->hedge_ms;
 		bool hedged = c->hedge_ms > 0 && wait < c->timeout_ms;
 		int rc = psock_bulk(c, ps, endpoint, curve,
 				    now_ms() + (hedged ? wait : c->timeout_ms));

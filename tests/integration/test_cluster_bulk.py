@@ -2,7 +2,9 @@
 """Members moving chunks on bulk connections (cluster_bulk, docs/cluster.md), under CURVE,
 through a proxy that can alter one block of bytes on the way.
 
-Two real kvblendd members, a and b, with CURVE keys and R = 2 (both own every chunk).
+Two real kvblendd members, a and b, with CURVE keys and R = 2 (both own every chunk),
+without hedging (a new socket's HELLO is then waited for its whole deadline, so every
+transfer goes on the bulk connection and the counts below are exact).
 a reaches b at 127.0.0.2, where a TCP proxy forwards b's ZeroMQ port and its bulk port
 to 127.0.0.1. Checks: a's pushes go to b on the bulk connection, sealed, and read back
 byte for byte on b; a push whose record is altered on the way is refused by b (nothing
@@ -77,7 +79,8 @@ def start(n):
     extra = ["--tcp-bulk-port", BULK_B] if n == "b" else []
     d = kvbtest.Daemon(KVBLENDD, KVBLEND, TMP, "--map-size", "1G", "--node-id", n,
                        "--cluster-peers", peers, "--cluster-replicas", 2,
-                       "--cluster-timeout-ms", 2000, "--curve-secret-key-file",
+                       "--cluster-timeout-ms", 2000, "--cluster-hedge-ms", 0,
+                       "--curve-secret-key-file",
                        f"{TMP}/{n}.key", "--curve-authorized-keys", f"{TMP}/authorized",
                        "--log-level", "debug", *extra, name=n,
                        listen=f"{ep(n)},tcp://127.0.0.1:{PORTS[n]}")
