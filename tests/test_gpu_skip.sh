@@ -42,7 +42,13 @@ for where in nogpu gpu; do
 		done
 	done
 done
-# No nvidia-smi at all: a skip is a skip.
-out=$(PATH="$tmp/nogpu-none:/usr/bin:/bin" FAKE_PROBE=skip bash "$run" "$tmp/tool" true 2>&1)
+# No nvidia-smi at all: a skip is a skip. PATH holds only what gpu_run.sh runs (a GPU
+# machine may have nvidia-smi in /usr/bin itself).
+mkdir -p "$tmp/bare"
+for c in bash sh grep true; do
+	ln -s "$(command -v "$c")" "$tmp/bare/$c"
+done
+bash=$(command -v bash)
+out=$(PATH="$tmp/bare" FAKE_PROBE=skip "$bash" "$run" "$tmp/tool" true 2>&1)
 check "no nvidia-smi on PATH, probe skip" 77 $? "$out"
 exit $failed
