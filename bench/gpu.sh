@@ -8,12 +8,16 @@
 # auto; the benchmarks (bench_cuda: kernels against a device-to-device copy and the
 # pipelined upload against host-to-device bandwidth; bench_fuse with --device cpu, --device
 # cuda, --device cuda --reserve 4G and --device cuda --on-device, each with the open time,
-# the daemon's CPU time per layer and the blocks allocated and rings pinned per open); and, where nsys is installed, a trace of device sessions (copies from pageable
-# memory, kernel launches per layer, allocations). Last, a summary: for each of issue 23's
-# findings 1-13 one line saying what this run showed, printed and written to
-# OUT/summary.txt. Every log and table goes to OUT (default $OUT, else ./gpu-out). Needs
-# the build dependencies (.ci/install-deps) and nvcc. Exits non-zero when nvidia-smi lists
-# no GPU, or the build, the parity suite or the device tests fail.
+# the daemon's CPU time per layer and the blocks allocated and rings pinned per open;
+# bench_land_device: landing into another process's device memory in vLLM's GPU layout,
+# issue 33); and, where nsys is installed, a trace of device sessions (copies from
+# pageable memory, kernel launches per layer, allocations). Last, a summary: for each of
+# issue 23's findings 1-13 and for issue 33's device landing one line saying what this
+# run showed, printed and written to OUT/summary.txt. Every log and table goes to OUT
+# (default $OUT, else ./gpu-out). Needs the build dependencies (.ci/install-deps) and
+# nvcc, or KVB_GPU_PREBUILT=1 and a build-gpu built elsewhere (the same configuration).
+# Exits non-zero when nvidia-smi lists no GPU, or the build, the parity suite, the device
+# tests or the device landing's parity fail.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-${OUT:-gpu-out}}
@@ -32,7 +36,15 @@ if ! nvidia-smi -L 2> /dev/null | grep -qE '^GPU [0-9]+:'; then
 	echo "gpu.sh: nvidia-smi lists no GPU; this script is for a machine with one"
 	exit 1
 fi
-if ! { cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DKVB_CUDA=ON -DKVB_WERROR=ON &&
+# KVB_GPU_PREBUILT=1: build-gpu was built elsewhere (the same configuration, on a machine with
+# the build dependencies) and is used as it is: a GPU machine without them still runs the rest.
+if [ "${KVB_GPU_PREBUILT:-0}" = 1 ]; then
+	if [ ! -x build-gpu/bin/kvblendd ] || [ ! -x build-gpu/bin/blend_tool ]; then
+		echo "gpu.sh: KVB_GPU_PREBUILT=1 but build-gpu/bin has no kvblendd or blend_tool"
+		exit 1
+	fi
+	echo "prebuilt build-gpu used as it is" > "$out/build.log"
+elif ! { cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DKVB_CUDA=ON -DKVB_WERROR=ON &&
 	cmake --build build-gpu -j"$jobs"; } > "$out/build.log" 2>&1; then
 	echo "gpu.sh: build failed; see $out/build.log"
 	tail -30 "$out/build.log"
@@ -40,24 +52,29 @@ if ! { cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DKVB_CUDA=ON -DKVB_WE
 fi
 build-gpu/bin/blend_tool probe | tee "$out/device.txt"
 
-# The parity suite, then the CPU tests of blend/ for comparison.
+# The parity suite, then the CPU tests of blend/ for comparison. test_blend_cuda runs
+# last, after the benchmarks: it starts CUDA once for each of its 536 cases (167 s on an
+# H200, 2026-12-04), and a lease that ends first should have the figures.
 # On this machine a skip is a failure (tests/gpu_run.sh makes it one); and a suite where
 # nothing ran proves nothing.
-ctest --test-dir build-gpu -L gpu -V > "$out/parity.log" 2>&1 || status=1
-if grep -qE "No tests were found|\*\*\*Skipped|Not Run" "$out/parity.log"; then
-	echo "gpu.sh: the gpu suite skipped or ran nothing; see $out/parity.log"
+ctest --test-dir build-gpu -L gpu -E '^test_blend_cuda$' -V > "$out/parity.log" 2>&1 ||
 	status=1
-fi
-ctest --test-dir build-gpu -R 'test_blend' --output-on-failure > "$out/blend_cpu.log" 2>&1 ||
+ctest --test-dir build-gpu -R '^test_blend$' --output-on-failure > "$out/blend_cpu.log" 2>&1 ||
 	status=1
 grep -E "tests passed|Skipped|Failed|passed, " "$out/parity.log" | tail -12
+# Issue 33: landing into another process's device allocation in vLLM's GPU layout (this
+# process the node: CUDA IPC to the daemon), parity with the host landing, GB/s against
+# host-to-device and device-to-device copies (target: 25 GB/s). Exits 1 on a parity miss.
+build-gpu/bin/bench_land_device --device cuda --tokens 4096,16384 --repeats 5 2>&1 |
+	tee "$out/bench_land_device.md"
+[ "${PIPESTATUS[0]}" = 0 ] || status=1
 # The large shapes once more on their own, for the summary's lines.
 build-gpu/bin/test_device_parity cuda > "$out/large_parity.log" 2>&1 || status=1
 cat "$out/large_parity.log"
 # The device path's tests on the emulated device (the close order, the sticky failure,
 # the device budget, the placement under auto, the pooled blocks): they ran without a GPU
 # too; here they show the GPU build passes them.
-ctest --test-dir build-gpu -R 'test_device_(export|fault|parity_emulated|gpu_skip)' \
+ctest --test-dir build-gpu -R 'test_device_(export|fault|parity_emulated|gpu_skip)|test_land_device$' \
 	--output-on-failure > "$out/device_tests.log" 2>&1 || status=1
 
 # The daemon's start under --device auto: the driver floor, blocking sync, the placement.
@@ -96,6 +113,15 @@ if command -v nsys > /dev/null 2>&1; then
 		--output "$trace" "$trace.nsys-rep" > "$out/trace_stats.log" 2>&1
 	nsys analyze --rule cuda_memcpy_async "$trace.nsys-rep" > "$out/trace_pageable.txt" 2>&1
 fi
+
+# The blend reference cases on the GPU (test_blend.py --backend cuda), appended to the
+# parity log; then whether anything of the suite skipped or nothing ran.
+ctest --test-dir build-gpu -R '^test_blend_cuda$' -V >> "$out/parity.log" 2>&1 || status=1
+if grep -qE "No tests were found|\*\*\*Skipped|Not Run" "$out/parity.log"; then
+	echo "gpu.sh: the gpu suite skipped or ran nothing; see $out/parity.log"
+	status=1
+fi
+grep -E "Test +#.*(Passed|Failed)|passed, " "$out/parity.log" | tail -14
 
 # ---- the summary: one line per finding of issue 23, from what this run wrote ----
 
@@ -163,6 +189,15 @@ pool6="per session open at $t tokens on cuda: blocks allocated (first; later ses
 		cpu_c=$(col "$out/bench_fuse_cpu.md" "$s" 6)
 		gpu_c=$(col "$out/bench_fuse_cuda.md" "$s" 6)
 		echo "finding 13 (host-memory nodes, $s tokens): fused GB/s copied out cpu ${cpu_c}, cuda ${gpu_c} (cuda/cpu $(ratio "$gpu_c" "$cpu_c")x); in place cpu $(col "$out/bench_fuse_cpu.md" "$s" 4), cuda $(col "$out/bench_fuse_cuda.md" "$s" 4); $(awk -v a="$gpu_c" -v b="$cpu_c" 'BEGIN { if (a + 0 > 0 && b + 0 > 0) print (a < b ? "device auto is right to keep them on the CPU" : "the GPU was faster: device auto should put them there"); else print "not measured" }')"
+	done
+	land_row() { grep -E "^\| $1 \|" "$out/bench_land_device.md" 2> /dev/null | head -1; }
+	for s in 4096 16384; do
+		r=$(land_row $s)
+		if [ -n "$r" ]; then
+			echo "issue 33 (landing into a node's device memory, $s tokens): $(echo "$r" | awk -F'|' '{ gsub(/ /, ""); printf "%s GB/s (H2D %s, land/H2D %s; D2D %s; host landing %s GB/s); parity: %s", $6, $7, $8, $9, $11, $13 }') (target: 25 GB/s); test_land_device on the GPU $(passed test_land_device_cuda "$out/parity.log")"
+		else
+			echo "issue 33 (landing into a node's device memory, $s tokens): did NOT run (see bench_land_device.md)"
+		fi
 	done
 } | tee "$out/summary.txt"
 exit $status

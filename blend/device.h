@@ -46,6 +46,20 @@ struct blend_dev_span {
 	uint32_t off, tokens, first;
 };
 
+/*
+ * Where land() writes one tensor (K or V) of a layer in another process's cache:
+ * row t's head h starts at dst + page(t) * page_stride + slot(t) * token_stride +
+ * h * head_stride, where page(t) = pages[t / page_tokens] and slot(t) = t %
+ * page_tokens when page_tokens > 0, else page(t) = 0 and slot(t) = t. pages: device
+ * memory. A head's head_dim elements are contiguous.
+ */
+struct blend_dev_land {
+	uint8_t *dst;
+	uint64_t token_stride, head_stride, page_stride;
+	uint32_t page_tokens;
+	const uint32_t *pages;
+};
+
 struct blend_device {
 	const char *name; /* "cuda", "emulated" */
 	void *ctx;
@@ -114,6 +128,29 @@ struct blend_device {
 	 */
 	int (*ipc_export)(const struct blend_device *d, void *dev, uint8_t handle[64], char *pci,
 			  size_t pcilen);
+
+	/*
+	 * Map another process's allocation on this device by its CUDA IPC memory handle:
+	 * *dev its base in this process, *bytes its size (the driver's, not the
+	 * caller's word). pci: the bus id the other process names its device by;
+	 * -ENODEV when that is not this device. The emulated device maps the file whose
+	 * path follows "emu:" in the handle, shared (a test's stand-in for another
+	 * process's device memory; only files /dev/shm/kvb-nodemem-*, as nodemem.c makes
+	 * them: -EPERM for another path). ipc_close unmaps it. NULL where the device cannot.
+	 */
+	int (*ipc_open)(const struct blend_device *d, const uint8_t handle[64], const char *pci,
+			void **dev, uint64_t *bytes);
+	void (*ipc_close)(const struct blend_device *d, void *dev, uint64_t bytes);
+	/*
+	 * Landing: rows rows[0 .. n_rows) (token indices, device memory) of src (device
+	 * memory, token t's row at src + t * heads * head_dim * dtype size) written
+	 * where L says, as the host's landing writes a node's buffers. -EINVAL for a
+	 * shape or alignment the kernel does not take (head_dim * dtype size and the
+	 * strides must be multiples of 4).
+	 */
+	int (*land)(const struct blend_device *d, struct blend_stream *st,
+		    const struct blend_shape *s, const struct blend_dev_land *L, const void *src,
+		    const int32_t *rows, uint32_t n_rows);
 
 	/* Device memory held through this table (and by the backend), and the total. */
 	void (*memory)(const struct blend_device *d, uint64_t *held, uint64_t *total);

@@ -5,6 +5,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <fcntl.h>
+#include <unistd.h>
 
 #include "blend/device.h"
 #include "blend/hkvd.h"
@@ -383,6 +387,79 @@ static int e_scatter(const struct blend_device *d, struct blend_stream *st,
  * export path runs in tests: the handle holds the address, the bus id says
  * "emulated". A client with a driver fails to find that device and stays on the host.
  */
+/* The emulated import: "emu:" and a file's path in the handle, mapped shared. */
+#define EMU_NODEMEM_PREFIX "/dev/shm/kvb-nodemem-"
+static int e_ipc_open(const struct blend_device *d, const uint8_t handle[64], const char *pci,
+		      void **dev, uint64_t *bytes)
+{
+	char path[61];
+	struct stat st;
+	void *p;
+	int fd, rc = dead(d);
+
+	if (rc)
+		return rc;
+	if (strcmp(pci, "emulated"))
+		return -ENODEV;
+	if (memcmp(handle, "emu:", 4) || !memchr(handle + 4, 0, 60))
+		return -EINVAL;
+	memcpy(path, handle + 4, 60);
+	path[60] = 0;
+	/* Only a node's stand-in allocation (nodemem.c's files): never another file a
+	 * client names, which the daemon would then write into. */
+	if (strncmp(path, EMU_NODEMEM_PREFIX, strlen(EMU_NODEMEM_PREFIX)) ||
+	    strchr(path + strlen(EMU_NODEMEM_PREFIX), '/'))
+		return -EPERM;
+	fd = open(path, O_RDWR | O_CLOEXEC | O_NOFOLLOW);
+	if (fd < 0)
+		return -errno;
+	if (fstat(fd, &st) || st.st_size <= 0) {
+		close(fd);
+		return -EINVAL;
+	}
+	p = mmap(NULL, (size_t)st.st_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+	close(fd);
+	if (p == MAP_FAILED)
+		return -ENOMEM;
+	*dev = p;
+	*bytes = (uint64_t)st.st_size;
+	return 0;
+}
+
+static void e_ipc_close(const struct blend_device *d, void *dev, uint64_t bytes)
+{
+	(void)d;
+	if (dev)
+		munmap(dev, (size_t)bytes);
+}
+
+static int e_land(const struct blend_device *d, struct blend_stream *st,
+		  const struct blend_shape *s, const struct blend_dev_land *L, const void *src,
+		  const int32_t *rows, uint32_t n_rows)
+{
+	size_t hb = (size_t)s->head_dim * blend_dtype_size(s->dtype);
+	size_t rb = (size_t)s->heads * hb;
+	int rc = step(d);
+
+	(void)st;
+	if (rc)
+		return rc;
+	if (!hb || hb % 4 || L->token_stride % 4 || L->head_stride % 4 || L->page_stride % 4)
+		return -EINVAL;
+	for (uint32_t i = 0; i < n_rows; i++) {
+		uint32_t t = (uint32_t)rows[i];
+		uint64_t off = L->page_tokens ? (uint64_t)L->pages[t / L->page_tokens] *
+							L->page_stride +
+						(uint64_t)(t % L->page_tokens) * L->token_stride
+					      : (uint64_t)t * L->token_stride;
+
+		for (uint32_t h = 0; h < s->heads; h++)
+			memcpy(L->dst + off + h * L->head_stride,
+			       (const uint8_t *)src + (size_t)t * rb + h * hb, hb);
+	}
+	return 0;
+}
+
 static int e_ipc_export(const struct blend_device *d, void *dev, uint8_t handle[64], char *pci,
 			size_t pcilen)
 {
@@ -461,6 +538,9 @@ int blend_emu_open(uint64_t fail_after, bool sticky, struct blend_device **out)
 		.select = e_select,
 		.scatter = e_scatter,
 		.ipc_export = e_ipc_export,
+		.ipc_open = e_ipc_open,
+		.ipc_close = e_ipc_close,
+		.land = e_land,
 		.memory = e_memory,
 		.last_error = e_last_error,
 		.broken = e_broken,

@@ -54,17 +54,39 @@ struct kvb_fuse {
  * -EINVAL, -EMFILE or -ENOMEM with c->err set; on failure req holds nothing new.
  */
 static int fuse_land_request(kvb_client *c, const struct kvb_kv_layout *dst,
-			     const struct kvb_kv_strides *ks, struct kvbp_request *req,
-			     struct region **reg_out, unsigned *word_out)
+			     const struct kvb_kv_strides *ks, const struct kvb_device_mem *mem,
+			     struct kvbp_request *req, struct region **reg_out, unsigned *word_out)
 {
 	struct region *reg;
 	unsigned word = 0;
+	const uint8_t *base;
 
-	/* The node's buffers: a region of this client; a progress word in its head. */
-	reg = kvbc_region_of(c, dst->k, 1);
-	if (!reg || kvbc_region_of(c, dst->v, 1) != reg)
-		return kvbc_set_err(c, -EINVAL, "the landing layout's K and V must lie in one "
-				    "region of this client (kvb_region_alloc)");
+	if (mem) {
+		/* K and V in the node's device allocation; the progress word in a region. */
+		base = mem->base;
+		reg = kvbc_region_of(c, mem->progress, 1);
+		if (!reg)
+			return kvbc_set_err(c, -EINVAL, "a device landing needs a region of this "
+					    "client (kvb_region_alloc) for its progress word");
+		if (!base || !mem->bytes || (const uint8_t *)dst->k < base ||
+		    (const uint8_t *)dst->v < base ||
+		    (size_t)((const uint8_t *)dst->k - base) >= mem->bytes ||
+		    (size_t)((const uint8_t *)dst->v - base) >= mem->bytes)
+			return kvbc_set_err(c, -EINVAL, "the landing layout's K and V must lie in "
+					    "the device allocation [base, base + bytes)");
+		if (!memchr(mem->pci, 0, sizeof(mem->pci)) || !mem->pci[0])
+			return kvbc_set_err(c, -EINVAL, "a device landing needs the device's PCI "
+					    "bus id (NUL-terminated)");
+		if (ks)
+			return kvbc_set_err(c, -EINVAL, "a device landing takes K laid out as V");
+	} else {
+		/* The node's buffers: a region of this client; a progress word in its head. */
+		reg = kvbc_region_of(c, dst->k, 1);
+		if (!reg || kvbc_region_of(c, dst->v, 1) != reg)
+			return kvbc_set_err(c, -EINVAL, "the landing layout's K and V must lie in "
+					    "one region of this client (kvb_region_alloc)");
+		base = reg->base;
+	}
 	while (word < REGION_WORDS && (reg->used[word / 64] >> (word % 64) & 1))
 		word++;
 	if (word == REGION_WORDS)
@@ -81,8 +103,14 @@ static int fuse_land_request(kvb_client *c, const struct kvb_kv_layout *dst,
 		req->land.k_dim_stride = ks->dim_stride;
 	}
 	req->land.shm_id = reg->id;
-	req->land.k_offset = (uint64_t)((uint8_t *)dst->k - reg->base);
-	req->land.v_offset = (uint64_t)((uint8_t *)dst->v - reg->base);
+	req->land.k_offset = (uint64_t)((const uint8_t *)dst->k - base);
+	req->land.v_offset = (uint64_t)((const uint8_t *)dst->v - base);
+	if (mem) {
+		req->land.has_device = true;
+		memcpy(req->land.device_handle, mem->ipc_handle, KVBP_DEVICE_HANDLE_LEN);
+		memcpy(req->land.device_pci, mem->pci, strlen(mem->pci) + 1);
+		req->land.device_bytes = mem->bytes;
+	}
 	req->land.layer_stride = dst->layer_stride;
 	req->land.token_stride = dst->token_stride;
 	req->land.head_stride = dst->head_stride;
@@ -222,7 +250,8 @@ static int fuse_open_common(kvb_client *c, const char *model, const struct kvb_s
 			    size_t n_segs, const struct kvb_fuse_params *p,
 			    const int32_t *recompute, size_t n_recompute,
 			    const struct kvb_kv_layout *dst, const struct kvb_kv_strides *ks,
-			    kvb_fuse **out, uint8_t (**missing)[KVB_HASH_LEN], size_t *n_missing)
+			    const struct kvb_device_mem *mem, kvb_fuse **out,
+			    uint8_t (**missing)[KVB_HASH_LEN], size_t *n_missing)
 {
 	struct call k = { .req = { .op = KVBP_OP_FUSE_OPEN } };
 	struct region *reg = NULL;
@@ -244,7 +273,7 @@ static int fuse_open_common(kvb_client *c, const char *model, const struct kvb_s
 	rc = kvb_model_get(c, model, &m);
 	if (rc)
 		return rc;
-	if (dst && (rc = fuse_land_request(c, dst, ks, &k.req, &reg, &word)))
+	if (dst && (rc = fuse_land_request(c, dst, ks, mem, &k.req, &reg, &word)))
 		return rc;
 	if ((rc = fuse_open_request(c, &k.req, segs, n_segs, p, recompute, n_recompute)))
 		goto out;
@@ -293,7 +322,7 @@ int kvb_fuse_open(kvb_client *c, const char *model, const struct kvb_segment *se
 		  size_t n_segs, const struct kvb_fuse_params *p, kvb_fuse **out,
 		  uint8_t (**missing)[KVB_HASH_LEN], size_t *n_missing)
 {
-	return fuse_open_common(c, model, segs, n_segs, p, NULL, 0, NULL, NULL, out, missing,
+	return fuse_open_common(c, model, segs, n_segs, p, NULL, 0, NULL, NULL, NULL, out, missing,
 				n_missing);
 }
 
@@ -306,7 +335,7 @@ int kvb_fuse_open_recompute(kvb_client *c, const char *model, const struct kvb_s
 		*out = NULL;
 		return kvbc_set_err(c, -EINVAL, "kvb_fuse_open_recompute: recompute is NULL");
 	}
-	return fuse_open_common(c, model, segs, n_segs, NULL, recompute, n_recompute, dst, NULL,
+	return fuse_open_common(c, model, segs, n_segs, NULL, recompute, n_recompute, dst, NULL, NULL,
 				out, missing, n_missing);
 }
 
@@ -339,7 +368,7 @@ int kvb_fuse_open_into(kvb_client *c, const char *model, const struct kvb_segmen
 		*out = NULL;
 		return kvbc_set_err(c, -EINVAL, "kvb_fuse_open_into needs a layout");
 	}
-	return fuse_open_common(c, model, segs, n_segs, p, NULL, 0, dst, NULL, out, missing,
+	return fuse_open_common(c, model, segs, n_segs, p, NULL, 0, dst, NULL, NULL, out, missing,
 				n_missing);
 }
 
@@ -353,7 +382,21 @@ int kvb_fuse_open_into_strided(kvb_client *c, const char *model, const struct kv
 		*out = NULL;
 		return kvbc_set_err(c, -EINVAL, "kvb_fuse_open_into_strided needs a layout");
 	}
-	return fuse_open_common(c, model, segs, n_segs, p, NULL, 0, dst, k_strides, out, missing,
+	return fuse_open_common(c, model, segs, n_segs, p, NULL, 0, dst, k_strides, NULL, out, missing,
+				n_missing);
+}
+
+int kvb_fuse_open_into_device(kvb_client *c, const char *model, const struct kvb_segment *segs,
+			      size_t n_segs, const struct kvb_fuse_params *p,
+			      const struct kvb_kv_layout *dst, const struct kvb_device_mem *mem,
+			      kvb_fuse **out, uint8_t (**missing)[KVB_HASH_LEN], size_t *n_missing)
+{
+	if (!dst || !mem) {
+		*out = NULL;
+		return kvbc_set_err(c, -EINVAL, "kvb_fuse_open_into_device needs a layout and "
+				    "the device allocation");
+	}
+	return fuse_open_common(c, model, segs, n_segs, p, NULL, 0, dst, NULL, mem, out, missing,
 				n_missing);
 }
 

@@ -220,6 +220,12 @@ int kvbp_request_encode(const struct kvbp_request *req, uint8_t **buf, size_t *l
 		land.k_token_stride = req->land.k_token_stride;
 		land.k_head_stride = req->land.k_head_stride;
 		land.k_dim_stride = req->land.k_dim_stride;
+		if (req->land.has_device) {
+			land.device_handle.data = (uint8_t *)req->land.device_handle;
+			land.device_handle.len = KVBP_DEVICE_HANDLE_LEN;
+			land.device_pci = (char *)req->land.device_pci;
+			land.device_bytes = req->land.device_bytes;
+		}
 		pb.land = &land;
 	}
 	if (req->has_shm_out) {
@@ -406,6 +412,29 @@ int kvbp_request_decode(const void *buf, size_t len, struct kvbp_request *out, c
 					       g->page_tokens, g->page_stride, NULL, 0,
 					       g->progress, g->k_token_stride,
 					       g->k_head_stride, g->k_dim_stride };
+		if (g->device_handle.len) {
+			size_t pl = g->device_pci ? strlen(g->device_pci) : 0;
+
+			if (g->device_handle.len != KVBP_DEVICE_HANDLE_LEN ||
+			    pl >= KVBP_DEVICE_PCI_MAX) {
+				set_err(err, errlen, "a landing layout's device handle is %zu "
+					"bytes and its PCI bus id %zu characters (must be %d and "
+					"under %d)", g->device_handle.len, pl,
+					KVBP_DEVICE_HANDLE_LEN, KVBP_DEVICE_PCI_MAX);
+				rc = KVBP_BAD_ARGUMENT;
+				goto out;
+			}
+			r.land.has_device = true;
+			memcpy(r.land.device_handle, g->device_handle.data,
+			       KVBP_DEVICE_HANDLE_LEN);
+			memcpy(r.land.device_pci, g->device_pci, pl + 1);
+			r.land.device_bytes = g->device_bytes;
+		} else if (g->device_bytes || (g->device_pci && *g->device_pci)) {
+			set_err(err, errlen, "a landing layout names a device size or PCI bus "
+				"id but no device handle");
+			rc = KVBP_BAD_ARGUMENT;
+			goto out;
+		}
 		if (g->n_pages) {
 			r.land.pages = malloc(g->n_pages * sizeof(uint32_t));
 			if (!r.land.pages)

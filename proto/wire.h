@@ -32,6 +32,9 @@
 #define KVBP_RECOMPUTE_MAX (1u << 24)
 /* Upper bound on the block table of a landing layout (pages of a session). */
 #define KVBP_PAGES_MAX (1u << 20)
+/* A CUDA IPC memory handle, and room for a PCI bus id ("0000:3b:00.0") with its NUL. */
+#define KVBP_DEVICE_HANDLE_LEN 64
+#define KVBP_DEVICE_PCI_MAX 32
 /*
  * The 32-bit progress word of a landing fuse session: layers 0 .. (v & KVBP_LAND_COUNT)-1
  * are in place; with KVBP_LAND_FAILED set landing stopped, and bits 24..30 hold the
@@ -168,6 +171,13 @@ struct kvbp_layout {
 	uint64_t k_token_stride;
 	uint64_t k_head_stride;
 	uint64_t k_dim_stride;
+	/* landing into device memory (has_device): the node's allocation by its CUDA IPC
+	 * memory handle, its device's PCI bus id and size; offsets are into it, and the
+	 * segment shm_id holds only the progress word */
+	bool has_device;
+	uint8_t device_handle[KVBP_DEVICE_HANDLE_LEN];
+	char device_pci[KVBP_DEVICE_PCI_MAX];
+	uint64_t device_bytes;
 };
 
 struct kvbp_request {

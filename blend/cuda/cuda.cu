@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
 extern "C" {
 #include "blend/cuda/cuda.h"
@@ -254,6 +255,32 @@ __global__ void k_scatter(uint8_t *layer, const uint8_t *fresh, const int32_t *s
 			((uint4 *)(layer + row * rb))[w] = ((const uint4 *)(fresh + j * rb))[w];
 		else
 			layer[row * rb + w] = fresh[j * rb + w];
+	}
+}
+
+/*
+ * Landing: rows[r]'s heads from src (token t's row at t * rb) to another process's
+ * cache (blend_dev_land), in words of W (16 bytes when every head, stride and base
+ * allows, else 4): one thread a word.
+ */
+template <typename W>
+__global__ void k_land(uint8_t *dst, const uint8_t *src, const int32_t *rows, uint32_t n_rows,
+		       uint32_t heads, uint32_t wph, uint64_t rb, uint64_t ts, uint64_t hs,
+		       uint64_t ps, uint32_t pt, const uint32_t *pages)
+{
+	uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
+	uint64_t per_row = (uint64_t)heads * wph;
+
+	if (i >= (uint64_t)n_rows * per_row)
+		return;
+	{
+		uint32_t r = (uint32_t)(i / per_row), rem = (uint32_t)(i % per_row);
+		uint32_t h = rem / wph, w = rem % wph, t = (uint32_t)rows[r];
+		uint64_t off = pt ? (uint64_t)pages[t / pt] * ps + (uint64_t)(t % pt) * ts
+				  : (uint64_t)t * ts;
+
+		((W *)(dst + off + h * hs))[w] =
+			((const W *)(src + t * rb + (uint64_t)h * wph * sizeof(W)))[w];
 	}
 }
 
@@ -1245,6 +1272,105 @@ static int t_ipc_export(const struct blend_device *t, void *dev, uint8_t handle[
 	return rc;
 }
 
+/* The driver's cuMemGetAddressRange_v2 (libcuda, loaded already by the runtime), or NULL. */
+typedef int (*addr_range_fn)(unsigned long long *base, size_t *size, unsigned long long ptr);
+
+static addr_range_fn addr_range(void)
+{
+	static addr_range_fn fn;
+	static pthread_once_t once = PTHREAD_ONCE_INIT;
+
+	pthread_once(&once, [] {
+		void *drv = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_NOLOAD);
+
+		if (drv)
+			fn = (addr_range_fn)dlsym(drv, "cuMemGetAddressRange_v2");
+	});
+	return fn;
+}
+
+static int t_ipc_open(const struct blend_device *t, const uint8_t handle[64], const char *pci,
+		      void **dev, uint64_t *bytes)
+{
+	struct blend_cuda *d = D(t);
+	cudaIpcMemHandle_t h;
+	char mine[32];
+	unsigned long long base = 0;
+	size_t size = 0;
+	void *p = NULL;
+	addr_range_fn range = addr_range();
+	int rc = bind(d);
+
+	if (!rc)
+		rc = xlate(d, cudaDeviceGetPCIBusId(mine, (int)sizeof(mine), d->ordinal),
+			   "cudaDeviceGetPCIBusId");
+	if (rc)
+		return rc;
+	if (strcasecmp(mine, pci))
+		return -ENODEV;
+	if (!range) {
+		pthread_mutex_lock(&d->lock);
+		snprintf(d->last_err, sizeof(d->last_err), "the driver has no "
+			 "cuMemGetAddressRange_v2: an imported allocation's size is unknown");
+		pthread_mutex_unlock(&d->lock);
+		return -ENOTSUP;
+	}
+	memcpy(&h, handle, sizeof(h));
+	rc = xlate(d, cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess),
+		   "cudaIpcOpenMemHandle");
+	if (rc)
+		return rc;
+	if (range(&base, &size, (unsigned long long)(uintptr_t)p) != 0 ||
+	    base != (unsigned long long)(uintptr_t)p) {
+		(void)cudaIpcCloseMemHandle(p);
+		pthread_mutex_lock(&d->lock);
+		snprintf(d->last_err, sizeof(d->last_err), "cuMemGetAddressRange_v2 did not "
+			 "give the imported allocation's size");
+		pthread_mutex_unlock(&d->lock);
+		return -EIO;
+	}
+	*dev = p;
+	*bytes = size;
+	return 0;
+}
+
+static void t_ipc_close(const struct blend_device *t, void *dev, uint64_t bytes)
+{
+	(void)bytes;
+	if (dev && !bind(D(t)))
+		(void)xlate(D(t), cudaIpcCloseMemHandle(dev), "cudaIpcCloseMemHandle");
+}
+
+static int t_land(const struct blend_device *t, struct blend_stream *st,
+		  const struct blend_shape *s, const struct blend_dev_land *L, const void *src,
+		  const int32_t *rows, uint32_t n_rows)
+{
+	size_t hb = (size_t)s->head_dim * blend_dtype_size(s->dtype);
+	size_t rb = (size_t)s->heads * hb;
+	uintptr_t all = (uintptr_t)L->dst | (uintptr_t)src | L->token_stride | L->head_stride |
+			L->page_stride | hb;
+	bool wide = all % 16 == 0;
+	uint32_t wph = (uint32_t)(wide ? hb / 16 : hb / 4);
+	uint64_t threads = (uint64_t)n_rows * s->heads * wph;
+	int rc = bind(D(t));
+
+	if (rc)
+		return rc;
+	if (!hb || all % 4)
+		return -EINVAL;
+	if (!threads)
+		return 0;
+	if (wide)
+		k_land<uint4><<<blocks_for(threads, 256), 256, 0, S(st)->st>>>(
+			L->dst, (const uint8_t *)src, rows, n_rows, s->heads, wph, rb,
+			L->token_stride, L->head_stride, L->page_stride, L->page_tokens, L->pages);
+	else
+		k_land<uint32_t><<<blocks_for(threads, 256), 256, 0, S(st)->st>>>(
+			L->dst, (const uint8_t *)src, rows, n_rows, s->heads, wph, rb,
+			L->token_stride, L->head_stride, L->page_stride, L->page_tokens, L->pages);
+	return xlate(D(t), cudaGetLastError(), "land kernel");
+}
+
 static void t_memory(const struct blend_device *t, uint64_t *held, uint64_t *total)
 {
 	blend_cuda_memory(D(t), held, total);
@@ -1291,6 +1417,9 @@ extern "C" const struct blend_device *blend_cuda_device(struct blend_cuda *d)
 	t->select = t_select;
 	t->scatter = t_scatter;
 	t->ipc_export = t_ipc_export;
+	t->ipc_open = t_ipc_open;
+	t->ipc_close = t_ipc_close;
+	t->land = t_land;
 	t->memory = t_memory;
 	t->last_error = t_last_error;
 	t->broken = t_broken;

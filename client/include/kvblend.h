@@ -560,6 +560,35 @@ KVB_API int kvb_fuse_open_into_strided(kvb_client *c, const char *model,
 				       uint8_t (**missing)[KVB_HASH_LEN], size_t *n_missing);
 
 /*
+ * The node's KV cache in device memory (ABI KVBLEND_1.4): a landing layout whose k
+ * and v are pointers into an allocation on a GPU, as this process sees it. A
+ * kvblendd whose fuse runs on that GPU (--device cuda, or auto with one) maps the
+ * allocation by its CUDA IPC memory handle (once per handle while sessions use it)
+ * and writes each landed layer's rows there with its own kernels; the progress word
+ * kvb_fuse_wait() reads stays in host memory, in a region of this client. The
+ * daemon checks the layout's extent against the allocation's size as its driver
+ * reports it.
+ */
+struct kvb_device_mem {
+	const void *base;	/* the allocation's start (cudaMalloc's pointer here) */
+	size_t bytes;		/* its size */
+	uint8_t ipc_handle[64]; /* cudaIpcGetMemHandle(base) */
+	char pci[32];		/* its GPU's PCI bus id (cudaDeviceGetPCIBusId), NUL-terminated */
+	void *progress;		/* inside a region of this client (kvb_region_alloc) */
+};
+
+/* kvb_fuse_open_into() into device memory: dst's k and v lie in mem's allocation, K
+ * laid out as V (token_stride, head_stride; paged or not). Returns kvb_fuse_open()'s
+ * errors, and KVB_E_BAD_ARGUMENT (the message says why) when the daemon has no CUDA
+ * device or not this GPU, or cannot map the handle. */
+KVB_API int kvb_fuse_open_into_device(kvb_client *c, const char *model,
+				      const struct kvb_segment *segs, size_t n_segs,
+				      const struct kvb_fuse_params *p,
+				      const struct kvb_kv_layout *dst,
+				      const struct kvb_device_mem *mem, kvb_fuse **out,
+				      uint8_t (**missing)[KVB_HASH_LEN], size_t *n_missing);
+
+/*
  * Wait until layer is in the node's buffers (immediately for layers the node
  * computes whole). Spins briefly, then sleeps on the progress word (a futex).
  * Returns 0; -ETIMEDOUT after timeout_ms (-1: no limit); or the daemon's code

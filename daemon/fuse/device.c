@@ -917,3 +917,228 @@ int dev_layer(struct fuse_table *t, struct fuse_session *s, struct slot *sl,
 	}
 	return dev_rc(rc);
 }
+
+/* ---- landing into the node's device memory ---- */
+
+struct dev_land {
+	struct dimport *imp;
+	/* pinned: two buffers of a layer's K rows, then V rows, of all tokens (layers
+	 * alternate: the host fills one while the other is copied up); then the rows and
+	 * the block table for their upload */
+	uint8_t *hstage;
+	size_t hstage_bytes;
+	uint8_t *dblk; /* device: one layer's K and V rows, the cached tokens, the block table */
+	size_t dblk_bytes;
+	int32_t *drows; /* the cached tokens (in dblk) */
+	uint32_t n_rows;
+	uint32_t *dpages; /* the node's block table (in dblk), or NULL */
+	struct blend_stream *st;
+	struct blend_event *ev[2]; /* the layer of each host buffer, landed */
+	int64_t pending;	   /* a layer copied up and landing, not yet published; or -1 */
+	struct kvbp_layout lay; /* the node's (offsets into its allocation); pages not kept */
+	uint32_t allocs;
+	bool failed;
+};
+
+/* Map the node's allocation (or take another reference to it), under the table lock. */
+static uint32_t import_take(struct fuse_table *t, const struct kvbp_layout *y,
+			    struct dimport **out, char *err, size_t errlen)
+{
+	const struct blend_device *dv = t->dev;
+	struct dimport *free_slot = NULL;
+	char why[128];
+	int rc;
+
+	for (size_t i = 0; i < FUSE_IMPORTS_MAX; i++) {
+		struct dimport *m = &t->imports[i];
+
+		if (m->refs && !memcmp(m->handle, y->device_handle, sizeof(m->handle))) {
+			m->refs++;
+			*out = m;
+			return KVBP_OK;
+		}
+		if (!m->refs && !free_slot)
+			free_slot = m;
+	}
+	if (!free_slot)
+		return fail(err, errlen, KVBP_LIMIT, "landing into device memory: %d node "
+			    "allocations are mapped already", FUSE_IMPORTS_MAX);
+	rc = dv->ipc_open(dv, y->device_handle, y->device_pci, &free_slot->base,
+			  &free_slot->bytes);
+	if (rc == -ENODEV)
+		return fail(err, errlen, KVBP_BAD_ARGUMENT, "landing into device memory: the "
+			    "allocation is on device %s, not on this daemon's %s device",
+			    y->device_pci, dv->name);
+	if (rc) {
+		dv->last_error(dv, why, sizeof(why));
+		return fail(err, errlen, KVBP_BAD_ARGUMENT, "landing into device memory: the "
+			    "allocation's handle cannot be mapped (%s%s%s)", strerror(-rc),
+			    *why ? ": " : "", why);
+	}
+	memcpy(free_slot->handle, y->device_handle, sizeof(free_slot->handle));
+	free_slot->refs = 1;
+	*out = free_slot;
+	return KVBP_OK;
+}
+
+static void import_put(struct fuse_table *t, struct dimport *m)
+{
+	pthread_mutex_lock(&t->lock);
+	if (m && m->refs && --m->refs == 0) {
+		t->dev->ipc_close(t->dev, m->base, m->bytes);
+		m->base = NULL;
+		m->bytes = 0;
+	}
+	pthread_mutex_unlock(&t->lock);
+}
+
+uint32_t dland_setup(struct fuse_table *t, struct fuse_session *s, const struct kvbp_layout *y,
+		     uint64_t end, char *err, size_t errlen)
+{
+	const struct blend_device *dv = t->dev;
+	struct dev_land *d;
+	size_t half, rows_off, pages_off, np = 0, hoff;
+	uint32_t code, r = 0;
+	int rc;
+
+	if (!dv || !dv->ipc_open || !dv->land || !dev_usable(t))
+		return fail(err, errlen, KVBP_BAD_ARGUMENT, "landing into device memory needs a "
+			    "kvblendd whose fuse runs on a CUDA device (--device cuda or auto "
+			    "with a GPU); this one has %s", dv ? "a device that cannot" : "none");
+	if (y->k_dim_stride)
+		return fail(err, errlen, KVBP_BAD_ARGUMENT, "landing into device memory: K by its "
+			    "own element strides is a CPU cache's layout; give K as V");
+	d = calloc(1, sizeof(*d));
+	if (!d)
+		return fail(err, errlen, KVBP_LIMIT, "out of memory");
+	s->dl = d;
+	d->lay = *y;
+	d->lay.pages = NULL;
+	pthread_mutex_lock(&t->lock);
+	code = import_take(t, y, &d->imp, err, errlen);
+	pthread_mutex_unlock(&t->lock);
+	if (code)
+		return code;
+	if (end > d->imp->bytes)
+		return fail(err, errlen, KVBP_BAD_SHAPE, "landing layout: it spans %" PRIu64
+			    " bytes of the node's device allocation, which has %" PRIu64, end,
+			    d->imp->bytes);
+	if (y->page_tokens)
+		np = ((size_t)s->n + y->page_tokens - 1) / y->page_tokens; /* ckd-ok: 32-bit */
+	/* ckd-ok: n < 2^32 tokens of row_bytes, both checked when the session opened */
+	half = (size_t)s->n * s->row_bytes;
+	rows_off = dev_align(2 * half); /* ckd-ok: as above */
+	pages_off = rows_off + dev_align(((size_t)s->n + 1) * sizeof(int32_t)); /* ckd-ok */
+	d->dblk_bytes = pages_off + (np + 1) * sizeof(uint32_t); /* ckd-ok */
+	hoff = rows_off; /* the host's rows and block table follow its second buffer */
+	d->hstage_bytes = hoff + d->dblk_bytes; /* ckd-ok: as above */
+	d->pending = -1;
+	rc = block_take(t, true, d->hstage_bytes, (void **)&d->hstage, &d->hstage_bytes,
+			&d->allocs, true);
+	if (!rc)
+		rc = block_take(t, false, d->dblk_bytes, (void **)&d->dblk, &d->dblk_bytes,
+				&d->allocs, true);
+	if (!rc)
+		rc = dv->stream_new(dv, &d->st);
+	if (!rc)
+		rc = dv->event_new(dv, &d->ev[0]);
+	if (!rc)
+		rc = dv->event_new(dv, &d->ev[1]);
+	if (rc)
+		goto failed;
+	/* The cached tokens: the rows the node's cache gets (its fresh ones it writes). */
+	for (size_t i = 0; i < s->n_chunks; i++)
+		for (uint32_t k = 0; k < s->chunks[i].tokens; k++)
+			((int32_t *)(d->hstage + hoff + rows_off))[r++] =
+				(int32_t)(s->chunks[i].off + k);
+	d->n_rows = r;
+	d->drows = (int32_t *)(d->dblk + rows_off);
+	if (np) {
+		memcpy(d->hstage + hoff + pages_off, y->pages, np * sizeof(uint32_t));
+		d->dpages = (uint32_t *)(d->dblk + pages_off);
+	}
+	rc = dv->upload(dv, d->st, d->dblk + rows_off, d->hstage + hoff + rows_off,
+			d->dblk_bytes - rows_off);
+	if (!rc)
+		rc = dv->stream_sync(dv, d->st);
+	if (rc)
+		goto failed;
+	return KVBP_OK;
+failed:
+	d->failed = rc != -ENOMEM;
+	return fail(err, errlen, rc == -ENOMEM ? KVBP_LIMIT : KVBP_INTERNAL,
+		    "landing into device memory: staging for %" PRIu32 " tokens: %s", s->n,
+		    rc == -ENOMEM ? "out of device or pinned memory" : "the device failed");
+}
+
+uint8_t *dland_stage(const struct fuse_session *s, uint32_t l)
+{
+	/* ckd-ok: the staging holds two buffers of 2 n row_bytes (dland_setup) */
+	return s->dl->hstage + (size_t)(l % 2) * dev_align(2 * (size_t)s->n * s->row_bytes);
+}
+
+int dland_layer(struct fuse_table *t, struct fuse_session *s, uint32_t l, uint32_t *done)
+{
+	const struct blend_device *dv = t->dev;
+	struct dev_land *d = s->dl;
+	const struct kvbp_layout *y = &d->lay;
+	size_t half = (size_t)s->n * s->row_bytes;
+	/* ckd-ok: l < layers, offsets inside the allocation (land_setup's extent) */
+	uint8_t *base = (uint8_t *)d->imp->base + (uint64_t)l * y->layer_stride;
+	/* ckd-ok: offsets inside the allocation, whose extent land_setup checked */
+	struct blend_dev_land L = { base + y->k_offset, y->token_stride, y->head_stride,
+				    y->page_stride, y->page_tokens, d->dpages };
+	const uint8_t *h = dland_stage(s, l);
+	int rc;
+
+	/* Queued behind the previous layer's kernels on the one stream (one device buffer). */
+	rc = dv->upload(dv, d->st, d->dblk, h, 2 * half);
+	if (!rc)
+		rc = dv->land(dv, d->st, &s->shape, &L, d->dblk, d->drows, d->n_rows);
+	L.dst = base + y->v_offset; /* ckd-ok: as above */
+	if (!rc)
+		rc = dv->land(dv, d->st, &s->shape, &L, d->dblk + half, d->drows, d->n_rows);
+	if (!rc)
+		rc = dv->event_record(dv, d->ev[l % 2], d->st);
+	/* The previous layer, landing while this one was read from the store, is in place
+	 * now (and its host buffer free for the next layer); the last layer waits for
+	 * itself. */
+	*done = l;
+	if (!rc && d->pending >= 0)
+		rc = dv->event_sync(dv, d->ev[d->pending % 2]);
+	d->pending = l;
+	if (!rc && l + 1 == s->m.num_layers) {
+		rc = dv->event_sync(dv, d->ev[l % 2]);
+		d->pending = -1;
+		*done = l + 1;
+	}
+	if (rc)
+		d->failed = true;
+	return dev_rc(rc);
+}
+
+void dland_free(struct fuse_table *t, struct fuse_session *s)
+{
+	const struct blend_device *dv = t->dev;
+	struct dev_land *d = s->dl;
+
+	if (!d)
+		return;
+	if (d->st && dv->stream_sync(dv, d->st))
+		d->failed = true;
+	for (int i = 0; i < 2; i++)
+		if (d->ev[i])
+			dv->event_free(dv, d->ev[i]);
+	if (d->st)
+		dv->stream_free(dv, d->st);
+	if (d->failed) {
+		block_free_later(t, true, d->hstage, d->hstage_bytes);
+		block_free_later(t, false, d->dblk, d->dblk_bytes);
+	} else {
+		block_give(t, true, d->hstage, d->hstage_bytes);
+		block_give(t, false, d->dblk, d->dblk_bytes);
+	}
+	import_put(t, d->imp);
+	free(d);
+	s->dl = NULL;
+}

@@ -109,6 +109,7 @@ struct fuse_session {
 	uint8_t *land_buf;  /* memory of cslot[] */
 	uint64_t ns_land;
 	struct dev_sess *dv; /* the session's ring on the device (the table has one), or NULL */
+	struct dev_land *dl; /* landing into the node's device memory (device.c), or NULL */
 	struct timespec last_used;
 	struct timespec opened;
 	uint64_t layers_served, ns_load, ns_compute, bytes_in, bytes_out;
@@ -135,6 +136,9 @@ struct dev_streams {
 };
 
 struct arena; /* arena.h: the reserve's bookkeeping */
+
+/* Nodes' device allocations landed into at once (struct fuse_table's imports). */
+#define FUSE_IMPORTS_MAX 16
 
 struct fuse_table {
 	struct fuse_limits lim;
@@ -176,6 +180,15 @@ struct fuse_table {
 	void *reserve[2];
 	struct arena *arena[2];
 	struct shm_table *shm;
+	/* Nodes' device allocations that landing sessions write into, mapped by their IPC
+	 * handles: each mapped once while sessions use it (a handle maps once per process),
+	 * unmapped when the last one closes (under lock). */
+	struct dimport {
+		uint8_t handle[KVBP_DEVICE_HANDLE_LEN];
+		void *base;
+		uint64_t bytes;
+		uint32_t refs;
+	} imports[FUSE_IMPORTS_MAX];
 	pthread_mutex_t lock; /* sessions, bytes, pins */
 	struct fuse_session **sessions;
 	uint64_t bytes;
@@ -402,5 +415,22 @@ int land_alloc(struct fuse_session *s, uint64_t bytes);
 int ensure_cslot(struct fuse_table *t, struct fuse_session *s, size_t i);
 /* Land the session's next layer (prefetch thread, holding a reference): whether there is more. */
 bool land_step(struct fuse_table *t, struct fuse_session *s);
+
+/*
+ * Landing into the node's device memory (device.c): y's offsets are into the
+ * allocation behind y's IPC handle, which is mapped (once per handle) and must hold
+ * the end bytes the layout spans. Each layer is landed by the host into pinned
+ * staging as rows (s->lay becomes that contiguous layout), then copied up and
+ * written into the node's cache by the device's land kernel. Returns a kvbp code.
+ */
+uint32_t dland_setup(struct fuse_table *t, struct fuse_session *s, const struct kvbp_layout *y,
+		     uint64_t end, char *err, size_t errlen);
+/* Layer l from its staging buffer on its way into the node's device memory; *done:
+ * the layers (from 0) in place now, to publish (the last layer's landing is waited
+ * for; another's completes while the host reads the next one). */
+int dland_layer(struct fuse_table *t, struct fuse_session *s, uint32_t l, uint32_t *done);
+void dland_free(struct fuse_table *t, struct fuse_session *s);
+/* The pinned staging buffer the host lands layer l into. */
+uint8_t *dland_stage(const struct fuse_session *s, uint32_t l);
 
 #endif

@@ -64,8 +64,9 @@ static bool land_extent(const struct fuse_session *s, const struct kvbp_layout *
 uint32_t land_setup(struct fuse_table *t, struct fuse_session *s,
 		    const struct kvbp_layout *y, const char *owner, char *err, size_t errlen)
 {
-	uint64_t pm = 0, layer_max, end = 0, e;
+	uint64_t pm = 0, layer_max, end = 0, dev_end = 0, e;
 	bool k_own = y->k_dim_stride != 0;
+	uint32_t code;
 	void *base;
 
 	if (ckd_mul(&layer_max, (uint64_t)s->m.num_layers - 1, y->layer_stride))
@@ -102,6 +103,11 @@ uint32_t land_setup(struct fuse_table *t, struct fuse_session *s,
 	if (y->progress % 4 || y->progress > UINT64_MAX - 4)
 		return fail(err, errlen, KVBP_BAD_ARGUMENT, "landing layout: the progress word at "
 			    "%" PRIu64 " is not 4-byte aligned", y->progress);
+	if (y->has_device) {
+		/* K and V in the node's device allocation: the segment holds the word only. */
+		dev_end = end;
+		end = 0;
+	}
 	if (y->progress + 4 > end) /* ckd-ok: progress <= UINT64_MAX - 4, checked above */
 		end = y->progress + 4; /* ckd-ok: as above */
 	if (shm_acquire(t->shm, y->shm_id, owner, 0, end, &base))
@@ -132,6 +138,27 @@ uint32_t land_setup(struct fuse_table *t, struct fuse_session *s,
 	s->progress = (_Atomic uint32_t *)((uint8_t *)base + y->progress);
 	s->land_begin = s->n_checks ? s->checks[0] + 1 : 0;
 	s->land_next = s->land_begin;
+	if (y->has_device) {
+		code = dland_setup(t, s, y, dev_end, err, errlen);
+		if (code)
+			return code;
+		/* The host lands each layer into the pinned staging, as rows of all tokens
+		 * (K, then V); dland_layer() takes them to the node's cache from there. */
+		free(s->lay.pages);
+		s->lay = (struct kvbp_layout){ .shm_id = y->shm_id,
+					       .v_offset = (uint64_t)s->n * s->row_bytes,
+					       .token_stride = s->row_bytes,
+					       .head_stride = (uint64_t)s->m.head_dim *
+							      s->m.elem_size,
+					       .progress = y->progress,
+					       .k_token_stride = s->row_bytes,
+					       .k_head_stride = (uint64_t)s->m.head_dim *
+								s->m.elem_size };
+		s->land_mem = dland_stage(s, s->land_begin);
+		s->direct = true;
+		s->stream = false;
+		return KVBP_OK;
+	}
 	s->direct = !k_own && !y->page_tokens && y->token_stride == s->row_bytes &&
 		    y->head_stride == (uint64_t)s->m.head_dim * s->m.elem_size;
 	/* ckd-ok: n < 2^32 tokens of row_bytes, both checked when the session opened */
@@ -419,6 +446,7 @@ bool land_step(struct fuse_table *t, struct fuse_session *s)
 {
 	struct land_job j = { t, s, NULL, 0 };
 	struct timespec t0;
+	uint32_t done = 0;
 	bool more;
 	int rc = 0;
 
@@ -443,10 +471,14 @@ bool land_step(struct fuse_table *t, struct fuse_session *s)
 			rc = ensure_cslot(t, s, i);
 			j.from = &s->cslot[i];
 		}
+	if (s->dl)
+		s->land_mem = dland_stage(s, j.layer); /* the host buffer this layer goes to */
 	pthread_mutex_unlock(&s->lock);
 	clock_gettime(CLOCK_MONOTONIC, &t0);
 	if (!rc)
 		rc = pool_run(t->pool, s->n_chunks, land_chunk, &j);
+	if (!rc && s->dl)
+		rc = dland_layer(t, s, j.layer, &done);
 	pthread_mutex_lock(&s->lock);
 	s->ns_land += ns_since(&t0);
 	s->landing = false;
@@ -456,7 +488,7 @@ bool land_step(struct fuse_table *t, struct fuse_session *s)
 		s->land_next++;
 		s->layers_served++;
 		s->bytes_out += 2 * (uint64_t)s->n_cached * s->row_bytes;
-		land_publish(s, s->land_next);
+		land_publish(s, s->dl ? done : s->land_next);
 	}
 	pthread_cond_broadcast(&s->cond);
 	more = !rc && !s->land_stop && s->land_next < s->m.num_layers;

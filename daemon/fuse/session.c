@@ -128,6 +128,7 @@ void session_free(struct fuse_table *t, struct fuse_session *s)
 		return;
 	heap_ring = !s->dv || !s->dv->hring; /* else a pinned block, back to the cache */
 	dev_sess_free(t, s); /* first: it unpins a shared ring */
+	dland_free(t, s);
 	if (s->shm_id) {
 		shm_release(t->shm, s->shm_id);
 		shm_detach(t->shm, s->shm_id, NULL);

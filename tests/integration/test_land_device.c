@@ -1,0 +1,347 @@
+/*
+ * Landing into device memory (kvb_fuse_open_into_device) through the real kvblendd:
+ * the node's KV cache is a device allocation (nodemem.h: on the emulated device a
+ * shared file, on CUDA device memory of this process exported by its IPC handle),
+ * laid out as vLLM's GPU backends lay it out (each token's K then V per head,
+ * paged; LBNHC and LBHNC), and every byte of it must equal what the host landing
+ * (kvb_fuse_open_into) writes into a region with the same layout. Two sessions land
+ * into one allocation at once (mapped once). Refused with the reason, the daemon
+ * serving on: a daemon without a device, another GPU, a handle that maps nothing,
+ * a layout beyond the allocation, K by its own strides.
+ *
+ * The device is KVBLEND_TEST_DEVICE's (cuda through gpu_run.sh), else emulated.
+ */
+#include <errno.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "blend/nodemem.h"
+#include "tests/integration/harness.h"
+
+#define L 4
+#define H 2
+#define D 8
+#define HB (D * 2)	  /* a head's bytes (f16) */
+#define PT 4		  /* tokens a block */
+#define BLOCKS 24
+#define N 46 /* chunk 0 (10), 5 fresh, chunk 1 (17), chunk 2 (14) */
+#define LAYER_BYTES ((size_t)BLOCKS * PT * H * 2 * HB)
+#define CACHE_BYTES ((size_t)L * LAYER_BYTES)
+
+static const char *which = "emulated";
+static const uint32_t chunk_tokens[3] = { 10, 17, 14 };
+
+struct fixture {
+	struct daemon d;
+	kvb_client *c;
+	uint8_t hash[3][KVB_HASH_LEN];
+	struct nodemem mem;
+	uint8_t *region; /* the host landing's cache, then the progress words */
+	uint32_t pages[BLOCKS];
+};
+
+static int setup(void **state)
+{
+	struct fixture *f = calloc(1, sizeof(*f));
+	const char *args[] = { "--device", which, "--fuse-idle", "30", NULL };
+	struct kvb_model m = { .name = "lm", .num_layers = L, .num_kv_heads = H, .head_dim = D,
+			       .dtype = KVB_F16, .rope_theta = 10000 };
+	char err[256] = "";
+	int rc;
+
+	rc = nodemem_open(&f->mem, which, CACHE_BYTES, err, sizeof(err));
+	if (rc == 77) {
+		printf("skip: %s\n", err);
+		exit(77);
+	}
+	assert_int_equal(rc, 0);
+	daemon_start(&f->d, args);
+	f->c = daemon_client(&f->d, 0);
+	assert_int_equal(kvb_model_register(f->c, &m, NULL), 0);
+	for (uint32_t i = 0; i < 3; i++) {
+		uint32_t ids[2] = { 77, i };
+		size_t n = (size_t)L * 2 * chunk_tokens[i] * H * D;
+		uint16_t *kv = malloc(n * 2);
+
+		fill_f16(kv, n, i + 11);
+		kvb_chunk_hash(ids, 2, f->hash[i]);
+		assert_int_equal(kvb_put(f->c, "lm", f->hash[i], KVB_F16, chunk_tokens[i], 5 * i, kv,
+					 n * 2, NULL), 0);
+		free(kv);
+	}
+	f->region = kvb_region_alloc(f->c, CACHE_BYTES + 4096);
+	assert_non_null(f->region);
+	/* a block table out of order, as a paged cache's is */
+	for (uint32_t i = 0; i < BLOCKS; i++)
+		f->pages[i] = (i * 7 + 3) % BLOCKS;
+	*state = f;
+	return 0;
+}
+
+static int teardown(void **state)
+{
+	struct fixture *f = *state;
+
+	kvb_region_free(f->c, f->region);
+	kvb_close(&f->c);
+	daemon_stop(&f->d);
+	daemon_cleanup(&f->d);
+	nodemem_close(&f->mem);
+	free(f);
+	return 0;
+}
+
+/* chunk 0 at 0, 5 fresh at 10, chunk 1 at 15, chunk 2 at 32 */
+static size_t segments(struct fixture *f, struct kvb_segment *s)
+{
+	memset(s, 0, 4 * sizeof(*s));
+	memcpy(s[0].hash, f->hash[0], KVB_HASH_LEN);
+	s[1].fresh = 1;
+	s[1].count = 5;
+	s[1].pos = 10;
+	memcpy(s[2].hash, f->hash[1], KVB_HASH_LEN);
+	s[2].pos = 15;
+	memcpy(s[3].hash, f->hash[2], KVB_HASH_LEN);
+	s[3].pos = 32;
+	return 4;
+}
+
+/* vLLM's GPU layout over base: LBNHC (hnd false) or LBHNC, each token's K then V. */
+static struct kvb_kv_layout gpu_layout(struct fixture *f, uint8_t *base, bool hnd)
+{
+	struct kvb_kv_layout y = { .k = base, .v = base + HB, .layer_stride = LAYER_BYTES,
+				   .page_tokens = PT, .page_stride = (size_t)PT * H * 2 * HB,
+				   .pages = f->pages, .n_pages = BLOCKS };
+
+	y.token_stride = hnd ? 2 * HB : (size_t)H * 2 * HB;
+	y.head_stride = hnd ? (size_t)PT * 2 * HB : 2 * HB;
+	return y;
+}
+
+static void wait_all(struct fixture *f, kvb_fuse *s)
+{
+	for (uint32_t l = 0; l < L; l++)
+		assert_int_equal(kvb_fuse_wait(f->c, s, l, 10000), 0);
+}
+
+static struct kvb_device_mem device_mem(struct fixture *f)
+{
+	struct kvb_device_mem dm = { .base = f->mem.base, .bytes = f->mem.bytes,
+				     .progress = f->region + CACHE_BYTES };
+
+	memcpy(dm.ipc_handle, f->mem.handle, sizeof(dm.ipc_handle));
+	memcpy(dm.pci, f->mem.pci, sizeof(dm.pci));
+	return dm;
+}
+
+/* A reuse-only landing into device memory equals the host landing, byte for byte. */
+static void land_equals_host(struct fixture *f, bool hnd)
+{
+	struct kvb_segment segs[4];
+	size_t ns = segments(f, segs);
+	struct kvb_kv_layout hy = gpu_layout(f, f->region, hnd);
+	struct kvb_kv_layout dy = gpu_layout(f, f->mem.base, hnd);
+	struct kvb_device_mem dm = device_mem(f);
+	uint8_t *got = malloc(CACHE_BYTES);
+	kvb_fuse *s = NULL;
+	size_t diff = 0;
+
+	memset(f->region, 0xa5, CACHE_BYTES);
+	assert_int_equal(nodemem_fill(&f->mem, 0xa5), 0);
+	assert_int_equal(kvb_fuse_open_into(f->c, "lm", segs, ns, NULL, &hy, &s, NULL, NULL), 0);
+	wait_all(f, s);
+	assert_int_equal(kvb_fuse_close(f->c, &s, NULL, NULL), 0);
+	assert_int_equal(kvb_fuse_open_into_device(f->c, "lm", segs, ns, NULL, &dy, &dm, &s, NULL,
+						   NULL),
+			 0);
+	wait_all(f, s);
+	assert_int_equal(kvb_fuse_close(f->c, &s, NULL, NULL), 0);
+	assert_int_equal(nodemem_read(&f->mem, 0, got, CACHE_BYTES), 0);
+	for (size_t i = 0; i < CACHE_BYTES; i++)
+		diff += got[i] != f->region[i];
+	assert_int_equal(diff, 0);
+	/* and the landing wrote something: the stored rows are not the fill */
+	diff = 0;
+	for (size_t i = 0; i < CACHE_BYTES; i++)
+		diff += got[i] != 0xa5;
+	assert_true(diff > (size_t)L * 2 * 41 * H * HB / 2);
+	free(got);
+}
+
+static void lbnhc_equals_host(void **state)
+{
+	land_equals_host(*state, false);
+}
+
+static void lbhnc_equals_host(void **state)
+{
+	land_equals_host(*state, true);
+}
+
+/* Two sessions into one allocation at once (different blocks), then both right. */
+static void two_sessions_one_allocation(void **state)
+{
+	struct fixture *f = *state;
+	struct kvb_segment segs[4];
+	size_t ns = segments(f, segs);
+	struct kvb_kv_layout y1 = gpu_layout(f, f->mem.base, false), y2 = y1;
+	struct kvb_device_mem dm = device_mem(f);
+	uint32_t pages2[BLOCKS];
+	kvb_fuse *a = NULL, *b = NULL;
+	uint8_t *got = malloc(CACHE_BYTES);
+	size_t diff = 0;
+
+	/* session b's blocks are a's shifted by 12: both fit in 24 blocks of 4 (46 tokens) */
+	for (uint32_t i = 0; i < BLOCKS; i++)
+		pages2[i] = (f->pages[i] + 12) % BLOCKS;
+	y1.n_pages = 12;
+	y2.pages = pages2;
+	y2.n_pages = 12;
+	assert_int_equal(nodemem_fill(&f->mem, 0), 0);
+	assert_int_equal(kvb_fuse_open_into_device(f->c, "lm", segs, ns, NULL, &y1, &dm, &a, NULL,
+						   NULL),
+			 0);
+	dm.progress = f->region + CACHE_BYTES + 64;
+	assert_int_equal(kvb_fuse_open_into_device(f->c, "lm", segs, ns, NULL, &y2, &dm, &b, NULL,
+						   NULL),
+			 0);
+	wait_all(f, a);
+	wait_all(f, b);
+	assert_int_equal(kvb_fuse_close(f->c, &a, NULL, NULL), 0);
+	assert_int_equal(kvb_fuse_close(f->c, &b, NULL, NULL), 0);
+	assert_int_equal(nodemem_read(&f->mem, 0, got, CACHE_BYTES), 0);
+	/* each token's rows where its own block table puts them: block p of a's table holds
+	 * what block (p + 12) % 24 of b's holds */
+	for (uint32_t l = 0; l < L; l++)
+		for (uint32_t i = 0; i < 12; i++) {
+			size_t pa = l * LAYER_BYTES + (size_t)f->pages[i] * y1.page_stride;
+			size_t pb = l * LAYER_BYTES + (size_t)pages2[i] * y1.page_stride;
+
+			diff += memcmp(got + pa, got + pb, y1.page_stride) != 0;
+		}
+	assert_int_equal(diff, 0);
+	free(got);
+}
+
+/* Refusals: each names its cause, and the daemon serves on. */
+static void refusals(void **state)
+{
+	struct fixture *f = *state;
+	struct kvb_segment segs[4];
+	size_t ns = segments(f, segs);
+	struct kvb_kv_layout y = gpu_layout(f, f->mem.base, false);
+	struct kvb_device_mem dm = device_mem(f);
+	struct kvb_kv_strides ks = { 2, 2 * HB, 2 };
+	kvb_fuse *s = NULL;
+	int rc;
+
+	/* another GPU */
+	snprintf(dm.pci, sizeof(dm.pci), "0000:ff:1f.7");
+	rc = kvb_fuse_open_into_device(f->c, "lm", segs, ns, NULL, &y, &dm, &s, NULL, NULL);
+	assert_int_equal(rc, KVB_E_BAD_ARGUMENT);
+	assert_non_null(strstr(kvb_last_error(f->c), "not on this daemon's"));
+	dm = device_mem(f);
+	/* a handle that maps nothing */
+	if (!strcmp(which, "emulated")) {
+		memcpy(dm.ipc_handle, "emu:/nonexistent/kvb", 21);
+	} else {
+		memset(dm.ipc_handle, 0x5a, sizeof(dm.ipc_handle));
+	}
+	rc = kvb_fuse_open_into_device(f->c, "lm", segs, ns, NULL, &y, &dm, &s, NULL, NULL);
+	assert_int_equal(rc, KVB_E_BAD_ARGUMENT);
+	assert_non_null(strstr(kvb_last_error(f->c), "cannot be mapped"));
+	dm = device_mem(f);
+	/* the emulated device maps no file but a node's stand-in: never one a client names */
+	if (!strcmp(which, "emulated")) {
+		dm = device_mem(f);
+		memcpy(dm.ipc_handle, "emu:/etc/passwd", 16);
+		rc = kvb_fuse_open_into_device(f->c, "lm", segs, ns, NULL, &y, &dm, &s, NULL, NULL);
+		assert_int_equal(rc, KVB_E_BAD_ARGUMENT);
+		assert_non_null(strstr(kvb_last_error(f->c), "cannot be mapped"));
+	}
+	dm = device_mem(f);
+	/* a layout beyond the allocation: the client's size says yes, the daemon's no */
+	dm.bytes = 4 * CACHE_BYTES;
+	y.layer_stride = 2 * LAYER_BYTES;
+	rc = kvb_fuse_open_into_device(f->c, "lm", segs, ns, NULL, &y, &dm, &s, NULL, NULL);
+	assert_int_equal(rc, KVB_E_BAD_SHAPE);
+	assert_non_null(strstr(kvb_last_error(f->c), "device allocation"));
+	/* the library's own checks: K outside the allocation, no progress region */
+	dm = device_mem(f);
+	y = gpu_layout(f, f->mem.base + CACHE_BYTES, false);
+	assert_int_equal(kvb_fuse_open_into_device(f->c, "lm", segs, ns, NULL, &y, &dm, &s, NULL,
+						   NULL),
+			 -EINVAL);
+	y = gpu_layout(f, f->mem.base, false);
+	dm.progress = &ks;
+	assert_int_equal(kvb_fuse_open_into_device(f->c, "lm", segs, ns, NULL, &y, &dm, &s, NULL,
+						   NULL),
+			 -EINVAL);
+	/* serving on: a good session lands */
+	dm = device_mem(f);
+	assert_int_equal(kvb_fuse_open_into_device(f->c, "lm", segs, ns, NULL, &y, &dm, &s, NULL,
+						   NULL),
+			 0);
+	wait_all(f, s);
+	assert_int_equal(kvb_fuse_close(f->c, &s, NULL, NULL), 0);
+}
+
+/* A daemon whose fuse runs on the CPU refuses, saying what it needs. */
+static void no_device_daemon(void **state)
+{
+	struct fixture *f = *state;
+	struct daemon d2;
+	const char *args[] = { "--device", "cpu", NULL };
+	struct kvb_model m = { .name = "lm", .num_layers = L, .num_kv_heads = H, .head_dim = D,
+			       .dtype = KVB_F16, .rope_theta = 10000 };
+	struct kvb_segment seg = { .pos = 0 };
+	struct kvb_kv_layout y = gpu_layout(f, f->mem.base, false);
+	struct kvb_device_mem dm = device_mem(f);
+	size_t n = (size_t)L * 2 * 10 * H * D;
+	uint16_t *kv = malloc(n * 2);
+	kvb_client *c;
+	kvb_fuse *s = NULL;
+	void *reg;
+
+	daemon_start(&d2, args);
+	c = daemon_client(&d2, 0);
+	assert_int_equal(kvb_model_register(c, &m, NULL), 0);
+	fill_f16(kv, n, 5);
+	memcpy(seg.hash, f->hash[0], KVB_HASH_LEN);
+	assert_int_equal(kvb_put(c, "lm", seg.hash, KVB_F16, 10, 0, kv, n * 2, NULL), 0);
+	reg = kvb_region_alloc(c, 4096);
+	assert_non_null(reg);
+	dm.progress = reg;
+	assert_int_equal(kvb_fuse_open_into_device(c, "lm", &seg, 1, NULL, &y, &dm, &s, NULL, NULL),
+			 KVB_E_BAD_ARGUMENT);
+	assert_non_null(strstr(kvb_last_error(c), "CUDA device"));
+	assert_int_equal(kvb_ping(c, NULL, 0), 0);
+	kvb_region_free(c, reg);
+	kvb_close(&c);
+	daemon_stop(&d2);
+	daemon_cleanup(&d2);
+	free(kv);
+}
+
+int main(void)
+{
+	const struct CMUnitTest tests[] = {
+		cmocka_unit_test(lbnhc_equals_host),
+		cmocka_unit_test(lbhnc_equals_host),
+		cmocka_unit_test(two_sessions_one_allocation),
+		cmocka_unit_test(refusals),
+		cmocka_unit_test(no_device_daemon),
+	};
+
+	if (getenv("KVBLEND_TEST_DEVICE"))
+		which = getenv("KVBLEND_TEST_DEVICE");
+	return cmocka_run_group_tests(tests, setup, teardown);
+}
