@@ -56,7 +56,7 @@ from .errors import (
     UnknownSession,
 )
 from .sessions import FuseSession, LandingSession, Layers
-from .types import ChunkInfo, Model, Segment
+from .types import ChunkInfo, DeviceCache, Model, Segment
 
 __version__ = "0.1.0"
 
@@ -64,6 +64,7 @@ __version__ = "0.1.0"
 library_path: str = _cdll.kvblend_path
 
 __all__ = [
+    "DeviceCache",
     "BadArgument",
     "BadShape",
     "BadShm",

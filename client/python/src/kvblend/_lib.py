@@ -139,6 +139,18 @@ class KvbKvStrides(ctypes.Structure):
     ]
 
 
+class KvbDeviceMem(ctypes.Structure):
+    """struct kvb_device_mem (ABI 1.4)."""
+
+    _fields_ = [
+        ("base", ctypes.c_void_p),
+        ("bytes", ctypes.c_size_t),
+        ("ipc_handle", ctypes.c_uint8 * 64),
+        ("pci", ctypes.c_char * 32),
+        ("progress", ctypes.c_void_p),
+    ]
+
+
 HashArray = ctypes.c_uint8 * HASH_LEN
 _P = ctypes.c_void_p
 _HASH = ctypes.POINTER(ctypes.c_uint8)
@@ -204,6 +216,21 @@ _PROTOTYPES = {
             ctypes.POINTER(KvbFuseParams),
             ctypes.POINTER(KvbKvLayout),
             ctypes.POINTER(KvbKvStrides),
+            ctypes.POINTER(_P),
+            ctypes.POINTER(_HASH),
+            _PSZ,
+        ],
+    ),
+    "kvb_fuse_open_into_device": (
+        _INT,
+        [
+            _P,
+            _STR,
+            ctypes.POINTER(KvbSegment),
+            _SZ,
+            ctypes.POINTER(KvbFuseParams),
+            ctypes.POINTER(KvbKvLayout),
+            ctypes.POINTER(KvbDeviceMem),
             ctypes.POINTER(_P),
             ctypes.POINTER(_HASH),
             _PSZ,

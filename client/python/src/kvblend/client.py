@@ -23,6 +23,7 @@ from .sessions import FuseSession, LandingSession, Layers
 from .types import (
     _NP_DTYPES,
     ChunkInfo,
+    DeviceCache,
     HashLike,
     LayerRange,
     Model,
@@ -817,6 +818,75 @@ class Client:
                 (carr, n, p, ctypes.byref(lay), ctypes.byref(ks)),
             )
         s = LandingSession(self, f, m, tuple(check_layers), metric, (k, v, table))
+        self._sessions.append(s)
+        return s
+
+    def fuse_open_into_device(
+        self,
+        model: str,
+        segments: Sequence[Segment | tuple],
+        cache: DeviceCache,
+        progress: np.ndarray,
+        check_layers: Sequence[int] = (),
+        ratios: Sequence[float] = (),
+        metric: str = "value",
+        pages: Sequence[int] | np.ndarray | None = None,
+    ) -> LandingSession:
+        """:meth:`fuse_open_into` for a KV cache in a GPU's memory (``kvb_fuse_open_into_device``).
+
+        A kvblendd whose fuse runs on that GPU (``--device cuda``) maps the allocation
+        by ``cache.ipc_handle`` and writes each landed layer's rows there; the session
+        is then used as :meth:`fuse_open_into`'s. ``progress``: at least 4 bytes of a
+        :meth:`region` (the progress word :meth:`LandingSession.wait` reads); one per
+        open session. ``pages``: the block table when ``cache.page_tokens`` > 0.
+
+        Raises
+        ------
+        BadArgument
+            The daemon has no fuse device, not this GPU, or cannot map the handle; or
+            the cache does not lie in the allocation.
+        BadShape
+            The layout spans more than the allocation holds.
+        """
+        self._model(model)
+        if len(cache.ipc_handle) != 64:
+            raise BadArgument(-22, "ipc_handle must be 64 bytes (cudaIpcGetMemHandle)")
+        pci = cache.pci.encode()
+        if not pci or len(pci) >= 32:
+            raise BadArgument(-22, "pci must be a PCI bus id of under 32 characters")
+        if not isinstance(progress, np.ndarray) or progress.nbytes < 4:
+            raise BadArgument(-22, "progress must be at least 4 bytes of a region")
+        lay = _lib.KvbKvLayout()
+        lay.k = cache.base + cache.k_offset
+        lay.v = cache.base + cache.v_offset
+        lay.layer_stride = cache.layer_stride
+        lay.token_stride = cache.token_stride
+        lay.head_stride = cache.head_stride
+        table = None
+        if cache.page_tokens:
+            if pages is None:
+                raise BadArgument(-22, "a paged cache needs its block table (pages=)")
+            table = np.ascontiguousarray(np.asarray(pages, dtype=np.uint32))
+            lay.page_tokens = cache.page_tokens
+            lay.page_stride = cache.page_stride
+            lay.pages = table.ctypes.data_as(ctypes.POINTER(ctypes.c_uint32))
+            lay.n_pages = table.size
+        dm = _lib.KvbDeviceMem()
+        dm.base = cache.base
+        dm.bytes = cache.nbytes
+        ctypes.memmove(dm.ipc_handle, cache.ipc_handle, 64)
+        dm.pci = pci
+        dm.progress = progress.ctypes.data
+        carr, n, params = self._fuse_args(segments, check_layers, ratios, metric)
+        p = ctypes.byref(params) if len(check_layers) else None
+        f = self._open_call(
+            lib.kvb_fuse_open_into_device,
+            model,
+            (carr, n, p, ctypes.byref(lay), ctypes.byref(dm)),
+        )
+        s = LandingSession(
+            self, f, self._model(model), tuple(check_layers), metric, (progress, table)
+        )
         self._sessions.append(s)
         return s
 

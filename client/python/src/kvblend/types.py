@@ -168,6 +168,32 @@ class ChunkInfo:
 
 
 @dataclass(frozen=True)
+class DeviceCache:
+    """A node's KV cache in a GPU allocation, for :meth:`Client.fuse_open_into_device`.
+
+    Byte offsets and strides as :meth:`Client.fuse_open_into` reads them from its
+    arrays: element ``d`` of head ``h`` of token ``t`` of layer ``l`` of K is at
+    ``base + k_offset + l * layer_stride + page(t) * page_stride + slot(t) *
+    token_stride + h * head_stride + d * dtype size`` (V from ``v_offset``; head_dim
+    contiguous), with ``page(t)`` and ``slot(t)`` from the block table when
+    ``page_tokens`` > 0. vLLM's GPU backends: each token's K then V per head, so
+    ``v_offset = k_offset + head_dim * dtype size``.
+    """
+
+    base: int  # the allocation's device pointer in this process (cudaMalloc's)
+    nbytes: int
+    ipc_handle: bytes  # 64 bytes: cudaIpcGetMemHandle(base)
+    pci: str  # the GPU's PCI bus id, e.g. "0000:3B:00.0"
+    k_offset: int
+    v_offset: int
+    layer_stride: int
+    token_stride: int
+    head_stride: int
+    page_tokens: int = 0
+    page_stride: int = 0
+
+
+@dataclass(frozen=True)
 class Segment:
     """One segment of a fused prompt: a stored chunk, or ``count`` fresh tokens, at ``pos``.
 

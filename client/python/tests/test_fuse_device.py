@@ -1,0 +1,107 @@
+"""Landing into device memory from Python (Client.fuse_open_into_device) through a real
+kvblendd on the emulated device: the node's "GPU allocation" is a shared file the
+emulated device maps (as blend/nodemem.c makes them), laid out as vLLM's GPU backends
+lay out their cache (each token's K then V per head, paged), and every byte must equal
+what fuse_open_into lands into a region with the same layout. A daemon without a
+device refuses with the reason."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import tempfile
+
+import numpy as np
+import pytest
+
+import kvblend
+from conftest import Daemon, _daemon_path
+
+L, H, D, PT, BLOCKS = 3, 2, 16, 4, 12
+ES = 2  # f16
+
+
+@pytest.fixture(scope="module")
+def emu_daemon():
+    with tempfile.TemporaryDirectory(prefix="kvb-py-dev-") as tmp:
+        d = Daemon("--map-size", "1G", "--device", "emulated", kvblendd=_daemon_path(),
+                   dir=tmp, workers=None)
+        yield d
+        assert d.stop(timeout=60) == 0, d.tail()
+
+
+@pytest.fixture
+def nodemem():
+    """A node's stand-in allocation: /dev/shm/kvb-nodemem-*, mapped shared."""
+    fd, path = tempfile.mkstemp(prefix="kvb-nodemem-", dir="/dev/shm")
+    nbytes = L * BLOCKS * PT * H * 2 * D * ES
+    os.ftruncate(fd, nbytes)
+    mm = mmap.mmap(fd, nbytes)
+    os.close(fd)
+    arr = np.frombuffer(mm, dtype=np.uint8)
+    yield path, arr
+    os.unlink(path)  # the mapping goes with the last view of it
+
+
+def _store(c: kvblend.Client, name: str) -> list:
+    m = kvblend.Model(name, num_layers=L, num_kv_heads=H, head_dim=D, dtype="f16")
+    c.model_register(m)
+    rng = np.random.default_rng(7)
+    segs = []
+    pos = 0
+    for i, n in enumerate((9, 14)):
+        kv = rng.standard_normal((L, 2, n, H, D)).astype(np.float16)
+        h = kvblend.chunk_hash(np.arange(n, dtype=np.uint32) + 1000 * i)
+        c.put(name, h, kv, base_pos=3 * i)
+        segs.append(kvblend.Segment.chunk(h, pos))
+        pos += n
+        if i == 0:
+            segs.append(kvblend.Segment.fresh(3, pos))
+            pos += 3
+    return segs
+
+
+def _cache(path: str, arr: np.ndarray) -> kvblend.DeviceCache:
+    handle = (b"emu:" + path.encode()).ljust(64, b"\0")
+    page_stride = PT * H * 2 * D * ES
+    return kvblend.DeviceCache(
+        base=arr.ctypes.data, nbytes=arr.nbytes, ipc_handle=handle, pci="emulated",
+        k_offset=0, v_offset=D * ES, layer_stride=BLOCKS * page_stride,
+        token_stride=H * 2 * D * ES, head_stride=2 * D * ES, page_tokens=PT,
+        page_stride=page_stride,
+    )
+
+
+def test_device_landing_equals_host_landing(emu_daemon, nodemem):
+    path, dev = nodemem
+    pages = (np.arange(BLOCKS) * 5 + 2) % BLOCKS
+    with kvblend.Client(emu_daemon.endpoint, timeout_ms=10000) as c:
+        segs = _store(c, "gpu_lm")
+        region = c.region(dev.nbytes + 4096)
+        host = region[: dev.nbytes]
+        # the host landing's arrays: [layers, blocks, page_tokens, heads, 2, head_dim]
+        cache = host.view(np.float16).reshape(L, BLOCKS, PT, H, 2, D)
+        host[:] = 0xA5
+        dev[:] = 0xA5
+        with c.fuse_open_into("gpu_lm", segs, cache[..., 0, :], cache[..., 1, :],
+                              pages=pages) as s:
+            for layer in range(L):
+                s.wait(layer, timeout=10)
+        with c.fuse_open_into_device("gpu_lm", segs, _cache(path, dev),
+                                     region[dev.nbytes : dev.nbytes + 4],
+                                     pages=pages) as s:
+            for layer in range(L):
+                s.wait(layer, timeout=10)
+        assert np.array_equal(dev, host)
+        assert np.count_nonzero(dev != 0xA5) > L * 2 * 23 * H * D * ES // 2
+
+
+def test_daemon_without_device_refuses(daemon, nodemem):
+    path, dev = nodemem
+    with kvblend.Client(daemon.endpoint, timeout_ms=10000) as c:
+        segs = _store(c, "gpu_lm_cpu")
+        region = c.region(4096)
+        with pytest.raises(kvblend.BadArgument, match="CUDA device"):
+            c.fuse_open_into_device("gpu_lm_cpu", segs, _cache(path, dev), region[:4],
+                                    pages=np.arange(BLOCKS))
+        c.ping()
