@@ -133,10 +133,11 @@ struct blend_device {
 	 * Map another process's allocation on this device by its CUDA IPC memory handle:
 	 * *dev its base in this process, *bytes its size (the driver's, not the
 	 * caller's word). pci: the bus id the other process names its device by;
-	 * -ENODEV when that is not this device. The emulated device maps the file whose
-	 * path follows "emu:" in the handle, shared (a test's stand-in for another
-	 * process's device memory; only files /dev/shm/kvb-nodemem-*, as nodemem.c makes
-	 * them: -EPERM for another path). ipc_close unmaps it. NULL where the device cannot.
+	 * -ENODEV when that is not this device. The emulated device maps the memfd
+	 * named "emu:/proc/PID/fd/N" in the handle, shared, when it is sealed against
+	 * shrinking (a test's stand-in for another process's device memory, as
+	 * nodemem.c makes it; -EPERM for anything else). ipc_close unmaps it. NULL
+	 * where the device cannot.
 	 */
 	int (*ipc_open)(const struct blend_device *d, const uint8_t handle[64], const char *pci,
 			void **dev, uint64_t *bytes);

@@ -387,15 +387,19 @@ static int e_scatter(const struct blend_device *d, struct blend_stream *st,
  * export path runs in tests: the handle holds the address, the bus id says
  * "emulated". A client with a driver fails to find that device and stays on the host.
  */
-/* The emulated import: "emu:" and a file's path in the handle, mapped shared. */
-#define EMU_NODEMEM_PREFIX "/dev/shm/kvb-nodemem-"
+/*
+ * The emulated import: "emu:/proc/PID/fd/N" in the handle, a memfd of the node's
+ * (nodemem.c) sealed against shrinking, mapped shared. Nothing else: never a file a
+ * client names, which the daemon would then write into, nor one that can shrink
+ * under the mapping (a write there would fault the daemon).
+ */
 static int e_ipc_open(const struct blend_device *d, const uint8_t handle[64], const char *pci,
 		      void **dev, uint64_t *bytes)
 {
-	char path[61];
+	char path[61], tail;
 	struct stat st;
+	int pid, n, fd, seals, rc = dead(d);
 	void *p;
-	int fd, rc = dead(d);
 
 	if (rc)
 		return rc;
@@ -405,17 +409,15 @@ static int e_ipc_open(const struct blend_device *d, const uint8_t handle[64], co
 		return -EINVAL;
 	memcpy(path, handle + 4, 60);
 	path[60] = 0;
-	/* Only a node's stand-in allocation (nodemem.c's files): never another file a
-	 * client names, which the daemon would then write into. */
-	if (strncmp(path, EMU_NODEMEM_PREFIX, strlen(EMU_NODEMEM_PREFIX)) ||
-	    strchr(path + strlen(EMU_NODEMEM_PREFIX), '/'))
+	if (sscanf(path, "/proc/%d/fd/%d%c", &pid, &n, &tail) != 2 || pid <= 0 || n < 0)
 		return -EPERM;
-	fd = open(path, O_RDWR | O_CLOEXEC | O_NOFOLLOW);
+	fd = open(path, O_RDWR | O_CLOEXEC);
 	if (fd < 0)
 		return -errno;
-	if (fstat(fd, &st) || st.st_size <= 0) {
+	seals = fcntl(fd, F_GET_SEALS);
+	if (seals < 0 || !(seals & F_SEAL_SHRINK) || fstat(fd, &st) || st.st_size <= 0) {
 		close(fd);
-		return -EINVAL;
+		return -EPERM;
 	}
 	p = mmap(NULL, (size_t)st.st_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
 	close(fd);

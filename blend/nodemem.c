@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/types.h>
 #include <unistd.h>
 
 #include "blend/nodemem.h"
@@ -17,22 +18,24 @@ int nodemem_open(struct nodemem *m, const char *which, size_t bytes, char *err, 
 	memset(m, 0, sizeof(*m));
 	m->bytes = bytes;
 	if (!strcmp(which, "emulated")) {
-		snprintf(m->path, sizeof(m->path), "/dev/shm/kvb-nodemem-XXXXXX");
-		fd = mkstemp(m->path);
-		if (fd < 0 || ftruncate(fd, (off_t)bytes)) {
-			snprintf(err, errlen, "%s: %s", m->path, strerror(errno));
+		/* a memfd sealed against shrinking and growing: what the emulated device maps */
+		fd = memfd_create("kvb-nodemem", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+		if (fd < 0 || ftruncate(fd, (off_t)bytes) ||
+		    fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW)) {
+			snprintf(err, errlen, "memfd: %s", strerror(errno));
 			if (fd >= 0)
 				close(fd);
 			return -errno;
 		}
 		m->base = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-		close(fd);
 		if (m->base == MAP_FAILED) {
 			m->base = NULL;
-			unlink(m->path);
+			close(fd);
 			snprintf(err, errlen, "mmap: %s", strerror(errno));
 			return -ENOMEM;
 		}
+		m->fd = fd; /* kept open: the daemon opens it through /proc */
+		snprintf(m->path, sizeof(m->path), "/proc/%d/fd/%d", (int)getpid(), fd);
 		memcpy(m->handle, "emu:", 4);
 		memcpy(m->handle + 4, m->path, strlen(m->path) + 1);
 		snprintf(m->pci, sizeof(m->pci), "emulated");
@@ -100,7 +103,7 @@ void nodemem_close(struct nodemem *m)
 		if (m->base)
 			munmap(m->base, m->bytes);
 		if (m->path[0])
-			unlink(m->path);
+			close(m->fd);
 	} else {
 		if (m->base)
 			m->dv->free(m->dv, m->base, m->bytes);

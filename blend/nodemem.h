@@ -2,9 +2,10 @@
  * nodemem — a node's stand-in device allocation for the tests and benchmarks of
  * landing into device memory: on "cuda", device memory allocated through blend/'s
  * device table in this process and exported by its CUDA IPC handle, as an engine's
- * KV cache would be; on "emulated", a file in /dev/shm mapped shared, named in the
- * handle as the emulated device's ipc_open takes it ("emu:" and the path). Either
- * way the daemon, another process, maps it and writes there.
+ * KV cache would be; on "emulated", a memfd sealed against shrinking, mapped shared,
+ * named in the handle as the emulated device's ipc_open takes it
+ * ("emu:/proc/PID/fd/N"). Either way the daemon, another process, maps it and writes
+ * there.
  */
 #ifndef KVBLEND_BLEND_NODEMEM_H
 #define KVBLEND_BLEND_NODEMEM_H
@@ -22,7 +23,8 @@ struct nodemem {
 	size_t bytes;
 	uint8_t handle[64];
 	char pci[32];
-	char path[64]; /* emulated: the file */
+	char path[64]; /* emulated: the memfd, as /proc/PID/fd/N */
+	int fd;
 };
 
 /* Returns 0; 77 when which is "cuda" and there is no usable CUDA device (err says

@@ -427,7 +427,8 @@ int kvbp_request_decode(const void *buf, size_t len, struct kvbp_request *out, c
 			r.land.has_device = true;
 			memcpy(r.land.device_handle, g->device_handle.data,
 			       KVBP_DEVICE_HANDLE_LEN);
-			memcpy(r.land.device_pci, g->device_pci, pl + 1);
+			if (pl)
+				memcpy(r.land.device_pci, g->device_pci, pl + 1);
 			r.land.device_bytes = g->device_bytes;
 		} else if (g->device_bytes || (g->device_pci && *g->device_pci)) {
 			set_err(err, errlen, "a landing layout names a device size or PCI bus "

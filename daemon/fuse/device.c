@@ -926,12 +926,15 @@ struct dev_land {
 	 * alternate: the host fills one while the other is copied up); then the rows and
 	 * the block table for their upload */
 	uint8_t *hstage;
-	size_t hstage_bytes;
+	size_t hstage_bytes, hstage_need;
 	uint8_t *dblk; /* device: one layer's K and V rows, the cached tokens, the block table */
-	size_t dblk_bytes;
+	size_t dblk_bytes, dblk_need;
+	size_t rows_off, pages_off; /* in dblk (and after the host's two buffers) */
 	int32_t *drows; /* the cached tokens (in dblk) */
 	uint32_t n_rows;
-	uint32_t *dpages; /* the node's block table (in dblk), or NULL */
+	uint32_t *pages; /* the node's block table (a copy), and its place in dblk */
+	size_t n_pages;
+	uint32_t *dpages;
 	struct blend_stream *st;
 	struct blend_event *ev[2]; /* the layer of each host buffer, landed */
 	int64_t pending;	   /* a layer copied up and landing, not yet published; or -1 */
@@ -953,6 +956,10 @@ static uint32_t import_take(struct fuse_table *t, const struct kvbp_layout *y,
 		struct dimport *m = &t->imports[i];
 
 		if (m->refs && !memcmp(m->handle, y->device_handle, sizeof(m->handle))) {
+			if (strcmp(m->pci, y->device_pci))
+				return fail(err, errlen, KVBP_BAD_ARGUMENT, "landing into device "
+					    "memory: the allocation is mapped from device %s, not "
+					    "%s", m->pci, y->device_pci);
 			m->refs++;
 			*out = m;
 			return KVBP_OK;
@@ -976,6 +983,7 @@ static uint32_t import_take(struct fuse_table *t, const struct kvbp_layout *y,
 			    *why ? ": " : "", why);
 	}
 	memcpy(free_slot->handle, y->device_handle, sizeof(free_slot->handle));
+	snprintf(free_slot->pci, sizeof(free_slot->pci), "%s", y->device_pci);
 	free_slot->refs = 1;
 	*out = free_slot;
 	return KVBP_OK;
@@ -997,9 +1005,8 @@ uint32_t dland_setup(struct fuse_table *t, struct fuse_session *s, const struct 
 {
 	const struct blend_device *dv = t->dev;
 	struct dev_land *d;
-	size_t half, rows_off, pages_off, np = 0, hoff;
-	uint32_t code, r = 0;
-	int rc;
+	size_t half, np = 0;
+	uint32_t code;
 
 	if (!dv || !dv->ipc_open || !dv->land || !dev_usable(t))
 		return fail(err, errlen, KVBP_BAD_ARGUMENT, "landing into device memory needs a "
@@ -1008,12 +1015,30 @@ uint32_t dland_setup(struct fuse_table *t, struct fuse_session *s, const struct 
 	if (y->k_dim_stride)
 		return fail(err, errlen, KVBP_BAD_ARGUMENT, "landing into device memory: K by its "
 			    "own element strides is a CPU cache's layout; give K as V");
+	/* The land kernel writes 4-byte words at least (16 where everything allows). */
+	if ((y->k_offset | y->v_offset | y->layer_stride | y->token_stride | y->head_stride |
+	     y->page_stride | ((uint64_t)s->m.head_dim * s->m.elem_size)) % 4)
+		return fail(err, errlen, KVBP_BAD_ARGUMENT, "landing into device memory: offsets, "
+			    "strides and a head's bytes must be multiples of 4");
+	if (end > y->device_bytes)
+		return fail(err, errlen, KVBP_BAD_SHAPE, "landing layout: it spans %" PRIu64
+			    " bytes of the node's device allocation, whose size it gives as %"
+			    PRIu64, end, y->device_bytes);
 	d = calloc(1, sizeof(*d));
 	if (!d)
 		return fail(err, errlen, KVBP_LIMIT, "out of memory");
 	s->dl = d;
 	d->lay = *y;
 	d->lay.pages = NULL;
+	d->pending = -1;
+	if (y->page_tokens) {
+		np = ((size_t)s->n + y->page_tokens - 1) / y->page_tokens; /* ckd-ok: 32-bit */
+		d->pages = malloc(np * sizeof(uint32_t));
+		if (!d->pages)
+			return fail(err, errlen, KVBP_LIMIT, "out of memory");
+		memcpy(d->pages, y->pages, np * sizeof(uint32_t)); /* land_setup: n_pages >= np */
+		d->n_pages = np;
+	}
 	pthread_mutex_lock(&t->lock);
 	code = import_take(t, y, &d->imp, err, errlen);
 	pthread_mutex_unlock(&t->lock);
@@ -1023,20 +1048,34 @@ uint32_t dland_setup(struct fuse_table *t, struct fuse_session *s, const struct 
 		return fail(err, errlen, KVBP_BAD_SHAPE, "landing layout: it spans %" PRIu64
 			    " bytes of the node's device allocation, which has %" PRIu64, end,
 			    d->imp->bytes);
-	if (y->page_tokens)
-		np = ((size_t)s->n + y->page_tokens - 1) / y->page_tokens; /* ckd-ok: 32-bit */
 	/* ckd-ok: n < 2^32 tokens of row_bytes, both checked when the session opened */
 	half = (size_t)s->n * s->row_bytes;
-	rows_off = dev_align(2 * half); /* ckd-ok: as above */
-	pages_off = rows_off + dev_align(((size_t)s->n + 1) * sizeof(int32_t)); /* ckd-ok */
-	d->dblk_bytes = pages_off + (np + 1) * sizeof(uint32_t); /* ckd-ok */
-	hoff = rows_off; /* the host's rows and block table follow its second buffer */
-	d->hstage_bytes = hoff + d->dblk_bytes; /* ckd-ok: as above */
-	d->pending = -1;
-	rc = block_take(t, true, d->hstage_bytes, (void **)&d->hstage, &d->hstage_bytes,
+	d->rows_off = dev_align(2 * half); /* ckd-ok: as above */
+	d->pages_off = d->rows_off + dev_align(((size_t)s->n + 1) * sizeof(int32_t)); /* ckd-ok */
+	d->dblk_need = d->pages_off + (np + 1) * sizeof(uint32_t); /* ckd-ok */
+	/* the host's rows and block table follow its second buffer */
+	d->hstage_need = d->rows_off + d->dblk_need; /* ckd-ok: as above */
+	return KVBP_OK;
+}
+
+void dland_bytes(const struct fuse_session *s, uint64_t *host, uint64_t *dev)
+{
+	*host = s->dl ? s->dl->hstage_need : 0;
+	*dev = s->dl ? s->dl->dblk_need : 0;
+}
+
+uint32_t dland_alloc(struct fuse_table *t, struct fuse_session *s, char *err, size_t errlen)
+{
+	const struct blend_device *dv = t->dev;
+	struct dev_land *d = s->dl;
+	uint8_t *hrows;
+	uint32_t r = 0;
+	int rc;
+
+	rc = block_take(t, true, d->hstage_need, (void **)&d->hstage, &d->hstage_bytes,
 			&d->allocs, true);
 	if (!rc)
-		rc = block_take(t, false, d->dblk_bytes, (void **)&d->dblk, &d->dblk_bytes,
+		rc = block_take(t, false, d->dblk_need, (void **)&d->dblk, &d->dblk_bytes,
 				&d->allocs, true);
 	if (!rc)
 		rc = dv->stream_new(dv, &d->st);
@@ -1047,22 +1086,24 @@ uint32_t dland_setup(struct fuse_table *t, struct fuse_session *s, const struct 
 	if (rc)
 		goto failed;
 	/* The cached tokens: the rows the node's cache gets (its fresh ones it writes). */
+	hrows = d->hstage + d->rows_off + d->rows_off;
 	for (size_t i = 0; i < s->n_chunks; i++)
 		for (uint32_t k = 0; k < s->chunks[i].tokens; k++)
-			((int32_t *)(d->hstage + hoff + rows_off))[r++] =
-				(int32_t)(s->chunks[i].off + k);
+			((int32_t *)hrows)[r++] = (int32_t)(s->chunks[i].off + k);
 	d->n_rows = r;
-	d->drows = (int32_t *)(d->dblk + rows_off);
-	if (np) {
-		memcpy(d->hstage + hoff + pages_off, y->pages, np * sizeof(uint32_t));
-		d->dpages = (uint32_t *)(d->dblk + pages_off);
+	d->drows = (int32_t *)(d->dblk + d->rows_off);
+	if (d->n_pages) {
+		memcpy(hrows + (d->pages_off - d->rows_off), d->pages,
+		       d->n_pages * sizeof(uint32_t));
+		d->dpages = (uint32_t *)(d->dblk + d->pages_off);
 	}
-	rc = dv->upload(dv, d->st, d->dblk + rows_off, d->hstage + hoff + rows_off,
-			d->dblk_bytes - rows_off);
+	/* what was asked for, not the (possibly larger) cached blocks' sizes */
+	rc = dv->upload(dv, d->st, d->dblk + d->rows_off, hrows, d->dblk_need - d->rows_off);
 	if (!rc)
 		rc = dv->stream_sync(dv, d->st);
 	if (rc)
 		goto failed;
+	s->land_mem = dland_stage(s, s->land_begin);
 	return KVBP_OK;
 failed:
 	d->failed = rc != -ENOMEM;
@@ -1073,8 +1114,8 @@ failed:
 
 uint8_t *dland_stage(const struct fuse_session *s, uint32_t l)
 {
-	/* ckd-ok: the staging holds two buffers of 2 n row_bytes (dland_setup) */
-	return s->dl->hstage + (size_t)(l % 2) * dev_align(2 * (size_t)s->n * s->row_bytes);
+	/* ckd-ok: the staging holds two buffers of rows_off bytes (dland_setup) */
+	return s->dl->hstage + (size_t)(l % 2) * s->dl->rows_off;
 }
 
 int dland_layer(struct fuse_table *t, struct fuse_session *s, uint32_t l, uint32_t *done)
@@ -1100,21 +1141,48 @@ int dland_layer(struct fuse_table *t, struct fuse_session *s, uint32_t l, uint32
 		rc = dv->land(dv, d->st, &s->shape, &L, d->dblk + half, d->drows, d->n_rows);
 	if (!rc)
 		rc = dv->event_record(dv, d->ev[l % 2], d->st);
+	if (rc) {
+		d->failed = true;
+		return dev_rc(rc);
+	}
 	/* The previous layer, landing while this one was read from the store, is in place
 	 * now (and its host buffer free for the next layer); the last layer waits for
 	 * itself. */
 	*done = l;
-	if (!rc && d->pending >= 0)
+	if (d->pending >= 0) {
 		rc = dv->event_sync(dv, d->ev[d->pending % 2]);
+		if (rc) {
+			d->failed = true;
+			return dev_rc(rc);
+		}
+	}
 	d->pending = l;
-	if (!rc && l + 1 == s->m.num_layers) {
+	if (l + 1 == s->m.num_layers) {
 		rc = dv->event_sync(dv, d->ev[l % 2]);
+		if (rc) {
+			d->failed = true;
+			return dev_rc(rc);
+		}
 		d->pending = -1;
 		*done = l + 1;
 	}
-	if (rc)
+	return 0;
+}
+
+uint32_t dland_quiesce(struct fuse_table *t, struct fuse_session *s, uint32_t next)
+{
+	struct dev_land *d = s->dl;
+	int64_t pending = d->pending;
+
+	if (!d->st)
+		return next;
+	d->pending = -1;
+	if (t->dev->stream_sync(t->dev, d->st)) {
 		d->failed = true;
-	return dev_rc(rc);
+		/* what was queued may not have run: the layer pending is not in place */
+		return pending >= 0 && (uint64_t)pending < next ? (uint32_t)pending : next;
+	}
+	return next;
 }
 
 void dland_free(struct fuse_table *t, struct fuse_session *s)
@@ -1139,6 +1207,7 @@ void dland_free(struct fuse_table *t, struct fuse_session *s)
 		block_give(t, false, d->dblk, d->dblk_bytes);
 	}
 	import_put(t, d->imp);
+	free(d->pages);
 	free(d);
 	s->dl = NULL;
 }

@@ -185,6 +185,7 @@ struct fuse_table {
 	 * unmapped when the last one closes (under lock). */
 	struct dimport {
 		uint8_t handle[KVBP_DEVICE_HANDLE_LEN];
+		char pci[KVBP_DEVICE_PCI_MAX]; /* the device the node named */
 		void *base;
 		uint64_t bytes;
 		uint32_t refs;
@@ -421,14 +422,21 @@ bool land_step(struct fuse_table *t, struct fuse_session *s);
  * allocation behind y's IPC handle, which is mapped (once per handle) and must hold
  * the end bytes the layout spans. Each layer is landed by the host into pinned
  * staging as rows (s->lay becomes that contiguous layout), then copied up and
- * written into the node's cache by the device's land kernel. Returns a kvbp code.
+ * written into the node's cache by the device's land kernel. dland_setup checks and
+ * maps (a kvbp code); dland_bytes gives the staging's pinned and device bytes, which
+ * the open charges before dland_alloc takes them (a kvbp code).
  */
 uint32_t dland_setup(struct fuse_table *t, struct fuse_session *s, const struct kvbp_layout *y,
 		     uint64_t end, char *err, size_t errlen);
+void dland_bytes(const struct fuse_session *s, uint64_t *host, uint64_t *dev);
+uint32_t dland_alloc(struct fuse_table *t, struct fuse_session *s, char *err, size_t errlen);
 /* Layer l from its staging buffer on its way into the node's device memory; *done:
  * the layers (from 0) in place now, to publish (the last layer's landing is waited
  * for; another's completes while the host reads the next one). */
 int dland_layer(struct fuse_table *t, struct fuse_session *s, uint32_t l, uint32_t *done);
+/* Wait for everything queued (a close, or a landing that failed); returns how many
+ * layers from 0 are in place: next, or fewer when the device failed meanwhile. */
+uint32_t dland_quiesce(struct fuse_table *t, struct fuse_session *s, uint32_t next);
 void dland_free(struct fuse_table *t, struct fuse_session *s);
 /* The pinned staging buffer the host lands layer l into. */
 uint8_t *dland_stage(const struct fuse_session *s, uint32_t l);

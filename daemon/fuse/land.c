@@ -144,6 +144,7 @@ uint32_t land_setup(struct fuse_table *t, struct fuse_session *s,
 			return code;
 		/* The host lands each layer into the pinned staging, as rows of all tokens
 		 * (K, then V); dland_layer() takes them to the node's cache from there. */
+		/* land_mem stays the segment's base until dland_alloc() gives the staging */
 		free(s->lay.pages);
 		s->lay = (struct kvbp_layout){ .shm_id = y->shm_id,
 					       .v_offset = (uint64_t)s->n * s->row_bytes,
@@ -154,7 +155,6 @@ uint32_t land_setup(struct fuse_table *t, struct fuse_session *s,
 					       .k_token_stride = s->row_bytes,
 					       .k_head_stride = (uint64_t)s->m.head_dim *
 								s->m.elem_size };
-		s->land_mem = dland_stage(s, s->land_begin);
 		s->direct = true;
 		s->stream = false;
 		return KVBP_OK;
@@ -428,13 +428,18 @@ int ensure_cslot(struct fuse_table *t, struct fuse_session *s, size_t i)
 	}
 }
 
-/* Landing stopped at layer l for store errno rc: tell the node (session lock held). */
-static void land_failed(struct fuse_session *s, uint32_t l, int rc)
+/*
+ * Landing stopped at layer l for store errno rc: tell the node (session lock held)
+ * how many layers are in place, once nothing more is on its way into a device cache.
+ */
+static void land_failed(struct fuse_table *t, struct fuse_session *s, uint32_t l, int rc)
 {
+	uint32_t in_place = s->dl ? dland_quiesce(t, s, s->land_next) : s->land_next;
+
 	s->land_code = store_code(rc);
 	log_warn("fuse session %016" PRIx64 ": layer %" PRIu32 " cannot be landed: %s", s->id, l,
 		 rc == -EBADMSG ? "a chunk failed its checksum" : strerror(-rc));
-	land_publish(s, KVBP_LAND_FAILED | s->land_code << 24 | s->land_next);
+	land_publish(s, KVBP_LAND_FAILED | s->land_code << 24 | in_place);
 }
 
 /*
@@ -459,7 +464,7 @@ bool land_step(struct fuse_table *t, struct fuse_session *s)
 	if (s->n_checks && s->cslot[0].state == SLOT_EMPTY) {
 		rc = ensure_cslot(t, s, 0);
 		if (rc)
-			land_failed(s, s->checks[0], rc);
+			land_failed(t, s, s->checks[0], rc);
 		pthread_mutex_unlock(&s->lock);
 		return !rc;
 	}
@@ -483,7 +488,7 @@ bool land_step(struct fuse_table *t, struct fuse_session *s)
 	s->ns_land += ns_since(&t0);
 	s->landing = false;
 	if (rc) {
-		land_failed(s, j.layer, rc);
+		land_failed(t, s, j.layer, rc);
 	} else if (!s->land_stop) {
 		s->land_next++;
 		s->layers_served++;

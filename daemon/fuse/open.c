@@ -25,6 +25,7 @@ struct open_plan {
 	uint64_t ring_bytes;  /* the ring (or, landing, the check and staging slots) */
 	uint64_t charge;      /* what the session is charged against fuse_max_bytes */
 	uint64_t dev_charge;  /* and against the device budget (its device block) */
+	uint64_t land_host, land_dev; /* landing into device memory: its staging */
 	size_t slot;	      /* its reserved place in the table */
 };
 
@@ -286,6 +287,7 @@ static uint32_t open_size(struct fuse_table *t, const struct store_model *m,
 		/* No ring: a slot per check layer. Other layers go from the store to the
 		 * node's buffers in one pass (land.c), however the node lays them out. */
 		p->ring_bytes = (uint64_t)s->n_checks * 2 * n * s->row_bytes;
+		dland_bytes(s, &p->land_host, &p->land_dev);
 		return KVBP_OK;
 	}
 	/* The ring: re-rotated stored K and V of a few layers, all tokens each. */
@@ -332,12 +334,18 @@ static uint32_t open_reserve(struct fuse_table *t, const char *owner, struct fus
 
 	/* The ring counts against fuse_max_bytes, the device block against the device's
 	 * budget; a session whose block does not fit there runs on the host path. */
-	charge = p->ring_bytes;
+	charge = p->ring_bytes + p->land_host; /* ckd-ok: both sized from n < 2^32 rows */
 	pthread_mutex_lock(&t->lock);
 	if (t->bytes + charge > t->lim.max_bytes) {
 		pthread_mutex_unlock(&t->lock);
 		return fail(err, errlen, KVBP_LIMIT, "fuse sessions would hold %" PRIu64 " bytes; "
 			    "fuse_max_bytes is %" PRIu64, t->bytes + charge, t->lim.max_bytes);
+	}
+	if (p->land_dev && t->dev_bytes + p->land_dev > t->dev_budget) {
+		pthread_mutex_unlock(&t->lock);
+		return fail(err, errlen, KVBP_LIMIT, "landing into device memory: its staging of %"
+			    PRIu64 " bytes would pass the device budget (%" PRIu64 " held of %"
+			    PRIu64 ")", p->land_dev, t->dev_bytes, t->dev_budget);
 	}
 	{
 		uint64_t held = 0;
@@ -368,6 +376,9 @@ static uint32_t open_reserve(struct fuse_table *t, const char *owner, struct fus
 	} else if (s->dv) {
 		t->dev_bytes += s->dv->blk_bytes;
 		s->dev_bytes = p->dev_charge = s->dv->blk_bytes;
+	} else if (p->land_dev) {
+		t->dev_bytes += p->land_dev;
+		s->dev_bytes = p->dev_charge = p->land_dev;
 	}
 	pthread_mutex_unlock(&t->lock);
 	p->charge = charge;
@@ -610,6 +621,10 @@ uint32_t fuse_open(struct fuse_table *t, const struct store_model *m, const stru
 		if (land_alloc(s, p.ring_bytes)) {
 			open_unreserve(t, &p);
 			code = fail(err, errlen, KVBP_LIMIT, "out of memory for the session");
+			goto fail;
+		}
+		if (s->dl && (code = dland_alloc(t, s, err, errlen))) {
+			open_unreserve(t, &p);
 			goto fail;
 		}
 	} else {

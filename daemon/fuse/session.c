@@ -257,6 +257,8 @@ uint32_t fuse_close(struct fuse_table *t, uint64_t id, const char *owner, struct
 	s->land_stop = true;
 	while (s->landing)
 		pthread_cond_wait(&s->cond, &s->lock);
+	if (s->dl) /* and nothing still on its way into the node's device memory */
+		dland_quiesce(t, s, s->land_next);
 	pthread_mutex_unlock(&s->lock);
 	st = calloc(16, sizeof(*st));
 	if (st) {

@@ -1,7 +1,7 @@
 /*
  * Landing into device memory (kvb_fuse_open_into_device) through the real kvblendd:
  * the node's KV cache is a device allocation (nodemem.h: on the emulated device a
- * shared file, on CUDA device memory of this process exported by its IPC handle),
+ * sealed memfd, on CUDA device memory of this process exported by its IPC handle),
  * laid out as vLLM's GPU backends lay it out (each token's K then V per head,
  * paged; LBNHC and LBHNC), and every byte of it must equal what the host landing
  * (kvb_fuse_open_into) writes into a region with the same layout. Two sessions land
@@ -20,6 +20,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include <cmocka.h>
 
@@ -259,13 +260,29 @@ static void refusals(void **state)
 	assert_int_equal(rc, KVB_E_BAD_ARGUMENT);
 	assert_non_null(strstr(kvb_last_error(f->c), "cannot be mapped"));
 	dm = device_mem(f);
-	/* the emulated device maps no file but a node's stand-in: never one a client names */
+	/* the emulated device maps no file but a node's sealed memfd: never one a client
+	 * names, nor one that could shrink under the mapping (a plain shared file here) */
 	if (!strcmp(which, "emulated")) {
-		dm = device_mem(f);
-		memcpy(dm.ipc_handle, "emu:/etc/passwd", 16);
-		rc = kvb_fuse_open_into_device(f->c, "lm", segs, ns, NULL, &y, &dm, &s, NULL, NULL);
-		assert_int_equal(rc, KVB_E_BAD_ARGUMENT);
-		assert_non_null(strstr(kvb_last_error(f->c), "cannot be mapped"));
+		char shm[] = "/dev/shm/kvb-test-unsealed-XXXXXX";
+		int fd = mkstemp(shm);
+
+		assert_true(fd >= 0);
+		assert_int_equal(ftruncate(fd, (off_t)CACHE_BYTES), 0);
+		unlink(shm);
+		for (int i = 0; i < 2; i++) {
+			dm = device_mem(f);
+			memset(dm.ipc_handle, 0, sizeof(dm.ipc_handle));
+			if (i)
+				snprintf((char *)dm.ipc_handle, sizeof(dm.ipc_handle),
+					 "emu:/proc/%d/fd/%d", (int)getpid(), fd);
+			else
+				memcpy(dm.ipc_handle, "emu:/etc/passwd", 16);
+			rc = kvb_fuse_open_into_device(f->c, "lm", segs, ns, NULL, &y, &dm, &s,
+						       NULL, NULL);
+			assert_int_equal(rc, KVB_E_BAD_ARGUMENT);
+			assert_non_null(strstr(kvb_last_error(f->c), "cannot be mapped"));
+		}
+		close(fd);
 	}
 	dm = device_mem(f);
 	/* a layout beyond the allocation: the client's size says yes, the daemon's no */
@@ -274,6 +291,13 @@ static void refusals(void **state)
 	rc = kvb_fuse_open_into_device(f->c, "lm", segs, ns, NULL, &y, &dm, &s, NULL, NULL);
 	assert_int_equal(rc, KVB_E_BAD_SHAPE);
 	assert_non_null(strstr(kvb_last_error(f->c), "device allocation"));
+	/* strides the land kernel cannot take: refused at the open, not at a layer */
+	dm = device_mem(f);
+	y.token_stride += 2;
+	rc = kvb_fuse_open_into_device(f->c, "lm", segs, ns, NULL, &y, &dm, &s, NULL, NULL);
+	assert_int_equal(rc, KVB_E_BAD_ARGUMENT);
+	assert_non_null(strstr(kvb_last_error(f->c), "multiples of 4"));
+	y = gpu_layout(f, f->mem.base, false);
 	/* the library's own checks: K outside the allocation, no progress region */
 	dm = device_mem(f);
 	y = gpu_layout(f, f->mem.base + CACHE_BYTES, false);

@@ -1,12 +1,13 @@
 """Landing into device memory from Python (Client.fuse_open_into_device) through a real
-kvblendd on the emulated device: the node's "GPU allocation" is a shared file the
-emulated device maps (as blend/nodemem.c makes them), laid out as vLLM's GPU backends
+kvblendd on the emulated device: the node's "GPU allocation" is a memfd sealed against
+shrinking that the emulated device maps (as blend/nodemem.c makes them), laid out as vLLM's GPU backends
 lay out their cache (each token's K then V per head, paged), and every byte must equal
 what fuse_open_into lands into a region with the same layout. A daemon without a
 device refuses with the reason."""
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import tempfile
@@ -32,15 +33,16 @@ def emu_daemon():
 
 @pytest.fixture
 def nodemem():
-    """A node's stand-in allocation: /dev/shm/kvb-nodemem-*, mapped shared."""
-    fd, path = tempfile.mkstemp(prefix="kvb-nodemem-", dir="/dev/shm")
+    """A node's stand-in allocation: a memfd sealed against shrinking, mapped shared,
+    named as the emulated device maps it (/proc/PID/fd/N)."""
+    fd = os.memfd_create("kvb-nodemem", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     nbytes = L * BLOCKS * PT * H * 2 * D * ES
     os.ftruncate(fd, nbytes)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
     mm = mmap.mmap(fd, nbytes)
-    os.close(fd)
     arr = np.frombuffer(mm, dtype=np.uint8)
-    yield path, arr
-    os.unlink(path)  # the mapping goes with the last view of it
+    yield f"/proc/{os.getpid()}/fd/{fd}", arr
+    os.close(fd)  # the mapping goes with the last view of it
 
 
 def _store(c: kvblend.Client, name: str) -> list:
