@@ -53,8 +53,9 @@ fi
 build-gpu/bin/blend_tool probe | tee "$out/device.txt"
 
 # The parity suite, then the CPU tests of blend/ for comparison. test_blend_cuda runs
-# last, after the benchmarks: it starts CUDA once for each of its 536 cases (167 s on an
-# H200, 2026-12-04), and a lease that ends first should have the figures.
+# last, after the benchmarks: it once started CUDA for each of its 536 cases (167 s on an
+# H200, 2026-12-04; blend_tool's batch mode now starts it once), and a lease that ends
+# first should have the figures.
 # On this machine a skip is a failure (tests/gpu_run.sh makes it one); and a suite where
 # nothing ran proves nothing.
 ctest --test-dir build-gpu -L gpu -E '^test_blend_cuda$' -V > "$out/parity.log" 2>&1 ||

@@ -14,9 +14,16 @@
  * exits 77 with the reason on stdout when this machine has no such backend.
  * ROPE: --head-dim D --rotary-dim R --style neox|gptj --theta T --scaling SPEC
  * Tensors are [rows, heads, head_dim]; bf16 as <u2.
+ *
+ *   blend_tool batch   one command a line on stdin (its arguments as above, split at
+ *                      white space), each answered on stdout by what it prints and then
+ *                      a line of 0x1e and its exit code: one process for a whole test,
+ *                      so that a GPU's context starts once (536 starts took 167 s on an
+ *                      H200), and the CUDA device opened once.
  */
 #include <errno.h>
 #include <math.h>
+#include <setjmp.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -28,6 +35,16 @@
 #include "client/include/kvblend.h"
 #include "client/npy.h"
 #include "blend/rope.h"
+
+/* In batch mode a command's exit returns to the loop instead (batch()). */
+static jmp_buf *batch_jmp;
+
+static void die(int code)
+{
+	if (batch_jmp)
+		longjmp(*batch_jmp, code + 1);
+	exit(code);
+}
 
 static const char *arg(int argc, char **argv, const char *name)
 {
@@ -51,7 +68,7 @@ static const char *need(int argc, char **argv, const char *name)
 
 	if (!v) {
 		fprintf(stderr, "blend_tool: %s is required\n", name);
-		exit(2);
+		die(2);
 	}
 	return v;
 }
@@ -63,7 +80,7 @@ static struct npy load(const char *path)
 
 	if (npy_read(path, &a, err, sizeof(err))) {
 		fprintf(stderr, "blend_tool: %s\n", err);
-		exit(1);
+		die(1);
 	}
 	return a;
 }
@@ -75,7 +92,7 @@ static void save(const char *path, const char *descr, int ndim, const uint64_t *
 
 	if (npy_write(path, descr, ndim, shape, data, len, err, sizeof(err))) {
 		fprintf(stderr, "blend_tool: %s\n", err);
-		exit(1);
+		die(1);
 	}
 }
 
@@ -91,7 +108,7 @@ static struct rope_config rope_from_args(int argc, char **argv)
 	c.theta = atof(need(argc, argv, "--theta"));
 	if (kvb_rope_scaling_parse(need(argc, argv, "--scaling"), &m)) {
 		fprintf(stderr, "blend_tool: bad --scaling\n");
-		exit(2);
+		die(2);
 	}
 	c.scaling = (enum rope_scaling)m.scaling;
 	c.factor = m.factor;
@@ -117,19 +134,19 @@ static const struct blend_backend *backend_from_args(int argc, char **argv)
 	const struct blend_backend *b;
 
 	if (isa && !strcmp(isa, "cuda")) {
-		static struct blend_cuda *dev; /* open until exit: one call per process */
+		static struct blend_cuda *dev; /* opened once, open until exit */
 		char why[256];
 
-		if (blend_cuda_open(0, &dev, why, sizeof(why))) {
+		if (!dev && blend_cuda_open(0, &dev, why, sizeof(why))) {
 			printf("skip: %s\n", why);
-			exit(77);
+			die(77);
 		}
 		return blend_cuda_backend(dev);
 	}
 	b = isa ? blend_cpu_backend_isa(isa) : blend_cpu_backend();
 	if (!b) {
 		printf("skip: this CPU lacks %s\n", isa);
-		exit(77);
+		die(77);
 	}
 	return b;
 }
@@ -145,7 +162,7 @@ static int failed(const struct blend_backend *b)
 	return 1;
 }
 
-int main(int argc, char **argv)
+static int run_cmd(int argc, char **argv)
 {
 	const char *cmd = argc > 1 ? argv[1] : "";
 
@@ -267,4 +284,41 @@ int main(int argc, char **argv)
 	}
 	fprintf(stderr, "usage: see the comment at the top of blend_tool.c\n");
 	return 2;
+}
+
+/* Commands from stdin, one a line, each followed on stdout by 0x1e and its exit code. */
+static int batch(void)
+{
+	static char line[16384];
+
+	while (fgets(line, sizeof(line), stdin)) {
+		char *av[256], *save = NULL;
+		int ac = 0, rc, j;
+		jmp_buf jb;
+
+		av[ac++] = "blend_tool";
+		for (char *tok = strtok_r(line, " \t\n", &save); tok && ac < 255;
+		     tok = strtok_r(NULL, " \t\n", &save))
+			av[ac++] = tok;
+		av[ac] = NULL;
+		j = setjmp(jb);
+		if (j == 0) {
+			batch_jmp = &jb;
+			rc = ac > 1 && !strcmp(av[1], "batch") ? 2 : run_cmd(ac, av);
+		} else {
+			rc = j - 1;
+		}
+		batch_jmp = NULL;
+		fflush(stderr);
+		printf("\x1e%d\n", rc);
+		fflush(stdout);
+	}
+	return 0;
+}
+
+int main(int argc, char **argv)
+{
+	if (argc > 1 && !strcmp(argv[1], "batch"))
+		return batch();
+	return run_cmd(argc, argv);
 }

@@ -39,11 +39,46 @@ def check(name, cond, detail=""):
         print(f"not ok - {name} {detail}")
 
 
+class _Result:
+    def __init__(self, returncode, stdout, stderr):
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+
+
+_batch = None
+
+
+def _call(args):
+    """One blend_tool command, through one `blend_tool batch` process for the whole run
+    (a CUDA context starts once, not once a case)."""
+    global _batch
+    if _batch is None:
+        _batch = subprocess.Popen([TOOL, "batch"], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE,
+                                  stderr=open(os.path.join(TMP, "stderr"), "w"), text=True)
+    words = [str(a) for a in args]
+    assert all(w and not any(c.isspace() for c in w) for w in words), words
+    err_at = os.path.getsize(os.path.join(TMP, "stderr"))
+    _batch.stdin.write(" ".join(words) + "\n")
+    _batch.stdin.flush()
+    out = []
+    while True:
+        line = _batch.stdout.readline()
+        if not line:
+            raise RuntimeError(f"blend_tool batch exited during: {' '.join(words)}")
+        if line.startswith("\x1e"):
+            break
+        out.append(line)
+    with open(os.path.join(TMP, "stderr")) as f:
+        f.seek(err_at)
+        err = f.read()
+    return _Result(int(line[1:]), "".join(out), err)
+
+
 def run(*args):
     args = list(args)
     if BACKEND and args[0] in COMPUTE and "--isa" not in args:
         args += ["--isa", BACKEND]
-    r = subprocess.run([TOOL, *map(str, args)], capture_output=True, text=True)
+    r = _call(args)
     if r.returncode == 77:
         if BACKEND and args[-1] == BACKEND:
             print(r.stdout.strip())
