@@ -944,17 +944,19 @@ struct dev_land {
 };
 
 /* Map the node's allocation (or take another reference to it), under the table lock. */
-static uint32_t import_take(struct fuse_table *t, const struct kvbp_layout *y,
+static uint32_t import_take(struct fuse_table *t, const struct kvbp_layout *y, const char *owner,
 			    struct dimport **out, char *err, size_t errlen)
 {
 	const struct blend_device *dv = t->dev;
 	struct dimport *free_slot = NULL;
+	unsigned mine = 0;
 	char why[128];
 	int rc;
 
 	for (size_t i = 0; i < FUSE_IMPORTS_MAX; i++) {
 		struct dimport *m = &t->imports[i];
 
+		mine += m->refs && !strcmp(m->owner, owner);
 		if (m->refs && !memcmp(m->handle, y->device_handle, sizeof(m->handle))) {
 			if (strcmp(m->pci, y->device_pci))
 				return fail(err, errlen, KVBP_BAD_ARGUMENT, "landing into device "
@@ -967,6 +969,10 @@ static uint32_t import_take(struct fuse_table *t, const struct kvbp_layout *y,
 		if (!m->refs && !free_slot)
 			free_slot = m;
 	}
+	if (mine >= FUSE_IMPORTS_PER_OWNER)
+		return fail(err, errlen, KVBP_LIMIT, "landing into device memory: this client's "
+			    "sessions map %u device allocations already (at most %d)", mine,
+			    FUSE_IMPORTS_PER_OWNER);
 	if (!free_slot)
 		return fail(err, errlen, KVBP_LIMIT, "landing into device memory: %d node "
 			    "allocations are mapped already", FUSE_IMPORTS_MAX);
@@ -984,6 +990,7 @@ static uint32_t import_take(struct fuse_table *t, const struct kvbp_layout *y,
 	}
 	memcpy(free_slot->handle, y->device_handle, sizeof(free_slot->handle));
 	snprintf(free_slot->pci, sizeof(free_slot->pci), "%s", y->device_pci);
+	snprintf(free_slot->owner, sizeof(free_slot->owner), "%s", owner);
 	free_slot->refs = 1;
 	*out = free_slot;
 	return KVBP_OK;
@@ -1001,7 +1008,7 @@ static void import_put(struct fuse_table *t, struct dimport *m)
 }
 
 uint32_t dland_setup(struct fuse_table *t, struct fuse_session *s, const struct kvbp_layout *y,
-		     uint64_t end, char *err, size_t errlen)
+		     const char *owner, uint64_t end, char *err, size_t errlen)
 {
 	const struct blend_device *dv = t->dev;
 	struct dev_land *d;
@@ -1040,7 +1047,7 @@ uint32_t dland_setup(struct fuse_table *t, struct fuse_session *s, const struct 
 		d->n_pages = np;
 	}
 	pthread_mutex_lock(&t->lock);
-	code = import_take(t, y, &d->imp, err, errlen);
+	code = import_take(t, y, owner, &d->imp, err, errlen);
 	pthread_mutex_unlock(&t->lock);
 	if (code)
 		return code;

@@ -137,8 +137,10 @@ struct dev_streams {
 
 struct arena; /* arena.h: the reserve's bookkeeping */
 
-/* Nodes' device allocations landed into at once (struct fuse_table's imports). */
+/* Nodes' device allocations landed into at once (struct fuse_table's imports), and of
+ * those one client may have had mapped (an engine has one cache allocation a GPU). */
 #define FUSE_IMPORTS_MAX 16
+#define FUSE_IMPORTS_PER_OWNER 4
 
 struct fuse_table {
 	struct fuse_limits lim;
@@ -186,6 +188,7 @@ struct fuse_table {
 	struct dimport {
 		uint8_t handle[KVBP_DEVICE_HANDLE_LEN];
 		char pci[KVBP_DEVICE_PCI_MAX]; /* the device the node named */
+		char owner[SHM_OWNER_MAX];     /* the client that mapped it */
 		void *base;
 		uint64_t bytes;
 		uint32_t refs;
@@ -427,7 +430,7 @@ bool land_step(struct fuse_table *t, struct fuse_session *s);
  * the open charges before dland_alloc takes them (a kvbp code).
  */
 uint32_t dland_setup(struct fuse_table *t, struct fuse_session *s, const struct kvbp_layout *y,
-		     uint64_t end, char *err, size_t errlen);
+		     const char *owner, uint64_t end, char *err, size_t errlen);
 void dland_bytes(const struct fuse_session *s, uint64_t *host, uint64_t *dev);
 uint32_t dland_alloc(struct fuse_table *t, struct fuse_session *s, char *err, size_t errlen);
 /* Layer l from its staging buffer on its way into the node's device memory; *done:

@@ -139,7 +139,7 @@ uint32_t land_setup(struct fuse_table *t, struct fuse_session *s,
 	s->land_begin = s->n_checks ? s->checks[0] + 1 : 0;
 	s->land_next = s->land_begin;
 	if (y->has_device) {
-		code = dland_setup(t, s, y, dev_end, err, errlen);
+		code = dland_setup(t, s, y, owner, dev_end, err, errlen);
 		if (code)
 			return code;
 		/* The host lands each layer into the pinned staging, as rows of all tokens

@@ -318,6 +318,52 @@ static void refusals(void **state)
 	assert_int_equal(kvb_fuse_close(f->c, &s, NULL, NULL), 0);
 }
 
+/* One client maps at most 4 allocations at once; a fifth is refused, then fine again. */
+static void four_allocations_a_client(void **state)
+{
+	struct fixture *f = *state;
+	struct kvb_segment segs[4];
+	size_t ns = segments(f, segs);
+	struct nodemem m[5];
+	kvb_fuse *s[5] = { 0 };
+	char err[256];
+
+	for (int i = 0; i < 5; i++) {
+		struct kvb_kv_layout y;
+		struct kvb_device_mem dm;
+
+		assert_int_equal(nodemem_open(&m[i], which, CACHE_BYTES, err, sizeof(err)), 0);
+		y = gpu_layout(f, m[i].base, false);
+		dm = (struct kvb_device_mem){ .base = m[i].base, .bytes = m[i].bytes,
+					      .progress = f->region + CACHE_BYTES };
+		memcpy(dm.ipc_handle, m[i].handle, sizeof(dm.ipc_handle));
+		memcpy(dm.pci, m[i].pci, sizeof(dm.pci));
+		if (i < 4) {
+			assert_int_equal(kvb_fuse_open_into_device(f->c, "lm", segs, ns, NULL, &y,
+								   &dm, &s[i], NULL, NULL),
+					 0);
+			continue;
+		}
+		assert_int_equal(kvb_fuse_open_into_device(f->c, "lm", segs, ns, NULL, &y, &dm,
+							   &s[i], NULL, NULL),
+				 KVB_E_LIMIT);
+		assert_non_null(strstr(kvb_last_error(f->c), "map 4 device allocations"));
+		/* one closed: its allocation unmapped, room for this one */
+		wait_all(f, s[0]);
+		assert_int_equal(kvb_fuse_close(f->c, &s[0], NULL, NULL), 0);
+		assert_int_equal(kvb_fuse_open_into_device(f->c, "lm", segs, ns, NULL, &y, &dm,
+							   &s[i], NULL, NULL),
+				 0);
+	}
+	for (int i = 0; i < 5; i++) {
+		if (s[i]) {
+			wait_all(f, s[i]);
+			assert_int_equal(kvb_fuse_close(f->c, &s[i], NULL, NULL), 0);
+		}
+		nodemem_close(&m[i]);
+	}
+}
+
 /* A daemon whose fuse runs on the CPU refuses, saying what it needs. */
 static void no_device_daemon(void **state)
 {
@@ -362,6 +408,7 @@ int main(void)
 		cmocka_unit_test(lbhnc_equals_host),
 		cmocka_unit_test(two_sessions_one_allocation),
 		cmocka_unit_test(refusals),
+		cmocka_unit_test(four_allocations_a_client),
 		cmocka_unit_test(no_device_daemon),
 	};
 
