@@ -51,13 +51,17 @@ struct blend_dev_span {
  * row t's head h starts at dst + page(t) * page_stride + slot(t) * token_stride +
  * h * head_stride, where page(t) = pages[t / page_tokens] and slot(t) = t %
  * page_tokens when page_tokens > 0, else page(t) = 0 and slot(t) = t. pages: device
- * memory. A head's head_dim elements are contiguous.
+ * memory. A head's head_dim elements are contiguous. (With head0, heads: h counts
+ * the cache's heads.)
  */
 struct blend_dev_land {
 	uint8_t *dst;
 	uint64_t token_stride, head_stride, page_stride;
 	uint32_t page_tokens;
 	const uint32_t *pages;
+	/* the cache's heads h = 0 .. heads - 1 are src's heads head0 + h (a tensor-parallel
+	 * rank's range); heads 0: all of them */
+	uint32_t head0, heads;
 };
 
 struct blend_device {

@@ -446,7 +446,8 @@ static int e_land(const struct blend_device *d, struct blend_stream *st,
 	(void)st;
 	if (rc)
 		return rc;
-	if (!hb || hb % 4 || L->token_stride % 4 || L->head_stride % 4 || L->page_stride % 4)
+	if (!hb || hb % 4 || L->token_stride % 4 || L->head_stride % 4 || L->page_stride % 4 ||
+	    (uint64_t)L->head0 + (L->heads ? L->heads : s->heads) > s->heads)
 		return -EINVAL;
 	for (uint32_t i = 0; i < n_rows; i++) {
 		uint32_t t = (uint32_t)rows[i];
@@ -455,9 +456,9 @@ static int e_land(const struct blend_device *d, struct blend_stream *st,
 						(uint64_t)(t % L->page_tokens) * L->token_stride
 					      : (uint64_t)t * L->token_stride;
 
-		for (uint32_t h = 0; h < s->heads; h++)
+		for (uint32_t h = 0; h < (L->heads ? L->heads : s->heads); h++)
 			memcpy(L->dst + off + h * L->head_stride,
-			       (const uint8_t *)src + (size_t)t * rb + h * hb, hb);
+			       (const uint8_t *)src + (size_t)t * rb + (L->head0 + h) * hb, hb);
 	}
 	return 0;
 }

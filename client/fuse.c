@@ -6,6 +6,7 @@
  */
 #include <errno.h>
 #include <linux/futex.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -54,9 +55,12 @@ struct kvb_fuse {
  * -EINVAL, -EMFILE or -ENOMEM with c->err set; on failure req holds nothing new.
  */
 static int fuse_land_request(kvb_client *c, const struct kvb_kv_layout *dst,
-			     const struct kvb_kv_strides *ks, const struct kvb_device_mem *mem,
-			     struct kvbp_request *req, struct region **reg_out, unsigned *word_out)
+			     const struct kvb_land_opts *o, struct kvbp_request *req,
+			     struct region **reg_out, unsigned *word_out)
 {
+	static const struct kvb_land_opts none = { sizeof(none), NULL, NULL, 0, 0 };
+	const struct kvb_kv_strides *ks = (o = o ? o : &none)->k_strides;
+	const struct kvb_device_mem *mem = o->device;
 	struct region *reg;
 	unsigned word = 0;
 	const uint8_t *base;
@@ -96,7 +100,11 @@ static int fuse_land_request(kvb_client *c, const struct kvb_kv_layout *dst,
 		return kvbc_set_err(c, -EINVAL, "a paged layout needs its block table");
 	if (ks && !ks->dim_stride)
 		return kvbc_set_err(c, -EINVAL, "K strides need a dim_stride (> 0)");
+	if (!o->head_count && o->head_begin)
+		return kvbc_set_err(c, -EINVAL, "head_begin without head_count");
 	req->has_land = true;
+	req->land.head_begin = o->head_begin;
+	req->land.head_count = o->head_count;
 	if (ks) {
 		req->land.k_token_stride = ks->token_stride;
 		req->land.k_head_stride = ks->head_stride;
@@ -249,10 +257,10 @@ static size_t fresh_tokens(const struct kvb_segment *segs, size_t n_segs)
 static int fuse_open_common(kvb_client *c, const char *model, const struct kvb_segment *segs,
 			    size_t n_segs, const struct kvb_fuse_params *p,
 			    const int32_t *recompute, size_t n_recompute,
-			    const struct kvb_kv_layout *dst, const struct kvb_kv_strides *ks,
-			    const struct kvb_device_mem *mem, kvb_fuse **out,
-			    uint8_t (**missing)[KVB_HASH_LEN], size_t *n_missing)
+			    const struct kvb_kv_layout *dst, const struct kvb_land_opts *o,
+			    kvb_fuse **out, uint8_t (**missing)[KVB_HASH_LEN], size_t *n_missing)
 {
+	const struct kvb_kv_strides *ks = o ? o->k_strides : NULL;
 	struct call k = { .req = { .op = KVBP_OP_FUSE_OPEN } };
 	struct region *reg = NULL;
 	unsigned word = 0;
@@ -273,7 +281,7 @@ static int fuse_open_common(kvb_client *c, const char *model, const struct kvb_s
 	rc = kvb_model_get(c, model, &m);
 	if (rc)
 		return rc;
-	if (dst && (rc = fuse_land_request(c, dst, ks, mem, &k.req, &reg, &word)))
+	if (dst && (rc = fuse_land_request(c, dst, o, &k.req, &reg, &word)))
 		return rc;
 	if ((rc = fuse_open_request(c, &k.req, segs, n_segs, p, recompute, n_recompute)))
 		goto out;
@@ -305,6 +313,13 @@ static int fuse_open_common(kvb_client *c, const char *model, const struct kvb_s
 		f->progress = (_Atomic uint32_t *)(reg->base + 4 * (size_t)word);
 		reg->used[word / 64] |= 1ull << (word % 64);
 	}
+	if (o && o->head_count && !k.rep.land_heads) {
+		/* An older daemon ignored the head range: it lands every head. */
+		kvb_fuse_close(c, &f, NULL, NULL);
+		rc = kvbc_set_err(c, -ENOTSUP, "this kvblendd does not land a head range: it is "
+				  "older than the client");
+		goto out;
+	}
 	if (ks && !k.rep.land_k_strided) {
 		/* An older daemon ignored the K strides: it lands K as V is laid out. */
 		kvb_fuse_close(c, &f, NULL, NULL);
@@ -322,7 +337,7 @@ int kvb_fuse_open(kvb_client *c, const char *model, const struct kvb_segment *se
 		  size_t n_segs, const struct kvb_fuse_params *p, kvb_fuse **out,
 		  uint8_t (**missing)[KVB_HASH_LEN], size_t *n_missing)
 {
-	return fuse_open_common(c, model, segs, n_segs, p, NULL, 0, NULL, NULL, NULL, out, missing,
+	return fuse_open_common(c, model, segs, n_segs, p, NULL, 0, NULL, NULL, out, missing,
 				n_missing);
 }
 
@@ -335,7 +350,7 @@ int kvb_fuse_open_recompute(kvb_client *c, const char *model, const struct kvb_s
 		*out = NULL;
 		return kvbc_set_err(c, -EINVAL, "kvb_fuse_open_recompute: recompute is NULL");
 	}
-	return fuse_open_common(c, model, segs, n_segs, NULL, recompute, n_recompute, dst, NULL, NULL,
+	return fuse_open_common(c, model, segs, n_segs, NULL, recompute, n_recompute, dst, NULL,
 				out, missing, n_missing);
 }
 
@@ -368,7 +383,7 @@ int kvb_fuse_open_into(kvb_client *c, const char *model, const struct kvb_segmen
 		*out = NULL;
 		return kvbc_set_err(c, -EINVAL, "kvb_fuse_open_into needs a layout");
 	}
-	return fuse_open_common(c, model, segs, n_segs, p, NULL, 0, dst, NULL, NULL, out, missing,
+	return fuse_open_common(c, model, segs, n_segs, p, NULL, 0, dst, NULL, out, missing,
 				n_missing);
 }
 
@@ -382,7 +397,9 @@ int kvb_fuse_open_into_strided(kvb_client *c, const char *model, const struct kv
 		*out = NULL;
 		return kvbc_set_err(c, -EINVAL, "kvb_fuse_open_into_strided needs a layout");
 	}
-	return fuse_open_common(c, model, segs, n_segs, p, NULL, 0, dst, k_strides, NULL, out, missing,
+	struct kvb_land_opts o = { sizeof(o), k_strides, NULL, 0, 0 };
+
+	return fuse_open_common(c, model, segs, n_segs, p, NULL, 0, dst, &o, out, missing,
 				n_missing);
 }
 
@@ -396,7 +413,33 @@ int kvb_fuse_open_into_device(kvb_client *c, const char *model, const struct kvb
 		return kvbc_set_err(c, -EINVAL, "kvb_fuse_open_into_device needs a layout and "
 				    "the device allocation");
 	}
-	return fuse_open_common(c, model, segs, n_segs, p, NULL, 0, dst, NULL, mem, out, missing,
+	struct kvb_land_opts o = { sizeof(o), NULL, mem, 0, 0 };
+
+	return fuse_open_common(c, model, segs, n_segs, p, NULL, 0, dst, &o, out, missing,
+				n_missing);
+}
+
+int kvb_fuse_open_into_opts(kvb_client *c, const char *model, const struct kvb_segment *segs,
+			    size_t n_segs, const struct kvb_fuse_params *p,
+			    const struct kvb_kv_layout *dst, const struct kvb_land_opts *opts,
+			    kvb_fuse **out, uint8_t (**missing)[KVB_HASH_LEN], size_t *n_missing)
+{
+	struct kvb_land_opts o = { sizeof(o), NULL, NULL, 0, 0 };
+
+	if (!dst) {
+		*out = NULL;
+		return kvbc_set_err(c, -EINVAL, "kvb_fuse_open_into_opts needs a layout");
+	}
+	if (opts) {
+		if (opts->size < offsetof(struct kvb_land_opts, head_count) + sizeof(uint32_t)) {
+			*out = NULL;
+			return kvbc_set_err(c, -EINVAL, "struct kvb_land_opts of %zu bytes: its size "
+					    "field must be set", opts->size);
+		}
+		o = *opts; /* every field this build knows is there */
+		o.size = sizeof(o);
+	}
+	return fuse_open_common(c, model, segs, n_segs, p, NULL, 0, dst, &o, out, missing,
 				n_missing);
 }
 

@@ -103,6 +103,7 @@ struct fuse_open_result {
 	uint64_t ipc_offset;
 	char device_pci[32];
 	bool land_k_strided; /* a landing layout's own K strides are honoured */
+	bool land_heads;     /* and its head range */
 };
 
 /*

@@ -226,6 +226,8 @@ int kvbp_request_encode(const struct kvbp_request *req, uint8_t **buf, size_t *l
 			land.device_pci = (char *)req->land.device_pci;
 			land.device_bytes = req->land.device_bytes;
 		}
+		land.head_begin = req->land.head_begin;
+		land.head_count = req->land.head_count;
 		pb.land = &land;
 	}
 	if (req->has_shm_out) {
@@ -412,6 +414,8 @@ int kvbp_request_decode(const void *buf, size_t len, struct kvbp_request *out, c
 					       g->page_tokens, g->page_stride, NULL, 0,
 					       g->progress, g->k_token_stride,
 					       g->k_head_stride, g->k_dim_stride };
+		r.land.head_begin = g->head_begin;
+		r.land.head_count = g->head_count;
 		if (g->device_handle.len) {
 			size_t pl = g->device_pci ? strlen(g->device_pci) : 0;
 
@@ -605,6 +609,7 @@ int kvbp_reply_encode(const struct kvbp_reply *rep, uint8_t **buf, size_t *len)
 	pb.ring_slots = rep->ring_slots;
 	pb.slot_bytes = rep->slot_bytes;
 	pb.land_k_strided = rep->land_k_strided;
+	pb.land_heads = rep->land_heads;
 	pb.bulk_port = rep->bulk_port;
 	pb.bulk_bytes = rep->bulk_bytes;
 	pb.bulk_put = rep->bulk_put;
@@ -752,6 +757,7 @@ int kvbp_reply_decode(const void *buf, size_t len, struct kvbp_reply *out, char 
 	r.ring_slots = pb->ring_slots;
 	r.slot_bytes = pb->slot_bytes;
 	r.land_k_strided = pb->land_k_strided;
+	r.land_heads = pb->land_heads;
 	r.bulk_bytes = pb->bulk_bytes;
 	r.bulk_put = pb->bulk_put;
 	if (pb->bulk_port) {

@@ -178,6 +178,8 @@ struct kvbp_layout {
 	uint8_t device_handle[KVBP_DEVICE_HANDLE_LEN];
 	char device_pci[KVBP_DEVICE_PCI_MAX];
 	uint64_t device_bytes;
+	/* the node's heads: stored heads [head_begin, head_begin + head_count); 0: all */
+	uint32_t head_begin, head_count;
 };
 
 struct kvbp_request {
@@ -286,6 +288,7 @@ struct kvbp_reply {
 	uint64_t ipc_offset;
 	char device_pci[32]; /* "0000:41:00.0" */
 	bool land_k_strided; /* FUSE_OPEN: the landing layout's K strides are honoured */
+	bool land_heads;     /* FUSE_OPEN: the landing layout's head range is honoured */
 	uint32_t bulk_port; /* HELLO with bulk_open: 0 = no bulk connection */
 	uint8_t bulk_ticket[KVBP_BULK_TICKET_LEN];
 	bool has_bulk_key; /* sealed bulk records (the HELLO came over CURVE) */

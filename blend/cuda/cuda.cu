@@ -265,8 +265,8 @@ __global__ void k_scatter(uint8_t *layer, const uint8_t *fresh, const int32_t *s
  */
 template <typename W>
 __global__ void k_land(uint8_t *dst, const uint8_t *src, const int32_t *rows, uint32_t n_rows,
-		       uint32_t heads, uint32_t wph, uint64_t rb, uint64_t ts, uint64_t hs,
-		       uint64_t ps, uint32_t pt, const uint32_t *pages)
+		       uint32_t head0, uint32_t heads, uint32_t wph, uint64_t rb, uint64_t ts,
+		       uint64_t hs, uint64_t ps, uint32_t pt, const uint32_t *pages)
 {
 	uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
 	uint64_t per_row = (uint64_t)heads * wph;
@@ -280,7 +280,7 @@ __global__ void k_land(uint8_t *dst, const uint8_t *src, const int32_t *rows, ui
 				  : (uint64_t)t * ts;
 
 		((W *)(dst + off + h * hs))[w] =
-			((const W *)(src + t * rb + (uint64_t)h * wph * sizeof(W)))[w];
+			((const W *)(src + t * rb + (uint64_t)(head0 + h) * wph * sizeof(W)))[w];
 	}
 }
 
@@ -1351,22 +1351,23 @@ static int t_land(const struct blend_device *t, struct blend_stream *st,
 			L->page_stride | hb;
 	bool wide = all % 16 == 0;
 	uint32_t wph = (uint32_t)(wide ? hb / 16 : hb / 4);
-	uint64_t threads = (uint64_t)n_rows * s->heads * wph;
+	uint32_t heads = L->heads ? L->heads : s->heads;
+	uint64_t threads = (uint64_t)n_rows * heads * wph;
 	int rc = bind(D(t));
 
 	if (rc)
 		return rc;
-	if (!hb || all % 4)
+	if (!hb || all % 4 || (uint64_t)L->head0 + heads > s->heads)
 		return -EINVAL;
 	if (!threads)
 		return 0;
 	if (wide)
 		k_land<uint4><<<blocks_for(threads, 256), 256, 0, S(st)->st>>>(
-			L->dst, (const uint8_t *)src, rows, n_rows, s->heads, wph, rb,
+			L->dst, (const uint8_t *)src, rows, n_rows, L->head0, heads, wph, rb,
 			L->token_stride, L->head_stride, L->page_stride, L->page_tokens, L->pages);
 	else
 		k_land<uint32_t><<<blocks_for(threads, 256), 256, 0, S(st)->st>>>(
-			L->dst, (const uint8_t *)src, rows, n_rows, s->heads, wph, rb,
+			L->dst, (const uint8_t *)src, rows, n_rows, L->head0, heads, wph, rb,
 			L->token_stride, L->head_stride, L->page_stride, L->page_tokens, L->pages);
 	return xlate(D(t), cudaGetLastError(), "land kernel");
 }

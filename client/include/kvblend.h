@@ -589,6 +589,34 @@ KVB_API int kvb_fuse_open_into_device(kvb_client *c, const char *model,
 				      uint8_t (**missing)[KVB_HASH_LEN], size_t *n_missing);
 
 /*
+ * Everything a landing session can be told beside its layout (ABI KVBLEND_1.4), for
+ * kvb_fuse_open_into_opts(). size: sizeof(struct kvb_land_opts) as the caller was
+ * built (later versions add fields at the end). k_strides: K's own strides (as
+ * kvb_fuse_open_into_strided). device: the cache is in a GPU's memory (as
+ * kvb_fuse_open_into_device; not with k_strides). head_begin, head_count: the node's
+ * cache holds only the stored heads [head_begin, head_begin + head_count), as its
+ * heads 0 .. head_count - 1 (a tensor-parallel rank's share; dst's strides are for
+ * that many heads); head_count 0: every head. A session with a head range is
+ * reuse-only (p NULL or no check layers). A kvblendd older than head ranges is
+ * detected after the open (-ENOTSUP, the session closed again); it may have landed
+ * every head by dst's strides by then.
+ */
+struct kvb_land_opts {
+	size_t size;
+	const struct kvb_kv_strides *k_strides;
+	const struct kvb_device_mem *device;
+	uint32_t head_begin;
+	uint32_t head_count;
+};
+
+KVB_API int kvb_fuse_open_into_opts(kvb_client *c, const char *model,
+				    const struct kvb_segment *segs, size_t n_segs,
+				    const struct kvb_fuse_params *p,
+				    const struct kvb_kv_layout *dst,
+				    const struct kvb_land_opts *opts, kvb_fuse **out,
+				    uint8_t (**missing)[KVB_HASH_LEN], size_t *n_missing);
+
+/*
  * Wait until layer is in the node's buffers (immediately for layers the node
  * computes whole). Spins briefly, then sleeps on the progress word (a futex).
  * Returns 0; -ETIMEDOUT after timeout_ms (-1: no limit); or the daemon's code

@@ -1135,7 +1135,8 @@ int dland_layer(struct fuse_table *t, struct fuse_session *s, uint32_t l, uint32
 	uint8_t *base = (uint8_t *)d->imp->base + (uint64_t)l * y->layer_stride;
 	/* ckd-ok: offsets inside the allocation, whose extent land_setup checked */
 	struct blend_dev_land L = { base + y->k_offset, y->token_stride, y->head_stride,
-				    y->page_stride, y->page_tokens, d->dpages };
+				    y->page_stride, y->page_tokens, d->dpages,
+				    s->land_h0, s->land_hn };
 	const uint8_t *h = dland_stage(s, l);
 	int rc;
 

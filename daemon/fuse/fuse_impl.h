@@ -100,6 +100,7 @@ struct fuse_session {
 	uint8_t *land_mem;	/* its offset 0 */
 	_Atomic uint32_t *progress;
 	uint32_t land_begin, land_next;
+	uint32_t land_h0, land_hn; /* the node's heads: stored heads [land_h0, land_h0 + land_hn) */
 	bool landing;	   /* a layer is being landed (by the prefetch thread) */
 	bool land_stop;	   /* closing: land nothing more */
 	uint32_t land_code; /* a layer failed to land: its kvbp code (0: none) */

@@ -49,7 +49,7 @@ static bool land_extent(const struct fuse_session *s, const struct kvbp_layout *
 	/* every step checked: a head stride near 2^64 must not wrap the extent to a few
 	 * bytes (issue 30: a write before the segment) */
 	return !ckd_mul_add(&tok_max, tokens - 1, tstride, page_max) &&
-	       !ckd_mul(&head_max, (uint64_t)s->m.num_kv_heads - 1, hstride) &&
+	       !ckd_mul(&head_max, (uint64_t)s->land_hn - 1, hstride) &&
 	       !ckd_mul_add(&row_end, (uint64_t)s->m.head_dim - 1, dstride, s->m.elem_size) &&
 	       !ckd_add(&row_end, row_end, head_max) &&
 	       !ckd_add3(&e, off, layer_max, tok_max) && !ckd_add(end, e, row_end);
@@ -69,6 +69,22 @@ uint32_t land_setup(struct fuse_table *t, struct fuse_session *s,
 	uint32_t code;
 	void *base;
 
+	/* The node's heads: all, or a tensor-parallel rank's range of the stored ones. */
+	if (!y->head_count && y->head_begin)
+		return fail(err, errlen, KVBP_BAD_ARGUMENT, "landing layout: head_begin %" PRIu32
+			    " without head_count", y->head_begin);
+	/* ckd-ok: two 32-bit numbers summed in 64 bits */
+	if ((uint64_t)y->head_begin + y->head_count > s->m.num_kv_heads)
+		return fail(err, errlen, KVBP_BAD_SHAPE, "landing layout: heads [%" PRIu32 ", %"
+			    PRIu64 ") of a model with %" PRIu32 " KV heads", y->head_begin,
+			    /* ckd-ok: as above */ (uint64_t)y->head_begin + y->head_count,
+			    s->m.num_kv_heads);
+	s->land_h0 = y->head_begin;
+	s->land_hn = y->head_count ? y->head_count : s->m.num_kv_heads;
+	if (s->land_hn < s->m.num_kv_heads && s->n_checks)
+		return fail(err, errlen, KVBP_BAD_ARGUMENT, "landing layout: a session that lands "
+			    "a head range is reuse-only (every rank's blend must select the same "
+			    "tokens: not built)");
 	if (ckd_mul(&layer_max, (uint64_t)s->m.num_layers - 1, y->layer_stride))
 		return fail(err, errlen, KVBP_BAD_SHAPE, "landing layout: strides overflow");
 	if (y->page_tokens) {
@@ -160,7 +176,8 @@ uint32_t land_setup(struct fuse_table *t, struct fuse_session *s,
 		return KVBP_OK;
 	}
 	s->direct = !k_own && !y->page_tokens && y->token_stride == s->row_bytes &&
-		    y->head_stride == (uint64_t)s->m.head_dim * s->m.elem_size;
+		    y->head_stride == (uint64_t)s->m.head_dim * s->m.elem_size &&
+		    s->land_hn == s->m.num_kv_heads;
 	/* ckd-ok: n < 2^32 tokens of row_bytes, both checked when the session opened */
 	s->stream = !s->direct && 2 * (uint64_t)s->n * s->row_bytes >= LAND_STREAM_MIN;
 	return KVBP_OK;
@@ -225,10 +242,10 @@ static void land_k_strided(const struct fuse_session *s, uint32_t l, uint32_t a,
 		run = b - t < K_TILE ? b - t : K_TILE;
 		if (pt && run > pt - t % pt)
 			run = pt - t % pt; /* the tile ends with the page */
-		for (uint32_t h = 0; h < s->m.num_kv_heads; h++)
+		for (uint32_t h = 0; h < s->land_hn; h++)
 			for (uint32_t d = 0; d < hd; d++) {
 				uint8_t *o = dst + h * hs + d * ds;
-				const uint8_t *in = src + ((size_t)h * hd + d) * es;
+				const uint8_t *in = src + ((size_t)(s->land_h0 + h) * hd + d) * es;
 
 				if (es == 4)
 					for (uint32_t j = 0; j < run; j++)
@@ -267,13 +284,14 @@ static void land_put_rows(const struct fuse_session *s, int kv, uint32_t l, uint
 	}
 	for (uint32_t i = 0; i < n; i++, src += s->row_bytes) {
 		uint8_t *dst = s->land_mem + land_off(s, base, ts, l, t + i);
+		const uint8_t *from = src + s->land_h0 * hb; /* the node's first head */
 
 		if (s->lay.head_stride == hb) {
-			land_copy(s, dst, src, s->row_bytes);
+			land_copy(s, dst, from, s->land_hn * hb);
 			continue;
 		}
-		for (uint32_t h = 0; h < s->m.num_kv_heads; h++)
-			land_copy(s, dst + h * s->lay.head_stride, src + h * hb, hb);
+		for (uint32_t h = 0; h < s->land_hn; h++)
+			land_copy(s, dst + h * s->lay.head_stride, from + h * hb, hb);
 	}
 }
 
@@ -360,7 +378,8 @@ static int land_scattered(struct fuse_table *t, struct fuse_session *s, struct c
 	struct codec_xform vx = { land_scatter, &vs, s->row_bytes };
 	int rc;
 
-	if (!t->be->rotate_to || s->lay.k_dim_stride) {
+	/* rotate_to writes every head: a head range goes through the scratch block */
+	if (!t->be->rotate_to || s->lay.k_dim_stride || s->land_hn < s->m.num_kv_heads) {
 		ks.tmp = malloc(checksum_apply_block(s->row_bytes));
 		if (!ks.tmp)
 			return -ENOMEM;
@@ -492,7 +511,9 @@ bool land_step(struct fuse_table *t, struct fuse_session *s)
 	} else if (!s->land_stop) {
 		s->land_next++;
 		s->layers_served++;
-		s->bytes_out += 2 * (uint64_t)s->n_cached * s->row_bytes;
+		/* ckd-ok: n_cached < 2^32 rows of at most row_bytes */
+		s->bytes_out += 2 * (uint64_t)s->n_cached * s->row_bytes / s->m.num_kv_heads *
+				s->land_hn;
 		land_publish(s, s->dl ? done : s->land_next);
 	}
 	pthread_cond_broadcast(&s->cond);

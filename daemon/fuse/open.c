@@ -570,6 +570,7 @@ static void open_publish(struct fuse_table *t, const struct store_model *m,
 		r->next_layer = s->n_checks ? s->checks[0] : m->num_layers;
 		r->rows_next = s->n_checks ? s->n : 0;
 		r->land_k_strided = s->lay.k_dim_stride != 0;
+		r->land_heads = true; /* head_begin and head_count are read (land_setup) */
 	}
 	r->slot_bytes = s->land ? 0 : 2 * (uint64_t)p->n * s->row_bytes;
 	if (!s->n_checks) {

@@ -83,6 +83,7 @@ void op_fuse_open(struct req *q)
 	q->out->rep.ring_slots = r.ring_slots;
 	q->out->rep.slot_bytes = r.slot_bytes;
 	q->out->rep.land_k_strided = r.land_k_strided;
+	q->out->rep.land_heads = r.land_heads;
 	if (r.has_ipc) {
 		q->out->rep.has_ipc = true;
 		memcpy(q->out->rep.ipc_handle, r.ipc_handle, sizeof(r.ipc_handle));

@@ -727,6 +727,103 @@ static void test_wide_paged_streams(void **state)
 	assert_int_equal(kvb_region_free(f->c, paged), 0);
 }
 
+/*
+ * A tensor-parallel rank's share: a head range lands the stored heads [h0, h0 + 1) as
+ * the node's only head, equal to those heads of a full landing, contiguous and paged
+ * with K transposed; the fresh tokens' rows untouched. Refused: a range past the
+ * model's heads, a range with check layers (reuse-only), head_begin without a count.
+ */
+static void test_head_range(void **state)
+{
+	struct fixture *f = *state;
+	size_t layer = (size_t)N * ROW, hb = D * 2, lb = (size_t)N * hb;
+	enum { PT = 4, NB = 12 };
+	size_t kpart = (size_t)D * PT * 2, ps = 2 * kpart, ls = NB * ps;
+	uint8_t *full = kvb_region_alloc(f->c, 2 * L * layer);
+	uint8_t *one = kvb_region_alloc(f->c, 2 * L * lb + L * ls);
+	uint8_t *paged = one + 2 * L * lb;
+	struct kvb_kv_layout ya = { full, full + L * layer, layer, ROW, hb, 0, 0, NULL, 0 };
+	struct kvb_kv_layout yb = { one, one + L * lb, lb, hb, hb, 0, 0, NULL, 0 };
+	uint32_t pages[NB];
+	struct kvb_kv_layout yp = { paged, paged + kpart, ls, hb, hb, PT, ps, pages, NB };
+	struct kvb_kv_strides kt = { 2, kpart, PT * 2 };
+	struct kvb_fuse_params p = { (uint32_t[]){ 1 }, (double[]){ 0.5 }, 1, KVB_METRIC_VALUE };
+	struct kvb_segment segs[4];
+	size_t ns = segments(f, segs);
+	kvb_fuse *fu;
+
+	assert_non_null(full);
+	assert_non_null(one);
+	for (uint32_t i = 0; i < NB; i++)
+		pages[i] = (i * 5 + 7) % NB;
+	assert_int_equal(kvb_fuse_open_into(f->c, "lm", segs, ns, NULL, &ya, &fu, NULL, NULL), 0);
+	for (uint32_t l = 0; l < L; l++)
+		assert_int_equal(kvb_fuse_wait(f->c, fu, l, 10000), 0);
+	assert_int_equal(kvb_fuse_close(f->c, &fu, NULL, NULL), 0);
+	for (uint32_t h0 = 0; h0 < H; h0++) {
+		struct kvb_land_opts o = { sizeof(o), NULL, NULL, h0, 1 };
+		struct kvb_land_opts ot = { sizeof(ot), &kt, NULL, h0, 1 };
+
+		memset(one, 0x5a, 2 * L * lb + L * ls);
+		assert_int_equal(kvb_fuse_open_into_opts(f->c, "lm", segs, ns, NULL, &yb, &o, &fu,
+							 NULL, NULL),
+				 0);
+		for (uint32_t l = 0; l < L; l++)
+			assert_int_equal(kvb_fuse_wait(f->c, fu, l, 10000), 0);
+		assert_int_equal(kvb_fuse_close(f->c, &fu, NULL, NULL), 0);
+		assert_int_equal(kvb_fuse_open_into_opts(f->c, "lm", segs, ns, NULL, &yp, &ot, &fu,
+							 NULL, NULL),
+				 0);
+		for (uint32_t l = 0; l < L; l++)
+			assert_int_equal(kvb_fuse_wait(f->c, fu, l, 10000), 0);
+		assert_int_equal(kvb_fuse_close(f->c, &fu, NULL, NULL), 0);
+		for (uint32_t l = 0; l < L; l++)
+			for (int kv = 0; kv < 2; kv++)
+				for (uint32_t t = 0; t < N; t++) {
+					bool fresh = t >= 10 && t < 15;
+					const uint8_t *want = full + (size_t)kv * L * layer +
+							      l * layer + (size_t)t * ROW + h0 * hb;
+					const uint8_t *got = one + (size_t)kv * L * lb + l * lb +
+							     (size_t)t * hb;
+					uint8_t *pg = paged + l * ls + pages[t / PT] * ps;
+
+					for (uint32_t d = 0; d < D; d++) {
+						/* K: [D][PT] per block; V: [PT][D] after it */
+						const uint8_t *pe = kv ? pg + kpart + (t % PT) * hb + d * 2
+								       : pg + d * PT * 2 + (t % PT) * 2;
+
+						if (fresh) {
+							if (got[d * 2] != 0x5a || pe[0] != 0x5a)
+								fail_msg("fresh token %u written", t);
+						} else if (memcmp(got + d * 2, want + d * 2, 2) ||
+							   memcmp(pe, want + d * 2, 2)) {
+							fail_msg("head %u layer %u %c token %u dim %u "
+								 "differs", h0, l, kv ? 'V' : 'K', t, d);
+						}
+					}
+				}
+	}
+	{
+		struct kvb_land_opts past = { sizeof(past), NULL, NULL, 1, 2 };
+		struct kvb_land_opts mine = { sizeof(mine), NULL, NULL, 1, 1 };
+		struct kvb_land_opts nocount = { sizeof(nocount), NULL, NULL, 1, 0 };
+
+		assert_int_equal(kvb_fuse_open_into_opts(f->c, "lm", segs, ns, NULL, &yb, &past, &fu,
+							 NULL, NULL),
+				 KVB_E_BAD_SHAPE);
+		assert_non_null(strstr(kvb_last_error(f->c), "heads [1, 3)"));
+		assert_int_equal(kvb_fuse_open_into_opts(f->c, "lm", segs, ns, &p, &yb, &mine, &fu,
+							 NULL, NULL),
+				 KVB_E_BAD_ARGUMENT);
+		assert_non_null(strstr(kvb_last_error(f->c), "reuse-only"));
+		assert_int_equal(kvb_fuse_open_into_opts(f->c, "lm", segs, ns, NULL, &yb, &nocount,
+							 &fu, NULL, NULL),
+				 -EINVAL);
+	}
+	assert_int_equal(kvb_region_free(f->c, full), 0);
+	assert_int_equal(kvb_region_free(f->c, one), 0);
+}
+
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
@@ -739,6 +836,7 @@ int main(void)
 		cmocka_unit_test_setup_teardown(test_head_strides_that_wrap, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_nothing_lands_after_close, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_wide_paged_streams, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_head_range, setup, teardown),
 	};
 
 	return cmocka_run_group_tests(tests, NULL, NULL);

@@ -232,6 +232,52 @@ static void two_sessions_one_allocation(void **state)
 	free(got);
 }
 
+/* A tensor-parallel rank's share: stored head h0 alone into a one-head device cache. */
+static void head_range_into_device(void **state)
+{
+	struct fixture *f = *state;
+	struct kvb_segment segs[4];
+	size_t ns = segments(f, segs);
+	struct kvb_kv_layout hy = gpu_layout(f, f->region, false);
+	struct kvb_device_mem dm = device_mem(f);
+	size_t ps1 = (size_t)PT * 2 * HB; /* a block of one head */
+	struct kvb_kv_layout dy = { .k = f->mem.base, .v = f->mem.base + HB,
+				    .layer_stride = BLOCKS * ps1, .token_stride = 2 * HB,
+				    .head_stride = 2 * HB, .page_tokens = PT, .page_stride = ps1,
+				    .pages = f->pages, .n_pages = BLOCKS };
+	uint8_t *got = malloc(CACHE_BYTES);
+	kvb_fuse *s = NULL;
+
+	memset(f->region, 0xa5, CACHE_BYTES);
+	assert_int_equal(kvb_fuse_open_into(f->c, "lm", segs, ns, NULL, &hy, &s, NULL, NULL), 0);
+	wait_all(f, s);
+	assert_int_equal(kvb_fuse_close(f->c, &s, NULL, NULL), 0);
+	for (uint32_t h0 = 0; h0 < H; h0++) {
+		struct kvb_land_opts o = { sizeof(o), NULL, &dm, h0, 1 };
+
+		assert_int_equal(nodemem_fill(&f->mem, 0xa5), 0);
+		assert_int_equal(kvb_fuse_open_into_opts(f->c, "lm", segs, ns, NULL, &dy, &o, &s,
+							 NULL, NULL),
+				 0);
+		wait_all(f, s);
+		assert_int_equal(kvb_fuse_close(f->c, &s, NULL, NULL), 0);
+		assert_int_equal(nodemem_read(&f->mem, 0, got, CACHE_BYTES), 0);
+		for (uint32_t l = 0; l < L; l++)
+			for (uint32_t t = 0; t < N; t++) {
+				size_t page = f->pages[t / PT], slot = t % PT;
+				const uint8_t *want = f->region + l * LAYER_BYTES +
+						      page * hy.page_stride + slot * hy.token_stride +
+						      h0 * hy.head_stride;
+				const uint8_t *one = got + l * dy.layer_stride + page * ps1 +
+						     slot * dy.token_stride;
+
+				if (memcmp(one, want, 2 * HB)) /* K then V of the head */
+					fail_msg("head %u layer %u token %u differs", h0, l, t);
+			}
+	}
+	free(got);
+}
+
 /* Refusals: each names its cause, and the daemon serves on. */
 static void refusals(void **state)
 {
@@ -407,6 +453,7 @@ int main(void)
 		cmocka_unit_test(lbnhc_equals_host),
 		cmocka_unit_test(lbhnc_equals_host),
 		cmocka_unit_test(two_sessions_one_allocation),
+		cmocka_unit_test(head_range_into_device),
 		cmocka_unit_test(refusals),
 		cmocka_unit_test(four_allocations_a_client),
 		cmocka_unit_test(no_device_daemon),

@@ -3,7 +3,7 @@ kvblendd on the emulated device: the node's "GPU allocation" is a memfd sealed a
 shrinking that the emulated device maps (as blend/nodemem.c makes them), laid out as vLLM's GPU backends
 lay out their cache (each token's K then V per head, paged), and every byte must equal
 what fuse_open_into lands into a region with the same layout. A daemon without a
-device refuses with the reason."""
+device refuses with the reason. And a head range (a tensor-parallel rank's share)."""
 
 from __future__ import annotations
 
@@ -107,3 +107,27 @@ def test_daemon_without_device_refuses(daemon, nodemem):
             c.fuse_open_into_device("gpu_lm_cpu", segs, _cache(path, dev), region[:4],
                                     pages=np.arange(BLOCKS))
         c.ping()
+
+
+def test_head_range_lands_a_ranks_heads(daemon):
+    """heads=(h, 1): a tensor-parallel rank's cache holds stored head h alone, equal to
+    that head of a full landing; fresh tokens' rows untouched; blends refused."""
+    with kvblend.Client(daemon.endpoint, timeout_ms=10000) as c:
+        segs = _store(c, "gpu_lm_tp")
+        n = 26
+        reg = c.region(2 * L * n * H * D * ES + 2 * L * n * D * ES)
+        full = reg[: 2 * L * n * H * D * ES].view(np.float16).reshape(2, L, n, H, D)
+        one = reg[2 * L * n * H * D * ES :].view(np.float16).reshape(2, L, n, 1, D)
+        with c.fuse_open_into("gpu_lm_tp", segs, full[0], full[1]) as s:
+            for layer in range(L):
+                s.wait(layer, timeout=10)
+        cached = np.r_[0:9, 12:26]
+        for h in range(H):
+            one[...] = np.float16(7.0)
+            with c.fuse_open_into("gpu_lm_tp", segs, one[0], one[1], heads=(h, 1)) as s:
+                for layer in range(L):
+                    s.wait(layer, timeout=10)
+            assert np.array_equal(one[:, :, cached, 0], full[:, :, cached, h])
+            assert np.all(one[:, :, 9:12] == np.float16(7.0))
+        with pytest.raises(kvblend.BadArgument, match="reuse-only"):
+            c.fuse_open_into("gpu_lm_tp", segs, one[0], one[1], [1], [0.5], heads=(0, 1))

@@ -151,6 +151,18 @@ class KvbDeviceMem(ctypes.Structure):
     ]
 
 
+class KvbLandOpts(ctypes.Structure):
+    """struct kvb_land_opts (ABI 1.4)."""
+
+    _fields_ = [
+        ("size", ctypes.c_size_t),
+        ("k_strides", ctypes.POINTER(KvbKvStrides)),
+        ("device", ctypes.POINTER(KvbDeviceMem)),
+        ("head_begin", ctypes.c_uint32),
+        ("head_count", ctypes.c_uint32),
+    ]
+
+
 HashArray = ctypes.c_uint8 * HASH_LEN
 _P = ctypes.c_void_p
 _HASH = ctypes.POINTER(ctypes.c_uint8)
@@ -216,6 +228,21 @@ _PROTOTYPES = {
             ctypes.POINTER(KvbFuseParams),
             ctypes.POINTER(KvbKvLayout),
             ctypes.POINTER(KvbKvStrides),
+            ctypes.POINTER(_P),
+            ctypes.POINTER(_HASH),
+            _PSZ,
+        ],
+    ),
+    "kvb_fuse_open_into_opts": (
+        _INT,
+        [
+            _P,
+            _STR,
+            ctypes.POINTER(KvbSegment),
+            _SZ,
+            ctypes.POINTER(KvbFuseParams),
+            ctypes.POINTER(KvbKvLayout),
+            ctypes.POINTER(KvbLandOpts),
             ctypes.POINTER(_P),
             ctypes.POINTER(_HASH),
             _PSZ,

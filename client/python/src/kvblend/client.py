@@ -732,6 +732,7 @@ class Client:
         metric: str = "value",
         pages: Sequence[int] | np.ndarray | None = None,
         recompute: Sequence[int] | np.ndarray | None = None,
+        heads: tuple[int, int] | None = None,
     ) -> LandingSession:
         """Open a fuse session that lands every fused layer in the node's own KV cache.
 
@@ -757,6 +758,10 @@ class Client:
             page_tokens]``, slot ``t % page_tokens``.
         recompute : sequence of int, optional
             As for :meth:`fuse_open`.
+        heads : (begin, count), optional
+            A tensor-parallel rank's share: ``k`` and ``v`` hold only the stored heads
+            ``[begin, begin + count)`` (their head axis is ``count`` long). Reuse only
+            (no check layers, no ``recompute``).
 
         Raises
         ------
@@ -768,6 +773,14 @@ class Client:
         m = self._model(model)
         paged = pages is not None
         nd = 5 if paged else 4
+        n_heads = m.num_kv_heads
+        if heads is not None:
+            hb, hc = (int(x) for x in heads)
+            if hc < 1 or hb < 0 or hb + hc > m.num_kv_heads:
+                raise BadArgument(-22, f"heads {heads}: a range of the {m.num_kv_heads} heads")
+            if recompute is not None or len(check_layers):
+                raise BadArgument(-22, "heads= lands a reuse-only session")
+            n_heads = hc
         for name, a in (("k", k), ("v", v)):
             if not isinstance(a, np.ndarray) or a.ndim != nd:
                 raise BadArgument(-22, f"{name} must be a {nd}-dimensional ndarray")
@@ -775,11 +788,11 @@ class Client:
                 raise BadArgument(
                     -22, f"{name}: elements of {m.dtype} (got {a.dtype}), head_dim contiguous"
                 )
-            if a.shape[0] != m.num_layers or a.shape[-2:] != (m.num_kv_heads, m.head_dim):
+            if a.shape[0] != m.num_layers or a.shape[-2:] != (n_heads, m.head_dim):
                 raise BadArgument(
                     -22,
                     f"{name} shape {a.shape}: layers {m.num_layers} first, "
-                    f"({m.num_kv_heads}, {m.head_dim}) last",
+                    f"({n_heads}, {m.head_dim}) last",
                 )
             if not a.flags.writeable:
                 raise BadArgument(-22, f"{name} must be writable")
@@ -804,7 +817,15 @@ class Client:
             lay.n_pages = table.size
         carr, n, params = self._fuse_args(segments, check_layers, ratios, metric)
         p = ctypes.byref(params) if len(check_layers) else None
-        if recompute is not None:
+        if heads is not None:
+            ks = _lib.KvbKvStrides(k.strides[-3], k.strides[-2], k.strides[-1])
+            o = _lib.KvbLandOpts(ctypes.sizeof(_lib.KvbLandOpts), None, None, hb, hc)
+            if k.strides != v.strides:
+                o.k_strides = ctypes.pointer(ks)
+            f = self._open_call(
+                lib.kvb_fuse_open_into_opts, model, (carr, n, p, ctypes.byref(lay), ctypes.byref(o))
+            )
+        elif recompute is not None:
             if k.strides != v.strides:
                 raise BadArgument(-22, "recompute= takes k and v with the same strides")
             f = self._open_recompute(model, carr, n, check_layers, recompute, ctypes.byref(lay))
