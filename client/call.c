@@ -269,7 +269,8 @@ int kvbc_call(kvb_client *c, struct call *k)
 	c->err_code = 0;
 	if (!c->sock && kvbc_open_socket(c))
 		return kvbc_set_err(c, -EIO, "cannot open a socket to %s", c->endpoint);
-	k->req.version = KVBP_VERSION;
+	if (!k->req.version) /* else a call that needs a daemon to understand it whole */
+		k->req.version = KVBP_VERSION;
 	k->req.request_id = ++c->next_id;
 	k->req.payload_frames = (uint32_t)k->n_payload;
 	if (kvbp_request_encode(&k->req, &hdr, &len))

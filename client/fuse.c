@@ -105,6 +105,9 @@ static int fuse_land_request(kvb_client *c, const struct kvb_kv_layout *dst,
 	req->has_land = true;
 	req->land.head_begin = o->head_begin;
 	req->land.head_count = o->head_count;
+	/* an older daemon would ignore these and land by the wrong layout: it refuses v2 */
+	if (o->head_count || mem)
+		req->version = KVBP_VERSION_MAX;
 	if (ks) {
 		req->land.k_token_stride = ks->token_stride;
 		req->land.k_head_stride = ks->head_stride;
@@ -431,12 +434,21 @@ int kvb_fuse_open_into_opts(kvb_client *c, const char *model, const struct kvb_s
 		return kvbc_set_err(c, -EINVAL, "kvb_fuse_open_into_opts needs a layout");
 	}
 	if (opts) {
+		size_t n = opts->size < sizeof(o) ? opts->size : sizeof(o);
+
 		if (opts->size < offsetof(struct kvb_land_opts, head_count) + sizeof(uint32_t)) {
 			*out = NULL;
 			return kvbc_set_err(c, -EINVAL, "struct kvb_land_opts of %zu bytes: its size "
 					    "field must be set", opts->size);
 		}
-		o = *opts; /* every field this build knows is there */
+		/* a newer caller's fields past this build's must be unset: never ignored */
+		for (size_t i = sizeof(o); i < opts->size; i++)
+			if (((const uint8_t *)opts)[i]) {
+				*out = NULL;
+				return kvbc_set_err(c, -EINVAL, "struct kvb_land_opts sets fields "
+						    "this libkvblend does not know");
+			}
+		memcpy(&o, opts, n); /* only what the caller has */
 		o.size = sizeof(o);
 	}
 	return fuse_open_common(c, model, segs, n_segs, p, NULL, 0, dst, &o, out, missing,

@@ -13,6 +13,13 @@
 #include <stdint.h>
 
 #define KVBP_VERSION 1
+/*
+ * Requests a daemon must understand whole or refuse go out as version 2: a landing
+ * with a head range or into device memory, whose fields an older daemon (which
+ * takes version 1 only) would ignore and then write the node's memory by the wrong
+ * layout. A daemon takes versions KVBP_VERSION .. KVBP_VERSION_MAX and replies 1.
+ */
+#define KVBP_VERSION_MAX 2
 #define KVBP_HASH_LEN 32
 #define KVBP_NAME_MAX 64
 /* The shared-memory descriptor socket's path, NUL included: a Unix socket path's most

@@ -511,9 +511,9 @@ void ops_handle(struct server *srv, const struct ops_origin *from, zmq_msg_t *fr
 		fail(&q, KVBP_LIMIT, "out of memory");
 		goto done;
 	}
-	if (q.h.version != KVBP_VERSION) {
+	if (q.h.version < KVBP_VERSION || q.h.version > KVBP_VERSION_MAX) {
 		fail(&q, KVBP_BAD_VERSION, "protocol version %" PRIu32 " not supported; this server "
-		     "speaks version %d", q.h.version, KVBP_VERSION);
+		     "speaks versions %d to %d", q.h.version, KVBP_VERSION, KVBP_VERSION_MAX);
 		goto done;
 	}
 	if (q.h.op >= KVBP_OP_COUNT || !handlers[q.h.op]) {

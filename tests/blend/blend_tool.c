@@ -16,8 +16,9 @@
  * Tensors are [rows, heads, head_dim]; bf16 as <u2.
  *
  *   blend_tool batch   one command a line on stdin (its arguments as above, split at
- *                      white space), each answered on stdout by what it prints and then
- *                      a line of 0x1e and its exit code: one process for a whole test,
+ *                      white space), each answered on stdout by what it prints, a
+ *                      newline, and a line of 0x1e and its exit code (2 for a line
+ *                      too long or of too many words): one process for a whole test,
  *                      so that a GPU's context starts once (536 starts took 167 s on an
  *                      H200), and the CUDA device opened once.
  */
@@ -292,15 +293,31 @@ static int batch(void)
 	static char line[16384];
 
 	while (fgets(line, sizeof(line), stdin)) {
-		char *av[256], *save = NULL;
-		int ac = 0, rc, j;
+		char *av[256], *save = NULL, *tok;
+		int ac = 0, rc, j, c;
 		jmp_buf jb;
 
+		if (!strchr(line, '\n') && !feof(stdin)) {
+			/* longer than the buffer: the whole line refused, never run in parts */
+			while ((c = getchar()) != EOF && c != '\n')
+				;
+			fprintf(stderr, "blend_tool batch: a line longer than %zu bytes\n",
+				sizeof(line) - 1);
+			printf("\n\x1e%d\n", 2);
+			fflush(stdout);
+			continue;
+		}
 		av[ac++] = "blend_tool";
-		for (char *tok = strtok_r(line, " \t\n", &save); tok && ac < 255;
+		for (tok = strtok_r(line, " \t\n", &save); tok && ac < 255;
 		     tok = strtok_r(NULL, " \t\n", &save))
 			av[ac++] = tok;
 		av[ac] = NULL;
+		if (tok) { /* more words than av holds: refused, not cut short */
+			fprintf(stderr, "blend_tool batch: more than 254 words on a line\n");
+			printf("\n\x1e%d\n", 2);
+			fflush(stdout);
+			continue;
+		}
 		j = setjmp(jb);
 		if (j == 0) {
 			batch_jmp = &jb;
@@ -310,7 +327,8 @@ static int batch(void)
 		}
 		batch_jmp = NULL;
 		fflush(stderr);
-		printf("\x1e%d\n", rc);
+		/* on a line of its own even after output with no newline at its end */
+		printf("\n\x1e%d\n", rc);
 		fflush(stdout);
 	}
 	return 0;

@@ -10,6 +10,7 @@ the same reference, and bit-identical to the CPU builds in test_isa_identical. E
 The reference is written from the papers' and Hugging Face transformers' formulas,
 independently of the C code, in float64.
 """
+import atexit
 import math
 import os
 import subprocess
@@ -71,7 +72,18 @@ def _call(args):
     with open(os.path.join(TMP, "stderr")) as f:
         f.seek(err_at)
         err = f.read()
-    return _Result(int(line[1:]), "".join(out), err)
+    # the newline blend_tool puts before the marker is not the command's
+    text = "".join(out)
+    return _Result(int(line[1:]), text[:-1] if text.endswith("\n") else text, err)
+
+
+def _stop_batch():
+    if _batch is not None:
+        _batch.stdin.close()
+        _batch.wait(timeout=30)
+
+
+atexit.register(_stop_batch)
 
 
 def run(*args):

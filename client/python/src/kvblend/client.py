@@ -775,7 +775,10 @@ class Client:
         nd = 5 if paged else 4
         n_heads = m.num_kv_heads
         if heads is not None:
-            hb, hc = (int(x) for x in heads)
+            try:
+                hb, hc = (int(x) for x in heads)
+            except (TypeError, ValueError):
+                raise BadArgument(-22, f"heads {heads!r}: (begin, count)") from None
             if hc < 1 or hb < 0 or hb + hc > m.num_kv_heads:
                 raise BadArgument(-22, f"heads {heads}: a range of the {m.num_kv_heads} heads")
             if recompute is not None or len(check_layers):
@@ -852,6 +855,7 @@ class Client:
         ratios: Sequence[float] = (),
         metric: str = "value",
         pages: Sequence[int] | np.ndarray | None = None,
+        heads: tuple[int, int] | None = None,
     ) -> LandingSession:
         """:meth:`fuse_open_into` for a KV cache in a GPU's memory (``kvb_fuse_open_into_device``).
 
@@ -860,6 +864,8 @@ class Client:
         is then used as :meth:`fuse_open_into`'s. ``progress``: at least 4 bytes of a
         :meth:`region` (the progress word :meth:`LandingSession.wait` reads); one per
         open session. ``pages``: the block table when ``cache.page_tokens`` > 0.
+        ``heads``: as for :meth:`fuse_open_into` (the cache's strides are for that
+        many heads).
 
         Raises
         ------
@@ -900,10 +906,16 @@ class Client:
         dm.progress = progress.ctypes.data
         carr, n, params = self._fuse_args(segments, check_layers, ratios, metric)
         p = ctypes.byref(params) if len(check_layers) else None
+        o = _lib.KvbLandOpts(ctypes.sizeof(_lib.KvbLandOpts), None, ctypes.pointer(dm), 0, 0)
+        if heads is not None:
+            try:
+                o.head_begin, o.head_count = (int(x) for x in heads)
+            except (TypeError, ValueError):
+                raise BadArgument(-22, f"heads {heads!r}: (begin, count)") from None
         f = self._open_call(
-            lib.kvb_fuse_open_into_device,
+            lib.kvb_fuse_open_into_opts,
             model,
-            (carr, n, p, ctypes.byref(lay), ctypes.byref(dm)),
+            (carr, n, p, ctypes.byref(lay), ctypes.byref(o)),
         )
         s = LandingSession(
             self, f, self._model(model), tuple(check_layers), metric, (progress, table)
