@@ -411,15 +411,15 @@ int kvb_fuse_open_into_device(kvb_client *c, const char *model, const struct kvb
 			      const struct kvb_kv_layout *dst, const struct kvb_device_mem *mem,
 			      kvb_fuse **out, uint8_t (**missing)[KVB_HASH_LEN], size_t *n_missing)
 {
-	if (!dst || !mem) {
-		*out = NULL;
-		return kvbc_set_err(c, -EINVAL, "kvb_fuse_open_into_device needs a layout and "
-				    "the device allocation");
-	}
 	struct kvb_land_opts o = { sizeof(o), NULL, mem, 0, 0 };
 
-	return fuse_open_common(c, model, segs, n_segs, p, NULL, 0, dst, &o, out, missing,
-				n_missing);
+	if (!mem) {
+		*out = NULL;
+		return kvbc_set_err(c, -EINVAL, "kvb_fuse_open_into_device needs the device "
+				    "allocation");
+	}
+	return kvb_fuse_open_into_opts(c, model, segs, n_segs, p, dst, &o, out, missing,
+				       n_missing);
 }
 
 int kvb_fuse_open_into_opts(kvb_client *c, const char *model, const struct kvb_segment *segs,

@@ -140,7 +140,7 @@ uint32_t land_setup(struct fuse_table *t, struct fuse_session *s,
 	}
 	s->lay.pages = NULL;
 	s->lay.n_pages = 0;
-	if (y->page_tokens) {
+	if (y->page_tokens && !y->has_device) { /* a device landing keeps its own (device.c) */
 		/* ckd-ok: two 32-bit numbers summed in 64 bits */
 		size_t np = ((size_t)s->n + y->page_tokens - 1) / y->page_tokens;
 
@@ -161,7 +161,6 @@ uint32_t land_setup(struct fuse_table *t, struct fuse_session *s,
 		/* The host lands each layer into the pinned staging, as rows of all tokens
 		 * (K, then V); dland_layer() takes them to the node's cache from there. */
 		/* land_mem stays the segment's base until dland_alloc() gives the staging */
-		free(s->lay.pages);
 		s->lay = (struct kvbp_layout){ .shm_id = y->shm_id,
 					       .v_offset = (uint64_t)s->n * s->row_bytes,
 					       .token_stride = s->row_bytes,
