@@ -12,8 +12,12 @@
  * read back equals the host landing's region byte for byte (printed; a mismatch
  * exits 1). Target on a GPU: landing at least 25 GB/s (half of PCIe 5 x16).
  *
+ * Chunks hold f16 values spread as a model's K and V are (the store keeps them raw:
+ * bitshuffle+LZ4 saves less than compress_min_saving), or with --compressible 1 values
+ * the store compresses (each read then decodes them).
+ *
  * usage: bench_land_device [--device cuda|emulated] [--tokens 4096,16384] [--repeats 5]
- *                          [--daemon PATH]
+ *                          [--daemon PATH] [--compressible 0|1]
  */
 #include <errno.h>
 #include <signal.h>
@@ -35,6 +39,18 @@
 #define ROW ((size_t)HEADS * HD * 2)
 
 static int parity_failed;
+static int compressible; /* --compressible: chunks the store keeps bitshuffle+LZ4 */
+/* The daemon, stopped at any exit: one left running would hold the pipe a caller
+ * reads this program's output through (gpu.sh's tee) open, and the caller waits. */
+static pid_t daemon_pid;
+static char daemon_dir[64];
+
+static void stop_daemon(void)
+{
+	if (daemon_pid > 0)
+		bench_stop_daemon(daemon_pid, daemon_dir);
+	daemon_pid = 0;
+}
 
 /* vLLM's GPU layout over base for tokens (LBNHC), its block table pages (shuffled). */
 static struct kvb_kv_layout layout(uint8_t *base, uint32_t tokens, const uint32_t *pages)
@@ -139,8 +155,18 @@ static void run_size(kvb_client *c, const char *which, uint32_t tokens, int repe
 		uint16_t *kv = malloc(n * 2);
 		uint32_t ids[3] = { 4242, tokens, i };
 
-		for (size_t e = 0; e < n; e++) /* random-looking f16 of small magnitude */
-			kv[e] = (uint16_t)(0x3000 | ((e * 2654435761u + i) >> 7 & 0x0fff));
+		for (size_t e = 0; e < n; e++) {
+			uint32_t r = (uint32_t)((e + 1) * 2654435761u) ^ (uint32_t)(i * 40503u);
+
+			r ^= r >> 15;
+			r *= 2246822519u;
+			r ^= r >> 13;
+			if (compressible) /* small magnitudes: 4 bits of 16 constant */
+				kv[e] = (uint16_t)(0x3000 | (r & 0x0fff));
+			else /* a sign, exponents over 16 values, a full mantissa: as a model's
+			      * K and V, which bitshuffle+LZ4 shrinks too little to keep */
+				kv[e] = (uint16_t)((r & 0x83ff) | (8 + (r >> 16) % 16) << 10);
+		}
 		kvb_chunk_hash(ids, 3, segs[i].hash);
 		segs[i].pos = i * CHUNK;
 		if (kvb_put(c, "bench", segs[i].hash, KVB_F16, CHUNK, 0, kv, n * 2, NULL)) {
@@ -206,7 +232,6 @@ int main(int argc, char **argv)
 	unsigned sizes[16];
 	unsigned n_sizes;
 	int repeats = 5;
-	pid_t pid;
 	kvb_client *c;
 	struct kvb_model model = { .name = "bench", .num_layers = LAYERS, .num_kv_heads = HEADS,
 				   .head_dim = HD, .dtype = KVB_F16, .rope_theta = 1000000 };
@@ -221,9 +246,13 @@ int main(int argc, char **argv)
 			repeats = atoi(argv[i + 1]);
 		else if (!strcmp(argv[i], "--daemon"))
 			snprintf(daemon, sizeof(daemon), "%s", argv[i + 1]);
+		else if (!strcmp(argv[i], "--compressible") && !strcmp(argv[i + 1], "1"))
+			compressible = 1;
+		else if (!strcmp(argv[i], "--compressible") && !strcmp(argv[i + 1], "0"))
+			compressible = 0;
 		else {
 			fprintf(stderr, "usage: bench_land_device [--device cuda|emulated] "
-				"[--tokens N,...] [--repeats N] [--daemon PATH]\n");
+				"[--tokens N,...] [--repeats N] [--daemon PATH] [--compressible 0|1]\n");
 			return 2;
 		}
 	}
@@ -233,18 +262,23 @@ int main(int argc, char **argv)
 		return 2;
 	}
 	{
-		const char *extra[] = { "--device", which, NULL };
+		/* the host landing's region spans the whole cache: 2 GiB at 16K tokens */
+		const char *extra[] = { "--device", which, "--shm-max", "16G", "--shm-total", "32G",
+					NULL };
 
-		pid = bench_start_daemon_with(daemon, dir, ep, sizeof(ep), 0, extra);
+		daemon_pid = bench_start_daemon_with(daemon, dir, ep, sizeof(ep), 0, extra);
+		snprintf(daemon_dir, sizeof(daemon_dir), "%s", dir);
+		atexit(stop_daemon);
 	}
 	if (kvb_connect(ep, NULL, &c, NULL, 0) || kvb_model_register(c, &model, NULL)) {
 		fprintf(stderr, "bench_land_device: cannot reach the daemon\n");
-		bench_stop_daemon(pid, dir);
 		return 1;
 	}
 	printf("kvblend bench_land_device: %d layers x %d kv heads x head_dim %d f16, chunks of %d "
 	       "tokens, vLLM's GPU layout (blocks of %d tokens, K then V per head), reuse only; "
-	       "device %s; median of %d\n\n", LAYERS, HEADS, HD, CHUNK, PT, which, repeats);
+	       "device %s; median of %d; chunks %s\n\n", LAYERS, HEADS, HD, CHUNK, PT, which,
+	       repeats, compressible ? "compressible (stored bitshuffle+LZ4)"
+				     : "as a model's KV (stored raw: compression saves too little)");
 	printf("| tokens | chunks | MiB landed | land ms | land GB/s | H2D GB/s | land / H2D | "
 	       "D2D GB/s | land / D2D | host landing GB/s | device / host | parity |\n");
 	printf("|---|---|---|---|---|---|---|---|---|---|---|---|\n");
@@ -256,6 +290,6 @@ int main(int argc, char **argv)
 	       "the emulated device both are memcpy). Host landing: the same session into a "
 	       "region of the same layout (the CPU path). Target on a GPU: land >= 25 GB/s.\n");
 	kvb_close(&c);
-	bench_stop_daemon(pid, dir);
+	stop_daemon();
 	return parity_failed ? 1 : 0;
 }

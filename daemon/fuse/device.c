@@ -929,12 +929,16 @@ struct dev_land {
 	size_t hstage_bytes, hstage_need;
 	uint8_t *dblk; /* device: one layer's K and V rows, the cached tokens, the block table */
 	size_t dblk_bytes, dblk_need;
-	size_t rows_off, pages_off; /* in dblk (and after the host's two buffers) */
+	size_t rows_off, pages_off, spans_off; /* in dblk (and after the host's two buffers) */
 	int32_t *drows; /* the cached tokens (in dblk) */
 	uint32_t n_rows;
 	uint32_t *pages; /* the node's block table (a copy), and its place in dblk */
 	size_t n_pages;
 	uint32_t *dpages;
+	/* the chunks as spans of a layer's K rows, and their rotation tables (in dblk, at
+	 * spans_off, laid out as a device session's: dev_setup_bytes) */
+	struct blend_dev_span *dspans;
+	uint32_t n_spans, span_rows;
 	struct blend_stream *st;
 	struct blend_event *ev[2]; /* the layer of each host buffer, landed */
 	int64_t pending;	   /* a layer copied up and landing, not yet published; or -1 */
@@ -1059,7 +1063,8 @@ uint32_t dland_setup(struct fuse_table *t, struct fuse_session *s, const struct 
 	half = (size_t)s->n * s->row_bytes;
 	d->rows_off = dev_align(2 * half); /* ckd-ok: as above */
 	d->pages_off = d->rows_off + dev_align(((size_t)s->n + 1) * sizeof(int32_t)); /* ckd-ok */
-	d->dblk_need = d->pages_off + (np + 1) * sizeof(uint32_t); /* ckd-ok */
+	d->spans_off = d->pages_off + dev_align((np + 1) * sizeof(uint32_t)); /* ckd-ok */
+	d->dblk_need = d->spans_off + dev_setup_bytes(s); /* ckd-ok: tables of the open's size */
 	/* the host's rows and block table follow its second buffer */
 	d->hstage_need = d->rows_off + d->dblk_need; /* ckd-ok: as above */
 	return KVBP_OK;
@@ -1069,6 +1074,39 @@ void dland_bytes(const struct fuse_session *s, uint64_t *host, uint64_t *dev)
 {
 	*host = s->dl ? s->dl->hstage_need : 0;
 	*dev = s->dl ? s->dl->dblk_need : 0;
+}
+
+/*
+ * The chunks as spans of a layer and their rotation tables, written into the host's
+ * mirror h of dblk's tail at spans_off (device pointers into dblk, as
+ * dev_setup_upload() writes a device session's): the device re-rotates a layer's keys
+ * in one launch, and the host only verifies and copies them.
+ */
+static void dland_spans(const struct fuse_session *s, struct dev_land *d, uint8_t *h)
+{
+	uint8_t *dbase = d->dblk + d->spans_off;
+	struct blend_dev_span *sp = (struct blend_dev_span *)h;
+	size_t off = dev_align((s->n_chunks + 1) * sizeof(struct blend_dev_span));
+	uint32_t n = 0, rows = 0;
+
+	for (size_t i = 0; i < s->n_chunks; i++) {
+		const struct rope_table *r = &s->chunks[i].rot;
+		size_t tb = (size_t)r->rows * r->half * sizeof(float);
+		struct blend_dev_table tab = { (const float *)(dbase + off),
+					       (const float *)(dbase + off + dev_align(tb)),
+					       r->rows, r->scale };
+
+		memcpy(h + off, r->cos, tb);
+		memcpy(h + off + dev_align(tb), r->sin, tb);
+		off += 2 * dev_align(tb);
+		if (!s->chunks[i].tokens)
+			continue;
+		sp[n++] = (struct blend_dev_span){ tab, s->chunks[i].off, s->chunks[i].tokens, rows };
+		rows += s->chunks[i].tokens;
+	}
+	d->dspans = (struct blend_dev_span *)dbase;
+	d->n_spans = n;
+	d->span_rows = rows;
 }
 
 uint32_t dland_alloc(struct fuse_table *t, struct fuse_session *s, char *err, size_t errlen)
@@ -1104,6 +1142,7 @@ uint32_t dland_alloc(struct fuse_table *t, struct fuse_session *s, char *err, si
 		       d->n_pages * sizeof(uint32_t));
 		d->dpages = (uint32_t *)(d->dblk + d->pages_off);
 	}
+	dland_spans(s, d, hrows + (d->spans_off - d->rows_off));
 	/* what was asked for, not the (possibly larger) cached blocks' sizes */
 	rc = dv->upload(dv, d->st, d->dblk + d->rows_off, hrows, d->dblk_need - d->rows_off);
 	if (!rc)
@@ -1125,7 +1164,8 @@ uint8_t *dland_stage(const struct fuse_session *s, uint32_t l)
 	return s->dl->hstage + (size_t)(l % 2) * s->dl->rows_off;
 }
 
-int dland_layer(struct fuse_table *t, struct fuse_session *s, uint32_t l, uint32_t *done)
+int dland_layer(struct fuse_table *t, struct fuse_session *s, uint32_t l, bool raw,
+		uint32_t *done)
 {
 	const struct blend_device *dv = t->dev;
 	struct dev_land *d = s->dl;
@@ -1142,6 +1182,9 @@ int dland_layer(struct fuse_table *t, struct fuse_session *s, uint32_t l, uint32
 
 	/* Queued behind the previous layer's kernels on the one stream (one device buffer). */
 	rc = dv->upload(dv, d->st, d->dblk, h, 2 * half);
+	if (!rc && raw && d->n_spans)
+		rc = dv->rotate_spans(dv, d->st, &s->shape, d->dspans, d->n_spans, d->span_rows,
+				      d->dblk);
 	if (!rc)
 		rc = dv->land(dv, d->st, &s->shape, &L, d->dblk, d->drows, d->n_rows);
 	L.dst = base + y->v_offset; /* ckd-ok: as above */

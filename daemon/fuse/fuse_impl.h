@@ -436,8 +436,11 @@ void dland_bytes(const struct fuse_session *s, uint64_t *host, uint64_t *dev);
 uint32_t dland_alloc(struct fuse_table *t, struct fuse_session *s, char *err, size_t errlen);
 /* Layer l from its staging buffer on its way into the node's device memory; *done:
  * the layers (from 0) in place now, to publish (the last layer's landing is waited
- * for; another's completes while the host reads the next one). */
-int dland_layer(struct fuse_table *t, struct fuse_session *s, uint32_t l, uint32_t *done);
+ * for; another's completes while the host reads the next one). raw: the host wrote
+ * the chunks' keys as stored, and the device re-rotates them (every chunk's in one
+ * launch) before they land; else the host rotated them (a check layer's slot). */
+int dland_layer(struct fuse_table *t, struct fuse_session *s, uint32_t l, bool raw,
+		uint32_t *done);
 /* Wait for everything queued (a close, or a landing that failed); returns how many
  * layers from 0 are in place: next, or fewer when the device failed meanwhile. */
 uint32_t dland_quiesce(struct fuse_table *t, struct fuse_session *s, uint32_t next);

@@ -394,6 +394,7 @@ struct land_job {
 	struct fuse_session *s;
 	const struct slot *from; /* the layer is loaded here already (a check layer), or NULL */
 	uint32_t layer;
+	bool raw; /* keys as stored: the device re-rotates them (a device landing) */
 };
 
 /* Land chunk i of a layer: from the check slot it is in, or verified straight from the store. */
@@ -407,19 +408,21 @@ static int land_chunk(void *arg, size_t i)
 	if (j->from) {
 		land_rows(s, j->from, j->layer, c->off, c->off + c->tokens);
 	} else if (s->direct) {
-		struct rotate_ctx rx = { j->t->be, s, c };
+		struct rotate_ctx rx = { j->t->be, s, c, 0 };
 		struct codec_xform x = { rotate_rows, &rx, s->row_bytes };
 
-		/* One pass: verify, re-rotate, write where the node keeps the rows (one
-		 * contiguous write a chunk: never streamed). */
-		return store_chunk_get_layer(j->t->store, &s->m, c->hash, j->layer,
-					     s->land_mem + land_off(s, s->lay.k_offset,
-								    s->lay.token_stride, j->layer,
-								    c->off),
-					     s->land_mem + land_off(s, s->lay.v_offset,
-								    s->lay.token_stride, j->layer,
-								    c->off),
-					     (uint64_t)c->tokens * s->row_bytes, &x);
+		/* One pass: verify, re-rotate (here, or on the device after the copy up),
+		 * write where the node keeps the rows (one contiguous write a chunk: never
+		 * streamed). */
+		rc = store_chunk_get_layer(j->t->store, &s->m, c->hash, j->layer,
+					   s->land_mem + land_off(s, s->lay.k_offset,
+								  s->lay.token_stride, j->layer,
+								  c->off),
+					   s->land_mem + land_off(s, s->lay.v_offset,
+								  s->lay.token_stride, j->layer,
+								  c->off),
+					   (uint64_t)c->tokens * s->row_bytes, j->raw ? NULL : &x);
+		return rc ? rc : rx.err;
 	} else {
 		rc = land_scattered(j->t, s, c, j->layer);
 	}
@@ -467,7 +470,7 @@ static void land_failed(struct fuse_table *t, struct fuse_session *s, uint32_t l
  */
 bool land_step(struct fuse_table *t, struct fuse_session *s)
 {
-	struct land_job j = { t, s, NULL, 0 };
+	struct land_job j = { t, s, NULL, 0, false };
 	struct timespec t0;
 	uint32_t done = 0;
 	bool more;
@@ -494,14 +497,16 @@ bool land_step(struct fuse_table *t, struct fuse_session *s)
 			rc = ensure_cslot(t, s, i);
 			j.from = &s->cslot[i];
 		}
-	if (s->dl)
+	if (s->dl) {
 		s->land_mem = dland_stage(s, j.layer); /* the host buffer this layer goes to */
+		j.raw = !j.from; /* a check layer's slot is rotated already */
+	}
 	pthread_mutex_unlock(&s->lock);
 	clock_gettime(CLOCK_MONOTONIC, &t0);
 	if (!rc)
 		rc = pool_run(t->pool, s->n_chunks, land_chunk, &j);
 	if (!rc && s->dl)
-		rc = dland_layer(t, s, j.layer, &done);
+		rc = dland_layer(t, s, j.layer, j.raw, &done);
 	pthread_mutex_lock(&s->lock);
 	s->ns_land += ns_since(&t0);
 	s->landing = false;

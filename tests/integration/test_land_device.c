@@ -278,6 +278,81 @@ static void head_range_into_device(void **state)
 	free(got);
 }
 
+/*
+ * One blend session (check layers 1 and 3) driven the same way into a host layout
+ * and into device memory: the node sends the same check rows and writes nothing
+ * itself, so both caches must end equal byte for byte. Layer 2 and the layers after
+ * the last check land as stored and are re-rotated on the device; layer 3 lands from
+ * the check's slot, which the host re-rotated.
+ */
+static void blend_one(struct fixture *f, const struct kvb_kv_layout *y,
+		      const struct kvb_device_mem *dm, size_t *selected)
+{
+	static const uint32_t checks[2] = { 1, 3 };
+	static const double ratios[2] = { 0.5, 0.25 };
+	struct kvb_fuse_params p = { checks, ratios, 2, KVB_METRIC_VALUE };
+	struct kvb_segment segs[4];
+	size_t ns = segments(f, segs), ci = 0;
+	uint16_t *pk = malloc((size_t)N * H * D * 2);
+	kvb_fuse *s = NULL;
+
+	if (dm)
+		assert_int_equal(kvb_fuse_open_into_device(f->c, "lm", segs, ns, &p, y, dm, &s,
+							   NULL, NULL),
+				 0);
+	else
+		assert_int_equal(kvb_fuse_open_into(f->c, "lm", segs, ns, &p, y, &s, NULL, NULL),
+				 0);
+	for (uint32_t l = 0; l < L; l++) {
+		const int32_t *rows;
+		size_t nr = kvb_fuse_rows(s, &rows);
+
+		if (l > checks[0])
+			assert_int_equal(kvb_fuse_wait(f->c, s, l, 10000), 0);
+		if (ci < 2 && checks[ci] == l) {
+			/* the V rows of the rows asked for: a pattern of the layer and token */
+			for (size_t i = 0; i < nr; i++)
+				fill_f16(pk + i * H * D, (size_t)H * D, 1000 * l + (uint32_t)rows[i]);
+			assert_int_equal(kvb_fuse_check(f->c, s, l, pk, 0, NULL, NULL), 0);
+			ci++;
+		}
+	}
+	{
+		const int32_t *rows;
+
+		*selected = kvb_fuse_rows(s, &rows);
+	}
+	assert_int_equal(kvb_fuse_close(f->c, &s, NULL, NULL), 0);
+	free(pk);
+}
+
+static void blend_into_device_equals_host(void **state)
+{
+	struct fixture *f = *state;
+	struct kvb_kv_layout hy = gpu_layout(f, f->region, false);
+	struct kvb_kv_layout dy = gpu_layout(f, f->mem.base, false);
+	struct kvb_device_mem dm = device_mem(f);
+	uint8_t *got = malloc(CACHE_BYTES);
+	size_t diff = 0, host_sel, dev_sel;
+
+	memset(f->region, 0xa5, CACHE_BYTES);
+	assert_int_equal(nodemem_fill(&f->mem, 0xa5), 0);
+	blend_one(f, &hy, NULL, &host_sel);
+	blend_one(f, &dy, &dm, &dev_sel);
+	assert_int_equal(host_sel, dev_sel);
+	assert_true(host_sel > 0 && host_sel < N); /* a blend: some rows recomputed, not all */
+	assert_int_equal(nodemem_read(&f->mem, 0, got, CACHE_BYTES), 0);
+	for (size_t i = 0; i < CACHE_BYTES; i++)
+		diff += got[i] != f->region[i];
+	assert_int_equal(diff, 0);
+	/* the layers after the first check were landed: not the fill */
+	diff = 0;
+	for (size_t i = 2 * LAYER_BYTES; i < CACHE_BYTES; i++)
+		diff += got[i] != 0xa5;
+	assert_true(diff > (size_t)2 * 2 * 20 * H * HB / 2);
+	free(got);
+}
+
 /* Refusals: each names its cause, and the daemon serves on. */
 static void refusals(void **state)
 {
@@ -454,6 +529,7 @@ int main(void)
 		cmocka_unit_test(lbhnc_equals_host),
 		cmocka_unit_test(two_sessions_one_allocation),
 		cmocka_unit_test(head_range_into_device),
+		cmocka_unit_test(blend_into_device_equals_host),
 		cmocka_unit_test(refusals),
 		cmocka_unit_test(four_allocations_a_client),
 		cmocka_unit_test(no_device_daemon),
