@@ -81,7 +81,8 @@ def model_from_vllm(vllm_config: VllmConfig, name: str) -> Model:
     ------
     Refused
         MLA, sliding window, an architecture or RoPE scaling kvblend cannot describe,
-        tensor or pipeline parallelism, a quantized KV cache, an unsupported dtype.
+        pipeline parallelism, tensor parallelism over more ranks than KV heads (or a
+        count that does not divide them), a quantized KV cache, an unsupported dtype.
     """
     mc = vllm_config.model_config
     hf = mc.hf_text_config
@@ -100,8 +101,16 @@ def model_from_vllm(vllm_config: VllmConfig, name: str) -> Model:
     ):
         raise refuse("sliding-window attention layers are not supported")
     pc = vllm_config.parallel_config
-    if pc.tensor_parallel_size != 1 or pc.pipeline_parallel_size != 1:
-        raise refuse("tensor or pipeline parallelism is not supported yet")
+    if pc.pipeline_parallel_size != 1:
+        raise refuse("pipeline parallelism is not supported yet")
+    tp = pc.tensor_parallel_size
+    total_heads = mc.get_total_num_kv_heads()
+    if tp > 1 and total_heads % tp:
+        # vLLM then replicates KV heads across ranks: a rank's cache is not a head range
+        raise refuse(
+            f"tensor_parallel_size {tp} does not divide the model's {total_heads} KV heads "
+            "(vLLM replicates them across ranks then; kvblend lands a rank's own range)"
+        )
     cache_dtype = str(vllm_config.cache_config.cache_dtype)
     if cache_dtype != "auto":
         raise refuse(f"kv_cache_dtype {cache_dtype!r}: only 'auto' (the model's dtype)")
@@ -114,7 +123,7 @@ def model_from_vllm(vllm_config: VllmConfig, name: str) -> Model:
             name=name,
             dtype=dtype,
             num_layers=mc.get_num_layers(pc),
-            num_kv_heads=mc.get_total_num_kv_heads(),
+            num_kv_heads=total_heads,
             head_dim=mc.get_head_size(),
         )
     except _describe.Undescribable as e:
@@ -281,10 +290,26 @@ def connector_config(vllm_config: VllmConfig) -> ConnectorConfig:
         )
     except ValueError as e:
         raise refuse(f"kv_connector_extra_config: {e}") from None
-    store_on_miss = extra.get("store_on_miss", separator is not None)
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    if tp > 1 and blend is not None:
+        # every rank would select on its own heads' deviation, and the ranks' passes must
+        # run the same rows through vLLM's collectives: not built yet
+        raise refuse(
+            f"blending under tensor parallelism ({tp} ranks) is not supported yet; without "
+            "'blend' chunks are reused (exact prefixes, and the keys of later chunks "
+            "re-rotated), each rank landing its own KV heads"
+        )
+    store_on_miss = extra.get("store_on_miss", separator is not None and tp == 1)
     if not isinstance(store_on_miss, bool):
         raise refuse(
             f"kv_connector_extra_config: store_on_miss must be a bool, got {store_on_miss!r}"
+        )
+    if store_on_miss and tp > 1:
+        # the miss thread prefills through the model's modules, whose collectives every
+        # rank would have to run in step with the engine's
+        raise refuse(
+            f"store_on_miss under tensor parallelism ({tp} ranks) is not supported yet; "
+            "requests that ask to store (kv_transfer_params) still store"
         )
     per_step = _int_key(extra, "store_tokens_per_step", 2048, 1, 1 << 20)
     idle_ms = _int_key(extra, "store_idle_ms", 0, 0, 60_000)

@@ -98,6 +98,7 @@ class CacheRegion:
         self.k: np.ndarray | None = None  # [layers, blocks, block_size, heads, hd], K's strides
         self.v: np.ndarray | None = None
         self.block_size = 0
+        self.heads: tuple[int, int] | None = None  # a tensor-parallel rank's KV heads
         # this step's sessions, and the seconds each has held the engine (open, waits, close)
         self.sessions: dict[str, tuple[LandingSession, list[float]]] = {}
         self.failed: set[str] = set()  # this step's sessions that stopped landing
@@ -141,19 +142,28 @@ class CacheRegion:
         model: Model,
         block_size: int,
         kind: str = CPU_VEC,
+        heads: tuple[int, int] | None = None,
     ) -> None:
-        """Check that vLLM's layers (layer order, layout ``kind``) lie in the region; view them."""
+        """Check that vLLM's layers (layer order, layout ``kind``) lie in the region; view them.
+
+        ``heads``: (first, count) of the model's KV heads the layers hold (a
+        tensor-parallel rank's); the daemon lands those of each stored chunk.
+        """
         if self.buf is None:
             return
         if not self.taken:
             self.off("vLLM did not allocate its KV cache as one torch.zeros(int8) (another vLLM?)")
             return
-        views = region_views(self.buf, self.size, layers, model, block_size, kind)
+        views = region_views(
+            self.buf, self.size, layers, model, block_size, kind, heads[1] if heads else None
+        )
         if views is None:
             self.off("vLLM's cache layers are not in the region at one stride")
             return
         self.k, self.v = views
         self.block_size = block_size
+        if heads is not None and heads != (0, model.num_kv_heads):
+            self.heads = heads
         self.active = True
         self.log.info(
             "kvblend: vLLM's KV cache (%d bytes) is in a kvblend region: loads land directly",
@@ -188,6 +198,7 @@ class CacheRegion:
                 self.k,
                 self.v,
                 pages=blocks[:need],
+                heads=self.heads,
             )
         except BadShm as e:
             self.off(f"the daemon no longer knows the region ({e}): restarted or shm_idle")

@@ -78,11 +78,17 @@ class PagedCache:
         The model the cache holds (KV heads, head_dim, layers).
     block_size : int
         Tokens per cache block.
+    heads : (first, count) or None
+        The model's KV heads this cache holds: a tensor-parallel rank's range (vLLM gives
+        rank r of t heads ``r * H/t`` to ``(r + 1) * H/t - 1``); None: all of them.
     """
 
-    def __init__(self, model: Model, block_size: int) -> None:
+    def __init__(
+        self, model: Model, block_size: int, heads: tuple[int, int] | None = None
+    ) -> None:
         self.model = model
         self.block_size = block_size
+        self.heads = heads or (0, model.num_kv_heads)
         self.kind = CPU_VEC  # or INTERLEAVED, set by register()
         # per layer [blocks, heads, block_size, head_dim] views, whatever the layout (CPU_VEC
         # K: the transposed block seen through a transposed view)
@@ -109,7 +115,7 @@ class PagedCache:
             (CPU_VEC) or with head_dim not contiguous (INTERLEAVED), layers of different
             strides, or as many layers as the model does not have.
         """
-        bs, hd, heads = self.block_size, self.model.head_dim, self.model.num_kv_heads
+        bs, hd, heads = self.block_size, self.model.head_dim, self.heads[1]
         strides = None
         on_cpu = all(t.device.type == "cpu" for t in kv_caches.values())
         self.kind = k = kind or (CPU_VEC if on_cpu else INTERLEAVED)
@@ -161,8 +167,12 @@ class PagedCache:
         """Write ``rows`` [layers, 2, n, kv_heads, head_dim] into the cache.
 
         At prompt positions ``first .. first + n - 1`` through the request's block table;
-        ``rows`` may be on another device than the cache (copied to the cache's).
+        ``rows`` may be on another device than the cache (copied to the cache's). Rows of
+        all the model's KV heads are cut to this cache's range.
         """
+        h0, hn = self.heads
+        if rows.shape[3] != hn:
+            rows = rows[:, :, :, h0 : h0 + hn]
         blk, off = slots(block_ids, first, first + rows.shape[2], self.block_size)
         for layer in range(rows.shape[0]):
             r = rows[layer].to(self.v[layer].device)
@@ -173,8 +183,11 @@ class PagedCache:
         """Copy one layer's K and V of prompt positions 0 .. length - 1 into ``out``.
 
         ``out`` is [2, length, kv_heads, head_dim] (K, then V) in the model's dtype, on
-        the host.
+        the host: this cache's heads, or all the model's (this cache's range written).
         """
+        h0, hn = self.heads
+        if out.shape[2] != hn:
+            out = out[:, :, h0 : h0 + hn]
         blk, off = slots(block_ids, 0, length, self.block_size)
         torch.from_numpy(out[0])[:] = self.k[layer][blk, :, off, :].cpu()
         torch.from_numpy(out[1])[:] = self.v[layer][blk, :, off, :].cpu()
@@ -191,6 +204,7 @@ def region_views(
     model: Model,
     block_size: int,
     kind: str = CPU_VEC,
+    heads: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """Describe vLLM's cache inside a region as K and V arrays for the daemon.
 
@@ -206,6 +220,8 @@ def region_views(
         Tokens per block.
     kind : str
         The layout (:attr:`PagedCache.kind`).
+    heads : int or None
+        The KV heads each layer holds (a tensor-parallel rank's count); None: the model's.
 
     Returns
     -------
@@ -219,7 +235,7 @@ def region_views(
     es = np.dtype(model.np_dtype).itemsize
     ptrs = [t.data_ptr() for t in layers]
     ls = ptrs[1] - ptrs[0] if len(ptrs) > 1 else 0
-    nb, heads = layers[0].shape[0], model.num_kv_heads
+    nb, heads = layers[0].shape[0], heads or model.num_kv_heads
     hd, bs = model.head_dim, block_size
     # the bytes one layer's view spans from its first element
     span = es * (1 + sum((n - 1) * st for n, st in zip(layers[0].shape, layers[0].stride())))

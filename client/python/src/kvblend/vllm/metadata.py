@@ -71,8 +71,12 @@ class KvblendWorkerMeta(KVConnectorWorkerMetadata):
     failed_tokens: int = 0
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        """All workers' samples of the step together."""
+        """All workers' samples of the step together.
+
+        Tensor-parallel ranks load the same requests (each its heads): only rank 0 sends
+        samples, and the failed tokens are the most any rank failed, not their sum.
+        """
         assert isinstance(other, KvblendWorkerMeta)
         return KvblendWorkerMeta(
-            self.samples + other.samples, self.failed_tokens + other.failed_tokens
+            self.samples + other.samples, max(self.failed_tokens, other.failed_tokens)
         )

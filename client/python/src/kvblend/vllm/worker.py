@@ -5,7 +5,9 @@ Runs in each vLLM worker process. It keeps views of vLLM's cache
 (:class:`kvblend.vllm.landing.CacheRegion`) lets the daemon land loads straight into it;
 other loads are copied from the daemon's reply, and blends run the blend pass over vLLM's
 model (:mod:`kvblend.vllm.blend`). A failed load is reported to vLLM, which recomputes
-its blocks. Stores gather a prefilled prompt's rows layer by layer and PUT them.
+its blocks. Stores gather a prefilled prompt's rows layer by layer and PUT them. Under
+tensor parallelism each rank lands and writes its own KV heads of the chunks (stored with
+all of them), and a store's heads are gathered to rank 0, which PUTs the chunk once.
 """
 
 from __future__ import annotations
@@ -87,6 +89,8 @@ class WorkerSide:
         # and why loads are refused for good when it failed
         self._rope_pending: list[tuple[str, Any]] | None = None
         self._rope_bad: str | None = None
+        # tensor parallelism: this rank, the ranks, and vLLM's group of them (None at 1)
+        self._tp_rank, self._tp_size, self._tp_group = 0, 1, None
 
     def get_mem_pool_context(self) -> Any:
         """Place vLLM's one KV-cache allocation in a kvblend region (ipc:// daemons).
@@ -113,6 +117,7 @@ class WorkerSide:
                 f"KV cache on {devices}: the connector runs on vLLM's CPU build only so far "
                 "(docs/vllm.md, \"GPUs\")"
             )
+        self._tensor_parallel()
         try:
             self.cache.register(kv_caches, ctx)
         except LayoutError as e:
@@ -128,12 +133,66 @@ class WorkerSide:
         if self._region is not None:
             layers = self.cache.layers_in_order()
             self._region.attach(
-                layers, self.config.model, self.cache.block_size, self.cache.kind
+                layers, self.config.model, self.cache.block_size, self.cache.kind,
+                self.cache.heads,
             )
         try:
             self.daemon.client()
         except KvblendError:
             pass  # the link logged it, and retries with a back-off
+
+    def _tensor_parallel(self) -> None:
+        """Take this rank's KV heads: rank r of t holds heads r * H/t .. (r + 1) * H/t - 1.
+
+        Chunks are stored with all the model's heads (so that they serve every TP degree);
+        each rank lands or writes its own range, and stores gather the ranks' ranges to
+        rank 0, which PUTs the whole chunk once (:meth:`wait_for_save`).
+        """
+        size = self._vllm_config.parallel_config.tensor_parallel_size
+        if size == 1:
+            return
+        from vllm.distributed.parallel_state import get_tp_group
+
+        g = get_tp_group()
+        heads = self.config.model.num_kv_heads // size  # connector_config: size divides it
+        self._tp_rank, self._tp_size, self._tp_group = g.rank_in_group, size, g
+        self.cache.heads = (g.rank_in_group * heads, heads)
+        logger.info(
+            "kvblend: tensor-parallel rank %d of %d: KV heads %d..%d of %d",
+            g.rank_in_group, size, g.rank_in_group * heads, (g.rank_in_group + 1) * heads - 1,
+            self.config.model.num_kv_heads,
+        )
+
+    def _gather_heads(self, buf: np.ndarray | None, length: int) -> np.ndarray | None:
+        """Rank 0: ``buf`` with every rank's heads; other ranks: None (they send theirs).
+
+        Every rank calls it for each store of a step, in the metadata's order (the same on
+        every rank), so the collective cannot cross another. A rank without the rows
+        sends zeros, and rank 0 then stores nothing (``None``).
+        """
+        import torch.distributed as dist
+
+        h0, hn = self.cache.heads
+        model = self.config.model
+        missing = buf is None
+        if missing:
+            buf = np.zeros(model.kv_shape(length), model.np_dtype)
+        mine = np.ascontiguousarray(buf[:, :, :, h0 : h0 + hn])
+        flag = torch.tensor([1 if missing else 0], dtype=torch.int32)
+        g = self._tp_group
+        dist.all_reduce(flag, group=g.cpu_group)
+        parts = (
+            [torch.empty(mine.nbytes, dtype=torch.uint8) for _ in range(self._tp_size)]
+            if self._tp_rank == 0
+            else None
+        )
+        dist.gather(torch.from_numpy(mine.reshape(-1).view(np.uint8)), parts,
+                    dst=g.ranks[0], group=g.cpu_group)
+        if self._tp_rank != 0 or int(flag.item()):
+            return None
+        for r, part in enumerate(parts):
+            buf[:, :, :, r * hn : (r + 1) * hn] = part.numpy().view(buf.dtype).reshape(mine.shape)
+        return buf
 
     def _start_self_test(self) -> None:
         """Check the daemon's re-rotation against vLLM's rotary modules (kvblend.vllm.selftest).
@@ -167,7 +226,10 @@ class WorkerSide:
 
         try:
             with set_current_vllm_config(self._vllm_config):
-                line = selftest.run(client, self.config.model, self._rope_pending)
+                # a seed of its own a rank: the ranks' tests run at once on one daemon
+                line = selftest.run(
+                    client, self.config.model, self._rope_pending, seed=self._tp_rank
+                )
         except selftest.SelfTestFailed as e:
             self._rope_bad = str(e)
             self._rope_pending = None
@@ -222,6 +284,8 @@ class WorkerSide:
 
     def build_worker_meta(self) -> KvblendWorkerMeta | None:
         """This step's cost samples and failed loads for the scheduler (None: nothing)."""
+        if self._tp_rank:
+            self._samples = []  # rank 0's: every rank times the same loads and steps
         if not self._samples and not self._failed_tokens:
             return None
         out = KvblendWorkerMeta(self._samples, self._failed_tokens)
@@ -446,6 +510,8 @@ class WorkerSide:
             self._misses.submit(meta.misses)  # prefilled and stored on the thread
         for st in meta.stores:
             buf = self._gathered.pop(st.req_id, None)
+            if self._tp_size > 1:
+                buf = self._gather_heads(buf, st.length)  # rank 0 stores the whole chunk
             if buf is None:
                 continue
             try:

@@ -1,0 +1,290 @@
+"""Tensor parallelism 2 in a real vLLM 0.32 CPU engine with KvblendConnector.
+
+Run with the engine venv's python (.ci/engine-env), KVBLEND_LIB set to the build's
+libkvblend and KVBLEND_ENGINE_MODEL (or --model) to SmolLM2-135M-Instruct's directory,
+whose tokenizer the test model (make_tp_model.py: a random-weight Llama with 4 KV heads,
+float32, built beside it on first use) shares. One daemon; two engines, one after the
+other, each in a process of its own (this script with --phase):
+
+TP = 1: two documents stored (store_documents); plain outputs of three prompts; and the
+re-rotated reuse of both documents (doc0 then doc1, each a chunk, then the question).
+TP = 2 (each rank holds 2 of the 4 KV heads; vLLM's cache in a kvblend region):
+(a) plain outputs equal TP = 1's (float32: the ranks' sums differ by about 1e-5);
+    every rank's log names its head range and shows its loads done, none failed (a
+    failed load is recomputed by vLLM, so an output equal to plain alone proves nothing);
+(b) doc0 stored at TP = 1 reused as an exact prefix: 16 greedy tokens equal plain TP = 2,
+    landed by the daemon (one landing session a rank, each its head range; no GET);
+(c) the same load copied from the daemon's reply (a test hook): equal to plain; one
+    re-rotated GET a rank, no landing;
+(d) doc2 stored at TP = 2: one PUT (rank 0, the ranks' heads gathered to it), one chunk
+    more, and its K and V equal transformers' float32 prefill of doc2 within 1e-4 of
+    each layer's scale (heads in the wrong order or a rank's left out would be off by
+    the values' size);
+(e) doc2 reused as an exact prefix at TP = 2: equal to plain;
+(f) the re-rotated reuse of doc0 then doc1 gives TP = 1's tokens;
+(g) on vLLM's own config, no engine: refused with a line naming the cause, 8 ranks over
+    4 KV heads, ``blend`` and ``store_on_miss`` under TP; a separator alone runs, with
+    store on a miss off by default.
+Exit 0 when all pass, 1 on a failure, 77 when KVBLEND_SKIP_ENGINE=1.
+"""
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+if os.environ.get("KVBLEND_SKIP_ENGINE") == "1":
+    print("test_vllm_tp: skipped (KVBLEND_SKIP_ENGINE=1)")
+    sys.exit(77)
+
+HERE = Path(__file__).resolve().parent
+SRC = HERE.parent.parent / "client" / "python" / "src"
+MAX_TOKENS = 16
+NAME = "tp-test"
+TOL = 1e-4
+QUESTION = " Question: which of these places would you visit first, and why?"
+
+failures = []
+
+
+def check(what, ok, detail=""):
+    print(("ok   " if ok else "FAIL ") + what + (f" ({detail})" if detail else ""))
+    if not ok:
+        failures.append(what)
+
+
+def phase(tp, model_dir, endpoint, out_path):
+    """One engine at TP = tp; its outputs (and the daemon's counters around them) to out_path."""
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    sys.path[:0] = [str(SRC), str(HERE)]
+    import kvblend
+    from fixtures import DOCS
+    from kvblend.vllm import store_documents
+
+    t0 = time.monotonic()
+    llm = LLM(model=model_dir, tensor_parallel_size=tp,
+              distributed_executor_backend="mp" if tp > 1 else None, dtype="float32",
+              enforce_eager=True, max_model_len=512, seed=0, enable_prefix_caching=False,
+              num_gpu_blocks_override=16,
+              kv_transfer_config=KVTransferConfig(
+                  kv_connector="KvblendConnector", kv_connector_module_path="kvblend.vllm",
+                  kv_role="kv_both",
+                  kv_connector_extra_config={"endpoint": endpoint, "timeout_ms": 20000,
+                                             "model_name": NAME}))
+    res = {"engine_start_s": round(time.monotonic() - t0, 1)}
+    tok = llm.get_tokenizer()
+    docs = [tok.encode(t, add_special_tokens=False) for t in DOCS[:3]]
+    q = tok.encode(QUESTION, add_special_tokens=False)
+    l0, l1, l2 = (len(d) for d in docs)
+
+    def gen(prompts, params=None):
+        params = params or [None] * len(prompts)
+        sp = [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                             extra_args=None if p is None else {"kv_transfer_params": p})
+              for p in params]
+        outs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompts], sp,
+                            use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    def segs(*s):
+        return {"kvblend": {"segments": [list(x) for x in s]}}
+
+    def stats():
+        with kvblend.Client(endpoint, timeout_ms=10000) as c:
+            return c.stats()
+
+    def delta(a, b):
+        return {k: b[k] - a[k] for k in ("requests_fuse_open", "requests_get", "requests_put",
+                                          "chunks")}
+
+    prompts = [docs[0] + q, docs[2] + q, docs[0] + docs[1] + q]
+    rr = segs((0, l0, "chunk"), (l0, l1, "chunk"), (l0 + l1, len(q), "fresh"))
+    res["plain"] = gen(prompts)
+    if tp == 1:
+        res["hashes"] = [h.hex() for h in store_documents(llm, docs[:2])]
+        res["rerotated"] = gen([prompts[2]], [rr])[0]
+    else:
+        s0 = stats()
+        res["reuse0"] = gen([prompts[0]], [segs((0, l0, "chunk"), (l0, len(q), "fresh"))])[0]
+        s1 = stats()
+        res["reuse0_counts"] = delta(s0, s1)
+        copy = os.environ["KVBLEND_VLLM_COPY_FILE"]
+        Path(copy).touch()
+        res["copy0"] = gen([prompts[0]], [segs((0, l0, "chunk"), (l0, len(q), "fresh"))])[0]
+        os.unlink(copy)
+        s2 = stats()
+        res["copy0_counts"] = delta(s1, s2)
+        res["doc2_hash"] = store_documents(llm, [docs[2]])[0].hex()
+        s3 = stats()
+        res["store2_counts"] = delta(s2, s3)
+        res["doc2_ids"] = docs[2]
+        res["reuse2"] = gen([prompts[1]], [segs((0, l2, "chunk"), (l2, len(q), "fresh"))])[0]
+        res["rerotated"] = gen([prompts[2]], [rr])[0]
+    Path(out_path).write_text(json.dumps(res))
+
+
+def refusals(model_dir):
+    """(g) What the connector refuses under TP, checked on vLLM's own config (no engine)."""
+    from vllm.config import KVTransferConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    from kvblend.vllm.config import Refused, connector_config
+
+    def config(tp, extra):
+        return EngineArgs(
+            model=model_dir, tensor_parallel_size=tp, distributed_executor_backend="mp",
+            dtype="float32", enforce_eager=True, max_model_len=512,
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="KvblendConnector", kv_connector_module_path="kvblend.vllm",
+                kv_role="kv_both", kv_connector_extra_config=dict(extra, model_name=NAME)),
+        ).create_engine_config()
+
+    cases = [
+        ("8 ranks, 4 KV heads (vLLM would replicate them)", 8, {}, "does not divide"),
+        ("blend under TP", 2, {"blend": {"check_layers": [1], "ratios": [0.15]}},
+         "blending under tensor parallelism"),
+        ("store_on_miss under TP", 2, {"store_on_miss": True, "chunk_separator": [11]},
+         "store_on_miss under tensor parallelism"),
+    ]
+    for what, tp, extra, want in cases:
+        try:
+            connector_config(config(tp, extra))
+            check(f"(g) refused: {what}", False, "started")
+        except Refused as e:
+            check(f"(g) refused: {what}", want in str(e), str(e))
+    c = connector_config(config(2, {"chunk_separator": [11]}))
+    check("(g) a separator under TP: store on a miss off by default, reuse on",
+          c.store_on_miss is False and c.model.num_kv_heads == 4)
+
+
+def hf_kv(model_dir, ids):
+    """transformers' float32 K (rotated) and V of ids from position 0: [L, 2, T, H, hd]."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    with torch.no_grad():
+        out = m(torch.tensor([ids]), use_cache=True)
+    cache = out.past_key_values
+    layers = []
+    for i in range(m.config.num_hidden_layers):
+        if hasattr(cache, "layers"):
+            k, v = cache.layers[i].keys, cache.layers[i].values
+        else:
+            k, v = cache[i]
+        # [1, H, T, hd] -> [T, H, hd]
+        layers.append(np.stack([k[0].transpose(0, 1).numpy(), v[0].transpose(0, 1).numpy()]))
+    return np.stack(layers)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=os.environ.get("KVBLEND_ENGINE_MODEL"))
+    ap.add_argument("--phase", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--endpoint", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.phase:
+        phase(args.phase, args.model, args.endpoint, args.out)
+        return 0
+    if not args.model:
+        print("test_vllm_tp: give --model or KVBLEND_ENGINE_MODEL", file=sys.stderr)
+        return 2
+    sys.path[:0] = [str(SRC), str(HERE)]
+    import numpy as np
+    import kvblend
+    from fixtures import Daemon
+    from make_tp_model import ensure
+
+    t0 = time.monotonic()
+    model_dir = str(ensure(args.model))
+    print(f"test model {model_dir} ({time.monotonic() - t0:.1f} s)")
+    work = Path(tempfile.mkdtemp(prefix="kvblend-tp."))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(SRC), str(HERE), os.environ.get("PYTHONPATH", "")) if p)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env["KVBLEND_VLLM_COPY_FILE"] = str(work / "copy-loads")
+    d = Daemon()
+    res, logs = {}, {}
+    try:
+        for tp, bind in ((1, "nobind"), (2, "0|1")):
+            # vLLM's CPU TP needs a core a rank ("auto" wants a NUMA node a rank)
+            e = dict(env, VLLM_CPU_OMP_THREADS_BIND=bind)
+            out = work / f"tp{tp}.json"
+            t = time.monotonic()
+            p = subprocess.run([sys.executable, __file__, "--model", model_dir, "--phase",
+                                str(tp), "--endpoint", d.endpoint, "--out", str(out)],
+                               env=e, timeout=900, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+            rc, logs[tp] = p.returncode, p.stdout
+            print(p.stdout)
+            if rc != 0:
+                check(f"engine at TP = {tp} ran", False, f"exit {rc}")
+                return 1
+            res[tp] = json.loads(out.read_text())
+            print(f"TP = {tp}: {time.monotonic() - t:.1f} s (engine start "
+                  f"{res[tp]['engine_start_s']} s)")
+        one, two = res[1], res[2]
+        # A load that fails is recomputed by vLLM, and its output is plain's: each rank's
+        # log must show its loads done (landed, or copied) and none failed.
+        done = {r: {"landed": 0, "copied": 0} for r in (0, 1)}
+        for m in re.finditer(r"\(Worker_TP(\d) pid=\d+\).*kvblend: loaded \d+ tokens of "
+                             r"\S+ in [0-9.]+ s \((landed|copied)", logs[2]):
+            done[int(m.group(1))][m.group(2)] += 1
+        bad = re.findall(r"kvblend: (?:load for \S+ failed|landing session for \S+ refused|"
+                         r"landing stopped|landing off).*", logs[2])
+        check("TP = 2: each rank landed 3 loads and copied 1, none failed",
+              all(v == {"landed": 3, "copied": 1} for v in done.values()) and not bad,
+              f"{done}, failures {bad[:3]}")
+        check("TP = 2: each rank logged its KV heads",
+              "tensor-parallel rank 0 of 2: KV heads 0..1 of 4" in logs[2]
+              and "tensor-parallel rank 1 of 2: KV heads 2..3 of 4" in logs[2])
+        check("(a) plain TP = 2 equals plain TP = 1", one["plain"] == two["plain"])
+        check("(b) doc0 stored at TP = 1, reused at TP = 2: equals plain",
+              two["reuse0"] == two["plain"][0], f"{two['reuse0']} vs {two['plain'][0]}")
+        c = two["reuse0_counts"]
+        check("(b) landed: a session a rank, no GET",
+              c["requests_fuse_open"] == 2 and c["requests_get"] == 0, str(c))
+        check("(c) copied from the reply: equals plain", two["copy0"] == two["plain"][0])
+        c = two["copy0_counts"]
+        check("(c) copied: a GET a rank, no landing",
+              c["requests_get"] == 2 and c["requests_fuse_open"] == 0, str(c))
+        c = two["store2_counts"]
+        check("(d) doc2 stored at TP = 2: one PUT, one chunk more",
+              c["requests_put"] == 1 and c["chunks"] == 1, str(c))
+        with kvblend.Client(d.endpoint, timeout_ms=10000) as cl:
+            got = cl.get(NAME, bytes.fromhex(two["doc2_hash"]))
+        want = hf_kv(model_dir, two["doc2_ids"])
+        worst = 0.0
+        for layer in range(want.shape[0]):
+            for kv in range(2):
+                scale = float(np.abs(want[layer, kv]).max())
+                worst = max(worst, float(np.abs(got[layer, kv] - want[layer, kv]).max()) / scale)
+        swapped = np.concatenate([want[:, :, :, 2:], want[:, :, :, :2]], axis=3)
+        off = float(np.abs(swapped - want).max() / np.abs(want).max())
+        check("(d) stored K and V equal transformers' prefill",
+              got.shape == want.shape and worst < TOL,
+              f"shape {got.shape}, worst {worst:.2e} of each layer's scale; the ranks' "
+              f"halves swapped would be {off:.2f}")
+        check("(e) doc2 reused at TP = 2: equals plain", two["reuse2"] == two["plain"][1])
+        check("(f) re-rotated reuse at TP = 2 gives TP = 1's tokens",
+              two["rerotated"] == one["rerotated"], f"{two['rerotated']} vs {one['rerotated']}")
+        refusals(model_dir)
+    finally:
+        d.stop()
+    print("test_vllm_tp: " + ("FAILED: " + "; ".join(failures) if failures else "passed"))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
