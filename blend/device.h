@@ -91,6 +91,11 @@ struct blend_device {
 
 	int (*upload)(const struct blend_device *d, struct blend_stream *st, void *dev,
 		      const void *host, size_t n);
+	/* height rows of width bytes, host's at spitch, to dev at dpitch (a head range of each
+	 * of a layer's rows, packed) */
+	int (*upload2d)(const struct blend_device *d, struct blend_stream *st, void *dev,
+			size_t dpitch, const void *host, size_t spitch, size_t width,
+			size_t height);
 	int (*download)(const struct blend_device *d, struct blend_stream *st, void *host,
 			const void *dev, size_t n);
 	/* Device memory to device memory (the references benchmarks measure against). */

@@ -275,6 +275,23 @@ static int e_upload(const struct blend_device *d, struct blend_stream *st, void 
 	return e_copy(d, st, dev, host, n);
 }
 
+static int e_upload2d(const struct blend_device *d, struct blend_stream *st, void *dev,
+		      size_t dpitch, const void *host, size_t spitch, size_t width, size_t height)
+{
+	int rc = step(d);
+
+	(void)st;
+	if (rc)
+		return rc;
+	if (width > dpitch || width > spitch)
+		return -EINVAL;
+	if (height && E(d)->log && !is_pinned(E(d), host, width))
+		note(E(d), "pageable_upload", host);
+	for (size_t r = 0; r < height; r++)
+		memcpy((uint8_t *)dev + r * dpitch, (const uint8_t *)host + r * spitch, width);
+	return 0;
+}
+
 static int e_download(const struct blend_device *d, struct blend_stream *st, void *host,
 		      const void *dev, size_t n)
 {
@@ -531,6 +548,7 @@ int blend_emu_open(uint64_t fail_after, bool sticky, struct blend_device **out)
 		.event_wait = e_event_wait,
 		.event_sync = e_event_sync,
 		.upload = e_upload,
+		.upload2d = e_upload2d,
 		.download = e_download,
 		.copy = e_copy,
 		.zero = e_zero,

@@ -187,6 +187,18 @@ static int t_upload(const struct blend_device *t, struct blend_stream *st, void 
 	return rc ? rc : blend_cuda_upload(S(st), dev, host, n);
 }
 
+static int t_upload2d(const struct blend_device *t, struct blend_stream *st, void *dev,
+		      size_t dpitch, const void *host, size_t spitch, size_t width, size_t height)
+{
+	int rc = bind(D(t));
+
+	if (rc || !width || !height)
+		return rc;
+	return cuda_xlate(D(t), cudaMemcpy2DAsync(dev, dpitch, host, spitch, width, height,
+						  cudaMemcpyHostToDevice, S(st)->st),
+			  "host-to-device copy (2D)");
+}
+
 static int t_download(const struct blend_device *t, struct blend_stream *st, void *host,
 		      const void *dev, size_t n)
 {
@@ -426,6 +438,7 @@ extern "C" const struct blend_device *blend_cuda_device(struct blend_cuda *d)
 	t->event_wait = t_event_wait;
 	t->event_sync = t_event_sync;
 	t->upload = t_upload;
+	t->upload2d = t_upload2d;
 	t->download = t_download;
 	t->copy = t_copy;
 	t->zero = t_zero;

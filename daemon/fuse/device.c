@@ -947,67 +947,123 @@ struct dev_land {
 	bool failed;
 };
 
-/* Map the node's allocation (or take another reference to it), under the table lock. */
+enum { IMPORT_FREE = 0, IMPORT_OPENING, IMPORT_OPEN, IMPORT_CLOSING };
+
+/*
+ * Map the node's allocation (or take another reference to it). Takes the table lock;
+ * the driver's map (cudaIpcOpenMemHandle: milliseconds, more on a busy device) runs
+ * with it dropped, its slot marked opening, so that other sessions' opens, closes and
+ * layers do not wait on it; a session after the same handle waits for that map, or
+ * for an unmap under way (a process maps a handle once at a time).
+ */
 static uint32_t import_take(struct fuse_table *t, const struct kvbp_layout *y, const char *owner,
 			    struct dimport **out, char *err, size_t errlen)
 {
 	const struct blend_device *dv = t->dev;
-	struct dimport *free_slot = NULL;
-	unsigned mine = 0;
-	char why[128];
+	struct dimport *slot;
+	void *base = NULL;
+	uint64_t bytes = 0;
+	char why[128] = "";
 	int rc;
 
-	for (size_t i = 0; i < FUSE_IMPORTS_MAX; i++) {
-		struct dimport *m = &t->imports[i];
+	pthread_mutex_lock(&t->lock);
+	for (;;) {
+		struct dimport *free_slot = NULL, *same = NULL;
+		unsigned mine = 0;
 
-		mine += m->refs && !strcmp(m->owner, owner);
-		if (m->refs && !memcmp(m->handle, y->device_handle, sizeof(m->handle))) {
-			if (strcmp(m->pci, y->device_pci))
+		for (size_t i = 0; i < FUSE_IMPORTS_MAX; i++) {
+			struct dimport *m = &t->imports[i];
+
+			mine += m->refs && !strcmp(m->owner, owner);
+			if (m->state != IMPORT_FREE &&
+			    !memcmp(m->handle, y->device_handle, sizeof(m->handle)))
+				same = m;
+			if (m->state == IMPORT_FREE && !free_slot)
+				free_slot = m;
+		}
+		if (same && same->state != IMPORT_OPEN) {
+			pthread_cond_wait(&t->imports_cond, &t->lock);
+			continue;
+		}
+		if (same) {
+			if (strcmp(same->pci, y->device_pci)) {
+				pthread_mutex_unlock(&t->lock);
 				return fail(err, errlen, KVBP_BAD_ARGUMENT, "landing into device "
 					    "memory: the allocation is mapped from device %s, not "
-					    "%s", m->pci, y->device_pci);
-			m->refs++;
-			*out = m;
+					    "%s", same->pci, y->device_pci);
+			}
+			same->refs++;
+			pthread_mutex_unlock(&t->lock);
+			*out = same;
 			return KVBP_OK;
 		}
-		if (!m->refs && !free_slot)
-			free_slot = m;
+		if (mine >= FUSE_IMPORTS_PER_OWNER) {
+			pthread_mutex_unlock(&t->lock);
+			return fail(err, errlen, KVBP_LIMIT, "landing into device memory: this "
+				    "client's sessions map %u device allocations already (at most "
+				    "%d)", mine, FUSE_IMPORTS_PER_OWNER);
+		}
+		if (!free_slot) {
+			pthread_mutex_unlock(&t->lock);
+			return fail(err, errlen, KVBP_LIMIT, "landing into device memory: %d node "
+				    "allocations are mapped already", FUSE_IMPORTS_MAX);
+		}
+		slot = free_slot;
+		break;
 	}
-	if (mine >= FUSE_IMPORTS_PER_OWNER)
-		return fail(err, errlen, KVBP_LIMIT, "landing into device memory: this client's "
-			    "sessions map %u device allocations already (at most %d)", mine,
-			    FUSE_IMPORTS_PER_OWNER);
-	if (!free_slot)
-		return fail(err, errlen, KVBP_LIMIT, "landing into device memory: %d node "
-			    "allocations are mapped already", FUSE_IMPORTS_MAX);
-	rc = dv->ipc_open(dv, y->device_handle, y->device_pci, &free_slot->base,
-			  &free_slot->bytes);
+	memcpy(slot->handle, y->device_handle, sizeof(slot->handle));
+	snprintf(slot->pci, sizeof(slot->pci), "%s", y->device_pci);
+	snprintf(slot->owner, sizeof(slot->owner), "%s", owner);
+	slot->refs = 1; /* counts against the owner's cap while it opens */
+	slot->state = IMPORT_OPENING;
+	pthread_mutex_unlock(&t->lock);
+	rc = dv->ipc_open(dv, y->device_handle, y->device_pci, &base, &bytes);
+	if (rc && rc != -ENODEV)
+		dv->last_error(dv, why, sizeof(why));
+	pthread_mutex_lock(&t->lock);
+	if (rc) {
+		slot->refs = 0;
+		slot->state = IMPORT_FREE;
+	} else {
+		slot->base = base;
+		slot->bytes = bytes;
+		slot->state = IMPORT_OPEN;
+	}
+	pthread_cond_broadcast(&t->imports_cond);
+	pthread_mutex_unlock(&t->lock);
 	if (rc == -ENODEV)
 		return fail(err, errlen, KVBP_BAD_ARGUMENT, "landing into device memory: the "
 			    "allocation is on device %s, not on this daemon's %s device",
 			    y->device_pci, dv->name);
-	if (rc) {
-		dv->last_error(dv, why, sizeof(why));
+	if (rc)
 		return fail(err, errlen, KVBP_BAD_ARGUMENT, "landing into device memory: the "
 			    "allocation's handle cannot be mapped (%s%s%s)", strerror(-rc),
 			    *why ? ": " : "", why);
-	}
-	memcpy(free_slot->handle, y->device_handle, sizeof(free_slot->handle));
-	snprintf(free_slot->pci, sizeof(free_slot->pci), "%s", y->device_pci);
-	snprintf(free_slot->owner, sizeof(free_slot->owner), "%s", owner);
-	free_slot->refs = 1;
-	*out = free_slot;
+	*out = slot;
 	return KVBP_OK;
 }
 
+/* Drop a reference; the last unmaps it, with the table lock dropped (its slot closing). */
 static void import_put(struct fuse_table *t, struct dimport *m)
 {
+	void *base;
+	uint64_t bytes;
+
 	pthread_mutex_lock(&t->lock);
-	if (m && m->refs && --m->refs == 0) {
-		t->dev->ipc_close(t->dev, m->base, m->bytes);
-		m->base = NULL;
-		m->bytes = 0;
+	if (!m || !m->refs || --m->refs) {
+		pthread_mutex_unlock(&t->lock);
+		return;
 	}
+	base = m->base;
+	bytes = m->bytes;
+	m->state = IMPORT_CLOSING;
+	pthread_mutex_unlock(&t->lock);
+	t->dev->ipc_close(t->dev, base, bytes);
+	pthread_mutex_lock(&t->lock);
+	m->base = NULL;
+	m->bytes = 0;
+	m->state = IMPORT_FREE;
+	pthread_cond_broadcast(&t->imports_cond);
 	pthread_mutex_unlock(&t->lock);
 }
 
@@ -1050,9 +1106,7 @@ uint32_t dland_setup(struct fuse_table *t, struct fuse_session *s, const struct 
 		memcpy(d->pages, y->pages, np * sizeof(uint32_t)); /* land_setup: n_pages >= np */
 		d->n_pages = np;
 	}
-	pthread_mutex_lock(&t->lock);
 	code = import_take(t, y, owner, &d->imp, err, errlen);
-	pthread_mutex_unlock(&t->lock);
 	if (code)
 		return code;
 	if (end > d->imp->bytes)
@@ -1178,18 +1232,33 @@ int dland_layer(struct fuse_table *t, struct fuse_session *s, uint32_t l, bool r
 				    y->page_stride, y->page_tokens, d->dpages,
 				    s->land_h0, s->land_hn };
 	const uint8_t *h = dland_stage(s, l);
+	struct blend_shape sh = s->shape;
+	size_t hb = (size_t)s->m.head_dim * s->m.elem_size, up = half;
 	int rc;
 
 	/* Queued behind the previous layer's kernels on the one stream (one device buffer). */
-	rc = dv->upload(dv, d->st, d->dblk, h, 2 * half);
+	if (s->land_hn < s->m.num_kv_heads) {
+		/* A rank's head range: only its heads of each row go up, packed (a rank of t
+		 * moves 1/t of the layer), and are rotated and landed as rows of those heads. */
+		size_t w = (size_t)s->land_hn * hb, off = (size_t)s->land_h0 * hb;
+
+		up = (size_t)s->n * w;
+		sh.heads = s->land_hn;
+		L.head0 = 0;
+		rc = dv->upload2d(dv, d->st, d->dblk, w, h + off, s->row_bytes, w, s->n);
+		if (!rc)
+			rc = dv->upload2d(dv, d->st, d->dblk + up, w, h + half + off, s->row_bytes,
+					  w, s->n);
+	} else {
+		rc = dv->upload(dv, d->st, d->dblk, h, 2 * half);
+	}
 	if (!rc && raw && d->n_spans)
-		rc = dv->rotate_spans(dv, d->st, &s->shape, d->dspans, d->n_spans, d->span_rows,
-				      d->dblk);
+		rc = dv->rotate_spans(dv, d->st, &sh, d->dspans, d->n_spans, d->span_rows, d->dblk);
 	if (!rc)
-		rc = dv->land(dv, d->st, &s->shape, &L, d->dblk, d->drows, d->n_rows);
+		rc = dv->land(dv, d->st, &sh, &L, d->dblk, d->drows, d->n_rows);
 	L.dst = base + y->v_offset; /* ckd-ok: as above */
 	if (!rc)
-		rc = dv->land(dv, d->st, &s->shape, &L, d->dblk + half, d->drows, d->n_rows);
+		rc = dv->land(dv, d->st, &sh, &L, d->dblk + up, d->drows, d->n_rows);
 	if (!rc)
 		rc = dv->event_record(dv, d->ev[l % 2], d->st);
 	if (rc) {

@@ -193,8 +193,12 @@ struct fuse_table {
 		void *base;
 		uint64_t bytes;
 		uint32_t refs;
+		/* IMPORT_OPENING or IMPORT_CLOSING: the driver maps or unmaps it, the table
+		 * lock dropped; a session after the same handle waits (imports_cond) */
+		uint8_t state;
 	} imports[FUSE_IMPORTS_MAX];
-	pthread_mutex_t lock; /* sessions, bytes, pins */
+	pthread_cond_t imports_cond; /* an import finished opening or closing */
+	pthread_mutex_t lock; /* sessions, bytes, pins, imports */
 	struct fuse_session **sessions;
 	uint64_t bytes;
 	struct pin *pins;

@@ -59,6 +59,7 @@ int fuse_table_new(const struct fuse_limits *l, struct store *store, struct pool
 	}
 	t->shm = shm;
 	pthread_mutex_init(&t->lock, NULL);
+	pthread_cond_init(&t->imports_cond, NULL);
 	dev_pinner_set(t, true); /* shared rings pinned once for their life, not per session */
 	dev_reserve_open(t);
 	*out = t;
@@ -187,6 +188,7 @@ void fuse_table_free(struct fuse_table **tp)
 	}
 	free(t->sessions);
 	free(t->pins);
+	pthread_cond_destroy(&t->imports_cond);
 	pthread_mutex_destroy(&t->lock);
 	free(t);
 	*tp = NULL;
