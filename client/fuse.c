@@ -47,6 +47,7 @@ struct kvb_fuse {
 	uint32_t metric;
 	size_t attn_count; /* chunk tokens x kv_heads */
 	float *attn;
+	size_t node_row_bytes; /* a head range's session: a row of the node's heads; else 0 */
 };
 
 /*
@@ -316,6 +317,8 @@ static int fuse_open_common(kvb_client *c, const char *model, const struct kvb_s
 		f->progress = (_Atomic uint32_t *)(reg->base + 4 * (size_t)word);
 		reg->used[word / 64] |= 1ull << (word % 64);
 	}
+	if (o && o->head_count)
+		f->node_row_bytes = (size_t)o->head_count * m.head_dim * kvb_dtype_size(m.dtype);
 	if (o && o->head_count && !k.rep.land_heads) {
 		/* An older daemon ignored the head range: it lands every head. */
 		kvb_fuse_close(c, &f, NULL, NULL);
@@ -500,13 +503,21 @@ int kvb_fuse_wait(kvb_client *c, kvb_fuse *f, uint32_t layer, int timeout_ms)
 	}
 }
 
-int kvb_fuse_check(kvb_client *c, kvb_fuse *f, uint32_t layer, const void *rows,
-		   size_t row_stride, const int32_t **dropped, size_t *n_dropped)
+/*
+ * The check layer request of a landing session, in its three modes: 0 rows in, the
+ * selection out; 1 rows in, their deviations out (dev_out, one a row; nothing
+ * selected); 2 deviations in (dev_in), the selection out.
+ */
+static int check_call(kvb_client *c, kvb_fuse *f, uint32_t layer, uint32_t mode,
+		      const void *rows, size_t row_stride, const float *dev_in, float *dev_out,
+		      const int32_t **dropped, size_t *n_dropped)
 {
 	struct call k = { .req = { .op = KVBP_OP_FUSE_LAYER, .session_id = f->id, .layer = layer,
-				   .rows = (uint32_t)f->n_rows } };
-	/* the attention metric reads K then V of each row; the others one plane */
-	size_t row = f->metric == KVB_METRIC_ATTENTION ? 2 * f->row_bytes : f->row_bytes;
+				   .rows = (uint32_t)f->n_rows, .check_mode = mode } };
+	/* the attention metric reads K then V of each row; the others one plane (of the
+	 * node's heads, for a head range) */
+	size_t one = f->node_row_bytes ? f->node_row_bytes : f->row_bytes;
+	size_t row = f->metric == KVB_METRIC_ATTENTION ? 2 * one : one;
 	size_t stride = row_stride ? row_stride : row, span = 0;
 	static const uint8_t empty[1];
 	const void *ptrs[2] = { rows, f->attn };
@@ -522,6 +533,15 @@ int kvb_fuse_check(kvb_client *c, kvb_fuse *f, uint32_t layer, const void *rows,
 	if (!f->land)
 		return kvbc_set_err(c, -EINVAL, "kvb_fuse_check is for landing sessions "
 				    "(kvb_fuse_open_into); use kvb_fuse_layer");
+	if (mode == 2) {
+		/* the deviations, one frame: A was sent with the deviation request */
+		ptrs[0] = f->n_rows ? (const void *)dev_in : empty;
+		lens[0] = f->n_rows * sizeof(float);
+		k.payload = ptrs;
+		k.payload_len = lens;
+		k.n_payload = 1;
+		goto call;
+	}
 	if (stride < row)
 		return kvbc_set_err(c, -EINVAL, "row stride %zu is below the row size %zu", stride,
 				    row);
@@ -560,12 +580,25 @@ int kvb_fuse_check(kvb_client *c, kvb_fuse *f, uint32_t layer, const void *rows,
 	k.n_payload = (k.req.has_shm ? 0 : 1) + (f->attn != NULL);
 	if (!f->attn_count && f->attn)
 		ptrs[1] = empty;
+call:
 	rc = kvbc_call(c, &k);
 	free(packed);
 	if (rc)
 		goto out;
-	free(f->attn); /* the daemon keeps it */
-	f->attn = NULL;
+	if (mode != 2) {
+		free(f->attn); /* the daemon keeps it */
+		f->attn = NULL;
+	}
+	if (mode == 1) {
+		if (k.rep.n_deviation != f->n_rows) {
+			rc = kvbc_set_err(c, KVB_E_PROTOCOL, "deviation reply with %zu values for %zu "
+					  "rows", k.rep.n_deviation, f->n_rows);
+			goto out;
+		}
+		if (f->n_rows)
+			memcpy(dev_out, k.rep.deviation, f->n_rows * sizeof(float));
+		goto out;
+	}
 	if (!k.rep.has_selection || k.rep.n_selection > f->tokens ||
 	    k.rep.n_dropped > f->n_rows) {
 		rc = kvbc_set_err(c, KVB_E_PROTOCOL, "check layer reply without a valid selection");
@@ -585,6 +618,30 @@ int kvb_fuse_check(kvb_client *c, kvb_fuse *f, uint32_t layer, const void *rows,
 out:
 	kvbc_call_done(&k);
 	return rc;
+}
+
+int kvb_fuse_check(kvb_client *c, kvb_fuse *f, uint32_t layer, const void *rows,
+		   size_t row_stride, const int32_t **dropped, size_t *n_dropped)
+{
+	return check_call(c, f, layer, 0, rows, row_stride, NULL, NULL, dropped, n_dropped);
+}
+
+int kvb_fuse_check_deviation(kvb_client *c, kvb_fuse *f, uint32_t layer, const void *rows,
+			     size_t row_stride, float *dev)
+{
+	if (!dev && f->n_rows)
+		return kvbc_set_err(c, -EINVAL, "kvb_fuse_check_deviation needs room for %zu "
+				    "deviations", f->n_rows);
+	return check_call(c, f, layer, 1, rows, row_stride, NULL, dev, NULL, NULL);
+}
+
+int kvb_fuse_check_select(kvb_client *c, kvb_fuse *f, uint32_t layer, const float *dev,
+			  const int32_t **dropped, size_t *n_dropped)
+{
+	if (!dev && f->n_rows)
+		return kvbc_set_err(c, -EINVAL, "kvb_fuse_check_select needs %zu deviations",
+				    f->n_rows);
+	return check_call(c, f, layer, 2, NULL, 0, dev, NULL, dropped, n_dropped);
 }
 
 uint32_t kvb_fuse_tokens(const kvb_fuse *f)

@@ -124,6 +124,7 @@ struct fuse_layer_plan {
 	bool shared_ring;  /* fused K and V are left in the shared ring, not copied out */
 	bool land;	   /* a check layer of a landing session: fuse_check_run(), one plane in */
 	bool device_ring;  /* the ring is exported: the fused layer may stay on the device */
+	bool head_range;   /* a landing session of a head range (a tensor-parallel rank's) */
 	/* Bytes of one row a landing check layer reads: row_bytes (the metric's plane), or
 	 * for the attention metric 2 x row_bytes (K, then V, of the token). */
 	size_t check_row_bytes;
@@ -148,6 +149,8 @@ struct fuse_layer_result {
 	uint32_t rows_next;
 	int32_t *dropped;   /* landing check layer: rows sent, no longer selected (malloc'd) */
 	size_t n_dropped;
+	float *deviation;   /* FUSE_CHECK_DEVIATION: one a row sent (malloc'd) */
+	size_t n_deviation;
 	uint32_t ring_slot; /* where the fused layer is, in a shared ring */
 	bool done;	    /* the last layer was served */
 };
@@ -165,15 +168,28 @@ uint32_t fuse_layer_run(struct fuse_table *t, struct fuse_session *s, const void
 			const void *v_in, void *k_out, void *v_out, bool on_device,
 			const void *attn, struct fuse_layer_result *r, char *err, size_t errlen);
 
+/* What a landing session's check layer request asks (Request.check_mode). */
+enum {
+	FUSE_CHECK_SELECT = 0,	  /* the rows in, the selection out */
+	FUSE_CHECK_DEVIATION = 1, /* the rows in, their deviations out; nothing selected */
+	FUSE_CHECK_SELECT_BY = 2, /* deviations in (summed over ranks), the selection out */
+};
+
 /*
  * A check layer of a landing session (plan.land): rows holds plan.rows_in rows of
  * plan.check_row_bytes (the metric's plane: V, or K for the key metric; K then V
- * for the attention metric), stride bytes apart; attn as for fuse_layer_run().
- * Answers with the selection and the rows dropped from the previous one.
+ * for the attention metric; a head range's session: its heads of it), stride bytes
+ * apart; attn as for fuse_layer_run(). mode FUSE_CHECK_SELECT answers with the
+ * selection and the rows dropped from the previous one (refused for a head range:
+ * the ranks' selections must agree). FUSE_CHECK_DEVIATION answers with each row's
+ * deviation over the session's heads (r->deviation), the session unchanged, so that
+ * tensor-parallel ranks can sum theirs; FUSE_CHECK_SELECT_BY then selects by dev_in
+ * (plan.rows_in floats, no rows) as FUSE_CHECK_SELECT does by its own. The last two:
+ * value and key metrics only.
  */
-uint32_t fuse_check_run(struct fuse_table *t, struct fuse_session *s, const void *rows,
-			size_t stride, const void *attn, struct fuse_layer_result *r, char *err,
-			size_t errlen);
+uint32_t fuse_check_run(struct fuse_table *t, struct fuse_session *s, int mode, const void *rows,
+			size_t stride, const void *attn, const float *dev_in,
+			struct fuse_layer_result *r, char *err, size_t errlen);
 
 void fuse_layer_end(struct fuse_table *t, struct fuse_session *s);
 

@@ -191,6 +191,7 @@ int kvbp_request_encode(const struct kvbp_request *req, uint8_t **buf, size_t *l
 	pb.progress = req->progress;
 	pb.reuse_only = req->reuse_only;
 	pb.row_stride = req->row_stride;
+	pb.check_mode = req->check_mode;
 	pb.local_only = req->local_only;
 	pb.cluster_check = req->cluster_check;
 	pb.device_out = req->device_out;
@@ -366,6 +367,7 @@ int kvbp_request_decode(const void *buf, size_t len, struct kvbp_request *out, c
 	r.progress = pb->progress;
 	r.reuse_only = pb->reuse_only;
 	r.row_stride = pb->row_stride;
+	r.check_mode = pb->check_mode;
 	r.local_only = pb->local_only;
 	r.cluster_check = pb->cluster_check;
 	r.device_out = pb->device_out;
@@ -602,6 +604,8 @@ int kvbp_reply_encode(const struct kvbp_reply *rep, uint8_t **buf, size_t *len)
 	pb.has_selection = rep->has_selection;
 	pb.dropped = rep->dropped;
 	pb.n_dropped = rep->n_dropped;
+	pb.deviation = rep->deviation;
+	pb.n_deviation = rep->n_deviation;
 	pb.has_fused = rep->has_fused;
 	pb.next_layer = rep->next_layer;
 	pb.rows_next = rep->rows_next;
@@ -811,6 +815,13 @@ int kvbp_reply_decode(const void *buf, size_t len, struct kvbp_reply *out, char 
 		memcpy(r.dropped, pb->dropped, pb->n_dropped * sizeof(int32_t));
 		r.n_dropped = pb->n_dropped;
 	}
+	if (pb->n_deviation) {
+		r.deviation = malloc(pb->n_deviation * sizeof(float));
+		if (!r.deviation)
+			goto nomem;
+		memcpy(r.deviation, pb->deviation, pb->n_deviation * sizeof(float));
+		r.n_deviation = pb->n_deviation;
+	}
 	if (pb->n_models) {
 		r.models = calloc(pb->n_models, sizeof(*r.models));
 		if (!r.models)
@@ -896,6 +907,9 @@ void kvbp_reply_clear(struct kvbp_reply *rep)
 	rep->n_members = 0;
 	free(rep->selection);
 	free(rep->dropped);
+	free(rep->deviation);
+	rep->deviation = NULL;
+	rep->n_deviation = 0;
 	free(rep->bulk_parts);
 	rep->bulk_parts = NULL;
 	rep->n_bulk_parts = 0;

@@ -237,6 +237,7 @@ struct kvbp_request {
 	struct kvbp_layout land;
 	bool reuse_only;
 	uint64_t row_stride;
+	uint32_t check_mode; /* FUSE_LAYER, landing check: 0 select, 1 deviation, 2 select by */
 	bool local_only; /* no cluster fetch: set by daemons calling each other */
 	bool device_out; /* FUSE_OPEN: export the device ring; FUSE_LAYER: leave the layer there */
 	bool attention;	 /* FUSE_LAYER: the last payload frame is A (metric attention) */
@@ -290,6 +291,8 @@ struct kvbp_reply {
 	uint64_t slot_bytes;
 	int32_t *dropped; /* owned */
 	size_t n_dropped;
+	float *deviation; /* owned: FUSE_LAYER with check_mode 1 */
+	size_t n_deviation;
 	bool has_ipc; /* FUSE_OPEN: the device ring, exported */
 	uint8_t ipc_handle[KVBP_IPC_HANDLE_LEN];
 	uint64_t ipc_offset;

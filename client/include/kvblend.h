@@ -638,6 +638,22 @@ KVB_API int kvb_fuse_wait(kvb_client *c, kvb_fuse *f, uint32_t layer, int timeou
 KVB_API int kvb_fuse_check(kvb_client *c, kvb_fuse *f, uint32_t layer, const void *rows,
 			   size_t row_stride, const int32_t **dropped, size_t *n_dropped);
 
+/*
+ * A check layer split in two, for tensor-parallel ranks whose sessions land head ranges
+ * (struct kvb_land_opts): each rank sends its heads' rows of the metric's plane (value
+ * or key metric) to kvb_fuse_check_deviation(), which writes each kvb_fuse_rows() row's
+ * deviation over those heads into dev (kvb_fuse_rows() floats) and selects nothing;
+ * the ranks sum their dev (the deviation is a sum of squares over heads, so the sum is
+ * the whole model's) and each calls kvb_fuse_check_select() with the sum: the daemon
+ * selects by it as kvb_fuse_check() does by its own, so every rank gets the same
+ * selection. kvb_fuse_check() itself is refused on a head range (bad_argument). Also
+ * valid without a head range. ABI KVBLEND_1.5.
+ */
+KVB_API int kvb_fuse_check_deviation(kvb_client *c, kvb_fuse *f, uint32_t layer,
+				     const void *rows, size_t row_stride, float *dev);
+KVB_API int kvb_fuse_check_select(kvb_client *c, kvb_fuse *f, uint32_t layer, const float *dev,
+				  const int32_t **dropped, size_t *n_dropped);
+
 /* Default chunk hash: BLAKE2b-256 over the token ids as little-endian uint32. */
 KVB_API void kvb_chunk_hash(const uint32_t *token_ids, size_t n, uint8_t out[KVB_HASH_LEN]);
 

@@ -81,10 +81,10 @@ uint32_t land_setup(struct fuse_table *t, struct fuse_session *s,
 			    s->m.num_kv_heads);
 	s->land_h0 = y->head_begin;
 	s->land_hn = y->head_count ? y->head_count : s->m.num_kv_heads;
-	if (s->land_hn < s->m.num_kv_heads && s->n_checks)
-		return fail(err, errlen, KVBP_BAD_ARGUMENT, "landing layout: a session that lands "
-			    "a head range is reuse-only (every rank's blend must select the same "
-			    "tokens: not built)");
+	if (s->land_hn < s->m.num_kv_heads && s->n_checks && s->metric == KVBP_METRIC_ATTENTION)
+		return fail(err, errlen, KVBP_BAD_ARGUMENT, "landing layout: a head range blends "
+			    "by the value or key metric only (the ranks sum their heads' deviations), "
+			    "not by attention");
 	if (ckd_mul(&layer_max, (uint64_t)s->m.num_layers - 1, y->layer_stride))
 		return fail(err, errlen, KVBP_BAD_SHAPE, "landing layout: strides overflow");
 	if (y->page_tokens) {

@@ -125,6 +125,9 @@ uint32_t fuse_layer_begin(struct fuse_table *t, uint64_t id, const char *owner, 
 		plan->land = true;
 		plan->check_row_bytes = s->metric == KVBP_METRIC_ATTENTION ? 2 * s->row_bytes
 									   : s->row_bytes;
+		if (s->land_hn < s->m.num_kv_heads) /* a rank's rows: its heads only */
+			plan->check_row_bytes = (size_t)s->land_hn * s->m.head_dim * s->m.elem_size;
+		plan->head_range = s->land_hn < s->m.num_kv_heads;
 		plan->attn = s->metric == KVBP_METRIC_ATTENTION;
 		plan->attn_bytes = attn_bytes(s);
 		pthread_mutex_unlock(&s->lock);
@@ -252,6 +255,10 @@ static int attention_scores(const struct fuse_session *s, const float *attn, con
  * metric) or by attention score (attn: A, for the attention metric), plus every
  * fresh one. *sel is malloc'd, sorted. The session is not changed.
  */
+static uint32_t select_from(struct fuse_table *t, struct fuse_session *s, int32_t *cand,
+			    float *dev, size_t n_cand, int32_t *sel, int32_t **sel_out,
+			    size_t *n_out, char *err, size_t errlen);
+
 static uint32_t check_select(struct fuse_table *t, struct fuse_session *s, const uint8_t *k_in,
 			     const uint8_t *v_in, size_t stride, const uint8_t *k_st,
 			     const uint8_t *v_st, const float *attn, int32_t **sel_out,
@@ -265,7 +272,6 @@ static uint32_t check_select(struct fuse_table *t, struct fuse_session *s, const
 	size_t *ci = NULL;
 	bool by_attn = s->metric == KVBP_METRIC_ATTENTION;
 	struct dev_job dj;
-	long n_sel;
 	int rc;
 
 	if (by_attn)
@@ -327,10 +333,23 @@ static uint32_t check_select(struct fuse_table *t, struct fuse_session *s, const
 		/* Candidates: the cached tokens among the rows (fresh ones are always kept). */
 		n_cand = candidates(s, idx, rows, dev, cand);
 	}
-	n_sel = t->be->select(t->be, cand, dev, n_cand,
-			      hkvd_count(s->ratios[s->next_check], s->n_cached), s->fresh,
-			      s->n_fresh, sel);
 	free(idx);
+	return select_from(t, s, cand, dev, n_cand, sel, sel_out, n_out, err, errlen);
+}
+
+/*
+ * HKVD's choice among n_cand candidates (cached tokens, cand) by their deviations dev,
+ * the fresh tokens always kept, into sel (room for all tokens). Takes cand, dev and
+ * sel: frees the first two, and sel on failure (else *sel_out = sel).
+ */
+static uint32_t select_from(struct fuse_table *t, struct fuse_session *s, int32_t *cand,
+			    float *dev, size_t n_cand, int32_t *sel, int32_t **sel_out,
+			    size_t *n_out, char *err, size_t errlen)
+{
+	long n_sel = t->be->select(t->be, cand, dev, n_cand,
+				   hkvd_count(s->ratios[s->next_check], s->n_cached), s->fresh,
+				   s->n_fresh, sel);
+
 	free(cand);
 	free(dev);
 	if (n_sel < 0) {
@@ -478,39 +497,185 @@ uint32_t fuse_layer_run(struct fuse_table *t, struct fuse_session *s, const void
 	return code;
 }
 
-uint32_t fuse_check_run(struct fuse_table *t, struct fuse_session *s, const void *rows,
-			size_t stride, const void *attn, struct fuse_layer_result *r, char *err,
-			size_t errlen)
+/* Every head's deviation at the check layer (a session without a head range). */
+static uint32_t check_deviation_all(struct fuse_table *t, struct fuse_session *s,
+				    const uint8_t *rows, size_t stride, float **dev_out, char *err,
+				    size_t errlen)
 {
-	uint32_t layer = s->checks[s->next_check], code;
-	size_t prev = s->next_check == 0 ? s->n : s->n_sel, n_sel, nd = 0;
-	struct timespec t0;
-	int32_t *sel, *dropped;
-	const uint8_t *k_in = rows, *v_in = rows;
-	float *a_new;
+	const struct slot *cs = &s->cslot[s->next_check];
+	size_t n = s->next_check == 0 ? s->n : s->n_sel;
+	int32_t *idx = malloc((n + 1) * sizeof(int32_t));
+	float *dev = malloc((n + 1) * sizeof(float));
+	struct dev_job dj;
 	int rc;
 
-	memset(r, 0, sizeof(*r));
-	code = attn_take(s, attn, &a_new, err, errlen);
-	if (code)
-		return code;
-	pthread_mutex_lock(&s->lock);
-	rc = ensure_cslot(t, s, s->next_check);
-	pthread_mutex_unlock(&s->lock);
+	if (!idx || !dev) {
+		free(idx);
+		free(dev);
+		return fail(err, errlen, KVBP_LIMIT, "out of memory");
+	}
+	for (size_t i = 0; i < n; i++)
+		idx[i] = s->next_check == 0 ? (int32_t)i : s->sel[i];
+	dj = (struct dev_job){ t->be, &s->shape, rows, s->metric == KVBP_METRIC_KEY ? cs->k : cs->v,
+			       idx, n, 1, s->row_bytes, stride, dev };
+	dj.parts = parts_for(t, n * s->row_bytes);
+	rc = pool_run(t->pool, dj.parts, dev_part, &dj);
+	free(idx);
 	if (rc) {
 		char why[160];
 
-		free(a_new);
-		return fail(err, errlen, store_code(rc), "layer %" PRIu32 ": cannot read stored "
-			    "chunks: %s", layer, rc == -EBADMSG ? "a chunk failed its checksum" :
+		free(dev);
+		return fail(err, errlen, KVBP_INTERNAL, "deviation: %s",
 			    compute_error(t, rc, why, sizeof(why)));
 	}
+	*dev_out = dev;
+	return KVBP_OK;
+}
+
+/*
+ * A rank's heads' deviation at the check layer (a head range's session; value or key
+ * metric): rows are its heads of each current row, stride bytes apart; the stored
+ * rows' range is compacted first, so that the backend reads rows of those heads.
+ * *dev_out: one float a current row, malloc'd.
+ */
+static uint32_t rank_deviation(struct fuse_table *t, struct fuse_session *s, const uint8_t *rows,
+			       size_t stride, float **dev_out, char *err, size_t errlen)
+{
+	const struct slot *cs = &s->cslot[s->next_check];
+	const uint8_t *st = s->metric == KVBP_METRIC_KEY ? cs->k : cs->v;
+	size_t n = s->next_check == 0 ? s->n : s->n_sel;
+	/* ckd-ok: heads x head_dim x elem_size of a registered model (checked at register) */
+	size_t hb = (size_t)s->m.head_dim * s->m.elem_size, w = (size_t)s->land_hn * hb;
+	struct blend_shape sh = s->shape;
+	int32_t *idx = malloc((n + 1) * sizeof(int32_t));
+	float *dev = malloc((n + 1) * sizeof(float));
+	/* ckd-ok: n tokens of w <= row_bytes, the session's own sizes */
+	uint8_t *stored = w < s->row_bytes ? malloc((size_t)s->n * w + 1) : NULL;
+	struct dev_job dj;
+	int rc;
+
+	if (!idx || !dev || (w < s->row_bytes && !stored)) {
+		free(idx);
+		free(dev);
+		free(stored);
+		return fail(err, errlen, KVBP_LIMIT, "out of memory");
+	}
+	sh.heads = s->land_hn;
+	for (size_t i = 0; i < n; i++) {
+		idx[i] = s->next_check == 0 ? (int32_t)i : s->sel[i];
+		if (stored) /* ckd-ok: a token's row of the slot, the range inside it */
+			memcpy(stored + (size_t)idx[i] * w,
+			       st + (size_t)idx[i] * s->row_bytes + (size_t)s->land_h0 * hb, w);
+	}
+	dj = (struct dev_job){ t->be, &sh, rows, stored ? stored : st, idx, n, 1, w, stride, dev };
+	dj.parts = parts_for(t, n * w);
+	rc = pool_run(t->pool, dj.parts, dev_part, &dj);
+	free(idx);
+	free(stored);
+	if (rc) {
+		char why[160];
+
+		free(dev);
+		return fail(err, errlen, KVBP_INTERNAL, "deviation: %s",
+			    compute_error(t, rc, why, sizeof(why)));
+	}
+	*dev_out = dev;
+	return KVBP_OK;
+}
+
+/* The selection by deviations the node gives (one a current row, summed over ranks). */
+static uint32_t select_by(struct fuse_table *t, struct fuse_session *s, const float *dev_in,
+			  int32_t **sel_out, size_t *n_out, char *err, size_t errlen)
+{
+	size_t rows = s->next_check == 0 ? s->n : s->n_sel, n_cand;
+	int32_t *idx = malloc((rows + 1) * sizeof(int32_t));
+	int32_t *cand = malloc((rows + 1) * sizeof(int32_t));
+	float *dev = malloc((rows + 1) * sizeof(float));
+	int32_t *sel = malloc((s->n + 1) * sizeof(int32_t));
+
+	if (!idx || !cand || !dev || !sel) {
+		free(idx);
+		free(cand);
+		free(dev);
+		free(sel);
+		return fail(err, errlen, KVBP_LIMIT, "out of memory");
+	}
+	for (size_t i = 0; i < rows; i++)
+		idx[i] = s->next_check == 0 ? (int32_t)i : s->sel[i];
+	if (rows)
+		memcpy(dev, dev_in, rows * sizeof(float));
+	n_cand = candidates(s, idx, rows, dev, cand);
+	free(idx);
+	return select_from(t, s, cand, dev, n_cand, sel, sel_out, n_out, err, errlen);
+}
+
+uint32_t fuse_check_run(struct fuse_table *t, struct fuse_session *s, int mode, const void *rows,
+			size_t stride, const void *attn, const float *dev_in,
+			struct fuse_layer_result *r, char *err, size_t errlen)
+{
+	uint32_t layer = s->checks[s->next_check], code;
+	size_t prev = s->next_check == 0 ? s->n : s->n_sel, n_sel, nd = 0;
+	bool ranged = s->land_hn < s->m.num_kv_heads;
+	struct timespec t0;
+	int32_t *sel, *dropped;
+	const uint8_t *k_in = rows, *v_in = rows;
+	float *a_new = NULL;
+	int rc;
+
+	memset(r, 0, sizeof(*r));
+	if (mode == FUSE_CHECK_SELECT && ranged)
+		return fail(err, errlen, KVBP_BAD_ARGUMENT, "check layer %" PRIu32 ": this session "
+			    "lands heads [%" PRIu32 ", %" PRIu32 ") of %" PRIu32 ": its rank's "
+			    "deviation covers those only, and every rank must select the same "
+			    "tokens; ask for the deviation (check_mode 1), sum it over the ranks, and "
+			    "select by the sum (check_mode 2)", layer, s->land_h0,
+			    s->land_h0 + s->land_hn, s->m.num_kv_heads);
+	if (mode != FUSE_CHECK_SELECT && s->metric == KVBP_METRIC_ATTENTION)
+		return fail(err, errlen, KVBP_BAD_ARGUMENT, "check layer %" PRIu32 ": check_mode %d "
+			    "is for the value and key metrics; this session's is attention", layer,
+			    mode);
+	if (mode != FUSE_CHECK_SELECT_BY) {
+		code = attn_take(s, attn, &a_new, err, errlen);
+		if (code)
+			return code;
+		pthread_mutex_lock(&s->lock);
+		rc = ensure_cslot(t, s, s->next_check);
+		pthread_mutex_unlock(&s->lock);
+		if (rc) {
+			char why[160];
+
+			free(a_new);
+			return fail(err, errlen, store_code(rc), "layer %" PRIu32 ": cannot read "
+				    "stored chunks: %s", layer, rc == -EBADMSG ? "a chunk failed its "
+				    "checksum" : compute_error(t, rc, why, sizeof(why)));
+		}
+	}
 	clock_gettime(CLOCK_MONOTONIC, &t0);
-	if (s->metric == KVBP_METRIC_ATTENTION)
-		v_in = k_in + s->row_bytes; /* each row: K, then V */
-	code = check_select(t, s, k_in, v_in, stride, s->cslot[s->next_check].k,
-			    s->cslot[s->next_check].v, a_new ? a_new : s->attn, &sel, &n_sel, err,
-			    errlen);
+	if (mode == FUSE_CHECK_DEVIATION) {
+		/* The rank's share only: the selection and the session stay as they are. */
+		code = ranged ? rank_deviation(t, s, rows, stride, &r->deviation, err, errlen)
+			      : check_deviation_all(t, s, rows, stride, &r->deviation, err, errlen);
+		if (code)
+			return code;
+		r->n_deviation = prev;
+		pthread_mutex_lock(&s->lock);
+		s->ns_compute += ns_since(&t0);
+		s->bytes_in += (uint64_t)prev * stride;
+		r->selection = NULL;
+		r->next_layer = layer;
+		r->rows_next = (uint32_t)prev;
+		pthread_mutex_unlock(&s->lock);
+		return KVBP_OK;
+	}
+	if (mode == FUSE_CHECK_SELECT_BY) {
+		code = select_by(t, s, dev_in, &sel, &n_sel, err, errlen);
+	} else {
+		if (s->metric == KVBP_METRIC_ATTENTION)
+			v_in = k_in + s->row_bytes; /* each row: K, then V */
+		code = check_select(t, s, k_in, v_in, stride, s->cslot[s->next_check].k,
+				    s->cslot[s->next_check].v, a_new ? a_new : s->attn, &sel,
+				    &n_sel, err, errlen);
+	}
 	if (code) {
 		free(a_new);
 		return code;
@@ -539,7 +704,9 @@ uint32_t fuse_check_run(struct fuse_table *t, struct fuse_session *s, const void
 	s->n_sel = n_sel;
 	s->next_check++;
 	s->ns_compute += ns_since(&t0);
-	s->bytes_in += (uint64_t)prev * s->row_bytes * (s->metric == KVBP_METRIC_ATTENTION ? 2 : 1);
+	if (mode == FUSE_CHECK_SELECT)
+		s->bytes_in += (uint64_t)prev * s->row_bytes *
+			       (s->metric == KVBP_METRIC_ATTENTION ? 2 : 1);
 	r->selection = sel;
 	r->n_selection = n_sel;
 	r->dropped = dropped;

@@ -150,7 +150,34 @@ static void fuse_check_layer(struct req *q, struct fuse_session *s,
 	const void *rows, *attn;
 	void *in_shm = NULL;
 	uint32_t code;
+	int mode = (int)q->h.check_mode;
 
+	if (q->h.check_mode > FUSE_CHECK_SELECT_BY) {
+		fail(q, KVBP_BAD_ARGUMENT, "check_mode %" PRIu32 ": 0 selects by the rows sent, 1 "
+		     "answers their deviations, 2 selects by the deviations sent", q->h.check_mode);
+		return;
+	}
+	if (mode == FUSE_CHECK_SELECT_BY) {
+		/* One frame: float32 deviations, one a current row (the ranks' sum). */
+		uint64_t want = (uint64_t)plan->rows_in * sizeof(float);
+
+		if (q->h.has_shm || q->n_payload != 1 || q->h.payload_frames != 1) {
+			fail(q, KVBP_BAD_FRAMES, "check_mode 2 takes 1 payload frame (the float32 "
+			     "deviations) and no shared memory; got %zu frames%s", q->n_payload,
+			     q->h.has_shm ? " and shared memory" : "");
+			return;
+		}
+		if (q->h.rows != plan->rows_in || zmq_msg_size(&q->payload[0]) != want) {
+			fail(q, KVBP_BAD_SHAPE, "check layer %" PRIu32 ": %zu bytes of deviations for "
+			     "%" PRIu32 " rows; expected %" PRIu64 " (float32, one a row of the %s)",
+			     q->h.layer, zmq_msg_size(&q->payload[0]), q->h.rows, want,
+			     plan->rows_in == plan->num_tokens ? "prompt" : "current selection");
+			return;
+		}
+		code = fuse_check_run(q->srv->fuse, s, mode, NULL, 0, NULL,
+				      zmq_msg_data(&q->payload[0]), &res, err, sizeof(err));
+		goto answered;
+	}
 	if (attention_frame(q, plan, &attn))
 		return;
 	/* The frames before A: the rows (none when they are in shared memory). */
@@ -205,13 +232,24 @@ static void fuse_check_layer(struct req *q, struct fuse_session *s,
 		rows = zmq_msg_data(&q->payload[0]);
 		stride = row_bytes;
 	}
-	code = fuse_check_run(q->srv->fuse, s, rows, stride, attn, &res, err, sizeof(err));
+	code = fuse_check_run(q->srv->fuse, s, mode, rows, stride, attn, NULL, &res, err,
+			      sizeof(err));
 	if (in_shm)
 		shm_release(q->srv->shm, q->h.shm_id);
+answered:
 	if (code) {
 		fail(q, code, "%s", err);
 		free(res.selection);
 		free(res.dropped);
+		free(res.deviation);
+		return;
+	}
+	if (mode == FUSE_CHECK_DEVIATION) {
+		q->out->rep.num_tokens = plan->num_tokens;
+		q->out->rep.next_layer = res.next_layer;
+		q->out->rep.rows_next = res.rows_next;
+		q->out->rep.deviation = res.deviation;
+		q->out->rep.n_deviation = res.n_deviation;
 		return;
 	}
 	q->out->rep.num_tokens = plan->num_tokens;

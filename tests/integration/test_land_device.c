@@ -353,6 +353,111 @@ static void blend_into_device_equals_host(void **state)
 	free(got);
 }
 
+/*
+ * Tensor-parallel ranks blend as one: two sessions landing heads [0, 1) and [1, 2) in
+ * host memory each send their head's V rows for the deviation, sum the two answers and
+ * select by the sum; both get the selection of one session of every head sent the same
+ * rows (kvb_fuse_check), and each lands its head of what that session lands. A plain
+ * check on a head range is refused, naming the two-step call.
+ */
+static void ranks_blend_as_one(void **state)
+{
+	static const uint32_t checks[2] = { 1, 3 };
+	static const double ratios[2] = { 0.5, 0.25 };
+	struct fixture *f = *state;
+	struct kvb_fuse_params p = { checks, ratios, 2, KVB_METRIC_VALUE };
+	struct kvb_segment segs[4];
+	size_t ns = segments(f, segs), ps1 = (size_t)PT * 2 * HB, rank_bytes = L * BLOCKS * ps1;
+	struct kvb_kv_layout hy = gpu_layout(f, f->region, false), ry[H];
+	uint8_t *rr = kvb_region_alloc(f->c, H * rank_bytes + 4096);
+	uint16_t *pk = malloc((size_t)N * H * D * 2), *pr[H];
+	float *dev[H], *sum = malloc(N * sizeof(float));
+	kvb_fuse *full = NULL, *rank[H];
+	const int32_t *dropped;
+	size_t nd, ci = 0;
+
+	assert_non_null(rr);
+	memset(f->region, 0xa5, CACHE_BYTES);
+	memset(rr, 0xa5, H * rank_bytes);
+	assert_int_equal(kvb_fuse_open_into(f->c, "lm", segs, ns, &p, &hy, &full, NULL, NULL), 0);
+	for (uint32_t h = 0; h < H; h++) {
+		struct kvb_land_opts o = { sizeof(o), NULL, NULL, h, 1 };
+
+		ry[h] = (struct kvb_kv_layout){ .k = rr + h * rank_bytes,
+						.v = rr + h * rank_bytes + HB,
+						.layer_stride = BLOCKS * ps1, .token_stride = 2 * HB,
+						.head_stride = 2 * HB, .page_tokens = PT,
+						.page_stride = ps1, .pages = f->pages, .n_pages = BLOCKS };
+		pr[h] = malloc((size_t)N * D * 2);
+		dev[h] = malloc(N * sizeof(float));
+		assert_int_equal(kvb_fuse_open_into_opts(f->c, "lm", segs, ns, &p, &ry[h], &o,
+							 &rank[h], NULL, NULL),
+				 0);
+	}
+	for (uint32_t l = 0; l < L; l++) {
+		const int32_t *rows, *rrows;
+		size_t nr = kvb_fuse_rows(full, &rows);
+
+		if (l > checks[0]) {
+			assert_int_equal(kvb_fuse_wait(f->c, full, l, 10000), 0);
+			for (uint32_t h = 0; h < H; h++)
+				assert_int_equal(kvb_fuse_wait(f->c, rank[h], l, 10000), 0);
+		}
+		if (ci == 2 || checks[ci] != l)
+			continue;
+		for (size_t i = 0; i < nr; i++) {
+			fill_f16(pk + i * H * D, (size_t)H * D, 1000 * l + (uint32_t)rows[i]);
+			for (uint32_t h = 0; h < H; h++)
+				memcpy(pr[h] + i * D, pk + i * H * D + h * D, D * 2);
+		}
+		/* one rank alone may not select: its deviation covers its head only */
+		assert_int_equal(kvb_fuse_check(f->c, rank[0], l, pr[0], 0, NULL, NULL),
+				 KVB_E_BAD_ARGUMENT);
+		assert_non_null(strstr(kvb_last_error(f->c), "check_mode"));
+		for (uint32_t h = 0; h < H; h++) {
+			assert_int_equal(kvb_fuse_rows(rank[h], &rrows), nr);
+			assert_int_equal(kvb_fuse_check_deviation(f->c, rank[h], l, pr[h], 0, dev[h]),
+					 0);
+			assert_int_equal(kvb_fuse_rows(rank[h], NULL), nr); /* nothing selected */
+		}
+		for (size_t i = 0; i < nr; i++) {
+			sum[i] = dev[0][i] + dev[1][i];
+			assert_true(dev[0][i] > 0 && dev[1][i] > 0);
+		}
+		assert_int_equal(kvb_fuse_check(f->c, full, l, pk, 0, NULL, NULL), 0);
+		for (uint32_t h = 0; h < H; h++) {
+			assert_int_equal(kvb_fuse_check_select(f->c, rank[h], l, sum, &dropped, &nd), 0);
+			nr = kvb_fuse_rows(full, &rows);
+			assert_int_equal(kvb_fuse_rows(rank[h], &rrows), nr);
+			assert_memory_equal(rrows, rows, nr * sizeof(int32_t));
+		}
+		assert_true(nr > 0 && nr < N);
+		ci++;
+	}
+	assert_int_equal(ci, 2);
+	assert_int_equal(kvb_fuse_close(f->c, &full, NULL, NULL), 0);
+	for (uint32_t h = 0; h < H; h++) {
+		assert_int_equal(kvb_fuse_close(f->c, &rank[h], NULL, NULL), 0);
+		for (uint32_t l = 0; l < L; l++)
+			for (uint32_t t = 0; t < N; t++) {
+				size_t page = f->pages[t / PT], slot = t % PT;
+				const uint8_t *want = f->region + l * LAYER_BYTES +
+						      page * hy.page_stride + slot * hy.token_stride +
+						      h * hy.head_stride;
+				const uint8_t *one = ry[h].k + l * ry[h].layer_stride + page * ps1 +
+						     slot * ry[h].token_stride;
+
+				if (memcmp(one, want, 2 * HB))
+					fail_msg("rank %u layer %u token %u differs", h, l, t);
+			}
+		free(pr[h]);
+		free(dev[h]);
+	}
+	kvb_region_free(f->c, rr);
+	free(pk);
+	free(sum);
+}
+
 /* Refusals: each names its cause, and the daemon serves on. */
 static void refusals(void **state)
 {
@@ -530,6 +635,7 @@ int main(void)
 		cmocka_unit_test(two_sessions_one_allocation),
 		cmocka_unit_test(head_range_into_device),
 		cmocka_unit_test(blend_into_device_equals_host),
+		cmocka_unit_test(ranks_blend_as_one),
 		cmocka_unit_test(refusals),
 		cmocka_unit_test(four_allocations_a_client),
 		cmocka_unit_test(no_device_daemon),

@@ -298,6 +298,21 @@ _PROTOTYPES = {
         _INT,
         [_P, _P, _U32, _P, _SZ, ctypes.POINTER(ctypes.POINTER(ctypes.c_int32)), _PSZ],
     ),
+    "kvb_fuse_check_deviation": (
+        _INT,
+        [_P, _P, _U32, _P, _SZ, ctypes.POINTER(ctypes.c_float)],
+    ),
+    "kvb_fuse_check_select": (
+        _INT,
+        [
+            _P,
+            _P,
+            _U32,
+            ctypes.POINTER(ctypes.c_float),
+            ctypes.POINTER(ctypes.POINTER(ctypes.c_int32)),
+            _PSZ,
+        ],
+    ),
     "kvb_region_alloc": (_P, [_P, _SZ]),
     "kvb_region_free": (_INT, [_P, _P]),
     "kvb_fuse_tokens": (_U32, [_P]),

@@ -841,7 +841,9 @@ class Client:
                 model,
                 (carr, n, p, ctypes.byref(lay), ctypes.byref(ks)),
             )
-        s = LandingSession(self, f, m, tuple(check_layers), metric, (k, v, table))
+        s = LandingSession(
+            self, f, m, tuple(check_layers), metric, (k, v, table), hc if heads is not None else None
+        )
         self._sessions.append(s)
         return s
 
@@ -918,7 +920,8 @@ class Client:
             (carr, n, p, ctypes.byref(lay), ctypes.byref(o)),
         )
         s = LandingSession(
-            self, f, self._model(model), tuple(check_layers), metric, (progress, table)
+            self, f, self._model(model), tuple(check_layers), metric, (progress, table),
+            o.head_count or None,
         )
         self._sessions.append(s)
         return s

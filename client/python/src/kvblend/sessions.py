@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -321,11 +322,14 @@ class LandingSession(FuseSession):
         check_layers: tuple[int, ...],
         metric: str,
         keep: tuple,
+        heads: int | None = None,
     ) -> None:
         super().__init__(client, handle, model)
         self.check_layers = check_layers
         self.metric = metric
         self._keep = keep  # the arrays the daemon writes into, and the block table
+        # the rows a check takes: of the node's heads (a head range's count), else all
+        self._rows_model = dataclasses.replace(model, num_kv_heads=heads) if heads else model
 
     def layer(self, *args: Any, **kwargs: Any) -> bool:  # noqa: D102 - refused
         raise BadArgument(-22, "a landing session takes check() and wait(), not layer()")
@@ -348,22 +352,12 @@ class LandingSession(FuseSession):
                 raise TimeoutError(lib.kvb_last_error(c._c).decode(errors="replace"))
             c._check(rc)
 
-    def check(self, layer: int, rows: Any) -> np.ndarray:
-        """Send the metric's plane at a check layer; return the dropped tokens.
-
-        ``rows`` holds the V rows (K for the key metric) of :meth:`rows`, ``[rows,
-        kv_heads, head_dim]`` or ``[rows, kv_heads * head_dim]``; for the attention
-        metric K and V of each row, ``[rows, 2, kv_heads, head_dim]`` or ``[rows, 2 *
-        kv_heads * head_dim]`` (K first, as in a fused QKV output). Rows may be strided
-        (e.g. a column slice of a fused QKV output): in a :meth:`Client.region` or the
-        shared buffer they are read where they are. Afterwards :meth:`rows` is the new
-        selection; the returned int32 array lists the tokens sent that are no longer
-        selected (sorted).
-        """
-        m = self.model
+    def _check_rows(self, rows: Any, plain: bool = False) -> tuple[np.ndarray, int, int]:
+        """The rows of a check call as (array kept alive, its pointer, its row stride)."""
+        m = self._rows_model
         a = _as_array(rows)
         n = int(lib.kvb_fuse_rows(self._handle(), None))
-        both = self.metric == "attention"
+        both = self.metric == "attention" and not plain
         row_bytes = m.row_bytes * (2 if both else 1)
         if both:
             ok = tuple(a.shape) in (
@@ -383,6 +377,22 @@ class LandingSession(FuseSession):
             a = np.ascontiguousarray(a)
         stride = a.strides[0] if n else 0
         ptr = a.ctypes.data if a.nbytes else ctypes.addressof(_EMPTY)
+        return a, ptr, stride
+
+    def check(self, layer: int, rows: Any) -> np.ndarray:
+        """Send the metric's plane at a check layer; return the dropped tokens.
+
+        ``rows`` holds the V rows (K for the key metric) of :meth:`rows`, ``[rows,
+        kv_heads, head_dim]`` or ``[rows, kv_heads * head_dim]``; for the attention
+        metric K and V of each row, ``[rows, 2, kv_heads, head_dim]`` or ``[rows, 2 *
+        kv_heads * head_dim]`` (K first, as in a fused QKV output). Rows may be strided
+        (e.g. a column slice of a fused QKV output): in a :meth:`Client.region` or the
+        shared buffer they are read where they are. Afterwards :meth:`rows` is the new
+        selection; the returned int32 array lists the tokens sent that are no longer
+        selected (sorted). A session of a head range (``heads=``) is refused: its
+        tensor-parallel ranks use :meth:`check_deviation` and :meth:`check_select`.
+        """
+        a, ptr, stride = self._check_rows(rows)
         dp = ctypes.POINTER(ctypes.c_int32)()
         nd = ctypes.c_size_t(0)
         c = self._client
@@ -396,6 +406,53 @@ class LandingSession(FuseSession):
                     stride,
                     ctypes.byref(dp),
                     ctypes.byref(nd),
+                )
+            )
+        if nd.value == 0:
+            return np.empty(0, np.int32)
+        return np.ctypeslib.as_array(dp, shape=(nd.value,)).copy()
+
+    def check_deviation(self, layer: int, rows: Any) -> np.ndarray:
+        """A check layer's first half: each of :meth:`rows`' deviation over this session's heads.
+
+        ``rows`` as for :meth:`check` (value or key metric: the plane's rows of this
+        session's heads, ``[rows, heads, head_dim]``). Returns float32, one a row;
+        nothing is selected. Tensor-parallel ranks sum their answers (a sum of squares
+        over heads: the sum is the whole model's) and each calls :meth:`check_select`
+        with the sum (``kvb_fuse_check_deviation``, ABI ``KVBLEND_1.5``).
+        """
+        a, ptr, stride = self._check_rows(rows, plain=True)
+        n = int(lib.kvb_fuse_rows(self._handle(), None))
+        out = np.empty(n, np.float32)
+        c = self._client
+        with c._lock:
+            c._check(
+                lib.kvb_fuse_check_deviation(
+                    c._handle(), self._f, layer, ctypes.c_void_p(ptr), stride,
+                    out.ctypes.data_as(ctypes.POINTER(ctypes.c_float)),
+                )
+            )
+        return out
+
+    def check_select(self, layer: int, deviation: Any) -> np.ndarray:
+        """A check layer's second half: select by ``deviation`` (float32, one a row of :meth:`rows`).
+
+        The daemon selects as :meth:`check` does by its own deviations; returns the
+        dropped tokens as :meth:`check` does (``kvb_fuse_check_select``).
+        """
+        n = int(lib.kvb_fuse_rows(self._handle(), None))
+        d = np.ascontiguousarray(np.asarray(deviation, dtype=np.float32))
+        if d.shape != (n,):
+            raise BadArgument(-22, f"deviation must be [{n}] float32, got {d.shape}")
+        dp = ctypes.POINTER(ctypes.c_int32)()
+        nd = ctypes.c_size_t(0)
+        c = self._client
+        with c._lock:
+            c._check(
+                lib.kvb_fuse_check_select(
+                    c._handle(), self._f, layer,
+                    d.ctypes.data_as(ctypes.POINTER(ctypes.c_float)) if n else None,
+                    ctypes.byref(dp), ctypes.byref(nd),
                 )
             )
         if nd.value == 0:
