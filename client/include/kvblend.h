@@ -596,8 +596,9 @@ KVB_API int kvb_fuse_open_into_device(kvb_client *c, const char *model,
  * kvb_fuse_open_into_device; not with k_strides). head_begin, head_count: the node's
  * cache holds only the stored heads [head_begin, head_begin + head_count), as its
  * heads 0 .. head_count - 1 (a tensor-parallel rank's share; dst's strides are for
- * that many heads); head_count 0: every head. A session with a head range is
- * reuse-only (p NULL or no check layers). Such an open (and one into device memory)
+ * that many heads); head_count 0: every head. A session with a head range blends by
+ * the value or key metric only, its check layers in two steps
+ * (kvb_fuse_check_deviation, kvb_fuse_check_select). Such an open (and one into device memory)
  * goes out as protocol version 2, which a kvblendd older than these fields refuses
  * (KVB_E_BAD_VERSION) instead of landing by the wrong layout. size: at least this
  * (KVBLEND_1.4) struct's; a caller built against a later header may pass a larger

@@ -300,6 +300,16 @@ static void land_rows(const struct fuse_session *s, const struct slot *sl, uint3
 {
 	size_t off = (size_t)a * s->row_bytes;
 
+	if (s->dl) {
+		/* The device landing's staging holds whole rows, as the direct path writes
+		 * them: dland_layer() takes a head range's heads out of each row itself. */
+		/* ckd-ok: rows [a, b) of the session's n, inside the staging (dland_setup) */
+		memcpy(s->land_mem + off, sl->k + off, (size_t)(b - a) * s->row_bytes);
+		/* ckd-ok: as above; V at n rows after K */
+		memcpy(s->land_mem + s->lay.v_offset + off, sl->v + off,
+		       (size_t)(b - a) * s->row_bytes);
+		return;
+	}
 	land_put_rows(s, 0, l, a, b - a, sl->k + off);
 	land_put_rows(s, 1, l, a, b - a, sl->v + off);
 }

@@ -219,8 +219,8 @@ static void fuse_check_layer(struct req *q, struct fuse_session *s,
 
 		if (n_rows_frames != 1 || q->h.payload_frames != 1 + (attn != NULL)) {
 			fail(q, KVBP_BAD_FRAMES, "a check layer of a landing session takes 1 payload "
-			     "frame (the %s rows)%s; got %zu", row_bytes == plan->row_bytes ?
-			     "metric plane's" : "K then V", attn ? " before A" : "", n_rows_frames);
+			     "frame (the %s rows)%s; got %zu", plan->attn ? "K then V" :
+			     "metric plane's", attn ? " before A" : "", n_rows_frames);
 			return;
 		}
 		if (zmq_msg_size(&q->payload[0]) != want) {

@@ -23,8 +23,15 @@ TP = 2 (each rank holds 2 of the 4 KV heads; vLLM's cache in a kvblend region):
 (e) doc2 reused as an exact prefix at TP = 2: equal to plain;
 (f) the re-rotated reuse of doc0 then doc1 gives TP = 1's tokens;
 (g) on vLLM's own config, no engine: refused with a line naming the cause, 8 ranks over
-    4 KV heads, ``blend`` and ``store_on_miss`` under TP; a separator alone runs, with
-    store on a miss off by default.
+    4 KV heads, ``blend`` by the attention metric and ``store_on_miss`` under TP; a
+    separator alone runs, with store on a miss off by default;
+(h) CacheBlend at TP = 2 (both engines configured with blend at layer 1, r = 0.15, the
+    value metric; the reuse requests above opt out with "blend": false): doc1 then doc0
+    blended at r = 1.0 equals plain TP = 2;
+(i) at r = 0.15 it gives TP = 1's tokens (the ranks' deviations summed select as one
+    rank's), and differs from plain;
+(j) both blends in one generate call (one pass, the ranks agreeing on it) each equal
+    their own.
 Exit 0 when all pass, 1 on a failure, 77 when KVBLEND_SKIP_ENGINE=1.
 """
 
@@ -78,7 +85,9 @@ def phase(tp, model_dir, endpoint, out_path):
                   kv_connector="KvblendConnector", kv_connector_module_path="kvblend.vllm",
                   kv_role="kv_both",
                   kv_connector_extra_config={"endpoint": endpoint, "timeout_ms": 20000,
-                                             "model_name": NAME}))
+                                             "model_name": NAME,
+                                             "blend": {"check_layers": [1],
+                                                       "ratios": [0.15]}}))
     res = {"engine_start_s": round(time.monotonic() - t0, 1)}
     tok = llm.get_tokenizer()
     docs = [tok.encode(t, add_special_tokens=False) for t in DOCS[:3]]
@@ -94,8 +103,9 @@ def phase(tp, model_dir, endpoint, out_path):
                             use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
 
-    def segs(*s):
-        return {"kvblend": {"segments": [list(x) for x in s]}}
+    def segs(*s, blend=False):
+        # plain reuse unless a blend is asked for (the engines are configured to blend)
+        return {"kvblend": {"segments": [list(x) for x in s], "blend": blend}}
 
     def stats():
         with kvblend.Client(endpoint, timeout_ms=10000) as c:
@@ -105,12 +115,15 @@ def phase(tp, model_dir, endpoint, out_path):
         return {k: b[k] - a[k] for k in ("requests_fuse_open", "requests_get", "requests_put",
                                           "chunks")}
 
-    prompts = [docs[0] + q, docs[2] + q, docs[0] + docs[1] + q]
-    rr = segs((0, l0, "chunk"), (l0, l1, "chunk"), (l0 + l1, len(q), "fresh"))
+    prompts = [docs[0] + q, docs[2] + q, docs[0] + docs[1] + q, docs[1] + docs[0] + q]
+    two = ((0, l0, "chunk"), (l0, l1, "chunk"), (l0 + l1, len(q), "fresh"))
+    rr = segs(*two)
+    swapped = ((0, l1, "chunk"), (l1, l0, "chunk"), (l0 + l1, len(q), "fresh"))
     res["plain"] = gen(prompts)
     if tp == 1:
         res["hashes"] = [h.hex() for h in store_documents(llm, docs[:2])]
         res["rerotated"] = gen([prompts[2]], [rr])[0]
+        res["blend15"] = gen([prompts[3]], [segs(*swapped, blend={})])[0]
     else:
         s0 = stats()
         res["reuse0"] = gen([prompts[0]], [segs((0, l0, "chunk"), (l0, len(q), "fresh"))])[0]
@@ -128,6 +141,13 @@ def phase(tp, model_dir, endpoint, out_path):
         res["doc2_ids"] = docs[2]
         res["reuse2"] = gen([prompts[1]], [segs((0, l2, "chunk"), (l2, len(q), "fresh"))])[0]
         res["rerotated"] = gen([prompts[2]], [rr])[0]
+        # blends: at r = 1.0 (every token recomputed) and the engine's r = 0.15, doc1
+        # then doc0 (doc0 away from where it was stored); then two at once (one pass)
+        res["blend1"] = gen([prompts[3]], [segs(*swapped, blend={"ratios": [1.0]})])[0]
+        res["blend15"] = gen([prompts[3]], [segs(*swapped, blend={})])[0]
+        res["blend_pair"] = gen([prompts[3], prompts[3]],
+                                [segs(*swapped, blend={"ratios": [1.0]}),
+                                 segs(*swapped, blend={})])
     Path(out_path).write_text(json.dumps(res))
 
 
@@ -149,8 +169,9 @@ def refusals(model_dir):
 
     cases = [
         ("8 ranks, 4 KV heads (vLLM would replicate them)", 8, {}, "does not divide"),
-        ("blend under TP", 2, {"blend": {"check_layers": [1], "ratios": [0.15]}},
-         "blending under tensor parallelism"),
+        ("blend by the attention metric under TP", 2,
+         {"blend": {"check_layers": [1], "ratios": [0.15], "metric": "attention"}},
+         "takes the value or key metric"),
         ("store_on_miss under TP", 2, {"store_on_miss": True, "chunk_separator": [11]},
          "store_on_miss under tensor parallelism"),
     ]
@@ -202,16 +223,20 @@ def main():
     sys.path[:0] = [str(SRC), str(HERE)]
     import numpy as np
     import kvblend
-    from fixtures import Daemon
+    from fixtures import Daemon, install
     from make_tp_model import ensure
 
     t0 = time.monotonic()
     model_dir = str(ensure(args.model))
     print(f"test model {model_dir} ({time.monotonic() - t0:.1f} s)")
     work = Path(tempfile.mkdtemp(prefix="kvblend-tp."))
+    # the blend pass reaches vLLM's model through the package's vllm.general_plugins entry
+    # point: installed (with its metadata) into a folder of its own
+    site = work / "site"
+    install(site)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(SRC), str(HERE), os.environ.get("PYTHONPATH", "")) if p)
+        p for p in (str(site), str(HERE), os.environ.get("PYTHONPATH", "")) if p)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env["KVBLEND_VLLM_COPY_FILE"] = str(work / "copy-loads")
     d = Daemon()
@@ -237,15 +262,28 @@ def main():
         one, two = res[1], res[2]
         # A load that fails is recomputed by vLLM, and its output is plain's: each rank's
         # log must show its loads done (landed, or copied) and none failed.
-        done = {r: {"landed": 0, "copied": 0} for r in (0, 1)}
+        done = {r: {"landed": 0, "copied": 0, "blended": 0} for r in (0, 1)}
         for m in re.finditer(r"\(Worker_TP(\d) pid=\d+\).*kvblend: loaded \d+ tokens of "
                              r"\S+ in [0-9.]+ s \((landed|copied)", logs[2]):
             done[int(m.group(1))][m.group(2)] += 1
+        for m in re.finditer(r"\(Worker_TP(\d) pid=\d+\).*kvblend: blended \d+ tokens of ",
+                             logs[2]):
+            done[int(m.group(1))]["blended"] += 1
         bad = re.findall(r"kvblend: (?:load for \S+ failed|landing session for \S+ refused|"
                          r"landing stopped|landing off).*", logs[2])
-        check("TP = 2: each rank landed 3 loads and copied 1, none failed",
-              all(v == {"landed": 3, "copied": 1} for v in done.values()) and not bad,
-              f"{done}, failures {bad[:3]}")
+        check("TP = 2: each rank landed 3 loads, copied 1 and blended 4, none failed",
+              all(v == {"landed": 3, "copied": 1, "blended": 4} for v in done.values())
+              and not bad, f"{done}, failures {bad[:3]}")
+        check("(h) blend at r = 1.0 at TP = 2 equals plain TP = 2",
+              two["blend1"] == two["plain"][3], f"{two['blend1']} vs {two['plain'][3]}")
+        check("(i) blend at r = 0.15 at TP = 2 gives TP = 1's tokens (the ranks' summed "
+              "deviations select as one rank's)", two["blend15"] == one["blend15"],
+              f"{two['blend15']} vs {one['blend15']}")
+        check("(i) the r = 0.15 blend is not plain (a blend, not a recompute)",
+              two["blend15"] != two["plain"][3])
+        check("(j) two blends in one pass at TP = 2: each equals its own",
+              two["blend_pair"] == [two["blend1"], two["blend15"]],
+              f"{two['blend_pair']}")
         check("TP = 2: each rank logged its KV heads",
               "tensor-parallel rank 0 of 2: KV heads 0..1 of 4" in logs[2]
               and "tensor-parallel rank 1 of 2: KV heads 2..3 of 4" in logs[2])

@@ -115,6 +115,25 @@ static size_t segments(struct fixture *f, struct kvb_segment *s)
 	return 4;
 }
 
+/*
+ * The same chunks in another order: chunk 2 at 0, 5 fresh at 14, chunk 1 at 19, chunk
+ * 0 at 36. Every position's rows differ from segments()'s, so that rows another test
+ * left in a cached staging buffer cannot pass for this session's.
+ */
+static size_t segments_alt(struct fixture *f, struct kvb_segment *s)
+{
+	memset(s, 0, 4 * sizeof(*s));
+	memcpy(s[0].hash, f->hash[2], KVB_HASH_LEN);
+	s[1].fresh = 1;
+	s[1].count = 5;
+	s[1].pos = 14;
+	memcpy(s[2].hash, f->hash[1], KVB_HASH_LEN);
+	s[2].pos = 19;
+	memcpy(s[3].hash, f->hash[0], KVB_HASH_LEN);
+	s[3].pos = 36;
+	return 4;
+}
+
 /* vLLM's GPU layout over base: LBNHC (hnd false) or LBHNC, each token's K then V. */
 static struct kvb_kv_layout gpu_layout(struct fixture *f, uint8_t *base, bool hnd)
 {
@@ -360,16 +379,19 @@ static void blend_into_device_equals_host(void **state)
  * rows (kvb_fuse_check), and each lands its head of what that session lands. A plain
  * check on a head range is refused, naming the two-step call.
  */
-static void ranks_blend_as_one(void **state)
+static void ranks_blend(struct fixture *f, bool device)
 {
 	static const uint32_t checks[2] = { 1, 3 };
 	static const double ratios[2] = { 0.5, 0.25 };
-	struct fixture *f = *state;
 	struct kvb_fuse_params p = { checks, ratios, 2, KVB_METRIC_VALUE };
 	struct kvb_segment segs[4];
-	size_t ns = segments(f, segs), ps1 = (size_t)PT * 2 * HB, rank_bytes = L * BLOCKS * ps1;
+	size_t ns = segments_alt(f, segs), ps1 = (size_t)PT * 2 * HB, rank_bytes = L * BLOCKS * ps1;
 	struct kvb_kv_layout hy = gpu_layout(f, f->region, false), ry[H];
-	uint8_t *rr = kvb_region_alloc(f->c, H * rank_bytes + 4096);
+	/* the ranks' caches: one region (host), or halves of the node's device allocation,
+	 * each a head's paged cache (the full session's cache is the fixture's region) */
+	uint8_t *rr = device ? malloc(H * rank_bytes) : kvb_region_alloc(f->c, H * rank_bytes + 4096);
+	uint8_t *rbase = device ? f->mem.base : rr;
+	struct kvb_device_mem dm[H];
 	uint16_t *pk = malloc((size_t)N * H * D * 2), *pr[H];
 	float *dev[H], *sum = malloc(N * sizeof(float));
 	kvb_fuse *full = NULL, *rank[H];
@@ -379,12 +401,18 @@ static void ranks_blend_as_one(void **state)
 	assert_non_null(rr);
 	memset(f->region, 0xa5, CACHE_BYTES);
 	memset(rr, 0xa5, H * rank_bytes);
+	if (device)
+		assert_int_equal(nodemem_fill(&f->mem, 0xa5), 0);
 	assert_int_equal(kvb_fuse_open_into(f->c, "lm", segs, ns, &p, &hy, &full, NULL, NULL), 0);
 	for (uint32_t h = 0; h < H; h++) {
 		struct kvb_land_opts o = { sizeof(o), NULL, NULL, h, 1 };
 
-		ry[h] = (struct kvb_kv_layout){ .k = rr + h * rank_bytes,
-						.v = rr + h * rank_bytes + HB,
+		dm[h] = device_mem(f);
+		dm[h].progress = f->region + CACHE_BYTES + 64 * (h + 1);
+		if (device)
+			o.device = &dm[h];
+		ry[h] = (struct kvb_kv_layout){ .k = rbase + h * rank_bytes,
+						.v = rbase + h * rank_bytes + HB,
 						.layer_stride = BLOCKS * ps1, .token_stride = 2 * HB,
 						.head_stride = 2 * HB, .page_tokens = PT,
 						.page_stride = ps1, .pages = f->pages, .n_pages = BLOCKS };
@@ -436,26 +464,47 @@ static void ranks_blend_as_one(void **state)
 	}
 	assert_int_equal(ci, 2);
 	assert_int_equal(kvb_fuse_close(f->c, &full, NULL, NULL), 0);
-	for (uint32_t h = 0; h < H; h++) {
+	for (uint32_t h = 0; h < H; h++)
 		assert_int_equal(kvb_fuse_close(f->c, &rank[h], NULL, NULL), 0);
+	if (device) /* what the device holds, read back into rr (where ry[] point, offsets) */
+		assert_int_equal(nodemem_read(&f->mem, 0, rr, H * rank_bytes), 0);
+	for (uint32_t h = 0; h < H; h++) {
+		const uint8_t *rk = rr + h * rank_bytes;
+
 		for (uint32_t l = 0; l < L; l++)
 			for (uint32_t t = 0; t < N; t++) {
 				size_t page = f->pages[t / PT], slot = t % PT;
 				const uint8_t *want = f->region + l * LAYER_BYTES +
 						      page * hy.page_stride + slot * hy.token_stride +
 						      h * hy.head_stride;
-				const uint8_t *one = ry[h].k + l * ry[h].layer_stride + page * ps1 +
+				const uint8_t *one = rk + l * ry[h].layer_stride + page * ps1 +
 						     slot * ry[h].token_stride;
 
 				if (memcmp(one, want, 2 * HB))
-					fail_msg("rank %u layer %u token %u differs", h, l, t);
+					fail_msg("rank %u layer %u token %u differs (%s)", h, l, t,
+						 device ? "device" : "host");
 			}
 		free(pr[h]);
 		free(dev[h]);
 	}
-	kvb_region_free(f->c, rr);
+	if (device)
+		free(rr);
+	else
+		kvb_region_free(f->c, rr);
 	free(pk);
 	free(sum);
+}
+
+static void ranks_blend_as_one(void **state)
+{
+	ranks_blend(*state, false);
+}
+
+/* The same, each rank landing into device memory: a later check layer's slot goes up
+ * as whole rows, of which the device takes the rank's head (rank 1 once got head 0's). */
+static void ranks_blend_as_one_device(void **state)
+{
+	ranks_blend(*state, true);
 }
 
 /* Refusals: each names its cause, and the daemon serves on. */
@@ -636,6 +685,7 @@ int main(void)
 		cmocka_unit_test(head_range_into_device),
 		cmocka_unit_test(blend_into_device_equals_host),
 		cmocka_unit_test(ranks_blend_as_one),
+		cmocka_unit_test(ranks_blend_as_one_device),
 		cmocka_unit_test(refusals),
 		cmocka_unit_test(four_allocations_a_client),
 		cmocka_unit_test(no_device_daemon),

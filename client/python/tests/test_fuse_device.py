@@ -111,7 +111,8 @@ def test_daemon_without_device_refuses(daemon, nodemem):
 
 def test_head_range_lands_a_ranks_heads(daemon):
     """heads=(h, 1): a tensor-parallel rank's cache holds stored head h alone, equal to
-    that head of a full landing; fresh tokens' rows untouched; blends refused."""
+    that head of a full landing; fresh tokens' rows untouched. Blends check in two steps:
+    the ranks' summed deviations select what one session of every head selects."""
     with kvblend.Client(daemon.endpoint, timeout_ms=10000) as c:
         segs = _store(c, "gpu_lm_tp")
         n = 26
@@ -129,5 +130,28 @@ def test_head_range_lands_a_ranks_heads(daemon):
                     s.wait(layer, timeout=10)
             assert np.array_equal(one[:, :, cached, 0], full[:, :, cached, h])
             assert np.all(one[:, :, 9:12] == np.float16(7.0))
-        with pytest.raises(kvblend.BadArgument, match="reuse-only"):
-            c.fuse_open_into("gpu_lm_tp", segs, one[0], one[1], [1], [0.5], heads=(0, 1))
+        with pytest.raises(kvblend.BadArgument, match="recompute"):
+            c.fuse_open_into("gpu_lm_tp", segs, one[0], one[1], heads=(0, 1), recompute=[0])
+        # a blend (layer 1, r = 0.5): every head's session against one session a head
+        rng = np.random.default_rng(5)
+        plane = rng.standard_normal((n, H, D)).astype(np.float16)
+        ranks = reg[2 * L * n * H * D * ES :].view(np.float16).reshape(2, L, n, 1, D)
+        with c.fuse_open_into("gpu_lm_tp", segs, full[0], full[1], [1], [0.5]) as s:
+            s.check(1, plane)
+            want = s.rows()
+        devs = []
+        for h in range(H):
+            with c.fuse_open_into("gpu_lm_tp", segs, ranks[0], ranks[1], [1], [0.5],
+                                  heads=(h, 1)) as s:
+                with pytest.raises(kvblend.BadArgument, match="check_mode"):
+                    s.check(1, plane[:, h : h + 1])
+                devs.append(s.check_deviation(1, plane[:, h : h + 1]))
+                assert s.rows().size == n  # nothing selected yet
+        total = np.sum(devs, axis=0, dtype=np.float32)
+        for h in range(H):
+            with c.fuse_open_into("gpu_lm_tp", segs, ranks[0], ranks[1], [1], [0.5],
+                                  heads=(h, 1)) as s:
+                s.check_deviation(1, plane[:, h : h + 1])
+                s.check_select(1, total)
+                assert np.array_equal(s.rows(), want)
+                assert 0 < want.size < n

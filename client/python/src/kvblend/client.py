@@ -760,8 +760,10 @@ class Client:
             As for :meth:`fuse_open`.
         heads : (begin, count), optional
             A tensor-parallel rank's share: ``k`` and ``v`` hold only the stored heads
-            ``[begin, begin + count)`` (their head axis is ``count`` long). Reuse only
-            (no check layers, no ``recompute``).
+            ``[begin, begin + count)`` (their head axis is ``count`` long). With check
+            layers (value or key metric) the ranks check in two steps
+            (:meth:`LandingSession.check_deviation`, then ``check_select`` with the
+            ranks' sum); no ``recompute``.
 
         Raises
         ------
@@ -781,8 +783,8 @@ class Client:
                 raise BadArgument(-22, f"heads {heads!r}: (begin, count)") from None
             if hc < 1 or hb < 0 or hb + hc > m.num_kv_heads:
                 raise BadArgument(-22, f"heads {heads}: a range of the {m.num_kv_heads} heads")
-            if recompute is not None or len(check_layers):
-                raise BadArgument(-22, "heads= lands a reuse-only session")
+            if recompute is not None:
+                raise BadArgument(-22, "heads= takes check layers, not recompute=")
             n_heads = hc
         for name, a in (("k", k), ("v", v)):
             if not isinstance(a, np.ndarray) or a.ndim != nd:

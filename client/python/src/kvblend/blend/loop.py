@@ -123,6 +123,33 @@ def blend_layers(
     return blend_batch(ops, [p], checks, metric, landing, keep_checks, wait)[0]
 
 
+class Ranks(Protocol):
+    """Tensor-parallel ranks blending one batch together (see :func:`blend_batch`).
+
+    ``agree(ok)``: whether every rank's ``ok`` is true (a collective every rank calls at
+    the same point); ``sum(dev, ok)``: the ranks' per-row deviations summed, or None
+    when a rank is not ok.
+    """
+
+    def agree(self, ok: bool) -> bool: ...  # noqa: D102
+    def sum(self, dev: np.ndarray, ok: bool) -> np.ndarray | None: ...  # noqa: D102
+
+
+class RankFailed(RuntimeError):
+    """Another tensor-parallel rank's part of the pass failed, so this rank's stops too."""
+
+
+def _agreed(ranks: Ranks | None, err: BaseException | None) -> None:
+    """Raise err (or RankFailed) unless every rank got through (one collective)."""
+    if ranks is not None:
+        if not ranks.agree(err is None):
+            raise err if err is not None else RankFailed(
+                "kvblend: another tensor-parallel rank's blend failed"
+            )
+    elif err is not None:
+        raise err
+
+
 def blend_batch(
     ops: LayerOps,
     prompts: list[Prompt],
@@ -131,6 +158,7 @@ def blend_batch(
     landing: bool,
     keep_checks: bool = False,
     wait: Callable[[Any, int], None] | None = None,
+    ranks: Ranks | None = None,
 ) -> list[LoopResult]:
     """Run every layer of several prompts together, each through its own open session.
 
@@ -141,7 +169,18 @@ def blend_batch(
     over its own KV; else ``ops.attend`` per prompt). The sessions are all open before
     the first layer, so the daemon lands every prompt's stored rows while the node
     computes. Returns one :class:`LoopResult` per prompt, in order.
+
+    ``ranks``: tensor-parallel ranks running the same pass over their heads (landing
+    sessions of head ranges; ``ops`` are the ranks' sharded modules, whose collectives
+    every rank must reach together). Each check layer's selection is then made by the
+    ranks' summed deviations (``check_deviation``, ``ranks.sum``, ``check_select``), so
+    every rank computes the same rows; and the ranks agree after each layer's waits and
+    each check, so that a failure on one stops all of them at the same point instead of
+    leaving the others in a collective (value and key metrics, landing only).
     """
+    if ranks is not None and (not landing or metric not in ("value", "key")):
+        raise ValueError("tensor-parallel blending takes landing sessions and the value or "
+                         "key metric")
     dev = ops.device
     first = checks[0] if checks else 0  # the first layer call of a classic session
     m = 1 if metric == "value" else 0
@@ -171,18 +210,28 @@ def blend_batch(
         q, k, v = ops.qkv(li, _cat(hs), _cat(rows_t))
         qs, ks, vs = _split(q, outs), _split(k, outs), _split(v, outs)
         k_all, v_all = [], []
+        err: BaseException | None = None
+        for p in prompts:
+            if landing and p.sess is not None:
+                # the daemon's rows first (at once for ours)
+                try:
+                    if wait is None:
+                        p.sess.wait(li, timeout=120)
+                    else:
+                        wait(p.sess, li)
+                except Exception as e:  # noqa: BLE001 - agreed on, then raised
+                    if ranks is None:
+                        raise
+                    err = err or e
+        _agreed(ranks, err)
         for i, (p, o) in enumerate(zip(prompts, outs)):
             kc, vc = ks[i].to("cpu", ops.kv_dtype), vs[i].to("cpu", ops.kv_dtype)
             kv, new = kvs[i], None
-            if landing and p.sess is not None:
-                # the daemon's rows first (at once for ours)
-                if wait is None:
-                    p.sess.wait(li, timeout=120)
-                else:
-                    wait(p.sess, li)
             kv[li, 0, rows_c[i]], kv[li, 1, rows_c[i]] = kc, vc
             plane = (torch.stack((kc, vc), 1) if metric == "attention" else (kc, vc)[m]).numpy()
-            if landing and li in checks:
+            if landing and li in checks and ranks is not None:
+                new = _ranks_check(p.sess, li, plane, ranks)
+            elif landing and li in checks:
                 p.sess.check(li, plane)
                 new = p.sess.rows().astype(np.int64)
             elif not landing and li >= first and p.sess is not None:
@@ -207,6 +256,26 @@ def blend_batch(
     for o, h in zip(outs, hs):
         o.h = h
     return outs
+
+
+def _ranks_check(sess: Any, layer: int, plane: np.ndarray, ranks: Ranks) -> np.ndarray:
+    """A check layer of tensor-parallel ranks: every rank selects by the summed deviation."""
+    err: BaseException | None = None
+    dev = None
+    try:
+        dev = sess.check_deviation(layer, plane)
+    except Exception as e:  # noqa: BLE001 - agreed on, then raised
+        err = e
+    n = plane.shape[0]
+    total = ranks.sum(dev if dev is not None else np.zeros(n, np.float32), err is None)
+    if total is None:
+        _agreed(None, err or RankFailed("kvblend: another tensor-parallel rank's check failed"))
+    try:
+        sess.check_select(layer, total)
+    except Exception as e:  # noqa: BLE001 - agreed on, then raised
+        err = e
+    _agreed(ranks, err)
+    return sess.rows().astype(np.int64)
 
 
 def _cat(xs: list[torch.Tensor]) -> torch.Tensor:

@@ -20,11 +20,12 @@ test_vllm_blend.py against kvblend.hf's blend of the same prompt.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -65,8 +66,10 @@ class VllmLlamaOps:
     ------
     BlendRefused
         A model class other than :data:`SUPPORTED_MODELS` or an option of it the pass
-        does not reproduce (:func:`kvblend.blend.arch.for_vllm`), tensor parallelism (a sharded
-        projection), or a layer without the parts this pass calls.
+        does not reproduce (:func:`kvblend.blend.arch.for_vllm`), or a layer without the
+        parts this pass calls. Under tensor parallelism the modules are the rank's shards
+        (its heads; the output projection and the MLP reduce across ranks), so every rank
+        runs the pass together (:class:`TensorRanks`).
     """
 
     def __init__(self, model: Any) -> None:
@@ -80,8 +83,6 @@ class VllmLlamaOps:
             missing += [f"self_attn.{p}" for p in _ATTN_PARTS if not hasattr(layer.self_attn, p)]
             if missing:
                 raise BlendRefused(f"kvblend: decoder layer {i} has no {', '.join(missing)}")
-            if layer.self_attn.num_heads != layer.self_attn.total_num_heads:
-                raise BlendRefused("kvblend: tensor-parallel attention is not blended")
         self.model = model
         self.num_layers = len(self.layers)
         self.device = next(model.parameters()).device
@@ -202,6 +203,40 @@ def blend_prompt(
 
 
 @dataclass
+class TensorRanks:
+    """This worker's tensor-parallel group, for a blend pass every rank runs together.
+
+    ``group`` is vLLM's tensor-parallel GroupCoordinator (its ``cpu_group`` carries these
+    small collectives); ``heads`` the rank's KV heads (first, count). Implements
+    :class:`kvblend.blend.loop.Ranks`, and :meth:`agree_min` for the batch's size.
+    """
+
+    group: Any
+    heads: tuple[int, int]
+
+    def _reduce(self, t: torch.Tensor, op: Any = None) -> torch.Tensor:
+        import torch.distributed as dist
+
+        dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=self.group.cpu_group)
+        return t
+
+    def agree(self, ok: bool) -> bool:
+        return int(self._reduce(torch.tensor([0 if ok else 1], dtype=torch.int32)).item()) == 0
+
+    def agree_min(self, n: int) -> int:
+        import torch.distributed as dist
+
+        return int(self._reduce(torch.tensor([n], dtype=torch.int64), dist.ReduceOp.MIN).item())
+
+    def sum(self, dev: np.ndarray, ok: bool) -> np.ndarray | None:
+        t = torch.empty(dev.size + 1, dtype=torch.float32)
+        t[0] = 0.0 if ok else 1.0
+        t[1:] = torch.from_numpy(np.ascontiguousarray(dev, np.float32))
+        self._reduce(t)
+        return None if float(t[0]) > 0 else t[1:].numpy()
+
+
+@dataclass
 class BlendJob:
     """One prompt of :func:`blend_prompts` (as :func:`blend_prompt` takes it)."""
 
@@ -221,6 +256,7 @@ def blend_prompts(
     metric: str = "value",
     wait_s: float = 120.0,
     sink: Callable[[int, torch.Tensor], None] | None = None,
+    ranks: TensorRanks | None = None,
 ) -> list[tuple[torch.Tensor | None, list[np.ndarray], dict]]:
     """Blend several prompts in one pass over the layers (:func:`kvblend.blend.loop.blend_batch`).
 
@@ -233,13 +269,19 @@ def blend_prompts(
 
     ``sink(i, kv)``, when given, is called with prompt i's fused KV where it lies (in the
     region, valid only during the call) instead of returning a copy (``kv`` is None).
+
+    ``ranks``: under tensor parallelism, every rank calls this with the same jobs; each
+    lands and blends its KV heads (``kv`` then holds those), the ranks select together,
+    and a batch runs as many prompts as every rank got regions for.
     """
     ops = VllmLlamaOps(model)
     out: list = []
     while len(out) < len(jobs):
         first = len(out)
         put = None if sink is None else functools.partial(_shifted, sink, first)
-        out += _blend_batch(ops, client, spec, jobs[first:], check_layers, metric, wait_s, put)
+        out += _blend_batch(
+            ops, client, spec, jobs[first:], check_layers, metric, wait_s, put, ranks
+        )
     return out
 
 
@@ -252,94 +294,43 @@ def _blend_batch(
     metric: str,
     wait_s: float,
     sink: Callable[[int, torch.Tensor], None] | None,
+    ranks: TensorRanks | None = None,
 ) -> list[tuple[torch.Tensor | None, list[np.ndarray], dict]]:
     """Blend the first prompts of ``jobs`` whose regions the daemon grants (one at least)."""
-    np_dtype = _NP[ops.kv_dtype]
     endpoint = client.endpoint
+    if ranks is not None:
+        if metric not in ("value", "key"):
+            raise ValueError(f"kvblend: metric {metric!r} under tensor parallelism (the "
+                             "ranks sum value or key deviations)")
+        spec = dataclasses.replace(spec, num_kv_heads=ranks.heads[1])  # the rank's buffers
 
     def wait(sess: Any, layer: int) -> None:
         wait_layer(sess, layer, wait_s, endpoint)
 
-    regions: list[np.ndarray] = []
-    sessions: list[Any] = []
-    previews: list[float] = []
-    pre_wait: list[float] = []  # of each preview, the seconds it waited for landed layers
+    b = _Batch()
     done = down = False
     try:
-        prompts = []
-        for job in jobs:
-            ids = np.asarray(job.ids, np.int64)
-            shape = spec.kv_shape(ids.size)
-            nbytes = int(np.prod(shape)) * np.dtype(np_dtype).itemsize
-            try:
-                regions.append(client.region(nbytes))
-            except Unavailable:
-                raise
-            except KvblendError:
-                if not regions:
-                    raise
-                break  # the daemon's shm_max: the rest in the next pass
-            buf = regions[-1][:nbytes].view(np_dtype).reshape(shape)
-            cached = np.zeros(ids.size, bool)
-            starts = [int(seg[1]) for seg in job.segments] + [ids.size]
-            for i, seg in enumerate(job.segments):  # a chunk runs up to the next segment
-                if not _fresh(seg):
-                    cached[starts[i] : starts[i + 1]] = True
-            a, t_pre = None, time.perf_counter()
-            q = np.asarray(job.question, np.int64)
-            rows = np.flatnonzero(cached)
-            qpos = ids.size + np.arange(q.size)
-            if metric in NODE_SELECTS:
-                # a reuse-only landing session: the preview reads each layer as it lands,
-                # then the pass recomputes the fresh tokens and the chunk tokens the
-                # question reads most at every layer over the stored rows (no check layer)
-                sess = client.fuse_open_into(spec.name, job.segments, buf[:, 0], buf[:, 1])
-                sessions.append(sess)
-                ready = LayerWait(sess, wait)
-                ops.begin(ids.size + q.size)
-                spans = [
-                    (starts[i], starts[i + 1] - starts[i])
-                    for i, seg in enumerate(job.segments)
-                    if not _fresh(seg)
-                ]
-                a, own = node_selection(
-                    ops,
-                    torch.from_numpy(buf),
-                    cached,
-                    spans,
-                    q,
-                    qpos,
-                    metric,
-                    job.ratios[-1],
-                    ready,
-                )
-                prompts.append(_loop.Prompt(sess, buf, ids, cached, a, own))
-                pre_wait.append(ready.seconds)
-            else:
-                if metric == "attention" and check_layers:
-                    ops.begin(ids.size + q.size)
-                    a, landed = landed_preview(
-                        client, spec.name, job.segments, buf, ops, rows, q, qpos, wait
-                    )
-                    pre_wait.append(landed.get("preview_wait_ms", 0.0) / 1000)
-                else:
-                    pre_wait.append(0.0)
-                sessions.append(
-                    client.fuse_open_into(
-                        spec.name,
-                        job.segments,
-                        buf[:, 0],
-                        buf[:, 1],
-                        list(check_layers),
-                        list(job.ratios),
-                        metric,
-                    )
-                )
-                prompts.append(_loop.Prompt(sessions[-1], buf, ids, cached, a))
-            t_pre = time.perf_counter() - t_pre
-            previews.append(t_pre)
+        err: BaseException | None = None
         try:
-            rs = _loop.blend_batch(ops, prompts, list(check_layers), metric, True, False, wait)
+            _prepare(ops, client, spec, jobs, check_layers, metric, wait, ranks, b)
+        except Exception as e:  # noqa: BLE001 - agreed on by the ranks, then raised
+            if ranks is None:
+                raise
+            err = e
+        if ranks is not None:
+            # every rank runs as many prompts as the one with the fewest regions
+            n = ranks.agree_min(0 if err is not None else len(b.prompts))
+            if n == 0:
+                raise err if err is not None else _loop.RankFailed(
+                    "kvblend: another tensor-parallel rank could not open its blends"
+                )
+            for x in b.sessions[n:]:
+                _close_quietly(x)
+            del b.sessions[n:], b.prompts[n:], b.previews[n:], b.pre_wait[n:]
+        try:
+            rs = _loop.blend_batch(
+                ops, b.prompts, list(check_layers), metric, True, False, wait, ranks
+            )
         except (Unavailable, TimeoutError):
             # the daemon is gone or not answering: the closes below must not each wait
             # the whole timeout, and their errors are this one's
@@ -347,10 +338,12 @@ def _blend_batch(
             client.set_timeout(CLOSE_TIMEOUT_MS)
             raise
         finally:
-            stats = [_close_quietly(x) if down else x.close() for x in sessions]
-            sessions = []
+            stats = [_close_quietly(x) if down else x.close() for x in b.sessions]
+            b.sessions = []
         out = []
-        for i, (p, r, st, t_pre, t_wait) in enumerate(zip(prompts, rs, stats, previews, pre_wait)):
+        for i, (p, r, st, t_pre, t_wait) in enumerate(
+            zip(b.prompts, rs, stats, b.previews, b.pre_wait)
+        ):
             if p.recompute is not None:
                 r.selections.append(p.recompute)
             if p.attention is not None:
@@ -367,14 +360,112 @@ def _blend_batch(
         client.set_timeout(CLOSE_TIMEOUT_MS)  # (the preview's landing, the closes) as above
         raise
     finally:
-        for x in sessions:  # opened before a failure: closed without a word
+        for x in b.sessions:  # opened before a failure: closed without a word
             _close_quietly(x)
-        for region in regions:
+        for region in b.regions:
             try:
                 client.free_region(region)
             except KvblendError:
                 if done:
                     raise  # after a failure, the failure is what the caller hears of
+
+
+@dataclass
+class _Batch:
+    """What :func:`_prepare` opened for a batch (closed and freed by its caller)."""
+
+    regions: list = field(default_factory=list)
+    sessions: list = field(default_factory=list)
+    prompts: list = field(default_factory=list)
+    previews: list = field(default_factory=list)  # each prompt's preview seconds
+    pre_wait: list = field(default_factory=list)  # of each preview, seconds waiting for layers
+
+
+def _prepare(
+    ops: VllmLlamaOps,
+    client: Client,
+    spec: Model,
+    jobs: Sequence[BlendJob],
+    check_layers: Sequence[int],
+    metric: str,
+    wait: Callable[[Any, int], None],
+    ranks: TensorRanks | None,
+    b: _Batch,
+) -> None:
+    """A region, a landing session (and a preview) for each job the daemon grants a region."""
+    np_dtype = _NP[ops.kv_dtype]
+    heads = ranks.heads if ranks is not None else None
+    for job in jobs:
+        ids = np.asarray(job.ids, np.int64)
+        shape = spec.kv_shape(ids.size)
+        nbytes = int(np.prod(shape)) * np.dtype(np_dtype).itemsize
+        try:
+            b.regions.append(client.region(nbytes))
+        except Unavailable:
+            raise
+        except KvblendError:
+            if not b.regions:
+                raise
+            break  # the daemon's shm_max: the rest in the next pass
+        buf = b.regions[-1][:nbytes].view(np_dtype).reshape(shape)
+        cached = np.zeros(ids.size, bool)
+        starts = [int(seg[1]) for seg in job.segments] + [ids.size]
+        for i, seg in enumerate(job.segments):  # a chunk runs up to the next segment
+            if not _fresh(seg):
+                cached[starts[i] : starts[i + 1]] = True
+        a, t_pre = None, time.perf_counter()
+        q = np.asarray(job.question, np.int64)
+        rows = np.flatnonzero(cached)
+        qpos = ids.size + np.arange(q.size)
+        if metric in NODE_SELECTS:
+            # a reuse-only landing session: the preview reads each layer as it lands,
+            # then the pass recomputes the fresh tokens and the chunk tokens the
+            # question reads most at every layer over the stored rows (no check layer)
+            sess = client.fuse_open_into(spec.name, job.segments, buf[:, 0], buf[:, 1])
+            b.sessions.append(sess)
+            ready = LayerWait(sess, wait)
+            ops.begin(ids.size + q.size)
+            spans = [
+                (starts[i], starts[i + 1] - starts[i])
+                for i, seg in enumerate(job.segments)
+                if not _fresh(seg)
+            ]
+            a, own = node_selection(
+                ops,
+                torch.from_numpy(buf),
+                cached,
+                spans,
+                q,
+                qpos,
+                metric,
+                job.ratios[-1],
+                ready,
+            )
+            b.prompts.append(_loop.Prompt(sess, buf, ids, cached, a, own))
+            b.pre_wait.append(ready.seconds)
+        else:
+            if metric == "attention" and check_layers:
+                ops.begin(ids.size + q.size)
+                a, landed = landed_preview(
+                    client, spec.name, job.segments, buf, ops, rows, q, qpos, wait
+                )
+                b.pre_wait.append(landed.get("preview_wait_ms", 0.0) / 1000)
+            else:
+                b.pre_wait.append(0.0)
+            b.sessions.append(
+                client.fuse_open_into(
+                    spec.name,
+                    job.segments,
+                    buf[:, 0],
+                    buf[:, 1],
+                    list(check_layers),
+                    list(job.ratios),
+                    metric,
+                    heads=heads,
+                )
+            )
+            b.prompts.append(_loop.Prompt(b.sessions[-1], buf, ids, cached, a))
+        b.previews.append(time.perf_counter() - t_pre)
 
 
 def _shifted(
@@ -416,6 +507,7 @@ def load_blends(
     loads: Sequence[tuple[BlendLoad, Sequence[int]]],
     cache: PagedCache,
     wait_s: float = 120.0,
+    ranks: TensorRanks | None = None,
 ) -> list[tuple[list[np.ndarray], dict]]:
     """Blend requests' contexts, batched, and write the fused rows into vLLM's paged cache.
 
@@ -425,7 +517,9 @@ def load_blends(
     request's rows go to prompt positions ``load.skip`` .. ``len(load.ids) - 1`` through
     its block ids (vLLM holds the ones before). Returns each request's selections and
     the daemon's statistics, in order. ``wait_s``: the longest wait for one landed layer.
-    Any failure fails the call (the caller may run the requests one at a time).
+    Any failure fails the call (the caller may run the requests one at a time). ``ranks``:
+    under tensor parallelism every rank calls it with the same loads, and each writes its
+    heads (:func:`blend_prompts`); a failure on one rank fails the call on all.
     """
     out: list = [None] * len(loads)
     groups: dict[tuple, list[int]] = {}
@@ -450,7 +544,7 @@ def load_blends(
             )
             for i in idx
         ]
-        res = blend_prompts(model, client, spec, jobs, checks, metric, wait_s, sink)
+        res = blend_prompts(model, client, spec, jobs, checks, metric, wait_s, sink, ranks)
         secs = time.perf_counter() - t0
         for i, (_, sels, stats) in zip(idx, res):
             ld = loads[i][0]

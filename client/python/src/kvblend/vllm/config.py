@@ -291,13 +291,12 @@ def connector_config(vllm_config: VllmConfig) -> ConnectorConfig:
     except ValueError as e:
         raise refuse(f"kv_connector_extra_config: {e}") from None
     tp = vllm_config.parallel_config.tensor_parallel_size
-    if tp > 1 and blend is not None:
-        # every rank would select on its own heads' deviation, and the ranks' passes must
-        # run the same rows through vLLM's collectives: not built yet
+    if tp > 1 and blend is not None and blend.metric not in ("value", "key"):
+        # the ranks select together by their heads' deviations summed (docs/vllm.md,
+        # "Tensor parallelism"); the question's previews are per rank's heads
         raise refuse(
-            f"blending under tensor parallelism ({tp} ranks) is not supported yet; without "
-            "'blend' chunks are reused (exact prefixes, and the keys of later chunks "
-            "re-rotated), each rank landing its own KV heads"
+            f"blending under tensor parallelism ({tp} ranks) takes the value or key metric "
+            f"(the ranks sum their heads' deviations); blend's metric is {blend.metric!r}"
         )
     store_on_miss = extra.get("store_on_miss", separator is not None and tp == 1)
     if not isinstance(store_on_miss, bool):

@@ -358,6 +358,11 @@ class WorkerSide:
         t0 = time.monotonic()
         try:
             client = self.daemon.client()
+            ranks = (
+                blend.TensorRanks(self._tp_group, self.cache.heads)
+                if self._tp_group is not None
+                else None
+            )
             res = blend.load_blends(
                 self._blend_model,
                 client,
@@ -365,6 +370,7 @@ class WorkerSide:
                 [(ld.blend, ld.block_ids) for ld in loads],
                 self.cache,
                 cfg.timeout_ms / 1000,
+                ranks,
             )
         except (Unavailable, TimeoutError) as e:
             self.daemon.failed(e)
@@ -373,8 +379,12 @@ class WorkerSide:
             return
         except (KvblendError, ValueError, IndexError, RuntimeError) as e:
             self.daemon.drop()
-            if len(loads) == 1:
-                self._load_failed(loads[0], str(e))
+            if len(loads) == 1 or self._tp_group is not None:
+                # under TP the ranks failed together (the pass agrees on it): all of the
+                # pass's loads fail on every rank alike, with no retry one at a time that
+                # ranks could take apart
+                for ld in loads:
+                    self._load_failed(ld, str(e))
                 return
             logger.warning(
                 "kvblend: a blend of %d requests failed (%s); one at a time", len(loads), e
