@@ -31,7 +31,10 @@ TP = 2 (each rank holds 2 of the 4 KV heads; vLLM's cache in a kvblend region):
 (i) at r = 0.15 it gives TP = 1's tokens (the ranks' deviations summed select as one
     rank's), and differs from plain;
 (j) both blends in one generate call (one pass, the ranks agreeing on it) each equal
-    their own.
+    their own;
+(k) a blend that fails on rank 1 alone (the worker's failure hook, "rank 1") fails on rank
+    0 too (the ranks agree on a step's blends), its output is plain's (vLLM recomputed
+    it), and the next blend runs as before: no rank hangs.
 Exit 0 when all pass, 1 on a failure, 77 when KVBLEND_SKIP_ENGINE=1.
 """
 
@@ -148,6 +151,12 @@ def phase(tp, model_dir, endpoint, out_path):
         res["blend_pair"] = gen([prompts[3], prompts[3]],
                                 [segs(*swapped, blend={"ratios": [1.0]}),
                                  segs(*swapped, blend={})])
+        # a blend that fails on rank 1 alone (the worker's test hook): rank 0 fails it too
+        # (the ranks agree on the step's blends), vLLM recomputes it, and the next blend
+        # runs (no rank left waiting in a collective)
+        Path(os.environ["KVBLEND_VLLM_FAIL_LOAD_FILE"]).write_text("rank 1\n")
+        res["blend_failed"] = gen([prompts[3]], [segs(*swapped, blend={})])[0]
+        res["blend_after"] = gen([prompts[3]], [segs(*swapped, blend={})])[0]
     Path(out_path).write_text(json.dumps(res))
 
 
@@ -239,6 +248,7 @@ def main():
         p for p in (str(site), str(HERE), os.environ.get("PYTHONPATH", "")) if p)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env["KVBLEND_VLLM_COPY_FILE"] = str(work / "copy-loads")
+    env["KVBLEND_VLLM_FAIL_LOAD_FILE"] = str(work / "fail-next-load")
     d = Daemon()
     res, logs = {}, {}
     try:
@@ -271,9 +281,21 @@ def main():
             done[int(m.group(1))]["blended"] += 1
         bad = re.findall(r"kvblend: (?:load for \S+ failed|landing session for \S+ refused|"
                          r"landing stopped|landing off).*", logs[2])
-        check("TP = 2: each rank landed 3 loads, copied 1 and blended 4, none failed",
-              all(v == {"landed": 3, "copied": 1, "blended": 4} for v in done.values())
+        # the one failure on purpose: each rank fails it, by the hook or by the agreement
+        meant = [b for b in bad if "injected" in b or "another tensor-parallel rank" in b]
+        bad = [b for b in bad if b not in meant]
+        check("TP = 2: each rank landed 3 loads, copied 1 and blended 5, none failed but "
+              "the one failed on purpose",
+              all(v == {"landed": 3, "copied": 1, "blended": 5} for v in done.values())
               and not bad, f"{done}, failures {bad[:3]}")
+        hook = re.findall(r"\(Worker_TP(\d) pid=\d+\).*kvblend: load for \S+ failed \(load "
+                          r"failure injected", logs[2])
+        agreed = re.findall(r"\(Worker_TP(\d) pid=\d+\).*kvblend: load for \S+ failed "
+                            r"\(another tensor-parallel rank", logs[2])
+        check("(k) a blend failed on rank 1 alone fails on rank 0 too (recomputed: plain)",
+              hook == ["1"] and agreed == ["0"] and two["blend_failed"] == two["plain"][3],
+              f"hook {hook}, agreed {agreed}")
+        check("(k) and the next blend runs as before", two["blend_after"] == two["blend15"])
         check("(h) blend at r = 1.0 at TP = 2 equals plain TP = 2",
               two["blend1"] == two["plain"][3], f"{two['blend1']} vs {two['plain'][3]}")
         check("(i) blend at r = 0.15 at TP = 2 gives TP = 1's tokens (the ranks' summed "

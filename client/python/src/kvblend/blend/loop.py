@@ -139,8 +139,8 @@ class RankFailed(RuntimeError):
     """Another tensor-parallel rank's part of the pass failed, so this rank's stops too."""
 
 
-def _agreed(ranks: Ranks | None, err: BaseException | None) -> None:
-    """Raise err (or RankFailed) unless every rank got through (one collective)."""
+def agreed(ranks: Ranks | None, err: BaseException | None) -> None:
+    """Raise err (or RankFailed) unless every rank got through (one collective with ranks)."""
     if ranks is not None:
         if not ranks.agree(err is None):
             raise err if err is not None else RankFailed(
@@ -223,7 +223,7 @@ def blend_batch(
                     if ranks is None:
                         raise
                     err = err or e
-        _agreed(ranks, err)
+        agreed(ranks, err)
         for i, (p, o) in enumerate(zip(prompts, outs)):
             kc, vc = ks[i].to("cpu", ops.kv_dtype), vs[i].to("cpu", ops.kv_dtype)
             kv, new = kvs[i], None
@@ -269,12 +269,12 @@ def _ranks_check(sess: Any, layer: int, plane: np.ndarray, ranks: Ranks) -> np.n
     n = plane.shape[0]
     total = ranks.sum(dev if dev is not None else np.zeros(n, np.float32), err is None)
     if total is None:
-        _agreed(None, err or RankFailed("kvblend: another tensor-parallel rank's check failed"))
+        agreed(None, err or RankFailed("kvblend: another tensor-parallel rank's check failed"))
     try:
         sess.check_select(layer, total)
     except Exception as e:  # noqa: BLE001 - agreed on, then raised
         err = e
-    _agreed(ranks, err)
+    agreed(ranks, err)
     return sess.rows().astype(np.int64)
 
 

@@ -338,22 +338,36 @@ def _blend_batch(
             client.set_timeout(CLOSE_TIMEOUT_MS)
             raise
         finally:
-            stats = [_close_quietly(x) if down else x.close() for x in b.sessions]
+            # under TP a close that fails on one rank must not take it out of step with
+            # the others (its layers are in place: the pass waited for each)
+            quiet = down or ranks is not None
+            stats = [_close_quietly(x) if quiet else x.close() for x in b.sessions]
             b.sessions = []
         out = []
-        for i, (p, r, st, t_pre, t_wait) in enumerate(
-            zip(b.prompts, rs, stats, b.previews, b.pre_wait)
-        ):
-            if p.recompute is not None:
-                r.selections.append(p.recompute)
-            if p.attention is not None:
-                st.update(
-                    attention=p.attention, preview_ms=t_pre * 1000, preview_wait_ms=t_wait * 1000
-                )
-            kv = torch.from_numpy(p.buf)
-            if sink is not None:
-                sink(i, kv)
-            out.append((kv.clone() if sink is None else None, r.selections, st))
+        err = None
+        try:
+            for i, (p, r, st, t_pre, t_wait) in enumerate(
+                zip(b.prompts, rs, stats, b.previews, b.pre_wait)
+            ):
+                if p.recompute is not None:
+                    r.selections.append(p.recompute)
+                if p.attention is not None:
+                    st.update(
+                        attention=p.attention,
+                        preview_ms=t_pre * 1000,
+                        preview_wait_ms=t_wait * 1000,
+                    )
+                kv = torch.from_numpy(p.buf)
+                if sink is not None:
+                    sink(i, kv)
+                out.append((kv.clone() if sink is None else None, r.selections, st))
+        except Exception as e:  # noqa: BLE001 - agreed on by the ranks, then raised
+            if ranks is None:
+                raise
+            err = e
+        if ranks is not None:
+            # the batch's last collective: a rank that failed after the pass fails them all
+            _loop.agreed(ranks, err)
         done = True
         return out
     except (Unavailable, TimeoutError):
@@ -366,8 +380,10 @@ def _blend_batch(
             try:
                 client.free_region(region)
             except KvblendError:
-                if done:
-                    raise  # after a failure, the failure is what the caller hears of
+                if done and ranks is None:
+                    # after a failure, the failure is what the caller hears of; under TP
+                    # never (the ranks agreed the batch went through, and go on together)
+                    raise
 
 
 @dataclass

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from ..blend import loop as blend_loop
 from ..errors import KvblendError, Unavailable
 from . import blend, cost, plugin, selftest
 from .config import ConnectorConfig, logger, refuse
@@ -33,7 +34,8 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-#: Test hook: while the file this names exists, the worker's next load fails (and removes it).
+#: Test hook: while the file this names exists, the worker's next load fails (and removes it);
+#: a file reading ``rank N`` fails only tensor-parallel rank N's.
 FAIL_LOAD_ENV = "KVBLEND_VLLM_FAIL_LOAD_FILE"
 
 #: Test hook: while the file this names exists, loads are copied, not landed.
@@ -306,8 +308,7 @@ class WorkerSide:
             t0 = time.monotonic()
             try:
                 fail = os.environ.get(FAIL_LOAD_ENV)
-                if fail and os.path.exists(fail):
-                    os.unlink(fail)
+                if fail and os.path.exists(fail) and self._fail_hook_mine(fail):
                     raise RuntimeError("load failure injected by " + FAIL_LOAD_ENV)
                 # at once while the daemon is known down (the link's back-off): the load
                 # fails without a call, and vLLM recomputes it
@@ -345,8 +346,53 @@ class WorkerSide:
                 self._load_failed(ld, str(e))
                 continue
             self._loaded(ld, t0)
+        if self._tp_group is not None:
+            blends = self._agreed_blends(meta.loads, blends)
         if blends:
             self._blend(blends)
+
+    def _fail_hook_mine(self, path: str) -> bool:
+        """Whether this rank takes the failure hook's file (FAIL_LOAD_ENV), removing it.
+
+        A file reading ``rank N`` is tensor-parallel rank N's alone; any other, the first
+        rank's to remove it.
+        """
+        try:
+            with open(path) as f:
+                want = f.read().strip()
+        except OSError:
+            return False
+        if want.startswith("rank ") and want[5:].strip() != str(self._tp_rank):
+            return False
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return False  # another rank took it first
+        return True
+
+    def _agreed_blends(self, loads: list[LoadSpec], mine: list[LoadSpec]) -> list[LoadSpec]:
+        """The blends every tensor-parallel rank can run (each rank's own list may differ).
+
+        A rank fails a load on its own (its link's back-off, an injected failure); the
+        blend pass must run the same loads on every rank, so a load any rank failed fails
+        on all (vLLM recomputes it), agreed by one all-reduce over the step's blend loads
+        (the same on every rank: the scheduler sends each the same metadata).
+        """
+        import torch.distributed as dist
+
+        every = [ld for ld in loads if ld.blend is not None]
+        if not every:
+            return []
+        ok_ids = {id(ld) for ld in mine}
+        mask = torch.tensor([1 if id(ld) in ok_ids else 0 for ld in every], dtype=torch.int32)
+        dist.all_reduce(mask, op=dist.ReduceOp.MIN, group=self._tp_group.cpu_group)
+        agreed = []
+        for ld, ok in zip(every, mask.tolist()):
+            if ok:
+                agreed.append(ld)
+            elif id(ld) in ok_ids:
+                self._load_failed(ld, "another tensor-parallel rank could not start its blend")
+        return agreed
 
     def _blend(self, loads: list[LoadSpec]) -> None:
         """Blend this step's requests in one pass (:func:`kvblend.vllm.blend.load_blends`).
@@ -357,12 +403,17 @@ class WorkerSide:
         cfg = self.config
         t0 = time.monotonic()
         try:
-            client = self.daemon.client()
-            ranks = (
-                blend.TensorRanks(self._tp_group, self.cache.heads)
-                if self._tp_group is not None
-                else None
-            )
+            ranks = None
+            if self._tp_group is not None:
+                ranks = blend.TensorRanks(self._tp_group, self.cache.heads)
+                err = None
+                try:
+                    client = self.daemon.client()
+                except KvblendError as e:
+                    err = e
+                blend_loop.agreed(ranks, err)  # every rank has its client, or none goes on
+            else:
+                client = self.daemon.client()
             res = blend.load_blends(
                 self._blend_model,
                 client,
@@ -378,7 +429,8 @@ class WorkerSide:
                 self._load_failed(ld, str(e))
             return
         except (KvblendError, ValueError, IndexError, RuntimeError) as e:
-            self.daemon.drop()
+            if not isinstance(e, blend_loop.RankFailed):
+                self.daemon.drop()
             if len(loads) == 1 or self._tp_group is not None:
                 # under TP the ranks failed together (the pass agrees on it): all of the
                 # pass's loads fail on every rank alike, with no retry one at a time that
@@ -473,7 +525,8 @@ class WorkerSide:
         """
         blocks = sorted(blocks_of(ld.block_ids, self._spans(ld), self.config.block_size))
         raw = self.cache.raw_blocks(blocks)
-        path = os.path.join(self._dump_dir, f"load-{self._dumps}.npz")
+        rank = f"-rank{self._tp_rank}" if self._tp_rank else ""  # ranks' dumps apart
+        path = os.path.join(self._dump_dir, f"load-{self._dumps}{rank}.npz")
         self._dumps += 1
         np.savez(
             path,
