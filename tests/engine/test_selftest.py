@@ -72,6 +72,7 @@ def worker_gate(c, vllm_config):
         w._vllm_config = vllm_config
         w._rope_bad = None
         w._rope_pending = layers({"rope_theta": 10000.0}, "f32")
+        w._tp_rank = 0  # the test's seed (a rank's own under tensor parallelism)
         return w
 
     w = worker({"theta": 20000.0})
