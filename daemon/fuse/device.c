@@ -73,13 +73,6 @@ void dev_pinner_set(struct fuse_table *t, bool on)
 		shm_set_pinner(t->shm, on ? &p : NULL);
 }
 
-#define DEV_ALIGN 256
-
-static size_t dev_align(size_t x)
-{
-	return (x + DEV_ALIGN - 1) / DEV_ALIGN * DEV_ALIGN;
-}
-
 /*
  * The array arr (n elements used of *cap, elem bytes each) with room for one more:
  * arr itself, or arr grown by doubling (from 8), *cap updated; NULL when out of
@@ -162,7 +155,7 @@ static void block_free(struct fuse_table *t, bool host, void *p, size_t bytes)
  * A block given up on a session's path (open, close): freed by the next block_reap(),
  * off that path. Freed here only when the list cannot grow.
  */
-static void block_free_later(struct fuse_table *t, bool host, void *p, size_t bytes)
+void block_free_later(struct fuse_table *t, bool host, void *p, size_t bytes)
 {
 	struct dblock *r;
 
@@ -348,7 +341,6 @@ void block_orphans_free(struct fuse_table *t)
 	t->n_orphans = 0;
 }
 
-static void block_give(struct fuse_table *t, bool host, void *p, size_t bytes);
 
 /* Note that a session's open had to allocate bytes (host: pinned), for block_spares(). */
 static void want_spare(struct fuse_table *t, bool host, size_t bytes)
@@ -403,8 +395,8 @@ void block_spares(struct fuse_table *t)
  * new one (after dropping the cache if the device is full), counted in *allocs and the
  * table's allocations. *got: its real size, which the session is charged.
  */
-static int block_take(struct fuse_table *t, bool host, size_t bytes, void **out, size_t *got,
-		      uint32_t *allocs, bool reserve)
+int block_take(struct fuse_table *t, bool host, size_t bytes, void **out, size_t *got,
+	       uint32_t *allocs, bool reserve)
 {
 	const struct blend_device *d = t->dev;
 	struct dblock *best = NULL;
@@ -487,7 +479,7 @@ void block_trim(struct fuse_table *t)
  * their budget: fuse_max_bytes for host blocks, the device's for device blocks
  * (block_trim() keeps it so as sessions open).
  */
-static void block_give(struct fuse_table *t, bool host, void *p, size_t bytes)
+void block_give(struct fuse_table *t, bool host, void *p, size_t bytes)
 {
 	bool fits;
 
@@ -518,7 +510,7 @@ static void block_give(struct fuse_table *t, bool host, void *p, size_t bytes)
 }
 
 /* Bytes of the chunks' spans and rotation tables, which end a session's device block. */
-static size_t dev_setup_bytes(const struct fuse_session *s)
+size_t dev_setup_bytes(const struct fuse_session *s)
 {
 	size_t off = dev_align((s->n_chunks + 1) * sizeof(struct blend_dev_span));
 
@@ -916,418 +908,4 @@ int dev_layer(struct fuse_table *t, struct fuse_session *s, struct slot *sl,
 		*sel = NULL;
 	}
 	return dev_rc(rc);
-}
-
-/* ---- landing into the node's device memory ---- */
-
-struct dev_land {
-	struct dimport *imp;
-	/* pinned: two buffers of a layer's K rows, then V rows, of all tokens (layers
-	 * alternate: the host fills one while the other is copied up); then the rows and
-	 * the block table for their upload */
-	uint8_t *hstage;
-	size_t hstage_bytes, hstage_need;
-	uint8_t *dblk; /* device: one layer's K and V rows, the cached tokens, the block table */
-	size_t dblk_bytes, dblk_need;
-	size_t rows_off, pages_off, spans_off; /* in dblk (and after the host's two buffers) */
-	int32_t *drows; /* the cached tokens (in dblk) */
-	uint32_t n_rows;
-	uint32_t *pages; /* the node's block table (a copy), and its place in dblk */
-	size_t n_pages;
-	uint32_t *dpages;
-	/* the chunks as spans of a layer's K rows, and their rotation tables (in dblk, at
-	 * spans_off, laid out as a device session's: dev_setup_bytes) */
-	struct blend_dev_span *dspans;
-	uint32_t n_spans, span_rows;
-	struct blend_stream *st;
-	struct blend_event *ev[2]; /* the layer of each host buffer, landed */
-	int64_t pending;	   /* a layer copied up and landing, not yet published; or -1 */
-	struct kvbp_layout lay; /* the node's (offsets into its allocation); pages not kept */
-	uint32_t allocs;
-	bool failed;
-};
-
-enum { IMPORT_FREE = 0, IMPORT_OPENING, IMPORT_OPEN, IMPORT_CLOSING };
-
-/*
- * Map the node's allocation (or take another reference to it). Takes the table lock;
- * the driver's map (cudaIpcOpenMemHandle: milliseconds, more on a busy device) runs
- * with it dropped, its slot marked opening, so that other sessions' opens, closes and
- * layers do not wait on it; a session after the same handle waits for that map, or
- * for an unmap under way (a process maps a handle once at a time).
- */
-static uint32_t import_take(struct fuse_table *t, const struct kvbp_layout *y, const char *owner,
-			    struct dimport **out, char *err, size_t errlen)
-{
-	const struct blend_device *dv = t->dev;
-	struct dimport *slot;
-	void *base = NULL;
-	uint64_t bytes = 0;
-	char why[128] = "";
-	int rc;
-
-	pthread_mutex_lock(&t->lock);
-	for (;;) {
-		struct dimport *free_slot = NULL, *same = NULL;
-		unsigned mine = 0;
-
-		for (size_t i = 0; i < FUSE_IMPORTS_MAX; i++) {
-			struct dimport *m = &t->imports[i];
-
-			mine += m->refs && !strcmp(m->owner, owner);
-			if (m->state != IMPORT_FREE &&
-			    !memcmp(m->handle, y->device_handle, sizeof(m->handle)))
-				same = m;
-			if (m->state == IMPORT_FREE && !free_slot)
-				free_slot = m;
-		}
-		if (same && same->state != IMPORT_OPEN) {
-			pthread_cond_wait(&t->imports_cond, &t->lock);
-			continue;
-		}
-		if (same) {
-			if (strcmp(same->pci, y->device_pci)) {
-				pthread_mutex_unlock(&t->lock);
-				return fail(err, errlen, KVBP_BAD_ARGUMENT, "landing into device "
-					    "memory: the allocation is mapped from device %s, not "
-					    "%s", same->pci, y->device_pci);
-			}
-			same->refs++;
-			pthread_mutex_unlock(&t->lock);
-			*out = same;
-			return KVBP_OK;
-		}
-		if (mine >= FUSE_IMPORTS_PER_OWNER) {
-			pthread_mutex_unlock(&t->lock);
-			return fail(err, errlen, KVBP_LIMIT, "landing into device memory: this "
-				    "client's sessions map %u device allocations already (at most "
-				    "%d)", mine, FUSE_IMPORTS_PER_OWNER);
-		}
-		if (!free_slot) {
-			pthread_mutex_unlock(&t->lock);
-			return fail(err, errlen, KVBP_LIMIT, "landing into device memory: %d node "
-				    "allocations are mapped already", FUSE_IMPORTS_MAX);
-		}
-		slot = free_slot;
-		break;
-	}
-	memcpy(slot->handle, y->device_handle, sizeof(slot->handle));
-	snprintf(slot->pci, sizeof(slot->pci), "%s", y->device_pci);
-	snprintf(slot->owner, sizeof(slot->owner), "%s", owner);
-	slot->refs = 1; /* counts against the owner's cap while it opens */
-	slot->state = IMPORT_OPENING;
-	pthread_mutex_unlock(&t->lock);
-	rc = dv->ipc_open(dv, y->device_handle, y->device_pci, &base, &bytes);
-	if (rc && rc != -ENODEV)
-		dv->last_error(dv, why, sizeof(why));
-	pthread_mutex_lock(&t->lock);
-	if (rc) {
-		slot->refs = 0;
-		slot->state = IMPORT_FREE;
-	} else {
-		slot->base = base;
-		slot->bytes = bytes;
-		slot->state = IMPORT_OPEN;
-	}
-	pthread_cond_broadcast(&t->imports_cond);
-	pthread_mutex_unlock(&t->lock);
-	if (rc == -ENODEV)
-		return fail(err, errlen, KVBP_BAD_ARGUMENT, "landing into device memory: the "
-			    "allocation is on device %s, not on this daemon's %s device",
-			    y->device_pci, dv->name);
-	if (rc)
-		return fail(err, errlen, KVBP_BAD_ARGUMENT, "landing into device memory: the "
-			    "allocation's handle cannot be mapped (%s%s%s)", strerror(-rc),
-			    *why ? ": " : "", why);
-	*out = slot;
-	return KVBP_OK;
-}
-
-/* Drop a reference; the last unmaps it, with the table lock dropped (its slot closing). */
-static void import_put(struct fuse_table *t, struct dimport *m)
-{
-	void *base;
-	uint64_t bytes;
-
-	pthread_mutex_lock(&t->lock);
-	if (!m || !m->refs || --m->refs) {
-		pthread_mutex_unlock(&t->lock);
-		return;
-	}
-	base = m->base;
-	bytes = m->bytes;
-	m->state = IMPORT_CLOSING;
-	pthread_mutex_unlock(&t->lock);
-	t->dev->ipc_close(t->dev, base, bytes);
-	pthread_mutex_lock(&t->lock);
-	m->base = NULL;
-	m->bytes = 0;
-	m->state = IMPORT_FREE;
-	pthread_cond_broadcast(&t->imports_cond);
-	pthread_mutex_unlock(&t->lock);
-}
-
-uint32_t dland_setup(struct fuse_table *t, struct fuse_session *s, const struct kvbp_layout *y,
-		     const char *owner, uint64_t end, char *err, size_t errlen)
-{
-	const struct blend_device *dv = t->dev;
-	struct dev_land *d;
-	size_t half, np = 0;
-	uint32_t code;
-
-	if (!dv || !dv->ipc_open || !dv->land || !dev_usable(t))
-		return fail(err, errlen, KVBP_BAD_ARGUMENT, "landing into device memory needs a "
-			    "kvblendd whose fuse runs on a CUDA device (--device cuda or auto "
-			    "with a GPU); this one has %s", dv ? "a device that cannot" : "none");
-	if (y->k_dim_stride)
-		return fail(err, errlen, KVBP_BAD_ARGUMENT, "landing into device memory: K by its "
-			    "own element strides is a CPU cache's layout; give K as V");
-	/* The land kernel writes 4-byte words at least (16 where everything allows). */
-	if ((y->k_offset | y->v_offset | y->layer_stride | y->token_stride | y->head_stride |
-	     y->page_stride | ((uint64_t)s->m.head_dim * s->m.elem_size)) % 4)
-		return fail(err, errlen, KVBP_BAD_ARGUMENT, "landing into device memory: offsets, "
-			    "strides and a head's bytes must be multiples of 4");
-	if (end > y->device_bytes)
-		return fail(err, errlen, KVBP_BAD_SHAPE, "landing layout: it spans %" PRIu64
-			    " bytes of the node's device allocation, whose size it gives as %"
-			    PRIu64, end, y->device_bytes);
-	d = calloc(1, sizeof(*d));
-	if (!d)
-		return fail(err, errlen, KVBP_LIMIT, "out of memory");
-	s->dl = d;
-	d->lay = *y;
-	d->lay.pages = NULL;
-	d->pending = -1;
-	if (y->page_tokens) {
-		np = ((size_t)s->n + y->page_tokens - 1) / y->page_tokens; /* ckd-ok: 32-bit */
-		d->pages = malloc(np * sizeof(uint32_t));
-		if (!d->pages)
-			return fail(err, errlen, KVBP_LIMIT, "out of memory");
-		memcpy(d->pages, y->pages, np * sizeof(uint32_t)); /* land_setup: n_pages >= np */
-		d->n_pages = np;
-	}
-	code = import_take(t, y, owner, &d->imp, err, errlen);
-	if (code)
-		return code;
-	if (end > d->imp->bytes)
-		return fail(err, errlen, KVBP_BAD_SHAPE, "landing layout: it spans %" PRIu64
-			    " bytes of the node's device allocation, which has %" PRIu64, end,
-			    d->imp->bytes);
-	/* ckd-ok: n < 2^32 tokens of row_bytes, both checked when the session opened */
-	half = (size_t)s->n * s->row_bytes;
-	d->rows_off = dev_align(2 * half); /* ckd-ok: as above */
-	d->pages_off = d->rows_off + dev_align(((size_t)s->n + 1) * sizeof(int32_t)); /* ckd-ok */
-	d->spans_off = d->pages_off + dev_align((np + 1) * sizeof(uint32_t)); /* ckd-ok */
-	d->dblk_need = d->spans_off + dev_setup_bytes(s); /* ckd-ok: tables of the open's size */
-	/* the host's rows and block table follow its second buffer */
-	d->hstage_need = d->rows_off + d->dblk_need; /* ckd-ok: as above */
-	return KVBP_OK;
-}
-
-void dland_bytes(const struct fuse_session *s, uint64_t *host, uint64_t *dev)
-{
-	*host = s->dl ? s->dl->hstage_need : 0;
-	*dev = s->dl ? s->dl->dblk_need : 0;
-}
-
-/*
- * The chunks as spans of a layer and their rotation tables, written into the host's
- * mirror h of dblk's tail at spans_off (device pointers into dblk, as
- * dev_setup_upload() writes a device session's): the device re-rotates a layer's keys
- * in one launch, and the host only verifies and copies them.
- */
-static void dland_spans(const struct fuse_session *s, struct dev_land *d, uint8_t *h)
-{
-	uint8_t *dbase = d->dblk + d->spans_off;
-	struct blend_dev_span *sp = (struct blend_dev_span *)h;
-	size_t off = dev_align((s->n_chunks + 1) * sizeof(struct blend_dev_span));
-	uint32_t n = 0, rows = 0;
-
-	for (size_t i = 0; i < s->n_chunks; i++) {
-		const struct rope_table *r = &s->chunks[i].rot;
-		size_t tb = (size_t)r->rows * r->half * sizeof(float);
-		struct blend_dev_table tab = { (const float *)(dbase + off),
-					       (const float *)(dbase + off + dev_align(tb)),
-					       r->rows, r->scale };
-
-		memcpy(h + off, r->cos, tb);
-		memcpy(h + off + dev_align(tb), r->sin, tb);
-		off += 2 * dev_align(tb);
-		if (!s->chunks[i].tokens)
-			continue;
-		sp[n++] = (struct blend_dev_span){ tab, s->chunks[i].off, s->chunks[i].tokens, rows };
-		rows += s->chunks[i].tokens;
-	}
-	d->dspans = (struct blend_dev_span *)dbase;
-	d->n_spans = n;
-	d->span_rows = rows;
-}
-
-uint32_t dland_alloc(struct fuse_table *t, struct fuse_session *s, char *err, size_t errlen)
-{
-	const struct blend_device *dv = t->dev;
-	struct dev_land *d = s->dl;
-	uint8_t *hrows;
-	uint32_t r = 0;
-	int rc;
-
-	rc = block_take(t, true, d->hstage_need, (void **)&d->hstage, &d->hstage_bytes,
-			&d->allocs, true);
-	if (!rc)
-		rc = block_take(t, false, d->dblk_need, (void **)&d->dblk, &d->dblk_bytes,
-				&d->allocs, true);
-	if (!rc)
-		rc = dv->stream_new(dv, &d->st);
-	if (!rc)
-		rc = dv->event_new(dv, &d->ev[0]);
-	if (!rc)
-		rc = dv->event_new(dv, &d->ev[1]);
-	if (rc)
-		goto failed;
-	/* The cached tokens: the rows the node's cache gets (its fresh ones it writes). */
-	hrows = d->hstage + d->rows_off + d->rows_off;
-	for (size_t i = 0; i < s->n_chunks; i++)
-		for (uint32_t k = 0; k < s->chunks[i].tokens; k++)
-			((int32_t *)hrows)[r++] = (int32_t)(s->chunks[i].off + k);
-	d->n_rows = r;
-	d->drows = (int32_t *)(d->dblk + d->rows_off);
-	if (d->n_pages) {
-		memcpy(hrows + (d->pages_off - d->rows_off), d->pages,
-		       d->n_pages * sizeof(uint32_t));
-		d->dpages = (uint32_t *)(d->dblk + d->pages_off);
-	}
-	dland_spans(s, d, hrows + (d->spans_off - d->rows_off));
-	/* what was asked for, not the (possibly larger) cached blocks' sizes */
-	rc = dv->upload(dv, d->st, d->dblk + d->rows_off, hrows, d->dblk_need - d->rows_off);
-	if (!rc)
-		rc = dv->stream_sync(dv, d->st);
-	if (rc)
-		goto failed;
-	s->land_mem = dland_stage(s, s->land_begin);
-	return KVBP_OK;
-failed:
-	d->failed = rc != -ENOMEM;
-	return fail(err, errlen, rc == -ENOMEM ? KVBP_LIMIT : KVBP_INTERNAL,
-		    "landing into device memory: staging for %" PRIu32 " tokens: %s", s->n,
-		    rc == -ENOMEM ? "out of device or pinned memory" : "the device failed");
-}
-
-uint8_t *dland_stage(const struct fuse_session *s, uint32_t l)
-{
-	/* ckd-ok: the staging holds two buffers of rows_off bytes (dland_setup) */
-	return s->dl->hstage + (size_t)(l % 2) * s->dl->rows_off;
-}
-
-int dland_layer(struct fuse_table *t, struct fuse_session *s, uint32_t l, bool raw,
-		uint32_t *done)
-{
-	const struct blend_device *dv = t->dev;
-	struct dev_land *d = s->dl;
-	const struct kvbp_layout *y = &d->lay;
-	size_t half = (size_t)s->n * s->row_bytes;
-	/* ckd-ok: l < layers, offsets inside the allocation (land_setup's extent) */
-	uint8_t *base = (uint8_t *)d->imp->base + (uint64_t)l * y->layer_stride;
-	/* ckd-ok: offsets inside the allocation, whose extent land_setup checked */
-	struct blend_dev_land L = { base + y->k_offset, y->token_stride, y->head_stride,
-				    y->page_stride, y->page_tokens, d->dpages,
-				    s->land_h0, s->land_hn };
-	const uint8_t *h = dland_stage(s, l);
-	struct blend_shape sh = s->shape;
-	size_t hb = (size_t)s->m.head_dim * s->m.elem_size, up = half;
-	int rc;
-
-	/* Queued behind the previous layer's kernels on the one stream (one device buffer). */
-	if (s->land_hn < s->m.num_kv_heads) {
-		/* A rank's head range: only its heads of each row go up, packed (a rank of t
-		 * moves 1/t of the layer), and are rotated and landed as rows of those heads. */
-		size_t w = (size_t)s->land_hn * hb, off = (size_t)s->land_h0 * hb;
-
-		up = (size_t)s->n * w;
-		sh.heads = s->land_hn;
-		L.head0 = 0;
-		rc = dv->upload2d(dv, d->st, d->dblk, w, h + off, s->row_bytes, w, s->n);
-		if (!rc)
-			rc = dv->upload2d(dv, d->st, d->dblk + up, w, h + half + off, s->row_bytes,
-					  w, s->n);
-	} else {
-		rc = dv->upload(dv, d->st, d->dblk, h, 2 * half);
-	}
-	if (!rc && raw && d->n_spans)
-		rc = dv->rotate_spans(dv, d->st, &sh, d->dspans, d->n_spans, d->span_rows, d->dblk);
-	if (!rc)
-		rc = dv->land(dv, d->st, &sh, &L, d->dblk, d->drows, d->n_rows);
-	L.dst = base + y->v_offset; /* ckd-ok: as above */
-	if (!rc)
-		rc = dv->land(dv, d->st, &sh, &L, d->dblk + up, d->drows, d->n_rows);
-	if (!rc)
-		rc = dv->event_record(dv, d->ev[l % 2], d->st);
-	if (rc) {
-		d->failed = true;
-		return dev_rc(rc);
-	}
-	/* The previous layer, landing while this one was read from the store, is in place
-	 * now (and its host buffer free for the next layer); the last layer waits for
-	 * itself. */
-	*done = l;
-	if (d->pending >= 0) {
-		rc = dv->event_sync(dv, d->ev[d->pending % 2]);
-		if (rc) {
-			d->failed = true;
-			return dev_rc(rc);
-		}
-	}
-	d->pending = l;
-	if (l + 1 == s->m.num_layers) {
-		rc = dv->event_sync(dv, d->ev[l % 2]);
-		if (rc) {
-			d->failed = true;
-			return dev_rc(rc);
-		}
-		d->pending = -1;
-		*done = l + 1;
-	}
-	return 0;
-}
-
-uint32_t dland_quiesce(struct fuse_table *t, struct fuse_session *s, uint32_t next)
-{
-	struct dev_land *d = s->dl;
-	int64_t pending = d->pending;
-
-	if (!d->st)
-		return next;
-	d->pending = -1;
-	if (t->dev->stream_sync(t->dev, d->st)) {
-		d->failed = true;
-		/* what was queued may not have run: the layer pending is not in place */
-		return pending >= 0 && (uint64_t)pending < next ? (uint32_t)pending : next;
-	}
-	return next;
-}
-
-void dland_free(struct fuse_table *t, struct fuse_session *s)
-{
-	const struct blend_device *dv = t->dev;
-	struct dev_land *d = s->dl;
-
-	if (!d)
-		return;
-	if (d->st && dv->stream_sync(dv, d->st))
-		d->failed = true;
-	for (int i = 0; i < 2; i++)
-		if (d->ev[i])
-			dv->event_free(dv, d->ev[i]);
-	if (d->st)
-		dv->stream_free(dv, d->st);
-	if (d->failed) {
-		block_free_later(t, true, d->hstage, d->hstage_bytes);
-		block_free_later(t, false, d->dblk, d->dblk_bytes);
-	} else {
-		block_give(t, true, d->hstage, d->hstage_bytes);
-		block_give(t, false, d->dblk, d->dblk_bytes);
-	}
-	import_put(t, d->imp);
-	free(d->pages);
-	free(d);
-	s->dl = NULL;
 }

@@ -328,6 +328,29 @@ void session_put(struct fuse_table *t, struct fuse_session *s);
 
 /* ---- device.c: the device path ---- */
 
+/* Device and pinned blocks are carved and sized at this alignment. */
+#define DEV_ALIGN 256
+
+static inline size_t dev_align(size_t x)
+{
+	return (x + DEV_ALIGN - 1) / DEV_ALIGN * DEV_ALIGN;
+}
+
+/*
+ * The device path's block cache (device.c), which device landings (dland.c) take
+ * their staging from. block_take: a block of at least bytes (device, or pinned host
+ * memory): a cached one of up to 1.25 times that, else one carved from the reserve
+ * (unless reserve is false), else a new one, counted in *allocs; *got: its real size.
+ * block_give: keep it for the next session while within budget, else free it later.
+ * block_free_later: freed by the next block_reap(), off a session's path.
+ */
+int block_take(struct fuse_table *t, bool host, size_t bytes, void **out, size_t *got,
+	       uint32_t *allocs, bool reserve);
+void block_give(struct fuse_table *t, bool host, void *p, size_t bytes);
+void block_free_later(struct fuse_table *t, bool host, void *p, size_t bytes);
+/* Bytes of the chunks' spans and rotation tables, which end a session's device block. */
+size_t dev_setup_bytes(const struct fuse_session *s);
+
 /*
  * Whether a new session may put its ring on the table's device: false without one,
  * and once the device failed for good (a sticky error: its broken()), which the

@@ -497,48 +497,14 @@ uint32_t fuse_layer_run(struct fuse_table *t, struct fuse_session *s, const void
 	return code;
 }
 
-/* Every head's deviation at the check layer (a session without a head range). */
-static uint32_t check_deviation_all(struct fuse_table *t, struct fuse_session *s,
-				    const uint8_t *rows, size_t stride, float **dev_out, char *err,
-				    size_t errlen)
-{
-	const struct slot *cs = &s->cslot[s->next_check];
-	size_t n = s->next_check == 0 ? s->n : s->n_sel;
-	int32_t *idx = malloc((n + 1) * sizeof(int32_t));
-	float *dev = malloc((n + 1) * sizeof(float));
-	struct dev_job dj;
-	int rc;
-
-	if (!idx || !dev) {
-		free(idx);
-		free(dev);
-		return fail(err, errlen, KVBP_LIMIT, "out of memory");
-	}
-	for (size_t i = 0; i < n; i++)
-		idx[i] = s->next_check == 0 ? (int32_t)i : s->sel[i];
-	dj = (struct dev_job){ t->be, &s->shape, rows, s->metric == KVBP_METRIC_KEY ? cs->k : cs->v,
-			       idx, n, 1, s->row_bytes, stride, dev };
-	dj.parts = parts_for(t, n * s->row_bytes);
-	rc = pool_run(t->pool, dj.parts, dev_part, &dj);
-	free(idx);
-	if (rc) {
-		char why[160];
-
-		free(dev);
-		return fail(err, errlen, KVBP_INTERNAL, "deviation: %s",
-			    compute_error(t, rc, why, sizeof(why)));
-	}
-	*dev_out = dev;
-	return KVBP_OK;
-}
-
 /*
- * A rank's heads' deviation at the check layer (a head range's session; value or key
- * metric): rows are its heads of each current row, stride bytes apart; the stored
- * rows' range is compacted first, so that the backend reads rows of those heads.
- * *dev_out: one float a current row, malloc'd.
+ * The deviation of each current row over the session's heads at the check layer (value
+ * or key metric): rows are those heads of each row, stride bytes apart. A head range's
+ * stored rows are compacted to that range first, so that the backend reads rows of
+ * those heads; a session of every head reads its slot as it is. *dev_out: one float a
+ * current row, malloc'd.
  */
-static uint32_t rank_deviation(struct fuse_table *t, struct fuse_session *s, const uint8_t *rows,
+static uint32_t heads_deviation(struct fuse_table *t, struct fuse_session *s, const uint8_t *rows,
 			       size_t stride, float **dev_out, char *err, size_t errlen)
 {
 	const struct slot *cs = &s->cslot[s->next_check];
@@ -653,8 +619,7 @@ uint32_t fuse_check_run(struct fuse_table *t, struct fuse_session *s, int mode, 
 	clock_gettime(CLOCK_MONOTONIC, &t0);
 	if (mode == FUSE_CHECK_DEVIATION) {
 		/* The rank's share only: the selection and the session stay as they are. */
-		code = ranged ? rank_deviation(t, s, rows, stride, &r->deviation, err, errlen)
-			      : check_deviation_all(t, s, rows, stride, &r->deviation, err, errlen);
+		code = heads_deviation(t, s, rows, stride, &r->deviation, err, errlen);
 		if (code)
 			return code;
 		r->n_deviation = prev;
