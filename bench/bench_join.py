@@ -13,7 +13,10 @@ sender keeps to, and against a plain single-stream TCP copy of the same bytes on
 loopback right after. The join's time runs from the joiner's start to every chunk
 found on its owners (the joiner's start, its registration and the rebalance's
 LOOKUPs are in it); the moving phase, from the first chunk the joiner holds to the
-last (its count polled every 50 ms), is what is compared with the plain copy.
+last (its count polled every 5 ms on one connection, from the moment it answers), is
+what is compared with the plain copy, and with a write of the same bytes to a new file
+on the members' file system (no fsync, as a no_sync store writes: the bytes must be
+written, so this bounds a join on a machine whose page cache is slow to grow).
 Prints figures; never passes or fails.
 
 usage: bench_join.py BUILD_DIR [--chunks N] [--tokens T] [--rate SIZE]
@@ -33,7 +36,8 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "eval"))
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path[:0] = [os.path.join(ROOT, "eval"), os.path.join(ROOT, "client", "python", "src")]
 from harness import Daemon, Etcd, free_port, wait_for  # noqa: E402
 
 L, H, D = 32, 8, 128  # Mistral-7B's KV shape
@@ -71,6 +75,21 @@ def plain_copy_rate(chunk_bytes, count):
     took = time.time() - t0
     s.close()
     ls.close()
+    return count * chunk_bytes / took
+
+
+def fresh_write_rate(chunk_bytes, count, where):
+    """Bytes/s of writing count chunks of chunk_bytes to a new file in where (the members'
+    file system), no fsync, as a no_sync store writes: what storing the bytes costs here,
+    the peer a join cannot beat. Fresh pages of the page cache, as a joiner's store needs."""
+    src = np.random.default_rng(2).integers(0, 255, chunk_bytes, dtype=np.uint8).tobytes()
+    path = os.path.join(where, "fresh-write")
+    t0 = time.time()
+    with open(path, "wb", buffering=0) as f:
+        for _ in range(count):
+            f.write(src)
+    took = time.time() - t0
+    os.unlink(path)
     return count * chunk_bytes / took
 
 
@@ -137,23 +156,51 @@ def main():
         time.sleep(2)  # chunks stored well before the join (stored seconds are whole)
         before = sum(stats(n)["cluster_rebalance_pushes"] for n in "abc")
         t0 = time.time()
+        # the joiner's chunk count, polled every 5 ms on one connection from the moment
+        # it answers (its first chunks may come before its start returns here): when the
+        # first and the last chunk arrived
+        seen = {"first": None, "last": None, "held": 0}
+        watching = threading.Event()
+
+        def watch():
+            import kvblend
+
+            while not watching.is_set():
+                try:
+                    c = kvblend.Client(f"ipc://{tmp}/d.sock", timeout_ms=1000)
+                    break
+                except Exception:  # noqa: BLE001 (not listening yet)
+                    time.sleep(0.005)
+            else:
+                return
+            with c:
+                while not watching.is_set():
+                    try:
+                        n = int(c.stats()["chunks"])
+                    except Exception:  # noqa: BLE001 (starting: asked again)
+                        n = seen["held"]
+                    now = time.time()
+                    if n and seen["first"] is None:
+                        seen["first"] = now
+                    if n != seen["held"]:
+                        seen["held"], seen["last"] = n, now
+                    time.sleep(0.005)
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
         start("d")
-        # the joiner's chunk count, polled: when the first and the last chunk arrived
-        first = last = None
-        held = 0
         end = t0 + 600
         while True:
-            now_held = stats("d")["chunks"]
             now = time.time()
-            if now_held and first is None:
-                first = now
-            if now_held != held:
-                held, last = now_held, now
-            if held and now - last > 0.5 and stats("d")["cluster_members"] == 4 and placed():
+            if seen["held"] and now - seen["last"] > 0.5 and \
+                    stats("d")["cluster_members"] == 4 and placed():
                 break
             if now > end:
                 sys.exit("the joiner did not receive its chunks")
             time.sleep(0.05)
+        watching.set()
+        watcher.join()
+        first, last, held = seen["first"], seen["last"], seen["held"]
         took = time.time() - t0
         wait_for(lambda: all(stats(n)["cluster_pushes_owed"] == 0 for n in "abcd"), 60)
         time.sleep(1)  # a late duplicate would show here
@@ -166,18 +213,20 @@ def main():
         print(f"# bench_join: 3 members + 1 joining, R = 2, {a.chunks} chunks of "
               f"{chunk_bytes / (1 << 20):.2f} MiB (f16, stored raw), loopback, no_sync")
         plain = plain_copy_rate(chunk_bytes, max(moved, 1))
+        written = fresh_write_rate(chunk_bytes, max(moved, 1), tmp)
         # the moving phase: from the first chunk on the joiner to the last (the rest
         # is the joiner's start, its registration and the rebalance's LOOKUPs)
         phase = (last - first) if first and last and last > first else float("nan")
         moving = (held - 1) * chunk_bytes / phase if held > 1 else float("nan")
         print("| chunks moved | transfers | per chunk moved | bytes moved | join to settled "
               "| moved bytes/s | of cluster_rebalance_rate | first to last chunk on the "
-              "joiner | its bytes/s | of a plain TCP copy |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
+              "joiner | its bytes/s | of a plain TCP copy | of a fresh file write |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
         print(f"| {moved} | {sent} | {sent / moved if moved else float('nan'):.2f} | "
               f"{moved * chunk_bytes / 1e6:.1f} MB | {took:.2f} s | {rate / 1e6:.1f} MB/s | "
               f"{rate / limit:.2f}x of {limit / 1e6:.0f} MB/s | {phase:.2f} s | "
-              f"{moving / 1e6:.1f} MB/s | {moving / plain:.2f}x of {plain / 1e6:.0f} MB/s |")
+              f"{moving / 1e6:.1f} MB/s | {moving / plain:.2f}x of {plain / 1e6:.0f} MB/s | "
+              f"{moving / written:.2f}x of {written / 1e6:.0f} MB/s |")
         bulk = sum(stats(n)["cluster_bulk_pushes"] for n in "abc")
         print(f"# pushes on bulk connections (cluster_bulk_pushes, a b c): {bulk}")
     finally:

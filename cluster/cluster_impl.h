@@ -223,8 +223,24 @@ static inline bool suspect(struct peer *p)
 	return atomic_load(&p->suspect_until) > now_ms();
 }
 
+/*
+ * How long the pusher sleeps when every queued push must wait: 100 ms when one
+ * waits for its peer (suspect or gone: heard of again by then), else until the
+ * rebalance rate's next_ns allows the next push (at least 1 ns, at most 100 ms).
+ */
+static inline int64_t push_wait_ns(bool peer_wait, int64_t next_ns, int64_t now)
+{
+	const int64_t poll = 100 * 1000000;
+	int64_t left = next_ns - now;
+
+	if (peer_wait)
+		return poll;
+	return left < 1 ? 1 : left < poll ? left : poll;
+}
+
 /* Sleep on cond (its mutex held) for ms, or until signalled. */
 void wait_ms(pthread_cond_t *cond, pthread_mutex_t *mu, int64_t ms);
+void wait_ns(pthread_cond_t *cond, pthread_mutex_t *mu, int64_t ns);
 
 /* ---- the view (view.c) ---- */
 

@@ -33,11 +33,16 @@ void cluster_logf(const struct cluster *c, int level, const char *fmt, ...)
 
 void wait_ms(pthread_cond_t *cond, pthread_mutex_t *mu, int64_t ms)
 {
+	wait_ns(cond, mu, ms * 1000000);
+}
+
+void wait_ns(pthread_cond_t *cond, pthread_mutex_t *mu, int64_t ns)
+{
 	struct timespec ts;
 
 	clock_gettime(CLOCK_REALTIME, &ts);
-	ts.tv_sec += ms / 1000;
-	ts.tv_nsec += (ms % 1000) * 1000000;
+	ts.tv_sec += ns / 1000000000;
+	ts.tv_nsec += ns % 1000000000;
 	ts.tv_sec += ts.tv_nsec / 1000000000;
 	ts.tv_nsec %= 1000000000;
 	pthread_cond_timedwait(cond, mu, &ts);

@@ -2,7 +2,8 @@
  * Unit tests of cluster/record: member records as etcd holds them. Anyone who can
  * write to the cluster's prefix can write anything there (issue 19: a record whose
  * endpoint was JSON null crashed every daemon watching), so every malformed
- * record must be refused with a reason and leave the output untouched.
+ * record must be refused with a reason and leave the output untouched. And the
+ * cluster's pusher's wait (cluster_impl.h), a pure function.
  */
 #include <errno.h>
 #include <setjmp.h>
@@ -15,6 +16,7 @@
 
 #include <cmocka.h>
 
+#include "cluster/cluster_impl.h"
 #include "cluster/record.h"
 
 #define KEY "rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7"
@@ -150,6 +152,28 @@ static void test_format_round_trip(void **state)
 	assert_int_equal(record_format("n1", &r, buf, 10), -ENOSPC);
 }
 
+/*
+ * The pusher's sleep when every queued push waits: until the rebalance rate allows
+ * the next one, not a fixed 100 ms poll (which held a join to one push per 100 ms
+ * and sender whatever cluster_rebalance_rate allowed).
+ */
+static void test_push_wait(void **state)
+{
+	const int64_t ms = 1000000, t = 1000 * ms;
+
+	(void)state;
+	/* waiting only for the rate: until it allows, half a millisecond here */
+	assert_int_equal(push_wait_ns(false, t + ms / 2, t), ms / 2);
+	/* the rate allows already: at once (1 ns, a wait that returns) */
+	assert_int_equal(push_wait_ns(false, t - 5 * ms, t), 1);
+	assert_int_equal(push_wait_ns(false, t, t), 1);
+	/* a rate far behind (a huge push at a low rate): polled every 100 ms still */
+	assert_int_equal(push_wait_ns(false, t + 7000 * ms, t), 100 * ms);
+	/* one waits for its peer (suspect, gone), or the queue is empty: 100 ms */
+	assert_int_equal(push_wait_ns(true, t + ms / 2, t), 100 * ms);
+	assert_int_equal(push_wait_ns(true, t - ms, t), 100 * ms);
+}
+
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
@@ -157,6 +181,7 @@ int main(void)
 		cmocka_unit_test(test_bad_records),
 		cmocka_unit_test(test_length_bounded),
 		cmocka_unit_test(test_format_round_trip),
+		cmocka_unit_test(test_push_wait),
 	};
 
 	return cmocka_run_group_tests(tests, NULL, NULL);
