@@ -41,7 +41,8 @@ its vllm.general_plugins entry point, as tests/engine/test_vllm_blend.py does).
 usage: bench_vllm.py BUILD_DIR [--repeats N] [--sizes 1024,2048,4096] [--ratio 0.15]
        [--metrics value[,attention,question:R,anchored:R]] [--concurrent 8]
        [--concurrent-size 2048] [--model DIR]
-(with the engine venv's python from .ci/engine-env, the build's libkvblend and
+(KVB_KEEP_TMP=1 keeps its temporary folder, the engine's log with every blend's line;
+with the engine venv's python from .ci/engine-env, the build's libkvblend and
 client/python/src on PYTHONPATH, which tests/engine/run.sh sets up:
 tests/engine/run.sh build/lib/libkvblend.so build/bin/kvblendd bench/bench_vllm.py build)
 """
@@ -405,7 +406,7 @@ def main():
     finally:
         out(f"load average after: {os.getloadavg()}")
         daemon.stop(keep=rc != 0)
-    if rc == 0:
+    if rc == 0 and not os.environ.get("KVB_KEEP_TMP"):
         shutil.rmtree(tmp, ignore_errors=True)
     return rc  # vLLM shuts its engine processes down at exit
 

@@ -12,11 +12,14 @@ configurations refused; blended when blending is configured); a separator given 
 configuration reading it through vLLM's tokenizer); chunk keys scoped by LoRA adapter and
 cache salt (kvblend.scoped_chunk_hash, the planner's lookups, the scheduler's stores); and
 the worker's region for vLLM's KV cache (kvblend.vllm.landing.CacheRegion): the one
-allocation taken, and refusals that name the daemon's setting (shm_max) or the endpoint. Exit 0 when every check passes, 77 when skipped.
+allocation taken, and refusals that name the daemon's setting (shm_max) or the endpoint;
+and the blend pass's regions kept between blends (kvblend.vllm.blend.RegionPool) against
+the daemon's count of segments. Exit 0 when every check passes, 77 when skipped.
 """
 
 import os
 import sys
+import time
 
 import numpy as np
 
@@ -55,6 +58,11 @@ def main():
     d = Daemon("--shm-max", "1M")
     try:
         region(d)
+    finally:
+        d.stop()
+    d = Daemon("--shm-max", "17M", "--shm-total", "24M")
+    try:
+        region_pool(d)
     finally:
         d.stop()
     print("test_plan: " + ("FAILED " + ", ".join(failures) if failures else "passed"))
@@ -459,6 +467,56 @@ def scheduler_store_scope():
            got["computed"], got["load_declined"], got["stored"],
            got["recomputed_after_failure"]), (3, 90, 16, 30, 44, 20, 40, 7))
     check("scheduler: stats taken are reset", side.take_stats(), None)
+
+
+def region_pool(d):
+    """kvblend.vllm.blend.RegionPool: the blend pass's regions kept between blends, against
+    the daemon's own count of segments (shm_max 17M, shm_total 24M)."""
+    from kvblend.vllm import blend
+
+    mib = 1 << 20
+    with kvblend.Client(d.endpoint) as cl:
+        def segments():
+            return int(cl.stats()["shm_segments"])
+
+        pool = blend.regions_of(cl)
+        check("pool: one per client", blend.regions_of(cl) is pool, True)
+        r1 = pool.take(5 * mib + 1)
+        check("pool: a new region, rounded up", (r1.nbytes, segments()), (8 * mib, 1))
+        r1[:] = 7
+        pool.give(r1)
+        check("pool: given back, kept (the daemon still holds it)",
+              (pool.kept(), segments()), (1, 1))
+        r2 = pool.take(3 * mib)
+        check("pool: the next blend that fits gets it, pages and all",
+              (r2.ctypes.data == r1.ctypes.data, int(r2[123]), pool.kept(), segments()),
+              (True, 7, 0, 1))
+        r3 = pool.take(2 * mib)  # r2 is taken: a second region
+        pool.give(r2)
+        pool.give(r3)
+        check("pool: the smallest kept one that fits",
+              pool.take(mib).ctypes.data == r3.ctypes.data, True)
+        pool.give(r3)
+        # shm_total 24M holds r2 (8M) and r3 (4M): 16M more is refused until they go
+        r4 = pool.take(16 * mib)
+        check("pool: a size the daemon refuses frees the kept ones first",
+              (r4.nbytes, pool.kept(), segments()), (16 * mib, 0, 1))
+        pool.give(r4)
+        check("pool: clear frees them at the daemon", (pool.clear(), pool.kept(),
+                                                      segments()), (None, 0, 0))
+        kept = [pool.take(mib) for _ in range(blend.POOL_REGIONS + 1)]
+        for r in kept:
+            pool.give(r)
+        check("pool: at most POOL_REGIONS kept, the rest freed",
+              (pool.kept(), segments()), (blend.POOL_REGIONS, blend.POOL_REGIONS))
+        old_idle = blend.POOL_IDLE_S
+        blend.POOL_IDLE_S = 0.0
+        try:
+            time.sleep(0.01)
+            pool.take(mib)  # expires every kept one first, then a new one
+            check("pool: kept past POOL_IDLE_S, freed", (pool.kept(), segments()), (0, 1))
+        finally:
+            blend.POOL_IDLE_S = old_idle
 
 
 def region(d):

@@ -23,7 +23,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,6 +54,105 @@ logger = logging.getLogger(f"vllm.{__name__}")
 SUPPORTED_MODELS = tuple(_arch.ARCHITECTURES)
 _NP = {torch.float32: np.float32, torch.float16: np.float16}
 _LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+#: Regions a client keeps between blends (:class:`RegionPool`): at most this many, each
+#: for at most this long unused (well under the daemon's ``shm_idle``, 600 s by default,
+#: after which it would release them itself), rounded up to this size.
+POOL_REGIONS = 4
+POOL_IDLE_S = 30.0
+POOL_ROUND = 4 << 20
+
+
+class RegionPool:
+    """Shared-memory regions of one client, kept between blends for the next ones.
+
+    A blend lands its context into a region (:meth:`kvblend.Client.region`). A fresh
+    region's pages are mapped and zeroed on first touch, by the daemon landing into it and
+    by the pass writing its rows: at 1K tokens of SmolLM2 (45 MB) that was 22-24 ms here,
+    and its free 3-5 ms more, on every blend. A region given back is kept (at most
+    :data:`POOL_REGIONS`, each at most :data:`POOL_IDLE_S` unused) and handed to the next
+    blend it is large enough for, its pages already in place. It is not zeroed again: a
+    blend writes every row of every layer of its buffer before reading it (the daemon the
+    stored rows, the pass its own). The regions die with the client (its close frees
+    them), so one pool per client (:func:`regions_of`). A batch that fails frees the
+    kept regions too (:func:`_blend_batch`): a daemon whose ``shm_idle`` is under
+    :data:`POOL_IDLE_S` may have released one, which fails that batch once.
+    """
+
+    def __init__(self, client: Client) -> None:
+        self._client = weakref.ref(client)
+        self._idle: list[tuple[float, np.ndarray]] = []  # (given back at, region)
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """A region of at least ``nbytes``: the smallest kept one that fits, else a new one
+        (rounded up to :data:`POOL_ROUND`); a refused size first frees the kept ones."""
+        client = self._client()
+        with self._lock:
+            self._expire(client)
+            fits = [i for i, (_, r) in enumerate(self._idle) if r.nbytes >= nbytes]
+            if fits:
+                i = min(fits, key=lambda j: self._idle[j][1].nbytes)
+                return self._idle.pop(i)[1]
+            size = -(-nbytes // POOL_ROUND) * POOL_ROUND
+            try:
+                return client.region(size)
+            except Unavailable:
+                raise
+            except KvblendError:
+                if not self._idle:
+                    raise
+            self._clear(client)  # the daemon's shm budget: what is kept goes first
+            return client.region(size)
+
+    def give(self, region: np.ndarray) -> None:
+        """Keep a region a blend is done with (the oldest kept one freed past the limit)."""
+        client = self._client()
+        with self._lock:
+            self._idle.append((time.monotonic(), region))
+            while len(self._idle) > POOL_REGIONS:
+                self._free(client, self._idle.pop(0)[1])
+            self._expire(client)
+
+    def clear(self) -> None:
+        """Free every kept region."""
+        client = self._client()
+        with self._lock:
+            self._clear(client)
+
+    def _clear(self, client: Client | None) -> None:
+        while self._idle:
+            self._free(client, self._idle.pop()[1])
+
+    def kept(self) -> int:
+        """How many regions are kept."""
+        return len(self._idle)
+
+    def _expire(self, client: Client | None) -> None:
+        now = time.monotonic()
+        while self._idle and now - self._idle[0][0] > POOL_IDLE_S:
+            self._free(client, self._idle.pop(0)[1])
+
+    @staticmethod
+    def _free(client: Client | None, region: np.ndarray) -> None:
+        if client is None:
+            return  # closed: its regions went with it
+        try:
+            client.free_region(region)
+        except KvblendError:
+            pass  # (the daemon's idle release, or gone: nothing left to free)
+
+
+_POOLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_POOLS_LOCK = threading.Lock()
+
+
+def regions_of(client: Client) -> RegionPool:
+    """The client's :class:`RegionPool` (made on first use; gone with the client)."""
+    with _POOLS_LOCK:
+        pool = _POOLS.get(client)
+        if pool is None:
+            pool = _POOLS[client] = RegionPool(client)
+        return pool
 _ATTN_PARTS = ("qkv_proj", "rotary_emb", "o_proj", "q_size", "kv_size", "head_dim", "scaling")
 
 
@@ -274,6 +375,22 @@ def blend_prompts(
     lands and blends its KV heads (``kv`` then holds those), the ranks select together,
     and a batch runs as many prompts as every rank got regions for.
     """
+    import os as _os
+    if _os.environ.get("KVB_PROF"):
+        from torch.profiler import profile, ProfilerActivity
+        import time as _t
+        t0 = _t.monotonic()
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            r = _blend_prompts_inner(model, client, spec, jobs, check_layers, metric, wait_s, sink, ranks)
+        with open(_os.environ["KVB_PROF"], "a") as f:
+            f.write(f"=== blend {_t.monotonic()-t0:.3f} s\n")
+            f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=45))
+            f.write(prof.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total", row_limit=30))
+        return r
+    return _blend_prompts_inner(model, client, spec, jobs, check_layers, metric, wait_s, sink, ranks)
+
+
+def _blend_prompts_inner(model, client, spec, jobs, check_layers, metric, wait_s, sink, ranks):
     ops = VllmLlamaOps(model)
     out: list = []
     while len(out) < len(jobs):
@@ -325,7 +442,7 @@ def _blend_batch(
                     "kvblend: another tensor-parallel rank could not open its blends"
                 )
             for x in b.sessions[n:]:
-                _close_quietly(x)
+                _close_quietly(x, b)
             del b.sessions[n:], b.prompts[n:], b.previews[n:], b.pre_wait[n:]
         try:
             rs = _loop.blend_batch(
@@ -341,7 +458,7 @@ def _blend_batch(
             # under TP a close that fails on one rank must not take it out of step with
             # the others (its layers are in place: the pass waited for each)
             quiet = down or ranks is not None
-            stats = [_close_quietly(x) if quiet else x.close() for x in b.sessions]
+            stats = [_close_quietly(x, b) if quiet else x.close() for x in b.sessions]
             b.sessions = []
         out = []
         err = None
@@ -371,19 +488,30 @@ def _blend_batch(
         done = True
         return out
     except (Unavailable, TimeoutError):
+        down = True
         client.set_timeout(CLOSE_TIMEOUT_MS)  # (the preview's landing, the closes) as above
         raise
     finally:
         for x in b.sessions:  # opened before a failure: closed without a word
-            _close_quietly(x)
-        for region in b.regions:
-            try:
-                client.free_region(region)
-            except KvblendError:
-                if done and ranks is None:
-                    # after a failure, the failure is what the caller hears of; under TP
-                    # never (the ranks agreed the batch went through, and go on together)
-                    raise
+            _close_quietly(x, b)
+        pool = regions_of(client)
+        if done and not b.unclean:
+            for region in b.regions:  # every session closed: kept for the next blends
+                pool.give(region)
+        else:
+            # a failed batch gives its regions back to the daemon (a session whose close
+            # failed might still be landing into its region), and the kept ones too: one
+            # of them may be what failed (released by a daemon whose shm_idle is shorter
+            # than POOL_IDLE_S), and the worker's retry one at a time takes fresh ones
+            pool.clear()
+            for region in b.regions:
+                try:
+                    client.free_region(region)
+                except KvblendError:
+                    if done and ranks is None:
+                        # after a failure, the failure is what the caller hears of; under
+                        # TP never (the ranks agreed the batch went through)
+                        raise
 
 
 @dataclass
@@ -395,6 +523,7 @@ class _Batch:
     prompts: list = field(default_factory=list)
     previews: list = field(default_factory=list)  # each prompt's preview seconds
     pre_wait: list = field(default_factory=list)  # of each preview, seconds waiting for layers
+    unclean: bool = False  # a session's close failed: its region may still be written
 
 
 def _prepare(
@@ -416,7 +545,7 @@ def _prepare(
         shape = spec.kv_shape(ids.size)
         nbytes = int(np.prod(shape)) * np.dtype(np_dtype).itemsize
         try:
-            b.regions.append(client.region(nbytes))
+            b.regions.append(regions_of(client).take(nbytes))
         except Unavailable:
             raise
         except KvblendError:
@@ -490,11 +619,14 @@ def _shifted(
     sink(first + i, kv)
 
 
-def _close_quietly(sess: Any) -> dict:
-    """Close a session; after a daemon failure its error is the pass's, not the close's."""
+def _close_quietly(sess: Any, b: _Batch | None = None) -> dict:
+    """Close a session; after a daemon failure its error is the pass's, not the close's
+    (a failed close marks ``b`` unclean: its regions are not kept)."""
     try:
         return sess.close()
     except KvblendError:
+        if b is not None:
+            b.unclean = True
         return {}
 
 
