@@ -100,6 +100,8 @@ def main():
     ap.add_argument("--tokens", type=int, default=16, help="tokens a chunk (16: 2 MiB)")
     ap.add_argument("--rate", default="256M", help="cluster_rebalance_rate")
     a = ap.parse_args()
+    # the joiner is polled through the Python client: this build's libkvblend
+    os.environ.setdefault("KVBLEND_LIB", os.path.join(a.build, "lib", "libkvblend.so"))
     tmp = tempfile.mkdtemp(prefix="kvb-bjoin-")
     procs = []
     cli_bin = f"{a.build}/bin/kvblend"
@@ -159,12 +161,17 @@ def main():
         # the joiner's chunk count, polled every 5 ms on one connection from the moment
         # it answers (its first chunks may come before its start returns here): when the
         # first and the last chunk arrived
-        seen = {"first": None, "last": None, "held": 0}
+        seen = {"first": None, "last": None, "held": 0, "at_first": 0, "error": None}
         watching = threading.Event()
+        import kvblend  # (here: a missing library fails the run, not the thread)
 
         def watch():
-            import kvblend
+            try:
+                poll()
+            except Exception as e:  # noqa: BLE001 (reported by the main thread)
+                seen["error"] = e
 
+        def poll():
             while not watching.is_set():
                 try:
                     c = kvblend.Client(f"ipc://{tmp}/d.sock", timeout_ms=1000)
@@ -181,9 +188,10 @@ def main():
                         n = seen["held"]
                     now = time.time()
                     if n and seen["first"] is None:
-                        seen["first"] = now
+                        seen["first"], seen["at_first"] = now, n
                     if n != seen["held"]:
-                        seen["held"], seen["last"] = n, now
+                        seen["last"] = now  # before held: the main thread reads held first
+                        seen["held"] = n
                     time.sleep(0.005)
 
         watcher = threading.Thread(target=watch, daemon=True)
@@ -192,6 +200,8 @@ def main():
         end = t0 + 600
         while True:
             now = time.time()
+            if seen["error"] is not None:
+                sys.exit(f"polling the joiner failed: {seen['error']}")
             if seen["held"] and now - seen["last"] > 0.5 and \
                     stats("d")["cluster_members"] == 4 and placed():
                 break
@@ -200,7 +210,7 @@ def main():
             time.sleep(0.05)
         watching.set()
         watcher.join()
-        first, last, held = seen["first"], seen["last"], seen["held"]
+        first, last, held, at_first = seen["first"], seen["last"], seen["held"], seen["at_first"]
         took = time.time() - t0
         wait_for(lambda: all(stats(n)["cluster_pushes_owed"] == 0 for n in "abcd"), 60)
         time.sleep(1)  # a late duplicate would show here
@@ -217,7 +227,8 @@ def main():
         # the moving phase: from the first chunk on the joiner to the last (the rest
         # is the joiner's start, its registration and the rebalance's LOOKUPs)
         phase = (last - first) if first and last and last > first else float("nan")
-        moving = (held - 1) * chunk_bytes / phase if held > 1 else float("nan")
+        # the chunks that arrived after the first poll that saw any, over that time
+        moving = (held - at_first) * chunk_bytes / phase if held > at_first else float("nan")
         print("| chunks moved | transfers | per chunk moved | bytes moved | join to settled "
               "| moved bytes/s | of cluster_rebalance_rate | first to last chunk on the "
               "joiner | its bytes/s | of a plain TCP copy | of a fresh file write |")

@@ -104,6 +104,7 @@ struct cluster {
 	bool stop;
 	struct push *q;
 	size_t q_head, q_len;
+	size_t q_rebalance; /* of q_len, the rebalance pushes (held by the rate) */
 	bool rescan; /* owed pushes in the store that the queue could not hold */
 	uint64_t rebalance_rate;
 	int64_t rebalance_next_ns; /* the rate limit: no rebalance push before this */
@@ -224,16 +225,18 @@ static inline bool suspect(struct peer *p)
 }
 
 /*
- * How long the pusher sleeps when every queued push must wait: 100 ms when one
- * waits for its peer (suspect or gone: heard of again by then), else until the
- * rebalance rate's next_ns allows the next push (at least 1 ns, at most 100 ms).
+ * How long the pusher sleeps when every queued push must wait: when one waits
+ * only for the rebalance rate (rate_wait), until the rate's next_ns allows the
+ * next push (at least 1 ns, at most 100 ms), whatever others wait for; else
+ * 100 ms (peers suspect or gone are heard of again by then; an empty queue is
+ * signalled).
  */
-static inline int64_t push_wait_ns(bool peer_wait, int64_t next_ns, int64_t now)
+static inline int64_t push_wait_ns(bool rate_wait, int64_t next_ns, int64_t now)
 {
 	const int64_t poll = 100 * 1000000;
 	int64_t left = next_ns - now;
 
-	if (peer_wait)
+	if (!rate_wait)
 		return poll;
 	return left < 1 ? 1 : left < poll ? left : poll;
 }

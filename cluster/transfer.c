@@ -577,6 +577,7 @@ static bool enqueue(struct cluster *c, uint32_t peer, uint32_t model_id, const u
 		return false;
 	}
 	e = &c->q[(c->q_head + c->q_len++) % QUEUE_MAX];
+	c->q_rebalance += rebalance;
 	e->peer = peer;
 	e->model_id = model_id;
 	e->rebalance = rebalance;
@@ -730,7 +731,7 @@ void *pusher_main(void *arg)
 {
 	struct cluster *c = arg;
 	unsigned waiting = 0; /* entries in a row that must wait: peer suspect or gone, or rate */
-	bool peer_wait = false; /* one of them waits for its peer, not only for the rate */
+	bool rate_wait = false; /* one of them waits only for the rebalance rate */
 
 	pthread_mutex_lock(&c->qlock);
 	store_owed_scan(c->store, load_owed, c); /* what the last run still owed */
@@ -752,24 +753,32 @@ void *pusher_main(void *arg)
 			 * at one push per 100 ms and sender (bench_join: 0.02x of a copy).
 			 */
 			wait_ns(&c->qcond, &c->qlock,
-				push_wait_ns(!waiting || peer_wait, c->rebalance_next_ns, now_ns()));
+				push_wait_ns(waiting && rate_wait, c->rebalance_next_ns, now_ns()));
 			waiting = 0;
-			peer_wait = false;
+			rate_wait = false;
 			continue;
 		}
 		e = c->q[c->q_head];
 		c->q_head = (c->q_head + 1) % QUEUE_MAX;
 		c->q_len--;
+		c->q_rebalance -= e.rebalance;
 		p = peer_at(c, e.peer);
-		if (p && (suspect(p) || !peer_live(c, p) ||
-			  (e.rebalance && now_ns() < c->rebalance_next_ns))) {
-			peer_wait = peer_wait || suspect(p) || !peer_live(c, p);
+		if (p && (suspect(p) || !peer_live(c, p))) {
 			enqueue(c, e.peer, e.model_id, e.hash, e.rebalance);
 			waiting++;
 			continue;
 		}
+		if (p && e.rebalance && now_ns() < c->rebalance_next_ns) {
+			enqueue(c, e.peer, e.model_id, e.hash, e.rebalance);
+			rate_wait = true;
+			/* only rebalance pushes queued: none may go before the rate allows,
+			 * so wait for it now instead of turning the whole queue over (up to
+			 * QUEUE_MAX entries, the lock held) after every push */
+			waiting = c->q_rebalance == c->q_len ? (unsigned)c->q_len : waiting + 1;
+			continue;
+		}
 		waiting = 0;
-		peer_wait = false;
+		rate_wait = false;
 		atomic_fetch_add(&c->in_flight, 1);
 		pthread_mutex_unlock(&c->qlock);
 		rc = push_one(c, &e, &bytes);

@@ -513,10 +513,21 @@ def region_pool(d):
         blend.POOL_IDLE_S = 0.0
         try:
             time.sleep(0.01)
-            pool.take(mib)  # expires every kept one first, then a new one
+            r5 = pool.take(mib)  # expires every kept one first, then a new one
             check("pool: kept past POOL_IDLE_S, freed", (pool.kept(), segments()), (0, 1))
+            # an engine left idle: the timer frees them, with no blend to look
+            blend.POOL_IDLE_S = 0.2
+            pool.give(r5)
+            check("pool: given back before the timer", (pool.kept(), segments()), (1, 1))
+            time.sleep(1.6)
+            check("pool: an idle engine's kept regions freed by the timer",
+                  (pool.kept(), segments()), (0, 0))
         finally:
             blend.POOL_IDLE_S = old_idle
+        # rounded up past shm_max (17M) where the size itself fits: the exact size
+        r6 = pool.take(16 * mib + 1)
+        check("pool: the exact size when the rounded one passes shm_max",
+              (r6.nbytes, segments()), (16 * mib + 1, 1))
 
 
 def region(d):

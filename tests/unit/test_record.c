@@ -162,16 +162,16 @@ static void test_push_wait(void **state)
 	const int64_t ms = 1000000, t = 1000 * ms;
 
 	(void)state;
-	/* waiting only for the rate: until it allows, half a millisecond here */
-	assert_int_equal(push_wait_ns(false, t + ms / 2, t), ms / 2);
+	/* one waits for the rate (others may wait for peers): until it allows */
+	assert_int_equal(push_wait_ns(true, t + ms / 2, t), ms / 2);
 	/* the rate allows already: at once (1 ns, a wait that returns) */
-	assert_int_equal(push_wait_ns(false, t - 5 * ms, t), 1);
-	assert_int_equal(push_wait_ns(false, t, t), 1);
+	assert_int_equal(push_wait_ns(true, t - 5 * ms, t), 1);
+	assert_int_equal(push_wait_ns(true, t, t), 1);
 	/* a rate far behind (a huge push at a low rate): polled every 100 ms still */
-	assert_int_equal(push_wait_ns(false, t + 7000 * ms, t), 100 * ms);
-	/* one waits for its peer (suspect, gone), or the queue is empty: 100 ms */
-	assert_int_equal(push_wait_ns(true, t + ms / 2, t), 100 * ms);
-	assert_int_equal(push_wait_ns(true, t - ms, t), 100 * ms);
+	assert_int_equal(push_wait_ns(true, t + 7000 * ms, t), 100 * ms);
+	/* none waits for the rate (peers suspect or gone, or the queue empty): 100 ms */
+	assert_int_equal(push_wait_ns(false, t + ms / 2, t), 100 * ms);
+	assert_int_equal(push_wait_ns(false, t - ms, t), 100 * ms);
 }
 
 int main(void)

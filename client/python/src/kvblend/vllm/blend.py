@@ -70,18 +70,22 @@ class RegionPool:
     by the pass writing its rows: at 1K tokens of SmolLM2 (45 MB) that was 22-24 ms here,
     and its free 3-5 ms more, on every blend. A region given back is kept (at most
     :data:`POOL_REGIONS`, each at most :data:`POOL_IDLE_S` unused) and handed to the next
-    blend it is large enough for, its pages already in place. It is not zeroed again: a
+    blend it is large enough for, its pages already in place (a timer frees the ones
+    unused that long while no blend comes). It is not zeroed again: a
     blend writes every row of every layer of its buffer before reading it (the daemon the
     stored rows, the pass its own). The regions die with the client (its close frees
     them), so one pool per client (:func:`regions_of`). A batch that fails frees the
-    kept regions too (:func:`_blend_batch`): a daemon whose ``shm_idle`` is under
-    :data:`POOL_IDLE_S` may have released one, which fails that batch once.
+    kept regions too (:func:`_blend_batch`): a daemon restarted, or one whose
+    ``shm_idle`` is under :data:`POOL_IDLE_S`, no longer knows a kept region, which fails
+    that batch once (the worker retries its requests one at a time on fresh regions;
+    under tensor parallelism vLLM recomputes them).
     """
 
     def __init__(self, client: Client) -> None:
         self._client = weakref.ref(client)
         self._idle: list[tuple[float, np.ndarray]] = []  # (given back at, region)
         self._lock = threading.Lock()
+        self._timer: threading.Timer | None = None  # expires kept regions while idle
 
     def take(self, nbytes: int) -> np.ndarray:
         """A region of at least ``nbytes``: the smallest kept one that fits, else a new one
@@ -94,15 +98,18 @@ class RegionPool:
                 i = min(fits, key=lambda j: self._idle[j][1].nbytes)
                 return self._idle.pop(i)[1]
             size = -(-nbytes // POOL_ROUND) * POOL_ROUND
-            try:
-                return client.region(size)
-            except Unavailable:
-                raise
-            except KvblendError:
-                if not self._idle:
+            for i, ask in enumerate((size, nbytes)):
+                try:
+                    return client.region(ask)
+                except Unavailable:
                     raise
-            self._clear(client)  # the daemon's shm budget: what is kept goes first
-            return client.region(size)
+                except KvblendError:
+                    # the daemon's shm budget: what is kept goes first, then the exact
+                    # size (the rounding may pass shm_max where the size itself fits)
+                    if i or (not self._idle and size == nbytes):
+                        raise
+                    self._clear(client)
+            raise AssertionError("unreachable")  # pragma: no cover
 
     def give(self, region: np.ndarray) -> None:
         """Keep a region a blend is done with (the oldest kept one freed past the limit)."""
@@ -111,6 +118,26 @@ class RegionPool:
             self._idle.append((time.monotonic(), region))
             while len(self._idle) > POOL_REGIONS:
                 self._free(client, self._idle.pop(0)[1])
+            self._expire(client)
+
+    def _arm(self) -> None:
+        """(The lock held.) A timer for the oldest kept region's expiry, none when none is
+        kept: an engine left idle frees them too, with no blend to look."""
+        if not self._idle:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            return
+        if self._timer is None:
+            due = self._idle[0][0] + POOL_IDLE_S - time.monotonic()
+            self._timer = threading.Timer(max(due, 0.0) + 0.05, self._on_timer)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _on_timer(self) -> None:
+        client = self._client()
+        with self._lock:
+            self._timer = None
             self._expire(client)
 
     def clear(self) -> None:
@@ -122,15 +149,24 @@ class RegionPool:
     def _clear(self, client: Client | None) -> None:
         while self._idle:
             self._free(client, self._idle.pop()[1])
+        self._arm()
 
     def kept(self) -> int:
         """How many regions are kept."""
         return len(self._idle)
 
     def _expire(self, client: Client | None) -> None:
+        """(The lock held.) Free the kept regions past :data:`POOL_IDLE_S`; arm the timer."""
         now = time.monotonic()
         while self._idle and now - self._idle[0][0] > POOL_IDLE_S:
             self._free(client, self._idle.pop(0)[1])
+        self._arm()
+
+    def expire(self) -> None:
+        """Free the kept regions unused for longer than :data:`POOL_IDLE_S`."""
+        client = self._client()
+        with self._lock:
+            self._expire(client)
 
     @staticmethod
     def _free(client: Client | None, region: np.ndarray) -> None:
@@ -375,22 +411,6 @@ def blend_prompts(
     lands and blends its KV heads (``kv`` then holds those), the ranks select together,
     and a batch runs as many prompts as every rank got regions for.
     """
-    import os as _os
-    if _os.environ.get("KVB_PROF"):
-        from torch.profiler import profile, ProfilerActivity
-        import time as _t
-        t0 = _t.monotonic()
-        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-            r = _blend_prompts_inner(model, client, spec, jobs, check_layers, metric, wait_s, sink, ranks)
-        with open(_os.environ["KVB_PROF"], "a") as f:
-            f.write(f"=== blend {_t.monotonic()-t0:.3f} s\n")
-            f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=45))
-            f.write(prof.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total", row_limit=30))
-        return r
-    return _blend_prompts_inner(model, client, spec, jobs, check_layers, metric, wait_s, sink, ranks)
-
-
-def _blend_prompts_inner(model, client, spec, jobs, check_layers, metric, wait_s, sink, ranks):
     ops = VllmLlamaOps(model)
     out: list = []
     while len(out) < len(jobs):
