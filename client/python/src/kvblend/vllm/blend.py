@@ -54,6 +54,7 @@ logger = logging.getLogger(f"vllm.{__name__}")
 SUPPORTED_MODELS = tuple(_arch.ARCHITECTURES)
 _NP = {torch.float32: np.float32, torch.float16: np.float16}
 _LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+_ATTN_PARTS = ("qkv_proj", "rotary_emb", "o_proj", "q_size", "kv_size", "head_dim", "scaling")
 #: Regions a client keeps between blends (:class:`RegionPool`): at most this many, each
 #: for at most this long unused (well under the daemon's ``shm_idle``, 600 s by default,
 #: after which it would release them itself), rounded up to this size.
@@ -98,18 +99,17 @@ class RegionPool:
                 i = min(fits, key=lambda j: self._idle[j][1].nbytes)
                 return self._idle.pop(i)[1]
             size = -(-nbytes // POOL_ROUND) * POOL_ROUND
-            for i, ask in enumerate((size, nbytes)):
-                try:
-                    return client.region(ask)
-                except Unavailable:
+            try:
+                return client.region(size)
+            except Unavailable:
+                raise
+            except KvblendError:
+                if not self._idle and size == nbytes:
                     raise
-                except KvblendError:
-                    # the daemon's shm budget: what is kept goes first, then the exact
-                    # size (the rounding may pass shm_max where the size itself fits)
-                    if i or (not self._idle and size == nbytes):
-                        raise
-                    self._clear(client)
-            raise AssertionError("unreachable")  # pragma: no cover
+            # the daemon's shm budget: what is kept goes first, then the exact size (the
+            # rounding may pass shm_max where the size itself fits)
+            self._clear(client)
+            return client.region(nbytes)
 
     def give(self, region: np.ndarray) -> None:
         """Keep a region a blend is done with (the oldest kept one freed past the limit)."""
@@ -162,12 +162,6 @@ class RegionPool:
             self._free(client, self._idle.pop(0)[1])
         self._arm()
 
-    def expire(self) -> None:
-        """Free the kept regions unused for longer than :data:`POOL_IDLE_S`."""
-        client = self._client()
-        with self._lock:
-            self._expire(client)
-
     @staticmethod
     def _free(client: Client | None, region: np.ndarray) -> None:
         if client is None:
@@ -189,7 +183,6 @@ def regions_of(client: Client) -> RegionPool:
         if pool is None:
             pool = _POOLS[client] = RegionPool(client)
         return pool
-_ATTN_PARTS = ("qkv_proj", "rotary_emb", "o_proj", "q_size", "kv_size", "head_dim", "scaling")
 
 
 class BlendRefused(RuntimeError):
@@ -523,15 +516,13 @@ def _blend_batch(
             # failed might still be landing into its region), and the kept ones too: one
             # of them may be what failed (released by a daemon whose shm_idle is shorter
             # than POOL_IDLE_S), and the worker's retry one at a time takes fresh ones
+            # (the failure is what the caller hears of, not a free that fails after it)
             pool.clear()
             for region in b.regions:
                 try:
                     client.free_region(region)
                 except KvblendError:
-                    if done and ranks is None:
-                        # after a failure, the failure is what the caller hears of; under
-                        # TP never (the ranks agreed the batch went through)
-                        raise
+                    pass
 
 
 @dataclass
