@@ -275,6 +275,36 @@ static double run_landing(struct run *r, double *land_s, double *check_ms, doubl
 	return waited * 1e3 / (m->num_layers - CHECK - 1);
 }
 
+/*
+ * Reuse-only landing session (no check layer: what a serving node's plain reuse of
+ * re-rotated chunks opens): the time from open until every layer had landed, and the
+ * daemon's own landing time, both in seconds.
+ */
+static void run_reuse(struct run *r, double *land_s, double *daemon_s)
+{
+	struct kvb_stat *st = NULL;
+	size_t n_st = 0;
+	struct kvb_kv_layout y = layout(r);
+	double t_open = now_s();
+	kvb_fuse *fu;
+
+	if (kvb_fuse_open_into(r->c, r->m->name, r->segs, r->n_segs, NULL, &y, &fu, NULL, NULL)) {
+		fprintf(stderr, "fuse_open_into (reuse): %s\n", kvb_last_error(r->c));
+		exit(1);
+	}
+	for (uint32_t l = 0; l < r->m->num_layers; l++)
+		if (kvb_fuse_wait(r->c, fu, l, 60000)) {
+			fprintf(stderr, "fuse_wait (reuse): %s\n", kvb_last_error(r->c));
+			exit(1);
+		}
+	*land_s = now_s() - t_open;
+	kvb_fuse_close(r->c, &fu, &st, &n_st);
+	for (size_t i = 0; i < n_st; i++)
+		if (!strcmp(st[i].name, "land_ms"))
+			*daemon_s = st[i].value / 1e3;
+	free(st);
+}
+
 static double median(double *v, unsigned n)
 {
 	qsort(v, n, sizeof(double), cmp_double);
@@ -357,8 +387,9 @@ int main(int argc, char **argv)
 			     : "contiguous cache");
 		printf("| tokens | node ms/layer | classic wait ms/layer | landing wait ms/layer | "
 		       "landing check ms | landed GB/s, wall (/memcpy) | landed GB/s, daemon "
-		       "(/memcpy) | memcpy GB/s |\n");
-		printf("|---|---|---|---|---|---|---|---|\n");
+		       "(/memcpy) | memcpy GB/s | reuse landed GB/s, wall (/memcpy) | reuse, "
+		       "daemon (/memcpy) |\n");
+		printf("|---|---|---|---|---|---|---|---|---|---|\n");
 		for (unsigned zi = 0; zi < n_sizes; zi++) {
 			uint32_t n = (uint32_t)sizes[zi], n_chunks = n >= 4096 ? 8 : 4;
 			uint32_t cached = n - FRESH, per = cached / n_chunks, pos = 0;
@@ -412,16 +443,24 @@ int main(int argc, char **argv)
 			r.segs[n_chunks].count = FRESH;
 			r.segs[n_chunks].pos = pos;
 			for (unsigned ni = 0; ni < n_node; ni++) {
-				double cw[16], lw[16], ls[16], ck[16], mc[16], ds[16];
+				double cw[16], lw[16], ls[16], ck[16], mc[16], ds[16], rw[16], rd[16];
 				size_t land_bytes = (size_t)(m->num_layers - CHECK - 1) * 2 * cached * row;
+				size_t reuse_bytes = (size_t)m->num_layers * 2 * cached * row;
 
 				r.node_ms = node[ni];
 				/* one untimed run of each: pages of the cache mapped on both sides */
 				run_classic(&r);
 				run_landing(&r, &ls[0], &ck[0], &ds[0]);
+				if (r.node_ms == 0)
+					run_reuse(&r, &rw[0], &rd[0]);
 				for (unsigned k = 0; k < repeats && k < 16; k++) {
 					cw[k] = run_classic(&r);
 					lw[k] = run_landing(&r, &ls[k], &ck[k], &ds[k]);
+					if (r.node_ms == 0) {
+						run_reuse(&r, &rw[k], &rd[k]);
+						rw[k] = reuse_bytes / rw[k] / 1e9;
+						rd[k] = reuse_bytes / rd[k] / 1e9;
+					}
 					/* memcpy of the bytes that landed, from a source as large (as the
 					 * stored layers are), into the same cache */
 					mc[k] = memcpy_rate(&r, cached);
@@ -432,13 +471,17 @@ int main(int argc, char **argv)
 					unsigned k = repeats < 16 ? repeats : 16;
 					double land = median(ls, k), mem = median(mc, k), dl = median(ds, k);
 
-					if (r.node_ms > 0)
-						printf("| %u | %.0f | %.3f | %.3f | %.3f | | | |\n", n, r.node_ms,
-						       median(cw, k), median(lw, k), median(ck, k));
-					else
+					if (r.node_ms > 0) {
+						printf("| %u | %.0f | %.3f | %.3f | %.3f | | | | | |\n", n,
+						       r.node_ms, median(cw, k), median(lw, k), median(ck, k));
+					} else {
+						double rl = median(rw, k), rdl = median(rd, k);
+
 						printf("| %u | 0 | %.3f | %.3f | %.3f | %.2f (%.2fx) | %.2f "
-						       "(%.2fx) | %.2f |\n", n, median(cw, k), median(lw, k),
-						       median(ck, k), land, land / mem, dl, dl / mem, mem);
+						       "(%.2fx) | %.2f | %.2f (%.2fx) | %.2f (%.2fx) |\n", n,
+						       median(cw, k), median(lw, k), median(ck, k), land,
+						       land / mem, dl, dl / mem, mem, rl, rl / mem, rdl, rdl / mem);
+					}
 					fflush(stdout);
 				}
 			}
@@ -457,7 +500,10 @@ int main(int argc, char **argv)
 	       "GB/s (no node compute): the bytes of the cached tokens' K and V of every landed "
 	       "layer over the time from open until the last layer landed; memcpy of the same "
 	       "bytes into the same cache in the same run (from a source as large as the landed bytes); "
-	       "daemon: the same bytes over the daemon's own landing time (land_ms).\n");
+	       "daemon: the same bytes over the daemon's own landing time (land_ms). reuse: a "
+	       "reuse-only landing session (no check layer, as plain reuse of re-rotated chunks "
+	       "opens), every layer's cached K and V over the time from open until the last layer "
+	       "landed, and over the daemon's land_ms.\n");
 	kvb_close(&c);
 	bench_stop_daemon(pid, dir);
 	return 0;
