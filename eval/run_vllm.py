@@ -90,11 +90,82 @@ def eval_tokenizer():
     return SmolTokenizer(GGUFReader(str(gguf)))
 
 
-def modes_for(ratios):
-    """(name, the request's blend settings): full reuse, then CacheBlend V at each r."""
-    return [("full reuse", {"check_layers": [], "ratios": []})] + [
-        (f"CacheBlend V r={r:g}", {"check_layers": [CHECK_LAYER], "ratios": [r],
-                                   "metric": "value"}) for r in ratios]
+#: The connector's metrics this evaluation runs (``--metrics``), by their rows' names.
+#: The value metric keeps its old name (earlier json files); every other metric runs at
+#: the value metric's recompute budget at r (eval/qsel.py's Budget, its preview charged).
+LABELS = {"value": "CacheBlend V", "key": "HKVD K", "attention": "attention",
+          "question": "A alone (question)", "anchored": "QCFuse-style (anchored)"}
+
+
+def mode_name(metric, r, literal=False):
+    return f"{LABELS[metric]}{' at its ratio' if literal else ''} r={r:g}"
+
+
+def modes_for(ratios, metrics=("value",), literal=()):
+    """(name, (metric, r, literal) or None): full reuse, then each metric at each r (at
+    the value metric's budget), then each of literal at r as the connector takes it."""
+    return [("full reuse", None)] + [
+        (mode_name(m, r, lit), (m, r, lit)) for r in ratios
+        for m, lit in [(m, False) for m in metrics] + [(m, True) for m in literal]]
+
+
+def mode_blend(spec, budget):
+    """A mode's blend settings for one request, and the budget it spends (recomputed
+    token-layers per chunk token / layers, previews and checks included).
+
+    value and key: HKVD at r with check layer 1, as CacheBlend. attention: the check
+    layer's ratio whose cost with the preview (over the question only) and the cheap
+    check equals HKVD's at r. question and anchored: the share of chunk tokens
+    recomputed at every layer whose cost with the preview (every layer; layers 0 ..
+    critical_layer(L)) equals it."""
+    from cacheblend import select_count
+    from kvblend.blend.preview import critical_layer
+
+    if spec is None:
+        return {"check_layers": [], "ratios": []}, 0.0
+    metric, r, literal = spec
+    b = budget
+    k_hkvd = select_count(r, b.n)
+    target = b.hkvd(k_hkvd)
+    charge = b.q * (critical_layer(b.L) + 1 if metric == "anchored" else b.L)
+    if literal:  # the connector's own reading of r, and what it spends
+        blend = {"check_layers": [], "ratios": [r], "metric": metric}
+        if metric == "attention":
+            return dict(blend, check_layers=[CHECK_LAYER]), b.attention(k_hkvd)
+        if metric in ("value", "key"):
+            return dict(blend, check_layers=[CHECK_LAYER]), target
+        return blend, (k_hkvd * b.L + charge) / (b.n * b.L)
+    if metric in ("value", "key"):
+        return {"check_layers": [CHECK_LAYER], "ratios": [r], "metric": metric}, target
+    if metric == "attention":
+        k = b.solve(b.attention, target)
+        return ({"check_layers": [CHECK_LAYER], "ratios": [b.ratio_for(k)],
+                 "metric": "attention"}, b.attention(k))
+    cost = lambda k: (k * b.L + charge) / (b.n * b.L)  # noqa: E731
+    k = b.solve(cost, target)
+    return {"check_layers": [], "ratios": [b.ratio_for(k)], "metric": metric}, cost(k)
+
+
+def model_shape(model_dir):
+    """eval/qsel.py's Budget's view of the model (layers and matrix sizes) from its
+    config.json."""
+    from types import SimpleNamespace
+
+    c = json.loads((Path(model_dir) / "config.json").read_text())
+    heads = c["num_attention_heads"]
+    return SimpleNamespace(n_layers=c["num_hidden_layers"], dim=c["hidden_size"],
+                           n_heads=heads, n_kv_heads=c.get("num_key_value_heads", heads),
+                           head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+                           ffn_dim=c["intermediate_size"])
+
+
+def trim_chunks(segments, k, seed):
+    """--odd-lengths: each chunk shortened by an odd count of 1 .. 31 tokens (drawn per
+    request), so that no chunk length is a multiple of any block size (2 and up), and
+    every seam between a chunk and the fresh text after it falls inside a block."""
+    rng = np.random.default_rng([seed, k, 35])
+    return [(kind, ids[:len(ids) - int(rng.integers(0, 16)) * 2 - 1] if kind == "chunk"
+             else ids) for kind, ids in segments]
 
 
 def answer_logits(llm, prompt, answer, params):
@@ -136,6 +207,21 @@ def main():
     ap.add_argument("--requests", type=int, default=50)
     ap.add_argument("--seed", type=int, default=11)
     ap.add_argument("--ratios", default="0.05,0.15,0.3")
+    ap.add_argument("--metrics", default="value",
+                    help="the connector's metrics to run at each r, comma-separated, of "
+                    f"{','.join(LABELS)}: value and key as HKVD at r, the others at the value "
+                    "metric's recompute budget at r, each preview charged (eval/qsel.py's "
+                    "Budget); the preview reads the question only (kvblend.question_end)")
+    ap.add_argument("--at-ratio", default="",
+                    help="metrics to run also at r as the connector takes it (for question "
+                    "and anchored: the share of chunk tokens recomputed, so less compute "
+                    "than the value metric at r)")
+    ap.add_argument("--questions", choices=("templates", "paraphrased"), default="templates",
+                    help="paraphrased: the same chunks with docs/EVAL.md's paraphrased "
+                    "questions (eval/run_qsel.py's; at most 25 requests)")
+    ap.add_argument("--odd-lengths", action="store_true",
+                    help="shorten each chunk by an odd count of 1-31 tokens: no chunk length "
+                    "a multiple of any block size")
     ap.add_argument("--smoke", action="store_true",
                     help="2 requests of 3 short chunks, 4 answer tokens (run_eval.py's smoke)")
     ap.add_argument("--check", action="store_true",
@@ -164,7 +250,10 @@ def main():
         if "--requests" in sys.argv:  # the first N requests of the file
             saved["records"] = saved["records"][:args.requests]
         ratios = [float(r) for r in saved["args"]["ratios"].split(",")]
-        summary = report(saved["records"], modes_for(ratios), saved["info"], run_eval.bootstrap)
+        metrics = saved["args"].get("metrics", "value").split(",")
+        literal = [m for m in saved["args"].get("at_ratio", "").split(",") if m]
+        summary = report(saved["records"], modes_for(ratios, metrics, literal), saved["info"],
+                         run_eval.bootstrap)
         if args.plot:
             plot(summary, ratios, len(saved["records"]), args.plot)
         return
@@ -173,6 +262,12 @@ def main():
     if args.smoke and "--requests" not in sys.argv:
         args.requests = 2
     ratios = [float(r) for r in args.ratios.split(",")]
+    metrics = args.metrics.split(",")
+    literal = [m for m in args.at_ratio.split(",") if m]
+    for what, ms in (("--metrics", metrics), ("--at-ratio", literal)):
+        if any(m not in LABELS for m in ms) or len(set(ms)) != len(ms):
+            raise SystemExit(f"{what} {','.join(ms)}: each once, of {', '.join(LABELS)}")
+    modes = modes_for(ratios, metrics, literal)
     t_start = time.monotonic()
 
     sys.path[:0] = [str(HERE)]
@@ -182,8 +277,17 @@ def main():
     tok = eval_tokenizer()
     docs = run_eval.load_documents(tok)
     shape = run_eval.SHAPES["smoke" if args.smoke else "full"]
-    requests = [(k, *run_eval.build_request(k, args.seed, docs, tok, shape))
-                for k in range(args.first, args.requests)]
+    if args.questions == "paraphrased":
+        from run_qsel import PARAPHRASED, paraphrased_request
+
+        pool = json.loads(PARAPHRASED.read_text())
+        requests = [(k, *paraphrased_request(k, args.seed, docs, tok, shape, pool))
+                    for k in range(args.first, min(args.requests, 25))]
+    else:
+        requests = [(k, *run_eval.build_request(k, args.seed, docs, tok, shape))
+                    for k in range(args.first, args.requests)]
+    if args.odd_lengths:
+        requests = [(k, trim_chunks(segs, k, args.seed), ri) for k, segs, ri in requests]
 
     # kvblend installed as a package (its vllm.general_plugins entry point gives the
     # worker the model), as test_vllm_blend does
@@ -205,11 +309,11 @@ def main():
 
     d = Daemon()
     try:
-        records, info = run(args, d.endpoint, requests, tok, ratios, kl_top1)
+        records, info = run(args, d.endpoint, requests, tok, modes, kl_top1)
     finally:
         d.stop()
     shutil.rmtree(tmp, ignore_errors=True)
-    summary = report(records, modes_for(ratios), info, run_eval.bootstrap)
+    summary = report(records, modes, info, run_eval.bootstrap)
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "info": info,
                                                "summary": summary, "records": records},
@@ -221,7 +325,7 @@ def main():
     if args.check:
         bad = [f"request {r['k']}: {m} KL {r['modes'][m]['kl']:.4g} against full reuse's "
                f"{r['modes']['full reuse']['kl']:.4g}"
-               for r in records for m, _ in modes_for(ratios)[1:]
+               for r in records for m, _ in modes[1:]
                if not r["modes"][m]["kl"] < r["modes"]["full reuse"]["kl"]]
         bad += [f"request {r['k']}: full reuse equals the full prefill (nothing claimed?)"
                 for r in records if r["modes"]["full reuse"]["kl"] == 0.0]
@@ -230,7 +334,7 @@ def main():
         sys.exit(1 if bad else 0)
 
 
-def run(args, endpoint, requests, tok, ratios, kl_top1):
+def run(args, endpoint, requests, tok, modes, kl_top1):
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
@@ -256,8 +360,9 @@ def run(args, endpoint, requests, tok, ratios, kl_top1):
         raise SystemExit("the engine's tokenizer and run_eval.py's disagree")
 
     import kvblend
+    from qsel import Budget
 
-    modes = modes_for(ratios)
+    shape = model_shape(args.model)
     records = []
     stored = {}
     info = {"chunks": 0, "store_s": 0.0}
@@ -294,21 +399,27 @@ def run(args, endpoint, requests, tok, ratios, kl_top1):
                "answer": tok.decode(answer), "greedy_s": t_greedy,
                "modes": {"full prefill": dict(kl=0.0, kl_first=0.0, top1=1.0, prefix=1.0,
                                               exact=1.0, seconds=t_ref)}}
-        for name, blend in modes:
-            params = {"kvblend": {"segments": spans, "blend": blend}}
+        # the preview reads the question (the prompt after the last chunk), not the answer
+        budget = Budget(shape, rec["n_cached"], len(prompt) - (spans[-1][0] + spans[-1][1]),
+                        CHECK_LAYER)
+        for name, spec in modes:
+            blend, used = mode_blend(spec, budget)
+            params = {"kvblend": {"segments": spans, "blend": blend,
+                                  "question_end": len(prompt)}}
             logits, dt = answer_logits(llm, prompt, answer, params)
             kl, top1 = kl_top1(ref, logits)
             same = logits.argmax(-1) == np.asarray(answer)
             prefix = len(answer) if same.all() else int(np.argmin(same))
             rec["modes"][name] = dict(kl=float(kl.mean()), kl_first=float(kl[0]),
                                       top1=float(top1.mean()), prefix=prefix / len(answer),
-                                      exact=float(prefix == len(answer)), seconds=dt)
+                                      exact=float(prefix == len(answer)), seconds=dt,
+                                      budget=used, ratio=(blend["ratios"] or [0.0])[0])
         records.append(rec)
         if args.json:  # after every request: a run stopped early keeps what it measured
             Path(args.json).write_text(json.dumps({"args": vars(args), "info": info,
                                                    "records": records}, indent=1))
         m = rec["modes"]
-        mid = modes[1 + len(ratios) // 2][0]
+        mid = modes[1 + (len(modes) - 1) // 2][0]
         print(f"req {k:2d} N={len(prompt):4d} chunks={len(spans)} A={len(answer):2d} KL reuse "
               f"{m['full reuse']['kl']:.4f} {mid} {m[mid]['kl']:.4f} | s: full "
               f"{t_ref:.2f} reuse {m['full reuse']['seconds']:.2f} {mid} "
@@ -334,17 +445,20 @@ def report(records, modes, info, bootstrap):
     reuse = [r["modes"]["full reuse"]["kl"] for r in records]
     print(f"\n## Quality through vLLM over {n} requests (mean over requests; KL in nats, "
           "answer positions; against plain vLLM's full prefill)\n")
-    print("| mode | mean KL | KL reuse / KL mode (90% CI) | KL 1st token | top-1 "
+    print("| mode | budget | mean KL | KL reuse / KL mode (90% CI) | KL 1st token | top-1 "
           "| greedy prefix | greedy exact |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for m in names:
         s = summary[m]
         gain = "-"
         if s["kl"] > 1e-12 and n > 1:
             lo, hi = bootstrap(reuse, [r["modes"][m]["kl"] for r in records])
             gain = f"{summary['full reuse']['kl'] / s['kl']:.2f}x ({lo:.1f}-{hi:.1f})"
-        print(f"| {m} | {s['kl']:.4f} | {gain} | {s['kl_first']:.4f} | {s['top1']:.1%} "
-              f"| {s['prefix']:.1%} | {s['exact']:.0%} |")
+        used = [r["modes"][m].get("budget") for r in records]
+        used = f"{np.mean(used):.3f}" if None not in used and m != "full prefill" else "-"
+        print(f"| {m} | {used} | {s['kl']:.4f} | {gain} | {s['kl_first']:.4f} "
+              f"| {s['top1']:.1%} | {s['prefix']:.1%} | {s['exact']:.0%} |")
+    pairs(records, [m for m, spec in modes if spec is not None])
     print(f"\nrequests: {n}; prompt tokens {np.mean([r['N'] for r in records]):.0f} mean "
           f"({min(r['N'] for r in records)}-{max(r['N'] for r in records)}); chunks "
           f"{np.mean([r['chunks'] for r in records]):.1f} mean; cached share "
@@ -356,6 +470,45 @@ def report(records, modes, info, bootstrap):
     return summary
 
 
+def paired(records, a, b, rng, resamples=2000):
+    """Mean KL of mode a minus mode b over the requests, its paired 90% bootstrap
+    interval (resampling requests), and on how many requests a is lower."""
+    d = np.array([r["modes"][a]["kl"] - r["modes"][b]["kl"] for r in records])
+    boot = d[rng.integers(0, len(d), (resamples, len(d)))].mean(axis=1)
+    lo, hi = np.percentile(boot, [5, 95])
+    return d.mean(), lo, hi, int((d < 0).sum())
+
+
+def pairs(records, names):
+    """At each r with more than one metric: every mode's KL against HKVD V's and against
+    the mode with the lowest mean KL, paired 90% intervals (2000 resamples, seed 35)."""
+    by_r = {}
+    for m in names:
+        by_r.setdefault(m.rsplit(" r=", 1)[1], []).append(m)
+    for r, ms in by_r.items():
+        if len(ms) < 2 or len(records) < 2:
+            continue
+        base = f"CacheBlend V r={r}"
+        best = min(ms, key=lambda m: np.mean([x["modes"][m]["kl"] for x in records]))
+        print(f"\nr = {r}: KL difference, paired 90% interval over the requests; lower on "
+              f"how many (best: {best})\n")
+        print("| mode | - CacheBlend V | lower than V on | - best |")
+        print("| --- | --- | --- | --- |")
+        for m in ms:
+            cells = []
+            for other in (base, best):
+                if m == other or other not in ms:
+                    cells.append("-")
+                    continue
+                mean, lo, hi, wins = paired(records, m, other, np.random.default_rng(35))
+                cells.append(f"{mean:+.4f} ({lo:+.4f} .. {hi:+.4f})")
+                if other == base:
+                    cells.append(f"{wins}/{len(records)}")
+            if m == base:
+                cells.insert(1, "-")
+            print(f"| {m} | " + " | ".join(cells) + " |")
+
+
 def plot(summary, ratios, n, path):
     """Mean KL (log) and top-1 against r: CacheBlend's line, full reuse at r = 0."""
     import matplotlib
@@ -364,6 +517,9 @@ def plot(summary, ratios, n, path):
 
     xs = [0.0] + ratios
     names = ["full reuse"] + [f"CacheBlend V r={r:g}" for r in ratios]
+    if any(m not in summary for m in names):
+        print(f"no plot: {path} draws the value metric's line, and it did not run")
+        return
     fig, ax = plt.subplots(1, 2, figsize=(11, 4.5))
     ax[0].plot(xs, [summary[m]["kl"] for m in names], marker="o")
     ax[0].set(yscale="log", xlabel="r (share of cached tokens recomputed; 0: full reuse)",

@@ -109,6 +109,18 @@ def run(d):
         check("resumed past the chunks", claim([A, B, C, Q], nc=95), (0, []))
         check("stored with another length", claim([[90, 5, "chunk"]]), (0, []))
         check("no kvblend key", answer(cl, MODEL.name, 2, {"x": 1}, prompt, 0), (0, []))
+
+        def question(kvb):
+            r = plan.plan_request(cl, MODEL.name, MODEL.num_layers, {"kvblend": kvb}, prompt,
+                                  0, blend=plan.DEFAULT_CONFIG)
+            return r.tokens, None if r.blend is None else r.blend.question
+
+        check("blend: the question is the prompt after the context",
+              question({"segments": [A, B, C]}), (90, prompt[90:]))
+        check("blend: question_end stops the question there",
+              question({"segments": [A, B, C], "question_end": 94}), (90, prompt[90:94]))
+        check("blend: question_end inside the context: the whole tail",
+              question({"segments": [A, B, C], "question_end": 60}), (90, prompt[90:]))
         check("no params", answer(cl, MODEL.name, 2, None, prompt, 0), (0, []))
         check("unknown model: daemon error",
               _raises(lambda: plan.plan_request(cl, "nope", 2, {"kvblend": {"segments": [A]}},
@@ -134,6 +146,9 @@ def run(d):
         ("bad kind", {"kvblend": {"segments": [[0, 10, "chunks"]]}}),
         ("store not a bool", {"kvblend": {"segments": [], "store": 1}}),
         ("unknown key", {"kvblend": {"segment": []}}),
+        ("question_end 0", {"kvblend": {"segments": [], "question_end": 0}}),
+        ("question_end past the prompt", {"kvblend": {"segments": [], "question_end": 101}}),
+        ("question_end a float", {"kvblend": {"segments": [], "question_end": 50.0}}),
         ("params not a dict", [1, 2]),
     ]
     for what, p in bad:

@@ -52,6 +52,11 @@ class Params:
 
     segments: tuple[Segment, ...]
     store: bool
+    #: Where the question ends (a prompt position), or None: the prompt's end. The
+    #: attention-family previews read the tokens from the blended context's end up to
+    #: here, so a prompt whose tail holds more than the question (an answer being
+    #: scored, say) previews only the question.
+    question_end: int | None = None
 
 
 @dataclass(frozen=True)
@@ -86,7 +91,7 @@ def parse_params(kv_transfer_params: Any, prompt_len: int) -> Params | None:
     Params or None
         Segments sorted by start, non-overlapping, each of at least one token and
         inside the prompt (tokens no segment names are fresh); ``store`` False unless
-        given as True.
+        given as True; ``question_end`` in ``1 .. prompt_len`` when given.
 
     Raises
     ------
@@ -103,12 +108,19 @@ def parse_params(kv_transfer_params: Any, prompt_len: int) -> Params | None:
     p = kv_transfer_params["kvblend"]
     if not isinstance(p, dict):
         raise ParamError(f"kvblend must be a dict, got {type(p).__name__}")
-    unknown = set(p) - {"segments", "store"}
+    unknown = set(p) - {"segments", "store", "question_end"}
     if unknown:
         raise ParamError(f"kvblend: unknown keys {sorted(map(str, unknown))}")
     store = p.get("store", False)
     if not isinstance(store, bool):
         raise ParamError(f"kvblend.store must be a bool, got {type(store).__name__}")
+    question_end = p.get("question_end")
+    if question_end is not None:
+        question_end = _int(question_end, "kvblend.question_end")
+        if not 1 <= question_end <= prompt_len:
+            raise ParamError(
+                f"kvblend.question_end {question_end}: not in 1 .. {prompt_len} (the prompt)"
+            )
     raw = p.get("segments", [])
     if not isinstance(raw, (list, tuple)):
         raise ParamError(f"kvblend.segments must be a list, got {type(raw).__name__}")
@@ -138,7 +150,7 @@ def parse_params(kv_transfer_params: Any, prompt_len: int) -> Params | None:
             )
         end = start + length
         segs.append(Segment(start, length, kind))
-    return Params(tuple(segs), store)
+    return Params(tuple(segs), store, question_end)
 
 
 #: Longest chunk separator (tokens) the connector accepts in its configuration.
@@ -605,7 +617,9 @@ def lookup_plan(
                     fuse.append((s.start - pos, pos))
                 fuse.append((h, s.start))
                 pos = s.end
-            load = BlendLoad(ids[:pos], fuse, parsed.blend, ids[pos:], num_computed)
+            qe = params.question_end
+            question = ids[pos:qe] if qe is not None and qe > pos else ids[pos:]
+            load = BlendLoad(ids[:pos], fuse, parsed.blend, question, num_computed)
             return Plan(pos - num_computed, [], load, parsed, missing)
     n, loads = claim(params, hashes, found, num_computed, len(ids))
     return Plan(n, loads, None, parsed, missing)
