@@ -101,12 +101,28 @@ def mode_name(metric, r, literal=False):
     return f"{LABELS[metric]}{' at its ratio' if literal else ''} r={r:g}"
 
 
+def parse_literal(text):
+    """--at-ratio's list: (metric, its own ratio or None: each of --ratios)."""
+    out = []
+    for item in (x for x in text.split(",") if x):
+        m, _, r = item.partition(":")
+        try:
+            out.append((m, float(r) if r else None))
+        except ValueError:
+            raise SystemExit(f"--at-ratio {item}: METRIC or METRIC:RATIO") from None
+    return out
+
+
 def modes_for(ratios, metrics=("value",), literal=()):
     """(name, (metric, r, literal) or None): full reuse, then each metric at each r (at
-    the value metric's budget), then each of literal at r as the connector takes it."""
-    return [("full reuse", None)] + [
-        (mode_name(m, r, lit), (m, r, lit)) for r in ratios
-        for m, lit in [(m, False) for m in metrics] + [(m, True) for m in literal]]
+    the value metric's budget), then each of literal, (metric, R), at R or, R None, at
+    each r, as the connector takes the ratio."""
+    out = [("full reuse", None)]
+    for r in ratios:
+        out += [(mode_name(m, r), (m, r, False)) for m in metrics]
+        out += [(mode_name(m, r, True), (m, r, True)) for m, lr in literal if lr is None]
+    out += [(mode_name(m, lr, True), (m, lr, True)) for m, lr in literal if lr is not None]
+    return out
 
 
 def mode_blend(spec, budget):
@@ -215,7 +231,7 @@ def main():
     ap.add_argument("--at-ratio", default="",
                     help="metrics to run also at r as the connector takes it (for question "
                     "and anchored: the share of chunk tokens recomputed, so less compute "
-                    "than the value metric at r)")
+                    "than the value metric at r); METRIC:R at R alone")
     ap.add_argument("--questions", choices=("templates", "paraphrased"), default="templates",
                     help="paraphrased: the same chunks with docs/EVAL.md's paraphrased "
                     "questions (eval/run_qsel.py's; at most 25 requests)")
@@ -243,17 +259,31 @@ def main():
 
         files = [json.loads(Path(f).read_text()) for f in args.from_json]
         saved = files[0]
-        saved["records"] = sorted((r for f in files for r in f["records"]),
-                                  key=lambda r: r["k"])
+        # files of other requests add requests; files of the same requests (same k, the
+        # same prompt and answer) add their modes to them
+        by_k, modes = {}, []
+        for f in files:
+            for r in f["records"]:
+                if r["k"] in by_k:
+                    by_k[r["k"]]["modes"] = {**r["modes"], **by_k[r["k"]]["modes"]}
+                else:
+                    by_k[r["k"]] = r
+            a = f["args"]
+            modes += [m for m in modes_for([float(x) for x in a["ratios"].split(",")],
+                                           [x for x in a.get("metrics", "value").split(",")
+                                            if x],
+                                           parse_literal(a.get("at_ratio", "")))
+                      if m[0] not in [x[0] for x in modes]]
+        saved["records"] = [by_k[k] for k in sorted(by_k)]
         saved["info"]["chunks"] = sum(f["info"]["chunks"] for f in files)
         saved["info"]["store_s"] = sum(f["info"]["store_s"] for f in files)
         if "--requests" in sys.argv:  # the first N requests of the file
             saved["records"] = saved["records"][:args.requests]
+        missing = [m for m, _ in modes if any(m not in r["modes"] for r in saved["records"])]
+        if missing:
+            raise SystemExit(f"modes not run on every request: {', '.join(missing)}")
         ratios = [float(r) for r in saved["args"]["ratios"].split(",")]
-        metrics = saved["args"].get("metrics", "value").split(",")
-        literal = [m for m in saved["args"].get("at_ratio", "").split(",") if m]
-        summary = report(saved["records"], modes_for(ratios, metrics, literal), saved["info"],
-                         run_eval.bootstrap)
+        summary = report(saved["records"], modes, saved["info"], run_eval.bootstrap)
         if args.plot:
             plot(summary, ratios, len(saved["records"]), args.plot)
         return
@@ -262,12 +292,17 @@ def main():
     if args.smoke and "--requests" not in sys.argv:
         args.requests = 2
     ratios = [float(r) for r in args.ratios.split(",")]
-    metrics = args.metrics.split(",")
-    literal = [m for m in args.at_ratio.split(",") if m]
+    metrics = [m for m in args.metrics.split(",") if m]
+    literal = parse_literal(args.at_ratio)
     for what, ms in (("--metrics", metrics), ("--at-ratio", literal)):
-        if any(m not in LABELS for m in ms) or len(set(ms)) != len(ms):
-            raise SystemExit(f"{what} {','.join(ms)}: each once, of {', '.join(LABELS)}")
+        if any((m[0] if isinstance(m, tuple) else m) not in LABELS for m in ms) or \
+                len(set(ms)) != len(ms):
+            raise SystemExit(f"{what}: each once, of {', '.join(LABELS)}")
     modes = modes_for(ratios, metrics, literal)
+    names = [m for m, _ in modes]
+    if len(set(names)) != len(names):
+        raise SystemExit("--metrics and --at-ratio name a mode twice: "
+                         f"{sorted({m for m in names if names.count(m) > 1})}")
     t_start = time.monotonic()
 
     sys.path[:0] = [str(HERE)]
@@ -485,14 +520,20 @@ def pairs(records, names):
     by_r = {}
     for m in names:
         by_r.setdefault(m.rsplit(" r=", 1)[1], []).append(m)
+    values = [float(r) for r in by_r if f"CacheBlend V r={r}" in names]
     for r, ms in by_r.items():
-        if len(ms) < 2 or len(records) < 2:
+        if len(records) < 2 or not values:
             continue
-        base = f"CacheBlend V r={r}"
+        # the value metric at r, or at the nearest r it ran at (a mode at its own ratio)
+        base = f"CacheBlend V r={min(values, key=lambda v: abs(v - float(r))):g}"
+        if base not in ms:
+            ms = [base] + ms
+        if len(ms) < 2:
+            continue
         best = min(ms, key=lambda m: np.mean([x["modes"][m]["kl"] for x in records]))
         print(f"\nr = {r}: KL difference, paired 90% interval over the requests; lower on "
               f"how many (best: {best})\n")
-        print("| mode | - CacheBlend V | lower than V on | - best |")
+        print(f"| mode | - {base} | lower on | - best |")
         print("| --- | --- | --- | --- |")
         for m in ms:
             cells = []

@@ -23,7 +23,8 @@ TP = 2 (each rank holds 2 of the 4 KV heads; vLLM's cache in a kvblend region):
 (e) doc2 reused as an exact prefix at TP = 2: equal to plain;
 (f) the re-rotated reuse of doc0 then doc1 gives TP = 1's tokens;
 (g) on vLLM's own config, no engine: refused with a line naming the cause, 8 ranks over
-    4 KV heads, ``blend`` by the attention metric and ``store_on_miss`` under TP; a
+    4 KV heads, ``blend`` by the attention metric (each head's deviation weighed by its
+    own A) and ``store_on_miss`` under TP; a
     separator alone runs, with store on a miss off by default;
 (h) CacheBlend at TP = 2 (both engines configured with blend at layer 1, r = 0.15, the
     value metric; the reuse requests above opt out with "blend": false): doc1 then doc0
@@ -34,7 +35,12 @@ TP = 2 (each rank holds 2 of the 4 KV heads; vLLM's cache in a kvblend region):
     their own;
 (k) a blend that fails on rank 1 alone (the worker's failure hook, "rank 1") fails on rank
     0 too (the ranks agree on a step's blends), its output is plain's (vLLM recomputed
-    it), and the next blend runs as before: no rank hangs.
+    it), and the next blend runs as before: no rank hangs;
+(l) the question metric (A alone: each rank previews the question over its heads, the
+    ranks select by A summed over all of them) at r = 1.0 equals plain TP = 2, and at
+    r = 0.15 it gives TP = 1's tokens and differs from plain; the anchored metric at
+    r = 0.15 gives TP = 1's tokens; a request naming the attention metric is served as
+    plain vLLM with a line saying why.
 Exit 0 when all pass, 1 on a failure, 77 when KVBLEND_SKIP_ENGINE=1.
 """
 
@@ -127,6 +133,8 @@ def phase(tp, model_dir, endpoint, out_path):
         res["hashes"] = [h.hex() for h in store_documents(llm, docs[:2])]
         res["rerotated"] = gen([prompts[2]], [rr])[0]
         res["blend15"] = gen([prompts[3]], [segs(*swapped, blend={})])[0]
+        res["question15"] = gen([prompts[3]], [segs(*swapped, blend={"metric": "question"})])[0]
+        res["anchored15"] = gen([prompts[3]], [segs(*swapped, blend={"metric": "anchored"})])[0]
     else:
         s0 = stats()
         res["reuse0"] = gen([prompts[0]], [segs((0, l0, "chunk"), (l0, len(q), "fresh"))])[0]
@@ -157,6 +165,15 @@ def phase(tp, model_dir, endpoint, out_path):
         Path(os.environ["KVBLEND_VLLM_FAIL_LOAD_FILE"]).write_text("rank 1\n")
         res["blend_failed"] = gen([prompts[3]], [segs(*swapped, blend={})])[0]
         res["blend_after"] = gen([prompts[3]], [segs(*swapped, blend={})])[0]
+        # the question and anchored metrics: each rank previews over its heads, the
+        # ranks select by A summed over all of them
+        res["question1"] = gen([prompts[3]], [segs(*swapped, blend={"metric": "question",
+                                                                     "ratios": [1.0]})])[0]
+        res["question15"] = gen([prompts[3]], [segs(*swapped, blend={"metric": "question"})])[0]
+        res["anchored15"] = gen([prompts[3]], [segs(*swapped, blend={"metric": "anchored"})])[0]
+        # a request naming the attention metric: served as plain vLLM, one line says why
+        res["attention_req"] = gen([prompts[3]], [segs(*swapped,
+                                                       blend={"metric": "attention"})])[0]
     Path(out_path).write_text(json.dumps(res))
 
 
@@ -180,7 +197,7 @@ def refusals(model_dir):
         ("8 ranks, 4 KV heads (vLLM would replicate them)", 8, {}, "does not divide"),
         ("blend by the attention metric under TP", 2,
          {"blend": {"check_layers": [1], "ratios": [0.15], "metric": "attention"}},
-         "takes the value or key metric"),
+         "takes the value, key, question or anchored metric"),
         ("store_on_miss under TP", 2, {"store_on_miss": True, "chunk_separator": [11]},
          "store_on_miss under tensor parallelism"),
     ]
@@ -284,9 +301,9 @@ def main():
         # the one failure on purpose: each rank fails it, by the hook or by the agreement
         meant = [b for b in bad if "injected" in b or "another tensor-parallel rank" in b]
         bad = [b for b in bad if b not in meant]
-        check("TP = 2: each rank landed 3 loads, copied 1 and blended 5, none failed but "
+        check("TP = 2: each rank landed 3 loads, copied 1 and blended 8, none failed but "
               "the one failed on purpose",
-              all(v == {"landed": 3, "copied": 1, "blended": 5} for v in done.values())
+              all(v == {"landed": 3, "copied": 1, "blended": 8} for v in done.values())
               and not bad, f"{done}, failures {bad[:3]}")
         hook = re.findall(r"\(Worker_TP(\d) pid=\d+\).*kvblend: load for \S+ failed \(load "
                           r"failure injected", logs[2])
@@ -306,6 +323,18 @@ def main():
         check("(j) two blends in one pass at TP = 2: each equals its own",
               two["blend_pair"] == [two["blend1"], two["blend15"]],
               f"{two['blend_pair']}")
+        check("(l) the question metric at r = 1.0 at TP = 2 equals plain TP = 2",
+              two["question1"] == two["plain"][3], f"{two['question1']} vs {two['plain'][3]}")
+        for m in ("question", "anchored"):
+            check(f"(l) the {m} metric at r = 0.15 at TP = 2 gives TP = 1's tokens (the ranks' "
+                  "summed A selects as one rank's)", two[f"{m}15"] == one[f"{m}15"],
+                  f"{two[f'{m}15']} vs {one[f'{m}15']}")
+        check("(l) the question metric at r = 0.15 is not plain",
+              two["question15"] != two["plain"][3])
+        check("(g) a request naming the attention metric under TP: plain vLLM, one line why",
+              two["attention_req"] == two["plain"][3]
+              and "kvblend.blend.metric 'attention' under tensor parallelism (2 ranks)"
+              in logs[2])
         check("TP = 2: each rank logged its KV heads",
               "tensor-parallel rank 0 of 2: KV heads 0..1 of 4" in logs[2]
               and "tensor-parallel rank 1 of 2: KV heads 2..3 of 4" in logs[2])

@@ -176,11 +176,15 @@ def blend_batch(
     ranks' summed deviations (``check_deviation``, ``ranks.sum``, ``check_select``), so
     every rank computes the same rows; and the ranks agree after each layer's waits and
     each check, so that a failure on one stops all of them at the same point instead of
-    leaving the others in a collective (value and key metrics, landing only).
+    leaving the others in a collective (landing only). The value and key metrics select
+    at the check layers that way; prompts with their own rows (``recompute``: the question
+    and anchored metrics, whose node selection the ranks made together from their summed
+    previews) have no check layer. The attention metric is refused: its score weighs each
+    head's deviation by that head's own A.
     """
-    if ranks is not None and (not landing or metric not in ("value", "key")):
-        raise ValueError("tensor-parallel blending takes landing sessions and the value or "
-                         "key metric")
+    if ranks is not None and (not landing or metric == "attention"):
+        raise ValueError("tensor-parallel blending takes landing sessions and the value, "
+                         "key, question or anchored metric")
     dev = ops.device
     first = checks[0] if checks else 0  # the first layer call of a classic session
     m = 1 if metric == "value" else 0

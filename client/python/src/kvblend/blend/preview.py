@@ -306,6 +306,7 @@ def node_selection(
     metric: str,
     ratio: float,
     ready: Callable[[int], None] | None = None,
+    total: Callable[[np.ndarray], np.ndarray] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Return the question or anchored metric's preview and the node's own selection.
 
@@ -314,11 +315,14 @@ def node_selection(
     :func:`question_attention`, which runs over every layer (``"question"``) or as the
     compressed preview (``"anchored"``: :func:`anchors`, :func:`critical_layer`). Returns
     (A, the rows the pass recomputes at every layer: the fresh tokens and
-    :func:`top_rows` at ``ratio``, sorted).
+    :func:`top_rows` at ``ratio``, sorted). ``total``, under tensor parallelism: A summed
+    over this rank's heads [chunk tokens] float64 -> the same summed over every rank's
+    (an all-reduce every rank calls), so that the ranks select alike by all the heads.
     """
     rows = np.flatnonzero(cached)
     view = last = None
     if metric == "anchored":
         view, last = anchors(chunk_spans), critical_layer(ops.num_layers)
     a = question_attention(ops, kv, rows, question, positions, ready=ready, view=view, last=last)
-    return a, np.union1d(np.flatnonzero(~cached), top_rows(a, rows, ratio))
+    score = a if total is None else total(a.astype(np.float64).sum(axis=1))[:, None]
+    return a, np.union1d(np.flatnonzero(~cached), top_rows(score, rows, ratio))

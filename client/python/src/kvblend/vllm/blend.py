@@ -358,6 +358,10 @@ class TensorRanks:
 
         return int(self._reduce(torch.tensor([n], dtype=torch.int64), dist.ReduceOp.MIN).item())
 
+    def total(self, x: np.ndarray) -> np.ndarray:
+        """The ranks' x summed, in float64 (a node selection's scores)."""
+        return self._reduce(torch.from_numpy(np.array(x, np.float64))).numpy()
+
     def sum(self, dev: np.ndarray, ok: bool) -> np.ndarray | None:
         t = torch.empty(dev.size + 1, dtype=torch.float32)
         t[0] = 0.0 if ok else 1.0
@@ -429,9 +433,9 @@ def _blend_batch(
     """Blend the first prompts of ``jobs`` whose regions the daemon grants (one at least)."""
     endpoint = client.endpoint
     if ranks is not None:
-        if metric not in ("value", "key"):
-            raise ValueError(f"kvblend: metric {metric!r} under tensor parallelism (the "
-                             "ranks sum value or key deviations)")
+        if metric == "attention":
+            raise ValueError("kvblend: metric 'attention' under tensor parallelism (its "
+                             "score weighs each head's deviation by that head's A)")
         spec = dataclasses.replace(spec, num_kv_heads=ranks.heads[1])  # the rank's buffers
 
     def wait(sess: Any, layer: int) -> None:
@@ -456,7 +460,9 @@ def _blend_batch(
                 )
             for x in b.sessions[n:]:
                 _close_quietly(x, b)
-            del b.sessions[n:], b.prompts[n:], b.previews[n:], b.pre_wait[n:]
+            del b.sessions[n:], b.prompts[n:], b.previews[n:], b.pre_wait[n:], b.pending[n:]
+        if b.pending:
+            _node_previews(ops, metric, wait, ranks, b)
         try:
             rs = _loop.blend_batch(
                 ops, b.prompts, list(check_layers), metric, True, False, wait, ranks
@@ -534,7 +540,60 @@ class _Batch:
     prompts: list = field(default_factory=list)
     previews: list = field(default_factory=list)  # each prompt's preview seconds
     pre_wait: list = field(default_factory=list)  # of each preview, seconds waiting for layers
+    #: the question and anchored metrics' previews, run by _node_previews: per prompt
+    #: (chunk spans, question ids, their positions, ratio)
+    pending: list = field(default_factory=list)
     unclean: bool = False  # a session's close failed: its region may still be written
+
+
+class _AgreedWait(LayerWait):
+    """A preview's per-layer wait under tensor parallelism: the ranks agree after each
+    layer's wait, so that a wait that fails on one rank (a timeout, the daemon gone)
+    stops every rank there, before the layer's collectives (output projection, MLP)."""
+
+    def __init__(self, sess: Any, wait: Callable[[Any, int], None], ranks: TensorRanks) -> None:
+        super().__init__(sess, wait)
+        self.ranks = ranks
+
+    def __call__(self, layer: int) -> None:
+        err = None
+        try:
+            super().__call__(layer)
+        except Exception as e:  # noqa: BLE001 - agreed on by the ranks, then raised
+            err = e
+        _loop.agreed(self.ranks, err)
+
+
+def _node_previews(
+    ops: VllmLlamaOps,
+    metric: str,
+    wait: Callable[[Any, int], None],
+    ranks: TensorRanks | None,
+    b: _Batch,
+) -> None:
+    """Run the question or anchored metric's preview of each prompt of the batch, and
+    give each prompt the node's selection. Under tensor parallelism every rank runs the
+    same previews over its heads (its shards of the modules, whose collectives keep the
+    ranks in step), and the selection is by A summed over every rank's heads."""
+    for i, (spans, q, qpos, ratio) in enumerate(b.pending):
+        p = b.prompts[i]
+        t = time.perf_counter()
+        ready = LayerWait(p.sess, wait) if ranks is None else _AgreedWait(p.sess, wait, ranks)
+        ops.begin(p.ids.size + q.size)
+        p.attention, p.recompute = node_selection(
+            ops,
+            torch.from_numpy(p.buf),
+            p.cached,
+            spans,
+            q,
+            qpos,
+            metric,
+            ratio,
+            ready,
+            None if ranks is None else ranks.total,
+        )
+        b.pre_wait[i] = ready.seconds
+        b.previews[i] = time.perf_counter() - t
 
 
 def _prepare(
@@ -574,31 +633,24 @@ def _prepare(
         rows = np.flatnonzero(cached)
         qpos = ids.size + np.arange(q.size)
         if metric in NODE_SELECTS:
-            # a reuse-only landing session: the preview reads each layer as it lands,
-            # then the pass recomputes the fresh tokens and the chunk tokens the
-            # question reads most at every layer over the stored rows (no check layer)
-            sess = client.fuse_open_into(spec.name, job.segments, buf[:, 0], buf[:, 1])
+            # a reuse-only landing session (the rank's heads under TP): the preview
+            # (_node_previews, once every prompt of the batch has its session) reads
+            # each layer as it lands, then the pass recomputes the fresh tokens and the
+            # chunk tokens the question reads most at every layer over the stored rows
+            sess = client.fuse_open_into(
+                spec.name, job.segments, buf[:, 0], buf[:, 1], heads=heads
+            )
             b.sessions.append(sess)
-            ready = LayerWait(sess, wait)
-            ops.begin(ids.size + q.size)
             spans = [
                 (starts[i], starts[i + 1] - starts[i])
                 for i, seg in enumerate(job.segments)
                 if not _fresh(seg)
             ]
-            a, own = node_selection(
-                ops,
-                torch.from_numpy(buf),
-                cached,
-                spans,
-                q,
-                qpos,
-                metric,
-                job.ratios[-1],
-                ready,
-            )
-            b.prompts.append(_loop.Prompt(sess, buf, ids, cached, a, own))
-            b.pre_wait.append(ready.seconds)
+            b.prompts.append(_loop.Prompt(sess, buf, ids, cached))
+            b.pending.append((spans, q, qpos, job.ratios[-1]))
+            b.pre_wait.append(0.0)
+            b.previews.append(0.0)
+            continue
         else:
             if metric == "attention" and check_layers:
                 ops.begin(ids.size + q.size)

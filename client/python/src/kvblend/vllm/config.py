@@ -246,6 +246,9 @@ class ConnectorConfig:
     load_cost_check: bool = True
     load_cost_margin: float = 1.0
     lookup_timeout_ms: int = 500
+    #: vLLM's tensor_parallel_size (a request's blend settings naming the attention
+    #: metric are refused under it)
+    tensor_parallel: int = 1
 
 
 def _int_key(extra: dict, key: str, default: int, lo: int, hi: int) -> int:
@@ -291,12 +294,13 @@ def connector_config(vllm_config: VllmConfig) -> ConnectorConfig:
     except ValueError as e:
         raise refuse(f"kv_connector_extra_config: {e}") from None
     tp = vllm_config.parallel_config.tensor_parallel_size
-    if tp > 1 and blend is not None and blend.metric not in ("value", "key"):
-        # the ranks select together by their heads' deviations summed (docs/vllm.md,
-        # "Tensor parallelism"); the question's previews are per rank's heads
+    if tp > 1 and blend is not None and blend.metric == "attention":
+        # the ranks select together by sums over their heads (docs/vllm.md, "Tensor
+        # parallelism"); the attention metric weighs each head's deviation by its own A
         raise refuse(
-            f"blending under tensor parallelism ({tp} ranks) takes the value or key metric "
-            f"(the ranks sum their heads' deviations); blend's metric is {blend.metric!r}"
+            f"blending under tensor parallelism ({tp} ranks) takes the value, key, question "
+            "or anchored metric (the ranks sum their heads' deviations or attention); "
+            "blend's metric is 'attention'"
         )
     store_on_miss = extra.get("store_on_miss", separator is not None and tp == 1)
     if not isinstance(store_on_miss, bool):
@@ -343,4 +347,5 @@ def connector_config(vllm_config: VllmConfig) -> ConnectorConfig:
         load_cost_check=check,
         load_cost_margin=float(margin),
         lookup_timeout_ms=lookup_timeout_ms,
+        tensor_parallel=tp,
     )

@@ -106,6 +106,13 @@ class SchedulerSide:
                 cfg.blend,
                 plan.request_scope(request),
             )
+            if cfg.tensor_parallel > 1 and parsed.blend is not None and \
+                    parsed.blend.metric == "attention":
+                raise plan.ParamError(
+                    f"kvblend.blend.metric 'attention' under tensor parallelism "
+                    f"({cfg.tensor_parallel} ranks): each head's deviation is weighed by "
+                    "its own A (value, key, question and anchored blend under it)"
+                )
         except plan.ParamError as e:
             # Once per request: vLLM asks again while the request waits for blocks.
             self._log_once(
