@@ -261,11 +261,12 @@ def main():
         saved = files[0]
         # files of other requests add requests; files of the same requests (same k, the
         # same prompt and answer) add their modes to them
-        by_k, modes = {}, []
+        by_k, modes, joined = {}, [], False
         for f in files:
             for r in f["records"]:
                 if r["k"] in by_k:
                     by_k[r["k"]]["modes"] = {**r["modes"], **by_k[r["k"]]["modes"]}
+                    joined = True
                 else:
                     by_k[r["k"]] = r
             a = f["args"]
@@ -275,8 +276,10 @@ def main():
                                            parse_literal(a.get("at_ratio", "")))
                       if m[0] not in [x[0] for x in modes]]
         saved["records"] = [by_k[k] for k in sorted(by_k)]
-        saved["info"]["chunks"] = sum(f["info"]["chunks"] for f in files)
-        saved["info"]["store_s"] = sum(f["info"]["store_s"] for f in files)
+        # files of the same requests stored the same chunks each: the most of one file
+        join = max if joined else sum
+        saved["info"]["chunks"] = join(f["info"]["chunks"] for f in files)
+        saved["info"]["store_s"] = join(f["info"]["store_s"] for f in files)
         if "--requests" in sys.argv:  # the first N requests of the file
             saved["records"] = saved["records"][:args.requests]
         missing = [m for m, _ in modes if any(m not in r["modes"] for r in saved["records"])]
@@ -537,13 +540,13 @@ def pairs(records, names):
         print("| --- | --- | --- | --- |")
         for m in ms:
             cells = []
-            for other in (base, best):
+            for j, other in enumerate((base, best)):
                 if m == other or other not in ms:
                     cells.append("-")
                     continue
                 mean, lo, hi, wins = paired(records, m, other, np.random.default_rng(35))
                 cells.append(f"{mean:+.4f} ({lo:+.4f} .. {hi:+.4f})")
-                if other == base:
+                if j == 0:
                     cells.append(f"{wins}/{len(records)}")
             if m == base:
                 cells.insert(1, "-")
