@@ -111,6 +111,7 @@ def question_attention(
     ready: Callable[[int], None] | None = None,
     view: np.ndarray | None = None,
     last: int | None = None,
+    agree: Callable[[BaseException | None], None] | None = None,
 ) -> np.ndarray:
     """Return A [chunk tokens, kv_heads] float32: where the question reads each chunk token.
 
@@ -138,6 +139,12 @@ def question_attention(
         layers 0 .. ``last`` only, reading on the layers before ``last`` only the chunk
         tokens ``view`` (prompt indices, a subset of ``cached``); on ``last`` it reads
         every chunk token, and A is its attention there alone (``first`` unused).
+    agree : callable, optional
+        Tensor-parallel ranks previewing together: ``agree(err)`` after each layer's own
+        work (its Q, K and V, the wait for its landed rows, the scores) and before the
+        layer's collectives (output projection, MLP), with that work's exception or None;
+        it raises on every rank when any rank failed, so that none is left in a
+        collective the others never reach.
     """
     dev = ops.device
     nc, nq = len(cached), len(question)
@@ -165,25 +172,33 @@ def question_attention(
     fused = hasattr(ops, "finish") and hasattr(ops, "scaling")
     buf_k = buf_v = None
     for layer in range(stop + 1):
-        q, k, v = ops.qkv(layer, h, pos_t)
-        if ready is not None:
-            ready(layer)
-        if buf_k is None:  # one buffer for every layer: chunk rows, then the question's
-            buf_k = torch.empty((nc + nq,) + tuple(k.shape[1:]), dtype=q.dtype, device=dev)
-            buf_v = torch.empty_like(buf_k)
-        rows = cached_t if last is None or layer == stop else view_t
-        m = len(rows)
-        keys, values = buf_k[: m + nq], buf_v[: m + nq]
-        keys[:m].copy_(kv[layer, 0, rows])
-        values[:m].copy_(kv[layer, 1, rows])
-        keys[m:], values[m:] = k, v
-        scored = nc and (layer == stop if last is not None else layer >= first)
-        p = None
-        if scored or (fused and layer < stop):
-            scale = ops.scaling(layer) if fused else q.shape[2] ** -0.5
-            p = _probs(q, keys, m, causal, scale)
-        if scored:
-            a += p[:, :, :m].sum(dim=1).double()
+        err: BaseException | None = None
+        try:
+            q, k, v = ops.qkv(layer, h, pos_t)
+            if ready is not None:
+                ready(layer)
+            if buf_k is None:  # one buffer for every layer: chunk rows, then the question's
+                buf_k = torch.empty((nc + nq,) + tuple(k.shape[1:]), dtype=q.dtype, device=dev)
+                buf_v = torch.empty_like(buf_k)
+            rows = cached_t if last is None or layer == stop else view_t
+            m = len(rows)
+            keys, values = buf_k[: m + nq], buf_v[: m + nq]
+            keys[:m].copy_(kv[layer, 0, rows])
+            values[:m].copy_(kv[layer, 1, rows])
+            keys[m:], values[m:] = k, v
+            scored = nc and (layer == stop if last is not None else layer >= first)
+            p = None
+            if scored or (fused and layer < stop):
+                scale = ops.scaling(layer) if fused else q.shape[2] ** -0.5
+                p = _probs(q, keys, m, causal, scale)
+            if scored:
+                a += p[:, :, :m].sum(dim=1).double()
+        except Exception as e:  # noqa: BLE001 - agreed on by the ranks, then raised
+            if agree is None:
+                raise
+            err = e
+        if agree is not None:
+            agree(err)
         if layer == stop:  # the last layer's output is not needed
             break
         if fused:
@@ -307,6 +322,7 @@ def node_selection(
     ratio: float,
     ready: Callable[[int], None] | None = None,
     total: Callable[[np.ndarray], np.ndarray] | None = None,
+    agree: Callable[[BaseException | None], None] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Return the question or anchored metric's preview and the node's own selection.
 
@@ -317,12 +333,15 @@ def node_selection(
     (A, the rows the pass recomputes at every layer: the fresh tokens and
     :func:`top_rows` at ``ratio``, sorted). ``total``, under tensor parallelism: A summed
     over this rank's heads [chunk tokens] float64 -> the same summed over every rank's
-    (an all-reduce every rank calls), so that the ranks select alike by all the heads.
+    (an all-reduce every rank calls), so that the ranks select alike by all the heads;
+    ``agree`` as :func:`question_attention`'s.
     """
     rows = np.flatnonzero(cached)
     view = last = None
     if metric == "anchored":
         view, last = anchors(chunk_spans), critical_layer(ops.num_layers)
-    a = question_attention(ops, kv, rows, question, positions, ready=ready, view=view, last=last)
+    a = question_attention(
+        ops, kv, rows, question, positions, ready=ready, view=view, last=last, agree=agree
+    )
     score = a if total is None else total(a.astype(np.float64).sum(axis=1))[:, None]
     return a, np.union1d(np.flatnonzero(~cached), top_rows(score, rows, ratio))

@@ -546,24 +546,6 @@ class _Batch:
     unclean: bool = False  # a session's close failed: its region may still be written
 
 
-class _AgreedWait(LayerWait):
-    """A preview's per-layer wait under tensor parallelism: the ranks agree after each
-    layer's wait, so that a wait that fails on one rank (a timeout, the daemon gone)
-    stops every rank there, before the layer's collectives (output projection, MLP)."""
-
-    def __init__(self, sess: Any, wait: Callable[[Any, int], None], ranks: TensorRanks) -> None:
-        super().__init__(sess, wait)
-        self.ranks = ranks
-
-    def __call__(self, layer: int) -> None:
-        err = None
-        try:
-            super().__call__(layer)
-        except Exception as e:  # noqa: BLE001 - agreed on by the ranks, then raised
-            err = e
-        _loop.agreed(self.ranks, err)
-
-
 def _node_previews(
     ops: VllmLlamaOps,
     metric: str,
@@ -574,11 +556,13 @@ def _node_previews(
     """Run the question or anchored metric's preview of each prompt of the batch, and
     give each prompt the node's selection. Under tensor parallelism every rank runs the
     same previews over its heads (its shards of the modules, whose collectives keep the
-    ranks in step), and the selection is by A summed over every rank's heads."""
+    ranks in step; the ranks agree after each layer's own work, its wait for the landed
+    rows included, before the layer's collectives), and the selection is by A summed over
+    every rank's heads."""
     for i, (spans, q, qpos, ratio) in enumerate(b.pending):
         p = b.prompts[i]
         t = time.perf_counter()
-        ready = LayerWait(p.sess, wait) if ranks is None else _AgreedWait(p.sess, wait, ranks)
+        ready = LayerWait(p.sess, wait)
         ops.begin(p.ids.size + q.size)
         p.attention, p.recompute = node_selection(
             ops,
@@ -591,6 +575,7 @@ def _node_previews(
             ratio,
             ready,
             None if ranks is None else ranks.total,
+            None if ranks is None else functools.partial(_loop.agreed, ranks),
         )
         b.pre_wait[i] = ready.seconds
         b.previews[i] = time.perf_counter() - t
