@@ -260,6 +260,15 @@ def bootstrap(a, b, n=2000, seed=0):
     return np.percentile(a[idx].mean(1) / b[idx].mean(1), [5, 95])
 
 
+def paired_interval(d, rng, n=2000):
+    """Mean of per-request differences d and its paired 90% bootstrap interval (n
+    resamples of the requests drawn from rng): (mean, lo, hi)."""
+    d = np.asarray(d, np.float64)
+    boot = d[rng.integers(0, len(d), (n, len(d)))].mean(1)
+    lo, hi = np.percentile(boot, [5, 95])
+    return d.mean(), lo, hi
+
+
 def summarize(records, modes):
     """Per mode: means over requests."""
     out = {}

@@ -41,7 +41,7 @@ import rules as pub  # noqa: E402
 from cacheblend import Request, kl_top1, select_count  # noqa: E402
 from model import Model  # noqa: E402
 from run_eval import (SHAPES, answer_logits, build_request, full_prefill, greedy,  # noqa: E402
-                      load_documents)
+                      load_documents, paired_interval)
 from tokenizer import SmolTokenizer  # noqa: E402
 
 RULES = ("HKVD V", "HKVD K", "attention", "A alone", "question") + pub.NEW_RULES
@@ -91,9 +91,7 @@ def paired(records, a, b, r, rng):
     resamples of the requests) and the share of requests where a is below b."""
     d = np.array([rec["modes"][f"{a} r={r:g}"]["kl"] - rec["modes"][f"{b} r={r:g}"]["kl"]
                   for rec in records])
-    boot = d[rng.integers(0, len(d), (2000, len(d)))].mean(1)
-    lo, hi = np.percentile(boot, [5, 95])
-    return d.mean(), lo, hi, (d < 0).mean()
+    return (*paired_interval(d, rng), (d < 0).mean())
 
 
 def table(records, ratios):

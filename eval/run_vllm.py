@@ -508,13 +508,13 @@ def report(records, modes, info, bootstrap):
     return summary
 
 
-def paired(records, a, b, rng, resamples=2000):
+def paired(records, a, b, rng):
     """Mean KL of mode a minus mode b over the requests, its paired 90% bootstrap
-    interval (resampling requests), and on how many requests a is lower."""
+    interval (run_eval.py's paired_interval), and on how many requests a is lower."""
+    from run_eval import paired_interval
+
     d = np.array([r["modes"][a]["kl"] - r["modes"][b]["kl"] for r in records])
-    boot = d[rng.integers(0, len(d), (resamples, len(d)))].mean(axis=1)
-    lo, hi = np.percentile(boot, [5, 95])
-    return d.mean(), lo, hi, int((d < 0).sum())
+    return (*paired_interval(d, rng), int((d < 0).sum()))
 
 
 def pairs(records, names):

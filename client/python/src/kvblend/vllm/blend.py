@@ -633,9 +633,7 @@ def _prepare(
             ]
             b.prompts.append(_loop.Prompt(sess, buf, ids, cached))
             b.pending.append((spans, q, qpos, job.ratios[-1]))
-            b.pre_wait.append(0.0)
-            b.previews.append(0.0)
-            continue
+            b.pre_wait.append(0.0)  # both set by _node_previews
         else:
             if metric == "attention" and check_layers:
                 ops.begin(ids.size + q.size)
