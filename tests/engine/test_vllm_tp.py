@@ -40,7 +40,11 @@ TP = 2 (each rank holds 2 of the 4 KV heads; vLLM's cache in a kvblend region):
     ranks select by A summed over all of them) at r = 1.0 equals plain TP = 2, and at
     r = 0.15 it gives TP = 1's tokens and differs from plain; the anchored metric at
     r = 0.15 gives TP = 1's tokens; a request naming the attention metric is served as
-    plain vLLM with a line saying why.
+    plain vLLM with a line saying why;
+(m) a failure inside the pass on rank 1 alone (the hook's "rank 1 layer 2": that layer's
+    attention raises there) stops both ranks at that layer's agreement, before the
+    layer's reducing projections, so rank 0 is not left in an all-reduce: its output is
+    plain's and the next blend runs as before.
 Exit 0 when all pass, 1 on a failure, 77 when KVBLEND_SKIP_ENGINE=1.
 """
 
@@ -165,6 +169,13 @@ def phase(tp, model_dir, endpoint, out_path):
         Path(os.environ["KVBLEND_VLLM_FAIL_LOAD_FILE"]).write_text("rank 1\n")
         res["blend_failed"] = gen([prompts[3]], [segs(*swapped, blend={})])[0]
         res["blend_after"] = gen([prompts[3]], [segs(*swapped, blend={})])[0]
+        # a failure inside the pass on rank 1 alone (the hook's "layer 2": its attention
+        # there raises): both ranks stop at that layer's agreement, before its reducing
+        # projections (rank 0 is not left in an all-reduce), vLLM recomputes, and the next
+        # blend runs
+        Path(os.environ["KVBLEND_VLLM_FAIL_LOAD_FILE"]).write_text("rank 1 layer 2\n")
+        res["blend_pass_failed"] = gen([prompts[3]], [segs(*swapped, blend={})])[0]
+        res["blend_after_pass"] = gen([prompts[3]], [segs(*swapped, blend={})])[0]
         # the question and anchored metrics: each rank previews over its heads, the
         # ranks select by A summed over all of them
         res["question1"] = gen([prompts[3]], [segs(*swapped, blend={"metric": "question",
@@ -301,18 +312,29 @@ def main():
         # the one failure on purpose: each rank fails it, by the hook or by the agreement
         meant = [b for b in bad if "injected" in b or "another tensor-parallel rank" in b]
         bad = [b for b in bad if b not in meant]
-        check("TP = 2: each rank landed 3 loads, copied 1 and blended 8, none failed but "
-              "the one failed on purpose",
-              all(v == {"landed": 3, "copied": 1, "blended": 8} for v in done.values())
+        check("TP = 2: each rank landed 3 loads, copied 1 and blended 9, none failed but "
+              "the two failed on purpose",
+              all(v == {"landed": 3, "copied": 1, "blended": 9} for v in done.values())
               and not bad, f"{done}, failures {bad[:3]}")
-        hook = re.findall(r"\(Worker_TP(\d) pid=\d+\).*kvblend: load for \S+ failed \(load "
-                          r"failure injected", logs[2])
-        agreed = re.findall(r"\(Worker_TP(\d) pid=\d+\).*kvblend: load for \S+ failed "
-                            r"\(another tensor-parallel rank", logs[2])
+
+        def failed(why):
+            return re.findall(r"\(Worker_TP(\d) pid=\d+\).*kvblend: load for \S+ failed \("
+                              + why, logs[2])
+
+        hook, agreed = failed("load failure injected"), failed(
+            "another tensor-parallel rank could not start its blend")
         check("(k) a blend failed on rank 1 alone fails on rank 0 too (recomputed: plain)",
               hook == ["1"] and agreed == ["0"] and two["blend_failed"] == two["plain"][3],
               f"hook {hook}, agreed {agreed}")
         check("(k) and the next blend runs as before", two["blend_after"] == two["blend15"])
+        hook = failed(r"kvblend: a failure injected in the blend pass at layer 2\)")
+        agreed = failed(r"kvblend: another tensor-parallel rank's blend failed\)")
+        check("(m) a failure inside the pass on rank 1 alone stops both ranks there "
+              "(recomputed: plain)",
+              hook == ["1"] and agreed == ["0"] and two["blend_pass_failed"] == two["plain"][3],
+              f"hook {hook}, agreed {agreed}")
+        check("(m) and the next blend runs as before (no rank left in a collective)",
+              two["blend_after_pass"] == two["blend15"])
         check("(h) blend at r = 1.0 at TP = 2 equals plain TP = 2",
               two["blend1"] == two["plain"][3], f"{two['blend1']} vs {two['plain'][3]}")
         check("(i) blend at r = 0.15 at TP = 2 gives TP = 1's tokens (the ranks' summed "

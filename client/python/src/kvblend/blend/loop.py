@@ -210,11 +210,21 @@ def blend_batch(
     rows_t = [torch.as_tensor(o.rows, device=dev) for o in outs]
     rows_c = [torch.from_numpy(o.rows) for o in outs]
     many = getattr(ops, "attend_many", None)
+    # under tensor parallelism a rank's own failure must not leave the others in a
+    # collective: every rank runs the same collectives in the same order, a failure is
+    # carried to the next one (the waits' agreement, a check's, the attention's), and
+    # there every rank raises together, before the layer's reducing projections
+    split = ranks is not None and hasattr(ops, "attention_of") and hasattr(ops, "finish")
     for li in range(ops.num_layers):
-        q, k, v = ops.qkv(li, _cat(hs), _cat(rows_t))
-        qs, ks, vs = _split(q, outs), _split(k, outs), _split(v, outs)
-        k_all, v_all = [], []
         err: BaseException | None = None
+        try:
+            q, k, v = ops.qkv(li, _cat(hs), _cat(rows_t))
+            qs, ks, vs = _split(q, outs), _split(k, outs), _split(v, outs)
+        except Exception as e:  # noqa: BLE001 - agreed on, then raised
+            if ranks is None:
+                raise
+            err = e
+        k_all, v_all = [], []
         for p in prompts:
             if landing and p.sess is not None:
                 # the daemon's rows first (at once for ours)
@@ -229,12 +239,18 @@ def blend_batch(
                     err = err or e
         agreed(ranks, err)
         for i, (p, o) in enumerate(zip(prompts, outs)):
-            kc, vc = ks[i].to("cpu", ops.kv_dtype), vs[i].to("cpu", ops.kv_dtype)
-            kv, new = kvs[i], None
-            kv[li, 0, rows_c[i]], kv[li, 1, rows_c[i]] = kc, vc
-            plane = (torch.stack((kc, vc), 1) if metric == "attention" else (kc, vc)[m]).numpy()
+            kv, new, plane = kvs[i], None, None
+            try:
+                kc, vc = ks[i].to("cpu", ops.kv_dtype), vs[i].to("cpu", ops.kv_dtype)
+                kv[li, 0, rows_c[i]], kv[li, 1, rows_c[i]] = kc, vc
+                plane = (torch.stack((kc, vc), 1) if metric == "attention"
+                         else (kc, vc)[m]).numpy()
+            except Exception as e:  # noqa: BLE001 - agreed on, then raised
+                if ranks is None:
+                    raise
+                err = err or e
             if landing and li in checks and ranks is not None:
-                new = _ranks_check(p.sess, li, plane, ranks)
+                new = _ranks_check(p.sess, li, plane, ranks, err, o.rows.size)
             elif landing and li in checks:
                 p.sess.check(li, plane)
                 new = p.sess.rows().astype(np.int64)
@@ -253,7 +269,22 @@ def blend_batch(
                 hs[i], qs[i], o.rows = hs[i][keep], qs[i][keep], new
                 rows_t[i], rows_c[i] = torch.as_tensor(new, device=dev), torch.from_numpy(new)
                 o.selections.append(new)
-        if many is not None:
+        if split:
+            # the attention is the rank's own work; the output projection and the MLP
+            # reduce across ranks: agree in between
+            a = None
+            try:
+                if err is None:
+                    a = ops.attention_of(li, qs, k_all, v_all, rows_t)
+            except Exception as e:  # noqa: BLE001 - agreed on, then raised
+                err = e
+            agreed(ranks, err)
+            hs = _split(ops.finish(li, _cat(hs), a), outs)
+        elif ranks is not None:
+            agreed(ranks, err)
+            hs = many(li, hs, qs, k_all, v_all, rows_t) if many is not None else [
+                ops.attend(li, *x) for x in zip(hs, qs, k_all, v_all, rows_t)]
+        elif many is not None:
             hs = many(li, hs, qs, k_all, v_all, rows_t)
         else:
             hs = [ops.attend(li, *x) for x in zip(hs, qs, k_all, v_all, rows_t)]
@@ -262,15 +293,26 @@ def blend_batch(
     return outs
 
 
-def _ranks_check(sess: Any, layer: int, plane: np.ndarray, ranks: Ranks) -> np.ndarray:
-    """A check layer of tensor-parallel ranks: every rank selects by the summed deviation."""
-    err: BaseException | None = None
+def _ranks_check(
+    sess: Any,
+    layer: int,
+    plane: np.ndarray | None,
+    ranks: Ranks,
+    err: BaseException | None,
+    n: int,
+) -> np.ndarray:
+    """A check layer of tensor-parallel ranks: every rank selects by the summed deviation.
+
+    ``n``: the rows sent (the same on every rank). ``err``: this rank failed before the
+    check (``plane`` may then be None): it still takes part in the check's collectives,
+    as not ok, and every rank raises there.
+    """
     dev = None
-    try:
-        dev = sess.check_deviation(layer, plane)
-    except Exception as e:  # noqa: BLE001 - agreed on, then raised
-        err = e
-    n = plane.shape[0]
+    if err is None:
+        try:
+            dev = sess.check_deviation(layer, plane)
+        except Exception as e:  # noqa: BLE001 - agreed on, then raised
+            err = e
     total = ranks.sum(dev if dev is not None else np.zeros(n, np.float32), err is None)
     if total is None:
         agreed(None, err or RankFailed("kvblend: another tensor-parallel rank's check failed"))

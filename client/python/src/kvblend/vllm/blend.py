@@ -226,6 +226,10 @@ class VllmLlamaOps:
             or causal_attention
         )
 
+    #: Test hook (the worker's FAIL_LOAD_ENV with ``layer L``): the pass's attention at
+    #: this layer raises, once.
+    fail_layer: int | None = None
+
     def begin(self, n: int) -> None:
         pass
 
@@ -255,14 +259,21 @@ class VllmLlamaOps:
         Each attends over its own KV (one kernel call where vLLM's applies); then the
         output projection and the MLP run over all their rows at once.
         """
-        mod = self.layers[layer]
-        attn = mod.self_attn
-        if isinstance(self.attention, PagedAttention):
-            a = self.attention.many(qs, keys, values, rows, attn.scaling)
-        else:
-            a = torch.cat([self.attention(*x, attn.scaling) for x in zip(qs, keys, values, rows)])
+        a = self.attention_of(layer, qs, keys, values, rows)
         h = self.finish(layer, hs[0] if len(hs) == 1 else torch.cat(hs), a)
         return [h] if len(hs) == 1 else list(torch.split(h, [x.shape[0] for x in hs]))
+
+    def attention_of(self, layer: int, qs, keys, values, rows) -> torch.Tensor:
+        """The attention output [sum of n, heads * d] of several prompts (lists, as
+        :meth:`attend_many`): the rank's own heads, no collective (under tensor
+        parallelism the ranks agree after it, before :meth:`finish` reduces)."""
+        if layer == self.fail_layer:
+            self.fail_layer = None
+            raise RuntimeError(f"kvblend: a failure injected in the blend pass at layer {layer}")
+        scaling = self.layers[layer].self_attn.scaling
+        if isinstance(self.attention, PagedAttention):
+            return self.attention.many(qs, keys, values, rows, scaling)
+        return torch.cat([self.attention(*x, scaling) for x in zip(qs, keys, values, rows)])
 
     def scaling(self, layer: int) -> float:
         return float(self.layers[layer].self_attn.scaling)
@@ -391,6 +402,7 @@ def blend_prompts(
     wait_s: float = 120.0,
     sink: Callable[[int, torch.Tensor], None] | None = None,
     ranks: TensorRanks | None = None,
+    fail_layer: int | None = None,
 ) -> list[tuple[torch.Tensor | None, list[np.ndarray], dict]]:
     """Blend several prompts in one pass over the layers (:func:`kvblend.blend.loop.blend_batch`).
 
@@ -406,9 +418,11 @@ def blend_prompts(
 
     ``ranks``: under tensor parallelism, every rank calls this with the same jobs; each
     lands and blends its KV heads (``kv`` then holds those), the ranks select together,
-    and a batch runs as many prompts as every rank got regions for.
+    and a batch runs as many prompts as every rank got regions for. ``fail_layer``: a
+    test hook (:attr:`VllmLlamaOps.fail_layer`).
     """
     ops = VllmLlamaOps(model)
+    ops.fail_layer = fail_layer
     out: list = []
     while len(out) < len(jobs):
         first = len(out)
@@ -702,6 +716,7 @@ def load_blends(
     cache: PagedCache,
     wait_s: float = 120.0,
     ranks: TensorRanks | None = None,
+    fail_layer: int | None = None,
 ) -> list[tuple[list[np.ndarray], dict]]:
     """Blend requests' contexts, batched, and write the fused rows into vLLM's paged cache.
 
@@ -714,6 +729,7 @@ def load_blends(
     Any failure fails the call (the caller may run the requests one at a time). ``ranks``:
     under tensor parallelism every rank calls it with the same loads, and each writes its
     heads (:func:`blend_prompts`); a failure on one rank fails the call on all.
+    ``fail_layer``: a test hook, the pass fails at that layer (once).
     """
     out: list = [None] * len(loads)
     groups: dict[tuple, list[int]] = {}
@@ -738,7 +754,10 @@ def load_blends(
             )
             for i in idx
         ]
-        res = blend_prompts(model, client, spec, jobs, checks, metric, wait_s, sink, ranks)
+        res = blend_prompts(
+            model, client, spec, jobs, checks, metric, wait_s, sink, ranks, fail_layer
+        )
+        fail_layer = None
         secs = time.perf_counter() - t0
         for i, (_, sels, stats) in zip(idx, res):
             ld = loads[i][0]

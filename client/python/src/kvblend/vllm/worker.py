@@ -35,7 +35,8 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 #: Test hook: while the file this names exists, the worker's next load fails (and removes it);
-#: a file reading ``rank N`` fails only tensor-parallel rank N's.
+#: a file reading ``rank N`` fails only tensor-parallel rank N's; one with ``layer L`` (after
+#: ``rank N`` or alone) fails the next blend inside its pass, at layer L's attention, instead.
 FAIL_LOAD_ENV = "KVBLEND_VLLM_FAIL_LOAD_FILE"
 
 #: Test hook: while the file this names exists, loads are copied, not landed.
@@ -74,6 +75,7 @@ class WorkerSide:
         self._kv_cache_config = kv_cache_config
         self.cache = PagedCache(config.model, config.block_size)
         self._blend_model: Any = None
+        self._fail_layer: int | None = None  # FAIL_LOAD_ENV's "layer L": the next pass's
         self._load_errors: set[int] = set()
         self._gathered: dict[str, np.ndarray] = {}
         self._dump_dir = os.environ.get(DUMP_ENV)
@@ -308,8 +310,12 @@ class WorkerSide:
             t0 = time.monotonic()
             try:
                 fail = os.environ.get(FAIL_LOAD_ENV)
-                if fail and os.path.exists(fail) and self._fail_hook_mine(fail):
-                    raise RuntimeError("load failure injected by " + FAIL_LOAD_ENV)
+                if fail and os.path.exists(fail):
+                    layer = self._fail_hook_mine(fail, ld.blend is not None)
+                    if layer == -1:
+                        raise RuntimeError("load failure injected by " + FAIL_LOAD_ENV)
+                    if layer is not None:
+                        self._fail_layer = layer
                 # at once while the daemon is known down (the link's back-off): the load
                 # fails without a call, and vLLM recomputes it
                 client = self.daemon.client()
@@ -351,24 +357,29 @@ class WorkerSide:
         if blends:
             self._blend(blends)
 
-    def _fail_hook_mine(self, path: str) -> bool:
+    def _fail_hook_mine(self, path: str, blend: bool) -> int | None:
         """Whether this rank takes the failure hook's file (FAIL_LOAD_ENV), removing it.
 
         A file reading ``rank N`` is tensor-parallel rank N's alone; any other, the first
-        rank's to remove it.
+        rank's to remove it. ``layer L`` in it is for a blend (``blend``) only. Returns
+        None (not taken), -1 (fail the load now) or L (fail the blend's pass at layer L).
         """
         try:
             with open(path) as f:
-                want = f.read().strip()
+                words = f.read().split()
         except OSError:
-            return False
-        if want.startswith("rank ") and want[5:].strip() != str(self._tp_rank):
-            return False
+            return None
+        want = dict(zip(words[::2], words[1::2]))
+        if "rank" in want and want["rank"] != str(self._tp_rank):
+            return None
+        layer = int(want["layer"]) if want.get("layer", "").isdigit() else None
+        if layer is not None and not blend:
+            return None
         try:
             os.unlink(path)
         except FileNotFoundError:
-            return False  # another rank took it first
-        return True
+            return None  # another rank took it first
+        return -1 if layer is None else layer
 
     def _agreed_blends(self, loads: list[LoadSpec], mine: list[LoadSpec]) -> list[LoadSpec]:
         """The blends every tensor-parallel rank can run (each rank's own list may differ).
@@ -414,6 +425,7 @@ class WorkerSide:
                 blend_loop.agreed(ranks, err)  # every rank has its client, or none goes on
             else:
                 client = self.daemon.client()
+            fail_layer, self._fail_layer = self._fail_layer, None
             res = blend.load_blends(
                 self._blend_model,
                 client,
@@ -422,6 +434,7 @@ class WorkerSide:
                 self.cache,
                 cfg.timeout_ms / 1000,
                 ranks,
+                fail_layer,
             )
         except (Unavailable, TimeoutError) as e:
             self.daemon.failed(e)
