@@ -1,6 +1,6 @@
 """A RAG service through vLLM's OpenAI server: plain, prefix caching, kvblend reuse, CacheBlend.
 
-Issue 32. One corpus, one list of queries, sent in one run to five configurations of
+Issue 32. One corpus, one list of queries, sent in one run to six configurations of
 `python -m vllm.entrypoints.openai.api_server` (what `vllm serve` runs; docs/vllm.md, "A RAG
 service in five minutes"), one after another, each its own server start and, for the
 kvblend ones, its own kvblendd on a fresh data directory (store on a miss starts from
@@ -14,6 +14,10 @@ empty, so the hit rate is what the queries' Zipf reuse gives):
   blend-value      + CacheBlend with the connector's defaults ("blend": {}: check layer 1,
                    r = 0.15, the value metric)
   blend-attention  + CacheBlend, "blend": {"metric": "attention"} (question-aware selection)
+  blend-question   + CacheBlend, "blend": {"metric": "question"} (the question's attention
+                   alone, previewed over every layer; on request)
+  blend-anchored   + CacheBlend, "blend": {"metric": "anchored"} (the question's attention
+                   previewed on each chunk's anchors and one layer)
 
 Corpus: real prose available offline: the docstrings (module, then its public classes and
 functions, inspect.getdoc) of 86 Python standard-library modules of the interpreter that
@@ -52,6 +56,10 @@ Figures per configuration:
   configuration's top-20 gets its 20th logprob, an upper bound), KL(plain || config); the
   mean over queries. Greedy agreement: the fraction of the 32 generated token ids equal
   to plain's at the same position, the mean over queries.
+- by what an earlier query retrieved: the queries all of whose documents an earlier query
+  retrieved (at best every chunk found, as a store filled on misses holds them once
+  stored) and those with some documents new: TTFT p50 of each set against prefix
+  caching's on the same queries.
 - first sight: the queries none of whose documents an earlier query retrieved (every
   chunk a miss, stored on the miss; the reserve queries and the first): their TTFT
   median against plain's median for the same queries (target: within 10%, at most 1.10x).
@@ -65,9 +73,11 @@ pip-installed into a temporary folder first (the blend pass and store on a miss 
 vllm.general_plugins entry point in vLLM's processes).
 
 usage: bench_rag.py [--queries 200] [--docs 100] [--first-sight-every 10] [--rate 0.15]
-       [--zipf 1.0] [--seed 0] [--configs plain,prefix,reuse,blend-value,blend-attention]
-       (blend-value-idle, on request: blend-value with store_idle_ms 20, each layer of a
-       store after 20 ms of idle engine)
+       [--zipf 1.0] [--seed 0]
+       [--configs plain,prefix,reuse,blend-value,blend-attention,blend-anchored]
+       (on request: blend-question, and blend-value-idle: blend-value with store_idle_ms
+       20, each layer of a store after 20 ms of idle engine; and blend-METRIC@R, the
+       metric at the connector's ratio R, e.g. blend-anchored@0.25)
        [--out FILE.json] [--plot docs/bench_rag.svg] [--model DIR]
        bench_rag.py --from-json FILE.json [--plot FILE.svg]   (the table of a saved run)
 (with the engine venv's python from .ci/engine-env, which tests/engine/run.sh sets up:
@@ -115,12 +125,32 @@ CONFIGS = {
     "reuse": {"prefix_caching": True, "kv": {"blend": {"check_layers": [], "ratios": []}}},
     "blend-value": {"prefix_caching": True, "kv": {"blend": {}}},
     "blend-attention": {"prefix_caching": True, "kv": {"blend": {"metric": "attention"}}},
+    # the question's attention alone (A3-style) and its compressed preview (QCFuse-style),
+    # issue 35's rules, at the connector's r = 0.15
+    "blend-question": {"prefix_caching": True, "kv": {"blend": {"metric": "question"}}},
+    "blend-anchored": {"prefix_caching": True, "kv": {"blend": {"metric": "anchored"}}},
     # CacheBlend with each layer of a store waiting for 20 ms of idle engine first
     # (store_idle_ms; blend-value's stores run as soon as the engine is between steps)
     "blend-value-idle": {"prefix_caching": True, "kv": {"blend": {}, "store_idle_ms": 20}},
 }
-#: Run when --configs is not given (blend-value-idle only when asked for).
-DEFAULT_CONFIGS = ("plain", "prefix", "reuse", "blend-value", "blend-attention")
+#: blend-METRIC@R: CacheBlend by that metric at the connector's ratio R (e.g. blend-anchored@0.25)
+CUSTOM = re.compile(r"blend-(value|key|attention|question|anchored)@(0(?:\.\d+)?|1(?:\.0*)?)")
+
+
+def config_of(name):
+    """A configuration by name (CONFIGS, or blend-METRIC@R); None for an unknown name."""
+    if name in CONFIGS:
+        return CONFIGS[name]
+    m = CUSTOM.fullmatch(name)
+    if m is None:
+        return None
+    return {"prefix_caching": True,
+            "kv": {"blend": {"metric": m.group(1), "ratios": [float(m.group(2))]}}}
+
+
+#: Run when --configs is not given (blend-question and blend-value-idle only
+#: when asked for).
+DEFAULT_CONFIGS = ("plain", "prefix", "reuse", "blend-value", "blend-attention", "blend-anchored")
 MAX_TOKENS = 32
 TOP = 20
 START_TIMEOUT = 900
@@ -317,7 +347,21 @@ def pct(xs, q):
     return xs[lo] + (xs[min(lo + 1, len(xs) - 1)] - xs[lo]) * (pos - lo)
 
 
-def summarize(name, recs, ref, lookups, fresh):
+def seen_before(docs_of):
+    """Indices of the queries all of whose documents an earlier query retrieved, and of
+    those with some (not all, not none): what a store filled on a miss can hold at best."""
+    seen, every, some = set(), [], []
+    for i, docs in enumerate(docs_of):
+        old = len(seen.intersection(docs))
+        if old == len(docs):
+            every.append(i)
+        elif old:
+            some.append(i)
+        seen.update(docs)
+    return every, some
+
+
+def summarize(name, recs, ref, lookups, fresh, seen=((), ())):
     ttft = [r["ttft_s"] for r in recs]
     span = max(r["end"] for r in recs) - min(r["sent"] for r in recs)
     s = {"config": name, "ttft_p50_s": pct(ttft, 0.5), "ttft_p90_s": pct(ttft, 0.9),
@@ -339,6 +383,9 @@ def summarize(name, recs, ref, lookups, fresh):
     s["kl_mean"] = sum(kls) / len(kls) if kls else float("nan")
     s["kl_p90"] = pct(kls, 0.9)
     s["greedy_agreement"] = sum(agree) / len(agree)
+    for key, idx in zip(("seen_all", "seen_some"), seen):
+        s[f"{key}_n"] = len(idx)
+        s[f"{key}_ttft_p50_s"] = pct([recs[i]["ttft_s"] for i in idx], 0.5) if idx else None
     s["first_sight_n"] = len(fresh)
     if fresh:
         s["first_sight_ttft_p50_s"] = pct([recs[i]["ttft_s"] for i in fresh], 0.5)
@@ -369,9 +416,7 @@ def table(rows, out):
         if s["null_logprobs"]:
             out(f"{s['config']}: {s['null_logprobs']} of {s['requests']} requests had null "
                 "logprobs at the first token (NaN on the server; left out of KL)")
-    for b in ("blend-value", "blend-attention"):
-        if b not in by:
-            continue
+    for b in (s["config"] for s in rows if s["config"].startswith("blend-")):
         if "prefix" in by:
             out(f"{b}: TTFT p50 {by[b]['ttft_p50_s'] / by['prefix']['ttft_p50_s']:.2f}x of "
                 "prefix caching's (target <= 0.5x)")
@@ -389,6 +434,15 @@ def table(rows, out):
                     f"{s['config']} {s['ttft_p50_late_s'] * 1000:.0f} ms "
                     f"({s['ttft_p50_late_s'] / ref:.2f}x)"
                     for s in rows if s.get("ttft_p50_late_s")))
+    if "prefix" in by and by["prefix"].get("seen_all_ttft_p50_s"):
+        for key, what in (("seen_all", "every document retrieved by an earlier query"),
+                          ("seen_some", "some documents new, some retrieved before")):
+            ref = by["prefix"][f"{key}_ttft_p50_s"]
+            out(f"{what} ({by['prefix'][f'{key}_n']} requests): TTFT p50 against prefix "
+                "caching's on the same requests: " + ", ".join(
+                    f"{s['config']} {s[f'{key}_ttft_p50_s'] * 1000:.0f} ms "
+                    f"({s[f'{key}_ttft_p50_s'] / ref:.2f}x)"
+                    for s in rows if s.get(f"{key}_ttft_p50_s")))
     out("first sight (every chunk a miss): TTFT p50 against plain's on the same requests, "
         "target <= 1.10x: " + ", ".join(f"{s['config']} {s['first_sight_vs_plain']:.2f}x"
                                         for s in rows if s["first_sight_n"]))
@@ -428,7 +482,7 @@ def svg_plot(rows, path, title):
                              f'text-anchor="middle" font-size="9">{fmt(v)}</text>')
             cx = x0 + i * slot + slot / 2
             parts.append(f'<text x="{cx:.1f}" y="{bottom + 14}" text-anchor="middle" '
-                         f'font-size="10">{s["config"]}</text>')
+                         f'font-size="{10 if n <= 5 else 8}">{s["config"]}</text>')
 
     panel(pad, "TTFT p50 (dark) and p90 (light), ms",
           [[s["ttft_p50_s"] * 1000 for s in rows], [s["ttft_p90_s"] * 1000 for s in rows]],
@@ -441,7 +495,7 @@ def svg_plot(rows, path, title):
 
 def run_config(name, args, prompts, warm, tmp, env):
     """One configuration: its servers started, the queries sent, the servers stopped."""
-    procs, port, ep, secs = start_server(name, CONFIGS[name], args.model, tmp, env)
+    procs, port, ep, secs = start_server(name, config_of(name), args.model, tmp, env)
     try:
         before = daemon_lookups(ep) if ep else None
         t0 = time.monotonic()
@@ -469,7 +523,8 @@ def from_json(args):
     rows = []
     for name, recs in res.items():
         m = meta.get(name, {})
-        s = summarize(name, recs, res["plain"], m.get("lookups"), data["first_sight"])
+        s = summarize(name, recs, res["plain"], m.get("lookups"), data["first_sight"],
+                      seen_before([q["docs"] for q in data["queries"]]))
         rows.append({**s, **m})
     table(rows, print)
     for name, why in data.get("failed", {}).items():
@@ -502,9 +557,10 @@ def main():
     if args.from_json:
         return from_json(args)
     names = args.configs.split(",")
-    if not args.model or names[0] != "plain" or any(n not in CONFIGS for n in names):
+    if not args.model or names[0] != "plain" or any(config_of(n) is None for n in names):
         print("bench_rag: needs --model (or KVBLEND_ENGINE_MODEL) and --configs starting with "
-              f"plain, from {list(CONFIGS)}", file=sys.stderr)
+              f"plain, from {list(CONFIGS)} or blend-METRIC@R (METRIC value, key, attention, "
+              "question or anchored; R the ratio, 0 to 1)", file=sys.stderr)
         return 2
     for var in ("KVBLEND_LIB", "KVBLENDD"):
         if not os.environ.get(var):
@@ -558,7 +614,8 @@ def main():
         meta[name] = {"lookups": lookups, "server_start_s": secs, "run_s": wall,
                       "loadavg": os.getloadavg()}
         save()
-        s = summarize(name, recs, results["plain"], lookups, fresh)
+        s = summarize(name, recs, results["plain"], lookups, fresh,
+                      seen_before([q[0] for q in queries]))
         s.update(meta[name])
         rows.append(s)
         print(f"  {name}: server up in {secs:.0f} s, {len(recs)} requests in {wall:.0f} s, "
