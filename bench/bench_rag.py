@@ -434,10 +434,12 @@ def table(rows, out):
                     f"{s['config']} {s['ttft_p50_late_s'] * 1000:.0f} ms "
                     f"({s['ttft_p50_late_s'] / ref:.2f}x)"
                     for s in rows if s.get("ttft_p50_late_s")))
-    if "prefix" in by and by["prefix"].get("seen_all_ttft_p50_s"):
+    if "prefix" in by:
         for key, what in (("seen_all", "every document retrieved by an earlier query"),
                           ("seen_some", "some documents new, some retrieved before")):
-            ref = by["prefix"][f"{key}_ttft_p50_s"]
+            ref = by["prefix"].get(f"{key}_ttft_p50_s")
+            if not ref:
+                continue
             out(f"{what} ({by['prefix'][f'{key}_n']} requests): TTFT p50 against prefix "
                 "caching's on the same requests: " + ", ".join(
                     f"{s['config']} {s[f'{key}_ttft_p50_s'] * 1000:.0f} ms "

@@ -260,15 +260,23 @@ def blend_batch(
                 p.sess.layer(li, kc.numpy(), vc.numpy(), k_out=p.buf[li, 0], v_out=p.buf[li, 1])
                 if li in checks:
                     new = p.sess.rows().astype(np.int64)
-            if new is not None and keep_checks:
-                o.checked[li], o.sent[li] = plane.copy(), o.rows.copy()
-            k_all.append(kv[li, 0].to(dev, q.dtype))
-            v_all.append(kv[li, 1].to(dev, q.dtype))
-            if new is not None:  # the cheap check: only the kept rows finish the layer
-                keep = torch.as_tensor(np.searchsorted(o.rows, new), device=dev)
-                hs[i], qs[i], o.rows = hs[i][keep], qs[i][keep], new
-                rows_t[i], rows_c[i] = torch.as_tensor(new, device=dev), torch.from_numpy(new)
-                o.selections.append(new)
+            try:  # under TP a failure here goes to the next agreement, as above
+                if err is not None:
+                    continue  # every rank raises at that agreement
+                if new is not None and keep_checks:
+                    o.checked[li], o.sent[li] = plane.copy(), o.rows.copy()
+                k_all.append(kv[li, 0].to(dev, q.dtype))
+                v_all.append(kv[li, 1].to(dev, q.dtype))
+                if new is not None:  # the cheap check: only the kept rows finish the layer
+                    keep = torch.as_tensor(np.searchsorted(o.rows, new), device=dev)
+                    hs[i], qs[i], o.rows = hs[i][keep], qs[i][keep], new
+                    rows_t[i] = torch.as_tensor(new, device=dev)
+                    rows_c[i] = torch.from_numpy(new)
+                    o.selections.append(new)
+            except Exception as e:  # noqa: BLE001 - agreed on, then raised
+                if ranks is None:
+                    raise
+                err = err or e
         if split:
             # the attention is the rank's own work; the output projection and the MLP
             # reduce across ranks: agree in between
@@ -316,12 +324,14 @@ def _ranks_check(
     total = ranks.sum(dev if dev is not None else np.zeros(n, np.float32), err is None)
     if total is None:
         agreed(None, err or RankFailed("kvblend: another tensor-parallel rank's check failed"))
+    rows = None
     try:
         sess.check_select(layer, total)
+        rows = sess.rows().astype(np.int64)
     except Exception as e:  # noqa: BLE001 - agreed on, then raised
         err = e
     agreed(ranks, err)
-    return sess.rows().astype(np.int64)
+    return rows
 
 
 def _cat(xs: list[torch.Tensor]) -> torch.Tensor:

@@ -193,6 +193,8 @@ def question_attention(
                 p = _probs(q, keys, m, causal, scale)
             if scored:
                 a += p[:, :, :m].sum(dim=1).double()
+            # the layer's attention output, the rank's own work (finish reduces)
+            att = _attend(p, values, nq).to(h.dtype) if fused and layer < stop else None
         except Exception as e:  # noqa: BLE001 - agreed on by the ranks, then raised
             if agree is None:
                 raise
@@ -202,7 +204,7 @@ def question_attention(
         if layer == stop:  # the last layer's output is not needed
             break
         if fused:
-            h = ops.finish(layer, h, _attend(p, values, nq).to(h.dtype))
+            h = ops.finish(layer, h, att)
         else:
             h = ops.attend(layer, h, q, keys, values, locals_[m])
     return np.ascontiguousarray(a.T.float().cpu().numpy())

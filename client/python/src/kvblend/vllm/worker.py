@@ -306,22 +306,24 @@ class WorkerSide:
         """
         cfg = self.config
         blends: list[LoadSpec] = []
+        self._fail_layer = None  # the hook's "layer L" is for this step's pass only
         for ld in meta.loads:
             t0 = time.monotonic()
             try:
                 fail = os.environ.get(FAIL_LOAD_ENV)
+                layer = None
                 if fail and os.path.exists(fail):
                     layer = self._fail_hook_mine(fail, ld.blend is not None)
                     if layer == -1:
                         raise RuntimeError("load failure injected by " + FAIL_LOAD_ENV)
-                    if layer is not None:
-                        self._fail_layer = layer
                 # at once while the daemon is known down (the link's back-off): the load
                 # fails without a call, and vLLM recomputes it
                 client = self.daemon.client()
                 self._self_test(client)
                 if ld.blend is not None:
                     blends.append(ld)  # after the loop, all in one pass
+                    if layer is not None:
+                        self._fail_layer = layer
                     continue
                 copy = os.environ.get(COPY_ENV)
                 if (
@@ -413,6 +415,7 @@ class WorkerSide:
         """
         cfg = self.config
         t0 = time.monotonic()
+        fail_layer, self._fail_layer = self._fail_layer, None
         try:
             ranks = None
             if self._tp_group is not None:
@@ -425,7 +428,6 @@ class WorkerSide:
                 blend_loop.agreed(ranks, err)  # every rank has its client, or none goes on
             else:
                 client = self.daemon.client()
-            fail_layer, self._fail_layer = self._fail_layer, None
             res = blend.load_blends(
                 self._blend_model,
                 client,
