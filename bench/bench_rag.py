@@ -548,7 +548,8 @@ def main():
     ap.add_argument("--zipf", type=float, default=1.0, help="popularity exponent")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
-                    help=f"comma-separated, plain first, from {', '.join(CONFIGS)}")
+                    help=f"comma-separated, plain first, from {', '.join(CONFIGS)}, "
+                    "or blend-METRIC@R (a metric at the connector's ratio R, 0 to 1)")
     ap.add_argument("--out", help="write every figure and request record as JSON here")
     ap.add_argument("--plot", help="write an SVG plot here (e.g. docs/bench_rag.svg)")
     ap.add_argument("--model", default=os.environ.get("KVBLEND_ENGINE_MODEL"))
