@@ -87,8 +87,8 @@ static int put_once(kvb_client *c, const char *model, const uint8_t hash[KVB_HAS
 		    size_t kv_bytes, int *existed, bool *bulk_failed);
 static int bulk_ready(kvb_client *c);
 static int get_once(kvb_client *c, const char *model, const uint8_t hash[KVB_HASH_LEN],
-		    uint32_t layer_begin, uint32_t layer_end, bool rerotate, uint32_t pos,
-		    void *out, size_t out_bytes, struct kvb_chunk_info *info);
+		    const struct kvb_get_opts *g, void *out, size_t out_bytes,
+		    struct kvb_chunk_info *info);
 
 /* After a PUT's bulk payload failed, PUTs go in frames this long. */
 #define BULK_PUT_BACKOFF_MS 60000
@@ -280,26 +280,25 @@ static int bulk_ready(kvb_client *c)
 }
 
 static int get_common(kvb_client *c, const char *model, const uint8_t hash[KVB_HASH_LEN],
-		      uint32_t layer_begin, uint32_t layer_end, bool rerotate, uint32_t pos,
-		      void *out, size_t out_bytes, struct kvb_chunk_info *info)
+		      const struct kvb_get_opts *g, void *out, size_t out_bytes,
+		      struct kvb_chunk_info *info)
 {
 	bool had = c->shm_base != NULL;
-	int rc = get_once(c, model, hash, layer_begin, layer_end, rerotate, pos, out, out_bytes,
-			  info);
+	int rc = get_once(c, model, hash, g, out, out_bytes, info);
 
 	if (kvbc_shm_lost(c, rc, had))
-		rc = get_once(c, model, hash, layer_begin, layer_end, rerotate, pos, out, out_bytes,
-			      info);
+		rc = get_once(c, model, hash, g, out, out_bytes, info);
 	return rc;
 }
 
 static int get_once(kvb_client *c, const char *model, const uint8_t hash[KVB_HASH_LEN],
-		    uint32_t layer_begin, uint32_t layer_end, bool rerotate, uint32_t pos,
-		    void *out, size_t out_bytes, struct kvb_chunk_info *info)
+		    const struct kvb_get_opts *g, void *out, size_t out_bytes,
+		    struct kvb_chunk_info *info)
 {
-	struct call k = { .req = { .op = KVBP_OP_GET, .has_hash = true, .layer_begin = layer_begin,
-				   .layer_end = layer_end, .rerotate = rerotate,
-				   .target_pos = pos } };
+	struct call k = { .req = { .op = KVBP_OP_GET, .has_hash = true,
+				   .layer_begin = g->layer_begin, .layer_end = g->layer_end,
+				   .rerotate = g->rerotate != 0, .target_pos = g->pos,
+				   .head_begin = g->head_begin, .head_count = g->head_count } };
 	bool direct = kvbc_in_shm(c, out, out_bytes);
 	uint8_t *dst = out;
 	size_t got = 0;
@@ -309,6 +308,9 @@ static int get_once(kvb_client *c, const char *model, const uint8_t hash[KVB_HAS
 	if ((rc = kvbc_set_name(c, &k, model)))
 		return rc;
 	memcpy(k.req.hash, hash, KVB_HASH_LEN);
+	/* an older daemon would ignore the head range and answer every head: it refuses v2 */
+	if (g->head_count)
+		k.req.version = KVBP_VERSION_MAX;
 	if (direct || (c->shm_ok && kvbc_shm_ensure(c, out_bytes + SHM_DATA_OFF))) {
 		k.req.has_shm = true;
 		k.req.shm_id = c->shm_id;
@@ -341,7 +343,7 @@ static int get_once(kvb_client *c, const char *model, const uint8_t hash[KVB_HAS
 		}
 	}
 	rc = kvbc_call(c, &k);
-	if (rc == KVB_E_BAD_SHM && strstr(c->err, "too small")) {
+	if (rc == KVB_E_BAD_SHM && (strstr(c->err, "too small") || strstr(c->err, "does not match"))) {
 		/* the reply names the chunk, so that the caller learns its size */
 		if (info && k.rep.n_chunks == 1)
 			chunk_from_wire(&k.rep.chunks[0], info);
@@ -358,10 +360,13 @@ static int get_once(kvb_client *c, const char *model, const uint8_t hash[KVB_HAS
 	if (info)
 		chunk_from_wire(&k.rep.chunks[0], info);
 	if (k.req.has_shm) {
-		/* The daemon filled the span it needed; it must be all of out. */
-		uint64_t need = k.rep.chunks[0].raw_bytes / (k.rep.chunks[0].num_layers
-							      ? k.rep.chunks[0].num_layers : 1) *
-				(k.rep.layer_end - k.rep.layer_begin);
+		/* The daemon filled the span it needed; it must be all of out (a head range's
+		 * span it checked itself: the chunk's info does not say its heads). */
+		uint64_t need = g->head_count ? out_bytes
+				      : k.rep.chunks[0].raw_bytes / (k.rep.chunks[0].num_layers
+								     ? k.rep.chunks[0].num_layers
+								     : 1) *
+					(k.rep.layer_end - k.rep.layer_begin);
 
 		if (need != out_bytes) {
 			rc = kvbc_set_err(c, -ENOBUFS, "buffer of %zu bytes does not match the %"
@@ -493,14 +498,34 @@ int kvb_get(kvb_client *c, const char *model, const uint8_t hash[KVB_HASH_LEN],
 	    uint32_t layer_begin, uint32_t layer_end, void *out, size_t out_bytes,
 	    struct kvb_chunk_info *info)
 {
-	return get_common(c, model, hash, layer_begin, layer_end, false, 0, out, out_bytes, info);
+	struct kvb_get_opts g = { .size = sizeof(g), .layer_begin = layer_begin,
+				  .layer_end = layer_end };
+
+	return get_common(c, model, hash, &g, out, out_bytes, info);
 }
 
 int kvb_get_rerotated(kvb_client *c, const char *model, const uint8_t hash[KVB_HASH_LEN],
 		      uint32_t layer_begin, uint32_t layer_end, uint32_t pos, void *out,
 		      size_t out_bytes, struct kvb_chunk_info *info)
 {
-	return get_common(c, model, hash, layer_begin, layer_end, true, pos, out, out_bytes, info);
+	struct kvb_get_opts g = { .size = sizeof(g), .layer_begin = layer_begin,
+				  .layer_end = layer_end, .rerotate = 1, .pos = pos };
+
+	return get_common(c, model, hash, &g, out, out_bytes, info);
+}
+
+int kvb_get_opts(kvb_client *c, const char *model, const uint8_t hash[KVB_HASH_LEN],
+		 const struct kvb_get_opts *opts, void *out, size_t out_bytes,
+		 struct kvb_chunk_info *info)
+{
+	if (!opts || opts->size < sizeof(*opts))
+		return kvbc_set_err(c, -EINVAL, "kvb_get_opts: opts->size %zu is less than this "
+				    "library's struct kvb_get_opts (%zu)", opts ? opts->size : 0,
+				    sizeof(*opts));
+	if (!opts->head_count && opts->head_begin)
+		return kvbc_set_err(c, -EINVAL, "head_begin %" PRIu32 " without head_count",
+				    opts->head_begin);
+	return get_common(c, model, hash, opts, out, out_bytes, info);
 }
 
 

@@ -192,6 +192,8 @@ int kvbp_request_encode(const struct kvbp_request *req, uint8_t **buf, size_t *l
 	pb.reuse_only = req->reuse_only;
 	pb.row_stride = req->row_stride;
 	pb.check_mode = req->check_mode;
+	pb.head_begin = req->head_begin;
+	pb.head_count = req->head_count;
 	pb.local_only = req->local_only;
 	pb.cluster_check = req->cluster_check;
 	pb.device_out = req->device_out;
@@ -368,6 +370,8 @@ int kvbp_request_decode(const void *buf, size_t len, struct kvbp_request *out, c
 	r.reuse_only = pb->reuse_only;
 	r.row_stride = pb->row_stride;
 	r.check_mode = pb->check_mode;
+	r.head_begin = pb->head_begin;
+	r.head_count = pb->head_count;
 	r.local_only = pb->local_only;
 	r.cluster_check = pb->cluster_check;
 	r.device_out = pb->device_out;

@@ -238,6 +238,8 @@ struct kvbp_request {
 	bool reuse_only;
 	uint64_t row_stride;
 	uint32_t check_mode; /* FUSE_LAYER, landing check: 0 select, 1 deviation, 2 select by */
+	/* GET: stored heads [head_begin, head_begin + head_count) only; 0: every head */
+	uint32_t head_begin, head_count;
 	bool local_only; /* no cluster fetch: set by daemons calling each other */
 	bool device_out; /* FUSE_OPEN: export the device ring; FUSE_LAYER: leave the layer there */
 	bool attention;	 /* FUSE_LAYER: the last payload frame is A (metric attention) */

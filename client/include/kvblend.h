@@ -21,7 +21,9 @@
  *
  * ABI: libkvblend.so.1; every function below is bound to symbol version KVBLEND_1
  * (client/kvblend.map; kvb_fuse_open_into_strided and the node's selections to KVBLEND_1.1,
- * kvb_set_timeout to KVBLEND_1.2, kvb_last_code to KVBLEND_1.3), and nothing else is exported. A compatible addition (a new
+ * kvb_set_timeout to KVBLEND_1.2, kvb_last_code to KVBLEND_1.3, the device and option
+ * landing calls to KVBLEND_1.4, the two-step check to KVBLEND_1.5, kvb_get_opts to
+ * KVBLEND_1.6), and nothing else is exported. A compatible addition (a new
  * function, enum value or error code) keeps the soname: its functions go into a new
  * version node (KVBLEND_1.1, ...) that inherits the last. Any other change (a field
  * added to, removed from or moved in a struct the caller allocates or reads, such as
@@ -333,6 +335,34 @@ KVB_API void *kvb_shared_buffer(kvb_client *c, size_t size);
 KVB_API int kvb_get_rerotated(kvb_client *c, const char *model, const uint8_t hash[KVB_HASH_LEN],
 			      uint32_t layer_begin, uint32_t layer_end, uint32_t pos, void *out,
 			      size_t out_bytes, struct kvb_chunk_info *info);
+
+/*
+ * Everything a GET can be told (ABI KVBLEND_1.6), for kvb_get_opts(). size:
+ * sizeof(struct kvb_get_opts) as the caller was built (later versions add fields at
+ * the end). Layers [layer_begin, layer_end) (layer_end 0 = all). rerotate: the keys
+ * moved to positions pos.. (as kvb_get_rerotated). head_begin, head_count: only the
+ * stored KV heads [head_begin, head_begin + head_count), each token's head_count
+ * heads back to back (a tensor-parallel rank's share of a chunk stored with every
+ * head); head_count 0: every head. out_bytes must then be exactly those heads' bytes
+ * (layers x 2 x tokens x head_count x head_dim x element), since the chunk's info
+ * does not say its heads: -ENOBUFS (over shared memory KVB_E_BAD_SHM) otherwise. A
+ * GET with a head range goes out as protocol version 2, which a kvblendd older than
+ * these fields refuses (KVB_E_BAD_VERSION) rather than answering every head. Errors
+ * as kvb_get(), and KVB_E_BAD_ARGUMENT for a range beyond the model's heads (the
+ * message names them); -EINVAL for head_begin without head_count or a size smaller
+ * than this struct's.
+ */
+struct kvb_get_opts {
+	size_t size;
+	uint32_t layer_begin, layer_end;
+	int rerotate;
+	uint32_t pos;
+	uint32_t head_begin, head_count;
+};
+
+KVB_API int kvb_get_opts(kvb_client *c, const char *model, const uint8_t hash[KVB_HASH_LEN],
+			 const struct kvb_get_opts *opts, void *out, size_t out_bytes,
+			 struct kvb_chunk_info *info);
 
 /* ---- Fuse sessions (CacheBlend) ----
  *

@@ -229,6 +229,13 @@ struct get_split {
 	const struct rope_table *rot;
 	struct blend_shape shape;
 	uint32_t tokens;
+	/* GET of a head range: each part decodes its layers whole (every head, tb bytes a
+	 * tensor) into tmp, then copies each token's heads [h0, h0 + shape.heads) to dst,
+	 * otb bytes a tensor, where the keys are re-rotated; without one tmp is NULL and
+	 * otb is tb */
+	uint8_t *tmp;
+	uint32_t h0;
+	uint64_t otb;
 	/* progress: the contiguous prefix of finished parts, published to the client */
 	_Atomic uint64_t *progress;
 	pthread_mutex_t lock;
@@ -249,13 +256,27 @@ static int get_part(void *arg, size_t i)
 	uint32_t a = g->lb + (uint32_t)((uint64_t)n * i / g->parts);
 	uint32_t b = g->lb + (uint32_t)((uint64_t)n * (i + 1) / g->parts);
 
-	uint8_t *dst = g->dst + (uint64_t)(a - g->lb) * 2 * g->tb;
+	uint8_t *dst = g->dst + (uint64_t)(a - g->lb) * 2 * g->otb;
+	uint8_t *in = g->tmp ? g->tmp + (uint64_t)(a - g->lb) * 2 * g->tb : dst;
 	int rc;
 
 	if (a == b)
 		return 0;
-	rc = store_chunk_get(g->store, g->m, g->hash, a, b, dst, (uint64_t)(b - a) * 2 * g->tb, NULL);
-	for (uint32_t l = a; !rc && g->rot && l < b; l++, dst += 2 * g->tb)
+	rc = store_chunk_get(g->store, g->m, g->hash, a, b, in, (uint64_t)(b - a) * 2 * g->tb, NULL);
+	if (!rc && g->tmp) {
+		/* bytes of one head of one token; the sizes were checked by op_get */
+		size_t hb = (size_t)(g->tb / g->tokens / g->m->num_kv_heads);
+		size_t row = hb * g->shape.heads;
+
+		for (uint32_t j = 0; j < 2 * (b - a); j++) {
+			const uint8_t *s = in + (uint64_t)j * g->tb + (size_t)g->h0 * hb;
+			uint8_t *o = dst + (uint64_t)j * g->otb;
+
+			for (uint32_t t = 0; t < g->tokens; t++, o += row, s += hb * g->m->num_kv_heads)
+				memcpy(o, s, row);
+		}
+	}
+	for (uint32_t l = a; !rc && g->rot && l < b; l++, dst += 2 * g->otb)
 		rc = g->be->rotate(g->be, &g->shape, g->rot, dst, dst, 0, g->tokens);
 	if (!rc && g->progress) {
 		struct get_split *w = (struct get_split *)g;
@@ -266,7 +287,7 @@ static int get_part(void *arg, size_t i)
 			w->prefix++;
 		/* parts are layer ranges in order: the prefix's end in bytes */
 		atomic_store_explicit(w->progress,
-				      (uint64_t)((uint64_t)(le_of(w, w->prefix) - w->lb)) * 2 * w->tb,
+				      (uint64_t)((uint64_t)(le_of(w, w->prefix) - w->lb)) * 2 * w->otb,
 				      memory_order_release);
 		pthread_mutex_unlock(&w->lock);
 	}
@@ -276,14 +297,22 @@ static int get_part(void *arg, size_t i)
 /* Below this a GET is not worth splitting: thread hand-offs cost more than they save. */
 #define SPLIT_MIN_BYTES (4u << 20)
 
+/*
+ * Decode layers [lb, le) of the request's chunk into dst (total bytes), re-rotated by
+ * rot when not NULL. With a head range (heads > 0: stored heads [h0, h0 + heads)) dst
+ * holds only those, otb bytes a tensor, and tmp (2 * (le - lb) * tb bytes) takes the
+ * whole layers first; else tmp is NULL and otb is tb.
+ */
 static int chunk_get_parallel(struct req *q, const struct store_model *m, uint32_t lb, uint32_t le,
 			      void *dst, uint64_t tb, uint64_t total, const struct rope_table *rot,
-			      uint32_t tokens, _Atomic uint64_t *progress)
+			      uint32_t tokens, _Atomic uint64_t *progress, uint8_t *tmp,
+			      uint32_t h0, uint32_t heads, uint64_t otb)
 {
 	struct get_split g = { q->srv->store, m, q->h.hash, lb, le, 1, dst, tb, q->srv->blend, rot,
-			       { m->num_kv_heads, m->head_dim, m->rotary_dim ? m->rotary_dim : m->head_dim,
+			       { heads ? heads : m->num_kv_heads, m->head_dim,
+				 m->rotary_dim ? m->rotary_dim : m->head_dim,
 				 m->rope_style ? ROPE_GPTJ : ROPE_NEOX, (enum blend_dtype)m->dtype },
-			       tokens };
+			       tokens, tmp, h0, tmp ? otb : tb };
 	unsigned threads = pool_threads(q->srv->pool) + 1;
 	int rc;
 
@@ -435,12 +464,27 @@ void op_get(struct req *q)
 	struct shared_buf *buf = NULL;
 	struct rope_table rot = { 0 };
 	uint32_t lb = q->h.layer_begin, le = q->h.layer_end;
-	uint64_t tb, total;
+	uint32_t h0 = q->h.head_begin, hn = q->h.head_count;
+	uint64_t tb, total, otb, ototal;
+	uint8_t *tmp = NULL;
 	void *dst = NULL;
 	int rc;
 
 	if (need_model(q, &m) || need_hash(q) || no_payload(q))
 		return;
+	if (!hn && h0) {
+		fail(q, KVBP_BAD_ARGUMENT, "head_begin %" PRIu32 " without head_count", h0);
+		return;
+	}
+	/* ckd-ok: two 32-bit numbers summed in 64 bits */
+	if ((uint64_t)h0 + hn > m.num_kv_heads) {
+		fail(q, KVBP_BAD_ARGUMENT, "heads %" PRIu32 "..%" PRIu64 " beyond the model's %"
+		     PRIu32 " KV heads", h0, (uint64_t)h0 + hn - 1 /* ckd-ok: as above */,
+		     m.num_kv_heads);
+		return;
+	}
+	if (hn == m.num_kv_heads)
+		hn = 0; /* every head: the plain GET */
 	if (le == 0)
 		le = m.num_layers;
 	if (lb >= le || le > m.num_layers) {
@@ -465,7 +509,11 @@ void op_get(struct req *q)
 	}
 	if (chunk_bytes(q, &m, ci.num_tokens, le - lb, &tb, &total))
 		return;
-	if (!q->h.rerotate && !q->h.has_shm && total >= VIEW_MIN_BYTES &&
+	/* a head range: hn of the heads, whose bytes divide tb exactly (tokens x heads x
+	 * head_dim x element) */
+	otb = hn ? tb / m.num_kv_heads * hn : tb; /* ckd-ok: at most tb */
+	ototal = hn ? total / m.num_kv_heads * hn : total; /* ckd-ok: at most total */
+	if (!hn && !q->h.rerotate && !q->h.has_shm && total >= VIEW_MIN_BYTES &&
 	    get_from_view(q, &m, lb, le, tb, total) == 0)
 		return;
 	if (q->h.rerotate) {
@@ -489,13 +537,20 @@ void op_get(struct req *q)
 		}
 	}
 	if (q->h.has_shm) {
-		if (q->h.shm_length < total) {
+		if (q->h.shm_length < ototal) {
 			fail(q, KVBP_BAD_SHM, "shared-memory span of %" PRIu64 " bytes is too small; "
-			     "the chunk needs %" PRIu64, q->h.shm_length, total);
+			     "the chunk needs %" PRIu64, q->h.shm_length, ototal);
 			one_chunk_reply(q, q->h.hash, &ci); /* so that the client learns the size */
 			goto out;
 		}
-		rc = shm_acquire(q->srv->shm, q->h.shm_id, q->principal, q->h.shm_offset, total,
+		if (q->h.head_count && q->h.shm_length != ototal) {
+			/* the client cannot tell a head range's size from the chunk's info */
+			fail(q, KVBP_BAD_SHM, "shared-memory span of %" PRIu64 " bytes does not "
+			     "match the %" PRIu64 " bytes of heads %" PRIu32 "..%" PRIu64, q->h.shm_length,
+			     ototal, h0, (uint64_t)h0 + q->h.head_count - 1 /* ckd-ok: checked above */);
+			goto out;
+		}
+		rc = shm_acquire(q->srv->shm, q->h.shm_id, q->principal, q->h.shm_offset, ototal,
 				 &dst);
 		if (rc) {
 			fail(q, KVBP_BAD_SHM, "shared-memory segment %" PRIu64 ": %s", q->h.shm_id,
@@ -504,10 +559,16 @@ void op_get(struct req *q)
 			goto out;
 		}
 	} else {
-		buf = reply_buf(q, total);
+		buf = reply_buf(q, ototal);
 		if (!buf)
 			goto out;
 		dst = buf->data;
+	}
+	if (hn && !(tmp = malloc(total))) {
+		fail(q, KVBP_LIMIT, "out of memory");
+		if (q->h.has_shm)
+			shm_release(q->srv->shm, q->h.shm_id);
+		goto out;
 	}
 	{
 		_Atomic uint64_t *progress = NULL;
@@ -517,11 +578,12 @@ void op_get(struct req *q)
 		if (q->h.has_shm && q->h.progress && (q->h.progress - 1) % 8 == 0 &&
 		    shm_acquire(q->srv->shm, q->h.shm_id, q->principal, q->h.progress - 1, 8, &pw) == 0)
 			progress = pw;
-		rc = chunk_get_parallel(q, &m, lb, le, dst, tb, total, q->h.rerotate ? &rot : NULL,
-					ci.num_tokens, progress);
+		rc = chunk_get_parallel(q, &m, lb, le, dst, tb, ototal, q->h.rerotate ? &rot : NULL,
+					ci.num_tokens, progress, tmp, h0, hn, otb);
 		if (pw)
 			shm_release(q->srv->shm, q->h.shm_id);
 	}
+	free(tmp);
 	if (q->h.has_shm)
 		shm_release(q->srv->shm, q->h.shm_id);
 	if (rc == -EBADMSG) {
@@ -544,7 +606,7 @@ void op_get(struct req *q)
 			}
 			for (size_t i = 0; i < n; i++) {
 				atomic_fetch_add(&buf->refs, 1);
-				zmq_msg_init_data(&q->out->payload[i], buf->data + i * tb, tb,
+				zmq_msg_init_data(&q->out->payload[i], buf->data + i * otb, otb,
 						  shared_buf_unref, buf);
 			}
 			q->out->n_payload = n;

@@ -44,7 +44,10 @@ TP = 2 (each rank holds 2 of the 4 KV heads; vLLM's cache in a kvblend region):
 (m) a failure inside the pass on rank 1 alone (the hook's "rank 1 layer 2": that layer's
     attention raises there) stops both ranks at that layer's agreement, before the
     layer's reducing projections, so rank 0 is not left in an all-reduce: its output is
-    plain's and the next blend runs as before.
+    plain's and the next blend runs as before;
+(n) the same inside the anchored metric's preview (the hook's "rank 1 preview 1": the
+    preview raises there on rank 1): both ranks stop at that layer's agreement, the output
+    is plain's, and the next anchored blend gives (l)'s tokens.
 Exit 0 when all pass, 1 on a failure, 77 when KVBLEND_SKIP_ENGINE=1.
 """
 
@@ -182,6 +185,14 @@ def phase(tp, model_dir, endpoint, out_path):
                                                                      "ratios": [1.0]})])[0]
         res["question15"] = gen([prompts[3]], [segs(*swapped, blend={"metric": "question"})])[0]
         res["anchored15"] = gen([prompts[3]], [segs(*swapped, blend={"metric": "anchored"})])[0]
+        # a failure inside the anchored metric's preview on rank 1 alone (the hook's
+        # "preview 1"): both ranks stop at that layer's agreement, before its reducing
+        # projections; vLLM recomputes, and the next anchored blend runs
+        Path(os.environ["KVBLEND_VLLM_FAIL_LOAD_FILE"]).write_text("rank 1 preview 1\n")
+        res["preview_failed"] = gen([prompts[3]], [segs(*swapped,
+                                                        blend={"metric": "anchored"})])[0]
+        res["anchored_after"] = gen([prompts[3]], [segs(*swapped,
+                                                        blend={"metric": "anchored"})])[0]
         # a request naming the attention metric: served as plain vLLM, one line says why
         res["attention_req"] = gen([prompts[3]], [segs(*swapped,
                                                        blend={"metric": "attention"})])[0]
@@ -312,9 +323,9 @@ def main():
         # the one failure on purpose: each rank fails it, by the hook or by the agreement
         meant = [b for b in bad if "injected" in b or "another tensor-parallel rank" in b]
         bad = [b for b in bad if b not in meant]
-        check("TP = 2: each rank landed 3 loads, copied 1 and blended 9, none failed but "
-              "the two failed on purpose",
-              all(v == {"landed": 3, "copied": 1, "blended": 9} for v in done.values())
+        check("TP = 2: each rank landed 3 loads, copied 1 and blended 10, none failed but "
+              "the three failed on purpose",
+              all(v == {"landed": 3, "copied": 1, "blended": 10} for v in done.values())
               and not bad, f"{done}, failures {bad[:3]}")
 
         def failed(why):
@@ -328,11 +339,20 @@ def main():
               f"hook {hook}, agreed {agreed}")
         check("(k) and the next blend runs as before", two["blend_after"] == two["blend15"])
         hook = failed(r"kvblend: a failure injected in the blend pass at layer 2\)")
+        # rank 0's by the agreement: (m)'s, then (n)'s
         agreed = failed(r"kvblend: another tensor-parallel rank's blend failed\)")
         check("(m) a failure inside the pass on rank 1 alone stops both ranks there "
               "(recomputed: plain)",
-              hook == ["1"] and agreed == ["0"] and two["blend_pass_failed"] == two["plain"][3],
+              hook == ["1"] and agreed == ["0", "0"]
+              and two["blend_pass_failed"] == two["plain"][3],
               f"hook {hook}, agreed {agreed}")
+        hook = failed(r"kvblend: a failure injected in the preview at layer 1\)")
+        check("(n) a failure inside the anchored preview on rank 1 alone stops both ranks "
+              "there (recomputed: plain)",
+              hook == ["1"] and agreed == ["0", "0"]
+              and two["preview_failed"] == two["plain"][3], f"hook {hook}, agreed {agreed}")
+        check("(n) and the next anchored blend runs as before",
+              two["anchored_after"] == two["anchored15"])
         check("(m) and the next blend runs as before (no rank left in a collective)",
               two["blend_after_pass"] == two["blend15"])
         check("(h) blend at r = 1.0 at TP = 2 equals plain TP = 2",

@@ -4,7 +4,8 @@ over real TCP sockets: a GET over CURVE takes its payload on a sealed bulk conne
 reads back byte-exact; a TCP proxy between the client and the daemon that flips one bit
 of a record, of a record's header, or cuts the stream, gets the GET refused with the
 problem named and no output file written, and the daemon serves the next GET; a replayed
-hello is refused; a client with bulk connections off and a daemon without them (an older
+hello is refused; a GET of a head range (heads 1..2 of 4) comes the same way, those heads
+byte-exact; a client with bulk connections off and a daemon without them (an older
 peer's behaviour) keep working with CURVE alone. The cipher: the fastest this CPU runs
 (AEGIS-128X2, AEGIS-128L, else AES-256-GCM) by default, each one a client names with
 KVBLEND_BULK_CIPHER, and AES-256-GCM always from a daemon with tcp_bulk_aegis = false;
@@ -363,6 +364,7 @@ try:
 except kvblend.KvblendError as e:
     print("after False", e, flush=True)
 print("next", np.array_equal(c.get("m", h), kv), flush=True)
+print("heads", np.array_equal(c.get("m", h, heads=(1, 2)), kv[:, :, :, 1:3]), flush=True)
 h2 = bytes.fromhex("f1" * 32)
 print("put", c.put("m", h2, kv) is False and np.array_equal(c.get("m", h2), kv), flush=True)
 c.close()
@@ -380,6 +382,9 @@ c.close()
     check("the next GET: byte-exact, on a new sealed bulk connection",
           line == "next True" and stat(d, "bulk_records_sealed") >= sealed0 + 8,
           f"{line} {stat(d, 'bulk_records_sealed')}")
+    line = child.stdout.readline().strip()
+    check("a GET of heads 1..2 over the sealed bulk connection: those heads, byte-exact",
+          line == "heads True", line)
     line = child.stdout.readline().strip()
     check("a PUT from Python over the sealed bulk connection reads back byte-exact",
           line == "put True" and stat(d, "bulk_records_opened") >= 8, line)

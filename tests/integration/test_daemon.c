@@ -257,6 +257,130 @@ static void test_large_chunk_paths(void **state)
 	daemon_cleanup(&d);
 }
 
+/* Heads [h0, h0 + hn) of every tensor of a chunk laid out [layers, 2, tokens, heads, d]. */
+static void slice_heads(const uint8_t *all, uint8_t *out, size_t tensors, uint32_t tokens,
+			uint32_t heads, size_t head_bytes, uint32_t h0, uint32_t hn)
+{
+	for (size_t i = 0; i < tensors * tokens; i++)
+		memcpy(out + i * hn * head_bytes, all + (i * heads + h0) * head_bytes,
+		       hn * head_bytes);
+}
+
+/* A GET of a head range (kvb_get_opts): each token's heads [h0, h0 + hn) of every layer,
+ * through shared memory (a private buffer, copied behind; the shared buffer itself)
+ * and through frames, re-rotated or not, over a layer range or all; a range beyond the
+ * heads, a begin without a count, a short struct and a buffer of the wrong size are
+ * refused by name. */
+static void test_get_heads(void **state)
+{
+	const struct kvb_model big = { .name = "big16", .num_layers = 16, .num_kv_heads = 8,
+				       .head_dim = 128, .dtype = KVB_BF16, .rope_theta = 1e4 };
+	const size_t hb = 128 * 2; /* one head of one token */
+	const uint32_t T = 128;
+	struct daemon d;
+	kvb_client *cl[2];
+	size_t n = (size_t)16 * 2 * T * 8 * hb; /* 16 MiB */
+	uint8_t *kv = malloc(n), *want = malloc(n), *back = malloc(n), *rot = malloc(n);
+	uint8_t h[KVB_HASH_LEN];
+	const uint32_t ranges[][2] = { { 0, 1 }, { 3, 2 }, { 6, 2 }, { 0, 8 }, { 1, 6 } };
+
+	(void)state;
+	daemon_start(&d, NULL);
+	cl[0] = daemon_client(&d, 0);
+	cl[1] = daemon_client(&d, 1);
+	assert_int_equal(kvb_model_register(cl[0], &big, NULL), 0);
+	fill(kv, n, 4242);
+	hash_of(4242, h);
+	assert_int_equal(kvb_put(cl[0], "big16", h, KVB_BF16, T, 3, kv, n, NULL), 0);
+	assert_int_equal(kvb_get_rerotated(cl[0], "big16", h, 0, 0, 77, rot, n, NULL), 0);
+	for (int c = 0; c < 2; c++) {
+		for (size_t r = 0; r < sizeof(ranges) / sizeof(ranges[0]); r++) {
+			uint32_t h0 = ranges[r][0], hn = ranges[r][1];
+			size_t part = n / 8 * hn;
+			struct kvb_get_opts o = { .size = sizeof(o), .head_begin = h0,
+						  .head_count = hn };
+			struct kvb_chunk_info info;
+
+			slice_heads(kv, want, 32, T, 8, hb, h0, hn);
+			memset(back, 0, n);
+			assert_int_equal(kvb_get_opts(cl[c], "big16", h, &o, back, part, &info), 0);
+			assert_memory_equal(want, back, part);
+			assert_int_equal(info.num_tokens, T);
+			/* layers 5..11 */
+			o.layer_begin = 5;
+			o.layer_end = 12;
+			assert_int_equal(kvb_get_opts(cl[c], "big16", h, &o, back, part / 16 * 7,
+						      NULL), 0);
+			assert_memory_equal(want + part / 16 * 5, back, part / 16 * 7);
+			/* re-rotated to 77: the full re-rotated GET's heads */
+			o.layer_begin = o.layer_end = 0;
+			o.rerotate = 1;
+			o.pos = 77;
+			slice_heads(rot, want, 32, T, 8, hb, h0, hn);
+			assert_int_equal(kvb_get_opts(cl[c], "big16", h, &o, back, part, NULL), 0);
+			assert_memory_equal(want, back, part);
+			/* a buffer of the wrong size: refused, not overrun */
+			assert_int_equal(kvb_get_opts(cl[c], "big16", h, &o, back, part + 64, NULL),
+					 -ENOBUFS);
+			assert_int_equal(kvb_get_opts(cl[c], "big16", h, &o, back, part - 64, NULL),
+					 -ENOBUFS);
+		}
+	}
+	{
+		/* straight into the shared buffer */
+		struct kvb_get_opts o = { .size = sizeof(o), .head_begin = 5, .head_count = 3 };
+		uint8_t *sb = kvb_shared_buffer(cl[0], n / 8 * 3);
+
+		assert_non_null(sb);
+		slice_heads(kv, want, 32, T, 8, hb, 5, 3);
+		assert_int_equal(kvb_get_opts(cl[0], "big16", h, &o, sb, n / 8 * 3, NULL), 0);
+		assert_memory_equal(want, sb, n / 8 * 3);
+		/* refusals, each by name; the daemon keeps serving */
+		o.head_begin = 7;
+		o.head_count = 2;
+		assert_int_equal(kvb_get_opts(cl[0], "big16", h, &o, back, n / 4, NULL),
+				 KVB_E_BAD_ARGUMENT);
+		assert_non_null(strstr(kvb_last_error(cl[0]), "beyond the model's 8 KV heads"));
+		o.head_begin = UINT32_MAX;
+		o.head_count = UINT32_MAX;
+		assert_int_equal(kvb_get_opts(cl[1], "big16", h, &o, back, n, NULL),
+				 KVB_E_BAD_ARGUMENT);
+		o.head_begin = 1;
+		o.head_count = 0;
+		assert_int_equal(kvb_get_opts(cl[0], "big16", h, &o, back, n, NULL), -EINVAL);
+		assert_non_null(strstr(kvb_last_error(cl[0]), "without head_count"));
+		o.size = sizeof(o) - 1;
+		o.head_count = 1;
+		assert_int_equal(kvb_get_opts(cl[0], "big16", h, &o, back, n / 8, NULL), -EINVAL);
+		assert_int_equal(kvb_get(cl[0], "big16", h, 0, 0, back, n, NULL), 0);
+		assert_memory_equal(kv, back, n);
+	}
+	{
+		/* a small chunk (one decode part, no progress word): tiny's second head */
+		size_t m = chunk_bytes(&tiny, 17), hbt = 8 * 2;
+		struct kvb_get_opts o = { .size = sizeof(o), .head_begin = 1, .head_count = 1 };
+
+		register_tiny(cl[0]);
+		hash_of(4243, h);
+		fill(kv, m, 4243);
+		assert_int_equal(kvb_put(cl[0], "tiny", h, KVB_F16, 17, 0, kv, m, NULL), 0);
+		slice_heads(kv, want, 6, 17, 2, hbt, 1, 1);
+		for (int c = 0; c < 2; c++) {
+			memset(back, 0, m);
+			assert_int_equal(kvb_get_opts(cl[c], "tiny", h, &o, back, m / 2, NULL), 0);
+			assert_memory_equal(want, back, m / 2);
+		}
+	}
+	free(kv);
+	free(want);
+	free(back);
+	free(rot);
+	kvb_close(&cl[0]);
+	kvb_close(&cl[1]);
+	daemon_stop(&d);
+	daemon_cleanup(&d);
+}
+
 static void test_models(void **state)
 {
 	kvb_client *c = daemon_client(*state, 0);
@@ -927,6 +1051,7 @@ int main(void)
 		cmocka_unit_test_setup_teardown(test_roundtrip_frames, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_shared_buffer, setup, teardown),
 		cmocka_unit_test(test_large_chunk_paths),
+		cmocka_unit_test(test_get_heads),
 		cmocka_unit_test_setup_teardown(test_models, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_bad_input, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_message_too_large, setup, teardown),

@@ -356,6 +356,33 @@ def test_get_rerotated(client):
     assert np.array_equal(client.get_rerotated(m.name, h, 10, layers=(1, 2)), moved[1:2])
 
 
+@pytest.mark.parametrize("which", ["client", "frames_client"])
+def test_get_heads(request, which):
+    """A head range's GET: the heads axis cut to the range, re-rotated or not."""
+    c = request.getfixturevalue(which)
+    c.model_register(SIXTEEN_MIB)
+    kv = rand_kv(SIXTEEN_MIB, 64)
+    h = os.urandom(32)
+    c.put(SIXTEEN_MIB.name, h, kv, base_pos=2)
+    for hb, hc in ((0, 1), (2, 3), (4, 4)):
+        got = c.get(SIXTEEN_MIB.name, h, heads=(hb, hc))
+        assert got.shape == (8, 2, 64, hc, 128)
+        assert np.array_equal(got, kv[:, :, :, hb : hb + hc])
+        into = np.empty((2, 2, 64, hc, 128), np.float16)
+        assert c.get(SIXTEEN_MIB.name, h, layers=(3, 5), out=into, heads=(hb, hc)) is into
+        assert np.array_equal(into, kv[3:5, :, :, hb : hb + hc])
+        moved = c.get_rerotated(SIXTEEN_MIB.name, h, 40)
+        part = c.get_rerotated(SIXTEEN_MIB.name, h, 40, heads=(hb, hc))
+        assert np.array_equal(part, moved[:, :, :, hb : hb + hc])
+    with pytest.raises(kvblend.BadArgument, match="beyond the model's 8 KV heads"):
+        c.get(SIXTEEN_MIB.name, h, heads=(6, 3))
+    with pytest.raises(kvblend.BadArgument, match="count >= 1"):
+        c.get(SIXTEEN_MIB.name, h, heads=(0, 0))
+    with pytest.raises(kvblend.BufferSize):
+        c.get(SIXTEEN_MIB.name, h, out=np.empty((8, 2, 64, 3, 128), np.float16), heads=(0, 2))
+    assert np.array_equal(c.get(SIXTEEN_MIB.name, h), kv)  # the daemon still serves
+
+
 @pytest.mark.parametrize("ids", [[], [0], [1, 2, 3], list(range(5000)), [2**32 - 1, 7]])
 def test_chunk_hash_is_blake2b(ids):
     want = hashlib.blake2b(np.asarray(ids, "<u4").tobytes(), digest_size=32).digest()
@@ -418,6 +445,8 @@ int main(void)
 	S(kvb_connect_opts); O(kvb_connect_opts, shm_size); O(kvb_connect_opts, client_secret_key);
 	S(kvb_segment); O(kvb_segment, pos); O(kvb_segment, count);
 	S(kvb_fuse_params); O(kvb_fuse_params, n_checks); O(kvb_fuse_params, metric);
+	S(kvb_get_opts); O(kvb_get_opts, rerotate); O(kvb_get_opts, pos);
+	O(kvb_get_opts, head_count);
 	return 0;
 }
 """
@@ -442,9 +471,10 @@ def test_structs_match_the_header():
         "kvb_segment": _lib.KvbSegment,
         "kvb_fuse_params": _lib.KvbFuseParams,
         "kvb_kv_layout": _lib.KvbKvLayout,
+        "kvb_get_opts": _lib.KvbGetOpts,
     }
     lines = out.split("\n")
-    assert len([x for x in lines if x]) == 27
+    assert len([x for x in lines if x]) == 31
     for line in filter(None, lines):
         what, n = line.split()
         if "." in what:

@@ -163,6 +163,20 @@ class KvbLandOpts(ctypes.Structure):
     ]
 
 
+class KvbGetOpts(ctypes.Structure):
+    """struct kvb_get_opts (ABI 1.6)."""
+
+    _fields_ = [
+        ("size", ctypes.c_size_t),
+        ("layer_begin", ctypes.c_uint32),
+        ("layer_end", ctypes.c_uint32),
+        ("rerotate", ctypes.c_int),
+        ("pos", ctypes.c_uint32),
+        ("head_begin", ctypes.c_uint32),
+        ("head_count", ctypes.c_uint32),
+    ]
+
+
 HashArray = ctypes.c_uint8 * HASH_LEN
 _P = ctypes.c_void_p
 _HASH = ctypes.POINTER(ctypes.c_uint8)
@@ -190,6 +204,10 @@ _PROTOTYPES = {
     "kvb_get_rerotated": (
         _INT,
         [_P, _STR, _HASH, _U32, _U32, _U32, _P, _SZ, ctypes.POINTER(KvbChunkInfo)],
+    ),
+    "kvb_get_opts": (
+        _INT,
+        [_P, _STR, _HASH, ctypes.POINTER(KvbGetOpts), _P, _SZ, ctypes.POINTER(KvbChunkInfo)],
     ),
     "kvb_get_layers": (
         _INT,

@@ -402,10 +402,19 @@ class Client:
         layers: LayerRange,
         rerotate_pos: int | None,  # noqa: A002
         out: Any,
+        heads: tuple[int, int] | None = None,
     ) -> np.ndarray:
         begin, end = _layer_range(layers)
         h = _c_hash(hash)
         target = None
+        if heads is not None:
+            try:
+                hb, hc = (int(x) for x in heads)
+            except (TypeError, ValueError):
+                raise BadArgument(-22, f"heads {heads!r}: (begin, count)") from None
+            if hc < 1 or hb < 0:
+                raise BadArgument(-22, f"heads {heads}: begin >= 0 and count >= 1")
+            heads = (hb, hc)
         if out is None or not (
             isinstance(out, np.ndarray) and out.flags.c_contiguous and out.flags.writeable
         ):
@@ -416,6 +425,8 @@ class Client:
                 self._get_into(model, h, begin, end, rerotate_pos, np.empty(0, np.uint8))
             nl = (end or info.num_layers) - begin
             shape = m.kv_shape(info.num_tokens, max(nl, 0))
+            if heads is not None:
+                shape = shape[:3] + (heads[1],) + shape[4:]
             if out is not None:
                 target = _as_array(out)
                 if target.nbytes != int(np.prod(shape)) * m.np_dtype.itemsize:
@@ -425,7 +436,7 @@ class Client:
                         f"shape {shape} of {m.np_dtype}",
                     )
             out = np.empty(shape, m.np_dtype)
-        self._get_into(model, h, begin, end, rerotate_pos, out)
+        self._get_into(model, h, begin, end, rerotate_pos, out, heads)
         if target is not None:
             target[...] = out.reshape(target.shape).view(target.dtype)
             return target
@@ -439,11 +450,23 @@ class Client:
         end: int,
         rerotate_pos: int | None,
         out: np.ndarray,
+        heads: tuple[int, int] | None = None,
     ) -> None:
         ptr = ctypes.c_void_p(out.ctypes.data)
         with self._lock:
             c = self._handle()
-            if rerotate_pos is None:
+            if heads is not None:
+                o = _lib.KvbGetOpts(
+                    ctypes.sizeof(_lib.KvbGetOpts),
+                    begin,
+                    end,
+                    rerotate_pos is not None,
+                    rerotate_pos or 0,
+                    heads[0],
+                    heads[1],
+                )
+                rc = lib.kvb_get_opts(c, _name(model), h, ctypes.byref(o), ptr, out.nbytes, None)
+            elif rerotate_pos is None:
                 rc = lib.kvb_get(c, _name(model), h, begin, end, ptr, out.nbytes, None)
             else:
                 rc = lib.kvb_get_rerotated(
@@ -457,6 +480,7 @@ class Client:
         hash: HashLike,
         layers: LayerRange = None,  # noqa: A002
         out: np.ndarray | None = None,
+        heads: tuple[int, int] | None = None,
     ) -> np.ndarray:
         """Read a chunk's KV, or layers ``[begin, end)`` of it.
 
@@ -473,12 +497,16 @@ class Client:
             size is filled in place with no copy on this side (one fewer round trip
             too: the size is not looked up first). Otherwise the data is read into a
             new array (after a lookup for its size) and copied into ``out``.
+        heads : (begin, count), optional
+            Only the stored KV heads ``begin .. begin + count - 1`` (a tensor-parallel
+            rank's share; ``kvb_get_opts``): the array's heads axis is ``count`` long.
+            A range beyond the model's heads raises BadArgument naming them.
 
         Returns
         -------
         ndarray
             ``out``, or a new ``[layers, 2, tokens, kv_heads, head_dim]`` array in the
-            model's dtype (uint16 for bf16).
+            model's dtype (uint16 for bf16; ``count`` heads with ``heads``).
 
         Raises
         ------
@@ -489,7 +517,7 @@ class Client:
         BufferSize
             ``out`` does not have the size of the requested layers.
         """
-        return self._get(model, hash, layers, None, out)
+        return self._get(model, hash, layers, None, out, heads)
 
     def get_layers(
         self,
@@ -539,9 +567,10 @@ class Client:
         pos: int,  # noqa: A002
         layers: LayerRange = None,
         out: np.ndarray | None = None,
+        heads: tuple[int, int] | None = None,
     ) -> np.ndarray:
         """Like :meth:`get`, with the keys re-rotated to positions ``pos..`` (exact RoPE)."""
-        return self._get(model, hash, layers, pos, out)
+        return self._get(model, hash, layers, pos, out, heads)
 
     def lookup(self, model: str, hashes: Sequence[HashLike]) -> builtins.list[ChunkInfo]:
         """Which of ``hashes`` are stored: one ChunkInfo each, in order (``found``)."""

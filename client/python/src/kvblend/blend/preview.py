@@ -174,6 +174,9 @@ def question_attention(
     for layer in range(stop + 1):
         err: BaseException | None = None
         try:
+            if getattr(ops, "fail_preview", None) == layer:  # a test hook (VllmLlamaOps)
+                ops.fail_preview = None
+                raise RuntimeError(f"kvblend: a failure injected in the preview at layer {layer}")
             q, k, v = ops.qkv(layer, h, pos_t)
             if ready is not None:
                 ready(layer)

@@ -229,6 +229,9 @@ class VllmLlamaOps:
     #: Test hook (the worker's FAIL_LOAD_ENV with ``layer L``): the pass's attention at
     #: this layer raises, once.
     fail_layer: int | None = None
+    #: Test hook (FAIL_LOAD_ENV with ``preview L``): the question or anchored metric's
+    #: preview raises at this layer, once (:func:`kvblend.blend.preview.question_attention`).
+    fail_preview: int | None = None
 
     def begin(self, n: int) -> None:
         pass
@@ -402,7 +405,7 @@ def blend_prompts(
     wait_s: float = 120.0,
     sink: Callable[[int, torch.Tensor], None] | None = None,
     ranks: TensorRanks | None = None,
-    fail_layer: int | None = None,
+    fail_layer: tuple[str, int] | None = None,
 ) -> list[tuple[torch.Tensor | None, list[np.ndarray], dict]]:
     """Blend several prompts in one pass over the layers (:func:`kvblend.blend.loop.blend_batch`).
 
@@ -419,10 +422,13 @@ def blend_prompts(
     ``ranks``: under tensor parallelism, every rank calls this with the same jobs; each
     lands and blends its KV heads (``kv`` then holds those), the ranks select together,
     and a batch runs as many prompts as every rank got regions for. ``fail_layer``: a
-    test hook (:attr:`VllmLlamaOps.fail_layer`).
+    test hook, ``("layer", L)`` (:attr:`VllmLlamaOps.fail_layer`) or ``("preview", L)``
+    (:attr:`VllmLlamaOps.fail_preview`).
     """
     ops = VllmLlamaOps(model)
-    ops.fail_layer = fail_layer
+    where, at = fail_layer if fail_layer is not None else (None, None)
+    ops.fail_layer = at if where == "layer" else None
+    ops.fail_preview = at if where == "preview" else None
     out: list = []
     while len(out) < len(jobs):
         first = len(out)
@@ -716,7 +722,7 @@ def load_blends(
     cache: PagedCache,
     wait_s: float = 120.0,
     ranks: TensorRanks | None = None,
-    fail_layer: int | None = None,
+    fail_layer: tuple[str, int] | None = None,
 ) -> list[tuple[list[np.ndarray], dict]]:
     """Blend requests' contexts, batched, and write the fused rows into vLLM's paged cache.
 
@@ -729,7 +735,8 @@ def load_blends(
     Any failure fails the call (the caller may run the requests one at a time). ``ranks``:
     under tensor parallelism every rank calls it with the same loads, and each writes its
     heads (:func:`blend_prompts`); a failure on one rank fails the call on all.
-    ``fail_layer``: a test hook, the pass fails at that layer (once).
+    ``fail_layer``: a test hook, ``("layer", L)``: the pass fails at layer L, or
+    ``("preview", L)``: the preview does (once; :func:`blend_prompts`).
     """
     out: list = [None] * len(loads)
     groups: dict[tuple, list[int]] = {}

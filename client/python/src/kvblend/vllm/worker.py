@@ -75,7 +75,8 @@ class WorkerSide:
         self._kv_cache_config = kv_cache_config
         self.cache = PagedCache(config.model, config.block_size)
         self._blend_model: Any = None
-        self._fail_layer: int | None = None  # FAIL_LOAD_ENV's "layer L": the next pass's
+        # FAIL_LOAD_ENV's "layer L" or "preview L", as ("layer", L): the next pass's
+        self._fail_layer: tuple[str, int] | None = None
         self._load_errors: set[int] = set()
         self._gathered: dict[str, np.ndarray] = {}
         self._dump_dir = os.environ.get(DUMP_ENV)
@@ -333,8 +334,11 @@ class WorkerSide:
                 ):
                     self._landing[ld.req_id] = ld
                     continue
+                # a tensor-parallel rank reads only its KV heads (a head range's GET)
+                mine = self.cache.heads
+                heads = mine if mine[1] < cfg.model.num_kv_heads else None
                 for c in ld.chunks:
-                    kv = client.get_rerotated(cfg.model_name, c.hash, pos=c.start)
+                    kv = client.get_rerotated(cfg.model_name, c.hash, pos=c.start, heads=heads)
                     rows = torch.from_numpy(kv[:, :, c.first - c.start : c.last - c.start])
                     self.cache.write(ld.block_ids, c.first, rows)
             except (Unavailable, TimeoutError) as e:
@@ -363,8 +367,10 @@ class WorkerSide:
         """Whether this rank takes the failure hook's file (FAIL_LOAD_ENV), removing it.
 
         A file reading ``rank N`` is tensor-parallel rank N's alone; any other, the first
-        rank's to remove it. ``layer L`` in it is for a blend (``blend``) only. Returns
-        None (not taken), -1 (fail the load now) or L (fail the blend's pass at layer L).
+        rank's to remove it. ``layer L`` or ``preview L`` in it is for a blend (``blend``)
+        only. Returns None (not taken), -1 (fail the load now), ``("layer", L)`` (fail the
+        blend's pass at layer L) or ``("preview", L)`` (fail its preview at layer L: the
+        question and anchored metrics').
         """
         try:
             with open(path) as f:
@@ -374,14 +380,15 @@ class WorkerSide:
         want = dict(zip(words[::2], words[1::2]))
         if "rank" in want and want["rank"] != str(self._tp_rank):
             return None
-        layer = int(want["layer"]) if want.get("layer", "").isdigit() else None
-        if layer is not None and not blend:
+        at = next(((k, int(want[k])) for k in ("layer", "preview")
+                   if want.get(k, "").isdigit()), None)
+        if at is not None and not blend:
             return None
         try:
             os.unlink(path)
         except FileNotFoundError:
             return None  # another rank took it first
-        return -1 if layer is None else layer
+        return -1 if at is None else at
 
     def _agreed_blends(self, loads: list[LoadSpec], mine: list[LoadSpec]) -> list[LoadSpec]:
         """The blends every tensor-parallel rank can run (each rank's own list may differ).
