@@ -11,13 +11,14 @@ empty, so the hit rate is what the queries' Zipf reuse gives):
   reuse            + KvblendConnector, separator <|endoftext|>, store on a miss, full reuse
                    through the pass ("blend": {"check_layers": [], "ratios": []}: every stored
                    chunk re-rotated into place, nothing recomputed; docs/vllm.md)
-  blend-value      + CacheBlend with the connector's defaults ("blend": {}: check layer 1,
-                   r = 0.15, the value metric)
+  blend-value      + CacheBlend, "blend": {"metric": "value"} (HKVD on V at check layer 1,
+                   r = 0.15: CacheBlend's own rule; the connector's default until 2026-12-05)
   blend-attention  + CacheBlend, "blend": {"metric": "attention"} (question-aware selection)
   blend-question   + CacheBlend, "blend": {"metric": "question"} (the question's attention
                    alone, previewed over every layer; on request)
   blend-anchored   + CacheBlend, "blend": {"metric": "anchored"} (the question's attention
-                   previewed on each chunk's anchors and one layer)
+                   previewed on each chunk's anchors and one layer; the connector's
+                   default, "blend": {}, since 2026-12-05)
 
 Corpus: real prose available offline: the docstrings (module, then its public classes and
 functions, inspect.getdoc) of 86 Python standard-library modules of the interpreter that
@@ -123,7 +124,7 @@ CONFIGS = {
     "plain": {"prefix_caching": False, "kv": None},
     "prefix": {"prefix_caching": True, "kv": None},
     "reuse": {"prefix_caching": True, "kv": {"blend": {"check_layers": [], "ratios": []}}},
-    "blend-value": {"prefix_caching": True, "kv": {"blend": {}}},
+    "blend-value": {"prefix_caching": True, "kv": {"blend": {"metric": "value"}}},
     "blend-attention": {"prefix_caching": True, "kv": {"blend": {"metric": "attention"}}},
     # the question's attention alone (A3-style) and its compressed preview (QCFuse-style),
     # issue 35's rules, at the connector's r = 0.15
@@ -131,7 +132,8 @@ CONFIGS = {
     "blend-anchored": {"prefix_caching": True, "kv": {"blend": {"metric": "anchored"}}},
     # CacheBlend with each layer of a store waiting for 20 ms of idle engine first
     # (store_idle_ms; blend-value's stores run as soon as the engine is between steps)
-    "blend-value-idle": {"prefix_caching": True, "kv": {"blend": {}, "store_idle_ms": 20}},
+    "blend-value-idle": {"prefix_caching": True,
+                         "kv": {"blend": {"metric": "value"}, "store_idle_ms": 20}},
 }
 #: blend-METRIC@R: CacheBlend by that metric at the connector's ratio R (e.g. blend-anchored@0.25)
 CUSTOM = re.compile(r"blend-(value|key|attention|question|anchored)@(0(?:\.\d+)?|1(?:\.0*)?)")
@@ -518,6 +520,42 @@ def run_config(name, args, prompts, warm, tmp, env):
     return recs, lookups, secs, wall
 
 
+def bootstrap_mean(diffs, n=10000, seed=1):
+    """Mean of paired differences with its 90% bootstrap interval (seeded, n resamples)."""
+    rng, m = random.Random(seed), len(diffs)
+    means = sorted(sum(diffs[rng.randrange(m)] for _ in range(m)) / m for _ in range(n))
+    return sum(diffs) / m, means[int(0.05 * n)], means[int(0.95 * n)]
+
+
+def paired(res, out):
+    """Each CacheBlend configuration against the others, query by query.
+
+    Per pair: the mean difference of first-token KL against plain's (90% bootstrap
+    interval, the queries resampled), on how many queries the first is lower, and the
+    median of the per-query TTFT ratio. What docs/EVAL.md's rule for a default reads
+    ("a 90% interval excluding zero ... and no worse in TTFT").
+    """
+    names = [n for n in res if n.startswith("blend-")]
+    ref = res.get("plain")
+    if ref is None or len(names) < 2:
+        return
+    out("")
+    out("paired, query by query (KL of the first token against plain's; 90% bootstrap "
+        "interval):")
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            pairs = [(kl_top(rf["top0"], x["top0"]), kl_top(rf["top0"], y["top0"]),
+                      x["ttft_s"] / y["ttft_s"])
+                     for rf, x, y in zip(ref, res[a], res[b])]
+            pairs = [p for p in pairs if p[0] is not None and p[1] is not None]
+            if not pairs:
+                continue
+            mean, lo, hi = bootstrap_mean([x - y for x, y, _ in pairs])
+            lower = sum(x < y for x, y, _ in pairs)
+            out(f"  {a} - {b}: KL {mean:+.4f} ({lo:+.4f} .. {hi:+.4f}), lower on {lower} of "
+                f"{len(pairs)}; TTFT {a}/{b} median {pct([r for _, _, r in pairs], 0.5):.2f}x")
+
+
 def from_json(args):
     """Print the table (and write the plot) of a run saved with --out."""
     data = json.loads(Path(args.from_json).read_text())
@@ -529,6 +567,7 @@ def from_json(args):
                       seen_before([q["docs"] for q in data["queries"]]))
         rows.append({**s, **m})
     table(rows, print)
+    paired(res, print)
     for name, why in data.get("failed", {}).items():
         print(f"{name}: FAILED: {why}")
     if args.plot:
@@ -626,6 +665,7 @@ def main():
               flush=True)
         save()
     table(rows, print)
+    paired(results, print)
     for name, why in failed.items():
         print(f"{name}: FAILED: {why}")
     print(f"\nbench_rag: {time.monotonic() - t_all:.0f} s in all, load average {os.getloadavg()}")

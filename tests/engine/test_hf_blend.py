@@ -30,7 +30,9 @@ a question (about 330 tokens):
 (h) the anchored metric (QCFuse-style compressed preview, issue 35) at r=0.15: A summed
     over heads equals eval/rules.py's qcfuse_score over eval/qsel.py's question_pass with
     the same anchors and critical layer within TOL_A, the selection is its top tokens, and
-    the fused KV equals blend_forward recomputing them, and a classic session's bit for bit.
+    the fused KV equals blend_forward recomputing them, and a classic session's bit for bit;
+    blend(segments) with no metric nor check layers is that blend (the default), and
+    blend(segments, (1,), (0.15,)) the value metric's.
 Exit 0 when all pass, 1 on a failure, 77 when KVBLEND_SKIP_ENGINE=1.
 """
 
@@ -335,9 +337,20 @@ def check_anchored(b, req, twin):
     cl = classic.blend(req.segments, ratios=(r,), metric="anchored")
     if not torch.equal(cl.kv, bl.kv) or not np.array_equal(cl.selections[0], bl.selections[0]):
         fail("anchored: the classic session's blend differs from the landing one's")
+    # the default: no metric and no check layers is the anchored metric at 0.15 (the
+    # connector's default too); check layers and no metric stay the value metric
+    dflt = b.blend(req.segments)
+    if not torch.equal(dflt.kv, bl.kv) or not np.array_equal(dflt.selections[0],
+                                                             bl.selections[0]):
+        fail("blend(segments) is not the anchored metric at r = 0.15")
+    val = b.blend(req.segments, (1,), (r,))
+    if val.attention is not None or len(val.selections) != 1 or np.array_equal(
+            val.selections[0], bl.selections[0]):
+        fail("blend(segments, (1,), (0.15,)) is not the value metric at layer 1")
     print(f"  (h) anchored r={r}: A within {err:.1e} of eval's qcfuse_score (anchors every 32, "
           f"layer {CRITICAL_LAYER}); {sel.size} tokens, eval's selection; fused KV within "
-          f"{worst:.1e}, the classic session's bit for bit")
+          f"{worst:.1e}, the classic session's bit for bit; blend(segments) is this blend "
+          "(the default), blend(segments, (1,), (0.15,)) the value metric's")
 
 
 if __name__ == "__main__":

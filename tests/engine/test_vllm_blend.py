@@ -69,8 +69,21 @@ def check_config():
     from kvblend.vllm import config, plan
 
     good = config.config_from_extra({"blend": {}}, "LlamaForCausalLM", 30)
-    if good != plan.BlendConfig((1,), (0.15,), "value"):
+    if good != plan.BlendConfig((), (0.15,), "anchored"):
         fail(f"defaults: {good}")
+    # settings written for the value metric's check layers keep meaning what they meant
+    # (check layers and no metric: value), whichever metric is the default
+    for raw, want in (({"check_layers": [1], "ratios": [0.3]}, ((1,), (0.3,), "value")),
+                      ({"check_layers": [2]}, ((2,), (0.15,), "value")),
+                      ({"check_layers": [], "ratios": []}, ((), (), "value")),
+                      ({"metric": "value"}, ((1,), (0.15,), "value")),
+                      ({"ratios": [0.05]}, ((), (0.05,), "anchored"))):
+        got = config.config_from_extra({"blend": raw}, "LlamaForCausalLM", 30)
+        if got != plan.BlendConfig(*want):
+            fail(f"{raw}: {got}, expected {want}")
+        over = plan.blend_settings(raw, 30, good, "kvblend.blend")  # a request's own
+        if over != plan.BlendConfig(*want):
+            fail(f"a request's {raw} over the defaults: {over}, expected {want}")
     q = config.config_from_extra({"blend": {"metric": "question"}}, "LlamaForCausalLM", 30)
     if q != plan.BlendConfig((), (0.15,), "question"):
         fail(f"the question metric's defaults: {q}")
@@ -111,7 +124,8 @@ def check_config():
     except ValueError as e:  # ParamError: the request is served as plain vLLM, logged
         if "kvblend.blend.ratios" not in str(e):
             fail(f"message {e!r}")
-    print(f"  (a) blend settings: defaults, {len(bad)} malformed ones refused by name, "
+    print(f"  (a) blend settings: defaults (anchored, 0.15; check layers without a metric "
+          f"mean value), {len(bad)} malformed ones refused by name, "
           "GemmaForCausalLM served as plain reuse; a request's own settings split off, "
           "'blend': false is full reuse, a malformed override is a parameter error")
 

@@ -12,7 +12,7 @@ node-a when node-b's engine asks (with two members and the default R = 2 both ow
 everything and nothing is ever fetched). The four documents below are placed two on each
 (checked with place_tool, so a change of documents that leaves one path unused fails).
 Engines run one at a time, each a vLLM LLM with the KvblendConnector on its own daemon,
-the separator ``<|endoftext|>`` and ``blend`` (defaults: value metric, layer 1, r = 0.15),
+the separator ``<|endoftext|>`` and ``blend`` (value metric, layer 1, r = 0.15),
 prefix caching on and reset before each request whose output is compared:
 
 (a) engine A on node-a: plain vLLM's outputs of every prompt (opted out, prefix cache
@@ -131,7 +131,7 @@ def start_engine(model_dir, endpoint):
 
     # load_cost_check off: a fetch from the other member is slow, and must be loaded here
     extra = {"endpoint": endpoint, "timeout_ms": 60000, "chunk_separator_text": SEPARATOR,
-             "blend": {}, "load_cost_check": False}
+             "blend": {"metric": "value"}, "load_cost_check": False}
     t0 = time.monotonic()
     llm = LLM(model=model_dir, enforce_eager=True, dtype="float32", max_model_len=1024,
               seed=0, enable_prefix_caching=True,

@@ -13,8 +13,31 @@ def settings(raw, base=plan.DEFAULT_CONFIG):
     return plan.blend_settings(raw, L, base, "blend")
 
 
-def test_defaults_are_cacheblend_value_metric():
-    assert settings({}) == plan.BlendConfig((1,), (0.15,), "value")
+def test_defaults_are_the_anchored_metric():
+    # docs/EVAL.md, "The default, from bench_rag"
+    assert settings({}) == plan.BlendConfig((), (0.15,), "anchored")
+    assert settings({"ratios": [0.3]}) == plan.BlendConfig((), (0.3,), "anchored")
+
+
+@pytest.mark.parametrize(
+    "raw, want",
+    [
+        ({"check_layers": [1], "ratios": [0.3]}, ((1,), (0.3,), "value")),
+        ({"check_layers": [2, 5]}, None),  # value's one ratio for two layers: refused
+        ({"check_layers": [4]}, ((4,), (0.15,), "value")),
+        ({"check_layers": [], "ratios": []}, ((), (), "value")),  # full reuse, as before
+        ({"metric": "key"}, ((1,), (0.15,), "key")),
+    ],
+)
+def test_check_layers_without_a_metric_mean_value(raw, want):
+    # settings written when value was the default keep their meaning
+    if want is None:
+        with pytest.raises(ValueError, match="one ratio per check layer"):
+            settings(raw)
+        return
+    assert settings(raw) == plan.BlendConfig(*want)
+    # and so does a request's override of the default
+    assert settings(raw, settings({})) == plan.BlendConfig(*want)
 
 
 @pytest.mark.parametrize("metric", plan.NODE_SELECTS)

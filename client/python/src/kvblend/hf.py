@@ -343,7 +343,7 @@ class Blender:
         segments: Sequence[tuple[str, Any]],
         check_layers: Sequence[int] | None = None,
         ratios: Sequence[float] = (0.15,),
-        metric: str = "value",
+        metric: str | None = None,
         keep_checks: bool = False,
     ) -> Blend:
         """CacheBlend prefill of a prompt made of stored chunks and fresh tokens.
@@ -361,9 +361,13 @@ class Blender:
             ``("fresh", ids)`` for tokens to compute. The last segment must be fresh.
         check_layers, ratios : sequences
             Increasing layers, one ratio in [0, 1] per layer, not increasing. The
-            check layers default to ``(1,)``, and to none for the question metric,
-            which takes one ratio: the share of chunk tokens recomputed at every layer.
-        metric : str
+            check layers default to ``(1,)``, and to none for the question and
+            anchored metrics, which take one ratio: the share of chunk tokens
+            recomputed at every layer.
+        metric : str, optional
+            Default: ``"anchored"`` when ``check_layers`` is not given, else
+            ``"value"`` (check layers are the HKVD metrics'; docs/EVAL.md, "The
+            default, from bench_rag").
             ``"value"`` (CacheBlend), ``"key"``, ``"attention"`` (question-aware,
             docs/fuse.md): first the question (the last segment) runs alone through
             every layer over the stored chunks re-rotated (a reuse-only session) and
@@ -387,6 +391,8 @@ class Blender:
             Bad segments, check layers, ratios or metric.
         """
         t0 = time.perf_counter()
+        if metric is None:
+            metric = "anchored" if check_layers is None else "value"
         if metric not in _METRICS:
             raise ValueError(f"metric {metric!r}: value, key, attention, question or anchored")
         if check_layers is None:
@@ -511,7 +517,7 @@ class Blender:
         max_new_tokens: int = 32,
         check_layers: Sequence[int] | None = None,
         ratios: Sequence[float] = (0.15,),
-        metric: str = "value",
+        metric: str | None = None,
         blend: Blend | None = None,
         **generate_kwargs: Any,
     ) -> list[int]:

@@ -146,8 +146,10 @@ def config_from_extra(
 ) -> BlendConfig | None:
     """Parse ``extra["blend"]`` (absent or None: no blending).
 
-    ``{"check_layers": [1], "ratios": [0.15], "metric": "value"}`` (the defaults); ``{}``
-    takes all defaults. Returns None, with the reason in the log, for a model whose
+    ``{"metric": "anchored", "ratios": [0.15]}`` (the defaults); ``{}`` takes all
+    defaults. Settings with ``check_layers`` and no ``metric`` take the value metric
+    (check layer 1, ratio 0.15 for what they leave out), as before anchored became the
+    default. Returns None, with the reason in the log, for a model whose
     architecture (or an option of it in ``hf_config``, the model's Hugging Face config)
     the blend pass does not drive (:func:`kvblend.blend.arch.check_config`): its requests are served
     as plain reuse.

@@ -334,7 +334,10 @@ class BlendLoad:
         return fresh + int(round(self.config.ratios[-1] * (len(self.ids) - fresh)))
 
 
-DEFAULT_CONFIG = BlendConfig((1,), (0.15,), "value")
+#: The connector's default (docs/EVAL.md, "The default, from bench_rag"): the anchored
+#: metric at r = 0.15. Settings that give check layers without a metric keep the value
+#: metric (:func:`blend_settings`).
+DEFAULT_CONFIG = BlendConfig((), (0.15,), "anchored")
 #: The selection metrics (docs/fuse.md): HKVD on V or K, question-aware HKVD
 #: ("attention"), or the question's attention alone with no check layer: its attention
 #: summed over layers ("question"), or at one layer over anchor tokens ("anchored").
@@ -359,6 +362,11 @@ def blend_settings(raw: Any, num_layers: int, base: BlendConfig, where: str) -> 
     unknown = set(raw) - {"check_layers", "ratios", "metric"}
     if unknown:
         raise ValueError(f"{where}: unknown keys {sorted(map(str, unknown))}")
+    if "metric" not in raw and "check_layers" in raw and base.metric in NODE_SELECTS:
+        # check layers are the HKVD metrics' (no check layers and no ratios: full reuse):
+        # settings that name them and no metric mean what they meant before the default
+        # became a metric without check layers
+        base = BlendConfig(*METRIC_DEFAULTS["value"], "value")
     metric = raw.get("metric", base.metric)
     if metric not in METRICS:
         raise ValueError(f"{where}.metric {metric!r}: {', '.join(map(repr, METRICS))}")
