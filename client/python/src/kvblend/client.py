@@ -455,23 +455,16 @@ class Client:
         ptr = ctypes.c_void_p(out.ctypes.data)
         with self._lock:
             c = self._handle()
-            if heads is not None:
-                o = _lib.KvbGetOpts(
-                    ctypes.sizeof(_lib.KvbGetOpts),
-                    begin,
-                    end,
-                    rerotate_pos is not None,
-                    rerotate_pos or 0,
-                    heads[0],
-                    heads[1],
-                )
-                rc = lib.kvb_get_opts(c, _name(model), h, ctypes.byref(o), ptr, out.nbytes, None)
-            elif rerotate_pos is None:
-                rc = lib.kvb_get(c, _name(model), h, begin, end, ptr, out.nbytes, None)
-            else:
-                rc = lib.kvb_get_rerotated(
-                    c, _name(model), h, begin, end, rerotate_pos, ptr, out.nbytes, None
-                )
+            # kvb_get and kvb_get_rerotated are this call with no head range
+            o = _lib.KvbGetOpts(
+                ctypes.sizeof(_lib.KvbGetOpts),
+                begin,
+                end,
+                rerotate_pos is not None,
+                rerotate_pos or 0,
+                *(heads or (0, 0)),
+            )
+            rc = lib.kvb_get_opts(c, _name(model), h, ctypes.byref(o), ptr, out.nbytes, None)
             self._check(rc)
 
     def get(
