@@ -7,6 +7,7 @@ test file; tests import eval/, never the reverse, and no test file imports anoth
 two tests share lives here.
 """
 
+import os
 import sys
 from pathlib import Path
 
@@ -97,7 +98,7 @@ def read_cache(dump, n):
     hd = a.shape[-1] // bs
     k = a[:, :, :, 0].reshape(L, B, H, hd, bs).swapaxes(-1, -2)  # K stored transposed
     v = a[:, :, :, 1].reshape(L, B, H, bs, hd)
-    out = np.empty((L, 2, n, H, hd), np.float32)
+    out = np.empty((L, 2, n, H, hd), raw.dtype)  # (bfloat16: its raw bits, uint16)
     for t in range(n):
         j = blocks.index(table[t // bs])
         out[:, 0, t], out[:, 1, t] = k[:, j, :, t % bs], v[:, j, :, t % bs]
@@ -114,3 +115,30 @@ def install(target):
         sys.exit(1)
     print("  (a) installed; entry point vllm.general_plugins: kvblend = "
           "kvblend.vllm.plugin:register")
+
+
+def engine_env(prefix, first=()):
+    """Install the package into a temporary folder for an engine this process starts.
+
+    The engine's processes import kvblend from the installed copy (its entry point needs
+    the metadata) and the tests' modules from here, after the folders ``first``; so does
+    this process (its kvblend modules imported from elsewhere are dropped). vLLM's CPU
+    settings for these tests are set unless given, and the worker's load dumps go to
+    ``<folder>/dump``. Returns the folder (the caller removes it).
+    """
+    import tempfile
+
+    tmp = Path(tempfile.mkdtemp(prefix=prefix))
+    site = tmp / "site"
+    install(site)
+    here = str(Path(__file__).resolve().parent)
+    paths = [str(p) for p in first] + [str(site), here]
+    os.environ["PYTHONPATH"] = os.pathsep.join(paths)
+    sys.path[:0] = [p for p in paths if p != here]
+    for name in [m for m in sys.modules if m == "kvblend" or m.startswith("kvblend.")]:
+        del sys.modules[name]
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    (tmp / "dump").mkdir()
+    os.environ["KVBLEND_VLLM_DUMP_DIR"] = str(tmp / "dump")
+    return tmp

@@ -33,6 +33,11 @@ a question (about 330 tokens):
     the fused KV equals blend_forward recomputing them, and a classic session's bit for bit;
     blend(segments) with no metric nor check layers is that blend (the default), and
     blend(segments, (1,), (0.15,)) the value metric's.
+(i) bfloat16 (what models run in on GPUs; the blend pass keeps its KV as raw bits on the
+    host, kvblend.blend.host): the same model in bfloat16 stores each chunk as its own
+    prefill's bits; full reuse lands every chunk row as the daemon's re-rotation of it
+    (GET re-rotated) bit for bit; r = 1.0 gives transformers' bfloat16 full prefill's KV;
+    the landing and classic sessions fuse bit for bit alike; the anchored default runs.
 Exit 0 when all pass, 1 on a failure, 77 when KVBLEND_SKIP_ENGINE=1.
 """
 
@@ -55,6 +60,7 @@ import transformers  # noqa: E402
 
 import kvblend  # noqa: E402
 import kvblend.hf as kh  # noqa: E402
+from kvblend.blend import host  # noqa: E402
 from kvblend.blend.preview import critical_layer  # noqa: E402
 from cacheblend import (  # noqa: E402
     Request,
@@ -146,6 +152,8 @@ def main():
     try:
         with kvblend.Client(d.endpoint, timeout_ms=120000) as c:
             run(model, twin, c, segs)
+            del twin
+            check_bf16(args.model, c, segs)
     finally:
         d.stop()
     print(f"test_hf_blend: all passed in {time.monotonic() - t0:.0f} s")
@@ -251,6 +259,57 @@ def run(model, twin, c, segs):
         if "GemmaForCausalLM is not supported" not in str(e):
             fail(f"refusal message: {e}")
         print(f"  (e) refused: {e}")
+
+
+def check_bf16(path, c, segs):
+    """(i): the blend pass in bfloat16, its KV held as raw bits on the host."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    model.eval()
+    b = kh.Blender(model, c)
+    if b.spec.dtype != "bf16":
+        fail(f"a bfloat16 model described as {b.spec.dtype}")
+    chunks = [(k, np.asarray(t, np.int64)) for k, t in segs]
+    hashes = [b.store(t) for k, t in chunks if k == "chunk"]
+    first = next(t for k, t in chunks if k == "chunk")
+    stored = c.get(b.spec.name, hashes[0])
+    if stored.dtype != np.uint16 or not np.array_equal(stored, b.prefill_kv(first)):
+        fail("(i) bf16: the stored chunk is not its prefill's bits")
+    ids = np.concatenate([t for _, t in chunks])
+    x = torch.as_tensor(ids)[None]
+    with torch.no_grad():
+        pkv = model(x, use_cache=True).past_key_values
+    full = torch.stack([torch.stack([pkv.layers[i].keys[0].transpose(0, 1),
+                                     pkv.layers[i].values[0].transpose(0, 1)])
+                        for i in range(len(pkv.layers))]).float()
+    reuse = b.blend(segs, (), ())
+    if reuse.kv.dtype != torch.bfloat16:
+        fail(f"(i) bf16: fused KV of {reuse.kv.dtype}")
+    got = host.array(reuse.kv)
+    pos, i = 0, 0
+    for kind, t in chunks:
+        if kind == "chunk":
+            want = c.get_rerotated(b.spec.name, hashes[i], pos=pos)
+            if not np.array_equal(got[:, :, pos : pos + t.size], want):
+                fail(f"(i) bf16: full reuse's chunk {i} rows are not the daemon's re-rotation")
+            i += 1
+        pos += t.size
+    everything = b.blend(segs, (1,), (1.0,))
+    worst = max(float((everything.kv[la, p].float() - full[la, p]).abs().max()
+                      / full[la, p].abs().max()) for la in range(full.shape[0]) for p in range(2))
+    # bfloat16 has 8 bits of mantissa: one unit in the last place is 2^-8 of a value
+    if worst > 2.0 ** -8:
+        fail(f"(i) bf16: r=1.0 differs from the full prefill by {worst:.2e} of a layer's scale")
+    land = b.blend(segs, (1,), (0.15,))
+    cl = kh.Blender(model, c, landing=False).blend(segs, (1,), (0.15,))
+    if not torch.equal(cl.kv, land.kv):
+        fail("(i) bf16: the classic session's fused KV differs from the landing one's")
+    default = b.blend(segs)
+    if not bool(torch.isfinite(default.kv.float()).all()) or not default.selections[-1].size:
+        fail("(i) bf16: the anchored default gave no selection or values that are not finite")
+    print(f"  (i) bf16: stored bits, full reuse's rows bit for bit, r=1.0 within {worst:.1e} of "
+          f"the full prefill's scale, landing = classic, anchored default "
+          f"{default.selections[-1].size} rows")
+    b.close()
 
 
 def check_attention(b, c, req, twin, hashes):

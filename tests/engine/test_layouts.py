@@ -15,7 +15,11 @@ today. For each GPU layout (kvblend.vllm.layout.INTERLEAVED):
     positions, blocks of 16: chunks and blocks do not line up) through region_views and
     a real kvblendd lands, in every layer, rows byte for byte equal to those the same
     landing puts in the CPU "vec" cache;
-(c) the refusals: head_dim not contiguous, a CPU ISA other than "vec".
+(c) the refusals: head_dim not contiguous, a CPU ISA other than "vec";
+(d) bfloat16 (what models run in on GPUs) in the LBNHC layout: a chunk copied into the
+    cache as the worker's copy path does it (GET re-rotated, PagedCache.write_host) holds
+    the daemon's bits exactly, gather (the store's path) reads them back as raw bits, and
+    rows of raw bits instead of bfloat16 are refused rather than converted as numbers.
 
 Exit 0 when every check passes, 1 on a failure, 77 when KVBLEND_SKIP_ENGINE=1.
 """
@@ -58,18 +62,18 @@ class Attn:
             self.isa = isa
 
 
-def spec():
+def spec(dtype=torch.float32):
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     return FullAttentionSpec(block_size=BS, num_kv_heads=MODEL.num_kv_heads,
-                             head_size=MODEL.head_dim, dtype=torch.float32)
+                             head_size=MODEL.head_dim, dtype=dtype)
 
 
-def views(buf, layout):
+def views(buf, layout, dtype=torch.float32):
     """Each layer's cache as vLLM makes it in ``layout`` over ``buf`` (int8)."""
     from vllm.v1.kv_cache_interface import KVCacheTensor, create_kv_cache_views
 
-    page = spec().page_size_bytes
+    page = spec(dtype).page_size_bytes
     n = len(NAMES)
     if layout.is_layer_compact:
         t = KVCacheTensor(size=page * NB * n, layers=NAMES, layer_stride=page * NB,
@@ -77,7 +81,47 @@ def views(buf, layout):
     else:
         t = KVCacheTensor(size=page * NB * n, layers=NAMES, layer_stride=page,
                           block_stride=page * n)
-    return dict(zip(NAMES, create_kv_cache_views(buf, spec(), NB, layout, t))), page * NB * n
+    return (dict(zip(NAMES, create_kv_cache_views(buf, spec(dtype), NB, layout, t))),
+            page * NB * n)
+
+
+def check_bf16(c, rng):
+    """(d): a bfloat16 cache in vLLM's GPU layout, through the worker's copy path."""
+    from kvblend.blend import host
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    m = kvblend.Model("layout-bf16", MODEL.num_layers, MODEL.num_kv_heads, MODEL.head_dim,
+                      dtype="bf16", rope_theta=1e4)
+    c.model_register(m)
+    kv = torch.from_numpy(rng.standard_normal((m.num_layers, 2, TB, 2, 16)).astype(np.float32))
+    raw = host.array(kv.to(torch.bfloat16))  # the chunk as kvblend holds it: raw bits
+    h = kvblend.chunk_hash(list(range(90, 90 + TB)))
+    c.put(m.name, h, raw)
+    got = c.get_rerotated(m.name, h, pos=TA)  # the chunk at TA..TA+TB-1, as a copied load
+    check("(d) bf16: GET answers raw bits", got.dtype == np.uint16, str(got.dtype))
+    buf = torch.zeros(spec(torch.bfloat16).page_size_bytes * NB * len(NAMES), dtype=torch.int8)
+    cache_v, _ = views(buf, KVCacheLayout.LBNHC, torch.bfloat16)
+    cache = L.PagedCache(m, BS)
+    cache.register(cache_v, {n: Attn() for n in NAMES}, kind=L.INTERLEAVED)
+    cache.write_host(TABLE, TA, got)
+    bits = all(
+        np.array_equal(host.array(cache_v[NAMES[i]][TABLE[p // BS], :, p % BS, :16].clone()),
+                       got[i, 0, p - TA])
+        and np.array_equal(host.array(cache_v[NAMES[i]][TABLE[p // BS], :, p % BS, 16:].clone()),
+                           got[i, 1, p - TA])
+        for i in range(m.num_layers) for p in range(TA, TA + TB))
+    check("(d) bf16: the copied rows hold the daemon's bits in vLLM's view", bits)
+    back = np.zeros((m.num_layers, 2, TA + TB, 2, 16), np.uint16)
+    for i in range(m.num_layers):
+        cache.gather(i, TABLE, TA + TB, back[i])
+    check("(d) bf16: gather reads the raw bits back", np.array_equal(back[:, :, TA:], got))
+    check("(d) bf16: the V rows are the stored ones, the K rows re-rotated",
+          np.array_equal(got[:, 1], raw[:, 1]) and not np.array_equal(got[:, 0], raw[:, 0]))
+    try:
+        cache.write(TABLE, TA, torch.from_numpy(got.view(np.int16)))
+        check("(d) bf16: raw bits as rows are refused", False)
+    except L.LayoutError as e:
+        check("(d) bf16: raw bits as rows are refused", "bfloat16" in str(e), str(e))
 
 
 def land(c, cache, region, size, segs):
@@ -174,6 +218,7 @@ def main():
                 check("(c) a CPU ISA other than 'vec' is refused", False)
             except L.LayoutError as e:
                 check("(c) a CPU ISA other than 'vec' is refused", "'amx'" in str(e), str(e))
+            check_bf16(c, rng)
             del buf, kv, vec_views, bad, odd, vec, cache
             c.free_region(region)
     finally:

@@ -38,7 +38,6 @@ import argparse
 import os
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -175,21 +174,10 @@ def main():
     if not args.model:
         fail("no model: --model or KVBLEND_ENGINE_MODEL")
     t0 = time.monotonic()
-    sys.path.insert(0, str(HERE))
-    from fixtures import install
+    from fixtures import engine_env
 
-    tmp = tempfile.mkdtemp(prefix="kvblend-blend.")
-    site = Path(tmp) / "site"
-    install(site)
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(site), str(HERE)])
-    sys.path[:0] = [str(site)]
-    for name in [m for m in sys.modules if m == "kvblend" or m.startswith("kvblend.")]:
-        del sys.modules[name]
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    dump_dir = Path(tmp) / "dump"
-    dump_dir.mkdir()
-    os.environ["KVBLEND_VLLM_DUMP_DIR"] = str(dump_dir)
+    tmp = engine_env("kvblend-blend.")
+    dump_dir = tmp / "dump"
     check_config()
 
     from fixtures import Daemon

@@ -36,6 +36,7 @@ import torch
 
 from . import describe as _describe
 from .blend import arch as _arch
+from .blend import host
 from .blend.attention import causal_attention
 from .blend.loop import Prompt, blend_batch, blend_layers
 from .blend.preview import (
@@ -52,7 +53,11 @@ from .types import Model
 
 #: Architectures whose decoder layers this module drives (:mod:`kvblend.blend.arch`).
 SUPPORTED_ARCHITECTURES = tuple(_arch.ARCHITECTURES)
-_DTYPES = {torch.float32: ("f32", np.float32), torch.float16: ("f16", np.float16)}
+_DTYPES = {
+    torch.float32: ("f32", np.float32),
+    torch.float16: ("f16", np.float16),
+    torch.bfloat16: ("bf16", np.uint16),  # raw bits (kvblend.blend.host)
+}
 _METRICS = ("value", "key", "attention", "question", "anchored")
 _NODE_SELECTS = ("question", "anchored")  # no check layer: the node selects
 
@@ -87,7 +92,7 @@ def _check_model(model: Any) -> _arch.Arch:
     if _sliding(cfg):
         raise Unsupported("kvblend.hf: sliding-window attention is not handled")
     if model.dtype not in _DTYPES:
-        raise Unsupported(f"kvblend.hf: dtype {model.dtype}; float32 or float16")
+        raise Unsupported(f"kvblend.hf: dtype {model.dtype}; float32, float16 or bfloat16")
     if cfg.num_attention_heads % cfg.num_key_value_heads:
         raise Unsupported("kvblend.hf: attention heads not a multiple of the KV heads")
     return arch
@@ -311,7 +316,7 @@ class Blender:
             torch.stack([pkv.layers[i].keys[0], pkv.layers[i].values[0]]).transpose(1, 2)
             for i in range(self.spec.num_layers)
         ]
-        return torch.stack(layers).cpu().numpy().astype(self.np_dtype, copy=False)
+        return host.array(torch.stack(layers).cpu().contiguous())
 
     def store(self, ids: Sequence[int]) -> bytes:
         """Store chunk ids (prefilled alone at position 0) unless stored; return its hash."""
@@ -428,7 +433,8 @@ class Blender:
                 )
             else:
                 land_chunks(self.client, self.spec.name, segs, buf, False)
-                a = question_attention(self._ops, torch.from_numpy(buf), rows, t, np.arange(s, n))
+                kv = host.tensor(buf, self.model.dtype)
+                a = question_attention(self._ops, kv, rows, t, np.arange(s, n))
         if self.landing:
             sess = self.client.fuse_open_into(
                 self.spec.name, segs, buf[:, 0], buf[:, 1], checks, list(ratios), metric
@@ -457,7 +463,7 @@ class Blender:
         def select(sess: Any, ready: Any) -> tuple:
             a, own = node_selection(
                 self._ops,
-                torch.from_numpy(buf),
+                host.tensor(buf, self.model.dtype),
                 cached,
                 chunks,
                 t,
@@ -499,7 +505,7 @@ class Blender:
         inner = self.model.model
         logits = self.model.lm_head(inner.norm(r.h[-1:]))[0].float().cpu()
         # the buffer is reused by the next blend: the Blend gets a copy
-        kv = torch.from_numpy(buf).clone()
+        kv = host.tensor(buf, self.model.dtype).clone()
         return Blend(
             ids=ids,
             kv=kv,

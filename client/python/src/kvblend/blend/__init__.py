@@ -6,9 +6,10 @@
 - :mod:`~kvblend.blend.attention`: the attention of some rows over a layer's KV, causal
   in prompt order;
 - :mod:`~kvblend.blend.preview`: the question's preview for the attention metric;
-- :mod:`~kvblend.blend.arch`: what each architecture of the Llama family asks of the pass.
+- :mod:`~kvblend.blend.arch`: what each architecture of the Llama family asks of the pass;
+- :mod:`~kvblend.blend.host`: host KV buffers as torch tensors and back (bfloat16 too).
 
 Used by :mod:`kvblend.hf` (transformers' modules) and :mod:`kvblend.vllm` (vLLM's). This
-package imports nothing itself: ``loop``, ``attention`` and ``preview`` import torch when
+package imports nothing itself: ``loop``, ``attention``, ``preview`` and ``host`` import torch when
 imported, ``arch`` only the standard library; ``import kvblend`` imports none of them.
 """

@@ -17,6 +17,8 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from . import host
+
 
 class LayerOps(Protocol):
     """What :func:`blend_layers` needs of a model (one decoder layer at a time).
@@ -199,7 +201,7 @@ def blend_batch(
         else:
             rows = np.arange(p.ids.size) if checks else np.flatnonzero(~p.cached)
         outs.append(LoopResult(h=None, rows=rows))
-        kvs.append(torch.from_numpy(p.buf))  # shares the buffer (the region, when landing)
+        kvs.append(host.tensor(p.buf, ops.kv_dtype))  # shares the buffer (the region)
         if p.attention is not None and p.recompute is None:
             p.sess.attention(p.attention)  # goes with the first check layer's call
     ops.begin(max(p.ids.size for p in prompts))
@@ -243,8 +245,8 @@ def blend_batch(
             try:
                 kc, vc = ks[i].to("cpu", ops.kv_dtype), vs[i].to("cpu", ops.kv_dtype)
                 kv[li, 0, rows_c[i]], kv[li, 1, rows_c[i]] = kc, vc
-                plane = (torch.stack((kc, vc), 1) if metric == "attention"
-                         else (kc, vc)[m]).numpy()
+                plane = host.array(torch.stack((kc, vc), 1) if metric == "attention"
+                                   else (kc, vc)[m])
             except Exception as e:  # noqa: BLE001 - agreed on, then raised
                 if ranks is None:
                     raise
@@ -257,7 +259,8 @@ def blend_batch(
             elif not landing and li >= first and p.sess is not None:
                 # fills the fused layer (own rows included) from the layer after the first
                 # check layer on; at the first check layer the layer is the node's own
-                p.sess.layer(li, kc.numpy(), vc.numpy(), k_out=p.buf[li, 0], v_out=p.buf[li, 1])
+                p.sess.layer(li, host.array(kc), host.array(vc), k_out=p.buf[li, 0],
+                             v_out=p.buf[li, 1])
                 if li in checks:
                     new = p.sess.rows().astype(np.int64)
             try:  # under TP a failure here goes to the next agreement, as above
@@ -359,7 +362,7 @@ def prefill(ops: LayerOps, ids: np.ndarray, out: np.ndarray, lock: Any = None) -
     """
     dev = ops.device
     n = ids.size
-    kv = torch.from_numpy(out)
+    kv = host.tensor(out, ops.kv_dtype)
     rows_t = torch.arange(n, device=dev)
     lock = lock if lock is not None else contextlib.nullcontext()
     ops.begin(n)

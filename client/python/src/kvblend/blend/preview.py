@@ -27,6 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import host
+
 #: The first layer A sums (layers 0 and 1 attend broadly; eval/qsel.py's PREVIEW_FROM).
 PREVIEW_FROM = 2
 
@@ -307,7 +309,8 @@ def landed_preview(
     sess = client.fuse_open_into(model, segments, buf[:, 0], buf[:, 1])
     ready = LayerWait(sess, wait)
     try:
-        a = question_attention(ops, torch.from_numpy(buf), cached, question, positions, ready=ready)
+        kv = host.tensor(buf, ops.kv_dtype)
+        a = question_attention(ops, kv, cached, question, positions, ready=ready)
     except BaseException:
         _close_after_failure(sess)
         raise

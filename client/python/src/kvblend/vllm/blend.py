@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from ..blend import arch as _arch
+from ..blend import host
 from ..blend import loop as _loop
 from ..blend.attention import causal_attention
 from ..blend.preview import LayerWait, landed_preview, node_selection
@@ -52,7 +53,6 @@ logger = logging.getLogger(f"vllm.{__name__}")
 #: Architectures (and vLLM model classes of the same name) whose decoder layers this pass
 #: drives: the Llama family (:mod:`kvblend.blend.arch`).
 SUPPORTED_MODELS = tuple(_arch.ARCHITECTURES)
-_NP = {torch.float32: np.float32, torch.float16: np.float16}
 _LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 _ATTN_PARTS = ("qkv_proj", "rotary_emb", "o_proj", "q_size", "kv_size", "head_dim", "scaling")
 #: Regions a client keeps between blends (:class:`RegionPool`): at most this many, each
@@ -217,8 +217,8 @@ class VllmLlamaOps:
         self.num_layers = len(self.layers)
         self.device = next(model.parameters()).device
         self.kv_dtype = next(model.parameters()).dtype
-        if self.kv_dtype not in _NP:
-            raise BlendRefused(f"kvblend: dtype {self.kv_dtype}; float32 or float16")
+        if self.kv_dtype not in host.NP_DTYPES:
+            raise BlendRefused(f"kvblend: dtype {self.kv_dtype}; float32, float16 or bfloat16")
         a = self.layers[0].self_attn
         # vLLM's CPU attention kernel where it applies (several times faster than PyTorch's)
         self.attention = (
@@ -513,7 +513,7 @@ def _blend_batch(
                         preview_ms=t_pre * 1000,
                         preview_wait_ms=t_wait * 1000,
                     )
-                kv = torch.from_numpy(p.buf)
+                kv = host.tensor(p.buf, ops.kv_dtype)
                 if sink is not None:
                     sink(i, kv)
                 out.append((kv.clone() if sink is None else None, r.selections, st))
@@ -586,7 +586,7 @@ def _node_previews(
         ops.begin(p.ids.size + q.size)
         p.attention, p.recompute = node_selection(
             ops,
-            torch.from_numpy(p.buf),
+            host.tensor(p.buf, ops.kv_dtype),
             p.cached,
             spans,
             q,
@@ -613,7 +613,7 @@ def _prepare(
     b: _Batch,
 ) -> None:
     """A region, a landing session (and a preview) for each job the daemon grants a region."""
-    np_dtype = _NP[ops.kv_dtype]
+    np_dtype = host.np_dtype(ops.kv_dtype)
     heads = ranks.heads if ranks is not None else None
     for job in jobs:
         ids = np.asarray(job.ids, np.int64)

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..blend import host
 from ..types import Model
 
 
@@ -167,9 +168,13 @@ class PagedCache:
         """Write ``rows`` [layers, 2, n, kv_heads, head_dim] into the cache.
 
         At prompt positions ``first .. first + n - 1`` through the request's block table;
-        ``rows`` may be on another device than the cache (copied to the cache's). Rows of
-        all the model's KV heads are cut to this cache's range.
+        ``rows`` may be on another device than the cache (copied to the cache's), in the
+        cache's dtype (a bfloat16 cache takes bfloat16 rows, not their raw bits: see
+        :mod:`kvblend.blend.host`). Rows of all the model's KV heads are cut to this
+        cache's range.
         """
+        if rows.dtype != self.v[0].dtype:
+            raise LayoutError(f"rows of {rows.dtype} for a cache of {self.v[0].dtype}")
         h0, hn = self.heads
         if rows.shape[3] != hn:
             rows = rows[:, :, :, h0 : h0 + hn]
@@ -178,6 +183,13 @@ class PagedCache:
             r = rows[layer].to(self.v[layer].device)
             self.k[layer][blk, :, off, :] = r[0]
             self.v[layer][blk, :, off, :] = r[1]
+
+    def write_host(self, block_ids: Sequence[int], first: int, kv: np.ndarray) -> None:
+        """Write rows as the daemon answers them: a host array, bfloat16 as raw bits.
+
+        ``kv`` [layers, 2, n, heads, head_dim] in the model's host dtype; as :meth:`write`.
+        """
+        self.write(block_ids, first, host.tensor(kv, self.v[0].dtype))
 
     def gather(self, layer: int, block_ids: Sequence[int], length: int, out: np.ndarray) -> None:
         """Copy one layer's K and V of prompt positions 0 .. length - 1 into ``out``.
@@ -189,12 +201,14 @@ class PagedCache:
         if out.shape[2] != hn:
             out = out[:, :, h0 : h0 + hn]
         blk, off = slots(block_ids, 0, length, self.block_size)
-        torch.from_numpy(out[0])[:] = self.k[layer][blk, :, off, :].cpu()
-        torch.from_numpy(out[1])[:] = self.v[layer][blk, :, off, :].cpu()
+        dt = self.v[layer].dtype  # (bfloat16: out holds the raw bits, kvblend.blend.host)
+        host.tensor(out[0], dt)[:] = self.k[layer][blk, :, off, :].cpu()
+        host.tensor(out[1], dt)[:] = self.v[layer][blk, :, off, :].cpu()
 
     def raw_blocks(self, blocks: Sequence[int]) -> np.ndarray:
-        """Return the raw bytes' view of ``blocks`` in every layer [layers, len(blocks), ...]."""
-        return torch.stack([t[list(blocks)] for t in self.raw]).cpu().numpy()
+        """Return the raw values of ``blocks`` in every layer [layers, len(blocks), ...]
+        (bfloat16 as raw bits)."""
+        return host.array(torch.stack([t[list(blocks)] for t in self.raw]).cpu())
 
 
 def region_views(

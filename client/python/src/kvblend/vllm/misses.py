@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..blend import host
 from ..blend.loop import prefill
 from ..errors import KvblendError, Unavailable
 from ..types import Model
@@ -111,7 +112,7 @@ class MissStorer:
         # PyTorch's fused attention, not vLLM's CPU kernel: that kernel is not safe to run
         # beside the engine's own forward pass (a thread here corrupted the stored KV)
         ops.attention = causal_attention
-        np_dtype = {torch.float32: np.float32, torch.float16: np.float16}[ops.kv_dtype]
+        np_dtype = host.np_dtype(ops.kv_dtype)
         while True:
             m = self._q.get()
             if m is None:
@@ -120,7 +121,8 @@ class MissStorer:
             try:
                 buf = np.empty(self.spec.kv_shape(len(m.ids)), np_dtype)
                 prefill(ops, np.asarray(m.ids, np.int64), buf, self.between)
-                bad = buf.size - int(np.count_nonzero(np.isfinite(buf)))
+                kv = host.tensor(buf, ops.kv_dtype)
+                bad = kv.numel() - int(torch.isfinite(kv).sum())
                 if bad:  # never stored: every later request would load it
                     raise ValueError(f"its prefill gave {bad} values that are not finite")
                 self.link.client().put(self.spec.name, m.hash, buf, base_pos=0)

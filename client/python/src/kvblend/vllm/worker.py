@@ -89,6 +89,9 @@ class WorkerSide:
         self._failed_tokens = 0
         self._step_t0: float | None = None
         self._step_tokens = 0
+        # steps are timed on the CPU only: on a GPU the forward pass is asynchronous, and
+        # its host-side time is not what it costs (no prefill samples: loads go ahead)
+        self._time_steps = True
         # the RoPE self-test (kvblend.vllm.selftest): the rotary modules it still has to
         # check (run at start, or before the first load when the daemon was down then),
         # and why loads are refused for good when it failed
@@ -101,8 +104,15 @@ class WorkerSide:
         """Place vLLM's one KV-cache allocation in a kvblend region (ipc:// daemons).
 
         Returns a context (see :mod:`kvblend.vllm.landing`) or None: vLLM then allocates
-        as usual and loads take the copy path (one log line says why).
+        as usual and loads take the copy path (one log line says why). Not on a GPU: the
+        region is host memory, and the connector's landing into device memory is not
+        built (vLLM then uses its own pool, sleep mode's included).
         """
+        dev = getattr(self._vllm_config.device_config, "device_type", "cpu")
+        if dev != "cpu":
+            logger.info("kvblend: landing off: the KV cache is on %s (the connector lands "
+                        "into host memory only; loads are copied)", dev)
+            return None
         sizes = {t.size for t in self._kv_cache_config.kv_cache_tensors}
         if len(sizes) != 1:
             logger.warning("kvblend: landing off: %d KV-cache allocations, not one", len(sizes))
@@ -115,12 +125,17 @@ class WorkerSide:
         """Keep K and V views of each layer's cache (kvblend.vllm.layout); register the model."""
         ctx = self._vllm_config.compilation_config.static_forward_context
         devices = sorted({t.device.type for t in kv_caches.values()})
+        if len(devices) != 1:
+            raise refuse(f"KV cache layers on several devices {devices}")
         if devices != ["cpu"]:
-            # the layouts are known (layout.INTERLEAVED), the blend pass and the landing
-            # into device memory are not built: refused rather than run untested
-            raise refuse(
-                f"KV cache on {devices}: the connector runs on vLLM's CPU build only so far "
-                "(docs/vllm.md, \"GPUs\")"
+            self._time_steps = False
+            # vLLM's GPU layout (layout.INTERLEAVED, read from the views' strides); loads
+            # copied from the daemon's reply, the blend pass with PyTorch's attention
+            logger.warning(
+                "kvblend: KV cache on %s: loads are copied into it from host memory, blends "
+                "run with PyTorch's attention; this path is tested over CPU tensors laid "
+                "out as vLLM lays them out on a GPU, and has not yet run on a GPU "
+                "(docs/vllm.md, \"On GPUs\")", devices[0],
             )
         self._tensor_parallel()
         try:
@@ -272,10 +287,15 @@ class WorkerSide:
     def step_begin(self, meta: KvblendMetadata | None = None) -> None:
         """vLLM bound this step's metadata: its forward pass follows.
 
-        A step that loads nothing is timed (the prefill rate).
+        A step that loads nothing is timed (the prefill rate), on the CPU.
         """
         self._step_t0 = None
-        if meta is not None and not meta.loads and meta.scheduled_tokens >= cost.MIN_STEP_TOKENS:
+        if (
+            self._time_steps
+            and meta is not None
+            and not meta.loads
+            and meta.scheduled_tokens >= cost.MIN_STEP_TOKENS
+        ):
             self._step_tokens = meta.scheduled_tokens
             self._step_t0 = time.monotonic()
 
@@ -339,8 +359,8 @@ class WorkerSide:
                 heads = mine if mine[1] < cfg.model.num_kv_heads else None
                 for c in ld.chunks:
                     kv = client.get_rerotated(cfg.model_name, c.hash, pos=c.start, heads=heads)
-                    rows = torch.from_numpy(kv[:, :, c.first - c.start : c.last - c.start])
-                    self.cache.write(ld.block_ids, c.first, rows)
+                    part = kv[:, :, c.first - c.start : c.last - c.start]
+                    self.cache.write_host(ld.block_ids, c.first, part)
             except (Unavailable, TimeoutError) as e:
                 self.daemon.failed(e)  # opens the link: this step's other loads fail at once
                 if isinstance(e, TimeoutError):  # the deadline passed: that is its cost
