@@ -19,7 +19,17 @@ today. For each GPU layout (kvblend.vllm.layout.INTERLEAVED):
 (d) bfloat16 (what models run in on GPUs) in the LBNHC layout: a chunk copied into the
     cache as the worker's copy path does it (GET re-rotated, PagedCache.write_host) holds
     the daemon's bits exactly, gather (the store's path) reads them back as raw bits, and
-    rows of raw bits instead of bfloat16 are refused rather than converted as numbers.
+    rows of raw bits instead of bfloat16 are refused rather than converted as numbers;
+(e) the connector's device landing (kvblend.vllm.landing.DeviceLanding, what the worker
+    runs on a GPU's cache) against a kvblendd on its emulated device (host memory standing
+    in for device memory, mapped by the handle ``emu:/proc/PID/fd/N`` of a sealed memfd
+    as CUDA IPC maps a cudaIpcGetMemHandle): vLLM's views over the "device" allocation
+    in LBNHC and LBHNC, described by layout.device_cache, a load opened, waited for layer
+    by layer and closed as the worker does: the load's rows, read back through vLLM's
+    views, equal the host landing's of (b) byte for byte; a kvblendd with no device
+    refuses the first open, which turns landing off for good with one line (the worker
+    then copies). Only the CUDA export of vLLM's allocation (PyTorch's IPC handle, the
+    driver's bus id) is left to a GPU.
 
 Exit 0 when every check passes, 1 on a failure, 77 when KVBLEND_SKIP_ENGINE=1.
 """
@@ -139,6 +149,105 @@ def land(c, cache, region, size, segs):
     return landed, out
 
 
+def emulated_allocation(size):
+    """A "device" allocation of the emulated device: a sealed memfd, mapped here."""
+    import fcntl
+    import mmap
+
+    from kvblend.vllm.landing import DeviceAllocation
+
+    fd = os.memfd_create("kvb-test-device", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+    mem = mmap.mmap(fd, size)
+    t = torch.frombuffer(mem, dtype=torch.int8)
+    handle = f"emu:/proc/{os.getpid()}/fd/{fd}".encode().ljust(64, b"\0")
+    return t, mem, fd, DeviceAllocation(t.data_ptr(), size, handle, "emulated")
+
+
+def check_device(d, c, segs, want, ha, hb):
+    """(e): the worker's device landing on the emulated device."""
+    import logging
+
+    from kvblend.vllm.landing import DeviceLanding
+    from kvblend.vllm.plan import ChunkLoad
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    from fixtures import Daemon
+
+    size = spec().page_size_bytes * NB * len(NAMES)
+    chunks = [ChunkLoad(ha, 0, TA, 0, TA), ChunkLoad(hb, TA, TB, TA, TA + TB)]
+    emu = Daemon("--device", "emulated")
+    log = logging.getLogger("test_layouts")
+    try:
+        with kvblend.Client(emu.endpoint, timeout_ms=10000) as ce:
+            ce.model_register(MODEL)
+            for h in (ha, hb):
+                ce.put(MODEL.name, h, c.get(MODEL.name, h))
+        for layout in (KVCacheLayout.LBNHC, KVCacheLayout.LBHNC):
+            name = layout.name
+            t, mem, fd, alloc = emulated_allocation(size)
+            try:
+                kv, _ = views(t, layout)
+                cache = L.PagedCache(MODEL, BS)
+                cache.register(kv, {n: Attn() for n in NAMES}, kind=L.INTERLEAVED)
+                dl = DeviceLanding(emu.endpoint, 10000, log, export=lambda _t, a=alloc: a)
+                dl.attach(cache.layers_in_order(), MODEL, BS, cache.kind)
+                check(f"(e) {name}: device landing on", dl.active)
+                opened = dl.open(MODEL.name, "req-0", chunks, TABLE)
+                check(f"(e) {name}: the load's device session opened", opened)
+                failed = []
+                for layer in range(MODEL.num_layers):
+                    failed += dl.wait(layer, 10)
+                out = dl.close_all()
+                st, _, bad = out["req-0"]
+                check(f"(e) {name}: every layer landed, none failed",
+                      not failed and not bad and st.get("layers_landed") == MODEL.num_layers,
+                      f"{st.get('layers_landed')} layers, failed {failed or bad}")
+                got = np.zeros_like(want)
+                for layer in range(MODEL.num_layers):
+                    cache.gather(layer, TABLE, TA + TB, got[layer])
+                check(f"(e) {name}: the rows in the device allocation equal the host "
+                      "landing's, byte for byte", got.tobytes() == want.tobytes(),
+                      f"max diff {float(np.abs(got - want).max()):.3g}")
+                again = dl.open(MODEL.name, "req-1", chunks, TABLE)  # its word came back
+                for layer in range(MODEL.num_layers):
+                    dl.wait(layer, 10)
+                check(f"(e) {name}: a second load of the step lands too", again
+                      and not dl.close_all()["req-1"][2])
+                dl.off("test over")
+                del kv, cache, t
+            finally:
+                mem.close()
+                os.close(fd)
+        # memory PyTorch cannot export by CUDA IPC (here: CPU memory): off at attach
+        kv, _ = views(torch.zeros(size, dtype=torch.int8), KVCacheLayout.LBNHC)
+        cache = L.PagedCache(MODEL, BS)
+        cache.register(kv, {n: Attn() for n in NAMES}, kind=L.INTERLEAVED)
+        dl = DeviceLanding(emu.endpoint, 10000, log)  # PyTorch's CUDA export
+        dl.attach(cache.layers_in_order(), MODEL, BS, cache.kind)
+        check("(e) an allocation that cannot be exported: landing off at start",
+              not dl.active and dl.said_off and not dl.open(MODEL.name, "r", chunks, TABLE))
+        # no device: the first open is refused, and landing goes off for good
+        t, mem, fd, alloc = emulated_allocation(size)
+        try:
+            kv, _ = views(t, KVCacheLayout.LBNHC)
+            cache = L.PagedCache(MODEL, BS)
+            cache.register(kv, {n: Attn() for n in NAMES}, kind=L.INTERLEAVED)
+            dl = DeviceLanding(d.endpoint, 10000, log, export=lambda _t, a=alloc: a)
+            dl.attach(cache.layers_in_order(), MODEL, BS, cache.kind)
+            refused = not dl.open(MODEL.name, "req-2", chunks, TABLE)
+            check("(e) a kvblendd with no device: the open is refused and landing is off "
+                  "(the worker copies)", refused and not dl.active and dl.said_off
+                  and not dl.open(MODEL.name, "req-3", chunks, TABLE))
+            del kv, cache, t
+        finally:
+            mem.close()
+            os.close(fd)
+    finally:
+        emu.stop()
+
+
 def main():
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
@@ -219,6 +328,7 @@ def main():
             except L.LayoutError as e:
                 check("(c) a CPU ISA other than 'vec' is refused", "'amx'" in str(e), str(e))
             check_bf16(c, rng)
+            check_device(d, c, segs, want, ha, hb)
             del buf, kv, vec_views, bad, odd, vec, cache
             c.free_region(region)
     finally:

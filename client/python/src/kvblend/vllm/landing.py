@@ -12,17 +12,22 @@ The arrays handed to the daemon come from :func:`kvblend.vllm.layout.region_view
 CPU cache transposes K per block: the K array has strides of its own,
 ``kvb_fuse_open_into_strided``).
 
+On a GPU there is no region: :class:`DeviceLanding` exports vLLM's own allocation (its
+CUDA IPC handle) and opens device landing sessions (``fuse_open_into_device``) that a
+kvblendd fusing on that GPU writes through; the waits and closes are the same.
+
 Anything that does not hold (a ``tcp://`` endpoint, shared memory refused or too small, an
 allocation of another shape, a layout that is not one allocation with a uniform stride
-between layers, a daemon that lost the region) leaves the connector on its copy path; one
-log line says why.
+between layers, a daemon that lost the region, a daemon with no device on the GPU) leaves
+the connector on its copy path; one log line says why.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -30,11 +35,11 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ..client import Client
-from ..errors import BadShm, KvblendError, NotFound, Unavailable, UnknownSession
+from ..errors import BadArgument, BadShm, KvblendError, NotFound, Unavailable, UnknownSession
 from ..sessions import LandingSession
-from ..types import Model
+from ..types import DeviceCache, Model
 from .daemon import wait_layer
-from .layout import CPU_VEC, region_views
+from .layout import CPU_VEC, INTERLEAVED, device_cache, region_views
 from .plan import ChunkLoad
 
 
@@ -192,14 +197,13 @@ class CacheRegion:
         assert self.client is not None
         t0 = time.monotonic()
         try:
-            s = self.client.fuse_open_into(
-                model_name,
-                [(c.hash, c.start) for c in chunks],
-                self.k,
-                self.v,
-                pages=blocks[:need],
-                heads=self.heads,
-            )
+            s = self._open_session(model_name, [(c.hash, c.start) for c in chunks], blocks[:need])
+        except BadArgument as e:
+            if self._refused_for_good(e):
+                self.off(str(e))
+            else:
+                self.log.warning("kvblend: landing session for %s refused (%s): copying", req_id, e)
+            return False
         except BadShm as e:
             self.off(f"the daemon no longer knows the region ({e}): restarted or shm_idle")
             return False
@@ -215,6 +219,16 @@ class CacheRegion:
             return False
         self.sessions[req_id] = (s, [time.monotonic() - t0])
         return True
+
+    def _open_session(self, model_name: str, segs: list, pages: list[int]) -> LandingSession:
+        """Open the landing session of one load into the region (raises as the client)."""
+        return self.client.fuse_open_into(
+            model_name, segs, self.k, self.v, pages=pages, heads=self.heads
+        )
+
+    def _refused_for_good(self, e: BadArgument) -> bool:
+        """Whether a refused open means no later one can land either (then off)."""
+        return False
 
     def wait(self, layer: int, timeout_s: float) -> list[str]:
         """Wait until ``layer`` landed in every open session; return the requests that failed.
@@ -280,4 +294,179 @@ class CacheRegion:
         self.sessions = {}
         self.failed = set()
         self.gone = self.stalled = False
+        return out
+
+
+@dataclass(frozen=True)
+class DeviceAllocation:
+    """The GPU allocation vLLM's KV cache lies in, as the daemon maps it.
+
+    ``base``: its start in this process (what ``ipc_handle`` names), ``nbytes`` at
+    least its bytes up to the cache's end, ``ipc_handle`` 64 bytes (``cudaIpcGetMemHandle``;
+    the emulated device's ``emu:/proc/PID/fd/N``), ``pci`` its GPU's bus id.
+    """
+
+    base: int
+    nbytes: int
+    ipc_handle: bytes
+    pci: str
+
+
+def cuda_allocation(t: torch.Tensor) -> DeviceAllocation:
+    """Export the CUDA allocation holding ``t`` (vLLM's one KV-cache tensor).
+
+    PyTorch's IPC export of the tensor's storage: the handle of the caching allocator's
+    block it lies in and its offset there; the bus id from the CUDA driver (the format
+    kvblendd's device compares with), else from PyTorch's device properties. Raises
+    RuntimeError (or what PyTorch raises) when the storage cannot be exported, such as
+    memory from vLLM's sleep-mode pool.
+    """
+    st = t.untyped_storage()
+    _dev, handle, size, offset, *_ = st._share_cuda_()
+    handle = bytes(handle)
+    if len(handle) != 64:
+        raise RuntimeError(f"a CUDA IPC handle of {len(handle)} bytes, not 64")
+    return DeviceAllocation(st.data_ptr() - offset, offset + size, handle, _pci_bus_id(t.device))
+
+
+def _pci_bus_id(device: torch.device) -> str:
+    import ctypes
+
+    ordinal = device.index if device.index is not None else torch.cuda.current_device()
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+        dev, buf = ctypes.c_int(), ctypes.create_string_buffer(32)
+        if cuda.cuDeviceGet(ctypes.byref(dev), ordinal) == 0 and \
+                cuda.cuDeviceGetPCIBusId(buf, 32, dev) == 0:
+            return buf.value.decode()
+    except OSError:
+        pass
+    p = torch.cuda.get_device_properties(ordinal)
+    return f"{p.pci_domain_id:04x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0"
+
+
+class DeviceLanding(CacheRegion):
+    """vLLM's KV cache in a GPU's memory, landed into by a kvblendd fusing on that GPU.
+
+    vLLM allocates its cache on the GPU as usual (no region, no allocation context); the
+    worker exports the allocation (``export``: :func:`cuda_allocation`), and a load opens
+    a device landing session (``fuse_open_into_device``): the daemon maps the allocation
+    once and writes each layer's rows, keys re-rotated, into vLLM's paged blocks with its
+    own kernel; ``wait_for_layer_load`` waits on the session's progress word (a word of a
+    small region) before the layer's forward. A kvblendd without a CUDA device on that
+    GPU refuses the first open: landing is then off (one line), and loads are copied.
+    The rest (which loads land, waits, closes, failures) is :class:`CacheRegion`'s.
+
+    Parameters
+    ----------
+    endpoint, timeout_ms, logger
+        As :class:`CacheRegion`.
+    export : callable
+        The cache tensor -> its :class:`DeviceAllocation` (tests give the emulated
+        device's).
+    """
+
+    #: Progress words in the region (one per open session; a step opens at most this many).
+    WORDS = 1024
+
+    def __init__(
+        self,
+        endpoint: str,
+        timeout_ms: int,
+        logger: logging.Logger,
+        export: Callable[[torch.Tensor], DeviceAllocation] = cuda_allocation,
+    ) -> None:
+        super().__init__(endpoint, timeout_ms, 0, logger)
+        self.export = export
+        self.taken = True  # vLLM's own allocation: nothing to give back
+        self.cache: DeviceCache | None = None
+        self.words: np.ndarray | None = None
+        self._free: list[int] = []
+        self._word_of: dict[str, int] = {}
+
+    def context(self) -> None:
+        return None  # vLLM allocates on its device as usual
+
+    def attach(
+        self,
+        layers: Sequence[torch.Tensor],
+        model: Model,
+        block_size: int,
+        kind: str = INTERLEAVED,
+        heads: tuple[int, int] | None = None,
+    ) -> None:
+        """Export the allocation holding vLLM's layers and describe them (or stay off)."""
+        if not self.endpoint.startswith("ipc://"):
+            self.off(f"the endpoint {self.endpoint} is not ipc:// (a local daemon maps "
+                     "the GPU allocation)")
+            return
+        if kind != INTERLEAVED:
+            self.off(f"vLLM's cache is in the {kind} layout, not a GPU backend's")
+            return
+        try:
+            alloc = self.export(layers[0])
+        except Exception as e:  # noqa: BLE001 - any failure to export: the copy path
+            self.off(f"vLLM's KV-cache allocation cannot be exported ({e})")
+            return
+        cache = device_cache(layers, model, block_size, alloc.base, alloc.nbytes,
+                             alloc.ipc_handle, alloc.pci)
+        if cache is None:
+            self.off("vLLM's cache layers are not in one allocation at one stride")
+            return
+        try:
+            self.client = Client(self.endpoint, timeout_ms=self.timeout_ms)
+            region = self.client.region(4 * self.WORDS)
+        except KvblendError as e:
+            self.off(f"no region for the landing sessions' progress words ({e})")
+            return
+        self.buf = region
+        self.words = region[: 4 * self.WORDS].view(np.uint32)
+        self._free = list(range(self.WORDS - 1, -1, -1))
+        self.cache, self.block_size = cache, block_size
+        if heads is not None and heads != (0, model.num_kv_heads):
+            self.heads = heads
+        self.active = True
+        self.log.info(
+            "kvblend: loads land in vLLM's KV cache on the GPU (%s) when kvblendd fuses on "
+            "it (--device cuda)", alloc.pci,
+        )
+
+    def off(self, why: str) -> None:
+        """Landing off for good (copy path), one line; the progress words go back."""
+        super().off(why)
+        if self.client is not None and self.buf is not None and not self.sessions:
+            try:
+                self.client.free_region(self.buf)
+            except KvblendError:
+                pass
+            self.buf = self.words = None
+
+    def _open_session(self, model_name: str, segs: list, pages: list[int]) -> LandingSession:
+        if not self._free:
+            raise BadArgument(-16, "every progress word is in use this step")
+        w = self._free.pop()
+        self.words[w] = 0
+        try:
+            s = self.client.fuse_open_into_device(
+                model_name, segs, self.cache, self.words[w : w + 1], pages=pages,
+                heads=self.heads,
+            )
+        except BaseException:
+            self._free.append(w)
+            raise
+        self._word_of[id(s)] = w
+        return s
+
+    def _refused_for_good(self, e: BadArgument) -> bool:
+        # no device, another GPU, a handle it cannot map, a layout it does not take:
+        # every later open would be refused alike
+        return "device memory" in str(e)
+
+    def close_all(self) -> dict[str, tuple[dict, float, bool]]:
+        words = [self._word_of.pop(id(s), None) for s, _ in self.sessions.values()]
+        out = super().close_all()
+        # a session the daemon may still write (a close that failed) keeps its word
+        for (rid, (_, _, failed)), w in zip(out.items(), words):
+            if w is not None and not (failed and self.gone):
+                self._free.append(w)
         return out

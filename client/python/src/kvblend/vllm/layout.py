@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from ..blend import host
-from ..types import Model
+from ..types import DeviceCache, Model
 
 
 class LayoutError(ValueError):
@@ -275,3 +275,54 @@ def region_views(
         arr[bs * hd :], shape, (ls, block, hd * es, 2 * bs * hd * es, es)
     )
     return k, v
+
+
+def device_cache(
+    layers: Sequence[Any],
+    model: Model,
+    block_size: int,
+    base: int,
+    nbytes: int,
+    ipc_handle: bytes,
+    pci: str,
+) -> DeviceCache | None:
+    """Describe vLLM's cache in a GPU allocation for the daemon's device landing.
+
+    ``layers``: the layers' caches in model layer order, in the :data:`INTERLEAVED`
+    layout (:meth:`PagedCache.layers_in_order`), a tensor-parallel rank's heads as they
+    hold them; ``base``, ``nbytes``, ``ipc_handle`` and ``pci``: the allocation they lie
+    in (its start in this process, its size, its CUDA IPC handle, its GPU's bus id).
+    Returns the :class:`kvblend.DeviceCache` (byte offsets from ``base``, byte strides:
+    :meth:`kvblend.Client.fuse_open_into_device`), or None when the layers are not in the
+    allocation at one stride.
+    """
+    es = np.dtype(model.np_dtype).itemsize
+    ptrs = [t.data_ptr() for t in layers]
+    ls = ptrs[1] - ptrs[0] if len(ptrs) > 1 else 0
+    first = layers[0]
+    # the bytes one layer's view spans from its first element
+    span = es * (1 + sum((n - 1) * st for n, st in zip(first.shape, first.stride())))
+    if (
+        ls < 0
+        or any(p != ptrs[0] + i * ls for i, p in enumerate(ptrs))
+        or any(t.stride() != first.stride() or t.shape != first.shape for t in layers)
+        or first.stride(-1) != 1
+        or ptrs[0] < base
+        or ptrs[-1] + span > base + nbytes
+    ):
+        return None
+    sb, sh, sn, _ = (x * es for x in first.stride())
+    k = ptrs[0] - base
+    return DeviceCache(
+        base=base,
+        nbytes=nbytes,
+        ipc_handle=ipc_handle,
+        pci=pci,
+        k_offset=k,
+        v_offset=k + model.head_dim * es,
+        layer_stride=ls,
+        token_stride=sn,
+        head_stride=sh,
+        page_tokens=block_size,
+        page_stride=sb,
+    )

@@ -24,7 +24,7 @@ from ..errors import KvblendError, Unavailable
 from . import blend, cost, plugin, selftest
 from .config import ConnectorConfig, logger, refuse
 from .daemon import DaemonLink
-from .landing import CacheRegion
+from .landing import CacheRegion, DeviceLanding
 from .layout import LayoutError, PagedCache, blocks_of
 from .metadata import KvblendMetadata, KvblendWorkerMeta, LoadSpec
 from .misses import MissStorer
@@ -105,13 +105,12 @@ class WorkerSide:
 
         Returns a context (see :mod:`kvblend.vllm.landing`) or None: vLLM then allocates
         as usual and loads take the copy path (one log line says why). Not on a GPU: the
-        region is host memory, and the connector's landing into device memory is not
-        built (vLLM then uses its own pool, sleep mode's included).
+        region is host memory; there vLLM allocates from its own pool and the daemon
+        lands into that allocation (:class:`kvblend.vllm.landing.DeviceLanding`, set up
+        by :meth:`register_kv_caches`).
         """
         dev = getattr(self._vllm_config.device_config, "device_type", "cpu")
         if dev != "cpu":
-            logger.info("kvblend: landing off: the KV cache is on %s (the connector lands "
-                        "into host memory only; loads are copied)", dev)
             return None
         sizes = {t.size for t in self._kv_cache_config.kv_cache_tensors}
         if len(sizes) != 1:
@@ -130,13 +129,18 @@ class WorkerSide:
         if devices != ["cpu"]:
             self._time_steps = False
             # vLLM's GPU layout (layout.INTERLEAVED, read from the views' strides); loads
-            # copied from the daemon's reply, the blend pass with PyTorch's attention
+            # landed by a kvblendd fusing on this GPU, else copied from its reply; the
+            # blend pass with PyTorch's attention
             logger.warning(
-                "kvblend: KV cache on %s: loads are copied into it from host memory, blends "
-                "run with PyTorch's attention; this path is tested over CPU tensors laid "
-                "out as vLLM lays them out on a GPU, and has not yet run on a GPU "
-                "(docs/vllm.md, \"On GPUs\")", devices[0],
+                "kvblend: KV cache on %s: loads land in it when kvblendd fuses on this GPU "
+                "(--device cuda), else are copied from host memory; blends run with "
+                "PyTorch's attention; this path is tested over CPU memory laid out as vLLM "
+                "lays it out on a GPU (the daemon's landing on its emulated device), and "
+                "has not yet run on a GPU (docs/vllm.md, \"On GPUs\")", devices[0],
             )
+            if devices == ["cuda"]:
+                cfg = self.config
+                self._region = DeviceLanding(cfg.endpoint, cfg.timeout_ms, logger)
         self._tensor_parallel()
         try:
             self.cache.register(kv_caches, ctx)
