@@ -9,7 +9,15 @@ grouped queries) and prompts of a few hundred tokens:
     paged cache) both equal a float64 dense reference with an exact causal mask in prompt
     order, for every row in order (a layer before the check), a scattered selection with
     a fresh run at the end (a layer after it), isolated rows, one row, no rows; the paged
-    attention object is reused across layers and prompt lengths as the pass reuses it.
+    attention object is reused across layers and prompt lengths as the pass reuses it;
+(c) kvblend.vllm.attention.VarlenAttention, the pass's attention on a GPU (vLLM's
+    FlashAttention varlen kernel over a scratch paged cache), here over fa_reference: the
+    kernel's documented contract (flash_attn_varlen_func's docstring: sequences by
+    cu_seqlens_q, paged keys by block_table and seqused_k, the causal mask aligned to the
+    bottom right, grouped-query heads) written out in float64. Everything but the CUDA
+    kernel: the runs, the block table, the key counts and the scratch cache, for the
+    selections of (b), and several prompts of other lengths in one call as the batched
+    pass makes it; varlen_attention_for gives None off a GPU and for float32.
 Exit 0 when all pass, 1 on a failure, 77 when KVBLEND_SKIP_ENGINE=1.
 """
 
@@ -24,7 +32,7 @@ import numpy as np
 import torch
 
 from kvblend.blend.attention import causal_attention, runs
-from kvblend.vllm.attention import paged_attention_for
+from kvblend.vllm.attention import VarlenAttention, paged_attention_for, varlen_attention_for
 
 # float32 attention against a float64 reference, rows of up to ~700 keys with unit-scale
 # random inputs: measured errors are below 1e-6 (float32 accumulation order); 1e-5 leaves
@@ -46,6 +54,62 @@ def reference(q, k, v, rows, scaling):
     mask = torch.arange(k.shape[0])[None, :] > torch.as_tensor(rows)[:, None]
     p = torch.softmax(s.masked_fill(mask[None], float("-inf")), dim=-1)
     return torch.einsum("hnN,Nhd->nhd", p, v64).reshape(q.shape[0], q.shape[1] * q.shape[2])
+
+
+def fa_reference(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, seqused_k,
+                 softmax_scale, causal, block_table):
+    """flash_attn_varlen_func's contract over a paged cache (its docstring), in float64."""
+    if not causal:
+        fail("VarlenAttention asked for non-causal attention")
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    bs = k.shape[1]
+    for j in range(seqused_k.numel()):
+        a, b, nk = int(cu_seqlens_q[j]), int(cu_seqlens_q[j + 1]), int(seqused_k[j])
+        if b - a > max_seqlen_q or nk > max_seqlen_k:
+            fail(f"sequence {j}: {b - a} queries, {nk} keys over the maxima given")
+        blocks = block_table[j, : -(-nk // bs)].long()
+        kk = k[blocks].reshape(-1, *k.shape[2:])[:nk]
+        vv = v[blocks].reshape(-1, *v.shape[2:])[:nk]
+        # bottom right: query i of nq sees keys 0 .. nk - nq + i
+        seen = np.arange(nk - (b - a), nk)
+        out[a:b] = reference(q[a:b], kk, vv, seen, softmax_scale).reshape(b - a, *q.shape[1:])
+    return out.to(q.dtype)
+
+
+def check_varlen(rng):
+    """(c)."""
+    for dev, dt in ((torch.device("cpu"), torch.float16), (torch.device("cuda"), torch.float32)):
+        if varlen_attention_for(dev, 9, 3, 64, dt) is not None:
+            fail(f"varlen_attention_for({dev.type}, {dt}) should be None")
+    for heads, kv_heads, d in ((9, 3, 64), (4, 4, 32)):
+        att = VarlenAttention(fa_reference, heads, kv_heads, d, torch.float32, "cpu")
+        scaling = d**-0.5
+        for n in (300, 700, 129):  # the scratch cache grows, then is reused smaller
+            k, v = torch.randn(n, kv_heads, d), torch.randn(n, kv_heads, d)
+            for name, rows in selections(n, rng).items():
+                q = torch.randn(rows.size, heads, d)
+                rows_t = torch.as_tensor(rows)
+                for layer in range(2):  # the same rows twice: the metadata kept
+                    kl, vl = k + layer, v - layer
+                    want = reference(q, kl, vl, rows, scaling)
+                    got = att(q, kl, vl, rows_t, scaling)
+                    err = (got.double() - want).abs().max().item() if rows.size else 0.0
+                    if got.shape != want.shape or not err <= TOL:
+                        fail(f"varlen, heads {heads}/{kv_heads}, n={n}, {name}: "
+                             f"shape {tuple(got.shape)}, err {err}")
+        # several prompts in one call, each over its own keys
+        ns = (150, 333, 17)
+        ks = [torch.randn(m, kv_heads, d) for m in ns]
+        vs = [torch.randn(m, kv_heads, d) for m in ns]
+        rs = [np.sort(rng.choice(m, max(1, m // 5), replace=False)) for m in ns]
+        qs = [torch.randn(r.size, heads, d) for r in rs]
+        got = att.many(qs, ks, vs, [torch.as_tensor(r) for r in rs], scaling)
+        want = torch.cat([reference(*x, scaling) for x in zip(qs, ks, vs, rs)])
+        err = (got.double() - want).abs().max().item()
+        if not err <= TOL:
+            fail(f"varlen, {len(ns)} prompts in one call: err {err}")
+        print(f"ok: varlen, heads {heads}/{kv_heads}, head size {d}: equals the reference, "
+              f"alone and {len(ns)} prompts in one call")
 
 
 def check_runs():
@@ -103,6 +167,7 @@ def main():
                         if not err <= TOL:
                             fail(f"{impl}, heads {heads}/{kv_heads}, n={n}, {name}: err {err}")
         print(f"ok: heads {heads}/{kv_heads}, head size {d}: both equal the reference")
+    check_varlen(rng)
     print("test_blend_attention: all passed")
     return 0
 

@@ -20,6 +20,8 @@ not fit (another device, head size or dtype), and the caller falls back to
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -171,3 +173,130 @@ def paged_attention_for(
     if not all(hasattr(torch.ops._C, name) for name in needed):
         return None
     return PagedAttention(ops, num_heads, num_kv_heads, head_dim, dtype)
+
+
+class VarlenAttention:
+    """Attention of selected rows through FlashAttention's varlen kernel (vLLM's, on a GPU).
+
+    The same split as :class:`PagedAttention`: each run of consecutive rows p..q of a
+    prompt is one sequence of q - p + 1 queries over keys 0..q, and FlashAttention's
+    causal mask, aligned to the bottom right of each sequence's scores (its documented
+    contract), lets row i see keys 0..rows[i] and no other. The layer's KV is copied once
+    into a scratch paged cache of its own (``[blocks, BLOCK, kv_heads, head_dim]``, each
+    prompt in its own blocks), which every run of the prompt reads through its row of the
+    block table (``seqused_k``: the run's last position + 1), so keys are never copied
+    per run. ``fn`` is the kernel (``flash_attn_varlen_func`` of
+    ``vllm.v1.attention.backends.fa_utils``, with vLLM's FlashAttention version); tests
+    give a reference of its contract. One object per model; not thread-safe.
+    """
+
+    #: Tokens per block of the scratch cache (vLLM's FlashAttention takes multiples of 16).
+    BLOCK = 16
+
+    def __init__(self, fn, num_heads: int, num_kv_heads: int, head_dim: int, dtype, device):
+        self.fn = fn
+        self.heads, self.kv_heads, self.head_dim, self.dtype = (
+            num_heads, num_kv_heads, head_dim, dtype,
+        )
+        self.device = torch.device(device)
+        self.k_cache = torch.empty(0, self.BLOCK, num_kv_heads, head_dim, dtype=dtype,
+                                   device=self.device)
+        self.v_cache = torch.empty_like(self.k_cache)
+        self._key: tuple | None = None  # the prompt lengths and rows the metadata is for
+        self._rows: list[torch.Tensor] | None = None
+
+    def __call__(self, q, keys, values, rows, scaling: float) -> torch.Tensor:
+        """Attend as :func:`kvblend.blend.attention.causal_attention` does."""
+        return self.many([q], [keys], [values], [rows], scaling)
+
+    def _metadata(self, ns: tuple[int, ...], rows: list[torch.Tensor]) -> None:
+        """The block table, query starts and key counts of every run (kept while rows stay)."""
+        if (
+            self._key == ns
+            and self._rows is not None
+            and len(rows) == len(self._rows)
+            and all(a is b for a, b in zip(rows, self._rows))
+        ):
+            return
+        blocks = [-(-n // self.BLOCK) for n in ns]
+        self.base = [sum(blocks[:i]) for i in range(len(ns))]
+        self.blocks = blocks
+        total = sum(blocks)
+        if self.k_cache.shape[0] < total:
+            shape = (total, self.BLOCK, self.kv_heads, self.head_dim)
+            self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self.v_cache = torch.zeros_like(self.k_cache)
+        tables = np.zeros((len(ns), max(blocks)), np.int32)
+        for i, (b, nb) in enumerate(zip(self.base, blocks)):  # (the rest of a row: unread)
+            tables[i, :nb] = np.arange(b, b + nb)
+        qsl, seq, owner = [np.zeros(1, np.int32)], [], []
+        for i, r in enumerate(rows):
+            q, lens = runs(r.cpu().numpy())
+            qsl.append(q[1:] + qsl[-1][-1])
+            seq.append(lens)
+            owner.append(np.full(lens.size, i))
+        qsl, seq = np.concatenate(qsl), np.concatenate(seq)
+        dev = self.device
+        self.qsl = torch.from_numpy(qsl).to(dev)
+        self.seq = torch.from_numpy(seq).to(dev)
+        self.table = torch.from_numpy(tables[np.concatenate(owner)]).to(dev)
+        self.max_q = int(np.diff(qsl).max()) if seq.size else 0
+        self.max_k = int(seq.max()) if seq.size else 0
+        self._key, self._rows = ns, list(rows)
+
+    def many(self, qs, keys, values, rows, scaling: float) -> torch.Tensor:
+        """Attend several prompts in one kernel call, each over its own KV (lists, one
+        entry a prompt); returns their outputs one after another, [sum of n, heads * d]."""
+        n = sum(q.shape[0] for q in qs)
+        if n == 0:
+            return qs[0].new_zeros(0, qs[0].shape[1] * qs[0].shape[2])
+        self._metadata(tuple(k.shape[0] for k in keys), rows)
+        for k, v, b, nb in zip(keys, values, self.base, self.blocks):
+            flat = slice(b, b + nb)
+            self.k_cache[flat].view(-1, self.kv_heads, self.head_dim)[: k.shape[0]] = k
+            self.v_cache[flat].view(-1, self.kv_heads, self.head_dim)[: v.shape[0]] = v
+        out = self.fn(
+            q=_cat(qs).contiguous(),
+            k=self.k_cache,
+            v=self.v_cache,
+            max_seqlen_q=self.max_q,
+            cu_seqlens_q=self.qsl,
+            max_seqlen_k=self.max_k,
+            seqused_k=self.seq,
+            softmax_scale=float(scaling),
+            causal=True,
+            block_table=self.table,
+        )
+        return out.reshape(n, -1)
+
+
+#: The dtypes FlashAttention computes in.
+_VARLEN_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def varlen_attention_for(
+    device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int, dtype
+) -> VarlenAttention | None:
+    """Return a :class:`VarlenAttention` over vLLM's FlashAttention, or None.
+
+    None: not on a CUDA device, float32 (FlashAttention takes float16 and bfloat16), a
+    head size it does not take (a multiple of 8 up to 256), heads not a multiple of the
+    KV heads, or vLLM without its FlashAttention (the caller falls back to PyTorch's
+    fused attention, :func:`kvblend.blend.attention.causal_attention`).
+    """
+    if device.type != "cuda" or dtype not in _VARLEN_DTYPES:
+        return None
+    if head_dim % 8 or head_dim > 256 or num_kv_heads <= 0 or num_heads % num_kv_heads:
+        return None
+    try:
+        from vllm.v1.attention.backends import fa_utils
+
+        version = fa_utils.get_flash_attn_version(
+            head_size=head_dim, kv_cache_block_size=VarlenAttention.BLOCK
+        )
+        fn = fa_utils.flash_attn_varlen_func
+    except Exception:  # noqa: BLE001 - any import or probe failure: PyTorch's attention
+        return None
+    if version is not None:
+        fn = functools.partial(fn, fa_version=version)
+    return VarlenAttention(fn, num_heads, num_kv_heads, head_dim, dtype, device)

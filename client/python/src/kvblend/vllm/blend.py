@@ -41,7 +41,12 @@ from ..blend.preview import LayerWait, landed_preview, node_selection
 from ..client import Client
 from ..errors import KvblendError, Unavailable
 from ..types import Model
-from .attention import PagedAttention, paged_attention_for
+from .attention import (
+    PagedAttention,
+    VarlenAttention,
+    paged_attention_for,
+    varlen_attention_for,
+)
 from .daemon import CLOSE_TIMEOUT_MS, wait_layer
 from .layout import PagedCache
 from .plan import NODE_SELECTS, BlendLoad
@@ -220,10 +225,11 @@ class VllmLlamaOps:
         if self.kv_dtype not in host.NP_DTYPES:
             raise BlendRefused(f"kvblend: dtype {self.kv_dtype}; float32, float16 or bfloat16")
         a = self.layers[0].self_attn
-        # vLLM's CPU attention kernel where it applies (several times faster than PyTorch's)
+        # vLLM's CPU attention kernel where it applies (several times faster than PyTorch's),
+        # vLLM's FlashAttention on a GPU, PyTorch's fused attention otherwise
+        shape = (self.device, a.num_heads, a.num_kv_heads, a.head_dim, self.kv_dtype)
         self.attention = (
-            paged_attention_for(self.device, a.num_heads, a.num_kv_heads, a.head_dim, self.kv_dtype)
-            or causal_attention
+            paged_attention_for(*shape) or varlen_attention_for(*shape) or causal_attention
         )
 
     #: Test hook (the worker's FAIL_LOAD_ENV with ``layer L``): the pass's attention at
@@ -274,7 +280,7 @@ class VllmLlamaOps:
             self.fail_layer = None
             raise RuntimeError(f"kvblend: a failure injected in the blend pass at layer {layer}")
         scaling = self.layers[layer].self_attn.scaling
-        if isinstance(self.attention, PagedAttention):
+        if isinstance(self.attention, (PagedAttention, VarlenAttention)):
             return self.attention.many(qs, keys, values, rows, scaling)
         return torch.cat([self.attention(*x, scaling) for x in zip(qs, keys, values, rows)])
 

@@ -130,11 +130,11 @@ class WorkerSide:
             self._time_steps = False
             # vLLM's GPU layout (layout.INTERLEAVED, read from the views' strides); loads
             # landed by a kvblendd fusing on this GPU, else copied from its reply; the
-            # blend pass with PyTorch's attention
+            # blend pass with vLLM's FlashAttention (PyTorch's attention in float32)
             logger.warning(
                 "kvblend: KV cache on %s: loads land in it when kvblendd fuses on this GPU "
                 "(--device cuda), else are copied from host memory; blends run with "
-                "PyTorch's attention; this path is tested over CPU memory laid out as vLLM "
+                "vLLM's FlashAttention; this path is tested over CPU memory laid out as vLLM "
                 "lays it out on a GPU (the daemon's landing on its emulated device), and "
                 "has not yet run on a GPU (docs/vllm.md, \"On GPUs\")", devices[0],
             )
