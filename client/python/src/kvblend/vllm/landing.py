@@ -382,7 +382,7 @@ class DeviceLanding(CacheRegion):
         self.cache: DeviceCache | None = None
         self.words: np.ndarray | None = None
         self._free: list[int] = []
-        self._word_of: dict[str, int] = {}
+        self._word_of: dict[int, int] = {}  # id(session) -> its progress word
 
     def context(self) -> None:
         return None  # vLLM allocates on its device as usual
@@ -465,8 +465,9 @@ class DeviceLanding(CacheRegion):
     def close_all(self) -> dict[str, tuple[dict, float, bool]]:
         words = [self._word_of.pop(id(s), None) for s, _ in self.sessions.values()]
         out = super().close_all()
-        # a session the daemon may still write (a close that failed) keeps its word
-        for (rid, (_, _, failed)), w in zip(out.items(), words):
-            if w is not None and not (failed and self.gone):
+        # a word goes back only when its session's close was answered: one whose close
+        # failed (the daemon gone or not answering) may still be written, and keeps it
+        for (st, _, _), w in zip(out.values(), words):
+            if w is not None and st:
                 self._free.append(w)
         return out
