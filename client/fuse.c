@@ -508,9 +508,9 @@ int kvb_fuse_wait(kvb_client *c, kvb_fuse *f, uint32_t layer, int timeout_ms)
  * selection out; 1 rows in, their deviations out (dev_out, one a row; nothing
  * selected); 2 deviations in (dev_in), the selection out.
  */
-static int check_call(kvb_client *c, kvb_fuse *f, uint32_t layer, uint32_t mode,
+static int check_once(kvb_client *c, kvb_fuse *f, uint32_t layer, uint32_t mode,
 		      const void *rows, size_t row_stride, const float *dev_in, float *dev_out,
-		      const int32_t **dropped, size_t *n_dropped)
+		      const int32_t **dropped, size_t *n_dropped, bool stage, bool *staged)
 {
 	struct call k = { .req = { .op = KVBP_OP_FUSE_LAYER, .session_id = f->id, .layer = layer,
 				   .rows = (uint32_t)f->n_rows, .check_mode = mode } };
@@ -561,6 +561,23 @@ static int check_call(kvb_client *c, kvb_fuse *f, uint32_t layer, uint32_t mode,
 		k.req.shm_offset = (uint64_t)((const uint8_t *)rows - (uint8_t *)c->shm_base);
 		k.req.shm_length = span;
 		k.req.row_stride = stride;
+	} else if (span && stage && c->shm_ok && kvbc_shm_ensure(c, f->n_rows * row)) {
+		/* Rows on the heap: staged in the client's segment, one copy (as a layer's fresh
+		 * rows are), which costs less than a frame through the socket. */
+		uint8_t *to = c->shm_base;
+
+		if (stride == row) {
+			memcpy(to, rows, f->n_rows * row);
+		} else {
+			for (size_t i = 0; i < f->n_rows; i++)
+				memcpy(to + i * row, (const uint8_t *)rows + i * stride, row);
+		}
+		k.req.has_shm = true;
+		k.req.shm_id = c->shm_id;
+		k.req.shm_offset = 0;
+		k.req.shm_length = f->n_rows * row;
+		k.req.row_stride = row;
+		*staged = true;
 	} else {
 		lens[0] = f->n_rows * row;
 		if (!f->n_rows) {
@@ -617,6 +634,22 @@ call:
 		*n_dropped = f->n_dropped;
 out:
 	kvbc_call_done(&k);
+	return rc;
+}
+
+/* Once with heap rows staged in the segment; again in a frame if the daemon no longer
+ * knew the segment (it restarted: nothing of the request was used). */
+static int check_call(kvb_client *c, kvb_fuse *f, uint32_t layer, uint32_t mode,
+		      const void *rows, size_t row_stride, const float *dev_in, float *dev_out,
+		      const int32_t **dropped, size_t *n_dropped)
+{
+	bool staged = false;
+	int rc = check_once(c, f, layer, mode, rows, row_stride, dev_in, dev_out, dropped,
+			    n_dropped, true, &staged);
+
+	if (staged && kvbc_shm_lost(c, rc, true))
+		rc = check_once(c, f, layer, mode, rows, row_stride, dev_in, dev_out, dropped,
+				n_dropped, false, &staged);
 	return rc;
 }
 

@@ -662,7 +662,9 @@ KVB_API int kvb_fuse_wait(kvb_client *c, kvb_fuse *f, uint32_t layer, int timeou
  * kvb_fuse_rows() tokens, row i at rows + i * row_stride (0: rows packed); for the
  * attention metric row i is the token's K row followed at once by its V row (as
  * in a fused QKV output; packed: 2 x row size apart). Rows in
- * a region or the shared buffer are read where they are (no copy). Afterwards
+ * a region or the shared buffer are read where they are (no copy); others are
+ * copied packed into the shared buffer (overwriting it), or sent in a frame where
+ * shared memory is not available or the daemon no longer knows the segment. Afterwards
  * kvb_fuse_rows() is the new selection; *dropped (if not NULL) the tokens that
  * were sent and are no longer selected, valid until the next call on f.
  */

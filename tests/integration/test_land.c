@@ -37,6 +37,7 @@ struct fixture {
 	uint8_t hash[3][KVB_HASH_LEN];
 	const char *name; /* the model the sessions use: "lm", or "lm8" (int8), "lmz" (bitshuffle+LZ4) */
 	uint16_t *fresh; /* [L][2][N][H][D]: what the node computes for every token */
+	bool stale;	 /* before each check: let the daemon expire the client's segment */
 };
 
 static const uint32_t chunk_tokens[3] = { 10, 17, 14 };
@@ -230,6 +231,11 @@ static void landed_k(struct fixture *f, const struct kvb_fuse_params *p,
 		}
 		if (!check)
 			continue;
+		if (f->stale) {
+			/* attached, then idle past --shm-idle: the daemon forgets it */
+			assert_non_null(kvb_shared_buffer(f->c, 64));
+			sleep(3);
+		}
 		/* The metric's plane (V) of the rows the session asks for. */
 		if (in == PACKED) {
 			uint8_t *pk = malloc(nr * ROW + 1);
@@ -314,6 +320,37 @@ static void test_contiguous_matches_classic(void **state)
 	/* the key metric too */
 	p.metric = KVB_METRIC_KEY;
 	classic(f, &p, ref);
+	memset(reg, 0, 2 * L * layer);
+	landed(f, &p, &y, PACKED, NULL, ref);
+	free(ref);
+	assert_int_equal(kvb_region_free(f->c, reg), 0);
+}
+
+/*
+ * Check rows from the heap cross in the client's segment; when the daemon no longer
+ * knows it (expired here, as after a restart), the check goes again in a frame and
+ * the session lands as it would have.
+ */
+static void test_check_after_segment_expired(void **state)
+{
+	struct fixture *f = *state;
+	const char *args[] = { "--fuse-idle", "30", "--shm-idle", "1", NULL };
+	struct kvb_fuse_params p = { checks2, ratios2, 2, KVB_METRIC_VALUE };
+	size_t layer = (size_t)N * ROW;
+	uint8_t *ref = malloc((size_t)L * 2 * N * ROW), *reg;
+	struct kvb_kv_layout y;
+
+	kvb_close(&f->c);
+	daemon_restart(&f->d, args);
+	f->c = daemon_client(&f->d, 0);
+	reg = kvb_region_alloc(f->c, 2 * L * layer);
+	assert_non_null(reg);
+	y = (struct kvb_kv_layout){ reg, reg + L * layer, layer, ROW, D * 2, 0, 0, NULL, 0 };
+	classic(f, &p, ref);
+	f->stale = true;
+	landed(f, &p, &y, PACKED, NULL, ref);
+	f->stale = false;
+	/* and the next one stages in a new segment */
 	memset(reg, 0, 2 * L * layer);
 	landed(f, &p, &y, PACKED, NULL, ref);
 	free(ref);
@@ -838,6 +875,7 @@ int main(void)
 {
 	const struct CMUnitTest tests[] = {
 		cmocka_unit_test_setup_teardown(test_contiguous_matches_classic, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_check_after_segment_expired, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_paged_and_padded_match_classic, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_transposed_k_matches_classic, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_paged_other_codecs, setup, teardown),
