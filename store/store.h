@@ -204,7 +204,9 @@ void store_view_free(struct store_view **v);
  * Decode one layer's K into k_dst and V into v_dst, each tensor_bytes =
  * store_tensor_bytes() long (checked against the chunk). k_xform (may be NULL;
  * codec.h) transforms K on its way out, in the same pass that verifies it.
- * Same errors as store_chunk_get().
+ * One of k_dst and v_dst may be NULL: that plane is neither decoded nor
+ * verified, and the read does not count as the layer's verification (verify =
+ * once). Same errors as store_chunk_get(); -EINVAL when both are NULL.
  */
 struct codec_xform;
 int store_chunk_get_layer(struct store *s, const struct store_model *m,

@@ -42,7 +42,10 @@ struct slot {
 	int err;    /* store errno when SLOT_FAILED */
 	uint8_t *k; /* [N, heads, head_dim]: re-rotated stored keys; fresh rows zero */
 	uint8_t *v; /* right after k in one allocation or shared segment */
+	uint8_t skip; /* a plane nothing reads, not loaded (host loads only): SKIP_K, SKIP_V */
 };
+
+enum { SKIP_K = 1, SKIP_V = 2 };
 
 struct chunk_ref {
 	uint8_t hash[KVBP_HASH_LEN];

@@ -198,6 +198,12 @@ int land_alloc(struct fuse_session *s, uint64_t bytes)
 		sl->k = s->land_buf + i * slot;
 		sl->v = sl->k + slot / 2;
 	}
+	/* The first check layer is never landed (the node computes it): the value and key
+	 * metrics read one plane of it, so the other is not loaded (nor re-rotated). */
+	if (s->n_checks && s->metric == KVBP_METRIC_VALUE)
+		s->cslot[0].skip = SKIP_K;
+	else if (s->n_checks && s->metric == KVBP_METRIC_KEY)
+		s->cslot[0].skip = SKIP_V;
 	return 0;
 }
 

@@ -28,7 +28,9 @@ int load_chunk(void *arg, size_t i)
 
 	/* One pass: verify the stored bytes and write them re-rotated into the slot. */
 	rc = store_chunk_get_layer(j->t->store, &s->m, c->hash, j->layer,
+				   j->slot->skip & SKIP_K ? NULL :
 				   j->slot->k + (size_t)c->off * s->row_bytes,
+				   j->slot->skip & SKIP_V ? NULL :
 				   j->slot->v + (size_t)c->off * s->row_bytes,
 				   (uint64_t)c->tokens * s->row_bytes, &x);
 	return rc ? rc : rx.err;

@@ -1297,6 +1297,48 @@ static void test_verify_once(void **state)
 	free(out);
 }
 
+/* A read of one plane (the first check layer's, by the value or key metric) verifies and
+ * returns that plane only: the layer is not trusted after it, and a changed byte in the
+ * plane not read is still caught by the next read of both. */
+static void test_verify_one_plane(void **state)
+{
+	struct fixture *f = *state;
+	const void *t[8];
+	uint32_t tokens = 128;
+	uint8_t h[STORE_HASH_LEN], *kv = make_chunk(&f->m, tokens, 42, t);
+	uint64_t tb = store_tensor_bytes(&f->m, tokens);
+	uint8_t *k = malloc(tb), *v = malloc(tb);
+	struct store_verify_counts c0, c1, c2;
+
+	assert_int_equal(reopen_verify(f, STORE_VERIFY_ONCE), 0);
+	hash_n(h, 42);
+	assert_int_equal(store_chunk_put(f->s, &f->m, h, tokens, 0, t, NULL), 0);
+	assert_int_equal(store_chunk_get_layer(f->s, &f->m, h, 1, NULL, NULL, tb, NULL), -EINVAL);
+	store_verify_counts(f->s, &c0);
+	memset(v, 0, tb);
+	assert_int_equal(store_chunk_get_layer(f->s, &f->m, h, 1, NULL, v, tb, NULL), 0);
+	assert_memory_equal(v, t[3], tb);
+	memset(k, 0, tb);
+	assert_int_equal(store_chunk_get_layer(f->s, &f->m, h, 0, k, NULL, tb, NULL), 0);
+	assert_memory_equal(k, t[0], tb);
+	store_verify_counts(f->s, &c1);
+	assert_int_equal(c1.verified - c0.verified, 2);
+	/* not trusted after half a layer: the whole read verifies it */
+	assert_int_equal(store_chunk_get_layer(f->s, &f->m, h, 1, k, v, tb, NULL), 0);
+	assert_memory_equal(k, t[2], tb);
+	store_verify_counts(f->s, &c2);
+	assert_int_equal(c2.verified - c1.verified, 1);
+	assert_int_equal(c2.trusted - c1.trusted, 0);
+	/* a byte of layer 2's K changed: V alone still reads; the whole layer is refused */
+	flip_in_file(f->dir, (const uint8_t *)t[4] + 100);
+	assert_int_equal(store_chunk_get_layer(f->s, &f->m, h, 2, NULL, v, tb, NULL), 0);
+	assert_memory_equal(v, t[5], tb);
+	assert_int_equal(store_chunk_get_layer(f->s, &f->m, h, 2, k, v, tb, NULL), -EBADMSG);
+	free(kv);
+	free(k);
+	free(v);
+}
+
 /* ALWAYS: every read computes the checksums. */
 static void test_verify_always(void **state)
 {
@@ -1411,6 +1453,7 @@ int main(void)
 		cmocka_unit_test_setup_teardown(test_codec_totals_kept, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_totals_read_no_walk, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_verify_once, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_verify_one_plane, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_verify_always, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_scrub, setup, teardown),
 	};
