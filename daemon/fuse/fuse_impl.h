@@ -107,8 +107,8 @@ struct fuse_session {
 	bool landing;	   /* a layer is being landed (by the prefetch thread) */
 	bool land_stop;	   /* closing: land nothing more */
 	uint32_t land_code; /* a layer failed to land: its kvbp code (0: none) */
-	bool direct;	   /* rows of a chunk are contiguous in the node's buffers */
-	bool stream;	   /* scattered rows written with non-temporal stores (land.c) */
+	bool direct;	   /* a device landing: chunks decoded whole into the host staging */
+	bool stream;	   /* rows written with non-temporal stores (land.c) */
 	struct slot *cslot; /* one per check layer: K and V of all tokens */
 	uint8_t *land_buf;  /* memory of cslot[] */
 	uint64_t ns_land;

@@ -18,11 +18,12 @@
 #include "daemon/log.h"
 
 /*
- * Scattered rows (paged, or heads apart) go to memory with non-temporal stores once
- * a layer is at least this large: each row is a few cache lines at its own place,
- * and ordinary stores first read every line they fill (read for ownership), a
- * third more memory traffic, while a layer this size leaves the caches before
- * the engine reads it anyway. Measured: docs/benchmarks.md, "Paged landing".
+ * Rows go to the node's buffers with non-temporal stores once a layer is at least
+ * this large: ordinary stores first read every line they fill (read for ownership),
+ * a third more memory traffic, while a layer this size leaves the caches before the
+ * engine reads it anyway. So for paged and for contiguous layouts alike (contiguous
+ * rows were written with ordinary stores, decoded in place, until 2026-12-05).
+ * Measured: docs/benchmarks.md, "Paged landing" and "Contiguous landing streamed".
  */
 #define LAND_STREAM_MIN (1u << 20)
 
@@ -174,11 +175,11 @@ uint32_t land_setup(struct fuse_table *t, struct fuse_session *s,
 		s->stream = false;
 		return KVBP_OK;
 	}
-	s->direct = !k_own && !y->page_tokens && y->token_stride == s->row_bytes &&
-		    y->head_stride == (uint64_t)s->m.head_dim * s->m.elem_size &&
-		    s->land_hn == s->m.num_kv_heads;
+	/* Contiguous rows too go through the blocks of land_scattered(): K re-rotated
+	 * straight into place, V copied, both streamed (see LAND_STREAM_MIN). */
+	s->direct = false;
 	/* ckd-ok: n < 2^32 tokens of row_bytes, both checked when the session opened */
-	s->stream = !s->direct && 2 * (uint64_t)s->n * s->row_bytes >= LAND_STREAM_MIN;
+	s->stream = 2 * (uint64_t)s->n * s->row_bytes >= LAND_STREAM_MIN;
 	return KVBP_OK;
 }
 
@@ -287,6 +288,13 @@ static void land_put_rows(const struct fuse_session *s, int kv, uint32_t l, uint
 		land_k_strided(s, l, t, t + n, src);
 		return;
 	}
+	if (!s->lay.page_tokens && s->land_hn == s->m.num_kv_heads && s->lay.head_stride == hb &&
+	    ts == s->row_bytes) {
+		/* contiguous whole rows: one run */
+		land_copy(s, s->land_mem + land_off(s, base, ts, l, t), src,
+			  (size_t)n * s->row_bytes); /* ckd-ok: rows of the chunk's block */
+		return;
+	}
 	for (uint32_t i = 0; i < n; i++, src += s->row_bytes) {
 		uint8_t *dst = s->land_mem + land_off(s, base, ts, l, t + i);
 		const uint8_t *from = src + s->land_h0 * hb; /* the node's first head */
@@ -377,7 +385,7 @@ static void land_scatter(void *arg, const void *src, void *dst, size_t off, size
 }
 
 /*
- * Land chunk c of layer l where the node's rows are not contiguous (paged, or
+ * Land chunk c of layer l into the node's host buffers (contiguous, paged, or
  * heads apart): one pass, each block verified, its K re-rotated straight into
  * place (the backend's rotate_to), or where the backend cannot (a device) or K
  * has its own element strides, re-rotated into a cache-sized scratch and
@@ -427,9 +435,8 @@ static int land_chunk(void *arg, size_t i)
 		struct rotate_ctx rx = { j->t->be, s, c, 0 };
 		struct codec_xform x = { rotate_rows, &rx, s->row_bytes };
 
-		/* One pass: verify, re-rotate (here, or on the device after the copy up),
-		 * write where the node keeps the rows (one contiguous write a chunk: never
-		 * streamed). */
+		/* A device landing's host staging: one pass, verify, re-rotate (here, or on
+		 * the device after the copy up), write the chunk's rows whole. */
 		rc = store_chunk_get_layer(j->t->store, &s->m, c->hash, j->layer,
 					   s->land_mem + land_off(s, s->lay.k_offset,
 								  s->lay.token_stride, j->layer,
