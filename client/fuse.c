@@ -5,6 +5,7 @@
  * kvb_fuse_check), and FUSE_CLOSE.
  */
 #include <errno.h>
+#include <inttypes.h>
 #include <linux/futex.h>
 #include <stddef.h>
 #include <stdio.h>
@@ -16,6 +17,8 @@
 #include <unistd.h>
 
 #include "client/client_impl.h"
+#include "common/ckd.h"
+#include "common/model_fields.h"
 
 struct kvb_fuse {
 	uint64_t id;
@@ -258,6 +261,43 @@ static size_t fresh_tokens(const struct kvb_segment *segs, size_t n_segs)
 	return n;
 }
 
+/*
+ * The model of a session a FUSE_OPEN reply opened: the one it carries, or (an older
+ * kvblendd) looked up. Shapes outside what a daemon registers are a protocol error.
+ */
+static int session_model(kvb_client *c, const struct kvbp_reply *rep, const char *name,
+			 struct kvb_model *m)
+{
+	const struct kvbp_model *w = rep->n_models == 1 ? &rep->models[0] : NULL;
+
+	if (!w)
+		return kvb_model_get(c, name, m);
+	uint64_t row;
+
+	memset(m, 0, sizeof(*m));
+	snprintf(m->name, sizeof(m->name), "%s", name);
+	KVB_MODEL_COPY(m, w);
+	if (!m->num_kv_heads || !m->head_dim || !kvb_dtype_size(m->dtype) ||
+	    ckd_mul(&row, (uint64_t)m->num_kv_heads * m->head_dim, kvb_dtype_size(m->dtype)) ||
+	    row > UINT32_MAX)
+		return kvbc_set_err(c, KVB_E_PROTOCOL, "fuse_open reply with a model of %" PRIu32
+				    " heads of %" PRIu32 ", dtype %d", m->num_kv_heads, m->head_dim,
+				    (int)m->dtype);
+	return 0;
+}
+
+/* Close a session this side cannot use (its model could not be read): best effort. */
+static void close_orphan(kvb_client *c, uint64_t id)
+{
+	struct call k = { .req = { .op = KVBP_OP_FUSE_CLOSE, .session_id = id } };
+	char keep[sizeof(c->err)];
+
+	memcpy(keep, c->err, sizeof(keep));
+	kvbc_call(c, &k);
+	kvbc_call_done(&k);
+	memcpy(c->err, keep, sizeof(keep));
+}
+
 static int fuse_open_common(kvb_client *c, const char *model, const struct kvb_segment *segs,
 			    size_t n_segs, const struct kvb_fuse_params *p,
 			    const int32_t *recompute, size_t n_recompute,
@@ -281,10 +321,6 @@ static int fuse_open_common(kvb_client *c, const char *model, const struct kvb_s
 		return rc;
 	if (!n_segs)
 		return kvbc_set_err(c, -EINVAL, "a fuse needs at least one segment");
-	/* The row size, for the layer calls to check their buffers against. */
-	rc = kvb_model_get(c, model, &m);
-	if (rc)
-		return rc;
 	if (dst && (rc = fuse_land_request(c, dst, o, &k.req, &reg, &word)))
 		return rc;
 	if ((rc = fuse_open_request(c, &k.req, segs, n_segs, p, recompute, n_recompute)))
@@ -302,11 +338,18 @@ static int fuse_open_common(kvb_client *c, const char *model, const struct kvb_s
 	}
 	if (rc)
 		goto out;
-	rc = fuse_from_reply(c, &k.rep,
-			     (size_t)m.num_kv_heads * m.head_dim * kvb_dtype_size(m.dtype),
-			     dst != NULL, &f);
-	if (rc)
+	/* The row size, for the layer calls to check their buffers against: from the reply
+	 * (a kvblendd older than 2026-12-05 sends no model: look it up). */
+	rc = session_model(c, &k.rep, model, &m);
+	if (!rc)
+		rc = fuse_from_reply(c, &k.rep,
+				     (size_t)m.num_kv_heads * m.head_dim * kvb_dtype_size(m.dtype),
+				     dst != NULL, &f);
+	if (rc) {
+		if (k.rep.session_id)
+			close_orphan(c, k.rep.session_id);
 		goto out;
+	}
 	f->metric = p ? (uint32_t)p->metric : 0;
 	f->attn_count = (size_t)(f->tokens - fresh_tokens(segs, n_segs)) * m.num_kv_heads;
 	if (dst) {

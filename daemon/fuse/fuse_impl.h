@@ -444,7 +444,7 @@ void land_publish(struct fuse_session *s, uint32_t v);
 /* Check the node's layout y for s against its segment and hold the segment: a kvbp code. */
 uint32_t land_setup(struct fuse_table *t, struct fuse_session *s, const struct kvbp_layout *y,
 		    const char *owner, char *err, size_t errlen);
-/* The check-layer slots and the staging slot, in one allocation of bytes: 0 or -ENOMEM. */
+/* The check-layer slots, in one allocation of bytes (fresh rows zeroed): 0 or -ENOMEM. */
 int land_alloc(struct fuse_session *s, uint64_t bytes);
 /* Make check slot i READY, loading it here unless another thread is; session lock held. */
 int ensure_cslot(struct fuse_table *t, struct fuse_session *s, size_t i);

@@ -84,6 +84,15 @@ void op_fuse_open(struct req *q)
 	q->out->rep.slot_bytes = r.slot_bytes;
 	q->out->rep.land_k_strided = r.land_k_strided;
 	q->out->rep.land_heads = r.land_heads;
+	/* The session's model, so that the client needs no lookup of its own (without it,
+	 * out of memory here, the client asks MODEL_LIST as before). */
+	q->out->rep.models = calloc(1, sizeof(struct kvbp_model));
+	if (q->out->rep.models) {
+		model_from_store(&m, q->out->rep.models);
+		snprintf(q->out->rep.models->name, sizeof(q->out->rep.models->name), "%s",
+			 q->h.model_name);
+		q->out->rep.n_models = 1;
+	}
 	if (r.has_ipc) {
 		q->out->rep.has_ipc = true;
 		memcpy(q->out->rep.ipc_handle, r.ipc_handle, sizeof(r.ipc_handle));
