@@ -269,11 +269,10 @@ static int session_model(kvb_client *c, const struct kvbp_reply *rep, const char
 			 struct kvb_model *m)
 {
 	const struct kvbp_model *w = rep->n_models == 1 ? &rep->models[0] : NULL;
+	uint64_t row;
 
 	if (!w)
 		return kvb_model_get(c, name, m);
-	uint64_t row;
-
 	memset(m, 0, sizeof(*m));
 	snprintf(m->name, sizeof(m->name), "%s", name);
 	KVB_MODEL_COPY(m, w);

@@ -514,7 +514,8 @@ static int use_layer(const MDB_val *v, const struct layer_use *u, unsigned fl)
 		struct codec_header h;
 
 		rc = codec_peek(v->mv_data, v->mv_size, &h);
-		used = CODEC_HEADER_SIZE + (size_t)h.stored_size; /* ckd-ok: peek bounds it */
+		if (!rc) /* ckd-ok: peek checked stored_size against the value's size */
+			used = CODEC_HEADER_SIZE + (size_t)h.stored_size;
 	} else {
 		rc = u->k_xform ? codec_decode_xform(v->mv_data, v->mv_size, u->k_dst,
 						     u->tensor_bytes, &used, u->k_xform, fl)
