@@ -290,11 +290,13 @@ static void close_orphan(kvb_client *c, uint64_t id)
 {
 	struct call k = { .req = { .op = KVBP_OP_FUSE_CLOSE, .session_id = id } };
 	char keep[sizeof(c->err)];
+	int keep_code = c->err_code;
 
 	memcpy(keep, c->err, sizeof(keep));
 	kvbc_call(c, &k);
 	kvbc_call_done(&k);
 	memcpy(c->err, keep, sizeof(keep));
+	c->err_code = keep_code;
 }
 
 static int fuse_open_common(kvb_client *c, const char *model, const struct kvb_segment *segs,
@@ -603,9 +605,12 @@ static int check_once(kvb_client *c, kvb_fuse *f, uint32_t layer, uint32_t mode,
 		k.req.shm_offset = (uint64_t)((const uint8_t *)rows - (uint8_t *)c->shm_base);
 		k.req.shm_length = span;
 		k.req.row_stride = stride;
-	} else if (span && stage && c->shm_ok && kvbc_shm_ensure(c, f->n_rows * row)) {
+	} else if (span && stage && c->shm_ok &&
+		   (c->shm_base ? c->shm_size >= f->n_rows * row
+				: kvbc_shm_ensure(c, f->n_rows * row))) {
 		/* Rows on the heap: staged in the client's segment, one copy (as a layer's fresh
-		 * rows are), which costs less than a frame through the socket. */
+		 * rows are), which costs less than a frame through the socket. A segment too
+		 * small is not replaced here: the caller may hold pointers into it (dev_out). */
 		uint8_t *to = c->shm_base;
 
 		if (stride == row) {
@@ -680,7 +685,7 @@ out:
 }
 
 /* Once with heap rows staged in the segment; again in a frame if the daemon no longer
- * knew the segment (it restarted: nothing of the request was used). */
+ * knew the segment (it expired while idle: nothing of the request was used). */
 static int check_call(kvb_client *c, kvb_fuse *f, uint32_t layer, uint32_t mode,
 		      const void *rows, size_t row_stride, const float *dev_in, float *dev_out,
 		      const int32_t **dropped, size_t *n_dropped)

@@ -339,6 +339,7 @@ static void test_check_after_segment_expired(void **state)
 	size_t layer = (size_t)N * ROW;
 	uint8_t *ref = malloc((size_t)L * 2 * N * ROW), *reg;
 	struct kvb_kv_layout y;
+	double bad0, bad1;
 
 	kvb_close(&f->c);
 	daemon_restart(&f->d, args);
@@ -347,12 +348,18 @@ static void test_check_after_segment_expired(void **state)
 	assert_non_null(reg);
 	y = (struct kvb_kv_layout){ reg, reg + L * layer, layer, ROW, D * 2, 0, 0, NULL, 0 };
 	classic(f, &p, ref);
+	bad0 = daemon_stat(f->c, "errors_bad_shm");
 	f->stale = true;
 	landed(f, &p, &y, PACKED, NULL, ref);
 	f->stale = false;
+	/* each of the two checks was staged in the expired segment (rows from the heap: no
+	 * other way to a bad_shm), refused, and sent again */
+	bad1 = daemon_stat(f->c, "errors_bad_shm");
+	assert_true(bad1 - bad0 >= 2);
 	/* and the next one stages in a new segment */
 	memset(reg, 0, 2 * L * layer);
 	landed(f, &p, &y, PACKED, NULL, ref);
+	assert_true(daemon_stat(f->c, "errors_bad_shm") == bad1);
 	free(ref);
 	assert_int_equal(kvb_region_free(f->c, reg), 0);
 }
