@@ -205,8 +205,10 @@ void store_view_free(struct store_view **v);
  * store_tensor_bytes() long (checked against the chunk). k_xform (may be NULL;
  * codec.h) transforms K on its way out, in the same pass that verifies it.
  * One of k_dst and v_dst may be NULL: that plane is neither decoded nor
- * verified, and the read does not count as the layer's verification (verify =
- * once). Same errors as store_chunk_get(); -EINVAL when both are NULL.
+ * verified; under verify = once the read is remembered as that plane's
+ * verification, not the layer's (a whole read still checks both, and a plane
+ * read is trusted after either). Same errors as store_chunk_get(); -EINVAL when
+ * both are NULL.
  */
 struct codec_xform;
 int store_chunk_get_layer(struct store *s, const struct store_model *m,

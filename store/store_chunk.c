@@ -548,10 +548,11 @@ static int with_layer(struct store *s, const struct store_model *m,
 		unsigned fl;
 
 		layer_key(key, m->id, hash, layer);
-		fl = st_read_flags(s, key, &v, &fp);
+		/* a read of one plane verifies that plane only: remembered apart */
+		fl = st_read_flags_part(s, key, &v, u->v_xform || (u->k_dst && u->v_dst) ? 0 :
+						    u->k_dst ? 1 : 2, &fp);
 		rc = use_layer(&v, u, fl);
-		/* a read of one plane verified half the layer: it does not count as verified */
-		st_read_done(s, u->v_xform || (u->k_dst && u->v_dst) ? fp : 0, fl, rc);
+		st_read_done(s, fp, fl, rc);
 	}
 	if (rc == -EINVAL)
 		rc = -EBADMSG;

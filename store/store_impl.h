@@ -162,6 +162,10 @@ int st_txn_advance(struct store *s);
  * st_mtime_note() follows each commit; st_layer_forget() each deleted value.
  */
 unsigned st_read_flags(struct store *s, const uint8_t *key, const MDB_val *v, uint64_t *fp);
+/* The same for a read of one plane (part 1: K, 2: V): trusted when the whole layer or
+ * that plane was verified; *fp is the plane's, which st_read_done() remembers. */
+unsigned st_read_flags_part(struct store *s, const uint8_t *key, const MDB_val *v,
+			    unsigned part, uint64_t *fp);
 void st_read_done(struct store *s, uint64_t fp, unsigned flags, int rc);
 void st_mtime_note(struct store *s);
 void st_layer_forget(struct store *s, const uint8_t *key, const MDB_val *v);

@@ -87,8 +87,20 @@ static uint64_t layer_fp(const uint8_t *key, const MDB_val *v)
 	return checksum(&f, sizeof(f));
 }
 
-unsigned st_read_flags(struct store *s, const uint8_t *key, const MDB_val *v, uint64_t *fp)
+/* The fingerprint of one plane of a layer value (part 1 K, 2 V): a read of that plane
+ * alone is remembered apart from the whole layer's. */
+static uint64_t part_fp(uint64_t whole, unsigned part)
 {
+	uint64_t p = whole ^ (0x9e3779b97f4a7c15ull * part);
+
+	return whole && part ? (p ? p : 1) : whole;
+}
+
+unsigned st_read_flags_part(struct store *s, const uint8_t *key, const MDB_val *v,
+			    unsigned part, uint64_t *fp)
+{
+	uint64_t whole;
+
 	*fp = 0;
 	if (s->verify == STORE_VERIFY_SCRUB_ONLY)
 		return CODEC_TRUSTED;
@@ -96,12 +108,20 @@ unsigned st_read_flags(struct store *s, const uint8_t *key, const MDB_val *v, ui
 		return 0;
 	/* First: whether this read brings any page from disk (before anything touches them). */
 	if (!st_resident(v->mv_data, v->mv_size)) {
-		*fp = layer_fp(key, v);
+		*fp = part_fp(layer_fp(key, v), part);
 		return 0;
 	}
 	watch_file(s);
-	*fp = layer_fp(key, v);
-	return *fp && st_verified_has(s->verified, *fp) ? CODEC_TRUSTED : 0;
+	whole = layer_fp(key, v);
+	*fp = part_fp(whole, part);
+	/* a plane is trusted once the whole layer or that plane alone was verified */
+	return whole && (st_verified_has(s->verified, whole) ||
+			 (part && st_verified_has(s->verified, *fp))) ? CODEC_TRUSTED : 0;
+}
+
+unsigned st_read_flags(struct store *s, const uint8_t *key, const MDB_val *v, uint64_t *fp)
+{
+	return st_read_flags_part(s, key, v, 0, fp);
 }
 
 void st_read_done(struct store *s, uint64_t fp, unsigned flags, int rc)
@@ -123,7 +143,8 @@ void st_layer_forget(struct store *s, const uint8_t *key, const MDB_val *v)
 		return;
 	fp = layer_fp(key, v);
 	if (fp)
-		st_verified_drop(s->verified, fp);
+		for (unsigned part = 0; part < 3; part++)
+			st_verified_drop(s->verified, part_fp(fp, part));
 }
 
 void store_verify_counts(struct store *s, struct store_verify_counts *out)

@@ -1298,8 +1298,9 @@ static void test_verify_once(void **state)
 }
 
 /* A read of one plane (the first check layer's, by the value or key metric) verifies and
- * returns that plane only: the layer is not trusted after it, and a changed byte in the
- * plane not read is still caught by the next read of both. */
+ * returns that plane only: remembered as that plane's verification, so the next read of
+ * the plane is trusted, but never as the layer's, whose whole read still checks both; a
+ * flipped byte in the plane not read is caught by the next whole read. */
 static void test_verify_one_plane(void **state)
 {
 	struct fixture *f = *state;
@@ -1308,7 +1309,7 @@ static void test_verify_one_plane(void **state)
 	uint8_t h[STORE_HASH_LEN], *kv = make_chunk(&f->m, tokens, 42, t);
 	uint64_t tb = store_tensor_bytes(&f->m, tokens);
 	uint8_t *k = malloc(tb), *v = malloc(tb);
-	struct store_verify_counts c0, c1, c2;
+	struct store_verify_counts c0, c1, c2, c3;
 
 	assert_int_equal(reopen_verify(f, STORE_VERIFY_ONCE), 0);
 	hash_n(h, 42);
@@ -1323,12 +1324,24 @@ static void test_verify_one_plane(void **state)
 	assert_memory_equal(k, t[0], tb);
 	store_verify_counts(f->s, &c1);
 	assert_int_equal(c1.verified - c0.verified, 2);
-	/* not trusted after half a layer: the whole read verifies it */
+	assert_int_equal(c1.trusted - c0.trusted, 0);
+	/* the same plane again: trusted */
+	memset(v, 0, tb);
+	assert_int_equal(store_chunk_get_layer(f->s, &f->m, h, 1, NULL, v, tb, NULL), 0);
+	assert_memory_equal(v, t[3], tb);
+	store_verify_counts(f->s, &c2);
+	assert_int_equal(c2.verified - c1.verified, 0);
+	assert_int_equal(c2.trusted - c1.trusted, 1);
+	/* not the whole layer after half of it: that read verifies both */
 	assert_int_equal(store_chunk_get_layer(f->s, &f->m, h, 1, k, v, tb, NULL), 0);
 	assert_memory_equal(k, t[2], tb);
-	store_verify_counts(f->s, &c2);
-	assert_int_equal(c2.verified - c1.verified, 1);
-	assert_int_equal(c2.trusted - c1.trusted, 0);
+	store_verify_counts(f->s, &c3);
+	assert_int_equal(c3.verified - c2.verified, 1);
+	assert_int_equal(c3.trusted - c2.trusted, 0);
+	/* and its other plane alone is trusted after the whole read */
+	assert_int_equal(store_chunk_get_layer(f->s, &f->m, h, 1, k, NULL, tb, NULL), 0);
+	store_verify_counts(f->s, &c1);
+	assert_int_equal(c1.trusted - c3.trusted, 1);
 	/* a byte of layer 2's K changed: V alone still reads; the whole layer is refused */
 	flip_in_file(f->dir, (const uint8_t *)t[4] + 100);
 	assert_int_equal(store_chunk_get_layer(f->s, &f->m, h, 2, NULL, v, tb, NULL), 0);
