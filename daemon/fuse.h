@@ -80,6 +80,14 @@ int fuse_table_new(const struct fuse_limits *l, struct store *store, struct pool
 /* Free every session (unpinning its chunks). Accepts NULL. */
 void fuse_table_free(struct fuse_table **t);
 
+/*
+ * fn(arg, model_id, hash) for each chunk a session's read found corrupt (a checksum
+ * failed), called when that session is freed, its pins dropped, so that fn can remove
+ * the chunk (fuse_delete_chunk) as a GET's corrupt read does. Set before any session.
+ */
+void fuse_on_corrupt(struct fuse_table *t, void (*fn)(void *arg, uint32_t model_id,
+						      const uint8_t *hash), void *arg);
+
 /* Delete a chunk unless an open session pins it: 0, -EBUSY, or a store errno. */
 int fuse_delete_chunk(struct fuse_table *t, const struct store_model *m, const uint8_t *hash);
 

@@ -518,6 +518,8 @@ int server_start(struct server *srv, const struct config *cfg, struct store *sto
 				    &srv->fuse);
 		if (rc)
 			return rc;
+		/* a chunk a session finds corrupt is removed as the scrub removes one */
+		fuse_on_corrupt(srv->fuse, ops_chunk_corrupt, srv);
 	}
 	{
 		/* Towards other members the daemon speaks with its own CURVE key, if it has one. */
@@ -560,7 +562,7 @@ int server_start(struct server *srv, const struct config *cfg, struct store *sto
 					  room % 100 * cfg->cluster_cache_pct / 100);
 	}
 	if (!rc && cfg->scrub_mb_per_s)
-		rc = scrubber_new(store, cfg->scrub_mb_per_s * 1000000, ops_scrub_corrupt, srv,
+		rc = scrubber_new(store, cfg->scrub_mb_per_s * 1000000, ops_chunk_corrupt, srv,
 				  &srv->scrub);
 	for (unsigned i = 0; !rc && i < n_workers; i++) {
 		atomic_fetch_add(&srv->running_workers, 1);

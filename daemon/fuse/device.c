@@ -741,11 +741,14 @@ static int load_chunk_raw(void *arg, size_t i)
 	struct raw_job *j = arg;
 	struct fuse_session *s = j->s;
 	struct chunk_ref *c = &s->chunks[i];
+	int rc = store_chunk_get_layer(j->t->store, &s->m, c->hash, j->layer,
+				       j->slot->k + (size_t)c->off * s->row_bytes,
+				       j->slot->v + (size_t)c->off * s->row_bytes,
+				       (uint64_t)c->tokens * s->row_bytes, NULL);
 
-	return store_chunk_get_layer(j->t->store, &s->m, c->hash, j->layer,
-				     j->slot->k + (size_t)c->off * s->row_bytes,
-				     j->slot->v + (size_t)c->off * s->row_bytes,
-				     (uint64_t)c->tokens * s->row_bytes, NULL);
+	if (rc == -EBADMSG)
+		atomic_store(&c->corrupt, true);
+	return rc;
 }
 
 /* Load layer into ring slot sl on the device: read here, copied and re-rotated there. */

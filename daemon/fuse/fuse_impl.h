@@ -23,6 +23,7 @@
 #include <errno.h>
 #include <pthread.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -53,6 +54,7 @@ struct chunk_ref {
 	uint32_t tokens;
 	uint32_t base_pos; /* where its keys were rotated when stored */
 	struct rope_table rot;
+	_Atomic bool corrupt; /* a read of it failed its checksum: removed when the session goes */
 };
 
 struct fuse_session {
@@ -149,6 +151,10 @@ struct arena; /* arena.h: the reserve's bookkeeping */
 struct fuse_table {
 	struct fuse_limits lim;
 	struct store *store;
+	/* told of each chunk a session found corrupt, once the session has let go of it
+	 * (fuse_on_corrupt; NULL: left to the next read or the scrub) */
+	void (*on_corrupt)(void *arg, uint32_t model_id, const uint8_t *hash);
+	void *corrupt_arg;
 	struct pool *pool;
 	const struct blend_backend *be;
 	const struct blend_device *dev; /* sessions keep their rings here (NULL: host only) */

@@ -452,10 +452,14 @@ static int land_chunk(void *arg, size_t i)
 								  s->lay.token_stride, j->layer,
 								  c->off),
 					   (uint64_t)c->tokens * s->row_bytes, j->raw ? NULL : &x);
+		if (rc == -EBADMSG)
+			atomic_store(&c->corrupt, true);
 		return rc ? rc : rx.err;
 	} else {
 		rc = land_scattered(j->t, s, c, j->layer);
 	}
+	if (rc == -EBADMSG)
+		atomic_store(&c->corrupt, true);
 	if (s->stream)
 		blend_stream_fence(); /* before the layer is published (land_step) */
 	return rc;

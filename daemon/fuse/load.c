@@ -1,4 +1,5 @@
 /* fuse/load — loading a layer of stored chunks, re-rotated, into a session's ring; see fuse_impl.h. */
+#include <errno.h>
 #include <pthread.h>
 #include <time.h>
 
@@ -33,6 +34,8 @@ int load_chunk(void *arg, size_t i)
 				   j->slot->skip & SKIP_V ? NULL :
 				   j->slot->v + (size_t)c->off * s->row_bytes,
 				   (uint64_t)c->tokens * s->row_bytes, &x);
+	if (rc == -EBADMSG)
+		atomic_store(&c->corrupt, true);
 	return rc ? rc : rx.err;
 }
 

@@ -108,6 +108,13 @@ void pin_drop(struct fuse_table *t, uint32_t model_id, const uint8_t *hash)
 		*p = t->pins[--t->n_pins];
 }
 
+void fuse_on_corrupt(struct fuse_table *t, void (*fn)(void *arg, uint32_t model_id,
+						      const uint8_t *hash), void *arg)
+{
+	t->on_corrupt = fn;
+	t->corrupt_arg = arg;
+}
+
 int fuse_delete_chunk(struct fuse_table *t, const struct store_model *m, const uint8_t *hash)
 {
 	int rc;
@@ -138,6 +145,10 @@ void session_free(struct fuse_table *t, struct fuse_session *s)
 	}
 	if (s->land_mem)
 		shm_release(t->shm, s->land_shm);
+	/* Unpinned by now (session_remove): a corrupt chunk goes as a GET's would. */
+	for (size_t i = 0; t->on_corrupt && s->chunks && i < s->n_chunks; i++)
+		if (atomic_load(&s->chunks[i].corrupt))
+			t->on_corrupt(t->corrupt_arg, s->m.id, s->chunks[i].hash);
 	free(s->lay.pages);
 	free(s->cslot);
 	free(s->land_buf);
@@ -172,6 +183,7 @@ void fuse_table_free(struct fuse_table **tp)
 
 	if (!t)
 		return;
+	t->on_corrupt = NULL; /* shutting down: left to the next start's reads */
 	for (uint64_t i = 0; i < t->lim.max_sessions; i++)
 		if (t->sessions[i]) {
 			struct fuse_session *s = t->sessions[i];

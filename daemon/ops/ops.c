@@ -408,10 +408,16 @@ int chunk_bytes(struct req *q, const struct store_model *m, uint32_t tokens,
 static void drop_corrupt(struct server *srv, const struct store_model *m,
 			 const uint8_t hash[KVBP_HASH_LEN], char h[2 * KVBP_HASH_LEN + 1])
 {
+	int rc;
+
 	hex(hash, h);
 	log_err("chunk %s of model '%s' failed its checksum; removing it", h, m->name);
-	if (fuse_delete_chunk(srv->fuse, m, hash) == 0)
+	rc = fuse_delete_chunk(srv->fuse, m, hash);
+	if (rc == 0)
 		atomic_fetch_add(&srv->stats.corrupt_removed, 1);
+	else if (rc == -EBUSY)
+		log_warn("chunk %s stays while an open fuse session pins it; the next read "
+			 "that finds it, or the scrub, removes it", h);
 }
 
 void remove_corrupt(struct req *q, const struct store_model *m)
@@ -423,7 +429,7 @@ void remove_corrupt(struct req *q, const struct store_model *m)
 	     h);
 }
 
-void ops_scrub_corrupt(void *arg, uint32_t model_id, const uint8_t *hash)
+void ops_chunk_corrupt(void *arg, uint32_t model_id, const uint8_t *hash)
 {
 	struct server *srv = arg;
 	char h[2 * KVBP_HASH_LEN + 1];
@@ -431,7 +437,7 @@ void ops_scrub_corrupt(void *arg, uint32_t model_id, const uint8_t *hash)
 
 	if (store_model_by_id(srv->store, model_id, &m)) {
 		hex(hash, h);
-		log_err("scrub: chunk %s of model id %" PRIu32 " failed its checksum and its model "
+		log_err("chunk %s of model id %" PRIu32 " failed its checksum and its model "
 			"cannot be read; left in place", h, model_id);
 		return;
 	}

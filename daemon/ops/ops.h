@@ -43,8 +43,9 @@ int ops_verify_all(struct server *srv, const struct reply_out *out);
 /* Its chunk failed: logged, removed and counted; out becomes the `corrupt` error. */
 void ops_remove_corrupt(struct server *srv, struct reply_out *out);
 
-/* The scrub found chunk (model_id, hash) corrupt: log, remove and count it as a read would. */
-void ops_scrub_corrupt(void *srv, uint32_t model_id, const uint8_t *hash);
+/* The scrub, or a fuse session's read, found chunk (model_id, hash) corrupt: log, remove
+ * and count it as a read would. */
+void ops_chunk_corrupt(void *srv, uint32_t model_id, const uint8_t *hash);
 
 /* Why a request is answered with an error without being run. */
 enum ops_refuse {

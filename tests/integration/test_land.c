@@ -7,6 +7,7 @@
  * name the dropped rows; reuse-only sessions; errors; nothing lands after close.
  */
 #include <errno.h>
+#include <fcntl.h>
 #include <setjmp.h>
 #include <stdbool.h>
 #include <stdarg.h>
@@ -15,6 +16,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -361,6 +363,103 @@ static void test_check_after_segment_expired(void **state)
 	landed(f, &p, &y, PACKED, NULL, ref);
 	assert_true(daemon_stat(f->c, "errors_bad_shm") == bad1);
 	free(ref);
+	assert_int_equal(kvb_region_free(f->c, reg), 0);
+}
+
+/* Flip one byte of the daemon's data file wherever `needle` (16 bytes of a stored
+ * tensor) is, with pwrite() while the daemon runs: its map sees the page cache change.
+ * Everywhere: a small value sits in a leaf page, whose older copies LMDB's later
+ * transactions left in free pages. */
+static void flip_in_data(const char *dir, const uint8_t *needle)
+{
+	char path[400];
+	struct stat st;
+	uint8_t *buf, *at;
+	int fd, n = 0;
+
+	snprintf(path, sizeof(path), "%s/data.mdb", dir);
+	fd = open(path, O_RDWR);
+	assert_true(fd >= 0);
+	assert_int_equal(fstat(fd, &st), 0);
+	buf = malloc((size_t)st.st_size);
+	assert_int_equal(pread(fd, buf, (size_t)st.st_size, 0), st.st_size);
+	usleep(20000); /* another tick of the file's clock than the daemon's last commit */
+	for (at = buf; (at = memmem(at, (size_t)(buf + st.st_size - at), needle, 16)); at += 16) {
+		uint8_t b = *at ^ 0x10;
+
+		assert_int_equal(pwrite(fd, &b, 1, at - buf), 1);
+		n++;
+	}
+	assert_true(n >= 1);
+	close(fd);
+	free(buf);
+}
+
+/*
+ * Corrupt chunks under a landing session (verify = once, the default): a flipped byte
+ * in a layer the session lands stops landing at that layer (kvb_fuse_wait: corrupt),
+ * and the chunk is removed once the session is closed, as a GET removes one; a flipped
+ * byte in a plane the session never reads (the first check layer's K, by the value
+ * metric) is not served, and the next read of it (a GET) says corrupt and removes it.
+ */
+static void test_corrupt_chunks(void **state)
+{
+	struct fixture *f = *state;
+	static const uint32_t ck[1] = { 1 };
+	static const double rt[1] = { 0.5 };
+	struct kvb_fuse_params p = { ck, rt, 1, KVB_METRIC_VALUE };
+	size_t layer = (size_t)N * ROW, n1 = (size_t)L * 2 * 17 * H * D;
+	size_t n2 = (size_t)L * 2 * 14 * H * D;
+	uint16_t *kv1 = malloc(n1 * 2), *kv2 = malloc(n2 * 2);
+	const char *args[] = { "--fuse-idle", "30", "--scrub-mb-per-s", "0", NULL };
+	uint8_t *reg, *pk = malloc((size_t)N * ROW);
+	struct kvb_kv_layout y = { NULL, NULL, layer, ROW, D * 2, 0, 0, NULL, 0 };
+	struct kvb_segment segs[4];
+	size_t ns = segments(f, segs), nr;
+	const int32_t *rows;
+	kvb_fuse *fu;
+	int i;
+
+	/* the scrub off: the reads below, not the scrub, are to find the flipped bytes */
+	kvb_close(&f->c);
+	daemon_restart(&f->d, args);
+	f->c = daemon_client(&f->d, 0);
+	reg = kvb_region_alloc(f->c, 2 * L * layer);
+	y.k = reg;
+	y.v = reg + L * layer;
+	assert_non_null(reg);
+	fill_f16(kv1, n1, 2); /* chunk 1 (17 tokens) and chunk 2 (14) as setup stored them */
+	fill_f16(kv2, n2, 3);
+	/* chunk 1: layer 3's V; chunk 2: layer 1's K */
+	flip_in_data(f->d.data_dir, (const uint8_t *)(kv1 + (3 * 2 + 1) * 17 * H * D) + 64);
+	flip_in_data(f->d.data_dir, (const uint8_t *)(kv2 + (1 * 2 + 0) * 14 * H * D) + 64);
+	assert_int_equal(kvb_fuse_open_into(f->c, "lm", segs, ns, &p, &y, &fu, NULL, NULL), 0);
+	/* the node's own layers 0 and 1, then the check (landing runs ahead meanwhile, and
+	 * may have stopped at layer 3 already: every wait would say so from then on) */
+	nr = kvb_fuse_rows(fu, &rows);
+	for (size_t j = 0; j < nr; j++)
+		memcpy(pk + j * ROW, fresh_row(f, 1, 1, (uint32_t)rows[j]), ROW);
+	assert_int_equal(kvb_fuse_check(f->c, fu, 1, pk, 0, NULL, NULL), 0);
+	assert_int_equal(kvb_fuse_wait(f->c, fu, 3, 10000), KVB_E_CORRUPT);
+	assert_non_null(strstr(kvb_last_error(f->c), "stopped landing at layer 3"));
+	assert_int_equal(kvb_fuse_close(f->c, &fu, NULL, NULL), 0);
+	for (i = 0; i < 500 && daemon_stat(f->c, "corrupt_removed") < 1; i++)
+		usleep(10000);
+	assert_int_equal((uint64_t)daemon_stat(f->c, "corrupt_removed"), 1);
+	assert_int_equal(kvb_get(f->c, "lm", f->hash[1], 0, L, kv1, n1 * 2, NULL),
+			 KVB_E_NOT_FOUND);
+	/* chunk 2 served nothing corrupt; its next whole read finds it */
+	assert_int_equal(kvb_get(f->c, "lm", f->hash[2], 0, L, kv2, n2 * 2, NULL),
+			 KVB_E_CORRUPT);
+	assert_int_equal((uint64_t)daemon_stat(f->c, "corrupt_removed"), 2);
+	assert_int_equal(kvb_get(f->c, "lm", f->hash[2], 0, L, kv2, n2 * 2, NULL),
+			 KVB_E_NOT_FOUND);
+	/* chunk 0 is sound and lands */
+	assert_int_equal(kvb_get(f->c, "lm", f->hash[0], 0, L, kv2, (size_t)L * 2 * 10 * ROW,
+				 NULL), 0);
+	free(kv1);
+	free(kv2);
+	free(pk);
 	assert_int_equal(kvb_region_free(f->c, reg), 0);
 }
 
@@ -883,6 +982,7 @@ int main(void)
 	const struct CMUnitTest tests[] = {
 		cmocka_unit_test_setup_teardown(test_contiguous_matches_classic, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_check_after_segment_expired, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_corrupt_chunks, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_paged_and_padded_match_classic, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_transposed_k_matches_classic, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_paged_other_codecs, setup, teardown),
