@@ -1,6 +1,7 @@
 /* kvblendd — the kvblend KV-cache daemon: start-up, signals and shutdown. */
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <malloc.h>
 #include <signal.h>
 #include <stdio.h>
@@ -8,6 +9,7 @@
 #include <string.h>
 #include <sys/file.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "daemon/config.h"
@@ -299,6 +301,39 @@ static void tick(struct server *srv)
 	notify_watchdog();
 }
 
+/*
+ * The data file is shorter than its last page: something other than kvblendd cut
+ * it (LMDB never shortens it), and reading a page past its end would kill the
+ * daemon. Its chunks are a cache, which the nodes compute again: move the file
+ * aside, kept for inspection, so that the daemon serves with an empty store. 0,
+ * or -1 (logged) when it cannot be moved.
+ */
+static int set_aside(const char *dir)
+{
+	char from[PATH_MAX], to[PATH_MAX + 32], lock[PATH_MAX];
+	struct stat st;
+
+	if (snprintf(from, sizeof(from), "%s/data.mdb", dir) >= (int)sizeof(from) ||
+	    snprintf(to, sizeof(to), "%s/data.mdb.truncated-%lld", dir,
+		     (long long)time(NULL)) >= (int)sizeof(to) ||
+	    snprintf(lock, sizeof(lock), "%s/lock.mdb", dir) >= (int)sizeof(lock)) {
+		log_err("the data file in %s is truncated; the path is too long to move it aside",
+			dir);
+		return -1;
+	}
+	if (stat(from, &st) || rename(from, to)) {
+		log_err("the data file %s is truncated (shorter than its last page) and cannot be "
+			"moved aside: %s", from, strerror(errno));
+		return -1;
+	}
+	unlink(lock); /* the reader table of the old file: LMDB makes a new one */
+	log_err("the data file %s was truncated by something other than kvblendd (%lld bytes, "
+		"shorter than its last page; reading past its end would stop the daemon): moved to "
+		"%s; starting with an empty store, whose chunks the nodes store again",
+		from, (long long)st.st_size, to);
+	return 0;
+}
+
 int main(int argc, char **argv)
 {
 	struct sigaction sa = { .sa_handler = on_signal };
@@ -357,9 +392,12 @@ int main(int argc, char **argv)
 	sopts.verify = (enum store_verify)cfg.verify;
 	sopts.verify_ttl_s = (unsigned)cfg.verify_ttl;
 	rc = store_open(&sopts, &store);
+	if (rc == -EUCLEAN && set_aside(cfg.data_dir) == 0)
+		rc = store_open(&sopts, &store); /* an empty store in its place */
 	if (rc) {
 		log_err("cannot open store in %s: %s", cfg.data_dir,
-			rc == -EPROTO ? "written by an incompatible kvblend version" : strerror(-rc));
+			rc == -EPROTO ? "written by an incompatible kvblend version" :
+			rc == -EUCLEAN ? "its data file is truncated" : strerror(-rc));
 		close(lock_fd);
 		return 1;
 	}

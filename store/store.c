@@ -192,6 +192,25 @@ fail:
 	return rc;
 }
 
+/*
+ * LMDB never shortens its data file: one shorter than its last page was cut by
+ * something else (a copy cut short, a tool, a full disk under a copy), and a read
+ * of a page past its end would stop the process with SIGBUS. 0, or -EUCLEAN.
+ */
+static int file_whole(struct store *s)
+{
+	MDB_envinfo ei;
+	MDB_stat st;
+	struct stat fs;
+	int fd;
+
+	if (mdb_env_info(s->env, &ei) || mdb_env_stat(s->env, &st) || mdb_env_get_fd(s->env, &fd) ||
+	    fstat(fd, &fs))
+		return -EIO;
+	/* ckd-ok: a page number and a page size, each far below 2^32 */
+	return (uint64_t)fs.st_size < ((uint64_t)ei.me_last_pgno + 1) * st.ms_psize ? -EUCLEAN : 0;
+}
+
 int store_open(const struct store_opts *opts, struct store **out)
 {
 	struct store *s;
@@ -232,7 +251,9 @@ int store_open(const struct store_opts *opts, struct store **out)
 
 		mdb_reader_check(s->env, &dead);
 	}
-	rc = open_dbs(s);
+	rc = file_whole(s);
+	if (!rc)
+		rc = open_dbs(s);
 	if (rc)
 		goto fail;
 	st_totals_repair(s);

@@ -117,7 +117,9 @@ struct store_totals {
  * Open (creating if needed) the environment. A store of on-disk format 1 (no
  * record checksums) is upgraded to the current format in one transaction
  * first. Returns 0 and *out, -EPROTO for a store of a format this code does
- * not know (a newer kvblend's), or another negative errno.
+ * not know (a newer kvblend's), -EUCLEAN for a data file shorter than its last
+ * page (truncated by something else: reading it would fault), or another
+ * negative errno.
  */
 int store_open(const struct store_opts *opts, struct store **out);
 
