@@ -332,3 +332,15 @@ int kvbc_set_name(kvb_client *c, struct call *k, const char *model)
 	snprintf(k->req.model_name, sizeof(k->req.model_name), "%s", model);
 	return 0;
 }
+
+void kvbc_call_quiet(kvb_client *c, struct call *k)
+{
+	char keep[sizeof(c->err)];
+	int keep_code = c->err_code;
+
+	memcpy(keep, c->err, sizeof(keep));
+	kvbc_call(c, k);
+	kvbc_call_done(k);
+	memcpy(c->err, keep, sizeof(keep));
+	c->err_code = keep_code;
+}

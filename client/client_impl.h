@@ -138,6 +138,9 @@ void kvbc_wait_payloads(kvb_client *c);
 int kvbc_call(kvb_client *c, struct call *k);
 /* Free what a call holds (request fields, reply, frames); k may be reused after. */
 void kvbc_call_done(struct call *k);
+/* A best-effort call made while failing (a cleanup: a detach, a close): kvbc_call() and
+ * kvbc_call_done(), keeping the caller's error message and code as they were. */
+void kvbc_call_quiet(kvb_client *c, struct call *k);
 /* Copy model into k's request: 0, or -EINVAL if it is empty or longer than KVB_NAME_MAX. */
 int kvbc_set_name(kvb_client *c, struct call *k, const char *model);
 

@@ -289,14 +289,8 @@ static int session_model(kvb_client *c, const struct kvbp_reply *rep, const char
 static void close_orphan(kvb_client *c, uint64_t id)
 {
 	struct call k = { .req = { .op = KVBP_OP_FUSE_CLOSE, .session_id = id } };
-	char keep[sizeof(c->err)];
-	int keep_code = c->err_code;
 
-	memcpy(keep, c->err, sizeof(keep));
-	kvbc_call(c, &k);
-	kvbc_call_done(&k);
-	memcpy(c->err, keep, sizeof(keep));
-	c->err_code = keep_code;
+	kvbc_call_quiet(c, &k);
 }
 
 static int fuse_open_common(kvb_client *c, const char *model, const struct kvb_segment *segs,

@@ -218,14 +218,8 @@ void *kvb_region_alloc(kvb_client *c, size_t size)
 		if (k.rep.shm_id) {
 			struct call d = { .req = { .op = KVBP_OP_SHM_DETACH, .has_shm = true,
 						   .shm_id = k.rep.shm_id } };
-			char keep[sizeof(c->err)];
-			int keep_code = c->err_code;
 
-			memcpy(keep, c->err, sizeof(keep));
-			kvbc_call(c, &d);
-			kvbc_call_done(&d);
-			memcpy(c->err, keep, sizeof(keep));
-			c->err_code = keep_code;
+			kvbc_call_quiet(c, &d);
 		}
 		kvbc_call_done(&k);
 		return NULL;
