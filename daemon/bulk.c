@@ -30,6 +30,18 @@
 #define HELLO_MS 5000		/* a new connection has this long to send its hello */
 #define IOV_PER_RECORD 64
 /*
+ * A GET's payload goes out from a sender thread, never a worker (issue 55): a client that
+ * never reads holds no worker. The sender cuts a connection whose payload makes no
+ * progress (no byte taken by its socket) for BULK_STALL_MS, or that is not done by the
+ * reply deadline; one principal may have BULK_QUEUED_PER_PRINCIPAL payloads waiting on
+ * its connections (their bytes are held on its client_inflight_bytes too). A sender
+ * writes at most PUMP_BYTES to one connection before it turns to the next.
+ */
+#define BULK_STALL_MS 1000
+#define BULK_QUEUED_PER_PRINCIPAL 32
+#define BULK_SENDERS_MAX 8
+#define PUMP_BYTES (8u << 20)
+/*
  * A PUT's records hold the worker that reads them, so they must come as fast as a
  * client that sends them right after its request does: the first within PUT_START_MS
  * of the worker taking the PUT (a client writes them before ZeroMQ has even passed the
@@ -40,6 +52,27 @@
  */
 #define PUT_START_MS 200
 #define PUT_MIN_BYTES_PER_MS 100000
+
+/* One payload posted to a connection (bulk_post), until its done call. */
+struct bulk_job {
+	struct bulk_job *next;
+	uint64_t request_id, total;
+	uint64_t off;	     /* payload bytes put into records so far */
+	size_t fi, fpos;     /* where the next record's bytes start: piece fi, byte fpos */
+	int64_t deadline_ms; /* the whole payload's, the wait behind earlier ones included */
+	struct bulk_check check;
+	bulk_done_fn *done;
+	void *arg;
+	int rc;		     /* when finished: what done is told */
+	bool aborting;	     /* the record being written is the abort record */
+	uint32_t rec_len;    /* payload bytes of the record being written (counted) */
+	/* the record being written: msg[0..nm) less what went out (mp, mn) */
+	struct iovec msg[IOV_PER_RECORD + 2], *mp;
+	int mn;
+	uint8_t hdr[KVBB_HDR_LEN], tag[KVBB_TAG_LEN];
+	size_t n;
+	struct iovec iov[]; /* the caller's pieces */
+};
 
 struct bulk_conn {
 	bool used;
@@ -55,10 +88,15 @@ struct bulk_conn {
 	struct kvbb_aead *aead;
 	int fd; /* -1: the ticket waits for its connection */
 	int64_t deadline_ms;
-	unsigned users; /* workers sending on it */
-	uint64_t counter; /* records sent: the next nonce */
+	unsigned users; /* workers on it, and payloads queued on it */
+	uint64_t counter; /* records sent: the next nonce (its sender's) */
 	uint64_t rcounter; /* PUT records received, plus one (the hello): the next nonce */
-	pthread_mutex_t send_lock, recv_lock;
+	pthread_mutex_t recv_lock;
+	/* payloads waiting, the first being written (b->lock; only the sender pops) */
+	struct bulk_job *head, *tail;
+	unsigned queued;
+	int64_t progress_ms; /* the sender's: when its socket last took a byte */
+	uint8_t *bounce;     /* the sender's: a sealed record's bytes */
 };
 
 struct shake {
@@ -74,6 +112,15 @@ struct bulk {
 	pthread_t thread;
 	bool started;
 	atomic_bool stop;
+	/* the senders: connection i is sender i % n_senders's */
+	struct sender {
+		struct bulk *b;
+		unsigned k;
+		int wake[2];
+		pthread_t thread;
+		bool started;
+	} senders[BULK_SENDERS_MAX];
+	unsigned n_senders;
 	bool closing; /* bulk_shutdown: no payload starts, every connection is cut (lock) */
 	pthread_mutex_t lock; /* the table: used, fd, users, dead, deadline */
 	struct bulk_conn conns[BULK_MAX];
@@ -96,6 +143,8 @@ static void conn_free(struct bulk_conn *c)
 		close(c->fd);
 	kvbb_aead_free(&c->aead);
 	OPENSSL_cleanse(c->ticket, sizeof(c->ticket));
+	free(c->bounce);
+	c->bounce = NULL;
 	c->fd = -1;
 	c->used = c->dead = false;
 	c->users = 0;
@@ -164,123 +213,6 @@ int bulk_open(struct bulk *b, const char *principal, const void *conn_id, size_t
 	return rc;
 }
 
-/*
- * Write all of iov (modified) to fd (non-blocking) by deadline_ms (CLOCK_MONOTONIC):
- * 0, -ETIMEDOUT, -EPIPE or -errno. The deadline is the whole payload's, not one
- * write's: a reader that drains a few bytes at a time cannot stretch it.
- */
-static int write_all(int fd, struct iovec *iov, int n, int64_t deadline_ms)
-{
-	while (n > 0) {
-		struct msghdr m = { .msg_iov = iov, .msg_iovlen = (size_t)n };
-		ssize_t w = sendmsg(fd, &m, MSG_NOSIGNAL | MSG_DONTWAIT);
-
-		if (w < 0 && errno == EINTR)
-			continue;
-		if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-			struct pollfd p = { fd, POLLOUT, 0 };
-			int64_t left = deadline_ms - now_ms();
-
-			if (left <= 0)
-				return -ETIMEDOUT;
-			if (poll(&p, 1, left > 1000 ? 1000 : (int)left) < 0 && errno != EINTR)
-				return -errno;
-			if (p.revents & (POLLERR | POLLHUP | POLLNVAL))
-				return -EPIPE; /* cut by bulk_shutdown, or the client left */
-			continue;
-		}
-		if (w < 0)
-			return -errno;
-		kvbb_iov_advance(&iov, &n, (size_t)w);
-	}
-	return 0;
-}
-
-/* The abort record at off: no bytes, the last of the payload (sealed: its tag). */
-static int send_abort(struct bulk_conn *c, uint64_t request_id, uint64_t total, uint64_t off,
-		      int64_t deadline)
-{
-	struct kvbb_hdr h = { KVBB_LAST | KVBB_ABORT, request_id, total, off, 0 };
-	uint8_t hdr[KVBB_HDR_LEN], tag[KVBB_TAG_LEN];
-	struct iovec msg[2] = { { hdr, sizeof(hdr) }, { tag, sizeof(tag) } };
-
-	kvbb_hdr_put(hdr, &h);
-	if (c->sealed && kvbb_seal(c->aead, c->counter, KVBB_DIR_RECORDS, hdr, sizeof(hdr), NULL,
-				   0, NULL, tag))
-		return -EIO;
-	c->counter++;
-	return write_all(c->fd, msg, c->sealed ? 2 : 1, deadline);
-}
-
-/* The records of one payload, on c (its send_lock held). */
-static int send_records(struct bulk *b, struct bulk_conn *c, uint64_t request_id,
-			const struct iovec *iov, size_t n, const struct bulk_check *check,
-			uint64_t total, uint8_t *bounce, int64_t deadline)
-{
-	size_t rec = c->sealed ? KVBB_SEAL_BYTES : KVBB_RECORD_MAX, fi = 0, fpos = 0;
-	uint64_t off = 0;
-
-	do {
-		struct iovec part[IOV_PER_RECORD], msg[IOV_PER_RECORD + 2];
-		uint8_t hdr[KVBB_HDR_LEN], tag[KVBB_TAG_LEN];
-		struct kvbb_hdr h = { 0, request_id, total, off, 0 };
-		int np = 0, nm = 0, rc;
-
-		/* up to rec bytes from the frames, at most IOV_PER_RECORD pieces, each
-		 * checked before its first byte is taken */
-		while (fi < n && np < IOV_PER_RECORD && h.len < rec) {
-			size_t take = iov[fi].iov_len - fpos;
-
-			if (!fpos && check && check->fn(check->arg, fi)) {
-				/* nothing of this record went out yet: the abort replaces it */
-				rc = send_abort(c, request_id, total, off, deadline);
-				return rc ? rc : -EBADMSG;
-			}
-			if (take > rec - h.len)
-				take = rec - h.len;
-			if (take) {
-				part[np].iov_base = (uint8_t *)iov[fi].iov_base + fpos;
-				part[np++].iov_len = take;
-				h.len += (uint32_t)take;
-				fpos += take;
-			}
-			if (fpos == iov[fi].iov_len) {
-				fi++;
-				fpos = 0;
-			}
-		}
-		if (off + h.len == total)
-			h.flags = KVBB_LAST;
-		kvbb_hdr_put(hdr, &h);
-		msg[nm].iov_base = hdr;
-		msg[nm++].iov_len = sizeof(hdr);
-		if (c->sealed) {
-			if (kvbb_seal(c->aead, c->counter, KVBB_DIR_RECORDS, hdr, sizeof(hdr), part,
-				      (size_t)np, bounce, tag))
-				return -EIO;
-			msg[nm].iov_base = bounce;
-			msg[nm++].iov_len = h.len;
-			msg[nm].iov_base = tag;
-			msg[nm++].iov_len = sizeof(tag);
-			atomic_fetch_add(&b->sealed_records, 1);
-		} else {
-			memcpy(msg + nm, part, (size_t)np * sizeof(*part));
-			nm += np;
-		}
-		c->counter++;
-		/* counted before the write: a client that has read the last byte finds it
-		 * counted (taken back if the write fails) */
-		atomic_fetch_add(&b->bytes, h.len);
-		rc = write_all(c->fd, msg, nm, deadline);
-		if (rc) {
-			atomic_fetch_sub(&b->bytes, h.len);
-			return rc;
-		}
-		off += h.len;
-	} while (off < total);
-	return 0;
-}
-
 int bulk_take(struct bulk *b, const uint8_t ticket[KVBP_BULK_TICKET_LEN], const char *principal,
 	      const void *conn_id, size_t conn_id_len, struct bulk_conn **out)
 {
@@ -323,39 +255,307 @@ static void conn_give_back(struct bulk *b, struct bulk_conn *c, bool cut, const 
 	pthread_mutex_unlock(&b->lock);
 }
 
-int bulk_send(struct bulk *b, struct bulk_conn *c, uint64_t request_id,
-	      const struct iovec *iov, size_t n, const struct bulk_check *check, uint64_t *sent)
+/* Wake sender k (its poll), e.g. for a payload just queued or a connection cut. */
+static void sender_wake(struct bulk *b, unsigned k)
 {
-	const char *principal = c->principal;
-	uint8_t *bounce = NULL;
-	uint64_t total = 0;
-	/*
-	 * As for replies from the pages in frames (held.h): the whole payload, the wait
-	 * for the connection's send lock included, within the timeout, so that a client
-	 * reading a trickle (or not at all) holds a worker no longer than that.
-	 */
-	int64_t deadline = b->send_timeout_ms ? now_ms() + b->send_timeout_ms : INT64_MAX;
-	struct timespec until = { deadline / 1000, (deadline % 1000) * 1000000 };
+	if (b->senders[k].started && write(b->senders[k].wake[1], "", 1) < 0) {
+		/* the pipe is full: the sender is woken already */
+	}
+}
+
+static unsigned sender_of(const struct bulk *b, const struct bulk_conn *c)
+{
+	return (unsigned)(c - b->conns) % b->n_senders;
+}
+
+int bulk_post(struct bulk *b, struct bulk_conn *c, uint64_t request_id,
+	      const struct iovec *iov, size_t n, const struct bulk_check *check,
+	      bulk_done_fn *done, void *arg)
+{
+	struct bulk_job *j = malloc(sizeof(*j) + n * sizeof(*iov));
+	unsigned queued = 0;
+	int rc = 0;
+
+	if (!j) {
+		conn_give_back(b, c, false, c->principal, NULL);
+		return -ENOMEM;
+	}
+	*j = (struct bulk_job){ .request_id = request_id, .done = done, .arg = arg, .n = n,
+				.deadline_ms = b->send_timeout_ms ? now_ms() + b->send_timeout_ms
+								  : INT64_MAX };
+	if (check)
+		j->check = *check;
+	for (size_t i = 0; i < n; i++) {
+		j->iov[i] = iov[i];
+		j->total += iov[i].iov_len;
+	}
+	pthread_mutex_lock(&b->lock);
+	for (unsigned i = 0; i < BULK_MAX; i++)
+		if (b->conns[i].used && !strcmp(b->conns[i].principal, c->principal))
+			queued += b->conns[i].queued;
+	if (b->closing || c->dead)
+		rc = -ESHUTDOWN;
+	else if (queued >= BULK_QUEUED_PER_PRINCIPAL)
+		rc = -EDQUOT;
+	if (!rc) {
+		/* the worker's hold on c becomes the payload's */
+		if (c->tail)
+			c->tail->next = j;
+		else
+			c->head = j, c->progress_ms = now_ms();
+		c->tail = j;
+		c->queued++;
+	} else {
+		c->users--;
+		if (c->dead && !c->users)
+			conn_free(c);
+	}
+	pthread_mutex_unlock(&b->lock);
+	if (rc) {
+		free(j);
+		return rc;
+	}
+	sender_wake(b, sender_of(b, c));
+	return 0;
+}
+
+/* With b->lock held: take c's first payload off, done with rc, onto *fin. */
+static void job_pop(struct bulk_conn *c, int rc, struct bulk_job **fin)
+{
+	struct bulk_job *j = c->head;
+
+	c->head = j->next;
+	if (!c->head)
+		c->tail = NULL;
+	c->queued--;
+	c->users--;
+	j->rc = rc;
+	j->next = *fin;
+	*fin = j;
+}
+
+/* With b->lock held: cut c (logged with why) and finish every payload on it with rc. */
+static void conn_fail(struct bulk *b, struct bulk_conn *c, int rc, const char *why,
+		      struct bulk_job **fin)
+{
+	if (why && !c->dead)
+		log_warn("bulk connection of %s closed: %s", c->principal, why);
+	if (c->head && c->head->rec_len && c->head->mn) /* its record did not go out whole */
+		atomic_fetch_sub(&b->bytes, c->head->rec_len);
+	while (c->head)
+		job_pop(c, rc, fin);
+	c->dead = true;
+	if (c->fd >= 0) {
+		/* a reset, not a FIN: a reader that stopped reading has closed its window, so
+		 * a FIN would wait behind the unsent bytes and it would never see the end;
+		 * and the kernel lets go of those bytes at once */
+		struct linger now = { 1, 0 };
+
+		setsockopt(c->fd, SOL_SOCKET, SO_LINGER, &now, sizeof(now));
+		shutdown(c->fd, SHUT_RDWR);
+	}
+	if (!c->users)
+		conn_free(c);
+}
+
+/* Tell each finished payload's owner (no lock held: an owner may take its time). */
+static void jobs_done(struct bulk_job *fin)
+{
+	while (fin) {
+		struct bulk_job *next = fin->next;
+
+		fin->done(fin->arg, fin->rc, fin->rc ? 0 : fin->total);
+		free(fin);
+		fin = next;
+	}
+}
+
+/*
+ * The next record of j on c into j->msg: up to a record's bytes from the pieces, at
+ * most IOV_PER_RECORD of them, each checked before its first byte is taken; or, when
+ * the check refuses one, the abort record instead (nothing of it went out yet). 0 or
+ * -EIO (the seal failed) / -ENOMEM.
+ */
+static int job_record(struct bulk *b, struct bulk_conn *c, struct bulk_job *j)
+{
+	size_t rec = c->sealed ? KVBB_SEAL_BYTES : KVBB_RECORD_MAX;
+	struct kvbb_hdr h = { 0, j->request_id, j->total, j->off, 0 };
+	struct iovec part[IOV_PER_RECORD];
+	int np = 0;
+
+	j->mn = 0;
+	while (j->fi < j->n && np < IOV_PER_RECORD && h.len < rec) {
+		size_t take = j->iov[j->fi].iov_len - j->fpos;
+
+		if (!j->fpos && j->check.fn && j->check.fn(j->check.arg, j->fi)) {
+			h = (struct kvbb_hdr){ KVBB_LAST | KVBB_ABORT, j->request_id, j->total,
+					       j->off, 0 };
+			np = 0;
+			j->aborting = true;
+			break;
+		}
+		if (take > rec - h.len)
+			take = rec - h.len;
+		if (take) {
+			part[np].iov_base = (uint8_t *)j->iov[j->fi].iov_base + j->fpos;
+			part[np++].iov_len = take;
+			h.len += (uint32_t)take;
+			j->fpos += take;
+		}
+		if (j->fpos == j->iov[j->fi].iov_len) {
+			j->fi++;
+			j->fpos = 0;
+		}
+	}
+	if (!j->aborting && j->off + h.len == j->total)
+		h.flags = KVBB_LAST;
+	kvbb_hdr_put(j->hdr, &h);
+	j->msg[j->mn++] = (struct iovec){ j->hdr, sizeof(j->hdr) };
+	if (c->sealed) {
+		if (!c->bounce && !(c->bounce = malloc(KVBB_SEAL_BYTES)))
+			return -ENOMEM;
+		if (kvbb_seal(c->aead, c->counter, KVBB_DIR_RECORDS, j->hdr, sizeof(j->hdr), part,
+			      (size_t)np, c->bounce, j->tag))
+			return -EIO;
+		if (h.len)
+			j->msg[j->mn++] = (struct iovec){ c->bounce, h.len };
+		j->msg[j->mn++] = (struct iovec){ j->tag, sizeof(j->tag) };
+		if (!j->aborting) /* (the stat counts the payload's records) */
+			atomic_fetch_add(&b->sealed_records, 1);
+	} else {
+		memcpy(j->msg + j->mn, part, (size_t)np * sizeof(*part));
+		j->mn += np;
+	}
+	c->counter++;
+	j->off += h.len;
+	j->rec_len = h.len;
+	/* counted before the write: a client that has read the last byte finds it counted
+	 * (taken back if the record does not go out whole) */
+	atomic_fetch_add(&b->bytes, h.len);
+	j->mp = j->msg;
+	return 0;
+}
+
+/*
+ * Write what c's socket takes now (at most PUMP_BYTES), record after record, payload
+ * after payload; finished payloads onto *fin. 0 (the socket is full, or the turn is
+ * over), or -errno: c is to be cut.
+ */
+static int conn_pump(struct bulk *b, struct bulk_conn *c, struct bulk_job **fin)
+{
+	size_t budget = PUMP_BYTES;
+	struct bulk_job *j;
 	int rc;
 
-	for (size_t i = 0; i < n; i++)
-		total += iov[i].iov_len;
-	rc = b->send_timeout_ms ? -pthread_mutex_clocklock(&c->send_lock, CLOCK_MONOTONIC, &until)
-				: -pthread_mutex_lock(&c->send_lock);
-	if (!rc) {
-		if (c->sealed && !(bounce = malloc(KVBB_SEAL_BYTES)))
-			rc = -ENOMEM;
-		else
-			rc = send_records(b, c, request_id, iov, n, check, total, bounce,
-					  deadline);
-		pthread_mutex_unlock(&c->send_lock);
+	pthread_mutex_lock(&b->lock);
+	j = c->dead ? NULL : c->head;
+	pthread_mutex_unlock(&b->lock);
+	while (j && budget) {
+		struct msghdr m;
+		ssize_t w;
+
+		if (!j->mn && (rc = job_record(b, c, j)))
+			return rc;
+		m = (struct msghdr){ .msg_iov = j->mp, .msg_iovlen = (size_t)j->mn };
+		w = sendmsg(c->fd, &m, MSG_NOSIGNAL | MSG_DONTWAIT);
+		if (w < 0 && errno == EINTR)
+			continue;
+		if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
+			return 0;
+		if (w < 0)
+			return errno == EPIPE || errno == ECONNRESET ? -EPIPE : -errno;
+		kvbb_iov_advance(&j->mp, &j->mn, (size_t)w);
+		budget = (size_t)w < budget ? budget - (size_t)w : 0;
+		c->progress_ms = now_ms();
+		if (j->mn)
+			continue;
+		j->rec_len = 0;
+		if (!j->aborting && j->off < j->total)
+			continue;
+		/* the payload went out whole (or was voided): the next one starts its clock */
+		pthread_mutex_lock(&b->lock);
+		job_pop(c, j->aborting ? -EBADMSG : 0, fin);
+		j = c->dead ? NULL : c->head;
+		pthread_mutex_unlock(&b->lock);
 	}
-	free(bounce);
-	/* a half-sent payload leaves the stream unusable: the client opens another */
-	conn_give_back(b, c, rc && rc != -EBADMSG, principal, strerror(-rc));
-	if (!rc)
-		*sent = total;
-	return rc;
+	return 0;
+}
+
+/* One turn of sender s: payloads past their deadline or stalled cut, the others written. */
+static void sender_turn(struct sender *s)
+{
+	struct bulk *b = s->b;
+	struct pollfd p[1 + BULK_MAX];
+	unsigned who[1 + BULK_MAX], np = 0;
+	struct bulk_job *fin = NULL;
+	int64_t now = now_ms(), wake = now + 250;
+	char why[160];
+
+	p[np++] = (struct pollfd){ s->wake[0], POLLIN, 0 };
+	pthread_mutex_lock(&b->lock);
+	for (unsigned i = s->k; i < BULK_MAX; i += b->n_senders) {
+		struct bulk_conn *c = &b->conns[i];
+
+		if (!c->used || !c->head)
+			continue;
+		if (c->dead || b->closing || c->fd < 0) {
+			conn_fail(b, c, -EPIPE, NULL, &fin);
+		} else if (now >= c->head->deadline_ms) {
+			snprintf(why, sizeof(why), "payload of request %" PRIu64 " not read within "
+				 "reply_timeout_ms (%u ms)", c->head->request_id, b->send_timeout_ms);
+			conn_fail(b, c, -ETIMEDOUT, why, &fin);
+		} else if (now - c->progress_ms >= BULK_STALL_MS) {
+			snprintf(why, sizeof(why), "payload of request %" PRIu64 ": nothing read "
+				 "for %d ms (%" PRIu64 " of %" PRIu64 " bytes sent)",
+				 c->head->request_id, BULK_STALL_MS,
+				 c->head->off - c->head->rec_len, c->head->total);
+			conn_fail(b, c, -ETIMEDOUT, why, &fin);
+		} else {
+			who[np] = i;
+			p[np++] = (struct pollfd){ c->fd, POLLOUT, 0 };
+			if (c->head->deadline_ms < wake)
+				wake = c->head->deadline_ms;
+			if (c->progress_ms + BULK_STALL_MS < wake)
+				wake = c->progress_ms + BULK_STALL_MS;
+		}
+	}
+	pthread_mutex_unlock(&b->lock);
+	jobs_done(fin);
+	fin = NULL;
+	if (poll(p, np, (int)(wake > now ? wake - now : 0)) <= 0)
+		return;
+	if (p[0].revents & POLLIN) {
+		char drain[64];
+
+		while (read(s->wake[0], drain, sizeof(drain)) == (ssize_t)sizeof(drain))
+			;
+	}
+	for (unsigned k = 1; k < np; k++) {
+		struct bulk_conn *c = &b->conns[who[k]];
+		int rc = 0;
+
+		if (!p[k].revents)
+			continue;
+		if (p[k].revents & (POLLERR | POLLHUP | POLLNVAL))
+			rc = -EPIPE; /* cut by bulk_shutdown, or the client left */
+		else
+			rc = conn_pump(b, c, &fin);
+		if (rc) {
+			pthread_mutex_lock(&b->lock);
+			conn_fail(b, c, rc, rc == -EPIPE ? NULL : strerror(-rc), &fin);
+			pthread_mutex_unlock(&b->lock);
+		}
+	}
+	jobs_done(fin);
+}
+
+static void *sender_main(void *arg)
+{
+	struct sender *s = arg;
+
+	while (!atomic_load(&s->b->stop))
+		sender_turn(s);
+	return NULL;
 }
 
 /*
@@ -680,7 +880,8 @@ static int listen_on(const char *host, unsigned port, int *fd_out, unsigned *por
 	return 0;
 }
 
-int bulk_start(struct bulk **out, const char *host, unsigned port, unsigned send_timeout_ms)
+int bulk_start(struct bulk **out, const char *host, unsigned port, unsigned send_timeout_ms,
+	       unsigned senders)
 {
 	struct bulk *b = calloc(1, sizeof(*b));
 	sigset_t all, old;
@@ -690,11 +891,13 @@ int bulk_start(struct bulk **out, const char *host, unsigned port, unsigned send
 		return -ENOMEM;
 	b->listen_fd = b->wake[0] = b->wake[1] = -1;
 	b->send_timeout_ms = send_timeout_ms;
+	b->n_senders = senders < 1 ? 1 : senders > BULK_SENDERS_MAX ? BULK_SENDERS_MAX : senders;
+	for (unsigned k = 0; k < BULK_SENDERS_MAX; k++)
+		b->senders[k] = (struct sender){ b, k, { -1, -1 }, 0, false };
 	pthread_mutex_init(&b->lock, NULL);
 	for (unsigned i = 0; i < BULK_MAX; i++) {
 		b->conns[i].fd = -1;
 		b->conns[i].rcounter = 1;
-		pthread_mutex_init(&b->conns[i].send_lock, NULL);
 		pthread_mutex_init(&b->conns[i].recv_lock, NULL);
 	}
 	for (unsigned i = 0; i < BULK_SHAKES; i++)
@@ -708,10 +911,19 @@ int bulk_start(struct bulk **out, const char *host, unsigned port, unsigned send
 	sigfillset(&all);
 	pthread_sigmask(SIG_BLOCK, &all, &old);
 	rc = -pthread_create(&b->thread, NULL, accept_main, b);
+	b->started = !rc;
+	for (unsigned k = 0; !rc && k < b->n_senders; k++) {
+		struct sender *s = &b->senders[k];
+
+		if (pipe2(s->wake, O_CLOEXEC | O_NONBLOCK))
+			rc = -errno;
+		else
+			rc = -pthread_create(&s->thread, NULL, sender_main, s);
+		s->started = !rc;
+	}
 	pthread_sigmask(SIG_SETMASK, &old, NULL);
 	if (rc)
 		goto fail;
-	b->started = true;
 	*out = b;
 	return 0;
 fail:
@@ -737,13 +949,34 @@ void bulk_stop(struct bulk **bp)
 		}
 		pthread_join(b->thread, NULL);
 	}
+	for (unsigned k = 0; k < BULK_SENDERS_MAX; k++) {
+		struct sender *s = &b->senders[k];
+
+		if (s->started) {
+			sender_wake(b, k);
+			pthread_join(s->thread, NULL);
+		}
+		if (s->wake[0] >= 0) {
+			close(s->wake[0]);
+			close(s->wake[1]);
+		}
+	}
+	/* payloads still queued (a stop without bulk_shutdown): their owners let go now */
+	for (unsigned i = 0; i < BULK_MAX; i++) {
+		struct bulk_job *fin = NULL;
+
+		pthread_mutex_lock(&b->lock);
+		if (b->conns[i].used && b->conns[i].head)
+			conn_fail(b, &b->conns[i], -EPIPE, NULL, &fin);
+		pthread_mutex_unlock(&b->lock);
+		jobs_done(fin);
+	}
 	for (unsigned i = 0; i < BULK_SHAKES; i++)
 		if (b->shakes[i].fd >= 0)
 			close(b->shakes[i].fd);
 	for (unsigned i = 0; i < BULK_MAX; i++) {
 		if (b->conns[i].used)
-			conn_free(&b->conns[i]); /* the workers have stopped */
-		pthread_mutex_destroy(&b->conns[i].send_lock);
+			conn_free(&b->conns[i]); /* the workers and senders have stopped */
 		pthread_mutex_destroy(&b->conns[i].recv_lock);
 	}
 	pthread_mutex_destroy(&b->lock);
@@ -774,6 +1007,8 @@ void bulk_shutdown(struct bulk *b)
 		}
 	}
 	pthread_mutex_unlock(&b->lock);
+	for (unsigned k = 0; k < b->n_senders; k++)
+		sender_wake(b, k); /* their payloads end now */
 	if (cut)
 		log_info("stopping: %u bulk connections cut (payloads in flight end there)", cut);
 }

@@ -130,6 +130,7 @@ static int start_bulk(struct server *srv)
 	uint32_t best;
 	unsigned i;
 	char *colon;
+	long cpus;
 	int rc;
 
 	for (i = 0; i < cfg->n_listen && strncmp(cfg->listen[i], "tcp://", 6); i++)
@@ -144,8 +145,11 @@ static int start_bulk(struct server *srv)
 		memmove(host, host + 1, strlen(host));
 		host[strlen(host) - 1] = 0;
 	}
+	/* senders: one per two cores, 1..4 (a sender seals and writes at several GB/s) */
+	cpus = sysconf(_SC_NPROCESSORS_ONLN);
 	rc = bulk_start(&srv->bulk, host, (unsigned)cfg->tcp_bulk_port,
-			(unsigned)cfg->reply_timeout_ms);
+			(unsigned)cfg->reply_timeout_ms,
+			cpus < 4 ? 1 : cpus > 8 ? 4 : (unsigned)(cpus / 2));
 	if (rc) {
 		log_err("tcp_bulk: no bulk connections on %s (tcp_bulk_port %" PRIu64 "; set "
 			"tcp_bulk = false to go without)", host, cfg->tcp_bulk_port);

@@ -13,12 +13,9 @@
 #include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
-#include <openssl/crypto.h>
 #include <zmq.h>
 
-#include "daemon/bulk.h"
 #include "daemon/work.h"
-#include "proto/bulk.h"
 #include "daemon/clients.h"
 #include "cluster/cluster.h"
 #include "daemon/curve.h"
@@ -31,8 +28,6 @@
 #include "daemon/pool.h"
 #include "daemon/server_impl.h"
 
-/* Layers whose payload a bulk diversion lists on the stack (more: malloc). */
-#define KVBP_LAYERS_IOV 128
 /* Receive one whole message, keeping at most cap frames; counts the rest in *extra.
  * The parts of a multipart message arrive together, so no call here blocks. */
 int server_recv_frames(void *sock, zmq_msg_t *frames, size_t cap, size_t *n, size_t *extra)
@@ -68,122 +63,6 @@ int server_recv_frames(void *sock, zmq_msg_t *frames, size_t cap, size_t *n, siz
 static bool envelope_ok(zmq_msg_t *frames, size_t n)
 {
 	return n >= ENVELOPE_LEN && zmq_msg_size(&frames[ENVELOPE_LEN - 1]) == 0;
-}
-
-/*
- * Send the reply: the first n_env frames of env (tag and routing id, and the
- * delimiter when the request had one), then an empty delimiter when add_delim, then
- * the header and any payload.
- */
-static void send_reply(struct server *srv, void *sock, zmq_msg_t *env, size_t n_env,
-		       bool add_delim, struct reply_out *out)
-{
-	uint8_t *hdr = NULL;
-	size_t len = 0;
-	uint64_t bytes = 0;
-	bool payload = out->rep.code == KVBP_OK && out->n_payload;
-
-	if (!payload)
-		out->rep.payload_frames = 0;
-	for (size_t i = 0; i < n_env; i++)
-		if (zmq_msg_send(&env[i], sock, ZMQ_SNDMORE) < 0)
-			zmq_msg_close(&env[i]);
-	if (add_delim)
-		zmq_send(sock, "", 0, ZMQ_SNDMORE);
-	if (kvbp_reply_encode(&out->rep, &hdr, &len)) {
-		/* Out of memory: still answer, with an empty frame, rather than leave a hang. */
-		zmq_send(sock, "", 0, 0);
-		return;
-	}
-	zmq_send(sock, hdr, len, payload ? ZMQ_SNDMORE : 0);
-	bytes += len;
-	if (out->rep.has_bulk_key) { /* the key lives on only in the bulk connection */
-		OPENSSL_cleanse(hdr, len);
-		OPENSSL_cleanse(out->rep.bulk_key, sizeof(out->rep.bulk_key));
-	}
-	free(hdr);
-	for (size_t i = 0; payload && i < out->n_payload; i++) {
-		bytes += zmq_msg_size(&out->payload[i]);
-		zmq_msg_send(&out->payload[i], sock, i + 1 < out->n_payload ? ZMQ_SNDMORE : 0);
-	}
-	atomic_fetch_add(&srv->stats.bytes_out, bytes);
-}
-
-/* Before frame i of an unverified view goes out: its layer's checksums (frames K, V). */
-static int verify_frame(void *arg, size_t i)
-{
-	return i % 2 ? 0 : ops_verify_layer(arg, (uint32_t)(i / 2));
-}
-
-/*
- * A GET that asked for its payload on a bulk connection: the reply first, without the
- * frames (it travels through ZeroMQ's threads while the payload streams), then the
- * frames on the bulk connection (from the store's pages, sealed for a CURVE client),
- * each layer verified just before it is sent, when the view was left unverified (a
- * layer that fails voids the payload with an abort record, and the chunk is removed).
- * A ticket this daemon does not know (expired, another client's) leaves the frames to
- * ZeroMQ, verified first (false: the caller sends the reply as usual). A connection
- * that fails mid-way is closed, and the client sees the stream end mid-payload; it
- * opens another.
- */
-static bool bulk_divert(struct server *srv, void *sock, zmq_msg_t *env, size_t n_env,
-			const char *principal, struct reply_out *out)
-{
-	struct bulk_check check = { verify_frame, out };
-	struct iovec iov[2 * KVBP_LAYERS_IOV];
-	struct iovec *v = out->n_payload <= KVBP_LAYERS_IOV * 2 ? iov
-					: malloc(out->n_payload * sizeof(*v));
-	struct bulk_conn *bc;
-	zmq_msg_t *payload = out->payload;
-	size_t n_payload = out->n_payload;
-	uint64_t sent = 0, total = 0;
-	int rc;
-
-	/* a FETCH's parts are each layer's stored bytes, of sizes the member cannot know */
-	if (v && out->op == KVBP_OP_FETCH)
-		out->rep.bulk_parts = malloc(n_payload * sizeof(uint64_t));
-	if (!v || (out->op == KVBP_OP_FETCH && !out->rep.bulk_parts) ||
-	    bulk_take(srv->bulk, out->bulk_ticket, principal, zmq_msg_data(&env[1]),
-			    zmq_msg_size(&env[1]), &bc)) {
-		/* frames after all, every layer verified first */
-		if (v != iov)
-			free(v);
-		if (out->verify_view && ops_verify_all(srv, out)) {
-			/* the reply: corrupt, no frames (closed first: they hold the view) */
-			for (size_t i = 0; i < n_payload; i++)
-				zmq_msg_close(&payload[i]);
-			out->n_payload = 0;
-			ops_remove_corrupt(srv, out);
-		}
-		return false;
-	}
-	for (size_t i = 0; i < n_payload; i++) {
-		v[i].iov_base = zmq_msg_data(&payload[i]);
-		v[i].iov_len = zmq_msg_size(&payload[i]);
-		total += v[i].iov_len;
-		if (out->rep.bulk_parts)
-			out->rep.bulk_parts[i] = v[i].iov_len;
-	}
-	out->rep.n_bulk_parts = out->rep.bulk_parts ? n_payload : 0;
-	/* The bulk connection's writer has its own deadline: the ZeroMQ connection is not
-	 * the one to cut while it writes (held.h). */
-	if (out->held)
-		held_remove(&srv->held, out->held);
-	out->n_payload = 0;
-	out->rep.payload_frames = 0;
-	out->rep.bulk_bytes = total;
-	send_reply(srv, sock, env, n_env, false, out);
-	rc = bulk_send(srv->bulk, bc, out->rep.request_id, v, n_payload,
-		       out->verify_view ? &check : NULL, &sent);
-	if (v != iov)
-		free(v);
-	for (size_t i = 0; i < n_payload; i++)
-		zmq_msg_close(&payload[i]);
-	if (rc == -EBADMSG)
-		ops_remove_corrupt(srv, out); /* once the frames let go of the view */
-	if (!rc)
-		atomic_fetch_add(&srv->stats.bytes_out, sent);
-	return true;
 }
 
 /* An error reply built without a request handler (refused envelope, shutting down). */
@@ -294,7 +173,8 @@ void server_lane_run(void *ctx, void *sock, zmq_msg_t *frames, size_t n)
 	ops_handle(srv, &from, frames + ENVELOPE_LEN, n - ENVELOPE_LEN, 0, &out);
 	for (size_t i = ENVELOPE_LEN; i < n; i++)
 		zmq_msg_close(&frames[i]);
-	send_reply(srv, sock, frames, ENVELOPE_LEN, false, &out);
+	ops_send(srv, &(struct ops_dest){ sock, frames, ENVELOPE_LEN, false, tag.principal },
+		 &out);
 	reply_out_clear(&out);
 }
 
@@ -349,7 +229,8 @@ void *server_worker_main(void *arg)
 			atomic_fetch_add(&srv->stats.requests[KVBP_OP_COUNT], 1);
 			for (size_t i = env; i < n; i++)
 				zmq_msg_close(&frames[i]);
-			send_reply(srv, sock, frames, env, true, &out);
+			ops_send(srv, &(struct ops_dest){ sock, frames, env, true, tag.principal },
+				 &out);
 		} else {
 			env = ENVELOPE_LEN;
 			if (env == n) {
@@ -367,10 +248,8 @@ void *server_worker_main(void *arg)
 			}
 			for (size_t i = env; i < n; i++)
 				zmq_msg_close(&frames[i]);
-			if (!out.has_bulk || !srv->bulk || out.rep.code != KVBP_OK ||
-			    !out.n_payload ||
-			    !bulk_divert(srv, sock, frames, env, tag.principal, &out))
-				send_reply(srv, sock, frames, env, false, &out);
+			ops_send(srv, &(struct ops_dest){ sock, frames, env, false, tag.principal },
+				 &out);
 		}
 		{
 			uint64_t ns;

@@ -341,33 +341,6 @@ static int chunk_get_parallel(struct req *q, const struct store_model *m, uint32
  * as cheap as the view's transaction). */
 #define VIEW_MIN_BYTES (256u << 10)
 
-struct view_check {
-	const struct store_view *v;
-	uint32_t n, parts;
-};
-
-static int view_check_part(void *arg, size_t i)
-{
-	const struct view_check *c = arg;
-	uint32_t a = (uint32_t)((uint64_t)c->n * i / c->parts);
-	uint32_t b = (uint32_t)((uint64_t)c->n * (i + 1) / c->parts);
-
-	for (uint32_t l = a; l < b; l++)
-		if (store_view_verify(c->v, l))
-			return -EBADMSG;
-	return 0;
-}
-
-/* Every layer of v, split over the helper threads: 0, or -EBADMSG. */
-static int view_verify_all(struct server *srv, const struct store_view *v)
-{
-	uint32_t n = v->layer_end - v->layer_begin;
-	unsigned threads = pool_threads(srv->pool) + 1;
-	struct view_check c = { v, n, threads < n ? threads : n };
-
-	return pool_run(srv->pool, c.parts, view_check_part, &c) ? -EBADMSG : 0;
-}
-
 /*
  * Serve a GET of layers [lb, le) as frames pointing at the stored bytes: verify
  * every layer's checksums (split over the helper threads), then hand ZeroMQ
@@ -383,7 +356,7 @@ static int get_from_view(struct req *q, const struct store_model *m, uint32_t lb
 	struct store_view *v = NULL;
 	struct shared_buf *hold;
 	size_t n = 2 * (size_t)(le - lb);
-	/* on a bulk connection, verified as sent (server.c) */
+	/* on a bulk connection, verified as sent (send.c) */
 	bool lazy = q->out->has_bulk && q->srv->bulk;
 	int rc = store_chunk_view(q->srv->store, m, q->h.hash, lb, le, &ci, &v);
 
@@ -402,7 +375,7 @@ static int get_from_view(struct req *q, const struct store_model *m, uint32_t lb
 		fail_store(q, rc, "get");
 		return 0;
 	}
-	/* For a bulk connection, each layer is verified as it is sent (server.c: the check
+	/* For a bulk connection, each layer is verified as it is sent (send.c: the check
 	 * reads it into the cache the send reads it from), not all first. */
 	if (!lazy && view_verify_all(q->srv, v)) {
 		store_view_free(&v);
@@ -445,16 +418,6 @@ static int get_from_view(struct req *q, const struct store_model *m, uint32_t lb
 	}
 	shared_buf_unref(NULL, hold);
 	return 0;
-}
-
-int ops_verify_layer(const struct reply_out *out, uint32_t i)
-{
-	return store_view_verify(out->verify_view, i) ? -EBADMSG : 0;
-}
-
-int ops_verify_all(struct server *srv, const struct reply_out *out)
-{
-	return view_verify_all(srv, out->verify_view);
 }
 
 void op_get(struct req *q)

@@ -4,8 +4,9 @@
  * of store errors into replies, model names and namespaces, model checks. The
  * handlers themselves live by concern in daemon/ops/: chunk.c (PUT, GET, LOOKUP,
  * DELETE, LIST, PIN, UNPIN), fuse.c (fuse sessions), peer.c (FETCH, REPLICATE
- * between members), admin.c (HELLO, models, STATS, shared memory); ops.c
- * decodes, refuses what must be refused and dispatches.
+ * between members), admin.c (HELLO, models, STATS, shared memory); ops.c holds the
+ * table of operations, decodes, refuses what must be refused and dispatches; reply.c
+ * the helpers below; send.c sends what a handler returned (ops_send).
  */
 #ifndef KVBLEND_DAEMON_OPS_IMPL_H
 #define KVBLEND_DAEMON_OPS_IMPL_H
@@ -23,6 +24,7 @@ struct req {
 	const char *ns;	       /* its namespace: "" the default, else a tenant */
 	struct client_acct *acct; /* its byte account (NULL in tests of ops alone) */
 	struct kvbp_request h;
+	unsigned flags; /* the operation's (ops.h enum ops_flag) */
 	zmq_msg_t *payload;
 	size_t n_payload;
 	struct reply_out *out;
@@ -105,6 +107,11 @@ int chunk_bytes(struct req *q, const struct store_model *m, uint32_t tokens, uin
 		uint64_t *tensor_bytes, uint64_t *total);
 /* The chunk of the request failed its checksum: remove it and answer `corrupt`. */
 void remove_corrupt(struct req *q, const struct store_model *m);
+/* Log, remove and count chunk (m, hash) that failed its checksum; its hash in hex into h. */
+void drop_corrupt(struct server *srv, const struct store_model *m,
+		  const uint8_t hash[KVBP_HASH_LEN], char h[2 * KVBP_HASH_LEN + 1]);
+/* Every layer of view v, split over the helper threads (send.c): 0, or -EBADMSG. */
+int view_verify_all(struct server *srv, const struct store_view *v);
 
 /* The handlers, one per operation. */
 void op_hello(struct req *q);

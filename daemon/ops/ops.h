@@ -12,8 +12,17 @@
 
 #include "daemon/state.h"
 
+/* What sets an operation apart (ops.c's table; a reply carries its request's). */
+enum ops_flag {
+	OPF_BULK_OUT = 1 << 0,		/* its payload may go out on a bulk connection */
+	OPF_BULK_PARTS = 1 << 1,	/* ... with each part's size in the reply (FETCH) */
+	OPF_BULK_IN = 1 << 2,		/* its payload may come on a bulk connection */
+	OPF_MEMBER_NAMESPACES = 1 << 3, /* a member may name any namespace's model */
+};
+
 struct reply_out {
 	struct kvbp_reply rep;
+	unsigned flags; /* the operation's (enum ops_flag) */
 	zmq_msg_t *payload; /* initialised frames to send after the header; owned */
 	size_t n_payload;
 	uint64_t op; /* for stats */
@@ -28,20 +37,12 @@ struct reply_out {
 	uint8_t bulk_ticket[KVBP_BULK_TICKET_LEN];
 	/* such a GET from the store's pages, not verified yet: its view (alive with the
 	 * payload frames, layer i in frames 2i and 2i+1), checked a layer at a time as the
-	 * bulk connection sends it (ops_verify_layer), or all at once before the frames
-	 * go to ZeroMQ instead (ops_verify_all); the chunk's model and hash, to remove it
-	 * if a layer fails (ops_remove_corrupt) */
+	 * bulk connection sends it, or all at once before the frames go to ZeroMQ instead
+	 * (send.c); the chunk's model and hash, to remove it if a layer fails */
 	const struct store_view *verify_view;
 	struct store_model verify_model;
 	uint8_t verify_hash[KVBP_HASH_LEN];
 };
-
-/* Layer i of out's unverified view: 0, or -EBADMSG (it failed its checksum). */
-int ops_verify_layer(const struct reply_out *out, uint32_t i);
-/* Every layer of it, on the helper threads: 0, or -EBADMSG. */
-int ops_verify_all(struct server *srv, const struct reply_out *out);
-/* Its chunk failed: logged, removed and counted; out becomes the `corrupt` error. */
-void ops_remove_corrupt(struct server *srv, struct reply_out *out);
 
 /* The scrub, or a fuse session's read, found chunk (model_id, hash) corrupt: log, remove
  * and count it as a read would. */
@@ -77,6 +78,25 @@ struct ops_origin {
  */
 void ops_handle(struct server *srv, const struct ops_origin *from, zmq_msg_t *frames, size_t n,
 		size_t extra_frames, struct reply_out *out);
+
+/* Where a reply goes: a worker's or the lane's socket, and the request's envelope. */
+struct ops_dest {
+	void *sock;
+	zmq_msg_t *env;	 /* the envelope frames to send first (moved out) */
+	size_t n_env;
+	bool add_delim;	 /* the request had no delimiter: send one after env */
+	const char *principal; /* who asked: a bulk ticket must be theirs */
+};
+
+/*
+ * The one way out for a reply (ops/send.c), for a worker and the lane alike: out's
+ * header and payload to `to`, the payload on the client's bulk connection when the
+ * request asked for one and it is there (handed to a sender thread: this call never
+ * waits on a client's socket), else in frames (an unverified view verified first; a
+ * chunk that fails is removed and the reply becomes `corrupt`). Takes out's payload;
+ * the caller still calls reply_out_clear().
+ */
+void ops_send(struct server *srv, const struct ops_dest *to, struct reply_out *out);
 
 /* Close unsent payload frames and free the reply's arrays. */
 void reply_out_clear(struct reply_out *out);

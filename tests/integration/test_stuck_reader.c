@@ -17,6 +17,7 @@
  */
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <pthread.h>
 #include <setjmp.h>
 #include <signal.h>
@@ -590,6 +591,167 @@ static void one_stalled_reader_holds_one_worker_only(void **state)
 	free(kv);
 }
 
+/* A staller (issue 55, defect 1): GETs on a fresh bulk connection, never read; when the
+ * daemon cuts one, another, until stopped. */
+struct staller {
+	const char *tcp, *model_name;
+	const uint8_t *hash;
+	uint64_t bytes;
+	atomic_bool *stop;
+	unsigned cuts; /* connections the daemon cut */
+	double first_cut; /* seconds from the first GET to the first cut */
+};
+
+static void *staller_main(void *arg)
+{
+	struct staller *st = arg;
+	struct timespec t0;
+
+	clock_gettime(CLOCK_MONOTONIC, &t0);
+	while (!atomic_load(st->stop)) {
+		struct slow_reader rd;
+		struct pollfd p;
+
+		slow_reader_open(&rd, st->tcp, NULL, NULL);
+		slow_reader_get(&rd, st->model_name, st->hash, st->bytes);
+		p = (struct pollfd){ rd.fd, POLLRDHUP, 0 };
+		/* the daemon's cut shows as the stream's end (nothing here ever reads) */
+		while (!atomic_load(st->stop) && poll(&p, 1, 50) == 0)
+			;
+		if (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) {
+			if (!st->cuts++)
+				st->first_cut = since(&t0);
+		}
+		slow_reader_close(&rd);
+	}
+	return NULL;
+}
+
+/*
+ * Four stallers (twice the daemon's workers) GET a 32 MiB chunk each on a bulk
+ * connection and never read it, and each opens a fresh connection with a fresh GET
+ * whenever the daemon cuts one (issue 55, defect 1: with the payload written by the
+ * worker that served the GET, this held every worker and left other clients'
+ * HELLOs unanswered). With reply_timeout_ms far away (30 s), another client's 12
+ * HELLOs must each be answered at once, and the daemon must cut each stalled payload
+ * for making no progress (bulk.h: 1 s without a byte taken), not wait out the 30 s.
+ */
+static void stallers_reissuing_gets_hold_no_worker(void **state)
+{
+	enum { STALLERS = 4 };
+	char tcp[64], bport[16];
+	const char *args[] = { "--workers", "2", "--reply-timeout-ms", "30000", "--listen", tcp,
+			       "--tcp-bulk-port", bport, NULL };
+	size_t bytes = (size_t)L * 2 * BIG_T * H * D * 2;
+	uint8_t *kv = malloc(bytes), hash[KVB_HASH_LEN];
+	struct staller st[STALLERS];
+	pthread_t th[STALLERS];
+	atomic_bool stop = false;
+	struct daemon d;
+	kvb_client *c, *victim;
+	double worst = 0;
+	unsigned cuts = 0;
+
+	(void)state;
+	assert_non_null(kv);
+	snprintf(tcp, sizeof(tcp), "tcp://127.0.0.1:%d", free_tcp_port());
+	snprintf(bport, sizeof(bport), "%d", free_tcp_port());
+	daemon_start(&d, args);
+	c = daemon_client(&d, 1);
+	victim = daemon_client(&d, 1);
+	assert_int_equal(kvb_model_register(c, &slow_model, NULL), 0);
+	fill_random(kv, bytes, 13);
+	hash_of(131, hash);
+	assert_int_equal(kvb_put(c, slow_model.name, hash, KVB_F16, BIG_T, 0, kv, bytes, NULL), 0);
+	for (int i = 0; i < STALLERS; i++) {
+		st[i] = (struct staller){ tcp, slow_model.name, hash, bytes, &stop, 0, 0 };
+		assert_int_equal(pthread_create(&th[i], NULL, staller_main, &st[i]), 0);
+	}
+	/* 12 HELLOs over about 4 s, while the stallers keep at it */
+	for (int i = 0; i < 12; i++) {
+		struct timespec gap = { 0, 330 * 1000000 };
+		double took;
+
+		nanosleep(&gap, NULL);
+		took = slowest_ping(victim, 1);
+		worst = took > worst ? took : worst;
+	}
+	atomic_store(&stop, true);
+	for (int i = 0; i < STALLERS; i++) {
+		pthread_join(th[i], NULL);
+		cuts += st[i].cuts;
+		print_message("staller %d: %u connections cut, the first after %.2f s\n", i,
+			      st[i].cuts, st[i].first_cut);
+		/* cut for no progress (about 1 s), not at reply_timeout_ms (30 s) */
+		assert_true(st[i].cuts >= 1);
+		assert_true(st[i].first_cut < 6);
+	}
+	print_message("%d stallers re-issuing GETs, 2 workers: %u stalled payloads cut; "
+		      "another client's 12 HELLOs took at most %.3f s\n", STALLERS, cuts, worst);
+	assert_true(worst < 1.0);
+	assert_true(daemon_stat(c, "bulk_connections") <= STALLERS);
+	kvb_close(&c);
+	kvb_close(&victim);
+	daemon_stop(&d);
+	daemon_cleanup(&d);
+	free(kv);
+}
+
+/*
+ * One client may have 32 payloads waiting on its bulk connections (issue 55, defect
+ * 1): 40 GETs of a 32 MiB chunk sent at once on one connection that never reads are
+ * answered 32 `ok` (with the payload's size) and 8 `limit`, whose message says why;
+ * the daemon then serves the next client as before.
+ */
+static void a_client_has_at_most_32_payloads_waiting(void **state)
+{
+	enum { GETS = 40 };
+	char tcp[64], bport[16], msg[KVBP_MESSAGE_MAX];
+	const char *args[] = { "--reply-timeout-ms", "30000", "--client-inflight-bytes", "16G",
+			       "--max-inflight-bytes", "16G", "--listen", tcp, "--tcp-bulk-port",
+			       bport, NULL };
+	size_t bytes = (size_t)L * 2 * BIG_T * H * D * 2;
+	uint8_t *kv = malloc(bytes), hash[KVB_HASH_LEN];
+	struct slow_reader rd;
+	struct daemon d;
+	kvb_client *c;
+	unsigned ok = 0, limit = 0;
+
+	(void)state;
+	assert_non_null(kv);
+	snprintf(tcp, sizeof(tcp), "tcp://127.0.0.1:%d", free_tcp_port());
+	snprintf(bport, sizeof(bport), "%d", free_tcp_port());
+	daemon_start(&d, args);
+	c = daemon_client(&d, 1);
+	assert_int_equal(kvb_model_register(c, &slow_model, NULL), 0);
+	fill_random(kv, bytes, 17);
+	hash_of(171, hash);
+	assert_int_equal(kvb_put(c, slow_model.name, hash, KVB_F16, BIG_T, 0, kv, bytes, NULL), 0);
+	slow_reader_open(&rd, tcp, NULL, NULL);
+	for (int i = 0; i < GETS; i++)
+		slow_reader_send_get(&rd, slow_model.name, hash);
+	for (int i = 0; i < GETS; i++) {
+		uint32_t code = raw_recv_msg(&rd.r, msg, sizeof(msg));
+
+		if (code == KVBP_OK) {
+			ok++;
+		} else {
+			assert_int_equal(code, KVBP_LIMIT);
+			assert_non_null(strstr(msg, "payloads waiting on its bulk connections"));
+			limit++;
+		}
+	}
+	print_message("40 GETs on a bulk connection never read: %u ok, %u limit\n", ok, limit);
+	assert_int_equal(ok, 32);
+	assert_int_equal(limit, GETS - 32);
+	slow_reader_close(&rd);
+	assert_int_equal(kvb_ping(c, NULL, 0), 0);
+	kvb_close(&c);
+	daemon_stop(&d);
+	daemon_cleanup(&d);
+	free(kv);
+}
+
 static void a_trickling_bulk_reader_is_cut_and_others_served(void **state)
 {
 	(void)state;
@@ -696,6 +858,8 @@ int main(void)
 		cmocka_unit_test(a_trickling_curve_bulk_reader_is_cut_and_others_served),
 		cmocka_unit_test(a_never_reading_curve_bulk_reader_is_cut_and_others_served),
 		cmocka_unit_test(a_ticket_works_only_on_its_own_connection),
+		cmocka_unit_test(stallers_reissuing_gets_hold_no_worker),
+		cmocka_unit_test(a_client_has_at_most_32_payloads_waiting),
 	};
 
 	return cmocka_run_group_tests(tests, NULL, NULL);
