@@ -580,8 +580,75 @@ void kvbp_request_clear(struct kvbp_request *req)
 	req->n_hashes = req->n_segments = req->n_checks = req->n_ratios = 0;
 }
 
+/* The length of the well-formed UTF-8 sequence at p (RFC 3629, table 3-7 of Unicode), or 0. */
+static size_t utf8_seq(const unsigned char *p)
+{
+	unsigned char c = p[0];
+	unsigned char lo = 0x80, hi = 0xbf;
+	size_t n;
+
+	if (c < 0x80)
+		return 1;
+	if (c >= 0xc2 && c <= 0xdf)
+		n = 2;
+	else if (c >= 0xe0 && c <= 0xef)
+		n = 3;
+	else if (c >= 0xf0 && c <= 0xf4)
+		n = 4;
+	else
+		return 0;
+	if (c == 0xe0)
+		lo = 0xa0; /* overlong */
+	else if (c == 0xed)
+		hi = 0x9f; /* surrogates */
+	else if (c == 0xf0)
+		lo = 0x90; /* overlong */
+	else if (c == 0xf4)
+		hi = 0x8f; /* past U+10FFFF */
+	if (p[1] < lo || p[1] > hi)
+		return 0;
+	for (size_t i = 2; i < n; i++)
+		if (p[i] < 0x80 || p[i] > 0xbf)
+			return 0;
+	return n;
+}
+
+bool kvbp_utf8_escape(const char *in, char *out, size_t cap)
+{
+	const unsigned char *p = (const unsigned char *)in;
+	size_t o = 0;
+	bool changed = false;
+
+	if (!cap)
+		return *in != 0;
+	while (*p) {
+		size_t n = utf8_seq(p);
+		char esc[5];
+		const char *src = (const char *)p;
+		size_t len = n;
+
+		if (!n) {
+			snprintf(esc, sizeof(esc), "\\x%02x", *p);
+			src = esc;
+			len = 4;
+			n = 1;
+			changed = true;
+		}
+		if (o + len >= cap) {
+			changed = true;
+			break;
+		}
+		memcpy(out + o, src, len);
+		o += len;
+		p += n;
+	}
+	out[o] = 0;
+	return changed;
+}
+
 int kvbp_reply_encode(const struct kvbp_reply *rep, uint8_t **buf, size_t *len)
 {
+	char message[KVBP_MESSAGE_MAX];
 	Kvblend__Reply pb = KVBLEND__REPLY__INIT;
 	Kvblend__Model *models = NULL, **model_ptrs = NULL;
 	Kvblend__ChunkInfo *chunks = NULL, **chunk_ptrs = NULL;
@@ -593,6 +660,8 @@ int kvbp_reply_encode(const struct kvbp_reply *rep, uint8_t **buf, size_t *len)
 	pb.request_id = rep->request_id;
 	pb.code = (Kvblend__Code)rep->code;
 	pb.message = (char *)rep->message;
+	if (kvbp_utf8_escape(rep->message, message, sizeof(message)))
+		pb.message = message;
 	pb.server_version = (char *)rep->server_version;
 	pb.existed = rep->existed;
 	pb.payload_frames = rep->payload_frames;

@@ -317,7 +317,18 @@ struct kvbp_reply {
  * Returns 0, or -ENOMEM.
  */
 int kvbp_request_encode(const struct kvbp_request *req, uint8_t **buf, size_t *len);
+/* (A message that is not valid UTF-8, e.g. one naming a request's bytes, goes out with
+ * kvbp_utf8_escape applied: proto3 strings must be UTF-8, and protobuf's C++ and upb
+ * parsers refuse a reply whose string is not.) */
 int kvbp_reply_encode(const struct kvbp_reply *rep, uint8_t **buf, size_t *len);
+
+/*
+ * Copy the NUL-terminated in to out[0..cap) as valid UTF-8: every byte that does not
+ * start a well-formed sequence (RFC 3629: no overlong forms, surrogates or code points
+ * past U+10FFFF) becomes the four characters \xNN; cut at a character's boundary
+ * when it does not fit. Returns true when anything was escaped or cut.
+ */
+bool kvbp_utf8_escape(const char *in, char *out, size_t cap);
 
 /*
  * Decode len bytes into *out (zeroed first). Returns KVBP_OK, or a positive

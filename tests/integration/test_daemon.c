@@ -6,6 +6,7 @@
 #include <errno.h>
 #include <lmdb.h>
 #include <pthread.h>
+#include <locale.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -1099,6 +1100,38 @@ static void test_stats_no_walk(void **state)
 	free(kv);
 }
 
+/*
+ * A reply's message is a proto3 string and must be UTF-8 (issue 55, defect 7): a GET
+ * naming a model with bytes that are not (0xff 0xfe) is answered with the bytes
+ * escaped as \xff\xfe, and the whole message is valid UTF-8 by the C library's own
+ * decoder (C.UTF-8), as protobuf's C++ and upb parsers require; the daemon serves on.
+ */
+static void test_reply_message_is_utf8(void **state)
+{
+	struct daemon *d = *state;
+	struct kvbp_request q = { .op = KVBP_OP_GET, .request_id = 9, .has_hash = true };
+	char msg[KVBP_MESSAGE_MAX];
+	struct raw r;
+	uint32_t code;
+	kvb_client *c = daemon_client(d, 1);
+
+	assert_non_null(setlocale(LC_CTYPE, "C.UTF-8"));
+	snprintf(q.model_name, sizeof(q.model_name), "bad\xff\xfe" "name\xc3\xa9");
+	hash_of(9, q.hash);
+	raw_open(&r, d->endpoint, 10000);
+	raw_send(&r, &q, NULL, NULL, 0);
+	code = raw_recv_msg(&r, msg, sizeof(msg));
+	print_message("reply to a model name with bytes 0xff 0xfe: %s: %s\n",
+		      kvbp_code_name(code), msg);
+	assert_int_not_equal(code, KVBP_OK);
+	assert_true(mbstowcs(NULL, msg, 0) != (size_t)-1);
+	assert_non_null(strstr(msg, "bad\\xff\\xfename\xc3\xa9")); /* é kept as it is */
+	raw_close(&r);
+	assert_int_equal(kvb_ping(c, NULL, 0), 0);
+	kvb_close(&c);
+	setlocale(LC_CTYPE, "C");
+}
+
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
@@ -1123,6 +1156,7 @@ int main(void)
 		cmocka_unit_test_setup_teardown(test_concurrent_clients, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_stats_no_walk, setup, teardown),
 		cmocka_unit_test(test_unreachable),
+		cmocka_unit_test_setup_teardown(test_reply_message_is_utf8, setup, teardown),
 	};
 
 	return cmocka_run_group_tests(tests, NULL, NULL);

@@ -1,5 +1,6 @@
 /* Unit tests of proto/wire: round trips, malformed headers, limits, code numbering. */
 #include <errno.h>
+#include <locale.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -339,6 +340,52 @@ static void test_code_numbering(void **state)
 	assert_int_equal(kvbp_dtype_size(7), 0);
 }
 
+/* kvbp_utf8_escape against the C library's UTF-8 decoder: invalid bytes escaped, valid
+ * sequences kept, truncation at a character's boundary (issue 55, defect 7). */
+static void test_utf8_escape(void **state)
+{
+	static const char *const bad[] = { "\xff", "a\xc0\xaf", "\xed\xa0\x80", "\xf4\x90\x80\x80",
+					   "\xe2\x82", "x\x80y", "\xc3" };
+	char out[KVBP_MESSAGE_MAX], small[6];
+	struct kvbp_reply rep = { .version = 1, .code = KVBP_NOT_FOUND }, back;
+	uint8_t *buf;
+	size_t len;
+	char err[128];
+
+	(void)state;
+	assert_non_null(setlocale(LC_CTYPE, "C.UTF-8"));
+	assert_false(kvbp_utf8_escape("plain \xc3\xa9\xe2\x82\xac\xf0\x9f\x98\x80", out,
+				      sizeof(out)));
+	assert_string_equal(out, "plain \xc3\xa9\xe2\x82\xac\xf0\x9f\x98\x80");
+	for (size_t i = 0; i < sizeof(bad) / sizeof(*bad); i++) {
+		assert_true(kvbp_utf8_escape(bad[i], out, sizeof(out)));
+		assert_true(mbstowcs(NULL, out, 0) != (size_t)-1);
+	}
+	kvbp_utf8_escape("x\x80y", out, sizeof(out));
+	assert_string_equal(out, "x\\x80y");
+	/* what glibc's decoder lets through and protobuf does not: a surrogate, past
+	 * U+10FFFF, an overlong '/' */
+	kvbp_utf8_escape("\xed\xa0\x80", out, sizeof(out));
+	assert_string_equal(out, "\\xed\\xa0\\x80");
+	kvbp_utf8_escape("\xf4\x90\x80\x80", out, sizeof(out));
+	assert_string_equal(out, "\\xf4\\x90\\x80\\x80");
+	kvbp_utf8_escape("a\xc0\xaf", out, sizeof(out));
+	assert_string_equal(out, "a\\xc0\\xaf");
+	/* cut whole: "ab" and then an escape that does not fit in 6 */
+	assert_true(kvbp_utf8_escape("ab\xff", small, sizeof(small)));
+	assert_string_equal(small, "ab");
+	assert_true(kvbp_utf8_escape("abcd\xc3\xa9", small, sizeof(small)));
+	assert_string_equal(small, "abcd");
+	/* the encoder applies it */
+	snprintf(rep.message, sizeof(rep.message), "model 'm\xff' not registered");
+	assert_int_equal(kvbp_reply_encode(&rep, &buf, &len), 0);
+	assert_int_equal(kvbp_reply_decode(buf, len, &back, err, sizeof(err)), 0);
+	assert_string_equal(back.message, "model 'm\\xff' not registered");
+	kvbp_reply_clear(&back);
+	free(buf);
+	setlocale(LC_CTYPE, "C");
+}
+
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
@@ -349,6 +396,7 @@ int main(void)
 		cmocka_unit_test(test_members),
 		cmocka_unit_test(test_fuse_fields),
 		cmocka_unit_test(test_bulk_parts),
+		cmocka_unit_test(test_utf8_escape),
 	};
 
 	return cmocka_run_group_tests(tests, NULL, NULL);
