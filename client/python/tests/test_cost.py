@@ -120,3 +120,83 @@ def test_the_blend_fit_waits_for_samples_that_determine_it():
     a, _ = m.blend_coefficients()
     assert a > 0.0019
     assert not m.pays(cost.BLEND, 900, 900, 150)[0]
+
+
+#: Blend passes shaped like issue 55's: a few default (r = 0.15) blends at 0.48 ms a token,
+#: then per-request ``"ratios": [1.0]`` blends at 3.3-6.5 ms a token (seconds per token,
+#: context tokens), which the linear model explains worse than the r = 0.15 ones.
+ORDINARY = [blend_sample(n, int(0.15 * n)) for n in (800, 1000, 1200)]
+FULL_RATIO = [
+    (cost.BLEND, n, spt * n, n, n)
+    for spt, n in ((0.0033, 1300), (0.0051, 900), (0.0065, 1300), (0.0042, 900),
+                   (0.0038, 1300), (0.0059, 600), (0.0047, 1300), (0.0036, 900))
+]
+#: Passes where the context term dominates: r = 0.15 passes cost more a token than r = 1.0
+#: ones (the computed term's unconstrained fit is negative).
+CONTEXT_BOUND = [blend_sample(n, int(0.15 * n), a=0.001, b=0.0) for n in (800, 1000, 1200)] + [
+    (cost.BLEND, n, 0.0009 * n, n, n) for n in (900, 1300, 600)
+]
+
+
+def decayed_sums(samples):
+    """The fit's normal equations computed here from the samples, as the module's text
+    defines them (weight FIT_KEEP ** age): nn, nm, mm, ny, my."""
+    sums = [0.0] * 5
+    for age, (_, _, y, m, n) in enumerate(reversed(samples)):
+        w = cost.FIT_KEEP**age
+        for i, v in enumerate((n * n, n * m, m * m, n * y, m * y)):
+            sums[i] += w * v
+    return sums
+
+
+def test_the_blend_fit_has_no_negative_term():
+    for samples in (ORDINARY + FULL_RATIO, CONTEXT_BOUND):
+        m, _ = model()
+        m.note(samples)
+        nn, nm, mm, ny, my = decayed_sums(samples)
+        det = nn * mm - nm * nm
+        free = ((ny * mm - my * nm) / det, (my * nn - ny * nm) / det)
+        assert min(free) < 0  # the unconstrained least squares has a negative term
+        fit = m.blend_coefficients()
+        assert fit is not None
+        a, b = fit
+        assert a >= 0 and b >= 0
+        # the best fit with both terms >= 0 (the squared error is convex, so these
+        # Karush-Kuhn-Tucker conditions make it the optimum): the error's slope is zero
+        # along a positive term and does not fall into a zero term. Tolerance: the sums
+        # are about 1e7 and agree to rounding, so 1e-9 of the scale.
+        ga, gb = a * nn + b * nm - ny, a * nm + b * mm - my
+        tol = 1e-9 * max(ny, my)
+        assert (abs(ga) <= tol) if a > 0 else (ga >= -tol)
+        assert (abs(gb) <= tol) if b > 0 else (gb >= -tol)
+        assert a == 0 or b == 0  # here the optimum lies on a boundary
+
+
+def test_a_run_of_full_ratio_blends_never_declines_an_ordinary_blend():
+    m, _ = model()
+    m.note([(cost.PREFILL, 1000, 1.2)] * 3)  # 1.2 ms a token
+    m.note(ORDINARY)
+    for sample in FULL_RATIO:
+        m.note([sample])
+        # a default blend of 900 context tokens recomputing 15%: 0.1-0.8 ms a token by
+        # the fit against the prefill's 1.2 ms; the blends' per-token rate is 2-5 ms
+        load, d, _ = m.pays(cost.BLEND, 900, 900, 135)
+        assert load and d.pays, f"declined after {sample}: {d}"
+        assert d.load_spt < d.prefill_spt
+    assert m.spt[cost.BLEND] > m.spt[cost.PREFILL]  # the rate alone would have declined it
+    assert m.declined_loads == 0
+
+
+def test_a_long_run_of_full_ratio_blends_keeps_the_last_fit():
+    """Thirty ratio-1.0 blends in a row fade the default ones out of the decayed sums (the
+    fit alone would be undetermined again): the last determined fit still decides."""
+    m, _ = model()
+    m.note([(cost.PREFILL, 1000, 1.2)] * 3)
+    m.note(ORDINARY)
+    for i in range(30):
+        m.note([FULL_RATIO[i % len(FULL_RATIO)]])
+        load, d, _ = m.pays(cost.BLEND, 900, 900, 135)
+        assert load and d.pays, f"declined after {i + 1} ratio-1.0 blends: {d}"
+    nn, nm, mm = m._fit[:3]
+    assert nn * mm - nm * nm <= 0.01 * nn * mm  # the sums alone no longer determine it
+    assert m.declined_loads == 0

@@ -24,10 +24,14 @@ of the context was found stored: a blend whose chunks are mostly missing costs w
 prefill costs, plus the landing. The worker's blend samples carry both counts
 (``(BLEND, claimed tokens, seconds, computed, context)``, computed = the rows recomputed
 after the last check layer, fresh tokens included), and the model fits
-``seconds = a * context + b * computed`` by least squares over the recent samples
-(:data:`FIT_KEEP` per sample); a request's blend goes ahead when ``a * context + b *
-predicted computed`` is at most ``margin`` times the prefill of the tokens it claims. Until
-the fit is determined (samples of one shape only) it uses the blend's per-token rate.
+``seconds = a * context + b * computed`` by least squares with both terms at least 0
+over the recent samples (:data:`FIT_KEEP` per sample). Passes the line explains poorly
+(blends at ``ratio`` 1.0, dearer a token than the default ratio's passes predict) make
+one term of the unconstrained fit negative (more tokens would cost less); the fit is then
+the best one with that term at 0. A request's blend goes ahead when ``a * context + b *
+predicted computed`` is at most ``margin`` times the prefill of the tokens it claims.
+Until the fit is first determined (samples of one shape only) it uses the blend's
+per-token rate; a later run of one shape keeps the last determined fit.
 
 Pure Python (no torch, no vLLM): unit-tested on its own.
 """
@@ -94,6 +98,9 @@ class CostModel:
     _probed: dict[str, float] = field(default_factory=dict)
     #: The blend fit's decayed sums: n*n, n*m, m*m, n*y, m*y (n context, m computed).
     _fit: list[float] = field(default_factory=lambda: [0.0] * 5)
+    #: The last fit the samples determined: kept while a run of one shape (say, blends at
+    #: ratio 1.0 only) fades the others out of the sums and leaves both terms undetermined.
+    _last_fit: tuple[float, float] | None = None
 
     def note(self, samples: Iterable[tuple]) -> None:
         """Take the worker's samples: ``(kind, tokens, seconds)`` each.
@@ -121,15 +128,25 @@ class CostModel:
     def blend_coefficients(self) -> tuple[float, float] | None:
         """Return the fit's (seconds per context token, seconds per computed token), or None.
 
-        None while the samples do not determine both (all of one shape) or the fit has a
-        negative term (noise); the blend's per-token rate is used then.
+        The least squares fit with both terms at least 0 (non-negative least squares on
+        the two normal equations): the unconstrained solution when both of its terms are,
+        else the better, by squared error, of the two one-term fits (context only,
+        computed only). While the samples do not determine both terms (all of one shape),
+        the last fit they did determine; None before there was one (the blend's per-token
+        rate is used then).
         """
         nn, nm, mm, ny, my = self._fit
         det = nn * mm - nm * nm
         if nn <= 0 or mm <= 0 or det <= 0.01 * nn * mm:
-            return None
+            return self._last_fit
         a, b = (ny * mm - my * nm) / det, (my * nn - ny * nm) / det
-        return (a, b) if a >= 0 and b >= 0 else None
+        if a < 0 or b < 0:
+            # A term at 0: the squared error is sum(y*y) - ny*ny/nn with b = 0 and
+            # sum(y*y) - my*my/mm with a = 0 (times are never negative, so both slopes
+            # are at least 0); the smaller error wins.
+            a, b = (ny / nn, 0.0) if ny * ny * mm >= my * my * nn else (0.0, my / mm)
+        self._last_fit = (a, b)
+        return a, b
 
     def pays(
         self, kind: str, tokens: int, context: int | None = None, computed: int | None = None

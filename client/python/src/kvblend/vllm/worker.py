@@ -596,7 +596,8 @@ class WorkerSide:
             return
         self._region.wait(self.cache.layer_of[layer_name], self.config.timeout_ms / 1000)
         if self._region.stalled and not self.daemon.is_open:
-            self.daemon.failed("a landing wait found the daemon gone or not answering")
+            # a timeout, as the link sees it: its probe tells a dead daemon from a late one
+            self.daemon.failed(TimeoutError("a landing wait timed out or found the daemon gone"))
 
     def save_kv_layer(self, layer_name: str, meta: KvblendMetadata) -> None:
         """Gather this layer's K and V of each storing request's chunk into host memory."""
