@@ -180,6 +180,11 @@ static void run_size(kvb_client *c, const char *which, uint32_t tokens, int repe
 		fprintf(stderr, "bench_land_device: %s\n", err);
 		exit(rc == 77 ? 77 : 1);
 	}
+	/* emulated: the memfd handed to the daemon, which names it by the handle */
+	if (!m.dv && kvb_device_handle_from_fd(c, m.fd, m.handle)) {
+		fprintf(stderr, "bench_land_device: %s\n", kvb_last_error(c));
+		exit(1);
+	}
 	region = kvb_region_alloc(c, cache + 4096);
 	got = malloc(cache);
 	if (!region || !got) {

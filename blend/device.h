@@ -142,15 +142,22 @@ struct blend_device {
 	 * Map another process's allocation on this device by its CUDA IPC memory handle:
 	 * *dev its base in this process, *bytes its size (the driver's, not the
 	 * caller's word). pci: the bus id the other process names its device by;
-	 * -ENODEV when that is not this device. The emulated device maps the memfd
-	 * named "emu:/proc/PID/fd/N" in the handle, shared, when it is sealed against
-	 * shrinking (a test's stand-in for another process's device memory, as
-	 * nodemem.c makes it; -EPERM for anything else). ipc_close unmaps it. NULL
-	 * where the device cannot.
+	 * -ENODEV when that is not this device. ipc_close unmaps it (and what fd_open
+	 * mapped). NULL where the device cannot (the emulated device: it takes
+	 * descriptors only).
 	 */
 	int (*ipc_open)(const struct blend_device *d, const uint8_t handle[64], const char *pci,
 			void **dev, uint64_t *bytes);
 	void (*ipc_close)(const struct blend_device *d, void *dev, uint64_t bytes);
+	/*
+	 * Map another process's allocation by a descriptor it handed over (its caller
+	 * keeps fd; the mapping does not need it afterwards): as ipc_open. The emulated
+	 * device maps a memfd sealed against shrinking, shared (a test's stand-in for
+	 * another process's device memory, as nodemem.c makes it); -EPERM for any other
+	 * file. NULL where the device cannot.
+	 */
+	int (*fd_open)(const struct blend_device *d, int fd, const char *pci, void **dev,
+		       uint64_t *bytes);
 	/*
 	 * Landing: rows rows[0 .. n_rows) (token indices, device memory) of src (device
 	 * memory, token t's row at src + t * heads * head_dim * dtype size) written

@@ -405,39 +405,27 @@ static int e_scatter(const struct blend_device *d, struct blend_stream *st,
  * "emulated". A client with a driver fails to find that device and stays on the host.
  */
 /*
- * The emulated import: "emu:/proc/PID/fd/N" in the handle, a memfd of the node's
- * (nodemem.c) sealed against shrinking, mapped shared. Nothing else: never a file a
- * client names, which the daemon would then write into, nor one that can shrink
- * under the mapping (a write there would fault the daemon).
+ * The emulated import: a memfd of the node's (nodemem.c) that it handed over itself,
+ * sealed against shrinking, mapped shared. Never a file named by a path or a number,
+ * which any local process could name too, nor one that can shrink under the mapping
+ * (a write there would fault the daemon).
  */
-static int e_ipc_open(const struct blend_device *d, const uint8_t handle[64], const char *pci,
-		      void **dev, uint64_t *bytes)
+static int e_fd_open(const struct blend_device *d, int fd, const char *pci, void **dev,
+		     uint64_t *bytes)
 {
-	char path[61], tail;
 	struct stat st;
-	int pid, n, fd, seals, rc = dead(d);
+	int seals, rc = dead(d);
 	void *p;
 
 	if (rc)
 		return rc;
 	if (strcmp(pci, "emulated"))
 		return -ENODEV;
-	if (memcmp(handle, "emu:", 4) || !memchr(handle + 4, 0, 60))
-		return -EINVAL;
-	memcpy(path, handle + 4, 60);
-	path[60] = 0;
-	if (sscanf(path, "/proc/%d/fd/%d%c", &pid, &n, &tail) != 2 || pid <= 0 || n < 0)
-		return -EPERM;
-	fd = open(path, O_RDWR | O_CLOEXEC);
-	if (fd < 0)
-		return -errno;
 	seals = fcntl(fd, F_GET_SEALS);
-	if (seals < 0 || !(seals & F_SEAL_SHRINK) || fstat(fd, &st) || st.st_size <= 0) {
-		close(fd);
+	if (seals < 0 || !(seals & F_SEAL_SHRINK) || fstat(fd, &st) || !S_ISREG(st.st_mode) ||
+	    st.st_size <= 0)
 		return -EPERM;
-	}
 	p = mmap(NULL, (size_t)st.st_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-	close(fd);
 	if (p == MAP_FAILED)
 		return -ENOMEM;
 	*dev = p;
@@ -559,8 +547,8 @@ int blend_emu_open(uint64_t fail_after, bool sticky, struct blend_device **out)
 		.select = e_select,
 		.scatter = e_scatter,
 		.ipc_export = e_ipc_export,
-		.ipc_open = e_ipc_open,
 		.ipc_close = e_ipc_close,
+		.fd_open = e_fd_open,
 		.land = e_land,
 		.memory = e_memory,
 		.last_error = e_last_error,

@@ -34,10 +34,7 @@ int nodemem_open(struct nodemem *m, const char *which, size_t bytes, char *err, 
 			snprintf(err, errlen, "mmap: %s", strerror(errno));
 			return -ENOMEM;
 		}
-		m->fd = fd; /* kept open: the daemon opens it through /proc */
-		snprintf(m->path, sizeof(m->path), "/proc/%d/fd/%d", (int)getpid(), fd);
-		memcpy(m->handle, "emu:", 4);
-		memcpy(m->handle + 4, m->path, strlen(m->path) + 1);
+		m->fd = fd; /* kept open: the caller hands it to the daemon (the handle) */
 		snprintf(m->pci, sizeof(m->pci), "emulated");
 		return 0;
 	}
@@ -102,7 +99,7 @@ void nodemem_close(struct nodemem *m)
 	if (!m->dv) {
 		if (m->base)
 			munmap(m->base, m->bytes);
-		if (m->path[0])
+		if (m->base)
 			close(m->fd);
 	} else {
 		if (m->base)

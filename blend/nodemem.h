@@ -3,9 +3,9 @@
  * landing into device memory: on "cuda", device memory allocated through blend/'s
  * device table in this process and exported by its CUDA IPC handle, as an engine's
  * KV cache would be; on "emulated", a memfd sealed against shrinking, mapped shared,
- * named in the handle as the emulated device's ipc_open takes it
- * ("emu:/proc/PID/fd/N"). Either way the daemon, another process, maps it and writes
- * there.
+ * whose descriptor (fd) the caller hands to the daemon for its handle
+ * (kvb_device_handle_from_fd), as the emulated device takes memory. Either way the
+ * daemon, another process, maps it and writes there.
  */
 #ifndef KVBLEND_BLEND_NODEMEM_H
 #define KVBLEND_BLEND_NODEMEM_H
@@ -21,10 +21,9 @@ struct nodemem {
 	struct blend_stream *st;
 	uint8_t *base; /* device memory (cuda) or the mapping (emulated) */
 	size_t bytes;
-	uint8_t handle[64];
+	uint8_t handle[64]; /* cuda: its IPC handle; emulated: the caller's to fill */
 	char pci[32];
-	char path[64]; /* emulated: the memfd, as /proc/PID/fd/N */
-	int fd;
+	int fd; /* emulated: the memfd */
 };
 
 /* Returns 0; 77 when which is "cuda" and there is no usable CUDA device (err says

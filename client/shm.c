@@ -81,6 +81,92 @@ out:
 	return fd;
 }
 
+int kvb_device_handle_from_fd(kvb_client *c, int fd, uint8_t handle[64])
+{
+	static const char *const why[] = {
+		[1] = "the daemon cannot keep it", [2] = "no descriptor arrived",
+		[3] = "it is one of kvblendd's own segments",
+		[4] = "this process has handed in 16 already",
+		[5] = "the daemon holds 64 from all clients already",
+	};
+	struct call k = { .req = { .op = KVBP_OP_HELLO } };
+	struct sockaddr_un a = { .sun_family = AF_UNIX };
+	struct timeval tv = { 2, 0 };
+	union {
+		char buf[CMSG_SPACE(sizeof(int))];
+		struct cmsghdr align;
+	} u;
+	uint8_t req[8], rep[9];
+	struct iovec iov = { req, sizeof(req) };
+	struct msghdr mh = { .msg_iov = &iov, .msg_iovlen = 1, .msg_control = u.buf,
+			     .msg_controllen = sizeof(u.buf) };
+	struct cmsghdr *cm;
+	uint64_t token = 0;
+	ssize_t got = 0;
+	int sock = -1, rc;
+
+	if (fd < 0 || !handle)
+		return kvbc_set_err(c, -EINVAL, "kvb_device_handle_from_fd: a descriptor and a "
+				    "handle to fill");
+	rc = kvbc_call(c, &k);
+	if (rc)
+		goto out;
+	if (!k.rep.shm_name[0] || strlen(k.rep.shm_name) >= sizeof(a.sun_path)) {
+		rc = kvbc_set_err(c, -ENOTSUP, "kvblendd at %s takes no descriptors from this "
+				  "client (not a local IPC client, or no shared memory)", c->endpoint);
+		goto out;
+	}
+	strcpy(a.sun_path, k.rep.shm_name);
+	for (int i = 0; i < 8; i++)
+		req[i] = (uint8_t)(KVBP_DEPOSIT_REQUEST >> (8 * i));
+	memset(&u, 0, sizeof(u));
+	cm = CMSG_FIRSTHDR(&mh);
+	cm->cmsg_level = SOL_SOCKET;
+	cm->cmsg_type = SCM_RIGHTS;
+	cm->cmsg_len = CMSG_LEN(sizeof(int));
+	memcpy(CMSG_DATA(cm), &fd, sizeof(int));
+	sock = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+	if (sock < 0 || setsockopt(sock, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv)) ||
+	    setsockopt(sock, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv)) ||
+	    connect(sock, (struct sockaddr *)&a, sizeof(a)) ||
+	    sendmsg(sock, &mh, MSG_NOSIGNAL) != (ssize_t)sizeof(req)) {
+		rc = kvbc_set_err(c, -errno, "cannot hand the descriptor to kvblendd at %s: %s",
+				  k.rep.shm_name, strerror(errno));
+		goto out;
+	}
+	while (got < (ssize_t)sizeof(rep)) {
+		ssize_t r = recv(sock, rep + got, sizeof(rep) - (size_t)got, 0);
+
+		if (r <= 0)
+			break;
+		got += r;
+		if (rep[0])
+			break; /* refused: the status byte alone */
+	}
+	if (got < 1 || (!rep[0] && got < (ssize_t)sizeof(rep))) {
+		rc = kvbc_set_err(c, -EIO, "kvblendd's descriptor socket %s did not answer",
+				  k.rep.shm_name);
+		goto out;
+	}
+	if (rep[0]) {
+		rc = kvbc_set_err(c, rep[0] == 4 || rep[0] == 5 ? KVB_E_LIMIT : KVB_E_BAD_ARGUMENT,
+				  "kvblendd refused the descriptor: %s",
+				  rep[0] < sizeof(why) / sizeof(*why) && why[rep[0]] ? why[rep[0]]
+										     : "refused");
+		goto out;
+	}
+	for (int i = 8; i >= 1; i--)
+		token = token << 8 | rep[i];
+	memset(handle, 0, 64);
+	snprintf((char *)handle, 64, "kvbfd:%016" PRIx64, token);
+	rc = 0;
+out:
+	if (sock >= 0)
+		close(sock);
+	kvbc_call_done(&k);
+	return rc;
+}
+
 /* Make sure a segment of at least size bytes is mapped; false if shared memory is unusable. */
 bool kvbc_shm_ensure(kvb_client *c, size_t size)
 {

@@ -15,14 +15,30 @@
 #include <sys/random.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
+
+#include "proto/wire.h"
 
 #define SHM_SLOTS 256
 #define CACHE_MAX 8
 /* A descriptor request is 8 bytes: a client that sends less within this is dropped. */
 #define SERVE_TIMEOUT_MS 1000
+/* Descriptors clients hand in (shm_deposit_fd), all together and of one owner. */
+#define DEPOSITS_MAX 64
+#define DEPOSITS_PER_OWNER 16
+
+/* A descriptor a client handed in over the socket, kept while its process lives. */
+struct deposit {
+	uint64_t token; /* 0: slot free */
+	int fd;
+	int pidfd; /* the depositing process: readable once it has exited */
+	dev_t dev;
+	ino_t ino;
+	char owner[SHM_OWNER_MAX];
+};
 
 struct segment {
 	uint64_t id; /* 0: slot free */
@@ -49,6 +65,7 @@ struct shm_table {
 	struct shm_pinner pinner;
 	bool has_pinner;
 	uint64_t pins, unpins;
+	struct deposit dep[DEPOSITS_MAX];
 	/* descriptor server */
 	int listen_fd;
 	char path[sizeof(((struct sockaddr_un *)0)->sun_path)];
@@ -157,6 +174,11 @@ void shm_table_free(struct shm_table **tp)
 	for (int i = 0; i < SHM_SLOTS; i++)
 		if (t->seg[i].id && t->seg[i].id != UINT64_MAX)
 			seg_destroy(t, &t->seg[i]);
+	for (int i = 0; i < DEPOSITS_MAX; i++)
+		if (t->dep[i].token) {
+			close(t->dep[i].fd);
+			close(t->dep[i].pidfd);
+		}
 	pthread_mutex_destroy(&t->lock);
 	free(t);
 	*tp = NULL;
@@ -464,27 +486,193 @@ static int owner_fd(struct shm_table *t, uint64_t id, const char *peer)
 	return fd;
 }
 
-/* Answer one connection: status byte, with the descriptor when ok. Never blocks for long. */
+/* With t->lock held: forget the deposits of processes that have exited. */
+static void deposits_reap(struct shm_table *t)
+{
+	for (int i = 0; i < DEPOSITS_MAX; i++) {
+		struct deposit *d = &t->dep[i];
+		struct pollfd p = { d->pidfd, POLLIN, 0 };
+
+		if (d->token && poll(&p, 1, 0) > 0) {
+			close(d->fd);
+			close(d->pidfd);
+			memset(d, 0, sizeof(*d));
+		}
+	}
+}
+
+/*
+ * Keep fd, handed in by peer (process pid), under a new token (*token); a descriptor
+ * peer handed in already (the same file) keeps its token. SHM_DEPOSIT_* status:
+ * OK (fd is the table's now), or why not (the caller closes fd).
+ */
+static uint8_t deposit_keep(struct shm_table *t, int fd, const char *peer, pid_t pid,
+			    uint64_t *token)
+{
+	struct stat st;
+	struct deposit *slot = NULL;
+	unsigned mine = 0;
+	uint8_t status = SHM_DEPOSIT_OK;
+	int pidfd;
+
+	if (fstat(fd, &st))
+		return SHM_DEPOSIT_REFUSED;
+	pthread_mutex_lock(&t->lock);
+	deposits_reap(t);
+	/* never memory of the daemon's own: a client holds its segments' and rings'
+	 * descriptors, and landing there would write into what the daemon runs on */
+	for (int i = 0; i < SHM_SLOTS; i++) {
+		struct stat ss;
+		struct segment *g = &t->seg[i];
+
+		if (g->id && g->id != UINT64_MAX && g->fd >= 0 && !fstat(g->fd, &ss) &&
+		    ss.st_dev == st.st_dev && ss.st_ino == st.st_ino) {
+			status = SHM_DEPOSIT_OWN;
+			goto out;
+		}
+	}
+	for (int i = 0; i < DEPOSITS_MAX; i++) {
+		struct deposit *d = &t->dep[i];
+
+		if (!d->token) {
+			if (!slot)
+				slot = d;
+			continue;
+		}
+		if (strcmp(d->owner, peer))
+			continue;
+		if (d->dev == st.st_dev && d->ino == st.st_ino) {
+			*token = d->token;
+			close(fd); /* the one kept already serves */
+			goto out;
+		}
+		mine++;
+	}
+	if (mine >= DEPOSITS_PER_OWNER) {
+		status = SHM_DEPOSIT_TOO_MANY;
+		goto out;
+	}
+	if (!slot) {
+		status = SHM_DEPOSIT_FULL;
+		goto out;
+	}
+	pidfd = (int)syscall(SYS_pidfd_open, pid, 0);
+	if (pidfd < 0) {
+		status = SHM_DEPOSIT_REFUSED;
+		goto out;
+	}
+	do {
+		if (getrandom(&slot->token, sizeof(slot->token), 0) != sizeof(slot->token))
+			slot->token = 0;
+	} while (!slot->token);
+	slot->fd = fd;
+	slot->pidfd = pidfd;
+	slot->dev = st.st_dev;
+	slot->ino = st.st_ino;
+	snprintf(slot->owner, sizeof(slot->owner), "%s", peer);
+	*token = slot->token;
+out:
+	pthread_mutex_unlock(&t->lock);
+	return status;
+}
+
+int shm_deposit_fd(struct shm_table *t, uint64_t token, const char *owner)
+{
+	int fd = -ENOENT;
+
+	if (!token)
+		return -ENOENT;
+	pthread_mutex_lock(&t->lock);
+	deposits_reap(t);
+	for (int i = 0; i < DEPOSITS_MAX; i++)
+		if (t->dep[i].token == token && !strcmp(t->dep[i].owner, owner)) {
+			fd = fcntl(t->dep[i].fd, F_DUPFD_CLOEXEC, 0);
+			if (fd < 0)
+				fd = -errno;
+			break;
+		}
+	pthread_mutex_unlock(&t->lock);
+	return fd;
+}
+
+/* Send status (and, when fd >= 0, the descriptor; else, with has_token, the token). */
+static void serve_answer(int c, uint8_t status, int fd, const uint64_t *token)
+{
+	union {
+		char buf[CMSG_SPACE(sizeof(int))];
+		struct cmsghdr align;
+	} u;
+	uint8_t out[9] = { status };
+	struct iovec iov = { out, 1 };
+	struct msghdr mh = { .msg_iov = &iov, .msg_iovlen = 1 };
+
+	if (token) {
+		for (int i = 0; i < 8; i++)
+			out[1 + i] = (uint8_t)(*token >> (8 * i));
+		iov.iov_len = 9;
+	}
+	if (fd >= 0) {
+		struct cmsghdr *cm;
+
+		memset(&u, 0, sizeof(u));
+		mh.msg_control = u.buf;
+		mh.msg_controllen = sizeof(u.buf);
+		cm = CMSG_FIRSTHDR(&mh);
+		cm->cmsg_level = SOL_SOCKET;
+		cm->cmsg_type = SCM_RIGHTS;
+		cm->cmsg_len = CMSG_LEN(sizeof(int));
+		memcpy(CMSG_DATA(cm), &fd, sizeof(int));
+	}
+	sendmsg(c, &mh, MSG_NOSIGNAL);
+}
+
+/*
+ * Answer one connection: a segment's descriptor (status byte, the descriptor attached
+ * when ok), or a descriptor handed in (status byte and its token). Never blocks for
+ * long. Descriptors a request brings beyond the one a deposit keeps are closed.
+ */
 static void serve_one(struct shm_table *t, int c)
 {
 	struct timeval tv = { SERVE_TIMEOUT_MS / 1000, (SERVE_TIMEOUT_MS % 1000) * 1000 };
 	struct ucred cred;
 	socklen_t cl = sizeof(cred);
-	uint8_t req[8], status = 0;
+	uint8_t req[8];
 	char peer[SHM_OWNER_MAX];
-	uint64_t id = 0;
+	uint64_t id = 0, token = 0;
 	ssize_t got = 0;
-	int fd;
+	int fd, in_fd = -1;
 
 	setsockopt(c, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
 	setsockopt(c, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
 	if (getsockopt(c, SOL_SOCKET, SO_PEERCRED, &cred, &cl))
 		return;
 	while (got < (ssize_t)sizeof(req)) {
-		ssize_t r = recv(c, req + got, sizeof(req) - (size_t)got, 0);
+		union {
+			char buf[CMSG_SPACE(4 * sizeof(int))];
+			struct cmsghdr align;
+		} u;
+		struct iovec iov = { req + got, sizeof(req) - (size_t)got };
+		struct msghdr mh = { .msg_iov = &iov, .msg_iovlen = 1, .msg_control = u.buf,
+				     .msg_controllen = sizeof(u.buf) };
+		ssize_t r = recvmsg(c, &mh, MSG_CMSG_CLOEXEC);
 
+		/* descriptors attached: the first one kept (a deposit's), the rest closed */
+		for (struct cmsghdr *cm = r >= 0 ? CMSG_FIRSTHDR(&mh) : NULL; cm;
+		     cm = CMSG_NXTHDR(&mh, cm)) {
+			if (cm->cmsg_level != SOL_SOCKET || cm->cmsg_type != SCM_RIGHTS)
+				continue;
+			for (size_t k = 0; k < (cm->cmsg_len - CMSG_LEN(0)) / sizeof(int); k++) {
+				int x;
+
+				memcpy(&x, CMSG_DATA(cm) + k * sizeof(int), sizeof(int));
+				if (in_fd < 0)
+					in_fd = x;
+				else
+					close(x);
+			}
+		}
 		if (r <= 0)
-			return;
+			goto out;
 		got += r;
 	}
 	for (int i = 7; i >= 0; i--)
@@ -492,31 +680,22 @@ static void serve_one(struct shm_table *t, int c)
 	/* the same principal as server.c builds from ZeroMQ's Peer-Address */
 	snprintf(peer, sizeof(peer), "ipc:%u:%u:%d", (unsigned)cred.uid, (unsigned)cred.gid,
 		 (int)cred.pid);
-	fd = owner_fd(t, id, peer);
-	if (fd < 0) {
-		status = 1;
-		send(c, &status, 1, MSG_NOSIGNAL);
-		return;
-	}
-	{
-		union {
-			char buf[CMSG_SPACE(sizeof(int))];
-			struct cmsghdr align;
-		} u;
-		struct iovec iov = { &status, 1 };
-		struct msghdr mh = { .msg_iov = &iov, .msg_iovlen = 1, .msg_control = u.buf,
-				     .msg_controllen = sizeof(u.buf) };
-		struct cmsghdr *cm;
+	if (id == KVBP_DEPOSIT_REQUEST) {
+		uint8_t status = in_fd < 0 ? SHM_DEPOSIT_NO_FD
+					   : deposit_keep(t, in_fd, peer, cred.pid, &token);
 
-		memset(&u, 0, sizeof(u));
-		cm = CMSG_FIRSTHDR(&mh);
-		cm->cmsg_level = SOL_SOCKET;
-		cm->cmsg_type = SCM_RIGHTS;
-		cm->cmsg_len = CMSG_LEN(sizeof(int));
-		memcpy(CMSG_DATA(cm), &fd, sizeof(int));
-		sendmsg(c, &mh, MSG_NOSIGNAL);
+		if (status == SHM_DEPOSIT_OK)
+			in_fd = -1; /* the table's now */
+		serve_answer(c, status, -1, status == SHM_DEPOSIT_OK ? &token : NULL);
+		goto out;
 	}
-	close(fd);
+	fd = owner_fd(t, id, peer);
+	serve_answer(c, fd < 0 ? 1 : 0, fd, NULL);
+	if (fd >= 0)
+		close(fd);
+out:
+	if (in_fd >= 0)
+		close(in_fd);
 }
 
 static void *serve_main(void *arg)

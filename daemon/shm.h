@@ -49,6 +49,32 @@ int shm_serve(struct shm_table *t, const char *path, unsigned mode);
 const char *shm_path(const struct shm_table *t);
 
 /*
+ * Descriptors handed in: a client sends the 8-byte request KVBP_DEPOSIT_REQUEST
+ * (proto/wire.h) with one
+ * descriptor attached (SCM_RIGHTS), and gets a status byte, and when it is
+ * SHM_DEPOSIT_OK the descriptor's 8-byte token (little-endian). The daemon keeps the
+ * descriptor, for that client (its credentials: "ipc:UID:GID:PID") only, until the
+ * process exits (a pidfd tells); the same file handed in again keeps its token. It
+ * refuses one of its own segments (a client holds those descriptors). This is how a
+ * node names memory the daemon is to write into (device landing): by a descriptor only
+ * it could send, never a path or number another local process could name too.
+ */
+enum shm_deposit_status {
+	SHM_DEPOSIT_OK = 0,
+	SHM_DEPOSIT_REFUSED = 1,  /* cannot be kept (its process cannot be watched) */
+	SHM_DEPOSIT_NO_FD = 2,	  /* no descriptor came with the request */
+	SHM_DEPOSIT_OWN = 3,	  /* one of kvblendd's own segments */
+	SHM_DEPOSIT_TOO_MANY = 4, /* the client holds 16 already */
+	SHM_DEPOSIT_FULL = 5,	  /* 64 are held, all clients together */
+};
+
+/*
+ * A new descriptor (close it) of what owner handed in under token: >= 0, or -ENOENT
+ * (no such token, another owner's, or its process has exited), -errno.
+ */
+int shm_deposit_fd(struct shm_table *t, uint64_t token, const char *owner);
+
+/*
  * Create a client segment of size bytes for owner. Returns 0 with its id, -E2BIG
  * above max_one (or for 0), -ENOSPC when max_total would be exceeded, -EMFILE when
  * every slot is taken, -EDQUOT when owner holds per_owner segments already, or a

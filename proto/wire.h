@@ -41,6 +41,9 @@
 #define KVBP_PAGES_MAX (1u << 20)
 /* A CUDA IPC memory handle, and room for a PCI bus id ("0000:3b:00.0") with its NUL. */
 #define KVBP_DEVICE_HANDLE_LEN 64
+/* The 8-byte request on the descriptor socket that hands a descriptor in (daemon/shm.h);
+ * any other value asks for that segment's descriptor. */
+#define KVBP_DEPOSIT_REQUEST UINT64_C(0xfffffffffffffffe)
 #define KVBP_DEVICE_PCI_MAX 32
 /*
  * The 32-bit progress word of a landing fuse session: layers 0 .. (v & KVBP_LAND_COUNT)-1

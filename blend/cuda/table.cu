@@ -451,6 +451,7 @@ extern "C" const struct blend_device *blend_cuda_device(struct blend_cuda *d)
 	t->ipc_export = t_ipc_export;
 	t->ipc_open = t_ipc_open;
 	t->ipc_close = t_ipc_close;
+	t->fd_open = NULL; /* (descriptors of CUDA's virtual memory: issue 56) */
 	t->land = t_land;
 	t->memory = t_memory;
 	t->last_error = t_last_error;

@@ -23,7 +23,7 @@
  * (client/kvblend.map; kvb_fuse_open_into_strided and the node's selections to KVBLEND_1.1,
  * kvb_set_timeout to KVBLEND_1.2, kvb_last_code to KVBLEND_1.3, the device and option
  * landing calls to KVBLEND_1.4, the two-step check to KVBLEND_1.5, kvb_get_opts to
- * KVBLEND_1.6), and nothing else is exported. A compatible addition (a new
+ * KVBLEND_1.6, kvb_device_handle_from_fd to KVBLEND_1.7), and nothing else is exported. A compatible addition (a new
  * function, enum value or error code) keeps the soname: its functions go into a new
  * version node (KVBLEND_1.1, ...) that inherits the last. Any other change (a field
  * added to, removed from or moved in a struct the caller allocates or reads, such as
@@ -593,7 +593,8 @@ KVB_API int kvb_fuse_open_into_strided(kvb_client *c, const char *model,
  * The node's KV cache in device memory (ABI KVBLEND_1.4): a landing layout whose k
  * and v are pointers into an allocation on a GPU, as this process sees it. A
  * kvblendd whose fuse runs on that GPU (--device cuda, or auto with one) maps the
- * allocation by its CUDA IPC memory handle (once per handle while sessions use it)
+ * allocation by its CUDA IPC memory handle, or by a descriptor this process handed
+ * in (kvb_device_handle_from_fd), once per handle and client while sessions use it
  * and writes each landed layer's rows there with its own kernels; the progress word
  * kvb_fuse_wait() reads stays in host memory, in a region of this client. The
  * daemon checks the layout's extent against the allocation's size as its driver
@@ -602,10 +603,25 @@ KVB_API int kvb_fuse_open_into_strided(kvb_client *c, const char *model,
 struct kvb_device_mem {
 	const void *base;	/* the allocation's start (cudaMalloc's pointer here) */
 	size_t bytes;		/* its size */
-	uint8_t ipc_handle[64]; /* cudaIpcGetMemHandle(base) */
+	uint8_t ipc_handle[64]; /* cudaIpcGetMemHandle(base), or kvb_device_handle_from_fd() */
 	char pci[32];		/* its GPU's PCI bus id (cudaDeviceGetPCIBusId), NUL-terminated */
 	void *progress;		/* inside a region of this client (kvb_region_alloc) */
 };
+
+/*
+ * Hand the descriptor fd of the node's device allocation to the daemon (ABI
+ * KVBLEND_1.7), for a local IPC client: it goes over the daemon's descriptor socket
+ * (SCM_RIGHTS), the daemon keeps its own copy, for this process only, until the
+ * process exits (the same file handed in again keeps its handle), and handle (64 bytes)
+ * receives the name to put in kvb_device_mem's ipc_handle. Only this process's
+ * sessions can land by that name: a handle another process learns names nothing for
+ * it. The emulated device takes a memfd sealed against shrinking (F_SEAL_SHRINK) this
+ * way, and takes memory no other way. fd stays the caller's. Returns 0;
+ * KVB_E_BAD_ARGUMENT when the daemon refuses it (one of its own segments: the message
+ * says why), KVB_E_LIMIT (16 from this process, or 64 from all, are held), -ENOTSUP
+ * (not a local IPC client), -EINVAL, or a transport error.
+ */
+KVB_API int kvb_device_handle_from_fd(kvb_client *c, int fd, uint8_t handle[64]);
 
 /* kvb_fuse_open_into() into device memory: dst's k and v lie in mem's allocation, K
  * laid out as V (token_stride, head_stride; paged or not). Returns kvb_fuse_open()'s

@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "daemon/fuse/fuse_impl.h"
 #include "daemon/log.h"
@@ -42,22 +43,99 @@ struct dev_land {
 
 enum { IMPORT_FREE = 0, IMPORT_OPENING, IMPORT_OPEN, IMPORT_CLOSING };
 
+/* A handle naming a descriptor the node handed in (shm.h): "kvbfd:" and 16 hex digits. */
+#define FD_HANDLE "kvbfd:"
+
+/* The token of a descriptor handle, or 0 when handle is not one. */
+static uint64_t fd_handle_token(const uint8_t handle[KVBP_DEVICE_HANDLE_LEN])
+{
+	const size_t p = sizeof(FD_HANDLE) - 1;
+	uint64_t token = 0;
+
+	if (memcmp(handle, FD_HANDLE, p) || handle[p + 16])
+		return 0;
+	for (size_t i = p; i < p + 16; i++) {
+		int c = handle[i];
+		int v = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
+
+		if (v < 0)
+			return 0;
+		token = token << 4 | (uint64_t)v;
+	}
+	return token;
+}
+
 /*
- * Map the node's allocation (or take another reference to it). Takes the table lock;
- * the driver's map (cudaIpcOpenMemHandle: milliseconds, more on a busy device) runs
- * with it dropped, its slot marked opening, so that other sessions' opens, closes and
- * layers do not wait on it; a session after the same handle waits for that map, or
- * for an unmap under way (a process maps a handle once at a time).
+ * Map y's allocation for owner: a descriptor it handed in (its token in the handle), or
+ * a CUDA IPC memory handle. Returns 0 with *base and *bytes, or a reply code with err.
+ */
+static uint32_t import_open(struct fuse_table *t, const struct kvbp_layout *y, const char *owner,
+			    void **base, uint64_t *bytes, char *err, size_t errlen)
+{
+	const struct blend_device *dv = t->dev;
+	uint64_t token = fd_handle_token(y->device_handle);
+	char why[128] = "";
+	int rc;
+
+	if (!memcmp(y->device_handle, "emu:", 4))
+		return fail(err, errlen, KVBP_BAD_ARGUMENT, "landing into device memory: a handle "
+			    "naming memory by a path (emu:...) is refused, since any local "
+			    "process could name it; hand the descriptor over instead "
+			    "(kvb_device_handle_from_fd)");
+	if (token) {
+		int fd = t->shm ? shm_deposit_fd(t->shm, token, owner) : -ENOENT;
+
+		if (fd < 0)
+			return fail(err, errlen, KVBP_BAD_ARGUMENT, "landing into device memory: "
+				    "descriptor handle %016" PRIx64 " is not one this client handed "
+				    "in (unknown, another client's, or its process has exited)",
+				    token);
+		rc = dv->fd_open ? dv->fd_open(dv, fd, y->device_pci, base, bytes) : -ENOTSUP;
+		close(fd);
+		if (rc == -ENOTSUP)
+			return fail(err, errlen, KVBP_BAD_ARGUMENT, "landing into device memory: "
+				    "this daemon's %s device takes no descriptors; hand it a CUDA IPC "
+				    "handle", dv->name);
+		if (rc == -EPERM)
+			return fail(err, errlen, KVBP_BAD_ARGUMENT, "landing into device memory: "
+				    "the descriptor handed in is not memory this device can map (the "
+				    "emulated device takes a memfd sealed against shrinking)");
+	} else {
+		if (!dv->ipc_open)
+			return fail(err, errlen, KVBP_BAD_ARGUMENT, "landing into device memory: "
+				    "this daemon's %s device takes descriptors only; hand one in "
+				    "(kvb_device_handle_from_fd)", dv->name);
+		rc = dv->ipc_open(dv, y->device_handle, y->device_pci, base, bytes);
+	}
+	if (rc && rc != -ENODEV)
+		dv->last_error(dv, why, sizeof(why));
+	if (rc == -ENODEV)
+		return fail(err, errlen, KVBP_BAD_ARGUMENT, "landing into device memory: the "
+			    "allocation is on device %s, not on this daemon's %s device",
+			    y->device_pci, dv->name);
+	if (rc)
+		return fail(err, errlen, KVBP_BAD_ARGUMENT, "landing into device memory: the "
+			    "allocation's handle cannot be mapped (%s%s%s)", strerror(-rc),
+			    *why ? ": " : "", why);
+	return KVBP_OK;
+}
+
+/*
+ * Map the node's allocation (or take another reference to it). Imports are the
+ * owner's: keyed by (owner, handle), never shared with another client that names the
+ * same handle (a handle is no proof of whose memory it is). Takes the table lock; the
+ * driver's map (cudaIpcOpenMemHandle: milliseconds, more on a busy device) runs with
+ * it dropped, its slot marked opening, so that other sessions' opens, closes and
+ * layers do not wait on it; a session of the same owner after the same handle waits
+ * for that map, or for an unmap under way (a process maps a handle once at a time).
  */
 static uint32_t import_take(struct fuse_table *t, const struct kvbp_layout *y, const char *owner,
 			    struct dimport **out, char *err, size_t errlen)
 {
-	const struct blend_device *dv = t->dev;
 	struct dimport *slot;
 	void *base = NULL;
 	uint64_t bytes = 0;
-	char why[128] = "";
-	int rc;
+	uint32_t code;
 
 	pthread_mutex_lock(&t->lock);
 	for (;;) {
@@ -68,7 +146,7 @@ static uint32_t import_take(struct fuse_table *t, const struct kvbp_layout *y, c
 			struct dimport *m = &t->imports[i];
 
 			mine += m->refs && !strcmp(m->owner, owner);
-			if (m->state != IMPORT_FREE &&
+			if (m->state != IMPORT_FREE && !strcmp(m->owner, owner) &&
 			    !memcmp(m->handle, y->device_handle, sizeof(m->handle)))
 				same = m;
 			if (m->state == IMPORT_FREE && !free_slot)
@@ -110,11 +188,9 @@ static uint32_t import_take(struct fuse_table *t, const struct kvbp_layout *y, c
 	slot->refs = 1; /* counts against the owner's cap while it opens */
 	slot->state = IMPORT_OPENING;
 	pthread_mutex_unlock(&t->lock);
-	rc = dv->ipc_open(dv, y->device_handle, y->device_pci, &base, &bytes);
-	if (rc && rc != -ENODEV)
-		dv->last_error(dv, why, sizeof(why));
+	code = import_open(t, y, owner, &base, &bytes, err, errlen);
 	pthread_mutex_lock(&t->lock);
-	if (rc) {
+	if (code) {
 		slot->refs = 0;
 		slot->state = IMPORT_FREE;
 	} else {
@@ -124,14 +200,8 @@ static uint32_t import_take(struct fuse_table *t, const struct kvbp_layout *y, c
 	}
 	pthread_cond_broadcast(&t->imports_cond);
 	pthread_mutex_unlock(&t->lock);
-	if (rc == -ENODEV)
-		return fail(err, errlen, KVBP_BAD_ARGUMENT, "landing into device memory: the "
-			    "allocation is on device %s, not on this daemon's %s device",
-			    y->device_pci, dv->name);
-	if (rc)
-		return fail(err, errlen, KVBP_BAD_ARGUMENT, "landing into device memory: the "
-			    "allocation's handle cannot be mapped (%s%s%s)", strerror(-rc),
-			    *why ? ": " : "", why);
+	if (code)
+		return code;
 	*out = slot;
 	return KVBP_OK;
 }
@@ -168,7 +238,7 @@ uint32_t dland_setup(struct fuse_table *t, struct fuse_session *s, const struct 
 	size_t half, np = 0;
 	uint32_t code;
 
-	if (!dv || !dv->ipc_open || !dv->land || !dev_usable(t))
+	if (!dv || (!dv->ipc_open && !dv->fd_open) || !dv->land || !dev_usable(t))
 		return fail(err, errlen, KVBP_BAD_ARGUMENT, "landing into device memory needs a "
 			    "kvblendd whose fuse runs on a CUDA device (--device cuda or auto "
 			    "with a GPU); this one has %s", dv ? "a device that cannot" : "none");

@@ -96,6 +96,10 @@ void op_hello(struct req *q)
 		return;
 	snprintf(q->out->rep.server_version, sizeof(q->out->rep.server_version), "%s",
 		 KVBLEND_VERSION);
+	/* a local client's descriptor socket (shm.h): where it hands in device memory */
+	if (!strncmp(q->principal, "ipc:", 4))
+		snprintf(q->out->rep.shm_name, sizeof(q->out->rep.shm_name), "%s",
+			 shm_path(q->srv->shm));
 	if (q->h.bulk_open)
 		hello_bulk(q);
 	if (q->h.local_only) { /* another member's heartbeat: what this store holds */

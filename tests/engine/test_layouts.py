@@ -22,8 +22,8 @@ today. For each GPU layout (kvblend.vllm.layout.INTERLEAVED):
     rows of raw bits instead of bfloat16 are refused rather than converted as numbers;
 (e) the connector's device landing (kvblend.vllm.landing.DeviceLanding, what the worker
     runs on a GPU's cache) against a kvblendd on its emulated device (host memory standing
-    in for device memory, mapped by the handle ``emu:/proc/PID/fd/N`` of a sealed memfd
-    as CUDA IPC maps a cudaIpcGetMemHandle): vLLM's views over the "device" allocation
+    in for device memory: a sealed memfd handed over by descriptor, mapped by the handle
+    the daemon gives for it, as CUDA IPC maps a cudaIpcGetMemHandle): vLLM's views over the "device" allocation
     in LBNHC and LBHNC, described by layout.device_cache, a load opened, waited for layer
     by layer and closed as the worker does: the load's rows, read back through vLLM's
     views, equal the host landing's of (b) byte for byte; a kvblendd with no device
@@ -149,8 +149,10 @@ def land(c, cache, region, size, segs):
     return landed, out
 
 
-def emulated_allocation(size):
-    """A "device" allocation of the emulated device: a sealed memfd, mapped here."""
+def emulated_allocation(size, endpoint):
+    """A "device" allocation of the emulated device: a sealed memfd, mapped here, its
+    descriptor handed to the daemon at endpoint (the handle names it for this process
+    only)."""
     import fcntl
     import mmap
 
@@ -161,7 +163,8 @@ def emulated_allocation(size):
     fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
     mem = mmap.mmap(fd, size)
     t = torch.frombuffer(mem, dtype=torch.int8)
-    handle = f"emu:/proc/{os.getpid()}/fd/{fd}".encode().ljust(64, b"\0")
+    with kvblend.Client(endpoint, timeout_ms=10000) as c:
+        handle = c.device_handle_from_fd(fd)
     return t, mem, fd, DeviceAllocation(t.data_ptr(), size, handle, "emulated")
 
 
@@ -186,7 +189,7 @@ def check_device(d, c, segs, want, ha, hb):
                 ce.put(MODEL.name, h, c.get(MODEL.name, h))
         for layout in (KVCacheLayout.LBNHC, KVCacheLayout.LBHNC):
             name = layout.name
-            t, mem, fd, alloc = emulated_allocation(size)
+            t, mem, fd, alloc = emulated_allocation(size, emu.endpoint)
             try:
                 kv, _ = views(t, layout)
                 cache = L.PagedCache(MODEL, BS)
@@ -229,7 +232,7 @@ def check_device(d, c, segs, want, ha, hb):
         check("(e) an allocation that cannot be exported: landing off at start",
               not dl.active and dl.said_off and not dl.open(MODEL.name, "r", chunks, TABLE))
         # no device: the first open is refused, and landing goes off for good
-        t, mem, fd, alloc = emulated_allocation(size)
+        t, mem, fd, alloc = emulated_allocation(size, d.endpoint)
         try:
             kv, _ = views(t, KVCacheLayout.LBNHC)
             cache = L.PagedCache(MODEL, BS)

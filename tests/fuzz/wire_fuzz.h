@@ -178,6 +178,17 @@ extern unsigned n_orphans;
 /* A segment no request names, its bytes CANARY_BYTE (setup); map NULL if unmapped. */
 #define CANARY_BYTE 0xc5
 extern struct shm_info canary;
+/* Device-landing handles (setup): ours, handed in; another process's, handed in by a
+ * child whose memfd we map (foreign_map, DEV_BYTES of CANARY_BYTE: checked with the
+ * canary). Empty when the daemon has no descriptor socket. */
+#define DEV_BYTES (1u << 20)
+struct dev_handles {
+	uint8_t own[64], foreign[64];
+	int own_fd, foreign_fd;
+	uint8_t *foreign_map;
+	int child;
+};
+extern struct dev_handles devh;
 /* A segment of setup's that landing layouts name most often (kept alive as the canary). */
 extern struct shm_info landseg;
 /* Name the canary in a request that only reads it (a PUT from it), so that shm_idle never

@@ -5,12 +5,14 @@
  * (gen_mutated), frame-level oddities (gen_frames), and generate(), which picks one of
  * these, gen_handmade (wire_fuzz_handmade.c) or gen_peer (wire_fuzz_peer.c).
  */
+#include <inttypes.h>
 #include <math.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "tests/fuzz/samples.h"
 #include "proto/wire.h"
@@ -604,6 +606,46 @@ static void gen_layout(struct kvbp_request *q, int mi, uint64_t n)
 	y->progress = 2 * side;
 	if (y->progress + 4 > s->size || chance(10))
 		y->progress = 4 * (uint64_t)below((uint32_t)(s->size / 4));
+	/* into device memory (issue 55, defect 3): by our own handle, or one the daemon
+	 * must refuse (another process's, a path to our memfd or to the daemon's own
+	 * descriptors, a token never handed in, bytes) */
+	if (chance(12)) {
+		uint8_t *h = y->device_handle;
+
+		y->has_device = true;
+		memset(h, 0, KVBP_DEVICE_HANDLE_LEN);
+		snprintf(y->device_pci, sizeof(y->device_pci), "%s",
+			 chance(90) ? "emulated" : "0000:3b:00.0");
+		y->device_bytes = chance(90) ? DEV_BYTES : pick_u64();
+		switch (below(6)) {
+		case 0:
+			if (devh.own[0]) {
+				memcpy(h, devh.own, KVBP_DEVICE_HANDLE_LEN);
+				break;
+			}
+			/* fall through */
+		case 1:
+			if (devh.foreign[0]) {
+				memcpy(h, devh.foreign, KVBP_DEVICE_HANDLE_LEN);
+				break;
+			}
+			/* fall through */
+		case 2:
+			snprintf((char *)h, KVBP_DEVICE_HANDLE_LEN, "emu:/proc/%ld/fd/%u",
+				 wf_opt.pid > 0 ? wf_opt.pid : (long)getpid(), below(64));
+			break;
+		case 3:
+			snprintf((char *)h, KVBP_DEVICE_HANDLE_LEN, "emu:/proc/%d/fd/%d",
+				 devh.child > 0 ? devh.child : (int)getpid(), devh.foreign_fd);
+			break;
+		case 4:
+			snprintf((char *)h, KVBP_DEVICE_HANDLE_LEN, "kvbfd:%016" PRIx64, pick_u64());
+			break;
+		default:
+			fill_random(h, KVBP_DEVICE_HANDLE_LEN);
+			break;
+		}
+	}
 	for (uint32_t k = chance(50) ? 1 + below(3) : 0; k > 0; k--) {
 		uint64_t v = hostile_u64();
 

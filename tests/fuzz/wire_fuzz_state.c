@@ -5,12 +5,15 @@
  * from the replies, so that the generators aim at things the daemon has.
  */
 #include <fcntl.h>
+#include <signal.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <inttypes.h>
 #include <sys/mman.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
@@ -36,6 +39,8 @@ unsigned n_orphans;
 /* ---- state learned from replies ---- */
 
 struct shm_info canary, landseg;
+struct dev_handles devh;
+static char desc_path[108]; /* the daemon's descriptor socket (an SHM_ATTACH reply's) */
 
 int shms_mapped(void)
 {
@@ -50,6 +55,10 @@ size_t canary_changed(void)
 {
 	for (size_t i = 0; canary.map && i < canary.size; i++)
 		if (canary.map[i] != CANARY_BYTE)
+			return i + 1;
+	/* another process's memory, by its handle: never written for us either */
+	for (size_t i = 0; devh.foreign_map && i < DEV_BYTES; i++)
+		if (devh.foreign_map[i] != CANARY_BYTE)
 			return i + 1;
 	return 0;
 }
@@ -136,6 +145,7 @@ int shm_map_reply(const struct kvbp_reply *rep, struct shm_info *out)
 	fd = shm_fetch_fd(rep->shm_name, rep->shm_id);
 	if (fd < 0)
 		return -1;
+	snprintf(desc_path, sizeof(desc_path), "%s", rep->shm_name);
 	s.map = mmap(NULL, rep->shm_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
 	close(fd);
 	if (s.map == MAP_FAILED)
@@ -314,6 +324,128 @@ static bool setup_segment(struct shm_info *out)
 	return ok;
 }
 
+/*
+ * Hand fd in on the descriptor socket (shm.h, KVBP_DEPOSIT_REQUEST): the status byte
+ * (its token into *token when 0), or -1 when the socket did not answer.
+ */
+static int deposit(int fd, uint64_t *token)
+{
+	struct sockaddr_un a = { .sun_family = AF_UNIX };
+	union {
+		char buf[CMSG_SPACE(sizeof(int))];
+		struct cmsghdr align;
+	} u;
+	uint8_t req[8], rep[9] = { 0 };
+	struct iovec iov = { req, sizeof(req) };
+	struct msghdr mh = { .msg_iov = &iov, .msg_iovlen = 1, .msg_control = u.buf,
+			     .msg_controllen = sizeof(u.buf) };
+	struct cmsghdr *cm;
+	ssize_t got = 0, r;
+	int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+
+	if (s < 0)
+		return -1;
+	snprintf(a.sun_path, sizeof(a.sun_path), "%s", desc_path);
+	for (int i = 0; i < 8; i++)
+		req[i] = (uint8_t)(KVBP_DEPOSIT_REQUEST >> (8 * i));
+	memset(&u, 0, sizeof(u));
+	cm = CMSG_FIRSTHDR(&mh);
+	cm->cmsg_level = SOL_SOCKET;
+	cm->cmsg_type = SCM_RIGHTS;
+	cm->cmsg_len = CMSG_LEN(sizeof(int));
+	memcpy(CMSG_DATA(cm), &fd, sizeof(int));
+	if (connect(s, (struct sockaddr *)&a, sizeof(a)) || sendmsg(s, &mh, MSG_NOSIGNAL) != 8) {
+		close(s);
+		return -1;
+	}
+	while (got < 9 && (r = recv(s, rep + got, (size_t)(9 - got), 0)) > 0) {
+		got += r;
+		if (rep[0])
+			break;
+	}
+	close(s);
+	if (got < 1 || (!rep[0] && got < 9))
+		return -1;
+	*token = 0;
+	for (int i = 8; i >= 1; i--)
+		*token = *token << 8 | rep[i];
+	return rep[0];
+}
+
+/* A memfd of DEV_BYTES sealed against shrinking (what the emulated device maps), or -1. */
+static int dev_memfd(void)
+{
+	int fd = memfd_create("kvb-fuzz-dev", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+
+	if (fd >= 0 && (ftruncate(fd, DEV_BYTES) ||
+			fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW))) {
+		close(fd);
+		fd = -1;
+	}
+	return fd;
+}
+
+/*
+ * Device-landing handles to aim at (issue 55, defect 3): a sound one (our memfd, handed
+ * in), another process's (a child hands in a memfd we map filled with CANARY_BYTE and
+ * lives as long as we do: a landing by its handle must never reach it), and the daemon's
+ * own segment handed in, which must be refused. -1 (said) when the daemon takes a
+ * segment of its own.
+ */
+static int setup_device_handles(void)
+{
+	uint64_t token = 0;
+	int fd, pipefd[2], st;
+
+	if (!desc_path[0])
+		return 0;
+	fd = dev_memfd();
+	if (fd >= 0 && deposit(fd, &token) == 0) {
+		snprintf((char *)devh.own, sizeof(devh.own), "kvbfd:%016" PRIx64, token);
+		devh.own_fd = fd; /* kept: the deposit is the daemon's copy, ours is this */
+	} else if (fd >= 0) {
+		close(fd);
+	}
+	fd = dev_memfd();
+	if (fd >= 0 && !pipe(pipefd)) {
+		devh.foreign_map = mmap(NULL, DEV_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+		if (devh.foreign_map == MAP_FAILED)
+			devh.foreign_map = NULL;
+		else
+			memset(devh.foreign_map, CANARY_BYTE, DEV_BYTES);
+		devh.child = fork();
+		if (devh.child == 0) {
+			/* another principal: hand the memfd in, say the token, live until we die */
+			prctl(PR_SET_PDEATHSIG, SIGKILL);
+			token = 0;
+			st = deposit(fd, &token);
+			if (write(pipefd[1], &token, sizeof(token)) != sizeof(token) || st)
+				_exit(1);
+			for (;;)
+				pause();
+		}
+		close(pipefd[1]);
+		if (devh.child > 0 && read(pipefd[0], &token, sizeof(token)) == sizeof(token) &&
+		    token)
+			snprintf((char *)devh.foreign, sizeof(devh.foreign), "kvbfd:%016" PRIx64,
+				 token);
+		close(pipefd[0]);
+		devh.foreign_fd = fd;
+	}
+	/* the daemon's own segment, handed back in: refused (3), never a device to land in */
+	fd = landseg.id ? shm_fetch_fd(desc_path, landseg.id) : -1;
+	if (fd >= 0) {
+		st = deposit(fd, &token);
+		close(fd);
+		if (st != 3) {
+			say("setup: the daemon took its own segment handed in as device memory "
+			    "(status %d, not 3)", st);
+			return -1;
+		}
+	}
+	return 0;
+}
+
 int setup(void)
 {
 	static const size_t model_samples[] = { 1, 2, 3 };
@@ -394,9 +526,13 @@ int setup(void)
 	if (setup_segment(&canary) && canary.map)
 		memset(canary.map, CANARY_BYTE, canary.size);
 	setup_segment(&landseg);
+	if (setup_device_handles())
+		return -1;
 	setup_templates();
 	say("setup: %d models, %d chunks, %d shared-memory segments (%d mapped here), a "
-	    "canary segment%s, %d stored chunks to replicate", n_models, n_chunks, n_shms,
-	    shms_mapped(), canary.map ? "" : " NOT mapped", n_tmpls);
+	    "canary segment%s, %d stored chunks to replicate; device handles: ours %s, "
+	    "another process's %s", n_models, n_chunks, n_shms, shms_mapped(),
+	    canary.map ? "" : " NOT mapped", n_tmpls, devh.own[0] ? "handed in" : "none",
+	    devh.foreign[0] ? "handed in" : "none");
 	return 0;
 }

@@ -7,11 +7,15 @@
  * (kvb_fuse_open_into) writes into a region with the same layout. Two sessions land
  * into one allocation at once (mapped once). Refused with the reason, the daemon
  * serving on: a daemon without a device, another GPU, a handle that maps nothing,
- * a layout beyond the allocation, K by its own strides.
+ * a layout beyond the allocation, K by its own strides. Landing handles are no bearer
+ * capabilities (issue 55, defect 3): another process naming this one's descriptor
+ * handle, or memory by a /proc path (the daemon's own descriptors included), lands
+ * nothing anywhere; the daemon's own segments are never taken as device memory.
  *
  * The device is KVBLEND_TEST_DEVICE's (cuda through gpu_run.sh), else emulated.
  */
 #include <errno.h>
+#include <inttypes.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stdbool.h>
@@ -20,12 +24,17 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cmocka.h>
 
 #include "blend/nodemem.h"
+#include "proto/wire.h"
 #include "tests/integration/harness.h"
+#include "tests/integration/rawreq.h"
 
 #define L 4
 #define H 2
@@ -66,6 +75,8 @@ static int setup(void **state)
 	assert_int_equal(rc, 0);
 	daemon_start(&f->d, args);
 	f->c = daemon_client(&f->d, 0);
+	if (!f->mem.dv) /* emulated: the memfd handed over, its handle the daemon's word */
+		assert_int_equal(kvb_device_handle_from_fd(f->c, f->mem.fd, f->mem.handle), 0);
 	assert_int_equal(kvb_model_register(f->c, &m, NULL), 0);
 	for (uint32_t i = 0; i < 3; i++) {
 		uint32_t ids[2] = { 77, i };
@@ -527,16 +538,22 @@ static void refusals(void **state)
 	dm = device_mem(f);
 	/* a handle that maps nothing */
 	if (!strcmp(which, "emulated")) {
-		memcpy(dm.ipc_handle, "emu:/nonexistent/kvb", 21);
+		memcpy(dm.ipc_handle, "kvbfd:0123456789abcdef", 23);
+		rc = kvb_fuse_open_into_device(f->c, "lm", segs, ns, NULL, &y, &dm, &s, NULL,
+					       NULL);
+		assert_int_equal(rc, KVB_E_BAD_ARGUMENT);
+		assert_non_null(strstr(kvb_last_error(f->c), "not one this client handed in"));
 	} else {
 		memset(dm.ipc_handle, 0x5a, sizeof(dm.ipc_handle));
+		rc = kvb_fuse_open_into_device(f->c, "lm", segs, ns, NULL, &y, &dm, &s, NULL,
+					       NULL);
+		assert_int_equal(rc, KVB_E_BAD_ARGUMENT);
+		assert_non_null(strstr(kvb_last_error(f->c), "cannot be mapped"));
 	}
-	rc = kvb_fuse_open_into_device(f->c, "lm", segs, ns, NULL, &y, &dm, &s, NULL, NULL);
-	assert_int_equal(rc, KVB_E_BAD_ARGUMENT);
-	assert_non_null(strstr(kvb_last_error(f->c), "cannot be mapped"));
 	dm = device_mem(f);
-	/* the emulated device maps no file but a node's sealed memfd: never one a client
-	 * names, nor one that could shrink under the mapping (a plain shared file here) */
+	/* the emulated device maps no file but a node's sealed memfd that it handed over:
+	 * never a path a client names, nor a file that could shrink under the mapping (a
+	 * plain shared file here, handed over) */
 	if (!strcmp(which, "emulated")) {
 		char shm[] = "/dev/shm/kvb-test-unsealed-XXXXXX";
 		int fd = mkstemp(shm);
@@ -544,10 +561,13 @@ static void refusals(void **state)
 		assert_true(fd >= 0);
 		assert_int_equal(ftruncate(fd, (off_t)CACHE_BYTES), 0);
 		unlink(shm);
-		for (int i = 0; i < 2; i++) {
+		for (int i = 0; i < 3; i++) {
 			dm = device_mem(f);
 			memset(dm.ipc_handle, 0, sizeof(dm.ipc_handle));
-			if (i)
+			if (i == 2)
+				assert_int_equal(kvb_device_handle_from_fd(f->c, fd, dm.ipc_handle),
+						 0);
+			else if (i)
 				snprintf((char *)dm.ipc_handle, sizeof(dm.ipc_handle),
 					 "emu:/proc/%d/fd/%d", (int)getpid(), fd);
 			else
@@ -555,7 +575,9 @@ static void refusals(void **state)
 			rc = kvb_fuse_open_into_device(f->c, "lm", segs, ns, NULL, &y, &dm, &s,
 						       NULL, NULL);
 			assert_int_equal(rc, KVB_E_BAD_ARGUMENT);
-			assert_non_null(strstr(kvb_last_error(f->c), "cannot be mapped"));
+			assert_non_null(strstr(kvb_last_error(f->c),
+					       i == 2 ? "not memory this device can map"
+						      : "naming memory by a path"));
 		}
 		close(fd);
 	}
@@ -593,6 +615,127 @@ static void refusals(void **state)
 	assert_int_equal(kvb_fuse_close(f->c, &s, NULL, NULL), 0);
 }
 
+/*
+ * The descriptor of segment id from the daemon's descriptor socket at path (the client
+ * library's own protocol, docs/protocol.md): -1 when refused.
+ */
+static int fetch_segment_fd(const char *path, uint64_t id)
+{
+	struct sockaddr_un a = { .sun_family = AF_UNIX };
+	union {
+		char buf[CMSG_SPACE(sizeof(int))];
+		struct cmsghdr align;
+	} u;
+	uint8_t req[8], status = 1;
+	struct iovec iov = { &status, 1 };
+	struct msghdr mh = { .msg_iov = &iov, .msg_iovlen = 1, .msg_control = u.buf,
+			     .msg_controllen = sizeof(u.buf) };
+	struct cmsghdr *cm;
+	int sock = socket(AF_UNIX, SOCK_STREAM, 0), fd = -1;
+
+	snprintf(a.sun_path, sizeof(a.sun_path), "%s", path);
+	for (int i = 0; i < 8; i++)
+		req[i] = (uint8_t)(id >> (8 * i));
+	memset(&u, 0, sizeof(u));
+	if (sock >= 0 && !connect(sock, (struct sockaddr *)&a, sizeof(a)) &&
+	    send(sock, req, 8, 0) == 8 && recvmsg(sock, &mh, 0) == 1 && !status &&
+	    (cm = CMSG_FIRSTHDR(&mh)) && cm->cmsg_type == SCM_RIGHTS)
+		memcpy(&fd, CMSG_DATA(cm), sizeof(int));
+	if (sock >= 0)
+		close(sock);
+	return fd;
+}
+
+/*
+ * Landing handles are no bearer capabilities (issue 55, defect 3). Another process (a
+ * child: another principal) that learns this one's descriptor handle, or names memory
+ * by a /proc path (this process's memfd, or any of the daemon's own descriptors 3..63),
+ * is refused every time, and this process's allocation is untouched by it; this
+ * process lands by its handle as before. A descriptor of the daemon's own segment
+ * (a client holds those) is refused when handed in.
+ */
+static void handles_are_the_clients_own(void **state)
+{
+	struct fixture *f = *state;
+	struct kvb_segment segs[4];
+	size_t ns = segments(f, segs);
+	struct kvb_kv_layout y = gpu_layout(f, f->mem.base, false);
+	struct kvb_device_mem dm = device_mem(f);
+	kvb_fuse *s = NULL;
+	pid_t child;
+	int status;
+
+	if (strcmp(which, "emulated")) {
+		print_message("skip: descriptor handles are the emulated device's here\n");
+		return;
+	}
+	memset(f->mem.base, 0x11, f->mem.bytes);
+	child = fork();
+	assert_true(child >= 0);
+	if (child == 0) {
+		kvb_client *c = daemon_client(&f->d, 0);
+		uint8_t *region = kvb_region_alloc(c, 4096);
+		int refused = 0, tries = 0;
+
+		dm.progress = region;
+		/* the parent's handle, as it is */
+		tries++;
+		refused += kvb_fuse_open_into_device(c, "lm", segs, ns, NULL, &y, &dm, &s, NULL,
+						     NULL) == KVB_E_BAD_ARGUMENT &&
+			   strstr(kvb_last_error(c), "not one this client handed in");
+		/* the parent's memfd and the daemon's descriptors, by path */
+		for (int n = 3; n < 64; n++) {
+			snprintf((char *)dm.ipc_handle, sizeof(dm.ipc_handle), "emu:/proc/%d/fd/%d",
+				 n == 3 ? (int)getppid() : (int)f->d.pid, n == 3 ? f->mem.fd : n);
+			tries++;
+			refused += kvb_fuse_open_into_device(c, "lm", segs, ns, NULL, &y, &dm, &s,
+							     NULL, NULL) == KVB_E_BAD_ARGUMENT &&
+				   strstr(kvb_last_error(c), "naming memory by a path");
+		}
+		kvb_region_free(c, region);
+		kvb_close(&c);
+		_exit(refused == tries ? 0 : 1);
+	}
+	assert_int_equal(waitpid(child, &status, 0), child);
+	assert_true(WIFEXITED(status));
+	assert_int_equal(WEXITSTATUS(status), 0);
+	for (size_t i = 0; i < f->mem.bytes; i++)
+		if (f->mem.base[i] != 0x11)
+			fail_msg("byte %zu of the node's memory changed (0x%02x) by another "
+				 "process's opens", i, f->mem.base[i]);
+	/* the owner itself: lands by its handle */
+	assert_int_equal(kvb_fuse_open_into_device(f->c, "lm", segs, ns, NULL, &y, &dm, &s, NULL,
+						   NULL),
+			 0);
+	wait_all(f, s);
+	assert_int_equal(kvb_fuse_close(f->c, &s, NULL, NULL), 0);
+	{
+		size_t changed = 0;
+
+		for (size_t i = 0; i < f->mem.bytes; i++)
+			changed += f->mem.base[i] != 0x11;
+		assert_true(changed > 0);
+	}
+	/* the daemon's own segment, handed back in as device memory: refused */
+	{
+		struct kvbp_request q = { .op = KVBP_OP_SHM_ATTACH, .shm_size = 1u << 20 };
+		struct kvbp_reply rep = { 0 };
+		struct raw r;
+		uint8_t h[64];
+		int fd;
+
+		raw_open(&r, f->d.endpoint, 10000);
+		assert_int_equal(raw_call(&r, &q, NULL, NULL, 0, &rep), KVBP_OK);
+		fd = fetch_segment_fd(rep.shm_name, rep.shm_id);
+		assert_true(fd >= 0);
+		assert_int_equal(kvb_device_handle_from_fd(f->c, fd, h), KVB_E_BAD_ARGUMENT);
+		assert_non_null(strstr(kvb_last_error(f->c), "kvblendd's own segments"));
+		close(fd);
+		kvbp_reply_clear(&rep);
+		raw_close(&r);
+	}
+}
+
 /* One client maps at most 4 allocations at once; a fifth is refused, then fine again. */
 static void four_allocations_a_client(void **state)
 {
@@ -608,6 +751,8 @@ static void four_allocations_a_client(void **state)
 		struct kvb_device_mem dm;
 
 		assert_int_equal(nodemem_open(&m[i], which, CACHE_BYTES, err, sizeof(err)), 0);
+		if (!m[i].dv)
+			assert_int_equal(kvb_device_handle_from_fd(f->c, m[i].fd, m[i].handle), 0);
 		y = gpu_layout(f, m[i].base, false);
 		dm = (struct kvb_device_mem){ .base = m[i].base, .bytes = m[i].bytes,
 					      .progress = f->region + CACHE_BYTES };
@@ -687,6 +832,7 @@ int main(void)
 		cmocka_unit_test(ranks_blend_as_one),
 		cmocka_unit_test(ranks_blend_as_one_device),
 		cmocka_unit_test(refusals),
+		cmocka_unit_test(handles_are_the_clients_own),
 		cmocka_unit_test(four_allocations_a_client),
 		cmocka_unit_test(no_device_daemon),
 	};

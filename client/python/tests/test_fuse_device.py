@@ -1,12 +1,14 @@
 """Landing into device memory from Python (Client.fuse_open_into_device) through a real
 kvblendd on the emulated device: the node's "GPU allocation" is a memfd sealed against
-shrinking that the emulated device maps (as blend/nodemem.c makes them), laid out as vLLM's GPU backends
+shrinking, handed to the daemon by descriptor (Client.device_handle_from_fd), which the
+emulated device maps (as blend/nodemem.c makes them), laid out as vLLM's GPU backends
 lay out their cache (each token's K then V per head, paged), and every byte must equal
 what fuse_open_into lands into a region with the same layout. A daemon without a
 device refuses with the reason. And a head range (a tensor-parallel rank's share)."""
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import mmap
 import os
@@ -33,15 +35,15 @@ def emu_daemon():
 
 @pytest.fixture
 def nodemem():
-    """A node's stand-in allocation: a memfd sealed against shrinking, mapped shared,
-    named as the emulated device maps it (/proc/PID/fd/N)."""
+    """A node's stand-in allocation: a memfd sealed against shrinking, mapped shared; its
+    descriptor is what the node hands to the daemon."""
     fd = os.memfd_create("kvb-nodemem", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     nbytes = L * BLOCKS * PT * H * 2 * D * ES
     os.ftruncate(fd, nbytes)
     fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
     mm = mmap.mmap(fd, nbytes)
     arr = np.frombuffer(mm, dtype=np.uint8)
-    yield f"/proc/{os.getpid()}/fd/{fd}", arr
+    yield fd, arr
     os.close(fd)  # the mapping goes with the last view of it
 
 
@@ -63,8 +65,8 @@ def _store(c: kvblend.Client, name: str) -> list:
     return segs
 
 
-def _cache(path: str, arr: np.ndarray) -> kvblend.DeviceCache:
-    handle = (b"emu:" + path.encode()).ljust(64, b"\0")
+def _cache(c: kvblend.Client, fd: int, arr: np.ndarray) -> kvblend.DeviceCache:
+    handle = c.device_handle_from_fd(fd)
     page_stride = PT * H * 2 * D * ES
     return kvblend.DeviceCache(
         base=arr.ctypes.data, nbytes=arr.nbytes, ipc_handle=handle, pci="emulated",
@@ -75,7 +77,7 @@ def _cache(path: str, arr: np.ndarray) -> kvblend.DeviceCache:
 
 
 def test_device_landing_equals_host_landing(emu_daemon, nodemem):
-    path, dev = nodemem
+    fd, dev = nodemem
     pages = (np.arange(BLOCKS) * 5 + 2) % BLOCKS
     with kvblend.Client(emu_daemon.endpoint, timeout_ms=10000) as c:
         segs = _store(c, "gpu_lm")
@@ -89,7 +91,7 @@ def test_device_landing_equals_host_landing(emu_daemon, nodemem):
                               pages=pages) as s:
             for layer in range(L):
                 s.wait(layer, timeout=10)
-        with c.fuse_open_into_device("gpu_lm", segs, _cache(path, dev),
+        with c.fuse_open_into_device("gpu_lm", segs, _cache(c, fd, dev),
                                      region[dev.nbytes : dev.nbytes + 4],
                                      pages=pages) as s:
             for layer in range(L):
@@ -99,14 +101,35 @@ def test_device_landing_equals_host_landing(emu_daemon, nodemem):
 
 
 def test_daemon_without_device_refuses(daemon, nodemem):
-    path, dev = nodemem
+    fd, dev = nodemem
     with kvblend.Client(daemon.endpoint, timeout_ms=10000) as c:
         segs = _store(c, "gpu_lm_cpu")
         region = c.region(4096)
         with pytest.raises(kvblend.BadArgument, match="CUDA device"):
-            c.fuse_open_into_device("gpu_lm_cpu", segs, _cache(path, dev), region[:4],
+            c.fuse_open_into_device("gpu_lm_cpu", segs, _cache(c, fd, dev), region[:4],
                                     pages=np.arange(BLOCKS))
         c.ping()
+
+
+def test_a_handle_by_path_is_refused(emu_daemon, nodemem):
+    """Memory named by a path (emu:/proc/PID/fd/N: any local process could name it) is
+    refused with the reason; the descriptor's own handle lands."""
+    fd, dev = nodemem
+    with kvblend.Client(emu_daemon.endpoint, timeout_ms=10000) as c:
+        segs = _store(c, "gpu_lm_path")
+        region = c.region(4096)
+        good = _cache(c, fd, dev)
+        assert good.ipc_handle.startswith(b"kvbfd:")
+        assert c.device_handle_from_fd(fd) == good.ipc_handle  # the same file: one handle
+        by_path = dataclasses.replace(
+            good, ipc_handle=f"emu:/proc/{os.getpid()}/fd/{fd}".encode().ljust(64, b"\0"))
+        with pytest.raises(kvblend.BadArgument, match="naming memory by a path"):
+            c.fuse_open_into_device("gpu_lm_path", segs, by_path, region[:4],
+                                    pages=np.arange(BLOCKS))
+        with c.fuse_open_into_device("gpu_lm_path", segs, good, region[:4],
+                                     pages=np.arange(BLOCKS)) as s:
+            for layer in range(L):
+                s.wait(layer, timeout=10)
 
 
 def test_head_range_lands_a_ranks_heads(daemon):

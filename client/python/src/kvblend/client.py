@@ -285,6 +285,28 @@ class Client:
             self._check(lib.kvb_ping(self._handle(), buf, len(buf)))
         return buf.value.decode()
 
+    def device_handle_from_fd(self, fd: int) -> bytes:
+        """Hand a descriptor of the node's device memory to the daemon; return its handle.
+
+        ``kvb_device_handle_from_fd``: the descriptor goes over the daemon's descriptor
+        socket (a local IPC client only), the daemon keeps its own copy for this process
+        until it exits, and the 64 bytes returned name it in
+        :attr:`DeviceCache.ipc_handle`. No other process can land by that name. The
+        emulated device takes a memfd sealed against shrinking this way, and memory no
+        other way. ``fd`` stays the caller's.
+
+        Raises
+        ------
+        BadArgument
+            The daemon refuses it (one of its own segments).
+        Limit
+            This process has handed in 16 descriptors, or all clients 64.
+        """
+        buf = ctypes.create_string_buffer(64)
+        with self._lock:
+            self._check(lib.kvb_device_handle_from_fd(self._handle(), fd, buf))
+        return buf.raw
+
     def model_register(self, model: Model) -> bool:
         """Register a model; return True when an identical model was already there.
 
@@ -886,7 +908,8 @@ class Client:
         """:meth:`fuse_open_into` for a KV cache in a GPU's memory (``kvb_fuse_open_into_device``).
 
         A kvblendd whose fuse runs on that GPU (``--device cuda``) maps the allocation
-        by ``cache.ipc_handle`` and writes each landed layer's rows there; the session
+        by ``cache.ipc_handle`` (a CUDA IPC handle, or one :meth:`device_handle_from_fd`
+        returned) and writes each landed layer's rows there; the session
         is then used as :meth:`fuse_open_into`'s. ``progress``: at least 4 bytes of a
         :meth:`region` (the progress word :meth:`LandingSession.wait` reads); one per
         open session. ``pages``: the block table when ``cache.page_tokens`` > 0.
@@ -903,7 +926,8 @@ class Client:
         """
         self._model(model)
         if len(cache.ipc_handle) != 64:
-            raise BadArgument(-22, "ipc_handle must be 64 bytes (cudaIpcGetMemHandle)")
+            raise BadArgument(-22, "ipc_handle must be 64 bytes (cudaIpcGetMemHandle, or "
+                              "device_handle_from_fd)")
         pci = cache.pci.encode()
         if not pci or len(pci) >= 32:
             raise BadArgument(-22, "pci must be a PCI bus id of under 32 characters")

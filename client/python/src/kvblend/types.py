@@ -182,7 +182,7 @@ class DeviceCache:
 
     base: int  # the allocation's device pointer in this process (cudaMalloc's)
     nbytes: int
-    ipc_handle: bytes  # 64 bytes: cudaIpcGetMemHandle(base)
+    ipc_handle: bytes  # 64 bytes: cudaIpcGetMemHandle(base), or Client.device_handle_from_fd
     pci: str  # the GPU's PCI bus id, e.g. "0000:3B:00.0"
     k_offset: int
     v_offset: int

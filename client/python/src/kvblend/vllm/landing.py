@@ -303,7 +303,8 @@ class DeviceAllocation:
 
     ``base``: its start in this process (what ``ipc_handle`` names), ``nbytes`` at
     least its bytes up to the cache's end, ``ipc_handle`` 64 bytes (``cudaIpcGetMemHandle``;
-    the emulated device's ``emu:/proc/PID/fd/N``), ``pci`` its GPU's bus id.
+    for a descriptor handed to the daemon, what :meth:`kvblend.Client.device_handle_from_fd`
+    returned), ``pci`` its GPU's bus id.
     """
 
     base: int
