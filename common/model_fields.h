@@ -47,4 +47,8 @@
 #define KVB_MODEL_SAME(x, y) (KVB_MODEL_FIELDS(KVB_MODEL_SAME_ONE_, x, y) 1)
 #define KVB_MODEL_SAME_ONE_(x, y, f) (x)->f == (y)->f &&
 
+/* The name of the first field in which *x and *y differ, or NULL (any two shapes). */
+#define KVB_MODEL_FIRST_DIFF(x, y) (KVB_MODEL_FIELDS(KVB_MODEL_DIFF_ONE_, x, y) (const char *)0)
+#define KVB_MODEL_DIFF_ONE_(x, y, f) (x)->f != (y)->f ? #f :
+
 #endif

@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include "daemon/bulk.h"
+#include "common/model_fields.h"
 #include "proto/bulk.h"
 #include "daemon/clients.h"
 #include "daemon/counters.h"
@@ -149,8 +150,19 @@ void op_model_register(struct req *q)
 		return;
 	rc = store_model_register(q->srv->store, &sm);
 	if (rc == -EEXIST) {
-		fail(q, KVBP_MODEL_CONFLICT, "model '%s' exists with a different layout or RoPE "
-		     "configuration", q->h.model.name);
+		struct store_model old;
+		const char *field = store_model_find(q->srv->store, sm.name, &old) ? NULL
+								: KVB_MODEL_FIRST_DIFF(&old, &sm);
+
+		/* the field named, so that a client can say what changed (issue 55, defect 8) */
+		if (field)
+			fail(q, KVBP_MODEL_CONFLICT, "model '%s' exists with a different layout or "
+			     "RoPE configuration: its %s differs (stored chunks were computed under "
+			     "the registered one; register under a new name, or delete the model's "
+			     "chunks first)", q->h.model.name, field);
+		else
+			fail(q, KVBP_MODEL_CONFLICT, "model '%s' exists with a different layout or "
+			     "RoPE configuration", q->h.model.name);
 		return;
 	}
 	if (rc < 0) {

@@ -394,6 +394,12 @@ static void test_models(void **state)
 	m.head_dim = 16;
 	assert_int_equal(kvb_model_register(c, &m, NULL), KVB_E_MODEL_CONFLICT);
 	assert_non_null(strstr(kvb_last_error(c), "different layout"));
+	assert_non_null(strstr(kvb_last_error(c), "its head_dim differs"));
+	/* the field that differs is named (a changed config.json: issue 55, defect 8) */
+	m = tiny;
+	m.rope_theta = 2 * tiny.rope_theta + 1;
+	assert_int_equal(kvb_model_register(c, &m, NULL), KVB_E_MODEL_CONFLICT);
+	assert_non_null(strstr(kvb_last_error(c), "its rope_theta differs"));
 	m = tiny;
 	m.num_layers = 0;
 	snprintf(m.name, sizeof(m.name), "zero-layers");
