@@ -64,6 +64,12 @@ struct blend_dev_land {
 	uint32_t head0, heads;
 };
 
+/* One descriptor of memory another process handed over, at its place in the extent. */
+struct blend_fd_seg {
+	int fd;
+	uint64_t offset, size; /* size 0: the whole file (one segment alone) */
+};
+
 struct blend_device {
 	const char *name; /* "cuda", "emulated" */
 	void *ctx;
@@ -142,22 +148,30 @@ struct blend_device {
 	 * Map another process's allocation on this device by its CUDA IPC memory handle:
 	 * *dev its base in this process, *bytes its size (the driver's, not the
 	 * caller's word). pci: the bus id the other process names its device by;
-	 * -ENODEV when that is not this device. ipc_close unmaps it (and what fd_open
-	 * mapped). NULL where the device cannot (the emulated device: it takes
-	 * descriptors only).
+	 * -ENODEV when that is not this device. ipc_close unmaps it. NULL where the
+	 * device cannot (the emulated device: it takes descriptors only).
 	 */
 	int (*ipc_open)(const struct blend_device *d, const uint8_t handle[64], const char *pci,
 			void **dev, uint64_t *bytes);
 	void (*ipc_close)(const struct blend_device *d, void *dev, uint64_t bytes);
 	/*
-	 * Map another process's allocation by a descriptor it handed over (its caller
-	 * keeps fd; the mapping does not need it afterwards): as ipc_open. The emulated
-	 * device maps a memfd sealed against shrinking, shared (a test's stand-in for
-	 * another process's device memory, as nodemem.c makes it); -EPERM for any other
-	 * file. NULL where the device cannot.
+	 * Map memory another process handed over as descriptors (its caller keeps the
+	 * fds; the mapping does not need them afterwards): segs[0..n) each at its offset
+	 * of one extent, mapped at the same offsets of one range here (*dev its start,
+	 * *bytes its length, *ctx what fd_close needs), as another process reserves one
+	 * range of addresses and backs each segment by its own allocation. want_bytes:
+	 * the other process's word for the extent where the descriptors cannot tell it
+	 * (CUDA's exported allocations: their mapping is refused when it passes their
+	 * end). pci: as ipc_open (-ENODEV). The emulated device maps memfds sealed
+	 * against shrinking, shared (a size of 0 for one alone: the whole file), as
+	 * nodemem.c makes them; -EPERM for any other file or a segment past its file's
+	 * end. CUDA maps allocations exported by cuMemExportToShareableHandle (POSIX
+	 * fds). NULL where the device cannot.
 	 */
-	int (*fd_open)(const struct blend_device *d, int fd, const char *pci, void **dev,
-		       uint64_t *bytes);
+	int (*fd_open)(const struct blend_device *d, const struct blend_fd_seg *segs, size_t n,
+		       const char *pci, uint64_t want_bytes, void **dev, uint64_t *bytes,
+		       void **ctx);
+	void (*fd_close)(const struct blend_device *d, void *dev, uint64_t bytes, void *ctx);
 	/*
 	 * Landing: rows rows[0 .. n_rows) (token indices, device memory) of src (device
 	 * memory, token t's row at src + t * heads * head_dim * dtype size) written

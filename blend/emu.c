@@ -405,39 +405,72 @@ static int e_scatter(const struct blend_device *d, struct blend_stream *st,
  * "emulated". A client with a driver fails to find that device and stays on the host.
  */
 /*
- * The emulated import: a memfd of the node's (nodemem.c) that it handed over itself,
- * sealed against shrinking, mapped shared. Never a file named by a path or a number,
- * which any local process could name too, nor one that can shrink under the mapping
- * (a write there would fault the daemon).
+ * The emulated import: memfds of the node's (nodemem.c) that it handed over itself,
+ * sealed against shrinking, each mapped shared at its offset of one range reserved
+ * here (as CUDA maps a reservation's segments). Never a file named by a path or a
+ * number, which any local process could name too, nor one that can shrink under the
+ * mapping (a write there would fault the daemon).
  */
-static int e_fd_open(const struct blend_device *d, int fd, const char *pci, void **dev,
-		     uint64_t *bytes)
+/* The bytes segment g maps: its size, or its sealed memfd's whole size; 0 if refused. */
+static uint64_t e_seg_bytes(const struct blend_fd_seg *g)
 {
 	struct stat st;
-	int seals, rc = dead(d);
-	void *p;
+	int seals = fcntl(g->fd, F_GET_SEALS);
 
+	if (seals < 0 || !(seals & F_SEAL_SHRINK) || fstat(g->fd, &st) || !S_ISREG(st.st_mode) ||
+	    st.st_size <= 0 || g->size > (uint64_t)st.st_size)
+		return 0;
+	return g->size ? g->size : (uint64_t)st.st_size;
+}
+
+static int e_fd_open(const struct blend_device *d, const struct blend_fd_seg *segs, size_t n,
+		     const char *pci, uint64_t want_bytes, void **dev, uint64_t *bytes,
+		     void **ctx)
+{
+	uint64_t extent = 0;
+	uint8_t *base;
+	int rc = dead(d);
+
+	(void)want_bytes; /* a memfd knows its size */
 	if (rc)
 		return rc;
 	if (strcmp(pci, "emulated"))
 		return -ENODEV;
-	seals = fcntl(fd, F_GET_SEALS);
-	if (seals < 0 || !(seals & F_SEAL_SHRINK) || fstat(fd, &st) || !S_ISREG(st.st_mode) ||
-	    st.st_size <= 0)
-		return -EPERM;
-	p = mmap(NULL, (size_t)st.st_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-	if (p == MAP_FAILED)
+	if (!n)
+		return -EINVAL;
+	for (size_t k = 0; k < n; k++) {
+		uint64_t b = e_seg_bytes(&segs[k]);
+
+		if (!b)
+			return -EPERM;
+		/* (the daemon checked the places: page-aligned, in order, within 2^44) */
+		extent = segs[k].offset + b;
+	}
+	base = mmap(NULL, (size_t)extent, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+		    -1, 0);
+	if (base == MAP_FAILED)
 		return -ENOMEM;
-	*dev = p;
-	*bytes = (uint64_t)st.st_size;
+	for (size_t k = 0; k < n; k++) {
+		uint64_t b = e_seg_bytes(&segs[k]);
+
+		if (!b || mmap(base + segs[k].offset, (size_t)b, PROT_READ | PROT_WRITE,
+			       MAP_SHARED | MAP_FIXED, segs[k].fd, 0) == MAP_FAILED) {
+			munmap(base, (size_t)extent);
+			return b ? -ENOMEM : -EPERM;
+		}
+	}
+	*dev = base;
+	*bytes = extent;
+	*ctx = NULL;
 	return 0;
 }
 
-static void e_ipc_close(const struct blend_device *d, void *dev, uint64_t bytes)
+static void e_fd_close(const struct blend_device *d, void *dev, uint64_t bytes, void *ctx)
 {
 	(void)d;
+	(void)ctx;
 	if (dev)
-		munmap(dev, (size_t)bytes);
+		munmap(dev, (size_t)bytes); /* the reservation and every segment in it */
 }
 
 static int e_land(const struct blend_device *d, struct blend_stream *st,
@@ -547,8 +580,8 @@ int blend_emu_open(uint64_t fail_after, bool sticky, struct blend_device **out)
 		.select = e_select,
 		.scatter = e_scatter,
 		.ipc_export = e_ipc_export,
-		.ipc_close = e_ipc_close,
 		.fd_open = e_fd_open,
+		.fd_close = e_fd_close,
 		.land = e_land,
 		.memory = e_memory,
 		.last_error = e_last_error,

@@ -81,33 +81,43 @@ out:
 	return fd;
 }
 
-int kvb_device_handle_from_fd(kvb_client *c, int fd, uint8_t handle[64])
+int kvb_device_handle_from_fds(kvb_client *c, const int *fds, const uint64_t *offsets,
+			       const uint64_t *sizes, size_t n, uint8_t handle[64])
 {
 	static const char *const why[] = {
 		[1] = "the daemon cannot keep it", [2] = "no descriptor arrived",
 		[3] = "it is one of kvblendd's own segments",
 		[4] = "this process has handed in 16 already",
 		[5] = "the daemon holds 64 from all clients already",
+		[6] = "the segments' places are out of order, overlap, are not page-aligned, or "
+		      "are too many",
 	};
 	struct call k = { .req = { .op = KVBP_OP_HELLO } };
 	struct sockaddr_un a = { .sun_family = AF_UNIX };
 	struct timeval tv = { 2, 0 };
-	union {
-		char buf[CMSG_SPACE(sizeof(int))];
-		struct cmsghdr align;
-	} u;
-	uint8_t req[8], rep[9];
-	struct iovec iov = { req, sizeof(req) };
-	struct msghdr mh = { .msg_iov = &iov, .msg_iovlen = 1, .msg_control = u.buf,
-			     .msg_controllen = sizeof(u.buf) };
+	char *ctl = NULL;
+	uint8_t *req = NULL, rep[9];
+	size_t req_len = 12 + 16 * n, ctl_len = CMSG_SPACE(n * sizeof(int));
+	struct iovec iov;
+	struct msghdr mh = { .msg_iov = &iov, .msg_iovlen = 1 };
 	struct cmsghdr *cm;
 	uint64_t token = 0;
 	ssize_t got = 0;
 	int sock = -1, rc;
 
-	if (fd < 0 || !handle)
-		return kvbc_set_err(c, -EINVAL, "kvb_device_handle_from_fd: a descriptor and a "
-				    "handle to fill");
+	if (!fds || !offsets || !sizes || !handle || !n || n > KVB_DEVICE_SEGMENTS_MAX)
+		return kvbc_set_err(c, -EINVAL, "kvb_device_handle_from_fds: 1 to %d descriptors, "
+				    "their places, and a handle to fill", KVB_DEVICE_SEGMENTS_MAX);
+	for (size_t i = 0; i < n; i++)
+		if (fds[i] < 0)
+			return kvbc_set_err(c, -EINVAL, "kvb_device_handle_from_fds: descriptor %zu "
+					    "is %d", i, fds[i]);
+	req = calloc(1, req_len);
+	ctl = calloc(1, ctl_len);
+	if (!req || !ctl) {
+		rc = kvbc_set_err(c, -ENOMEM, "out of memory");
+		goto out;
+	}
 	rc = kvbc_call(c, &k);
 	if (rc)
 		goto out;
@@ -117,20 +127,30 @@ int kvb_device_handle_from_fd(kvb_client *c, int fd, uint8_t handle[64])
 		goto out;
 	}
 	strcpy(a.sun_path, k.rep.shm_name);
+	/* the request (shm.h): the magic, the count, each descriptor's place; little-endian */
 	for (int i = 0; i < 8; i++)
 		req[i] = (uint8_t)(KVBP_DEPOSIT_REQUEST >> (8 * i));
-	memset(&u, 0, sizeof(u));
+	for (int i = 0; i < 4; i++)
+		req[8 + i] = (uint8_t)((uint64_t)n >> (8 * i));
+	for (size_t j = 0; j < n; j++)
+		for (int i = 0; i < 8; i++) {
+			req[12 + 16 * j + (size_t)i] = (uint8_t)(offsets[j] >> (8 * i));
+			req[20 + 16 * j + (size_t)i] = (uint8_t)(sizes[j] >> (8 * i));
+		}
+	iov = (struct iovec){ req, req_len };
+	mh.msg_control = ctl;
+	mh.msg_controllen = ctl_len;
 	cm = CMSG_FIRSTHDR(&mh);
 	cm->cmsg_level = SOL_SOCKET;
 	cm->cmsg_type = SCM_RIGHTS;
-	cm->cmsg_len = CMSG_LEN(sizeof(int));
-	memcpy(CMSG_DATA(cm), &fd, sizeof(int));
+	cm->cmsg_len = CMSG_LEN(n * sizeof(int));
+	memcpy(CMSG_DATA(cm), fds, n * sizeof(int));
 	sock = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
 	if (sock < 0 || setsockopt(sock, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv)) ||
 	    setsockopt(sock, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv)) ||
 	    connect(sock, (struct sockaddr *)&a, sizeof(a)) ||
-	    sendmsg(sock, &mh, MSG_NOSIGNAL) != (ssize_t)sizeof(req)) {
-		rc = kvbc_set_err(c, -errno, "cannot hand the descriptor to kvblendd at %s: %s",
+	    sendmsg(sock, &mh, MSG_NOSIGNAL) != (ssize_t)req_len) {
+		rc = kvbc_set_err(c, -errno, "cannot hand the descriptors to kvblendd at %s: %s",
 				  k.rep.shm_name, strerror(errno));
 		goto out;
 	}
@@ -150,7 +170,7 @@ int kvb_device_handle_from_fd(kvb_client *c, int fd, uint8_t handle[64])
 	}
 	if (rep[0]) {
 		rc = kvbc_set_err(c, rep[0] == 4 || rep[0] == 5 ? KVB_E_LIMIT : KVB_E_BAD_ARGUMENT,
-				  "kvblendd refused the descriptor: %s",
+				  "kvblendd refused the descriptors: %s",
 				  rep[0] < sizeof(why) / sizeof(*why) && why[rep[0]] ? why[rep[0]]
 										     : "refused");
 		goto out;
@@ -163,8 +183,17 @@ int kvb_device_handle_from_fd(kvb_client *c, int fd, uint8_t handle[64])
 out:
 	if (sock >= 0)
 		close(sock);
+	free(req);
+	free(ctl);
 	kvbc_call_done(&k);
 	return rc;
+}
+
+int kvb_device_handle_from_fd(kvb_client *c, int fd, uint8_t handle[64])
+{
+	const uint64_t zero = 0;
+
+	return kvb_device_handle_from_fds(c, &fd, &zero, &zero, 1, handle);
 }
 
 /* Make sure a segment of at least size bytes is mapped; false if shared memory is unusable. */

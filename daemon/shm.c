@@ -26,19 +26,24 @@
 #define CACHE_MAX 8
 /* A descriptor request is 8 bytes: a client that sends less within this is dropped. */
 #define SERVE_TIMEOUT_MS 1000
-/* Descriptors clients hand in (shm_deposit_fd), all together and of one owner. */
+/* What clients hand in (shm_deposit_take), all together and of one owner. */
 #define DEPOSITS_MAX 64
 #define DEPOSITS_PER_OWNER 16
 
-/* A descriptor a client handed in over the socket, kept while its process lives. */
+/*
+ * Memory a client handed in over the socket: one to SHM_DEPOSIT_SEGMENTS_MAX
+ * descriptors, each placed at its offset of the memory's extent, kept while the
+ * client's process lives.
+ */
 struct deposit {
 	uint64_t token; /* 0: slot free */
-	int fd;
+	unsigned n;
+	struct shm_fd_seg *segs; /* [n], their fds the table's */
 	int pidfd; /* the depositing process: readable once it has exited */
-	dev_t dev;
-	ino_t ino;
 	char owner[SHM_OWNER_MAX];
 };
+
+static void deposit_free(struct deposit *d);
 
 struct segment {
 	uint64_t id; /* 0: slot free */
@@ -175,10 +180,7 @@ void shm_table_free(struct shm_table **tp)
 		if (t->seg[i].id && t->seg[i].id != UINT64_MAX)
 			seg_destroy(t, &t->seg[i]);
 	for (int i = 0; i < DEPOSITS_MAX; i++)
-		if (t->dep[i].token) {
-			close(t->dep[i].fd);
-			close(t->dep[i].pidfd);
-		}
+		deposit_free(&t->dep[i]);
 	pthread_mutex_destroy(&t->lock);
 	free(t);
 	*tp = NULL;
@@ -486,6 +488,17 @@ static int owner_fd(struct shm_table *t, uint64_t id, const char *peer)
 	return fd;
 }
 
+/* With t->lock held: free slot d (its descriptors closed). */
+static void deposit_free(struct deposit *d)
+{
+	for (unsigned k = 0; k < d->n; k++)
+		close(d->segs[k].fd);
+	free(d->segs);
+	if (d->token)
+		close(d->pidfd);
+	memset(d, 0, sizeof(*d));
+}
+
 /* With t->lock held: forget the deposits of processes that have exited. */
 static void deposits_reap(struct shm_table *t)
 {
@@ -493,44 +506,66 @@ static void deposits_reap(struct shm_table *t)
 		struct deposit *d = &t->dep[i];
 		struct pollfd p = { d->pidfd, POLLIN, 0 };
 
-		if (d->token && poll(&p, 1, 0) > 0) {
-			close(d->fd);
-			close(d->pidfd);
-			memset(d, 0, sizeof(*d));
-		}
+		if (d->token && poll(&p, 1, 0) > 0)
+			deposit_free(d);
 	}
 }
 
-/*
- * Keep fd, handed in by peer (process pid), under a new token (*token); a descriptor
- * peer handed in already (the same file) keeps its token. SHM_DEPOSIT_* status:
- * OK (fd is the table's now), or why not (the caller closes fd).
- */
-static uint8_t deposit_keep(struct shm_table *t, int fd, const char *peer, pid_t pid,
-			    uint64_t *token)
+/* Whether a and b (n each) are the same files at the same places. */
+static bool same_segments(const struct shm_fd_seg *a, const struct shm_fd_seg *b, unsigned n)
+{
+	for (unsigned k = 0; k < n; k++) {
+		struct stat x, y;
+
+		if (a[k].offset != b[k].offset || a[k].size != b[k].size || fstat(a[k].fd, &x) ||
+		    fstat(b[k].fd, &y) || x.st_dev != y.st_dev || x.st_ino != y.st_ino)
+			return false;
+	}
+	return true;
+}
+
+/* With t->lock held: whether fd is one of the daemon's own segments. */
+static bool own_segment(struct shm_table *t, int fd)
 {
 	struct stat st;
-	struct deposit *slot = NULL;
-	unsigned mine = 0;
-	uint8_t status = SHM_DEPOSIT_OK;
-	int pidfd;
 
 	if (fstat(fd, &st))
-		return SHM_DEPOSIT_REFUSED;
-	pthread_mutex_lock(&t->lock);
-	deposits_reap(t);
-	/* never memory of the daemon's own: a client holds its segments' and rings'
-	 * descriptors, and landing there would write into what the daemon runs on */
+		return true; /* (what cannot be told apart is refused) */
 	for (int i = 0; i < SHM_SLOTS; i++) {
 		struct stat ss;
 		struct segment *g = &t->seg[i];
 
 		if (g->id && g->id != UINT64_MAX && g->fd >= 0 && !fstat(g->fd, &ss) &&
-		    ss.st_dev == st.st_dev && ss.st_ino == st.st_ino) {
+		    ss.st_dev == st.st_dev && ss.st_ino == st.st_ino)
+			return true;
+	}
+	return false;
+}
+
+/*
+ * Keep segs[0..n) (their descriptors), handed in by peer (process pid), under a new
+ * token (*token); what peer handed in already (the same files at the same places)
+ * keeps its token. SHM_DEPOSIT_* status: OK (the descriptors are the table's now:
+ * *taken), or why not (the caller closes them).
+ */
+static uint8_t deposit_keep(struct shm_table *t, struct shm_fd_seg *segs, unsigned n,
+			    const char *peer, pid_t pid, uint64_t *token, bool *taken)
+{
+	struct deposit *slot = NULL;
+	unsigned mine = 0;
+	uint8_t status = SHM_DEPOSIT_OK;
+	int pidfd;
+
+	*taken = false;
+	pthread_mutex_lock(&t->lock);
+	deposits_reap(t);
+	/* never memory of the daemon's own: a client holds its segments' and rings'
+	 * descriptors, and landing there would write into what the daemon runs on */
+	for (unsigned k = 0; k < n; k++)
+		if (own_segment(t, segs[k].fd)) {
 			status = SHM_DEPOSIT_OWN;
 			goto out;
 		}
-	}
 	for (int i = 0; i < DEPOSITS_MAX; i++) {
 		struct deposit *d = &t->dep[i];
 
@@ -541,9 +576,8 @@ static uint8_t deposit_keep(struct shm_table *t, int fd, const char *peer, pid_t
 		}
 		if (strcmp(d->owner, peer))
 			continue;
-		if (d->dev == st.st_dev && d->ino == st.st_ino) {
-			*token = d->token;
-			close(fd); /* the one kept already serves */
+		if (d->n == n && same_segments(d->segs, segs, n)) {
+			*token = d->token; /* the ones kept already serve */
 			goto out;
 		}
 		mine++;
@@ -556,8 +590,11 @@ static uint8_t deposit_keep(struct shm_table *t, int fd, const char *peer, pid_t
 		status = SHM_DEPOSIT_FULL;
 		goto out;
 	}
-	pidfd = (int)syscall(SYS_pidfd_open, pid, 0);
+	slot->segs = malloc(n * sizeof(*segs));
+	pidfd = slot->segs ? (int)syscall(SYS_pidfd_open, pid, 0) : -1;
 	if (pidfd < 0) {
+		free(slot->segs);
+		slot->segs = NULL;
 		status = SHM_DEPOSIT_REFUSED;
 		goto out;
 	}
@@ -565,34 +602,83 @@ static uint8_t deposit_keep(struct shm_table *t, int fd, const char *peer, pid_t
 		if (getrandom(&slot->token, sizeof(slot->token), 0) != sizeof(slot->token))
 			slot->token = 0;
 	} while (!slot->token);
-	slot->fd = fd;
+	memcpy(slot->segs, segs, n * sizeof(*segs));
+	slot->n = n;
 	slot->pidfd = pidfd;
-	slot->dev = st.st_dev;
-	slot->ino = st.st_ino;
 	snprintf(slot->owner, sizeof(slot->owner), "%s", peer);
 	*token = slot->token;
+	*taken = true;
 out:
 	pthread_mutex_unlock(&t->lock);
 	return status;
 }
 
-int shm_deposit_fd(struct shm_table *t, uint64_t token, const char *owner)
+int shm_deposit_take(struct shm_table *t, uint64_t token, const char *owner,
+		     struct shm_fd_seg **out, unsigned *n)
 {
-	int fd = -ENOENT;
+	struct shm_fd_seg *segs = NULL;
+	int rc = -ENOENT;
 
 	if (!token)
 		return -ENOENT;
 	pthread_mutex_lock(&t->lock);
 	deposits_reap(t);
-	for (int i = 0; i < DEPOSITS_MAX; i++)
-		if (t->dep[i].token == token && !strcmp(t->dep[i].owner, owner)) {
-			fd = fcntl(t->dep[i].fd, F_DUPFD_CLOEXEC, 0);
-			if (fd < 0)
-				fd = -errno;
-			break;
+	for (int i = 0; i < DEPOSITS_MAX && rc == -ENOENT; i++) {
+		struct deposit *d = &t->dep[i];
+		unsigned k = 0;
+
+		if (d->token != token || strcmp(d->owner, owner))
+			continue;
+		segs = malloc(d->n * sizeof(*segs));
+		rc = segs ? 0 : -ENOMEM;
+		while (!rc && k < d->n) {
+			segs[k] = d->segs[k];
+			segs[k].fd = fcntl(d->segs[k].fd, F_DUPFD_CLOEXEC, 0);
+			if (segs[k].fd < 0)
+				rc = -errno;
+			else
+				k++;
 		}
+		if (rc) {
+			while (k > 0)
+				close(segs[--k].fd);
+			free(segs);
+		} else {
+			*out = segs;
+			*n = d->n;
+		}
+	}
 	pthread_mutex_unlock(&t->lock);
-	return fd;
+	return rc;
+}
+
+/*
+ * The segment table of a deposit request (KVBP_DEPOSIT_REQUEST, then n and n x
+ * (offset, size), little-endian) checked against the descriptors that came, into
+ * segs: each at a page-aligned offset, in order, none overlapping, sizes that
+ * add up within SHM_DEPOSIT_EXTENT_MAX (a size of 0: the whole file, for one alone).
+ */
+static bool deposit_table_ok(const uint8_t *tab, unsigned n, const int *fds, unsigned n_fds,
+			     struct shm_fd_seg *segs)
+{
+	uint64_t end = 0;
+
+	if (!n || n > SHM_DEPOSIT_SEGMENTS_MAX || n != n_fds)
+		return false;
+	for (unsigned k = 0; k < n; k++) {
+		uint64_t off = 0, size = 0;
+
+		for (int i = 7; i >= 0; i--) {
+			off = off << 8 | tab[16 * k + (unsigned)i];
+			size = size << 8 | tab[16 * k + 8 + (unsigned)i];
+		}
+		if (off % 4096 || off < end || size > SHM_DEPOSIT_EXTENT_MAX ||
+		    off > SHM_DEPOSIT_EXTENT_MAX - size || (!size && n > 1))
+			return false;
+		end = off + size;
+		segs[k] = (struct shm_fd_seg){ fds[k], off, size };
+	}
+	return true;
 }
 
 /* Send status (and, when fd >= 0, the descriptor; else, with has_token, the token). */
@@ -627,36 +713,23 @@ static void serve_answer(int c, uint8_t status, int fd, const uint64_t *token)
 }
 
 /*
- * Answer one connection: a segment's descriptor (status byte, the descriptor attached
- * when ok), or a descriptor handed in (status byte and its token). Never blocks for
- * long. Descriptors a request brings beyond the one a deposit keeps are closed.
+ * Read want bytes into buf from c, the descriptors that come with them into fds (at
+ * most cap; *n_fds counts them, the rest are closed): 0, or -1 (closed, timed out).
  */
-static void serve_one(struct shm_table *t, int c)
+static int serve_read(int c, uint8_t *buf, size_t want, int *fds, unsigned cap, unsigned *n_fds)
 {
-	struct timeval tv = { SERVE_TIMEOUT_MS / 1000, (SERVE_TIMEOUT_MS % 1000) * 1000 };
-	struct ucred cred;
-	socklen_t cl = sizeof(cred);
-	uint8_t req[8];
-	char peer[SHM_OWNER_MAX];
-	uint64_t id = 0, token = 0;
-	ssize_t got = 0;
-	int fd, in_fd = -1;
+	size_t got = 0;
 
-	setsockopt(c, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-	setsockopt(c, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
-	if (getsockopt(c, SOL_SOCKET, SO_PEERCRED, &cred, &cl))
-		return;
-	while (got < (ssize_t)sizeof(req)) {
+	while (got < want) {
 		union {
-			char buf[CMSG_SPACE(4 * sizeof(int))];
+			char buf[CMSG_SPACE(SHM_DEPOSIT_SEGMENTS_MAX * sizeof(int))];
 			struct cmsghdr align;
 		} u;
-		struct iovec iov = { req + got, sizeof(req) - (size_t)got };
+		struct iovec iov = { buf + got, want - got };
 		struct msghdr mh = { .msg_iov = &iov, .msg_iovlen = 1, .msg_control = u.buf,
 				     .msg_controllen = sizeof(u.buf) };
 		ssize_t r = recvmsg(c, &mh, MSG_CMSG_CLOEXEC);
 
-		/* descriptors attached: the first one kept (a deposit's), the rest closed */
 		for (struct cmsghdr *cm = r >= 0 ? CMSG_FIRSTHDR(&mh) : NULL; cm;
 		     cm = CMSG_NXTHDR(&mh, cm)) {
 			if (cm->cmsg_level != SOL_SOCKET || cm->cmsg_type != SCM_RIGHTS)
@@ -665,27 +738,65 @@ static void serve_one(struct shm_table *t, int c)
 				int x;
 
 				memcpy(&x, CMSG_DATA(cm) + k * sizeof(int), sizeof(int));
-				if (in_fd < 0)
-					in_fd = x;
+				if (*n_fds < cap)
+					fds[(*n_fds)++] = x;
 				else
 					close(x);
 			}
 		}
 		if (r <= 0)
-			goto out;
-		got += r;
+			return -1;
+		got += (size_t)r;
 	}
+	return 0;
+}
+
+/*
+ * Answer one connection: a segment's descriptor (status byte, the descriptor attached
+ * when ok), or memory handed in (status byte and its token). Never blocks for long.
+ * Descriptors a request brings that are not kept are closed.
+ */
+static void serve_one(struct shm_table *t, int c)
+{
+	struct timeval tv = { SERVE_TIMEOUT_MS / 1000, (SERVE_TIMEOUT_MS % 1000) * 1000 };
+	struct ucred cred;
+	socklen_t cl = sizeof(cred);
+	uint8_t req[8], *tab = NULL;
+	char peer[SHM_OWNER_MAX];
+	uint64_t id = 0, token = 0;
+	int fds[SHM_DEPOSIT_SEGMENTS_MAX], fd;
+	unsigned n_fds = 0;
+	bool taken = false;
+
+	setsockopt(c, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+	setsockopt(c, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+	if (getsockopt(c, SOL_SOCKET, SO_PEERCRED, &cred, &cl))
+		return;
+	if (serve_read(c, req, sizeof(req), fds, SHM_DEPOSIT_SEGMENTS_MAX, &n_fds))
+		goto out;
 	for (int i = 7; i >= 0; i--)
 		id = id << 8 | req[i];
 	/* the same principal as server.c builds from ZeroMQ's Peer-Address */
 	snprintf(peer, sizeof(peer), "ipc:%u:%u:%d", (unsigned)cred.uid, (unsigned)cred.gid,
 		 (int)cred.pid);
 	if (id == KVBP_DEPOSIT_REQUEST) {
-		uint8_t status = in_fd < 0 ? SHM_DEPOSIT_NO_FD
-					   : deposit_keep(t, in_fd, peer, cred.pid, &token);
+		struct shm_fd_seg segs[SHM_DEPOSIT_SEGMENTS_MAX];
+		uint8_t nb[4], status;
+		unsigned n = 0;
 
-		if (status == SHM_DEPOSIT_OK)
-			in_fd = -1; /* the table's now */
+		if (serve_read(c, nb, sizeof(nb), fds, SHM_DEPOSIT_SEGMENTS_MAX, &n_fds))
+			goto out;
+		n = (unsigned)nb[0] | (unsigned)nb[1] << 8 | (unsigned)nb[2] << 16 |
+		    (unsigned)nb[3] << 24;
+		if (n && n <= SHM_DEPOSIT_SEGMENTS_MAX && (tab = malloc(16 * (size_t)n)) &&
+		    serve_read(c, tab, 16 * (size_t)n, fds, SHM_DEPOSIT_SEGMENTS_MAX, &n_fds))
+			goto out;
+		if (!n_fds)
+			status = SHM_DEPOSIT_NO_FD;
+		else if (!tab || !deposit_table_ok(tab, n, fds, n_fds, segs))
+			status = SHM_DEPOSIT_MALFORMED;
+		else
+			status = deposit_keep(t, segs, n, peer, cred.pid, &token, &taken);
 		serve_answer(c, status, -1, status == SHM_DEPOSIT_OK ? &token : NULL);
 		goto out;
 	}
@@ -694,8 +805,9 @@ static void serve_one(struct shm_table *t, int c)
 	if (fd >= 0)
 		close(fd);
 out:
-	if (in_fd >= 0)
-		close(in_fd);
+	free(tab);
+	for (unsigned k = 0; !taken && k < n_fds; k++)
+		close(fds[k]);
 }
 
 static void *serve_main(void *arg)

@@ -49,16 +49,21 @@ int shm_serve(struct shm_table *t, const char *path, unsigned mode);
 const char *shm_path(const struct shm_table *t);
 
 /*
- * Descriptors handed in: a client sends the 8-byte request KVBP_DEPOSIT_REQUEST
- * (proto/wire.h) with one
- * descriptor attached (SCM_RIGHTS), and gets a status byte, and when it is
- * SHM_DEPOSIT_OK the descriptor's 8-byte token (little-endian). The daemon keeps the
- * descriptor, for that client (its credentials: "ipc:UID:GID:PID") only, until the
- * process exits (a pidfd tells); the same file handed in again keeps its token. It
+ * Memory handed in: a client sends KVBP_DEPOSIT_REQUEST (proto/wire.h), a 4-byte count
+ * n (1 to SHM_DEPOSIT_SEGMENTS_MAX) and n (offset, size) pairs of 8 bytes each, all
+ * little-endian, with the n descriptors attached (SCM_RIGHTS) in that order: descriptor
+ * k's memory is [offset, offset + size) of one extent (a GPU cache reserved as one range
+ * of addresses and backed by one allocation per segment; a memfd alone: offset 0, size
+ * 0 for the whole file). It gets a status byte, and when it is SHM_DEPOSIT_OK the
+ * deposit's 8-byte token (little-endian). The daemon keeps the descriptors, for that
+ * client (its credentials: "ipc:UID:GID:PID") only, until the process exits (a pidfd
+ * tells); the same files at the same places handed in again keep their token. It
  * refuses one of its own segments (a client holds those descriptors). This is how a
- * node names memory the daemon is to write into (device landing): by a descriptor only
+ * node names memory the daemon is to write into (device landing): by descriptors only
  * it could send, never a path or number another local process could name too.
  */
+#define SHM_DEPOSIT_SEGMENTS_MAX 128
+#define SHM_DEPOSIT_EXTENT_MAX (UINT64_C(1) << 44) /* 16 TiB */
 enum shm_deposit_status {
 	SHM_DEPOSIT_OK = 0,
 	SHM_DEPOSIT_REFUSED = 1,  /* cannot be kept (its process cannot be watched) */
@@ -66,13 +71,23 @@ enum shm_deposit_status {
 	SHM_DEPOSIT_OWN = 3,	  /* one of kvblendd's own segments */
 	SHM_DEPOSIT_TOO_MANY = 4, /* the client holds 16 already */
 	SHM_DEPOSIT_FULL = 5,	  /* 64 are held, all clients together */
+	SHM_DEPOSIT_MALFORMED = 6, /* the table: a count or place out of range, out of
+				    * order, or not one descriptor each */
+};
+
+/* One descriptor of a deposit, at its place in the extent. */
+struct shm_fd_seg {
+	int fd;
+	uint64_t offset, size; /* size 0: the whole file (a deposit of one) */
 };
 
 /*
- * A new descriptor (close it) of what owner handed in under token: >= 0, or -ENOENT
- * (no such token, another owner's, or its process has exited), -errno.
+ * New descriptors (the caller closes each and frees *out) of what owner handed in under
+ * token, with their places: 0 and *out[*n], or -ENOENT (no such token, another
+ * owner's, or its process has exited), -ENOMEM, -errno.
  */
-int shm_deposit_fd(struct shm_table *t, uint64_t token, const char *owner);
+int shm_deposit_take(struct shm_table *t, uint64_t token, const char *owner,
+		     struct shm_fd_seg **out, unsigned *n);
 
 /*
  * Create a client segment of size bytes for owner. Returns 0 with its id, -E2BIG

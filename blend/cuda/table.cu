@@ -1,5 +1,6 @@
 /* table — the CUDA backend's device table (device.h), for the daemon's pipeline: the
  * functions of cuda.cu behind blend_device's pointers, and the landing kernel. */
+#include <cuda.h> /* the driver's types only: its functions are looked up in libcuda */
 #include <cuda_runtime.h>
 
 #include <dlfcn.h>
@@ -371,6 +372,179 @@ static void t_ipc_close(const struct blend_device *t, void *dev, uint64_t bytes)
 		(void)cuda_xlate(D(t), cudaIpcCloseMemHandle(dev), "cudaIpcCloseMemHandle");
 }
 
+/*
+ * The driver's virtual memory functions (libcuda, loaded already by the runtime), for
+ * memory another process exported as POSIX fds (cuMemExportToShareableHandle): import
+ * each segment's allocation, map it at its offset of a range reserved here, allow this
+ * device to read and write it. NULL members when the driver has not got them.
+ */
+struct vmm_fns {
+	CUresult (*import)(CUmemGenericAllocationHandle *, void *, CUmemAllocationHandleType);
+	CUresult (*reserve)(CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long);
+	CUresult (*free_range)(CUdeviceptr, size_t);
+	CUresult (*map)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle,
+			unsigned long long);
+	CUresult (*unmap)(CUdeviceptr, size_t);
+	CUresult (*set_access)(CUdeviceptr, size_t, const CUmemAccessDesc *, size_t);
+	CUresult (*release)(CUmemGenericAllocationHandle);
+	CUresult (*granularity)(size_t *, const CUmemAllocationProp *,
+				CUmemAllocationGranularity_flags);
+};
+
+static const struct vmm_fns *vmm(void)
+{
+	static struct vmm_fns f;
+	static bool ok;
+	static pthread_once_t once = PTHREAD_ONCE_INIT;
+
+	pthread_once(&once, [] {
+		void *drv = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_NOLOAD);
+
+		if (!drv)
+			return;
+		*(void **)&f.import = dlsym(drv, "cuMemImportFromShareableHandle");
+		*(void **)&f.reserve = dlsym(drv, "cuMemAddressReserve");
+		*(void **)&f.free_range = dlsym(drv, "cuMemAddressFree");
+		*(void **)&f.map = dlsym(drv, "cuMemMap");
+		*(void **)&f.unmap = dlsym(drv, "cuMemUnmap");
+		*(void **)&f.set_access = dlsym(drv, "cuMemSetAccess");
+		*(void **)&f.release = dlsym(drv, "cuMemRelease");
+		*(void **)&f.granularity = dlsym(drv, "cuMemGetAllocationGranularity");
+		ok = f.import && f.reserve && f.free_range && f.map && f.unmap && f.set_access &&
+		     f.release && f.granularity;
+	});
+	return ok ? &f : NULL;
+}
+
+/* What t_fd_open mapped: the range and each segment's mapping in it. */
+struct vmm_import {
+	CUdeviceptr base;
+	size_t range;
+	size_t n;
+	struct {
+		size_t off, len;
+	} seg[];
+};
+
+static void vmm_import_free(const struct vmm_fns *f, struct vmm_import *m)
+{
+	for (size_t k = 0; k < m->n; k++)
+		(void)f->unmap(m->base + m->seg[k].off, m->seg[k].len);
+	if (m->base)
+		(void)f->free_range(m->base, m->range);
+	free(m);
+}
+
+static int vmm_fail(struct blend_cuda *d, const char *what, CUresult r)
+{
+	pthread_mutex_lock(&d->lock);
+	snprintf(d->last_err, sizeof(d->last_err), "%s: CUDA driver error %d", what, (int)r);
+	pthread_mutex_unlock(&d->lock);
+	return r == CUDA_ERROR_OUT_OF_MEMORY ? -ENOMEM : -EIO;
+}
+
+static int t_fd_open(const struct blend_device *t, const struct blend_fd_seg *segs, size_t n,
+		     const char *pci, uint64_t want_bytes, void **dev, uint64_t *bytes,
+		     void **ctx)
+{
+	struct blend_cuda *d = D(t);
+	const struct vmm_fns *f = vmm();
+	CUmemAllocationProp prop = {};
+	CUmemAccessDesc access = {};
+	struct vmm_import *m;
+	char mine[32];
+	size_t gran = 0, end = 0;
+	CUresult r;
+	int rc = bind(d);
+
+	if (!rc)
+		rc = cuda_xlate(d, cudaDeviceGetPCIBusId(mine, (int)sizeof(mine), d->ordinal),
+				"cudaDeviceGetPCIBusId");
+	if (rc)
+		return rc;
+	if (strcasecmp(mine, pci))
+		return -ENODEV;
+	if (!f) {
+		pthread_mutex_lock(&d->lock);
+		snprintf(d->last_err, sizeof(d->last_err), "the driver has no virtual memory "
+			 "functions (cuMemImportFromShareableHandle, cuMemMap)");
+		pthread_mutex_unlock(&d->lock);
+		return -ENOTSUP;
+	}
+	if (!n)
+		return -EINVAL;
+	prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+	prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+	prop.location.id = d->ordinal;
+	prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+	r = f->granularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM);
+	if (r != CUDA_SUCCESS || !gran)
+		return vmm_fail(d, "cuMemGetAllocationGranularity", r);
+	m = (struct vmm_import *)calloc(1, sizeof(*m) + n * sizeof(m->seg[0]));
+	if (!m)
+		return -ENOMEM;
+	/* each segment's length: its own, or (one alone, of size 0) the node's word; whole
+	 * granules, which the exporter's allocation holds (cuMemMap refuses past its end) */
+	for (size_t k = 0; k < n; k++) {
+		uint64_t len = segs[k].size ? segs[k].size : want_bytes;
+
+		if (!len || segs[k].offset % gran || len > SIZE_MAX - gran) {
+			free(m);
+			return -EINVAL;
+		}
+		m->seg[k].off = (size_t)segs[k].offset;
+		m->seg[k].len = (size_t)((len + gran - 1) / gran * gran);
+		end = m->seg[k].off + m->seg[k].len; /* (in order: the daemon checked) */
+	}
+	m->range = end;
+	r = f->reserve(&m->base, m->range, gran, 0, 0);
+	if (r != CUDA_SUCCESS) {
+		m->base = 0;
+		vmm_import_free(f, m);
+		return vmm_fail(d, "cuMemAddressReserve", r);
+	}
+	access.location = prop.location;
+	access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+	for (size_t k = 0; k < n; k++) {
+		CUmemGenericAllocationHandle h;
+
+		r = f->import(&h, (void *)(uintptr_t)segs[k].fd,
+			      CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+		if (r != CUDA_SUCCESS) {
+			m->n = k;
+			vmm_import_free(f, m);
+			return vmm_fail(d, "cuMemImportFromShareableHandle", r);
+		}
+		r = f->map(m->base + m->seg[k].off, m->seg[k].len, 0, h, 0);
+		(void)f->release(h); /* the mapping holds the allocation from now on */
+		if (r != CUDA_SUCCESS) {
+			m->n = k;
+			vmm_import_free(f, m);
+			return vmm_fail(d, "cuMemMap of a segment (past its allocation's end?)", r);
+		}
+		m->n = k + 1;
+		r = f->set_access(m->base + m->seg[k].off, m->seg[k].len, &access, 1);
+		if (r != CUDA_SUCCESS) {
+			vmm_import_free(f, m);
+			return vmm_fail(d, "cuMemSetAccess", r);
+		}
+	}
+	*dev = (void *)(uintptr_t)m->base;
+	*bytes = m->range;
+	*ctx = m;
+	return 0;
+}
+
+static void t_fd_close(const struct blend_device *t, void *dev, uint64_t bytes, void *ctx)
+{
+	const struct vmm_fns *f = vmm();
+
+	(void)dev;
+	(void)bytes;
+	if (ctx && f && !bind(D(t)))
+		vmm_import_free(f, (struct vmm_import *)ctx);
+}
+
 static int t_land(const struct blend_device *t, struct blend_stream *st,
 		  const struct blend_shape *s, const struct blend_dev_land *L, const void *src,
 		  const int32_t *rows, uint32_t n_rows)
@@ -451,7 +625,8 @@ extern "C" const struct blend_device *blend_cuda_device(struct blend_cuda *d)
 	t->ipc_export = t_ipc_export;
 	t->ipc_open = t_ipc_open;
 	t->ipc_close = t_ipc_close;
-	t->fd_open = NULL; /* (descriptors of CUDA's virtual memory: issue 56) */
+	t->fd_open = t_fd_open;
+	t->fd_close = t_fd_close;
 	t->land = t_land;
 	t->memory = t_memory;
 	t->last_error = t_last_error;

@@ -23,7 +23,8 @@
  * (client/kvblend.map; kvb_fuse_open_into_strided and the node's selections to KVBLEND_1.1,
  * kvb_set_timeout to KVBLEND_1.2, kvb_last_code to KVBLEND_1.3, the device and option
  * landing calls to KVBLEND_1.4, the two-step check to KVBLEND_1.5, kvb_get_opts to
- * KVBLEND_1.6, kvb_device_handle_from_fd to KVBLEND_1.7), and nothing else is exported. A compatible addition (a new
+ * KVBLEND_1.6, kvb_device_handle_from_fd and _fds to KVBLEND_1.7), and nothing else is
+ * exported. A compatible addition (a new
  * function, enum value or error code) keeps the soname: its functions go into a new
  * version node (KVBLEND_1.1, ...) that inherits the last. Any other change (a field
  * added to, removed from or moved in a struct the caller allocates or reads, such as
@@ -622,6 +623,23 @@ struct kvb_device_mem {
  * (not a local IPC client), -EINVAL, or a transport error.
  */
 KVB_API int kvb_device_handle_from_fd(kvb_client *c, int fd, uint8_t handle[64]);
+
+/* Most descriptors one kvb_device_handle_from_fds() hands in. */
+#define KVB_DEVICE_SEGMENTS_MAX 128
+
+/*
+ * kvb_device_handle_from_fd() for memory in n segments (ABI KVBLEND_1.7): descriptor
+ * fds[k]'s memory sits at offsets[k] of one extent, sizes[k] bytes (a GPU cache that
+ * reserves one range of addresses and backs each segment by its own allocation,
+ * exported by cuMemExportToShareableHandle as a POSIX fd). The daemon maps them at the
+ * same offsets of one range of its own; mem.base is the extent's start, and each layer
+ * of a landing layout must lie in one segment. offsets in increasing order, page-aligned
+ * (CUDA: granule-aligned), not overlapping; a size of 0 only for one alone (the whole
+ * file). 1 to KVB_DEVICE_SEGMENTS_MAX descriptors. Returns as kvb_device_handle_from_fd,
+ * and KVB_E_BAD_ARGUMENT for places the daemon refuses.
+ */
+KVB_API int kvb_device_handle_from_fds(kvb_client *c, const int *fds, const uint64_t *offsets,
+				       const uint64_t *sizes, size_t n, uint8_t handle[64]);
 
 /* kvb_fuse_open_into() into device memory: dst's k and v lie in mem's allocation, K
  * laid out as V (token_stride, head_stride; paged or not). Returns kvb_fuse_open()'s

@@ -66,11 +66,12 @@ static uint64_t fd_handle_token(const uint8_t handle[KVBP_DEVICE_HANDLE_LEN])
 }
 
 /*
- * Map y's allocation for owner: a descriptor it handed in (its token in the handle), or
- * a CUDA IPC memory handle. Returns 0 with *base and *bytes, or a reply code with err.
+ * Map y's allocation for owner into slot: the descriptors it handed in (their token in
+ * the handle), or a CUDA IPC memory handle. Returns 0 with slot's base, bytes and,
+ * from descriptors, its places; or a reply code with err.
  */
 static uint32_t import_open(struct fuse_table *t, const struct kvbp_layout *y, const char *owner,
-			    void **base, uint64_t *bytes, char *err, size_t errlen)
+			    struct dimport *slot, char *err, size_t errlen)
 {
 	const struct blend_device *dv = t->dev;
 	uint64_t token = fd_handle_token(y->device_handle);
@@ -83,29 +84,57 @@ static uint32_t import_open(struct fuse_table *t, const struct kvbp_layout *y, c
 			    "process could name it; hand the descriptor over instead "
 			    "(kvb_device_handle_from_fd)");
 	if (token) {
-		int fd = t->shm ? shm_deposit_fd(t->shm, token, owner) : -ENOENT;
+		struct shm_fd_seg *in = NULL;
+		struct blend_fd_seg *segs = NULL;
+		unsigned n = 0;
 
-		if (fd < 0)
+		rc = t->shm ? shm_deposit_take(t->shm, token, owner, &in, &n) : -ENOENT;
+		if (rc)
 			return fail(err, errlen, KVBP_BAD_ARGUMENT, "landing into device memory: "
 				    "descriptor handle %016" PRIx64 " is not one this client handed "
 				    "in (unknown, another client's, or its process has exited)",
 				    token);
-		rc = dv->fd_open ? dv->fd_open(dv, fd, y->device_pci, base, bytes) : -ENOTSUP;
-		close(fd);
+		segs = calloc(n, sizeof(*segs));
+		slot->segs = calloc(n, sizeof(*slot->segs));
+		if (!segs || !slot->segs) {
+			rc = -ENOMEM;
+		} else {
+			for (unsigned k = 0; k < n; k++)
+				segs[k] = (struct blend_fd_seg){ in[k].fd, in[k].offset, in[k].size };
+			rc = dv->fd_open ? dv->fd_open(dv, segs, n, y->device_pci, y->device_bytes,
+						       &slot->base, &slot->bytes, &slot->ctx)
+					 : -ENOTSUP;
+		}
+		for (unsigned k = 0; k < n; k++) {
+			close(in[k].fd);
+			if (!rc) /* (a lone segment of size 0: the whole file) */
+				slot->segs[k] = (struct dimport_seg){
+					in[k].offset, in[k].size ? in[k].size : slot->bytes - in[k].offset
+				};
+		}
+		free(in);
+		free(segs);
+		if (rc) {
+			free(slot->segs);
+			slot->segs = NULL;
+		} else {
+			slot->n_segs = n;
+			slot->by_fd = true;
+		}
 		if (rc == -ENOTSUP)
 			return fail(err, errlen, KVBP_BAD_ARGUMENT, "landing into device memory: "
 				    "this daemon's %s device takes no descriptors; hand it a CUDA IPC "
 				    "handle", dv->name);
 		if (rc == -EPERM)
 			return fail(err, errlen, KVBP_BAD_ARGUMENT, "landing into device memory: "
-				    "the descriptor handed in is not memory this device can map (the "
-				    "emulated device takes a memfd sealed against shrinking)");
+				    "the descriptors handed in are not memory this device can map (the "
+				    "emulated device takes memfds sealed against shrinking)");
 	} else {
 		if (!dv->ipc_open)
 			return fail(err, errlen, KVBP_BAD_ARGUMENT, "landing into device memory: "
 				    "this daemon's %s device takes descriptors only; hand one in "
 				    "(kvb_device_handle_from_fd)", dv->name);
-		rc = dv->ipc_open(dv, y->device_handle, y->device_pci, base, bytes);
+		rc = dv->ipc_open(dv, y->device_handle, y->device_pci, &slot->base, &slot->bytes);
 	}
 	if (rc && rc != -ENODEV)
 		dv->last_error(dv, why, sizeof(why));
@@ -133,8 +162,6 @@ static uint32_t import_take(struct fuse_table *t, const struct kvbp_layout *y, c
 			    struct dimport **out, char *err, size_t errlen)
 {
 	struct dimport *slot;
-	void *base = NULL;
-	uint64_t bytes = 0;
 	uint32_t code;
 
 	pthread_mutex_lock(&t->lock);
@@ -187,15 +214,19 @@ static uint32_t import_take(struct fuse_table *t, const struct kvbp_layout *y, c
 	snprintf(slot->owner, sizeof(slot->owner), "%s", owner);
 	slot->refs = 1; /* counts against the owner's cap while it opens */
 	slot->state = IMPORT_OPENING;
+	slot->by_fd = false;
+	slot->ctx = NULL;
+	slot->n_segs = 0;
+	slot->segs = NULL;
 	pthread_mutex_unlock(&t->lock);
-	code = import_open(t, y, owner, &base, &bytes, err, errlen);
+	code = import_open(t, y, owner, slot, err, errlen);
 	pthread_mutex_lock(&t->lock);
 	if (code) {
 		slot->refs = 0;
+		slot->base = NULL;
+		slot->bytes = 0;
 		slot->state = IMPORT_FREE;
 	} else {
-		slot->base = base;
-		slot->bytes = bytes;
 		slot->state = IMPORT_OPEN;
 	}
 	pthread_cond_broadcast(&t->imports_cond);
@@ -221,8 +252,16 @@ static void import_put(struct fuse_table *t, struct dimport *m)
 	bytes = m->bytes;
 	m->state = IMPORT_CLOSING;
 	pthread_mutex_unlock(&t->lock);
-	t->dev->ipc_close(t->dev, base, bytes);
+	if (m->by_fd)
+		t->dev->fd_close(t->dev, base, bytes, m->ctx);
+	else
+		t->dev->ipc_close(t->dev, base, bytes);
 	pthread_mutex_lock(&t->lock);
+	free(m->segs);
+	m->segs = NULL;
+	m->n_segs = 0;
+	m->ctx = NULL;
+	m->by_fd = false;
 	m->base = NULL;
 	m->bytes = 0;
 	m->state = IMPORT_FREE;
@@ -230,8 +269,34 @@ static void import_put(struct fuse_table *t, struct dimport *m)
 	pthread_mutex_unlock(&t->lock);
 }
 
+/*
+ * Whether every layer's K and V of y (each span bytes from its layer's start) lie in one
+ * mapped place of import m: a layout that reached into a gap between the segments of a
+ * node's reservation would fault the device (or, emulated, the daemon).
+ */
+static bool layers_in_segments(const struct dimport *m, const struct kvbp_layout *y,
+			       uint32_t layers, uint64_t k_span, uint64_t v_span)
+{
+	for (uint32_t l = 0; l < layers; l++)
+		for (int side = 0; side < 2; side++) {
+			uint64_t lo, hi, span = side ? v_span : k_span;
+			bool in = false;
+
+			/* (no overflow: the whole extent was checked, and it holds these) */
+			lo = (side ? y->v_offset : y->k_offset) + (uint64_t)l * y->layer_stride;
+			hi = lo + span;
+			for (uint32_t k = 0; k < m->n_segs && !in; k++)
+				in = lo >= m->segs[k].offset &&
+				     hi <= m->segs[k].offset + m->segs[k].size;
+			if (!in)
+				return false;
+		}
+	return true;
+}
+
 uint32_t dland_setup(struct fuse_table *t, struct fuse_session *s, const struct kvbp_layout *y,
-		     const char *owner, uint64_t end, char *err, size_t errlen)
+		     const char *owner, uint64_t end, uint64_t k_span, uint64_t v_span,
+		     char *err, size_t errlen)
 {
 	const struct blend_device *dv = t->dev;
 	struct dev_land *d;
@@ -276,6 +341,10 @@ uint32_t dland_setup(struct fuse_table *t, struct fuse_session *s, const struct 
 		return fail(err, errlen, KVBP_BAD_SHAPE, "landing layout: it spans %" PRIu64
 			    " bytes of the node's device allocation, which has %" PRIu64, end,
 			    d->imp->bytes);
+	if (d->imp->by_fd && !layers_in_segments(d->imp, y, s->m.num_layers, k_span, v_span))
+		return fail(err, errlen, KVBP_BAD_SHAPE, "landing layout: a layer's K or V "
+			    "reaches past the segment of the node's memory it starts in (each "
+			    "layer must lie in one segment it handed in)");
 	/* ckd-ok: n < 2^32 tokens of row_bytes, both checked when the session opened */
 	half = (size_t)s->n * s->row_bytes;
 	d->rows_off = dev_align(2 * half); /* ckd-ok: as above */

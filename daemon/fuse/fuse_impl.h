@@ -193,8 +193,8 @@ struct fuse_table {
 	struct arena *arena[2];
 	struct shm_table *shm;
 	/* Nodes' device allocations that landing sessions write into, mapped by their IPC
-	 * handles: each mapped once while sessions use it (a handle maps once per process),
-	 * unmapped when the last one closes (under lock). */
+	 * handles or the descriptors they handed in: each mapped once per client while its
+	 * sessions use it, unmapped when the last one closes (under lock). */
 	struct dimport {
 		uint8_t handle[KVBP_DEVICE_HANDLE_LEN];
 		char pci[KVBP_DEVICE_PCI_MAX]; /* the device the node named */
@@ -202,6 +202,14 @@ struct fuse_table {
 		void *base;
 		uint64_t bytes;
 		uint32_t refs;
+		/* mapped from descriptors (fd_open; fd_close with ctx): the places in [0,
+		 * bytes) that are mapped, every layer of a layout checked to lie in one */
+		bool by_fd;
+		void *ctx;
+		uint32_t n_segs;
+		struct dimport_seg {
+			uint64_t offset, size;
+		} *segs;
 		/* IMPORT_OPENING or IMPORT_CLOSING: the driver maps or unmaps it, the table
 		 * lock dropped; a session after the same handle waits (imports_cond) */
 		uint8_t state;
@@ -466,8 +474,12 @@ bool land_step(struct fuse_table *t, struct fuse_session *s);
  * maps (a kvbp code); dland_bytes gives the staging's pinned and device bytes, which
  * the open charges before dland_alloc takes them (a kvbp code).
  */
+/* k_span, v_span: the bytes one layer's K and V span from their layer's start (their
+ * offset + l * layer_stride), every layer of which must lie in one mapped place of an
+ * allocation mapped from descriptors (a segment each). */
 uint32_t dland_setup(struct fuse_table *t, struct fuse_session *s, const struct kvbp_layout *y,
-		     const char *owner, uint64_t end, char *err, size_t errlen);
+		     const char *owner, uint64_t end, uint64_t k_span, uint64_t v_span,
+		     char *err, size_t errlen);
 void dland_bytes(const struct fuse_session *s, uint64_t *host, uint64_t *dev);
 uint32_t dland_alloc(struct fuse_table *t, struct fuse_session *s, char *err, size_t errlen);
 /* Layer l from its staging buffer on its way into the node's device memory; *done:

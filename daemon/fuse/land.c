@@ -65,7 +65,7 @@ static bool land_extent(const struct fuse_session *s, const struct kvbp_layout *
 uint32_t land_setup(struct fuse_table *t, struct fuse_session *s,
 		    const struct kvbp_layout *y, const char *owner, char *err, size_t errlen)
 {
-	uint64_t pm = 0, layer_max, end = 0, dev_end = 0, e;
+	uint64_t pm = 0, layer_max, end = 0, dev_end = 0, e, span[2] = { 0, 0 };
 	bool k_own = y->k_dim_stride != 0;
 	uint32_t code;
 	void *base;
@@ -116,6 +116,10 @@ uint32_t land_setup(struct fuse_table *t, struct fuse_session *s,
 			return fail(err, errlen, KVBP_BAD_SHAPE, "landing layout: %c offsets overflow",
 				    i ? 'V' : 'K');
 		end = e > end ? e : end;
+		/* one layer's span from its start (it holds within the whole, checked above) */
+		land_extent(s, y, 0, 0, pm, own ? y->k_token_stride : y->token_stride,
+			    own ? y->k_head_stride : y->head_stride,
+			    own ? y->k_dim_stride : s->m.elem_size, &span[i]);
 	}
 	if (y->progress % 4 || y->progress > UINT64_MAX - 4)
 		return fail(err, errlen, KVBP_BAD_ARGUMENT, "landing layout: the progress word at "
@@ -156,7 +160,7 @@ uint32_t land_setup(struct fuse_table *t, struct fuse_session *s,
 	s->land_begin = s->n_checks ? s->checks[0] + 1 : 0;
 	s->land_next = s->land_begin;
 	if (y->has_device) {
-		code = dland_setup(t, s, y, owner, dev_end, err, errlen);
+		code = dland_setup(t, s, y, owner, dev_end, span[0], span[1], err, errlen);
 		if (code)
 			return code;
 		/* The host lands each layer into the pinned staging, as rows of all tokens

@@ -194,7 +194,7 @@ def check_device(d, c, segs, want, ha, hb):
                 kv, _ = views(t, layout)
                 cache = L.PagedCache(MODEL, BS)
                 cache.register(kv, {n: Attn() for n in NAMES}, kind=L.INTERLEAVED)
-                dl = DeviceLanding(emu.endpoint, 10000, log, export=lambda _t, a=alloc: a)
+                dl = DeviceLanding(emu.endpoint, 10000, log, export=lambda _l, _c, a=alloc: a)
                 dl.attach(cache.layers_in_order(), MODEL, BS, cache.kind)
                 check(f"(e) {name}: device landing on", dl.active)
                 opened = dl.open(MODEL.name, "req-0", chunks, TABLE)
@@ -237,7 +237,7 @@ def check_device(d, c, segs, want, ha, hb):
             kv, _ = views(t, KVCacheLayout.LBNHC)
             cache = L.PagedCache(MODEL, BS)
             cache.register(kv, {n: Attn() for n in NAMES}, kind=L.INTERLEAVED)
-            dl = DeviceLanding(d.endpoint, 10000, log, export=lambda _t, a=alloc: a)
+            dl = DeviceLanding(d.endpoint, 10000, log, export=lambda _l, _c, a=alloc: a)
             dl.attach(cache.layers_in_order(), MODEL, BS, cache.kind)
             refused = not dl.open(MODEL.name, "req-2", chunks, TABLE)
             check("(e) a kvblendd with no device: the open is refused and landing is off "

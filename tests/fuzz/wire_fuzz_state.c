@@ -335,7 +335,7 @@ static int deposit(int fd, uint64_t *token)
 		char buf[CMSG_SPACE(sizeof(int))];
 		struct cmsghdr align;
 	} u;
-	uint8_t req[8], rep[9] = { 0 };
+	uint8_t req[28] = { 0 }, rep[9] = { 0 };
 	struct iovec iov = { req, sizeof(req) };
 	struct msghdr mh = { .msg_iov = &iov, .msg_iovlen = 1, .msg_control = u.buf,
 			     .msg_controllen = sizeof(u.buf) };
@@ -346,15 +346,18 @@ static int deposit(int fd, uint64_t *token)
 	if (s < 0)
 		return -1;
 	snprintf(a.sun_path, sizeof(a.sun_path), "%s", desc_path);
+	/* the magic, one segment, at offset 0, size 0 (the whole file) */
 	for (int i = 0; i < 8; i++)
 		req[i] = (uint8_t)(KVBP_DEPOSIT_REQUEST >> (8 * i));
+	req[8] = 1;
 	memset(&u, 0, sizeof(u));
 	cm = CMSG_FIRSTHDR(&mh);
 	cm->cmsg_level = SOL_SOCKET;
 	cm->cmsg_type = SCM_RIGHTS;
 	cm->cmsg_len = CMSG_LEN(sizeof(int));
 	memcpy(CMSG_DATA(cm), &fd, sizeof(int));
-	if (connect(s, (struct sockaddr *)&a, sizeof(a)) || sendmsg(s, &mh, MSG_NOSIGNAL) != 8) {
+	if (connect(s, (struct sockaddr *)&a, sizeof(a)) ||
+	    sendmsg(s, &mh, MSG_NOSIGNAL) != (ssize_t)sizeof(req)) {
 		close(s);
 		return -1;
 	}

@@ -24,6 +24,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <sys/wait.h>
@@ -736,6 +737,81 @@ static void handles_are_the_clients_own(void **state)
 	}
 }
 
+/*
+ * Memory in segments (kvb_device_handle_from_fds: a GPU cache reserved as one range and
+ * backed by one allocation a layer, as vLLM 0.34's growable cache is): one memfd a
+ * layer, each at its offset of one extent with a page unmapped between them. The
+ * landing equals the host landing layer by layer, byte for byte; a layout whose layer
+ * reaches into the gap is refused at the open, and one naming places out of order or
+ * overlapping is refused when handed in; the daemon serves on.
+ */
+static void segments_land_layer_by_layer(void **state)
+{
+	enum { SEG = 8192, STRIDE = SEG + 4096 };
+	struct fixture *f = *state;
+	struct kvb_segment segs[4];
+	size_t ns = segments(f, segs);
+	struct kvb_kv_layout hy = gpu_layout(f, f->region, false);
+	struct kvb_kv_layout dy;
+	struct kvb_device_mem dm = device_mem(f);
+	uint8_t *map[L];
+	int fds[L];
+	uint64_t offs[L], sizes[L];
+	char err[128];
+	kvb_fuse *s = NULL;
+
+	if (strcmp(which, "emulated")) {
+		print_message("skip: segments by descriptor are the emulated device's here\n");
+		return;
+	}
+	assert_true(LAYER_BYTES <= SEG);
+	for (int l = 0; l < L; l++) {
+		struct nodemem m;
+
+		assert_int_equal(nodemem_open(&m, "emulated", SEG, err, sizeof(err)), 0);
+		fds[l] = m.fd; /* (kept: closed at the end) */
+		map[l] = m.base;
+		memset(map[l], 0xa5, SEG);
+		offs[l] = (uint64_t)l * STRIDE;
+		sizes[l] = SEG;
+	}
+	assert_int_equal(kvb_device_handle_from_fds(f->c, fds, offs, sizes, L, dm.ipc_handle), 0);
+	dm.base = map[0]; /* (what the node's own reservation starts at: its word only) */
+	dm.bytes = (size_t)(L - 1) * STRIDE + SEG;
+	dy = gpu_layout(f, (uint8_t *)dm.base, false);
+	dy.layer_stride = STRIDE;
+	memset(f->region, 0xa5, CACHE_BYTES);
+	assert_int_equal(kvb_fuse_open_into(f->c, "lm", segs, ns, NULL, &hy, &s, NULL, NULL), 0);
+	wait_all(f, s);
+	assert_int_equal(kvb_fuse_close(f->c, &s, NULL, NULL), 0);
+	assert_int_equal(kvb_fuse_open_into_device(f->c, "lm", segs, ns, NULL, &dy, &dm, &s, NULL,
+						   NULL),
+			 0);
+	wait_all(f, s);
+	assert_int_equal(kvb_fuse_close(f->c, &s, NULL, NULL), 0);
+	for (int l = 0; l < L; l++) {
+		assert_memory_equal(map[l], f->region + (size_t)l * LAYER_BYTES, LAYER_BYTES);
+		for (size_t i = LAYER_BYTES; i < SEG; i++)
+			assert_int_equal(map[l][i], 0xa5); /* nothing past the layer */
+	}
+	/* a layer that reaches into the gap after its segment: refused at the open */
+	dy.layer_stride = STRIDE - 2048;
+	assert_int_equal(kvb_fuse_open_into_device(f->c, "lm", segs, ns, NULL, &dy, &dm, &s, NULL,
+						   NULL),
+			 KVB_E_BAD_SHAPE);
+	assert_non_null(strstr(kvb_last_error(f->c), "reaches past the segment"));
+	/* places out of order, overlapping: refused when handed in */
+	offs[1] = 0;
+	assert_int_equal(kvb_device_handle_from_fds(f->c, fds, offs, sizes, L, dm.ipc_handle),
+			 KVB_E_BAD_ARGUMENT);
+	assert_non_null(strstr(kvb_last_error(f->c), "out of order"));
+	assert_int_equal(kvb_ping(f->c, NULL, 0), 0);
+	for (int l = 0; l < L; l++) {
+		munmap(map[l], SEG);
+		close(fds[l]);
+	}
+}
+
 /* One client maps at most 4 allocations at once; a fifth is refused, then fine again. */
 static void four_allocations_a_client(void **state)
 {
@@ -833,6 +909,7 @@ int main(void)
 		cmocka_unit_test(ranks_blend_as_one_device),
 		cmocka_unit_test(refusals),
 		cmocka_unit_test(handles_are_the_clients_own),
+		cmocka_unit_test(segments_land_layer_by_layer),
 		cmocka_unit_test(four_allocations_a_client),
 		cmocka_unit_test(no_device_daemon),
 	};

@@ -132,6 +132,53 @@ def test_a_handle_by_path_is_refused(emu_daemon, nodemem):
                 s.wait(layer, timeout=10)
 
 
+def test_segments_land_like_one_allocation(emu_daemon):
+    """Memory in segments (device_handle_from_fds: one memfd a layer, a page unmapped
+    between them, as vLLM 0.34's growable cache backs each layer by its own allocation):
+    every layer equals the host landing's."""
+    layer = BLOCKS * PT * H * 2 * D * ES
+    seg = -(-layer // 4096) * 4096
+    stride = seg + 4096
+    fds, maps = [], []
+    for _ in range(L):
+        fd = os.memfd_create("kvb-seg", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        os.ftruncate(fd, seg)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+        fds.append(fd)
+        maps.append(np.frombuffer(mmap.mmap(fd, seg), dtype=np.uint8))
+    pages = (np.arange(BLOCKS) * 5 + 2) % BLOCKS
+    try:
+        with kvblend.Client(emu_daemon.endpoint, timeout_ms=10000) as c:
+            segs = _store(c, "gpu_lm_seg")
+            region = c.region(L * layer + 4096)
+            host = region[: L * layer]
+            cache = host.view(np.float16).reshape(L, BLOCKS, PT, H, 2, D)
+            host[:] = 0xA5
+            for m in maps:
+                m[:] = 0xA5
+            with c.fuse_open_into("gpu_lm_seg", segs, cache[..., 0, :], cache[..., 1, :],
+                                  pages=pages) as s:
+                for i in range(L):
+                    s.wait(i, timeout=10)
+            handle = c.device_handle_from_fds(fds, [i * stride for i in range(L)], [seg] * L)
+            page_stride = PT * H * 2 * D * ES
+            dc = kvblend.DeviceCache(
+                base=maps[0].ctypes.data, nbytes=(L - 1) * stride + seg, ipc_handle=handle,
+                pci="emulated", k_offset=0, v_offset=D * ES, layer_stride=stride,
+                token_stride=H * 2 * D * ES, head_stride=2 * D * ES, page_tokens=PT,
+                page_stride=page_stride)
+            with c.fuse_open_into_device("gpu_lm_seg", segs, dc,
+                                         region[L * layer : L * layer + 4], pages=pages) as s:
+                for i in range(L):
+                    s.wait(i, timeout=10)
+            for i in range(L):
+                assert np.array_equal(maps[i][:layer], host[i * layer : (i + 1) * layer])
+                assert np.all(maps[i][layer:] == 0xA5)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
 def test_head_range_lands_a_ranks_heads(daemon):
     """heads=(h, 1): a tensor-parallel rank's cache holds stored head h alone, equal to
     that head of a full landing; fresh tokens' rows untouched. Blends check in two steps:

@@ -197,6 +197,7 @@ _PROTOTYPES = {
     "kvb_default_endpoint": (_STR, []),
     "kvb_ping": (_INT, [_P, _STR, _SZ]),
     "kvb_device_handle_from_fd": (_INT, [_P, _INT, _P]),
+    "kvb_device_handle_from_fds": (_INT, [_P, _P, _P, _P, _SZ, _P]),
     "kvb_model_register": (_INT, [_P, ctypes.POINTER(KvbModel), ctypes.POINTER(_INT)]),
     "kvb_model_list": (_INT, [_P, ctypes.POINTER(ctypes.POINTER(KvbModel)), _PSZ]),
     "kvb_model_get": (_INT, [_P, _STR, ctypes.POINTER(KvbModel)]),

@@ -307,6 +307,27 @@ class Client:
             self._check(lib.kvb_device_handle_from_fd(self._handle(), fd, buf))
         return buf.raw
 
+    def device_handle_from_fds(
+        self, fds: Sequence[int], offsets: Sequence[int], sizes: Sequence[int]
+    ) -> bytes:
+        """:meth:`device_handle_from_fd` for memory in segments (``kvb_device_handle_from_fds``).
+
+        Descriptor ``fds[k]``'s memory sits at ``offsets[k]`` of one extent, ``sizes[k]``
+        bytes (a GPU cache reserved as one range of addresses, backed by one allocation
+        per segment: vLLM 0.34's growable cache); the daemon maps them at the same
+        offsets. Offsets increasing, page-aligned, not overlapping; 1 to 128 of them.
+        """
+        n = len(fds)
+        if not n or len(offsets) != n or len(sizes) != n:
+            raise BadArgument(-22, "fds, offsets and sizes: one each, at least one")
+        buf = ctypes.create_string_buffer(64)
+        f = (ctypes.c_int * n)(*fds)
+        o = (ctypes.c_uint64 * n)(*offsets)
+        z = (ctypes.c_uint64 * n)(*sizes)
+        with self._lock:
+            self._check(lib.kvb_device_handle_from_fds(self._handle(), f, o, z, n, buf))
+        return buf.raw
+
     def model_register(self, model: Model) -> bool:
         """Register a model; return True when an identical model was already there.
 

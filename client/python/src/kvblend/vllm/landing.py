@@ -313,21 +313,125 @@ class DeviceAllocation:
     pci: str
 
 
-def cuda_allocation(t: torch.Tensor) -> DeviceAllocation:
-    """Export the CUDA allocation holding ``t`` (vLLM's one KV-cache tensor).
+def cuda_allocation(layers: Sequence[torch.Tensor], client: Client) -> DeviceAllocation:
+    """Export the CUDA allocation holding vLLM's layers (one KV-cache tensor) by CUDA IPC.
 
-    PyTorch's IPC export of the tensor's storage: the handle of the caching allocator's
-    block it lies in and its offset there; the bus id from the CUDA driver (the format
-    kvblendd's device compares with), else from PyTorch's device properties. Raises
-    RuntimeError (or what PyTorch raises) when the storage cannot be exported, such as
-    memory from vLLM's sleep-mode pool.
+    PyTorch's IPC export of the first layer's storage: the handle of the caching
+    allocator's block it lies in and its offset there; the bus id from the CUDA driver
+    (the format kvblendd's device compares with), else from PyTorch's device properties.
+    ``client`` is not needed (vLLM 0.32 and 0.33; the daemon binds the import to the
+    client that names the handle). Raises RuntimeError (or what PyTorch raises) when the
+    storage cannot be exported, such as memory from vLLM's sleep-mode pool or 0.34's
+    growable cache (:func:`vmm_allocation` exports that).
     """
+    t = layers[0]
     st = t.untyped_storage()
     _dev, handle, size, offset, *_ = st._share_cuda_()
     handle = bytes(handle)
     if len(handle) != 64:
         raise RuntimeError(f"a CUDA IPC handle of {len(handle)} bytes, not 64")
     return DeviceAllocation(st.data_ptr() - offset, offset + size, handle, _pci_bus_id(t.device))
+
+
+#: CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, CU_MEM_ALLOC_GRANULARITY_MINIMUM (cuda.h).
+_CU_POSIX_FD = 1
+_CU_GRANULARITY_MINIMUM = 0
+
+
+def vmm_segments(
+    layers: Sequence[torch.Tensor], granularity: int
+) -> tuple[int, list[tuple[int, int, int]]]:
+    """The extent's start and ``(pointer, offset, size)`` of each segment holding ``layers``.
+
+    vLLM 0.34's growable cache reserves one range of addresses and backs each layer's
+    region (a segment: layer-outermost layouts) by one allocation once it is final:
+    a segment starts at its layer storage's first byte and spans its storage's bytes,
+    rounded up to the driver's granularity (what the allocation holds). Layers that share
+    a storage (block-outermost: one segment) count once. Raises RuntimeError for
+    segments that overlap or do not start on a granule.
+    """
+    spans: dict[int, int] = {}
+    for t in layers:
+        st = t.untyped_storage()
+        ptr, nbytes = st.data_ptr(), st.nbytes()
+        spans[ptr] = max(spans.get(ptr, 0), nbytes)
+    base = min(spans)
+    out, end = [], base
+    for ptr in sorted(spans):
+        size = -(-spans[ptr] // granularity) * granularity
+        if ptr < end or (ptr - base) % granularity:
+            raise RuntimeError(f"segment at +{ptr - base} overlaps the one before, or does not "
+                               f"start on a granule of {granularity} bytes")
+        out.append((ptr, ptr - base, size))
+        end = ptr + size
+    return base, out
+
+
+def vmm_allocation(layers: Sequence[torch.Tensor], client: Client) -> DeviceAllocation:
+    """Export vLLM 0.34's growable KV cache (CUDA virtual memory) to the daemon by fds.
+
+    Each segment's allocation (:func:`vmm_segments`) is exported as a POSIX fd
+    (``cuMemRetainAllocationHandle``, ``cuMemExportToShareableHandle``): vLLM creates
+    them exportable when the connector declares ``KVCacheAccess.EXPORTS_FD``. The fds
+    go to the daemon over its descriptor socket (:meth:`Client.device_handle_from_fds`),
+    which maps them at the same offsets of a range of its own, and are closed here.
+    Raises RuntimeError when the memory is not the driver's virtual memory, or not
+    exportable.
+    """
+    import ctypes
+    import os
+
+    cuda = ctypes.CDLL("libcuda.so.1")
+    dev = layers[0].device
+    ordinal = dev.index if dev.index is not None else torch.cuda.current_device()
+
+    class _Loc(ctypes.Structure):
+        _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+    class _Prop(ctypes.Structure):
+        _fields_ = [("type", ctypes.c_int), ("requestedHandleTypes", ctypes.c_int),
+                    ("location", _Loc), ("win32HandleMetaData", ctypes.c_void_p),
+                    ("compressionType", ctypes.c_ubyte), ("gpuDirectRDMACapable", ctypes.c_ubyte),
+                    ("usage", ctypes.c_ushort), ("reserved", ctypes.c_ubyte * 4)]
+
+    prop = _Prop(type=1, requestedHandleTypes=_CU_POSIX_FD, location=_Loc(1, ordinal))
+    gran = ctypes.c_size_t()
+    rc = cuda.cuMemGetAllocationGranularity(ctypes.byref(gran), ctypes.byref(prop),
+                                            _CU_GRANULARITY_MINIMUM)
+    if rc or not gran.value:
+        raise RuntimeError(f"cuMemGetAllocationGranularity: CUDA error {rc}")
+    base, segs = vmm_segments(layers, gran.value)
+    fds: list[int] = []
+    try:
+        for ptr, _off, _size in segs:
+            h, fd = ctypes.c_ulonglong(), ctypes.c_int(-1)
+            rc = cuda.cuMemRetainAllocationHandle(ctypes.byref(h), ctypes.c_void_p(ptr))
+            if rc:
+                raise RuntimeError(f"cuMemRetainAllocationHandle: CUDA error {rc} (not the "
+                                   "driver's virtual memory)")
+            rc = cuda.cuMemExportToShareableHandle(ctypes.byref(fd), h, _CU_POSIX_FD,
+                                                   ctypes.c_ulonglong(0))
+            cuda.cuMemRelease(h)
+            if rc:
+                raise RuntimeError(f"cuMemExportToShareableHandle: CUDA error {rc} (created "
+                                   "without POSIX fd export)")
+            fds.append(fd.value)
+        handle = client.device_handle_from_fds(fds, [o for _, o, _ in segs],
+                                               [z for _, _, z in segs])
+    finally:
+        for fd in fds:
+            os.close(fd)
+    _, last_off, last_size = segs[-1]
+    return DeviceAllocation(base, last_off + last_size, handle, _pci_bus_id(dev))
+
+
+def auto_allocation(layers: Sequence[torch.Tensor], client: Client) -> DeviceAllocation:
+    """vLLM's cache as the daemon maps it: by fds when it is the driver's virtual memory
+    (vLLM 0.34's growable cache), else by CUDA IPC (0.32, 0.33, or the growable cache off)."""
+    try:
+        return vmm_allocation(layers, client)
+    except (RuntimeError, OSError, AttributeError):
+        return cuda_allocation(layers, client)
 
 
 def _pci_bus_id(device: torch.device) -> str:
@@ -363,8 +467,9 @@ class DeviceLanding(CacheRegion):
     endpoint, timeout_ms, logger
         As :class:`CacheRegion`.
     export : callable
-        The cache tensor -> its :class:`DeviceAllocation` (tests give the emulated
-        device's).
+        (vLLM's layer tensors, a :class:`Client` of the daemon) -> their
+        :class:`DeviceAllocation` (default :func:`auto_allocation`; tests give the
+        emulated device's).
     """
 
     #: Progress words in the region (one per open session; a step opens at most this many).
@@ -375,7 +480,7 @@ class DeviceLanding(CacheRegion):
         endpoint: str,
         timeout_ms: int,
         logger: logging.Logger,
-        export: Callable[[torch.Tensor], DeviceAllocation] = cuda_allocation,
+        export: Callable[[Sequence[torch.Tensor], Client], DeviceAllocation] = auto_allocation,
     ) -> None:
         super().__init__(endpoint, timeout_ms, 0, logger)
         self.export = export
@@ -405,7 +510,13 @@ class DeviceLanding(CacheRegion):
             self.off(f"vLLM's cache is in the {kind} layout, not a GPU backend's")
             return
         try:
-            alloc = self.export(layers[0])
+            self.client = Client(self.endpoint, timeout_ms=self.timeout_ms)
+            region = self.client.region(4 * self.WORDS)
+        except KvblendError as e:
+            self.off(f"no region for the landing sessions' progress words ({e})")
+            return
+        try:
+            alloc = self.export(layers, self.client)
         except Exception as e:  # noqa: BLE001 - any failure to export: the copy path
             self.off(f"vLLM's KV-cache allocation cannot be exported ({e})")
             return
@@ -413,12 +524,6 @@ class DeviceLanding(CacheRegion):
                              alloc.ipc_handle, alloc.pci)
         if cache is None:
             self.off("vLLM's cache layers are not in one allocation at one stride")
-            return
-        try:
-            self.client = Client(self.endpoint, timeout_ms=self.timeout_ms)
-            region = self.client.region(4 * self.WORDS)
-        except KvblendError as e:
-            self.off(f"no region for the landing sessions' progress words ({e})")
             return
         self.buf = region
         self.words = region[: 4 * self.WORDS].view(np.uint32)
