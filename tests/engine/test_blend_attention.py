@@ -17,7 +17,16 @@ grouped queries) and prompts of a few hundred tokens:
     bottom right, grouped-query heads) written out in float64. Everything but the CUDA
     kernel: the runs, the block table, the key counts and the scratch cache, for the
     selections of (b), and several prompts of other lengths in one call as the batched
-    pass makes it; varlen_attention_for gives None off a GPU and for float32.
+    pass makes it; varlen_attention_for gives None off a GPU and for float32;
+(d) the question's preview (kvblend.blend.preview.question_attention) over a toy decoder
+    with grouped queries, against a float64 reference written out per head: A and the
+    layers' outputs (through A of later layers) with the question's rows in blocks of a
+    few rows (a small SCORE_ELEMENTS: blocks of 5 rows, the last one short) equal the
+    reference and the preview in one block; the compressed (anchored) preview too; and a
+    tail of 3000 question tokens over 600 chunk tokens is previewed by its last
+    PREVIEW_MAX_QUESTION tokens (A equal to the reference on those alone), no score
+    matrix or softmax larger than SCORE_ELEMENTS allocated on the way (torch.bmm and
+    torch.softmax, through which every score passes, watched).
 Exit 0 when all pass, 1 on a failure, 77 when KVBLEND_SKIP_ENGINE=1.
 """
 
@@ -141,8 +150,167 @@ def selections(n, rng):
     }
 
 
+class ToyOps:
+    """A toy decoder for the preview (kvblend.blend.loop.LayerOps): random projections,
+    no RoPE, ``finish`` the residual plus the output projection; computes in h's dtype,
+    so that the reference runs it in float64."""
+
+    def __init__(self, layers, heads, kv_heads, d, dim=48, vocab=64, seed=0):
+        g = torch.Generator().manual_seed(seed)
+
+        def w(i, o):
+            return torch.randn(i, o, generator=g) / i**0.5
+
+        self.device, self.kv_dtype, self.num_layers = torch.device("cpu"), torch.float32, layers
+        self.heads, self.kv_heads, self.d = heads, kv_heads, d
+        self.emb = torch.randn(vocab, dim, generator=g)
+        self.w = [(w(dim, heads * d), w(dim, kv_heads * d), w(dim, kv_heads * d),
+                   w(heads * d, dim)) for _ in range(layers)]
+
+    def embed(self, ids):
+        return self.emb[ids]
+
+    def qkv(self, layer, h, pos):
+        wq, wk, wv, _ = (x.to(h.dtype) for x in self.w[layer])
+        n = h.shape[0]
+        return ((h @ wq).view(n, self.heads, self.d), (h @ wk).view(n, self.kv_heads, self.d),
+                (h @ wv).view(n, self.kv_heads, self.d))
+
+    def scaling(self, layer):
+        return self.d**-0.5
+
+    def finish(self, layer, h, a):
+        return h + a.to(h.dtype) @ self.w[layer][3].to(h.dtype)
+
+
+def preview_reference(ops, kv, cached, question, first, view=None, last=None):
+    """The preview's A written out in float64, one query head at a time (no blocks)."""
+    nq, heads, kvh = len(question), ops.heads, ops.kv_heads
+    rep = heads // kvh
+    h = ops.embed(torch.as_tensor(question)).double()
+    a = torch.zeros(kvh, len(cached), dtype=torch.float64)
+    stop = ops.num_layers - 1 if last is None else last
+    for layer in range(stop + 1):
+        q, k, v = ops.qkv(layer, h, None)
+        rows = cached if last is None or layer == stop else view
+        m = len(rows)
+        keys = torch.cat([kv[layer, 0, rows].double(), k])
+        values = torch.cat([kv[layer, 1, rows].double(), v])
+        mask = torch.arange(m + nq)[None, :] > (m + torch.arange(nq))[:, None]
+        out = torch.empty(nq, heads, ops.d, dtype=torch.float64)
+        for hh in range(heads):
+            g = hh // rep
+            s = (q[:, hh] @ keys[:, g].T) * ops.scaling(layer)
+            p = torch.softmax(s.masked_fill(mask, float("-inf")), dim=-1)
+            if layer == stop if last is not None else layer >= first:
+                a[g] += p[:, :m].sum(0)
+            out[:, hh] = p @ values[:, g]
+        if layer == stop:
+            break
+        h = ops.finish(layer, h, out.reshape(nq, -1))
+    return a.T.numpy()
+
+
+class Watch:
+    """The largest tensor torch.bmm returns and torch.softmax takes while entered."""
+
+    def __enter__(self):
+        self.most = 0
+        self.bmm, self.softmax = torch.bmm, torch.softmax
+
+        def bmm(*a, **kw):
+            out = self.bmm(*a, **kw)
+            self.most = max(self.most, out.numel())
+            return out
+
+        def softmax(x, *a, **kw):
+            self.most = max(self.most, x.numel())
+            return self.softmax(x, *a, **kw)
+
+        torch.bmm, torch.softmax = bmm, softmax
+        return self
+
+    def __exit__(self, *exc):
+        torch.bmm, torch.softmax = self.bmm, self.softmax
+
+
+def rel(a, b):
+    return float(np.abs(a - b).max() / max(float(np.abs(b).max()), 1e-30))
+
+
+def check_preview():
+    """(d)."""
+    from kvblend.blend import preview
+
+    # float32 preview against float64 over 3-4 toy layers of unit-scale inputs: measured
+    # below 1e-6; 1e-5 is far below what a wrong mask, block edge or head order gives
+    # (O(0.1) of A). Blocked against one block: float32 rounding of the sums alone.
+    tol, tol_blocks = 1e-5, 1e-6
+    ops = ToyOps(layers=4, heads=6, kv_heads=2, d=16)
+    rng = np.random.default_rng(1)
+    n_ctx, nq = 30, 43
+    cached = np.sort(rng.choice(n_ctx, 24, replace=False))
+    kv = torch.randn(ops.num_layers, 2, n_ctx + nq, ops.kv_heads, ops.d)
+    question = rng.integers(0, 64, nq)
+    positions = np.arange(n_ctx, n_ctx + nq)
+    view, last = cached[::4], 2
+    want = preview_reference(ops, kv, cached, question, first=1)
+    want_anchored = preview_reference(ops, kv, cached, question, 1, view, last)
+    saved = getattr(preview, "SCORE_ELEMENTS", None)
+    got = {}
+    try:
+        for name, budget in (("one block", 1 << 30), ("blocks of 5 rows", 6 * 5 * (24 + nq))):
+            preview.SCORE_ELEMENTS = budget
+            with Watch() as w:
+                a = preview.question_attention(ops, kv, cached, question, positions, first=1)
+            b = preview.question_attention(ops, kv, cached, question, positions, view=view,
+                                           last=last)
+            got[name] = (a, b, w.most)
+            if not rel(a, want) <= tol or not rel(b, want_anchored) <= tol:
+                fail(f"preview, {name}: A off the reference by {rel(a, want):.3g}, "
+                     f"anchored {rel(b, want_anchored):.3g}")
+        one, blocks = got["one block"], got["blocks of 5 rows"]
+        if not rel(blocks[0], one[0]) <= tol_blocks or not rel(blocks[1], one[1]) <= tol_blocks:
+            fail(f"preview: blocks differ from one block by {rel(blocks[0], one[0]):.3g}")
+        if blocks[2] > 6 * 5 * (24 + nq):
+            fail(f"preview in blocks of 5 rows: a score tensor of {blocks[2]} elements")
+        print(f"ok: preview in blocks of 5 question rows (of {nq}) equals the float64 "
+              f"reference within {max(rel(blocks[0], want), rel(blocks[1], want_anchored)):.2g} "
+              f"and one block within {rel(blocks[0], one[0]):.2g}")
+
+        # a long tail: 3000 question tokens after 600 chunk tokens
+        ops = ToyOps(layers=3, heads=6, kv_heads=2, d=16, seed=2)
+        n_ctx, nq, cap = 600, 3000, getattr(preview, "PREVIEW_MAX_QUESTION", 0)
+        cached = np.arange(n_ctx)
+        kv = torch.randn(ops.num_layers, 2, n_ctx + nq, ops.kv_heads, ops.d)
+        question = rng.integers(0, 64, nq)
+        positions = np.arange(n_ctx, n_ctx + nq)
+        budget = 6 * 64 * (n_ctx + 1024)  # blocks of at most 64 rows of 1024 over all keys
+        preview.SCORE_ELEMENTS = budget
+        with Watch() as w:
+            a = preview.question_attention(ops, kv, cached, question, positions, first=1)
+        full = 6 * nq * (n_ctx + nq)
+        if w.most > budget:
+            fail(f"preview of a {nq}-token tail: a score tensor of {w.most} elements "
+                 f"(the whole matrix: {full}), over SCORE_ELEMENTS {budget}")
+        if not 0 < cap < nq:
+            fail(f"preview: no cap on the previewed tail (PREVIEW_MAX_QUESTION {cap})")
+        want = preview_reference(ops, kv, cached, question[-cap:], first=1)
+        if not rel(a, want) <= tol:
+            fail(f"preview of a {nq}-token tail: A is not its last {cap} tokens' "
+                 f"({rel(a, want):.3g})")
+        print(f"ok: a {nq}-token tail is previewed by its last {cap} tokens in blocks, the "
+              f"largest score tensor {w.most} elements (the whole matrix: {full})")
+    finally:
+        if saved is None:
+            delattr(preview, "SCORE_ELEMENTS")
+        else:
+            preview.SCORE_ELEMENTS = saved
+
+
 def main():
     check_runs()
+    check_preview()
     torch.manual_seed(0)
     rng = np.random.default_rng(0)
     for heads, kv_heads, d in ((9, 3, 64), (4, 4, 32)):

@@ -9,9 +9,10 @@ stored with another length; and chunk boundaries by a configured separator token
 separator, the rest is fresh; explicit parameters win; bad
 configurations refused; blended when blending is configured); a separator given as text
 (kvblend.vllm.separator's boundary check with SmolLM2's tokenizer, and the connector's
-configuration reading it through vLLM's tokenizer); chunk keys scoped by LoRA adapter and
-cache salt (kvblend.scoped_chunk_hash, the planner's lookups, the scheduler's stores); and
-the worker's region for vLLM's KV cache (kvblend.vllm.landing.CacheRegion): the one
+configuration reading it through vLLM's tokenizer); chunk keys scoped by LoRA adapter (its
+weights' digest) and cache salt (kvblend.scoped_chunk_hash, the planner's lookups, the
+scheduler's stores), and the chunks a storing request's response names; and the worker's
+region for vLLM's KV cache (kvblend.vllm.landing.CacheRegion): the one
 allocation taken, and refusals that name the daemon's setting (shm_max) or the endpoint;
 and the blend pass's regions kept between blends (kvblend.vllm.blend.RegionPool) against
 the daemon's count of segments. Exit 0 when every check passes, 77 when skipped.
@@ -293,21 +294,35 @@ def separator(cl, rng, a, b, c, q):
 def scoped(cl, rng, prompt):
     """Chunk keys scoped by LoRA adapter and cache salt (kvblend.scoped_chunk_hash)."""
     import hashlib
+    import shutil
+    import tempfile
     from types import SimpleNamespace as Ns
 
     ids = prompt[:30]
-    lora = Ns(lora_name="sql", lora_int_id=1)
+    # two adapters under the same name and id, other weights: keyed by their content
+    # (client/python/tests/test_vllm_scope.py holds the digest's rules)
+    tmp = tempfile.mkdtemp(prefix="kvb-lora-")
+    for name in ("v1", "v2"):
+        os.mkdir(f"{tmp}/{name}")
+        with open(f"{tmp}/{name}/adapter_config.json", "w") as f:
+            f.write('{"r": 8}')
+        with open(f"{tmp}/{name}/adapter_model.safetensors", "wb") as f:
+            f.write(name.encode() * 64)
+    lora = Ns(lora_name="sql", lora_int_id=1, lora_path=f"{tmp}/v1")
     s_none = plan.request_scope(Ns(lora_request=None, cache_salt=None))
     s_salt = plan.request_scope(Ns(lora_request=None, cache_salt="tenant-a"))
     s_salt2 = plan.request_scope(Ns(lora_request=None, cache_salt="tenant-b"))
     s_lora = plan.request_scope(Ns(lora_request=lora, cache_salt=None))
-    s_lora2 = plan.request_scope(Ns(lora_request=Ns(lora_name="sql", lora_int_id=2),
-                                    cache_salt=None))
+    s_lora2 = plan.request_scope(Ns(lora_request=Ns(lora_name="sql", lora_int_id=1,
+                                                    lora_path=f"{tmp}/v2"), cache_salt=None))
     s_both = plan.request_scope(Ns(lora_request=lora, cache_salt="tenant-a"))
+    digest = plan.adapter_digest(lora)
+    shutil.rmtree(tmp)
     check("scope: none", s_none, b"")
     check("scope: an empty salt is none", plan.request_scope(Ns(cache_salt="")), b"")
     check("scope: salt", s_salt, b'{"salt":"tenant-a"}')
-    check("scope: adapter and salt", s_both, b'{"lora":["sql",1],"salt":"tenant-a"}')
+    check("scope: adapter and salt", s_both,
+          b'{"lora":"' + digest.encode() + b'","salt":"tenant-a"}')
     check("scoped hash: no scope is chunk_hash", kvblend.scoped_chunk_hash(ids, s_none),
           kvblend.chunk_hash(ids))
     hashes = [kvblend.scoped_chunk_hash(ids, s)
@@ -344,7 +359,7 @@ def scoped(cl, rng, prompt):
     check("scoped lookup: separator chunks under the adapter",
           sclaim(s_lora, sep, None, sep + sd + [7] * 5, 2),
           (32, [(kvblend.scoped_chunk_hash(sd, s_lora), 2, 34)]))
-    check("scoped lookup: separator chunks, another adapter id",
+    check("scoped lookup: separator chunks, another adapter's weights (same name and id)",
           sclaim(s_lora2, sep, None, sep + sd + [7] * 5, 2), (0, []))
     p = plan.parse_request({"kvblend": {"segments": [[0, 30, "chunk"]], "store": True}},
                            ids, 0, MODEL.num_layers, None, None, s_both)
@@ -457,7 +472,8 @@ def scheduler_store_scope():
     from kvblend.vllm.scheduler import SchedulerSide
 
     ids = list(range(100, 140))
-    side = SchedulerSide(Ns(block_size=16, load_cost_margin=1.0, load_cost_check=True), None)
+    side = SchedulerSide(Ns(block_size=16, load_cost_margin=1.0, load_cost_check=True,
+                            model_name="plan-test", store_on_miss=True), None)
     req = Ns(request_id="r1", prompt_token_ids=ids, lora_request=None, cache_salt="tenant-a",
              kv_transfer_params={"kvblend": {"segments": [[0, 40, "chunk"]], "store": True}})
     side.update_state_after_alloc(req, Ns(get_block_ids=lambda: ([3, 4, 5],)), 0)
@@ -467,6 +483,38 @@ def scheduler_store_scope():
     # what the finished requests said, summed for vLLM's connector stats
     from kvblend.vllm.stats import KvblendStats
 
+    side._said["r1"] = {"prompt_tokens": 40, "prefix_cached": 0, "reused": 30, "blended": 0,
+                        "computed": 10, "stored": 40, "load_declined": 0}
+    side._said["r2"] = {"prompt_tokens": 50, "prefix_cached": 16, "reused": 0, "blended": 0,
+                        "computed": 34, "stored": 0, "load_declined": 20}
+    r1 = side.request_finished(req, [])[1]
+    check("scheduler: the response names the chunk it stores (kvblend.stores)",
+          r1["kvblend"].get("stores"),
+          {"model": "plan-test", "chunks": [pending.hash.hex() if pending else None]})
+    side.request_finished(Ns(request_id="r2"), [])
+    # a separator-split request that missed two chunks queues both and names them; a
+    # second one missing the same chunks queues nothing more (stored 0) but names them too:
+    # they are what its client waits for
+    sep = [50001]
+    prompt = [1, 2] + sep + [3, 4, 5] + sep + [6, 7] + sep + [8]
+    parsed = plan.parse_request(None, prompt, 0, MODEL.num_layers, sep, None)
+    missing = [(h, s.start, s.length) for h, s in
+               zip(parsed.hashes, plan.chunk_segments(parsed.params))]
+    said = []
+    for rid in ("r3", "r4"):
+        side._said[rid] = {"prompt_tokens": len(prompt), "prefix_cached": 0, "reused": 0,
+                           "blended": 0, "computed": len(prompt), "stored": 0,
+                           "load_declined": 0}
+        side._plans[rid] = plan.Plan(parsed=parsed, missing=missing)
+        side.update_state_after_alloc(Ns(request_id=rid, prompt_token_ids=prompt),
+                                      Ns(get_block_ids=lambda: ([1],)), 0)
+        said.append(side.request_finished(Ns(request_id=rid), [])[1]["kvblend"])
+    want = {"model": "plan-test", "chunks": [h.hex() for h in parsed.hashes]}
+    check("scheduler: missed chunks queued and named",
+          (said[0]["stored"], said[0].get("stores"), len(parsed.hashes)), (7, want, 2))
+    check("scheduler: the same chunks missed again: none queued, still named",
+          (said[1]["stored"], said[1].get("stores")), (0, want))
+    side.take_stats()
     side._said["r1"] = {"prompt_tokens": 40, "prefix_cached": 0, "reused": 30, "blended": 0,
                         "computed": 10, "stored": 40, "load_declined": 0}
     side._said["r2"] = {"prompt_tokens": 50, "prefix_cached": 16, "reused": 0, "blended": 0,

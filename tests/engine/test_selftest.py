@@ -10,13 +10,24 @@ test_vllm_selftest), on vLLM's own rotary modules (``get_rope``), no engine.
 (c) it leaves nothing stored: the test chunk is deleted;
 (d) the worker's gate (WorkerSide._self_test, as run before a load when the daemon was
     down at start): a wrong description fails once against the daemon, then every later
-    call fails at once without the daemon; a sound one passes once, then asks nothing.
+    call fails at once without the daemon; a sound one passes once, then asks nothing;
+(e) a model-name clash at start (WorkerSide._start_self_test, as register_kv_caches runs
+    it): chunks stored under the model's name with rope_theta 1e5 (or 3 KV heads), the
+    engine's description says 1e4 (or 2): the start is refused with one line naming the
+    model and the differing field, not taken for a daemon outage; the same description
+    starts;
+(f) the same clash found after a start with the daemon down: the first load turns
+    kvblend off for good (one line), later loads fail at once without the daemon, and
+    the worker's metadata tells the scheduler, which claims nothing from then on;
+(g) the self-test's refusal at start is one line with one ``kvblend:`` prefix.
 
 Exit 0 when every check passes, 1 on a failure, 77 when KVBLEND_SKIP_ENGINE=1.
 """
 
+import logging
 import os
 import sys
+from types import SimpleNamespace as Ns
 
 if os.environ.get("KVBLEND_SKIP_ENGINE") == "1":
     print("test_selftest: skipped (KVBLEND_SKIP_ENGINE=1)")
@@ -96,6 +107,146 @@ def worker_gate(c, vllm_config):
         check("(d) a sound description passes once, then asks nothing", False, repr(e))
 
 
+class Lines(logging.Handler):
+    """The lines the connector's logger emits while attached (level, text)."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append((record.levelname, record.getMessage()))
+
+    def __enter__(self):
+        from kvblend.vllm.config import logger
+
+        self.level_was = logger.level
+        logger.setLevel(logging.DEBUG)
+        logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc):
+        from kvblend.vllm.config import logger
+
+        logger.removeHandler(self)
+        logger.setLevel(self.level_was)
+
+
+def start_worker(endpoint, vllm_config, m, rope_theta):
+    """A WorkerSide as the connector makes it, its model's rotary modules at rope_theta."""
+    from kvblend.vllm.config import logger
+    from kvblend.vllm.daemon import DaemonLink
+    from kvblend.vllm.worker import WorkerSide
+
+    cfg = Ns(model=m, model_name=m.name, block_size=16, timeout_ms=2000, blend=None,
+             store_on_miss=False)
+    w = WorkerSide(cfg, DaemonLink(endpoint, 2000, m, logger), vllm_config, None)
+    rot = layers({"rope_theta": rope_theta}, m.dtype, m.num_layers)
+    w._blend_model = Ns(model=Ns(layers=[Ns(self_attn=Ns(rotary_emb=r)) for _, r in rot]))
+    return w
+
+
+def refused_at_start(w):
+    """(the Refused's text, the lines logged) of w's start checks; text None: started."""
+    from kvblend.vllm.config import Refused
+
+    with Lines() as log:
+        try:
+            w._start_self_test()
+            return None, log.lines
+        except Refused as e:
+            return str(e), log.lines
+
+
+def start_checks(d, vllm_config):
+    """(e), (f), (g): the worker's start against a real daemon."""
+    from kvblend.vllm.metadata import LoadSpec
+    from kvblend.vllm.plan import ChunkLoad
+    from kvblend.vllm.scheduler import SchedulerSide
+
+    name = "vllm:clash-test:f32"
+    stored = kvblend.Model(name, 2, HEADS, HD, dtype="f32", rope_theta=1e5)
+    with kvblend.Client(d.endpoint, timeout_ms=10000) as c:
+        c.model_register(stored)
+    for what, desc, field, values in (
+        ("rope_theta", {"rope_theta": 1e4}, "rope_theta", ("100000", "10000")),
+        ("the KV heads", {"num_kv_heads": HEADS + 1}, "num_kv_heads", (str(HEADS),
+                                                                        str(HEADS + 1))),
+    ):
+        m = kvblend.Model(name, 2, **{"num_kv_heads": HEADS, "head_dim": HD, "dtype": "f32",
+                                      "rope_theta": 1e5, **desc})
+        msg, lines = refused_at_start(start_worker(d.endpoint, vllm_config, m, m.rope_theta))
+        check(f"(e) a clash on {what}: the start is refused", msg is not None, str(lines))
+        msg = msg or ""
+        check(f"(e) a clash on {what}: naming the model and {field} (only)",
+              f"'{name}'" in msg and field in msg and all(v in msg for v in values)
+              and msg.count(" where this engine has ") == 1, msg)
+        check(f"(e) a clash on {what}: one line, one prefix, no outage",
+              len(lines) == 1 and lines[0][0] == "ERROR"
+              and lines[0][1].startswith("kvblend: refusing to start: model ")
+              and lines[0][1].count("kvblend:") == 1 and msg.count("kvblend:") == 1
+              and "\n" not in lines[0][1], str(lines))
+    msg, lines = refused_at_start(start_worker(d.endpoint, vllm_config, stored, 1e5))
+    check("(e) the same description starts", msg is None
+          and any("self-test passed" in t for _, t in lines), f"{msg} {lines}")
+
+    # (f) down at start: no refusal then; the clash is found by the first load
+    m = kvblend.Model(name, 2, HEADS, HD, dtype="f32", rope_theta=1e4)
+    w = start_worker("ipc:///nonexistent/kvblend-clash.sock", vllm_config, m, 1e4)
+    msg, _ = refused_at_start(w)
+    check("(f) the daemon down at start: the start goes on", msg is None, msg)
+    from kvblend.vllm.config import logger
+    from kvblend.vllm.daemon import DaemonLink
+
+    w.daemon = DaemonLink(d.endpoint, 2000, m, logger)  # the daemon is back
+    ld = LoadSpec("r1", [ChunkLoad(b"\1" * 32, 0, 16, 0, 16)], [0], 16)
+    with Lines() as log:
+        w.start_load_kv(Ns(loads=[ld]))
+    off = [t for lv, t in log.lines if lv == "ERROR"]
+    check("(f) the first load finds the clash: kvblend off, one line naming the field",
+          len(off) == 1 and f"'{name}'" in off[0] and "rope_theta" in off[0]
+          and off[0].count("kvblend:") == 1, str(log.lines))
+    check("(f) that load fails (vLLM recomputes it)", 0 in w.get_block_ids_with_load_errors())
+    meta = w.build_worker_meta()
+    check("(f) the worker's metadata tells the scheduler",
+          "rope_theta" in (getattr(meta, "off", None) or ""), repr(meta))
+    w.daemon = None  # any call from now on would raise AttributeError
+    with Lines() as log:
+        try:
+            w.start_load_kv(Ns(loads=[ld]))
+            ok = 0 in w.get_block_ids_with_load_errors()
+        except AttributeError as e:
+            ok = repr(e)
+    check("(f) a later load fails at once, without the daemon", ok is True, str(ok))
+    again = w.build_worker_meta()
+    check("(f) ... and tells the scheduler once", again is None
+          or not getattr(again, "off", None), repr(again))
+    side = SchedulerSide(Ns(model=m, model_name=name, block_size=16, load_cost_margin=1.0,
+                            load_cost_check=True, blend=None, separator=None,
+                            tensor_parallel=1, prefix_caching=True, store_on_miss=False),
+                         None)  # a lookup would raise AttributeError
+    side.update_connector_output(Ns(kv_connector_worker_meta=meta))
+    req = Ns(request_id="r2", prompt_token_ids=list(range(40)), lora_request=None,
+             cache_salt=None, block_hashes=[],
+             kv_transfer_params={"kvblend": {"segments": [[0, 32, "chunk"]]}})
+    try:
+        got = side.get_num_new_matched_tokens(req, 0)
+    except AttributeError as e:
+        got = repr(e)
+    check("(f) the scheduler claims nothing, without a lookup", got == (0, False), str(got))
+
+    # (g) a wrong description refused by the self-test: one line
+    m = kvblend.Model("vllm:selftest-refusal:f32", 2, HEADS, HD, dtype="f32",
+                      rope_theta=2e4)
+    msg, lines = refused_at_start(start_worker(d.endpoint, vllm_config, m, 1e4))
+    check("(g) the self-test refuses the start", msg is not None, str(lines))
+    check("(g) in one line with one prefix",
+          len(lines) == 1 and lines[0][1].startswith(
+              "kvblend: refusing to start: RoPE self-test failed at layer 0")
+          and (msg or "").startswith("kvblend: RoPE self-test failed")
+          and (msg or "").count("kvblend:") == 1, f"{msg!r} {lines}")
+
+
 def main():
     from vllm.config import VllmConfig, set_current_vllm_config
 
@@ -149,6 +300,7 @@ def main():
                 check("(b) one layer rotating differently: refused at that layer",
                       "at layer 2 " in str(e), str(e))
             worker_gate(c, VllmConfig())
+            start_checks(d, VllmConfig())
             left = [m.name for m in c.model_list() if m.name.startswith("kvblend-selftest-")]
             held = sum(len(c.list(n)) for n in left)
             check("(c) nothing stored afterwards", held == 0 and len(left) > 0,

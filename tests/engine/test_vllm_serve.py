@@ -20,8 +20,10 @@ install_package, without the library: $KVBLEND_LIB names the build's).
     response carrying ``kv_transfer_params.kvblend`` with its six counts; the same
     prompt length for both; the second, sharing the system prompt, has
     ``prefix_cached`` > 0;
-(d) check_store_and_blend: the first request stores its documents on a miss, the
-    reordered second (after the client's pause) is blended;
+(d) check_store_and_blend: the first request stores its documents on a miss and names
+    their chunks (``stores``: the model and three hashes), the client's wait for them
+    (kvblend.vllm.wait_for_stores) ends with every one stored, and the reordered second
+    request is blended;
 (e) a plain chat request (no separator) twice: the same greedy answer both times, the
     second from vLLM's prefix cache, nothing reused, blended or stored; the client's
     prompt opted out with ``extra_body={"kv_transfer_params": {"kvblend": {"segments":
@@ -101,19 +103,26 @@ def said(params, what):
     return kb
 
 
-def check_store_and_blend(responses):
-    """(d) store on a miss, then a blend of the reordered documents.
+def check_store_and_blend(responses, waited):
+    """(d) store on a miss, the client's wait, then a blend of the reordered documents.
 
     ``responses`` are the client's two ``kvblend`` dicts, in order: the first request
-    misses every document and queues them to be stored (``stored`` > 0); the second, the
-    same documents in another order, finds them and is blended (``blended`` > 0).
+    misses every document and queues them to be stored (``stored`` > 0), naming their
+    chunks (``stores``); ``waited`` the client's line after its wait for them; the second,
+    the same documents in another order, finds them and is blended (``blended`` > 0).
     """
     if responses[0]["stored"] <= 0:
         fail(f"(d) the first request stored nothing on a miss: {responses[0]}")
+    stores = responses[0].get("stores") or {}
+    if stores.get("model") != "vllm:smollm2:f32" or len(stores.get("chunks") or []) != 3:
+        fail(f"(d) the first request does not name its three documents' chunks: {stores}")
+    if waited != ["stored: every document"]:
+        fail(f"(d) the client's wait for the stores: {waited}")
     if responses[1]["blended"] <= 0:
         fail(f"(d) the reordered second request was not blended: {responses[1]}")
-    print(f"  (d) the first request stored {responses[0]['stored']} tokens on a miss, the "
-          f"second blended {responses[1]['blended']}")
+    print(f"  (d) the first request stored {responses[0]['stored']} tokens on a miss (3 "
+          f"chunks named), the client waited until kvblendd held them, the second blended "
+          f"{responses[1]['blended']}")
 
 
 def run_client(block, env, tmp):
@@ -133,8 +142,10 @@ def run_client(block, env, tmp):
             out.append(obj)
     if len(out) != 2:
         fail(f"(c) expected two kv_transfer_params lines from the client:\n{r.stdout}")
-    answers = [ln for ln in r.stdout.splitlines() if not ln.startswith("{")]
-    return [said(p, f"(c) request {i + 1}") for i, p in enumerate(out)], answers
+    waited = [ln for ln in r.stdout.splitlines() if ln.startswith("stored:")]
+    answers = [ln for ln in r.stdout.splitlines()
+               if not ln.startswith("{") and not ln.startswith("stored:")]
+    return [said(p, f"(c) request {i + 1}") for i, p in enumerate(out)], answers, waited
 
 
 def plain_requests(port):
@@ -224,7 +235,7 @@ def main():
         print(f"  (b) the docs' server block serves /health after {secs:.0f} s, the "
               "connector started with the separator <|endoftext|> = [0]")
 
-        responses, answers = run_client(blocks["client"], env, tmp)
+        responses, answers, waited = run_client(blocks["client"], env, tmp)
         first, second = responses
         if first["prompt_tokens"] != second["prompt_tokens"]:
             fail(f"(c) the reordered documents tokenize to another length: {responses}")
@@ -236,7 +247,7 @@ def main():
             fail(f"(c) an empty answer (NaN logits from a stored chunk?): {answers}")
         print(f"  (c) the docs' client: two answers {answers}; kv_transfer_params "
               f"{json.dumps(first)}, then {json.dumps(second)}")
-        check_store_and_blend(responses)
+        check_store_and_blend(responses, waited)
         plain_requests(port)
         ok = True
     except Failed as e:

@@ -31,6 +31,17 @@ from . import host
 
 #: The first layer A sums (layers 0 and 1 attend broadly; eval/qsel.py's PREVIEW_FROM).
 PREVIEW_FROM = 2
+#: Most question tokens the preview reads: a longer tail (everything after the blended
+#: context up to the question's end) is previewed by its last this many tokens, which
+#: read the chunks and each other as the whole tail's would (the tokens before them are
+#: then not computed, as the other fresh tokens are not). Bounds the preview's work,
+#: O(this x (chunk tokens + this)) a layer.
+PREVIEW_MAX_QUESTION = 1024
+#: Most float32 scores the preview holds at once, all heads together (64 MiB): the
+#: question's rows are scored in blocks of ``SCORE_ELEMENTS // (heads x keys)`` rows (at
+#: least one), so the scores, their softmax and the causal mask never grow with the
+#: square of the question.
+SCORE_ELEMENTS = 1 << 24
 
 
 def land_chunks(
@@ -130,7 +141,10 @@ def question_attention(
     question, positions : ndarray
         The question's token ids and their prompt positions, increasing and after every
         chunk token. The question's queries read the chunk tokens and the question only
-        (the other fresh tokens are not computed), causally.
+        (the other fresh tokens are not computed), causally. Only the last
+        :data:`PREVIEW_MAX_QUESTION` are read; their rows are scored in blocks
+        (:data:`SCORE_ELEMENTS`), with the same result as all at once up to float
+        rounding.
     first : int
         The first layer summed into A.
     ready : callable, optional
@@ -154,6 +168,10 @@ def question_attention(
         raise ValueError("the attention metric needs question tokens (none after the chunks)")
     if nc and int(positions[0]) <= int(cached[-1]):
         raise ValueError("the question must come after every chunk token")
+    if nq > PREVIEW_MAX_QUESTION:
+        question = question[-PREVIEW_MAX_QUESTION:]
+        positions = positions[-PREVIEW_MAX_QUESTION:]
+        nq = PREVIEW_MAX_QUESTION
     stop = ops.num_layers - 1 if last is None else int(last)
     if not 0 <= stop < ops.num_layers:
         raise ValueError(f"preview layer {stop}: in 0..{ops.num_layers - 1}")
@@ -166,9 +184,6 @@ def question_attention(
     locals_ = {m: torch.arange(m, m + nq, device=dev) for m in {nc, len(view_t)}}
     h = ops.embed(torch.as_tensor(question, dtype=torch.long, device=dev))
     a = torch.zeros(kv.shape[3], nc, dtype=torch.float64, device=dev)
-    # the question's scores on its own keys, causally (-inf after the query's own key)
-    after = torch.ones(nq, nq, dtype=torch.bool, device=dev).triu_(1)
-    causal = torch.zeros(nq, nq, device=dev).masked_fill_(after, float("-inf"))
     # With ops.finish the preview's own softmax is the layer's attention too (one bmm
     # more), instead of a second pass over the keys by the model's attention kernel.
     fused = hasattr(ops, "finish") and hasattr(ops, "scaling")
@@ -191,15 +206,14 @@ def question_attention(
             keys[:m].copy_(kv[layer, 0, rows])
             values[:m].copy_(kv[layer, 1, rows])
             keys[m:], values[m:] = k, v
-            scored = nc and (layer == stop if last is not None else layer >= first)
-            p = None
+            scored = bool(nc) and (layer == stop if last is not None else layer >= first)
+            att = None
             if scored or (fused and layer < stop):
                 scale = ops.scaling(layer) if fused else q.shape[2] ** -0.5
-                p = _probs(q, keys, m, causal, scale)
-            if scored:
-                a += p[:, :, :m].sum(dim=1).double()
-            # the layer's attention output, the rank's own work (finish reduces)
-            att = _attend(p, values, nq).to(h.dtype) if fused and layer < stop else None
+                # the layer's attention output too, the rank's own work (finish reduces)
+                att = _question_rows(q, keys, values, m, scale, a if scored else None,
+                                     fused and layer < stop)
+                att = att.to(h.dtype) if att is not None else None
         except Exception as e:  # noqa: BLE001 - agreed on by the ranks, then raised
             if agree is None:
                 raise
@@ -215,26 +229,45 @@ def question_attention(
     return np.ascontiguousarray(a.T.float().cpu().numpy())
 
 
-def _probs(q: torch.Tensor, keys: torch.Tensor, m: int, causal: torch.Tensor,
-           scale: float) -> torch.Tensor:
-    """The question's softmax attention in float32, [kv heads, rep x question, m + question].
+def _question_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, m: int,
+                   scale: float, a: torch.Tensor | None, out: bool) -> torch.Tensor | None:
+    """Compute the question's softmax attention in float32, a block of its rows at a time.
 
-    Per KV head the queries of the heads that read it (head = kv head x rep + i) as rows,
-    against the m chunk rows of ``keys`` and then the question's own, causally.
+    ``q`` [question, heads, d]; ``keys``, ``values`` [m + question, kv heads, d]: the m
+    chunk rows, then the question's own, which query i reads up to its own (causally).
+    Per KV head the queries of the heads that read it (head = kv head x rep + r) are the
+    rows. Adds the attention on the chunk rows, summed over the rows, to ``a`` [kv heads,
+    m] (float64) when given; returns the attention output [question, heads x d] when
+    ``out``, else None.
+
+    A block of b question rows [i0, i1) is scored against the keys up to its last row's
+    own (m + i1: the later ones are masked for all of them, so leaving them out changes
+    nothing), ``kv heads x rep x b x (m + i1)`` scores, with b the most rows that keep
+    that within :data:`SCORE_ELEMENTS` (at least 1).
     """
     nq, kvh, d = q.shape[0], keys.shape[1], q.shape[2]
     rep = q.shape[1] // kvh
-    qg = q.float().reshape(nq, kvh, rep, d).permute(1, 2, 0, 3).reshape(kvh, -1, d)
-    s = torch.bmm(qg, keys.float().permute(1, 2, 0)).mul_(scale)
-    s[:, :, m:] += causal.repeat(rep, 1)
-    return torch.softmax(s, dim=-1)
-
-
-def _attend(p: torch.Tensor, values: torch.Tensor, nq: int) -> torch.Tensor:
-    """The attention output [question, heads x d] of :func:`_probs`'s p over ``values``."""
-    kvh, d = values.shape[1], values.shape[2]
-    o = torch.bmm(p, values.float().permute(1, 0, 2))  # [kv heads, rep x question, d]
-    return o.reshape(kvh, -1, nq, d).permute(2, 0, 1, 3).reshape(nq, -1)
+    dev = q.device
+    block = max(1, min(nq, SCORE_ELEMENTS // (kvh * rep * (m + nq))))
+    qg = q.float().reshape(nq, kvh, rep, d).permute(1, 2, 0, 3)  # [kv heads, rep, q, d]
+    kt = keys.float().permute(1, 2, 0)  # [kv heads, d, m + question]
+    vg = values.float().permute(1, 0, 2) if out else None  # [kv heads, m + question, d]
+    o = torch.empty(nq, kvh, rep, d, dtype=torch.float32, device=dev) if out else None
+    for i0 in range(0, nq, block):
+        i1 = min(nq, i0 + block)
+        b, end = i1 - i0, m + i1
+        s = torch.bmm(qg[:, :, i0:i1].reshape(kvh, rep * b, d), kt[:, :, :end]).mul_(scale)
+        # -inf after each query's own key among the question's
+        after = torch.arange(i1, device=dev)[None, :] > torch.arange(i0, i1, device=dev)[:, None]
+        s.view(kvh, rep, b, end)[..., m:].masked_fill_(after, float("-inf"))
+        p = torch.softmax(s, dim=-1)
+        del s
+        if a is not None:
+            a += p[:, :, :m].sum(dim=1).double()
+        if o is not None:
+            ob = torch.bmm(p, vg[:, :end])  # [kv heads, rep x b, d]
+            o[i0:i1] = ob.reshape(kvh, rep, b, d).permute(2, 0, 1, 3)
+    return o.reshape(nq, -1) if o is not None else None
 
 
 #: The compressed preview (QCFuse-style): one anchor every ANCHOR_EVERY chunk tokens, each

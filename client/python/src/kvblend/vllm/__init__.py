@@ -30,7 +30,7 @@ The package, by role:
 - :mod:`.config`, :mod:`.daemon`, :mod:`.metadata`: the engine checked at start, the
   connection to kvblendd, what the scheduler hands the worker each step;
 - :mod:`.plugin`: the ``vllm.general_plugins`` entry point that makes the model reachable;
-- :mod:`.documents`: :func:`store_documents`.
+- :mod:`.documents`: :func:`store_documents`, :func:`wait_for_stores`.
 
 Importing this package imports neither torch nor vLLM (vLLM's plugin loader imports
 :mod:`.plugin` in every process): the names below are imported when first asked for, as
@@ -57,6 +57,7 @@ _EXPORTS = {
     "DUMP_ENV": "worker",
     "FAIL_LOAD_ENV": "worker",
     "store_documents": "documents",
+    "wait_for_stores": "documents",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -21,6 +21,7 @@ from vllm.logger import init_logger
 from .. import describe as _describe
 from ..blend import arch as _arch
 from ..client import default_endpoint
+from ..errors import KvblendError
 from ..types import Model
 from . import plan
 from . import separator as _separator
@@ -60,10 +61,60 @@ class Refused(RuntimeError):
     """The connector cannot serve this engine exactly; the message says why."""
 
 
+class ModelClash(RuntimeError):
+    """kvblendd holds another description under the model's name (:func:`model_clash`)."""
+
+
 def refuse(msg: str) -> Refused:
-    """Log why the connector refuses to start and return the :class:`Refused` to raise."""
+    """Log why the connector refuses to start and return the :class:`Refused` to raise.
+
+    One line, ``kvblend: refusing to start: <msg>``; a ``msg`` that already starts with
+    ``kvblend:`` (another module's error) loses that prefix, so the line has one.
+    """
+    msg = msg.removeprefix("kvblend: ")
     logger.error("kvblend: refusing to start: %s", msg)
     return Refused(f"kvblend: {msg}")
+
+
+#: The fields of a model's description, in the order a clash names them.
+_MODEL_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "dtype", "rope_theta",
+                 "rope_style", "rotary_dim", "scaling", "k_pre_rope", "store")
+
+
+def model_clash(client: Any, model: Model, reply: str = "") -> str:
+    """Say how kvblendd's description of ``model.name`` differs from ``model``'s (one line).
+
+    For a registration kvblendd refused with ``model_conflict``: the daemon's reply names
+    at most the first field that differs, without values, so the stored description is
+    read back (MODEL_LIST naming it) and compared field by field, both as libkvblend
+    normalises them (the scaling's canonical SPEC; ``rotary_dim`` 0 is all of ``head_dim``).
+    ``reply``, the daemon's message, is what the line gives when that fails.
+    """
+    head = f"model '{model.name}' is registered in kvblendd"
+    advice = (
+        "its stored chunks were computed with that description and are never loaded "
+        "for this engine; set kv_connector_extra_config's model_name to store this one "
+        "under a name of its own"
+    )
+    try:
+        theirs = client.model_get(model.name)
+        ours = Model._from_c(model._to_c())
+    except KvblendError as e:
+        return f"{head} with another layout or RoPE ({reply or e}); {advice}"
+
+    def value(m: Model, f: str) -> Any:
+        return (m.rotary_dim or m.head_dim) if f == "rotary_dim" else getattr(m, f)
+
+    def show(v: Any) -> str:
+        return f"{v:g}" if isinstance(v, float) else str(v)
+
+    diff = [
+        f"{f} {show(value(theirs, f))} where this engine has {show(value(ours, f))}"
+        for f in _MODEL_FIELDS
+        if value(theirs, f) != value(ours, f)
+    ]
+    what = ", ".join(diff) or "another layout or RoPE" + (f" ({reply})" if reply else "")
+    return f"{head} with {what}: {advice}"
 
 
 def check_version() -> None:

@@ -69,14 +69,20 @@ class KvblendWorkerMeta(KVConnectorWorkerMetadata):
     samples: list[tuple[str, int, float]] = field(default_factory=list)
     #: tokens of loads that failed this step (vLLM recomputes them)
     failed_tokens: int = 0
+    #: why kvblend is off for good on this engine, sent once when the worker turns it off
+    #: (a model-name clash or a failed RoPE self-test found after the start): the
+    #: scheduler claims nothing from then on
+    off: str | None = None
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         """All workers' samples of the step together.
 
         Tensor-parallel ranks load the same requests (each its heads): only rank 0 sends
-        samples, and the failed tokens are the most any rank failed, not their sum.
+        samples, and the failed tokens are the most any rank failed, not their sum. One
+        rank off turns kvblend off.
         """
         assert isinstance(other, KvblendWorkerMeta)
         return KvblendWorkerMeta(
-            self.samples + other.samples, max(self.failed_tokens, other.failed_tokens)
+            self.samples + other.samples, max(self.failed_tokens, other.failed_tokens),
+            self.off or other.off,
         )

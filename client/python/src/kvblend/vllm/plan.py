@@ -7,14 +7,18 @@ one daemon lookup, then one decision: a CacheBlend load of the context up to the
 chunk found (:class:`BlendLoad`), or plain reuse of the chunks from the start of the
 prompt up to the first token vLLM must compute (:func:`claim`). The :class:`Plan` is kept
 by the scheduler and used again when vLLM allocates the request's blocks. Chunks are
-hashed within the request's scope (:func:`request_scope`: its LoRA adapter and cache
-salt), so KV computed under one adapter or salt is never loaded for another. Everything
-but the lookup is a pure function, tested without an engine; no vLLM or torch import.
+hashed within the request's scope (:func:`request_scope`: its LoRA adapter's content and
+cache salt), so KV computed under one adapter or salt is never loaded for another.
+Everything but the lookup and the adapter's digest (its files, read once a version) is a
+pure function, tested without an engine; no vLLM or torch import.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -418,19 +422,124 @@ def split_override(kv_transfer_params: Any) -> tuple[Any, Any]:
 # --- the planner: one parse, one hash, one lookup per request ------------------------------
 
 
+#: The files a LoRA adapter's KV depends on, as vLLM 0.32 loads an adapter from its folder
+#: (``vllm/lora/peft_helper.py``, ``lora_model.py``): its config (rank, ``lora_alpha``,
+#: target modules) and the first of these weights files that exists.
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin", "adapter_model.pt")
+#: Adapters whose digest is kept, the least recently used dropped first.
+MAX_ADAPTER_DIGESTS = 256
+#: ``{folder: (its files' stat signature, their digest)}``: an adapter's files are read
+#: once per version; a request stats them (:func:`adapter_digest`).
+ADAPTER_DIGESTS: OrderedDict[str, tuple[tuple, str]] = OrderedDict()
+
+
+def _adapter_folder(path: str) -> str | None:
+    """Return the local folder of a LoRARequest's ``lora_path`` (None: none here).
+
+    As vLLM's worker resolves it (``vllm/lora/utils.py`` ``get_adapter_absolute_path``),
+    without downloading: an absolute path, ``~``, a relative path that exists, else a
+    Hugging Face id found in the local Hugging Face cache (vLLM's worker downloads it
+    there when it first loads the adapter).
+    """
+    if not path:
+        return None
+    if path.startswith("~"):
+        path = os.path.expanduser(path)
+    if os.path.isabs(path) or os.path.exists(path):
+        return os.path.abspath(path)
+    try:
+        from huggingface_hub import snapshot_download
+
+        return str(snapshot_download(repo_id=path, local_files_only=True))
+    except Exception:  # not installed, not an id, not downloaded: no folder here
+        return None
+
+
+def _adapter_digest(files: list[str]) -> str:
+    """BLAKE2b-256 (hex) over each file's name, length and bytes, in order."""
+    h = hashlib.blake2b(digest_size=32, person=b"kvblend lora v1")
+    for f in files:
+        name = os.path.basename(f).encode()
+        h.update(len(name).to_bytes(4, "little") + name)
+        h.update(os.path.getsize(f).to_bytes(8, "little"))
+        with open(f, "rb") as fh:
+            while True:
+                block = fh.read(1 << 20)
+                if not block:
+                    break
+                h.update(block)
+    return h.hexdigest()
+
+
+def adapter_digest(lora: Any) -> str:
+    """Return the digest of a LoRA adapter's files: what its KV depends on, not its name.
+
+    ``lora`` is vLLM's ``LoRARequest`` (read by attribute: ``lora_path``, ``lora_name``).
+    The files (:data:`ADAPTER_CONFIG` and the first of :data:`ADAPTER_WEIGHTS`) are read
+    the first time a version of them is seen; later calls stat them and reuse the digest
+    while their size, mtime, ctime, inode and device are unchanged (a rewrite in place
+    changes ctime even when mtime is put back; a replacement by rename, the inode).
+
+    Raises
+    ------
+    ParamError
+        The adapter has no weights file on this machine (a Hugging Face id not downloaded
+        yet, a path that does not exist), or its files cannot be read.
+    """
+    name = getattr(lora, "lora_name", "?")
+    path = str(getattr(lora, "lora_path", "") or "")
+    folder = _adapter_folder(path)
+    why = f"LoRA adapter '{name}' ({path or 'no lora_path'})"
+    if folder is None:
+        raise ParamError(f"{why}: not on this machine, so its KV cannot be keyed by its "
+                         "weights")
+    weights = [os.path.join(folder, w) for w in ADAPTER_WEIGHTS]
+    weights = [w for w in weights if os.path.isfile(w)][:1]
+    if not weights:
+        raise ParamError(f"{why}: no {' or '.join(ADAPTER_WEIGHTS)} in {folder}, so its KV "
+                         "cannot be keyed by its weights")
+    files = [os.path.join(folder, ADAPTER_CONFIG), weights[0]]
+    files = [f for f in files if os.path.isfile(f)]
+    try:
+        sig = tuple(
+            (f, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev)
+            for f, st in ((f, os.stat(f)) for f in files)
+        )
+        kept = ADAPTER_DIGESTS.get(folder)
+        if kept is not None and kept[0] == sig:
+            ADAPTER_DIGESTS.move_to_end(folder)
+            return kept[1]
+        digest = _adapter_digest(files)
+    except OSError as e:
+        raise ParamError(f"{why}: {e.strerror or e} reading {e.filename or folder}") from None
+    ADAPTER_DIGESTS[folder] = (sig, digest)
+    ADAPTER_DIGESTS.move_to_end(folder)
+    while len(ADAPTER_DIGESTS) > MAX_ADAPTER_DIGESTS:
+        ADAPTER_DIGESTS.popitem(last=False)
+    return digest
+
+
 def request_scope(request: Any) -> bytes:
     """Return what a vLLM request's KV depends on beyond the model and its token ids.
 
-    Its LoRA adapter (``request.lora_request``: its ``lora_name`` and ``lora_int_id``) and
-    its cache salt (``request.cache_salt``), as canonical JSON (keys sorted, no spaces,
-    UTF-8), e.g. ``{"lora":["sql",1],"salt":"tenant-a"}``; ``b""`` for a request with
-    neither, whose chunks keep :func:`kvblend.chunk_hash`'s keys. Read by attribute, so
-    any object with those attributes will do (no vLLM import).
+    Its LoRA adapter's content (``request.lora_request``: :func:`adapter_digest` of its
+    files, not its name or runtime id) and its cache salt (``request.cache_salt``), as
+    canonical JSON (keys sorted, no spaces, UTF-8), e.g. ``{"lora":"<64 hex
+    digits>","salt":"tenant-a"}``; ``b""`` for a request with neither, whose chunks keep
+    :func:`kvblend.chunk_hash`'s keys. Read by attribute, so any object with those
+    attributes will do (no vLLM import).
+
+    Raises
+    ------
+    ParamError
+        The request's adapter cannot be keyed by its content (:func:`adapter_digest`):
+        the request is served without kvblend.
     """
     scope: dict[str, Any] = {}
     lora = getattr(request, "lora_request", None)
     if lora is not None:
-        scope["lora"] = [str(lora.lora_name), int(lora.lora_int_id)]
+        scope["lora"] = adapter_digest(lora)
     salt = getattr(request, "cache_salt", None)
     if salt:
         scope["salt"] = str(salt)

@@ -71,6 +71,8 @@ class SchedulerSide:
         self._kv_cache_config = kv_cache_config
         self._fenced: dict[str, tuple[int, list]] = {}  # rid: (first hash fenced, originals)
         self._said: dict[str, dict[str, int]] = {}  # rid: what the response will say
+        # rid: the chunks it stores or waits on being stored (the response's "stores")
+        self._storing: dict[str, list[bytes]] = {}
         # chunks missed by separator-split requests, to prefill alone and store
         self._misses: deque[MissSpec] = deque()
         self._missed: OrderedDict[bytes, float] = OrderedDict()  # hash: when it was queued
@@ -81,6 +83,8 @@ class SchedulerSide:
         self.cost = cost.CostModel(config.load_cost_margin, config.load_cost_check)
         self._blend_declined_logged = -float("inf")
         self._totals: dict[str, int] = {}  # vLLM's connector stats (kvblend.vllm.stats)
+        # why the worker turned kvblend off for good (KvblendWorkerMeta.off): no claims
+        self._off: str | None = None
 
     def _log_once(self, key: str, msg: str, *args: Any) -> None:
         if key not in self._logged:
@@ -88,7 +92,13 @@ class SchedulerSide:
             logger.warning("kvblend: " + msg, *args)
 
     def _plan(self, request: Request, num_computed_tokens: int) -> plan.Plan:
-        """Plan a request; a malformed one or a daemon error plans nothing (logged once)."""
+        """Plan a request; a malformed one or a daemon error plans nothing (logged once).
+
+        Once the worker turned kvblend off for good, nothing: plain vLLM, no lookup, no
+        store (the worker logged why).
+        """
+        if self._off is not None:
+            return plan.Plan()
         cfg = self.config
         if cfg.blend is None and plan.split_override(request.kv_transfer_params)[1] is not None:
             self._log_once(
@@ -151,6 +161,7 @@ class SchedulerSide:
             declined = p.tokens
             p = plan.Plan(parsed=p.parsed, missing=p.missing)  # computed; misses still stored
         self._plans[request.request_id] = p  # kept for update_state_after_alloc
+        self._storing.pop(request.request_id, None)  # as scheduled when it last starts
         self._fence(request, p)
         n = len(request.prompt_token_ids or [])
         self._said[request.request_id] = {
@@ -204,12 +215,18 @@ class SchedulerSide:
         return load
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        """Take the workers' load and prefill times of the last step."""
+        """Take the workers' load and prefill times of the last step, and kvblend off.
+
+        A worker that turned kvblend off for good (``KvblendWorkerMeta.off``) turns the
+        scheduler's claims off too.
+        """
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(meta, KvblendWorkerMeta):
             self.cost.note(meta.samples)
             if meta.failed_tokens:
                 self._count("recomputed_after_failure", meta.failed_tokens)
+            if meta.off and self._off is None:
+                self._off = meta.off
 
     def _count(self, key: str, n: int) -> None:
         self._totals[key] = self._totals.get(key, 0) + n
@@ -269,9 +286,11 @@ class SchedulerSide:
         rid = request.request_id
         p = self._plans.pop(rid, None)
         if p is not None and p.missing and self.config.store_on_miss:
-            queued = self._queue_misses(p)
+            queued, storing = self._queue_misses(p)
             if queued and rid in self._said:
                 self._said[rid]["stored"] += queued
+            if storing:
+                self._storing[rid] = storing
         block_ids = list(blocks.get_block_ids()[0])
         bs = self.config.block_size
         if num_external_tokens > 0:
@@ -304,35 +323,48 @@ class SchedulerSide:
             logger.warning("kvblend: request %s not stored: %s", rid, why)
             return
         # the planner hashed the one chunk, which is the whole prompt
-        scope = plan.request_scope(request)
-        h = p.parsed.hashes[0] if p is not None else scoped_chunk_hash(ids, scope)
+        if p is not None:
+            h = p.parsed.hashes[0]
+        else:
+            try:
+                h = scoped_chunk_hash(ids, plan.request_scope(request))
+            except plan.ParamError as e:  # its adapter cannot be keyed: not stored
+                logger.warning("kvblend: request %s not stored: %s", rid, e)
+                return
         self._stores[rid] = _Pending(h, len(ids), block_ids)
+        self._storing[rid] = [h]
         if rid in self._said:
             self._said[rid]["stored"] = len(ids)
 
-    def _queue_misses(self, p: plan.Plan) -> int:
+    def _queue_misses(self, p: plan.Plan) -> tuple[int, list[bytes]]:
         """Queue the chunks a separator-split request missed, each once.
 
         A chunk queued in the last :data:`MISS_WINDOW_S` seconds is not queued again
         (concurrent requests that miss the same document store it once; one whose store
-        failed is tried again after the window). Returns the tokens this request queued.
+        failed is tried again after the window). Returns the tokens this request queued,
+        and the hashes of every chunk it missed that is queued (by it or, within the
+        window, by an earlier request): what a client waits for (the response's
+        ``stores``).
         """
         if p.parsed is None or not p.parsed.by_separator:
-            return 0
+            return 0, []
         now = time.monotonic()
         while self._missed and next(iter(self._missed.values())) < now - MISS_WINDOW_S:
             self._missed.popitem(last=False)
         ids = p.parsed.ids
-        queued = 0
+        queued, storing = 0, []
         for h, start, length in p.missing:
-            if h in self._missed or length < 1:
+            if length < 1:
+                continue
+            storing.append(h)
+            if h in self._missed:
                 continue
             self._missed[h] = now
             self._misses.append(MissSpec(h, ids[start : start + length]))
             queued += length
         while len(self._misses) > MAX_QUEUED_MISSES:  # the oldest go first
             self._missed.pop(self._misses.popleft().hash, None)
-        return queued
+        return queued, [h for h in storing if h in self._missed]
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvblendMetadata:
         """Return this step's loads, completed stores and missed chunks to store; loaded
@@ -391,17 +423,28 @@ class SchedulerSide:
         "computed" (by vLLM after the claim), "stored" (tokens this request stores: its
         prompt with ``store``, or the chunks it missed, queued to be stored on a miss),
         "load_declined" (tokens stored chunks could have provided, computed instead
-        because loading them costs more than computing them: :mod:`kvblend.vllm.cost`)}}``,
-        as scheduled when the request last started (a resumed request: its last start).
+        because loading them costs more than computing them: :mod:`kvblend.vllm.cost`),
+        and for a request that stores: "stores" ({"model": the model name, "chunks": the
+        hex hashes of the chunks it stores, or missed and are queued to be stored},
+        which :func:`kvblend.vllm.documents.wait_for_stores` waits for)}}``, as scheduled
+        when the request last started (a resumed request: its last start).
         """
-        said = self._said.pop(request.request_id, None)
+        rid = request.request_id
+        said = self._said.pop(rid, None)
+        storing = self._storing.pop(rid, None)
         if said is not None:
             self._count("requests", 1)
             for k, v in said.items():
                 self._count(k, v)
-        self._plans.pop(request.request_id, None)
-        self._stores.pop(request.request_id, None)
-        self._fenced.pop(request.request_id, None)
-        self._logged.discard("params:" + request.request_id)
-        return False, ({"kvblend": said} if said is not None else None)
+        self._plans.pop(rid, None)
+        self._stores.pop(rid, None)
+        self._fenced.pop(rid, None)
+        self._logged.discard("params:" + rid)
+        if said is None:
+            return False, None
+        out: dict[str, Any] = dict(said)
+        if storing:
+            out["stores"] = {"model": self.config.model_name,
+                             "chunks": [h.hex() for h in storing]}
+        return False, {"kvblend": out}
 

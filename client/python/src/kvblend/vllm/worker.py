@@ -20,9 +20,9 @@ import numpy as np
 import torch
 
 from ..blend import loop as blend_loop
-from ..errors import KvblendError, Unavailable
+from ..errors import KvblendError, ModelConflict, Unavailable
 from . import blend, cost, plugin, selftest
-from .config import ConnectorConfig, logger, refuse
+from .config import ConnectorConfig, ModelClash, logger, model_clash, refuse
 from .daemon import DaemonLink
 from .landing import CacheRegion, DeviceLanding
 from .layout import LayoutError, PagedCache, blocks_of
@@ -45,6 +45,10 @@ COPY_ENV = "KVBLEND_VLLM_COPY_FILE"
 #: Debug hook: when set to a folder, the worker writes the raw cache blocks it filled in
 #: each load there (``load-<n>.npz``), for tests that check the landed rows independently.
 DUMP_ENV = "KVBLEND_VLLM_DUMP_DIR"
+
+
+class KvblendOff(RuntimeError):
+    """kvblend is off for good on this engine (:meth:`WorkerSide._turn_off`): no call made."""
 
 
 class WorkerSide:
@@ -97,6 +101,12 @@ class WorkerSide:
         # and why loads are refused for good when it failed
         self._rope_pending: list[tuple[str, Any]] | None = None
         self._rope_bad: str | None = None
+        # the model registered once (a clash is told from an outage there: _register)
+        self._registered = False
+        # why kvblend is off for good (a clash or a failed self-test found after the
+        # start), and whether the scheduler has been told
+        self._off: str | None = None
+        self._off_told = False
         # tensor parallelism: this rank, the ranks, and vLLM's group of them (None at 1)
         self._tp_rank, self._tp_size, self._tp_group = 0, 1, None
 
@@ -219,9 +229,14 @@ class WorkerSide:
         return buf
 
     def _start_self_test(self) -> None:
-        """Check the daemon's re-rotation against vLLM's rotary modules (kvblend.vllm.selftest).
+        """Register the model, then run the RoPE self-test: the start's checks.
 
-        A failure refuses the start; with the daemon down, it runs before the first load.
+        The self-test checks the daemon's re-rotation against vLLM's rotary modules
+        (kvblend.vllm.selftest). A model-name clash (kvblendd holds another description
+        under the model's name, :func:`kvblend.vllm.config.model_clash`) or a failed
+        self-test refuses the start, in one line. With the daemon down, both run before
+        the first load or store, and either then turns kvblend off for good
+        (:meth:`_turn_off`).
         """
         model = self._blend_model
         try:
@@ -231,14 +246,50 @@ class WorkerSide:
         except (ModelUnreachable, AttributeError) as e:
             logger.warning("kvblend: RoPE self-test not run (%s): loads trust the "
                            "model's description", e)
-            return
         try:
-            self._self_test(self.daemon.client())
-        except selftest.SelfTestFailed as e:
+            self._self_test(self._register())
+        except (ModelClash, selftest.SelfTestFailed) as e:
             raise refuse(str(e)) from None
         except KvblendError as e:
             self.daemon.failed(e)  # as any failed call: the link opens and backs off
-            logger.info("kvblend: RoPE self-test deferred to the first load (%s)", e)
+            logger.info("kvblend: model registration and RoPE self-test deferred to the "
+                        "first load (%s)", e)
+
+    def _register(self) -> Any:
+        """Return the link's client, the model registered on it at least once.
+
+        The first registration is made here, on a connection the link makes without
+        registering: kvblendd's ``model_conflict`` is a model-name clash, which the link
+        would take for an outage (and retry after each pause, the scheduler claiming on).
+        Later connections register through the link.
+
+        Raises
+        ------
+        ModelClash
+            kvblendd holds another description under the name; the message names the
+            differing fields (:func:`kvblend.vllm.config.model_clash`).
+        KvblendError
+            The daemon could not be asked (the link opened).
+        """
+        link = self.daemon
+        if self._registered:
+            return link.client()
+        model, link.model = link.model, None  # connect only
+        try:
+            client = link.client()
+        finally:
+            link.model = model
+        try:
+            client.model_register(self.config.model)
+        except ModelConflict as e:
+            why = model_clash(client, self.config.model, e.message)
+            link.drop()
+            raise ModelClash(why) from None
+        except KvblendError as e:
+            link.failed(e)
+            raise
+        self._registered = True
+        return link.client()  # the link registers on it too (kvblendd answers "existed")
 
     def _self_test(self, client: Any) -> None:
         """Run the self-test if it has not passed yet (raises SelfTestFailed, KvblendError)."""
@@ -257,10 +308,48 @@ class WorkerSide:
         except selftest.SelfTestFailed as e:
             self._rope_bad = str(e)
             self._rope_pending = None
-            logger.error("%s; every load is computed instead", e)
             raise
         self._rope_pending = None
         logger.info("kvblend: %s", line)
+
+    def _daemon_client(self) -> Any:
+        """Return the client for a load or a store: the model registered, the self-test run.
+
+        A clash or a failed self-test found here (the daemon was down at start) turns
+        kvblend off for good.
+
+        Raises
+        ------
+        KvblendOff
+            kvblend is off for good (at once, without a call).
+        KvblendError
+            The daemon could not be asked (the link opened).
+        """
+        if self._off is not None:
+            raise KvblendOff(self._off)
+        try:
+            client = self._register()
+            self._self_test(client)
+        except (ModelClash, selftest.SelfTestFailed) as e:
+            self._turn_off(str(e))
+            raise KvblendOff(str(e)) from None
+        except ModelConflict as e:  # the link's registration on a later connection
+            self._turn_off(f"model '{self.config.model.name}': {e}")
+            raise KvblendOff(str(e)) from None
+        return client
+
+    def _turn_off(self, why: str) -> None:
+        """Turn kvblend off for good on this engine, in one line.
+
+        Loads fail at once (vLLM recomputes them), nothing is stored, and the scheduler
+        is told with the next step's metadata (:meth:`build_worker_meta`): it claims
+        nothing from then on, so every request is plain vLLM.
+        """
+        if self._off is not None:
+            return
+        self._off = why.removeprefix("kvblend: ")
+        logger.error("kvblend: off for this engine: %s; every request is served as plain vLLM",
+                     self._off)
 
     def _start_misses(self) -> None:
         """Start storing missed chunks (needs the model, as the blend pass; else one line)."""
@@ -315,9 +404,12 @@ class WorkerSide:
         """This step's cost samples and failed loads for the scheduler (None: nothing)."""
         if self._tp_rank:
             self._samples = []  # rank 0's: every rank times the same loads and steps
-        if not self._samples and not self._failed_tokens:
+        off = None
+        if self._off is not None and not self._off_told:
+            off, self._off_told = self._off, True
+        if not self._samples and not self._failed_tokens and off is None:
             return None
-        out = KvblendWorkerMeta(self._samples, self._failed_tokens)
+        out = KvblendWorkerMeta(self._samples, self._failed_tokens, off)
         self._samples, self._failed_tokens = [], 0
         return out
 
@@ -341,10 +433,9 @@ class WorkerSide:
                     layer = self._fail_hook_mine(fail, ld.blend is not None)
                     if layer == -1:
                         raise RuntimeError("load failure injected by " + FAIL_LOAD_ENV)
-                # at once while the daemon is known down (the link's back-off): the load
-                # fails without a call, and vLLM recomputes it
-                client = self.daemon.client()
-                self._self_test(client)
+                # at once while the daemon is known down (the link's back-off) or kvblend
+                # is off: the load fails without a call, and vLLM recomputes it
+                client = self._daemon_client()
                 if ld.blend is not None:
                     blends.append(ld)  # after the loop, all in one pass
                     if layer is not None:
@@ -374,8 +465,8 @@ class WorkerSide:
                     )
                 self._load_failed(ld, str(e))
                 continue
-            except selftest.SelfTestFailed as e:
-                self._load_failed(ld, str(e))
+            except KvblendOff:
+                self._load_failed(ld, "kvblend is off for this engine")
                 continue
             except (KvblendError, ValueError, IndexError, RuntimeError) as e:
                 self.daemon.drop()
@@ -616,7 +707,7 @@ class WorkerSide:
         """Close this step's landing sessions; PUT each chunk gathered this step (position 0)."""
         if self._region is not None and self._region.sessions:
             self._landed()
-        if meta.misses and self._misses is not None:
+        if meta.misses and self._misses is not None and self._off is None:
             self._misses.submit(meta.misses)  # prefilled and stored on the thread
         for st in meta.stores:
             buf = self._gathered.pop(st.req_id, None)
@@ -625,7 +716,9 @@ class WorkerSide:
             if buf is None:
                 continue
             try:
-                self.daemon.client().put(self.config.model_name, st.hash, buf, base_pos=0)
+                self._daemon_client().put(self.config.model_name, st.hash, buf, base_pos=0)
+            except KvblendOff:
+                continue
             except (Unavailable, TimeoutError) as e:
                 self.daemon.failed(e)
                 logger.warning("kvblend: storing %s failed: %s", st.req_id, e)
