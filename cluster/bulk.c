@@ -57,23 +57,34 @@ static int wait_fd(int fd, short events, int64_t deadline)
 	}
 }
 
-/* Fill iov[0..n) (modified) from fd by the deadline: 0, -ETIMEDOUT, -EIO (closed). */
-static int recv_iov(int fd, struct iovec *iov, int n, int64_t deadline)
+/*
+ * Fill iov[0..n) (modified) from fd by the deadline: 0, -ETIMEDOUT, -EIO (closed). With
+ * stall_ms > 0, also -ETIME when no byte came for stall_ms since *last (ms, monotonic),
+ * which each byte received moves on (so that the rule spans calls: one payload's
+ * records).
+ */
+static int recv_iov(int fd, struct iovec *iov, int n, int64_t deadline, int64_t stall_ms,
+		    int64_t *last)
 {
 	kvbb_iov_advance(&iov, &n, 0);
 	while (n > 0) {
 		struct msghdr m = { .msg_iov = iov, .msg_iovlen = (size_t)n };
 		ssize_t r = recvmsg(fd, &m, MSG_DONTWAIT);
+		int64_t due = deadline;
 		int rc;
 
 		if (r > 0) {
 			kvbb_iov_advance(&iov, &n, (size_t)r);
+			if (stall_ms > 0)
+				*last = now_ms();
 			continue;
 		}
 		if (r == 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR))
 			return -EIO;
-		if ((rc = wait_fd(fd, POLLIN, deadline)))
-			return rc;
+		if (stall_ms > 0 && *last + stall_ms < deadline)
+			due = *last + stall_ms;
+		if ((rc = wait_fd(fd, POLLIN, due)))
+			return rc == -ETIMEDOUT && due < deadline ? -ETIME : rc;
 	}
 	return 0;
 }
@@ -203,7 +214,7 @@ static int psock_bulk(struct cluster *c, struct psock *ps, const char *endpoint,
 	ps->fd = connect_to(endpoint, rep.bulk_port, deadline);
 	if (ps->fd < 0 || kvbb_hello_put(hello, ps->ticket, ps->aead) ||
 	    send_iov(ps->fd, &(struct iovec){ hello, sizeof(hello) }, 1, deadline) ||
-	    recv_iov(ps->fd, &(struct iovec){ &ack, 1 }, 1, deadline) || ack) {
+	    recv_iov(ps->fd, &(struct iovec){ &ack, 1 }, 1, deadline, 0, NULL) || ack) {
 		cl_warn(c, "cluster: no bulk connection to %s (port %u): %s; its payloads in "
 			"frames", endpoint, rep.bulk_port,
 			ps->fd < 0 ? strerror(-ps->fd) : "refused");
@@ -222,6 +233,7 @@ struct psock *psock_new(struct cluster *c, const char *endpoint, const char *key
 {
 	struct psock *ps = calloc(1, sizeof(*ps));
 	bool curve = key[0] && c->secret[0];
+	int64_t maxmsg = c->max_message > INT64_MAX / 2 ? INT64_MAX : (int64_t)c->max_message * 2;
 	int zero = 0;
 
 	if (!ps)
@@ -232,6 +244,10 @@ struct psock *psock_new(struct cluster *c, const char *endpoint, const char *key
 	if (!ps->s)
 		goto fail;
 	zmq_setsockopt(ps->s, ZMQ_LINGER, &zero, sizeof(zero));
+	/* A hard cap per frame, as on the daemon's own sockets (twice max_message): a reply
+	 * frame above it drops the connection before ZeroMQ allocates it (a FETCH reply in
+	 * frames is then checked against max_message itself, fetch_size_check). */
+	zmq_setsockopt(ps->s, ZMQ_MAXMSGSIZE, &maxmsg, sizeof(maxmsg));
 	if (curve && (zmq_setsockopt(ps->s, ZMQ_CURVE_SERVERKEY, key, 40) ||
 		      zmq_setsockopt(ps->s, ZMQ_CURVE_PUBLICKEY, c->public_key, 40) ||
 		      zmq_setsockopt(ps->s, ZMQ_CURVE_SECRETKEY, c->secret, 40)))
@@ -261,15 +277,44 @@ fail:
 	return NULL;
 }
 
+int fetch_size_check(const struct cluster *c, const struct store_model *m,
+		     uint32_t num_tokens, uint64_t stored, char *why, size_t why_len)
+{
+	uint64_t tb = store_tensor_bytes(m, num_tokens), raw, bound;
+
+	if (!num_tokens) {
+		snprintf(why, why_len, "a chunk of 0 tokens");
+		return -EPROTO;
+	}
+	/* as a REPLICATE's (the daemon's chunk_bytes): K and V of every layer, raw */
+	if (!tb || ckd_mul3(&raw, tb, 2ull, m->num_layers)) {
+		snprintf(why, why_len, "a chunk of %u tokens, whose size overflows; refused, "
+			 "nothing allocated", num_tokens);
+		return -EMSGSIZE;
+	}
+	if (raw > c->max_message) {
+		snprintf(why, why_len, "a chunk of %u tokens (%llu bytes) is above max_message "
+			 "%llu; refused, nothing allocated", num_tokens, (unsigned long long)raw,
+			 (unsigned long long)c->max_message);
+		return -EMSGSIZE;
+	}
+	if (kvbb_stored_max(raw, m->num_layers, &bound) || stored > bound || stored == 0) {
+		snprintf(why, why_len, "%llu stored bytes for a chunk of %u tokens (%llu bytes)",
+			 (unsigned long long)stored, num_tokens, (unsigned long long)raw);
+		return -EPROTO;
+	}
+	return 0;
+}
+
 /*
  * The parts of a FETCH reply's payload on ps's bulk connection: the reply must name
- * one part per layer of m, adding up to its bulk_bytes, and no more than a chunk of
- * its tokens can take stored (kvbb_stored_max). 0, or -EPROTO with why.
+ * one part per layer of m, adding up to its bulk_bytes, for a chunk within
+ * fetch_size_check's bounds. 0, or -EMSGSIZE / -EPROTO with why.
  */
-static int check_parts(const struct store_model *m, const struct kvbp_reply *rep, char *why,
-		       size_t why_len)
+static int check_parts(const struct cluster *c, const struct store_model *m,
+		       const struct kvbp_reply *rep, char *why, size_t why_len)
 {
-	uint64_t sum = 0, raw = 0, bound;
+	uint64_t sum = 0;
 
 	if (rep->n_bulk_parts != m->num_layers || rep->n_chunks != 1) {
 		snprintf(why, why_len, "%zu parts for a %u-layer model", rep->n_bulk_parts,
@@ -281,32 +326,29 @@ static int check_parts(const struct store_model *m, const struct kvbp_reply *rep
 			snprintf(why, why_len, "parts that overflow");
 			return -EPROTO;
 		}
-	raw = store_tensor_bytes(m, rep->chunks[0].num_tokens);
-	if (!raw || ckd_mul3(&raw, raw, 2ull, m->num_layers) ||
-	    kvbb_stored_max(raw, m->num_layers, &bound) || sum != rep->bulk_bytes ||
-	    sum > bound || sum == 0) {
-		snprintf(why, why_len, "%llu bytes in parts adding up to %llu, for a chunk of %u "
-			 "tokens", (unsigned long long)rep->bulk_bytes, (unsigned long long)sum,
-			 rep->chunks[0].num_tokens);
+	if (sum != rep->bulk_bytes) {
+		snprintf(why, why_len, "%llu bytes in parts adding up to %llu",
+			 (unsigned long long)rep->bulk_bytes, (unsigned long long)sum);
 		return -EPROTO;
 	}
-	return 0;
+	return fetch_size_check(c, m, rep->chunks[0].num_tokens, sum, why, why_len);
 }
 
 int psock_fetch_payload(struct cluster *c, struct psock *ps, const struct store_model *m,
-			struct call_out *o, int64_t deadline, char *why, size_t why_len)
+			struct call_out *o, int64_t deadline, int64_t stall_ms, char *why,
+			size_t why_len)
 {
 	uint8_t hdr[KVBB_HDR_LEN], tag[KVBB_TAG_LEN];
 	uint64_t got = 0;
+	int64_t moved = now_ms(); /* the last byte, for stall_ms: the reply counts as one */
 	bool last = false;
 	int rc;
 
-	(void)c;
 	if (ps->fd < 0) {
 		snprintf(why, why_len, "a bulk payload on a socket without a bulk connection");
 		return -EPROTO;
 	}
-	if ((rc = check_parts(m, &o->rep, why, why_len)))
+	if ((rc = check_parts(c, m, &o->rep, why, why_len)))
 		return rc;
 	o->bulk = malloc(o->rep.bulk_bytes);
 	if (!o->bulk) {
@@ -318,7 +360,8 @@ int psock_fetch_payload(struct cluster *c, struct psock *ps, const struct store_
 		struct kvbb_hdr h;
 		struct iovec v[2];
 
-		if ((rc = recv_iov(ps->fd, &(struct iovec){ hdr, sizeof(hdr) }, 1, deadline)))
+		if ((rc = recv_iov(ps->fd, &(struct iovec){ hdr, sizeof(hdr) }, 1, deadline,
+				   stall_ms, &moved)))
 			break;
 		/* every size checked before a byte lands */
 		if (kvbb_hdr_get(hdr, &h) || h.request_id != o->rep.request_id || h.offset != got ||
@@ -332,7 +375,7 @@ int psock_fetch_payload(struct cluster *c, struct psock *ps, const struct store_
 		}
 		v[0] = (struct iovec){ o->bulk + h.offset, h.len };
 		v[1] = (struct iovec){ tag, ps->aead ? sizeof(tag) : 0 };
-		if ((rc = recv_iov(ps->fd, v, 2, deadline)))
+		if ((rc = recv_iov(ps->fd, v, 2, deadline, stall_ms, &moved)))
 			break;
 		if (ps->aead && kvbb_open(ps->aead, ps->rcounter, KVBB_DIR_RECORDS, hdr, sizeof(hdr),
 					  o->bulk + h.offset, h.len, tag)) {
@@ -346,7 +389,11 @@ int psock_fetch_payload(struct cluster *c, struct psock *ps, const struct store_
 		got += h.len;
 		last = h.flags & KVBB_LAST;
 	}
-	if (rc)
+	if (rc == -ETIME)
+		snprintf(why, why_len, "the payload stalled: no byte for %lld ms after %llu of "
+			 "%llu bytes", (long long)stall_ms, (unsigned long long)got,
+			 (unsigned long long)o->rep.bulk_bytes);
+	else if (rc)
 		snprintf(why, why_len, "the bulk connection %s after %llu of %llu bytes",
 			 rc == -ETIMEDOUT ? "timed out" : "closed", (unsigned long long)got,
 			 (unsigned long long)o->rep.bulk_bytes);

@@ -57,6 +57,7 @@ int cluster_new(const struct cluster_opts *o, struct cluster **out, char *err, s
 	c->timeout_ms = o->timeout_ms;
 	c->hedge_ms = o->hedge_ms > 0 ? o->hedge_ms : 0;
 	c->bulk = o->bulk;
+	c->max_message = o->max_message ? o->max_message : 1ull << 30;
 	c->forget_after_ms = (int64_t)(o->forget_after_s ? o->forget_after_s : 600) * 1000;
 	c->grace_ms = (int64_t)o->grace_s * 1000;
 	c->drain_ms = (int64_t)o->drain_timeout_s * 1000;
@@ -182,6 +183,7 @@ void cluster_stats(struct cluster *c, struct cluster_stats *out)
 	out->membership_changes = atomic_load(&c->membership_changes);
 	out->peer_busy = atomic_load(&c->peer_busy);
 	out->hedged = atomic_load(&c->hedged);
+	out->fetch_stalls = atomic_load(&c->fetch_stalls);
 	out->bulk_fetches = atomic_load(&c->bulk_fetches);
 	out->bulk_pushes = atomic_load(&c->bulk_pushes);
 	out->etcd = c->etcd_urls[0] != 0;

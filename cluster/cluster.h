@@ -67,6 +67,9 @@ struct cluster_opts {
 				 * the next member; 0 never */
 	bool bulk;		/* cluster_bulk: FETCH and REPLICATE payloads to and from
 				 * peers over tcp:// on bulk connections where they offer one */
+	uint64_t max_message;	/* max_message: a fetched chunk's raw bytes at most this, as a
+				 * REPLICATE's (checked before anything is allocated for it);
+				 * 0: 1 GiB */
 	uint64_t rebalance_rate; /* cluster_rebalance_rate: bytes/s of rebalance pushes */
 	uint64_t repair_interval_s; /* cluster_repair_interval: 0 never */
 	int lease_ttl_s;	    /* cluster_lease_ttl: the etcd lease */
@@ -100,7 +103,9 @@ void cluster_free(struct cluster **c);
  * it here. Returns 0 when it is stored here now (also when it already was),
  * -ENOENT when no live member has it, or another negative errno. A member that
  * has not answered within cluster_hedge_ms is not waited for: the next is asked
- * too, the first answer wins. Bounded by cluster_timeout_ms per member.
+ * too, the first answer wins; one whose payload makes no progress for
+ * cluster_hedge_ms is given up (and skipped for a while) for the next. Bounded by
+ * cluster_timeout_ms per member. A reply for a chunk above max_message is refused.
  */
 int cluster_fetch(struct cluster *c, const struct store_model *m, const uint8_t *hash);
 
@@ -143,6 +148,7 @@ struct cluster_stats {
 	uint64_t rebalance_pushes, rebalance_skipped; /* to new owners; skipped: they had it */
 	uint64_t membership_changes, peer_busy;	      /* peer_busy: calls refused, in-flight cap */
 	uint64_t hedged; /* fetches that asked a further member after cluster_hedge_ms */
+	uint64_t fetch_stalls; /* FETCH payloads given up: no progress for cluster_hedge_ms */
 	uint64_t bulk_fetches; /* fetched chunks whose bytes came on a bulk connection */
 	uint64_t bulk_pushes;  /* chunks pushed (REPLICATE) whose bytes went on one */
 	bool etcd, etcd_ok;			      /* membership from etcd; etcd answers now */

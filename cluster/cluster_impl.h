@@ -49,6 +49,10 @@ struct peer {
 	struct psock *idle[POOL];
 	unsigned n_idle;
 	atomic_int_fast64_t suspect_until; /* ms, monotonic */
+	/* ms, monotonic: its FETCH payload stalled (answered, then no byte for
+	 * cluster_hedge_ms); skipped until then. An answer to a call (a heartbeat) does not
+	 * clear it, since calls do not cross the bulk connection; a payload received does. */
+	atomic_int_fast64_t stall_until;
 	atomic_int_fast64_t last_reply;	   /* ms, realtime; 0 never */
 	atomic_int in_flight;
 	atomic_uint_fast64_t held_chunks, held_bytes; /* its store, at its last heartbeat */
@@ -84,6 +88,7 @@ struct cluster {
 	int timeout_ms;
 	int64_t hedge_ms; /* cluster_hedge_ms: 0 never hedge */
 	bool bulk;	  /* cluster_bulk: FETCH payloads on bulk connections (bulk.c) */
+	uint64_t max_message; /* a fetched chunk's raw bytes at most this (bulk.c) */
 	int64_t forget_after_ms; /* cluster_forget_after */
 	int64_t grace_ms;	 /* cluster_grace: a member gone stays placed this long */
 	int64_t drain_ms;	 /* cluster_drain_timeout: 0 no drain */
@@ -110,7 +115,7 @@ struct cluster {
 	int64_t rebalance_next_ns; /* the rate limit: no rebalance push before this */
 	atomic_uint_fast64_t pushes_done, push_failures, remote_hits, remote_misses,
 		fetch_failures, fetched_bytes, fetch_ns, fetch_wire_ns, in_flight, rebalance_pushes,
-		rebalance_skipped, peer_busy, hedged, bulk_fetches, bulk_pushes;
+		rebalance_skipped, peer_busy, hedged, bulk_fetches, bulk_pushes, fetch_stalls;
 	/* rebalance after a membership change (its own thread) */
 	pthread_t rebalancer;
 	bool rebalancer_started;
@@ -172,12 +177,6 @@ struct psock {
 struct psock *psock_new(struct cluster *c, const char *endpoint, const char *key);
 void psock_free(struct psock *ps);
 /*
- * Receive the payload of FETCH reply o (rep.bulk_bytes > 0) on ps's bulk connection
- * into o->bulk, by the deadline (ms, monotonic), after checking the parts it names
- * against m. 0; or -EPROTO, -EBADMSG (altered on the wire), -ETIMEDOUT, -EIO, -ENOMEM,
- * with why: ps's connection is then out of step, and ps must be closed.
- */
-/*
  * Send the payload of REPLICATE request_id (the concatenation of blobs[0..n), lens
  * bytes each) as records on ps's bulk connection (sealed when it is), by the deadline.
  * 0; or -ETIMEDOUT, -EIO, -ENOMEM: ps's connection is then out of step, and ps must be
@@ -185,8 +184,27 @@ void psock_free(struct psock *ps);
  */
 int psock_send_payload(struct psock *ps, uint64_t request_id, const void *const *blobs,
 		       const size_t *lens, size_t n, int64_t deadline);
+/*
+ * Receive the payload of FETCH reply o (rep.bulk_bytes > 0) on ps's bulk connection
+ * into o->bulk, by the deadline (ms, monotonic), after checking the parts it names
+ * against m and its size against c->max_message (fetch_size_check), before o->bulk is
+ * allocated. With stall_ms > 0, a payload that makes no progress (no byte) for
+ * stall_ms, from the call to the first byte or between bytes, is given up: -ETIME.
+ * 0; or -EMSGSIZE (above max_message: nothing allocated), -EPROTO, -EBADMSG (altered
+ * on the wire), -ETIME (stalled), -ETIMEDOUT, -EIO, -ENOMEM, with why: ps's connection
+ * is then out of step, and ps must be closed.
+ */
 int psock_fetch_payload(struct cluster *c, struct psock *ps, const struct store_model *m,
-			struct call_out *o, int64_t deadline, char *why, size_t why_len);
+			struct call_out *o, int64_t deadline, int64_t stall_ms, char *why,
+			size_t why_len);
+/*
+ * Is a FETCH reply's chunk within bounds: num_tokens of m take at most c->max_message
+ * raw bytes (K and V of every layer, as a REPLICATE's must), and its stored bytes are
+ * no more than such a chunk may take stored (kvbb_stored_max), nor 0? 0; or -EMSGSIZE
+ * (above max_message) or -EPROTO, with why naming the sizes.
+ */
+int fetch_size_check(const struct cluster *c, const struct store_model *m,
+		     uint32_t num_tokens, uint64_t stored, char *why, size_t why_len);
 
 /* A log line through the daemon's callback (cluster_opts.log), as printf formats it. */
 void cluster_logf(const struct cluster *c, int level, const char *fmt, ...)
@@ -219,9 +237,12 @@ static inline int64_t wall_ms(void)
 	return (int64_t)t.tv_sec * 1000 + t.tv_nsec / 1000000;
 }
 
+/* Is p skipped for now: it missed a deadline, or its FETCH payload stalled? */
 static inline bool suspect(struct peer *p)
 {
-	return atomic_load(&p->suspect_until) > now_ms();
+	int64_t now = now_ms();
+
+	return atomic_load(&p->suspect_until) > now || atomic_load(&p->stall_until) > now;
 }
 
 /*

@@ -465,6 +465,7 @@ static bool member_put(struct cluster *c, const char *key, const char *val)
 		snprintf(p->key, sizeof(p->key), "%s", r.key);
 		peer_drop_idle(p);
 		atomic_store(&p->suspect_until, 0);
+		atomic_store(&p->stall_until, 0);
 		changed = true;
 	}
 	pthread_mutex_unlock(&p->lock);

@@ -15,6 +15,8 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "common/ckd.h"
+
 /* ---- calls to a peer ---- */
 
 static struct psock *sock_get(struct cluster *c, struct peer *p)
@@ -206,15 +208,23 @@ static int call_recv(struct call *cl, struct call_out *out)
 }
 
 /*
- * The end of a call: rc 0 (answered: the peer is heard from), a negative errno
- * (it missed the deadline or failed: suspect for SUSPECT_MS), or 1 (abandoned,
- * another member answered first: the socket is closed, the peer not marked).
+ * The end of a call: rc 0 (answered: the peer is heard from), -ETIME (a FETCH
+ * answered whose payload then stalled: skipped for SUSPECT_MS whatever else it
+ * answers meanwhile), another negative errno (it missed the deadline or failed:
+ * suspect for SUSPECT_MS, until it answers again), or 1 (abandoned, another member
+ * answered first: the socket is closed, the peer not marked).
  */
 static void call_end(struct cluster *c, struct call *cl, int rc)
 {
 	struct peer *p = cl->p;
 
-	if (rc < 0) {
+	if (rc == -ETIME) {
+		atomic_store(&p->stall_until, now_ms() + SUSPECT_MS);
+		atomic_fetch_add(&c->fetch_stalls, 1);
+		cl_warn(c, "cluster: member '%s': a FETCH payload stalled past cluster_hedge_ms; "
+			"its reads skipped for %d ms (heartbeats it answers do not clear this)",
+			p->id, SUSPECT_MS);
+	} else if (rc < 0) {
 		atomic_store(&p->suspect_until, now_ms() + SUSPECT_MS);
 		cl_warn(c, "cluster: member '%s': %s; skipped for %d ms", p->id,
 			rc == -ETIMEDOUT ? "no reply within cluster_timeout_ms" : "call failed",
@@ -306,6 +316,19 @@ static int fetch_store(struct cluster *c, const struct store_model *m, const uin
 		atomic_fetch_add(&c->fetch_failures, 1);
 		return -ENOENT;
 	}
+	if (!o->bulk) { /* (a bulk payload's size was checked before it came: bulk.c) */
+		uint64_t stored = 0;
+		char why[192];
+
+		for (size_t l = 0; l < m->num_layers; l++)
+			if (ckd_add(&stored, stored, zmq_msg_size(&o->frames[l])))
+				stored = UINT64_MAX;
+		if (fetch_size_check(c, m, o->rep.chunks[0].num_tokens, stored, why, sizeof(why))) {
+			cl_warn(c, "cluster: fetch from '%s' in frames: %s", p->id, why);
+			atomic_fetch_add(&c->fetch_failures, 1);
+			return -ENOENT;
+		}
+	}
 	blobs = calloc(m->num_layers, sizeof(*blobs));
 	lens = calloc(m->num_layers, sizeof(*lens));
 	if (!blobs || !lens) {
@@ -340,13 +363,29 @@ static int fetch_store(struct cluster *c, const struct store_model *m, const uin
 
 #define HEDGE_MAX 3 /* FETCHes of one chunk in flight at once */
 
+/* Is a member among idx[next..n) one cluster_fetch would still ask (live, not suspect)? */
+static bool left_to_ask(struct cluster *c, const size_t *idx, size_t next, size_t n)
+{
+	for (; next < n; next++) {
+		struct peer *p = idx[next] ? peer_at(c, idx[next] - 1) : NULL;
+
+		if (p && !suspect(p) && peer_live(c, p))
+			return true;
+	}
+	return false;
+}
+
 /*
  * The members in placement order (owners first, then the others: a chunk may
  * sit where it used to belong), skipping suspect and departed ones. A member
  * that has not answered within cluster_hedge_ms is not waited for: the next
  * one is asked too (up to HEDGE_MAX at once), and the first to answer with the
  * chunk wins; the others are abandoned (not marked: they may just be slower).
- * A member that misses its deadline is marked suspect.
+ * The hedge holds over the whole transfer: a payload on a bulk connection that
+ * makes no progress for cluster_hedge_ms, while another member is under way or
+ * left to ask, is given up and its member skipped as one that missed its
+ * deadline (call_end, -ETIME); the next is asked. A member that misses its
+ * deadline is marked suspect.
  */
 int cluster_fetch(struct cluster *c, const struct store_model *m, const uint8_t *hash)
 {
@@ -407,16 +446,24 @@ int cluster_fetch(struct cluster *c, const struct store_model *m, const uint8_t 
 				continue;
 			}
 			if (r == 0 && o.rep.code == KVBP_OK && o.rep.bulk_bytes) {
+				int64_t stall = 0;
 				char why[192];
 
-				r = psock_fetch_payload(c, cl[i].ps, m, &o, cl[i].deadline, why,
-							sizeof(why));
+				/* read here, the others waiting: while another member may
+				 * answer, a payload without a byte for the hedge delay is
+				 * given up */
+				if (c->hedge_ms && (n_cl > 1 || left_to_ask(c, idx, next, n)))
+					stall = c->hedge_ms;
+				r = psock_fetch_payload(c, cl[i].ps, m, &o, cl[i].deadline, stall,
+							why, sizeof(why));
 				if (r) {
 					cl_warn(c, "cluster: fetch from '%s' on its bulk connection: "
 						"%s", cl[i].p->id, why);
 					cl[i].ps->spoilt = true;
 					call_out_free(&o);
-					r = r == -ETIMEDOUT ? -ETIMEDOUT : -EIO;
+					r = r == -ETIMEDOUT || r == -ETIME ? r : -EIO;
+				} else {
+					atomic_store(&cl[i].p->stall_until, 0);
 				}
 			}
 			call_end(c, &cl[i], r);

@@ -138,6 +138,7 @@ VALUE(v_rebalance_skipped, s->cs.rebalance_skipped)
 VALUE(v_changes, s->cs.membership_changes)
 VALUE(v_peer_busy, s->cs.peer_busy)
 VALUE(v_hedged, s->cs.hedged)
+VALUE(v_fetch_stalls, s->cs.fetch_stalls)
 VALUE(v_bulk_fetches, s->cs.bulk_fetches)
 VALUE(v_bulk_pushes, s->cs.bulk_pushes)
 VALUE(v_etcd_ok, s->cs.etcd_ok)
@@ -222,6 +223,9 @@ const struct counter counters[] = {
 	{ "cluster_hedged", "kvblend_cluster_hedged_total",
 	  "Fetches that also asked the next member after cluster_hedge_ms.", C, NEED_CLUSTER,
 	  v_hedged },
+	{ "cluster_fetch_stalls", "kvblend_cluster_fetch_stalls_total",
+	  "Fetch payloads given up after cluster_hedge_ms without a byte, for the next member.",
+	  C, NEED_CLUSTER, v_fetch_stalls },
 	{ "cluster_bulk_fetches", "kvblend_cluster_bulk_fetches_total",
 	  "Chunks fetched from members whose bytes came on a bulk connection.", C, NEED_CLUSTER,
 	  v_bulk_fetches },

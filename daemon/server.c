@@ -397,6 +397,7 @@ static int cluster_start(const struct config *cfg, struct store *store, const ch
 		.timeout_ms = (int)cfg->cluster_timeout_ms,
 		.hedge_ms = (int)cfg->cluster_hedge_ms,
 		.bulk = cfg->cluster_bulk,
+		.max_message = cfg->max_message,
 		.rebalance_rate = cfg->cluster_rebalance_rate,
 		.repair_interval_s = cfg->cluster_repair_interval,
 		.lease_ttl_s = (int)cfg->cluster_lease_ttl,
