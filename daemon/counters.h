@@ -19,7 +19,7 @@
 #include "cluster/cluster.h"
 #include "daemon/bulk.h"
 #include "daemon/evict.h"
-#include "daemon/fuse.h"
+#include "daemon/fuse/fuse.h"
 #include "daemon/state.h"
 
 struct counter_snap {

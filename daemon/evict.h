@@ -21,7 +21,7 @@
 #include <stdint.h>
 
 #include "store/store.h"
-#include "daemon/fuse.h"
+#include "daemon/fuse/fuse.h"
 #include "daemon/tenants.h"
 
 struct evictor;

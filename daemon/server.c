@@ -544,12 +544,6 @@ int server_start(struct server *srv, const struct config *cfg, struct store *sto
 			return rc;
 		}
 	}
-	srv->pf_cap = (unsigned)cfg->fuse_max_sessions + 1;
-	srv->pf_queue = calloc(srv->pf_cap, sizeof(*srv->pf_queue));
-	if (!srv->pf_queue)
-		return -ENOMEM;
-	pthread_mutex_init(&srv->pf_lock, NULL);
-	pthread_cond_init(&srv->pf_cond, NULL);
 	srv->threads = calloc(n_workers, sizeof(*srv->threads));
 	if (!srv->threads || work_new(WORK_QUEUE, &srv->work))
 		return -ENOMEM;
@@ -578,10 +572,8 @@ int server_start(struct server *srv, const struct config *cfg, struct store *sto
 		}
 		srv->n_workers++;
 	}
-	if (!rc) {
-		rc = pthread_create(&srv->prefetcher, NULL, server_prefetch_main, srv);
-		srv->prefetcher_started = rc == 0;
-	}
+	if (!rc)
+		rc = -fuse_loader_start(srv->fuse);
 	if (!rc)
 		rc = -lane_start(&srv->lane, srv->zctx, LANE_ENDPOINT, server_lane_run, srv, LANE_WAITING);
 	pthread_sigmask(SIG_SETMASK, &old, NULL);
@@ -662,14 +654,7 @@ void server_stop(struct server *srv)
 	atomic_store(&srv->stop_workers, true);
 	for (unsigned i = 0; i < srv->n_workers; i++)
 		pthread_join(srv->threads[i], NULL);
-	if (srv->prefetcher_started) {
-		pthread_mutex_lock(&srv->pf_lock);
-		srv->pf_stop = true;
-		pthread_cond_signal(&srv->pf_cond);
-		pthread_mutex_unlock(&srv->pf_lock);
-		pthread_join(srv->prefetcher, NULL);
-		srv->prefetcher_started = false;
-	}
+	fuse_loader_stop(srv->fuse);
 	free(srv->threads);
 	srv->threads = NULL;
 	srv->n_workers = 0;
@@ -708,7 +693,6 @@ void server_stop(struct server *srv)
 		if (!strncmp(srv->cfg->listen[i], "ipc://", 6))
 			unlink(srv->cfg->listen[i] + 6);
 	free(srv->in_frames);
-	free(srv->pf_queue);
 	srv->in_frames = NULL;
 	/* the metrics thread and the evictor's (owns_chunk, owners_hold) call into the
 	 * cluster: both stopped before it is freed (ASan caught the evictor's call ending on

@@ -1,7 +1,7 @@
 /*
  * server_impl — what the three parts of the server share (private to them): the
  * composition (server.c: sockets bound, backends and services started, the stop), the
- * threads (server_threads.c: workers, the prefetch thread, the lane's runner) and the
+ * threads (server_threads.c: workers, the lane's runner) and the
  * socket loop (server_loop.c: the main thread moving requests to the workers and
  * replies back). See server.h for the whole.
  */
@@ -53,8 +53,6 @@ int server_recv_frames(void *sock, zmq_msg_t *frames, size_t cap, size_t *n, siz
 
 /* A worker thread (arg: the server): requests from the backend, replies to it. */
 void *server_worker_main(void *arg);
-/* The prefetch thread (arg: the server): fuse sessions' layers loaded and landed ahead. */
-void *server_prefetch_main(void *arg);
 /* The lane's runner (lane.h): a deferred request run as a worker would, its reply on sock. */
 void server_lane_run(void *ctx, void *sock, zmq_msg_t *frames, size_t n);
 

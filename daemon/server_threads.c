@@ -1,5 +1,5 @@
-/* server_threads — kvblendd's worker threads, the prefetch thread and the lane's
- * runner: a request decoded, run and answered; see server_impl.h. */
+/* server_threads — kvblendd's worker threads and the lane's runner: a request decoded,
+ * run and answered; see server_impl.h. */
 #include "daemon/server.h"
 
 #include <arpa/inet.h>
@@ -73,67 +73,6 @@ static void reply_error(struct reply_out *out, uint32_t code, const char *msg)
 	out->rep.code = code;
 	out->op = KVBP_OP_COUNT;
 	snprintf(out->rep.message, sizeof(out->rep.message), "%s", msg);
-}
-
-/* Queue a fuse session for loading ahead; a session already queued is not queued twice. */
-static void prefetch_enqueue(struct server *srv, uint64_t id)
-{
-	pthread_mutex_lock(&srv->pf_lock);
-	for (unsigned i = 0; i < srv->pf_len; i++)
-		if (srv->pf_queue[(srv->pf_head + i) % srv->pf_cap] == id)
-			goto out;
-	/* Room for every session at once: a landing session is never dropped. */
-	if (srv->pf_len < srv->pf_cap) {
-		srv->pf_queue[(srv->pf_head + srv->pf_len) % srv->pf_cap] = id;
-		srv->pf_len++;
-		pthread_cond_signal(&srv->pf_cond);
-	}
-out:
-	pthread_mutex_unlock(&srv->pf_lock);
-}
-
-void *server_prefetch_main(void *arg)
-{
-	struct server *srv = arg;
-
-	struct timespec last = { 0 }, now;
-
-	pthread_mutex_lock(&srv->pf_lock);
-	while (!srv->pf_stop) {
-		uint64_t id;
-
-		/*
-		 * Idle sessions expire here, not on the main thread: freeing a session waits
-		 * for its device work and gives device memory back, which stalls the device
-		 * and would stall every socket with it.
-		 */
-		clock_gettime(CLOCK_MONOTONIC, &now);
-		if (now.tv_sec != last.tv_sec) {
-			pthread_mutex_unlock(&srv->pf_lock);
-			fuse_expire(srv->fuse);
-			pthread_mutex_lock(&srv->pf_lock);
-			last = now;
-			continue;
-		}
-		if (!srv->pf_len) {
-			struct timespec until;
-
-			clock_gettime(CLOCK_REALTIME, &until);
-			until.tv_sec += 1;
-			pthread_cond_timedwait(&srv->pf_cond, &srv->pf_lock, &until);
-			continue;
-		}
-		id = srv->pf_queue[srv->pf_head];
-		srv->pf_head = (srv->pf_head + 1) % srv->pf_cap;
-		srv->pf_len--;
-		pthread_mutex_unlock(&srv->pf_lock);
-		/* A landing session with layers left goes to the back: sessions take turns. */
-		if (fuse_prefetch(srv->fuse, id))
-			prefetch_enqueue(srv, id);
-		pthread_mutex_lock(&srv->pf_lock);
-	}
-	pthread_mutex_unlock(&srv->pf_lock);
-	return NULL;
 }
 
 /*
@@ -261,9 +200,8 @@ void *server_worker_main(void *arg)
 			atomic_fetch_add(&srv->stats.lat_sum_ns[out.op], ns);
 			atomic_fetch_add(&srv->stats.lat_count[out.op], 1);
 		}
-		/* Work the node waits on next: load a fuse session's coming layers now. */
-		if (out.prefetch_session)
-			prefetch_enqueue(srv, out.prefetch_session);
+		/* Work the node waits on next: the fuse loader takes the session's layers now. */
+		fuse_kick(srv->fuse, out.kick_session);
 		reply_out_clear(&out);
 	}
 out:

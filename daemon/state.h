@@ -20,7 +20,7 @@
 #include "daemon/tenants.h"
 #include "daemon/evict.h"
 #include "daemon/scrub.h"
-#include "daemon/fuse.h"
+#include "daemon/fuse/fuse.h"
 #include "daemon/shm.h"
 #include "proto/wire.h"
 #include "store/store.h"
@@ -87,15 +87,6 @@ struct server {
 	unsigned n_bound; /* endpoints of cfg->listen bound so far */
 	atomic_uint running_workers;
 	atomic_bool stop_workers;
-	/* Fuse sessions to load ahead, handed from the workers to the prefetch thread so that
-	 * no worker is busy loading while a request queues behind it. */
-	pthread_t prefetcher;
-	bool prefetcher_started;
-	pthread_mutex_t pf_lock;
-	pthread_cond_t pf_cond;
-	uint64_t *pf_queue; /* fuse sessions to load ahead for, pf_cap slots */
-	unsigned pf_head, pf_len, pf_cap;
-	bool pf_stop;
 	/* main thread only: frames of one incoming request, requests with the workers */
 	zmq_msg_t *in_frames;
 	size_t in_cap;

@@ -1,14 +1,17 @@
 /*
  * fuse_impl — what the modules of the fuse session engine (daemon/fuse/) share, and
  * no one else: the session and table structures and each module's entry points.
- * The public contract is daemon/fuse.h. The modules, each over the ones below it:
+ * The public contract is daemon/fuse/fuse.h. The modules, each over the ones below it:
  *
+ *   loader.c   the engine's thread: layers loaded ahead and landed for the sessions
+ *              the workers kick, idle sessions freed (calls layer, session)
  *   open.c     fuse_open, in the steps it takes (calls session, land, device)
  *   layer.c    what an open session serves: prefetch, layer and check requests
  *              (calls session, land, load, device)
  *   session.c  the table: sessions' lifecycle, lookup, close, expiry, pins, usage
  *              (calls device)
- *   land.c     landing layers in the node's own buffers (calls load)
+ *   land.c     landing layers in the node's own buffers (calls load, dland)
+ *   dland.c    landing into the node's device memory (calls device)
  *   load.c     loading a layer of stored chunks, re-rotated, into a ring slot
  *              (calls device)
  *   device.c   the device path: a session's ring in device memory, its block cache
@@ -33,7 +36,7 @@
 
 #include "store/codec.h"
 #include "blend/device.h"
-#include "daemon/fuse.h"
+#include "daemon/fuse/fuse.h"
 
 enum slot_state { SLOT_EMPTY = 0, SLOT_LOADING, SLOT_READY, SLOT_FAILED, SLOT_SERVED };
 
@@ -150,6 +153,7 @@ struct arena; /* arena.h: the reserve's bookkeeping */
 
 struct fuse_table {
 	struct fuse_limits lim;
+	struct fuse_loader *loader; /* its thread (loader.c), once started */
 	struct store *store;
 	/* told of each chunk a session found corrupt, once the session has let go of it
 	 * (fuse_on_corrupt; NULL: left to the next read or the scrub) */

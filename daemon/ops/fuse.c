@@ -111,7 +111,7 @@ void op_fuse_open(struct req *q)
 		q->out->rep.selection = r.rows;
 		q->out->rep.n_selection = r.n_rows;
 	}
-	q->out->prefetch_session = r.id;
+	q->out->kick_session = r.id;
 	log_debug("fuse session %016" PRIx64 " opened: %" PRIu32 " tokens, model '%s'", r.id,
 		  r.num_tokens, m.name);
 }
@@ -386,7 +386,7 @@ void op_fuse_layer(struct req *q)
 		q->out->rep.payload_frames = 2;
 	}
 	if (!res.done)
-		q->out->prefetch_session = q->h.session_id;
+		q->out->kick_session = q->h.session_id;
 out:
 	fuse_layer_end(q->srv->fuse, s);
 	if (in_shm)

@@ -26,7 +26,7 @@ struct reply_out {
 	zmq_msg_t *payload; /* initialised frames to send after the header; owned */
 	size_t n_payload;
 	uint64_t op; /* for stats */
-	uint64_t prefetch_session; /* after the reply is sent: load ahead for this fuse session */
+	uint64_t kick_session; /* after the reply is sent: the fuse loader's work (fuse_kick) */
 	/* a reply from the store's pages: its entry in srv->held (held.h), alive with the
 	 * payload frames; NULL for others */
 	struct held_reply *held;

@@ -23,12 +23,13 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <cmocka.h>
 
 #include "blend/backend.h"
-#include "daemon/fuse.h"
+#include "daemon/fuse/fuse.h"
 #include "common/half.h"
 #include "daemon/pool.h"
 #include "daemon/shm.h"
@@ -343,7 +344,8 @@ static void test_check_selects_the_deviating_tokens(void **state)
 
 /*
  * Landing, reuse only: every layer is written into the owner's segment (K rows, then
- * V rows, contiguous per layer) by fuse_prefetch, the progress word counts the layers,
+ * V rows, contiguous per layer) by the engine's loader thread (fuse_loader_start,
+ * fuse_kick; stopped by fuse_table_free), the progress word counts the layers,
  * and the fresh tokens' rows are left as they were (the node writes them). A layout
  * whose head stride wraps its extent (issue 30) is refused, nothing written.
  */
@@ -379,9 +381,18 @@ static void test_landing_session(void **state)
 	q.land.head_stride = D * 2;
 
 	assert_int_equal(fuse_open(f->t, &f->m, &q, owner, &r, err, sizeof(err)), KVBP_OK);
-	for (int turns = 0; fuse_prefetch(f->t, r.id) && turns < 100; turns++)
-		;
-	memcpy(&progress, base + 2 * side, sizeof(progress));
+	/* the engine's own thread lands it, kicked as a worker kicks it after its reply */
+	assert_int_equal(fuse_loader_start(f->t), 0);
+	assert_int_equal(fuse_loader_start(f->t), -EALREADY);
+	fuse_kick(f->t, r.id);
+	for (int waited = 0; waited < 10000; waited++) {
+		struct timespec ms = { 0, 1000000 };
+
+		progress = __atomic_load_n((uint32_t *)(base + 2 * side), __ATOMIC_ACQUIRE);
+		if ((progress & KVBP_LAND_COUNT) == L || (progress & KVBP_LAND_FAILED))
+			break;
+		nanosleep(&ms, NULL);
+	}
 	assert_int_equal(progress & KVBP_LAND_COUNT, L);
 	assert_false(progress & KVBP_LAND_FAILED);
 	for (uint32_t l = 0; l < L; l++)

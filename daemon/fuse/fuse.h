@@ -6,7 +6,7 @@
  * otherwise (semantics in docs/DESIGN.md, "Fuse semantics").
  *
  * Memory per session is a ring of a few layers of re-rotated stored KV, loaded
- * ahead of the node (fuse_prefetch after each reply), independent of the layer
+ * ahead of the node (the loader's fuse_prefetch after each reply), independent of the layer
  * count. Fresh rows are merged into a ring slot in place, so a fused layer is
  * produced where it was loaded; with a shared ring the slots are a
  * shared-memory segment the local client maps, and a fused layer reaches the
@@ -21,8 +21,8 @@
  * Functions that can fail with a reason for the client return a kvbp_code
  * (wire.h; 0 = ok) and write a message to err.
  */
-#ifndef KVBLEND_DAEMON_FUSE_H
-#define KVBLEND_DAEMON_FUSE_H
+#ifndef KVBLEND_DAEMON_FUSE_FUSE_H
+#define KVBLEND_DAEMON_FUSE_FUSE_H
 
 #include <stdbool.h>
 #include <stddef.h>
@@ -208,6 +208,20 @@ void fuse_layer_end(struct fuse_table *t, struct fuse_session *s);
  */
 bool fuse_prefetch(struct fuse_table *t, uint64_t id);
 
+/*
+ * The loader: the table's thread that calls fuse_prefetch for the sessions it is kicked
+ * for (fuse_kick, after a reply that leaves work: layers to load ahead or to land),
+ * landing sessions taking turns a layer at a time, and fuse_expire once a second, off
+ * the threads that serve sockets. Start it once (its thread takes no signals); it is
+ * stopped by fuse_loader_stop or fuse_table_free. 0, -EALREADY, -ENOMEM or -errno.
+ */
+int fuse_loader_start(struct fuse_table *t);
+/* Queue session id for the loader (once: a session queued already is not queued twice;
+ * room for every session). No-op without a loader or for id 0. */
+void fuse_kick(struct fuse_table *t, uint64_t id);
+/* Stop the loader after its current turn; accepts a table without one. */
+void fuse_loader_stop(struct fuse_table *t);
+
 /* Close owner's session id; stats (a malloc'd array of n name/value pairs) describe it. */
 uint32_t fuse_close(struct fuse_table *t, uint64_t id, const char *owner, struct kvbp_stat **stats,
 		    size_t *n, char *err, size_t errlen);
@@ -217,7 +231,7 @@ uint32_t fuse_close(struct fuse_table *t, uint64_t id, const char *owner, struct
  * the last call (pinned shared rings released, too), and allocate spare blocks for the
  * next sessions; returns how many sessions. Waits for their device work and frees
  * device memory, which stalls the device: call it off the thread that serves
- * sockets (kvblendd: the prefetch thread, once a second).
+ * sockets (the loader, once a second).
  */
 unsigned fuse_expire(struct fuse_table *t);
 
