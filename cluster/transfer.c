@@ -6,6 +6,7 @@
 #include "cluster/cluster_impl.h"
 
 #include <errno.h>
+#include <inttypes.h>
 #include <limits.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -296,12 +297,14 @@ int peer_call(struct cluster *c, struct peer *p, struct kvbp_request *req,
 
 /*
  * A FETCH reply o from p: store the chunk here. 0 stored, -ENOENT when p does
- * not have it (or sent what fails its checks: the next member may), another
+ * not have it (or sent what fails its checks, or a quantized layout this store
+ * refuses: the next member may have it whole), another
  * negative errno when this store cannot take it.
  */
 static int fetch_store(struct cluster *c, const struct store_model *m, const uint8_t *hash,
 		       struct peer *p, struct call_out *o, int64_t t0_ns, int64_t wire_ns)
 {
+	struct store_tensor_shape bad = { 0 };
 	const void **blobs;
 	size_t *lens;
 	uint64_t bytes = 0;
@@ -343,7 +346,7 @@ static int fetch_store(struct cluster *c, const struct store_model *m, const uin
 		bytes += lens[l];
 	}
 	rc = store_chunk_import(c->store, m, hash, o->rep.chunks[0].num_tokens,
-				o->rep.chunks[0].base_pos, blobs, lens, NULL);
+				o->rep.chunks[0].base_pos, blobs, lens, NULL, &bad);
 	free(blobs);
 	free(lens);
 	if (rc >= 0) {
@@ -355,10 +358,15 @@ static int fetch_store(struct cluster *c, const struct store_model *m, const uin
 		atomic_fetch_add(&c->fetch_wire_ns, (uint64_t)wire_ns);
 		return 0;
 	}
-	cl_warn(c, "cluster: chunk from '%s' refused: %s", p->id,
-		rc == -EBADMSG ? "its bytes fail their checks" : strerror(-rc));
+	if (rc == -ENOTSUP)
+		cl_warn(c, "cluster: chunk from '%s' refused: layer %" PRIu32 "'s %s is quantized as "
+			"%" PRIu32 " rows x %" PRIu32 " channels, not one row per token", p->id,
+			bad.layer, bad.plane ? "V" : "K", bad.rows, bad.channels);
+	else
+		cl_warn(c, "cluster: chunk from '%s' refused: %s", p->id,
+			rc == -EBADMSG ? "its bytes fail their checks" : strerror(-rc));
 	atomic_fetch_add(&c->fetch_failures, 1);
-	return rc == -EBADMSG ? -ENOENT : rc;
+	return rc == -EBADMSG || rc == -ENOTSUP ? -ENOENT : rc;
 }
 
 #define HEDGE_MAX 3 /* FETCHes of one chunk in flight at once */

@@ -114,11 +114,20 @@ int codec_decode_flags(const void *src, size_t src_len, void *dst, size_t dst_le
  * Check one encoded tensor at src without keeping its decoded bytes: a
  * well-formed header for raw_size decoded bytes of dtype (1 f16, 2 bf16, 3 f32),
  * and its checksum (compressed tensors are decompressed into scratch, raw_size
- * bytes, to check it). Returns 0 with the encoded length in *consumed, or
- * -EBADMSG.
+ * bytes, to check it); a quantized tensor must also be laid out as every decoding
+ * call below reads it, one row of `channels` elements a token (a transform takes a
+ * token row at a time). Returns 0 with the encoded length in *consumed, -EBADMSG,
+ * or -ENOTSUP for a sound quantized tensor of the right size in other rows
+ * (codec_quant_shape() says which).
  */
 int codec_verify(const void *src, size_t src_len, size_t raw_size, uint32_t dtype,
-		 void *scratch, size_t *consumed);
+		 uint32_t channels, void *scratch, size_t *consumed);
+
+/*
+ * The rows and channels a quantized tensor at src says it has: 0, or -EBADMSG when
+ * it is not a well-formed quantized tensor. *rows and *channels are untouched then.
+ */
+int codec_quant_shape(const void *src, size_t src_len, uint32_t *rows, uint32_t *channels);
 
 /*
  * Check one encoded tensor at src against its own header alone (the scrub: no
@@ -146,7 +155,10 @@ struct codec_xform {
  * codec_decode() with a transform: raw tensors are hashed and transformed in
  * one pass (the checksum is of the stored bytes, so a mismatch still means
  * corruption); compressed ones are decompressed, verified, then transformed in
- * place. Same errors as codec_decode(); on -EBADMSG dst holds garbage.
+ * place. Same errors as codec_decode(), plus -ENOTSUP for a quantized tensor whose
+ * checksum holds but whose rows are not x->unit bytes decoded (not one a token:
+ * codec_verify() refuses such a tensor, so only one stored before it did meets
+ * this); never -EBADMSG for that. On -EBADMSG dst holds garbage.
  */
 int codec_decode_xform(const void *src, size_t src_len, void *dst, size_t dst_len,
 		       size_t *consumed, const struct codec_xform *x, unsigned flags);

@@ -15,6 +15,9 @@
  *            was rolled back whole and the store stays usable (see store_totals()
  *            for which of the two is short)
  *   -EBADMSG a stored record failed its checks (corrupt)
+ *   -ENOTSUP a quantized tensor, sound, in rows a read cannot take (not one per token):
+ *            refused by store_chunk_import(); a read with a transform that meets one
+ *            stored before that check returns this, never -EBADMSG
  *   -EINVAL  bad argument                 -ENOBUFS destination size does not match the chunk
  *   -ENOMEM, -EIO, -EAGAIN (reader table full or map resized by another process)
  */
@@ -210,7 +213,8 @@ void store_view_free(struct store_view **v);
  * verified; under verify = once the read is remembered as that plane's
  * verification, not the layer's (a whole read still checks both, and a plane
  * read is trusted after either). Same errors as store_chunk_get(); -EINVAL when
- * both are NULL.
+ * both are NULL; with k_xform, -ENOTSUP for a K quantized in rows other than one
+ * per token (sound bytes, not corruption: codec_decode_xform()).
  */
 struct codec_xform;
 int store_chunk_get_layer(struct store *s, const struct store_model *m,
@@ -240,16 +244,27 @@ int store_chunk_export(struct store *s, const struct store_model *m,
 		       const uint8_t hash[STORE_HASH_LEN], struct store_chunk_info *info,
 		       int (*fn)(void *ctx, uint32_t layer, const void *bytes, size_t len), void *ctx);
 
+/* A tensor store_chunk_import() refused for its layout: where it is, and its rows x channels. */
+struct store_tensor_shape {
+	uint32_t layer;
+	uint32_t plane; /* 0 K, 1 V */
+	uint32_t rows, channels;
+};
+
 /*
  * Store a chunk from its stored bytes (another daemon's store_chunk_export):
  * blobs[l] of lens[l] bytes per layer. Every tensor's header must match the
  * model and pass its checksum (codec_verify) before anything is written; the
- * bytes are stored as they are, never decoded and re-encoded. Returns like
- * store_chunk_put(), -EBADMSG for bytes that fail.
+ * bytes are stored as they are, never decoded and re-encoded. A quantized tensor
+ * must be laid out as every read takes it, one row per token of the model's
+ * num_kv_heads x head_dim channels. Returns like store_chunk_put(), -EBADMSG for
+ * bytes that fail, -ENOTSUP for a sound quantized tensor laid out otherwise (the
+ * first such one in *bad when bad is not NULL). Nothing is stored on an error.
  */
 int store_chunk_import(struct store *s, const struct store_model *m,
 		       const uint8_t hash[STORE_HASH_LEN], uint32_t num_tokens, uint32_t base_pos,
-		       const void *const blobs[], const size_t lens[], struct store_chunk_info *info);
+		       const void *const blobs[], const size_t lens[], struct store_chunk_info *info,
+		       struct store_tensor_shape *bad);
 
 /*
  * One chunk's record. Returns 0 and *info, -ENOENT, -EBADMSG (the record failed

@@ -345,7 +345,7 @@ out:
 struct view_impl {
 	struct store_view pub;
 	MDB_txn *txn;
-	uint32_t dtype;
+	uint32_t dtype, channels;
 	const uint8_t **enc; /* [2 * i] K, [2 * i + 1] V: header and payload */
 	size_t *enc_len;
 	struct store *s;
@@ -394,6 +394,7 @@ int store_chunk_view(struct store *s, const struct store_model *m,
 	w->pub.layer_end = layer_end;
 	w->pub.tensor_bytes = tb;
 	w->dtype = m->dtype;
+	w->channels = st_token_channels(m);
 	for (uint32_t i = 0; i < n; i++) {
 		MDB_val k = { LAYER_KEY_LEN, key }, v;
 		const uint8_t *p;
@@ -445,7 +446,7 @@ int store_view_verify(const struct store_view *v, uint32_t i)
 
 	for (int t = 0; t < 2 && !rc && !(w->flags[i] & CODEC_TRUSTED); t++)
 		if (codec_verify(w->enc[2 * i + t], w->enc_len[2 * i + t], v->tensor_bytes, w->dtype,
-				 NULL, &used))
+				 w->channels, NULL, &used))
 			rc = -EBADMSG;
 	st_read_done(w->s, w->fp[i], w->flags[i], rc);
 	return rc;

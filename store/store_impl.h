@@ -221,6 +221,11 @@ void st_totals_repair(struct store *s);
 
 /* Bytes per element of a dtype (1 f16, 2 bf16, 3 f32); 0 for another. */
 uint32_t st_dtype_size(uint32_t dtype);
+/*
+ * The elements of one token row of a tensor of m (num_kv_heads x head_dim), as a
+ * quantized tensor's header counts them; 0 (which no such header has) past 2^32 - 1.
+ */
+uint32_t st_token_channels(const struct store_model *m);
 
 /* Encode m's record into p (MODEL_QREC_LEN bytes of room); returns its length. */
 size_t st_model_rec_encode(uint8_t *p, const struct store_model *m);

@@ -15,6 +15,13 @@ uint32_t st_dtype_size(uint32_t dtype)
 	return dtype == 3 ? 4 : (dtype == 1 || dtype == 2) ? 2 : 0;
 }
 
+uint32_t st_token_channels(const struct store_model *m)
+{
+	uint64_t n = (uint64_t)m->num_kv_heads * m->head_dim; /* ckd-ok: two u32, in 64 bits */
+
+	return n > UINT32_MAX ? 0 : (uint32_t)n;
+}
+
 uint64_t store_tensor_bytes(const struct store_model *m, uint32_t num_tokens)
 {
 	uint64_t n = num_tokens;

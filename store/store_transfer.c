@@ -33,9 +33,11 @@ int store_chunk_export(struct store *s, const struct store_model *m,
 
 int store_chunk_import(struct store *s, const struct store_model *m,
 		       const uint8_t hash[STORE_HASH_LEN], uint32_t num_tokens, uint32_t base_pos,
-		       const void *const blobs[], const size_t lens[], struct store_chunk_info *info)
+		       const void *const blobs[], const size_t lens[], struct store_chunk_info *info,
+		       struct store_tensor_shape *bad)
 {
 	uint64_t tb = store_tensor_bytes(m, num_tokens);
+	uint32_t ch = st_token_channels(m);
 	uint8_t key[CHUNK_KEY_LEN], *scratch = NULL;
 	struct store_chunk_info ci = { .num_tokens = num_tokens, .base_pos = base_pos,
 				       .num_layers = m->num_layers };
@@ -56,10 +58,18 @@ int store_chunk_import(struct store *s, const struct store_model *m,
 	for (uint32_t l = 0; l < m->num_layers && !rc; l++) {
 		size_t used = 0, used_v = 0;
 
-		rc = codec_verify(blobs[l], lens[l], tb, m->dtype, scratch, &used);
+		rc = codec_verify(blobs[l], lens[l], tb, m->dtype, ch, scratch, &used);
 		if (!rc)
 			rc = codec_verify((const uint8_t *)blobs[l] + used, lens[l] - used, tb,
-					  m->dtype, scratch, &used_v);
+					  m->dtype, ch, scratch, &used_v);
+		if (rc == -ENOTSUP && bad) {
+			/* K (nothing used yet) or V, which starts where K ended */
+			const uint8_t *t = (const uint8_t *)blobs[l] + used;
+
+			bad->layer = l;
+			bad->plane = used != 0;
+			codec_quant_shape(t, lens[l] - used, &bad->rows, &bad->channels);
+		}
 		if (!rc && used + used_v != lens[l])
 			rc = -EBADMSG;
 		ci.stored_bytes += lens[l];

@@ -24,6 +24,16 @@ const char *compute_error(const struct fuse_table *t, int rc, char *buf, size_t 
 	return buf;
 }
 
+const char *load_error(const struct fuse_table *t, int rc, char *buf, size_t len)
+{
+	if (rc == -EBADMSG)
+		return "a chunk failed its checksum";
+	if (rc == -ENOTSUP)
+		return "a chunk is quantized other than one row per token, which a fuse session "
+		       "cannot read (GET can; the chunk is sound and kept)";
+	return compute_error(t, rc, buf, len);
+}
+
 bool dev_usable(struct fuse_table *t)
 {
 	bool first;

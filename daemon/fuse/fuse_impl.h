@@ -311,10 +311,14 @@ static inline uint64_t ns_since(const struct timespec *t0)
 	       (uint64_t)t0->tv_nsec;
 }
 
-/* The kvbp code of a store errno that stopped a load. */
+/*
+ * The kvbp code of a store errno that stopped a load: corrupt only for a failed
+ * check (the chunk is removed); a sound chunk quantized in rows a load cannot take
+ * (-ENOTSUP: not one per token) is bad_shape, and stays.
+ */
 static inline uint32_t store_code(int rc)
 {
-	return rc == -EBADMSG ? KVBP_CORRUPT : KVBP_INTERNAL;
+	return rc == -EBADMSG ? KVBP_CORRUPT : rc == -ENOTSUP ? KVBP_BAD_SHAPE : KVBP_INTERNAL;
 }
 
 /* Cached tokens among rows idx[0..rows) with their deviations, compacted into cand, dev. */
@@ -386,6 +390,8 @@ bool dev_usable(struct fuse_table *t);
 void dev_pinner_set(struct fuse_table *t, bool on);
 /* Why a load or a kernel failed: the device's own message (in buf) for DEV_FAILED, else the errno's. */
 const char *compute_error(const struct fuse_table *t, int rc, char *buf, size_t len);
+/* Why a load of stored chunks stopped (a store errno), in words; else compute_error()'s. */
+const char *load_error(const struct fuse_table *t, int rc, char *buf, size_t len);
 /* Drop every cached block and free those waiting for block_reap() (to make room on the
  * device; and at exit, with the pooled streams). */
 void block_flush(struct fuse_table *t);

@@ -494,10 +494,11 @@ int ensure_cslot(struct fuse_table *t, struct fuse_session *s, size_t i)
 static void land_failed(struct fuse_table *t, struct fuse_session *s, uint32_t l, int rc)
 {
 	uint32_t in_place = s->dl ? dland_quiesce(t, s, s->land_next) : s->land_next;
+	char why[160];
 
 	s->land_code = store_code(rc);
 	log_warn("fuse session %016" PRIx64 ": layer %" PRIu32 " cannot be landed: %s", s->id, l,
-		 rc == -EBADMSG ? "a chunk failed its checksum" : strerror(-rc));
+		 load_error(t, rc, why, sizeof(why)));
 	land_publish(s, KVBP_LAND_FAILED | s->land_code << 24 | in_place);
 }
 

@@ -411,10 +411,8 @@ uint32_t fuse_layer_run(struct fuse_table *t, struct fuse_session *s, const void
 		char why[160];
 
 		free(a_new);
-		return fail(err, errlen, rc == -EBADMSG ? KVBP_CORRUPT : KVBP_INTERNAL,
-			    "layer %" PRIu32 ": cannot read stored chunks: %s", layer,
-			    rc == -EBADMSG ? "a chunk failed its checksum" :
-			    compute_error(t, rc, why, sizeof(why)));
+		return fail(err, errlen, store_code(rc), "layer %" PRIu32 ": cannot read stored "
+			    "chunks: %s", layer, load_error(t, rc, why, sizeof(why)));
 	}
 	clock_gettime(CLOCK_MONOTONIC, &t0);
 	if (s->dv) {
@@ -612,8 +610,7 @@ uint32_t fuse_check_run(struct fuse_table *t, struct fuse_session *s, int mode, 
 
 			free(a_new);
 			return fail(err, errlen, store_code(rc), "layer %" PRIu32 ": cannot read "
-				    "stored chunks: %s", layer, rc == -EBADMSG ? "a chunk failed its "
-				    "checksum" : compute_error(t, rc, why, sizeof(why)));
+				    "stored chunks: %s", layer, load_error(t, rc, why, sizeof(why)));
 		}
 	}
 	clock_gettime(CLOCK_MONOTONIC, &t0);

@@ -124,6 +124,7 @@ static void replicate_run(struct req *q, struct bulk_conn **bc)
 {
 	struct store_model m;
 	struct store_chunk_info ci;
+	struct store_tensor_shape bad = { 0 };
 	const void **blobs = NULL;
 	size_t *lens = NULL;
 	struct shared_buf *in = NULL;
@@ -209,16 +210,25 @@ static void replicate_run(struct req *q, struct bulk_conn **bc)
 		}
 	}
 	rc = store_chunk_import(q->srv->store, &m, q->h.hash, q->h.num_tokens, q->h.base_pos,
-				blobs, lens, &ci);
+				blobs, lens, &ci, &bad);
 	for (int tries = 0; rc == -ENOSPC && tries < 3; tries++) {
 		if (evictor_make_room(q->srv->evict, 2 * total + (1u << 20), q->ns) < 0)
 			break;
 		rc = store_chunk_import(q->srv->store, &m, q->h.hash, q->h.num_tokens,
-					q->h.base_pos, blobs, lens, &ci);
+					q->h.base_pos, blobs, lens, &ci, &bad);
 	}
 	if (rc == -EBADMSG) {
 		fail(q, KVBP_CORRUPT, "replicate: the chunk's bytes fail their checks (header, "
 		     "size or checksum); nothing stored");
+		goto out;
+	}
+	if (rc == -ENOTSUP) {
+		fail(q, KVBP_BAD_SHAPE, "replicate: layer %" PRIu32 "'s %s is quantized as %" PRIu32
+		     " rows x %" PRIu32 " channels; this model's tensors are read one row per token: "
+		     "%" PRIu32 " rows x %" PRIu32 " channels (%" PRIu32 " kv_heads x %" PRIu32
+		     " head_dim); nothing stored", bad.layer, bad.plane ? "V" : "K", bad.rows,
+		     bad.channels, q->h.num_tokens, m.num_kv_heads * m.head_dim, m.num_kv_heads,
+		     m.head_dim);
 		goto out;
 	}
 	if (rc < 0) {

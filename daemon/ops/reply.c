@@ -129,6 +129,9 @@ int fail_store(struct req *q, int rc, const char *what)
 		return fail_full(q, what);
 	case -EBADMSG:
 		return fail(q, KVBP_CORRUPT, "%s: stored data is corrupt", what);
+	case -ENOTSUP:
+		return fail(q, KVBP_BAD_SHAPE, "%s: a stored chunk is quantized other than one row "
+			    "per token, which this read cannot take (it is sound, and kept)", what);
 	case -EAGAIN:
 		return fail(q, KVBP_LIMIT, "%s: too many concurrent readers; retry", what);
 	case -ENOMEM:

@@ -286,18 +286,19 @@ static void test_export_import(void **state)
 	/* a flipped byte anywhere in a tensor: refused, nothing stored */
 	for (size_t at = 0; at < x.len[2]; at += 97) {
 		x.b[2][at] ^= 0x10;
-		assert_int_equal(store_chunk_import(g.s, &m2, h, 12, 5, bl, x.len, NULL), -EBADMSG);
+		assert_int_equal(store_chunk_import(g.s, &m2, h, 12, 5, bl, x.len, NULL, NULL),
+				 -EBADMSG);
 		x.b[2][at] ^= 0x10;
 	}
 	x.len[3]--;
-	assert_int_equal(store_chunk_import(g.s, &m2, h, 12, 5, bl, x.len, NULL), -EBADMSG);
+	assert_int_equal(store_chunk_import(g.s, &m2, h, 12, 5, bl, x.len, NULL, NULL), -EBADMSG);
 	x.len[3]++;
-	assert_int_equal(store_chunk_import(g.s, &m2, h, 11, 5, bl, x.len, NULL), -EBADMSG);
+	assert_int_equal(store_chunk_import(g.s, &m2, h, 11, 5, bl, x.len, NULL, NULL), -EBADMSG);
 	assert_int_equal(store_chunk_info(g.s, &m2, h, &cj), -ENOENT);
 	/* the real thing: the same bytes come back */
-	assert_int_equal(store_chunk_import(g.s, &m2, h, 12, 5, bl, x.len, &cj), 0);
+	assert_int_equal(store_chunk_import(g.s, &m2, h, 12, 5, bl, x.len, &cj, NULL), 0);
 	assert_int_equal(cj.stored_bytes, ci.stored_bytes);
-	assert_int_equal(store_chunk_import(g.s, &m2, h, 12, 5, bl, x.len, NULL), 1);
+	assert_int_equal(store_chunk_import(g.s, &m2, h, 12, 5, bl, x.len, NULL, NULL), 1);
 	a = malloc(total);
 	b = malloc(total);
 	assert_int_equal(store_chunk_get(f->s, &f->m, h, 0, 4, a, total, NULL), 0);
@@ -1115,7 +1116,8 @@ static void test_codec_totals_kept(void **state)
 				for (int l = 0; l < 4; l++)
 					bl[l] = b.b[l];
 				hash_n(h2, (int)(rnd(&x) % N_HASHES));
-				rc = store_chunk_import(f->s, m, h2, ci.num_tokens, 0, bl, b.len, NULL);
+				rc = store_chunk_import(f->s, m, h2, ci.num_tokens, 0, bl, b.len, NULL,
+							NULL);
 				assert_true(rc == 0 || rc == 1);
 				imports += rc == 0;
 				repeats += rc == 1;
