@@ -302,35 +302,108 @@ static void tick(struct server *srv)
 }
 
 /*
- * The data file is shorter than its last page: something other than kvblendd cut
- * it (LMDB never shortens it), and reading a page past its end would kill the
- * daemon. Its chunks are a cache, which the nodes compute again: move the file
- * aside, kept for inspection, so that the daemon serves with an empty store. 0,
- * or -1 (logged) when it cannot be moved.
+ * rename() that never replaces: -EEXIST when to is there. Where the file system has
+ * no RENAME_NOREPLACE, a look first: the data directory's lock keeps every other
+ * kvblendd out, and nothing else makes set-aside names.
+ */
+static int rename_new(const char *from, const char *to)
+{
+	struct stat st;
+
+	if (renameat2(AT_FDCWD, from, AT_FDCWD, to, RENAME_NOREPLACE) == 0)
+		return 0;
+	if (errno != EINVAL && errno != ENOSYS)
+		return -errno;
+	if (lstat(to, &st) == 0)
+		return -EEXIST;
+	if (errno != ENOENT)
+		return -errno;
+	return rename(from, to) ? -errno : 0;
+}
+
+/*
+ * Move the file at path aside as PATH.truncated-UNIXTIME, or, where a file of that
+ * name is there already (an earlier set-aside in the same second),
+ * PATH.truncated-UNIXTIME-N for the first N from 2 that is free. 0 with the name in
+ * to, or a negative errno.
+ */
+static int move_aside(const char *path, char *to, size_t len)
+{
+	long long now = (long long)time(NULL);
+	int rc = -EEXIST;
+
+	for (int n = 1; n <= 1000 && rc == -EEXIST; n++) {
+		int w = n == 1 ? snprintf(to, len, "%s.truncated-%lld", path, now)
+			       : snprintf(to, len, "%s.truncated-%lld-%d", path, now, n);
+
+		if (w < 0 || (size_t)w >= len)
+			return -ENAMETOOLONG;
+		rc = rename_new(path, to);
+	}
+	return rc;
+}
+
+/*
+ * The data file is shorter than its last page, or than LMDB's two meta pages:
+ * something other than kvblendd cut it (LMDB never shortens it), and reading a page
+ * past its end would kill the daemon, or LMDB cannot open it at all. Its chunks are a
+ * cache, which the nodes compute again: move the file aside, kept for inspection, so
+ * that the daemon serves with an empty store. A data.mdb that is a symlink (the data
+ * on another disk) stays one: the file it names is moved aside next to itself, and
+ * an empty file made in its place, so that the new store is where the old one was.
+ * 0, or -1 (logged) when it cannot be moved.
  */
 static int set_aside(const char *dir)
 {
-	char from[PATH_MAX], to[PATH_MAX + 32], lock[PATH_MAX];
+	char link[PATH_MAX], file[PATH_MAX], real[PATH_MAX], to[PATH_MAX + 48];
+	char lock[PATH_MAX], via[PATH_MAX + 32] = "";
 	struct stat st;
+	int rc, fd;
 
-	if (snprintf(from, sizeof(from), "%s/data.mdb", dir) >= (int)sizeof(from) ||
-	    snprintf(to, sizeof(to), "%s/data.mdb.truncated-%lld", dir,
-		     (long long)time(NULL)) >= (int)sizeof(to) ||
+	if (snprintf(link, sizeof(link), "%s/data.mdb", dir) >= (int)sizeof(link) ||
 	    snprintf(lock, sizeof(lock), "%s/lock.mdb", dir) >= (int)sizeof(lock)) {
 		log_err("the data file in %s is truncated; the path is too long to move it aside",
 			dir);
 		return -1;
 	}
-	if (stat(from, &st) || rename(from, to)) {
-		log_err("the data file %s is truncated (shorter than its last page) and cannot be "
-			"moved aside: %s", from, strerror(errno));
+	snprintf(file, sizeof(file), "%s", link);
+	rc = lstat(link, &st) ? -errno : 0;
+	if (!rc && S_ISLNK(st.st_mode)) {
+		if (realpath(link, real)) {
+			snprintf(file, sizeof(file), "%s", real);
+			snprintf(via, sizeof(via), " (a symlink to %s)", real);
+		} else {
+			rc = -errno;
+			snprintf(via, sizeof(via), " (a symlink)");
+		}
+	}
+	if (!rc && stat(file, &st))
+		rc = -errno;
+	if (!rc)
+		rc = move_aside(file, to, sizeof(to));
+	if (rc) {
+		log_err("the data file %s%s is truncated (shorter than its last page, or than LMDB's "
+			"two meta pages) and cannot be moved aside: %s; move or remove it to start",
+			link, via, strerror(-rc));
 		return -1;
 	}
+	/* the link kept: the new store is made where it points, on its disk */
+	if (via[0]) {
+		fd = open(file, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0640);
+		if (fd < 0) {
+			log_err("the truncated data file %s%s was moved to %s, and no new one can be "
+				"made in its place: %s", link, via, to, strerror(errno));
+			return -1;
+		}
+		close(fd);
+	}
 	unlink(lock); /* the reader table of the old file: LMDB makes a new one */
-	log_err("the data file %s was truncated by something other than kvblendd (%lld bytes, "
-		"shorter than its last page; reading past its end would stop the daemon): moved to "
-		"%s; starting with an empty store, whose chunks the nodes store again",
-		from, (long long)st.st_size, to);
+	log_err("the data file %s%s was truncated by something other than kvblendd (%lld bytes, "
+		"%s): moved to %s; starting with an empty store, whose chunks the nodes store "
+		"again", link, via, (long long)st.st_size,
+		st.st_size < 2 * sysconf(_SC_PAGESIZE) ? "shorter than LMDB's two meta pages: it "
+		"cannot be opened" : "shorter than its last page; reading past its end would stop "
+		"the daemon", to);
 	return 0;
 }
 

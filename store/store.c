@@ -3,12 +3,16 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <lmdb.h>
 #include <pthread.h>
+#include <stdbool.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
+#include <unistd.h>
 
 #include "store/checksum.h"
 #include "store/codec.h"
@@ -211,6 +215,25 @@ static int file_whole(struct store *s)
 	return (uint64_t)fs.st_size < ((uint64_t)ei.me_last_pgno + 1) * st.ms_psize ? -EUCLEAN : 0;
 }
 
+/*
+ * A data file LMDB cannot read as one (MDB_INVALID) and shorter than two pages: LMDB
+ * writes both of its meta pages when it makes the file and never shortens it, so
+ * this one was cut by something else, below what even the meta pages need. (A file
+ * of 0 bytes is not: LMDB starts a new store in it.) The page is this system's, which
+ * is LMDB's for every file made here; a file cut past two pages is file_whole()'s.
+ */
+static bool cut_below_metas(const char *dir)
+{
+	char path[PATH_MAX];
+	struct stat st;
+	long page = sysconf(_SC_PAGESIZE);
+
+	if (snprintf(path, sizeof(path), "%s/data.mdb", dir) >= (int)sizeof(path) ||
+	    stat(path, &st) || page <= 0)
+		return false;
+	return S_ISREG(st.st_mode) && st.st_size > 0 && st.st_size < 2 * (off_t)page;
+}
+
 int store_open(const struct store_opts *opts, struct store **out)
 {
 	struct store *s;
@@ -242,7 +265,7 @@ int store_open(const struct store_opts *opts, struct store **out)
 	    (rc = mdb_env_set_maxreaders(s->env, opts->max_readers ? opts->max_readers : 126)) ||
 	    (rc = mdb_env_set_maxdbs(s->env, 8)) ||
 	    (rc = mdb_env_open(s->env, opts->dir, flags, 0640))) {
-		rc = st_err_from_mdb(rc);
+		rc = rc == MDB_INVALID && cut_below_metas(opts->dir) ? -EUCLEAN : st_err_from_mdb(rc);
 		goto fail;
 	}
 	/* Reader slots of processes that died (a killed daemon) would pin old pages. */

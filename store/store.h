@@ -121,8 +121,9 @@ struct store_totals {
  * record checksums) is upgraded to the current format in one transaction
  * first. Returns 0 and *out, -EPROTO for a store of a format this code does
  * not know (a newer kvblend's), -EUCLEAN for a data file shorter than its last
- * page (truncated by something else: reading it would fault), or another
- * negative errno.
+ * page (truncated by something else: reading it would fault) or, not empty, shorter
+ * than LMDB's two meta pages (cut below what LMDB can open), or another negative
+ * errno.
  */
 int store_open(const struct store_opts *opts, struct store **out);
 

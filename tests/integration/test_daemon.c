@@ -798,61 +798,6 @@ static void corrupt_chunk_removed(struct daemon *d, uint32_t tokens)
 	kvb_close(&c);
 }
 
-/*
- * A data file cut short by something other than the daemon (LMDB never shortens it):
- * reading a page past its end stopped the daemon with SIGBUS. At start it now moves
- * the file aside (kept, named data.mdb.truncated-TIME), logs why, and serves with an
- * empty store, which takes chunks again.
- */
-static void test_truncated_file_set_aside(void **state)
-{
-	struct daemon *d = *state;
-	const char *args[] = { "--max-message", "4M", "--max-tokens", "4096", "--scrub-mb-per-s",
-			       "0", NULL };
-	size_t n = chunk_bytes(&tiny, 4096);
-	uint8_t h[KVB_HASH_LEN], *kv = malloc(n);
-	char path[400], cmd[1200], log[16384];
-	kvb_client *c = daemon_client(d, 0);
-	struct stat st;
-	FILE *f;
-	size_t got;
-
-	register_tiny(c);
-	for (uint32_t i = 0; i < 8; i++) {
-		hash_of(500 + i, h);
-		fill(kv, n, 500 + i);
-		assert_int_equal(kvb_put(c, "tiny", h, KVB_F16, 4096, 0, kv, n, NULL), 0);
-	}
-	kvb_close(&c);
-	daemon_stop(d);
-	snprintf(path, sizeof(path), "%s/data.mdb", d->data_dir);
-	assert_int_equal(stat(path, &st), 0);
-	assert_true(st.st_size > 4 * (off_t)n);
-	assert_int_equal(truncate(path, st.st_size / 2), 0);
-	daemon_restart(d, args); /* asserts that it answers */
-	c = daemon_client(d, 0);
-	register_tiny(c); /* the store is new: the model too */
-	for (uint32_t i = 0; i < 8; i++) {
-		hash_of(500 + i, h);
-		assert_int_equal(kvb_get(c, "tiny", h, 0, 0, kv, n, NULL), KVB_E_NOT_FOUND);
-	}
-	fill(kv, n, 600);
-	assert_int_equal(kvb_put(c, "tiny", h, KVB_F16, 4096, 0, kv, n, NULL), 0);
-	assert_int_equal(kvb_get(c, "tiny", h, 0, 0, kv, n, NULL), 0);
-	kvb_close(&c);
-	/* the cut file kept as it was, and the log names the problem */
-	snprintf(cmd, sizeof(cmd), "test \"$(stat -c %%s %s/data.mdb.truncated-*)\" = %lld",
-		 d->data_dir, (long long)(st.st_size / 2));
-	assert_int_equal(system(cmd), 0);
-	f = fopen(d->log_path, "r");
-	assert_non_null(f);
-	got = fread(log, 1, sizeof(log) - 1, f);
-	log[got] = 0;
-	fclose(f);
-	assert_non_null(strstr(log, "was truncated by something other than kvblendd"));
-	free(kv);
-}
-
 /* The scrub finds a flipped byte nobody reads: the chunk is removed and counted, and a
  * read after says it is not there. Sound chunks read twice are verified once
  * (verify=once, the default), then trusted. */
@@ -1152,7 +1097,6 @@ int main(void)
 		cmocka_unit_test(test_shape_overflow),
 		cmocka_unit_test_setup_teardown(test_restart_keeps_chunks, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_corrupt_chunk_removed, setup, teardown),
-		cmocka_unit_test_setup_teardown(test_truncated_file_set_aside, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_scrub_removes_corrupt, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_shm_long_socket_path, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_corrupt_large_chunk_removed, setup, teardown),
