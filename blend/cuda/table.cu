@@ -303,6 +303,30 @@ static int t_ipc_export(const struct blend_device *t, void *dev, uint8_t handle[
 	return rc;
 }
 
+/*
+ * The calling thread on d's device, and the other process's memory on it: 0; -ENODEV
+ * when pci (the bus id the other process names its device by) is another device's.
+ */
+static int on_this_device(struct blend_cuda *d, const char *pci)
+{
+	char mine[32];
+	int rc = bind(d);
+
+	if (!rc)
+		rc = cuda_xlate(d, cudaDeviceGetPCIBusId(mine, (int)sizeof(mine), d->ordinal),
+				"cudaDeviceGetPCIBusId");
+	return rc ? rc : strcasecmp(mine, pci) ? -ENODEV : 0;
+}
+
+/* d's last error, for a failure the runtime did not report. Returns rc. */
+static int say(struct blend_cuda *d, int rc, const char *msg)
+{
+	pthread_mutex_lock(&d->lock);
+	snprintf(d->last_err, sizeof(d->last_err), "%s", msg);
+	pthread_mutex_unlock(&d->lock);
+	return rc;
+}
+
 /* The driver's cuMemGetAddressRange_v2 (libcuda, loaded already by the runtime), or NULL. */
 typedef int (*addr_range_fn)(unsigned long long *base, size_t *size, unsigned long long ptr);
 
@@ -325,27 +349,17 @@ static int t_ipc_open(const struct blend_device *t, const uint8_t handle[64], co
 {
 	struct blend_cuda *d = D(t);
 	cudaIpcMemHandle_t h;
-	char mine[32];
 	unsigned long long base = 0;
 	size_t size = 0;
 	void *p = NULL;
 	addr_range_fn range = addr_range();
-	int rc = bind(d);
+	int rc = on_this_device(d, pci);
 
-	if (!rc)
-		rc = cuda_xlate(d, cudaDeviceGetPCIBusId(mine, (int)sizeof(mine), d->ordinal),
-			   "cudaDeviceGetPCIBusId");
 	if (rc)
 		return rc;
-	if (strcasecmp(mine, pci))
-		return -ENODEV;
-	if (!range) {
-		pthread_mutex_lock(&d->lock);
-		snprintf(d->last_err, sizeof(d->last_err), "the driver has no "
-			 "cuMemGetAddressRange_v2: an imported allocation's size is unknown");
-		pthread_mutex_unlock(&d->lock);
-		return -ENOTSUP;
-	}
+	if (!range)
+		return say(d, -ENOTSUP, "the driver has no cuMemGetAddressRange_v2: an imported "
+			   "allocation's size is unknown");
 	memcpy(&h, handle, sizeof(h));
 	rc = cuda_xlate(d, cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess),
 		   "cudaIpcOpenMemHandle");
@@ -354,11 +368,8 @@ static int t_ipc_open(const struct blend_device *t, const uint8_t handle[64], co
 	if (range(&base, &size, (unsigned long long)(uintptr_t)p) != 0 ||
 	    base != (unsigned long long)(uintptr_t)p) {
 		(void)cudaIpcCloseMemHandle(p);
-		pthread_mutex_lock(&d->lock);
-		snprintf(d->last_err, sizeof(d->last_err), "cuMemGetAddressRange_v2 did not "
-			 "give the imported allocation's size");
-		pthread_mutex_unlock(&d->lock);
-		return -EIO;
+		return say(d, -EIO, "cuMemGetAddressRange_v2 did not give the imported "
+			   "allocation's size");
 	}
 	*dev = p;
 	*bytes = size;
@@ -437,10 +448,10 @@ static void vmm_import_free(const struct vmm_fns *f, struct vmm_import *m)
 
 static int vmm_fail(struct blend_cuda *d, const char *what, CUresult r)
 {
-	pthread_mutex_lock(&d->lock);
-	snprintf(d->last_err, sizeof(d->last_err), "%s: CUDA driver error %d", what, (int)r);
-	pthread_mutex_unlock(&d->lock);
-	return r == CUDA_ERROR_OUT_OF_MEMORY ? -ENOMEM : -EIO;
+	char msg[160];
+
+	snprintf(msg, sizeof(msg), "%s: CUDA driver error %d", what, (int)r);
+	return say(d, r == CUDA_ERROR_OUT_OF_MEMORY ? -ENOMEM : -EIO, msg);
 }
 
 static int t_fd_open(const struct blend_device *t, const struct blend_fd_seg *segs, size_t n,
@@ -452,25 +463,15 @@ static int t_fd_open(const struct blend_device *t, const struct blend_fd_seg *se
 	CUmemAllocationProp prop = {};
 	CUmemAccessDesc access = {};
 	struct vmm_import *m;
-	char mine[32];
 	size_t gran = 0, end = 0;
 	CUresult r;
-	int rc = bind(d);
+	int rc = on_this_device(d, pci);
 
-	if (!rc)
-		rc = cuda_xlate(d, cudaDeviceGetPCIBusId(mine, (int)sizeof(mine), d->ordinal),
-				"cudaDeviceGetPCIBusId");
 	if (rc)
 		return rc;
-	if (strcasecmp(mine, pci))
-		return -ENODEV;
-	if (!f) {
-		pthread_mutex_lock(&d->lock);
-		snprintf(d->last_err, sizeof(d->last_err), "the driver has no virtual memory "
-			 "functions (cuMemImportFromShareableHandle, cuMemMap)");
-		pthread_mutex_unlock(&d->lock);
-		return -ENOTSUP;
-	}
+	if (!f)
+		return say(d, -ENOTSUP, "the driver has no virtual memory functions "
+			   "(cuMemImportFromShareableHandle, cuMemMap)");
 	if (!n)
 		return -EINVAL;
 	prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
