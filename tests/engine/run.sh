@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Run one engine test (tests/engine/*.py) with the engine venv's python from .ci/engine-env,
+# Run one engine test (tests/engine/*.py) with the engine venv's python from .ci/engine-env
+# (or the script KVBLEND_ENGINE_ENV names in .ci/, e.g. vllm034-env: run034.sh),
 # against this build's libkvblend and kvblendd: run.sh LIBKVBLEND KVBLENDD TEST.py [ARGS...]
 # Exit 77 (skipped) only when KVBLEND_SKIP_ENGINE=1; otherwise a missing environment fails.
 set -euo pipefail
@@ -10,7 +11,7 @@ fi
 lib=$1 daemon=$2 test=$3
 shift 3
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-env_out=$(bash "$here/../../.ci/engine-env" | tail -2)
+env_out=$(bash "$here/../../.ci/${KVBLEND_ENGINE_ENV:-engine-env}" | tail -2)
 python=$(sed -n 1p <<<"$env_out")
 model=$(sed -n 2p <<<"$env_out")
 src=$(cd "$here/../../client/python/src" && pwd)

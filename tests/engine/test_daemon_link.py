@@ -14,8 +14,15 @@ probe slice when the daemon is killed, not after its timeout. And the planner's
 prefix cache) and a blend over a prefix vLLM already holds. The link's close after a failure
 (an open session and a region) takes well under one timeout. The scheduler side with no
 daemon: requests without kvblend parameters never wait, those with them wait one timeout
-once and then none. Exit 0 when every check
-passes, 77 when skipped.
+once and then none. The scheduler side's prefix-cache fence with vLLM 0.34's 64-token
+blocks (and 16, 128, 48; a hash block of 16 under a block of 64): the hashes of the block
+holding the first inexact position and after are replaced, the ones before kept, put back
+when the plan changes before the blocks were computed, and kept when a resumed request
+gets its own fenced blocks back from the prefix cache. A request whose external tokens
+vLLM will not read (0.34's ``skip_reading_external_kv``, 0.32's
+``skip_reading_prefix_cache``: prompt logprobs) is neither looked up nor fenced, claims
+nothing and still stores when it asks to, with one info line per engine. Exit 0 when every
+check passes, 77 when skipped.
 """
 
 import logging
@@ -203,13 +210,152 @@ def blend_after_prefix(d):
 class Request:
     """The attributes of vLLM's Request that the scheduler side reads (no engine here)."""
 
-    def __init__(self, rid, ids, kv_transfer_params=None):
+    def __init__(self, rid, ids, kv_transfer_params=None, hash_block=None):
         self.request_id = rid
         self.prompt_token_ids = ids
         self.kv_transfer_params = kv_transfer_params
-        self.block_hashes = []
+        # one 32-byte hash per full hash block, as vLLM chains them (their values do not
+        # matter here: only which are replaced)
+        self.block_hashes = [] if hash_block is None else [
+            bytes([i]) * 32 for i in range(len(ids) // hash_block)]
         self.cache_salt = None
         self.lora_request = None
+
+
+class Blocks:
+    """vLLM's KVCacheBlocks as update_state_after_alloc reads them."""
+
+    def __init__(self, ids):
+        self.ids = ids
+
+    def get_block_ids(self):
+        return (self.ids,)
+
+
+class HashBlocks:
+    """vLLM's KVCacheConfig as the fence reads it (its hash_block_size)."""
+
+    def __init__(self, n):
+        self.hash_block_size = n
+
+
+def fences(d):
+    """The fence with 64-token blocks (vLLM 0.34's default) and others, against kvblendd."""
+    from kvblend.vllm.config import ConnectorConfig
+    from kvblend.vllm.scheduler import SchedulerSide
+
+    c = kvblend.Client(d.endpoint, timeout_ms=5000)
+    c.model_register(MODEL)
+    rng = np.random.default_rng(5)
+    prompt = [int(x) for x in rng.integers(100, 30000, 400)]
+
+    def put(ids):
+        c.put(MODEL.name, kvblend.chunk_hash(ids), np.zeros(MODEL.kv_shape(len(ids)), np.float32))
+
+    # (a chunk's start, the block size, the hash block size): the first fenced hash
+    cases = [(70, 64, 64, 1), (64, 64, 64, 1), (63, 64, 64, 0), (130, 64, 64, 2),
+             (70, 64, 16, 4), (70, 16, 16, 4), (200, 128, 128, 1), (100, 48, 48, 2)]
+    for start, bs, hbs, first in cases:
+        doc = prompt[start : start + 120]
+        put(doc)
+        cfg = ConnectorConfig(d.endpoint, 5000, MODEL.name, None, MODEL, bs, None,
+                              prefix_caching=True)
+        side = SchedulerSide(cfg, DaemonLink(d.endpoint, 5000, None, logging.getLogger("f")),
+                             HashBlocks(hbs))
+        kvp = {"kvblend": {"segments": [[start, 120, "chunk"]]}}
+        req = Request(f"f-{start}-{bs}-{hbs}", prompt, kvp, hbs)
+        orig = list(req.block_hashes)
+        got = side.get_num_new_matched_tokens(req, start)  # vLLM computed the prefix
+        kept = req.block_hashes[:first] == orig[:first]
+        changed = all(a != b for a, b in zip(req.block_hashes[first:], orig[first:]))
+        check(f"fence: a chunk at {start}, blocks of {bs}, hashes of {hbs}: hashes from "
+              f"{first} on replaced, the {first} before kept",
+              got == (120, False) and kept and changed
+              and len(req.block_hashes) == len(orig), f"claim {got}")
+        fenced = list(req.block_hashes)
+        # resumed after a preemption: vLLM's prefix cache gave the request back its own
+        # blocks past the fence (found under the fenced hashes), whose KV is the load's
+        got = side.get_num_new_matched_tokens(req, (first + 1) * hbs)
+        check(f"fence: blocks of {bs}: resumed on its own fenced blocks, the fence stays",
+              req.block_hashes == fenced, f"claim {got}")
+        side.get_num_new_matched_tokens(req, 0)  # asked again, no prefix hit: no load
+        check(f"fence: blocks of {bs}: a later plan without a load puts the hashes back",
+              req.block_hashes == orig)
+        side.request_finished(req, [])
+    c.close()
+
+
+def skipped_external(d):
+    """A request whose external tokens vLLM drops: no lookup, no fence, no claim, a store."""
+    from kvblend.vllm.config import ConnectorConfig
+    from kvblend.vllm.scheduler import SchedulerSide
+
+    c = kvblend.Client(d.endpoint, timeout_ms=5000)
+    c.model_register(MODEL)
+    prompt = list(range(1000, 1256))
+    doc = prompt[70:190]
+    c.put(MODEL.name, kvblend.chunk_hash(doc), np.zeros(MODEL.kv_shape(len(doc)), np.float32))
+    cfg = ConnectorConfig(d.endpoint, 5000, MODEL.name, None, MODEL, 64, None,
+                          prefix_caching=True)
+    log = logging.getLogger("vllm.kvblend.vllm")
+    lines = Lines()
+    log.addHandler(lines)
+    log.setLevel(logging.INFO)
+    side = SchedulerSide(cfg, DaemonLink(d.endpoint, 5000, None, log), HashBlocks(64))
+    kvp = {"kvblend": {"segments": [[70, 120, "chunk"]]}}
+    calls = []
+    client = side.daemon.client
+    side.daemon.client = lambda: calls.append(1) or client()  # each lookup asks for it
+    try:
+        for attr in ("skip_reading_external_kv", "skip_reading_prefix_cache"):
+            for i in range(2):
+                req = Request(f"lp-{attr}-{i}", prompt, kvp, 64)
+                setattr(req, attr, True)  # 0.32 and 0.33 have only skip_reading_prefix_cache
+                orig = list(req.block_hashes)
+                got = side.get_num_new_matched_tokens(req, 64)
+                side.update_state_after_alloc(req, Blocks([3, 4, 5, 6]), 0)
+                check(f"{attr} (prompt logprobs): not looked up, nothing claimed or fenced",
+                      got == (0, False) and req.block_hashes == orig and not calls,
+                      f"{got}, {len(calls)} lookups")
+                side.request_finished(req, [])
+        meta = side.build_connector_meta(Output())
+        check("prompt logprobs: nothing loaded, no missed chunk queued",
+              not meta.loads and not meta.misses)
+        said = [m for m in lines.lines if "reads no external KV" in m]
+        check("prompt logprobs: one info line for the engine", len(said) == 1, str(said))
+        # asks to store its prompt: computed in full, stored all the same
+        store = Request("lp-store", prompt, {"kvblend": {"segments": [[0, len(prompt), "chunk"]],
+                                                     "store": True}}, 64)
+        store.skip_reading_external_kv = True
+        side.get_num_new_matched_tokens(store, 0)
+        side.update_state_after_alloc(store, Blocks(list(range(4))), 0)
+        check("prompt logprobs with store: the prompt is still stored",
+              "lp-store" in side._stores and side._stores["lp-store"].length == len(prompt))
+        # the same request without the attribute: looked up, claimed and fenced
+        req = Request("lp-none", prompt, kvp, 64)
+        orig = list(req.block_hashes)
+        got = side.get_num_new_matched_tokens(req, 70)
+        check("the same request reading external KV: looked up, claimed and fenced",
+              got == (120, False) and req.block_hashes[:1] == orig[:1] and len(calls) == 1
+              and all(a != b for a, b in zip(req.block_hashes[1:], orig[1:])), str(got))
+    finally:
+        log.removeHandler(lines)
+    c.close()
+
+
+class Output:
+    """vLLM's SchedulerOutput as build_connector_meta reads it (nothing scheduled)."""
+
+    total_num_scheduled_tokens = 0
+    new_block_ids_to_zero = None
+    num_scheduled_tokens = {}
+    scheduled_new_reqs = []
+
+    class scheduled_cached_reqs:  # noqa: N801 - an attribute holder
+        req_ids = []
+        new_block_ids = []
+        resumed_req_ids = set()
+        num_computed_tokens = []
 
 
 def scheduler_outage():
@@ -300,6 +446,8 @@ def main():
     scheduler_outage()
     d = Daemon()
     try:
+        fences(d)
+        skipped_external(d)
         blend_after_prefix(d)
         scheduler_stopped_daemon(d)
         breaker(d)

@@ -11,8 +11,8 @@ today. For each GPU layout (kvblend.vllm.layout.INTERLEAVED):
     each token's K at ``view[block, head, slot, :head_dim]`` and its V after it, as
     vLLM's GPU kernels read them (vLLM's view indexed directly), and gather reads the
     same rows back;
-(b) a landing (reuse only, two chunks of 21 and 18 tokens, the second re-rotated by 21
-    positions, blocks of 16: chunks and blocks do not line up) through region_views and
+(b) a landing (reuse only, two chunks of BS + 5 and BS + 2 tokens, the second re-rotated by
+    BS + 5 positions: chunks and blocks do not line up) through region_views and
     a real kvblendd lands, in every layer, rows byte for byte equal to those the same
     landing puts in the CPU "vec" cache;
 (c) the refusals: head_dim not contiguous, a CPU ISA other than "vec";
@@ -31,6 +31,9 @@ today. For each GPU layout (kvblend.vllm.layout.INTERLEAVED):
     then copies). Only the CUDA export of vLLM's allocation (PyTorch's IPC handle, the
     driver's bus id) is left to a GPU.
 
+Every check runs for blocks of 16, 48, 64 (vLLM 0.34's default) and 128 tokens (a request
+of three blocks in a shuffled block table each time), each line prefixed with the size.
+
 Exit 0 when every check passes, 1 on a failure, 77 when KVBLEND_SKIP_ENGINE=1.
 """
 
@@ -46,19 +49,29 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kvblend  # noqa: E402
+from fixtures import Daemon  # noqa: E402
 from kvblend.vllm import layout as L  # noqa: E402
 
-from fixtures import Daemon  # noqa: E402
-
 MODEL = kvblend.Model("layout-test", 4, 2, 16, dtype="f32", rope_theta=1e4)
-BS, NB = 16, 9  # tokens a block, blocks a layer
+#: The block sizes every check runs with: vLLM 0.32's default, 0.34's, a larger one and
+#: one that is no power of two.
+BLOCK_SIZES = (16, 48, 64, 128)
+NB = 9  # blocks a layer
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(MODEL.num_layers)]
-TA, TB = 21, 18  # the two chunks' tokens
-TABLE = [7, 2, 5]  # the request's block table: 39 tokens in 3 blocks
+TABLE = [7, 2, 5]  # the request's block table: TA + TB tokens in 3 blocks
+BS = TA = TB = 0  # tokens a block, the two chunks' tokens: set by block_size()
 failures = []
 
 
+def block_size(bs):
+    """Run the checks with blocks of ``bs`` tokens: chunk a crosses a block boundary, chunk b
+    starts inside a block and ends inside the third (2 * bs + 7 tokens in 3 blocks)."""
+    global BS, TA, TB
+    BS, TA, TB = bs, bs + 5, bs + 2
+
+
 def check(what, ok, detail=""):
+    what = f"bs {BS}: {what}"
     print(f"{'ok  ' if ok else 'FAIL'} {what}" + (f": {detail}" if detail else ""))
     if not ok:
         failures.append(what)
@@ -172,11 +185,10 @@ def check_device(d, c, segs, want, ha, hb):
     """(e): the worker's device landing on the emulated device."""
     import logging
 
+    from fixtures import Daemon
     from kvblend.vllm.landing import DeviceLanding
     from kvblend.vllm.plan import ChunkLoad
     from vllm.v1.kv_cache_layout import KVCacheLayout
-
-    from fixtures import Daemon
 
     size = spec().page_size_bytes * NB * len(NAMES)
     chunks = [ChunkLoad(ha, 0, TA, 0, TA), ChunkLoad(hb, TA, TB, TA, TA + TB)]
@@ -252,6 +264,14 @@ def check_device(d, c, segs, want, ha, hb):
 
 
 def main():
+    for bs in BLOCK_SIZES:
+        block_size(bs)
+        run()
+    print("test_layouts: " + ("FAILED " + ", ".join(failures) if failures else "passed"))
+    return 1 if failures else 0
+
+
+def run():
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
     rng = np.random.default_rng(3)
@@ -336,8 +356,6 @@ def main():
             c.free_region(region)
     finally:
         d.stop()
-    print("test_layouts: " + ("FAILED " + ", ".join(failures) if failures else "passed"))
-    return 1 if failures else 0
 
 
 if __name__ == "__main__":

@@ -15,6 +15,10 @@ index), read with ``ast``, nothing imported:
     is defined in that module of every supported version;
 (e) the connector's start-up gate takes those versions and no other.
 
+Beside the sources (the engine venv's vLLM 0.32 imported): (f) the connector's answers to
+0.34's hooks: kv_cache_access from kv_connector_extra_config and the platform,
+may_load_async False.
+
 Exit 0 when all pass, 1 on a failure, 77 when KVBLEND_SKIP_ENGINE=1.
 """
 
@@ -45,7 +49,22 @@ NEW = {
         "unregister_kv_caches": "the base's no-op: only sleep mode calls it",
         "restore_kv_caches": "the base's no-op: only sleep mode calls it",
     },
+    "0.34": {
+        "kv_cache_access": "overridden: EXPORTS_FD where loads land through a local "
+                           "kvblendd's CUDA device (ipc://, CUDA, device_landing 'auto'), "
+                           "which imports the growable cache by fd; else IN_PROCESS",
+        "may_load_async": "overridden: False. Its contract is 'may return load_kv_async="
+                          "True'; kvblend's loads are synchronous, and a True would start "
+                          "no load while the batch is full but hold back other async loads",
+        "supports_lookahead_block_hashes": "the base's False: EAGLE's block-drop hashing "
+                                           "stays off (kvblend neither loads nor fences by "
+                                           "the drafter's look-ahead window)",
+    },
 }
+
+# Names kvblend imports from vllm that only later releases define: each import sits in a
+# method only that release calls (a lazy import), so the earlier ones never run it.
+SINCE = {("vllm.config.kv_transfer", "KVCacheAccess"): "0.34"}
 
 failures = []
 
@@ -148,14 +167,81 @@ def kvblend_imports():
     return out
 
 
+def hooks():
+    """(f) kv_cache_access and may_load_async, with the engine venv's vLLM (0.32) imported.
+
+    KVCacheAccess is 0.34's: a stand-in with its members goes in vllm.config.kv_transfer
+    for the call, as the real one is there on 0.34; the platform is CUDA or not by a patch
+    of vllm.platforms.current_platform.is_cuda.
+    """
+    import enum
+
+    import vllm.config.kv_transfer as kt
+    from kvblend.vllm.connector import KvblendConnector
+    from vllm.platforms import current_platform
+
+    class KVCacheAccess(enum.IntFlag):  # vllm/config/kv_transfer.py of 0.34
+        IN_PROCESS = 0
+        REGISTERS = enum.auto()
+        EXPORTS_FD = enum.auto()
+        EXPORTS_FABRIC = enum.auto()
+        LEGACY_IPC = enum.auto()
+
+    class Config:
+        def __init__(self, **extra):
+            self.kv_connector_extra_config = extra
+
+    had = hasattr(kt, "KVCacheAccess")
+    kt.KVCacheAccess = getattr(kt, "KVCacheAccess", KVCacheAccess)
+    real = current_platform.is_cuda
+    ipc, tcp = "ipc:///tmp/kvb.sock", "tcp://127.0.0.1:5555"
+    cases = [  # (extra, on CUDA, want EXPORTS_FD)
+        ({"endpoint": ipc}, True, True),
+        ({"endpoint": ipc, "device_landing": "auto"}, True, True),
+        ({"endpoint": ipc, "device_landing": "off"}, True, False),
+        ({"endpoint": tcp}, True, False),
+        ({"endpoint": ipc}, False, False),  # the CPU: vLLM refuses EXPORTS_FD there
+    ]
+    try:
+        for extra, cuda, want in cases:
+            current_platform.is_cuda = (lambda c=cuda: c)
+            got = KvblendConnector.kv_cache_access(Config(**extra))
+            check(f"(f) kv_cache_access {extra} {'CUDA' if cuda else 'CPU'}: "
+                  f"{'EXPORTS_FD' if want else 'IN_PROCESS'}",
+                  got == (kt.KVCacheAccess.EXPORTS_FD if want else kt.KVCacheAccess.IN_PROCESS),
+                  repr(got))
+        current_platform.is_cuda = lambda: True
+        try:
+            KvblendConnector.kv_cache_access(Config(endpoint=ipc, device_landing="on"))
+            check("(f) kv_cache_access refuses device_landing 'on'", False)
+        except ValueError as e:
+            check("(f) kv_cache_access refuses device_landing 'on', naming the key",
+                  "device_landing" in str(e), str(e))
+    finally:
+        current_platform.is_cuda = real
+        if not had:
+            del kt.KVCacheAccess
+
+    class Request:
+        request_id = "r"
+        kv_transfer_params = {"kvblend": {"segments": [[0, 64, "chunk"]]},
+                              "do_remote_prefill": True}
+
+    check("(f) may_load_async: False (kvblend's loads are synchronous)",
+          KvblendConnector.may_load_async(object.__new__(KvblendConnector), Request()) is False)
+
+
 def main():
     sys.path.insert(0, str(SRC))
     from kvblend.vllm.config import SUPPORTED_VLLM, version_supported  # the engine venv
 
     cases = {"0.32.0": True, "0.32.1": True, "0.33.0": True, "0.33.2.post1": True,
-             "0.34.0": False, "0.31.9": False, "0.3": False, "0.320.0": False}
+             "0.34.0": True, "0.34.1": True, "0.35.0": False,
+             "0.31.9": False, "0.3": False, "0.320.0": False, "0.340.0": False}
     got = {v: version_supported(v) for v in cases}
-    check("(e) the start-up gate takes 0.32.x and 0.33.x only", got == cases, str(got))
+    check("(e) the start-up gate takes 0.32.x, 0.33.x and 0.34.x only", got == cases, str(got))
+    from kvblend.vllm import plugin
+    check("(e) the plugin's gate is the connector's", plugin.SUPPORTED_VLLM is SUPPORTED_VLLM)
 
     ours = methods(ast.parse((SRC / "kvblend/vllm/connector.py").read_text()),
                    "KvblendConnector")
@@ -172,7 +258,7 @@ def main():
         check(f"{v}: the base's {len(abstract)} abstract methods are all defined",
               not missing, f"missing {missing}")
         wrong = []
-        later = {n for m, d in NEW.items() if m != minor for n in d}  # not called here
+        later = {n for m, d in NEW.items() if m > minor for n in d}  # not called here
         for name, (kind, params, _) in sorted(ours.items()):
             if name.startswith("_") and name != "__init__":
                 continue  # the connector's own helpers
@@ -185,7 +271,7 @@ def main():
               not wrong, "; ".join(wrong))
         added = sorted(set(base) - set(reference))
         gone = sorted(set(reference) - set(base))
-        decided = NEW.get(minor, {})
+        decided = {n: why for m, d in NEW.items() if m <= minor for n, why in d.items()}
         check(f"{v}: the base's methods beyond 0.32's are decided",
               set(added) == set(decided) and not gone,
               f"added {added}, removed {gone}, decided {sorted(decided)}")
@@ -193,6 +279,8 @@ def main():
             print(f"     {name}: {decided.get(name, 'NOT DECIDED')}")
         unresolved = []
         for (mod, name), files in sorted(imports.items()):
+            if SINCE.get((mod, name), minor) > minor:
+                continue  # imported only where that later release calls
             tree = src.module(mod)
             sub = src.module(f"{mod}.{name}")  # from package import submodule
             if tree is None or (name not in defined_names(tree) and sub is None):
@@ -200,6 +288,7 @@ def main():
         check(f"{v}: the {len(imports)} names kvblend imports from vllm are there",
               not unresolved, "; ".join(unresolved))
     check("the connector refuses sleep mode", "supports_sleep_mode" in ours)
+    hooks()
     print("test_vllm_interface: " + ("FAILED " + ", ".join(failures) if failures else "passed"))
     return 1 if failures else 0
 

@@ -1,4 +1,4 @@
-"""kvblend inside vLLM 0.32 and 0.33: a v1 KV connector that stores chunks and lands them anywhere.
+"""kvblend inside vLLM 0.32 to 0.34: a v1 KV connector that stores chunks and lands them anywhere.
 
 Load it with::
 

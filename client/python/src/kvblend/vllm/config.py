@@ -26,6 +26,7 @@ from ..types import Model
 from . import plan
 from . import separator as _separator
 from .plan import DEFAULT_CONFIG, BlendConfig, blend_settings
+from .versions import SUPPORTED_VLLM, supported_text, version_supported  # noqa: F401
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -33,18 +34,6 @@ if TYPE_CHECKING:
 # The connector's one logger (its configuration, scheduler, worker and landing): under
 # "vllm." so that vLLM's logging configuration (format, level) applies to our lines.
 logger = init_logger("vllm.kvblend.vllm")
-
-#: vLLM versions this connector is written against (the CPU cache layout and the v1
-#: connector interface both change between minor versions). 0.33's connector interface
-#: adds only the sleep-mode hooks (the connector refuses sleep mode), and the modules the
-#: connector reads did not change in ways it uses (tests/engine/test_vllm_interface.py
-#: checks both against the published sources).
-SUPPORTED_VLLM = ("0.32", "0.33")
-
-
-def version_supported(version: str) -> bool:
-    """Whether ``version`` (vLLM's ``__version__``) is one of :data:`SUPPORTED_VLLM`."""
-    return any(version == v or version.startswith(v + ".") for v in SUPPORTED_VLLM)
 
 # Architectures whose attention kvblend describes exactly: full attention, neox RoPE on
 # all heads, keys cached after RoPE.
@@ -121,8 +110,7 @@ def check_version() -> None:
     """Refuse a vLLM other than :data:`SUPPORTED_VLLM` (its connector interface and cache)."""
     v = getattr(vllm, "__version__", "unknown")
     if not version_supported(v):
-        ok = " and ".join(f"{x}.x" for x in SUPPORTED_VLLM)
-        raise refuse(f"vLLM {v} is not supported: kvblend.vllm supports vLLM {ok}")
+        raise refuse(f"vLLM {v} is not supported: kvblend.vllm supports vLLM {supported_text()}")
 
 
 def model_from_vllm(vllm_config: VllmConfig, name: str) -> Model:
@@ -302,6 +290,37 @@ class ConnectorConfig:
     #: vLLM's tensor_parallel_size (a request's blend settings naming the attention
     #: metric are refused under it)
     tensor_parallel: int = 1
+    #: loads on a GPU land through kvblendd's CUDA device (:func:`device_landing_wanted`;
+    #: on vLLM 0.34 the connector then declares ``KVCacheAccess.EXPORTS_FD``)
+    device_landing: bool = True
+
+
+#: ``kv_connector_extra_config["device_landing"]``: "auto" (loads land through a local
+#: kvblendd's CUDA device where there is one) or "off" (the copy path on GPUs).
+DEVICE_LANDING = ("auto", "off")
+
+
+def device_landing_wanted(extra: dict) -> bool:
+    """Whether ``extra`` lets loads land through kvblendd's CUDA device.
+
+    True for ``device_landing`` "auto" (the default) with an ``ipc://`` endpoint (the
+    configured one, else :func:`kvblend.client.default_endpoint`): a local daemon, which
+    can map the GPU's memory. Pure (no vLLM call): the connector's ``kv_cache_access``
+    and its worker both decide by it.
+
+    Raises
+    ------
+    ValueError
+        ``device_landing`` is not one of :data:`DEVICE_LANDING` (the message names the key).
+    """
+    mode = extra.get("device_landing", "auto")
+    if mode not in DEVICE_LANDING:
+        raise ValueError(
+            f"kvblend: kv_connector_extra_config: device_landing must be one of "
+            f"{list(DEVICE_LANDING)}, got {mode!r}"
+        )
+    endpoint = extra.get("endpoint") or default_endpoint()
+    return mode == "auto" and str(endpoint).startswith("ipc://")
 
 
 def _int_key(extra: dict, key: str, default: int, lo: int, hi: int) -> int:
@@ -355,6 +374,10 @@ def connector_config(vllm_config: VllmConfig) -> ConnectorConfig:
             "or anchored metric (the ranks sum their heads' deviations or attention); "
             "blend's metric is 'attention'"
         )
+    try:
+        device_landing = device_landing_wanted(extra)
+    except ValueError as e:
+        raise refuse(str(e)) from None
     store_on_miss = extra.get("store_on_miss", separator is not None and tp == 1)
     if not isinstance(store_on_miss, bool):
         raise refuse(
@@ -401,4 +424,5 @@ def connector_config(vllm_config: VllmConfig) -> ConnectorConfig:
         load_cost_margin=float(margin),
         lookup_timeout_ms=lookup_timeout_ms,
         tensor_parallel=tp,
+        device_landing=device_landing,
     )

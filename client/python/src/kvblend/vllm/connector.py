@@ -19,7 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from .config import check_version, connector_config, logger
+from .config import check_version, connector_config, device_landing_wanted, logger
 from .daemon import DaemonLink
 from .metadata import KvblendMetadata
 from .scheduler import SchedulerSide
@@ -62,6 +62,16 @@ class KvblendConnector(KVConnectorBase_V1):
         logger.info(
             "kvblend: connector (%s) on %s, model %r", role.name, cfg.endpoint, cfg.model_name
         )
+        if role == KVConnectorRole.SCHEDULER and self._exports_fd(vllm_config.kv_transfer_config):
+            cache = vllm_config.cache_config
+            if getattr(cache, "gpu_memory_utilization", 0.0) is None:
+                # vLLM 0.34's growable cache takes all the memory it measures free after
+                # warm-up (1.0 by default); the daemon's device buffers come later
+                logger.warning(
+                    "kvblend: loads land through kvblendd's CUDA device (KVCacheAccess."
+                    "EXPORTS_FD): set gpu_memory_utilization (0.9, say) to leave kvblendd's "
+                    "device buffers room; unset, vLLM's growable cache takes the whole GPU"
+                )
 
     def _meta(self) -> KvblendMetadata:
         meta = self._get_connector_metadata()
@@ -155,6 +165,54 @@ class KvblendConnector(KVConnectorBase_V1):
         The daemon writes into vLLM's KV cache through the region (or handle) it was given
         when the cache was allocated; sleep mode frees that memory and maps new memory at
         wake-up, which landing sessions would still write into the old.
+        """
+        return False
+
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config: Any) -> Any:
+        """How kvblend's workers reach the device KV cache (vLLM 0.34's hook).
+
+        ``KVCacheAccess.EXPORTS_FD`` when loads land through a local kvblendd's CUDA
+        device: the worker exports the growable cache's allocations as POSIX fds
+        (:func:`kvblend.vllm.landing.vmm_allocation`), which vLLM makes exportable only
+        when told so. That is an ``ipc://`` endpoint on a CUDA platform, with
+        ``kv_connector_extra_config["device_landing"]`` "auto" (the default); "off" keeps
+        every load on the copy path. Else ``IN_PROCESS`` (copies, any allocation). vLLM
+        then refuses to start without its growable cache (``enable_extensible_kv_cache``
+        false, ``num_gpu_blocks_override`` or ``kv_cache_memory_bytes`` set): set
+        "device_landing": "off" for those. 0.32 and 0.33 never call it.
+
+        Raises
+        ------
+        ValueError
+            ``device_landing`` is neither "auto" nor "off" (the message names the key).
+        """
+        from vllm.config.kv_transfer import KVCacheAccess
+
+        if cls._exports_fd(kv_transfer_config):
+            return KVCacheAccess.EXPORTS_FD
+        return KVCacheAccess.IN_PROCESS
+
+    @staticmethod
+    def _exports_fd(kv_transfer_config: Any) -> bool:
+        """Whether the workers export the device cache by fd (:meth:`kv_cache_access`)."""
+        from vllm.platforms import current_platform
+
+        extra = dict(getattr(kv_transfer_config, "kv_connector_extra_config", None) or {})
+        return device_landing_wanted(extra) and current_platform.is_cuda()
+
+    def may_load_async(self, request: Request) -> bool:
+        """No: kvblend's loads are synchronous (vLLM 0.34's hook; see below).
+
+        The hook's contract (0.34's base class) is whether ``get_num_new_matched_tokens``
+        may answer ``load_kv_async=True`` for the request; kvblend always answers False
+        (a load lands layer by layer under the step's own forward pass). Answering True
+        would put the request in vLLM's queue of asynchronous loads without starting any
+        load while the batch is full (the scheduler then needs a running slot for it, as
+        for any synchronous load), hold back other connectors' asynchronous loads queued
+        behind it (MultiConnector), and cost a daemon lookup each step the batch stays
+        full. The base's default (a P/D ``do_remote_prefill`` flag) is not kvblend's
+        either. Loads started early need asynchronous loads first (docs/vllm.md).
         """
         return False
 

@@ -11,7 +11,7 @@ side then asks :func:`loaded_model` for the model of its own ``vllm_config``.
 Why there: every model runner (CPU, GPU) loads its model through
 ``vllm.model_executor.model_loader.get_model``, which looks ``get_model_loader`` up in its
 module at each call, whatever loader class the load format picks. It holds as long as
-that stays so (vLLM 0.32; :data:`SUPPORTED_VLLM`); where it does not, the wrapper is not
+that stays so (vLLM 0.32 to 0.34; :data:`SUPPORTED_VLLM`); where it does not, the wrapper is not
 installed, :func:`loaded_model` raises :class:`ModelUnreachable` with the reason, and the
 connector refuses to blend (docs/vllm.md).
 
@@ -32,9 +32,9 @@ import threading
 import time
 from typing import Any
 
-#: vLLM versions whose model loading this hook is written against (its module is the
-#: same in 0.32 and 0.33).
-SUPPORTED_VLLM = ("0.32", "0.33")
+# SUPPORTED_VLLM is also the releases whose model loading this hook is written against:
+# get_model_loader and get_model are the same in 0.32, 0.33 and 0.34.
+from .versions import SUPPORTED_VLLM, supported_text, version_supported  # noqa: F401
 
 _lock = threading.Lock()
 _state: dict[str, Any] = {"registered": False, "why_not": "the kvblend vLLM plugin did not run"}
@@ -91,9 +91,8 @@ def register() -> None:
         _give_up(f"vLLM's model loader could not be imported: {e}")
         return
     version = getattr(vllm, "__version__", "?")
-    if not any(version == v or version.startswith(v + ".") for v in SUPPORTED_VLLM):
-        _give_up(f"vLLM {version}: the model-loading hook is written for vLLM "
-                 + " and ".join(f"{v}.x" for v in SUPPORTED_VLLM))
+    if not version_supported(version):
+        _give_up(f"vLLM {version}: the model-loading hook is written for vLLM {supported_text()}")
         return
     original = getattr(ml, "get_model_loader", None)
     if not callable(original) or not callable(getattr(ml, "get_model", None)):
@@ -155,7 +154,9 @@ STEPS = threading.RLock()
 
 #: The model runner's methods that compute (inputs and metadata, forward, sampling).
 RUNNER_METHODS = ("execute_model", "sample_tokens")
-RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
+#: Where vLLM defines its GPUModelRunner (the CPU runner is a subclass): 0.32 and 0.33 have
+#: both modules, 0.34 only the second.
+RUNNER_MODULES = ("vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.gpu.model_runner")
 
 
 #: What the runner is doing: how many of its calls are computing (0 or 1), and when the
@@ -234,23 +235,29 @@ class BetweenSteps:
 def lock_runner_steps() -> str | None:
     """Make vLLM's model runners hold :data:`STEPS` while they compute a step.
 
-    Wraps ``execute_model`` and ``sample_tokens`` of ``GPUModelRunner`` (the CPU runner
-    is its subclass) and of every loaded subclass that defines its own, once per process.
-    Returns None, or why it could not (the runner's module is not loaded in this process,
-    or lacks a method).
+    Wraps ``execute_model`` and ``sample_tokens`` of each ``GPUModelRunner`` loaded from
+    :data:`RUNNER_MODULES` (the CPU runner is a subclass) and of every loaded subclass that
+    defines its own, once per process. Returns None, or why it could not (no runner's
+    module is loaded in this process, or its runner lacks a method).
     """
-    mod = sys.modules.get(RUNNER_MODULE)
-    base = getattr(mod, "GPUModelRunner", None)
-    if base is None:
-        return f"vLLM's model runner ({RUNNER_MODULE}.GPUModelRunner) is not loaded here"
-    classes, todo = [], [base]
+    bases = [
+        b for b in (getattr(sys.modules.get(m), "GPUModelRunner", None) for m in RUNNER_MODULES)
+        if b is not None
+    ]
+    if not bases:
+        return ("vLLM's model runner (GPUModelRunner in " + " or ".join(RUNNER_MODULES)
+                + ") is not loaded here")
+    classes, todo = [], list(bases)
     while todo:
         cls = todo.pop()
+        if cls in classes:
+            continue
         classes.append(cls)
         todo.extend(cls.__subclasses__())
-    for name in RUNNER_METHODS:
-        if not callable(getattr(base, name, None)):
-            return f"vLLM's GPUModelRunner has no {name}"
+    for base in bases:
+        for name in RUNNER_METHODS:
+            if not callable(getattr(base, name, None)):
+                return f"vLLM's GPUModelRunner ({base.__module__}) has no {name}"
     for cls in classes:
         for name in RUNNER_METHODS:
             fn = cls.__dict__.get(name)

@@ -91,6 +91,31 @@ class SchedulerSide:
             self._logged.add(key)
             logger.warning("kvblend: " + msg, *args)
 
+    def _parse_only(self, request: Request, num_computed_tokens: int) -> plan.Plan:
+        """Parse the request's parameters (for a store); look nothing up, claim nothing."""
+        if self._off is not None:
+            return plan.Plan()
+        cfg = self.config
+        try:
+            parsed = plan.parse_request(
+                request.kv_transfer_params,
+                request.prompt_token_ids or [],
+                num_computed_tokens,
+                cfg.model.num_layers,
+                None,  # no separator split: its chunks would only be looked up
+                None,  # nor blended
+                plan.request_scope(request),
+            )
+        except plan.ParamError as e:
+            self._log_once(
+                "params:" + request.request_id,
+                "request %s served without kvblend: %s",
+                request.request_id,
+                e,
+            )
+            return plan.Plan()
+        return plan.Plan(parsed=parsed)
+
     def _plan(self, request: Request, num_computed_tokens: int) -> plan.Plan:
         """Plan a request; a malformed one or a daemon error plans nothing (logged once).
 
@@ -151,18 +176,53 @@ class SchedulerSide:
         self.daemon.ok()
         return out
 
+    def _external_kv_skipped(self, request: Request) -> bool:
+        """Whether vLLM will not read this request's external tokens, whatever we answer.
+
+        vLLM 0.34's ``Request.skip_reading_external_kv`` (a bounded prefix-cache read:
+        prompt logprobs, ``skip_reading_prefix_cache``); 0.32 and 0.33 drop the
+        connector's answer for ``Request.skip_reading_prefix_cache`` (which prompt
+        logprobs set unless the request says otherwise). Said once per engine at info,
+        and per request at debug.
+        """
+        skip = getattr(request, "skip_reading_external_kv", None)
+        if skip is None:
+            skip = getattr(request, "skip_reading_prefix_cache", False)
+        if not skip:
+            return False
+        if "skip-external" not in self._logged:
+            self._logged.add("skip-external")
+            logger.info(
+                "kvblend: vLLM reads no external KV for requests with prompt logprobs or "
+                "skip_reading_prefix_cache (%s): kvblend neither looks them up nor loads or "
+                "blends for them (a request that asks to store its prompt still stores "
+                "it); this line once per engine",
+                request.request_id,
+            )
+        logger.debug("kvblend: request %s: external KV skipped by vLLM, no lookup",
+                     request.request_id)
+        return True
+
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        """Return the tokens from ``num_computed_tokens`` on that stored chunks provide."""
-        p = self._plan(request, num_computed_tokens)
+        """Return the tokens from ``num_computed_tokens`` on that stored chunks provide.
+
+        A request whose external tokens vLLM will not read (:meth:`_external_kv_skipped`)
+        gets 0, no lookup, no fence and no missed chunk queued; its parameters are still
+        parsed, so that one asking to store its prompt (computed in full) stores it.
+        """
+        if self._external_kv_skipped(request):
+            p = self._parse_only(request, num_computed_tokens)
+        else:
+            p = self._plan(request, num_computed_tokens)
         declined = 0
         if p.tokens > 0 and not self._worth_loading(p):
             declined = p.tokens
             p = plan.Plan(parsed=p.parsed, missing=p.missing)  # computed; misses still stored
         self._plans[request.request_id] = p  # kept for update_state_after_alloc
         self._storing.pop(request.request_id, None)  # as scheduled when it last starts
-        self._fence(request, p)
+        self._fence(request, p, num_computed_tokens)
         n = len(request.prompt_token_ids or [])
         self._said[request.request_id] = {
             "prompt_tokens": n,
@@ -238,7 +298,7 @@ class SchedulerSide:
         out, self._totals = self._totals, {}
         return out
 
-    def _fence(self, request: Request, p: plan.Plan) -> None:
+    def _fence(self, request: Request, p: plan.Plan, num_computed_tokens: int = 0) -> None:
         """Keep the blocks a load makes inexact out of vLLM's prefix cache.
 
         vLLM caches a request's full blocks under ``request.block_hashes``: hash i
@@ -251,18 +311,24 @@ class SchedulerSide:
         The exact prefix before (a system prompt, a chat header, a chunk at position 0)
         keeps its hashes and vLLM's prefix caching. vLLM may ask again before it
         schedules the request: the originals are put back first, so the fence follows the
-        latest plan.
+        latest plan. Except for a request asked again after its fenced blocks were computed
+        (preempted, then resumed): when vLLM's prefix cache gave it back its own blocks past
+        the fence (``num_computed_tokens``), their KV is still the load's, and the fence
+        stays.
         """
         rid = request.request_id
         hashes = request.block_hashes
+        hbs = getattr(self._kv_cache_config, "hash_block_size", None) or self.config.block_size
         old = self._fenced.pop(rid, None)
         if old is not None:
             k, orig = old
+            if num_computed_tokens > k * hbs:
+                self._fenced[rid] = old  # its own inexact blocks again: they stay fenced
+                return
             hashes[k : k + len(orig)] = orig
         first = p.first_inexact
         if first is None or not self.config.prefix_caching:
             return
-        hbs = getattr(self._kv_cache_config, "hash_block_size", None) or self.config.block_size
         k = first // hbs
         if k >= len(hashes):
             return  # no full block there yet: later hashes chain from the request's own
@@ -396,10 +462,14 @@ class SchedulerSide:
                 self._stores[r.req_id].block_ids = list(r.block_ids[0])
                 progress[r.req_id] = r.num_computed_tokens
         cached = scheduler_output.scheduled_cached_reqs
+        # vLLM 0.32 and 0.33 send a request resumed after preemption as a cached one whose
+        # new_block_ids is its whole block list; 0.34 sends it again as a new request
+        # (scheduled_new_reqs, above) and has no resumed_req_ids
+        resumed = getattr(cached, "resumed_req_ids", None) or ()
         for i, rid in enumerate(cached.req_ids):
             if rid in self._stores:
                 new = cached.new_block_ids[i]
-                if rid in cached.resumed_req_ids:
+                if rid in resumed:
                     # Resumed after preemption: new_block_ids is its whole block list.
                     self._stores[rid].block_ids = list(new[0]) if new else []
                 elif new:

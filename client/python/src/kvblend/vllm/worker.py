@@ -148,9 +148,12 @@ class WorkerSide:
                 "lays it out on a GPU (the daemon's landing on its emulated device), and "
                 "has not yet run on a GPU (docs/vllm.md, \"On GPUs\")", devices[0],
             )
-            if devices == ["cuda"]:
+            if devices == ["cuda"] and self.config.device_landing:
                 cfg = self.config
                 self._region = DeviceLanding(cfg.endpoint, cfg.timeout_ms, logger)
+            elif devices == ["cuda"]:
+                logger.info("kvblend: device_landing 'off' (or a tcp:// endpoint): loads "
+                            "are copied from the daemon's reply")
         self._tensor_parallel()
         try:
             self.cache.register(kv_caches, ctx)

