@@ -37,7 +37,7 @@
  * its connections (their bytes are held on its client_inflight_bytes too). A sender
  * writes at most PUMP_BYTES to one connection before it turns to the next.
  */
-#define BULK_STALL_MS 1000
+#define BULK_STALL_MS 2000
 #define BULK_QUEUED_PER_PRINCIPAL 32
 #define BULK_SENDERS_MAX 8
 #define PUMP_BYTES (8u << 20)

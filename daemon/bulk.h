@@ -32,7 +32,7 @@ struct bulk;
  * Listen on host:port (port 0: a free one) and start the accept thread and `senders`
  * sender threads (1..8). send_timeout_ms (0: none) bounds one payload's sending, the
  * wait behind earlier payloads on its connection included (reply_timeout_ms); a
- * connection whose socket takes no byte for BULK_STALL_MS (1 s) while a payload waits
+ * connection whose socket takes no byte for BULK_STALL_MS (2 s) while a payload waits
  * is cut as well: a client that reads slower loses its connection.
  * 0 and *out, or -errno (log_err says why).
  */

@@ -146,7 +146,7 @@ static const struct key keys[] = {
 	  "256 KiB or more) unsent this long is disconnected: such a reply holds a snapshot "
 	  "of the store that keeps freed pages from reuse; a GET's payload on a bulk "
 	  "connection must be read within it too (and its socket must take a byte every "
-	  "second, whatever this is); 0 = never" },
+	  "2 s, whatever this is); 0 = never" },
 	{ "client_shm_segments", "N", T_UINT, OFF(client_shm_segments), 1, 256, "16",
 	  "shared-memory segments one client may hold (of 256 for all)" },
 	{ "client_fuse_sessions", "N", T_UINT, OFF(client_fuse_sessions), 1, 65536, "16",

@@ -701,6 +701,7 @@ void server_stop(struct server *srv)
 	scrubber_free(&srv->scrub); /* it removes chunks through the fuse table */
 	evictor_free(&srv->evict);
 	cluster_free(&srv->cluster);
+	fuse_loader_stop(srv->fuse); /* (stopped already, unless the start failed) */
 	fuse_table_free(&srv->fuse);
 	blend_devices_close(&srv->devices); /* after the sessions that used it */
 	shm_table_free(&srv->shm);

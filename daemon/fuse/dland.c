@@ -9,6 +9,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "common/ckd.h"
 #include "daemon/fuse/fuse_impl.h"
 #include "daemon/log.h"
 
@@ -282,11 +283,12 @@ static bool layers_in_segments(const struct dimport *m, const struct kvbp_layout
 			uint64_t lo, hi, span = side ? v_span : k_span;
 			bool in = false;
 
-			/* (no overflow: the whole extent was checked, and it holds these) */
-			lo = (side ? y->v_offset : y->k_offset) + (uint64_t)l * y->layer_stride;
-			hi = lo + span;
+			if (ckd_mul_add(&lo, l, y->layer_stride, side ? y->v_offset : y->k_offset) ||
+			    ckd_add(&hi, lo, span))
+				return false;
 			for (uint32_t k = 0; k < m->n_segs && !in; k++)
 				in = lo >= m->segs[k].offset &&
+				     /* ckd-ok: both at most 2^44 (shm.c checked them) */
 				     hi <= m->segs[k].offset + m->segs[k].size;
 			if (!in)
 				return false;

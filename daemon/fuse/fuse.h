@@ -212,8 +212,8 @@ bool fuse_prefetch(struct fuse_table *t, uint64_t id);
  * The loader: the table's thread that calls fuse_prefetch for the sessions it is kicked
  * for (fuse_kick, after a reply that leaves work: layers to load ahead or to land),
  * landing sessions taking turns a layer at a time, and fuse_expire once a second, off
- * the threads that serve sockets. Start it once (its thread takes no signals); it is
- * stopped by fuse_loader_stop or fuse_table_free. 0, -EALREADY, -ENOMEM or -errno.
+ * the threads that serve sockets. Start it once (its thread takes no signals); stop it
+ * with fuse_loader_stop before fuse_table_free. 0, -EALREADY, -ENOMEM or -errno.
  */
 int fuse_loader_start(struct fuse_table *t);
 /* Queue session id for the loader (once: a session queued already is not queued twice;

@@ -153,7 +153,8 @@ struct arena; /* arena.h: the reserve's bookkeeping */
 
 struct fuse_table {
 	struct fuse_limits lim;
-	struct fuse_loader *loader; /* its thread (loader.c), once started */
+	struct fuse_loader *loader; /* its thread (loader.c), once started; stopped before
+				     * the table is freed (fuse_loader_stop) */
 	struct store *store;
 	/* told of each chunk a session found corrupt, once the session has let go of it
 	 * (fuse_on_corrupt; NULL: left to the next read or the scrub) */

@@ -183,7 +183,6 @@ void fuse_table_free(struct fuse_table **tp)
 
 	if (!t)
 		return;
-	fuse_loader_stop(t); /* (its thread works on the sessions below) */
 	t->on_corrupt = NULL; /* shutting down: left to the next start's reads */
 	for (uint64_t i = 0; i < t->lim.max_sessions; i++)
 		if (t->sessions[i]) {

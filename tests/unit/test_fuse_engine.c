@@ -118,6 +118,7 @@ static int teardown(void **state)
 	struct fixture *f = *state;
 	char cmd[128];
 
+	fuse_loader_stop(f->t); /* (before the table: its thread works on the sessions) */
 	fuse_table_free(&f->t);
 	shm_table_free(&f->shm);
 	pool_free(&f->pool);
@@ -345,7 +346,7 @@ static void test_check_selects_the_deviating_tokens(void **state)
 /*
  * Landing, reuse only: every layer is written into the owner's segment (K rows, then
  * V rows, contiguous per layer) by the engine's loader thread (fuse_loader_start,
- * fuse_kick; stopped by fuse_table_free), the progress word counts the layers,
+ * fuse_kick; fuse_loader_stop), the progress word counts the layers,
  * and the fresh tokens' rows are left as they were (the node writes them). A layout
  * whose head stride wraps its extent (issue 30) is refused, nothing written.
  */
