@@ -1,4 +1,7 @@
-/* store_chunk — chunk records: put, get, view, info, lookup, delete, list, scan; see store.h. */
+/*
+ * store_chunk — chunks: put, get, view, info, lookup, delete, list, scan; their
+ * records' bytes are store_record.c's. See store.h.
+ */
 #include "store/store_impl.h"
 
 #include <errno.h>
@@ -8,42 +11,6 @@
 
 #include "common/ckd.h"
 #include "store/codec.h"
-
-/* A chunk record: version, tokens, base_pos, layers, raw, stored, created, checksum. */
-void st_chunk_rec_encode(uint8_t *p, const MDB_val *k, const struct store_chunk_info *c)
-{
-	memset(p, 0, CHUNK_REC_LEN);
-	le_put(p, STORE_FORMAT, 4);
-	le_put(p + 4, c->num_tokens, 4);
-	le_put(p + 8, c->base_pos, 4);
-	le_put(p + 12, c->num_layers, 4);
-	le_put(p + 16, c->raw_bytes, 8);
-	le_put(p + 24, c->stored_bytes, 8);
-	le_put(p + 32, c->created, 8);
-	le_put(p + CHUNK_REC_SUM, st_rec_sum(k, p, CHUNK_REC_SUM), 8);
-}
-
-void st_chunk_rec_fields(const uint8_t *p, struct store_chunk_info *c)
-{
-	c->num_tokens = (uint32_t)le_get(p + 4, 4);
-	c->base_pos = (uint32_t)le_get(p + 8, 4);
-	c->num_layers = (uint32_t)le_get(p + 12, 4);
-	c->raw_bytes = le_get(p + 16, 8);
-	c->stored_bytes = le_get(p + 24, 8);
-	c->created = le_get(p + 32, 8);
-}
-
-/* Decode and verify the chunk record v stored under key k. *c is untouched on -EBADMSG. */
-int st_chunk_rec_decode(const MDB_val *k, const MDB_val *v, struct store_chunk_info *c)
-{
-	const uint8_t *p = v->mv_data;
-
-	if (k->mv_size != CHUNK_KEY_LEN || !st_rec_sum_ok(k, v, CHUNK_REC_SUM) ||
-	    le_get(p, 4) != STORE_FORMAT)
-		return -EBADMSG;
-	st_chunk_rec_fields(p, c);
-	return 0;
-}
 
 /*
  * Delete a chunk's record and every layer stored under its key, whatever the

@@ -4,10 +4,33 @@
  * transaction helpers and the translation of LMDB codes. The contract for
  * callers is store.h; nothing here is part of it.
  *
- * The modules: store.c (environment, transactions, totals, open and upgrade),
- * store_model.c (model records), store_chunk.c (chunk records: put, get, view,
- * info, lookup, delete, list, scan), store_transfer.c (export and import between
- * members), store_owed.c (pushes owed to cluster peers).
+ * The modules, each calling only ones below it:
+ *   store.c           the environment's life: open (databases, format, the data
+ *                     file's checks) and close (calls upgrade, totals, verify, txn)
+ *   store_upgrade.c   format 1 -> 2, in the open's write transaction (calls chunk,
+ *                     model, totals, record, txn)
+ *   store_transfer.c  chunks as stored, between members: export, import (calls
+ *                     chunk, model, txn, codec)
+ *   store_chunk.c     chunks: put, get, view, info, lookup, delete, list, scan,
+ *                     purge (calls model, totals, verify, record, txn, codec)
+ *   store_owed.c      pushes owed to cluster peers (calls txn)
+ *   store_model.c     models: register, find, list, by id; the next id (calls
+ *                     record, txn)
+ *   store_totals.c    the totals record, kept by every write; recount, repair
+ *                     (calls record, txn)
+ *   store_verify.c    when a read checks checksums, the scrub (calls txn,
+ *                     verified, codec, checksum)
+ *   store_txn.c       the one translation of LMDB codes, commits, read
+ *                     transactions, walks (calls none)
+ *   store_record.c    the bytes of chunk and model records, their checksums
+ *                     (calls checksum)
+ * and below them the store's parts with a header of their own: codec.c (tensor
+ * encodings; calls quant, checksum), verified.c (the layers verified in this
+ * residency), quant.c and checksum.c. The one circle is by design: quant_avx2.c
+ * and checksum_avx2.c are quant_impl.h's and checksum_impl.h's body built for
+ * AVX2, which quant.c and checksum.c pick at run time and which call back into
+ * them for the one helper both builds share (quant_fp8_encode,
+ * checksum_apply_block).
  *
  * Conventions as in store.h: 0 or a negative errno; MDB_* codes are turned into
  * errno values by st_err_from_mdb() and never leave these files.
@@ -68,7 +91,8 @@ struct store {
 	enum store_verify verify;
 	struct st_verified *verified;	  /* ONCE */
 	int data_fd;			  /* the data file, for its modification time */
-	atomic_int_least64_t own_mtime;	  /* ns: the data file's after this store's last commit */
+	/* ns: the data file's after this store's last commit (st_mtime_note()) */
+	atomic_int_least64_t own_mtime;
 	atomic_uint_least64_t n_verified, n_trusted, n_forgotten, n_scrubbed, n_passes;
 };
 
@@ -77,9 +101,6 @@ struct totals_rec {
 	struct store_codec_use all;
 	struct store_codec_use codec[STORE_CODECS];
 };
-
-/* The "next_model" key of the meta database (store_model.c). */
-extern const MDB_val st_next_model_key;
 
 /* ---- byte order and keys ---- */
 
@@ -141,7 +162,10 @@ static inline void layer_key(uint8_t *key, uint32_t model_id, const uint8_t *has
 	be32(key + CHUNK_KEY_LEN, layer);
 }
 
-/* ---- store.c: errors, transactions, record checksums, walks, totals ---- */
+/* ---- store_txn.c: errors, transactions, walks ---- */
+
+/* The "format" key of the meta database. */
+extern const MDB_val st_format_key;
 
 /* The one place LMDB codes become errno values. */
 int st_err_from_mdb(int rc);
@@ -149,32 +173,21 @@ int st_err_from_mdb(int rc);
 /* The error of a failed write of about `need` bytes: a short write on a full disk is -ENOSPC. */
 int st_err_write(struct store *s, int mdb_rc, uint64_t need);
 
+/* Keep DISK_RESERVE bytes allocated past the data file's last page; best effort. */
+void st_disk_reserve(struct store *s);
+
+/*
+ * The data file's modification time in ns (-1 when it cannot be read), and its
+ * note after each commit of this store (own_mtime), which store_verify.c compares.
+ */
+int64_t st_file_mtime(const struct store *s);
+void st_mtime_note(struct store *s);
+
 /* Commit a write transaction (ended either way); renews the disk reserve when need > 0. */
 int st_commit(struct store *s, MDB_txn *txn, uint64_t need);
 
 /* Commit a transaction that changes nothing: the pages freed before become reusable. */
 int st_txn_advance(struct store *s);
-
-/*
- * Verification of a layer value v read under layer key `key` (store_verify.c):
- * st_read_flags() says whether the read may skip the checksums (CODEC_TRUSTED)
- * and fills *fp (0: not to be remembered); st_read_done() records the outcome.
- * st_mtime_note() follows each commit; st_layer_forget() each deleted value.
- */
-unsigned st_read_flags(struct store *s, const uint8_t *key, const MDB_val *v, uint64_t *fp);
-/* The same for a read of one plane (part 1: K, 2: V): trusted when the whole layer or
- * that plane was verified; *fp is the plane's, which st_read_done() remembers. */
-unsigned st_read_flags_part(struct store *s, const uint8_t *key, const MDB_val *v,
-			    unsigned part, uint64_t *fp);
-void st_read_done(struct store *s, uint64_t fp, unsigned flags, int rc);
-void st_mtime_note(struct store *s);
-void st_layer_forget(struct store *s, const uint8_t *key, const MDB_val *v);
-int st_verify_open(struct store *s, const struct store_opts *o);
-void st_verify_close(struct store *s);
-
-/* XXH3-64 of a record's key and body; whether v is body_len bytes plus a matching sum. */
-uint64_t st_rec_sum(const MDB_val *k, const void *body, size_t body_len);
-bool st_rec_sum_ok(const MDB_val *k, const MDB_val *v, size_t body_len);
 
 /* A read transaction from the pool (renewed), and back to it (reset). */
 int st_rtxn_begin(struct store *s, MDB_txn **out);
@@ -194,17 +207,66 @@ typedef int (*cursor_fn)(const MDB_val *k, const MDB_val *v, void *item);
 int st_collect(struct store *s, MDB_dbi dbi, const uint8_t *prefix, size_t prefix_len,
 	       size_t item_size, cursor_fn fn, void **out, size_t *n_out);
 
+/* ---- store_record.c: the bytes of chunk and model records ---- */
+
+/* XXH3-64 of a record's key and body; whether v is body_len bytes plus a matching sum. */
+uint64_t st_rec_sum(const MDB_val *k, const void *body, size_t body_len);
+bool st_rec_sum_ok(const MDB_val *k, const MDB_val *v, size_t body_len);
+
+/* Bytes per element of a dtype (1 f16, 2 bf16, 3 f32); 0 for another. */
+uint32_t st_dtype_size(uint32_t dtype);
+
+/* Encode m's record into p (MODEL_QREC_LEN bytes of room); returns its length. */
+size_t st_model_rec_encode(uint8_t *p, const struct store_model *m);
+
+/* The fields of a model record body (format 1 and 2 share it); -EBADMSG. */
+int st_model_body_decode(const uint8_t *p, struct store_model *out);
+
+/* Decode and verify the model record v stored under name k. *m is untouched on -EBADMSG. */
+int st_model_rec_decode(const MDB_val *k, const MDB_val *v, struct store_model *m);
+
+/* A chunk record: version, tokens, base_pos, layers, raw, stored, created, checksum. */
+void st_chunk_rec_encode(uint8_t *p, const MDB_val *k, const struct store_chunk_info *c);
+void st_chunk_rec_fields(const uint8_t *p, struct store_chunk_info *c);
+
+/* Decode and verify the chunk record v stored under key k. *c is untouched on -EBADMSG. */
+int st_chunk_rec_decode(const MDB_val *k, const MDB_val *v, struct store_chunk_info *c);
+
+/* ---- store_verify.c: verification of layer values ---- */
+
+/*
+ * Verification of a layer value v read under layer key `key` (store_verify.c):
+ * st_read_flags() says whether the read may skip the checksums (CODEC_TRUSTED)
+ * and fills *fp (0: not to be remembered); st_read_done() records the outcome.
+ * st_mtime_note() (store_txn.c) follows each commit; st_layer_forget() each
+ * deleted value.
+ */
+unsigned st_read_flags(struct store *s, const uint8_t *key, const MDB_val *v, uint64_t *fp);
+/* The same for a read of one plane (part 1: K, 2: V): trusted when the whole layer or
+ * that plane was verified; *fp is the plane's, which st_read_done() remembers. */
+unsigned st_read_flags_part(struct store *s, const uint8_t *key, const MDB_val *v,
+			    unsigned part, uint64_t *fp);
+void st_read_done(struct store *s, uint64_t fp, unsigned flags, int rc);
+void st_layer_forget(struct store *s, const uint8_t *key, const MDB_val *v);
+int st_verify_open(struct store *s, const struct store_opts *o);
+void st_verify_close(struct store *s);
+
+/* ---- store_upgrade.c ---- */
+
+/*
+ * Format 1 -> 2 in txn (store_upgrade.c): every record gets its checksum; chunk records
+ * that fail format 1's own checks are dropped with their layers. 0 or a negative errno.
+ */
+int st_upgrade_v1(struct store *s, MDB_txn *txn);
+
+/* ---- store_totals.c: the totals record ---- */
+
 /*
  * The totals: counted again from the chunk records (a walk: store_chunk_walks()),
  * and written. st_totals_update() adds `add` and takes `sub` off (never below
  * zero) in all and under store codec `codec` (the model's; none when out of
  * range), in txn: the write that adds or removes the chunk record.
  */
-/*
- * Format 1 -> 2 in txn (store_upgrade.c): every record gets its checksum; chunk records
- * that fail format 1's own checks are dropped with their layers. 0 or a negative errno.
- */
-int st_upgrade_v1(struct store *s, MDB_txn *txn);
 int st_totals_recount(struct store *s, MDB_txn *txn, struct totals_rec *t);
 int st_totals_write(struct store *s, MDB_txn *txn, const struct totals_rec *t);
 int st_totals_update(struct store *s, MDB_txn *txn, uint32_t codec,
@@ -217,36 +279,21 @@ int st_totals_update(struct store *s, MDB_txn *txn, uint32_t codec,
  */
 void st_totals_repair(struct store *s);
 
-/* ---- store_model.c: model records ---- */
+/* ---- store_model.c: models ---- */
 
-/* Bytes per element of a dtype (1 f16, 2 bf16, 3 f32); 0 for another. */
-uint32_t st_dtype_size(uint32_t dtype);
+/* The "next_model" key of the meta database (store_model.c). */
+extern const MDB_val st_next_model_key;
+
 /*
  * The elements of one token row of a tensor of m (num_kv_heads x head_dim), as a
  * quantized tensor's header counts them; 0 (which no such header has) past 2^32 - 1.
  */
 uint32_t st_token_channels(const struct store_model *m);
 
-/* Encode m's record into p (MODEL_QREC_LEN bytes of room); returns its length. */
-size_t st_model_rec_encode(uint8_t *p, const struct store_model *m);
-
-/* The fields of a model record body (format 1 and 2 share it); -EBADMSG. */
-int st_model_body_decode(const uint8_t *p, struct store_model *out);
-
-/* Decode and verify the model record v stored under name k. *m is untouched on -EBADMSG. */
-int st_model_rec_decode(const MDB_val *k, const MDB_val *v, struct store_model *m);
-
 /* Write the next model id counter. */
 int st_next_model_write(struct store *s, MDB_txn *txn, uint32_t id);
 
-/* ---- store_chunk.c: chunk records ---- */
-
-/* A chunk record: version, tokens, base_pos, layers, raw, stored, created, checksum. */
-void st_chunk_rec_encode(uint8_t *p, const MDB_val *k, const struct store_chunk_info *c);
-void st_chunk_rec_fields(const uint8_t *p, struct store_chunk_info *c);
-
-/* Decode and verify the chunk record v stored under key k. *c is untouched on -EBADMSG. */
-int st_chunk_rec_decode(const MDB_val *k, const MDB_val *v, struct store_chunk_info *c);
+/* ---- store_chunk.c: chunks ---- */
 
 /*
  * Delete a chunk's record and every layer stored under its key, whatever the

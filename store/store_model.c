@@ -1,4 +1,7 @@
-/* store_model — model records; see store.h for the contract. */
+/*
+ * store_model — models: register, find, list, by id, and the next id; their records'
+ * bytes are store_record.c's. See store.h for the contract.
+ */
 #include "store/store_impl.h"
 
 #include <errno.h>
@@ -9,11 +12,6 @@
 #include "common/model_fields.h"
 
 const MDB_val st_next_model_key = { 10, "next_model" };
-
-uint32_t st_dtype_size(uint32_t dtype)
-{
-	return dtype == 3 ? 4 : (dtype == 1 || dtype == 2) ? 2 : 0;
-}
 
 uint32_t st_token_channels(const struct store_model *m)
 {
@@ -30,101 +28,6 @@ uint64_t store_tensor_bytes(const struct store_model *m, uint32_t num_tokens)
 	    ckd_mul(&n, n, (uint64_t)st_dtype_size(m->dtype)))
 		return 0;
 	return n;
-}
-
-/* Encode m's record into p (MODEL_QREC_LEN bytes of room); returns its length. */
-size_t st_model_rec_encode(uint8_t *p, const struct store_model *m)
-{
-	size_t body = m->store_codec ? MODEL_QBODY_LEN : MODEL_BODY_LEN;
-	uint8_t *q = p + STORE_NAME_MAX + 1;
-	size_t name_len = strnlen(m->name, STORE_NAME_MAX);
-	MDB_val k = { name_len, (void *)m->name };
-	const uint32_t u[10] = { m->id,	      m->num_layers, m->num_kv_heads,	  m->head_dim,
-				 m->dtype,    m->rope_style, m->rotary_dim,	  m->scaling,
-				 m->max_pos, m->original_max_pos };
-	const double d[6] = { m->rope_theta,	   m->factor,	 m->low_freq_factor,
-			      m->high_freq_factor, m->beta_fast, m->beta_slow };
-
-	memset(p, 0, body + 8);
-	memcpy(p, m->name, name_len);
-	for (int i = 0; i < 10; i++, q += 4)
-		le_put(q, u[i], 4);
-	for (int i = 0; i < 6; i++, q += 8)
-		le_put_f64(q, d[i]);
-	*q = m->k_pre_rope;
-	if (m->store_codec) {
-		/* codec (u8), 3 zero bytes, group (u32) */
-		p[MODEL_BODY_LEN] = (uint8_t)m->store_codec;
-		le_put(p + MODEL_BODY_LEN + 4, m->store_group, 4);
-	}
-	le_put(p + body, st_rec_sum(&k, p, body), 8);
-	return body + 8;
-}
-
-/* The fields of a model record body (format 1 and 2 share it). */
-int st_model_body_decode(const uint8_t *p, struct store_model *out)
-{
-	const uint8_t *q = p + STORE_NAME_MAX + 1;
-	struct store_model m;
-	uint32_t u[10];
-	double d[6];
-
-	if (p[STORE_NAME_MAX] != 0)
-		return -EBADMSG;
-	memset(&m, 0, sizeof(m));
-	memcpy(m.name, p, STORE_NAME_MAX + 1);
-	for (int i = 0; i < 10; i++, q += 4)
-		u[i] = (uint32_t)le_get(q, 4);
-	for (int i = 0; i < 6; i++, q += 8)
-		d[i] = le_get_f64(q);
-	m.id = u[0];
-	m.num_layers = u[1];
-	m.num_kv_heads = u[2];
-	m.head_dim = u[3];
-	m.dtype = u[4];
-	m.elem_size = st_dtype_size(m.dtype);
-	m.rope_style = u[5];
-	m.rotary_dim = u[6];
-	m.scaling = u[7];
-	m.max_pos = u[8];
-	m.original_max_pos = u[9];
-	m.rope_theta = d[0];
-	m.factor = d[1];
-	m.low_freq_factor = d[2];
-	m.high_freq_factor = d[3];
-	m.beta_fast = d[4];
-	m.beta_slow = d[5];
-	m.k_pre_rope = *q != 0;
-	if (!m.elem_size)
-		return -EBADMSG;
-	*out = m;
-	return 0;
-}
-
-/* Decode and verify the model record v stored under name k. *m is untouched on -EBADMSG. */
-int st_model_rec_decode(const MDB_val *k, const MDB_val *v, struct store_model *m)
-{
-	const uint8_t *p = v->mv_data;
-	struct store_model t;
-	int rc;
-
-	if (v->mv_size == MODEL_QREC_LEN) {
-		if (!st_rec_sum_ok(k, v, MODEL_QBODY_LEN))
-			return -EBADMSG;
-		rc = st_model_body_decode(p, &t);
-		if (rc)
-			return rc;
-		t.store_codec = p[MODEL_BODY_LEN];
-		t.store_group = (uint32_t)le_get(p + MODEL_BODY_LEN + 4, 4);
-		if (!t.store_codec || t.store_codec > 3 || p[MODEL_BODY_LEN + 1] ||
-		    p[MODEL_BODY_LEN + 2] || p[MODEL_BODY_LEN + 3])
-			return -EBADMSG;
-		*m = t;
-		return 0;
-	}
-	if (!st_rec_sum_ok(k, v, MODEL_BODY_LEN))
-		return -EBADMSG;
-	return st_model_body_decode(v->mv_data, m);
 }
 
 int st_next_model_write(struct store *s, MDB_txn *txn, uint32_t id)

@@ -1,7 +1,7 @@
 /*
  * store_upgrade — the on-disk format upgrades, run by store_open() (store.c) in its
- * write transaction; over the chunk and model records (store_chunk.c, store_model.c),
- * which know nothing of it. See store_impl.h.
+ * write transaction; over the chunk and model records (store_record.c, store_chunk.c,
+ * store_model.c), which know nothing of it. See store_impl.h.
  */
 #include "store/store_impl.h"
 

@@ -4,7 +4,6 @@
  */
 #include <errno.h>
 #include <stdlib.h>
-#include <sys/stat.h>
 
 #include "store/checksum.h"
 #include "store/codec.h"
@@ -15,22 +14,13 @@
  * has touched (so mincore() says nothing about them): always verified. */
 #define TRUST_MIN 4096
 
-static int64_t file_mtime(const struct store *s)
-{
-	struct stat st;
-
-	if (s->data_fd < 0 || fstat(s->data_fd, &st))
-		return -1;
-	return (int64_t)st.st_mtim.tv_sec * 1000000000 + st.st_mtim.tv_nsec;
-}
-
 int st_verify_open(struct store *s, const struct store_opts *o)
 {
 	s->verify = o->verify;
 	s->data_fd = -1;
 	if (mdb_env_get_fd(s->env, &s->data_fd))
 		s->data_fd = -1;
-	atomic_store(&s->own_mtime, file_mtime(s));
+	atomic_store(&s->own_mtime, st_file_mtime(s));
 	if (s->verify != STORE_VERIFY_ONCE)
 		return 0;
 	s->verified = st_verified_new(o->verify_entries ? o->verify_entries : 1u << 20,
@@ -44,11 +34,6 @@ void st_verify_close(struct store *s)
 	s->verified = NULL;
 }
 
-void st_mtime_note(struct store *s)
-{
-	atomic_store(&s->own_mtime, file_mtime(s));
-}
-
 /*
  * The data file was written by someone else since this store's last commit (a
  * repair tool, a second writer, a test flipping bytes): nothing verified before
@@ -56,7 +41,7 @@ void st_mtime_note(struct store *s)
  */
 static void watch_file(struct store *s)
 {
-	int64_t now = file_mtime(s);
+	int64_t now = st_file_mtime(s);
 
 	if (now == atomic_load(&s->own_mtime))
 		return;
