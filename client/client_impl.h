@@ -5,15 +5,22 @@
  * here is exported (hidden visibility, and kvblend.map lists kvblend.h's functions only).
  *
  * Modules and who uses whom (no cycles):
- *   call.c    requests and replies over the socket        uses no other module
+ *   bulk.c    the bulk connection (PUT and GET payloads    uses no other module
+ *             over TCP)
+ *   cudaipc.c the daemon's device memory mapped through    uses no other module
+ *             the CUDA driver, loaded at run time (cudaipc.h)
+ *   call.c    requests and replies over the socket        uses bulk
  *   shm.c     the shared segment and the regions           uses call
  *   model.c   model specs, wire records, register/list     uses call
- *   bulk.c    the bulk connection (GET payloads over TCP)  uses call
  *   chunk.c   PUT, GET, LOOKUP, PIN, DELETE, LIST          uses call, shm, model, bulk
  *   admin.c   STATS and cluster members                    uses call
- *   client.c  connect, ping, close, error texts            uses call, shm, cudaipc
+ *   client.c  connect, ping, close, error texts            uses call, shm, bulk, cudaipc
  *   fuse.c    fuse sessions, landing sessions              uses call, shm, model, cudaipc,
  *                                                          client (kvb_strerror)
+ *
+ * Not the library's, in the same folder: the kvblend CLI (cli.c, its commands in
+ * cli_admin.c, cli_chunk.c and cli_fuse.c, what they share in cli_common.c; cli.h),
+ * over the library, and npy.c (npy.h: .npy files, for the CLI and the tests).
  *
  * Thread-safety is the public header's: one client, one thread at a time.
  */

@@ -9,6 +9,13 @@
  * transfer.c: calls to a peer, the push queue and its thread, fetch and lookup.
  * bulk.c: a member's end of bulk connections to its peers (FETCH payloads).
  * rebalance.c: rebalance and repair passes, heartbeats.
+ * check.c: the replication check: the copies of the chunks held here among their
+ * owners, and the same asked of every other member (run by rebalance.c's thread).
+ *
+ * Beside them, three modules with a header of their own that know nothing of
+ * struct cluster: place.c (place.h, weighted rendezvous placement, used by view.c),
+ * etcd.c (etcd.h, etcd v3 over its JSON gateway) and record.c (record.h, a member's
+ * record in etcd), both used by members.c.
  */
 #ifndef KVBLEND_CLUSTER_CLUSTER_IMPL_H
 #define KVBLEND_CLUSTER_CLUSTER_IMPL_H

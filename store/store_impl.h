@@ -4,7 +4,8 @@
  * transaction helpers and the translation of LMDB codes. The contract for
  * callers is store.h; nothing here is part of it.
  *
- * The modules, each calling only ones below it:
+ * The modules, each calling only ones below it (tests/lint/check_module_maps.py
+ * holds this list to the folder's files):
  *   store.c           the environment's life: open (databases, format, the data
  *                     file's checks) and close (calls upgrade, totals, verify, txn)
  *   store_upgrade.c   format 1 -> 2, in the open's write transaction (calls chunk,
