@@ -47,23 +47,31 @@ def runner_module(monkeypatch):
         def execute_model(self, x):  # its own, as a subclass may define
             return ("cpu", x, held())
 
-    mod = types.ModuleType(plugin.RUNNER_MODULE)
+    mod = types.ModuleType(plugin.RUNNER_MODULES[0])
     mod.GPUModelRunner = Runner
-    monkeypatch.setitem(sys.modules, plugin.RUNNER_MODULE, mod)
+    monkeypatch.setitem(sys.modules, plugin.RUNNER_MODULES[0], mod)
     return Runner, CpuRunner
 
 
 def test_not_loaded_says_why(monkeypatch):
-    monkeypatch.delitem(sys.modules, plugin.RUNNER_MODULE, raising=False)
+    for m in plugin.RUNNER_MODULES:
+        monkeypatch.delitem(sys.modules, m, raising=False)
     why = plugin.lock_runner_steps()
     assert why is not None and "GPUModelRunner" in why
 
 
-def test_missing_method_says_which(monkeypatch):
-    mod = types.ModuleType(plugin.RUNNER_MODULE)
+@pytest.mark.parametrize("module", [0, 1])
+def test_missing_method_says_which(monkeypatch, module):
+    """vLLM 0.32/0.33's runner module and 0.34's (vllm.v1.worker.gpu.model_runner)."""
+    for m in plugin.RUNNER_MODULES:
+        monkeypatch.delitem(sys.modules, m, raising=False)
+    name = plugin.RUNNER_MODULES[module]
+    mod = types.ModuleType(name)
     mod.GPUModelRunner = type("GPUModelRunner", (), {"execute_model": lambda self: None})
-    monkeypatch.setitem(sys.modules, plugin.RUNNER_MODULE, mod)
-    assert plugin.lock_runner_steps() == "vLLM's GPUModelRunner has no sample_tokens"
+    monkeypatch.setitem(sys.modules, name, mod)
+    why = plugin.lock_runner_steps()
+    assert why is not None and why.startswith("vLLM's GPUModelRunner (")
+    assert why.endswith(") has no sample_tokens")
 
 
 def test_runner_and_subclasses_hold_the_lock(runner_module):
@@ -161,9 +169,9 @@ def test_the_runner_marks_its_steps(monkeypatch):
         def sample_tokens(self):
             return plugin._runner["busy"]
 
-    mod = types.ModuleType(plugin.RUNNER_MODULE)
+    mod = types.ModuleType(plugin.RUNNER_MODULES[0])
     mod.GPUModelRunner = Runner
-    monkeypatch.setitem(sys.modules, plugin.RUNNER_MODULE, mod)
+    monkeypatch.setitem(sys.modules, plugin.RUNNER_MODULES[0], mod)
     monkeypatch.setattr(plugin, "_runner", {"busy": 0, "last_end": 0.0})
     assert plugin.lock_runner_steps() is None
     assert Runner().execute_model() == 1 and Runner().sample_tokens() == 1  # busy inside
