@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <netinet/in.h>
 #include <arpa/inet.h>
@@ -250,5 +251,61 @@ void daemon_curve_key(const struct daemon *d, char keyfile[400], char pub[41])
 	f = fopen(keyfile, "w");
 	assert_non_null(f);
 	fprintf(f, "%s\n", sec);
+	fclose(f);
+}
+
+int daemon_setup(void **state, const char *const *extra_args)
+{
+	struct daemon *d = calloc(1, sizeof(*d));
+
+	assert_non_null(d);
+	daemon_start(d, extra_args);
+	*state = d;
+	return 0;
+}
+
+int daemon_teardown(void **state)
+{
+	struct daemon *d = *state;
+
+	daemon_stop(d);
+	daemon_cleanup(d);
+	free(d);
+	return 0;
+}
+
+int daemon_segment_fd(const char *path, uint64_t id)
+{
+	struct sockaddr_un a = { .sun_family = AF_UNIX };
+	union {
+		char buf[CMSG_SPACE(sizeof(int))];
+		struct cmsghdr align;
+	} u;
+	uint8_t req[8], status = 1;
+	struct iovec iov = { &status, 1 };
+	struct msghdr mh = { .msg_iov = &iov, .msg_iovlen = 1, .msg_control = u.buf,
+			     .msg_controllen = sizeof(u.buf) };
+	struct cmsghdr *cm;
+	int sock = socket(AF_UNIX, SOCK_STREAM, 0), fd = -1;
+
+	snprintf(a.sun_path, sizeof(a.sun_path), "%s", path);
+	for (int i = 0; i < 8; i++)
+		req[i] = (uint8_t)(id >> (8 * i));
+	memset(&u, 0, sizeof(u));
+	if (sock >= 0 && !connect(sock, (struct sockaddr *)&a, sizeof(a)) &&
+	    send(sock, req, 8, 0) == 8 && recvmsg(sock, &mh, 0) == 1 && !status &&
+	    (cm = CMSG_FIRSTHDR(&mh)) && cm->cmsg_type == SCM_RIGHTS)
+		memcpy(&fd, CMSG_DATA(cm), sizeof(int));
+	if (sock >= 0)
+		close(sock);
+	return fd;
+}
+
+void write_text_file(const char *path, const char *text)
+{
+	FILE *f = fopen(path, "w");
+
+	assert_non_null(f);
+	fputs(text, f);
 	fclose(f);
 }

@@ -48,4 +48,21 @@ void daemon_curve_key(const struct daemon *d, char keyfile[400], char pub[41]);
 /* A client connected to d; asserts success. */
 kvb_client *daemon_client(const struct daemon *d, int no_shm);
 
+/*
+ * The cmocka fixture of a test that needs nothing but a daemon: daemon_setup starts one
+ * (extra arguments as for daemon_start) in a struct daemon it allocates into *state;
+ * daemon_teardown stops it, removes its directory and frees it. Both return 0.
+ */
+int daemon_setup(void **state, const char *const *extra_args);
+int daemon_teardown(void **state);
+
+/*
+ * The descriptor of segment id from the daemon's descriptor socket at path, as libkvblend
+ * gets it (docs/protocol.md): the caller owns it; -1 when refused or unreachable.
+ */
+int daemon_segment_fd(const char *path, uint64_t id);
+
+/* Write text to path (created or truncated); asserts success. */
+void write_text_file(const char *path, const char *text);
+
 #endif

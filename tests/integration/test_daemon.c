@@ -51,22 +51,9 @@ static void hash_of(uint32_t seed, uint8_t h[KVB_HASH_LEN])
 
 static int setup(void **state)
 {
-	struct daemon *d = calloc(1, sizeof(*d));
 	const char *args[] = { "--max-message", "4M", "--max-tokens", "4096", NULL };
 
-	daemon_start(d, args);
-	*state = d;
-	return 0;
-}
-
-static int teardown(void **state)
-{
-	struct daemon *d = *state;
-
-	daemon_stop(d);
-	daemon_cleanup(d);
-	free(d);
-	return 0;
+	return daemon_setup(state, args);
 }
 
 static void register_tiny(kvb_client *c)
@@ -1087,27 +1074,27 @@ static void test_reply_message_is_utf8(void **state)
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
-		cmocka_unit_test_setup_teardown(test_roundtrip_shm, setup, teardown),
-		cmocka_unit_test_setup_teardown(test_roundtrip_frames, setup, teardown),
-		cmocka_unit_test_setup_teardown(test_shared_buffer, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_roundtrip_shm, setup, daemon_teardown),
+		cmocka_unit_test_setup_teardown(test_roundtrip_frames, setup, daemon_teardown),
+		cmocka_unit_test_setup_teardown(test_shared_buffer, setup, daemon_teardown),
 		cmocka_unit_test(test_large_chunk_paths),
 		cmocka_unit_test(test_get_heads),
-		cmocka_unit_test_setup_teardown(test_models, setup, teardown),
-		cmocka_unit_test_setup_teardown(test_bad_input, setup, teardown),
-		cmocka_unit_test_setup_teardown(test_message_too_large, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_models, setup, daemon_teardown),
+		cmocka_unit_test_setup_teardown(test_bad_input, setup, daemon_teardown),
+		cmocka_unit_test_setup_teardown(test_message_too_large, setup, daemon_teardown),
 		cmocka_unit_test(test_shape_overflow),
-		cmocka_unit_test_setup_teardown(test_restart_keeps_chunks, setup, teardown),
-		cmocka_unit_test_setup_teardown(test_corrupt_chunk_removed, setup, teardown),
-		cmocka_unit_test_setup_teardown(test_scrub_removes_corrupt, setup, teardown),
-		cmocka_unit_test_setup_teardown(test_shm_long_socket_path, setup, teardown),
-		cmocka_unit_test_setup_teardown(test_corrupt_large_chunk_removed, setup, teardown),
-		cmocka_unit_test_setup_teardown(test_corrupt_chunk_removed_bulk, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_restart_keeps_chunks, setup, daemon_teardown),
+		cmocka_unit_test_setup_teardown(test_corrupt_chunk_removed, setup, daemon_teardown),
+		cmocka_unit_test_setup_teardown(test_scrub_removes_corrupt, setup, daemon_teardown),
+		cmocka_unit_test_setup_teardown(test_shm_long_socket_path, setup, daemon_teardown),
+		cmocka_unit_test_setup_teardown(test_corrupt_large_chunk_removed, setup, daemon_teardown),
+		cmocka_unit_test_setup_teardown(test_corrupt_chunk_removed_bulk, setup, daemon_teardown),
 		cmocka_unit_test_setup_teardown(test_corrupt_chunk_removed_bulk_curve, setup,
-						teardown),
-		cmocka_unit_test_setup_teardown(test_concurrent_clients, setup, teardown),
-		cmocka_unit_test_setup_teardown(test_stats_no_walk, setup, teardown),
+						daemon_teardown),
+		cmocka_unit_test_setup_teardown(test_concurrent_clients, setup, daemon_teardown),
+		cmocka_unit_test_setup_teardown(test_stats_no_walk, setup, daemon_teardown),
 		cmocka_unit_test(test_unreachable),
-		cmocka_unit_test_setup_teardown(test_reply_message_is_utf8, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_reply_message_is_utf8, setup, daemon_teardown),
 	};
 
 	return cmocka_run_group_tests(tests, NULL, NULL);

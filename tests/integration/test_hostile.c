@@ -377,35 +377,6 @@ static void put_from_changing_shm(void **state)
 	free(out);
 }
 
-/* A segment's descriptor from the daemon's descriptor socket, as libkvblend gets it. */
-static int fetch_fd(const char *path, uint64_t id)
-{
-	struct sockaddr_un a = { .sun_family = AF_UNIX };
-	union {
-		char buf[CMSG_SPACE(sizeof(int))];
-		struct cmsghdr align;
-	} u;
-	uint8_t req[8], status = 1;
-	struct iovec iov = { &status, 1 };
-	struct msghdr mh = { .msg_iov = &iov, .msg_iovlen = 1, .msg_control = u.buf,
-			     .msg_controllen = sizeof(u.buf) };
-	struct cmsghdr *cm;
-	int s = socket(AF_UNIX, SOCK_STREAM, 0), fd = -1;
-
-	memset(&u, 0, sizeof(u));
-	snprintf(a.sun_path, sizeof(a.sun_path), "%s", path);
-	for (int i = 0; i < 8; i++)
-		req[i] = (uint8_t)(id >> (8 * i));
-	if (connect(s, (struct sockaddr *)&a, sizeof(a)) == 0 && send(s, req, 8, 0) == 8 &&
-	    recvmsg(s, &mh, 0) == 1 && status == 0) {
-		cm = CMSG_FIRSTHDR(&mh);
-		if (cm && cm->cmsg_type == SCM_RIGHTS)
-			memcpy(&fd, CMSG_DATA(cm), sizeof(int));
-	}
-	close(s);
-	return fd;
-}
-
 /* Names in /dev/shm of the daemon pid (kvblendd used to name its segments kvblend-PID-...). */
 static unsigned names_in_dev_shm(pid_t pid)
 {
@@ -586,7 +557,7 @@ static void ring_not_shared_across_clients(void **state)
 
 		raw_open(&cr, d.endpoint, 20000);
 		raw_fuse_open(&cr, hash, &open);
-		fd = fetch_fd(sock_path, open.shm_id);
+		fd = daemon_segment_fd(sock_path, open.shm_id);
 		if (fd < 0) {
 			bad = 2;
 		} else {
@@ -606,7 +577,7 @@ static void ring_not_shared_across_clients(void **state)
 	assert_int_equal(read(fds[0], &child_ring, 8), 8);
 	close(fds[0]);
 	/* we may not fetch the other client's ring */
-	assert_int_equal(fetch_fd(sock_path, child_ring), -1);
+	assert_int_equal(daemon_segment_fd(sock_path, child_ring), -1);
 	assert_int_equal(waitpid(pid, &status, 0), pid);
 	assert_true(WIFEXITED(status));
 	assert_int_equal(WEXITSTATUS(status), 0);
@@ -640,7 +611,7 @@ static void segment_cannot_be_truncated(void **state)
 	put_chunk(c, 1, hash);
 	raw_open(&r, d.endpoint, 20000);
 	assert_int_equal(raw_call(&r, &q, NULL, NULL, 0, &rep), KVBP_OK);
-	fd = fetch_fd(rep.shm_name, rep.shm_id);
+	fd = daemon_segment_fd(rep.shm_name, rep.shm_id);
 	assert_true(fd >= 0);
 	assert_int_equal(ftruncate(fd, 0), -1);
 	assert_int_equal(errno, EPERM);

@@ -45,15 +45,6 @@ struct setup {
 	kvb_client *alice;
 };
 
-static void write_file(const char *path, const char *text)
-{
-	FILE *f = fopen(path, "w");
-
-	assert_non_null(f);
-	fputs(text, f);
-	fclose(f);
-}
-
 /* The daemon, alice's model and one chunk of hers (pinned, so that eviction is out). */
 static int setup(void **state)
 {
@@ -69,8 +60,8 @@ static int setup(void **state)
 	for (int i = 0; i < 3; i++)
 		snprintf(s->files[i], sizeof(s->files[i]), "/tmp/kvb-isolation-%d-%d", (int)getpid(),
 			 i);
-	write_file(s->files[0], "alice uid=0\n");
-	write_file(s->files[1], s->server_sec);
+	write_text_file(s->files[0], "alice uid=0\n");
+	write_text_file(s->files[1], s->server_sec);
 	snprintf(s->tcp, sizeof(s->tcp), "tcp://127.0.0.1:%d", port);
 	snprintf(peers, sizeof(peers), "self=%s=%s,b=tcp://127.0.0.1:%d=%s", s->tcp, s->server_pub,
 		 free_tcp_port(), s->member_pub);

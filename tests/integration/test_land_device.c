@@ -617,37 +617,6 @@ static void refusals(void **state)
 }
 
 /*
- * The descriptor of segment id from the daemon's descriptor socket at path (the client
- * library's own protocol, docs/protocol.md): -1 when refused.
- */
-static int fetch_segment_fd(const char *path, uint64_t id)
-{
-	struct sockaddr_un a = { .sun_family = AF_UNIX };
-	union {
-		char buf[CMSG_SPACE(sizeof(int))];
-		struct cmsghdr align;
-	} u;
-	uint8_t req[8], status = 1;
-	struct iovec iov = { &status, 1 };
-	struct msghdr mh = { .msg_iov = &iov, .msg_iovlen = 1, .msg_control = u.buf,
-			     .msg_controllen = sizeof(u.buf) };
-	struct cmsghdr *cm;
-	int sock = socket(AF_UNIX, SOCK_STREAM, 0), fd = -1;
-
-	snprintf(a.sun_path, sizeof(a.sun_path), "%s", path);
-	for (int i = 0; i < 8; i++)
-		req[i] = (uint8_t)(id >> (8 * i));
-	memset(&u, 0, sizeof(u));
-	if (sock >= 0 && !connect(sock, (struct sockaddr *)&a, sizeof(a)) &&
-	    send(sock, req, 8, 0) == 8 && recvmsg(sock, &mh, 0) == 1 && !status &&
-	    (cm = CMSG_FIRSTHDR(&mh)) && cm->cmsg_type == SCM_RIGHTS)
-		memcpy(&fd, CMSG_DATA(cm), sizeof(int));
-	if (sock >= 0)
-		close(sock);
-	return fd;
-}
-
-/*
  * Landing handles are no bearer capabilities (issue 55, defect 3). Another process (a
  * child: another principal) that learns this one's descriptor handle, or names memory
  * by a /proc path (this process's memfd, or any of the daemon's own descriptors 3..63),
@@ -727,7 +696,7 @@ static void handles_are_the_clients_own(void **state)
 
 		raw_open(&r, f->d.endpoint, 10000);
 		assert_int_equal(raw_call(&r, &q, NULL, NULL, 0, &rep), KVBP_OK);
-		fd = fetch_segment_fd(rep.shm_name, rep.shm_id);
+		fd = daemon_segment_fd(rep.shm_name, rep.shm_id);
 		assert_true(fd >= 0);
 		assert_int_equal(kvb_device_handle_from_fd(f->c, fd, h), KVB_E_BAD_ARGUMENT);
 		assert_non_null(strstr(kvb_last_error(f->c), "kvblendd's own segments"));

@@ -43,21 +43,7 @@ static void hash_of(uint32_t seed, uint8_t h[KVB_HASH_LEN])
 
 static int setup(void **state)
 {
-	struct daemon *d = calloc(1, sizeof(*d));
-
-	daemon_start(d, restart_args);
-	*state = d;
-	return 0;
-}
-
-static int teardown(void **state)
-{
-	struct daemon *d = *state;
-
-	daemon_stop(d);
-	daemon_cleanup(d);
-	free(d);
-	return 0;
+	return daemon_setup(state, restart_args);
 }
 
 /* Register tiny (again, in a new store) and store chunks seed .. seed + n - 1. */
@@ -318,10 +304,10 @@ static void test_set_asides_never_collide(void **state)
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
-		cmocka_unit_test_setup_teardown(test_truncated_file_set_aside, setup, teardown),
-		cmocka_unit_test_setup_teardown(test_short_file_set_aside, setup, teardown),
-		cmocka_unit_test_setup_teardown(test_symlinked_file_set_aside, setup, teardown),
-		cmocka_unit_test_setup_teardown(test_set_asides_never_collide, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_truncated_file_set_aside, setup, daemon_teardown),
+		cmocka_unit_test_setup_teardown(test_short_file_set_aside, setup, daemon_teardown),
+		cmocka_unit_test_setup_teardown(test_symlinked_file_set_aside, setup, daemon_teardown),
+		cmocka_unit_test_setup_teardown(test_set_asides_never_collide, setup, daemon_teardown),
 	};
 
 	return cmocka_run_group_tests(tests, NULL, NULL);
