@@ -25,6 +25,20 @@ static inline double now_s(void)
 	return ts.tv_sec + ts.tv_nsec / 1e9;
 }
 
+/*
+ * n f16 values of magnitude 2^-2..2^1 with random mantissas and signs, from seed (an
+ * xorshift stream: the same seed gives the same values).
+ */
+static inline void bench_fill_f16(uint16_t *p, size_t n, uint64_t seed)
+{
+	uint64_t x = seed * 0x9e3779b97f4a7c15ull + 1;
+
+	for (size_t i = 0; i < n; i++) {
+		x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+		p[i] = (uint16_t)((x >> 63) << 15 | (13 + (x >> 20 & 3)) << 10 | (x & 0x3ff));
+	}
+}
+
 static inline int cmp_double(const void *a, const void *b)
 {
 	double x = *(const double *)a, y = *(const double *)b;

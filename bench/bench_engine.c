@@ -54,16 +54,6 @@ static const struct shape shapes[] = {
 	    .dtype = KVB_F16, .rope_theta = 1e5 } },
 };
 
-static void fill(uint16_t *p, size_t n, uint64_t seed)
-{
-	uint64_t x = seed * 0x9e3779b97f4a7c15ull + 1;
-
-	for (size_t i = 0; i < n; i++) {
-		x ^= x << 13, x ^= x >> 7, x ^= x << 17;
-		p[i] = (uint16_t)((x >> 63) << 15 | (13 + (x >> 20 & 3)) << 10 | (x & 0x3ff));
-	}
-}
-
 /* The node's compute for one layer: sleep until t0 + ms. */
 static void compute(double ms)
 {
@@ -423,15 +413,15 @@ int main(int argc, char **argv)
 			}
 			memset(r.cache, 0, cache_bytes); /* an engine's cache exists before requests */
 			r.src = malloc(cache_bytes);
-			fill((uint16_t *)r.src, cache_bytes / 2, 3);
-			fill((uint16_t *)r.kv, layer_bytes, 7);
+			bench_fill_f16((uint16_t *)r.src, cache_bytes / 2, 3);
+			bench_fill_f16((uint16_t *)r.kv, layer_bytes, 7);
 			for (uint32_t k = 0; k < n_chunks; k++) {
 				uint32_t t = k + 1 < n_chunks ? per : cached - per * (n_chunks - 1);
 				uint32_t id[3] = { n, k, si };
 				size_t bytes = (size_t)m->num_layers * 2 * t * row;
 				uint16_t *kv = malloc(bytes);
 
-				fill(kv, bytes / 2, 100 * n + k);
+				bench_fill_f16(kv, bytes / 2, 100 * n + k);
 				kvb_chunk_hash(id, 3, r.segs[k].hash);
 				if (kvb_put(c, m->name, r.segs[k].hash, KVB_F16, t, 0, kv, bytes, NULL))
 					fprintf(stderr, "put: %s\n", kvb_last_error(c));

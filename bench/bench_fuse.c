@@ -38,17 +38,6 @@ static const struct kvb_model model = { .name = "bench-mistral", .num_layers = 3
 #define ROW (8 * 128 * 2)
 #define FRESH 32
 
-static void fill(uint16_t *p, size_t n, uint64_t seed)
-{
-	uint64_t x = seed * 0x9e3779b97f4a7c15ull + 1;
-
-	for (size_t i = 0; i < n; i++) {
-		x ^= x << 13, x ^= x >> 7, x ^= x << 17;
-		/* values of magnitude 2^-2..2^1 with random mantissas and signs */
-		p[i] = (uint16_t)((x >> 63) << 15 | (13 + (x >> 20 & 3)) << 10 | (x & 0x3ff));
-	}
-}
-
 /* CPU seconds (user and system) process pid has used, from /proc; 0 if unreadable. */
 static double cpu_seconds(pid_t pid)
 {
@@ -224,7 +213,7 @@ int main(int argc, char **argv)
 
 			chunk_bytes = (size_t)model.num_layers * 2 * t * ROW;
 			kv = malloc(chunk_bytes);
-			fill(kv, chunk_bytes / 2, 100 * n_tokens + k);
+			bench_fill_f16(kv, chunk_bytes / 2, 100 * n_tokens + k);
 			kvb_chunk_hash(id, 2, segs[k].hash);
 			if (kvb_put(c, model.name, segs[k].hash, KVB_F16, t, 0, kv, chunk_bytes, NULL))
 				fprintf(stderr, "put: %s\n", kvb_last_error(c));
@@ -235,7 +224,7 @@ int main(int argc, char **argv)
 		segs[n_chunks].fresh = 1;
 		segs[n_chunks].count = FRESH;
 		segs[n_chunks].pos = pos;
-		fill(fresh_kv, layer_bytes, 7);
+		bench_fill_f16(fresh_kv, layer_bytes, 7);
 		cpu0 = cpu_seconds(pid);
 		for (unsigned r = 0; r < 2 * repeats; r++) {
 			/* even runs: fused layers read in place (shared ring); odd: copied out */
