@@ -1,19 +1,73 @@
-"""What the cluster tests share: chunks written and read back through the kvblend CLI,
-and the fuse comparison between two members. `cli(node, *args, ok=True)` is the
-test's own CLI runner; `tmp` its scratch directory."""
+"""What the cluster tests share: the CLI of a member on its IPC socket, chunks written
+and read back through the kvblend CLI, where chunks belong and whether they are there,
+and the fuse comparison between two members.
+`cli(node, *args, ok=True)` is the test's own CLI runner; `tmp` its scratch directory."""
+
+import json
+import subprocess
 
 import numpy as np
+
+import kvbtest
 
 L, H, D = 4, 2, 16  # the test model "cm": 4 layers, 2 KV heads, head_dim 16, f16
 
 
-def stop_all(daemons, check):
-    """SIGCONT and SIGTERM every daemon (kvbtest.Daemon) still running; each must exit 0
-    within 30 s."""
+class MemberCli:
+    """The kvblend CLI of members that listen on ipc://TMP/<n>.sock: ``cli(n, *args, ok=True)``
+    runs it (kvbtest.cli, 20 s a call, an empty environment); ``cli.stats(n)`` is n's
+    counters as `kvblend stats --json` prints them."""
+
+    def __init__(self, kvblend, tmp):
+        self.kvblend, self.tmp = kvblend, tmp
+
+    def __call__(self, n, *args, ok=True):
+        return kvbtest.cli(self.kvblend, f"ipc://{self.tmp}/{n}.sock", *args, timeout_ms=20000,
+                           ok=ok, env={}, label=f"kvblend@{n}")
+
+    def stats(self, n):
+        return json.loads(self(n, "stats", "--json").stdout)
+
+
+class Placement:
+    """Where the chunks of the test model belong and whether they are there: their owners
+    by the daemons' own placement code (place_tool at ``replicas`` copies), what each
+    member holds by its LIST (which is local)."""
+
+    def __init__(self, cli, place_tool, replicas):
+        self.cli, self.place_tool, self.replicas = cli, place_tool, replicas
+
+    def held(self, n):
+        """The chunk hashes n's own store holds (none when it does not answer)."""
+        r = self.cli(n, "ls", "--model", "cm", "--json", ok=False)
+        return {c["hash"] for c in json.loads(r.stdout)} if r.returncode == 0 else set()
+
+    def owners(self, hashes, members):
+        """{hash: [owners]} among members."""
+        r = subprocess.run([self.place_tool, str(self.replicas), *sorted(members)],
+                           input="\n".join(hashes) + "\n", capture_output=True, text=True,
+                           check=True)
+        return {ln.split()[0]: ln.split()[1:] for ln in r.stdout.splitlines()}
+
+    def missing(self, chunks, members):
+        """(hash, owner) pairs where an owner among members lacks the chunk."""
+        own = self.owners([h for h, _ in chunks], members)
+        have = {m: self.held(m) for m in members}
+        return [(h[:12], o) for h, _ in chunks for o in own[h] if h not in have[o]]
+
+
+def stop_all(daemons, check, log_tail=0, timeout=30):
+    """SIGCONT and SIGTERM every daemon (kvbtest.Daemon) started and still running; each
+    must exit 0 within timeout seconds. With log_tail, when a check failed, the last
+    log_tail characters of each daemon's log are printed."""
     for n, d in daemons.items():
-        if d.poll() is None:
-            rc = d.stop()
+        if d.proc and d.poll() is None:
+            rc = d.stop(timeout=timeout)
             check(f"daemon {n} exits 0", rc == 0, f"status {rc}")
+    if log_tail and check.failed:
+        for n, d in daemons.items():
+            print(f"--- {n}.log (tail)")
+            print(d.log_text()[-log_tail:])
 
 
 def add_model(cli, node):

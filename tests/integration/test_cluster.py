@@ -193,10 +193,6 @@ try:
     check("a fuse on B over chunks held elsewhere equals the fuse on A",
           cc.fuse_equal(cli, TMP, "ab", chunks[:3], rng))
 finally:
-    cc.stop_all(procs, check)
-    if check.failed:
-        for n in NODES:
-            print(f"--- {n}.log (tail)")
-            print(procs[n].log_text()[-2500:])
+    cc.stop_all(procs, check, log_tail=2500)
     kvbtest.remove(TMP)
 check.exit()

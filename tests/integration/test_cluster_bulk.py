@@ -144,12 +144,8 @@ try:
     held = cli("a", "ls", "--model", "cm").stdout
     check("... and a holds no copy of it", h not in held and chunks[0][0] in held, held)
 finally:
-    cc.stop_all(procs, check)
+    cc.stop_all(procs, check, log_tail=3000)
     for p in proxies:
         p.close()
-    if check.failed:
-        for n in procs:
-            print(f"--- {n}.log (tail)")
-            print(procs[n].log_text()[-3000:])
     kvbtest.remove(TMP)
 check.exit()

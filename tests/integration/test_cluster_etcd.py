@@ -107,26 +107,8 @@ def alive_set(n):
     return {m for m, v in view(n).items() if v >= 0} | {n}
 
 
-def held(n):
-    """The chunk hashes n's own store holds (LIST is local)."""
-    r = cli(n, "ls", "--model", "cm", "--json", ok=False)
-    if r.returncode != 0:
-        return set()
-    return {c["hash"] for c in json.loads(r.stdout)}
-
-
-def owners(hashes, members):
-    """{hash: [owners]} by the daemons' own placement code (place_tool)."""
-    r = subprocess.run([PLACE_TOOL, str(R), *sorted(members)], input="\n".join(hashes) + "\n",
-                       capture_output=True, text=True, check=True)
-    return {ln.split()[0]: ln.split()[1:] for ln in r.stdout.splitlines()}
-
-
-def missing_at_owners(chunks, members):
-    """(hash, owner) pairs where an owner lacks the chunk."""
-    own = owners([h for h, _ in chunks], members)
-    have = {m: held(m) for m in members}
-    return [(h[:12], o) for h, _ in chunks for o in own[h] if h not in have[o]]
+place = cc.Placement(cli, PLACE_TOOL, R)
+held, missing_at_owners = place.held, place.missing
 
 
 def settled(nodes):

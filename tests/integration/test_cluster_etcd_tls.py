@@ -35,6 +35,8 @@ import kvbtest
 
 KVBLENDD, KVBLEND = sys.argv[1], sys.argv[2]
 TMP = tempfile.mkdtemp(prefix="kvb-tls-")
+cli = cc.MemberCli(KVBLEND, TMP)
+stats = cli.stats
 check = kvbtest.Checks()
 NAME = "tls"
 PORTS = {n: kvbtest.free_port() for n in ("a", "b", "c")}
@@ -139,18 +141,9 @@ def start(n):
     return d.start()
 
 
-def cli(n, *args, ok=True):
-    return kvbtest.cli(KVBLEND, f"ipc://{TMP}/{n}.sock", *args, timeout_ms=20000, ok=ok,
-                       env={}, label=f"kvblend@{n}")
-
-
 def cmdline(pid):
     with open(f"/proc/{pid}/cmdline") as f:
         return f.read()
-
-
-def stats(n):
-    return json.loads(cli(n, "stats", "--json").stdout)
 
 
 def alive(n):

@@ -36,6 +36,8 @@ import kvbtest
 
 KVBLENDD, KVBLEND, PLACE_TOOL, PART = sys.argv[1:5]
 TMP = tempfile.mkdtemp(prefix=f"kvb-ops-{PART}-")
+cli = cc.MemberCli(KVBLEND, TMP)
+stats = cli.stats
 check = kvbtest.Checks()
 ETCD = kvbtest.Etcd(TMP)
 R, TTL = 2, 3
@@ -55,35 +57,12 @@ def start(n, *extra, ttl=TTL):
     return d.start()
 
 
-def cli(n, *args, ok=True):
-    return kvbtest.cli(KVBLEND, f"ipc://{TMP}/{n}.sock", *args, timeout_ms=20000, ok=ok,
-                       env={}, label=f"kvblend@{n}")
-
-
-def stats(n):
-    return json.loads(cli(n, "stats", "--json").stdout)
-
-
 def alive(n):
     return {k[7:] for k, v in stats(n).items() if k.startswith("member:") and v == 1} | {n}
 
 
-def held(n):
-    r = cli(n, "ls", "--model", "cm", "--json", ok=False)
-    return {c["hash"] for c in json.loads(r.stdout)} if r.returncode == 0 else set()
-
-
-def owners(hashes, members):
-    r = subprocess.run([PLACE_TOOL, str(R), *sorted(members)], input="\n".join(hashes) + "\n",
-                       capture_output=True, text=True, check=True)
-    return {ln.split()[0]: ln.split()[1:] for ln in r.stdout.splitlines()}
-
-
-def short(chunks, members):
-    """(hash, owner) pairs where an owner among members lacks the chunk."""
-    own = owners([h for h, _ in chunks], members)
-    have = {m: held(m) for m in members}
-    return [(h[:12], o) for h, _ in chunks for o in own[h] if h not in have[o]]
+place = cc.Placement(cli, PLACE_TOOL, R)
+held, owners, short = place.held, place.owners, place.missing
 
 
 def settled(nodes):
@@ -389,14 +368,7 @@ try:
 except Exception as x:  # a failed CLI call: the check fails, the daemons still stop
     check(f"{PART} runs to its end", False, repr(x))
 finally:
-    for n, d in daemons.items():
-        if d.proc and d.poll() is None:
-            rc = d.stop(timeout=60)
-            check(f"daemon {n} exits 0", rc == 0, f"status {rc}")
+    cc.stop_all(daemons, check, log_tail=3000, timeout=60)
     ETCD.stop()
-    if check.failed:
-        for n, d in daemons.items():
-            print(f"--- {n}.log (tail)")
-            print(d.log_text()[-3000:])
     kvbtest.remove(TMP)
 check.exit()

@@ -30,6 +30,8 @@ import kvbtest
 
 KVBLENDD, KVBLEND = sys.argv[1], sys.argv[2]
 TMP = tempfile.mkdtemp(prefix="kvb-qs-")
+cli = cc.MemberCli(KVBLEND, TMP)
+stats = cli.stats
 check = kvbtest.Checks()
 ETCD = kvbtest.Etcd(TMP)
 PORTS = {n: kvbtest.free_port() for n in ("n1", "n2", "n3", "n4")}
@@ -45,15 +47,6 @@ def daemon(n, *extra):
                        listen=f"ipc://{TMP}/{n}.sock,tcp://127.0.0.1:{PORTS[n]}")
     daemons[n] = d
     return d.start()
-
-
-def cli(n, *args, ok=True):
-    return kvbtest.cli(KVBLEND, f"ipc://{TMP}/{n}.sock", *args, timeout_ms=20000, ok=ok,
-                       env={}, label=f"kvblend@{n}")
-
-
-def stats(n):
-    return json.loads(cli(n, "stats", "--json").stdout)
 
 
 def status(n):
@@ -176,14 +169,7 @@ try:
     ok = wait_for(lambda: status("n1").get("n4", {}).get("state") == "alive", 20)
     check("n4 back: n1 lists it alive again", ok, str(status("n1")))
 finally:
-    for n, d in daemons.items():
-        if d.proc and d.poll() is None:
-            rc = d.stop()
-            check(f"daemon {n} exits 0", rc == 0, f"status {rc}")
+    cc.stop_all(daemons, check, log_tail=3000)
     ETCD.stop()
-    if check.failed:
-        for n, d in daemons.items():
-            print(f"--- {n}.log (tail)")
-            print(d.log_text()[-3000:])
     kvbtest.remove(TMP)
 check.exit()

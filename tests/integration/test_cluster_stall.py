@@ -212,12 +212,8 @@ try:
           dt_stall < dt_silent + 2 * HEDGE_MS / 1000,
           f"{dt_stall * 1000:.0f} ms against {dt_silent * 1000:.0f} ms")
 finally:
-    cc.stop_all(daemons, check)
+    cc.stop_all(daemons, check, log_tail=3000)
     for p in proxies.values():
         p.close()
-    if check.failed:
-        for n in daemons:
-            print(f"--- {n}.log (tail)")
-            print(daemons[n].log_text()[-3000:])
     kvbtest.remove(TMP)
 check.exit()
