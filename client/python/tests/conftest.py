@@ -3,6 +3,7 @@ Daemon, the one Python harness that starts one)."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import sys
@@ -25,14 +26,21 @@ def _daemon_path() -> str:
     return p
 
 
-@pytest.fixture(scope="session")
-def daemon():
-    with tempfile.TemporaryDirectory(prefix="kvb-py-") as tmp:
-        d = Daemon("--map-size", "1G", "--log-level", "debug", kvblendd=_daemon_path(),
-                   dir=tmp, workers=None)
+@contextlib.contextmanager
+def running_daemon(prefix, *flags):
+    """A kvblendd (1 GiB map, flags added) on a temporary directory named prefix...; on
+    leaving, SIGTERM, and it must exit 0 within 60 s."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        d = Daemon("--map-size", "1G", *flags, kvblendd=_daemon_path(), dir=tmp, workers=None)
         yield d
         rc = d.stop(timeout=60)
         assert rc == 0, f"kvblendd exited with {rc} on SIGTERM:\n{d.tail()}"
+
+
+@pytest.fixture(scope="session")
+def daemon():
+    with running_daemon("kvb-py-", "--log-level", "debug") as d:
+        yield d
 
 
 @pytest.fixture

@@ -12,13 +12,12 @@ import dataclasses
 import fcntl
 import mmap
 import os
-import tempfile
 
 import numpy as np
 import pytest
 
 import kvblend
-from conftest import Daemon, _daemon_path
+from conftest import running_daemon
 
 L, H, D, PT, BLOCKS = 3, 2, 16, 4, 12
 ES = 2  # f16
@@ -26,11 +25,8 @@ ES = 2  # f16
 
 @pytest.fixture(scope="module")
 def emu_daemon():
-    with tempfile.TemporaryDirectory(prefix="kvb-py-dev-") as tmp:
-        d = Daemon("--map-size", "1G", "--device", "emulated", kvblendd=_daemon_path(),
-                   dir=tmp, workers=None)
+    with running_daemon("kvb-py-dev-", "--device", "emulated") as d:
         yield d
-        assert d.stop(timeout=60) == 0, d.tail()
 
 
 @pytest.fixture
