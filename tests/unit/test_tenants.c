@@ -24,16 +24,33 @@ static void write_file(const char *path, const char *text)
 	fclose(f);
 }
 
-static void test_bindings(void **state)
+/* Each test's tenants file: an empty temporary file, its name in *state; removed after. */
+static int setup(void **state)
 {
-	char path[] = "/tmp/kvb-tenants-XXXXXX";
-	struct tenants *t = NULL;
-	char err[256];
-	int fd = mkstemp(path);
+	char *path = strdup("/tmp/kvb-tenants-XXXXXX");
+	int fd;
 
-	(void)state;
+	assert_non_null(path);
+	fd = mkstemp(path);
 	assert_true(fd >= 0);
 	close(fd);
+	*state = path;
+	return 0;
+}
+
+static int teardown(void **state)
+{
+	unlink(*state);
+	free(*state);
+	return 0;
+}
+
+static void test_bindings(void **state)
+{
+	const char *path = *state;
+	struct tenants *t = NULL;
+	char err[256];
+
 	write_file(path, "# tenants\n\nalice uid=1000 key=" KEY " capacity=3G\nbob gid=2000  # group\n"
 			 "alice uid=1001\n");
 	assert_int_equal(tenants_load(path, &t, err, sizeof(err)), 0);
@@ -52,19 +69,14 @@ static void test_bindings(void **state)
 	assert_true(tenants_quota_any(t));
 	tenants_free(&t);
 	assert_null(t);
-	unlink(path);
 }
 
 static void test_errors(void **state)
 {
-	char path[] = "/tmp/kvb-tenants-XXXXXX";
+	const char *path = *state;
 	struct tenants *t = NULL;
 	char err[256];
-	int fd = mkstemp(path);
 
-	(void)state;
-	assert_true(fd >= 0);
-	close(fd);
 	write_file(path, "ok uid=1\nthis-name-is-far-too-long uid=2\n");
 	assert_int_equal(tenants_load(path, &t, err, sizeof(err)), -EINVAL);
 	assert_non_null(strstr(err, ":2: tenant name 'this-name-is-far-too-long'"));
@@ -94,8 +106,8 @@ static void test_errors(void **state)
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
-		cmocka_unit_test(test_bindings),
-		cmocka_unit_test(test_errors),
+		cmocka_unit_test_setup_teardown(test_bindings, setup, teardown),
+		cmocka_unit_test_setup_teardown(test_errors, setup, teardown),
 	};
 
 	return cmocka_run_group_tests(tests, NULL, NULL);
