@@ -301,6 +301,33 @@ int daemon_segment_fd(const char *path, uint64_t id)
 	return fd;
 }
 
+MDB_cursor *data_layers_open(const char *data_dir)
+{
+	MDB_env *env;
+	MDB_txn *txn;
+	MDB_dbi dbi;
+	MDB_cursor *cur;
+
+	assert_int_equal(mdb_env_create(&env), 0);
+	assert_int_equal(mdb_env_set_maxdbs(env, 8), 0);
+	assert_int_equal(mdb_env_set_mapsize(env, 1u << 30), 0);
+	assert_int_equal(mdb_env_open(env, data_dir, 0, 0640), 0);
+	assert_int_equal(mdb_txn_begin(env, NULL, 0, &txn), 0);
+	assert_int_equal(mdb_dbi_open(txn, "layers", 0, &dbi), 0);
+	assert_int_equal(mdb_cursor_open(txn, dbi, &cur), 0);
+	return cur;
+}
+
+void data_layers_close(MDB_cursor *cur)
+{
+	MDB_txn *txn = mdb_cursor_txn(cur);
+	MDB_env *env = mdb_txn_env(txn);
+
+	mdb_cursor_close(cur);
+	assert_int_equal(mdb_txn_commit(txn), 0);
+	mdb_env_close(env);
+}
+
 void write_text_file(const char *path, const char *text)
 {
 	FILE *f = fopen(path, "w");

@@ -10,6 +10,8 @@
 #include <stdint.h>
 #include <sys/types.h>
 
+#include <lmdb.h>
+
 #include "client/include/kvblend.h"
 
 struct daemon {
@@ -61,6 +63,14 @@ int daemon_teardown(void **state);
  * gets it (docs/protocol.md): the caller owns it; -1 when refused or unreachable.
  */
 int daemon_segment_fd(const char *path, uint64_t id);
+
+/*
+ * A write cursor over the "layers" table of the data file in data_dir, for tests that
+ * tamper with a stopped daemon's records; data_layers_close commits its transaction and
+ * closes the file. Both assert success.
+ */
+MDB_cursor *data_layers_open(const char *data_dir);
+void data_layers_close(MDB_cursor *cur);
 
 /* Write text to path (created or truncated); asserts success. */
 void write_text_file(const char *path, const char *text);

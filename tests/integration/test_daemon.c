@@ -692,29 +692,17 @@ static void test_restart_keeps_chunks(void **state)
  * daemon stopped. */
 static void corrupt_layer_at(const char *data_dir, MDB_cursor_op which)
 {
-	MDB_env *env;
-	MDB_txn *txn;
-	MDB_dbi dbi;
-	MDB_cursor *cur;
+	MDB_cursor *cur = data_layers_open(data_dir);
 	MDB_val k, v;
 	uint8_t *copy;
 
-	assert_int_equal(mdb_env_create(&env), 0);
-	assert_int_equal(mdb_env_set_maxdbs(env, 8), 0);
-	assert_int_equal(mdb_env_set_mapsize(env, 1u << 30), 0);
-	assert_int_equal(mdb_env_open(env, data_dir, 0, 0640), 0);
-	assert_int_equal(mdb_txn_begin(env, NULL, 0, &txn), 0);
-	assert_int_equal(mdb_dbi_open(txn, "layers", 0, &dbi), 0);
-	assert_int_equal(mdb_cursor_open(txn, dbi, &cur), 0);
 	assert_int_equal(mdb_cursor_get(cur, &k, &v, which), 0);
 	copy = malloc(v.mv_size);
 	memcpy(copy, v.mv_data, v.mv_size);
 	copy[v.mv_size - 1] ^= 0x40; /* a payload byte of V, past every header */
 	v.mv_data = copy;
 	assert_int_equal(mdb_cursor_put(cur, &k, &v, MDB_CURRENT), 0);
-	mdb_cursor_close(cur);
-	assert_int_equal(mdb_txn_commit(txn), 0);
-	mdb_env_close(env);
+	data_layers_close(cur);
 	free(copy);
 }
 

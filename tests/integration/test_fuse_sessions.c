@@ -993,21 +993,11 @@ static void test_replicate_refuses_quant_layout(void **state)
 /* Replace every layer record in the daemon's data file (stopped) with q's. */
 static void rewrite_layers(const char *data_dir, const struct qchunk *q)
 {
-	MDB_env *env;
-	MDB_txn *txn;
-	MDB_dbi dbi;
-	MDB_cursor *cur;
+	MDB_cursor *cur = data_layers_open(data_dir);
 	MDB_val k, v;
 	uint32_t l = 0;
 	int rc;
 
-	assert_int_equal(mdb_env_create(&env), 0);
-	assert_int_equal(mdb_env_set_maxdbs(env, 8), 0);
-	assert_int_equal(mdb_env_set_mapsize(env, 1u << 30), 0);
-	assert_int_equal(mdb_env_open(env, data_dir, 0, 0640), 0);
-	assert_int_equal(mdb_txn_begin(env, NULL, 0, &txn), 0);
-	assert_int_equal(mdb_dbi_open(txn, "layers", 0, &dbi), 0);
-	assert_int_equal(mdb_cursor_open(txn, dbi, &cur), 0);
 	for (rc = mdb_cursor_get(cur, &k, &v, MDB_FIRST); rc == 0;
 	     rc = mdb_cursor_get(cur, &k, &v, MDB_NEXT), l++) {
 		uint8_t key[64];
@@ -1022,9 +1012,7 @@ static void rewrite_layers(const char *data_dir, const struct qchunk *q)
 	}
 	assert_int_equal(rc, MDB_NOTFOUND);
 	assert_int_equal(l, L);
-	mdb_cursor_close(cur);
-	assert_int_equal(mdb_txn_commit(txn), 0);
-	mdb_env_close(env);
+	data_layers_close(cur);
 }
 
 /*
