@@ -40,6 +40,16 @@ def stored_at(c, chunks, positions, layer):
     return np.concatenate(ks), np.concatenate(vs)
 
 
+def landing_prompt(chunks, seed):
+    """Chunk A at 0, NF fresh tokens, chunk B: the segments, the prompt's length, and the
+    node's K and V of every token [layers, 2, n, heads, head_dim] (f16, from seed)."""
+    (ha, _), (hb, _) = chunks
+    n = TA + NF + TB
+    segs = [(ha, 0), (NF, TA), (hb, TA + NF)]
+    new = np.random.default_rng(seed).standard_normal((M.num_layers, 2, n, 2, 16))
+    return segs, n, new.astype(np.float16)
+
+
 def run(session, new, use_out=True, reuse=False):
     """Drive a session over every layer from its first check layer; fused layers by index."""
     fused = {}
@@ -152,10 +162,7 @@ def test_selection_is_top_deviation_and_merge(client, frames_client, chunks):
 def test_fuse_device_where_there_is_no_gpu(daemon, chunks):
     """Fused layers on the GPU need a driver here and a daemon on a CUDA device; short of
     either, fuse_device() says why or the session stays in host memory, fusing as before."""
-    (ha, _), (hb, _) = chunks
-    rng = np.random.default_rng(8)
-    new = rng.standard_normal((M.num_layers, 2, TA + NF + TB, 2, 16)).astype(np.float16)
-    segs = [(ha, 0), (NF, TA), (hb, TA + NF)]
+    segs, _, new = landing_prompt(chunks, 8)
     with kvblend.Client(daemon.endpoint, timeout_ms=10000) as c:
         with kvblend.Client(daemon.endpoint, timeout_ms=10000) as ref:
             want = run(ref.fuse_open(M.name, segs, [1], [0.3]), new)
@@ -256,10 +263,7 @@ def landing_run(c, session, new, k, v, strided=None):
 @pytest.mark.parametrize("metric", ["value", "key"])
 def test_landing_matches_classic(client, chunks, metric):
     """The node's cache after a landing session == the classic session's fused layers."""
-    (ha, _), (hb, _) = chunks
-    segs = [(ha, 0), (NF, TA), (hb, TA + NF)]
-    n = TA + TB + NF
-    new = np.random.default_rng(7).standard_normal((M.num_layers, 2, n, 2, 16)).astype(np.float16)
+    segs, n, new = landing_prompt(chunks, 7)
     with client.fuse_open(M.name, segs, [1, 3], [0.5, 0.25], metric) as s:
         fused = run(s, new)
     region = client.region(2 * M.num_layers * n * M.row_bytes + 3 * n * M.row_bytes)
@@ -282,10 +286,7 @@ def test_landing_matches_classic(client, chunks, metric):
 
 def test_landing_paged_and_reuse_only(client, chunks):
     """A paged cache (K and V interleaved per block, blocks shuffled) and reuse-only."""
-    (ha, _), (hb, _) = chunks
-    segs = [(ha, 0), (NF, TA), (hb, TA + NF)]
-    n = TA + TB + NF
-    new = np.random.default_rng(8).standard_normal((M.num_layers, 2, n, 2, 16)).astype(np.float16)
+    segs, n, new = landing_prompt(chunks, 8)
     page, blocks = 4, 8
     pages = np.array([5, 2, 7, 0, 3, 1], np.uint32)[: -(-n // page)]
     shape = (M.num_layers, blocks, 2, page, M.num_kv_heads, M.head_dim)
@@ -335,10 +336,7 @@ def test_landing_paged_and_reuse_only(client, chunks):
 
 def test_landing_transposed_k(client, chunks):
     """vLLM's CPU layout: per block and head, K transposed [head_dim, page], then V rows."""
-    (ha, _), (hb, _) = chunks
-    segs = [(ha, 0), (NF, TA), (hb, TA + NF)]
-    n = TA + TB + NF
-    new = np.random.default_rng(9).standard_normal((M.num_layers, 2, n, 2, 16)).astype(np.float16)
+    segs, n, new = landing_prompt(chunks, 9)
     page, blocks, hd, h = 8, 4, M.head_dim, M.num_kv_heads
     pages = np.array([2, 0, 3], np.uint32)
     raw_shape = (M.num_layers, blocks, h, 2, page * hd)
