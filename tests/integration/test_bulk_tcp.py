@@ -146,6 +146,19 @@ def stored(ep, h):
     return r.returncode == 0 and np.array_equal(np.load(out), kv)
 
 
+def bulk_answer(first):
+    """The bulk port's answer to a connection that opens with the bytes first: its one-byte
+    ack, or b"" when it closes (or resets) the connection instead."""
+    s = socket.create_connection(("127.0.0.1", bulk_port), timeout=5)
+    s.sendall(first)
+    try:
+        return s.recv(1)
+    except OSError:
+        return b""
+    finally:
+        s.close()
+
+
 def stat(d, name):
     r = d.cli("stats", "--json")
     import json
@@ -325,21 +338,9 @@ c.close()
     check("GET through an honest proxy: byte-exact", same, r.stderr)
     hello = pb.first[0][:40] if pb.first else b""
     check("the proxy saw the 40-byte hello", len(hello) == 40, repr(hello))
-    s = socket.create_connection(("127.0.0.1", bulk_port), timeout=5)
-    s.sendall(hello)
-    try:
-        ack = s.recv(1)
-    except OSError:
-        ack = b""
-    s.close()
+    ack = bulk_answer(hello)
     check("a replayed hello is refused (its ticket was used)", ack in (b"\x01", b""), repr(ack))
-    s = socket.create_connection(("127.0.0.1", bulk_port), timeout=5)
-    s.sendall(b"\x00" * 40)
-    try:
-        ack = s.recv(1)
-    except OSError:
-        ack = b""
-    s.close()
+    ack = bulk_answer(b"\x00" * 40)
     check("garbage instead of a hello is refused", ack in (b"\x01", b""), repr(ack))
     r, same, _ = get(direct, "end")
     check("the daemon still serves", same, r.stderr)
