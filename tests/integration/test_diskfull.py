@@ -106,6 +106,21 @@ def full_reply(r):
     return r.returncode == 1 and "store full" in r.stderr and "internal" not in r.stderr
 
 
+def put_more(d, tmp, i, count, acked, pause=0.0):
+    """PUT chunks i..i+count-1, each acknowledged one added to acked (a refusal printed),
+    pause seconds after each; returns how many succeeded and the next chunk's index."""
+    ok = 0
+    for j in range(i, i + count):
+        r = put(d, tmp, j)
+        ok += r.returncode == 0
+        if r.returncode == 0:
+            acked.add(j)
+        else:
+            print(f"# put {j}: {r.stderr.strip()}")
+        time.sleep(pause)
+    return ok, i + count
+
+
 def scenario(kind, tmp, mnt):
     data = f"{mnt}/data"
     d = Daemon(tmp, data)
@@ -151,15 +166,7 @@ def scenario(kind, tmp, mnt):
         # Unpinned, the least recently used chunks are evicted to make room.
         for j in sorted(acked):
             d.cli("unpin", "--model", "t", "--hash", hexhash(j))
-        ok = 0
-        for _ in range(4):
-            r = put(d, tmp, i)
-            ok += r.returncode == 0
-            if r.returncode == 0:
-                acked.add(i)
-            else:
-                print(f"# put {i}: {r.stderr.strip()}")
-            i += 1
+        ok, i = put_more(d, tmp, i, 4, acked)
         stats = json.loads(d.cli("stats", "--json").stdout)
         check(f"{kind}: on the full disk PUTs evict and succeed ({ok} of 4)", ok == 4)
         check(f"{kind}: evictions counted", stats.get("evictions", 0) > 0, stats.get("evictions"))
@@ -179,16 +186,8 @@ def scenario(kind, tmp, mnt):
             if json.loads(d.cli("stats", "--json").stdout)["stored_bytes"] <= 0.8 * cap:
                 break
             time.sleep(0.1)
-        ok = 0
-        for _ in range(8):
-            r = put(d, tmp, i)
-            ok += r.returncode == 0
-            if r.returncode == 0:
-                acked.add(i)
-            else:
-                print(f"# put {i}: {r.stderr.strip()}")
-            i += 1
-            time.sleep(0.2)  # let the background evictor keep to the watermark
+        # a pause after each: the background evictor keeps to the watermark
+        ok, i = put_more(d, tmp, i, 8, acked, pause=0.2)
         check(f"{kind}: with a capacity, PUTs keep succeeding ({ok} of 8)", ok == 8)
         stats = json.loads(d.cli("stats", "--json").stdout)
         check(f"{kind}: stored bytes kept near the capacity",
