@@ -25,9 +25,31 @@ from harness import (  # noqa: E402
     wait_for_daemon,
 )
 
-__all__ = ["DOCS", "QUESTION", "Daemon", "Group", "build_segments", "cluster", "free_port",
+__all__ = ["DOCS", "QUESTION", "Checks", "Daemon", "Group", "build_segments", "cluster",
+           "free_port",
            "install", "install_package", "kvblendd_path", "numpy_twin", "read_cache",
            "wait_for_daemon"]
+
+class Checks:
+    """A test's named checks, called as ``check(what, ok, detail)``: each printed as it is
+    made (``ok   what`` or ``FAIL what: detail``), the failed ones kept for ``verdict``."""
+
+    def __init__(self, name):
+        self.name = name
+        self.failures = []
+
+    def __call__(self, what, ok, detail=""):
+        print(f"{'ok  ' if ok else 'FAIL'} {what}" + (f": {detail}" if detail else ""),
+              flush=True)
+        if not ok:
+            self.failures.append(what)
+
+    def verdict(self):
+        """Print the test's line (passed, or the failed checks); the exit status, 0 or 1."""
+        failed = self.failures
+        print(f"{self.name}: " + ("FAILED: " + "; ".join(failed) if failed else "passed"))
+        return 1 if failed else 0
+
 
 # The blend tests' prompt (test_hf_blend, test_vllm_blend, test_vllm_arch,
 # test_vllm_model_hook): three documents between fresh text, then the question.

@@ -52,6 +52,8 @@ if os.environ.get("KVBLEND_SKIP_ENGINE") == "1":
     print("test_connector: skipped (KVBLEND_SKIP_ENGINE=1)")
     sys.exit(77)
 
+from fixtures import Checks  # noqa: E402
+
 HERE = Path(__file__).resolve().parent
 SRC = HERE.parent.parent / "client" / "python" / "src"
 MAX_TOKENS = 16
@@ -84,13 +86,7 @@ UNSTORED = ("The violin is a wooden chordophone, the smallest and highest-pitche
 QUESTION = "\nQuestion: Summarise the text above in one sentence.\nAnswer:"
 SEP = [49150, 49151]  # chunk_separator: two ids of SmolLM2's vocabulary no text here holds
 
-failures = []
-
-
-def check(what, ok, detail=""):
-    print(f"{'ok  ' if ok else 'FAIL'} {what}" + (f": {detail}" if detail else ""), flush=True)
-    if not ok:
-        failures.append(what)
+check = Checks("test_connector")
 
 
 def rope_rotate(k, delta, theta=THETA):
@@ -179,8 +175,7 @@ def main():
         d.stop()
         shutil.rmtree(dump_dir, ignore_errors=True)
     print("test_connector: " + json.dumps(report))
-    print("test_connector: " + ("FAILED: " + "; ".join(failures) if failures else "passed"))
-    return 1 if failures else 0
+    return check.verdict()
 
 
 def run(model_dir, d, dump_dir, report, np, kvblend):

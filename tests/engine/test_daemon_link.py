@@ -39,18 +39,12 @@ if os.environ.get("KVBLEND_SKIP_ENGINE") == "1":
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kvblend  # noqa: E402
-from fixtures import Daemon  # noqa: E402
+from fixtures import Checks, Daemon  # noqa: E402
 from kvblend.vllm import plan  # noqa: E402
 from kvblend.vllm.daemon import DaemonDown, DaemonLink, probe, wait_layer  # noqa: E402
 
 MODEL = kvblend.Model("link-test", 4, 1, 8, dtype="f32", rope_theta=1e5)
-failures = []
-
-
-def check(what, ok, detail=""):
-    print(f"{'ok  ' if ok else 'FAIL'} {what}" + (f": {detail}" if detail else ""))
-    if not ok:
-        failures.append(what)
+check = Checks("test_daemon_link")
 
 
 class Lines(logging.Handler):
@@ -458,8 +452,7 @@ def main():
         landing_wait(d)
     finally:
         d.stop()
-    print("test_daemon_link: " + ("FAILED " + ", ".join(failures) if failures else "passed"))
-    return 1 if failures else 0
+    return check.verdict()
 
 
 if __name__ == "__main__":

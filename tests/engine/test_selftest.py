@@ -39,20 +39,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kvblend  # noqa: E402
 from kvblend.vllm import selftest  # noqa: E402
 
-from fixtures import Daemon  # noqa: E402
+from fixtures import Checks, Daemon  # noqa: E402
 
-failures = []
+check = Checks("test_selftest")
 HD, HEADS, MAXPOS = 64, 2, 4096
 TORCH = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
           "high_freq_factor": 4.0, "original_max_position_embeddings": 512}
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}
-
-
-def check(what, ok, detail=""):
-    print(f"{'ok  ' if ok else 'FAIL'} {what}" + (f": {detail}" if detail else ""))
-    if not ok:
-        failures.append(what)
 
 
 def rope(params, dtype):
@@ -307,8 +301,7 @@ def main():
                   f"{held} chunks under {len(left)} test models")
     finally:
         d.stop()
-    print("test_selftest: " + ("FAILED " + ", ".join(failures) if failures else "passed"))
-    return 1 if failures else 0
+    return check.verdict()
 
 
 if __name__ == "__main__":

@@ -65,6 +65,8 @@ if os.environ.get("KVBLEND_SKIP_ENGINE") == "1":
     print("test_vllm_tp: skipped (KVBLEND_SKIP_ENGINE=1)")
     sys.exit(77)
 
+from fixtures import Checks  # noqa: E402
+
 HERE = Path(__file__).resolve().parent
 SRC = HERE.parent.parent / "client" / "python" / "src"
 MAX_TOKENS = 16
@@ -72,13 +74,7 @@ NAME = "tp-test"
 TOL = 1e-4
 QUESTION = " Question: which of these places would you visit first, and why?"
 
-failures = []
-
-
-def check(what, ok, detail=""):
-    print(("ok   " if ok else "FAIL ") + what + (f" ({detail})" if detail else ""))
-    if not ok:
-        failures.append(what)
+check = Checks("test_vllm_tp")
 
 
 def phase(tp, model_dir, endpoint, out_path):
@@ -413,8 +409,7 @@ def main():
         refusals(model_dir)
     finally:
         d.stop()
-    print("test_vllm_tp: " + ("FAILED: " + "; ".join(failures) if failures else "passed"))
-    return 1 if failures else 0
+    return check.verdict()
 
 
 if __name__ == "__main__":
