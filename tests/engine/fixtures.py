@@ -7,6 +7,7 @@ test file; tests import eval/, never the reverse, and no test file imports anoth
 two tests share lives here.
 """
 
+import argparse
 import os
 import sys
 from pathlib import Path
@@ -25,10 +26,10 @@ from harness import (  # noqa: E402
     wait_for_daemon,
 )
 
-__all__ = ["DOCS", "QUESTION", "Checks", "Daemon", "Group", "build_segments", "cluster",
-           "free_port",
-           "install", "install_package", "kvblendd_path", "numpy_twin", "read_cache",
-           "wait_for_daemon"]
+__all__ = ["DOCS", "QUESTION", "Checks", "Daemon", "Group", "build_segments", "chunk_segments",
+           "cluster", "fail", "free_port", "install", "install_package", "kvblendd_path",
+           "model_args", "numpy_twin", "read_cache", "store_chunks", "wait_for_daemon"]
+
 
 class Checks:
     """A test's named checks, called as ``check(what, ok, detail)``: each printed as it is
@@ -49,6 +50,24 @@ class Checks:
         failed = self.failures
         print(f"{self.name}: " + ("FAILED: " + "; ".join(failed) if failed else "passed"))
         return 1 if failed else 0
+
+
+def fail(msg):
+    """End the test here: ``FAIL: msg``, exit status 1."""
+    print(f"FAIL: {msg}")
+    sys.exit(1)
+
+
+def model_args(doc):
+    """The command line of a test over the engine's model, described by the first line of
+    ``doc``: ``--model`` (default $KVBLEND_ENGINE_MODEL, as tests/engine/run.sh sets it);
+    without one the test fails."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--model", default=os.environ.get("KVBLEND_ENGINE_MODEL"))
+    args = ap.parse_args()
+    if not args.model:
+        fail("no model: --model or KVBLEND_ENGINE_MODEL")
+    return args
 
 
 # The blend tests' prompt (test_hf_blend, test_vllm_blend, test_vllm_arch,
@@ -81,6 +100,23 @@ def build_segments(tok):
                 f"\n\nQuestion: {QUESTION}<|im_end|>\n<|im_start|>assistant\n")
         segs.append(("fresh", tok.encode(tail)))
     return segs
+
+
+def chunk_segments(segs):
+    """The chunks of a prompt [("fresh"|"chunk", ids)] as the connector's request parameter
+    ``segments`` (``[start, length, "chunk"]`` each), and the prompt's length in tokens."""
+    chunks, n = [], 0
+    for kind, t in segs:
+        if kind == "chunk":
+            chunks.append([n, len(t), "chunk"])
+        n += len(t)
+    return chunks, n
+
+
+def store_chunks(blender, segs):
+    """Store the chunks of a prompt [("fresh"|"chunk", ids)] through kvblend.hf's
+    ``blender``; their hashes."""
+    return [blender.store(t) for kind, t in segs if kind == "chunk"]
 
 
 def numpy_twin(model):

@@ -41,7 +41,6 @@ a question (about 330 tokens):
 Exit 0 when all pass, 1 on a failure, 77 when KVBLEND_SKIP_ENGINE=1.
 """
 
-import argparse
 import os
 import sys
 import time
@@ -70,7 +69,7 @@ from cacheblend import (  # noqa: E402
     hkvd_select,
     select_count,
 )
-from fixtures import Daemon, build_segments, numpy_twin  # noqa: E402
+from fixtures import Daemon, build_segments, fail, model_args, numpy_twin  # noqa: E402
 from qsel import alone_selection, preview, question_pass  # noqa: E402
 from rules import CRITICAL_LAYER, anchors, qcfuse_score, top_tokens  # noqa: E402
 
@@ -92,11 +91,6 @@ TOL_ROTATE = 2e-5
 # there). 1e-4 stays far below a wrong layer range, head grouping or mask (each moves A by
 # 1e-2 or more of its largest entry).
 TOL_A = 1e-4
-
-def fail(msg):
-    print(f"FAIL: {msg}")
-    sys.exit(1)
-
 
 def check_selection(bl, req, checks, ratios, metric):
     """(a): the daemon's selection at each check layer against hkvd_select on the same plane."""
@@ -135,11 +129,7 @@ def compare_fused(kv, ref, what):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=os.environ.get("KVBLEND_ENGINE_MODEL"))
-    args = ap.parse_args()
-    if not args.model:
-        fail("no model: --model or KVBLEND_ENGINE_MODEL")
+    args = model_args(__doc__)
     torch.manual_seed(0)
     t0 = time.monotonic()
     model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)

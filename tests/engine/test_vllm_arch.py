@@ -30,13 +30,14 @@ import logging
 import os
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 if os.environ.get("KVBLEND_SKIP_ENGINE") == "1":
     print("test_vllm_arch: skipped (KVBLEND_SKIP_ENGINE=1)")
     sys.exit(77)
+
+from fixtures import fail  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 MAX_TOKENS = 16
@@ -46,11 +47,6 @@ ARCHS = ("mistral", "qwen2", "qwen3")
 # written into and read back from the cache bit for bit; and test_hf_blend's for the
 # blend at r = 1.0 against transformers' own prefill (float32 sums in other orders).
 TOL = 1e-4
-
-
-def fail(msg):
-    print(f"FAIL: {msg}")
-    sys.exit(1)
 
 
 def worst_dev(got, want):
@@ -122,16 +118,14 @@ def reference(arch, model_dir, endpoint, name, tok):
 
     import kvblend
     import kvblend.hf as kh
-    from fixtures import build_segments
+    from fixtures import build_segments, chunk_segments, store_chunks
 
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.eval()
     segs = build_segments(tok)
     with kvblend.Client(endpoint, timeout_ms=120000) as c:
         b = kh.Blender(model, c, name=name)
-        for kind, t in segs:
-            if kind == "chunk":
-                b.store(t)
+        store_chunks(b, segs)
         ref = b.blend(segs, CHECKS, RATIOS)
         tokens = b.generate(segs, MAX_TOKENS, blend=ref)
         everything = b.blend(segs, CHECKS, (1.0,))
@@ -141,11 +135,7 @@ def reference(arch, model_dir, endpoint, name, tok):
     if dev > TOL:
         fail(f"{arch}: kvblend.hf at r=1.0 differs from transformers' full prefill by {dev:.2e} "
              f"of a layer's scale (tolerance {TOL:g})")
-    chunks, n = [], 0
-    for kind, t in segs:
-        if kind == "chunk":
-            chunks.append([n, len(t), "chunk"])
-        n += len(t)
+    chunks, n = chunk_segments(segs)
     print(f"  (b) {arch}: kvblend.hf: {n} tokens, {ref.selections[0].size} rows recomputed after "
           f"layer {CHECKS[0]}; at r=1.0 within {dev:.1e} of transformers' full prefill; "
           f"continuation {tok.decode(tokens)!r}")
@@ -211,23 +201,13 @@ def main():
     t0 = time.monotonic()
     sys.path.insert(0, str(HERE))
     from make_arch_models import ensure
-    from fixtures import install
+    from fixtures import engine_env
 
     archs = args.arch or list(ARCHS)
     model_dirs = {a: str(d) for a, d in ensure(args.model).items()}
     print(f"  models ready in {time.monotonic() - t0:.0f} s")
-    tmp = tempfile.mkdtemp(prefix="kvblend-arch.")
-    site = Path(tmp) / "site"
-    install(site)
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(site), str(HERE)])
-    sys.path[:0] = [str(site)]
-    for name in [m for m in sys.modules if m == "kvblend" or m.startswith("kvblend.")]:
-        del sys.modules[name]
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    dump_dir = Path(tmp) / "dump"
-    dump_dir.mkdir()
-    os.environ["KVBLEND_VLLM_DUMP_DIR"] = str(dump_dir)
+    tmp = engine_env("kvblend-arch.")
+    dump_dir = tmp / "dump"
     check_refusals(model_dirs)
 
     from fixtures import Daemon

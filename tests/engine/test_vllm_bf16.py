@@ -33,7 +33,6 @@ still runs for real.
 Exit 0 when all pass, 1 on a failure, 77 when KVBLEND_SKIP_ENGINE=1.
 """
 
-import argparse
 import os
 import shutil
 import sys
@@ -47,7 +46,7 @@ if os.environ.get("KVBLEND_SKIP_ENGINE") == "1":
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from fixtures import read_cache  # noqa: E402
+from fixtures import fail, model_args, read_cache  # noqa: E402
 
 MAX_TOKENS = 16
 NAME = "smollm2-bf16-test"
@@ -71,11 +70,6 @@ DOCS = [
 ]
 
 
-def fail(msg):
-    print(f"FAIL: {msg}")
-    sys.exit(1)
-
-
 def reference(model_dir, endpoint):
     """(a)."""
     import torch
@@ -83,7 +77,7 @@ def reference(model_dir, endpoint):
 
     import kvblend
     import kvblend.hf as kh
-    from fixtures import build_segments
+    from fixtures import build_segments, chunk_segments, store_chunks
 
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
     model.eval()
@@ -91,17 +85,13 @@ def reference(model_dir, endpoint):
     segs = build_segments(tok)
     with kvblend.Client(endpoint, timeout_ms=120000) as c:
         b = kh.Blender(model, c, name=NAME)
-        hashes = [b.store(t) for kind, t in segs if kind == "chunk"]
+        hashes = store_chunks(b, segs)
         everything = b.blend(segs, (1,), (1.0,))
         everything.tokens = b.generate(segs, MAX_TOKENS, blend=everything)
         anchored = b.blend(segs)
         anchored.tokens = b.generate(segs, MAX_TOKENS, blend=anchored)
         b.close()
-    chunks, n = [], 0
-    for kind, t in segs:
-        if kind == "chunk":
-            chunks.append([n, len(t), "chunk"])
-        n += len(t)
+    chunks, n = chunk_segments(segs)
     print(f"  (a) kvblend.hf in bfloat16: {n} tokens; the anchored default recomputed "
           f"{anchored.selections[-1].size} rows")
     return everything, anchored, chunks, hashes
@@ -123,11 +113,7 @@ def compare(dump, want, n, tol, what):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=os.environ.get("KVBLEND_ENGINE_MODEL"))
-    args = ap.parse_args()
-    if not args.model:
-        fail("no model: --model or KVBLEND_ENGINE_MODEL")
+    args = model_args(__doc__)
     t0 = time.monotonic()
     from fixtures import engine_env
 

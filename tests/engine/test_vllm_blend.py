@@ -34,7 +34,6 @@ libkvblend and KVBLEND_ENGINE_MODEL (or --model) to the model directory.
 Exit 0 when all pass, 1 on a failure, 77 when KVBLEND_SKIP_ENGINE=1.
 """
 
-import argparse
 import os
 import shutil
 import sys
@@ -47,7 +46,7 @@ if os.environ.get("KVBLEND_SKIP_ENGINE") == "1":
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from fixtures import read_cache  # noqa: E402
+from fixtures import fail, model_args, read_cache  # noqa: E402
 
 MAX_TOKENS = 16
 NAME = "smollm2-blend-test"
@@ -56,11 +55,6 @@ CHECKS, RATIOS = (1,), (0.15,)
 # measured 3.3e-6 of a layer's largest |value|), written into and read back from the cache
 # bit for bit.
 TOL = 1e-4
-
-
-def fail(msg):
-    print(f"FAIL: {msg}")
-    sys.exit(1)
 
 
 def check_config():
@@ -136,7 +130,7 @@ def reference(model_dir, endpoint):
 
     import kvblend
     import kvblend.hf as kh
-    from fixtures import build_segments
+    from fixtures import build_segments, chunk_segments, store_chunks
 
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.eval()
@@ -144,9 +138,7 @@ def reference(model_dir, endpoint):
     segs = build_segments(tok)
     with kvblend.Client(endpoint, timeout_ms=120000) as c:
         b = kh.Blender(model, c, name=NAME)
-        for kind, t in segs:
-            if kind == "chunk":
-                b.store(t)
+        store_chunks(b, segs)
         ref = b.blend(segs, CHECKS, RATIOS)
         tokens = b.generate(segs, MAX_TOKENS, blend=ref)
         reuse = b.blend(segs, (), ())
@@ -157,22 +149,14 @@ def reference(model_dir, endpoint):
             question[m] = b.blend(segs, ratios=RATIOS, metric=m)
             question[m].tokens = b.generate(segs, MAX_TOKENS, blend=question[m])
         b.close()
-    chunks, n = [], 0
-    for kind, t in segs:
-        if kind == "chunk":
-            chunks.append([n, len(t), "chunk"])
-        n += len(t)
+    chunks, n = chunk_segments(segs)
     print(f"  (b) kvblend.hf: {n} tokens, {ref.selections[0].size} rows recomputed after layer "
           f"{CHECKS[0]}; continuation {tok.decode(tokens)!r}")
     return ref, reuse, tokens, chunks, everything, tokens_all, question
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=os.environ.get("KVBLEND_ENGINE_MODEL"))
-    args = ap.parse_args()
-    if not args.model:
-        fail("no model: --model or KVBLEND_ENGINE_MODEL")
+    args = model_args(__doc__)
     t0 = time.monotonic()
     from fixtures import engine_env
 

@@ -26,7 +26,6 @@ libkvblend and KVBLEND_ENGINE_MODEL (or --model) to the model directory.
 Exit 0 when all pass, 1 on a failure, 77 when KVBLEND_SKIP_ENGINE=1.
 """
 
-import argparse
 import json
 import os
 import shutil
@@ -39,6 +38,8 @@ if os.environ.get("KVBLEND_SKIP_ENGINE") == "1":
     print("test_vllm_model_hook: skipped (KVBLEND_SKIP_ENGINE=1)")
     sys.exit(77)
 
+from fixtures import fail, model_args  # noqa: E402
+
 HERE = Path(__file__).resolve().parent
 PROMPT = "The capital of France is"
 MAX_TOKENS = 16
@@ -50,11 +51,6 @@ CHECKS, RATIOS, METRIC = (1,), (0.15,), "value"
 # layers. 1e-4 is 30x that and far below a wrong row (O(1) of the scale; test_hf_blend).
 TOL_VLLM = 1e-4
 TOL_A = 1e-4  # as test_hf_blend's (A off by float32 rounding through 30 layers)
-
-
-def fail(msg):
-    print(f"FAIL: {msg}")
-    sys.exit(1)
 
 
 def read_facts(path):
@@ -73,7 +69,7 @@ def reference(args, endpoint):
 
     import kvblend
     import kvblend.hf as kh
-    from fixtures import build_segments, numpy_twin
+    from fixtures import build_segments, numpy_twin, store_chunks
 
     from cacheblend import Request
     from qsel import preview
@@ -84,9 +80,7 @@ def reference(args, endpoint):
     segs = build_segments(tok)
     with kvblend.Client(endpoint, timeout_ms=120000) as c:
         b = kh.Blender(model, c, name=NAME)
-        for kind, t in segs:
-            if kind == "chunk":
-                b.store(t)
+        store_chunks(b, segs)
         ref = b.blend(segs, CHECKS, RATIOS, METRIC)
         ref.att = b.blend(segs, CHECKS, RATIOS, "attention")
         twin = numpy_twin(model)
@@ -150,11 +144,7 @@ def check_blend(facts, ref, out_path):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=os.environ.get("KVBLEND_ENGINE_MODEL"))
-    args = ap.parse_args()
-    if not args.model:
-        fail("no model: --model or KVBLEND_ENGINE_MODEL")
+    args = model_args(__doc__)
     t0 = time.monotonic()
     from fixtures import install
 
