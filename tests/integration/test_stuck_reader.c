@@ -73,6 +73,13 @@ static void hash_of(uint32_t i, uint8_t out[KVB_HASH_LEN])
 	kvb_chunk_hash(ids, 2, out);
 }
 
+/* A TCP endpoint on loopback and a bulk port for it, both free (tcp: 64 bytes, bport: 16). */
+static void tcp_and_bulk_ports(char tcp[64], char bport[16])
+{
+	snprintf(tcp, 64, "tcp://127.0.0.1:%d", free_tcp_port());
+	snprintf(bport, 16, "%d", free_tcp_port());
+}
+
 /* A DEALER that takes one message and then leaves the rest in the kernel: never read. */
 static void *stuck_reader(void *ctx, const char *endpoint, const uint8_t *hash)
 {
@@ -240,8 +247,7 @@ static void a_stuck_bulk_reader_is_cut_off_at_the_deadline(void **state)
 
 	(void)state;
 	assert_non_null(kv);
-	snprintf(tcp, sizeof(tcp), "tcp://127.0.0.1:%d", free_tcp_port());
-	snprintf(bport, sizeof(bport), "%d", free_tcp_port());
+	tcp_and_bulk_ports(tcp, bport);
 	daemon_start(&d, args);
 	assert_int_equal(kvb_connect(d.endpoint, &o, &c, NULL, 0), 0);
 	assert_int_equal(kvb_model_register(c, &big, NULL), 0);
@@ -435,6 +441,17 @@ static const struct kvb_model slow_model = { .name = "slow", .num_layers = L, .n
 					     .head_dim = D, .dtype = KVB_F16,
 					     .rope_theta = 10000 };
 
+/* Register slow_model with c and store a BIG_T-token chunk of random bytes (seed) in kv
+ * (bytes long) under hash_of(i). */
+static void store_slow_chunk(kvb_client *c, uint8_t *kv, size_t bytes, uint64_t seed, uint32_t i,
+			     uint8_t hash[KVB_HASH_LEN])
+{
+	assert_int_equal(kvb_model_register(c, &slow_model, NULL), 0);
+	fill_random(kv, bytes, seed);
+	hash_of(i, hash);
+	assert_int_equal(kvb_put(c, slow_model.name, hash, KVB_F16, BIG_T, 0, kv, bytes, NULL), 0);
+}
+
 /*
  * Two hostile readers (as many as the daemon has workers) GET a 32 MiB chunk each on
  * their bulk connections and then read them at 8 KiB/s (trickle) or not at all, plain
@@ -462,8 +479,7 @@ static void stalled_bulk_readers(bool curve, bool trickle)
 	double worst, cut_after;
 
 	assert_non_null(kv);
-	snprintf(tcp, sizeof(tcp), "tcp://127.0.0.1:%d", free_tcp_port());
-	snprintf(bport, sizeof(bport), "%d", free_tcp_port());
+	tcp_and_bulk_ports(tcp, bport);
 	daemon_start(&d, NULL); /* (for its directory: restarted below with the flags) */
 	snprintf(keyfile, sizeof(keyfile), "%s/server.key", d.dir);
 	if (curve) {
@@ -473,10 +489,7 @@ static void stalled_bulk_readers(bool curve, bool trickle)
 	daemon_restart(&d, args);
 	c = daemon_client(&d, 1);
 	victim = daemon_client(&d, 1);
-	assert_int_equal(kvb_model_register(c, &slow_model, NULL), 0);
-	fill_random(kv, bytes, 9);
-	hash_of(99, hash);
-	assert_int_equal(kvb_put(c, slow_model.name, hash, KVB_F16, BIG_T, 0, kv, bytes, NULL), 0);
+	store_slow_chunk(c, kv, bytes, 9, 99, hash);
 
 	for (int i = 0; i < SLOW; i++) {
 		slow_reader_open(&rd[i], tcp, curve ? pub : NULL, csec);
@@ -567,15 +580,11 @@ static void one_stalled_reader_holds_one_worker_only(void **state)
 
 	(void)state;
 	assert_non_null(kv);
-	snprintf(tcp, sizeof(tcp), "tcp://127.0.0.1:%d", free_tcp_port());
-	snprintf(bport, sizeof(bport), "%d", free_tcp_port());
+	tcp_and_bulk_ports(tcp, bport);
 	daemon_start(&d, args);
 	c = daemon_client(&d, 1);
 	victim = daemon_client(&d, 1);
-	assert_int_equal(kvb_model_register(c, &slow_model, NULL), 0);
-	fill_random(kv, bytes, 11);
-	hash_of(111, hash);
-	assert_int_equal(kvb_put(c, slow_model.name, hash, KVB_F16, BIG_T, 0, kv, bytes, NULL), 0);
+	store_slow_chunk(c, kv, bytes, 11, 111, hash);
 	slow_reader_open(&rd, tcp, NULL, NULL);
 	slow_reader_get(&rd, slow_model.name, hash, bytes); /* a worker now writes, stalled */
 	worst = slowest_ping(victim, 16);
@@ -654,15 +663,11 @@ static void stallers_reissuing_gets_hold_no_worker(void **state)
 
 	(void)state;
 	assert_non_null(kv);
-	snprintf(tcp, sizeof(tcp), "tcp://127.0.0.1:%d", free_tcp_port());
-	snprintf(bport, sizeof(bport), "%d", free_tcp_port());
+	tcp_and_bulk_ports(tcp, bport);
 	daemon_start(&d, args);
 	c = daemon_client(&d, 1);
 	victim = daemon_client(&d, 1);
-	assert_int_equal(kvb_model_register(c, &slow_model, NULL), 0);
-	fill_random(kv, bytes, 13);
-	hash_of(131, hash);
-	assert_int_equal(kvb_put(c, slow_model.name, hash, KVB_F16, BIG_T, 0, kv, bytes, NULL), 0);
+	store_slow_chunk(c, kv, bytes, 13, 131, hash);
 	for (int i = 0; i < STALLERS; i++) {
 		st[i] = (struct staller){ tcp, slow_model.name, hash, bytes, &stop, 0, 0 };
 		assert_int_equal(pthread_create(&th[i], NULL, staller_main, &st[i]), 0);
@@ -719,14 +724,10 @@ static void a_client_has_at_most_32_payloads_waiting(void **state)
 
 	(void)state;
 	assert_non_null(kv);
-	snprintf(tcp, sizeof(tcp), "tcp://127.0.0.1:%d", free_tcp_port());
-	snprintf(bport, sizeof(bport), "%d", free_tcp_port());
+	tcp_and_bulk_ports(tcp, bport);
 	daemon_start(&d, args);
 	c = daemon_client(&d, 1);
-	assert_int_equal(kvb_model_register(c, &slow_model, NULL), 0);
-	fill_random(kv, bytes, 17);
-	hash_of(171, hash);
-	assert_int_equal(kvb_put(c, slow_model.name, hash, KVB_F16, BIG_T, 0, kv, bytes, NULL), 0);
+	store_slow_chunk(c, kv, bytes, 17, 171, hash);
 	slow_reader_open(&rd, tcp, NULL, NULL);
 	for (int i = 0; i < GETS; i++)
 		slow_reader_send_get(&rd, slow_model.name, hash);
@@ -801,8 +802,7 @@ static void a_ticket_works_only_on_its_own_connection(void **state)
 	(void)state;
 	assert_non_null(kv);
 	assert_non_null(buf);
-	snprintf(tcp, sizeof(tcp), "tcp://127.0.0.1:%d", free_tcp_port());
-	snprintf(bport, sizeof(bport), "%d", free_tcp_port());
+	tcp_and_bulk_ports(tcp, bport);
 	daemon_start(&d, args);
 	c = daemon_client(&d, 1);
 	assert_int_equal(kvb_model_register(c, &model, NULL), 0);
