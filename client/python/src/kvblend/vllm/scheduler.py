@@ -91,10 +91,10 @@ class SchedulerSide:
             self._logged.add(key)
             logger.warning("kvblend: " + msg, *args)
 
-    def _parse_only(self, request: Request, num_computed_tokens: int) -> plan.Plan:
-        """Parse the request's parameters (for a store); look nothing up, claim nothing."""
-        if self._off is not None:
-            return plan.Plan()
+    def _parse(self, request: Request, num_computed_tokens: int, separator: Any,
+               blend_cfg: Any) -> Any:
+        """The request's parameters parsed (plan.parse_request), or None: malformed, logged
+        once per request (vLLM asks again while the request waits for blocks)."""
         cfg = self.config
         try:
             parsed = plan.parse_request(
@@ -102,10 +102,17 @@ class SchedulerSide:
                 request.prompt_token_ids or [],
                 num_computed_tokens,
                 cfg.model.num_layers,
-                None,  # no separator split: its chunks would only be looked up
-                None,  # nor blended
+                separator,
+                blend_cfg,
                 plan.request_scope(request),
             )
+            if cfg.tensor_parallel > 1 and parsed.blend is not None and \
+                    parsed.blend.metric == "attention":
+                raise plan.ParamError(
+                    f"kvblend.blend.metric 'attention' under tensor parallelism "
+                    f"({cfg.tensor_parallel} ranks): each head's deviation is weighed by "
+                    "its own A (value, key, question and anchored blend under it)"
+                )
         except plan.ParamError as e:
             self._log_once(
                 "params:" + request.request_id,
@@ -113,8 +120,16 @@ class SchedulerSide:
                 request.request_id,
                 e,
             )
+            return None
+        return parsed
+
+    def _parse_only(self, request: Request, num_computed_tokens: int) -> plan.Plan:
+        """Parse the request's parameters (for a store); look nothing up, claim nothing."""
+        if self._off is not None:
             return plan.Plan()
-        return plan.Plan(parsed=parsed)
+        # no separator split: its chunks would only be looked up; nor blended
+        parsed = self._parse(request, num_computed_tokens, None, None)
+        return plan.Plan() if parsed is None else plan.Plan(parsed=parsed)
 
     def _plan(self, request: Request, num_computed_tokens: int) -> plan.Plan:
         """Plan a request; a malformed one or a daemon error plans nothing (logged once).
@@ -131,31 +146,8 @@ class SchedulerSide:
                 "requests carry blend settings, but 'blend' is "
                 "not configured (or refused): full reuse",
             )
-        try:
-            parsed = plan.parse_request(
-                request.kv_transfer_params,
-                request.prompt_token_ids or [],
-                num_computed_tokens,
-                cfg.model.num_layers,
-                cfg.separator,
-                cfg.blend,
-                plan.request_scope(request),
-            )
-            if cfg.tensor_parallel > 1 and parsed.blend is not None and \
-                    parsed.blend.metric == "attention":
-                raise plan.ParamError(
-                    f"kvblend.blend.metric 'attention' under tensor parallelism "
-                    f"({cfg.tensor_parallel} ranks): each head's deviation is weighed by "
-                    "its own A (value, key, question and anchored blend under it)"
-                )
-        except plan.ParamError as e:
-            # Once per request: vLLM asks again while the request waits for blocks.
-            self._log_once(
-                "params:" + request.request_id,
-                "request %s served without kvblend: %s",
-                request.request_id,
-                e,
-            )
+        parsed = self._parse(request, num_computed_tokens, cfg.separator, cfg.blend)
+        if parsed is None:
             return plan.Plan()
         if not parsed.hashes:
             # no chunk to look up (no kvblend parameters, no separator in the prompt):
