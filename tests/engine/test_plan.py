@@ -14,7 +14,7 @@ weights' digest) and cache salt (kvblend.scoped_chunk_hash, the planner's lookup
 scheduler's stores), and the chunks a storing request's response names; and the worker's
 region for vLLM's KV cache (kvblend.vllm.landing.CacheRegion): the one
 allocation taken, and refusals that name the daemon's setting (shm_max) or the endpoint;
-and the blend pass's regions kept between blends (kvblend.vllm.blend.RegionPool) against
+and the blend pass's regions kept between blends (kvblend.vllm.regions.RegionPool) against
 the daemon's count of segments. Exit 0 when every check passes, 77 when skipped.
 """
 
@@ -533,17 +533,17 @@ def scheduler_store_scope():
 
 
 def region_pool(d):
-    """kvblend.vllm.blend.RegionPool: the blend pass's regions kept between blends, against
+    """kvblend.vllm.regions.RegionPool: the blend pass's regions kept between blends, against
     the daemon's own count of segments (shm_max 17M, shm_total 24M)."""
-    from kvblend.vllm import blend
+    from kvblend.vllm import regions
 
     mib = 1 << 20
     with kvblend.Client(d.endpoint) as cl:
         def segments():
             return int(cl.stats()["shm_segments"])
 
-        pool = blend.regions_of(cl)
-        check("pool: one per client", blend.regions_of(cl) is pool, True)
+        pool = regions.regions_of(cl)
+        check("pool: one per client", regions.regions_of(cl) is pool, True)
         r1 = pool.take(5 * mib + 1)
         check("pool: a new region, rounded up", (r1.nbytes, segments()), (8 * mib, 1))
         r1[:] = 7
@@ -567,26 +567,26 @@ def region_pool(d):
         pool.give(r4)
         check("pool: clear frees them at the daemon", (pool.clear(), pool.kept(),
                                                       segments()), (None, 0, 0))
-        kept = [pool.take(mib) for _ in range(blend.POOL_REGIONS + 1)]
+        kept = [pool.take(mib) for _ in range(regions.POOL_REGIONS + 1)]
         for r in kept:
             pool.give(r)
         check("pool: at most POOL_REGIONS kept, the rest freed",
-              (pool.kept(), segments()), (blend.POOL_REGIONS, blend.POOL_REGIONS))
-        old_idle = blend.POOL_IDLE_S
-        blend.POOL_IDLE_S = 0.0
+              (pool.kept(), segments()), (regions.POOL_REGIONS, regions.POOL_REGIONS))
+        old_idle = regions.POOL_IDLE_S
+        regions.POOL_IDLE_S = 0.0
         try:
             time.sleep(0.01)
             r5 = pool.take(mib)  # expires every kept one first, then a new one
             check("pool: kept past POOL_IDLE_S, freed", (pool.kept(), segments()), (0, 1))
             # an engine left idle: the timer frees them, with no blend to look
-            blend.POOL_IDLE_S = 0.2
+            regions.POOL_IDLE_S = 0.2
             pool.give(r5)
             check("pool: given back before the timer", (pool.kept(), segments()), (1, 1))
             time.sleep(1.6)
             check("pool: an idle engine's kept regions freed by the timer",
                   (pool.kept(), segments()), (0, 0))
         finally:
-            blend.POOL_IDLE_S = old_idle
+            regions.POOL_IDLE_S = old_idle
         # rounded up past shm_max (17M) where the size itself fits: the exact size
         r6 = pool.take(16 * mib + 1)
         check("pool: the exact size when the rounded one passes shm_max",

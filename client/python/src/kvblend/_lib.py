@@ -11,12 +11,15 @@ import ctypes.util
 import os
 from pathlib import Path
 
+from .blend import metrics as _metrics
+
 HASH_LEN = 32
 NAME_MAX = 64
 
 DTYPES = {"f16": 1, "bf16": 2, "f32": 3}
 ROPE_STYLES = {"neox": 0, "gptj": 1}
-METRICS = {"value": 0, "key": 1, "attention": 2}
+#: The daemon's metric codes (kvb_fuse_params.metric), from kvblend.blend.metrics.
+METRICS = _metrics.DAEMON_CODES
 
 
 class KvbModel(ctypes.Structure):

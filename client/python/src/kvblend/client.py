@@ -740,7 +740,7 @@ class Client:
         if len(check_layers) != len(ratios):
             raise BadArgument(-22, "one ratio per check layer")
         if metric not in _lib.METRICS:
-            raise BadArgument(-22, f"metric '{metric}': value, key or attention")
+            raise BadArgument(-22, f"metric '{metric}': {', '.join(_lib.METRICS)}")
         carr = (KvbSegment * max(len(segs), 1))()
         for i, s in enumerate(segs):
             carr[i].fresh = int(s.hash is None)

@@ -38,15 +38,9 @@ from . import describe as _describe
 from .blend import arch as _arch
 from .blend import host
 from .blend.attention import causal_attention
-from .blend.loop import Prompt, blend_batch, blend_layers
-from .blend.preview import (
-    LayerWait,
-    _close_after_failure,
-    land_chunks,
-    landed_preview,
-    node_selection,
-    question_attention,
-)
+from .blend import metrics as _metrics
+from .blend.driver import Batch, Job, close_after_failure, close_all, node_previews, open_job
+from .blend.loop import blend_batch
 from .client import Client, chunk_hash
 from .errors import KvblendError
 from .types import Model
@@ -58,8 +52,6 @@ _DTYPES = {
     torch.float16: ("f16", np.float16),
     torch.bfloat16: ("bf16", np.uint16),  # raw bits (kvblend.blend.host)
 }
-_METRICS = ("value", "key", "attention", "question", "anchored")
-_NODE_SELECTS = ("question", "anchored")  # no check layer: the node selects
 
 
 class Unsupported(ValueError):
@@ -214,7 +206,7 @@ def _segments(segments: Sequence[tuple[str, Any]]) -> tuple[np.ndarray, list]:
 class _HfOps:
     """Layer operations of a transformers Llama-family model.
 
-    The :class:`kvblend.blend.loop.LayerOps` that :func:`blend_layers` drives.
+    The :class:`kvblend.blend.loop.LayerOps` that :func:`kvblend.blend.loop.blend_batch` drives.
     """
 
     def __init__(self, model: Any, head_dim: int, arch: _arch.Arch) -> None:
@@ -397,13 +389,13 @@ class Blender:
         """
         t0 = time.perf_counter()
         if metric is None:
-            metric = "anchored" if check_layers is None else "value"
-        if metric not in _METRICS:
-            raise ValueError(f"metric {metric!r}: value, key, attention, question or anchored")
+            metric = _metrics.DEFAULT if check_layers is None else "value"
+        _metrics.check_name(metric)
+        node = _metrics.node_selects(metric)
         if check_layers is None:
-            check_layers = () if metric in _NODE_SELECTS else (1,)
+            check_layers = _metrics.METRICS[metric].checks
         checks = [int(c) for c in check_layers]
-        if metric in _NODE_SELECTS and (checks or len(ratios) != 1):
+        if node and (checks or len(ratios) != 1):
             raise ValueError(f"the {metric} metric takes no check layers and one ratio")
         nl, nh, d = self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim
         if any(not 0 <= c < nl for c in checks):
@@ -414,89 +406,28 @@ class Blender:
             (chunk_hash(t.astype(np.uint32)), s) if kind == "chunk" else (t.size, s)
             for kind, s, t in spans
         ]
-        cached = np.zeros(n, bool)
-        for kind, s, t in spans:
-            cached[s : s + t.size] = kind == "chunk"
+        _, s, t = spans[-1]  # the question: the last segment, fresh
+        job = Job(ids, segs, list(ratios), t, np.arange(s, n))
         buf = self._buffer((nl, 2, n, nh, d))
-        a = None
-        if metric in _NODE_SELECTS:
-            out = self._blend_selected(segs, spans, buf, ids, cached, metric, ratios, keep_checks)
-            out.seconds = time.perf_counter() - t0
-            return out
-        if metric == "attention" and checks:
-            kind, s, t = spans[-1]
-            self._ops.begin(n)
-            rows = np.flatnonzero(cached)
-            if self.landing:  # the preview runs as the layers land
-                a, _ = landed_preview(
-                    self.client, self.spec.name, segs, buf, self._ops, rows, t, np.arange(s, n)
-                )
-            else:
-                land_chunks(self.client, self.spec.name, segs, buf, False)
-                kv = host.tensor(buf, self.model.dtype)
-                a = question_attention(self._ops, kv, rows, t, np.arange(s, n))
-        if self.landing:
-            sess = self.client.fuse_open_into(
-                self.spec.name, segs, buf[:, 0], buf[:, 1], checks, list(ratios), metric
-            )
-        else:
-            sess = self.client.fuse_open(self.spec.name, segs, checks, list(ratios), metric)
+        b = Batch()
         try:
-            out = self._run(sess, buf, ids, cached, checks, metric, keep_checks, a)
-        finally:
-            stats = sess.close()
+            open_job(
+                self._ops, self.client, self.spec.name, job, buf, checks, metric, b,
+                landing=self.landing,
+            )
+            node_previews(self._ops, metric, b)
+            r = blend_batch(self._ops, b.prompts, checks, metric, self.landing, keep_checks)[0]
+            stats = close_all(b)[0]
+        except BaseException:
+            close_after_failure(b)  # the first failure is the one to report
+            raise
+        p = b.prompts[0]
+        if p.recompute is not None:
+            r.selections.append(p.recompute)
+        out = self._finish(r, buf, ids, p.attention)
         out.stats, out.session = stats, self.session_kind
         out.seconds = time.perf_counter() - t0
         return out
-
-    def _blend_selected(self, segs, spans, buf, ids, cached, metric, ratios, keep) -> Blend:
-        """Blend with the question or anchored metric.
-
-        The preview, then the node's own selection recomputed at every layer over the
-        stored rows (a reuse-only session).
-        """
-        kind, s, t = spans[-1]
-        n = ids.size
-        self._ops.begin(n)
-        chunks = [(st, tt.size) for k, st, tt in spans if k == "chunk"]
-
-        def select(sess: Any, ready: Any) -> tuple:
-            a, own = node_selection(
-                self._ops,
-                host.tensor(buf, self.model.dtype),
-                cached,
-                chunks,
-                t,
-                np.arange(s, n),
-                metric,
-                float(ratios[0]),
-                ready,
-            )
-            p = Prompt(sess, buf, ids, cached, a, own)
-            return a, own, blend_batch(self._ops, [p], [], metric, self.landing, keep)[0]
-
-        if self.landing:  # the preview and the pass each wait for a layer as it lands
-            sess = self.client.fuse_open_into(self.spec.name, segs, buf[:, 0], buf[:, 1])
-            try:
-                a, own, r = select(sess, LayerWait(sess))
-            except BaseException:
-                _close_after_failure(sess)  # the first failure is the one to report
-                raise
-            stats = sess.close()
-        else:
-            stats = land_chunks(self.client, self.spec.name, segs, buf, False)
-            a, own, r = select(None, None)
-        r.selections.append(own)
-        out = self._finish(r, buf, ids, a)
-        out.stats, out.session = stats, self.session_kind
-        return out
-
-    def _run(self, sess, buf, ids, cached, checks, metric, keep_checks, a=None) -> Blend:
-        """Run the layer loop of :meth:`blend` on an open session (A: the preview's)."""
-        r = blend_layers(
-            self._ops, sess, buf, ids, cached, checks, metric, self.landing, keep_checks, a
-        )
-        return self._finish(r, buf, ids, a)
 
     def _finish(self, r: Any, buf: np.ndarray, ids: np.ndarray, a: Any) -> Blend:
         """Return the Blend of a finished layer loop: last row's logits, a copy of the KV."""

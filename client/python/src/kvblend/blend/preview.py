@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from . import host
+from . import metrics as _metrics
 
 #: The first layer A sums (layers 0 and 1 attend broadly; eval/qsel.py's PREVIEW_FROM).
 PREVIEW_FROM = 2
@@ -379,7 +380,7 @@ def node_selection(
     """
     rows = np.flatnonzero(cached)
     view = last = None
-    if metric == "anchored":
+    if _metrics.METRICS[metric].preview == "anchored":
         view, last = anchors(chunk_spans), critical_layer(ops.num_layers)
     a = question_attention(
         ops, kv, rows, question, positions, ready=ready, view=view, last=last, agree=agree

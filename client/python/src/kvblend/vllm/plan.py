@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..blend import metrics as _metrics
 from ..client import scoped_chunk_hash
 
 #: Most segments one request may name (a bound on the work a request can ask for).
@@ -341,22 +342,14 @@ class BlendLoad:
 #: The connector's default (docs/EVAL.md, "The default, from bench_rag"): the anchored
 #: metric at r = 0.15. Settings that give check layers without a metric keep the value
 #: metric (:func:`blend_settings`).
-DEFAULT_CONFIG = BlendConfig((), (0.15,), "anchored")
-#: The selection metrics (docs/fuse.md): HKVD on V or K, question-aware HKVD
-#: ("attention"), or the question's attention alone with no check layer: its attention
-#: summed over layers ("question"), or at one layer over anchor tokens ("anchored").
-METRICS = ("value", "key", "attention", "question", "anchored")
+DEFAULT_CONFIG = BlendConfig((), _metrics.METRICS[_metrics.DEFAULT].ratios, _metrics.DEFAULT)
+#: The selection metrics (:mod:`kvblend.blend.metrics`, docs/fuse.md).
+METRICS = _metrics.NAMES
 #: The metrics whose selection the node makes itself from its preview, with no check layer.
-NODE_SELECTS = ("question", "anchored")
+NODE_SELECTS = _metrics.NODE_SELECTS
 #: Each metric's check layers and ratios when the settings name the metric but not them
 #: and the base settings are of the other kind (check layers or none).
-METRIC_DEFAULTS = {
-    "value": ((1,), (0.15,)),
-    "key": ((1,), (0.15,)),
-    "attention": ((1,), (0.15,)),
-    "question": ((), (0.15,)),
-    "anchored": ((), (0.15,)),
-}
+METRIC_DEFAULTS = {n: (m.checks, m.ratios) for n, m in _metrics.METRICS.items()}
 
 
 def blend_settings(raw: Any, num_layers: int, base: BlendConfig, where: str) -> BlendConfig:
@@ -371,9 +364,7 @@ def blend_settings(raw: Any, num_layers: int, base: BlendConfig, where: str) -> 
         # settings that name them and no metric mean what they meant before the default
         # became a metric without check layers
         base = BlendConfig(*METRIC_DEFAULTS["value"], "value")
-    metric = raw.get("metric", base.metric)
-    if metric not in METRICS:
-        raise ValueError(f"{where}.metric {metric!r}: {', '.join(map(repr, METRICS))}")
+    metric = _metrics.check_name(raw.get("metric", base.metric), f"{where}.metric")
     if (metric in NODE_SELECTS) != (base.metric in NODE_SELECTS):
         base = BlendConfig(*METRIC_DEFAULTS[metric], metric)
     checks = raw.get("check_layers", base.check_layers)
