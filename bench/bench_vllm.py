@@ -25,7 +25,7 @@ blend (each of --metrics in turn): requests per second, and TTFT p50/p90 over th
 requests (the blends of the requests vLLM schedules in one step run in one pass over the
 layers). The daemon is
 started with shm_max above VLLM_CPU_KVCACHE_SPACE, so that vLLM's cache lies in a
-kvblend region and reuse loads are landed by the daemon (docs/vllm.md). Per layer: the
+kvblend region and reuse loads are landed by the daemon (docs/vllm-reference.md). Per layer: the
 connector's load time (its log line "loaded N tokens ... in X s": for a landed load the
 time it held the engine, opening the session, the per-layer waits and the close (the
 close since 2026-12-02); for a copied

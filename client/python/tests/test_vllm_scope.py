@@ -1,7 +1,7 @@
 """kvblend.vllm.plan.request_scope: a LoRA adapter is keyed by its content (no engine).
 
-A request's chunks are hashed within its scope (docs/vllm.md, "Keys: adapter and cache
-salt"). The adapter's part is a digest of the files vLLM loads it from, so two adapters
+A request's chunks are hashed within its scope (docs/vllm-reference.md, "Keys: adapter
+and cache salt"). The adapter's part is a digest of the files vLLM loads it from, so two adapters
 under the same name and id but with other weights never share KV, the same adapter finds
 its KV wherever it was loaded from, and an adapter retrained in place gets a new scope.
 Importing kvblend.vllm.plan imports neither torch nor vLLM.

@@ -15,7 +15,7 @@ q_norm``/``k_norm``, ``self_attn.rotary_emb``, ``self_attn.o_proj``,
 in prompt order, the loop :mod:`kvblend.blend.loop` shares with :mod:`kvblend.hf`, and
 returns the fused KV.
 
-The connector's side (docs/vllm.md, "CacheBlend"): the blend settings are read by
+The connector's side (docs/vllm-reference.md, "CacheBlend"): the blend settings are read by
 :mod:`kvblend.vllm.config`, the scheduler's claim (the context up to the end of the last
 stored chunk found) is the planner's (:mod:`kvblend.vllm.plan`); :func:`worker_model` and
 :func:`load_blends` are the worker's (blend a step's requests in one pass, then write

@@ -4,7 +4,7 @@
 start (the daemon's endpoint, the model's name and exact description, the chunk
 separator, given as ids or as text tokenized here, the blend settings) and refuses, with
 :class:`Refused` naming the reason, an engine whose KV kvblend cannot describe exactly or
-serve safely (docs/vllm.md, "What is supported"). Imports torch and vLLM.
+serve safely (docs/vllm-reference.md, "The model"). Imports torch and vLLM.
 """
 
 from __future__ import annotations
@@ -367,8 +367,8 @@ def connector_config(vllm_config: VllmConfig) -> ConnectorConfig:
         raise refuse(f"kv_connector_extra_config: {e}") from None
     tp = vllm_config.parallel_config.tensor_parallel_size
     if tp > 1 and blend is not None and blend.metric == "attention":
-        # the ranks select together by sums over their heads (docs/vllm.md, "Tensor
-        # parallelism"); the attention metric weighs each head's deviation by its own A
+        # the ranks select together by sums over their heads (docs/vllm-reference.md,
+        # "Tensor parallelism"); the attention metric weighs each head's deviation by its own A
         raise refuse(
             f"blending under tensor parallelism ({tp} ranks) takes the value, key, question "
             "or anchored metric (the ranks sum their heads' deviations or attention); "

@@ -212,7 +212,7 @@ class KvblendConnector(KVConnectorBase_V1):
         for any synchronous load), hold back other connectors' asynchronous loads queued
         behind it (MultiConnector), and cost a daemon lookup each step the batch stays
         full. The base's default (a P/D ``do_remote_prefill`` flag) is not kvblend's
-        either. Loads started early need asynchronous loads first (docs/vllm.md).
+        either. Loads started early need asynchronous loads first (docs/vllm-reference.md, "Not built yet").
         """
         return False
 

@@ -1,6 +1,6 @@
 """Chunks stored from vLLM itself: documents prefilled alone, their KV kept by kvblendd.
 
-What a request's ``"chunk"`` segments then refer to (docs/vllm.md, "Storing chunks").
+What a request's ``"chunk"`` segments then refer to (docs/vllm-reference.md, "Request parameters").
 :func:`wait_for_stores` waits until kvblendd holds what a finished request stores (a
 client of vLLM's OpenAI server can call it: no torch or vLLM import).
 """

@@ -12,7 +12,7 @@ layer stride, both viewed by vLLM per layer as ``[num_blocks, kv_heads, block_si
   order ``KVCacheLayout`` picks (``vllm/v1/kv_cache_layout.py``: LBNHC "NHD", the
   default, or LBHNC "HND", or a block-outermost order); the view's strides say which, and
   this module reads them rather than assuming one. Its operations are device-agnostic
-  torch ops. What has run where: docs/vllm.md ("GPUs").
+  torch ops. What has run where: docs/vllm-reference.md ("GPUs: what exists").
 
 A request's token at prompt position p sits in block ``block_ids[p // block_size]``,
 slot ``p % block_size``.

@@ -27,7 +27,7 @@ miss is off, with the reason logged.
 With ``store_idle_ms`` > 0 (default 0), requests come first: each layer waits until the
 runner has computed nothing for that long (the engine has no step to run), or for
 :data:`kvblend.vllm.plugin.PATIENCE_S` at most (:class:`kvblend.vllm.plugin.BetweenSteps`).
-Measured (docs/vllm.md): first-sight requests barely faster, and far fewer chunks found,
+Measured (docs/benchmarks-history.md): first-sight requests barely faster, and far fewer chunks found,
 since the stores lag: so off by default.
 """
 

@@ -13,7 +13,7 @@ Why there: every model runner (CPU, GPU) loads its model through
 module at each call, whatever loader class the load format picks. It holds as long as
 that stays so (vLLM 0.32 to 0.34; :data:`SUPPORTED_VLLM`); where it does not, the wrapper is not
 installed, :func:`loaded_model` raises :class:`ModelUnreachable` with the reason, and the
-connector refuses to blend (docs/vllm.md).
+connector refuses to blend (docs/vllm-reference.md, "Getting at the model").
 
 The second hook, :func:`lock_runner_steps`, is installed by the connector's worker side when
 it stores on a miss: vLLM's model runner then holds :data:`STEPS` while it computes a step,
