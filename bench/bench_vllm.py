@@ -71,7 +71,8 @@ BLENDED = re.compile(r"kvblend: blend of (\d+) tokens \((\d+) recomputed after l
                      r"pass ([0-9.]+) s (?:for \d+ requests )?\(daemon: session [0-9.]+ ms, "
                      r"load ([0-9.]+) ms, landing ([0-9.]+) ms, compute ([0-9.]+) ms\), "
                      r"cache write ([0-9.]+) s(?:; metric (\w+), preview ([0-9.]+) ms"
-                     r"(?: \(([0-9.]+) ms of it waiting)?)?")
+                     r"(?: \(([0-9.]+) ms of it waiting)?)?"
+                     r"(?:[^\n]*?; pass phases ms: ((?:[a-z]+ [0-9.]+ ?)*))?")
 
 
 def start_daemon(build):
@@ -161,9 +162,12 @@ def run(args, ep, out, log_path):
         logged = [b for b in BLENDED.findall(text)[blends_before:] if int(b[0]) == pos]
         by_metric = {m: [b for b in logged if b[7] == m][1:] for m in args.metrics}
         blends = by_metric[args.metrics[0]]
-        direct = []
+        direct, lookups = [], []
         with kvblend.Client(ep, timeout_ms=10000) as c:
             for _ in range(args.repeats):
+                t = time.monotonic()
+                c.lookup(MODEL_NAME, hashes)  # the scheduler's one lookup of the request
+                lookups.append(time.monotonic() - t)
                 t = time.monotonic()
                 for h, s in zip(hashes, segs):
                     c.get_rerotated(MODEL_NAME, h, pos=s[0])
@@ -178,6 +182,7 @@ def run(args, ep, out, log_path):
             "landed_loads": sum(x[3] == "landed" for x in mine),
             "daemon_land_median_s": statistics.median(land_s) if land_s else None,
             "get_rerotated_median_s": statistics.median(direct),
+            "lookup_median_s": statistics.median(lookups),
             "question_alone_median_s": statistics.median(times["question"]),
             "connector_load_s": load_s, "loadavg": os.getloadavg(),
             "layers": layers, "same_first_token": first["plain"] == first["reuse"],
@@ -194,6 +199,9 @@ def run(args, ep, out, log_path):
                 "preview_median_ms": statistics.median(float(b[8]) for b in bs) if bs else None,
                 "preview_wait_median_ms": statistics.median(float(b[9] or 0) for b in bs)
                 if bs else None,
+                "cache_write_median_s": statistics.median(float(b[6]) for b in bs)
+                if bs else None,
+                "phases_median_ms": phase_medians([b[10] for b in bs]),
                 "same_first_token": first["plain"] == first[f"blend-{m}"],
                 "s": [round(x, 3) for x in ts]}
         times["blend"], first["blend"] = times[f"blend-{args.metrics[0]}"], first[
@@ -217,6 +225,45 @@ def run(args, ep, out, log_path):
         if size == args.concurrent_size and args.concurrent:
             rows.append(concurrent(llm, docs, segs, pos, tok, args, out))
     return rows
+
+
+def phase_medians(logged):
+    """Each pass phase's median over the logged blends ("pass phases ms: qkv 1.0 ...")."""
+    per = {}
+    for text in logged:
+        words = (text or "").split()
+        for name, v in zip(words[::2], words[1::2]):
+            per.setdefault(name, []).append(float(v))
+    return {k: statistics.median(v) for k, v in per.items()}
+
+
+def profile(rows, out):
+    """Where a request's TTFT goes, per prompt size: reuse and each blend metric."""
+    order = ("wait", "embed", "qkv", "rows", "check", "gather", "attention", "mlp", "attend")
+    out("")
+    out("| prompt | mode | TTFT | lookup | connector load | preview (waiting) | "
+        + " | ".join(f"pass: {k}" for k in order) + " | cache write | rest of the step |")
+    out("|---|---|---|---|---|---|" + "---|" * len(order) + "---|---|")
+    for r in rows:
+        lk = r["lookup_median_s"] * 1000
+        cl = (r["connector_load_median_s"] or 0) * 1000
+        out(f"| {r['tokens']} | reuse | {r['reuse_median_s'] * 1000:.0f} | {lk:.1f} | {cl:.0f} | - | "
+            + " | ".join("-" for _ in order)
+            + f" | - | {r['reuse_median_s'] * 1000 - lk - cl:.0f} |")
+        for m, x in r.get("metrics", {}).items():
+            ph = x.get("phases_median_ms") or {}
+            pv = x["preview_median_ms"] or 0.0
+            pw = x["preview_wait_median_ms"] or 0.0
+            cw = (x["cache_write_median_s"] or 0) * 1000
+            pas = (x["pass_median_s"] or 0) * 1000
+            rest = x["median_s"] * 1000 - lk - pas - cw
+            out(f"| {r['tokens']} | {m} r={x['ratio']:g} | {x['median_s'] * 1000:.0f} | {lk:.1f} "
+                f"| - | {pv:.0f} ({pw:.0f}) | "
+                + " | ".join(f"{ph[k]:.0f}" if k in ph else "-" for k in order)
+                + f" | {cw:.0f} | {rest:.0f} |")
+    out("(ms, medians; the pass's phases add up to the pass (with the preview for the node "
+        "metrics); rest of the step: TTFT less lookup, load or pass, and cache write: "
+        "vLLM's own prefill of the fresh tokens and its step)")
 
 
 def concurrent(llm, docs, segs, pos, tok, args, out):
@@ -399,6 +446,7 @@ def main():
     try:
         rows = run(args, ep, out, log_path)
         table(rows, out)
+        profile([r for r in rows if "concurrent" not in r], out)
     except Exception as e:  # report with the engine log's tail, then fail
         out(f"bench_vllm: {type(e).__name__}: {e}")
         out("".join(Path(log_path).read_text(errors="replace").splitlines(True)[-40:]))

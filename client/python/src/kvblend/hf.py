@@ -425,6 +425,7 @@ class Blender:
         if p.recompute is not None:
             r.selections.append(p.recompute)
         out = self._finish(r, buf, ids, p.attention)
+        stats["phases_ms"] = {k: v * 1000 for k, v in r.phases.items()}  # the pass's
         out.stats, out.session = stats, self.session_kind
         out.seconds = time.perf_counter() - t0
         return out

@@ -10,6 +10,7 @@ at check layers, the merge). Imports torch; ``import kvblend`` does not import i
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -54,6 +55,31 @@ class LoopResult:
     selections: list = field(default_factory=list)
     checked: dict = field(default_factory=dict)
     sent: dict = field(default_factory=dict)
+    #: seconds per phase of the pass (:data:`PHASES`), the batch's together (one dict
+    #: shared by its prompts)
+    phases: dict = field(default_factory=dict)
+
+
+#: The pass's phases (:attr:`LoopResult.phases`): the embedding; per layer the rows'
+#: norm, Q/K/V projections and RoPE (``qkv``); the waits for the daemon's landed layers
+#: (``wait``); the rows' own K and V into the buffer and the metric's plane (``rows``);
+#: the check layers' round trips to the daemon (``check``); the stored and own rows
+#: read for the attention (``gather``); the attention (``attention``); the output
+#: projection and the MLP (``mlp``; with ``attention`` as one ``attend`` for ops that do
+#: not split them).
+PHASES = ("embed", "qkv", "wait", "rows", "check", "gather", "attention", "mlp", "attend")
+
+
+class _Clock:
+    """Adds the time since the last mark to a phase of ``phases``."""
+
+    def __init__(self, phases: dict) -> None:
+        self.phases, self.t = phases, time.perf_counter()
+
+    def mark(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.phases[phase] = self.phases.get(phase, 0.0) + now - self.t
+        self.t = now
 
 
 @dataclass
@@ -190,6 +216,8 @@ def blend_batch(
     dev = ops.device
     first = checks[0] if checks else 0  # the first layer call of a classic session
     m = 1 if metric == "value" else 0
+    phases: dict = {}
+    clock = _Clock(phases)
     outs, kvs, hs = [], [], []
     for p in prompts:
         if p.recompute is not None:
@@ -200,13 +228,14 @@ def blend_batch(
             raise ValueError("a prompt without a session needs its own rows")
         else:
             rows = np.arange(p.ids.size) if checks else np.flatnonzero(~p.cached)
-        outs.append(LoopResult(h=None, rows=rows))
+        outs.append(LoopResult(h=None, rows=rows, phases=phases))
         kvs.append(host.tensor(p.buf, ops.kv_dtype))  # shares the buffer (the region)
         if p.attention is not None and p.recompute is None:
             p.sess.attention(p.attention)  # goes with the first check layer's call
     ops.begin(max(p.ids.size for p in prompts))
     ids = [p.ids[o.rows] for p, o in zip(prompts, outs)]
     hs = _split(ops.embed(torch.as_tensor(np.concatenate(ids), device=dev)), outs)
+    clock.mark("embed")
     # the rows as tensors, made again only when a check layer changes them (the attention
     # may keep per-rows state, such as vLLM's request metadata, while they stay the same)
     rows_t = [torch.as_tensor(o.rows, device=dev) for o in outs]
@@ -216,7 +245,8 @@ def blend_batch(
     # collective: every rank runs the same collectives in the same order, a failure is
     # carried to the next one (the waits' agreement, a check's, the attention's), and
     # there every rank raises together, before the layer's reducing projections
-    split = ranks is not None and hasattr(ops, "attention_of") and hasattr(ops, "finish")
+    # (ops that split the attention from the rest also say how long each part takes)
+    split = hasattr(ops, "attention_of") and hasattr(ops, "finish")
     for li in range(ops.num_layers):
         err: BaseException | None = None
         try:
@@ -226,6 +256,7 @@ def blend_batch(
             if ranks is None:
                 raise
             err = e
+        clock.mark("qkv")
         k_all, v_all = [], []
         for p in prompts:
             if landing and p.sess is not None:
@@ -239,18 +270,21 @@ def blend_batch(
                     if ranks is None:
                         raise
                     err = err or e
+        clock.mark("wait")
         agreed(ranks, err)
         for i, (p, o) in enumerate(zip(prompts, outs)):
             kv, new, plane = kvs[i], None, None
             try:
                 kc, vc = ks[i].to("cpu", ops.kv_dtype), vs[i].to("cpu", ops.kv_dtype)
                 kv[li, 0, rows_c[i]], kv[li, 1, rows_c[i]] = kc, vc
-                plane = host.array(torch.stack((kc, vc), 1) if metric == "attention"
-                                   else (kc, vc)[m])
+                if li in checks:  # what the daemon's check reads
+                    plane = host.array(torch.stack((kc, vc), 1) if metric == "attention"
+                                       else (kc, vc)[m])
             except Exception as e:  # noqa: BLE001 - agreed on, then raised
                 if ranks is None:
                     raise
                 err = err or e
+            clock.mark("rows")
             if landing and li in checks and ranks is not None:
                 new = _ranks_check(p.sess, li, plane, ranks, err, o.rows.size)
             elif landing and li in checks:
@@ -263,6 +297,7 @@ def blend_batch(
                              v_out=p.buf[li, 1])
                 if li in checks:
                     new = p.sess.rows().astype(np.int64)
+            clock.mark("check")
             try:  # under TP a failure here goes to the next agreement, as above
                 if err is not None:
                     continue  # every rank raises at that agreement
@@ -280,25 +315,27 @@ def blend_batch(
                 if ranks is None:
                     raise
                 err = err or e
+            clock.mark("gather")
         if split:
             # the attention is the rank's own work; the output projection and the MLP
-            # reduce across ranks: agree in between
+            # reduce across ranks: agree in between (without ranks, a failure raises here)
             a = None
             try:
                 if err is None:
                     a = ops.attention_of(li, qs, k_all, v_all, rows_t)
             except Exception as e:  # noqa: BLE001 - agreed on, then raised
+                if ranks is None:
+                    raise
                 err = e
             agreed(ranks, err)
+            clock.mark("attention")
             hs = _split(ops.finish(li, _cat(hs), a), outs)
-        elif ranks is not None:
+            clock.mark("mlp")
+        else:
             agreed(ranks, err)
             hs = many(li, hs, qs, k_all, v_all, rows_t) if many is not None else [
                 ops.attend(li, *x) for x in zip(hs, qs, k_all, v_all, rows_t)]
-        elif many is not None:
-            hs = many(li, hs, qs, k_all, v_all, rows_t)
-        else:
-            hs = [ops.attend(li, *x) for x in zip(hs, qs, k_all, v_all, rows_t)]
+            clock.mark("attend")
     for o, h in zip(outs, hs):
         o.h = h
     return outs

@@ -243,6 +243,7 @@ def _blend_batch(
             ):
                 if p.recompute is not None:
                     r.selections.append(p.recompute)
+                st["phases_ms"] = {k: v * 1000 for k, v in r.phases.items()}  # the batch's
                 if p.attention is not None:
                     st.update(
                         attention=p.attention,
@@ -396,7 +397,7 @@ def load_blends(
                 "kvblend: blend of %d tokens (%d recomputed after layer %d): pass %.3f s for "
                 "%d requests (daemon: session %.0f ms, load %.1f ms, landing %.1f ms, compute "
                 "%.2f ms), cache write %.3f s; metric %s, preview %.0f ms (%.0f ms of it "
-                "waiting for landed layers)",
+                "waiting for landed layers); pass phases ms: %s",
                 len(ld.ids),
                 sels[-1].size if sels else ld.fresh_tokens(),
                 checks[-1] if checks else -1,
@@ -410,6 +411,7 @@ def load_blends(
                 metric,
                 stats.get("preview_ms", 0.0),
                 stats.get("preview_wait_ms", 0.0),
+                " ".join(f"{k} {v:.1f}" for k, v in stats.get("phases_ms", {}).items()),
             )
             out[i] = (sels, stats)
     return out
