@@ -77,8 +77,9 @@ usage: bench_rag.py [--queries 200] [--docs 100] [--first-sight-every 10] [--rat
        [--zipf 1.0] [--seed 0]
        [--configs plain,prefix,reuse,blend-value,blend-attention,blend-anchored]
        (on request: blend-question, and blend-value-idle: blend-value with store_idle_ms
-       20, each layer of a store after 20 ms of idle engine; and blend-METRIC@R, the
-       metric at the connector's ratio R, e.g. blend-anchored@0.25)
+       20, each layer of a store after 20 ms of idle engine; blend-METRIC@R, the
+       metric at the connector's ratio R, e.g. blend-anchored@0.25; and blend-budget@MS,
+       the default metric with a latency budget of MS ms instead of a ratio)
        [--out FILE.json] [--plot docs/bench_rag.svg] [--model DIR]
        bench_rag.py --from-json FILE.json [--plot FILE.svg]   (the table of a saved run)
 (with the engine venv's python from .ci/engine-env, which tests/engine/run.sh sets up:
@@ -137,12 +138,19 @@ CONFIGS = {
 }
 #: blend-METRIC@R: CacheBlend by that metric at the connector's ratio R (e.g. blend-anchored@0.25)
 CUSTOM = re.compile(r"blend-(value|key|attention|question|anchored)@(0(?:\.\d+)?|1(?:\.0*)?)")
+#: blend-budget@MS: the default metric with a latency budget of MS milliseconds for the blend
+#: pass instead of a ratio (the connector picks each request's ratio from its cost model)
+BUDGET = re.compile(r"blend-budget@(\d+(?:\.\d+)?)")
 
 
 def config_of(name):
-    """A configuration by name (CONFIGS, or blend-METRIC@R); None for an unknown name."""
+    """A configuration by name (CONFIGS, blend-METRIC@R or blend-budget@MS); None for an
+    unknown name."""
     if name in CONFIGS:
         return CONFIGS[name]
+    b = BUDGET.fullmatch(name)
+    if b is not None:
+        return {"prefix_caching": True, "kv": {"blend": {"budget_ms": float(b.group(1))}}}
     m = CUSTOM.fullmatch(name)
     if m is None:
         return None
@@ -588,7 +596,8 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
                     help=f"comma-separated, plain first, from {', '.join(CONFIGS)}, "
-                    "or blend-METRIC@R (a metric at the connector's ratio R, 0 to 1)")
+                    "or blend-METRIC@R (a metric at the connector's ratio R, 0 to 1), or "
+                    "blend-budget@MS (a latency budget of MS ms for the blend pass)")
     ap.add_argument("--out", help="write every figure and request record as JSON here")
     ap.add_argument("--plot", help="write an SVG plot here (e.g. docs/bench_rag.svg)")
     ap.add_argument("--model", default=os.environ.get("KVBLEND_ENGINE_MODEL"))

@@ -324,7 +324,9 @@ SYSTEM = ("<|im_start|>system\nYou are a careful assistant for a library of shor
 
 def prefix_caching(llm, ids, chunks):
     """(e) prefix caching on: an exact system prompt is a prefix-cache hit, a blend after it
-    equals the same blend with nothing cached, and blended blocks are never handed out.
+    equals the same blend with nothing cached (the value metric's, whose pass computes the
+    hit rows, and the anchored metric's, whose pass reads them from vLLM's cache), and
+    blended blocks are never handed out.
 
     The prompt: a system prompt of more than one block, then the stored chunks with the
     fresh text between them and the question. (1) blended with nothing cached (after
@@ -367,19 +369,26 @@ def prefix_caching(llm, ids, chunks):
     def gap(a, b):
         return max(abs(a[t] - b[t]) for t in a) if set(a) == set(b) else float("inf")
 
-    llm.reset_prefix_cache()
-    ref_tokens, ref_lp, cached = run({"segments": segs})
-    if cached:
-        fail(f"(e) {cached} prefix-cache hits after reset_prefix_cache")
-    tokens, lp, cached = run({"segments": segs})
-    if cached != exact:
-        fail(f"(e) blend after the system prompt: {cached} prefix-cache hits, expected "
-             f"the system prompt's {exact} (full blocks)")
-    if tokens != ref_tokens or gap(lp, ref_lp) > 1e-3:
-        fail(f"(e) the blend after a prefix-cache hit differs from the one without: tokens "
-             f"{tokens} vs {ref_tokens}, first logprobs {gap(lp, ref_lp):.2e} apart")
-    print(f"  (e) blend after {cached} prefix-cache hits (the system prompt): greedy tokens "
-          f"equal to the blend with nothing cached, first logprobs {gap(lp, ref_lp):.1e} apart")
+    # the engine's value metric (check layers: the pass computes the hit rows, which the
+    # daemon's selection reads) and the anchored metric (no check layer: the pass reads
+    # the hit rows from vLLM's cache and computes none of them)
+    for name, blend in (("value", {}), ("anchored", {"blend": {"metric": "anchored",
+                                                                "ratios": list(RATIOS)}})):
+        llm.reset_prefix_cache()
+        ref_tokens, ref_lp, cached = run({"segments": segs, **blend})
+        if cached:
+            fail(f"(e) {name}: {cached} prefix-cache hits after reset_prefix_cache")
+        tokens, lp, cached = run({"segments": segs, **blend})
+        if cached != exact:
+            fail(f"(e) {name}: blend after the system prompt: {cached} prefix-cache hits, "
+                 f"expected the system prompt's {exact} (full blocks)")
+        if tokens != ref_tokens or gap(lp, ref_lp) > 1e-3:
+            fail(f"(e) {name}: the blend after a prefix-cache hit differs from the one "
+                 f"without: tokens {tokens} vs {ref_tokens}, first logprobs "
+                 f"{gap(lp, ref_lp):.2e} apart")
+        print(f"  (e) {name} metric: blend after {cached} prefix-cache hits (the system "
+              f"prompt): greedy tokens equal to the blend with nothing cached, first "
+              f"logprobs {gap(lp, ref_lp):.1e} apart")
     plain_tokens, plain_lp, cached = run({"segments": []})
     # (after it: a full prefill caches exact blocks the plain request would then hit)
     full_tokens, full_lp, _ = run({"segments": []}, skip_reading_prefix_cache=True)

@@ -46,6 +46,11 @@ class Job:
     ratios: Sequence[float]
     question: Sequence[int] = ()
     question_pos: Sequence[int] | None = None
+    #: The first ``given`` positions' KV are the engine's (its prefix-cache hits), read by
+    #: ``fill`` instead of computed where the metric has no check layer
+    #: (:class:`kvblend.blend.loop.Prompt`).
+    given: int = 0
+    fill: Callable[[int, np.ndarray], None] | None = None
 
 
 def is_fresh(seg: tuple) -> bool:
@@ -138,7 +143,7 @@ def open_job(
             landed = land_chunks(client, model, job.segments, buf, False)
         b.sessions.append(sess)
         b.landed.append(landed)
-        b.prompts.append(Prompt(sess, buf, ids, cached))
+        b.prompts.append(Prompt(sess, buf, ids, cached, given=job.given, fill=job.fill))
         b.pending.append((spans, q, qpos, float(job.ratios[-1]), begin))
         b.pre_wait.append(0.0)  # both set by node_previews
     else:
@@ -162,7 +167,7 @@ def open_job(
             sess = client.fuse_open(model, job.segments, checks, ratios, metric)
         b.sessions.append(sess)
         b.landed.append(None)
-        b.prompts.append(Prompt(sess, buf, ids, cached, a))
+        b.prompts.append(Prompt(sess, buf, ids, cached, a, given=job.given, fill=job.fill))
     b.previews.append(time.perf_counter() - t_pre)
 
 

@@ -63,11 +63,13 @@ class LoopResult:
 #: The pass's phases (:attr:`LoopResult.phases`): the embedding; per layer the rows'
 #: norm, Q/K/V projections and RoPE (``qkv``); the waits for the daemon's landed layers
 #: (``wait``); the rows' own K and V into the buffer and the metric's plane (``rows``);
-#: the check layers' round trips to the daemon (``check``); the stored and own rows
+#: the engine's prefix-cache rows read (``given``); the check layers' round trips to the
+#: daemon (``check``); the stored and own rows
 #: read for the attention (``gather``); the attention (``attention``); the output
 #: projection and the MLP (``mlp``; with ``attention`` as one ``attend`` for ops that do
 #: not split them).
-PHASES = ("embed", "qkv", "wait", "rows", "check", "gather", "attention", "mlp", "attend")
+PHASES = ("embed", "qkv", "wait", "given", "rows", "check", "gather", "attention", "mlp",
+          "attend")
 
 
 class _Clock:
@@ -99,6 +101,13 @@ class Prompt:
     cached: np.ndarray
     attention: np.ndarray | None = None
     recompute: np.ndarray | None = None
+    #: The first ``given`` positions' KV come from the engine's cache (its prefix-cache
+    #: hits): with no check layer the pass computes none of them, and ``fill(layer, out)``
+    #: writes that layer's K and V of positions 0 .. given - 1 into ``out`` [2, given,
+    #: kv_heads, head_dim] (the buffer's rows) once the daemon has landed the layer. With
+    #: check layers (the daemon's selection reads every row) they are computed as before.
+    given: int = 0
+    fill: Callable[[int, np.ndarray], None] | None = None
 
 
 def blend_layers(
@@ -228,6 +237,13 @@ def blend_batch(
             raise ValueError("a prompt without a session needs its own rows")
         else:
             rows = np.arange(p.ids.size) if checks else np.flatnonzero(~p.cached)
+        if p.given and p.fill is not None and not checks:
+            # the engine's own rows are read, not computed; one row at least (the last)
+            rows = rows[rows >= p.given]
+            if rows.size == 0:
+                rows = np.array([p.ids.size - 1], np.int64)
+            if p.recompute is not None:
+                p.recompute = rows
         outs.append(LoopResult(h=None, rows=rows, phases=phases))
         kvs.append(host.tensor(p.buf, ops.kv_dtype))  # shares the buffer (the region)
         if p.attention is not None and p.recompute is None:
@@ -271,6 +287,15 @@ def blend_batch(
                         raise
                     err = err or e
         clock.mark("wait")
+        for p in prompts:  # (after the landing: the daemon's rows of the prefix are replaced)
+            if p.given and p.fill is not None and not checks and err is None:
+                try:
+                    p.fill(li, p.buf[li, :, : p.given])
+                except Exception as e:  # noqa: BLE001 - agreed on, then raised
+                    if ranks is None:
+                        raise
+                    err = e
+        clock.mark("given")
         agreed(ranks, err)
         for i, (p, o) in enumerate(zip(prompts, outs)):
             kv, new, plane = kvs[i], None, None

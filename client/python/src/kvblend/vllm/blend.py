@@ -326,6 +326,13 @@ def _shifted(
 
 
 
+def _gather(
+    cache: PagedCache, block_ids: Sequence[int], n: int, layer: int, out: np.ndarray
+) -> None:
+    """A layer's K and V of a request's first n positions, read from vLLM's cache."""
+    cache.gather(layer, block_ids, n, out)
+
+
 def worker_model(vllm_config: Any) -> Any:
     """Return the model vLLM runs in this worker, checked for the blend pass.
 
@@ -355,7 +362,8 @@ def load_blends(
     same check layers and metric run in one pass (:func:`blend_prompts`). ``cache`` holds
     the worker's views of vLLM's cache (:class:`kvblend.vllm.layout.PagedCache`); a
     request's rows go to prompt positions ``load.skip`` .. ``len(load.ids) - 1`` through
-    its block ids (vLLM holds the ones before). Returns each request's selections and
+    its block ids (vLLM holds the ones before: its prefix-cache hits, which the pass reads
+    from its cache instead of computing them, where the metric has no check layer). Returns each request's selections and
     the daemon's statistics, in order. ``wait_s``: the longest wait for one landed layer.
     Any failure fails the call (the caller may run the requests one at a time). ``ranks``:
     under tensor parallelism every rank calls it with the same loads, and each writes its
@@ -383,6 +391,9 @@ def load_blends(
                 loads[i][0].segments,
                 loads[i][0].config.ratios,
                 loads[i][0].question,
+                # vLLM's prefix-cache hits: read from its cache, not computed again
+                given=loads[i][0].skip,
+                fill=functools.partial(_gather, cache, loads[i][1], loads[i][0].skip),
             )
             for i in idx
         ]
