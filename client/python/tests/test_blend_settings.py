@@ -85,3 +85,30 @@ def test_predicted_computed_counts_the_node_selection():
     assert v.predicted_computed() == 40
     reuse = plan.BlendLoad(ids, segs, plan.BlendConfig((), (), "value"))
     assert reuse.predicted_computed() == 20
+
+
+def test_a_latency_budget_and_a_quality_floor():
+    got = settings({"budget_ms": 250, "min_ratio": 0.05})
+    assert (got.metric, got.budget_ms, got.min_ratio, got.ratios) == ("anchored", 250.0, 0.05,
+                                                                       (0.15,))
+    # a request's override keeps the connector's budget unless it names its own
+    assert settings({"ratios": [0.3]}, got).budget_ms == 250.0
+    assert settings({"budget_ms": 100}, got).budget_ms == 100.0
+    # switching to a metric with check layers drops the budget (it picks one node ratio)
+    assert settings({"metric": "value"}, got).budget_ms is None
+    for raw, msg in (({"metric": "value", "budget_ms": 100}, "node metric"),
+                     ({"budget_ms": 0}, "above 0"), ({"budget_ms": True}, "above 0"),
+                     ({"budget_ms": "fast"}, "above 0"), ({"min_ratio": 1.5}, r"in \[0, 1\]")):
+        with pytest.raises(ValueError, match=msg):
+            settings(raw)
+
+
+def test_prefix_hits_are_not_counted_as_computed_rows():
+    cfg = settings({})  # anchored, r = 0.15
+    # 10 fresh, a 100-token chunk, 20 fresh, a 70-token chunk; vLLM holds the first 64
+    load = plan.BlendLoad(list(range(200)), [(10, 0), (b"a" * 32, 10), (20, 110),
+                                             (b"b" * 32, 130)], cfg, skip=64)
+    assert load.computable() == (20, 46 + 70)
+    assert load.predicted_computed() == 20 + round(0.15 * 116)
+    value = plan.BlendLoad(load.ids, load.segments, settings({"check_layers": [1]}), skip=64)
+    assert value.computable() == (30, 170)  # check layers: every row through them

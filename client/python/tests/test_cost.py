@@ -200,3 +200,45 @@ def test_a_long_run_of_full_ratio_blends_keeps_the_last_fit():
     nn, nm, mm = m._fit[:3]
     assert nn * mm - nm * nm <= 0.01 * nn * mm  # the sums alone no longer determine it
     assert m.declined_loads == 0
+
+
+def fitted(a=1e-4, b=1e-3, prefill=2e-3):
+    """A model whose blend fit is seconds = a * context + b * computed, prefill ``prefill``
+    seconds a token (samples of two shapes determine both terms)."""
+    m, _ = model()
+    for n, c in ((1000, 100), (1000, 500), (2000, 300), (2000, 1000)):
+        m.note([(cost.BLEND, n, a * n + b * c, c, n)])
+    m.note([(cost.PREFILL, 512, 512 * prefill)] * cost.MIN_SAMPLES)
+    return m
+
+
+def test_a_latency_budget_picks_the_largest_ratio_that_fits():
+    m = fitted()
+    a, b = m.blend_coefficients()
+    assert abs(a - 1e-4) < 1e-9 and abs(b - 1e-3) < 1e-9
+    # 2000 tokens, 100 fresh, 1900 stored: 0.2 s + 1 ms a computed row
+    r, why = m.blend_ratio(2000, 2000, 100, 1900, 0.6, 0.0, 0.15)
+    assert why == "the latency budget"
+    assert abs(r - (0.4 / 1e-3 - 100) / 1900) < 1e-9  # 300 of the 1900 rows
+    assert abs(a * 2000 + b * (100 + r * 1900) - 0.6) < 1e-9
+    # a budget the context alone passes: nothing but the fresh rows; a generous one: all
+    assert m.blend_ratio(2000, 2000, 100, 1900, 0.1, 0.0, 0.15)[0] == 0.0
+    assert m.blend_ratio(10000, 2000, 100, 1900, 60.0, 0.0, 0.15)[0] == 1.0
+
+
+def test_a_budget_never_buys_more_than_the_prefill_it_replaces():
+    m = fitted(prefill=5e-4)  # prefill 2000 tokens: 1 s, under the 5 s budget
+    r, why = m.blend_ratio(2000, 2000, 100, 1900, 5.0, 0.0, 0.15)
+    assert why == "the prefill it replaces"
+    assert abs(0.2 + 1e-3 * (100 + r * 1900) - 1.0) < 1e-9
+    assert m.pays(cost.BLEND, 2000, 2000, 100 + int(r * 1900))[0]
+
+
+def test_the_quality_floor_and_the_ratio_before_a_fit():
+    m = fitted()
+    assert m.blend_ratio(2000, 2000, 100, 1900, 0.1, 0.25, 0.15) == (0.25, "the quality floor")
+    # (a floor that costs more than the prefill: pays() then declines the blend)
+    assert not fitted(prefill=1e-4).pays(cost.BLEND, 2000, 2000, 100 + int(0.9 * 1900))[0]
+    fresh_model, _ = model()
+    assert fresh_model.blend_ratio(2000, 2000, 100, 1900, 0.6, 0.0, 0.15)[0] == 0.15
+    assert fresh_model.blend_ratio(2000, 2000, 100, 1900, 0.6, 0.3, 0.15)[0] == 0.3

@@ -148,6 +148,42 @@ class CostModel:
         self._last_fit = (a, b)
         return a, b
 
+    def blend_ratio(
+        self,
+        tokens: int,
+        context: int,
+        fresh: int,
+        chunk: int,
+        budget_s: float,
+        floor: float,
+        default: float,
+    ) -> tuple[float, str]:
+        """The ratio of a blend asked for by a latency budget: ``(r, why)``.
+
+        The largest share r of the ``chunk`` stored chunk tokens the pass may recompute
+        whose predicted pass (``a * context + b * (fresh + r * chunk)``, the fit)
+        fits in ``budget_s`` and costs no more than the prefill of the ``tokens`` it
+        claims; at least ``floor`` (the quality floor: a blend that must recompute more
+        than the prefill costs is then declined by :meth:`pays`), at most 1. Before the fit
+        is determined, or without a prefill rate, ``default`` (the settings' ratio),
+        raised to ``floor``. ``why`` says which bound decided, for the log.
+        """
+        fit, prefill = self.blend_coefficients(), self.spt.get(PREFILL)
+        if fit is None or prefill is None or chunk == 0:
+            return max(default, floor), "the settings' ratio (no cost fit yet)"
+        a, b = fit
+        limit, why = budget_s, "the latency budget"
+        if prefill * tokens < limit:
+            limit, why = prefill * tokens, "the prefill it replaces"
+        if b <= 0:
+            r = 1.0 if a * context <= limit else 0.0
+        else:
+            r = ((limit - a * context) / b - fresh) / chunk
+        r = min(max(r, 0.0), 1.0)
+        if r < floor:
+            return floor, "the quality floor"
+        return r, why
+
     def pays(
         self, kind: str, tokens: int, context: int | None = None, computed: int | None = None
     ) -> tuple[bool, Decision, bool]:

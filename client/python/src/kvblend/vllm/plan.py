@@ -294,11 +294,20 @@ def claim(
 
 @dataclass(frozen=True)
 class BlendConfig:
-    """``kv_connector_extra_config["blend"]``: check layers, ratios and metric."""
+    """``kv_connector_extra_config["blend"]``: check layers, ratios and metric.
+
+    ``budget_ms``: a latency budget for the blend pass instead of a fixed ratio (node
+    metrics only): the scheduler picks the ratio from its cost model
+    (:meth:`kvblend.vllm.cost.CostModel.blend_ratio`), ``ratios`` being the one used
+    until the model has measured blends; ``min_ratio``: the quality floor, the smallest
+    ratio the budget may pick.
+    """
 
     check_layers: tuple[int, ...]
     ratios: tuple[float, ...]
     metric: str
+    budget_ms: float | None = None
+    min_ratio: float = 0.0
 
 
 @dataclass
@@ -316,27 +325,47 @@ class BlendLoad:
     segments: list[tuple]
     config: BlendConfig
     question: list[int] = field(default_factory=list)
-    #: Tokens vLLM already has (its prefix cache): the pass computes them as fresh
-    #: tokens but writes only the rows from here on (those blocks are the request's own).
+    #: Tokens vLLM already has (its prefix cache): the pass reads their KV from vLLM's
+    #: cache instead of computing them (with check layers, whose selection reads every
+    #: row, it computes them) and writes only the rows from here on.
     skip: int = 0
 
     def fresh_tokens(self) -> int:
         """Tokens of the context no stored chunk provides (the pass computes them all)."""
         return sum(int(ref) for ref, _ in self.segments if isinstance(ref, int))
 
+    def computable(self) -> tuple[int, int]:
+        """Return the (fresh, stored chunk) tokens of the context the pass may compute.
+
+        With no check layer the prefix-cache hits (before ``skip``) are read from vLLM's
+        cache, never computed, so only the tokens after them count; with check layers
+        (whose selection reads every row) all of them.
+        """
+        first = 0 if self.config.check_layers else self.skip
+        ends = [int(pos) for _, pos in self.segments[1:]] + [len(self.ids)]
+        fresh = chunk = 0
+        for (ref, pos), end in zip(self.segments, ends):
+            n = max(end - max(int(pos), first), 0)
+            if isinstance(ref, int):
+                fresh += n
+            else:
+                chunk += n
+        return fresh, chunk
+
     def predicted_computed(self) -> int:
         """Return the rows the pass will compute after its last check layer.
 
         The fresh tokens and the last ratio's share of the stored chunks' (a pass
-        without check layers recomputes only the fresh tokens, but for the question
-        metric's, which recomputes its share at every layer).
+        without check layers recomputes only the fresh tokens, but for the node metrics',
+        which recompute their share at every layer), of the tokens :meth:`computable`
+        counts.
         """
-        fresh = self.fresh_tokens()
+        fresh, chunk = self.computable()
         if not self.config.ratios or (
             not self.config.check_layers and self.config.metric not in NODE_SELECTS
         ):
             return fresh
-        return fresh + int(round(self.config.ratios[-1] * (len(self.ids) - fresh)))
+        return fresh + int(round(self.config.ratios[-1] * chunk))
 
 
 #: The connector's default (docs/EVAL.md, "The default, from bench_rag"): the anchored
@@ -356,7 +385,7 @@ def blend_settings(raw: Any, num_layers: int, base: BlendConfig, where: str) -> 
     """Check blend settings ``raw`` (a dict); keys it lacks keep ``base``'s values."""
     if not isinstance(raw, dict):
         raise ValueError(f"{where} must be a dict, got {type(raw).__name__}")
-    unknown = set(raw) - {"check_layers", "ratios", "metric"}
+    unknown = set(raw) - {"check_layers", "ratios", "metric", "budget_ms", "min_ratio"}
     if unknown:
         raise ValueError(f"{where}: unknown keys {sorted(map(str, unknown))}")
     if "metric" not in raw and "check_layers" in raw and base.metric in NODE_SELECTS:
@@ -392,7 +421,21 @@ def blend_settings(raw: Any, num_layers: int, base: BlendConfig, where: str) -> 
         raise ValueError(f"{where}.check_layers {list(checks)}: increasing, in 0..{num_layers - 1}")
     if any(not 0.0 <= r <= 1.0 for r in ratios) or list(ratios) != sorted(ratios, reverse=True):
         raise ValueError(f"{where}.ratios {list(ratios)}: in [0, 1], not increasing")
-    return BlendConfig(checks, ratios, metric)
+    budget = raw.get("budget_ms", base.budget_ms if metric == base.metric else None)
+    floor = raw.get("min_ratio", base.min_ratio if metric == base.metric else 0.0)
+    if budget is not None or floor:
+        if metric not in NODE_SELECTS:
+            raise ValueError(f"{where}: budget_ms and min_ratio choose the one ratio of a node "
+                             f"metric ({', '.join(NODE_SELECTS)}), not the {metric} metric's")
+        if budget is not None and (
+            isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0
+        ):
+            raise ValueError(f"{where}.budget_ms {budget!r}: a number of milliseconds above 0")
+        if isinstance(floor, bool) or not isinstance(floor, (int, float)) or not 0 <= floor <= 1:
+            raise ValueError(f"{where}.min_ratio {floor!r}: a number in [0, 1]")
+    return BlendConfig(
+        checks, ratios, metric, None if budget is None else float(budget), float(floor)
+    )
 
 
 def split_override(kv_transfer_params: Any) -> tuple[Any, Any]:

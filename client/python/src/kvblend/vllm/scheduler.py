@@ -10,6 +10,7 @@ the worker, or a store to gather once the prompt is prefilled.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import time
 from collections import OrderedDict, deque
@@ -225,11 +226,15 @@ class SchedulerSide:
             "stored": 0,
             "load_declined": declined,
         }
+        if p.blend is not None:  # the share of its chunk tokens the blend recomputes
+            self._said[request.request_id]["blend_ratio"] = p.blend.config.ratios[-1] if (
+                p.blend.config.ratios) else 0.0
         return p.tokens, False
 
     def _worth_loading(self, p: plan.Plan) -> bool:
         """Whether loading the plan's tokens costs less than computing them (logged per change)."""
         if p.blend is not None:  # judged by its own share of stored tokens
+            self._choose_ratio(p)
             computed = p.blend.predicted_computed()
             load, d, changed = self.cost.pays(cost.BLEND, p.tokens, len(p.blend.ids), computed)
             kind = cost.BLEND
@@ -265,6 +270,21 @@ class SchedulerSide:
                     kind, _us(d.load_spt), _us(d.prefill_spt), cost.PROBE_S,
                 )
         return load
+
+    def _choose_ratio(self, p: plan.Plan) -> None:
+        """A blend asked for by a latency budget (``budget_ms``) gets its ratio here, from
+        the cost model's fit (:meth:`kvblend.vllm.cost.CostModel.blend_ratio`)."""
+        cfg = p.blend.config
+        if cfg.budget_ms is None:
+            return
+        fresh, chunk = p.blend.computable()
+        r, why = self.cost.blend_ratio(
+            p.tokens, len(p.blend.ids), fresh, chunk, cfg.budget_ms / 1000, cfg.min_ratio,
+            cfg.ratios[-1],
+        )
+        p.blend.config = dataclasses.replace(cfg, ratios=(r,))
+        logger.debug("kvblend: a blend of %d tokens within %.0f ms: ratio %.3f (%s)",
+                     len(p.blend.ids), cfg.budget_ms, r, why)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Take the workers' load and prefill times of the last step, and kvblend off.
