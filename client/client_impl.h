@@ -151,6 +151,13 @@ void kvbc_call_quiet(kvb_client *c, struct call *k);
 /* Copy model into k's request: 0, or -EINVAL if it is empty or longer than KVB_NAME_MAX. */
 int kvbc_set_name(kvb_client *c, struct call *k, const char *model);
 
+/* ---- model.c: the model record ---- */
+
+/* The public model as the wire's (name and description) and back: the one place the
+ * public struct, whose layout is the ABI's, meets struct kvb_model_desc. */
+void kvbc_model_to_wire(const struct kvb_model *m, struct kvbp_model *w);
+void kvbc_model_from_wire(const struct kvbp_model *w, struct kvb_model *m);
+
 /* ---- bulk.c: the bulk connection ---- */
 
 /* The ciphers to offer besides AES-256-GCM (1 << KVBP_AEAD_*): those this CPU runs, or

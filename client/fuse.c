@@ -18,7 +18,6 @@
 
 #include "client/client_impl.h"
 #include "common/ckd.h"
-#include "common/model_fields.h"
 
 struct kvb_fuse {
 	uint64_t id;
@@ -273,9 +272,8 @@ static int session_model(kvb_client *c, const struct kvbp_reply *rep, const char
 
 	if (!w)
 		return kvb_model_get(c, name, m);
-	memset(m, 0, sizeof(*m));
+	kvbc_model_from_wire(w, m);
 	snprintf(m->name, sizeof(m->name), "%s", name);
-	KVB_MODEL_COPY(m, w);
 	if (!m->num_kv_heads || !m->head_dim || !kvb_dtype_size(m->dtype) ||
 	    ckd_mul(&row, (uint64_t)m->num_kv_heads * m->head_dim, kvb_dtype_size(m->dtype)) ||
 	    row > UINT32_MAX)

@@ -9,7 +9,6 @@
 #include <string.h>
 
 #include "client/client_impl.h"
-#include "common/model_fields.h"
 
 size_t kvb_dtype_size(enum kvb_dtype dtype)
 {
@@ -167,18 +166,18 @@ void kvb_store_format(const struct kvb_model *m, char *buf, size_t len)
 		snprintf(buf, len, "%s", names[c]);
 }
 
-static void model_to_wire(const struct kvb_model *m, struct kvbp_model *w)
+void kvbc_model_to_wire(const struct kvb_model *m, struct kvbp_model *w)
 {
 	memset(w, 0, sizeof(*w));
 	snprintf(w->name, sizeof(w->name), "%s", m->name);
-	KVB_MODEL_COPY(w, m);
+	KVB_MODEL_DESC_COPY(&w->desc, m);
 }
 
-static void model_from_wire(const struct kvbp_model *w, struct kvb_model *m)
+void kvbc_model_from_wire(const struct kvbp_model *w, struct kvb_model *m)
 {
 	memset(m, 0, sizeof(*m));
 	snprintf(m->name, sizeof(m->name), "%s", w->name);
-	KVB_MODEL_COPY(m, w);
+	KVB_MODEL_DESC_COPY(m, &w->desc);
 }
 
 int kvb_model_register(kvb_client *c, const struct kvb_model *m, int *existed)
@@ -188,7 +187,7 @@ int kvb_model_register(kvb_client *c, const struct kvb_model *m, int *existed)
 
 	if (strnlen(m->name, sizeof(m->name)) > KVB_NAME_MAX)
 		return kvbc_set_err(c, -EINVAL, "model name longer than %d bytes", KVB_NAME_MAX);
-	model_to_wire(m, &k.req.model);
+	kvbc_model_to_wire(m, &k.req.model);
 	rc = kvbc_call(c, &k);
 	if (!rc && existed)
 		*existed = k.rep.existed;
@@ -212,7 +211,7 @@ static int model_list(kvb_client *c, const char *name, struct kvb_model **models
 		if (!*models)
 			rc = kvbc_set_err(c, -ENOMEM, "out of memory");
 		for (size_t i = 0; !rc && i < k.rep.n_models; i++)
-			model_from_wire(&k.rep.models[i], &(*models)[i]);
+			kvbc_model_from_wire(&k.rep.models[i], &(*models)[i]);
 		*n = rc ? 0 : k.rep.n_models;
 	}
 	kvbc_call_done(&k);

@@ -287,7 +287,7 @@ int fetch_size_check(const struct cluster *c, const struct store_model *m,
 		return -EPROTO;
 	}
 	/* as a REPLICATE's (the daemon's chunk_bytes): K and V of every layer, raw */
-	if (!tb || ckd_mul3(&raw, tb, 2ull, m->num_layers)) {
+	if (!tb || ckd_mul3(&raw, tb, 2ull, m->desc.num_layers)) {
 		snprintf(why, why_len, "a chunk of %u tokens, whose size overflows; refused, "
 			 "nothing allocated", num_tokens);
 		return -EMSGSIZE;
@@ -298,7 +298,7 @@ int fetch_size_check(const struct cluster *c, const struct store_model *m,
 			 (unsigned long long)c->max_message);
 		return -EMSGSIZE;
 	}
-	if (kvbb_stored_max(raw, m->num_layers, &bound) || stored > bound || stored == 0) {
+	if (kvbb_stored_max(raw, m->desc.num_layers, &bound) || stored > bound || stored == 0) {
 		snprintf(why, why_len, "%llu stored bytes for a chunk of %u tokens (%llu bytes)",
 			 (unsigned long long)stored, num_tokens, (unsigned long long)raw);
 		return -EPROTO;
@@ -316,9 +316,9 @@ static int check_parts(const struct cluster *c, const struct store_model *m,
 {
 	uint64_t sum = 0;
 
-	if (rep->n_bulk_parts != m->num_layers || rep->n_chunks != 1) {
+	if (rep->n_bulk_parts != m->desc.num_layers || rep->n_chunks != 1) {
 		snprintf(why, why_len, "%zu parts for a %u-layer model", rep->n_bulk_parts,
-			 m->num_layers);
+			 m->desc.num_layers);
 		return -EPROTO;
 	}
 	for (size_t i = 0; i < rep->n_bulk_parts; i++)

@@ -313,7 +313,7 @@ static int fetch_store(struct cluster *c, const struct store_model *m, const uin
 	if (o->rep.code == KVBP_NOT_FOUND)
 		return -ENOENT;
 	if (o->rep.code || o->rep.n_chunks != 1 ||
-	    (o->bulk ? o->rep.n_bulk_parts : o->n_frames) != m->num_layers) {
+	    (o->bulk ? o->rep.n_bulk_parts : o->n_frames) != m->desc.num_layers) {
 		cl_warn(c, "cluster: fetch from '%s': %s", p->id,
 			o->rep.code ? o->rep.message : "reply of the wrong shape");
 		atomic_fetch_add(&c->fetch_failures, 1);
@@ -323,7 +323,7 @@ static int fetch_store(struct cluster *c, const struct store_model *m, const uin
 		uint64_t stored = 0;
 		char why[192];
 
-		for (size_t l = 0; l < m->num_layers; l++)
+		for (size_t l = 0; l < m->desc.num_layers; l++)
 			if (ckd_add(&stored, stored, zmq_msg_size(&o->frames[l])))
 				stored = UINT64_MAX;
 		if (fetch_size_check(c, m, o->rep.chunks[0].num_tokens, stored, why, sizeof(why))) {
@@ -332,14 +332,14 @@ static int fetch_store(struct cluster *c, const struct store_model *m, const uin
 			return -ENOENT;
 		}
 	}
-	blobs = calloc(m->num_layers, sizeof(*blobs));
-	lens = calloc(m->num_layers, sizeof(*lens));
+	blobs = calloc(m->desc.num_layers, sizeof(*blobs));
+	lens = calloc(m->desc.num_layers, sizeof(*lens));
 	if (!blobs || !lens) {
 		free(blobs);
 		free(lens);
 		return -ENOMEM;
 	}
-	for (size_t l = 0; l < m->num_layers; l++) {
+	for (size_t l = 0; l < m->desc.num_layers; l++) {
 		/* bulk: the parts were checked to add up to the bytes received */
 		blobs[l] = o->bulk ? o->bulk + bytes : zmq_msg_data(&o->frames[l]);
 		lens[l] = o->bulk ? o->rep.bulk_parts[l] : zmq_msg_size(&o->frames[l]);
@@ -701,7 +701,7 @@ int push_one(struct cluster *c, const struct push *e, uint64_t *bytes)
 		return 0;
 	if (rc) /* the model is gone, or its record is unreadable: nothing to push */
 		goto done;
-	b.n = m.num_layers;
+	b.n = m.desc.num_layers;
 	b.blobs = calloc(b.n, sizeof(*b.blobs));
 	b.lens = calloc(b.n, sizeof(*b.lens));
 	if (!b.blobs || !b.lens) {

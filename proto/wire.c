@@ -8,7 +8,6 @@
 #include <string.h>
 #include <sys/un.h>
 
-#include "common/model_fields.h"
 #include "kvblend.pb-c.h"
 
 _Static_assert(KVBP_SHM_PATH_MAX == sizeof(((struct sockaddr_un *)0)->sun_path),
@@ -106,7 +105,7 @@ __attribute__((format(printf, 3, 4))) static void set_err(char *err, size_t errl
 static void model_to_pb(const struct kvbp_model *m, Kvblend__Model *pb)
 {
 	pb->name = (char *)m->name;
-	KVB_MODEL_COPY(pb, m);
+	KVB_MODEL_DESC_COPY(pb, &m->desc);
 }
 
 static int copy_name(char *dst, const char *src, const char *what, char *err, size_t errlen)
@@ -128,7 +127,7 @@ static int model_from_pb(const Kvblend__Model *pb, struct kvbp_model *m, char *e
 
 	if (rc)
 		return rc;
-	KVB_MODEL_COPY(m, pb);
+	KVB_MODEL_DESC_COPY(&m->desc, pb);
 	return KVBP_OK;
 }
 

@@ -12,6 +12,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "common/model_desc.h"
+
 #define KVBP_VERSION 1
 /*
  * Requests a daemon must understand whole or refuse go out as version 2: a landing
@@ -109,26 +111,10 @@ enum kvbp_code {
 	KVBP_CODE_COUNT
 };
 
+/* A model on the wire: its name and its description (common/model_desc.h). */
 struct kvbp_model {
 	char name[KVBP_NAME_MAX + 1];
-	uint32_t num_layers;
-	uint32_t num_kv_heads;
-	uint32_t head_dim;
-	uint32_t dtype; /* 1 f16, 2 bf16, 3 f32 */
-	double rope_theta;
-	uint32_t rope_style; /* 0 neox, 1 gptj */
-	uint32_t rotary_dim;
-	uint32_t scaling; /* 0 none, 1 linear, 2 llama3, 3 yarn, 4 dynamic */
-	double factor;
-	double low_freq_factor;
-	double high_freq_factor;
-	uint32_t original_max_pos;
-	double beta_fast;
-	double beta_slow;
-	uint32_t max_pos;
-	bool k_pre_rope;
-	uint32_t store_codec; /* 0 lossless, 1 fp8, 2 int8, 3 int4 */
-	uint32_t store_group; /* int4 group size */
+	struct kvb_model_desc desc;
 };
 
 struct kvbp_chunk {

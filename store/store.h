@@ -28,6 +28,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "common/model_desc.h"
+
 #define STORE_HASH_LEN 32
 #define STORE_NAME_MAX 64
 
@@ -53,30 +55,15 @@ struct store_opts {
 	size_t verify_entries;	/* ONCE: layer values remembered; 0: 1M (16 MiB) */
 };
 
-/* A model: KV layout and RoPE configuration. The store keeps the RoPE fields as given. */
+/*
+ * A model: its name, its id in this store and its description (common/model_desc.h,
+ * kept as given). elem_size is derived from desc.dtype.
+ */
 struct store_model {
 	uint32_t id; /* assigned by store_model_register() */
 	char name[STORE_NAME_MAX + 1];
-	uint32_t num_layers;
-	uint32_t num_kv_heads;
-	uint32_t head_dim;
-	uint32_t dtype;	    /* 1 f16, 2 bf16, 3 f32 */
-	uint32_t elem_size; /* bytes per element, derived from dtype */
-	double rope_theta;
-	uint32_t rope_style;
-	uint32_t rotary_dim;
-	uint32_t scaling;
-	double factor;
-	double low_freq_factor;
-	double high_freq_factor;
-	uint32_t original_max_pos;
-	double beta_fast;
-	double beta_slow;
-	uint32_t max_pos;
-	bool k_pre_rope;
-	/* Lossy storage (quant.h): 0 lossless in dtype, 1 fp8, 2 int8, 3 int4 (with group). */
-	uint32_t store_codec;
-	uint32_t store_group;
+	struct kvb_model_desc desc;
+	uint32_t elem_size; /* bytes per element, derived from desc.dtype */
 };
 
 struct store_chunk_info {

@@ -117,7 +117,7 @@ int st_chunk_write(struct store *s, const struct store_model *m, const uint8_t *
 	else
 		rc = rc == MDB_NOTFOUND ? 0 : st_err_from_mdb(rc);
 	/* MDB_RESERVE: encode straight into LMDB's pages, one copy of the data. */
-	for (uint32_t l = 0; l < m->num_layers && !rc; l++) {
+	for (uint32_t l = 0; l < m->desc.num_layers && !rc; l++) {
 		const struct codec_plan *pk = blobs ? NULL : &plans[2 * l];
 		const struct codec_plan *pv = blobs ? NULL : &plans[2 * l + 1];
 
@@ -137,7 +137,7 @@ int st_chunk_write(struct store *s, const struct store_model *m, const uint8_t *
 	}
 	if (rc)
 		goto abort;
-	ci->raw_bytes = 2 * store_tensor_bytes(m, ci->num_tokens) * m->num_layers;
+	ci->raw_bytes = 2 * store_tensor_bytes(m, ci->num_tokens) * m->desc.num_layers;
 	ci->created = (uint64_t)time(NULL);
 	k.mv_size = CHUNK_KEY_LEN;
 	st_chunk_rec_encode(rec, &k, ci);
@@ -147,7 +147,7 @@ int st_chunk_write(struct store *s, const struct store_model *m, const uint8_t *
 	add = (struct store_codec_use){ 1, ci->raw_bytes, ci->stored_bytes };
 	/* A corrupt record replaced was under the same key: the same model, the same codec. */
 	if (!rc)
-		rc = st_totals_update(s, txn, m->store_codec, &add, &replaced);
+		rc = st_totals_update(s, txn, m->desc.store_codec, &add, &replaced);
 	if (rc)
 		goto abort;
 	return st_commit(s, txn, ci->stored_bytes);
@@ -161,14 +161,14 @@ int store_chunk_put(struct store *s, const struct store_model *m,
 		    const void *const tensors[], struct store_chunk_info *info)
 {
 	uint64_t tb = store_tensor_bytes(m, num_tokens);
-	size_t bound = codec_bound(tb), n_tensors = 2 * (size_t)m->num_layers, total;
+	size_t bound = codec_bound(tb), n_tensors = 2 * (size_t)m->desc.num_layers, total;
 	uint8_t key[CHUNK_KEY_LEN], *scratch = NULL;
 	struct store_chunk_info ci = { .num_tokens = num_tokens, .base_pos = base_pos,
-				       .num_layers = m->num_layers };
+				       .num_layers = m->desc.num_layers };
 	struct codec_plan *plans = NULL;
 	int rc;
 
-	if (!num_tokens || !tb || !bound || !m->num_layers ||
+	if (!num_tokens || !tb || !bound || !m->desc.num_layers ||
 	    ckd_mul(&total, bound, n_tensors))
 		return -EINVAL;
 	chunk_key(key, m->id, hash);
@@ -188,10 +188,11 @@ int store_chunk_put(struct store *s, const struct store_model *m,
 	}
 	for (size_t i = 0; i < n_tensors && !rc; i++) {
 		/* Keys quantized per channel, values per token (quant.h). */
-		rc = m->store_codec
-			     ? codec_plan_quant(tensors[i], tb, m->dtype,
-						m->num_kv_heads * m->head_dim, (int)(i % 2),
-						(int)m->store_codec, m->store_group, s->min_saving,
+		rc = m->desc.store_codec
+			     ? codec_plan_quant(tensors[i], tb, m->desc.dtype,
+						m->desc.num_kv_heads * m->desc.head_dim,
+						(int)(i % 2), (int)m->desc.store_codec, m->desc.store_group,
+						s->min_saving,
 						scratch + i * bound, bound, &plans[i])
 			     : codec_plan(tensors[i], tb, m->elem_size, s->min_saving,
 					  scratch + i * bound, bound, &plans[i]);
@@ -253,7 +254,7 @@ static int chunk_shape_txn(struct store *s, MDB_txn *txn, const struct store_mod
 	if (rc)
 		return rc;
 	*tb = store_tensor_bytes(m, ci->num_tokens);
-	return ci->num_layers != m->num_layers || !*tb ? -EBADMSG : 0;
+	return ci->num_layers != m->desc.num_layers || !*tb ? -EBADMSG : 0;
 }
 
 int store_chunk_get(struct store *s, const struct store_model *m,
@@ -267,7 +268,7 @@ int store_chunk_get(struct store *s, const struct store_model *m,
 	MDB_txn *txn;
 	int rc;
 
-	if (layer_begin >= layer_end || layer_end > m->num_layers)
+	if (layer_begin >= layer_end || layer_end > m->desc.num_layers)
 		return -EINVAL;
 	rc = st_rtxn_begin(s, &txn);
 	if (rc)
@@ -331,7 +332,7 @@ int store_chunk_view(struct store *s, const struct store_model *m,
 	uint64_t tb;
 	int rc;
 
-	if (layer_begin >= layer_end || layer_end > m->num_layers)
+	if (layer_begin >= layer_end || layer_end > m->desc.num_layers)
 		return -EINVAL;
 	w = calloc(1, sizeof(*w));
 	if (!w)
@@ -360,7 +361,7 @@ int store_chunk_view(struct store *s, const struct store_model *m,
 	w->pub.layer_begin = layer_begin;
 	w->pub.layer_end = layer_end;
 	w->pub.tensor_bytes = tb;
-	w->dtype = m->dtype;
+	w->dtype = m->desc.dtype;
 	w->channels = st_token_channels(m);
 	for (uint32_t i = 0; i < n; i++) {
 		MDB_val k = { LAYER_KEY_LEN, key }, v;
@@ -449,7 +450,7 @@ static int layer_value(struct store *s, MDB_txn *txn, const struct store_model *
 
 	if (rc)
 		return rc;
-	if (ci.num_layers != m->num_layers)
+	if (ci.num_layers != m->desc.num_layers)
 		return -EBADMSG;
 	if (store_tensor_bytes(m, ci.num_tokens) != tensor_bytes)
 		return -ENOBUFS;
@@ -504,7 +505,7 @@ static int with_layer(struct store *s, const struct store_model *m,
 	MDB_txn *txn;
 	int rc;
 
-	if (layer >= m->num_layers)
+	if (layer >= m->desc.num_layers)
 		return -EINVAL;
 	rc = st_rtxn_begin(s, &txn);
 	if (rc)
@@ -596,7 +597,7 @@ int store_chunk_delete(struct store *s, const struct store_model *m,
 	if (sound)
 		freed = (struct store_codec_use){ 1, ci.raw_bytes, ci.stored_bytes };
 	if (!rc)
-		rc = st_totals_update(s, txn, m->store_codec, &none, &freed);
+		rc = st_totals_update(s, txn, m->desc.store_codec, &none, &freed);
 	if (rc)
 		goto fail;
 	return st_commit(s, txn, 0);

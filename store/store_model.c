@@ -9,13 +9,13 @@
 #include <string.h>
 
 #include "common/ckd.h"
-#include "common/model_fields.h"
 
 const MDB_val st_next_model_key = { 10, "next_model" };
 
 uint32_t st_token_channels(const struct store_model *m)
 {
-	uint64_t n = (uint64_t)m->num_kv_heads * m->head_dim; /* ckd-ok: two u32, in 64 bits */
+	/* ckd-ok: two u32, in 64 bits */
+	uint64_t n = (uint64_t)m->desc.num_kv_heads * m->desc.head_dim;
 
 	return n > UINT32_MAX ? 0 : (uint32_t)n;
 }
@@ -24,8 +24,8 @@ uint64_t store_tensor_bytes(const struct store_model *m, uint32_t num_tokens)
 {
 	uint64_t n = num_tokens;
 
-	if (ckd_mul3(&n, n, m->num_kv_heads, m->head_dim) ||
-	    ckd_mul(&n, n, (uint64_t)st_dtype_size(m->dtype)))
+	if (ckd_mul3(&n, n, m->desc.num_kv_heads, m->desc.head_dim) ||
+	    ckd_mul(&n, n, (uint64_t)st_dtype_size(m->desc.dtype)))
 		return 0;
 	return n;
 }
@@ -86,7 +86,7 @@ static int next_model_id(struct store *s, MDB_txn *txn, uint32_t *out)
 
 bool store_model_same(const struct store_model *a, const struct store_model *b)
 {
-	return KVB_MODEL_SAME(a, b);
+	return !kvb_model_desc_diff(&a->desc, &b->desc);
 }
 
 int store_model_register(struct store *s, struct store_model *m)
@@ -98,11 +98,11 @@ int store_model_register(struct store *s, struct store_model *m)
 	MDB_txn *txn;
 	int rc;
 
-	if (name_len == 0 || name_len > STORE_NAME_MAX || !st_dtype_size(m->dtype) ||
-	    m->store_codec > 3 || (m->store_codec == 3) != (m->store_group != 0) ||
-	    m->store_group > 1024)
+	if (name_len == 0 || name_len > STORE_NAME_MAX || !st_dtype_size(m->desc.dtype) ||
+	    m->desc.store_codec > 3 || (m->desc.store_codec == 3) != (m->desc.store_group != 0) ||
+	    m->desc.store_group > 1024)
 		return -EINVAL;
-	nm.elem_size = st_dtype_size(m->dtype);
+	nm.elem_size = st_dtype_size(m->desc.dtype);
 	rc = st_err_from_mdb(mdb_txn_begin(s->env, NULL, 0, &txn));
 	if (rc)
 		return rc;

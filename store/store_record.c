@@ -39,15 +39,16 @@ uint32_t st_dtype_size(uint32_t dtype)
 /* Encode m's record into p (MODEL_QREC_LEN bytes of room); returns its length. */
 size_t st_model_rec_encode(uint8_t *p, const struct store_model *m)
 {
-	size_t body = m->store_codec ? MODEL_QBODY_LEN : MODEL_BODY_LEN;
+	size_t body = m->desc.store_codec ? MODEL_QBODY_LEN : MODEL_BODY_LEN;
 	uint8_t *q = p + STORE_NAME_MAX + 1;
 	size_t name_len = strnlen(m->name, STORE_NAME_MAX);
 	MDB_val k = { name_len, (void *)m->name };
-	const uint32_t u[10] = { m->id,	      m->num_layers, m->num_kv_heads,	  m->head_dim,
-				 m->dtype,    m->rope_style, m->rotary_dim,	  m->scaling,
-				 m->max_pos, m->original_max_pos };
-	const double d[6] = { m->rope_theta,	   m->factor,	 m->low_freq_factor,
-			      m->high_freq_factor, m->beta_fast, m->beta_slow };
+	const struct kvb_model_desc *md = &m->desc;
+	const uint32_t u[10] = { m->id,		  md->num_layers, md->num_kv_heads, md->head_dim,
+				 md->dtype,	  md->rope_style, md->rotary_dim,   md->scaling,
+				 md->max_pos,	  md->original_max_pos };
+	const double d[6] = { md->rope_theta,	    md->factor,	   md->low_freq_factor,
+			      md->high_freq_factor, md->beta_fast, md->beta_slow };
 
 	memset(p, 0, body + 8);
 	memcpy(p, m->name, name_len);
@@ -55,11 +56,11 @@ size_t st_model_rec_encode(uint8_t *p, const struct store_model *m)
 		le_put(q, u[i], 4);
 	for (int i = 0; i < 6; i++, q += 8)
 		le_put_f64(q, d[i]);
-	*q = m->k_pre_rope;
-	if (m->store_codec) {
+	*q = m->desc.k_pre_rope;
+	if (m->desc.store_codec) {
 		/* codec (u8), 3 zero bytes, group (u32) */
-		p[MODEL_BODY_LEN] = (uint8_t)m->store_codec;
-		le_put(p + MODEL_BODY_LEN + 4, m->store_group, 4);
+		p[MODEL_BODY_LEN] = (uint8_t)m->desc.store_codec;
+		le_put(p + MODEL_BODY_LEN + 4, m->desc.store_group, 4);
 	}
 	le_put(p + body, st_rec_sum(&k, p, body), 8);
 	return body + 8;
@@ -82,23 +83,23 @@ int st_model_body_decode(const uint8_t *p, struct store_model *out)
 	for (int i = 0; i < 6; i++, q += 8)
 		d[i] = le_get_f64(q);
 	m.id = u[0];
-	m.num_layers = u[1];
-	m.num_kv_heads = u[2];
-	m.head_dim = u[3];
-	m.dtype = u[4];
-	m.elem_size = st_dtype_size(m.dtype);
-	m.rope_style = u[5];
-	m.rotary_dim = u[6];
-	m.scaling = u[7];
-	m.max_pos = u[8];
-	m.original_max_pos = u[9];
-	m.rope_theta = d[0];
-	m.factor = d[1];
-	m.low_freq_factor = d[2];
-	m.high_freq_factor = d[3];
-	m.beta_fast = d[4];
-	m.beta_slow = d[5];
-	m.k_pre_rope = *q != 0;
+	m.desc.num_layers = u[1];
+	m.desc.num_kv_heads = u[2];
+	m.desc.head_dim = u[3];
+	m.desc.dtype = u[4];
+	m.elem_size = st_dtype_size(m.desc.dtype);
+	m.desc.rope_style = u[5];
+	m.desc.rotary_dim = u[6];
+	m.desc.scaling = u[7];
+	m.desc.max_pos = u[8];
+	m.desc.original_max_pos = u[9];
+	m.desc.rope_theta = d[0];
+	m.desc.factor = d[1];
+	m.desc.low_freq_factor = d[2];
+	m.desc.high_freq_factor = d[3];
+	m.desc.beta_fast = d[4];
+	m.desc.beta_slow = d[5];
+	m.desc.k_pre_rope = *q != 0;
 	if (!m.elem_size)
 		return -EBADMSG;
 	*out = m;
@@ -118,9 +119,9 @@ int st_model_rec_decode(const MDB_val *k, const MDB_val *v, struct store_model *
 		rc = st_model_body_decode(p, &t);
 		if (rc)
 			return rc;
-		t.store_codec = p[MODEL_BODY_LEN];
-		t.store_group = (uint32_t)le_get(p + MODEL_BODY_LEN + 4, 4);
-		if (!t.store_codec || t.store_codec > 3 || p[MODEL_BODY_LEN + 1] ||
+		t.desc.store_codec = p[MODEL_BODY_LEN];
+		t.desc.store_group = (uint32_t)le_get(p + MODEL_BODY_LEN + 4, 4);
+		if (!t.desc.store_codec || t.desc.store_codec > 3 || p[MODEL_BODY_LEN + 1] ||
 		    p[MODEL_BODY_LEN + 2] || p[MODEL_BODY_LEN + 3])
 			return -EBADMSG;
 		*m = t;

@@ -45,7 +45,7 @@ static int model_codecs(struct store *s, MDB_txn *txn, struct model_codec **out,
 			}
 			mc = p;
 		}
-		mc[n++] = (struct model_codec){ m.id, m.store_codec };
+		mc[n++] = (struct model_codec){ m.id, m.desc.store_codec };
 	}
 	mdb_cursor_close(cur);
 	if (rc != MDB_NOTFOUND) {

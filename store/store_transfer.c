@@ -40,10 +40,10 @@ int store_chunk_import(struct store *s, const struct store_model *m,
 	uint32_t ch = st_token_channels(m);
 	uint8_t key[CHUNK_KEY_LEN], *scratch = NULL;
 	struct store_chunk_info ci = { .num_tokens = num_tokens, .base_pos = base_pos,
-				       .num_layers = m->num_layers };
+				       .num_layers = m->desc.num_layers };
 	int rc;
 
-	if (!num_tokens || !tb || !m->num_layers)
+	if (!num_tokens || !tb || !m->desc.num_layers)
 		return -EINVAL;
 	chunk_key(key, m->id, hash);
 	rc = st_chunk_exists(s, key);
@@ -55,13 +55,13 @@ int store_chunk_import(struct store *s, const struct store_model *m,
 		rc = -ENOMEM;
 		goto out;
 	}
-	for (uint32_t l = 0; l < m->num_layers && !rc; l++) {
+	for (uint32_t l = 0; l < m->desc.num_layers && !rc; l++) {
 		size_t used = 0, used_v = 0;
 
-		rc = codec_verify(blobs[l], lens[l], tb, m->dtype, ch, scratch, &used);
+		rc = codec_verify(blobs[l], lens[l], tb, m->desc.dtype, ch, scratch, &used);
 		if (!rc)
 			rc = codec_verify((const uint8_t *)blobs[l] + used, lens[l] - used, tb,
-					  m->dtype, ch, scratch, &used_v);
+					  m->desc.dtype, ch, scratch, &used_v);
 		if (rc == -ENOTSUP && bad) {
 			/* K (nothing used yet) or V, which starts where K ended */
 			const uint8_t *t = (const uint8_t *)blobs[l] + used;

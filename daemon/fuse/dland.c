@@ -314,7 +314,7 @@ uint32_t dland_setup(struct fuse_table *t, struct fuse_session *s, const struct 
 			    "own element strides is a CPU cache's layout; give K as V");
 	/* The land kernel writes 4-byte words at least (16 where everything allows). */
 	if ((y->k_offset | y->v_offset | y->layer_stride | y->token_stride | y->head_stride |
-	     y->page_stride | ((uint64_t)s->m.head_dim * s->m.elem_size)) % 4)
+	     y->page_stride | ((uint64_t)s->m.desc.head_dim * s->m.elem_size)) % 4)
 		return fail(err, errlen, KVBP_BAD_ARGUMENT, "landing into device memory: offsets, "
 			    "strides and a head's bytes must be multiples of 4");
 	if (end > y->device_bytes)
@@ -343,7 +343,7 @@ uint32_t dland_setup(struct fuse_table *t, struct fuse_session *s, const struct 
 		return fail(err, errlen, KVBP_BAD_SHAPE, "landing layout: it spans %" PRIu64
 			    " bytes of the node's device allocation, which has %" PRIu64, end,
 			    d->imp->bytes);
-	if (d->imp->by_fd && !layers_in_segments(d->imp, y, s->m.num_layers, k_span, v_span))
+	if (d->imp->by_fd && !layers_in_segments(d->imp, y, s->m.desc.num_layers, k_span, v_span))
 		return fail(err, errlen, KVBP_BAD_SHAPE, "landing layout: a layer's K or V "
 			    "reaches past the segment of the node's memory it starts in (each "
 			    "layer must lie in one segment it handed in)");
@@ -467,11 +467,11 @@ int dland_layer(struct fuse_table *t, struct fuse_session *s, uint32_t l, bool r
 				    s->land_h0, s->land_hn };
 	const uint8_t *h = dland_stage(s, l);
 	struct blend_shape sh = s->shape;
-	size_t hb = (size_t)s->m.head_dim * s->m.elem_size, up = half;
+	size_t hb = (size_t)s->m.desc.head_dim * s->m.elem_size, up = half;
 	int rc;
 
 	/* Queued behind the previous layer's kernels on the one stream (one device buffer). */
-	if (s->land_hn < s->m.num_kv_heads) {
+	if (s->land_hn < s->m.desc.num_kv_heads) {
 		/* A rank's head range: only its heads of each row go up, packed (a rank of t
 		 * moves 1/t of the layer), and are rotated and landed as rows of those heads. */
 		size_t w = (size_t)s->land_hn * hb, off = (size_t)s->land_h0 * hb;
@@ -511,7 +511,7 @@ int dland_layer(struct fuse_table *t, struct fuse_session *s, uint32_t l, bool r
 		}
 	}
 	d->pending = l;
-	if (l + 1 == s->m.num_layers) {
+	if (l + 1 == s->m.desc.num_layers) {
 		rc = dv->event_sync(dv, d->ev[l % 2]);
 		if (rc) {
 			d->failed = true;

@@ -51,7 +51,7 @@ static bool land_extent(const struct fuse_session *s, const struct kvbp_layout *
 	 * bytes (issue 30: a write before the segment) */
 	return !ckd_mul_add(&tok_max, tokens - 1, tstride, page_max) &&
 	       !ckd_mul(&head_max, (uint64_t)s->land_hn - 1, hstride) &&
-	       !ckd_mul_add(&row_end, (uint64_t)s->m.head_dim - 1, dstride, s->m.elem_size) &&
+	       !ckd_mul_add(&row_end, (uint64_t)s->m.desc.head_dim - 1, dstride, s->m.elem_size) &&
 	       !ckd_add(&row_end, row_end, head_max) &&
 	       !ckd_add3(&e, off, layer_max, tok_max) && !ckd_add(end, e, row_end);
 }
@@ -75,18 +75,19 @@ uint32_t land_setup(struct fuse_table *t, struct fuse_session *s,
 		return fail(err, errlen, KVBP_BAD_ARGUMENT, "landing layout: head_begin %" PRIu32
 			    " without head_count", y->head_begin);
 	/* ckd-ok: two 32-bit numbers summed in 64 bits */
-	if ((uint64_t)y->head_begin + y->head_count > s->m.num_kv_heads)
+	if ((uint64_t)y->head_begin + y->head_count > s->m.desc.num_kv_heads)
 		return fail(err, errlen, KVBP_BAD_SHAPE, "landing layout: heads [%" PRIu32 ", %"
 			    PRIu64 ") of a model with %" PRIu32 " KV heads", y->head_begin,
 			    /* ckd-ok: as above */ (uint64_t)y->head_begin + y->head_count,
-			    s->m.num_kv_heads);
+			    s->m.desc.num_kv_heads);
 	s->land_h0 = y->head_begin;
-	s->land_hn = y->head_count ? y->head_count : s->m.num_kv_heads;
-	if (s->land_hn < s->m.num_kv_heads && s->n_checks && s->metric == KVBP_METRIC_ATTENTION)
+	s->land_hn = y->head_count ? y->head_count : s->m.desc.num_kv_heads;
+	if (s->land_hn < s->m.desc.num_kv_heads && s->n_checks &&
+	    s->metric == KVBP_METRIC_ATTENTION)
 		return fail(err, errlen, KVBP_BAD_ARGUMENT, "landing layout: a head range blends "
 			    "by the value or key metric only (the ranks sum their heads' deviations), "
 			    "not by attention");
-	if (ckd_mul(&layer_max, (uint64_t)s->m.num_layers - 1, y->layer_stride))
+	if (ckd_mul(&layer_max, (uint64_t)s->m.desc.num_layers - 1, y->layer_stride))
 		return fail(err, errlen, KVBP_BAD_SHAPE, "landing layout: strides overflow");
 	if (y->page_tokens) {
 		/* ckd-ok: two 32-bit numbers summed in 64 bits */
@@ -169,11 +170,11 @@ uint32_t land_setup(struct fuse_table *t, struct fuse_session *s,
 		s->lay = (struct kvbp_layout){ .shm_id = y->shm_id,
 					       .v_offset = (uint64_t)s->n * s->row_bytes,
 					       .token_stride = s->row_bytes,
-					       .head_stride = (uint64_t)s->m.head_dim *
+					       .head_stride = (uint64_t)s->m.desc.head_dim *
 							      s->m.elem_size,
 					       .progress = y->progress,
 					       .k_token_stride = s->row_bytes,
-					       .k_head_stride = (uint64_t)s->m.head_dim *
+					       .k_head_stride = (uint64_t)s->m.desc.head_dim *
 								s->m.elem_size };
 		s->direct = true;
 		s->stream = false;
@@ -251,7 +252,7 @@ static void land_k_strided(const struct fuse_session *s, uint32_t l, uint32_t a,
 {
 	size_t hs = s->lay.k_head_stride, ds = s->lay.k_dim_stride, ts = s->lay.k_token_stride;
 	size_t es = s->m.elem_size, rb = s->row_bytes;
-	uint32_t hd = s->m.head_dim, pt = s->lay.page_tokens;
+	uint32_t hd = s->m.desc.head_dim, pt = s->lay.page_tokens;
 
 	for (uint32_t t = a, run; t < b; t += run, src += (size_t)run * rb) {
 		uint8_t *dst = s->land_mem + land_off(s, s->lay.k_offset, ts, l, t);
@@ -291,7 +292,7 @@ static inline void land_copy(const struct fuse_session *s, uint8_t *dst, const u
 static void land_put_rows(const struct fuse_session *s, int kv, uint32_t l, uint32_t t,
 			  uint32_t n, const uint8_t *src)
 {
-	size_t hb = (size_t)s->m.head_dim * s->m.elem_size;
+	size_t hb = (size_t)s->m.desc.head_dim * s->m.elem_size;
 	uint64_t base = kv ? s->lay.v_offset : s->lay.k_offset;
 	uint64_t ts = kv ? s->lay.token_stride : s->lay.k_token_stride;
 
@@ -299,8 +300,8 @@ static void land_put_rows(const struct fuse_session *s, int kv, uint32_t l, uint
 		land_k_strided(s, l, t, t + n, src);
 		return;
 	}
-	if (!s->lay.page_tokens && s->land_hn == s->m.num_kv_heads && s->lay.head_stride == hb &&
-	    ts == s->row_bytes) {
+	if (!s->lay.page_tokens && s->land_hn == s->m.desc.num_kv_heads &&
+	    s->lay.head_stride == hb && ts == s->row_bytes) {
 		/* contiguous whole rows: one run */
 		land_copy(s, s->land_mem + land_off(s, base, ts, l, t), src,
 			  (size_t)n * s->row_bytes); /* ckd-ok: rows of the chunk's block */
@@ -413,7 +414,7 @@ static int land_scattered(struct fuse_table *t, struct fuse_session *s, struct c
 	int rc;
 
 	/* rotate_to writes every head: a head range goes through the scratch block */
-	if (!t->be->rotate_to || s->lay.k_dim_stride || s->land_hn < s->m.num_kv_heads) {
+	if (!t->be->rotate_to || s->lay.k_dim_stride || s->land_hn < s->m.desc.num_kv_heads) {
 		ks.tmp = malloc(checksum_apply_block(s->row_bytes));
 		if (!ks.tmp)
 			return -ENOMEM;
@@ -517,7 +518,7 @@ bool land_step(struct fuse_table *t, struct fuse_session *s)
 
 	pthread_mutex_lock(&s->lock);
 	if (s->closed || s->land_stop || s->land_code || s->landing ||
-	    s->land_next >= s->m.num_layers) {
+	    s->land_next >= s->m.desc.num_layers) {
 		pthread_mutex_unlock(&s->lock);
 		return false;
 	}
@@ -555,12 +556,12 @@ bool land_step(struct fuse_table *t, struct fuse_session *s)
 		s->land_next++;
 		s->layers_served++;
 		/* ckd-ok: n_cached < 2^32 rows of at most row_bytes */
-		s->bytes_out += 2 * (uint64_t)s->n_cached * s->row_bytes / s->m.num_kv_heads *
+		s->bytes_out += 2 * (uint64_t)s->n_cached * s->row_bytes / s->m.desc.num_kv_heads *
 				s->land_hn;
 		land_publish(s, s->dl ? done : s->land_next);
 	}
 	pthread_cond_broadcast(&s->cond);
-	more = !rc && !s->land_stop && s->land_next < s->m.num_layers;
+	more = !rc && !s->land_stop && s->land_next < s->m.desc.num_layers;
 	pthread_mutex_unlock(&s->lock);
 	return more;
 }

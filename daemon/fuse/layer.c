@@ -26,7 +26,7 @@ bool fuse_prefetch(struct fuse_table *t, uint64_t id)
 	}
 	pthread_mutex_lock(&s->lock);
 	/* n_ring - 1 layers ahead: one slot holds the layer the node is reading. */
-	for (uint32_t l = s->next_layer; !s->closed && l < s->m.num_layers &&
+	for (uint32_t l = s->next_layer; !s->closed && l < s->m.desc.num_layers &&
 					 l < s->next_layer + s->n_ring - 1; l++) {
 		struct slot *sl = &s->ring[(l - s->first) % s->n_ring];
 
@@ -125,9 +125,10 @@ uint32_t fuse_layer_begin(struct fuse_table *t, uint64_t id, const char *owner, 
 		plan->land = true;
 		plan->check_row_bytes = s->metric == KVBP_METRIC_ATTENTION ? 2 * s->row_bytes
 									   : s->row_bytes;
-		if (s->land_hn < s->m.num_kv_heads) /* a rank's rows: its heads only */
-			plan->check_row_bytes = (size_t)s->land_hn * s->m.head_dim * s->m.elem_size;
-		plan->head_range = s->land_hn < s->m.num_kv_heads;
+		if (s->land_hn < s->m.desc.num_kv_heads) /* a rank's rows: its heads only */
+			plan->check_row_bytes =
+				(size_t)s->land_hn * s->m.desc.head_dim * s->m.elem_size;
+		plan->head_range = s->land_hn < s->m.desc.num_kv_heads;
 		plan->attn = s->metric == KVBP_METRIC_ATTENTION;
 		plan->attn_bytes = attn_bytes(s);
 		pthread_mutex_unlock(&s->lock);
@@ -140,7 +141,7 @@ uint32_t fuse_layer_begin(struct fuse_table *t, uint64_t id, const char *owner, 
 		return fail(err, errlen, KVBP_BAD_ARGUMENT, "layer %" PRIu32 " comes before the first "
 			    "check layer %" PRIu32 ": the node prefills it alone", layer, s->first);
 	}
-	if (s->next_layer >= s->m.num_layers) {
+	if (s->next_layer >= s->m.desc.num_layers) {
 		pthread_mutex_unlock(&s->lock);
 		session_put(t, s);
 		return fail(err, errlen, KVBP_BAD_ARGUMENT, "every layer has been served; close the "
@@ -490,7 +491,7 @@ uint32_t fuse_layer_run(struct fuse_table *t, struct fuse_session *s, const void
 	}
 	r->next_layer = s->next_layer;
 	r->rows_next = (uint32_t)s->n_sel;
-	r->done = s->next_layer >= s->m.num_layers;
+	r->done = s->next_layer >= s->m.desc.num_layers;
 	pthread_mutex_unlock(&s->lock);
 	return code;
 }
@@ -509,7 +510,7 @@ static uint32_t heads_deviation(struct fuse_table *t, struct fuse_session *s, co
 	const uint8_t *st = s->metric == KVBP_METRIC_KEY ? cs->k : cs->v;
 	size_t n = s->next_check == 0 ? s->n : s->n_sel;
 	/* ckd-ok: heads x head_dim x elem_size of a registered model (checked at register) */
-	size_t hb = (size_t)s->m.head_dim * s->m.elem_size, w = (size_t)s->land_hn * hb;
+	size_t hb = (size_t)s->m.desc.head_dim * s->m.elem_size, w = (size_t)s->land_hn * hb;
 	struct blend_shape sh = s->shape;
 	int32_t *idx = malloc((n + 1) * sizeof(int32_t));
 	float *dev = malloc((n + 1) * sizeof(float));
@@ -579,7 +580,7 @@ uint32_t fuse_check_run(struct fuse_table *t, struct fuse_session *s, int mode, 
 {
 	uint32_t layer = s->checks[s->next_check], code;
 	size_t prev = s->next_check == 0 ? s->n : s->n_sel, n_sel, nd = 0;
-	bool ranged = s->land_hn < s->m.num_kv_heads;
+	bool ranged = s->land_hn < s->m.desc.num_kv_heads;
 	struct timespec t0;
 	int32_t *sel, *dropped;
 	const uint8_t *k_in = rows, *v_in = rows;
@@ -593,7 +594,7 @@ uint32_t fuse_check_run(struct fuse_table *t, struct fuse_session *s, int mode, 
 			    "deviation covers those only, and every rank must select the same "
 			    "tokens; ask for the deviation (check_mode 1), sum it over the ranks, and "
 			    "select by the sum (check_mode 2)", layer, s->land_h0,
-			    s->land_h0 + s->land_hn, s->m.num_kv_heads);
+			    s->land_h0 + s->land_hn, s->m.desc.num_kv_heads);
 	if (mode != FUSE_CHECK_SELECT && s->metric == KVBP_METRIC_ATTENTION)
 		return fail(err, errlen, KVBP_BAD_ARGUMENT, "check layer %" PRIu32 ": check_mode %d "
 			    "is for the value and key metrics; this session's is attention", layer,
@@ -673,7 +674,8 @@ uint32_t fuse_check_run(struct fuse_table *t, struct fuse_session *s, int mode, 
 	r->n_selection = n_sel;
 	r->dropped = dropped;
 	r->n_dropped = nd;
-	r->next_layer = s->next_check < s->n_checks ? s->checks[s->next_check] : s->m.num_layers;
+	r->next_layer = s->next_check < s->n_checks ? s->checks[s->next_check]
+						       : s->m.desc.num_layers;
 	r->rows_next = (uint32_t)n_sel;
 	r->done = s->next_check >= s->n_checks;
 	pthread_mutex_unlock(&s->lock);

@@ -45,10 +45,10 @@ static uint32_t open_check_request(const struct store_model *m, const struct kvb
 		return fail(err, errlen, KVBP_BAD_ARGUMENT, "%zu check layers but %zu ratios; give one "
 			    "ratio per check layer", q->n_checks, q->n_ratios);
 	for (size_t i = 0; i < q->n_checks; i++) {
-		if (q->check_layers[i] >= m->num_layers)
+		if (q->check_layers[i] >= m->desc.num_layers)
 			return fail(err, errlen, KVBP_BAD_ARGUMENT, "check layer %" PRIu32 " is not a "
 				    "layer of the %" PRIu32 "-layer model", q->check_layers[i],
-				    m->num_layers);
+				    m->desc.num_layers);
 		if (i && q->check_layers[i] <= q->check_layers[i - 1])
 			return fail(err, errlen, KVBP_BAD_ARGUMENT, "check layers must increase; got "
 				    "%" PRIu32 " after %" PRIu32, q->check_layers[i],
@@ -224,12 +224,12 @@ static uint32_t open_rotation_tables(const struct store_model *m, const struct k
 	int rc;
 
 	s->n = (uint32_t)n;
-	s->shape.heads = m->num_kv_heads;
-	s->shape.head_dim = m->head_dim;
-	s->shape.rotary_dim = m->rotary_dim ? m->rotary_dim : m->head_dim;
-	s->shape.style = m->rope_style ? ROPE_GPTJ : ROPE_NEOX;
-	s->shape.dtype = (enum blend_dtype)m->dtype;
-	s->row_bytes = (size_t)m->num_kv_heads * m->head_dim * m->elem_size;
+	s->shape.heads = m->desc.num_kv_heads;
+	s->shape.head_dim = m->desc.head_dim;
+	s->shape.rotary_dim = m->desc.rotary_dim ? m->desc.rotary_dim : m->desc.head_dim;
+	s->shape.style = m->desc.rope_style ? ROPE_GPTJ : ROPE_NEOX;
+	s->shape.dtype = (enum blend_dtype)m->desc.dtype;
+	s->row_bytes = (size_t)m->desc.num_kv_heads * m->desc.head_dim * m->elem_size;
 	/* Rotation tables; chunk i's token t sits at the position of its segment plus t. */
 	fuse_rope_config(m, &rc_cfg);
 	{
@@ -253,7 +253,8 @@ static uint32_t open_rotation_tables(const struct store_model *m, const struct k
 
 				/* Dynamic NTK: the chunk was prefilled alone (a sequence of
 				 * base_pos + T positions); the fused prompt spans max_pos_end. */
-				rc = rope_table_build(&rc_cfg, m->k_pre_rope, c->tokens, c->base_pos,
+				rc = rope_table_build(&rc_cfg, m->desc.k_pre_rope, c->tokens,
+						      c->base_pos,
 						      (uint64_t)c->base_pos + c->tokens, g->pos,
 						      p->max_pos_end, &c->rot);
 				if (rc)
@@ -291,9 +292,9 @@ static uint32_t open_size(struct fuse_table *t, const struct store_model *m,
 		return KVBP_OK;
 	}
 	/* The ring: re-rotated stored K and V of a few layers, all tokens each. */
-	s->n_ring = (uint32_t)(t->lim.ring < m->num_layers - s->first
+	s->n_ring = (uint32_t)(t->lim.ring < m->desc.num_layers - s->first
 				       ? t->lim.ring
-				       : m->num_layers - s->first) + 1;
+				       : m->desc.num_layers - s->first) + 1;
 	p->ring_bytes = (uint64_t)s->n_ring * 2 * n * s->row_bytes;
 	if (t->dev && s->metric == KVBP_METRIC_ATTENTION) {
 		/* The device path selects by HKVD only: this session runs on the host path. */
@@ -567,7 +568,7 @@ static void open_publish(struct fuse_table *t, const struct store_model *m,
 	if (s->land) {
 		/* Layers before land_begin are the node's own: in place from the start. */
 		land_publish(s, s->land_begin);
-		r->next_layer = s->n_checks ? s->checks[0] : m->num_layers;
+		r->next_layer = s->n_checks ? s->checks[0] : m->desc.num_layers;
 		r->rows_next = s->n_checks ? s->n : 0;
 		r->land_k_strided = s->lay.k_dim_stride != 0;
 		r->land_heads = true; /* head_begin and head_count are read (land_setup) */

@@ -14,7 +14,6 @@
 #include <unistd.h>
 
 #include "daemon/bulk.h"
-#include "common/model_fields.h"
 #include "proto/bulk.h"
 #include "daemon/clients.h"
 #include "daemon/counters.h"
@@ -151,8 +150,8 @@ void op_model_register(struct req *q)
 	rc = store_model_register(q->srv->store, &sm);
 	if (rc == -EEXIST) {
 		struct store_model old;
-		const char *field = store_model_find(q->srv->store, sm.name, &old) ? NULL
-								: KVB_MODEL_FIRST_DIFF(&old, &sm);
+		const char *field = store_model_find(q->srv->store, sm.name, &old)
+					    ? NULL : kvb_model_desc_diff(&old.desc, &sm.desc);
 
 		/* the field named, so that a client can say what changed (issue 55, defect 8) */
 		if (field)
@@ -181,7 +180,8 @@ void op_model_register(struct req *q)
 	q->out->rep.n_models = 1;
 	if (rc == 0)
 		log_info("model '%s' registered: %u layers, %u kv heads, head_dim %u, %s", sm.name,
-			 sm.num_layers, sm.num_kv_heads, sm.head_dim, kvbp_dtype_name(sm.dtype));
+			 sm.desc.num_layers, sm.desc.num_kv_heads, sm.desc.head_dim,
+			 kvbp_dtype_name(sm.desc.dtype));
 }
 
 /*

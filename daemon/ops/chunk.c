@@ -42,19 +42,19 @@ static void put_run(struct req *q, struct bulk_conn **bc)
 
 	if (need_model(q, &m) || need_hash(q))
 		return;
-	if (q->h.dtype && q->h.dtype != m.dtype) {
+	if (q->h.dtype && q->h.dtype != m.desc.dtype) {
 		fail(q, KVBP_DTYPE_MISMATCH, "payload dtype %s does not match model '%s' dtype %s",
-		     kvbp_dtype_name(q->h.dtype), q->h.model_name, kvbp_dtype_name(m.dtype));
+		     kvbp_dtype_name(q->h.dtype), q->h.model_name, kvbp_dtype_name(m.desc.dtype));
 		return;
 	}
-	if (chunk_bytes(q, &m, q->h.num_tokens, m.num_layers, &tb, &total))
+	if (chunk_bytes(q, &m, q->h.num_tokens, m.desc.num_layers, &tb, &total))
 		return;
 	if (q->h.payload_frames != q->n_payload) {
 		fail(q, KVBP_BAD_FRAMES, "header declares %" PRIu32 " payload frames; the message "
 		     "has %zu", q->h.payload_frames, q->n_payload);
 		return;
 	}
-	tensors = calloc(2 * (size_t)m.num_layers, sizeof(*tensors));
+	tensors = calloc(2 * (size_t)m.desc.num_layers, sizeof(*tensors));
 	if (!tensors) {
 		fail(q, KVBP_LIMIT, "out of memory");
 		return;
@@ -80,7 +80,7 @@ static void put_run(struct req *q, struct bulk_conn **bc)
 			     "%s; nothing stored", total, why);
 			goto out;
 		}
-		for (size_t i = 0; i < 2 * (size_t)m.num_layers; i++)
+		for (size_t i = 0; i < 2 * (size_t)m.desc.num_layers; i++)
 			tensors[i] = in->data + i * tb;
 	} else if (q->h.has_shm) {
 		if (q->n_payload) {
@@ -114,13 +114,13 @@ static void put_run(struct req *q, struct bulk_conn **bc)
 		memcpy(snapshot, shm, total);
 		shm_release(q->srv->shm, q->h.shm_id);
 		shm = NULL;
-		for (size_t i = 0; i < 2 * (size_t)m.num_layers; i++)
+		for (size_t i = 0; i < 2 * (size_t)m.desc.num_layers; i++)
 			tensors[i] = snapshot + i * tb;
 	} else {
-		if (q->n_payload != 2 * (size_t)m.num_layers) {
+		if (q->n_payload != 2 * (size_t)m.desc.num_layers) {
 			fail(q, KVBP_BAD_FRAMES, "put for a %" PRIu32 "-layer model needs %" PRIu32
-			     " payload frames (K and V per layer); got %zu", m.num_layers,
-			     2 * m.num_layers, q->n_payload);
+			     " payload frames (K and V per layer); got %zu", m.desc.num_layers,
+			     2 * m.desc.num_layers, q->n_payload);
 			goto out;
 		}
 		for (size_t i = 0; i < q->n_payload; i++) {
@@ -130,7 +130,7 @@ static void put_run(struct req *q, struct bulk_conn **bc)
 				fail(q, KVBP_BAD_SHAPE, "payload frame %zu is %zu bytes; expected %"
 				     PRIu64 " (%" PRIu32 " tokens x %" PRIu32 " heads x %" PRIu32
 				     " dims x %" PRIu32 " bytes)", i + 1, sz, tb, q->h.num_tokens,
-				     m.num_kv_heads, m.head_dim, m.elem_size);
+				     m.desc.num_kv_heads, m.desc.head_dim, m.elem_size);
 				goto out;
 			}
 			tensors[i] = zmq_msg_data(&q->payload[i]);
@@ -265,14 +265,15 @@ static int get_part(void *arg, size_t i)
 	rc = store_chunk_get(g->store, g->m, g->hash, a, b, in, (uint64_t)(b - a) * 2 * g->tb, NULL);
 	if (!rc && g->tmp) {
 		/* bytes of one head of one token; the sizes were checked by op_get */
-		size_t hb = (size_t)(g->tb / g->tokens / g->m->num_kv_heads);
+		size_t hb = (size_t)(g->tb / g->tokens / g->m->desc.num_kv_heads);
 		size_t row = hb * g->shape.heads;
 
 		for (uint32_t j = 0; j < 2 * (b - a); j++) {
 			const uint8_t *s = in + (uint64_t)j * g->tb + (size_t)g->h0 * hb;
 			uint8_t *o = dst + (uint64_t)j * g->otb;
 
-			for (uint32_t t = 0; t < g->tokens; t++, o += row, s += hb * g->m->num_kv_heads)
+			for (uint32_t t = 0; t < g->tokens; t++, o += row,
+			     s += hb * g->m->desc.num_kv_heads)
 				memcpy(o, s, row);
 		}
 	}
@@ -309,9 +310,10 @@ static int chunk_get_parallel(struct req *q, const struct store_model *m, uint32
 			      uint32_t h0, uint32_t heads, uint64_t otb)
 {
 	struct get_split g = { q->srv->store, m, q->h.hash, lb, le, 1, dst, tb, q->srv->blend, rot,
-			       { heads ? heads : m->num_kv_heads, m->head_dim,
-				 m->rotary_dim ? m->rotary_dim : m->head_dim,
-				 m->rope_style ? ROPE_GPTJ : ROPE_NEOX, (enum blend_dtype)m->dtype },
+			       { heads ? heads : m->desc.num_kv_heads, m->desc.head_dim,
+				 m->desc.rotary_dim ? m->desc.rotary_dim : m->desc.head_dim,
+				 m->desc.rope_style ? ROPE_GPTJ : ROPE_NEOX,
+				 (enum blend_dtype)m->desc.dtype },
 			       tokens, tmp, h0, tmp ? otb : tb };
 	unsigned threads = pool_threads(q->srv->pool) + 1;
 	int rc;
@@ -440,19 +442,19 @@ void op_get(struct req *q)
 		return;
 	}
 	/* ckd-ok: two 32-bit numbers summed in 64 bits */
-	if ((uint64_t)h0 + hn > m.num_kv_heads) {
+	if ((uint64_t)h0 + hn > m.desc.num_kv_heads) {
 		fail(q, KVBP_BAD_ARGUMENT, "heads %" PRIu32 "..%" PRIu64 " beyond the model's %"
 		     PRIu32 " KV heads", h0, (uint64_t)h0 + hn - 1 /* ckd-ok: as above */,
-		     m.num_kv_heads);
+		     m.desc.num_kv_heads);
 		return;
 	}
-	if (hn == m.num_kv_heads)
+	if (hn == m.desc.num_kv_heads)
 		hn = 0; /* every head: the plain GET */
 	if (le == 0)
-		le = m.num_layers;
-	if (lb >= le || le > m.num_layers) {
+		le = m.desc.num_layers;
+	if (lb >= le || le > m.desc.num_layers) {
 		fail(q, KVBP_BAD_ARGUMENT, "layer range %" PRIu32 ":%" PRIu32 " invalid for a %"
-		     PRIu32 "-layer model", lb, le, m.num_layers);
+		     PRIu32 "-layer model", lb, le, m.desc.num_layers);
 		return;
 	}
 	rc = store_chunk_info(q->srv->store, &m, q->h.hash, &ci);
@@ -474,8 +476,8 @@ void op_get(struct req *q)
 		return;
 	/* a head range: hn of the heads, whose bytes divide tb exactly (tokens x heads x
 	 * head_dim x element) */
-	otb = hn ? tb / m.num_kv_heads * hn : tb; /* ckd-ok: at most tb */
-	ototal = hn ? total / m.num_kv_heads * hn : total; /* ckd-ok: at most total */
+	otb = hn ? tb / m.desc.num_kv_heads * hn : tb; /* ckd-ok: at most tb */
+	ototal = hn ? total / m.desc.num_kv_heads * hn : total; /* ckd-ok: at most total */
 	if (!hn && !q->h.rerotate && !q->h.has_shm && total >= VIEW_MIN_BYTES &&
 	    get_from_view(q, &m, lb, le, tb, total) == 0)
 		return;
@@ -490,7 +492,7 @@ void op_get(struct req *q)
 			     "overflows", q->h.target_pos, ci.num_tokens);
 			return;
 		}
-		rc = rope_table_build(&rc_cfg, m.k_pre_rope, ci.num_tokens, ci.base_pos,
+		rc = rope_table_build(&rc_cfg, m.desc.k_pre_rope, ci.num_tokens, ci.base_pos,
 				      (uint64_t)ci.base_pos + ci.num_tokens, q->h.target_pos,
 				      (uint64_t)q->h.target_pos + ci.num_tokens, /* ckd-ok: above */
 				      &rot);

@@ -13,7 +13,6 @@
 #include <string.h>
 
 #include "common/ckd.h"
-#include "common/model_fields.h"
 #include "daemon/clients.h"
 #include "cluster/cluster.h"
 #include "daemon/fdguard.h"

@@ -155,18 +155,19 @@ static void replicate_run(struct req *q, struct bulk_conn **bc)
 	}
 	if (peer_model(q, &m) || need_hash(q))
 		return;
-	if (chunk_bytes(q, &m, q->h.num_tokens, m.num_layers, &tb, &total))
+	if (chunk_bytes(q, &m, q->h.num_tokens, m.desc.num_layers, &tb, &total))
 		return;
-	if (*bc ? q->n_payload || q->h.n_bulk_parts != m.num_layers
-		: q->n_payload != m.num_layers || q->h.payload_frames != q->n_payload) {
+	if (*bc ? q->n_payload || q->h.n_bulk_parts != m.desc.num_layers
+		: q->n_payload != m.desc.num_layers || q->h.payload_frames != q->n_payload) {
 		fail(q, KVBP_BAD_FRAMES, "replicate of a %" PRIu32 "-layer model takes %" PRIu32
 		     " payload frames (a layer's stored bytes each), or on a bulk connection "
 		     "no frames and %" PRIu32 " bulk_parts; got %zu frames, %zu parts",
-		     m.num_layers, m.num_layers, m.num_layers, q->n_payload, q->h.n_bulk_parts);
+		     m.desc.num_layers, m.desc.num_layers, m.desc.num_layers, q->n_payload,
+		     q->h.n_bulk_parts);
 		return;
 	}
-	blobs = calloc(m.num_layers, sizeof(*blobs));
-	lens = calloc(m.num_layers, sizeof(*lens));
+	blobs = calloc(m.desc.num_layers, sizeof(*blobs));
+	lens = calloc(m.desc.num_layers, sizeof(*lens));
 	if (!blobs || !lens) {
 		fail(q, KVBP_LIMIT, "out of memory");
 		goto out;
@@ -177,11 +178,11 @@ static void replicate_run(struct req *q, struct bulk_conn **bc)
 
 		/* stored bytes: no more than a chunk of these tokens can take stored
 		 * (kvbb_stored_max), as a FETCH's parts are checked (cluster/bulk.c) */
-		for (uint32_t l = 0; l < m.num_layers; l++)
+		for (uint32_t l = 0; l < m.desc.num_layers; l++)
 			if (q->h.bulk_parts[l] > SIZE_MAX ||
 			    ckd_add(&sum, sum, q->h.bulk_parts[l]))
 				sum = UINT64_MAX;
-		if (kvbb_stored_max(total, m.num_layers, &bound) || !sum || sum > bound) {
+		if (kvbb_stored_max(total, m.desc.num_layers, &bound) || !sum || sum > bound) {
 			fail(q, KVBP_BAD_FRAMES, "replicate on the bulk connection: bulk_parts add "
 			     "up to %" PRIu64 " bytes, for a chunk of %" PRIu64 " raw bytes; nothing "
 			     "stored", sum, total);
@@ -199,12 +200,12 @@ static void replicate_run(struct req *q, struct bulk_conn **bc)
 			goto out;
 		}
 		/* ckd-ok: the parts' running sum, checked above to add up to sum */
-		for (uint64_t l = 0, off = 0; l < m.num_layers; off += q->h.bulk_parts[l++]) {
+		for (uint64_t l = 0, off = 0; l < m.desc.num_layers; off += q->h.bulk_parts[l++]) {
 			blobs[l] = in->data + off;
 			lens[l] = (size_t)q->h.bulk_parts[l];
 		}
 	} else {
-		for (uint32_t l = 0; l < m.num_layers; l++) {
+		for (uint32_t l = 0; l < m.desc.num_layers; l++) {
 			blobs[l] = zmq_msg_data(&q->payload[l]);
 			lens[l] = zmq_msg_size(&q->payload[l]);
 		}
@@ -227,8 +228,8 @@ static void replicate_run(struct req *q, struct bulk_conn **bc)
 		     " rows x %" PRIu32 " channels; this model's tensors are read one row per token: "
 		     "%" PRIu32 " rows x %" PRIu32 " channels (%" PRIu32 " kv_heads x %" PRIu32
 		     " head_dim); nothing stored", bad.layer, bad.plane ? "V" : "K", bad.rows,
-		     bad.channels, q->h.num_tokens, m.num_kv_heads * m.head_dim, m.num_kv_heads,
-		     m.head_dim);
+		     bad.channels, q->h.num_tokens, m.desc.num_kv_heads * m.desc.head_dim,
+		     m.desc.num_kv_heads, m.desc.head_dim);
 		goto out;
 	}
 	if (rc < 0) {

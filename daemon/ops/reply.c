@@ -14,7 +14,6 @@
 #include <string.h>
 
 #include "common/ckd.h"
-#include "common/model_fields.h"
 #include "daemon/clients.h"
 #include "cluster/cluster.h"
 #include "daemon/fdguard.h"
@@ -260,14 +259,14 @@ void model_from_store(const struct store_model *s, struct kvbp_model *m)
 {
 	memset(m, 0, sizeof(*m));
 	snprintf(m->name, sizeof(m->name), "%s", s->name);
-	KVB_MODEL_COPY(m, s);
+	m->desc = s->desc;
 }
 
 void model_to_store(const struct kvbp_model *m, struct store_model *s)
 {
 	memset(s, 0, sizeof(*s));
 	snprintf(s->name, sizeof(s->name), "%s", m->name);
-	KVB_MODEL_COPY(s, m);
+	s->desc = m->desc;
 }
 
 static bool positive(double x)
@@ -287,70 +286,73 @@ int model_check(struct req *q, struct kvbp_model *m)
 				    (unsigned char)*p);
 	if (!m->name[0])
 		return fail(q, KVBP_BAD_ARGUMENT, "model name is empty");
-	if (m->num_layers < 1 || m->num_layers > c->max_layers)
+	if (m->desc.num_layers < 1 || m->desc.num_layers > c->max_layers)
 		return fail(q, KVBP_BAD_SHAPE, "num_layers %" PRIu32 " out of range 1..%" PRIu64,
-			    m->num_layers, c->max_layers);
-	if (m->num_kv_heads < 1 || m->num_kv_heads > c->max_kv_heads)
+			    m->desc.num_layers, c->max_layers);
+	if (m->desc.num_kv_heads < 1 || m->desc.num_kv_heads > c->max_kv_heads)
 		return fail(q, KVBP_BAD_SHAPE, "num_kv_heads %" PRIu32 " out of range 1..%" PRIu64,
-			    m->num_kv_heads, c->max_kv_heads);
-	if (m->head_dim < 2 || m->head_dim > c->max_head_dim || m->head_dim % 2)
+			    m->desc.num_kv_heads, c->max_kv_heads);
+	if (m->desc.head_dim < 2 || m->desc.head_dim > c->max_head_dim || m->desc.head_dim % 2)
 		return fail(q, KVBP_BAD_SHAPE, "head_dim %" PRIu32 " must be even and in 2..%" PRIu64,
-			    m->head_dim, c->max_head_dim);
-	if (!kvbp_dtype_size(m->dtype))
+			    m->desc.head_dim, c->max_head_dim);
+	if (!kvbp_dtype_size(m->desc.dtype))
 		return fail(q, KVBP_BAD_ARGUMENT, "dtype %" PRIu32 " unknown; expected f16, bf16 "
-			    "or f32", m->dtype);
-	if (!positive(m->rope_theta))
+			    "or f32", m->desc.dtype);
+	if (!positive(m->desc.rope_theta))
 		return fail(q, KVBP_BAD_ARGUMENT, "rope_theta must be a positive number");
-	if (m->rope_style > 1)
+	if (m->desc.rope_style > 1)
 		return fail(q, KVBP_BAD_ARGUMENT, "rope_style %" PRIu32 " unknown; expected neox "
-			    "or gptj", m->rope_style);
-	if (m->store_codec > 3)
+			    "or gptj", m->desc.rope_style);
+	if (m->desc.store_codec > 3)
 		return fail(q, KVBP_BAD_ARGUMENT, "store codec %" PRIu32 " unknown; expected 0 "
-			    "(the model's dtype), 1 fp8, 2 int8 or 3 int4", m->store_codec);
-	if (m->store_codec == 3 && m->store_group == 0)
-		m->store_group = 32; /* the default int4 group */
-	if (m->store_codec != 3 && m->store_group)
+			    "(the model's dtype), 1 fp8, 2 int8 or 3 int4", m->desc.store_codec);
+	if (m->desc.store_codec == 3 && m->desc.store_group == 0)
+		m->desc.store_group = 32; /* the default int4 group */
+	if (m->desc.store_codec != 3 && m->desc.store_group)
 		return fail(q, KVBP_BAD_ARGUMENT, "store_group %" PRIu32 " is for int4 only",
-			    m->store_group);
-	if (m->store_group > 1024)
+			    m->desc.store_group);
+	if (m->desc.store_group > 1024)
 		return fail(q, KVBP_BAD_ARGUMENT, "int4 group %" PRIu32 " out of range 1..1024",
-			    m->store_group);
-	if (m->rotary_dim == 0)
-		m->rotary_dim = m->head_dim;
-	if (m->rotary_dim > m->head_dim || m->rotary_dim % 2)
+			    m->desc.store_group);
+	if (m->desc.rotary_dim == 0)
+		m->desc.rotary_dim = m->desc.head_dim;
+	if (m->desc.rotary_dim > m->desc.head_dim || m->desc.rotary_dim % 2)
 		return fail(q, KVBP_BAD_ARGUMENT, "rotary_dim %" PRIu32 " must be even and at most "
-			    "head_dim %" PRIu32, m->rotary_dim, m->head_dim);
-	switch (m->scaling) {
+			    "head_dim %" PRIu32, m->desc.rotary_dim, m->desc.head_dim);
+	switch (m->desc.scaling) {
 	case 0:
 		break;
 	case 1:
-		if (!positive(m->factor))
+		if (!positive(m->desc.factor))
 			return fail(q, KVBP_BAD_ARGUMENT, "linear rope scaling needs factor > 0");
 		break;
 	case 2:
-		if (!positive(m->factor) || !positive(m->low_freq_factor) ||
-		    !(m->high_freq_factor > m->low_freq_factor) || !isfinite(m->high_freq_factor) ||
-		    !m->original_max_pos)
+		if (!positive(m->desc.factor) || !positive(m->desc.low_freq_factor) ||
+		    !(m->desc.high_freq_factor > m->desc.low_freq_factor) ||
+		    !isfinite(m->desc.high_freq_factor) ||
+		    !m->desc.original_max_pos)
 			return fail(q, KVBP_BAD_ARGUMENT, "llama3 rope scaling needs factor > 0, "
 				    "0 < low_freq_factor < high_freq_factor, original_max_pos > 0");
 		break;
 	case 3:
-		if (m->beta_fast == 0 && m->beta_slow == 0) {
-			m->beta_fast = 32;
-			m->beta_slow = 1;
+		if (m->desc.beta_fast == 0 && m->desc.beta_slow == 0) {
+			m->desc.beta_fast = 32;
+			m->desc.beta_slow = 1;
 		}
-		if (!positive(m->factor) || !m->original_max_pos || !positive(m->beta_slow) ||
-		    !(m->beta_fast > m->beta_slow) || !isfinite(m->beta_fast))
+		if (!positive(m->desc.factor) || !m->desc.original_max_pos ||
+		    !positive(m->desc.beta_slow) ||
+		    !(m->desc.beta_fast > m->desc.beta_slow) || !isfinite(m->desc.beta_fast))
 			return fail(q, KVBP_BAD_ARGUMENT, "yarn rope scaling needs factor > 0, "
 				    "original_max_pos > 0, beta_fast > beta_slow > 0");
 		break;
 	case 4:
-		if (!positive(m->factor) || !m->max_pos)
+		if (!positive(m->desc.factor) || !m->desc.max_pos)
 			return fail(q, KVBP_BAD_ARGUMENT, "dynamic rope scaling needs factor > 0 and "
 				    "max_pos > 0");
 		break;
 	default:
-		return fail(q, KVBP_BAD_ARGUMENT, "rope scaling %" PRIu32 " unknown", m->scaling);
+		return fail(q, KVBP_BAD_ARGUMENT, "rope scaling %" PRIu32 " unknown",
+			    m->desc.scaling);
 	}
 	return 0;
 }
@@ -399,7 +401,7 @@ int chunk_bytes(struct req *q, const struct store_model *m, uint32_t tokens,
 	if (!tb || ckd_mul(&t, tb, 2 * (uint64_t)layers))
 		return fail(q, KVBP_BAD_SHAPE, "chunk size overflows: %" PRIu32 " tokens x %" PRIu32
 			    " heads x %" PRIu32 " dims x %" PRIu32 " layers", tokens,
-			    m->num_kv_heads, m->head_dim, layers);
+			    m->desc.num_kv_heads, m->desc.head_dim, layers);
 	if (t > c->max_message)
 		return fail(q, KVBP_TOO_LARGE, "chunk payload of %" PRIu64 " bytes exceeds "
 			    "max_message %" PRIu64, t, c->max_message);

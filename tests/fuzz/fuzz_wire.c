@@ -115,16 +115,18 @@ static bool same_double(double a, double b)
 
 static bool same_model(const struct kvbp_model *a, const struct kvbp_model *b)
 {
-	return !strcmp(a->name, b->name) && a->num_layers == b->num_layers &&
-	       a->num_kv_heads == b->num_kv_heads && a->head_dim == b->head_dim &&
-	       a->dtype == b->dtype && same_double(a->rope_theta, b->rope_theta) &&
-	       a->rope_style == b->rope_style && a->rotary_dim == b->rotary_dim &&
-	       a->scaling == b->scaling && same_double(a->factor, b->factor) &&
-	       same_double(a->low_freq_factor, b->low_freq_factor) &&
-	       same_double(a->high_freq_factor, b->high_freq_factor) &&
-	       a->original_max_pos == b->original_max_pos &&
-	       same_double(a->beta_fast, b->beta_fast) && same_double(a->beta_slow, b->beta_slow) &&
-	       a->max_pos == b->max_pos && a->k_pre_rope == b->k_pre_rope;
+	const struct kvb_model_desc *x = &a->desc, *y = &b->desc;
+
+	return !strcmp(a->name, b->name) && x->num_layers == y->num_layers &&
+	       x->num_kv_heads == y->num_kv_heads && x->head_dim == y->head_dim &&
+	       x->dtype == y->dtype && same_double(x->rope_theta, y->rope_theta) &&
+	       x->rope_style == y->rope_style && x->rotary_dim == y->rotary_dim &&
+	       x->scaling == y->scaling && same_double(x->factor, y->factor) &&
+	       same_double(x->low_freq_factor, y->low_freq_factor) &&
+	       same_double(x->high_freq_factor, y->high_freq_factor) &&
+	       x->original_max_pos == y->original_max_pos &&
+	       same_double(x->beta_fast, y->beta_fast) && same_double(x->beta_slow, y->beta_slow) &&
+	       x->max_pos == y->max_pos && x->k_pre_rope == y->k_pre_rope;
 }
 
 #define SAME(f)                                            \

@@ -92,11 +92,11 @@ static void model(struct kvbp_model *m, const char *name, uint32_t layers, uint3
 {
 	memset(m, 0, sizeof(*m));
 	snprintf(m->name, sizeof(m->name), "%s", name);
-	m->num_layers = layers;
-	m->num_kv_heads = heads;
-	m->head_dim = dim;
-	m->dtype = dtype;
-	m->rope_theta = 10000;
+	m->desc.num_layers = layers;
+	m->desc.num_kv_heads = heads;
+	m->desc.head_dim = dim;
+	m->desc.dtype = dtype;
+	m->desc.rope_theta = 10000;
 }
 
 void fuzz_sample(size_t i, struct kvbp_request *q, const char **name)
@@ -120,40 +120,40 @@ void fuzz_sample(size_t i, struct kvbp_request *q, const char **name)
 		q->op = KVBP_OP_MODEL_REGISTER;
 		q->has_model = true;
 		model(&q->model, "fz-yarn", 2, 1, 8, 3);
-		q->model.rope_style = 1;
-		q->model.rotary_dim = 4;
-		q->model.scaling = 3;
-		q->model.factor = 4;
-		q->model.original_max_pos = 4096;
-		q->model.beta_fast = 32;
-		q->model.beta_slow = 1;
+		q->model.desc.rope_style = 1;
+		q->model.desc.rotary_dim = 4;
+		q->model.desc.scaling = 3;
+		q->model.desc.factor = 4;
+		q->model.desc.original_max_pos = 4096;
+		q->model.desc.beta_fast = 32;
+		q->model.desc.beta_slow = 1;
 		break;
 	case S_REGISTER_LLAMA3:
 		q->op = KVBP_OP_MODEL_REGISTER;
 		q->has_model = true;
 		model(&q->model, "fz-llama3", 2, 2, 4, 2);
-		q->model.rope_theta = 500000;
-		q->model.scaling = 2;
-		q->model.factor = 8;
-		q->model.low_freq_factor = 1;
-		q->model.high_freq_factor = 4;
-		q->model.original_max_pos = 8192;
-		q->model.k_pre_rope = true;
+		q->model.desc.rope_theta = 500000;
+		q->model.desc.scaling = 2;
+		q->model.desc.factor = 8;
+		q->model.desc.low_freq_factor = 1;
+		q->model.desc.high_freq_factor = 4;
+		q->model.desc.original_max_pos = 8192;
+		q->model.desc.k_pre_rope = true;
 		break;
 	case S_REGISTER_LINEAR:
 		q->op = KVBP_OP_MODEL_REGISTER;
 		q->has_model = true;
 		model(&q->model, "fz-linear", 1, 1, 2, 1);
-		q->model.scaling = 1;
-		q->model.factor = 2;
+		q->model.desc.scaling = 1;
+		q->model.desc.factor = 2;
 		break;
 	case S_REGISTER_DYNAMIC:
 		q->op = KVBP_OP_MODEL_REGISTER;
 		q->has_model = true;
 		model(&q->model, "fz-dynamic", 1, 1, 2, 1);
-		q->model.scaling = 4;
-		q->model.factor = 2;
-		q->model.max_pos = 2048;
+		q->model.desc.scaling = 4;
+		q->model.desc.factor = 2;
+		q->model.desc.max_pos = 2048;
 		break;
 	case S_MODEL_LIST:
 		q->op = KVBP_OP_MODEL_LIST;

@@ -201,7 +201,7 @@ static uint64_t tensor_bytes(int mi, uint32_t tokens)
 /* Payload frames for a PUT of `tokens` tokens of model mi: mostly right, sometimes not. */
 static void put_payload(struct msg *m, struct kvbp_request *q, int mi, uint32_t tokens)
 {
-	uint32_t layers = mi >= 0 ? models[mi].m.num_layers : 1 + below(4);
+	uint32_t layers = mi >= 0 ? models[mi].m.desc.num_layers : 1 + below(4);
 	uint64_t tb = tensor_bytes(mi, tokens);
 	uint32_t n = 2 * layers;
 
@@ -333,46 +333,46 @@ static void perturb_model(struct kvbp_model *m, unsigned n)
 	for (unsigned i = 0; i < n; i++) {
 		switch (below(14)) {
 		case 0:
-			m->num_layers = pick_u32();
+			m->desc.num_layers = pick_u32();
 			break;
 		case 1:
-			m->num_kv_heads = pick_u32();
+			m->desc.num_kv_heads = pick_u32();
 			break;
 		case 2:
-			m->head_dim = pick_u32();
+			m->desc.head_dim = pick_u32();
 			break;
 		case 3:
-			m->dtype = pick_u32();
+			m->desc.dtype = pick_u32();
 			break;
 		case 4:
-			m->rope_theta = pick_double();
+			m->desc.rope_theta = pick_double();
 			break;
 		case 5:
-			m->rope_style = chance(50) ? below(3) : pick_u32();
+			m->desc.rope_style = chance(50) ? below(3) : pick_u32();
 			break;
 		case 6:
-			m->rotary_dim = pick_u32();
+			m->desc.rotary_dim = pick_u32();
 			break;
 		case 7:
-			m->scaling = chance(70) ? below(6) : pick_u32();
+			m->desc.scaling = chance(70) ? below(6) : pick_u32();
 			break;
 		case 8:
-			m->factor = pick_double();
+			m->desc.factor = pick_double();
 			break;
 		case 9:
-			m->low_freq_factor = pick_double();
-			m->high_freq_factor = pick_double();
+			m->desc.low_freq_factor = pick_double();
+			m->desc.high_freq_factor = pick_double();
 			break;
 		case 10:
-			m->original_max_pos = pick_u32();
-			m->max_pos = pick_u32();
+			m->desc.original_max_pos = pick_u32();
+			m->desc.max_pos = pick_u32();
 			break;
 		case 11:
-			m->beta_fast = pick_double();
-			m->beta_slow = pick_double();
+			m->desc.beta_fast = pick_double();
+			m->desc.beta_slow = pick_double();
 			break;
 		case 12:
-			m->k_pre_rope = !m->k_pre_rope;
+			m->desc.k_pre_rope = !m->desc.k_pre_rope;
 			break;
 		default:
 			snprintf(m->name, sizeof(m->name), "fzr%u", below(6));
@@ -441,7 +441,7 @@ static void gen_op(struct msg *m)
 		q.n_hashes = n;
 	}
 	if (q.has_shm) {
-		uint64_t want = mi >= 0 ? 2 * models[mi].m.num_layers *
+		uint64_t want = mi >= 0 ? 2 * models[mi].m.desc.num_layers *
 						  tensor_bytes(mi, q.num_tokens) : 4096;
 
 		set_shm(&q.shm_id, &q.shm_offset, &q.shm_length, want);
@@ -519,7 +519,7 @@ void gen_put(struct msg *m, int mi, uint32_t tokens)
 	fill_random(q.hash, KVBP_HASH_LEN);
 	q.num_tokens = tokens;
 	q.base_pos = chance(70) ? 0 : below(100000);
-	q.dtype = models[mi].m.dtype;
+	q.dtype = models[mi].m.desc.dtype;
 	m->id = q.request_id;
 	m->know_id = true;
 	m->learn = LEARN_PUT;
@@ -528,12 +528,13 @@ void gen_put(struct msg *m, int mi, uint32_t tokens)
 	memcpy(m->learn_hash, q.hash, KVBP_HASH_LEN);
 	if (n_shms && chance(30)) {
 		q.has_shm = true;
-		set_shm(&q.shm_id, &q.shm_offset, &q.shm_length, 2 * models[mi].m.num_layers * tb);
+		set_shm(&q.shm_id, &q.shm_offset, &q.shm_length,
+			2 * models[mi].m.desc.num_layers * tb);
 		shm_fill(q.shm_id, q.shm_offset, q.shm_length);
 		msg_add_header(m, &q);
 		return;
 	}
-	q.payload_frames = 2 * models[mi].m.num_layers;
+	q.payload_frames = 2 * models[mi].m.desc.num_layers;
 	msg_add_header(m, &q);
 	for (uint32_t i = 0; i < q.payload_frames; i++)
 		msg_add(m, NULL, (size_t)tb);
@@ -570,8 +571,9 @@ static void gen_layout(struct kvbp_request *q, int mi, uint64_t n)
 	const struct kvbp_model *md = &models[mi].m;
 	const struct shm_info *s = landseg.map && (!n_shms || chance(70))
 					   ? &landseg : &shms[below((uint32_t)n_shms)];
-	uint64_t e = md->dtype == 3 ? 4 : 2, row = (uint64_t)md->num_kv_heads * md->head_dim * e;
-	uint64_t L = md->num_layers, side;
+	uint64_t e = md->desc.dtype == 3 ? 4 : 2,
+		 row = (uint64_t)md->desc.num_kv_heads * md->desc.head_dim * e;
+	uint64_t L = md->desc.num_layers, side;
 	struct kvbp_layout *y = &q->land;
 
 	if (!n)
@@ -580,7 +582,7 @@ static void gen_layout(struct kvbp_request *q, int mi, uint64_t n)
 	q->has_land = true;
 	y->shm_id = chance(95) ? s->id : pick_u64();
 	y->token_stride = row;
-	y->head_stride = md->head_dim * e;
+	y->head_stride = md->desc.head_dim * e;
 	y->layer_stride = n * row;
 	if (chance(35)) { /* paged: a block table, pages in any order */
 		uint32_t pt = 1 + below(16), np = (uint32_t)((n + pt - 1) / pt);
@@ -598,7 +600,7 @@ static void gen_layout(struct kvbp_request *q, int mi, uint64_t n)
 	if (chance(35)) { /* K by its own strides: transposed per page, or per token */
 		y->k_dim_stride = y->page_tokens ? (uint64_t)y->page_tokens * e : e;
 		y->k_token_stride = y->page_tokens ? e : row;
-		y->k_head_stride = md->head_dim * (y->page_tokens ? y->page_tokens * e : e);
+		y->k_head_stride = md->desc.head_dim * (y->page_tokens ? y->page_tokens * e : e);
 	}
 	side = L * y->layer_stride;
 	y->k_offset = 0;
@@ -704,7 +706,7 @@ static void gen_fuse(struct msg *m)
 			gen_op(m);
 			return;
 		}
-		layers = models[mi].m.num_layers;
+		layers = models[mi].m.desc.num_layers;
 		q.op = KVBP_OP_FUSE_OPEN;
 		snprintf(q.model_name, sizeof(q.model_name), "%s", models[mi].m.name);
 		for (uint32_t i = 0; i < n_seg; i++) {
@@ -788,7 +790,8 @@ static void gen_fuse(struct msg *m)
 	}
 	mi = s->model;
 	q.session_id = chance(95) ? s->id : s->id ^ (1ull << below(64));
-	if (chance(10) || sessions_full || (s->next_layer >= models[mi].m.num_layers && chance(90))) {
+	if (chance(10) || sessions_full ||
+	    (s->next_layer >= models[mi].m.desc.num_layers && chance(90))) {
 		sessions_full = false;
 		q.op = KVBP_OP_FUSE_CLOSE;
 		m->learn = LEARN_FUSE_CLOSE;
@@ -833,7 +836,7 @@ static void gen_fuse(struct msg *m)
 			msg_add(m, NULL, len);
 		}
 		if (q.attention)
-			msg_add(m, NULL, chance(80) ? 4 * (size_t)models[mi].m.num_kv_heads *
+			msg_add(m, NULL, chance(80) ? 4 * (size_t)models[mi].m.desc.num_kv_heads *
 							  (s->tokens - below(s->tokens + 1)) :
 						      below(4096));
 	}

@@ -71,7 +71,8 @@ void gen_peer(struct msg *m)
 			q.has_model = true;
 			q.model = models[mi].m;
 			if (chance(30))
-				q.model.num_kv_heads += 1 + below(3); /* described differently */
+				/* described differently */
+				q.model.desc.num_kv_heads += 1 + below(3);
 		}
 		msg_add_header(m, &q);
 		return;
@@ -108,7 +109,7 @@ void gen_peer(struct msg *m)
 		q.model = models[mi].m;
 		snprintf(q.model.name, sizeof(q.model.name), "%s", q.model_name);
 		if (chance(20))
-			q.model.head_dim = chance(50) ? q.model.head_dim * 2 : pick_u32();
+			q.model.desc.head_dim = chance(50) ? q.model.desc.head_dim * 2 : pick_u32();
 	}
 	if (!t) {
 		q.payload_frames = 1 + below(4);

@@ -73,15 +73,15 @@ static void segment_keep(const struct shm_info *s)
 	if (!s->map || !n_models)
 		return;
 	memset(&q, 0, sizeof(q));
-	tb = (uint64_t)models[0].m.num_kv_heads * models[0].m.head_dim *
-	     (models[0].m.dtype == 3 ? 4 : 2);
+	tb = (uint64_t)models[0].m.desc.num_kv_heads * models[0].m.desc.head_dim *
+	     (models[0].m.desc.dtype == 3 ? 4 : 2);
 	snprintf(q.model_name, sizeof(q.model_name), "%s", models[0].m.name);
 	q.has_hash = true;
 	fill_random(q.hash, KVBP_HASH_LEN);
 	q.num_tokens = 1;
 	q.has_shm = true;
 	q.shm_id = s->id;
-	q.shm_length = 2 * (uint64_t)models[0].m.num_layers * tb;
+	q.shm_length = 2 * (uint64_t)models[0].m.desc.num_layers * tb;
 	if (q.shm_length > s->size)
 		return;
 	memset(&rep, 0, sizeof(rep));
@@ -495,8 +495,8 @@ int setup(void)
 			struct model_info *mi = &models[n_models++];
 
 			mi->m = rep.models[0];
-			mi->row = (size_t)mi->m.num_kv_heads * mi->m.head_dim *
-				  kvbp_dtype_size(mi->m.dtype);
+			mi->row = (size_t)mi->m.desc.num_kv_heads * mi->m.desc.head_dim *
+				  kvbp_dtype_size(mi->m.desc.dtype);
 		} else {
 			say("setup: MODEL_REGISTER %s: %s %s", q.model.name, kvbp_code_name(rep.code),
 			    rep.message);

@@ -213,10 +213,10 @@ static void test_wrong_rows(void **state)
 	/* the reply carries the session's model, as the client named it: no lookup needed */
 	assert_int_equal(rep.n_models, 1);
 	assert_string_equal(rep.models[0].name, "fm");
-	assert_int_equal(rep.models[0].num_layers, L);
-	assert_int_equal(rep.models[0].num_kv_heads, H);
-	assert_int_equal(rep.models[0].head_dim, D);
-	assert_int_equal(rep.models[0].dtype, KVB_F16);
+	assert_int_equal(rep.models[0].desc.num_layers, L);
+	assert_int_equal(rep.models[0].desc.num_kv_heads, H);
+	assert_int_equal(rep.models[0].desc.head_dim, D);
+	assert_int_equal(rep.models[0].desc.dtype, KVB_F16);
 	kvbp_reply_clear(&rep);
 	assert_true(sid != 0);
 	q = (struct kvbp_request){ .op = KVBP_OP_FUSE_LAYER, .session_id = sid, .layer = 1,

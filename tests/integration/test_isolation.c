@@ -287,11 +287,11 @@ static void non_member_cannot_replicate_or_fetch(void **state)
 	req.has_model = true;
 	snprintf(req.model_name, sizeof(req.model_name), "alice#m2");
 	snprintf(req.model.name, sizeof(req.model.name), "alice#m2");
-	req.model.num_layers = L;
-	req.model.num_kv_heads = 4;
-	req.model.head_dim = D;
-	req.model.dtype = 1; /* f16 */
-	req.model.rope_theta = 10000;
+	req.model.desc.num_layers = L;
+	req.model.desc.num_kv_heads = 4;
+	req.model.desc.head_dim = D;
+	req.model.desc.dtype = 1; /* f16 */
+	req.model.desc.rope_theta = 10000;
 	req.num_tokens = T;
 	memset(req.hash, 0x77, KVB_HASH_LEN);
 	assert_int_equal(raw_call(&r, &req, frames, lens, L, &rep), KVBP_BAD_ARGUMENT);

@@ -30,8 +30,9 @@
 
 /* The cluster tests' model "cm": 4 layers, 2 KV heads, head_dim 16, f16: a chunk's K and V
  * take 512 bytes a token. */
-static const struct store_model cm = { .name = "cm", .num_layers = LAYERS, .num_kv_heads = 2,
-				       .head_dim = 16, .dtype = 1, .elem_size = 2 };
+static const struct store_model cm = { .name = "cm", .desc.num_layers = LAYERS,
+				       .desc.num_kv_heads = 2, .desc.head_dim = 16,
+				       .desc.dtype = 1, .elem_size = 2 };
 
 struct fixture {
 	struct cluster *c;

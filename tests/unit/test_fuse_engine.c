@@ -96,8 +96,9 @@ static int setup(void **state)
 	assert_non_null(mkdtemp(f->dir));
 	so.dir = f->dir;
 	assert_int_equal(store_open(&so, &f->store), 0);
-	f->m = (struct store_model){ .name = "m", .num_layers = L, .num_kv_heads = H,
-				     .head_dim = D, .dtype = 1, .rope_theta = 10000 };
+	f->m = (struct store_model){ .name = "m", .desc.num_layers = L, .desc.num_kv_heads = H,
+				     .desc.head_dim = D, .desc.dtype = 1,
+				     .desc.rope_theta = 10000 };
 	assert_true(store_model_register(f->store, &f->m) >= 0);
 	fill(&f->a[0][0][0], sizeof(f->a) / 2, 1);
 	fill(&f->b[0][0][0], sizeof(f->b) / 2, 2);

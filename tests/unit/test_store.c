@@ -43,8 +43,8 @@ static int setup(void **state)
 	snprintf(f->dir, sizeof(f->dir), "/tmp/kvb-store-XXXXXX");
 	assert_non_null(mkdtemp(f->dir));
 	assert_int_equal(open_store(f, 64u << 20), 0);
-	f->m = (struct store_model){ .name = "m", .num_layers = 4, .num_kv_heads = 2,
-				     .head_dim = 16, .dtype = 1, .rope_theta = 1e4 };
+	f->m = (struct store_model){ .name = "m", .desc.num_layers = 4, .desc.num_kv_heads = 2,
+				     .desc.head_dim = 16, .desc.dtype = 1, .desc.rope_theta = 1e4 };
 	assert_int_equal(store_model_register(f->s, &f->m), 0);
 	assert_int_equal(f->m.elem_size, 2);
 	*state = f;
@@ -72,18 +72,18 @@ static uint8_t *make_chunk(const struct store_model *m, uint32_t t, uint32_t see
 			   const void **tensors)
 {
 	uint64_t tb = store_tensor_bytes(m, t);
-	uint8_t *buf = malloc(2 * tb * m->num_layers);
+	uint8_t *buf = malloc(2 * tb * m->desc.num_layers);
 
 	uint64_t x = 0x9e3779b97f4a7c15ull ^ seed;
 
 	/* Random bytes: incompressible, so sizes below are what LMDB must hold. */
-	for (uint64_t i = 0; i < 2 * tb * m->num_layers; i++) {
+	for (uint64_t i = 0; i < 2 * tb * m->desc.num_layers; i++) {
 		x ^= x << 13;
 		x ^= x >> 7;
 		x ^= x << 17;
 		buf[i] = (uint8_t)(x >> 32);
 	}
-	for (uint32_t i = 0; i < 2 * m->num_layers; i++)
+	for (uint32_t i = 0; i < 2 * m->desc.num_layers; i++)
 		tensors[i] = buf + i * tb;
 	return buf;
 }
@@ -103,19 +103,19 @@ static void test_models(void **state)
 
 	assert_int_equal(store_model_register(f->s, &same), 1);
 	assert_int_equal(same.id, f->m.id);
-	other.rope_theta = 5e5;
+	other.desc.rope_theta = 5e5;
 	assert_int_equal(store_model_register(f->s, &other), -EEXIST);
 	snprintf(other.name, sizeof(other.name), "another");
 	assert_int_equal(store_model_register(f->s, &other), 0);
 	assert_int_not_equal(other.id, f->m.id);
 	assert_int_equal(store_model_find(f->s, "another", &found), 0);
-	assert_true(found.rope_theta == 5e5);
+	assert_true(found.desc.rope_theta == 5e5);
 	assert_int_equal(store_model_find(f->s, "missing", &found), -ENOENT);
 	assert_int_equal(store_model_list(f->s, &all, &n), 0);
 	assert_int_equal(n, 2);
 	assert_string_equal(all[0].name, "another");
 	free(all);
-	other.dtype = 9;
+	other.desc.dtype = 9;
 	snprintf(other.name, sizeof(other.name), "bad");
 	assert_int_equal(store_model_register(f->s, &other), -EINVAL);
 }
@@ -608,7 +608,7 @@ static void test_next_model_flip(void **state)
 	flip_bit(f->dir, "meta", "next_model", 10, 0, 1); /* next id 3 -> 1, the id of "m" */
 	assert_int_equal(open_store(f, 64u << 20), 0);
 	snprintf(b.name, sizeof(b.name), "b");
-	b.rope_theta = 5e5;
+	b.desc.rope_theta = 5e5;
 	assert_int_equal(store_model_register(f->s, &b), 0);
 	assert_int_not_equal(b.id, f->m.id);
 	assert_int_not_equal(b.id, a.id);
@@ -670,11 +670,12 @@ static void raw_get(MDB_txn *txn, MDB_dbi dbi, const char *key, MDB_val *v)
 /* A format 1 model record: name[65], ten u32, six f64, k_pre_rope; 154 bytes. */
 static void v1_model(uint8_t *p, const struct store_model *m)
 {
-	const uint32_t u[10] = { m->id,	   m->num_layers, m->num_kv_heads, m->head_dim, m->dtype,
-				 m->rope_style, m->rotary_dim, m->scaling, m->max_pos,
-				 m->original_max_pos };
-	const double d[6] = { m->rope_theta, m->factor, m->low_freq_factor, m->high_freq_factor,
-			      m->beta_fast, m->beta_slow };
+	const struct kvb_model_desc *md = &m->desc;
+	const uint32_t u[10] = { m->id,	   md->num_layers, md->num_kv_heads, md->head_dim, md->dtype,
+				 md->rope_style, md->rotary_dim, md->scaling, md->max_pos,
+				 md->original_max_pos };
+	const double d[6] = { md->rope_theta, md->factor, md->low_freq_factor, md->high_freq_factor,
+			      md->beta_fast, md->beta_slow };
 	uint8_t *q = p + 65;
 
 	memset(p, 0, 154);
@@ -687,7 +688,7 @@ static void v1_model(uint8_t *p, const struct store_model *m)
 		memcpy(&x, &d[i], 8);
 		le(q, x, 8);
 	}
-	*q = m->k_pre_rope;
+	*q = m->desc.k_pre_rope;
 }
 
 /*
@@ -784,8 +785,8 @@ static void test_upgrade_from_v1(void **state)
 	assert_int_equal(open_store(f, 64u << 20), 0);
 	assert_int_equal(store_model_find(f->s, "m", &found), 0);
 	assert_int_equal(found.id, 1);
-	assert_int_equal(found.num_layers, 4);
-	assert_true(found.rope_theta == 1e4);
+	assert_int_equal(found.desc.num_layers, 4);
+	assert_true(found.desc.rope_theta == 1e4);
 	assert_int_equal(store_chunk_get(f->s, &found, h, 0, 4, out, total, &ci), 0);
 	assert_memory_equal(out, kv, total);
 	assert_int_equal(ci.base_pos, 7);
@@ -1015,7 +1016,7 @@ static int codec_scan_one(void *ctx, uint32_t model_id, const uint8_t *hash,
 	cs->all.stored_bytes += info->stored_bytes;
 	for (size_t i = 0; i < cs->n_models; i++)
 		if (cs->models[i].id == model_id) {
-			struct store_codec_use *u = &cs->codec[cs->models[i].store_codec];
+			struct store_codec_use *u = &cs->codec[cs->models[i].desc.store_codec];
 
 			u->chunks++;
 			u->raw_bytes += info->raw_bytes;
@@ -1052,7 +1053,7 @@ static uint8_t *make_finite_chunk(const struct store_model *m, uint32_t t, uint3
 				  const void **tensors)
 {
 	uint8_t *buf = make_chunk(m, t, seed, tensors);
-	uint64_t n = 2 * store_tensor_bytes(m, t) * m->num_layers;
+	uint64_t n = 2 * store_tensor_bytes(m, t) * m->desc.num_layers;
 
 	for (uint64_t i = 1; i < n; i += 2)
 		buf[i] &= 0xbb;
@@ -1086,8 +1087,8 @@ static void test_codec_totals_kept(void **state)
 	for (int i = 0; i < N_CODEC_MODELS; i++) {
 		ms[i] = f->m;
 		snprintf(ms[i].name, sizeof(ms[i].name), "codec%d", i);
-		ms[i].store_codec = (uint32_t)i;
-		ms[i].store_group = i == 3 ? 16 : 0;
+		ms[i].desc.store_codec = (uint32_t)i;
+		ms[i].desc.store_group = i == 3 ? 16 : 0;
 		assert_int_equal(store_model_register(f->s, &ms[i]), 0);
 	}
 	for (int step = 0; step < 400; step++) {
@@ -1166,7 +1167,7 @@ static void test_totals_read_no_walk(void **state)
 	MDB_val k = { 6, (void *)key }, v;
 
 	snprintf(q.name, sizeof(q.name), "q8");
-	q.store_codec = 2;
+	q.desc.store_codec = 2;
 	assert_int_equal(store_model_register(f->s, &q), 0);
 	for (int i = 0; i < 300; i++) {
 		const void *tn[8];

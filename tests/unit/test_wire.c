@@ -29,11 +29,11 @@ static void test_request_roundtrip(void **state)
 	(void)state;
 	snprintf(q.model_name, sizeof(q.model_name), "llama-3-8b");
 	snprintf(q.model.name, sizeof(q.model.name), "llama-3-8b");
-	q.model.num_layers = 32;
-	q.model.rope_theta = 500000;
-	q.model.scaling = 2;
-	q.model.high_freq_factor = 4;
-	q.model.k_pre_rope = true;
+	q.model.desc.num_layers = 32;
+	q.model.desc.rope_theta = 500000;
+	q.model.desc.scaling = 2;
+	q.model.desc.high_freq_factor = 4;
+	q.model.desc.k_pre_rope = true;
 	for (int i = 0; i < KVBP_HASH_LEN; i++)
 		q.hash[i] = (uint8_t)i;
 	memset(hashes, 0xab, sizeof(hashes));
@@ -44,8 +44,10 @@ static void test_request_roundtrip(void **state)
 	assert_int_equal(d.request_id, q.request_id);
 	assert_int_equal(d.op, KVBP_OP_PUT);
 	assert_string_equal(d.model_name, "llama-3-8b");
-	assert_true(d.has_model && d.model.num_layers == 32 && d.model.rope_theta == 500000);
-	assert_true(d.model.scaling == 2 && d.model.high_freq_factor == 4 && d.model.k_pre_rope);
+	assert_true(d.has_model && d.model.desc.num_layers == 32 &&
+		    d.model.desc.rope_theta == 500000);
+	assert_true(d.model.desc.scaling == 2 && d.model.desc.high_freq_factor == 4 &&
+		    d.model.desc.k_pre_rope);
 	assert_true(d.has_hash);
 	assert_memory_equal(d.hash, q.hash, KVBP_HASH_LEN);
 	assert_int_equal(d.n_hashes, 2);
@@ -122,7 +124,7 @@ static void test_reply_roundtrip(void **state)
 				.existed = true, .payload_frames = 4, .shm_id = 2,
 				.shm_size = 1 << 26 };
 	struct kvbp_reply d;
-	struct kvbp_model m = { .name = "x", .num_layers = 2 };
+	struct kvbp_model m = { .name = "x", .desc.num_layers = 2 };
 	struct kvbp_chunk ch[2] = { { .found = true, .num_tokens = 9 }, { .found = false } };
 	struct kvbp_stat st = { .name = "chunks", .value = 12 };
 	uint8_t *buf;
