@@ -6,9 +6,28 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/model_desc.h"
+
 static bool finite_pos(double x)
 {
 	return isfinite(x) && x > 0;
+}
+
+void rope_config_from_desc(const struct kvb_model_desc *d, struct rope_config *c)
+{
+	memset(c, 0, sizeof(*c));
+	c->head_dim = d->head_dim;
+	c->rotary_dim = d->rotary_dim ? d->rotary_dim : d->head_dim;
+	c->style = (enum rope_style)d->rope_style;
+	c->theta = d->rope_theta;
+	c->scaling = (enum rope_scaling)d->scaling;
+	c->factor = d->factor;
+	c->low_freq_factor = d->low_freq_factor;
+	c->high_freq_factor = d->high_freq_factor;
+	c->original_max_pos = d->original_max_pos;
+	c->beta_fast = d->beta_fast;
+	c->beta_slow = d->beta_slow;
+	c->max_pos = d->max_pos;
 }
 
 int rope_config_check(const struct rope_config *c)

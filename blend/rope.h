@@ -41,6 +41,15 @@ struct rope_config {
 	uint32_t max_pos;	   /* dynamic: max_position_embeddings */
 };
 
+struct kvb_model_desc;
+
+/*
+ * The RoPE configuration of model description d (common/model_desc.h): every RoPE
+ * field as it is, rotary_dim 0 read as head_dim. The one place a configuration is
+ * built from a model; d is not checked (rope_config_check() does that).
+ */
+void rope_config_from_desc(const struct kvb_model_desc *d, struct rope_config *c);
+
 /* Check c; returns 0 or -EINVAL. */
 int rope_config_check(const struct rope_config *c);
 

@@ -2,8 +2,9 @@
  * model_desc — one model's description: its KV layout, its RoPE configuration and how
  * its chunks are stored. The store's struct store_model (store/store.h) and the wire's
  * struct kvbp_model (proto/wire.h) embed it as their `desc`, so that a copy between them
- * is a struct assignment. The daemon's REGISTER checks it and fills in its defaults
- * (model_check, daemon/ops/reply.c).
+ * is a struct assignment; the RoPE configuration of the blend is built from it in one
+ * place, rope_config_from_desc() (blend/rope.h); the daemon's REGISTER checks it and
+ * fills in its defaults (model_check, daemon/ops/reply.c).
  *
  * Two shapes cannot embed it: the public struct kvb_model (client/include/kvblend.h, a
  * fixed ABI) and the protobuf message Kvblend__Model (proto/kvblend.proto, generated).
@@ -11,8 +12,7 @@
  * a description over the list KVB_MODEL_DESC_FIELDS, in one function each (client/model.c,
  * proto/wire.c). A new field is added to the struct and the list here, to those two
  * shapes, to its check, to its place in the store's model record (store/store_record.c)
- * and, when it is a RoPE field, to struct rope_config and the fuse engine's
- * fuse_rope_config().
+ * and, when it is a RoPE field, to struct rope_config and rope_config_from_desc().
  *
  * Ranges are those a registered model has (the daemon refuses others at REGISTER); a
  * description not yet checked may hold anything. Header-only. Not installed.

@@ -259,7 +259,4 @@ struct fuse_device_counts {
 };
 void fuse_device_counts(struct fuse_table *t, struct fuse_device_counts *c);
 
-/* The RoPE configuration of a stored model. */
-void fuse_rope_config(const struct store_model *m, struct rope_config *c);
-
 #endif

@@ -223,15 +223,15 @@ static uint32_t open_rotation_tables(const struct store_model *m, const struct k
 	uint64_t n = p->n;
 	int rc;
 
+	rope_config_from_desc(&m->desc, &rc_cfg);
 	s->n = (uint32_t)n;
 	s->shape.heads = m->desc.num_kv_heads;
 	s->shape.head_dim = m->desc.head_dim;
-	s->shape.rotary_dim = m->desc.rotary_dim ? m->desc.rotary_dim : m->desc.head_dim;
-	s->shape.style = m->desc.rope_style ? ROPE_GPTJ : ROPE_NEOX;
+	s->shape.rotary_dim = rc_cfg.rotary_dim;
+	s->shape.style = rc_cfg.style;
 	s->shape.dtype = (enum blend_dtype)m->desc.dtype;
 	s->row_bytes = (size_t)m->desc.num_kv_heads * m->desc.head_dim * m->elem_size;
 	/* Rotation tables; chunk i's token t sits at the position of its segment plus t. */
-	fuse_rope_config(m, &rc_cfg);
 	{
 		size_t ci = 0;
 

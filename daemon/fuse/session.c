@@ -12,23 +12,6 @@
 #include "daemon/fuse/fuse_impl.h"
 #include "daemon/log.h"
 
-void fuse_rope_config(const struct store_model *m, struct rope_config *c)
-{
-	memset(c, 0, sizeof(*c));
-	c->head_dim = m->desc.head_dim;
-	c->rotary_dim = m->desc.rotary_dim ? m->desc.rotary_dim : m->desc.head_dim;
-	c->style = m->desc.rope_style ? ROPE_GPTJ : ROPE_NEOX;
-	c->theta = m->desc.rope_theta;
-	c->scaling = (enum rope_scaling)m->desc.scaling;
-	c->factor = m->desc.factor;
-	c->low_freq_factor = m->desc.low_freq_factor;
-	c->high_freq_factor = m->desc.high_freq_factor;
-	c->original_max_pos = m->desc.original_max_pos;
-	c->beta_fast = m->desc.beta_fast;
-	c->beta_slow = m->desc.beta_slow;
-	c->max_pos = m->desc.max_pos;
-}
-
 int fuse_table_new(const struct fuse_limits *l, struct store *store, struct pool *pool,
 		   const struct blend_backend *backend, const struct blend_device *device,
 		   struct shm_table *shm, struct fuse_table **out)

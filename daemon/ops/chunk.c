@@ -310,13 +310,16 @@ static int chunk_get_parallel(struct req *q, const struct store_model *m, uint32
 			      uint32_t h0, uint32_t heads, uint64_t otb)
 {
 	struct get_split g = { q->srv->store, m, q->h.hash, lb, le, 1, dst, tb, q->srv->blend, rot,
-			       { heads ? heads : m->desc.num_kv_heads, m->desc.head_dim,
-				 m->desc.rotary_dim ? m->desc.rotary_dim : m->desc.head_dim,
-				 m->desc.rope_style ? ROPE_GPTJ : ROPE_NEOX,
-				 (enum blend_dtype)m->desc.dtype },
+			       { heads ? heads : m->desc.num_kv_heads, m->desc.head_dim, 0,
+				 ROPE_NEOX, (enum blend_dtype)m->desc.dtype },
 			       tokens, tmp, h0, tmp ? otb : tb };
 	unsigned threads = pool_threads(q->srv->pool) + 1;
+	struct rope_config rc_cfg;
 	int rc;
+
+	rope_config_from_desc(&m->desc, &rc_cfg);
+	g.shape.rotary_dim = rc_cfg.rotary_dim;
+	g.shape.style = rc_cfg.style;
 
 	if (total < SPLIT_MIN_BYTES)
 		progress = NULL; /* small: one part, the client copies after the reply */
@@ -485,7 +488,7 @@ void op_get(struct req *q)
 		struct rope_config rc_cfg;
 
 		/* A chunk alone at target_pos: dynamic NTK sees target_pos + T positions. */
-		fuse_rope_config(&m, &rc_cfg);
+		rope_config_from_desc(&m.desc, &rc_cfg);
 		/* ckd-ok: two 32-bit numbers summed in 64 bits */
 		if ((uint64_t)q->h.target_pos + ci.num_tokens > UINT32_MAX) {
 			fail(q, KVBP_BAD_ARGUMENT, "target position %" PRIu32 " + %" PRIu32 " tokens "
