@@ -2,7 +2,10 @@
 #include "blend/rope.h"
 
 #include <errno.h>
+#include <inttypes.h>
 #include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -30,29 +33,55 @@ void rope_config_from_desc(const struct kvb_model_desc *d, struct rope_config *c
 	c->max_pos = d->max_pos;
 }
 
-int rope_config_check(const struct rope_config *c)
+__attribute__((format(printf, 3, 4))) static int broken(char *why, size_t whylen,
+							 const char *fmt, ...)
 {
-	if (!c->head_dim || c->head_dim % 2 || !c->rotary_dim || c->rotary_dim % 2 ||
-	    c->rotary_dim > c->head_dim || !finite_pos(c->theta) || c->style > ROPE_GPTJ)
-		return -EINVAL;
+	va_list ap;
+
+	if (why && whylen) {
+		va_start(ap, fmt);
+		vsnprintf(why, whylen, fmt, ap);
+		va_end(ap);
+	}
+	return -EINVAL;
+}
+
+int rope_config_check(const struct rope_config *c, char *why, size_t whylen)
+{
+	if (!c->head_dim || c->head_dim % 2)
+		return broken(why, whylen, "head_dim %" PRIu32 " must be even and above 0",
+			      c->head_dim);
+	if (!finite_pos(c->theta))
+		return broken(why, whylen, "rope_theta must be a positive number");
+	if (c->style > ROPE_GPTJ)
+		return broken(why, whylen, "rope_style %u unknown; expected neox or gptj",
+			      (unsigned)c->style);
+	if (!c->rotary_dim || c->rotary_dim % 2 || c->rotary_dim > c->head_dim)
+		return broken(why, whylen, "rotary_dim %" PRIu32 " must be even and at most "
+			      "head_dim %" PRIu32, c->rotary_dim, c->head_dim);
 	switch (c->scaling) {
 	case ROPE_SCALING_NONE:
 		return 0;
 	case ROPE_SCALING_LINEAR:
-		return finite_pos(c->factor) ? 0 : -EINVAL;
+		return finite_pos(c->factor) ? 0
+			: broken(why, whylen, "linear rope scaling needs factor > 0");
 	case ROPE_SCALING_LLAMA3:
 		return finite_pos(c->factor) && finite_pos(c->low_freq_factor) &&
 			       isfinite(c->high_freq_factor) &&
 			       c->high_freq_factor > c->low_freq_factor && c->original_max_pos
-		       ? 0 : -EINVAL;
+		       ? 0 : broken(why, whylen, "llama3 rope scaling needs factor > 0, "
+				    "0 < low_freq_factor < high_freq_factor, original_max_pos > 0");
 	case ROPE_SCALING_YARN:
 		return finite_pos(c->factor) && c->original_max_pos && finite_pos(c->beta_slow) &&
 			       isfinite(c->beta_fast) && c->beta_fast > c->beta_slow
-		       ? 0 : -EINVAL;
+		       ? 0 : broken(why, whylen, "yarn rope scaling needs factor > 0, "
+				    "original_max_pos > 0, beta_fast > beta_slow > 0");
 	case ROPE_SCALING_DYNAMIC:
-		return finite_pos(c->factor) && c->max_pos ? 0 : -EINVAL;
+		return finite_pos(c->factor) && c->max_pos ? 0
+			: broken(why, whylen, "dynamic rope scaling needs factor > 0 and "
+				 "max_pos > 0");
 	}
-	return -EINVAL;
+	return broken(why, whylen, "rope scaling %u unknown", (unsigned)c->scaling);
 }
 
 /* Default RoPE: inv_freq[j] = 1 / base^(2j / dim) (RoFormer; HF
@@ -82,7 +111,7 @@ int rope_inv_freq(const struct rope_config *c, uint64_t seq_len, double *inv_fre
 	uint32_t dim = c->rotary_dim, half = dim / 2;
 	double af = 1.0;
 
-	if (rope_config_check(c))
+	if (rope_config_check(c, NULL, 0))
 		return -EINVAL;
 	switch (c->scaling) {
 	case ROPE_SCALING_NONE:

@@ -11,6 +11,7 @@
 #define KVBLEND_BLEND_ROPE_H
 
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 
 enum rope_style {
@@ -50,8 +51,11 @@ struct kvb_model_desc;
  */
 void rope_config_from_desc(const struct kvb_model_desc *d, struct rope_config *c);
 
-/* Check c; returns 0 or -EINVAL. */
-int rope_config_check(const struct rope_config *c);
+/*
+ * Check c; returns 0, or -EINVAL with the rule c breaks written to why (a sentence that
+ * names the fields, at most whylen bytes with its NUL; why may be NULL).
+ */
+int rope_config_check(const struct rope_config *c, char *why, size_t whylen);
 
 /*
  * The rotary_dim/2 inverse frequencies of c into inv_freq, and the attention

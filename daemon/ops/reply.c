@@ -269,15 +269,17 @@ void model_to_store(const struct kvbp_model *m, struct store_model *s)
 	s->desc = m->desc;
 }
 
-static bool positive(double x)
-{
-	return isfinite(x) && x > 0;
-}
-
-/* Check a model description and fill in the defaults, so equal models compare equal. */
+/*
+ * Check a model description and fill in the defaults, so equal models compare equal:
+ * the layout against the daemon's limits, the storage here, the RoPE configuration by
+ * the blend's own rules (rope_config_check), the ones every fuse is computed under.
+ */
 int model_check(struct req *q, struct kvbp_model *m)
 {
 	const struct config *c = q->srv->cfg;
+	struct kvb_model_desc *d = &m->desc;
+	struct rope_config rc;
+	char why[160];
 
 	for (const char *p = m->name; *p; p++)
 		if (!isalnum((unsigned char)*p) && !strchr("._-:/@+", *p))
@@ -286,74 +288,38 @@ int model_check(struct req *q, struct kvbp_model *m)
 				    (unsigned char)*p);
 	if (!m->name[0])
 		return fail(q, KVBP_BAD_ARGUMENT, "model name is empty");
-	if (m->desc.num_layers < 1 || m->desc.num_layers > c->max_layers)
+	if (d->num_layers < 1 || d->num_layers > c->max_layers)
 		return fail(q, KVBP_BAD_SHAPE, "num_layers %" PRIu32 " out of range 1..%" PRIu64,
-			    m->desc.num_layers, c->max_layers);
-	if (m->desc.num_kv_heads < 1 || m->desc.num_kv_heads > c->max_kv_heads)
+			    d->num_layers, c->max_layers);
+	if (d->num_kv_heads < 1 || d->num_kv_heads > c->max_kv_heads)
 		return fail(q, KVBP_BAD_SHAPE, "num_kv_heads %" PRIu32 " out of range 1..%" PRIu64,
-			    m->desc.num_kv_heads, c->max_kv_heads);
-	if (m->desc.head_dim < 2 || m->desc.head_dim > c->max_head_dim || m->desc.head_dim % 2)
+			    d->num_kv_heads, c->max_kv_heads);
+	if (d->head_dim < 2 || d->head_dim > c->max_head_dim || d->head_dim % 2)
 		return fail(q, KVBP_BAD_SHAPE, "head_dim %" PRIu32 " must be even and in 2..%" PRIu64,
-			    m->desc.head_dim, c->max_head_dim);
-	if (!kvbp_dtype_size(m->desc.dtype))
+			    d->head_dim, c->max_head_dim);
+	if (!kvbp_dtype_size(d->dtype))
 		return fail(q, KVBP_BAD_ARGUMENT, "dtype %" PRIu32 " unknown; expected f16, bf16 "
-			    "or f32", m->desc.dtype);
-	if (!positive(m->desc.rope_theta))
-		return fail(q, KVBP_BAD_ARGUMENT, "rope_theta must be a positive number");
-	if (m->desc.rope_style > 1)
-		return fail(q, KVBP_BAD_ARGUMENT, "rope_style %" PRIu32 " unknown; expected neox "
-			    "or gptj", m->desc.rope_style);
-	if (m->desc.store_codec > 3)
+			    "or f32", d->dtype);
+	if (d->store_codec > 3)
 		return fail(q, KVBP_BAD_ARGUMENT, "store codec %" PRIu32 " unknown; expected 0 "
-			    "(the model's dtype), 1 fp8, 2 int8 or 3 int4", m->desc.store_codec);
-	if (m->desc.store_codec == 3 && m->desc.store_group == 0)
-		m->desc.store_group = 32; /* the default int4 group */
-	if (m->desc.store_codec != 3 && m->desc.store_group)
+			    "(the model's dtype), 1 fp8, 2 int8 or 3 int4", d->store_codec);
+	if (d->store_codec == 3 && d->store_group == 0)
+		d->store_group = 32; /* the default int4 group */
+	if (d->store_codec != 3 && d->store_group)
 		return fail(q, KVBP_BAD_ARGUMENT, "store_group %" PRIu32 " is for int4 only",
-			    m->desc.store_group);
-	if (m->desc.store_group > 1024)
+			    d->store_group);
+	if (d->store_group > 1024)
 		return fail(q, KVBP_BAD_ARGUMENT, "int4 group %" PRIu32 " out of range 1..1024",
-			    m->desc.store_group);
-	if (m->desc.rotary_dim == 0)
-		m->desc.rotary_dim = m->desc.head_dim;
-	if (m->desc.rotary_dim > m->desc.head_dim || m->desc.rotary_dim % 2)
-		return fail(q, KVBP_BAD_ARGUMENT, "rotary_dim %" PRIu32 " must be even and at most "
-			    "head_dim %" PRIu32, m->desc.rotary_dim, m->desc.head_dim);
-	switch (m->desc.scaling) {
-	case 0:
-		break;
-	case 1:
-		if (!positive(m->desc.factor))
-			return fail(q, KVBP_BAD_ARGUMENT, "linear rope scaling needs factor > 0");
-		break;
-	case 2:
-		if (!positive(m->desc.factor) || !positive(m->desc.low_freq_factor) ||
-		    !(m->desc.high_freq_factor > m->desc.low_freq_factor) ||
-		    !isfinite(m->desc.high_freq_factor) ||
-		    !m->desc.original_max_pos)
-			return fail(q, KVBP_BAD_ARGUMENT, "llama3 rope scaling needs factor > 0, "
-				    "0 < low_freq_factor < high_freq_factor, original_max_pos > 0");
-		break;
-	case 3:
-		if (m->desc.beta_fast == 0 && m->desc.beta_slow == 0) {
-			m->desc.beta_fast = 32;
-			m->desc.beta_slow = 1;
-		}
-		if (!positive(m->desc.factor) || !m->desc.original_max_pos ||
-		    !positive(m->desc.beta_slow) ||
-		    !(m->desc.beta_fast > m->desc.beta_slow) || !isfinite(m->desc.beta_fast))
-			return fail(q, KVBP_BAD_ARGUMENT, "yarn rope scaling needs factor > 0, "
-				    "original_max_pos > 0, beta_fast > beta_slow > 0");
-		break;
-	case 4:
-		if (!positive(m->desc.factor) || !m->desc.max_pos)
-			return fail(q, KVBP_BAD_ARGUMENT, "dynamic rope scaling needs factor > 0 and "
-				    "max_pos > 0");
-		break;
-	default:
-		return fail(q, KVBP_BAD_ARGUMENT, "rope scaling %" PRIu32 " unknown",
-			    m->desc.scaling);
+			    d->store_group);
+	if (d->rotary_dim == 0)
+		d->rotary_dim = d->head_dim;
+	if (d->scaling == ROPE_SCALING_YARN && d->beta_fast == 0 && d->beta_slow == 0) {
+		d->beta_fast = 32; /* YaRN's defaults (HF transformers) */
+		d->beta_slow = 1;
 	}
+	rope_config_from_desc(d, &rc);
+	if (rope_config_check(&rc, why, sizeof(why)))
+		return fail(q, KVBP_BAD_ARGUMENT, "%s", why);
 	return 0;
 }
 

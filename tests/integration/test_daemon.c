@@ -409,6 +409,7 @@ static void test_models(void **state)
 	m.scaling = KVB_SCALING_LLAMA3;
 	m.factor = 8;
 	assert_int_equal(kvb_model_register(c, &m, NULL), KVB_E_BAD_ARGUMENT);
+	assert_non_null(strstr(kvb_last_error(c), "llama3 rope scaling needs factor > 0"));
 	assert_int_equal(kvb_rope_scaling_parse("yarn:4,32768", &m), 0);
 	snprintf(m.name, sizeof(m.name), "yarn-ok");
 	assert_int_equal(kvb_model_register(c, &m, NULL), 0);
