@@ -517,7 +517,8 @@ class SchedulerSide:
         if said is not None:
             self._count("requests", 1)
             for k, v in said.items():
-                self._count(k, v)
+                if k != "blend_ratio":  # a share, not a count (the stats sum counts)
+                    self._count(k, v)
         self._plans.pop(rid, None)
         self._stores.pop(rid, None)
         self._fenced.pop(rid, None)
