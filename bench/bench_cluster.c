@@ -82,19 +82,6 @@ static const struct kvb_model model = { .name = "bench-mistral", .num_layers = 3
 					.num_kv_heads = 8, .head_dim = 128, .dtype = KVB_F16,
 					.rope_theta = 1e6 };
 
-static int free_port(void)
-{
-	struct sockaddr_in a = { .sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
-	socklen_t len = sizeof(a);
-	int s = socket(AF_INET, SOCK_STREAM, 0), port;
-
-	bind(s, (struct sockaddr *)&a, sizeof(a));
-	getsockname(s, (struct sockaddr *)&a, &len);
-	port = ntohs(a.sin_port);
-	close(s);
-	return port;
-}
-
 /* ---- the plain socket copy ---- */
 
 /* One loopback TCP stream between two threads, kept for every round: the sender sends
@@ -179,9 +166,9 @@ static void plain_close(struct plain *p)
 /* ---- the daemons ---- */
 
 struct node {
-	char dir[64], ipc[300], tcp[64], key_file[300];
+	struct daemon d; /* its IPC endpoint: d.endpoint */
+	char tcp[64], key_file[300];
 	int port;
-	pid_t pid;
 };
 
 static char pub_a[41], sec_a[41], pub_b[41], sec_b[41], pub_c[41], sec_c[41];
@@ -189,9 +176,9 @@ static char pub_a[41], sec_a[41], pub_b[41], sec_b[41], pub_c[41], sec_c[41];
 static void start_node(const char *daemon, struct node *n, const char *id, const char *peers,
 		       bool curve, const char *secret, bool frames)
 {
-	char listen_arg[400], auth[300];
+	char auth[300];
 	/* no drain on the way out: the benchmark keeps nothing */
-	const char *extra[20] = { "--listen", listen_arg, "--node-id", id, "--cluster-peers", peers,
+	const char *extra[20] = { "--listen", n->tcp, "--node-id", id, "--cluster-peers", peers,
 				  "--cluster-replicas", "1", "--cluster-timeout-ms", "30000",
 				  "--cluster-drain-timeout", "0" };
 	int k = 12;
@@ -202,13 +189,11 @@ static void start_node(const char *daemon, struct node *n, const char *id, const
 	}
 
 	/* the daemon as every benchmark starts one (bench_common.h), on IPC and TCP */
-	snprintf(n->ipc, sizeof(n->ipc), "ipc://%s/kvblend.sock", n->dir);
-	snprintf(listen_arg, sizeof(listen_arg), "%s,%s", n->ipc, n->tcp);
-	snprintf(auth, sizeof(auth), "%s/authorized", n->dir);
+	snprintf(auth, sizeof(auth), "%s/authorized", n->d.dir);
 	if (curve) {
 		FILE *f;
 
-		snprintf(n->key_file, sizeof(n->key_file), "%s/key", n->dir);
+		snprintf(n->key_file, sizeof(n->key_file), "%s/key", n->d.dir);
 		f = fopen(n->key_file, "w");
 		fprintf(f, "%s\n", secret);
 		fclose(f);
@@ -220,15 +205,7 @@ static void start_node(const char *daemon, struct node *n, const char *id, const
 		extra[k++] = "--curve-authorized-keys";
 		extra[k++] = auth;
 	}
-	n->pid = bench_start_daemon_with(daemon, n->dir, n->ipc, sizeof(n->ipc), 0, extra);
-}
-
-static void stop_node(struct node *n)
-{
-	int st;
-
-	kill(n->pid, SIGTERM);
-	waitpid(n->pid, &st, 0);
+	bench_spawn_daemon(&n->d, daemon, false, extra);
 }
 
 static kvb_client *connect_to(const char *ep, const char *server_key, const char *client_sec)
@@ -342,19 +319,19 @@ static double timed_get(kvb_client *c, const uint8_t *hash, void *dst, size_t by
 static void run(const char *daemon, bool curve, const unsigned *sizes, unsigned n_sizes,
 		int repeats, bool get_only)
 {
-	struct node a = { "/tmp/kvb-bcl-a-XXXXXX" }, b = { "/tmp/kvb-bcl-b-XXXXXX" },
-		    c = { "/tmp/kvb-bcl-c-XXXXXX" };
-	char peers[400], peers_c[400], cmd[300];
+	struct node a = { 0 }, b = { 0 }, c = { 0 };
+	char peers[400], peers_c[400];
 	kvb_client *ca, *cb, *cc, *ct, *cf, *cg;
 	const char *sk = curve ? pub_a : NULL, *ck = curve ? sec_c : NULL;
 
-	if (!mkdtemp(a.dir) || !mkdtemp(b.dir) || !mkdtemp(c.dir)) {
+	if (daemon_prepare(&a.d, "/tmp/kvb-bcl-a") || daemon_prepare(&b.d, "/tmp/kvb-bcl-b") ||
+	    daemon_prepare(&c.d, "/tmp/kvb-bcl-c")) {
 		perror("mkdtemp");
 		exit(1);
 	}
-	a.port = free_port();
-	b.port = free_port();
-	c.port = free_port();
+	a.port = free_tcp_port();
+	b.port = free_tcp_port();
+	c.port = free_tcp_port();
 	snprintf(a.tcp, sizeof(a.tcp), "tcp://127.0.0.1:%d", a.port);
 	snprintf(b.tcp, sizeof(b.tcp), "tcp://127.0.0.1:%d", b.port);
 	snprintf(c.tcp, sizeof(c.tcp), "tcp://127.0.0.1:%d", c.port);
@@ -372,9 +349,9 @@ static void run(const char *daemon, bool curve, const unsigned *sizes, unsigned 
 	start_node(daemon, &b, "b", peers, curve, sec_b, false);
 	if (!get_only)
 		start_node(daemon, &c, "c", peers_c, curve, sec_c, true);
-	ca = connect_to(a.ipc, NULL, NULL);
-	cb = connect_to(b.ipc, NULL, NULL);
-	cc = get_only ? NULL : connect_to(c.ipc, NULL, NULL);
+	ca = connect_to(a.d.endpoint, NULL, NULL);
+	cb = connect_to(b.d.endpoint, NULL, NULL);
+	cc = get_only ? NULL : connect_to(c.d.endpoint, NULL, NULL);
 	ct = connect_to(a.tcp, sk, ck);
 	cf = connect_to(a.tcp, sk, ck);
 	cg = connect_to(a.tcp, sk, ck);
@@ -561,13 +538,9 @@ static void run(const char *daemon, bool curve, const unsigned *sizes, unsigned 
 	kvb_close(&cf);
 	kvb_close(&cg);
 	/* the others first: each drains what it owns to a on its way out */
-	if (!get_only)
-		stop_node(&c);
-	stop_node(&b);
-	stop_node(&a);
-	snprintf(cmd, sizeof(cmd), "rm -rf %s %s %s", a.dir, b.dir, c.dir);
-	if (system(cmd) < 0)
-		perror("system");
+	bench_stop_daemon(&c.d);
+	bench_stop_daemon(&b.d);
+	bench_stop_daemon(&a.d);
 }
 
 /* The first three fields of /proc/loadavg: the machine's load when the run began. */

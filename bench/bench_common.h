@@ -1,6 +1,7 @@
 /*
- * bench_common — what the benchmarks share: a monotonic clock, medians, and a
- * kvblendd of their own on a temporary directory. Header-only; benchmarks only.
+ * bench_common — what the benchmarks share: a monotonic clock, medians, copies to
+ * measure against, and their kvblendd's options (started and stopped through the test
+ * harness's core, tests/integration/harness_core.h). Header-only; benchmarks only.
  */
 #ifndef KVBLEND_BENCH_COMMON_H
 #define KVBLEND_BENCH_COMMON_H
@@ -16,6 +17,7 @@
 #include <unistd.h>
 
 #include "client/include/kvblend.h"
+#include "tests/integration/harness_core.h"
 
 static inline double now_s(void)
 {
@@ -23,20 +25,6 @@ static inline double now_s(void)
 
 	clock_gettime(CLOCK_MONOTONIC, &ts);
 	return ts.tv_sec + ts.tv_nsec / 1e9;
-}
-
-/*
- * n f16 values of magnitude 2^-2..2^1 with random mantissas and signs, from seed (an
- * xorshift stream: the same seed gives the same values).
- */
-static inline void bench_fill_f16(uint16_t *p, size_t n, uint64_t seed)
-{
-	uint64_t x = seed * 0x9e3779b97f4a7c15ull + 1;
-
-	for (size_t i = 0; i < n; i++) {
-		x ^= x << 13, x ^= x >> 7, x ^= x << 17;
-		p[i] = (uint16_t)((x >> 63) << 15 | (13 + (x >> 20 & 3)) << 10 | (x & 0x3ff));
-	}
 }
 
 static inline int cmp_double(const void *a, const void *b)
@@ -101,7 +89,6 @@ static inline void bench_copier_stop(struct bench_copier *c)
 	pthread_barrier_destroy(&c->done);
 }
 
-/* A comma-separated list of counts ("4096,32768") into v, at most max of them; how many. */
 /* The median of v[0..n) (sorts v); n >= 1. */
 static inline double bench_median(double *v, int n)
 {
@@ -109,6 +96,7 @@ static inline double bench_median(double *v, int n)
 	return v[n / 2];
 }
 
+/* A comma-separated list of counts ("4096,32768") into v, at most max of them; how many. */
 static inline unsigned bench_parse_list(char *s, unsigned *v, unsigned max)
 {
 	char *save, *tok;
@@ -127,71 +115,64 @@ static inline void bench_default_daemon(const char *argv0, char *path, size_t le
 	snprintf(path, len, "%.*skvblendd", slash ? (int)(slash - argv0 + 1) : 0, argv0);
 }
 
+/* The options of every benchmark's daemon: room for the largest chunks, warnings only. */
+#define BENCH_DAEMON_OPTIONS "--map-size", "64G", "--max-message", "1G", "--log-level", "warn"
+
 /*
- * Start kvblendd on dir/data and ipc://dir/kvblend.sock (endpoint written to ep)
- * with --no-sync unless sync, and wait until it answers. Exits on failure. extra:
- * more options, NULL-terminated; an extra --listen replaces the default one (it must
- * name ep among its endpoints: the wait connects there).
+ * Start the kvblendd at path on d, prepared with daemon_prepare() (files its options name
+ * may lie in d->dir): the benchmarks' options, --no-sync unless sync, then extra
+ * (NULL-terminated, or NULL). Exits, d removed, when it does not answer.
  */
-static inline pid_t bench_start_daemon_with(const char *path, const char *dir, char *ep,
-					    size_t ep_len, int sync, const char *const *extra)
+static inline void bench_spawn_daemon(struct daemon *d, const char *path, bool sync,
+				      const char *const *extra)
 {
-	char data[300];
-	pid_t pid;
+	static const char *const quick[] = { BENCH_DAEMON_OPTIONS, "--no-sync", NULL };
+	static const char *const durable[] = { BENCH_DAEMON_OPTIONS, NULL };
+	int rc = daemon_spawn(d, path, sync ? durable : quick, extra);
 
-	snprintf(data, sizeof(data), "%s/data", dir);
-	snprintf(ep, ep_len, "ipc://%s/kvblend.sock", dir);
-	pid = fork();
-	if (pid == 0) {
-		const char *argv[32] = { path, "--data-dir", data, "--map-size", "64G",
-					 "--max-message", "1G", "--log-level", "warn" };
-		int n = 9, listen = 0;
-
-		for (int i = 0; extra && extra[i]; i++)
-			listen |= !strcmp(extra[i], "--listen");
-		if (!listen) {
-			argv[n++] = "--listen";
-			argv[n++] = ep;
-		}
-		if (!sync)
-			argv[n++] = "--no-sync";
-		for (int i = 0; extra && extra[i] && n < 31; i++)
-			argv[n++] = extra[i];
-		execv(path, (char *const *)argv);
-		_exit(127);
+	if (rc) {
+		fprintf(stderr, "benchmark: kvblendd (%s) did not start: %s; see %s\n", path,
+			strerror(-rc), d->log_path);
+		daemon_remove(d);
+		exit(1);
 	}
-	for (int i = 0; i < 100; i++) {
-		struct kvb_connect_opts o = { .timeout_ms = 200 };
-		kvb_client *c;
-
-		if (kvb_connect(ep, &o, &c, NULL, 0) == 0) {
-			kvb_close(&c);
-			return pid;
-		}
-		usleep(50000);
-	}
-	fprintf(stderr, "benchmark: kvblendd (%s) did not start\n", path);
-	kill(pid, SIGKILL);
-	exit(1);
 }
 
-static inline pid_t bench_start_daemon(const char *path, const char *dir, char *ep, size_t ep_len,
-				       int sync)
+/* bench_spawn_daemon on a fresh temporary directory; exits when either fails. */
+static inline void bench_start_daemon(struct daemon *d, const char *path, bool sync,
+				      const char *const *extra)
 {
-	return bench_start_daemon_with(path, dir, ep, ep_len, sync, NULL);
+	int rc = daemon_prepare(d, "/tmp/kvb-bench");
+
+	if (rc) {
+		fprintf(stderr, "benchmark: no temporary directory: %s\n", strerror(-rc));
+		exit(1);
+	}
+	bench_spawn_daemon(d, path, sync, extra);
 }
 
-/* Stop the daemon and remove its directory. */
-static inline void bench_stop_daemon(pid_t pid, const char *dir)
+/* A client of d (o: NULL for libkvblend's defaults); exits, d removed, when it cannot connect. */
+static inline kvb_client *bench_connect(struct daemon *d, const struct kvb_connect_opts *o)
 {
-	char cmd[300];
-	int status;
+	kvb_client *c;
+	char err[256];
 
-	kill(pid, SIGTERM);
-	waitpid(pid, &status, 0);
-	snprintf(cmd, sizeof(cmd), "rm -rf '%s'", dir);
-	if (system(cmd) < 0)
-		perror("system");
+	if (kvb_connect(d->endpoint, o, &c, err, sizeof(err))) {
+		fprintf(stderr, "benchmark: cannot connect to %s: %s\n", d->endpoint, err);
+		daemon_remove(d);
+		exit(1);
+	}
+	return c;
+}
+
+/* SIGTERM the daemon (said on stderr when it exits unclean) and remove its directory. */
+static inline void bench_stop_daemon(struct daemon *d)
+{
+	int rc = daemon_reap(d, 1);
+
+	if (rc)
+		fprintf(stderr, "benchmark: kvblendd exited unclean (%d); its log above\n", rc);
+	daemon_remove(d);
 }
 
 #endif

@@ -312,7 +312,7 @@ static void parse_list(char *s, double *v, unsigned *n)
 
 int main(int argc, char **argv)
 {
-	char daemon_path[512], dir[] = "/tmp/kvb-benche-XXXXXX", ep[300];
+	char daemon_path[512];
 	double sizes[8] = { 1024, 4096, 8192 }, node[8] = { 0, 1, 3 };
 	unsigned n_sizes = 3, n_node = 3, repeats = 3, shape_lo = 0, shape_hi = 2;
 	int layout_lo = 0, layout_hi = 1; /* 0 rows, 1 paged */
@@ -321,7 +321,7 @@ int main(int argc, char **argv)
 				"100", "--verify", "once", NULL };
 	struct kvb_connect_opts o = { .timeout_ms = 120000 };
 	kvb_client *c;
-	pid_t pid;
+	struct daemon d;
 
 	bench_default_daemon(argv[0], daemon_path, sizeof(daemon_path));
 	for (int i = 1; i < argc; i++) {
@@ -352,14 +352,8 @@ int main(int argc, char **argv)
 	}
 	if (!repeats)
 		repeats = 1;
-	if (!mkdtemp(dir))
-		return 1;
-	pid = bench_start_daemon_with(daemon_path, dir, ep, sizeof(ep), 0, extra);
-	if (kvb_connect(ep, &o, &c, NULL, 0)) {
-		fprintf(stderr, "bench_engine: cannot connect\n");
-		kill(pid, SIGKILL);
-		return 1;
-	}
+	bench_start_daemon(&d, daemon_path, false, extra);
+	c = bench_connect(&d, &o);
 	printf("kvblend bench_engine: r = %.2f, check layer %d, %d fresh tokens, median of %u runs, "
 	       "verify = %s\n", RATIO, CHECK, FRESH, repeats, extra[7]);
 	for (unsigned si = shape_lo; si < shape_hi; si++)
@@ -413,15 +407,15 @@ int main(int argc, char **argv)
 			}
 			memset(r.cache, 0, cache_bytes); /* an engine's cache exists before requests */
 			r.src = malloc(cache_bytes);
-			bench_fill_f16((uint16_t *)r.src, cache_bytes / 2, 3);
-			bench_fill_f16((uint16_t *)r.kv, layer_bytes, 7);
+			fill_f16((uint16_t *)r.src, cache_bytes / 2, 3);
+			fill_f16((uint16_t *)r.kv, layer_bytes, 7);
 			for (uint32_t k = 0; k < n_chunks; k++) {
 				uint32_t t = k + 1 < n_chunks ? per : cached - per * (n_chunks - 1);
 				uint32_t id[3] = { n, k, si };
 				size_t bytes = (size_t)m->num_layers * 2 * t * row;
 				uint16_t *kv = malloc(bytes);
 
-				bench_fill_f16(kv, bytes / 2, 100 * n + k);
+				fill_f16(kv, bytes / 2, 100 * n + k);
 				kvb_chunk_hash(id, 3, r.segs[k].hash);
 				if (kvb_put(c, m->name, r.segs[k].hash, KVB_F16, t, 0, kv, bytes, NULL))
 					fprintf(stderr, "put: %s\n", kvb_last_error(c));
@@ -495,6 +489,6 @@ int main(int argc, char **argv)
 	       "opens), every layer's cached K and V over the time from open until the last layer "
 	       "landed, and over the daemon's land_ms.\n");
 	kvb_close(&c);
-	bench_stop_daemon(pid, dir);
+	bench_stop_daemon(&d);
 	return 0;
 }

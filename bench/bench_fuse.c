@@ -108,7 +108,7 @@ static double h2d_gbps(int ordinal, size_t bytes, unsigned count)
 
 int main(int argc, char **argv)
 {
-	char daemon_path[512], dir[] = "/tmp/kvb-benchf-XXXXXX", ep[300];
+	char daemon_path[512];
 	unsigned sizes[8] = { 1024, 4096, 8192 }, n_sizes = 3, repeats = 3;
 	double node_ms = 0;
 	bool on_device = false;
@@ -117,7 +117,7 @@ int main(int argc, char **argv)
 	const char *device[5] = { "--device", "auto", NULL, NULL, NULL };
 	struct kvb_connect_opts o = { .timeout_ms = 120000 };
 	kvb_client *c;
-	pid_t pid;
+	struct daemon d;
 
 	bench_default_daemon(argv[0], daemon_path, sizeof(daemon_path));
 	for (int i = 1; i < argc; i++) {
@@ -145,20 +145,17 @@ int main(int argc, char **argv)
 			return 2;
 		}
 	}
-	if (!mkdtemp(dir))
-		return 1;
-	pid = bench_start_daemon_with(daemon_path, dir, ep, sizeof(ep), 0, device);
-	if (kvb_connect(ep, &o, &c, NULL, 0))
-		c = NULL;
-	if (!c || kvb_model_register(c, &model, NULL)) {
-		fprintf(stderr, "bench_fuse: daemon did not start\n");
-		kill(pid, SIGKILL);
+	bench_start_daemon(&d, daemon_path, false, device);
+	c = bench_connect(&d, &o);
+	if (kvb_model_register(c, &model, NULL)) {
+		fprintf(stderr, "bench_fuse: model: %s\n", kvb_last_error(c));
+		bench_stop_daemon(&d);
 		return 1;
 	}
 	if (on_device && kvb_fuse_device(c)) {
 		fprintf(stderr, "bench_fuse: --on-device: %s\n", kvb_last_error(c));
 		kvb_close(&c);
-		bench_stop_daemon(pid, dir);
+		bench_stop_daemon(&d);
 		return 1;
 	}
 	{
@@ -213,7 +210,7 @@ int main(int argc, char **argv)
 
 			chunk_bytes = (size_t)model.num_layers * 2 * t * ROW;
 			kv = malloc(chunk_bytes);
-			bench_fill_f16(kv, chunk_bytes / 2, 100 * n_tokens + k);
+			fill_f16(kv, chunk_bytes / 2, 100 * n_tokens + k);
 			kvb_chunk_hash(id, 2, segs[k].hash);
 			if (kvb_put(c, model.name, segs[k].hash, KVB_F16, t, 0, kv, chunk_bytes, NULL))
 				fprintf(stderr, "put: %s\n", kvb_last_error(c));
@@ -224,8 +221,8 @@ int main(int argc, char **argv)
 		segs[n_chunks].fresh = 1;
 		segs[n_chunks].count = FRESH;
 		segs[n_chunks].pos = pos;
-		bench_fill_f16(fresh_kv, layer_bytes, 7);
-		cpu0 = cpu_seconds(pid);
+		fill_f16(fresh_kv, layer_bytes, 7);
+		cpu0 = cpu_seconds(d.pid);
 		for (unsigned r = 0; r < 2 * repeats; r++) {
 			/* even runs: fused layers read in place (shared ring); odd: copied out */
 			bool copy_out = r % 2;
@@ -308,7 +305,7 @@ int main(int argc, char **argv)
 		qsort(memcpys, repeats, sizeof(double), cmp_double);
 		qsort(waits, repeats, sizeof(double), cmp_double);
 		qsort(opens, 2 * repeats, sizeof(double), cmp_double);
-		cpu0 = cpu_seconds(pid) - cpu0;
+		cpu0 = cpu_seconds(d.pid) - cpu0;
 		if (h2d > 0)
 			snprintf(h2d_cols, sizeof(h2d_cols), "%.2f | %.2fx", h2d,
 				 rates[repeats / 2] / h2d);
@@ -353,6 +350,6 @@ int main(int argc, char **argv)
 	       "(FUSE_CLOSE's device_allocs and ring_registrations; the goal is 0 for the later "
 	       "ones: pooled, pinned once per segment).\n");
 	kvb_close(&c);
-	bench_stop_daemon(pid, dir);
+	bench_stop_daemon(&d);
 	return 0;
 }

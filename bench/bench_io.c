@@ -110,12 +110,12 @@ static void fill_kv(uint16_t *p, size_t n, uint64_t seed)
 
 int main(int argc, char **argv)
 {
-	char daemon_path[512], dir[] = "/tmp/kvb-bench-XXXXXX", ep[300];
+	char daemon_path[512];
 	unsigned sizes_mib[8] = { 1, 8, 32 }, n_sizes = 3;
 	double seconds = 1.0;
 	bool sync = false;
 	const char *extra[] = { "--verify", "once", NULL };
-	pid_t pid;
+	struct daemon d;
 	kvb_client *shm_c, *frame_c;
 	struct kvb_connect_opts o_shm = { .timeout_ms = 60000 }, o_fr = { .timeout_ms = 60000,
 									 .no_shm = 1 };
@@ -140,13 +140,12 @@ int main(int argc, char **argv)
 			return 2;
 		}
 	}
-	if (!mkdtemp(dir))
-		return 1;
-	pid = bench_start_daemon_with(daemon_path, dir, ep, sizeof(ep), sync, extra);
-	if (kvb_connect(ep, &o_shm, &shm_c, NULL, 0) || kvb_connect(ep, &o_fr, &frame_c, NULL, 0) ||
-	    kvb_model_register(shm_c, &model, NULL)) {
-		fprintf(stderr, "bench_io: cannot set up the client\n");
-		kill(pid, SIGKILL);
+	bench_start_daemon(&d, daemon_path, sync, extra);
+	shm_c = bench_connect(&d, &o_shm);
+	frame_c = bench_connect(&d, &o_fr);
+	if (kvb_model_register(shm_c, &model, NULL)) {
+		fprintf(stderr, "bench_io: cannot register the model\n");
+		bench_stop_daemon(&d);
 		return 1;
 	}
 	printf("kvblend bench_io: model %u layers x %u kv heads x head_dim %u f16 (%u KiB/token); "
@@ -161,7 +160,7 @@ int main(int argc, char **argv)
 	printf("|---|---|---|---|---|---|---|---|---|---|---|---|\n");
 	if (bench_copier_start(&cp)) {
 		fprintf(stderr, "bench_io: cannot start the copier thread\n");
-		kill(pid, SIGKILL);
+		bench_stop_daemon(&d);
 		return 1;
 	}
 	for (unsigned s = 0; s < n_sizes; s++) {
@@ -179,7 +178,7 @@ int main(int argc, char **argv)
 		int wfd;
 		void *sbuf;
 
-		snprintf(wpath, sizeof(wpath), "%s/data/write-peer", dir);
+		snprintf(wpath, sizeof(wpath), "%s/data/write-peer", d.dir);
 		fill_kv(src, bytes / 2, s + 1);
 		memset(dst, 1, bytes);
 		MEASURE(c_memcpy, bytes, seconds, memcpy(dst, src, bytes));
@@ -263,7 +262,7 @@ int main(int argc, char **argv)
 	bench_copier_stop(&cp);
 	kvb_close(&shm_c);
 	kvb_close(&frame_c);
-	bench_stop_daemon(pid, dir);
+	bench_stop_daemon(&d);
 	printf("\nshm: through the client's shared-memory segment (the default on ipc://); "
 	       "shm-buf: into kvb_shared_buffer(), no client-side copy; frames: ZeroMQ payload "
 	       "frames (the tcp:// path). PUT is also given as a ratio to the file write. 2 copies: "

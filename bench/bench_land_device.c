@@ -42,14 +42,12 @@ static int parity_failed;
 static int compressible; /* --compressible: chunks the store keeps bitshuffle+LZ4 */
 /* The daemon, stopped at any exit: one left running would hold the pipe a caller
  * reads this program's output through (gpu.sh's tee) open, and the caller waits. */
-static pid_t daemon_pid;
-static char daemon_dir[64];
+static struct daemon node_daemon;
 
 static void stop_daemon(void)
 {
-	if (daemon_pid > 0)
-		bench_stop_daemon(daemon_pid, daemon_dir);
-	daemon_pid = 0;
+	if (node_daemon.pid)
+		bench_stop_daemon(&node_daemon);
 }
 
 /* vLLM's GPU layout over base for tokens (LBNHC), its block table pages (shuffled). */
@@ -233,7 +231,7 @@ static void run_size(kvb_client *c, const char *which, uint32_t tokens, int repe
 int main(int argc, char **argv)
 {
 	const char *which = "cuda";
-	char daemon[512], dir[] = "/tmp/kvb-bench-landdev-XXXXXX", ep[400], list[256] = "4096,16384";
+	char daemon_path[512], list[256] = "4096,16384";
 	unsigned sizes[16];
 	unsigned n_sizes;
 	int repeats = 5;
@@ -241,7 +239,7 @@ int main(int argc, char **argv)
 	struct kvb_model model = { .name = "bench", .num_layers = LAYERS, .num_kv_heads = HEADS,
 				   .head_dim = HD, .dtype = KVB_F16, .rope_theta = 1000000 };
 
-	bench_default_daemon(argv[0], daemon, sizeof(daemon));
+	bench_default_daemon(argv[0], daemon_path, sizeof(daemon_path));
 	for (int i = 1; i + 1 < argc; i += 2) {
 		if (!strcmp(argv[i], "--device"))
 			which = argv[i + 1];
@@ -250,7 +248,7 @@ int main(int argc, char **argv)
 		else if (!strcmp(argv[i], "--repeats"))
 			repeats = atoi(argv[i + 1]);
 		else if (!strcmp(argv[i], "--daemon"))
-			snprintf(daemon, sizeof(daemon), "%s", argv[i + 1]);
+			snprintf(daemon_path, sizeof(daemon_path), "%s", argv[i + 1]);
 		else if (!strcmp(argv[i], "--compressible") && !strcmp(argv[i + 1], "1"))
 			compressible = 1;
 		else if (!strcmp(argv[i], "--compressible") && !strcmp(argv[i + 1], "0"))
@@ -262,7 +260,7 @@ int main(int argc, char **argv)
 		}
 	}
 	n_sizes = bench_parse_list(list, sizes, 16);
-	if (repeats < 1 || !n_sizes || !mkdtemp(dir)) {
+	if (repeats < 1 || !n_sizes) {
 		fprintf(stderr, "bench_land_device: bad arguments\n");
 		return 2;
 	}
@@ -271,12 +269,12 @@ int main(int argc, char **argv)
 		const char *extra[] = { "--device", which, "--shm-max", "16G", "--shm-total", "32G",
 					NULL };
 
-		daemon_pid = bench_start_daemon_with(daemon, dir, ep, sizeof(ep), 0, extra);
-		snprintf(daemon_dir, sizeof(daemon_dir), "%s", dir);
+		bench_start_daemon(&node_daemon, daemon_path, false, extra);
 		atexit(stop_daemon);
 	}
-	if (kvb_connect(ep, NULL, &c, NULL, 0) || kvb_model_register(c, &model, NULL)) {
-		fprintf(stderr, "bench_land_device: cannot reach the daemon\n");
+	c = bench_connect(&node_daemon, NULL);
+	if (kvb_model_register(c, &model, NULL)) {
+		fprintf(stderr, "bench_land_device: model: %s\n", kvb_last_error(c));
 		return 1;
 	}
 	printf("kvblend bench_land_device: %d layers x %d kv heads x head_dim %d f16, chunks of %d "

@@ -90,7 +90,7 @@ static double land_once(kvb_client *c, struct store_run *r, const struct kvb_kv_
 
 int main(int argc, char **argv)
 {
-	char daemon_path[512], dir[] = "/tmp/kvb-benchq-XXXXXX", ep[300], stores[256] = "dtype,fp8,int8,int4,int4:128";
+	char daemon_path[512], stores[256] = "dtype,fp8,int8,int4,int4:128";
 	const char *kv_file = NULL;
 	const char *extra[] = { "--shm-max", "4G", "--compress-min-saving", "100", NULL };
 	struct kvb_connect_opts o = { .timeout_ms = 120000 };
@@ -102,7 +102,7 @@ int main(int argc, char **argv)
 	double base_rate = 0, base_bpt = 0;
 	struct kvb_kv_layout y;
 	kvb_client *c;
-	pid_t pid;
+	struct daemon d;
 
 	bench_default_daemon(argv[0], daemon_path, sizeof(daemon_path));
 	for (int i = 1; i < argc; i++) {
@@ -147,14 +147,8 @@ int main(int argc, char **argv)
 		for (size_t i = got; i < chunk_bytes / 2; i++)
 			kv[i] = kv[i % got];
 	}
-	if (!mkdtemp(dir))
-		return 1;
-	pid = bench_start_daemon_with(daemon_path, dir, ep, sizeof(ep), 0, extra);
-	if (kvb_connect(ep, &o, &c, NULL, 0)) {
-		fprintf(stderr, "bench_quant: cannot connect\n");
-		kill(pid, SIGKILL);
-		return 1;
-	}
+	bench_start_daemon(&d, daemon_path, false, extra);
+	c = bench_connect(&d, &o);
 	cache = kvb_region_alloc(c, 2 * (size_t)L * layer_bytes);
 	if (!cache) {
 		fprintf(stderr, "region: %s\n", kvb_last_error(c));
@@ -241,7 +235,7 @@ int main(int argc, char **argv)
 	       "the daemon's landing time (read, verify, dequantize, re-rotate, write).\n",
 	       2 * L * ROW);
 	kvb_close(&c);
-	bench_stop_daemon(pid, dir);
+	bench_stop_daemon(&d);
 	free(kv);
 	free(vplane);
 	return 0;

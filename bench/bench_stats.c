@@ -170,12 +170,12 @@ static struct lat time_loaded(kvb_client *c, const char *ep, struct loader *ld, 
 int main(int argc, char **argv)
 {
 	unsigned small = 1000, large = 100000, reps = 200, gets = 2000, loaders = 16;
-	char daemon[512], dir[] = "/tmp/kvb-bench-stats-XXXXXX", ep[300];
+	char daemon[512];
 	struct lat st_small, st_large, get_idle, get_busy, get_ping;
 	struct loader *ld;
 	kvb_client *c = NULL;
 	double t0, stats_rate, ping_rate;
-	pid_t pid;
+	struct daemon d;
 
 	bench_default_daemon(argv[0], daemon, sizeof(daemon));
 	for (int i = 1; i + 1 < argc; i += 2) {
@@ -197,13 +197,8 @@ int main(int argc, char **argv)
 				"[--reps N>=10] [--gets N>=100] [--loaders N]\n");
 		return 2;
 	}
-	if (!mkdtemp(dir)) {
-		perror("mkdtemp");
-		return 1;
-	}
-	pid = bench_start_daemon(daemon, dir, ep, sizeof(ep), 0);
-	if (kvb_connect(ep, NULL, &c, NULL, 0))
-		die(NULL, "connect");
+	bench_start_daemon(&d, daemon, false, NULL);
+	c = bench_connect(&d, NULL);
 	if (kvb_model_register(c, &model, NULL))
 		die(c, "model");
 
@@ -216,8 +211,8 @@ int main(int argc, char **argv)
 
 	get_idle = time_gets(c, (int)gets, large);
 	ld = calloc(loaders ? loaders : 1, sizeof(*ld));
-	get_busy = time_loaded(c, ep, ld, loaders, 0, (int)gets, large, &stats_rate);
-	get_ping = time_loaded(c, ep, ld, loaders, 1, (int)gets, large, &ping_rate);
+	get_busy = time_loaded(c, d.endpoint, ld, loaders, 0, (int)gets, large, &stats_rate);
+	get_ping = time_loaded(c, d.endpoint, ld, loaders, 1, (int)gets, large, &ping_rate);
 
 	printf("daemon: %s\n", daemon);
 	printf("%-36s %12s %12s\n", "", "median ms", "p99 ms");
@@ -238,6 +233,6 @@ int main(int argc, char **argv)
 	       get_busy.p99_ms / get_ping.p99_ms, ping_rate);
 	kvb_close(&c);
 	free(ld);
-	bench_stop_daemon(pid, dir);
+	bench_stop_daemon(&d);
 	return 0;
 }

@@ -1,7 +1,8 @@
 /*
  * harness — start and stop a real kvblendd for integration tests: a fresh
  * temporary data directory and IPC socket, extra flags as given, readiness
- * checked by a real ping through libkvblend.
+ * checked by a real ping through libkvblend. The cmocka side of harness_core.h
+ * (which the benchmarks share): each call here asserts what the core returns.
  */
 #ifndef KVBLEND_TESTS_HARNESS_H
 #define KVBLEND_TESTS_HARNESS_H
@@ -13,14 +14,7 @@
 #include <lmdb.h>
 
 #include "client/include/kvblend.h"
-
-struct daemon {
-	pid_t pid;
-	char dir[256];
-	char data_dir[300];
-	char endpoint[320];
-	char log_path[300];
-};
+#include "tests/integration/harness_core.h"
 
 /* Start kvblendd with the given extra arguments (NULL-terminated); asserts it answers. */
 void daemon_start(struct daemon *d, const char *const *extra_args);
@@ -34,12 +28,6 @@ void daemon_wait(struct daemon *d);
 void daemon_cleanup(struct daemon *d);
 /* The daemon's counter name from kvb_stats(); asserts that it exists. */
 double daemon_stat(kvb_client *c, const char *name);
-
-/* n deterministic small normal f16 values (sign, exponent 13..16, random mantissa) from seed. */
-void fill_f16(uint16_t *p, size_t n, uint32_t seed);
-
-/* A TCP port on 127.0.0.1 that nothing listens on now (the kernel's choice). */
-int free_tcp_port(void);
 
 /*
  * A fresh CURVE key pair for d's server: the secret written to keyfile (d->dir/server.key,
