@@ -90,6 +90,72 @@ static void last_mapped(const char *log, char *addr, size_t len)
 	assert_true(addr[0]);
 }
 
+/* An empty file from the mkstemp template log (for the devices' notes); asserts success. */
+static void make_log(char *log)
+{
+	int fd = mkstemp(log);
+
+	assert_true(fd >= 0);
+	close(fd);
+}
+
+/*
+ * The request every session here opens: the chunk ids, T tokens of K and V from seed,
+ * stored through c, then F fresh tokens at T, described in s[0] and s[1]. Asserts the PUT.
+ */
+static void put_cached_then_fresh(kvb_client *c, const uint32_t ids[2], uint32_t T, uint32_t F,
+				  uint32_t seed, struct kvb_segment s[2])
+{
+	size_t n = (size_t)L * 2 * T * H * D;
+	uint16_t *kv = malloc(n * 2);
+
+	assert_non_null(kv);
+	fill_f16(kv, n, seed);
+	memset(s, 0, 2 * sizeof(*s));
+	kvb_chunk_hash(ids, 2, s[0].hash);
+	assert_int_equal(kvb_put(c, "xm", s[0].hash, KVB_F16, T, 0, kv, n * 2, NULL), 0);
+	free(kv);
+	s[1].fresh = 1;
+	s[1].count = F;
+	s[1].pos = T;
+}
+
+/*
+ * The end of a test that compared two sessions' layers: d's directory removed, the
+ * emulated device's log (when one, else NULL) no longer given and removed, buffers freed.
+ */
+static void end_two_sessions(struct daemon *d, const char *log, uint8_t *out[2], uint8_t *rows)
+{
+	daemon_cleanup(d);
+	if (log) {
+		unsetenv("KVBLEND_EMULATED_LOG");
+		unlink(log);
+	}
+	free(out[0]);
+	free(out[1]);
+	free(rows);
+}
+
+/*
+ * The open session fu's layers from its next one to the last: the fresh rows sent (K at
+ * rows, V after the selected ones, row bytes a token), the fused layer's K and V received
+ * into out and out + layer / 2. Asserts each call.
+ */
+static void fuse_layers(kvb_client *c, kvb_fuse *fu, const uint8_t *rows, size_t row,
+			uint8_t *out, size_t layer)
+{
+	int fused = 0;
+
+	for (uint32_t l = kvb_fuse_next_layer(fu); l < L; l++) {
+		const int32_t *sel;
+		size_t nr = kvb_fuse_rows(fu, &sel);
+
+		assert_int_equal(kvb_fuse_layer(c, fu, l, rows, rows + nr * row, out,
+						out + layer / 2, &fused),
+				 0);
+	}
+}
+
 static void test_unmap_before_free(void **state)
 {
 	char log[] = "/tmp/kvb-export-XXXXXX", addr[32] = "";
@@ -101,11 +167,9 @@ static void test_unmap_before_free(void **state)
 	struct kvb_segment s[2];
 	struct kvb_fuse_params p = { &check, &ratio, 1, KVB_METRIC_VALUE };
 	kvb_fuse *fu;
-	int fd = mkstemp(log);
 
 	(void)state;
-	assert_true(fd >= 0);
-	close(fd);
+	make_log(log);
 	setenv("FAKE_CUDA_LOG", log, 1);
 	setenv("KVBLEND_EMULATED_LOG", log, 1); /* the daemon inherits it */
 	daemon_start(&d, NULL);
@@ -161,13 +225,11 @@ static void test_expired_export_kept(void **state)
 	struct kvb_fuse_params p = { &check, &ratio, 1, KVB_METRIC_VALUE };
 	kvb_fuse *fu;
 	FILE *f;
-	int fd = mkstemp(log);
 	char *text;
 	long len;
 
 	(void)state;
-	assert_true(fd >= 0);
-	close(fd);
+	make_log(log);
 	setenv("FAKE_CUDA_LOG", log, 1);
 	setenv("KVBLEND_EMULATED_LOG", log, 1);
 	daemon_start(&d, args);
@@ -214,52 +276,32 @@ static void test_zero_only_fresh_rows(void **state)
 {
 	struct daemon d;
 	kvb_client *c;
-	uint8_t hash[KVB_HASH_LEN];
 	uint32_t ids[2] = { 6, 1 }, T = 20, F = 4, n = T + F, check = 1;
 	double ratio = 0.5;
 	size_t row = (size_t)H * D * 2, layer = 2 * (size_t)n * row;
 	struct kvb_segment s[2];
 	struct kvb_fuse_params p = { &check, &ratio, 1, KVB_METRIC_VALUE };
-	uint16_t *kv = malloc((size_t)L * 2 * T * row);
 	uint8_t *rows = malloc(layer), *out[2];
 	double zeroed = -1, ring = -1, allocs[2] = { -1, -1 };
 	char log[] = "/tmp/kvb-pool-XXXXXX";
-	int fd = mkstemp(log);
 
 	(void)state;
-	assert_true(fd >= 0);
-	close(fd);
+	make_log(log);
 	setenv("KVBLEND_EMULATED_LOG", log, 1); /* the daemon notes its device frees there */
 	daemon_start(&d, NULL);
 	c = daemon_client(&d, 1); /* no shared memory: the ring is the daemon's pinned one */
 	assert_int_equal(kvb_model_register(c, &model, NULL), 0);
-	fill_f16(kv, (size_t)L * 2 * T * H * D, 11);
-	kvb_chunk_hash(ids, 2, hash);
-	assert_int_equal(kvb_put(c, "xm", hash, KVB_F16, T, 0, kv, (size_t)L * 2 * T * row, NULL),
-			 0);
-	memset(s, 0, sizeof(s));
-	memcpy(s[0].hash, hash, KVB_HASH_LEN);
-	s[1].fresh = 1;
-	s[1].count = F;
-	s[1].pos = T;
+	put_cached_then_fresh(c, ids, T, F, 11, s);
 	fill_f16((uint16_t *)rows, layer / 2, 12);
 	for (int round = 0; round < 2; round++) {
 		kvb_fuse *fu;
 		struct kvb_stat *st;
 		size_t n_st;
-		int fused = 0;
 
 		out[round] = calloc(1, layer);
 		assert_int_equal(kvb_fuse_open(c, "xm", s, 2, &p, &fu, NULL, NULL), 0);
 		assert_int_equal(kvb_fuse_tokens(fu), n);
-		for (uint32_t l = kvb_fuse_next_layer(fu); l < L; l++) {
-			const int32_t *sel;
-			size_t nr = kvb_fuse_rows(fu, &sel);
-
-			assert_int_equal(kvb_fuse_layer(c, fu, l, rows, rows + nr * row,
-							out[round], out[round] + layer / 2, &fused),
-					 0);
-		}
+		fuse_layers(c, fu, rows, row, out[round], layer);
 		assert_int_equal(kvb_fuse_close(c, &fu, &st, &n_st), 0);
 		zeroed = stat_of(st, n_st, "ring_zeroed_bytes");
 		ring = stat_of(st, n_st, "ring_bytes");
@@ -288,13 +330,7 @@ static void test_zero_only_fresh_rows(void **state)
 	kvb_close(&c);
 	daemon_stop(&d);
 	assert_true(lines_of(log, "free") > 0);
-	daemon_cleanup(&d);
-	unsetenv("KVBLEND_EMULATED_LOG");
-	unlink(log);
-	free(out[0]);
-	free(out[1]);
-	free(rows);
-	free(kv);
+	end_two_sessions(&d, log, out, rows);
 }
 
 /*
@@ -312,50 +348,31 @@ static void test_shared_ring_pinned_once(void **state)
 	double ratio = 0.5, regs[2] = { -1, -1 }, allocs[2] = { -1, -1 };
 	size_t row = (size_t)H * D * 2, layer = 2 * (size_t)n * row;
 	struct kvb_fuse_params p = { &check, &ratio, 1, KVB_METRIC_VALUE };
-	uint16_t *kv = malloc((size_t)L * 2 * T * row);
-	uint8_t *rows = malloc(layer), *out[2], hash[KVB_HASH_LEN];
+	uint8_t *rows = malloc(layer), *out[2];
 	struct kvb_segment s[2];
 	char log[] = "/tmp/kvb-pin-XXXXXX", line[96], reg[32] = "";
 	struct daemon d;
 	kvb_client *c;
 	FILE *f;
-	int fd = mkstemp(log);
 
 	(void)state;
-	assert_true(fd >= 0);
-	close(fd);
+	make_log(log);
 	unsetenv("FAKE_CUDA_LOG");
 	setenv("KVBLEND_EMULATED_LOG", log, 1);
 	daemon_start(&d, args);
 	c = daemon_client(&d, 0); /* shared memory: the ring is a segment it maps */
 	assert_int_equal(kvb_model_register(c, &model, NULL), 0);
-	fill_f16(kv, (size_t)L * 2 * T * H * D, 31);
+	put_cached_then_fresh(c, ids, T, F, 31, s);
 	fill_f16((uint16_t *)rows, layer / 2, 32);
-	kvb_chunk_hash(ids, 2, hash);
-	assert_int_equal(kvb_put(c, "xm", hash, KVB_F16, T, 0, kv, (size_t)L * 2 * T * row, NULL),
-			 0);
-	memset(s, 0, sizeof(s));
-	memcpy(s[0].hash, hash, KVB_HASH_LEN);
-	s[1].fresh = 1;
-	s[1].count = F;
-	s[1].pos = T;
 	for (int round = 0; round < 2; round++) {
 		kvb_fuse *fu;
 		struct kvb_stat *st;
 		size_t n_st;
-		int fused = 0;
 		const void *rk, *rv;
 
 		out[round] = calloc(1, layer);
 		assert_int_equal(kvb_fuse_open(c, "xm", s, 2, &p, &fu, NULL, NULL), 0);
-		for (uint32_t l = kvb_fuse_next_layer(fu); l < L; l++) {
-			const int32_t *sel;
-			size_t nr = kvb_fuse_rows(fu, &sel);
-
-			assert_int_equal(kvb_fuse_layer(c, fu, l, rows, rows + nr * row, out[round],
-							out[round] + layer / 2, &fused),
-					 0);
-		}
+		fuse_layers(c, fu, rows, row, out[round], layer);
 		assert_int_equal(kvb_fuse_output(fu, &rk, &rv), 0); /* the ring is shared */
 		assert_int_equal(kvb_fuse_close(c, &fu, &st, &n_st), 0);
 		assert_true(stat_of(st, n_st, "on_device") == 1);
@@ -391,13 +408,7 @@ static void test_shared_ring_pinned_once(void **state)
 	kvb_close(&c);
 	daemon_stop(&d);
 	assert_int_equal(lines_of(log, "unregister"), 1);
-	daemon_cleanup(&d);
-	unsetenv("KVBLEND_EMULATED_LOG");
-	unlink(log);
-	free(out[0]);
-	free(out[1]);
-	free(rows);
-	free(kv);
+	end_two_sessions(&d, log, out, rows);
 }
 
 /*
@@ -412,8 +423,7 @@ static void test_spare_for_next_session(void **state)
 	double ratio = 0.5;
 	size_t row = (size_t)H * D * 2, layer = 2 * (size_t)n * row;
 	struct kvb_fuse_params p = { &check, &ratio, 1, KVB_METRIC_VALUE };
-	uint16_t *kv = malloc((size_t)L * 2 * T * row);
-	uint8_t *rows = malloc(layer), *out[2], hash[KVB_HASH_LEN];
+	uint8_t *rows = malloc(layer), *out[2];
 	struct kvb_segment s[2];
 	kvb_fuse *fu[2];
 	double allocs[2];
@@ -426,16 +436,8 @@ static void test_spare_for_next_session(void **state)
 	daemon_start(&d, NULL);
 	c = daemon_client(&d, 1); /* the ring is the daemon's: pinned ring, staging, block */
 	assert_int_equal(kvb_model_register(c, &model, NULL), 0);
-	fill_f16(kv, (size_t)L * 2 * T * H * D, 41);
+	put_cached_then_fresh(c, ids, T, F, 41, s);
 	fill_f16((uint16_t *)rows, layer / 2, 42);
-	kvb_chunk_hash(ids, 2, hash);
-	assert_int_equal(kvb_put(c, "xm", hash, KVB_F16, T, 0, kv, (size_t)L * 2 * T * row, NULL),
-			 0);
-	memset(s, 0, sizeof(s));
-	memcpy(s[0].hash, hash, KVB_HASH_LEN);
-	s[1].fresh = 1;
-	s[1].count = F;
-	s[1].pos = T;
 	assert_int_equal(kvb_fuse_open(c, "xm", s, 2, &p, &fu[0], NULL, NULL), 0);
 	for (int i = 0; i < 50 && daemon_stat(c, "fuse_device_spares") < 3; i++)
 		usleep(100 * 1000);
@@ -444,17 +446,9 @@ static void test_spare_for_next_session(void **state)
 	for (int k = 0; k < 2; k++) {
 		struct kvb_stat *st;
 		size_t n_st;
-		int fused = 0;
 
 		out[k] = calloc(1, layer);
-		for (uint32_t l = kvb_fuse_next_layer(fu[k]); l < L; l++) {
-			const int32_t *sel;
-			size_t nr = kvb_fuse_rows(fu[k], &sel);
-
-			assert_int_equal(kvb_fuse_layer(c, fu[k], l, rows, rows + nr * row, out[k],
-							out[k] + layer / 2, &fused),
-					 0);
-		}
+		fuse_layers(c, fu[k], rows, row, out[k], layer);
 		assert_int_equal(kvb_fuse_close(c, &fu[k], &st, &n_st), 0);
 		allocs[k] = stat_of(st, n_st, "device_allocs");
 		free(st);
@@ -464,11 +458,7 @@ static void test_spare_for_next_session(void **state)
 	assert_memory_equal(out[0], out[1], layer);
 	kvb_close(&c);
 	daemon_stop(&d);
-	daemon_cleanup(&d);
-	free(out[0]);
-	free(out[1]);
-	free(rows);
-	free(kv);
+	end_two_sessions(&d, NULL, out, rows);
 }
 
 /*
@@ -484,18 +474,15 @@ static void test_reserve(void **state)
 	double ratio = 0.5, allocs[2];
 	size_t row = (size_t)H * D * 2, layer = 2 * (size_t)n * row;
 	struct kvb_fuse_params p = { &check, &ratio, 1, KVB_METRIC_VALUE };
-	uint16_t *kv = malloc((size_t)L * 2 * T * row);
-	uint8_t *rows = malloc(layer), *out[2], hash[KVB_HASH_LEN];
+	uint8_t *rows = malloc(layer), *out[2];
 	char log[] = "/tmp/kvb-reserve-XXXXXX";
 	struct kvb_segment s[2];
 	kvb_fuse *fu[2];
 	struct daemon d;
 	kvb_client *c;
-	int fd = mkstemp(log);
 
 	(void)state;
-	assert_true(fd >= 0);
-	close(fd);
+	make_log(log);
 	unsetenv("FAKE_CUDA_LOG");
 	setenv("KVBLEND_EMULATED_LOG", log, 1);
 	daemon_start(&d, args);
@@ -504,16 +491,8 @@ static void test_reserve(void **state)
 	assert_int_equal(lines_of(log, "host_alloc"), 1);
 	assert_int_equal(daemon_stat(c, "fuse_device_reserve_bytes"), 1 << 20);
 	assert_int_equal(kvb_model_register(c, &model, NULL), 0);
-	fill_f16(kv, (size_t)L * 2 * T * H * D, 51);
+	put_cached_then_fresh(c, ids, T, F, 51, s);
 	fill_f16((uint16_t *)rows, layer / 2, 52);
-	kvb_chunk_hash(ids, 2, hash);
-	assert_int_equal(kvb_put(c, "xm", hash, KVB_F16, T, 0, kv, (size_t)L * 2 * T * row, NULL),
-			 0);
-	memset(s, 0, sizeof(s));
-	memcpy(s[0].hash, hash, KVB_HASH_LEN);
-	s[1].fresh = 1;
-	s[1].count = F;
-	s[1].pos = T;
 	assert_int_equal(kvb_fuse_open(c, "xm", s, 2, &p, &fu[0], NULL, NULL), 0);
 	assert_int_equal(kvb_fuse_open(c, "xm", s, 2, &p, &fu[1], NULL, NULL), 0);
 	assert_true(daemon_stat(c, "fuse_device_reserve_used_bytes") > 0);
@@ -521,17 +500,9 @@ static void test_reserve(void **state)
 	for (int k = 0; k < 2; k++) {
 		struct kvb_stat *st;
 		size_t n_st;
-		int fused = 0;
 
 		out[k] = calloc(1, layer);
-		for (uint32_t l = kvb_fuse_next_layer(fu[k]); l < L; l++) {
-			const int32_t *sel;
-			size_t nr = kvb_fuse_rows(fu[k], &sel);
-
-			assert_int_equal(kvb_fuse_layer(c, fu[k], l, rows, rows + nr * row, out[k],
-							out[k] + layer / 2, &fused),
-					 0);
-		}
+		fuse_layers(c, fu[k], rows, row, out[k], layer);
 		assert_int_equal(kvb_fuse_close(c, &fu[k], &st, &n_st), 0);
 		assert_true(stat_of(st, n_st, "on_device") == 1);
 		allocs[k] = stat_of(st, n_st, "device_allocs");
@@ -551,22 +522,7 @@ static void test_reserve(void **state)
 	daemon_stop(&d);
 	assert_int_equal(lines_of(log, "free"), 1); /* the reserve, at exit */
 	assert_int_equal(lines_of(log, "host_free"), 1);
-	daemon_cleanup(&d);
-	unsetenv("KVBLEND_EMULATED_LOG");
-	unlink(log);
-	free(out[0]);
-	free(out[1]);
-	free(rows);
-	free(kv);
-}
-
-/* The close statistic on_device of a closed session (-1: not given). */
-static double on_device_stat(const struct kvb_stat *st, size_t n)
-{
-	for (size_t i = 0; i < n; i++)
-		if (!strcmp(st[i].name, "on_device"))
-			return st[i].value;
-	return -1;
+	end_two_sessions(&d, log, out, rows);
 }
 
 /*
@@ -583,22 +539,13 @@ static void test_auto_places_per_session(void **state)
 	double ratio = 0.5;
 	size_t row = (size_t)H * D * 2, layer = 2 * (size_t)n * row;
 	struct kvb_fuse_params p = { &check, &ratio, 1, KVB_METRIC_VALUE };
-	uint16_t *kv = malloc((size_t)L * 2 * T * row);
 	uint8_t *rows = malloc(layer), *out[2];
 	struct kvb_segment s[2];
-	uint8_t hash[KVB_HASH_LEN];
 
 	(void)state;
 	unsetenv("KVBLEND_EMULATED_LOG");
 	unsetenv("FAKE_CUDA_LOG");
-	fill_f16(kv, (size_t)L * 2 * T * H * D, 21);
 	fill_f16((uint16_t *)rows, layer / 2, 22);
-	kvb_chunk_hash(ids, 2, hash);
-	memset(s, 0, sizeof(s));
-	memcpy(s[0].hash, hash, KVB_HASH_LEN);
-	s[1].fresh = 1;
-	s[1].count = F;
-	s[1].pos = T;
 	for (int as_auto = 0; as_auto < 2; as_auto++) {
 		struct daemon d;
 		kvb_client *c;
@@ -608,33 +555,23 @@ static void test_auto_places_per_session(void **state)
 		daemon_start(&d, NULL);
 		c = daemon_client(&d, 1);
 		assert_int_equal(kvb_model_register(c, &model, NULL), 0);
-		assert_int_equal(kvb_put(c, "xm", hash, KVB_F16, T, 0, kv, (size_t)L * 2 * T * row,
-					 NULL), 0);
+		put_cached_then_fresh(c, ids, T, F, 21, s);
 		/* Round 0: layers to host memory; round 1: the node maps the device ring. */
 		for (int mapped = 0; mapped < 2; mapped++) {
 			kvb_fuse *fu;
 			struct kvb_stat *st;
 			size_t n_st;
-			int fused = 0;
 
 			if (mapped)
 				assert_int_equal(kvb_fuse_device(c), 0); /* the fake driver */
 			out[mapped] = calloc(1, layer);
 			assert_int_equal(kvb_fuse_open(c, "xm", s, 2, &p, &fu, NULL, NULL), 0);
 			assert_int_equal(kvb_fuse_on_device(fu) != 0, mapped);
-			for (uint32_t l = kvb_fuse_next_layer(fu); l < L; l++) {
-				const int32_t *sel;
-				size_t nr = kvb_fuse_rows(fu, &sel);
-
-				/* Mapped, the layers still come down when asked (k_out given). */
-				assert_int_equal(kvb_fuse_layer(c, fu, l, rows, rows + nr * row,
-								out[mapped],
-								out[mapped] + layer / 2, &fused),
-						 0);
-			}
+			/* Mapped, the layers still come down when asked (k_out given). */
+			fuse_layers(c, fu, rows, row, out[mapped], layer);
 			assert_int_equal(kvb_fuse_close(c, &fu, &st, &n_st), 0);
 			/* device auto: on the device only where the node maps it; else always. */
-			assert_true(on_device_stat(st, n_st) == (as_auto ? mapped : 1));
+			assert_true(stat_of(st, n_st, "on_device") == (as_auto ? mapped : 1));
 			free(st);
 		}
 		assert_memory_equal(out[0], out[1], layer);
@@ -646,7 +583,6 @@ static void test_auto_places_per_session(void **state)
 		unsetenv("KVBLEND_EMULATED_AUTO");
 	}
 	free(rows);
-	free(kv);
 }
 
 int main(void)
