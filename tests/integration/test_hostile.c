@@ -1020,6 +1020,36 @@ static int run_as(const struct daemon *d, uid_t uid, const uint8_t *hash, bool w
 }
 
 /*
+ * The daemon of a tenants test, its tenants file /tmp/kvb-tenants-PID (text, into path)
+ * read with --tenants-file, its socket and directory open to the other users (the
+ * other tenants), capacity (or NULL) its --capacity; a client of it as this process
+ * (alice, uid 0) with the model registered. end_tenants_test undoes it all.
+ */
+static kvb_client *start_tenants_daemon(struct daemon *d, char path[64], const char *text,
+					const char *capacity)
+{
+	const char *args[] = { "--tenants-file", path, "--socket-mode", "0666",
+			       capacity ? "--capacity" : NULL, capacity, NULL };
+	kvb_client *c;
+
+	snprintf(path, 64, "/tmp/kvb-tenants-%d", (int)getpid());
+	write_text_file(path, text);
+	daemon_start(d, args);
+	assert_int_equal(chmod(d->dir, 0755), 0);
+	c = daemon_client(d, 0);
+	assert_int_equal(kvb_model_register(c, &model, NULL), 0);
+	return c;
+}
+
+static void end_tenants_test(struct daemon *d, kvb_client *c, const char *path)
+{
+	kvb_close(&c);
+	daemon_stop(d);
+	daemon_cleanup(d);
+	unlink(path);
+}
+
+/*
  * Tenants: with a tenants file, alice (uid 0) and bob (uid 65534) each have their
  * own namespace, and a client bound to neither (uid 1) the default one. None of
  * them can read, overwrite, delete or unpin another's chunk under the same model
@@ -1027,8 +1057,7 @@ static int run_as(const struct daemon *d, uid_t uid, const uint8_t *hash, bool w
  */
 static void tenants_are_isolated(void **state)
 {
-	char tenants[400];
-	const char *args[] = { "--tenants-file", tenants, "--socket-mode", "0666", NULL };
+	char tenants[64];
 	size_t bytes = (size_t)L * 2 * T * ROW;
 	uint8_t hash[KVB_HASH_LEN], *mine = malloc(bytes), *back = malloc(bytes);
 	uint32_t ids[2] = { 8080, 1 };
@@ -1036,21 +1065,13 @@ static void tenants_are_isolated(void **state)
 	struct daemon d;
 	kvb_client *c;
 	size_t n = 0;
-	FILE *f;
 	int rc;
 
 	(void)state;
 	if (geteuid() != 0)
 		skip(); /* the other tenants are other users */
-	snprintf(tenants, sizeof(tenants), "/tmp/kvb-tenants-%d", (int)getpid());
-	f = fopen(tenants, "w");
-	assert_non_null(f);
-	fprintf(f, "# name  who\nalice uid=0\nbob   uid=65534   # nobody\n");
-	fclose(f);
-	daemon_start(&d, args);
-	assert_int_equal(chmod(d.dir, 0755), 0);
-	c = daemon_client(&d, 0);
-	assert_int_equal(kvb_model_register(c, &model, NULL), 0);
+	c = start_tenants_daemon(&d, tenants,
+				 "# name  who\nalice uid=0\nbob   uid=65534   # nobody\n", NULL);
 	fill_f16((uint16_t *)mine, bytes / 2, 77);
 	kvb_chunk_hash(ids, 2, hash);
 	assert_int_equal(kvb_put(c, model.name, hash, KVB_F16, T, 0, mine, bytes, NULL), 0);
@@ -1069,10 +1090,7 @@ static void tenants_are_isolated(void **state)
 	assert_string_equal(ms[0].name, model.name);
 	free(ms);
 	assert_int_equal(kvb_unpin(c, model.name, hash), 0);
-	kvb_close(&c);
-	daemon_stop(&d);
-	daemon_cleanup(&d);
-	unlink(tenants);
+	end_tenants_test(&d, c, tenants);
 	free(mine);
 	free(back);
 }
@@ -1122,28 +1140,17 @@ static uint64_t present(kvb_client *c, uint32_t first, uint32_t n)
  */
 static void tenants_cannot_evict_each_other(void **state)
 {
-	char tenants[400];
-	const char *args[] = { "--tenants-file", tenants, "--socket-mode", "0666", "--capacity",
-			       "8M", NULL };
+	char tenants[64];
 	struct daemon d;
 	kvb_client *c;
 	uint64_t mine;
 	pid_t pid;
 	int status;
-	FILE *f;
 
 	(void)state;
 	if (geteuid() != 0)
 		skip(); /* the other tenant is another user */
-	snprintf(tenants, sizeof(tenants), "/tmp/kvb-tenants-cap-%d", (int)getpid());
-	f = fopen(tenants, "w");
-	assert_non_null(f);
-	fprintf(f, "alice uid=0 capacity=3M\nbob uid=65534\n");
-	fclose(f);
-	daemon_start(&d, args);
-	assert_int_equal(chmod(d.dir, 0755), 0);
-	c = daemon_client(&d, 0);
-	assert_int_equal(kvb_model_register(c, &model, NULL), 0);
+	c = start_tenants_daemon(&d, tenants, "alice uid=0 capacity=3M\nbob uid=65534\n", "8M");
 	assert_int_equal(put_small(c, 0, 6), 0); /* about 2 MB stored, within her 3 MiB */
 	pid = fork();
 	assert_true(pid >= 0);
@@ -1172,10 +1179,7 @@ static void tenants_cannot_evict_each_other(void **state)
 	assert_true((mine & 0x3c0) == 0x3c0); /* her newest stay */
 	/* within her high watermark (90% of 3 MiB: 8 chunks), her oldest gone */
 	assert_true(__builtin_popcountll(mine) <= 8 && (mine & 0x3f) != 0x3f);
-	kvb_close(&c);
-	daemon_stop(&d);
-	daemon_cleanup(&d);
-	unlink(tenants);
+	end_tenants_test(&d, c, tenants);
 }
 
 int main(void)
