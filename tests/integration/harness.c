@@ -91,6 +91,37 @@ kvb_client *daemon_client(const struct daemon *d, int no_shm)
 	return c;
 }
 
+void put_test_chunk(kvb_client *c, const struct kvb_model *m, const uint32_t *ids, size_t n_ids,
+		    uint32_t tokens, uint32_t pos, uint32_t seed, uint8_t hash[KVB_HASH_LEN])
+{
+	size_t n = (size_t)m->num_layers * 2 * tokens * m->num_kv_heads * m->head_dim;
+	uint16_t *kv = malloc(n * 2);
+
+	assert_non_null(kv);
+	fill_f16(kv, n, seed);
+	kvb_chunk_hash(ids, n_ids, hash);
+	assert_int_equal(kvb_put(c, m->name, hash, KVB_F16, tokens, pos, kv, n * 2, NULL), 0);
+	free(kv);
+}
+
+size_t fresh_after_first_chunk(struct kvb_segment *s, const uint8_t (*hash)[KVB_HASH_LEN],
+			       const uint32_t *tokens, size_t n_chunks, uint32_t fresh)
+{
+	uint32_t pos = tokens[0] + fresh;
+
+	memset(s, 0, (n_chunks + 1) * sizeof(*s));
+	memcpy(s[0].hash, hash[0], KVB_HASH_LEN);
+	s[1].fresh = 1;
+	s[1].count = fresh;
+	s[1].pos = tokens[0];
+	for (size_t i = 1; i < n_chunks; i++) {
+		memcpy(s[i + 1].hash, hash[i], KVB_HASH_LEN);
+		s[i + 1].pos = pos;
+		pos += tokens[i];
+	}
+	return n_chunks + 1;
+}
+
 double daemon_stat(kvb_client *c, const char *name)
 {
 	struct kvb_stat *s;

@@ -35,6 +35,22 @@ double daemon_stat(kvb_client *c, const char *name);
  */
 void daemon_curve_key(const struct daemon *d, char keyfile[400], char pub[41]);
 
+/*
+ * Store through c a chunk of m (its name and shape, f16 K and V) of tokens tokens at
+ * position pos, its values fill_f16(seed), under the hash of the n_ids words ids (into
+ * hash). Asserts the PUT.
+ */
+void put_test_chunk(kvb_client *c, const struct kvb_model *m, const uint32_t *ids, size_t n_ids,
+		    uint32_t tokens, uint32_t pos, uint32_t seed, uint8_t hash[KVB_HASH_LEN]);
+
+/*
+ * The request the session tests open: chunk 0 at 0, fresh tokens after it, then chunks 1
+ * to n_chunks - 1 one after another (hash[i] of tokens[i] tokens), into s[n_chunks + 1];
+ * returns n_chunks + 1.
+ */
+size_t fresh_after_first_chunk(struct kvb_segment *s, const uint8_t (*hash)[KVB_HASH_LEN],
+			       const uint32_t *tokens, size_t n_chunks, uint32_t fresh);
+
 /* A client connected to d; asserts success. */
 kvb_client *daemon_client(const struct daemon *d, int no_shm);
 

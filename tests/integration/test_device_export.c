@@ -106,15 +106,8 @@ static void make_log(char *log)
 static void put_cached_then_fresh(kvb_client *c, const uint32_t ids[2], uint32_t T, uint32_t F,
 				  uint32_t seed, struct kvb_segment s[2])
 {
-	size_t n = (size_t)L * 2 * T * H * D;
-	uint16_t *kv = malloc(n * 2);
-
-	assert_non_null(kv);
-	fill_f16(kv, n, seed);
 	memset(s, 0, 2 * sizeof(*s));
-	kvb_chunk_hash(ids, 2, s[0].hash);
-	assert_int_equal(kvb_put(c, "xm", s[0].hash, KVB_F16, T, 0, kv, n * 2, NULL), 0);
-	free(kv);
+	put_test_chunk(c, &model, ids, 2, T, 0, seed, s[0].hash);
 	s[1].fresh = 1;
 	s[1].count = F;
 	s[1].pos = T;
@@ -179,14 +172,8 @@ static void test_unmap_before_free(void **state)
 	memset(s, 0, sizeof(s));
 	for (uint32_t i = 0; i < 2; i++) {
 		uint32_t ids[2] = { 5, i };
-		size_t n = (size_t)L * 2 * tokens[i] * H * D;
-		uint16_t *kv = malloc(n * 2);
 
-		fill_f16(kv, n, i + 3);
-		kvb_chunk_hash(ids, 2, hash[i]);
-		assert_int_equal(kvb_put(c, "xm", hash[i], KVB_F16, tokens[i], 0, kv, n * 2, NULL),
-				 0);
-		free(kv);
+		put_test_chunk(c, &model, ids, 2, tokens[i], 0, i + 3, hash[i]);
 		memcpy(s[i].hash, hash[i], KVB_HASH_LEN);
 		s[i].pos = i ? tokens[0] : 0;
 	}
@@ -219,8 +206,6 @@ static void test_expired_export_kept(void **state)
 	uint8_t hash[KVB_HASH_LEN];
 	uint32_t ids[2] = { 7, 1 }, T = 16, check = 1;
 	double ratio = 0.5;
-	size_t n = (size_t)L * 2 * T * H * D;
-	uint16_t *kv = malloc(n * 2);
 	struct kvb_segment s[1];
 	struct kvb_fuse_params p = { &check, &ratio, 1, KVB_METRIC_VALUE };
 	kvb_fuse *fu;
@@ -236,9 +221,7 @@ static void test_expired_export_kept(void **state)
 	c = daemon_client(&d, 0);
 	assert_int_equal(kvb_fuse_device(c), 0);
 	assert_int_equal(kvb_model_register(c, &model, NULL), 0);
-	fill_f16(kv, n, 21);
-	kvb_chunk_hash(ids, 2, hash);
-	assert_int_equal(kvb_put(c, "xm", hash, KVB_F16, T, 0, kv, n * 2, NULL), 0);
+	put_test_chunk(c, &model, ids, 2, T, 0, 21, hash);
 	memset(s, 0, sizeof(s));
 	memcpy(s[0].hash, hash, KVB_HASH_LEN);
 	assert_int_equal(kvb_fuse_open(c, "xm", s, 1, &p, &fu, NULL, NULL), 0);
@@ -261,7 +244,6 @@ static void test_expired_export_kept(void **state)
 	fclose(f);
 	assert_non_null(strstr(text, "expired with its device ring exported"));
 	free(text);
-	free(kv);
 	daemon_cleanup(&d);
 	unlink(log);
 }

@@ -51,17 +51,9 @@ static int setup(void **state)
 	assert_int_equal(kvb_model_register(f->c, &model, NULL), 0);
 	for (uint32_t i = 0; i < 3; i++) {
 		uint32_t ids[2] = { 77, i };
-		size_t n;
-		uint16_t *kv;
 
 		f->tokens[i] = 10 + 7 * i;
-		n = (size_t)L * 2 * f->tokens[i] * H * D;
-		kv = malloc(n * 2);
-		fill_f16(kv, n, i + 1);
-		kvb_chunk_hash(ids, 2, f->hash[i]);
-		assert_int_equal(kvb_put(f->c, "fm", f->hash[i], KVB_F16, f->tokens[i], 0, kv, n * 2,
-					 NULL), 0);
-		free(kv);
+		put_test_chunk(f->c, &model, ids, 2, f->tokens[i], 0, i + 1, f->hash[i]);
 	}
 	*state = f;
 	return 0;
@@ -81,15 +73,7 @@ static int teardown(void **state)
 /* chunk 0 at 0, 3 fresh at 10, chunk 1 at 13 (17 tokens): 30 tokens */
 static size_t segments(struct fixture *f, struct kvb_segment *s)
 {
-	memset(s, 0, 3 * sizeof(*s));
-	memcpy(s[0].hash, f->hash[0], KVB_HASH_LEN);
-	s[0].pos = 0;
-	s[1].fresh = 1;
-	s[1].count = 3;
-	s[1].pos = 10;
-	memcpy(s[2].hash, f->hash[1], KVB_HASH_LEN);
-	s[2].pos = 13;
-	return 3;
+	return fresh_after_first_chunk(s, f->hash, f->tokens, 2, 3);
 }
 
 static const uint32_t checks[2] = { 1, 2 };

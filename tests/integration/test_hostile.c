@@ -45,14 +45,9 @@ static const struct kvb_model model = { .name = "hm", .num_layers = L, .num_kv_h
 
 static void put_chunk(kvb_client *c, uint32_t id, uint8_t hash[KVB_HASH_LEN])
 {
-	size_t n = (size_t)L * 2 * T * H * D;
-	uint16_t *kv = malloc(n * 2);
 	uint32_t ids[2] = { 4242, id };
 
-	fill_f16(kv, n, id);
-	kvb_chunk_hash(ids, 2, hash);
-	assert_int_equal(kvb_put(c, model.name, hash, KVB_F16, T, 0, kv, n * 2, NULL), 0);
-	free(kv);
+	put_test_chunk(c, &model, ids, 2, T, 0, id, hash);
 }
 
 static void fuse_open_req(struct kvbp_request *q, const uint8_t *hash, struct kvbp_segment *seg,

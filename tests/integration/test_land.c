@@ -65,13 +65,11 @@ static int setup(void **state)
 		size_t n = (size_t)L * 2 * chunk_tokens[i] * H * D;
 		uint16_t *kv = malloc(n * 2);
 
+		put_test_chunk(f->c, &model, ids, 2, chunk_tokens[i], 3 * i, i + 1, f->hash[i]);
+		put_test_chunk(f->c, &m8, ids, 2, chunk_tokens[i], 3 * i, i + 1, f->hash[i]);
+		/* the same values, low mantissa bits cleared: bitshuffle+LZ4 saves enough to be
+		 * stored compressed */
 		fill_f16(kv, n, i + 1);
-		kvb_chunk_hash(ids, 2, f->hash[i]);
-		assert_int_equal(kvb_put(f->c, "lm", f->hash[i], KVB_F16, chunk_tokens[i], 3 * i, kv,
-					 n * 2, NULL), 0);
-		assert_int_equal(kvb_put(f->c, "lm8", f->hash[i], KVB_F16, chunk_tokens[i], 3 * i, kv,
-					 n * 2, NULL), 0);
-		/* low mantissa bits cleared: bitshuffle+LZ4 saves enough to be stored compressed */
 		for (size_t e = 0; e < n; e++)
 			kv[e] &= 0xff80;
 		assert_int_equal(kvb_put(f->c, "lmz", f->hash[i], KVB_F16, chunk_tokens[i], 3 * i, kv,
@@ -99,16 +97,7 @@ static int teardown(void **state)
 /* chunk 0 at 0, 5 fresh at 10, chunk 1 at 15, chunk 2 at 32: 46 tokens */
 static size_t segments(struct fixture *f, struct kvb_segment *s)
 {
-	memset(s, 0, 4 * sizeof(*s));
-	memcpy(s[0].hash, f->hash[0], KVB_HASH_LEN);
-	s[1].fresh = 1;
-	s[1].count = 5;
-	s[1].pos = 10;
-	memcpy(s[2].hash, f->hash[1], KVB_HASH_LEN);
-	s[2].pos = 15;
-	memcpy(s[3].hash, f->hash[2], KVB_HASH_LEN);
-	s[3].pos = 32;
-	return 4;
+	return fresh_after_first_chunk(s, f->hash, chunk_tokens, 3, 5);
 }
 
 static const uint8_t *fresh_row(struct fixture *f, uint32_t l, int kv, uint32_t t)

@@ -81,14 +81,8 @@ static int setup(void **state)
 	assert_int_equal(kvb_model_register(f->c, &m, NULL), 0);
 	for (uint32_t i = 0; i < 3; i++) {
 		uint32_t ids[2] = { 77, i };
-		size_t n = (size_t)L * 2 * chunk_tokens[i] * H * D;
-		uint16_t *kv = malloc(n * 2);
 
-		fill_f16(kv, n, i + 11);
-		kvb_chunk_hash(ids, 2, f->hash[i]);
-		assert_int_equal(kvb_put(f->c, "lm", f->hash[i], KVB_F16, chunk_tokens[i], 5 * i, kv,
-					 n * 2, NULL), 0);
-		free(kv);
+		put_test_chunk(f->c, &m, ids, 2, chunk_tokens[i], 5 * i, i + 11, f->hash[i]);
 	}
 	f->region = kvb_region_alloc(f->c, CACHE_BYTES + 4096);
 	assert_non_null(f->region);
@@ -115,16 +109,7 @@ static int teardown(void **state)
 /* chunk 0 at 0, 5 fresh at 10, chunk 1 at 15, chunk 2 at 32 */
 static size_t segments(struct fixture *f, struct kvb_segment *s)
 {
-	memset(s, 0, 4 * sizeof(*s));
-	memcpy(s[0].hash, f->hash[0], KVB_HASH_LEN);
-	s[1].fresh = 1;
-	s[1].count = 5;
-	s[1].pos = 10;
-	memcpy(s[2].hash, f->hash[1], KVB_HASH_LEN);
-	s[2].pos = 15;
-	memcpy(s[3].hash, f->hash[2], KVB_HASH_LEN);
-	s[3].pos = 32;
-	return 4;
+	return fresh_after_first_chunk(s, f->hash, chunk_tokens, 3, 5);
 }
 
 /*
