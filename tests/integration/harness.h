@@ -61,6 +61,8 @@ kvb_client *daemon_client(const struct daemon *d, int no_shm);
  */
 int daemon_setup(void **state, const char *const *extra_args);
 int daemon_teardown(void **state);
+/* The table entry of a test on such a daemon, started by the file's static setup(). */
+#define daemon_test(f) cmocka_unit_test_setup_teardown(f, setup, daemon_teardown)
 
 /*
  * The descriptor of segment id from the daemon's descriptor socket at path, as libkvblend

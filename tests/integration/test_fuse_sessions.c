@@ -22,6 +22,7 @@
 #include <cmocka.h>
 #include <xxhash.h>
 
+#include "tests/fixture.h"
 #include "tests/integration/harness.h"
 #include "tests/integration/rawreq.h"
 
@@ -1066,15 +1067,15 @@ static void test_fuse_keeps_unreadable_layout(void **state)
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
-		cmocka_unit_test_setup_teardown(test_protocol_errors, setup, teardown),
-		cmocka_unit_test_setup_teardown(test_wrong_rows, setup, teardown),
-		cmocka_unit_test_setup_teardown(test_attention_wire, setup, teardown),
-		cmocka_unit_test_setup_teardown(test_open_errors, setup, teardown),
-		cmocka_unit_test_setup_teardown(test_limits_and_pins, setup, teardown),
-		cmocka_unit_test_setup_teardown(test_abandoned_session_expires, setup, teardown),
-		cmocka_unit_test_setup_teardown(test_concurrent_sessions, setup, teardown),
-		cmocka_unit_test_setup_teardown(test_wide_bf16_unaligned, setup, teardown),
-		cmocka_unit_test_setup_teardown(test_device_output, setup, teardown),
+		fixture_test(test_protocol_errors),
+		fixture_test(test_wrong_rows),
+		fixture_test(test_attention_wire),
+		fixture_test(test_open_errors),
+		fixture_test(test_limits_and_pins),
+		fixture_test(test_abandoned_session_expires),
+		fixture_test(test_concurrent_sessions),
+		fixture_test(test_wide_bf16_unaligned),
+		fixture_test(test_device_output),
 		cmocka_unit_test_setup_teardown(test_replicate_refuses_quant_layout, setup_quant,
 						teardown),
 		cmocka_unit_test_setup_teardown(test_fuse_keeps_unreadable_layout, setup_quant,

@@ -22,6 +22,7 @@
 
 #include <cmocka.h>
 
+#include "tests/fixture.h"
 #include "tests/integration/harness.h"
 
 #define L 6
@@ -969,18 +970,18 @@ static void test_head_range(void **state)
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
-		cmocka_unit_test_setup_teardown(test_contiguous_matches_classic, setup, teardown),
-		cmocka_unit_test_setup_teardown(test_check_after_segment_expired, setup, teardown),
-		cmocka_unit_test_setup_teardown(test_corrupt_chunks, setup, teardown),
-		cmocka_unit_test_setup_teardown(test_paged_and_padded_match_classic, setup, teardown),
-		cmocka_unit_test_setup_teardown(test_transposed_k_matches_classic, setup, teardown),
-		cmocka_unit_test_setup_teardown(test_paged_other_codecs, setup, teardown),
-		cmocka_unit_test_setup_teardown(test_reuse_only, setup, teardown),
-		cmocka_unit_test_setup_teardown(test_errors, setup, teardown),
-		cmocka_unit_test_setup_teardown(test_head_strides_that_wrap, setup, teardown),
-		cmocka_unit_test_setup_teardown(test_nothing_lands_after_close, setup, teardown),
-		cmocka_unit_test_setup_teardown(test_wide_paged_streams, setup, teardown),
-		cmocka_unit_test_setup_teardown(test_head_range, setup, teardown),
+		fixture_test(test_contiguous_matches_classic),
+		fixture_test(test_check_after_segment_expired),
+		fixture_test(test_corrupt_chunks),
+		fixture_test(test_paged_and_padded_match_classic),
+		fixture_test(test_transposed_k_matches_classic),
+		fixture_test(test_paged_other_codecs),
+		fixture_test(test_reuse_only),
+		fixture_test(test_errors),
+		fixture_test(test_head_strides_that_wrap),
+		fixture_test(test_nothing_lands_after_close),
+		fixture_test(test_wide_paged_streams),
+		fixture_test(test_head_range),
 	};
 
 	return cmocka_run_group_tests(tests, NULL, NULL);

@@ -304,10 +304,10 @@ static void test_set_asides_never_collide(void **state)
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
-		cmocka_unit_test_setup_teardown(test_truncated_file_set_aside, setup, daemon_teardown),
-		cmocka_unit_test_setup_teardown(test_short_file_set_aside, setup, daemon_teardown),
-		cmocka_unit_test_setup_teardown(test_symlinked_file_set_aside, setup, daemon_teardown),
-		cmocka_unit_test_setup_teardown(test_set_asides_never_collide, setup, daemon_teardown),
+		daemon_test(test_truncated_file_set_aside),
+		daemon_test(test_short_file_set_aside),
+		daemon_test(test_symlinked_file_set_aside),
+		daemon_test(test_set_asides_never_collide),
 	};
 
 	return cmocka_run_group_tests(tests, NULL, NULL);

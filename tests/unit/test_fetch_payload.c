@@ -23,6 +23,7 @@
 
 #include "cluster/cluster_impl.h"
 #include "proto/bulk.h"
+#include "tests/fixture.h"
 
 #define MAX_MESSAGE (1u << 20)
 #define REQ_ID 77
@@ -234,11 +235,11 @@ static void test_whole_payload(void **state)
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
-		cmocka_unit_test_setup_teardown(test_oversized_refused, setup, teardown),
-		cmocka_unit_test_setup_teardown(test_frames_size_check, setup, teardown),
-		cmocka_unit_test_setup_teardown(test_stall_given_up, setup, teardown),
-		cmocka_unit_test_setup_teardown(test_progress_keeps_it, setup, teardown),
-		cmocka_unit_test_setup_teardown(test_whole_payload, setup, teardown),
+		fixture_test(test_oversized_refused),
+		fixture_test(test_frames_size_check),
+		fixture_test(test_stall_given_up),
+		fixture_test(test_progress_keeps_it),
+		fixture_test(test_whole_payload),
 	};
 
 	return cmocka_run_group_tests(tests, NULL, NULL);

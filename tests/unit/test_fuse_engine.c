@@ -29,11 +29,12 @@
 #include <cmocka.h>
 
 #include "blend/backend.h"
-#include "daemon/fuse/fuse.h"
 #include "common/half.h"
+#include "daemon/fuse/fuse.h"
 #include "daemon/pool.h"
 #include "daemon/shm.h"
 #include "store/store.h"
+#include "tests/fixture.h"
 
 #define L 4
 #define H 2
@@ -427,10 +428,9 @@ static void test_landing_session(void **state)
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
-		cmocka_unit_test_setup_teardown(test_reuse_only_session, setup, teardown),
-		cmocka_unit_test_setup_teardown(test_check_selects_the_deviating_tokens, setup,
-						teardown),
-		cmocka_unit_test_setup_teardown(test_landing_session, setup, teardown),
+		fixture_test(test_reuse_only_session),
+		fixture_test(test_check_selects_the_deviating_tokens),
+		fixture_test(test_landing_session),
 	};
 
 	return cmocka_run_group_tests(tests, NULL, NULL);

@@ -21,6 +21,7 @@
 #include "store/checksum.h"
 #include "store/codec.h"
 #include "store/store.h"
+#include "tests/fixture.h"
 
 struct fixture {
 	char dir[64];
@@ -1448,30 +1449,30 @@ static void test_scrub(void **state)
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
-		cmocka_unit_test_setup_teardown(test_models, setup, teardown),
-		cmocka_unit_test_setup_teardown(test_put_get_delete, setup, teardown),
-		cmocka_unit_test_setup_teardown(test_immutable, setup, teardown),
-		cmocka_unit_test_setup_teardown(test_full_put_leaves_nothing, setup, teardown),
-		cmocka_unit_test_setup_teardown(test_reopen_keeps_chunks, setup, teardown),
-		cmocka_unit_test_setup_teardown(test_export_import, setup, teardown),
-		cmocka_unit_test_setup_teardown(test_corruption_reported, setup, teardown),
-		cmocka_unit_test_setup_teardown(test_concurrent_readers, setup, teardown),
-		cmocka_unit_test_setup_teardown(test_chunk_record_base_pos_flip, setup, teardown),
-		cmocka_unit_test_setup_teardown(test_chunk_record_num_tokens_flip, setup, teardown),
-		cmocka_unit_test_setup_teardown(test_chunk_record_checksum_flip, setup, teardown),
-		cmocka_unit_test_setup_teardown(test_model_record_flip, setup, teardown),
-		cmocka_unit_test_setup_teardown(test_next_model_flip, setup, teardown),
-		cmocka_unit_test_setup_teardown(test_totals_flip, setup, teardown),
-		cmocka_unit_test_setup_teardown(test_upgrade_from_v1, setup, teardown),
-		cmocka_unit_test_setup_teardown(test_newer_format_refused, setup, teardown),
-		cmocka_unit_test_setup_teardown(test_disk_full, setup, teardown),
-		cmocka_unit_test_setup_teardown(test_disk_filled_by_another, setup, teardown),
-		cmocka_unit_test_setup_teardown(test_codec_totals_kept, setup, teardown),
-		cmocka_unit_test_setup_teardown(test_totals_read_no_walk, setup, teardown),
-		cmocka_unit_test_setup_teardown(test_verify_once, setup, teardown),
-		cmocka_unit_test_setup_teardown(test_verify_one_plane, setup, teardown),
-		cmocka_unit_test_setup_teardown(test_verify_always, setup, teardown),
-		cmocka_unit_test_setup_teardown(test_scrub, setup, teardown),
+		fixture_test(test_models),
+		fixture_test(test_put_get_delete),
+		fixture_test(test_immutable),
+		fixture_test(test_full_put_leaves_nothing),
+		fixture_test(test_reopen_keeps_chunks),
+		fixture_test(test_export_import),
+		fixture_test(test_corruption_reported),
+		fixture_test(test_concurrent_readers),
+		fixture_test(test_chunk_record_base_pos_flip),
+		fixture_test(test_chunk_record_num_tokens_flip),
+		fixture_test(test_chunk_record_checksum_flip),
+		fixture_test(test_model_record_flip),
+		fixture_test(test_next_model_flip),
+		fixture_test(test_totals_flip),
+		fixture_test(test_upgrade_from_v1),
+		fixture_test(test_newer_format_refused),
+		fixture_test(test_disk_full),
+		fixture_test(test_disk_filled_by_another),
+		fixture_test(test_codec_totals_kept),
+		fixture_test(test_totals_read_no_walk),
+		fixture_test(test_verify_once),
+		fixture_test(test_verify_one_plane),
+		fixture_test(test_verify_always),
+		fixture_test(test_scrub),
 	};
 
 	return cmocka_run_group_tests(tests, NULL, NULL);

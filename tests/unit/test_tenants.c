@@ -12,6 +12,7 @@
 #include <cmocka.h>
 
 #include "daemon/tenants.h"
+#include "tests/fixture.h"
 
 #define KEY "rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7"
 
@@ -106,8 +107,8 @@ static void test_errors(void **state)
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
-		cmocka_unit_test_setup_teardown(test_bindings, setup, teardown),
-		cmocka_unit_test_setup_teardown(test_errors, setup, teardown),
+		fixture_test(test_bindings),
+		fixture_test(test_errors),
 	};
 
 	return cmocka_run_group_tests(tests, NULL, NULL);
