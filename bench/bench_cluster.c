@@ -565,11 +565,9 @@ int main(int argc, char **argv)
 	int repeats = 7;
 	bool curve = true, plain = true, tune = false, get_only = false;
 
-	bench_default_daemon(argv[0], daemon_path, sizeof(daemon_path));
+	bench_daemon_arg(&argc, argv, daemon_path, sizeof(daemon_path));
 	for (int i = 1; i < argc; i++) {
-		if (!strcmp(argv[i], "--daemon") && i + 1 < argc) {
-			snprintf(daemon_path, sizeof(daemon_path), "%s", argv[++i]);
-		} else if (!strcmp(argv[i], "--repeats") && i + 1 < argc) {
+		if (!strcmp(argv[i], "--repeats") && i + 1 < argc) {
 			repeats = atoi(argv[++i]);
 			if (repeats < 1 || repeats > MAX_REPEATS) {
 				fprintf(stderr, "--repeats: 1..%d\n", MAX_REPEATS);

@@ -107,12 +107,24 @@ static inline unsigned bench_parse_list(char *s, unsigned *v, unsigned max)
 	return n;
 }
 
-/* The kvblendd next to this benchmark binary (argv0), into path. */
-static inline void bench_default_daemon(const char *argv0, char *path, size_t len)
+/*
+ * The kvblendd a benchmark starts, into path: the one given as --daemon PATH, taken out
+ * of argv (*argc lessened by 2: the caller's option loop never sees it), else the one
+ * next to the benchmark's binary (argv[0]).
+ */
+static inline void bench_daemon_arg(int *argc, char **argv, char *path, size_t len)
 {
-	const char *slash = strrchr(argv0, '/');
+	const char *slash = strrchr(argv[0], '/');
 
-	snprintf(path, len, "%.*skvblendd", slash ? (int)(slash - argv0 + 1) : 0, argv0);
+	snprintf(path, len, "%.*skvblendd", slash ? (int)(slash - argv[0] + 1) : 0, argv[0]);
+	for (int i = 1; i + 1 < *argc; i++) {
+		if (strcmp(argv[i], "--daemon"))
+			continue;
+		snprintf(path, len, "%s", argv[i + 1]);
+		memmove(&argv[i], &argv[i + 2], (size_t)(*argc - i - 1) * sizeof(*argv));
+		*argc -= 2;
+		break;
+	}
 }
 
 /* The options of every benchmark's daemon: room for the largest chunks, warnings only. */

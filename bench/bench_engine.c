@@ -323,11 +323,9 @@ int main(int argc, char **argv)
 	kvb_client *c;
 	struct daemon d;
 
-	bench_default_daemon(argv[0], daemon_path, sizeof(daemon_path));
+	bench_daemon_arg(&argc, argv, daemon_path, sizeof(daemon_path));
 	for (int i = 1; i < argc; i++) {
-		if (!strcmp(argv[i], "--daemon") && i + 1 < argc) {
-			snprintf(daemon_path, sizeof(daemon_path), "%s", argv[++i]);
-		} else if (!strcmp(argv[i], "--node-ms") && i + 1 < argc) {
+		if (!strcmp(argv[i], "--node-ms") && i + 1 < argc) {
 			parse_list(argv[++i], node, &n_node);
 		} else if (!strcmp(argv[i], "--tokens") && i + 1 < argc) {
 			parse_list(argv[++i], sizes, &n_sizes);

@@ -108,6 +108,21 @@ static void fill_kv(uint16_t *p, size_t n, uint64_t seed)
 		(gbps) = rates_[runs_ / 2];                                            \
 	} while (0)
 
+/*
+ * PUT src (bytes, tokens) through c as a chunk never stored before: its hash (into h)
+ * that of the sequence number *seq, which is then advanced. A refusal is said on stderr.
+ */
+static void put_new(kvb_client *c, uint64_t *seq, uint8_t h[KVB_HASH_LEN], uint32_t tokens,
+		    const void *src, size_t bytes)
+{
+	uint32_t id[2] = { (uint32_t)*seq, (uint32_t)(*seq >> 32) };
+
+	++*seq;
+	kvb_chunk_hash(id, 2, h);
+	if (kvb_put(c, model.name, h, KVB_F16, tokens, 0, src, bytes, NULL))
+		fprintf(stderr, "put: %s\n", kvb_last_error(c));
+}
+
 int main(int argc, char **argv)
 {
 	char daemon_path[512];
@@ -122,11 +137,9 @@ int main(int argc, char **argv)
 	uint64_t seq = 1;
 	struct bench_copier cp = { 0 };
 
-	bench_default_daemon(argv[0], daemon_path, sizeof(daemon_path));
+	bench_daemon_arg(&argc, argv, daemon_path, sizeof(daemon_path));
 	for (int i = 1; i < argc; i++) {
-		if (!strcmp(argv[i], "--daemon") && i + 1 < argc)
-			snprintf(daemon_path, sizeof(daemon_path), "%s", argv[++i]);
-		else if (!strcmp(argv[i], "--sync"))
+		if (!strcmp(argv[i], "--sync"))
 			sync = true;
 		else if (!strcmp(argv[i], "--seconds") && i + 1 < argc)
 			seconds = atof(argv[++i]);
@@ -212,22 +225,8 @@ int main(int argc, char **argv)
 			for (unsigned t = 0; t < 2 * model.num_layers; t++)
 				codec_decode(enc, len, (uint8_t *)dst + t * tb, tb, NULL);
 		});
-		MEASURE(c_put, bytes, seconds, {
-			uint32_t id[2] = { (uint32_t)seq, (uint32_t)(seq >> 32) };
-
-			seq++;
-			kvb_chunk_hash(id, 2, h);
-			if (kvb_put(shm_c, model.name, h, KVB_F16, tokens, 0, src, bytes, NULL))
-				fprintf(stderr, "put: %s\n", kvb_last_error(shm_c));
-		});
-		MEASURE(c_put_fr, bytes, seconds, {
-			uint32_t id[2] = { (uint32_t)seq, (uint32_t)(seq >> 32) };
-
-			seq++;
-			kvb_chunk_hash(id, 2, h);
-			if (kvb_put(frame_c, model.name, h, KVB_F16, tokens, 0, src, bytes, NULL))
-				fprintf(stderr, "put: %s\n", kvb_last_error(frame_c));
-		});
+		MEASURE(c_put, bytes, seconds, put_new(shm_c, &seq, h, tokens, src, bytes));
+		MEASURE(c_put_fr, bytes, seconds, put_new(frame_c, &seq, h, tokens, src, bytes));
 		MEASURE(c_get, bytes, seconds, {
 			if (kvb_get(shm_c, model.name, h, 0, 0, dst, bytes, NULL))
 				fprintf(stderr, "get: %s\n", kvb_last_error(shm_c));

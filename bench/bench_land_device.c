@@ -239,7 +239,7 @@ int main(int argc, char **argv)
 	struct kvb_model model = { .name = "bench", .num_layers = LAYERS, .num_kv_heads = HEADS,
 				   .head_dim = HD, .dtype = KVB_F16, .rope_theta = 1000000 };
 
-	bench_default_daemon(argv[0], daemon_path, sizeof(daemon_path));
+	bench_daemon_arg(&argc, argv, daemon_path, sizeof(daemon_path));
 	for (int i = 1; i + 1 < argc; i += 2) {
 		if (!strcmp(argv[i], "--device"))
 			which = argv[i + 1];
@@ -247,8 +247,6 @@ int main(int argc, char **argv)
 			snprintf(list, sizeof(list), "%s", argv[i + 1]);
 		else if (!strcmp(argv[i], "--repeats"))
 			repeats = atoi(argv[i + 1]);
-		else if (!strcmp(argv[i], "--daemon"))
-			snprintf(daemon_path, sizeof(daemon_path), "%s", argv[i + 1]);
 		else if (!strcmp(argv[i], "--compressible") && !strcmp(argv[i + 1], "1"))
 			compressible = 1;
 		else if (!strcmp(argv[i], "--compressible") && !strcmp(argv[i + 1], "0"))

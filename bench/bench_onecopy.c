@@ -55,6 +55,20 @@ static int read_all(int fd, uint8_t *p, size_t n)
 	return 0;
 }
 
+/*
+ * After the rounds of one method (what): reap its child and check that dst holds fill.
+ * 0, or -1 said on stderr.
+ */
+static int child_moved_fill(pid_t pid, const uint8_t *dst, const uint8_t *fill, size_t bytes,
+			    const char *what)
+{
+	waitpid(pid, NULL, 0);
+	if (!memcmp(dst, fill, bytes))
+		return 0;
+	fprintf(stderr, "bench_onecopy: %s moved other bytes\n", what);
+	return -1;
+}
+
 static int one_size(size_t bytes, int rounds)
 {
 	char path[256];
@@ -130,11 +144,8 @@ static int one_size(size_t bytes, int rounds)
 			goto out;
 		vs[r] = (double)bytes / (now_s() - t) / 1e9;
 	}
-	waitpid(pid, NULL, 0);
-	if (memcmp(dst, fill, bytes)) {
-		fprintf(stderr, "bench_onecopy: vmsplice moved other bytes\n");
+	if (child_moved_fill(pid, dst, fill, bytes, "vmsplice"))
 		goto out;
-	}
 	close(p[0]);
 	close(q[0]);
 	close(q[1]);
@@ -172,11 +183,8 @@ static int one_size(size_t bytes, int rounds)
 		}
 		pw[r] = (double)bytes / (now_s() - t) / 1e9;
 	}
-	waitpid(pid, NULL, 0);
-	if (memcmp(dst, fill, bytes)) {
-		fprintf(stderr, "bench_onecopy: process_vm_writev moved other bytes\n");
+	if (child_moved_fill(pid, dst, fill, bytes, "process_vm_writev"))
 		goto out;
-	}
 	{
 		double m = bench_median(mc, rounds), t2 = bench_median(two, rounds), v = bench_median(vs, rounds),
 		       w = bench_median(pw, rounds);

@@ -104,11 +104,9 @@ int main(int argc, char **argv)
 	kvb_client *c;
 	struct daemon d;
 
-	bench_default_daemon(argv[0], daemon_path, sizeof(daemon_path));
+	bench_daemon_arg(&argc, argv, daemon_path, sizeof(daemon_path));
 	for (int i = 1; i < argc; i++) {
-		if (!strcmp(argv[i], "--daemon") && i + 1 < argc)
-			snprintf(daemon_path, sizeof(daemon_path), "%s", argv[++i]);
-		else if (!strcmp(argv[i], "--stores") && i + 1 < argc)
+		if (!strcmp(argv[i], "--stores") && i + 1 < argc)
 			snprintf(stores, sizeof(stores), "%s", argv[++i]);
 		else if (!strcmp(argv[i], "--repeats") && i + 1 < argc)
 			repeats = (unsigned)atoi(argv[++i]);

@@ -177,11 +177,9 @@ int main(int argc, char **argv)
 	double t0, stats_rate, ping_rate;
 	struct daemon d;
 
-	bench_default_daemon(argv[0], daemon, sizeof(daemon));
+	bench_daemon_arg(&argc, argv, daemon, sizeof(daemon));
 	for (int i = 1; i + 1 < argc; i += 2) {
-		if (!strcmp(argv[i], "--daemon"))
-			snprintf(daemon, sizeof(daemon), "%s", argv[i + 1]);
-		else if (!strcmp(argv[i], "--small"))
+		if (!strcmp(argv[i], "--small"))
 			small = (unsigned)atoi(argv[i + 1]);
 		else if (!strcmp(argv[i], "--large"))
 			large = (unsigned)atoi(argv[i + 1]);
