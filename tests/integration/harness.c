@@ -79,6 +79,13 @@ void daemon_cleanup(struct daemon *d)
 	daemon_remove(d);
 }
 
+void daemon_end(struct daemon *d, kvb_client **c)
+{
+	kvb_close(c);
+	daemon_stop(d);
+	daemon_cleanup(d);
+}
+
 kvb_client *daemon_client(const struct daemon *d, int no_shm)
 {
 	struct kvb_connect_opts o = { .timeout_ms = 10000, .no_shm = no_shm };

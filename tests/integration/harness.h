@@ -26,6 +26,8 @@ void daemon_stop(struct daemon *d);
 void daemon_wait(struct daemon *d);
 /* Stop (if running) and remove the temporary directory. */
 void daemon_cleanup(struct daemon *d);
+/* The end of a test's daemon: close its client *c, daemon_stop, then daemon_cleanup. */
+void daemon_end(struct daemon *d, kvb_client **c);
 /* The daemon's counter name from kvb_stats(); asserts that it exists. */
 double daemon_stat(kvb_client *c, const char *name);
 

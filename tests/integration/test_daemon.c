@@ -240,9 +240,7 @@ static void test_large_chunk_paths(void **state)
 	free(kv);
 	free(back);
 	kvb_close(&shm);
-	kvb_close(&frames);
-	daemon_stop(&d);
-	daemon_cleanup(&d);
+	daemon_end(&d, &frames);
 }
 
 /* Heads [h0, h0 + hn) of every tensor of a chunk laid out [layers, 2, tokens, heads, d]. */
@@ -654,9 +652,7 @@ static void test_shape_overflow(void **state)
 	code = raw_request(&r, &q, NULL, NULL, 0, msg, sizeof(msg));
 	EXPECT(KVBP_BAD_SHAPE, "chunk size overflows");
 	raw_close(&r);
-	kvb_close(&c);
-	daemon_stop(&d);
-	daemon_cleanup(&d);
+	daemon_end(&d, &c);
 }
 
 static void test_restart_keeps_chunks(void **state)

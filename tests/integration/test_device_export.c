@@ -559,9 +559,7 @@ static void test_auto_places_per_session(void **state)
 		assert_memory_equal(out[0], out[1], layer);
 		free(out[0]);
 		free(out[1]);
-		kvb_close(&c);
-		daemon_stop(&d);
-		daemon_cleanup(&d);
+		daemon_end(&d, &c);
 		unsetenv("KVBLEND_EMULATED_AUTO");
 	}
 	free(rows);

@@ -95,9 +95,7 @@ static void test_hot_set_survives(void **state)
 	assert_int_equal(kvb_unpin(c, "ev", h), 0);
 	assert_int_equal(kvb_unpin(c, "ev", h), KVB_E_NOT_FOUND);
 	assert_int_equal(kvb_pin(c, "ev", h, 0), KVB_E_BAD_ARGUMENT);
-	kvb_close(&c);
-	daemon_stop(&d);
-	daemon_cleanup(&d);
+	daemon_end(&d, &c);
 	free(kv);
 }
 
@@ -148,9 +146,7 @@ static void test_map_full(void **state)
 
 		assert_int_equal(kvb_ping(c, v, sizeof(v)), 0);
 	}
-	kvb_close(&c);
-	daemon_stop(&d);
-	daemon_cleanup(&d);
+	daemon_end(&d, &c);
 	free(kv);
 }
 

@@ -64,9 +64,7 @@ static int teardown(void **state)
 {
 	struct fixture *f = *state;
 
-	kvb_close(&f->c);
-	daemon_stop(&f->d);
-	daemon_cleanup(&f->d);
+	daemon_end(&f->d, &f->c);
 	free(f);
 	return 0;
 }

@@ -134,9 +134,7 @@ static void close_during_layer(void **state)
 	raw_close(&a);
 	raw_close(&b);
 	assert_serving(&d);
-	kvb_close(&c);
-	daemon_stop(&d);
-	daemon_cleanup(&d);
+	daemon_end(&d, &c);
 	free(k);
 	free(v);
 }
@@ -301,9 +299,7 @@ static void sigterm_answers_inflight(void **state)
 		if (codes[i] == KVBP_OK)
 			assert_true(info.found);
 	}
-	kvb_close(&c);
-	daemon_stop(&d);
-	daemon_cleanup(&d);
+	daemon_end(&d, &c);
 }
 
 struct scribbler {
@@ -366,9 +362,7 @@ static void put_from_changing_shm(void **state)
 	pthread_join(th, NULL);
 	assert_true(daemon_stat(reader, "corrupt_removed") == 0);
 	kvb_close(&reader);
-	kvb_close(&c);
-	daemon_stop(&d);
-	daemon_cleanup(&d);
+	daemon_end(&d, &c);
 	free(out);
 }
 
@@ -495,9 +489,7 @@ static void ring_not_reachable_by_requests(void **state)
 	}
 	assert_int_equal(names_in_dev_shm(d.pid), 0);
 	raw_close(&r);
-	kvb_close(&c);
-	daemon_stop(&d);
-	daemon_cleanup(&d);
+	daemon_end(&d, &c);
 	free(k);
 	free(v);
 }
@@ -579,9 +571,7 @@ static void ring_not_shared_across_clients(void **state)
 	assert_int_equal(names_in_dev_shm(d.pid), 0);
 	raw_open(&r, d.endpoint, 20000);
 	raw_close(&r);
-	kvb_close(&c);
-	daemon_stop(&d);
-	daemon_cleanup(&d);
+	daemon_end(&d, &c);
 }
 
 /*
@@ -626,9 +616,7 @@ static void segment_cannot_be_truncated(void **state)
 	close(fd);
 	raw_close(&r);
 	assert_serving(&d);
-	kvb_close(&c);
-	daemon_stop(&d);
-	daemon_cleanup(&d);
+	daemon_end(&d, &c);
 }
 
 /* Open shared-memory segments and fuse sessions until refused; returns how many. */
@@ -710,9 +698,7 @@ static void per_client_shares(void **state)
 	assert_true(WIFEXITED(status));
 	assert_int_equal(WEXITSTATUS(status), 0);
 	raw_close(&r);
-	kvb_close(&c);
-	daemon_stop(&d);
-	daemon_cleanup(&d);
+	daemon_end(&d, &c);
 }
 
 /* A line of /proc/PID/status in KiB (VmRSS, VmHWM). */
@@ -821,9 +807,7 @@ static void unread_replies_are_bounded(void **state)
 	raw_close(&r);
 	/* all released but the stats request's own header */
 	assert_true(daemon_stat(c, "inflight_bytes") < 4096);
-	kvb_close(&c);
-	daemon_stop(&d);
-	daemon_cleanup(&d);
+	daemon_end(&d, &c);
 	free(kv);
 	free(out);
 }
@@ -867,9 +851,7 @@ static void pipelined_puts_are_bounded(void **state)
 	assert_true(hwm1 < hwm0 + (640u << 10));
 	raw_close(&r);
 	assert_serving(&d);
-	kvb_close(&c);
-	daemon_stop(&d);
-	daemon_cleanup(&d);
+	daemon_end(&d, &c);
 }
 
 /*
@@ -953,9 +935,7 @@ static void many_connections(void **state)
 		      daemon_stat(c, "connections_dropped_no_fd"));
 	assert_true(daemon_stat(c, "connections_refused") + daemon_stat(c,
 		    "connections_dropped_no_fd") > 0);
-	kvb_close(&c);
-	daemon_stop(&d);
-	daemon_cleanup(&d);
+	daemon_end(&d, &c);
 }
 
 /*
@@ -1038,9 +1018,7 @@ static kvb_client *start_tenants_daemon(struct daemon *d, char path[64], const c
 
 static void end_tenants_test(struct daemon *d, kvb_client *c, const char *path)
 {
-	kvb_close(&c);
-	daemon_stop(d);
-	daemon_cleanup(d);
+	daemon_end(d, &c);
 	unlink(path);
 }
 

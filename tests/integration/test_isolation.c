@@ -96,9 +96,7 @@ static int teardown(void **state)
 {
 	struct setup *s = *state;
 
-	kvb_close(&s->alice);
-	daemon_stop(&s->d);
-	daemon_cleanup(&s->d);
+	daemon_end(&s->d, &s->alice);
 	for (int i = 0; i < 3; i++)
 		unlink(s->files[i]);
 	free(s->kv);

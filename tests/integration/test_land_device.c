@@ -98,9 +98,7 @@ static int teardown(void **state)
 	struct fixture *f = *state;
 
 	kvb_region_free(f->c, f->region);
-	kvb_close(&f->c);
-	daemon_stop(&f->d);
-	daemon_cleanup(&f->d);
+	daemon_end(&f->d, &f->c);
 	nodemem_close(&f->mem);
 	free(f);
 	return 0;
@@ -845,9 +843,7 @@ static void no_device_daemon(void **state)
 	assert_non_null(strstr(kvb_last_error(c), "CUDA device"));
 	assert_int_equal(kvb_ping(c, NULL, 0), 0);
 	kvb_region_free(c, reg);
-	kvb_close(&c);
-	daemon_stop(&d2);
-	daemon_cleanup(&d2);
+	daemon_end(&d2, &c);
 	free(kv);
 }
 

@@ -310,9 +310,7 @@ static void a_stuck_bulk_reader_is_cut_off_at_the_deadline(void **state)
 	}
 	close(fd);
 	raw_close(&r);
-	kvb_close(&c);
-	daemon_stop(&d);
-	daemon_cleanup(&d);
+	daemon_end(&d, &c);
 	free(kv);
 }
 
@@ -594,9 +592,7 @@ static void one_stalled_reader_holds_one_worker_only(void **state)
 	assert_true(worst < 1.5);
 	slow_reader_close(&rd);
 	kvb_close(&c);
-	kvb_close(&victim);
-	daemon_stop(&d);
-	daemon_cleanup(&d);
+	daemon_end(&d, &victim);
 	free(kv);
 }
 
@@ -696,9 +692,7 @@ static void stallers_reissuing_gets_hold_no_worker(void **state)
 	assert_true(worst < 1.0);
 	assert_true(daemon_stat(c, "bulk_connections") <= STALLERS);
 	kvb_close(&c);
-	kvb_close(&victim);
-	daemon_stop(&d);
-	daemon_cleanup(&d);
+	daemon_end(&d, &victim);
 	free(kv);
 }
 
@@ -747,9 +741,7 @@ static void a_client_has_at_most_32_payloads_waiting(void **state)
 	assert_int_equal(limit, GETS - 32);
 	slow_reader_close(&rd);
 	assert_int_equal(kvb_ping(c, NULL, 0), 0);
-	kvb_close(&c);
-	daemon_stop(&d);
-	daemon_cleanup(&d);
+	daemon_end(&d, &c);
 	free(kv);
 }
 
@@ -838,9 +830,7 @@ static void a_ticket_works_only_on_its_own_connection(void **state)
 	}
 	raw_close(&other);
 	slow_reader_close(&a);
-	kvb_close(&c);
-	daemon_stop(&d);
-	daemon_cleanup(&d);
+	daemon_end(&d, &c);
 	free(buf);
 	free(kv);
 }
