@@ -98,6 +98,17 @@ kvb_client *daemon_client(const struct daemon *d, int no_shm)
 	return c;
 }
 
+kvb_client *daemon_start_client(struct daemon *d, const char *const *extra_args,
+				const struct kvb_model *m, int no_shm)
+{
+	kvb_client *c;
+
+	daemon_start(d, extra_args);
+	c = daemon_client(d, no_shm);
+	assert_int_equal(kvb_model_register(c, m, NULL), 0);
+	return c;
+}
+
 void put_test_chunk(kvb_client *c, const struct kvb_model *m, const uint32_t *ids, size_t n_ids,
 		    uint32_t tokens, uint32_t pos, uint32_t seed, uint8_t hash[KVB_HASH_LEN])
 {

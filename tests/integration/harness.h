@@ -57,6 +57,13 @@ size_t fresh_after_first_chunk(struct kvb_segment *s, const uint8_t (*hash)[KVB_
 kvb_client *daemon_client(const struct daemon *d, int no_shm);
 
 /*
+ * The start of most tests: daemon_start(d, extra_args), a daemon_client(d, no_shm) and
+ * model m registered through it. Asserts each step; the client is the caller's.
+ */
+kvb_client *daemon_start_client(struct daemon *d, const char *const *extra_args,
+				const struct kvb_model *m, int no_shm);
+
+/*
  * The cmocka fixture of a test that needs nothing but a daemon: daemon_setup starts one
  * (extra arguments as for daemon_start) in a struct daemon it allocates into *state;
  * daemon_teardown stops it, removes its directory and frees it. Both return 0.

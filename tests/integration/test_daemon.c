@@ -640,9 +640,7 @@ static void test_shape_overflow(void **state)
 	uint64_t chunks;
 
 	(void)state;
-	daemon_start(&d, args);
-	c = daemon_client(&d, 1);
-	assert_int_equal(kvb_model_register(c, &huge, NULL), 0);
+	c = daemon_start_client(&d, args, &huge, 1);
 	chunks = (uint64_t)daemon_stat(c, "chunks");
 	raw_open(&r, d.endpoint, 10000);
 	hash_of(1, h);

@@ -270,9 +270,8 @@ static void test_zero_only_fresh_rows(void **state)
 	(void)state;
 	make_log(log);
 	setenv("KVBLEND_EMULATED_LOG", log, 1); /* the daemon notes its device frees there */
-	daemon_start(&d, NULL);
-	c = daemon_client(&d, 1); /* no shared memory: the ring is the daemon's pinned one */
-	assert_int_equal(kvb_model_register(c, &model, NULL), 0);
+	/* no shared memory: the ring is the daemon's pinned one */
+	c = daemon_start_client(&d, NULL, &model, 1);
 	put_cached_then_fresh(c, ids, T, F, 11, s);
 	fill_f16((uint16_t *)rows, layer / 2, 12);
 	for (int round = 0; round < 2; round++) {
@@ -341,9 +340,8 @@ static void test_shared_ring_pinned_once(void **state)
 	make_log(log);
 	unsetenv("FAKE_CUDA_LOG");
 	setenv("KVBLEND_EMULATED_LOG", log, 1);
-	daemon_start(&d, args);
-	c = daemon_client(&d, 0); /* shared memory: the ring is a segment it maps */
-	assert_int_equal(kvb_model_register(c, &model, NULL), 0);
+	/* shared memory: the ring is a segment it maps */
+	c = daemon_start_client(&d, args, &model, 0);
 	put_cached_then_fresh(c, ids, T, F, 31, s);
 	fill_f16((uint16_t *)rows, layer / 2, 32);
 	for (int round = 0; round < 2; round++) {
@@ -415,9 +413,8 @@ static void test_spare_for_next_session(void **state)
 	(void)state;
 	unsetenv("FAKE_CUDA_LOG");
 	unsetenv("KVBLEND_EMULATED_LOG");
-	daemon_start(&d, NULL);
-	c = daemon_client(&d, 1); /* the ring is the daemon's: pinned ring, staging, block */
-	assert_int_equal(kvb_model_register(c, &model, NULL), 0);
+	/* the ring is the daemon's: pinned ring, staging, block */
+	c = daemon_start_client(&d, NULL, &model, 1);
 	put_cached_then_fresh(c, ids, T, F, 41, s);
 	fill_f16((uint16_t *)rows, layer / 2, 42);
 	assert_int_equal(kvb_fuse_open(c, "xm", s, 2, &p, &fu[0], NULL, NULL), 0);
@@ -534,9 +531,7 @@ static void test_auto_places_per_session(void **state)
 
 		if (as_auto)
 			setenv("KVBLEND_EMULATED_AUTO", "1", 1);
-		daemon_start(&d, NULL);
-		c = daemon_client(&d, 1);
-		assert_int_equal(kvb_model_register(c, &model, NULL), 0);
+		c = daemon_start_client(&d, NULL, &model, 1);
 		put_cached_then_fresh(c, ids, T, F, 21, s);
 		/* Round 0: layers to host memory; round 1: the node maps the device ring. */
 		for (int mapped = 0; mapped < 2; mapped++) {

@@ -60,9 +60,7 @@ static void test_hot_set_survives(void **state)
 	int misses = 0;
 
 	(void)state;
-	daemon_start(&d, args);
-	c = daemon_client(&d, 0);
-	assert_int_equal(kvb_model_register(c, &m, NULL), 0);
+	c = daemon_start_client(&d, args, &m, 0);
 	for (uint32_t i = 0; i < 300; i++) {
 		fill(kv, n, i);
 		hash_of(i, h);
@@ -114,9 +112,7 @@ static void test_map_full(void **state)
 
 	(void)state;
 	/* the harness passes --map-size 1G first; the later flag wins */
-	daemon_start(&d, args);
-	c = daemon_client(&d, 0);
-	assert_int_equal(kvb_model_register(c, &m, NULL), 0);
+	c = daemon_start_client(&d, args, &m, 0);
 	/* 80 chunks of 512 KiB into a 16 MiB map: room is made as it fills */
 	for (uint32_t i = 0; i < 80; i++) {
 		fill(kv, n, 1000 + i);

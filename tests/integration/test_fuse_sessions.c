@@ -47,9 +47,7 @@ static int setup(void **state)
 	const char *args[] = { "--fuse-max-sessions", "3", "--fuse-idle", "2", "--fuse-max-tokens",
 			       "1000", NULL };
 
-	daemon_start(&f->d, args);
-	f->c = daemon_client(&f->d, 0);
-	assert_int_equal(kvb_model_register(f->c, &model, NULL), 0);
+	f->c = daemon_start_client(&f->d, args, &model, 0);
 	for (uint32_t i = 0; i < 3; i++) {
 		uint32_t ids[2] = { 77, i };
 
@@ -918,9 +916,7 @@ static int setup_quant(void **state)
 	struct fixture *f = calloc(1, sizeof(*f));
 	const char *args[] = { "--fuse-idle", "30", NULL };
 
-	daemon_start(&f->d, args);
-	f->c = daemon_client(&f->d, 0);
-	assert_int_equal(kvb_model_register(f->c, &qmodel, NULL), 0);
+	f->c = daemon_start_client(&f->d, args, &qmodel, 0);
 	for (uint32_t i = 0; i < 3; i++) {
 		uint32_t ids[2] = { 55, i };
 

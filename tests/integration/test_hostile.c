@@ -96,9 +96,7 @@ static void close_during_layer(void **state)
 	unsigned closed_first = 0;
 
 	(void)state;
-	daemon_start(&d, args);
-	c = daemon_client(&d, 1);
-	assert_int_equal(kvb_model_register(c, &model, NULL), 0);
+	c = daemon_start_client(&d, args, &model, 1);
 	put_chunk(c, 1, hash);
 	raw_open(&a, d.endpoint, 20000);
 	raw_open(&b, d.endpoint, 20000);
@@ -250,9 +248,7 @@ static void sigterm_answers_inflight(void **state)
 
 	(void)state;
 	/* a drain long enough for a sanitized build on a busy machine */
-	daemon_start(&d, drain_args);
-	c = daemon_client(&d, 1);
-	assert_int_equal(kvb_model_register(c, &model, NULL), 0);
+	c = daemon_start_client(&d, drain_args, &model, 1);
 	kvb_close(&c);
 	raw_open(&r, d.endpoint, 20000);
 	send_big_puts(&r, PUTS, 777, hashes);
@@ -415,9 +411,7 @@ static void ring_not_reachable_by_requests(void **state)
 	struct raw r;
 
 	(void)state;
-	daemon_start(&d, NULL);
-	c = daemon_client(&d, 0);
-	assert_int_equal(kvb_model_register(c, &model, NULL), 0);
+	c = daemon_start_client(&d, NULL, &model, 0);
 	put_chunk(c, 1, hash);
 	raw_open(&r, d.endpoint, 20000);
 	raw_fuse_open(&r, hash, &open);
@@ -512,9 +506,7 @@ static void ring_not_shared_across_clients(void **state)
 	uint64_t child_ring = 0;
 
 	(void)state;
-	daemon_start(&d, NULL);
-	c = daemon_client(&d, 0);
-	assert_int_equal(kvb_model_register(c, &model, NULL), 0);
+	c = daemon_start_client(&d, NULL, &model, 0);
 	put_chunk(c, 1, hash);
 	/* our session: fused KV of the chunk lands in our ring */
 	{
@@ -590,9 +582,7 @@ static void segment_cannot_be_truncated(void **state)
 	int fd;
 
 	(void)state;
-	daemon_start(&d, NULL);
-	c = daemon_client(&d, 1);
-	assert_int_equal(kvb_model_register(c, &model, NULL), 0);
+	c = daemon_start_client(&d, NULL, &model, 1);
 	put_chunk(c, 1, hash);
 	raw_open(&r, d.endpoint, 20000);
 	assert_int_equal(raw_call(&r, &q, NULL, NULL, 0, &rep), KVBP_OK);
@@ -671,9 +661,7 @@ static void per_client_shares(void **state)
 	int status;
 
 	(void)state;
-	daemon_start(&d, args);
-	c = daemon_client(&d, 1);
-	assert_int_equal(kvb_model_register(c, &model, NULL), 0);
+	c = daemon_start_client(&d, args, &model, 1);
 	put_chunk(c, 1, hash);
 	raw_open(&r, d.endpoint, 20000);
 	assert_int_equal(take_all(&r, hash, false, msg, sizeof(msg)), 5);
@@ -739,9 +727,7 @@ static void unread_replies_are_bounded(void **state)
 	struct raw r;
 
 	(void)state;
-	daemon_start(&d, args);
-	c = daemon_client(&d, 1);
-	assert_int_equal(kvb_model_register(c, &model, NULL), 0);
+	c = daemon_start_client(&d, args, &model, 1);
 	fill_f16((uint16_t *)kv, bytes / 2, 3);
 	kvb_chunk_hash(ids, 2, hash);
 	assert_int_equal(kvb_put(c, model.name, hash, KVB_F16, BIG_T, 0, kv, bytes, NULL), 0);
@@ -827,9 +813,7 @@ static void pipelined_puts_are_bounded(void **state)
 	struct raw r;
 
 	(void)state;
-	daemon_start(&d, args);
-	c = daemon_client(&d, 1);
-	assert_int_equal(kvb_model_register(c, &model, NULL), 0);
+	c = daemon_start_client(&d, args, &model, 1);
 	hwm0 = proc_kib(d.pid, "VmHWM");
 	raw_open(&r, d.endpoint, 20000);
 	send_big_puts(&r, PUTS, 6160, NULL);

@@ -78,9 +78,7 @@ static int setup(void **state)
 	args[n++] = "--cluster-timeout-ms";
 	args[n++] = "200";
 	args[n] = NULL;
-	daemon_start(&s->d, args);
-	s->alice = daemon_client(&s->d, 0);
-	assert_int_equal(kvb_model_register(s->alice, &model, NULL), 0);
+	s->alice = daemon_start_client(&s->d, args, &model, 0);
 	s->bytes = (size_t)L * 2 * T * ROW;
 	s->kv = malloc(s->bytes);
 	assert_non_null(s->kv);

@@ -829,9 +829,7 @@ static void no_device_daemon(void **state)
 	kvb_fuse *s = NULL;
 	void *reg;
 
-	daemon_start(&d2, args);
-	c = daemon_client(&d2, 0);
-	assert_int_equal(kvb_model_register(c, &m, NULL), 0);
+	c = daemon_start_client(&d2, args, &m, 0);
 	fill_f16(kv, n, 5);
 	memcpy(seg.hash, f->hash[0], KVB_HASH_LEN);
 	assert_int_equal(kvb_put(c, "lm", seg.hash, KVB_F16, 10, 0, kv, n * 2, NULL), 0);

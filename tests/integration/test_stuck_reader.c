@@ -183,16 +183,25 @@ static void a_stuck_reader_fills_the_map_without_a_deadline(void **state)
 	assert_true(cut == 0);
 }
 
-static void a_stuck_reader_is_cut_off_at_the_deadline(void **state)
+/*
+ * The churn with the given reply deadline never finds the map `full`, and the stuck
+ * reader's connection is cut; why_not_full: what a `full` would mean, for the message.
+ */
+static void churn_cuts_the_stuck_reader(const char *deadline_ms, const char *why_not_full)
 {
 	double cut = -1;
-	int full = churn("300", &cut);
+	int full = churn(deadline_ms, &cut);
 
-	(void)state;
 	if (full)
-		fail_msg("`full` at round %d of PUT+DELETE churn although the stuck reader's "
-			 "connection should have been cut after 300 ms", full);
+		fail_msg("`full` at round %d of PUT+DELETE churn: %s", full, why_not_full);
 	assert_true(cut >= 1);
+}
+
+static void a_stuck_reader_is_cut_off_at_the_deadline(void **state)
+{
+	(void)state;
+	churn_cuts_the_stuck_reader("300", "the stuck reader's connection should have been cut "
+					   "after 300 ms");
 }
 
 /*
@@ -202,14 +211,9 @@ static void a_stuck_reader_is_cut_off_at_the_deadline(void **state)
  */
 static void a_stuck_reader_is_cut_when_the_map_is_full(void **state)
 {
-	double cut = -1;
-	int full = churn("5000", &cut);
-
 	(void)state;
-	if (full)
-		fail_msg("`full` at round %d of PUT+DELETE churn: the stuck reader's snapshot "
-			 "was kept although the map had no room", full);
-	assert_true(cut >= 1);
+	churn_cuts_the_stuck_reader("5000", "the stuck reader's snapshot was kept although "
+					    "the map had no room");
 }
 
 /*
@@ -795,9 +799,7 @@ static void a_ticket_works_only_on_its_own_connection(void **state)
 	assert_non_null(kv);
 	assert_non_null(buf);
 	tcp_and_bulk_ports(tcp, bport);
-	daemon_start(&d, args);
-	c = daemon_client(&d, 1);
-	assert_int_equal(kvb_model_register(c, &model, NULL), 0);
+	c = daemon_start_client(&d, args, &model, 1);
 	fill_random(kv, bytes, 3);
 	hash_of(3, hash);
 	assert_int_equal(kvb_put(c, model.name, hash, KVB_F16, T, 0, kv, bytes, NULL), 0);
