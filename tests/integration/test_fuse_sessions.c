@@ -169,17 +169,36 @@ static void raw_segments(struct fixture *f, struct kvbp_segment segs[3])
 	segs[2].pos = 13;
 }
 
+/*
+ * A FUSE_OPEN of segments()'s prompt as a raw request (check layer 1, r 0.5, model "fm";
+ * the test may change it before sending it): the request and what it points into.
+ */
+struct raw_prompt_open {
+	struct kvbp_segment segs[3];
+	uint32_t check;
+	double ratio;
+	struct kvbp_request q;
+};
+
+static void raw_prompt_open_init(struct fixture *f, struct raw_prompt_open *o)
+{
+	raw_segments(f, o->segs);
+	o->check = 1;
+	o->ratio = 0.5;
+	o->q = (struct kvbp_request){ .op = KVBP_OP_FUSE_OPEN, .segments = o->segs,
+				      .n_segments = 3, .check_layers = &o->check, .n_checks = 1,
+				      .ratios = &o->ratio, .n_ratios = 1 };
+	snprintf(o->q.model_name, sizeof(o->q.model_name), "fm");
+}
+
 /* Wrong numbers of fresh rows and frames, sent as raw requests: clear errors, session usable. */
 static void test_wrong_rows(void **state)
 {
 	struct fixture *f = *state;
 	struct raw r;
 	struct kvbp_reply rep;
-	struct kvbp_segment segs[3];
-	uint32_t ck[1] = { 1 };
-	double rt[1] = { 0.5 };
-	struct kvbp_request q = { .op = KVBP_OP_FUSE_OPEN, .segments = segs, .n_segments = 3,
-				  .check_layers = ck, .n_checks = 1, .ratios = rt, .n_ratios = 1 };
+	struct raw_prompt_open o;
+	struct kvbp_request q;
 	uint8_t *zeros = calloc(30, ROW);
 	const void *pl[2] = { zeros, zeros };
 	size_t len[2] = { 30 * ROW, 30 * ROW };
@@ -187,9 +206,8 @@ static void test_wrong_rows(void **state)
 	char msg[256];
 
 	raw_open(&r, f->d.endpoint, 10000);
-	raw_segments(f, segs);
-	snprintf(q.model_name, sizeof(q.model_name), "fm");
-	assert_int_equal(raw_call(&r, &q, NULL, NULL, 0, &rep), KVBP_OK);
+	raw_prompt_open_init(f, &o);
+	assert_int_equal(raw_call(&r, &o.q, NULL, NULL, 0, &rep), KVBP_OK);
 	sid = rep.session_id;
 	/* the reply carries the session's model, as the client named it: no lookup needed */
 	assert_int_equal(rep.n_models, 1);
@@ -234,13 +252,9 @@ static void test_attention_wire(void **state)
 	struct fixture *f = *state;
 	struct raw r;
 	struct kvbp_reply rep;
-	struct kvbp_segment segs[3];
-	uint32_t ck[1] = { 1 };
-	double rt[1] = { 0.5 };
 	int32_t rec[1] = { 2 };
-	struct kvbp_request open = { .op = KVBP_OP_FUSE_OPEN, .segments = segs, .n_segments = 3,
-				     .check_layers = ck, .n_checks = 1, .ratios = rt, .n_ratios = 1,
-				     .metric = 3 };
+	struct raw_prompt_open o;
+	struct kvbp_request *open = &o.q;
 	struct kvbp_request q;
 	uint8_t *zeros = calloc(30, ROW);
 	float a[27 * H + 1];
@@ -252,31 +266,31 @@ static void test_attention_wire(void **state)
 	for (size_t i = 0; i < 27 * H; i++)
 		a[i] = (float)(i % 5);
 	raw_open(&r, f->d.endpoint, 10000);
-	raw_segments(f, segs);
-	snprintf(open.model_name, sizeof(open.model_name), "fm");
-	assert_int_equal(raw_call_msg(&r, &open, NULL, NULL, 0, msg, sizeof(msg)),
+	raw_prompt_open_init(f, &o);
+	open->metric = 3;
+	assert_int_equal(raw_call_msg(&r, open, NULL, NULL, 0, msg, sizeof(msg)),
 			 KVBP_BAD_ARGUMENT);
 	assert_non_null(strstr(msg, "metric 3 unknown; expected 0 (value), 1 (key) or 2 "
 				    "(attention)"));
-	open.attention = true;
-	open.metric = KVBP_METRIC_ATTENTION;
-	assert_int_equal(raw_call_msg(&r, &open, NULL, NULL, 0, msg, sizeof(msg)),
+	open->attention = true;
+	open->metric = KVBP_METRIC_ATTENTION;
+	assert_int_equal(raw_call_msg(&r, open, NULL, NULL, 0, msg, sizeof(msg)),
 			 KVBP_BAD_ARGUMENT);
 	assert_non_null(strstr(msg, "not with the open"));
-	open.attention = false;
-	open.recompute = rec;
-	open.n_recompute = 1;
-	assert_int_equal(raw_call_msg(&r, &open, NULL, NULL, 0, msg, sizeof(msg)),
+	open->attention = false;
+	open->recompute = rec;
+	open->n_recompute = 1;
+	assert_int_equal(raw_call_msg(&r, open, NULL, NULL, 0, msg, sizeof(msg)),
 			 KVBP_BAD_ARGUMENT);
 	assert_non_null(strstr(msg, "recompute names the tokens of a session without check "
 				    "layers"));
-	open.recompute = NULL;
-	open.n_recompute = 0;
-	assert_int_equal(raw_call(&r, &open, NULL, NULL, 0, &rep), KVBP_OK);
+	open->recompute = NULL;
+	open->n_recompute = 0;
+	assert_int_equal(raw_call(&r, open, NULL, NULL, 0, &rep), KVBP_OK);
 	sid = rep.session_id;
 	kvbp_reply_clear(&rep);
-	open.metric = KVBP_METRIC_VALUE;
-	assert_int_equal(raw_call(&r, &open, NULL, NULL, 0, &rep), KVBP_OK);
+	open->metric = KVBP_METRIC_VALUE;
+	assert_int_equal(raw_call(&r, open, NULL, NULL, 0, &rep), KVBP_OK);
 	vsid = rep.session_id;
 	kvbp_reply_clear(&rep);
 
