@@ -7,7 +7,6 @@
  * name the dropped rows; reuse-only sessions; errors; nothing lands after close.
  */
 #include <errno.h>
-#include <fcntl.h>
 #include <setjmp.h>
 #include <stdbool.h>
 #include <stdarg.h>
@@ -16,12 +15,12 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
 #include <cmocka.h>
 
+#include "tests/data_file.h"
 #include "tests/fixture.h"
 #include "tests/integration/harness.h"
 
@@ -354,35 +353,6 @@ static void test_check_after_segment_expired(void **state)
 	assert_int_equal(kvb_region_free(f->c, reg), 0);
 }
 
-/* Flip one byte of the daemon's data file wherever `needle` (16 bytes of a stored
- * tensor) is, with pwrite() while the daemon runs: its map sees the page cache change.
- * Everywhere: a small value sits in a leaf page, whose older copies LMDB's later
- * transactions left in free pages. */
-static void flip_in_data(const char *dir, const uint8_t *needle)
-{
-	char path[400];
-	struct stat st;
-	uint8_t *buf, *at;
-	int fd, n = 0;
-
-	snprintf(path, sizeof(path), "%s/data.mdb", dir);
-	fd = open(path, O_RDWR);
-	assert_true(fd >= 0);
-	assert_int_equal(fstat(fd, &st), 0);
-	buf = malloc((size_t)st.st_size);
-	assert_int_equal(pread(fd, buf, (size_t)st.st_size, 0), st.st_size);
-	usleep(20000); /* another tick of the file's clock than the daemon's last commit */
-	for (at = buf; (at = memmem(at, (size_t)(buf + st.st_size - at), needle, 16)); at += 16) {
-		uint8_t b = *at ^ 0x10;
-
-		assert_int_equal(pwrite(fd, &b, 1, at - buf), 1);
-		n++;
-	}
-	assert_true(n >= 1);
-	close(fd);
-	free(buf);
-}
-
 /*
  * Corrupt chunks under a landing session (verify = once, the default): a flipped byte
  * in a layer the session lands stops landing at that layer (kvb_fuse_wait: corrupt),
@@ -418,9 +388,12 @@ static void test_corrupt_chunks(void **state)
 	assert_non_null(reg);
 	fill_f16(kv1, n1, 2); /* chunk 1 (17 tokens) and chunk 2 (14) as setup stored them */
 	fill_f16(kv2, n2, 3);
-	/* chunk 1: layer 3's V; chunk 2: layer 1's K */
-	flip_in_data(f->d.data_dir, (const uint8_t *)(kv1 + (3 * 2 + 1) * 17 * H * D) + 64);
-	flip_in_data(f->d.data_dir, (const uint8_t *)(kv2 + (1 * 2 + 0) * 14 * H * D) + 64);
+	/* chunk 1: layer 3's V; chunk 2: layer 1's K; every copy of each: a small value sits
+	 * in a leaf page, whose older copies LMDB's later transactions left in free pages */
+	flip_in_data_file(f->d.data_dir, (const uint8_t *)(kv1 + (3 * 2 + 1) * 17 * H * D) + 64,
+			  true);
+	flip_in_data_file(f->d.data_dir, (const uint8_t *)(kv2 + (1 * 2 + 0) * 14 * H * D) + 64,
+			  true);
 	assert_int_equal(kvb_fuse_open_into(f->c, "lm", segs, ns, &p, &y, &fu, NULL, NULL), 0);
 	/* the node's own layers 0 and 1, then the check (landing runs ahead meanwhile, and
 	 * may have stopped at layer 3 already: every wait would say so from then on) */

@@ -21,6 +21,7 @@
 #include "store/checksum.h"
 #include "store/codec.h"
 #include "store/store.h"
+#include "tests/data_file.h"
 #include "tests/fixture.h"
 
 struct fixture {
@@ -1233,33 +1234,6 @@ static int reopen_verify(struct fixture *f, enum store_verify mode)
 	return store_open(&o, &f->s);
 }
 
-/* Flip one byte of the data file where `needle` (16 bytes of a stored tensor) is, with
- * pwrite() while the store is open: the page cache changes under the store. */
-static void flip_in_file(const char *dir, const uint8_t *needle)
-{
-	char path[128];
-	struct stat st;
-	uint8_t *buf, b;
-	int fd;
-	void *at;
-
-	snprintf(path, sizeof(path), "%s/data.mdb", dir);
-	fd = open(path, O_RDWR);
-	assert_true(fd >= 0);
-	assert_int_equal(fstat(fd, &st), 0);
-	buf = malloc((size_t)st.st_size);
-	assert_int_equal(pread(fd, buf, (size_t)st.st_size, 0), st.st_size);
-	at = memmem(buf, (size_t)st.st_size, needle, 16);
-	assert_non_null(at);
-	b = *(uint8_t *)at ^ 0x10;
-	/* The file's modification time has the kernel's clock tick (a few ms): a write in
-	 * the same tick as the store's last commit would look like the store's own. */
-	usleep(20000);
-	assert_int_equal(pwrite(fd, &b, 1, (uint8_t *)at - buf), 1);
-	close(fd);
-	free(buf);
-}
-
 /* ONCE: the first read verifies each layer, the next ones trust it; bytes changed in the
  * data file by another writer are caught on the next read all the same. */
 static void test_verify_once(void **state)
@@ -1288,7 +1262,7 @@ static void test_verify_once(void **state)
 	assert_int_equal(c2.verified - c1.verified, 0);
 	assert_int_equal(c2.trusted - c1.trusted, 4);
 	/* A byte of layer 1's V changed in the page cache by another writer. */
-	flip_in_file(f->dir, (const uint8_t *)t[3] + 100);
+	flip_in_data_file(f->dir, (const uint8_t *)t[3] + 100, false);
 	assert_int_equal(store_chunk_get(f->s, &f->m, h, 0, 4, out, total, NULL), -EBADMSG);
 	store_verify_counts(f->s, &c3);
 	assert_int_equal(c3.forgotten - c2.forgotten, 1);
@@ -1347,7 +1321,7 @@ static void test_verify_one_plane(void **state)
 	store_verify_counts(f->s, &c1);
 	assert_int_equal(c1.trusted - c3.trusted, 1);
 	/* a byte of layer 2's K changed: V alone still reads; the whole layer is refused */
-	flip_in_file(f->dir, (const uint8_t *)t[4] + 100);
+	flip_in_data_file(f->dir, (const uint8_t *)t[4] + 100, false);
 	assert_int_equal(store_chunk_get_layer(f->s, &f->m, h, 2, NULL, v, tb, NULL), 0);
 	assert_memory_equal(v, t[5], tb);
 	assert_int_equal(store_chunk_get_layer(f->s, &f->m, h, 2, k, v, tb, NULL), -EBADMSG);
@@ -1418,7 +1392,7 @@ static void test_scrub(void **state)
 		assert_int_equal(store_chunk_put(f->s, &f->m, h, tokens, 0, t, NULL), 0);
 		if (i == 1) {
 			memcpy(bad, h, STORE_HASH_LEN);
-			flip_in_file(f->dir, (const uint8_t *)t[4] + 64);
+			flip_in_data_file(f->dir, (const uint8_t *)t[4] + 64, false);
 		}
 	}
 	/* A budget of one value at a time: 12 values, one pass, one chunk reported. */
