@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include "client/client_impl.h"
+#include "proto/fdsock.h"
 
 void kvbc_shm_unmap(kvb_client *c, bool tell)
 {
@@ -32,55 +33,6 @@ void kvbc_shm_unmap(kvb_client *c, bool tell)
 	c->shm_size = 0;
 	c->shm_id = 0;
 }
-/*
- * The descriptor of shared-memory segment id, from the daemon's descriptor socket
- * at path (the SHM_ATTACH or FUSE_OPEN reply names it): send the id, receive a
- * status byte with the descriptor attached. The daemon hands it only to the
- * process that owns the segment. Returns the descriptor or -1.
- */
-static int segment_fd(const char *path, uint64_t id)
-{
-	struct sockaddr_un a = { .sun_family = AF_UNIX };
-	struct timeval tv = { 2, 0 };
-	union {
-		char buf[CMSG_SPACE(sizeof(int))];
-		struct cmsghdr align;
-	} u;
-	uint8_t req[8], status = 1;
-	struct iovec iov = { &status, 1 };
-	struct msghdr mh = { .msg_iov = &iov, .msg_iovlen = 1, .msg_control = u.buf,
-			     .msg_controllen = sizeof(u.buf) };
-	struct cmsghdr *cm;
-	int sock, fd = -1;
-
-	if (strlen(path) >= sizeof(a.sun_path))
-		return -1;
-	strcpy(a.sun_path, path);
-	sock = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-	if (sock < 0)
-		return -1;
-	for (int i = 0; i < 8; i++)
-		req[i] = (uint8_t)(id >> (8 * i));
-	setsockopt(sock, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-	setsockopt(sock, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
-	memset(&u, 0, sizeof(u));
-	if (connect(sock, (struct sockaddr *)&a, sizeof(a)) ||
-	    send(sock, req, sizeof(req), MSG_NOSIGNAL) != (ssize_t)sizeof(req) ||
-	    recvmsg(sock, &mh, MSG_CMSG_CLOEXEC) != 1)
-		goto out;
-	cm = CMSG_FIRSTHDR(&mh);
-	if (cm && cm->cmsg_level == SOL_SOCKET && cm->cmsg_type == SCM_RIGHTS &&
-	    cm->cmsg_len == CMSG_LEN(sizeof(int)))
-		memcpy(&fd, CMSG_DATA(cm), sizeof(int));
-	if (status != 0 && fd >= 0) {
-		close(fd);
-		fd = -1;
-	}
-out:
-	close(sock);
-	return fd;
-}
-
 int kvb_device_handle_from_fds(kvb_client *c, const int *fds, const uint64_t *offsets,
 			       const uint64_t *sizes, size_t n, uint8_t handle[64])
 {
@@ -221,7 +173,7 @@ bool kvbc_shm_ensure(kvb_client *c, size_t size)
 		kvbc_call_done(&k);
 		return false;
 	}
-	fd = segment_fd(k.rep.shm_name, k.rep.shm_id);
+	fd = kvbp_segment_fd(k.rep.shm_name, k.rep.shm_id);
 	if (fd < 0 || fstat(fd, &st) || (uint64_t)st.st_size < want) {
 		if (fd >= 0)
 			close(fd);
@@ -283,7 +235,7 @@ int kvbc_map_segment(kvb_client *c, const char *path, uint64_t id, size_t size, 
 {
 	struct stat st;
 	void *p;
-	int fd = segment_fd(path, id);
+	int fd = kvbp_segment_fd(path, id);
 
 	if (fd < 0)
 		return kvbc_set_err(c, -EACCES, "cannot fetch shared-memory segment %" PRIu64

@@ -2,21 +2,13 @@
 #include "tests/integration/harness.h"
 
 #include <errno.h>
-#include <fcntl.h>
 #include <setjmp.h>
-#include <signal.h>
 #include <stdarg.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/socket.h>
-#include <sys/un.h>
-#include <sys/wait.h>
-#include <netinet/in.h>
-#include <arpa/inet.h>
-#include <time.h>
 #include <unistd.h>
 
 #include <cmocka.h>
@@ -187,33 +179,6 @@ int daemon_teardown(void **state)
 	daemon_cleanup(d);
 	free(d);
 	return 0;
-}
-
-int daemon_segment_fd(const char *path, uint64_t id)
-{
-	struct sockaddr_un a = { .sun_family = AF_UNIX };
-	union {
-		char buf[CMSG_SPACE(sizeof(int))];
-		struct cmsghdr align;
-	} u;
-	uint8_t req[8], status = 1;
-	struct iovec iov = { &status, 1 };
-	struct msghdr mh = { .msg_iov = &iov, .msg_iovlen = 1, .msg_control = u.buf,
-			     .msg_controllen = sizeof(u.buf) };
-	struct cmsghdr *cm;
-	int sock = socket(AF_UNIX, SOCK_STREAM, 0), fd = -1;
-
-	snprintf(a.sun_path, sizeof(a.sun_path), "%s", path);
-	for (int i = 0; i < 8; i++)
-		req[i] = (uint8_t)(id >> (8 * i));
-	memset(&u, 0, sizeof(u));
-	if (sock >= 0 && !connect(sock, (struct sockaddr *)&a, sizeof(a)) &&
-	    send(sock, req, 8, 0) == 8 && recvmsg(sock, &mh, 0) == 1 && !status &&
-	    (cm = CMSG_FIRSTHDR(&mh)) && cm->cmsg_type == SCM_RIGHTS)
-		memcpy(&fd, CMSG_DATA(cm), sizeof(int));
-	if (sock >= 0)
-		close(sock);
-	return fd;
 }
 
 MDB_cursor *data_layers_open(const char *data_dir)

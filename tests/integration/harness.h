@@ -74,12 +74,6 @@ int daemon_teardown(void **state);
 #define daemon_test(f) cmocka_unit_test_setup_teardown(f, setup, daemon_teardown)
 
 /*
- * The descriptor of segment id from the daemon's descriptor socket at path, as libkvblend
- * gets it (docs/protocol.md): the caller owns it; -1 when refused or unreachable.
- */
-int daemon_segment_fd(const char *path, uint64_t id);
-
-/*
  * A write cursor over the "layers" table of the data file in data_dir, for tests that
  * tamper with a stopped daemon's records; data_layers_close commits its transaction and
  * closes the file. Both assert success.

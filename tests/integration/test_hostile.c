@@ -29,6 +29,7 @@
 
 #include <cmocka.h>
 
+#include "proto/fdsock.h"
 #include "tests/integration/harness.h"
 #include "tests/integration/rawreq.h"
 
@@ -536,7 +537,7 @@ static void ring_not_shared_across_clients(void **state)
 
 		raw_open(&cr, d.endpoint, 20000);
 		raw_fuse_open(&cr, hash, &open);
-		fd = daemon_segment_fd(sock_path, open.shm_id);
+		fd = kvbp_segment_fd(sock_path, open.shm_id);
 		if (fd < 0) {
 			bad = 2;
 		} else {
@@ -556,7 +557,7 @@ static void ring_not_shared_across_clients(void **state)
 	assert_int_equal(read(fds[0], &child_ring, 8), 8);
 	close(fds[0]);
 	/* we may not fetch the other client's ring */
-	assert_int_equal(daemon_segment_fd(sock_path, child_ring), -1);
+	assert_int_equal(kvbp_segment_fd(sock_path, child_ring), -1);
 	assert_int_equal(waitpid(pid, &status, 0), pid);
 	assert_true(WIFEXITED(status));
 	assert_int_equal(WEXITSTATUS(status), 0);
@@ -586,7 +587,7 @@ static void segment_cannot_be_truncated(void **state)
 	put_chunk(c, 1, hash);
 	raw_open(&r, d.endpoint, 20000);
 	assert_int_equal(raw_call(&r, &q, NULL, NULL, 0, &rep), KVBP_OK);
-	fd = daemon_segment_fd(rep.shm_name, rep.shm_id);
+	fd = kvbp_segment_fd(rep.shm_name, rep.shm_id);
 	assert_true(fd >= 0);
 	assert_int_equal(ftruncate(fd, 0), -1);
 	assert_int_equal(errno, EPERM);

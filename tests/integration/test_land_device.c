@@ -33,6 +33,7 @@
 #include <cmocka.h>
 
 #include "blend/nodemem.h"
+#include "proto/fdsock.h"
 #include "proto/wire.h"
 #include "tests/integration/harness.h"
 #include "tests/integration/rawreq.h"
@@ -679,7 +680,7 @@ static void handles_are_the_clients_own(void **state)
 
 		raw_open(&r, f->d.endpoint, 10000);
 		assert_int_equal(raw_call(&r, &q, NULL, NULL, 0, &rep), KVBP_OK);
-		fd = daemon_segment_fd(rep.shm_name, rep.shm_id);
+		fd = kvbp_segment_fd(rep.shm_name, rep.shm_id);
 		assert_true(fd >= 0);
 		assert_int_equal(kvb_device_handle_from_fd(f->c, fd, h), KVB_E_BAD_ARGUMENT);
 		assert_non_null(strstr(kvb_last_error(f->c), "kvblendd's own segments"));
