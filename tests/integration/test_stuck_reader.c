@@ -749,28 +749,22 @@ static void a_client_has_at_most_32_payloads_waiting(void **state)
 	free(kv);
 }
 
-static void a_trickling_bulk_reader_is_cut_and_others_served(void **state)
-{
-	(void)state;
-	stalled_bulk_readers(false, true);
-}
+/*
+ * stalled_bulk_readers' four cases, each a test of its own in main's table: the case
+ * comes in as cmocka's initial state.
+ */
+struct stall_case {
+	bool curve, trickle;
+};
 
-static void a_never_reading_bulk_reader_is_cut_and_others_served(void **state)
-{
-	(void)state;
-	stalled_bulk_readers(false, false);
-}
+static struct stall_case trickling = { false, true }, never_reading = { false, false },
+			 trickling_curve = { true, true }, never_reading_curve = { true, false };
 
-static void a_trickling_curve_bulk_reader_is_cut_and_others_served(void **state)
+static void stalled_bulk_readers_case(void **state)
 {
-	(void)state;
-	stalled_bulk_readers(true, true);
-}
+	const struct stall_case *k = *state;
 
-static void a_never_reading_curve_bulk_reader_is_cut_and_others_served(void **state)
-{
-	(void)state;
-	stalled_bulk_readers(true, false);
+	stalled_bulk_readers(k->curve, k->trickle);
 }
 
 /*
@@ -837,6 +831,10 @@ static void a_ticket_works_only_on_its_own_connection(void **state)
 	free(kv);
 }
 
+/* The table entry of one of stalled_bulk_readers' cases, under its own name. */
+#define stall_test(test, k)                                                                \
+	{ .name = #test, .test_func = stalled_bulk_readers_case, .initial_state = &(k) }
+
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
@@ -845,10 +843,11 @@ int main(void)
 		cmocka_unit_test(a_stuck_reader_is_cut_when_the_map_is_full),
 		cmocka_unit_test(a_stuck_bulk_reader_is_cut_off_at_the_deadline),
 		cmocka_unit_test(one_stalled_reader_holds_one_worker_only),
-		cmocka_unit_test(a_trickling_bulk_reader_is_cut_and_others_served),
-		cmocka_unit_test(a_never_reading_bulk_reader_is_cut_and_others_served),
-		cmocka_unit_test(a_trickling_curve_bulk_reader_is_cut_and_others_served),
-		cmocka_unit_test(a_never_reading_curve_bulk_reader_is_cut_and_others_served),
+		stall_test(a_trickling_bulk_reader_is_cut_and_others_served, trickling),
+		stall_test(a_never_reading_bulk_reader_is_cut_and_others_served, never_reading),
+		stall_test(a_trickling_curve_bulk_reader_is_cut_and_others_served, trickling_curve),
+		stall_test(a_never_reading_curve_bulk_reader_is_cut_and_others_served,
+			   never_reading_curve),
 		cmocka_unit_test(a_ticket_works_only_on_its_own_connection),
 		cmocka_unit_test(stallers_reissuing_gets_hold_no_worker),
 		cmocka_unit_test(a_client_has_at_most_32_payloads_waiting),
