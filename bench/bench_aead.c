@@ -79,11 +79,9 @@ int main(int argc, char **argv)
 
 	for (int i = 1; i < argc; i++) {
 		if (!strcmp(argv[i], "--repeats") && i + 1 < argc) {
-			repeats = atoi(argv[++i]);
-			if (repeats < 1 || repeats > MAX_REPEATS) {
-				fprintf(stderr, "--repeats: 1..%d\n", MAX_REPEATS);
+			repeats = bench_count_arg("--repeats", argv[++i], MAX_REPEATS);
+			if (!repeats)
 				return 2;
-			}
 		} else if (!strcmp(argv[i], "--record") && i + 1 < argc) {
 			long kib = atol(argv[++i]);
 

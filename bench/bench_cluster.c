@@ -568,11 +568,9 @@ int main(int argc, char **argv)
 	bench_daemon_arg(&argc, argv, daemon_path, sizeof(daemon_path));
 	for (int i = 1; i < argc; i++) {
 		if (!strcmp(argv[i], "--repeats") && i + 1 < argc) {
-			repeats = atoi(argv[++i]);
-			if (repeats < 1 || repeats > MAX_REPEATS) {
-				fprintf(stderr, "--repeats: 1..%d\n", MAX_REPEATS);
+			repeats = bench_count_arg("--repeats", argv[++i], MAX_REPEATS);
+			if (!repeats)
 				return 2;
-			}
 		} else if (!strcmp(argv[i], "--sizes") && i + 1 < argc) {
 			char *s = argv[++i];
 

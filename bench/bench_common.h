@@ -96,6 +96,17 @@ static inline double bench_median(double *v, int n)
 	return v[n / 2];
 }
 
+/* A count option's value s (name: the option, for the message): 1..max, else 0 said on stderr. */
+static inline int bench_count_arg(const char *name, const char *s, int max)
+{
+	int n = atoi(s);
+
+	if (n >= 1 && n <= max)
+		return n;
+	fprintf(stderr, "%s: 1..%d\n", name, max);
+	return 0;
+}
+
 /* A comma-separated list of counts ("4096,32768") into v, at most max of them; how many. */
 static inline unsigned bench_parse_list(char *s, unsigned *v, unsigned max)
 {
@@ -163,13 +174,17 @@ static inline void bench_start_daemon(struct daemon *d, const char *path, bool s
 	bench_spawn_daemon(d, path, sync, extra);
 }
 
-/* A client of d (o: NULL for libkvblend's defaults); exits, d removed, when it cannot connect. */
-static inline kvb_client *bench_connect(struct daemon *d, const struct kvb_connect_opts *o)
+/*
+ * A client of d, timeout_ms its calls' limit (0: libkvblend's 5 s), over frames only when
+ * no_shm; exits, d removed, when it cannot connect.
+ */
+static inline kvb_client *bench_connect(struct daemon *d, int timeout_ms, bool no_shm)
 {
+	struct kvb_connect_opts o = { .timeout_ms = timeout_ms, .no_shm = no_shm };
 	kvb_client *c;
 	char err[256];
 
-	if (kvb_connect(d->endpoint, o, &c, err, sizeof(err))) {
+	if (kvb_connect(d->endpoint, &o, &c, err, sizeof(err))) {
 		fprintf(stderr, "benchmark: cannot connect to %s: %s\n", d->endpoint, err);
 		daemon_remove(d);
 		exit(1);

@@ -319,7 +319,6 @@ int main(int argc, char **argv)
 	/* Stored raw, as real KV is (bitshuffle+LZ4 saves under 1% on it; this fill would compress). */
 	const char *extra[] = { "--shm-max", "4G", "--shm-total", "16G", "--compress-min-saving",
 				"100", "--verify", "once", NULL };
-	struct kvb_connect_opts o = { .timeout_ms = 120000 };
 	kvb_client *c;
 	struct daemon d;
 
@@ -351,7 +350,7 @@ int main(int argc, char **argv)
 	if (!repeats)
 		repeats = 1;
 	bench_start_daemon(&d, daemon_path, false, extra);
-	c = bench_connect(&d, &o);
+	c = bench_connect(&d, 120000, false);
 	printf("kvblend bench_engine: r = %.2f, check layer %d, %d fresh tokens, median of %u runs, "
 	       "verify = %s\n", RATIO, CHECK, FRESH, repeats, extra[7]);
 	for (unsigned si = shape_lo; si < shape_hi; si++)

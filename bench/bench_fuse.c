@@ -115,7 +115,6 @@ int main(int argc, char **argv)
 	int cuda = -1; /* the daemon's CUDA device, for the host-to-device reference */
 	/* the daemon's --device, and --fuse-device-reserve when asked */
 	const char *device[5] = { "--device", "auto", NULL, NULL, NULL };
-	struct kvb_connect_opts o = { .timeout_ms = 120000 };
 	kvb_client *c;
 	struct daemon d;
 
@@ -144,7 +143,7 @@ int main(int argc, char **argv)
 		}
 	}
 	bench_start_daemon(&d, daemon_path, false, device);
-	c = bench_connect(&d, &o);
+	c = bench_connect(&d, 120000, false);
 	if (kvb_model_register(c, &model, NULL)) {
 		fprintf(stderr, "bench_fuse: model: %s\n", kvb_last_error(c));
 		bench_stop_daemon(&d);

@@ -132,8 +132,6 @@ int main(int argc, char **argv)
 	const char *extra[] = { "--verify", "once", NULL };
 	struct daemon d;
 	kvb_client *shm_c, *frame_c;
-	struct kvb_connect_opts o_shm = { .timeout_ms = 60000 }, o_fr = { .timeout_ms = 60000,
-									 .no_shm = 1 };
 	uint64_t seq = 1;
 	struct bench_copier cp = { 0 };
 
@@ -154,8 +152,8 @@ int main(int argc, char **argv)
 		}
 	}
 	bench_start_daemon(&d, daemon_path, sync, extra);
-	shm_c = bench_connect(&d, &o_shm);
-	frame_c = bench_connect(&d, &o_fr);
+	shm_c = bench_connect(&d, 60000, false);
+	frame_c = bench_connect(&d, 60000, true);
 	if (kvb_model_register(shm_c, &model, NULL)) {
 		fprintf(stderr, "bench_io: cannot register the model\n");
 		bench_stop_daemon(&d);

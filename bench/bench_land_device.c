@@ -270,7 +270,7 @@ int main(int argc, char **argv)
 		bench_start_daemon(&node_daemon, daemon_path, false, extra);
 		atexit(stop_daemon);
 	}
-	c = bench_connect(&node_daemon, NULL);
+	c = bench_connect(&node_daemon, 0, false);
 	if (kvb_model_register(c, &model, NULL)) {
 		fprintf(stderr, "bench_land_device: model: %s\n", kvb_last_error(c));
 		return 1;

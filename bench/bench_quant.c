@@ -93,7 +93,6 @@ int main(int argc, char **argv)
 	char daemon_path[512], stores[256] = "dtype,fp8,int8,int4,int4:128";
 	const char *kv_file = NULL;
 	const char *extra[] = { "--shm-max", "4G", "--compress-min-saving", "100", NULL };
-	struct kvb_connect_opts o = { .timeout_ms = 120000 };
 	unsigned repeats = 5;
 	size_t chunk_bytes = (size_t)L * 2 * PER * ROW, layer_bytes = (size_t)N * ROW, n_runs = 0;
 	uint16_t *kv = malloc(chunk_bytes);
@@ -146,7 +145,7 @@ int main(int argc, char **argv)
 			kv[i] = kv[i % got];
 	}
 	bench_start_daemon(&d, daemon_path, false, extra);
-	c = bench_connect(&d, &o);
+	c = bench_connect(&d, 120000, false);
 	cache = kvb_region_alloc(c, 2 * (size_t)L * layer_bytes);
 	if (!cache) {
 		fprintf(stderr, "region: %s\n", kvb_last_error(c));

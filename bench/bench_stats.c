@@ -196,7 +196,7 @@ int main(int argc, char **argv)
 		return 2;
 	}
 	bench_start_daemon(&d, daemon, false, NULL);
-	c = bench_connect(&d, NULL);
+	c = bench_connect(&d, 0, false);
 	if (kvb_model_register(c, &model, NULL))
 		die(c, "model");
 
