@@ -34,6 +34,16 @@ void raw_open(struct raw *r, const char *endpoint, int recv_timeout_ms)
 	raw_open_curve(r, endpoint, recv_timeout_ms, NULL, NULL);
 }
 
+void raw_fuse_open_request(struct kvbp_request *q, const char *model,
+			   struct kvbp_segment *segments, size_t n_segments, uint32_t *checks,
+			   double *ratios, size_t n_checks)
+{
+	*q = (struct kvbp_request){ .op = KVBP_OP_FUSE_OPEN, .segments = segments,
+				    .n_segments = n_segments, .check_layers = checks,
+				    .n_checks = n_checks, .ratios = ratios, .n_ratios = n_checks };
+	snprintf(q->model_name, sizeof(q->model_name), "%s", model);
+}
+
 void raw_close(struct raw *r)
 {
 	zmq_close(r->sock);

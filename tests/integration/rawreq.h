@@ -29,6 +29,14 @@ void raw_open_curve(struct raw *r, const char *endpoint, int recv_timeout_ms,
 /* Close the socket and terminate its context. */
 void raw_close(struct raw *r);
 
+/*
+ * A FUSE_OPEN request (q cleared first) of model over the n_segments segments, with
+ * n_checks check layers and their ratios: the arrays borrowed by q, the caller's.
+ */
+void raw_fuse_open_request(struct kvbp_request *q, const char *model,
+			   struct kvbp_segment *segments, size_t n_segments, uint32_t *checks,
+			   double *ratios, size_t n_checks);
+
 /* Send the empty delimiter, then frames[0..n) exactly as given (n = 0: the delimiter alone). */
 void raw_send_frames(struct raw *r, const void *const *frames, const size_t *lens, size_t n);
 /*

@@ -185,10 +185,7 @@ static void raw_prompt_open_init(struct fixture *f, struct raw_prompt_open *o)
 	raw_segments(f, o->segs);
 	o->check = 1;
 	o->ratio = 0.5;
-	o->q = (struct kvbp_request){ .op = KVBP_OP_FUSE_OPEN, .segments = o->segs,
-				      .n_segments = 3, .check_layers = &o->check, .n_checks = 1,
-				      .ratios = &o->ratio, .n_ratios = 1 };
-	snprintf(o->q.model_name, sizeof(o->q.model_name), "fm");
+	raw_fuse_open_request(&o->q, "fm", o->segs, 3, &o->check, &o->ratio, 1);
 }
 
 /* Wrong numbers of fresh rows and frames, sent as raw requests: clear errors, session usable. */
@@ -527,9 +524,7 @@ static uint32_t raw_session(struct fixture *f, struct raw *r, bool dv, int32_t s
 	struct kvbp_segment segs[3] = { 0 };
 	uint32_t ck[2] = { 1, 2 }, rows = 30;
 	double rt[2] = { 0.5, 0.25 };
-	struct kvbp_request q = { .op = KVBP_OP_FUSE_OPEN, .segments = segs, .n_segments = 3,
-				  .check_layers = ck, .n_checks = 2, .ratios = rt, .n_ratios = 2,
-				  .device_out = dv };
+	struct kvbp_request q;
 	struct kvbp_reply rep;
 	uint16_t *fresh = malloc(2 * 30 * ROW);
 	uint64_t sid = 0;
@@ -537,7 +532,8 @@ static uint32_t raw_session(struct fixture *f, struct raw *r, bool dv, int32_t s
 	char err[256];
 
 	raw_segments(f, segs);
-	snprintf(q.model_name, sizeof(q.model_name), "fm");
+	raw_fuse_open_request(&q, "fm", segs, 3, ck, rt, 2);
+	q.device_out = dv;
 	for (uint32_t l = 0; l <= 3 && code == KVBP_OK; l++) {
 		const void *pl[2] = { fresh, (uint8_t *)fresh + (size_t)rows * ROW };
 		size_t len[2] = { (size_t)rows * ROW, (size_t)rows * ROW }, n_frames = 0;

@@ -54,19 +54,11 @@ static void put_chunk(kvb_client *c, uint32_t id, uint8_t hash[KVB_HASH_LEN])
 static void fuse_open_req(struct kvbp_request *q, const uint8_t *hash, struct kvbp_segment *seg,
 			  uint32_t *check, double *ratio)
 {
-	memset(q, 0, sizeof(*q));
 	memset(seg, 0, sizeof(*seg));
-	q->op = KVBP_OP_FUSE_OPEN;
-	snprintf(q->model_name, sizeof(q->model_name), "%s", model.name);
 	memcpy(seg->hash, hash, KVBP_HASH_LEN);
-	q->segments = seg;
-	q->n_segments = 1;
 	*check = 1;
 	*ratio = 0.25;
-	q->check_layers = check;
-	q->n_checks = 1;
-	q->ratios = ratio;
-	q->n_ratios = 1;
+	raw_fuse_open_request(q, model.name, seg, 1, check, ratio, 1);
 }
 
 /* The daemon still answers a plain request. */
