@@ -16,6 +16,11 @@
 #include "client/include/kvblend.h"
 #include "tests/integration/harness_core.h"
 
+/* The initializer of a test's model: f16 K and V, RoPE theta 10000, the name and shape given. */
+#define TEST_MODEL_F16(model_name, layers, kv_heads, dim)                                  \
+	{ .name = model_name, .num_layers = (layers), .num_kv_heads = (kv_heads),           \
+	  .head_dim = (dim), .dtype = KVB_F16, .rope_theta = 10000 }
+
 /* Start kvblendd with the given extra arguments (NULL-terminated); asserts it answers. */
 void daemon_start(struct daemon *d, const char *const *extra_args);
 /* Start again on the same data directory and endpoint. */

@@ -22,8 +22,7 @@
 #include "tests/integration/harness.h"
 #include "tests/integration/rawreq.h"
 
-static const struct kvb_model tiny = { .name = "tiny", .num_layers = 3, .num_kv_heads = 2,
-				       .head_dim = 8, .dtype = KVB_F16, .rope_theta = 10000 };
+static const struct kvb_model tiny = TEST_MODEL_F16("tiny", 3, 2, 8);
 
 static size_t chunk_bytes(const struct kvb_model *m, uint32_t t)
 {

@@ -30,8 +30,7 @@
 #define H 2
 #define D 8
 
-static const struct kvb_model model = { .name = "xm", .num_layers = L, .num_kv_heads = H,
-					.head_dim = D, .dtype = KVB_F16, .rope_theta = 10000 };
+static const struct kvb_model model = TEST_MODEL_F16("xm", L, H, D);
 
 /* The line number (from 1) of "what ADDR" in the log, or 0. */
 static int line_of(const char *log, const char *what, const char *addr)

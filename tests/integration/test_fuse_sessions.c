@@ -31,8 +31,7 @@
 #define D 8
 #define ROW (H * D * 2)
 
-static const struct kvb_model model = { .name = "fm", .num_layers = L, .num_kv_heads = H,
-					.head_dim = D, .dtype = KVB_F16, .rope_theta = 10000 };
+static const struct kvb_model model = TEST_MODEL_F16("fm", L, H, D);
 
 struct fixture {
 	struct daemon d;

@@ -41,8 +41,7 @@
 #define ROW (H * D * 2)
 #define T 32
 
-static const struct kvb_model model = { .name = "hm", .num_layers = L, .num_kv_heads = H,
-					.head_dim = D, .dtype = KVB_F16, .rope_theta = 10000 };
+static const struct kvb_model model = TEST_MODEL_F16("hm", L, H, D);
 
 static void put_chunk(kvb_client *c, uint32_t id, uint8_t hash[KVB_HASH_LEN])
 {

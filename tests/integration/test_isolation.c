@@ -31,8 +31,7 @@
 #define T 16
 #define ROW (H * D * 2)
 
-static const struct kvb_model model = { .name = "m", .num_layers = L, .num_kv_heads = H,
-					.head_dim = D, .dtype = KVB_F16, .rope_theta = 10000 };
+static const struct kvb_model model = TEST_MODEL_F16("m", L, H, D);
 
 struct setup {
 	struct daemon d;

@@ -30,8 +30,7 @@
 #define ROW (H * D * 2)
 #define N 46 /* 10 + 5 fresh + 17 + 14 */
 
-static const struct kvb_model model = { .name = "lm", .num_layers = L, .num_kv_heads = H,
-					.head_dim = D, .dtype = KVB_F16, .rope_theta = 10000 };
+static const struct kvb_model model = TEST_MODEL_F16("lm", L, H, D);
 
 struct fixture {
 	struct daemon d;

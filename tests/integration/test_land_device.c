@@ -64,8 +64,7 @@ static int setup(void **state)
 {
 	struct fixture *f = calloc(1, sizeof(*f));
 	const char *args[] = { "--device", which, "--fuse-idle", "30", NULL };
-	struct kvb_model m = { .name = "lm", .num_layers = L, .num_kv_heads = H, .head_dim = D,
-			       .dtype = KVB_F16, .rope_theta = 10000 };
+	struct kvb_model m = TEST_MODEL_F16("lm", L, H, D);
 	char err[256] = "";
 	int rc;
 
@@ -819,8 +818,7 @@ static void no_device_daemon(void **state)
 	struct fixture *f = *state;
 	struct daemon d2;
 	const char *args[] = { "--device", "cpu", NULL };
-	struct kvb_model m = { .name = "lm", .num_layers = L, .num_kv_heads = H, .head_dim = D,
-			       .dtype = KVB_F16, .rope_theta = 10000 };
+	struct kvb_model m = TEST_MODEL_F16("lm", L, H, D);
 	struct kvb_segment seg = { .pos = 0 };
 	struct kvb_kv_layout y = gpu_layout(f, f->mem.base, false);
 	struct kvb_device_mem dm = device_mem(f);

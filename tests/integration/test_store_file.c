@@ -26,8 +26,7 @@
 
 #define TOKENS 4096
 
-static const struct kvb_model tiny = { .name = "tiny", .num_layers = 3, .num_kv_heads = 2,
-				       .head_dim = 8, .dtype = KVB_F16, .rope_theta = 10000 };
+static const struct kvb_model tiny = TEST_MODEL_F16("tiny", 3, 2, 8);
 /* the scrub off: nothing but the start is to look at the file */
 static const char *const restart_args[] = { "--max-message", "4M", "--max-tokens", "4096",
 					    "--scrub-mb-per-s", "0", NULL };

@@ -50,8 +50,7 @@
 #define ROUNDS 200
 #define STUCK_GETS 4
 
-static const struct kvb_model model = { .name = "stuck", .num_layers = L, .num_kv_heads = H,
-					.head_dim = D, .dtype = KVB_F16, .rope_theta = 10000 };
+static const struct kvb_model model = TEST_MODEL_F16("stuck", L, H, D);
 
 /* Incompressible bytes, so that the chunk is stored raw (and served from the pages). */
 static void fill_random(uint8_t *p, size_t n, uint64_t seed)
@@ -226,9 +225,7 @@ static void a_stuck_reader_is_cut_when_the_map_is_full(void **state)
 static void a_stuck_bulk_reader_is_cut_off_at_the_deadline(void **state)
 {
 	enum { BT = 8192 }; /* L x 2 x BT x H x D f16 = 32 MiB */
-	static const struct kvb_model big = { .name = "stuck-bulk", .num_layers = L,
-					      .num_kv_heads = H, .head_dim = D, .dtype = KVB_F16,
-					      .rope_theta = 10000 };
+	static const struct kvb_model big = TEST_MODEL_F16("stuck-bulk", L, H, D);
 	char tcp[64], bport[16], msg[KVBP_MESSAGE_MAX];
 	const char *args[] = { "--reply-timeout-ms", "300", "--listen", tcp, "--tcp-bulk-port",
 			       bport, NULL };
@@ -439,9 +436,7 @@ static void *trickle_main(void *arg)
 
 enum { SLOW = 2, BIG_T = 8192 }; /* two readers (one per worker), 32 MiB chunks */
 
-static const struct kvb_model slow_model = { .name = "slow", .num_layers = L, .num_kv_heads = H,
-					     .head_dim = D, .dtype = KVB_F16,
-					     .rope_theta = 10000 };
+static const struct kvb_model slow_model = TEST_MODEL_F16("slow", L, H, D);
 
 /* Register slow_model with c and store a BIG_T-token chunk of random bytes (seed) in kv
  * (bytes long) under hash_of(i). */
