@@ -96,15 +96,19 @@ static inline double bench_median(double *v, int n)
 	return v[n / 2];
 }
 
-/* A count option's value s (name: the option, for the message): 1..max, else 0 said on stderr. */
+/*
+ * A count option's value s (name: the option, for the message): 1..max, else said on
+ * stderr and the benchmark exits 2 (a usage error).
+ */
 static inline int bench_count_arg(const char *name, const char *s, int max)
 {
 	int n = atoi(s);
 
-	if (n >= 1 && n <= max)
-		return n;
-	fprintf(stderr, "%s: 1..%d\n", name, max);
-	return 0;
+	if (n < 1 || n > max) {
+		fprintf(stderr, "%s: 1..%d\n", name, max);
+		exit(2);
+	}
+	return n;
 }
 
 /* A comma-separated list of counts ("4096,32768") into v, at most max of them; how many. */

@@ -438,15 +438,22 @@ enum { SLOW = 2, BIG_T = 8192 }; /* two readers (one per worker), 32 MiB chunks 
 
 static const struct kvb_model slow_model = TEST_MODEL_F16("slow", L, H, D);
 
-/* Register slow_model with c and store a BIG_T-token chunk of random bytes (seed) in kv
- * (bytes long) under hash_of(i). */
-static void store_slow_chunk(kvb_client *c, uint8_t *kv, size_t bytes, uint64_t seed, uint32_t i,
-			     uint8_t hash[KVB_HASH_LEN])
+/*
+ * A client of d (no shared memory) that registered slow_model and stored a BIG_T-token
+ * chunk of random bytes (seed) in kv (bytes long, allocated by the caller: asserted)
+ * under hash_of(i).
+ */
+static kvb_client *slow_chunk_client(const struct daemon *d, uint8_t *kv, size_t bytes,
+				     uint64_t seed, uint32_t i, uint8_t hash[KVB_HASH_LEN])
 {
+	kvb_client *c = daemon_client(d, 1);
+
+	assert_non_null(kv);
 	assert_int_equal(kvb_model_register(c, &slow_model, NULL), 0);
 	fill_random(kv, bytes, seed);
 	hash_of(i, hash);
 	assert_int_equal(kvb_put(c, slow_model.name, hash, KVB_F16, BIG_T, 0, kv, bytes, NULL), 0);
+	return c;
 }
 
 /*
@@ -475,7 +482,6 @@ static void stalled_bulk_readers(bool curve, bool trickle)
 	kvb_client *c, *victim;
 	double worst, cut_after;
 
-	assert_non_null(kv);
 	tcp_and_bulk_ports(tcp, bport);
 	daemon_start(&d, NULL); /* (for its directory: restarted below with the flags) */
 	snprintf(keyfile, sizeof(keyfile), "%s/server.key", d.dir);
@@ -484,9 +490,8 @@ static void stalled_bulk_readers(bool curve, bool trickle)
 		assert_int_equal(kvb_curve_keypair(cpub, csec), 0);
 	}
 	daemon_restart(&d, args);
-	c = daemon_client(&d, 1);
+	c = slow_chunk_client(&d, kv, bytes, 9, 99, hash);
 	victim = daemon_client(&d, 1);
-	store_slow_chunk(c, kv, bytes, 9, 99, hash);
 
 	for (int i = 0; i < SLOW; i++) {
 		slow_reader_open(&rd[i], tcp, curve ? pub : NULL, csec);
@@ -576,12 +581,10 @@ static void one_stalled_reader_holds_one_worker_only(void **state)
 	double worst;
 
 	(void)state;
-	assert_non_null(kv);
 	tcp_and_bulk_ports(tcp, bport);
 	daemon_start(&d, args);
-	c = daemon_client(&d, 1);
+	c = slow_chunk_client(&d, kv, bytes, 11, 111, hash);
 	victim = daemon_client(&d, 1);
-	store_slow_chunk(c, kv, bytes, 11, 111, hash);
 	slow_reader_open(&rd, tcp, NULL, NULL);
 	slow_reader_get(&rd, slow_model.name, hash, bytes); /* a worker now writes, stalled */
 	worst = slowest_ping(victim, 16);
@@ -657,12 +660,10 @@ static void stallers_reissuing_gets_hold_no_worker(void **state)
 	unsigned cuts = 0;
 
 	(void)state;
-	assert_non_null(kv);
 	tcp_and_bulk_ports(tcp, bport);
 	daemon_start(&d, args);
-	c = daemon_client(&d, 1);
+	c = slow_chunk_client(&d, kv, bytes, 13, 131, hash);
 	victim = daemon_client(&d, 1);
-	store_slow_chunk(c, kv, bytes, 13, 131, hash);
 	for (int i = 0; i < STALLERS; i++) {
 		st[i] = (struct staller){ tcp, slow_model.name, hash, bytes, &stop, 0, 0 };
 		assert_int_equal(pthread_create(&th[i], NULL, staller_main, &st[i]), 0);
@@ -716,11 +717,9 @@ static void a_client_has_at_most_32_payloads_waiting(void **state)
 	unsigned ok = 0, limit = 0;
 
 	(void)state;
-	assert_non_null(kv);
 	tcp_and_bulk_ports(tcp, bport);
 	daemon_start(&d, args);
-	c = daemon_client(&d, 1);
-	store_slow_chunk(c, kv, bytes, 17, 171, hash);
+	c = slow_chunk_client(&d, kv, bytes, 17, 171, hash);
 	slow_reader_open(&rd, tcp, NULL, NULL);
 	for (int i = 0; i < GETS; i++)
 		slow_reader_send_get(&rd, slow_model.name, hash);
