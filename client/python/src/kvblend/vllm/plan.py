@@ -722,8 +722,8 @@ def lookup_plan(
 
     A request to blend (``parsed.blend``) claims every token from ``num_computed`` up to
     the end of the last stored chunk found, chunks not found becoming fresh tokens of its
-    fuse session (so are the tokens vLLM already has, which the pass computes again and
-    does not write); it falls back to plain reuse, on the same lookup, when no chunk is
+    fuse session (so are the tokens vLLM already has, which the pass reads from vLLM's
+    cache, or computes again where the metric has check layers, and does not write); it falls back to plain reuse, on the same lookup, when no chunk is
     found, a found chunk ends the prompt (vLLM must compute the last token), or vLLM
     already has every token up to the last chunk's end. Plain reuse claims as
     :func:`claim`.
