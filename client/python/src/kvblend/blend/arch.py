@@ -44,11 +44,15 @@ class Arch:
     qk_norm : bool
         An RMSNorm per head on Q and K (``self_attn.q_norm``, ``self_attn.k_norm``)
         before RoPE.
+    fused_qkv : bool
+        Transformers' modules project Q, K and V in one ``self_attn.qkv_proj`` (and the
+        MLP's gate and up in one ``gate_up_proj``, inside ``mlp``); vLLM's always do.
     """
 
     name: str
     qkv_bias: bool = False
     qk_norm: bool = False
+    fused_qkv: bool = False
 
 
 #: The architectures the blend pass drives, by Hugging Face architecture name. vLLM runs
@@ -60,6 +64,9 @@ ARCHITECTURES = {
         Arch("MistralForCausalLM"),
         Arch("Qwen2ForCausalLM", qkv_bias=True),
         Arch("Qwen3ForCausalLM", qk_norm=True),
+        # Phi-3 and Phi-4: vLLM runs them as Llama; a partial rotary factor (Phi-4-mini's
+        # 0.75) is the model's RoPE description (rotary_dim), re-rotated exactly
+        Arch("Phi3ForCausalLM", fused_qkv=True),
     )
 }
 
@@ -165,7 +172,10 @@ def for_hf(model: Any) -> Arch:
     arch = lookup(type(model).__name__, where)
     for i, layer in enumerate(model.model.layers):
         attn = layer.self_attn
-        projs = [getattr(attn, p, None) for p in ("q_proj", "k_proj", "v_proj")]
+        names = ("qkv_proj",) if arch.fused_qkv else ("q_proj", "k_proj", "v_proj")
+        projs = [getattr(attn, p, None) for p in names]
+        if any(p is None for p in projs):
+            raise ArchRefused(f"{where}: {arch.name} decoder layer {i} has no {'/'.join(names)}")
         _check_parts(arch, attn, i, projs, where)
     return arch
 

@@ -36,13 +36,9 @@ if TYPE_CHECKING:
 logger = init_logger("vllm.kvblend.vllm")
 
 # Architectures whose attention kvblend describes exactly: full attention, neox RoPE on
-# all heads, keys cached after RoPE.
-_NEOX_ARCHS = {
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-}
+# every head (on a partial rotary factor's share of each), keys cached after RoPE: the
+# ones the blend pass drives (kvblend.blend.arch, the one list).
+_NEOX_ARCHS = frozenset(_arch.ARCHITECTURES)
 _DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 
 
