@@ -21,7 +21,10 @@ the top-k of each; the full-vocabulary logits of those rows are taken where vLLM
 them, by wrapping the model's ``compute_logits`` in the worker (the engine runs in this
 process: VLLM_ENABLE_V1_MULTIPROCESSING=0; installed with LLM.collective_rpc). The
 measures (KL over the answer positions, top-1, greedy prefix and exact) are
-run_eval.py's, from eval/cacheblend.py's kl_top1.
+run_eval.py's, from eval/cacheblend.py's kl_top1. On vLLM 0.34, which gives a request
+with prompt logprobs no connector tokens, the score is the first answer token's, from the
+sampler's own logits (``--score first``; with ``--check`` on 0.32 it is checked against
+the teacher-forced first row).
 
     tests/engine/run.sh build/lib/libkvblend.so build/bin/kvblendd eval/run_vllm.py \\
         [--requests 50] [--first K] [--smoke] [--check] [--json FILE] [--plot PNG]
@@ -53,6 +56,12 @@ CHECK_LAYER = 1
 # The full-vocabulary logits of the rows vLLM computed prompt logprobs for, per call of
 # the model's compute_logits while armed (this process: the engine runs in it).
 CAPTURE = {"armed": False, "calls": []}
+
+
+def log_softmax(x):
+    x = np.asarray(x, np.float64)
+    m = x.max()
+    return x - m - np.log(np.exp(x - m).sum())
 
 
 def hook_compute_logits(worker):
@@ -184,10 +193,35 @@ def trim_chunks(segments, k, seed):
              else ids) for kind, ids in segments]
 
 
+def first_logits(llm, prompt, params):
+    """Logits [1, vocab] of the first answer token: the sampler's own row for the prompt
+    (max_tokens=1, no prompt logprobs), so that the connector's tokens are read on every
+    vLLM version (0.34 gives a request with prompt logprobs no external tokens,
+    ``Request.skip_reading_external_kv``). Also the wall time."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    sp = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False,
+                        extra_args=None if params is None else {"kv_transfer_params": params})
+    CAPTURE["calls"].clear()
+    CAPTURE["armed"] = True
+    t = time.monotonic()
+    try:
+        llm.generate([TokensPrompt(prompt_token_ids=list(prompt))], [sp], use_tqdm=False)
+    finally:
+        CAPTURE["armed"] = False
+    dt = time.monotonic() - t
+    if not CAPTURE["calls"]:
+        raise RuntimeError("no compute_logits call for the first answer token")
+    return CAPTURE["calls"][-1][-1:].numpy(), dt
+
+
 def answer_logits(llm, prompt, answer, params):
     """Logits [len(answer), vocab] at the answer positions of prompt + answer, teacher-forced.
 
-    params: the request's kv_transfer_params (None: plain vLLM). Also the wall time."""
+    params: the request's kv_transfer_params (None: plain vLLM). Also the wall time.
+    Through prompt logprobs: vLLM 0.32 and 0.33 only (on 0.34 such a request reads no
+    external tokens, so the scores would be plain vLLM's: :func:`first_logits` there)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -238,6 +272,12 @@ def main():
     ap.add_argument("--odd-lengths", action="store_true",
                     help="shorten each chunk by an odd count of 1-31 tokens: no chunk length "
                     "a multiple of any block size")
+    ap.add_argument("--score", choices=("answer", "first"), default=None,
+                    help="answer: every answer position teacher-forced through prompt "
+                    "logprobs (vLLM 0.32 and 0.33; the default there); first: the first "
+                    "answer token from the sampler's own logits (the default and the only "
+                    "score on vLLM 0.34, which reads no connector tokens for a request with "
+                    "prompt logprobs)")
     ap.add_argument("--smoke", action="store_true",
                     help="2 requests of 3 short chunks, 4 answer tokens (run_eval.py's smoke)")
     ap.add_argument("--check", action="store_true",
@@ -367,6 +407,13 @@ def main():
                if not r["modes"][m]["kl"] < r["modes"]["full reuse"]["kl"]]
         bad += [f"request {r['k']}: full reuse equals the full prefill (nothing claimed?)"
                 for r in records if r["modes"]["full reuse"]["kl"] == 0.0]
+        if args.score == "answer":
+            gap = info.get("first_gap", float("inf"))
+            print(f"first-token score against the teacher-forced first row: log-probs at most "
+                  f"{gap:.1e} apart")
+            if not gap < 1e-3:
+                bad.append(f"the first-token score is {gap:.2e} from the teacher-forced "
+                           "first row")
         for line in bad:
             print(f"FAIL: {line}")
         sys.exit(1 if bad else 0)
@@ -385,6 +432,16 @@ def run(args, endpoint, requests, tok, modes, kl_top1):
     extra = {"endpoint": endpoint, "model_name": NAME, "timeout_ms": 120000,
              "blend": {"check_layers": [CHECK_LAYER], "ratios": [0.15]},
              "load_cost_check": False}
+    import vllm
+
+    v034 = tuple(int(x) for x in vllm.__version__.split(".")[:2]) >= (0, 34)
+    if args.score is None:
+        args.score = "first" if v034 else "answer"
+    if args.score == "answer" and v034:
+        raise SystemExit(f"--score answer: vLLM {vllm.__version__} gives a request with prompt "
+                         "logprobs no connector tokens (it would score plain vLLM); use "
+                         "--score first")
+    print(f"score: {args.score} (vLLM {vllm.__version__})", flush=True)
     llm = LLM(model=args.model, enforce_eager=True, dtype="float32", max_model_len=4096,
               max_num_batched_tokens=4096, seed=0, enable_prefix_caching=False,
               kv_transfer_config=KVTransferConfig(
@@ -428,7 +485,14 @@ def run(args, endpoint, requests, tok, modes, kl_top1):
         out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], [sp], use_tqdm=False)
         t_greedy = time.monotonic() - t
         answer = [int(x) for x in out[0].outputs[0].token_ids]
-        ref, t_ref = answer_logits(llm, prompt, answer, None)
+        if args.score == "first":
+            answer = answer[:1]
+        def score(params, llm=llm, prompt=prompt, answer=answer):
+            if args.score == "first":
+                return first_logits(llm, prompt, params)
+            return answer_logits(llm, prompt, answer, params)
+
+        ref, t_ref = score(None)
         if [int(x) for x in ref.argmax(-1)] != answer:  # teacher-forced = its own decode
             print(f"  req {k}: the teacher-forced full prefill's argmax differs from its "
                   "greedy decode (float32 rounding between the two paths)")
@@ -444,7 +508,12 @@ def run(args, endpoint, requests, tok, modes, kl_top1):
             blend, used = mode_blend(spec, budget)
             params = {"kvblend": {"segments": spans, "blend": blend,
                                   "question_end": len(prompt)}}
-            logits, dt = answer_logits(llm, prompt, answer, params)
+            logits, dt = score(params)
+            if args.check and args.score == "answer":
+                # the first-token score (vLLM 0.34's) is the teacher-forced first row
+                first, _ = first_logits(llm, prompt, params)
+                gap = float(np.abs(log_softmax(first[0]) - log_softmax(logits[0])).max())
+                info["first_gap"] = max(info.get("first_gap", 0.0), gap)
             kl, top1 = kl_top1(ref, logits)
             same = logits.argmax(-1) == np.asarray(answer)
             prefix = len(answer) if same.all() else int(np.argmin(same))
