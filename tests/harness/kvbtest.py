@@ -1,11 +1,19 @@
-"""What the Python integration tests share: a real kvblendd on a temporary data
-directory and IPC socket (eval/harness.py's Daemon, pinged with the kvblend CLI), the
-CLI pointed at it, a tally of checks printed one line each, and the scratch directory's
-removal; free_port, wait_for and Etcd are eval/harness.py's.
+"""The Python tests' harness (tests/harness/), the one module the tests under tests/ share:
 
-The tests run as scripts (ctest: python3 tests/integration/test_x.py ...), so Python
-finds this module next to them; a script elsewhere puts this directory on sys.path.
-Nothing here asserts: each test decides what to check and with which message.
+* daemons: a real kvblendd on a temporary data directory and IPC socket (eval/harness.py's
+  Daemon, pinged with the kvblend CLI) and the CLI pointed at it; Etcd, free_port (never
+  the same port twice in a test run, across ctest's parallel processes) and wait_for from
+  eval/harness.py;
+* a tally of checks printed one line each and asserted at the end (Checks).
+
+The daemon harness lives in eval/harness.py, so that eval/ and bench/ share it without
+importing a test file; tests import eval/, never the reverse, and no test file imports
+another: what two tests share lives here. Only the standard library is imported here: the
+integration tests run on Debian's python3.
+
+The tests run under pytest (ctest: python3 -m pytest ... FILE --kvblendd ...;
+tests/conftest.py has the options and fixtures; tests/pytest.ini puts this folder and eval/
+on Python's path, the one place that does).
 """
 
 import os
@@ -13,31 +21,35 @@ import shutil
 import subprocess
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
-                                "eval"))
-from harness import Etcd, free_port, wait_for  # noqa: E402,F401  (the tests' names for them)
-import harness  # noqa: E402
+import harness
+from harness import Etcd, free_port, wait_for  # noqa: F401  (the tests' names for them)
 
 
 class Checks:
-    """A tally of checks, called as check(name, cond, detail): prints `ok - NAME`, or
-    `not ok - NAME DETAIL` when cond is false; exit() prints the totals and exits 1 if
-    any failed, else 0."""
+    """A test's named checks, called as check(name, cond, detail): each printed as it is
+    made (`ok - NAME`, or `not ok - NAME: DETAIL` when cond is false), and the test goes
+    on. done() prints the totals and fails the test (AssertionError, the failed checks
+    named) if any failed."""
 
     def __init__(self):
-        self.passed = self.failed = 0
+        self.passed = 0
+        self.failures = []
+
+    @property
+    def failed(self):
+        return len(self.failures)
 
     def __call__(self, name, cond, detail=""):
         if cond:
             self.passed += 1
             print(f"ok - {name}", flush=True)
         else:
-            self.failed += 1
-            print(f"not ok - {name} {detail}", flush=True)
+            self.failures.append(name)
+            print(f"not ok - {name}" + (f": {detail}" if detail else ""), flush=True)
 
-    def exit(self):
+    def done(self):
         print(f"{self.passed} passed, {self.failed} failed")
-        sys.exit(1 if self.failed else 0)
+        assert not self.failures, f"{self.failed} checks failed: {'; '.join(self.failures)}"
 
 
 def remove(tmp):
@@ -107,12 +119,12 @@ def python_env(kvblend):
     """The environment of a Python of its own that imports the kvblend package of this
     tree over the libkvblend built beside the kvblend CLI (with libasan preloaded when
     that library is built with ASan)."""
-    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
     lib = os.path.join(os.path.dirname(os.path.abspath(kvblend)), "..", "lib", "libkvblend.so")
     ldd = subprocess.run(["ldd", lib], capture_output=True, text=True).stdout
     asan = next((ln.split()[2] for ln in ldd.splitlines() if "libasan" in ln), "")
     env = {**os.environ, "KVBLEND_LIB": lib, "LD_PRELOAD": asan,
-           "PYTHONPATH": os.path.join(here, "..", "..", "client", "python", "src")}
+           "PYTHONPATH": os.path.join(root, "client", "python", "src")}
     if asan:  # (Python itself leaks by LeakSanitizer's count)
         env["ASAN_OPTIONS"] = env.get("ASAN_OPTIONS", "") + ":detect_leaks=0"
     return env
@@ -122,3 +134,4 @@ def python_client(kvblend, code, timeout=60):
     """Run code in such a Python (python_env); its CompletedProcess (text)."""
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env=python_env(kvblend), timeout=timeout)
+
