@@ -10,8 +10,8 @@ other child in a process group (vLLM's server).
 * :func:`free_port` (never the same port twice, across the processes of a test run),
   :func:`wait_for`, :func:`wait_for_daemon`.
 
-Used by the Python tests' harness (tests/harness/kvbtest.py), the engine tests
-(tests/engine/fixtures.py), eval/ and bench/. Tests import eval/, never the reverse.
+Used by the Python tests (their harness, tests/harness/kvbtest.py, and the engine tests),
+eval/ and bench/. Tests import eval/, never the reverse.
 Only the standard library is imported here: the integration tests run on Debian's
 python3 without numpy, so a daemon is pinged through the Python client only where
 that imports (:meth:`Daemon.ready`; kvbtest pings with the CLI instead).

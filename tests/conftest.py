@@ -1,29 +1,41 @@
 """pytest's setup for the tests under tests/ (ctest: python3 -m pytest -q -p no:cacheprovider
-FILE OPTIONS, tests/CMakeLists.txt): this build's programs and the tests' settings as
-command-line options, each a fixture of the same name (a test that needs one that was not
-given fails, naming it), and a run whose every test was skipped exits 77, ctest's skip.
+FILE OPTIONS, tests/CMakeLists.txt; tests/engine/run.sh --pytest): this build's programs,
+the engine tests' model and the tests' settings as command-line options, the programs and
+the model each a fixture (kvblendd, kvblend, place_tool, crash_put, blend_tool,
+engine_model; and part: a test that needs one that was not given fails, naming it), and a
+run whose every test was skipped exits 77, ctest's skip.
 
     python3 -m pytest tests/integration/test_curve.py \\
         --kvblendd build/bin/kvblendd --kvblend build/bin/kvblend
 """
 
+import os
+
 import pytest
 
-# option: (fixture, help); the options' values are strings unless typed below
+# option: (fixture, help): this build's programs and the engine tests' model
 _PROGRAMS = {
     "--kvblendd": ("kvblendd", "this build's kvblendd"),
     "--kvblend": ("kvblend", "this build's kvblend CLI"),
     "--place-tool": ("place_tool", "this build's place_tool (tests/integration/place_tool.c)"),
     "--crash-put": ("crash_put", "this build's crash_put (tests/crash/crash_put.c)"),
     "--blend-tool": ("blend_tool", "this build's blend_tool (tests/blend/blend_tool.c)"),
+    "--model": ("engine_model", "the engine tests' model directory (default "
+                "$KVBLEND_ENGINE_MODEL, as tests/engine/run.sh sets it)"),
 }
 
 
 def pytest_addoption(parser):
     g = parser.getgroup("kvblend", "kvblend's tests")
     for opt, (dest, text) in _PROGRAMS.items():
-        g.addoption(opt, dest=dest, help=text)
+        g.addoption(opt, dest=dest, help=text,
+                    default=os.environ.get("KVBLEND_ENGINE_MODEL") if opt == "--model" else None)
     g.addoption("--part", help="test_cluster_ops.py: the part to run (join, hedge, ...)")
+    g.addoption("--arch", action="append",
+                help="test_vllm_arch.py: only this architecture (repeatable)")
+    g.addoption("--no-engine", action="append", default=[],
+                help="test_vllm_arch.py: kvblend.hf's part only for this architecture, no "
+                "engine start (repeatable)")
     g.addoption("--backend", help="test_blend.py: blend_tool's --backend (cpu, cuda)")
     g.addoption("--kills", type=int, default=5, help="crash_test.py: SIGKILLs (default 5)")
     g.addoption("--clients", type=int, default=3, help="crash_test.py: PUT clients (default 3)")
@@ -34,7 +46,8 @@ def pytest_addoption(parser):
 def _option(request, dest):
     value = request.config.getoption(dest)
     if value is None:
-        pytest.fail(f"this test needs --{dest.replace('_', '-')}", pytrace=False)
+        opt = {d: o for o, (d, _) in _PROGRAMS.items()}.get(dest, "--" + dest)
+        pytest.fail(f"this test needs {opt}", pytrace=False)
     return value
 
 
@@ -64,15 +77,20 @@ def blend_tool(request):
 
 
 @pytest.fixture(scope="session")
+def engine_model(request):
+    return _option(request, "engine_model")
+
+
+@pytest.fixture(scope="session")
 def part(request):
     return _option(request, "part")
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """Every collected test skipped: exit 77, which ctest's SKIP_RETURN_CODE reads as a skip
-    (pytest itself exits 0 then)."""
+    """Every test skipped: exit 77, which ctest's SKIP_RETURN_CODE reads as a skip (pytest
+    itself exits 0 then, or 5, no tests collected, when a module skipped itself whole)."""
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     stats = reporter.stats if reporter else {}
-    if exitstatus == 0 and stats.get("skipped") and not any(
+    if exitstatus in (0, 5) and stats.get("skipped") and not any(
             stats.get(k) for k in ("passed", "failed", "error", "xpassed", "xfailed")):
         session.exitstatus = 77
