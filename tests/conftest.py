@@ -43,47 +43,24 @@ def pytest_addoption(parser):
     g.addoption("--no-sync", action="store_true", help="crash_test.py: kvblendd --no-sync")
 
 
-def _option(request, dest):
-    value = request.config.getoption(dest)
-    if value is None:
-        opt = {d: o for o, (d, _) in _PROGRAMS.items()}.get(dest, "--" + dest)
-        pytest.fail(f"this test needs {opt}", pytrace=False)
+def _required(dest, option):
+    """A session fixture named dest: the value of option, which the test needs (it fails,
+    naming the option, where it was not given)."""
+
+    @pytest.fixture(scope="session", name=dest)
+    def value(request):
+        v = request.config.getoption(dest)
+        if v is None:
+            pytest.fail(f"this test needs {option}", pytrace=False)
+        return v
+
     return value
 
 
-@pytest.fixture(scope="session")
-def kvblendd(request):
-    return _option(request, "kvblendd")
-
-
-@pytest.fixture(scope="session")
-def kvblend(request):
-    return _option(request, "kvblend")
-
-
-@pytest.fixture(scope="session")
-def place_tool(request):
-    return _option(request, "place_tool")
-
-
-@pytest.fixture(scope="session")
-def crash_put(request):
-    return _option(request, "crash_put")
-
-
-@pytest.fixture(scope="session")
-def blend_tool(request):
-    return _option(request, "blend_tool")
-
-
-@pytest.fixture(scope="session")
-def engine_model(request):
-    return _option(request, "engine_model")
-
-
-@pytest.fixture(scope="session")
-def part(request):
-    return _option(request, "part")
+# kvblendd, kvblend, place_tool, crash_put, blend_tool, engine_model, part
+for _option, (_dest, _) in _PROGRAMS.items():
+    globals()[_dest] = _required(_dest, _option)
+part = _required("part", "--part")
 
 
 def pytest_sessionfinish(session, exitstatus):
