@@ -34,7 +34,6 @@ from tcpproxy import Proxy
 
 
 def test_bulk_tcp(kvblendd, kvblend):
-    KVBLENDD, KVBLEND = kvblendd, kvblend
     tmp = tempfile.mkdtemp(prefix="kvb-bulk-")
     check = kvbtest.Checks()
     HDR = 40  # a record's header (proto/bulk.h)
@@ -43,7 +42,7 @@ def test_bulk_tcp(kvblendd, kvblend):
     SEAL = 512 << 10  # bytes of a sealed record (proto/bulk.h KVBB_SEAL_BYTES)
 
     def keygen():
-        out = subprocess.run([KVBLEND, "keygen"], capture_output=True, text=True, check=True).stdout
+        out = subprocess.run([kvblend, "keygen"], capture_output=True, text=True, check=True).stdout
         d = dict(line.split(" ", 1) for line in out.splitlines())
         return d["public"], d["secret"]
 
@@ -107,7 +106,7 @@ def test_bulk_tcp(kvblendd, kvblend):
 
     def get(ep, name, env=None):
         out = f"{tmp}/{name}.npy"
-        r = kvbtest.cli(KVBLEND, ep, "get", "--model", "m", "--hash", HASH, "--out", out,
+        r = kvbtest.cli(kvblend, ep, "get", "--model", "m", "--hash", HASH, "--out", out,
                         timeout_ms=5000, env={**keys, **(env or {})}, hang_s=60)
         same = r.returncode == 0 and os.path.exists(out) and np.array_equal(np.load(out), kv)
         return r, same, os.path.exists(out)
@@ -123,14 +122,14 @@ def test_bulk_tcp(kvblendd, kvblend):
         return r, wrote
 
     def put(ep, h, env=None, path=None):
-        return kvbtest.cli(KVBLEND, ep, "put", "--model", "m", "--kv", path or f"{tmp}/kv.npy",
+        return kvbtest.cli(kvblend, ep, "put", "--model", "m", "--kv", path or f"{tmp}/kv.npy",
                            "--hash", h, timeout_ms=5000, env={**keys, **(env or {})}, hang_s=60)
 
     def stored(ep, h):
         out = f"{tmp}/stored.npy"
         if os.path.exists(out):
             os.remove(out)
-        r = kvbtest.cli(KVBLEND, ep, "get", "--model", "m", "--hash", h, "--out", out,
+        r = kvbtest.cli(kvblend, ep, "get", "--model", "m", "--hash", h, "--out", out,
                         timeout_ms=5000, env=keys, hang_s=60)
         return r.returncode == 0 and np.array_equal(np.load(out), kv)
 
@@ -151,7 +150,7 @@ def test_bulk_tcp(kvblendd, kvblend):
         import json
         return json.loads(r.stdout).get(name, 0) if r.returncode == 0 else None
 
-    d = kvbtest.Daemon(KVBLENDD, KVBLEND, tmp, "--tcp-bulk-port", str(bulk_port), *curve_flags,
+    d = kvbtest.Daemon(kvblendd, kvblend, tmp, "--tcp-bulk-port", str(bulk_port), *curve_flags,
                        listen=f"ipc://{tmp}/kvblend.sock,tcp://127.0.0.1:{port}", timeout_ms=3000,
                        hang_s=60)
     d.start()
@@ -260,7 +259,7 @@ except kvblend.KvblendError as e:
 c.close()
 """
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                           env=kvbtest.python_env(KVBLEND), timeout=120)
+                           env=kvbtest.python_env(kvblend), timeout=120)
         took = float(r.stdout.split()[0]) if r.stdout[:1].isdigit() else 99
         check("a 64 MiB PUT of an unknown model on the bulk connection: refused naming it, at "
               "once", "unknown model" in r.stdout and took < 10, r.stdout + r.stderr)
@@ -336,7 +335,7 @@ c.close()
         # One client across a daemon restart (Python binding over libkvblend, in a Python of
         # its own: with libasan preloaded when libkvblend is built with ASan): its bulk
         # connection dies with the daemon; the next GET still answers, and a new one opens.
-        env = kvbtest.python_env(KVBLEND)
+        env = kvbtest.python_env(kvblend)
         child = subprocess.Popen([sys.executable, "-c", f"""
 import sys
 import numpy as np
@@ -381,7 +380,7 @@ c.close()
         check("daemon exits 0", d.stop() == 0)
 
     # A daemon that allows AES-256-GCM only: a client offering AEGIS still gets AES-256-GCM.
-    d3 = kvbtest.Daemon(KVBLENDD, KVBLEND, tmp, "--tcp-bulk-aegis=false", "--tcp-bulk-port",
+    d3 = kvbtest.Daemon(kvblendd, kvblend, tmp, "--tcp-bulk-aegis=false", "--tcp-bulk-port",
                         str(bulk_port), *curve_flags, name="gcm", data=d.data,
                         listen=f"ipc://{tmp}/gcm.sock,tcp://127.0.0.1:{port}", timeout_ms=3000,
                         hang_s=60)
@@ -397,7 +396,7 @@ c.close()
 
     # A chunk of exactly max_message, with a client share of the same size: admitted over the
     # bulk connection as in frames (its records are held as part of the request, not beside it).
-    d4 = kvbtest.Daemon(KVBLENDD, KVBLEND, tmp, "--tcp-bulk-port", str(bulk_port), *curve_flags,
+    d4 = kvbtest.Daemon(kvblendd, kvblend, tmp, "--tcp-bulk-port", str(bulk_port), *curve_flags,
                         "--max-message", str(kv.nbytes), "--client-inflight-bytes", str(kv.nbytes),
                         name="edge", listen=f"ipc://{tmp}/edge.sock,tcp://127.0.0.1:{port}",
                         timeout_ms=3000, hang_s=60)
@@ -413,7 +412,7 @@ c.close()
         check("max_message daemon exits 0", d4.stop() == 0)
 
     # A daemon without bulk connections answers HELLO as an older one does: CURVE frames.
-    d2 = kvbtest.Daemon(KVBLENDD, KVBLEND, tmp, "--tcp-bulk=false", *curve_flags, name="old",
+    d2 = kvbtest.Daemon(kvblendd, kvblend, tmp, "--tcp-bulk=false", *curve_flags, name="old",
                         data=d.data, listen=f"ipc://{tmp}/old.sock,tcp://127.0.0.1:{port}",
                         timeout_ms=3000, hang_s=60)
     d2.start()

@@ -25,7 +25,6 @@ import kvbtest
 
 
 def test_cluster(kvblendd, kvblend):
-    KVBLENDD, KVBLEND = kvblendd, kvblend
     TMP = tempfile.mkdtemp(prefix="kvb-cluster-")
     check = kvbtest.Checks()
     L, H, D = cc.L, cc.H, cc.D
@@ -39,10 +38,10 @@ def test_cluster(kvblendd, kvblend):
         return f"ipc://{TMP}/{n}.sock"
 
     def cli(n, *args, ok=True):
-        return kvbtest.cli(KVBLEND, ep(n), *args, timeout_ms=20000, ok=ok, label=f"kvblend@{n}")
+        return kvbtest.cli(kvblend, ep(n), *args, timeout_ms=20000, ok=ok, label=f"kvblend@{n}")
 
     def start(n, peers=PEERS, wait=True, extra=()):
-        d = kvbtest.Daemon(KVBLENDD, KVBLEND, TMP, "--map-size", "1G", "--node-id", n,
+        d = kvbtest.Daemon(kvblendd, kvblend, TMP, "--map-size", "1G", "--node-id", n,
                            "--cluster-peers", peers, "--cluster-replicas", "2",
                            "--cluster-timeout-ms", TIMEOUT_MS, "--log-level", "debug", *extra,
                            name=n,
@@ -64,7 +63,7 @@ def test_cluster(kvblendd, kvblend):
 
     try:
         # A bad member list is refused with a message that names it.
-        r = subprocess.run([KVBLENDD, "--data-dir", f"{TMP}/x", "--listen", f"ipc://{TMP}/x.sock",
+        r = subprocess.run([kvblendd, "--data-dir", f"{TMP}/x", "--listen", f"ipc://{TMP}/x.sock",
                             "--node-id", "x", "--cluster-peers", "y=udp://nowhere"],
                            capture_output=True, text=True, timeout=20)
         check("a bad cluster_peers entry is refused at start",

@@ -27,7 +27,6 @@ from tcpproxy import Proxy
 
 
 def test_cluster_bulk(kvblendd, kvblend):
-    KVBLENDD, KVBLEND = kvblendd, kvblend
     TMP = tempfile.mkdtemp(prefix="kvb-cbulk-")
     check = kvbtest.Checks()
     PORTS = {n: kvbtest.free_port() for n in "ab"}
@@ -36,7 +35,7 @@ def test_cluster_bulk(kvblendd, kvblend):
     ARMED = {"up": False, "down": False}
 
     def keygen():
-        out = subprocess.run([KVBLEND, "keygen"], capture_output=True, text=True, check=True).stdout
+        out = subprocess.run([kvblend, "keygen"], capture_output=True, text=True, check=True).stdout
         d = dict(line.split(" ", 1) for line in out.splitlines())
         return d["public"], d["secret"]
 
@@ -63,7 +62,7 @@ def test_cluster_bulk(kvblendd, kvblend):
         return f"ipc://{TMP}/{n}.sock"
 
     def cli(n, *args, ok=True):
-        return kvbtest.cli(KVBLEND, ep(n), *args, timeout_ms=20000, ok=ok, label=f"kvblend@{n}")
+        return kvbtest.cli(kvblend, ep(n), *args, timeout_ms=20000, ok=ok, label=f"kvblend@{n}")
 
     def stats(n):
         return json.loads(cli(n, "stats", "--json").stdout)
@@ -72,7 +71,7 @@ def test_cluster_bulk(kvblendd, kvblend):
         peers = (f"b=tcp://127.0.0.2:{PORTS['b']}={KEYS['b'][0]}" if n == "a"
                  else f"a=tcp://127.0.0.1:{PORTS['a']}={KEYS['a'][0]}")
         extra = ["--tcp-bulk-port", BULK_B] if n == "b" else []
-        d = kvbtest.Daemon(KVBLENDD, KVBLEND, TMP, "--map-size", "1G", "--node-id", n,
+        d = kvbtest.Daemon(kvblendd, kvblend, TMP, "--map-size", "1G", "--node-id", n,
                            "--cluster-peers", peers, "--cluster-replicas", 2,
                            "--cluster-timeout-ms", 2000, "--cluster-hedge-ms", 0,
                            "--curve-secret-key-file",

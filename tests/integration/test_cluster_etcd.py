@@ -34,7 +34,6 @@ import kvbtest
 
 
 def test_cluster_etcd(kvblendd, kvblend, place_tool):
-    KVBLENDD, KVBLEND, PLACE_TOOL = kvblendd, kvblend, place_tool
     TMP = tempfile.mkdtemp(prefix="kvb-etcd-")
     check = kvbtest.Checks()
     L, H, D = cc.L, cc.H, cc.D
@@ -43,7 +42,7 @@ def test_cluster_etcd(kvblendd, kvblend, place_tool):
     R = 2
 
     def keygen():
-        out = subprocess.run([KVBLEND, "keygen"], capture_output=True, text=True, check=True).stdout
+        out = subprocess.run([kvblend, "keygen"], capture_output=True, text=True, check=True).stdout
         d = dict(line.split(" ", 1) for line in out.splitlines())
         return d["public"], d["secret"]
 
@@ -65,7 +64,7 @@ def test_cluster_etcd(kvblendd, kvblend, place_tool):
         return f"ipc://{TMP}/{n}.sock"
 
     def cli(n, *args, ok=True, endpoint=None, env=None):
-        return kvbtest.cli(KVBLEND, endpoint or ep(n), *args, timeout_ms=20000, ok=ok,
+        return kvbtest.cli(kvblend, endpoint or ep(n), *args, timeout_ms=20000, ok=ok,
                            env=env or {}, label=f"kvblend@{n}")
 
     def start(n, wait=True):
@@ -75,7 +74,7 @@ def test_cluster_etcd(kvblendd, kvblend, place_tool):
                 "--curve-authorized-keys", f"{TMP}/authorized", "--log-level", "debug"]
         if n == "a":
             args += ["--metrics-port", METRICS_PORT]
-        d = kvbtest.Daemon(KVBLENDD, KVBLEND, TMP, *args, name=n,
+        d = kvbtest.Daemon(kvblendd, kvblend, TMP, *args, name=n,
                            listen=f"{ep(n)},tcp://127.0.0.1:{NODES[n]}", env={})
         procs[n] = d
         d.start(wait)
@@ -98,7 +97,7 @@ def test_cluster_etcd(kvblendd, kvblend, place_tool):
     def alive_set(n):
         return {m for m, v in view(n).items() if v >= 0} | {n}
 
-    place = cc.Placement(cli, PLACE_TOOL, R)
+    place = cc.Placement(cli, place_tool, R)
     held, missing_at_owners = place.held, place.missing
 
     def settled(nodes):
@@ -106,12 +105,12 @@ def test_cluster_etcd(kvblendd, kvblend, place_tool):
 
     try:
         check("etcd starts", ETCD.start(), ETCD.log_text()[-2000:])
-        r = subprocess.run([KVBLENDD, "--data-dir", f"{TMP}/x", "--listen", f"ipc://{TMP}/x.sock",
+        r = subprocess.run([kvblendd, "--data-dir", f"{TMP}/x", "--listen", f"ipc://{TMP}/x.sock",
                             "--node-id", "x", "--cluster-etcd", "ftp://nowhere"],
                            capture_output=True, text=True, timeout=20)
         check("a bad cluster_etcd is refused at start, named",
               r.returncode != 0 and "cluster_etcd" in r.stderr and "http://" in r.stderr, r.stderr)
-        r = subprocess.run([KVBLENDD, "--data-dir", f"{TMP}/x", "--listen", f"ipc://{TMP}/x.sock",
+        r = subprocess.run([kvblendd, "--data-dir", f"{TMP}/x", "--listen", f"ipc://{TMP}/x.sock",
                             "--node-id", "x", "--cluster-etcd", ETCD_URL],
                            capture_output=True, text=True, timeout=20)
         check("cluster_etcd without a TCP endpoint is refused at start",
@@ -232,7 +231,7 @@ def test_cluster_etcd(kvblendd, kvblend, place_tool):
         # client with an unlisted key are refused by A, and A counts them.
         before = stats("a")["curve_keys_refused"]
         rogue_port = kvbtest.free_port()
-        rogue = kvbtest.Daemon(KVBLENDD, KVBLEND, TMP, "--map-size", "256M", "--node-id", "rogue",
+        rogue = kvbtest.Daemon(kvblendd, kvblend, TMP, "--map-size", "256M", "--node-id", "rogue",
                                "--cluster-peers", f"a=tcp://127.0.0.1:{NODES['a']}={KEYS['a'][0]}",
                                "--cluster-timeout-ms", TIMEOUT_MS, "--curve-secret-key-file",
                                f"{TMP}/rogue.key", "--log-level", "debug", name="rogue",

@@ -35,9 +35,8 @@ import kvbtest
 
 
 def test_cluster_etcd_tls(kvblendd, kvblend):
-    KVBLENDD, KVBLEND = kvblendd, kvblend
     TMP = tempfile.mkdtemp(prefix="kvb-tls-")
-    cli = cc.MemberCli(KVBLEND, TMP)
+    cli = cc.MemberCli(kvblend, TMP)
     stats = cli.stats
     check = kvbtest.Checks()
     NAME = "tls"
@@ -120,14 +119,14 @@ def test_cluster_etcd_tls(kvblendd, kvblend):
 
     def refused(n, **over):
         """Start a daemon that must not start: (exit status, stderr)."""
-        r = subprocess.run([KVBLENDD, "--data-dir", f"{TMP}/x", "--listen",
+        r = subprocess.run([kvblendd, "--data-dir", f"{TMP}/x", "--listen",
                             f"ipc://{TMP}/x.sock,tcp://127.0.0.1:{kvbtest.free_port()}",
                             *flags(n, **over)], capture_output=True, text=True, timeout=30,
                            check=False)
         return r.returncode, r.stderr
 
     def start(n):
-        d = kvbtest.Daemon(KVBLENDD, KVBLEND, TMP, *flags(n), "--map-size", "1G", name=n,
+        d = kvbtest.Daemon(kvblendd, kvblend, TMP, *flags(n), "--map-size", "1G", name=n,
                            listen=f"ipc://{TMP}/{n}.sock,tcp://127.0.0.1:{PORTS[n]}")
         daemons[n] = d
         return d.start()

@@ -36,9 +36,8 @@ import kvbtest
 
 
 def test_cluster_ops(kvblendd, kvblend, place_tool, part):
-    KVBLENDD, KVBLEND, PLACE_TOOL, PART = kvblendd, kvblend, place_tool, part
-    TMP = tempfile.mkdtemp(prefix=f"kvb-ops-{PART}-")
-    cli = cc.MemberCli(KVBLEND, TMP)
+    TMP = tempfile.mkdtemp(prefix=f"kvb-ops-{part}-")
+    cli = cc.MemberCli(kvblend, TMP)
     stats = cli.stats
     check = kvbtest.Checks()
     ETCD = kvbtest.Etcd(TMP)
@@ -50,7 +49,7 @@ def test_cluster_ops(kvblendd, kvblend, place_tool, part):
     wait_for = kvbtest.wait_for
 
     def start(n, *extra, ttl=TTL):
-        d = kvbtest.Daemon(KVBLENDD, KVBLEND, TMP, "--map-size", "256M", "--node-id", n,
+        d = kvbtest.Daemon(kvblendd, kvblend, TMP, "--map-size", "256M", "--node-id", n,
                            "--cluster-etcd", ETCD.url, "--cluster-lease-ttl", ttl,
                            "--cluster-replicas", R, *[str(x) for x in extra], name=n,
                            listen=f"ipc://{TMP}/{n}.sock,tcp://127.0.0.1:{PORTS[n]}", env={})
@@ -60,7 +59,7 @@ def test_cluster_ops(kvblendd, kvblend, place_tool, part):
     def alive(n):
         return {k[7:] for k, v in stats(n).items() if k.startswith("member:") and v == 1} | {n}
 
-    place = cc.Placement(cli, PLACE_TOOL, R)
+    place = cc.Placement(cli, place_tool, R)
     held, owners, short = place.held, place.owners, place.missing
 
     def settled(nodes):
@@ -285,7 +284,7 @@ def test_cluster_ops(kvblendd, kvblend, place_tool, part):
         # administrators may run it (here: a local user who is neither root nor the daemon's)
         check("the cluster check ran on the lane (lane_done), off the workers",
               stats("b")["lane_done"] >= 1, str(stats("b").get("lane_done")))
-        nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", KVBLEND,
+        nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", kvblend,
                   "--endpoint", f"ipc://{TMP}/b.sock", "--timeout", "20000"]
         st = subprocess.run(nobody + ["stats", "--json"], capture_output=True, text=True)
         ck = subprocess.run(nobody + ["cluster", "check", "--json"], capture_output=True,
@@ -309,7 +308,7 @@ def test_cluster_ops(kvblendd, kvblend, place_tool, part):
               mem["c"]["missing"] == 5 and mem["a"]["missing"] == mem["b"]["missing"] == 0,
               f"{rc} {out} {per}")
         # the same check from Python (Client.cluster_check(), over kvb_cluster_check)
-        r = kvbtest.python_client(KVBLEND, f"""
+        r = kvbtest.python_client(kvblend, f"""
 import json, kvblend
 c = kvblend.Client({f"ipc://{TMP}/a.sock"!r}, timeout_ms=20000)
 print(json.dumps(c.cluster_check()))
@@ -349,9 +348,9 @@ c.close()
     try:
         check("etcd starts", ETCD.start(), ETCD.log_text()[-2000:])
         {"join": part_join, "hedge": part_hedge, "grace": part_grace, "drain": part_drain,
-         "copies": part_copies, "check": part_check}[PART]()
+         "copies": part_copies, "check": part_check}[part]()
     except Exception as x:  # a failed CLI call: the check fails, the daemons still stop
-        check(f"{PART} runs to its end", False, repr(x))
+        check(f"{part} runs to its end", False, repr(x))
     finally:
         cc.stop_all(daemons, check, log_tail=3000, timeout=60)
         ETCD.stop()

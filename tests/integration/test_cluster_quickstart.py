@@ -30,9 +30,8 @@ import kvbtest
 
 
 def test_cluster_quickstart(kvblendd, kvblend):
-    KVBLENDD, KVBLEND = kvblendd, kvblend
     TMP = tempfile.mkdtemp(prefix="kvb-qs-")
-    cli = cc.MemberCli(KVBLEND, TMP)
+    cli = cc.MemberCli(kvblend, TMP)
     stats = cli.stats
     check = kvbtest.Checks()
     ETCD = kvbtest.Etcd(TMP)
@@ -43,7 +42,7 @@ def test_cluster_quickstart(kvblendd, kvblend):
 
     def daemon(n, *extra):
         # the quick start's command line: data dir, ipc and tcp listen, node id, etcd, capacity
-        d = kvbtest.Daemon(KVBLENDD, KVBLEND, TMP, "--node-id", n, "--cluster-etcd", ETCD.url,
+        d = kvbtest.Daemon(kvblendd, kvblend, TMP, "--node-id", n, "--cluster-etcd", ETCD.url,
                            "--capacity", "8G", *extra, name=n, data=f"{TMP}/kvb-{n}",
                            listen=f"ipc://{TMP}/{n}.sock,tcp://127.0.0.1:{PORTS[n]}")
         daemons[n] = d

@@ -37,7 +37,6 @@ from tcpproxy import Proxy
 
 
 def test_cluster_stall(kvblendd, kvblend, place_tool):
-    KVBLENDD, KVBLEND, PLACE_TOOL = kvblendd, kvblend, place_tool
     TMP = tempfile.mkdtemp(prefix="kvb-cstall-")
     check = kvbtest.Checks()
     PORTS = {}
@@ -50,7 +49,7 @@ def test_cluster_stall(kvblendd, kvblend, place_tool):
         return f"ipc://{TMP}/{n}.sock"
 
     def cli(n, *args, ok=True):
-        return kvbtest.cli(KVBLEND, ep(n), *args, timeout_ms=20000, ok=ok, env={},
+        return kvbtest.cli(kvblend, ep(n), *args, timeout_ms=20000, ok=ok, env={},
                            label=f"kvblend@{n}")
 
     def stats(n):
@@ -62,7 +61,7 @@ def test_cluster_stall(kvblendd, kvblend, place_tool):
     def start(n):
         peers = ",".join(peer(m, n == "a" and m == "b") for m in "abc" if m != n)
         extra = ["--tcp-bulk-port", PORTS["bulk_b"]] if n == "b" else []
-        d = kvbtest.Daemon(KVBLENDD, KVBLEND, TMP, "--map-size", "256M", "--node-id", n,
+        d = kvbtest.Daemon(kvblendd, kvblend, TMP, "--map-size", "256M", "--node-id", n,
                            "--workers", 2, "--cluster-peers", peers, "--cluster-replicas", 3,
                            "--cluster-timeout-ms", SLOW_MS, "--cluster-hedge-ms", HEDGE_MS,
                            *extra, name=n, listen=f"{ep(n)},tcp://127.0.0.1:{PORTS[n]}", env={})
@@ -77,7 +76,7 @@ def test_cluster_stall(kvblendd, kvblend, place_tool):
         bytes)] and the HELLO's seconds (None without)."""
         for i, (_, kv) in enumerate(chunks):
             np.save(f"{TMP}/want{i}.npy", kv)
-        r = kvbtest.python_client(KVBLEND, f"""
+        r = kvbtest.python_client(kvblend, f"""
 import threading, time, numpy as np, kvblend
 hashes, ep, tmp = {[h for h, _ in chunks]!r}, {ep(n)!r}, {TMP!r}
 wants = [np.load(f"{{tmp}}/want{{i}}.npy") for i in range(len(hashes))]
@@ -118,7 +117,7 @@ print(hello, *[x for r in res for x in r])
 
     def b_first(chunks):
         """The chunks a asks b for before c: b ahead of c in placement order."""
-        r = subprocess.run([PLACE_TOOL, "3", "a", "b", "c"], check=True, capture_output=True,
+        r = subprocess.run([place_tool, "3", "a", "b", "c"], check=True, capture_output=True,
                            text=True, input="\n".join(h for h, _ in chunks) + "\n")
         order = {ln.split()[0]: [m for m in ln.split()[1:] if m != "a"]
                  for ln in r.stdout.splitlines()}

@@ -12,17 +12,16 @@ import kvbtest
 
 
 def test_curve(kvblendd, kvblend):
-    KVBLENDD, KVBLEND = kvblendd, kvblend
     tmp = tempfile.mkdtemp(prefix="kvb-curve-")
     check = kvbtest.Checks()
 
     def keygen():
-        out = subprocess.run([KVBLEND, "keygen"], capture_output=True, text=True, check=True).stdout
+        out = subprocess.run([kvblend, "keygen"], capture_output=True, text=True, check=True).stdout
         d = dict(line.split(" ", 1) for line in out.splitlines())
         return d["public"], d["secret"]
 
     def cli(ep, *args, env=None):
-        return kvbtest.cli(KVBLEND, ep, *args, timeout_ms=1500, env=env or {}, hang_s=60)
+        return kvbtest.cli(kvblend, ep, *args, timeout_ms=1500, env=env or {}, hang_s=60)
 
     srv_pub, srv_sec = keygen()
     cli_pub, cli_sec = keygen()
@@ -31,7 +30,7 @@ def test_curve(kvblendd, kvblend):
     open(f"{tmp}/clients", "w").write(f"# serving nodes\n{cli_pub}   node-1\n")
     port = kvbtest.free_port()
     tcp = f"tcp://127.0.0.1:{port}"
-    d = kvbtest.Daemon(KVBLENDD, KVBLEND, tmp, "--listen", tcp, "--curve-secret-key-file",
+    d = kvbtest.Daemon(kvblendd, kvblend, tmp, "--listen", tcp, "--curve-secret-key-file",
                        f"{tmp}/server.key", "--curve-authorized-keys", f"{tmp}/clients",
                        "--map-size", "256M", timeout_ms=1500, env={}, hang_s=60)
     ipc = d.ep
@@ -58,13 +57,13 @@ def test_curve(kvblendd, kvblend):
     finally:
         check("daemon exits 0", d.stop() == 0)
 
-    r = subprocess.run([KVBLENDD, "--data-dir", f"{tmp}/d2", "--listen",
+    r = subprocess.run([kvblendd, "--data-dir", f"{tmp}/d2", "--listen",
                         f"tcp://0.0.0.0:{kvbtest.free_port()}"], capture_output=True, text=True,
                        timeout=30)
     check("off-loopback TCP without CURVE refused at start",
           r.returncode != 0 and "unencrypted" in r.stderr, r.stderr)
     open(f"{tmp}/bad.key", "w").write("not a key\n")
-    r = subprocess.run([KVBLENDD, "--data-dir", f"{tmp}/d3", "--listen", ipc, "--listen", tcp,
+    r = subprocess.run([kvblendd, "--data-dir", f"{tmp}/d3", "--listen", ipc, "--listen", tcp,
                         "--curve-secret-key-file", f"{tmp}/bad.key"], capture_output=True,
                        text=True, timeout=30)
     check("bad key file named", r.returncode != 0 and "bad.key" in r.stderr and "Z85" in r.stderr,

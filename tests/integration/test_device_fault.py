@@ -32,7 +32,6 @@ import kvbtest
 
 
 def test_device_fault(kvblendd, kvblend):
-    KVBLENDD, KVBLEND = kvblendd, kvblend
     TMP = tempfile.mkdtemp(prefix="kvb-devfault-")
     check = kvbtest.Checks()
     d = None
@@ -49,7 +48,7 @@ def test_device_fault(kvblendd, kvblend):
         if sticky:
             env["KVBLEND_EMULATED_STICKY"] = "1"
         tag = f"{device}-{fail_after}" + ("-sticky" if sticky else "")
-        d = kvbtest.Daemon(KVBLENDD, KVBLEND, TMP, "--map-size", "256M", "--device", device,
+        d = kvbtest.Daemon(kvblendd, kvblend, TMP, "--map-size", "256M", "--device", device,
                            *flags, log=f"{TMP}/kvblendd-{tag}{len(flags)}.log", environ=env)
         if not d.start():
             raise RuntimeError("kvblendd did not start")

@@ -25,7 +25,6 @@ import kvbtest
 
 
 def test_diskfull(kvblendd, kvblend):
-    KVBLENDD, KVBLEND = kvblendd, kvblend
     FS_MIB = 40
     LAYERS, HEADS, DIM, TOKENS = 4, 2, 64, 1024  # 2 MiB of f16 K and V a chunk
     CHUNK_BYTES = LAYERS * 2 * TOKENS * HEADS * DIM * 2
@@ -52,7 +51,7 @@ def test_diskfull(kvblendd, kvblend):
 
     class Daemon(kvbtest.Daemon):
         def __init__(self, tmp, data, *flags):
-            super().__init__(KVBLENDD, KVBLEND, tmp, "--map-size", "1G", "--workers", "2", *flags,
+            super().__init__(kvblendd, kvblend, tmp, "--map-size", "1G", "--workers", "2", *flags,
                              data=data, timeout_ms=30000)
             if not self.start():
                 raise RuntimeError("daemon did not start")

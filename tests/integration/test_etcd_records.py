@@ -24,7 +24,6 @@ import kvbtest
 
 
 def test_etcd_records(kvblendd, kvblend):
-    KVBLENDD, KVBLEND = kvblendd, kvblend
     TMP = tempfile.mkdtemp(prefix="kvb-etcdrec-")
     ETCD = kvbtest.Etcd(TMP, "kvbrec")
     ETCD_URL = ETCD.url
@@ -44,7 +43,7 @@ def test_etcd_records(kvblendd, kvblend):
                                timeout=5).read()
 
     def keygen():
-        out = subprocess.run([KVBLEND, "keygen"], capture_output=True, text=True, check=True).stdout
+        out = subprocess.run([kvblend, "keygen"], capture_output=True, text=True, check=True).stdout
         return dict(line.split(" ", 1) for line in out.splitlines())
 
     KEYS = {n: keygen() for n in NODES}
@@ -52,7 +51,7 @@ def test_etcd_records(kvblendd, kvblend):
         with open(f"{TMP}/{n}.key", "w") as f:
             f.write(KEYS[n]["secret"] + "\n")
     daemons = {
-        n: kvbtest.Daemon(KVBLENDD, KVBLEND, TMP, "--map-size", "256M", "--node-id", n,
+        n: kvbtest.Daemon(kvblendd, kvblend, TMP, "--map-size", "256M", "--node-id", n,
                           "--cluster-etcd", ETCD_URL, "--cluster-name", "t",
                           "--cluster-lease-ttl", "3", "--cluster-timeout-ms", "500",
                           "--curve-secret-key-file", f"{TMP}/{n}.key", "--log-level", "debug",

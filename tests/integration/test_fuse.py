@@ -23,14 +23,13 @@ from kvref import (EPS, from_dtype, ref_dequantize, ref_inv_freq, ref_rotate, re
 
 
 def test_fuse(kvblendd, kvblend):
-    KVBLENDD, KVBLEND = kvblendd, kvblend
 
     TMP = tempfile.mkdtemp(prefix="kvb-fuse-")
     check = kvbtest.Checks()
     # KVBLEND_TEST_DEVICE (tests/gpu_run.sh): the daemon's --device, for the parity suite.
     DEVICE = ["--device",
               os.environ["KVBLEND_TEST_DEVICE"]] if os.environ.get("KVBLEND_TEST_DEVICE") else []
-    daemon = kvbtest.Daemon(KVBLENDD, KVBLEND, TMP, "--map-size", "1G", "--log-level", "debug",
+    daemon = kvbtest.Daemon(kvblendd, kvblend, TMP, "--map-size", "1G", "--log-level", "debug",
                             *DEVICE)
 
     def cli(*args, ok=True):

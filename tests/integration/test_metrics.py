@@ -19,7 +19,6 @@ import kvbtest
 
 
 def test_metrics(kvblendd, kvblend):
-    KVBLENDD, KVBLEND = kvblendd, kvblend
     tmp = tempfile.mkdtemp(prefix="kvb-metrics-")
     check = kvbtest.Checks()
 
@@ -36,7 +35,7 @@ def test_metrics(kvblendd, kvblend):
         return out
 
     port = kvbtest.free_port()
-    d = kvbtest.Daemon(KVBLENDD, KVBLEND, tmp, "--map-size", "1G", "--metrics-port", port,
+    d = kvbtest.Daemon(kvblendd, kvblend, tmp, "--map-size", "1G", "--metrics-port", port,
                        log=False)
     cli = d.cli
     d.start()
@@ -163,7 +162,7 @@ def test_metrics(kvblendd, kvblend):
                   "still running 30 s after SIGTERM" if rc is None else f"status {rc}")
     # off unless configured: nothing listens on a fresh port
     port2 = kvbtest.free_port()
-    d = kvbtest.Daemon(KVBLENDD, KVBLEND, tmp, log=False)
+    d = kvbtest.Daemon(kvblendd, kvblend, tmp, log=False)
     d.start()
     try:
         s = socket.socket()

@@ -15,7 +15,6 @@ import kvbtest
 
 
 def test_reload(kvblendd, kvblend):
-    KVBLENDD, KVBLEND = kvblendd, kvblend
     tmp = tempfile.mkdtemp(prefix="kvb-reload-")
     conf = f"{tmp}/kvblendd.conf"
     check = kvbtest.Checks()
@@ -48,7 +47,7 @@ def test_reload(kvblendd, kvblend):
 
     def start(*args):
         nonlocal d
-        d = kvbtest.Daemon(KVBLENDD, KVBLEND, tmp, "--map-size", "64M", first=args,
+        d = kvbtest.Daemon(kvblendd, kvblend, tmp, "--map-size", "64M", first=args,
                            timeout_ms=2000)
         d.start()
         return d
