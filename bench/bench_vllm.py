@@ -96,25 +96,20 @@ def chunks_for(tok, per_chunk, skip):
 
 
 def run(args, ep, out, log_path):
-    from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     import kvblend
+    from engine_setup import connector_llm
     from kvblend.vllm import store_documents
 
     t0 = time.monotonic()
-    llm = LLM(model=args.model, enforce_eager=True, dtype="float32", max_model_len=8192, seed=0,
-              enable_prefix_caching=False,
-              kv_transfer_config=KVTransferConfig(
-                  kv_connector="KvblendConnector", kv_connector_module_path="kvblend.vllm",
-                  kv_role="kv_both",
-                  kv_connector_extra_config={"endpoint": ep, "timeout_ms": 60000,
-                                             "model_name": MODEL_NAME,
-                                             "blend": {"check_layers": [1],
-                                                       "ratios": [args.ratio]},
-                                             # times every load asked for
-                                             "load_cost_check": False}))
+    llm = connector_llm(args.model, {"endpoint": ep, "timeout_ms": 60000,
+                                     "model_name": MODEL_NAME,
+                                     "blend": {"check_layers": [1], "ratios": [args.ratio]},
+                                     # times every load asked for
+                                     "load_cost_check": False},
+                        max_model_len=8192, enable_prefix_caching=False)
     out(f"engine started in {time.monotonic() - t0:.1f} s")
     tok = llm.get_tokenizer()
     q = tok.encode(QUESTION, add_special_tokens=False)

@@ -122,7 +122,7 @@ if grep -qE "No tests were found|\*\*\*Skipped|Not Run" "$out/parity.log"; then
 	echo "gpu.sh: the gpu suite skipped or ran nothing; see $out/parity.log"
 	status=1
 fi
-grep -E "Test +#.*(Passed|Failed)|passed, " "$out/parity.log" | tail -14
+grep -E "Test +#.*(Passed|Failed)|passed, | passed in " "$out/parity.log" | tail -14
 
 # ---- the summary: one line per finding of issue 23, from what this run wrote ----
 

@@ -1,10 +1,11 @@
 """What running kvblend inside vLLM needs besides a kvblendd (eval/harness.py starts
-that): the package installed as vLLM's processes see it.
+that): the package installed as vLLM's processes see it, and vLLM's engine with kvblend's
+connector.
 
 :func:`install_package` pip-installs client/python into a folder, so that vLLM's
 processes find kvblend's ``vllm.general_plugins`` entry point (the blend pass needs the
-model it hands over). Used by eval/run_vllm.py, bench/ and the engine tests
-(tests/engine/fixtures.py): tests import eval/, never the reverse.
+model it hands over). Used by eval/run_vllm.py, bench/ and the engine tests (through
+tests/harness/kvbtest.py): tests import eval/, never the reverse.
 """
 
 import os
@@ -52,3 +53,24 @@ def install_package(target):
     if "[vllm.general_plugins]" not in text or ENTRY_POINT not in text:
         raise RuntimeError(f"entry point missing:\n{text}")
     return text
+
+
+def connector_transfer(extra):
+    """vLLM's KVTransferConfig for kvblend's connector (KvblendConnector of kvblend.vllm,
+    storing and loading) with ``extra`` as its kv_connector_extra_config."""
+    from vllm.config import KVTransferConfig
+
+    return KVTransferConfig(kv_connector="KvblendConnector",
+                            kv_connector_module_path="kvblend.vllm", kv_role="kv_both",
+                            kv_connector_extra_config=extra)
+
+
+def connector_llm(model, extra, dtype="float32", **options):
+    """vLLM's offline engine (vllm.LLM) over the model folder ``model`` with kvblend's
+    connector configured by ``extra`` (:func:`connector_transfer`), eager, seed 0, in
+    ``dtype``, as kvblend's tests, evaluation and benchmarks run it; ``options`` are the
+    rest of LLM's arguments (max_model_len, enable_prefix_caching, ...)."""
+    from vllm import LLM
+
+    return LLM(model=model, enforce_eager=True, dtype=dtype, seed=0,
+               kv_transfer_config=connector_transfer(extra), **options)

@@ -7,10 +7,11 @@ other child in a process group (vLLM's server).
 * :func:`cluster`: several daemons on one static member list.
 * :class:`Etcd`: a real etcd (Debian's etcd-server) on free loopback ports, plain or TLS.
 * :class:`Group`: any child in a process group of its own, stopped as a group.
-* :func:`free_port`, :func:`wait_for`, :func:`wait_for_daemon`.
+* :func:`free_port` (never the same port twice, across the processes of a test run),
+  :func:`wait_for`, :func:`wait_for_daemon`.
 
-Used by the integration tests (tests/integration/kvbtest.py), the engine tests
-(tests/engine/fixtures.py), eval/ and bench/. Tests import eval/, never the reverse.
+Used by the Python tests (their harness, tests/harness/kvbtest.py, and the engine tests),
+eval/ and bench/. Tests import eval/, never the reverse.
 Only the standard library is imported here: the integration tests run on Debian's
 python3 without numpy, so a daemon is pinged through the Python client only where
 that imports (:meth:`Daemon.ready`; kvbtest pings with the CLI instead).
@@ -31,11 +32,59 @@ from pathlib import Path
 _ports_given = set()
 
 
+def _ports_registry():
+    """The file where free_port records the ports it hands out, shared by every process of
+    this user (ctest runs tests in parallel): $KVBLEND_PORTS_FILE, else a file under the
+    temporary folder. None where it cannot be opened (each process then keeps its own)."""
+    path = os.environ.get("KVBLEND_PORTS_FILE") or os.path.join(
+        tempfile.gettempdir(), f"kvblend-ports-{os.getuid()}")
+    try:
+        return open(path, "a+")
+    except OSError:
+        return None
+
+
+# How long a port free_port handed out stays out of its hands, in any process: longer than
+# any test or CI run keeps one.
+_PORT_HOLD_S = 4 * 3600
+
+
 def free_port():
-    """A TCP port on 127.0.0.1 that nothing listens on now, never one this process was
-    given before, and below the kernel's ephemeral range where that leaves room: a port
-    the kernel picks for bind(0) is an ephemeral one, which any outgoing connection may
-    take before the daemon binds it, and the kernel may hand the same one out twice."""
+    """A TCP port on 127.0.0.1 that nothing listens on now, never one handed out before in
+    this process or, within hours, in another (the ports go through a file of this user's,
+    locked; see _ports_registry), and below the kernel's ephemeral range where that leaves
+    room: a port the kernel picks for bind(0) is an ephemeral one, which any outgoing
+    connection may take before the daemon binds it, and the kernel may hand the same one
+    out twice."""
+    import fcntl
+
+    reg = _ports_registry()
+    try:
+        taken, now = {}, time.time()
+        if reg is not None:
+            fcntl.flock(reg, fcntl.LOCK_EX)
+            reg.seek(0)
+            for line in reg.read().split("\n"):
+                try:
+                    port, when = line.split()
+                    if now - float(when) < _PORT_HOLD_S:
+                        taken[int(port)] = float(when)
+                except ValueError:
+                    pass
+        port = _pick_port(taken)
+        if reg is not None:
+            taken[port] = now
+            reg.seek(0)
+            reg.truncate()
+            reg.write("".join(f"{p} {w:.0f}\n" for p, w in taken.items()))
+            reg.flush()
+        return port
+    finally:
+        if reg is not None:
+            reg.close()  # (and the lock with it)
+
+
+def _pick_port(taken):
     low = 32768
     try:
         low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
@@ -50,7 +99,7 @@ def free_port():
             except OSError:
                 continue
             port = s.getsockname()[1]
-        if port not in _ports_given:
+        if port not in _ports_given and port not in taken:
             _ports_given.add(port)
             return port
     raise RuntimeError("free_port: no free port found in 4000 tries")

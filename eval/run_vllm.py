@@ -420,10 +420,10 @@ def main():
 
 
 def run(args, endpoint, requests, tok, modes, kl_top1):
-    from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from engine_setup import connector_llm
     from kvblend.vllm import store_documents
 
     t0 = time.monotonic()
@@ -442,11 +442,8 @@ def run(args, endpoint, requests, tok, modes, kl_top1):
                          "logprobs no connector tokens (it would score plain vLLM); use "
                          "--score first")
     print(f"score: {args.score} (vLLM {vllm.__version__})", flush=True)
-    llm = LLM(model=args.model, enforce_eager=True, dtype="float32", max_model_len=4096,
-              max_num_batched_tokens=4096, seed=0, enable_prefix_caching=False,
-              kv_transfer_config=KVTransferConfig(
-                  kv_connector="KvblendConnector", kv_connector_module_path="kvblend.vllm",
-                  kv_role="kv_both", kv_connector_extra_config=extra))
+    llm = connector_llm(args.model, extra, max_model_len=4096, max_num_batched_tokens=4096,
+                        enable_prefix_caching=False)
     print(f"engine started in {time.monotonic() - t0:.1f}s; model class "
           f"{llm.collective_rpc(hook_compute_logits)[0]}", flush=True)
     vocab = llm.get_tokenizer()

@@ -109,16 +109,28 @@ def test_rerotation_on_real_keys(model, tok):
         assert np.abs(kv0[l, 1] - kv37[l, 1]).max() < 1e-2 * np.abs(kv37[l, 1]).max()
 
 
+# The tests' two chunks (the GPL's), each a sentence.
+COPYING = ("You may copy and distribute verbatim copies of the Program's source code as you "
+           "receive it, in any medium.")
+APPLIES = ("This License applies to any program or other work which contains a notice "
+           "placed by the copyright holder.")
+
+
+def two_chunk_request(model, tok, head, chunk_a, chunk_b, tail):
+    """A request of fresh text, two chunks stored by a prefill of their own each, fresh
+    text: its segments and its Request."""
+    segments = [("fresh", tok.encode(head)), ("chunk", tok.encode(chunk_a)),
+                ("chunk", tok.encode(chunk_b)), ("fresh", tok.encode(tail))]
+    stored = [model.prefill(s)[1] for kind, s in segments if kind == "chunk"]
+    return segments, Request(segments, stored, model.cfg)
+
+
 @numpy_only
 def test_tiny_request_end_to_end(model, tok):
-    segments = [("fresh", tok.encode("Read the texts.\n")),
-                ("chunk", tok.encode("You may copy and distribute verbatim copies of the "
-                                     "Program's source code as you receive it, in any medium.")),
-                ("chunk", tok.encode("This License applies to any program or other work which "
-                                     "contains a notice placed by the copyright holder.")),
-                ("fresh", tok.encode("\nQuestion: what may you copy? Answer: the source code"))]
-    stored = [model.prefill(s)[1] for kind, s in segments if kind == "chunk"]
-    req = Request(segments, stored, model.cfg)
+    segments, req = two_chunk_request(
+        model, tok, "Read the texts.\n",
+        COPYING, APPLIES,
+        "\nQuestion: what may you copy? Answer: the source code")
     n_fresh_tail = len(segments[-1][1])
     rows = np.arange(req.N - n_fresh_tail, req.N)
     full_logits, full_kv = model.prefill(req.ids)
@@ -147,14 +159,12 @@ def test_tiny_request_end_to_end(model, tok):
 @numpy_only
 def test_gradual_and_static_reference(model, tok):
     """Two check layers narrow the selection; EPIC recomputes the first tokens of each chunk."""
-    segments = [("fresh", tok.encode("Read.\n")),
-                ("chunk", tok.encode("Each contributor grants you a non-exclusive license to use "
-                                     "and modify the work.")),
-                ("chunk", tok.encode("The Program is provided as is, without warranty of any "
-                                     "kind, either expressed or implied.")),
-                ("fresh", tok.encode("\nWhat is granted?"))]
-    stored = [model.prefill(s)[1] for kind, s in segments if kind == "chunk"]
-    req = Request(segments, stored, model.cfg)
+    _, req = two_chunk_request(
+        model, tok, "Read.\n",
+        "Each contributor grants you a non-exclusive license to use and modify the work.",
+        "The Program is provided as is, without warranty of any kind, either expressed or "
+        "implied.",
+        "\nWhat is granted?")
     rows = np.array([req.N - 1])
     n_cached = int(req.cached.sum())
     _, _, sel = blend_forward(model, req, rows, (1, 3), (0.5, 0.2), metric="key")
@@ -187,11 +197,8 @@ def test_daemon_fuse_matches_reference(model, tok, daemon):
     chunks stored at base positions 0 and 5, one check layer (value metric) and two
     (gradual, key metric); full reuse on the daemon's get-rerotated."""
     segments = [("fresh", tok.encode("Read the texts.\n")),
-                ("chunk", tok.encode("You may copy and distribute verbatim copies of the "
-                                     "Program's source code as you receive it, in any medium.")),
-                ("fresh", tok.encode("\n")),
-                ("chunk", tok.encode("This License applies to any program or other work which "
-                                     "contains a notice placed by the copyright holder.")),
+                ("chunk", tok.encode(COPYING)), ("fresh", tok.encode("\n")),
+                ("chunk", tok.encode(APPLIES)),
                 ("fresh", tok.encode("\nQuestion: what may you copy? Answer: the source code"))]
     bases = [0, 5]
     with daemon.client() as c:
@@ -235,11 +242,8 @@ def test_daemon_question_aware_selection(model, tok, daemon):
     from cacheblend import attention_select, select_count
 
     segments = [("fresh", tok.encode("Read the texts.\n")),
-                ("chunk", tok.encode("You may copy and distribute verbatim copies of the "
-                                     "Program's source code as you receive it, in any medium.")),
-                ("fresh", tok.encode("\n")),
-                ("chunk", tok.encode("This License applies to any program or other work which "
-                                     "contains a notice placed by the copyright holder.")),
+                ("chunk", tok.encode(COPYING)), ("fresh", tok.encode("\n")),
+                ("chunk", tok.encode(APPLIES)),
                 ("fresh", tok.encode("\nQuestion: what may one pass on? Answer:"))]
     with daemon.client() as c:
         store = node.ChunkStore(c, model)

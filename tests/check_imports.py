@@ -14,6 +14,9 @@ usage: check_imports.py [SOURCE_ROOT]   (default: the checkout this file is in)
   ``kvblend.blend`` and ``kvblend.vllm.plan`` no torch or vLLM.
 - eval/ and bench/ import no test module (a module of a file under tests/) and put no
   ``"tests"`` folder on a path: tests may import eval/, never the reverse.
+- The tests (tests/, client/python/tests/) reach eval/ without editing sys.path: no
+  statement that changes sys.path names eval (tests/pytest.ini, client/python's
+  pyproject.toml and tests/engine/run.sh put it on the path).
 
 Prints one line per failed check and closes with "N passed, N failed"; exit 1 on a
 failure. ctest: test_python_imports (label unit).
@@ -244,8 +247,26 @@ def check_eval_bench():
         check(not paths, f"{rel} names the tests folder (line {paths}) to import from it")
 
 
+def check_tests_path():
+    for path in sorted(python_files("tests", os.path.join("client", "python", "tests"))):
+        text = path.read_text()
+        lines = text.splitlines()
+        tree = ast.parse(text, str(path)) if "sys.path" in text else ast.Module([], [])
+        bad = []
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.Expr, ast.Assign, ast.AugAssign)):
+                continue
+            seg = "\n".join(lines[node.lineno - 1:node.end_lineno])
+            if re.search(r"\bsys\.path\b", seg) and re.search(r"eval", seg, re.I) and (
+                    isinstance(node, (ast.Assign, ast.AugAssign)) or
+                    re.search(r"sys\.path\.(insert|append|extend)\(", seg)):
+                bad.append(node.lineno)
+        check(not bad, f"{path.relative_to(ROOT)} edits sys.path to reach eval/ (line {bad})")
+
+
 check_package()
 check_flat_imports()
 check_eval_bench()
+check_tests_path()
 print(f"{passed} passed, {failed} failed")
 sys.exit(1 if failed else 0)

@@ -3,41 +3,47 @@
 re-rotation for every style, scaling and dtype (positions up to 131072), composition,
 bit-identical SIMD builds, deviation, HKVD selection and merge.
 
-usage: test_blend.py BLEND_TOOL [--backend cuda]
+usage: python3 -m pytest tests/blend/test_blend.py --blend-tool BLEND_TOOL [--backend cuda]
 With --backend cuda every case runs on the CUDA backend (the parity suite): against
 the same reference, and bit-identical to the CPU builds in test_isa_identical. Exits
-77 (skipped) with the reason when there is no usable CUDA device.
+77 (skipped) with the reason when there is no usable CUDA device (pytest.exit).
 The reference is written from the papers' and Hugging Face transformers' formulas,
 independently of the C code, in float64.
 """
-import atexit
 import math
 import os
+import shutil
 import subprocess
-import sys
 import tempfile
 
 import numpy as np
+import pytest
 
-# The reference (eval/kvref.py) is shared with eval/outliers.py: tests import eval/.
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "eval"))
-from kvref import (EPS, from_dtype, pair_index, ref_inv_freq, ref_rotate, ref_select,  # noqa: E402
-                   to_dtype)
+import kvbtest
+# The reference (eval/kvref.py, on the path by tests/pytest.ini) is shared with
+# eval/outliers.py: tests import eval/.
+from kvref import EPS, from_dtype, pair_index, ref_inv_freq, ref_rotate, ref_select, to_dtype
 
-TOOL = sys.argv[1]
-BACKEND = sys.argv[3] if len(sys.argv) > 3 and sys.argv[2] == "--backend" else None
 COMPUTE = {"rotate", "deviation", "select", "merge"}
-TMP = tempfile.mkdtemp(prefix="kvb-blend-")
-passed = failed = skipped = 0
+TOOL = BACKEND = TMP = None  # blend_tool, --backend and the scratch folder (_tool)
 
 
-def check(name, cond, detail=""):
-    global passed, failed
-    if cond:
-        passed += 1
-    else:
-        failed += 1
-        print(f"not ok - {name} {detail}")
+@pytest.fixture(scope="module", autouse=True)
+def _tool(blend_tool, pytestconfig):
+    """The module's blend_tool and backend, a scratch folder, and at the end the batch
+    process stopped and the folder removed."""
+    global TOOL, BACKEND, TMP
+    TOOL, BACKEND = blend_tool, pytestconfig.getoption("backend")
+    TMP = tempfile.mkdtemp(prefix="kvb-blend-")
+    yield
+    _stop_batch()
+    shutil.rmtree(TMP, ignore_errors=True)
+
+
+@pytest.fixture
+def check():
+    """A test's checks (kvbtest.Checks): the test ends with check.done()."""
+    return kvbtest.Checks()
 
 
 class _Result:
@@ -78,12 +84,11 @@ def _call(args):
 
 
 def _stop_batch():
+    global _batch
     if _batch is not None:
         _batch.stdin.close()
         _batch.wait(timeout=30)
-
-
-atexit.register(_stop_batch)
+        _batch = None
 
 
 def run(*args):
@@ -92,10 +97,10 @@ def run(*args):
         args += ["--isa", BACKEND]
     r = _call(args)
     if r.returncode == 77:
-        if BACKEND and args[-1] == BACKEND:
-            print(r.stdout.strip())
-            subprocess.run(["rm", "-rf", TMP])
-            sys.exit(77)
+        if BACKEND and args[-1] == BACKEND:  # the whole run is skipped: 77 (ctest's skip)
+            _stop_batch()
+            shutil.rmtree(TMP, ignore_errors=True)
+            pytest.exit(r.stdout.strip(), returncode=77)
         return None
     if r.returncode != 0:
         raise RuntimeError(f"blend_tool {' '.join(map(str, args))}: {r.stderr}")
@@ -112,7 +117,7 @@ SCALINGS = ["none", "linear:4", "llama3:8,1,4,8192", "yarn:4,4096", "yarn:16,204
             "dynamic:4,2048"]
 
 
-def test_inv_freq():
+def test_inv_freq(check):
     for spec in SCALINGS:
         for dim, theta in [(128, 10000.0), (64, 500000.0), (96, 1e6)]:
             for seq in [100, 2048, 70000]:
@@ -123,6 +128,7 @@ def test_inv_freq():
                 ok = np.allclose(got[:-1], inv, rtol=1e-12, atol=0) and abs(got[-1] - af) < 1e-12
                 check(f"inv_freq {spec} dim={dim} seq={seq}", ok,
                       f"max rel err {np.max(np.abs(got[:-1] / inv - 1)):.3g}")
+    check.done()
 
 
 def rotate_case(rng, style, spec, dt, R, D, H, T, old_pos, new_pos, pre_rope, isa=None,
@@ -167,7 +173,7 @@ def pair_norm(v, R, style):
     return n
 
 
-def test_rotate():
+def test_rotate(check):
     rng = np.random.default_rng(1)
     for style in ["neox", "gptj"]:
         for spec in SCALINGS:
@@ -188,9 +194,10 @@ def test_rotate():
                             (" pre-rope" if pre else "")
                         check(name, np.all(err <= tol),
                               f"worst err/tol {np.max(err / tol):.3g}")
+    check.done()
 
 
-def test_rotate_matches_direct():
+def test_rotate_matches_direct(check):
     """Re-rotating stored keys equals rotating the original keys at the new positions,
     up to the quantisation of the stored keys (one more rounding)."""
     rng = np.random.default_rng(2)
@@ -205,9 +212,10 @@ def test_rotate_matches_direct():
                 tol = 3 * EPS[dt] * pair_norm(direct, 64, style) + 1e-6
                 check(f"direct {style} {spec} {dt}", np.all(np.abs(out - direct) <= tol),
                       f"worst {np.max(np.abs(out - direct) / tol):.3g}")
+    check.done()
 
 
-def test_composition():
+def test_composition(check):
     """p -> q -> p returns the stored keys within two roundings."""
     rng = np.random.default_rng(3)
     for style in ["neox", "gptj"]:
@@ -225,10 +233,10 @@ def test_composition():
                 tol = 2 * EPS[dt] * pair_norm(a, 64, style) + 1e-30
                 check(f"compose {style} {spec} {dt}", np.all(np.abs(a - b) <= tol),
                       f"worst {np.max(np.abs(a - b) / tol):.3g}")
+    check.done()
 
 
-def test_isa_identical():
-    global skipped
+def test_isa_identical(check):
     rng = np.random.default_rng(4)
     for style in ["neox", "gptj"]:
         for dt in ["f16", "bf16", "f32"]:
@@ -237,7 +245,6 @@ def test_isa_identical():
                 r = rotate_case(np.random.default_rng(5), style, "yarn:4,4096", dt, 64, 128, 4,
                                 33, 3, 4000, False, isa=isa)
                 if r is None:
-                    skipped += 1
                     print(f"skip - {isa}: not on this machine")
                     continue
                 outs[isa] = np.load(path("o.npy")).tobytes()
@@ -257,9 +264,10 @@ def test_isa_identical():
                     devs[isa] = np.load(path("d.npy")).tobytes()
             vals = list(devs.values())
             check(f"isa bit-identical deviation {dt}", all(v == vals[0] for v in vals))
+    check.done()
 
 
-def test_deviation():
+def test_deviation(check):
     rng = np.random.default_rng(6)
     for dt in ["f16", "bf16", "f32"]:
         fresh = to_dtype(rng.standard_normal((40, 8, 128)), dt)
@@ -275,9 +283,10 @@ def test_deviation():
         # fp32 accumulation of 1024 terms: relative error well under 1e-5
         check(f"deviation {dt}", np.allclose(got, ref, rtol=1e-5, atol=0),
               f"max rel {np.max(np.abs(got / ref - 1)):.3g}")
+    check.done()
 
 
-def test_select():
+def test_select(check):
     rng = np.random.default_rng(7)
     for trial in range(40):
         n = int(rng.integers(1, 3000))
@@ -306,9 +315,10 @@ def test_select():
         "--n-cached", 10, "--always", path("a.npy"), "--out", path("s.npy"))
     check("select ties to lower index", np.array_equal(np.load(path("s.npy")), [1, 2, 6]),
           str(np.load(path("s.npy"))))
+    check.done()
 
 
-def test_merge():
+def test_merge(check):
     rng = np.random.default_rng(8)
     for dt in ["f16", "bf16", "f32"]:
         for nsel in [0, 1, 17, 100]:
@@ -323,11 +333,4 @@ def test_merge():
             ref = stored.copy()
             ref[sel] = fresh
             check(f"merge {dt} {nsel}", np.load(path("o.npy")).tobytes() == ref.tobytes())
-
-
-for t in [test_inv_freq, test_rotate, test_rotate_matches_direct, test_composition,
-          test_isa_identical, test_deviation, test_select, test_merge]:
-    t()
-subprocess.run(["rm", "-rf", TMP])
-print(f"{passed} passed, {failed} failed, {skipped} skipped")
-sys.exit(1 if failed else 0)
+    check.done()

@@ -27,31 +27,27 @@ grouped queries) and prompts of a few hundred tokens:
     PREVIEW_MAX_QUESTION tokens (A equal to the reference on those alone), no score
     matrix or softmax larger than SCORE_ELEMENTS allocated on the way (torch.bmm and
     torch.softmax, through which every score passes, watched).
-Exit 0 when all pass, 1 on a failure, 77 when KVBLEND_SKIP_ENGINE=1.
+Run by pytest (tests/engine/run.sh --pytest, as ctest does); skipped when KVBLEND_SKIP_ENGINE=1.
 """
 
 import os
-import sys
+
+import pytest
 
 if os.environ.get("KVBLEND_SKIP_ENGINE") == "1":
-    print("test_blend_attention: skipped (KVBLEND_SKIP_ENGINE=1)")
-    sys.exit(77)
+    pytest.skip("KVBLEND_SKIP_ENGINE=1", allow_module_level=True)
 
 import numpy as np
 import torch
 
 from kvblend.blend.attention import causal_attention, runs
 from kvblend.vllm.attention import VarlenAttention, paged_attention_for, varlen_attention_for
+from kvbtest import fail
 
 # float32 attention against a float64 reference, rows of up to ~700 keys with unit-scale
 # random inputs: measured errors are below 1e-6 (float32 accumulation order); 1e-5 leaves
 # room for other kernels and thread counts, far below what a wrong mask gives (O(0.1)).
 TOL = 1e-5
-
-
-def fail(msg):
-    print(f"FAIL: {msg}")
-    sys.exit(1)
 
 
 def reference(q, k, v, rows, scaling):
@@ -93,19 +89,16 @@ def check_varlen(rng):
     for heads, kv_heads, d in ((9, 3, 64), (4, 4, 32)):
         att = VarlenAttention(fa_reference, heads, kv_heads, d, torch.float32, "cpu")
         scaling = d**-0.5
-        for n in (300, 700, 129):  # the scratch cache grows, then is reused smaller
-            k, v = torch.randn(n, kv_heads, d), torch.randn(n, kv_heads, d)
-            for name, rows in selections(n, rng).items():
-                q = torch.randn(rows.size, heads, d)
-                rows_t = torch.as_tensor(rows)
-                for layer in range(2):  # the same rows twice: the metadata kept
-                    kl, vl = k + layer, v - layer
-                    want = reference(q, kl, vl, rows, scaling)
-                    got = att(q, kl, vl, rows_t, scaling)
-                    err = (got.double() - want).abs().max().item() if rows.size else 0.0
-                    if got.shape != want.shape or not err <= TOL:
-                        fail(f"varlen, heads {heads}/{kv_heads}, n={n}, {name}: "
-                             f"shape {tuple(got.shape)}, err {err}")
+        for n, k, v, name, rows, q in cases(rng, heads, kv_heads, d):
+            rows_t = torch.as_tensor(rows)
+            for layer in range(2):  # the same rows twice: the metadata kept
+                kl, vl = k + layer, v - layer
+                want = reference(q, kl, vl, rows, scaling)
+                got = att(q, kl, vl, rows_t, scaling)
+                err = (got.double() - want).abs().max().item() if rows.size else 0.0
+                if got.shape != want.shape or not err <= TOL:
+                    fail(f"varlen, heads {heads}/{kv_heads}, n={n}, {name}: "
+                         f"shape {tuple(got.shape)}, err {err}")
         # several prompts in one call, each over its own keys
         ns = (150, 333, 17)
         ks = [torch.randn(m, kv_heads, d) for m in ns]
@@ -134,6 +127,16 @@ def check_runs():
         if got[0].tolist() != qsl or got[1].tolist() != seq:
             fail(f"runs({rows}) = {got}, want {qsl}, {seq}")
     print("ok: runs")
+
+
+def cases(rng, heads, kv_heads, d):
+    """What each attention is checked on: for n keys in (300, 700, 129) (the scratch cache
+    grows, then is reused smaller), random K and V, then for each of selections' query rows
+    random queries: (n, k, v, name, rows, q)."""
+    for n in (300, 700, 129):
+        k, v = torch.randn(n, kv_heads, d), torch.randn(n, kv_heads, d)
+        for name, rows in selections(n, rng).items():
+            yield n, k, v, name, rows, torch.randn(rows.size, heads, d)
 
 
 def selections(n, rng):
@@ -308,7 +311,7 @@ def check_preview():
             preview.SCORE_ELEMENTS = saved
 
 
-def main():
+def test_blend_attention():
     check_runs()
     check_preview()
     torch.manual_seed(0)
@@ -318,27 +321,19 @@ def main():
         if paged is None:
             fail("vLLM's CPU attention ops are not available in the engine venv")
         scaling = d**-0.5
-        for n in (300, 700, 129):  # the scratch cache grows, then is reused smaller
-            k, v = torch.randn(n, kv_heads, d), torch.randn(n, kv_heads, d)
-            for name, rows in selections(n, rng).items():
-                q = torch.randn(rows.size, heads, d)
-                rows_t = torch.as_tensor(rows)
-                ref = reference(q, k, v, rows, scaling)
-                for impl, f in (("causal_attention", causal_attention), ("paged", paged)):
-                    for layer in range(2):  # the same rows twice: cached request metadata
-                        kl, vl = k + layer, v - layer
-                        want = ref if layer == 0 else reference(q, kl, vl, rows, scaling)
-                        got = f(q, kl, vl, rows_t, scaling)
-                        if got.shape != want.shape:
-                            fail(f"{impl} {name} n={n}: shape {tuple(got.shape)}")
-                        err = (got.double() - want).abs().max().item() if rows.size else 0.0
-                        if not err <= TOL:
-                            fail(f"{impl}, heads {heads}/{kv_heads}, n={n}, {name}: err {err}")
+        for n, k, v, name, rows, q in cases(rng, heads, kv_heads, d):
+            rows_t = torch.as_tensor(rows)
+            ref = reference(q, k, v, rows, scaling)
+            for impl, f in (("causal_attention", causal_attention), ("paged", paged)):
+                for layer in range(2):  # the same rows twice: cached request metadata
+                    kl, vl = k + layer, v - layer
+                    want = ref if layer == 0 else reference(q, kl, vl, rows, scaling)
+                    got = f(q, kl, vl, rows_t, scaling)
+                    if got.shape != want.shape:
+                        fail(f"{impl} {name} n={n}: shape {tuple(got.shape)}")
+                    err = (got.double() - want).abs().max().item() if rows.size else 0.0
+                    if not err <= TOL:
+                        fail(f"{impl}, heads {heads}/{kv_heads}, n={n}, {name}: err {err}")
         print(f"ok: heads {heads}/{kv_heads}, head size {d}: both equal the reference")
     check_varlen(rng)
     print("test_blend_attention: all passed")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -34,7 +34,7 @@ serves every request:
     output equals plain vLLM's (kvblend.vllm.cost).
 The engine runs with a small cache (8 blocks of 128 tokens) and 256 tokens a step, so that
 (i) and (j) happen.
-Exit 0 when all pass, 1 on a failure, 77 when KVBLEND_SKIP_ENGINE=1.
+Run by pytest (tests/engine/run.sh --pytest, as ctest does); skipped when KVBLEND_SKIP_ENGINE=1.
 """
 
 import argparse
@@ -48,11 +48,12 @@ import threading
 import time
 from pathlib import Path
 
-if os.environ.get("KVBLEND_SKIP_ENGINE") == "1":
-    print("test_connector: skipped (KVBLEND_SKIP_ENGINE=1)")
-    sys.exit(77)
+import pytest
 
-from fixtures import Checks  # noqa: E402
+if os.environ.get("KVBLEND_SKIP_ENGINE") == "1":
+    pytest.skip("KVBLEND_SKIP_ENGINE=1", allow_module_level=True)
+
+from kvbtest import Checks  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 SRC = HERE.parent.parent / "client" / "python" / "src"
@@ -146,13 +147,8 @@ def check_landed_rows(d, hashes, spans, dump, how, report, np, kvblend):
         check(f"(c) {how}: {name} daemon re-rotation equals NumPy", w["daemon_k"] < 1e-3)
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=os.environ.get("KVBLEND_ENGINE_MODEL"))
-    args = ap.parse_args()
-    if not args.model:
-        print("test_connector: give --model or KVBLEND_ENGINE_MODEL", file=sys.stderr)
-        return 2
+def test_connector(engine_model):
+    args = argparse.Namespace(model=engine_model)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ["PYTHONPATH"] = os.pathsep.join(
@@ -165,7 +161,7 @@ def main():
 
     import numpy as np
     import kvblend
-    from fixtures import Daemon
+    from harness import Daemon
 
     d = Daemon()
     report = {}
@@ -175,29 +171,24 @@ def main():
         d.stop()
         shutil.rmtree(dump_dir, ignore_errors=True)
     print("test_connector: " + json.dumps(report))
-    return check.verdict()
+    check.done()
 
 
 def run(model_dir, d, dump_dir, report, np, kvblend):
-    from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     from kvblend.vllm import store_documents
+    from kvbtest import connector_llm
 
     t0 = time.monotonic()
-    llm = LLM(model=model_dir, enforce_eager=True, dtype="float32", max_model_len=896, seed=0,
-              enable_prefix_caching=False, num_gpu_blocks_override=8,
-              max_num_batched_tokens=256,
-              kv_transfer_config=KVTransferConfig(
-                  kv_connector="KvblendConnector", kv_connector_module_path="kvblend.vllm",
-                  kv_role="kv_both",
-                  # lookup_timeout_ms as timeout_ms: (k) slows the daemon to answers of
-                  # up to 1 s, and its lookups must get through to test the loads
-                  kv_connector_extra_config={"endpoint": d.endpoint, "timeout_ms": 2000,
-                                             "lookup_timeout_ms": 2000,
-                                             "model_name": "smollm2-test",
-                                             "chunk_separator": SEP}))
+    # lookup_timeout_ms as timeout_ms: (k) slows the daemon to answers of up to 1 s, and
+    # its lookups must get through to test the loads
+    llm = connector_llm(model_dir, {"endpoint": d.endpoint, "timeout_ms": 2000,
+                                    "lookup_timeout_ms": 2000, "model_name": "smollm2-test",
+                                    "chunk_separator": SEP},
+                        max_model_len=896, enable_prefix_caching=False,
+                        num_gpu_blocks_override=8, max_num_batched_tokens=256)
     report["engine_start_s"] = round(time.monotonic() - t0, 1)
     tok = llm.get_tokenizer()
     enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
@@ -435,7 +426,3 @@ def slowed_loads(llm, d, prompt, plain, n_chunk, n_fresh, report):
           and all((a == 0) != (b == 0) for a, b in zip(loaded, declined))
           and opens == sum(1 for x in loaded if x),
           f"load_declined {declined}, reused {loaded}, landings opened {opens}, said {said}")
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -21,39 +21,30 @@ when the plan changes before the blocks were computed, and kept when a resumed r
 gets its own fenced blocks back from the prefix cache. A request whose external tokens
 vLLM will not read (0.34's ``skip_reading_external_kv``, 0.32's
 ``skip_reading_prefix_cache``: prompt logprobs) is neither looked up nor fenced, claims
-nothing and still stores when it asks to, with one info line per engine. Exit 0 when every
-check passes, 77 when skipped.
+nothing and still stores when it asks to, with one info line per engine.
+
+Run by pytest (tests/engine/run.sh --pytest, as ctest does); skipped when KVBLEND_SKIP_ENGINE=1.
 """
 
 import logging
 import os
 import signal
-import sys
 import time
 
 import numpy as np
+import pytest
 
 if os.environ.get("KVBLEND_SKIP_ENGINE") == "1":
-    print("test_daemon_link: skipped (KVBLEND_SKIP_ENGINE=1)")
-    sys.exit(77)
+    pytest.skip("KVBLEND_SKIP_ENGINE=1", allow_module_level=True)
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kvblend  # noqa: E402
-from fixtures import Checks, Daemon  # noqa: E402
+from harness import Daemon  # noqa: E402
+from kvbtest import Checks, LogLines  # noqa: E402
 from kvblend.vllm import plan  # noqa: E402
 from kvblend.vllm.daemon import DaemonDown, DaemonLink, probe, wait_layer  # noqa: E402
 
 MODEL = kvblend.Model("link-test", 4, 1, 8, dtype="f32", rope_theta=1e5)
 check = Checks("test_daemon_link")
-
-
-class Lines(logging.Handler):
-    def __init__(self):
-        super().__init__()
-        self.lines = []
-
-    def emit(self, record):
-        self.lines.append(record.getMessage())
 
 
 def timed(fn):
@@ -68,7 +59,7 @@ def timed(fn):
 
 def breaker(d):
     log = logging.getLogger("test-link")
-    lines = Lines()
+    lines = LogLines()
     log.addHandler(lines)
     log.propagate = False
     link = DaemonLink(d.endpoint, 2000, MODEL, log)
@@ -292,7 +283,7 @@ def skipped_external(d):
     cfg = ConnectorConfig(d.endpoint, 5000, MODEL.name, None, MODEL, 64, None,
                           prefix_caching=True)
     log = logging.getLogger("vllm.kvblend.vllm")
-    lines = Lines()
+    lines = LogLines()
     log.addHandler(lines)
     log.setLevel(logging.INFO)
     side = SchedulerSide(cfg, DaemonLink(d.endpoint, 5000, None, log), HashBlocks(64))
@@ -361,7 +352,7 @@ def scheduler_outage():
     endpoint = "tcp://127.0.0.1:9"  # the discard port: nothing listens, the connect fails
     cfg = ConnectorConfig(endpoint, 1500, MODEL.name, (50001,), MODEL, 16, None)
     log = logging.getLogger("test-link-sched")
-    lines = Lines()
+    lines = LogLines()
     log.addHandler(lines)
     log.propagate = False
     side = SchedulerSide(cfg, DaemonLink(endpoint, 1500, None, log))
@@ -400,7 +391,7 @@ def scheduler_stopped_daemon(d):
     cfg = ConnectorConfig(d.endpoint, 5000, MODEL.name, None, MODEL, 16, None,
                           lookup_timeout_ms=300)
     log = logging.getLogger("test-link-stopped")
-    lines = Lines()
+    lines = LogLines()
     log.addHandler(lines)
     log.propagate = False
     # the connector gives the scheduler's link lookup_timeout_ms (connector.py)
@@ -435,7 +426,7 @@ def scheduler_stopped_daemon(d):
           str(lines.lines))
 
 
-def main():
+def test_daemon_link():
     first_inexact()
     scheduler_outage()
     d = Daemon()
@@ -452,8 +443,4 @@ def main():
         landing_wait(d)
     finally:
         d.stop()
-    return check.verdict()
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    check.done()

@@ -38,20 +38,16 @@ a question (about 330 tokens):
     prefill's bits; full reuse lands every chunk row as the daemon's re-rotation of it
     (GET re-rotated) bit for bit; r = 1.0 gives transformers' bfloat16 full prefill's KV;
     the landing and classic sessions fuse bit for bit alike; the anchored default runs.
-Exit 0 when all pass, 1 on a failure, 77 when KVBLEND_SKIP_ENGINE=1.
+Run by pytest (tests/engine/run.sh --pytest, as ctest does); skipped when KVBLEND_SKIP_ENGINE=1.
 """
 
 import os
-import sys
 import time
-from pathlib import Path
+
+import pytest
 
 if os.environ.get("KVBLEND_SKIP_ENGINE") == "1":
-    print("test_hf_blend: skipped (KVBLEND_SKIP_ENGINE=1)")
-    sys.exit(77)
-
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent.parent / "eval"))  # cacheblend.py, model.py: the reference
+    pytest.skip("KVBLEND_SKIP_ENGINE=1", allow_module_level=True)
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -61,6 +57,7 @@ import kvblend  # noqa: E402
 import kvblend.hf as kh  # noqa: E402
 from kvblend.blend import host  # noqa: E402
 from kvblend.blend.preview import critical_layer  # noqa: E402
+# the reference: eval/'s cacheblend.py, model.py, ... (eval/ is on PYTHONPATH: run.sh)
 from cacheblend import (  # noqa: E402
     Request,
     attention_select,
@@ -69,7 +66,8 @@ from cacheblend import (  # noqa: E402
     hkvd_select,
     select_count,
 )
-from fixtures import Daemon, build_segments, fail, model_args, numpy_twin  # noqa: E402
+from harness import Daemon  # noqa: E402
+from kvbtest import build_segments, fail, numpy_twin  # noqa: E402
 from qsel import alone_selection, preview, question_pass  # noqa: E402
 from rules import CRITICAL_LAYER, anchors, qcfuse_score, top_tokens  # noqa: E402
 
@@ -128,13 +126,12 @@ def compare_fused(kv, ref, what):
     return worst
 
 
-def main():
-    args = model_args(__doc__)
+def test_hf_blend(engine_model):
     torch.manual_seed(0)
     t0 = time.monotonic()
-    model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(engine_model, dtype=torch.float32)
     model.eval()
-    tok = transformers.AutoTokenizer.from_pretrained(args.model)
+    tok = transformers.AutoTokenizer.from_pretrained(engine_model)
     twin = numpy_twin(model)
     print(f"model loaded in {time.monotonic() - t0:.1f} s")
     segs = build_segments(tok)
@@ -143,7 +140,7 @@ def main():
         with kvblend.Client(d.endpoint, timeout_ms=120000) as c:
             run(model, twin, c, segs)
             del twin
-            check_bf16(args.model, c, segs)
+            check_bf16(engine_model, c, segs)
     finally:
         d.stop()
     print(f"test_hf_blend: all passed in {time.monotonic() - t0:.0f} s")
@@ -400,7 +397,3 @@ def check_anchored(b, req, twin):
           f"layer {CRITICAL_LAYER}); {sel.size} tokens, eval's selection; fused KV within "
           f"{worst:.1e}, the classic session's bit for bit; blend(segments) is this blend "
           "(the default), blend(segments, (1,), (0.15,)) the value metric's")
-
-
-if __name__ == "__main__":
-    main()

@@ -34,22 +34,21 @@ today. For each GPU layout (kvblend.vllm.layout.INTERLEAVED):
 Every check runs for blocks of 16, 48, 64 (vLLM 0.34's default) and 128 tokens (a request
 of three blocks in a shuffled block table each time), each line prefixed with the size.
 
-Exit 0 when every check passes, 1 on a failure, 77 when KVBLEND_SKIP_ENGINE=1.
+Run by pytest (tests/engine/run.sh --pytest, as ctest does); skipped when KVBLEND_SKIP_ENGINE=1.
 """
 
 import os
-import sys
+
+import pytest
 
 if os.environ.get("KVBLEND_SKIP_ENGINE") == "1":
-    print("test_layouts: skipped (KVBLEND_SKIP_ENGINE=1)")
-    sys.exit(77)
+    pytest.skip("KVBLEND_SKIP_ENGINE=1", allow_module_level=True)
 
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kvblend  # noqa: E402
-from fixtures import Daemon  # noqa: E402
+from harness import Daemon  # noqa: E402
 from kvblend.vllm import layout as L  # noqa: E402
 
 MODEL = kvblend.Model("layout-test", 4, 2, 16, dtype="f32", rope_theta=1e4)
@@ -185,7 +184,7 @@ def check_device(d, c, segs, want, ha, hb):
     """(e): the worker's device landing on the emulated device."""
     import logging
 
-    from fixtures import Daemon
+    from harness import Daemon
     from kvblend.vllm.landing import DeviceLanding
     from kvblend.vllm.plan import ChunkLoad
     from vllm.v1.kv_cache_layout import KVCacheLayout
@@ -263,12 +262,12 @@ def check_device(d, c, segs, want, ha, hb):
         emu.stop()
 
 
-def main():
+def test_layouts():
     for bs in BLOCK_SIZES:
         block_size(bs)
         run()
     print("test_layouts: " + ("FAILED " + ", ".join(failures) if failures else "passed"))
-    return 1 if failures else 0
+    assert not failures, "failed: " + "; ".join(failures)
 
 
 def run():
@@ -356,7 +355,3 @@ def run():
             c.free_region(region)
     finally:
         d.stop()
-
-
-if __name__ == "__main__":
-    sys.exit(main())

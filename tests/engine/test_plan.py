@@ -15,22 +15,22 @@ scheduler's stores), and the chunks a storing request's response names; and the 
 region for vLLM's KV cache (kvblend.vllm.landing.CacheRegion): the one
 allocation taken, and refusals that name the daemon's setting (shm_max) or the endpoint;
 and the blend pass's regions kept between blends (kvblend.vllm.regions.RegionPool) against
-the daemon's count of segments. Exit 0 when every check passes, 77 when skipped.
+the daemon's count of segments.
+
+Run by pytest (tests/engine/run.sh --pytest, as ctest does); skipped when KVBLEND_SKIP_ENGINE=1.
 """
 
 import os
-import sys
 import time
 
 import numpy as np
+import pytest
 
 if os.environ.get("KVBLEND_SKIP_ENGINE") == "1":
-    print("test_plan: skipped (KVBLEND_SKIP_ENGINE=1)")
-    sys.exit(77)
+    pytest.skip("KVBLEND_SKIP_ENGINE=1", allow_module_level=True)
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kvblend  # noqa: E402
-from fixtures import Daemon  # noqa: E402
+from harness import Daemon  # noqa: E402
 from kvblend.vllm import layout, plan  # noqa: E402
 
 MODEL = kvblend.Model("plan-test", 2, 1, 8, dtype="f32", rope_theta=1e5)
@@ -50,7 +50,7 @@ def check(what, got, want):
         failures.append(what)
 
 
-def main():
+def test_plan():
     d = Daemon()
     try:
         run(d)
@@ -67,7 +67,7 @@ def main():
     finally:
         d.stop()
     print("test_plan: " + ("FAILED " + ", ".join(failures) if failures else "passed"))
-    return 1 if failures else 0
+    assert not failures, "failed: " + "; ".join(failures)
 
 
 def run(d):
@@ -642,7 +642,3 @@ def _raises(fn):
     except Exception as e:  # the class name is what is checked
         return type(e).__name__
     return None
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -21,25 +21,25 @@ test_vllm_selftest), on vLLM's own rotary modules (``get_rope``), no engine.
     the worker's metadata tells the scheduler, which claims nothing from then on;
 (g) the self-test's refusal at start is one line with one ``kvblend:`` prefix.
 
-Exit 0 when every check passes, 1 on a failure, 77 when KVBLEND_SKIP_ENGINE=1.
+Run by pytest (tests/engine/run.sh --pytest, as ctest does); skipped when KVBLEND_SKIP_ENGINE=1.
 """
 
 import logging
 import os
-import sys
 from types import SimpleNamespace as Ns
 
+import pytest
+
 if os.environ.get("KVBLEND_SKIP_ENGINE") == "1":
-    print("test_selftest: skipped (KVBLEND_SKIP_ENGINE=1)")
-    sys.exit(77)
+    pytest.skip("KVBLEND_SKIP_ENGINE=1", allow_module_level=True)
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kvblend  # noqa: E402
 from kvblend.vllm import selftest  # noqa: E402
 
-from fixtures import Checks, Daemon  # noqa: E402
+from harness import Daemon  # noqa: E402
+from kvbtest import Checks  # noqa: E402
 
 check = Checks("test_selftest")
 HD, HEADS, MAXPOS = 64, 2, 4096
@@ -241,7 +241,7 @@ def start_checks(d, vllm_config):
           and (msg or "").count("kvblend:") == 1, f"{msg!r} {lines}")
 
 
-def main():
+def test_selftest():
     from vllm.config import VllmConfig, set_current_vllm_config
 
     d = Daemon()
@@ -301,8 +301,4 @@ def main():
                   f"{held} chunks under {len(left)} test models")
     finally:
         d.stop()
-    return check.verdict()
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    check.done()

@@ -31,28 +31,28 @@ then update_from_output() with the tokens a model runner would sample. Checked:
     this CPU, EXPORTS_FD on a CUDA platform with an ipc:// endpoint, IN_PROCESS with
     device_landing "off".
 
-Run by tests/engine/run034.sh LIBKVBLEND KVBLENDD test_vllm034_scheduler.py. Exit 0 when
-every check passes, 1 on a failure, 77 when KVBLEND_SKIP_ENGINE=1.
+Run by pytest in the 0.34 venv: tests/engine/run034.sh --pytest LIBKVBLEND KVBLENDD
+test_vllm034_scheduler.py (as ctest does); skipped when KVBLEND_SKIP_ENGINE=1.
 """
 
 import logging
 import os
-import sys
 import time
 import warnings
 
+import pytest
+
 if os.environ.get("KVBLEND_SKIP_ENGINE") == "1":
-    print("test_vllm034_scheduler: skipped (KVBLEND_SKIP_ENGINE=1)")
-    sys.exit(77)
+    pytest.skip("KVBLEND_SKIP_ENGINE=1", allow_module_level=True)
 
 warnings.simplefilter("ignore")
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import kvblend  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import vllm  # noqa: E402
-from fixtures import Daemon  # noqa: E402
+from harness import Daemon  # noqa: E402
+from kvbtest import LogLines  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
 from vllm.config import (  # noqa: E402
     CacheConfig,
@@ -90,15 +90,6 @@ def check(what, ok, detail=""):
     print(f"{'ok  ' if ok else 'FAIL'} {what}" + (f": {detail}" if detail else ""), flush=True)
     if not ok:
         failures.append(what)
-
-
-class Lines(logging.Handler):
-    def __init__(self):
-        super().__init__()
-        self.lines = []
-
-    def emit(self, record):
-        self.lines.append(record.getMessage())
 
 
 def model_config():
@@ -362,7 +353,7 @@ def prompt_logprobs(d, c, model, rng):
     kvp = {"kvblend": {"segments": [[BS, 150, "chunk"]]}}
     sched = make(d.endpoint)
     log = logging.getLogger("vllm.kvblend.vllm")
-    lines = Lines()
+    lines = LogLines()
     log.addHandler(lines)
     level = log.level
     log.setLevel(logging.INFO)
@@ -467,7 +458,7 @@ def access(d):
         current_platform.is_cuda = real
 
 
-def main():
+def test_vllm034_scheduler():
     check("vLLM 0.34.0 is imported", vllm.__version__ == "0.34.0", vllm.__version__)
     t0 = time.monotonic()
     rng = np.random.default_rng(56)
@@ -491,8 +482,4 @@ def main():
     print(f"test_vllm034_scheduler: {time.monotonic() - t0:.1f} s after the imports")
     print("test_vllm034_scheduler: " + ("FAILED " + ", ".join(failures) if failures
                                         else "passed"))
-    return 1 if failures else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    assert not failures, "failed: " + "; ".join(failures)

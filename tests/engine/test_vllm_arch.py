@@ -24,7 +24,7 @@ then for each architecture in turn, with one daemon:
 (c) one engine (KvblendConnector with blend at layer 1, r = 0.15, max_model_len 512): the
     same request; the rows read back from vLLM's cache equal kvblend.hf's fused KV within
     TOL of each layer's scale, and vLLM's 16 greedy tokens equal kvblend.hf's.
-Exit 0 when all pass, 1 on a failure, 77 when KVBLEND_SKIP_ENGINE=1.
+Run by pytest (tests/engine/run.sh --pytest, as ctest does); skipped when KVBLEND_SKIP_ENGINE=1.
 """
 
 import argparse
@@ -36,11 +36,12 @@ import sys
 import time
 from pathlib import Path
 
-if os.environ.get("KVBLEND_SKIP_ENGINE") == "1":
-    print("test_vllm_arch: skipped (KVBLEND_SKIP_ENGINE=1)")
-    sys.exit(77)
+import pytest
 
-from fixtures import fail  # noqa: E402
+if os.environ.get("KVBLEND_SKIP_ENGINE") == "1":
+    pytest.skip("KVBLEND_SKIP_ENGINE=1", allow_module_level=True)
+
+from kvbtest import fail  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 MAX_TOKENS = 16
@@ -121,7 +122,7 @@ def reference(arch, model_dir, endpoint, name, tok):
 
     import kvblend
     import kvblend.hf as kh
-    from fixtures import build_segments, chunk_segments, store_chunks
+    from kvbtest import build_segments, chunk_segments, store_chunks
 
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.eval()
@@ -162,9 +163,8 @@ def reference(arch, model_dir, endpoint, name, tok):
 def run_engine(arch, model_dir, endpoint, name, ref, tokens, chunks, dump_dir):
     """(c): one engine; returns the deviation of its cache from kvblend.hf's fused KV."""
     import numpy as np
-    from fixtures import read_cache
-    from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
+    from kvbtest import connector_llm, read_cache
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     for old in dump_dir.glob("load-*.npz"):
@@ -174,11 +174,7 @@ def run_engine(arch, model_dir, endpoint, name, ref, tokens, chunks, dump_dir):
              "blend": {"check_layers": list(CHECKS), "ratios": list(RATIOS)},
              "load_cost_check": False}
     t0 = time.monotonic()
-    llm = LLM(model=model_dir, enforce_eager=True, dtype="float32", max_model_len=512,
-              seed=0, enable_prefix_caching=False,
-              kv_transfer_config=KVTransferConfig(
-                  kv_connector="KvblendConnector", kv_connector_module_path="kvblend.vllm",
-                  kv_role="kv_both", kv_connector_extra_config=extra))
+    llm = connector_llm(model_dir, extra, max_model_len=512, enable_prefix_caching=False)
     t1 = time.monotonic()
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
                         extra_args={"kv_transfer_params": {"kvblend": {"segments": chunks}}})
@@ -204,20 +200,19 @@ def run_engine(arch, model_dir, endpoint, name, ref, tokens, chunks, dump_dir):
     return dev
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=os.environ.get("KVBLEND_ENGINE_MODEL"),
-                    help="SmolLM2-135M-Instruct's directory (the others are built beside it)")
-    ap.add_argument("--arch", action="append", choices=ARCHS, help="only these (repeatable)")
-    ap.add_argument("--no-engine", action="append", default=[], choices=ARCHS,
-                    help="kvblend.hf's part only for this one, no engine start (repeatable)")
-    args = ap.parse_args()
-    if not args.model:
-        fail("no model: --model or KVBLEND_ENGINE_MODEL")
+def test_vllm_arch(engine_model, pytestconfig):
+    # --model: SmolLM2-135M-Instruct's directory (the others are built beside it); --arch
+    # (repeatable): only these; --no-engine ARCH (repeatable): kvblend.hf's part only for
+    # this one, no engine start (tests/conftest.py has the options)
+    args = argparse.Namespace(model=engine_model, arch=pytestconfig.getoption("arch"),
+                              no_engine=pytestconfig.getoption("no_engine"))
+    unknown = (set(args.arch or ()) | set(args.no_engine)) - set(ARCHS)
+    if unknown:
+        fail(f"no such architecture {sorted(unknown)}: {', '.join(ARCHS)}")
     t0 = time.monotonic()
     sys.path.insert(0, str(HERE))
     from make_arch_models import ensure
-    from fixtures import engine_env
+    from kvbtest import engine_env
 
     archs = args.arch or list(ARCHS)
     model_dirs = {a: str(d) for a, d in ensure(args.model).items()}
@@ -226,7 +221,7 @@ def main():
     dump_dir = tmp / "dump"
     check_refusals(model_dirs)
 
-    from fixtures import Daemon
+    from harness import Daemon
 
     import transformers
 
@@ -258,7 +253,3 @@ def main():
     shutil.rmtree(tmp, ignore_errors=True)
     worst = ", ".join(f"{a} {v:.1e}" for a, v in devs.items())
     print(f"test_vllm_arch: all passed in {time.monotonic() - t0:.0f} s (max deviation {worst})")
-
-
-if __name__ == "__main__":
-    main()

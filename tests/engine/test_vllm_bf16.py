@@ -30,7 +30,7 @@ still runs for real.
 (e) store on a miss: a separator-split request whose two documents are not stored gets
     them stored from its worker's thread; each stored chunk equals store_documents' for
     the same ids within bfloat16's rounding; the request's output equals the plain one's.
-Exit 0 when all pass, 1 on a failure, 77 when KVBLEND_SKIP_ENGINE=1.
+Run by pytest (tests/engine/run.sh --pytest, as ctest does); skipped when KVBLEND_SKIP_ENGINE=1.
 """
 
 import os
@@ -40,13 +40,14 @@ import tempfile
 import time
 from pathlib import Path
 
+import pytest
+
 if os.environ.get("KVBLEND_SKIP_ENGINE") == "1":
-    print("test_vllm_bf16: skipped (KVBLEND_SKIP_ENGINE=1)")
-    sys.exit(77)
+    pytest.skip("KVBLEND_SKIP_ENGINE=1", allow_module_level=True)
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from fixtures import fail, model_args, read_cache  # noqa: E402
+from kvbtest import fail, read_cache  # noqa: E402
 
 MAX_TOKENS = 16
 NAME = "smollm2-bf16-test"
@@ -77,7 +78,7 @@ def reference(model_dir, endpoint):
 
     import kvblend
     import kvblend.hf as kh
-    from fixtures import build_segments, chunk_segments, store_chunks
+    from kvbtest import build_segments, chunk_segments, store_chunks
 
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
     model.eval()
@@ -112,10 +113,9 @@ def compare(dump, want, n, tol, what):
     return worst
 
 
-def main():
-    args = model_args(__doc__)
+def test_vllm_bf16(engine_model):
     t0 = time.monotonic()
-    from fixtures import engine_env
+    from kvbtest import engine_env
 
     noamx = Path(tempfile.mkdtemp(prefix="kvblend-noamx."))
     (noamx / "sitecustomize.py").write_text(NO_AMX)
@@ -126,12 +126,12 @@ def main():
     copy_flag = tmp / "copy"
     os.environ["KVBLEND_VLLM_COPY_FILE"] = str(copy_flag)
 
-    from fixtures import Daemon
+    from harness import Daemon
 
     d = Daemon()
     try:
-        ref = reference(args.model, d.endpoint)
-        run_engine(args.model, d.endpoint, ref, dump_dir, copy_flag)
+        ref = reference(engine_model, d.endpoint)
+        run_engine(engine_model, d.endpoint, ref, dump_dir, copy_flag)
     finally:
         d.stop()
     shutil.rmtree(tmp, ignore_errors=True)
@@ -142,20 +142,17 @@ def main():
 def run_engine(model_dir, endpoint, ref, dump_dir, copy_flag):
     """(b) to (e)."""
     import numpy as np
-    from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     import kvblend
+    from kvbtest import connector_llm
 
     everything, anchored, chunks, hashes = ref
     extra = {"endpoint": endpoint, "model_name": NAME, "timeout_ms": 60000, "blend": {},
              "chunk_separator_text": SEPARATOR, "load_cost_check": False}
-    llm = LLM(model=model_dir, enforce_eager=True, dtype="bfloat16",
-              max_model_len=4096, seed=0, enable_prefix_caching=True,
-              kv_transfer_config=KVTransferConfig(
-                  kv_connector="KvblendConnector", kv_connector_module_path="kvblend.vllm",
-                  kv_role="kv_both", kv_connector_extra_config=extra))
+    llm = connector_llm(model_dir, extra, dtype="bfloat16", max_model_len=4096,
+                        enable_prefix_caching=True)
     ids = [int(i) for i in everything.ids]
     n = chunks[-1][0] + chunks[-1][1]  # the claim: up to the end of the last chunk
 
@@ -258,7 +255,3 @@ def store_on_miss(llm, endpoint, generate):
     c.close()
     print(f"  (e) store on a miss in bfloat16: 2 chunks stored, within {worst:.1e} of "
           "store_documents'; the request's output equals the plain one's")
-
-
-if __name__ == "__main__":
-    main()

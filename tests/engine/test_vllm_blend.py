@@ -31,7 +31,7 @@ libkvblend and KVBLEND_ENGINE_MODEL (or --model) to the model directory.
 (g) blends batched: three requests of (c) and (d) in one generate call; those of one step
     are blended in one pass over the layers, each equal to its own blend alone (batched,
     run after (d)).
-Exit 0 when all pass, 1 on a failure, 77 when KVBLEND_SKIP_ENGINE=1.
+Run by pytest (tests/engine/run.sh --pytest, as ctest does); skipped when KVBLEND_SKIP_ENGINE=1.
 """
 
 import os
@@ -40,13 +40,14 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 if os.environ.get("KVBLEND_SKIP_ENGINE") == "1":
-    print("test_vllm_blend: skipped (KVBLEND_SKIP_ENGINE=1)")
-    sys.exit(77)
+    pytest.skip("KVBLEND_SKIP_ENGINE=1", allow_module_level=True)
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from fixtures import fail, model_args, read_cache  # noqa: E402
+from kvbtest import fail, read_cache  # noqa: E402
 
 MAX_TOKENS = 16
 NAME = "smollm2-blend-test"
@@ -130,7 +131,7 @@ def reference(model_dir, endpoint):
 
     import kvblend
     import kvblend.hf as kh
-    from fixtures import build_segments, chunk_segments, store_chunks
+    from kvbtest import build_segments, chunk_segments, store_chunks
 
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.eval()
@@ -155,22 +156,21 @@ def reference(model_dir, endpoint):
     return ref, reuse, tokens, chunks, everything, tokens_all, question
 
 
-def main():
-    args = model_args(__doc__)
+def test_vllm_blend(engine_model):
     t0 = time.monotonic()
-    from fixtures import engine_env
+    from kvbtest import engine_env
 
     tmp = engine_env("kvblend-blend.")
     dump_dir = tmp / "dump"
     check_config()
 
-    from fixtures import Daemon
+    from harness import Daemon
 
     d = Daemon()
     try:
         ref, reuse, tokens, chunks, everything, tokens_all, question = reference(
-            args.model, d.endpoint)
-        run_engine(args.model, d.endpoint, ref, reuse, tokens, chunks, dump_dir,
+            engine_model, d.endpoint)
+        run_engine(engine_model, d.endpoint, ref, reuse, tokens, chunks, dump_dir,
                    everything, tokens_all, question)
     finally:
         d.stop()
@@ -203,9 +203,10 @@ def run_engine(model_dir, endpoint, ref, reuse, tokens, chunks, dump_dir, everyt
     """(c), and (d): the same prompt with its own settings, ratios [1.0], and the question
     metric."""
     import numpy as np
-    from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
+
+    from kvbtest import connector_llm
 
     # load_cost_check off: every blend asked for is run (test_vllm_connector (k) tests it)
     extra = {"endpoint": endpoint, "model_name": NAME, "timeout_ms": 60000,
@@ -213,11 +214,7 @@ def run_engine(model_dir, endpoint, ref, reuse, tokens, chunks, dump_dir, everyt
              "chunk_separator_text": SEPARATOR, "load_cost_check": False}
     # prefix caching on (vLLM's default): (c) and (d) have no exact prefix of a full
     # block (the header is shorter than one), (e) has one
-    llm = LLM(model=model_dir, enforce_eager=True, dtype="float32", max_model_len=4096,
-              seed=0, enable_prefix_caching=True,
-              kv_transfer_config=KVTransferConfig(
-                  kv_connector="KvblendConnector", kv_connector_module_path="kvblend.vllm",
-                  kv_role="kv_both", kv_connector_extra_config=extra))
+    llm = connector_llm(model_dir, extra, max_model_len=4096, enable_prefix_caching=True)
     rope_self_test(endpoint)
     ids = [int(i) for i in ref.ids]
     got = []
@@ -519,7 +516,3 @@ def store_on_miss(llm, endpoint):
         fail(f"(f) the documents in the other order: not blended as a whole context: {said}")
     print(f"  (f) the same documents in the other order: blended ({said})")
     c.close()
-
-
-if __name__ == "__main__":
-    main()

@@ -34,7 +34,7 @@ prefix caching on and reset before each request whose output is compared:
     (``cluster_remote_hits``, ``cluster_fetched_bytes``), no fetch failed and no miss
     went unserved, no PUT but the RoPE self-test's; node-b now holds all four, equal to
     node-a's bit for bit.
-Exit 0 when all pass, 1 on a failure, 77 when KVBLEND_SKIP_ENGINE=1.
+Run by pytest (tests/engine/run.sh --pytest, as ctest does); skipped when KVBLEND_SKIP_ENGINE=1.
 """
 
 import argparse
@@ -44,15 +44,14 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-if os.environ.get("KVBLEND_SKIP_ENGINE") == "1":
-    print("test_vllm_cluster: skipped (KVBLEND_SKIP_ENGINE=1)")
-    sys.exit(77)
+import pytest
 
-HERE = Path(__file__).resolve().parent
+if os.environ.get("KVBLEND_SKIP_ENGINE") == "1":
+    pytest.skip("KVBLEND_SKIP_ENGINE=1", allow_module_level=True)
+
 NODES = ("node-a", "node-b")
 MAX_TOKENS = 16
 SEPARATOR = "<|endoftext|>"  # SmolLM2's id 0: a separator its tokenizer keeps apart
@@ -126,18 +125,13 @@ class Prompts:
 
 
 def start_engine(model_dir, endpoint):
-    from vllm import LLM
-    from vllm.config import KVTransferConfig
+    from kvbtest import connector_llm
 
     # load_cost_check off: a fetch from the other member is slow, and must be loaded here
     extra = {"endpoint": endpoint, "timeout_ms": 60000, "chunk_separator_text": SEPARATOR,
              "blend": {"metric": "value"}, "load_cost_check": False}
     t0 = time.monotonic()
-    llm = LLM(model=model_dir, enforce_eager=True, dtype="float32", max_model_len=1024,
-              seed=0, enable_prefix_caching=True,
-              kv_transfer_config=KVTransferConfig(
-                  kv_connector="KvblendConnector", kv_connector_module_path="kvblend.vllm",
-                  kv_role="kv_both", kv_connector_extra_config=extra))
+    llm = connector_llm(model_dir, extra, max_model_len=1024, enable_prefix_caching=True)
     return llm, time.monotonic() - t0
 
 
@@ -322,26 +316,18 @@ def check_fetches(p, b, on_b, stored):
           "no failure, no PUT; it holds all four now, equal to node-a's bit for bit")
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=os.environ.get("KVBLEND_ENGINE_MODEL"))
-    ap.add_argument("--place-tool", help="place_tool (default: beside $KVBLENDD)")
-    args = ap.parse_args()
-    if not args.model or not os.environ.get("KVBLENDD"):
-        fail("no model or no daemon: run through tests/engine/run.sh")
+def test_vllm_cluster(engine_model, pytestconfig):
+    # --place-tool: place_tool (default: beside $KVBLENDD)
+    args = argparse.Namespace(model=engine_model, place_tool=pytestconfig.getoption("place_tool"))
+    if not os.environ.get("KVBLENDD"):
+        fail("no daemon: run through tests/engine/run.sh")
     place_tool = args.place_tool or str(Path(os.environ["KVBLENDD"]).parent / "place_tool")
     t0 = time.monotonic()
-    sys.path.insert(0, str(HERE))
-    from fixtures import cluster, install_package
+    from kvbtest import cluster, install_temp
 
     # kvblend installed with pip (its vllm.general_plugins entry point: the blend pass and
     # the stores on a miss need the model in the worker), and imported from there
-    tmp = tempfile.mkdtemp(prefix="kvblend-cluster.")
-    site = Path(tmp) / "site"
-    try:
-        install_package(site)
-    except RuntimeError as e:
-        fail(str(e))
+    tmp, site = install_temp("kvblend-cluster.")
     os.environ["PYTHONPATH"] = str(site)
     sys.path[:0] = [str(site)]
     for name in [m for m in sys.modules if m == "kvblend" or m.startswith("kvblend.")]:
@@ -390,7 +376,3 @@ def main():
             print(f"daemon logs kept: {a.dir}/kvblendd.log, {b.dir}/kvblendd.log")
     shutil.rmtree(tmp, ignore_errors=True)
     print(f"test_vllm_cluster: all passed in {time.monotonic() - t0:.0f} s")
-
-
-if __name__ == "__main__":
-    main()

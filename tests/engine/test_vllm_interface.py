@@ -19,7 +19,7 @@ Beside the sources (the engine venv's vLLM 0.32 imported): (f) the connector's a
 0.34's hooks: kv_cache_access from kv_connector_extra_config and the platform,
 may_load_async False.
 
-Exit 0 when all pass, 1 on a failure, 77 when KVBLEND_SKIP_ENGINE=1.
+Run by pytest (tests/engine/run.sh --pytest, as ctest does); skipped when KVBLEND_SKIP_ENGINE=1.
 """
 
 import ast
@@ -31,9 +31,10 @@ import tarfile
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 if os.environ.get("KVBLEND_SKIP_ENGINE") == "1":
-    print("test_vllm_interface: skipped (KVBLEND_SKIP_ENGINE=1)")
-    sys.exit(77)
+    pytest.skip("KVBLEND_SKIP_ENGINE=1", allow_module_level=True)
 
 ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "client" / "python" / "src"
@@ -231,7 +232,7 @@ def hooks():
           KvblendConnector.may_load_async(object.__new__(KvblendConnector), Request()) is False)
 
 
-def main():
+def test_vllm_interface():
     sys.path.insert(0, str(SRC))
     from kvblend.vllm.config import SUPPORTED_VLLM, version_supported  # the engine venv
 
@@ -290,8 +291,4 @@ def main():
     check("the connector refuses sleep mode", "supports_sleep_mode" in ours)
     hooks()
     print("test_vllm_interface: " + ("FAILED " + ", ".join(failures) if failures else "passed"))
-    return 1 if failures else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    assert not failures, "failed: " + "; ".join(failures)

@@ -23,9 +23,10 @@ libkvblend and KVBLEND_ENGINE_MODEL (or --model) to the model directory.
     vLLM's modules) equals eval/qsel.py's preview on the NumPy model holding the same
     weights within TOL_A, and its selection equals kvblend.hf's (which test_hf_blend holds
     bit for bit to eval/cacheblend.py's attention_select).
-Exit 0 when all pass, 1 on a failure, 77 when KVBLEND_SKIP_ENGINE=1.
+Run by pytest (tests/engine/run.sh --pytest, as ctest does); skipped when KVBLEND_SKIP_ENGINE=1.
 """
 
+import argparse
 import json
 import os
 import shutil
@@ -34,11 +35,12 @@ import tempfile
 import time
 from pathlib import Path
 
-if os.environ.get("KVBLEND_SKIP_ENGINE") == "1":
-    print("test_vllm_model_hook: skipped (KVBLEND_SKIP_ENGINE=1)")
-    sys.exit(77)
+import pytest
 
-from fixtures import fail, model_args  # noqa: E402
+if os.environ.get("KVBLEND_SKIP_ENGINE") == "1":
+    pytest.skip("KVBLEND_SKIP_ENGINE=1", allow_module_level=True)
+
+from kvbtest import fail  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 PROMPT = "The capital of France is"
@@ -69,7 +71,7 @@ def reference(args, endpoint):
 
     import kvblend
     import kvblend.hf as kh
-    from fixtures import build_segments, numpy_twin, store_chunks
+    from kvbtest import build_segments, numpy_twin, store_chunks
 
     from cacheblend import Request
     from qsel import preview
@@ -143,10 +145,10 @@ def check_blend(facts, ref, out_path):
           f"selection equal to kvblend.hf's ({got['att_sel0'].size} rows)")
 
 
-def main():
-    args = model_args(__doc__)
+def test_vllm_model_hook(engine_model):
+    args = argparse.Namespace(model=engine_model)
     t0 = time.monotonic()
-    from fixtures import install
+    from kvbtest import install
 
     tmp = tempfile.mkdtemp(prefix="kvblend-hook.")
     site = Path(tmp) / "site"
@@ -174,7 +176,7 @@ def main():
             fail(f"unclear refusal: {e}")
         print(f"  (b) without the plugin: {e}")
 
-    from fixtures import Daemon
+    from harness import Daemon
 
     # fuse sessions idle up to 600 s (default 60): on a loaded machine the blend loop's
     # layers between two daemon calls have taken longer (the session expired under it)
@@ -234,7 +236,3 @@ def run_engine(args, tmp, site, endpoint, ref, fuse_segs, greedy, tok):
         fail(f"vLLM with the hook generated {got}, transformers {greedy}")
     print(f"  (c) 16 greedy tokens equal to transformers': {tok.decode(got)!r}")
     check_blend(facts, ref, out_path)
-
-
-if __name__ == "__main__":
-    main()

@@ -28,8 +28,9 @@ install_package, without the library: $KVBLEND_LIB names the build's).
     second from vLLM's prefix cache, nothing reused, blended or stored; the client's
     prompt opted out with ``extra_body={"kv_transfer_params": {"kvblend": {"segments":
     []}}}`` is plain vLLM too.
-Everything started is killed at the end (process groups), pass or fail. Exit 0 when all
-pass, 1 on a failure, 77 when KVBLEND_SKIP_ENGINE=1.
+Everything started is killed at the end (process groups), pass or fail.
+
+Run by pytest (tests/engine/run.sh --pytest, as ctest does); skipped when KVBLEND_SKIP_ENGINE=1.
 """
 
 import json
@@ -38,14 +39,14 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 if os.environ.get("KVBLEND_SKIP_ENGINE") == "1":
-    print("test_vllm_serve: skipped (KVBLEND_SKIP_ENGINE=1)")
-    sys.exit(77)
+    pytest.skip("KVBLEND_SKIP_ENGINE=1", allow_module_level=True)
 
 HERE = Path(__file__).resolve().parent
 DOC = HERE.parent.parent / "docs" / "vllm.md"
@@ -187,22 +188,15 @@ def plain_requests(port):
           f"opted out with extra_body: {k3}")
 
 
-def main():
+def test_vllm_serve():
     t_all = time.monotonic()
     blocks = doc_blocks(DOC.read_text())
     for var in ("KVBLEND_LIB", "KVBLENDD", "KVBLEND_ENGINE_MODEL"):
         if not os.environ.get(var):
             fail(f"${var} is not set (run through tests/engine/run.sh)")
-    sys.path.insert(0, str(HERE))
-    from fixtures import Group, free_port, install_package, wait_for_daemon
+    from kvbtest import Group, free_port, install_temp, wait_for_daemon
 
-    tmp = tempfile.mkdtemp(prefix="kvblend-serve.")
-    site = Path(tmp) / "site"
-    try:
-        install_package(site)
-    except RuntimeError as e:
-        print(f"FAIL: installing client/python: {e}")
-        return 1
+    tmp, site = install_temp("kvblend-serve.")
     port = free_port()
     env = dict(os.environ, VENV=str(Path(sys.executable).parent.parent),
                MODEL=os.environ["KVBLEND_ENGINE_MODEL"], KVBLENDD=os.environ["KVBLENDD"],
@@ -263,8 +257,4 @@ def main():
         else:
             print(f"logs kept in {tmp}")
     print(f"test_vllm_serve: {'ok' if ok else 'FAILED'} in {time.monotonic() - t_all:.0f} s")
-    return 0 if ok else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    assert ok, "test_vllm_serve failed (above: what failed, the logs' last lines)"

@@ -48,7 +48,8 @@ TP = 2 (each rank holds 2 of the 4 KV heads; vLLM's cache in a kvblend region):
 (n) the same inside the anchored metric's preview (the hook's "rank 1 preview 1": the
     preview raises there on rank 1): both ranks stop at that layer's agreement, the output
     is plain's, and the next anchored blend gives (l)'s tokens.
-Exit 0 when all pass, 1 on a failure, 77 when KVBLEND_SKIP_ENGINE=1.
+Run by pytest (tests/engine/run.sh --pytest, as ctest does); skipped when KVBLEND_SKIP_ENGINE=1.
+Each engine runs in a child process: this file as a script with --phase TP (not by hand).
 """
 
 import argparse
@@ -61,11 +62,12 @@ import tempfile
 import time
 from pathlib import Path
 
-if os.environ.get("KVBLEND_SKIP_ENGINE") == "1":
-    print("test_vllm_tp: skipped (KVBLEND_SKIP_ENGINE=1)")
-    sys.exit(77)
+import pytest
 
-from fixtures import Checks  # noqa: E402
+if os.environ.get("KVBLEND_SKIP_ENGINE") == "1":
+    pytest.skip("KVBLEND_SKIP_ENGINE=1", allow_module_level=True)
+
+from kvbtest import Checks  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 SRC = HERE.parent.parent / "client" / "python" / "src"
@@ -79,27 +81,22 @@ check = Checks("test_vllm_tp")
 
 def phase(tp, model_dir, endpoint, out_path):
     """One engine at TP = tp; its outputs (and the daemon's counters around them) to out_path."""
-    from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     sys.path[:0] = [str(SRC), str(HERE)]
     import kvblend
-    from fixtures import DOCS
     from kvblend.vllm import store_documents
+    from kvbtest import DOCS, connector_llm
 
     t0 = time.monotonic()
-    llm = LLM(model=model_dir, tensor_parallel_size=tp,
-              distributed_executor_backend="mp" if tp > 1 else None, dtype="float32",
-              enforce_eager=True, max_model_len=512, seed=0, enable_prefix_caching=False,
-              num_gpu_blocks_override=16,
-              kv_transfer_config=KVTransferConfig(
-                  kv_connector="KvblendConnector", kv_connector_module_path="kvblend.vllm",
-                  kv_role="kv_both",
-                  kv_connector_extra_config={"endpoint": endpoint, "timeout_ms": 20000,
-                                             "model_name": NAME,
-                                             "blend": {"check_layers": [1],
-                                                       "ratios": [0.15]}}))
+    llm = connector_llm(model_dir, {"endpoint": endpoint, "timeout_ms": 20000,
+                                    "model_name": NAME,
+                                    "blend": {"check_layers": [1], "ratios": [0.15]}},
+                        tensor_parallel_size=tp,
+                        distributed_executor_backend="mp" if tp > 1 else None,
+                        max_model_len=512, enable_prefix_caching=False,
+                        num_gpu_blocks_override=16)
     res = {"engine_start_s": round(time.monotonic() - t0, 1)}
     tok = llm.get_tokenizer()
     docs = [tok.encode(t, add_special_tokens=False) for t in DOCS[:3]]
@@ -197,18 +194,16 @@ def phase(tp, model_dir, endpoint, out_path):
 
 def refusals(model_dir):
     """(g) What the connector refuses under TP, checked on vLLM's own config (no engine)."""
-    from vllm.config import KVTransferConfig
     from vllm.engine.arg_utils import EngineArgs
 
     from kvblend.vllm.config import Refused, connector_config
+    from kvbtest import connector_transfer
 
     def config(tp, extra):
         return EngineArgs(
             model=model_dir, tensor_parallel_size=tp, distributed_executor_backend="mp",
             dtype="float32", enforce_eager=True, max_model_len=512,
-            kv_transfer_config=KVTransferConfig(
-                kv_connector="KvblendConnector", kv_connector_module_path="kvblend.vllm",
-                kv_role="kv_both", kv_connector_extra_config=dict(extra, model_name=NAME)),
+            kv_transfer_config=connector_transfer(dict(extra, model_name=NAME)),
         ).create_engine_config()
 
     cases = [
@@ -251,23 +246,13 @@ def hf_kv(model_dir, ids):
     return np.stack(layers)
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=os.environ.get("KVBLEND_ENGINE_MODEL"))
-    ap.add_argument("--phase", type=int, default=0, help=argparse.SUPPRESS)
-    ap.add_argument("--endpoint", help=argparse.SUPPRESS)
-    ap.add_argument("--out", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.phase:
-        phase(args.phase, args.model, args.endpoint, args.out)
-        return 0
-    if not args.model:
-        print("test_vllm_tp: give --model or KVBLEND_ENGINE_MODEL", file=sys.stderr)
-        return 2
+def test_vllm_tp(engine_model):
+    args = argparse.Namespace(model=engine_model)
     sys.path[:0] = [str(SRC), str(HERE)]
     import numpy as np
     import kvblend
-    from fixtures import Daemon, install
+    from harness import Daemon
+    from kvbtest import install
     from make_tp_model import ensure
 
     t0 = time.monotonic()
@@ -300,7 +285,7 @@ def main():
             print(p.stdout)
             if rc != 0:
                 check(f"engine at TP = {tp} ran", False, f"exit {rc}")
-                return 1
+                check.done()
             res[tp] = json.loads(out.read_text())
             print(f"TP = {tp}: {time.monotonic() - t:.1f} s (engine start "
                   f"{res[tp]['engine_start_s']} s)")
@@ -409,8 +394,14 @@ def main():
         refusals(model_dir)
     finally:
         d.stop()
-    return check.verdict()
+    check.done()
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # one engine at TP = --phase, run by test_vllm_tp in a child
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--phase", type=int, required=True)
+    ap.add_argument("--endpoint", required=True)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    phase(a.phase, a.model, a.endpoint, a.out)

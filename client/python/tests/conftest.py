@@ -6,17 +6,15 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
-import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 
 import kvblend
+from harness import Daemon  # eval/harness.py, on the path (pyproject.toml's pythonpath)
 
 ROOT = Path(__file__).resolve().parents[3]
-sys.path.insert(0, str(ROOT / "eval"))
-from harness import Daemon  # noqa: E402
 
 
 def _daemon_path() -> str:

@@ -7,16 +7,11 @@ session goes on.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 import kvblend
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "eval"))
-from cacheblend import attention_select, select_count  # noqa: E402
+from cacheblend import attention_select, select_count  # eval/, on the path (pyproject.toml)
 
 M = kvblend.Model("attn-neox", num_layers=5, num_kv_heads=3, head_dim=16, dtype="f16")
 MF = kvblend.Model("attn-f32", num_layers=4, num_kv_heads=2, head_dim=8, dtype="f32")
