@@ -132,6 +132,7 @@ def run(d):
     separator_text()
     separator_config()
     scheduler_store_scope()
+    scheduler_budget(d)
 
     bad = [
         ("kvblend not a dict", {"kvblend": [1]}),
@@ -530,6 +531,57 @@ def scheduler_store_scope():
            got["computed"], got["load_declined"], got["stored"],
            got["recomputed_after_failure"]), (3, 90, 16, 30, 44, 20, 40, 7))
     check("scheduler: stats taken are reset", side.take_stats(), None)
+
+
+def scheduler_budget(d):
+    """A blend asked for by a latency budget (budget_ms): vLLM's scheduler side picks the
+    ratio from its cost model's fit (the largest whose predicted pass fits, never past
+    the prefill it replaces, at least min_ratio) and the response says it (blend_ratio);
+    before the fit is determined, the settings' ratio."""
+    import logging
+    from types import SimpleNamespace as Ns
+
+    from kvblend.vllm import cost
+    from kvblend.vllm.config import ConnectorConfig
+    from kvblend.vllm.daemon import DaemonLink
+    from kvblend.vllm.scheduler import SchedulerSide
+
+    prompt = list(range(3000, 3400))
+    doc = prompt[40:340]  # 40 fresh tokens, a 300-token chunk, then the question
+    with kvblend.Client(d.endpoint) as cl:
+        cl.model_register(MODEL)
+        cl.put(MODEL.name, kvblend.chunk_hash(doc), np.zeros(MODEL.kv_shape(len(doc)),
+                                                            np.float32))
+    blend = plan.blend_settings({"budget_ms": 200, "min_ratio": 0.05}, MODEL.num_layers,
+                                plan.DEFAULT_CONFIG, "blend")
+    cfg = ConnectorConfig(d.endpoint, 5000, MODEL.name, None, MODEL, 16, blend,
+                          load_cost_check=False)
+    side = SchedulerSide(cfg, DaemonLink(d.endpoint, 5000, None, logging.getLogger("b")))
+
+    def ratio(rid, override=None):
+        kvp = {"kvblend": {"segments": [[40, 300, "chunk"]]}}
+        if override is not None:
+            kvp["kvblend"]["blend"] = override
+        req = Ns(request_id=rid, prompt_token_ids=prompt, kv_transfer_params=kvp,
+                 lora_request=None, cache_salt=None, block_hashes=[])
+        claimed = side.get_num_new_matched_tokens(req, 0)[0]
+        said = side.request_finished(req, [])[1]["kvblend"]
+        return claimed, round(said.get("blend_ratio", -1.0), 6)
+
+    check("budget: before a cost fit, the settings' ratio", ratio("b0"), (340, 0.15))
+    # blends that cost 0.1 ms a context token and 1 ms a computed row; prefill 1 ms a token
+    side.cost.note([(cost.BLEND, n, 1e-4 * n + 1e-3 * c, c, n)
+                    for n, c in ((300, 50), (300, 200), (600, 100), (600, 400))])
+    side.cost.note([(cost.PREFILL, 512, 0.512)] * cost.MIN_SAMPLES)
+    # 200 ms: 34 ms of context, 40 fresh rows, then (200 - 34 - 40) / 300 of the chunk
+    check("budget: the largest ratio whose predicted pass fits in 200 ms", ratio("b1"),
+          (340, round((0.2 - 0.034 - 0.040) / 1e-3 / 300, 6)))
+    check("budget: a request's own budget below the floor gets the floor (0.05)",
+          ratio("b2", {"budget_ms": 50}), (340, 0.05))
+    # 5 s is above the 340-token prefill (0.34 s): the prefill bounds it
+    check("budget: never more than the prefill it replaces", ratio("b3", {"budget_ms": 5000}),
+          (340, round((0.34 - 0.034 - 0.040) / 1e-3 / 300, 6)))
+    check("budget: a fixed ratio is said too", ratio("b4", {"metric": "value"}), (340, 0.15))
 
 
 def region_pool(d):
