@@ -2,7 +2,7 @@
 FILE OPTIONS, tests/CMakeLists.txt; tests/engine/run.sh --pytest): this build's programs,
 the engine tests' model and the tests' settings as command-line options, the programs and
 the model each a fixture (kvblendd, kvblend, place_tool, crash_put, blend_tool,
-engine_model; and part: a test that needs one that was not given fails, naming it), and a
+aegis_tool, engine_model; and part: a test that needs one that was not given fails, naming it), and a
 run whose every test was skipped exits 77, ctest's skip.
 
     python3 -m pytest tests/integration/test_curve.py \\
@@ -20,6 +20,7 @@ _PROGRAMS = {
     "--place-tool": ("place_tool", "this build's place_tool (tests/integration/place_tool.c)"),
     "--crash-put": ("crash_put", "this build's crash_put (tests/crash/crash_put.c)"),
     "--blend-tool": ("blend_tool", "this build's blend_tool (tests/blend/blend_tool.c)"),
+    "--aegis-tool": ("aegis_tool", "this build's aegis_tool (tests/aegis/aegis_tool.c)"),
     "--model": ("engine_model", "the engine tests' model directory (default "
                 "$KVBLEND_ENGINE_MODEL, as tests/engine/run.sh sets it)"),
 }
@@ -57,7 +58,7 @@ def _required(dest, option):
     return value
 
 
-# kvblendd, kvblend, place_tool, crash_put, blend_tool, engine_model, part
+# kvblendd, kvblend, place_tool, crash_put, blend_tool, aegis_tool, engine_model, part
 for _option, (_dest, _) in _PROGRAMS.items():
     globals()[_dest] = _required(_dest, _option)
 part = _required("part", "--part")

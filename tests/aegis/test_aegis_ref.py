@@ -1,6 +1,6 @@
 """kvblend's own AEGIS against the reference: libaegis, through PyPI's `aeg` binding.
 
-usage: test_aegis_ref.py AEGIS_TOOL
+usage: python3 -m pytest tests/aegis/test_aegis_ref.py --aegis-tool build/bin/aegis_tool
 
 proto/aegis.c is the project's implementation (Debian 12 has no library with AEGIS).
 It held the specification's vectors (test_bulk) and an adversarial round's 74,805
@@ -20,7 +20,8 @@ import random
 import subprocess
 import sys
 
-TOOL = sys.argv[1]
+import pytest
+
 CACHE = os.environ.get("KVBLEND_ENGINE_CACHE", "/var/cache/kvblend")
 VENV = os.path.join(CACHE, "aeg-0.9.0")
 PY = os.path.join(VENV, "bin", "python")
@@ -66,21 +67,19 @@ def cases(rng, variants):
                    str(rng.randrange(0, m + 1)))
 
 
-def main():
+def test_aegis_ref(aegis_tool):
     ref_py = reference_python()
-    tool = subprocess.run([TOOL], input="?\n", capture_output=True, text=True, check=True)
+    tool = subprocess.run([aegis_tool], input="?\n", capture_output=True, text=True, check=True)
     variants = tool.stdout.split()
     if variants == ["-"]:
-        print("1..0 # SKIP this CPU runs no AEGIS variant (no AES-NI): AES-256-GCM only")
-        return 0
+        pytest.skip("this CPU runs no AEGIS variant (no AES-NI): AES-256-GCM only")
     lines = [" ".join(c) for c in cases(random.Random(20261202), variants)]
     text = "\n".join(lines) + "\n"
-    ours = subprocess.run([TOOL], input=text, capture_output=True, text=True)
+    ours = subprocess.run([aegis_tool], input=text, capture_output=True, text=True)
     ref = subprocess.run([ref_py, "-c", REFERENCE], input=text, capture_output=True,
                          text=True)
     if ours.returncode or ref.returncode:
-        print(f"not ok 1 - tools ran\n# {ours.stderr[-500:]}\n# {ref.stderr[-500:]}")
-        return 1
+        pytest.fail(f"the tools did not run: {ours.stderr[-500:]} {ref.stderr[-500:]}")
     got, want = ours.stdout.splitlines(), ref.stdout.splitlines()
     bad = []
     for i, (line, g, w) in enumerate(zip(lines, got, want)):
@@ -101,8 +100,4 @@ def main():
           f"{n} random cases, opens back, refuses a flipped tag")
     for b in bad[:10]:
         print(f"# {b}")
-    print(f"{int(ok)} passed, {int(not ok)} failed")
-    return 0 if ok else 1
-
-
-sys.exit(main())
+    assert ok, f"{len(bad)} of {n} cases differ: " + "; ".join(bad[:10])
