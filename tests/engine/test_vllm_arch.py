@@ -1,14 +1,17 @@
-"""CacheBlend inside vLLM for Mistral, Qwen2, Qwen3 and Phi-3, against kvblend.hf, in real engines.
+"""CacheBlend inside vLLM for Mistral, Qwen2, Qwen3, Phi-3 and Qwen3-MoE, against kvblend.hf, in real engines.
 
 Run with the engine venv's python (.ci/engine-env), KVBLEND_LIB set to the build's
 libkvblend and KVBLEND_ENGINE_MODEL (or --model) to SmolLM2-135M-Instruct's directory.
-The four models are SmolLM2's real weights under each architecture's config
+The five models are SmolLM2's real weights under each architecture's config
 (make_arch_models.py, built beside it on first use): Mistral the same tensors, Qwen2 with
 QKV biases, Qwen3 with per-head Q/K norms, Phi-3 with fused projections and a partial
-rotary factor of 0.75.
+rotary factor of 0.75, Qwen3-MoE with Qwen3's norms and each MLP cut into four experts of
+which a deterministic-pattern router picks two per token (vLLM's fused MoE kernel routes
+the recomputed rows in the engine, transformers' experts in kvblend.hf).
 
-(a) refusals, no engine: a Gemma config gives no blend settings (plain reuse) with the log
-    line naming it, and so does a Mistral config with Llama 4 attention scaling; a real
+(a) refusals, no engine: a Gemma config and a Mixtral config (a mixture of experts the
+    pass does not drive) give no blend settings (plain reuse) with the log line naming
+    them, and so does a Mistral config with Llama 4 attention scaling; a real
     transformers Gemma model is refused by kvblend.hf (Unsupported) and by the vLLM pass's
     adapter (BlendRefused), naming it;
 then for each architecture in turn, with one daemon:
@@ -46,7 +49,7 @@ from kvbtest import fail  # noqa: E402
 HERE = Path(__file__).resolve().parent
 MAX_TOKENS = 16
 CHECKS, RATIOS = (1,), (0.15,)
-ARCHS = ("mistral", "qwen2", "qwen3", "phi3")
+ARCHS = ("mistral", "qwen2", "qwen3", "phi3", "qwen3moe")
 # As test_vllm_blend: vLLM's modules against transformers' on the same float32 weights,
 # written into and read back from the cache bit for bit; and test_hf_blend's for the
 # blend at r = 1.0 against transformers' own prefill (float32 sums in other orders).
@@ -90,7 +93,11 @@ def check_refusals(model_dirs):
     gcfg = transformers.GemmaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                                     num_attention_heads=2, num_key_value_heads=1, head_dim=32,
                                     vocab_size=128)
+    mcfg = transformers.MixtralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1,
+                                      vocab_size=128, num_local_experts=4)
     for name, c, words in (("GemmaForCausalLM", gcfg, "GemmaForCausalLM is not supported"),
+                           ("MixtralForCausalLM", mcfg, "MixtralForCausalLM is not supported"),
                            ("MistralForCausalLM", cfg, "Llama 4 attention scaling")):
         lines.clear()
         if config.config_from_extra({"blend": {}}, name, 30, c) is not None:
@@ -242,14 +249,15 @@ def test_vllm_arch(engine_model, pytestconfig):
                                     dump_dir)
     finally:
         d.stop()
-    for arch in ("qwen2", "qwen3"):
-        if arch in fulls and "mistral" in fulls:
-            path = worst_dev(fulls[arch], fulls["mistral"])
+    for arch, base, what in (("qwen2", "mistral", "bias"), ("qwen3", "mistral", "norms"),
+                             ("qwen3moe", "qwen3", "experts (a dense MLP)")):
+        if arch in fulls and base in fulls:
+            path = worst_dev(fulls[arch], fulls[base])
             if path < 100 * TOL:
                 fail(f"{arch}: its full prefill is within {path:.1e} of the same tensors without "
-                     "its bias or norms: the test would not see them skipped")
+                     f"its {what}: the test would not see them skipped")
             print(f"  path: {arch}'s full-prefill KV lies {path:.2f} of a layer's scale from "
-                  "the same tensors without its " + ("bias" if arch == "qwen2" else "norms"))
+                  f"the same tensors without its {what}")
     shutil.rmtree(tmp, ignore_errors=True)
     worst = ", ".join(f"{a} {v:.1e}" for a, v in devs.items())
     print(f"test_vllm_arch: all passed in {time.monotonic() - t0:.0f} s (max deviation {worst})")

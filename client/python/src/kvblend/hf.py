@@ -17,7 +17,8 @@ and merges. Useful on its own for offline RAG jobs, and to debug the blend loop 
 Supported: the Llama family, ``LlamaForCausalLM`` (SmolLM2, Llama 2/3, TinyLlama),
 ``MistralForCausalLM``, ``Qwen2ForCausalLM`` (bias on Q, K and V), ``Qwen3ForCausalLM``
 (an RMSNorm per head on Q and K before RoPE) and ``Phi3ForCausalLM`` (Q, K and V in one
-projection, a partial rotary factor; :mod:`kvblend.blend.arch`), in float32 or
+projection, a partial rotary factor) and ``Qwen3MoeForCausalLM`` (Qwen3's attention, routed
+experts as the MLP; :mod:`kvblend.blend.arch`), in float32 or
 float16 with the default RoPE, full attention, on any device (rows cross to the daemon
 through host memory). Anything else is refused with :class:`Unsupported`.
 
@@ -258,7 +259,7 @@ class _HfOps:
     def finish(self, layer: int, h: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
         mod = self.layers[layer]
         h = h + mod.self_attn.o_proj(a)
-        return h + mod.mlp(mod.post_attention_layernorm(h))
+        return h + _arch.mlp_3d(self.arch, mod.mlp, mod.post_attention_layernorm(h))
 
 
 class Blender:

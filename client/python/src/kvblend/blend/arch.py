@@ -13,7 +13,12 @@ know it:
   a checkpoint without it is not blended as if it were Qwen2;
 - Qwen3: an RMSNorm per head on Q and K (``q_norm``, ``k_norm``, over head_dim) after the
   projection and before RoPE, and an explicit head_dim (taken from the config or vLLM's
-  attention module by both paths).
+  attention module by both paths);
+- Qwen3-MoE: Qwen3's attention, and a mixture of experts in place of the MLP (``mlp``: a
+  router picks each token's experts). The pass calls the ``mlp`` module whole, so each
+  recomputed row is routed as the engine routes it (vLLM's fused MoE kernel under vLLM;
+  transformers' experts under kvblend.hf, whose block takes a batch dimension);
+- Phi-3 and Phi-4: Q, K and V in one projection, and a partial rotary factor.
 
 :func:`for_vllm` and :func:`for_hf` check a loaded model and return its :class:`Arch`;
 :func:`norm_qk` is the one step the loop adds for Qwen3. Anything else raises
@@ -47,12 +52,16 @@ class Arch:
     fused_qkv : bool
         Transformers' modules project Q, K and V in one ``self_attn.qkv_proj`` (and the
         MLP's gate and up in one ``gate_up_proj``, inside ``mlp``); vLLM's always do.
+    moe : bool
+        ``mlp`` is a mixture of experts with a router (``mlp.gate``, ``mlp.experts``);
+        transformers' block takes [batch, tokens, hidden].
     """
 
     name: str
     qkv_bias: bool = False
     qk_norm: bool = False
     fused_qkv: bool = False
+    moe: bool = False
 
 
 #: The architectures the blend pass drives, by Hugging Face architecture name. vLLM runs
@@ -67,6 +76,8 @@ ARCHITECTURES = {
         # Phi-3 and Phi-4: vLLM runs them as Llama; a partial rotary factor (Phi-4-mini's
         # 0.75) is the model's RoPE description (rotary_dim), re-rotated exactly
         Arch("Phi3ForCausalLM", fused_qkv=True),
+        # Qwen3-MoE: every token routed through its top-k experts by the engine's own module
+        Arch("Qwen3MoeForCausalLM", qk_norm=True, moe=True),
     )
 }
 
@@ -120,8 +131,16 @@ def check_config(name: str | None, hf_config: Any, where: str) -> Arch:
     return arch
 
 
-def _check_parts(arch: Arch, attn: Any, layer: int, bias_of: list[Any], where: str) -> None:
-    """Check one attention module against what ``arch`` says it has."""
+def _check_parts(arch: Arch, attn: Any, layer: int, bias_of: list[Any], where: str,
+                 mlp: Any = None) -> None:
+    """Check one attention module (and the layer's MLP) against what ``arch`` says it has."""
+    routed = hasattr(mlp, "experts") and hasattr(mlp, "gate")
+    if mlp is not None and routed != arch.moe:
+        have = "a mixture of experts" if routed else "a dense MLP"
+        raise ArchRefused(f"{where}: {arch.name} decoder layer {layer} has {have}"
+                          + (" the pass does not route" if routed else ""))
+    if arch.moe and getattr(mlp, "shared_expert", None) is not None:
+        raise ArchRefused(f"{where}: {arch.name} decoder layer {layer} has a shared expert")
     if arch.qk_norm and not (hasattr(attn, "q_norm") and hasattr(attn, "k_norm")):
         raise ArchRefused(f"{where}: {arch.name} decoder layer {layer} has no q_norm/k_norm")
     if not arch.qk_norm and (hasattr(attn, "q_norm") or hasattr(attn, "k_norm")):
@@ -156,7 +175,8 @@ def for_vllm(model: Any) -> Arch:
             raise ArchRefused(
                 f"{where}: {arch.name} with {_REFUSED_OPTIONS['dual_chunk_attention_config']}"
             )
-        _check_parts(arch, attn, i, [getattr(attn, "qkv_proj", None)], where)
+        _check_parts(arch, attn, i, [getattr(attn, "qkv_proj", None)], where,
+                     getattr(layer, "mlp", None))
     return arch
 
 
@@ -176,7 +196,7 @@ def for_hf(model: Any) -> Arch:
         projs = [getattr(attn, p, None) for p in names]
         if any(p is None for p in projs):
             raise ArchRefused(f"{where}: {arch.name} decoder layer {i} has no {'/'.join(names)}")
-        _check_parts(arch, attn, i, projs, where)
+        _check_parts(arch, attn, i, projs, where, getattr(layer, "mlp", None))
     return arch
 
 
@@ -188,3 +208,9 @@ def norm_qk(arch: Arch, attn: Any, q: Any, k: Any) -> tuple[Any, Any]:
     if not arch.qk_norm:
         return q, k
     return attn.q_norm(q), attn.k_norm(k)
+
+
+def mlp_3d(arch: Arch, mlp: Any, x: Any) -> Any:
+    """Transformers' MLP of ``arch`` on x [n, hidden]: its mixture-of-experts block takes a
+    batch dimension, its dense MLP any shape."""
+    return mlp(x[None])[0] if arch.moe else mlp(x)

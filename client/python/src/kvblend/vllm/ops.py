@@ -2,7 +2,8 @@
 
 :class:`VllmLlamaOps` drives the decoder layer modules of the model vLLM runs
 (``input_layernorm``, ``self_attn.qkv_proj``, Qwen3's ``self_attn.q_norm``/``k_norm``,
-``self_attn.rotary_emb``, ``self_attn.o_proj``, ``post_attention_layernorm``, ``mlp``;
+``self_attn.rotary_emb``, ``self_attn.o_proj``, ``post_attention_layernorm``, ``mlp``, a
+mixture of experts for Qwen3-MoE that routes the rows it is given;
 :mod:`kvblend.blend.arch`) as :class:`kvblend.blend.loop.LayerOps`, with vLLM's own
 attention kernel where one applies (:mod:`kvblend.vllm.attention`).
 """
