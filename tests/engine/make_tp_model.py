@@ -1,4 +1,4 @@
-"""A small random-weight Llama with 4 KV heads, for tensor parallelism 2 in vLLM's CPU build.
+"""Small random-weight models with 4 KV heads, for tensor parallelism 2 in vLLM's CPU build.
 
 SmolLM2-135M has 3 KV heads, which 2 ranks cannot split; this model has 4 (8 query
 heads, head_dim 32, hidden 256, 4 layers, the SmolLM2 tokenizer and its vocabulary), so
@@ -7,10 +7,17 @@ order (the same file on every machine); initializer 0.1 and an lm_head 10x wider
 that, so that greedy choices are not decided by rounding (TP = 1 and TP = 2 sum in
 other orders: their logits differ by about 1e-5).
 
-Built beside the base model (``llama4kv-random``) under a temporary name and renamed into
-place; an existing build of this version is kept. Usage (the engine venv's python)::
+The same shapes as a Qwen3-MoE (``family="qwen3moe"``, ``qwen3moe4kv-random``): Qwen3's
+per-head Q/K norms and, in every layer, 4 experts (intermediate 256 each) of which 2 are
+routed to each token (weights renormalized over them), so that the blend pass's routed
+experts run sharded over 2 ranks. Its experts are written per expert
+(``mlp.experts.E.{gate,up,down}_proj.weight``), the layout vLLM loads.
 
-    python tests/engine/make_tp_model.py --base SMOLLM2_DIR
+Built beside the base model (``llama4kv-random``, ``qwen3moe4kv-random``) under a temporary
+name and renamed into place; an existing build of this version is kept. Usage (the engine
+venv's python)::
+
+    python tests/engine/make_tp_model.py --base SMOLLM2_DIR [--family qwen3moe]
 
 prints the directory; :func:`ensure` does the same for a test.
 """
@@ -36,19 +43,33 @@ def _stamp(d: Path) -> str | None:
         return None
 
 
-def _build(base: Path, out: Path) -> None:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+#: The models, by family: directory name and (config class, model class) in transformers.
+FAMILIES = {"llama": ("llama4kv-random", "LlamaConfig", "LlamaForCausalLM"),
+            "qwen3moe": ("qwen3moe4kv-random", "Qwen3MoeConfig", "Qwen3MoeForCausalLM")}
+MOE_EXPERTS, MOE_TOP_K = 4, 2
 
-    cfg = LlamaConfig(
+
+def _build(base: Path, out: Path, family: str = "llama") -> None:
+    import torch
+    import transformers
+
+    _, config_class, model_class = FAMILIES[family]
+    shape = dict(
         vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
         num_attention_heads=8, num_key_value_heads=4, head_dim=32, hidden_act="silu",
         max_position_embeddings=2048, initializer_range=0.1, rms_norm_eps=1e-5,
-        rope_theta=10000.0, tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
+        rope_theta=10000.0, tie_word_embeddings=False, attention_bias=False,
         bos_token_id=1, eos_token_id=2, pad_token_id=2,
     )
-    cfg.architectures = ["LlamaForCausalLM"]
-    model = LlamaForCausalLM(cfg)
+    if family == "llama":
+        shape.update(mlp_bias=False)
+    else:
+        shape.update(num_experts=MOE_EXPERTS, num_experts_per_tok=MOE_TOP_K,
+                     moe_intermediate_size=256, norm_topk_prob=True, decoder_sparse_step=1,
+                     mlp_only_layers=[], use_sliding_window=False, router_aux_loss_coef=0.0)
+    cfg = getattr(transformers, config_class)(**shape)
+    cfg.architectures = [model_class]
+    model = getattr(transformers, model_class)(cfg)
     g = torch.Generator().manual_seed(SEED)
     with torch.no_grad():
         for name, p in sorted(model.named_parameters()):
@@ -64,17 +85,18 @@ def _build(base: Path, out: Path) -> None:
             shutil.copy(base / f, out / f)
 
 
-def ensure(base, out_root=None) -> Path:
-    """Build the model if this version is not there yet; return its directory."""
+def ensure(base, out_root=None, family="llama") -> Path:
+    """Build the family's model if this version is not there yet; return its directory."""
     base = Path(base).resolve()
     root = Path(out_root).resolve() if out_root else base.parent
-    d = root / "llama4kv-random"
+    name = FAMILIES[family][0]
+    d = root / name
     if _stamp(d) == VERSION:
         return d
     root.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=".llama4kv-random.", dir=root))
+    work = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=root))
     try:
-        _build(base, work)
+        _build(base, work, family)
         (work / STAMP).write_text(VERSION + "\n")
         for f in work.iterdir():
             f.chmod(0o644)
@@ -95,8 +117,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--base", required=True, help="SmolLM2-135M-Instruct's directory")
     ap.add_argument("--out-root", default=None)
+    ap.add_argument("--family", choices=sorted(FAMILIES), default="llama")
     args = ap.parse_args()
-    print(ensure(args.base, args.out_root))
+    print(ensure(args.base, args.out_root, args.family))
     return 0
 
 

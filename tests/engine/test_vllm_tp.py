@@ -47,7 +47,13 @@ TP = 2 (each rank holds 2 of the 4 KV heads; vLLM's cache in a kvblend region):
     plain's and the next blend runs as before;
 (n) the same inside the anchored metric's preview (the hook's "rank 1 preview 1": the
     preview raises there on rank 1): both ranks stop at that layer's agreement, the output
-    is plain's, and the next anchored blend gives (l)'s tokens.
+    is plain's, and the next anchored blend gives (l)'s tokens;
+(o) a mixture of experts (make_tp_model.py's random Qwen3-MoE, 4 KV heads, 4 experts of
+    which 2 are routed to each token), two engines more, TP = 1 then TP = 2: plain TP = 2
+    equals TP = 1; the blend at r = 1.0 equals plain TP = 2; at r = 0.15 (value metric)
+    and by the default (anchored) it gives TP = 1's tokens and differs from plain, every
+    rank blending each request with no load failed: the pass's routed experts, sharded
+    over the ranks and reduced inside vLLM's module, select and fuse as one rank's.
 Run by pytest (tests/engine/run.sh --pytest, as ctest does); skipped when KVBLEND_SKIP_ENGINE=1.
 Each engine runs in a child process: this file as a script with --phase TP (not by hand).
 """
@@ -79,8 +85,10 @@ QUESTION = " Question: which of these places would you visit first, and why?"
 check = Checks("test_vllm_tp")
 
 
-def phase(tp, model_dir, endpoint, out_path):
-    """One engine at TP = tp; its outputs (and the daemon's counters around them) to out_path."""
+def phase(tp, model_dir, endpoint, out_path, family="llama"):
+    """One engine at TP = tp; its outputs (and the daemon's counters around them) to out_path.
+
+    ``family`` "qwen3moe": (o)'s requests only."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -91,7 +99,7 @@ def phase(tp, model_dir, endpoint, out_path):
 
     t0 = time.monotonic()
     llm = connector_llm(model_dir, {"endpoint": endpoint, "timeout_ms": 20000,
-                                    "model_name": NAME,
+                                    "model_name": NAME if family == "llama" else f"{NAME}-{family}",
                                     "blend": {"check_layers": [1], "ratios": [0.15]}},
                         tensor_parallel_size=tp,
                         distributed_executor_backend="mp" if tp > 1 else None,
@@ -129,7 +137,14 @@ def phase(tp, model_dir, endpoint, out_path):
     rr = segs(*two)
     swapped = ((0, l1, "chunk"), (l1, l0, "chunk"), (l0 + l1, len(q), "fresh"))
     res["plain"] = gen(prompts)
-    if tp == 1:
+    if family != "llama":  # (o)
+        if tp == 1:
+            store_documents(llm, docs[:2])
+        else:
+            res["blend1"] = gen([prompts[3]], [segs(*swapped, blend={"ratios": [1.0]})])[0]
+        res["blend15"] = gen([prompts[3]], [segs(*swapped, blend={})])[0]
+        res["anchored15"] = gen([prompts[3]], [segs(*swapped, blend={"metric": "anchored"})])[0]
+    elif tp == 1:
         res["hashes"] = [h.hex() for h in store_documents(llm, docs[:2])]
         res["rerotated"] = gen([prompts[2]], [rr])[0]
         res["blend15"] = gen([prompts[3]], [segs(*swapped, blend={})])[0]
@@ -257,7 +272,8 @@ def test_vllm_tp(engine_model):
 
     t0 = time.monotonic()
     model_dir = str(ensure(args.model))
-    print(f"test model {model_dir} ({time.monotonic() - t0:.1f} s)")
+    moe_dir = str(ensure(args.model, family="qwen3moe"))
+    print(f"test models {model_dir}, {moe_dir} ({time.monotonic() - t0:.1f} s)")
     work = Path(tempfile.mkdtemp(prefix="kvblend-tp."))
     # the blend pass reaches vLLM's model through the package's vllm.general_plugins entry
     # point: installed (with its metadata) into a folder of its own
@@ -271,24 +287,32 @@ def test_vllm_tp(engine_model):
     env["KVBLEND_VLLM_FAIL_LOAD_FILE"] = str(work / "fail-next-load")
     d = Daemon()
     res, logs = {}, {}
-    try:
+
+    def engines(family, model):
+        """Run the family's engines at TP = 1, then 2; their results and logs by TP."""
+        res, logs = {}, {}
         for tp, bind in ((1, "nobind"), (2, "0|1")):
             # vLLM's CPU TP needs a core a rank ("auto" wants a NUMA node a rank)
             e = dict(env, VLLM_CPU_OMP_THREADS_BIND=bind)
-            out = work / f"tp{tp}.json"
+            out = work / f"{family}-tp{tp}.json"
             t = time.monotonic()
-            p = subprocess.run([sys.executable, __file__, "--model", model_dir, "--phase",
-                                str(tp), "--endpoint", d.endpoint, "--out", str(out)],
+            p = subprocess.run([sys.executable, __file__, "--model", model, "--phase",
+                                str(tp), "--endpoint", d.endpoint, "--out", str(out),
+                                "--family", family],
                                env=e, timeout=900, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)
             rc, logs[tp] = p.returncode, p.stdout
             print(p.stdout)
             if rc != 0:
-                check(f"engine at TP = {tp} ran", False, f"exit {rc}")
+                check(f"{family} engine at TP = {tp} ran", False, f"exit {rc}")
                 check.done()
             res[tp] = json.loads(out.read_text())
-            print(f"TP = {tp}: {time.monotonic() - t:.1f} s (engine start "
+            print(f"{family} TP = {tp}: {time.monotonic() - t:.1f} s (engine start "
                   f"{res[tp]['engine_start_s']} s)")
+        return res, logs
+
+    try:
+        res, logs = engines("llama", model_dir)
         one, two = res[1], res[2]
         # A load that fails is recomputed by vLLM, and its output is plain's: each rank's
         # log must show its loads done (landed, or copied) and none failed.
@@ -392,6 +416,21 @@ def test_vllm_tp(engine_model):
         check("(f) re-rotated reuse at TP = 2 gives TP = 1's tokens",
               two["rerotated"] == one["rerotated"], f"{two['rerotated']} vs {one['rerotated']}")
         refusals(model_dir)
+        moe, moe_logs = engines("qwen3moe", moe_dir)
+        one, two = moe[1], moe[2]
+        blended = {r: len(re.findall(rf"\(Worker_TP{r} pid=\d+\).*kvblend: blended \d+ tokens "
+                                     "of ", moe_logs[2])) for r in (0, 1)}
+        bad = re.findall(r"kvblend: (?:load for \S+ failed|landing session for \S+ refused|"
+                         r"landing stopped|landing off).*", moe_logs[2])
+        check("(o) MoE at TP = 2: each rank blended the three requests, no load failed",
+              blended == {0: 3, 1: 3} and not bad, f"{blended}, failures {bad[:3]}")
+        check("(o) MoE: plain TP = 2 equals plain TP = 1", one["plain"] == two["plain"])
+        check("(o) MoE: blend at r = 1.0 at TP = 2 equals plain TP = 2",
+              two["blend1"] == two["plain"][3], f"{two['blend1']} vs {two['plain'][3]}")
+        for m in ("blend", "anchored"):
+            check(f"(o) MoE: {m} at r = 0.15 at TP = 2 gives TP = 1's tokens, not plain's",
+                  two[f"{m}15"] == one[f"{m}15"] and two[f"{m}15"] != two["plain"][3],
+                  f"{two[f'{m}15']} vs TP = 1 {one[f'{m}15']}, plain {two['plain'][3]}")
     finally:
         d.stop()
     check.done()
@@ -403,5 +442,6 @@ if __name__ == "__main__":  # one engine at TP = --phase, run by test_vllm_tp in
     ap.add_argument("--phase", type=int, required=True)
     ap.add_argument("--endpoint", required=True)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--family", default="llama")
     a = ap.parse_args()
-    phase(a.phase, a.model, a.endpoint, a.out)
+    phase(a.phase, a.model, a.endpoint, a.out, a.family)
