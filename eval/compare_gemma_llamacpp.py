@@ -18,10 +18,14 @@ venv's python (torch, transformers) and name the python that has llama_cpp;
 the llama.cpp half then runs in a child process of that python, which writes
 its token ids and logits to a temporary .npz::
 
-    # once, ~8 min on the shared 2 cores (no server, tools, tests or examples):
+    # once, ~8 min on the shared 2 cores (no server, tools, tests or examples).
+    # Not GGML_NATIVE: this VM's CPU lists AMX, and the native build dies with
+    # SIGILL in its first decode; AVX2 only is enough here.
     uv venv --python /usr/bin/python3 /var/cache/kvblend/llamacpp-venv
     CMAKE_BUILD_PARALLEL_LEVEL=1 CMAKE_ARGS="-DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF \\
-        -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF" \\
+        -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF \\
+        -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \\
+        -DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_TILE=OFF" \\
         uv pip install --python /var/cache/kvblend/llamacpp-venv/bin/python llama-cpp-python numpy
     python eval/compare_gemma_llamacpp.py --model /var/cache/kvblend/models/gemma-3-270m \\
         --gguf gemma-3-270m-q4_k_m.gguf --llamacpp-python /var/cache/kvblend/llamacpp-venv/bin/python
