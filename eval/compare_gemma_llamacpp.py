@@ -20,7 +20,7 @@ its token ids and logits to a temporary .npz::
 
     # once, ~8 min on the shared 2 cores (no server, tools, tests or examples).
     # Not GGML_NATIVE: this VM's CPU lists AMX, and the native build dies with
-    # SIGILL in its first decode; AVX2 only is enough here.
+    # SIGSEGV or SIGILL in its first decode; AVX2 only runs.
     uv venv --python /usr/bin/python3 /var/cache/kvblend/llamacpp-venv
     CMAKE_BUILD_PARALLEL_LEVEL=1 CMAKE_ARGS="-DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF \\
         -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF \\
