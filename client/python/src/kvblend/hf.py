@@ -426,7 +426,9 @@ class Blender:
                 landing=self.landing,
             )
             node_previews(self._ops, metric, b)
-            r = blend_batch(self._ops, b.prompts, checks, metric, self.landing, keep_checks)[0]
+            # the first token's logits need the last row's final hidden state alone
+            r = blend_batch(self._ops, b.prompts, checks, metric, self.landing, keep_checks,
+                            outputs="last")[0]
             stats = close_all(b)[0]
         except BaseException:
             close_after_failure(b)  # the first failure is the one to report

@@ -196,6 +196,7 @@ def blend_batch(
     keep_checks: bool = False,
     wait: Callable[[Any, int], None] | None = None,
     ranks: Ranks | None = None,
+    outputs: str = "all",
 ) -> list[LoopResult]:
     """Run every layer of several prompts together, each through its own open session.
 
@@ -218,7 +219,16 @@ def blend_batch(
     and anchored metrics, whose node selection the ranks made together from their summed
     previews) have no check layer. The attention metric is refused: its score weighs each
     head's deviation by that head's own A.
+
+    ``outputs``: which final hidden states the caller reads (:attr:`LoopResult.h`):
+    ``"all"`` (every recomputed row's), ``"last"`` (each prompt's last row's: the last
+    layer's attention and MLP run for that row alone) or ``"none"`` (the KV only, as an
+    engine's blend, whose logits the engine computes: the last layer's attention and MLP
+    are skipped; ``h`` is None). The KV is the same in all three: a layer's K and V come
+    from its input.
     """
+    if outputs not in ("all", "last", "none"):
+        raise ValueError(f"outputs {outputs!r}: 'all', 'last' or 'none'")
     if ranks is not None and (not landing or metric == "attention"):
         raise ValueError("tensor-parallel blending takes landing sessions and the value, "
                          "key, question or anchored metric")
@@ -256,6 +266,7 @@ def blend_batch(
     # may keep per-rows state, such as vLLM's request metadata, while they stay the same)
     rows_t = [torch.as_tensor(o.rows, device=dev) for o in outs]
     rows_c = [torch.from_numpy(o.rows) for o in outs]
+    last_only = False  # the last layer for each prompt's last row alone (outputs "last")
     many = getattr(ops, "attend_many", None)
     # under tensor parallelism a rank's own failure must not leave the others in a
     # collective: every rank runs the same collectives in the same order, a failure is
@@ -341,6 +352,15 @@ def blend_batch(
                     raise
                 err = err or e
             clock.mark("gather")
+        if li == ops.num_layers - 1 and outputs != "all":
+            if outputs == "none":  # the KV is complete: the layer's output is not read
+                agreed(ranks, err)
+                hs = [None] * len(outs)
+                break
+            # the last row of each prompt alone finishes the last layer
+            hs, qs = [x[-1:] for x in hs], [x[-1:] for x in qs]
+            rows_t = [x[-1:] for x in rows_t]
+            last_only = True
         if split:
             # the attention is the rank's own work; the output projection and the MLP
             # reduce across ranks: agree in between (without ranks, a failure raises here)
@@ -354,7 +374,8 @@ def blend_batch(
                 err = e
             agreed(ranks, err)
             clock.mark("attention")
-            hs = _split(ops.finish(li, _cat(hs), a), outs)
+            h = ops.finish(li, _cat(hs), a)
+            hs = list(torch.split(h, 1)) if last_only else _split(h, outs)
             clock.mark("mlp")
         else:
             agreed(ranks, err)

@@ -222,8 +222,10 @@ def _blend_batch(
                 None if ranks is None else functools.partial(_loop.agreed, ranks),
             )
         try:
+            # vLLM computes the logits from its own forward: the pass leaves the KV only
             rs = _loop.blend_batch(
-                ops, b.prompts, list(check_layers), metric, True, False, wait, ranks
+                ops, b.prompts, list(check_layers), metric, True, False, wait, ranks,
+                outputs="none",
             )
         except (Unavailable, TimeoutError):
             # the daemon is gone or not answering: the closes below must not each wait
