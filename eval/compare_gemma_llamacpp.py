@@ -60,6 +60,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+from cacheblend import kl_top1
 
 HERE = Path(__file__).resolve().parent
 
@@ -79,17 +80,6 @@ TOKENIZER_TEXTS = [
     "Ünïcödé — naïve café, 東京, Привет, 🙂 emoji",
     "<start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n",
 ]
-
-
-def kl_top1(ref_logits, logits):
-    """Per row KL(ref || other) in nats of the next-token distributions, and top-1 agreement."""
-    def log_softmax(x):
-        x = x.astype(np.float64)
-        x = x - x.max(axis=-1, keepdims=True)
-        return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
-
-    lp, lq = log_softmax(ref_logits), log_softmax(logits)
-    return (np.exp(lp) * (lp - lq)).sum(axis=-1), ref_logits.argmax(-1) == logits.argmax(-1)
 
 
 def llamacpp_side(gguf, job, out):
