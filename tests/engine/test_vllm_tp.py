@@ -286,7 +286,6 @@ def test_vllm_tp(engine_model):
     env["KVBLEND_VLLM_COPY_FILE"] = str(work / "copy-loads")
     env["KVBLEND_VLLM_FAIL_LOAD_FILE"] = str(work / "fail-next-load")
     d = Daemon()
-    res, logs = {}, {}
 
     def engines(family, model):
         """Run the family's engines at TP = 1, then 2; their results and logs by TP."""

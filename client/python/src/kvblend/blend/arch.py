@@ -133,12 +133,14 @@ def check_config(name: str | None, hf_config: Any, where: str) -> Arch:
 
 def _check_parts(arch: Arch, attn: Any, layer: int, bias_of: list[Any], where: str,
                  mlp: Any = None) -> None:
-    """Check one attention module (and the layer's MLP) against what ``arch`` says it has."""
-    routed = hasattr(mlp, "experts") and hasattr(mlp, "gate")
-    if mlp is not None and routed != arch.moe:
-        have = "a mixture of experts" if routed else "a dense MLP"
-        raise ArchRefused(f"{where}: {arch.name} decoder layer {layer} has {have}"
-                          + (" the pass does not route" if routed else ""))
+    """Check one attention module (and the layer's MLP) against what ``arch`` says it has.
+
+    A mixture-of-experts architecture may keep dense MLPs in some layers (Qwen3-MoE's
+    ``mlp_only_layers``, ``decoder_sparse_step``): the pass calls ``mlp`` whole either way.
+    """
+    if hasattr(mlp, "experts") and hasattr(mlp, "gate") and not arch.moe:
+        raise ArchRefused(f"{where}: {arch.name} decoder layer {layer} has a mixture of "
+                          "experts the pass does not route")
     if arch.moe and getattr(mlp, "shared_expert", None) is not None:
         raise ArchRefused(f"{where}: {arch.name} decoder layer {layer} has a shared expert")
     if arch.qk_norm and not (hasattr(attn, "q_norm") and hasattr(attn, "k_norm")):
@@ -212,5 +214,5 @@ def norm_qk(arch: Arch, attn: Any, q: Any, k: Any) -> tuple[Any, Any]:
 
 def mlp_3d(arch: Arch, mlp: Any, x: Any) -> Any:
     """Transformers' MLP of ``arch`` on x [n, hidden]: its mixture-of-experts block takes a
-    batch dimension, its dense MLP any shape."""
+    batch dimension, a dense MLP (also a dense layer of a mixture) any shape."""
     return mlp(x[None])[0] if arch.moe else mlp(x)
