@@ -16,8 +16,8 @@ a question (about 330 tokens):
     prefill + generate() token for token, and its fused KV equals the full prefill's KV;
     r = 0.15 twice gives the same fused KV bit for bit and the same tokens, and the same
     tokens as generate() from the NumPy reference's fused KV;
-(e) an architecture outside the Llama family (Gemma) is refused with kvblend.hf.Unsupported
-    (Mistral, Qwen2 and Qwen3: test_vllm_arch.py).
+(e) an architecture kvblend.hf does not drive (GPT-2) is refused with kvblend.hf.Unsupported
+    (Mistral, Qwen2 and Qwen3: test_vllm_arch.py; Gemma 3: test_hf_gemma.py).
 (f) the attention metric (question-aware selection, issue 24) at layer 1, r=0.15: A from
     kvblend's preview (kvblend.blend.preview, the connector's too) equals eval/qsel.py's
     preview on the NumPy model within TOL_A, and the daemon's selection equals
@@ -235,15 +235,15 @@ def run(model, twin, c, segs):
     check_question(b, req, twin, full_kv)
     check_anchored(b, req, twin)
 
-    # (e) another architecture (Gemma: a Llama-like layer the pass does not reproduce).
-    gcfg = transformers.GemmaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                                    num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-                                    vocab_size=128)
+    # (e) another architecture (GPT-2: learned positions, no RoPE, a layer the pass does not
+    # reproduce; Gemma 3 is blended: test_hf_gemma.py)
+    gcfg = transformers.GPT2Config(n_embd=64, n_layer=1, n_head=2, vocab_size=128,
+                                   n_positions=64, bos_token_id=1, eos_token_id=1)
     try:
-        kh.Blender(transformers.GemmaForCausalLM(gcfg), c)
-        fail("a GemmaForCausalLM was not refused")
+        kh.Blender(transformers.GPT2LMHeadModel(gcfg), c)
+        fail("a GPT2LMHeadModel was not refused")
     except kh.Unsupported as e:
-        if "GemmaForCausalLM is not supported" not in str(e):
+        if "GPT2LMHeadModel is not supported" not in str(e):
             fail(f"refusal message: {e}")
         print(f"  (e) refused: {e}")
 

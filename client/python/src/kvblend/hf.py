@@ -18,9 +18,12 @@ Supported: the Llama family, ``LlamaForCausalLM`` (SmolLM2, Llama 2/3, TinyLlama
 ``MistralForCausalLM``, ``Qwen2ForCausalLM`` (bias on Q, K and V), ``Qwen3ForCausalLM``
 (an RMSNorm per head on Q and K before RoPE) and ``Phi3ForCausalLM`` (Q, K and V in one
 projection, a partial rotary factor) and ``Qwen3MoeForCausalLM`` (Qwen3's attention, routed
-experts as the MLP; :mod:`kvblend.blend.arch`), in float32 or
-float16 with the default RoPE, full attention, on any device (rows cross to the daemon
-through host memory). Anything else is refused with :class:`Unsupported`.
+experts as the MLP), in float32 or float16 with the default RoPE, full attention; and
+``Gemma3ForCausalLM`` (Gemma 3's text model: Q and K norms, sandwich norms, a scaled
+embedding, a sliding window and a RoPE base of their own on its local layers, which the
+daemon re-rotates with the model's local base; :mod:`kvblend.blend.arch`), on any device
+(rows cross to the daemon through host memory). Anything else is refused with
+:class:`Unsupported`.
 
 This module imports torch and transformers; ``import kvblend`` does not import it.
 """
@@ -48,7 +51,7 @@ from .errors import KvblendError
 from .types import Model
 
 #: Architectures whose decoder layers this module drives (:mod:`kvblend.blend.arch`).
-SUPPORTED_ARCHITECTURES = tuple(_arch.ARCHITECTURES)
+SUPPORTED_ARCHITECTURES = tuple(_arch.ARCHITECTURES) + tuple(_arch.HF_ONLY)
 _DTYPES = {
     torch.float32: ("f32", np.float32),
     torch.float16: ("f16", np.float16),
@@ -72,18 +75,31 @@ def _sliding(cfg: Any) -> bool:
     return bool(getattr(cfg, "sliding_window", None))
 
 
+def _rope_by_type(cfg: Any) -> dict[str, dict]:
+    """Return the RoPE parameters per layer type of a model with local layers, else {}.
+
+    Transformers 5's ``rope_parameters`` keyed by ``sliding_attention``/``full_attention``.
+    """
+    rp = _describe.rope_parameters(cfg)
+    return {t: dict(v) for t, v in rp.items() if isinstance(v, dict)}
+
+
 def _check_model(model: Any) -> _arch.Arch:
     try:
-        arch = _arch.check_config(type(model).__name__, model.config, "kvblend.hf")
+        arch = _arch.check_config(type(model).__name__, model.config, "kvblend.hf", hf=True)
         _arch.for_hf(model)
     except _arch.ArchRefused as e:
         raise Unsupported(str(e)) from None
     cfg = model.config
     rs = _describe.rope_scaling(cfg) or {}
-    rope_type = rs.get("rope_type", rs.get("type", "default"))
-    if rope_type != "default":
-        raise Unsupported(f"kvblend.hf: RoPE type {rope_type!r}; only the default RoPE is handled")
-    if _sliding(cfg):
+    rope_types = [rs.get("rope_type", rs.get("type", "default"))]
+    if arch.local_layers:  # and each layer type's (Gemma 3's full layers may scale)
+        rope_types += [v.get("rope_type", "default") for v in _rope_by_type(cfg).values()]
+    for rope_type in rope_types:
+        if rope_type != "default":
+            raise Unsupported(
+                f"kvblend.hf: RoPE type {rope_type!r}; only the default RoPE is handled")
+    if not arch.local_layers and _sliding(cfg):
         raise Unsupported("kvblend.hf: sliding-window attention is not handled")
     if model.dtype not in _DTYPES:
         raise Unsupported(f"kvblend.hf: dtype {model.dtype}; float32, float16 or bfloat16")
@@ -107,7 +123,7 @@ def model_spec(model: Any, name: str | None = None) -> Model:
     Unsupported
         The architecture, RoPE, attention or dtype is not one this module handles.
     """
-    _check_model(model)
+    arch = _check_model(model)
     cfg = model.config
     dtype = _DTYPES[model.dtype][0]
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -115,7 +131,7 @@ def model_spec(model: Any, name: str | None = None) -> Model:
         base = str(getattr(cfg, "_name_or_path", "") or "model").rstrip("/").split("/")[-1]
         name = f"hf:{base}:{dtype}"[:64]
     try:
-        return _describe.describe(
+        spec = _describe.describe(
             cfg,
             name=name,
             dtype=dtype,
@@ -125,6 +141,39 @@ def model_spec(model: Any, name: str | None = None) -> Model:
         )
     except _describe.Undescribable as e:
         raise Unsupported(f"kvblend.hf: {e}") from None
+    if arch.local_layers:
+        _check_local_rope(arch, cfg, spec)
+    return spec
+
+
+def _check_local_rope(arch: _arch.Arch, cfg: Any, spec: Model) -> None:
+    """Check that ``spec`` re-rotates each layer with the base the model rotates it with.
+
+    The daemon rotates layer l with ``rope_local_theta`` unless (l + 1) % ``full_every``
+    is 0 (or with ``rope_theta`` everywhere when ``rope_local_theta`` is 0); the model
+    rotates its sliding layers with ``rope_parameters["sliding_attention"]``'s base and
+    its full ones with ``["full_attention"]``'s.
+
+    Raises
+    ------
+    Unsupported
+        The description cannot say it (no local base), or says another base for a layer.
+    """
+    by_type = _rope_by_type(cfg)
+    types = ["full_attention" if w is None else "sliding_attention"
+             for w in _arch.sliding_windows(arch, cfg, "kvblend.hf")]
+    local = float(getattr(spec, "rope_local_theta", 0.0) or 0.0)
+    every = int(getattr(spec, "full_every", 0) or 0)
+    for i, t in enumerate(types):
+        want = float(by_type.get(t, {}).get("rope_theta", spec.rope_theta))
+        full = local <= 0 or (every > 0 and (i + 1) % every == 0)
+        got = spec.rope_theta if full else local
+        if got != want:
+            raise Unsupported(
+                f"kvblend.hf: {arch.name} layer {i} ({t}) is rotated with base {want:g}; its "
+                f"kvblend description re-rotates it with {got:g} (rope_theta {spec.rope_theta:g}"
+                f", rope_local_theta {local:g}, full_every {every})"
+            )
 
 
 @dataclass
@@ -206,7 +255,7 @@ def _segments(segments: Sequence[tuple[str, Any]]) -> tuple[np.ndarray, list]:
 
 
 class _HfOps:
-    """Layer operations of a transformers Llama-family model.
+    """Layer operations of a transformers model of :data:`SUPPORTED_ARCHITECTURES`.
 
     The :class:`kvblend.blend.loop.LayerOps` that :func:`kvblend.blend.loop.blend_batch` drives.
     """
@@ -219,17 +268,26 @@ class _HfOps:
         self.kv_dtype = model.dtype
         # the modeling module's own RoPE (rotate_half, neox pairs)
         self.rope = sys.modules[type(self.layers[0].self_attn).__module__].apply_rotary_pos_emb
-        self.cos = self.sin = None
         cfg = model.config
         self.qkv_sizes = [cfg.num_attention_heads * head_dim] + [
             cfg.num_key_value_heads * head_dim
         ] * 2
+        #: per layer, its sliding window (None: full attention) and, for a model with
+        #: local layers, its type (the rotary embedding's cos and sin are per type)
+        self.windows = _arch.sliding_windows(arch, cfg, "kvblend.hf")
+        self.types = ([None] * self.num_layers if not arch.local_layers else
+                      ["full_attention" if w is None else "sliding_attention"
+                       for w in self.windows])
+        self.cos_of: dict = {}
+        self.sin_of: dict = {}
 
     def begin(self, n: int) -> None:
         pos = torch.arange(n, device=self.device)[None]
         x = torch.empty(1, dtype=self.model.dtype, device=self.device)
-        cos, sin = self.model.model.rotary_emb(x, position_ids=pos)
-        self.cos, self.sin = cos[0], sin[0]
+        for t in set(self.types):
+            kw = {} if t is None else {"layer_type": t}
+            cos, sin = self.model.model.rotary_emb(x, position_ids=pos, **kw)
+            self.cos_of[t], self.sin_of[t] = cos[0], sin[0]
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.model.model.embed_tokens(ids)
@@ -245,21 +303,26 @@ class _HfOps:
             q = attn.q_proj(x).view(x.shape[0], -1, d)
             k = attn.k_proj(x).view(x.shape[0], -1, d)
             v = attn.v_proj(x).view(x.shape[0], -1, d)
-        q, k = _arch.norm_qk(self.arch, attn, q, k)  # Qwen3's, before RoPE
-        q, k = self.rope(q, k, self.cos[rows], self.sin[rows], unsqueeze_dim=1)
+        q, k = _arch.norm_qk(self.arch, attn, q, k)  # Qwen3's and Gemma's, before RoPE
+        t = self.types[layer]
+        q, k = self.rope(q, k, self.cos_of[t][rows], self.sin_of[t][rows], unsqueeze_dim=1)
         return q, k, v
 
     def attend(self, layer: int, h, q, keys, values, rows) -> torch.Tensor:
         attn = self.layers[layer].self_attn
-        return self.finish(layer, h, causal_attention(q, keys, values, rows, attn.scaling))
+        a = causal_attention(q, keys, values, rows, attn.scaling, self.windows[layer])
+        return self.finish(layer, h, a)
 
     def scaling(self, layer: int) -> float:
         return float(self.layers[layer].self_attn.scaling)
 
+    def window(self, layer: int) -> int | None:
+        """The layer's sliding window (None: full attention); the previews read it."""
+        return self.windows[layer]
+
     def finish(self, layer: int, h: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
         mod = self.layers[layer]
-        h = h + mod.self_attn.o_proj(a)
-        return h + _arch.mlp_3d(self.arch, mod.mlp, mod.post_attention_layernorm(h))
+        return _arch.finish_hf(self.arch, mod, h, mod.self_attn.o_proj(a))
 
 
 class Blender:
@@ -312,7 +375,14 @@ class Blender:
         """
         dev = next(self.model.parameters()).device
         x = torch.as_tensor(np.asarray(ids, np.int64), device=dev)[None]
-        out = self.model(input_ids=x, use_cache=True)
+        kw = {}
+        if any(w is not None for w in self._ops.windows):
+            # a cache without the config's sliding layers, which keep only their window's
+            # last rows: every row of the chunk is stored
+            from transformers import DynamicCache
+
+            kw["past_key_values"] = DynamicCache()
+        out = self.model(input_ids=x, use_cache=True, **kw)
         pkv = out.past_key_values
         layers = [
             torch.stack([pkv.layers[i].keys[0], pkv.layers[i].values[0]]).transpose(1, 2)

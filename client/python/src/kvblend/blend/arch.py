@@ -18,10 +18,17 @@ know it:
   router picks each token's experts). The pass calls the ``mlp`` module whole, so each
   recomputed row is routed as the engine routes it (vLLM's fused MoE kernel under vLLM;
   transformers' experts under kvblend.hf, whose block takes a batch dimension);
-- Phi-3 and Phi-4: Q, K and V in one projection, and a partial rotary factor.
+- Phi-3 and Phi-4: Q, K and V in one projection, and a partial rotary factor;
+- Gemma 3 (text, ``Gemma3ForCausalLM``; :mod:`kvblend.hf` only so far): Qwen3's Q and K
+  norms, a norm on each sublayer's output as well as its input (``post_attention_layernorm``
+  on the attention's output, ``pre_feedforward_layernorm`` and
+  ``post_feedforward_layernorm`` around the MLP), an embedding scaled by sqrt(hidden) (in
+  transformers' ``embed_tokens`` module, called whole), the attention scaled by
+  ``query_pre_attn_scalar`` ** -0.5 (the attention module's ``scaling``), a RoPE base per
+  layer type, and a sliding window on its local layers (:func:`sliding_windows`).
 
 :func:`for_vllm` and :func:`for_hf` check a loaded model and return its :class:`Arch`;
-:func:`norm_qk` is the one step the loop adds for Qwen3. Anything else raises
+:func:`norm_qk` is the one step the loop adds for Qwen3 and Gemma 3. Anything else raises
 :class:`ArchRefused` naming the architecture. Used by :mod:`kvblend.vllm.blend` and
 :mod:`kvblend.hf`; imports nothing but the standard library at import time.
 """
@@ -55,6 +62,19 @@ class Arch:
     moe : bool
         ``mlp`` is a mixture of experts with a router (``mlp.gate``, ``mlp.experts``);
         transformers' block takes [batch, tokens, hidden].
+    sandwich_norm : bool
+        Each sublayer's output is normed before its residual add (Gemma 2 and 3): the
+        attention's by ``post_attention_layernorm``; the MLP's input by
+        ``pre_feedforward_layernorm`` and its output by ``post_feedforward_layernorm``.
+    local_layers : bool
+        Some layers are local (``config.layer_types``, or ``sliding_window_pattern``): they
+        attend through a sliding window and are rotated with their own RoPE base
+        (transformers' rotary embedding takes the layer type); :func:`sliding_windows`.
+    scaled_embedding : bool
+        The embedding is scaled (by sqrt(hidden) in Gemma), inside transformers' embedding
+        module (``embed_scale``), which the pass calls whole: checked to be there.
+    vllm : bool
+        The vLLM connector's blend pass drives it too (else :mod:`kvblend.hf` only).
     """
 
     name: str
@@ -62,6 +82,10 @@ class Arch:
     qk_norm: bool = False
     fused_qkv: bool = False
     moe: bool = False
+    sandwich_norm: bool = False
+    local_layers: bool = False
+    scaled_embedding: bool = False
+    vllm: bool = True
 
 
 #: The architectures the blend pass drives, by Hugging Face architecture name. vLLM runs
@@ -81,24 +105,42 @@ ARCHITECTURES = {
     )
 }
 
+#: Architectures :mod:`kvblend.hf` drives and the vLLM connector not yet (its blend pass
+#: has no sliding window, and vLLM's Gemma 3 layer is not checked against the pass).
+HF_ONLY = {
+    a.name: a
+    for a in (
+        Arch("Gemma3ForCausalLM", qk_norm=True, sandwich_norm=True, local_layers=True,
+             scaled_embedding=True, vllm=False),
+    )
+}
 
-def supported() -> str:
-    """Return the supported architectures, comma-separated, for messages."""
-    return ", ".join(ARCHITECTURES)
+
+def supported(hf: bool = False) -> str:
+    """Return the supported architectures (``hf``: :mod:`kvblend.hf`'s), comma-separated."""
+    return ", ".join({**ARCHITECTURES, **HF_ONLY} if hf else ARCHITECTURES)
 
 
-def lookup(name: str | None, where: str) -> Arch:
+def lookup(name: str | None, where: str, hf: bool = False) -> Arch:
     """Return the :class:`Arch` of architecture ``name``.
+
+    ``hf``: for :mod:`kvblend.hf`, which drives :data:`HF_ONLY` too.
 
     Raises
     ------
     ArchRefused
-        ``name`` is not one of :data:`ARCHITECTURES`; the message starts with ``where``.
+        ``name`` is not one of :data:`ARCHITECTURES` (or :data:`HF_ONLY` with ``hf``);
+        the message starts with ``where``.
     """
     arch = ARCHITECTURES.get(name or "")
+    if arch is None and name in HF_ONLY:
+        arch = HF_ONLY[name]
+        if not hf:
+            raise ArchRefused(f"{where}: {name} is blended by kvblend.hf only, not yet under "
+                              f"vLLM (supported: {supported()})")
     if arch is None:
         raise ArchRefused(
-            f"{where}: {name} is not supported for blending (supported: {supported()})"
+            f"{where}: {name} is not supported for blending (supported: {supported(hf)})"
         )
     return arch
 
@@ -109,14 +151,19 @@ _REFUSED_OPTIONS = {
     "llama_4_scaling": "Llama 4 attention scaling",
     "ada_rms_norm_t_cond": "an adaptive RMSNorm",
     "dual_chunk_attention_config": "dual-chunk attention",
+    # Gemma 2's (Gemma 3 has none: its configs say None)
+    "attn_logit_softcapping": "attention logit softcapping",
+    "final_logit_softcapping": "final logit softcapping",
+    # Gemma 3's encoder use (EmbeddingGemma)
+    "use_bidirectional_attention": "bidirectional attention",
 }
 
 
-def check_config(name: str | None, hf_config: Any, where: str) -> Arch:
+def check_config(name: str | None, hf_config: Any, where: str, hf: bool = False) -> Arch:
     """Return the :class:`Arch` of architecture ``name`` whose Hugging Face config is given.
 
     Decided from the config alone, so that vLLM's scheduler and worker processes agree
-    before any model is loaded.
+    before any model is loaded. ``hf``: for :mod:`kvblend.hf` (:func:`lookup`).
 
     Raises
     ------
@@ -124,11 +171,49 @@ def check_config(name: str | None, hf_config: Any, where: str) -> Arch:
         ``name`` is not one of :data:`ARCHITECTURES`, or the config turns on an option
         the pass does not reproduce; the message starts with ``where``.
     """
-    arch = lookup(name, where)
+    arch = lookup(name, where, hf)
     for key, what in _REFUSED_OPTIONS.items():
         if hf_config is not None and getattr(hf_config, key, None):
             raise ArchRefused(f"{where}: {arch.name} with {what} ({key}) is not blended")
+    if arch.local_layers and hf_config is not None:
+        sliding_windows(arch, hf_config, where)
     return arch
+
+
+def sliding_windows(arch: Arch, hf_config: Any, where: str) -> list[int | None]:
+    """Return each layer's sliding window (None: a full-attention layer) from the config.
+
+    From ``layer_types`` (``"sliding_attention"`` or ``"full_attention"``) when the
+    config has it, else from ``sliding_window_pattern`` (every ``pattern``-th layer,
+    1-based, is full: Gemma 3's older configs). A local layer's row at position p reads
+    the keys at p - window + 1 .. p (transformers' ``sliding_window_overlay``: kv > q -
+    window). All full for an architecture without local layers.
+
+    Raises
+    ------
+    ArchRefused
+        Local layers without a positive ``sliding_window``, a layer type other than
+        those two, or neither ``layer_types`` nor ``sliding_window_pattern``.
+    """
+    n = int(hf_config.num_hidden_layers)
+    if not arch.local_layers:
+        return [None] * n
+    types = getattr(hf_config, "layer_types", None)
+    if types is None:
+        pattern = getattr(hf_config, "sliding_window_pattern", None)
+        if not pattern:
+            raise ArchRefused(f"{where}: {arch.name} config has neither layer_types nor "
+                              "sliding_window_pattern")
+        types = ["full_attention" if (i + 1) % int(pattern) == 0 else "sliding_attention"
+                 for i in range(n)]
+    types = list(types)[:n]
+    if len(types) != n or any(t not in ("sliding_attention", "full_attention") for t in types):
+        raise ArchRefused(f"{where}: {arch.name} layer types {types} (sliding_attention or "
+                          f"full_attention, one per layer of {n})")
+    window = getattr(hf_config, "sliding_window", None)
+    if "sliding_attention" in types and not (isinstance(window, int) and window > 0):
+        raise ArchRefused(f"{where}: {arch.name} has local layers without a sliding window")
+    return [window if t == "sliding_attention" else None for t in types]
 
 
 def _check_parts(arch: Arch, attn: Any, layer: int, bias_of: list[Any], where: str,
@@ -191,15 +276,41 @@ def for_hf(model: Any) -> Arch:
         Another model class, or layers without the norms or bias their architecture has.
     """
     where = "kvblend.hf"
-    arch = lookup(type(model).__name__, where)
+    arch = lookup(type(model).__name__, where, hf=True)
+    windows = sliding_windows(arch, model.config, where)
+    if arch.scaled_embedding and not hasattr(model.model.embed_tokens, "embed_scale"):
+        raise ArchRefused(f"{where}: {arch.name} has no scaled embedding (embed_scale)")
+    sandwich = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
     for i, layer in enumerate(model.model.layers):
         attn = layer.self_attn
         names = ("qkv_proj",) if arch.fused_qkv else ("q_proj", "k_proj", "v_proj")
         projs = [getattr(attn, p, None) for p in names]
         if any(p is None for p in projs):
             raise ArchRefused(f"{where}: {arch.name} decoder layer {i} has no {'/'.join(names)}")
+        if arch.sandwich_norm != all(hasattr(layer, x) for x in sandwich):
+            what = "no" if arch.sandwich_norm else "unexpected"
+            raise ArchRefused(f"{where}: {arch.name} decoder layer {i}: {what} "
+                              f"{'/'.join(sandwich)}")
+        # transformers' own attention module says which layers are local: it must agree
+        if arch.local_layers and getattr(attn, "sliding_window", None) != windows[i]:
+            raise ArchRefused(f"{where}: {arch.name} decoder layer {i}: sliding window "
+                              f"{getattr(attn, 'sliding_window', None)}, the config's {windows[i]}")
         _check_parts(arch, attn, i, projs, where, getattr(layer, "mlp", None))
     return arch
+
+
+def finish_hf(arch: Arch, layer: Any, h: Any, o: Any) -> Any:
+    """Return transformers' decoder ``layer`` of ``arch`` after its attention.
+
+    The residual adds of the attention's projected output ``o`` [n, hidden] and of the MLP
+    to h [n, hidden], with Gemma's sandwich norms around each sublayer's output.
+    """
+    if arch.sandwich_norm:
+        h = h + layer.post_attention_layernorm(o)
+        return h + layer.post_feedforward_layernorm(
+            mlp_3d(arch, layer.mlp, layer.pre_feedforward_layernorm(h)))
+    h = h + o
+    return h + mlp_3d(arch, layer.mlp, layer.post_attention_layernorm(h))
 
 
 def norm_qk(arch: Arch, attn: Any, q: Any, k: Any) -> tuple[Any, Any]:

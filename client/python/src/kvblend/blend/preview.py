@@ -208,12 +208,19 @@ def question_attention(
             values[:m].copy_(kv[layer, 1, rows])
             keys[m:], values[m:] = k, v
             scored = bool(nc) and (layer == stop if last is not None else layer >= first)
+            # a local layer's sliding window (Gemma 3, ops.window): by the keys' positions
+            window = ops.window(layer) if hasattr(ops, "window") else None
+            local = None
+            if window is not None:
+                if not fused:
+                    raise ValueError("a preview over a sliding window needs ops.finish")
+                local = (torch.cat((rows.to(dev), pos_t)), pos_t, window)
             att = None
             if scored or (fused and layer < stop):
                 scale = ops.scaling(layer) if fused else q.shape[2] ** -0.5
                 # the layer's attention output too, the rank's own work (finish reduces)
                 att = _question_rows(q, keys, values, m, scale, a if scored else None,
-                                     fused and layer < stop)
+                                     fused and layer < stop, local)
                 att = att.to(h.dtype) if att is not None else None
         except Exception as e:  # noqa: BLE001 - agreed on by the ranks, then raised
             if agree is None:
@@ -231,7 +238,8 @@ def question_attention(
 
 
 def _question_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, m: int,
-                   scale: float, a: torch.Tensor | None, out: bool) -> torch.Tensor | None:
+                   scale: float, a: torch.Tensor | None, out: bool,
+                   local: tuple | None = None) -> torch.Tensor | None:
     """Compute the question's softmax attention in float32, a block of its rows at a time.
 
     ``q`` [question, heads, d]; ``keys``, ``values`` [m + question, kv heads, d]: the m
@@ -240,6 +248,10 @@ def _question_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, m:
     rows. Adds the attention on the chunk rows, summed over the rows, to ``a`` [kv heads,
     m] (float64) when given; returns the attention output [question, heads x d] when
     ``out``, else None.
+
+    ``local``: a local layer's (key positions [m + question], question positions
+    [question], window): query i also reads no key at a position <= its own - window
+    (transformers' sliding-window mask).
 
     A block of b question rows [i0, i1) is scored against the keys up to its last row's
     own (m + i1: the later ones are masked for all of them, so leaving them out changes
@@ -261,6 +273,10 @@ def _question_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, m:
         # -inf after each query's own key among the question's
         after = torch.arange(i1, device=dev)[None, :] > torch.arange(i0, i1, device=dev)[:, None]
         s.view(kvh, rep, b, end)[..., m:].masked_fill_(after, float("-inf"))
+        if local is not None:
+            kpos, qpos, window = local
+            out_of = kpos[None, :end] <= qpos[i0:i1, None] - window
+            s.view(kvh, rep, b, end).masked_fill_(out_of, float("-inf"))
         p = torch.softmax(s, dim=-1)
         del s
         if a is not None:

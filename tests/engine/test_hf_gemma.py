@@ -1,0 +1,284 @@
+"""kvblend.hf: CacheBlend over the real Gemma-3-270M (float32) in transformers and kvblendd.
+
+Run with the engine venv's python (tests/engine/run.sh --pytest, as ctest does);
+KVBLEND_GEMMA_MODEL names the model directory (default /var/cache/kvblend/models/gemma-3-270m,
+which tests/engine/make_gemma_model.py writes; the engine environment does not build it:
+without it the test is skipped). Gemma 3's layer differs from Llama's in the Q and K norms,
+the sandwich norms, the scaled embedding and the attention scale, and in its local layers
+(5 of every 6): a sliding window of 512 tokens and a RoPE base of their own (10,000; the
+full layers' is 1,000,000). One long prompt of five stored chunks (about 700 tokens, past
+the window) and three short ones (about 250 tokens each):
+
+(a) the sliding window, unit-level: a local layer's output through kvblend.hf's attention
+    (kvblend.blend.attention.causal_attention with the layer's window) for scattered rows
+    of the long prompt, over the layer's whole KV, equals transformers' own decoder layer
+    (its hidden states) within TOL_LAYER; and a window one token shorter or longer does not
+    (a row at p reads keys p - 511 .. p: transformers' kv > q - window);
+(b) r = 1.0 (every token recomputed from the check layer on) over the long prompt: the fused
+    KV equals transformers' own full prefill's within TOL_FUSED, and the greedy continuation
+    equals generate()'s token for token; the question metric at r = 1.0 (its preview runs
+    over the sliding windows) likewise;
+(c) the vLLM side keeps refusing Gemma 3 with a message that says kvblend.hf blends it;
+(d) with the daemon's two RoPE bases (kvblend.types.Model.rope_local_theta, full_every):
+    kvblend.hf describes the model with them; full reuse (no check layer) lands each chunk
+    as the daemon's own re-rotation of it (GET re-rotated) bit for bit; and on every prompt
+    the first token's KL divergence from the full prefill at r = 0.15 (value metric, layer
+    1) is below full reuse's. Without them (a kvblend before the daemon re-rotates each
+    layer with its own base) kvblend.hf refuses the model, (d) is skipped, and (b) runs
+    under a one-base description (r = 1.0 re-rotates nothing that it keeps).
+Skipped when KVBLEND_SKIP_ENGINE=1.
+"""
+
+import dataclasses
+import os
+import time
+
+import pytest
+
+if os.environ.get("KVBLEND_SKIP_ENGINE") == "1":
+    pytest.skip("KVBLEND_SKIP_ENGINE=1", allow_module_level=True)
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from transformers import DynamicCache  # noqa: E402
+
+import kvblend  # noqa: E402
+import kvblend.hf as kh  # noqa: E402
+from kvblend.blend import arch as _arch  # noqa: E402
+from kvblend.blend.attention import causal_attention  # noqa: E402
+from cacheblend import kl_top1  # noqa: E402
+from harness import Daemon  # noqa: E402
+from kvbtest import DOCS, QUESTION, fail  # noqa: E402
+
+MODEL = os.environ.get("KVBLEND_GEMMA_MODEL", "/var/cache/kvblend/models/gemma-3-270m")
+MAX_TOKENS = 8
+# (a) One decoder layer, kvblend.hf's attention for some rows vs transformers' whole layer:
+# both float32, the same modules, the same scaled dot-product attention kernel family; the
+# rows' softmax sums over another mask shape (a boolean [rows, N] mask against transformers'
+# own), so the order of a reduction may differ: ~1e-7 of the scale per operation, over one
+# layer. 1e-5 of the layer's largest |value| is 100x that, and a window off by one is
+# further off (511 drops a key of the rows past the window, 513 adds one: ~1e-4 of the
+# scale each; measured below, printed).
+TOL_LAYER = 1e-5
+# (b) Fused KV at r = 1.0 vs transformers' full prefill: every row is computed by the same
+# float32 modules in the same order (measured bit for bit equal here); a reduction summed in
+# another order (the boolean mask of the check layer's rows, another thread count) is ~1e-7
+# relative per operation, ~1e-6 after 18 residual layers. 1e-5 of a layer's largest |value|
+# is 10x that and far below a wrong window (without it, the KV of the rows past 512 differs
+# by more than the scale itself) or a wrong RoPE base.
+TOL_FUSED = 1e-5
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    if not os.path.isfile(os.path.join(MODEL, "config.json")):
+        pytest.skip(f"no Gemma 3 model at {MODEL} (tests/engine/make_gemma_model.py writes it)")
+    t0 = time.monotonic()
+    model = transformers.AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32)
+    model.eval()
+    tok = transformers.AutoTokenizer.from_pretrained(MODEL)
+    print(f"{type(model).__name__} loaded in {time.monotonic() - t0:.1f} s")
+    return model, tok
+
+
+def two_bases():
+    """Whether this kvblend describes a model with a local RoPE base (the daemon's)."""
+    return "rope_local_theta" in {f.name for f in dataclasses.fields(kvblend.Model)}
+
+
+def prompt(tok, docs, question=QUESTION):
+    """A prompt [("fresh"|"chunk", ids)]: <bos> and an instruction, the chunks, the question.
+
+    Only the first segment gets <bos> (the tokenizer adds it to every encode otherwise)."""
+    segs = [("fresh", tok.encode("Answer the question using the documents.\n\nDocument 1:\n"))]
+    for i, d in enumerate(docs):
+        segs.append(("chunk", tok.encode(d, add_special_tokens=False)))
+        tail = (f"\n\nDocument {i + 2}:\n" if i + 1 < len(docs) else
+                f"\n\nQuestion: {question}\nAnswer:")
+        segs.append(("fresh", tok.encode(tail, add_special_tokens=False)))
+    return segs
+
+
+def prompts(tok):
+    """The long prompt (five chunks of two documents each, past the window) and three short."""
+    pairs = [DOCS[0] + " " + DOCS[1], DOCS[1] + " " + DOCS[2], DOCS[2] + " " + DOCS[0],
+             DOCS[0] + " " + DOCS[2], DOCS[2] + " " + DOCS[1]]
+    long = prompt(tok, pairs)
+    short = [prompt(tok, DOCS), prompt(tok, DOCS[::-1]),
+             prompt(tok, DOCS[1:] + DOCS[:1], "What guides ships at night, and how far?")]
+    return long, short
+
+
+def ids_of(segs):
+    return np.concatenate([np.asarray(t, np.int64) for _, t in segs])
+
+
+@torch.no_grad()
+def full_prefill(model, ids):
+    """transformers' own prefill of ids: KV [layers, 2, N, kv_heads, d], last logits, the
+    hidden states (a cache without sliding layers, which would keep 511 rows of each)."""
+    x = torch.as_tensor(ids)[None]
+    out = model(x, past_key_values=DynamicCache(), use_cache=True, output_hidden_states=True)
+    pkv = out.past_key_values
+    kv = np.stack([np.stack([pkv.layers[i].keys[0].transpose(0, 1).numpy(),
+                             pkv.layers[i].values[0].transpose(0, 1).numpy()])
+                   for i in range(len(pkv.layers))])
+    return kv, out.logits[0, -1].float().numpy(), out.hidden_states
+
+
+def worst_of(kv, ref):
+    """The largest difference of each layer's K and V, as a share of its largest |value|."""
+    return max(float(np.abs(kv[la, p] - ref[la, p]).max() / np.abs(ref[la, p]).max())
+               for la in range(ref.shape[0]) for p in range(2))
+
+
+def test_hf_gemma(gemma, monkeypatch):
+    model, tok = gemma
+    t0 = time.monotonic()
+    long, short = prompts(tok)
+    ids = ids_of(long)
+    if ids.size <= 600 or ids[0] != tok.bos_token_id:
+        fail(f"the long prompt: {ids.size} tokens, first {ids[0]} (<bos> {tok.bos_token_id})")
+    full_kv, full_logits, hidden = full_prefill(model, ids)
+    check_window(model, ids, hidden)
+    check_vllm_refused(model)
+    if not two_bases():
+        # this kvblend's daemon rotates every layer with one base: kvblend.hf refuses the
+        # model, and r = 1.0 (which keeps no re-rotated row) runs under one base
+        try:
+            kh.model_spec(model)
+            fail("kvblend.hf described Gemma 3 without a local RoPE base")
+        except kh.Unsupported as e:
+            print(f"  no local RoPE base in kvblend.Model: refused ({e})")
+        full = float(model.config.rope_parameters["full_attention"]["rope_theta"])
+        monkeypatch.setattr(kh, "model_spec", lambda m, name=None: kvblend.Model(
+            name="hf:gemma-3-270m:one-base", num_layers=18, num_kv_heads=1, head_dim=256,
+            dtype="f32", rope_theta=full))
+    d = Daemon()
+    try:
+        with kvblend.Client(d.endpoint, timeout_ms=120000) as c:
+            b = kh.Blender(model, c)
+            check_everything(model, b, long, ids, full_kv)
+            if two_bases():
+                check_reuse(model, b, c, [long] + short)
+            b.close()
+    finally:
+        d.stop()
+    print(f"test_hf_gemma: passed in {time.monotonic() - t0:.0f} s"
+          + ("" if two_bases() else " ((d) skipped: no local RoPE base in kvblend.Model)"))
+
+
+@torch.no_grad()
+def check_window(model, ids, hidden):
+    """(a): a local layer's rows through kvblend.hf's attention vs transformers' layer."""
+    arch = kh._check_model(model)
+    ops = kh._HfOps(model, model.config.head_dim, arch)
+    layer = 0
+    window = ops.window(layer)
+    if window != model.config.sliding_window or ops.window(5) is not None:
+        fail(f"windows: layer 0 {window}, layer 5 {ops.window(5)}")
+    n = ids.size
+    ops.begin(n)
+    h = ops.embed(torch.as_tensor(ids))
+    if not torch.equal(h, hidden[0][0]):
+        fail("the scaled embedding differs from transformers' input to layer 0")
+    _, k, v = ops.qkv(layer, h, torch.arange(n))
+    rows = torch.as_tensor([0, 7, window - 2, window - 1, window, window + 1, n // 2 + 300,
+                            n - 2, n - 1])
+    q, _, _ = ops.qkv(layer, h[rows], rows)
+    want = hidden[layer + 1][0, rows]
+    got = ops.attend(layer, h[rows], q, k, v, rows)
+    scale = float(want.abs().max())
+    err = float((got - want).abs().max()) / scale
+    if err > TOL_LAYER:
+        fail(f"(a) layer {layer}: rows differ from transformers' layer by {err:.2e} of its scale")
+    attn = model.model.layers[layer].self_attn
+    moved = []
+    for w in (window - 1, window + 1):
+        a = causal_attention(q, k, v, rows, attn.scaling, w)
+        off = float((ops.finish(layer, h[rows], a) - want).abs().max()) / scale
+        moved.append(off)
+        if off <= TOL_LAYER:  # the tolerance tells the two windows apart
+            fail(f"(a) a window of {w} gives transformers' layer too ({off:.1e})")
+    print(f"  (a) local layer {layer}, {rows.numel()} scattered rows of {n}: within {err:.1e} "
+          f"of transformers' layer; a window of {window - 1} / {window + 1} is off by "
+          f"{moved[0]:.1e} / {moved[1]:.1e}")
+
+
+def check_vllm_refused(model):
+    """(c): vLLM's blend pass (its config check and for_vllm's lookup) refuses Gemma 3."""
+    msg = ""
+    for what, call in (("config", lambda: _arch.check_config(
+            "Gemma3ForCausalLM", model.config, "kvblend: blending refused")),
+                       ("lookup", lambda: _arch.lookup("Gemma3ForCausalLM", "kvblend"))):
+        try:
+            call()
+            fail(f"(c) vLLM's {what} check took Gemma3ForCausalLM")
+        except _arch.ArchRefused as e:
+            msg = str(e)
+            if "kvblend.hf only" not in msg:
+                fail(f"(c) refusal message: {msg}")
+    print(f"  (c) vLLM's blend pass refuses it: {msg}")
+
+
+def check_everything(model, b, segs, ids, full_kv):
+    """(b): r = 1.0 over the long prompt against transformers' full prefill and generate()."""
+    t = time.monotonic()
+    for t_ in (t for k, t in segs if k == "chunk"):
+        b.store(t_)
+    everything = b.blend(segs, (1,), (1.0,))
+    if everything.selections[0].size != ids.size:
+        fail(f"(b) r=1.0 selected {everything.selections[0].size} of {ids.size} rows")
+    err = worst_of(everything.kv.numpy(), full_kv)
+    if err > TOL_FUSED:
+        fail(f"(b) r=1.0: fused KV differs from the full prefill's by {err:.2e} of a scale")
+    x = torch.as_tensor(ids)[None]
+    with torch.no_grad():
+        full = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=MAX_TOKENS,
+                              do_sample=False, temperature=None, top_p=None, top_k=None)
+    full = full[0, ids.size:].tolist()
+    got = b.generate(segs, MAX_TOKENS, blend=everything)
+    if got != full:
+        fail(f"(b) r=1.0 continuation {got} != generate()'s {full}")
+    q = b.blend(segs, ratios=(1.0,), metric="question")
+    err_q = worst_of(q.kv.numpy(), full_kv)
+    if err_q > TOL_FUSED:
+        fail(f"(b) question metric r=1.0: fused KV off by {err_q:.2e} of a scale")
+    print(f"  (b) r=1.0 over {ids.size} tokens: fused KV within {err:.1e} of transformers' "
+          f"full prefill (question metric: {err_q:.1e}); {len(got)} greedy tokens equal to "
+          f"generate()'s ({time.monotonic() - t:.1f} s)")
+
+
+def check_reuse(model, b, c, all_segs):
+    """(d): full reuse lands the daemon's re-rotation; r = 0.15 beats full reuse's KL."""
+    spec = b.spec
+    if not spec.rope_local_theta or not spec.full_every:
+        fail(f"(d) Gemma 3 described with rope_local_theta {spec.rope_local_theta}, "
+             f"full_every {spec.full_every}")
+    rows = []
+    for i, segs in enumerate(all_segs):
+        ids = ids_of(segs)
+        hashes = [b.store(t) for k, t in segs if k == "chunk"]
+        reuse = b.blend(segs, (), ())
+        got, pos, j = reuse.kv.numpy(), 0, 0
+        for kind, t in segs:
+            if kind == "chunk":
+                want = c.get_rerotated(spec.name, hashes[j], pos=pos)
+                if not np.array_equal(got[:, :, pos:pos + len(t)], want):
+                    fail(f"(d) prompt {i}: full reuse's chunk {j} is not the daemon's "
+                         "re-rotation of it")
+                j += 1
+            pos += len(t)
+        _, ref, _ = full_prefill(model, ids)
+        blend = b.blend(segs, (1,), (0.15,))
+        kl_reuse = float(kl_top1(ref[None], reuse.logits.numpy()[None])[0][0])
+        kl_blend = float(kl_top1(ref[None], blend.logits.numpy()[None])[0][0])
+        rows.append((ids.size, kl_reuse, kl_blend))
+        if not kl_blend < kl_reuse:
+            fail(f"(d) prompt {i} ({ids.size} tokens): KL at r=0.15 {kl_blend:.4f} not below "
+                 f"full reuse's {kl_reuse:.4f}")
+    print(f"  (d) local base {spec.rope_local_theta:g}, full every {spec.full_every}: full "
+          "reuse lands the daemon's re-rotation bit for bit; first-token KL vs full prefill "
+          "(tokens: full reuse -> r=0.15): "
+          + ", ".join(f"{n}: {a:.4f} -> {z:.4f}" for n, a, z in rows))
