@@ -26,7 +26,12 @@ grouped queries) and prompts of a few hundred tokens:
     tail of 3000 question tokens over 600 chunk tokens is previewed by its last
     PREVIEW_MAX_QUESTION tokens (A equal to the reference on those alone), no score
     matrix or softmax larger than SCORE_ELEMENTS allocated on the way (torch.bmm and
-    torch.softmax, through which every score passes, watched).
+    torch.softmax, through which every score passes, watched);
+(e) a local layer's sliding window: causal_attention with a window (row i reads keys
+    rows[i] - window + 1 .. rows[i]) equals the float64 reference with that mask for the
+    selections of (b), and a window of n or more is the plain attention bit for bit; the
+    preview over a toy decoder whose even layers are local equals its float64 reference
+    with the window on the keys' positions (chunk rows and the question's own).
 Run by pytest (tests/engine/run.sh --pytest, as ctest does); skipped when KVBLEND_SKIP_ENGINE=1.
 """
 
@@ -50,13 +55,15 @@ from kvbtest import fail
 TOL = 1e-5
 
 
-def reference(q, k, v, rows, scaling):
-    """Dense float64 attention, row i over keys 0..rows[i]."""
+def reference(q, k, v, rows, scaling, window=None):
+    """Dense float64 attention, row i over keys 0..rows[i] (rows[i] - window + 1..rows[i])."""
     rep = q.shape[1] // k.shape[1]
     q64, k64, v64 = (x.double() for x in (q, k, v))
     k64, v64 = k64.repeat_interleave(rep, dim=1), v64.repeat_interleave(rep, dim=1)
     s = torch.einsum("nhd,Nhd->hnN", q64, k64) * scaling
     mask = torch.arange(k.shape[0])[None, :] > torch.as_tensor(rows)[:, None]
+    if window is not None:
+        mask |= torch.arange(k.shape[0])[None, :] <= torch.as_tensor(rows)[:, None] - window
     p = torch.softmax(s.masked_fill(mask[None], float("-inf")), dim=-1)
     return torch.einsum("hnN,Nhd->nhd", p, v64).reshape(q.shape[0], q.shape[1] * q.shape[2])
 
@@ -112,6 +119,24 @@ def check_varlen(rng):
             fail(f"varlen, {len(ns)} prompts in one call: err {err}")
         print(f"ok: varlen, heads {heads}/{kv_heads}, head size {d}: equals the reference, "
               f"alone and {len(ns)} prompts in one call")
+
+
+def check_window(rng):
+    """(e): causal_attention through a sliding window against the float64 reference."""
+    heads, kv_heads, d, window = 4, 1, 32, 128
+    scaling = d**-0.5
+    for n, k, v, name, rows, q in cases(rng, heads, kv_heads, d):
+        rows_t = torch.as_tensor(rows)
+        got = causal_attention(q, k, v, rows_t, scaling, window)
+        want = reference(q, k, v, rows, scaling, window)
+        err = (got.double() - want).abs().max().item() if rows.size else 0.0
+        if not err <= TOL:
+            fail(f"causal_attention, window {window}, n={n}, {name}: err {err}")
+        if not torch.equal(causal_attention(q, k, v, rows_t, scaling, n),
+                           causal_attention(q, k, v, rows_t, scaling)):
+            fail(f"causal_attention, a window of n={n}, {name}: not the plain attention")
+    print(f"ok: a sliding window of {window} equals the reference; one of n is the plain "
+          "attention bit for bit")
 
 
 def check_runs():
@@ -186,8 +211,23 @@ class ToyOps:
         return h + a.to(h.dtype) @ self.w[layer][3].to(h.dtype)
 
 
-def preview_reference(ops, kv, cached, question, first, view=None, last=None):
-    """The preview's A written out in float64, one query head at a time (no blocks)."""
+class LocalToyOps(ToyOps):
+    """ToyOps whose even layers are local: a sliding window of ``local`` keys (Gemma's)."""
+
+    def __init__(self, *a, local=16, **kw):
+        super().__init__(*a, **kw)
+        self.local = local
+
+    def window(self, layer):
+        return self.local if layer % 2 == 0 else None
+
+
+def preview_reference(ops, kv, cached, question, first, view=None, last=None, positions=None):
+    """The preview's A written out in float64, one query head at a time (no blocks).
+
+    With ``ops.window`` (a local layer's), query i (at ``positions[i]``) reads no key at a
+    position <= its own - window: chunk row j is at position rows[j], the question's at
+    ``positions``."""
     nq, heads, kvh = len(question), ops.heads, ops.kv_heads
     rep = heads // kvh
     h = ops.embed(torch.as_tensor(question)).double()
@@ -200,6 +240,10 @@ def preview_reference(ops, kv, cached, question, first, view=None, last=None):
         keys = torch.cat([kv[layer, 0, rows].double(), k])
         values = torch.cat([kv[layer, 1, rows].double(), v])
         mask = torch.arange(m + nq)[None, :] > (m + torch.arange(nq))[:, None]
+        w = ops.window(layer) if hasattr(ops, "window") else None
+        if w is not None:
+            kpos = torch.cat([torch.as_tensor(rows), torch.as_tensor(positions)])
+            mask |= kpos[None, :] <= torch.as_tensor(positions)[:, None] - w
         out = torch.empty(nq, heads, ops.d, dtype=torch.float64)
         for hh in range(heads):
             g = hh // rep
@@ -304,6 +348,24 @@ def check_preview():
                  f"({rel(a, want):.3g})")
         print(f"ok: a {nq}-token tail is previewed by its last {cap} tokens in blocks, the "
               f"largest score tensor {w.most} elements (the whole matrix: {full})")
+
+        # (e) local layers: a window of 16 on layers 0 and 2, over 60 chunk tokens
+        ops = LocalToyOps(layers=4, heads=6, kv_heads=2, d=16, seed=3)
+        n_ctx, nq = 60, 20
+        cached = np.sort(rng.choice(n_ctx, 45, replace=False))
+        kv = torch.randn(ops.num_layers, 2, n_ctx + nq, ops.kv_heads, ops.d)
+        question = rng.integers(0, 64, nq)
+        positions = np.arange(n_ctx, n_ctx + nq)
+        preview.SCORE_ELEMENTS = 6 * 5 * (45 + nq)  # blocks of 5 rows
+        a = preview.question_attention(ops, kv, cached, question, positions, first=1)
+        want = preview_reference(ops, kv, cached, question, 1, positions=positions)
+        plain = preview_reference(ToyOps(layers=4, heads=6, kv_heads=2, d=16, seed=3), kv,
+                                  cached, question, 1)
+        if not rel(a, want) <= tol or rel(plain, want) < 100 * tol:
+            fail(f"preview over local layers: A off the reference by {rel(a, want):.3g} "
+                 f"(without the window: {rel(plain, want):.3g})")
+        print(f"ok: the preview over local layers (window 16) equals the float64 reference "
+              f"within {rel(a, want):.2g} (without the window A moves by {rel(plain, want):.2g})")
     finally:
         if saved is None:
             delattr(preview, "SCORE_ELEMENTS")
@@ -335,5 +397,6 @@ def test_blend_attention():
                     if not err <= TOL:
                         fail(f"{impl}, heads {heads}/{kv_heads}, n={n}, {name}: err {err}")
         print(f"ok: heads {heads}/{kv_heads}, head size {d}: both equal the reference")
+    check_window(rng)
     check_varlen(rng)
     print("test_blend_attention: all passed")
