@@ -20,12 +20,18 @@ the window) and three short ones (about 250 tokens each):
     over the sliding windows) likewise;
 (c) the vLLM side keeps refusing Gemma 3 with a message that says kvblend.hf blends it;
 (d) with the daemon's two RoPE bases (kvblend.types.Model.rope_local_theta, full_every):
-    kvblend.hf describes the model with them; full reuse (no check layer) lands each chunk
-    as the daemon's own re-rotation of it (GET re-rotated) bit for bit; and on every prompt
+    kvblend.hf describes the model with them; a chunk re-rotated by the daemon to positions
+    37.. and 600.. equals transformers' prefill of the chunk alone at those positions on
+    every layer, local and full, within TOL_MOVED; full reuse (no check layer) lands each
+    chunk as the daemon's own re-rotation of it (GET re-rotated) bit for bit; and on every prompt
     the first token's KL divergence from the full prefill at r = 0.15 (value metric, layer
     1) is below full reuse's. Without them (a kvblend before the daemon re-rotates each
-    layer with its own base) kvblend.hf refuses the model, (d) is skipped, and (b) runs
-    under a one-base description (r = 1.0 re-rotates nothing that it keeps).
+    layer with its own base) kvblend.hf refuses the model, and the rest runs under a
+    one-base description: (b) as above (r = 1.0 keeps no re-rotated row), and (d) without
+    its re-rotation checks, on chunks each prefilled alone at its place in the prompt and
+    stored there (base_pos: the daemon then moves no row, whatever its base), which holds
+    the blend pass's mixed rows (stored and recomputed, through the windows) to the KL
+    comparison.
 Skipped when KVBLEND_SKIP_ENGINE=1.
 """
 
@@ -68,6 +74,13 @@ TOL_LAYER = 1e-5
 # is 10x that and far below a wrong window (without it, the KV of the rows past 512 differs
 # by more than the scale itself) or a wrong RoPE base.
 TOL_FUSED = 1e-5
+# (d) A chunk re-rotated by the daemon (float64 angles, float32 arithmetic) vs transformers'
+# prefill of it alone at the new positions (float32 angles p * inv_freq, and attention
+# scores that depend on relative positions only up to that rounding): measured up to 2.2e-5
+# of a layer's scale (V included: the hidden states move by that rounding). 1e-4 is 5x that;
+# a local layer re-rotated with the full layers' base is off by 0.2 to 2 of the scale
+# (measured with one base for all layers).
+TOL_MOVED = 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -160,13 +173,12 @@ def test_hf_gemma(gemma, monkeypatch):
         with kvblend.Client(d.endpoint, timeout_ms=120000) as c:
             b = kh.Blender(model, c)
             check_everything(model, b, long, ids, full_kv)
-            if two_bases():
-                check_reuse(model, b, c, [long] + short)
+            check_reuse(model, b, c, [long] + short, placed=not two_bases())
             b.close()
     finally:
         d.stop()
     print(f"test_hf_gemma: passed in {time.monotonic() - t0:.0f} s"
-          + ("" if two_bases() else " ((d) skipped: no local RoPE base in kvblend.Model)"))
+          + ("" if two_bases() else " (one RoPE base: chunks stored in place)"))
 
 
 @torch.no_grad()
@@ -250,16 +262,23 @@ def check_everything(model, b, segs, ids, full_kv):
           f"generate()'s ({time.monotonic() - t:.1f} s)")
 
 
-def check_reuse(model, b, c, all_segs):
-    """(d): full reuse lands the daemon's re-rotation; r = 0.15 beats full reuse's KL."""
+def check_reuse(model, b, c, all_segs, placed=False):
+    """(d): full reuse lands the daemon's re-rotation; r = 0.15 beats full reuse's KL.
+
+    ``placed``: one RoPE base; each prompt's chunks are stored prefilled at their place."""
     spec = b.spec
-    if not spec.rope_local_theta or not spec.full_every:
-        fail(f"(d) Gemma 3 described with rope_local_theta {spec.rope_local_theta}, "
-             f"full_every {spec.full_every}")
+    if not placed:
+        if not spec.rope_local_theta or not spec.full_every:
+            fail(f"(d) Gemma 3 described with rope_local_theta {spec.rope_local_theta}, "
+                 f"full_every {spec.full_every}")
+        check_moved(model, b, c, all_segs[0])
     rows = []
     for i, segs in enumerate(all_segs):
         ids = ids_of(segs)
-        hashes = [b.store(t) for k, t in segs if k == "chunk"]
+        if placed:
+            hashes = store_in_place(model, c, spec.name, segs)
+        else:
+            hashes = [b.store(t) for k, t in segs if k == "chunk"]
         reuse = b.blend(segs, (), ())
         got, pos, j = reuse.kv.numpy(), 0, 0
         for kind, t in segs:
@@ -278,7 +297,57 @@ def check_reuse(model, b, c, all_segs):
         if not kl_blend < kl_reuse:
             fail(f"(d) prompt {i} ({ids.size} tokens): KL at r=0.15 {kl_blend:.4f} not below "
                  f"full reuse's {kl_reuse:.4f}")
-    print(f"  (d) local base {spec.rope_local_theta:g}, full every {spec.full_every}: full "
-          "reuse lands the daemon's re-rotation bit for bit; first-token KL vs full prefill "
-          "(tokens: full reuse -> r=0.15): "
+    how = ("chunks stored in place (one RoPE base)" if placed else
+           f"local base {spec.rope_local_theta:g}, full every {spec.full_every}")
+    print(f"  (d) {how}: full reuse lands the daemon's re-rotation bit for bit; first-token KL "
+          "vs full prefill (tokens: full reuse -> r=0.15): "
           + ", ".join(f"{n}: {a:.4f} -> {z:.4f}" for n, a, z in rows))
+
+
+@torch.no_grad()
+def prefill_at(model, t, pos):
+    """transformers' prefill of ids t alone at positions pos..: [layers, 2, T, kv_heads, d]."""
+    out = model(torch.as_tensor(t)[None], position_ids=torch.arange(pos, pos + len(t))[None],
+                past_key_values=DynamicCache(), use_cache=True)
+    pkv = out.past_key_values
+    return np.ascontiguousarray(np.stack([
+        torch.stack([pkv.layers[la].keys[0], pkv.layers[la].values[0]]).transpose(1, 2).numpy()
+        for la in range(len(pkv.layers))]))
+
+
+def store_in_place(model, c, name, segs):
+    """Store each chunk of segs prefilled alone at its place in the prompt (base_pos), in
+    place of the chunk stored elsewhere; return their hashes."""
+    pos, hashes = 0, []
+    for kind, t in segs:
+        if kind == "chunk":
+            h = kvblend.chunk_hash(np.asarray(t, np.uint32))
+            if c.lookup(name, [h])[0].found:
+                c.delete(name, h)
+            c.put(name, h, prefill_at(model, t, pos), base_pos=pos)
+            hashes.append(h)
+        pos += len(t)
+    return hashes
+
+
+@torch.no_grad()
+def check_moved(model, b, c, segs):
+    """(d): the daemon's re-rotation of a chunk vs transformers' prefill of it elsewhere."""
+    t = np.asarray(next(t for k, t in segs if k == "chunk"), np.int64)
+    h = b.store(t)
+    worst = [0.0, 0.0]  # local layers, full layers
+    windows = kh._HfOps(model, model.config.head_dim, kh._check_model(model)).windows
+    for pos in (37, 600):
+        got = c.get_rerotated(b.spec.name, h, pos=pos)
+        kv = prefill_at(model, t, pos)
+        for la in range(kv.shape[0]):
+            want = kv[la]
+            for p in range(2):
+                e = float(np.abs(got[la, p] - want[p]).max() / np.abs(want[p]).max())
+                worst[windows[la] is None] = max(worst[windows[la] is None], e)
+                if e > TOL_MOVED:
+                    fail(f"(d) layer {la} ({'local' if windows[la] else 'full'}) {'KV'[p]}: the "
+                         f"daemon's re-rotation to {pos} is off transformers' by {e:.2e}")
+    print(f"  (d) a chunk of {t.size} tokens re-rotated to 37 and 600 by the daemon: within "
+          f"{worst[0]:.1e} (local layers) and {worst[1]:.1e} (full) of transformers' prefill "
+          "there")
