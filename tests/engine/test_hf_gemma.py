@@ -17,7 +17,9 @@ the window) and three short ones (about 250 tokens each):
 (b) r = 1.0 (every token recomputed from the check layer on) over the long prompt: the fused
     KV equals transformers' own full prefill's within TOL_FUSED, and the greedy continuation
     equals generate()'s token for token; the question metric at r = 1.0 (its preview runs
-    over the sliding windows) likewise;
+    over the sliding windows) likewise; and Blender.prefill_kv (what store() puts) of a
+    chunk longer than the window keeps all its rows (transformers' own cache keeps only
+    the last 511 of a local layer): the full prefill's first 600 rows within TOL_FUSED;
 (c) the vLLM side keeps refusing Gemma 3 with a message that says kvblend.hf blends it;
 (d) with the daemon's two RoPE bases (kvblend.types.Model.rope_local_theta, full_every):
     kvblend.hf describes the model with them; a chunk re-rotated by the daemon to positions
@@ -257,9 +259,16 @@ def check_everything(model, b, segs, ids, full_kv):
     err_q = worst_of(q.kv.numpy(), full_kv)
     if err_q > TOL_FUSED:
         fail(f"(b) question metric r=1.0: fused KV off by {err_q:.2e} of a scale")
+    kv600 = b.prefill_kv(ids[:600])  # another length: GEMMs blocked otherwise (TOL_FUSED)
+    if kv600.shape != full_kv[:, :, :600].shape:
+        fail(f"(b) prefill_kv of 600 tokens: {kv600.shape}")
+    err_p = worst_of(kv600, full_kv[:, :, :600])
+    if err_p > TOL_FUSED:
+        fail(f"(b) prefill_kv of 600 tokens: off the full prefill's first rows by {err_p:.2e}")
     print(f"  (b) r=1.0 over {ids.size} tokens: fused KV within {err:.1e} of transformers' "
           f"full prefill (question metric: {err_q:.1e}); {len(got)} greedy tokens equal to "
-          f"generate()'s ({time.monotonic() - t:.1f} s)")
+          f"generate()'s; prefill_kv of 600 tokens keeps every row (within {err_p:.1e}) "
+          f"({time.monotonic() - t:.1f} s)")
 
 
 def check_reuse(model, b, c, all_segs, placed=False):
