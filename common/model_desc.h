@@ -8,9 +8,10 @@
  *
  * Two shapes cannot embed it: the public struct kvb_model (client/include/kvblend.h, a
  * fixed ABI) and the protobuf message Kvblend__Model (proto/kvblend.proto, generated).
- * They have a member of each name below, and KVB_MODEL_DESC_COPY copies between them and
- * a description over the list KVB_MODEL_DESC_FIELDS, in one function each (client/model.c,
- * proto/wire.c). A new field is added to the struct and the list here, to those two
+ * They have a member of each name below (struct kvb_model those of KVB_MODEL_DESC_FIELDS,
+ * struct kvb_model_layers those of KVB_MODEL_DESC_LAYER_FIELDS), and KVB_MODEL_DESC_COPY
+ * (KVB_MODEL_DESC_COPY_LAYERS) copies between them and a description, in one function each
+ * (client/model.c, proto/wire.c). A new field is added to the struct and the list here, to those two
  * shapes, to its check, to its place in the store's model record (store/store_record.c)
  * and, when it is a RoPE field, to struct rope_config and rope_config_from_desc().
  *
