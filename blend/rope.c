@@ -16,12 +16,17 @@ static bool finite_pos(double x)
 	return isfinite(x) && x > 0;
 }
 
-void rope_config_from_desc(const struct kvb_model_desc *d, struct rope_config *c)
+void rope_config_from_desc(const struct kvb_model_desc *d, bool local, struct rope_config *c)
 {
 	memset(c, 0, sizeof(*c));
 	c->head_dim = d->head_dim;
 	c->rotary_dim = d->rotary_dim ? d->rotary_dim : d->head_dim;
 	c->style = (enum rope_style)d->rope_style;
+	if (local) {
+		c->theta = d->rope_local_theta;
+		c->scaling = ROPE_SCALING_NONE;
+		return;
+	}
 	c->theta = d->rope_theta;
 	c->scaling = (enum rope_scaling)d->scaling;
 	c->factor = d->factor;
@@ -257,5 +262,25 @@ int rope_table_build(const struct rope_config *c, bool pre_rope, uint32_t tokens
 out:
 	free(f_old);
 	rope_table_free(&t);
+	return rc;
+}
+
+int rope_tables_for_desc(const struct kvb_model_desc *d, uint32_t tokens, uint32_t old_pos,
+			 uint64_t old_seq_len, uint32_t new_pos, uint64_t new_seq_len,
+			 struct rope_table out[2])
+{
+	struct rope_config c;
+	int rc = 0;
+
+	memset(out, 0, 2 * sizeof(*out));
+	for (int local = 0; !rc && local < 1 + (d->full_every != 0); local++) {
+		rope_config_from_desc(d, local, &c);
+		rc = rope_table_build(&c, d->k_pre_rope, tokens, old_pos, old_seq_len, new_pos,
+				      new_seq_len, &out[local]);
+	}
+	if (rc) {
+		rope_table_free(&out[0]);
+		rope_table_free(&out[1]);
+	}
 	return rc;
 }

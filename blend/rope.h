@@ -14,6 +14,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "common/model_desc.h"
+
 enum rope_style {
 	ROPE_NEOX = 0, /* pairs (j, j + rotary_dim/2): GPT-NeoX, Llama "rotate_half" */
 	ROPE_GPTJ = 1, /* pairs (2j, 2j + 1): GPT-J, interleaved */
@@ -42,14 +44,14 @@ struct rope_config {
 	uint32_t max_pos;	   /* dynamic: max_position_embeddings */
 };
 
-struct kvb_model_desc;
-
 /*
  * The RoPE configuration of model description d (common/model_desc.h): every RoPE
- * field as it is, rotary_dim 0 read as head_dim. The one place a configuration is
- * built from a model; d is not checked (rope_config_check() does that).
+ * field as it is, rotary_dim 0 read as head_dim; with local, that of d's local layers
+ * (kvb_model_desc_local): default RoPE of base rope_local_theta, no scaling. The one
+ * place a configuration is built from a model; d is not checked (rope_config_check()
+ * does that).
  */
-void rope_config_from_desc(const struct kvb_model_desc *d, struct rope_config *c);
+void rope_config_from_desc(const struct kvb_model_desc *d, bool local, struct rope_config *c);
 
 /*
  * Check c; returns 0, or -EINVAL with the rule c breaks written to why (a sentence that
@@ -88,5 +90,22 @@ int rope_table_build(const struct rope_config *c, bool pre_rope, uint32_t tokens
 
 /* Free a table's arrays. Accepts NULL and zeroed tables. */
 void rope_table_free(struct rope_table *t);
+
+/*
+ * A chunk's rotation tables under model description d (rope_table_build's arguments,
+ * pre_rope d's k_pre_rope): out[0] for its full-attention layers (every layer, when d
+ * has no local ones), out[1] for its local layers (zeroed when d has none). On an
+ * error neither is left allocated.
+ */
+int rope_tables_for_desc(const struct kvb_model_desc *d, uint32_t tokens, uint32_t old_pos,
+			 uint64_t old_seq_len, uint32_t new_pos, uint64_t new_seq_len,
+			 struct rope_table out[2]);
+
+/* The table of rope_tables_for_desc's pair t that rotates layer l of d. */
+static inline const struct rope_table *rope_table_of_layer(const struct kvb_model_desc *d,
+							   const struct rope_table t[2], uint32_t l)
+{
+	return &t[kvb_model_desc_local(d, l)];
+}
 
 #endif

@@ -258,7 +258,7 @@ int cmd_cluster(kvb_client *c, struct args *a)
 	return 0;
 }
 
-static void print_model_json(const struct kvb_model *m)
+static void print_model_json(const struct kvb_model *m, const struct kvb_model_layers *ly)
 {
 	char spec[128], store[32];
 
@@ -269,10 +269,10 @@ static void print_model_json(const struct kvb_model *m)
 	printf(", \"layers\": %" PRIu32 ", \"kv_heads\": %" PRIu32 ", \"head_dim\": %" PRIu32
 	       ", \"dtype\": \"%s\", \"rope_theta\": %.17g, \"rope_style\": \"%s\", "
 	       "\"rotary_dim\": %" PRIu32 ", \"rope_scaling\": \"%s\", \"k_pre_rope\": %s, "
-	       "\"store\": \"%s\"}",
+	       "\"store\": \"%s\", \"rope_local_theta\": %.17g, \"full_every\": %" PRIu32 "}",
 	       m->num_layers, m->num_kv_heads, m->head_dim, kvb_dtype_name(m->dtype), m->rope_theta,
 	       m->rope_style == KVB_ROPE_GPTJ ? "gptj" : "neox", m->rotary_dim, spec,
-	       m->k_pre_rope ? "true" : "false", store);
+	       m->k_pre_rope ? "true" : "false", store, ly->rope_local_theta, ly->full_every);
 }
 
 int cmd_model(kvb_client *c, struct args *a)
@@ -291,32 +291,42 @@ int cmd_model(kvb_client *c, struct args *a)
 		rc = kvb_model_list(c, &ms, &n);
 		if (rc)
 			return client_err(c, rc, "model ls");
-		if (opt(&o, "--json")) {
-			printf("[");
-			for (size_t i = 0; i < n; i++) {
-				printf("%s", i ? ", " : "");
-				print_model_json(&ms[i]);
-			}
-			printf("]\n");
-		} else {
-			for (size_t i = 0; i < n; i++) {
-				char spec[128], store[32];
+		printf("%s", opt(&o, "--json") ? "[" : "");
+		for (size_t i = 0; i < n; i++) {
+			struct kvb_model_layers ly = { 0 };
+			char spec[128], local[64] = "", store[32];
 
-				kvb_rope_scaling_format(&ms[i], spec, sizeof(spec));
-				kvb_store_format(&ms[i], store, sizeof(store));
-				printf("%s\tlayers=%" PRIu32 " kv_heads=%" PRIu32 " head_dim=%" PRIu32
-				       " dtype=%s rope_theta=%g rope_style=%s rotary_dim=%" PRIu32
-				       " rope_scaling=%s store=%s%s\n", ms[i].name, ms[i].num_layers,
-				       ms[i].num_kv_heads, ms[i].head_dim, kvb_dtype_name(ms[i].dtype),
-				       ms[i].rope_theta, ms[i].rope_style ? "gptj" : "neox",
-				       ms[i].rotary_dim, spec, store, ms[i].k_pre_rope ? " k_pre_rope" : "");
+			/* the layers of each model (kvb_model_list does not say them) */
+			rc = kvb_model_get_layers(c, ms[i].name, &ms[i], &ly);
+			if (rc) {
+				free(ms);
+				return client_err(c, rc, "model ls");
 			}
+			if (opt(&o, "--json")) {
+				printf("%s", i ? ", " : "");
+				print_model_json(&ms[i], &ly);
+				continue;
+			}
+			kvb_rope_scaling_format(&ms[i], spec, sizeof(spec));
+			kvb_store_format(&ms[i], store, sizeof(store));
+			if (ly.full_every)
+				snprintf(local, sizeof(local), " rope_local_theta=%g full_every=%" PRIu32,
+					 ly.rope_local_theta, ly.full_every);
+			printf("%s\tlayers=%" PRIu32 " kv_heads=%" PRIu32 " head_dim=%" PRIu32
+			       " dtype=%s rope_theta=%g rope_style=%s rotary_dim=%" PRIu32
+			       " rope_scaling=%s%s store=%s%s\n", ms[i].name, ms[i].num_layers,
+			       ms[i].num_kv_heads, ms[i].head_dim, kvb_dtype_name(ms[i].dtype),
+			       ms[i].rope_theta, ms[i].rope_style ? "gptj" : "neox",
+			       ms[i].rotary_dim, spec, local, store,
+			       ms[i].k_pre_rope ? " k_pre_rope" : "");
 		}
+		printf("%s", opt(&o, "--json") ? "]\n" : "");
 		free(ms);
 		return 0;
 	}
 	if (!strcmp(sub, "add")) {
 		struct kvb_model m = { 0 };
+		struct kvb_model_layers ly = { 0 };
 		const char *v;
 		char *end;
 		int existed = 0;
@@ -331,6 +341,8 @@ int cmd_model(kvb_client *c, struct args *a)
 		opt_decl(&o, "--rope-scaling", false);
 		opt_decl(&o, "--k-pre-rope", true);
 		opt_decl(&o, "--store", false);
+		opt_decl(&o, "--rope-local-theta", false);
+		opt_decl(&o, "--full-every", false);
 		if (opt_parse(&o, a))
 			return 2;
 		if (o.npos != 1)
@@ -367,7 +379,19 @@ int cmd_model(kvb_client *c, struct args *a)
 		if (v && kvb_store_parse(v, &m))
 			return die("--store: '%s' is not dtype, fp8, int8, int4 or int4:GROUP "
 				   "(1..1024)", v) ? 2 : 2;
-		rc = kvb_model_register(c, &m, &existed);
+		v = opt(&o, "--rope-local-theta");
+		if (v) {
+			ly.rope_local_theta = strtod(v, &end);
+			if (*end || !(ly.rope_local_theta > 0))
+				return die("--rope-local-theta: '%s' is not a positive number", v)
+					       ? 2 : 2;
+		}
+		v = opt(&o, "--full-every");
+		if (v && parse_u32(v, "--full-every", &ly.full_every))
+			return 2;
+		if ((ly.rope_local_theta > 0) != (ly.full_every != 0))
+			return die("--rope-local-theta and --full-every go together") ? 2 : 2;
+		rc = kvb_model_register_layers(c, &m, &ly, &existed);
 		if (rc)
 			return client_err(c, rc, "model add");
 		printf("%s %s\n", existed ? "model already registered:" : "registered model", m.name);

@@ -182,12 +182,20 @@ void kvbc_model_from_wire(const struct kvbp_model *w, struct kvb_model *m)
 
 int kvb_model_register(kvb_client *c, const struct kvb_model *m, int *existed)
 {
+	return kvb_model_register_layers(c, m, NULL, existed);
+}
+
+int kvb_model_register_layers(kvb_client *c, const struct kvb_model *m,
+			      const struct kvb_model_layers *layers, int *existed)
+{
 	struct call k = { .req = { .op = KVBP_OP_MODEL_REGISTER, .has_model = true } };
 	int rc;
 
 	if (strnlen(m->name, sizeof(m->name)) > KVB_NAME_MAX)
 		return kvbc_set_err(c, -EINVAL, "model name longer than %d bytes", KVB_NAME_MAX);
 	kvbc_model_to_wire(m, &k.req.model);
+	if (layers)
+		KVB_MODEL_DESC_COPY_LAYERS(&k.req.model.desc, layers);
 	rc = kvbc_call(c, &k);
 	if (!rc && existed)
 		*existed = k.rep.existed;
@@ -225,20 +233,31 @@ int kvb_model_list(kvb_client *c, struct kvb_model **models, size_t *n)
 
 int kvb_model_get(kvb_client *c, const char *name, struct kvb_model *out)
 {
-	struct kvb_model *ms;
-	size_t n;
-	int rc = model_list(c, name, &ms, &n);
+	return kvb_model_get_layers(c, name, out, NULL);
+}
 
+int kvb_model_get_layers(kvb_client *c, const char *name, struct kvb_model *out,
+			 struct kvb_model_layers *layers)
+{
+	struct call k = { .req = { .op = KVBP_OP_MODEL_LIST } };
+	int rc;
+
+	snprintf(k.req.model_name, sizeof(k.req.model_name), "%s", name);
+	rc = kvbc_call(c, &k);
 	if (rc)
 		return rc;
 	rc = kvbc_set_err(c, KVB_E_UNKNOWN_MODEL, "unknown model '%s'", name);
-	for (size_t i = 0; i < n; i++)
-		if (!strcmp(ms[i].name, name)) {
-			*out = ms[i];
+	for (size_t i = 0; i < k.rep.n_models; i++)
+		if (!strcmp(k.rep.models[i].name, name)) {
+			kvbc_model_from_wire(&k.rep.models[i], out);
+			if (layers) {
+				memset(layers, 0, sizeof(*layers));
+				KVB_MODEL_DESC_COPY_LAYERS(layers, &k.rep.models[i].desc);
+			}
 			c->err[0] = 0;
 			rc = 0;
 			break;
 		}
-	free(ms);
+	kvbc_call_done(&k);
 	return rc;
 }

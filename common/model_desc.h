@@ -8,9 +8,10 @@
  *
  * Two shapes cannot embed it: the public struct kvb_model (client/include/kvblend.h, a
  * fixed ABI) and the protobuf message Kvblend__Model (proto/kvblend.proto, generated).
- * They have a member of each name below, and KVB_MODEL_DESC_COPY copies between them and
- * a description over the list KVB_MODEL_DESC_FIELDS, in one function each (client/model.c,
- * proto/wire.c). A new field is added to the struct and the list here, to those two
+ * They have a member of each name below (struct kvb_model those of KVB_MODEL_DESC_FIELDS,
+ * struct kvb_model_layers those of KVB_MODEL_DESC_LAYER_FIELDS), and KVB_MODEL_DESC_COPY
+ * (KVB_MODEL_DESC_COPY_LAYERS) copies between them and a description, in one function each
+ * (client/model.c, proto/wire.c). A new field is added to the struct and the list here, to those two
  * shapes, to its check, to its place in the store's model record (store/store_record.c)
  * and, when it is a RoPE field, to struct rope_config and rope_config_from_desc().
  *
@@ -43,6 +44,12 @@ struct kvb_model_desc {
 	double beta_slow;	   /* yarn: > 0 */
 	uint32_t max_pos;	   /* dynamic: max_position_embeddings, > 0 */
 	bool k_pre_rope;	   /* keys are stored before RoPE (else after, the default) */
+	/* Local layers (Gemma 3's sliding-window layers): with rope_local_theta > 0, layer l
+	 * (from 0) is a full-attention layer, rotated as above, when (l + 1) % full_every
+	 * == 0, and a local one otherwise, rotated by default RoPE (no scaling) of base
+	 * rope_local_theta. 0 and 0: every layer rotates alike. */
+	double rope_local_theta; /* 0, or finite and > 0 with full_every */
+	uint32_t full_every;	 /* 0, or 1..num_layers with rope_local_theta */
 	/* Storage (store/quant.h): 0 lossless in dtype, 1 fp8, 2 int8, 3 int4 in groups. */
 	uint32_t store_codec;
 	uint32_t store_group; /* int4: elements per group, 1..1024 (0 on the way in: 32); else 0 */
@@ -50,7 +57,9 @@ struct kvb_model_desc {
 
 /*
  * KVB_MODEL_DESC_FIELDS(X, a, b) expands X(a, b, field) for each member of struct
- * kvb_model_desc, in its order. Types differ between shapes only as C converts them by
+ * kvb_model_desc that struct kvb_model has, in its order; KVB_MODEL_DESC_LAYER_FIELDS
+ * those of struct kvb_model_layers (client/include/kvblend.h, KVBLEND_1.8), which the
+ * fixed struct kvb_model could not take. The wire's Kvblend__Model has both. Types differ between shapes only as C converts them by
  * assignment (an enum and its uint32_t, a flag as int, bool or protobuf_c_boolean).
  */
 #define KVB_MODEL_DESC_FIELDS(X, a, b) \
@@ -72,6 +81,9 @@ struct kvb_model_desc {
 	X(a, b, k_pre_rope) \
 	X(a, b, store_codec) \
 	X(a, b, store_group)
+#define KVB_MODEL_DESC_LAYER_FIELDS(X, a, b) \
+	X(a, b, rope_local_theta) \
+	X(a, b, full_every)
 
 /* Copy every field from *src to *dst: a description and a shape that cannot embed one. */
 #define KVB_MODEL_DESC_COPY(dst, src)                                                        \
@@ -79,6 +91,12 @@ struct kvb_model_desc {
 		KVB_MODEL_DESC_FIELDS(KVB_MODEL_DESC_COPY_ONE_, dst, src)                    \
 	} while (0)
 #define KVB_MODEL_DESC_COPY_ONE_(d, s, f) (d)->f = (s)->f;
+
+/* Copy the fields of struct kvb_model_layers (KVB_MODEL_DESC_LAYER_FIELDS). */
+#define KVB_MODEL_DESC_COPY_LAYERS(dst, src)                                                 \
+	do {                                                                                 \
+		KVB_MODEL_DESC_LAYER_FIELDS(KVB_MODEL_DESC_COPY_ONE_, dst, src)              \
+	} while (0)
 
 #define KVB_MODEL_DESC_DIFF_ONE_(x, y, f) (x)->f != (y)->f ? #f :
 
@@ -91,7 +109,14 @@ struct kvb_model_desc {
 static inline const char *kvb_model_desc_diff(const struct kvb_model_desc *a,
 					      const struct kvb_model_desc *b)
 {
-	return KVB_MODEL_DESC_FIELDS(KVB_MODEL_DESC_DIFF_ONE_, a, b) NULL;
+	return KVB_MODEL_DESC_FIELDS(KVB_MODEL_DESC_DIFF_ONE_, a, b)
+		KVB_MODEL_DESC_LAYER_FIELDS(KVB_MODEL_DESC_DIFF_ONE_, a, b) NULL;
+}
+
+/* Layer l of a checked description d is a local one (rotated with rope_local_theta). */
+static inline bool kvb_model_desc_local(const struct kvb_model_desc *d, uint32_t l)
+{
+	return d->rope_local_theta > 0 && d->full_every && (l + 1) % d->full_every != 0;
 }
 
 #endif

@@ -106,6 +106,7 @@ static void model_to_pb(const struct kvbp_model *m, Kvblend__Model *pb)
 {
 	pb->name = (char *)m->name;
 	KVB_MODEL_DESC_COPY(pb, &m->desc);
+	KVB_MODEL_DESC_COPY_LAYERS(pb, &m->desc);
 }
 
 static int copy_name(char *dst, const char *src, const char *what, char *err, size_t errlen)
@@ -128,6 +129,7 @@ static int model_from_pb(const Kvblend__Model *pb, struct kvbp_model *m, char *e
 	if (rc)
 		return rc;
 	KVB_MODEL_DESC_COPY(&m->desc, pb);
+	KVB_MODEL_DESC_COPY_LAYERS(&m->desc, pb);
 	return KVBP_OK;
 }
 

@@ -67,6 +67,11 @@
 /* A model with a store codec: the body has 8 more bytes (codec, group). */
 #define MODEL_QBODY_LEN (MODEL_BODY_LEN + 8)
 #define MODEL_QREC_LEN (MODEL_QBODY_LEN + 8)
+/* A model with local layers: the codec's 8 bytes (zero without one), then
+ * rope_local_theta (f64) and full_every (u32), 4 zero bytes. */
+#define MODEL_LBODY_LEN (MODEL_QBODY_LEN + 16)
+#define MODEL_LREC_LEN (MODEL_LBODY_LEN + 8)
+#define MODEL_REC_MAX MODEL_LREC_LEN
 /* chunks, raw bytes, stored bytes; the same for each of the STORE_CODECS; checksum */
 #define TOTALS_LEN (8 * 3 * (1 + STORE_CODECS) + 8)
 #define NEXT_MODEL_LEN 12 /* next id, checksum */
@@ -217,7 +222,7 @@ bool st_rec_sum_ok(const MDB_val *k, const MDB_val *v, size_t body_len);
 /* Bytes per element of a dtype (1 f16, 2 bf16, 3 f32); 0 for another. */
 uint32_t st_dtype_size(uint32_t dtype);
 
-/* Encode m's record into p (MODEL_QREC_LEN bytes of room); returns its length. */
+/* Encode m's record into p (MODEL_REC_MAX bytes of room); returns its length. */
 size_t st_model_rec_encode(uint8_t *p, const struct store_model *m);
 
 /* The fields of a model record body (format 1 and 2 share it); -EBADMSG. */

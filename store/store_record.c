@@ -36,10 +36,17 @@ uint32_t st_dtype_size(uint32_t dtype)
 	return dtype == 3 ? 4 : (dtype == 1 || dtype == 2) ? 2 : 0;
 }
 
-/* Encode m's record into p (MODEL_QREC_LEN bytes of room); returns its length. */
+/*
+ * Encode m's record into p (MODEL_REC_MAX bytes of room); returns its length. Its
+ * length says what it holds: a model with local layers MODEL_LREC_LEN, else one with
+ * a store codec MODEL_QREC_LEN, else MODEL_REC_LEN (what stores before each wrote).
+ */
 size_t st_model_rec_encode(uint8_t *p, const struct store_model *m)
 {
-	size_t body = m->desc.store_codec ? MODEL_QBODY_LEN : MODEL_BODY_LEN;
+	bool layers = m->desc.full_every != 0;
+	size_t body = layers		   ? MODEL_LBODY_LEN
+		      : m->desc.store_codec ? MODEL_QBODY_LEN
+					    : MODEL_BODY_LEN;
 	uint8_t *q = p + STORE_NAME_MAX + 1;
 	size_t name_len = strnlen(m->name, STORE_NAME_MAX);
 	MDB_val k = { name_len, (void *)m->name };
@@ -61,6 +68,10 @@ size_t st_model_rec_encode(uint8_t *p, const struct store_model *m)
 		/* codec (u8), 3 zero bytes, group (u32) */
 		p[MODEL_BODY_LEN] = (uint8_t)m->desc.store_codec;
 		le_put(p + MODEL_BODY_LEN + 4, m->desc.store_group, 4);
+	}
+	if (layers) {
+		le_put_f64(p + MODEL_QBODY_LEN, m->desc.rope_local_theta);
+		le_put(p + MODEL_QBODY_LEN + 8, m->desc.full_every, 4);
 	}
 	le_put(p + body, st_rec_sum(&k, p, body), 8);
 	return body + 8;
@@ -113,17 +124,26 @@ int st_model_rec_decode(const MDB_val *k, const MDB_val *v, struct store_model *
 	struct store_model t;
 	int rc;
 
-	if (v->mv_size == MODEL_QREC_LEN) {
-		if (!st_rec_sum_ok(k, v, MODEL_QBODY_LEN))
+	if (v->mv_size == MODEL_QREC_LEN || v->mv_size == MODEL_LREC_LEN) {
+		bool layers = v->mv_size == MODEL_LREC_LEN;
+
+		if (!st_rec_sum_ok(k, v, layers ? MODEL_LBODY_LEN : MODEL_QBODY_LEN))
 			return -EBADMSG;
 		rc = st_model_body_decode(p, &t);
 		if (rc)
 			return rc;
 		t.desc.store_codec = p[MODEL_BODY_LEN];
 		t.desc.store_group = (uint32_t)le_get(p + MODEL_BODY_LEN + 4, 4);
-		if (!t.desc.store_codec || t.desc.store_codec > 3 || p[MODEL_BODY_LEN + 1] ||
-		    p[MODEL_BODY_LEN + 2] || p[MODEL_BODY_LEN + 3])
+		if ((!layers && !t.desc.store_codec) || t.desc.store_codec > 3 ||
+		    p[MODEL_BODY_LEN + 1] || p[MODEL_BODY_LEN + 2] || p[MODEL_BODY_LEN + 3])
 			return -EBADMSG;
+		if (layers) {
+			t.desc.rope_local_theta = le_get_f64(p + MODEL_QBODY_LEN);
+			t.desc.full_every = (uint32_t)le_get(p + MODEL_QBODY_LEN + 8, 4);
+			if (!(t.desc.rope_local_theta > 0) || !t.desc.full_every ||
+			    le_get(p + MODEL_QBODY_LEN + 12, 4))
+				return -EBADMSG;
+		}
 		*m = t;
 		return 0;
 	}

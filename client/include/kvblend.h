@@ -119,6 +119,20 @@ struct kvb_model {
 	uint32_t store_group;		  /* int4: elements per group (0: the default, 32) */
 };
 
+/*
+ * KVBLEND_1.8: a model whose layers do not all rotate alike, which struct kvb_model
+ * (fixed) cannot say. Gemma 3 rotates its sliding-window ("local") layers with one
+ * RoPE base and its full-attention layers with another: with rope_local_theta > 0,
+ * layer l (from 0) is a full-attention layer, rotated as struct kvb_model says, when
+ * (l + 1) % full_every == 0, and a local one otherwise, rotated by default RoPE (no
+ * scaling) of base rope_local_theta; full_every is 2..num_layers. Both 0: every layer
+ * rotates alike (what kvb_model_register registers). Part of the model's identity.
+ */
+struct kvb_model_layers {
+	double rope_local_theta;
+	uint32_t full_every;
+};
+
 struct kvb_chunk_info {
 	uint8_t hash[KVB_HASH_LEN];
 	int found;
@@ -195,6 +209,17 @@ KVB_API int kvb_model_list(kvb_client *c, struct kvb_model **models, size_t *n);
 
 /* One model by name; KVB_E_UNKNOWN_MODEL if there is none. */
 KVB_API int kvb_model_get(kvb_client *c, const char *name, struct kvb_model *out);
+
+/*
+ * kvb_model_register and kvb_model_get with the model's layers (KVBLEND_1.8): layers
+ * NULL registers (or reads) every layer rotating alike. kvb_model_get and
+ * kvb_model_list do not say a model's layers; a model with local layers is listed
+ * with its full-attention layers' RoPE.
+ */
+KVB_API int kvb_model_register_layers(kvb_client *c, const struct kvb_model *m,
+				      const struct kvb_model_layers *layers, int *existed);
+KVB_API int kvb_model_get_layers(kvb_client *c, const char *name, struct kvb_model *out,
+				 struct kvb_model_layers *layers);
 
 /*
  * Store a chunk of num_tokens tokens whose keys were rotated at positions

@@ -522,13 +522,14 @@ void block_give(struct fuse_table *t, bool host, void *p, size_t bytes)
 /* Bytes of the chunks' spans and rotation tables, which end a session's device block. */
 size_t dev_setup_bytes(const struct fuse_session *s)
 {
-	size_t off = dev_align((s->n_chunks + 1) * sizeof(struct blend_dev_span));
+	size_t off = dev_align(rot_kinds(s) * (s->n_chunks + 1) * sizeof(struct blend_dev_span));
 
-	for (size_t i = 0; i < s->n_chunks; i++) {
-		const struct rope_table *r = &s->chunks[i].rot;
+	for (size_t k = 0; k < rot_kinds(s); k++)
+		for (size_t i = 0; i < s->n_chunks; i++) {
+			const struct rope_table *r = &s->chunks[i].rot[k];
 
-		off += 2 * dev_align((size_t)r->rows * r->half * sizeof(float));
-	}
+			off += 2 * dev_align((size_t)r->rows * r->half * sizeof(float));
+		}
 	return off;
 }
 
@@ -554,20 +555,23 @@ size_t dev_layout(const struct fuse_session *s, struct dev_sess *d, uint8_t *bas
 	CARVE(dev, float *, (n + 1) * sizeof(float));
 	CARVE(cdev, float *, (n + 1) * sizeof(float));
 	CARVE(scratch, uint8_t *, d->scratch_bytes);
-	CARVE(spans, struct blend_dev_span *, (s->n_chunks + 1) * sizeof(struct blend_dev_span));
+	CARVE(spans, struct blend_dev_span *,
+	      rot_kinds(s) * (s->n_chunks + 1) * sizeof(struct blend_dev_span));
 #undef CARVE
-	for (size_t i = 0; i < s->n_chunks; i++) {
-		const struct rope_table *r = &s->chunks[i].rot;
-		size_t tb = (size_t)r->rows * r->half * sizeof(float);
+	for (size_t k = 0; k < rot_kinds(s); k++)
+		for (size_t i = 0; i < s->n_chunks; i++) {
+			const struct rope_table *r = &s->chunks[i].rot[k];
+			size_t tb = (size_t)r->rows * r->half * sizeof(float);
+			struct blend_dev_table *dt = &d->tabs[k * (s->n_chunks + 1) + i];
 
-		if (base) {
-			d->tabs[i].cos = (const float *)(base + off);
-			d->tabs[i].sin = (const float *)(base + off + dev_align(tb));
-			d->tabs[i].rows = r->rows;
-			d->tabs[i].scale = r->scale;
+			if (base) {
+				dt->cos = (const float *)(base + off);
+				dt->sin = (const float *)(base + off + dev_align(tb));
+				dt->rows = r->rows;
+				dt->scale = r->scale;
+			}
+			off += 2 * dev_align(tb);
 		}
-		off += 2 * dev_align(tb);
-	}
 	return off;
 }
 
@@ -649,26 +653,30 @@ static size_t stage_layout(const struct fuse_session *s, struct dev_sess *d, uin
 static int dev_setup_upload(const struct blend_device *dv, const struct fuse_session *s,
 			    struct dev_sess *d)
 {
-	struct blend_dev_span *sp = (struct blend_dev_span *)d->hspans;
 	uint32_t n = 0, rows = 0;
 	int rc;
 
 	if (s->n_fresh)
 		memcpy(d->halways, s->fresh, s->n_fresh * sizeof(int32_t));
-	for (size_t i = 0; i < s->n_chunks; i++) {
-		const struct rope_table *r = &s->chunks[i].rot;
-		size_t tb = (size_t)r->rows * r->half * sizeof(float);
-		uint8_t *h = d->hspans + ((const uint8_t *)d->tabs[i].cos - (uint8_t *)d->spans);
+	for (size_t k = 0; k < rot_kinds(s); k++) {
+		struct blend_dev_span *sp = (struct blend_dev_span *)d->hspans + k * (s->n_chunks + 1);
 
-		memcpy(h, r->cos, tb);
-		memcpy(h + ((const uint8_t *)d->tabs[i].sin - (const uint8_t *)d->tabs[i].cos),
-		       r->sin, tb);
-		if (!s->chunks[i].tokens)
-			continue;
-		sp[n] = (struct blend_dev_span){ d->tabs[i], s->chunks[i].off, s->chunks[i].tokens,
-						 rows };
-		rows += s->chunks[i].tokens;
-		n++;
+		n = rows = 0;
+		for (size_t i = 0; i < s->n_chunks; i++) {
+			const struct rope_table *r = &s->chunks[i].rot[k];
+			const struct blend_dev_table *dt = &d->tabs[k * (s->n_chunks + 1) + i];
+			size_t tb = (size_t)r->rows * r->half * sizeof(float);
+			uint8_t *h = d->hspans + ((const uint8_t *)dt->cos - (uint8_t *)d->spans);
+
+			memcpy(h, r->cos, tb);
+			memcpy(h + ((const uint8_t *)dt->sin - (const uint8_t *)dt->cos), r->sin, tb);
+			if (!s->chunks[i].tokens)
+				continue;
+			sp[n] = (struct blend_dev_span){ *dt, s->chunks[i].off, s->chunks[i].tokens,
+							 rows };
+			rows += s->chunks[i].tokens;
+			n++;
+		}
 	}
 	d->n_spans = n;
 	d->span_rows = rows;
@@ -782,8 +790,9 @@ int dev_load(struct fuse_table *t, struct fuse_session *s, struct slot *sl, uint
 	/* Every chunk's keys in one launch (a launch per chunk costs more than the work of
 	 * a short chunk). */
 	if (!rc)
-		rc = dv->rotate_spans(dv, d->copy, &s->shape, d->spans, d->n_spans, d->span_rows,
-				      dk);
+		rc = dv->rotate_spans(dv, d->copy, &s->shape,
+				      d->spans + rot_kind(s, layer) * (s->n_chunks + 1), d->n_spans,
+				      d->span_rows, dk);
 	if (!rc)
 		rc = dv->event_record(dv, d->loaded[i], d->copy);
 	return dev_rc(rc);

@@ -373,24 +373,29 @@ void dland_bytes(const struct fuse_session *s, uint64_t *host, uint64_t *dev)
 static void dland_spans(const struct fuse_session *s, struct dev_land *d, uint8_t *h)
 {
 	uint8_t *dbase = d->dblk + d->spans_off;
-	struct blend_dev_span *sp = (struct blend_dev_span *)h;
-	size_t off = dev_align((s->n_chunks + 1) * sizeof(struct blend_dev_span));
+	size_t off = dev_align(rot_kinds(s) * (s->n_chunks + 1) * sizeof(struct blend_dev_span));
 	uint32_t n = 0, rows = 0;
 
-	for (size_t i = 0; i < s->n_chunks; i++) {
-		const struct rope_table *r = &s->chunks[i].rot;
-		size_t tb = (size_t)r->rows * r->half * sizeof(float);
-		struct blend_dev_table tab = { (const float *)(dbase + off),
-					       (const float *)(dbase + off + dev_align(tb)),
-					       r->rows, r->scale };
+	for (size_t k = 0; k < rot_kinds(s); k++) {
+		struct blend_dev_span *sp = (struct blend_dev_span *)h + k * (s->n_chunks + 1);
 
-		memcpy(h + off, r->cos, tb);
-		memcpy(h + off + dev_align(tb), r->sin, tb);
-		off += 2 * dev_align(tb);
-		if (!s->chunks[i].tokens)
-			continue;
-		sp[n++] = (struct blend_dev_span){ tab, s->chunks[i].off, s->chunks[i].tokens, rows };
-		rows += s->chunks[i].tokens;
+		n = rows = 0;
+		for (size_t i = 0; i < s->n_chunks; i++) {
+			const struct rope_table *r = &s->chunks[i].rot[k];
+			size_t tb = (size_t)r->rows * r->half * sizeof(float);
+			struct blend_dev_table tab = { (const float *)(dbase + off),
+						       (const float *)(dbase + off + dev_align(tb)),
+						       r->rows, r->scale };
+
+			memcpy(h + off, r->cos, tb);
+			memcpy(h + off + dev_align(tb), r->sin, tb);
+			off += 2 * dev_align(tb);
+			if (!s->chunks[i].tokens)
+				continue;
+			sp[n++] = (struct blend_dev_span){ tab, s->chunks[i].off, s->chunks[i].tokens,
+							   rows };
+			rows += s->chunks[i].tokens;
+		}
 	}
 	d->dspans = (struct blend_dev_span *)dbase;
 	d->n_spans = n;
@@ -487,7 +492,8 @@ int dland_layer(struct fuse_table *t, struct fuse_session *s, uint32_t l, bool r
 		rc = dv->upload(dv, d->st, d->dblk, h, 2 * half);
 	}
 	if (!rc && raw && d->n_spans)
-		rc = dv->rotate_spans(dv, d->st, &sh, d->dspans, d->n_spans, d->span_rows, d->dblk);
+		rc = dv->rotate_spans(dv, d->st, &sh, d->dspans + rot_kind(s, l) * (s->n_chunks + 1),
+				      d->n_spans, d->span_rows, d->dblk);
 	if (!rc)
 		rc = dv->land(dv, d->st, &sh, &L, d->dblk, d->drows, d->n_rows);
 	L.dst = base + y->v_offset; /* ckd-ok: as above */

@@ -56,7 +56,7 @@ struct chunk_ref {
 	uint32_t off; /* first row in the session's token order */
 	uint32_t tokens;
 	uint32_t base_pos; /* where its keys were rotated when stored */
-	struct rope_table rot;
+	struct rope_table rot[2]; /* rope_tables_for_desc: [1] for a model's local layers */
 	_Atomic bool corrupt; /* a read of it failed its checksum: removed when the session goes */
 };
 
@@ -274,9 +274,12 @@ struct dev_sess {
 	float *dev, *cdev;
 	uint8_t *scratch;
 	size_t scratch_bytes;
-	struct blend_dev_table *tabs; /* host array: chunk i's rotation table, on the device */
+	/* host array: chunk i's rotation table of kind k, on the device, at
+	 * k * (n_chunks + 1) + i */
+	struct blend_dev_table *tabs;
 	/* The chunks as spans of a layer (device memory, uploaded at open): a layer's keys
-	 * are re-rotated in one launch. n_spans: chunks with tokens; span_rows: their rows. */
+	 * are re-rotated in one launch. A group of n_chunks + 1 spans per rotation kind
+	 * (rot_kind), each n_spans long: chunks with tokens; span_rows: their rows. */
 	struct blend_dev_span *spans;
 	uint32_t n_spans, span_rows;
 };
@@ -441,10 +444,25 @@ struct load_job {
 	int err;
 };
 
+/*
+ * The kinds of rotation a session's model has: 2 with local layers, else 1; and the
+ * kind of layer l (an index into chunk_ref.rot, and into the device's groups of spans).
+ */
+static inline size_t rot_kinds(const struct fuse_session *s)
+{
+	return s->m.desc.full_every ? 2 : 1;
+}
+
+static inline size_t rot_kind(const struct fuse_session *s, uint32_t l)
+{
+	return kvb_model_desc_local(&s->m.desc, l);
+}
+
 struct rotate_ctx {
 	const struct blend_backend *be;
 	const struct fuse_session *s;
 	const struct chunk_ref *c;
+	const struct rope_table *rot; /* of c's layer: rope_table_of_layer() */
 	int err; /* a backend (device) failure: the load fails with it */
 };
 

@@ -366,7 +366,7 @@ static void land_rotate_to(struct land_scatter *a, const uint8_t *src, uint32_t 
 		int rc;
 
 		run = pt && n > pt - t % pt ? pt - t % pt : n; /* a run ends with its page */
-		rc = be->rotate_to(be, &s->shape, &a->rx->c->rot, src,
+		rc = be->rotate_to(be, &s->shape, a->rx->rot, src,
 				   s->land_mem + land_off(s, s->lay.k_offset, s->lay.k_token_stride,
 							  a->layer, t),
 				   &o, r, run);
@@ -406,7 +406,7 @@ static void land_scatter(void *arg, const void *src, void *dst, size_t off, size
 static int land_scattered(struct fuse_table *t, struct fuse_session *s, struct chunk_ref *c,
 			  uint32_t l)
 {
-	struct rotate_ctx rx = { t->be, s, c, 0 };
+	struct rotate_ctx rx = { t->be, s, c, rope_table_of_layer(&s->m.desc, c->rot, l), 0 };
 	struct land_scatter ks = { s, &rx, 0, l, c->off, NULL };
 	struct land_scatter vs = { s, NULL, 1, l, c->off, NULL };
 	struct codec_xform kx = { land_scatter, &ks, s->row_bytes };
@@ -444,7 +444,8 @@ static int land_chunk(void *arg, size_t i)
 	if (j->from) {
 		land_rows(s, j->from, j->layer, c->off, c->off + c->tokens);
 	} else if (s->direct) {
-		struct rotate_ctx rx = { j->t->be, s, c, 0 };
+		struct rotate_ctx rx = { j->t->be, s, c,
+					 rope_table_of_layer(&s->m.desc, c->rot, j->layer), 0 };
 		struct codec_xform x = { rotate_rows, &rx, s->row_bytes };
 
 		/* A device landing's host staging: one pass, verify, re-rotate (here, or on

@@ -12,7 +12,7 @@ void rotate_rows(void *arg, const void *src, void *dst, size_t off, size_t len)
 
 	if (x->err)
 		return;
-	rc = x->be->rotate(x->be, &x->s->shape, &x->c->rot, src, dst,
+	rc = x->be->rotate(x->be, &x->s->shape, x->rot, src, dst,
 			   (uint32_t)(off / x->s->row_bytes), (uint32_t)(len / x->s->row_bytes));
 	if (rc)
 		x->err = rc;
@@ -23,7 +23,8 @@ int load_chunk(void *arg, size_t i)
 	struct load_job *j = arg;
 	struct fuse_session *s = j->s;
 	struct chunk_ref *c = &s->chunks[i];
-	struct rotate_ctx rx = { j->t->be, s, c, 0 };
+	struct rotate_ctx rx = { j->t->be, s, c, rope_table_of_layer(&s->m.desc, c->rot, j->layer),
+				 0 };
 	struct codec_xform x = { rotate_rows, &rx, s->row_bytes };
 	int rc;
 

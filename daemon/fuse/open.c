@@ -223,7 +223,7 @@ static uint32_t open_rotation_tables(const struct store_model *m, const struct k
 	uint64_t n = p->n;
 	int rc;
 
-	rope_config_from_desc(&m->desc, &rc_cfg);
+	rope_config_from_desc(&m->desc, false, &rc_cfg);
 	s->n = (uint32_t)n;
 	s->shape.heads = m->desc.num_kv_heads;
 	s->shape.head_dim = m->desc.head_dim;
@@ -253,10 +253,9 @@ static uint32_t open_rotation_tables(const struct store_model *m, const struct k
 
 				/* Dynamic NTK: the chunk was prefilled alone (a sequence of
 				 * base_pos + T positions); the fused prompt spans max_pos_end. */
-				rc = rope_table_build(&rc_cfg, m->desc.k_pre_rope, c->tokens,
-						      c->base_pos,
-						      (uint64_t)c->base_pos + c->tokens, g->pos,
-						      p->max_pos_end, &c->rot);
+				rc = rope_tables_for_desc(&m->desc, c->tokens, c->base_pos,
+							  (uint64_t)c->base_pos + c->tokens, g->pos,
+							  p->max_pos_end, c->rot);
 				if (rc)
 					return fail(err, errlen, KVBP_INTERNAL, "rotation table: %s",
 						    strerror(-rc));
@@ -307,7 +306,8 @@ static uint32_t open_size(struct fuse_table *t, const struct store_model *m,
 		 * takes its layers in host memory only where dev_host allows: per session). */
 		s->dv = calloc(1, sizeof(*s->dv));
 		if (s->dv)
-			s->dv->tabs = calloc(s->n_chunks + 1, sizeof(*s->dv->tabs));
+			s->dv->tabs = calloc(rot_kinds(s) * (s->n_chunks + 1),
+					     sizeof(*s->dv->tabs));
 		if (!s->dv || !s->dv->tabs)
 			return fail(err, errlen, KVBP_LIMIT, "out of memory");
 		s->dv->slot_bytes = 2 * n * s->row_bytes;

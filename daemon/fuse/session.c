@@ -135,8 +135,10 @@ void session_free(struct fuse_table *t, struct fuse_session *s)
 	free(s->lay.pages);
 	free(s->cslot);
 	free(s->land_buf);
-	for (size_t i = 0; s->chunks && i < s->n_chunks; i++)
-		rope_table_free(&s->chunks[i].rot);
+	for (size_t i = 0; s->chunks && i < s->n_chunks; i++) {
+		rope_table_free(&s->chunks[i].rot[0]);
+		rope_table_free(&s->chunks[i].rot[1]);
+	}
 	free(s->ring);
 	free(s->chunks);
 	free(s->fresh);

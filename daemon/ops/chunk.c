@@ -226,7 +226,7 @@ struct get_split {
 	uint64_t tb;
 	/* GET re-rotated: keys moved to a new position after decoding */
 	const struct blend_backend *be;
-	const struct rope_table *rot;
+	const struct rope_table *rot; /* NULL, or rope_tables_for_desc's pair */
 	struct blend_shape shape;
 	uint32_t tokens;
 	/* GET of a head range: each part decodes its layers whole (every head, tb bytes a
@@ -278,7 +278,8 @@ static int get_part(void *arg, size_t i)
 		}
 	}
 	for (uint32_t l = a; !rc && g->rot && l < b; l++, dst += 2 * g->otb)
-		rc = g->be->rotate(g->be, &g->shape, g->rot, dst, dst, 0, g->tokens);
+		rc = g->be->rotate(g->be, &g->shape, rope_table_of_layer(&g->m->desc, g->rot, l),
+				   dst, dst, 0, g->tokens);
 	if (!rc && g->progress) {
 		struct get_split *w = (struct get_split *)g;
 
@@ -300,7 +301,8 @@ static int get_part(void *arg, size_t i)
 
 /*
  * Decode layers [lb, le) of the request's chunk into dst (total bytes), re-rotated by
- * rot when not NULL. With a head range (heads > 0: stored heads [h0, h0 + heads)) dst
+ * the pair of tables rot (rope_tables_for_desc) when not NULL. With a head range
+ * (heads > 0: stored heads [h0, h0 + heads)) dst
  * holds only those, otb bytes a tensor, and tmp (2 * (le - lb) * tb bytes) takes the
  * whole layers first; else tmp is NULL and otb is tb.
  */
@@ -317,7 +319,7 @@ static int chunk_get_parallel(struct req *q, const struct store_model *m, uint32
 	struct rope_config rc_cfg;
 	int rc;
 
-	rope_config_from_desc(&m->desc, &rc_cfg);
+	rope_config_from_desc(&m->desc, false, &rc_cfg);
 	g.shape.rotary_dim = rc_cfg.rotary_dim;
 	g.shape.style = rc_cfg.style;
 
@@ -430,7 +432,7 @@ void op_get(struct req *q)
 	struct store_model m;
 	struct store_chunk_info ci;
 	struct shared_buf *buf = NULL;
-	struct rope_table rot = { 0 };
+	struct rope_table rot[2] = { { 0 } };
 	uint32_t lb = q->h.layer_begin, le = q->h.layer_end;
 	uint32_t h0 = q->h.head_begin, hn = q->h.head_count;
 	uint64_t tb, total, otb, ototal;
@@ -485,20 +487,17 @@ void op_get(struct req *q)
 	    get_from_view(q, &m, lb, le, tb, total) == 0)
 		return;
 	if (q->h.rerotate) {
-		struct rope_config rc_cfg;
-
 		/* A chunk alone at target_pos: dynamic NTK sees target_pos + T positions. */
-		rope_config_from_desc(&m.desc, &rc_cfg);
 		/* ckd-ok: two 32-bit numbers summed in 64 bits */
 		if ((uint64_t)q->h.target_pos + ci.num_tokens > UINT32_MAX) {
 			fail(q, KVBP_BAD_ARGUMENT, "target position %" PRIu32 " + %" PRIu32 " tokens "
 			     "overflows", q->h.target_pos, ci.num_tokens);
 			return;
 		}
-		rc = rope_table_build(&rc_cfg, m.desc.k_pre_rope, ci.num_tokens, ci.base_pos,
-				      (uint64_t)ci.base_pos + ci.num_tokens, q->h.target_pos,
-				      (uint64_t)q->h.target_pos + ci.num_tokens, /* ckd-ok: above */
-				      &rot);
+		rc = rope_tables_for_desc(&m.desc, ci.num_tokens, ci.base_pos,
+					  (uint64_t)ci.base_pos + ci.num_tokens, q->h.target_pos,
+					  (uint64_t)q->h.target_pos + ci.num_tokens, /* ckd-ok: above */
+					  rot);
 		if (rc) {
 			fail(q, KVBP_INTERNAL, "rotation table: %s", strerror(-rc));
 			return;
@@ -546,7 +545,7 @@ void op_get(struct req *q)
 		if (q->h.has_shm && q->h.progress && (q->h.progress - 1) % 8 == 0 &&
 		    shm_acquire(q->srv->shm, q->h.shm_id, q->principal, q->h.progress - 1, 8, &pw) == 0)
 			progress = pw;
-		rc = chunk_get_parallel(q, &m, lb, le, dst, tb, ototal, q->h.rerotate ? &rot : NULL,
+		rc = chunk_get_parallel(q, &m, lb, le, dst, tb, ototal, q->h.rerotate ? rot : NULL,
 					ci.num_tokens, progress, tmp, h0, hn, otb);
 		if (pw)
 			shm_release(q->srv->shm, q->h.shm_id);
@@ -584,7 +583,8 @@ void op_get(struct req *q)
 out:
 	if (buf)
 		shared_buf_unref(NULL, buf);
-	rope_table_free(&rot);
+	rope_table_free(&rot[0]);
+	rope_table_free(&rot[1]);
 }
 
 void op_lookup(struct req *q)

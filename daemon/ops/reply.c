@@ -317,9 +317,18 @@ int model_check(struct req *q, struct kvbp_model *m)
 		d->beta_fast = 32; /* YaRN's defaults (HF transformers) */
 		d->beta_slow = 1;
 	}
-	rope_config_from_desc(d, &rc);
+	rope_config_from_desc(d, false, &rc);
 	if (rope_config_check(&rc, why, sizeof(why)))
 		return fail(q, KVBP_BAD_ARGUMENT, "%s", why);
+	if (!d->full_every && d->rope_local_theta == 0)
+		return 0;
+	if (!isfinite(d->rope_local_theta) || d->rope_local_theta <= 0)
+		return fail(q, KVBP_BAD_ARGUMENT, "rope_local_theta must be a positive number "
+			    "with full_every %" PRIu32, d->full_every);
+	if (d->full_every < 2 || d->full_every > d->num_layers)
+		return fail(q, KVBP_BAD_ARGUMENT, "full_every %" PRIu32 " out of range 2..%" PRIu32
+			    " (num_layers) with rope_local_theta %g", d->full_every,
+			    d->num_layers, d->rope_local_theta);
 	return 0;
 }
 

@@ -19,7 +19,11 @@ test_vllm_selftest), on vLLM's own rotary modules (``get_rope``), no engine.
 (f) the same clash found after a start with the daemon down: the first load turns
     kvblend off for good (one line), later loads fail at once without the daemon, and
     the worker's metadata tells the scheduler, which claims nothing from then on;
-(g) the self-test's refusal at start is one line with one ``kvblend:`` prefix.
+(g) the self-test's refusal at start is one line with one ``kvblend:`` prefix;
+(h) a model whose local layers rotate with their own base (Gemma 3: 1e4, every third layer
+    full at 1e6, each layer its own ``get_rope``): described with both bases, both kinds
+    pass; described with one base, or with the full layers placed wrong, it is refused at
+    the first layer it misplaces.
 
 Run by pytest (tests/engine/run.sh --pytest, as ctest does); skipped when KVBLEND_SKIP_ENGINE=1.
 """
@@ -293,6 +297,29 @@ def test_selftest():
             except selftest.SelfTestFailed as e:
                 check("(b) one layer rotating differently: refused at that layer",
                       "at layer 2 " in str(e), str(e))
+            # (h) Gemma 3's two bases: local layers 1e4, every third layer full at 1e6
+            local, full = rope({"rope_theta": 1e4}, "f32"), rope({"rope_theta": 1e6}, "f32")
+            gemma = [(f"model.layers.{i}.self_attn.rotary_emb", full if i % 3 == 2 else local)
+                     for i in range(6)]
+            two = kvblend.Model("selftest-case", 2, HEADS, HD, dtype="f32", rope_theta=1e6,
+                                rope_local_theta=1e4, full_every=3)
+            try:
+                line = selftest.run(c, two, gemma)
+                check("(h) local layers with their own base: both kinds pass",
+                      "passed: 6 layers" in line, line)
+            except (selftest.SelfTestFailed, kvblend.KvblendError) as e:
+                check("(h) local layers with their own base: both kinds pass", False, str(e))
+            for what, desc, at in (
+                    ("described with one base", {"rope_theta": 1e6}, "at layer 0 "),
+                    ("with the full layers placed wrong", {"rope_theta": 1e6, "rope_local_theta": 1e4,
+                                                  "full_every": 2}, "at layer 1 ")):
+                try:
+                    selftest.run(c, kvblend.Model("selftest-case", 2, HEADS, HD, dtype="f32",
+                                                  **desc), gemma)
+                    check(f"(h) local layers {what}: refused", False, "passed")
+                except selftest.SelfTestFailed as e:
+                    check(f"(h) local layers {what}: refused at the first layer it misplaces",
+                          at in str(e), str(e))
             worker_gate(c, VllmConfig())
             start_checks(d, VllmConfig())
             left = [m.name for m in c.model_list() if m.name.startswith("kvblend-selftest-")]

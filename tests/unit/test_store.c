@@ -590,6 +590,48 @@ static void test_model_record_flip(void **state)
 }
 
 /*
+ * A model whose local layers rotate with their own base (rope_local_theta, full_every):
+ * a record of its own length, read back whole after a reopen, with or without a store
+ * codec; the same name without the layers is another model; a flipped bit in the local
+ * base is caught by the record's checksum.
+ */
+static void test_model_layers(void **state)
+{
+	struct fixture *f = *state;
+	struct store_model g = f->m, q = f->m, plain, found;
+
+	snprintf(g.name, sizeof(g.name), "g");
+	g.desc.rope_local_theta = 1e4;
+	g.desc.full_every = 2;
+	assert_int_equal(store_model_register(f->s, &g), 0);
+	snprintf(q.name, sizeof(q.name), "gq");
+	q.desc.rope_local_theta = 1e4;
+	q.desc.full_every = 3;
+	q.desc.store_codec = 1;
+	assert_int_equal(store_model_register(f->s, &q), 0);
+	plain = g;
+	plain.desc.rope_local_theta = 0;
+	plain.desc.full_every = 0;
+	assert_int_equal(store_model_register(f->s, &plain), -EEXIST);
+	plain.desc.rope_local_theta = 1e4; /* without full_every */
+	assert_int_equal(store_model_register(f->s, &plain), -EINVAL);
+	store_close(&f->s);
+	assert_int_equal(open_store(f, 64u << 20), 0);
+	assert_int_equal(store_model_find(f->s, "g", &found), 0);
+	assert_true(store_model_same(&found, &g));
+	assert_true(found.desc.rope_local_theta == 1e4 && found.desc.full_every == 2);
+	assert_int_equal(store_model_find(f->s, "gq", &found), 0);
+	assert_true(store_model_same(&found, &q));
+	assert_int_equal(found.desc.store_codec, 1);
+	store_close(&f->s);
+	/* top byte of rope_local_theta: after the body (65 + 40 + 48 + 1) and the codec's 8 */
+	flip_bit(f->dir, "models", "g", 1, 65 + 40 + 48 + 1 + 8 + 7, 0);
+	assert_int_equal(open_store(f, 64u << 20), 0);
+	assert_int_equal(store_model_find(f->s, "g", &found), -EBADMSG);
+	assert_int_equal(store_model_find(f->s, "gq", &found), 0);
+}
+
+/*
  * A damaged model counter must never hand out the id of a model that has
  * chunks: the chunks of one would be served as the other's.
  */
@@ -1435,6 +1477,7 @@ int main(void)
 		fixture_test(test_chunk_record_num_tokens_flip),
 		fixture_test(test_chunk_record_checksum_flip),
 		fixture_test(test_model_record_flip),
+		fixture_test(test_model_layers),
 		fixture_test(test_next_model_flip),
 		fixture_test(test_totals_flip),
 		fixture_test(test_upgrade_from_v1),

@@ -112,6 +112,36 @@ def test_models(client):
     client.ping()  # still serving
 
 
+def test_models_with_local_layers(client):
+    """Two RoPE bases (Gemma 3's local and full-attention layers): registered through
+    kvb_model_register_layers, read back by model_get and model_list, part of the model's
+    identity (a registration without them conflicts, naming the field); the daemon refuses
+    what it cannot describe, naming the field; the store keeps them with a codec too."""
+    m = kvblend.Model("py-gemma", 6, 1, 32, "bf16", rope_theta=1e6, rotary_dim=32,
+                      rope_local_theta=1e4, full_every=3)
+    assert client.model_register(m) is False
+    assert client.model_register(m) is True
+    assert client.model_get(m.name) == m
+    assert [x for x in client.model_list() if x.name == m.name] == [m]
+    assert [m.is_local(layer) for layer in range(6)] == [True, True, False] * 2
+    with pytest.raises(kvblend.ModelConflict, match="rope_local_theta"):
+        client.model_register(kvblend.Model("py-gemma", 6, 1, 32, "bf16", rope_theta=1e6))
+    q = kvblend.Model("py-gemma-int8", 4, 1, 32, "f16", 1e4, rotary_dim=32, store="int8",
+                      rope_local_theta=1e4, full_every=2)
+    client.model_register(q)
+    assert client.model_get(q.name) == q
+    for every, theta, why in ((1, 1e4, "full_every 1 out of range 2..6"),
+                              (7, 1e4, "full_every 7 out of range 2..6"),
+                              (3, float("nan"), "rope_local_theta must be a positive number"),
+                              (3, float("inf"), "rope_local_theta must be a positive number")):
+        with pytest.raises(kvblend.BadArgument, match=why):
+            client.model_register(kvblend.Model(f"py-bad-{every}", 6, 1, 32,
+                                                rope_local_theta=theta, full_every=every))
+    with pytest.raises(kvblend.BadArgument, match="go together"):
+        client.model_register(kvblend.Model("py-bad", 6, 1, 32, rope_local_theta=1e4))
+    client.ping()
+
+
 @pytest.mark.parametrize("store", ["int8", "fp8", "int4", "int4:64"])
 def test_quantized_store(client, store):
     """A model stored quantized: the codec is part of its identity; GET gives back the

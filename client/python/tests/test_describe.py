@@ -62,3 +62,56 @@ def test_describes(c, theta, scaling, rotary):
 def test_refuses_naming_the_field(c, words):
     with pytest.raises(describe.Undescribable, match=words):
         model(c)
+
+
+GEMMA3_TYPES = (["sliding_attention"] * 5 + ["full_attention"]) * 3
+
+
+@pytest.mark.parametrize("c", [
+    # transformers 5: RoPE per layer type
+    cfg(layer_types=GEMMA3_TYPES, rope_parameters={
+        "full_attention": {"rope_theta": 1e6, "rope_type": "default"},
+        "sliding_attention": {"rope_theta": 1e4, "rope_type": "default"}},
+        rope_scaling={"full_attention": {"rope_theta": 1e6, "rope_type": "default"},
+                      "sliding_attention": {"rope_theta": 1e4, "rope_type": "default"}}),
+    # transformers 4: rope_local_base_freq and sliding_window_pattern
+    cfg(rope_theta=1e6, rope_local_base_freq=1e4, sliding_window_pattern=6),
+])
+def test_gemma3_local_layers(c):
+    m = describe.describe(c, name="g", dtype="f32", num_layers=18, num_kv_heads=1,
+                          head_dim=256)
+    m._to_c()
+    m._layers_to_c()
+    assert (m.rope_theta, m.scaling, m.rope_local_theta, m.full_every) == (1e6, "none", 1e4, 6)
+    assert [i for i in range(18) if not m.is_local(i)] == [5, 11, 17]
+
+
+def test_gemma3_full_layers_keep_their_scaling():
+    c = cfg(layer_types=GEMMA3_TYPES, rope_parameters={
+        "full_attention": {"rope_theta": 1e6, "rope_type": "linear", "factor": 8.0},
+        "sliding_attention": {"rope_theta": 1e4, "rope_type": "default"}})
+    m = describe.describe(c, name="g", dtype="f32", num_layers=18, num_kv_heads=1,
+                          head_dim=256)
+    assert (m.scaling, m.rope_local_theta, m.full_every) == ("linear:8.0", 1e4, 6)
+
+
+@pytest.mark.parametrize("c, why", [
+    (cfg(layer_types=["sliding_attention", "full_attention", "full_attention"] * 6,
+         rope_theta=1e6, rope_local_base_freq=1e4), "every Nth layer"),
+    (cfg(layer_types=["full_attention", "sliding_attention"] * 9, rope_theta=1e6,
+         rope_local_base_freq=1e4), "every Nth layer"),
+    (cfg(layer_types=["sliding_attention"] * 18, rope_theta=1e6,
+         rope_local_base_freq=1e4), "every layer is a sliding-window one"),
+    (cfg(layer_types=["chunked_attention", "full_attention"] * 9, rope_theta=1e6,
+         rope_local_base_freq=1e4), "chunked_attention"),
+    (cfg(rope_theta=1e6, rope_local_base_freq=1e4), "without layer_types"),
+    (cfg(layer_types=GEMMA3_TYPES, rope_parameters={
+        "full_attention": {"rope_theta": 1e6, "rope_type": "default"},
+        "sliding_attention": {"rope_theta": 1e4, "rope_type": "linear", "factor": 2.0}}),
+     "sliding-window layers with rope scaling"),
+])
+def test_local_layers_refused(c, why):
+    with pytest.raises(describe.Undescribable, match=why):
+        describe.describe(c, name="g", dtype="f32", num_layers=18, num_kv_heads=1,
+                          head_dim=256)
+

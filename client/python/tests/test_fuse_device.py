@@ -43,8 +43,8 @@ def nodemem():
     os.close(fd)  # the mapping goes with the last view of it
 
 
-def _store(c: kvblend.Client, name: str) -> list:
-    m = kvblend.Model(name, num_layers=L, num_kv_heads=H, head_dim=D, dtype="f16")
+def _store(c: kvblend.Client, name: str, **rope) -> list:
+    m = kvblend.Model(name, num_layers=L, num_kv_heads=H, head_dim=D, dtype="f16", **rope)
     c.model_register(m)
     rng = np.random.default_rng(7)
     segs = []
@@ -94,6 +94,45 @@ def test_device_landing_equals_host_landing(emu_daemon, nodemem):
                 s.wait(layer, timeout=10)
         assert np.array_equal(dev, host)
         assert np.count_nonzero(dev != 0xA5) > L * 2 * 23 * H * D * ES // 2
+
+
+def test_local_layers_land_with_their_own_base(emu_daemon, nodemem):
+    """A model whose layers rotate with two bases (Gemma 3's local and full-attention
+    layers): the device landing equals the host landing byte for byte, and each layer's
+    keys are the daemon's GET re-rotated of that layer (test_fuse.py checks that against
+    NumPy per base); a local layer's keys differ from the full layers' rotation."""
+    fd, dev = nodemem
+    pages = np.arange(BLOCKS)
+    local = {"rope_theta": 1e6, "rope_local_theta": 1e4, "full_every": 3}
+    with kvblend.Client(emu_daemon.endpoint, timeout_ms=10000) as c:
+        segs = _store(c, "gpu_local", **local)
+        _store(c, "gpu_local_as_full", rope_theta=1e6)
+        region = c.region(dev.nbytes + 4096)
+        host = region[: dev.nbytes]
+        cache = host.view(np.float16).reshape(L, BLOCKS, PT, H, 2, D)
+        host[:] = 0
+        dev[:] = 0
+        with c.fuse_open_into("gpu_local", segs, cache[..., 0, :], cache[..., 1, :],
+                              pages=pages) as s:
+            for layer in range(L):
+                s.wait(layer, timeout=10)
+        with c.fuse_open_into_device("gpu_local", segs, _cache(c, fd, dev),
+                                     region[dev.nbytes : dev.nbytes + 4], pages=pages) as s:
+            for layer in range(L):
+                s.wait(layer, timeout=10)
+        assert np.array_equal(dev, host)
+        keys = cache[..., 0, :].reshape(L, BLOCKS * PT, H, D)
+        chunks = [(sg.hash, sg.pos) for sg in segs if sg.hash is not None]
+        for layer in range(L):
+            for h, pos in chunks:
+                want = c.get_rerotated("gpu_local", h, pos, layers=(layer, layer + 1))[0, 0]
+                one_base = c.get_rerotated("gpu_local_as_full", h, pos,
+                                           layers=(layer, layer + 1))[0, 0]
+                got = keys[layer, pos : pos + len(want)]
+                assert np.array_equal(got, want), layer
+                if h == chunks[-1][0]:  # stored at 3, placed at 12: its keys turn
+                    # layers 0 and 1 are local, layer 2 full (full_every 3)
+                    assert np.array_equal(got, one_base) == (layer == 2), layer
 
 
 def test_daemon_without_device_refuses(daemon, nodemem):

@@ -48,6 +48,12 @@ class KvbModel(ctypes.Structure):
     ]
 
 
+class KvbModelLayers(ctypes.Structure):
+    """struct kvb_model_layers (KVBLEND_1.8)."""
+
+    _fields_ = [("rope_local_theta", ctypes.c_double), ("full_every", ctypes.c_uint32)]
+
+
 class KvbChunkInfo(ctypes.Structure):
     """struct kvb_chunk_info."""
 
@@ -204,6 +210,13 @@ _PROTOTYPES = {
     "kvb_model_register": (_INT, [_P, ctypes.POINTER(KvbModel), ctypes.POINTER(_INT)]),
     "kvb_model_list": (_INT, [_P, ctypes.POINTER(ctypes.POINTER(KvbModel)), _PSZ]),
     "kvb_model_get": (_INT, [_P, _STR, ctypes.POINTER(KvbModel)]),
+    "kvb_model_register_layers": (
+        _INT,
+        [_P, ctypes.POINTER(KvbModel), ctypes.POINTER(KvbModelLayers), ctypes.POINTER(_INT)],
+    ),
+    "kvb_model_get_layers": (
+        _INT, [_P, _STR, ctypes.POINTER(KvbModel), ctypes.POINTER(KvbModelLayers)]
+    ),
     "kvb_put": (_INT, [_P, _STR, _HASH, _INT, _U32, _U32, _P, _SZ, ctypes.POINTER(_INT)]),
     "kvb_get": (_INT, [_P, _STR, _HASH, _U32, _U32, _P, _SZ, ctypes.POINTER(KvbChunkInfo)]),
     "kvb_get_rerotated": (

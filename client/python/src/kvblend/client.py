@@ -337,24 +337,28 @@ class Client:
             The name is taken by a different layout.
         """
         m = model._to_c()
+        layers = model._layers_to_c()
         existed = ctypes.c_int(0)
         with self._lock:
             self._check(
-                lib.kvb_model_register(self._handle(), ctypes.byref(m), ctypes.byref(existed))
+                lib.kvb_model_register_layers(
+                    self._handle(), ctypes.byref(m), ctypes.byref(layers), ctypes.byref(existed)
+                )
             )
-        self._models[model.name] = Model._from_c(m)
+        self._models[model.name] = Model._from_c(m, layers)
         return bool(existed.value)
 
     def model_list(self) -> builtins.list[Model]:
-        """All registered models."""
+        """All registered models (their layers read one model at a time)."""
         arr = ctypes.POINTER(KvbModel)()
         n = ctypes.c_size_t(0)
         with self._lock:
             self._check(lib.kvb_model_list(self._handle(), ctypes.byref(arr), ctypes.byref(n)))
         try:
-            return [Model._from_c(arr[i]) for i in range(n.value)]
+            names = [arr[i].name.decode() for i in range(n.value)]
         finally:
             _lib.free(arr)
+        return [self.model_get(name) for name in names]
 
     def model_get(self, name: str) -> Model:
         """Return the model called ``name``.
@@ -365,9 +369,14 @@ class Client:
             There is none.
         """
         m = KvbModel()
+        layers = _lib.KvbModelLayers()
         with self._lock:
-            self._check(lib.kvb_model_get(self._handle(), _name(name), ctypes.byref(m)))
-        model = Model._from_c(m)
+            self._check(
+                lib.kvb_model_get_layers(
+                    self._handle(), _name(name), ctypes.byref(m), ctypes.byref(layers)
+                )
+            )
+        model = Model._from_c(m, layers)
         self._models[name] = model
         return model
 

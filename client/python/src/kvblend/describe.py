@@ -7,6 +7,12 @@ blend pass can drive and counts layers and heads its own way (vLLM per pipeline 
 the RoPE they hand the daemon (base, rotated dimensions, scaling) is read here, so a new
 RoPE field is added once. Needs no torch nor transformers: a config is read by
 attribute.
+
+Models whose layers rotate with two bases (Gemma 3: sliding-window layers with base
+10,000, full-attention layers with 1,000,000) are described by :func:`local_layers`:
+transformers 5 writes them as ``rope_parameters`` keyed by layer type, earlier releases
+as ``rope_local_base_freq`` beside ``rope_theta``; ``layer_types`` (or
+``sliding_window_pattern``) says which layer is which.
 """
 
 from __future__ import annotations
@@ -23,9 +29,19 @@ class Undescribable(ValueError):
     """The config has something kvblend cannot describe exactly; the message names it."""
 
 
+#: The layer types of transformers' ``layer_types`` kvblend describes.
+FULL, SLIDING = "full_attention", "sliding_attention"
+
+
+def _per_type(rp: dict[str, Any]) -> bool:
+    return FULL in rp or SLIDING in rp
+
+
 def rope_parameters(cfg: Any) -> dict[str, Any]:
-    """Return the config's RoPE parameters (transformers 5's ``rope_parameters``, or {})."""
-    return dict(getattr(cfg, "rope_parameters", None) or {})
+    """Return the config's RoPE parameters (transformers 5's ``rope_parameters``, or {}):
+    the full-attention layers' where they are given per layer type."""
+    rp = dict(getattr(cfg, "rope_parameters", None) or {})
+    return dict(rp.get(FULL) or {}) if _per_type(rp) else rp
 
 
 def rope_theta(cfg: Any) -> float:
@@ -37,11 +53,74 @@ def rope_theta(cfg: Any) -> float:
 
 
 def rope_scaling(cfg: Any) -> dict[str, Any] | None:
-    """Return the scaling dict: ``rope_parameters`` when it names a type, else ``rope_scaling``."""
+    """Return the scaling dict: ``rope_parameters`` when it names a type, else ``rope_scaling``
+    (the full-attention layers' where RoPE is given per layer type)."""
     rp = rope_parameters(cfg)
     if rp.get("rope_type", "default") != "default":
         return rp
-    return getattr(cfg, "rope_scaling", None)
+    rs = getattr(cfg, "rope_scaling", None)
+    if isinstance(rs, dict) and _per_type(rs):
+        return None  # transformers 5 mirrors the per-type rope_parameters here
+    return rs
+
+
+def layer_types(cfg: Any, num_layers: int) -> list[str] | None:
+    """Return each layer's type (``layer_types``, or one derived from
+    ``sliding_window_pattern``: every Nth layer full), or None when the config has neither."""
+    types = getattr(cfg, "layer_types", None)
+    if types:
+        return [str(t) for t in types]
+    pattern = getattr(cfg, "sliding_window_pattern", None)
+    if isinstance(pattern, int) and pattern > 0:
+        return [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(num_layers)]
+    return None
+
+
+def local_layers(cfg: Any, num_layers: int) -> tuple[float, int]:
+    """Return (:attr:`Model.rope_local_theta`, :attr:`Model.full_every`) of the config:
+    (0.0, 0) when every layer rotates alike.
+
+    Raises
+    ------
+    Undescribable
+        Sliding layers with a RoPE scaling, a layer type other than full and sliding
+        attention, or full-attention layers not every Nth (kvblend describes local layers
+        as all but every ``full_every``-th).
+    """
+    rp = dict(getattr(cfg, "rope_parameters", None) or {})
+    if _per_type(rp):
+        local = dict(rp.get(SLIDING) or {})
+    elif getattr(cfg, "rope_local_base_freq", None):
+        local = {"rope_type": "default", "rope_theta": cfg.rope_local_base_freq}
+    else:
+        return 0.0, 0
+    if not local:
+        return 0.0, 0
+    if local.get("rope_type", "default") not in ("default", "none"):
+        raise Undescribable(
+            f"sliding-window layers with rope scaling {local.get('rope_type')!r} are not "
+            "described by kvblend (their RoPE must be plain)"
+        )
+    theta = local.get("rope_theta")
+    if not isinstance(theta, (int, float)) or not theta > 0:
+        raise Undescribable("the sliding-window layers' RoPE has no rope_theta")
+    types = layer_types(cfg, num_layers)
+    if types is None:
+        raise Undescribable("a local RoPE base without layer_types or sliding_window_pattern")
+    if len(types) < num_layers or any(t not in (FULL, SLIDING) for t in types):
+        raise Undescribable(f"layer types {sorted(set(types))} of {len(types)} layers: "
+                            f"kvblend describes {FULL} and {SLIDING} of every layer")
+    types = types[:num_layers]
+    full = [i for i, t in enumerate(types) if t == FULL]
+    if not full:
+        raise Undescribable("every layer is a sliding-window one: describe its base as rope_theta")
+    every = full[0] + 1
+    if every < 2 or full != list(range(every - 1, num_layers, every)):
+        raise Undescribable(
+            f"full-attention layers {full}: kvblend describes local layers as all but every "
+            "Nth layer (N >= 2)"
+        )
+    return float(theta), every
 
 
 def scaling_spec(rs: dict[str, Any] | None, max_pos: int | None) -> str:
@@ -92,8 +171,10 @@ def describe(
     Raises
     ------
     Undescribable
-        No rope_theta, or a rope scaling kvblend does not re-rotate exactly.
+        No rope_theta, or a rope scaling kvblend does not re-rotate exactly, or local
+        layers :func:`local_layers` does not describe.
     """
+    local_theta, full_every = local_layers(cfg, num_layers)
     return Model(
         name=name,
         num_layers=num_layers,
@@ -105,4 +186,6 @@ def describe(
         rotary_dim=rotary_dim(cfg, head_dim),
         scaling=scaling_spec(rope_scaling(cfg), getattr(cfg, "max_position_embeddings", None)),
         k_pre_rope=False,
+        rope_local_theta=local_theta,
+        full_every=full_every,
     )

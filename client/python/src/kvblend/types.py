@@ -68,6 +68,13 @@ class Model:
         How chunks are stored: ``'dtype'`` (lossless, the default), or quantized and
         decoded back on every read: ``'fp8'``, ``'int8'``, ``'int4'`` or
         ``'int4:GROUP'`` (docs/storage.md). Part of the model's identity.
+    rope_local_theta : float
+        Local layers (Gemma 3's sliding-window ones) rotate with this base, by default
+        RoPE without scaling; 0 (the default): every layer rotates alike.
+    full_every : int
+        With ``rope_local_theta``: layer ``l`` (from 0) is a full-attention layer, rotated
+        by ``rope_theta`` and ``scaling``, when ``(l + 1) % full_every == 0``, and a local
+        one otherwise (Gemma 3: 6). 2 .. num_layers; 0 without local layers.
     """
 
     name: str
@@ -81,6 +88,12 @@ class Model:
     scaling: str = "none"
     k_pre_rope: bool = False
     store: str = "dtype"
+    rope_local_theta: float = 0.0
+    full_every: int = 0
+
+    def is_local(self, layer: int) -> bool:
+        """Whether ``layer`` is a local layer, rotated with ``rope_local_theta``."""
+        return bool(self.full_every) and (layer + 1) % self.full_every != 0
 
     @property
     def np_dtype(self) -> np.dtype:
@@ -121,8 +134,14 @@ class Model:
             raise BadArgument(-22, f"store '{self.store}': dtype, fp8, int8, int4 or int4:GROUP")
         return m
 
+    def _layers_to_c(self) -> _lib.KvbModelLayers:
+        if (self.rope_local_theta != 0) != (self.full_every != 0):
+            raise BadArgument(-22, "rope_local_theta and full_every go together (both 0: "
+                              "every layer rotates alike)")
+        return _lib.KvbModelLayers(float(self.rope_local_theta), int(self.full_every))
+
     @classmethod
-    def _from_c(cls, m: KvbModel) -> Model:
+    def _from_c(cls, m: KvbModel, layers: _lib.KvbModelLayers | None = None) -> Model:
         buf = ctypes.create_string_buffer(128)
         store = ctypes.create_string_buffer(32)
         lib.kvb_rope_scaling_format(ctypes.byref(m), buf, len(buf))
@@ -139,6 +158,8 @@ class Model:
             scaling=buf.value.decode(),
             k_pre_rope=bool(m.k_pre_rope),
             store=store.value.decode(),
+            rope_local_theta=layers.rope_local_theta if layers else 0.0,
+            full_every=layers.full_every if layers else 0,
         )
 
 

@@ -14,6 +14,10 @@ without an error. So before the worker loads anything, it checks every layer's o
 3. compared with the second: the largest difference over the largest key must stay within
    the dtype's rounding (:data:`TOLERANCE`), else :class:`SelfTestFailed` names the layer.
 
+A model whose local layers rotate with a base of their own (Gemma 3's sliding-window
+layers: ``rope_local_theta``, ``full_every``) is stored with that description too, so each
+layer is checked against the daemon's rotation of its own kind: both kinds are covered.
+
 The chunk is deleted afterwards. Random keys rather than a text's: the rotation is linear
 per position and independent of what the keys hold, and random rows use every rotary
 channel with weight.
@@ -134,7 +138,8 @@ def run(client: Client, model: Model, rotaries: Sequence[tuple[str, Any]], seed:
                 f"vLLM's rotary_emb at {target}.. by {err:.3g} of the largest key (tolerance "
                 f"{tol:g} for {model.dtype}): kvblend's description of this model's RoPE "
                 f"(theta {model.rope_theta:g}, rotary_dim {model.rotary_dim or model.head_dim}, "
-                f"scaling {model.scaling or 'none'}) is wrong; refused, never served wrong"
+                f"scaling {model.scaling or 'none'}{_local(m, i)}) is wrong; refused, never "
+                "served wrong"
             )
         worst = max(worst, err)
     return (
@@ -142,6 +147,15 @@ def run(client: Client, model: Model, rotaries: Sequence[tuple[str, Any]], seed:
         f"{BASE} to {target}, largest difference {worst:.2g} of the largest key "
         f"(tolerance {tol:g})"
     )
+
+
+def _local(m: Model, layer: int) -> str:
+    """What the description says of a model's local layers, for the failure message."""
+    if not m.full_every:
+        return ""
+    kind = "a local" if m.is_local(layer) else "a full-attention"
+    return (f"; local layers' theta {m.rope_local_theta:g}, every {m.full_every}th layer "
+            f"full: layer {layer} is {kind} one")
 
 
 def rotaries_of(model: Any) -> list[tuple[str, Any]]:
