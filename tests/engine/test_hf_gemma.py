@@ -21,23 +21,16 @@ the window) and three short ones (about 250 tokens each):
     chunk longer than the window keeps all its rows (transformers' own cache keeps only
     the last 511 of a local layer): the full prefill's first 600 rows within TOL_FUSED;
 (c) the vLLM side keeps refusing Gemma 3 with a message that says kvblend.hf blends it;
-(d) with the daemon's two RoPE bases (kvblend.types.Model.rope_local_theta, full_every):
+(d) the daemon's two RoPE bases (kvblend.types.Model.rope_local_theta, full_every):
     kvblend.hf describes the model with them; a chunk re-rotated by the daemon to positions
     37.. and 600.. equals transformers' prefill of the chunk alone at those positions on
     every layer, local and full, within TOL_MOVED; full reuse (no check layer) lands each
     chunk as the daemon's own re-rotation of it (GET re-rotated) bit for bit; and on every prompt
     the first token's KL divergence from the full prefill at r = 0.15 (value metric, layer
-    1) is below full reuse's. Without them (a kvblend before the daemon re-rotates each
-    layer with its own base) kvblend.hf refuses the model, and the rest runs under a
-    one-base description: (b) as above (r = 1.0 keeps no re-rotated row), and (d) without
-    its re-rotation checks, on chunks each prefilled alone at its place in the prompt and
-    stored there (base_pos: the daemon then moves no row, whatever its base), which holds
-    the blend pass's mixed rows (stored and recomputed, through the windows) to the KL
-    comparison.
+    1) is below full reuse's.
 Skipped when KVBLEND_SKIP_ENGINE=1.
 """
 
-import dataclasses
 import os
 import time
 
@@ -97,11 +90,6 @@ def gemma():
     return model, tok
 
 
-def two_bases():
-    """Whether this kvblend describes a model with a local RoPE base (the daemon's)."""
-    return "rope_local_theta" in {f.name for f in dataclasses.fields(kvblend.Model)}
-
-
 def prompt(tok, docs, question=QUESTION):
     """A prompt [("fresh"|"chunk", ids)]: <bos> and an instruction, the chunks, the question.
 
@@ -148,7 +136,7 @@ def worst_of(kv, ref):
                for la in range(ref.shape[0]) for p in range(2))
 
 
-def test_hf_gemma(gemma, monkeypatch):
+def test_hf_gemma(gemma):
     model, tok = gemma
     t0 = time.monotonic()
     long, short = prompts(tok)
@@ -158,29 +146,16 @@ def test_hf_gemma(gemma, monkeypatch):
     full_kv, full_logits, hidden = full_prefill(model, ids)
     check_window(model, ids, hidden)
     check_vllm_refused(model)
-    if not two_bases():
-        # this kvblend's daemon rotates every layer with one base: kvblend.hf refuses the
-        # model, and r = 1.0 (which keeps no re-rotated row) runs under one base
-        try:
-            kh.model_spec(model)
-            fail("kvblend.hf described Gemma 3 without a local RoPE base")
-        except kh.Unsupported as e:
-            print(f"  no local RoPE base in kvblend.Model: refused ({e})")
-        full = float(model.config.rope_parameters["full_attention"]["rope_theta"])
-        monkeypatch.setattr(kh, "model_spec", lambda m, name=None: kvblend.Model(
-            name="hf:gemma-3-270m:one-base", num_layers=18, num_kv_heads=1, head_dim=256,
-            dtype="f32", rope_theta=full))
     d = Daemon()
     try:
         with kvblend.Client(d.endpoint, timeout_ms=120000) as c:
             b = kh.Blender(model, c)
             check_everything(model, b, long, ids, full_kv)
-            check_reuse(model, b, c, [long] + short, placed=not two_bases())
+            check_reuse(model, b, c, [long] + short)
             b.close()
     finally:
         d.stop()
-    print(f"test_hf_gemma: passed in {time.monotonic() - t0:.0f} s"
-          + ("" if two_bases() else " (one RoPE base: chunks stored in place)"))
+    print(f"test_hf_gemma: passed in {time.monotonic() - t0:.0f} s")
 
 
 @torch.no_grad()
@@ -271,23 +246,18 @@ def check_everything(model, b, segs, ids, full_kv):
           f"({time.monotonic() - t:.1f} s)")
 
 
-def check_reuse(model, b, c, all_segs, placed=False):
-    """(d): full reuse lands the daemon's re-rotation; r = 0.15 beats full reuse's KL.
-
-    ``placed``: one RoPE base; each prompt's chunks are stored prefilled at their place."""
+def check_reuse(model, b, c, all_segs):
+    """(d): the daemon's re-rotation per layer; r = 0.15 beats full reuse's KL."""
     spec = b.spec
-    if not placed:
-        if not spec.rope_local_theta or not spec.full_every:
-            fail(f"(d) Gemma 3 described with rope_local_theta {spec.rope_local_theta}, "
-                 f"full_every {spec.full_every}")
-        check_moved(model, b, c, all_segs[0])
+    local = float(model.config.rope_parameters["sliding_attention"]["rope_theta"])
+    if (spec.rope_local_theta, spec.full_every) != (local, 6):
+        fail(f"(d) Gemma 3 described with rope_local_theta {spec.rope_local_theta}, "
+             f"full_every {spec.full_every} (its config: {local:g}, every 6th layer full)")
+    check_moved(model, b, c, all_segs[0])
     rows = []
     for i, segs in enumerate(all_segs):
         ids = ids_of(segs)
-        if placed:
-            hashes = store_in_place(model, c, spec.name, segs)
-        else:
-            hashes = [b.store(t) for k, t in segs if k == "chunk"]
+        hashes = [b.store(t) for k, t in segs if k == "chunk"]
         reuse = b.blend(segs, (), ())
         got, pos, j = reuse.kv.numpy(), 0, 0
         for kind, t in segs:
@@ -306,11 +276,9 @@ def check_reuse(model, b, c, all_segs, placed=False):
         if not kl_blend < kl_reuse:
             fail(f"(d) prompt {i} ({ids.size} tokens): KL at r=0.15 {kl_blend:.4f} not below "
                  f"full reuse's {kl_reuse:.4f}")
-    how = ("chunks stored in place (one RoPE base)" if placed else
-           f"local base {spec.rope_local_theta:g}, full every {spec.full_every}")
-    print(f"  (d) {how}: full reuse lands the daemon's re-rotation bit for bit; first-token KL "
-          "vs full prefill (tokens: full reuse -> r=0.15): "
-          + ", ".join(f"{n}: {a:.4f} -> {z:.4f}" for n, a, z in rows))
+    print(f"  (d) local base {spec.rope_local_theta:g}, full every {spec.full_every}: full reuse "
+          "lands the daemon's re-rotation bit for bit; first-token KL vs full prefill (tokens: "
+          "full reuse -> r=0.15): " + ", ".join(f"{n}: {a:.4f} -> {z:.4f}" for n, a, z in rows))
 
 
 @torch.no_grad()
@@ -322,21 +290,6 @@ def prefill_at(model, t, pos):
     return np.ascontiguousarray(np.stack([
         torch.stack([pkv.layers[la].keys[0], pkv.layers[la].values[0]]).transpose(1, 2).numpy()
         for la in range(len(pkv.layers))]))
-
-
-def store_in_place(model, c, name, segs):
-    """Store each chunk of segs prefilled alone at its place in the prompt (base_pos), in
-    place of the chunk stored elsewhere; return their hashes."""
-    pos, hashes = 0, []
-    for kind, t in segs:
-        if kind == "chunk":
-            h = kvblend.chunk_hash(np.asarray(t, np.uint32))
-            if c.lookup(name, [h])[0].found:
-                c.delete(name, h)
-            c.put(name, h, prefill_at(model, t, pos), base_pos=pos)
-            hashes.append(h)
-        pos += len(t)
-    return hashes
 
 
 @torch.no_grad()

@@ -78,10 +78,14 @@ def _sliding(cfg: Any) -> bool:
 def _rope_by_type(cfg: Any) -> dict[str, dict]:
     """Return the RoPE parameters per layer type of a model with local layers, else {}.
 
-    Transformers 5's ``rope_parameters`` keyed by ``sliding_attention``/``full_attention``.
+    Transformers 5's ``rope_parameters`` keyed by ``sliding_attention``/``full_attention``
+    (or transformers 4's ``rope_local_base_freq``, the sliding layers' base).
     """
-    rp = _describe.rope_parameters(cfg)
-    return {t: dict(v) for t, v in rp.items() if isinstance(v, dict)}
+    rp = dict(getattr(cfg, "rope_parameters", None) or {})
+    by_type = {t: dict(v) for t, v in rp.items() if isinstance(v, dict)}
+    if not by_type and getattr(cfg, "rope_local_base_freq", None):
+        by_type = {"sliding_attention": {"rope_theta": cfg.rope_local_base_freq}}
+    return by_type
 
 
 def _check_model(model: Any) -> _arch.Arch:
@@ -149,25 +153,24 @@ def model_spec(model: Any, name: str | None = None) -> Model:
 def _check_local_rope(arch: _arch.Arch, cfg: Any, spec: Model) -> None:
     """Check that ``spec`` re-rotates each layer with the base the model rotates it with.
 
-    The daemon rotates layer l with ``rope_local_theta`` unless (l + 1) % ``full_every``
-    is 0 (or with ``rope_theta`` everywhere when ``rope_local_theta`` is 0); the model
-    rotates its sliding layers with ``rope_parameters["sliding_attention"]``'s base and
-    its full ones with ``["full_attention"]``'s.
+    The daemon rotates layer l with ``rope_local_theta`` where :meth:`Model.is_local`
+    says so, else with ``rope_theta``; the model rotates the layers its attention modules
+    call sliding with ``rope_parameters["sliding_attention"]``'s base and the others with
+    ``["full_attention"]``'s. :mod:`kvblend.describe` reads the same config; this holds
+    its description to the layers transformers runs.
 
     Raises
     ------
     Unsupported
-        The description cannot say it (no local base), or says another base for a layer.
+        The description says another base for a layer.
     """
     by_type = _rope_by_type(cfg)
     types = ["full_attention" if w is None else "sliding_attention"
              for w in _arch.sliding_windows(arch, cfg, "kvblend.hf")]
-    local = float(getattr(spec, "rope_local_theta", 0.0) or 0.0)
-    every = int(getattr(spec, "full_every", 0) or 0)
+    local, every = spec.rope_local_theta, spec.full_every
     for i, t in enumerate(types):
         want = float(by_type.get(t, {}).get("rope_theta", spec.rope_theta))
-        full = local <= 0 or (every > 0 and (i + 1) % every == 0)
-        got = spec.rope_theta if full else local
+        got = spec.rope_local_theta if spec.is_local(i) else spec.rope_theta
         if got != want:
             raise Unsupported(
                 f"kvblend.hf: {arch.name} layer {i} ({t}) is rotated with base {want:g}; its "
