@@ -27,7 +27,11 @@ the window) and three short ones (about 250 tokens each):
     every layer, local and full, within TOL_MOVED; full reuse (no check layer) lands each
     chunk as the daemon's own re-rotation of it (GET re-rotated) bit for bit; and on every prompt
     the first token's KL divergence from the full prefill at r = 0.15 (value metric, layer
-    1) is below full reuse's.
+    1) is below full reuse's;
+(e) bfloat16 (the KV held as raw bits on the host): r = 1.0 over the long prompt gives
+    transformers' bfloat16 full prefill's KV within one bfloat16 unit (2^-8) of a layer's
+    scale, and the default blend (the anchored metric: its compressed preview over the
+    windows) runs, with finite KV and a selection.
 Skipped when KVBLEND_SKIP_ENGINE=1.
 """
 
@@ -143,7 +147,7 @@ def test_hf_gemma(gemma):
     ids = ids_of(long)
     if ids.size <= 600 or ids[0] != tok.bos_token_id:
         fail(f"the long prompt: {ids.size} tokens, first {ids[0]} (<bos> {tok.bos_token_id})")
-    full_kv, full_logits, hidden = full_prefill(model, ids)
+    full_kv, _, hidden = full_prefill(model, ids)
     check_window(model, ids, hidden)
     check_vllm_refused(model)
     d = Daemon()
@@ -153,6 +157,7 @@ def test_hf_gemma(gemma):
             check_everything(model, b, long, ids, full_kv)
             check_reuse(model, b, c, [long] + short)
             b.close()
+            check_bf16(c, long)
     finally:
         d.stop()
     print(f"test_hf_gemma: passed in {time.monotonic() - t0:.0f} s")
@@ -313,3 +318,29 @@ def check_moved(model, b, c, segs):
     print(f"  (d) a chunk of {t.size} tokens re-rotated to 37 and 600 by the daemon: within "
           f"{worst[0]:.1e} (local layers) and {worst[1]:.1e} (full) of transformers' prefill "
           "there")
+
+
+def check_bf16(c, segs):
+    """(e): the model in bfloat16: r = 1.0 against its own full prefill, the default blend."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.bfloat16)
+    model.eval()
+    b = kh.Blender(model, c)
+    for t in (t for k, t in segs if k == "chunk"):
+        b.store(t)
+    ids = ids_of(segs)
+    everything = b.blend(segs, (1,), (1.0,))
+    with torch.no_grad():
+        pkv = model(torch.as_tensor(ids)[None], past_key_values=DynamicCache(),
+                    use_cache=True).past_key_values
+    full = torch.stack([torch.stack([pkv.layers[i].keys[0].transpose(0, 1),
+                                     pkv.layers[i].values[0].transpose(0, 1)])
+                        for i in range(len(pkv.layers))]).float()
+    worst = worst_of(everything.kv.float().numpy(), full.numpy())
+    if everything.kv.dtype != torch.bfloat16 or worst > 2.0 ** -8:
+        fail(f"(e) bf16: r=1.0 ({everything.kv.dtype}) off the full prefill by {worst:.2e}")
+    default = b.blend(segs)
+    if not bool(torch.isfinite(default.kv.float()).all()) or not default.selections[-1].size:
+        fail("(e) bf16: the anchored default gave no selection or values that are not finite")
+    print(f"  (e) bf16: r=1.0 within {worst:.1e} of the full prefill's scale; the anchored "
+          f"default recomputes {default.selections[-1].size} of {ids.size} rows")
+    b.close()
