@@ -29,7 +29,9 @@ grouped queries) and prompts of a few hundred tokens:
     torch.softmax, through which every score passes, watched);
 (e) a local layer's sliding window: causal_attention with a window (row i reads keys
     rows[i] - window + 1 .. rows[i]) equals the float64 reference with that mask for the
-    selections of (b), and a window of n or more is the plain attention bit for bit; the
+    selections of (b), and so do PagedAttention (vLLM's CPU kernel, told the window) and
+    VarlenAttention (FlashAttention's window_size, over fa_reference) with a local and a
+    full layer in turn; a window of n or more is the plain attention bit for bit; the
     preview over a toy decoder whose even layers are local equals its float64 reference
     with the window on the keys' positions (chunk rows and the question's own).
 Run by pytest (tests/engine/run.sh --pytest, as ctest does); skipped when KVBLEND_SKIP_ENGINE=1.
@@ -69,8 +71,12 @@ def reference(q, k, v, rows, scaling, window=None):
 
 
 def fa_reference(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, seqused_k,
-                 softmax_scale, causal, block_table):
-    """flash_attn_varlen_func's contract over a paged cache (its docstring), in float64."""
+                 softmax_scale, causal, block_table, window_size=(-1, -1)):
+    """flash_attn_varlen_func's contract over a paged cache (its docstring), in float64;
+    ``window_size`` (left, right): query i also sees no key before its own position - left."""
+    if window_size[1] not in (-1, 0):
+        fail(f"VarlenAttention asked for a window to the right {window_size}")
+    window = window_size[0] + 1 if window_size[0] >= 0 else None
     if not causal:
         fail("VarlenAttention asked for non-causal attention")
     out = torch.zeros(q.shape, dtype=torch.float64)
@@ -84,7 +90,8 @@ def fa_reference(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, seqused_k,
         vv = v[blocks].reshape(-1, *v.shape[2:])[:nk]
         # bottom right: query i of nq sees keys 0 .. nk - nq + i
         seen = np.arange(nk - (b - a), nk)
-        out[a:b] = reference(q[a:b], kk, vv, seen, softmax_scale).reshape(b - a, *q.shape[1:])
+        out[a:b] = reference(q[a:b], kk, vv, seen, softmax_scale,
+                             window).reshape(b - a, *q.shape[1:])
     return out.to(q.dtype)
 
 
@@ -122,9 +129,14 @@ def check_varlen(rng):
 
 
 def check_window(rng):
-    """(e): causal_attention through a sliding window against the float64 reference."""
+    """(e): causal_attention, the paged (vLLM's CPU kernel, told the window) and the varlen
+    attention (FlashAttention's window_size) through a sliding window against the float64
+    reference; the paged and varlen objects alternate a local and a full layer over the
+    same rows, as the pass over Gemma 3 does (their kept metadata must follow the window)."""
     heads, kv_heads, d, window = 4, 1, 32, 128
     scaling = d**-0.5
+    paged = paged_attention_for(torch.device("cpu"), heads, kv_heads, d, torch.float32)
+    varlen = VarlenAttention(fa_reference, heads, kv_heads, d, torch.float32, "cpu")
     for n, k, v, name, rows, q in cases(rng, heads, kv_heads, d):
         rows_t = torch.as_tensor(rows)
         got = causal_attention(q, k, v, rows_t, scaling, window)
@@ -132,11 +144,19 @@ def check_window(rng):
         err = (got.double() - want).abs().max().item() if rows.size else 0.0
         if not err <= TOL:
             fail(f"causal_attention, window {window}, n={n}, {name}: err {err}")
+        plain = reference(q, k, v, rows, scaling)
+        for impl, f in (("paged", paged), ("varlen", varlen)):
+            for w, ref in ((window, want), (None, plain), (window, want)):
+                got = f(q, k, v, rows_t, scaling, w)
+                err = (got.double() - ref).abs().max().item() if rows.size else 0.0
+                if not err <= TOL:
+                    fail(f"{impl}, window {w}, n={n}, {name}: err {err}")
         if not torch.equal(causal_attention(q, k, v, rows_t, scaling, n),
                            causal_attention(q, k, v, rows_t, scaling)):
             fail(f"causal_attention, a window of n={n}, {name}: not the plain attention")
-    print(f"ok: a sliding window of {window} equals the reference; one of n is the plain "
-          "attention bit for bit")
+    print(f"ok: a sliding window of {window} equals the reference in causal_attention, the "
+          "paged and the varlen attention (local and full layers in turn); one of n is the "
+          "plain attention bit for bit")
 
 
 def check_runs():

@@ -2,8 +2,8 @@
 
 Run with the engine venv's python (tests/engine/run.sh --pytest, as ctest does);
 KVBLEND_GEMMA_MODEL names the model directory (default /var/cache/kvblend/models/gemma-3-270m,
-which tests/engine/make_gemma_model.py writes; the engine environment does not build it:
-without it the test is skipped). Gemma 3's layer differs from Llama's in the Q and K norms,
+which .ci/engine-env builds with tests/engine/make_gemma_model.py; without it the test is
+skipped). Gemma 3's layer differs from Llama's in the Q and K norms,
 the sandwich norms, the scaled embedding and the attention scale, and in its local layers
 (5 of every 6): a sliding window of 512 tokens and a RoPE base of their own (10,000; the
 full layers' is 1,000,000). One long prompt of five stored chunks (about 700 tokens, past
@@ -20,7 +20,8 @@ the window) and three short ones (about 250 tokens each):
     over the sliding windows) likewise; and Blender.prefill_kv (what store() puts) of a
     chunk longer than the window keeps all its rows (transformers' own cache keeps only
     the last 511 of a local layer): the full prefill's first 600 rows within TOL_FUSED;
-(c) the vLLM side keeps refusing Gemma 3 with a message that says kvblend.hf blends it;
+(c) the vLLM connector's config check takes Gemma 3 with the same windows (test_vllm_gemma
+    blends it inside an engine);
 (d) the daemon's two RoPE bases (kvblend.types.Model.rope_local_theta, full_every):
     kvblend.hf describes the model with them; a chunk re-rotated by the daemon to positions
     37.. and 600.. equals transformers' prefill of the chunk alone at those positions on
@@ -149,7 +150,7 @@ def test_hf_gemma(gemma):
         fail(f"the long prompt: {ids.size} tokens, first {ids[0]} (<bos> {tok.bos_token_id})")
     full_kv, _, hidden = full_prefill(model, ids)
     check_window(model, ids, hidden)
-    check_vllm_refused(model)
+    check_vllm_config(model)
     d = Daemon()
     try:
         with kvblend.Client(d.endpoint, timeout_ms=120000) as c:
@@ -200,20 +201,15 @@ def check_window(model, ids, hidden):
           f"{moved[0]:.1e} / {moved[1]:.1e}")
 
 
-def check_vllm_refused(model):
-    """(c): vLLM's blend pass (its config check and for_vllm's lookup) refuses Gemma 3."""
-    msg = ""
-    for what, call in (("config", lambda: _arch.check_config(
-            "Gemma3ForCausalLM", model.config, "kvblend: blending refused")),
-                       ("lookup", lambda: _arch.lookup("Gemma3ForCausalLM", "kvblend"))):
-        try:
-            call()
-            fail(f"(c) vLLM's {what} check took Gemma3ForCausalLM")
-        except _arch.ArchRefused as e:
-            msg = str(e)
-            if "kvblend.hf only" not in msg:
-                fail(f"(c) refusal message: {msg}")
-    print(f"  (c) vLLM's blend pass refuses it: {msg}")
+def check_vllm_config(model):
+    """(c): the vLLM connector's config check (the one both of its processes make) takes
+    Gemma 3 and reads the same windows (test_vllm_gemma blends it in an engine)."""
+    arch = _arch.check_config("Gemma3ForCausalLM", model.config, "kvblend: blending refused")
+    windows = _arch.sliding_windows(arch, model.config, "kvblend")
+    full = [i for i, w in enumerate(windows) if w is None]
+    if full != [5, 11, 17] or any(w != 512 for w in windows if w is not None):
+        fail(f"(c) windows {windows}")
+    print(f"  (c) vLLM's config check takes it: full layers {full}, windows of 512 elsewhere")
 
 
 def check_everything(model, b, segs, ids, full_kv):

@@ -18,23 +18,19 @@ def gemma_config(**kw):
     return SimpleNamespace(**base)
 
 
-GEMMA = arch.HF_ONLY["Gemma3ForCausalLM"]
+GEMMA = arch.ARCHITECTURES["Gemma3ForCausalLM"]
 TYPES = ["sliding_attention"] * 5 + ["full_attention"]
 
 
-def test_gemma3_is_kvblend_hf_only():
-    assert arch.lookup("Gemma3ForCausalLM", "kvblend.hf", hf=True) is GEMMA
-    assert "Gemma3ForCausalLM" not in arch.ARCHITECTURES  # the vLLM connector's list
-    with pytest.raises(arch.ArchRefused, match="blended by kvblend.hf only, not yet under vLLM"):
-        arch.lookup("Gemma3ForCausalLM", "kvblend")
-    with pytest.raises(arch.ArchRefused, match="kvblend.hf only"):
-        arch.check_config("Gemma3ForCausalLM", gemma_config(layer_types=TYPES), "kvblend")
-    # Gemma 1 and 2 stay refused by both
-    for hf in (False, True):
-        with pytest.raises(arch.ArchRefused, match="GemmaForCausalLM is not supported"):
-            arch.lookup("GemmaForCausalLM", "x", hf=hf)
-    assert "Gemma3ForCausalLM" in arch.supported(hf=True)
-    assert "Gemma3ForCausalLM" not in arch.supported()
+def test_gemma3_is_blended_by_both_engines():
+    assert arch.lookup("Gemma3ForCausalLM", "kvblend") is GEMMA
+    assert arch.check_config("Gemma3ForCausalLM", gemma_config(layer_types=TYPES),
+                             "kvblend") is GEMMA
+    assert "Gemma3ForCausalLM" in arch.supported()
+    # Gemma 1 and 2 stay refused
+    for name in ("GemmaForCausalLM", "Gemma2ForCausalLM"):
+        with pytest.raises(arch.ArchRefused, match=f"{name} is not supported"):
+            arch.lookup(name, "x")
 
 
 def test_sliding_windows_from_layer_types_and_pattern():
@@ -61,9 +57,9 @@ def test_sliding_windows_from_layer_types_and_pattern():
 ])
 def test_gemma3_configs_refused(cfg, words):
     with pytest.raises(arch.ArchRefused, match=words):
-        arch.check_config("Gemma3ForCausalLM", cfg, "kvblend.hf", hf=True)
+        arch.check_config("Gemma3ForCausalLM", cfg, "kvblend.hf")
 
 
 def test_gemma3_config_taken():
     cfg = gemma_config(layer_types=TYPES)
-    assert arch.check_config("Gemma3ForCausalLM", cfg, "kvblend.hf", hf=True) is GEMMA
+    assert arch.check_config("Gemma3ForCausalLM", cfg, "kvblend.hf") is GEMMA

@@ -51,7 +51,7 @@ from .errors import KvblendError
 from .types import Model
 
 #: Architectures whose decoder layers this module drives (:mod:`kvblend.blend.arch`).
-SUPPORTED_ARCHITECTURES = tuple(_arch.ARCHITECTURES) + tuple(_arch.HF_ONLY)
+SUPPORTED_ARCHITECTURES = tuple(_arch.ARCHITECTURES)
 _DTYPES = {
     torch.float32: ("f32", np.float32),
     torch.float16: ("f16", np.float16),
@@ -90,7 +90,7 @@ def _rope_by_type(cfg: Any) -> dict[str, dict]:
 
 def _check_model(model: Any) -> _arch.Arch:
     try:
-        arch = _arch.check_config(type(model).__name__, model.config, "kvblend.hf", hf=True)
+        arch = _arch.check_config(type(model).__name__, model.config, "kvblend.hf")
         _arch.for_hf(model)
     except _arch.ArchRefused as e:
         raise Unsupported(str(e)) from None

@@ -19,13 +19,15 @@ know it:
   recomputed row is routed as the engine routes it (vLLM's fused MoE kernel under vLLM;
   transformers' experts under kvblend.hf, whose block takes a batch dimension);
 - Phi-3 and Phi-4: Q, K and V in one projection, and a partial rotary factor;
-- Gemma 3 (text, ``Gemma3ForCausalLM``; :mod:`kvblend.hf` only so far): Qwen3's Q and K
-  norms, a norm on each sublayer's output as well as its input (``post_attention_layernorm``
-  on the attention's output, ``pre_feedforward_layernorm`` and
-  ``post_feedforward_layernorm`` around the MLP), an embedding scaled by sqrt(hidden) (in
-  transformers' ``embed_tokens`` module, called whole), the attention scaled by
-  ``query_pre_attn_scalar`` ** -0.5 (the attention module's ``scaling``), a RoPE base per
-  layer type, and a sliding window on its local layers (:func:`sliding_windows`).
+- Gemma 3 (text, ``Gemma3ForCausalLM``): Qwen3's Q and K norms, a norm on each sublayer's
+  output as well as its input (``post_attention_layernorm`` on the attention's output,
+  ``pre_feedforward_layernorm`` and ``post_feedforward_layernorm`` around the MLP), an
+  embedding scaled by sqrt(hidden) (in transformers' ``embed_tokens`` module, called whole;
+  vLLM's model multiplies by its ``normalizer`` in ``embed_input_ids``), the attention
+  scaled by ``query_pre_attn_scalar`` ** -0.5 (the attention module's ``scaling``), a RoPE
+  base per layer type (each layer's own rotary module, in both engines), and a sliding
+  window on its local layers (:func:`sliding_windows`; under vLLM each attention layer's
+  own ``sliding_window``, which its kernel takes).
 
 :func:`for_vllm` and :func:`for_hf` check a loaded model and return its :class:`Arch`;
 :func:`norm_qk` is the one step the loop adds for Qwen3 and Gemma 3. Anything else raises
@@ -73,8 +75,6 @@ class Arch:
     scaled_embedding : bool
         The embedding is scaled (by sqrt(hidden) in Gemma), inside transformers' embedding
         module (``embed_scale``), which the pass calls whole: checked to be there.
-    vllm : bool
-        The vLLM connector's blend pass drives it too (else :mod:`kvblend.hf` only).
     """
 
     name: str
@@ -85,7 +85,6 @@ class Arch:
     sandwich_norm: bool = False
     local_layers: bool = False
     scaled_embedding: bool = False
-    vllm: bool = True
 
 
 #: The architectures the blend pass drives, by Hugging Face architecture name. vLLM runs
@@ -102,45 +101,30 @@ ARCHITECTURES = {
         Arch("Phi3ForCausalLM", fused_qkv=True),
         # Qwen3-MoE: every token routed through its top-k experts by the engine's own module
         Arch("Qwen3MoeForCausalLM", qk_norm=True, moe=True),
-    )
-}
-
-#: Architectures :mod:`kvblend.hf` drives and the vLLM connector not yet (its blend pass
-#: has no sliding window, and vLLM's Gemma 3 layer is not checked against the pass).
-HF_ONLY = {
-    a.name: a
-    for a in (
+        # Gemma 3 (text): sandwich norms, a scaled embedding, local layers with a sliding
+        # window and a RoPE base of their own
         Arch("Gemma3ForCausalLM", qk_norm=True, sandwich_norm=True, local_layers=True,
-             scaled_embedding=True, vllm=False),
+             scaled_embedding=True),
     )
 }
 
+def supported() -> str:
+    """Return the supported architectures, comma-separated, for messages."""
+    return ", ".join(ARCHITECTURES)
 
-def supported(hf: bool = False) -> str:
-    """Return the supported architectures (``hf``: :mod:`kvblend.hf`'s), comma-separated."""
-    return ", ".join({**ARCHITECTURES, **HF_ONLY} if hf else ARCHITECTURES)
 
-
-def lookup(name: str | None, where: str, hf: bool = False) -> Arch:
+def lookup(name: str | None, where: str) -> Arch:
     """Return the :class:`Arch` of architecture ``name``.
-
-    ``hf``: for :mod:`kvblend.hf`, which drives :data:`HF_ONLY` too.
 
     Raises
     ------
     ArchRefused
-        ``name`` is not one of :data:`ARCHITECTURES` (or :data:`HF_ONLY` with ``hf``);
-        the message starts with ``where``.
+        ``name`` is not one of :data:`ARCHITECTURES`; the message starts with ``where``.
     """
     arch = ARCHITECTURES.get(name or "")
-    if arch is None and name in HF_ONLY:
-        arch = HF_ONLY[name]
-        if not hf:
-            raise ArchRefused(f"{where}: {name} is blended by kvblend.hf only, not yet under "
-                              f"vLLM (supported: {supported()})")
     if arch is None:
         raise ArchRefused(
-            f"{where}: {name} is not supported for blending (supported: {supported(hf)})"
+            f"{where}: {name} is not supported for blending (supported: {supported()})"
         )
     return arch
 
@@ -159,11 +143,11 @@ _REFUSED_OPTIONS = {
 }
 
 
-def check_config(name: str | None, hf_config: Any, where: str, hf: bool = False) -> Arch:
+def check_config(name: str | None, hf_config: Any, where: str) -> Arch:
     """Return the :class:`Arch` of architecture ``name`` whose Hugging Face config is given.
 
     Decided from the config alone, so that vLLM's scheduler and worker processes agree
-    before any model is loaded. ``hf``: for :mod:`kvblend.hf` (:func:`lookup`).
+    before any model is loaded.
 
     Raises
     ------
@@ -171,7 +155,7 @@ def check_config(name: str | None, hf_config: Any, where: str, hf: bool = False)
         ``name`` is not one of :data:`ARCHITECTURES`, or the config turns on an option
         the pass does not reproduce; the message starts with ``where``.
     """
-    arch = lookup(name, where, hf)
+    arch = lookup(name, where)
     for key, what in _REFUSED_OPTIONS.items():
         if hf_config is not None and getattr(hf_config, key, None):
             raise ArchRefused(f"{where}: {arch.name} with {what} ({key}) is not blended")
@@ -250,8 +234,21 @@ def for_vllm(model: Any) -> Arch:
     """
     where = "kvblend"
     arch = lookup(type(model).__name__, where)
+    windows = sliding_windows(arch, model.config, where) if arch.local_layers else None
+    if arch.scaled_embedding and not hasattr(model.model, "normalizer"):
+        raise ArchRefused(f"{where}: {arch.name} has no scaled embedding (normalizer)")
+    sandwich = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
     for i, layer in enumerate(model.model.layers):
         attn = layer.self_attn
+        if arch.sandwich_norm != all(hasattr(layer, x) for x in sandwich):
+            what = "no" if arch.sandwich_norm else "unexpected"
+            raise ArchRefused(f"{where}: {arch.name} decoder layer {i}: {what} "
+                              f"{'/'.join(sandwich)}")
+        # vLLM's attention layer says which layers are local (its kernel takes the window)
+        own = getattr(getattr(attn, "attn", None), "sliding_window", None)
+        if windows is not None and own != windows[i]:
+            raise ArchRefused(f"{where}: {arch.name} decoder layer {i}: sliding window "
+                              f"{own}, the config's {windows[i]}")
         if getattr(attn, "do_llama_4_scaling", False):
             raise ArchRefused(f"{where}: {arch.name} with {_REFUSED_OPTIONS['llama_4_scaling']}")
         if getattr(layer, "ada_rms_norm_t_cond", None) is not None:
@@ -276,7 +273,7 @@ def for_hf(model: Any) -> Arch:
         Another model class, or layers without the norms or bias their architecture has.
     """
     where = "kvblend.hf"
-    arch = lookup(type(model).__name__, where, hf=True)
+    arch = lookup(type(model).__name__, where)
     windows = sliding_windows(arch, model.config, where)
     if arch.scaled_embedding and not hasattr(model.model.embed_tokens, "embed_scale"):
         raise ArchRefused(f"{where}: {arch.name} has no scaled embedding (embed_scale)")

@@ -7,7 +7,9 @@ own prefill uses (``cpu_attention_with_kv_cache`` over a paged cache), which tak
 rows as requests (:func:`kvblend.blend.attention.runs`): each run of consecutive rows
 p..q is one request of q - p + 1 queries over the keys 0..q (a causal prefill of the
 run's tokens with the keys before them as context), so every row i sees keys 0..rows[i]
-and no other. :class:`PagedAttention` keeps
+and no other. A local layer's sliding window W (Gemma 3's) is the kernel's own: row i
+then sees keys rows[i] - W + 1 .. rows[i], as vLLM's prefill of that layer does (measured
+against that mask). :class:`PagedAttention` keeps
 one layer's KV in a scratch paged cache of its own (not vLLM's: the blend's cache write
 stays where it was) and is reused across layers and prompts.
 
@@ -50,6 +52,7 @@ class PagedAttention:
         self.cache = torch.empty(0, dtype=dtype)
         self._ns: tuple[int, ...] = ()  # the prompt lengths the cache is laid out for
         self._rows: list[torch.Tensor] | None = None  # the rows the metadata describes
+        self._window = -1  # the sliding window the metadata is for (-1: none)
 
     def _layout(self, ns: tuple[int, ...]) -> None:
         """Lay out the scratch cache for prompts of ns tokens, each in its own blocks.
@@ -74,10 +77,12 @@ class PagedAttention:
         )
         self._ns, self._rows = ns, None
 
-    def _requests(self, rows: list[torch.Tensor]) -> None:
-        """One request per run of consecutive rows of each prompt (kept while rows stay)."""
+    def _requests(self, rows: list[torch.Tensor], window: int) -> None:
+        """One request per run of consecutive rows of each prompt (kept while rows and the
+        window stay)."""
         if (
             self._rows is not None
+            and window == self._window
             and len(rows) == len(self._rows)
             and all(a is b for a, b in zip(rows, self._rows))
         ):  # held here, so no other tensor can be the same object
@@ -100,21 +105,24 @@ class PagedAttention:
             dtype=self.dtype,
             query_start_loc=self.qsl,
             causal=True,
-            sliding_window_size=-1,
+            sliding_window_size=window,
             isa="vec",
             enable_kv_split=False,
         )
-        self._rows = list(rows)
+        self._rows, self._window = list(rows), window
 
-    def __call__(self, q, keys, values, rows, scaling: float) -> torch.Tensor:
+    def __call__(self, q, keys, values, rows, scaling: float,
+                 window: int | None = None) -> torch.Tensor:
         """Attend as :func:`kvblend.blend.attention.causal_attention` does.
 
         q [n, heads, d] of the increasing positions rows, keys and values [N, kv_heads, d];
-        returns [n, heads * d].
+        ``window``: a local layer's sliding window (None: full attention); returns
+        [n, heads * d].
         """
-        return self.many([q], [keys], [values], [rows], scaling)
+        return self.many([q], [keys], [values], [rows], scaling, window)
 
-    def many(self, qs, keys, values, rows, scaling: float) -> torch.Tensor:
+    def many(self, qs, keys, values, rows, scaling: float,
+             window: int | None = None) -> torch.Tensor:
         """Attend several prompts in one kernel call, each over its own KV.
 
         Lists, one entry a prompt, as :meth:`__call__` takes them; returns the prompts'
@@ -123,8 +131,9 @@ class PagedAttention:
         n = sum(q.shape[0] for q in qs)
         if n == 0:
             return qs[0].new_zeros(0, qs[0].shape[1] * qs[0].shape[2])
+        w = -1 if window is None else int(window)
         self._layout(tuple(k.shape[0] for k in keys))
-        self._requests(rows)
+        self._requests(rows, w)
         self.ops.cpu_attn_reshape_and_cache(
             _cat(keys), _cat(values), self.key_cache, self.value_cache, self.slots, "vec"
         )
@@ -140,7 +149,7 @@ class PagedAttention:
             scale=float(scaling),
             causal=True,
             alibi_slopes=None,
-            sliding_window=-1,
+            sliding_window=w,
             block_table=self.block_table,
             softcap=0.0,
             scheduler_metadata=self.meta,
@@ -205,9 +214,10 @@ class VarlenAttention:
         self._key: tuple | None = None  # the prompt lengths and rows the metadata is for
         self._rows: list[torch.Tensor] | None = None
 
-    def __call__(self, q, keys, values, rows, scaling: float) -> torch.Tensor:
+    def __call__(self, q, keys, values, rows, scaling: float,
+                 window: int | None = None) -> torch.Tensor:
         """Attend as :func:`kvblend.blend.attention.causal_attention` does."""
-        return self.many([q], [keys], [values], [rows], scaling)
+        return self.many([q], [keys], [values], [rows], scaling, window)
 
     def _metadata(self, ns: tuple[int, ...], rows: list[torch.Tensor]) -> None:
         """The block table, query starts and key counts of every run (kept while rows stay)."""
@@ -244,9 +254,12 @@ class VarlenAttention:
         self.max_k = int(seq.max()) if seq.size else 0
         self._key, self._rows = ns, list(rows)
 
-    def many(self, qs, keys, values, rows, scaling: float) -> torch.Tensor:
+    def many(self, qs, keys, values, rows, scaling: float,
+             window: int | None = None) -> torch.Tensor:
         """Attend several prompts in one kernel call, each over its own KV (lists, one
-        entry a prompt); returns their outputs one after another, [sum of n, heads * d]."""
+        entry a prompt); returns their outputs one after another, [sum of n, heads * d].
+        ``window``: a local layer's sliding window, FlashAttention's ``window_size`` of
+        (window - 1, 0): row i sees keys rows[i] - window + 1 .. rows[i]."""
         n = sum(q.shape[0] for q in qs)
         if n == 0:
             return qs[0].new_zeros(0, qs[0].shape[1] * qs[0].shape[2])
@@ -255,6 +268,7 @@ class VarlenAttention:
             flat = slice(b, b + nb)
             self.k_cache[flat].view(-1, self.kv_heads, self.head_dim)[: k.shape[0]] = k
             self.v_cache[flat].view(-1, self.kv_heads, self.head_dim)[: v.shape[0]] = v
+        extra = {} if window is None else {"window_size": (int(window) - 1, 0)}
         out = self.fn(
             q=_cat(qs).contiguous(),
             k=self.k_cache,
@@ -266,6 +280,7 @@ class VarlenAttention:
             softmax_scale=float(scaling),
             causal=True,
             block_table=self.table,
+            **extra,
         )
         return out.reshape(n, -1)
 

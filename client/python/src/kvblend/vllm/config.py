@@ -35,9 +35,11 @@ if TYPE_CHECKING:
 # "vllm." so that vLLM's logging configuration (format, level) applies to our lines.
 logger = init_logger("vllm.kvblend.vllm")
 
-# Architectures whose attention kvblend describes exactly: full attention, neox RoPE on
-# every head (on a partial rotary factor's share of each), keys cached after RoPE: the
-# ones the blend pass drives (kvblend.blend.arch, the one list).
+# Architectures whose attention kvblend describes exactly: neox RoPE on every head (on a
+# partial rotary factor's share of each), keys cached after RoPE, full attention but in
+# the local layers of an architecture that has them (Gemma 3: a sliding window and a RoPE
+# base of their own, both described): the ones the blend pass drives (kvblend.blend.arch,
+# the one list).
 _NEOX_ARCHS = frozenset(_arch.ARCHITECTURES)
 _DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 
@@ -115,7 +117,8 @@ def model_from_vllm(vllm_config: VllmConfig, name: str) -> Model:
     Raises
     ------
     Refused
-        MLA, sliding window, an architecture or RoPE scaling kvblend cannot describe,
+        MLA, a sliding window outside an architecture's local layers, an architecture or
+        RoPE scaling kvblend cannot describe,
         pipeline parallelism, tensor parallelism over more ranks than KV heads (or a
         count that does not divide them), a quantized KV cache, an unsupported dtype.
     """
@@ -129,12 +132,18 @@ def model_from_vllm(vllm_config: VllmConfig, name: str) -> Model:
         )
     if mc.use_mla:
         raise refuse("MLA attention (latent KV) is not supported")
-    if (
+    arch = _arch.ARCHITECTURES[archs[0]]
+    if arch.local_layers:
+        try:  # local layers' windows as the pass reads them (layer types and a window)
+            _arch.sliding_windows(arch, hf, "kvblend")
+        except _arch.ArchRefused as e:
+            raise refuse(str(e)) from None
+    elif (
         mc.get_sliding_window() is not None
         or getattr(hf, "layer_types", None)
         and any(t != "full_attention" for t in hf.layer_types)
     ):
-        raise refuse("sliding-window attention layers are not supported")
+        raise refuse(f"sliding-window attention layers are not supported for {arch.name}")
     pc = vllm_config.parallel_config
     if pc.pipeline_parallel_size != 1:
         raise refuse("pipeline parallelism is not supported yet")

@@ -1,11 +1,13 @@
-"""The layer operations of vLLM's Llama-family models, for the blend pass.
+"""The layer operations of vLLM's Llama-family and Gemma 3 models, for the blend pass.
 
 :class:`VllmLlamaOps` drives the decoder layer modules of the model vLLM runs
-(``input_layernorm``, ``self_attn.qkv_proj``, Qwen3's ``self_attn.q_norm``/``k_norm``,
-``self_attn.rotary_emb``, ``self_attn.o_proj``, ``post_attention_layernorm``, ``mlp``, a
-mixture of experts for Qwen3-MoE that routes the rows it is given;
+(``input_layernorm``, ``self_attn.qkv_proj``, Qwen3's and Gemma's ``self_attn.q_norm``/
+``k_norm``, ``self_attn.rotary_emb``, ``self_attn.o_proj``, ``post_attention_layernorm``,
+``mlp``, a mixture of experts for Qwen3-MoE that routes the rows it is given, Gemma's
+``pre_feedforward_layernorm`` and ``post_feedforward_layernorm``;
 :mod:`kvblend.blend.arch`) as :class:`kvblend.blend.loop.LayerOps`, with vLLM's own
-attention kernel where one applies (:mod:`kvblend.vllm.attention`).
+attention kernel where one applies (:mod:`kvblend.vllm.attention`), through each local
+layer's sliding window.
 """
 
 from __future__ import annotations
@@ -65,6 +67,10 @@ class VllmLlamaOps:
         self.kv_dtype = next(model.parameters()).dtype
         if self.kv_dtype not in host.NP_DTYPES:
             raise BlendRefused(f"kvblend: dtype {self.kv_dtype}; float32, float16 or bfloat16")
+        #: per layer, its sliding window (None: full attention), as vLLM's attention layer
+        #: holds it and passes it to its kernel (checked against the config by for_vllm)
+        self.windows = [getattr(layer.self_attn.attn, "sliding_window", None)
+                        if self.arch.local_layers else None for layer in self.layers]
         a = self.layers[0].self_attn
         # vLLM's CPU attention kernel where it applies (several times faster than PyTorch's),
         # vLLM's FlashAttention on a GPU, PyTorch's fused attention otherwise
@@ -84,7 +90,13 @@ class VllmLlamaOps:
         pass
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.arch.scaled_embedding:  # Gemma: times sqrt(hidden), in the model's dtype
+            return self.model.model.embed_tokens(ids) * self.model.model.normalizer
         return self.model.model.embed_tokens(ids)
+
+    def window(self, layer: int) -> int | None:
+        """The layer's sliding window (None: full attention); the previews read it."""
+        return self.windows[layer]
 
     def qkv(self, layer: int, h: torch.Tensor, rows: torch.Tensor) -> tuple:
         mod = self.layers[layer]
@@ -121,17 +133,22 @@ class VllmLlamaOps:
             self.fail_layer = None
             raise RuntimeError(f"kvblend: a failure injected in the blend pass at layer {layer}")
         scaling = self.layers[layer].self_attn.scaling
+        w = self.windows[layer]
         if isinstance(self.attention, (PagedAttention, VarlenAttention)):
-            return self.attention.many(qs, keys, values, rows, scaling)
-        return torch.cat([self.attention(*x, scaling) for x in zip(qs, keys, values, rows)])
+            return self.attention.many(qs, keys, values, rows, scaling, w)
+        return torch.cat([self.attention(*x, scaling, w) for x in zip(qs, keys, values, rows)])
 
     def scaling(self, layer: int) -> float:
         return float(self.layers[layer].self_attn.scaling)
 
     def finish(self, layer: int, h: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-        """The layer after its attention: h + o_proj(a), then the MLP's residual."""
+        """The layer after its attention: h + o_proj(a), then the MLP's residual; with
+        Gemma's sandwich norms around each sublayer's output (as Gemma3DecoderLayer)."""
         mod = self.layers[layer]
         o, _ = mod.self_attn.o_proj(a)
+        if self.arch.sandwich_norm:
+            h = h + mod.post_attention_layernorm(o)
+            return h + mod.post_feedforward_layernorm(mod.mlp(mod.pre_feedforward_layernorm(h)))
         h = h + o
         return h + mod.mlp(mod.post_attention_layernorm(h))
 
