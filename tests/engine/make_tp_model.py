@@ -13,11 +13,17 @@ routed to each token (weights renormalized over them), so that the blend pass's 
 experts run sharded over 2 ranks. Its experts are written per expert
 (``mlp.experts.E.{gate,up,down}_proj.weight``), the layout vLLM loads.
 
+And as a Gemma 3 (``family="gemma3"``, ``gemma3-4kv-random``): its Q/K and sandwich norms,
+scaled embedding and GELU MLP, local layers (0 and 2) with a sliding window of 48 tokens
+and RoPE base 10,000, full layers (1 and 3) with base 1,000,000, so that the blend pass's
+windows and the daemon's two bases run over 2 ranks (Gemma-3-270M itself has one KV head,
+which 2 ranks cannot split).
+
 Built beside the base model (``llama4kv-random``, ``qwen3moe4kv-random``) under a temporary
 name and renamed into place; an existing build of this version is kept. Usage (the engine
 venv's python)::
 
-    python tests/engine/make_tp_model.py --base SMOLLM2_DIR [--family qwen3moe]
+    python tests/engine/make_tp_model.py --base SMOLLM2_DIR [--family qwen3moe|gemma3]
 
 prints the directory; :func:`ensure` does the same for a test.
 """
@@ -45,7 +51,8 @@ def _stamp(d: Path) -> str | None:
 
 #: The models, by family: directory name and (config class, model class) in transformers.
 FAMILIES = {"llama": ("llama4kv-random", "LlamaConfig", "LlamaForCausalLM"),
-            "qwen3moe": ("qwen3moe4kv-random", "Qwen3MoeConfig", "Qwen3MoeForCausalLM")}
+            "qwen3moe": ("qwen3moe4kv-random", "Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+            "gemma3": ("gemma3-4kv-random", "Gemma3TextConfig", "Gemma3ForCausalLM")}
 MOE_EXPERTS, MOE_TOP_K = 4, 2
 
 
@@ -63,6 +70,16 @@ def _build(base: Path, out: Path, family: str = "llama") -> None:
     )
     if family == "llama":
         shape.update(mlp_bias=False)
+    elif family == "gemma3":
+        for k in ("hidden_act", "rope_theta", "attention_bias"):
+            del shape[k]
+        shape.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=32,
+                     sliding_window=48, layer_types=["sliding_attention", "full_attention"] * 2,
+                     rope_parameters={"full_attention": {"rope_type": "default",
+                                                         "rope_theta": 1e6},
+                                      "sliding_attention": {"rope_type": "default",
+                                                            "rope_theta": 1e4}},
+                     attn_logit_softcapping=None, final_logit_softcapping=None)
     else:
         shape.update(num_experts=MOE_EXPERTS, num_experts_per_tok=MOE_TOP_K,
                      moe_intermediate_size=256, norm_topk_prob=True, decoder_sparse_step=1,

@@ -53,7 +53,10 @@ TP = 2 (each rank holds 2 of the 4 KV heads; vLLM's cache in a kvblend region):
     equals TP = 1; the blend at r = 1.0 equals plain TP = 2; at r = 0.15 (value metric)
     and by the default (anchored) it gives TP = 1's tokens and differs from plain, every
     rank blending each request with no load failed: the pass's routed experts, sharded
-    over the ranks and reduced inside vLLM's module, select and fuse as one rank's.
+    over the ranks and reduced inside vLLM's module, select and fuse as one rank's;
+(p) the same for Gemma 3 (make_tp_model.py's random Gemma 3, 4 KV heads, local layers 0 and
+    2 with a 48-token sliding window and RoPE base 1e4, full layers 1 and 3 with 1e6): the
+    windows and the two bases over 2 ranks.
 Run by pytest (tests/engine/run.sh --pytest, as ctest does); skipped when KVBLEND_SKIP_ENGINE=1.
 Each engine runs in a child process: this file as a script with --phase TP (not by hand).
 """
@@ -88,7 +91,7 @@ check = Checks("test_vllm_tp")
 def phase(tp, model_dir, endpoint, out_path, family="llama"):
     """One engine at TP = tp; its outputs (and the daemon's counters around them) to out_path.
 
-    ``family`` "qwen3moe": (o)'s requests only."""
+    ``family`` "qwen3moe" or "gemma3": (o) and (p)'s requests only."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -273,7 +276,8 @@ def test_vllm_tp(engine_model):
     t0 = time.monotonic()
     model_dir = str(ensure(args.model))
     moe_dir = str(ensure(args.model, family="qwen3moe"))
-    print(f"test models {model_dir}, {moe_dir} ({time.monotonic() - t0:.1f} s)")
+    gemma_dir = str(ensure(args.model, family="gemma3"))
+    print(f"test models {model_dir}, {moe_dir}, {gemma_dir} ({time.monotonic() - t0:.1f} s)")
     work = Path(tempfile.mkdtemp(prefix="kvblend-tp."))
     # the blend pass reaches vLLM's model through the package's vllm.general_plugins entry
     # point: installed (with its metadata) into a folder of its own
@@ -415,21 +419,25 @@ def test_vllm_tp(engine_model):
         check("(f) re-rotated reuse at TP = 2 gives TP = 1's tokens",
               two["rerotated"] == one["rerotated"], f"{two['rerotated']} vs {one['rerotated']}")
         refusals(model_dir)
-        moe, moe_logs = engines("qwen3moe", moe_dir)
-        one, two = moe[1], moe[2]
-        blended = {r: len(re.findall(rf"\(Worker_TP{r} pid=\d+\).*kvblend: blended \d+ tokens "
-                                     "of ", moe_logs[2])) for r in (0, 1)}
-        bad = re.findall(r"kvblend: (?:load for \S+ failed|landing session for \S+ refused|"
-                         r"landing stopped|landing off).*", moe_logs[2])
-        check("(o) MoE at TP = 2: each rank blended the three requests, no load failed",
-              blended == {0: 3, 1: 3} and not bad, f"{blended}, failures {bad[:3]}")
-        check("(o) MoE: plain TP = 2 equals plain TP = 1", one["plain"] == two["plain"])
-        check("(o) MoE: blend at r = 1.0 at TP = 2 equals plain TP = 2",
-              two["blend1"] == two["plain"][3], f"{two['blend1']} vs {two['plain'][3]}")
-        for m in ("blend", "anchored"):
-            check(f"(o) MoE: {m} at r = 0.15 at TP = 2 gives TP = 1's tokens, not plain's",
-                  two[f"{m}15"] == one[f"{m}15"] and two[f"{m}15"] != two["plain"][3],
-                  f"{two[f'{m}15']} vs TP = 1 {one[f'{m}15']}, plain {two['plain'][3]}")
+        for item, what, family, fam_dir in (("(o)", "MoE", "qwen3moe", moe_dir),
+                                            ("(p)", "Gemma 3", "gemma3", gemma_dir)):
+            fam, fam_logs = engines(family, fam_dir)
+            one, two = fam[1], fam[2]
+            blended = {r: len(re.findall(rf"\(Worker_TP{r} pid=\d+\).*kvblend: blended \d+ "
+                                         "tokens of ", fam_logs[2])) for r in (0, 1)}
+            bad = re.findall(r"kvblend: (?:load for \S+ failed|landing session for \S+ "
+                             r"refused|landing stopped|landing off).*", fam_logs[2])
+            check(f"{item} {what} at TP = 2: each rank blended the three requests, no load "
+                  "failed", blended == {0: 3, 1: 3} and not bad, f"{blended}, failures {bad[:3]}")
+            check(f"{item} {what}: plain TP = 2 equals plain TP = 1",
+                  one["plain"] == two["plain"])
+            check(f"{item} {what}: blend at r = 1.0 at TP = 2 equals plain TP = 2",
+                  two["blend1"] == two["plain"][3], f"{two['blend1']} vs {two['plain'][3]}")
+            for m in ("blend", "anchored"):
+                check(f"{item} {what}: {m} at r = 0.15 at TP = 2 gives TP = 1's tokens, not "
+                      "plain's",
+                      two[f"{m}15"] == one[f"{m}15"] and two[f"{m}15"] != two["plain"][3],
+                      f"{two[f'{m}15']} vs TP = 1 {one[f'{m}15']}, plain {two['plain'][3]}")
     finally:
         d.stop()
     check.done()
