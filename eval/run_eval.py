@@ -103,6 +103,10 @@ QUESTIONS = [
 ]
 
 
+#: Stands for the user's text in the chat template (no whitespace: a template may trim it).
+USER_MARK = "USER-TEXT-HERE"
+
+
 def build_request(k, seed, docs, tok, shape, separators=True, questions=QUESTIONS):
     """Request k: (segments, info). Draws with numpy's default_rng([seed, k]).
 
@@ -128,8 +132,10 @@ def build_request(k, seed, docs, tok, shape, separators=True, questions=QUESTION
     words = [w for w in words if w.isalpha() and len(w) >= 6] or ["license"]
     question = q.format(i=i, word=words[int(rng.integers(len(words)))])
     instruction = f"Answer the question using the {n} documents below.\n\n"
-    head = tok.chat(instruction).split(instruction)[0]  # "<|im_start|>system...user\n"
-    end = f"\n\nQuestion: {question}<|im_end|>\n<|im_start|>assistant\n"
+    # the user turn around the text, from the tokenizer's chat template: SmolLM2's
+    # "<|im_start|>system...user\n" .. "<|im_end|>\n<|im_start|>assistant\n"
+    head, tail = tok.chat(USER_MARK).split(USER_MARK)
+    end = f"\n\nQuestion: {question}{tail}"
     if not separators:
         return ([("fresh", tok.encode(head + instruction))] + [("chunk", c) for c in chunks]
                 + [("fresh", tok.encode(end))]), {"docs": picked, "lengths": lengths,

