@@ -273,7 +273,7 @@ int rope_tables_for_desc(const struct kvb_model_desc *d, uint32_t tokens, uint32
 	int rc = 0;
 
 	memset(out, 0, 2 * sizeof(*out));
-	for (int local = 0; !rc && local < 1 + (d->full_every != 0); local++) {
+	for (unsigned local = 0; !rc && local < kvb_model_desc_kinds(d); local++) {
 		rope_config_from_desc(d, local, &c);
 		rc = rope_table_build(&c, d->k_pre_rope, tokens, old_pos, old_seq_len, new_pos,
 				      new_seq_len, &out[local]);

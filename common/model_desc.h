@@ -10,9 +10,9 @@
  * fixed ABI) and the protobuf message Kvblend__Model (proto/kvblend.proto, generated).
  * They have a member of each name below (struct kvb_model those of KVB_MODEL_DESC_FIELDS,
  * struct kvb_model_layers those of KVB_MODEL_DESC_LAYER_FIELDS), and KVB_MODEL_DESC_COPY
- * (KVB_MODEL_DESC_COPY_LAYERS) copies between them and a description, in one function each
- * (client/model.c, proto/wire.c). A new field is added to the struct and the list here, to those two
- * shapes, to its check, to its place in the store's model record (store/store_record.c)
+ * (KVB_MODEL_DESC_COPY_LAYERS) copies between them and a description, in one function
+ * each (client/model.c, proto/wire.c). A new field is added to the struct and the list
+ * here, to those two shapes, to its check, to its place in the store's model record (store/store_record.c)
  * and, when it is a RoPE field, to struct rope_config and rope_config_from_desc().
  *
  * Ranges are those a registered model has (the daemon refuses others at REGISTER); a
@@ -49,7 +49,7 @@ struct kvb_model_desc {
 	 * == 0, and a local one otherwise, rotated by default RoPE (no scaling) of base
 	 * rope_local_theta. 0 and 0: every layer rotates alike. */
 	double rope_local_theta; /* 0, or finite and > 0 with full_every */
-	uint32_t full_every;	 /* 0, or 1..num_layers with rope_local_theta */
+	uint32_t full_every;	 /* 0, or 2..num_layers with rope_local_theta */
 	/* Storage (store/quant.h): 0 lossless in dtype, 1 fp8, 2 int8, 3 int4 in groups. */
 	uint32_t store_codec;
 	uint32_t store_group; /* int4: elements per group, 1..1024 (0 on the way in: 32); else 0 */
@@ -59,8 +59,8 @@ struct kvb_model_desc {
  * KVB_MODEL_DESC_FIELDS(X, a, b) expands X(a, b, field) for each member of struct
  * kvb_model_desc that struct kvb_model has, in its order; KVB_MODEL_DESC_LAYER_FIELDS
  * those of struct kvb_model_layers (client/include/kvblend.h, KVBLEND_1.8), which the
- * fixed struct kvb_model could not take. The wire's Kvblend__Model has both. Types differ between shapes only as C converts them by
- * assignment (an enum and its uint32_t, a flag as int, bool or protobuf_c_boolean).
+ * fixed struct kvb_model could not take. The wire's Kvblend__Model has both. Types
+ * differ between shapes only as C converts them by assignment (an enum and its uint32_t, a flag as int, bool or protobuf_c_boolean).
  */
 #define KVB_MODEL_DESC_FIELDS(X, a, b) \
 	X(a, b, num_layers) \
@@ -113,10 +113,19 @@ static inline const char *kvb_model_desc_diff(const struct kvb_model_desc *a,
 		KVB_MODEL_DESC_LAYER_FIELDS(KVB_MODEL_DESC_DIFF_ONE_, a, b) NULL;
 }
 
-/* Layer l of a checked description d is a local one (rotated with rope_local_theta). */
+/*
+ * The kinds of rotation of a checked description d: 2 when it has local layers (a
+ * rope_local_theta and a full_every, never one without the other), else 1; and whether
+ * layer l is a local one (rotated with rope_local_theta), kind 1.
+ */
+static inline unsigned kvb_model_desc_kinds(const struct kvb_model_desc *d)
+{
+	return d->full_every ? 2 : 1;
+}
+
 static inline bool kvb_model_desc_local(const struct kvb_model_desc *d, uint32_t l)
 {
-	return d->rope_local_theta > 0 && d->full_every && (l + 1) % d->full_every != 0;
+	return d->full_every && (l + 1) % d->full_every != 0;
 }
 
 #endif

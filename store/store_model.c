@@ -100,7 +100,8 @@ int store_model_register(struct store *s, struct store_model *m)
 
 	if (name_len == 0 || name_len > STORE_NAME_MAX || !st_dtype_size(m->desc.dtype) ||
 	    m->desc.store_codec > 3 || (m->desc.store_codec == 3) != (m->desc.store_group != 0) ||
-	    m->desc.store_group > 1024 || (m->desc.rope_local_theta > 0) != (m->desc.full_every != 0))
+	    m->desc.store_group > 1024 ||
+	    (m->desc.rope_local_theta > 0) != (m->desc.full_every != 0))
 		return -EINVAL;
 	nm.elem_size = st_dtype_size(m->desc.dtype);
 	rc = st_err_from_mdb(mdb_txn_begin(s->env, NULL, 0, &txn));

@@ -43,7 +43,7 @@ uint32_t st_dtype_size(uint32_t dtype)
  */
 size_t st_model_rec_encode(uint8_t *p, const struct store_model *m)
 {
-	bool layers = m->desc.full_every != 0;
+	bool layers = kvb_model_desc_kinds(&m->desc) == 2;
 	size_t body = layers		   ? MODEL_LBODY_LEN
 		      : m->desc.store_codec ? MODEL_QBODY_LEN
 					    : MODEL_BODY_LEN;

@@ -445,12 +445,12 @@ struct load_job {
 };
 
 /*
- * The kinds of rotation a session's model has: 2 with local layers, else 1; and the
- * kind of layer l (an index into chunk_ref.rot, and into the device's groups of spans).
+ * The kinds of rotation a session's model has (kvb_model_desc_kinds), and the kind of
+ * layer l (an index into chunk_ref.rot, and into the device's groups of spans).
  */
 static inline size_t rot_kinds(const struct fuse_session *s)
 {
-	return s->m.desc.full_every ? 2 : 1;
+	return kvb_model_desc_kinds(&s->m.desc);
 }
 
 static inline size_t rot_kind(const struct fuse_session *s, uint32_t l)

@@ -302,9 +302,9 @@ static int get_part(void *arg, size_t i)
 /*
  * Decode layers [lb, le) of the request's chunk into dst (total bytes), re-rotated by
  * the pair of tables rot (rope_tables_for_desc) when not NULL. With a head range
- * (heads > 0: stored heads [h0, h0 + heads)) dst
- * holds only those, otb bytes a tensor, and tmp (2 * (le - lb) * tb bytes) takes the
- * whole layers first; else tmp is NULL and otb is tb.
+ * (heads > 0: stored heads [h0, h0 + heads)) dst holds only those, otb bytes a tensor,
+ * and tmp (2 * (le - lb) * tb bytes) takes the whole layers first; else tmp is NULL and
+ * otb is tb.
  */
 static int chunk_get_parallel(struct req *q, const struct store_model *m, uint32_t lb, uint32_t le,
 			      void *dst, uint64_t tb, uint64_t total, const struct rope_table *rot,

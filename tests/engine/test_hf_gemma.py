@@ -55,7 +55,7 @@ from kvblend.blend import arch as _arch  # noqa: E402
 from kvblend.blend.attention import causal_attention  # noqa: E402
 from cacheblend import kl_top1  # noqa: E402
 from harness import Daemon  # noqa: E402
-from kvbtest import DOCS, QUESTION, fail  # noqa: E402
+from kvbtest import DOCS, QUESTION, fail, worst_dev  # noqa: E402
 
 MODEL = os.environ.get("KVBLEND_GEMMA_MODEL", "/var/cache/kvblend/models/gemma-3-270m")
 MAX_TOKENS = 8
@@ -133,12 +133,6 @@ def full_prefill(model, ids):
                              pkv.layers[i].values[0].transpose(0, 1).numpy()])
                    for i in range(len(pkv.layers))])
     return kv, out.logits[0, -1].float().numpy(), out.hidden_states
-
-
-def worst_of(kv, ref):
-    """The largest difference of each layer's K and V, as a share of its largest |value|."""
-    return max(float(np.abs(kv[la, p] - ref[la, p]).max() / np.abs(ref[la, p]).max())
-               for la in range(ref.shape[0]) for p in range(2))
 
 
 def test_hf_gemma(gemma):
@@ -220,7 +214,7 @@ def check_everything(model, b, segs, ids, full_kv):
     everything = b.blend(segs, (1,), (1.0,))
     if everything.selections[0].size != ids.size:
         fail(f"(b) r=1.0 selected {everything.selections[0].size} of {ids.size} rows")
-    err = worst_of(everything.kv.numpy(), full_kv)
+    err = worst_dev(everything.kv.numpy(), full_kv)
     if err > TOL_FUSED:
         fail(f"(b) r=1.0: fused KV differs from the full prefill's by {err:.2e} of a scale")
     x = torch.as_tensor(ids)[None]
@@ -232,13 +226,13 @@ def check_everything(model, b, segs, ids, full_kv):
     if got != full:
         fail(f"(b) r=1.0 continuation {got} != generate()'s {full}")
     q = b.blend(segs, ratios=(1.0,), metric="question")
-    err_q = worst_of(q.kv.numpy(), full_kv)
+    err_q = worst_dev(q.kv.numpy(), full_kv)
     if err_q > TOL_FUSED:
         fail(f"(b) question metric r=1.0: fused KV off by {err_q:.2e} of a scale")
     kv600 = b.prefill_kv(ids[:600])  # another length: GEMMs blocked otherwise (TOL_FUSED)
     if kv600.shape != full_kv[:, :, :600].shape:
         fail(f"(b) prefill_kv of 600 tokens: {kv600.shape}")
-    err_p = worst_of(kv600, full_kv[:, :, :600])
+    err_p = worst_dev(kv600, full_kv[:, :, :600])
     if err_p > TOL_FUSED:
         fail(f"(b) prefill_kv of 600 tokens: off the full prefill's first rows by {err_p:.2e}")
     print(f"  (b) r=1.0 over {ids.size} tokens: fused KV within {err:.1e} of transformers' "
@@ -331,7 +325,7 @@ def check_bf16(c, segs):
     full = torch.stack([torch.stack([pkv.layers[i].keys[0].transpose(0, 1),
                                      pkv.layers[i].values[0].transpose(0, 1)])
                         for i in range(len(pkv.layers))]).float()
-    worst = worst_of(everything.kv.float().numpy(), full.numpy())
+    worst = worst_dev(everything.kv.float().numpy(), full.numpy())
     if everything.kv.dtype != torch.bfloat16 or worst > 2.0 ** -8:
         fail(f"(e) bf16: r=1.0 ({everything.kv.dtype}) off the full prefill by {worst:.2e}")
     default = b.blend(segs)

@@ -44,7 +44,7 @@ import pytest
 if os.environ.get("KVBLEND_SKIP_ENGINE") == "1":
     pytest.skip("KVBLEND_SKIP_ENGINE=1", allow_module_level=True)
 
-from kvbtest import fail  # noqa: E402
+from kvbtest import fail, worst_dev  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 MAX_TOKENS = 16
@@ -54,18 +54,6 @@ ARCHS = ("mistral", "qwen2", "qwen3", "phi3", "qwen3moe")
 # written into and read back from the cache bit for bit; and test_hf_blend's for the
 # blend at r = 1.0 against transformers' own prefill (float32 sums in other orders).
 TOL = 1e-4
-
-
-def worst_dev(got, want):
-    """Largest |got - want| over each layer's K and V, relative to want's largest |value|."""
-    import numpy as np
-
-    worst = 0.0
-    for layer in range(want.shape[0]):
-        for p in range(2):
-            scale = float(np.abs(want[layer, p]).max())
-            worst = max(worst, float(np.abs(got[layer, p] - want[layer, p]).max()) / scale)
-    return worst
 
 
 def check_refusals(model_dirs):

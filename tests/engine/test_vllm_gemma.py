@@ -34,7 +34,7 @@ import pytest
 if os.environ.get("KVBLEND_SKIP_ENGINE") == "1":
     pytest.skip("KVBLEND_SKIP_ENGINE=1", allow_module_level=True)
 
-from kvbtest import fail  # noqa: E402
+from kvbtest import fail, worst_dev  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 MODEL = os.environ.get("KVBLEND_GEMMA_MODEL", "/var/cache/kvblend/models/gemma-3-270m")
@@ -73,14 +73,6 @@ def reference(endpoint, name):
     del model
     gc.collect()
     return ids, chunks, np.asarray(ref.kv.numpy()), tokens, len(segs[0][1])
-
-
-def worst_dev(got, want):
-    """Largest |got - want| over each layer's K and V, relative to want's largest |value|."""
-    import numpy as np
-
-    return max(float(np.abs(got[la, p] - want[la, p]).max() / np.abs(want[la, p]).max())
-               for la in range(want.shape[0]) for p in range(2))
 
 
 def one_dump(dump_dir, what):

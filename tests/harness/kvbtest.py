@@ -272,6 +272,15 @@ def numpy_twin(model):
     return NumpyModel(cfg, t, None)
 
 
+def worst_dev(got, want):
+    """Largest |got - want| over each layer's K and V [layers, 2, ...], relative to want's
+    largest |value| in that layer and plane."""
+    import numpy as np
+
+    return max(float(np.abs(got[la, p] - want[la, p]).max() / np.abs(want[la, p]).max())
+               for la in range(want.shape[0]) for p in range(2))
+
+
 def read_cache(dump, n):
     """K and V [layers, 2, n, kv_heads, head_dim] of prompt rows 0..n-1 from a load dump
     (vLLM's CPU "vec" blocks: per block and head, K transposed, then V)."""

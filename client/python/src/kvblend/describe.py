@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .blend.arch import FULL, SLIDING, layer_types
 from .types import Model
 
 #: Hugging Face rope types kvblend re-rotates exactly ("default" and "none" are plain RoPE).
@@ -27,10 +28,6 @@ ROPE_SCALINGS = ("none", "default", "linear", "llama3", "yarn", "dynamic")
 
 class Undescribable(ValueError):
     """The config has something kvblend cannot describe exactly; the message names it."""
-
-
-#: The layer types of transformers' ``layer_types`` kvblend describes.
-FULL, SLIDING = "full_attention", "sliding_attention"
 
 
 def _per_type(rp: dict[str, Any]) -> bool:
@@ -64,16 +61,16 @@ def rope_scaling(cfg: Any) -> dict[str, Any] | None:
     return rs
 
 
-def layer_types(cfg: Any, num_layers: int) -> list[str] | None:
-    """Return each layer's type (``layer_types``, or one derived from
-    ``sliding_window_pattern``: every Nth layer full), or None when the config has neither."""
-    types = getattr(cfg, "layer_types", None)
-    if types:
-        return [str(t) for t in types]
-    pattern = getattr(cfg, "sliding_window_pattern", None)
-    if isinstance(pattern, int) and pattern > 0:
-        return [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(num_layers)]
-    return None
+def rope_by_type(cfg: Any) -> dict[str, dict[str, Any]]:
+    """Return the RoPE parameters per layer type of a model whose layer types rotate apart
+    (transformers 5's ``rope_parameters`` keyed by layer type, or transformers 4's
+    ``rope_local_base_freq``: the sliding layers' base), else {}."""
+    rp = dict(getattr(cfg, "rope_parameters", None) or {})
+    if _per_type(rp):
+        return {t: dict(v) for t, v in rp.items() if isinstance(v, dict)}
+    if getattr(cfg, "rope_local_base_freq", None):
+        return {SLIDING: {"rope_type": "default", "rope_theta": cfg.rope_local_base_freq}}
+    return {}
 
 
 def local_layers(cfg: Any, num_layers: int) -> tuple[float, int]:
@@ -87,13 +84,7 @@ def local_layers(cfg: Any, num_layers: int) -> tuple[float, int]:
         attention, or full-attention layers not every Nth (kvblend describes local layers
         as all but every ``full_every``-th).
     """
-    rp = dict(getattr(cfg, "rope_parameters", None) or {})
-    if _per_type(rp):
-        local = dict(rp.get(SLIDING) or {})
-    elif getattr(cfg, "rope_local_base_freq", None):
-        local = {"rope_type": "default", "rope_theta": cfg.rope_local_base_freq}
-    else:
-        return 0.0, 0
+    local = rope_by_type(cfg).get(SLIDING)
     if not local:
         return 0.0, 0
     if local.get("rope_type", "default") not in ("default", "none"):

@@ -75,19 +75,6 @@ def _sliding(cfg: Any) -> bool:
     return bool(getattr(cfg, "sliding_window", None))
 
 
-def _rope_by_type(cfg: Any) -> dict[str, dict]:
-    """Return the RoPE parameters per layer type of a model with local layers, else {}.
-
-    Transformers 5's ``rope_parameters`` keyed by ``sliding_attention``/``full_attention``
-    (or transformers 4's ``rope_local_base_freq``, the sliding layers' base).
-    """
-    rp = dict(getattr(cfg, "rope_parameters", None) or {})
-    by_type = {t: dict(v) for t, v in rp.items() if isinstance(v, dict)}
-    if not by_type and getattr(cfg, "rope_local_base_freq", None):
-        by_type = {"sliding_attention": {"rope_theta": cfg.rope_local_base_freq}}
-    return by_type
-
-
 def _check_model(model: Any) -> _arch.Arch:
     try:
         arch = _arch.check_config(type(model).__name__, model.config, "kvblend.hf")
@@ -98,7 +85,8 @@ def _check_model(model: Any) -> _arch.Arch:
     rs = _describe.rope_scaling(cfg) or {}
     rope_types = [rs.get("rope_type", rs.get("type", "default"))]
     if arch.local_layers:  # and each layer type's (Gemma 3's full layers may scale)
-        rope_types += [v.get("rope_type", "default") for v in _rope_by_type(cfg).values()]
+        rope_types += [v.get("rope_type", "default")
+                       for v in _describe.rope_by_type(cfg).values()]
     for rope_type in rope_types:
         if rope_type != "default":
             raise Unsupported(
@@ -164,7 +152,7 @@ def _check_local_rope(arch: _arch.Arch, cfg: Any, spec: Model) -> None:
     Unsupported
         The description says another base for a layer.
     """
-    by_type = _rope_by_type(cfg)
+    by_type = _describe.rope_by_type(cfg)
     types = ["full_attention" if w is None else "sliding_attention"
              for w in _arch.sliding_windows(arch, cfg, "kvblend.hf")]
     local, every = spec.rope_local_theta, spec.full_every

@@ -9,7 +9,8 @@
 - :mod:`~kvblend.blend.attention`: the attention of some rows over a layer's KV, causal
   in prompt order;
 - :mod:`~kvblend.blend.preview`: the question's preview for the attention metric;
-- :mod:`~kvblend.blend.arch`: what each architecture of the Llama family asks of the pass;
+- :mod:`~kvblend.blend.arch`: what each architecture (the Llama family, Phi-3, Qwen3-MoE,
+  Gemma 3) asks of the pass;
 - :mod:`~kvblend.blend.host`: host KV buffers as torch tensors and back (bfloat16 too).
 
 Used by :mod:`kvblend.hf` (transformers' modules) and :mod:`kvblend.vllm` (vLLM's). This

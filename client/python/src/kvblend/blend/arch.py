@@ -164,6 +164,23 @@ def check_config(name: str | None, hf_config: Any, where: str) -> Arch:
     return arch
 
 
+#: The layer types of transformers' ``layer_types`` the passes drive.
+FULL, SLIDING = "full_attention", "sliding_attention"
+
+
+def layer_types(cfg: Any, num_layers: int) -> list[str] | None:
+    """Return each layer's type as the config gives it: ``layer_types``, or one derived from
+    ``sliding_window_pattern`` (every Nth layer, 1-based, full: Gemma 3's older configs); None
+    when the config has neither. Not checked (the callers say what they take)."""
+    types = getattr(cfg, "layer_types", None)
+    if types:
+        return [str(t) for t in types]
+    pattern = getattr(cfg, "sliding_window_pattern", None)
+    if isinstance(pattern, int) and pattern > 0:
+        return [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(num_layers)]
+    return None
+
+
 def sliding_windows(arch: Arch, hf_config: Any, where: str) -> list[int | None]:
     """Return each layer's sliding window (None: a full-attention layer) from the config.
 
@@ -182,22 +199,32 @@ def sliding_windows(arch: Arch, hf_config: Any, where: str) -> list[int | None]:
     n = int(hf_config.num_hidden_layers)
     if not arch.local_layers:
         return [None] * n
-    types = getattr(hf_config, "layer_types", None)
+    types = layer_types(hf_config, n)
     if types is None:
-        pattern = getattr(hf_config, "sliding_window_pattern", None)
-        if not pattern:
-            raise ArchRefused(f"{where}: {arch.name} config has neither layer_types nor "
-                              "sliding_window_pattern")
-        types = ["full_attention" if (i + 1) % int(pattern) == 0 else "sliding_attention"
-                 for i in range(n)]
-    types = list(types)[:n]
-    if len(types) != n or any(t not in ("sliding_attention", "full_attention") for t in types):
-        raise ArchRefused(f"{where}: {arch.name} layer types {types} (sliding_attention or "
-                          f"full_attention, one per layer of {n})")
+        raise ArchRefused(f"{where}: {arch.name} config has neither layer_types nor "
+                          "sliding_window_pattern")
+    types = types[:n]
+    if len(types) != n or any(t not in (SLIDING, FULL) for t in types):
+        raise ArchRefused(f"{where}: {arch.name} layer types {types} ({SLIDING} or "
+                          f"{FULL}, one per layer of {n})")
     window = getattr(hf_config, "sliding_window", None)
-    if "sliding_attention" in types and not (isinstance(window, int) and window > 0):
+    if SLIDING in types and not (isinstance(window, int) and window > 0):
         raise ArchRefused(f"{where}: {arch.name} has local layers without a sliding window")
-    return [window if t == "sliding_attention" else None for t in types]
+    return [window if t == SLIDING else None for t in types]
+
+
+def _check_local_parts(arch: Arch, layer: Any, i: int, own_window: Any,
+                       windows: list[int | None], where: str) -> None:
+    """Check decoder layer ``i``'s sandwich norms and its attention's own sliding window
+    (``own_window``, as the engine's module holds it) against ``arch`` and the config's
+    ``windows`` (:func:`sliding_windows`)."""
+    sandwich = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
+    if arch.sandwich_norm != all(hasattr(layer, x) for x in sandwich):
+        what = "no" if arch.sandwich_norm else "unexpected"
+        raise ArchRefused(f"{where}: {arch.name} decoder layer {i}: {what} {'/'.join(sandwich)}")
+    if arch.local_layers and own_window != windows[i]:
+        raise ArchRefused(f"{where}: {arch.name} decoder layer {i}: sliding window "
+                          f"{own_window}, the config's {windows[i]}")
 
 
 def _check_parts(arch: Arch, attn: Any, layer: int, bias_of: list[Any], where: str,
@@ -234,21 +261,15 @@ def for_vllm(model: Any) -> Arch:
     """
     where = "kvblend"
     arch = lookup(type(model).__name__, where)
-    windows = sliding_windows(arch, model.config, where) if arch.local_layers else None
+    windows = sliding_windows(arch, model.config, where) if arch.local_layers else []
     if arch.scaled_embedding and not hasattr(model.model, "normalizer"):
         raise ArchRefused(f"{where}: {arch.name} has no scaled embedding (normalizer)")
-    sandwich = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
     for i, layer in enumerate(model.model.layers):
         attn = layer.self_attn
-        if arch.sandwich_norm != all(hasattr(layer, x) for x in sandwich):
-            what = "no" if arch.sandwich_norm else "unexpected"
-            raise ArchRefused(f"{where}: {arch.name} decoder layer {i}: {what} "
-                              f"{'/'.join(sandwich)}")
         # vLLM's attention layer says which layers are local (its kernel takes the window)
-        own = getattr(getattr(attn, "attn", None), "sliding_window", None)
-        if windows is not None and own != windows[i]:
-            raise ArchRefused(f"{where}: {arch.name} decoder layer {i}: sliding window "
-                              f"{own}, the config's {windows[i]}")
+        _check_local_parts(arch, layer, i,
+                           getattr(getattr(attn, "attn", None), "sliding_window", None),
+                           windows, where)
         if getattr(attn, "do_llama_4_scaling", False):
             raise ArchRefused(f"{where}: {arch.name} with {_REFUSED_OPTIONS['llama_4_scaling']}")
         if getattr(layer, "ada_rms_norm_t_cond", None) is not None:
@@ -277,21 +298,15 @@ def for_hf(model: Any) -> Arch:
     windows = sliding_windows(arch, model.config, where)
     if arch.scaled_embedding and not hasattr(model.model.embed_tokens, "embed_scale"):
         raise ArchRefused(f"{where}: {arch.name} has no scaled embedding (embed_scale)")
-    sandwich = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
     for i, layer in enumerate(model.model.layers):
         attn = layer.self_attn
         names = ("qkv_proj",) if arch.fused_qkv else ("q_proj", "k_proj", "v_proj")
         projs = [getattr(attn, p, None) for p in names]
         if any(p is None for p in projs):
             raise ArchRefused(f"{where}: {arch.name} decoder layer {i} has no {'/'.join(names)}")
-        if arch.sandwich_norm != all(hasattr(layer, x) for x in sandwich):
-            what = "no" if arch.sandwich_norm else "unexpected"
-            raise ArchRefused(f"{where}: {arch.name} decoder layer {i}: {what} "
-                              f"{'/'.join(sandwich)}")
         # transformers' own attention module says which layers are local: it must agree
-        if arch.local_layers and getattr(attn, "sliding_window", None) != windows[i]:
-            raise ArchRefused(f"{where}: {arch.name} decoder layer {i}: sliding window "
-                              f"{getattr(attn, 'sliding_window', None)}, the config's {windows[i]}")
+        _check_local_parts(arch, layer, i, getattr(attn, "sliding_window", None), windows,
+                           where)
         _check_parts(arch, attn, i, projs, where, getattr(layer, "mlp", None))
     return arch
 
