@@ -33,7 +33,9 @@ serves every request:
     are computed instead ("load_declined" in the response, no landing opened); every
     output equals plain vLLM's (kvblend.vllm.cost).
 The engine runs with a small cache (8 blocks of 128 tokens) and 256 tokens a step, so that
-(i) and (j) happen.
+(i) and (j) happen, and with async_loads on: every reuse load is asynchronous (landed
+between the engine's steps, reported done in get_finished; (b) checks that it was), but
+(k)'s, synchronous by a test hook (KVBLEND_VLLM_SYNC_FILE).
 Run by pytest (tests/engine/run.sh --pytest, as ctest does); skipped when KVBLEND_SKIP_ENGINE=1.
 """
 
@@ -158,6 +160,7 @@ def test_connector(engine_model):
     os.environ["KVBLEND_VLLM_DUMP_DIR"] = str(dump_dir)
     os.environ["KVBLEND_VLLM_FAIL_LOAD_FILE"] = str(dump_dir / "fail-next-load")
     os.environ["KVBLEND_VLLM_COPY_FILE"] = str(dump_dir / "copy-loads")
+    os.environ["KVBLEND_VLLM_SYNC_FILE"] = str(dump_dir / "sync-loads")
 
     import numpy as np
     import kvblend
@@ -186,7 +189,7 @@ def run(model_dir, d, dump_dir, report, np, kvblend):
     # its lookups must get through to test the loads
     llm = connector_llm(model_dir, {"endpoint": d.endpoint, "timeout_ms": 2000,
                                     "lookup_timeout_ms": 2000, "model_name": "smollm2-test",
-                                    "chunk_separator": SEP},
+                                    "chunk_separator": SEP, "async_loads": True},
                         max_model_len=896, enable_prefix_caching=False,
                         num_gpu_blocks_override=8, max_num_batched_tokens=256)
     report["engine_start_s"] = round(time.monotonic() - t0, 1)
@@ -239,6 +242,8 @@ def run(model_dir, d, dump_dir, report, np, kvblend):
     dumps = list(dump_dir.glob("load-*.npz"))
     check("(b) one load dumped, landed", len(dumps) == 1 and all(
         str(np.load(f)["path"]) == "landed" for f in dumps))
+    check("(b) the load was asynchronous (landed between steps)",
+          len(dumps) == 1 and bool(np.load(dumps[0])["early"]))
 
     # (c) landed, then copied (the test hook): both against NumPy
     l2 = len(docs[1])
@@ -355,8 +360,12 @@ def run(model_dir, d, dump_dir, report, np, kvblend):
     check("(j) preemption: every output equals plain vLLM",
           all(g == plain_b for g in got), str([g == plain_b for g in got]))
 
-    # (k) a slowed daemon: a load that loses is computed instead
+    # (k) a slowed daemon: a load that loses is computed instead. Synchronous loads (the
+    # test hook): an asynchronous one opens right after its lookup, in the same moment
+    # the throttled daemon runs, and is not slow
+    (dump_dir / "sync-loads").touch()
     slowed_loads(llm, d, p_b, plain_b, l1, len(q), report)
+    (dump_dir / "sync-loads").unlink()
 
     # (f) the daemon killed between requests: outputs equal plain vLLM's. The times go to
     # the report only (a shared machine makes them noisy); test_vllm_daemon_link holds the

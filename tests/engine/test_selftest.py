@@ -221,7 +221,8 @@ def start_checks(d, vllm_config):
           or not getattr(again, "off", None), repr(again))
     side = SchedulerSide(Ns(model=m, model_name=name, block_size=16, load_cost_margin=1.0,
                             load_cost_check=True, blend=None, separator=None,
-                            tensor_parallel=1, prefix_caching=True, store_on_miss=False),
+                            tensor_parallel=1, prefix_caching=True, store_on_miss=False,
+                            async_loads=True),
                          None)  # a lookup would raise AttributeError
     side.update_connector_output(Ns(kv_connector_worker_meta=meta))
     req = Ns(request_id="r2", prompt_token_ids=list(range(40)), lora_request=None,

@@ -7,7 +7,10 @@ directory, DeviceConfig("cpu"), 64-token blocks, prefix caching on) and a KVCach
 one FullAttentionSpec group, with KvblendConnector in the scheduler role (vLLM's factory
 makes it from kv_connector_module_path), real ``Request`` objects hashed by vLLM's own
 block hasher, and a real kvblendd holding the chunks. Each step is vLLM's schedule(),
-then update_from_output() with the tokens a model runner would sample. Checked:
+then update_from_output() with the tokens a model runner would sample and, for each
+asynchronous load of the step, its end the step after (what kvblend's worker reports).
+Sections (a)-(c), (e) and (f) run with ``async_loads`` false (the synchronous loads of
+0.32 and 0.33); (d) with the default. Checked:
 
 (a) a lookup of stored chunks named by explicit segments: the claim, the one load in the
     step's metadata over the request's blocks (chunks cross 64-token blocks), its fully
@@ -18,10 +21,19 @@ then update_from_output() with the tokens a model runner would sample. Checked:
 (c) store-on-miss plans: a separator-split prompt whose chunks the daemon lacks queues
     each once (the missed chunks in the metadata, "stores" in the response); a prompt that
     asks to store is handed to the worker once its chunked prefill is over, with every block;
-(d) may_load_async: False (kvblend's loads are synchronous): with
-    --max-num-inflight-kv-loads and a full batch the request waits in vLLM's plain queue,
-    and loads when a slot frees; answering True instead (patched) starts nothing while
-    the batch is full: the contract's reason for the answer;
+(d) asynchronous loads (``async_loads``, on by default with 0.34) and may_load_async:
+    with --max-num-inflight-kv-loads and a full batch, a reuse request waits in vLLM's
+    queue of asynchronous loads, is looked up and its load (``early``) handed to the
+    worker while the batch is still full; once the worker reports it landed
+    (``finished_recving``, as kvblend's worker does, one step later here) the request
+    holds its chunk's tokens as computed and joins the batch when a slot frees, with
+    only its question to compute; with ``async_loads`` false it waits in the plain queue
+    and nothing is looked up until a slot frees. A blend, or a request without kvblend
+    parameters, is not queued with the asynchronous loads. An asynchronous load that
+    fails (its blocks reported invalid in the step that reports it done) is not tried
+    again: vLLM computes the request whole.
+    The fence with 64-token blocks after an asynchronous load: vLLM caches the loaded
+    blocks under the fenced hashes, and the same prompt again gets the prefix block only;
 (e) prompt logprobs (``Request.skip_reading_external_kv``): no lookup, no claim, no load,
     no fence, one info line; and the same prompt without them is loaded;
 (f) a preemption: a loading request preempted for blocks, then resumed: its own fenced
@@ -71,7 +83,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     KVCacheConfig,
     KVCacheGroupSpec,
 )
-from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
@@ -108,7 +120,8 @@ def make(endpoint, extra=None, num_blocks=200, max_num_seqs=8, max_tokens=1024,
     cc = CacheConfig(block_size=BS, gpu_memory_utilization=0.9, enable_prefix_caching=True)
     kt = KVTransferConfig(kv_connector="KvblendConnector",
                           kv_connector_module_path="kvblend.vllm.connector", kv_role="kv_both",
-                          kv_connector_extra_config={"endpoint": endpoint, **(extra or {})})
+                          kv_connector_extra_config={"endpoint": endpoint,
+                                                     "async_loads": False, **(extra or {})})
     vc = VllmConfig(model_config=model_config(), scheduler_config=sc, cache_config=cc,
                     kv_transfer_config=kt, device_config=DeviceConfig("cpu"))
     mc = vc.model_config
@@ -135,18 +148,33 @@ def request(rid, ids, kvp=None, max_tokens=4, **sp):
     return r
 
 
+#: asynchronous loads handed to the "worker" by the last step, per scheduler: reported
+#: done in the next step's output (landed, or failed when their request id is in FAIL)
+INFLIGHT = {}
+FAIL = set()
+
+
 def step(sched, token=7):
     """One engine step: schedule, then what a model runner returns (a token for each
-    request whose prompt is done). Returns (the SchedulerOutput, the finished requests'
-    kv_transfer_params by request id)."""
+    request whose prompt is done, and the asynchronous loads of the previous step as
+    ended: failed ones with their blocks invalid). Returns (the SchedulerOutput, the
+    finished requests' kv_transfer_params by request id)."""
     out = sched.schedule()
     rids = list(out.num_scheduled_tokens)
     sampled = []
     for rid in rids:
         r = sched.requests[rid]
         sampled.append([token] if r.num_computed_tokens >= r.num_tokens else [])
+    ended = INFLIGHT.pop(id(sched), [])
+    meta = out.kv_connector_metadata
+    INFLIGHT[id(sched)] = [ld for ld in (meta.loads if meta is not None else []) if ld.early]
+    bad = {b for ld in ended if ld.req_id in FAIL for b in ld.block_ids}
+    FAIL.difference_update(ld.req_id for ld in ended)
+    kco = KVConnectorOutput(finished_recving={ld.req_id for ld in ended} or None,
+                            invalid_block_ids=bad)
     mro = ModelRunnerOutput(req_ids=rids, sampled_token_ids=sampled, logprobs=None,
-                            prompt_logprobs_dict={}, pooler_output=None)
+                            prompt_logprobs_dict={}, pooler_output=None,
+                            kv_connector_output=kco)
     done = {}
     for eco in sched.update_from_output(out, mro).values():
         for o in eco.outputs:
@@ -194,6 +222,29 @@ def lookups(sched):
     return n
 
 
+def after_prefix(sched, tag, chunk, q, rng):
+    """A prefix block vLLM computes (a seed request puts it in vLLM's cache), then a
+    request of that block + ``chunk`` (stored) + ``q``, twice. Returns the first request,
+    its block hashes before it was asked about, its response, its steps' metadata, and
+    the second one's response."""
+    p0 = ids(rng, BS)
+    prompt = p0 + chunk + q
+    seed = request(f"{tag}-0", p0 + ids(rng, 30))
+    sched.add_request(seed)
+    run_until_done(sched, [seed.request_id])
+    kvp = {"kvblend": {"segments": [[BS, len(chunk), "chunk"]]}}
+    r1 = request(f"{tag}-1", prompt, kvp)
+    orig = list(r1.block_hashes)
+    sched.add_request(r1)
+    said, metas = run_until_done(sched, [r1.request_id])
+    kv1 = (said.get(r1.request_id) or {}).get("kvblend", {})
+    r2 = request(f"{tag}-2", prompt, kvp)
+    sched.add_request(r2)
+    said, _ = run_until_done(sched, [r2.request_id])
+    kv2 = (said.get(r2.request_id) or {}).get("kvblend", {})
+    return r1, orig, kv1, metas, kv2
+
+
 def explicit(d, c, model, rng):
     """(a) and (b): explicit segments, loads, and fences with 64-token blocks."""
     sched = make(d.endpoint)
@@ -226,29 +277,15 @@ def explicit(d, c, model, rng):
     check("(a) the response: 190 reused, 40 computed",
           kv.get("reused") == 190 and kv.get("computed") == 40, str(kv))
 
-    # (b) a fence: a prefix block vLLM computes, then a chunk
-    p0 = ids(rng, BS)
+    # (b) a fence: a prefix block vLLM computes, then a chunk (b at 64..153)
     put(c, model, b)
-    prompt = p0 + b + q  # b at 64..153
-    seed = request("b-0", p0 + ids(rng, 30))  # puts the prefix block in vLLM's cache
-    sched.add_request(seed)
-    run_until_done(sched, ["b-0"])
-    kvp = {"kvblend": {"segments": [[BS, 90, "chunk"]]}}
-    r1 = request("b-1", prompt, kvp)
-    orig = list(r1.block_hashes)
-    sched.add_request(r1)
-    said, metas = run_until_done(sched, ["b-1"])
-    kv1 = (said.get("b-1") or {}).get("kvblend", {})
+    r1, orig, kv1, metas, kv2 = after_prefix(sched, "b", b, q, rng)
     check("(b) a chunk after a cached 64-token prefix: the prefix from vLLM's cache, the "
           "chunk loaded", kv1.get("prefix_cached") == BS and kv1.get("reused") == 90
           and len(loads_of(metas, "b-1")) == 1, str(kv1))
     check("(b) its hashes from the chunk's block on are its own, the prefix block's kept",
           r1.block_hashes[0] == orig[0] and all(x != y for x, y in
                                                 zip(r1.block_hashes[1:], orig[1:])))
-    r2 = request("b-2", prompt, kvp)
-    sched.add_request(r2)
-    said, metas = run_until_done(sched, ["b-2"])
-    kv2 = (said.get("b-2") or {}).get("kvblend", {})
     check("(b) the same prompt again: vLLM's cache gives the prefix block only, the chunk "
           "is loaded again", kv2.get("prefix_cached") == BS and kv2.get("reused") == 90,
           str(kv2))
@@ -303,45 +340,103 @@ def stores(d, c, model, rng):
 
 
 def early_loads(d, c, model, rng):
-    """(d) may_load_async under --max-num-inflight-kv-loads with a full batch."""
+    """(d) asynchronous loads and may_load_async under --max-num-inflight-kv-loads."""
     doc, q = ids(rng, 128), ids(rng, 20)
     put(c, model, doc)
     kvp = {"kvblend": {"segments": [[0, 128, "chunk"]]}}
-    for opt_in in (False, True):
-        sched = make(d.endpoint, max_num_seqs=1, inflight=2)
-        if opt_in:
-            sched.connector.may_load_async = lambda request: True
-        busy = request(f"d-busy-{opt_in}", ids(rng, 50), max_tokens=6)
+    default = make(d.endpoint, {"async_loads": "auto"})
+    check("(d) async_loads 'auto' is on with vLLM 0.34",
+          default.connector.config.async_loads is True)
+    first = {}
+    for early in (True, False):
+        how = "async_loads" if early else "async_loads false"
+        sched = make(d.endpoint, {"async_loads": early}, max_num_seqs=1, inflight=2)
+        busy = request(f"d-busy-{early}", ids(rng, 50), max_tokens=6)
         sched.add_request(busy)
         step(sched)  # busy runs: the batch (one slot) is full
-        r = request(f"d-kv-{opt_in}", doc + q, kvp)
+        r = request(f"d-kv-{early}", doc + q, kvp)
         n = lookups(sched)
         sched.add_request(r)
-        if not opt_in:
-            check("(d) may_load_async is False: the request waits in vLLM's plain queue",
-                  sched.connector.may_load_async(r) is False and len(sched.waiting) == 1
-                  and len(sched.async_kv_waiting) == 0)
+        if early:
+            check("(d) async_loads: may_load_async is True, the request waits in vLLM's "
+                  "queue of asynchronous loads", sched.connector.may_load_async(r) is True
+                  and len(sched.async_kv_waiting) == 1 and len(sched.waiting) == 0)
         else:
-            check("(d) patched to True: the request waits in the async-load queue",
-                  len(sched.async_kv_waiting) == 1)
-        metas = []
+            check("(d) async_loads false: may_load_async is False, the request waits in "
+                  "vLLM's plain queue", sched.connector.may_load_async(r) is False
+                  and len(sched.waiting) == 1 and len(sched.async_kv_waiting) == 0)
+        metas, status = [], []
         for _ in range(3):  # busy still decoding
             out, _ = step(sched)
             metas.append(out.kv_connector_metadata)
-        how = "patched to True" if opt_in else "False"
-        check(f"(d) {how}: nothing loads while the batch is full",
-              not loads_of(metas, r.request_id) and r.status == RequestStatus.WAITING
-              and r.num_computed_tokens == 0,
-              f"{n[0]} lookups, status {r.status}")
-        if opt_in:
-            check("(d) patched to True: a daemon lookup each full step, for nothing",
-                  n[0] >= 3, f"{n[0]} lookups")
+            status.append((r.status.name, r.num_computed_tokens))
+        lds = loads_of(metas, r.request_id)
+        if early:
+            check("(d) async_loads: looked up once and its load handed to the worker while "
+                  "the batch is full, marked early", n[0] == 1 and len(lds) == 1
+                  and lds[0].early and busy.status == RequestStatus.RUNNING,
+                  f"{n[0]} lookups, {len(lds)} loads, {status}")
+            check("(d) async_loads: waiting for its load, then landed: 128 tokens "
+                  "computed before it has a slot",
+                  status[0] == ("WAITING_FOR_REMOTE_KVS", 128)
+                  and status[-1][1] == 128 and r.status != RequestStatus.RUNNING,
+                  str(status))
         else:
-            check("(d) False: no lookup while the batch is full", n[0] == 0, f"{n[0]}")
-        said, metas = run_until_done(sched, [busy.request_id, r.request_id])
+            check("(d) async_loads false: nothing looked up or loaded while the batch is full",
+                  n[0] == 0 and not lds and r.num_computed_tokens == 0, f"{n[0]} lookups")
+        k = 3
+        for k in range(3, 40):
+            out, done = step(sched)
+            metas.append(out.kv_connector_metadata)
+            if r.request_id in out.num_scheduled_tokens:
+                break
+        first[early] = (k, out.num_scheduled_tokens.get(r.request_id))
+        said, more = run_until_done(sched, [busy.request_id, r.request_id])
         kv = (said.get(r.request_id) or {}).get("kvblend", {})
-        check(f"(d) {how}: loaded once a slot frees",
-              len(loads_of(metas, r.request_id)) == 1 and kv.get("reused") == 128, str(kv))
+        check(f"(d) {how}: loaded once, 128 reused, 20 computed",
+              len(loads_of(metas + more, r.request_id)) == 1 and kv.get("reused") == 128
+              and kv.get("computed") == 20, str(kv))
+    check("(d) both first scheduled once busy is done, with the question only (20 tokens)",
+          first[True][1] == 20 and first[False][1] == 20 and first[True][0] == first[False][0],
+          f"step, tokens: early {first[True]}, not {first[False]}")
+
+    # a blend and a request without kvblend parameters are not queued with async loads
+    sched = make(d.endpoint, {"async_loads": True, "blend": {}}, inflight=2)
+    b = request("d-blend", ids(rng, 30) + doc + q,
+                {"kvblend": {"segments": [[30, 128, "chunk"]]}})
+    reuse = request("d-reuse", doc + q, {"kvblend": {"segments": [[0, 128, "chunk"]],
+                                                     "blend": False}})
+    plain = request("d-plain", ids(rng, 40))
+    check("(d) may_load_async: a blend False, a request with \"blend\": false True, one "
+          "without kvblend parameters False",
+          [sched.connector.may_load_async(x) for x in (b, reuse, plain)] == [False, True, False])
+
+    # an asynchronous load that fails: vLLM recomputes the request
+    sched = make(d.endpoint, {"async_loads": True})
+    r = request("d-fail", doc + q, kvp)
+    FAIL.add(r.request_id)
+    sched.add_request(r)
+    n = lookups(sched)
+    said, metas = run_until_done(sched, [r.request_id])
+    scheduled = [m.scheduled_tokens for m in metas if m is not None and m.scheduled_tokens]
+    lds = loads_of(metas, r.request_id)
+    kv = (said.get(r.request_id) or {}).get("kvblend", {})
+    check("(d) a failed asynchronous load: not tried again, the prompt computed whole",
+          len(lds) == 1 and lds[0].early and n[0] == 1 and scheduled[:1] == [len(doc + q)]
+          and kv.get("reused") == 0 and kv.get("computed") == len(doc + q),
+          f"{len(lds)} loads, {n[0]} lookups, scheduled {scheduled}, {kv}")
+
+    # the fence after an asynchronous load with 64-token blocks (the chunk at 64..191)
+    r1, orig, kv1, metas, kv2 = after_prefix(sched, "d-f", doc, q, rng)
+    lds = loads_of(metas, r1.request_id)
+    check("(d) after a cached prefix block, the chunk loaded asynchronously: its hashes "
+          "from the chunk's block on are its own", kv1.get("prefix_cached") == BS
+          and kv1.get("reused") == 128 and len(lds) == 1 and lds[0].early
+          and r1.block_hashes[0] == orig[0]
+          and all(x != y for x, y in zip(r1.block_hashes[1:], orig[1:])), str(kv1))
+    check("(d) the same prompt again: vLLM's cache gives the prefix block only, the chunk "
+          "is loaded again", kv2.get("prefix_cached") == BS and kv2.get("reused") == 128,
+          str(kv2))
 
 
 def prompt_logprobs(d, c, model, rng):

@@ -17,7 +17,7 @@ index), read with ``ast``, nothing imported:
 
 Beside the sources (the engine venv's vLLM 0.32 imported): (f) the connector's answers to
 0.34's hooks: kv_cache_access from kv_connector_extra_config and the platform,
-may_load_async False.
+may_load_async by async_loads and the request's parameters.
 
 Run by pytest (tests/engine/run.sh --pytest, as ctest does); skipped when KVBLEND_SKIP_ENGINE=1.
 """
@@ -54,9 +54,11 @@ NEW = {
         "kv_cache_access": "overridden: EXPORTS_FD where loads land through a local "
                            "kvblendd's CUDA device (ipc://, CUDA, device_landing 'auto'), "
                            "which imports the growable cache by fd; else IN_PROCESS",
-        "may_load_async": "overridden: False. Its contract is 'may return load_kv_async="
-                          "True'; kvblend's loads are synchronous, and a True would start "
-                          "no load while the batch is full but hold back other async loads",
+        "may_load_async": "overridden: True for a reuse request with async_loads on (the "
+                          "default on 0.34): its load starts while the batch is full and "
+                          "lands between steps; False for a blend (its pass needs the "
+                          "request's own forward), a request without kvblend parameters, "
+                          "or async_loads off",
         "supports_lookahead_block_hashes": "the base's False: EAGLE's block-drop hashing "
                                            "stays off (kvblend neither loads nor fences by "
                                            "the drafter's look-ahead window)",
@@ -228,8 +230,46 @@ def hooks():
         kv_transfer_params = {"kvblend": {"segments": [[0, 64, "chunk"]]},
                               "do_remote_prefill": True}
 
-    check("(f) may_load_async: False (kvblend's loads are synchronous)",
-          KvblendConnector.may_load_async(object.__new__(KvblendConnector), Request()) is False)
+    from types import SimpleNamespace
+
+    from kvblend.vllm.scheduler import SchedulerSide
+
+    def answer(request, **config):
+        conn = object.__new__(KvblendConnector)
+        conn.scheduler = object.__new__(SchedulerSide)
+        conn.scheduler.config = SimpleNamespace(**{"async_loads": True, "blend": None,
+                                                   **config})
+        conn.scheduler._off = None
+        return KvblendConnector.may_load_async(conn, request)
+
+    class Plain:
+        request_id = "p"
+        kv_transfer_params = None
+
+    class NoBlend(Request):
+        kv_transfer_params = {"kvblend": {"segments": [[0, 64, "chunk"]], "blend": False}}
+
+    from kvblend.vllm.config import async_loads_wanted
+
+    got = [async_loads_wanted({}, v) for v in ("0.32.0", "0.33.1", "0.34.0", "0.35.0")]
+    got += [async_loads_wanted({"async_loads": x}, "0.32.0") for x in (True, False, "auto")]
+    check("(f) async_loads: 'auto' (the default) on from vLLM 0.34, true and false as said",
+          got == [False, False, True, True, True, False, False], str(got))
+    for bad in ("yes", 1, None):
+        try:
+            async_loads_wanted({"async_loads": bad}, "0.34.0")
+            why = "accepted"
+        except ValueError as e:
+            why = str(e)
+        check(f"(f) async_loads {bad!r} refused, naming the key", "async_loads must be" in why,
+              why)
+    check("(f) may_load_async: True for a reuse request with async_loads on",
+          answer(Request()) is True)
+    check("(f) may_load_async: False with async_loads off, for a request without kvblend "
+          "parameters, and for a blend; True for \"blend\": false",
+          [answer(Request(), async_loads=False), answer(Plain()),
+           answer(Request(), blend=object()), answer(NoBlend(), blend=object())]
+          == [False, False, False, True])
 
 
 def test_vllm_interface():

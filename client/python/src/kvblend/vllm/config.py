@@ -298,6 +298,43 @@ class ConnectorConfig:
     #: loads on a GPU land through kvblendd's CUDA device (:func:`device_landing_wanted`;
     #: on vLLM 0.34 the connector then declares ``KVCacheAccess.EXPORTS_FD``)
     device_landing: bool = True
+    #: reuse loads start early (``load_kv_async``): the daemon lands them between the
+    #: engine's steps, and the request is scheduled once they are in place
+    #: (:func:`async_loads_wanted`)
+    async_loads: bool = False
+
+
+#: ``kv_connector_extra_config["async_loads"]``: "auto" (on with vLLM 0.34, whose
+#: scheduler can start them while the batch is full), true or false.
+ASYNC_LOADS = ("auto", True, False)
+
+
+def async_loads_wanted(extra: dict, version: str) -> bool:
+    """Whether reuse loads start early (asynchronous loads), by ``extra`` and vLLM's version.
+
+    "auto" (the default): on with vLLM 0.34 and later, where ``may_load_async`` lets
+    vLLM's scheduler start a load while the running batch is full
+    (``--max-num-inflight-kv-loads``); off on 0.32 and 0.33, whose loads land under the
+    request's own first step. true or false: as said, on any version.
+
+    Raises
+    ------
+    ValueError
+        ``async_loads`` is none of :data:`ASYNC_LOADS` (the message names the key).
+    """
+    mode = extra.get("async_loads", "auto")
+    if not any(mode is m if isinstance(m, bool) else mode == m for m in ASYNC_LOADS):
+        raise ValueError(
+            f"kvblend: kv_connector_extra_config: async_loads must be \"auto\", true or "
+            f"false, got {mode!r}"
+        )
+    if mode != "auto":
+        return bool(mode)
+    try:
+        major, minor = (int(x) for x in version.split(".")[:2])
+    except ValueError:
+        return False
+    return (major, minor) >= (0, 34)
 
 
 #: ``kv_connector_extra_config["device_landing"]``: "auto" (loads land through a local
@@ -383,6 +420,10 @@ def connector_config(vllm_config: VllmConfig) -> ConnectorConfig:
         device_landing = device_landing_wanted(extra)
     except ValueError as e:
         raise refuse(str(e)) from None
+    try:
+        async_loads = async_loads_wanted(extra, getattr(vllm, "__version__", ""))
+    except ValueError as e:
+        raise refuse(str(e)) from None
     store_on_miss = extra.get("store_on_miss", separator is not None and tp == 1)
     if not isinstance(store_on_miss, bool):
         raise refuse(
@@ -430,4 +471,5 @@ def connector_config(vllm_config: VllmConfig) -> ConnectorConfig:
         lookup_timeout_ms=lookup_timeout_ms,
         tensor_parallel=tp,
         device_landing=device_landing,
+        async_loads=async_loads,
     )

@@ -202,19 +202,29 @@ class KvblendConnector(KVConnectorBase_V1):
         return device_landing_wanted(extra) and current_platform.is_cuda()
 
     def may_load_async(self, request: Request) -> bool:
-        """No: kvblend's loads are synchronous (vLLM 0.34's hook; see below).
+        """Whether vLLM 0.34 may start the request's load while the batch is full.
 
-        The hook's contract (0.34's base class) is whether ``get_num_new_matched_tokens``
-        may answer ``load_kv_async=True`` for the request; kvblend always answers False
-        (a load lands layer by layer under the step's own forward pass). Answering True
-        would put the request in vLLM's queue of asynchronous loads without starting any
-        load while the batch is full (the scheduler then needs a running slot for it, as
-        for any synchronous load), hold back other connectors' asynchronous loads queued
-        behind it (MultiConnector), and cost a daemon lookup each step the batch stays
-        full. The base's default (a P/D ``do_remote_prefill`` flag) is not kvblend's
-        either. Loads started early need asynchronous loads first (docs/vllm-reference.md, "Not built yet").
+        The hook's contract (0.34's base class): whether ``get_num_new_matched_tokens``
+        may answer ``load_kv_async=True`` for the request. With ``async_loads`` on (the
+        default on 0.34) kvblend answers True for a reuse request
+        (:meth:`kvblend.vllm.scheduler.SchedulerSide.may_load_async`): under
+        ``--max-num-inflight-kv-loads`` vLLM looks it up while the batch is full, the
+        daemon lands it between the steps, and the request joins the batch with its
+        chunks in place. A blend, or a request without kvblend parameters, answers
+        False (see there). 0.32 and 0.33 never call it.
         """
-        return False
+        return self.scheduler.may_load_async(request)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Return the requests whose asynchronous loads ended since the last call.
+
+        Sends: none (a request's blocks are vLLM's to free at once). Receives: the loads
+        started early (``async_loads``) that landed, were copied, or failed (their
+        blocks then go to :meth:`get_block_ids_with_load_errors` in the same step, and
+        vLLM recomputes them).
+        """
+        done = self.worker.get_finished()
+        return None, (done or None)
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:

@@ -176,16 +176,31 @@ class CacheRegion:
         )
 
     def open(self, model_name: str, req_id: str, chunks: list[ChunkLoad], blocks: list[int]):
-        """Open a landing session for a load; False when this load takes the copy path.
+        """Open a landing session for a load of this step; False when it takes the copy path.
 
         Only a load whose chunks lie back to back from position 0, each from its first
         token, lands (the session's token t is prompt position t, in block
         ``blocks[t // block_size]``); the tokens of its last chunk past the claim are
         written too and then computed over by vLLM in the layer's forward, which runs
-        only after the layer has landed.
+        only after the layer has landed. The step waits for each layer (:meth:`wait`)
+        and closes the session (:meth:`close_all`).
+        """
+        got = self.start(model_name, req_id, chunks, blocks)
+        if got is None:
+            return False
+        self.sessions[req_id] = (got[0], [got[1]])
+        return True
+
+    def start(
+        self, model_name: str, req_id: str, chunks: list[ChunkLoad], blocks: list[int]
+    ) -> tuple[LandingSession, float] | None:
+        """Open a landing session for a load as :meth:`open` does, without keeping it.
+
+        Returns the session and the seconds the open took, or None (the copy path).
+        An asynchronous load's session is the caller's to poll and close.
         """
         if not self.active or not chunks:
-            return False
+            return None
         pos = 0
         for c in chunks:
             if c.start != pos or c.first != c.start:
@@ -193,7 +208,7 @@ class CacheRegion:
             pos += c.length
         need = -(-pos // self.block_size)
         if need > len(blocks):
-            return False
+            return None
         assert self.client is not None
         t0 = time.monotonic()
         try:
@@ -203,12 +218,12 @@ class CacheRegion:
                 self.off(str(e))
             else:
                 self.log.warning("kvblend: landing session for %s refused (%s): copying", req_id, e)
-            return False
+            return None
         except BadShm as e:
             self.off(f"the daemon no longer knows the region ({e}): restarted or shm_idle")
-            return False
+            return None
         except (NotFound, UnknownSession):
-            return False
+            return None
         except Unavailable:
             raise  # the daemon is down: the load fails (a copy would wait as long again)
         except KvblendError as e:
@@ -216,9 +231,8 @@ class CacheRegion:
                 self.off(f"the daemon cannot land vLLM's transposed K ({e})")
             else:
                 self.log.warning("kvblend: landing session for %s refused (%s): copying", req_id, e)
-            return False
-        self.sessions[req_id] = (s, [time.monotonic() - t0])
-        return True
+            return None
+        return s, time.monotonic() - t0
 
     def _open_session(self, model_name: str, segs: list, pages: list[int]) -> LandingSession:
         """Open the landing session of one load into the region (raises as the client)."""
@@ -262,6 +276,15 @@ class CacheRegion:
                 self.failed.add(rid)
                 bad.append(rid)
         return bad
+
+    def close_one(self, s: LandingSession, req_id: str) -> tuple[dict, bool]:
+        """Close an asynchronous load's session: (its close stats, whether it failed)."""
+        try:
+            st = s.close()
+        except KvblendError as e:
+            self.log.warning("kvblend: closing the landing session of %s: %s", req_id, e)
+            return {}, True
+        return st, bool(st.get("land_failed"))
 
     def close_all(self) -> dict[str, tuple[dict, float, bool]]:
         """Close this step's sessions.
@@ -540,7 +563,7 @@ class DeviceLanding(CacheRegion):
     def off(self, why: str) -> None:
         """Landing off for good (copy path), one line; the progress words go back."""
         super().off(why)
-        if self.client is not None and self.buf is not None and not self.sessions:
+        if self.client is not None and self.buf is not None and not self._word_of:
             try:
                 self.client.free_region(self.buf)
             except KvblendError:
@@ -567,6 +590,13 @@ class DeviceLanding(CacheRegion):
         # no device, another GPU, a handle it cannot map, a layout it does not take:
         # every later open would be refused alike
         return "device memory" in str(e)
+
+    def close_one(self, s: LandingSession, req_id: str) -> tuple[dict, bool]:
+        w = self._word_of.pop(id(s), None)
+        st, failed = super().close_one(s, req_id)
+        if w is not None and st:  # as close_all: only a close that was answered
+            self._free.append(w)
+        return st, failed
 
     def close_all(self) -> dict[str, tuple[dict, float, bool]]:
         words = [self._word_of.pop(id(s), None) for s, _ in self.sessions.values()]

@@ -26,6 +26,9 @@ class LoadSpec:
     block_ids: list[int]
     block_size: int
     blend: BlendLoad | None = None  # a CacheBlend load instead of the chunks
+    #: an asynchronous load (``load_kv_async``): landed between steps and reported done in
+    #: ``get_finished``; the request is not scheduled before
+    early: bool = False
 
 
 @dataclass

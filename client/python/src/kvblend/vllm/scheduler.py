@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
@@ -31,6 +32,10 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
+
+#: Test hook: while the file this names exists, loads are claimed synchronously even with
+#: ``async_loads`` on (one engine can then test both).
+SYNC_ENV = "KVBLEND_VLLM_SYNC_FILE"
 
 #: A missed chunk is queued for storing at most once in this many seconds.
 MISS_WINDOW_S = 120.0
@@ -79,6 +84,11 @@ class SchedulerSide:
         self._missed: OrderedDict[bytes, float] = OrderedDict()  # hash: when it was queued
         self._logged: set[str] = set()
         self._plans: dict[str, plan.Plan] = {}  # the last answer, for update_state_after_alloc
+        # requests whose load was claimed asynchronous (load_kv_async), until vLLM
+        # allocates their blocks; then those whose asynchronous load is in flight, until
+        # vLLM schedules them after it (update_state_after_alloc again, no external tokens)
+        self._early_claims: set[str] = set()
+        self._early_loading: set[str] = set()
         self._loads: list[LoadSpec] = []
         self._stores: dict[str, _Pending] = {}
         self.cost = cost.CostModel(config.load_cost_margin, config.load_cost_check)
@@ -205,7 +215,14 @@ class SchedulerSide:
         gets 0, no lookup, no fence and no missed chunk queued; its parameters are still
         parsed, so that one asking to store its prompt (computed in full) stores it.
         """
-        if self._external_kv_skipped(request):
+        rid = request.request_id
+        if rid in self._early_loading:
+            # asked again before it ran after its asynchronous load: the load failed and
+            # vLLM computes the request (no second try of what just failed)
+            self._early_loading.discard(rid)
+            logger.debug("kvblend: request %s: its asynchronous load failed: computed", rid)
+            p = self._parse_only(request, num_computed_tokens)
+        elif self._external_kv_skipped(request):
             p = self._parse_only(request, num_computed_tokens)
         else:
             p = self._plan(request, num_computed_tokens)
@@ -229,7 +246,43 @@ class SchedulerSide:
         if p.blend is not None:  # the share of its chunk tokens the blend recomputes
             self._said[request.request_id]["blend_ratio"] = p.blend.config.ratios[-1] if (
                 p.blend.config.ratios) else 0.0
-        return p.tokens, False
+        # a reuse load starts early (asynchronous) when so configured; a blend runs in the
+        # request's own forward pass, so it never does
+        early = self._async_loads() and p.blend is None and p.tokens > 0
+        if early:
+            self._early_claims.add(rid)
+        else:
+            self._early_claims.discard(rid)
+        return p.tokens, early
+
+    def _async_loads(self) -> bool:
+        """``async_loads``, unless the test hook :data:`SYNC_ENV` says otherwise now."""
+        if not self.config.async_loads:
+            return False
+        sync = os.environ.get(SYNC_ENV)
+        return not (sync and os.path.exists(sync))
+
+    def may_load_async(self, request: Request) -> bool:
+        """Whether vLLM 0.34 may queue the request with the asynchronous loads.
+
+        True with ``async_loads`` on for a request whose kvblend parameters ask for reuse,
+        not a blend: :meth:`get_num_new_matched_tokens` then answers ``load_kv_async``
+        for what it finds, and vLLM may start the load while the running batch is full
+        (``--max-num-inflight-kv-loads``). False for a blend (it runs in the request's
+        own forward pass, which needs a running slot), a request without kvblend
+        parameters (a separator-split one claims only after a prefix-cache hit), one
+        whose external KV vLLM will not read, and once kvblend is off: such a request
+        at the head of vLLM's asynchronous queue would hold the loads behind it. No
+        daemon call.
+        """
+        if not self.config.async_loads or self._off is not None:
+            return False
+        if getattr(request, "skip_reading_external_kv", False):
+            return False
+        kvp, override = plan.split_override(request.kv_transfer_params)
+        if self.config.blend is not None and override is not False:
+            return False
+        return isinstance(kvp, dict) and isinstance(kvp.get("kvblend"), dict)
 
     def _worth_loading(self, p: plan.Plan) -> bool:
         """Whether loading the plan's tokens costs less than computing them (logged per change)."""
@@ -363,6 +416,10 @@ class SchedulerSide:
         """
         rid = request.request_id
         p = self._plans.pop(rid, None)
+        if p is None and num_external_tokens == 0 and rid in self._early_loading:
+            # scheduled after its asynchronous load: decided when the load was claimed
+            self._early_loading.discard(rid)
+            return
         if p is not None and p.missing and self.config.store_on_miss:
             queued, storing = self._queue_misses(p)
             if queued and rid in self._said:
@@ -372,9 +429,16 @@ class SchedulerSide:
         block_ids = list(blocks.get_block_ids()[0])
         bs = self.config.block_size
         if num_external_tokens > 0:
-            if p is None or p.tokens != num_external_tokens:
+            early = rid in self._early_claims  # as get_num_new_matched_tokens answered
+            self._early_claims.discard(rid)
+            trimmed = (early and p is not None and p.blend is None
+                       and num_external_tokens < p.tokens)
+            if (p is None or p.tokens != num_external_tokens) and not trimmed:
                 self._log_once("claim", "claim changed under vLLM for %s: no load", rid)
                 return
+            # an asynchronous claim vLLM trimmed (0.34 cuts hits to whole blocks in some
+            # cases) still loads all of it: the request waits for the load's end, and
+            # the rows past vLLM's count are computed over
             said = self._said.get(rid)
             if said is not None:
                 said["blended" if p.blend is not None else "reused"] = num_external_tokens
@@ -382,8 +446,11 @@ class SchedulerSide:
             if p.blend is not None:
                 self._loads.append(LoadSpec(rid, [], block_ids, bs, p.blend))
                 return
-            self._loads.append(LoadSpec(rid, p.loads, block_ids, bs))
+            if early:
+                self._early_loading.add(rid)
+            self._loads.append(LoadSpec(rid, p.loads, block_ids, bs, early=early))
             return
+        self._early_claims.discard(rid)  # no external tokens after all
         ids = request.prompt_token_ids or []
         if p is not None:
             params = p.parsed.params if p.parsed is not None else None
@@ -522,6 +589,8 @@ class SchedulerSide:
         self._plans.pop(rid, None)
         self._stores.pop(rid, None)
         self._fenced.pop(rid, None)
+        self._early_claims.discard(rid)
+        self._early_loading.discard(rid)
         self._logged.discard("params:" + rid)
         if said is None:
             return False, None

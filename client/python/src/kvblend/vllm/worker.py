@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -23,7 +24,7 @@ from ..blend import loop as blend_loop
 from ..errors import KvblendError, ModelConflict, Unavailable
 from . import blend, cost, plugin, selftest
 from .config import ConnectorConfig, ModelClash, logger, model_clash, refuse
-from .daemon import DaemonLink
+from .daemon import PROBE_MAX_S, WAIT_SLICE_S, DaemonLink, probe
 from .landing import CacheRegion, DeviceLanding
 from .layout import LayoutError, PagedCache, blocks_of
 from .metadata import KvblendMetadata, KvblendWorkerMeta, LoadSpec
@@ -45,6 +46,22 @@ COPY_ENV = "KVBLEND_VLLM_COPY_FILE"
 #: Debug hook: when set to a folder, the worker writes the raw cache blocks it filled in
 #: each load there (``load-<n>.npz``), for tests that check the landed rows independently.
 DUMP_ENV = "KVBLEND_VLLM_DUMP_DIR"
+
+
+#: Longest wait for an asynchronous landing in a step that computes nothing (only loads
+#: in flight): the engine sleeps on the progress word instead of stepping in a busy loop.
+EARLY_IDLE_WAIT_S = 0.01
+
+
+@dataclass
+class _Early:
+    """An asynchronous load the daemon is landing (:meth:`WorkerSide.get_finished`)."""
+
+    load: LoadSpec
+    session: Any
+    t0: float  # when its open was sent
+    held: float  # seconds it held the engine: the open, the polls (and the close)
+    probed: float = 0.0  # when the daemon was last probed for it
 
 
 class KvblendOff(RuntimeError):
@@ -87,6 +104,11 @@ class WorkerSide:
         self._dumps = 0
         self._region: CacheRegion | None = None  # the cache in a kvblend region (landing)
         self._landing: dict[str, LoadSpec] = {}  # this step's loads the daemon lands
+        # asynchronous loads (LoadSpec.early): landing between steps, and those that ended
+        # (landed, copied or failed) since vLLM last asked (get_finished)
+        self._early: dict[str, _Early] = {}
+        self._early_done: set[str] = set()
+        self._step_scheduled = 0  # tokens this step computes (0: only loads in flight)
         self._misses: MissStorer | None = None  # store on a miss
         # the cost model's samples (kvblend.vllm.cost), sent to the scheduler each step
         self._samples: list[tuple[str, int, float]] = []
@@ -386,6 +408,7 @@ class WorkerSide:
         A step that loads nothing is timed (the prefill rate), on the CPU.
         """
         self._step_t0 = None
+        self._step_scheduled = meta.scheduled_tokens if meta is not None else 0
         if (
             self._time_steps
             and meta is not None
@@ -445,13 +468,16 @@ class WorkerSide:
                         self._fail_layer = layer
                     continue
                 copy = os.environ.get(COPY_ENV)
-                if (
-                    self._region is not None
-                    and not (copy and os.path.exists(copy))
-                    and self._region.open(cfg.model_name, ld.req_id, ld.chunks, ld.block_ids)
-                ):
-                    self._landing[ld.req_id] = ld
-                    continue
+                if self._region is not None and not (copy and os.path.exists(copy)):
+                    if ld.early:  # lands between steps; get_finished says when it is in
+                        got = self._region.start(cfg.model_name, ld.req_id, ld.chunks,
+                                                 ld.block_ids)
+                        if got is not None:
+                            self._early[ld.req_id] = _Early(ld, got[0], t0, got[1])
+                            continue
+                    elif self._region.open(cfg.model_name, ld.req_id, ld.chunks, ld.block_ids):
+                        self._landing[ld.req_id] = ld
+                        continue
                 # a tensor-parallel rank reads only its KV heads (a head range's GET)
                 mine = self.cache.heads
                 heads = mine if mine[1] < cfg.model.num_kv_heads else None
@@ -476,10 +502,92 @@ class WorkerSide:
                 self._load_failed(ld, str(e))
                 continue
             self._loaded(ld, t0)
+        # an asynchronous load copied here, or failed, has ended: vLLM hears it this step
+        self._early_done.update(
+            ld.req_id for ld in meta.loads if ld.early and ld.req_id not in self._early
+        )
         if self._tp_group is not None:
             blends = self._agreed_blends(meta.loads, blends)
         if blends:
             self._blend(blends)
+
+    def get_finished(self) -> set[str]:
+        """Return the asynchronous loads that ended since the last call; poll the rest.
+
+        A landing session in flight is looked at without waiting (its progress word), but
+        in a step that computes nothing (only loads in flight) the oldest is waited for
+        up to :data:`EARLY_IDLE_WAIT_S`. One landed is closed and logged; one that stopped,
+        that has not landed within ``timeout_ms`` of its open, or whose daemon is gone
+        (probed every :data:`~kvblend.vllm.daemon.WAIT_SLICE_S` once it is late) fails:
+        its blocks go to :meth:`get_block_ids_with_load_errors` in this same step, and
+        vLLM recomputes them.
+        """
+        done, self._early_done = self._early_done, set()
+        if not self._early:
+            return done
+        assert self._region is not None
+        cfg = self.config
+        timeout_s = cfg.timeout_ms / 1000
+        last = cfg.model.num_layers - 1
+        wait = EARLY_IDLE_WAIT_S if self._step_scheduled == 0 else 0.0
+        for rid, e in list(self._early.items()):
+            t = time.monotonic()
+            why, down = None, None
+            try:
+                e.session.wait(last, wait)
+            except TimeoutError:
+                now = time.monotonic()
+                e.held += now - t
+                if now - e.t0 < timeout_s:
+                    if now - e.t0 < WAIT_SLICE_S or now - e.probed < WAIT_SLICE_S:
+                        continue
+                    e.probed = now
+                    gone = probe(cfg.endpoint, PROBE_MAX_S)
+                    if gone is None:
+                        continue
+                    why = f"kvblendd gone while landing ({gone})"
+                    down = Unavailable(-111, why)
+                else:
+                    why = f"not landed within timeout_ms ({cfg.timeout_ms} ms)"
+                    down = TimeoutError(why)
+            except KvblendError as err:
+                why = str(err)
+            else:
+                e.held += time.monotonic() - t
+            wait = 0.0  # one wait a step at most
+            del self._early[rid]
+            done.add(rid)
+            st: dict = {}
+            # a daemon that is gone has no session to close (nor one the link knows down)
+            if not isinstance(down, Unavailable) and not self.daemon.is_open:
+                t = time.monotonic()
+                st, failed = self._region.close_one(e.session, rid)
+                e.held += time.monotonic() - t
+                if failed and why is None:
+                    why = "landing stopped"
+            if down is not None:
+                self.daemon.failed(down)
+            ld = e.load
+            tokens = sum(c.last - c.first for c in ld.chunks)
+            # the cost model's sample: how long the request waited for its tokens (from
+            # the open to the close), what computing them instead is weighed against; the
+            # engine itself was held only e.held of it
+            took = time.monotonic() - e.t0
+            self._samples.append((cost.REUSE, tokens, took))
+            if why is not None:
+                self._load_failed(ld, why)
+                continue
+            self.daemon.ok()
+            logger.info(
+                "kvblend: loaded %d tokens of %s early in %.3f s (landed by kvblendd in "
+                "vLLM's cache between the engine's steps; it held the engine %.3f s: open, "
+                "polls, close; %d layers, daemon landing %.1f ms)",
+                tokens, rid, took, e.held,
+                int(st.get("layers_landed", 0)), st.get("land_ms", 0.0),
+            )
+            if self._dump_dir:
+                self._dump(ld, "landed")
+        return done
 
     def _fail_hook_mine(self, path: str, blend: bool) -> int | None:
         """Whether this rank takes the failure hook's file (FAIL_LOAD_ENV), removing it.
@@ -670,6 +778,7 @@ class WorkerSide:
         self._dumps += 1
         np.savez(
             path,
+            early=ld.early,
             raw=raw,
             blocks=np.array(blocks),
             block_ids=np.array(ld.block_ids),
@@ -741,6 +850,10 @@ class WorkerSide:
         """Close the daemon connection (the region's client stays: vLLM's cache lives there)."""
         if self._region is not None and self._region.sessions:
             self._landed()
+        for rid, e in list(self._early.items()):
+            if not self.daemon.is_open:
+                self._region.close_one(e.session, rid)
+        self._early = {}
         if self._misses is not None:
             self._misses.close()
         self.daemon.drop()
