@@ -40,7 +40,7 @@ its vllm.general_plugins entry point, as tests/engine/test_vllm_blend.py does).
 
 usage: bench_vllm.py BUILD_DIR [--repeats N] [--sizes 1024,2048,4096] [--ratio 0.15]
        [--metrics value[,attention,question:R,anchored:R]] [--concurrent 8]
-       [--concurrent-size 2048] [--model DIR]
+       [--concurrent-size 2048] [--async-loads auto|true|false] [--model DIR]
 (KVB_KEEP_TMP=1 keeps its temporary folder, the engine's log with every blend's line;
 with the engine venv's python from .ci/engine-env, the build's libkvblend and
 client/python/src on PYTHONPATH, which tests/engine/run.sh sets up:
@@ -64,7 +64,7 @@ QUESTION = ("\n\nQuestion: Using only the documents above, explain where a chunk
             "stored and how an engine on the same host reads it back.\nAnswer:")
 MODEL_NAME = "smollm2-bench"
 LOADED = re.compile(
-    r"kvblend: loaded (\d+) tokens of (\S+) in ([0-9.]+) s \((landed|copied)"
+    r"kvblend: loaded (\d+) tokens of (\S+)(?: early)? in ([0-9.]+) s \((landed|copied)"
     r"(?:[^)]*daemon landing ([0-9.]+) ms)?"
 )
 BLENDED = re.compile(r"kvblend: blend of (\d+) tokens \((\d+) recomputed after layer -?\d+\): "
@@ -108,7 +108,8 @@ def run(args, ep, out, log_path):
                                      "model_name": MODEL_NAME,
                                      "blend": {"check_layers": [1], "ratios": [args.ratio]},
                                      # times every load asked for
-                                     "load_cost_check": False},
+                                     "load_cost_check": False,
+                                     "async_loads": args.async_loads},
                         max_model_len=8192, enable_prefix_caching=False)
     out(f"engine started in {time.monotonic() - t0:.1f} s")
     tok = llm.get_tokenizer()
@@ -393,8 +394,13 @@ def main():
                     help="requests in the concurrency run (0: none)")
     ap.add_argument("--concurrent-size", type=int, default=2048,
                     help="which of --sizes the concurrency run uses")
+    ap.add_argument("--async-loads", choices=("auto", "true", "false"), default="auto",
+                    help="the connector's async_loads (auto: off on vLLM 0.32): true lands "
+                         "reuse loads between the engine's steps, and their 'connector "
+                         "load' is then the wall time from the open to the close")
     ap.add_argument("--model", default=os.environ.get("KVBLEND_ENGINE_MODEL"))
     args = ap.parse_args()
+    args.async_loads = {"true": True, "false": False}.get(args.async_loads, "auto")
     args.sizes = [int(x) for x in args.sizes.split(",")]
     # "metric" or "metric:ratio" (that metric's own ratio; --ratio otherwise)
     named = [m.split(":")[0] for m in args.metrics.split(",")]
