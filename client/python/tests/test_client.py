@@ -139,6 +139,10 @@ def test_models_with_local_layers(client):
                                                 rope_local_theta=theta, full_every=every))
     with pytest.raises(kvblend.BadArgument, match="go together"):
         client.model_register(kvblend.Model("py-bad", 6, 1, 32, rope_local_theta=1e4))
+    for every in (-3, 2.5, True, 1 << 32):  # refused here, before ctypes could wrap them
+        with pytest.raises(kvblend.BadArgument, match=f"full_every must be an int.*{every!r}"):
+            client.model_register(kvblend.Model("py-bad", 6, 1, 32, rope_local_theta=1e4,
+                                                full_every=every))
     client.ping()
 
 

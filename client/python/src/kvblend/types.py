@@ -138,7 +138,11 @@ class Model:
         if (self.rope_local_theta != 0) != (self.full_every != 0):
             raise BadArgument(-22, "rope_local_theta and full_every go together (both 0: "
                               "every layer rotates alike)")
-        return _lib.KvbModelLayers(float(self.rope_local_theta), int(self.full_every))
+        every = self.full_every
+        if isinstance(every, bool) or not isinstance(every, int) or not 0 <= every < 1 << 32:
+            # ctypes would wrap a negative count into a uint32 the daemon then names
+            raise BadArgument(-22, f"full_every must be an int in [0, 2^32), got {every!r}")
+        return _lib.KvbModelLayers(float(self.rope_local_theta), every)
 
     @classmethod
     def _from_c(cls, m: KvbModel, layers: _lib.KvbModelLayers | None = None) -> Model:
