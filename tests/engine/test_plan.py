@@ -674,6 +674,24 @@ def region(d):
     cache[7] = 5
     check("region: writes reach the region", int(r.buf[7]), 5)
     check("region: taken once", r.taken, True)
+    # a load the daemon cannot land (a chunk after a prefix-cached head, or loaded from
+    # past its first token) is copied: start() says None and open() False, no session
+    from kvblend.vllm.layout import blocks_of
+    from kvblend.vllm.plan import ChunkLoad, landable
+
+    r.active, r.block_size = True, 16
+    after = ChunkLoad(b"a" * 32, 16, 10, 16, 26)
+    tail = ChunkLoad(b"b" * 32, 0, 20, 4, 20)
+    check("region: loads not landable from position 0 are copied (start None, open False)",
+          [(r.start("m", "r", [x], [1, 2]), r.open("m", "r", [x], [1, 2]))
+           for x in (after, tail)], [(None, False), (None, False)])
+    check("region: no session opened for them", r.sessions, {})
+    r.active = False
+    check("landable: whole chunks back to back from 0",
+          [landable([ChunkLoad(b"a" * 32, 0, 10, 0, 10), ChunkLoad(b"b" * 32, 10, 5, 10, 15)]),
+           landable([after]), landable([tail]), landable([])], [15, None, None, None])
+    check("blocks_of: positions past the block table have no block",
+          blocks_of([5, 6], [(0, 100), (40, 40)], 16), {5, 6})
     big = CacheRegion(d.endpoint, 2000, 2 << 20, log)
     check("region: too large for shm_max: no context", big.context(), None)
     check("region: the log line names shm_max", "shm_max" in lines[-1], True)

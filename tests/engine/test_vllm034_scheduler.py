@@ -33,7 +33,9 @@ Sections (a)-(c), (e) and (f) run with ``async_loads`` false (the synchronous lo
     fails (its blocks reported invalid in the step that reports it done) is not tried
     again: vLLM computes the request whole.
     The fence with 64-token blocks after an asynchronous load: vLLM caches the loaded
-    blocks under the fenced hashes, and the same prompt again gets the prefix block only;
+    blocks under the fenced hashes, and the same prompt again gets the exact blocks
+    only. A claim vLLM trims ends at once as a failed load; a tcp:// daemon (copied
+    loads) and a load after a prefix-cache hit (not landable) are synchronous;
 (e) prompt logprobs (``Request.skip_reading_external_kv``): no lookup, no claim, no load,
     no fence, one info line; and the same prompt without them is loaded;
 (f) a preemption: a loading request preempted for blocks, then resumed: its own fenced
@@ -47,6 +49,7 @@ Run by pytest in the 0.34 venv: tests/engine/run034.sh --pytest LIBKVBLEND KVBLE
 test_vllm034_scheduler.py (as ctest does); skipped when KVBLEND_SKIP_ENGINE=1.
 """
 
+import dataclasses
 import logging
 import os
 import time
@@ -411,6 +414,29 @@ def early_loads(d, c, model, rng):
           "without kvblend parameters False",
           [sched.connector.may_load_async(x) for x in (b, reuse, plain)] == [False, True, False])
 
+    # an asynchronous claim vLLM takes other than it was made (fewer tokens: 0.34 trims
+    # hits to whole blocks under prefix replay) is not left waiting: a load that fails at
+    # once, its blocks from the claim on invalid
+    from types import SimpleNamespace
+
+    sched = make(d.endpoint, {"async_loads": True})
+    side = sched.connector.scheduler
+    r = request("d-trim", doc + q, kvp)
+    got = side.get_num_new_matched_tokens(r, 0)
+    side.update_state_after_alloc(r, SimpleNamespace(get_block_ids=lambda: ([10, 11],)), 64)
+    lds = [ld for ld in side._loads if ld.req_id == r.request_id]
+    check("(d) an asynchronous claim vLLM trimmed: an early load marked to fail, the "
+          "request's blocks with it", got == (128, True) and len(lds) == 1 and lds[0].early
+          and lds[0].fail and lds[0].block_ids == [10, 11]
+          and r.request_id in side._early_loading, f"{got}, {lds}")
+    side.request_finished(r, [])
+    check("(d) ... forgotten when the request ends", r.request_id not in side._early_loading)
+    # a copied load gains nothing from starting early: a tcp:// daemon claims synchronously
+    tcp = make(d.endpoint, {"async_loads": True}).connector.scheduler
+    tcp.config = dataclasses.replace(tcp.config, endpoint="tcp://127.0.0.1:1")
+    check("(d) with a tcp:// daemon (loads copied) may_load_async is False",
+          tcp.may_load_async(request("d-tcp", doc + q, kvp)) is False)
+
     # an asynchronous load that fails: vLLM recomputes the request
     sched = make(d.endpoint, {"async_loads": True})
     r = request("d-fail", doc + q, kvp)
@@ -426,17 +452,33 @@ def early_loads(d, c, model, rng):
           and kv.get("reused") == 0 and kv.get("computed") == len(doc + q),
           f"{len(lds)} loads, {n[0]} lookups, scheduled {scheduled}, {kv}")
 
-    # the fence after an asynchronous load with 64-token blocks (the chunk at 64..191)
-    r1, orig, kv1, metas, kv2 = after_prefix(sched, "d-f", doc, q, rng)
-    lds = loads_of(metas, r1.request_id)
-    check("(d) after a cached prefix block, the chunk loaded asynchronously: its hashes "
-          "from the chunk's block on are its own", kv1.get("prefix_cached") == BS
-          and kv1.get("reused") == 128 and len(lds) == 1 and lds[0].early
-          and r1.block_hashes[0] == orig[0]
-          and all(x != y for x, y in zip(r1.block_hashes[1:], orig[1:])), str(kv1))
-    check("(d) the same prompt again: vLLM's cache gives the prefix block only, the chunk "
-          "is loaded again", kv2.get("prefix_cached") == BS and kv2.get("reused") == 128,
-          str(kv2))
+    # the fence after an asynchronous load with 64-token blocks: doc at 0..127 (exact),
+    # then another chunk at 128..217 (inexact: fenced from block 2 on)
+    other = ids(rng, 90)
+    put(c, model, other)
+    prompt = doc + other + q
+    sched = make(d.endpoint, {"async_loads": True})  # no prefix cached from above
+    kvp = {"kvblend": {"segments": [[0, 128, "chunk"], [128, 90, "chunk"]]}}
+    r1 = request("d-f1", prompt, kvp)
+    orig = list(r1.block_hashes)
+    sched.add_request(r1)
+    said, metas = run_until_done(sched, ["d-f1"])
+    kv1 = (said.get("d-f1") or {}).get("kvblend", {})
+    lds = loads_of(metas, "d-f1")
+    check("(d) two chunks from position 0 loaded asynchronously: the hashes of the blocks "
+          "from the second chunk's on are its own, the first chunk's kept",
+          kv1.get("reused") == 218 and len(lds) == 1 and lds[0].early
+          and r1.block_hashes[:2] == orig[:2]
+          and all(x != y for x, y in zip(r1.block_hashes[2:], orig[2:])), str(kv1))
+    r2 = request("d-f2", prompt, kvp)
+    sched.add_request(r2)
+    said, metas = run_until_done(sched, ["d-f2"])
+    kv2 = (said.get("d-f2") or {}).get("kvblend", {})
+    lds = loads_of(metas, "d-f2")
+    check("(d) the same prompt again: vLLM's cache gives the exact chunk's two blocks only; "
+          "the other chunk is loaded again, synchronously (a chunk after a prefix-cache "
+          "hit is copied, not landed)", kv2.get("prefix_cached") == 128
+          and kv2.get("reused") == 90 and len(lds) == 1 and not lds[0].early, str(kv2))
 
 
 def prompt_logprobs(d, c, model, rng):

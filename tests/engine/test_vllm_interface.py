@@ -235,11 +235,14 @@ def hooks():
     from kvblend.vllm.scheduler import SchedulerSide
 
     def answer(request, **config):
+        down = config.pop("down", False)
         conn = object.__new__(KvblendConnector)
         conn.scheduler = object.__new__(SchedulerSide)
         conn.scheduler.config = SimpleNamespace(**{"async_loads": True, "blend": None,
+                                                   "endpoint": "ipc:///tmp/kvb.sock",
                                                    **config})
         conn.scheduler._off = None
+        conn.scheduler.daemon = SimpleNamespace(is_open=down)
         return KvblendConnector.may_load_async(conn, request)
 
     class Plain:
@@ -265,11 +268,16 @@ def hooks():
               why)
     check("(f) may_load_async: True for a reuse request with async_loads on",
           answer(Request()) is True)
+    class Fresh(Request):
+        kv_transfer_params = {"kvblend": {"segments": [[0, 64, "fresh"]]}}
+
     check("(f) may_load_async: False with async_loads off, for a request without kvblend "
-          "parameters, and for a blend; True for \"blend\": false",
-          [answer(Request(), async_loads=False), answer(Plain()),
-           answer(Request(), blend=object()), answer(NoBlend(), blend=object())]
-          == [False, False, False, True])
+          "parameters or without a chunk, for a blend, with a tcp:// daemon and while the "
+          "daemon is down; True for \"blend\": false",
+          [answer(Request(), async_loads=False), answer(Plain()), answer(Fresh()),
+           answer(Request(), blend=object()), answer(Request(), endpoint="tcp://h:1"),
+           answer(Request(), down=True), answer(NoBlend(), blend=object())]
+          == [False, False, False, False, False, False, True])
 
 
 def test_vllm_interface():

@@ -40,7 +40,7 @@ from ..sessions import LandingSession
 from ..types import DeviceCache, Model
 from .daemon import wait_layer
 from .layout import CPU_VEC, INTERLEAVED, device_cache, region_views
-from .plan import ChunkLoad
+from .plan import ChunkLoad, landable
 
 
 class _TakeAllocation(TorchFunctionMode):
@@ -199,13 +199,9 @@ class CacheRegion:
         Returns the session and the seconds the open took, or None (the copy path).
         An asynchronous load's session is the caller's to poll and close.
         """
-        if not self.active or not chunks:
+        pos = landable(chunks) if self.active else None
+        if pos is None:
             return None
-        pos = 0
-        for c in chunks:
-            if c.start != pos or c.first != c.start:
-                return False
-            pos += c.length
         need = -(-pos // self.block_size)
         if need > len(blocks):
             return None

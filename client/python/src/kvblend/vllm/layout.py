@@ -57,8 +57,13 @@ def full_blocks(first: int, last: int, block_size: int) -> range:
 def blocks_of(
     block_ids: Sequence[int], spans: Iterable[tuple[int, int]], block_size: int
 ) -> set[int]:
-    """Return the cache blocks holding any token of ``spans`` (``(first, last)``, last excluded)."""
-    return {block_ids[i // block_size] for first, last in spans for i in range(first, last)}
+    """Return the cache blocks holding any token of ``spans`` (``(first, last)``, last excluded).
+
+    Positions past the block table (a claim vLLM allocated fewer blocks for) have none.
+    """
+    n = len(block_ids)
+    return {block_ids[b] for first, last in spans if last > first
+            for b in range(first // block_size, min(-(-last // block_size), n))}
 
 
 def slots(

@@ -29,6 +29,10 @@ class LoadSpec:
     #: an asynchronous load (``load_kv_async``): landed between steps and reported done in
     #: ``get_finished``; the request is not scheduled before
     early: bool = False
+    #: an asynchronous claim vLLM took other than it was made (why): the worker fails it at
+    #: once, its blocks from the claim's first on invalid, so that vLLM recomputes them
+    #: and the request does not wait for a load that never starts
+    fail: str | None = None
 
 
 @dataclass

@@ -75,6 +75,20 @@ class ChunkLoad:
     last: int
 
 
+def landable(chunks: list[ChunkLoad]) -> int | None:
+    """The tokens a landing session writes for ``chunks``, or None when it cannot land them.
+
+    A session lands whole chunks back to back from position 0 (its token t is prompt
+    position t), each loaded from its first token; any other load is copied.
+    """
+    pos = 0
+    for c in chunks:
+        if c.start != pos or c.first != c.start:
+            return None
+        pos += c.length
+    return pos if chunks else None
+
+
 def _int(x: Any, what: str) -> int:
     if isinstance(x, bool) or not isinstance(x, int):
         raise ParamError(f"{what} must be an integer, got {type(x).__name__}")

@@ -248,7 +248,12 @@ class SchedulerSide:
                 p.blend.config.ratios) else 0.0
         # a reuse load starts early (asynchronous) when so configured; a blend runs in the
         # request's own forward pass, so it never does
-        early = self._async_loads() and p.blend is None and p.tokens > 0
+        # only a load the daemon can land (whole chunks back to back from position 0, a
+        # local ipc:// daemon) gains from starting early; a copied one would take one more
+        # step than copying it in the request's own
+        early = (self._async_loads() and p.blend is None and p.tokens > 0
+                 and self.config.endpoint.startswith("ipc://")
+                 and plan.landable(p.loads) is not None)
         if early:
             self._early_claims.add(rid)
         else:
@@ -269,20 +274,27 @@ class SchedulerSide:
         not a blend: :meth:`get_num_new_matched_tokens` then answers ``load_kv_async``
         for what it finds, and vLLM may start the load while the running batch is full
         (``--max-num-inflight-kv-loads``). False for a blend (it runs in the request's
-        own forward pass, which needs a running slot), a request without kvblend
-        parameters (a separator-split one claims only after a prefix-cache hit), one
-        whose external KV vLLM will not read, and once kvblend is off: such a request
+        own forward pass, which needs a running slot), a request without chunk segments
+        in its kvblend parameters (a separator-split one claims only after a prefix-cache
+        hit), one whose external KV vLLM will not read, a ``tcp://`` daemon (loads are
+        copied), while the daemon is known down, and once kvblend is off: such a request
         at the head of vLLM's asynchronous queue would hold the loads behind it. No
         daemon call.
         """
-        if not self.config.async_loads or self._off is not None:
+        if not self.config.async_loads or self._off is not None or self.daemon.is_open:
             return False
         if getattr(request, "skip_reading_external_kv", False):
             return False
+        if not self.config.endpoint.startswith("ipc://"):
+            return False  # loads are copied: they start in the request's own step
         kvp, override = plan.split_override(request.kv_transfer_params)
         if self.config.blend is not None and override is not False:
             return False
-        return isinstance(kvp, dict) and isinstance(kvp.get("kvblend"), dict)
+        inner = kvp.get("kvblend") if isinstance(kvp, dict) else None
+        segs = inner.get("segments") if isinstance(inner, dict) else None
+        # a chunk to look up (not only fresh segments, nor a store of the prompt alone)
+        return isinstance(segs, list) and any(
+            isinstance(x, (list, tuple)) and len(x) == 3 and x[2] == "chunk" for x in segs)
 
     def _worth_loading(self, p: plan.Plan) -> bool:
         """Whether loading the plan's tokens costs less than computing them (logged per change)."""
@@ -431,14 +443,17 @@ class SchedulerSide:
         if num_external_tokens > 0:
             early = rid in self._early_claims  # as get_num_new_matched_tokens answered
             self._early_claims.discard(rid)
-            trimmed = (early and p is not None and p.blend is None
-                       and num_external_tokens < p.tokens)
-            if (p is None or p.tokens != num_external_tokens) and not trimmed:
+            if p is None or p.tokens != num_external_tokens:
                 self._log_once("claim", "claim changed under vLLM for %s: no load", rid)
+                if early:
+                    # vLLM waits for this load's end (WAITING_FOR_REMOTE_KVS): a load that
+                    # fails at once (its blocks recomputed) ends it; vLLM trims a claim to
+                    # whole blocks in some configurations (0.34's prefix replay)
+                    self._early_loading.add(rid)
+                    self._loads.append(LoadSpec(rid, p.loads if p is not None else [],
+                                                block_ids, bs, early=True,
+                                                fail="the claim changed under vLLM"))
                 return
-            # an asynchronous claim vLLM trimmed (0.34 cuts hits to whole blocks in some
-            # cases) still loads all of it: the request waits for the load's end, and
-            # the rows past vLLM's count are computed over
             said = self._said.get(rid)
             if said is not None:
                 said["blended" if p.blend is not None else "reused"] = num_external_tokens

@@ -60,8 +60,10 @@ class _Early:
     load: LoadSpec
     session: Any
     t0: float  # when its open was sent
-    held: float  # seconds it held the engine: the open, the polls (and the close)
-    probed: float = 0.0  # when the daemon was last probed for it
+    held: float  # seconds it held the engine: the open, the looks (and the close)
+    probed: float = 0.0  # when the daemon was last probed (or its close last tried) for it
+    why: str | None = None  # why it failed, once it has
+    dead: bool = False  # its daemon was found gone: no close
 
 
 class KvblendOff(RuntimeError):
@@ -452,6 +454,13 @@ class WorkerSide:
         self._fail_layer = None  # the hook's "layer L" is for this step's pass only
         for ld in meta.loads:
             t0 = time.monotonic()
+            if ld.fail is not None:  # an asynchronous claim vLLM took otherwise
+                first = min((c.first for c in ld.chunks), default=0)
+                bad = set(ld.block_ids[first // self.config.block_size:])
+                self._load_errors |= bad
+                logger.warning("kvblend: load for %s not started (%s); vLLM recomputes its "
+                               "%d blocks", ld.req_id, ld.fail, len(bad))
+                continue
             try:
                 fail = os.environ.get(FAIL_LOAD_ENV)
                 layer = None
@@ -518,9 +527,14 @@ class WorkerSide:
         in a step that computes nothing (only loads in flight) the oldest is waited for
         up to :data:`EARLY_IDLE_WAIT_S`. One landed is closed and logged; one that stopped,
         that has not landed within ``timeout_ms`` of its open, or whose daemon is gone
-        (probed every :data:`~kvblend.vllm.daemon.WAIT_SLICE_S` once it is late) fails:
-        its blocks go to :meth:`get_block_ids_with_load_errors` in this same step, and
-        vLLM recomputes them.
+        (probed, once a step, every :data:`~kvblend.vllm.daemon.WAIT_SLICE_S` once a load
+        is late) fails: its blocks go to :meth:`get_block_ids_with_load_errors` in this
+        same step, and vLLM recomputes them. A session is always closed before its load is
+        reported (once the close is answered the daemon writes nothing more, and vLLM may
+        free or reuse the blocks as soon as it hears): one whose close is not answered
+        stays unreported, its blocks held by vLLM, and its close is tried again every
+        second until it is answered or the daemon is found gone (a dead daemon writes
+        nothing).
         """
         done, self._early_done = self._early_done, set()
         if not self._early:
@@ -530,59 +544,72 @@ class WorkerSide:
         timeout_s = cfg.timeout_ms / 1000
         last = cfg.model.num_layers - 1
         wait = EARLY_IDLE_WAIT_S if self._step_scheduled == 0 else 0.0
+        probed: list[str | None] = []  # this call's probe of the daemon, once
+
+        def gone() -> str | None:
+            if not probed:
+                probed.append(probe(cfg.endpoint, PROBE_MAX_S))
+            return probed[0]
+
         for rid, e in list(self._early.items()):
             t = time.monotonic()
-            why, down = None, None
-            try:
-                e.session.wait(last, wait)
-            except TimeoutError:
-                now = time.monotonic()
-                e.held += now - t
-                if now - e.t0 < timeout_s:
-                    if now - e.t0 < WAIT_SLICE_S or now - e.probed < WAIT_SLICE_S:
-                        continue
-                    e.probed = now
-                    gone = probe(cfg.endpoint, PROBE_MAX_S)
-                    if gone is None:
-                        continue
-                    why = f"kvblendd gone while landing ({gone})"
-                    down = Unavailable(-111, why)
+            if e.why is None:
+                try:
+                    e.session.wait(last, wait)
+                except TimeoutError:
+                    now = time.monotonic()
+                    e.held += now - t
+                    if now - e.t0 < timeout_s:
+                        if now - e.t0 < WAIT_SLICE_S or now - e.probed < WAIT_SLICE_S:
+                            continue
+                        e.probed = now
+                        why = gone()
+                        if why is None:
+                            continue
+                        e.why, e.dead = f"kvblendd gone while landing ({why})", True
+                    else:
+                        e.why = f"not landed within timeout_ms ({cfg.timeout_ms} ms)"
+                        self.daemon.failed(TimeoutError(e.why))
+                except KvblendError as err:
+                    e.why = str(err)
                 else:
-                    why = f"not landed within timeout_ms ({cfg.timeout_ms} ms)"
-                    down = TimeoutError(why)
-            except KvblendError as err:
-                why = str(err)
-            else:
-                e.held += time.monotonic() - t
-            wait = 0.0  # one wait a step at most
-            del self._early[rid]
-            done.add(rid)
+                    e.held += time.monotonic() - t
+                wait = 0.0  # one wait a step at most
+            elif t - e.probed < 1.0:
+                continue  # a close not answered: tried again once a second
             st: dict = {}
-            # a daemon that is gone has no session to close (nor one the link knows down)
-            if not isinstance(down, Unavailable) and not self.daemon.is_open:
+            if not e.dead:
                 t = time.monotonic()
+                e.probed = t
                 st, failed = self._region.close_one(e.session, rid)
                 e.held += time.monotonic() - t
-                if failed and why is None:
-                    why = "landing stopped"
-            if down is not None:
-                self.daemon.failed(down)
+                if failed and not st:  # not answered: the daemon may still write
+                    why = gone()
+                    if why is None:
+                        e.why = e.why or "its landing session's close was not answered"
+                        continue  # vLLM keeps the blocks until the close is answered
+                    e.dead = True
+                if failed and e.why is None:
+                    e.why = "landing stopped"
+            del self._early[rid]
+            done.add(rid)
             ld = e.load
             tokens = sum(c.last - c.first for c in ld.chunks)
-            # the cost model's sample: how long the request waited for its tokens (from
-            # the open to the close), what computing them instead is weighed against; the
-            # engine itself was held only e.held of it
-            took = time.monotonic() - e.t0
-            self._samples.append((cost.REUSE, tokens, took))
-            if why is not None:
-                self._load_failed(ld, why)
+            # the cost model's sample: what the load cost, the time it held the engine
+            # (open, looks, close) and the daemon's landing, not the steps it spent waiting
+            # for them to be looked at
+            self._samples.append((cost.REUSE, tokens, e.held + st.get("land_ms", 0.0) / 1000))
+            if e.dead:
+                self.daemon.failed(Unavailable(-111, e.why or "kvblendd gone"))
+            if e.why is not None:
+                self._load_failed(ld, e.why)
                 continue
             self.daemon.ok()
             logger.info(
                 "kvblend: loaded %d tokens of %s early in %.3f s (landed by kvblendd in "
                 "vLLM's cache between the engine's steps; it held the engine %.3f s: open, "
-                "polls, close; %d layers, daemon landing %.1f ms)",
-                tokens, rid, took, e.held,
+                "looks, close; %d layers, daemon landing %.1f ms)",
+                tokens, rid, time.monotonic() - e.t0, e.held,
                 int(st.get("layers_landed", 0)), st.get("land_ms", 0.0),
             )
             if self._dump_dir:
@@ -851,7 +878,7 @@ class WorkerSide:
         if self._region is not None and self._region.sessions:
             self._landed()
         for rid, e in list(self._early.items()):
-            if not self.daemon.is_open:
+            if not e.dead:
                 self._region.close_one(e.session, rid)
         self._early = {}
         if self._misses is not None:
