@@ -61,7 +61,7 @@ class _Early:
     session: Any
     t0: float  # when its open was sent
     held: float  # seconds it held the engine: the open, the looks (and the close)
-    probed: float = 0.0  # when the daemon was last probed (or its close last tried) for it
+    probed: float = 0.0  # when the daemon was last probed for it
     why: str | None = None  # why it failed, once it has
     dead: bool = False  # its daemon was found gone: no close
 
@@ -530,11 +530,10 @@ class WorkerSide:
         (probed, once a step, every :data:`~kvblend.vllm.daemon.WAIT_SLICE_S` once a load
         is late) fails: its blocks go to :meth:`get_block_ids_with_load_errors` in this
         same step, and vLLM recomputes them. A session is always closed before its load is
-        reported (once the close is answered the daemon writes nothing more, and vLLM may
-        free or reuse the blocks as soon as it hears): one whose close is not answered
-        stays unreported, its blocks held by vLLM, and its close is tried again every
-        second until it is answered or the daemon is found gone (a dead daemon writes
-        nothing).
+        reported, unless its daemon was found gone (once the close is answered the daemon
+        writes nothing more, and vLLM may reuse the blocks as soon as it hears); a close
+        that is not answered stays queued for the daemon, as a step's closes do
+        (:meth:`kvblend.vllm.landing.CacheRegion.close_all`).
         """
         done, self._early_done = self._early_done, set()
         if not self._early:
@@ -553,44 +552,34 @@ class WorkerSide:
 
         for rid, e in list(self._early.items()):
             t = time.monotonic()
-            if e.why is None:
-                try:
-                    e.session.wait(last, wait)
-                except TimeoutError:
-                    now = time.monotonic()
-                    e.held += now - t
-                    if now - e.t0 < timeout_s:
-                        if now - e.t0 < WAIT_SLICE_S or now - e.probed < WAIT_SLICE_S:
-                            continue
-                        e.probed = now
-                        why = gone()
-                        if why is None:
-                            continue
-                        e.why, e.dead = f"kvblendd gone while landing ({why})", True
-                    else:
-                        e.why = f"not landed within timeout_ms ({cfg.timeout_ms} ms)"
-                        self.daemon.failed(TimeoutError(e.why))
-                except KvblendError as err:
-                    e.why = str(err)
+            try:
+                e.session.wait(last, wait)
+            except TimeoutError:
+                now = time.monotonic()
+                e.held += now - t
+                if now - e.t0 < timeout_s:
+                    if now - e.t0 < WAIT_SLICE_S or now - e.probed < WAIT_SLICE_S:
+                        continue
+                    e.probed = now
+                    why = gone()
+                    if why is None:
+                        continue
+                    e.why, e.dead = f"kvblendd gone while landing ({why})", True
                 else:
-                    e.held += time.monotonic() - t
-                wait = 0.0  # one wait a step at most
-            elif t - e.probed < 1.0:
-                continue  # a close not answered: tried again once a second
+                    e.why = f"not landed within timeout_ms ({cfg.timeout_ms} ms)"
+                    self.daemon.failed(TimeoutError(e.why))
+            except KvblendError as err:
+                e.why = str(err)
+            else:
+                e.held += time.monotonic() - t
+            wait = 0.0  # one wait a step at most
             st: dict = {}
             if not e.dead:
                 t = time.monotonic()
-                e.probed = t
                 st, failed = self._region.close_one(e.session, rid)
                 e.held += time.monotonic() - t
-                if failed and not st:  # not answered: the daemon may still write
-                    why = gone()
-                    if why is None:
-                        e.why = e.why or "its landing session's close was not answered"
-                        continue  # vLLM keeps the blocks until the close is answered
-                    e.dead = True
                 if failed and e.why is None:
-                    e.why = "landing stopped"
+                    e.why = "landing stopped" if st else "its close was not answered"
             del self._early[rid]
             done.add(rid)
             ld = e.load
