@@ -273,10 +273,17 @@ class CacheRegion:
                 bad.append(rid)
         return bad
 
-    def close_one(self, s: LandingSession, req_id: str) -> tuple[dict, bool]:
-        """Close an asynchronous load's session: (its close stats, whether it failed)."""
+    def close_one(self, s: LandingSession, req_id: str) -> tuple[dict | None, bool]:
+        """Close one session: (its close stats, whether it failed).
+
+        The stats are None when the daemon did not answer (it may be stopped, not dead:
+        the close stays queued for it), {} when it answered with an error.
+        """
         try:
             st = s.close()
+        except Unavailable as e:
+            self.log.warning("kvblend: closing the landing session of %s: %s", req_id, e)
+            return None, True
         except KvblendError as e:
             self.log.warning("kvblend: closing the landing session of %s: %s", req_id, e)
             return {}, True
@@ -298,18 +305,14 @@ class CacheRegion:
                 failed = True
             else:
                 t0 = time.monotonic()
-                try:
-                    st = s.close()
-                    held[0] += time.monotonic() - t0
-                except Unavailable as e:
-                    # not answering (it may be stopped, not dead): the close stays queued
-                    # for it; the next sessions' closes would wait as long each
-                    failed, self.gone = True, True
-                    self.log.warning("kvblend: closing the landing session of %s: %s", rid, e)
-                except KvblendError as e:
-                    failed = True
-                    self.log.warning("kvblend: closing the landing session of %s: %s", rid, e)
-            out[rid] = (st, held[0], failed or bool(st.get("land_failed")))
+                got, bad = self.close_one(s, rid)
+                if got is None:
+                    # not answering: the next sessions' closes would wait as long each
+                    self.gone = True
+                elif got or not bad:
+                    held[0] += time.monotonic() - t0  # answered
+                st, failed = got or {}, failed or bad
+            out[rid] = (st, held[0], failed)
         self.sessions = {}
         self.failed = set()
         self.gone = self.stalled = False
@@ -587,14 +590,15 @@ class DeviceLanding(CacheRegion):
         # every later open would be refused alike
         return "device memory" in str(e)
 
-    def close_one(self, s: LandingSession, req_id: str) -> tuple[dict, bool]:
-        w = self._word_of.pop(id(s), None)
+    def close_one(self, s: LandingSession, req_id: str) -> tuple[dict | None, bool]:
+        w = self._word_of.pop(id(s), None)  # None within close_all, which took them first
         st, failed = super().close_one(s, req_id)
         if w is not None and st:  # as close_all: only a close that was answered
             self._free.append(w)
         return st, failed
 
     def close_all(self) -> dict[str, tuple[dict, float, bool]]:
+        # every word of the step is taken first: a gone daemon's sessions are not closed
         words = [self._word_of.pop(id(s), None) for s, _ in self.sessions.values()]
         out = super().close_all()
         # a word goes back only when its session's close was answered: one whose close

@@ -576,10 +576,11 @@ class WorkerSide:
             st: dict = {}
             if not e.dead:
                 t = time.monotonic()
-                st, failed = self._region.close_one(e.session, rid)
+                got, failed = self._region.close_one(e.session, rid)
                 e.held += time.monotonic() - t
                 if failed and e.why is None:
-                    e.why = "landing stopped" if st else "its close was not answered"
+                    e.why = "its close was not answered" if got is None else "landing stopped"
+                st = got or {}
             del self._early[rid]
             done.add(rid)
             ld = e.load
