@@ -115,3 +115,46 @@ def test_local_layers_refused(c, why):
         describe.describe(c, name="g", dtype="f32", num_layers=18, num_kv_heads=1,
                           head_dim=256)
 
+
+
+DEEPSEEK_YARN = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 40.0,
+                 "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
+                 "mscale": 0.707, "mscale_all_dim": 0.707}
+
+
+def test_latent_attention():
+    """DeepSeek-V2's MLA row (512 + 64) as one head of 288, its RoPE key gptj-rotated."""
+    c = cfg(kv_lora_rank=512, qk_rope_head_dim=64, rope_parameters=dict(DEEPSEEK_YARN))
+    m = describe.describe_latent(c, name="d", dtype="bf16", num_layers=27)
+    m._to_c()
+    assert (m.num_kv_heads, m.head_dim, m.rotary_dim, m.rope_style) == (1, 288, 64, "gptj")
+    assert m.scaling == "yarn:40.0,4096,32,1" and not m.k_pre_rope
+    with pytest.raises(describe.Undescribable, match="mscale=0.707"):
+        describe.describe(c, name="d", dtype="bf16", num_layers=27, num_kv_heads=1,
+                          head_dim=288)
+
+
+@pytest.mark.parametrize("c, why", [
+    (cfg(rope_theta=1e4), "no kv_lora_rank"),
+    (cfg(rope_theta=1e4, kv_lora_rank=32, qk_rope_head_dim=64), "kv_lora_rank >= qk_rope"),
+    (cfg(rope_theta=1e4, kv_lora_rank=511, qk_rope_head_dim=64), "even row"),
+    (cfg(kv_lora_rank=512, qk_rope_head_dim=64,
+         rope_parameters={**DEEPSEEK_YARN, "attention_factor": 1.0}), "deepseek_llama_scaling"),
+    (cfg(kv_lora_rank=512, qk_rope_head_dim=64), "no rope_theta"),
+])
+def test_latent_attention_refused(c, why):
+    with pytest.raises(describe.Undescribable, match=why):
+        describe.describe_latent(c, name="d", dtype="bf16", num_layers=2)
+
+
+def test_latent_rows_split_and_join():
+    import numpy as np
+
+    from kvblend.latent import Latent
+
+    lat = Latent(512, 64)
+    rows = np.arange(2 * 3 * 576, dtype=np.float32).reshape(2, 3, 576)
+    kv = lat.split(rows)
+    assert kv.shape == (2, 2, 3, 1, 288)
+    assert np.array_equal(kv[:, 0, :, 0, :64], rows[..., 512:])
+    assert np.array_equal(lat.join(kv), rows)

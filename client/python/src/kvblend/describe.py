@@ -114,8 +114,15 @@ def local_layers(cfg: Any, num_layers: int) -> tuple[float, int]:
     return float(theta), every
 
 
-def scaling_spec(rs: dict[str, Any] | None, max_pos: int | None) -> str:
-    """Return kvblend's scaling SPEC (``Model.scaling``) for a Hugging Face scaling dict."""
+def scaling_spec(rs: dict[str, Any] | None, max_pos: int | None, *,
+                 magnitude_free: bool = False) -> str:
+    """Return kvblend's scaling SPEC (``Model.scaling``) for a Hugging Face scaling dict.
+
+    ``magnitude_free``: accept YaRN's ``attention_factor``, ``mscale`` and
+    ``mscale_all_dim``. They change only the magnitude of every rotated key (the
+    frequencies stay YaRN's), which a re-rotation of keys cached after RoPE keeps as it
+    is; DeepSeek's latent keys are such (:func:`describe_latent`).
+    """
     if not rs:
         return "none"
     kind = rs.get("rope_type", rs.get("type", "default"))
@@ -136,7 +143,7 @@ def scaling_spec(rs: dict[str, Any] | None, max_pos: int | None) -> str:
         )
     if kind == "yarn":
         for extra in ("attention_factor", "mscale", "mscale_all_dim"):
-            if rs.get(extra) not in (None, 1, 1.0, 0):
+            if not magnitude_free and rs.get(extra) not in (None, 1, 1.0, 0):
                 raise Undescribable(f"yarn with {extra}={rs[extra]} is not described by kvblend")
         return f"yarn:{f},{orig},{rs.get('beta_fast', 32)},{rs.get('beta_slow', 1)}"
     return f"dynamic:{f},{orig}"
@@ -179,4 +186,49 @@ def describe(
         k_pre_rope=False,
         rope_local_theta=local_theta,
         full_every=full_every,
+    )
+
+
+def describe_latent(cfg: Any, *, name: str, dtype: str, num_layers: int) -> Model:
+    """Return the :class:`Model` of a model with DeepSeek's latent attention (MLA).
+
+    Each layer's cache row (the latent, then the RoPE key) is stored as one KV head of
+    half the row (:class:`kvblend.latent.Latent`): the RoPE key's ``qk_rope_head_dim``
+    dimensions are the rotated ones, in interleaved pairs (``gptj``), cached after RoPE,
+    as vLLM's DeepSeek-V2/V3 layers and transformers' DeepseekV2 cache them.
+
+    Raises
+    ------
+    Undescribable
+        No MLA in ``cfg``, a row :class:`~kvblend.latent.Latent` cannot split, no
+        rope_theta, a rope scaling kvblend does not re-rotate exactly, or local layers.
+    """
+    from .latent import latent_of
+
+    lat = latent_of(cfg)
+    if lat is None:
+        raise Undescribable("the model config has no kv_lora_rank: not latent attention")
+    try:
+        lat.check()
+    except ValueError as e:
+        raise Undescribable(str(e)) from None
+    if local_layers(cfg, num_layers) != (0.0, 0):
+        raise Undescribable("latent attention with local layers is not described by kvblend")
+    rs = rope_scaling(cfg) or {}
+    if rs.get("rope_type", rs.get("type")) == "yarn" and rs.get("attention_factor") == 1.0:
+        # vLLM's DeepSeek layers then rotate by "deepseek_llama_scaling", not YaRN
+        raise Undescribable("yarn with attention_factor 1.0 (vLLM's deepseek_llama_scaling) "
+                            "is not described by kvblend")
+    return Model(
+        name=name,
+        num_layers=num_layers,
+        num_kv_heads=1,
+        head_dim=lat.head_dim,
+        dtype=dtype,
+        rope_theta=rope_theta(cfg),
+        rope_style="gptj",  # DeepSeek's complex rotation: pairs (2j, 2j + 1)
+        rotary_dim=lat.rope_dim,
+        scaling=scaling_spec(rope_scaling(cfg), getattr(cfg, "max_position_embeddings", None),
+                             magnitude_free=True),
+        k_pre_rope=False,
     )
