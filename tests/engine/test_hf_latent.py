@@ -5,7 +5,8 @@ kvblend.latent stores an MLA layer's cache row (the normalized latent c, then th
 k_pe) as one KV head of half the row, K = [k_pe | c[:h - R]], V = c[h - R:], and
 kvblend.describe.describe_latent describes it (rotary_dim R, gptj pairs, YaRN with
 DeepSeek's mscale). A two-layer DeepseekV2ForCausalLM with random weights (float32,
-kv_lora_rank 128, qk_rope_head_dim 64, YaRN factor 4 with mscale 0.707) caches exactly
+kv_lora_rank 128, qk_rope_head_dim 64, YaRN factor 4 with mscale 1 and mscale_all_dim
+0.707, so every rotated key is scaled by 1.04) caches exactly
 those rows in transformers' DynamicCache (keys: c, values: k_pe), as vLLM's MLA cache
 holds them.
 
@@ -13,6 +14,7 @@ holds them.
     with the reason, and so is a config without MLA;
 (b) the description: one KV head of 96, rotary_dim 64, gptj, YaRN's factor and original
     length, mscale accepted here while describe() still refuses it for a Llama-family model;
+    a scaling other than YaRN refused (vLLM's DeepSeek layers rotate every one as YaRN);
 (c) the daemon's re-rotation: the chunk's rows prefilled at position 0, stored, read back
     re-rotated to positions 37 and 600 (GET re-rotated, every layer): the latent comes back
     bit for bit, k_pe equals transformers' prefill of the same tokens there (RoPE attention
@@ -46,7 +48,7 @@ from kvblend.latent import Latent, latent_of  # noqa: E402
 RANK, ROPE, LAYERS, TOKENS = 128, 64, 2, 48
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
         "original_max_position_embeddings": 256, "beta_fast": 32, "beta_slow": 1,
-        "mscale": 0.707, "mscale_all_dim": 0.707}
+        "mscale": 1.0, "mscale_all_dim": 0.707}
 # (c), (d): the daemon rotates in float32 with angles in float64; transformers and vLLM
 # take the angle position x frequency in float32, off by up to ~600 x 6e-8 = 3.6e-5 rad at
 # position 600, so their k_pe is off the exact one by up to ~4e-5 of its scale (2.1e-5
@@ -98,7 +100,7 @@ def test_describe():
     assert (m.num_kv_heads, m.head_dim, m.rotary_dim, m.rope_style) == (1, 96, 64, "gptj")
     assert m.rope_theta == 10000.0 and not m.k_pre_rope
     assert m.scaling.startswith("yarn:4.0,256,32,1"), m.scaling
-    with pytest.raises(Undescribable, match="mscale=0.707"):  # the Llama family still refuses
+    with pytest.raises(Undescribable, match="mscale_all_dim=0.707"):  # the Llama family refuses
         describe(cfg, name="x", dtype="f32", num_layers=LAYERS, num_kv_heads=1, head_dim=96)
     plain = transformers.LlamaConfig()
     assert latent_of(plain) is None
@@ -108,10 +110,10 @@ def test_describe():
     odd.kv_lora_rank = 32
     with pytest.raises(Undescribable, match="kv_lora_rank >= qk_rope_head_dim"):
         describe_latent(odd, name="x", dtype="f32", num_layers=LAYERS)
-    llama_scaling = config()
-    llama_scaling.rope_parameters = {**YARN, "attention_factor": 1.0}
-    with pytest.raises(Undescribable, match="deepseek_llama_scaling"):
-        describe_latent(llama_scaling, name="x", dtype="f32", num_layers=LAYERS)
+    linear = config()
+    linear.rope_parameters = {"rope_type": "linear", "rope_theta": 1e4, "factor": 4.0}
+    with pytest.raises(Undescribable, match="scaling 'linear'"):  # vLLM: DeepSeek's YaRN
+        describe_latent(linear, name="x", dtype="f32", num_layers=LAYERS)
 
 
 @pytest.fixture(scope="module")
@@ -119,6 +121,7 @@ def model():
     torch.manual_seed(0)
     m = transformers.DeepseekV2ForCausalLM(config()).eval()
     assert type(m.model.layers[0].self_attn).__name__ == "DeepseekV2Attention"
+    assert abs(m.model.rotary_emb.attention_scaling - 1.037) < 1e-3  # keys scaled: not 1
     return m
 
 

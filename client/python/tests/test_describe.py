@@ -129,6 +129,9 @@ def test_latent_attention():
     m._to_c()
     assert (m.num_kv_heads, m.head_dim, m.rotary_dim, m.rope_style) == (1, 288, 64, "gptj")
     assert m.scaling == "yarn:40.0,4096,32,1" and not m.k_pre_rope
+    # vLLM's deepseek_llama_scaling (attention_factor 1.0) rotates as its deepseek_yarn
+    c.rope_parameters = {**DEEPSEEK_YARN, "attention_factor": 1.0}
+    assert describe.describe_latent(c, name="d", dtype="bf16", num_layers=27).scaling == m.scaling
     with pytest.raises(describe.Undescribable, match="mscale=0.707"):
         describe.describe(c, name="d", dtype="bf16", num_layers=27, num_kv_heads=1,
                           head_dim=288)
@@ -138,8 +141,12 @@ def test_latent_attention():
     (cfg(rope_theta=1e4), "no kv_lora_rank"),
     (cfg(rope_theta=1e4, kv_lora_rank=32, qk_rope_head_dim=64), "kv_lora_rank >= qk_rope"),
     (cfg(rope_theta=1e4, kv_lora_rank=511, qk_rope_head_dim=64), "even row"),
-    (cfg(kv_lora_rank=512, qk_rope_head_dim=64,
-         rope_parameters={**DEEPSEEK_YARN, "attention_factor": 1.0}), "deepseek_llama_scaling"),
+    (cfg(rope_theta=1e4, kv_lora_rank=512, qk_rope_head_dim=64,
+         rope_scaling={"rope_type": "linear", "factor": 4.0}), "scaling 'linear'"),
+    (cfg(rope_parameters={"rope_theta": 1e4, "rope_type": "llama3", "factor": 8.0,
+                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                          "original_max_position_embeddings": 8192},
+         kv_lora_rank=512, qk_rope_head_dim=64), "scaling 'llama3'"),
     (cfg(kv_lora_rank=512, qk_rope_head_dim=64), "no rope_theta"),
 ])
 def test_latent_attention_refused(c, why):
@@ -158,3 +165,7 @@ def test_latent_rows_split_and_join():
     assert kv.shape == (2, 2, 3, 1, 288)
     assert np.array_equal(kv[:, 0, :, 0, :64], rows[..., 512:])
     assert np.array_equal(lat.join(kv), rows)
+    with pytest.raises(ValueError, match=r"expected \[..., tokens, 576\]"):
+        lat.split(rows[0, 0])
+    with pytest.raises(ValueError, match=r"expected \[..., 2, tokens, 1, 288\]"):
+        lat.join(kv[0, 0, 0])

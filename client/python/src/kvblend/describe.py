@@ -201,7 +201,7 @@ def describe_latent(cfg: Any, *, name: str, dtype: str, num_layers: int) -> Mode
     ------
     Undescribable
         No MLA in ``cfg``, a row :class:`~kvblend.latent.Latent` cannot split, no
-        rope_theta, a rope scaling kvblend does not re-rotate exactly, or local layers.
+        rope_theta, a rope scaling other than YaRN, or local layers.
     """
     from .latent import latent_of
 
@@ -215,10 +215,12 @@ def describe_latent(cfg: Any, *, name: str, dtype: str, num_layers: int) -> Mode
     if local_layers(cfg, num_layers) != (0.0, 0):
         raise Undescribable("latent attention with local layers is not described by kvblend")
     rs = rope_scaling(cfg) or {}
-    if rs.get("rope_type", rs.get("type")) == "yarn" and rs.get("attention_factor") == 1.0:
-        # vLLM's DeepSeek layers then rotate by "deepseek_llama_scaling", not YaRN
-        raise Undescribable("yarn with attention_factor 1.0 (vLLM's deepseek_llama_scaling) "
-                            "is not described by kvblend")
+    kind = rs.get("rope_type", rs.get("type", "default"))
+    if kind not in ("default", "none", "yarn"):
+        # vLLM's DeepSeek layers rotate every scaled RoPE by DeepSeek's YaRN
+        # (deepseek_yarn, or deepseek_llama_scaling: the same rotation)
+        raise Undescribable(f"latent attention with rope scaling {kind!r}: vLLM rotates it "
+                            "as DeepSeek's YaRN; kvblend describes yarn only")
     return Model(
         name=name,
         num_layers=num_layers,

@@ -61,6 +61,9 @@ class Latent(NamedTuple):
         type and dtype.
         """
         self.check()
+        if len(rows.shape) < 2:
+            raise ValueError(f"MLA rows of shape {tuple(rows.shape)}, expected "
+                             f"[..., tokens, {self.row}]")
         if rows.shape[-1] != self.row:
             raise ValueError(f"MLA rows of width {rows.shape[-1]}, expected {self.row}")
         h, r = self.head_dim, self.rope_dim
@@ -75,7 +78,7 @@ class Latent(NamedTuple):
         """The inverse of :meth:`split`: ``[..., 2, tokens, 1, head_dim]`` to rows."""
         self.check()
         h, r = self.head_dim, self.rope_dim
-        if kv.shape[-4:-2] != (2, kv.shape[-3]) or kv.shape[-2:] != (1, h):
+        if len(kv.shape) < 4 or kv.shape[-4] != 2 or tuple(kv.shape[-2:]) != (1, h):
             raise ValueError(f"MLA planes of shape {tuple(kv.shape)}, expected "
                              f"[..., 2, tokens, 1, {h}]")
         shape = (*kv.shape[:-4], kv.shape[-3], self.row)
