@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from .blend.arch import FULL, SLIDING, layer_types
+from .latent import latent_of
 from .types import Model
 
 #: Hugging Face rope types kvblend re-rotates exactly ("default" and "none" are plain RoPE).
@@ -203,8 +204,6 @@ def describe_latent(cfg: Any, *, name: str, dtype: str, num_layers: int) -> Mode
         No MLA in ``cfg``, a row :class:`~kvblend.latent.Latent` cannot split, no
         rope_theta, a rope scaling other than YaRN, or local layers.
     """
-    from .latent import latent_of
-
     lat = latent_of(cfg)
     if lat is None:
         raise Undescribable("the model config has no kv_lora_rank: not latent attention")

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+import numpy as np
+
 
 class Latent(NamedTuple):
     """One MLA cache row's shape: ``rank`` latent values, then ``rope_dim`` k_pe values."""
@@ -92,8 +94,6 @@ class Latent(NamedTuple):
 def _empty_like(a: Any, shape: tuple[int, ...]) -> Any:
     if hasattr(a, "new_empty"):  # a torch tensor
         return a.new_empty(shape)
-    import numpy as np
-
     return np.empty(shape, a.dtype)
 
 
